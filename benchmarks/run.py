@@ -1,0 +1,58 @@
+"""meshkit benchmarks: each table compares a baseline and meshkit side by side in one run.
+
+Absolute CPU times are only indicative (2-core CI machines); read the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import meshkit  # noqa: E402
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _timing import median_seconds, table  # noqa: E402
+
+
+def bench_make_mesh_single_process() -> str:
+    rows = []
+    cases = [((8,), ("data",)), ((2, 4), ("data", "model")), ((2, 2, 2), ("a", "b", "c"))]
+    for shape, names in cases:
+        axes = dict(zip(names, shape, strict=True))
+        base = median_seconds(lambda s=shape, n=names: jax.make_mesh(s, n))
+        ours = median_seconds(lambda a=axes: meshkit.make_mesh(a))
+        rows.append((f"make_mesh {axes}", base, ours))
+    return table("make_mesh, 1 process x 8 CPU devices", rows, "jax.make_mesh", "meshkit")
+
+
+def bench_make_mesh_two_processes() -> str:
+    result = meshkit.launch(
+        [str(HERE / "mesh_multiprocess.py"), str(HERE)],
+        num_processes=2,
+        devices_per_process=4,
+        timeout=300,
+        stream=False,
+        keep_output=True,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark failed:\n{result.report}")
+    line = next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("BENCH "))
+    data = json.loads(line.removeprefix("BENCH "))
+    return table(
+        "make_mesh with the cross-process agreement check, 2 processes x 4 CPU devices",
+        [("make_mesh {'data': -1, 'model': 4}", data["jax"], data["meshkit"])],
+        "jax.make_mesh",
+        "meshkit",
+    )
+
+
+if __name__ == "__main__":
+    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices\n")
+    print(bench_make_mesh_single_process(), end="\n\n")
+    print(bench_make_mesh_two_processes())

@@ -1,0 +1,32 @@
+"""meshkit: multi-host JAX made simple, fast and safe.
+
+One Python process per host runs the same program; meshkit joins them (:func:`init`), builds
+meshes over every device of every process (:func:`make_mesh`), and starts local multi-process
+runs for development and tests (``meshkit launch``, :mod:`meshkit.testing`).
+"""
+
+from ._errors import LaunchError as LaunchError
+from ._errors import MeshkitError as MeshkitError
+from ._launch import LaunchResult as LaunchResult
+from ._launch import RankResult as RankResult
+from ._launch import launch as launch
+from ._mesh import describe as describe
+from ._mesh import make_mesh as make_mesh
+from ._runtime import RuntimeInfo as RuntimeInfo
+from ._runtime import init as init
+from ._runtime import runtime_info as runtime_info
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "LaunchError",
+    "LaunchResult",
+    "MeshkitError",
+    "RankResult",
+    "RuntimeInfo",
+    "describe",
+    "init",
+    "launch",
+    "make_mesh",
+    "runtime_info",
+]

@@ -1,0 +1,40 @@
+"""The few private JAX internals meshkit relies on, in one place.
+
+JAX has no public API for these facts. Each accessor is checked on the JAX lines CI tests
+(0.10 on Python 3.11, 0.12 on Python 3.12); when JAX moves one, only this file changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["backends_are_initialized", "cluster_envs", "distributed_state"]
+
+
+def backends_are_initialized() -> bool:
+    """True once JAX has created its backends (after which device settings are frozen)."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def distributed_state() -> tuple[Any | None, int, int]:
+    """``(client, process_id, num_processes)`` of ``jax.distributed``; client None when not joined.
+
+    The client offers ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete`` and
+    ``wait_at_barrier``: a key-value store and barriers that do not use device collectives.
+    Reading these does not start JAX's backends (``jax.process_index()`` would).
+    """
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return None, 0, 1
+    return state.client, int(state.process_id), int(state.num_processes)
+
+
+def cluster_envs() -> list[Any]:
+    """JAX's cluster detectors (Open MPI, SLURM, TPU, Kubernetes ...), in JAX's own order."""
+    from jax._src.clusters import ClusterEnv
+
+    return list(ClusterEnv._cluster_types)  # pyright: ignore[reportPrivateUsage]

@@ -1,0 +1,478 @@
+"""Start N processes of one program on this machine, and never leave one behind.
+
+This is the engine of ``meshkit launch`` and of :mod:`meshkit.testing`'s multi-process harness.
+Each rank runs in its own session (so a whole rank, children included, is killed as a group)
+and, on Linux, dies with the launcher even if the launcher is killed outright. When one rank
+exits non-zero, the others are stopped: SIGTERM, then SIGKILL after a short grace period
+(JAX's preemption handler catches SIGTERM, so the grace period is not optional).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Literal
+
+from ._errors import LaunchError
+from ._runtime import (
+    ENV_COORDINATOR,
+    ENV_CPU_DEVICES,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+__all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
+
+Platform = Literal["auto", "cpu", "gpu"]
+_POLL_S = 0.02
+_TAIL_LINES = 40
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank did.
+
+    Attributes:
+        rank: the process id.
+        returncode: its exit status (negative: killed by that signal); None if it never ended.
+        stdout: what it printed (the last lines only, unless the launch kept everything).
+        stderr: what it printed to stderr (same rule).
+        stopped_by_launcher: True when the launcher ended it (fail-fast, timeout, interrupt).
+        tail: its last lines, stdout and stderr interleaved as they came.
+        pid: its process id while it ran (its process group id too).
+    """
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    stopped_by_launcher: bool = False
+    tail: str = ""
+    pid: int = 0
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """The outcome of :func:`launch`.
+
+    Attributes:
+        returncode: 0 when every rank exited 0; the first failing rank's code (1 for a signal)
+            after a failure; 124 after a timeout; 130 after an interrupt.
+        ranks: per-rank results, indexed by rank.
+        first_failure: the rank that failed first, if any.
+        timed_out: True when ``timeout`` ended the run.
+        alive_at_timeout: ranks still running when the timeout struck.
+        elapsed: seconds from start to the last rank's end.
+        report: the launcher's own closing message (root cause, timeout summary), or "".
+    """
+
+    returncode: int
+    ranks: list[RankResult]
+    first_failure: int | None
+    timed_out: bool
+    alive_at_timeout: list[int]
+    elapsed: float
+    report: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def count_gpus() -> int:
+    """NVIDIA GPUs on this machine per ``nvidia-smi -L`` (0 without it); never imports JAX."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def rank_environments(
+    num_processes: int,
+    port: int,
+    *,
+    devices_per_process: int | None,
+    platform: Platform,
+    gpus: int,
+) -> list[dict[str, str]]:
+    """The environment variables each rank gets (the launcher -> ``meshkit.init`` contract).
+
+    Args:
+        num_processes: ranks to start.
+        port: the coordinator's port on 127.0.0.1 (rank 0 serves it).
+        devices_per_process: CPU devices (cpu) or GPUs (gpu) per rank; None for the default
+            (JAX's CPU default, or the GPUs split evenly).
+        platform: ``"cpu"``, ``"gpu"``, or ``"auto"`` (gpu when ``gpus > 0``).
+        gpus: GPUs on this machine.
+
+    Returns:
+        One dict per rank.
+    """
+    use_gpu = platform == "gpu" or (platform == "auto" and gpus > 0)
+    base = {
+        ENV_COORDINATOR: f"127.0.0.1:{port}",
+        ENV_NUM_PROCESSES: str(num_processes),
+        "PYTHONUNBUFFERED": "1",
+    }
+    envs = []
+    if use_gpu:
+        per = devices_per_process if devices_per_process is not None else gpus // num_processes
+        if per < 1 or per * num_processes > gpus:
+            raise LaunchError(
+                f"meshkit launch: {num_processes} processes x {per} GPUs each needs "
+                f"{num_processes * max(per, 1)} GPUs, but this machine has {gpus}.\n"
+                "Consider fewer processes, --devices-per-process, or --platform cpu."
+            )
+        for r in range(num_processes):
+            ids = ",".join(str(i) for i in range(r * per, (r + 1) * per))
+            envs.append({**base, ENV_PROCESS_ID: str(r), ENV_LOCAL_DEVICE_IDS: ids})
+        return envs
+    for r in range(num_processes):
+        env = {**base, ENV_PROCESS_ID: str(r), "JAX_PLATFORMS": "cpu"}
+        if devices_per_process is not None:
+            env[ENV_CPU_DEVICES] = str(devices_per_process)
+        envs.append(env)
+    return envs
+
+
+# Runs in each rank before its program: die with the launcher even if the launcher is killed
+# outright (SIGKILL leaves no chance to clean up). It is a separate interpreter that then execs
+# the real one, because code between fork and exec in a multithreaded parent (JAX is one) can
+# deadlock; subprocess's own start_new_session needs no such code.
+_TRAMPOLINE = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the launcher is already gone
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _rank_argv(command: list[str]) -> list[str]:
+    argv = [sys.executable, *command]
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+    return argv
+
+
+class _Rank:
+    """One running rank: its process, its output pumps and what it printed."""
+
+    def __init__(
+        self,
+        rank: int,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None,
+        sink: _Sink,
+        keep_all: bool,
+    ) -> None:
+        self.rank = rank
+        self.stopped = False
+        maxlen = None if keep_all else _TAIL_LINES
+        self.out: collections.deque[str] = collections.deque(maxlen=maxlen)
+        self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
+        self.both: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: killed as a whole
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out, False, sink)),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err, True, sink)),
+        ]
+        for t in self.pumps:
+            t.daemon = True
+            t.start()
+
+    def _pump(
+        self, pipe: IO[bytes], keep: collections.deque[str], is_err: bool, sink: _Sink
+    ) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            keep.append(line)
+            self.both.append(line)
+            sink.write(self.rank, line, is_err)
+        pipe.close()
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def result(self) -> RankResult:
+        for t in self.pumps:
+            t.join(timeout=5)
+        return RankResult(
+            self.rank,
+            self.proc.returncode,
+            "\n".join(self.out),
+            "\n".join(self.err),
+            self.stopped,
+            "\n".join(self.both),
+            self.proc.pid,
+        )
+
+
+class _Sink:
+    """Writes rank-prefixed lines to the terminal and per-rank log files, one line at a time."""
+
+    def __init__(self, stream: bool, log_dir: Path | None, num_processes: int) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.logs: dict[int, IO[str]] = {}
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for r in range(num_processes):
+                self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, rank: int, line: str, is_err: bool) -> None:
+        with self.lock:
+            if self.stream:
+                target = sys.stderr if is_err else sys.stdout
+                target.write(f"[rank{rank}] {line}\n")
+                target.flush()
+            log = self.logs.get(rank)
+            if log is not None:
+                log.write(line + "\n")
+                log.flush()
+
+    def close(self) -> None:
+        for log in self.logs.values():
+            log.close()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    num_processes: int,
+    devices_per_process: int | None = None,
+    timeout: float | None = None,
+    port: int | None = None,
+    platform: Platform = "auto",
+    log_dir: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stream: bool = True,
+    keep_output: bool = False,
+    grace: float = 3.0,
+) -> LaunchResult:
+    """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
+
+    Args:
+        command: what follows ``python``: ``["script.py", *args]`` or ``["-m", "module", *args]``.
+        num_processes: ranks to start (>= 1).
+        devices_per_process: CPU devices (or GPUs) per rank.
+        timeout: seconds before every rank is killed and the run fails (None: no limit).
+        port: the coordinator port (default: a free one).
+        platform: ``"auto"`` (GPUs if ``nvidia-smi`` lists any, else CPU), ``"cpu"``, ``"gpu"``.
+        log_dir: also write each rank's output to ``log_dir/rank<r>.log``.
+        env: extra environment variables for every rank.
+        cwd: working directory of the ranks.
+        stream: print each rank's output live, prefixed ``[rank<r>]``.
+        keep_output: keep all output in the result (default: the last lines of each rank).
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+
+    Returns:
+        A :class:`LaunchResult`; this function does not raise for a failed run.
+
+    Raises:
+        LaunchError: bad arguments (before anything starts).
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise LaunchError(
+            f"meshkit launch: the number of processes (-n) must be an int >= 1; "
+            f"got {num_processes!r}."
+        )
+    if devices_per_process is not None and (
+        isinstance(devices_per_process, bool)
+        or not isinstance(devices_per_process, int)
+        or devices_per_process < 1
+    ):
+        raise LaunchError(
+            "meshkit launch: --devices-per-process must be an int >= 1; "
+            f"got {devices_per_process!r}."
+        )
+    if timeout is not None and timeout <= 0:
+        raise LaunchError(f"meshkit launch: --timeout must be > 0 seconds; got {timeout!r}.")
+    command = list(command)
+    if not command:
+        raise LaunchError("meshkit launch: no program given; expected a script path or -m module.")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise LaunchError("meshkit launch: -m needs a module name.")
+    elif not command[0].startswith("-"):
+        script = Path(cwd or ".") / command[0]
+        if not script.is_file():
+            raise LaunchError(
+                f"meshkit launch: script {command[0]!r} does not exist"
+                + (f" (looked in {Path(cwd).resolve()})" if cwd else "")
+                + ".\nConsider checking the path, or use -m module.name to run a module."
+            )
+    if port is None:
+        port = free_port()
+    elif not 0 < port < 65536:
+        raise LaunchError(f"meshkit launch: --port must be in 1..65535; got {port}.")
+    elif _port_in_use(port):
+        raise LaunchError(
+            f"meshkit launch: port {port} is already in use on this machine, so rank 0 cannot "
+            "serve the coordinator there.\nConsider another --port, or leave it out to let "
+            "meshkit pick a free one."
+        )
+    envs = rank_environments(
+        num_processes,
+        port,
+        devices_per_process=devices_per_process,
+        platform=platform,
+        gpus=count_gpus() if platform != "cpu" else 0,
+    )
+    sink = _Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes)
+    ranks: list[_Rank] = []
+    start = time.monotonic()
+    first_failure: int | None = None
+    timed_out = interrupted = False
+    alive_at_timeout: list[int] = []
+    try:
+        for r, rank_env in enumerate(envs):
+            full_env = {**os.environ, **(env or {}), **rank_env}
+            argv = _rank_argv(command)
+            ranks.append(_Rank(r, argv, full_env, str(cwd) if cwd else None, sink, keep_output))
+        while True:
+            running = [rk for rk in ranks if rk.proc.poll() is None]
+            failed = [rk for rk in ranks if rk.proc.returncode not in (None, 0)]
+            if failed and first_failure is None:
+                first_failure = failed[0].rank
+                break
+            if not running:
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                timed_out = True
+                alive_at_timeout = [rk.rank for rk in running]
+                break
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        _stop(ranks, grace)
+        sink.close()
+    elapsed = time.monotonic() - start
+    results = [rk.result() for rk in ranks]
+    report = ""
+    if interrupted:
+        returncode = 130
+        report = "meshkit launch: interrupted; every rank was stopped."
+    elif first_failure is not None:
+        bad = results[first_failure]
+        code = bad.returncode if bad.returncode is not None else 1
+        returncode = code if code > 0 else 1
+        report = _root_cause(bad, results, elapsed)
+    elif timed_out:
+        returncode = 124
+        report = (
+            f"meshkit launch: timed out after {timeout:g} s; ranks still running then: "
+            f"{', '.join(map(str, alive_at_timeout))}. All were killed.\n"
+            + "".join(
+                _tail_block(results[r], "last output of", interleaved=True)
+                for r in alive_at_timeout
+            )
+        )
+    else:
+        returncode = 0
+    return LaunchResult(
+        returncode, results, first_failure, timed_out, alive_at_timeout, elapsed, report
+    )
+
+
+def _stop(ranks: list[_Rank], grace: float) -> None:
+    """SIGTERM every live rank's group, then SIGKILL what is left after ``grace`` seconds."""
+    live = [rk for rk in ranks if rk.proc.poll() is None]
+    for rk in live:
+        rk.stopped = True
+        rk.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(rk.proc.poll() is None for rk in live) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    for rk in ranks:
+        # Also the group of a rank that has exited: its own children may still be there.
+        rk.signal(signal.SIGKILL)
+    for rk in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rk.proc.wait(timeout=10)
+
+
+def _tail_block(result: RankResult, title: str, interleaved: bool = False) -> str:
+    if interleaved:
+        text = result.tail.strip() or "(no output)"
+    else:
+        text = result.stderr.strip() or result.stdout.strip() or "(no output)"
+    lines = text.splitlines()[-_TAIL_LINES:]
+    body = "\n".join(f"  | {line}" for line in lines)
+    return f"--- {title} rank {result.rank} ---\n{body}\n"
+
+
+def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> str:
+    others = [r for r in results if r.rank != bad.rank]
+    stopped = [str(r.rank) for r in others if r.stopped_by_launcher]
+    also = [
+        f"{r.rank} ({_describe_exit(r.returncode)})"
+        for r in others
+        if not r.stopped_by_launcher and r.returncode not in (0, None)
+    ]
+    lines = [
+        f"meshkit launch: rank {bad.rank} failed first ({_describe_exit(bad.returncode)}) "
+        f"after {elapsed:.1f} s."
+    ]
+    if stopped:
+        lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
+    if also:
+        lines.append(f"Also failed on their own: {', '.join(also)}.")
+    return "\n".join(lines) + "\n" + _tail_block(bad, "root cause:")

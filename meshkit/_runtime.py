@@ -1,0 +1,510 @@
+"""Joining the cluster: ``meshkit.init()``, what it found, and the coordination-service exchange.
+
+``init`` decides how this process joins a multi-process JAX program, in this order:
+
+1. explicit arguments (``coordinator_address=``, ``num_processes=``, ``process_id=``);
+2. the environment written by ``meshkit launch`` (``MESHKIT_COORDINATOR`` and friends);
+3. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes);
+4. otherwise a single process, which needs no coordinator.
+
+JAX aborts the whole process (a C++ fatal error, no Python exception) when the coordinator cannot
+be reached; ``init`` therefore checks the address itself first, within a bounded time, and raises
+a :class:`~meshkit.MeshkitError` that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+import jax
+
+from . import _compat
+from ._errors import MeshkitError
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_CPU_DEVICES",
+    "ENV_INIT_TIMEOUT",
+    "ENV_LOCAL_DEVICE_IDS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "RuntimeInfo",
+    "exchange",
+    "init",
+    "runtime_info",
+]
+
+# The contract between `meshkit launch` (which writes these) and `init` (which reads them).
+ENV_COORDINATOR = "MESHKIT_COORDINATOR"
+ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
+ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
+ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
+
+_DEFAULT_INIT_TIMEOUT_S = 300.0
+_DEFAULT_CHECK_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInfo:
+    """How this process joined the program, as decided by :func:`meshkit.init`.
+
+    Attributes:
+        source: ``"arguments"``, ``"meshkit launch"``, ``"cluster"`` (JAX's detection),
+            ``"jax.distributed"`` (initialised before meshkit), or ``"single process"``.
+        reason: one sentence saying what was found that led to ``source``.
+        num_processes: processes in the program.
+        process_id: this process's index, ``0 <= process_id < num_processes``.
+        coordinator_address: ``host:port`` of the coordination service, None for one process.
+        cluster: the name of JAX's cluster detector that matched, when ``source == "cluster"``.
+        cpu_devices: CPU devices requested for this process, None when JAX's default was kept.
+        local_device_ids: accelerator ids this process owns, None for all visible ones.
+        cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
+    """
+
+    source: str
+    reason: str
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_address: str | None = None
+    cluster: str | None = None
+    cpu_devices: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    cpu_collectives: str | None = None
+
+    def __str__(self) -> str:
+        rows = [
+            ("source", self.source),
+            ("reason", self.reason),
+            ("process", f"{self.process_id} of {self.num_processes}"),
+            ("coordinator", self.coordinator_address or "-"),
+            ("cluster", self.cluster or "-"),
+            ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
+            (
+                "local devices",
+                "all visible"
+                if self.local_device_ids is None
+                else ",".join(map(str, self.local_device_ids)),
+            ),
+            ("cpu collectives", self.cpu_collectives or "-"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+_INFO: RuntimeInfo | None = None
+_BACKENDS_STARTED = """\
+meshkit.init() was called after JAX had already started its backends, so it can no longer {what}.
+JAX fixes the device count and the cluster membership when it first touches a device (any
+jax.devices(), jnp array, or jit call does).
+Consider calling meshkit.init() first thing in your program, before any other JAX call."""
+
+_UNREACHABLE = """\
+meshkit.init(): process {pid} of {n} could not reach the coordinator at {address}
+within {timeout:g} s (source: {source}).
+The coordinator is process 0; it must be running and its address reachable from this host.
+Consider checking that process 0 started and printed no error, that host and port are right, and
+that no firewall blocks the port; raise the wait with timeout= or {env}=SECONDS."""
+
+_PORT_IN_USE = """\
+meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
+use on this host (source: {source}).
+Consider choosing another port, or ending the program that holds it (an earlier run that did not
+exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
+
+
+def runtime_info() -> RuntimeInfo | None:
+    """What :func:`meshkit.init` decided, or None if it has not run in this process."""
+    return _INFO
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise MeshkitError(
+            f"meshkit.init(): environment variable {name}={raw!r} is not an integer."
+        ) from None
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise MeshkitError(
+            f"meshkit.init(): environment variable {name}={raw!r} is not a number of seconds."
+        ) from None
+
+
+def check_timeout() -> float:
+    """Seconds a cross-process agreement check waits for the other processes."""
+    value = _env_float(ENV_CHECK_TIMEOUT)
+    return _DEFAULT_CHECK_TIMEOUT_S if value is None else value
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshkitError(f"meshkit.init(): {name} must be a positive int; got {value!r}.")
+    return value
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise MeshkitError(
+            f"meshkit.init(): coordinator address {address!r} is not of the form 'host:port'."
+        )
+    return host.strip("[]"), int(port)
+
+
+def _check_coordinator(address: str, process_id: int, n: int, timeout: float, source: str) -> None:
+    """Fail with a named address instead of letting JAX abort the process."""
+    host, port = _split_address(address)
+    if process_id == 0:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise MeshkitError(
+                    _PORT_IN_USE.format(address=address, port=port, source=source)
+                ) from None
+            raise
+        finally:
+            probe.close()
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise MeshkitError(
+                    _UNREACHABLE.format(
+                        pid=process_id,
+                        n=n,
+                        address=address,
+                        timeout=timeout,
+                        source=source,
+                        env=ENV_INIT_TIMEOUT,
+                    )
+                ) from None
+            time.sleep(0.1)
+
+
+def _detect_cluster() -> type | None:
+    for env in _compat.cluster_envs():
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        with contextlib.suppress(Exception):  # a detector that cannot run has not detected
+            if env.is_env_present():
+                return env
+    return None
+
+
+def _plan(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: tuple[int, ...] | None,
+) -> RuntimeInfo:
+    """Decide how to join, without changing any state."""
+    if coordinator_address is not None or num_processes is not None or process_id is not None:
+        n = num_processes if num_processes is not None else 1
+        pid = process_id if process_id is not None else 0
+        if n > 1 and coordinator_address is None:
+            raise MeshkitError(
+                f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
+                "(the address of process 0)."
+            )
+        return RuntimeInfo(
+            "arguments", "coordinator/processes passed to meshkit.init()", n, pid,
+            coordinator_address if n > 1 else None, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    launch_address = os.environ.get(ENV_COORDINATOR)
+    if launch_address:
+        n, pid = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+        if n is None or pid is None:
+            raise MeshkitError(
+                f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
+                f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
+            )
+        if local_device_ids is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
+            raw = os.environ[ENV_LOCAL_DEVICE_IDS]
+            local_device_ids = tuple(int(x) for x in raw.split(","))
+        return RuntimeInfo(
+            "meshkit launch", f"{ENV_COORDINATOR}={launch_address} is set", n, pid,
+            launch_address, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    cluster = _detect_cluster()
+    if cluster is not None:
+        name = cluster.__name__
+        return RuntimeInfo(
+            "cluster", f"JAX's {name} detector found its environment",
+            cluster=name, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    return RuntimeInfo(
+        "single process",
+        "no meshkit launch environment and no cluster detected",
+        local_device_ids=local_device_ids,
+    )
+
+
+def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | None) -> None:
+    same = (
+        plan.source == previous.source
+        and plan.num_processes == previous.num_processes
+        and plan.process_id == previous.process_id
+        and plan.coordinator_address == previous.coordinator_address
+    ) or plan.source == "cluster"
+    if cpu_devices is not None and cpu_devices != previous.cpu_devices:
+        same = False
+    if not same:
+        raise MeshkitError(
+            "meshkit.init() was already called in this process and joined as:\n"
+            f"{previous}\n"
+            f"Now it was asked to join as process {plan.process_id} of {plan.num_processes} "
+            f"(source: {plan.source}, cpu_devices={cpu_devices}).\n"
+            "A process joins one program once. Consider calling meshkit.init() once, at start."
+        )
+
+
+def init(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+) -> RuntimeInfo:
+    """Join this process to its multi-process JAX program (or note that it runs alone).
+
+    Call it first, before any other JAX call. It is idempotent: later calls return the first
+    call's :class:`RuntimeInfo`. With more than one process on CPU it selects gloo collectives.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordination service. Overrides the
+            environment; give it with ``num_processes`` and ``process_id``.
+        num_processes: processes in the program.
+        process_id: this process's index.
+        local_device_ids: accelerators this process owns (default: all it sees, or
+            ``MESHKIT_LOCAL_DEVICE_IDS``).
+        cpu_devices: CPU devices for this process (default: ``MESHKIT_CPU_DEVICES``, else JAX's).
+        timeout: seconds to wait for the coordinator and the other processes (default
+            ``MESHKIT_INIT_TIMEOUT``, else 300).
+
+    Returns:
+        What was detected and why; ``str()`` of it is a readable table.
+
+    Raises:
+        MeshkitError: JAX's backends already started and joining would need to change them; the
+            coordinator cannot be reached within ``timeout``; process 0's port is taken; or
+            inconsistent arguments.
+
+    Example:
+        >>> import meshkit
+        >>> info = meshkit.init()  # alone: no launcher environment, no cluster
+        >>> info.num_processes
+        1
+    """
+    global _INFO
+    cpu_devices = _positive("cpu_devices", cpu_devices)
+    if cpu_devices is None:
+        cpu_devices = _positive(ENV_CPU_DEVICES, _env_int(ENV_CPU_DEVICES))
+    if timeout is None:
+        timeout = _env_float(ENV_INIT_TIMEOUT)
+    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else float(timeout)
+    if timeout <= 0:
+        raise MeshkitError(f"meshkit.init(): timeout must be > 0 seconds; got {timeout!r}.")
+    ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
+    plan = _plan(coordinator_address, num_processes, process_id, ids)
+
+    if _INFO is not None:
+        _check_again(_INFO, plan, cpu_devices)
+        return _INFO
+
+    client, joined_pid, joined_n = _compat.distributed_state()
+    if client is not None:
+        # The program called jax.distributed.initialize itself; respect it, report it.
+        _INFO = dataclasses.replace(
+            plan,
+            source="jax.distributed",
+            reason="jax.distributed.initialize() was called before meshkit.init()",
+            num_processes=joined_n,
+            process_id=joined_pid,
+            cpu_devices=cpu_devices,
+            cpu_collectives=_cpu_collectives() if joined_n > 1 else None,
+        )
+        return _INFO
+
+    started = _compat.backends_are_initialized()
+    joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
+    if started and joins:
+        raise MeshkitError(_BACKENDS_STARTED.format(what=f"join the {plan.source} cluster"))
+    if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
+        raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
+
+    if cpu_devices is not None and not started:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+    if not joins:
+        _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
+        return _INFO
+
+    collectives = _select_gloo()
+    init_timeout = max(1, math.ceil(timeout))
+    ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
+    if plan.source == "cluster":
+        address = _cluster_address(plan.cluster)
+        if address is not None:
+            _check_coordinator(*address, timeout, source=plan.reason)
+        jax.distributed.initialize(local_device_ids=ids_arg, initialization_timeout=init_timeout)
+        _, pid, n = _compat.distributed_state()
+        from jax._src import distributed
+
+        plan = dataclasses.replace(
+            plan,
+            num_processes=n,
+            process_id=pid,
+            coordinator_address=distributed.global_state.coordinator_address,
+        )
+    else:
+        assert plan.coordinator_address is not None
+        _check_coordinator(
+            plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
+        )
+        jax.distributed.initialize(
+            plan.coordinator_address,
+            plan.num_processes,
+            plan.process_id,
+            local_device_ids=ids_arg,
+            initialization_timeout=init_timeout,
+        )
+    _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
+    _install_fail_fast()
+    return _INFO
+
+
+def _install_fail_fast() -> None:
+    """Make an uncaught exception end this process now, not after the others finish.
+
+    JAX's exit handler waits at a shutdown barrier for every process, so a process that raised
+    would otherwise stay alive (its error printed, its exit unseen) until the others reach their
+    own ends, which may be never. ``MESHKIT_FAIL_FAST=0`` keeps Python's normal exit.
+    """
+    if os.environ.get(ENV_FAIL_FAST, "1") == "0":
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        previous(kind, value, tb)
+        sys.stderr.write(
+            "meshkit: uncaught exception in a multi-process run; exiting now without waiting "
+            f"for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
+        )
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _local_cpu_count() -> int | None:
+    try:
+        return len(jax.local_devices(backend="cpu"))
+    except RuntimeError:
+        return None
+
+
+def _cpu_collectives() -> str | None:
+    value = jax.config.values.get("jax_cpu_collectives_implementation")
+    return None if value in (None, "", "none") else str(value)
+
+
+def _select_gloo() -> str | None:
+    """Multi-process CPU collectives need an implementation; gloo ships with jaxlib."""
+    if _cpu_collectives() is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    return _cpu_collectives()
+
+
+def _cluster_address(cluster_name: str | None) -> tuple[str, int, int] | None:
+    """(address, process id, process count) as JAX's detector sees them, when it can tell."""
+    for env in _compat.cluster_envs():
+        if env.__name__ != cluster_name:
+            continue
+        try:
+            address = env.get_coordinator_address(None, None)
+            return str(address), int(env.get_process_id()), int(env.get_process_count())
+        except Exception:
+            return None  # JAX will resolve it itself; only the early check is skipped.
+    return None
+
+
+_exchange_seq: dict[str, int] = {}
+
+
+def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], list[int]]:
+    """All-gather one string per process through the coordination service's key-value store.
+
+    Never uses a device collective (those are what hang when processes diverge). Each call with
+    the same ``tag`` is numbered per process, so processes must call it the same number of times;
+    a process that does not arrive within ``timeout`` seconds is reported as missing.
+
+    Args:
+        tag: names the exchange, e.g. ``"make_mesh"``.
+        value: this process's contribution.
+        timeout: seconds to wait for the other processes.
+
+    Returns:
+        ``(values, missing)``: ``values[process_id]`` for every process that arrived (this one
+        included) and the sorted ids of those that did not.
+    """
+    client, me, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return {me: value}, []
+    seq = _exchange_seq.get(tag, 0)
+    _exchange_seq[tag] = seq + 1
+    client.key_value_set(f"meshkit/{tag}/{seq}/{me}", value)
+    if seq >= 2:
+        # Every process has read exchange seq-2: we could not be at seq otherwise.
+        with contextlib.suppress(Exception):
+            client.key_value_delete(f"meshkit/{tag}/{seq - 2}/{me}")
+    deadline = time.monotonic() + timeout
+    values = {me: value}
+    missing = []
+    for other in range(n):
+        if other == me:
+            continue
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            values[other] = client.blocking_key_value_get(f"meshkit/{tag}/{seq}/{other}", wait_ms)
+        except Exception as e:  # JAX raises its runtime error type for a deadline
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            missing.append(other)
+    return values, missing

@@ -1,0 +1,162 @@
+"""The ``meshkit`` command: ``meshkit launch`` and ``meshkit info``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from .._errors import LaunchError, MeshkitError
+
+__all__ = ["main"]
+
+_LAUNCH_EPILOG = """\
+examples:
+  meshkit launch -n 2 --devices-per-process 4 examples/hello_mesh.py
+  meshkit launch -n 4 --timeout 600 --log-dir logs train.py --config base.yaml
+  meshkit launch -n 2 -m meshkit info
+
+Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
+MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
+When a rank fails, the others are stopped and its error is shown; the exit status is its own."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshkit", description="Multi-host JAX made simple, fast and safe."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch = sub.add_parser(
+        "launch",
+        help="run N processes of a JAX program on this machine",
+        description="Run N processes of one JAX program on this machine (development, tests).",
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "-n",
+        "--num-processes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes to start (default 2)",
+    )
+    launch.add_argument(
+        "--devices-per-process",
+        "-d",
+        type=int,
+        default=None,
+        metavar="K",
+        help="CPU devices per process, or GPUs per process on a GPU machine",
+    )
+    launch.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="kill every process after S seconds and fail",
+    )
+    launch.add_argument(
+        "--port", type=int, default=None, help="coordinator port (default: a free one)"
+    )
+    launch.add_argument(
+        "--platform",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="auto: GPUs when nvidia-smi lists any, else CPU",
+    )
+    launch.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="also write each rank's output to DIR/rank<r>.log",
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping ranks",
+    )
+    launch.add_argument(
+        "-m",
+        dest="module",
+        default=None,
+        metavar="MODULE",
+        help="run a module (like python -m) instead of a script",
+    )
+    launch.add_argument(
+        "program",
+        nargs=argparse.REMAINDER,
+        help="script.py [args...] (or the module's args after -m)",
+    )
+    sub.add_parser(
+        "info",
+        help="join the cluster (meshkit.init) and print what was detected and the devices",
+    )
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .._launch import launch
+
+    command = ["-m", args.module, *args.program] if args.module else list(args.program)
+    # A launcher stopped by SIGTERM (a CI job cancelled, a scheduler) stops its ranks too.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    result = launch(
+        command,
+        num_processes=args.num_processes,
+        devices_per_process=args.devices_per_process,
+        timeout=args.timeout,
+        port=args.port,
+        platform=args.platform,
+        log_dir=args.log_dir,
+        grace=args.grace,
+    )
+    if result.report:
+        sys.stderr.write(result.report if result.report.endswith("\n") else result.report + "\n")
+    return result.returncode
+
+
+def _info() -> int:
+    import jax
+
+    from .._runtime import init
+
+    info = init()
+    print(info)
+    print()
+    rows = [("process", "device ids", "platform", "kind")]
+    by_process: dict[int, list[Any]] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    for p, devs in sorted(by_process.items()):
+        ids = ",".join(str(d.id) for d in devs)
+        mark = " (this)" if p == jax.process_index() else ""
+        rows.append((f"{p}{mark}", ids, devs[0].platform, devs[0].device_kind))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``meshkit`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "launch":
+            return _launch(args)
+        return _info()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except MeshkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,79 @@
+"""Developer sessions: `nox -s tests lint examples docs bench`.
+
+Interpreters are found on PATH; with pyenv, `export PYENV_VERSION=3.11.7:3.12.1` (or what
+`pyenv versions` lists) first. Each session installs meshkit itself (not editable) into its own
+venv, so tests exercise the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.4.15"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["lint", "tests", "examples"]
+nox.options.error_on_missing_interpreters = True
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+# Python 3.11 gets the newest JAX it can install (0.10.x); Python 3.12 the newest (0.12.x).
+PYTHONS = ["3.11", "3.12"]
+ROOT = Path(__file__).parent
+LAUNCH_HEADER = re.compile(r"^# meshkit-launch:(.*)$", re.MULTILINE)
+
+
+def install(session: nox.Session, *groups: str) -> None:
+    deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
+    session.install(".", *deps)
+    session.run(
+        "python", "-P", "-c", "import jax, jaxlib, numpy; print('jax', jax.__version__, "
+        "'jaxlib', jaxlib.__version__, 'numpy', numpy.__version__)"
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHONS)
+def tests(session: nox.Session) -> None:
+    """Unit, property and multi-process tests against the installed package."""
+    install(session, "test")
+    session.run("pytest", *session.posargs, env={"MESHKIT_EXPECT_INSTALLED": "1"})
+
+
+@nox.session(python="3.12")
+def lint(session: nox.Session) -> None:
+    """ruff format --check, ruff check, pyright."""
+    install(session, "lint")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+    session.run("pyright")
+
+
+@nox.session(python=PYTHONS)
+def examples(session: nox.Session) -> None:
+    """Run every example; those with a `# meshkit-launch: ARGS` line under `meshkit launch`."""
+    install(session)
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        match = LAUNCH_HEADER.search(path.read_text())
+        if match:
+            args = shlex.split(match.group(1))
+            session.run("meshkit", "launch", "--timeout", "300", *args, str(path))
+        else:
+            session.run("python", str(path))
+
+
+@nox.session(python="3.12")
+def docs(session: nox.Session) -> None:
+    """Build the docs with mkdocs --strict (to build/site)."""
+    install(session, "docs")
+    session.run("mkdocs", "build", "--strict", "-d", str(ROOT / "build" / "site"))
+
+
+@nox.session(python="3.12")
+def bench(session: nox.Session) -> None:
+    """Benchmarks, side by side in one run; prints ratio tables."""
+    install(session)
+    env = {"PYTHONHASHSEED": "0", **{k: v for k, v in os.environ.items() if k == "BENCH_REPEATS"}}
+    session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs, env=env)

@@ -1,0 +1,57 @@
+"""Test configuration: 8 CPU devices for this process, hypothesis profiles, process helpers."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Before any backend use: every in-process test sees 8 CPU devices.
+jax.config.update("jax_num_cpu_devices", 8)
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, max_examples=1000, print_blob=True)
+settings.load_profile(os.environ.get("MESHKIT_HYPOTHESIS_PROFILE", "ci"))
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds MESHKIT_TEST_MARKER=marker."""
+    needle = f"MESHKIT_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and "\nState:\tZ" not in status:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def marker() -> str:
+    """A unique value for MESHKIT_TEST_MARKER; the test checks no process keeps it."""
+    value = uuid.uuid4().hex
+    yield value
+    left = processes_with_marker(value)
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"processes left behind: {left}"

@@ -1,0 +1,264 @@
+"""meshkit launch: real processes, fail-fast, timeouts, bad inputs, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import EXAMPLES, processes_with_marker
+
+import meshkit
+from meshkit import LaunchError
+from meshkit._launch import rank_environments
+
+pytestmark = pytest.mark.multiprocess
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd=None, timeout: float = 120):
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    return subprocess.run(
+        [*command, *args],
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def script(tmp_path, body: str, name: str = "prog.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_demo_prints_from_both_ranks_and_exits_0(tmp_path, marker):
+    out = cli(
+        "launch", "-n", "2", "--devices-per-process", "4", "--log-dir", str(tmp_path / "logs"),
+        str(EXAMPLES / "hello_mesh.py"),
+        env={"MESHKIT_TEST_MARKER": marker},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] Mesh {'data': 2, 'model': 4}: 8 devices on 2 processes" in out.stdout
+    assert "[rank0] process 0: devices 0-3; data=0, model=0-3" in out.stdout
+    for r in (0, 1):
+        assert f"[rank{r}] process {r}/2: psum over 8 devices = 28 (expected 28)" in out.stdout
+        log = (tmp_path / "logs" / f"rank{r}.log").read_text()
+        assert f"process {r}/2: psum over 8 devices = 28" in log
+
+
+def test_failing_rank_stops_the_others_fast(tmp_path, marker):
+    prog = script(
+        tmp_path,
+        """
+        import time, meshkit
+        info = meshkit.init()
+        mesh = meshkit.make_mesh({"data": -1})
+        if info.process_id == 1:
+            raise RuntimeError("planted failure in rank 1")
+        time.sleep(300)  # rank 0 would wait for ever
+        """,
+    )
+    start = time.monotonic()
+    out = cli("launch", "-n", "2", "-d", "4", str(prog), env={"MESHKIT_TEST_MARKER": marker})
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1
+    assert elapsed < 30, elapsed
+    assert re.search(r"rank 1 failed first \(exit code 1\) after [\d.]+ s", out.stderr)
+    assert "Stopped the other ranks: 0." in out.stderr
+    cause = out.stderr.split("--- root cause: rank 1 ---", 1)[1]
+    assert "RuntimeError: planted failure in rank 1" in cause
+    assert 'File "' in cause  # the traceback itself
+    assert "line 6" in cause
+
+
+def test_failure_api_result(tmp_path, marker):
+    prog = script(
+        tmp_path,
+        """
+        import os, sys, time
+        if os.environ["MESHKIT_PROCESS_ID"] == "2":
+            sys.exit(3)
+        time.sleep(300)
+        """,
+    )
+    res = meshkit.launch(
+        [str(prog)], num_processes=3, stream=False, grace=1, env={"MESHKIT_TEST_MARKER": marker}
+    )
+    assert res.returncode == 3  # the failing rank's own exit code
+    assert res.first_failure == 2
+    assert [r.stopped_by_launcher for r in res.ranks] == [True, True, False]
+    assert res.ranks[2].returncode == 3
+    assert all(r.pid > 0 for r in res.ranks)
+    assert res.report.startswith("meshkit launch: rank 2 failed first (exit code 3)")
+
+
+def test_rank_killed_by_signal(tmp_path, marker):
+    prog = script(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["MESHKIT_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+        """,
+    )
+    res = meshkit.launch(
+        [str(prog)], num_processes=2, stream=False, grace=1, env={"MESHKIT_TEST_MARKER": marker}
+    )
+    assert res.returncode == 1
+    assert res.first_failure == 1
+    assert "rank 1 failed first (killed by SIGKILL)" in res.report
+    assert res.ranks[0].stopped_by_launcher
+    assert res.elapsed < 30
+
+
+def test_timeout_kills_a_hung_rank(tmp_path, marker):
+    prog = script(
+        tmp_path,
+        """
+        import signal, time, meshkit
+        info = meshkit.init()
+        print("rank", info.process_id, "started", flush=True)
+        if info.process_id == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like JAX's preemption handler
+            time.sleep(300)
+        """,
+    )
+    start = time.monotonic()
+    out = cli(
+        "launch", "-n", "2", "-d", "2", "--timeout", "6", "--grace", "1", str(prog),
+        env={"MESHKIT_TEST_MARKER": marker},
+    )  # fmt: skip
+    assert out.returncode == 124
+    assert time.monotonic() - start < 40
+    # Rank 1 finished its script but waits in JAX's exit barrier for rank 0: still running.
+    assert "timed out after 6 s; ranks still running then: 0, 1. All were killed." in out.stderr
+    assert "--- last output of rank 0 ---\n  | rank 0 started" in out.stderr
+
+
+def test_launcher_sigterm_stops_every_rank(tmp_path, marker):
+    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    proc = subprocess.Popen(
+        [*command, "launch", "-n", "2", "--grace", "1", str(prog)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(processes_with_marker(marker)) >= 3  # launcher + 2 ranks
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted; every rank was stopped" in err
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
+    """SIGKILL gives the launcher no chance to clean up; the ranks must still go."""
+    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", str(prog)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    deadline = time.monotonic() + 30
+    while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_with_marker(marker)) >= 3
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with_marker(marker) == []
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["-n", "0", "x.py"], "the number of processes (-n) must be an int >= 1; got 0"),
+        (["-n", "2", "-d", "0", "x.py"], "--devices-per-process must be an int >= 1; got 0"),
+        (["-n", "2", "missing.py"], "script 'missing.py' does not exist"),
+        (["-n", "2", "--timeout", "0", "x.py"], "--timeout must be > 0 seconds"),
+        (["-n", "2"], "no program given; expected a script path or -m module"),
+    ],
+)
+def test_bad_arguments(tmp_path, args, expected):
+    (tmp_path / "x.py").write_text("")
+    out = cli("launch", *args, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: meshkit launch: ")
+    assert expected in out.stderr
+
+
+def test_port_in_use(tmp_path):
+    (tmp_path / "x.py").write_text("")
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = cli("launch", "-n", "2", "--port", str(port), "x.py", cwd=tmp_path)
+    assert out.returncode == 2
+    assert f"port {port} is already in use on this machine" in out.stderr
+    assert "Consider another --port" in out.stderr
+
+
+def test_api_validates_before_starting_anything():
+    with pytest.raises(LaunchError, match=r"must be an int >= 1; got True"):
+        meshkit.launch(["x.py"], num_processes=True)
+
+
+def test_module_mode_runs_meshkit_info(tmp_path, marker):
+    out = cli(
+        "launch", "-n", "2", "-d", "2", "-m", "meshkit", "info",
+        cwd=tmp_path, env={"MESHKIT_TEST_MARKER": marker},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for r in (0, 1):
+        assert f"[rank{r}] source           meshkit launch" in out.stdout
+        assert f"[rank{r}] process          {r} of 2" in out.stdout
+        assert re.search(rf"\[rank{r}\] {r} \(this\)\s+\S+\s+cpu", out.stdout)
+
+
+def test_gpu_split_environment():
+    envs = rank_environments(2, 1234, devices_per_process=None, platform="auto", gpus=8)
+    assert [e["MESHKIT_LOCAL_DEVICE_IDS"] for e in envs] == ["0,1,2,3", "4,5,6,7"]
+    assert all("JAX_PLATFORMS" not in e for e in envs)
+    envs = rank_environments(3, 1234, devices_per_process=2, platform="gpu", gpus=8)
+    assert [e["MESHKIT_LOCAL_DEVICE_IDS"] for e in envs] == ["0,1", "2,3", "4,5"]
+    with pytest.raises(
+        LaunchError, match=r"3 processes x 3 GPUs each needs 9 GPUs, but this machine has 8"
+    ):
+        rank_environments(3, 1234, devices_per_process=3, platform="gpu", gpus=8)
+    cpu = rank_environments(2, 99, devices_per_process=4, platform="auto", gpus=0)
+    assert cpu[1] == {
+        "MESHKIT_COORDINATOR": "127.0.0.1:99",
+        "MESHKIT_NUM_PROCESSES": "2",
+        "MESHKIT_PROCESS_ID": "1",
+        "MESHKIT_CPU_DEVICES": "4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+    }

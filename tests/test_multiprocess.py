@@ -1,0 +1,164 @@
+"""2 processes x 4 CPU devices through the launcher: meshes, psum, cross-process checks.
+
+The functions starting with an underscore run inside the launched processes; each process
+imports this file again (only meshkit, numpy and jax are needed there).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from meshkit.testing import launch_in_processes, run_in_processes
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _mesh_and_psum():
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1, "model": 4})
+    procs = [[d.process_index for d in row] for row in mesh.devices]
+    n = mesh.devices.size
+    x = jax.make_array_from_callback(
+        (n, 3),
+        NamedSharding(mesh, P(("data", "model"))),
+        lambda idx: np.arange(n * 3, dtype=np.float32).reshape(n, 3)[idx],
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda b: (
+                jax.lax.psum(b, ("data", "model")),
+                jax.lax.psum(b, "model"),  # stays inside a host
+            ),
+            mesh=mesh,
+            in_specs=P(("data", "model")),
+            out_specs=(P(), P("data")),
+        )
+    )
+    total, per_host = f(x)
+    return {
+        "process": jax.process_index(),
+        "device_count": jax.device_count(),
+        "local": jax.local_device_count(),
+        "shape": dict(mesh.shape),
+        "procs": procs,
+        "total": np.asarray(total.addressable_data(0)),
+        "per_host": np.asarray(per_host.addressable_data(0)),
+        "describe": meshkit.describe(mesh),
+    }
+
+
+def test_mesh_spans_processes_and_psum_crosses_them():
+    results = run_in_processes(_mesh_and_psum, num_processes=2, devices_per_process=4)
+    data = np.arange(24, dtype=np.float32).reshape(8, 3)
+    for rank, r in enumerate(results):
+        assert r["process"] == rank
+        assert (r["device_count"], r["local"]) == (8, 4)
+        assert r["shape"] == {"data": 2, "model": 4}
+        assert r["procs"] == [[0, 0, 0, 0], [1, 1, 1, 1]]  # the model axis inside one process
+        np.testing.assert_array_equal(r["total"], data.sum(0, keepdims=True))
+        host_rows = data[4 * rank : 4 * rank + 4]
+        np.testing.assert_array_equal(r["per_host"], host_rows.sum(0, keepdims=True))
+    assert results[0]["describe"] == results[1]["describe"]
+    owners = results[0]["describe"].splitlines()[-2:]
+    assert re.fullmatch(r"process 0: devices \S+; data=0, model=0-3", owners[0])
+    assert re.fullmatch(r"process 1: devices \S+; data=1, model=0-3", owners[1])
+
+
+def _disagreeing_meshes():
+    import jax
+
+    import meshkit
+
+    axes = {"data": 8} if jax.process_index() == 0 else {"data": 2, "model": 4}
+    try:
+        meshkit.make_mesh(axes)
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return None
+
+
+def test_processes_disagreeing_on_the_mesh_all_get_an_error():
+    messages = run_in_processes(_disagreeing_meshes)
+    for msg in messages:
+        assert msg is not None
+        assert msg.startswith("meshkit.make_mesh: processes disagree on the mesh:")
+        assert "  process 0: {'data': 8} devices [" in msg
+        assert "  process 1: {'data': 2, 'model': 4} devices [" in msg
+        assert "Consider computing axes from values every process shares" in msg
+    assert messages[0] == messages[1]
+
+
+def _one_process_skips_make_mesh():
+    import jax
+
+    import meshkit
+
+    if jax.process_index() == 1:
+        return "skipped"
+    try:
+        meshkit.make_mesh({"data": -1})
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return None
+
+
+def test_missing_process_is_named():
+    messages = run_in_processes(
+        _one_process_skips_make_mesh, env={"MESHKIT_CHECK_TIMEOUT": "3"}, timeout=90
+    )
+    assert messages[1] == "skipped"
+    assert messages[0].startswith(
+        "meshkit.make_mesh: processes [1] did not reach make_mesh within 3 s"
+    )
+    assert "MESHKIT_CHECK_TIMEOUT sets the wait" in messages[0]
+
+
+def _many_exchanges():
+    import jax
+
+    from meshkit import _runtime
+
+    me = jax.process_index()
+    seen = []
+    for i in range(5):
+        values, missing = _runtime.exchange("test", f"{me}:{i}", timeout=20)
+        seen.append((sorted(values.items()), missing))
+    return seen
+
+
+def test_exchange_is_numbered_per_call():
+    results = run_in_processes(_many_exchanges, devices_per_process=1)
+    for seen in results:
+        assert seen == [([(0, f"0:{i}"), (1, f"1:{i}")], []) for i in range(5)]
+
+
+def test_run_in_processes_reports_a_failing_rank():
+    from meshkit import LaunchError
+
+    with pytest.raises(LaunchError, match=r"rank 1 failed first") as e:
+        run_in_processes(_fails_on_rank_1, devices_per_process=1, timeout=60)
+    assert "ZeroDivisionError" in str(e.value)
+
+
+def _fails_on_rank_1():
+    import jax
+
+    return 1 / (1 - jax.process_index())
+
+
+def test_local_function_is_refused():
+    from meshkit import LaunchError
+
+    def local():
+        return 1
+
+    with pytest.raises(LaunchError, match=r"must be a module-level function"):
+        launch_in_processes(local)

@@ -1,0 +1,239 @@
+"""meshkit.init: each case in a fresh subprocess, since init changes global JAX state."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from meshkit._launch import free_port
+
+
+def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 60):
+    """Run code in a clean interpreter (no MESHKIT_* variables unless given)."""
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "SLURM_", "OMPI_"))
+    }
+    base["JAX_PLATFORMS"] = "cpu"
+    base.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_single_process_is_a_noop_and_idempotent(tmp_path):
+    out = run_py(
+        """
+        import meshkit
+        assert meshkit.runtime_info() is None
+        info = meshkit.init(cpu_devices=4)
+        assert meshkit.init() is info and meshkit.runtime_info() is info
+        import jax
+        print(info.source, info.num_processes, info.process_id, jax.local_device_count())
+        print(info)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    first, *table = out.stdout.splitlines()
+    assert first == "single process 1 0 4"
+    assert "reason           no meshkit launch environment and no cluster detected" in table
+    assert "cpu devices      4" in table
+
+
+def test_cpu_devices_from_environment(tmp_path):
+    out = run_py(
+        "import meshkit; meshkit.init(); import jax; print(jax.local_device_count())",
+        tmp_path,
+        env={"MESHKIT_CPU_DEVICES": "3"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def test_after_backends_started_cannot_change_devices(tmp_path):
+    out = run_py(
+        """
+        import jax.numpy as jnp, meshkit
+        jnp.zeros(1)
+        meshkit.init()  # nothing to change: fine
+        try:
+            meshkit.init(cpu_devices=4)
+        except meshkit.MeshkitError as e:
+            print(e)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "meshkit.init() was already called" in out.stdout
+
+
+def test_after_backends_started_is_an_error(tmp_path):
+    out = run_py(
+        """
+        import jax.numpy as jnp, meshkit
+        jnp.zeros(1)
+        try:
+            meshkit.init(cpu_devices=4)
+        except meshkit.MeshkitError as e:
+            print(e)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "called after JAX had already started its backends" in out.stdout
+    assert "can no longer set 4 CPU devices" in out.stdout
+    assert "Consider calling meshkit.init() first thing in your program" in out.stdout
+
+
+def test_after_backends_started_cannot_join(tmp_path):
+    port = free_port()
+    env = {"MESHKIT_COORDINATOR": f"127.0.0.1:{port}", "MESHKIT_NUM_PROCESSES": "2",
+           "MESHKIT_PROCESS_ID": "1"}  # fmt: skip
+    out = run_py(
+        """
+        import jax, meshkit
+        jax.devices()
+        try:
+            meshkit.init()
+        except meshkit.MeshkitError as e:
+            print(e)
+        """,
+        tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "can no longer join the meshkit launch cluster" in out.stdout
+
+
+def test_unreachable_coordinator_is_named_in_bounded_time(tmp_path):
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    out = run_py(
+        f"""
+        import meshkit
+        try:
+            meshkit.init(coordinator_address="127.0.0.1:{port}", num_processes=2, process_id=1,
+                         timeout=2)
+        except meshkit.MeshkitError as e:
+            print(e)
+        """,
+        tmp_path,
+    )
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stderr  # a Python error, not JAX's abort (SIGABRT)
+    assert f"could not reach the coordinator at 127.0.0.1:{port}\nwithin 2 s" in out.stdout
+    assert "process 1 of 2" in out.stdout
+    assert "MESHKIT_INIT_TIMEOUT" in out.stdout
+    assert elapsed < 30
+
+
+def test_unreachable_coordinator_timeout_from_environment(tmp_path):
+    port = free_port()
+    env = {"MESHKIT_COORDINATOR": f"127.0.0.1:{port}", "MESHKIT_NUM_PROCESSES": "2",
+           "MESHKIT_PROCESS_ID": "1", "MESHKIT_INIT_TIMEOUT": "1.5"}  # fmt: skip
+    out = run_py(
+        "import meshkit\ntry:\n meshkit.init()\nexcept meshkit.MeshkitError as e:\n print(e)",
+        tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"127.0.0.1:{port}\nwithin 1.5 s (source: meshkit launch)" in out.stdout
+
+
+def test_coordinator_port_in_use(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = run_py(
+            f"""
+            import meshkit
+            try:
+                meshkit.init(coordinator_address="127.0.0.1:{port}", num_processes=2,
+                             process_id=0, timeout=2)
+            except meshkit.MeshkitError as e:
+                print(e)
+            """,
+            tmp_path,
+        )
+    assert out.returncode == 0, out.stderr
+    assert f"port {port} is already in" in out.stdout
+    assert "process 0 must serve the coordinator" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"MESHKIT_COORDINATOR": "127.0.0.1:1"},
+            "MESHKIT_NUM_PROCESSES or MESHKIT_PROCESS_ID is not",
+        ),
+        ({"MESHKIT_CPU_DEVICES": "four"}, "MESHKIT_CPU_DEVICES='four' is not an integer"),
+        ({"MESHKIT_CPU_DEVICES": "0"}, "MESHKIT_CPU_DEVICES must be a positive int; got 0"),
+        ({"MESHKIT_INIT_TIMEOUT": "soon"}, "MESHKIT_INIT_TIMEOUT='soon' is not a number"),
+    ],
+)
+def test_bad_environment(tmp_path, env, expected):
+    out = run_py(
+        "import meshkit\ntry:\n meshkit.init()\nexcept meshkit.MeshkitError as e:\n print(e)",
+        tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ("num_processes=2", "needs coordinator_address='host:port'"),
+        ("coordinator_address='nohost', num_processes=2, process_id=1",
+         "coordinator address 'nohost' is not of the form 'host:port'"),
+        ("cpu_devices=-1", "cpu_devices must be a positive int; got -1"),
+        ("timeout=0", "timeout must be > 0 seconds"),
+    ],
+)  # fmt: skip
+def test_bad_arguments(tmp_path, kwargs, expected):
+    out = run_py(
+        f"import meshkit\ntry:\n meshkit.init({kwargs})\nexcept meshkit.MeshkitError as e:\n print(e)",
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout
+
+
+def test_jax_cluster_detection_is_used(tmp_path):
+    """A SLURM-like environment (one task) goes through JAX's SlurmCluster detector."""
+    env = {
+        "SLURM_JOB_ID": str(1000 + free_port() % 900),
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    out = run_py(
+        """
+        import meshkit
+        info = meshkit.init(timeout=20)
+        print(info.source, info.cluster, info.num_processes, info.process_id)
+        print(info.coordinator_address)
+        """,
+        tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    first, address = out.stdout.splitlines()[:2]
+    assert first == "cluster SlurmCluster 1 0"
+    assert address.startswith("localhost:")
