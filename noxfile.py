@@ -1,8 +1,9 @@
 """Developer sessions: `nox -s tests lint examples docs bench`.
 
-Interpreters are found on PATH; with pyenv, `export PYENV_VERSION=3.11.7:3.12.1` (or what
-`pyenv versions` lists) first. Each session installs meshkit itself (not editable) into its own
-venv, so tests exercise the installed package.
+Interpreters are found on PATH. Where pyenv manages Python and PYENV_VERSION does not already
+name them, the newest installed 3.11 and 3.12 are exposed automatically, so `nox -s tests` works
+on a fresh machine. Each session installs meshkit itself (not editable) into its own venv, so
+tests exercise the installed package.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -19,10 +22,28 @@ nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["lint", "tests", "examples"]
 nox.options.error_on_missing_interpreters = True
 
+
+def _expose_pyenv_interpreters(minors: list[str]) -> None:
+    """Let pyenv's shims resolve python3.11 and python3.12 for this nox run."""
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    listed = subprocess.run(
+        ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    chosen = []
+    for minor in minors:
+        found = [v for v in listed if re.fullmatch(rf"{re.escape(minor)}\.\d+", v)]
+        if found:
+            chosen.append(max(found, key=lambda v: int(v.rsplit(".", 1)[1])))
+    if chosen:
+        os.environ["PYENV_VERSION"] = ":".join(chosen)
+
+
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 # Python 3.11 gets the newest JAX it can install (0.10.x); Python 3.12 the newest (0.12.x).
 PYTHONS = ["3.11", "3.12"]
 ROOT = Path(__file__).parent
+_expose_pyenv_interpreters(PYTHONS)
 LAUNCH_HEADER = re.compile(r"^# meshkit-launch:(.*)$", re.MULTILINE)
 
 

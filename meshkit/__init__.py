@@ -1,8 +1,8 @@
 """meshkit: multi-host JAX made simple, fast and safe.
 
-One Python process per host runs the same program; meshkit joins them (:func:`init`), builds
-meshes over every device of every process (:func:`make_mesh`), and starts local multi-process
-runs for development and tests (``meshkit launch``, :mod:`meshkit.testing`).
+One Python process per host runs the same program; meshkit joins them (`init`), builds
+meshes over every device of every process (`make_mesh`), and starts local multi-process
+runs for development and tests (``meshkit launch``, `meshkit.testing`).
 """
 
 from ._errors import LaunchError as LaunchError

@@ -6,9 +6,10 @@ JAX has no public API for these facts. Each accessor is checked on the JAX lines
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["backends_are_initialized", "cluster_envs", "distributed_state"]
+__all__ = ["backends_are_initialized", "cluster_envs", "cluster_params", "distributed_state"]
 
 
 def backends_are_initialized() -> bool:
@@ -31,6 +32,22 @@ def distributed_state() -> tuple[Any | None, int, int]:
     if state.client is None:
         return None, 0, 1
     return state.client, int(state.process_id), int(state.num_processes)
+
+
+def cluster_params(
+    local_device_ids: Sequence[int] | None, timeout_s: int
+) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
+    """What ``jax.distributed.initialize()`` will use under the detected cluster.
+
+    ``(coordinator_address, num_processes, process_id, local_device_ids)``, from JAX's own
+    detection (which honours ``JAX_COORDINATOR_PORT`` and, under Open MPI or SLURM, gives each
+    process only its local rank's accelerator unless ``local_device_ids`` is set).
+    """
+    from jax._src.clusters import ClusterEnv
+
+    return ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, local_device_ids, None, timeout_s
+    )
 
 
 def cluster_envs() -> list[Any]:

@@ -1,6 +1,6 @@
 """The one error family of meshkit.
 
-Every error meshkit raises on purpose is a :class:`MeshkitError`, a :class:`ValueError`, so code
+Every error meshkit raises on purpose is a `MeshkitError`, a `ValueError`, so code
 that already catches ``ValueError`` around JAX calls keeps working.
 """
 

@@ -1,6 +1,6 @@
 """Start N processes of one program on this machine, and never leave one behind.
 
-This is the engine of ``meshkit launch`` and of :mod:`meshkit.testing`'s multi-process harness.
+This is the engine of ``meshkit launch`` and of `meshkit.testing`'s multi-process harness.
 Each rank runs in its own session (so a whole rank, children included, is killed as a group)
 and, on Linux, dies with the launcher even if the launcher is killed outright. When one rank
 exits non-zero, the others are stopped: SIGTERM, then SIGKILL after a short grace period
@@ -66,7 +66,7 @@ class RankResult:
 
 @dataclasses.dataclass
 class LaunchResult:
-    """The outcome of :func:`launch`.
+    """The outcome of `launch`.
 
     Attributes:
         returncode: 0 when every rank exited 0; the first failing rank's code (1 for a signal)
@@ -323,7 +323,7 @@ def launch(
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
 
     Returns:
-        A :class:`LaunchResult`; this function does not raise for a failed run.
+        The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
 
     Raises:
         LaunchError: bad arguments (before anything starts).
@@ -381,6 +381,8 @@ def launch(
     first_failure: int | None = None
     timed_out = interrupted = False
     alive_at_timeout: list[int] = []
+    tails_at_timeout: dict[int, str] = {}
+    failed_after = 0.0
     try:
         for r, rank_env in enumerate(envs):
             full_env = {**os.environ, **(env or {}), **rank_env}
@@ -391,12 +393,15 @@ def launch(
             failed = [rk for rk in ranks if rk.proc.returncode not in (None, 0)]
             if failed and first_failure is None:
                 first_failure = failed[0].rank
+                failed_after = time.monotonic() - start
                 break
             if not running:
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 timed_out = True
                 alive_at_timeout = [rk.rank for rk in running]
+                # What they printed while hung, before stopping them adds signal-handler noise.
+                tails_at_timeout = {rk.rank: "\n".join(rk.both) for rk in running}
                 break
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
@@ -414,14 +419,18 @@ def launch(
         bad = results[first_failure]
         code = bad.returncode if bad.returncode is not None else 1
         returncode = code if code > 0 else 1
-        report = _root_cause(bad, results, elapsed)
+        report = _root_cause(bad, results, failed_after)
     elif timed_out:
         returncode = 124
         report = (
             f"meshkit launch: timed out after {timeout:g} s; ranks still running then: "
             f"{', '.join(map(str, alive_at_timeout))}. All were killed.\n"
             + "".join(
-                _tail_block(results[r], "last output of", interleaved=True)
+                _tail_block(
+                    dataclasses.replace(results[r], tail=tails_at_timeout[r]),
+                    "last output of",
+                    interleaved=True,
+                )
                 for r in alive_at_timeout
             )
         )

@@ -134,10 +134,16 @@ def _resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tu
     if known != count:
         first = parsed[0][0]
         suggest = ", ".join(f"{n!r}: {-1 if n == first else s}" for n, s in parsed)
+        if known < count:
+            fix = _HOW_TO_FIX_SIZE.format(suggest=suggest, product=known)
+        else:
+            fix = (
+                f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})."
+            )
         raise MeshkitError(
             f"meshkit.make_mesh: axes={_show(parsed)} multiply to {known}, but {where} {count} "
-            "devices; a mesh must use every device it is given (no silent subset).\n"
-            + _HOW_TO_FIX_SIZE.format(suggest=suggest, product=known)
+            f"device{'s' if count != 1 else ''}; a mesh must use exactly the devices it is given "
+            f"(no silent subset).\n{fix}"
         )
     return tuple(s for _, s in parsed)
 
@@ -224,7 +230,8 @@ def _axis_types(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
     types = list(axis_types)
     if len(types) != len(names):
         raise MeshkitError(
-            f"meshkit.make_mesh: axis_types has {len(types)} entries for {len(names)} axes "
+            f"meshkit.make_mesh: axis_types has {len(types)} "
+            f"entr{'y' if len(types) == 1 else 'ies'} for {len(names)} axes "
             f"{list(names)}; give one per axis, a mapping, or a single type for all."
         )
     return tuple(_axis_type(t, f"[{i}]") for i, t in enumerate(types))
@@ -267,7 +274,7 @@ def make_mesh(
     devices: Sequence[Any] | np.ndarray | None = None,
     axis_types: AxisTypeLike | Mapping[str, AxisTypeLike] | Sequence[AxisTypeLike] | None = None,
 ) -> Mesh:
-    """Make a :class:`jax.sharding.Mesh` over all devices of all processes.
+    """Make a `jax.sharding.Mesh` over all devices of all processes.
 
     Inner (later) axes stay inside one process whenever the sizes allow; the process dimension
     is outermost, and an axis that must straddle processes does so in whole blocks, never
@@ -279,7 +286,7 @@ def make_mesh(
             Names must be Python identifiers.
         devices: the devices to use (default: ``jax.devices()``, every device of every process).
             All of them are used, with the same number from each process.
-        axis_types: one :class:`jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``,
+        axis_types: one `jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``,
             ``"manual"``) for all axes, one per axis, or a mapping name -> type. Default
             ``Auto`` for every axis, as ``jax.sharding.Mesh`` does: jit then reshards inputs
             whose layout differs instead of rejecting them.
@@ -366,7 +373,8 @@ def describe(mesh: Mesh) -> str:
     axis_desc = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape, strict=True))
     n_proc = len(processes)
     lines = [
-        f"Mesh {{{axis_desc}}}: {devs.size} devices on {n_proc} process{'es' if n_proc > 1 else ''}"
+        f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
+        f"process{'es' if n_proc > 1 else ''}"
     ]
     types = getattr(mesh, "axis_types", None)
     if types is not None:

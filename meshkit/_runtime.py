@@ -9,7 +9,7 @@
 
 JAX aborts the whole process (a C++ fatal error, no Python exception) when the coordinator cannot
 be reached; ``init`` therefore checks the address itself first, within a bounded time, and raises
-a :class:`~meshkit.MeshkitError` that names it.
+a `meshkit.MeshkitError` that names it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -59,7 +60,7 @@ _DEFAULT_CHECK_TIMEOUT_S = 120.0
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeInfo:
-    """How this process joined the program, as decided by :func:`meshkit.init`.
+    """How this process joined the program, as decided by `meshkit.init`.
 
     Attributes:
         source: ``"arguments"``, ``"meshkit launch"``, ``"cluster"`` (JAX's detection),
@@ -70,7 +71,9 @@ class RuntimeInfo:
         coordinator_address: ``host:port`` of the coordination service, None for one process.
         cluster: the name of JAX's cluster detector that matched, when ``source == "cluster"``.
         cpu_devices: CPU devices requested for this process, None when JAX's default was kept.
-        local_device_ids: accelerator ids this process owns, None for all visible ones.
+        local_device_ids: accelerator ids this process was given; None when JAX chose (all
+            visible devices). Under Open MPI or SLURM, JAX itself gives each process only its
+            local rank's accelerator unless ids are passed; this field then shows that choice.
         cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
     """
 
@@ -94,7 +97,7 @@ class RuntimeInfo:
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
             (
                 "local devices",
-                "all visible"
+                "JAX default (all visible)"
                 if self.local_device_ids is None
                 else ",".join(map(str, self.local_device_ids)),
             ),
@@ -126,7 +129,7 @@ exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
 
 
 def runtime_info() -> RuntimeInfo | None:
-    """What :func:`meshkit.init` decided, or None if it has not run in this process."""
+    """What `meshkit.init` decided, or None if it has not run in this process."""
     return _INFO
 
 
@@ -151,6 +154,19 @@ def _env_float(name: str) -> float | None:
     except ValueError:
         raise MeshkitError(
             f"meshkit.init(): environment variable {name}={raw!r} is not a number of seconds."
+        ) from None
+
+
+def _env_ids(name: str) -> tuple[int, ...] | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise MeshkitError(
+            f"meshkit.init(): environment variable {name}={raw!r} is not a comma-separated "
+            "list of device ids, e.g. '0,1'."
         ) from None
 
 
@@ -251,9 +267,6 @@ def _plan(
                 f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
                 f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
             )
-        if local_device_ids is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
-            raw = os.environ[ENV_LOCAL_DEVICE_IDS]
-            local_device_ids = tuple(int(x) for x in raw.split(","))
         return RuntimeInfo(
             "meshkit launch", f"{ENV_COORDINATOR}={launch_address} is set", n, pid,
             launch_address, local_device_ids=local_device_ids,
@@ -265,11 +278,33 @@ def _plan(
             "cluster", f"JAX's {name} detector found its environment",
             cluster=name, local_device_ids=local_device_ids,
         )  # fmt: skip
+    _warn_if_launcher_unrecognised()
     return RuntimeInfo(
         "single process",
         "no meshkit launch environment and no cluster detected",
         local_device_ids=local_device_ids,
     )
+
+
+# Variables by which launchers JAX may not recognise announce a world of several processes.
+_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+
+
+def _warn_if_launcher_unrecognised() -> None:
+    for name in _WORLD_SIZE_VARS:
+        raw = os.environ.get(name, "")
+        if raw.isdigit() and int(raw) > 1:
+            warnings.warn(
+                f"meshkit.init(): {name}={raw} says this program runs as {raw} processes, but "
+                "no cluster JAX can join was detected, so this process runs alone (process 0 "
+                "of 1) and computes the whole program by itself.\n"
+                "Consider a launcher JAX detects (Open MPI's mpirun, SLURM's srun with "
+                "SLURM_JOB_ID and SLURM_STEP_NODELIST, meshkit launch), or pass "
+                "coordinator_address=, num_processes= and process_id= to meshkit.init().",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
 
 
 def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | None) -> None:
@@ -303,15 +338,16 @@ def init(
     """Join this process to its multi-process JAX program (or note that it runs alone).
 
     Call it first, before any other JAX call. It is idempotent: later calls return the first
-    call's :class:`RuntimeInfo`. With more than one process on CPU it selects gloo collectives.
+    call's `RuntimeInfo`. With more than one process on CPU it selects gloo collectives.
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordination service. Overrides the
             environment; give it with ``num_processes`` and ``process_id``.
         num_processes: processes in the program.
         process_id: this process's index.
-        local_device_ids: accelerators this process owns (default: all it sees, or
-            ``MESHKIT_LOCAL_DEVICE_IDS``).
+        local_device_ids: accelerators this process owns (default: ``MESHKIT_LOCAL_DEVICE_IDS``
+            if set, else JAX's choice: all visible ones, or under Open MPI or SLURM the one of
+            this process's local rank).
         cpu_devices: CPU devices for this process (default: ``MESHKIT_CPU_DEVICES``, else JAX's).
         timeout: seconds to wait for the coordinator and the other processes (default
             ``MESHKIT_INIT_TIMEOUT``, else 300).
@@ -340,6 +376,8 @@ def init(
     if timeout <= 0:
         raise MeshkitError(f"meshkit.init(): timeout must be > 0 seconds; got {timeout!r}.")
     ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
+    if ids is None:
+        ids = _env_ids(ENV_LOCAL_DEVICE_IDS)
     plan = _plan(coordinator_address, num_processes, process_id, ids)
 
     if _INFO is not None:
@@ -363,7 +401,8 @@ def init(
     started = _compat.backends_are_initialized()
     joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
     if started and joins:
-        raise MeshkitError(_BACKENDS_STARTED.format(what=f"join the {plan.source} cluster"))
+        what = f"join a multi-process program ({plan.reason})"
+        raise MeshkitError(_BACKENDS_STARTED.format(what=what))
     if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
         raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
 
@@ -378,18 +417,18 @@ def init(
     init_timeout = max(1, math.ceil(timeout))
     ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
-        address = _cluster_address(plan.cluster)
-        if address is not None:
-            _check_coordinator(*address, timeout, source=plan.reason)
+        address, n, pid, detected_ids = _compat.cluster_params(ids_arg, init_timeout)
+        if address is not None and n is not None and pid is not None:
+            _check_coordinator(address, pid, n, timeout, source=plan.reason)
+        # JAX detects again inside initialize (keeping its TPU and slice handling its own).
         jax.distributed.initialize(local_device_ids=ids_arg, initialization_timeout=init_timeout)
         _, pid, n = _compat.distributed_state()
-        from jax._src import distributed
-
         plan = dataclasses.replace(
             plan,
             num_processes=n,
             process_id=pid,
-            coordinator_address=distributed.global_state.coordinator_address,
+            coordinator_address=address,
+            local_device_ids=None if detected_ids is None else tuple(detected_ids),
         )
     else:
         assert plan.coordinator_address is not None
@@ -450,19 +489,6 @@ def _select_gloo() -> str | None:
     if _cpu_collectives() is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     return _cpu_collectives()
-
-
-def _cluster_address(cluster_name: str | None) -> tuple[str, int, int] | None:
-    """(address, process id, process count) as JAX's detector sees them, when it can tell."""
-    for env in _compat.cluster_envs():
-        if env.__name__ != cluster_name:
-            continue
-        try:
-            address = env.get_coordinator_address(None, None)
-            return str(address), int(env.get_process_id()), int(env.get_process_count())
-        except Exception:
-            return None  # JAX will resolve it itself; only the early check is skipped.
-    return None
 
 
 _exchange_seq: dict[str, int] = {}

@@ -30,6 +30,34 @@ def test_fill_axis(fixed, fill_outer, pairs):
     assert list(mesh.axis_names) == ["a", "b"]
 
 
+@st.composite
+def axes_for(draw, n: int):
+    """An axis dict whose sizes multiply to n, with an optional -1 at any position."""
+    sizes, rest = [], n
+    for _ in range(draw(st.integers(0, 3))):
+        d = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+        sizes.append(d)
+        rest //= d
+    sizes.append(rest)
+    sizes = draw(st.permutations(sizes))
+    fill = draw(st.none() | st.integers(0, len(sizes) - 1))
+    written = [-1 if i == fill else s for i, s in enumerate(sizes)]
+    names = [f"ax{i}" for i in range(len(sizes))]
+    return dict(zip(names, written, strict=True)), tuple(sizes)
+
+
+@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.just(n), axes_for(n))))
+def test_device_counts_1_to_8_match_reference(case):
+    n, (axes, sizes) = case
+    devs = jax.devices()[:n]
+    mesh = meshkit.make_mesh(axes, devices=devs)
+    assert tuple(mesh.devices.shape) == sizes
+    assert list(mesh.axis_names) == list(axes)
+    # One process: the intended order is the row-major reshape of the devices given.
+    expected = np.array(devs, dtype=object).reshape(sizes)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in expected.flat]
+
+
 @pytest.mark.parametrize(
     ("axis_types", "expected"),
     [
@@ -68,9 +96,21 @@ def test_product_not_device_count():
         meshkit.make_mesh({"data": 3})
     msg = str(e.value)
     assert "axes={'data': 3} multiply to 3, but the program has 8 devices" in msg
-    assert "no silent subset" in msg
+    assert "a mesh must use exactly the devices it is given (no silent subset)" in msg
     assert "Consider using -1 for one axis to fill the remaining devices (e.g. {'data': -1})" in msg
     assert "or pass\ndevices= with the 3 devices you mean to use" in msg
+
+
+def test_product_larger_than_device_count():
+    with pytest.raises(MeshkitError) as e:
+        meshkit.make_mesh({"data": 4, "model": 4})
+    msg = str(e.value)
+    assert "multiply to 16, but the program has 8 devices" in msg
+    assert (
+        "Consider sizes whose product is 8, or -1 for one axis (e.g. {'data': -1, 'model': 4})"
+        in msg
+    )
+    assert "devices=" not in msg
 
 
 def test_product_not_devices_given():
@@ -154,7 +194,7 @@ def test_bad_axis_types():
         meshkit.make_mesh({"a": 2, "b": 4}, axis_types={"b": "fast"})
     with pytest.raises(MeshkitError, match=r"axis_types names \['c'\], which are not mesh axes"):
         meshkit.make_mesh({"a": 2, "b": 4}, axis_types={"c": "auto"})
-    with pytest.raises(MeshkitError, match=r"axis_types has 1 entries for 2 axes"):
+    with pytest.raises(MeshkitError, match=r"axis_types has 1 entry for 2 axes"):
         meshkit.make_mesh({"a": 2, "b": 4}, axis_types=["auto"])
 
 
@@ -190,6 +230,11 @@ def test_describe_one_and_three_axes():
     three = meshkit.describe(meshkit.make_mesh({"a": 2, "b": 2, "c": 2})).splitlines()
     assert three[5].split() == ["a=0", "b=0", "p0/d0", "p0/d1"]
     assert three[8].split() == ["a=1", "b=1", "p0/d6", "p0/d7"]
+
+
+def test_describe_one_device():
+    text = meshkit.describe(meshkit.make_mesh({"x": 1}, devices=jax.devices()[:1]))
+    assert text.splitlines()[0] == "Mesh {'x': 1}: 1 device on 1 process"
 
 
 def test_describe_accepts_plain_jax_mesh():

@@ -114,7 +114,10 @@ def test_after_backends_started_cannot_join(tmp_path):
         env=env,
     )
     assert out.returncode == 0, out.stderr
-    assert "can no longer join the meshkit launch cluster" in out.stdout
+    assert (
+        "can no longer join a multi-process program "
+        f"(MESHKIT_COORDINATOR=127.0.0.1:{port} is set)" in out.stdout
+    )
 
 
 def test_unreachable_coordinator_is_named_in_bounded_time(tmp_path):
@@ -183,6 +186,10 @@ def test_coordinator_port_in_use(tmp_path):
         ({"MESHKIT_CPU_DEVICES": "four"}, "MESHKIT_CPU_DEVICES='four' is not an integer"),
         ({"MESHKIT_CPU_DEVICES": "0"}, "MESHKIT_CPU_DEVICES must be a positive int; got 0"),
         ({"MESHKIT_INIT_TIMEOUT": "soon"}, "MESHKIT_INIT_TIMEOUT='soon' is not a number"),
+        (
+            {"MESHKIT_LOCAL_DEVICE_IDS": "0;1"},
+            "MESHKIT_LOCAL_DEVICE_IDS='0;1' is not a comma-separated",
+        ),
     ],
 )
 def test_bad_environment(tmp_path, env, expected):
@@ -216,7 +223,9 @@ def test_bad_arguments(tmp_path, kwargs, expected):
 
 def test_jax_cluster_detection_is_used(tmp_path):
     """A SLURM-like environment (one task) goes through JAX's SlurmCluster detector."""
+    port = free_port()
     env = {
+        "JAX_COORDINATOR_PORT": str(port),  # honoured, as JAX itself does
         "SLURM_JOB_ID": str(1000 + free_port() % 900),
         "SLURM_STEP_NODELIST": "localhost",
         "SLURM_NTASKS": "1",
@@ -236,4 +245,19 @@ def test_jax_cluster_detection_is_used(tmp_path):
     assert out.returncode == 0, out.stderr
     first, address = out.stdout.splitlines()[:2]
     assert first == "cluster SlurmCluster 1 0"
-    assert address.startswith("localhost:")
+    assert address == f"localhost:{port}"
+
+
+def test_warns_when_a_launcher_says_several_processes_but_none_is_detected(tmp_path):
+    out = run_py(
+        "import meshkit; info = meshkit.init(); print(info.num_processes)",
+        tmp_path,
+        env={"OMPI_COMM_WORLD_SIZE": "4"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    assert (
+        "RuntimeWarning: meshkit.init(): OMPI_COMM_WORLD_SIZE=4 says this program runs as 4"
+        in out.stderr
+    )
+    assert "so this process runs alone (process 0 of 1)" in out.stderr

@@ -44,18 +44,18 @@ def launch_in_processes(
     init: bool = True,
     stream: bool = False,
 ) -> LaunchResult:
-    """Launch ``target`` in ``num_processes`` processes; return the :class:`LaunchResult`.
+    """Launch ``target`` in ``num_processes`` processes; return the `LaunchResult`.
 
     Args:
         target: a module-level function taking no arguments (each process imports its module
-            from its file, calls :func:`meshkit.init` unless ``init=False``, then calls it), or
+            from its file, calls `meshkit.init` unless ``init=False``, then calls it), or
             the path of a script run with ``args``.
         num_processes: processes to start.
         devices_per_process: CPU devices per process (None: JAX's default).
         timeout: seconds before every process is killed; a test never hangs.
         args: command-line arguments for a script target.
         env: extra environment variables for every process.
-        init: for function targets, whether to call :func:`meshkit.init` first.
+        init: for function targets, whether to call `meshkit.init` first.
         stream: also print the processes' output as it comes.
 
     Returns:
@@ -97,7 +97,7 @@ def run_in_processes(
     """Call the module-level ``fn`` in ``num_processes`` processes; return each one's value.
 
     Each process runs through meshkit's launcher with ``devices_per_process`` CPU devices and
-    calls :func:`meshkit.init` before ``fn``. Return values must pickle (convert JAX arrays
+    calls `meshkit.init` before ``fn``. Return values must pickle (convert JAX arrays
     with ``np.asarray``).
 
     Args:
@@ -106,7 +106,7 @@ def run_in_processes(
         devices_per_process: CPU devices per process.
         timeout: seconds before every process is killed.
         env: extra environment variables.
-        init: whether to call :func:`meshkit.init` before ``fn``.
+        init: whether to call `meshkit.init` before ``fn``.
 
     Returns:
         ``[value of rank 0, value of rank 1, ...]``.
@@ -116,14 +116,14 @@ def run_in_processes(
             and every rank's output.
 
     Example:
-        .. code-block:: python
+        ```python
+        def body():
+            import jax
+            return jax.process_index(), jax.device_count()
 
-            def body():
-                import jax
-                return jax.process_index(), jax.device_count()
-
-            def test_two_processes():
-                assert meshkit.testing.run_in_processes(body) == [(0, 8), (1, 8)]
+        def test_two_processes():
+            assert meshkit.testing.run_in_processes(body) == [(0, 8), (1, 8)]
+        ```
     """
     result = launch_in_processes(
         fn,

@@ -1,4 +1,4 @@
-"""One rank of :func:`meshkit.testing.run_in_processes`: import the function, call it, save.
+"""One rank of `meshkit.testing.run_in_processes`: import the function, call it, save.
 
 Usage: ``python -m meshkit.testing._worker FILE QUALNAME OUT_DIR --init|--no-init``.
 """
