@@ -1,8 +1,8 @@
 """Developer sessions: `nox -s tests lint examples docs bench`.
 
-Interpreters are found on PATH. Where pyenv manages Python and PYENV_VERSION does not already
-name them, the newest installed 3.11 and 3.12 are exposed automatically, so `nox -s tests` works
-on a fresh machine. Each session installs meshkit itself (not editable) into its own venv, so
+Interpreters are found on PATH. Where pyenv manages Python, the newest installed 3.11 and 3.12
+are added to PYENV_VERSION unless it already names those lines, so `nox -s tests` works on a
+fresh machine. Each session installs meshkit itself (not editable) into its own venv, so
 tests exercise the installed package.
 """
 
@@ -24,19 +24,25 @@ nox.options.error_on_missing_interpreters = True
 
 
 def _expose_pyenv_interpreters(minors: list[str]) -> None:
-    """Let pyenv's shims resolve python3.11 and python3.12 for this nox run."""
-    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+    """Let pyenv's shims resolve python3.11 and python3.12 for this nox run.
+
+    PYENV_VERSION is kept and extended: run through a pyenv shim, nox already sees it set to the
+    one version that shim resolved, which would hide the other line.
+    """
+    if shutil.which("pyenv") is None:
         return
     listed = subprocess.run(
         ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=False
     ).stdout.split()
-    chosen = []
+    current = [v for v in os.environ.get("PYENV_VERSION", "").split(":") if v]
     for minor in minors:
+        if any(v == minor or v.startswith(minor + ".") for v in current):
+            continue
         found = [v for v in listed if re.fullmatch(rf"{re.escape(minor)}\.\d+", v)]
         if found:
-            chosen.append(max(found, key=lambda v: int(v.rsplit(".", 1)[1])))
-    if chosen:
-        os.environ["PYENV_VERSION"] = ":".join(chosen)
+            current.append(max(found, key=lambda v: int(v.rsplit(".", 1)[1])))
+    if current:
+        os.environ["PYENV_VERSION"] = ":".join(current)
 
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")

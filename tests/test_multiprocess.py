@@ -16,6 +16,12 @@ from meshkit.testing import launch_in_processes, run_in_processes
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.fixture(autouse=True)
+def _leave_no_process(marker, monkeypatch):
+    """Every launched process inherits the marker; the fixture fails if one outlives its test."""
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+
+
 def _mesh_and_psum():
     import jax
     from jax.sharding import NamedSharding
