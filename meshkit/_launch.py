@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from ._errors import LaunchError
 from ._runtime import (
@@ -77,6 +77,8 @@ class LaunchResult:
         alive_at_timeout: ranks still running when the timeout struck.
         elapsed: seconds from start to the last rank's end.
         report: the launcher's own closing message (root cause, timeout summary), or "".
+        values: for `meshkit.testing` function targets, what each rank returned (None for a
+            rank that failed); empty otherwise.
     """
 
     returncode: int
@@ -86,6 +88,7 @@ class LaunchResult:
     alive_at_timeout: list[int]
     elapsed: float
     report: str
+    values: list[Any] = dataclasses.field(default_factory=list)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -81,7 +81,7 @@ def launch_in_processes(
         for r in range(num_processes):
             path = Path(tmp) / f"rank{r}.pkl"
             values.append(pickle.loads(path.read_bytes()) if path.exists() else None)
-    result.values = values  # type: ignore[attr-defined]
+    result.values = values
     return result
 
 
@@ -140,4 +140,4 @@ def run_in_processes(
             for r in result.ranks
         )
         raise LaunchError(f"{result.report}\n{outputs}")
-    return result.values  # type: ignore[attr-defined]
+    return result.values
