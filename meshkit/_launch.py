@@ -429,12 +429,7 @@ def launch(
             f"meshkit launch: timed out after {timeout:g} s; ranks still running then: "
             f"{', '.join(map(str, alive_at_timeout))}. All were killed.\n"
             + "".join(
-                _tail_block(
-                    dataclasses.replace(results[r], tail=tails_at_timeout[r]),
-                    "last output of",
-                    interleaved=True,
-                )
-                for r in alive_at_timeout
+                _tail_block("last output of", r, tails_at_timeout[r]) for r in alive_at_timeout
             )
         )
     else:
@@ -461,14 +456,10 @@ def _stop(ranks: list[_Rank], grace: float) -> None:
             rk.proc.wait(timeout=10)
 
 
-def _tail_block(result: RankResult, title: str, interleaved: bool = False) -> str:
-    if interleaved:
-        text = result.tail.strip() or "(no output)"
-    else:
-        text = result.stderr.strip() or result.stdout.strip() or "(no output)"
-    lines = text.splitlines()[-_TAIL_LINES:]
+def _tail_block(title: str, rank: int, text: str) -> str:
+    lines = (text.strip() or "(no output)").splitlines()[-_TAIL_LINES:]
     body = "\n".join(f"  | {line}" for line in lines)
-    return f"--- {title} rank {result.rank} ---\n{body}\n"
+    return f"--- {title} rank {rank} ---\n{body}\n"
 
 
 def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> str:
@@ -487,4 +478,6 @@ def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> s
         lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
     if also:
         lines.append(f"Also failed on their own: {', '.join(also)}.")
-    return "\n".join(lines) + "\n" + _tail_block(bad, "root cause:")
+    # A traceback goes to stderr; a rank that wrote nothing there is shown by its stdout.
+    text = bad.stderr.strip() or bad.stdout
+    return "\n".join(lines) + "\n" + _tail_block("root cause:", bad.rank, text)
