@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["backends_are_initialized", "cluster_envs", "cluster_params", "distributed_state"]
+__all__ = [
+    "backends_are_initialized",
+    "bound_axis_sizes",
+    "cluster_envs",
+    "cluster_params",
+    "distributed_state",
+    "varying_axes",
+]
 
 
 def backends_are_initialized() -> bool:
@@ -55,3 +62,24 @@ def cluster_envs() -> list[Any]:
     from jax._src.clusters import ClusterEnv
 
     return list(ClusterEnv._cluster_types)  # pyright: ignore[reportPrivateUsage]
+
+
+def bound_axis_sizes() -> dict[Any, int]:
+    """The named axes bound where this is called (inside shard_map, pmap, vmap), with sizes.
+
+    Empty outside any of them. Read at trace time only.
+    """
+    from jax._src import core
+
+    return dict(core.get_axis_env().axis_sizes)
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes over which a traced per-device value is typed as varying.
+
+    shard_map's replication typing (check_vma) keeps it in the aval; empty when untyped.
+    """
+    import jax
+
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()) or ())

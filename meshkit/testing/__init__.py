@@ -1,11 +1,22 @@
-"""Test helpers for multi-process JAX code (public).
+"""Test helpers for per-device and multi-process JAX code (public).
 
-`run_in_processes` runs a module-level function in N real processes started by meshkit's
-launcher, each joined through `meshkit.init`, and returns what each returned.
-`launch_in_processes` does the same but hands back the whole
-`meshkit.LaunchResult`, for tests that expect a failure.
+* `reference_spmd` runs per-device code the naive way (one mesh coordinate at a time, numpy
+  collectives) and `assert_spmd_matches_reference` checks `meshkit.spmd` against it: use them
+  for your own per-device functions.
+* `meshkit.testing.strategies` has hypothesis strategies for meshes, axis names, specs and
+  arrays that split evenly (it needs ``hypothesis``: ``pip install meshkit[testing]``).
+* `run_in_processes` runs a module-level function in N real processes started by meshkit's
+  launcher, each joined through `meshkit.init`, and returns what each returned;
+  `launch_in_processes` hands back the whole `meshkit.LaunchResult`, for tests that expect a
+  failure.
 """
 
 from ._multiprocess import launch_in_processes, run_in_processes
+from ._reference import assert_spmd_matches_reference, reference_spmd
 
-__all__ = ["launch_in_processes", "run_in_processes"]
+__all__ = [
+    "assert_spmd_matches_reference",
+    "launch_in_processes",
+    "reference_spmd",
+    "run_in_processes",
+]

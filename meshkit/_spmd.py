@@ -1,0 +1,553 @@
+"""`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
+
+The steady state is JAX's own: a call is one `jax.jit` dispatch whose ``in_shardings`` are the
+``in_specs``, so arrays already laid out right pass through JAX's C++ fast path, and host data
+(numpy, Python scalars) is placed by jit itself. Only when jit refuses the arguments (a committed
+array with another layout, or host data in a multi-process run) does meshkit look at them one by
+one: it places them, warns once for an array that had to be moved between layouts, and calls
+again. Every call first passes `meshkit._dispatch.enter`.
+
+Meshes with Explicit axes (``jax.make_mesh``'s default) type their arrays by sharding, and
+`jax.shard_map` demands that the type match ``in_specs``; inside the jitted function meshkit
+reshards values whose type differs. That costs nothing when the data is already where the spec
+puts it (host data placed through ``in_shardings``) and is one explicit reshard otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, overload
+
+import jax
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from . import _dispatch
+from ._errors import MeshkitError
+from ._specs import check_spec_for_mesh, is_spec_leaf, map_specs, parse_spec, spec_axes
+
+__all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
+
+
+class ReshardWarning(UserWarning):
+    """An argument of an spmd function arrived laid out differently from its ``in_specs``.
+
+    meshkit moves it with one reshard per call and warns once per function and argument.
+    """
+
+
+_RESHARD_FIX = """\
+Consider producing it with that sharding (for example as the out_specs of the step that makes
+it), or moving it once outside the loop: jax.device_put(x, {target})."""
+
+
+def _norm(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """A spec as one tuple of axis names per dimension, so equal layouts compare equal."""
+    out = []
+    for i in range(ndim):
+        entry = partition[i] if i < len(partition) else None
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append(tuple(entry) if isinstance(entry, tuple) else (entry,))
+    return tuple(out)
+
+
+def _fn_name(f: Callable[..., Any]) -> str:
+    name = getattr(f, "__name__", None) or repr(f)
+    return str(name)
+
+
+class _Plan:
+    """Everything fixed once the mesh is known: specs, shardings, the jitted function."""
+
+    def __init__(self, owner: SpmdFunction, mesh: Mesh | AbstractMesh) -> None:
+        self.owner = owner
+        self.mesh = mesh
+        name = owner.name
+        self.in_specs = map_specs(
+            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.in_specs,
+            f"meshkit.spmd({name}): in_specs",
+        )  # fmt: skip
+        self.out_specs = map_specs(
+            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.out_specs,
+            f"meshkit.spmd({name}): out_specs",
+        )  # fmt: skip
+        self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        if not isinstance(mesh, Mesh):  # an AbstractMesh, met while tracing: body only
+            return
+        self.multiprocess = mesh.is_multi_process
+        self.in_shardings = jax.tree_util.tree_map(
+            lambda s: NamedSharding(mesh, s), self.in_specs, is_leaf=is_spec_leaf
+        )
+        self.jitted = jax.jit(
+            self.body,
+            in_shardings=self.in_shardings,
+            static_argnums=owner.static_argnums,
+            donate_argnums=owner.donate_argnums,
+        )
+
+    # ---- trace time -------------------------------------------------------------------------
+
+    def body(self, *args: Any) -> Any:
+        owner = self.owner
+        static = owner.static_argnums
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        specs = self.specs_for(len(dyn))
+        self.check_args(dyn, specs)
+        if self.explicit:
+            dyn = self.reshard_typed(dyn, specs)
+
+        def per_device(*local: Any) -> Any:
+            it = iter(local)
+            full = [args[i] if i in static else next(it) for i in range(len(args))]
+            out = owner.fn(*full)
+            self.check_outputs(out)  # a block has the rank of the global output
+            return out
+
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=specs,
+            out_specs=self.out_specs,
+            check_vma=owner.check_vma,
+        )(*dyn)
+
+    def specs_for(self, n: int) -> tuple[Any, ...]:
+        if isinstance(self.in_specs, PartitionSpec):
+            return (self.in_specs,) * n
+        if len(self.in_specs) != n:
+            raise MeshkitError(
+                f"meshkit.spmd({self.owner.name}): in_specs has {len(self.in_specs)} entries but "
+                f"the function was called with {n} (non-static) positional arguments.\n"
+                "Consider one spec (or pytree of specs) per argument; static_argnums take none."
+            )
+        return tuple(self.in_specs)
+
+    def each_leaf(
+        self, args: tuple[Any, ...], specs: tuple[Any, ...], fn: Callable[..., Any]
+    ) -> Any:
+        """Map ``fn(leaf, spec, raw_spec, path)`` over the leaves of ``args`` under their specs."""
+        raw = self.owner.in_specs
+        raw_specs = (raw,) * len(args) if is_spec_leaf(raw) else tuple(raw)
+
+        def per_arg(i: int) -> Any:
+            try:
+                return jax.tree_util.tree_map(
+                    lambda s, r, sub: jax.tree_util.tree_map_with_path(
+                        lambda p, leaf: fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}"), sub
+                    ),
+                    specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf,
+                )  # fmt: skip
+            except ValueError as e:
+                if isinstance(e, MeshkitError):
+                    raise
+                raise MeshkitError(
+                    f"meshkit.spmd({self.owner.name}): in_specs[{i}] = {raw_specs[i]!r} does not "
+                    f"match the structure of argument {i} "
+                    f"({jax.tree_util.tree_structure(args[i])}): {e}\n"
+                    "Consider a spec per leaf, or one spec for the whole argument."
+                ) from None
+
+        return tuple(per_arg(i) for i in range(len(args)))
+
+    def check_args(self, dyn: tuple[Any, ...], specs: tuple[Any, ...]) -> None:
+        """Rank and divisibility of every argument against its spec, with dims named."""
+        name = self.owner.name
+        sizes = self.mesh.shape
+
+        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            shape = np.shape(leaf)
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != len(shape):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {raw!r} names {len(dims)} dimensions."
+                )
+            if len(s) > len(shape):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {s} has {len(s)} entries.\nConsider a spec with at most "
+                    f"{len(shape)} entries, or P() for an argument every device gets whole."
+                )
+            for d, axes in enumerate(_norm(s, len(shape))):
+                n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+                if axes and shape[d] % n:
+                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
+                    raise MeshkitError(
+                        f"meshkit.spmd({name}): {where} has shape {tuple(shape)}; its {label} "
+                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
+                        f"{n}, which does not divide it (spec {raw!r}, mesh "
+                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
+                    )
+
+        self.each_leaf(dyn, specs, check)
+
+    def reshard_typed(self, dyn: tuple[Any, ...], specs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """On Explicit meshes, give every value the sharding type its spec asks for."""
+
+        def fix(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+            ndim = np.ndim(leaf)
+            have = getattr(jax.typeof(leaf), "sharding", None)
+            have_spec = have.spec if have is not None else PartitionSpec()
+            if _norm(have_spec, ndim) == _norm(s, ndim):
+                return leaf
+            if spec_axes(have_spec):
+                self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
+            return jax.reshard(leaf, NamedSharding(self.mesh, s))
+
+        return self.each_leaf(dyn, specs, fix)
+
+    def check_outputs(self, out: Any) -> None:
+        name = self.owner.name
+
+        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != np.ndim(leaf):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): output {where} has rank {np.ndim(leaf)} but its spec "
+                    f"{raw!r} names {len(dims)} dimensions."
+                )
+
+        raw = self.owner.out_specs
+        try:
+            jax.tree_util.tree_map(
+                lambda s, r, sub: jax.tree_util.tree_map_with_path(
+                    lambda p, leaf: check(leaf, s, r, f"out{jax.tree_util.keystr(p)}"), sub
+                ),
+                self.out_specs, raw, out, is_leaf=is_spec_leaf,
+            )  # fmt: skip
+        except ValueError as e:
+            if isinstance(e, MeshkitError):
+                raise
+            # shard_map has already reported structure mismatches in its own words.
+
+    # ---- call time, slow path ---------------------------------------------------------------
+
+    def place(self, args: tuple[Any, ...], *, host_only: bool) -> tuple[Any, ...] | None:
+        """Arguments jit will accept, or None when nothing here could be the problem."""
+        static = self.owner.static_argnums
+        dyn_idx = [i for i in range(len(args)) if i not in static]
+        dyn = tuple(args[i] for i in dyn_idx)
+        specs = self.specs_for(len(dyn))
+        changed = False
+
+        def put(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+            nonlocal changed
+            target = NamedSharding(self.mesh, s)
+            if isinstance(leaf, Tracer):
+                return leaf
+            if isinstance(leaf, jax.Array):
+                if leaf.sharding.is_equivalent_to(target, leaf.ndim):
+                    return leaf
+                single = len(leaf.sharding.device_set) == 1 and leaf.is_fully_addressable
+                if host_only and not (single and self.multiprocess):
+                    return leaf
+                changed = True
+                if single and self.multiprocess:
+                    return self.from_host(np.asarray(leaf), target)
+                if not single:
+                    self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
+                return jax.device_put(leaf, target)
+            if not self.multiprocess:
+                return leaf  # host data: jit places it through in_shardings
+            changed = True
+            return self.from_host(leaf, target)
+
+        placed = iter(self.each_leaf(dyn, specs, put))
+        if not changed:
+            return None
+        return tuple(args[i] if i in static else next(placed) for i in range(len(args)))
+
+    @staticmethod
+    def from_host(value: Any, target: NamedSharding) -> jax.Array:
+        """Host data, the same in every process, as a global array laid out by ``target``."""
+        arr = np.asarray(value)
+        return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
+
+    def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
+        run = self.jitted.lower if lower else self.jitted
+        if self.multiprocess:
+            args = self.place(args, host_only=True) or args
+        try:
+            return run(*args)
+        except ValueError:
+            placed = self.place(args, host_only=False)
+            if placed is None:
+                self.explain(args)
+                raise
+        return run(*placed)
+
+    def explain(self, args: tuple[Any, ...]) -> None:
+        """Raise meshkit's message for arguments jit refused before tracing (e.g. indivisible)."""
+        static = self.owner.static_argnums
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        self.check_args(dyn, self.specs_for(len(dyn)))
+
+
+class SpmdFunction:
+    """A per-device function bound to a mesh and specs; made by `meshkit.spmd`.
+
+    Calling it runs the function on every device of the mesh, with each argument split per
+    ``in_specs``, and returns global arrays laid out per ``out_specs``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        mesh: Mesh | None,
+        in_specs: Any,
+        out_specs: Any,
+        check_vma: bool,
+        donate_argnums: int | Sequence[int],
+        static_argnums: int | Sequence[int],
+    ) -> None:
+        if not callable(fn):
+            raise MeshkitError(f"meshkit.spmd: expected a function; got {fn!r}.")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = _fn_name(fn)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise MeshkitError(
+                f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "
+                f"meshkit.make_mesh) or None for the mesh of jax.set_mesh; got {mesh!r}."
+            )
+        self.static_argnums = _argnums(static_argnums, "static_argnums", self.name)
+        self.donate_argnums = _argnums(donate_argnums, "donate_argnums", self.name)
+        self.in_specs = self._drop_static(in_specs)
+        self.out_specs = out_specs
+        for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
+            map_specs(lambda s, w: _check_leaf(s, w), tree, f"spmd({self.name}): {what}")
+        self.check_vma = bool(check_vma)
+        self.mesh = mesh
+        self._site = _dispatch.CallSite("spmd", self.name, info={"mesh": mesh})
+        self._warned: set[str] = set()
+        self._plans: dict[Mesh | AbstractMesh, _Plan] = {}
+        self._plan = _Plan(self, mesh) if mesh is not None else None
+
+    def _drop_static(self, in_specs: Any) -> Any:
+        """Accept in_specs with None at the static positions too (one entry per parameter)."""
+        static = self.static_argnums
+        if (
+            static
+            and isinstance(in_specs, tuple | list)
+            and all(i < len(in_specs) and in_specs[i] is None for i in static)
+        ):
+            return tuple(s for i, s in enumerate(in_specs) if i not in static)
+        return tuple(in_specs) if isinstance(in_specs, list) else in_specs
+
+    def warn_reshard(
+        self, where: str, have: str, want: PartitionSpec, mesh: Mesh | AbstractMesh
+    ) -> None:
+        if where in self._warned:
+            return
+        self._warned.add(where)
+        target = f"NamedSharding(mesh, {want})"
+        warnings.warn(
+            f"meshkit.spmd({self.name}): {where} arrived with {have}, but in_specs asks for "
+            f"{want} on the mesh {dict(mesh.shape)}; it is resharded on every call (this "
+            f"warning is shown once).\n{_RESHARD_FIX.format(target=target)}",
+            ReshardWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+    def _plan_for_call(self) -> _Plan | None:
+        """The plan for this call's mesh; None when called while tracing without a mesh."""
+        if self._plan is not None:
+            return self._plan
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # inside jax.jit: only the abstract mesh is known
+            return None
+        if mesh.empty:
+            raise MeshkitError(
+                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and called "
+                "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
+            )
+        plan = self._plans.get(mesh)
+        if plan is None:
+            plan = self._plans[mesh] = _Plan(self, mesh)
+        return plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise MeshkitError(
+                f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
+                f"positional); got keywords {sorted(kwargs)}."
+            )
+        _dispatch.enter(self._site, args)
+        plan = self._plan if self._plan is not None else self._plan_for_call()
+        if plan is None:
+            return self._traced_without_mesh(args)
+        return plan.call(args)
+
+    def _traced_without_mesh(self, args: tuple[Any, ...]) -> Any:
+        """Inside jax.jit with mesh=None: shard_map over the abstract mesh of jax.set_mesh."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise MeshkitError(
+                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and traced "
+                "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
+            )
+        plan = self._plans.get(mesh)
+        if plan is None:
+            plan = self._plans[mesh] = _Plan(self, mesh)
+        return plan.body(*args)
+
+    def lower(self, *args: Any) -> Any:
+        """Lower for these arguments, like `jax.jit(...).lower` (to inspect HLO or compile)."""
+        plan = self._plan_for_call()
+        if plan is None:
+            raise MeshkitError(f"meshkit.spmd({self.name}).lower needs a concrete mesh.")
+        return plan.call(args, lower=True)
+
+    @property
+    def calls(self) -> int:
+        """How many times this function has been called in this process."""
+        return self._site.calls
+
+    def __repr__(self) -> str:
+        mesh = dict(self.mesh.shape) if self.mesh is not None else "from jax.set_mesh"
+        return f"<meshkit.spmd {self.name} mesh={mesh}>"
+
+
+def _user_stacklevel() -> int:
+    """The warnings stacklevel of the innermost frame outside meshkit and JAX (the caller)."""
+    frame: Any = sys._getframe(1)  # warn_reshard's frame: stacklevel 1
+    level = 1
+    while frame is not None:
+        mod = frame.f_globals.get("__name__", "")
+        if not mod.startswith(("meshkit.", "jax.", "jax")) or mod.startswith("meshkit.testing"):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 2
+
+
+def _check_leaf(s: Any, where: str) -> PartitionSpec:
+    if s is None:
+        raise MeshkitError(
+            f"meshkit.{where} is None. Consider P() or '' for a value every device gets whole "
+            "(None is only allowed at static_argnums positions)."
+        )
+    if isinstance(s, str):
+        return parse_spec(s).partition
+    if isinstance(s, PartitionSpec):
+        return s
+    raise MeshkitError(
+        f"meshkit.{where} must be a PartitionSpec or a spec string such as 'data _ model'; "
+        f"got {s!r} of type {type(s).__name__}."
+    )
+
+
+def _argnums(value: int | Sequence[int], what: str, name: str) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) else tuple(value)
+    for i in items:
+        if not isinstance(i, int) or i < 0:
+            raise MeshkitError(
+                f"meshkit.spmd({name}): {what} must be non-negative ints; got {value!r}."
+            )
+    return tuple(sorted(set(items)))
+
+
+@overload
+def spmd(
+    f: Callable[..., Any],
+    *,
+    mesh: Mesh | None = ...,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    static_argnums: int | Sequence[int] = ...,
+) -> SpmdFunction: ...
+
+
+@overload
+def spmd(
+    f: None = None,
+    *,
+    mesh: Mesh | None = ...,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    static_argnums: int | Sequence[int] = ...,
+) -> Callable[[Callable[..., Any]], SpmdFunction]: ...
+
+
+def spmd(
+    f: Callable[..., Any] | None = None,
+    *,
+    mesh: Mesh | None = None,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+) -> SpmdFunction | Callable[[Callable[..., Any]], SpmdFunction]:
+    """Run ``f`` once per device of ``mesh`` on its block of each argument, compiled by jit.
+
+    The same as ``jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...))``, and as
+    fast on arguments already laid out per ``in_specs``, but it also takes:
+
+    * host data (numpy arrays, Python scalars) and single-device arrays: placed per
+      ``in_specs``. In a multi-process run, host data is the whole (global) value and must be
+      the same in every process;
+    * arrays laid out differently: moved with one reshard per call, and a `ReshardWarning`
+      the first time;
+    * meshes with Explicit axis types (``jax.make_mesh``'s default) as well as Auto ones, and
+      calls inside ``jax.set_mesh`` or inside another `jax.jit`.
+
+    Args:
+        f: the per-device function. Inside it, each argument is this device's block and
+            `meshkit.collectives` work over the mesh axes. Omit it to use ``spmd`` as a
+            decorator.
+        mesh: the mesh to run on; None takes the mesh of the enclosing ``jax.set_mesh``.
+        in_specs: one spec per positional argument (a `PartitionSpec`, a spec string such as
+            ``"batch seq -> data _"``, or a pytree of them matching the argument), or a single
+            spec for all arguments. Static arguments take no spec (or None in their position).
+        out_specs: the spec (or pytree of specs) of the outputs; an axis that a spec leaves out
+            means the output is the same on every device along it.
+        check_vma: let JAX check that outputs claimed replicated really are (see
+            `jax.shard_map`).
+        donate_argnums: positional arguments whose buffers may be reused for outputs.
+        static_argnums: positional arguments passed as Python values (hashable), as in
+            `jax.jit`.
+
+    Returns:
+        An `SpmdFunction`: call it with positional arguments; ``.lower(*args)`` lowers it.
+
+    Raises:
+        MeshkitError: for specs that name axes the mesh lacks, arguments whose shape does not
+            split per their spec (naming the argument, its shape, the dimension and the sizes),
+            or a mismatch between ``in_specs`` and the arguments.
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> from meshkit import collectives as C
+        >>> mesh = meshkit.make_mesh({"data": 4, "model": 2})
+        >>> @meshkit.spmd(mesh=mesh, in_specs="batch feat -> data model", out_specs="data _")
+        ... def row_sums(block):
+        ...     return C.psum(block.sum(axis=1, keepdims=True), "model")
+        >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
+        [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
+    """
+
+    def wrap(fn: Callable[..., Any]) -> SpmdFunction:
+        return SpmdFunction(
+            fn,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=check_vma,
+            donate_argnums=donate_argnums,
+            static_argnums=static_argnums,
+        )
+
+    return wrap if f is None else wrap(f)
