@@ -18,6 +18,7 @@ import meshkit  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from _timing import median_seconds, table  # noqa: E402
+from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
 
 
 def bench_make_mesh_single_process() -> str:
@@ -55,4 +56,5 @@ def bench_make_mesh_two_processes() -> str:
 if __name__ == "__main__":
     print(f"jax {jax.__version__}, {jax.device_count()} CPU devices\n")
     print(bench_make_mesh_single_process(), end="\n\n")
+    print(bench_spmd_dispatch(), end="\n\n")
     print(bench_make_mesh_two_processes())

@@ -84,8 +84,14 @@ class _Plan:
         self.in_shardings = jax.tree_util.tree_map(
             lambda s: NamedSharding(mesh, s), self.in_specs, is_leaf=is_spec_leaf
         )
+
+        def body(*args: Any) -> Any:
+            return self.body(*args)
+
+        # Named after the user's function, so HLO dumps and profiles tell spmd functions apart.
+        body.__name__ = body.__qualname__ = owner.name
         self.jitted = jax.jit(
-            self.body,
+            body,
             in_shardings=self.in_shardings,
             static_argnums=owner.static_argnums,
             donate_argnums=owner.donate_argnums,
@@ -136,16 +142,22 @@ class _Plan:
         raw_specs = (raw,) * len(args) if is_spec_leaf(raw) else tuple(raw)
 
         def per_arg(i: int) -> Any:
+            def visit(s: PartitionSpec, r: Any, sub: Any) -> Any:
+                def leaf_fn(p: Any, leaf: Any) -> Any:
+                    try:
+                        return fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}")
+                    except Exception as e:  # not a structure mismatch: pass it through
+                        raise _FromLeaf(e) from None
+
+                return jax.tree_util.tree_map_with_path(leaf_fn, sub)
+
             try:
                 return jax.tree_util.tree_map(
-                    lambda s, r, sub: jax.tree_util.tree_map_with_path(
-                        lambda p, leaf: fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}"), sub
-                    ),
-                    specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf,
-                )  # fmt: skip
+                    visit, specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf
+                )
+            except _FromLeaf as wrapped:
+                raise wrapped.error from None
             except ValueError as e:
-                if isinstance(e, MeshkitError):
-                    raise
                 raise MeshkitError(
                     f"meshkit.spmd({self.owner.name}): in_specs[{i}] = {raw_specs[i]!r} does not "
                     f"match the structure of argument {i} "
@@ -166,13 +178,14 @@ class _Plan:
             if dims is not None and len(dims) != len(shape):
                 raise MeshkitError(
                     f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {raw!r} names {len(dims)} dimensions."
+                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
                 )
             if len(s) > len(shape):
                 raise MeshkitError(
                     f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {s} has {len(s)} entries.\nConsider a spec with at most "
-                    f"{len(shape)} entries, or P() for an argument every device gets whole."
+                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
+                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
+                    "argument every device gets whole."
                 )
             for d, axes in enumerate(_norm(s, len(shape))):
                 n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
@@ -210,7 +223,7 @@ class _Plan:
             if dims is not None and len(dims) != np.ndim(leaf):
                 raise MeshkitError(
                     f"meshkit.spmd({name}): output {where} has rank {np.ndim(leaf)} but its spec "
-                    f"{raw!r} names {len(dims)} dimensions."
+                    f"{raw!r} names {_count(len(dims), 'dimension')}."
                 )
 
         raw = self.owner.out_specs
@@ -271,22 +284,30 @@ class _Plan:
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         run = self.jitted.lower if lower else self.jitted
-        if self.multiprocess:
-            args = self.place(args, host_only=True) or args
+        if self.multiprocess and not all(
+            isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(args)
+        ):
+            args = self.place(args, host_only=True) or args  # host data is the global value
         try:
             return run(*args)
-        except ValueError:
-            placed = self.place(args, host_only=False)
-            if placed is None:
-                self.explain(args)
-                raise
-        return run(*placed)
-
-    def explain(self, args: tuple[Any, ...]) -> None:
-        """Raise meshkit's message for arguments jit refused before tracing (e.g. indivisible)."""
+        except ValueError as e:
+            failure = e
+        # jit refused the arguments. Shapes that cannot split get meshkit's message; arrays in
+        # another layout (or on one device) are moved, and the call is made again.
         static = self.owner.static_argnums
         dyn = tuple(a for i, a in enumerate(args) if i not in static)
         self.check_args(dyn, self.specs_for(len(dyn)))
+        placed = self.place(args, host_only=False)
+        if placed is None:
+            raise failure
+        return run(*placed)
+
+
+class _FromLeaf(Exception):
+    """Carries an error raised for one leaf past the structure-mismatch handler."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 class SpmdFunction:
@@ -319,6 +340,12 @@ class SpmdFunction:
             )
         self.static_argnums = _argnums(static_argnums, "static_argnums", self.name)
         self.donate_argnums = _argnums(donate_argnums, "donate_argnums", self.name)
+        if isinstance(in_specs, dict):
+            raise MeshkitError(
+                f"meshkit.spmd({self.name}): in_specs must be one spec for every argument, or a "
+                f"tuple with one entry per positional argument; got a dict.\nConsider "
+                f"in_specs=({in_specs!r},) if the dict describes the first argument."
+            )
         self.in_specs = self._drop_static(in_specs)
         self.out_specs = out_specs
         for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
@@ -414,6 +441,10 @@ class SpmdFunction:
     def __repr__(self) -> str:
         mesh = dict(self.mesh.shape) if self.mesh is not None else "from jax.set_mesh"
         return f"<meshkit.spmd {self.name} mesh={mesh}>"
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _user_stacklevel() -> int:

@@ -125,11 +125,13 @@ def _leaves(x: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(x)
 
 
-def _dim(fn: str, arg: str, value: int, ndim: int) -> int:
+def _dim(fn: str, arg: str, value: int, ndim: int, operand_ndim: int | None = None) -> int:
+    """``value`` as a dimension in ``[0, ndim)``; the message shows the operand's own rank."""
     if not -ndim <= value < ndim:
+        rank = ndim if operand_ndim is None else operand_ndim
         raise MeshkitError(
             f"meshkit.collectives.{fn}: {arg}={value} is out of range for an operand of rank "
-            f"{ndim}."
+            f"{rank} (valid: {-ndim} to {ndim - 1})."
         )
     return value % ndim
 
@@ -196,7 +198,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
     names, _, ctx = _names("all_gather", axis_name)
     for leaf in _leaves(x):
         nd = jax.numpy.ndim(leaf)
-        _dim("all_gather", "axis", axis, nd + (0 if tiled else 1))
+        _dim("all_gather", "axis", axis, nd + (0 if tiled else 1), nd)
         if tiled and nd == 0:
             raise MeshkitError(
                 "meshkit.collectives.all_gather: tiled=True needs operands of rank "

@@ -229,6 +229,29 @@ def test_none_spec_and_bad_mesh_and_bad_spec_type():
         meshkit.spmd(lambda a: a, mesh=mesh, in_specs="_", out_specs="_", static_argnums=-1)
 
 
+def test_dict_in_specs_is_refused_with_the_fix(mesh):
+    with pytest.raises(MeshkitError, match=r"got a dict.\nConsider in_specs=\(\{'w': 'data'\},\)"):
+        meshkit.spmd(lambda t: t["w"], mesh=mesh, in_specs={"w": "data"}, out_specs="data")
+
+
+@pytest.mark.parametrize("make", [np.ones, jnp.ones], ids=["host", "single-device"])
+def test_indivisible_input_of_any_kind_gets_the_same_message(mesh, make):
+    f = meshkit.spmd(lambda a: a, mesh=mesh, in_specs="batch feat -> data model", out_specs="_")
+    with pytest.raises(
+        MeshkitError,
+        match=r"dimension 1 \('feat'\) of size 6 is split over the mesh axes \('model',\)",
+    ):
+        f(make((4, 6)))
+
+
+def test_compiled_program_is_named_after_the_function(mesh):
+    def my_layer(a):
+        return a + 1
+
+    f = meshkit.spmd(my_layer, mesh=mesh, in_specs="data", out_specs="data")
+    assert "my_layer" in f.lower(np.ones(8, np.float32)).as_text().splitlines()[0]
+
+
 def test_spec_longer_than_the_argument_rank(mesh):
     f = meshkit.spmd(lambda a: a, mesh=mesh, in_specs=P("data", "model"), out_specs="data")
     with pytest.raises(
