@@ -391,9 +391,13 @@ class SpmdFunction:
             mesh = jax.sharding.get_mesh()
         except ValueError:  # inside jax.jit: only the abstract mesh is known
             return None
+        return self._context_plan(mesh, "called")
+
+    def _context_plan(self, mesh: Mesh | AbstractMesh, when: str) -> _Plan:
+        """The plan for the mesh of the enclosing ``jax.set_mesh`` (made on first use)."""
         if mesh.empty:
             raise MeshkitError(
-                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and called "
+                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and {when} "
                 "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
             )
         plan = self._plans.get(mesh)
@@ -409,22 +413,9 @@ class SpmdFunction:
             )
         _dispatch.enter(self._site, args)
         plan = self._plan if self._plan is not None else self._plan_for_call()
-        if plan is None:
-            return self._traced_without_mesh(args)
+        if plan is None:  # traced inside jax.jit: shard_map over the abstract mesh
+            return self._context_plan(jax.sharding.get_abstract_mesh(), "traced").body(*args)
         return plan.call(args)
-
-    def _traced_without_mesh(self, args: tuple[Any, ...]) -> Any:
-        """Inside jax.jit with mesh=None: shard_map over the abstract mesh of jax.set_mesh."""
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            raise MeshkitError(
-                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and traced "
-                "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
-            )
-        plan = self._plans.get(mesh)
-        if plan is None:
-            plan = self._plans[mesh] = _Plan(self, mesh)
-        return plan.body(*args)
 
     def lower(self, *args: Any) -> Any:
         """Lower for these arguments, like `jax.jit(...).lower` (to inspect HLO or compile)."""
