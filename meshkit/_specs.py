@@ -30,7 +30,14 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._errors import MeshkitError
 
-__all__ = ["SpecString", "as_partition_spec", "check_spec_for_mesh", "parse_spec", "spec"]
+__all__ = [
+    "SpecString",
+    "as_partition_spec",
+    "check_spec_for_mesh",
+    "dim_axes",
+    "parse_spec",
+    "spec",
+]
 
 SpecLike = PartitionSpec | str
 
@@ -200,9 +207,25 @@ def as_partition_spec(value: Any, what: str) -> PartitionSpec:
     if isinstance(value, str):
         return parse_spec(value).partition
     raise MeshkitError(
-        f"{what} must be a jax.sharding.PartitionSpec or a spec string such as "
-        f"'data _ model'; got {value!r} of type {type(value).__name__}."
+        f"{what} must be a PartitionSpec or a spec string such as 'data _ model'; got "
+        f"{value!r} of type {type(value).__name__}."
     )
+
+
+def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does.
+
+    One tuple of names per dimension, so specs that mean the same layout compare equal
+    (``P("x")``, ``P(("x",), None)``).
+    """
+    out = []
+    for i in range(ndim):
+        entry = partition[i] if i < len(partition) else None
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append(tuple(entry) if isinstance(entry, tuple) else (entry,))
+    return tuple(out)
 
 
 def spec_axes(partition: PartitionSpec) -> list[str]:

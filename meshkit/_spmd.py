@@ -28,7 +28,15 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from . import _dispatch
 from ._errors import MeshkitError
-from ._specs import check_spec_for_mesh, is_spec_leaf, map_specs, parse_spec, spec_axes
+from ._specs import (
+    as_partition_spec,
+    check_spec_for_mesh,
+    dim_axes,
+    is_spec_leaf,
+    map_specs,
+    parse_spec,
+    spec_axes,
+)
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
@@ -43,18 +51,6 @@ class ReshardWarning(UserWarning):
 _RESHARD_FIX = """\
 Consider producing it with that sharding (for example as the out_specs of the step that makes
 it), or moving it once outside the loop: jax.device_put(x, {target})."""
-
-
-def _norm(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """A spec as one tuple of axis names per dimension, so equal layouts compare equal."""
-    out = []
-    for i in range(ndim):
-        entry = partition[i] if i < len(partition) else None
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            out.append(())
-        else:
-            out.append(tuple(entry) if isinstance(entry, tuple) else (entry,))
-    return tuple(out)
 
 
 def _fn_name(f: Callable[..., Any]) -> str:
@@ -102,7 +98,7 @@ class _Plan:
     def body(self, *args: Any) -> Any:
         owner = self.owner
         static = owner.static_argnums
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        dyn = self.dynamic(args)
         specs = self.specs_for(len(dyn))
         self.check_args(dyn, specs)
         if self.explicit:
@@ -122,6 +118,11 @@ class _Plan:
             out_specs=self.out_specs,
             check_vma=owner.check_vma,
         )(*dyn)
+
+    def dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The arguments that are not static (those in_specs describe)."""
+        static = self.owner.static_argnums
+        return tuple(a for i, a in enumerate(args) if i not in static)
 
     def specs_for(self, n: int) -> tuple[Any, ...]:
         if isinstance(self.in_specs, PartitionSpec):
@@ -187,7 +188,7 @@ class _Plan:
                     f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
                     "argument every device gets whole."
                 )
-            for d, axes in enumerate(_norm(s, len(shape))):
+            for d, axes in enumerate(dim_axes(s, len(shape))):
                 n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
                 if axes and shape[d] % n:
                     label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
@@ -207,7 +208,7 @@ class _Plan:
             ndim = np.ndim(leaf)
             have = getattr(jax.typeof(leaf), "sharding", None)
             have_spec = have.spec if have is not None else PartitionSpec()
-            if _norm(have_spec, ndim) == _norm(s, ndim):
+            if dim_axes(have_spec, ndim) == dim_axes(s, ndim):
                 return leaf
             if spec_axes(have_spec):
                 self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
@@ -244,8 +245,7 @@ class _Plan:
     def place(self, args: tuple[Any, ...], *, host_only: bool) -> tuple[Any, ...] | None:
         """Arguments jit will accept, or None when nothing here could be the problem."""
         static = self.owner.static_argnums
-        dyn_idx = [i for i in range(len(args)) if i not in static]
-        dyn = tuple(args[i] for i in dyn_idx)
+        dyn = self.dynamic(args)
         specs = self.specs_for(len(dyn))
         changed = False
 
@@ -294,8 +294,7 @@ class _Plan:
             failure = e
         # jit refused the arguments. Shapes that cannot split get meshkit's message; arrays in
         # another layout (or on one device) are moved, and the call is made again.
-        static = self.owner.static_argnums
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        dyn = self.dynamic(args)
         self.check_args(dyn, self.specs_for(len(dyn)))
         placed = self.place(args, host_only=False)
         if placed is None:
@@ -457,14 +456,7 @@ def _check_leaf(s: Any, where: str) -> PartitionSpec:
             f"meshkit.{where} is None. Consider P() or '' for a value every device gets whole "
             "(None is only allowed at static_argnums positions)."
         )
-    if isinstance(s, str):
-        return parse_spec(s).partition
-    if isinstance(s, PartitionSpec):
-        return s
-    raise MeshkitError(
-        f"meshkit.{where} must be a PartitionSpec or a spec string such as 'data _ model'; "
-        f"got {s!r} of type {type(s).__name__}."
-    )
+    return as_partition_spec(s, f"meshkit.{where}")
 
 
 def _argnums(value: int | Sequence[int], what: str, name: str) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import meshkit
 from meshkit import MeshkitError
 from meshkit import collectives as C
+from meshkit._specs import dim_axes
 from meshkit.testing import assert_spmd_matches_reference
 from meshkit.testing import strategies as mks
 
@@ -30,11 +31,7 @@ EXAMPLES = 25 * (10 if os.environ.get("MESHKIT_HYPOTHESIS_PROFILE") == "dev" els
 
 
 def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    out = []
-    for d in range(ndim):
-        e = spec[d] if d < len(spec) else None
-        out.append(() if e is None else tuple(e) if isinstance(e, tuple) else (e,))
-    return out
+    return list(dim_axes(spec, ndim))
 
 
 def _spec(entries: list[tuple[str, ...]]) -> P:

@@ -26,19 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import collectives as _collectives
 from .._errors import MeshkitError
-from .._specs import check_spec_for_mesh, is_spec_leaf, map_specs, map_under_specs
+from .._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs, map_under_specs
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]
 
 _TIMEOUT_S = 120.0
-
-
-def _norm(partition: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
-    out: list[tuple[str, ...]] = []
-    for i in range(ndim):
-        entry = partition[i] if i < len(partition) else None
-        out.append(() if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,))
-    return out
 
 
 def _linear(coord: Mapping[str, int], names: Sequence[str], sizes: Mapping[str, int]) -> int:
@@ -53,7 +45,7 @@ def _block(
     value: np.ndarray, spec: PartitionSpec, coord: Mapping[str, int], sizes: Mapping[str, int]
 ) -> np.ndarray:
     index = []
-    for d, axes in enumerate(_norm(spec, value.ndim)):
+    for d, axes in enumerate(dim_axes(spec, value.ndim)):
         count = math.prod(sizes[a] for a in axes)
         step = value.shape[d] // count
         k = _linear(coord, axes, sizes)
@@ -362,7 +354,7 @@ def _assemble(sim: _Simulation, out_specs: Any, outputs: list[Any]) -> Any:
 
     def place(spec: PartitionSpec, leaves: list[np.ndarray]) -> np.ndarray:
         block_shape = leaves[0].shape
-        axes = _norm(spec, len(block_shape))
+        axes = dim_axes(spec, len(block_shape))
         shape = [
             b * math.prod(sim.sizes[a] for a in ax) for b, ax in zip(block_shape, axes, strict=True)
         ]

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, PartitionSpec
 
 from .._mesh import make_mesh
+from .._specs import dim_axes
 
 __all__ = [
     "DTYPES",
@@ -115,20 +116,11 @@ def specs(draw: st.DrawFn, mesh: Mesh, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _split_sizes(mesh: Mesh, spec: PartitionSpec, ndim: int) -> list[int]:
-    sizes = []
-    for d in range(ndim):
-        entry = spec[d] if d < len(spec) else None
-        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        sizes.append(math.prod(mesh.shape[a] for a in axes))
-    return sizes
-
-
 def shapes_for(
     mesh: Mesh, spec: PartitionSpec, ndim: int, *, max_block: int = 3
 ) -> st.SearchStrategy[tuple[int, ...]]:
     """Global shapes of rank ``ndim`` that ``spec`` splits evenly (blocks of 1..max_block)."""
-    splits = _split_sizes(mesh, spec, ndim)
+    splits = [math.prod(mesh.shape[a] for a in axes) for axes in dim_axes(spec, ndim)]
     return st.tuples(*[st.integers(1, max_block).map(lambda b, s=s: b * s) for s in splits])
 
 
