@@ -3,15 +3,25 @@
 One Python process per host runs the same program; meshkit joins them (`init`), builds
 meshes over every device of every process (`make_mesh`), and starts local multi-process
 runs for development and tests (``meshkit launch``, `meshkit.testing`). Per-device code runs
-through `spmd` with the named-axis collectives of `meshkit.collectives`.
+through `spmd` with the named-axis collectives of `meshkit.collectives`. Data pipelines turn
+each process's batches into global arrays (`global_array_from_local`, `global_batches`) and
+back (`local_from_global`, `gather`); `process_slice` says which part each process loads.
 """
 
 from . import collectives as collectives
+from ._batches import GlobalBatches as GlobalBatches
+from ._batches import global_batches as global_batches
 from ._errors import LaunchError as LaunchError
 from ._errors import MeshkitError as MeshkitError
+from ._gather import gather as gather
+from ._gather import local_from_global as local_from_global
+from ._global import DtypeWarning as DtypeWarning
+from ._global import global_array_from_local as global_array_from_local
 from ._launch import LaunchResult as LaunchResult
 from ._launch import RankResult as RankResult
 from ._launch import launch as launch
+from ._layout import ProcessSlice as ProcessSlice
+from ._layout import process_slice as process_slice
 from ._mesh import describe as describe
 from ._mesh import make_mesh as make_mesh
 from ._runtime import RuntimeInfo as RuntimeInfo
@@ -25,18 +35,26 @@ from ._spmd import spmd as spmd
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DtypeWarning",
+    "GlobalBatches",
     "LaunchError",
     "LaunchResult",
     "MeshkitError",
+    "ProcessSlice",
     "RankResult",
     "ReshardWarning",
     "RuntimeInfo",
     "SpmdFunction",
     "collectives",
     "describe",
+    "gather",
+    "global_array_from_local",
+    "global_batches",
     "init",
     "launch",
+    "local_from_global",
     "make_mesh",
+    "process_slice",
     "runtime_info",
     "spec",
     "spmd",

@@ -492,6 +492,11 @@ def _select_gloo() -> str | None:
 
 
 _exchange_seq: dict[str, int] = {}
+_BLOCK = 64
+
+
+def _exchange_key(tag: str, process: int, seq: int) -> str:
+    return f"meshkit/{tag}/{process}/{seq // _BLOCK}/{seq}"
 
 
 def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], list[int]]:
@@ -515,11 +520,14 @@ def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], l
         return {me: value}, []
     seq = _exchange_seq.get(tag, 0)
     _exchange_seq[tag] = seq + 1
-    client.key_value_set(f"meshkit/{tag}/{seq}/{me}", value)
-    if seq >= 2:
-        # Every process has read exchange seq-2: we could not be at seq otherwise.
+    # Keys are grouped in blocks of _BLOCK calls so that old ones go in one delete per block:
+    # at call seq every process has read this one's calls up to seq - 2 (it could not have
+    # finished call seq - 1 otherwise), so the whole previous block is free at the second call
+    # of a block.
+    client.key_value_set(_exchange_key(tag, me, seq), value)
+    if seq % _BLOCK == 1 and seq > _BLOCK:
         with contextlib.suppress(Exception):
-            client.key_value_delete(f"meshkit/{tag}/{seq - 2}/{me}")
+            client.key_value_delete(f"meshkit/{tag}/{me}/{seq // _BLOCK - 1}")
     deadline = time.monotonic() + timeout
     values = {me: value}
     missing = []
@@ -528,7 +536,7 @@ def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], l
             continue
         wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            values[other] = client.blocking_key_value_get(f"meshkit/{tag}/{seq}/{other}", wait_ms)
+            values[other] = client.blocking_key_value_get(_exchange_key(tag, other, seq), wait_ms)
         except Exception as e:  # JAX raises its runtime error type for a deadline
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise

@@ -1,0 +1,723 @@
+"""Global arrays from each process's local data: `global_array_from_local`.
+
+Each process passes the part of the global array its devices hold (`meshkit.process_slice`
+says which); meshkit checks through the coordination service that the processes agree, puts one
+numpy view per block on each local device, and assembles the global `jax.Array`.
+
+Cost. A call is: a cached layout plan per leaf; numpy views (no host copy unless a dtype cast
+or padding needs one); one batched ``jax.device_put`` of the distinct blocks, and one more
+that copies blocks to the other local devices that hold the same block (replicas, device to
+device, not from the host again); ``jax.make_array_from_single_device_arrays``. The
+cross-process check (one small message per process through the coordination service) runs in
+a helper thread while the blocks are copied, so its latency hides behind the transfer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _compat, _dispatch, _layout, _runtime
+from ._errors import MeshkitError
+from ._specs import SpecLike, check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
+
+__all__ = ["DtypeWarning", "global_array_from_local"]
+
+Check = bool | Literal["data"]
+_WHAT = "meshkit.global_array_from_local"
+_SITE = _dispatch.CallSite("global_array_from_local", "meshkit.global_array_from_local")
+
+
+class DtypeWarning(UserWarning):
+    """64-bit data was narrowed to 32 bits because JAX's ``jax_enable_x64`` is off.
+
+    Issued once per process and dtype. Pass ``dtype=`` to choose the type explicitly (no
+    warning), or enable x64.
+    """
+
+
+_warned_dtypes: set[tuple[str, str]] = set()
+
+_NOT_DIVISIBLE = """\
+{what}: the local array at {path} has shape {shape}; its dimension {dim}{name} has size {size},
+which does not split over this process's {k} block{s} of that dimension (the mesh axes {axes}
+split the global dimension {n} ways, and process {process}'s devices hold {k} of those blocks).
+{fix}"""
+
+_NOT_RECTANGULAR = """\
+{what}: under the sharding {sharding}, process {process}'s devices hold blocks of {path} that do
+not form a grid (block indices per dimension: {intervals}), so no single local array can hold
+them.
+Consider a mesh from meshkit.make_mesh (which keeps each process's devices together), or a spec
+that splits fewer dimensions across processes."""
+
+
+@dataclass
+class Leaf:
+    """One array of the local pytree, checked and planned."""
+
+    path: str
+    value: np.ndarray
+    sharding: NamedSharding
+    dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
+    global_shape: tuple[int, ...]
+    plan: _layout.Plan
+    rows: int  # the local leading size before padding
+
+
+@dataclass
+class Prepared:
+    """What this process will contribute to one assembly, before any device transfer."""
+
+    treedef: Any
+    leaves: list[Leaf]
+    mask_sharding: NamedSharding | None = None
+    mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
+    mask_plan: _layout.Plan | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def _tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(p) or "(the array)", leaf) for p, leaf in flat], treedef
+
+
+def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> list[Any]:
+    """One (mesh, spec-like) pair per leaf."""
+    if isinstance(mesh_or_sharding, NamedSharding):
+        if spec is not None:
+            raise MeshkitError(
+                f"{_WHAT}: spec= was given with a NamedSharding, which already holds its spec "
+                f"({mesh_or_sharding.spec}).\nConsider passing the mesh and the spec, or the "
+                "NamedSharding alone."
+            )
+        if not isinstance(mesh_or_sharding.mesh, Mesh):
+            raise MeshkitError(
+                f"{_WHAT}: the NamedSharding's mesh is abstract; global arrays need a mesh of "
+                "devices (a jax.sharding.Mesh, e.g. from meshkit.make_mesh)."
+            )
+        return [(mesh_or_sharding.mesh, mesh_or_sharding.spec)] * n_leaves
+    if not isinstance(mesh_or_sharding, Mesh):
+        raise MeshkitError(
+            f"{_WHAT}: mesh_or_sharding must be a jax.sharding.Mesh (with spec=) or a "
+            f"NamedSharding; got {type(mesh_or_sharding).__name__}."
+        )
+    if spec is None:
+        raise MeshkitError(
+            f"{_WHAT}: with a Mesh, spec= says how the global array is split, e.g. 'data' "
+            "(leading dimension over the 'data' axis) or PartitionSpec('data', None).\n"
+            "Consider spec='' (a spec with no entries) for data every process holds whole."
+        )
+    mesh = mesh_or_sharding
+    if is_spec_leaf(spec):
+        return [(mesh, spec)] * n_leaves
+    try:
+        per_leaf = jax.tree_util.tree_map(
+            lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, local,
+            is_leaf=is_spec_leaf,
+        )  # fmt: skip
+    except ValueError as e:
+        raise MeshkitError(
+            f"{_WHAT}: spec must be one spec for every array, or a pytree prefix of local with "
+            f"a spec at each leaf; the structures do not match:\n{e}"
+        ) from None
+    specs = jax.tree_util.tree_leaves(per_leaf, is_leaf=is_spec_leaf)
+    return [(mesh, s) for s in specs]
+
+
+def _check_global_mesh(mesh: Mesh) -> None:
+    processes = {int(d.process_index) for d in mesh.devices.flat}
+    count = jax.process_count()
+    if processes != set(range(count)):
+        raise MeshkitError(
+            f"{_WHAT}: the mesh {dict(mesh.shape)} holds devices of processes "
+            f"{sorted(processes)}, but the program has {count} processes; a global array needs "
+            "a mesh over every process's devices.\n"
+            "Consider meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
+            "jax.local_devices()."
+        )
+
+
+def _as_numpy(path: str, leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array):
+        if not leaf.is_fully_addressable:
+            raise MeshkitError(
+                f"{_WHAT}: the leaf at {path} is already a global jax.Array "
+                f"(shape {leaf.shape}, sharding {leaf.sharding}); local data is this process's "
+                "part only.\nConsider using the array as it is, or meshkit.local_from_global(x) "
+                "to get this process's part."
+            )
+        return np.asarray(leaf)
+    if isinstance(leaf, bool | int | float | complex):
+        value = np.asarray(leaf)
+        return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+    if isinstance(leaf, np.ndarray | np.generic) or hasattr(leaf, "__array__"):
+        value = np.asarray(leaf)
+        if not (value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)):
+            raise MeshkitError(
+                f"{_WHAT}: the leaf at {path} is an array of dtype {value.dtype}; global arrays "
+                "hold numbers or booleans.\nConsider encoding it as numbers, or keeping it out "
+                "of the pytree."
+            )
+        return value
+    shown = repr(leaf)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise MeshkitError(
+        f"{_WHAT}: the leaf at {path} is a {type(leaf).__name__} ({shown}), not an array; "
+        "global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, and "
+        "keeping strings and other objects out of the pytree."
+    )
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside meshkit."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("meshkit."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _cast(path: str, value: np.ndarray, dtype: Any) -> np.ndarray:
+    wanted = value.dtype if dtype is None else np.dtype(dtype)
+    target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
+    if target != wanted:
+        key = (str(wanted), str(target))
+        if key not in _warned_dtypes:
+            _warned_dtypes.add(key)
+            source = "dtype=" if dtype is not None else f"the data at {path}"
+            warnings.warn(
+                f"{_WHAT}: {source} is {wanted}, but JAX's 64-bit mode is off, so the global "
+                f"array is {target}. (Shown once per dtype.)\nConsider dtype={target.name!r} to "
+                "say so, or jax.config.update('jax_enable_x64', True) to keep 64 bits.",
+                DtypeWarning,
+                stacklevel=user_stacklevel(),
+            )
+    return value if value.dtype == target else value.astype(target)
+
+
+def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | None]:
+    if global_shape is None:
+        return [None] * len(paths)
+
+    def is_shape(x: Any) -> bool:
+        return isinstance(x, tuple | list) and all(isinstance(s, int) for s in x)
+
+    if is_shape(global_shape):
+        if len(paths) != 1:
+            raise MeshkitError(
+                f"{_WHAT}: global_shape={tuple(global_shape)} is one shape, but local holds "
+                f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
+                "\nConsider a pytree of shapes with local's structure."
+            )
+        return [tuple(global_shape)]
+    shapes = jax.tree_util.tree_leaves(global_shape, is_leaf=is_shape)
+    if len(shapes) != len(paths) or not all(is_shape(s) for s in shapes):
+        raise MeshkitError(
+            f"{_WHAT}: global_shape must be a shape (for a single array) or a pytree of shapes "
+            f"with local's structure ({len(paths)} arrays); got {global_shape!r}."
+        )
+    return [tuple(s) for s in shapes]
+
+
+def _block_desc(dim: int, axes: tuple[str, ...]) -> str:
+    return f"{axes}" if axes else f"(dimension {dim} is not split)"
+
+
+def prepare(
+    local: Any,
+    mesh_or_sharding: Any,
+    spec: Any,
+    *,
+    global_shape: Any,
+    dtype: Any,
+    pad: bool,
+) -> Prepared:
+    """Check and plan this process's contribution; no communication, no device transfer."""
+    named, treedef = _tree_paths(local)
+    if not named:
+        raise MeshkitError(f"{_WHAT}: local holds no arrays (an empty pytree).")
+    pairs = _resolve(mesh_or_sharding, spec, local, len(named))
+    shapes = _shape_for(global_shape, [p for p, _ in named])
+    me = jax.process_index()
+    checked_meshes: set[int] = set()
+    leaves = []
+    for (path, leaf), (mesh, spec_like), given in zip(named, pairs, shapes, strict=True):
+        if id(mesh) not in checked_meshes:
+            _check_global_mesh(mesh)
+            checked_meshes.add(id(mesh))
+        partition = check_spec_for_mesh(
+            spec_like if spec_like is not None else PartitionSpec(), mesh, f"{_WHAT}: spec"
+        )
+        value = _cast(path, _as_numpy(path, leaf), dtype)
+        dims = parse_spec(spec_like).dims if isinstance(spec_like, str) else None
+        if len(partition) > value.ndim:
+            raise MeshkitError(
+                f"{_WHAT}: the spec {partition} for {path} has {len(partition)} entries, but the "
+                f"array has shape {value.shape} ({value.ndim} dimensions).\n"
+                "Consider one spec entry per dimension at most (missing ones are not split)."
+            )
+        if dims is not None and len(dims) != value.ndim:
+            raise MeshkitError(
+                f"{_WHAT}: the spec string {spec_like!r} names {len(dims)} dimensions, but the "
+                f"array at {path} has shape {value.shape} ({value.ndim} dimensions)."
+            )
+        sharding = NamedSharding(mesh, partition)
+        counts = _layout.block_counts(sharding, value.ndim)
+        unit = _layout.plan(sharding, counts, me)
+        if not unit.rectangular:
+            raise MeshkitError(
+                _NOT_RECTANGULAR.format(
+                    what=_WHAT, sharding=sharding, process=me, path=path,
+                    intervals=[[a for a, _ in ivs] for ivs in unit.intervals],
+                )
+            )  # fmt: skip
+        held = unit.local_shape  # blocks this process holds along each dimension
+        inferred = []
+        for d, (size, k, n) in enumerate(zip(value.shape, held, counts, strict=True)):
+            if size % k and not (pad and d == 0):
+                fix = (
+                    "Consider pad=True to pad the last, smaller batch (a mask marks the padding),"
+                    f" or a local batch divisible by {k}."
+                    if d == 0
+                    else f"Consider a size divisible by {k}, or a spec that does not split "
+                    f"dimension {d}."
+                )
+                raise MeshkitError(
+                    _NOT_DIVISIBLE.format(
+                        what=_WHAT, path=path, shape=value.shape, dim=d,
+                        name=f" ({dims[d]!r})" if dims else "", size=size, k=k,
+                        s="" if k == 1 else "s", axes=_block_desc(d, dim_axes(partition,
+                        value.ndim)[d]), n=n, process=me, fix=fix,
+                    )
+                )  # fmt: skip
+            inferred.append(-(-size // k) * n)
+        shape = tuple(inferred)
+        if given is not None:
+            _check_given(path, value, given, shape, held, counts, pad, me)
+            shape = tuple(given)
+        leaves.append(
+            Leaf(path, value, sharding, dims, shape, unit, value.shape[0] if value.ndim else 0)
+        )
+    prepared = Prepared(treedef, leaves)
+    if pad:
+        _prepare_mask(prepared)
+    return prepared
+
+
+def _check_given(
+    path: str,
+    value: np.ndarray,
+    given: tuple[int, ...],
+    inferred: tuple[int, ...],
+    held: tuple[int, ...],
+    counts: tuple[int, ...],
+    pad: bool,
+    me: int,
+) -> None:
+    if len(given) != value.ndim:
+        raise MeshkitError(
+            f"{_WHAT}: global_shape {given} for {path} has {len(given)} dimensions, but the local "
+            f"array has shape {value.shape}."
+        )
+    for d, (g, i, k, n) in enumerate(zip(given, inferred, held, counts, strict=True)):
+        if pad and d == 0:
+            if g % n or g // n * k < value.shape[0]:
+                raise MeshkitError(
+                    f"{_WHAT}: global_shape {given} for {path} leaves process {me} room for "
+                    f"{g // n * k if not g % n else '(not a whole number of)'} rows of its "
+                    f"{value.shape[0]} (it holds {k} of the {n} blocks of dimension 0).\n"
+                    f"Consider a leading size that is a multiple of {n} and at least "
+                    f"{-(-value.shape[0] // k) * n}."
+                )
+        elif g != i:
+            raise MeshkitError(
+                f"{_WHAT}: global_shape {given} for {path} does not match the local data: the "
+                f"local array has shape {value.shape}, and process {me} holds {k} of the {n} "
+                f"blocks of dimension {d}, so that dimension's global size is "
+                f"{value.shape[d]} / {k} * {n} = {i}, not {g}.\n"
+                "Consider leaving global_shape out (meshkit infers it), or passing the local "
+                "data process_slice(mesh, spec, global_shape) describes."
+            )
+
+
+def _prepare_mask(prepared: Prepared) -> None:
+    first = prepared.leaves[0]
+    lead = dim_axes(first.sharding.spec, max(1, first.value.ndim))[0]
+    for leaf in prepared.leaves:
+        if leaf.value.ndim == 0:
+            raise MeshkitError(
+                f"{_WHAT}: pad=True pads the leading (batch) dimension, but {leaf.path} is a "
+                "scalar.\nConsider passing scalars in a separate call."
+            )
+        axes = dim_axes(leaf.sharding.spec, leaf.value.ndim)[0]
+        if leaf.rows != first.rows or axes != lead or leaf.sharding.mesh != first.sharding.mesh:
+            raise MeshkitError(
+                f"{_WHAT}: pad=True needs every array to share the leading (batch) dimension, "
+                f"split the same way, for one mask to describe them; {first.path} has "
+                f"{first.rows} rows split over {lead}, {leaf.path} has {leaf.rows} rows split "
+                f"over {axes}.\nConsider separate calls for arrays with different batch layouts."
+            )
+    prepared.mask_sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
+
+
+def finish_padding(prepared: Prepared, block_rows: int) -> None:
+    """Pad every leaf's leading dimension to ``block_rows`` per block held; plan the mask."""
+    me = jax.process_index()
+    for leaf in prepared.leaves:
+        k = leaf.plan.local_shape[0]
+        n = _layout.block_counts(leaf.sharding, leaf.value.ndim)[0]
+        rows = block_rows * k
+        if rows != leaf.rows:
+            padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
+            padded[: leaf.rows] = leaf.value
+            leaf.value = padded
+        leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
+    first = prepared.leaves[0]
+    prepared.mask_rows = (first.rows, first.value.shape[0])
+    for leaf in prepared.leaves:
+        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
+    assert prepared.mask_sharding is not None
+    prepared.mask_plan = _layout.plan(prepared.mask_sharding, first.global_shape[:1], me)
+
+
+def block_rows(prepared: Prepared) -> int:
+    first = prepared.leaves[0]
+    return -(-first.rows // first.plan.local_shape[0])
+
+
+def plan_leaves(prepared: Prepared) -> None:
+    """Replace the unit plans by the plans for the global shapes (no padding)."""
+    me = jax.process_index()
+    for leaf in prepared.leaves:
+        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
+
+
+def describe(prepared: Prepared, check: Check, pad: bool) -> dict[str, Any]:
+    """This process's record for the cross-process comparison (JSON-serialisable)."""
+    leaves = []
+    for leaf in prepared.leaves:
+        shape: list[Any] = list(leaf.global_shape)
+        if pad and shape:
+            shape[0] = "?"
+        axes = [list(a) for a in dim_axes(leaf.sharding.spec, leaf.value.ndim)]
+        leaves.append([leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape)])
+    record: dict[str, Any] = {"status": "data", "tree": str(prepared.treedef), "leaves": leaves}
+    if pad:
+        record["block_rows"] = block_rows(prepared)
+    if check == "data":
+        record["hashes"] = [
+            {
+                repr(tuple(s.start for s in pl.global_index)): _digest(leaf.value[pl.local_index])
+                for pl in leaf.plan.placements
+                if pl.first
+            }
+            for leaf in prepared.leaves
+        ]
+    return record
+
+
+def _digest(block: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(block).data, digest_size=12).hexdigest()
+
+
+def _groups(values: dict[int, Any]) -> str:
+    by: dict[str, list[int]] = {}
+    for pid, v in sorted(values.items()):
+        by.setdefault(str(v), []).append(pid)
+    return "\n".join(
+        f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}" for v, p in by.items()
+    )
+
+
+def raise_failures(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
+    """Raise a `MeshkitError` naming the processes that reported a failure instead of data."""
+    failed = {p: r for p, r in records.items() if r.get("status") == "error"}
+    if failed:
+        lines = "\n".join(f"  process {p}: {r['message']}" for p, r in sorted(failed.items()))
+        raise MeshkitError(
+            f"{what}: process{'es' if len(failed) > 1 else ''} "
+            f"{','.join(map(str, sorted(failed)))} failed before the processes compared their "
+            f"data:\n{lines}\nEvery process stops here too (the program cannot go on with "
+            "some processes missing)."
+        )
+
+
+def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
+    """Raise a `MeshkitError` naming the processes and the pytree path where records differ."""
+    raise_failures(records, what)
+    trees = {p: r["tree"] for p, r in records.items()}
+    if len(set(trees.values())) > 1:
+        raise MeshkitError(
+            f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
+            "Every process must pass the same structure (same keys, same number of arrays).\n"
+            "Consider building batches with the same code and keys on every process."
+        )
+    first = min(records)
+    for i, leaf in enumerate(records[first]["leaves"]):
+        path = leaf[0]
+        for field_index, name in ((1, "dtype"), (2, "split"), (3, "global shape")):
+            seen = {p: r["leaves"][i][field_index] for p, r in records.items()}
+            if len({json.dumps(v) for v in seen.values()}) > 1:
+                shown = {
+                    p: f"{r['leaves'][i][1]}{r['leaves'][i][4]} (global {r['leaves'][i][3]}, "
+                    f"split over {[tuple(a) for a in r['leaves'][i][2]]})"
+                    for p, r in records.items()
+                }
+                raise MeshkitError(
+                    f"{what}: processes disagree on the {name} of {path}:\n{_groups(shown)}\n"
+                    "Processes must pass local arrays that fit together into one global array "
+                    "(local shape = global shape / processes along each split dimension).\n"
+                    "Consider checking each process's loader; for an uneven last batch pass "
+                    "pad=True."
+                )
+    if "hashes" in records[first]:
+        _compare_hashes(records, what)
+
+
+def _compare_hashes(records: dict[int, dict[str, Any]], what: str) -> None:
+    first = min(records)
+    for i, leaf in enumerate(records[first]["leaves"]):
+        owners: dict[str, dict[int, str]] = {}
+        for p, r in sorted(records.items()):
+            for block, digest in r["hashes"][i].items():
+                owners.setdefault(block, {})[p] = digest
+        for block, digests in owners.items():
+            if len(set(digests.values())) > 1:
+                by: dict[str, list[int]] = {}
+                for p, dg in digests.items():
+                    by.setdefault(dg, []).append(p)
+                groups = " vs ".join(str(ps) for ps in by.values())
+                raise MeshkitError(
+                    f"{what}: processes {groups} hold the same block of {leaf[0]} (starting at "
+                    f"{block}) as replicas, but passed different data for it.\n"
+                    "Processes in a replica group (meshkit.process_slice(...).replicas) must "
+                    "load identical data; consider seeding their loaders by shard_index, not by "
+                    "process index."
+                )
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="meshkit-check")
+    return _pool
+
+
+def exchange_records(
+    tag: str, record: dict[str, Any], what: str = _WHAT
+) -> dict[int, dict[str, Any]]:
+    """Every process's record, through the coordination service; missing ones are an error."""
+    timeout = _runtime.check_timeout()
+    values, missing = _runtime.exchange(tag, json.dumps(record), timeout=timeout)
+    if missing:
+        raise MeshkitError(
+            f"{what}: process{'es' if len(missing) > 1 else ''} {missing} did not arrive within "
+            f"{timeout:g} s; the others did.\n"
+            "Every process must make the same calls in the same order (a process that stopped, "
+            "crashed, or took another branch never arrives).\n"
+            f"Consider looking at those processes' output; {_runtime.ENV_CHECK_TIMEOUT} sets the "
+            "wait."
+        )
+    return {p: json.loads(v) for p, v in values.items()}
+
+
+def publish_failure(tag: str, error: BaseException) -> None:
+    """Tell the other processes that this one failed, so they stop now instead of timing out."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    record = {"status": "error", "message": f"{type(error).__name__}: {message}"}
+    _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+
+
+def transfer(prepared: Prepared) -> list[list[jax.Array]]:
+    """Put every block on its devices: distinct blocks from the host, replicas device to device."""
+    views, targets, where = [], [], []
+    for i, leaf in enumerate(prepared.leaves):
+        for j, pl in enumerate(leaf.plan.placements):
+            if pl.first:
+                views.append(leaf.value[pl.local_index])
+                targets.append(pl.device)
+                where.append((i, j))
+    mask_plan = prepared.mask_plan
+    if mask_plan is not None and prepared.mask_rows is not None:
+        real, rows = prepared.mask_rows
+        mask = np.zeros(rows, bool)
+        mask[:real] = True
+        for j, pl in enumerate(mask_plan.placements):
+            if pl.first:
+                views.append(mask[pl.local_index])
+                targets.append(pl.device)
+                where.append((len(prepared.leaves), j))
+    placed = jax.device_put(views, targets)
+    plans = [leaf.plan for leaf in prepared.leaves] + ([mask_plan] if mask_plan else [])
+    out: list[list[Any]] = [[None] * len(p.placements) for p in plans]
+    by_block: dict[tuple[int, Any], jax.Array] = {}
+    for (i, j), array in zip(where, placed, strict=True):
+        out[i][j] = array
+        by_block[(i, repr(plans[i].placements[j].global_index))] = array
+    copies, copy_targets, copy_where = [], [], []
+    for i, p in enumerate(plans):
+        for j, pl in enumerate(p.placements):
+            if not pl.first:
+                copies.append(by_block[(i, repr(pl.global_index))])
+                copy_targets.append(pl.device)
+                copy_where.append((i, j))
+    if copies:
+        for (i, j), array in zip(copy_where, jax.device_put(copies, copy_targets), strict=True):
+            out[i][j] = array
+    return out
+
+
+def assemble(prepared: Prepared, arrays: list[list[jax.Array]]) -> tuple[Any, jax.Array | None]:
+    """The global arrays (in local's pytree) and the mask, from the placed blocks."""
+    leaves = [
+        jax.make_array_from_single_device_arrays(leaf.global_shape, leaf.sharding, arrays[i])
+        for i, leaf in enumerate(prepared.leaves)
+    ]
+    mask = None
+    if prepared.mask_sharding is not None and prepared.mask_plan is not None:
+        mask = jax.make_array_from_single_device_arrays(
+            prepared.mask_plan.global_shape, prepared.mask_sharding, arrays[len(prepared.leaves)]
+        )
+    return jax.tree_util.tree_unflatten(prepared.treedef, leaves), mask
+
+
+def run(
+    local: Any,
+    mesh_or_sharding: Any,
+    spec: Any,
+    *,
+    global_shape: Any,
+    dtype: Any,
+    pad: bool,
+    check: Check,
+    tag: str,
+    what: str = _WHAT,
+) -> tuple[Any, jax.Array | None]:
+    """`global_array_from_local` with the exchange tag chosen by the caller."""
+    multi = _compat.distributed_state()[2] > 1
+    exchanging = multi and (check or (pad and global_shape is None))
+    try:
+        prepared = prepare(
+            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
+        )
+    except MeshkitError as e:
+        if exchanging:
+            publish_failure(tag, e)
+        raise
+    if pad:
+        rows = block_rows(prepared)
+        if exchanging and global_shape is None:
+            records = exchange_records(tag, describe(prepared, check, pad), what)
+            compare(records, what)
+            rows = max(int(r["block_rows"]) for r in records.values())
+            exchanging = False
+        elif global_shape is not None:
+            first = prepared.leaves[0]
+            n = _layout.block_counts(first.sharding, first.value.ndim)[0]
+            rows = first.global_shape[0] // n
+        finish_padding(prepared, rows)
+        if exchanging:  # pad with a given global_shape: the check still compares the rest
+            compare(exchange_records(tag, describe(prepared, check, pad), what), what)
+            exchanging = False
+    else:
+        plan_leaves(prepared)
+    pending = None
+    if exchanging:
+        pending = _executor().submit(exchange_records, tag, describe(prepared, check, pad), what)
+    arrays = transfer(prepared)
+    if pending is not None:
+        compare(pending.result(), what)
+    return assemble(prepared, arrays)
+
+
+def global_array_from_local(
+    local: Any,
+    mesh_or_sharding: Mesh | NamedSharding,
+    spec: SpecLike | Any = None,
+    *,
+    global_shape: Sequence[int] | Any = None,
+    dtype: Any = None,
+    pad: bool = False,
+    check: Check = True,
+) -> Any:
+    """Assemble global `jax.Array`s from every process's local data.
+
+    Each process passes its own part: along each dimension the array is split across processes,
+    the rows its devices hold (`meshkit.process_slice` says which); dimensions split only inside
+    a process, or not split, are passed whole. Processes whose devices hold the same blocks (a
+    mesh axis across processes that the spec does not use) must pass the same data. With one
+    process, ``local`` is the whole array.
+
+    Args:
+        local: this process's data: an array or a pytree (dict, list, tuple, NamedTuple,
+            registered dataclass) of numpy arrays, array-likes, scalars or single-process
+            ``jax.Array`` s.
+        mesh_or_sharding: a `jax.sharding.Mesh` over every process's devices (with ``spec``),
+            or a `jax.sharding.NamedSharding` (without ``spec``).
+        spec: how the global array is split: a `jax.sharding.PartitionSpec`, a spec string
+            (``"data"``, ``"batch seq -> data _"``), or a pytree of them that is a prefix of
+            ``local``.
+        global_shape: the global shape (a shape, or a pytree of shapes like ``local``).
+            Inferred when left out; when given it is checked against the local data, and with
+            ``pad=True`` it fixes the padded leading size (no exchange of sizes).
+        dtype: cast every array to this dtype.
+        pad: pad the leading (batch) dimension with zeros to a size every process agrees on, so
+            that uneven batches (the last one of an epoch) still assemble; the result is then
+            ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
+            True for real rows.
+        check: compare the processes' pytree structure, dtypes and shapes through the
+            coordination service (one small message per process, overlapped with the copy to
+            the devices); a mismatch raises on every process. ``"data"`` also checks that
+            replicas passed identical data (it hashes every block: costly, for debugging).
+            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
+            ``global_shape`` is given).
+
+    Returns:
+        The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair
+        ``(arrays, mask)``.
+
+    Raises:
+        MeshkitError: a local dimension does not split over this process's blocks (for the
+            leading one, consider ``pad=True``); processes disagree on structure, shapes or
+            dtypes, or one of them failed or did not arrive within ``MESHKIT_CHECK_TIMEOUT``
+            seconds; the spec names an axis the mesh lacks or has more entries than the array
+            has dimensions; the mesh does not span every process; a leaf is not an array;
+            ``global_shape`` does not fit the local data.
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16)}
+        >>> g = meshkit.global_array_from_local(batch, mesh, "data")
+        >>> g["x"].shape, g["x"].sharding.spec
+        ((16, 3), PartitionSpec('data',))
+        >>> (x, mask) = meshkit.global_array_from_local(np.ones((13, 3)), mesh, "data",
+        ...                                              dtype=np.float32, pad=True)
+        >>> x.shape, int(mask.sum())
+        ((16, 3), 13)
+    """
+    _dispatch.enter(_SITE, (local,))
+    tree, mask = run(
+        local,
+        mesh_or_sharding,
+        spec,
+        global_shape=global_shape,
+        dtype=dtype,
+        pad=pad,
+        check=check,
+        tag="global_array_from_local",
+    )
+    return (tree, mask) if pad else tree
