@@ -197,7 +197,7 @@ class GlobalBatches(Iterator[Any]):
         if status == "end":
             if not (multi and pad and template is not None):
                 if multi:
-                    _global.compare(self._exchange({"status": "end"}), _WHAT)
+                    _global.raise_failures(self._exchange({"status": "end"}), _WHAT)
                 return _END
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template

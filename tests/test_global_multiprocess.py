@@ -1,0 +1,365 @@
+"""Global arrays on 2 processes x 4 CPU devices: assembly, round trip, gather, errors, batches.
+
+Functions starting with an underscore run inside the launched processes (each imports this file
+again). Every process builds the same global reference with a shared seed and passes the part
+`process_slice` names; the assembled array is compared shard by shard with the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshkit.testing import launch_in_processes, run_in_processes
+
+pytestmark = pytest.mark.multiprocess
+
+_FAST_CHECK = {"MESHKIT_CHECK_TIMEOUT": "20"}
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+
+
+def _interleaved_mesh(names, shape):
+    """A mesh whose leading axis alternates processes: p0, p1, p0, p1, ..."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    by = {}
+    for d in jax.devices():
+        by.setdefault(d.process_index, []).append(d)
+    order = [d for pair in zip(*by.values(), strict=True) for d in pair]
+    return Mesh(np.array(order, dtype=object).reshape(shape), names)
+
+
+def _check_shards(g, reference):
+    import numpy as np
+
+    assert g.shape == reference.shape, (g.shape, reference.shape)
+    for shard in g.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), reference[shard.index])
+
+
+def _assemble_layouts():
+    import jax
+    import ml_dtypes
+    import numpy as np
+
+    import meshkit
+
+    rng = np.random.default_rng(0)  # the same global references in every process
+    meshes = {
+        "data x model (data across processes)": meshkit.make_mesh({"data": -1, "model": 4}),
+        "model across processes": meshkit.make_mesh({"model": 8}),
+        "2 x 4, both split": meshkit.make_mesh({"a": 2, "b": 4}),
+        "interleaved (non-contiguous)": _interleaved_mesh(("data", "model"), (4, 2)),
+    }
+    specs = ["_", "data", "model", "data model", "model data", "(data model)", "_ model",
+             "a", "b", "a b", "b a", "(a b)", "_ a"]  # fmt: skip
+    checked = []
+    for mesh_name, mesh in meshes.items():
+        for spec in specs:
+            try:
+                meshkit.spec(spec)
+                axes = [a for a in spec.replace("(", " ").replace(")", " ").split() if a != "_"]
+                if any(a not in mesh.shape for a in axes):
+                    continue
+            except meshkit.MeshkitError:
+                continue
+            for dtype in (np.float32, np.int32, ml_dtypes.bfloat16):
+                ref = (rng.standard_normal((16, 8)) * 8).astype(dtype)
+                part = meshkit.process_slice(mesh, spec, ref.shape)
+                local = part.take(ref)
+                assert local.shape == part.local_shape
+                g = meshkit.global_array_from_local(local, mesh, spec)
+                _check_shards(g, ref)
+                back = meshkit.local_from_global(g)
+                np.testing.assert_array_equal(back, local)
+                np.testing.assert_array_equal(meshkit.gather(g), ref)
+                at0 = meshkit.gather(g, to=0)
+                if jax.process_index() == 0:
+                    np.testing.assert_array_equal(at0, ref)
+                else:
+                    assert at0 is None
+            checked.append(f"{mesh_name}: {spec} {part.ranges} {part.replicas}")
+    # A pytree with a spec per leaf, and a jit output read back (not made by meshkit).
+    mesh = meshes["data x model (data across processes)"]
+    ref = {"x": rng.standard_normal((8, 4)).astype(np.float32), "y": np.arange(8, dtype=np.int32)}
+    local = {
+        "x": meshkit.process_slice(mesh, "data model", (8, 4)).take(ref["x"]),
+        "y": meshkit.process_slice(mesh, "data", (8,)).take(ref["y"]),
+    }
+    g = meshkit.global_array_from_local(local, mesh, {"x": "data model", "y": "data"})
+    doubled = jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a * 2, t))(g)
+    gathered = meshkit.gather(doubled)
+    np.testing.assert_array_equal(gathered["x"], ref["x"] * 2)
+    np.testing.assert_array_equal(gathered["y"], ref["y"] * 2)
+    back = meshkit.local_from_global(doubled)
+    np.testing.assert_array_equal(back["y"], local["y"] * 2)
+    return checked
+
+
+def test_every_layout_assembles_round_trips_and_gathers():
+    results = run_in_processes(_assemble_layouts, num_processes=2, timeout=400)
+    assert len(results[0]) == len(results[1]) >= 20
+    first, second = "\n".join(results[0]), "\n".join(results[1])
+    # The interleaved mesh gives each process non-contiguous rows.
+    rows = "(((0, 2), (4, 6), (8, 10), (12, 14)), ((0, 8),)) (0,)"
+    assert f"interleaved (non-contiguous): (data model) {rows}" in first
+    rows = "(((2, 4), (6, 8), (10, 12), (14, 16)), ((0, 8),)) (1,)"
+    assert f"interleaved (non-contiguous): (data model) {rows}" in second
+    # A model axis across processes with a replicated spec: both processes form one group.
+    assert "model across processes: _ (((0, 16),), ((0, 8),)) (0, 1)" in first
+    assert "model across processes: model (((8, 16),), ((0, 8),)) (1,)" in second
+
+
+def _mismatched_shapes():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    rows = 8 if jax.process_index() == 0 else 4
+    batch = {"x": np.zeros((rows, 3), np.float32), "y": np.zeros((8,), np.int32)}
+    try:
+        meshkit.global_array_from_local(batch, mesh, "data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes():
+    results = run_in_processes(_mismatched_shapes, num_processes=2, timeout=120, env=_FAST_CHECK)
+    for message in results:
+        assert "processes disagree on the global shape of ['x']" in message
+        assert "process 0: float32[8, 3] (global [16, 3]" in message
+        assert "process 1: float32[4, 3] (global [8, 3]" in message
+        assert "pad=True" in message
+
+
+def _mismatched_structure_and_dtype(which):
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    if which == "tree":
+        batch = {"x": np.zeros((8, 3), np.float32)}
+        if me == 1:
+            batch["extra"] = np.zeros((8,), np.float32)
+    else:
+        batch = {"x": np.zeros((8, 3), np.float32 if me == 0 else np.int32)}
+    try:
+        meshkit.global_array_from_local(batch, mesh, "data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def _tree_mismatch():
+    return _mismatched_structure_and_dtype("tree")
+
+
+def _dtype_mismatch():
+    return _mismatched_structure_and_dtype("dtype")
+
+
+def test_mismatched_structure_and_dtype_raise():
+    tree = run_in_processes(_tree_mismatch, num_processes=2, timeout=120, env=_FAST_CHECK)
+    for message in tree:
+        assert "processes passed pytrees of different structure" in message
+        assert "process 0: PyTreeDef({'x': *})" in message
+        assert "process 1: PyTreeDef({'extra': *, 'x': *})" in message
+    dtype = run_in_processes(_dtype_mismatch, num_processes=2, timeout=120, env=_FAST_CHECK)
+    for message in dtype:
+        assert "processes disagree on the dtype of ['x']" in message
+        assert "process 1: int32[8, 3]" in message
+
+
+def _one_process_fails_locally():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    rows = 8 if jax.process_index() == 0 else 7  # process 1: not divisible over its 4 devices
+    try:
+        meshkit.global_array_from_local(np.zeros((rows, 2), np.float32), mesh, "data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_local_error_on_one_process_stops_the_other_at_once():
+    import time
+
+    start = time.monotonic()
+    results = run_in_processes(
+        _one_process_fails_locally, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+    )
+    assert time.monotonic() - start < 50, "process 0 waited for the check timeout"
+    assert "its dimension 0 has size 7" in results[1]
+    assert "Consider pad=True" in results[1]
+    assert "process 1 failed before the processes compared their data" in results[0]
+    assert "MeshkitError: meshkit.global_array_from_local: the local array" in results[0]
+
+
+def _replica_data_differs():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"model": 8})  # spans both processes; "_" replicates over it
+    x = np.full((4, 2), jax.process_index(), np.float32)
+    meshkit.global_array_from_local(x, mesh, "_")  # shapes agree: the default check passes
+    try:
+        meshkit.global_array_from_local(x, mesh, "_", check="data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replica_data_check_is_opt_in_and_names_the_group():
+    results = run_in_processes(_replica_data_differs, num_processes=2, timeout=120, env=_FAST_CHECK)
+    for message in results:
+        assert "processes [0] vs [1] hold the same block of (the array)" in message
+        assert "passed different data" in message
+
+
+def _uneven_last_batch():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1, "model": 4})
+    me = jax.process_index()
+    rows = 5 if me == 0 else 3
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + 100 * me
+    g, mask = meshkit.global_array_from_local({"x": x}, mesh, "data", pad=True)
+    full = meshkit.gather({"x": g["x"], "mask": mask})
+    return {"shape": list(g["x"].shape), "mask": full["mask"].tolist(), "x": full["x"].tolist()}
+
+
+def test_uneven_last_batch_pads_to_an_agreed_size_with_a_mask():
+    results = run_in_processes(_uneven_last_batch, num_processes=2, timeout=120, env=_FAST_CHECK)
+    assert results[0] == results[1]
+    r = results[0]
+    assert r["shape"] == [10, 2]  # 5 rows per process, the larger share
+    assert r["mask"] == [True] * 5 + [True] * 3 + [False] * 2
+    assert r["x"][5:8] == [[100.0, 101.0], [102.0, 103.0], [104.0, 105.0]]
+    assert r["x"][8:] == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def _batches_of_unequal_length(pad):
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    steps = 5 if me == 0 else 3  # process 1's loader ends first
+
+    def loader():
+        for step in range(steps):
+            yield {"x": np.full((4, 2), 10 * step + me, np.float32)}
+
+    out = []
+    for item in meshkit.global_batches(loader(), mesh, "data", pad=pad, prefetch=2):
+        batch, mask = item if pad else (item, None)
+        full = meshkit.gather(batch["x"])
+        out.append((full[:, 0].tolist(), None if mask is None else meshkit.gather(mask).tolist()))
+    return out
+
+
+def _batches_stop_together():
+    return _batches_of_unequal_length(False)
+
+
+def _batches_pad_to_the_end():
+    return _batches_of_unequal_length(True)
+
+
+def test_global_batches_stop_together_when_one_loader_ends():
+    results = run_in_processes(_batches_stop_together, num_processes=2, timeout=120, env=_FAST_CHECK)
+    assert results[0] == results[1]
+    assert len(results[0]) == 3
+    assert results[0][2][0] == [20.0] * 4 + [21.0] * 4
+
+
+def test_global_batches_pad_until_every_loader_ends():
+    results = run_in_processes(_batches_pad_to_the_end, num_processes=2, timeout=120, env=_FAST_CHECK)
+    assert results[0] == results[1]
+    assert len(results[0]) == 5
+    values, mask = results[0][4]
+    assert values == [40.0] * 4 + [0.0] * 4
+    assert mask == [True] * 4 + [False] * 4
+
+
+def _loader_raises():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+
+    def loader():
+        yield np.zeros((4, 2), np.float32)
+        if jax.process_index() == 1:
+            raise KeyError("shard-00017 is missing")
+        yield np.zeros((4, 2), np.float32)
+
+    got = []
+    try:
+        for batch in meshkit.global_batches(loader(), mesh, "data"):
+            got.append(batch.shape)
+    except Exception as e:
+        import traceback
+
+        return {"type": type(e).__name__, "message": str(e), "steps": len(got),
+                "trace": "".join(traceback.format_exception(e))}  # fmt: skip
+    return {"type": None}
+
+
+def test_a_loader_error_reaches_its_caller_and_stops_the_others():
+    results = run_in_processes(_loader_raises, num_processes=2, timeout=120, env=_FAST_CHECK)
+    assert results[1]["type"] == "KeyError"
+    assert "shard-00017 is missing" in results[1]["message"]
+    assert "in loader" in results[1]["trace"]  # the loader's own frame
+    assert results[0]["type"] == "MeshkitError"
+    assert "process 1 failed" in results[0]["message"]
+    assert "KeyError" in results[0]["message"]
+    assert results[0]["steps"] == results[1]["steps"] == 1
+
+
+def _one_process_never_calls():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    if jax.process_index() == 1:
+        return "skipped"
+    try:
+        meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_process_that_never_calls_is_named_after_the_timeout():
+    result = launch_in_processes(
+        _one_process_never_calls, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "3"}
+    )
+    message = result.values[0]
+    assert "process [1] did not arrive within 3 s" in message
