@@ -138,7 +138,9 @@ class GlobalBatches(Iterator[Any]):
         self.close()
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()
 
     @property
     def rows_per_second(self) -> float:

@@ -258,7 +258,7 @@ def prepare(
         partition = check_spec_for_mesh(
             spec_like if spec_like is not None else PartitionSpec(), mesh, f"{_WHAT}: spec"
         )
-        value = _cast(path, _as_numpy(path, leaf), dtype)
+        value = _as_numpy(path, leaf)
         dims = parse_spec(spec_like).dims if isinstance(spec_like, str) else None
         if len(partition) > value.ndim:
             raise MeshkitError(
@@ -268,9 +268,11 @@ def prepare(
             )
         if dims is not None and len(dims) != value.ndim:
             raise MeshkitError(
-                f"{_WHAT}: the spec string {spec_like!r} names {len(dims)} dimensions, but the "
-                f"array at {path} has shape {value.shape} ({value.ndim} dimensions)."
+                f"{_WHAT}: the spec string {spec_like!r} names {len(dims)} "
+                f"dimension{'s' if len(dims) != 1 else ''}, but the array at {path} has shape "
+                f"{value.shape} ({value.ndim} dimensions)."
             )
+        value = _cast(path, value, dtype)
         sharding = NamedSharding(mesh, partition)
         counts = _layout.block_counts(sharding, value.ndim)
         unit = _layout.plan(sharding, counts, me)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,7 +235,9 @@ class ProcessSlice:
 
 def _shape_tuple(global_shape: Any) -> tuple[int, ...]:
     try:
-        shape = tuple(int(s) for s in global_shape)
+        if isinstance(global_shape, str | bytes):
+            raise TypeError
+        shape = tuple(operator.index(s) for s in global_shape)
     except TypeError:
         raise MeshkitError(
             f"meshkit.process_slice: global_shape must be a tuple of ints; got {global_shape!r}."

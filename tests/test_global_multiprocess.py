@@ -201,7 +201,10 @@ def test_a_local_error_on_one_process_stops_the_other_at_once():
 
     start = time.monotonic()
     results = run_in_processes(
-        _one_process_fails_locally, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+        _one_process_fails_locally,
+        num_processes=2,
+        timeout=120,
+        env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
     assert time.monotonic() - start < 50, "process 0 waited for the check timeout"
     assert "its dimension 0 has size 7" in results[1]
@@ -289,14 +292,18 @@ def _batches_pad_to_the_end():
 
 
 def test_global_batches_stop_together_when_one_loader_ends():
-    results = run_in_processes(_batches_stop_together, num_processes=2, timeout=120, env=_FAST_CHECK)
+    results = run_in_processes(
+        _batches_stop_together, num_processes=2, timeout=120, env=_FAST_CHECK
+    )
     assert results[0] == results[1]
     assert len(results[0]) == 3
     assert results[0][2][0] == [20.0] * 4 + [21.0] * 4
 
 
 def test_global_batches_pad_until_every_loader_ends():
-    results = run_in_processes(_batches_pad_to_the_end, num_processes=2, timeout=120, env=_FAST_CHECK)
+    results = run_in_processes(
+        _batches_pad_to_the_end, num_processes=2, timeout=120, env=_FAST_CHECK
+    )
     assert results[0] == results[1]
     assert len(results[0]) == 5
     values, mask = results[0][4]
@@ -363,3 +370,43 @@ def test_a_process_that_never_calls_is_named_after_the_timeout():
     )
     message = result.values[0]
     assert "process [1] did not arrive within 3 s" in message
+
+
+def _local_mesh_and_global_leaf():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import meshkit
+
+    messages = []
+    local_mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    try:
+        meshkit.global_array_from_local(np.zeros((4,), np.float32), local_mesh, "data")
+    except meshkit.MeshkitError as e:
+        messages.append(str(e))
+    mesh = meshkit.make_mesh({"data": -1})
+    g = meshkit.global_array_from_local(np.zeros((4,), np.float32), mesh, "data")
+    try:
+        meshkit.global_array_from_local({"g": g}, mesh, "data")
+    except meshkit.MeshkitError as e:
+        messages.append(str(e))
+    try:
+        meshkit.gather(g, to=2)
+    except meshkit.MeshkitError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused():
+    results = run_in_processes(
+        _local_mesh_and_global_leaf, num_processes=2, timeout=120, env=_FAST_CHECK
+    )
+    for pid, (local_mesh, global_leaf, bad_to) in enumerate(results):
+        assert (
+            f"the mesh {{'data': 4}} holds devices of processes [{pid}], but the program has 2 processes"
+            in local_mesh
+        )
+        assert "not a mesh of jax.local_devices()" in local_mesh
+        assert "the leaf at ['g'] is already a global jax.Array (shape (8,)" in global_leaf
+        assert "to=2 is not a process; the program has 2 processes (0 to 1)" in bad_to

@@ -1,0 +1,206 @@
+"""The layout planner: which blocks each process provides, against numpy and JAX's own answer.
+
+Multi-process layouts are checked without processes: test doubles for devices carry a
+``process_index``, arranged either as `meshkit.make_mesh` arranges real ones or in any order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshkit
+from meshkit import MeshkitError, _layout
+from meshkit._mesh import order_devices
+from meshkit.testing import strategies as mks
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    id: int
+    process_index: int
+
+
+@given(data=st.data())
+def test_named_blocks_agree_with_jax(data):
+    mesh = data.draw(mks.meshes())
+    ndim = data.draw(st.integers(0, 3))
+    spec = data.draw(mks.specs(mesh, ndim))
+    shape = data.draw(mks.shapes_for(mesh, spec, ndim))
+    ours = _layout._named_blocks(mesh, spec, shape)
+    theirs = NamedSharding(mesh, spec).devices_indices_map(shape)
+    for device, index in theirs.items():
+        expected = tuple(
+            (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
+        )
+        assert ours[device] == expected
+
+
+@st.composite
+def fake_layouts(draw):
+    """(fake mesh, spec, shape, processes, in meshkit's order?) over 8 fake devices."""
+    processes = draw(st.sampled_from([1, 2, 4, 8]))
+    devices = [FakeDevice(i, i // (8 // processes)) for i in range(8)]
+    sizes = draw(mks.mesh_shapes(8))
+    names = draw(mks.axis_names(len(sizes)))
+    ordered = draw(st.booleans())
+    if ordered:
+        grid = order_devices(devices, sizes)
+    else:
+        grid = np.array(draw(st.permutations(devices)), dtype=object).reshape(sizes)
+    mesh = SimpleNamespace(
+        devices=grid, axis_names=names, shape=dict(zip(names, sizes, strict=True))
+    )
+    ndim = draw(st.integers(1, 3))
+    spec = draw(mks.specs(mesh, ndim))
+    shape = draw(mks.shapes_for(mesh, spec, ndim))
+    return mesh, spec, shape, processes, ordered
+
+
+@given(fake_layouts())
+def test_every_process_provides_its_blocks_in_global_order(layout):
+    mesh, spec, shape, processes, ordered = layout
+    reference = np.arange(math.prod(shape)).reshape(shape)
+    blocks = _layout._named_blocks(mesh, spec, shape)
+    owners = {d: d.process_index for d in blocks}
+    covered = np.zeros(shape, bool)
+    slices = {}
+    for p in range(processes):
+        plan = _layout.plan_from_blocks(blocks, owners, shape, p)
+        if ordered:
+            # meshkit.make_mesh keeps each process's devices together: always a grid.
+            assert plan.rectangular
+        if not plan.rectangular:
+            continue
+        part = _layout.describe_plan(plan)
+        slices[p] = part
+        local = part.take(reference)
+        assert local.shape == plan.local_shape
+        for placement in plan.placements:
+            np.testing.assert_array_equal(
+                local[placement.local_index], reference[placement.global_index]
+            )
+            covered[placement.global_index] = True
+        # Local order is global order: each dimension's ranges increase.
+        for ranges in part.ranges:
+            assert list(ranges) == sorted(ranges)
+    if ordered:
+        assert covered.all()
+    # Processes with the same rows share a loader shard; different rows, different shards.
+    rows = {p: s.ranges[0] for p, s in slices.items()}
+    for p, s in slices.items():
+        assert 0 <= s.shard_index < s.shard_count
+        for q, t in slices.items():
+            assert (rows[p] == rows[q]) == (s.shard_index == t.shard_index)
+            assert (q in s.replicas) == (q == p or s.ranges == t.ranges)
+
+
+def _fake_mesh(order, sizes, names):
+    devices = {(i, p): FakeDevice(i, p) for i, p in order}
+    grid = np.array([devices[k] for k in order], dtype=object).reshape(sizes)
+    return SimpleNamespace(
+        devices=grid, axis_names=names, shape=dict(zip(names, sizes, strict=True))
+    )
+
+
+def test_interleaved_processes_provide_non_contiguous_rows():
+    mesh = _fake_mesh([(i, i % 2) for i in range(8)], (8,), ("data",))
+    blocks = _layout._named_blocks(mesh, P("data"), (16, 3))
+    owners = {d: d.process_index for d in blocks}
+    part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (16, 3), 1))
+    assert part.ranges == (((2, 4), (6, 8), (10, 12), (14, 16)), ((0, 3),))
+    assert part.local_shape == (8, 3)
+    assert (part.shard_index, part.shard_count) == (1, 2)
+    with pytest.raises(MeshkitError, match=r"process 1 provides non-contiguous ranges"):
+        _ = part.index
+    np.testing.assert_array_equal(
+        part.take(np.arange(16)[:, None] * np.ones(3, int)),
+        np.repeat([2, 3, 6, 7, 10, 11, 14, 15], 3).reshape(8, 3),
+    )
+
+
+def test_a_layout_that_is_not_a_grid_is_reported():
+    # Process 0 owns the diagonal of a 2 x 2 mesh: blocks (0, 0) and (1, 1), not a grid.
+    mesh = _fake_mesh([(0, 0), (1, 1), (2, 1), (3, 0)], (2, 2), ("a", "b"))
+    blocks = _layout._named_blocks(mesh, P("a", "b"), (4, 4))
+    owners = {d: d.process_index for d in blocks}
+    assert not _layout.plan_from_blocks(blocks, owners, (4, 4), 0).rectangular
+
+
+def test_replicas_across_processes_share_a_shard():
+    # 'model' spans the two processes; a spec without it makes them one replica group.
+    mesh = _fake_mesh([(i, i // 4) for i in range(8)], (2, 4), ("model", "data"))
+    blocks = _layout._named_blocks(mesh, P("data"), (8, 2))
+    owners = {d: d.process_index for d in blocks}
+    for p in (0, 1):
+        part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (8, 2), p))
+        assert part.replicas == (0, 1)
+        assert (part.shard_index, part.shard_count) == (0, 1)
+        assert part.index == (slice(0, 8), slice(0, 2))
+
+
+def test_process_slice_on_a_real_mesh():
+    mesh = meshkit.make_mesh({"data": 4, "model": 2})
+    part = meshkit.process_slice(mesh, "batch feat -> data model", (8, 6))
+    assert part.process == 0
+    assert part.ranges == (((0, 8),), ((0, 6),))
+    assert part.local_shape == (8, 6)
+    assert part.index == (slice(0, 8), slice(0, 6))
+    assert part.replicas == (0,)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (
+            (P("nope"), (8,)),
+            {},
+            r"names the axis 'nope', which the mesh does not have. The mesh has the axes 'data' \(size 4\)",
+        ),
+        (("nope", (8,)), {}, r"the mesh has no axis 'nope' \(in the spec string 'nope'\)"),
+        (
+            ("data _ _", (8, 2)),
+            {},
+            r"spec P\('data', None, None\) has 3 entries but the global shape \(8, 2\) has 2",
+        ),
+        (
+            ("data", (6,)),
+            {},
+            r"dimension 0 of the global shape \(6,\) has size 6, which the mesh axes \('data',\) \(together 4 ways\) cannot split evenly",
+        ),
+        (
+            ("data", (8,)),
+            {"process": 3},
+            r"process=3 holds no device of the mesh; its processes are \[0\]",
+        ),
+        (("data", "eight"), {}, r"global_shape must be a tuple of ints"),
+        (("data", (-8,)), {}, r"has a negative size"),
+    ],
+)
+def test_process_slice_errors(args, kwargs, message):
+    mesh = meshkit.make_mesh({"data": 4, "model": 2})
+    with pytest.raises(MeshkitError, match=message):
+        meshkit.process_slice(mesh, *args, **kwargs)
+
+
+def test_take_checks_the_global_shape():
+    mesh = meshkit.make_mesh({"data": 8})
+    part = meshkit.process_slice(mesh, "data", (8,))
+    with pytest.raises(
+        MeshkitError,
+        match=r"the value has shape \(9,\), but this slice is of a global array of shape \(8,\)",
+    ):
+        part.take(np.zeros(9))
+
+
+def test_merged_joins_touching_ranges():
+    assert _layout.merged([(0, 4), (4, 8), (12, 16)]) == ((0, 8), (12, 16))
+    assert _layout.merged([]) == ()
