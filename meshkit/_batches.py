@@ -208,18 +208,16 @@ class GlobalBatches(Iterator[Any]):
             prepared = _global.prepare(
                 local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
             )
-        except MeshkitError as e:
+        except Exception as e:
             if multi:
                 _global.publish_failure(self._tag, e)
             raise
         block_rows = _global.block_rows(prepared) if pad else 0
         if multi:
             record: dict[str, Any] = {"status": status}
-            if check:
-                record.update(_global.describe(prepared, self._check, pad))
+            if check or pad:
+                record.update(_global.describe(prepared, pad=pad))
                 record["status"] = status
-            if pad:
-                record["block_rows"] = block_rows
             records = self._exchange(record)
             _global.raise_failures(records, _WHAT)
             statuses = {r["status"] for r in records.values()}
@@ -229,11 +227,14 @@ class GlobalBatches(Iterator[Any]):
             if check:
                 _global.compare(records, _WHAT)
             if pad:
-                block_rows = max(int(r.get("block_rows", 0)) for r in records.values())
+                block_rows = max(int(r["block_rows"]) for r in records.values())
         if pad:
             _global.finish_padding(prepared, block_rows)
         else:
             _global.plan_leaves(prepared)
+        if multi and check == "data":
+            record = _global.describe(prepared, pad=pad, hashes=True)
+            _global.compare(self._exchange(record), _WHAT)
         tree, mask = _global.assemble(prepared, _global.transfer(prepared))
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows

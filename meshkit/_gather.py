@@ -73,7 +73,7 @@ def local_from_global(x: Any) -> Any:
     Example:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> x = np.arange(32.0).reshape(16, 2)
+        >>> x = np.arange(32, dtype=np.float32).reshape(16, 2)
         >>> back = meshkit.local_from_global(meshkit.global_array_from_local(x, mesh, "data"))
         >>> bool((back == x).all())
         True
@@ -143,9 +143,10 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     Example:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": 4, "model": 2})
-        >>> x = meshkit.global_array_from_local(np.arange(16.0).reshape(4, 4), mesh, "data model")
+        >>> value = np.arange(16, dtype=np.float32).reshape(4, 4)
+        >>> x = meshkit.global_array_from_local(value, mesh, "data model")
         >>> meshkit.gather(x, to=0)[1]
-        array([4., 5., 6., 7.])
+        array([4., 5., 6., 7.], dtype=float32)
     """
     what = "meshkit.gather"
     count = jax.process_count()

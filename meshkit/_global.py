@@ -404,8 +404,12 @@ def plan_leaves(prepared: Prepared) -> None:
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
-def describe(prepared: Prepared, check: Check, pad: bool) -> dict[str, Any]:
-    """This process's record for the cross-process comparison (JSON-serialisable)."""
+def describe(prepared: Prepared, *, pad: bool, hashes: bool = False) -> dict[str, Any]:
+    """This process's record for the cross-process comparison (JSON-serialisable).
+
+    ``hashes`` adds a digest of every distinct block (the replica data check); the leaves must
+    then hold their final plans (after `plan_leaves` or `finish_padding`).
+    """
     leaves = []
     for leaf in prepared.leaves:
         shape: list[Any] = list(leaf.global_shape)
@@ -416,7 +420,7 @@ def describe(prepared: Prepared, check: Check, pad: bool) -> dict[str, Any]:
     record: dict[str, Any] = {"status": "data", "tree": str(prepared.treedef), "leaves": leaves}
     if pad:
         record["block_rows"] = block_rows(prepared)
-    if check == "data":
+    if hashes:
         record["hashes"] = [
             {
                 repr(tuple(s.start for s in pl.global_index)): _digest(leaf.value[pl.local_index])
@@ -610,35 +614,34 @@ def run(
 ) -> tuple[Any, jax.Array | None]:
     """`global_array_from_local` with the exchange tag chosen by the caller."""
     multi = _compat.distributed_state()[2] > 1
-    exchanging = multi and (check or (pad and global_shape is None))
+    sizes_unknown = pad and global_shape is None
+    exchanging = multi and (bool(check) or sizes_unknown)
     try:
         prepared = prepare(
             local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
         )
-    except MeshkitError as e:
+    except Exception as e:
         if exchanging:
             publish_failure(tag, e)
         raise
     if pad:
-        rows = block_rows(prepared)
-        if exchanging and global_shape is None:
-            records = exchange_records(tag, describe(prepared, check, pad), what)
-            compare(records, what)
-            rows = max(int(r["block_rows"]) for r in records.values())
-            exchanging = False
-        elif global_shape is not None:
-            first = prepared.leaves[0]
-            n = _layout.block_counts(first.sharding, first.value.ndim)[0]
-            rows = first.global_shape[0] // n
+        first = prepared.leaves[0]
+        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
+        if sizes_unknown:
+            rows = block_rows(prepared)
+            if multi:
+                # The padded size must be known before any block is placed: no overlap here.
+                records = exchange_records(tag, describe(prepared, pad=True), what)
+                (compare if check else raise_failures)(records, what)
+                rows = max(int(r["block_rows"]) for r in records.values())
+                exchanging = check == "data"  # the replicas' data is compared once padded
         finish_padding(prepared, rows)
-        if exchanging:  # pad with a given global_shape: the check still compares the rest
-            compare(exchange_records(tag, describe(prepared, check, pad), what), what)
-            exchanging = False
     else:
         plan_leaves(prepared)
     pending = None
     if exchanging:
-        pending = _executor().submit(exchange_records, tag, describe(prepared, check, pad), what)
+        record = describe(prepared, pad=pad, hashes=check == "data")
+        pending = _executor().submit(exchange_records, tag, record, what)
     arrays = transfer(prepared)
     if pending is not None:
         compare(pending.result(), what)
@@ -702,12 +705,12 @@ def global_array_from_local(
     Example:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16)}
+        >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16, dtype=np.int32)}
         >>> g = meshkit.global_array_from_local(batch, mesh, "data")
         >>> g["x"].shape, g["x"].sharding.spec
-        ((16, 3), PartitionSpec('data',))
-        >>> (x, mask) = meshkit.global_array_from_local(np.ones((13, 3)), mesh, "data",
-        ...                                              dtype=np.float32, pad=True)
+        ((16, 3), P('data',))
+        >>> x, mask = meshkit.global_array_from_local(np.ones((13, 3), np.float32), mesh, "data",
+        ...                                           pad=True)
         >>> x.shape, int(mask.sum())
         ((16, 3), 13)
     """

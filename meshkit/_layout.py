@@ -291,7 +291,7 @@ def process_slice(
         >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
         >>> part = meshkit.process_slice(mesh, "data _", (64, 10))
         >>> part.ranges, part.shard_index, part.shard_count  # one process: all of it
-        (((0, 64),), ((0, 10),)), 0, 1)
+        ((((0, 64),), ((0, 10),)), 0, 1)
     """
     what = "meshkit.process_slice"
     shape = _shape_tuple(global_shape)

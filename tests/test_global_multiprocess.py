@@ -222,18 +222,25 @@ def _replica_data_differs():
     mesh = meshkit.make_mesh({"model": 8})  # spans both processes; "_" replicates over it
     x = np.full((4, 2), jax.process_index(), np.float32)
     meshkit.global_array_from_local(x, mesh, "_")  # shapes agree: the default check passes
-    try:
-        meshkit.global_array_from_local(x, mesh, "_", check="data")
-    except meshkit.MeshkitError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for pad in (False, True):
+        try:
+            meshkit.global_array_from_local(x, mesh, "_", check="data", pad=pad)
+        except meshkit.MeshkitError as e:
+            messages.append(str(e))
+    same = np.ones((3, 2), np.float32)
+    _, mask = meshkit.global_array_from_local(same, mesh, "_", check="data", pad=True)
+    messages.append(int(np.asarray(mask.addressable_shards[0].data).sum()))
+    return messages
 
 
 def test_replica_data_check_is_opt_in_and_names_the_group():
     results = run_in_processes(_replica_data_differs, num_processes=2, timeout=120, env=_FAST_CHECK)
-    for message in results:
-        assert "processes [0] vs [1] hold the same block of (the array)" in message
-        assert "passed different data" in message
+    for unpadded, padded, real_rows in results:
+        for message in (unpadded, padded):
+            assert "processes [0] vs [1] hold the same block of (the array)" in message
+            assert "passed different data" in message
+        assert real_rows == 3
 
 
 def _uneven_last_batch():
