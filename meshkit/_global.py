@@ -15,6 +15,7 @@ a helper thread while the blocks are copied, so its latency hides behind the tra
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import sys
@@ -71,6 +72,8 @@ class Leaf:
     sharding: NamedSharding
     dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
     global_shape: tuple[int, ...]
+    # From `prepare`, the plan over one element per block (it counts the blocks this process
+    # holds); `plan_leaves` or `finish_padding` replace it by the plan of the global shape.
     plan: _layout.Plan
     rows: int  # the local leading size before padding
 
@@ -135,8 +138,13 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
     return [(mesh, s) for s in specs]
 
 
+@functools.lru_cache(maxsize=64)
+def _processes_of(mesh: Mesh) -> frozenset[int]:
+    return frozenset(int(d.process_index) for d in mesh.devices.flat)
+
+
 def _check_global_mesh(mesh: Mesh) -> None:
-    processes = {int(d.process_index) for d in mesh.devices.flat}
+    processes = _processes_of(mesh)
     count = jax.process_count()
     if processes != set(range(count)):
         raise MeshkitError(
