@@ -14,10 +14,12 @@ collective that the others will not join.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from queue import Queue
@@ -34,6 +36,15 @@ __all__ = ["GlobalBatches", "global_batches"]
 
 _WHAT = "meshkit.global_batches"
 _instances = itertools.count()
+_JOIN_TIMEOUT_S = 30.0
+_live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop helper threads before the interpreter (and JAX's runtime) shuts down under them."""
+    for batches in list(_live):
+        batches.close()
 
 
 @dataclass
@@ -102,6 +113,7 @@ class GlobalBatches(Iterator[Any]):
             target=self._work, args=(source,), name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
+        _live.add(self)
 
     # The caller's side.
 
@@ -120,16 +132,23 @@ class GlobalBatches(Iterator[Any]):
         if isinstance(item, _Failure):
             self._done = True
             raise item.error
-        batch, rows = item
+        batch, rows, notes = item
+        _global.warn_notes(notes, stacklevel=2)
         self.steps += 1
         self.rows += rows
         self._report()
         return batch
 
     def close(self) -> None:
-        """Stop the helper thread; batches not yet taken are dropped."""
+        """Stop the helper thread and wait for it; batches not yet taken are dropped.
+
+        The other processes' iterators stop at the same step (each process's helper tells the
+        others it closed), so call it on every process, as the loop that breaks early does.
+        """
         self._done = True
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT_S)
 
     def __enter__(self) -> GlobalBatches:
         return self
@@ -169,9 +188,14 @@ class GlobalBatches(Iterator[Any]):
         return False
 
     def _work(self, source: Iterator[Any]) -> None:
+        _global.set_caller(_WHAT)
         template: Any = None
         multi = _compat.distributed_state()[2] > 1
-        while self._take_slot():
+        while True:
+            if not self._take_slot():
+                if multi:  # release the processes waiting for this one's next step
+                    _global.publish_record(self._tag, {"status": "closed"})
+                return
             status, local = "data", None
             try:
                 local = next(source)
@@ -221,6 +245,8 @@ class GlobalBatches(Iterator[Any]):
             records = self._exchange(record)
             _global.raise_failures(records, _WHAT)
             statuses = {r["status"] for r in records.values()}
+            if "closed" in statuses:
+                return _END
             unpaddable = not pad or any("block_rows" not in r for r in records.values())
             if statuses == {"end"} or ("end" in statuses and unpaddable):
                 return _END
@@ -237,7 +263,7 @@ class GlobalBatches(Iterator[Any]):
             _global.compare(self._exchange(record), _WHAT)
         tree, mask = _global.assemble(prepared, _global.transfer(prepared))
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if pad else tree), rows
+        return ((tree, mask) if pad else tree), rows, prepared.notes
 
     def _exchange(self, record: dict[str, Any]) -> dict[int, dict[str, Any]]:
         return _global.exchange_records(self._tag, record, _WHAT)
@@ -280,7 +306,7 @@ def global_batches(
         A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
         use it in a ``with`` block, to stop early).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": -1})
         >>> loader = ({"x": np.full((8, 2), i, np.float32)} for i in range(3))

@@ -33,7 +33,7 @@ def _leaves(x: Any, what: str) -> tuple[list[tuple[str, jax.Array]], Any]:
         where = jax.tree_util.keystr(path) or "(the array)"
         if not isinstance(leaf, jax.Array):
             raise MeshkitError(
-                f"{what}: the leaf at {where} is a {type(leaf).__name__}, not a jax.Array.\n"
+                f"{what}: the leaf at {where} is of type {type(leaf).__name__}, not a jax.Array.\n"
                 "Consider passing the global arrays themselves (numpy data is already local)."
             )
         out.append((where, leaf))
@@ -70,7 +70,7 @@ def local_from_global(x: Any) -> Any:
         MeshkitError: a leaf is not a ``jax.Array``, or this process's shards do not form a
             grid (exotic device orders; `meshkit.gather` still works).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": -1})
         >>> x = np.arange(32, dtype=np.float32).reshape(16, 2)
@@ -140,7 +140,7 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         MeshkitError: ``to`` is not ``"all"`` or a process index; a leaf is not a
             ``jax.Array``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": 4, "model": 2})
         >>> value = np.arange(16, dtype=np.float32).reshape(4, 4)

@@ -15,6 +15,7 @@ a helper thread while the blocks are copied, so its latency hides behind the tra
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import functools
 import hashlib
 import json
@@ -36,6 +37,20 @@ __all__ = ["DtypeWarning", "global_array_from_local"]
 
 Check = bool | Literal["data"]
 _WHAT = "meshkit.global_array_from_local"
+# Which public function messages name: global_batches sets it in its helper thread.
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("meshkit_caller", default=_WHAT)
+
+
+def who() -> str:
+    """The public meshkit function the current assembly runs for, for messages."""
+    return _caller.get()
+
+
+def set_caller(name: str) -> None:
+    """Name ``name`` in this thread's messages (the thread's own context)."""
+    _caller.set(name)
+
+
 _SITE = _dispatch.CallSite("global_array_from_local", "meshkit.global_array_from_local")
 
 
@@ -87,6 +102,7 @@ class Prepared:
     mask_sharding: NamedSharding | None = None
     mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
     mask_plan: _layout.Plan | None = None
+    notes: list[str] = field(default_factory=list)  # DtypeWarning texts, for the caller's line
     record: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,24 +116,24 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
     if isinstance(mesh_or_sharding, NamedSharding):
         if spec is not None:
             raise MeshkitError(
-                f"{_WHAT}: spec= was given with a NamedSharding, which already holds its spec "
+                f"{who()}: spec= was given with a NamedSharding, which already holds its spec "
                 f"({mesh_or_sharding.spec}).\nConsider passing the mesh and the spec, or the "
                 "NamedSharding alone."
             )
         if not isinstance(mesh_or_sharding.mesh, Mesh):
             raise MeshkitError(
-                f"{_WHAT}: the NamedSharding's mesh is abstract; global arrays need a mesh of "
+                f"{who()}: the NamedSharding's mesh is abstract; global arrays need a mesh of "
                 "devices (a jax.sharding.Mesh, e.g. from meshkit.make_mesh)."
             )
         return [(mesh_or_sharding.mesh, mesh_or_sharding.spec)] * n_leaves
     if not isinstance(mesh_or_sharding, Mesh):
         raise MeshkitError(
-            f"{_WHAT}: mesh_or_sharding must be a jax.sharding.Mesh (with spec=) or a "
+            f"{who()}: mesh_or_sharding must be a jax.sharding.Mesh (with spec=) or a "
             f"NamedSharding; got {type(mesh_or_sharding).__name__}."
         )
     if spec is None:
         raise MeshkitError(
-            f"{_WHAT}: with a Mesh, spec= says how the global array is split, e.g. 'data' "
+            f"{who()}: with a Mesh, spec= says how the global array is split, e.g. 'data' "
             "(leading dimension over the 'data' axis) or PartitionSpec('data', None).\n"
             "Consider spec='' (a spec with no entries) for data every process holds whole."
         )
@@ -131,7 +147,7 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
         )  # fmt: skip
     except ValueError as e:
         raise MeshkitError(
-            f"{_WHAT}: spec must be one spec for every array, or a pytree prefix of local with "
+            f"{who()}: spec must be one spec for every array, or a pytree prefix of local with "
             f"a spec at each leaf; the structures do not match:\n{e}"
         ) from None
     specs = jax.tree_util.tree_leaves(per_leaf, is_leaf=is_spec_leaf)
@@ -148,7 +164,7 @@ def _check_global_mesh(mesh: Mesh) -> None:
     count = jax.process_count()
     if processes != set(range(count)):
         raise MeshkitError(
-            f"{_WHAT}: the mesh {dict(mesh.shape)} holds devices of processes "
+            f"{who()}: the mesh {dict(mesh.shape)} holds devices of processes "
             f"{sorted(processes)}, but the program has {count} processes; a global array needs "
             "a mesh over every process's devices.\n"
             "Consider meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
@@ -160,7 +176,7 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
     if isinstance(leaf, jax.Array):
         if not leaf.is_fully_addressable:
             raise MeshkitError(
-                f"{_WHAT}: the leaf at {path} is already a global jax.Array "
+                f"{who()}: the leaf at {path} is already a global jax.Array "
                 f"(shape {leaf.shape}, sharding {leaf.sharding}); local data is this process's "
                 "part only.\nConsider using the array as it is, or meshkit.local_from_global(x) "
                 "to get this process's part."
@@ -173,7 +189,7 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
         value = np.asarray(leaf)
         if not (value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)):
             raise MeshkitError(
-                f"{_WHAT}: the leaf at {path} is an array of dtype {value.dtype}; global arrays "
+                f"{who()}: the leaf at {path} is an array of dtype {value.dtype}; global arrays "
                 "hold numbers or booleans.\nConsider encoding it as numbers, or keeping it out "
                 "of the pytree."
             )
@@ -181,7 +197,8 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
     shown = repr(leaf)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     raise MeshkitError(
-        f"{_WHAT}: the leaf at {path} is a {type(leaf).__name__} ({shown}), not an array; "
+        f"{who()}: the leaf at {path} is of type {type(leaf).__name__} ({shown}), not an "
+        "array; "
         "global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, and "
         "keeping strings and other objects out of the pytree."
     )
@@ -195,7 +212,8 @@ def user_stacklevel() -> int:
     return level
 
 
-def _cast(path: str, value: np.ndarray, dtype: Any) -> np.ndarray:
+def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str]) -> np.ndarray:
+    """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype."""
     wanted = value.dtype if dtype is None else np.dtype(dtype)
     target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
     if target != wanted:
@@ -203,14 +221,19 @@ def _cast(path: str, value: np.ndarray, dtype: Any) -> np.ndarray:
         if key not in _warned_dtypes:
             _warned_dtypes.add(key)
             source = "dtype=" if dtype is not None else f"the data at {path}"
-            warnings.warn(
-                f"{_WHAT}: {source} is {wanted}, but JAX's 64-bit mode is off, so the global "
-                f"array is {target}. (Shown once per dtype.)\nConsider dtype={target.name!r} to "
-                "say so, or jax.config.update('jax_enable_x64', True) to keep 64 bits.",
-                DtypeWarning,
-                stacklevel=user_stacklevel(),
+            notes.append(
+                f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
+                f"global array is {target}. (Shown once per dtype.)\nConsider "
+                f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', True) "
+                "to keep 64 bits."
             )
     return value if value.dtype == target else value.astype(target)
+
+
+def warn_notes(notes: list[str], stacklevel: int) -> None:
+    """Issue the dtype notes of an assembly as `DtypeWarning` s at the user's line."""
+    for note in notes:
+        warnings.warn(note, DtypeWarning, stacklevel=stacklevel + 1)
 
 
 def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | None]:
@@ -223,7 +246,7 @@ def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | No
     if is_shape(global_shape):
         if len(paths) != 1:
             raise MeshkitError(
-                f"{_WHAT}: global_shape={tuple(global_shape)} is one shape, but local holds "
+                f"{who()}: global_shape={tuple(global_shape)} is one shape, but local holds "
                 f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
                 "\nConsider a pytree of shapes with local's structure."
             )
@@ -231,7 +254,7 @@ def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | No
     shapes = jax.tree_util.tree_leaves(global_shape, is_leaf=is_shape)
     if len(shapes) != len(paths) or not all(is_shape(s) for s in shapes):
         raise MeshkitError(
-            f"{_WHAT}: global_shape must be a shape (for a single array) or a pytree of shapes "
+            f"{who()}: global_shape must be a shape (for a single array) or a pytree of shapes "
             f"with local's structure ({len(paths)} arrays); got {global_shape!r}."
         )
     return [tuple(s) for s in shapes]
@@ -253,41 +276,42 @@ def prepare(
     """Check and plan this process's contribution; no communication, no device transfer."""
     named, treedef = _tree_paths(local)
     if not named:
-        raise MeshkitError(f"{_WHAT}: local holds no arrays (an empty pytree).")
+        raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
     pairs = _resolve(mesh_or_sharding, spec, local, len(named))
     shapes = _shape_for(global_shape, [p for p, _ in named])
     me = jax.process_index()
     checked_meshes: set[int] = set()
     leaves = []
+    notes: list[str] = []
     for (path, leaf), (mesh, spec_like), given in zip(named, pairs, shapes, strict=True):
         if id(mesh) not in checked_meshes:
             _check_global_mesh(mesh)
             checked_meshes.add(id(mesh))
         partition = check_spec_for_mesh(
-            spec_like if spec_like is not None else PartitionSpec(), mesh, f"{_WHAT}: spec"
+            spec_like if spec_like is not None else PartitionSpec(), mesh, f"{who()}: spec"
         )
         value = _as_numpy(path, leaf)
         dims = parse_spec(spec_like).dims if isinstance(spec_like, str) else None
         if len(partition) > value.ndim:
             raise MeshkitError(
-                f"{_WHAT}: the spec {partition} for {path} has {len(partition)} entries, but the "
+                f"{who()}: the spec {partition} for {path} has {len(partition)} entries, but the "
                 f"array has shape {value.shape} ({value.ndim} dimensions).\n"
                 "Consider one spec entry per dimension at most (missing ones are not split)."
             )
         if dims is not None and len(dims) != value.ndim:
             raise MeshkitError(
-                f"{_WHAT}: the spec string {spec_like!r} names {len(dims)} "
+                f"{who()}: the spec string {spec_like!r} names {len(dims)} "
                 f"dimension{'s' if len(dims) != 1 else ''}, but the array at {path} has shape "
                 f"{value.shape} ({value.ndim} dimensions)."
             )
-        value = _cast(path, value, dtype)
+        value = _cast(path, value, dtype, notes)
         sharding = NamedSharding(mesh, partition)
         counts = _layout.block_counts(sharding, value.ndim)
         unit = _layout.plan(sharding, counts, me)
         if not unit.rectangular:
             raise MeshkitError(
                 _NOT_RECTANGULAR.format(
-                    what=_WHAT, sharding=sharding, process=me, path=path,
+                    what=who(), sharding=sharding, process=me, path=path,
                     intervals=[[a for a, _ in ivs] for ivs in unit.intervals],
                 )
             )  # fmt: skip
@@ -304,7 +328,7 @@ def prepare(
                 )
                 raise MeshkitError(
                     _NOT_DIVISIBLE.format(
-                        what=_WHAT, path=path, shape=value.shape, dim=d,
+                        what=who(), path=path, shape=value.shape, dim=d,
                         name=f" ({dims[d]!r})" if dims else "", size=size, k=k,
                         s="" if k == 1 else "s", axes=_block_desc(d, dim_axes(partition,
                         value.ndim)[d]), n=n, process=me, fix=fix,
@@ -318,7 +342,7 @@ def prepare(
         leaves.append(
             Leaf(path, value, sharding, dims, shape, unit, value.shape[0] if value.ndim else 0)
         )
-    prepared = Prepared(treedef, leaves)
+    prepared = Prepared(treedef, leaves, notes=notes)
     if pad:
         _prepare_mask(prepared)
     return prepared
@@ -336,14 +360,14 @@ def _check_given(
 ) -> None:
     if len(given) != value.ndim:
         raise MeshkitError(
-            f"{_WHAT}: global_shape {given} for {path} has {len(given)} dimensions, but the local "
+            f"{who()}: global_shape {given} for {path} has {len(given)} dimensions, but the local "
             f"array has shape {value.shape}."
         )
     for d, (g, i, k, n) in enumerate(zip(given, inferred, held, counts, strict=True)):
         if pad and d == 0:
             if g % n or g // n * k < value.shape[0]:
                 raise MeshkitError(
-                    f"{_WHAT}: global_shape {given} for {path} leaves process {me} room for "
+                    f"{who()}: global_shape {given} for {path} leaves process {me} room for "
                     f"{g // n * k if not g % n else '(not a whole number of)'} rows of its "
                     f"{value.shape[0]} (it holds {k} of the {n} blocks of dimension 0).\n"
                     f"Consider a leading size that is a multiple of {n} and at least "
@@ -351,7 +375,7 @@ def _check_given(
                 )
         elif g != i:
             raise MeshkitError(
-                f"{_WHAT}: global_shape {given} for {path} does not match the local data: the "
+                f"{who()}: global_shape {given} for {path} does not match the local data: the "
                 f"local array has shape {value.shape}, and process {me} holds {k} of the {n} "
                 f"blocks of dimension {d}, so that dimension's global size is "
                 f"{value.shape[d]} / {k} * {n} = {i}, not {g}.\n"
@@ -366,13 +390,13 @@ def _prepare_mask(prepared: Prepared) -> None:
     for leaf in prepared.leaves:
         if leaf.value.ndim == 0:
             raise MeshkitError(
-                f"{_WHAT}: pad=True pads the leading (batch) dimension, but {leaf.path} is a "
+                f"{who()}: pad=True pads the leading (batch) dimension, but {leaf.path} is a "
                 "scalar.\nConsider passing scalars in a separate call."
             )
         axes = dim_axes(leaf.sharding.spec, leaf.value.ndim)[0]
         if leaf.rows != first.rows or axes != lead or leaf.sharding.mesh != first.sharding.mesh:
             raise MeshkitError(
-                f"{_WHAT}: pad=True needs every array to share the leading (batch) dimension, "
+                f"{who()}: pad=True needs every array to share the leading (batch) dimension, "
                 f"split the same way, for one mask to describe them; {first.path} has "
                 f"{first.rows} rows split over {lead}, {leaf.path} has {leaf.rows} rows split "
                 f"over {axes}.\nConsider separate calls for arrays with different batch layouts."
@@ -538,7 +562,8 @@ def exchange_records(
     values, missing = _runtime.exchange(tag, json.dumps(record), timeout=timeout)
     if missing:
         raise MeshkitError(
-            f"{what}: process{'es' if len(missing) > 1 else ''} {missing} did not arrive within "
+            f"{what}: process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+            f"not arrive within "
             f"{timeout:g} s; the others did.\n"
             "Every process must make the same calls in the same order (a process that stopped, "
             "crashed, or took another branch never arrives).\n"
@@ -548,11 +573,21 @@ def exchange_records(
     return {p: json.loads(v) for p, v in values.items()}
 
 
+def publish_record(tag: str, record: dict[str, Any]) -> None:
+    """Post this process's record of the next exchange under ``tag`` without waiting for others.
+
+    Used when this process leaves a sequence of exchanges (a failure, an iterator closed early),
+    so that the others, waiting for its record, stop at once instead of timing out.
+    """
+    _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+
+
 def publish_failure(tag: str, error: BaseException) -> None:
     """Tell the other processes that this one failed, so they stop now instead of timing out."""
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
-    record = {"status": "error", "message": f"{type(error).__name__}: {message}"}
-    _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+    text = str(error) or "(no message)"
+    text = text if len(text) <= 2000 else text[:2000] + " ..."
+    message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
+    publish_record(tag, {"status": "error", "message": message})
 
 
 def transfer(prepared: Prepared) -> list[list[jax.Array]]:
@@ -632,6 +667,7 @@ def run(
         if exchanging:
             publish_failure(tag, e)
         raise
+    warn_notes(prepared.notes, user_stacklevel())
     if pad:
         first = prepared.leaves[0]
         rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
@@ -710,7 +746,7 @@ def global_array_from_local(
             has dimensions; the mesh does not span every process; a leaf is not an array;
             ``global_shape`` does not fit the local data.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh({"data": -1})
         >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16, dtype=np.int32)}

@@ -216,7 +216,7 @@ class ProcessSlice:
     def take(self, global_value: Any) -> np.ndarray:
         """Cut this process's local array out of the whole global value (a numpy array-like).
 
-        Example:
+        Examples:
             >>> import numpy as np, meshkit
             >>> mesh = meshkit.make_mesh({"data": -1})
             >>> part = meshkit.process_slice(mesh, "data", (16, 3))
@@ -286,7 +286,7 @@ def process_slice(
         MeshkitError: the spec names an axis the mesh lacks, is longer than the shape, or a
             dimension does not split evenly; ``process`` is out of range.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
         >>> part = meshkit.process_slice(mesh, "data _", (64, 10))

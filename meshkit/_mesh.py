@@ -178,7 +178,7 @@ def order_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
     Raises:
         MeshkitError: processes hold unequal numbers of the devices.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace as D
         >>> devs = [D(id=i, process_index=i // 2) for i in range(4)]
         >>> [[d.id for d in row] for row in order_devices(devs, (2, 2))]
@@ -298,7 +298,7 @@ def make_mesh(
         MeshkitError: bad names or sizes, sizes that do not use exactly the devices, unequal
             devices per process, or processes that disagree on the mesh.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
         >>> dict(mesh.shape)
@@ -354,7 +354,7 @@ def describe(mesh: Mesh) -> str:
     Returns:
         Several lines of text, ready to print.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh({"data": 2, "model": 4})
         >>> print(meshkit.describe(mesh))  # doctest: +ELLIPSIS

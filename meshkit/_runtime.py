@@ -360,7 +360,7 @@ def init(
             coordinator cannot be reached within ``timeout``; process 0's port is taken; or
             inconsistent arguments.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> info = meshkit.init()  # alone: no launcher environment, no cluster
         >>> info.num_processes

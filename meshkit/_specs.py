@@ -187,7 +187,7 @@ def spec(text: str) -> PartitionSpec:
     Raises:
         MeshkitError: if the string is malformed; the message underlines the bad token.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> from jax.sharding import PartitionSpec as P
         >>> meshkit.spec("batch seq embed -> data _ model") == P("data", None, "model")

@@ -542,7 +542,7 @@ def spmd(
             split per their spec (naming the argument, its shape, the dimension and the sizes),
             or a mismatch between ``in_specs`` and the arguments.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> mesh = meshkit.make_mesh({"data": 4, "model": 2})

@@ -146,7 +146,7 @@ def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
 def psum(x: Any, axis_name: AxisName) -> Any:
     """Sum of ``x`` over the devices of ``axis_name`` (every device gets the sum).
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> mesh = meshkit.make_mesh({"x": 8})
@@ -186,7 +186,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
     The result is the same on every device of the group, and typed so (JAX's
     ``to="invarying"``): an ``out_specs`` may leave those axes out.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> mesh = meshkit.make_mesh({"x": 4, "y": 2})
@@ -314,7 +314,7 @@ def shift(x: Any, axis_name: AxisName, offset: int = 1) -> Any:
     So device ``j`` receives the value of device ``j - offset`` (wrapping around); negative
     offsets shift the other way.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> mesh = meshkit.make_mesh({"x": 8})

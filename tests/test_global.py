@@ -157,9 +157,9 @@ def test_not_divisible_names_the_dimension_and_suggests_pad():
             {"s": "hello"},
             "",
             {},
-            r"the leaf at \['s'\] is a str \('hello'\), not an array; global arrays hold numbers",
+            r"the leaf at \['s'\] is of type str \('hello'\), not an array; global arrays hold numbers",
         ),
-        ({"o": object()}, "", {}, r"the leaf at \['o'\] is a object \(<object object at"),
+        ({"o": object()}, "", {}, r"the leaf at \['o'\] is of type object \(<object object at"),
         (
             np.array(["a", "b"]),
             "",
@@ -286,9 +286,11 @@ def test_gather_rejects_a_process_that_does_not_exist():
             MeshkitError, match=r"to=.* is not a process; the program has 1 process \(0 to 0\)"
         ):
             meshkit.gather(g, to=bad)
-    with pytest.raises(MeshkitError, match=r"the leaf at \['x'\] is a ndarray, not a jax.Array"):
+    with pytest.raises(
+        MeshkitError, match=r"the leaf at \['x'\] is of type ndarray, not a jax.Array"
+    ):
         meshkit.gather({"x": np.zeros(3)})
-    with pytest.raises(MeshkitError, match=r"is a ndarray, not a jax.Array"):
+    with pytest.raises(MeshkitError, match=r"is of type ndarray, not a jax.Array"):
         meshkit.local_from_global(np.zeros(3))
 
 
@@ -348,12 +350,26 @@ def test_a_loader_error_reaches_the_caller_with_its_traceback():
     assert any(frame.name == "broken_loader" for frame in info.traceback)
 
 
-def test_a_bad_batch_raises_in_the_caller():
+def test_a_bad_batch_raises_in_the_caller_naming_global_batches():
     mesh = meshkit.make_mesh({"data": 8})
     it = meshkit.global_batches(iter([np.zeros(8), np.zeros(7)]), mesh, "data", dtype=np.float32)
     next(it)
-    with pytest.raises(MeshkitError, match=r"its dimension 0 has size 7"):
+    with pytest.raises(
+        MeshkitError,
+        match=r"^meshkit.global_batches: the local array at \(the array\) has shape \(7,\); its dimension 0 has size 7",
+    ):
         next(it)
+
+
+def test_a_dtype_warning_from_global_batches_points_at_the_loop(monkeypatch):
+    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    mesh = meshkit.make_mesh({"data": 8})
+    with pytest.warns(
+        meshkit.DtypeWarning, match=r"^meshkit.global_batches: the data at \(the array\) is float64"
+    ) as caught:
+        for batch in meshkit.global_batches([np.zeros(8)], mesh, "data"):
+            assert batch.dtype == np.float32
+    assert [w.filename for w in caught] == [__file__]
 
 
 def test_global_batches_arguments_are_checked():

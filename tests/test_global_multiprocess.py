@@ -376,7 +376,7 @@ def test_a_process_that_never_calls_is_named_after_the_timeout():
         _one_process_never_calls, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "3"}
     )
     message = result.values[0]
-    assert "process [1] did not arrive within 3 s" in message
+    assert "process 1 did not arrive within 3 s; the others did." in message
 
 
 def _local_mesh_and_global_leaf():
@@ -417,3 +417,70 @@ def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused():
         assert "not a mesh of jax.local_devices()" in local_mesh
         assert "the leaf at ['g'] is already a global jax.Array (shape (8,)" in global_leaf
         assert "to=2 is not a process; the program has 2 processes (0 to 1)" in bad_to
+
+
+def _stop_early(mode):
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+
+    def loader():
+        for step in range(100):
+            yield np.full((4, 2), step, np.float32)
+
+    steps = 0
+    if mode == "with":
+        with meshkit.global_batches(loader(), mesh, "data", prefetch=3) as it:
+            for _ in it:
+                steps += 1
+                if steps == 2:
+                    break
+    elif mode == "one closes":
+        it = meshkit.global_batches(loader(), mesh, "data", prefetch=3)
+        for _ in it:
+            steps += 1
+            if me == 0 and steps == 2:
+                it.close()
+                break
+    else:  # leave the loop and the program without closing: the exit handler stops it
+        for _ in meshkit.global_batches(loader(), mesh, "data", prefetch=3):
+            steps += 1
+            if steps == 2:
+                break
+    return steps
+
+
+def _stop_early_with():
+    return _stop_early("with")
+
+
+def _stop_early_one_closes():
+    return _stop_early("one closes")
+
+
+def _stop_early_no_close():
+    return _stop_early("no close")
+
+
+@pytest.mark.parametrize("target", [_stop_early_with, _stop_early_no_close])
+def test_breaking_out_of_global_batches_exits_cleanly(target):
+    result = launch_in_processes(target, num_processes=2, timeout=120, env=_FAST_CHECK)
+    assert result.returncode == 0, result.report
+    assert result.values == [2, 2]
+
+
+def test_a_process_that_closes_early_releases_the_others():
+    import time
+
+    start = time.monotonic()
+    result = launch_in_processes(
+        _stop_early_one_closes, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+    )
+    assert result.returncode == 0, result.report
+    assert time.monotonic() - start < 50, "process 1 waited for the check timeout"
+    assert result.values[0] == 2
+    assert 2 <= result.values[1] <= 2 + 4  # it stops within the batches already assembled

@@ -115,7 +115,7 @@ def run_in_processes(
         LaunchError: a process failed or the run timed out; the message holds the root cause
             and every rank's output.
 
-    Example:
+    Examples:
         ```python
         def body():
             import jax

@@ -316,7 +316,7 @@ def reference_spmd(
             early), or if an output that ``out_specs`` declares the same along a mesh axis
             differs between devices along it.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> from meshkit.testing import reference_spmd
@@ -422,7 +422,7 @@ def assert_spmd_matches_reference(
     Raises:
         AssertionError: naming the output leaf that differs.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit import collectives as C
         >>> from meshkit.testing import assert_spmd_matches_reference

@@ -4,7 +4,7 @@ Needs ``hypothesis`` (``pip install meshkit[testing]``). Meshes are built over t
 devices with `meshkit.make_mesh`, so a test that wants 8 CPU devices sets
 ``jax.config.update("jax_num_cpu_devices", 8)`` before JAX starts.
 
-Example:
+Examples:
     >>> import numpy as np
     >>> from hypothesis import given
     >>> from meshkit.testing import strategies as mks
