@@ -291,7 +291,9 @@ def global_batches(
     traceback, and the other processes raise a `meshkit.MeshkitError` naming that process.
 
     Args:
-        iterable: this process's batches (pytrees of arrays).
+        iterable: this process's batches (pytrees of arrays). On CPU a global batch may share
+            memory with them (see `meshkit.global_array_from_local`): a loader must not refill
+            an array it has already yielded.
         mesh_or_sharding: as for `meshkit.global_array_from_local`.
         spec: as for `meshkit.global_array_from_local`.
         prefetch: global batches assembled ahead of the caller (bounds the device memory held).

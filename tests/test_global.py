@@ -15,6 +15,7 @@ import time
 import warnings
 from contextlib import redirect_stderr
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import numpy as np
@@ -43,11 +44,19 @@ def trees(draw, mesh):
     return tree, specs
 
 
+# On CPU every block is put from the host; accelerators copy replicas device to device. The
+# second path is forced here so that it is tested on CPU too.
+TRANSFER_PATHS = pytest.mark.parametrize("from_host", [True, False], ids=["host", "device-copies"])
+
+
+@TRANSFER_PATHS
 @given(data=st.data())
-def test_global_value_round_trip_and_gather_match_numpy(data):
+def test_global_value_round_trip_and_gather_match_numpy(from_host, data):
     mesh = data.draw(mks.meshes())
     tree, specs = data.draw(trees(mesh))
-    g = meshkit.global_array_from_local(tree, mesh, specs)
+    with mock.patch.object(_global, "_all_from_host", return_value=from_host) as path:
+        g = meshkit.global_array_from_local(tree, mesh, specs)
+    path.assert_called_once()
     back = meshkit.local_from_global(g)
     gathered = meshkit.gather(g)
     at0 = meshkit.gather(g, to=0)
@@ -63,8 +72,9 @@ def test_global_value_round_trip_and_gather_match_numpy(data):
         np.testing.assert_array_equal(at0[key], x)
 
 
+@TRANSFER_PATHS
 @given(data=st.data())
-def test_pad_rounds_up_and_the_mask_marks_real_rows(data):
+def test_pad_rounds_up_and_the_mask_marks_real_rows(from_host, data):
     mesh = data.draw(mks.meshes(axis_types=("auto",)))
     lead = data.draw(mks.axis_groups(mesh))
     spec = P(lead)
@@ -72,7 +82,9 @@ def test_pad_rounds_up_and_the_mask_marks_real_rows(data):
     n = int(np.prod([mesh.shape[a] for a in dim_axes(spec, 1)[0]]))
     rows = data.draw(st.integers(0, 3 * n))
     x = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1
-    (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
+    with mock.patch.object(_global, "_all_from_host", return_value=from_host) as path:
+        (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
+    path.assert_called_once()
     padded = -(-rows // n) * n
     assert g["x"].shape == (padded, 2)
     assert mask.shape == (padded,)
