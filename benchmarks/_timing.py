@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep freed memory for reuse, so steady-state calls reuse warm pages.
+
+    By default glibc gives large freed blocks back to the kernel (blocks over its mmap threshold,
+    the tops of its heaps, and every large block of a thread's own arena), so a benchmark that
+    allocates tens of MiB per call faults in fresh pages in a random number of its buffers on
+    every call (about 15 ms per 16 MiB here), which swamps the differences being measured. One
+    arena, no mmap for blocks under 1 GiB, no trimming below 2 GiB: the steady state then is
+    what a long-running program sees; first calls still pay the faults.
+
+    Call it first thing in the process (arenas already made stay). ``BENCH_MALLOC=default``
+    skips it. Returns a line saying what was done, for the benchmark's output.
+    """
+    if os.environ.get("BENCH_MALLOC") == "default":
+        return "malloc: glibc defaults (BENCH_MALLOC=default)"
+    if not sys.platform.startswith("linux"):
+        return "malloc: platform default (not glibc)"
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        return "malloc: platform default (no mallopt)"
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    ok = all(
+        libc.mallopt(option, value)
+        for option, value in (
+            (m_arena_max, 1),
+            (m_mmap_threshold, 1 << 30),
+            (m_trim_threshold, 2**31 - 1),
+        )
+    )
+    return (
+        "malloc: freed memory kept for reuse (_timing.keep_freed_memory; BENCH_MALLOC=default "
+        "to compare)"
+        if ok
+        else "malloc: mallopt refused, glibc defaults"
+    )
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, number: int = 20) -> float:
@@ -30,6 +69,11 @@ def table(title: str, rows: list[tuple[str, float, float]], base: str, new: str)
     return "\n".join(lines)
 
 
+def bench_rounds(default: int = 21) -> int:
+    """Timed rounds per function: ``BENCH_REPEATS`` when set, else ``default``."""
+    return int(os.environ.get("BENCH_REPEATS", str(default)))
+
+
 def interleaved_medians(
     fns: Sequence[Callable[[], Any]],
     *,
@@ -38,6 +82,7 @@ def interleaved_medians(
     number: int = 50,
     max_in_flight: int = 50,
     dispatch_only: bool = False,
+    before_round: Callable[[], object] | None = None,
 ) -> list[float]:
     """Median seconds per call of each of ``fns``, timed in alternating rounds.
 
@@ -46,6 +91,7 @@ def interleaved_medians(
     in an order reversed every other round (A B, B A, ...), so drift in a noisy machine's speed
     falls on all of them alike. The median is over ``rounds`` rounds per function
     (default: ``BENCH_REPEATS``, else 21), after one untimed warm-up round each.
+    `interleaved_samples` gives every round's time instead.
 
     Args:
         fns: the functions to compare; each call returns something ``wait`` accepts.
@@ -54,14 +100,41 @@ def interleaved_medians(
         number: calls per round.
         max_in_flight: at most this many calls are issued before ``wait`` (async dispatch would
             otherwise queue work without bound; JAX 0.10.2 on CPU deadlocks with hundreds of
-            queued collective calls).
+            queued collective calls). The outputs of a batch are freed before the next starts.
         dispatch_only: time only until the calls return, not until their results are ready;
             waiting still happens between batches, outside the timed span.
+        before_round: called before every round, outside the timed span (e.g. a barrier, so
+            that processes start each round together).
     """
+    samples = interleaved_samples(
+        fns,
+        wait=wait,
+        rounds=rounds,
+        number=number,
+        max_in_flight=max_in_flight,
+        dispatch_only=dispatch_only,
+        before_round=before_round,
+    )
+    return [statistics.median(s) for s in samples]
+
+
+def interleaved_samples(
+    fns: Sequence[Callable[[], Any]],
+    *,
+    wait: Callable[[list[Any]], object],
+    rounds: int | None = None,
+    number: int = 50,
+    max_in_flight: int = 50,
+    dispatch_only: bool = False,
+    before_round: Callable[[], object] | None = None,
+) -> list[list[float]]:
+    """Seconds per call of each of ``fns`` in each timed round; see `interleaved_medians`."""
     if rounds is None:
-        rounds = int(os.environ.get("BENCH_REPEATS", "21"))
+        rounds = bench_rounds()
 
     def one_round(fn: Callable[[], Any]) -> float:
+        if before_round is not None:
+            before_round()
         elapsed = 0.0
         done = 0
         while done < number:
@@ -74,6 +147,8 @@ def interleaved_medians(
             else:
                 wait(outs)
                 elapsed += time.perf_counter() - start
+            # Freed before the next batch is issued, so at most max_in_flight results live.
+            del outs
             done += batch
         return elapsed / number
 
@@ -84,4 +159,16 @@ def interleaved_medians(
     for r in range(rounds):
         for i in order if r % 2 == 0 else order[::-1]:
             samples[i].append(one_round(fns[i]))
-    return [statistics.median(s) for s in samples]
+    return samples
+
+
+def median_uncertainty(samples: Sequence[float]) -> float:
+    """How far the median of ``samples`` can be trusted, relative to it (95%, a boxplot notch).
+
+    ``1.57 * IQR / sqrt(n)`` (McGill, Tukey and Larsen 1978): two medians whose notches do not
+    overlap differ at roughly the 95% level.
+    """
+    if len(samples) < 2:
+        return float("nan")
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return 1.57 * (q3 - q1) / len(samples) ** 0.5 / statistics.median(samples)

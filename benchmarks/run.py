@@ -9,16 +9,24 @@ import json
 import sys
 from pathlib import Path
 
-import jax
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _timing import keep_freed_memory, median_seconds, table  # noqa: E402
+
+MALLOC = keep_freed_memory()  # before JAX starts its threads
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import meshkit  # noqa: E402
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from _timing import median_seconds, table  # noqa: E402
+from global_assembly import (  # noqa: E402
+    bench_global_gpu,
+    bench_global_single_process,
+    bench_global_two_processes,
+)
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
+
+import meshkit  # noqa: E402
 
 
 def bench_make_mesh_single_process() -> str:
@@ -54,7 +62,10 @@ def bench_make_mesh_two_processes() -> str:
 
 
 if __name__ == "__main__":
-    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices\n")
+    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices; {MALLOC}\n")
     print(bench_make_mesh_single_process(), end="\n\n")
     print(bench_spmd_dispatch(), end="\n\n")
-    print(bench_make_mesh_two_processes())
+    print(bench_make_mesh_two_processes(), end="\n\n")
+    print(bench_global_single_process(MALLOC), end="\n\n")
+    print(bench_global_two_processes(), end="\n\n")
+    print(bench_global_gpu())

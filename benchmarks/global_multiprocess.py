@@ -1,0 +1,55 @@
+"""global_array_from_local in 2 processes (run by global_assembly.bench_global_two_processes).
+
+Usage: ``meshkit launch -n 2 -d 4 global_multiprocess.py BENCHMARKS_DIR``. Process 0 prints one
+``BENCH {json}`` line with `global_assembly.measure`'s result.
+"""
+
+import json
+import sys
+
+sys.path.insert(0, sys.argv[1])
+from _timing import bench_rounds, keep_freed_memory
+
+MALLOC = keep_freed_memory()  # before JAX starts its threads
+
+import meshkit  # noqa: E402
+
+meshkit.init()
+
+import jax  # noqa: E402
+from global_assembly import COPY, ZERO_COPY, local_data, make_case, measure  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+
+def barrier() -> None:
+    # A device collective, outside the timed span: both processes leave it together.
+    multihost_utils.sync_global_devices("meshkit-bench")
+
+
+per_process = jax.local_device_count()
+data = meshkit.make_mesh({"data": -1})
+replicated = meshkit.make_mesh({"data": -1, "model": per_process})
+data_label = f"data={jax.device_count()} ({per_process} blocks per process)"
+replicated_label = (
+    f"data={jax.process_count()} x model={per_process} (1 block per process, on {per_process} "
+    "devices)"
+)
+# Both processes build the same cases and run the same calls in the same order, as the
+# cross-process checks of make_mesh and global_array_from_local require.
+cases = []
+# Rounds per (data alignment, mesh): enough for medians within a few percent on a noisy 2-core
+# machine; zero-copy calls are short (except meshkit's replica copies), so they get more.
+rounds = {
+    (False, data): 61,
+    (False, replicated): 61,
+    (True, data): 121,
+    (True, replicated): 41,
+}
+for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
+    local = local_data(seed=jax.process_index(), aligned=aligned)
+    for mesh, label in ((data, data_label), (replicated, replicated_label)):
+        n = bench_rounds(rounds[aligned, mesh])
+        cases.append(make_case(mesh, local, label=f"{label}, {kind}", rounds=n, number=1))
+result = measure(cases, sync=barrier)
+if jax.process_index() == 0:
+    print("BENCH " + json.dumps({**result, "malloc": MALLOC}))
