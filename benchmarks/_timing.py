@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -172,3 +174,25 @@ def median_uncertainty(samples: Sequence[float]) -> float:
         return float("nan")
     q1, _, q3 = statistics.quantiles(samples, n=4)
     return 1.57 * (q3 - q1) / len(samples) ** 0.5 / statistics.median(samples)
+
+
+def launched_result(script: Path) -> dict[str, Any]:
+    """Run ``script`` in 2 processes x 4 CPU devices; process 0's ``BENCH {json}`` line, parsed.
+
+    The script gets the benchmarks folder as its argument (to import this module).
+    """
+    import meshkit
+
+    result = meshkit.launch(
+        [str(script), str(script.parent)],
+        num_processes=2,
+        devices_per_process=4,
+        platform="cpu",
+        timeout=300,
+        stream=False,
+        keep_output=True,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark failed:\n{result.report}")
+    line = next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("BENCH "))
+    return json.loads(line.removeprefix("BENCH "))

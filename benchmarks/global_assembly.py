@@ -18,7 +18,6 @@ global_multiprocess.py), and host to GPU (`bench_global_gpu`, where a GPU is pre
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from _timing import bench_rounds, interleaved_samples, median_uncertainty
+from _timing import bench_rounds, interleaved_samples, launched_result, median_uncertainty
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import meshkit
@@ -323,19 +322,7 @@ def bench_global_gpu() -> str:
 
 def bench_global_two_processes() -> str:
     """2 processes x 4 CPU devices, through global_multiprocess.py (process 0's timings)."""
-    result = meshkit.launch(
-        [str(HERE / "global_multiprocess.py"), str(HERE)],
-        num_processes=2,
-        devices_per_process=4,
-        platform="cpu",
-        timeout=300,
-        stream=False,
-        keep_output=True,
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark failed:\n{result.report}")
-    line = next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("BENCH "))
-    data = json.loads(line.removeprefix("BENCH "))
+    data = launched_result(HERE / "global_multiprocess.py")
     title = (
         f"global_array_from_local, 2 processes x 4 CPU devices, {data['bytes'] // 2**20} MiB "
         "float32 per process (process 0's timings)"

@@ -5,13 +5,12 @@ Absolute CPU times are only indicative (2-core CI machines); read the ratios.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _timing import keep_freed_memory, median_seconds, table  # noqa: E402
+from _timing import keep_freed_memory, launched_result, median_seconds, table  # noqa: E402
 
 MALLOC = keep_freed_memory()  # before JAX starts its threads
 
@@ -41,18 +40,7 @@ def bench_make_mesh_single_process() -> str:
 
 
 def bench_make_mesh_two_processes() -> str:
-    result = meshkit.launch(
-        [str(HERE / "mesh_multiprocess.py"), str(HERE)],
-        num_processes=2,
-        devices_per_process=4,
-        timeout=300,
-        stream=False,
-        keep_output=True,
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark failed:\n{result.report}")
-    line = next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("BENCH "))
-    data = json.loads(line.removeprefix("BENCH "))
+    data = launched_result(HERE / "mesh_multiprocess.py")
     return table(
         "make_mesh with the cross-process agreement check, 2 processes x 4 CPU devices",
         [("make_mesh {'data': -1, 'model': 4}", data["jax"], data["meshkit"])],
