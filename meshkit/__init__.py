@@ -24,6 +24,8 @@ from ._layout import ProcessSlice as ProcessSlice
 from ._layout import process_slice as process_slice
 from ._mesh import describe as describe
 from ._mesh import make_mesh as make_mesh
+from ._pmap import PmapFunction as PmapFunction
+from ._pmap import pmap_compat as pmap_compat
 from ._runtime import RuntimeInfo as RuntimeInfo
 from ._runtime import init as init
 from ._runtime import runtime_info as runtime_info
@@ -40,6 +42,7 @@ __all__ = [
     "LaunchError",
     "LaunchResult",
     "MeshkitError",
+    "PmapFunction",
     "ProcessSlice",
     "RankResult",
     "ReshardWarning",
@@ -54,6 +57,7 @@ __all__ = [
     "launch",
     "local_from_global",
     "make_mesh",
+    "pmap_compat",
     "process_slice",
     "runtime_info",
     "spec",
