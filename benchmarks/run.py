@@ -23,6 +23,7 @@ from global_assembly import (  # noqa: E402
     bench_global_single_process,
     bench_global_two_processes,
 )
+from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
 
 import meshkit  # noqa: E402
@@ -53,6 +54,7 @@ if __name__ == "__main__":
     print(f"jax {jax.__version__}, {jax.device_count()} CPU devices; {MALLOC}\n")
     print(bench_make_mesh_single_process(), end="\n\n")
     print(bench_spmd_dispatch(), end="\n\n")
+    print(bench_pmap_dispatch(), end="\n\n")
     print(bench_make_mesh_two_processes(), end="\n\n")
     print(bench_global_single_process(MALLOC), end="\n\n")
     print(bench_global_two_processes(), end="\n\n")
