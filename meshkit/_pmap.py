@@ -466,6 +466,10 @@ class PmapFunction:
 
         try:
             result = mapped(True)
+        except NotImplementedError:
+            # Collectives with axis_index_groups have no replication typing: traced untyped,
+            # they run (and out_axes=None can no longer be checked for them).
+            result = mapped(False)
         except AssertionError:
             # shard_map's replication typing asserts on a collective over an unbound axis name;
             # traced again without it, JAX names the axis.

@@ -227,6 +227,18 @@ def test_rng_keys_per_device(make_keys):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(jax.pmap(draw)(keys)))
 
 
+def test_axis_size_and_axis_index_groups_inside():
+    x = np.arange(N, dtype=np.float32)
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+    def f(v):
+        return jax.lax.psum(v, "i", axis_index_groups=groups) * jax.lax.axis_size("i")
+
+    ours = pmap_compat(f, "i")(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jax.pmap(f, "i")(x)))
+    np.testing.assert_array_equal(np.asarray(ours), np.repeat([6.0, 22.0], 4) * N)
+
+
 def test_donated_arguments_are_consumed():
     f = pmap_compat(lambda x: x * 2)
     g = pmap_compat(lambda x: x + 1, donate_argnums=0)
