@@ -18,6 +18,7 @@ placed here one by one and the call is made again.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import re
 from collections.abc import Callable, Hashable, Sequence
@@ -150,6 +151,8 @@ class PmapFunction:
         self.backend = backend
         self.global_outputs = bool(global_outputs)
         self._entries: dict[Any, _Entry] = {}
+        # Per call key: (inner axis name, inner mapped size) once a nested pmap_compat is met.
+        self._nesting: dict[Any, tuple[str, int]] = {}
         self._site = _dispatch.CallSite("pmap_compat", name, info={"axis_name": axis_name})
 
     # ---- calls ------------------------------------------------------------------------------
@@ -196,6 +199,47 @@ class PmapFunction:
         return (n, static_vals, tuple(sorted(kwargs)))
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
+        outer = _TRACING.get()
+        if outer is not None and outer.fn is not self:
+            return self._nested_call(outer, args, kwargs)
+        try:
+            return self._run_here(args, kwargs, lower=lower)
+        except _NestedFound as found:
+            # A pmap_compat inside this one: run again on a 2-D mesh (this axis, then its).
+            key = self._key(args, kwargs)
+            self._nesting[key] = (found.axis, found.size)
+            for k in [k for k in self._entries if k[0] == key]:
+                del self._entries[k]
+            return self._run_here(args, kwargs, lower=lower)
+
+    def _nested_call(self, outer: _Tracing, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called while an enclosing pmap_compat traces: a shard_map over this inner axis."""
+        key = self._key(args, kwargs)
+        n_args = len(args)
+        dyn_positions = [i for i in range(n_args) if i not in self.static]
+        in_axes = self._in_axes_for(n_args)
+        dyn_axes = [in_axes[i] for i in dyn_positions]
+        statics = dict(zip(self.static, key[1], strict=True))
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
+        mesh = outer.mesh
+        if mesh.axis_names == (self.mesh_axis,):
+            raise MeshkitError(
+                f"{self._what}: called inside a pmap_compat over the same axis name "
+                f"{self.mesh_axis!r}; nested pmaps need different axis names."
+            )
+        if self.mesh_axis not in mesh.axis_names:
+            leaves = jax.tree_util.tree_leaves((dyn, kwargs))
+            axes: list[Axis] = []
+            for j, arg in enumerate(dyn):
+                axes += _axes_per_leaf(dyn_axes[j], arg, "in_axes", self.name)
+            axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+            sizes = [int(np.shape(x)[a % np.ndim(x)]) for x, a in zip(leaves, axes, strict=True)
+                     if a is not None]  # fmt: skip
+            size = sizes[0] if sizes else (self.axis_size or 1)
+            raise _NestedFound(self.mesh_axis, size)
+        return self._body(mesh, dyn_positions, dyn_axes, statics, n_args, dyn, kwargs, inner=True)
+
+    def _run_here(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
         context = jax.sharding.get_abstract_mesh()
         if not context.empty:
             # Under jax.set_mesh (or traced inside another mesh's jit) shard_map must run on
@@ -349,6 +393,28 @@ class PmapFunction:
         chosen = [d for ds in by_process.values() for d in ds[:n]]
         return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
 
+    def _nested_mesh(self, outer: int, inner_axis: str, inner: int) -> Mesh:
+        """A 2-D mesh (this axis, the inner one): ``outer * inner`` devices of each process."""
+        if inner_axis == self.mesh_axis:
+            raise MeshkitError(
+                f"{self._what}: a nested pmap_compat maps the same axis name {inner_axis!r}; "
+                "nested pmaps need different axis names."
+            )
+        by_process: dict[int, list[Any]] = {}
+        for d in sorted(self._pool(), key=lambda d: (d.process_index, d.id)):
+            by_process.setdefault(d.process_index, []).append(d)
+        need = outer * inner
+        have = len(by_process.get(jax.process_index(), []))
+        if need > have:
+            raise MeshkitError(
+                self._size_error(need, have, "on this process")
+                + f"\n(Nested: {outer} entries of {self.mesh_axis!r} x {inner} of "
+                f"{inner_axis!r}.)"
+            )
+        chosen = [d for ds in by_process.values() for d in ds[:need]]
+        grid = np.array(chosen, dtype=object).reshape(len(by_process) * outer, inner)
+        return Mesh(grid, (self.mesh_axis, inner_axis), axis_types=(AxisType.Auto,) * 2)
+
     @property
     def _what(self) -> str:
         return f"meshkit.pmap_compat({self.name})"
@@ -370,7 +436,11 @@ class PmapFunction:
         entry = self._entries.get(full_key)
         if entry is not None:
             return entry
-        mesh = self._mesh(per_process)
+        nested = self._nesting.get(key)
+        if nested is not None and per_process is not None:
+            mesh = self._nested_mesh(per_process, *nested)
+        else:
+            mesh = self._mesh(per_process)
         dyn_positions = [i for i in range(n_args) if i not in self.static]
         in_axes = self._in_axes_for(n_args)
         dyn_axes = [in_axes[i] for i in dyn_positions]
@@ -420,10 +490,16 @@ class PmapFunction:
         n_args: int,
         dyn: tuple[Any, ...],
         kwargs: dict[str, Any],
+        *,
+        inner: bool = False,
     ) -> Any:
-        """Trace time: specs per leaf, the mapped sizes checked, shard_map of the function."""
+        """Trace time: specs per leaf, the mapped sizes checked, shard_map of the function.
+
+        On a 2-D mesh (nested pmap_compat) the shard_map is manual over this function's axis
+        only; ``inner``: this is the nested function, traced inside the outer one's shard_map.
+        """
         name = self.mesh_axis
-        size = mesh.size
+        size = mesh.shape[name]
         leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
         axes: list[Axis] = []
         for j, arg in enumerate(dyn):
@@ -456,13 +532,22 @@ class PmapFunction:
         out_specs = _prefix_map(self.out_axes, lambda a: _out_spec(a, name))
 
         def mapped(check_vma: bool) -> Any:
-            return jax.shard_map(
-                per_device,
-                mesh=mesh,
-                in_specs=tuple(specs),
-                out_specs=out_specs,
-                check_vma=check_vma,
-            )(*leaves)
+            extra: dict[str, Any] = {}
+            if len(mesh.axis_names) > 1:
+                extra["axis_names"] = {name}
+            if not inner:
+                extra["mesh"] = mesh
+            token = _TRACING.set(_Tracing(self, mesh))
+            try:
+                return jax.shard_map(
+                    per_device,
+                    in_specs=tuple(specs),
+                    out_specs=out_specs,
+                    check_vma=check_vma,
+                    **extra,
+                )(*leaves)
+            finally:
+                _TRACING.reset(token)
 
         try:
             result = mapped(True)
@@ -559,6 +644,27 @@ class PmapFunction:
         if processes > 1:
             n //= processes
         return self._size_error(n, local, "on this process")
+
+
+@dataclass
+class _Tracing:
+    """The pmap_compat whose function is being traced (for nested pmap_compat calls)."""
+
+    fn: PmapFunction
+    mesh: Mesh
+
+
+_TRACING: contextvars.ContextVar[_Tracing | None] = contextvars.ContextVar(
+    "meshkit_pmap_tracing", default=None
+)
+
+
+class _NestedFound(Exception):
+    """Raised while tracing: a pmap_compat inside another; the outer one builds a 2-D mesh."""
+
+    def __init__(self, axis: str, size: int) -> None:
+        self.axis = axis
+        self.size = size
 
 
 class _Retype(Exception):

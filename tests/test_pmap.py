@@ -239,6 +239,36 @@ def test_axis_size_and_axis_index_groups_inside():
     np.testing.assert_array_equal(np.asarray(ours), np.repeat([6.0, 22.0], 4) * N)
 
 
+def test_nested_pmap_compat_becomes_one_2d_mesh():
+    def inner_fn(v):
+        return v * 10 + jax.lax.psum(v, "inner") + jax.lax.pmax(v, "outer")
+
+    inner = pmap_compat(inner_fn, "inner")
+    outer = pmap_compat(lambda x: inner(x) + jax.lax.axis_index("outer"), "outer")
+    x = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+    ref = jax.vmap(
+        lambda x: jax.vmap(inner_fn, axis_name="inner")(x) + jax.lax.axis_index("outer"),
+        axis_name="outer",
+    )(x)
+    for _ in range(2):  # the second call reuses the 2-D entry
+        out = outer(x)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref))
+    assert dict(out.sharding.mesh.shape) == {"outer": 2, "inner": 4}
+    both = pmap_compat(pmap_compat(lambda v: jax.lax.psum(v, ("o", "n")), "n"), "o")
+    np.testing.assert_allclose(np.asarray(both(x)), np.broadcast_to(x.sum((0, 1)), x.shape))
+
+
+def test_nested_pmap_compat_errors():
+    same = pmap_compat(pmap_compat(lambda v: v, "i"), "i")
+    with pytest.raises(MeshkitError, match="nested pmaps need different axis names"):
+        same(np.ones((2, 4), np.float32))
+    big = pmap_compat(pmap_compat(lambda v: v, "n"), "o")
+    with pytest.raises(MeshkitError) as e:
+        big(np.ones((4, 4), np.float32))
+    assert "\n(Nested: 4 entries of 'o' x 4 of 'n'.)" in str(e.value)
+    assert "the mapped axis has size 16, which requires 16 devices, but only 8" in str(e.value)
+
+
 def test_donated_arguments_are_consumed():
     f = pmap_compat(lambda x: x * 2)
     g = pmap_compat(lambda x: x + 1, donate_argnums=0)
