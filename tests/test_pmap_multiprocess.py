@@ -88,3 +88,31 @@ def test_collectives_span_processes_and_outputs_are_global():
             "meshkit.pmap_compat(<lambda>): the mapped axis has size 5, which requires 5 "
             "devices, but only 4 are available on this process (jax.local_devices(): 4)."
         )
+
+
+def _nested():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    me = jax.process_index()
+    full = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3)  # 2 outer entries per process
+    mine = full[me * 2 : me * 2 + 2]
+
+    def inner_fn(v):
+        return v + jax.lax.psum(v, "inner") + 100 * jax.lax.psum(v, "outer")
+
+    step = meshkit.pmap_compat(meshkit.pmap_compat(inner_fn, "inner"), "outer")
+    out = step(mine)
+    ref = jax.vmap(jax.vmap(inner_fn, axis_name="inner"), axis_name="outer")(full)
+    return {
+        "shape": tuple(out.shape),
+        "mesh": dict(out.sharding.mesh.shape),
+        "ok": bool(np.allclose(meshkit.gather(out), np.asarray(ref))),
+    }
+
+
+def test_nested_pmap_compat_across_processes():
+    for r in run_in_processes(_nested, timeout=180):
+        assert r == {"shape": (4, 2, 3), "mesh": {"outer": 4, "inner": 2}, "ok": True}
