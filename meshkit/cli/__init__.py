@@ -1,4 +1,4 @@
-"""The ``meshkit`` command: ``meshkit launch`` and ``meshkit info``."""
+"""The ``meshkit`` command: ``meshkit launch``, ``meshkit info`` and ``meshkit migrate``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from types import FrameType
 from typing import Any
 
 from .._errors import LaunchError, MeshkitError
+from .migrate import EPILOG as MIGRATE_EPILOG
+from .migrate import add_arguments as add_migrate_arguments
 
 __all__ = ["main"]
 
@@ -97,6 +99,15 @@ def _parser() -> argparse.ArgumentParser:
         "info",
         help="join the cluster (meshkit.init) and print what was detected and the devices",
     )
+    migrate = sub.add_parser(
+        "migrate",
+        help="report legacy pmap code (jax.pmap, flax.jax_utils, ...) and rewrite the mechanical",
+        description="Report legacy pmap patterns with file:line, what breaks or costs in modern "
+        "JAX and the meshkit replacement; --fix rewrites the mechanical cases.",
+        epilog=MIGRATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_migrate_arguments(migrate)
     return parser
 
 
@@ -153,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args)
+        if args.command == "migrate":
+            from .migrate import run
+
+            return run(args)
         return _info()
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)

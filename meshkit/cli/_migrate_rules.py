@@ -1,0 +1,181 @@
+"""The rules of ``meshkit migrate``: a stable code, what breaks or costs, and the replacement.
+
+The texts state what JAX 0.10.2 and 0.12 (the lines meshkit tests) do; each was checked against
+them or measured by the meshkit team. Codes are stable: a rule that goes away keeps its number
+retired, a new rule takes the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["COMMON_UTILS", "DEVICE_PUT", "FLAX_JAX_UTILS", "PMAP_KEYWORDS", "RULES", "Rule"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One legacy pattern.
+
+    Attributes:
+        code: the stable code (``MK001`` ...), used in reports and ``# meshkit: ignore[...]``.
+        name: a few words naming the pattern.
+        why: what breaks or costs in today's JAX.
+        fix: the meshkit replacement, or what to do by hand.
+    """
+
+    code: str
+    name: str
+    why: str
+    fix: str
+
+
+_PMAP_WHY = (
+    "jax.pmap now runs through jit(shard_map); in multi-process runs its outputs are "
+    "host-local arrays, so a later jax.jit takes each process's part for the whole value and "
+    "checkpointers refuse them."
+)
+_PMAP_FIX = (
+    "meshkit.pmap_compat, the same signature and collectives. In multi-process runs its outputs "
+    "are global arrays: read this process's part with meshkit.local_from_global, or pass "
+    "global_outputs=False to keep host-local ones."
+)
+_NESTED_WHY = (
+    "Nested jax.pmap was removed from JAX: JAX 0.10.2 and 0.12 fail with 'The context mesh ... "
+    "should match the mesh passed to shard_map'."
+)
+_NESTED_FIX = (
+    "meshkit.pmap_compat at both levels: they run on one 2-D mesh (outer axis by inner axis) "
+    "and collectives may name either axis or both."
+)
+_NEGATIVE_WHY = (
+    "jax.pmap places a negative out_axes wrongly and raises no error: 8 per-device outputs of "
+    "shape (2,) with out_axes=-1 come back as (16, 1) instead of (2, 8)."
+)
+_NEGATIVE_FIX = (
+    "meshkit.pmap_compat counts out_axes from the end, as jax.vmap does. Not rewritten by --fix: "
+    "change it by hand and check the code that reads this output, which may have been written "
+    "around the wrong layout."
+)
+_NONE_WHY = (
+    "jax.pmap with out_axes=None returns device 0's value without checking that the devices "
+    "agree: a value that differs across devices is silently wrong."
+)
+_NONE_FIX = (
+    "meshkit.pmap_compat checks at trace time that such an output is the same on every device "
+    "and names it otherwise. Not rewritten by --fix: reduce the value (jax.lax.pmean, psum) "
+    "before returning it, then change to meshkit.pmap_compat by hand."
+)
+_FLAX_WHY = (
+    "What flax.jax_utils does depends on the Flax release: some build on "
+    "jax.device_put_replicated / device_put_sharded, which JAX 0.10 removed; current ones place "
+    "arrays over this process's devices only, host-local in multi-process runs."
+)
+_FLAX_FIX = "meshkit's function of the same name and signature; no Flax needed."
+_COMMON_WHY = (
+    "A pmap-era Flax helper that shapes data by jax.local_device_count() (get_metrics: takes "
+    "device 0's entry of every metric). It still works; meshkit's copy has the same signature, "
+    "so the program no longer needs flax.training for it."
+)
+_COMMON_FIX = "meshkit's function of the same name and signature."
+_DEVICE_PUT_WHY = (
+    "Removed from JAX: jax.device_put_replicated and jax.device_put_sharded raise "
+    "AttributeError in JAX 0.10.2 and 0.12 (ImportError through `from jax import ...`)."
+)
+_DEVICE_PUT_FIX = "meshkit.device_put_replicated / meshkit.device_put_sharded, the same signature."
+_PMAP_SHARDING_WHY = (
+    "PmapSharding is jax.pmap's legacy sharding: JAX 0.10.2 and 0.12 no longer provide it "
+    "(`from jax.sharding import PmapSharding` raises ImportError), and jax.pmap outputs carry a "
+    "NamedSharding."
+)
+_PMAP_SHARDING_FIX = (
+    "NamedSharding(mesh, PartitionSpec(axis)) over a Mesh (meshkit.make_mesh); a check of "
+    "isinstance(x.sharding, PmapSharding) becomes one of NamedSharding and its spec. Not "
+    "rewritten by --fix."
+)
+_MERGE_WHY = (
+    "jax_pmap_shmap_merge is the config flag of jax.pmap's move onto shard_map, a transition "
+    "setting: JAX 0.10.2 and 0.12 no longer define it (jax.config.update raises AttributeError "
+    "'Unrecognized config option')."
+)
+_MERGE_FIX = (
+    "Remove it once the code runs on meshkit.pmap_compat, which does not depend on it. Not "
+    "rewritten by --fix."
+)
+_INDEX_WHY = (
+    "x[0] on a pmap output gathers the whole array to read one entry (3.3 ms for 8 MiB on 8 CPU "
+    "devices, where reading one shard takes microseconds), and a loop pays it every step. With "
+    "meshkit.pmap_compat in a multi-process run the output is a global array, and x[0] on the "
+    "host needs entries that live on other hosts."
+)
+_INDEX_FIX = (
+    "meshkit.unreplicate(x), which reads this process's first entry from its own shard (for a "
+    "value that is the same on every device, the value); or keep the value on device and read "
+    "it once after the loop. Not rewritten by --fix."
+)
+_AOT_WHY = (
+    "An ahead-of-time compiled pmap: calling the Compiled object skips the wrapper's per-call "
+    "work (placing arguments; meshkit.pmap_compat's global_outputs=False), takes only the "
+    "shapes and shardings it was lowered for, and from jax.pmap returns host-local arrays in "
+    "multi-process runs."
+)
+_AOT_FIX = (
+    "Call the pmapped function itself (meshkit.pmap_compat compiles once per static arguments "
+    "and caches); keep .lower(...) for inspection (as_text(), cost_analysis()). Not rewritten "
+    "by --fix."
+)
+
+RULES: dict[str, Rule] = {
+    r.code: r
+    for r in (
+        Rule("MK001", "jax.pmap", _PMAP_WHY, _PMAP_FIX),
+        Rule("MK002", "nested pmap", _NESTED_WHY, _NESTED_FIX),
+        Rule("MK003", "negative out_axes", _NEGATIVE_WHY, _NEGATIVE_FIX),
+        Rule("MK004", "out_axes=None", _NONE_WHY, _NONE_FIX),
+        Rule("MK005", "flax.jax_utils helper", _FLAX_WHY, _FLAX_FIX),
+        Rule("MK006", "flax common_utils helper", _COMMON_WHY, _COMMON_FIX),
+        Rule("MK007", "jax.device_put_replicated/sharded", _DEVICE_PUT_WHY, _DEVICE_PUT_FIX),
+        Rule("MK008", "PmapSharding", _PMAP_SHARDING_WHY, _PMAP_SHARDING_FIX),
+        Rule("MK009", "jax_pmap_shmap_merge", _MERGE_WHY, _MERGE_FIX),
+        Rule("MK010", "x[0] on a pmap output in a loop", _INDEX_WHY, _INDEX_FIX),
+        Rule("MK011", ".lower().compile() of a pmap", _AOT_WHY, _AOT_FIX),
+    )
+}
+
+# The helpers --fix rewrites, by qualified name: (rule, meshkit name, the keyword names a call
+# may use and stay a drop-in). The keywords are the legacy signatures, which meshkit keeps;
+# a call with any other keyword (e.g. a newer Flax's axis_name=) is reported, not rewritten.
+FLAX_JAX_UTILS: dict[str, tuple[str, frozenset[str]]] = {
+    "flax.jax_utils.replicate": ("replicate", frozenset({"tree", "devices"})),
+    "flax.jax_utils.unreplicate": ("unreplicate", frozenset({"tree"})),
+    "flax.jax_utils.prefetch_to_device": (
+        "prefetch_to_device",
+        frozenset({"iterator", "size", "devices"}),
+    ),
+    "flax.jax_utils.pad_shard_unpad": (
+        "pad_shard_unpad",
+        frozenset({"wrapped", "static_argnums", "static_argnames", "static_return"}),
+    ),
+}
+COMMON_UTILS: dict[str, tuple[str, frozenset[str]]] = {
+    "flax.training.common_utils.shard": ("shard", frozenset({"xs"})),
+    "flax.training.common_utils.shard_prng_key": ("shard_prng_key", frozenset({"prng_key"})),
+    "flax.training.common_utils.get_metrics": ("get_metrics", frozenset({"device_metrics"})),
+}
+DEVICE_PUT: dict[str, tuple[str, frozenset[str]]] = {
+    "jax.device_put_replicated": ("device_put_replicated", frozenset({"x", "devices"})),
+    "jax.device_put_sharded": ("device_put_sharded", frozenset({"shards", "devices"})),
+}
+# jax.pmap's keywords (JAX 0.10.2 and 0.12), all of which meshkit.pmap_compat takes.
+PMAP_KEYWORDS = frozenset(
+    {
+        "fun",
+        "axis_name",
+        "in_axes",
+        "out_axes",
+        "static_broadcasted_argnums",
+        "devices",
+        "backend",
+        "axis_size",
+        "donate_argnums",
+    }
+)

@@ -1,0 +1,646 @@
+"""The scanner of ``meshkit migrate``: legacy pmap patterns in Python source, through `ast`.
+
+Names are resolved through the file's imports (``import jax``, ``from jax import pmap as pm``,
+``import flax.jax_utils as ju``, ``from flax.training import common_utils``), so ``ju.replicate``
+is found and a local function that happens to be called ``replicate`` is not. The analysis is
+per file and flow-insensitive, which bounds what it sees:
+
+* every import in the file counts, wherever it stands, and a name rebound later (``pmap = ...``)
+  still resolves to its import; star imports and relative imports resolve nothing;
+* a pmapped function is a name bound to ``jax.pmap(f)`` / ``meshkit.pmap_compat(f)`` (also
+  through ``functools.partial`` or a name bound to either), or a ``def`` decorated with one;
+* nested pmap is a pmapped function applied to a pmapped one, stacked pmap decorators, or a call
+  of a pmapped function in the body of one (one level of calls, not through helpers);
+* ``x[0]`` in a loop is a subscript by the literal 0 of a name assigned from a call of a
+  pmapped function in the same function (or ``tree_map(lambda a: a[0], x)``). When the pmapped
+  function returns a tuple, ``x[0]`` picks an output and the finding is a false positive:
+  silence it with ``# meshkit: ignore[MK010]``.
+
+A ``# meshkit: ignore`` comment (or ``# meshkit: ignore[MK001,MK010]``) on a finding's first
+line silences it, and ``--fix`` then leaves that line alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import itertools
+import re
+import tokenize
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+from ._migrate_rules import COMMON_UTILS, DEVICE_PUT, FLAX_JAX_UTILS, PMAP_KEYWORDS, RULES, Rule
+
+__all__ = ["Edit", "Finding", "scan_source"]
+
+PMAP = "jax.pmap"
+PMAP_COMPAT = "meshkit.pmap_compat"
+PARTIAL = "functools.partial"
+TREE_MAPS = frozenset({"jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map"})
+MERGE_FLAG = "pmap_shmap_merge"
+HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
+    **{q: ("MK005", name, kw) for q, (name, kw) in FLAX_JAX_UTILS.items()},
+    **{q: ("MK006", name, kw) for q, (name, kw) in COMMON_UTILS.items()},
+    **{q: ("MK007", name, kw) for q, (name, kw) in DEVICE_PUT.items()},
+}
+# Every rule needs one of these in the text (an import, an attribute or the flag's name), so a
+# file without any is parsed (to report syntax errors) but not analysed.
+_MAYBE = re.compile(r"(?i:pmap)|jax_utils|common_utils|device_put_")
+_IGNORE = re.compile(r"#\s*meshkit:\s*ignore(?:\[(?P<codes>[A-Za-z0-9,\s]*)\])?")
+_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_Located = ast.expr | ast.stmt | ast.alias
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One mechanical rewrite, for the fixer.
+
+    Attributes:
+        line: 1-based line of the reference.
+        col: 0-based column of the reference, in characters.
+        old: the reference as written (``"jax.pmap"``, ``"ju.replicate"``); empty when the edit
+            only drops an import that nothing uses.
+        new: what replaces it (``"meshkit.pmap_compat"``).
+        binding: the imported name the reference went through and what the import binds it to
+            (``("ju", "flax.jax_utils")``): that import is dropped once nothing uses it.
+    """
+
+    line: int
+    col: int
+    old: str
+    new: str
+    binding: tuple[str, str] | None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One legacy pattern found.
+
+    Attributes:
+        path: the file, as given or found.
+        line: 1-based line.
+        col: 1-based column, in characters.
+        code: the rule's code (``MK001`` ...).
+        message: what was found, as written in the file.
+        fixable: whether ``--fix`` removes this finding.
+        note: for a rule ``--fix`` handles, why this finding is left alone.
+        edit: the rewrite ``--fix`` makes, if any (nested pmap is fixed by its MK001 edits).
+    """
+
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+    fixable: bool = False
+    note: str = ""
+    edit: Edit | None = None
+
+    @property
+    def rule(self) -> Rule:
+        """The rule this finding breaks."""
+        return RULES[self.code]
+
+
+def scan_source(
+    source: str,
+    path: str = "<string>",
+    *,
+    select: Collection[str] | None = None,
+    ignore: Collection[str] = (),
+) -> list[Finding]:
+    r"""The legacy pmap patterns in one file's source, sorted by position.
+
+    Args:
+        source: the file's text.
+        path: the name findings carry.
+        select: report only these rule codes (default: all).
+        ignore: never report these rule codes.
+
+    Returns:
+        The findings, by line and column.
+
+    Raises:
+        SyntaxError: the source does not parse (also for null bytes).
+
+    Example:
+        >>> src = "import jax\nstep = jax.pmap(lambda x: x, out_axes=-1)\n"
+        >>> [(f.line, f.code, f.fixable) for f in scan_source(src)]
+        [(2, 'MK001', False), (2, 'MK003', False)]
+    """
+    try:
+        tree = ast.parse(source, filename=path)
+    except ValueError as e:  # null bytes, before 3.12
+        raise SyntaxError(str(e)) from None
+    if not _MAYBE.search(source):
+        return []
+    found = _Scanner(tree, source, path).scan()
+    silenced = _ignore_comments(source)
+    out: dict[tuple[int, int, str], Finding] = {}
+    for f in found:
+        codes = silenced.get(f.line, frozenset())
+        if "*" in codes or f.code in codes:
+            continue
+        if (select is not None and f.code not in select) or f.code in ignore:
+            continue
+        out.setdefault((f.line, f.col, f.code), f)
+    return [out[k] for k in sorted(out)]
+
+
+def _ignore_comments(source: str) -> dict[int, frozenset[str]]:
+    """Line -> codes silenced there (``"*"``: every code)."""
+    found: dict[int, frozenset[str]] = {}
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT:
+                continue
+            m = _IGNORE.search(tok.string)
+            if m is None:
+                continue
+            codes = m.group("codes")
+            names = {c.strip().upper() for c in codes.split(",")} - {""} if codes else {"*"}
+            found[tok.start[0]] = found.get(tok.start[0], frozenset()) | names
+    except (tokenize.TokenError, SyntaxError):
+        pass  # ast accepted it; tokenize's stricter corners only cost the comments
+    return found
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _axes_values(value: object) -> Iterator[object]:
+    """Every leaf of a literal out_axes (ints, None) through tuples, lists and dicts."""
+    if isinstance(value, tuple | list):
+        for v in value:
+            yield from _axes_values(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _axes_values(v)
+    else:
+        yield value
+
+
+class _Scanner:
+    """One file's analysis: imports, pmapped names, then every rule."""
+
+    def __init__(self, tree: ast.Module, source: str, path: str) -> None:
+        self.tree = tree
+        self.path = path
+        self.lines = re.split(r"\r\n|\r|\n", source)
+        self.nodes = list(ast.walk(tree))
+        self.parents: dict[ast.AST, ast.AST] = {}
+        for node in self.nodes:
+            for child in ast.iter_child_nodes(node):
+                self.parents[child] = node
+        self.bindings: dict[str, str] = {}
+        self.from_imports: list[tuple[ast.alias, str, str]] = []
+        self.pmap_aliases: dict[str, ast.expr] = {}  # name -> the pmap it stands for
+        self.pmapped: dict[str, ast.expr] = {}  # dotted name of a pmapped function -> its pmap
+        self.defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.findings: list[Finding] = []
+        self._fixable_refs: dict[ast.AST, bool] = {}
+
+    # ---- resolution ---------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        for node in self.nodes:
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    name = a.asname or a.name.split(".")[0]
+                    self.bindings[name] = a.name if a.asname else name
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for a in node.names:
+                    if a.name == "*":
+                        continue
+                    name = a.asname or a.name
+                    self.bindings[name] = f"{node.module}.{a.name}"
+                    self.from_imports.append((a, name, self.bindings[name]))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                self.defs.setdefault(node.name, []).append(node)
+        # Aliases can build on aliases (p = partial(jax.pmap, ...); step = p(f)): a few rounds.
+        for _ in range(3):
+            for node in self.nodes:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                    target = node.targets[0]
+                    name = _dotted(target)
+                    if name is None:
+                        continue
+                    ref = self._pmap_ref(node.value)
+                    if ref is not None and isinstance(target, ast.Name):
+                        self.pmap_aliases[name] = ref
+                    elif (ref := self._pmapped_call(node.value)) is not None:
+                        self.pmapped[name] = ref
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    refs = self._decorator_refs(node)
+                    if refs:
+                        self.pmapped[node.name] = refs[0][1]
+
+    def _qual(self, node: ast.AST) -> str | None:
+        """The qualified name a name or attribute chain refers to through the imports."""
+        if isinstance(node, ast.Name):
+            return self.bindings.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self._qual(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    def _pmap_ref(self, expr: ast.AST) -> ast.expr | None:
+        """The pmap reference behind an expression that maps functions (pmap, its partial)."""
+        if isinstance(expr, ast.Name | ast.Attribute):
+            if self._qual(expr) in (PMAP, PMAP_COMPAT):
+                return expr
+            if isinstance(expr, ast.Name):
+                return self.pmap_aliases.get(expr.id)
+            return None
+        if isinstance(expr, ast.Call):
+            if self._qual(expr.func) == PARTIAL and expr.args:
+                return self._pmap_ref(expr.args[0])
+            ref = self._pmap_ref(expr.func)
+            # pmap_compat(axis_name="i") without the function is a decorator.
+            if ref is not None and not expr.args and not _keyword(expr, "fun"):
+                return ref
+        return None
+
+    def _pmapped_call(self, expr: ast.AST) -> ast.expr | None:
+        """The pmap reference of an expression that makes a pmapped function (``pmap(f)``)."""
+        if isinstance(expr, ast.Call) and (expr.args or _keyword(expr, "fun")):
+            return self._pmap_ref(expr.func)
+        return None
+
+    def _pmapped_value(self, expr: ast.AST) -> ast.expr | None:
+        """The pmap reference of a pmapped function: ``pmap(f)`` or a name bound to one."""
+        name = _dotted(expr)
+        if name is not None and name in self.pmapped:
+            return self.pmapped[name]
+        return self._pmapped_call(expr)
+
+    def _decorator_refs(
+        self, node: ast.FunctionDef | ast.AsyncFunctionDef
+    ) -> list[tuple[ast.expr, ast.expr]]:
+        found = []
+        for d in node.decorator_list:
+            ref = self._pmap_ref(d)
+            if ref is not None:
+                found.append((d, ref))
+        return found
+
+    def _is_jax(self, ref: ast.AST) -> bool:
+        return self._qual(ref) == PMAP
+
+    # ---- positions ----------------------------------------------------------------------------
+
+    def _col(self, node: _Located) -> int:
+        """0-based column of a node's start in characters (ast counts UTF-8 bytes)."""
+        raw = self.lines[node.lineno - 1].encode("utf-8")[: node.col_offset]
+        return len(raw.decode("utf-8", "replace"))
+
+    def _add(
+        self,
+        node: _Located,
+        code: str,
+        message: str,
+        *,
+        fixable: bool = False,
+        note: str = "",
+        edit: Edit | None = None,
+    ) -> None:
+        col = self._col(node) + 1
+        finding = Finding(self.path, node.lineno, col, code, message, fixable, note, edit)
+        self.findings.append(finding)
+
+    def _context(self, ref: ast.AST) -> tuple[str, list[ast.keyword] | None, int]:
+        """How a reference is used: (word, keywords it receives or None, positional count)."""
+        parent = self.parents.get(ref)
+        if isinstance(parent, ast.Call) and parent.func is ref:
+            return "call", list(parent.keywords), len(parent.args)
+        if (
+            isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and ref in parent.decorator_list
+        ):
+            return "decorator", [], 1
+        if (
+            isinstance(parent, ast.Call)
+            and parent.args
+            and parent.args[0] is ref
+            and self._qual(parent.func) == PARTIAL
+        ):
+            keywords = list(parent.keywords)
+            positional = len(parent.args) - 1
+            outer = self.parents.get(parent)
+            if isinstance(outer, ast.Call) and outer.func is parent:
+                keywords += outer.keywords
+                positional += len(outer.args)
+            return "in functools.partial", keywords, positional
+        return "reference", None, 0
+
+    # ---- rules --------------------------------------------------------------------------------
+
+    def scan(self) -> list[Finding]:
+        self._collect()
+        used = {n.id for n in self.nodes if isinstance(n, ast.Name)}
+        for node in self.nodes:
+            if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
+                self._reference(node)
+            if isinstance(node, ast.Call):
+                self._out_axes(node)
+                self._compile(node)
+            if isinstance(node, ast.Constant | ast.Attribute):
+                self._merge_flag(node)
+        for alias, name, target in self.from_imports:
+            if name not in used:
+                self._unused_import(alias, name, target)
+        self._nested()
+        self._index_in_loops()
+        return self.findings
+
+    def _written(self, node: ast.AST, qual: str) -> str:
+        text = _dotted(node)
+        return "" if text == qual else f" (written `{text}`)"
+
+    def _reference(self, node: ast.Name | ast.Attribute) -> None:
+        qual = self._qual(node)
+        if qual is None:
+            return
+        if qual == PMAP:
+            word, keywords, positional = self._context(node)
+            note = self._pmap_note(keywords, positional)
+            self._fixable_refs[node] = not note
+            message = f"jax.pmap {word}{self._written(node, qual)}"
+            edit = None if note else self._edit(node, "meshkit.pmap_compat")
+            self._add(node, "MK001", message, fixable=not note, note=note, edit=edit)
+        elif qual in HELPERS:
+            code, name, allowed = HELPERS[qual]
+            word, keywords, _ = self._context(node)
+            note = ""
+            if keywords is not None:
+                note = _keyword_note(keywords, allowed, qual)
+            message = f"{qual} {word}{self._written(node, qual)}"
+            edit = None if note else self._edit(node, f"meshkit.{name}")
+            self._add(node, code, message, fixable=not note, note=note, edit=edit)
+        elif qual.startswith("jax.") and qual.endswith(".PmapSharding"):
+            self._add(node, "MK008", f"{qual}{self._written(node, qual)}")
+
+    def _edit(self, node: ast.Name | ast.Attribute, new: str) -> Edit:
+        root = _root(node)
+        binding = None if root is None else (root, self.bindings[root])
+        return Edit(node.lineno, self._col(node), _dotted(node) or "", new, binding)
+
+    def _pmap_note(self, keywords: list[ast.keyword] | None, positional: int) -> str:
+        """Why a jax.pmap reference is not rewritten ("" when it is)."""
+        if keywords is None:
+            return "not fixed: a reference outside a call; check how it is called, then edit"
+        if positional > 2:
+            return f"not fixed: {positional} positional arguments (jax.pmap takes 2)"
+        note = _keyword_note(keywords, PMAP_KEYWORDS, PMAP)
+        if note:
+            return note
+        for kw in keywords:
+            if kw.arg != "out_axes":
+                continue
+            try:
+                value = ast.literal_eval(kw.value)
+            except ValueError:
+                return "not fixed: out_axes is computed; check it is neither negative nor None"
+            leaves = list(_axes_values(value))
+            if any(isinstance(v, int) and not isinstance(v, bool) and v < 0 for v in leaves):
+                return "not fixed: negative out_axes, see MK003"
+            if any(v is None for v in leaves):
+                return "not fixed: out_axes=None, see MK004"
+        return ""
+
+    def _unused_import(self, alias: ast.alias, name: str, target: str) -> None:
+        """A from-import of a legacy name that nothing uses still fails or ties the code."""
+        edit = Edit(alias.lineno, self._col(alias), "", "", (name, target))
+        if target == PMAP:
+            self._add(alias, "MK001", "unused import of jax.pmap", fixable=True, edit=edit)
+        elif target in HELPERS:
+            code = HELPERS[target][0]
+            self._add(alias, code, f"unused import of {target}", fixable=True, edit=edit)
+        elif target.startswith("jax.") and target.endswith(".PmapSharding"):
+            self._add(alias, "MK008", f"import of {target}")
+
+    def _out_axes(self, call: ast.Call) -> None:
+        """MK003 / MK004 on the out_axes of a jax.pmap call or partial."""
+        if self._qual(call.func) == PARTIAL and call.args:
+            ref = self._pmap_ref(call.args[0])
+        else:
+            ref = self._pmap_ref(call.func)
+        if ref is None or not self._is_jax(ref):
+            return
+        for kw in call.keywords:
+            if kw.arg != "out_axes":
+                continue
+            try:
+                leaves = list(_axes_values(ast.literal_eval(kw.value)))
+            except ValueError:
+                continue
+            text = ast.unparse(kw.value)
+            if any(isinstance(v, int) and not isinstance(v, bool) and v < 0 for v in leaves):
+                self._add(kw.value, "MK003", f"jax.pmap with out_axes={text}")
+            if any(v is None for v in leaves):
+                self._add(kw.value, "MK004", f"jax.pmap with out_axes={text}")
+
+    def _compile(self, call: ast.Call) -> None:
+        """MK011: ``f.lower(...).compile()`` of a pmapped function, in one go or two."""
+        func = call.func
+        if not (isinstance(func, ast.Attribute) and func.attr == "compile"):
+            return
+        lowered = func.value
+        if (
+            isinstance(lowered, ast.Call)
+            and isinstance(lowered.func, ast.Attribute)
+            and lowered.func.attr == "lower"
+            and self._pmapped_value(lowered.func.value) is not None
+        ):
+            text = _dotted(lowered.func.value) or ast.unparse(lowered.func.value)
+            self._add(call, "MK011", f"`{text}.lower(...).compile()` of a pmapped function")
+            return
+        name = _dotted(lowered)
+        if name is None:
+            return
+        for node in self.nodes:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and _dotted(node.targets[0]) == name
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr == "lower"
+                and self._pmapped_value(node.value.func.value) is not None
+            ):
+                self._add(call, "MK011", f"`{name}.compile()` of a lowered pmapped function")
+                return
+
+    def _merge_flag(self, node: ast.Constant | ast.Attribute) -> None:
+        if isinstance(node, ast.Attribute):
+            if MERGE_FLAG in node.attr.lower():
+                self._add(node, "MK009", f"config flag `{node.attr}`")
+            return
+        if not (isinstance(node.value, str) and MERGE_FLAG in node.value.lower()):
+            return
+        if isinstance(self.parents.get(node), ast.Expr):
+            return  # a docstring or a bare string, which sets nothing
+        self._add(node, "MK009", f"config flag {node.value!r}")
+
+    # ---- nested pmap --------------------------------------------------------------------------
+
+    def _nested(self) -> None:
+        bodies: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, ast.expr]] = []
+        for node in self.nodes:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                refs = self._decorator_refs(node)
+                if refs:
+                    bodies.append((node, refs[-1][1]))
+                for (_, outer), (dec, inner) in itertools.pairwise(refs):
+                    self._report_nested(dec, outer, inner, "stacked pmap decorators")
+            ref = self._pmapped_call(node)
+            if ref is None:
+                continue
+            assert isinstance(node, ast.Call)
+            fun = node.args[0] if node.args else _keyword(node, "fun")
+            if fun is None:
+                continue
+            inner = self._pmapped_value(fun)
+            # pmap(partial(train_step, lr=...)): the body is train_step's.
+            while isinstance(fun, ast.Call) and self._qual(fun.func) == PARTIAL and fun.args:
+                fun = fun.args[0]
+                inner = inner or self._pmapped_value(fun)
+            if inner is not None:
+                self._report_nested(fun, ref, inner, "pmap of a pmapped function")
+            elif isinstance(fun, ast.Lambda):
+                bodies.append((fun, ref))
+            else:
+                name = fun.attr if isinstance(fun, ast.Attribute) else _dotted(fun)
+                bodies.extend((d, ref) for d in self.defs.get(name or "", []))
+        for body, outer in bodies:
+            stmts: Sequence[ast.AST] = [body.body] if isinstance(body, ast.Lambda) else body.body
+            for stmt in stmts:
+                for node in ast.walk(stmt):
+                    if isinstance(node, ast.Call):
+                        inner = self._pmapped_value(node.func)
+                        if inner is not None:
+                            what = _dotted(node.func) or "a pmapped function"
+                            self._report_nested(
+                                node, outer, inner, f"`{what}` called in a pmapped function"
+                            )
+
+    def _report_nested(self, node: ast.expr, outer: ast.expr, inner: ast.expr, what: str) -> None:
+        if not (self._is_jax(outer) or self._is_jax(inner)):
+            return
+        fixable = all(self._ref_fixable(r) for r in (outer, inner))
+        note = "" if fixable else "not fixed: a jax.pmap here is not rewritten (see MK001)"
+        self._add(node, "MK002", f"nested pmap: {what}", fixable=fixable, note=note)
+
+    def _ref_fixable(self, ref: ast.expr) -> bool:
+        if not self._is_jax(ref):
+            return True
+        _, keywords, positional = self._context(ref)
+        return not self._pmap_note(keywords, positional)
+
+    # ---- x[0] in loops ------------------------------------------------------------------------
+
+    def _scope(self, node: ast.AST) -> ast.AST:
+        parent = self.parents.get(node)
+        while parent is not None and not isinstance(parent, _SCOPES):
+            parent = self.parents.get(parent)
+        return parent if parent is not None else self.tree
+
+    def _in_loop(self, node: ast.AST) -> bool:
+        child, parent = node, self.parents.get(node)
+        while parent is not None and not isinstance(parent, _SCOPES):
+            if isinstance(parent, _LOOPS) and child in parent.body:
+                return True
+            if isinstance(parent, _COMPREHENSIONS):
+                return True
+            child, parent = parent, self.parents.get(parent)
+        return False
+
+    def _index_in_loops(self) -> None:
+        outputs: dict[ast.AST, set[str]] = {}
+        for node in self.nodes:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                value = node.value
+                if not (isinstance(value, ast.Call) and self._pmapped_value(value.func)):
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = outputs.setdefault(self._scope(node), set())
+                for t in targets:
+                    elts = t.elts if isinstance(t, ast.Tuple | ast.List) else [t]
+                    for e in elts:
+                        e = e.value if isinstance(e, ast.Starred) else e
+                        if isinstance(e, ast.Name):
+                            names.add(e.id)
+        if not outputs:
+            return
+        for node in self.nodes:
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                value = node.value
+                if (
+                    isinstance(value, ast.Name)
+                    and _is_zero(node.slice)
+                    and value.id in outputs.get(self._scope(node), ())
+                    and self._in_loop(node)
+                ):
+                    self._add(node, "MK010", f"`{value.id}[0]` on a pmap output in a loop")
+            elif isinstance(node, ast.Call) and self._qual(node.func) in TREE_MAPS:
+                if not (node.args and _takes_first(node.args[0])):
+                    continue
+                names = outputs.get(self._scope(node), set())
+                hit = [a.id for a in node.args[1:] if isinstance(a, ast.Name) and a.id in names]
+                if hit and self._in_loop(node):
+                    text = f"`{_dotted(node.func)}(lambda a: a[0], {hit[0]})`"
+                    self._add(node, "MK010", f"{text} on a pmap output in a loop")
+
+
+def _keyword(call: ast.Call, name: str) -> ast.expr | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    return None
+
+
+def _keyword_note(keywords: list[ast.keyword], allowed: frozenset[str], qual: str) -> str:
+    for kw in keywords:
+        if kw.arg is None:
+            return "not fixed: keywords passed with **; check them, then edit"
+        if kw.arg not in allowed:
+            return f"not fixed: keyword {kw.arg}= is not in {qual}'s legacy signature"
+    return ""
+
+
+def _is_zero(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int)
+        and not isinstance(node.value, bool)
+        and node.value == 0
+    )
+
+
+def _takes_first(fn: ast.AST) -> bool:
+    """``lambda a: a[0]``."""
+    if not (isinstance(fn, ast.Lambda) and len(fn.args.args) == 1):
+        return False
+    body, arg = fn.body, fn.args.args[0].arg
+    return (
+        isinstance(body, ast.Subscript)
+        and isinstance(body.value, ast.Name)
+        and body.value.id == arg
+        and _is_zero(body.slice)
+    )

@@ -1,0 +1,341 @@
+"""``meshkit migrate``: report legacy pmap patterns, and rewrite the mechanical ones.
+
+Reporting needs only the standard library (`ast`, in `meshkit.cli._migrate_scan`); ``--fix`` and
+``--diff`` need libcst (``pip install 'meshkit[migrate]'``), imported only then. After fixing,
+each file is scanned again, so what the report and the exit status say remains is what the new
+text holds.
+
+Exit status: 0 nothing found (or, with ``--fix``, nothing left); 1 findings remain; 2 a path
+is missing, a file cannot be read or parsed, or libcst is missing for ``--fix`` / ``--diff``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import json
+import os
+import sys
+import textwrap
+import tokenize
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from ._migrate_rules import RULES
+from ._migrate_scan import Finding, scan_source
+
+__all__ = ["EPILOG", "add_arguments", "run"]
+
+EXIT_CLEAN = 0
+EXIT_FINDINGS = 1
+EXIT_ERROR = 2
+_WIDTH = 100
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
+_NEEDS_LIBCST = (
+    "error: --fix and --diff need libcst, which meshkit installs as an extra: "
+    "pip install 'meshkit[migrate]'"
+)
+
+_EPILOG = """\
+examples:
+  meshkit migrate src/                  report, one line per finding and its explanation
+  meshkit migrate --diff src/ > mk.patch  the rewrites as a patch, report on stderr
+  meshkit migrate --fix src/ train.py   rewrite the mechanical cases in place
+  meshkit migrate --format json src/    for tools
+  meshkit migrate --ignore MK010 src/   CI gate without one rule
+
+rules:
+{rules}
+
+--fix rewrites MK001 (jax.pmap -> meshkit.pmap_compat, unless out_axes is negative, None or
+computed), MK005-MK007 (flax.jax_utils / common_utils helpers and jax.device_put_replicated /
+sharded -> meshkit's) and so MK002 when every pmap involved is rewritten; it adds `import meshkit`
+and drops imports nothing uses any more. The others need a person. `# meshkit: ignore` or
+`# meshkit: ignore[MK010]` on a line silences its findings.
+
+exit status: 0 nothing found (or nothing left after --fix); 1 findings remain; 2 a path is
+missing, a file cannot be read or parsed, or libcst is missing for --fix/--diff."""
+
+
+EPILOG = _EPILOG.format(rules="\n".join(f"  {r.code}  {r.name}" for r in RULES.values()))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``meshkit migrate`` on its subparser."""
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH", help="files, or directories searched for *.py"
+    )
+    parser.add_argument(
+        "--fix", action="store_true", help="rewrite the mechanical cases in place (needs libcst)"
+    )
+    parser.add_argument(
+        "--diff",
+        action="store_true",
+        help="print the rewrites as a unified diff (the report goes to stderr); with --fix, "
+        "also write them",
+    )
+    parser.add_argument(
+        "--format", choices=["text", "json"], default="text", help="report format (default text)"
+    )
+    parser.add_argument(
+        "--concise", action="store_true", help="one line per finding, without the explanation"
+    )
+    parser.add_argument(
+        "--select", default=None, metavar="CODES", help="only these rules, e.g. MK001,MK003"
+    )
+    parser.add_argument(
+        "--ignore", default=None, metavar="CODES", help="skip these rules, e.g. MK010"
+    )
+
+
+@dataclass
+class _FileResult:
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    before: int = 0  # findings before --fix / --diff rewrote the file
+    diff: str = ""
+    error: str = ""
+    where: str = ""  # "line:col:" of a parse error
+
+    @property
+    def error_line(self) -> str:
+        return f"{self.path}:{self.where} error: {self.error}"
+
+
+def run(
+    args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> int:
+    """Run ``meshkit migrate`` with parsed arguments; returns the exit status.
+
+    Args:
+        args: the namespace `add_arguments` describes.
+        stdout: where the report (or, with ``--diff``, the patch) goes; default sys.stdout.
+        stderr: where errors (and, with ``--diff``, the text report) go; default sys.stderr.
+
+    Returns:
+        0, 1 or 2, as the module docstring says.
+    """
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    try:
+        select = _codes(args.select, "--select")
+        ignore = _codes(args.ignore, "--ignore") or set()
+    except ValueError as e:
+        print(f"error: {e}", file=err)
+        return EXIT_ERROR
+    rewrite = args.fix or args.diff
+    fix_source = None
+    if rewrite:
+        try:
+            from ._migrate_fix import fix_source
+        except ImportError:
+            print(_NEEDS_LIBCST, file=err)
+            return EXIT_ERROR
+    files, missing = _discover(args.paths)
+    results: list[_FileResult] = [
+        _FileResult(p, error="no such file or directory") for p in missing
+    ]
+    for path in files:
+        result = _FileResult(str(path))
+        results.append(result)
+        try:
+            raw = path.read_bytes()
+            source, encoding = _decode(raw)
+            result.findings = scan_source(source, str(path), select=select, ignore=ignore)
+        except (OSError, UnicodeDecodeError, SyntaxError) as e:
+            result.error = _describe(e)
+            if isinstance(e, SyntaxError) and e.lineno:
+                result.where = f"{e.lineno}:{e.offset or 1}:"
+            continue
+        result.before = len(result.findings)
+        edits = [f.edit for f in result.findings if f.fixable and f.edit is not None]
+        if fix_source is None or not edits:
+            continue
+        try:
+            new = fix_source(source, edits)
+            after = scan_source(new, str(path), select=select, ignore=ignore)
+        except SyntaxError as e:  # libcst refused a file ast accepted
+            result.error = f"cannot rewrite: {e.msg}"
+            continue
+        if new == source:
+            continue
+        if args.diff:
+            result.diff = _unified(str(path), source, new)
+        if args.fix:
+            path.write_bytes(new.encode(encoding))
+            result.findings = after
+    report = _json(results, args) if args.format == "json" else _text(results, args)
+    if args.diff and args.format == "text":
+        out.write("".join(r.diff for r in results))
+        err.write(report)
+    else:
+        out.write(report)
+    for r in results:
+        if r.error and args.format == "text":
+            print(r.error_line, file=err)
+    if any(r.error for r in results):
+        return EXIT_ERROR
+    return EXIT_FINDINGS if any(r.findings for r in results) else EXIT_CLEAN
+
+
+def _codes(value: str | None, option: str) -> set[str] | None:
+    if value is None:
+        return None
+    codes = {c.strip().upper() for c in value.split(",") if c.strip()}
+    unknown = sorted(codes - RULES.keys())
+    if unknown:
+        raise ValueError(
+            f"{option}: unknown rule code(s) {', '.join(unknown)}; "
+            f"the rules are {', '.join(RULES)}."
+        )
+    return codes
+
+
+def _discover(paths: Sequence[str]) -> tuple[list[Path], list[str]]:
+    """Files named, and *.py under directories named (sorted; hidden dirs and venvs skipped)."""
+    files: list[Path] = []
+    missing: list[str] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            files.extend(_walk(path))
+        elif path.is_file():
+            files.append(path)
+        else:
+            missing.append(given)
+    seen: set[Path] = set()
+    unique = []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique, missing
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".")
+            and d not in _SKIP_DIRS
+            and not (here / d / "pyvenv.cfg").exists()
+        )
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield here / name
+
+
+def _decode(raw: bytes) -> tuple[str, str]:
+    """The text and its encoding (a PEP 263 coding line, a BOM, or UTF-8)."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    text = raw.decode(encoding)
+    if encoding == "utf-8-sig":
+        text = text.removeprefix("\ufeff")
+    return text, encoding
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, SyntaxError):
+        return f"cannot parse: {e.msg}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"cannot decode: {e.reason}"
+    return f"cannot read: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+
+
+def _unified(path: str, old: str, new: str) -> str:
+    """A unified diff; relative paths get git's a/ and b/ so that ``git apply`` takes it."""
+    name = Path(path).as_posix()
+    before, after = (name, name) if Path(path).is_absolute() else (f"a/{name}", f"b/{name}")
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True), new.splitlines(keepends=True), before, after
+    )
+    marked = (ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n" for ln in lines)
+    return "".join(marked)
+
+
+def _explain(label: str, text: str) -> str:
+    return textwrap.fill(
+        text,
+        width=_WIDTH,
+        initial_indent=f"    {label} ",
+        subsequent_indent=" " * (len(label) + 5),
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
+def _line(f: Finding, rewrite: bool) -> str:
+    mark = ""
+    if f.note:
+        mark = f" [{f.note}]"
+    elif f.fixable and not rewrite:
+        mark = " [fixable]"
+    return f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}{mark}"
+
+
+def _text(results: list[_FileResult], args: argparse.Namespace) -> str:
+    lines: list[str] = []
+    findings = [f for r in results for f in r.findings]
+    for f in findings:
+        lines.append(_line(f, args.fix))
+        if not args.concise:
+            lines.append(_explain("why:", f.rule.why))
+            lines.append(_explain("fix:", f.rule.fix))
+    scanned = sum(1 for r in results if not r.error)
+    files = f"{scanned} file{'s' if scanned != 1 else ''}"
+    with_findings = sum(1 for r in results if r.findings)
+    before = sum(r.before for r in results)
+    if args.fix and before:
+        fixed = before - len(findings)
+        lines.append(
+            f"Fixed {fixed} of {before} finding{'s' if before != 1 else ''} in {files}; "
+            f"{len(findings)} remain{'s' if len(findings) == 1 else ''}."
+        )
+    elif findings:
+        fixable = sum(1 for f in findings if f.fixable)
+        lines.append(
+            f"{len(findings)} finding{'s' if len(findings) != 1 else ''} in {with_findings} of "
+            f"{files} ({fixable} fixable with --fix)."
+        )
+    else:
+        lines.append(f"No legacy pmap patterns in {files}.")
+    errors = sum(1 for r in results if r.error)
+    if errors:
+        lines.append(f"{errors} path{'s' if errors != 1 else ''} not scanned (errors on stderr).")
+    return "\n".join(lines) + "\n"
+
+
+def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
+    findings = [
+        {
+            "path": f.path,
+            "line": f.line,
+            "column": f.col,
+            "code": f.code,
+            "rule": f.rule.name,
+            "message": f.message,
+            "fixable": f.fixable,
+            "note": f.note,
+            "why": f.rule.why,
+            "fix": f.rule.fix,
+        }
+        for r in results
+        for f in r.findings
+    ]
+    doc: dict[str, Any] = {
+        "version": 1,
+        "files": sum(1 for r in results if not r.error),
+        "findings": findings,
+        "errors": [{"path": r.path, "error": r.error_line} for r in results if r.error],
+    }
+    if args.fix:
+        doc["fixed"] = sum(r.before for r in results) - len(findings)
+    if args.diff:
+        doc["diff"] = "".join(r.diff for r in results)
+    return json.dumps(doc, indent=2) + "\n"

@@ -1,0 +1,5 @@
+import jax
+
+
+def f(:
+    return jax.pmap(f)

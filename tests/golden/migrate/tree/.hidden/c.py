@@ -1,0 +1,3 @@
+import jax
+
+p = jax.pmap(lambda x: x)  # hidden directory: skipped

@@ -1,0 +1,493 @@
+"""`meshkit migrate`: golden reports and fixes, exit codes, formats, and the facts the texts state.
+
+Golden files live in tests/golden/migrate: `<case>.py` is the input; `<case>.<run>.txt` a
+transcript (command, stdout, stderr, exit status) of one run on a copy of it; `<case>.fixed.py`
+the file after --fix; `all_rules.diff` the output of --diff. Regenerate them with
+MESHKIT_UPDATE_GOLDEN=1 and review the changes before committing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshkit.cli import main
+from meshkit.cli._migrate_rules import (
+    COMMON_UTILS,
+    DEVICE_PUT,
+    FLAX_JAX_UTILS,
+    PMAP_KEYWORDS,
+    RULES,
+)
+from meshkit.cli._migrate_scan import scan_source
+from meshkit.cli.migrate import EPILOG
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "migrate"
+UPDATE = os.environ.get("MESHKIT_UPDATE_GOLDEN") == "1"
+# Cases with a report run (concise unless named here) and, where something is fixable, a fix run.
+CASES = ["all_rules", "aliases", "formatting", "nested", "loops", "not_fixable", "clean"]
+FULL_REPORT = {"all_rules"}
+FIXABLE = ["all_rules", "aliases", "formatting", "nested", "loops"]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["migrate", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def transcript(args: list[str], code: int, out: str, err: str) -> str:
+    text = f"$ meshkit migrate {' '.join(args)}\n{out}"
+    if err:
+        text += f"[stderr]\n{err}"
+    return text + f"[exit {code}]\n"
+
+
+def check_golden(name: str, actual: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.write_bytes(actual.encode("utf-8"))
+    expected = path.read_bytes().decode("utf-8")
+    assert actual == expected, f"{name} differs; MESHKIT_UPDATE_GOLDEN=1 rewrites it"
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A copy of the golden inputs as the working directory (runs see relative paths)."""
+    for f in GOLDEN.glob("*.py"):
+        if not f.name.endswith(".fixed.py"):
+            shutil.copy(f, tmp_path / f.name)
+    shutil.copytree(GOLDEN / "tree", tmp_path / "tree")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# ---- golden reports and fixes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_report_golden(work, case):
+    args = ([] if case in FULL_REPORT else ["--concise"]) + [f"{case}.py"]
+    code, out, err = run_cli(*args)
+    check_golden(f"{case}.report.txt", transcript(args, code, out, err))
+    assert code == (0 if case == "clean" else 1)
+    before = (work / f"{case}.py").read_bytes()
+    assert before == (GOLDEN / f"{case}.py").read_bytes()  # reporting writes nothing
+
+
+@pytest.mark.parametrize("case", FIXABLE)
+def test_fix_golden(work, case):
+    args = ["--fix", "--concise", f"{case}.py"]
+    code, out, err = run_cli(*args)
+    check_golden(f"{case}.fix.txt", transcript(args, code, out, err))
+    fixed = (work / f"{case}.py").read_text(encoding="utf-8")
+    check_golden(f"{case}.fixed.py", fixed)
+    compile(fixed, f"{case}.fixed.py", "exec")
+    # A second --fix finds nothing more to do, and what remains is what the fix run reported.
+    code2, out2, _ = run_cli("--fix", "--concise", f"{case}.py")
+    assert (work / f"{case}.py").read_text(encoding="utf-8") == fixed
+    assert code2 == code
+    assert [ln for ln in out2.splitlines() if ": MK" in ln] == [
+        ln for ln in out.splitlines() if ": MK" in ln
+    ]
+
+
+def test_every_rule_has_a_golden_finding():
+    seen = set()
+    for case in CASES:
+        for line in (GOLDEN / f"{case}.report.txt").read_text().splitlines():
+            parts = line.split(" ")
+            if len(parts) > 1 and parts[0].startswith(f"{case}.py:"):
+                seen.add(parts[1])
+    assert seen == set(RULES)
+
+
+def test_full_report_explains_every_finding(work):
+    code, out, _ = run_cli("all_rules.py")
+    lines = out.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("all_rules.py:")]
+    for i in heads:
+        code_ = lines[i].split(" ")[1]
+        explanation = " ".join(
+            ln.strip() for ln in lines[i + 1 : next((h for h in heads if h > i), len(lines) - 1)]
+        )
+        assert explanation.startswith("why: " + RULES[code_].why.split(" ")[0])
+        assert "fix: " in explanation
+        assert max(len(ln) for ln in lines[i + 1 : i + 3]) <= 100
+    assert code == 1
+
+
+def test_diff_golden_matches_the_fix(work):
+    args = ["--diff", "all_rules.py"]
+    code, out, err = run_cli(*args)
+    check_golden("all_rules.diff", out)
+    assert code == 1
+    assert (work / "all_rules.py").read_bytes() == (GOLDEN / "all_rules.py").read_bytes()
+    assert out.startswith("--- a/all_rules.py\n+++ b/all_rules.py\n")
+    # The report goes to stderr, so the patch can be piped; it lists the original findings.
+    assert "all_rules.py:18:20: MK001 jax.pmap in functools.partial [fixable]" in err
+    assert "18 findings in 1 of 1 file (10 fixable with --fix)." in err
+    # Every removed and added line of the patch is the fixed golden's change.
+    fixed = (GOLDEN / "all_rules.fixed.py").read_text().splitlines()
+    original = (GOLDEN / "all_rules.py").read_text().splitlines()
+    added = [ln[1:] for ln in out.splitlines()[2:] if ln.startswith("+")]
+    removed = [ln[1:] for ln in out.splitlines()[2:] if ln.startswith("-")]
+    assert all(ln in fixed for ln in added)
+    assert all(ln in original and ln not in fixed for ln in removed)
+
+
+def test_diff_and_fix_together_write_and_print(work):
+    code, out, err = run_cli("--diff", "--fix", "--concise", "aliases.py")
+    assert out.startswith("--- a/aliases.py")
+    assert "+import meshkit" in out
+    assert (work / "aliases.py").read_text() == (GOLDEN / "aliases.fixed.py").read_text()
+    assert "Fixed 11 of 11 findings in 1 file; 0 remain." in err
+    assert code == 0
+
+
+def test_diff_of_clean_file_is_empty(work):
+    code, out, err = run_cli("--diff", "clean.py")
+    assert (code, out) == (0, "")
+    assert "No legacy pmap patterns in 1 file." in err
+
+
+# ---- directories, errors, exit codes ----------------------------------------------------------
+
+
+def test_directory_recursion_golden(work):
+    args = ["--concise", "tree"]
+    code, out, err = run_cli(*args)
+    check_golden("tree.report.txt", transcript(args, code, out, err))
+    assert "tree/a.py:3:5: MK001" in out
+    assert "tree/sub/b.py:3:5: MK006" in out
+    assert ".hidden" not in out
+    assert "env/lib.py" not in out  # a virtual environment (pyvenv.cfg) is skipped
+    assert "notes.txt" not in out
+    assert code == 1
+
+
+def test_unparsable_file_is_reported_and_others_still_scanned(work):
+    args = ["--concise", "broken.py", "tree/a.py"]
+    code, out, err = run_cli(*args)
+    check_golden("broken.report.txt", transcript(args, code, out, err))
+    assert "broken.py:4:7: error: cannot parse: invalid syntax" in err
+    assert "tree/a.py:3:5: MK001" in out
+    assert code == 2
+
+
+def test_fix_leaves_an_unparsable_file_alone(work):
+    code, _, err = run_cli("--fix", "broken.py")
+    assert code == 2
+    assert "cannot parse" in err
+    assert (work / "broken.py").read_bytes() == (GOLDEN / "broken.py").read_bytes()
+
+
+def test_null_bytes_and_undecodable_files_are_errors(work):
+    (work / "nul.py").write_bytes(b"import jax\x00\n")
+    # Not UTF-8 and no coding line: tokenize refuses it in the first two lines, decode later.
+    (work / "latin.py").write_bytes(b"x = '\xe9'\n")
+    (work / "latin3.py").write_bytes(b"import jax\n\nx = '\xe9'\n")
+    code, _, err = run_cli("nul.py", "latin.py", "latin3.py")
+    assert code == 2
+    assert "nul.py: error: cannot parse: source code string cannot contain null bytes" in err
+    assert "latin.py: error: cannot parse: invalid or missing encoding declaration" in err
+    assert "latin3.py: error: cannot decode: invalid continuation byte" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["clean.py"], 0),
+        (["loops.py"], 1),
+        (["clean.py", "loops.py"], 1),
+        (["broken.py"], 2),
+        (["missing.py"], 2),
+        (["clean.py", "missing_dir/"], 2),
+        (["--select", "MK404", "clean.py"], 2),
+        (["--fix", "aliases.py"], 0),  # everything found was fixed
+        (["--fix", "formatting.py"], 0),
+        (["--fix", "loops.py"], 1),  # MK010 and MK011 remain
+        (["--fix", "not_fixable.py"], 1),
+        (["--select", "MK003,MK004", "loops.py"], 0),
+        (["--ignore", "MK001,MK005,MK010,MK011", "loops.py"], 0),
+    ],
+)
+def test_exit_codes(work, args, expected):
+    code, _, _ = run_cli(*args)
+    assert code == expected
+
+
+def test_usage_errors_exit_2(work, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["migrate"])
+    assert raised.value.code == 2
+    assert "PATH" in capsys.readouterr().err
+    code, _, err = run_cli("--ignore", "mk001,XX9", "clean.py")
+    assert code == 2
+    assert "--ignore: unknown rule code(s) XX9; the rules are MK001," in err
+
+
+def test_missing_libcst_is_named(work, monkeypatch):
+    monkeypatch.delitem(sys.modules, "meshkit.cli._migrate_fix", raising=False)
+    monkeypatch.setitem(sys.modules, "libcst", None)  # import libcst now raises ImportError
+    for flag in ("--fix", "--diff"):
+        code, out, err = run_cli(flag, "aliases.py")
+        assert code == 2
+        assert out == ""
+        assert "pip install 'meshkit[migrate]'" in err
+    # Reporting does not need it.
+    code, out, _ = run_cli("--concise", "aliases.py")
+    assert code == 1
+    assert "MK001" in out
+    assert (work / "aliases.py").read_bytes() == (GOLDEN / "aliases.py").read_bytes()
+
+
+# ---- selection, suppression, formats ----------------------------------------------------------
+
+
+def test_select_and_ignore(work):
+    _, out, _ = run_cli("--concise", "--select", "MK003,mk004", "all_rules.py")
+    codes = [ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("all_rules.py:")]
+    assert codes == ["MK003", "MK004"]
+    _, out, _ = run_cli("--concise", "--ignore", "MK001", "all_rules.py")
+    codes = {ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("all_rules.py:")}
+    assert codes == set(RULES) - {"MK001"}
+
+
+def test_fix_respects_select(work):
+    code, _, _ = run_cli("--fix", "--select", "MK005", "aliases.py")
+    text = (work / "aliases.py").read_text()
+    assert "meshkit.replicate" in text
+    assert "pmap(lambda x: x)" in text  # MK001 was not selected: jax.pmap stays
+    assert code == 0  # nothing selected remains
+
+
+def test_ignore_comments_silence_and_protect_lines():
+    src = (
+        "import jax\n"
+        "a = jax.pmap(f)  # meshkit: ignore\n"
+        "b = jax.pmap(f, out_axes=-1)  # meshkit: ignore[MK003]\n"
+        "c = jax.pmap(f)  # meshkit:ignore[mk002, MK001]\n"
+    )
+    found = [(f.line, f.code) for f in scan_source(src)]
+    assert found == [(3, "MK001")]
+
+
+def test_json_format(work):
+    code, out, err = run_cli("--format", "json", "loops.py", "broken.py")
+    doc = json.loads(out)
+    assert code == 2
+    assert err == ""  # everything is in the document
+    assert doc["version"] == 1
+    assert doc["files"] == 1
+    assert doc["errors"] == [
+        {"path": "broken.py", "error": "broken.py:4:7: error: cannot parse: invalid syntax"}
+    ]
+    first = doc["findings"][0]
+    assert first == {
+        "path": "loops.py",
+        "line": 7,
+        "column": 10,
+        "code": "MK001",
+        "rule": "jax.pmap",
+        "message": "jax.pmap call",
+        "fixable": True,
+        "note": "",
+        "why": RULES["MK001"].why,
+        "fix": RULES["MK001"].fix,
+    }
+    assert [f["code"] for f in doc["findings"]].count("MK010") == 4
+    assert "fixed" not in doc
+    assert "diff" not in doc
+
+
+def test_json_format_with_fix_and_diff(work):
+    code, out, _ = run_cli("--format", "json", "--fix", "--diff", "loops.py")
+    doc = json.loads(out)
+    assert doc["fixed"] == 4
+    assert {f["code"] for f in doc["findings"]} == {"MK010", "MK011"}
+    assert doc["diff"].startswith("--- a/loops.py\n")
+    assert code == 1
+
+
+# ---- file encodings and line endings ----------------------------------------------------------
+
+
+def test_fix_keeps_crlf_line_endings(work):
+    src = b"import jax\r\n\r\n# a comment\r\nstep = jax.pmap(f)  # keep\r\n"
+    (work / "crlf.py").write_bytes(src)
+    code, _, _ = run_cli("--fix", "crlf.py")
+    assert code == 0
+    assert (work / "crlf.py").read_bytes() == (
+        b"import meshkit\r\n\r\n# a comment\r\nstep = meshkit.pmap_compat(f)  # keep\r\n"
+    )
+
+
+def test_fix_keeps_a_declared_encoding(work):
+    src = "# -*- coding: latin-1 -*-\nimport jax\nname = 'café'; step = jax.pmap(f)\n"
+    (work / "latin1.py").write_bytes(src.encode("latin-1"))
+    code, out, _ = run_cli("--concise", "latin1.py")
+    assert "latin1.py:3:23: MK001 jax.pmap call [fixable]" in out  # columns count characters
+    code, _, _ = run_cli("--fix", "latin1.py")
+    assert code == 0
+    # libcst's import adder leaves a blank line between the imports and the code.
+    assert (work / "latin1.py").read_bytes() == (
+        "# -*- coding: latin-1 -*-\nimport meshkit\n\nname = 'café'; step = meshkit.pmap_compat(f)\n"
+    ).encode("latin-1")
+
+
+def test_import_meshkit_is_not_added_twice_and_imports_in_use_stay():
+    from meshkit.cli._migrate_fix import fix_source
+
+    src = (
+        "import jax\n"
+        "import meshkit\n"
+        "from jax import pmap, jit\n"
+        "x: 'jax.Array'\n"
+        "step = pmap(jit(f))\n"
+        "__all__ = ['pmap']\n"
+    )
+    edits = [f.edit for f in scan_source(src) if f.edit]
+    assert fix_source(src, edits) == (
+        "import jax\n"
+        "import meshkit\n"
+        "from jax import pmap, jit\n"
+        "x: 'jax.Array'\n"
+        "step = meshkit.pmap_compat(jit(f))\n"
+        "__all__ = ['pmap']\n"
+    )
+
+
+def test_unused_legacy_imports_are_reported_and_dropped_without_adding_meshkit():
+    from meshkit.cli._migrate_fix import fix_source
+
+    src = (
+        "from jax import pmap, jit  # pmap is unused\n"
+        "from jax import device_put_replicated\n"
+        "from jax.sharding import PmapSharding\n"
+        "x = jit(f)\n"
+    )
+    found = scan_source(src)
+    assert [(f.line, f.code, f.message, f.fixable) for f in found] == [
+        (1, "MK001", "unused import of jax.pmap", True),
+        (2, "MK007", "unused import of jax.device_put_replicated", True),
+        (3, "MK008", "import of jax.sharding.PmapSharding", False),
+    ]
+    new = fix_source(src, [f.edit for f in found if f.fixable and f.edit])
+    assert new == (
+        "from jax import jit  # pmap is unused\nfrom jax.sharding import PmapSharding\nx = jit(f)\n"
+    )
+
+
+def test_diff_of_an_absolute_path_has_no_git_prefix(work):
+    path = str(work / "aliases.py")
+    code, out, _ = run_cli("--diff", "--concise", path)
+    assert out.startswith(f"--- {path}\n+++ {path}\n")
+    assert code == 1
+
+
+def test_dropping_the_only_statement_of_a_block_leaves_pass():
+    from meshkit.cli._migrate_fix import fix_source
+
+    src = (
+        "try:\n"
+        "    # optional\n"
+        "    from flax.jax_utils import replicate\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "x = replicate(1)\n"
+    )
+    edits = [f.edit for f in scan_source(src) if f.edit]
+    new = fix_source(src, edits)
+    assert new == (
+        "import meshkit\n"
+        "\n"
+        "try:\n"
+        "    # optional\n"
+        "    pass\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "x = meshkit.replicate(1)\n"
+    )
+    compile(new, "x.py", "exec")
+
+
+# ---- entry points ------------------------------------------------------------------------------
+
+
+def test_python_dash_m_meshkit_migrate(work):
+    env = {k: v for k, v in os.environ.items() if k != "MESHKIT_UPDATE_GOLDEN"}
+    out = subprocess.run(
+        [sys.executable, "-m", "meshkit", "migrate", "--concise", "loops.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=work,
+        env=env,
+    )
+    expected = (GOLDEN / "loops.report.txt").read_text().split("\n", 1)[1]
+    assert out.stdout == expected.split("[exit")[0]
+    assert out.returncode == 1
+    help_ = subprocess.run(
+        [sys.executable, "-m", "meshkit", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert "migrate" in help_.stdout
+
+
+def test_help_lists_rules_and_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    text = capsys.readouterr().out
+    for code, rule in RULES.items():
+        assert f"  {code}  {rule.name}" in text
+    assert "exit status: 0 nothing found" in text
+    assert text.count("meshkit migrate ") >= 5  # the examples
+    assert EPILOG.splitlines()[0] == "examples:"
+
+
+# ---- the facts the rule texts state -------------------------------------------------------------
+
+
+def test_stated_jax_facts_hold_for_the_installed_jax():
+    import jax
+
+    assert not hasattr(jax, "device_put_replicated")  # MK007
+    assert not hasattr(jax, "device_put_sharded")
+    with pytest.raises(ImportError):
+        from jax.sharding import PmapSharding  # noqa: F401  # MK008
+    with pytest.raises(AttributeError, match="Unrecognized config option"):
+        jax.config.update("jax_pmap_shmap_merge", True)  # MK009
+
+
+def test_pmap_keywords_are_jax_pmaps_and_pmap_compats():
+    import inspect
+
+    import jax
+
+    import meshkit
+
+    assert set(inspect.signature(jax.pmap).parameters) == PMAP_KEYWORDS
+    assert set(inspect.signature(meshkit.pmap_compat).parameters) >= PMAP_KEYWORDS
+
+
+@pytest.mark.parametrize("table", [FLAX_JAX_UTILS, COMMON_UTILS, DEVICE_PUT])
+def test_rewritten_helpers_take_the_keywords_fix_allows(table):
+    import inspect
+
+    import meshkit
+
+    missing = [name for name, _ in table.values() if not hasattr(meshkit, name)]
+    if missing:
+        pytest.skip(f"meshkit does not export {', '.join(missing)} yet")
+    for name, keywords in table.values():
+        params = inspect.signature(getattr(meshkit, name)).parameters
+        assert keywords <= set(params), name
