@@ -23,6 +23,7 @@ from global_assembly import (  # noqa: E402
     bench_global_single_process,
     bench_global_two_processes,
 )
+from legacy import bench_legacy  # noqa: E402
 from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
 
@@ -55,6 +56,7 @@ if __name__ == "__main__":
     print(bench_make_mesh_single_process(), end="\n\n")
     print(bench_spmd_dispatch(), end="\n\n")
     print(bench_pmap_dispatch(), end="\n\n")
+    print(bench_legacy(), end="\n\n")
     print(bench_make_mesh_two_processes(), end="\n\n")
     print(bench_global_single_process(MALLOC), end="\n\n")
     print(bench_global_two_processes(), end="\n\n")

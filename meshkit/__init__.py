@@ -6,6 +6,8 @@ runs for development and tests (``meshkit launch``, `meshkit.testing`). Per-devi
 through `spmd` with the named-axis collectives of `meshkit.collectives`. Data pipelines turn
 each process's batches into global arrays (`global_array_from_local`, `global_batches`) and
 back (`local_from_global`, `gather`); `process_slice` says which part each process loads.
+Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the legacy helpers
+(`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
 """
 
 from . import collectives as collectives
@@ -22,6 +24,15 @@ from ._launch import RankResult as RankResult
 from ._launch import launch as launch
 from ._layout import ProcessSlice as ProcessSlice
 from ._layout import process_slice as process_slice
+from ._legacy import device_put_replicated as device_put_replicated
+from ._legacy import device_put_sharded as device_put_sharded
+from ._legacy import get_metrics as get_metrics
+from ._legacy import pad_shard_unpad as pad_shard_unpad
+from ._legacy import prefetch_to_device as prefetch_to_device
+from ._legacy import replicate as replicate
+from ._legacy import shard as shard
+from ._legacy import shard_prng_key as shard_prng_key
+from ._legacy import unreplicate as unreplicate
 from ._mesh import describe as describe
 from ._mesh import make_mesh as make_mesh
 from ._pmap import PmapFunction as PmapFunction
@@ -50,16 +61,25 @@ __all__ = [
     "SpmdFunction",
     "collectives",
     "describe",
+    "device_put_replicated",
+    "device_put_sharded",
     "gather",
+    "get_metrics",
     "global_array_from_local",
     "global_batches",
     "init",
     "launch",
     "local_from_global",
     "make_mesh",
+    "pad_shard_unpad",
     "pmap_compat",
+    "prefetch_to_device",
     "process_slice",
+    "replicate",
     "runtime_info",
+    "shard",
+    "shard_prng_key",
     "spec",
     "spmd",
+    "unreplicate",
 ]
