@@ -116,3 +116,57 @@ def _nested():
 def test_nested_pmap_compat_across_processes():
     for r in run_in_processes(_nested, timeout=180):
         assert r == {"shape": (4, 2, 3), "mesh": {"outer": 4, "inner": 2}, "ok": True}
+
+
+def _property_against_vmap():
+    """Hypothesis inside each process: derandomized, so both draw the same cases in order."""
+    import jax
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    import meshkit
+    from meshkit.testing import strategies as mks
+
+    me, local, total = jax.process_index(), jax.local_device_count(), jax.device_count()
+    ops = {
+        "psum": lambda x: jax.lax.psum(x, "i"),
+        "centre": lambda x: x - jax.lax.pmean(x.astype(np.float32), "i").astype(x.dtype),
+        "index": lambda x: x * jax.lax.axis_index("i").astype(x.dtype),
+        "pmax": lambda x: jax.lax.pmax(x, "i"),
+    }
+    checked = []
+
+    @settings(max_examples=15, derandomize=True, database=None, deadline=None)
+    @given(
+        shape=st.lists(st.integers(1, 3), max_size=2),
+        axis=st.integers(-3, 2),
+        dtype=st.sampled_from(mks.DTYPES),
+        op=st.sampled_from(sorted(ops)),
+        scale=st.integers(1, 3),
+    )
+    def check(shape, axis, dtype, op, scale):
+        axis = axis % (len(shape) + 1)
+        full_shape = list(shape)
+        full_shape.insert(axis, total)
+        rng = np.random.default_rng(len(checked))  # the same global value in both processes
+        full = (rng.integers(-5, 5, full_shape) * 1).astype(dtype)
+        mine = np.take(full, np.arange(me * local, (me + 1) * local), axis=axis)
+        fn = lambda x, s: ops[op](x) * s  # noqa: E731
+        out = meshkit.pmap_compat(fn, "i", in_axes=(axis, None), static_broadcasted_argnums=1)(
+            mine, scale
+        )
+        ref = jax.vmap(lambda x: fn(x, scale), in_axes=axis, axis_name="i")(full)
+        got = meshkit.gather(out)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=1e-2
+        )
+        checked.append(op)
+
+    check()
+    return len(checked)
+
+
+def test_pmap_compat_matches_vmap_across_processes():
+    counts = run_in_processes(_property_against_vmap, timeout=240)
+    assert counts[0] == counts[1] >= 10
