@@ -193,6 +193,21 @@ def test_axis_size_when_nothing_is_mapped():
     np.testing.assert_array_equal(np.asarray(f()), np.arange(4))
 
 
+def test_the_steady_state_shortcut_falls_back_when_arguments_change():
+    f = pmap_compat(lambda x: x + jax.lax.psum(1, "i"), "i")
+    x = np.zeros((N, 2), np.float32)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.full((N, 2), N))
+    assert f._fast is not None  # the shortcut is armed after the first call
+    y = f(f(x))  # earlier outputs go straight to jit
+    np.testing.assert_array_equal(np.asarray(y), np.full((N, 2), 2 * N))
+    fewer = f(np.zeros((4, 2), np.float32))  # jit refuses; the general path picks 4 devices
+    np.testing.assert_array_equal(np.asarray(fewer), np.full((4, 2), 4))
+    one_device = f(jax.device_put(x, jax.devices()[2]))
+    np.testing.assert_array_equal(np.asarray(one_device), np.full((N, 2), N))
+    with pytest.raises(MeshkitError, match="the mapped axis has size 9"):
+        f(np.zeros((9, 2), np.float32))
+
+
 def test_decorator_and_partial():
     @functools.partial(pmap_compat, axis_name="b")
     def mean(x):
