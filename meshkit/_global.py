@@ -109,7 +109,8 @@ class Prepared:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def _tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+def tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(path as messages show it, leaf), ...], treedef)``; the legacy helpers use it too."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return [(jax.tree_util.keystr(p) or "(the array)", leaf) for p, leaf in flat], treedef
 
@@ -277,7 +278,7 @@ def prepare(
     pad: bool,
 ) -> Prepared:
     """Check and plan this process's contribution; no communication, no device transfer."""
-    named, treedef = _tree_paths(local)
+    named, treedef = tree_paths(local)
     if not named:
         raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
     pairs = _resolve(mesh_or_sharding, spec, local, len(named))

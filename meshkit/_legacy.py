@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from . import _device_axis
 from ._errors import MeshkitError
 from ._gather import local_from_global
+from ._global import tree_paths
 
 __all__ = [
     "device_put_replicated",
@@ -94,11 +95,6 @@ _SHARDS_TREE = """\
 meshkit.device_put_sharded: shards[{i}] has the pytree structure {got}, but shards[0] has \
 {want}; every shard must have the same structure.
 Consider building every shard with the same keys and nesting."""
-
-
-def _paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(p) or "(the array)", leaf) for p, leaf in flat], treedef
 
 
 def _shown(leaf: Any) -> str:
@@ -220,7 +216,7 @@ def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | N
 
 
 def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
-    named, treedef = _paths(tree)
+    named, treedef = tree_paths(tree)
     local = len(_device_axis.local_devices(mesh))
     out = []
     for path, leaf in named:
@@ -345,10 +341,10 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
     # Entry i is shards[i], on the i-th device of the mesh's order.
     flat = list(mesh.devices.flat)
     entries = [flat.index(d) for d in _device_axis.local_devices(mesh)]
-    named, treedef = _paths(shards[0])
+    named, treedef = tree_paths(shards[0])
     flats = [named]
     for i, s in enumerate(shards[1:], start=1):
-        other, other_def = _paths(s)
+        other, other_def = tree_paths(s)
         if other_def != treedef:
             raise MeshkitError(_SHARDS_TREE.format(i=i, got=other_def, want=treedef))
         flats.append(other)
@@ -382,7 +378,7 @@ def _same_kind(values: Sequence[Any], path: str) -> None:
 
 def _path_at(tree: Any, k: int) -> str:
     """The path of leaf ``k`` of ``tree``, for messages (computed only when one is needed)."""
-    return _paths(tree)[0][k][0]
+    return tree_paths(tree)[0][k][0]
 
 
 def _first_entry_shard(tree: Any, k: int, x: jax.Array) -> tuple[Any, jax.Array]:
@@ -514,7 +510,7 @@ def shard(xs: Any) -> Any:
         ((8, 4, 28, 28), (8, 4), 'ndarray')
     """
     local = jax.local_device_count()
-    named, treedef = _paths(xs)
+    named, treedef = tree_paths(xs)
     out = []
     for path, leaf in named:
         value = (
@@ -659,7 +655,7 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Mesh) -> Iterator[Any]:
     count = 0
 
     def place(element: Any, index: int) -> Any:
-        named, treedef = _paths(element)
+        named, treedef = tree_paths(element)
         out = []
         for path, leaf in named:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != len(mine):
@@ -795,7 +791,7 @@ def pad_shard_unpad(
 
 
 def _batch_sizes(tree: Any, where: str, sizes: dict[str, int]) -> None:
-    named, _ = _paths(tree)
+    named, _ = tree_paths(tree)
     for path, leaf in named:
         label = where + ("" if path == "(the array)" else path)
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -814,7 +810,7 @@ def _batch_sizes(tree: Any, where: str, sizes: dict[str, int]) -> None:
 
 
 def _unpad(out: Any, b: int) -> Any:
-    named, treedef = _paths(out)
+    named, treedef = tree_paths(out)
     fetched: list[Any] = []
     for path, leaf in named:
         if np.ndim(leaf) < 2:

@@ -33,15 +33,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from . import _compat, _device_axis, _dispatch
 from ._errors import MeshkitError
 from ._specs import spec_axes
+from ._spmd import fn_name, from_host
 
 __all__ = ["PmapFunction", "pmap_compat"]
 
 _ANON_AXIS = "_pmap_compat"
 Axis = int | None
-
-
-def _fn_name(f: Callable[..., Any]) -> str:
-    return str(getattr(f, "__name__", None) or repr(f))
 
 
 def _check_axes_tree(value: Any, what: str, name: str) -> None:
@@ -114,7 +111,7 @@ class PmapFunction:
             raise MeshkitError(f"meshkit.pmap_compat: expected a function; got {fun!r}.")
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.name = name = _fn_name(fun)
+        self.name = name = fn_name(fun)
         if axis_name is not None and not isinstance(axis_name, str):
             raise MeshkitError(
                 f"meshkit.pmap_compat({name}): axis_name must be a string (or None); got "
@@ -235,9 +232,7 @@ class PmapFunction:
         """Called while an enclosing pmap_compat traces: a shard_map over this inner axis."""
         key = self._key(args, kwargs)
         n_args = len(args)
-        dyn_positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args)
-        dyn_axes = [in_axes[i] for i in dyn_positions]
+        dyn_positions, dyn_axes = self._dynamic(n_args)
         statics = dict(zip(self.static, key[1], strict=True))
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
         mesh = outer.mesh
@@ -248,10 +243,7 @@ class PmapFunction:
             )
         if self.mesh_axis not in mesh.axis_names:
             leaves = jax.tree_util.tree_leaves((dyn, kwargs))
-            axes: list[Axis] = []
-            for j, arg in enumerate(dyn):
-                axes += _axes_per_leaf(dyn_axes[j], arg, "in_axes", self.name)
-            axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+            axes = self._leaf_axes(dyn_axes, dyn, kwargs)
             sizes = [int(np.shape(x)[a % np.ndim(x)]) for x, a in zip(leaves, axes, strict=True)
                      if a is not None]  # fmt: skip
             size = sizes[0] if sizes else (self.axis_size or 1)
@@ -263,20 +255,17 @@ class PmapFunction:
         if not context.empty:
             # Under jax.set_mesh (or traced inside another mesh's jit) shard_map must run on
             # the context's mesh; this function's mesh becomes the context for the call.
-            mesh = self._entries[next(iter(self._entries))].mesh if self._entries else None
-            if mesh is None or context != mesh.abstract_mesh:
-                with jax.set_mesh(self._default_mesh()):
+            mesh = self._mesh(None)
+            if context != mesh.abstract_mesh:
+                with jax.set_mesh(mesh):
                     return self._call(args, kwargs, lower=lower)
         return self._call(args, kwargs, lower=lower)
-
-    def _default_mesh(self) -> Mesh:
-        return self._mesh(None)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
         key = self._key(args, kwargs)
         entry = self._entries.get((key, None))
         if entry is None:
-            entry = self._entry(key, len(args), key[2], key[1], None)
+            entry = self._entry(key, None)
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
         run = entry.jitted.lower if lower else entry.jitted
         multi = entry.mesh.is_multi_process
@@ -293,7 +282,7 @@ class PmapFunction:
         else:
             failure = None
         # Slow path: find the mapped size, pick the mesh, place every argument, call again.
-        _per_process, placed_dyn, placed_kw, entry = self._place(key, args, dyn, kwargs)
+        placed_dyn, placed_kw, entry = self._place(key, args, dyn, kwargs)
         run = entry.jitted.lower if lower else entry.jitted
         if failure is not None and placed_dyn is None:
             raise failure
@@ -312,16 +301,14 @@ class PmapFunction:
         args: tuple[Any, ...],
         dyn: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[int | None, Any, Any, _Entry]:
-        """The entry for these arguments' mapped size, and the arguments placed for it."""
-        n_args = len(args)
-        dyn_positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args)
+    ) -> tuple[Any, Any, _Entry]:
+        """The entry for these arguments' mapped size, and the arguments placed for it.
+
+        ``(dyn, kwargs, entry)``; the arguments are None when nothing needed placing.
+        """
+        dyn_positions, dyn_axes = self._dynamic(len(args))
         leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-        axes: list[Axis] = []
-        for j, arg in enumerate(dyn):
-            axes += _axes_per_leaf(in_axes[dyn_positions[j]], arg, "in_axes", self.name)
-        axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+        axes = self._leaf_axes(dyn_axes, dyn, kwargs)
         paths = _leaf_paths((dyn, kwargs), dyn_positions)
         resolved = [
             _resolve(a, np.ndim(leaf), where, "in_axes", self.name)
@@ -340,7 +327,7 @@ class PmapFunction:
         if per_process == mine or per_process is None:
             entry = self._entries[(key, None)]
         else:
-            entry = self._entry(key, n_args, key[2], key[1], per_process)
+            entry = self._entry(key, per_process)
         mesh = entry.mesh
         changed = False
 
@@ -369,21 +356,21 @@ class PmapFunction:
                 changed = True
                 if leaf.is_fully_addressable and mesh.is_multi_process:
                     if r is None:
-                        return _from_host(np.asarray(leaf), target)
+                        return from_host(np.asarray(leaf), target)
                     return _device_axis.from_local(leaf, mesh, r)
                 return jax.device_put(leaf, target)
             if not mesh.is_multi_process and entry.fast:
                 return leaf  # host data: jit places it through in_shardings
             changed = True
             if r is None:
-                return _from_host(leaf, target)
+                return from_host(leaf, target)
             return _device_axis.from_local(leaf, mesh, r)
 
         placed = [put(leaf, r) for leaf, r in zip(leaves, resolved, strict=True)]
         if not changed and entry is self._entries[(key, None)]:
-            return per_process, None, None, entry
+            return None, None, entry
         placed_dyn, placed_kw = jax.tree_util.tree_unflatten(treedef, placed)
-        return per_process, placed_dyn, placed_kw, entry
+        return placed_dyn, placed_kw, entry
 
     # ---- meshes -----------------------------------------------------------------------------
 
@@ -452,8 +439,9 @@ class PmapFunction:
 
     # ---- the compiled function ----------------------------------------------------------------
 
-    def _entry(self, key: Any, n_args: int, kw_names: tuple[str, ...], static_vals: tuple[Any, ...],
-               per_process: int | None) -> _Entry:  # fmt: skip
+    def _entry(self, key: tuple[Any, ...], per_process: int | None) -> _Entry:
+        """The compiled entry of a call key (see `_key`) and a mapped size per process."""
+        n_args, static_vals, kw_names = key
         full_key = (key, per_process)
         entry = self._entries.get(full_key)
         if entry is not None:
@@ -463,9 +451,7 @@ class PmapFunction:
             mesh = self._nested_mesh(per_process, *nested)
         else:
             mesh = self._mesh(per_process)
-        dyn_positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args)
-        dyn_axes = [in_axes[i] for i in dyn_positions]
+        dyn_positions, dyn_axes = self._dynamic(n_args)
         fast = all(_non_negative(a) for a in dyn_axes)
         statics = dict(zip(self.static, static_vals, strict=True))
 
@@ -485,6 +471,19 @@ class PmapFunction:
             jitted = jax.jit(body, donate_argnums=donate)
         entry = self._entries[full_key] = _Entry(mesh, jitted, fast)
         return entry
+
+    def _dynamic(self, n_args: int) -> tuple[list[int], list[Any]]:
+        """The positions of the non-static arguments, and their in_axes entries."""
+        positions = [i for i in range(n_args) if i not in self.static]
+        in_axes = self._in_axes_for(n_args)
+        return positions, [in_axes[i] for i in positions]
+
+    def _leaf_axes(self, dyn_axes: list[Any], dyn: tuple[Any, ...], kwargs: Any) -> list[Axis]:
+        """The mapped axis (or None) of every leaf of ``(dyn, kwargs)``; keywords map axis 0."""
+        axes: list[Axis] = []
+        for prefix, arg in zip(dyn_axes, dyn, strict=True):
+            axes += _axes_per_leaf(prefix, arg, "in_axes", self.name)
+        return axes + [0] * len(jax.tree_util.tree_leaves(kwargs))
 
     def _in_axes_for(self, n_args: int) -> list[Any]:
         axes = self.in_axes
@@ -523,10 +522,7 @@ class PmapFunction:
         name = self.mesh_axis
         size = mesh.shape[name]
         leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-        axes: list[Axis] = []
-        for j, arg in enumerate(dyn):
-            axes += _axes_per_leaf(dyn_axes[j], arg, "in_axes", self.name)
-        axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+        axes = self._leaf_axes(dyn_axes, dyn, kwargs)
         paths = _leaf_paths((dyn, kwargs), dyn_positions)
         if any(_explicitly_typed(leaf) for leaf in leaves):
             raise _Retype  # placed again, untyped, by the slow path
@@ -723,12 +719,6 @@ def _local_size(leaf: Any, axis: int, processes: int) -> int:
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         return n // processes
     return n
-
-
-def _from_host(value: Any, target: NamedSharding) -> jax.Array:
-    """Host data, the same in every process, as a global array laid out by ``target``."""
-    arr = np.asarray(value)
-    return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
 
 
 def _process_local(x: Any) -> Any:

@@ -53,9 +53,16 @@ Consider producing it with that sharding (for example as the out_specs of the st
 it), or moving it once outside the loop: jax.device_put(x, {target})."""
 
 
-def _fn_name(f: Callable[..., Any]) -> str:
+def fn_name(f: Callable[..., Any]) -> str:
+    """The name messages give a user's function (``pmap_compat`` uses it too)."""
     name = getattr(f, "__name__", None) or repr(f)
     return str(name)
+
+
+def from_host(value: Any, target: NamedSharding) -> jax.Array:
+    """Host data, the same in every process, as a global array laid out by ``target``."""
+    arr = np.asarray(value)
+    return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
 
 
 class _Plan:
@@ -262,25 +269,19 @@ class _Plan:
                     return leaf
                 changed = True
                 if single and self.multiprocess:
-                    return self.from_host(np.asarray(leaf), target)
+                    return from_host(np.asarray(leaf), target)
                 if not single:
                     self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
                 return jax.device_put(leaf, target)
             if not self.multiprocess:
                 return leaf  # host data: jit places it through in_shardings
             changed = True
-            return self.from_host(leaf, target)
+            return from_host(leaf, target)
 
         placed = iter(self.each_leaf(dyn, specs, put))
         if not changed:
             return None
         return tuple(args[i] if i in static else next(placed) for i in range(len(args)))
-
-    @staticmethod
-    def from_host(value: Any, target: NamedSharding) -> jax.Array:
-        """Host data, the same in every process, as a global array laid out by ``target``."""
-        arr = np.asarray(value)
-        return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         run = self.jitted.lower if lower else self.jitted
@@ -331,7 +332,7 @@ class SpmdFunction:
             raise MeshkitError(f"meshkit.spmd: expected a function; got {fn!r}.")
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.name = _fn_name(fn)
+        self.name = fn_name(fn)
         if mesh is not None and not isinstance(mesh, Mesh):
             raise MeshkitError(
                 f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "
