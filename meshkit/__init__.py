@@ -8,11 +8,15 @@ each process's batches into global arrays (`global_array_from_local`, `global_ba
 back (`local_from_global`, `gather`); `process_slice` says which part each process loads.
 Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the legacy helpers
 (`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
+`meshkit.debug` (``MESHKIT_DEBUG=1``) turns processes that diverge or stall into errors that name
+them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
 """
 
 from . import collectives as collectives
+from . import debug as debug
 from ._batches import GlobalBatches as GlobalBatches
 from ._batches import global_batches as global_batches
+from ._errors import DivergenceError as DivergenceError
 from ._errors import LaunchError as LaunchError
 from ._errors import MeshkitError as MeshkitError
 from ._gather import gather as gather
@@ -44,10 +48,14 @@ from ._specs import spec as spec
 from ._spmd import ReshardWarning as ReshardWarning
 from ._spmd import SpmdFunction as SpmdFunction
 from ._spmd import spmd as spmd
+from .debug import barrier as barrier
 
 __version__ = "0.1.0.dev0"
 
+debug.enable_from_environment()  # MESHKIT_DEBUG=1
+
 __all__ = [
+    "DivergenceError",
     "DtypeWarning",
     "GlobalBatches",
     "LaunchError",
@@ -59,7 +67,9 @@ __all__ = [
     "ReshardWarning",
     "RuntimeInfo",
     "SpmdFunction",
+    "barrier",
     "collectives",
+    "debug",
     "describe",
     "device_put_replicated",
     "device_put_sharded",

@@ -54,7 +54,13 @@ def set_caller(name: str) -> None:
     _caller.set(name)
 
 
-_SITE = _dispatch.CallSite("global_array_from_local", "meshkit.global_array_from_local")
+# Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
+# leading dimension out.
+_SITE = _dispatch.CallSite(
+    "global_array_from_local",
+    "meshkit.global_array_from_local",
+    info={"ragged": True, "params": ("local",)},
+)
 
 
 class DtypeWarning(UserWarning):

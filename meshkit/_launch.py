@@ -39,6 +39,8 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
 _TAIL_LINES = 40
+# Lines that `meshkit.debug`'s stall watchdog prints; collected for the closing summary.
+_WATCHDOG_MARK = "meshkit watchdog:"
 
 
 @dataclasses.dataclass
@@ -208,6 +210,7 @@ class _Rank:
         self.out: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.both: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.watchdog: list[str] = []  # the stall watchdog's reports, newest last
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -234,6 +237,8 @@ class _Rank:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             keep.append(line)
             self.both.append(line)
+            if line.startswith(_WATCHDOG_MARK):
+                self.watchdog.append(line)
             sink.write(self.rank, line, is_err)
         pipe.close()
 
@@ -434,6 +439,8 @@ def launch(
         )
     else:
         returncode = 0
+    if report:
+        report += _watchdog_summary(ranks)
     return LaunchResult(
         returncode, results, first_failure, timed_out, alive_at_timeout, elapsed, report
     )
@@ -454,6 +461,18 @@ def _stop(ranks: list[_Rank], grace: float) -> None:
     for rk in ranks:
         with contextlib.suppress(subprocess.TimeoutExpired):
             rk.proc.wait(timeout=10)
+
+
+def _watchdog_summary(ranks: list[_Rank]) -> str:
+    """Where each rank was when its stall watchdog fired (``meshkit.debug``), or ""."""
+    reports = [(rk.rank, rk.watchdog[-1]) for rk in ranks if rk.watchdog]
+    if not reports:
+        return ""
+    lines = [f"  rank {r}: {line}" for r, line in reports]
+    quiet = [str(rk.rank) for rk in ranks if not rk.watchdog]
+    if quiet:
+        lines.append(f"  (no watchdog report from rank {', '.join(quiet)})")
+    return "Stall watchdog, where each rank was:\n" + "\n".join(lines) + "\n"
 
 
 def _tail_block(title: str, rank: int, text: str) -> str:

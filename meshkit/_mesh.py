@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from . import _compat, _runtime
+from . import _compat, _dispatch, _runtime
 from ._errors import MeshkitError
 
 __all__ = ["describe", "make_mesh", "order_devices"]
@@ -268,6 +268,13 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
         )
 
 
+_SITE = _dispatch.CallSite(
+    "make_mesh",
+    "meshkit.make_mesh",
+    info={"params": ("axes", "devices", "axis_types"), "static_argnums": (0, 1, 2)},
+)
+
+
 def make_mesh(
     axes: Mapping[str, int] | Sequence[tuple[str, int]],
     *,
@@ -306,6 +313,14 @@ def make_mesh(
     """
     parsed = _parse_axes(axes)
     given = devices is not None
+    _dispatch.enter(
+        _SITE,
+        (
+            ",".join(f"{n}={s}" for n, s in parsed),
+            None if devices is None else int(np.size(devices)),
+            repr(axis_types),
+        ),
+    )
     if devices is None:
         device_list = list(jax.devices())
     else:

@@ -152,7 +152,16 @@ class PmapFunction:
         self._fast: tuple[int, Any] | None = None
         # Per call key: (inner axis name, inner mapped size) once a nested pmap_compat is met.
         self._nesting: dict[Any, tuple[str, int]] = {}
-        self._site = _dispatch.CallSite("pmap_compat", name, info={"axis_name": axis_name})
+        self._site = _dispatch.CallSite(
+            "pmap_compat",
+            name,
+            info={
+                "axis_name": axis_name,
+                "params": _dispatch.param_names(fun),
+                "origin": _dispatch.origin(fun),
+                "static_argnums": self.static,
+            },
+        )
 
     # ---- calls ------------------------------------------------------------------------------
 

@@ -352,7 +352,16 @@ class SpmdFunction:
             map_specs(lambda s, w: _check_leaf(s, w), tree, f"spmd({self.name}): {what}")
         self.check_vma = bool(check_vma)
         self.mesh = mesh
-        self._site = _dispatch.CallSite("spmd", self.name, info={"mesh": mesh})
+        self._site = _dispatch.CallSite(
+            "spmd",
+            self.name,
+            info={
+                "mesh": mesh,
+                "params": _dispatch.param_names(fn),
+                "origin": _dispatch.origin(fn),
+                "static_argnums": self.static_argnums,
+            },
+        )
         self._warned: set[str] = set()
         self._plans: dict[Mesh | AbstractMesh, _Plan] = {}
         self._plan = _Plan(self, mesh) if mesh is not None else None

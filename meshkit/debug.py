@@ -1,0 +1,697 @@
+"""Debug mode: find processes that diverge, and stalls, before they become silent hangs.
+
+In a multi-process JAX program every process must make the same SPMD calls, in the same order,
+with the same shapes. When they do not, JAX's collectives hang or return wrong values, with no
+error. With debug mode on (``MESHKIT_DEBUG=1`` in the environment, or `enable`), every meshkit
+SPMD entry (`meshkit.spmd` functions, `meshkit.pmap_compat` functions,
+`meshkit.global_array_from_local`, `meshkit.make_mesh`) first exchanges a fingerprint of the call
+with the other processes through the coordination service's key-value store (never through a
+device collective: those are what hang) and compares them. The fingerprint holds the entry and
+function, the call's number in this process, the arguments' pytree structure, shapes, dtypes and
+shardings, and static arguments. On a mismatch every process raises `meshkit.DivergenceError`
+naming the processes that differ and the first field that differs; a process that does not
+arrive within the timeout is named as missing, with the last call it made.
+
+Debug mode also runs a stall watchdog: when this process has made no meshkit progress for
+``watchdog`` seconds it prints where it is (one ``meshkit watchdog:`` line, which ``meshkit
+launch`` collects into its closing summary) and the Python stacks of all its threads
+(faulthandler). If it still makes no progress for another ``timeout`` seconds it exits with
+status 1, so that the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
+
+`barrier` is always available: a named meeting point with a timeout whose error names the
+processes that did not come.
+
+Off, the cost is one counter increment and one emptiness test per SPMD call. On, each call costs
+one key-value write and one blocking read per other process (about 1 ms with 2 processes on one
+machine; see ``nox -s bench``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from . import _compat, _dispatch, _runtime
+from ._errors import DivergenceError, MeshkitError
+
+__all__ = ["DivergenceError", "barrier", "disable", "enable", "enabled", "settings"]
+
+ENV_DEBUG = "MESHKIT_DEBUG"
+ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
+ENV_WATCHDOG = "MESHKIT_WATCHDOG"
+
+_WATCHDOG_MARK = "meshkit watchdog:"
+_MAX_DESC = 200
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What debug mode is doing now.
+
+    Attributes:
+        timeout: seconds a call waits for the other processes' fingerprints.
+        watchdog: seconds without progress before the stacks are dumped; None: no watchdog.
+        exit_on_stall: whether a process still stalled ``timeout`` seconds after the dump exits.
+    """
+
+    timeout: float
+    watchdog: float | None
+    exit_on_stall: bool
+
+
+class _State:
+    """Debug mode's state in this process (one instance, guarded by ``_lock``)."""
+
+    def __init__(self) -> None:
+        self.settings: Settings | None = None
+        self.count = 0  # SPMD entries checked in this process, all threads
+        self.last = ""  # the last checked call, for messages
+        self.last_time = time.monotonic()
+        self.tags: set[str] = set()
+        self.watchdog: _Watchdog | None = None
+        self.hooks_installed = False
+
+
+_state = _State()
+_lock = threading.RLock()
+
+
+# ---- switching on and off --------------------------------------------------------------------
+
+
+def enable(
+    *,
+    timeout: float | None = None,
+    watchdog: float | str | None = "auto",
+    exit_on_stall: bool = True,
+) -> None:
+    """Turn debug mode on in this process (every process of the program must do the same).
+
+    Args:
+        timeout: seconds each call waits for the other processes' fingerprints before naming
+            the missing ones (default: ``MESHKIT_DEBUG_TIMEOUT``, else ``MESHKIT_CHECK_TIMEOUT``,
+            else 120). Must exceed the longest gap between two SPMD calls of any process (a
+            checkpoint written by one process, a compilation), or it reports a slow process as
+            missing.
+        watchdog: seconds without progress (no meshkit SPMD call or barrier) before this
+            process prints where it is and its Python stacks; ``"auto"`` (the default):
+            ``MESHKIT_WATCHDOG`` if set, else half the timeout, so that the stacks are in the
+            log before a waiting process reports a missing one; None or 0: no watchdog. It
+            runs only in multi-process programs.
+        exit_on_stall: after the dump, exit with status 1 if there is still no progress
+            ``timeout`` seconds later, so that a hang outside meshkit's calls (a raw
+            ``jax.jit`` collective, say) ends the run instead of lasting for ever. A process
+            that legitimately spends longer than ``watchdog + timeout`` outside meshkit calls
+            needs a longer watchdog, or ``exit_on_stall=False``.
+
+    Raises:
+        MeshkitError: a timeout or watchdog that is not a positive number.
+
+    Examples:
+        >>> import meshkit
+        >>> meshkit.debug.enable(timeout=30, watchdog=None)
+        >>> meshkit.debug.enabled()
+        True
+        >>> meshkit.debug.disable()
+        >>> meshkit.debug.enabled()
+        False
+    """
+    if timeout is None:
+        timeout = _env_seconds(ENV_DEBUG_TIMEOUT) or _runtime.check_timeout()
+    _positive(timeout, "timeout")
+    if watchdog == "auto":
+        env = _env_seconds(ENV_WATCHDOG, allow_zero=True)
+        watchdog = timeout / 2 if env is None else env
+    if watchdog is not None:
+        if watchdog == 0:
+            watchdog = None
+        else:
+            _positive(watchdog, "watchdog")
+    assert watchdog is None or isinstance(watchdog, int | float)
+    with _lock:
+        _stop_watchdog()
+        _state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
+        _state.last_time = time.monotonic()
+        if not _state.hooks_installed:
+            _dispatch.add_observer(_check)
+            _install_exit_hooks()
+            _state.hooks_installed = True
+        if watchdog is not None:
+            _state.watchdog = _Watchdog(float(watchdog), float(timeout), exit_on_stall)
+            _state.watchdog.start()
+
+
+def disable() -> None:
+    """Turn debug mode off in this process (the watchdog stops too)."""
+    with _lock:
+        _stop_watchdog()
+        _state.settings = None
+        if _state.hooks_installed:
+            _dispatch.remove_observer(_check)
+            _state.hooks_installed = False
+
+
+def enabled() -> bool:
+    """Whether debug mode is on in this process."""
+    return _state.settings is not None
+
+
+def settings() -> Settings | None:
+    """The current `Settings`, or None when debug mode is off."""
+    return _state.settings
+
+
+@contextlib.contextmanager
+def debugging(**kwargs: Any) -> Iterator[None]:
+    """Debug mode inside a ``with`` block (arguments as for `enable`); off again after it."""
+    was = _state.settings
+    enable(**kwargs)
+    try:
+        yield
+    finally:
+        if was is None:
+            disable()
+        else:
+            enable(timeout=was.timeout, watchdog=was.watchdog, exit_on_stall=was.exit_on_stall)
+
+
+def enable_from_environment() -> None:
+    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it (called by import and `init`)."""
+    value = os.environ.get(ENV_DEBUG, "").strip().lower()
+    if value in ("", "0", "false", "no", "off") or enabled():
+        return
+    enable()
+
+
+def _env_seconds(name: str, *, allow_zero: bool = False) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise MeshkitError(f"{name}={raw!r} is not a number of seconds.") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise MeshkitError(f"{name}={raw!r} must be a positive number of seconds.")
+    return value
+
+
+def _positive(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise MeshkitError(
+            f"meshkit.debug.enable: {what} must be a positive number of seconds; got {value!r}."
+        )
+
+
+# ---- fingerprints --------------------------------------------------------------------------
+
+
+def _describe_leaf(x: Any, ragged: bool) -> str:
+    """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        if isinstance(x, bool | int | float | complex):
+            return type(x).__name__
+        if x is None:
+            return "None"
+        text = repr(x)
+        return type(x).__name__ + ":" + (text if len(text) <= _MAX_DESC else text[:_MAX_DESC])
+    dims = [str(int(d)) for d in shape]
+    if ragged and dims:
+        dims[0] = "*"
+    text = f"{np.dtype(dtype).name}[{','.join(dims)}]"
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        text += f" sharded {tuple(sharding.spec)} over {dict(sharding.mesh.shape)}"
+    elif isinstance(x, jax.Array) and not isinstance(x, Tracer) and sharding is not None:
+        count = len(sharding.device_set)
+        if count > 1:
+            text += f" on {count} devices"
+    return text
+
+
+def _caller() -> str:
+    """``file:line in function`` of the first frame outside meshkit, jax and the stdlib."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not _library_file(name):
+            return f"{_short(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+# Frames in these directories are not the user's: meshkit, jax and the standard library.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (__file__, jax.__file__ or "", contextlib.__file__ or "")
+)
+
+
+def _library_file(name: str) -> bool:
+    return name.startswith(_LIBRARY_DIRS) or name.startswith("<")
+
+
+def _short(path: str) -> str:
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
+def _fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
+    ragged = bool(site.info.get("ragged"))
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(args)
+    static = site.info.get("static_argnums") or ()
+    leaves = []
+    for path, leaf in pairs:
+        where = _arg_name(site, path)
+        desc = _describe_leaf(leaf, ragged)
+        if path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx in static:
+            desc = "static " + _static_repr(leaf)
+        leaves.append([where, desc])
+    return {
+        "status": "call",
+        "count": count,  # SPMD entries checked in this process, all functions
+        # The function's name and where it was made: lambdas and functions of the same name differ.
+        "entry": f"{site.kind} {site.name}"
+        + (f" [{site.info['origin']}]" if site.info.get("origin") else ""),
+        "n": site.calls,
+        "structure": str(treedef),
+        "leaves": leaves,
+        "where": _caller(),
+        "time": time.time(),
+    }
+
+
+def _static_repr(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= _MAX_DESC else text[:_MAX_DESC] + "..."
+
+
+def _arg_name(site: _dispatch.CallSite, path: tuple[Any, ...]) -> str:
+    """``batch['image']``: the parameter's name when known, then the rest of the key path."""
+    names = site.info.get("params")
+    if not path:
+        return "the argument"
+    head, rest = path[0], path[1:]
+    if isinstance(head, jax.tree_util.SequenceKey):
+        idx = head.idx
+        base = names[idx] if names and idx < len(names) else f"argument {idx}"
+    else:
+        base = jax.tree_util.keystr((head,))
+    return base + jax.tree_util.keystr(tuple(rest))
+
+
+# ---- the check ------------------------------------------------------------------------------
+
+
+def _tag() -> str:
+    return "debug/" + threading.current_thread().name.replace("/", "_")
+
+
+def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
+    settings = _state.settings
+    if settings is None:
+        return
+    with _lock:
+        _state.count += 1
+        count = _state.count
+    record = _fingerprint(site, args, count)
+    label = f"call #{record['n']} of {site.name}"
+    _state.last = f"{label} ({site.kind}) at {record['where']}"
+    _state.last_time = time.monotonic()
+    client, me, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return
+    tag = _tag()
+    _state.tags.add(tag)
+    values, missing = _runtime.exchange(tag, json.dumps(record), timeout=settings.timeout)
+    _state.last_time = time.monotonic()
+    records = {p: json.loads(v) for p, v in values.items()}
+    _compare(records, missing, me, label, settings.timeout, tag, count)
+
+
+def _compare(
+    records: dict[int, dict[str, Any]],
+    missing: list[int],
+    me: int,
+    label: str,
+    timeout: float,
+    tag: str,
+    count: int,
+) -> None:
+    mine = records[me]
+    left = {p: r for p, r in records.items() if r.get("status") != "call"}
+    problems: list[str] = []
+    if left:
+        for p, r in sorted(left.items()):
+            problems.append(f"process {p} {_left_text(r)}")
+    if missing:
+        lines = [
+            f"process {p} did not arrive within {timeout:g} s ({_last_text(tag, p)})"
+            for p in missing
+        ]
+        problems.extend(lines)
+    if problems:
+        here = sorted(p for p in records if p not in left)
+        raise DivergenceError(
+            f"meshkit debug: {label} ({mine['entry'].split()[0]} at {mine['where']}): "
+            + "; ".join(problems)
+            + f".\n{_procs(here).capitalize()} made this call (SPMD call #"
+            + str(mine.get("count", count))
+            + " of the process in all).\n"
+            "Every process must make the same meshkit calls in the same order; consider the "
+            "missing processes' output (a crash, an early exit, a different branch or a stall).",
+            processes=sorted(set(missing) | set(left)),
+            field="arrival",
+        )
+    calls = {p: r for p, r in records.items()}
+    for field, what in (
+        ("entry", "called"),
+        ("structure", "passed arguments structured as"),
+        ("leaves", None),
+    ):
+        groups = _group(calls, field)
+        if len(groups) == 1:
+            continue
+        if field == "leaves":
+            _leaf_divergence(calls, label, mine)
+        raise DivergenceError(
+            f"meshkit debug: SPMD call #{mine['count']} of the program: "
+            + "; ".join(f"{_procs(ps)} {what} {_show_value(field, value)}" for value, ps in groups)
+            + ".\nEvery process must make the same meshkit calls in the same order; consider "
+            "what decides which function each process calls (rank-dependent branches, "
+            "iteration over sets or dicts with per-process order, an early exit).\n"
+            + _where_lines(calls),
+            processes=_outside_majority([ps for _, ps in groups]),
+            field=field,
+        )
+
+
+def _leaf_divergence(calls: dict[int, dict[str, Any]], label: str, mine: dict[str, Any]) -> None:
+    n_leaves = len(mine["leaves"])
+    for i in range(n_leaves):
+        values: dict[str, list[int]] = {}
+        for p, r in sorted(calls.items()):
+            leaf = r["leaves"][i] if i < len(r["leaves"]) else ["?", "(absent)"]
+            values.setdefault(leaf[1], []).append(p)
+        if len(values) == 1:
+            continue
+        groups = sorted(values.items(), key=lambda kv: (len(kv[1]), kv[1]))
+        where = mine["leaves"][i][0]
+        first, rest = groups[0], groups[1:]
+        text = f"{_procs(first[1])} passed {where} {first[0]}; " + "; ".join(
+            f"{_procs(ps)} passed {value}" for value, ps in rest
+        )
+        suspects = (
+            f"{_procs(first[1])}"
+            if len(first[1]) < len(rest[0][1])
+            else "the processes (no majority says which is wrong)"
+        )
+        if first[0].startswith("static") or rest[0][0].startswith("static"):
+            rule = (
+                "Static arguments (and make_mesh's axes) must be equal in every process; "
+                f"consider what sets them in {suspects} (a per-process setting, an "
+                "environment variable)."
+            )
+        else:
+            rule = (
+                "Every process must pass arguments of the same shapes, dtypes and shardings to "
+                f"an SPMD call; consider the data pipeline of {suspects} (a short last batch, "
+                "a per-process setting)."
+            )
+        raise DivergenceError(
+            f"meshkit debug: {label}: {text}.\n{rule}\n" + _where_lines(calls),
+            processes=_outside_majority([ps for _, ps in groups]),
+            field=where,
+        )
+
+
+def _outside_majority(groups: list[list[int]]) -> list[int]:
+    """The processes not in the one largest group; all of them when no group is largest."""
+    size = max(len(ps) for ps in groups)
+    largest = [ps for ps in groups if len(ps) == size]
+    rest = [p for ps in groups for p in ps if len(largest) > 1 or ps is not largest[0]]
+    return sorted(rest)
+
+
+def _group(calls: dict[int, dict[str, Any]], field: str) -> list[tuple[Any, list[int]]]:
+    values: dict[str, tuple[Any, list[int]]] = {}
+    for p, r in sorted(calls.items()):
+        value = r.get(field)
+        key = json.dumps(value)
+        values.setdefault(key, (value, []))[1].append(p)
+    return sorted(values.values(), key=lambda vp: (len(vp[1]), vp[1]))
+
+
+def _show_value(field: str, value: Any) -> str:
+    if field == "entry":
+        kind, _, name = str(value).partition(" ")
+        name, _, origin = name.partition(" [")
+        return f"{name} ({kind}{', made at ' + origin.rstrip(']') if origin else ''})"
+    return str(value)
+
+
+def _where_lines(calls: dict[int, dict[str, Any]]) -> str:
+    return "\n".join(
+        f"  process {p}: call #{r['n']} of {r['entry'].partition(' ')[2]} at {r['where']}"
+        for p, r in sorted(calls.items())
+    )
+
+
+def _procs(ps: list[int]) -> str:
+    return f"process{'es' if len(ps) > 1 else ''} {_ids(ps)}"
+
+
+def _ids(ps: list[int]) -> str:
+    return ",".join(map(str, ps))
+
+
+def _left_text(record: dict[str, Any]) -> str:
+    status = record.get("status")
+    last = record.get("last") or "no meshkit call"
+    if status == "exit":
+        return f"ended its program (normal exit) after {last}"
+    if status == "error":
+        return f"failed after {last}: {record.get('message', '?')}"
+    return f"left ({status}) after {last}"
+
+
+def _last_text(tag: str, process: int) -> str:
+    """What ``process`` last did, from its newest record still in the key-value store."""
+    client, _, _ = _compat.distributed_state()
+    if client is None:
+        return "its last call is unknown"
+    try:
+        entries = client.key_value_dir_get(f"meshkit/{tag}/{process}/")
+    except Exception:  # the store is unreachable: nothing more to say
+        return "its last call is unknown"
+    newest: tuple[int, dict[str, Any]] | None = None
+    for key, value in entries:
+        try:
+            seq = int(key.rsplit("/", 1)[1])
+            record = json.loads(value)
+        except (ValueError, IndexError):
+            continue
+        if newest is None or seq > newest[0]:
+            newest = (seq, record)
+    if newest is None:
+        return "it made no meshkit call checked in debug mode"
+    record = newest[1]
+    if record.get("status") != "call":
+        return _left_text(record)
+    ago = time.time() - float(record.get("time", time.time()))
+    return (
+        f"its last call was #{record['n']} of {record['entry'].partition(' ')[2]} at "
+        f"{record['where']}, {ago:.1f} s ago"
+    )
+
+
+def _publish_leaving(status: str, message: str = "") -> None:
+    """Tell the other processes, at this process's next check, that it will not come."""
+    client, _, n = _compat.distributed_state()
+    if client is None or n == 1 or _state.settings is None:
+        return
+    record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
+    for tag in sorted(_state.tags | {"debug/MainThread"}):
+        with contextlib.suppress(Exception):
+            _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+
+
+def _install_exit_hooks() -> None:
+    atexit.register(lambda: _publish_leaving("exit"))
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _state.settings is not None and not isinstance(value, DivergenceError):
+            text = f"{kind.__name__}: {value}".splitlines()[0][:_MAX_DESC]
+            _publish_leaving("error", text)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+# ---- barrier ----------------------------------------------------------------------------------
+
+
+_barrier_seq: dict[str, int] = {}
+
+
+def barrier(name: str, *, timeout: float | None = None) -> None:
+    """Wait until every process reaches the barrier ``name``, or fail naming those that did not.
+
+    Works through the coordination service's key-value store (no device collective), so a
+    barrier never hangs: after ``timeout`` seconds every process that arrived raises. A barrier
+    name may be used any number of times; the n-th use in one process meets the n-th use in the
+    others. With one process it returns at once.
+
+    Args:
+        name: the meeting point (the same string in every process).
+        timeout: seconds to wait (default ``MESHKIT_CHECK_TIMEOUT``, else 120).
+
+    Raises:
+        MeshkitError: some processes did not arrive in time (they are named, with their last
+            meshkit call when debug mode is on), or a bad name or timeout.
+
+    Examples:
+        >>> import meshkit
+        >>> meshkit.barrier("checkpoint-written", timeout=60)  # one process: returns at once
+    """
+    if not isinstance(name, str) or not name:
+        raise MeshkitError(f"meshkit.barrier: name must be a non-empty string; got {name!r}.")
+    if timeout is None:
+        timeout = _runtime.check_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise MeshkitError(
+            f"meshkit.barrier({name!r}): timeout must be a positive number of seconds; got "
+            f"{timeout!r}."
+        )
+    client, me, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return
+    safe = name.replace("/", "_")
+    seq = _barrier_seq.get(safe, 0)
+    _barrier_seq[safe] = seq + 1
+    failed_key = f"meshkit/barrier-failed/{safe}/{seq}"
+    _, missing = _runtime.exchange(f"barrier/{safe}", "here", timeout=float(timeout))
+    if _state.settings is not None:
+        _state.last_time = time.monotonic()
+    if not missing:
+        # Arrived last but after another process gave up: fail with it.
+        note = None
+        with contextlib.suppress(Exception):
+            note = client.key_value_try_get(failed_key)
+        if note:
+            raise MeshkitError(
+                f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
+                f"another gave up: {note}.\nConsider a longer timeout, or what delayed this "
+                "process."
+            )
+        return
+    detail = "; ".join(
+        f"process {p} ({_last_text(_tag(), p) if _state.settings else 'no debug record'})"
+        for p in missing
+    )
+    with contextlib.suppress(Exception):
+        client.key_value_set(
+            failed_key, f"process {me} waited {timeout:g} s for {_ids(missing)}", True
+        )
+    raise MeshkitError(
+        f"meshkit.barrier({name!r}): process{'es' if len(missing) > 1 else ''} "
+        f"{_ids(missing)} did not arrive within {timeout:g} s (use #{seq + 1} of this barrier); "
+        f"this process (process {me}) did.\nMissing: {detail}.\n"
+        "Consider those processes' output (a crash, a stall, a different branch); "
+        f"MESHKIT_DEBUG=1 names their last meshkit call."
+    )
+
+
+# ---- the stall watchdog -------------------------------------------------------------------------
+
+
+class _Watchdog(threading.Thread):
+    """Dumps this process's stacks after ``after`` seconds without progress, then may exit."""
+
+    def __init__(self, after: float, timeout: float, exit_on_stall: bool) -> None:
+        super().__init__(name="meshkit-watchdog", daemon=True)
+        self.after = after
+        self.timeout = timeout
+        self.exit_on_stall = exit_on_stall
+        self.stop = threading.Event()
+        self.main = threading.main_thread().ident
+
+    def run(self) -> None:
+        period = min(1.0, self.after / 4)
+        dumped_at: float | None = None
+        while not self.stop.wait(period):
+            if _compat.distributed_state()[2] == 1:
+                continue  # one process: nobody to wait for, and no run to end
+            last = _state.last_time
+            idle = time.monotonic() - last
+            if dumped_at is not None and dumped_at != last:
+                dumped_at = None  # progress since the dump: rearm
+            if idle >= self.after and dumped_at is None:
+                dumped_at = last
+                self._dump(idle)
+            elif dumped_at is not None and self.exit_on_stall and idle >= self.after + self.timeout:
+                _, me, _ = _compat.distributed_state()
+                _write(
+                    f"{_WATCHDOG_MARK} process {me} still made no progress after {idle:.0f} s; "
+                    "exiting with status 1 so that the whole run ends instead of hanging "
+                    "(meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
+                )
+                os._exit(1)
+
+    def _dump(self, idle: float) -> None:
+        _, me, _ = _compat.distributed_state()
+        frame = sys._current_frames().get(self.main or 0)
+        here = _frame_text(frame) if frame is not None else "?"
+        _write(
+            f"{_WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s; main thread "
+            f"now {here}; last meshkit call: {_state.last or 'none'}. Stacks follow.\n"
+        )
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+
+
+def _frame_text(frame: FrameType) -> str:
+    """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
+    inner = frame
+    text = f"in {inner.f_code.co_name} ({_short(inner.f_code.co_filename)}:{inner.f_lineno})"
+    user: FrameType | None = frame
+    while user is not None and _library_file(user.f_code.co_filename):
+        user = user.f_back
+    if user is not None and user is not inner:
+        text += f", called from {user.f_code.co_name} ({_short(user.f_code.co_filename)}:"
+        text += f"{user.f_lineno})"
+    return text
+
+
+def _write(text: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def _stop_watchdog() -> None:
+    if _state.watchdog is not None:
+        _state.watchdog.stop.set()
+        _state.watchdog = None

@@ -1,0 +1,258 @@
+"""meshkit.debug in one process (switches, fingerprints, the comparison) and barrier in two."""
+
+from __future__ import annotations
+
+import json
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+import meshkit
+from meshkit import _dispatch, debug
+from meshkit.testing import launch_in_processes, run_in_processes
+
+
+@pytest.fixture(autouse=True)
+def _debug_off():
+    yield
+    debug.disable()
+
+
+def test_enable_disable_and_settings():
+    assert not debug.enabled()
+    debug.enable(timeout=30, watchdog=None)
+    assert debug.settings() == debug.Settings(30.0, None, True)
+    debug.enable(timeout=10)  # watchdog "auto": half the timeout
+    assert debug.settings().watchdog == 5.0
+    debug.disable()
+    assert debug.settings() is None
+    with debug.debugging(timeout=4, watchdog=0):
+        assert debug.settings() == debug.Settings(4.0, None, True)
+    assert not debug.enabled()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timeout": 0}, "timeout must be a positive number of seconds; got 0"),
+        ({"timeout": -1.5}, "timeout must be a positive number of seconds; got -1.5"),
+        ({"timeout": True}, "timeout must be a positive number of seconds; got True"),
+        ({"watchdog": "soon"}, "watchdog must be a positive number of seconds; got 'soon'"),
+        ({"watchdog": -2}, "watchdog must be a positive number of seconds; got -2"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(meshkit.MeshkitError, match=message):
+        debug.enable(**kwargs)
+    assert not debug.enabled()
+
+
+def test_environment(monkeypatch):
+    monkeypatch.setenv("MESHKIT_DEBUG", "0")
+    debug.enable_from_environment()
+    assert not debug.enabled()
+    monkeypatch.setenv("MESHKIT_DEBUG", "1")
+    monkeypatch.setenv("MESHKIT_DEBUG_TIMEOUT", "12")
+    monkeypatch.setenv("MESHKIT_WATCHDOG", "0")
+    debug.enable_from_environment()
+    assert debug.settings() == debug.Settings(12.0, None, True)
+    debug.disable()
+    monkeypatch.setenv("MESHKIT_DEBUG_TIMEOUT", "soon")
+    with pytest.raises(meshkit.MeshkitError, match="MESHKIT_DEBUG_TIMEOUT='soon' is not a number"):
+        debug.enable_from_environment()
+
+
+def test_single_process_calls_run_and_are_counted():
+    mesh = meshkit.make_mesh({"data": 8})
+    f = meshkit.spmd(lambda x: x * 2, mesh=mesh, in_specs="data", out_specs="data")
+    seen = []
+    with (
+        _dispatch.observing(lambda site, args: seen.append(site.kind)),
+        debug.debugging(timeout=5, watchdog=None),
+    ):
+        out = f(np.arange(8.0))
+        meshkit.make_mesh({"data": 8})
+    np.testing.assert_array_equal(out, np.arange(8.0) * 2)
+    assert seen == ["spmd", "make_mesh"]
+
+
+def test_off_means_no_observer():
+    debug.enable(timeout=5, watchdog=None)
+    assert debug._check in _dispatch._observers
+    debug.disable()
+    assert debug._check not in _dispatch._observers
+
+
+# ---- fingerprints and the comparison, without processes -----------------------------------
+
+
+def _record(site, args, count=1):
+    return json.loads(json.dumps(debug._fingerprint(site, args, count)))
+
+
+def _site(name="train_step", **info):
+    site = _dispatch.CallSite("spmd", name, info={"params": ("params", "batch"), **info})
+    site.calls = 57
+    return site
+
+
+def test_fingerprint_names_arguments_shapes_and_shardings():
+    mesh = meshkit.make_mesh({"data": 8})
+    sharded = jax.device_put(jnp.zeros((8, 2)), jax.sharding.NamedSharding(mesh, jax.P("data")))
+    record = _record(_site(), ({"w": sharded}, {"image": np.zeros((32, 3), np.float32)}, 2.0))
+    assert record["leaves"] == [
+        ["params['w']", "float32[8,2] sharded ('data',) over {'data': 8}"],
+        ["batch['image']", "float32[32,3]"],
+        ["argument 2", "float"],
+    ]
+    assert record["n"] == 57
+    assert record["where"].startswith("tests/test_debug.py:") or "test_debug.py:" in record["where"]
+
+
+def test_issue_example_message():
+    site = _site()
+    good = _record(site, (1, {"image": np.zeros((32, 224, 224, 3), np.float32)}))
+    bad = _record(site, (1, {"image": np.zeros((30, 224, 224, 3), np.float32)}))
+    records = {0: good, 1: bad, 2: good, 3: good}
+    with pytest.raises(meshkit.DivergenceError) as info:
+        debug._compare(records, [], 0, "call #57 of train_step", 5.0, "debug/MainThread", 1)
+    assert (
+        "call #57 of train_step: process 1 passed batch['image'] float32[30,224,224,3]; "
+        "processes 0,2,3 passed float32[32,224,224,3]." in str(info.value)
+    )
+    assert info.value.processes == [1]
+    assert info.value.field == "batch['image']"
+
+
+def test_static_arguments_and_ragged_leading_axis():
+    site = _site(static_argnums=(0,))
+    with pytest.raises(meshkit.DivergenceError, match=r"process 1 passed params static 'adam'"):
+        debug._compare(
+            {0: _record(site, ("sgd", 1)), 1: _record(site, ("adam", 1)), 2: _record(site, ("sgd", 1))},
+            [], 0, "call #57 of train_step", 5.0, "t", 1,
+        )  # fmt: skip
+    ragged = _site(ragged=True)
+    a, b = _record(ragged, (np.zeros((30, 3)),)), _record(ragged, (np.zeros((32, 3)),))
+    debug._compare({0: a, 1: b}, [], 0, "x", 5.0, "t", 1)  # padded loaders may differ
+
+
+def test_processes_that_left_are_named():
+    site = _site()
+    here = _record(site, (1,))
+    gone = {"status": "exit", "last": "call #56 of train_step (spmd) at train.py:40"}
+    with pytest.raises(meshkit.DivergenceError, match=r"process 1 ended its program \(normal exit\) "
+                       r"after call #56 of train_step \(spmd\) at train.py:40") as info:  # fmt: skip
+        debug._compare({0: here, 1: gone}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+    assert info.value.processes == [1]
+    failed = {"status": "error", "last": "call #3 of f", "message": "ValueError: bad batch"}
+    with pytest.raises(meshkit.DivergenceError, match="process 1 failed after call #3 of f: "
+                       "ValueError: bad batch"):  # fmt: skip
+        debug._compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+
+
+_shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
+_dtypes = st.sampled_from([np.float32, np.int32, np.bool_, np.float16])
+
+
+@given(
+    st.lists(st.tuples(_shapes, _dtypes), min_size=1, max_size=4),
+    st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 3), _shapes, _dtypes)), min_size=2,
+             max_size=5),
+)  # fmt: skip
+def test_comparison_against_a_direct_reference(base, changes):
+    """Raises iff some process's arguments differ, naming exactly the minority processes."""
+    site = _site()
+    per_process = []
+    for change in changes:
+        leaves = list(base)
+        if change is not None:
+            i, shape, dtype = change
+            leaves[i % len(leaves)] = (shape, dtype)
+        per_process.append(leaves)
+    records = {
+        p: _record(site, (tuple(np.zeros(s, d) for s, d in leaves),))
+        for p, leaves in enumerate(per_process)
+    }
+    # Reference: the first leaf position where the processes' (shape, dtype) differ.
+    first = next(
+        (i for i in range(len(base))
+         if len({(tuple(lv[i][0]), np.dtype(lv[i][1])) for lv in per_process}) > 1),
+        None,
+    )  # fmt: skip
+    if first is None:
+        debug._compare(records, [], 0, "call", 1.0, "t", 1)
+        return
+    with pytest.raises(meshkit.DivergenceError) as info:
+        debug._compare(records, [], 0, "call", 1.0, "t", 1)
+    groups: dict[tuple, list[int]] = {}
+    for p, lv in enumerate(per_process):
+        groups.setdefault((tuple(lv[first][0]), np.dtype(lv[first][1])), []).append(p)
+    sizes = sorted((len(ps) for ps in groups.values()), reverse=True)
+    if sizes[0] > sizes[1]:  # a majority: the others are named
+        majority = max(groups.values(), key=len)
+        expected = sorted(p for p in range(len(per_process)) if p not in majority)
+    else:
+        expected = list(range(len(per_process)))
+    assert info.value.processes == expected
+    assert info.value.field == f"params[{first}]"
+
+
+# ---- barrier -----------------------------------------------------------------------------
+
+
+def test_barrier_bad_arguments():
+    with pytest.raises(meshkit.MeshkitError, match="name must be a non-empty string; got ''"):
+        meshkit.barrier("")
+    with pytest.raises(meshkit.MeshkitError, match="timeout must be a positive number of seconds"):
+        meshkit.barrier("x", timeout=0)
+    meshkit.barrier("single process returns at once", timeout=1)
+
+
+def _barrier_meets():
+    import time
+
+    import jax
+
+    start = time.monotonic()
+    if jax.process_index() == 1:
+        time.sleep(1.0)
+    for _ in range(3):  # a name may be reused
+        meshkit.barrier("meet", timeout=30)
+    return time.monotonic() - start
+
+
+def _barrier_missing():
+    import time
+
+    import jax
+
+    if jax.process_index() == 1:
+        time.sleep(6)
+    try:
+        meshkit.barrier("checkpoint written", timeout=2)
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "passed"
+
+
+@pytest.mark.multiprocess
+def test_barrier_in_two_processes(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    waited = run_in_processes(_barrier_meets, devices_per_process=1)
+    assert all(w >= 1.0 for w in waited), waited  # process 0 waited for the late one
+    result = launch_in_processes(_barrier_missing, devices_per_process=1, timeout=60)
+    early, late = result.values
+    assert early is not None, result.report
+    assert (
+        "meshkit.barrier('checkpoint written'): process 1 did not arrive within 2 s (use #1 of "
+        "this barrier); this process (process 0) did." in early
+    ), early
+    # The late one fails too, instead of passing a barrier the other gave up on.
+    assert (
+        "meshkit.barrier('checkpoint written'): this process (process 1) arrived after another "
+        "gave up: process 0 waited 2 s for 1." in late
+    ), late
