@@ -14,7 +14,8 @@ from conftest import EXAMPLES
 pytestmark = pytest.mark.multiprocess
 
 
-def test_demo_under_mpirun(tmp_path):
+def _mpirun(script, tmp_path):
+    """Run ``script`` as 2 processes x 4 CPU devices under mpirun; (returncode, stdout, stderr)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         if os.environ.get("MESHKIT_REQUIRE_MPIRUN") == "1":
@@ -25,7 +26,7 @@ def test_demo_under_mpirun(tmp_path):
     command = [
         mpirun, *root, "--oversubscribe", "-np", "2",
         "-x", "MESHKIT_CPU_DEVICES=4", "-x", "JAX_PLATFORMS=cpu",
-        sys.executable, str(EXAMPLES / "hello_mesh.py"),
+        sys.executable, str(script),
     ]  # fmt: skip
     proc = subprocess.Popen(
         command,
@@ -42,7 +43,12 @@ def test_demo_under_mpirun(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+def test_demo_under_mpirun(tmp_path):
+    code, out, err = _mpirun(EXAMPLES / "hello_mesh.py", tmp_path)
+    assert code == 0, err
     for r in (0, 1):
         assert (
             f"process {r}/2: joined through cluster (JAX's OmpiCluster detector found its "
@@ -50,3 +56,15 @@ def test_demo_under_mpirun(tmp_path):
         )
         assert f"process {r}/2: psum over 8 devices = 28 (expected 28)" in out
     assert "Mesh {'data': 2, 'model': 4}: 8 devices on 2 processes" in out
+
+
+def test_debug_mode_under_mpirun(tmp_path):
+    """Divergence detection needs only JAX's coordination service: mpirun's processes use it."""
+    code, out, err = _mpirun(EXAMPLES / "debug_mode.py", tmp_path)
+    assert code == 0, err
+    assert (
+        "step 3: DivergenceError (processes [0, 1], field 'batch'):\n"
+        "  meshkit debug: call #4 of mean_loss: process 0 passed batch float32[16,4]; "
+        "process 1 passed float32[8,4]." in out
+    ), out
+    assert "all processes reached the end" in out, out

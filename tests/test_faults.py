@@ -1,0 +1,330 @@
+"""Fault injection: each way a multi-process program goes wrong ends in a clear error, fast.
+
+Every case runs 2 processes x 4 CPU devices through the launcher and must end within 60 s,
+exit non-zero, name the processes involved, and leave no process behind (the ``marker``
+fixture checks the last). Debug mode (``MESHKIT_DEBUG=1``) is on unless the case says otherwise,
+with short timeouts so that the suite takes seconds per case.
+
+The functions starting with an underscore run inside the launched processes.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+
+import pytest
+
+import meshkit
+from meshkit.testing import launch_in_processes
+
+pytestmark = pytest.mark.multiprocess
+
+DEBUG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "8", "MESHKIT_WATCHDOG": "3"}
+LIMIT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+
+
+def _failed(target, env=DEBUG, **kwargs):
+    """Launch, check the run failed within the limit, return the launcher's whole report."""
+    start = time.monotonic()
+    result = launch_in_processes(target, timeout=90, env=env, **kwargs)
+    took = time.monotonic() - start
+    text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    assert took < LIMIT_S, f"took {took:.0f} s\n{text}"
+    return result, text
+
+
+def _step_fn():
+    import jax.numpy as jnp
+
+    from meshkit import collectives as C
+
+    mesh = meshkit.make_mesh({"data": -1})
+    step = meshkit.spmd(lambda x: C.psum(x, "data"), mesh=mesh, in_specs="data", out_specs="")
+    return mesh, step, jnp
+
+
+# ---- bodies run in the launched processes -------------------------------------------------
+
+
+def _killed_mid_step():
+    import os
+    import signal
+
+    import jax
+
+    _, step, jnp = _step_fn()
+    for i in range(100):
+        if i == 3 and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        step(jnp.ones((8, 4))).block_until_ready()
+
+
+def _stalled_in_python():
+    import jax
+
+    _, step, jnp = _step_fn()
+    for i in range(10):
+        if i == 2 and jax.process_index() == 1:
+            time.sleep(600)  # alive, stuck: the others wait at call #3
+        step(jnp.ones((8, 4))).block_until_ready()
+
+
+def _shape_mismatch():
+    import jax
+
+    _, step, jnp = _step_fn()
+    step(jnp.ones((8, 4))).block_until_ready()
+    rows = 8 if jax.process_index() == 0 else 16
+    step(jnp.ones((rows, 4))).block_until_ready()
+
+
+def _two_functions():
+    import jax
+
+    from meshkit import collectives as C
+
+    mesh, step, jnp = _step_fn()
+
+    def evaluate(x):
+        return C.pmax(x, "data")
+
+    other = meshkit.spmd(evaluate, mesh=mesh, in_specs="data", out_specs="")
+    fn = step if jax.process_index() == 0 else other
+    fn(jnp.ones((8, 4))).block_until_ready()
+
+
+def _last_batch_exit():
+    import jax
+
+    _, step, jnp = _step_fn()
+    steps = 5 if jax.process_index() == 0 else 4  # process 1's loader is one batch short
+    for _ in range(steps):
+        step(jnp.ones((8, 4))).block_until_ready()
+
+
+def _mesh_disagreement():
+    import jax
+
+    shape = {"data": 4, "model": 2} if jax.process_index() == 0 else {"data": 2, "model": 4}
+    meshkit.make_mesh(shape)
+
+
+def _set_order():
+    import os
+
+    # Seeds 1 and 2 order this set differently (checked: sum,min,max,mean and mean,sum,min,max).
+    rank = str(int(os.environ["MESHKIT_PROCESS_ID"]) + 1)
+    if os.environ.get("PYTHONHASHSEED") != rank:
+        # The hash seed is read at start-up: start this rank again with its own (same pid, so
+        # the launcher still owns it; before joining the cluster, so nobody notices).
+        os.environ["PYTHONHASHSEED"] = rank
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    meshkit.init()
+    from meshkit import collectives as C
+
+    mesh, _, jnp = _step_fn()
+    fns = {
+        name: meshkit.spmd(lambda x, op=op: op(x, "data"), mesh=mesh, in_specs="data", out_specs="")
+        for name, op in (("sum", C.psum), ("max", C.pmax), ("min", C.pmin), ("mean", C.pmean))
+    }
+    for name in {"sum", "max", "min", "mean", "alpha", "beta"} & set(fns):  # per-process order
+        fns[name](jnp.ones((8, 4))).block_until_ready()
+
+
+def _raw_collective_stall():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, step, jnp = _step_fn()
+    step(jnp.ones((8, 4))).block_until_ready()
+    if jax.process_index() == 1:
+        time.sleep(600)
+    # Process 0 waits inside a raw jax.jit collective, where no meshkit check can see it.
+    x = jax.make_array_from_callback(
+        (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
+    )
+    jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x).block_until_ready()
+
+
+def _pmap_shape_mismatch():
+    import jax
+    import numpy as np
+
+    from meshkit import collectives as C
+
+    step = meshkit.pmap_compat(lambda x: C.psum(x, "i"), axis_name="i")
+    width = 3 if jax.process_index() == 1 else 2
+    step(np.ones((jax.local_device_count(), width), np.float32)).block_until_ready()
+
+
+def _batches_thread_no_false_alarm():
+    import jax
+    import numpy as np
+
+    mesh, step, _ = _step_fn()
+    rows = 4 * jax.process_count()  # the global batch: 4 rows per process, one per device
+    loader = (np.full((4, 4), i, np.float32) for i in range(20))
+    total = 0.0
+    # global_batches assembles in its own thread while the main thread steps: the checks of
+    # the two threads are kept apart by thread name, so their interleaving raises nothing.
+    for batch in meshkit.global_batches(loader, mesh, "data"):
+        assert batch.shape == (rows, 4)
+        total += float(np.asarray(step(batch)).sum())
+    return total
+
+
+def _coordinator_port_taken():
+    import os
+
+    # As under a cluster launcher that picked a port some other program holds.
+    os.environ["MESHKIT_COORDINATOR"] = "127.0.0.1:" + os.environ["TAKEN_PORT"]
+    meshkit.init()
+
+
+def _soak(steps: int = 2000):
+    import jax
+    import numpy as np
+
+    _, step, jnp = _step_fn()
+    x = jnp.arange(32.0).reshape(8, 4)
+    total = None
+    for i in range(steps):
+        out = step(x)
+        if i % 16 == 15:  # bound the work in flight (JAX 0.10.2 on CPU deadlocks past hundreds)
+            out.block_until_ready()
+        total = out
+    assert total is not None
+    return float(np.asarray(total).sum()), meshkit.debug.enabled(), jax.process_index()
+
+
+def _soak_on():
+    return _soak()
+
+
+# ---- the cases ----------------------------------------------------------------------------
+
+
+def test_rank_killed_mid_step_is_named_by_the_launcher():
+    result, text = _failed(_killed_mid_step)
+    assert result.first_failure == 1, text
+    assert "rank 1 failed first (killed by SIGKILL)" in result.report, text
+
+
+def test_rank_stalled_in_python_is_named_with_its_last_call_and_stack():
+    result, text = _failed(_stalled_in_python)
+    assert "call #3 of" in text, text
+    assert "process 1 did not arrive within 8 s" in text, text
+    assert "its last call was #2 of" in text, text
+    # Both watchdogs fired before the timeout: the sleeping process shows where it sleeps.
+    assert "Stall watchdog" in result.report, result.report
+    assert "rank 1: meshkit watchdog: process 1 made no progress" in result.report, result.report
+    assert "in _stalled_in_python" in result.report, result.report
+
+
+def test_shape_mismatch_names_the_process_and_the_argument():
+    _result, text = _failed(_shape_mismatch)
+    assert "DivergenceError" in text, text
+    assert (
+        "call #2 of <lambda>: process 0 passed x float32[8,4]; process 1 passed float32[16,4]."
+        in text
+    ), text
+    assert "no majority says which is wrong" in text, text
+
+
+def test_two_different_functions_name_both():
+    _, text = _failed(_two_functions)
+    assert "DivergenceError" in text, text
+    assert (
+        "SPMD call #2 of the program: process 0 called <lambda> (spmd, made at test_faults.py:"
+        in text
+    ), text
+    assert "process 1 called evaluate (spmd, made at test_faults.py:" in text, text
+
+
+def test_leaving_the_loop_one_step_early_is_reported_at_once():
+    result, text = _failed(_last_batch_exit)
+    assert "process 1 ended its program (normal exit) after call #4 of" in text, text
+    # Reported from the exit record, not after the 8 s timeout.
+    assert result.elapsed < 30, text
+
+
+def test_mesh_disagreement_names_both_meshes():
+    _, text = _failed(_mesh_disagreement)
+    assert (
+        "call #1 of meshkit.make_mesh: process 0 passed axes static 'data=4,model=2'; "
+        "process 1 passed static 'data=2,model=4'." in text
+    ), text
+    assert "Static arguments (and make_mesh's axes) must be equal" in text, text
+
+
+def test_set_iteration_order_divergence_is_caught():
+    # Each rank runs with its own hash seed: the same set iterates in a different order.
+    _, text = _failed(_set_order, init=False)
+    assert "DivergenceError" in text, text
+    # One lambda line made the four functions: they differ by the order they were made in.
+    # Seed 1 calls "sum" (made first) first, seed 2 "mean" (made fourth).
+    assert re.search(
+        r"process 0 called <lambda> \(spmd, made at test_faults.py:(\d+)\); "
+        r"process 1 called <lambda> \(spmd, made at test_faults.py:\1 #4\)",
+        text,
+    ), text
+
+
+def test_pmap_compat_shape_mismatch_is_caught():
+    _, text = _failed(_pmap_shape_mismatch)
+    assert "call #1 of" in text, text
+    assert "process 0 passed x float32[4,2]; process 1 passed float32[4,3]." in text, text
+
+
+def test_global_batches_background_thread_raises_no_false_alarm():
+    result = launch_in_processes(_batches_thread_no_false_alarm, timeout=120, env=DEBUG)
+    assert result.returncode == 0, result.report
+    # 20 steps; step i sums 8 rows of 4 values i: 32 i.
+    assert result.values == [32.0 * sum(range(20))] * 2, result.values
+
+
+def test_stall_in_a_raw_collective_ends_through_the_watchdog():
+    _result, text = _failed(_raw_collective_stall)
+    assert "meshkit watchdog: process 0 made no progress" in text, text
+    assert "exiting with status 1" in text, text
+
+
+def test_coordinator_port_taken_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(meshkit.LaunchError, match=f"port {port}"):
+            meshkit.launch([sys.executable, "-c", "pass"], num_processes=2, port=port)
+
+
+def test_coordinator_port_taken_under_another_launcher_fails_fast():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result, text = _failed(_coordinator_port_taken, env={"TAKEN_PORT": str(port)}, init=False)
+    assert result.first_failure == 0, text
+    assert f"port {port} is already in\nuse on this host" in text, text
+
+
+@pytest.mark.parametrize("debug", [True, False], ids=["debug-on", "debug-off"])
+def test_soak_2000_steps(debug):
+    env = dict(DEBUG) if debug else {"MESHKIT_DEBUG": "0"}
+    result = launch_in_processes(_soak_on, timeout=240, env=env)
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode == 0, text
+    # psum over all 8 rows of arange(32).reshape(8, 4), summed: every process sees 496.
+    assert result.values == [(496.0, debug, 0), (496.0, debug, 1)], text
