@@ -1,0 +1,58 @@
+"""Debug mode: a process with other data becomes an error that names it, not a hang.
+
+Every process reads the same evaluation batches (host data, the same everywhere, which
+`meshkit.spmd` lays out over the mesh); process 1's copy of batch 3 is truncated. Without debug
+mode the processes would enter the step's collective with different shapes and hang (or fail
+on one process only). With
+`meshkit.debug` on, each call is first compared across processes through the coordination
+service, and both processes raise the same `meshkit.DivergenceError`, here caught and printed.
+
+    meshkit launch -n 2 --devices-per-process 4 examples/debug_mode.py
+
+Setting MESHKIT_DEBUG=1 in the environment does the same as `meshkit.debug.enable()`.
+"""
+
+# `nox -s examples` runs this file under `meshkit launch` with these arguments:
+# meshkit-launch: -n 2 --devices-per-process 4
+
+import meshkit
+
+info = meshkit.init()
+meshkit.debug.enable(timeout=60)  # in every process, before the calls to check
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from meshkit import collectives as C  # noqa: E402
+
+mesh = meshkit.make_mesh({"data": -1})
+
+
+@meshkit.spmd(mesh=mesh, in_specs="data", out_specs="")
+def mean_loss(batch):
+    """Each device's share of the batch; the mean over all devices of all processes."""
+    return C.pmean(batch.mean(keepdims=True), "data")
+
+
+def eval_batches(process_id: int):
+    for step in range(5):
+        rows = 8 if (process_id == 1 and step == 3) else 16  # process 1: a truncated file
+        yield np.full((rows, 4), step, np.float32)
+
+
+for step, batch in enumerate(eval_batches(info.process_id)):
+    try:
+        loss = mean_loss(batch)
+    except meshkit.DivergenceError as e:
+        # Every process raises the same error at the same call, so they stay in step.
+        if info.process_id == 0:
+            print(f"step {step}: {type(e).__name__} (processes {e.processes}, field {e.field!r}):")
+            print("  " + str(e).splitlines()[0])
+        break
+    if info.process_id == 0:
+        print(f"step {step}: loss {float(np.asarray(jax.device_get(loss)).ravel()[0]):.1f}")
+
+# A named meeting point that never hangs: every process arrives, or the arrived ones raise.
+meshkit.barrier("end of the demo", timeout=60)
+if info.process_id == 0:
+    print("all processes reached the end")
