@@ -591,7 +591,7 @@ def publish_record(tag: str, record: dict[str, Any]) -> None:
     Used when this process leaves a sequence of exchanges (a failure, an iterator closed early),
     so that the others, waiting for its record, stop at once instead of timing out.
     """
-    _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+    _runtime.publish(tag, json.dumps(record))
 
 
 def publish_failure(tag: str, error: BaseException) -> None:

@@ -32,6 +32,7 @@ from ._runtime import (
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    WATCHDOG_MARK,
 )
 
 __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
@@ -39,8 +40,6 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
 _TAIL_LINES = 40
-# Lines that `meshkit.debug`'s stall watchdog prints; collected for the closing summary.
-_WATCHDOG_MARK = "meshkit watchdog:"
 
 
 @dataclasses.dataclass
@@ -237,7 +236,7 @@ class _Rank:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             keep.append(line)
             self.both.append(line)
-            if line.startswith(_WATCHDOG_MARK):
+            if line.startswith(WATCHDOG_MARK):
                 self.watchdog.append(line)
             sink.write(self.rank, line, is_err)
         pipe.close()

@@ -41,6 +41,7 @@ __all__ = [
     "RuntimeInfo",
     "exchange",
     "init",
+    "publish",
     "runtime_info",
 ]
 
@@ -53,6 +54,8 @@ ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
 ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
+# The first words of `meshkit.debug`'s stall-watchdog report; `meshkit launch` collects its lines.
+WATCHDOG_MARK = "meshkit watchdog:"
 
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -499,6 +502,24 @@ def _exchange_key(tag: str, process: int, seq: int) -> str:
     return f"meshkit/{tag}/{process}/{seq // _BLOCK}/{seq}"
 
 
+def _next_seq(tag: str) -> int:
+    seq = _exchange_seq.get(tag, 0)
+    _exchange_seq[tag] = seq + 1
+    return seq
+
+
+def publish(tag: str, value: str) -> None:
+    """Post this process's value for its next `exchange` under ``tag``, without reading others'.
+
+    For a process that leaves a sequence of exchanges (a failure, an early exit, an iterator
+    closed early): the others, waiting for its value, get it at once instead of timing out.
+    """
+    client, me, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return
+    client.key_value_set(_exchange_key(tag, me, _next_seq(tag)), value)
+
+
 def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], list[int]]:
     """All-gather one string per process through the coordination service's key-value store.
 
@@ -518,8 +539,7 @@ def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], l
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return {me: value}, []
-    seq = _exchange_seq.get(tag, 0)
-    _exchange_seq[tag] = seq + 1
+    seq = _next_seq(tag)
     # Keys are grouped in blocks of _BLOCK calls so that old ones go in one delete per block:
     # at call seq every process has read this one's calls up to seq - 2 (it could not have
     # finished call seq - 1 otherwise), so the whole previous block is free at the second call

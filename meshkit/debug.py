@@ -54,7 +54,6 @@ ENV_DEBUG = "MESHKIT_DEBUG"
 ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
 ENV_WATCHDOG = "MESHKIT_WATCHDOG"
 
-_WATCHDOG_MARK = "meshkit watchdog:"
 _MAX_DESC = 200
 
 
@@ -210,11 +209,9 @@ def _env_seconds(name: str, *, allow_zero: bool = False) -> float | None:
     return value
 
 
-def _positive(value: Any, what: str) -> None:
+def _positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise MeshkitError(
-            f"meshkit.debug.enable: {what} must be a positive number of seconds; got {value!r}."
-        )
+        raise MeshkitError(f"{where}: {what} must be a positive number of seconds; got {value!r}.")
 
 
 # ---- fingerprints --------------------------------------------------------------------------
@@ -382,24 +379,23 @@ def _compare(
             processes=sorted(set(missing) | set(left)),
             field="arrival",
         )
-    calls = {p: r for p, r in records.items()}
     for field, what in (
         ("entry", "called"),
         ("structure", "passed arguments structured as"),
         ("leaves", None),
     ):
-        groups = _group(calls, field)
+        groups = _group(records, field)
         if len(groups) == 1:
             continue
         if field == "leaves":
-            _leaf_divergence(calls, label, mine)
+            _leaf_divergence(records, label, mine)
         raise DivergenceError(
             f"meshkit debug: SPMD call #{mine['count']} of the program: "
             + "; ".join(f"{_procs(ps)} {what} {_show_value(field, value)}" for value, ps in groups)
             + ".\nEvery process must make the same meshkit calls in the same order; consider "
             "what decides which function each process calls (rank-dependent branches, "
             "iteration over sets or dicts with per-process order, an early exit).\n"
-            + _where_lines(calls),
+            + _where_lines(records),
             processes=_outside_majority([ps for _, ps in groups]),
             field=field,
         )
@@ -532,7 +528,7 @@ def _publish_leaving(status: str, message: str = "") -> None:
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
     for tag in sorted(_state.tags | {"debug/MainThread"}):
         with contextlib.suppress(Exception):
-            _runtime.exchange(tag, json.dumps(record), timeout=0.001)
+            _runtime.publish(tag, json.dumps(record))
 
 
 def _install_exit_hooks() -> None:
@@ -578,11 +574,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         raise MeshkitError(f"meshkit.barrier: name must be a non-empty string; got {name!r}.")
     if timeout is None:
         timeout = _runtime.check_timeout()
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise MeshkitError(
-            f"meshkit.barrier({name!r}): timeout must be a positive number of seconds; got "
-            f"{timeout!r}."
-        )
+    _positive(timeout, "timeout", f"meshkit.barrier({name!r})")
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
@@ -652,9 +644,9 @@ class _Watchdog(threading.Thread):
             elif dumped_at is not None and self.exit_on_stall and idle >= self.after + self.timeout:
                 _, me, _ = _compat.distributed_state()
                 _write(
-                    f"{_WATCHDOG_MARK} process {me} still made no progress after {idle:.0f} s; "
-                    "exiting with status 1 so that the whole run ends instead of hanging "
-                    "(meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
+                    f"{_runtime.WATCHDOG_MARK} process {me} still made no progress after "
+                    f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
+                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
                 )
                 os._exit(1)
 
@@ -663,7 +655,7 @@ class _Watchdog(threading.Thread):
         frame = sys._current_frames().get(self.main or 0)
         here = _frame_text(frame) if frame is not None else "?"
         _write(
-            f"{_WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s; main thread "
+            f"{_runtime.WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s; main thread "
             f"now {here}; last meshkit call: {_state.last or 'none'}. Stacks follow.\n"
         )
         with contextlib.suppress(Exception):
