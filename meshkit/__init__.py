@@ -19,6 +19,9 @@ from ._batches import global_batches as global_batches
 from ._errors import DivergenceError as DivergenceError
 from ._errors import LaunchError as LaunchError
 from ._errors import MeshkitError as MeshkitError
+from ._errors import MeshkitIndexError as MeshkitIndexError
+from ._errors import MeshkitNameError as MeshkitNameError
+from ._errors import MeshkitTypeError as MeshkitTypeError
 from ._gather import gather as gather
 from ._gather import local_from_global as local_from_global
 from ._global import DtypeWarning as DtypeWarning
@@ -39,7 +42,10 @@ from ._legacy import shard_prng_key as shard_prng_key
 from ._legacy import unreplicate as unreplicate
 from ._mesh import describe as describe
 from ._mesh import make_mesh as make_mesh
+from ._pmap import Compiled as Compiled
+from ._pmap import Lowered as Lowered
 from ._pmap import PmapFunction as PmapFunction
+from ._pmap import UncheckedOutputWarning as UncheckedOutputWarning
 from ._pmap import pmap_compat as pmap_compat
 from ._runtime import RuntimeInfo as RuntimeInfo
 from ._runtime import init as init
@@ -55,18 +61,24 @@ __version__ = "0.1.0.dev0"
 debug.enable_from_environment()  # MESHKIT_DEBUG=1
 
 __all__ = [
+    "Compiled",
     "DivergenceError",
     "DtypeWarning",
     "GlobalBatches",
     "LaunchError",
     "LaunchResult",
+    "Lowered",
     "MeshkitError",
+    "MeshkitIndexError",
+    "MeshkitNameError",
+    "MeshkitTypeError",
     "PmapFunction",
     "ProcessSlice",
     "RankResult",
     "ReshardWarning",
     "RuntimeInfo",
     "SpmdFunction",
+    "UncheckedOutputWarning",
     "barrier",
     "collectives",
     "debug",

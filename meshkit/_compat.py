@@ -15,6 +15,7 @@ __all__ = [
     "cluster_envs",
     "cluster_params",
     "distributed_state",
+    "trace_state_clean",
     "varying_axes",
 ]
 
@@ -62,6 +63,16 @@ def cluster_envs() -> list[Any]:
     from jax._src.clusters import ClusterEnv
 
     return list(ClusterEnv._cluster_types)  # pyright: ignore[reportPrivateUsage]
+
+
+def trace_state_clean() -> bool:
+    """True outside every JAX transformation (no jit, grad, vmap ... is tracing here).
+
+    `jax.pmap` itself asks this to tell a call from a trace; `pmap_compat` follows it.
+    """
+    from jax._src import core
+
+    return bool(core.trace_state_clean())
 
 
 def bound_axis_sizes() -> dict[Any, int]:

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_AXIS",
     "device_mesh",
     "from_local",
+    "from_local_array",
     "local_devices",
     "local_view",
     "mapped_spec",
@@ -110,6 +111,30 @@ def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
         shards = [jax.device_put(value[(*head, slice(i, i + 1))], d) for i, d in enumerate(mine)]
         return jax.make_array_from_single_device_arrays(global_shape, sharding, shards)
     return jax.make_array_from_callback(global_shape, sharding, block)
+
+
+def from_local_array(x: jax.Array, mesh: Mesh, dim: int | None) -> jax.Array | None:
+    """A process-local array as the global array over ``mesh``, no copy; None if it is not one.
+
+    The inverse of `local_view`: ``x`` lives on this process's devices of ``mesh`` with one
+    entry of dimension ``dim`` per device, in mesh order (what `jax.pmap` returns in a
+    multi-process run), or whole on each of them when ``dim`` is None. Its device buffers
+    become this process's blocks of the global array.
+    """
+    mine = local_devices(mesh)
+    name = mesh.axis_names[0]
+    if len(mesh.axis_names) != 1 or (
+        dim is not None and (x.ndim <= dim or x.shape[dim] != len(mine))
+    ):
+        return None
+    spec = mapped_spec(dim, name) if dim is not None else PartitionSpec()
+    local = NamedSharding(_mesh(tuple(mine), name), spec)
+    if not x.sharding.is_equivalent_to(local, x.ndim):
+        return None
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    shape = x.shape if dim is None else (*x.shape[:dim], mesh.shape[name], *x.shape[dim + 1 :])
+    blocks = [by_device[d] for d in mine]
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, spec), blocks)
 
 
 def rewrap(x: jax.Array, mesh: Mesh, dim: int) -> jax.Array | None:

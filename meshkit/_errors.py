@@ -6,7 +6,14 @@ that already catches ``ValueError`` around JAX calls keeps working.
 
 from __future__ import annotations
 
-__all__ = ["DivergenceError", "LaunchError", "MeshkitError"]
+__all__ = [
+    "DivergenceError",
+    "LaunchError",
+    "MeshkitError",
+    "MeshkitIndexError",
+    "MeshkitNameError",
+    "MeshkitTypeError",
+]
 
 
 class MeshkitError(ValueError):
@@ -41,3 +48,20 @@ class DivergenceError(MeshkitError):
         super().__init__(message)
         self.processes = list(processes or [])
         self.field = field
+
+
+class MeshkitTypeError(MeshkitError, TypeError):
+    """A `MeshkitError` where JAX raises `TypeError` for the same mistake (kept catchable as both).
+
+    `meshkit.pmap_compat` raises it where `jax.pmap` raises `TypeError` (a non-callable function,
+    ``in_axes`` that are not ints or None), so code and tests written against `jax.pmap` keep
+    working.
+    """
+
+
+class MeshkitIndexError(MeshkitError, IndexError):
+    """A `MeshkitError` where JAX raises `IndexError` (a mapped axis beyond an argument's rank)."""
+
+
+class MeshkitNameError(MeshkitError, NameError):
+    """A `MeshkitError` where JAX raises `NameError` (a collective over an unbound axis name)."""

@@ -1,28 +1,34 @@
-"""`pmap_compat`: `jax.pmap`'s interface, run as ``jax.jit(jax.shard_map(...))`` over a mesh.
+"""`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
 Each mapped argument's mapped dimension (``in_axes``) has one entry per device. The devices form
 a 1-D mesh (`meshkit._device_axis`), the mapped dimension is split over it, and inside
 `jax.shard_map` each device's block (one entry) loses that dimension, so the function sees what
-`jax.pmap` showed it. Outputs get the dimension back at ``out_axes``, as global arrays over the
-same mesh: a single process gets exactly `jax.pmap`'s arrays; several processes get arrays a
-downstream `jax.jit` sees whole (or, with ``global_outputs=False``, `jax.pmap`'s process-local
-arrays).
+`jax.pmap` showed it. Outputs get the dimension back at ``out_axes``. By default they are what
+`jax.pmap` returns in every process count: in a multi-process run, arrays of this process's
+entries over its own devices; ``global_outputs=True`` gives global arrays over every device.
 
-Steady state. A call looks up the compiled entry of its static arguments and keyword names, and
-calls one `jax.jit` whose ``in_shardings`` put the mapped dimensions on the mesh: arrays already
-there (earlier outputs) take JAX's C++ fast path, and host data in a single process is placed
-by jit itself. When jit refuses the arguments (single-device arrays, another layout, a mapped
-size below the device count), or in a multi-process run with host data, the arguments are
-placed here one by one and the call is made again.
+A call is classified before anything runs, never retried:
+
+1. the call's structure (positional count, static values, keyword names, pytree) selects a
+   cached layout: each leaf's mapped axis and name for messages;
+2. if JAX is tracing (``jax.jit``, ``jax.grad``, ``jax.make_jaxpr`` around the call), the
+   function is traced over this process's devices, as `jax.pmap` does;
+3. otherwise, when every leaf is already an array laid out as the cached entry expects (the
+   steady state: earlier outputs fed back), the entry's jit is called at once;
+4. otherwise each leaf is classified (placed as needed / host data / process-local device
+   array / another layout) and placed, and the entry for its mapped size is called.
+
+An entry (one `jax.jit` over the flat leaves) is traced once per signature. Outputs promised
+equal on every device (``out_axes=None``) are checked on that trace by `meshkit._variance`.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import re
+import warnings
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -30,43 +36,76 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _compat, _device_axis, _dispatch
-from ._errors import MeshkitError
+from . import _compat, _device_axis, _dispatch, _variance
+from ._errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ._specs import spec_axes
 from ._spmd import fn_name, from_host
 
-__all__ = ["PmapFunction", "pmap_compat"]
+__all__ = ["Compiled", "Lowered", "PmapFunction", "UncheckedOutputWarning", "pmap_compat"]
 
 _ANON_AXIS = "_pmap_compat"
 Axis = int | None
 
 
+class UncheckedOutputWarning(UserWarning):
+    """An ``out_axes=None`` output of a `pmap_compat` function could not be checked.
+
+    `pmap_compat` checks that such an output is the same on every device; where its value
+    passes through something the check cannot follow (a collective with
+    ``axis_index_groups``, an ``io_callback``, a primitive over the mapped axis it has no rule
+    for) it warns once per function and output, and returns device 0's value as `jax.pmap`
+    does.
+    """
+
+
+_IN_AXES_TYPE = (
+    "pmap in_axes must be an int, None, or (nested) container with those types as leaves, but "
+    "got {value!r}."
+)
+_KEYWORDS_MAPPED = (
+    "Arguments passed by keyword are not compared with in_axes: each argument passed by "
+    "keyword is mapped over its leading axis, as with jax.pmap."
+)
+
+
 def _check_axes_tree(value: Any, what: str, name: str) -> None:
     for leaf in jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None):
         if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int)):
-            raise MeshkitError(
-                f"meshkit.pmap_compat({name}): {what} must be ints or None (or pytree prefixes "
-                f"of the arguments holding them); got {value!r}."
+            raise MeshkitTypeError(
+                f"meshkit.pmap_compat({name}): "
+                + _IN_AXES_TYPE.replace("in_axes", what).format(value=value)
+                + "\nConsider ints (the mapped dimension) or None (an argument every device gets "
+                "whole), in a tuple with one entry per positional argument."
             )
 
 
-def _axes_per_leaf(axes: Any, tree: Any, what: str, name: str) -> list[Axis]:
-    """One axis (or None) per leaf of ``tree``, from the pytree prefix ``axes``."""
-    if axes is None or isinstance(axes, int):
-        return [axes] * len(jax.tree_util.tree_leaves(tree))
-    out: list[Axis] = []
-    try:
-        jax.tree_util.tree_map(
-            lambda ax, sub: out.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-            axes, tree, is_leaf=lambda x: x is None,
-        )  # fmt: skip
-    except ValueError as e:
-        raise MeshkitError(
-            f"meshkit.pmap_compat({name}): {what} = {axes!r} is not a pytree prefix of the "
-            f"arguments ({jax.tree_util.tree_structure(tree)}): {e}\n"
-            "Consider one entry per argument (an int, None, or a pytree matching it)."
-        ) from None
-    return out
+def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``x``'s immediate children with their keys, and its one-level treedef."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    return [(path[0] if path else None, child) for path, child in with_path], treedef
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of length {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def _prefix_mismatch(prefix: Any, full: Any, path: tuple[Any, ...] = ()) -> str | None:
+    """Where and how ``prefix`` stops being a pytree prefix of ``full`` (JAX's key-path form)."""
+    if prefix is None or isinstance(prefix, int):
+        return None
+    children, treedef = _one_level(prefix)
+    full_children, full_def = _one_level(full)
+    if treedef != full_def:
+        where = "pmap in_axes" + jax.tree_util.keystr(path)
+        have, want = _describe(prefix), _describe(full)
+        return f"at {where}, in_axes has {have} where the arguments have {want}"
+    for (key, child), (_, full_child) in zip(children, full_children, strict=True):
+        found = _prefix_mismatch(child, full_child, (*path, key))
+        if found is not None:
+            return found
+    return None
 
 
 def _resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
@@ -74,7 +113,7 @@ def _resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
     if axis is None:
         return None
     if not -ndim <= axis < ndim:
-        raise MeshkitError(
+        raise MeshkitIndexError(
             f"meshkit.pmap_compat({name}): {what}={axis} for {where}, which has rank {ndim} "
             f"(valid: {-ndim} to {ndim - 1}, or None for an argument every device gets whole)."
         )
@@ -82,12 +121,25 @@ def _resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
 
 
 @dataclass
+class _Layout:
+    """What the structure of a call fixes: each leaf's in_axes entry, name and donation."""
+
+    axes: tuple[Axis, ...]
+    paths: tuple[str, ...]
+    donated: tuple[int, ...]  # leaf indices whose buffers may be donated
+
+
+@dataclass
 class _Entry:
-    """What one (static arguments, keyword names, device count) compiles to."""
+    """One `jax.jit` over the flat leaves: a mesh, resolved mapped axes, tracing or not."""
 
     mesh: Mesh
-    jitted: Any  # jax.jit of the body; in_shardings set when every in_axes is non-negative
-    fast: bool  # in_shardings are set: jit may be called with arguments as they come
+    resolved: tuple[Axis, ...]
+    jitted: Any
+    targets: tuple[NamedSharding, ...]  # each leaf's sharding when already placed
+    multi: bool  # the mesh spans processes
+    out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # filled while tracing
+    checked: bool = False  # out_axes=None outputs analysed
 
 
 class PmapFunction:
@@ -108,12 +160,16 @@ class PmapFunction:
         global_outputs: bool,
     ) -> None:
         if not callable(fun):
-            raise MeshkitError(f"meshkit.pmap_compat: expected a function; got {fun!r}.")
+            raise MeshkitTypeError(
+                f"meshkit.pmap_compat: Expected a callable value, got {fun!r}.\n"
+                "Consider passing the per-device function first, or using pmap_compat as a "
+                "decorator."
+            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.name = name = fn_name(fun)
         if axis_name is not None and not isinstance(axis_name, str):
-            raise MeshkitError(
+            raise MeshkitTypeError(
                 f"meshkit.pmap_compat({name}): axis_name must be a string (or None); got "
                 f"{axis_name!r}.\nMesh axes are named by strings; consider axis_name='batch'."
             )
@@ -125,6 +181,9 @@ class PmapFunction:
         _check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
+        self._checks_outputs = any(
+            a is None for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
+        )
         self.static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums", name)
         self.donate = _argnums(donate_argnums, "donate_argnums", name)
         both = set(self.static) & set(self.donate)
@@ -144,14 +203,19 @@ class PmapFunction:
             raise MeshkitError(
                 f"meshkit.pmap_compat({name}): give devices= or backend=, not both (as jax.pmap)."
             )
+        if devices is not None and not list(devices):
+            raise MeshkitError(
+                f"meshkit.pmap_compat({name}): 'devices' argument to pmap must be non-empty, or "
+                "None.\nConsider devices=None (every device of every process) or a list such "
+                "as jax.local_devices()."
+            )
         self.devices = list(devices) if devices is not None else None
         self.backend = backend
         self.global_outputs = bool(global_outputs)
+        self._layouts: dict[Any, _Layout] = {}
         self._entries: dict[Any, _Entry] = {}
-        # (argument count, jitted function) of the single-process steady state, once seen.
-        self._fast: tuple[int, Any] | None = None
-        # Per call key: (inner axis name, inner mapped size) once a nested pmap_compat is met.
-        self._nesting: dict[Any, tuple[str, int]] = {}
+        self._last: dict[Any, _Entry] = {}  # per call structure: the entry its last call used
+        self._warned: set[str] = set()
         self._site = _dispatch.CallSite(
             "pmap_compat",
             name,
@@ -167,27 +231,43 @@ class PmapFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _dispatch.enter(self._site, args)
-        fast = self._fast
-        if (
-            fast is not None
-            and not kwargs
-            and len(args) == fast[0]
-            and _TRACING.get() is None
-            and jax.sharding.get_abstract_mesh().empty
-        ):
-            # The steady state: one process, no static arguments or keywords, nothing nested.
-            # Every Python step here shows in the per-call time, so the lookups are skipped.
-            try:
-                return fast[1](*args, _NO_KWARGS)
-            except MeshkitError:
-                raise
-            except (ValueError, _Retype):
-                pass  # the general path places the arguments
-        return self._run(args, kwargs, lower=False)
+        outer = _TRACING.get()
+        if outer is not None and outer is not self:
+            return self._nested(args, kwargs)
+        key = self._key(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty and _compat.trace_state_clean():
+            entry = self._last.get((key, treedef))
+            if entry is not None and _placed(leaves, entry.targets):
+                return self._finish(entry.jitted(*leaves), entry)  # the steady state
+        entry, placed = self._classify(key, treedef, leaves)
+        if context.empty or context == entry.mesh.abstract_mesh:
+            self._check_outputs(entry, placed)
+            return self._finish(entry.jitted(*placed), entry)
+        # Under jax.set_mesh (or traced inside another mesh's jit) shard_map must run on the
+        # context's mesh: this function's mesh becomes the context for the call.
+        with jax.set_mesh(entry.mesh):
+            self._check_outputs(entry, placed)
+            return self._finish(entry.jitted(*placed), entry)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """Lower for these arguments, like ``jax.pmap(f).lower``: ``.as_text()``, ``.compile()``."""
-        return self._run(args, kwargs, lower=True)
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a method decorator: ``self`` becomes the first argument, as with `jax.pmap`."""
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for these arguments, like ``jax.pmap(f).lower``: ``.as_text()``, ``.compile()``.
+
+        The compiled function takes the same arguments as this one (static ones may be left
+        out, as with `jax.jit`) and returns the same outputs.
+        """
+        key = self._key(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
+        entry, placed = self._classify(key, treedef, leaves)
+        self._check_outputs(entry, placed)
+        return Lowered(self, key, treedef, entry, entry.jitted.lower(*placed))
 
     @property
     def calls(self) -> int:
@@ -197,304 +277,87 @@ class PmapFunction:
     def __repr__(self) -> str:
         return f"<meshkit.pmap_compat {self.name} axis_name={self.axis_name!r}>"
 
-    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        n = len(args)
-        missing = [i for i in self.static if i >= n]
-        if missing:
-            given = sorted(set(kwargs))
-            raise MeshkitError(
-                f"{self._what}: static_broadcasted_argnums={self.static} but the function was "
-                f"called with {n} positional argument{'s' if n != 1 else ''}"
-                + (f" (and keywords {given})" if given else "")
-                + ".\nStatic broadcasted arguments must be passed positionally, as with "
-                "jax.pmap."
-            )
-        static_vals = tuple(args[i] for i in self.static)
-        try:
-            hash(static_vals)
-        except TypeError:
-            bad = next(i for i in self.static if not _hashable(args[i]))
-            raise MeshkitError(
-                f"{self._what}: static argument {bad} is of unhashable type "
-                f"{type(args[bad]).__name__}; static_broadcasted_argnums values key the "
-                "compilation cache.\nConsider a tuple instead of a list, or a frozen dataclass, "
-                "or passing it as an array argument."
-            ) from None
-        return (n, static_vals, tuple(sorted(kwargs)))
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
-        outer = _TRACING.get()
-        if outer is not None and outer.fn is not self:
-            return self._nested_call(outer, args, kwargs)
-        try:
-            return self._run_here(args, kwargs, lower=lower)
-        except _NestedFound as found:
-            # A pmap_compat inside this one: run again on a 2-D mesh (this axis, then its).
-            key = self._key(args, kwargs)
-            self._nesting[key] = (found.axis, found.size)
-            for k in [k for k in self._entries if k[0] == key]:
-                del self._entries[k]
-            self._fast = None
-            return self._run_here(args, kwargs, lower=lower)
-
-    def _nested_call(self, outer: _Tracing, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called while an enclosing pmap_compat traces: a shard_map over this inner axis."""
-        key = self._key(args, kwargs)
-        n_args = len(args)
-        dyn_positions, dyn_axes = self._dynamic(n_args)
-        statics = dict(zip(self.static, key[1], strict=True))
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
-        mesh = outer.mesh
-        if mesh.axis_names == (self.mesh_axis,):
-            raise MeshkitError(
-                f"{self._what}: called inside a pmap_compat over the same axis name "
-                f"{self.mesh_axis!r}; nested pmaps need different axis names."
-            )
-        if self.mesh_axis not in mesh.axis_names:
-            leaves = jax.tree_util.tree_leaves((dyn, kwargs))
-            axes = self._leaf_axes(dyn_axes, dyn, kwargs)
-            sizes = [int(np.shape(x)[a % np.ndim(x)]) for x, a in zip(leaves, axes, strict=True)
-                     if a is not None]  # fmt: skip
-            size = sizes[0] if sizes else (self.axis_size or 1)
-            raise _NestedFound(self.mesh_axis, size)
-        return self._body(mesh, dyn_positions, dyn_axes, statics, n_args, dyn, kwargs, inner=True)
-
-    def _run_here(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
-        context = jax.sharding.get_abstract_mesh()
-        if not context.empty:
-            # Under jax.set_mesh (or traced inside another mesh's jit) shard_map must run on
-            # the context's mesh; this function's mesh becomes the context for the call.
-            mesh = self._mesh(None)
-            if context != mesh.abstract_mesh:
-                with jax.set_mesh(mesh):
-                    return self._call(args, kwargs, lower=lower)
-        return self._call(args, kwargs, lower=lower)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, lower: bool) -> Any:
-        key = self._key(args, kwargs)
-        entry = self._entries.get((key, None))
-        if entry is None:
-            entry = self._entry(key, None)
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
-        run = entry.jitted.lower if lower else entry.jitted
-        multi = entry.mesh.is_multi_process
-        if entry.fast and not (multi and _has_host_data((dyn, kwargs))):
-            try:
-                out = self._finish(run(*dyn, kwargs), lower)
-                if not (lower or multi or key[1] or key[2] or self._nesting):
-                    self._fast = (len(args), entry.jitted)  # __call__ may go straight there
-                return out
-            except MeshkitError:
-                raise
-            except (ValueError, _Retype) as e:
-                failure: Exception | None = e if isinstance(e, ValueError) else None
-        else:
-            failure = None
-        # Slow path: find the mapped size, pick the mesh, place every argument, call again.
-        placed_dyn, placed_kw, entry = self._place(key, args, dyn, kwargs)
-        run = entry.jitted.lower if lower else entry.jitted
-        if failure is not None and placed_dyn is None:
-            raise failure
-        if placed_dyn is None:
-            placed_dyn, placed_kw = dyn, kwargs
-        return self._finish(run(*placed_dyn, placed_kw), lower)
-
-    def _finish(self, out: Any, lower: bool) -> Any:
-        if lower or self.global_outputs or jax.process_count() == 1:
-            return out
-        return jax.tree_util.tree_map(_process_local, out)
-
-    def _place(
-        self,
-        key: tuple[Any, ...],
-        args: tuple[Any, ...],
-        dyn: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Any, _Entry]:
-        """The entry for these arguments' mapped size, and the arguments placed for it.
-
-        ``(dyn, kwargs, entry)``; the arguments are None when nothing needed placing.
-        """
-        dyn_positions, dyn_axes = self._dynamic(len(args))
-        leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-        axes = self._leaf_axes(dyn_axes, dyn, kwargs)
-        paths = _leaf_paths((dyn, kwargs), dyn_positions)
-        resolved = [
-            _resolve(a, np.ndim(leaf), where, "in_axes", self.name)
-            for leaf, a, where in zip(leaves, axes, paths, strict=True)
-        ]
-        processes = jax.process_count()
-        sizes = {
-            _local_size(leaf, r, processes) for leaf, r in zip(leaves, resolved, strict=True)
-            if r is not None
-        }  # fmt: skip
-        if len(sizes) > 1:
-            raise MeshkitError(self._mapped_size_error(leaves, axes, paths, -1))
-        per_process = sizes.pop() if sizes else None
-        default = self._entries[(key, None)].mesh
-        mine = len(_device_axis.local_devices(default))
-        if per_process == mine or per_process is None:
-            entry = self._entries[(key, None)]
-        else:
-            entry = self._entry(key, per_process)
-        mesh = entry.mesh
-        changed = False
-
-        def put(leaf: Any, r: Axis) -> Any:
-            nonlocal changed
-            if isinstance(leaf, Tracer):
-                return leaf
-            spec = (
-                _device_axis.mapped_spec(r, mesh.axis_names[0])
-                if r is not None
-                else (PartitionSpec())
-            )
-            target = NamedSharding(mesh, spec)
-            if isinstance(leaf, jax.Array):
-                if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                    if not _explicitly_typed(leaf):
-                        return leaf
-                    changed = True  # same blocks, typed by an Explicit mesh: rewrapped
-                    shards = [s.data for s in leaf.addressable_shards]
-                    return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
-                if r is not None:
-                    again = _device_axis.rewrap(leaf, mesh, r)
-                    if again is not None:
-                        changed = True
-                        return again
-                changed = True
-                if leaf.is_fully_addressable and mesh.is_multi_process:
-                    if r is None:
-                        return from_host(np.asarray(leaf), target)
-                    return _device_axis.from_local(leaf, mesh, r)
-                return jax.device_put(leaf, target)
-            if not mesh.is_multi_process and entry.fast:
-                return leaf  # host data: jit places it through in_shardings
-            changed = True
-            if r is None:
-                return from_host(leaf, target)
-            return _device_axis.from_local(leaf, mesh, r)
-
-        placed = [put(leaf, r) for leaf, r in zip(leaves, resolved, strict=True)]
-        if not changed and entry is self._entries[(key, None)]:
-            return None, None, entry
-        placed_dyn, placed_kw = jax.tree_util.tree_unflatten(treedef, placed)
-        return placed_dyn, placed_kw, entry
-
-    # ---- meshes -----------------------------------------------------------------------------
-
-    def _pool(self) -> list[Any]:
-        """The devices this function may map over (all of them, or devices=/backend=)."""
-        if self.devices is not None:
-            return self.devices
-        return list(jax.devices(self.backend) if self.backend else jax.devices())
-
-    def _mesh(self, per_process: int | None) -> Mesh:
-        """The mesh for a mapped size of ``per_process`` entries in each process."""
-        pool = self._pool()
-        if self.devices is not None:
-            mesh = _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
-            local = len(_device_axis.local_devices(mesh))
-            if per_process is not None and per_process != local:
-                raise MeshkitError(self._size_error(per_process, local, "given in devices="))
-            return mesh
-        mine = [d for d in pool if d.process_index == jax.process_index()]
-        n = per_process if per_process is not None else (self.axis_size or len(mine))
-        if n > len(mine):
-            raise MeshkitError(self._size_error(n, len(mine), "on this process"))
-        if n == len(mine):
-            return _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
-        # Fewer entries than devices: the first n devices of each process, as jax.pmap did.
-        by_process: dict[int, list[Any]] = {}
-        for d in sorted(pool, key=lambda d: (d.process_index, d.id)):
-            by_process.setdefault(d.process_index, []).append(d)
-        chosen = [d for ds in by_process.values() for d in ds[:n]]
-        return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
-
-    def _nested_mesh(self, outer: int, inner_axis: str, inner: int) -> Mesh:
-        """A 2-D mesh (this axis, the inner one): ``outer * inner`` devices of each process."""
-        if inner_axis == self.mesh_axis:
-            raise MeshkitError(
-                f"{self._what}: a nested pmap_compat maps the same axis name {inner_axis!r}; "
-                "nested pmaps need different axis names."
-            )
-        by_process: dict[int, list[Any]] = {}
-        for d in sorted(self._pool(), key=lambda d: (d.process_index, d.id)):
-            by_process.setdefault(d.process_index, []).append(d)
-        need = outer * inner
-        have = len(by_process.get(jax.process_index(), []))
-        if need > have:
-            raise MeshkitError(
-                self._size_error(need, have, "on this process")
-                + f"\n(Nested: {outer} entries of {self.mesh_axis!r} x {inner} of "
-                f"{inner_axis!r}.)"
-            )
-        chosen = [d for ds in by_process.values() for d in ds[:need]]
-        grid = np.array(chosen, dtype=object).reshape(len(by_process) * outer, inner)
-        return Mesh(grid, (self.mesh_axis, inner_axis), axis_types=(AxisType.Auto,) * 2)
-
     @property
     def _what(self) -> str:
         return f"meshkit.pmap_compat({self.name})"
 
-    def _size_error(self, n: int, have: int, where: str) -> str:
-        return (
-            f"{self._what}: the mapped axis has size {n}, which requires {n} devices, but only "
-            f"{have} {'is' if have == 1 else 'are'} available {where} (jax.local_devices(): "
-            f"{jax.local_device_count()}).\nEach process maps one entry per local device; "
-            "consider a mapped size of at most the local device count (meshkit.shard(batch) "
-            "reshapes a batch that way)."
-        )
+    # ---- classification ---------------------------------------------------------------------
 
-    # ---- the compiled function ----------------------------------------------------------------
+    def _dyn(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not self.static:
+            return args
+        return tuple(a for i, a in enumerate(args) if i not in self.static)
 
-    def _entry(self, key: tuple[Any, ...], per_process: int | None) -> _Entry:
-        """The compiled entry of a call key (see `_key`) and a mapped size per process."""
-        n_args, static_vals, kw_names = key
-        full_key = (key, per_process)
-        entry = self._entries.get(full_key)
-        if entry is not None:
-            return entry
-        nested = self._nesting.get(key)
-        if nested is not None and per_process is not None:
-            mesh = self._nested_mesh(per_process, *nested)
-        else:
-            mesh = self._mesh(per_process)
-        dyn_positions, dyn_axes = self._dynamic(n_args)
-        fast = all(_non_negative(a) for a in dyn_axes)
-        statics = dict(zip(self.static, static_vals, strict=True))
-
-        def body(*flat: Any) -> Any:
-            dyn, kwargs = flat[:-1], flat[-1]
-            return self._body(mesh, dyn_positions, dyn_axes, statics, n_args, dyn, kwargs)
-
-        body.__name__ = body.__qualname__ = self.name
-        donate = tuple(j for j, i in enumerate(dyn_positions) if i in self.donate)
-        if fast:
-            shardings = (
-                *tuple(_prefix_shardings(a, mesh) for a in dyn_axes),
-                {k: NamedSharding(mesh, PartitionSpec(self.mesh_axis)) for k in kw_names},
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """(positional count, static values, keyword names): checked, hashable."""
+        n = len(args)
+        if self.static and max(self.static) >= n:
+            given = sorted(set(kwargs))
+            raise MeshkitError(
+                f"{self._what}: pmapped function has static_broadcasted_argnums={self.static} but "
+                f"was called with only {n} positional argument{'s' if n != 1 else ''}"
+                + (f" (and keywords {given})" if given else "")
+                + ". All static broadcasted arguments must be passed positionally, as with "
+                "jax.pmap."
             )
-            jitted = jax.jit(body, in_shardings=shardings, donate_argnums=donate)
-        else:
-            jitted = jax.jit(body, donate_argnums=donate)
-        entry = self._entries[full_key] = _Entry(mesh, jitted, fast)
-        return entry
+        static_vals = tuple(args[i] for i in self.static)
+        if static_vals:
+            for i, v in zip(self.static, static_vals, strict=True):
+                if not _hashable(v):
+                    raise MeshkitError(
+                        f"{self._what}: Non-hashable static arguments are not supported, as this "
+                        f"can lead to unexpected cache-misses. Static argument (index {i}) of "
+                        f"type {type(v)} for function {self.name} is non-hashable.\nThe "
+                        "static_broadcasted_argnums values key the compilation cache; consider a "
+                        "tuple instead of a list, a frozen dataclass, or passing it as an array "
+                        "argument."
+                    )
+        return (n, static_vals, tuple(sorted(kwargs)) if kwargs else ())
 
-    def _dynamic(self, n_args: int) -> tuple[list[int], list[Any]]:
-        """The positions of the non-static arguments, and their in_axes entries."""
+    def _layout(self, key: tuple[Any, ...], treedef: Any, dyn: Any, kwargs: Any) -> _Layout:
+        """The per-leaf in_axes, names and donations of a call structure (cached)."""
+        cached = self._layouts.get((key, treedef))
+        if cached is not None:
+            return cached
+        n_args = key[0]
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args)
-        return positions, [in_axes[i] for i in positions]
-
-    def _leaf_axes(self, dyn_axes: list[Any], dyn: tuple[Any, ...], kwargs: Any) -> list[Axis]:
-        """The mapped axis (or None) of every leaf of ``(dyn, kwargs)``; keywords map axis 0."""
+        in_axes = self._in_axes_for(n_args, kwargs)
+        dyn_axes = [in_axes[i] for i in positions]
         axes: list[Axis] = []
-        for prefix, arg in zip(dyn_axes, dyn, strict=True):
-            axes += _axes_per_leaf(prefix, arg, "in_axes", self.name)
-        return axes + [0] * len(jax.tree_util.tree_leaves(kwargs))
+        donated: list[int] = []
+        for pos, prefix, arg in zip(positions, dyn_axes, dyn, strict=True):
+            first = len(axes)
+            axes += self._axes_per_leaf(prefix, arg, dyn_axes, dyn, kwargs)
+            if pos in self.donate:
+                donated += range(first, len(axes))
+        axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+        paths = tuple(_leaf_paths((dyn, kwargs), positions))
+        layout = self._layouts[(key, treedef)] = _Layout(tuple(axes), paths, tuple(donated))
+        return layout
 
-    def _in_axes_for(self, n_args: int) -> list[Any]:
+    def _axes_per_leaf(
+        self, prefix: Any, arg: Any, dyn_axes: list[Any], dyn: Any, kwargs: Any
+    ) -> list[Axis]:
+        n = len(jax.tree_util.tree_leaves(arg))
+        if prefix is None or isinstance(prefix, int):
+            return [prefix] * n
+        mismatch = _prefix_mismatch(tuple(dyn_axes), tuple(dyn), (jax.tree_util.SequenceKey(0),))
+        if mismatch is not None:
+            raise MeshkitError(
+                f"{self._what}: in_axes is not a pytree prefix of the positional arguments: "
+                f"{mismatch}."
+                + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
+                + "\nConsider one in_axes entry per positional argument: an int, None, or a "
+                "pytree prefix of that argument holding them."
+            )
+        out: list[Axis] = []
+        jax.tree_util.tree_map(
+            lambda ax, sub: out.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
+            prefix, arg, is_leaf=lambda x: x is None,
+        )  # fmt: skip
+        return out
+
+    def _in_axes_for(self, n_args: int, kwargs: Any) -> list[Any]:
         axes = self.in_axes
         if axes is None or isinstance(axes, int):
             return [axes] * n_args
@@ -505,46 +368,185 @@ class PmapFunction:
             )
         if len(axes) != n_args:
             raise MeshkitError(
-                f"{self._what}: in_axes has {len(axes)} entries but the function was called "
-                f"with {n_args} positional arguments.\nConsider one in_axes entry per positional "
-                "argument (None for an argument every device gets whole)."
+                f"{self._what}: in_axes is not a pytree prefix of the positional arguments: at "
+                f"pmap in_axes[0], in_axes has a tuple of length {len(axes)} where the arguments "
+                f"have a tuple of length {n_args}."
+                + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
+                + "\nConsider one in_axes entry per positional argument (None for an argument "
+                "every device gets whole)."
             )
         return list(axes)
 
-    def _body(
-        self,
-        mesh: Mesh,
-        dyn_positions: list[int],
-        dyn_axes: list[Any],
-        statics: dict[int, Any],
-        n_args: int,
-        dyn: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inner: bool = False,
-    ) -> Any:
-        """Trace time: specs per leaf, the mapped sizes checked, shard_map of the function.
+    def _classify(
+        self, key: tuple[Any, ...], treedef: Any, leaves: list[Any]
+    ) -> tuple[_Entry, list[Any]]:
+        """The entry for this call and its leaves placed for it (the call's slow path)."""
+        dyn, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        layout = self._layout(key, treedef, dyn, kwargs)
+        resolved = tuple(
+            _resolve(a, np.ndim(leaf), where, "in_axes", self.name)
+            for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
+        )
+        tracing = not _compat.trace_state_clean()
+        processes = jax.process_count()
+        sizes = {
+            _local_size(leaf, r, processes)
+            for leaf, r in zip(leaves, resolved, strict=True)
+            if r is not None
+        }
+        if len(sizes) > 1:
+            raise MeshkitError(self._mapped_size_error(leaves, resolved, layout.paths))
+        if sizes:
+            size = sizes.pop()
+        elif self.axis_size is not None:
+            size = self.axis_size
+        else:
+            raise MeshkitError(
+                f"{self._what}: pmap requires at least one argument with a mapped axis.\nEvery "
+                "in_axes entry is None; consider in_axes=0 for the argument with one entry per "
+                "device, or axis_size= to map a function of no mapped argument."
+            )
+        mesh = self._mesh(size, tracing and processes > 1)
+        entry_key = (key, treedef, resolved, mesh, tracing)
+        entry = self._entries.get(entry_key)
+        if entry is None:
+            entry = self._entries[entry_key] = self._entry(
+                key, treedef, layout, resolved, mesh, tracing
+            )
+        if tracing:
+            return entry, leaves
+        self._last[(key, treedef)] = entry
+        placed = [
+            self._put(leaf, r, target, entry)
+            for leaf, r, target in zip(leaves, resolved, entry.targets, strict=True)
+        ]
+        return entry, placed
 
-        On a 2-D mesh (nested pmap_compat) the shard_map is manual over this function's axis
-        only; ``inner``: this is the nested function, traced inside the outer one's shard_map.
+    def _put(self, leaf: Any, r: Axis, target: NamedSharding, entry: _Entry) -> Any:
+        """One leaf, placed for ``entry``'s mesh (no copy where the data is already there)."""
+        mesh = entry.mesh
+        if isinstance(leaf, jax.Array):
+            sharding = leaf.sharding
+            if sharding == target:
+                return leaf
+            if sharding.is_equivalent_to(target, leaf.ndim):
+                if not _explicitly_typed(leaf):
+                    return leaf
+                # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
+                shards = [s.data for s in leaf.addressable_shards]
+                return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
+            if r is not None:
+                again = _device_axis.rewrap(leaf, mesh, r)
+                if again is not None:
+                    return again
+            if entry.multi and leaf.is_fully_addressable:
+                # A process-local array: jax.pmap's output, or this function's own.
+                again = _device_axis.from_local_array(leaf, mesh, r)
+                if again is not None:
+                    return again
+                if r is None:
+                    return from_host(np.asarray(leaf), target)
+                return _device_axis.from_local(leaf, mesh, r)
+            return jax.device_put(leaf, target)
+        if jax.process_count() == 1:
+            return leaf  # host data: jit places it through in_shardings
+        # Host data in a multi-process run: this process's entries (jit refuses numpy with a
+        # sharding there, even over local devices only).
+        host = np.asarray(leaf)
+        if host.dtype == jax.dtypes.float0:
+            host = np.zeros(host.shape, bool)  # as jax.pmap does across processes
+        if not entry.multi:
+            return jax.device_put(host, target)
+        if r is None:
+            return from_host(host, target)
+        return _device_axis.from_local(host, mesh, r)
+
+    # ---- meshes -----------------------------------------------------------------------------
+
+    def _pool(self) -> list[Any]:
+        """The devices this function may map over (all of them, or devices=/backend=)."""
+        if self.devices is not None:
+            return self.devices
+        return list(jax.devices(self.backend) if self.backend else jax.devices())
+
+    def _mesh(self, per_process: int, local_only: bool) -> Mesh:
+        """The mesh for ``per_process`` entries in each process.
+
+        ``local_only``: traced inside a transformation in a multi-process run, where `jax.pmap`
+        maps over this process's devices only.
         """
+        pool = self._pool()
+        me = jax.process_index()
+        mine = [d for d in pool if d.process_index == me]
+        if local_only:
+            if per_process == len(pool):  # a global array traced by an enclosing jit
+                return _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
+            if per_process > len(mine):
+                raise MeshkitError(self._size_error(per_process, len(mine), "on this process"))
+            chosen = sorted(mine, key=lambda d: d.id)[:per_process]
+            return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
+        if self.devices is not None:
+            mesh = _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
+            local = len(_device_axis.local_devices(mesh))
+            if per_process != local:
+                raise MeshkitError(self._size_error(per_process, local, "given in devices="))
+            return mesh
+        if per_process > len(mine):
+            raise MeshkitError(self._size_error(per_process, len(mine), "on this process"))
+        if per_process == len(mine):
+            return _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
+        # Fewer entries than devices: the first n devices of each process, as jax.pmap did.
+        by_process: dict[int, list[Any]] = {}
+        for d in sorted(pool, key=lambda d: (d.process_index, d.id)):
+            by_process.setdefault(d.process_index, []).append(d)
+        chosen = [d for ds in by_process.values() for d in ds[:per_process]]
+        return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
+
+    def _size_error(self, n: int, have: int, where: str) -> str:
+        return (
+            f"{self._what}: the mapped axis has size {n}, which requires {n} devices, but only "
+            f"{have} {'is' if have == 1 else 'are'} available {where} (jax.local_devices(): "
+            f"{jax.local_device_count()}).\nEach process maps one entry per local device; "
+            "consider a mapped size of at most the local device count (meshkit.shard(batch) "
+            "reshapes a batch that way)."
+        )
+
+    def _mapped_size_error(
+        self, leaves: list[Any], resolved: tuple[Axis, ...], paths: tuple[str, ...]
+    ) -> str:
+        rows = []
+        for leaf, r, where in zip(leaves, resolved, paths, strict=True):
+            if r is not None:
+                n = np.shape(leaf)[r]
+                rows.append(
+                    f"  {where}: shape {tuple(np.shape(leaf))}, mapped axis {r} of size {n}"
+                )
+        return (
+            f"{self._what}: the mapped arguments have different sizes along their mapped "
+            "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
+            "device; consider in_axes=None for an argument every device gets whole."
+        )
+
+    # ---- the compiled function --------------------------------------------------------------
+
+    def _entry(
+        self,
+        key: tuple[Any, ...],
+        treedef: Any,
+        layout: _Layout,
+        resolved: tuple[Axis, ...],
+        mesh: Mesh,
+        tracing: bool,
+    ) -> _Entry:
         name = self.mesh_axis
-        size = mesh.shape[name]
-        leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-        axes = self._leaf_axes(dyn_axes, dyn, kwargs)
-        paths = _leaf_paths((dyn, kwargs), dyn_positions)
-        if any(_explicitly_typed(leaf) for leaf in leaves):
-            raise _Retype  # placed again, untyped, by the slow path
-        resolved: list[Axis] = []
-        for leaf, axis, where in zip(leaves, axes, paths, strict=True):
-            r = _resolve(axis, np.ndim(leaf), where, "in_axes", self.name)
-            if r is not None and np.shape(leaf)[r] != size:
-                raise MeshkitError(self._mapped_size_error(leaves, axes, paths, size))
-            resolved.append(r)
-        specs = [
+        specs = tuple(
             _device_axis.mapped_spec(r, name) if r is not None else PartitionSpec()
             for r in resolved
-        ]
+        )
+        targets = tuple(NamedSharding(mesh, s) for s in specs)
+        statics = dict(zip(self.static, key[1], strict=True))
+        n_args = key[0]
+        entry: _Entry
 
         def per_device(*blocks: Any) -> Any:
             local = [
@@ -554,83 +556,60 @@ class PmapFunction:
             d_args, kw = jax.tree_util.tree_unflatten(treedef, local)
             it = iter(d_args)
             full = [statics[i] if i in statics else next(it) for i in range(n_args)]
-            return self._outputs_per_device(self.fun(*full, **kw))
+            return self._outputs_per_device(self.fun(*full, **kw), entry)
 
         out_specs = _prefix_map(self.out_axes, lambda a: _out_spec(a, name))
 
-        def mapped(check_vma: bool) -> Any:
-            extra: dict[str, Any] = {}
-            if len(mesh.axis_names) > 1:
-                extra["axis_names"] = {name}
-            if not inner:
-                extra["mesh"] = mesh
-            token = _TRACING.set(_Tracing(self, mesh))
+        def body(*flat: Any) -> Any:
+            entry.out_leaves.clear()
+            token = _TRACING.set(self)
             try:
-                return jax.shard_map(
-                    per_device,
-                    in_specs=tuple(specs),
-                    out_specs=out_specs,
-                    check_vma=check_vma,
-                    **extra,
-                )(*leaves)
+                out = jax.shard_map(
+                    per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
+                )(*flat)
+            except NameError as e:
+                if not str(e).startswith("Found an unbound axis name"):
+                    raise  # the user's own NameError
+                raise MeshkitNameError(f"{e}\n{self._unbound_axis_help(str(e))}") from None
             finally:
                 _TRACING.reset(token)
+            return self._place_outputs(out, mesh)
 
-        try:
-            result = mapped(True)
-        except NotImplementedError:
-            # Collectives with axis_index_groups have no replication typing: traced untyped,
-            # they run (and out_axes=None can no longer be checked for them).
-            result = mapped(False)
-        except AssertionError:
-            # shard_map's replication typing asserts on a collective over an unbound axis name;
-            # traced again without it, JAX names the axis.
-            try:
-                mapped(False)
-            except NameError as e:
-                found = re.search(r"unbound axis name: (.+?)\.", str(e))
-                axis = found.group(1) if found else "?"
-                fix = (
-                    f"Consider axis_name={axis!r} in pmap_compat."
-                    if self.axis_name is None
-                    else f"Consider naming {self.axis_name!r} in the collective."
-                )
-                raise MeshkitError(
-                    f"{self._what}: a collective names the axis {axis!r}, which is not bound "
-                    f"here; the function maps the axis {self.axis_name!r}.\n{fix}"
-                ) from None
-            raise
-        return self._move_negative_outputs(result)
+        body.__name__ = body.__qualname__ = self.name
+        if tracing:
+            jitted = jax.jit(body, donate_argnums=layout.donated)
+        else:
+            jitted = jax.jit(body, in_shardings=targets, donate_argnums=layout.donated)
+        entry = _Entry(mesh, resolved, jitted, targets, mesh.is_multi_process)
+        return entry
 
-    def _out_axes_per_leaf(self, out: Any) -> list[Axis]:
-        return _axes_per_leaf(self.out_axes, out, "out_axes", self.name)
+    def _unbound_axis_help(self, message: str) -> str:
+        axis = message.removeprefix("Found an unbound axis name: ").split(".")[0]
+        fix = (
+            f"Consider axis_name={axis!r} in pmap_compat."
+            if self.axis_name is None
+            else f"Consider naming {self.axis_name!r} in the collective."
+        )
+        return (
+            f"{self._what}: a collective names the axis {axis!r}, which is not bound here; the "
+            f"function maps the axis {self.axis_name!r}.\n{fix}"
+        )
 
-    def _outputs_per_device(self, out: Any) -> Any:
-        """Each output gets its mapped dimension back (size 1); out_axes=None ones are checked."""
-        leaves, treedef = jax.tree_util.tree_flatten(out)
-        axes = self._out_axes_per_leaf(out)
-        paths = [
-            f"output{jax.tree_util.keystr(p)}"
-            for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]
-        ]
+    def _outputs_per_device(self, out: Any, entry: _Entry) -> Any:
+        """Each output gets its mapped dimension back (size 1); names recorded for checks."""
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
+        axes = _axes_per_output(self.out_axes, out, self.name)
         result = []
-        for leaf, axis, where in zip(leaves, axes, paths, strict=True):
+        for (path, leaf), axis in zip(with_path, axes, strict=True):
+            where = f"output{jax.tree_util.keystr(path)}"
             leaf = jax.numpy.asarray(leaf)
+            entry.out_leaves.append((f"{where} (shape {leaf.shape})", axis))
             if axis is None:
-                if self.mesh_axis in _compat.varying_axes(leaf):
-                    raise MeshkitError(
-                        f"{self._what}: out_axes=None for {where} (shape {leaf.shape}) promises "
-                        f"the same value on every device, but it varies over the mapped axis "
-                        f"{self.axis_name!r}: it depends on a mapped argument.\njax.pmap would "
-                        "have returned device 0's value without a word. Consider reducing it "
-                        f"first (jax.lax.pmean(x, {self.axis_name!r}) or psum), or out_axes=0 to "
-                        "get every device's value."
-                    )
                 result.append(leaf)
                 continue
             ndim = leaf.ndim + 1
             if not -ndim <= axis < ndim:
-                raise MeshkitError(
+                raise MeshkitIndexError(
                     f"{self._what}: out_axes={axis} for {where}, which has rank {leaf.ndim} "
                     f"per device ({ndim} with the mapped axis; valid: {-ndim} to {ndim - 1})."
                 )
@@ -638,67 +617,171 @@ class PmapFunction:
             result.append(jax.numpy.expand_dims(leaf, at))
         return jax.tree_util.tree_unflatten(treedef, result)
 
-    def _move_negative_outputs(self, out: Any) -> Any:
+    def _place_outputs(self, out: Any, mesh: Mesh) -> Any:
+        """Negative out_axes moved into place; every output laid out over the mesh as promised."""
         leaves, treedef = jax.tree_util.tree_flatten(out)
-        axes = self._out_axes_per_leaf(out)
-        moved = [
-            jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim) if axis is not None and axis < 0 else leaf
-            for leaf, axis in zip(leaves, axes, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, moved)
-
-    def _mapped_size_error(
-        self, leaves: list[Any], axes: list[Axis], paths: list[str], size: int
-    ) -> str:
-        rows = []
-        sizes = set()
-        for leaf, axis, where in zip(leaves, axes, paths, strict=True):
-            if axis is None:
-                continue
-            r = axis % np.ndim(leaf)
-            n = np.shape(leaf)[r]
-            sizes.add(n)
-            rows.append(f"  {where}: shape {tuple(np.shape(leaf))}, mapped axis {r} of size {n}")
-        if len(sizes) > 1:
-            return (
-                f"{self._what}: the mapped arguments have different sizes along their mapped "
-                "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
-                "device; consider in_axes=None for an argument every device gets whole."
+        axes = _axes_per_output(self.out_axes, out, self.name)
+        name = self.mesh_axis
+        placed = []
+        for leaf, axis in zip(leaves, axes, strict=True):
+            if axis is not None and axis < 0:
+                leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
+            spec = (
+                _device_axis.mapped_spec(axis % leaf.ndim, name)
+                if axis is not None
+                else PartitionSpec()
             )
-        (n,) = sizes
-        processes = jax.process_count()
-        local = size // processes if processes > 1 else size
-        if processes > 1:
-            n //= processes
-        return self._size_error(n, local, "on this process")
+            # jax.pmap returns mapped outputs split over the devices even when every device
+            # computed the same value (an unmapped input returned with out_axes=0).
+            placed.append(jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec)))
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
+    def _check_outputs(self, entry: _Entry, placed: list[Any]) -> None:
+        """Once per entry: every ``out_axes=None`` output is the same on every device."""
+        if entry.checked or not self._checks_outputs:
+            return
+        traced = entry.jitted.trace(*placed)  # jit keeps this trace for the call
+        mapped = [r is not None for r in entry.resolved]
+        verdicts = _variance.shard_map_outputs(traced.jaxpr, self.mesh_axis, mapped)
+        entry.checked = True
+        if verdicts is None:
+            return
+        for (where, axis), verdict in zip(entry.out_leaves, verdicts, strict=True):
+            if axis is not None or verdict == _variance.INVARIANT:
+                continue
+            if verdict.level == _variance.VARYING.level:
+                entry.checked = False
+                raise MeshkitError(
+                    f"{self._what}: out_axes=None for {where} promises the same value on every "
+                    f"device, but it varies over the mapped axis {self.axis_name!r}: it depends "
+                    "on a mapped argument or the device index.\njax.pmap would have returned "
+                    "device 0's value without a word. Consider reducing it first "
+                    f"(jax.lax.pmean(x, {self.axis_name!r}) or psum), or out_axes=0 to get every "
+                    "device's value."
+                )
+            if where not in self._warned:
+                self._warned.add(where)
+                warnings.warn(
+                    f"{self._what}: out_axes=None for {where} is not checked to be the same on "
+                    f"every device: {verdict.reason}, which meshkit cannot follow. Device 0's "
+                    "value is returned, as jax.pmap does (this warning is shown once).\nConsider "
+                    "out_axes=0 and reading entry 0 yourself, or reducing the value with "
+                    "jax.lax.pmean / psum over the whole axis.",
+                    UncheckedOutputWarning,
+                    stacklevel=3,
+                )
+
+    def _finish(self, out: Any, entry: _Entry) -> Any:
+        if self.global_outputs or not entry.multi:
+            return out
+        return jax.tree_util.tree_map(_process_local, out)
+
+    # ---- nested -----------------------------------------------------------------------------
+
+    def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called while an enclosing pmap_compat traces: mapped on each of its devices by vmap.
+
+        Old nested pmaps split devices between the two axes; today `jax.pmap` refuses them. The
+        inner axis runs vectorized on each device of the outer one, so collectives over either
+        axis or both compute what the old nesting computed.
+        """
+        outer = _TRACING.get()
+        if outer is not None and outer.mesh_axis == self.mesh_axis:
+            raise MeshkitError(
+                f"{self._what}: called inside a pmap_compat over the same axis name "
+                f"{self.mesh_axis!r}; nested pmaps need different axis names."
+            )
+        key = self._key(args, kwargs)
+        n_args = key[0]
+        statics = dict(zip(self.static, key[1], strict=True))
+        positions = [i for i in range(n_args) if i not in self.static]
+        in_axes = self._in_axes_for(n_args, kwargs)
+
+        def dyn_fun(*dyn: Any, **kw: Any) -> Any:
+            it = iter(dyn)
+            return self.fun(
+                *[statics[i] if i in statics else next(it) for i in range(n_args)], **kw
+            )
+
+        mapped = jax.vmap(
+            dyn_fun,
+            in_axes=tuple(in_axes[i] for i in positions),
+            out_axes=self.out_axes,
+            axis_name=self.mesh_axis,
+            axis_size=self.axis_size,
+        )
+        return mapped(*self._dyn(args), **kwargs)
 
 
-@dataclass
-class _Tracing:
-    """The pmap_compat whose function is being traced (for nested pmap_compat calls)."""
+class Lowered:
+    """``pmap_compat(f).lower(...)``: JAX's `Lowered`, with `compile` keeping f's signature."""
 
-    fn: PmapFunction
-    mesh: Mesh
+    def __init__(
+        self, fn: PmapFunction, key: Any, treedef: Any, entry: _Entry, lowered: Any
+    ) -> None:
+        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
+        self.lowered = lowered
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        """Compile; the result is called like the pmapped function."""
+        return Compiled(
+            self._fn, self._key, self._treedef, self._entry, self.lowered.compile(*args, **kwargs)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)  # as_text, compiler_ir, cost_analysis, ...
 
 
-_TRACING: contextvars.ContextVar[_Tracing | None] = contextvars.ContextVar(
+class Compiled:
+    """A compiled `pmap_compat` function: call it with the arguments it was lowered for."""
+
+    def __init__(
+        self, fn: PmapFunction, key: Any, treedef: Any, entry: _Entry, compiled: Any
+    ) -> None:
+        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._fn
+        n_args, static_vals, _ = self._key
+        if fn.static and len(args) == n_args:  # static arguments given again: they must match
+            given = tuple(args[i] for i in fn.static)
+            if given != static_vals:
+                raise MeshkitTypeError(
+                    f"{fn._what}: compiled for static arguments {static_vals}, called with "
+                    f"{given}.\nConsider lowering again for these values."
+                )
+            args = fn._dyn(args)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if treedef != self._treedef:
+            raise MeshkitTypeError(
+                f"{fn._what}: Function compiled with input pytree does not match the input "
+                f"pytree it was called with.\ncompiled for: {self._treedef}\ncalled with:  "
+                f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
+                "for, or lowering again."
+            )
+        entry = self._entry
+        placed = [
+            fn._put(leaf, r, target, entry)
+            for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
+        ]
+        return fn._finish(self.compiled(*placed), entry)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)  # as_text, cost_analysis, ...
+
+
+_TRACING: contextvars.ContextVar[PmapFunction | None] = contextvars.ContextVar(
     "meshkit_pmap_tracing", default=None
 )
 
 
-class _NestedFound(Exception):
-    """Raised while tracing: a pmap_compat inside another; the outer one builds a 2-D mesh."""
-
-    def __init__(self, axis: str, size: int) -> None:
-        self.axis = axis
-        self.size = size
-
-
-_NO_KWARGS: dict[str, Any] = {}
-
-
-class _Retype(Exception):
-    """Raised while tracing: an argument is typed by an Explicit mesh; place it and retry."""
+def _placed(leaves: list[Any], targets: tuple[NamedSharding, ...]) -> bool:
+    """Whether every leaf is an array already laid out as ``targets`` (no numpy, no tracer)."""
+    for leaf, target in zip(leaves, targets, strict=True):
+        if getattr(leaf, "sharding", None) != target or isinstance(leaf, Tracer):
+            return False
+    return True
 
 
 def _explicitly_typed(x: Any) -> bool:
@@ -718,14 +801,14 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _has_host_data(tree: Any) -> bool:
-    return not all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(tree))
-
-
 def _local_size(leaf: Any, axis: int, processes: int) -> int:
     """The mapped size this process contributes: global arrays count every process's entries."""
     n = int(np.shape(leaf)[axis])
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, Tracer)
+        and not leaf.is_fully_addressable
+    ):
         return n // processes
     return n
 
@@ -736,25 +819,35 @@ def _process_local(x: Any) -> Any:
         return x
     spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
     mapped = [d for d, e in enumerate(spec) if e is not None]
-    if not mapped:
-        return x.addressable_data(0)
-    return _device_axis.local_view(x, mapped[0])
-
-
-def _non_negative(axes: Any) -> bool:
-    return all(
-        a is None or a >= 0 for a in jax.tree_util.tree_leaves(axes, is_leaf=lambda x: x is None)
+    if mapped:
+        return _device_axis.local_view(x, mapped[0])
+    # Replicated (out_axes=None): the same value on each local device, as jax.pmap returns it.
+    mesh: Mesh = x.sharding.mesh  # type: ignore[attr-defined]
+    mine = _device_axis.local_devices(mesh)
+    local = _device_axis.device_mesh(mine, mesh.axis_names[0])
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(local, PartitionSpec()), [by_device[d] for d in mine]
     )
 
 
-def _prefix_shardings(axes: Any, mesh: Mesh) -> Any:
-    name = mesh.axis_names[0]
-
-    def one(a: Axis) -> NamedSharding:
-        spec = _device_axis.mapped_spec(a, name) if a is not None else PartitionSpec()
-        return NamedSharding(mesh, spec)
-
-    return _prefix_map(axes, one)
+def _axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
+    """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
+    if axes is None or isinstance(axes, int):
+        return [axes] * len(jax.tree_util.tree_leaves(out))
+    found: list[Axis] = []
+    try:
+        jax.tree_util.tree_map(
+            lambda ax, sub: found.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
+            axes, out, is_leaf=lambda x: x is None,
+        )  # fmt: skip
+    except ValueError as e:
+        raise MeshkitError(
+            f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
+            f"outputs ({jax.tree_util.tree_structure(out)}): {e}\n"
+            "Consider one entry per output (an int, None, or a pytree matching it)."
+        ) from None
+    return found
 
 
 def _leaf_paths(tree: Any, dyn_positions: list[int]) -> list[str]:
@@ -802,28 +895,31 @@ def pmap_compat(
     backend: str | None = None,
     axis_size: int | None = None,
     donate_argnums: int | Sequence[int] = (),
-    global_outputs: bool = True,
+    global_outputs: bool = False,
 ) -> Any:
-    """`jax.pmap`'s interface on mesh sharding: ``jax.jit(jax.shard_map(...))`` over the devices.
+    """`jax.pmap`'s interface and results on mesh sharding: ``jax.jit(jax.shard_map(...))``.
 
     Old pmap code runs by changing ``jax.pmap`` to ``meshkit.pmap_compat``: arguments carry one
     entry per local device along their mapped axis (``in_axes``), named-axis collectives
     (``jax.lax.psum(x, axis_name)``, `meshkit.collectives`) span every device of every process,
-    and outputs have the device axis at ``out_axes``. Differences from `jax.pmap`, all on the
-    side of safety:
+    and outputs are what `jax.pmap` returns, in one process and in several: in a multi-process
+    run each process gets arrays of its own entries over its own devices, so host reads
+    (``np.asarray(out)``, ``jax.device_get(out)``, ``out[0]``) give what they gave. Differences
+    from `jax.pmap`, all on the side of safety:
 
-    * outputs are global `jax.Array` s over a 1-D mesh of the devices. In one process they are
-      exactly `jax.pmap`'s; with several processes their mapped axis counts every device of
-      every process, so a downstream `jax.jit`, `meshkit.gather` or a checkpointer sees the
-      whole value (``global_outputs=False`` gives `jax.pmap`'s process-local arrays instead);
-    * ``out_axes=None`` checks that the value is the same on every device (through shard_map's
-      replication typing, at trace time) instead of returning device 0's value;
+    * ``out_axes=None`` checks that the value is the same on every device (on the traced
+      program, once per signature) instead of returning device 0's value; where the check
+      cannot follow the value it warns (`UncheckedOutputWarning`);
     * negative ``in_axes`` / ``out_axes`` count from the end, as in `jax.vmap`;
-    * errors name the argument, its shape, the mapped axis and the device count.
+    * errors name the argument, its shape, the mapped axis and the device count (with the same
+      exception classes and key phrases as `jax.pmap`'s);
+    * a nested ``pmap_compat`` runs vectorized on each device of the outer axis;
+    * ``global_outputs=True`` (opt-in) returns global arrays over every device of every process
+      instead, which a later `jax.jit`, `meshkit.gather` or a checkpointer sees whole.
 
     Args:
         fun: the per-device function. Omit it to use ``pmap_compat`` as a decorator (also with
-            `functools.partial`).
+            `functools.partial`, and on methods with ``static_broadcasted_argnums=(0,)``).
         axis_name: the name collectives use for the mapped axis (a string), or None.
         in_axes: which axis of each positional argument is mapped: an int, None (every device
             gets the whole argument), or a tuple with one entry (int, None or pytree prefix)
@@ -835,19 +931,21 @@ def pmap_compat(
         devices: the devices to map over (default: every device of every process). The mapped
             size must then equal this process's share of them.
         backend: the platform whose devices to use (``"cpu"``, ``"gpu"``, ``"tpu"``).
-        axis_size: the mapped size when no argument is mapped (default: the local device
-            count).
+        axis_size: the mapped size when no argument is mapped.
         donate_argnums: positional arguments whose buffers may be reused for the outputs.
-        global_outputs: see above; the default True makes multi-process outputs global arrays.
+        global_outputs: in a multi-process run, return global arrays over every device (see
+            above) instead of `jax.pmap`'s per-process arrays. No effect in one process.
 
     Returns:
-        A `PmapFunction`: call it like the original; ``.lower(*args)`` lowers it.
+        A `PmapFunction`: call it like the original; ``.lower(*args)`` lowers it, and the
+        lowered function's ``.compile()`` is called with the same arguments.
 
     Raises:
         MeshkitError: a mapped size larger than the local device count or differing between
-            arguments; ``in_axes`` / ``out_axes`` out of range or not matching the arguments;
-            static arguments passed by keyword or unhashable; ``out_axes=None`` on a value that
-            varies across devices.
+            arguments; ``in_axes`` not a prefix of the arguments; static arguments passed by
+            keyword or unhashable; ``out_axes=None`` on a value that varies across devices.
+            `MeshkitTypeError` (also a `TypeError`), `MeshkitIndexError` (an `IndexError`) and
+            `MeshkitNameError` (a `NameError`) where `jax.pmap` raises those classes.
 
     Examples:
         >>> import jax, numpy as np, meshkit

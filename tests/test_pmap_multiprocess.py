@@ -33,7 +33,8 @@ def _collectives_and_layouts():
     def step(x):
         return x - jax.lax.pmean(x, "i"), jax.lax.psum(x, "i"), jax.lax.axis_index("i")
 
-    ours = meshkit.pmap_compat(step, "i", out_axes=(0, None, 0))(mine)
+    # global_outputs=True: arrays over every device of every process.
+    ours = meshkit.pmap_compat(step, "i", out_axes=(0, None, 0), global_outputs=True)(mine)
     theirs = jax.pmap(step, "i", out_axes=(0, None, 0))(mine)
     centred, total, index = ours
     out = {
@@ -51,16 +52,19 @@ def _collectives_and_layouts():
         # A downstream jit sees the global value, not this process's part.
         "downstream_sum": float(jax.jit(jnp.sum)(centred + 1.0)),
     }
-    # Outputs feed the next call without leaving the devices; process-local outputs too.
-    again = meshkit.pmap_compat(lambda x: x * 2, "i")(centred)
+    # Global outputs feed the next call without leaving the devices.
+    again = meshkit.pmap_compat(lambda x: x * 2, "i", global_outputs=True)(centred)
     out["again_ok"] = bool(np.allclose(meshkit.gather(again), 2 * (full - full.mean(0))))
-    local_fn = meshkit.pmap_compat(lambda x: x + 1, "i", global_outputs=False)
+    # The default: jax.pmap's process-local outputs, which feed the next call too.
+    local_fn = meshkit.pmap_compat(lambda x: x + 1, "i")
     local_out = local_fn(mine)
     out["local_shape"] = tuple(local_out.shape)
     out["local_ok"] = bool(np.allclose(np.asarray(local_out), mine + 1))
+    out["local_again_ok"] = bool(np.allclose(np.asarray(local_fn(local_out)), mine + 2))
     out["from_jax_pmap"] = bool(
         np.allclose(
-            meshkit.gather(meshkit.pmap_compat(lambda x: x, "i")(theirs[0])), full - full.mean(0)
+            meshkit.gather(meshkit.pmap_compat(lambda x: x, "i", global_outputs=True)(theirs[0])),
+            full - full.mean(0),
         )
     )
     try:
@@ -83,6 +87,7 @@ def test_collectives_span_processes_and_outputs_are_global():
         assert r["again_ok"]
         assert r["local_shape"] == (4, 3)
         assert r["local_ok"]
+        assert r["local_again_ok"]
         assert r["from_jax_pmap"]
         assert r["too_many"].startswith(
             "meshkit.pmap_compat(<lambda>): the mapped axis has size 5, which requires 5 "
@@ -103,19 +108,20 @@ def _nested():
     def inner_fn(v):
         return v + jax.lax.psum(v, "inner") + 100 * jax.lax.psum(v, "outer")
 
-    step = meshkit.pmap_compat(meshkit.pmap_compat(inner_fn, "inner"), "outer")
+    step = meshkit.pmap_compat(meshkit.pmap_compat(inner_fn, "inner"), "outer", global_outputs=True)
     out = step(mine)
     ref = jax.vmap(jax.vmap(inner_fn, axis_name="inner"), axis_name="outer")(full)
     return {
         "shape": tuple(out.shape),
         "mesh": dict(out.sharding.mesh.shape),
+        "local": out.is_fully_addressable,
         "ok": bool(np.allclose(meshkit.gather(out), np.asarray(ref))),
     }
 
 
 def test_nested_pmap_compat_across_processes():
     for r in run_in_processes(_nested, timeout=180):
-        assert r == {"shape": (4, 2, 3), "mesh": {"outer": 4, "inner": 2}, "ok": True}
+        assert r == {"shape": (4, 2, 3), "mesh": {"outer": 4}, "local": False, "ok": True}
 
 
 def _property_against_vmap():
@@ -153,9 +159,9 @@ def _property_against_vmap():
         full = (rng.integers(-5, 5, full_shape) * 1).astype(dtype)
         mine = np.take(full, np.arange(me * local, (me + 1) * local), axis=axis)
         fn = lambda x, s: ops[op](x) * s  # noqa: E731
-        out = meshkit.pmap_compat(fn, "i", in_axes=(axis, None), static_broadcasted_argnums=1)(
-            mine, scale
-        )
+        out = meshkit.pmap_compat(
+            fn, "i", in_axes=(axis, None), static_broadcasted_argnums=1, global_outputs=True
+        )(mine, scale)
         ref = jax.vmap(lambda x: fn(x, scale), in_axes=axis, axis_name="i")(full)
         got = meshkit.gather(out)
         np.testing.assert_allclose(
@@ -170,3 +176,26 @@ def _property_against_vmap():
 def test_pmap_compat_matches_vmap_across_processes():
     counts = run_in_processes(_property_against_vmap, timeout=240)
     assert counts[0] == counts[1] >= 10
+
+
+def _differential():
+    """Every case of tests/pmap_cases.py with jax.pmap and pmap_compat, default arguments."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.environ["MESHKIT_TEST_DIR"])
+    import pmap_cases
+
+    return pmap_cases.compare_all()
+
+
+def test_legacy_code_sees_what_jax_pmap_gives_in_each_process(monkeypatch):
+    """Host reads, transformations, local devices, float0, methods, compile, carries, layouts."""
+    import os
+
+    monkeypatch.setenv("MESHKIT_TEST_DIR", os.path.dirname(__file__))
+    results = run_in_processes(_differential, timeout=240)
+    for me, r in enumerate(results):
+        differing = {case: diff for case, diff in r.items() if diff is not None}
+        assert not differing, f"process {me}: {differing}"
+        assert len(r) == 12
