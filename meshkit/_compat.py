@@ -15,6 +15,7 @@ __all__ = [
     "cluster_envs",
     "cluster_params",
     "distributed_state",
+    "scan_counts",
     "trace_state_clean",
     "varying_axes",
 ]
@@ -73,6 +74,19 @@ def trace_state_clean() -> bool:
     from jax._src import core
 
     return bool(core.trace_state_clean())
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(constants, carries)`` among the inputs of a ``scan`` equation, from its parameters.
+
+    JAX 0.10 names the counts (``num_consts``, ``num_carry``); JAX 0.12 gives a flat tree
+    ``ft_in`` of the groups ``(consts, carry, xs)``, one leaf per input.
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    # A jax._src.flattree.FlatTree: its len() counts leaves, unpack() gives the three groups.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def bound_axis_sizes() -> dict[Any, int]:

@@ -416,11 +416,24 @@ class PmapFunction:
         if tracing:
             return entry, leaves
         self._last[(key, treedef)] = entry
+        return entry, self._place(leaves, entry)
+
+    def _place(self, leaves: list[Any], entry: _Entry) -> list[Any]:
+        """Every leaf placed for ``entry``; host data of a single process in one batched put.
+
+        jit would place host data itself, but it traces a numpy argument and a placed array of
+        the same type separately: placing here keeps one trace per signature.
+        """
         placed = [
             self._put(leaf, r, target, entry)
-            for leaf, r, target in zip(leaves, resolved, entry.targets, strict=True)
+            for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
         ]
-        return entry, placed
+        host = [i for i, leaf in enumerate(placed) if not isinstance(leaf, jax.Array)]
+        if host:
+            put = jax.device_put([placed[i] for i in host], [entry.targets[i] for i in host])
+            for i, value in zip(host, put, strict=True):
+                placed[i] = value
+        return placed
 
     def _put(self, leaf: Any, r: Axis, target: NamedSharding, entry: _Entry) -> Any:
         """One leaf, placed for ``entry``'s mesh (no copy where the data is already there)."""
@@ -449,7 +462,7 @@ class PmapFunction:
                 return _device_axis.from_local(leaf, mesh, r)
             return jax.device_put(leaf, target)
         if jax.process_count() == 1:
-            return leaf  # host data: jit places it through in_shardings
+            return leaf  # host data: placed with the others by _place
         # Host data in a multi-process run: this process's entries (jit refuses numpy with a
         # sharding there, even over local devices only).
         host = np.asarray(leaf)
@@ -760,12 +773,7 @@ class Compiled:
                 f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
                 "for, or lowering again."
             )
-        entry = self._entry
-        placed = [
-            fn._put(leaf, r, target, entry)
-            for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
-        ]
-        return fn._finish(self.compiled(*placed), entry)
+        return fn._finish(self.compiled(*fn._place(leaves, self._entry)), self._entry)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)  # as_text, cost_analysis, ...

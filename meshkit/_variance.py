@@ -28,6 +28,8 @@ from typing import Any
 
 from jax.extend import core as jex
 
+from . import _compat
+
 __all__ = ["INVARIANT", "VARYING", "Variance", "join", "shard_map_outputs"]
 
 
@@ -144,7 +146,7 @@ class _Analysis:
     def scan(self, eqn: Any, ins: list[Variance]) -> list[Variance]:
         params = eqn.params
         body = params["jaxpr"]
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = _compat.scan_counts(params)
         consts, rest = ins[:n_consts], ins[n_consts:]
         carry, xs = rest[:n_carry], rest[n_carry:]
         while True:

@@ -420,3 +420,98 @@ def test_errors_are_named(call, message):
 
 def test_exported():
     assert meshkit.pmap_compat is pmap_compat
+
+
+# jax.pmap's error contract: (case, key phrase). The same exception class as jax.pmap raises
+# (meshkit's errors subclass it too) and jax.pmap's key phrase in the message.
+JAX_ERRORS = {
+    "non-hashable static": (
+        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(np.ones(N), [1]),
+        "Non-hashable static arguments are not supported",
+    ),
+    "in_axes prefix": (
+        lambda pmap: pmap(lambda x: x, in_axes=((0,),))(np.ones(N)),
+        "pmap in_axes[0][0]",
+    ),
+    "keywords": (
+        lambda pmap: pmap(lambda x, y: x, in_axes=(0, None))(np.ones(N), y=np.ones(3)),
+        "each argument passed by keyword is mapped",
+    ),
+    "unbound axis": (
+        lambda pmap: pmap(lambda x: jax.lax.psum(x, "j"), "i")(np.ones(N)),
+        "Found an unbound axis name: j",
+    ),
+    "devices empty": (
+        lambda pmap: pmap(lambda x: x, devices=[]),
+        "'devices' argument to pmap must be non-empty, or None.",
+    ),
+    "in_axes type": (
+        lambda pmap: pmap(lambda x: x, in_axes="a"),
+        "pmap in_axes must be an int, None, or (nested) container with those types as leaves",
+    ),
+    "static positional": (
+        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(np.ones(N), s=1),
+        "static_broadcasted_argnums=(1,) but was called with only 1 positional argument",
+    ),
+    "nothing mapped": (
+        lambda pmap: pmap(lambda x: x, in_axes=None)(np.ones(N)),
+        "pmap requires at least one argument with a mapped axis.",
+    ),
+    "in_axes beyond rank": (lambda pmap: pmap(lambda x: x, in_axes=2)(np.ones((N, 3))), ""),
+    "not callable": (lambda pmap: pmap(3), "Expected a callable value, got 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JAX_ERRORS))
+def test_errors_keep_jax_pmaps_classes_and_phrases(case):
+    call, phrase = JAX_ERRORS[case]
+    with pytest.raises((ValueError, TypeError, IndexError, NameError)) as theirs:
+        call(jax.pmap)
+    with pytest.raises(type(theirs.value)) as ours:
+        call(pmap_compat)
+    assert isinstance(ours.value, MeshkitError)
+    assert phrase in str(theirs.value)
+    assert phrase in str(ours.value)
+    assert "meshkit.pmap_compat" in str(ours.value)  # meshkit's explanation is there too
+
+
+@pytest.mark.parametrize("error", [ValueError, NotImplementedError, AssertionError, TypeError])
+@pytest.mark.parametrize("out_axes", [0, None])
+def test_users_exceptions_propagate_unchanged_after_one_trace(error, out_axes):
+    traced = []
+
+    def f(x):
+        traced.append(x.shape)
+        raise error("from the user's function")
+
+    with pytest.raises(error) as e:
+        pmap_compat(f, "i", out_axes=out_axes)(np.ones((N, 2), np.float32))
+    assert type(e.value) is error
+    assert str(e.value) == "from the user's function"
+    assert traced == [(2,)]
+
+
+def test_each_signature_is_traced_once():
+    traced = []
+
+    def step(x, scale):
+        traced.append((x.shape, scale))
+        return x * scale + jax.lax.psum(x, "i"), jax.lax.psum(x, "i")
+
+    f = pmap_compat(step, "i", out_axes=(0, None), static_broadcasted_argnums=1)
+    x = np.ones((N, 2), np.float32)
+    out, _ = f(x, 2.0)  # host data, then the analysis of out_axes=None: one trace
+    for _ in range(3):
+        out, _ = f(out, 2.0)  # earlier outputs: the steady state
+        f(x, 2.0)
+    assert traced == [((2,), 2.0)]
+    f(np.ones((N, 3), np.float32), 2.0)
+    f(x, 3.0)
+    f(jax.device_put(x, jax.devices()[1]), 3.0)  # placed differently: same signature once placed
+    assert traced == [((2,), 2.0), ((3,), 2.0), ((2,), 3.0)]
+    # jax.pmap traces as often.
+    theirs = []
+    g = jax.pmap(lambda x: theirs.append(x.shape) or x, "i")
+    for _ in range(3):
+        g(x)
+    assert theirs == [(2,)]
