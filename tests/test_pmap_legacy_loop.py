@@ -16,11 +16,13 @@ import pytest
 
 from meshkit.testing import run_in_processes
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pmap_migration.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = EXAMPLES / "pmap_migration.py"
+UNMODIFIED = EXAMPLES / "pmap_unmodified_loop.py"
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("pmap_migration_example", EXAMPLE)
+def _example(path=EXAMPLE):
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -50,3 +52,31 @@ def test_legacy_loop_gives_jax_pmaps_numbers_in_two_processes(marker, monkeypatc
     assert (p0, p1) == (0, 1)
     assert l0 == l1  # the loss is averaged over every device of both processes
     assert l0[-1] < 0.5 * l0[0]
+
+
+def _unmodified_in_process():
+    """The unmodified loop's printed lines (compare() raises if jax.pmap printed others)."""
+    import jax
+
+    return jax.process_index(), _example(UNMODIFIED).compare()
+
+
+def test_unmodified_loop_prints_jax_pmaps_lines_in_one_process():
+    lines = _example(UNMODIFIED).compare()
+    assert len(lines) == 6
+    assert lines[3].startswith("eval: ")
+    assert lines[4].startswith("checkpoint: step 12, |w| ")
+
+
+@pytest.mark.multiprocess
+def test_unmodified_loop_prints_jax_pmaps_lines_in_two_processes(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    (p0, lines0), (p1, lines1) = run_in_processes(_unmodified_in_process, timeout=240)
+    assert (p0, p1) == (0, 1)
+    # The global loss and the replicated state agree; per-device losses and eval counts are
+    # each process's own, as with jax.pmap.
+    for a, b in zip(lines0[:3], lines1[:3], strict=True):
+        assert a.split(", on this")[0] == b.split(", on this")[0]
+        assert a != b
+    assert lines0[4:] == lines1[4:]
+    assert [len(line.split()) for line in lines0[:3]] == [12] * 3  # 8 words and 4 local devices
