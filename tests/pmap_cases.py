@@ -197,3 +197,82 @@ def compare_all() -> dict[str, Any]:
         theirs = case(jax.pmap)
         result[name] = None if theirs == ours else (theirs, ours)
     return result
+
+
+# ---- property test: random in_axes / out_axes / static arguments, against jax.pmap ----------
+
+OPS: dict[str, Callable[[Any], Any]] = {
+    "scale": lambda x: x * 2,
+    "shift": lambda x: x + 1,
+    "psum": lambda x: jax.lax.psum(x, "i"),
+    "pmax": lambda x: jax.lax.pmax(x, "i"),
+    "index": lambda x: x * jax.lax.axis_index("i").astype(x.dtype),
+    "centre": lambda x: x - jax.lax.pmin(x, "i"),
+}
+SAME_ON_EVERY_DEVICE = {"psum", "pmax"}  # out_axes=None is allowed on these
+
+
+def programs() -> Any:
+    """A hypothesis strategy of pmap programs: arguments, in_axes, ops, out_axes, a static."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_program(draw: Any) -> dict[str, Any]:
+        args = []
+        for k in range(draw(st.integers(1, 3))):
+            shape = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+            mapped = k == 0 or draw(st.booleans())
+            axis = draw(st.integers(0, len(shape))) if mapped else None
+            op = draw(st.sampled_from(sorted(OPS)))
+            out_choices: list[int | None] = list(range(len(shape) + 1))
+            if op in SAME_ON_EVERY_DEVICE or (not mapped and op in {"scale", "shift"}):
+                out_choices.append(None)
+            args.append(
+                {
+                    "shape": shape,
+                    "axis": axis,
+                    "dtype": draw(st.sampled_from(["float32", "int32", "float16"])),
+                    "op": op,
+                    "out": draw(st.sampled_from(out_choices)),
+                }
+            )
+        return {"args": args, "scale": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 99))}
+
+    return draw_program()
+
+
+def run_program(pmap: Pmap, program: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run a drawn program with ``pmap``; what host code sees of each output, and its reads."""
+    n, me = jax.local_device_count(), jax.process_index()
+    rng = np.random.default_rng(program["seed"] * 10 + me)  # each process its own entries
+    specs = program["args"]
+    values = []
+    for a in specs:
+        shape = list(a["shape"])
+        if a["axis"] is not None:
+            shape.insert(a["axis"], n)
+        else:  # an unmapped argument is the same in every process
+            rng_all = np.random.default_rng(program["seed"])
+            values.append(rng_all.integers(-4, 5, shape).astype(a["dtype"]))
+            continue
+        values.append(rng.integers(-4, 5, shape).astype(a["dtype"]))
+
+    def f(*xs: Any) -> Any:
+        *xs, scale = xs
+        return tuple(OPS[a["op"]](x) * scale for a, x in zip(specs, xs, strict=True))
+
+    fn = pmap(
+        f,
+        "i",
+        in_axes=(*[a["axis"] for a in specs], None),
+        out_axes=tuple(a["out"] for a in specs),
+        static_broadcasted_argnums=len(specs),
+    )
+    outs = fn(*values, program["scale"])
+    seen = []
+    for out in outs:
+        row = _seen(out)
+        row["device_get"] = np.asarray(jax.device_get(out)).tolist()
+        row["first"] = np.asarray(out[0]).tolist() if out.ndim else None
+        seen.append(row)
+    return seen

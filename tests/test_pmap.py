@@ -515,3 +515,10 @@ def test_each_signature_is_traced_once():
     for _ in range(3):
         g(x)
     assert theirs == [(2,)]
+
+
+@settings(max_examples=40)
+@given(program=pmap_cases.programs())
+def test_random_programs_match_jax_pmap(program):
+    """Values, shapes, dtypes, layouts and host reads of every output, as jax.pmap gives them."""
+    assert pmap_cases.run_program(pmap_compat, program) == pmap_cases.run_program(jax.pmap, program)

@@ -199,3 +199,37 @@ def test_legacy_code_sees_what_jax_pmap_gives_in_each_process(monkeypatch):
         differing = {case: diff for case, diff in r.items() if diff is not None}
         assert not differing, f"process {me}: {differing}"
         assert len(r) == 12
+
+
+def _random_programs_against_jax_pmap():
+    """Hypothesis in each process (derandomized: both draw the same programs in order)."""
+    import os
+    import sys
+
+    import jax
+    from hypothesis import given, settings
+
+    sys.path.insert(0, os.environ["MESHKIT_TEST_DIR"])
+    import pmap_cases
+
+    import meshkit
+
+    checked = []
+
+    @settings(max_examples=20, derandomize=True, database=None, deadline=None)
+    @given(program=pmap_cases.programs())
+    def check(program):
+        ours = pmap_cases.run_program(meshkit.pmap_compat, program)
+        assert ours == pmap_cases.run_program(jax.pmap, program), program
+        checked.append(program["seed"])
+
+    check()
+    return len(checked)
+
+
+def test_random_programs_match_jax_pmap_in_each_process(monkeypatch):
+    import os
+
+    monkeypatch.setenv("MESHKIT_TEST_DIR", os.path.dirname(__file__))
+    counts = run_in_processes(_random_programs_against_jax_pmap, timeout=240)
+    assert counts[0] == counts[1] == 20
