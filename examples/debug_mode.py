@@ -1,11 +1,12 @@
 """Debug mode: a process with other data becomes an error that names it, not a hang.
 
-Every process reads the same evaluation batches (host data, the same everywhere, which
-`meshkit.spmd` lays out over the mesh); process 1's copy of batch 3 is truncated. Without debug
-mode the processes would enter the step's collective with different shapes and hang (or fail
-on one process only). With
-`meshkit.debug` on, each call is first compared across processes through the coordination
+Every process reads its own rows of each evaluation batch (host data: `meshkit.spmd` takes
+each process's part and assembles the global batch); process 1's part of batch 3 is truncated.
+With `meshkit.debug` on, each call is first compared across processes through the coordination
 service, and both processes raise the same `meshkit.DivergenceError`, here caught and printed.
+(Without debug mode, `meshkit.spmd`'s own check of host arguments would still stop both
+processes, with a `meshkit.MeshkitError`; debug mode also covers arguments that are already
+global arrays, static arguments and calls of different functions, and names the call.)
 
     meshkit launch -n 2 --devices-per-process 4 examples/debug_mode.py
 

@@ -64,8 +64,7 @@ def mlp_reference(x, w1, b1, w2, b2):
     return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
 
 
-# Host data passed to spmd is the whole (global) value, and every process must pass the same:
-# a fixed seed gives every process the same arrays.
+# A fixed seed gives every process the same whole arrays, for the reference below.
 rng = np.random.default_rng(0)
 x = rng.standard_normal((BATCH, D_IN), dtype=np.float32)
 w1 = rng.standard_normal((D_IN, HIDDEN), dtype=np.float32) / np.sqrt(D_IN)
@@ -73,7 +72,13 @@ b1 = rng.standard_normal(HIDDEN, dtype=np.float32)
 w2 = rng.standard_normal((HIDDEN, D_OUT), dtype=np.float32) / np.sqrt(HIDDEN)
 b2 = rng.standard_normal(D_OUT, dtype=np.float32)
 
-out = mlp(x, w1, b1, w2, b2)  # a global array, rows split over data, on every device of the mesh
+# Host data passed to spmd is this process's part of each argument. The batch is split over
+# "data", across processes: each process passes its own rows (process_slice says which; a real
+# loader would read only those). The weights are not split across processes: every process
+# passes them whole, and the same.
+my_rows = meshkit.process_slice(mesh, "data _", x.shape).take(x)
+
+out = mlp(my_rows, w1, b1, w2, b2)  # a global array, rows split over data, on every device
 # Its rows live on several processes; process_allgather brings the whole value to each one.
 result = np.asarray(multihost_utils.process_allgather(out, tiled=True))
 

@@ -18,13 +18,14 @@ copied, so its latency hides behind the transfer.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import json
 import sys
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,18 +41,40 @@ __all__ = ["DtypeWarning", "global_array_from_local"]
 
 Check = bool | Literal["data"]
 _WHAT = "meshkit.global_array_from_local"
-# Which public function messages name: global_batches sets it in its helper thread.
-_caller: contextvars.ContextVar[str] = contextvars.ContextVar("meshkit_caller", default=_WHAT)
+
+
+@dataclass(frozen=True)
+class _Caller:
+    name: str  # the public function messages name
+    pads: bool  # whether it takes pad= (the fixes for an uneven batch suggest it)
+
+
+_DEFAULT_CALLER = _Caller(_WHAT, pads=True)  # frozen: safe to share as the default
+# Which public function messages name: global_batches sets it in its helper thread, spmd around
+# its assembly of host arguments.
+_caller: contextvars.ContextVar[_Caller] = contextvars.ContextVar(
+    "meshkit_caller", default=_DEFAULT_CALLER
+)
 
 
 def who() -> str:
     """The public meshkit function the current assembly runs for, for messages."""
-    return _caller.get()
+    return _caller.get().name
 
 
 def set_caller(name: str) -> None:
     """Name ``name`` in this thread's messages (the thread's own context)."""
-    _caller.set(name)
+    _caller.set(_Caller(name, pads=True))
+
+
+@contextlib.contextmanager
+def calling(name: str, *, pads: bool) -> Iterator[None]:
+    """Name ``name`` in the messages of assemblies inside the block; ``pads``: it takes pad=."""
+    token = _caller.set(_Caller(name, pads))
+    try:
+        yield
+    finally:
+        _caller.reset(token)
 
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
@@ -222,11 +245,14 @@ def user_stacklevel() -> int:
     return level
 
 
-def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str]) -> np.ndarray:
-    """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype."""
+def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str] | None) -> np.ndarray:
+    """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype.
+
+    ``notes`` None: narrow silently, as `jax.jit` does with host arguments (`meshkit.spmd`).
+    """
     wanted = value.dtype if dtype is None else np.dtype(dtype)
     target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
-    if target != wanted:
+    if target != wanted and notes is not None:
         key = (str(wanted), str(target))
         if key not in _warned_dtypes:
             _warned_dtypes.add(key)
@@ -289,6 +315,25 @@ def prepare(
         raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
     pairs = _resolve(mesh_or_sharding, spec, local, len(named))
     shapes = _shape_for(global_shape, [p for p, _ in named])
+    return prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
+
+
+def prepare_leaves(
+    named: list[tuple[str, Any]],
+    treedef: Any,
+    pairs: list[tuple[Mesh, Any]],
+    shapes: list[tuple[int, ...] | None],
+    *,
+    dtype: Any,
+    pad: bool,
+    warn_dtypes: bool = True,
+) -> Prepared:
+    """`prepare` for leaves already named and paired with their (mesh, spec-like).
+
+    ``named`` holds ``(path, leaf)`` in the flattening order of ``treedef``; ``shapes`` the
+    given global shape of each leaf (None: inferred). `meshkit.spmd` enters here with the
+    host leaves of its arguments, named as its messages name them.
+    """
     me = jax.process_index()
     checked_meshes: set[int] = set()
     leaves = []
@@ -314,7 +359,7 @@ def prepare(
                 f"dimension{'s' if len(dims) != 1 else ''}, but the array at {path} has shape "
                 f"{value.shape} ({value.ndim} dimensions)."
             )
-        value = _cast(path, value, dtype, notes)
+        value = _cast(path, value, dtype, notes if warn_dtypes else None)
         sharding = NamedSharding(mesh, partition)
         counts = _layout.block_counts(sharding, value.ndim)
         unit = _layout.plan(sharding, counts, me)
@@ -330,8 +375,7 @@ def prepare(
         for d, (size, k, n) in enumerate(zip(value.shape, held, counts, strict=True)):
             if size % k and not (pad and d == 0):
                 fix = (
-                    "Consider pad=True to pad the last, smaller batch (a mask marks the padding),"
-                    f" or a local batch divisible by {k}."
+                    _pad_fix(k)
                     if d == 0
                     else f"Consider a size divisible by {k}, or a spec that does not split "
                     f"dimension {d}."
@@ -356,6 +400,19 @@ def prepare(
     if pad:
         _prepare_mask(prepared)
     return prepared
+
+
+def _pad_fix(k: int) -> str:
+    """The fix for a local batch that does not split over this process's ``k`` blocks."""
+    if _caller.get().pads:
+        return (
+            "Consider pad=True to pad the last, smaller batch (a mask marks the padding), or a "
+            f"local batch divisible by {k}."
+        )
+    return (
+        f"Consider a local batch divisible by {k}, or padding the last, smaller batch first: "
+        "meshkit.global_array_from_local(..., pad=True) returns it padded with a mask."
+    )
 
 
 def _check_given(
@@ -449,8 +506,9 @@ def plan_leaves(prepared: Prepared) -> None:
 def describe(prepared: Prepared, *, pad: bool, hashes: bool = False) -> dict[str, Any]:
     """This process's record for the cross-process comparison (JSON-serialisable).
 
-    ``hashes`` adds a digest of every distinct block (the replica data check); the leaves must
-    then hold their final plans (after `plan_leaves` or `finish_padding`).
+    ``hashes`` adds a digest of every distinct block that other processes hold too (the replica
+    data check; a block only this process holds has nothing to be compared with); the leaves
+    must then hold their final plans (after `plan_leaves` or `finish_padding`).
     """
     leaves = []
     for leaf in prepared.leaves:
@@ -463,15 +521,27 @@ def describe(prepared: Prepared, *, pad: bool, hashes: bool = False) -> dict[str
     if pad:
         record["block_rows"] = block_rows(prepared)
     if hashes:
-        record["hashes"] = [
-            {
-                repr(tuple(s.start for s in pl.global_index)): _digest(leaf.value[pl.local_index])
-                for pl in leaf.plan.placements
-                if pl.first
-            }
-            for leaf in prepared.leaves
-        ]
+        record["hashes"] = []
+        for leaf in prepared.leaves:
+            shared = _shared_blocks(leaf.plan)
+            record["hashes"].append(
+                {
+                    repr(tuple(s.start for s in pl.global_index)): _digest(
+                        leaf.value[pl.local_index]
+                    )
+                    for pl in leaf.plan.placements
+                    if pl.first and leaf.plan.blocks[pl.device] in shared
+                }
+            )
     return record
+
+
+def _shared_blocks(plan: _layout.Plan) -> set[Any]:
+    """The blocks of ``plan``'s sharding that devices of more than one process hold."""
+    holders: dict[Any, set[int]] = {}
+    for device, block in plan.blocks.items():
+        holders.setdefault(block, set()).add(plan.owners[device])
+    return {block for block, processes in holders.items() if len(processes) > 1}
 
 
 def _digest(block: np.ndarray) -> str:
@@ -523,12 +593,16 @@ def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
                     f"split over {[tuple(a) for a in r['leaves'][i][2]]})"
                     for p, r in records.items()
                 }
+                uneven = (
+                    "pass pad=True"
+                    if _caller.get().pads
+                    else "pad it first with meshkit.global_array_from_local(..., pad=True)"
+                )
                 raise MeshkitError(
                     f"{what}: processes disagree on the {name} of {path}:\n{_groups(shown)}\n"
                     "Processes must pass local arrays that fit together into one global array "
                     "(local shape = global shape / processes along each split dimension).\n"
-                    "Consider checking each process's loader; for an uneven last batch pass "
-                    "pad=True."
+                    f"Consider checking each process's loader; for an uneven last batch {uneven}."
                 )
     if "hashes" in records[first]:
         _compare_hashes(records, what)
@@ -708,13 +782,37 @@ def run(
     what: str = _WHAT,
 ) -> tuple[Any, jax.Array | None]:
     """`global_array_from_local` with the exchange tag chosen by the caller."""
+    return run_prepared(
+        lambda: prepare(
+            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
+        ),
+        pad=pad,
+        sizes_known=global_shape is not None,
+        check=check,
+        tag=tag,
+        what=what,
+    )
+
+
+def run_prepared(
+    make: Callable[[], Prepared],
+    *,
+    pad: bool,
+    sizes_known: bool,
+    check: Check,
+    tag: str,
+    what: str = _WHAT,
+) -> tuple[Any, jax.Array | None]:
+    """The assembly protocol: prepare (``make``) -> agree -> transfer -> assemble.
+
+    A failure of ``make`` is published to the other processes when they will exchange records,
+    so that they raise at once instead of waiting for this process.
+    """
     multi = _compat.distributed_state()[2] > 1
-    sizes_unknown = pad and global_shape is None
+    sizes_unknown = pad and not sizes_known
     exchanging = multi and (bool(check) or sizes_unknown)
     try:
-        prepared = prepare(
-            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
-        )
+        prepared = make()
     except Exception as e:
         if exchanging:
             publish_failure(tag, e)

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from . import _device_axis
 from ._errors import MeshkitError
 from ._gather import local_from_global
-from ._global import tree_paths
+from ._global import exchange_records, tree_paths
 
 __all__ = [
     "device_put_replicated",
@@ -715,7 +715,9 @@ def pad_shard_unpad(
     ``wrapped`` (typically a `meshkit.pmap_compat` or ``jax.pmap`` function) is called with
     them; each output leaf of shape ``(L, db, ...)`` is brought to the host (this process's
     entries of a global array), reshaped to ``(L * db, ...)`` and cut to its first ``b`` rows.
-    With several processes each process pads and unpads its own batch.
+    With several processes each process pads and unpads its own batch, to the per-device batch
+    of the process with the most rows (agreed through the coordination service), so that the
+    processes' arguments fit together.
 
     Args:
         wrapped: the function to call on the padded, sharded arguments.
@@ -769,6 +771,13 @@ def pad_shard_unpad(
         per_device = -(-b // local)
         if min_device_batch is not None:
             per_device = max(per_device, int(min_device_batch))
+        if jax.process_count() > 1:
+            # Every process pads to the largest per-device batch, so that their arguments fit
+            # together into one global array (pmap_compat checks that they do).
+            records = exchange_records(
+                "pad_shard_unpad", {"per_device": per_device}, "meshkit.pad_shard_unpad"
+            )
+            per_device = max(int(r["per_device"]) for r in records.values())
 
         def pad(x: Any) -> np.ndarray:
             value = np.asarray(x)

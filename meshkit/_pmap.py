@@ -36,7 +36,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _compat, _device_axis, _dispatch, _variance
+from . import _compat, _device_axis, _dispatch, _placement, _variance
 from ._errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ._specs import spec_axes
 from ._spmd import fn_name, from_host
@@ -138,6 +138,7 @@ class _Entry:
     jitted: Any
     targets: tuple[NamedSharding, ...]  # each leaf's sharding when already placed
     multi: bool  # the mesh spans processes
+    paths: tuple[str, ...]  # each leaf's name in messages
     out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # filled while tracing
     checked: bool = False  # out_axes=None outputs analysed
 
@@ -239,7 +240,7 @@ class PmapFunction:
         context = jax.sharding.get_abstract_mesh()
         if context.empty and _compat.trace_state_clean():
             entry = self._last.get((key, treedef))
-            if entry is not None and _placed(leaves, entry.targets):
+            if entry is not None and _placement.placed(leaves, entry.targets):
                 return self._finish(entry.jitted(*leaves), entry)  # the steady state
         entry, placed = self._classify(key, treedef, leaves)
         if context.empty or context == entry.mesh.abstract_mesh:
@@ -416,23 +417,45 @@ class PmapFunction:
         if tracing:
             return entry, leaves
         self._last[(key, treedef)] = entry
-        return entry, self._place(leaves, entry)
+        return entry, self._place(leaves, entry, treedef)
 
-    def _place(self, leaves: list[Any], entry: _Entry) -> list[Any]:
-        """Every leaf placed for ``entry``; host data of a single process in one batched put.
+    def _place(self, leaves: list[Any], entry: _Entry, treedef: Any = None) -> list[Any]:
+        """Every leaf placed for ``entry`` (`meshkit._placement`'s classes).
 
-        jit would place host data itself, but it traces a numpy argument and a placed array of
-        the same type separately: placing here keeps one trace per signature.
+        Host data goes in one batch: in one process a batched put (jit would place it too, but
+        it traces a numpy argument and a placed array separately); across processes it is this
+        process's entries, assembled with the others' as `meshkit.global_array_from_local`
+        does, with its check that the processes' structure, shapes and dtypes agree.
         """
         placed = [
             self._put(leaf, r, target, entry)
             for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
         ]
-        host = [i for i, leaf in enumerate(placed) if not isinstance(leaf, jax.Array)]
-        if host:
-            put = jax.device_put([placed[i] for i in host], [entry.targets[i] for i in host])
-            for i, value in zip(host, put, strict=True):
-                placed[i] = value
+        host = [i for i, leaf in enumerate(placed) if _placement.is_host(leaf)]
+        if not host:
+            return placed
+        across = jax.process_count() > 1
+        values = [_host_value(placed[i], across) for i in host]
+        targets = [entry.targets[i] for i in host]
+        if entry.multi:
+            structure = None
+            if treedef is not None:
+                keep = set(host)
+                structure = jax.tree_util.tree_unflatten(
+                    treedef, [v if i in keep else None for i, v in enumerate(placed)]
+                )
+            values = _placement.assemble(
+                [(entry.paths[i], v) for i, v in zip(host, values, strict=True)],
+                entry.mesh,
+                [t.spec for t in targets],
+                what=self._what,
+                tag="pmap_compat",
+                structure=structure,
+            )
+        else:
+            values = _placement.put_host(values, targets)
+        for i, value in zip(host, values, strict=True):
+            placed[i] = value
         return placed
 
     def _put(self, leaf: Any, r: Axis, target: NamedSharding, entry: _Entry) -> Any:
@@ -461,18 +484,7 @@ class PmapFunction:
                     return from_host(np.asarray(leaf), target)
                 return _device_axis.from_local(leaf, mesh, r)
             return jax.device_put(leaf, target)
-        if jax.process_count() == 1:
-            return leaf  # host data: placed with the others by _place
-        # Host data in a multi-process run: this process's entries (jit refuses numpy with a
-        # sharding there, even over local devices only).
-        host = np.asarray(leaf)
-        if host.dtype == jax.dtypes.float0:
-            host = np.zeros(host.shape, bool)  # as jax.pmap does across processes
-        if not entry.multi:
-            return jax.device_put(host, target)
-        if r is None:
-            return from_host(host, target)
-        return _device_axis.from_local(host, mesh, r)
+        return leaf  # host data: placed with the others by _place
 
     # ---- meshes -----------------------------------------------------------------------------
 
@@ -593,7 +605,7 @@ class PmapFunction:
             jitted = jax.jit(body, donate_argnums=layout.donated)
         else:
             jitted = jax.jit(body, in_shardings=targets, donate_argnums=layout.donated)
-        entry = _Entry(mesh, resolved, jitted, targets, mesh.is_multi_process)
+        entry = _Entry(mesh, resolved, jitted, targets, mesh.is_multi_process, layout.paths)
         return entry
 
     def _unbound_axis_help(self, message: str) -> str:
@@ -784,12 +796,14 @@ _TRACING: contextvars.ContextVar[PmapFunction | None] = contextvars.ContextVar(
 )
 
 
-def _placed(leaves: list[Any], targets: tuple[NamedSharding, ...]) -> bool:
-    """Whether every leaf is an array already laid out as ``targets`` (no numpy, no tracer)."""
-    for leaf, target in zip(leaves, targets, strict=True):
-        if getattr(leaf, "sharding", None) != target or isinstance(leaf, Tracer):
-            return False
-    return True
+def _host_value(leaf: Any, across_processes: bool) -> Any:
+    """Host data as it is placed: float0 (no device type) as bool zeros across processes."""
+    if not across_processes:
+        return leaf
+    value = np.asarray(leaf)
+    if value.dtype == jax.dtypes.float0:
+        return np.zeros(value.shape, bool)  # as jax.pmap does across processes
+    return value
 
 
 def _explicitly_typed(x: Any) -> bool:

@@ -1,11 +1,19 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-The steady state is JAX's own: a call is one `jax.jit` dispatch whose ``in_shardings`` are the
-``in_specs``, so arrays already laid out right pass through JAX's C++ fast path, and host data
-(numpy, Python scalars) is placed by jit itself. Only when jit refuses the arguments (a committed
-array with another layout, or host data in a multi-process run) does meshkit look at them one by
-one: it places them, warns once for an array that had to be moved between layouts, and calls
-again. Every call first passes `meshkit._dispatch.enter`.
+A call is one `jax.jit` dispatch whose ``in_shardings`` are the ``in_specs``. The arguments are
+classified before it (`meshkit._placement`), never retried: when every leaf is already laid
+out as its spec says (the steady state), jit is called at once; otherwise meshkit checks the
+shapes against the specs (its own messages), puts host data (numpy, Python scalars) in one
+batched call, moves arrays laid out differently (warning once per argument), and then calls.
+Each signature is traced once. Every call first passes `meshkit._dispatch.enter`.
+
+In a multi-process run, host data and process-local (fully addressable) arrays are *this
+process's part* of the argument, exactly as `meshkit.global_array_from_local` defines it: along
+a dimension split across processes, the rows this process's devices hold; other dimensions
+whole. All such leaves of a call are assembled together, through `_global`'s protocol, before
+jit is called, so the processes compare structure, shapes and dtypes once per call (one small
+message through the coordination service) and a mismatch is an error naming the processes, not
+a hang. Single-process, host data is the whole value, which is the same thing.
 
 Meshes with Explicit axes (``jax.make_mesh``'s default) type their arrays by sharding, and
 `jax.shard_map` demands that the type match ``in_specs``; inside the jitted function meshkit
@@ -26,7 +34,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _dispatch
+from . import _dispatch, _placement
 from ._errors import MeshkitError
 from ._specs import (
     as_partition_spec,
@@ -65,6 +73,18 @@ def from_host(value: Any, target: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
 
 
+class _Local:
+    """A process-local leaf of an spmd call, with its spec and its name in messages."""
+
+    def __init__(self, value: Any, spec: Any, where: str) -> None:
+        self.value = value
+        self.spec = spec
+        self.where = where
+
+
+_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
+
+
 class _Plan:
     """Everything fixed once the mesh is known: specs, shardings, the jitted function."""
 
@@ -81,6 +101,8 @@ class _Plan:
             f"meshkit.spmd({name}): out_specs",
         )  # fmt: skip
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        # Per structure of the dynamic arguments: each leaf's sharding once placed.
+        self.targets: dict[Any, tuple[NamedSharding, ...]] = {}
         if not isinstance(mesh, Mesh):  # an AbstractMesh, met while tracing: body only
             return
         self.multiprocess = mesh.is_multi_process
@@ -247,60 +269,123 @@ class _Plan:
                 raise
             # shard_map has already reported structure mismatches in its own words.
 
-    # ---- call time, slow path ---------------------------------------------------------------
-
-    def place(self, args: tuple[Any, ...], *, host_only: bool) -> tuple[Any, ...] | None:
-        """Arguments jit will accept, or None when nothing here could be the problem."""
-        static = self.owner.static_argnums
-        dyn = self.dynamic(args)
-        specs = self.specs_for(len(dyn))
-        changed = False
-
-        def put(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
-            nonlocal changed
-            target = NamedSharding(self.mesh, s)
-            if isinstance(leaf, Tracer):
-                return leaf
-            if isinstance(leaf, jax.Array):
-                if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                    return leaf
-                single = len(leaf.sharding.device_set) == 1 and leaf.is_fully_addressable
-                if host_only and not (single and self.multiprocess):
-                    return leaf
-                changed = True
-                if single and self.multiprocess:
-                    return from_host(np.asarray(leaf), target)
-                if not single:
-                    self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
-                return jax.device_put(leaf, target)
-            if not self.multiprocess:
-                return leaf  # host data: jit places it through in_shardings
-            changed = True
-            return from_host(leaf, target)
-
-        placed = iter(self.each_leaf(dyn, specs, put))
-        if not changed:
-            return None
-        return tuple(args[i] if i in static else next(placed) for i in range(len(args)))
+    # ---- call time: classify, then call ------------------------------------------------------
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
+        """Classify the arguments (`meshkit._placement`), place what needs it, call jit once."""
         run = self.jitted.lower if lower else self.jitted
-        if self.multiprocess and not all(
-            isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(args)
-        ):
-            args = self.place(args, host_only=True) or args  # host data is the global value
-        try:
-            return run(*args)
-        except ValueError as e:
-            failure = e
-        # jit refused the arguments. Shapes that cannot split get meshkit's message; arrays in
-        # another layout (or on one device) are moved, and the call is made again.
+        leaves, treedef = jax.tree_util.tree_flatten(self.dynamic(args))
+        targets = self.targets.get(treedef)
+        if targets is not None and _placement.placed(leaves, targets):
+            return run(*args)  # the steady state: every leaf already where in_specs puts it
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
+            return run(*self.traced(args))
+        if self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
+            args = self.assemble_local(args)  # this process's parts, as global arrays
+        return run(*self.place(args, treedef))
+
+    def traced(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Arguments of a call traced inside another jit: host values are program constants.
+
+        Constants are the same in every process (the global value), as jit itself treats them;
+        jit places them in one process, and they are put here across processes (jit refuses
+        host data with a sharding there).
+        """
+        if not self.multiprocess:
+            return args
         dyn = self.dynamic(args)
-        self.check_args(dyn, self.specs_for(len(dyn)))
-        placed = self.place(args, host_only=False)
-        if placed is None:
-            raise failure
-        return run(*placed)
+        specs = self.specs_for(len(dyn))
+        const = lambda leaf, s, raw, where: (  # noqa: E731
+            from_host(leaf, NamedSharding(self.mesh, s)) if _placement.is_host(leaf) else leaf
+        )
+        return self.with_dynamic(args, self.each_leaf(dyn, specs, const))
+
+    def place(self, args: tuple[Any, ...], treedef: Any) -> tuple[Any, ...]:
+        """Every argument where its spec puts it: meshkit's checks, then moves and puts.
+
+        Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
+        on one device); host data is put in one batched call. The leaves' targets are kept per
+        structure for the steady-state test of the next call.
+        """
+        dyn = self.dynamic(args)
+        specs = self.specs_for(len(dyn))
+        self.check_args(dyn, specs)
+        targets: list[NamedSharding] = []
+
+        def put(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+            target = NamedSharding(self.mesh, s)
+            targets.append(target)
+            if _placement.is_host(leaf):
+                return _Host(leaf, target)
+            if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
+                return leaf
+            if len(leaf.sharding.device_set) > 1:
+                self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
+            return jax.device_put(leaf, target)
+
+        marked = self.each_leaf(dyn, specs, put)
+        flat, tree = jax.tree_util.tree_flatten(marked, is_leaf=lambda x: isinstance(x, _Host))
+        hosts = [i for i, m in enumerate(flat) if isinstance(m, _Host)]
+        values = _placement.put_host(
+            [flat[i].value for i in hosts], [flat[i].target for i in hosts]
+        )
+        for i, value in zip(hosts, values, strict=True):
+            flat[i] = value
+        self.targets[treedef] = tuple(targets)
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
+
+    def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with its dynamic (non-static) arguments replaced by ``dyn``."""
+        static = self.owner.static_argnums
+        it = iter(dyn)
+        return tuple(args[i] if i in static else next(it) for i in range(len(args)))
+
+    def assemble_local(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The call's process-local leaves assembled into global arrays, in one assembly.
+
+        In a multi-process run, host data and addressable arrays are this process's part of
+        the argument, as `meshkit.global_array_from_local` defines it; the processes compare
+        structure, shapes and dtypes once per call (and, in debug mode, the data of blocks
+        that several processes provide) through the coordination service.
+        """
+        dyn = self.dynamic(args)
+        mesh = self.mesh
+        assert isinstance(mesh, Mesh)  # multi-process plans have a concrete mesh
+        try:
+            specs = self.specs_for(len(dyn))
+            marked = self.each_leaf(
+                dyn,
+                specs,
+                lambda leaf, s, raw, where: (
+                    _Local(leaf, raw, where) if _placement.is_local(leaf) else leaf
+                ),
+            )
+        except Exception as e:  # the others are waiting for this process's record
+            _placement.publish_failure(_TAG, e)
+            raise
+        flat, tree = jax.tree_util.tree_flatten(marked, is_leaf=lambda x: isinstance(x, _Local))
+        local = [i for i, m in enumerate(flat) if isinstance(m, _Local)]
+        assembled = _placement.assemble(
+            [(flat[i].where, flat[i].value) for i in local],
+            mesh,
+            [flat[i].spec for i in local],
+            what=f"meshkit.spmd({self.owner.name})",
+            tag=_TAG,
+            structure=jax.tree_util.tree_unflatten(
+                tree, [m if isinstance(m, _Local) else None for m in flat]
+            ),
+        )
+        for i, value in zip(local, assembled, strict=True):
+            flat[i] = value
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
+
+
+class _Host:
+    """A host leaf of an spmd call and where it goes (put with the others in one call)."""
+
+    def __init__(self, value: Any, target: NamedSharding) -> None:
+        self.value = value
+        self.target = target
 
 
 class _FromLeaf(Exception):
@@ -521,8 +606,13 @@ def spmd(
     fast on arguments already laid out per ``in_specs``, but it also takes:
 
     * host data (numpy arrays, Python scalars) and single-device arrays: placed per
-      ``in_specs``. In a multi-process run, host data is the whole (global) value and must be
-      the same in every process;
+      ``in_specs``. In a multi-process run, host data and process-local (fully addressable)
+      arrays are **this process's part** of the global argument, as for
+      `meshkit.global_array_from_local`: along a dimension split across processes, the rows
+      its devices hold (`meshkit.process_slice` says which); dimensions not split across
+      processes whole; parts that several processes hold (``P()``, say) must be equal. The
+      processes compare structure, shapes and dtypes once per call through the coordination
+      service (with `meshkit.debug` on, also the data of those shared parts);
     * arrays laid out differently: moved with one reshard per call, and a `ReshardWarning`
       the first time;
     * meshes with Explicit axis types (``jax.make_mesh``'s default) as well as Auto ones, and
@@ -550,7 +640,10 @@ def spmd(
     Raises:
         MeshkitError: for specs that name axes the mesh lacks, arguments whose shape does not
             split per their spec (naming the argument, its shape, the dimension and the sizes),
-            or a mismatch between ``in_specs`` and the arguments.
+            or a mismatch between ``in_specs`` and the arguments. In a multi-process run, also
+            when processes pass host arguments that do not fit together (a different structure,
+            dtype or shape; naming the processes, the argument and the field), or when one of
+            them fails or does not arrive within ``MESHKIT_CHECK_TIMEOUT`` seconds.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -561,6 +654,11 @@ def spmd(
         ...     return C.psum(block.sum(axis=1, keepdims=True), "model")
         >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
         [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
+
+        In a multi-process run each process passes its own rows: with 2 processes of 4
+        devices and ``in_specs="data"`` over the mesh ``{"data": 8}``, process ``p`` passes
+        its batch of 4 rows, rows ``4p`` to ``4p + 3`` of the global batch of 8, and
+        ``C.psum(block.sum(), "data")`` inside ``f`` sums all 8 rows.
     """
 
     def wrap(fn: Callable[..., Any]) -> SpmdFunction:

@@ -77,7 +77,7 @@ def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
 
 def _open(jaxpr: Any) -> Any:
     """The `Jaxpr` of a Jaxpr or ClosedJaxpr (a closed one's constants are invariant)."""
-    return jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr
+    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr  # a ClosedJaxpr has consts
 
 
 class _Analysis:

@@ -10,7 +10,9 @@ device collective: those are what hang) and compares them. The fingerprint holds
 function, the call's number in this process, the arguments' pytree structure, shapes, dtypes and
 shardings, and static arguments. On a mismatch every process raises `meshkit.DivergenceError`
 naming the processes that differ and the first field that differs; a process that does not
-arrive within the timeout is named as missing, with the last call it made.
+arrive within the timeout is named as missing, with the last call it made. `meshkit.spmd` also
+compares, in debug mode, the data of the parts of its host arguments that several processes
+pass (which must be equal; a CRC-32 per block).
 
 Debug mode also runs a stall watchdog: when this process has made no meshkit progress for
 ``watchdog`` seconds it prints where it is (one ``meshkit watchdog:`` line, which ``meshkit

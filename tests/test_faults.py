@@ -326,5 +326,6 @@ def test_soak_2000_steps(debug):
     result = launch_in_processes(_soak_on, timeout=240, env=env)
     text = result.report + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode == 0, text
-    # psum over all 8 rows of arange(32).reshape(8, 4), summed: every process sees 496.
-    assert result.values == [(496.0, debug, 0), (496.0, debug, 1)], text
+    # Each process passes arange(32).reshape(8, 4) as its own 8 rows of a global batch of 16:
+    # the psum over all 16 rows, summed, is 2 * 496 on every process.
+    assert result.values == [(992.0, debug, 0), (992.0, debug, 1)], text

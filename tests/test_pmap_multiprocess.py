@@ -233,3 +233,47 @@ def test_random_programs_match_jax_pmap_in_each_process(monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_DIR", os.path.dirname(__file__))
     counts = run_in_processes(_random_programs_against_jax_pmap, timeout=240)
     assert counts[0] == counts[1] == 20
+
+
+def _host_mismatch():
+    """Process 1 passes host data that does not fit process 0's: each case, then an agreeing call."""
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    me = jax.process_index()
+    f = meshkit.pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
+    cases = {
+        "shape": lambda: [np.ones((4, 2 + me), np.float32)],
+        "dtype": lambda: [np.ones((4, 2), np.float32 if me == 0 else np.int32)],
+        "leaves": lambda: [np.ones((4, 2), np.float32)] * (1 + me),
+    }
+    messages = {}
+    for name, make in cases.items():
+        try:
+            f(make())
+        except meshkit.MeshkitError as e:
+            messages[name] = str(e)
+    ok = f([np.ones((4, 2), np.float32)])
+    return messages, np.asarray(ok[0]).tolist()
+
+
+def test_host_arguments_that_differ_across_processes_are_named():
+    import time
+
+    start = time.monotonic()
+    results = run_in_processes(_host_mismatch, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "20"})
+    assert time.monotonic() - start < 100  # named at once, not after a timeout
+    for messages, ok in results:
+        assert ok == [[8.0, 8.0]] * 4  # the processes are still in step
+        assert messages["shape"].startswith(
+            "meshkit.pmap_compat(<lambda>): processes disagree on the global shape of args[0][0]:"
+        )
+        assert "process 0: float32[4, 2] (global [8, 2]" in messages["shape"]
+        assert "process 1: float32[4, 3] (global [8, 3]" in messages["shape"]
+        assert "processes disagree on the dtype of args[0][0]:" in messages["dtype"]
+        assert "process 1: int32[4, 2]" in messages["dtype"]
+        assert "processes passed pytrees of different structure:" in messages["leaves"]
+        assert "process 0: PyTreeDef((([*],), {}))" in messages["leaves"]
+        assert "process 1: PyTreeDef((([*, *],), {}))" in messages["leaves"]

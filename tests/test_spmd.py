@@ -299,3 +299,31 @@ def test_spmd_moves_any_input_to_the_spec(case, how):
         actual = meshkit.spmd(tag, mesh=mesh, in_specs=spec, out_specs=out_spec)(value)
     expected = reference_spmd(tag, mesh, spec, out_spec, x)
     np.testing.assert_array_equal(np.asarray(actual, np.float64), expected.astype(np.float64))
+
+
+def test_each_signature_is_traced_once_and_user_errors_propagate():
+    traced = []
+    mesh = meshkit.make_mesh({"data": 8})
+
+    def double(x):
+        traced.append(x.shape)
+        return x * 2
+
+    f = meshkit.spmd(double, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    x = np.ones((8, 2), np.float32)
+    y = f(x)  # host data, placed in one batched put
+    f(y)  # already placed: straight to jit
+    f(x)
+    f(jax.device_put(x, jax.devices()[3]))  # moved first, then the same signature
+    assert traced == [(1, 2)]
+
+    def broken(x):
+        traced.append("broken")
+        raise ValueError("the user's own error")
+
+    g = meshkit.spmd(broken, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    with pytest.raises(ValueError, match=r"^the user.s own error$") as e:
+        g(x)
+    assert type(e.value) is ValueError
+    assert str(e.value) == "the user's own error"
+    assert traced.count("broken") == 1

@@ -35,17 +35,17 @@ _PMAP_WHY = (
     "checkpointers refuse them."
 )
 _PMAP_FIX = (
-    "meshkit.pmap_compat, the same signature and collectives. In multi-process runs its outputs "
-    "are global arrays: read this process's part with meshkit.local_from_global, or pass "
-    "global_outputs=False to keep host-local ones."
+    "meshkit.pmap_compat, the same signature, collectives and outputs (host-local arrays in "
+    "multi-process runs, so host reads give what they gave). Pass global_outputs=True for global "
+    "arrays that a later jax.jit and checkpointers see whole."
 )
 _NESTED_WHY = (
     "Nested jax.pmap was removed from JAX: JAX 0.10.2 and 0.12 fail with 'The context mesh ... "
     "should match the mesh passed to shard_map'."
 )
 _NESTED_FIX = (
-    "meshkit.pmap_compat at both levels: they run on one 2-D mesh (outer axis by inner axis) "
-    "and collectives may name either axis or both."
+    "meshkit.pmap_compat at both levels: the inner axis runs vectorized on each device of the "
+    "outer one, and collectives may name either axis or both."
 )
 _NEGATIVE_WHY = (
     "jax.pmap places a negative out_axes wrongly and raises no error: 8 per-device outputs of "
@@ -104,8 +104,8 @@ _MERGE_FIX = (
 _INDEX_WHY = (
     "x[0] on a pmap output gathers the whole array to read one entry (3.3 ms for 8 MiB on 8 CPU "
     "devices, where reading one shard takes microseconds), and a loop pays it every step. With "
-    "meshkit.pmap_compat in a multi-process run the output is a global array, and x[0] on the "
-    "host needs entries that live on other hosts."
+    "meshkit.pmap_compat(..., global_outputs=True) in a multi-process run the output is a global "
+    "array, and x[0] on the host needs entries that live on other hosts."
 )
 _INDEX_FIX = (
     "meshkit.unreplicate(x), which reads this process's first entry from its own shard (for a "
@@ -113,15 +113,14 @@ _INDEX_FIX = (
     "it once after the loop. Not rewritten by --fix."
 )
 _AOT_WHY = (
-    "An ahead-of-time compiled pmap: calling the Compiled object skips the wrapper's per-call "
-    "work (placing arguments; meshkit.pmap_compat's global_outputs=False), takes only the "
-    "shapes and shardings it was lowered for, and from jax.pmap returns host-local arrays in "
-    "multi-process runs."
+    "An ahead-of-time compiled pmap: from jax.pmap, the Compiled object cannot be called in "
+    "multi-process runs (it has no host-local to global conversion) and takes only the shapes "
+    "and shardings it was lowered for."
 )
 _AOT_FIX = (
-    "Call the pmapped function itself (meshkit.pmap_compat compiles once per static arguments "
-    "and caches); keep .lower(...) for inspection (as_text(), cost_analysis()). Not rewritten "
-    "by --fix."
+    "meshkit.pmap_compat's .lower(...).compile() is called with the pmapped function's "
+    "arguments in any process count; or call the pmapped function itself (it compiles once per "
+    "signature and caches). Not rewritten by --fix."
 )
 
 RULES: dict[str, Rule] = {

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import collectives as _collectives
 from .._errors import MeshkitError
+from .._layout import process_slice
 from .._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs, map_under_specs
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]
@@ -291,6 +292,31 @@ def _global_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _local_part(mesh: Mesh, spec: PartitionSpec, leaf: Any) -> Any:
+    """What this process passes to `meshkit.spmd` for the global value ``leaf``: its part."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return leaf  # already global: spmd takes it as it is
+    if np.ndim(leaf) == 0:
+        return leaf  # every process holds a scalar whole (and a Python scalar stays one)
+    value = np.asarray(leaf)
+    return process_slice(mesh, spec, value.shape).take(value)
+
+
+def _local_parts(mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments this process passes to `meshkit.spmd` for the global values ``args``.
+
+    Single-process that is ``args`` itself; in a multi-process run each host leaf is cut down
+    to this process's part (`meshkit.process_slice`), and global arrays are kept.
+    """
+    if not mesh.is_multi_process:
+        return args
+    specs = _specs_tuple(in_specs, mesh, len(args))
+    return tuple(
+        map_under_specs(lambda spec, leaf: _local_part(mesh, spec, leaf), s, a)
+        for s, a in zip(specs, args, strict=True)
+    )
+
+
 def reference_spmd(
     f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, *args: Any
 ) -> Any:
@@ -403,14 +429,19 @@ def assert_spmd_matches_reference(
     atol: float | None = None,
     eager: bool = False,
 ) -> Any:
-    """Check that ``meshkit.spmd(f, ...)(*args)`` equals `reference_spmd` of the same call.
+    """Check that `meshkit.spmd` of ``f`` on ``args`` equals `reference_spmd` of the same call.
+
+    ``args`` are the arguments' global values. Single-process they are passed to the spmd
+    function as they are; in a multi-process run (every process passes the same global values
+    here) each process passes its own part of each host leaf, as `meshkit.spmd` expects there
+    (`meshkit.process_slice` cuts it out), and global arrays as they are.
 
     Args:
         f: the per-device function, as for `meshkit.spmd`.
         mesh: the mesh to run on.
         in_specs: as for `meshkit.spmd`.
         out_specs: as for `meshkit.spmd`.
-        *args: the arguments' global values.
+        *args: the arguments' global values (numpy, scalars, jax arrays, pytrees of them).
         rtol: relative tolerance; by default 0 for integers, 1e-5 for float32 and 2e-2 for
             bfloat16 (whose sums XLA may order differently).
         atol: absolute tolerance, with the same defaults.
@@ -442,7 +473,8 @@ def assert_spmd_matches_reference(
         ]
         actual = run(*placed)
     else:
-        actual = spmd(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+        run_spmd = spmd(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        actual = run_spmd(*_local_parts(mesh, in_specs, args))
     actual = jax.tree_util.tree_map(_global_numpy, actual)
     expected = reference_spmd(f, mesh, in_specs, out_specs, *args)
     flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
