@@ -487,7 +487,7 @@ def test_users_exceptions_propagate_unchanged_after_one_trace(error, out_axes):
     with pytest.raises(error) as e:
         pmap_compat(f, "i", out_axes=out_axes)(np.ones((N, 2), np.float32))
     assert type(e.value) is error
-    assert str(e.value) == "from the user's function"
+    assert str(e.value).startswith("from the user's function")  # JAX may add a note
     assert traced == [(2,)]
 
 
