@@ -6,6 +6,7 @@ JAX has no public API for these facts. Each accessor is checked on the JAX lines
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = [
     "cluster_envs",
     "cluster_params",
     "distributed_state",
+    "idle",
     "scan_counts",
     "trace_state_clean",
     "varying_axes",
@@ -71,9 +73,29 @@ def trace_state_clean() -> bool:
 
     `jax.pmap` itself asks this to tell a call from a trace; `pmap_compat` follows it.
     """
+    return bool(_jax_core().trace_state_clean())
+
+
+def idle() -> bool:
+    """Nothing traces here and no ``jax.set_mesh`` is active: a call may run as it is.
+
+    On the per-call path of `pmap_compat`: the module lookups are cached.
+    """
+    return _jax_core().trace_state_clean() and _jax_sharding().get_abstract_mesh().empty
+
+
+@functools.cache
+def _jax_core() -> Any:
     from jax._src import core
 
-    return bool(core.trace_state_clean())
+    return core
+
+
+@functools.cache
+def _jax_sharding() -> Any:
+    import jax.sharding
+
+    return jax.sharding
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -33,12 +33,14 @@ from . import _global, debug
 __all__ = ["assemble", "is_host", "is_local", "placed", "put_host"]
 
 
-def placed(leaves: Sequence[Any], targets: Sequence[NamedSharding]) -> bool:
-    """Whether every leaf is an array already laid out as its target (no host data, no tracer)."""
-    for leaf, target in zip(leaves, targets, strict=True):
-        if getattr(leaf, "sharding", None) != target or isinstance(leaf, Tracer):
-            return False
-    return True
+def placed(leaves: Sequence[Any], targets: list[NamedSharding]) -> bool:
+    """Whether every leaf is an array already laid out as its target (no host data).
+
+    Only for calls made outside any trace (`meshkit._compat.idle`): a tracer is not tested
+    for. One list comparison (identity first, then equality, per element), the cheapest test
+    of 50 leaves measured here.
+    """
+    return [getattr(leaf, "sharding", None) for leaf in leaves] == targets
 
 
 def is_host(leaf: Any) -> bool:

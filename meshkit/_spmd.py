@@ -34,7 +34,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _dispatch, _placement
+from . import _compat, _dispatch, _placement
 from ._errors import MeshkitError
 from ._specs import (
     as_partition_spec,
@@ -102,7 +102,7 @@ class _Plan:
         )  # fmt: skip
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
         # Per structure of the dynamic arguments: each leaf's sharding once placed.
-        self.targets: dict[Any, tuple[NamedSharding, ...]] = {}
+        self.targets: dict[Any, list[NamedSharding]] = {}
         if not isinstance(mesh, Mesh):  # an AbstractMesh, met while tracing: body only
             return
         self.multiprocess = mesh.is_multi_process
@@ -276,7 +276,11 @@ class _Plan:
         run = self.jitted.lower if lower else self.jitted
         leaves, treedef = jax.tree_util.tree_flatten(self.dynamic(args))
         targets = self.targets.get(treedef)
-        if targets is not None and _placement.placed(leaves, targets):
+        if (
+            targets is not None
+            and _compat.trace_state_clean()
+            and _placement.placed(leaves, targets)
+        ):
             return run(*args)  # the steady state: every leaf already where in_specs puts it
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             return run(*self.traced(args))
@@ -331,7 +335,7 @@ class _Plan:
         )
         for i, value in zip(hosts, values, strict=True):
             flat[i] = value
-        self.targets[treedef] = tuple(targets)
+        self.targets[treedef] = targets
         return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
 
     def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:

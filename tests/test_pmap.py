@@ -198,7 +198,7 @@ def test_the_steady_state_shortcut_falls_back_when_arguments_change():
     f = pmap_compat(lambda x: x + jax.lax.psum(1, "i"), "i")
     x = np.zeros((N, 2), np.float32)
     np.testing.assert_array_equal(np.asarray(f(x)), np.full((N, 2), N))
-    assert f._last  # the shortcut is armed after the first call
+    assert f._steady  # the shortcut is armed after the first call
     y = f(f(x))  # earlier outputs go straight to jit
     np.testing.assert_array_equal(np.asarray(y), np.full((N, 2), 2 * N))
     fewer = f(np.zeros((4, 2), np.float32))  # jit refuses; the general path picks 4 devices
