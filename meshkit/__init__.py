@@ -42,11 +42,11 @@ from ._legacy import shard_prng_key as shard_prng_key
 from ._legacy import unreplicate as unreplicate
 from ._mesh import describe as describe
 from ._mesh import make_mesh as make_mesh
-from ._pmap import Compiled as Compiled
-from ._pmap import Lowered as Lowered
 from ._pmap import PmapFunction as PmapFunction
 from ._pmap import UncheckedOutputWarning as UncheckedOutputWarning
 from ._pmap import pmap_compat as pmap_compat
+from ._pmap_stages import Compiled as Compiled
+from ._pmap_stages import Lowered as Lowered
 from ._runtime import RuntimeInfo as RuntimeInfo
 from ._runtime import init as init
 from ._runtime import runtime_info as runtime_info

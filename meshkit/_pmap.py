@@ -37,14 +37,15 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _compat, _device_axis, _dispatch, _placement, _variance
+from . import _pmap_axes as axes
 from ._errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
+from ._pmap_stages import Lowered, signature
 from ._specs import spec_axes
-from ._spmd import fn_name, from_host
+from ._spmd import _user_stacklevel, fn_name, from_host
 
-__all__ = ["Compiled", "Lowered", "PmapFunction", "UncheckedOutputWarning", "pmap_compat"]
+__all__ = ["PmapFunction", "UncheckedOutputWarning", "pmap_compat"]
 
 _ANON_AXIS = "_pmap_compat"
-Axis = int | None
 
 
 class UncheckedOutputWarning(UserWarning):
@@ -58,89 +59,18 @@ class UncheckedOutputWarning(UserWarning):
     """
 
 
-_IN_AXES_TYPE = (
-    "pmap in_axes must be an int, None, or (nested) container with those types as leaves, but "
-    "got {value!r}."
-)
-_KEYWORDS_MAPPED = (
-    "Arguments passed by keyword are not compared with in_axes: each argument passed by "
-    "keyword is mapped over its leading axis, as with jax.pmap."
-)
-
-
-def _check_axes_tree(value: Any, what: str, name: str) -> None:
-    for leaf in jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None):
-        if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int)):
-            raise MeshkitTypeError(
-                f"meshkit.pmap_compat({name}): "
-                + _IN_AXES_TYPE.replace("in_axes", what).format(value=value)
-                + "\nConsider ints (the mapped dimension) or None (an argument every device gets "
-                "whole), in a tuple with one entry per positional argument."
-            )
-
-
-def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``x``'s immediate children with their keys, and its one-level treedef."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    return [(path[0] if path else None, child) for path, child in with_path], treedef
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, tuple | list):
-        return f"a {type(x).__name__} of length {len(x)}"
-    return f"a {type(x).__name__}"
-
-
-def _prefix_mismatch(prefix: Any, full: Any, path: tuple[Any, ...] = ()) -> str | None:
-    """Where and how ``prefix`` stops being a pytree prefix of ``full`` (JAX's key-path form)."""
-    if prefix is None or isinstance(prefix, int):
-        return None
-    children, treedef = _one_level(prefix)
-    full_children, full_def = _one_level(full)
-    if treedef != full_def:
-        where = "pmap in_axes" + jax.tree_util.keystr(path)
-        have, want = _describe(prefix), _describe(full)
-        return f"at {where}, in_axes has {have} where the arguments have {want}"
-    for (key, child), (_, full_child) in zip(children, full_children, strict=True):
-        found = _prefix_mismatch(child, full_child, (*path, key))
-        if found is not None:
-            return found
-    return None
-
-
-def _resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
-    """A mapped axis counted like `jax.vmap` (negative from the end), checked against ``ndim``."""
-    if axis is None:
-        return None
-    if not -ndim <= axis < ndim:
-        raise MeshkitIndexError(
-            f"meshkit.pmap_compat({name}): {what}={axis} for {where}, which has rank {ndim} "
-            f"(valid: {-ndim} to {ndim - 1}, or None for an argument every device gets whole)."
-        )
-    return axis % ndim
-
-
-@dataclass
-class _Layout:
-    """What the structure of a call fixes: each leaf's in_axes entry, name and donation."""
-
-    axes: tuple[Axis, ...]
-    paths: tuple[str, ...]
-    donated: tuple[int, ...]  # leaf indices whose buffers may be donated
-
-
 @dataclass
 class _Entry:
     """One `jax.jit` over the flat leaves: a mesh, resolved mapped axes, tracing or not."""
 
     mesh: Mesh
-    resolved: tuple[Axis, ...]
+    resolved: tuple[axes.Axis, ...]
     jitted: Any
     targets: list[NamedSharding]  # each leaf's sharding when already placed
     multi: bool  # the mesh spans processes
     paths: tuple[str, ...]  # each leaf's name in messages
     local_out: bool  # outputs become this process's entries (jax.pmap's multi-process arrays)
-    out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # filled while tracing
+    out_leaves: list[tuple[str, axes.Axis]] = field(default_factory=list)  # filled while tracing
     checked: bool = False  # out_axes=None outputs analysed
 
 
@@ -179,15 +109,15 @@ class PmapFunction:
         self.mesh_axis = axis_name if axis_name is not None else _ANON_AXIS
         if isinstance(in_axes, list):
             in_axes = tuple(in_axes)
-        _check_axes_tree(in_axes, "in_axes", name)
-        _check_axes_tree(out_axes, "out_axes", name)
+        axes.check_axes_tree(in_axes, "in_axes", name)
+        axes.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
         self._checks_outputs = any(
             a is None for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
         )
-        self.static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums", name)
-        self.donate = _argnums(donate_argnums, "donate_argnums", name)
+        self.static = axes.argnums(static_broadcasted_argnums, "static_broadcasted_argnums", name)
+        self.donate = axes.argnums(donate_argnums, "donate_argnums", name)
         both = set(self.static) & set(self.donate)
         if both:
             raise MeshkitError(
@@ -214,7 +144,7 @@ class PmapFunction:
         self.devices = list(devices) if devices is not None else None
         self.backend = backend
         self.global_outputs = bool(global_outputs)
-        self._layouts: dict[Any, _Layout] = {}
+        self._layouts: dict[Any, axes.Layout] = {}
         self._entries: dict[Any, _Entry] = {}
         # Per structure of the arguments (calls without keywords or statics): the entry the
         # last call used, for the steady-state test of the next.
@@ -250,7 +180,7 @@ class PmapFunction:
         outer = _TRACING.get()
         if outer is not None and outer is not self:
             return self._nested(args, kwargs)
-        key = self._key(args, kwargs)
+        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
         context = jax.sharding.get_abstract_mesh()
         entry, placed = self._classify(key, treedef, leaves)
@@ -277,11 +207,11 @@ class PmapFunction:
         The compiled function takes the same arguments as this one (static ones may be left
         out, as with `jax.jit`) and returns the same outputs.
         """
-        key = self._key(args, kwargs)
+        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
         self._check_outputs(entry, placed)
-        return Lowered(self, key, treedef, entry, entry.jitted.lower(*placed))
+        return Lowered(self, key, treedef, entry, signature(leaves), entry.jitted.lower(*placed))
 
     @property
     def calls(self) -> int:
@@ -302,103 +232,19 @@ class PmapFunction:
             return args
         return tuple(a for i, a in enumerate(args) if i not in self.static)
 
-    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """(positional count, static values, keyword names): checked, hashable."""
-        n = len(args)
-        if self.static and max(self.static) >= n:
-            given = sorted(set(kwargs))
-            raise MeshkitError(
-                f"{self._what}: pmapped function has static_broadcasted_argnums={self.static} but "
-                f"was called with only {n} positional argument{'s' if n != 1 else ''}"
-                + (f" (and keywords {given})" if given else "")
-                + ". All static broadcasted arguments must be passed positionally, as with "
-                "jax.pmap."
-            )
-        static_vals = tuple(args[i] for i in self.static)
-        if static_vals:
-            for i, v in zip(self.static, static_vals, strict=True):
-                if not _hashable(v):
-                    raise MeshkitError(
-                        f"{self._what}: Non-hashable static arguments are not supported, as this "
-                        f"can lead to unexpected cache-misses. Static argument (index {i}) of "
-                        f"type {type(v)} for function {self.name} is non-hashable.\nThe "
-                        "static_broadcasted_argnums values key the compilation cache; consider a "
-                        "tuple instead of a list, a frozen dataclass, or passing it as an array "
-                        "argument."
-                    )
-        return (n, static_vals, tuple(sorted(kwargs)) if kwargs else ())
-
-    def _layout(self, key: tuple[Any, ...], treedef: Any, dyn: Any, kwargs: Any) -> _Layout:
-        """The per-leaf in_axes, names and donations of a call structure (cached)."""
-        cached = self._layouts.get((key, treedef))
-        if cached is not None:
-            return cached
-        n_args = key[0]
-        positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args, kwargs)
-        dyn_axes = [in_axes[i] for i in positions]
-        axes: list[Axis] = []
-        donated: list[int] = []
-        for pos, prefix, arg in zip(positions, dyn_axes, dyn, strict=True):
-            first = len(axes)
-            axes += self._axes_per_leaf(prefix, arg, dyn_axes, dyn, kwargs)
-            if pos in self.donate:
-                donated += range(first, len(axes))
-        axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
-        paths = tuple(_leaf_paths((dyn, kwargs), positions))
-        layout = self._layouts[(key, treedef)] = _Layout(tuple(axes), paths, tuple(donated))
-        return layout
-
-    def _axes_per_leaf(
-        self, prefix: Any, arg: Any, dyn_axes: list[Any], dyn: Any, kwargs: Any
-    ) -> list[Axis]:
-        n = len(jax.tree_util.tree_leaves(arg))
-        if prefix is None or isinstance(prefix, int):
-            return [prefix] * n
-        mismatch = _prefix_mismatch(tuple(dyn_axes), tuple(dyn), (jax.tree_util.SequenceKey(0),))
-        if mismatch is not None:
-            raise MeshkitError(
-                f"{self._what}: in_axes is not a pytree prefix of the positional arguments: "
-                f"{mismatch}."
-                + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
-                + "\nConsider one in_axes entry per positional argument: an int, None, or a "
-                "pytree prefix of that argument holding them."
-            )
-        out: list[Axis] = []
-        jax.tree_util.tree_map(
-            lambda ax, sub: out.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-            prefix, arg, is_leaf=lambda x: x is None,
-        )  # fmt: skip
-        return out
-
-    def _in_axes_for(self, n_args: int, kwargs: Any) -> list[Any]:
-        axes = self.in_axes
-        if axes is None or isinstance(axes, int):
-            return [axes] * n_args
-        if not isinstance(axes, tuple):
-            raise MeshkitError(
-                f"{self._what}: in_axes must be an int, None, or a tuple with one entry per "
-                f"positional argument; got {type(axes).__name__} {axes!r}."
-            )
-        if len(axes) != n_args:
-            raise MeshkitError(
-                f"{self._what}: in_axes is not a pytree prefix of the positional arguments: at "
-                f"pmap in_axes[0], in_axes has a tuple of length {len(axes)} where the arguments "
-                f"have a tuple of length {n_args}."
-                + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
-                + "\nConsider one in_axes entry per positional argument (None for an argument "
-                "every device gets whole)."
-            )
-        return list(axes)
-
     def _classify(
         self, key: tuple[Any, ...], treedef: Any, leaves: list[Any]
     ) -> tuple[_Entry, list[Any]]:
         """The entry for this call and its leaves placed for it (the call's slow path)."""
         dyn, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        layout = self._layout(key, treedef, dyn, kwargs)
+        layout = self._layouts.get((key, treedef))
+        if layout is None:
+            layout = axes.layout(
+                self.in_axes, self.static, self.donate, key[0], dyn, kwargs, self._what
+            )
+            self._layouts[(key, treedef)] = layout
         resolved = tuple(
-            _resolve(a, np.ndim(leaf), where, "in_axes", self.name)
+            axes.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
             for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
         )
         tracing = not _compat.trace_state_clean()
@@ -470,7 +316,7 @@ class PmapFunction:
             placed[i] = value
         return placed
 
-    def _put(self, leaf: Any, r: Axis, target: NamedSharding, entry: _Entry) -> Any:
+    def _put(self, leaf: Any, r: axes.Axis, target: NamedSharding, entry: _Entry) -> Any:
         """One leaf, placed for ``entry``'s mesh (no copy where the data is already there)."""
         mesh = entry.mesh
         if isinstance(leaf, jax.Array):
@@ -549,7 +395,7 @@ class PmapFunction:
         )
 
     def _mapped_size_error(
-        self, leaves: list[Any], resolved: tuple[Axis, ...], paths: tuple[str, ...]
+        self, leaves: list[Any], resolved: tuple[axes.Axis, ...], paths: tuple[str, ...]
     ) -> str:
         rows = []
         for leaf, r, where in zip(leaves, resolved, paths, strict=True):
@@ -570,8 +416,8 @@ class PmapFunction:
         self,
         key: tuple[Any, ...],
         treedef: Any,
-        layout: _Layout,
-        resolved: tuple[Axis, ...],
+        layout: axes.Layout,
+        resolved: tuple[axes.Axis, ...],
         mesh: Mesh,
         tracing: bool,
     ) -> _Entry:
@@ -595,7 +441,7 @@ class PmapFunction:
             full = [statics[i] if i in statics else next(it) for i in range(n_args)]
             return self._outputs_per_device(self.fun(*full, **kw), entry)
 
-        out_specs = _prefix_map(self.out_axes, lambda a: _out_spec(a, name))
+        out_specs = axes.prefix_map(self.out_axes, lambda a: axes.out_spec(a, name))
 
         def body(*flat: Any) -> Any:
             entry.out_leaves.clear()
@@ -637,9 +483,9 @@ class PmapFunction:
     def _outputs_per_device(self, out: Any, entry: _Entry) -> Any:
         """Each output gets its mapped dimension back (size 1); names recorded for checks."""
         with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
-        axes = _axes_per_output(self.out_axes, out, self.name)
+        out_axes = axes.axes_per_output(self.out_axes, out, self.name)
         result = []
-        for (path, leaf), axis in zip(with_path, axes, strict=True):
+        for (path, leaf), axis in zip(with_path, out_axes, strict=True):
             where = f"output{jax.tree_util.keystr(path)}"
             leaf = jax.numpy.asarray(leaf)
             entry.out_leaves.append((f"{where} (shape {leaf.shape})", axis))
@@ -659,10 +505,10 @@ class PmapFunction:
     def _place_outputs(self, out: Any, mesh: Mesh) -> Any:
         """Negative out_axes moved into place; every output laid out over the mesh as promised."""
         leaves, treedef = jax.tree_util.tree_flatten(out)
-        axes = _axes_per_output(self.out_axes, out, self.name)
+        out_axes = axes.axes_per_output(self.out_axes, out, self.name)
         name = self.mesh_axis
         placed = []
-        for leaf, axis in zip(leaves, axes, strict=True):
+        for leaf, axis in zip(leaves, out_axes, strict=True):
             if axis is not None and axis < 0:
                 leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
             spec = (
@@ -707,7 +553,7 @@ class PmapFunction:
                     "out_axes=0 and reading entry 0 yourself, or reducing the value with "
                     "jax.lax.pmean / psum over the whole axis.",
                     UncheckedOutputWarning,
-                    stacklevel=3,
+                    stacklevel=_user_stacklevel(),
                 )
 
     def _finish(self, out: Any, entry: _Entry) -> Any:
@@ -730,11 +576,11 @@ class PmapFunction:
                 f"{self._what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        key = self._key(args, kwargs)
+        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         n_args = key[0]
         statics = dict(zip(self.static, key[1], strict=True))
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = self._in_axes_for(n_args, kwargs)
+        in_axes = axes.in_axes_for(self.in_axes, n_args, kwargs, self._what)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             it = iter(dyn)
@@ -750,59 +596,6 @@ class PmapFunction:
             axis_size=self.axis_size,
         )
         return mapped(*self._dyn(args), **kwargs)
-
-
-class Lowered:
-    """``pmap_compat(f).lower(...)``: JAX's `Lowered`, with `compile` keeping f's signature."""
-
-    def __init__(
-        self, fn: PmapFunction, key: Any, treedef: Any, entry: _Entry, lowered: Any
-    ) -> None:
-        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
-        self.lowered = lowered
-
-    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        """Compile; the result is called like the pmapped function."""
-        return Compiled(
-            self._fn, self._key, self._treedef, self._entry, self.lowered.compile(*args, **kwargs)
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.lowered, name)  # as_text, compiler_ir, cost_analysis, ...
-
-
-class Compiled:
-    """A compiled `pmap_compat` function: call it with the arguments it was lowered for."""
-
-    def __init__(
-        self, fn: PmapFunction, key: Any, treedef: Any, entry: _Entry, compiled: Any
-    ) -> None:
-        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
-        self.compiled = compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._fn
-        n_args, static_vals, _ = self._key
-        if fn.static and len(args) == n_args:  # static arguments given again: they must match
-            given = tuple(args[i] for i in fn.static)
-            if given != static_vals:
-                raise MeshkitTypeError(
-                    f"{fn._what}: compiled for static arguments {static_vals}, called with "
-                    f"{given}.\nConsider lowering again for these values."
-                )
-            args = fn._dyn(args)
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        if treedef != self._treedef:
-            raise MeshkitTypeError(
-                f"{fn._what}: Function compiled with input pytree does not match the input "
-                f"pytree it was called with.\ncompiled for: {self._treedef}\ncalled with:  "
-                f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
-                "for, or lowering again."
-            )
-        return fn._finish(self.compiled(*fn._place(leaves, self._entry)), self._entry)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.compiled, name)  # as_text, cost_analysis, ...
 
 
 _TRACING: contextvars.ContextVar[PmapFunction | None] = contextvars.ContextVar(
@@ -827,14 +620,6 @@ def _explicitly_typed(x: Any) -> bool:
     if sharding is None or mesh is None or not spec_axes(sharding.spec):
         return False
     return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
 
 
 def _local_size(leaf: Any, axis: int, processes: int) -> int:
@@ -865,59 +650,6 @@ def _process_local(x: Any) -> Any:
     return jax.make_array_from_single_device_arrays(
         x.shape, NamedSharding(local, PartitionSpec()), [by_device[d] for d in mine]
     )
-
-
-def _axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
-    """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
-    if axes is None or isinstance(axes, int):
-        return [axes] * len(jax.tree_util.tree_leaves(out))
-    found: list[Axis] = []
-    try:
-        jax.tree_util.tree_map(
-            lambda ax, sub: found.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-            axes, out, is_leaf=lambda x: x is None,
-        )  # fmt: skip
-    except ValueError as e:
-        raise MeshkitError(
-            f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
-            f"outputs ({jax.tree_util.tree_structure(out)}): {e}\n"
-            "Consider one entry per output (an int, None, or a pytree matching it)."
-        ) from None
-    return found
-
-
-def _leaf_paths(tree: Any, dyn_positions: list[int]) -> list[str]:
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        first, rest = path[0], path[1:]
-        if getattr(first, "idx", None) == 0:  # positional
-            j = path[1].idx  # type: ignore[attr-defined]
-            out.append(f"args[{dyn_positions[j]}]{jax.tree_util.keystr(path[2:])}")
-        else:
-            out.append(f"kwargs{jax.tree_util.keystr(rest)}")
-    return out
-
-
-def _prefix_map(axes: Any, fn: Callable[[Axis], Any]) -> Any:
-    if axes is None or isinstance(axes, int):
-        return fn(axes)
-    return jax.tree_util.tree_map(fn, axes, is_leaf=lambda x: x is None)
-
-
-def _out_spec(axis: Axis, name: str) -> PartitionSpec:
-    if axis is None:
-        return PartitionSpec()
-    return _device_axis.mapped_spec(axis if axis >= 0 else 0, name)
-
-
-def _argnums(value: int | Sequence[int], what: str, name: str) -> tuple[int, ...]:
-    items = (value,) if isinstance(value, int) else tuple(value)
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise MeshkitError(
-                f"meshkit.pmap_compat({name}): {what} must be non-negative ints; got {value!r}."
-            )
-    return tuple(sorted(set(items)))
 
 
 def pmap_compat(

@@ -301,6 +301,27 @@ def test_legacy_code_sees_what_jax_pmap_gives(case):
     assert fn(pmap_compat) == fn(jax.pmap)
 
 
+def test_compiled_reports_argument_mismatches_as_jax_does():
+    f = pmap_compat(lambda x, s: x * s, "i", static_broadcasted_argnums=1)
+    x = np.ones((N, 2), np.float32)
+    compiled = f.lower(x, 3.0).compile()
+    np.testing.assert_array_equal(np.asarray(compiled(x)), 3 * x)  # statics left out, as jit
+    np.testing.assert_array_equal(np.asarray(compiled(x, 3.0)), 3 * x)  # or given again
+    with pytest.raises(TypeError, match="compiled for static arguments") as e:
+        compiled(x, 4.0)
+    assert isinstance(e.value, MeshkitError)
+    with pytest.raises(TypeError) as e:
+        compiled(np.ones((N, 3), np.float32))
+    assert str(e.value) == (
+        "meshkit.pmap_compat(<lambda>): Argument types differ from the types for which this "
+        "computation was compiled.\n  args[0]: compiled for float32[8, 2], called with "
+        "float32[8, 3]\nConsider lowering again for these arguments, or calling the pmapped "
+        "function itself (it compiles per signature)."
+    )
+    with pytest.raises(TypeError, match="Function compiled with input pytree does not match"):
+        compiled([x])
+
+
 def test_lower_and_compile():
     f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
     lowered = f.lower(np.ones((N, 2), np.float32))
