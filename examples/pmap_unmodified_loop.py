@@ -82,7 +82,7 @@ def legacy_program(pmap: Callable[..., Any]) -> list[str]:
     lines.append(
         f"checkpoint: step {int(host['step'])}, |w| {np.linalg.norm(host['params']['w']):.6f}"
     )
-    lines.append(f"mean weight over replicas {float(state['params']['w'].mean()):.6f}")
+    lines.append(f"mean |weight| over replicas {float(abs(state['params']['w']).mean()):.6f}")
     return lines
 
 
