@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from . import _compat, _device_axis, _dispatch, _placement, _variance
 from . import _pmap_axes as axes
 from ._errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
-from ._pmap_stages import Lowered, signature
+from ._pmap_stages import Lowered, Stage, signature
 from ._specs import spec_axes
 from ._spmd import _user_stacklevel, fn_name, from_host
 
@@ -211,7 +211,8 @@ class PmapFunction:
         leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
         self._check_outputs(entry, placed)
-        return Lowered(self, key, treedef, entry, signature(leaves), entry.jitted.lower(*placed))
+        stage = Stage(self, key, treedef, entry, signature(leaves))
+        return Lowered(stage, entry.jitted.lower(*placed))
 
     @property
     def calls(self) -> int:

@@ -8,6 +8,7 @@ same outputs, in any process count; argument mismatches are reported with JAX's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -18,7 +19,7 @@ from ._errors import MeshkitTypeError
 if TYPE_CHECKING:
     from ._pmap import PmapFunction, _Entry
 
-__all__ = ["Compiled", "Lowered"]
+__all__ = ["Compiled", "Lowered", "Stage", "signature"]
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
@@ -28,26 +29,27 @@ def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
     ]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What a lowering fixed: the function, its call key and structure, its entry, the types."""
+
+    fn: PmapFunction
+    key: Any
+    treedef: Any
+    entry: _Entry
+    given: list[tuple[tuple[int, ...], str]]
+
+
 class Lowered:
     """``pmap_compat(f).lower(...)``: JAX's `Lowered`, with `compile` keeping f's signature."""
 
-    def __init__(
-        self,
-        fn: PmapFunction,
-        key: Any,
-        treedef: Any,
-        entry: _Entry,
-        given: list[tuple[tuple[int, ...], str]],
-        lowered: Any,
-    ) -> None:
-        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
-        self._given = given
+    def __init__(self, stage: Stage, lowered: Any) -> None:
+        self._stage = stage
         self.lowered = lowered
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
         """Compile; the result is called like the pmapped function."""
-        compiled = self.lowered.compile(*args, **kwargs)
-        return Compiled(self._fn, self._key, self._treedef, self._entry, self._given, compiled)
+        return Compiled(self._stage, self.lowered.compile(*args, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.lowered, name)  # as_text, compiler_ir, cost_analysis, ...
@@ -56,22 +58,14 @@ class Lowered:
 class Compiled:
     """A compiled `pmap_compat` function: call it with the arguments it was lowered for."""
 
-    def __init__(
-        self,
-        fn: PmapFunction,
-        key: Any,
-        treedef: Any,
-        entry: _Entry,
-        given: list[tuple[tuple[int, ...], str]],
-        compiled: Any,
-    ) -> None:
-        self._fn, self._key, self._treedef, self._entry = fn, key, treedef, entry
-        self._given = given
+    def __init__(self, stage: Stage, compiled: Any) -> None:
+        self._stage = stage
         self.compiled = compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._fn
-        n_args, static_vals, _ = self._key
+        stage = self._stage
+        fn = stage.fn
+        n_args, static_vals, _ = stage.key
         if fn.static and len(args) == n_args:  # static arguments given again: they must match
             given = tuple(args[i] for i in fn.static)
             if given != static_vals:
@@ -81,19 +75,19 @@ class Compiled:
                 )
             args = fn._dyn(args)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        if treedef != self._treedef:
+        if treedef != stage.treedef:
             raise MeshkitTypeError(
                 f"{fn._what}: Function compiled with input pytree does not match the input "
-                f"pytree it was called with.\ncompiled for: {self._treedef}\ncalled with:  "
+                f"pytree it was called with.\ncompiled for: {stage.treedef}\ncalled with:  "
                 f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
                 "for, or lowering again."
             )
         now = signature(leaves)
-        if now != self._given:
+        if now != stage.given:
             rows = [
                 f"  {where}: compiled for {want[1]}{list(want[0])}, called with "
                 f"{got[1]}{list(got[0])}"
-                for where, want, got in zip(self._entry.paths, self._given, now, strict=True)
+                for where, want, got in zip(stage.entry.paths, stage.given, now, strict=True)
                 if want != got
             ]
             raise MeshkitTypeError(
@@ -101,7 +95,7 @@ class Compiled:
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )
-        return fn._finish(self.compiled(*fn._place(leaves, self._entry)), self._entry)
+        return fn._finish(self.compiled(*fn._place(leaves, stage.entry)), stage.entry)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)  # as_text, cost_analysis, ...
