@@ -48,17 +48,24 @@ def _mesh(devices: tuple[Any, ...], axis_name: str) -> Mesh:
 
 
 def device_mesh(
-    devices: Sequence[Any] | None = None, axis_name: str = DEFAULT_AXIS, *, what: str = "meshkit"
+    devices: Sequence[Any] | None = None,
+    axis_name: str = DEFAULT_AXIS,
+    *,
+    what: str = "meshkit",
+    keep_order: bool = False,
 ) -> Mesh:
     """The 1-D mesh of a device axis: ``devices`` (default: every device of every process).
 
     Ordered by process, then device id, so that every process builds the same mesh and a
-    process's local devices hold a contiguous range of the mapped dimension. Cached.
+    process's local devices hold a contiguous range of the mapped dimension. ``keep_order``:
+    the order given instead, in a single-process run (`jax.pmap`'s ``devices=``). Cached.
     """
     if devices is None:
         chosen = _ordered(jax.devices())
     else:
-        chosen = _ordered(list(devices))
+        given = tuple(devices)
+        single = all(d.process_index == jax.process_index() for d in given)
+        chosen = given if keep_order and single and jax.process_count() == 1 else _ordered(given)
         if not chosen:
             raise MeshkitError(f"{what}: devices= is empty; give at least one device.")
         if len(set(chosen)) != len(chosen):

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from . import _global, debug
 
-__all__ = ["assemble", "is_host", "is_local", "placed", "put_host"]
+__all__ = ["assemble", "is_abstract", "is_host", "is_local", "placed", "put_host"]
 
 
 def placed(leaves: Sequence[Any], targets: list[NamedSharding]) -> bool:
@@ -46,6 +46,11 @@ def placed(leaves: Sequence[Any], targets: list[NamedSharding]) -> bool:
 def is_host(leaf: Any) -> bool:
     """Host data: anything that is not a `jax.Array` (numpy, scalars, array-likes)."""
     return not isinstance(leaf, jax.Array)
+
+
+def is_abstract(leaf: Any) -> bool:
+    """A shape and dtype without data (what ``.lower`` may be given): never placed."""
+    return isinstance(leaf, jax.ShapeDtypeStruct | jax.core.ShapedArray)
 
 
 def is_local(leaf: Any) -> bool:

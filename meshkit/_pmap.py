@@ -290,7 +290,11 @@ class PmapFunction:
             self._put(leaf, r, target, entry)
             for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
         ]
-        host = [i for i, leaf in enumerate(placed) if _placement.is_host(leaf)]
+        host = [
+            i
+            for i, leaf in enumerate(placed)
+            if _placement.is_host(leaf) and not _placement.is_abstract(leaf)
+        ]
         if not host:
             return placed
         across = jax.process_count() > 1
@@ -320,6 +324,8 @@ class PmapFunction:
     def _put(self, leaf: Any, r: axes.Axis, target: NamedSharding, entry: _Entry) -> Any:
         """One leaf, placed for ``entry``'s mesh (no copy where the data is already there)."""
         mesh = entry.mesh
+        if _placement.is_abstract(leaf):
+            return leaf  # lowering for shapes only (ShapeDtypeStruct, ShapedArray)
         if isinstance(leaf, jax.Array):
             sharding = leaf.sharding
             if sharding == target:
@@ -370,7 +376,9 @@ class PmapFunction:
             chosen = sorted(mine, key=lambda d: d.id)[:per_process]
             return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
         if self.devices is not None:
-            mesh = _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
+            # jax.pmap maps entry i to devices[i] (in one process; across processes meshkit
+            # orders them by process so that each process's entries are contiguous).
+            mesh = _device_axis.device_mesh(pool, self.mesh_axis, what=self._what, keep_order=True)
             local = len(_device_axis.local_devices(mesh))
             if per_process != local:
                 raise MeshkitError(self._size_error(per_process, local, "given in devices="))

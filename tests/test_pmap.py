@@ -322,6 +322,30 @@ def test_compiled_reports_argument_mismatches_as_jax_does():
         compiled([x])
 
 
+def test_lower_for_shapes_only():
+    f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
+    for abstract in (
+        jax.ShapeDtypeStruct((N, 2), np.float32),
+        jax.core.ShapedArray((N, 2), np.float32),
+    ):
+        assert "all-reduce" in f.lower(abstract).compile().as_text()
+
+
+def test_devices_keep_the_order_given():
+    devices = jax.devices()[:6]
+    devices = [devices[i] for i in (5, 2, 0, 4, 1, 3)]
+    f = pmap_compat(lambda x: x * 2 + jax.lax.axis_index("i"), "i", devices=devices)
+    out = f(np.zeros(6, np.float32))
+    theirs = jax.pmap(lambda x: x * 2 + jax.lax.axis_index("i"), "i", devices=devices)(
+        np.zeros(6, np.float32)
+    )
+    assert [
+        s.device for s in sorted(out.addressable_shards, key=lambda s: s.index[0].start)
+    ] == devices
+    assert list(out.sharding.mesh.devices.flat) == list(theirs.sharding.mesh.devices.flat)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(6))
+
+
 def test_lower_and_compile():
     f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
     lowered = f.lower(np.ones((N, 2), np.float32))
