@@ -158,6 +158,69 @@ def unmapped_input_out_axes0(pmap: Pmap) -> dict[str, Any]:
     return {"out": _seen(out)}
 
 
+# jax.pmap's error contract: (case, key phrase). The same exception class as jax.pmap raises
+# (meshkit's errors subclass it too) and jax.pmap's key phrase in the message.
+JAX_ERRORS = {
+    "non-hashable static": (
+        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(
+            np.ones(jax.local_device_count()), [1]
+        ),
+        "Non-hashable static arguments are not supported",
+    ),
+    "in_axes prefix": (
+        lambda pmap: pmap(lambda x: x, in_axes=((0,),))(np.ones(jax.local_device_count())),
+        "pmap in_axes[0][0]",
+    ),
+    "keywords": (
+        lambda pmap: pmap(lambda x, y: x, in_axes=(0, None))(
+            np.ones(jax.local_device_count()), y=np.ones(3)
+        ),
+        "each argument passed by keyword is mapped",
+    ),
+    "unbound axis": (
+        lambda pmap: pmap(lambda x: jax.lax.psum(x, "j"), "i")(np.ones(jax.local_device_count())),
+        "Found an unbound axis name: j",
+    ),
+    "devices empty": (
+        lambda pmap: pmap(lambda x: x, devices=[]),
+        "'devices' argument to pmap must be non-empty, or None.",
+    ),
+    "in_axes type": (
+        lambda pmap: pmap(lambda x: x, in_axes="a"),
+        "pmap in_axes must be an int, None, or (nested) container with those types as leaves",
+    ),
+    "static positional": (
+        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(
+            np.ones(jax.local_device_count()), s=1
+        ),
+        "static_broadcasted_argnums=(1,) but was called with only 1 positional argument",
+    ),
+    "nothing mapped": (
+        lambda pmap: pmap(lambda x: x, in_axes=None)(np.ones(jax.local_device_count())),
+        "pmap requires at least one argument with a mapped axis.",
+    ),
+    "in_axes beyond rank": (
+        lambda pmap: pmap(lambda x: x, in_axes=2)(np.ones((jax.local_device_count(), 3))),
+        "",
+    ),
+    "not callable": (lambda pmap: pmap(3), "Expected a callable value, got 3"),
+}
+
+
+def errors(pmap: Pmap) -> dict[str, Any]:
+    """Each bad call of JAX_ERRORS: the built-in class it raises, and whether JAX's phrase is in."""
+    seen = {}
+    for name, (call, phrase) in JAX_ERRORS.items():
+        try:
+            call(pmap)
+        except (ValueError, TypeError, IndexError, NameError) as e:
+            kind = next(
+                k for k in (NameError, IndexError, TypeError, ValueError) if isinstance(e, k)
+            )
+            seen[name] = (kind.__name__, phrase in str(e))
+    return seen
+
+
 CASES: dict[str, Callable[[Pmap], dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -173,6 +236,7 @@ CASES: dict[str, Callable[[Pmap], dict[str, Any]]] = {
         lower_compile,
         device_varying_carry,
         unmapped_input_out_axes0,
+        errors,
     )
 }
 

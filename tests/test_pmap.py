@@ -467,49 +467,9 @@ def test_exported():
     assert meshkit.pmap_compat is pmap_compat
 
 
-# jax.pmap's error contract: (case, key phrase). The same exception class as jax.pmap raises
-# (meshkit's errors subclass it too) and jax.pmap's key phrase in the message.
-JAX_ERRORS = {
-    "non-hashable static": (
-        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(np.ones(N), [1]),
-        "Non-hashable static arguments are not supported",
-    ),
-    "in_axes prefix": (
-        lambda pmap: pmap(lambda x: x, in_axes=((0,),))(np.ones(N)),
-        "pmap in_axes[0][0]",
-    ),
-    "keywords": (
-        lambda pmap: pmap(lambda x, y: x, in_axes=(0, None))(np.ones(N), y=np.ones(3)),
-        "each argument passed by keyword is mapped",
-    ),
-    "unbound axis": (
-        lambda pmap: pmap(lambda x: jax.lax.psum(x, "j"), "i")(np.ones(N)),
-        "Found an unbound axis name: j",
-    ),
-    "devices empty": (
-        lambda pmap: pmap(lambda x: x, devices=[]),
-        "'devices' argument to pmap must be non-empty, or None.",
-    ),
-    "in_axes type": (
-        lambda pmap: pmap(lambda x: x, in_axes="a"),
-        "pmap in_axes must be an int, None, or (nested) container with those types as leaves",
-    ),
-    "static positional": (
-        lambda pmap: pmap(lambda x, s: x, static_broadcasted_argnums=1)(np.ones(N), s=1),
-        "static_broadcasted_argnums=(1,) but was called with only 1 positional argument",
-    ),
-    "nothing mapped": (
-        lambda pmap: pmap(lambda x: x, in_axes=None)(np.ones(N)),
-        "pmap requires at least one argument with a mapped axis.",
-    ),
-    "in_axes beyond rank": (lambda pmap: pmap(lambda x: x, in_axes=2)(np.ones((N, 3))), ""),
-    "not callable": (lambda pmap: pmap(3), "Expected a callable value, got 3"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(JAX_ERRORS))
+@pytest.mark.parametrize("case", sorted(pmap_cases.JAX_ERRORS))
 def test_errors_keep_jax_pmaps_classes_and_phrases(case):
-    call, phrase = JAX_ERRORS[case]
+    call, phrase = pmap_cases.JAX_ERRORS[case]
     with pytest.raises((ValueError, TypeError, IndexError, NameError)) as theirs:
         call(jax.pmap)
     with pytest.raises(type(theirs.value)) as ours:
