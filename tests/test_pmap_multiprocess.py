@@ -277,3 +277,46 @@ def test_host_arguments_that_differ_across_processes_are_named():
         assert "processes passed pytrees of different structure:" in messages["leaves"]
         assert "process 0: PyTreeDef((([*],), {}))" in messages["leaves"]
         assert "process 1: PyTreeDef((([*, *],), {}))" in messages["leaves"]
+
+
+def _messages_per_call():
+    """How many cross-process assemblies each kind of input costs (host data: one per call)."""
+    import jax
+    import numpy as np
+
+    import meshkit
+    from meshkit import _placement
+
+    n = jax.local_device_count()
+    assemblies = []
+    original = _placement.assemble
+
+    def counted(*args, **kwargs):
+        assemblies.append(1)
+        return original(*args, **kwargs)
+
+    _placement.assemble = counted
+    step = meshkit.pmap_compat(lambda x: x + jax.lax.psum(x, "i"), "i")
+    counts = {}
+    for name, make in {
+        "numpy": lambda out: np.ones((n, 3), np.float32),
+        "fed back": lambda out: out,
+        "prefetched": None,
+    }.items():
+        before = len(assemblies)
+        out = step(np.ones((n, 3), np.float32))
+        if make is None:
+            batches = iter([np.ones((n, 3), np.float32)] * 3)
+            for batch in meshkit.prefetch_to_device(batches, 2):
+                out = step(batch)
+        else:
+            for _ in range(3):
+                out = step(make(out))
+        jax.block_until_ready(out)
+        counts[name] = len(assemblies) - before - 1  # the first call's numpy input
+    return counts
+
+
+def test_only_host_data_sends_a_message():
+    for counts in run_in_processes(_messages_per_call, timeout=120):
+        assert counts == {"numpy": 3, "fed back": 0, "prefetched": 0}
