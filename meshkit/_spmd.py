@@ -485,11 +485,9 @@ class SpmdFunction:
         """The plan for this call's mesh; None when called while tracing without a mesh."""
         if self._plan is not None:
             return self._plan
-        try:
-            mesh = jax.sharding.get_mesh()
-        except ValueError:  # inside jax.jit: only the abstract mesh is known
-            return None
-        return self._context_plan(mesh, "called")
+        if not _compat.trace_state_clean():
+            return None  # traced (inside jax.jit): only the abstract mesh is known
+        return self._context_plan(jax.sharding.get_mesh(), "called")
 
     def _context_plan(self, mesh: Mesh | AbstractMesh, when: str) -> _Plan:
         """The plan for the mesh of the enclosing ``jax.set_mesh`` (made on first use)."""
