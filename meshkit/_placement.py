@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.core import Tracer
+from jax.core import ShapedArray, Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from . import _global, debug
@@ -50,7 +50,7 @@ def is_host(leaf: Any) -> bool:
 
 def is_abstract(leaf: Any) -> bool:
     """A shape and dtype without data (what ``.lower`` may be given): never placed."""
-    return isinstance(leaf, jax.ShapeDtypeStruct | jax.core.ShapedArray)
+    return isinstance(leaf, jax.ShapeDtypeStruct | ShapedArray)
 
 
 def is_local(leaf: Any) -> bool:
