@@ -113,6 +113,12 @@ class PmapFunction:
         axes.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
+        # Every out_axes entry is None or non-negative: each output's sharding is known before
+        # tracing (negative ones depend on the output's rank).
+        self._out_axes_fixed = all(
+            a is None or a >= 0
+            for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
+        )
         self._checks_outputs = any(
             a is None for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
         )
@@ -465,11 +471,26 @@ class PmapFunction:
                 raise MeshkitNameError(f"{e}\n{self._unbound_axis_help(str(e))}") from None
             finally:
                 _TRACING.reset(token)
-            return self._place_outputs(out, mesh)
+            return self._place_outputs(out, mesh, constrain=out_shardings is None)
 
         body.__name__ = body.__qualname__ = self.name
+        # Outputs split over the devices as jax.pmap returns them, even when every device
+        # computed the same value (an unmapped input returned with out_axes=0): jit's
+        # out_shardings where the out_axes fix them (cheaper per call), else a constraint.
+        out_shardings = None
+        if not tracing and self._out_axes_fixed:
+            out_shardings = axes.prefix_map(
+                self.out_axes, lambda a: NamedSharding(mesh, axes.out_spec(a, name))
+            )
         if tracing:
             jitted = jax.jit(body, donate_argnums=layout.donated)
+        elif out_shardings is not None:
+            jitted = jax.jit(
+                body,
+                in_shardings=targets,
+                out_shardings=out_shardings,
+                donate_argnums=layout.donated,
+            )
         else:
             jitted = jax.jit(body, in_shardings=targets, donate_argnums=layout.donated)
         multi = mesh.is_multi_process
@@ -511,8 +532,8 @@ class PmapFunction:
             result.append(jax.numpy.expand_dims(leaf, at))
         return jax.tree_util.tree_unflatten(treedef, result)
 
-    def _place_outputs(self, out: Any, mesh: Mesh) -> Any:
-        """Negative out_axes moved into place; every output laid out over the mesh as promised."""
+    def _place_outputs(self, out: Any, mesh: Mesh, *, constrain: bool) -> Any:
+        """Negative out_axes moved into place; ``constrain``: each laid out as promised."""
         leaves, treedef = jax.tree_util.tree_flatten(out)
         out_axes = axes.axes_per_output(self.out_axes, out, self.name)
         name = self.mesh_axis
@@ -525,9 +546,9 @@ class PmapFunction:
                 if axis is not None
                 else PartitionSpec()
             )
-            # jax.pmap returns mapped outputs split over the devices even when every device
-            # computed the same value (an unmapped input returned with out_axes=0).
-            placed.append(jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec)))
+            if constrain:
+                leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+            placed.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def _check_outputs(self, entry: _Entry, placed: list[Any]) -> None:
