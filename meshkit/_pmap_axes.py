@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from . import _device_axis
 from ._errors import MeshkitError, MeshkitIndexError, MeshkitTypeError
+from ._trees import prefix_mismatch
 
 __all__ = [
     "Axis",
@@ -56,33 +57,9 @@ def check_axes_tree(value: Any, what: str, name: str) -> None:
             )
 
 
-def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``x``'s immediate children with their keys, and its one-level treedef."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    return [(path[0] if path else None, child) for path, child in with_path], treedef
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, tuple | list):
-        return f"a {type(x).__name__} of length {len(x)}"
-    return f"a {type(x).__name__}"
-
-
-def prefix_mismatch(prefix: Any, full: Any, path: tuple[Any, ...] = ()) -> str | None:
-    """Where and how ``prefix`` stops being a pytree prefix of ``full`` (JAX's key-path form)."""
-    if prefix is None or isinstance(prefix, int):
-        return None
-    children, treedef = _one_level(prefix)
-    full_children, full_def = _one_level(full)
-    if treedef != full_def:
-        where = "pmap in_axes" + jax.tree_util.keystr(path)
-        have, want = _describe(prefix), _describe(full)
-        return f"at {where}, in_axes has {have} where the arguments have {want}"
-    for (key, child), (_, full_child) in zip(children, full_children, strict=True):
-        found = prefix_mismatch(child, full_child, (*path, key))
-        if found is not None:
-            return found
-    return None
+def _axis_leaf(x: Any) -> bool:
+    """An in_axes / out_axes entry that applies to a whole subtree: None or an int."""
+    return x is None or isinstance(x, int)
 
 
 def resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
@@ -166,11 +143,14 @@ def _axes_per_leaf(
     n = len(jax.tree_util.tree_leaves(arg))
     if prefix is None or isinstance(prefix, int):
         return [prefix] * n
-    mismatch = prefix_mismatch(tuple(dyn_axes), tuple(dyn), (jax.tree_util.SequenceKey(0),))
+    mismatch = prefix_mismatch(
+        tuple(dyn_axes), tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
+    )
     if mismatch is not None:
+        where, have, want = mismatch
         raise MeshkitError(
-            f"{what}: in_axes is not a pytree prefix of the positional arguments: "
-            f"{mismatch}."
+            f"{what}: in_axes is not a pytree prefix of the positional arguments: at "
+            f"pmap in_axes{where}, in_axes has {have} where the arguments have {want}."
             + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
             + "\nConsider one in_axes entry per positional argument: an int, None, or a "
             "pytree prefix of that argument holding them."
@@ -217,18 +197,20 @@ def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
     """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
     if axes is None or isinstance(axes, int):
         return [axes] * len(jax.tree_util.tree_leaves(out))
-    found: list[Axis] = []
-    try:
-        jax.tree_util.tree_map(
-            lambda ax, sub: found.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-            axes, out, is_leaf=lambda x: x is None,
-        )  # fmt: skip
-    except ValueError as e:
+    mismatch = prefix_mismatch(axes, out, is_leaf=_axis_leaf)
+    if mismatch is not None:
+        where, have, want = mismatch
         raise MeshkitError(
             f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
-            f"outputs ({jax.tree_util.tree_structure(out)}): {e}\n"
+            f"outputs ({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has "
+            f"{have} where the outputs have {want}.\n"
             "Consider one entry per output (an int, None, or a pytree matching it)."
-        ) from None
+        )
+    found: list[Axis] = []
+    jax.tree_util.tree_map(
+        lambda ax, sub: found.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
+        axes, out, is_leaf=lambda x: x is None,
+    )  # fmt: skip
     return found
 
 

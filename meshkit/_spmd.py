@@ -45,6 +45,7 @@ from ._specs import (
     parse_spec,
     spec_axes,
 )
+from ._trees import prefix_mismatch
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
@@ -172,28 +173,25 @@ class _Plan:
         raw_specs = (raw,) * len(args) if is_spec_leaf(raw) else tuple(raw)
 
         def per_arg(i: int) -> Any:
-            def visit(s: PartitionSpec, r: Any, sub: Any) -> Any:
-                def leaf_fn(p: Any, leaf: Any) -> Any:
-                    try:
-                        return fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}")
-                    except Exception as e:  # not a structure mismatch: pass it through
-                        raise _FromLeaf(e) from None
-
-                return jax.tree_util.tree_map_with_path(leaf_fn, sub)
-
-            try:
-                return jax.tree_util.tree_map(
-                    visit, specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf
-                )
-            except _FromLeaf as wrapped:
-                raise wrapped.error from None
-            except ValueError as e:
+            mismatch = prefix_mismatch(specs[i], args[i], is_leaf=is_spec_leaf)
+            if mismatch is not None:
+                where, have, want = mismatch
                 raise MeshkitError(
                     f"meshkit.spmd({self.owner.name}): in_specs[{i}] = {raw_specs[i]!r} does not "
                     f"match the structure of argument {i} "
-                    f"({jax.tree_util.tree_structure(args[i])}): {e}\n"
+                    f"({jax.tree_util.tree_structure(args[i])}): at in_specs[{i}]{where} it has "
+                    f"{have} where the argument has {want}.\n"
                     "Consider a spec per leaf, or one spec for the whole argument."
-                ) from None
+                )
+
+            def visit(s: PartitionSpec, r: Any, sub: Any) -> Any:
+                return jax.tree_util.tree_map_with_path(
+                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}"), sub
+                )
+
+            return jax.tree_util.tree_map(
+                visit, specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf
+            )
 
         return tuple(per_arg(i) for i in range(len(args)))
 
@@ -256,18 +254,15 @@ class _Plan:
                     f"{raw!r} names {_count(len(dims), 'dimension')}."
                 )
 
+        if prefix_mismatch(self.out_specs, out, is_leaf=is_spec_leaf) is not None:
+            return  # shard_map reports a structure mismatch in its own words
         raw = self.owner.out_specs
-        try:
-            jax.tree_util.tree_map(
-                lambda s, r, sub: jax.tree_util.tree_map_with_path(
-                    lambda p, leaf: check(leaf, s, r, f"out{jax.tree_util.keystr(p)}"), sub
-                ),
-                self.out_specs, raw, out, is_leaf=is_spec_leaf,
-            )  # fmt: skip
-        except ValueError as e:
-            if isinstance(e, MeshkitError):
-                raise
-            # shard_map has already reported structure mismatches in its own words.
+        jax.tree_util.tree_map(
+            lambda s, r, sub: jax.tree_util.tree_map_with_path(
+                lambda p, leaf: check(leaf, s, r, f"out{jax.tree_util.keystr(p)}"), sub
+            ),
+            self.out_specs, raw, out, is_leaf=is_spec_leaf,
+        )  # fmt: skip
 
     # ---- call time: classify, then call ------------------------------------------------------
 
@@ -390,13 +385,6 @@ class _Host:
     def __init__(self, value: Any, target: NamedSharding) -> None:
         self.value = value
         self.target = target
-
-
-class _FromLeaf(Exception):
-    """Carries an error raised for one leaf past the structure-mismatch handler."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
 
 
 class SpmdFunction:
