@@ -93,21 +93,20 @@ def mapped_spec(dim: int, axis_name: str) -> PartitionSpec:
 def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
     """A global array from this process's part: ``value.shape[dim]`` == its local entries.
 
-    The mapped axis is the mesh's first; on a 2-D mesh (nested pmap_compat) each entry goes
-    to every device of its row. The part goes to the local devices in one batched put (numpy,
-    scalars and fully addressable arrays alike; on CPU, aligned numpy memory is used in place).
-    The processes' parts are not compared here; `meshkit.global_array_from_local` does that.
+    ``mesh`` is a device-axis mesh (1-D). The part goes to the local devices in one batched put
+    (numpy, scalars and fully addressable arrays alike; on CPU, aligned numpy memory is used in
+    place). The processes' parts are not compared here; `meshkit.global_array_from_local` does
+    that.
     """
     name = mesh.axis_names[0]
     mine = local_devices(mesh)
-    per_entry = mesh.size // mesh.shape[name]  # devices along the other axes
-    if isinstance(value, jax.Array) and (len(value.devices()) > 1 or per_entry > 1):
+    if isinstance(value, jax.Array) and len(value.devices()) > 1:
         value = np.asarray(value)  # a multi-device local array: read it once
     shape = tuple(np.shape(value))
     global_shape = (*shape[:dim], mesh.shape[name], *shape[dim + 1 :])
     sharding = NamedSharding(mesh, mapped_spec(dim, name))
     # This process's first mapped entry.
-    offset = list(mesh.devices.flat).index(mine[0]) // per_entry
+    offset = list(mesh.devices.flat).index(mine[0])
     head = (slice(None),) * dim
 
     def block(index: Any) -> Any:
