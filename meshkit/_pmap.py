@@ -24,6 +24,7 @@ equal on every device (``out_axes=None``) are checked on that trace by `meshkit.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import warnings
@@ -188,16 +189,10 @@ class PmapFunction:
             return self._nested(args, kwargs)
         key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
-        context = jax.sharding.get_abstract_mesh()
         entry, placed = self._classify(key, treedef, leaves)
-        if context.empty and not kwargs and not self.static and _compat.trace_state_clean():
+        if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        if context.empty or context == entry.mesh.abstract_mesh:
-            self._check_outputs(entry, placed)
-            return self._finish(entry.jitted(*placed), entry)
-        # Under jax.set_mesh (or traced inside another mesh's jit) shard_map must run on the
-        # context's mesh: this function's mesh becomes the context for the call.
-        with jax.set_mesh(entry.mesh):
+        with _mesh_context(entry.mesh):
             self._check_outputs(entry, placed)
             return self._finish(entry.jitted(*placed), entry)
 
@@ -216,9 +211,10 @@ class PmapFunction:
         key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
-        self._check_outputs(entry, placed)
-        stage = Stage(self, key, treedef, entry, signature(leaves))
-        return Lowered(stage, entry.jitted.lower(*placed))
+        with _mesh_context(entry.mesh):
+            self._check_outputs(entry, placed)
+            lowered = entry.jitted.lower(*placed)
+        return Lowered(Stage(self, key, treedef, entry, signature(leaves)), lowered)
 
     @property
     def calls(self) -> int:
@@ -639,6 +635,18 @@ class PmapFunction:
 _TRACING: contextvars.ContextVar[PmapFunction | None] = contextvars.ContextVar(
     "meshkit_pmap_tracing", default=None
 )
+
+
+def _mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
+    """``jax.set_mesh(mesh)`` when another mesh is the context, else nothing.
+
+    Under ``jax.set_mesh`` (or traced inside another mesh's jit) shard_map must run on the
+    context's mesh: this function's mesh becomes the context for the call.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or context == mesh.abstract_mesh:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
 
 
 def _host_value(leaf: Any, across_processes: bool) -> Any:

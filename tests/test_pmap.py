@@ -322,6 +322,14 @@ def test_compiled_reports_argument_mismatches_as_jax_does():
         compiled([x])
 
 
+def test_lower_under_another_context_mesh():
+    f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
+    x = np.ones((N, 2), np.float32)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
+        out = f.lower(x).compile()(x)
+    np.testing.assert_array_equal(np.asarray(out), np.full((N, 2), N))
+
+
 def test_lower_for_shapes_only():
     f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
     for abstract in (
