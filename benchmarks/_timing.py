@@ -176,19 +176,27 @@ def median_uncertainty(samples: Sequence[float]) -> float:
     return 1.57 * (q3 - q1) / len(samples) ** 0.5 / statistics.median(samples)
 
 
-def launched_result(script: Path) -> dict[str, Any]:
-    """Run ``script`` in 2 processes x 4 CPU devices; process 0's ``BENCH {json}`` line, parsed.
+def launched_result(
+    script: Path,
+    *args: str,
+    num_processes: int = 2,
+    devices_per_process: int = 4,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """Run ``script`` in ``num_processes`` processes x ``devices_per_process`` CPU devices.
 
-    The script gets the benchmarks folder as its argument (to import this module).
+    Returns process 0's ``BENCH {json}`` line, parsed. The script gets the benchmarks folder as
+    its first argument (to import this module), then ``args``. Every rank is killed after
+    ``timeout`` seconds (the run then fails).
     """
     import meshkit
 
     result = meshkit.launch(
-        [str(script), str(script.parent)],
-        num_processes=2,
-        devices_per_process=4,
+        [str(script), str(script.parent), *args],
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
         platform="cpu",
-        timeout=300,
+        timeout=timeout,
         stream=False,
         keep_output=True,
     )

@@ -18,6 +18,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from coordination import bench_coordination  # noqa: E402
 from debug_overhead import bench_debug  # noqa: E402
 from global_assembly import (  # noqa: E402
     bench_global_gpu,
@@ -62,4 +63,5 @@ if __name__ == "__main__":
     print(bench_debug(), end="\n\n")
     print(bench_global_single_process(MALLOC), end="\n\n")
     print(bench_global_two_processes(), end="\n\n")
-    print(bench_global_gpu())
+    print(bench_global_gpu(), end="\n\n")
+    print(bench_coordination())

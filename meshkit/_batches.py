@@ -94,6 +94,8 @@ class GlobalBatches(Iterator[Any]):
         self._check: _global.Check = check
         self._progress = progress
         self._tag = f"global_batches/{next(_instances)}"
+        # sizes are exchanged at every step: the end of data is decided together.
+        self._assembly = _global.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
         self._queue: Queue[Any] = Queue()
         self._slots = threading.Semaphore(prefetch)
         self._stop = threading.Event()
@@ -219,54 +221,34 @@ class GlobalBatches(Iterator[Any]):
     def _step(self, status: str, local: Any, template: Any, multi: bool) -> Any:
         mesh_or_sharding, spec = self._args
         pad = self._pad
-        check: _global.Check = self._check
+        assembly = self._assembly
         if status == "end":
             if not (multi and pad and template is not None):
                 if multi:
-                    _global.raise_failures(self._exchange({"status": "end"}), _WHAT)
+                    assembly.agree_sizes(None, "end")
                 return _END
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
             )
-        try:
-            prepared = _global.prepare(
+        prepared = assembly.prepare(
+            lambda: _global.prepare(
                 local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
             )
-        except Exception as e:
-            if multi:
-                _global.publish_failure(self._tag, e)
-            raise
-        block_rows = _global.block_rows(prepared) if pad else 0
+        )
+        records = None
         if multi:
-            record: dict[str, Any] = {"status": status}
-            if check or pad:
-                record.update(_global.describe(prepared, pad=pad))
-                record["status"] = status
-            records = self._exchange(record)
-            _global.raise_failures(records, _WHAT)
+            # Every step agrees before placing: on the end of data, and the padded size.
+            records = assembly.agree_sizes(prepared, status)
             statuses = {r["status"] for r in records.values()}
             if "closed" in statuses:
                 return _END
             unpaddable = not pad or any("block_rows" not in r for r in records.values())
             if statuses == {"end"} or ("end" in statuses and unpaddable):
                 return _END
-            if check:
-                _global.compare(records, _WHAT)
-            if pad:
-                block_rows = max(int(r["block_rows"]) for r in records.values())
-        if pad:
-            _global.finish_padding(prepared, block_rows)
-        else:
-            _global.plan_leaves(prepared)
-        if multi and check == "data":
-            record = _global.describe(prepared, pad=pad, hashes=True)
-            _global.compare(self._exchange(record), _WHAT)
-        tree, mask = _global.assemble(prepared, _global.transfer(prepared))
+        assembly.place(prepared, records)
+        tree, mask = assembly.transfer(prepared, agreed=records is not None)
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows, prepared.notes
-
-    def _exchange(self, record: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        return _global.exchange_records(self._tag, record, _WHAT)
 
 
 def global_batches(

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _agree
+
 __all__ = [
     "CallSite",
     "Observer",
@@ -89,6 +91,8 @@ _lock = threading.Lock()
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
     site.calls += 1
+    if _agree.failures:
+        _agree.settle()
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)

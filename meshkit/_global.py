@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _compat, _dispatch, _layout, _runtime
+from . import _agree, _compat, _dispatch, _layout, _runtime
 from ._errors import MeshkitError
 from ._specs import SpecLike, check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
 
@@ -503,13 +503,8 @@ def plan_leaves(prepared: Prepared) -> None:
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
-def describe(prepared: Prepared, *, pad: bool, hashes: bool = False) -> dict[str, Any]:
-    """This process's record for the cross-process comparison (JSON-serialisable).
-
-    ``hashes`` adds a digest of every distinct block that other processes hold too (the replica
-    data check; a block only this process holds has nothing to be compared with); the leaves
-    must then hold their final plans (after `plan_leaves` or `finish_padding`).
-    """
+def describe(prepared: Prepared, *, pad: bool) -> dict[str, Any]:
+    """This process's record for the cross-process comparison (JSON-serialisable)."""
     leaves = []
     for leaf in prepared.leaves:
         shape: list[Any] = list(leaf.global_shape)
@@ -520,34 +515,63 @@ def describe(prepared: Prepared, *, pad: bool, hashes: bool = False) -> dict[str
     record: dict[str, Any] = {"status": "data", "tree": str(prepared.treedef), "leaves": leaves}
     if pad:
         record["block_rows"] = block_rows(prepared)
-    if hashes:
-        record["hashes"] = []
-        for leaf in prepared.leaves:
-            shared = _shared_blocks(leaf.plan)
-            record["hashes"].append(
-                {
-                    repr(tuple(s.start for s in pl.global_index)): _digest(
-                        leaf.value[pl.local_index]
-                    )
-                    for pl in leaf.plan.placements
-                    if pl.first and leaf.plan.blocks[pl.device] in shared
-                }
-            )
     return record
 
 
-def _shared_blocks(plan: _layout.Plan) -> set[Any]:
-    """The blocks of ``plan``'s sharding that devices of more than one process hold."""
-    holders: dict[Any, set[int]] = {}
-    for device, block in plan.blocks.items():
-        holders.setdefault(block, set()).add(plan.owners[device])
-    return {block for block, processes in holders.items() if len(processes) > 1}
+def summary(record: dict[str, Any]) -> str:
+    """What must be equal in every process: all of the record but the local shapes.
+
+    The ``replicas`` digests are compared per replica group (`meshkit._agree` groups), not here.
+    """
+    compared = {k: v for k, v in record.items() if k != "replicas"}
+    if "leaves" in compared:
+        compared["leaves"] = [leaf[:4] for leaf in compared["leaves"]]
+    return json.dumps(compared, sort_keys=True)
+
+
+def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, str]]:
+    """A digest of every block this process holds that other processes hold too (replicas).
+
+    Returned as `meshkit._agree` groups: ``"leaf path@block start"`` -> (the lowest process
+    holding the block, the digest). ``full``: a CRC-32 of the whole block; otherwise of about
+    `_SAMPLE` elements spread over it (a few KiB whatever the block's size). The leaves must
+    hold their final plans (after `plan_leaves` or `finish_padding`).
+    """
+    groups: dict[str, tuple[int, str]] = {}
+    for leaf in prepared.leaves:
+        plan = leaf.plan
+        holders: dict[Any, set[int]] = {}
+        for device, block in plan.blocks.items():
+            holders.setdefault(block, set()).add(plan.owners[device])
+        for pl in plan.placements:
+            block = plan.blocks[pl.device]
+            if not pl.first or len(holders[block]) < 2:
+                continue
+            view = leaf.value[pl.local_index]
+            start = tuple(s.start or 0 for s in pl.global_index)
+            digest = _digest(view) if full else _sampled_digest(view)
+            groups[f"{leaf.path}@{start}"] = (min(holders[block]), digest)
+    return groups
+
+
+_SAMPLE = 1024  # elements a sampled replica digest reads, spread evenly over the block
+
+
+def _sampled_digest(block: np.ndarray) -> str:
+    """CRC-32 of about `_SAMPLE` elements at evenly spaced positions, plus the shape."""
+    size = block.size
+    if size <= _SAMPLE:
+        sample = np.ascontiguousarray(block)
+    else:
+        positions = np.linspace(0, size - 1, _SAMPLE, dtype=np.int64)
+        sample = np.ascontiguousarray(block[np.unravel_index(positions, block.shape)])
+    return f"{zlib.crc32(sample.reshape(-1).view(np.uint8)):08x}:{block.shape}"
 
 
 def _digest(block: np.ndarray) -> str:
     # CRC-32 (zlib releases the GIL) runs at about 3 GB/s per core here, four times blake2b:
     # the check looks for loaders that went astray, not for an adversary.
-    return f"{zlib.crc32(np.ascontiguousarray(block).data):08x}"
+    return f"{zlib.crc32(np.ascontiguousarray(block).reshape(-1).view(np.uint8)):08x}"
 
 
 def _groups(values: dict[int, Any]) -> str:
@@ -575,7 +599,7 @@ def raise_failures(records: dict[int, dict[str, Any]], what: str = _WHAT) -> Non
 def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
     """Raise a `MeshkitError` naming the processes and the pytree path where records differ."""
     raise_failures(records, what)
-    trees = {p: r["tree"] for p, r in records.items()}
+    trees = {p: r.get("tree") for p, r in records.items()}  # absent: sizes agreed already
     if len(set(trees.values())) > 1:
         raise MeshkitError(
             f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
@@ -583,7 +607,7 @@ def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
             "Consider building batches with the same code and keys on every process."
         )
     first = min(records)
-    for i, leaf in enumerate(records[first]["leaves"]):
+    for i, leaf in enumerate(records[first].get("leaves", ())):
         path = leaf[0]
         for field_index, name in ((1, "dtype"), (2, "split"), (3, "global shape")):
             seen = {p: r["leaves"][i][field_index] for p, r in records.items()}
@@ -604,68 +628,81 @@ def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
                     "(local shape = global shape / processes along each split dimension).\n"
                     f"Consider checking each process's loader; for an uneven last batch {uneven}."
                 )
-    if "hashes" in records[first]:
-        _compare_hashes(records, what)
+    if any("replicas" in r for r in records.values()):
+        _compare_replicas(records, what)
 
 
-def _compare_hashes(records: dict[int, dict[str, Any]], what: str) -> None:
-    first = min(records)
-    for i, leaf in enumerate(records[first]["leaves"]):
-        owners: dict[str, dict[int, str]] = {}
-        for p, r in sorted(records.items()):
-            for block, digest in r["hashes"][i].items():
-                owners.setdefault(block, {})[p] = digest
-        for block, digests in owners.items():
-            if len(set(digests.values())) > 1:
-                by: dict[str, list[int]] = {}
-                for p, dg in digests.items():
-                    by.setdefault(dg, []).append(p)
-                groups = " vs ".join(str(ps) for ps in by.values())
-                raise MeshkitError(
-                    f"{what}: processes {groups} hold the same block of {leaf[0]} (starting at "
-                    f"{block}) as replicas, but passed different data for it.\n"
-                    "Processes in a replica group (meshkit.process_slice(...).replicas) must "
-                    "load identical data; consider seeding their loaders by shard_index, not by "
-                    "process index."
-                )
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="meshkit-check")
-    return _pool
+def _compare_replicas(records: dict[int, dict[str, Any]], what: str) -> None:
+    """Name the processes whose replicas of one block differ (``replicas``: their digests)."""
+    owners: dict[str, dict[int, str]] = {}
+    for p, r in sorted(records.items()):
+        for name, (_, digest) in r.get("replicas", {}).items():
+            owners.setdefault(name, {})[p] = digest
+    for name, digests in sorted(owners.items()):
+        if len(set(digests.values())) > 1:
+            by: dict[str, list[int]] = {}
+            for p, dg in digests.items():
+                by.setdefault(dg, []).append(p)
+            groups = " vs ".join(str(ps) for ps in by.values())
+            path, _, start = name.rpartition("@")
+            raise MeshkitError(
+                f"{what}: processes {groups} hold the same block of {path} (starting at "
+                f"{start}) as replicas, but passed different data for it.\n"
+                "Processes in a replica group (meshkit.process_slice(...).replicas) must "
+                "load identical data; consider seeding their loaders by shard_index, not by "
+                "process index."
+            )
 
 
 def exchange_records(
-    tag: str, record: dict[str, Any], what: str = _WHAT
+    tag: str,
+    record: dict[str, Any],
+    what: str = _WHAT,
+    *,
+    replicas: dict[str, tuple[int, str]] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Every process's record, through the coordination service; missing ones are an error."""
+    """Agree with every process on ``record`` (all of it but local shapes; see `summary`).
+
+    Returns this process's record alone when every process's is equal (and the ``replicas``
+    digests of each block equal its reference's); otherwise every process's record, for the
+    caller to compare, to name who differs, or to take a maximum. Missing processes, and
+    processes that stopped waiting, are an error.
+    """
     timeout = _runtime.check_timeout()
-    values, missing = _runtime.exchange(tag, json.dumps(record), timeout=timeout)
-    if missing:
+    if replicas:
+        record = {**record, "replicas": replicas}
+    outcome = _agree.agree(
+        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas
+    )
+    return _records(outcome, timeout, what)
+
+
+def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
+    gone = outcome.missing or outcome.gave_up
+    if gone:
+        late = not outcome.missing
         raise MeshkitError(
-            f"{what}: process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
-            f"not arrive within "
-            f"{timeout:g} s; the others did.\n"
-            "Every process must make the same calls in the same order (a process that stopped, "
-            "crashed, or took another branch never arrives).\n"
+            f"{what}: process{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+            + (
+                f"stopped waiting for this process (their {timeout:g} s ran out before it arrived)"
+                if late
+                else f"did not arrive within {timeout:g} s; the others did"
+            )
+            + ".\nEvery process must make the same calls in the same order (a process that "
+            "stopped, crashed, or took another branch never arrives).\n"
             f"Consider looking at those processes' output; {_runtime.ENV_CHECK_TIMEOUT} sets the "
             "wait."
         )
-    return {p: json.loads(v) for p, v in values.items()}
+    return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
 def publish_record(tag: str, record: dict[str, Any]) -> None:
-    """Post this process's record of the next exchange under ``tag`` without waiting for others.
+    """Post this process's record of the next agreement under ``tag`` without waiting for others.
 
-    Used when this process leaves a sequence of exchanges (a failure, an iterator closed early),
-    so that the others, waiting for its record, stop at once instead of timing out.
+    Used when this process leaves a sequence of agreements (a failure, an iterator closed
+    early), so that the others, waiting for it, stop at once instead of timing out.
     """
-    _runtime.publish(tag, json.dumps(record))
+    _agree.leave(tag, json.dumps(record))
 
 
 def publish_failure(tag: str, error: BaseException) -> None:
@@ -769,6 +806,146 @@ def assemble(prepared: Prepared, arrays: list[jax.Array]) -> tuple[Any, jax.Arra
     return jax.tree_util.tree_unflatten(prepared.treedef, arrays[:n]), mask
 
 
+class Assembly:
+    """The assembly protocol: prepare -> agree -> transfer -> assemble, in one place.
+
+    `global_array_from_local` (`run`), the host arguments of `meshkit.spmd` and
+    `meshkit.pmap_compat`, and each step of `meshkit.global_batches` go through it. The
+    agreement (`meshkit._agree`) costs O(1) coordination-service round trips per process:
+
+    - the sizes of an uneven batch (``pad=True`` without a global shape) are agreed before
+      anything is placed (the padded size depends on every process);
+    - the structure, dtypes, global shapes and a digest of the replicas (blocks that several
+      processes hold) are agreed beside the transfer, or, with ``defer``, after the call
+      returns: a disagreement is then raised by this process's next meshkit call.
+
+    Args:
+        tag: names the sequence of agreements (one per caller, the same in every process).
+        what: the public function messages name.
+        pad: pad the leading dimension to the largest process's batch (a mask marks rows).
+        check: `global_array_from_local`'s ``check``.
+        sizes_known: with ``pad``, the padded size is known (a global shape was given).
+        defer: verify the agreement beside the caller (`meshkit._agree.agree_later`).
+        stepwise: the processes agree at every call whatever ``check`` (`global_batches`
+            agrees on the end of data at each step).
+    """
+
+    def __init__(
+        self,
+        tag: str,
+        what: str,
+        *,
+        pad: bool,
+        check: Check,
+        sizes_known: bool = False,
+        defer: bool = False,
+        stepwise: bool = False,
+    ) -> None:
+        self.tag, self.what = tag, what
+        self.pad, self.check, self.sizes_known, self.defer = pad, check, sizes_known, defer
+        self.stepwise = stepwise
+        self.multi = _compat.distributed_state()[2] > 1
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Whether the processes agree on sizes before placing anything (an uneven batch)."""
+        return self.multi and self.pad and not self.sizes_known
+
+    def prepare(self, make: Callable[[], Prepared]) -> Prepared:
+        """``make()``; its failure is published to the processes that will wait for this one."""
+        try:
+            return make()
+        except Exception as e:
+            if self.multi and (bool(self.check) or self.exchanges_sizes or self.stepwise):
+                publish_failure(self.tag, e)
+            raise
+
+    def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Any]:
+        """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
+
+        With ``check`` the records are compared (a `MeshkitError` names who differs); without,
+        only failures are raised. ``prepared`` None: this process has no data (``status``).
+        """
+        record: dict[str, Any] = {"status": status}
+        if prepared is not None and (self.check or self.pad):
+            record = {**describe(prepared, pad=self.pad), "status": status}
+        records = exchange_records(self.tag, record, self.what)
+        raise_failures(records, self.what)
+        if (
+            self.check
+            and prepared is not None
+            and {r["status"] for r in records.values()} == {status}
+        ):
+            compare(records, self.what)
+        return records
+
+    def place(self, prepared: Prepared, records: dict[int, Any] | None) -> None:
+        """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
+        if not self.pad:
+            plan_leaves(prepared)
+            return
+        first = prepared.leaves[0]
+        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
+        if not self.sizes_known:
+            rows = block_rows(prepared)
+            if records is not None:
+                rows = max(
+                    [rows, *(int(r["block_rows"]) for r in records.values() if "block_rows" in r)]
+                )
+        finish_padding(prepared, rows)
+
+    def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
+        """Place the blocks; unless ``agreed`` already, agree beside the copy (or after it)."""
+        if not (self.multi and self.check):
+            return assemble(prepared, transfer(prepared))
+        replicas = replica_digests(prepared, full=self.check == "data")
+        if agreed and not replicas:
+            return assemble(prepared, transfer(prepared))
+        record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
+        if self.defer:
+            timeout, what = _runtime.check_timeout(), self.what
+            if replicas:
+                record = {**record, "replicas": replicas}
+            _agree.agree_later(
+                self.tag,
+                summary(record),
+                json.dumps(record),
+                timeout=timeout,
+                groups=replicas,
+                on_outcome=lambda outcome: compare(_records(outcome, timeout, what), what),
+            )
+            return assemble(prepared, transfer(prepared))
+        pending = _executor().submit(
+            contextvars.copy_context().run,
+            exchange_records,
+            self.tag,
+            record,
+            self.what,
+            replicas=replicas,
+        )
+        arrays = transfer(prepared)
+        compare(pending.result(), self.what)
+        return assemble(prepared, arrays)
+
+    def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
+        """The whole protocol for one assembly: ``(tree, mask)``."""
+        prepared = self.prepare(make)
+        warn_notes(prepared.notes, user_stacklevel())
+        records = self.agree_sizes(prepared) if self.exchanges_sizes else None
+        self.place(prepared, records)
+        return self.transfer(prepared, agreed=records is not None)
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="meshkit-check")
+    return _pool
+
+
 def run(
     local: Any,
     mesh_or_sharding: Any,
@@ -780,68 +957,17 @@ def run(
     check: Check,
     tag: str,
     what: str = _WHAT,
+    defer: bool = False,
 ) -> tuple[Any, jax.Array | None]:
     """`global_array_from_local` with the exchange tag chosen by the caller."""
-    return run_prepared(
+    assembly = Assembly(
+        tag, what, pad=pad, check=check, sizes_known=global_shape is not None, defer=defer
+    )
+    return assembly.run(
         lambda: prepare(
             local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
-        ),
-        pad=pad,
-        sizes_known=global_shape is not None,
-        check=check,
-        tag=tag,
-        what=what,
-    )
-
-
-def run_prepared(
-    make: Callable[[], Prepared],
-    *,
-    pad: bool,
-    sizes_known: bool,
-    check: Check,
-    tag: str,
-    what: str = _WHAT,
-) -> tuple[Any, jax.Array | None]:
-    """The assembly protocol: prepare (``make``) -> agree -> transfer -> assemble.
-
-    A failure of ``make`` is published to the other processes when they will exchange records,
-    so that they raise at once instead of waiting for this process.
-    """
-    multi = _compat.distributed_state()[2] > 1
-    sizes_unknown = pad and not sizes_known
-    exchanging = multi and (bool(check) or sizes_unknown)
-    try:
-        prepared = make()
-    except Exception as e:
-        if exchanging:
-            publish_failure(tag, e)
-        raise
-    warn_notes(prepared.notes, user_stacklevel())
-    if pad:
-        first = prepared.leaves[0]
-        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
-        if sizes_unknown:
-            rows = block_rows(prepared)
-            if multi:
-                # The padded size must be known before any block is placed: no overlap here.
-                records = exchange_records(tag, describe(prepared, pad=True), what)
-                (compare if check else raise_failures)(records, what)
-                rows = max(int(r["block_rows"]) for r in records.values())
-                exchanging = check == "data"  # the replicas' data is compared once padded
-        finish_padding(prepared, rows)
-    else:
-        plan_leaves(prepared)
-    pending = None
-    if exchanging:
-        # Described (and, for check="data", hashed) in the helper thread, alongside the copy.
-        pending = _executor().submit(
-            lambda: exchange_records(tag, describe(prepared, pad=pad, hashes=check == "data"), what)
         )
-    arrays = transfer(prepared)
-    if pending is not None:
-        compare(pending.result(), what)
-    return assemble(prepared, arrays)
+    )
 
 
 def global_array_from_local(
@@ -924,5 +1050,6 @@ def global_array_from_local(
         pad=pad,
         check=check,
         tag="global_array_from_local",
+        defer=check is True,
     )
     return (tree, mask) if pad else tree

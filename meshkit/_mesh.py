@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from . import _compat, _dispatch, _runtime
+from . import _agree, _compat, _dispatch, _runtime
 from ._errors import MeshkitError
 
 __all__ = ["describe", "make_mesh", "order_devices"]
@@ -243,7 +243,10 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
     ids = ",".join(str(d.id) for d in grid.flat)
     shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
     mine = f"{{{shape}}} devices [{ids}]"
-    values, missing = _runtime.exchange("make_mesh", mine, timeout=_runtime.check_timeout())
+    outcome = _agree.agree("make_mesh", mine, mine, timeout=_runtime.check_timeout())
+    if outcome.agreed:
+        return
+    values, missing = outcome.records, list(outcome.missing)
     if missing:
         raise MeshkitError(
             f"meshkit.make_mesh: processes {missing} did not reach make_mesh within "

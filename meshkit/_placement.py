@@ -91,7 +91,10 @@ def assemble(
         return []
     treedef = jax.tree_util.tree_structure([0] * len(named) if structure is None else structure)
     with _global.calling(what, pads=False):
-        tree, _ = _global.run_prepared(
+        assembly = _global.Assembly(
+            tag, what, pad=False, check="data" if debug.enabled() else True, sizes_known=True
+        )
+        tree, _ = assembly.run(
             lambda: _global.prepare_leaves(
                 named,
                 treedef,
@@ -100,12 +103,7 @@ def assemble(
                 dtype=None,
                 pad=False,
                 warn_dtypes=False,  # jit narrows host data silently; so do spmd and pmap_compat
-            ),
-            pad=False,
-            sizes_known=True,
-            check="data" if debug.enabled() else True,
-            tag=tag,
-            what=what,
+            )
         )
     return list(jax.tree_util.tree_leaves(tree))
 

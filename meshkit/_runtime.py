@@ -1,4 +1,4 @@
-"""Joining the cluster: ``meshkit.init()``, what it found, and the coordination-service exchange.
+"""Joining the cluster: ``meshkit.init()`` and what it found.
 
 ``init`` decides how this process joins a multi-process JAX program, in this order:
 
@@ -39,9 +39,7 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "RuntimeInfo",
-    "exchange",
     "init",
-    "publish",
     "runtime_info",
 ]
 
@@ -492,73 +490,3 @@ def _select_gloo() -> str | None:
     if _cpu_collectives() is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     return _cpu_collectives()
-
-
-_exchange_seq: dict[str, int] = {}
-_BLOCK = 64
-
-
-def _exchange_key(tag: str, process: int, seq: int) -> str:
-    return f"meshkit/{tag}/{process}/{seq // _BLOCK}/{seq}"
-
-
-def _next_seq(tag: str) -> int:
-    seq = _exchange_seq.get(tag, 0)
-    _exchange_seq[tag] = seq + 1
-    return seq
-
-
-def publish(tag: str, value: str) -> None:
-    """Post this process's value for its next `exchange` under ``tag``, without reading others'.
-
-    For a process that leaves a sequence of exchanges (a failure, an early exit, an iterator
-    closed early): the others, waiting for its value, get it at once instead of timing out.
-    """
-    client, me, n = _compat.distributed_state()
-    if client is None or n == 1:
-        return
-    client.key_value_set(_exchange_key(tag, me, _next_seq(tag)), value)
-
-
-def exchange(tag: str, value: str, *, timeout: float) -> tuple[dict[int, str], list[int]]:
-    """All-gather one string per process through the coordination service's key-value store.
-
-    Never uses a device collective (those are what hang when processes diverge). Each call with
-    the same ``tag`` is numbered per process, so processes must call it the same number of times;
-    a process that does not arrive within ``timeout`` seconds is reported as missing.
-
-    Args:
-        tag: names the exchange, e.g. ``"make_mesh"``.
-        value: this process's contribution.
-        timeout: seconds to wait for the other processes.
-
-    Returns:
-        ``(values, missing)``: ``values[process_id]`` for every process that arrived (this one
-        included) and the sorted ids of those that did not.
-    """
-    client, me, n = _compat.distributed_state()
-    if client is None or n == 1:
-        return {me: value}, []
-    seq = _next_seq(tag)
-    # Keys are grouped in blocks of _BLOCK calls so that old ones go in one delete per block:
-    # at call seq every process has read this one's calls up to seq - 2 (it could not have
-    # finished call seq - 1 otherwise), so the whole previous block is free at the second call
-    # of a block.
-    client.key_value_set(_exchange_key(tag, me, seq), value)
-    if seq % _BLOCK == 1 and seq > _BLOCK:
-        with contextlib.suppress(Exception):
-            client.key_value_delete(f"meshkit/{tag}/{me}/{seq // _BLOCK - 1}")
-    deadline = time.monotonic() + timeout
-    values = {me: value}
-    missing = []
-    for other in range(n):
-        if other == me:
-            continue
-        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            values[other] = client.blocking_key_value_get(_exchange_key(tag, other, seq), wait_ms)
-        except Exception as e:  # JAX raises its runtime error type for a deadline
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
-            missing.append(other)
-    return values, missing

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _compat, _dispatch, _runtime
+from . import _agree, _compat, _dispatch, _runtime
 from ._errors import DivergenceError, MeshkitError
 
 __all__ = ["DivergenceError", "barrier", "disable", "enable", "enabled", "settings"]
@@ -83,6 +83,7 @@ class _State:
         self.last = ""  # the last checked call, for messages
         self.last_time = time.monotonic()
         self.tags: set[str] = set()
+        self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last agreed fingerprint
         self.watchdog: _Watchdog | None = None
         self.hooks_installed = False
 
@@ -322,7 +323,7 @@ def _arg_name(site: _dispatch.CallSite, path: tuple[Any, ...]) -> str:
 
 
 def _tag() -> str:
-    return "debug/" + threading.current_thread().name.replace("/", "_")
+    return "debug/" + _agree.tag_part(threading.current_thread().name)
 
 
 def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
@@ -341,10 +342,15 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
         return
     tag = _tag()
     _state.tags.add(tag)
-    values, missing = _runtime.exchange(tag, json.dumps(record), timeout=settings.timeout)
+    # Compared: which function, the arguments' structure and leaves; shown: all of the record.
+    summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
+    outcome = _agree.agree(tag, summary, json.dumps(record), timeout=settings.timeout)
     _state.last_time = time.monotonic()
-    records = {p: json.loads(v) for p, v in values.items()}
-    _compare(records, missing, me, label, settings.timeout, tag, count)
+    if outcome.agreed:
+        _state.previous[tag] = record
+        return
+    records = {p: json.loads(v) for p, v in outcome.records.items()}
+    _compare(records, list(outcome.missing), me, label, settings.timeout, tag, count)
 
 
 def _compare(
@@ -493,28 +499,10 @@ def _left_text(record: dict[str, Any]) -> str:
 
 
 def _last_text(tag: str, process: int) -> str:
-    """What ``process`` last did, from its newest record still in the key-value store."""
-    client, _, _ = _compat.distributed_state()
-    if client is None:
-        return "its last call is unknown"
-    try:
-        entries = client.key_value_dir_get(f"meshkit/{tag}/{process}/")
-    except Exception:  # the store is unreachable: nothing more to say
-        return "its last call is unknown"
-    newest: tuple[int, dict[str, Any]] | None = None
-    for key, value in entries:
-        try:
-            seq = int(key.rsplit("/", 1)[1])
-            record = json.loads(value)
-        except (ValueError, IndexError):
-            continue
-        if newest is None or seq > newest[0]:
-            newest = (seq, record)
-    if newest is None:
+    """What ``process`` last did: the previous call of ``tag``, which every process agreed on."""
+    record = _state.previous.get(tag)
+    if record is None:
         return "it made no meshkit call checked in debug mode"
-    record = newest[1]
-    if record.get("status") != "call":
-        return _left_text(record)
     ago = time.time() - float(record.get("time", time.time()))
     return (
         f"its last call was #{record['n']} of {record['entry'].partition(' ')[2]} at "
@@ -529,8 +517,8 @@ def _publish_leaving(status: str, message: str = "") -> None:
         return
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
     for tag in sorted(_state.tags | {"debug/MainThread"}):
-        with contextlib.suppress(Exception):
-            _runtime.publish(tag, json.dumps(record))
+        with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
+            _agree.leave(tag, json.dumps(record))
 
 
 def _install_exit_hooks() -> None:
@@ -547,9 +535,6 @@ def _install_exit_hooks() -> None:
 
 
 # ---- barrier ----------------------------------------------------------------------------------
-
-
-_barrier_seq: dict[str, int] = {}
 
 
 def barrier(name: str, *, timeout: float | None = None) -> None:
@@ -580,36 +565,34 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    safe = name.replace("/", "_")
-    seq = _barrier_seq.get(safe, 0)
-    _barrier_seq[safe] = seq + 1
-    failed_key = f"meshkit/barrier-failed/{safe}/{seq}"
-    _, missing = _runtime.exchange(f"barrier/{safe}", "here", timeout=float(timeout))
+    outcome = _agree.agree(
+        "barrier/" + _agree.tag_part(name),
+        "",
+        json.dumps({"waited": float(timeout)}),
+        timeout=float(timeout),
+    )
+    use = outcome.seq + 1
     if _state.settings is not None:
         _state.last_time = time.monotonic()
-    if not missing:
-        # Arrived last but after another process gave up: fail with it.
-        note = None
-        with contextlib.suppress(Exception):
-            note = client.key_value_try_get(failed_key)
-        if note:
-            raise MeshkitError(
-                f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
-                f"another gave up: {note}.\nConsider a longer timeout, or what delayed this "
-                "process."
-            )
+    if outcome.agreed:
         return
+    if outcome.gave_up and not outcome.missing:
+        # Arrived last, but after another process stopped waiting: fail with it.
+        waited = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
+        raise MeshkitError(
+            f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
+            f"process{'es' if len(outcome.gave_up) > 1 else ''} {_ids(list(outcome.gave_up))} "
+            f"stopped waiting (after {waited:g} s) at use #{use} of this barrier.\n"
+            "Consider a longer timeout, or what delayed this process."
+        )
+    missing = list(outcome.missing)
     detail = "; ".join(
         f"process {p} ({_last_text(_tag(), p) if _state.settings else 'no debug record'})"
         for p in missing
     )
-    with contextlib.suppress(Exception):
-        client.key_value_set(
-            failed_key, f"process {me} waited {timeout:g} s for {_ids(missing)}", True
-        )
     raise MeshkitError(
         f"meshkit.barrier({name!r}): process{'es' if len(missing) > 1 else ''} "
-        f"{_ids(missing)} did not arrive within {timeout:g} s (use #{seq + 1} of this barrier); "
+        f"{_ids(missing)} did not arrive within {timeout:g} s (use #{use} of this barrier); "
         f"this process (process {me}) did.\nMissing: {detail}.\n"
         "Consider those processes' output (a crash, a stall, a different branch); "
         f"MESHKIT_DEBUG=1 names their last meshkit call."

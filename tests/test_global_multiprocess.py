@@ -126,6 +126,7 @@ def _mismatched_shapes():
     batch = {"x": np.zeros((rows, 3), np.float32), "y": np.zeros((8,), np.int32)}
     try:
         meshkit.global_array_from_local(batch, mesh, "data")
+        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -156,6 +157,7 @@ def _mismatched_structure_and_dtype(which):
         batch = {"x": np.zeros((8, 3), np.float32 if me == 0 else np.int32)}
     try:
         meshkit.global_array_from_local(batch, mesh, "data")
+        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -191,6 +193,7 @@ def _one_process_fails_locally():
     rows = 8 if jax.process_index() == 0 else 7  # process 1: not divisible over its 4 devices
     try:
         meshkit.global_array_from_local(np.zeros((rows, 2), np.float32), mesh, "data")
+        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -220,24 +223,41 @@ def _replica_data_differs():
     import meshkit
 
     mesh = meshkit.make_mesh({"model": 8})  # spans both processes; "_" replicates over it
-    x = np.full((4, 2), jax.process_index(), np.float32)
-    meshkit.global_array_from_local(x, mesh, "_")  # shapes agree: the default check passes
+    me = jax.process_index()
+    x = np.full((4, 2), me, np.float32)
+    meshkit.global_array_from_local(x, mesh, "_", check=False)  # not compared
+    meshkit.barrier("unchecked")
     messages = []
+    try:  # the default check compares a sampled digest of replicas, after the call returns
+        meshkit.global_array_from_local(x, mesh, "_")
+        meshkit.barrier("checked")  # a sync point: raises what the check found
+    except meshkit.MeshkitError as e:
+        messages.append(str(e))
     for pad in (False, True):
         try:
             meshkit.global_array_from_local(x, mesh, "_", check="data", pad=pad)
         except meshkit.MeshkitError as e:
             messages.append(str(e))
+    # One element off the sampled positions: only check="data" (every byte) sees it.
+    big = np.zeros((1 << 20,), np.float32)
+    big[12345] = me
+    meshkit.global_array_from_local(big, mesh, "_")
+    meshkit.barrier("sampled")
+    try:
+        meshkit.global_array_from_local(big, mesh, "_", check="data")
+    except meshkit.MeshkitError as e:
+        messages.append(str(e))
     same = np.ones((3, 2), np.float32)
     _, mask = meshkit.global_array_from_local(same, mesh, "_", check="data", pad=True)
     messages.append(int(np.asarray(mask.addressable_shards[0].data).sum()))
     return messages
 
 
-def test_replica_data_check_is_opt_in_and_names_the_group():
+def test_replicas_that_differ_are_caught_by_default_and_by_the_data_check():
     results = run_in_processes(_replica_data_differs, num_processes=2, timeout=120, env=_FAST_CHECK)
-    for unpadded, padded, real_rows in results:
-        for message in (unpadded, padded):
+    for *messages, real_rows in results:
+        assert len(messages) == 4, messages
+        for message in messages:
             assert "processes [0] vs [1] hold the same block of (the array)" in message
             assert "passed different data" in message
         assert real_rows == 3
@@ -366,6 +386,7 @@ def _one_process_never_calls():
         return "skipped"
     try:
         meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
+        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"

@@ -127,23 +127,31 @@ def test_missing_process_is_named():
     assert "MESHKIT_CHECK_TIMEOUT sets the wait" in messages[0]
 
 
-def _many_exchanges():
+def _many_agreements():
     import jax
 
-    from meshkit import _runtime
+    from meshkit import _agree
 
     me = jax.process_index()
     seen = []
-    for i in range(5):
-        values, missing = _runtime.exchange("test", f"{me}:{i}", timeout=20)
-        seen.append((sorted(values.items()), missing))
+    # Equal, equal, different (every record comes back), equal again, then equal summaries
+    # with different records (records are shown, not compared).
+    for i, summary in enumerate(["a", "a", f"b{me}", "a", "a"]):
+        outcome = _agree.agree("test", summary, f"{me}:{i}", timeout=20)
+        seen.append((outcome.agreed, sorted(outcome.records.items()), outcome.missing))
     return seen
 
 
-def test_exchange_is_numbered_per_call():
-    results = run_in_processes(_many_exchanges, devices_per_process=1)
-    for seen in results:
-        assert seen == [([(0, f"0:{i}"), (1, f"1:{i}")], []) for i in range(5)]
+def test_agreements_are_numbered_per_call():
+    results = run_in_processes(_many_agreements, devices_per_process=1)
+    for me, seen in enumerate(results):
+        assert seen == [
+            (True, [(me, f"{me}:0")], ()),
+            (True, [(me, f"{me}:1")], ()),
+            (False, [(0, "0:2"), (1, "1:2")], ()),
+            (True, [(me, f"{me}:3")], ()),
+            (True, [(me, f"{me}:4")], ()),
+        ], (me, seen)
 
 
 def test_run_in_processes_reports_a_failing_rank():

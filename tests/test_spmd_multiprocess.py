@@ -174,9 +174,13 @@ def _replicated_argument():
     out["same"] = float(np.asarray(scaled_total(batch, same).addressable_shards[0].data))
     out["python scalar"] = float(np.asarray(scaled_total(batch, 2.0).addressable_shards[0].data))
     differs = np.full(2, me, np.float32)
-    # Without debug mode the data of replicated parts is not compared (as in
-    # global_array_from_local's default check): the call runs.
-    scaled_total(batch, differs).block_until_ready()
+    # The default check compares a sampled digest of replicated parts (as
+    # global_array_from_local's does), before the computation starts; debug mode every byte.
+    try:
+        scaled_total(batch, differs)
+        out["default"] = "no error"
+    except meshkit.MeshkitError as e:
+        out["default"] = str(e)
     meshkit.debug.enable(timeout=20, watchdog=None)
     try:
         scaled_total(batch, differs)
@@ -188,19 +192,19 @@ def _replicated_argument():
     return out
 
 
-def test_replicated_argument_equal_works_and_a_difference_is_caught_in_debug_mode():
+def test_replicated_argument_equal_works_and_a_difference_is_caught():
     results = run_in_processes(_replicated_argument, num_processes=2, timeout=180, env=_FAST_CHECK)
     for r in results:
         # Rows: 4 x (1, 1) and 4 x (2, 2), times (3, 5): 4 * 8 + 4 * 16 = 96.
         assert r["same"] == 96.0, r
         assert r["python scalar"] == 2 * (4 * 2 + 4 * 4), r
         assert r["after"] == 96.0, r
-        message = r["debug"]
-        assert message.startswith(
-            "meshkit.spmd(scaled_total): processes [0] vs [1] hold the same block of args[1] "
-            "(starting at (0,)) as replicas, but passed different data for it."
-        ), message
-        assert "consider seeding their loaders by shard_index" in message, message
+        for message in (r["default"], r["debug"]):
+            assert message.startswith(
+                "meshkit.spmd(scaled_total): processes [0] vs [1] hold the same block of args[1] "
+                "(starting at (0,)) as replicas, but passed different data for it."
+            ), message
+            assert "consider seeding their loaders by shard_index" in message, message
 
 
 def _mismatch(which):

@@ -1,0 +1,273 @@
+"""Cost of meshkit's cross-process checks in N processes (run by coordination.bench_coordination).
+
+Usage: ``meshkit launch -n N -d 1 --timeout 600 coordination_worker.py BENCHMARKS_DIR [--probe]``.
+Process 0 prints one ``BENCH {json}`` line.
+
+Series, each in rounds of ``CALLS`` calls with a `meshkit.barrier` before every round (outside
+the timed span); the variants of a series take turns round by round (A B, B A, ...), so that
+the machine's noise falls on both alike, and an overhead is the median over rounds of the
+difference between the paired rounds. Every call is waited with `jax.block_until_ready`.
+
+* ``global``: ``meshkit.global_array_from_local`` of a 4 KiB float32 batch per process, with
+  ``check=True`` and ``check=False``;
+* ``debug``: a small ``meshkit.spmd`` step on an already global array, debug mode on
+  (``meshkit.debug.enable(timeout=60, watchdog=None)``) and off;
+* ``mesh``: ``meshkit.make_mesh({"data": -1})`` and ``jax.make_mesh``;
+* ``barrier``: ``meshkit.barrier`` alone.
+
+Per variant and process: seconds per call (process 0's clock), CPU seconds per call of the
+whole process (``resource.getrusage``, every thread), and coordination-service round trips per
+call and per agreement from ``meshkit._agree.stats`` (None where meshkit has no such counter).
+Checks verified beside the caller (``meshkit._agree.drain``, where it exists) are drained at the
+end of each round, outside the timed span but inside the CPU and round-trip counts; the drain
+time is reported apart, and ``verified`` times each round to the end of its drain. Every
+process's counts are gathered through the coordination service.
+
+``--probe`` (given to the smallest run) also times the coordination service itself: per-RPC
+latency seen by process 0 (which hosts the service) and by process 1 (another process), and the
+service's CPU per RPC: process 0's CPU while only process 1 sends RPCs, less its CPU in an idle
+window as long.
+"""
+
+import importlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, sys.argv[1])
+from _timing import bench_rounds, keep_freed_memory
+
+MALLOC = keep_freed_memory()  # before JAX starts its threads
+
+import meshkit  # noqa: E402
+
+meshkit.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+PROBE = "--probe" in sys.argv[2:]
+CALLS = 32  # calls per round (twice _agree.MAX_PENDING, so deferred checks must keep up)
+ROUNDS = bench_rounds(9)  # paired rounds per series: 288 calls per variant by default
+PROBE_RPCS = 500
+LOAD_BEFORE = os.getloadavg()  # other work on the machine skews every figure
+
+client, ME, N = meshkit._compat.distributed_state()
+try:
+    _agree: Any = importlib.import_module("meshkit._agree")
+except ImportError:
+    _agree = None
+STATS = getattr(_agree, "stats", None)
+DRAIN: Callable[[float], object] | None = getattr(_agree, "drain", None)
+
+
+def counters() -> tuple[int, int]:
+    if STATS is None:
+        return 0, 0
+    return int(STATS.rpcs), int(STATS.agreements)
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def series(
+    name: str,
+    fns: dict[str, Callable[[], Any]],
+    *,
+    setup: dict[str, tuple[Callable[[], object], Callable[[], object]]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Rounds of CALLS calls of each variant, taking turns; what each costs per call."""
+    setup = setup or {}
+    keys = list(fns)
+    totals = {
+        k: {"seconds": [], "verified": [], "cpu": 0.0, "rpcs": 0, "agreements": 0, "drain": 0.0}
+        for k in keys
+    }
+
+    def one_round(key: str, timed: bool) -> None:
+        enter, leave = setup.get(key, (lambda: None, lambda: None))
+        fn = fns[key]
+        meshkit.barrier(f"bench-{name}")  # processes start the round together
+        enter()
+        rpcs0, agreements0 = counters()
+        cpu0 = cpu_seconds()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            jax.block_until_ready(fn())
+        end = time.perf_counter()
+        if DRAIN is not None:
+            DRAIN(60.0)
+        drained = time.perf_counter()
+        cpu1 = cpu_seconds()
+        rpcs1, agreements1 = counters()
+        leave()
+        if timed:
+            t = totals[key]
+            t["seconds"].append((end - start) / CALLS)
+            t["verified"].append((drained - start) / CALLS)
+            t["cpu"] += cpu1 - cpu0
+            t["rpcs"] += rpcs1 - rpcs0
+            t["agreements"] += agreements1 - agreements0
+            t["drain"] += drained - end
+
+    for key in keys:  # warm-up: compilation, caches, first (changed) agreements
+        one_round(key, timed=False)
+    for r in range(ROUNDS):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            one_round(key, timed=True)
+    calls = ROUNDS * CALLS
+    out = {}
+    for key in keys:
+        t = totals[key]
+        out[key] = {
+            "seconds": statistics.median(t["seconds"]),
+            "rounds": t["seconds"],
+            "verified": statistics.median(t["verified"]),
+            "cpu": t["cpu"] / calls,
+            "rpcs": t["rpcs"] / calls if STATS is not None else None,
+            "agreements": t["agreements"] / calls if STATS is not None else None,
+            "drain": t["drain"] / calls,
+        }
+    if len(keys) == 2:
+        a, b = keys  # overhead of the first over the second, round by round
+        diffs = [x - y for x, y in zip(totals[a]["seconds"], totals[b]["seconds"], strict=True)]
+        verified = [
+            x - y for x, y in zip(totals[a]["verified"], totals[b]["verified"], strict=True)
+        ]
+        out["overhead"] = {
+            "seconds": statistics.median(diffs),
+            "rounds": diffs,
+            "verified": statistics.median(verified),
+            "verified_rounds": verified,
+        }
+    return out
+
+
+def probe() -> dict[str, float]:
+    """Per-RPC latency and the coordination service's CPU per RPC (processes 0 and 1)."""
+    prefix = f"meshkit-bench/probe/{time.time_ns()}"
+    meshkit.barrier("bench-probe-key")
+    if ME == 0:
+        client.key_value_set("meshkit-bench/probe-prefix", prefix)
+    prefix = client.blocking_key_value_get("meshkit-bench/probe-prefix", 60_000)
+    result: dict[str, float] = {}
+
+    def per_call(fn: Callable[[int], object], count: int = 200) -> float:
+        for i in range(10):
+            fn(-1 - i)
+        start = time.perf_counter()
+        for i in range(count):
+            fn(i)
+        return (time.perf_counter() - start) / count
+
+    meshkit.barrier("bench-probe")
+    if ME == 0:  # process 0 hosts the service: its RPCs still go through gRPC on loopback
+        result["set_p0"] = per_call(lambda i: client.key_value_set(f"{prefix}/set/{i}", "x"))
+        result["increment_p0"] = per_call(
+            lambda i: client.key_value_increment(f"{prefix}/count", 1)
+        )
+        result["get_p0"] = per_call(
+            lambda i: client.blocking_key_value_get(f"{prefix}/set/0", 60_000)
+        )
+    meshkit.barrier("bench-probe")
+    # The service's CPU per RPC: process 0 waits (one pending get) while process 1 sends
+    # PROBE_RPCS sets; then an idle window as long, for process 0's background CPU.
+    if ME == 0:
+        cpu0, start = cpu_seconds(), time.perf_counter()
+        client.blocking_key_value_get(f"{prefix}/busy-done", 120_000)
+        busy_cpu, busy_wall = cpu_seconds() - cpu0, time.perf_counter() - start
+        client.key_value_set(f"{prefix}/idle-length", repr(busy_wall))
+        cpu0 = cpu_seconds()
+        client.blocking_key_value_get(f"{prefix}/idle-done", 120_000)
+        idle_cpu = cpu_seconds() - cpu0
+        result["server_cpu_per_rpc"] = (busy_cpu - idle_cpu) / PROBE_RPCS
+        result["set_p1"] = float(client.blocking_key_value_get(f"{prefix}/set-p1", 60_000))
+    elif ME == 1:
+        time.sleep(0.2)  # process 0 is waiting
+        start = time.perf_counter()
+        for i in range(PROBE_RPCS):
+            client.key_value_set(f"{prefix}/p1/{i}", "x")
+        elapsed = time.perf_counter() - start
+        client.key_value_set(f"{prefix}/busy-done", "1")
+        idle = float(client.blocking_key_value_get(f"{prefix}/idle-length", 60_000))
+        time.sleep(idle)
+        client.key_value_set(f"{prefix}/idle-done", "1")
+        client.key_value_set(f"{prefix}/set-p1", repr(elapsed / PROBE_RPCS))
+    meshkit.barrier("bench-probe")
+    if ME == 0:
+        client.key_value_delete(prefix + "/")
+    return result
+
+
+local = np.ones((1024,), np.float32).reshape(8, 128)  # 4 KiB per process
+mesh = meshkit.make_mesh({"data": -1})
+results: dict[str, Any] = {}
+
+results["global"] = series(
+    "global",
+    {
+        "check": lambda: meshkit.global_array_from_local(local, mesh, "data"),
+        "nocheck": lambda: meshkit.global_array_from_local(local, mesh, "data", check=False),
+    },
+)
+
+step = meshkit.spmd(lambda x: x * 2, mesh=mesh, in_specs="data", out_specs="data")
+x = meshkit.global_array_from_local(local, mesh, "data", check=False)
+results["debug"] = series(
+    "debug",
+    {"on": lambda: step(x), "off": lambda: step(x)},
+    setup={"on": (lambda: meshkit.debug.enable(timeout=60, watchdog=None), meshkit.debug.disable)},
+)
+
+
+def meshkit_mesh() -> None:
+    meshkit.make_mesh({"data": -1})
+
+
+def jax_mesh() -> None:
+    jax.make_mesh((jax.device_count(),), ("data",))
+
+
+results["mesh"] = series("mesh", {"meshkit": meshkit_mesh, "jax": jax_mesh})
+results["barrier"] = series("barrier", {"barrier": lambda: meshkit.barrier("x")})
+
+# Every process's own counts, gathered through the coordination service (no device collective).
+FIELDS = ("cpu", "rpcs", "agreements")
+mine = {
+    s: {k: {f: v[f] for f in FIELDS} for k, v in d.items() if k != "overhead"}
+    for s, d in results.items()
+}
+client.key_value_set(f"meshkit-bench/coordination/{ME}", json.dumps(mine))
+probed = probe() if PROBE and N >= 2 else None
+if ME == 0:
+    per_process = [
+        json.loads(client.blocking_key_value_get(f"meshkit-bench/coordination/{p}", 120_000))
+        for p in range(N)
+    ]
+    print(
+        "BENCH "
+        + json.dumps(
+            {
+                "processes": N,
+                "cpu_count": os.cpu_count(),
+                "load_before": LOAD_BEFORE,
+                "load_after": os.getloadavg(),
+                "calls": ROUNDS * CALLS,
+                "rounds": ROUNDS,
+                "counters": STATS is not None,
+                "deferred": DRAIN is not None,
+                "results": results,
+                "per_process": per_process,
+                "probe": probed,
+                "malloc": MALLOC,
+            }
+        )
+    )
+meshkit.barrier("bench-end")
