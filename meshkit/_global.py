@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _agree, _compat, _dispatch, _layout, _runtime
 from ._errors import MeshkitError
 from ._specs import SpecLike, check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
+from ._trees import broadcast_prefix, prefix_mismatch
 
 __all__ = ["DtypeWarning", "global_array_from_local"]
 
@@ -173,18 +174,15 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
     mesh = mesh_or_sharding
     if is_spec_leaf(spec):
         return [(mesh, spec)] * n_leaves
-    try:
-        per_leaf = jax.tree_util.tree_map(
-            lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, local,
-            is_leaf=is_spec_leaf,
-        )  # fmt: skip
-    except ValueError as e:
+    mismatch = prefix_mismatch(spec, local, is_leaf=is_spec_leaf)
+    if mismatch is not None:
+        where, have, want = mismatch
         raise MeshkitError(
             f"{who()}: spec must be one spec for every array, or a pytree prefix of local with "
-            f"a spec at each leaf; the structures do not match:\n{e}"
-        ) from None
-    specs = jax.tree_util.tree_leaves(per_leaf, is_leaf=is_spec_leaf)
-    return [(mesh, s) for s in specs]
+            f"a spec at each leaf; the structures do not match: at spec{where}, spec has {have} "
+            f"where local has {want}."
+        )
+    return [(mesh, s) for s in broadcast_prefix(spec, local, is_leaf=is_spec_leaf)]
 
 
 @functools.lru_cache(maxsize=64)

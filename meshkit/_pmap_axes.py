@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from . import _device_axis
 from ._errors import MeshkitError, MeshkitIndexError, MeshkitTypeError
-from ._trees import prefix_mismatch
+from ._trees import broadcast_prefix, prefix_mismatch
 
 __all__ = [
     "Axis",
@@ -155,12 +155,7 @@ def _axes_per_leaf(
             + "\nConsider one in_axes entry per positional argument: an int, None, or a "
             "pytree prefix of that argument holding them."
         )
-    out: list[Axis] = []
-    jax.tree_util.tree_map(
-        lambda ax, sub: out.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-        prefix, arg, is_leaf=lambda x: x is None,
-    )  # fmt: skip
-    return out
+    return broadcast_prefix(prefix, arg, is_leaf=_axis_leaf)
 
 
 def in_axes_for(in_axes: Any, n_args: int, kwargs: Any, what: str) -> list[Any]:
@@ -206,12 +201,7 @@ def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
             f"{have} where the outputs have {want}.\n"
             "Consider one entry per output (an int, None, or a pytree matching it)."
         )
-    found: list[Axis] = []
-    jax.tree_util.tree_map(
-        lambda ax, sub: found.extend([ax] * len(jax.tree_util.tree_leaves(sub))),
-        axes, out, is_leaf=lambda x: x is None,
-    )  # fmt: skip
-    return found
+    return broadcast_prefix(axes, out, is_leaf=_axis_leaf)
 
 
 def leaf_paths(tree: Any, dyn_positions: list[int]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Where one pytree stops being a prefix of another: decided before any tree_map runs.
+"""Pytree prefixes: where one stops being a prefix of another, and its entry per leaf.
 
 `jax.tree_util.tree_map` over a prefix tree (``in_specs`` over arguments, ``in_axes`` over
 arguments, ``out_specs`` over outputs) raises a ValueError when the structures differ. meshkit
@@ -8,12 +8,12 @@ error apart from an error of its own or the user's by catching it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
-__all__ = ["prefix_mismatch"]
+__all__ = ["broadcast_prefix", "prefix_mismatch"]
 
 
 def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
@@ -25,6 +25,8 @@ def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
 def _describe(x: Any) -> str:
     if isinstance(x, tuple | list):
         return f"a {type(x).__name__} of length {len(x)}"
+    if isinstance(x, Mapping):
+        return f"a {type(x).__name__} with keys {sorted(map(str, x))}"
     return f"a {type(x).__name__}"
 
 
@@ -48,3 +50,17 @@ def prefix_mismatch(
         if found is not None:
             return found
     return None
+
+
+def broadcast_prefix(prefix: Any, full: Any, *, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """The entry of ``prefix`` that covers each leaf of ``full``, in ``full``'s leaf order.
+
+    ``prefix`` must be a pytree prefix of ``full`` (ask `prefix_mismatch` first); ``is_leaf``
+    says which nodes of ``prefix`` are entries (as for `prefix_mismatch`).
+    """
+    out: list[Any] = []
+    jax.tree_util.tree_map(
+        lambda entry, sub: out.extend([entry] * len(jax.tree_util.tree_leaves(sub))),
+        prefix, full, is_leaf=is_leaf,
+    )  # fmt: skip
+    return out

@@ -241,8 +241,11 @@ def test_mesh_sharding_and_spec_arguments_are_checked():
         meshkit.global_array_from_local(x, [mesh], "data")
     with pytest.raises(
         MeshkitError, match=r"spec must be one spec for every array, or a pytree prefix of local"
-    ):
+    ) as e:
         meshkit.global_array_from_local({"a": x}, mesh, {"b": "data"})
+    assert "at spec, spec has a dict with keys ['b'] where local has a dict with keys ['a']" in (
+        str(e.value)
+    )
     g = meshkit.global_array_from_local(x, NamedSharding(mesh, P("data")))
     assert g.sharding == NamedSharding(mesh, P("data"))
 
