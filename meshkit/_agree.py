@@ -201,6 +201,20 @@ def _read(client: Any, key: str, deadline: float) -> str | None:
         return None
 
 
+def _conclude(client: Any, tag: str, seq: int, part: str, total: int, n: int) -> str | None:
+    """As the last arrival (``total`` counts ``n``), write verdict ``part`` of ``seq``.
+
+    The verdict is ``ok`` when no arrival was flagged, ``check`` otherwise. Returns it, or
+    None when this process was not the last to arrive.
+    """
+    if total & _MAX_PROCESSES != n:
+        return None
+    verdict = _OK if total >> _SHIFT == 0 else _CHECK
+    stats.rpcs += 1
+    client.key_value_set(_key(tag, seq, part), verdict)
+    return verdict
+
+
 def _verdict(
     client: Any, tag: str, seq: int, part: str, total: int, n: int, deadline: float
 ) -> str | None:
@@ -208,13 +222,8 @@ def _verdict(
 
     None: not every process arrived before ``deadline``.
     """
-    key = _key(tag, seq, part)
-    if total & _MAX_PROCESSES == n:
-        verdict = _OK if total >> _SHIFT == 0 else _CHECK
-        stats.rpcs += 1
-        client.key_value_set(key, verdict)
-        return verdict
-    return _read(client, key, deadline)
+    verdict = _conclude(client, tag, seq, part, total, n)
+    return verdict if verdict is not None else _read(client, _key(tag, seq, part), deadline)
 
 
 def _collect(
@@ -381,10 +390,7 @@ def leave(tag: str, record: str) -> None:
 
 def _arrive_flagged(client: Any, tag: str, seq: int, part: str, verdict_part: str, n: int) -> None:
     """Arrive at counter ``part`` with a flag; as the last arrival, write the verdict."""
-    total = _increment(client, _key(tag, seq, part), True)
-    if total & _MAX_PROCESSES == n:
-        stats.rpcs += 1
-        client.key_value_set(_key(tag, seq, verdict_part), _CHECK)
+    _conclude(client, tag, seq, verdict_part, _increment(client, _key(tag, seq, part), True), n)
 
 
 # ---- agree_later: the same protocol beside the caller ------------------------------------------
@@ -403,7 +409,10 @@ def agree_later(
 
     ``on_outcome`` runs in meshkit's waiting thread when the processes did not agree; what it
     raises is printed at once and raised by this process's next meshkit call (`settle`). At
-    most `MAX_PENDING` calls per tag are unverified; a further call waits.
+    most `MAX_PENDING` calls per tag are unverified; a further call waits. Calls numbered before
+    a disagreement was found compare with the summaries of the call that disagreed (the
+    induction behind ``ok`` assumes it agreed), so a disagreement that persists is raised once,
+    for its first call; calls numbered after it compare afresh.
     """
     settle()
     client, _, n = _client()
@@ -451,11 +460,7 @@ def _submitter(state: _Tag) -> None:
             _collect_garbage(client, state.name, call.seq, me)
             total = _increment(client, _key(state.name, call.seq, "c"), call.flag)
             call.arrived = time.monotonic()
-            if total & _MAX_PROCESSES == n:
-                stats.rpcs += 1
-                client.key_value_set(
-                    _key(state.name, call.seq, "d"), _OK if total >> _SHIFT == 0 else _CHECK
-                )
+            _conclude(client, state.name, call.seq, "d", total, n)
         except Exception as e:  # the coordination service failed: reported by settle()
             _fail(e)
             with cond:

@@ -91,7 +91,6 @@ class GlobalBatches(Iterator[Any]):
             )
         self._args = (mesh_or_sharding, spec)
         self._pad, self._dtype = pad, dtype
-        self._check: _global.Check = check
         self._progress = progress
         self._tag = f"global_batches/{next(_instances)}"
         # sizes are exchanged at every step: the end of data is decided together.

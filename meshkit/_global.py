@@ -667,12 +667,37 @@ def exchange_records(
     processes that stopped waiting, are an error.
     """
     timeout = _runtime.check_timeout()
-    if replicas:
-        record = {**record, "replicas": replicas}
+    record = _with_replicas(record, replicas)
     outcome = _agree.agree(
         tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas
     )
     return _records(outcome, timeout, what)
+
+
+def exchange_records_later(
+    tag: str, record: dict[str, Any], what: str, *, replicas: dict[str, tuple[int, str]]
+) -> None:
+    """`exchange_records`, verified beside the caller (`meshkit._agree.agree_later`).
+
+    A difference is named by `compare` there and raised by this process's next meshkit call.
+    """
+    timeout = _runtime.check_timeout()
+    record = _with_replicas(record, replicas)
+    _agree.agree_later(
+        tag,
+        summary(record),
+        json.dumps(record),
+        timeout=timeout,
+        groups=replicas,
+        on_outcome=lambda outcome: compare(_records(outcome, timeout, what), what),
+    )
+
+
+def _with_replicas(
+    record: dict[str, Any], replicas: dict[str, tuple[int, str]] | None
+) -> dict[str, Any]:
+    """``record`` with the replica digests, which phase 3 shows to name who differs."""
+    return {**record, "replicas": replicas} if replicas else record
 
 
 def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
@@ -894,24 +919,13 @@ class Assembly:
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
         """Place the blocks; unless ``agreed`` already, agree beside the copy (or after it)."""
-        if not (self.multi and self.check):
-            return assemble(prepared, transfer(prepared))
-        replicas = replica_digests(prepared, full=self.check == "data")
-        if agreed and not replicas:
+        checking = self.multi and bool(self.check)
+        replicas = replica_digests(prepared, full=self.check == "data") if checking else {}
+        if not checking or (agreed and not replicas):
             return assemble(prepared, transfer(prepared))
         record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
         if self.defer:
-            timeout, what = _runtime.check_timeout(), self.what
-            if replicas:
-                record = {**record, "replicas": replicas}
-            _agree.agree_later(
-                self.tag,
-                summary(record),
-                json.dumps(record),
-                timeout=timeout,
-                groups=replicas,
-                on_outcome=lambda outcome: compare(_records(outcome, timeout, what), what),
-            )
+            exchange_records_later(self.tag, record, self.what, replicas=replicas)
             return assemble(prepared, transfer(prepared))
         pending = _executor().submit(
             contextvars.copy_context().run,
