@@ -58,8 +58,6 @@ from .debug import barrier as barrier
 
 __version__ = "0.1.0.dev0"
 
-debug.enable_from_environment()  # MESHKIT_DEBUG=1
-
 __all__ = [
     "Compiled",
     "DivergenceError",

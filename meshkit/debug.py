@@ -192,11 +192,31 @@ def debugging(**kwargs: Any) -> Iterator[None]:
 
 
 def enable_from_environment() -> None:
-    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it (called by import and `init`)."""
+    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
+
+    meshkit asks at this process's first SPMD call (`_from_environment_at_first_call`), not at
+    import: importing meshkit starts no thread and reads no setting, and a bad setting is an
+    error of that call.
+    """
     value = os.environ.get(ENV_DEBUG, "").strip().lower()
     if value in ("", "0", "false", "no", "off") or enabled():
         return
     enable()
+
+
+def _from_environment_at_first_call(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
+    """Decide debug mode from the environment once, at the first SPMD call, and check that call.
+
+    An observer until then (so the calls after it pay nothing): it removes itself first, and
+    checks the call it sees only when it turned debug mode on (an `enable` made earlier has
+    installed the check already).
+    """
+    _dispatch.remove_observer(_from_environment_at_first_call)
+    if enabled():
+        return
+    enable_from_environment()
+    if enabled():
+        _check(site, args)
 
 
 def _env_seconds(name: str, *, allow_zero: bool = False) -> float | None:
@@ -672,3 +692,7 @@ def _stop_watchdog() -> None:
     if _state.watchdog is not None:
         _state.watchdog.stop.set()
         _state.watchdog = None
+
+
+# MESHKIT_DEBUG=1 is read at the first SPMD call; registering the observer starts nothing.
+_dispatch.add_observer(_from_environment_at_first_call)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import hypothesis.strategies as st
 import jax
@@ -64,6 +67,40 @@ def test_environment(monkeypatch):
     monkeypatch.setenv("MESHKIT_DEBUG_TIMEOUT", "soon")
     with pytest.raises(meshkit.MeshkitError, match="MESHKIT_DEBUG_TIMEOUT='soon' is not a number"):
         debug.enable_from_environment()
+
+
+_FIRST_CALL = """
+import os, sys, threading
+import meshkit
+print(meshkit.debug.enabled(), sorted(t.name for t in threading.enumerate()))
+try:
+    meshkit.make_mesh({"data": -1})
+except meshkit.MeshkitError as e:
+    print("raised:", e)
+print(meshkit.debug.enabled(), meshkit.debug._state.count)
+"""
+
+
+@pytest.mark.parametrize(
+    ("timeout", "lines"),
+    [
+        ("30", ["False ['MainThread']", "True 1"]),
+        (
+            "soon",
+            [
+                "False ['MainThread']",
+                "raised: MESHKIT_DEBUG_TIMEOUT='soon' is not a number of seconds.",
+                "False 0",
+            ],
+        ),
+    ],
+)
+def test_the_environment_is_read_at_the_first_call_not_at_import(timeout, lines):
+    env = {**os.environ, "MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": timeout}
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.splitlines() == lines, out.stderr
 
 
 def test_single_process_calls_run_and_are_counted():
