@@ -9,15 +9,22 @@ Variants, each timed to ``.block_until_ready()`` and freed before the next call:
   No planning, no checks, and replicas are put from the host again;
 * ``meshkit``: ``meshkit.global_array_from_local(local, mesh, spec)`` (``check=True``, the
   default: with several processes, one message per process through the coordination service);
+* ``meshkit_verify``: ``meshkit`` timed until its check is verified (multi-process rows only).
+  ``check=True`` verifies beside the caller (`meshkit._agree.agree_later`): a call returns before
+  the processes have agreed, so ``meshkit`` alone leaves out the verification of a round's last
+  calls; this variant ends each round with ``meshkit._agree.drain``, inside the timed span;
 * ``meshkit_nocheck``: the same with ``check=False`` (multi-process rows only).
 
 Rows: 1 process x 8 CPU devices (`bench_global_single_process`, in run.py's own process),
 2 processes x 4 CPU devices (`bench_global_two_processes`, which launches
-global_multiprocess.py), and host to GPU (`bench_global_gpu`, where a GPU is present).
+global_multiprocess.py; 64 MiB and 64 KiB per process, with issue 13's target: meshkit within
+1.1x of ``jax.make_array_from_process_local_data`` at both sizes), and host to GPU
+(`bench_global_gpu`, where a GPU is present).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
 import time
@@ -35,11 +42,15 @@ import meshkit
 
 HERE = Path(__file__).parent
 LOCAL_BYTES = 64 * 2**20  # float32 per process
+SMALL_BYTES = 64 * 2**10  # the small size of the 2-process rows (issue 13's target)
 COLUMNS = 1024
+TARGET = 1.1  # issue 13: time(meshkit, check=True) / time(JAX baseline) at most this
+VERIFIED = "meshkit_verify"
 NAMES = {
     "jax": "jax.make_array_from_process_local_data",
     "bare": "bare device_put (the bound)",
     "meshkit": "meshkit, check=True (default)",
+    VERIFIED: "meshkit, check=True, +verify (to drain)",
     "meshkit_nocheck": "meshkit, check=False",
 }
 NOTES = """\
@@ -50,7 +61,11 @@ steady: the median of the rounds shown per layout (calls per round), the variant
 first: each variant's first call on the layout, one call each in the order listed (cold: fresh
   buffers fault in, plan caches fill, threads start); later ones can reuse memory the earlier
   ones freed. An indication, not a steady-state figure: no ratios are taken from it.
-GB/s: 1e9 bytes of local data (per process) per second."""
+GB/s: 1e9 bytes of local data (per process) per second; us/call: the steady median per call.
++verify: meshkit's check=True call verifies its check beside the caller, after the call
+  returns; before every round the checks still pending are drained, untimed, and the +verify
+  variant times each round until meshkit._agree.drain returns (every check of the round
+  verified)."""
 CPU_NOTES = """\
 copy: the local data starts 16 B past a 64 B boundary, as numpy places large arrays under glibc
   (after an mmapped block's header): every variant copies it to the devices.
@@ -67,19 +82,40 @@ CPU_NOTE = (
 CPU_NOTES += "\n" + CPU_NOTE
 
 
-def local_data(seed: int, *, aligned: bool = False) -> np.ndarray:
-    """64 MiB of float32, touched (no page faults left in the source), at a chosen alignment.
+def size_text(nbytes: int) -> str:
+    """``64 MiB``, ``64 KiB``, ... (whole binary units)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def drain_function() -> Callable[[float], object] | None:
+    """``meshkit._agree.drain`` (waits until every deferred check is verified), if it exists."""
+    try:
+        agree = importlib.import_module("meshkit._agree")
+    except ImportError:
+        return None
+    return getattr(agree, "drain", None)
+
+
+def local_data(seed: int, *, aligned: bool = False, nbytes: int = LOCAL_BYTES) -> np.ndarray:
+    """``nbytes`` of float32 (64 MiB unless told), touched (no page faults left in the source),
+    ``COLUMNS`` wide, at a chosen alignment.
 
     XLA's CPU client aliases a host buffer aligned to 64 bytes instead of copying it, so the
     alignment decides what a CPU row measures. ``aligned=False`` starts the data 16 bytes past a
     64-byte boundary, as numpy's default allocator places large arrays under glibc (after the
     16-byte header of an mmapped block): every variant copies. ``aligned=True``: every variant
-    aliases the same memory, and what is left is the per-call overhead.
+    aliases the same memory, and what is left is the per-call overhead. The placement is made
+    here, whatever the size (numpy would place a small array elsewhere).
     """
-    rows = LOCAL_BYTES // 4 // COLUMNS
-    raw = np.empty(LOCAL_BYTES + 128, np.uint8)
+    if nbytes % (4 * COLUMNS):
+        raise ValueError(f"nbytes={nbytes} is not a whole number of {COLUMNS}-float32 rows")
+    rows = nbytes // 4 // COLUMNS
+    raw = np.empty(nbytes + 128, np.uint8)
     start = -raw.ctypes.data % 64 + (0 if aligned else 16)
-    out = raw[start : start + LOCAL_BYTES].view(np.float32).reshape(rows, COLUMNS)
+    out = raw[start : start + nbytes].view(np.float32).reshape(rows, COLUMNS)
     out[...] = np.random.default_rng(seed).standard_normal((rows, COLUMNS), dtype=np.float32)
     return out
 
@@ -126,8 +162,13 @@ def make_case(
     rounds: int,
     number: int,
     nocheck: bool = True,
+    verify: bool = False,
 ) -> Case:
-    """The variants for ``local`` sharded by its rows over the mesh axis "data"."""
+    """The variants for ``local`` sharded by its rows over the mesh axis "data".
+
+    ``nocheck``: add ``meshkit_nocheck``; ``verify``: add ``meshkit_verify`` (where
+    ``meshkit._agree.drain`` exists; `measure` drains its rounds).
+    """
     spec = PartitionSpec("data")
     sharding = NamedSharding(mesh, spec)
     # The data axis spans every process (meshkit.make_mesh puts processes outermost), and each
@@ -152,6 +193,8 @@ def make_case(
         return meshkit.global_array_from_local(local, mesh, "data", check=False)
 
     fns = {"jax": base, "bare": bare, "meshkit": ours}
+    if verify and drain_function() is not None:
+        fns[VERIFIED] = ours  # the same call; measure times its rounds to the drain
     if nocheck:
         fns["meshkit_nocheck"] = ours_nocheck
     case.variants = {name: _waited(fn) for name, fn in fns.items()}
@@ -169,32 +212,65 @@ def measure(cases: list[Case], *, sync: Callable[[], object] | None = None) -> d
     """First-call and steady-state seconds of every variant of every case (JSON-ready).
 
     ``sync`` runs before every first call and every round, untimed. With several processes it is
-    a barrier, and rounds are of one call: otherwise a check=True call would also wait for the
-    other process to finish whatever noise delayed its previous call, and charge that to the
-    check.
+    a barrier, and the 64 MiB rounds are of one call: otherwise a check=True call would also
+    wait for the other process to finish whatever noise delayed its previous call, and charge
+    that to the check. Before ``sync``, the checks still pending are drained (untimed), so that
+    no round verifies the checks of another; ``meshkit_verify`` rounds are timed until their
+    own drain returns. Every call is waited (block_until_ready) and its result freed before the
+    next.
     """
+    drain = drain_function()
+
+    def drained() -> None:
+        if drain is not None and not drain(60.0):
+            raise RuntimeError("meshkit's deferred checks were not verified within 60 s")
+
+    def before() -> None:
+        drained()
+        if sync is not None:
+            sync()
+
+    verify_mark = object()
+
+    def timed(name: str, fn: Callable[[], jax.Array]) -> Callable[[], object]:
+        def call() -> object:
+            fn()  # waited inside; the result is freed here
+            return verify_mark if name == VERIFIED else None
+
+        return call
+
+    def wait(outs: list[object]) -> None:
+        # Once per round (every call of a round in one batch), inside the timed span.
+        if outs and outs[-1] is verify_mark:
+            drained()
+
     layouts = []
     for case in cases:
         first = {}
         for name, fn in case.variants.items():
-            if sync is not None:
-                sync()
+            before()
             start = time.perf_counter()
             out = fn()
+            if name == VERIFIED:
+                drained()
             first[name] = time.perf_counter() - start
             case.check(out)
             del out
         samples = interleaved_samples(
-            list(case.variants.values()),
-            wait=jax.block_until_ready,
+            [timed(name, fn) for name, fn in case.variants.items()],
+            wait=wait,
             rounds=case.rounds,
             number=case.number,
-            max_in_flight=1,
-            before_round=sync,
+            max_in_flight=case.number,
+            before_round=before,
         )
+        drained()
         layouts.append(
             {
                 "label": case.label,
+                "bytes": int(case.local.nbytes),
+                "axes": {str(k): int(v) for k, v in case.mesh.shape.items()},
+                "aligned": case.local.ctypes.data % 64 == 0,
                 "rounds": case.rounds,
                 "number": case.number,
                 "variants": {
@@ -207,7 +283,12 @@ def measure(cases: list[Case], *, sync: Callable[[], object] | None = None) -> d
                 },
             }
         )
-    return {"bytes": LOCAL_BYTES, "jax": jax.__version__, "layouts": layouts}
+    return {
+        "bytes": LOCAL_BYTES,
+        "jax": jax.__version__,
+        "drain": drain is not None,
+        "layouts": layouts,
+    }
 
 
 def _ratio(
@@ -238,17 +319,25 @@ def _ratio(
 
 
 def format_results(title: str, data: dict[str, Any], notes: list[str]) -> str:
-    """The table of one `measure` result: GB/s per variant, then the ratios of medians."""
-    gb = data["bytes"] / 1e9
-    head = f"{'layout / variant':<46} {'steady GB/s':>12} {'+-':>6} {'first GB/s':>11}"
+    """The table of one `measure` result: GB/s per variant, then the ratios of medians.
+
+    The goals shown are for 64 MiB (``LOCAL_BYTES``) of copied data; other rows show the ratios
+    alone.
+    """
+    head = (
+        f"{'layout / variant':<46} {'steady GB/s':>12} {'+-':>6} {'first GB/s':>11}"
+        f" {'steady us/call':>15}"
+    )
     lines = [title, NOTES, *notes, head, "-" * len(head)]
     for lay in data["layouts"]:
         v = lay["variants"]
+        nbytes = lay.get("bytes", data["bytes"])
+        gb = nbytes / 1e9
         lines.append(f"{lay['label']} ({lay['rounds']} rounds x {lay['number']})")
         for name, r in v.items():
             lines.append(
                 f"  {NAMES[name]:<44} {gb / r['median']:>12.2f} {r['uncertainty'] * 100:>5.1f}%"
-                f" {gb / r['first']:>11.2f}"
+                f" {gb / r['first']:>11.2f} {r['median'] * 1e6:>15.1f}"
             )
         t = {name: r["median"] for name, r in v.items()}
         u = {name: r["uncertainty"] for name, r in v.items()}
@@ -256,7 +345,7 @@ def format_results(title: str, data: dict[str, Any], notes: list[str]) -> str:
         def both(a: str, b: str, u: dict[str, float] = u) -> float:
             return (u[a] ** 2 + u[b] ** 2) ** 0.5
 
-        copied = ZERO_COPY not in lay["label"]
+        copied = ZERO_COPY not in lay["label"] and nbytes == LOCAL_BYTES  # the goals' rows
         vs_jax, vs_bare = t["jax"] / t["meshkit"], t["bare"] / t["meshkit"]
         lines.append(
             _ratio("speed, meshkit / JAX baseline", vs_jax, vs_jax * both("jax", "meshkit"),
@@ -272,7 +361,7 @@ def format_results(title: str, data: dict[str, Any], notes: list[str]) -> str:
                 _ratio("cost of the check, time(check=True) / time(check=False) - 1", ratio - 1,
                        ratio * both("meshkit", "meshkit_nocheck"), 0.05 if copied else None,
                        percent=True)
-                + f" ({(t['meshkit'] - t['meshkit_nocheck']) * 1e3:+.2f} ms per call)"
+                + f" ({(t['meshkit'] - t['meshkit_nocheck']) * 1e6:+.1f} us per call)"
             )  # fmt: skip
     return "\n".join(lines)
 
@@ -320,17 +409,75 @@ def bench_global_gpu() -> str:
     return format_results(title, measure([case]), [ONE_PROCESS])
 
 
+def _time_ratio(t: dict[str, float], u: dict[str, float], name: str) -> tuple[float, float]:
+    """time(name) / time(jax) and its +-: the two medians' relative uncertainties combined."""
+    r = t[name] / t["jax"]
+    return r, r * (u[name] ** 2 + u["jax"] ** 2) ** 0.5
+
+
+def target_block(data: dict[str, Any]) -> str:
+    """Issue 13's target from a 2-process `measure` result: meshkit / JAX at each size.
+
+    The copied rows of the mesh with the one axis "data": time(meshkit, check=True) /
+    time(jax.make_array_from_process_local_data), +- as the table's ratios (the two medians'
+    uncertainties combined), PASS when at most ``TARGET``; beside it the same with the check
+    verified (+verify), and the check's cost per call against check=False.
+    """
+    head = (
+        f"target (issue 13): meshkit check=True (default) / {NAMES['jax']} <= {TARGET:g}x, "
+        "copied data, mesh with the one axis 'data'"
+    )
+    lines = [
+        head,
+        "  ratio of medians (plain call time; +verify: rounds timed until every check is "
+        "verified); check cost: meshkit - meshkit check=False, per call",
+    ]
+    rows = {
+        lay["bytes"]: lay
+        for lay in data["layouts"]
+        if set(lay.get("axes", {})) == {"data"} and not lay.get("aligned", True)
+    }
+    for nbytes in (SMALL_BYTES, LOCAL_BYTES):
+        lay = rows.get(nbytes)
+        size = size_text(nbytes)
+        if lay is None:
+            lines.append(f"  {size:>7}: not measured")
+            continue
+        v = lay["variants"]
+        t = {name: r["median"] for name, r in v.items()}
+        u = {name: r["uncertainty"] for name, r in v.items()}
+        r, ur = _time_ratio(t, u, "meshkit")
+        verdict = "PASS" if r <= TARGET else "FAIL"
+        if r - ur <= TARGET <= r + ur:
+            verdict += " (within the noise)"
+        line = f"  {size:>7}: {r:.3f}x +-{ur:.3f} {verdict}"
+        if VERIFIED in t:
+            rv, uv = _time_ratio(t, u, VERIFIED)
+            line += f"; +verify {rv:.3f}x +-{uv:.3f}"
+        else:
+            line += "; +verify: n/a (no meshkit._agree.drain)"
+        if "meshkit_nocheck" in t:
+            line += f"; check cost {(t['meshkit'] - t['meshkit_nocheck']) * 1e6:+.1f} us/call"
+            if VERIFIED in t:
+                line += f" (+verify {(t[VERIFIED] - t['meshkit_nocheck']) * 1e6:+.1f} us/call)"
+        line += f" [jax {t['jax'] * 1e6:.1f} us/call]"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def bench_global_two_processes() -> str:
     """2 processes x 4 CPU devices, through global_multiprocess.py (process 0's timings)."""
     data = launched_result(HERE / "global_multiprocess.py")
+    sizes = sorted({lay.get("bytes", data["bytes"]) for lay in data["layouts"]}, reverse=True)
     title = (
-        f"global_array_from_local, 2 processes x 4 CPU devices, {data['bytes'] // 2**20} MiB "
-        "float32 per process (process 0's timings)"
+        f"global_array_from_local, 2 processes x 4 CPU devices, "
+        f"{' and '.join(size_text(b) for b in sizes)} float32 per process (process 0's timings)"
     )
     notes = [
         CPU_NOTES,
         data["malloc"],
-        "Both processes start every call together (a barrier before each, untimed; a round is "
-        "one call).",
+        "Both processes start every round together (a barrier before each, untimed; a 64 MiB "
+        "round is one call). 64 KiB rows: ratios only (the table's goals are for 64 MiB); "
+        "issue 13's target is below the table.",
     ]
-    return format_results(title, data, notes)
+    return format_results(title, data, notes) + "\n\n" + target_block(data)

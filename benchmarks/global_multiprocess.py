@@ -2,6 +2,10 @@
 
 Usage: ``meshkit launch -n 2 -d 4 global_multiprocess.py BENCHMARKS_DIR``. Process 0 prints one
 ``BENCH {json}`` line with `global_assembly.measure`'s result.
+
+Rows: 64 MiB per process on both meshes, copied and zero-copy, one call per round; 64 KiB per
+process on the data mesh, copied and zero-copy, ``SMALL_CALLS`` calls per round. Rounds are
+``BENCH_REPEATS`` when set (every row alike), else the defaults below.
 """
 
 import json
@@ -17,7 +21,14 @@ import meshkit  # noqa: E402
 meshkit.init()
 
 import jax  # noqa: E402
-from global_assembly import COPY, ZERO_COPY, local_data, make_case, measure  # noqa: E402
+from global_assembly import (  # noqa: E402
+    COPY,
+    SMALL_BYTES,
+    ZERO_COPY,
+    local_data,
+    make_case,
+    measure,
+)
 from jax.experimental import multihost_utils  # noqa: E402
 
 
@@ -49,7 +60,26 @@ for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
     local = local_data(seed=jax.process_index(), aligned=aligned)
     for mesh, label in ((data, data_label), (replicated, replicated_label)):
         n = bench_rounds(rounds[aligned, mesh])
-        cases.append(make_case(mesh, local, label=f"{label}, {kind}", rounds=n, number=1))
+        cases.append(
+            make_case(mesh, local, label=f"{label}, {kind}", rounds=n, number=1, verify=True)
+        )
+# 64 KiB per process (issue 13's small size), data mesh only. A call takes a few hundred
+# microseconds, so a round is SMALL_CALLS calls (twice meshkit._agree.MAX_PENDING: the deferred
+# checks must keep up within a round) and the barrier's noise is spread over them.
+SMALL_CALLS = 128
+SMALL_ROUNDS = 41
+for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
+    local = local_data(seed=jax.process_index(), aligned=aligned, nbytes=SMALL_BYTES)
+    cases.append(
+        make_case(
+            data,
+            local,
+            label=f"{data_label}, 64 KiB, {kind}",
+            rounds=bench_rounds(SMALL_ROUNDS),
+            number=SMALL_CALLS,
+            verify=True,
+        )
+    )
 result = measure(cases, sync=barrier)
 if jax.process_index() == 0:
     print("BENCH " + json.dumps({**result, "malloc": MALLOC}))
