@@ -52,7 +52,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 PROBE = "--probe" in sys.argv[2:]
-CALLS = 32  # calls per round (twice _agree.MAX_PENDING, so deferred checks must keep up)
+CALLS = 128  # calls per round (twice _agree.MAX_PENDING, so deferred checks must keep up)
 ROUNDS = bench_rounds(9)  # paired rounds per series: 288 calls per variant by default
 PROBE_RPCS = 500
 LOAD_BEFORE = os.getloadavg()  # other work on the machine skews every figure

@@ -2,12 +2,23 @@
 
 Every cross-process check of meshkit (the pieces of `global_array_from_local`, debug mode's
 call fingerprints, `make_mesh`, `barrier`, the steps of `global_batches`) asks one question:
-*did every process arrive, and do their summaries agree?* `agree` answers it through the
-coordination service's key-value store, never through a device collective (those are what
-hang when processes diverge).
+*did every process arrive, and do their summaries agree?* This module answers it through the
+coordination service of `jax.distributed` (its key-value store and its barriers), never
+through a device collective (those are what hang when processes diverge). Three forms, by what
+the caller needs:
 
-The protocol. Each process keeps, per tag, the digest of the summary it gave at its previous
-agreement. A call is numbered ``seq`` (per tag, per process, under a lock), and
+`check` (make_mesh, barrier, debug mode): any difference is an error. One barrier wait per
+process and call: the barrier is named by the tag and the digest of the summary, so processes
+that agree meet there and its passing is the answer (one round trip, no key written). Processes
+that differ wait at different barriers; after `PROBE_S` each posts its record and reads the
+others', and arrives at every other digest's barrier with a participant list of its own, which
+the service refuses to everyone waiting there: all stop at once and name who differs. A
+process that does not come is named when the barrier's timeout expires.
+
+`agree` (records that may legitimately differ: the sizes of an uneven batch, host arguments):
+every process gets every record whenever they differ. Each process keeps, per tag, the digest
+of the summary it gave at its previous agreement. A call is numbered ``seq`` (per tag, per
+process, under a lock), and
 
 1. **Arrival, one atomic increment.** The process adds ``1 + CHANGED * flag`` to the counter
    of ``(tag, seq)``, where ``flag`` says whether its summary differs from its own previous one
@@ -26,22 +37,26 @@ agreement. A call is numbered ``seq`` (per tag, per process, under a lock), and
    record, so the caller can name who differs and how.
 
 A process that leaves a sequence of agreements (a failure, an iterator closed early) calls
-`leave`: it posts its record and arrives, flagged, at both counters, so the others learn at
-once, from its record, why it will not come.
+`leave` (`leave_check` for a tag of `check`), so the others learn at once, from its record, why
+it will not come.
 
-Keys are grouped in blocks of ``BLOCK`` calls; process 0 deletes a block once every process is
-two blocks past it, so the store does not grow in a long run.
+`agree_later` (the default check of `global_array_from_local`): `agree`'s protocol beside the
+caller, on *windows* of calls (a thread per tag). Process 0's thread takes every call it has
+queued and writes how many, the others take as many of theirs, and the window is one agreement
+on the list of its calls' summaries: three round trips per process and window however many
+calls it holds, so a loop that calls faster than a round trip pays a fraction of one per call.
+The caller goes on at once, at most ``MAX_PENDING`` calls may be unverified, and a
+disagreement is printed when found and raised by this process's next meshkit call (`settle`).
 
-`agree_later` runs the same protocol beside the caller (a submitting thread and a waiting
-thread per tag): the caller goes on at once, at most ``MAX_PENDING`` calls may be unverified,
-and a disagreement is printed when found and raised by this process's next meshkit call
-(`settle`). The waiting thread reads the verdicts of many calls with one directory read.
+Keys are grouped in blocks of ``BLOCK`` agreements; process 0 deletes a block once every
+process is two blocks past it, so the store does not grow in a long run.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -60,10 +75,11 @@ from ._errors import MeshkitError
 __all__ = ["Outcome", "agree", "agree_later", "leave", "settle", "stats", "tag_part"]
 
 BLOCK = 64  # calls per key block (one delete per block)
-MAX_PENDING = 16  # unverified calls agree_later allows per tag before the caller waits
+MAX_PENDING = 64  # unverified calls agree_later allows per tag before the caller waits
 _SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 _MAX_PROCESSES = (1 << _SHIFT) - 1
 _OK, _CHECK = "ok", "check"
+_LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 
 
 @dataclass(frozen=True)
@@ -120,12 +136,17 @@ class _Tag:
 
     name: str
     lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = 0
+    seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
     last: str | None = None  # digest of the summary of the previous call, None: unknown
-    # agree_later's state:
+    # agree_later's state (its thread's; guarded by ``cond``, which holds ``lock``):
     cond: threading.Condition | None = None
-    submitted: deque[_Call] = field(default_factory=deque)  # waiting for their increment
-    arrived: deque[_Call] = field(default_factory=deque)  # incremented, verdict unknown
+    queue: deque[_Call] = field(default_factory=deque)  # calls not yet in a window
+    inflight: int = 0  # calls in the window being agreed
+    draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
+    left: str | None = None  # this process left the tag (`leave`): its record
+    left_posted: threading.Event = field(default_factory=threading.Event)
+    epoch: int = 0  # `check`'s barrier names: moved on after a failed check
+    on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     threads: list[threading.Thread] = field(default_factory=list)
 
 
@@ -167,14 +188,12 @@ def _client() -> tuple[Any, int, int]:
     return client, me, n
 
 
-def _number(state: _Tag, summary: str, groups: Mapping[str, tuple[int, str]]) -> tuple[int, bool]:
-    """The call's number and whether its summary changed; the caller holds ``state.lock``."""
+def _changed(state: _Tag, summary: str, groups: Mapping[str, tuple[int, str]]) -> bool:
+    """Whether the summary differs from this process's previous one; the caller holds the lock."""
     digest = _digest(summary, groups)
-    seq = state.seq
-    state.seq += 1
     flag = digest != state.last
     state.last = digest
-    return seq, flag
+    return flag
 
 
 def _deadline_ms(deadline: float) -> int:
@@ -190,15 +209,29 @@ def _increment(client: Any, key: str, flag: bool, amount: int = 1) -> int:
     return int(client.key_value_increment(key, amount + (int(flag) << _SHIFT)))
 
 
+_SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
+_stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
+_failed = threading.Event()  # a check verified beside the caller failed in this process
+
+
 def _read(client: Any, key: str, deadline: float) -> str | None:
-    """The value of ``key`` once written; None if it is not written before ``deadline``."""
-    stats.rpcs += 1
-    try:
-        return str(client.blocking_key_value_get(key, _deadline_ms(deadline)))
-    except Exception as e:  # JAX raises its runtime error type for a deadline
-        if not _timed_out(e):
-            raise
-        return None
+    """The value of ``key`` once written; None if it is not written before ``deadline``.
+
+    Outside the main thread, waits in slices of `_SLICE_S`, and gives up (None) once the
+    process exits (`_stopping`): a thread must not be inside a blocking call then.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    while main or not _stopping.is_set():
+        stats.rpcs += 1
+        end = deadline if main else min(deadline, time.monotonic() + _SLICE_S)
+        try:
+            return str(client.blocking_key_value_get(key, _deadline_ms(end)))
+        except Exception as e:  # JAX raises its runtime error type for a deadline
+            if not _timed_out(e):
+                raise
+        if main or time.monotonic() >= deadline:
+            return None
+    return None
 
 
 def _conclude(client: Any, tag: str, seq: int, part: str, total: int, n: int) -> str | None:
@@ -238,7 +271,7 @@ def _collect(
         stats.rpcs += 1
         entries = client.key_value_dir_get(prefix)
         records = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
-        if len(records) >= arrived or time.monotonic() >= deadline:
+        if len(records) >= arrived or time.monotonic() >= deadline or _stopping.is_set():
             break
         time.sleep(0.05)
     missing = tuple(p for p in range(n) if p not in records)
@@ -256,17 +289,10 @@ def _post(client: Any, tag: str, seq: int, me: int, call: _Call, gave_up: bool =
     client.key_value_set(f"{_key(tag, seq, 'r')}/{me}", value)
 
 
-def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int | None) -> Outcome:
-    """Phases 1 (after the increment), 2 and 3 of one call.
-
-    ``total`` is the increment's result; None when another thread made the increment (the
-    verdict is then read).
-    """
+def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int) -> Outcome:
+    """Phases 1 (after the increment, whose result is ``total``), 2 and 3 of one call."""
     seq, deadline = call.seq, call.arrived + call.timeout
-    if total is None:
-        verdict = _read(client, _key(tag, seq, "d"), deadline)
-    else:
-        verdict = _verdict(client, tag, seq, "d", total, n, deadline)
+    verdict = _verdict(client, tag, seq, "d", total, n, deadline)
     if verdict is None:
         # Not every process arrived in time. Say so on the counter (a flag, no arrival): if the
         # count is complete after all, the last process arrived just now and its verdict is on
@@ -355,7 +381,11 @@ def agree(
     state = _state(tag)
     groups = dict(groups or {})
     with state.lock:
-        seq, flag = _number(state, summary, groups)
+        if state.cond is not None:
+            raise AssertionError(f"meshkit: tag {tag!r} is agreed beside the caller (agree_later)")
+        seq = state.seq
+        state.seq += 1
+        flag = _changed(state, summary, groups)
     call = _Call(seq, flag, summary, groups, record, timeout=timeout)
     stats.agreements += 1
     _collect_garbage(client, tag, seq, me)
@@ -368,21 +398,33 @@ def agree(
     return outcome
 
 
-def leave(tag: str, record: str) -> None:
+def leave(tag: str, record: str, *, later: bool = False) -> None:
     """Tell the processes at ``tag``'s next agreement that this one will not come, and why.
 
     Posts ``record`` and arrives, flagged, at both counters of the next call, so the others
-    find the record (`Outcome.records`) instead of waiting for this process.
+    find the record (`Outcome.records`) instead of waiting for this process. ``later``: the tag
+    is agreed beside the caller (`agree_later`); its thread arrives for the first call this
+    process will not make, and this call waits (at most the check timeout) until it has.
     """
     client, me, n = _client()
     if client is None or n == 1:
+        return
+    if later:
+        state = _windowed(tag)
+        assert state.cond is not None
+        with state.cond:
+            state.left_posted.clear()
+            state.left = record
+            state.last = None
+            state.cond.notify_all()
+        state.left_posted.wait(_runtime.check_timeout())
         return
     state = _state(tag)
     with state.lock:
         seq = state.seq
         state.seq += 1
         state.last = None
-    call = _Call(seq, True, "\0left", {}, record)
+    call = _Call(seq, True, _LEFT, {}, record)
     _post(client, tag, seq, me, call)
     _arrive_flagged(client, tag, seq, "c", "d", n)
     _arrive_flagged(client, tag, seq, "c2", "d2", n)
@@ -393,7 +435,216 @@ def _arrive_flagged(client: Any, tag: str, seq: int, part: str, verdict_part: st
     _conclude(client, tag, seq, verdict_part, _increment(client, _key(tag, seq, part), True), n)
 
 
-# ---- agree_later: the same protocol beside the caller ------------------------------------------
+# ---- check: one barrier per call when any difference is an error ------------------------------
+
+PROBE_S = 0.2  # a check still waiting after this long compares records (then 2x, up to 5 s)
+_PROBE_MAX_S = 5.0
+
+
+def check(tag: str, summary: str, record: str | Callable[[], str], *, timeout: float) -> Outcome:
+    """`agree` for checks, where any difference between processes is an error: one round trip.
+
+    Every process waits at the coordination service's barrier named by ``tag`` and the digest of
+    its ``summary``, its n-th wait there meeting the n-th of the others: when every summary is
+    equal, they all meet, and the barrier passing is the answer. When summaries differ, the
+    processes wait at different barriers; each one still waiting after `PROBE_S` posts its
+    record and reads the others' (`_Prober`), and on finding another digest arrives at that
+    digest's barrier with a participant list of its own, which the service refuses to every
+    process waiting there: all of them stop at once, and read every record to name who
+    differs. A process that does not come is named when the barrier's timeout expires. A
+    barrier so spoiled is not used again: every process moves to a new *epoch* of barrier
+    names after a failed check.
+
+    The summaries of a tag take any number of distinct values without cost (a loop that
+    alternates functions alternates barriers); no key is written while processes agree.
+    ``record`` may be a function that makes it: it is made only when shown (and an agreed
+    `Outcome` then has no records).
+    """
+    if _live:  # a waiting agreement is a sync point: earlier deferred checks are raised first
+        drain(timeout + 35.0)
+    settle()
+    client, me, n = _client()
+    if client is None or n == 1:
+        return Outcome(True, {me: record if isinstance(record, str) else record()})
+    state = _state(tag)
+    digest = _digest(summary, {})
+    with state.lock:
+        seq = state.seq
+        state.seq += 1
+        state.last = digest
+        epoch = state.epoch
+    stats.agreements += 1
+    _collect_garbage(client, tag, seq, me)
+    waiter = _Waiter(client, tag, seq, epoch, digest, summary, record, me)
+    start = time.monotonic()
+    _prober.add(waiter)
+    timed_out = False
+    try:
+        stats.rpcs += 1
+        client.wait_at_barrier(_barrier_id(tag, epoch, digest), _deadline_ms(start + timeout))
+        return Outcome(True, {me: record} if isinstance(record, str) else {}, (), (), seq)
+    except Exception as e:  # JAX's runtime error: a timeout, a refused (spoiled) barrier, ...
+        timed_out = _timed_out(e)
+    finally:
+        _prober.remove(waiter)
+    with state.lock:
+        state.epoch = max(state.epoch, epoch + 1)
+        state.last = None
+    stats.slow += 1
+    # A process that arrives after the others' timeout is refused at once: it did not give up.
+    gave_up_here = timed_out and time.monotonic() - start >= min(0.5, timeout / 2)
+    waiter.post(gave_up=gave_up_here)
+    if not timed_out:
+        # Refused: another process found a difference. Those waiting at other barriers (which
+        # this process's probes may not have seen yet) are refused now, by this one.
+        with contextlib.suppress(Exception):
+            waiter.probe()
+    grace = 1.0 if timed_out else min(timeout, 10.0)
+    records, missing, gave_up = _collect(client, tag, seq, n, n, time.monotonic() + grace)
+    if gave_up_here:  # missing: every process that was not waiting when the barrier expired
+        missing, gave_up = tuple(p for p in range(n) if p not in gave_up), ()
+    return Outcome(False, records, missing, gave_up, seq)
+
+
+def leave_check(tag: str, record: str) -> None:
+    """`leave` for a tag of `check`: post ``record`` and spoil the barrier the others wait at.
+
+    The others, if they wait for this process at the barrier of the tag's last summary (a
+    steady loop), are refused at once and find ``record``; never waits.
+    """
+    client, me, n = _client()
+    if client is None or n == 1:
+        return
+    state = _state(tag)
+    with state.lock:
+        seq = state.seq
+        state.seq += 1
+        epoch, last = state.epoch, state.last
+        state.epoch += 1
+        state.last = None
+    waiter = _Waiter(client, tag, seq, epoch, "", _LEFT, record, me)
+    waiter.post()
+    if last is not None:
+        _spoil(client, _barrier_id(tag, epoch, last), me)
+
+
+def _barrier_id(tag: str, epoch: int, digest: str) -> str:
+    return f"meshkit/{tag}/b{epoch}/{digest}"
+
+
+def _spoil(client: Any, barrier: str, me: int) -> None:
+    """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""
+    stats.rpcs += 1
+    with contextlib.suppress(Exception):  # refused (others wait there), or passed alone
+        client.wait_at_barrier(barrier, 1, [me])
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A `check` in progress: what its probes post and compare."""
+
+    client: Any
+    tag: str
+    seq: int
+    epoch: int
+    digest: str
+    summary: str
+    make_record: str | Callable[[], str]
+    me: int
+    posted: bool = False
+    spoiled: set[str] = field(default_factory=set)
+
+    @functools.cached_property
+    def record(self) -> str:
+        made = self.make_record
+        return made if isinstance(made, str) else made()
+
+    def post(self, gave_up: bool = False) -> None:
+        if self.posted and not gave_up:
+            return
+        value: dict[str, Any] = {
+            "summary": self.summary,
+            "groups": {},
+            "record": self.record,
+            "digest": self.digest,
+            "epoch": self.epoch,
+        }
+        if gave_up:
+            value["gave_up"] = True
+        stats.rpcs += 1
+        key = f"{_key(self.tag, self.seq, 'r')}/{self.me}"
+        self.client.key_value_set(key, json.dumps(value), allow_overwrite=self.posted)
+        self.posted = True
+
+    def probe(self) -> None:
+        """Post this record, read the others'; spoil the barriers of other digests."""
+        self.post()
+        stats.rpcs += 1
+        entries = self.client.key_value_dir_get(_key(self.tag, self.seq, "r") + "/")
+        for _, value in entries:
+            theirs = json.loads(value)
+            digest = theirs.get("digest", "")
+            if theirs.get("epoch") != self.epoch or digest in ("", self.digest):
+                continue
+            if digest not in self.spoiled:
+                self.spoiled.add(digest)
+                _spoil(self.client, _barrier_id(self.tag, self.epoch, digest), self.me)
+
+
+class _Prober(threading.Thread):
+    """Probes the checks that wait longer than `PROBE_S` (one thread for the process).
+
+    While checks come, it looks every ``PROBE_S / 4``; `add` wakes it only from a long sleep
+    (no check for a while), so a steady loop of checks wakes no thread per call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="meshkit-check-probe", daemon=True)
+        self.cond = threading.Condition()
+        self.waiting: dict[_Waiter, tuple[float, float]] = {}  # -> (next probe, period)
+        self.asleep = True  # in a long sleep: the next `add` wakes the thread
+        self.last_add = 0.0
+
+    def add(self, waiter: _Waiter) -> None:
+        now = time.monotonic()
+        with self.cond:
+            self.waiting[waiter] = (now + PROBE_S, PROBE_S)
+            self.last_add = now
+            if self.asleep:
+                self.asleep = False
+                if not self.is_alive():
+                    self.start()
+                self.cond.notify()
+
+    def remove(self, waiter: _Waiter) -> None:
+        with self.cond:
+            self.waiting.pop(waiter, None)
+
+    def run(self) -> None:
+        tick = PROBE_S / 4
+        while not _stopping.is_set():
+            with self.cond:
+                now = time.monotonic()
+                due = [w for w, (t, _) in self.waiting.items() if t <= now]
+                for w in due:
+                    period = min(self.waiting[w][1] * 2, _PROBE_MAX_S)
+                    self.waiting[w] = (now + period, period)
+                if not due:
+                    if not self.waiting and now - self.last_add > 50 * tick:
+                        self.asleep = True
+                        self.cond.wait(_SLICE_S)
+                    else:
+                        self.cond.wait(tick)
+                    continue
+            for w in due:
+                with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
+                    w.probe()
+
+
+_prober = _Prober()
+
+
+# ---- agree_later: the same protocol beside the caller, a window of calls at a time ----------
 
 
 def agree_later(
@@ -407,38 +658,38 @@ def agree_later(
 ) -> None:
     """`agree`, verified beside the caller: returns at once.
 
-    ``on_outcome`` runs in meshkit's waiting thread when the processes did not agree; what it
-    raises is printed at once and raised by this process's next meshkit call (`settle`). At
-    most `MAX_PENDING` calls per tag are unverified; a further call waits. Calls numbered before
-    a disagreement was found compare with the summaries of the call that disagreed (the
-    induction behind ``ok`` assumes it agreed), so a disagreement that persists is raised once,
-    for its first call; calls numbered after it compare afresh.
+    A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
+    Calls are verified in *windows*: meshkit's thread for the tag in process 0 takes every
+    call it has queued (at most `MAX_PENDING`) and writes how many; the other processes' threads
+    read that and take as many of theirs. Each window is one agreement (`agree`'s protocol on
+    the list of the window's summaries): three round trips per process and window, however many
+    calls it holds, so a loop that calls faster than one round trip verifies many calls per
+    window. A process that must go on before its window is full (a waiting agreement, a
+    process leaving the tag) arrives with the calls it has, flagged, and the others find which
+    call it did not make.
+
+    ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
+    processes did not agree; what it raises is printed at once and raised by this process's next
+    meshkit call (`settle`). At most `MAX_PENDING` calls per tag are unverified; a further call
+    waits. Calls after a disagreement in the same window are not reported (the first names it).
     """
     settle()
     client, _, n = _client()
     if client is None or n == 1:
         return
-    state = _state(tag)
+    state = _windowed(tag)
     groups = dict(groups or {})
-    with state.lock:
-        if state.cond is None:  # the tag's first deferred call starts its two threads
-            state.cond = threading.Condition(state.lock)
-            for target, role in ((_submitter, "submit"), (_waiter, "wait")):
-                thread = threading.Thread(
-                    target=target, args=(state,), name=f"meshkit-agree-{role}:{tag}", daemon=True
-                )
-                thread.start()
-                state.threads.append(thread)
-            _live.add(tag)
-        cond = state.cond
+    cond = state.cond
+    assert cond is not None
     stats.agreements += 1
     with cond:
-        while len(state.submitted) + len(state.arrived) >= MAX_PENDING and not failures:
+        while len(state.queue) + state.inflight >= MAX_PENDING and not failures:
             cond.wait(0.1)
-        # Numbered and queued together: the submitting thread arrives in number order.
-        seq, flag = _number(state, summary, groups)
-        call = _Call(seq, flag, summary, groups, record, on_outcome=on_outcome, timeout=timeout)
-        state.submitted.append(call)
+        flag = _changed(state, summary, groups)
+        state.queue.append(
+            _Call(-1, flag, summary, groups, record, time.monotonic(), on_outcome, timeout)
+        )
+        state.on_outcome = on_outcome
         cond.notify_all()
     settle()
 
@@ -446,79 +697,151 @@ def agree_later(
 _live: set[str] = set()
 
 
-def _submitter(state: _Tag) -> None:
-    """Arrive (increment) for each submitted call, in order; the last arrival writes verdicts."""
-    client, me, n = _client()
-    cond = state.cond
-    assert cond is not None
-    while True:
-        with cond:
-            while not state.submitted:
-                cond.wait()
-            call = state.submitted[0]
-        try:
-            _collect_garbage(client, state.name, call.seq, me)
-            total = _increment(client, _key(state.name, call.seq, "c"), call.flag)
-            call.arrived = time.monotonic()
-            _conclude(client, state.name, call.seq, "d", total, n)
-        except Exception as e:  # the coordination service failed: reported by settle()
-            _fail(e)
-            with cond:
-                state.submitted.popleft()
-                cond.notify_all()
-            continue
-        with cond:
-            state.submitted.popleft()
-            state.arrived.append(call)
-            cond.notify_all()
+def _windowed(tag: str) -> _Tag:
+    """The state of a tag agreed beside the caller; its first use starts its thread."""
+    state = _state(tag)
+    with state.lock:
+        if state.cond is None:
+            state.cond = threading.Condition(state.lock)
+            thread = threading.Thread(
+                target=_window_thread, args=(state,), name=f"meshkit-agree:{tag}", daemon=True
+            )
+            thread.start()
+            state.threads.append(thread)
+            _live.add(tag)
+    return state
 
 
-def _waiter(state: _Tag) -> None:
-    """Settle every arrived call in order; verdicts of many calls come in two round trips.
-
-    When the newest call's verdict is written, so is every older one's (each process arrives in
-    order, and the last arrival of a call writes its verdict before arriving at the next), so
-    one blocking get of the newest and one directory read per key block give them all.
-    """
+def _window_thread(state: _Tag) -> None:
+    """Agree on each window of queued calls, in order, for as long as the process runs."""
     client, me, n = _client()
     cond = state.cond
     assert cond is not None
     tag = state.name
     while True:
         with cond:
-            while not state.arrived:
+            while not state.queue and state.left is None and not _stopping.is_set():
                 cond.wait()
-            calls = list(state.arrived)
-        verdicts: dict[int, str] = {}
-        newest = calls[-1]
+            if _stopping.is_set():
+                return
+            seq = state.seq
+            state.seq += 1
+            head = state.queue[0] if state.queue else None
+            offer = min(len(state.queue), MAX_PENDING)
+        calls: list[_Call] = []
+        left = None
         try:
-            verdict = _read(client, _key(tag, newest.seq, "d"), newest.arrived + newest.timeout)
-            if verdict is not None and len(calls) > 1:
-                for block in sorted({c.seq // BLOCK for c in calls[:-1]}):
-                    stats.rpcs += 1
-                    for key, value in client.key_value_dir_get(f"meshkit/{tag}/{block}/d/"):
-                        verdicts[int(key.rsplit("/", 1)[1])] = value
-            if verdict is not None:
-                verdicts[newest.seq] = verdict
-        except Exception as e:  # the coordination service failed: reported by settle()
-            verdicts.clear()
+            _collect_garbage(client, tag, seq, me)
+            decided = _decide(client, tag, seq, me, offer, head)
+            if _stopping.is_set():
+                return  # the process exits
+            calls, left = _take(state, decided)
+            window = _window(seq, calls, left, decided, head)
+            total = _increment(client, _key(tag, seq, "c"), window.flag)
+            outcome = _settle_call(client, tag, window, me, n, total)
+            if _stopping.is_set():
+                return  # the process exits: its last window is not reported
+            if not outcome.agreed:
+                with state.lock:
+                    state.last = None  # the next call compares again
+                _report(state, calls, outcome, me)
+        except Exception as e:  # a disagreement, or the coordination service failed
             _fail(e)
-        for call in calls:
-            try:
-                if verdicts.get(call.seq) == _OK:
-                    outcome = Outcome(True, {me: call.record}, (), (), call.seq)
-                else:
-                    outcome = _settle_call(client, tag, call, me, n, None)
-                if not outcome.agreed:
-                    with state.lock:
-                        state.last = None
-                    assert call.on_outcome is not None
-                    call.on_outcome(outcome)
-            except Exception as e:  # a disagreement (or a failed service): raised by settle()
-                _fail(e)
-            with cond:
-                state.arrived.popleft()
-                cond.notify_all()
+        with cond:
+            state.inflight -= len(calls)
+            if left is not None:
+                state.left = None
+                state.left_posted.set()
+            cond.notify_all()
+
+
+def _decide(client: Any, tag: str, seq: int, me: int, offer: int, head: _Call | None) -> str | None:
+    """How many calls window ``seq`` holds: process 0 says, the others read it.
+
+    ``"left"``: process 0 left the tag. None: process 0 did not say within the timeout.
+    """
+    if me == 0:
+        decided = str(offer) if offer else "left"
+        stats.rpcs += 1
+        client.key_value_set(_key(tag, seq, "w"), decided)
+        return decided
+    deadline = head.arrived + head.timeout if head is not None else time.monotonic() + 60.0
+    return _read(client, _key(tag, seq, "w"), deadline)
+
+
+def _take(state: _Tag, decided: str | None) -> tuple[list[_Call], str | None]:
+    """This process's calls of the window (fewer when it must not wait), and its left record."""
+    cond = state.cond
+    assert cond is not None
+    with cond:
+        if decided is None or decided == "left":
+            want = len(state.queue) if decided is None else min(1, len(state.queue))
+        else:
+            want = int(decided)
+            # Wait for the caller to make the window's calls, unless it waits for us (a waiting
+            # agreement drains) or left the tag: then the window is short, and flagged.
+            while (
+                len(state.queue) < want
+                and state.left is None
+                and not state.draining
+                and not _stopping.is_set()
+            ):
+                cond.wait(0.1)
+        calls = [state.queue.popleft() for _ in range(min(want, len(state.queue)))]
+        state.inflight += len(calls)
+        left = state.left if len(calls) < max(want, 1) or not calls else None
+        return calls, left
+
+
+def _window(
+    seq: int, calls: list[_Call], left: str | None, decided: str | None, head: _Call | None
+) -> _Call:
+    """One agreement for a window: the list of its calls' summaries, groups and records."""
+    entries: list[dict[str, Any]] = [
+        {"summary": c.summary, "groups": c.groups, "record": c.record} for c in calls
+    ]
+    if left is not None:
+        entries.append({"summary": _LEFT, "groups": {}, "record": left})
+    wanted = len(calls) if decided in (None, "left") else int(decided)
+    flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
+    flag = flag or decided == "left"
+    groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
+    summary = json.dumps([e["summary"] for e in entries])
+    started = head.arrived if head is not None else time.monotonic()
+    timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
+    return _Call(seq, flag, summary, groups, json.dumps(entries), started, None, timeout)
+
+
+def _report(state: _Tag, calls: list[_Call], outcome: Outcome, me: int) -> None:
+    """Name the window's first call on which the processes differ (``on_outcome`` raises)."""
+    entries = {p: json.loads(r) for p, r in outcome.records.items()}
+    width = max((len(v) for v in entries.values()), default=1)
+
+    def at(i: int) -> tuple[dict[int, dict[str, Any]], set[int]]:
+        here = {p: v[i] for p, v in entries.items() if i < len(v)}
+        return here, set(outcome.missing) | {p for p, v in entries.items() if i >= len(v)}
+
+    def differs(i: int) -> bool:
+        here, absent = at(i)
+        by_group: dict[str, set[str]] = {}
+        for e in here.values():
+            for name, (_, summary) in e["groups"].items():
+                by_group.setdefault(name, set()).add(summary)
+        return bool(
+            absent
+            or len({e["summary"] for e in here.values()}) > 1
+            or any(len(s) > 1 for s in by_group.values())
+            or any(e["summary"] == _LEFT for e in here.values())
+        )
+
+    first = next((i for i in range(width) if differs(i)), width - 1)
+    here, absent = at(first)
+    if me in here and here[me]["summary"] == _LEFT:
+        return  # this process left the tag: it raised its own error
+    on_outcome = calls[first].on_outcome if first < len(calls) else state.on_outcome
+    assert on_outcome is not None
+    records = {p: e["record"] for p, e in here.items()}
+    on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
 
 
 def _fail(error: BaseException) -> None:
@@ -529,6 +852,7 @@ def _fail(error: BaseException) -> None:
     complete); it exits with status 1 so that the launcher ends the run instead of a hang.
     """
     failures.append(error)
+    _failed.set()
     grace = _runtime.check_timeout()
     _say(
         f"meshkit: a cross-process check failed; this process's next meshkit call raises it (if "
@@ -561,21 +885,49 @@ def settle() -> None:
 
 
 def drain(timeout: float) -> bool:
-    """Wait until every `agree_later` call of this process is verified (or ``timeout``)."""
+    """Wait until every `agree_later` call of this process is verified (or ``timeout``).
+
+    While it waits, the windows of this process do not wait for calls it has not made.
+    """
     deadline = time.monotonic() + timeout
     for name in list(_live):
         state = _tags[name]
-        assert state.cond is not None
-        with state.cond:
-            while (state.submitted or state.arrived) and not failures:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                state.cond.wait(min(left, 0.1))
+        cond = state.cond
+        assert cond is not None
+        with cond:
+            if not (state.queue or state.inflight):
+                continue  # nothing to wait for (and no thread to wake)
+            state.draining += 1
+            cond.notify_all()
+            try:
+                while (state.queue or state.inflight) and not failures:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    cond.wait(min(left, 0.1))
+            finally:
+                state.draining -= 1
     return True
 
 
 @atexit.register
 def _drain_at_exit() -> None:
-    if _live:
+    """Verify what is pending (a few seconds at most), then let meshkit's threads leave.
+
+    A thread still inside a blocking call of the coordination service when the interpreter
+    ends aborts the process, so each one is told to stop and given a slice to return.
+    """
+    if _live and not _failed.is_set():  # after a failed check, the rest is not worth a wait
         drain(5.0)
+    _stopping.set()
+    with _prober.cond:
+        _prober.cond.notify_all()
+    for state in list(_tags.values()):
+        if state.cond is not None:
+            with state.cond:
+                state.cond.notify_all()
+    threads = [t for s in list(_tags.values()) for t in s.threads]
+    threads += [_prober] if _prober.is_alive() else []
+    end = time.monotonic() + _SLICE_S + 0.5
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))

@@ -683,14 +683,19 @@ def exchange_records_later(
     """
     timeout = _runtime.check_timeout()
     record = _with_replicas(record, replicas)
+    number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
+    named = f"{what} (call #{number}, checked after it returned)"
     _agree.agree_later(
         tag,
         summary(record),
         json.dumps(record),
         timeout=timeout,
         groups=replicas,
-        on_outcome=lambda outcome: compare(_records(outcome, timeout, what), what),
+        on_outcome=lambda outcome: compare(_records(outcome, timeout, named), named),
     )
+
+
+_later_calls: dict[str, int] = {}  # checks verified beside the caller, per tag (for messages)
 
 
 def _with_replicas(
@@ -719,21 +724,22 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_record(tag: str, record: dict[str, Any]) -> None:
+def publish_record(tag: str, record: dict[str, Any], *, later: bool = False) -> None:
     """Post this process's record of the next agreement under ``tag`` without waiting for others.
 
     Used when this process leaves a sequence of agreements (a failure, an iterator closed
-    early), so that the others, waiting for it, stop at once instead of timing out.
+    early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
+    the tag is verified beside the caller (`exchange_records_later`).
     """
-    _agree.leave(tag, json.dumps(record))
+    _agree.leave(tag, json.dumps(record), later=later)
 
 
-def publish_failure(tag: str, error: BaseException) -> None:
+def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> None:
     """Tell the other processes that this one failed, so they stop now instead of timing out."""
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, {"status": "error", "message": message})
+    publish_record(tag, {"status": "error", "message": message}, later=later)
 
 
 def _all_from_host(prepared: Prepared) -> bool:
@@ -829,6 +835,11 @@ def assemble(prepared: Prepared, arrays: list[jax.Array]) -> tuple[Any, jax.Arra
     return jax.tree_util.tree_unflatten(prepared.treedef, arrays[:n]), mask
 
 
+def check_tag(tag: str, *, later: bool = False) -> str:
+    """The tag of an `Assembly`'s checks at the transfer (``tag`` names its `agree_sizes`)."""
+    return tag + ("/later" if later else "/check")
+
+
 class Assembly:
     """The assembly protocol: prepare -> agree -> transfer -> assemble, in one place.
 
@@ -868,6 +879,10 @@ class Assembly:
         self.pad, self.check, self.sizes_known, self.defer = pad, check, sizes_known, defer
         self.stepwise = stepwise
         self.multi = _compat.distributed_state()[2] > 1
+        # The checks made at the transfer form a sequence of their own, never mixed with
+        # `agree_sizes`'s; those verified beside the caller (``defer``, agreed in windows)
+        # another.
+        self.check_tag = check_tag(tag, later=defer)
 
     @property
     def exchanges_sizes(self) -> bool:
@@ -879,8 +894,10 @@ class Assembly:
         try:
             return make()
         except Exception as e:
-            if self.multi and (bool(self.check) or self.exchanges_sizes or self.stepwise):
-                publish_failure(self.tag, e)
+            if self.exchanges_sizes or (self.multi and (self.stepwise or self.check == "data")):
+                publish_failure(self.tag, e)  # the others wait in the first agreement
+            elif self.multi and self.check:
+                publish_failure(self.check_tag, e, later=self.defer)
             raise
 
     def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Any]:
@@ -925,12 +942,12 @@ class Assembly:
             return assemble(prepared, transfer(prepared))
         record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
         if self.defer:
-            exchange_records_later(self.tag, record, self.what, replicas=replicas)
+            exchange_records_later(self.check_tag, record, self.what, replicas=replicas)
             return assemble(prepared, transfer(prepared))
         pending = _executor().submit(
             contextvars.copy_context().run,
             exchange_records,
-            self.tag,
+            self.check_tag,
             record,
             self.what,
             replicas=replicas,

@@ -243,7 +243,7 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
     ids = ",".join(str(d.id) for d in grid.flat)
     shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
     mine = f"{{{shape}}} devices [{ids}]"
-    outcome = _agree.agree("make_mesh", mine, mine, timeout=_runtime.check_timeout())
+    outcome = _agree.check("make_mesh", mine, mine, timeout=_runtime.check_timeout())
     if outcome.agreed:
         return
     values, missing = outcome.records, list(outcome.missing)

@@ -110,4 +110,4 @@ def assemble(
 
 def publish_failure(tag: str, error: BaseException) -> None:
     """Tell the processes waiting in an `assemble` under ``tag`` that this one failed first."""
-    _global.publish_failure(tag, error)
+    _global.publish_failure(_global.check_tag(tag), error)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -240,10 +241,26 @@ def _positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> Non
 # ---- fingerprints --------------------------------------------------------------------------
 
 
+_LEAF_TEXTS: dict[tuple[Any, ...], str] = {}  # array leaves described before (a steady loop)
+_MAX_LEAF_TEXTS = 4096
+
+
 def _describe_leaf(x: Any, ragged: bool) -> str:
     """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None or isinstance(x, Tracer):
+        return _describe_new_leaf(x, shape, dtype, ragged)
+    key = (type(x), tuple(shape), dtype, getattr(x, "sharding", None), ragged)
+    text = _LEAF_TEXTS.get(key)
+    if text is None:
+        if len(_LEAF_TEXTS) >= _MAX_LEAF_TEXTS:
+            _LEAF_TEXTS.clear()
+        text = _LEAF_TEXTS[key] = _describe_new_leaf(x, shape, dtype, ragged)
+    return text
+
+
+def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
     if shape is None or dtype is None:
         if isinstance(x, bool | int | float | complex):
             return type(x).__name__
@@ -288,8 +305,13 @@ def _library_file(name: str) -> bool:
 
 
 def _short(path: str) -> str:
+    return _short_in(path, os.getcwd())
+
+
+@functools.lru_cache(maxsize=1024)
+def _short_in(path: str, cwd: str) -> str:
     with contextlib.suppress(ValueError):
-        rel = os.path.relpath(path)
+        rel = os.path.relpath(path, cwd)
         if not rel.startswith(".."):
             return rel
     return path
@@ -364,7 +386,7 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     _state.tags.add(tag)
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
-    outcome = _agree.agree(tag, summary, json.dumps(record), timeout=settings.timeout)
+    outcome = _agree.check(tag, summary, lambda: json.dumps(record), timeout=settings.timeout)
     _state.last_time = time.monotonic()
     if outcome.agreed:
         _state.previous[tag] = record
@@ -538,7 +560,7 @@ def _publish_leaving(status: str, message: str = "") -> None:
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
     for tag in sorted(_state.tags | {"debug/MainThread"}):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
-            _agree.leave(tag, json.dumps(record))
+            _agree.leave_check(tag, json.dumps(record))
 
 
 def _install_exit_hooks() -> None:
@@ -585,7 +607,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    outcome = _agree.agree(
+    outcome = _agree.check(
         "barrier/" + _agree.tag_part(name),
         "",
         json.dumps({"waited": float(timeout)}),

@@ -154,6 +154,80 @@ def test_agreements_are_numbered_per_call():
         ], (me, seen)
 
 
+def _checks():
+    import time
+
+    import jax
+
+    from meshkit import _agree
+
+    me = jax.process_index()
+    seen = []
+
+    def check(summary, timeout=60.0):
+        rpcs, start = _agree.stats.rpcs, time.monotonic()
+        outcome = _agree.check("test-check", summary, f"{me}:{summary}", timeout=timeout)
+        took = time.monotonic() - start
+        seen.append(
+            (
+                summary,
+                outcome.agreed,
+                sorted(outcome.records.items()),
+                outcome.missing,
+                outcome.gave_up,
+                _agree.stats.rpcs - rpcs,
+                took,
+            )
+        )
+
+    # Equal, alternating (one barrier per summary: no extra round trip), then different.
+    for summary in ["a", "a", "b", "a", "b", "b"]:
+        check(summary)
+    check(f"c{me}")  # different: found by the probes long before the 60 s timeout
+    check("a")  # a new epoch of barriers: equal again
+    # Process 1 is late: process 0 stops waiting after 2 s; process 1 arrives after that.
+    if me == 1:
+        time.sleep(4.0)
+    check("late", timeout=2.0)
+    check("a")
+    # Process 1 leaves the tag (a failure, an exit): process 0 is told at once.
+    if me == 1:
+        _agree.leave_check("test-check", "1:left")
+    else:
+        time.sleep(0.5)
+        check("a")
+    return seen
+
+
+def test_checks_meet_at_one_barrier_per_summary_and_fail_fast():
+    results = run_in_processes(_checks, devices_per_process=1, timeout=120)
+    for me, seen in enumerate(results):
+        steady = seen[:6]
+        for summary, agreed, records, missing, gave_up, _, _ in steady:
+            assert agreed, (me, seen)
+            assert records == [(me, f"{me}:{summary}")], (me, seen)
+            assert (missing, gave_up) == ((), ()), (me, seen)
+        # One round trip per call once processes agree, alternating summaries included (the
+        # first call of block 0 is process 0's garbage collection, which deletes nothing).
+        assert [s[5] for s in steady[1:]] == [1] * 5, (me, seen)
+        different = seen[6]
+        assert different[:5] == (f"c{me}", False, [(0, "0:c0"), (1, "1:c1")], (), ()), (me, seen)
+        assert different[6] < 10.0, (me, seen)  # fast: the timeout is 60 s
+        assert seen[7][:3] == ("a", True, [(me, f"{me}:a")]), (me, seen)
+        late = seen[8]
+        assert late[1] is False, (me, seen)
+        if me == 0:
+            assert (late[3], late[4]) == ((1,), ()), (me, seen)  # missing, named
+        else:
+            assert (late[3], late[4]) == ((), (0,)), (me, seen)  # arrived after 0 gave up
+            assert late[6] < 1.0, (me, seen)  # refused at once
+        assert seen[9][:2] == ("a", True), (me, seen)
+    left = results[0][10]
+    assert left[1] is False, left
+    assert (1, "1:left") in left[2], left
+    assert left[6] < 10.0, left
+
+
 def test_run_in_processes_reports_a_failing_rank():
     from meshkit import LaunchError
 
