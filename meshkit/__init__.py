@@ -14,6 +14,7 @@ them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
 
 from . import collectives as collectives
 from . import debug as debug
+from ._assembly import global_array_from_local as global_array_from_local
 from ._batches import GlobalBatches as GlobalBatches
 from ._batches import global_batches as global_batches
 from ._errors import DivergenceError as DivergenceError
@@ -25,7 +26,6 @@ from ._errors import MeshkitTypeError as MeshkitTypeError
 from ._gather import gather as gather
 from ._gather import local_from_global as local_from_global
 from ._global import DtypeWarning as DtypeWarning
-from ._global import global_array_from_local as global_array_from_local
 from ._launch import LaunchResult as LaunchResult
 from ._launch import RankResult as RankResult
 from ._launch import launch as launch

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _compat, _global
+from . import _assembly, _compat, _global
 from ._errors import MeshkitError
 
 __all__ = ["GlobalBatches", "global_batches"]
@@ -94,7 +94,7 @@ class GlobalBatches(Iterator[Any]):
         self._progress = progress
         self._tag = f"global_batches/{next(_instances)}"
         # sizes are exchanged at every step: the end of data is decided together.
-        self._assembly = _global.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
+        self._assembly = _assembly.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
         self._queue: Queue[Any] = Queue()
         self._slots = threading.Semaphore(prefetch)
         self._stop = threading.Event()
@@ -195,7 +195,7 @@ class GlobalBatches(Iterator[Any]):
         while True:
             if not self._take_slot():
                 if multi:  # release the processes waiting for this one's next step
-                    _global.publish_record(self._tag, {"status": "closed"})
+                    _assembly.publish_record(self._tag, {"status": "closed"})
                 return
             status, local = "data", None
             try:
@@ -205,7 +205,7 @@ class GlobalBatches(Iterator[Any]):
                 status = "end"
             except BaseException as e:
                 if multi:
-                    _global.publish_failure(self._tag, e)
+                    _assembly.publish_failure(self._tag, e)
                 self._queue.put(_Failure(e))
                 return
             try:

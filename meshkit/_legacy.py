@@ -26,9 +26,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from . import _device_axis
+from ._assembly import exchange_records
 from ._errors import MeshkitError
 from ._gather import local_from_global
-from ._global import exchange_records, tree_paths
+from ._global import tree_paths
 
 __all__ = [
     "device_put_replicated",

@@ -28,7 +28,7 @@ import jax
 from jax.core import ShapedArray, Tracer
 from jax.sharding import Mesh, NamedSharding
 
-from . import _global, debug
+from . import _assembly, _global, debug
 
 __all__ = ["assemble", "is_abstract", "is_host", "is_local", "placed", "put_host"]
 
@@ -91,7 +91,7 @@ def assemble(
         return []
     treedef = jax.tree_util.tree_structure([0] * len(named) if structure is None else structure)
     with _global.calling(what, pads=False):
-        assembly = _global.Assembly(
+        assembly = _assembly.Assembly(
             tag, what, pad=False, check="data" if debug.enabled() else True, sizes_known=True
         )
         tree, _ = assembly.run(
@@ -110,4 +110,4 @@ def assemble(
 
 def publish_failure(tag: str, error: BaseException) -> None:
     """Tell the processes waiting in an `assemble` under ``tag`` that this one failed first."""
-    _global.publish_failure(_global.check_tag(tag), error)
+    _assembly.publish_failure(_assembly.check_tag(tag), error)

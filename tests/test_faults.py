@@ -1,8 +1,8 @@
 """Fault injection: each way a multi-process program goes wrong ends in a clear error, fast.
 
-Every case runs 2 processes x 4 CPU devices through the launcher and must end within 60 s,
-exit non-zero, name the processes involved, and leave no process behind (the ``marker``
-fixture checks the last). Debug mode (``MESHKIT_DEBUG=1``) is on unless the case says otherwise,
+Every case runs 2 processes x 4 CPU devices through the launcher (the ``test_8proc_`` cases
+8 processes x 1 CPU device) and must end within 60 s (90 s), exit non-zero, name the processes
+involved, and leave no process behind (the ``marker`` fixture checks the last). Debug mode (``MESHKIT_DEBUG=1``) is on unless the case says otherwise,
 with short timeouts so that the suite takes seconds per case.
 
 The functions starting with an underscore run inside the launched processes.
@@ -31,15 +31,15 @@ def _leave_no_process(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
 
 
-def _failed(target, env=DEBUG, **kwargs):
-    """Launch, check the run failed within the limit, return the launcher's whole report."""
+def _failed(target, env=DEBUG, *, limit=LIMIT_S, **kwargs):
+    """Launch, check the run failed within ``limit`` s, return the launcher's whole report."""
     start = time.monotonic()
-    result = launch_in_processes(target, timeout=90, env=env, **kwargs)
+    result = launch_in_processes(target, timeout=limit + 30, env=env, **kwargs)
     took = time.monotonic() - start
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode != 0, text
     assert not result.timed_out, text
-    assert took < LIMIT_S, f"took {took:.0f} s\n{text}"
+    assert took < limit, f"took {took:.0f} s\n{text}"
     return result, text
 
 
@@ -329,3 +329,104 @@ def test_soak_2000_steps(debug):
     # Each process passes arange(32).reshape(8, 4) as its own 8 rows of a global batch of 16:
     # the psum over all 16 rows, summed, is 2 * 496 on every process.
     assert result.values == [(992.0, debug, 0), (992.0, debug, 1)], text
+
+
+# ---- 8 processes x 1 CPU device: the faults named among many -----------------------------------
+# Start-up takes 10-20 s on 2 cores; each case must end within 90 s. With 8 processes a majority
+# agrees, so messages name the one process outside it.
+
+EIGHT = {"num_processes": 8, "devices_per_process": 1, "limit": 90}
+EIGHT_STEPS = 5
+
+
+def _eight_shape_mismatch():
+    import jax
+
+    _, step, jnp = _step_fn()
+    for call in range(1, EIGHT_STEPS + 1):
+        rows = 16 if call == 2 and jax.process_index() == 5 else 8
+        step(jnp.ones((rows, 4))).block_until_ready()
+
+
+def _eight_one_missing():
+    import jax
+
+    _, step, jnp = _step_fn()
+    for call in range(1, EIGHT_STEPS + 1):
+        if call == 2 and jax.process_index() == 3:
+            time.sleep(600)  # alive, stuck: the other 7 wait at call #2
+        step(jnp.ones((8, 4))).block_until_ready()
+
+
+def _eight_two_functions():
+    import jax
+
+    from meshkit import collectives as C
+
+    mesh, step, jnp = _step_fn()
+
+    def evaluate(x):
+        return C.pmax(x, "data")
+
+    other = meshkit.spmd(evaluate, mesh=mesh, in_specs="data", out_specs="")
+    for call in range(1, EIGHT_STEPS + 1):
+        fn = other if call == 2 and jax.process_index() == 6 else step
+        fn(jnp.ones((8, 4))).block_until_ready()
+
+
+def _eight_global_shape_mismatch():
+    import jax
+    import numpy as np
+
+    mesh = meshkit.make_mesh({"data": -1})
+    for call in range(1, EIGHT_STEPS + 1):
+        rows = 4 if call == 3 and jax.process_index() == 5 else 8
+        meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
+    meshkit.barrier("end")  # a sync point: raises what the deferred check found, if not yet
+
+
+def test_8proc_shape_mismatch_names_the_one_process():
+    _, text = _failed(_eight_shape_mismatch, **EIGHT)
+    assert "DivergenceError" in text, text
+    assert (
+        "call #2 of <lambda>: process 5 passed x float32[16,4]; "
+        "processes 0,1,2,3,4,6,7 passed float32[8,4]." in text
+    ), text
+    assert "consider the data pipeline of process 5" in text, text
+    assert "no majority" not in text, text
+
+
+def test_8proc_missing_process_is_named_within_the_timeout():
+    result, text = _failed(_eight_one_missing, **EIGHT)
+    assert "call #2 of <lambda>" in text, text
+    assert "process 3 did not arrive within 8 s (its last call was #1 of <lambda>" in text, text
+    assert "Processes 0,1,2,4,5,6,7 made this call" in text, text
+    # The watchdog fired before the timeout: the sleeping process shows where it sleeps.
+    assert "rank 3: meshkit watchdog: process 3 made no progress" in result.report, text
+    assert "in _eight_one_missing" in result.report, text
+    assert result.elapsed < 60, f"took {result.elapsed:.0f} s\n{text}"
+
+
+def test_8proc_different_function_names_both_functions():
+    _, text = _failed(_eight_two_functions, **EIGHT)
+    assert "DivergenceError" in text, text
+    # make_mesh is SPMD call #1 of the program, the first step #2: step 2 is #3.
+    assert re.search(
+        r"SPMD call #3 of the program: process 6 called evaluate \(spmd, made at "
+        r"test_faults.py:\d+\); processes 0,1,2,3,4,5,7 called <lambda> \(spmd, made at "
+        r"test_faults.py:\d+\)",
+        text,
+    ), text
+    assert "process 6: call #1 of evaluate" in text, text
+
+
+def test_8proc_global_array_from_local_shape_mismatch_without_debug():
+    _, text = _failed(_eight_global_shape_mismatch, env={"MESHKIT_DEBUG": "0"}, **EIGHT)
+    assert "DivergenceError" not in text, text  # the default check, not debug mode, found it
+    assert (
+        "meshkit.global_array_from_local (call #3, checked after it returned): processes "
+        "disagree on the global shape of (the array):" in text
+    ), text
+    assert "processes 0,1,2,3,4,6,7: float32[8, 3] (global [64, 3]" in text, text
+    assert "process 5: float32[4, 3] (global [32, 3]" in text, text
+    assert "for an uneven last batch pass pad=True" in text, text
