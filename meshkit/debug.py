@@ -319,27 +319,57 @@ def _short_in(path: str, cwd: str) -> str:
 
 def _fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
     ragged = bool(site.info.get("ragged"))
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(args)
-    static = site.info.get("static_argnums") or ()
-    leaves = []
-    for path, leaf in pairs:
-        where = _arg_name(site, path)
-        desc = _describe_leaf(leaf, ragged)
-        if path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx in static:
-            desc = "static " + _static_repr(leaf)
-        leaves.append([where, desc])
+    flat, treedef = jax.tree_util.tree_flatten(args)
+    layout = _layout_of(site, args, treedef)
+    leaves = [
+        [where, "static " + _static_repr(leaf) if static else _describe_leaf(leaf, ragged)]
+        for (where, static), leaf in zip(layout.names, flat, strict=True)
+    ]
     return {
         "status": "call",
         "count": count,  # SPMD entries checked in this process, all functions
-        # The function's name and where it was made: lambdas and functions of the same name differ.
-        "entry": f"{site.kind} {site.name}"
-        + (f" [{site.info['origin']}]" if site.info.get("origin") else ""),
+        "entry": layout.entry,
         "n": site.calls,
-        "structure": str(treedef),
+        "structure": layout.structure,
         "leaves": leaves,
         "where": _caller(),
         "time": time.time(),
     }
+
+
+@dataclass(frozen=True)
+class _ArgLayout:
+    """What a call site's fingerprint takes from its arguments' structure (cached per treedef)."""
+
+    entry: str  # the function's name and where it was made: lambdas of one name differ
+    structure: str
+    names: tuple[tuple[str, bool], ...]  # per leaf: its name in messages, whether static
+
+
+_LAYOUTS_KEY = "debug layouts"  # in CallSite.info: treedef -> _ArgLayout
+_MAX_LAYOUTS = 64  # per call site
+
+
+def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
+    layouts: dict[Any, _ArgLayout] = site.info.setdefault(_LAYOUTS_KEY, {})
+    layout = layouts.get(treedef)
+    if layout is not None:
+        return layout
+    static = site.info.get("static_argnums") or ()
+    pairs, _ = jax.tree_util.tree_flatten_with_path(args)
+    names = tuple(
+        (
+            _arg_name(site, path),
+            bool(path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx in static),
+        )
+        for path, _ in pairs
+    )
+    origin = site.info.get("origin")
+    entry = f"{site.kind} {site.name}" + (f" [{origin}]" if origin else "")
+    if len(layouts) >= _MAX_LAYOUTS:
+        layouts.clear()
+    layout = layouts[treedef] = _ArgLayout(entry, str(treedef), names)
+    return layout
 
 
 def _static_repr(x: Any) -> str:
