@@ -475,13 +475,31 @@ def check(tag: str, summary: str, record: str | Callable[[], str], *, timeout: f
         epoch = state.epoch
     stats.agreements += 1
     _collect_garbage(client, tag, seq, me)
+    deadline = time.monotonic() + timeout
+    return _meet(state, client, seq, epoch, digest, summary, record, deadline, me, n)
+
+
+def _meet(
+    state: _Tag,
+    client: Any,
+    seq: int,
+    epoch: int,
+    digest: str,
+    summary: str,
+    record: str | Callable[[], str],
+    deadline: float,
+    me: int,
+    n: int,
+) -> Outcome:
+    """`check`'s protocol for agreement ``seq`` of ``state``'s tag, once numbered."""
+    tag = state.name
     waiter = _Waiter(client, tag, seq, epoch, digest, summary, record, me)
     start = time.monotonic()
     _prober.add(waiter)
     timed_out = False
     try:
         stats.rpcs += 1
-        client.wait_at_barrier(_barrier_id(tag, epoch, digest), _deadline_ms(start + timeout))
+        client.wait_at_barrier(_barrier_id(tag, epoch, digest), _deadline_ms(deadline))
         return Outcome(True, {me: record} if isinstance(record, str) else {}, (), (), seq)
     except Exception as e:  # JAX's runtime error: a timeout, a refused (spoiled) barrier, ...
         timed_out = _timed_out(e)
@@ -492,14 +510,15 @@ def check(tag: str, summary: str, record: str | Callable[[], str], *, timeout: f
         state.last = None
     stats.slow += 1
     # A process that arrives after the others' timeout is refused at once: it did not give up.
-    gave_up_here = timed_out and time.monotonic() - start >= min(0.5, timeout / 2)
+    waited = time.monotonic() - start
+    gave_up_here = timed_out and waited >= min(0.5, max(deadline - start, 0.0) / 2)
     waiter.post(gave_up=gave_up_here)
     if not timed_out:
         # Refused: another process found a difference. Those waiting at other barriers (which
         # this process's probes may not have seen yet) are refused now, by this one.
         with contextlib.suppress(Exception):
             waiter.probe()
-    grace = 1.0 if timed_out else min(timeout, 10.0)
+    grace = 1.0 if timed_out else min(max(deadline - time.monotonic(), 1.0), 10.0)
     records, missing, gave_up = _collect(client, tag, seq, n, n, time.monotonic() + grace)
     if gave_up_here:  # missing: every process that was not waiting when the barrier expired
         missing, gave_up = tuple(p for p in range(n) if p not in gave_up), ()
@@ -737,8 +756,17 @@ def _window_thread(state: _Tag) -> None:
                 return  # the process exits
             calls, left = _take(state, decided)
             window = _window(seq, calls, left, decided, head)
-            total = _increment(client, _key(tag, seq, "c"), window.flag)
-            outcome = _settle_call(client, tag, window, me, n, total)
+            if window.groups:  # replica groups are compared per group: the counter protocol
+                total = _increment(client, _key(tag, seq, "c"), window.flag)
+                outcome = _settle_call(client, tag, window, me, n, total)
+            else:  # one barrier per window, named by its summaries (as `check`)
+                with state.lock:
+                    epoch = state.epoch
+                digest = _digest(window.summary, {})
+                end = window.arrived + window.timeout
+                outcome = _meet(
+                    state, client, seq, epoch, digest, window.summary, window.record, end, me, n
+                )
             if _stopping.is_set():
                 return  # the process exits: its last window is not reported
             if not outcome.agreed:
