@@ -277,8 +277,8 @@ def projection(data: dict[int, dict[str, Any]]) -> str:
             f"any measured N needed (N={worst}; {agreements} per agreement); by N: {trend}: "
             f"{verdict}",
             f"    bytes per call per process: {rts:.2f} round trips of under ~100 bytes each in "
-            "the common case (a key naming tag/block/seq with the window's size, a counter "
-            "increment, the verdict 'ok'); constant in N.",
+            "the common case (the window's size under a key naming tag/block/seq, a barrier "
+            "wait named by the window's digest); constant in N.",
             f"    verification latency floor per call: {rts:.2f} x {latency * 1e6:.0f} us = "
             f"{rts * latency * 1e3:.2f} ms (sequential round trips, the same at any N).",
             f"    coordinator requests per call: {HOSTS:,} x {rts:.2f} = {HOSTS * rts:,.0f}.",

@@ -40,11 +40,12 @@ A process that leaves a sequence of agreements (a failure, an iterator closed ea
 `leave` (`leave_check` for a tag of `check`), so the others learn at once, from its record, why
 it will not come.
 
-`agree_later` (the default check of `global_array_from_local`): `agree`'s protocol beside the
-caller, on *windows* of calls (a thread per tag). Process 0's thread takes every call it has
-queued and writes how many, the others take as many of theirs, and the window is one agreement
-on the list of its calls' summaries: three round trips per process and window however many
-calls it holds, so a loop that calls faster than a round trip pays a fraction of one per call.
+`agree_later` (the default check of `global_array_from_local`): agreement beside the caller,
+on *windows* of calls (a thread per tag). Process 0's thread takes every call it has queued and
+writes how many, the others take as many of theirs, and the window is one agreement on the list
+of its calls' summaries (`check`'s barrier, or `agree` when replica groups are compared): two
+or three round trips per process and window however many calls it holds, so a loop that calls
+faster than a round trip pays a fraction of one per call.
 The caller goes on at once, at most ``MAX_PENDING`` calls may be unverified, and a
 disagreement is printed when found and raised by this process's next meshkit call (`settle`).
 
@@ -680,12 +681,12 @@ def agree_later(
     A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
     Calls are verified in *windows*: meshkit's thread for the tag in process 0 takes every
     call it has queued (at most `MAX_PENDING`) and writes how many; the other processes' threads
-    read that and take as many of theirs. Each window is one agreement (`agree`'s protocol on
-    the list of the window's summaries): three round trips per process and window, however many
-    calls it holds, so a loop that calls faster than one round trip verifies many calls per
-    window. A process that must go on before its window is full (a waiting agreement, a
-    process leaving the tag) arrives with the calls it has, flagged, and the others find which
-    call it did not make.
+    read that and take as many of theirs. Each window is one agreement on the list of the
+    window's summaries (`check`'s barrier; `agree`'s protocol when the calls have replica
+    groups): two (three) round trips per process and window, however many calls it holds, so
+    a loop that calls faster than one round trip verifies many calls per window. A process
+    that must go on before its window is full (a waiting agreement, a process leaving the tag)
+    arrives with the calls it has, and the others find which call it did not make.
 
     ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
     processes did not agree; what it raises is printed at once and raised by this process's next
