@@ -148,8 +148,17 @@ def test_timeout_kills_a_hung_rank(tmp_path, marker):
     assert "[rank1] rank 1 started" in out.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_launcher_signal_stops_every_rank(tmp_path, marker, sig):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "start_ignored"),
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
+    ids=["SIGTERM", "SIGINT", "SIGINT-started-ignored"],
+)
+def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
+    # start_ignored: as a background job of a non-interactive shell starts it (SIGINT ignored).
     prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
     exe = shutil.which("meshkit")
     command = [exe] if exe else [sys.executable, "-m", "meshkit"]
@@ -159,6 +168,7 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ignore_sigint if start_ignored else None,
     )
     try:
         deadline = time.monotonic() + 30

@@ -119,8 +119,11 @@ def _launch(args: argparse.Namespace) -> int:
     from .._launch import launch
 
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
-    # A launcher stopped by SIGTERM (a CI job cancelled, a scheduler) stops its ranks too.
+    # A launcher stopped by SIGTERM (a CI job cancelled, a scheduler) stops its ranks too; so
+    # does SIGINT, even when the launcher was started with it ignored (a background job of a
+    # non-interactive shell inherits SIGINT ignored, and Python keeps an inherited SIG_IGN).
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     result = launch(
         command,
         num_processes=args.num_processes,
