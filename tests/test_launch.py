@@ -148,8 +148,12 @@ def test_timeout_kills_a_hung_rank(tmp_path, marker):
     assert "[rank1] rank 1 started" in out.stdout
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+# Starts the rest of its command line with SIGINT ignored (an ignored signal stays ignored
+# across exec), as a background job of a non-interactive shell starts it; no fork hook needed.
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 @pytest.mark.parametrize(
@@ -162,13 +166,14 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
     prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
     exe = shutil.which("meshkit")
     command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    if start_ignored:
+        command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
     proc = subprocess.Popen(
         [*command, "launch", "-n", "2", "--grace", "1", str(prog)],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_ignore_sigint if start_ignored else None,
     )
     try:
         deadline = time.monotonic() + 30
