@@ -202,8 +202,10 @@ class Assembly:
         try:
             return make()
         except Exception as e:
-            if self.exchanges_sizes or (self.multi and (self.stepwise or self.check == "data")):
-                publish_failure(self.tag, e)  # the others wait in the first agreement
+            # Told where the others wait first: `agree_sizes` (an uneven batch, each step of
+            # global_batches), else the check at the transfer.
+            if self.exchanges_sizes or (self.multi and self.stepwise):
+                publish_failure(self.tag, e)
             elif self.multi and self.check:
                 publish_failure(self.check_tag, e, later=self.defer)
             raise

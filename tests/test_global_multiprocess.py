@@ -226,7 +226,7 @@ def test_mismatched_structure_and_dtype_raise():
         assert "process 1: int32[8, 3]" in message
 
 
-def _one_process_fails_locally():
+def _one_process_fails_locally(check=True):
     import jax
     import numpy as np
 
@@ -235,19 +235,28 @@ def _one_process_fails_locally():
     mesh = meshkit.make_mesh({"data": -1})
     rows = 8 if jax.process_index() == 0 else 7  # process 1: not divisible over its 4 devices
     try:
-        meshkit.global_array_from_local(np.zeros((rows, 2), np.float32), mesh, "data")
+        meshkit.global_array_from_local(np.zeros((rows, 2), np.float32), mesh, "data", check=check)
         meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
 
 
-def test_a_local_error_on_one_process_stops_the_other_at_once():
+def _one_process_fails_locally_data_check():
+    return _one_process_fails_locally(check="data")
+
+
+@pytest.mark.parametrize(
+    "target",
+    [_one_process_fails_locally, _one_process_fails_locally_data_check],
+    ids=["check=True", "check=data"],
+)
+def test_a_local_error_on_one_process_stops_the_other_at_once(target):
     import time
 
     start = time.monotonic()
     results = run_in_processes(
-        _one_process_fails_locally,
+        target,
         num_processes=2,
         timeout=120,
         env={"MESHKIT_CHECK_TIMEOUT": "60"},
