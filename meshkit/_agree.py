@@ -281,13 +281,25 @@ def _collect(
     return {p: v["record"] for p, v in posted.items()}, missing, gave_up
 
 
-def _post(client: Any, tag: str, seq: int, me: int, call: _Call, gave_up: bool = False) -> None:
-    posted: dict[str, Any] = {"summary": call.summary, "groups": call.groups, "record": call.record}
-    if gave_up:
-        posted["gave_up"] = True
-    value = json.dumps(posted)
+def _posted(
+    summary: str, groups: Mapping[str, tuple[int, str]], record: str, **extra: Any
+) -> dict[str, Any]:
+    """A record as processes post it, and as a window lists its calls: compared, and shown."""
+    return {"summary": summary, "groups": groups, "record": record, **extra}
+
+
+def _write(
+    client: Any, tag: str, seq: int, me: int, posted: dict[str, Any], overwrite: bool = False
+) -> None:
+    """Post this process's record of agreement ``seq`` (read by `_collect` and phase 2)."""
     stats.rpcs += 1
-    client.key_value_set(f"{_key(tag, seq, 'r')}/{me}", value)
+    key = f"{_key(tag, seq, 'r')}/{me}"
+    client.key_value_set(key, json.dumps(posted), allow_overwrite=overwrite)
+
+
+def _post(client: Any, tag: str, seq: int, me: int, call: _Call, gave_up: bool = False) -> None:
+    extra = {"gave_up": True} if gave_up else {}
+    _write(client, tag, seq, me, _posted(call.summary, call.groups, call.record, **extra))
 
 
 def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int) -> Outcome:
@@ -348,6 +360,14 @@ def _collect_garbage(client: Any, tag: str, seq: int, me: int) -> None:
             client.key_value_delete(f"meshkit/{tag}/{seq // BLOCK - 2}/")
 
 
+def _sync_point(timeout: float) -> tuple[Any, int, int]:
+    """Before an agreement the caller waits for: earlier deferred checks are raised first."""
+    if _live:
+        drain(timeout + 35.0)  # each pending call waits at most its timeout, plus phase 3
+    settle()
+    return _client()
+
+
 def agree(
     tag: str,
     summary: str,
@@ -373,10 +393,7 @@ def agree(
         An `Outcome`; ``agreed`` False with every arrived process's record when anything
         differs, ``missing`` naming processes that did not arrive in time.
     """
-    if _live:  # a waiting agreement is a sync point: earlier deferred checks are raised first
-        drain(timeout + 35.0)  # each pending call waits at most its timeout, plus phase 3
-    settle()
-    client, me, n = _client()
+    client, me, n = _sync_point(timeout)
     if client is None or n == 1:
         return Outcome(True, {me: record})
     state = _state(tag)
@@ -461,10 +478,7 @@ def check(tag: str, summary: str, record: str | Callable[[], str], *, timeout: f
     ``record`` may be a function that makes it: it is made only when shown (and an agreed
     `Outcome` then has no records).
     """
-    if _live:  # a waiting agreement is a sync point: earlier deferred checks are raised first
-        drain(timeout + 35.0)
-    settle()
-    client, me, n = _client()
+    client, me, n = _sync_point(timeout)
     if client is None or n == 1:
         return Outcome(True, {me: record if isinstance(record, str) else record()})
     state = _state(tag)
@@ -582,18 +596,11 @@ class _Waiter:
     def post(self, gave_up: bool = False) -> None:
         if self.posted and not gave_up:
             return
-        value: dict[str, Any] = {
-            "summary": self.summary,
-            "groups": {},
-            "record": self.record,
-            "digest": self.digest,
-            "epoch": self.epoch,
-        }
-        if gave_up:
-            value["gave_up"] = True
-        stats.rpcs += 1
-        key = f"{_key(self.tag, self.seq, 'r')}/{self.me}"
-        self.client.key_value_set(key, json.dumps(value), allow_overwrite=self.posted)
+        extra = {"gave_up": True} if gave_up else {}
+        posted = _posted(
+            self.summary, {}, self.record, digest=self.digest, epoch=self.epoch, **extra
+        )
+        _write(self.client, self.tag, self.seq, self.me, posted, overwrite=self.posted)
         self.posted = True
 
     def probe(self) -> None:
@@ -826,11 +833,9 @@ def _window(
     seq: int, calls: list[_Call], left: str | None, decided: str | None, head: _Call | None
 ) -> _Call:
     """One agreement for a window: the list of its calls' summaries, groups and records."""
-    entries: list[dict[str, Any]] = [
-        {"summary": c.summary, "groups": c.groups, "record": c.record} for c in calls
-    ]
+    entries = [_posted(c.summary, c.groups, c.record) for c in calls]
     if left is not None:
-        entries.append({"summary": _LEFT, "groups": {}, "record": left})
+        entries.append(_posted(_LEFT, {}, left))
     wanted = len(calls) if decided in (None, "left") else int(decided)
     flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
     flag = flag or decided == "left"
