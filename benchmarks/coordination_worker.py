@@ -3,10 +3,11 @@
 Usage: ``meshkit launch -n N -d 1 --timeout 600 coordination_worker.py BENCHMARKS_DIR [--probe]``.
 Process 0 prints one ``BENCH {json}`` line.
 
-Series, each in rounds of ``CALLS`` calls with a `meshkit.barrier` before every round (outside
-the timed span); the variants of a series take turns round by round (A B, B A, ...), so that
-the machine's noise falls on both alike, and an overhead is the median over rounds of the
-difference between the paired rounds. Every call is waited with `jax.block_until_ready`.
+Series, each in rounds of ``CALLS`` calls (``GLOBAL_CALLS`` for ``global``) with a
+`meshkit.barrier` before every round (outside the timed span); the variants of a series take
+turns round by round (A B, B A, ...), so that the machine's noise falls on both alike, and an
+overhead is the median over rounds of the difference between the paired rounds. Every call is
+waited with `jax.block_until_ready`.
 
 * ``global``: ``meshkit.global_array_from_local`` of a 4 KiB float32 batch per process, with
   ``check=True`` and ``check=False``;
@@ -52,8 +53,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 PROBE = "--probe" in sys.argv[2:]
-CALLS = 128  # calls per round (twice _agree.MAX_PENDING, so deferred checks must keep up)
-ROUNDS = bench_rounds(9)  # paired rounds per series: 288 calls per variant by default
+CALLS = 128  # calls per round of a series whose checks wait (debug, make_mesh, barrier)
+# global_array_from_local's checks are agreed on windows of calls (up to _agree.WINDOW, open up
+# to _agree.LINGER_S): a round of twice a window closes windows inside the timed span instead of
+# leaving them to the untimed drain between rounds.
+GLOBAL_CALLS = 1024
+ROUNDS = bench_rounds(9)  # paired rounds per series
 PROBE_RPCS = 500
 LOAD_BEFORE = os.getloadavg()  # other work on the machine skews every figure
 
@@ -82,8 +87,9 @@ def series(
     fns: dict[str, Callable[[], Any]],
     *,
     setup: dict[str, tuple[Callable[[], object], Callable[[], object]]] | None = None,
+    calls: int = CALLS,
 ) -> dict[str, dict[str, Any]]:
-    """Rounds of CALLS calls of each variant, taking turns; what each costs per call."""
+    """Rounds of ``calls`` calls of each variant, taking turns; what each costs per call."""
     setup = setup or {}
     keys = list(fns)
     totals = {
@@ -99,7 +105,7 @@ def series(
         rpcs0, agreements0 = counters()
         cpu0 = cpu_seconds()
         start = time.perf_counter()
-        for _ in range(CALLS):
+        for _ in range(calls):
             jax.block_until_ready(fn())
         end = time.perf_counter()
         if DRAIN is not None:
@@ -110,8 +116,8 @@ def series(
         leave()
         if timed:
             t = totals[key]
-            t["seconds"].append((end - start) / CALLS)
-            t["verified"].append((drained - start) / CALLS)
+            t["seconds"].append((end - start) / calls)
+            t["verified"].append((drained - start) / calls)
             t["cpu"] += cpu1 - cpu0
             t["rpcs"] += rpcs1 - rpcs0
             t["agreements"] += agreements1 - agreements0
@@ -122,7 +128,7 @@ def series(
     for r in range(ROUNDS):
         for key in keys if r % 2 == 0 else keys[::-1]:
             one_round(key, timed=True)
-    calls = ROUNDS * CALLS
+    made = ROUNDS * calls
     out = {}
     for key in keys:
         t = totals[key]
@@ -130,10 +136,11 @@ def series(
             "seconds": statistics.median(t["seconds"]),
             "rounds": t["seconds"],
             "verified": statistics.median(t["verified"]),
-            "cpu": t["cpu"] / calls,
-            "rpcs": t["rpcs"] / calls if STATS is not None else None,
-            "agreements": t["agreements"] / calls if STATS is not None else None,
-            "drain": t["drain"] / calls,
+            "cpu": t["cpu"] / made,
+            "rpcs": t["rpcs"] / made if STATS is not None else None,
+            "agreements": t["agreements"] / made if STATS is not None else None,
+            "drain": t["drain"] / made,
+            "calls": made,
         }
     if len(keys) == 2:
         a, b = keys  # overhead of the first over the second, round by round
@@ -216,6 +223,7 @@ results["global"] = series(
         "check": lambda: meshkit.global_array_from_local(local, mesh, "data"),
         "nocheck": lambda: meshkit.global_array_from_local(local, mesh, "data", check=False),
     },
+    calls=GLOBAL_CALLS,
 )
 
 step = meshkit.spmd(lambda x: x * 2, mesh=mesh, in_specs="data", out_specs="data")

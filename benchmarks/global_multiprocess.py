@@ -3,9 +3,9 @@
 Usage: ``meshkit launch -n 2 -d 4 global_multiprocess.py BENCHMARKS_DIR``. Process 0 prints one
 ``BENCH {json}`` line with `global_assembly.measure`'s result.
 
-Rows: 64 MiB per process on both meshes, copied and zero-copy, one call per round; 64 KiB per
-process on the data mesh, copied and zero-copy, ``SMALL_CALLS`` calls per round. Rounds are
-``BENCH_REPEATS`` when set (every row alike), else the defaults below.
+Rows: 64 MiB per process on both meshes, copied and zero-copy, ``LARGE_CALLS`` calls per round;
+64 KiB per process on the data mesh, copied and zero-copy, ``SMALL_CALLS`` calls per round.
+Rounds are ``BENCH_REPEATS`` when set (every row alike), else the defaults below.
 """
 
 import json
@@ -49,24 +49,31 @@ replicated_label = (
 # cross-process checks of make_mesh and global_array_from_local require.
 cases = []
 # Rounds per (data alignment, mesh): enough for medians within a few percent on a noisy 2-core
-# machine; zero-copy calls are short (except meshkit's replica copies), so they get more.
+# machine; zero-copy calls are short (except meshkit's replica copies), so they get more. A
+# round is LARGE_CALLS calls: meshkit's deferred checks agree on windows of calls that stay open
+# up to meshkit._agree.LINGER_S, so a round of one call would leave every check to the untimed
+# drain between rounds; 16 calls of a few milliseconds close several windows inside the round.
+LARGE_CALLS = 16
 rounds = {
-    (False, data): 61,
-    (False, replicated): 61,
-    (True, data): 121,
-    (True, replicated): 41,
+    (False, data): 21,
+    (False, replicated): 21,
+    (True, data): 31,
+    (True, replicated): 21,
 }
 for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
     local = local_data(seed=jax.process_index(), aligned=aligned)
     for mesh, label in ((data, data_label), (replicated, replicated_label)):
         n = bench_rounds(rounds[aligned, mesh])
         cases.append(
-            make_case(mesh, local, label=f"{label}, {kind}", rounds=n, number=1, verify=True)
+            make_case(
+                mesh, local, label=f"{label}, {kind}", rounds=n, number=LARGE_CALLS, verify=True
+            )
         )
-# 64 KiB per process (issue 13's small size), data mesh only. A call takes a few hundred
-# microseconds, so a round is SMALL_CALLS calls (twice meshkit._agree.MAX_PENDING: the deferred
-# checks must keep up within a round) and the barrier's noise is spread over them.
-SMALL_CALLS = 128
+# 64 KiB per process (issue 13's small size), data mesh only. A call takes tens of
+# microseconds, so a round is SMALL_CALLS calls, twice meshkit._agree.WINDOW: the deferred
+# checks' windows fill and are agreed inside the timed span (a round shorter than a window would
+# leave them to the untimed drain between rounds), and the barrier's noise is spread over them.
+SMALL_CALLS = 1024
 SMALL_ROUNDS = 41
 for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
     local = local_data(seed=jax.process_index(), aligned=aligned, nbytes=SMALL_BYTES)

@@ -76,7 +76,12 @@ from ._errors import MeshkitError
 __all__ = ["Outcome", "agree", "agree_later", "leave", "settle", "stats", "tag_part"]
 
 BLOCK = 64  # calls per key block (one delete per block)
-MAX_PENDING = 64  # unverified calls agree_later allows per tag before the caller waits
+WINDOW = 512  # calls one window of agree_later holds at most
+MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
+# A window stays open this long after its first call for more calls to join it (unless it is
+# full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
+# milliseconds) then shares one agreement among several calls instead of paying one per call.
+LINGER_S = 0.02
 _SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 _MAX_PROCESSES = (1 << _SHIFT) - 1
 _OK, _CHECK = "ok", "check"
@@ -119,13 +124,20 @@ class _Stats:
 stats = _Stats()
 
 
+Record = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
+
+
+def _text(record: Record) -> str:
+    return record if isinstance(record, str) else record()
+
+
 @dataclass
 class _Call:
     seq: int
     flag: bool
     summary: str
     groups: dict[str, tuple[int, str]]
-    record: str
+    record: Record
     arrived: float = 0.0  # monotonic time of the increment
     on_outcome: Callable[[Outcome], None] | None = None
     timeout: float = 0.0
@@ -139,11 +151,15 @@ class _Tag:
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
     last: str | None = None  # digest of the summary of the previous call, None: unknown
+    last_summary: str | None = None  # that summary, when it had no groups (a shortcut)
     # agree_later's state (its thread's; guarded by ``cond``, which holds ``lock``):
     cond: threading.Condition | None = None
     queue: deque[_Call] = field(default_factory=deque)  # calls not yet in a window
     inflight: int = 0  # calls in the window being agreed
     draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
+    # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
+    # only then, so a steady loop wakes no thread per call.
+    wanted: int = 0
     left: str | None = None  # this process left the tag (`leave`): its record
     left_posted: threading.Event = field(default_factory=threading.Event)
     epoch: int = 0  # `check`'s barrier names: moved on after a failed check
@@ -190,10 +206,17 @@ def _client() -> tuple[Any, int, int]:
 
 
 def _changed(state: _Tag, summary: str, groups: Mapping[str, tuple[int, str]]) -> bool:
-    """Whether the summary differs from this process's previous one; the caller holds the lock."""
+    """Whether the summary differs from this process's previous one; the caller holds the lock.
+
+    A summary without groups that is the previous one (often the very same string: a layout seen
+    before) is not hashed again.
+    """
+    if not groups and state.last is not None and summary is state.last_summary:
+        return False
     digest = _digest(summary, groups)
     flag = digest != state.last
     state.last = digest
+    state.last_summary = None if groups else summary
     return flag
 
 
@@ -299,7 +322,7 @@ def _write(
 
 def _post(client: Any, tag: str, seq: int, me: int, call: _Call, gave_up: bool = False) -> None:
     extra = {"gave_up": True} if gave_up else {}
-    _write(client, tag, seq, me, _posted(call.summary, call.groups, call.record, **extra))
+    _write(client, tag, seq, me, _posted(call.summary, call.groups, _text(call.record), **extra))
 
 
 def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int) -> Outcome:
@@ -319,7 +342,7 @@ def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int
             _arrive_flagged(client, tag, seq, "c2", "d2", n)
             return _explain(client, tag, seq, n, total & _MAX_PROCESSES, call.timeout)
     if verdict == _OK:
-        return Outcome(True, {me: call.record}, (), (), seq)
+        return Outcome(True, {me: _text(call.record)}, (), (), seq)
     stats.slow += 1
     _post(client, tag, seq, me, call)
     # Phase 2: compare exactly with process 0 and with each replica group's reference.
@@ -338,7 +361,7 @@ def _settle_call(client: Any, tag: str, call: _Call, me: int, n: int, total: int
     total2 = _increment(client, _key(tag, seq, "c2"), not same)
     verdict2 = _verdict(client, tag, seq, "d2", total2, n, deadline)
     if verdict2 == _OK:
-        return Outcome(True, {me: call.record}, (), (), seq)
+        return Outcome(True, {me: _text(call.record)}, (), (), seq)
     # Phase 3: every record, to explain the difference (or name who did not come).
     arrived = n if verdict2 is not None else total2 & _MAX_PROCESSES
     return _explain(client, tag, seq, n, arrived, call.timeout)
@@ -459,7 +482,7 @@ PROBE_S = 0.2  # a check still waiting after this long compares records (then 2x
 _PROBE_MAX_S = 5.0
 
 
-def check(tag: str, summary: str, record: str | Callable[[], str], *, timeout: float) -> Outcome:
+def check(tag: str, summary: str, record: Record, *, timeout: float) -> Outcome:
     """`agree` for checks, where any difference between processes is an error: one round trip.
 
     Every process waits at the coordination service's barrier named by ``tag`` and the digest of
@@ -501,7 +524,7 @@ def _meet(
     epoch: int,
     digest: str,
     summary: str,
-    record: str | Callable[[], str],
+    record: Record,
     deadline: float,
     me: int,
     n: int,
@@ -583,15 +606,14 @@ class _Waiter:
     epoch: int
     digest: str
     summary: str
-    make_record: str | Callable[[], str]
+    make_record: Record
     me: int
     posted: bool = False
     spoiled: set[str] = field(default_factory=set)
 
     @functools.cached_property
     def record(self) -> str:
-        made = self.make_record
-        return made if isinstance(made, str) else made()
+        return _text(self.make_record)
 
     def post(self, gave_up: bool = False) -> None:
         if self.posted and not gave_up:
@@ -677,7 +699,7 @@ _prober = _Prober()
 def agree_later(
     tag: str,
     summary: str,
-    record: str,
+    record: Record,
     *,
     timeout: float,
     on_outcome: Callable[[Outcome], None],
@@ -686,14 +708,15 @@ def agree_later(
     """`agree`, verified beside the caller: returns at once.
 
     A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
-    Calls are verified in *windows*: meshkit's thread for the tag in process 0 takes every
-    call it has queued (at most `MAX_PENDING`) and writes how many; the other processes' threads
-    read that and take as many of theirs. Each window is one agreement on the list of the
-    window's summaries (`check`'s barrier; `agree`'s protocol when the calls have replica
-    groups): two (three) round trips per process and window, however many calls it holds, so
-    a loop that calls faster than one round trip verifies many calls per window. A process
-    that must go on before its window is full (a waiting agreement, a process leaving the tag)
-    arrives with the calls it has, and the others find which call it did not make.
+    Calls are verified in *windows*: meshkit's thread for the tag in process 0 lets a window
+    fill for up to `LINGER_S` after its first call (or until it holds `WINDOW` calls), then
+    writes how many calls it holds; the other processes' threads read that and take as many of
+    theirs. Each window is one agreement on the list of the window's summaries (`check`'s
+    barrier; `agree`'s protocol when the calls have replica groups): two (three) round trips
+    per process and window, however many calls it holds. A process that must go on before its
+    window is full (a waiting agreement, a process leaving the tag) arrives with the calls it
+    has, and the others find which call it did not make. ``record`` (or the function that
+    makes it) is only made when shown.
 
     ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
     processes did not agree; what it raises is printed at once and raised by this process's next
@@ -717,7 +740,8 @@ def agree_later(
             _Call(-1, flag, summary, groups, record, time.monotonic(), on_outcome, timeout)
         )
         state.on_outcome = on_outcome
-        cond.notify_all()
+        if 0 < state.wanted <= len(state.queue):
+            cond.notify_all()
     settle()
 
 
@@ -726,6 +750,9 @@ _live: set[str] = set()
 
 def _windowed(tag: str) -> _Tag:
     """The state of a tag agreed beside the caller; its first use starts its thread."""
+    state = _tags.get(tag)  # a plain read first: after the first call, no lock is needed
+    if state is not None and state.cond is not None:
+        return state
     state = _state(tag)
     with state.lock:
         if state.cond is None:
@@ -747,14 +774,18 @@ def _window_thread(state: _Tag) -> None:
     tag = state.name
     while True:
         with cond:
+            state.wanted = 1
             while not state.queue and state.left is None and not _stopping.is_set():
                 cond.wait()
+            if me == 0:
+                _linger(state)
+            state.wanted = 0
             if _stopping.is_set():
                 return
             seq = state.seq
             state.seq += 1
             head = state.queue[0] if state.queue else None
-            offer = min(len(state.queue), MAX_PENDING)
+            offer = min(len(state.queue), WINDOW)
         calls: list[_Call] = []
         left = None
         try:
@@ -791,6 +822,28 @@ def _window_thread(state: _Tag) -> None:
             cond.notify_all()
 
 
+def _linger(state: _Tag) -> None:
+    """Process 0, before it decides a window: let it fill (``state.cond`` held).
+
+    Until it holds `WINDOW` calls, or `LINGER_S` has passed since its first call; at once when
+    a caller drains, the process leaves the tag or exits.
+    """
+    cond = state.cond
+    assert cond is not None
+    state.wanted = WINDOW
+    while (
+        state.queue
+        and len(state.queue) < WINDOW
+        and state.left is None
+        and not state.draining
+        and not _stopping.is_set()
+    ):
+        left = state.queue[0].arrived + LINGER_S - time.monotonic()
+        if left <= 0:
+            break
+        cond.wait(left)
+
+
 def _decide(client: Any, tag: str, seq: int, me: int, offer: int, head: _Call | None) -> str | None:
     """How many calls window ``seq`` holds: process 0 says, the others read it.
 
@@ -816,6 +869,7 @@ def _take(state: _Tag, decided: str | None) -> tuple[list[_Call], str | None]:
             want = int(decided)
             # Wait for the caller to make the window's calls, unless it waits for us (a waiting
             # agreement drains) or left the tag: then the window is short, and flagged.
+            state.wanted = want
             while (
                 len(state.queue) < want
                 and state.left is None
@@ -823,6 +877,7 @@ def _take(state: _Tag, decided: str | None) -> tuple[list[_Call], str | None]:
                 and not _stopping.is_set()
             ):
                 cond.wait(0.1)
+            state.wanted = 0
         calls = [state.queue.popleft() for _ in range(min(want, len(state.queue)))]
         state.inflight += len(calls)
         left = state.left if len(calls) < max(want, 1) or not calls else None
@@ -832,18 +887,34 @@ def _take(state: _Tag, decided: str | None) -> tuple[list[_Call], str | None]:
 def _window(
     seq: int, calls: list[_Call], left: str | None, decided: str | None, head: _Call | None
 ) -> _Call:
-    """One agreement for a window: the list of its calls' summaries, groups and records."""
-    entries = [_posted(c.summary, c.groups, c.record) for c in calls]
+    """One agreement for a window: the list of its calls' summaries, groups and records.
+
+    The summary lists the calls' summaries run by run (``[[summary, count], ...]``: a steady
+    loop's window is one run); the record, every call's, is made only when shown.
+    """
+
+    def record() -> str:
+        entries = [_posted(c.summary, c.groups, _text(c.record)) for c in calls]
+        if left is not None:
+            entries.append(_posted(_LEFT, {}, left))
+        return json.dumps(entries)
+
+    runs: list[list[Any]] = []
+    for c in calls:
+        if runs and (runs[-1][0] is c.summary or runs[-1][0] == c.summary):
+            runs[-1][1] += 1
+        else:
+            runs.append([c.summary, 1])
     if left is not None:
-        entries.append(_posted(_LEFT, {}, left))
+        runs.append([_LEFT, 1])
     wanted = len(calls) if decided in (None, "left") else int(decided)
     flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
     flag = flag or decided == "left"
     groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
-    summary = json.dumps([e["summary"] for e in entries])
+    summary = json.dumps(runs)
     started = head.arrived if head is not None else time.monotonic()
     timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
-    return _Call(seq, flag, summary, groups, json.dumps(entries), started, None, timeout)
+    return _Call(seq, flag, summary, groups, record, started, None, timeout)
 
 
 def _report(state: _Tag, calls: list[_Call], outcome: Outcome, me: int) -> None:

@@ -76,11 +76,18 @@ def exchange_records(
 
 
 def exchange_records_later(
-    tag: str, record: dict[str, Any], what: str, *, replicas: dict[str, tuple[int, str]]
+    tag: str,
+    record: dict[str, Any],
+    what: str,
+    *,
+    replicas: dict[str, tuple[int, str]],
+    summarized: str | None = None,
 ) -> None:
     """`exchange_records`, verified beside the caller (`meshkit._agree.agree_later`).
 
     A difference is named by `compare` there and raised by this process's next meshkit call.
+    ``summarized``: ``summary(record)``, when the caller has it already (a layout seen before).
+    The record's JSON is only made if it is shown.
     """
     timeout = _runtime.check_timeout()
     record = _with_replicas(record, replicas)
@@ -88,8 +95,8 @@ def exchange_records_later(
     named = f"{what} (call #{number}, checked after it returned)"
     _agree.agree_later(
         tag,
-        summary(record),
-        json.dumps(record),
+        summary(record) if summarized is None else summarized,
+        lambda: json.dumps(record),
         timeout=timeout,
         groups=replicas,
         on_outcome=lambda outcome: compare(_records(outcome, timeout, named), named),
@@ -252,7 +259,11 @@ class Assembly:
             return assemble(prepared, transfer(prepared))
         record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
         if self.defer:
-            exchange_records_later(self.check_tag, record, self.what, replicas=replicas)
+            template = prepared.template
+            known = template.summary if template is not None and record is template.record else None
+            exchange_records_later(
+                self.check_tag, record, self.what, replicas=replicas, summarized=known
+            )
             return assemble(prepared, transfer(prepared))
         pending = _executor().submit(
             contextvars.copy_context().run,
@@ -269,7 +280,8 @@ class Assembly:
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""
         prepared = self.prepare(make)
-        warn_notes(prepared.notes, user_stacklevel())
+        if prepared.notes:
+            warn_notes(prepared.notes, user_stacklevel())
         records = self.agree_sizes(prepared) if self.exchanges_sizes else None
         self.place(prepared, records)
         return self.transfer(prepared, agreed=records is not None)

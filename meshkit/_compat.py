@@ -17,6 +17,7 @@ __all__ = [
     "cluster_params",
     "distributed_state",
     "idle",
+    "put_blocks",
     "scan_counts",
     "trace_state_clean",
     "varying_axes",
@@ -28,6 +29,36 @@ def backends_are_initialized() -> bool:
     from jax._src import xla_bridge
 
     return bool(xla_bridge.backends_are_initialized())
+
+
+def put_blocks(
+    shape: tuple[int, ...], dtype: Any, sharding: Any, blocks: Sequence[Any], devices: Sequence[Any]
+) -> Any:
+    """A global `jax.Array` from this process's blocks, one per local device, in one call.
+
+    What `jax.make_array_from_callback` ends in (``pxla.batched_device_put``), without its
+    per-device callback and checks: the caller guarantees that ``blocks[i]`` is device
+    ``devices[i]``'s block of the ``shape`` array under ``sharding``, in ``dtype``, and that
+    ``devices`` are every local device of ``sharding`` in its
+    ``addressable_devices_indices_map`` order. As there, a 64-byte-aligned numpy block can be
+    aliased on CPU rather than copied.
+    """
+    return _pxla().batched_device_put(
+        _sharded_aval(shape, dtype, sharding), sharding, blocks, devices
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    core = _jax_core()
+    return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
+
+
+@functools.cache
+def _pxla() -> Any:
+    from jax._src.interpreters import pxla
+
+    return pxla
 
 
 def distributed_state() -> tuple[Any | None, int, int]:

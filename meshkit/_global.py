@@ -4,10 +4,12 @@ Each process passes the part of the global array its devices hold (`meshkit.proc
 says which); meshkit checks through the coordination service that the processes agree, puts one
 numpy view per block on each local device, and assembles the global `jax.Array`.
 
-Cost. A call is: a cached layout plan per leaf; numpy views (no host copy unless a dtype cast
-or padding needs one); then, on CPU, one `jax.make_array_from_callback` per array, which puts
-every device's view in one batched call (XLA's CPU client aliases 64-byte-aligned host memory
-instead of copying it, as `jax.device_put` does); on accelerators, one batched
+Cost. A call is: a template of the layout (plans, shardings, the check's record), made on the
+first call with that layout and reused while it repeats; numpy views (no host copy unless a
+dtype cast or padding needs one); then, on CPU, one batched put per array (what
+`jax.make_array_from_callback` ends in, without its per-device callbacks), which puts every
+device's view in one call (XLA's CPU client aliases 64-byte-aligned host memory instead of
+copying it, as `jax.device_put` does); on accelerators, one batched
 ``jax.device_put`` of the distinct blocks, one more that copies blocks to the other local
 devices holding the same block (replicas, device to device, not from the host again), and
 ``jax.make_array_from_single_device_arrays``. The cross-process check (one small message per
@@ -32,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _layout
+from . import _compat, _layout
 from ._errors import MeshkitError
 from ._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
 from ._trees import broadcast_prefix, prefix_mismatch
@@ -126,7 +128,33 @@ class Prepared:
     mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
     mask_plan: _layout.Plan | None = None
     notes: list[str] = field(default_factory=list)  # DtypeWarning texts, for the caller's line
-    record: dict[str, Any] = field(default_factory=dict)
+    # From a layout seen before (`prepare`'s templates): the leaves hold their final plans, and
+    # the record, its summary and the replicas' places are those of the template.
+    template: _Template | None = None
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What `prepare` decided for one layout without padding, kept while the layout repeats.
+
+    A layout is everything `prepare` reads but the values: the pytree structure, each leaf's
+    shape and dtype, the mesh or sharding, the spec, the global shape and the dtype asked for.
+    Per leaf ``(path, sharding, dims, global shape, plan for the global shape, rows, dtype)``;
+    no values (a template must not keep a batch alive).
+    """
+
+    treedef: Any
+    leaves: tuple[tuple[str, NamedSharding, Any, tuple[int, ...], _layout.Plan, int, Any], ...]
+    record: dict[str, Any]  # `describe(..., pad=False)`, shared: never mutated
+    summary: str  # `summary(record)`
+    replicas: tuple[tuple[int, Any, str, int], ...]  # `_replica_slots`
+    # (path, dtype asked for or found, dtype used, dtype= given): the 64-bit narrowings, noted
+    # on a call from the template as on any other (once per dtype and process).
+    narrowings: tuple[tuple[str, np.dtype, np.dtype, bool], ...]
+
+
+_templates: dict[Any, _Template] = {}
+_MAX_TEMPLATES = 64
 
 
 def tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -241,17 +269,24 @@ def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str] | None) -> 
     wanted = value.dtype if dtype is None else np.dtype(dtype)
     target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
     if target != wanted and notes is not None:
-        key = (str(wanted), str(target))
-        if key not in _warned_dtypes:
-            _warned_dtypes.add(key)
-            source = "dtype=" if dtype is not None else f"the data at {path}"
-            notes.append(
-                f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
-                f"global array is {target}. (Shown once per dtype.)\nConsider "
-                f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', True) "
-                "to keep 64 bits."
-            )
+        _note_narrowing(path, wanted, target, dtype is not None, notes)
     return value if value.dtype == target else value.astype(target)
+
+
+def _note_narrowing(
+    path: str, wanted: np.dtype, target: np.dtype, given: bool, notes: list[str]
+) -> None:
+    """Note a narrowing to 32 bits, unless this process has shown it for this dtype already."""
+    key = (str(wanted), str(target))
+    if key not in _warned_dtypes:
+        _warned_dtypes.add(key)
+        source = "dtype=" if given else f"the data at {path}"
+        notes.append(
+            f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
+            f"global array is {target}. (Shown once per dtype.)\nConsider "
+            f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', True) "
+            "to keep 64 bits."
+        )
 
 
 def warn_notes(notes: list[str], stacklevel: int) -> None:
@@ -297,7 +332,113 @@ def prepare(
     dtype: Any,
     pad: bool,
 ) -> Prepared:
-    """Check and plan this process's contribution; no communication, no device transfer."""
+    """Check and plan this process's contribution; no communication, no device transfer.
+
+    A layout seen before (see `_Template`) is not checked and planned again: only the values
+    are taken (and cast, if the template says so).
+    """
+    flat, treedef = jax.tree_util.tree_flatten(local)
+    key = _layout_key(flat, treedef, mesh_or_sharding, spec, global_shape, dtype, pad)
+    template = _templates.get(key) if key is not None else None
+    if template is not None:
+        return _from_template(template, flat)
+    prepared = _prepare(
+        local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
+    )
+    if key is not None:
+        if len(_templates) >= _MAX_TEMPLATES:
+            _templates.clear()  # layouts churn: start again rather than keep the oldest
+        _templates[key] = _make_template(prepared, flat, dtype)
+    return prepared
+
+
+def _layout_key(
+    flat: list[Any],
+    treedef: Any,
+    mesh_or_sharding: Any,
+    spec: Any,
+    global_shape: Any,
+    dtype: Any,
+    pad: bool,
+) -> Any:
+    """The key of `prepare`'s template for this call; None: the call is not of a cached kind.
+
+    Cached: numpy leaves, one spec (a string, a PartitionSpec or None) with a Mesh or a
+    NamedSharding, no padding, and a global shape and dtype given as hashable values. Anything
+    else is checked and planned on every call.
+    """
+    if pad or not all(type(x) is np.ndarray for x in flat):
+        return None
+    if not isinstance(mesh_or_sharding, Mesh | NamedSharding):
+        return None
+    if not (spec is None or isinstance(spec, str | PartitionSpec)):
+        return None
+    if global_shape is not None and not (
+        isinstance(global_shape, tuple) and all(type(s) is int for s in global_shape)
+    ):
+        return None
+    if not (dtype is None or isinstance(dtype, str | np.dtype | type)):
+        return None
+    shapes = tuple((x.shape, x.dtype) for x in flat)
+    x64 = bool(jax.config.jax_enable_x64)  # decides the dtypes leaves are cast to
+    return (treedef, shapes, mesh_or_sharding, spec, global_shape, dtype, x64)
+
+
+def _make_template(prepared: Prepared, flat: list[np.ndarray], dtype: Any) -> _Template:
+    """The template of ``prepared`` (just made from the numpy leaves ``flat``), planned."""
+    plan_leaves(prepared)
+    record = describe(prepared, pad=False)
+    leaves = tuple(
+        (
+            leaf.path,
+            leaf.sharding,
+            leaf.dims,
+            leaf.global_shape,
+            leaf.plan,
+            leaf.rows,
+            leaf.value.dtype,
+        )
+        for leaf in prepared.leaves
+    )
+    narrowings = []
+    for x, leaf in zip(flat, prepared.leaves, strict=True):
+        wanted = x.dtype if dtype is None else np.dtype(dtype)
+        if leaf.value.dtype != wanted:
+            narrowings.append((leaf.path, wanted, leaf.value.dtype, dtype is not None))
+    template = _Template(
+        prepared.treedef,
+        leaves,
+        record,
+        summary(record),
+        _replica_slots(prepared.leaves),
+        tuple(narrowings),
+    )
+    prepared.template = template
+    return template
+
+
+def _from_template(template: _Template, flat: list[np.ndarray]) -> Prepared:
+    notes: list[str] = []
+    for path, wanted, target, given in template.narrowings:
+        _note_narrowing(path, wanted, target, given, notes)
+    leaves = [
+        Leaf(path, x if x.dtype == target else x.astype(target), sharding, dims, shape, plan, rows)
+        for x, (path, sharding, dims, shape, plan, rows, target) in zip(
+            flat, template.leaves, strict=True
+        )
+    ]
+    return Prepared(template.treedef, leaves, notes=notes, template=template)
+
+
+def _prepare(
+    local: Any,
+    mesh_or_sharding: Any,
+    spec: Any,
+    *,
+    global_shape: Any,
+    dtype: Any,
+    pad: bool,
+) -> Prepared:
     named, treedef = tree_paths(local)
     if not named:
         raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
@@ -486,13 +627,20 @@ def block_rows(prepared: Prepared) -> int:
 
 def plan_leaves(prepared: Prepared) -> None:
     """Replace the unit plans by the plans for the global shapes (no padding)."""
+    if prepared.template is not None:
+        return  # planned when the template was made
     me = jax.process_index()
     for leaf in prepared.leaves:
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
 def describe(prepared: Prepared, *, pad: bool) -> dict[str, Any]:
-    """This process's record for the cross-process comparison (JSON-serialisable)."""
+    """This process's record for the cross-process comparison (JSON-serialisable).
+
+    From a template (a layout seen before), the template's record: do not mutate it.
+    """
+    if prepared.template is not None and not pad:
+        return prepared.template.record
     leaves = []
     for leaf in prepared.leaves:
         shape: list[Any] = list(leaf.global_shape)
@@ -525,8 +673,23 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     `_SAMPLE` elements spread over it (a few KiB whatever the block's size). The leaves must
     hold their final plans (after `plan_leaves` or `finish_padding`).
     """
+    template = prepared.template
+    slots = template.replicas if template is not None else _replica_slots(prepared.leaves)
     groups: dict[str, tuple[int, str]] = {}
-    for leaf in prepared.leaves:
+    for i, local_index, name, reference in slots:
+        view = prepared.leaves[i].value[local_index]
+        groups[name] = (reference, _digest(view) if full else _sampled_digest(view))
+    return groups
+
+
+def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
+    """The blocks this process holds that other processes hold too (replicas).
+
+    ``(leaf index, local index of the block, "leaf path@block start", the lowest process
+    holding the block)``, from the leaves' final plans.
+    """
+    slots = []
+    for i, leaf in enumerate(leaves):
         plan = leaf.plan
         holders: dict[Any, set[int]] = {}
         for device, block in plan.blocks.items():
@@ -535,11 +698,9 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
             block = plan.blocks[pl.device]
             if not pl.first or len(holders[block]) < 2:
                 continue
-            view = leaf.value[pl.local_index]
             start = tuple(s.start or 0 for s in pl.global_index)
-            digest = _digest(view) if full else _sampled_digest(view)
-            groups[f"{leaf.path}@{start}"] = (min(holders[block]), digest)
-    return groups
+            slots.append((i, pl.local_index, f"{leaf.path}@{start}", min(holders[block])))
+    return tuple(slots)
 
 
 _SAMPLE = 1024  # elements a sampled replica digest reads, spread evenly over the block
@@ -665,24 +826,27 @@ def _mask_value(prepared: Prepared) -> np.ndarray | None:
     return mask
 
 
-def _index_key(index: Any) -> tuple[tuple[Any, Any], ...]:
-    """A hashable form of an index (a tuple of slices; slices hash only from Python 3.12)."""
-    return tuple((s.start, s.stop) for s in index)
+_orders: dict[tuple[NamedSharding, tuple[int, ...]], tuple[list[Any], list[Any]]] = {}
 
 
-@functools.lru_cache(maxsize=512)
-def _index_keys(sharding: NamedSharding, shape: tuple[int, ...]) -> dict[Any, Any]:
-    """Each local device -> the key of the index JAX gives it (what the callback receives)."""
-    return {d: _index_key(ix) for d, ix in sharding.addressable_devices_indices_map(shape).items()}
+def _put_order(plan: _layout.Plan, sharding: NamedSharding) -> tuple[list[Any], list[Any]]:
+    """Local devices in the order JAX lists them, and the local index of each one's block."""
+    key = (sharding, plan.global_shape)
+    order = _orders.get(key)
+    if order is None:
+        if len(_orders) >= 512:
+            _orders.clear()
+        by_device = {pl.device: pl.local_index for pl in plan.placements}
+        devices = list(sharding.addressable_devices_indices_map(plan.global_shape))
+        order = _orders[key] = (devices, [by_device[d] for d in devices])
+    return order
 
 
 def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
     """One global array, every local device's block put from the host view in one call."""
-    keys = _index_keys(sharding, plan.global_shape)
-    views = {keys[pl.device]: value[pl.local_index] for pl in plan.placements}
-    return jax.make_array_from_callback(
-        plan.global_shape, sharding, lambda index: views[_index_key(index)]
-    )
+    devices, indices = _put_order(plan, sharding)
+    blocks = [value[index] for index in indices]
+    return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
 
 
 def transfer(prepared: Prepared) -> list[jax.Array]:

@@ -285,6 +285,58 @@ def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
         )
 
 
+def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one(monkeypatch):
+    monkeypatch.setattr(_global, "_templates", {})
+    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    mesh = meshkit.make_mesh({"data": 4, "model": 2})
+    rng = np.random.default_rng(0)
+
+    def assemble(x, spec="data", **kwargs):
+        g = meshkit.global_array_from_local(x, mesh, spec, **kwargs)
+        for leaf, ref in zip(jax.tree.leaves(g), jax.tree.leaves(x), strict=True):
+            want = np.asarray(ref).astype(leaf.dtype)
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+            np.testing.assert_array_equal(np.asarray(leaf), want)
+        return g
+
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    assemble(x)
+    assert len(_global._templates) == 1
+    (template,) = _global._templates.values()
+    with mock.patch.object(_global, "_prepare", side_effect=AssertionError("planned again")):
+        g = assemble(x + 1)  # new values, same layout: the template, and this call's values
+    assert g.sharding.spec == P("data")
+    assert list(_global._templates.values()) == [template]
+    # Each input the plan depends on makes another template.
+    assemble(x[:8])  # shape
+    assemble(x.astype(np.int32))  # dtype
+    assemble(x, "data model")  # spec
+    assemble(x, P(None, None))  # spec
+    assemble(x, global_shape=(16, 4))  # a given global shape
+    assemble(x, dtype="bfloat16")  # a cast
+    assemble({"a": x, "b": x[:, 0]})  # structure
+    assert len(_global._templates) == 8
+    # Not cached: a spec tree, jax arrays, pad=True, a global shape as a list.
+    assemble({"a": x, "b": x[:, 0]}, {"a": "data", "b": "data"})
+    assemble(jax.numpy.asarray(x))
+    meshkit.global_array_from_local(x[:13], mesh, "data", pad=True)
+    assemble(x, global_shape=[16, 4])
+    assert len(_global._templates) == 8
+    # 64-bit data: narrowed (warned once per dtype, from a template too), or kept under x64.
+    wide = rng.standard_normal(16)
+    with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
+        assert assemble(wide).dtype == np.float32
+    monkeypatch.setattr(_global, "_warned_dtypes", set())  # as if this process never warned
+    with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
+        assert assemble(wide).dtype == np.float32  # from the template
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert assemble(wide).dtype == np.float32  # shown once
+        with jax.enable_x64(True):
+            assert assemble(wide).dtype == np.float64
+
+
 def test_the_dispatch_choke_point_sees_every_call():
     mesh = meshkit.make_mesh({"data": 8})
     seen = []

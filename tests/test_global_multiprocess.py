@@ -142,6 +142,8 @@ def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes():
 
 
 def _windowed_checks():
+    import time
+
     import jax
     import numpy as np
 
@@ -151,36 +153,45 @@ def _windowed_checks():
     mesh = meshkit.make_mesh({"data": -1, "model": 4})
     me = jax.process_index()
     good = np.ones((8, 4), np.float32)
-    bad = np.ones((8, 4), np.int32)  # process 1's call #150: another dtype
+    bad = np.ones((8, 4), np.int32)  # process 1's call #250: another dtype
     meshkit.barrier("start")
     rpcs = _agree.stats.rpcs
-    for i in range(1, 201):
-        if i <= 100:
+    for _ in range(100):  # a slow loop: a call every 3 ms, windows stay open for more
+        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
+        time.sleep(0.003)
+    meshkit.barrier("slow")  # every check so far verified, none raised
+    slow_per_call = (_agree.stats.rpcs - rpcs - 1) / 100  # less the barrier's one
+    rpcs = _agree.stats.rpcs
+    for i in range(101, 301):
+        if i <= 200:
             jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
-        if i == 100:
-            meshkit.barrier("hundred")  # every check so far verified, none raised
-            per_call = (_agree.stats.rpcs - rpcs - 1) / 100  # less the barrier's one
-        if i > 100:
-            local = bad if (me == 1 and i == 150) else good
+        if i == 200:
+            meshkit.barrier("fast")
+            per_call = (_agree.stats.rpcs - rpcs - 1) / 100
+        if i > 200:
+            local = bad if (me == 1 and i == 250) else good
             try:
                 meshkit.global_array_from_local(local, mesh, "data")
             except meshkit.MeshkitError as e:  # raised by a later call, once verified
-                return per_call, i, str(e)
+                return per_call, slow_per_call, i, str(e)
     try:
         meshkit.barrier("end")
     except meshkit.MeshkitError as e:
-        return per_call, 201, str(e)
-    return per_call, None, "no error"
+        return per_call, slow_per_call, 301, str(e)
+    return per_call, slow_per_call, None, "no error"
 
 
 def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
     results = run_in_processes(_windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
-    for per_call, raised_at, message in results:
-        # Windows of calls: well under one round trip per call in a tight loop.
-        assert per_call < 0.75, results
+    for per_call, slow_per_call, raised_at, message in results:
+        # Windows of calls: a tight loop shares one agreement (two round trips) among many
+        # calls; a slow loop among the calls of `_agree.LINGER_S` (a window per call would be
+        # two round trips per call).
+        assert per_call < 0.1, results
+        assert slow_per_call < 1.0, results
         assert raised_at is not None, results
-        assert raised_at > 150, results  # raised by a later meshkit call
-        assert "global_array_from_local (call #150, checked after it returned)" in message
+        assert raised_at > 250, results  # raised by a later meshkit call
+        assert "global_array_from_local (call #250, checked after it returned)" in message
         assert "processes disagree on the dtype of (the array)" in message, message
 
 
