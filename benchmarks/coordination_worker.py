@@ -13,6 +13,8 @@ waited with `jax.block_until_ready`.
   ``check=True`` and ``check=False``;
 * ``debug``: a small ``meshkit.spmd`` step on an already global array, debug mode on
   (``meshkit.debug.enable(timeout=60, watchdog=None)``) and off;
+* ``global_paced``, ``debug_paced``: the same two, each call followed by a ``PACE_S`` wait (a
+  step whose device work leaves the CPU idle), ``PACED_CALLS`` calls per round;
 * ``mesh``: ``meshkit.make_mesh({"data": -1})`` and ``jax.make_mesh``;
 * ``barrier``: ``meshkit.barrier`` alone.
 
@@ -58,6 +60,11 @@ CALLS = 128  # calls per round of a series whose checks wait (debug, make_mesh, 
 # to _agree.LINGER_S): a round of twice a window closes windows inside the timed span instead of
 # leaving them to the untimed drain between rounds.
 GLOBAL_CALLS = 1024
+# The paced series: each call followed by a PACE_S wait, as a training step whose device work
+# leaves the host's CPU idle. With every process mostly idle, 16 processes no longer queue for
+# this machine's 2 cores, and an overhead measures the check's own latency.
+PACE_S = 0.01
+PACED_CALLS = 48
 ROUNDS = bench_rounds(9)  # paired rounds per series
 PROBE_RPCS = 500
 LOAD_BEFORE = os.getloadavg()  # other work on the machine skews every figure
@@ -88,6 +95,7 @@ def series(
     *,
     setup: dict[str, tuple[Callable[[], object], Callable[[], object]]] | None = None,
     calls: int = CALLS,
+    pace: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
     """Rounds of ``calls`` calls of each variant, taking turns; what each costs per call."""
     setup = setup or {}
@@ -107,6 +115,8 @@ def series(
         start = time.perf_counter()
         for _ in range(calls):
             jax.block_until_ready(fn())
+            if pace:
+                time.sleep(pace)
         end = time.perf_counter()
         if DRAIN is not None:
             DRAIN(60.0)
@@ -232,6 +242,20 @@ results["debug"] = series(
     "debug",
     {"on": lambda: step(x), "off": lambda: step(x)},
     setup={"on": (lambda: meshkit.debug.enable(timeout=60, watchdog=None), meshkit.debug.disable)},
+)
+
+
+global_fns = {
+    "check": lambda: meshkit.global_array_from_local(local, mesh, "data"),
+    "nocheck": lambda: meshkit.global_array_from_local(local, mesh, "data", check=False),
+}
+results["global_paced"] = series("global_paced", global_fns, calls=PACED_CALLS, pace=PACE_S)
+results["debug_paced"] = series(
+    "debug_paced",
+    {"on": lambda: step(x), "off": lambda: step(x)},
+    setup={"on": (lambda: meshkit.debug.enable(timeout=60, watchdog=None), meshkit.debug.disable)},
+    calls=PACED_CALLS,
+    pace=PACE_S,
 )
 
 

@@ -342,9 +342,12 @@ def prepare(
     template = _templates.get(key) if key is not None else None
     if template is not None:
         return _from_template(template, flat)
-    prepared = _prepare(
-        local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
-    )
+    named, treedef = tree_paths(local)
+    if not named:
+        raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
+    pairs = _resolve(mesh_or_sharding, spec, local, len(named))
+    shapes = _shape_for(global_shape, [p for p, _ in named])
+    prepared = prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
     if key is not None:
         if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()  # layouts churn: start again rather than keep the oldest
@@ -428,23 +431,6 @@ def _from_template(template: _Template, flat: list[np.ndarray]) -> Prepared:
         )
     ]
     return Prepared(template.treedef, leaves, notes=notes, template=template)
-
-
-def _prepare(
-    local: Any,
-    mesh_or_sharding: Any,
-    spec: Any,
-    *,
-    global_shape: Any,
-    dtype: Any,
-    pad: bool,
-) -> Prepared:
-    named, treedef = tree_paths(local)
-    if not named:
-        raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
-    pairs = _resolve(mesh_or_sharding, spec, local, len(named))
-    shapes = _shape_for(global_shape, [p for p, _ in named])
-    return prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
 
 
 def prepare_leaves(

@@ -304,7 +304,7 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
     assemble(x)
     assert len(_global._templates) == 1
     (template,) = _global._templates.values()
-    with mock.patch.object(_global, "_prepare", side_effect=AssertionError("planned again")):
+    with mock.patch.object(_global, "prepare_leaves", side_effect=AssertionError("planned")):
         g = assemble(x + 1)  # new values, same layout: the template, and this call's values
     assert g.sharding.spec == P("data")
     assert list(_global._templates.values()) == [template]
