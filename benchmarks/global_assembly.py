@@ -477,7 +477,7 @@ def bench_global_two_processes() -> str:
         CPU_NOTES,
         data["malloc"],
         "Both processes start every round together (a barrier before each, untimed; a 64 MiB "
-        "round is 16 calls, a 64 KiB round 1024). 64 KiB rows: ratios only (the table's goals "
-        "are for 64 MiB); issue 13's target is below the table.",
+        "round is 48 calls copied, 1024 zero-copy; a 64 KiB round 1024). 64 KiB rows: ratios "
+        "only (the table's goals are for 64 MiB); issue 13's target is below the table.",
     ]
     return format_results(title, data, notes) + "\n\n" + target_block(data)

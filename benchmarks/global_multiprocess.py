@@ -3,7 +3,7 @@
 Usage: ``meshkit launch -n 2 -d 4 global_multiprocess.py BENCHMARKS_DIR``. Process 0 prints one
 ``BENCH {json}`` line with `global_assembly.measure`'s result.
 
-Rows: 64 MiB per process on both meshes, copied and zero-copy, ``LARGE_CALLS`` calls per round;
+Rows: 64 MiB per process on both meshes, copied and zero-copy (48 and 1024 calls per round);
 64 KiB per process on the data mesh, copied and zero-copy, ``SMALL_CALLS`` calls per round.
 Rounds are ``BENCH_REPEATS`` when set (every row alike), else the defaults below.
 """
@@ -48,27 +48,28 @@ replicated_label = (
 # Both processes build the same cases and run the same calls in the same order, as the
 # cross-process checks of make_mesh and global_array_from_local require.
 cases = []
-# Rounds per (data alignment, mesh): enough for medians within a few percent on a noisy 2-core
-# machine; zero-copy calls are short (except meshkit's replica copies), so they get more. A
-# round is LARGE_CALLS calls: meshkit's deferred checks agree on windows of calls that stay open
-# up to meshkit._agree.LINGER_S, so a round of one call would leave every check to the untimed
-# drain between rounds; 16 calls of a few milliseconds close several windows inside the round.
-LARGE_CALLS = 16
+# Rounds and calls per round per (data alignment, mesh): enough for medians within a few percent
+# on a noisy 2-core machine. meshkit's deferred checks agree on windows of calls that stay open
+# up to meshkit._agree.LINGER_S (0.1 s) or until they hold meshkit._agree.WINDOW (512) calls, so
+# a round must close several windows inside its timed span (a short round would leave its checks
+# to the untimed drain between rounds): copied 64 MiB calls take milliseconds (48 calls span
+# several lingers), zero-copy ones tens of microseconds (1024 calls fill two windows).
 rounds = {
-    (False, data): 21,
-    (False, replicated): 21,
-    (True, data): 31,
-    (True, replicated): 21,
+    (False, data): (11, 48),
+    (False, replicated): (11, 48),
+    (True, data): (15, 1024),
+    (True, replicated): (11, 1024),
 }
 for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
     local = local_data(seed=jax.process_index(), aligned=aligned)
     for mesh, label in ((data, data_label), (replicated, replicated_label)):
-        n = bench_rounds(rounds[aligned, mesh])
+        n, calls = rounds[aligned, mesh]
         cases.append(
             make_case(
-                mesh, local, label=f"{label}, {kind}", rounds=n, number=LARGE_CALLS, verify=True
+                mesh, local, label=f"{label}, {kind}", rounds=bench_rounds(n), number=calls,
+                verify=True,
             )
-        )
+        )  # fmt: skip
 # 64 KiB per process (issue 13's small size), data mesh only. A call takes tens of
 # microseconds, so a round is SMALL_CALLS calls, twice meshkit._agree.WINDOW: the deferred
 # checks' windows fill and are agreed inside the timed span (a round shorter than a window would

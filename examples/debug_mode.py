@@ -2,8 +2,12 @@
 
 Every process reads its own rows of each evaluation batch (host data: `meshkit.spmd` takes
 each process's part and assembles the global batch); process 1's part of batch 3 is truncated.
-With `meshkit.debug` on, each call is first compared across processes through the coordination
-service, and both processes raise the same `meshkit.DivergenceError`, here caught and printed.
+With `meshkit.debug` on, each call is compared across processes through the coordination
+service; a call that differs from the one 12 calls back in its thread (as every call of a loop's
+first 12 does) is compared before it runs, so here both processes raise the same
+`meshkit.DivergenceError` at batch 3, caught and printed. (Later in a long loop, only the
+process whose call changed raises at the call; one that repeated its call raises the same error
+at its next meshkit call.)
 (Without debug mode, `meshkit.spmd`'s own check of host arguments would still stop both
 processes, with a `meshkit.MeshkitError`; debug mode also covers arguments that are already
 global arrays, static arguments and calls of different functions, and names the call.)
@@ -45,7 +49,8 @@ for step, batch in enumerate(eval_batches(info.process_id)):
     try:
         loss = mean_loss(batch)
     except meshkit.DivergenceError as e:
-        # Every process raises the same error at the same call, so they stay in step.
+        # Both processes raise the same error at this call (one of the first 12 of the loop,
+        # each compared before it runs), so they stay in step.
         if info.process_id == 0:
             print(f"step {step}: {type(e).__name__} (processes {e.processes}, field {e.field!r}):")
             print("  " + str(e).splitlines()[0])

@@ -7,7 +7,7 @@ coordination service of `jax.distributed` (its key-value store and its barriers)
 through a device collective (those are what hang when processes diverge). Three forms, by what
 the caller needs:
 
-`check` (make_mesh, barrier, debug mode): any difference is an error. One barrier wait per
+`check` (make_mesh, barrier): any difference is an error. One barrier wait per
 process and call: the barrier is named by the tag and the digest of the summary, so processes
 that agree meet there and its passing is the answer (one round trip, no key written). Processes
 that differ wait at different barriers; after `PROBE_S` each posts its record and reads the
@@ -40,12 +40,14 @@ A process that leaves a sequence of agreements (a failure, an iterator closed ea
 `leave` (`leave_check` for a tag of `check`), so the others learn at once, from its record, why
 it will not come.
 
-`agree_later` (the default check of `global_array_from_local`): agreement beside the caller,
-on *windows* of calls (a thread per tag). Process 0's thread takes every call it has queued and
-writes how many, the others take as many of theirs, and the window is one agreement on the list
-of its calls' summaries (`check`'s barrier, or `agree` when replica groups are compared): two
-or three round trips per process and window however many calls it holds, so a loop that calls
-faster than a round trip pays a fraction of one per call.
+`agree_later` (the default check of `global_array_from_local`, debug mode's fingerprints):
+agreement beside the caller, on *windows* of calls (a thread per tag). Process 0's thread lets a
+window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S` by default, after its first
+call), then writes how many calls it holds; the others take as many of theirs, and the window
+is one agreement on the list of its calls' summaries (`check`'s barrier, or `agree` when
+replica groups are compared): two or three round trips per process and window however many
+calls it holds. A caller that needs a verdict before it goes on (debug mode, for a call unlike
+the one 12 calls back) drains its tag: `drain(timeout, tags=[tag])`, then `settle`.
 The caller goes on at once, at most ``MAX_PENDING`` calls may be unverified, and a
 disagreement is printed when found and raised by this process's next meshkit call (`settle`).
 
@@ -66,7 +68,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +83,7 @@ MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before t
 # A window stays open this long after its first call for more calls to join it (unless it is
 # full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
 # milliseconds) then shares one agreement among several calls instead of paying one per call.
-LINGER_S = 0.02
+LINGER_S = 0.1
 _SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 _MAX_PROCESSES = (1 << _SHIFT) - 1
 _OK, _CHECK = "ok", "check"
@@ -160,6 +162,7 @@ class _Tag:
     # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
     # only then, so a steady loop wakes no thread per call.
     wanted: int = 0
+    linger: float = 0.0  # agree_later: how long a window stays open after its first call
     left: str | None = None  # this process left the tag (`leave`): its record
     left_posted: threading.Event = field(default_factory=threading.Event)
     epoch: int = 0  # `check`'s barrier names: moved on after a failed check
@@ -439,13 +442,14 @@ def agree(
     return outcome
 
 
-def leave(tag: str, record: str, *, later: bool = False) -> None:
+def leave(tag: str, record: str, *, later: bool = False, wait: float | None = None) -> None:
     """Tell the processes at ``tag``'s next agreement that this one will not come, and why.
 
     Posts ``record`` and arrives, flagged, at both counters of the next call, so the others
     find the record (`Outcome.records`) instead of waiting for this process. ``later``: the tag
     is agreed beside the caller (`agree_later`); its thread arrives for the first call this
-    process will not make, and this call waits (at most the check timeout) until it has.
+    process will not make, and this call waits until it has (at most ``wait`` seconds, default
+    the check timeout; a record not posted by then leaves the others to their timeout).
     """
     client, me, n = _client()
     if client is None or n == 1:
@@ -458,7 +462,7 @@ def leave(tag: str, record: str, *, later: bool = False) -> None:
             state.left = record
             state.last = None
             state.cond.notify_all()
-        state.left_posted.wait(_runtime.check_timeout())
+        state.left_posted.wait(_runtime.check_timeout() if wait is None else wait)
         return
     state = _state(tag)
     with state.lock:
@@ -704,12 +708,14 @@ def agree_later(
     timeout: float,
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, tuple[int, str]] | None = None,
+    linger: float = LINGER_S,
 ) -> None:
     """`agree`, verified beside the caller: returns at once.
 
     A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
     Calls are verified in *windows*: meshkit's thread for the tag in process 0 lets a window
-    fill for up to `LINGER_S` after its first call (or until it holds `WINDOW` calls), then
+    fill for up to ``linger`` seconds after its first call (default `LINGER_S`; the tag's last
+    call sets it) or until it holds `WINDOW` calls, then
     writes how many calls it holds; the other processes' threads read that and take as many of
     theirs. Each window is one agreement on the list of the window's summaries (`check`'s
     barrier; `agree`'s protocol when the calls have replica groups): two (three) round trips
@@ -740,6 +746,7 @@ def agree_later(
             _Call(-1, flag, summary, groups, record, time.monotonic(), on_outcome, timeout)
         )
         state.on_outcome = on_outcome
+        state.linger = linger
         if 0 < state.wanted <= len(state.queue):
             cond.notify_all()
     settle()
@@ -813,7 +820,7 @@ def _window_thread(state: _Tag) -> None:
                     state.last = None  # the next call compares again
                 _report(state, calls, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
-            _fail(e)
+            _fail(e, head.timeout if head is not None else None)
         with cond:
             state.inflight -= len(calls)
             if left is not None:
@@ -825,7 +832,7 @@ def _window_thread(state: _Tag) -> None:
 def _linger(state: _Tag) -> None:
     """Process 0, before it decides a window: let it fill (``state.cond`` held).
 
-    Until it holds `WINDOW` calls, or `LINGER_S` has passed since its first call; at once when
+    Until it holds `WINDOW` calls, or the tag's linger has passed since its first call; at once when
     a caller drains, the process leaves the tag or exits.
     """
     cond = state.cond
@@ -838,7 +845,7 @@ def _linger(state: _Tag) -> None:
         and not state.draining
         and not _stopping.is_set()
     ):
-        left = state.queue[0].arrived + LINGER_S - time.monotonic()
+        left = state.queue[0].arrived + state.linger - time.monotonic()
         if left <= 0:
             break
         cond.wait(left)
@@ -949,7 +956,7 @@ def _report(state: _Tag, calls: list[_Call], outcome: Outcome, me: int) -> None:
     on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
 
 
-def _fail(error: BaseException) -> None:
+def _fail(error: BaseException, grace: float | None = None) -> None:
     """Keep ``error`` for `settle`, say so now, and end the process if it is never raised.
 
     A process whose main thread does not come back to meshkit within the check timeout is
@@ -958,7 +965,7 @@ def _fail(error: BaseException) -> None:
     """
     failures.append(error)
     _failed.set()
-    grace = _runtime.check_timeout()
+    grace = _runtime.check_timeout() if grace is None else grace
     _say(
         f"meshkit: a cross-process check failed; this process's next meshkit call raises it (if "
         f"none comes within {grace:g} s, the process exits):\n{type(error).__name__}: {error}\n"
@@ -989,13 +996,14 @@ def settle() -> None:
         raise failures.popleft()
 
 
-def drain(timeout: float) -> bool:
+def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:
     """Wait until every `agree_later` call of this process is verified (or ``timeout``).
 
     While it waits, the windows of this process do not wait for calls it has not made.
+    ``tags``: only the calls of those tags.
     """
     deadline = time.monotonic() + timeout
-    for name in list(_live):
+    for name in list(_live) if tags is None else [t for t in tags if t in _live]:
         state = _tags[name]
         cond = state.cond
         assert cond is not None

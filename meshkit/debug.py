@@ -4,15 +4,22 @@ In a multi-process JAX program every process must make the same SPMD calls, in t
 with the same shapes. When they do not, JAX's collectives hang or return wrong values, with no
 error. With debug mode on (``MESHKIT_DEBUG=1`` in the environment, or `enable`), every meshkit
 SPMD entry (`meshkit.spmd` functions, `meshkit.pmap_compat` functions,
-`meshkit.global_array_from_local`, `meshkit.make_mesh`) first exchanges a fingerprint of the call
-with the other processes through the coordination service's key-value store (never through a
-device collective: those are what hang) and compares them. The fingerprint holds the entry and
-function, the call's number in this process, the arguments' pytree structure, shapes, dtypes and
-shardings, and static arguments. On a mismatch every process raises `meshkit.DivergenceError`
-naming the processes that differ and the first field that differs; a process that does not
-arrive within the timeout is named as missing, with the last call it made. `meshkit.spmd` also
-compares, in debug mode, the data of the parts of its host arguments that several processes
-pass (which must be equal; a CRC-32 per block).
+`meshkit.global_array_from_local`, `meshkit.make_mesh`) compares a fingerprint of the call with
+the other processes' through the coordination service (never through a device collective:
+those are what hang). The fingerprint holds the entry and function, the call's number in this
+process, the arguments' pytree structure, shapes, dtypes and shardings, and static arguments.
+
+The fingerprints are compared in windows of calls beside the caller (see `meshkit._agree`),
+and a call whose fingerprint differs from this thread's call `PERIOD` (12) calls back waits
+for its verdict before it runs. At the first call where processes diverge, at least one of them
+made a call that differs from its call 12 calls back (had all repeated theirs, they would agree
+again), so that process raises `meshkit.DivergenceError` (naming
+the processes that differ and the first field that differs) before running it; the processes
+that repeated their previous call print the same error at once and raise it at their next
+meshkit call, or exit with status 1 after the timeout if they never get there. A process that
+does not arrive within the timeout is named as missing, with the last call it made.
+`meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
+several processes pass (which must be equal; a CRC-32 per block).
 
 Debug mode also runs a stall watchdog: when this process has made no meshkit progress for
 ``watchdog`` seconds it prints where it is (one ``meshkit watchdog:`` line, which ``meshkit
@@ -23,9 +30,10 @@ status 1, so that the launcher's (or mpirun's) fail-fast ends the group instead 
 `barrier` is always available: a named meeting point with a timeout whose error names the
 processes that did not come.
 
-Off, the cost is one counter increment and one emptiness test per SPMD call. On, each call costs
-one key-value write and one blocking read per other process (about 1 ms with 2 processes on one
-machine; see ``nox -s bench``).
+Off, the cost is one counter increment and one emptiness test per SPMD call. On, a call that
+repeats the call 12 back costs its fingerprint (microseconds) and a share of its window's two
+round trips; any other call waits for its window (two round trips).
+See ``nox -s bench``.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -58,6 +67,15 @@ ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
 ENV_WATCHDOG = "MESHKIT_WATCHDOG"
 
 _MAX_DESC = 200
+# A call that repeats this thread's call PERIOD calls back is verified beside the caller; any
+# other waits for its verdict. Loops whose pattern repeats within PERIOD calls (1, 2, 3, 4, 6 or
+# 12 calls: a step; a batch and a step; a batch, a step and a metric) wait only after a change.
+PERIOD = 12
+# Debug windows stay open longer than global_array_from_local's: a divergence is always first
+# seen at a call that waits for its verdict (and drains its window at once), so a repeat's window
+# can wait for more calls without delaying any error, and a loop of slow steps shares a window
+# among more of them.
+_LINGER_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,9 @@ class _State:
         self.last = ""  # the last checked call, for messages
         self.last_time = time.monotonic()
         self.tags: set[str] = set()
-        self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last agreed fingerprint
+        self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
+        # per tag, the compared summaries of its last PERIOD calls
+        self.history: dict[str, deque[str]] = {}
         self.watchdog: _Watchdog | None = None
         self.hooks_installed = False
 
@@ -416,13 +436,28 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     _state.tags.add(tag)
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
-    outcome = _agree.check(tag, summary, lambda: json.dumps(record), timeout=settings.timeout)
+    before = _state.previous.get(tag)
+    _state.previous[tag] = record
+    history = _state.history.setdefault(tag, deque(maxlen=PERIOD))
+    changed = len(history) < PERIOD or history[0] != summary
+    history.append(summary)
+    timeout = settings.timeout
+
+    def on_outcome(outcome: _agree.Outcome) -> None:
+        records = {p: json.loads(v) for p, v in outcome.records.items()}
+        if me not in records:
+            records[me] = record
+        _compare(records, list(outcome.missing), me, label, timeout, tag, count, last=before)
+
+    _agree.agree_later(tag, summary, lambda: json.dumps(record), timeout=timeout,
+                       on_outcome=on_outcome, linger=_LINGER_S)  # fmt: skip
+    if changed:
+        # The first call at which processes diverge is a change for at least one of them (had
+        # every process repeated its call PERIOD calls back, they would agree again): such a
+        # call waits for its verdict, and a divergent one is raised here, before it runs.
+        _agree.drain(timeout + 35.0, tags=[tag])
+        _agree.settle()
     _state.last_time = time.monotonic()
-    if outcome.agreed:
-        _state.previous[tag] = record
-        return
-    records = {p: json.loads(v) for p, v in outcome.records.items()}
-    _compare(records, list(outcome.missing), me, label, settings.timeout, tag, count)
 
 
 def _compare(
@@ -433,7 +468,13 @@ def _compare(
     timeout: float,
     tag: str,
     count: int,
+    last: dict[str, Any] | None = None,
 ) -> None:
+    """Raise a `DivergenceError` if ``records`` (every process's fingerprint) differ.
+
+    ``last``: this process's previous fingerprint under ``tag`` (default: the last one made),
+    which the processes that did not arrive made too.
+    """
     mine = records[me]
     left = {p: r for p, r in records.items() if r.get("status") != "call"}
     problems: list[str] = []
@@ -442,7 +483,7 @@ def _compare(
             problems.append(f"process {p} {_left_text(r)}")
     if missing:
         lines = [
-            f"process {p} did not arrive within {timeout:g} s ({_last_text(tag, p)})"
+            f"process {p} did not arrive within {timeout:g} s ({_last_text(tag, p, last)})"
             for p in missing
         ]
         problems.extend(lines)
@@ -570,9 +611,9 @@ def _left_text(record: dict[str, Any]) -> str:
     return f"left ({status}) after {last}"
 
 
-def _last_text(tag: str, process: int) -> str:
-    """What ``process`` last did: the previous call of ``tag``, which every process agreed on."""
-    record = _state.previous.get(tag)
+def _last_text(tag: str, process: int, last: dict[str, Any] | None = None) -> str:
+    """What ``process`` last did: the previous call of ``tag`` (``last``), made by all."""
+    record = last if last is not None else _state.previous.get(tag)
     if record is None:
         return "it made no meshkit call checked in debug mode"
     ago = time.time() - float(record.get("time", time.time()))
@@ -582,15 +623,19 @@ def _last_text(tag: str, process: int) -> str:
     )
 
 
+_LEAVE_WAIT_S = 5.0  # at exit, the most a process waits to post that it leaves
+
+
 def _publish_leaving(status: str, message: str = "") -> None:
     """Tell the other processes, at this process's next check, that it will not come."""
     client, _, n = _compat.distributed_state()
     if client is None or n == 1 or _state.settings is None:
         return
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
+    wait = min(_state.settings.timeout, _LEAVE_WAIT_S)
     for tag in sorted(_state.tags | {"debug/MainThread"}):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
-            _agree.leave_check(tag, json.dumps(record))
+            _agree.leave(tag, json.dumps(record), later=True, wait=wait)
 
 
 def _install_exit_hooks() -> None:

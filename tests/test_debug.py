@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,64 @@ def test_barrier_in_two_processes(marker, monkeypatch):
         "meshkit.barrier('checkpoint written'): this process (process 1) arrived after process "
         "0 stopped waiting (after 2 s) at use #1 of this barrier." in late
     ), late
+
+
+def _repeats_are_verified_beside_the_caller():
+    import jax
+    import numpy as np
+
+    import meshkit
+    from meshkit import _agree, debug
+
+    mesh = meshkit.make_mesh({"data": -1})
+    double = meshkit.spmd(lambda x: x * 2, mesh=mesh, in_specs="data", out_specs="data")
+    batch = np.ones((8, 2), np.float32)
+    x = meshkit.global_array_from_local(batch, mesh, "data", check=False)
+    meshkit.debug.enable(timeout=20, watchdog=None)
+
+    def round_trips(step, calls=240):
+        for _ in range(debug.PERIOD):  # the first calls of a pattern wait for their verdicts
+            step()
+        meshkit.barrier("steady")
+        rpcs = _agree.stats.rpcs
+        for _ in range(calls):  # repeats: verified in windows, beside the caller
+            step()
+        meshkit.barrier("steady done")
+        return (_agree.stats.rpcs - rpcs - 1) / calls  # less the barrier's own round trip
+
+    # A loop of one step, then a loop of a batch and a step (period 2).
+    costs = [
+        round_trips(lambda: jax.block_until_ready(double(x))),
+        round_trips(
+            lambda: jax.block_until_ready(
+                double(meshkit.global_array_from_local(batch, mesh, "data", check=False))
+            )
+        ),
+    ]
+    # Process 1 changes shape (a new fingerprint: it waits for the verdict); process 0 repeats.
+    rows = 16 if jax.process_index() == 1 else 8
+    y = meshkit.global_array_from_local(np.ones((rows, 2), np.float32), mesh, "data", check=False)
+    try:
+        double(y)
+    except meshkit.DivergenceError as e:
+        return costs, "at the call", str(e)
+    try:
+        meshkit.barrier("after")  # the next meshkit call raises what was found meanwhile
+    except meshkit.DivergenceError as e:
+        return costs, "at the next call", str(e)
+    return costs, "never", ""
+
+
+@pytest.mark.multiprocess
+def test_repeated_calls_are_cheap_and_a_change_stops_before_it_runs():
+    results = run_in_processes(_repeats_are_verified_beside_the_caller, timeout=120)
+    (costs0, where0, message0), (costs1, where1, message1) = results
+    for cost in (*costs0, *costs1):
+        assert cost < 0.1, results  # a window per many calls, not a round trip per call
+    # The process whose fingerprint changed raises before running the call; the one that
+    # repeated its earlier call ran it (no collective to hang on) and raises next.
+    assert where1 == "at the call", results
+    assert where0 == "at the next call", results
+    for message in (message0, message1):
+        assert re.search(r"call #\d+ of <lambda>: process 0 passed x float32\[16,2\]", message)
+        assert "process 1 passed float32[32,2]" in message, message
