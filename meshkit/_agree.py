@@ -820,7 +820,8 @@ def _window_thread(state: _Tag) -> None:
                     state.last = None  # the next call compares again
                 _report(state, calls, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
-            _fail(e, head.timeout if head is not None else None)
+            # A caller draining the tag raises it in a moment: no notice needed.
+            _fail(e, head.timeout if head is not None else None, quiet=state.draining > 0)
         with cond:
             state.inflight -= len(calls)
             if left is not None:
@@ -956,8 +957,8 @@ def _report(state: _Tag, calls: list[_Call], outcome: Outcome, me: int) -> None:
     on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
 
 
-def _fail(error: BaseException, grace: float | None = None) -> None:
-    """Keep ``error`` for `settle`, say so now, and end the process if it is never raised.
+def _fail(error: BaseException, grace: float | None = None, *, quiet: bool = False) -> None:
+    """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.
 
     A process whose main thread does not come back to meshkit within the check timeout is
     likely blocked in a computation on the inputs that disagree (a collective that will not
@@ -966,10 +967,12 @@ def _fail(error: BaseException, grace: float | None = None) -> None:
     failures.append(error)
     _failed.set()
     grace = _runtime.check_timeout() if grace is None else grace
-    _say(
-        f"meshkit: a cross-process check failed; this process's next meshkit call raises it (if "
-        f"none comes within {grace:g} s, the process exits):\n{type(error).__name__}: {error}\n"
-    )
+    if not quiet:
+        _say(
+            f"meshkit: a cross-process check failed; this process's next meshkit call raises it "
+            f"(if none comes within {grace:g} s, the process exits):\n{type(error).__name__}: "
+            f"{error}\n"
+        )
 
     def exit_if_unraised() -> None:
         if any(e is error for e in failures):
