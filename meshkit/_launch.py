@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import math
 import os
 import shutil
 import signal
@@ -349,8 +350,19 @@ def launch(
             "meshkit launch: --devices-per-process must be an int >= 1; "
             f"got {devices_per_process!r}."
         )
-    if timeout is not None and timeout <= 0:
-        raise LaunchError(f"meshkit launch: --timeout must be > 0 seconds; got {timeout!r}.")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise LaunchError(
+            f"meshkit launch: --timeout must be a finite number > 0 seconds; got {timeout!r}.\n"
+            "Consider leaving it out for no limit."
+        )
+    if not (math.isfinite(grace) and grace >= 0):
+        raise LaunchError(f"meshkit launch: --grace must be a finite number >= 0; got {grace!r}.")
+    if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise LaunchError(
+            f"meshkit launch: --log-dir {str(log_dir)!r} is a file, not a directory.\n"
+            "Consider a directory path (it is created if missing): each rank writes "
+            "DIR/rank<r>.log there."
+        )
     command = list(command)
     if not command:
         raise LaunchError("meshkit launch: no program given; expected a script path or -m module.")

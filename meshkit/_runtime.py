@@ -251,6 +251,7 @@ def _plan(
     if coordinator_address is not None or num_processes is not None or process_id is not None:
         n = num_processes if num_processes is not None else 1
         pid = process_id if process_id is not None else 0
+        _check_against_launcher(n, pid)
         if n > 1 and coordinator_address is None:
             raise MeshkitError(
                 f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
@@ -285,6 +286,21 @@ def _plan(
         "no meshkit launch environment and no cluster detected",
         local_device_ids=local_device_ids,
     )
+
+
+def _check_against_launcher(n: int, pid: int) -> None:
+    """Arguments that contradict the `meshkit launch` environment would hang until a timeout."""
+    if not os.environ.get(ENV_COORDINATOR):
+        return
+    started, rank = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+    if started is not None and (n, pid) != (started, rank):
+        raise MeshkitError(
+            f"meshkit.init(num_processes={n}, process_id={pid}): this process was started by "
+            f"meshkit launch as process {rank} of {started} ({ENV_NUM_PROCESSES}={started}, "
+            f"{ENV_PROCESS_ID}={rank}); the processes would wait for ones that never come.\n"
+            "Consider meshkit.init() without arguments under meshkit launch (it reads the "
+            f"launcher's settings), or meshkit launch -n {n}."
+        )
 
 
 # Variables by which launchers JAX may not recognise announce a world of several processes.
@@ -358,8 +374,10 @@ def init(
 
     Raises:
         MeshkitError: JAX's backends already started and joining would need to change them; the
-            coordinator cannot be reached within ``timeout``; process 0's port is taken; or
-            inconsistent arguments.
+            coordinator cannot be reached within ``timeout``; process 0's port is taken; a
+            ``timeout`` that is not a finite number > 0, a ``num_processes`` below 1, a
+            ``process_id`` outside ``0 .. num_processes - 1``, arguments that contradict the
+            ``meshkit launch`` environment, or other inconsistent arguments.
 
     Examples:
         >>> import meshkit
@@ -373,9 +391,28 @@ def init(
         cpu_devices = _positive(ENV_CPU_DEVICES, _env_int(ENV_CPU_DEVICES))
     if timeout is None:
         timeout = _env_float(ENV_INIT_TIMEOUT)
-    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else float(timeout)
-    if timeout <= 0:
-        raise MeshkitError(f"meshkit.init(): timeout must be > 0 seconds; got {timeout!r}.")
+    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise MeshkitError(
+            f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
+            f" (from the argument, else {ENV_INIT_TIMEOUT})."
+        )
+    timeout = float(timeout)
+    num_processes = _positive("num_processes", num_processes)
+    if process_id is not None and (
+        isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
+    ):
+        raise MeshkitError(f"meshkit.init(): process_id must be an int >= 0; got {process_id!r}.")
+    if process_id is not None and process_id >= (num_processes or 1):
+        raise MeshkitError(
+            f"meshkit.init(): process_id={process_id} is not one of the "
+            f"{num_processes or 1} processes (ids 0 to {(num_processes or 1) - 1}).\n"
+            "Consider process ids from 0 to num_processes - 1, one per process."
+        )
     ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
     if ids is None:
         ids = _env_ids(ENV_LOCAL_DEVICE_IDS)

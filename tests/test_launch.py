@@ -219,7 +219,14 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
         (["-n", "0", "x.py"], "the number of processes (-n) must be an int >= 1; got 0"),
         (["-n", "2", "-d", "0", "x.py"], "--devices-per-process must be an int >= 1; got 0"),
         (["-n", "2", "missing.py"], "script 'missing.py' does not exist"),
-        (["-n", "2", "--timeout", "0", "x.py"], "--timeout must be > 0 seconds"),
+        (["-n", "2", "--timeout", "0", "x.py"], "--timeout must be a finite number > 0 seconds"),
+        (
+            ["-n", "2", "--timeout", "nan", "x.py"],
+            "--timeout must be a finite number > 0 seconds; "
+            "got nan.\nConsider leaving it out for no limit.",
+        ),
+        (["-n", "2", "--grace", "-1", "x.py"], "--grace must be a finite number >= 0; got -1.0"),
+        (["-n", "2", "--log-dir", "x.py", "x.py"], "--log-dir 'x.py' is a file, not a directory"),
         (["-n", "2"], "no program given; expected a script path or -m module"),
     ],
 )

@@ -187,6 +187,11 @@ def test_coordinator_port_in_use(tmp_path):
         ({"MESHKIT_CPU_DEVICES": "0"}, "MESHKIT_CPU_DEVICES must be a positive int; got 0"),
         ({"MESHKIT_INIT_TIMEOUT": "soon"}, "MESHKIT_INIT_TIMEOUT='soon' is not a number"),
         (
+            {"MESHKIT_INIT_TIMEOUT": "nan"},
+            "timeout must be a finite number > 0 seconds; got nan (from the argument, else "
+            "MESHKIT_INIT_TIMEOUT)",
+        ),
+        (
             {"MESHKIT_LOCAL_DEVICE_IDS": "0;1"},
             "MESHKIT_LOCAL_DEVICE_IDS='0;1' is not a comma-separated",
         ),
@@ -209,7 +214,14 @@ def test_bad_environment(tmp_path, env, expected):
         ("coordinator_address='nohost', num_processes=2, process_id=1",
          "coordinator address 'nohost' is not of the form 'host:port'"),
         ("cpu_devices=-1", "cpu_devices must be a positive int; got -1"),
-        ("timeout=0", "timeout must be > 0 seconds"),
+        ("timeout=0", "timeout must be a finite number > 0 seconds; got 0"),
+        ("timeout=float('nan')", "timeout must be a finite number > 0 seconds; got nan"),
+        ("timeout=float('inf')", "timeout must be a finite number > 0 seconds; got inf"),
+        ("timeout='10'", "timeout must be a finite number > 0 seconds; got '10'"),
+        ("num_processes=0", "num_processes must be a positive int; got 0"),
+        ("process_id=-1", "process_id must be an int >= 0; got -1"),
+        ("coordinator_address='127.0.0.1:1', num_processes=2, process_id=2",
+         "process_id=2 is not one of the 2 processes (ids 0 to 1).\nConsider process ids from 0"),
     ],
 )  # fmt: skip
 def test_bad_arguments(tmp_path, kwargs, expected):
@@ -219,6 +231,25 @@ def test_bad_arguments(tmp_path, kwargs, expected):
     )
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout
+
+
+def test_arguments_that_contradict_the_launcher_are_named(tmp_path):
+    out = run_py(
+        "import meshkit\ntry:\n meshkit.init(coordinator_address='127.0.0.1:1', "
+        "num_processes=3, process_id=0)\nexcept meshkit.MeshkitError as e:\n print(e)",
+        tmp_path,
+        env={
+            "MESHKIT_COORDINATOR": "127.0.0.1:1",
+            "MESHKIT_NUM_PROCESSES": "2",
+            "MESHKIT_PROCESS_ID": "0",
+        },
+    )
+    assert out.returncode == 0, out.stderr
+    assert (
+        "meshkit.init(num_processes=3, process_id=0): this process was started by meshkit launch "
+        "as process 0 of 2 (MESHKIT_NUM_PROCESSES=2, MESHKIT_PROCESS_ID=0)" in out.stdout
+    ), out.stdout
+    assert "or meshkit launch -n 3." in out.stdout, out.stdout
 
 
 def test_jax_cluster_detection_is_used(tmp_path):
