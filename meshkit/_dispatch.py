@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agree
+from . import _agree, _runtime
 
 __all__ = [
     "CallSite",
@@ -84,7 +84,18 @@ def origin(fn: Callable[..., Any]) -> str:
 
 Observer = Callable[[CallSite, tuple[Any, ...]], None]
 
-_observers: list[Observer] = []
+
+def _joined_at_first_call(site: CallSite, args: tuple[Any, ...]) -> None:
+    """At this process's first SPMD call: a rank of `meshkit launch` must have joined.
+
+    An observer until then: it removes itself first, so later calls pay nothing.
+    """
+    remove_observer(_joined_at_first_call)
+    named = site.name.startswith("meshkit.")
+    _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
+
+
+_observers: list[Observer] = [_joined_at_first_call]
 _lock = threading.Lock()
 
 

@@ -288,6 +288,29 @@ def _plan(
     )
 
 
+def check_joined(what: str) -> None:
+    """Raise if `meshkit launch` started this process as one of several, and it never joined.
+
+    Without `init` each rank would run alone on its own devices, compute the whole program by
+    itself and print numbers that look right (issue: a silent wrong sum). Called at this
+    process's first SPMD call (`meshkit._dispatch`); reads the environment, starts nothing.
+    """
+    if not os.environ.get(ENV_COORDINATOR) or _INFO is not None:
+        return
+    if _compat.distributed_state()[0] is not None:  # joined through jax.distributed itself
+        return
+    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
+    if n == "1":
+        return
+    raise MeshkitError(
+        f"{what}: this process was started by meshkit launch as process {pid} of {n} "
+        f"({ENV_COORDINATOR} is set), but meshkit.init() was not called, so it would run alone "
+        "on its own devices and compute the whole program by itself.\n"
+        "Consider calling meshkit.init() first in the program, before any other JAX or meshkit "
+        "call."
+    )
+
+
 def _check_against_launcher(n: int, pid: int) -> None:
     """Arguments that contradict the `meshkit launch` environment would hang until a timeout."""
     if not os.environ.get(ENV_COORDINATOR):

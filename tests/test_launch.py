@@ -238,6 +238,26 @@ def test_bad_arguments(tmp_path, args, expected):
     assert expected in out.stderr
 
 
+def test_a_rank_that_never_calls_init_is_named(tmp_path):
+    # Without meshkit.init() each rank would run alone and print a plausible wrong answer.
+    (tmp_path / "noinit.py").write_text(
+        "import meshkit\nmesh = meshkit.make_mesh({'data': -1})\nprint('ran alone')\n"
+    )
+    out = cli("launch", "-n", "2", "-d", "2", "--timeout", "120", "noinit.py", cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "ran alone" not in text, text
+    assert (
+        "meshkit.make_mesh: this process was started by meshkit launch as process 0 of 2 "
+        "(MESHKIT_COORDINATOR is set), but meshkit.init() was not called" in text
+    ), text
+    assert "Consider calling meshkit.init() first in the program" in text, text
+    # One rank is a program of one process: nothing to join.
+    out = cli("launch", "-n", "1", "-d", "2", "--timeout", "120", "noinit.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ran alone" in out.stdout, out.stdout
+
+
 def test_port_in_use(tmp_path):
     (tmp_path / "x.py").write_text("")
     with socket.socket() as holder:
