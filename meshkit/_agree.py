@@ -715,14 +715,14 @@ def agree_later(
     A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
     Calls are verified in *windows*: meshkit's thread for the tag in process 0 lets a window
     fill for up to ``linger`` seconds after its first call (default `LINGER_S`; the tag's last
-    call sets it) or until it holds `WINDOW` calls, then
-    writes how many calls it holds; the other processes' threads read that and take as many of
-    theirs. Each window is one agreement on the list of the window's summaries (`check`'s
-    barrier; `agree`'s protocol when the calls have replica groups): two (three) round trips
-    per process and window, however many calls it holds. A process that must go on before its
-    window is full (a waiting agreement, a process leaving the tag) arrives with the calls it
-    has, and the others find which call it did not make. ``record`` (or the function that
-    makes it) is only made when shown.
+    call sets it) or until it holds `WINDOW` calls, then writes how many calls it holds; the
+    other processes' threads read that and take as many of theirs. Each window is one
+    agreement on the list of the window's summaries (`check`'s barrier; `agree`'s protocol when
+    the calls have replica groups): two (three) round trips per process and window, however
+    many calls it holds. A process that must go on before its window is full (a waiting
+    agreement, a process leaving the tag) arrives with the calls it has, and the others find
+    which call it did not make. ``record`` (or the function that makes it) is only made when
+    shown.
 
     ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
     processes did not agree; what it raises is printed at once and raised by this process's next

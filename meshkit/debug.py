@@ -13,10 +13,10 @@ The fingerprints are compared in windows of calls beside the caller (see `meshki
 and a call whose fingerprint differs from this thread's call `PERIOD` (12) calls back waits
 for its verdict before it runs. At the first call where processes diverge, at least one of them
 made a call that differs from its call 12 calls back (had all repeated theirs, they would agree
-again), so that process raises `meshkit.DivergenceError` (naming
-the processes that differ and the first field that differs) before running it; the processes
-that repeated their previous call print the same error at once and raise it at their next
-meshkit call, or exit with status 1 after the timeout if they never get there. A process that
+again), so that process raises `meshkit.DivergenceError` (naming the processes that differ and
+the first field that differs) before running it; the processes that repeated their call print
+the same error at once and raise it at their next meshkit call, or exit with status 1 after the
+timeout if they never get there. A process that
 does not arrive within the timeout is named as missing, with the last call it made.
 `meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
 several processes pass (which must be equal; a CRC-32 per block).
@@ -447,7 +447,9 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
         records = {p: json.loads(v) for p, v in outcome.records.items()}
         if me not in records:
             records[me] = record
-        _compare(records, list(outcome.missing), me, label, timeout, tag, count, last=before)
+        # ``{}``: no earlier call of this thread (the missing processes made none either).
+        last = before if before is not None else {}
+        _compare(records, list(outcome.missing), me, label, timeout, tag, count, last=last)
 
     _agree.agree_later(tag, summary, lambda: json.dumps(record), timeout=timeout,
                        on_outcome=on_outcome, linger=_LINGER_S)  # fmt: skip
@@ -614,7 +616,7 @@ def _left_text(record: dict[str, Any]) -> str:
 def _last_text(tag: str, process: int, last: dict[str, Any] | None = None) -> str:
     """What ``process`` last did: the previous call of ``tag`` (``last``), made by all."""
     record = last if last is not None else _state.previous.get(tag)
-    if record is None:
+    if not record:
         return "it made no meshkit call checked in debug mode"
     ago = time.time() - float(record.get("time", time.time()))
     return (

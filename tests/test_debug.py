@@ -192,6 +192,19 @@ def test_processes_that_left_are_named():
         debug._compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, "t", 1)
 
 
+def test_a_missing_process_is_named_with_the_last_call_this_thread_made():
+    site = _site()
+    last = _record(site, (1,))
+    text = debug._last_text("t", 1, last)
+    assert text.startswith("its last call was #57 of train_step at "), text
+    # A thread's first call: there is no earlier call, whatever the state holds by then.
+    debug._state.previous["t"] = last
+    try:
+        assert debug._last_text("t", 1, {}) == "it made no meshkit call checked in debug mode"
+    finally:
+        del debug._state.previous["t"]
+
+
 _shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
 _dtypes = st.sampled_from([np.float32, np.int32, np.bool_, np.float16])
 
