@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _assembly, _compat, _global
+from . import _assembly, _compat, _global, _watchdog
 from ._errors import MeshkitError
 
 __all__ = ["GlobalBatches", "global_batches"]
@@ -135,6 +135,7 @@ class GlobalBatches(Iterator[Any]):
             raise item.error
         batch, rows, notes = item
         _global.warn_notes(notes, stacklevel=2)
+        _watchdog.note_progress()
         self.steps += 1
         self.rows += rows
         self._report()

@@ -21,11 +21,12 @@ does not arrive within the timeout is named as missing, with the last call it ma
 `meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
 several processes pass (which must be equal; a CRC-32 per block).
 
-Debug mode also runs a stall watchdog: when this process has made no meshkit progress for
-``watchdog`` seconds it prints where it is (one ``meshkit watchdog:`` line, which ``meshkit
-launch`` collects into its closing summary) and the Python stacks of all its threads
-(faulthandler). If it still makes no progress for another ``timeout`` seconds it exits with
-status 1, so that the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
+Debug mode also runs a stall watchdog (`meshkit._watchdog`): when this process has made no
+progress for ``watchdog`` seconds (its main thread waiting in one place, no device work
+completing, no meshkit call) it prints where it is (one ``meshkit watchdog:`` line, which
+``meshkit launch`` collects into its closing summary) and the Python stacks of all its threads.
+If it still makes no progress for another ``timeout`` seconds it exits with status 1, so that
+the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
 
 `barrier` is always available: a named meeting point with a timeout whose error names the
 processes that did not come.
@@ -40,8 +41,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
-import functools
 import json
 import os
 import sys
@@ -57,7 +56,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _agree, _compat, _dispatch, _runtime
+from . import _agree, _compat, _dispatch, _runtime, _watchdog
 from ._errors import DivergenceError, MeshkitError
 
 __all__ = ["DivergenceError", "barrier", "disable", "enable", "enabled", "settings"]
@@ -100,12 +99,11 @@ class _State:
         self.settings: Settings | None = None
         self.count = 0  # SPMD entries checked in this process, all threads
         self.last = ""  # the last checked call, for messages
-        self.last_time = time.monotonic()
         self.tags: set[str] = set()
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         # per tag, the compared summaries of its last PERIOD calls
         self.history: dict[str, deque[str]] = {}
-        self.watchdog: _Watchdog | None = None
+        self.watchdog: _watchdog.Watchdog | None = None
         self.hooks_installed = False
 
 
@@ -130,16 +128,19 @@ def enable(
             else 120). Must exceed the longest gap between two SPMD calls of any process (a
             checkpoint written by one process, a compilation), or it reports a slow process as
             missing.
-        watchdog: seconds without progress (no meshkit SPMD call or barrier) before this
-            process prints where it is and its Python stacks; ``"auto"`` (the default):
-            ``MESHKIT_WATCHDOG`` if set, else half the timeout, so that the stacks are in the
-            log before a waiting process reports a missing one; None or 0: no watchdog. It
-            runs only in multi-process programs.
+        watchdog: seconds without progress before this process prints where it is and its
+            Python stacks. Progress is the main thread moving (its Python stack changes) or
+            running (using CPU), device work completing, or a meshkit call or batch; a stall is
+            the main thread waiting in one place (a collective, ``block_until_ready``, a lock).
+            ``"auto"`` (the default): ``MESHKIT_WATCHDOG`` if set, else half the timeout, so
+            that the stacks are in the log before a waiting process reports a missing one; None
+            or 0: no watchdog. It runs only in multi-process programs.
         exit_on_stall: after the dump, exit with status 1 if there is still no progress
             ``timeout`` seconds later, so that a hang outside meshkit's calls (a raw
             ``jax.jit`` collective, say) ends the run instead of lasting for ever. A process
-            that legitimately spends longer than ``watchdog + timeout`` outside meshkit calls
-            needs a longer watchdog, or ``exit_on_stall=False``.
+            that waits longer than ``watchdog + timeout`` for another (at a collective, while
+            process 0 alone writes a checkpoint) needs a longer watchdog, or
+            ``exit_on_stall=False``.
 
     Raises:
         MeshkitError: a timeout or watchdog that is not a positive number.
@@ -168,13 +169,15 @@ def enable(
     with _lock:
         _stop_watchdog()
         _state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
-        _state.last_time = time.monotonic()
+        _watchdog.note_progress()
         if not _state.hooks_installed:
             _dispatch.add_observer(_check)
             _install_exit_hooks()
             _state.hooks_installed = True
         if watchdog is not None:
-            _state.watchdog = _Watchdog(float(watchdog), float(timeout), exit_on_stall)
+            _state.watchdog = _watchdog.Watchdog(
+                float(watchdog), float(timeout), exit_on_stall, lambda: _state.last
+            )
             _state.watchdog.start()
 
 
@@ -307,34 +310,10 @@ def _caller() -> str:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not _library_file(name):
-            return f"{_short(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if not _watchdog.library_file(name):
+            return f"{_watchdog.short_path(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
-
-
-# Frames in these directories are not the user's: meshkit, jax and the standard library.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep
-    for f in (__file__, jax.__file__ or "", contextlib.__file__ or "")
-)
-
-
-def _library_file(name: str) -> bool:
-    return name.startswith(_LIBRARY_DIRS) or name.startswith("<")
-
-
-def _short(path: str) -> str:
-    return _short_in(path, os.getcwd())
-
-
-@functools.lru_cache(maxsize=1024)
-def _short_in(path: str, cwd: str) -> str:
-    with contextlib.suppress(ValueError):
-        rel = os.path.relpath(path, cwd)
-        if not rel.startswith(".."):
-            return rel
-    return path
 
 
 def _fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
@@ -428,7 +407,7 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     record = _fingerprint(site, args, count)
     label = f"call #{record['n']} of {site.name}"
     _state.last = f"{label} ({site.kind}) at {record['where']}"
-    _state.last_time = time.monotonic()
+    _watchdog.note_progress()
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
@@ -459,7 +438,7 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
         # call waits for its verdict, and a divergent one is raised here, before it runs.
         _agree.drain(timeout + 35.0, tags=[tag])
         _agree.settle()
-    _state.last_time = time.monotonic()
+    _watchdog.note_progress()
 
 
 def _compare(
@@ -692,7 +671,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     )
     use = outcome.seq + 1
     if _state.settings is not None:
-        _state.last_time = time.monotonic()
+        _watchdog.note_progress()
     if outcome.agreed:
         return
     if outcome.gave_up and not outcome.missing:
@@ -719,72 +698,6 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
 
 
 # ---- the stall watchdog -------------------------------------------------------------------------
-
-
-class _Watchdog(threading.Thread):
-    """Dumps this process's stacks after ``after`` seconds without progress, then may exit."""
-
-    def __init__(self, after: float, timeout: float, exit_on_stall: bool) -> None:
-        super().__init__(name="meshkit-watchdog", daemon=True)
-        self.after = after
-        self.timeout = timeout
-        self.exit_on_stall = exit_on_stall
-        self.stop = threading.Event()
-        self.main = threading.main_thread().ident
-
-    def run(self) -> None:
-        period = min(1.0, self.after / 4)
-        dumped_at: float | None = None
-        while not self.stop.wait(period):
-            if _compat.distributed_state()[2] == 1:
-                continue  # one process: nobody to wait for, and no run to end
-            last = _state.last_time
-            idle = time.monotonic() - last
-            if dumped_at is not None and dumped_at != last:
-                dumped_at = None  # progress since the dump: rearm
-            if idle >= self.after and dumped_at is None:
-                dumped_at = last
-                self._dump(idle)
-            elif dumped_at is not None and self.exit_on_stall and idle >= self.after + self.timeout:
-                _, me, _ = _compat.distributed_state()
-                _write(
-                    f"{_runtime.WATCHDOG_MARK} process {me} still made no progress after "
-                    f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
-                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
-                )
-                os._exit(1)
-
-    def _dump(self, idle: float) -> None:
-        _, me, _ = _compat.distributed_state()
-        frame = sys._current_frames().get(self.main or 0)
-        here = _frame_text(frame) if frame is not None else "?"
-        _write(
-            f"{_runtime.WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s; main thread "
-            f"now {here}; last meshkit call: {_state.last or 'none'}. Stacks follow.\n"
-        )
-        with contextlib.suppress(Exception):
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-
-
-def _frame_text(frame: FrameType) -> str:
-    """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
-    inner = frame
-    text = f"in {inner.f_code.co_name} ({_short(inner.f_code.co_filename)}:{inner.f_lineno})"
-    user: FrameType | None = frame
-    while user is not None and _library_file(user.f_code.co_filename):
-        user = user.f_back
-    if user is not None and user is not inner:
-        text += f", called from {user.f_code.co_name} ({_short(user.f_code.co_filename)}:"
-        text += f"{user.f_lineno})"
-    return text
-
-
-def _write(text: str) -> None:
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
 
 def _stop_watchdog() -> None:

@@ -1,0 +1,110 @@
+"""The stall watchdog's notion of progress (`meshkit._watchdog`), one signal at a time.
+
+A helper thread samples the main thread (pytest's) while it does one thing: the sampler must
+tell a wait from every kind of progress. The multi-process behaviour (healthy loops never
+ended, stalls ended in time) is in test_soak.py and test_faults.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshkit import _watchdog
+
+FIRST_S, GAP_S = 0.15, 0.6
+
+
+def _verdict(activity, during=None):
+    """What the sampler says of ``activity`` in the main thread between its last two samples.
+
+    Samples at FIRST_S and 2 * FIRST_S (a baseline inside the activity: the stack, the CPU
+    clock, then the arrays) and GAP_S later; ``during`` runs in the sampling thread just
+    before the last sample.
+    """
+    sampler = _watchdog._Sampler(threading.main_thread().ident)
+    verdicts = []
+
+    def sample():
+        for delay in (FIRST_S, FIRST_S, GAP_S):
+            time.sleep(delay)
+            if delay == GAP_S and during is not None:
+                during()
+            verdicts.append(sampler.moved(delay))
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    activity()
+    thread.join()
+    return verdicts[-1]
+
+
+def _wait():
+    time.sleep(2 * FIRST_S + GAP_S + 0.2)
+
+
+def test_a_wait_in_one_place_is_no_progress():
+    assert _verdict(_wait) is None
+
+
+def test_the_main_thread_moving_is_progress():
+    def first():
+        time.sleep(2 * FIRST_S + 0.1)
+
+    def then():
+        time.sleep(GAP_S)
+
+    assert _verdict(lambda: (first(), then())) == "main thread moved"
+
+
+def test_a_long_computation_in_one_call_is_progress():
+    data = np.random.default_rng(0).bytes(1 << 20)
+    start = time.monotonic()
+    zlib.compress(data, 9)
+    per_mib = time.monotonic() - start
+    # One C call lasting about 1.5 s: the stack stays put, the thread runs.
+    big = data * max(1, int(1.5 / max(per_mib, 1e-4)))
+    assert _verdict(lambda: zlib.compress(big, 9)) == "main thread ran"
+
+
+def _verdicts_in_this_thread(*actions):
+    """The sampler's verdict after each action, all sampled from one line of this thread.
+
+    The stack is the same at every sample and the CPU share is ignored (an endless interval),
+    so only the arrays and meshkit's own count can speak.
+    """
+    sampler = _watchdog._Sampler(threading.main_thread().ident)
+    verdicts = []
+    for action in (None, None, *actions):
+        if action is not None:
+            action()
+        verdicts.append(sampler.moved(float("inf")))
+    return verdicts[2:]
+
+
+def test_device_work_is_progress():
+    kept = [jnp.ones(3)]
+
+    def replace():
+        kept[0] = jnp.ones(4)  # one array made, one freed: a step's output replaced
+
+    assert _verdicts_in_this_thread(lambda: None, replace) == [None, "device work"]
+
+
+def test_a_pending_array_that_completes_is_progress():
+    x = jnp.ones((256, 256)) / 256
+    slow = jax.jit(lambda a: jax.lax.fori_loop(0, 400, lambda _, b: b @ a, a))
+    slow(x).block_until_ready()  # compiled
+    y = slow(x)
+    assert not y.is_ready(), "the computation ended before it could be seen pending"
+    assert _verdicts_in_this_thread(y.block_until_ready) == ["device work"]
+
+
+def test_meshkit_progress_counts():
+    assert _verdict(_wait, during=_watchdog.note_progress) == "meshkit call"
+    assert _verdicts_in_this_thread(_watchdog.note_progress) == ["meshkit call"]
