@@ -19,6 +19,7 @@ __all__ = [
     "idle",
     "put_blocks",
     "scan_counts",
+    "skip_jax_exit_barrier",
     "trace_state_clean",
     "varying_axes",
 ]
@@ -59,6 +60,24 @@ def _pxla() -> Any:
     from jax._src.interpreters import pxla
 
     return pxla
+
+
+def skip_jax_exit_barrier() -> bool:
+    """Take JAX's own exit handler (``jax._src.api.clean_up``) off Python's ``atexit`` list.
+
+    It shuts ``jax.distributed`` down at a barrier every process must reach, so a process that
+    leaves early (an uncaught exception) would wait there for the others. Returns whether the
+    handler was found (when JAX moves it, the caller's time bound still ends the wait).
+    """
+    import atexit
+
+    from jax._src import api
+
+    handler = getattr(api, "clean_up", None)
+    if handler is None:
+        return False
+    atexit.unregister(handler)
+    return True
 
 
 def distributed_state() -> tuple[Any | None, int, int]:

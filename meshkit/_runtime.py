@@ -14,6 +14,7 @@ a `meshkit.MeshkitError` that names it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -21,9 +22,10 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import jax
@@ -52,11 +54,13 @@ ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
 ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
+ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 # The first words of `meshkit.debug`'s stall-watchdog report; `meshkit launch` collects its lines.
 WATCHDOG_MARK = "meshkit watchdog:"
 
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
+_DEFAULT_FAIL_FAST_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +412,33 @@ def init(
         >>> info.num_processes
         1
     """
+    first = _INFO is None
+    fail_fast = _fail_fast_settings()  # a bad setting is an error before anything is joined
+    info = _init(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        cpu_devices=cpu_devices,
+        timeout=timeout,
+        fail_fast=fail_fast,
+    )
+    if first:
+        for hook in tuple(_on_join):
+            hook()
+    return info
+
+
+def _init(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+    fail_fast: float | None = None,
+) -> RuntimeInfo:
     global _INFO
     cpu_devices = _positive("cpu_devices", cpu_devices)
     if cpu_devices is None:
@@ -504,33 +535,86 @@ def init(
             initialization_timeout=init_timeout,
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
-    _install_fail_fast()
+    if fail_fast is not None:
+        _install_fail_fast(fail_fast)
     return _INFO
 
 
-def _install_fail_fast() -> None:
-    """Make an uncaught exception end this process now, not after the others finish.
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _fail_fast_settings() -> float | None:
+    """The seconds exit handlers get when an uncaught exception ends a process; None: off."""
+    raw = os.environ.get(ENV_FAIL_FAST, "").strip().lower()
+    if raw in _FALSE:
+        return None
+    if raw not in ("", *_TRUE):
+        raise MeshkitError(
+            f"meshkit.init(): environment variable {ENV_FAIL_FAST}={raw!r} is not one of "
+            f"{', '.join(_TRUE)} (on, the default) or {', '.join(_FALSE)} (off)."
+        )
+    grace = _env_float(ENV_FAIL_FAST_GRACE)
+    if grace is None:
+        return _DEFAULT_FAIL_FAST_GRACE_S
+    if not (math.isfinite(grace) and grace >= 0):
+        raise MeshkitError(
+            f"meshkit.init(): environment variable {ENV_FAIL_FAST_GRACE}={grace!r} must be a "
+            "finite number of seconds >= 0."
+        )
+    return grace
+
+
+def _install_fail_fast(grace: float) -> None:
+    """Make an uncaught exception end this process soon, not after the others finish.
 
     JAX's exit handler waits at a shutdown barrier for every process, so a process that raised
     would otherwise stay alive (its error printed, its exit unseen) until the others reach their
-    own ends, which may be never. ``MESHKIT_FAIL_FAST=0`` keeps Python's normal exit.
+    own ends, which may be never. The hook prints the error, runs the program's ``atexit``
+    handlers (checkpoint writers, log flushes, meshkit's own) for at most ``grace`` seconds,
+    skipping JAX's barrier, and exits with status 1. ``MESHKIT_FAIL_FAST=0`` keeps Python's
+    normal exit.
     """
-    if os.environ.get(ENV_FAIL_FAST, "1") == "0":
-        return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)
         sys.stderr.write(
-            "meshkit: uncaught exception in a multi-process run; exiting now without waiting "
-            f"for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
+            "meshkit: uncaught exception in a multi-process run; running exit handlers (at most "
+            f"{grace:g} s), then exiting without waiting for the other processes "
+            f"({ENV_FAIL_FAST}=0 waits).\n"
         )
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _flush()
+        threading.Thread(target=_exit_after, args=(grace,), daemon=True).start()
+        _compat.skip_jax_exit_barrier()
+        atexit._run_exitfuncs()
+        _flush()
         os._exit(1)
 
     sys.excepthook = hook
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    sys.stderr.write(
+        f"meshkit: exit handlers still running after {seconds:g} s; exiting now "
+        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
+    )
+    _flush()
+    os._exit(1)
+
+
+def _flush() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+_on_join: list[Callable[[], None]] = []
+
+
+def on_join(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the end of this process's first `init` (registering starts nothing)."""
+    _on_join.append(hook)
 
 
 def _local_cpu_count() -> int | None:

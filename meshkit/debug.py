@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -104,7 +105,9 @@ class _State:
         # per tag, the compared summaries of its last PERIOD calls
         self.history: dict[str, deque[str]] = {}
         self.watchdog: _watchdog.Watchdog | None = None
-        self.hooks_installed = False
+        self.observing = False  # _check is a `_dispatch` observer
+        self.exit_hooks = False  # atexit and excepthook installed (once per process)
+        self.left = False  # this process told the others it leaves
 
 
 _state = _State()
@@ -170,10 +173,12 @@ def enable(
         _stop_watchdog()
         _state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
-        if not _state.hooks_installed:
+        if not _state.observing:
             _dispatch.add_observer(_check)
+            _state.observing = True
+        if not _state.exit_hooks:
             _install_exit_hooks()
-            _state.hooks_installed = True
+            _state.exit_hooks = True
         if watchdog is not None:
             _state.watchdog = _watchdog.Watchdog(
                 float(watchdog), float(timeout), exit_on_stall, lambda: _state.last
@@ -186,9 +191,9 @@ def disable() -> None:
     with _lock:
         _stop_watchdog()
         _state.settings = None
-        if _state.hooks_installed:
+        if _state.observing:
             _dispatch.remove_observer(_check)
-            _state.hooks_installed = False
+            _state.observing = False
 
 
 def enabled() -> bool:
@@ -215,17 +220,35 @@ def debugging(**kwargs: Any) -> Iterator[None]:
             enable(timeout=was.timeout, watchdog=was.watchdog, exit_on_stall=was.exit_on_stall)
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def enable_from_environment() -> None:
     """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
 
-    meshkit asks at this process's first SPMD call (`_from_environment_at_first_call`), not at
-    import: importing meshkit starts no thread and reads no setting, and a bad setting is an
-    error of that call.
+    meshkit asks at `meshkit.init` and at this process's first SPMD call
+    (`_from_environment_at_first_call`), not at import: importing meshkit starts no thread and
+    reads no setting, and a bad setting is an error of that call.
+
+    Raises:
+        MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variables) holds a value
+            that is not one of those accepted, named with them.
     """
     value = os.environ.get(ENV_DEBUG, "").strip().lower()
-    if value in ("", "0", "false", "no", "off") or enabled():
+    if value not in _ON + _OFF:
+        raise MeshkitError(
+            f"{ENV_DEBUG}={os.environ[ENV_DEBUG]!r} is not one of {', '.join(_ON)} (debug mode "
+            f"on) or {', '.join(v or 'empty' for v in _OFF)} (off)."
+        )
+    if value in _OFF or enabled():
         return
     enable()
+
+
+def _from_environment_at_init() -> None:
+    """Decide debug mode from the environment when this process joins (`meshkit.init`)."""
+    if not enabled():
+        enable_from_environment()
 
 
 def _from_environment_at_first_call(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
@@ -251,14 +274,21 @@ def _env_seconds(name: str, *, allow_zero: bool = False) -> float | None:
         value = float(raw)
     except ValueError:
         raise MeshkitError(f"{name}={raw!r} is not a number of seconds.") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise MeshkitError(f"{name}={raw!r} must be a positive number of seconds.")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        zero = " (0: off)" if allow_zero else ""
+        raise MeshkitError(f"{name}={raw!r} must be a finite number of seconds > 0{zero}.")
     return value
 
 
 def _positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise MeshkitError(f"{where}: {what} must be a positive number of seconds; got {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (value > 0 and math.isfinite(value))
+    ):
+        raise MeshkitError(
+            f"{where}: {what} must be a finite positive number of seconds; got {value!r}."
+        )
 
 
 # ---- fingerprints --------------------------------------------------------------------------
@@ -610,8 +640,9 @@ _LEAVE_WAIT_S = 5.0  # at exit, the most a process waits to post that it leaves
 def _publish_leaving(status: str, message: str = "") -> None:
     """Tell the other processes, at this process's next check, that it will not come."""
     client, _, n = _compat.distributed_state()
-    if client is None or n == 1 or _state.settings is None:
+    if client is None or n == 1 or _state.settings is None or _state.left:
         return
+    _state.left = True  # an uncaught error is told once, not again by the exit that follows
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
     wait = min(_state.settings.timeout, _LEAVE_WAIT_S)
     for tag in sorted(_state.tags | {"debug/MainThread"}):
@@ -706,5 +737,6 @@ def _stop_watchdog() -> None:
         _state.watchdog = None
 
 
-# MESHKIT_DEBUG=1 is read at the first SPMD call; registering the observer starts nothing.
+# MESHKIT_DEBUG=1 is read at init or at the first SPMD call; registering starts nothing.
 _dispatch.add_observer(_from_environment_at_first_call)
+_runtime.on_join(_from_environment_at_init)

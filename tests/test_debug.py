@@ -42,11 +42,16 @@ def test_enable_disable_and_settings():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"timeout": 0}, "timeout must be a positive number of seconds; got 0"),
-        ({"timeout": -1.5}, "timeout must be a positive number of seconds; got -1.5"),
-        ({"timeout": True}, "timeout must be a positive number of seconds; got True"),
-        ({"watchdog": "soon"}, "watchdog must be a positive number of seconds; got 'soon'"),
-        ({"watchdog": -2}, "watchdog must be a positive number of seconds; got -2"),
+        ({"timeout": 0}, "timeout must be a finite positive number of seconds; got 0"),
+        ({"timeout": -1.5}, "timeout must be a finite positive number of seconds; got -1.5"),
+        ({"timeout": True}, "timeout must be a finite positive number of seconds; got True"),
+        ({"watchdog": "soon"}, "watchdog must be a finite positive number of seconds; got 'soon'"),
+        ({"watchdog": -2}, "watchdog must be a finite positive number of seconds; got -2"),
+        ({"timeout": float("nan")}, "timeout must be a finite positive number of seconds; got nan"),
+        (
+            {"watchdog": float("inf")},
+            "watchdog must be a finite positive number of seconds; got inf",
+        ),
     ],
 )
 def test_bad_settings_are_named(kwargs, message):
@@ -68,6 +73,58 @@ def test_environment(monkeypatch):
     monkeypatch.setenv("MESHKIT_DEBUG_TIMEOUT", "soon")
     with pytest.raises(meshkit.MeshkitError, match="MESHKIT_DEBUG_TIMEOUT='soon' is not a number"):
         debug.enable_from_environment()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (
+            "MESHKIT_DEBUG",
+            "maybe",
+            "MESHKIT_DEBUG='maybe' is not one of 1, true, yes, on (debug mode on) or empty, 0, "
+            "false, no, off (off).",
+        ),
+        (
+            "MESHKIT_DEBUG_TIMEOUT",
+            "nan",
+            "MESHKIT_DEBUG_TIMEOUT='nan' must be a finite number of seconds > 0.",
+        ),
+        ("MESHKIT_DEBUG_TIMEOUT", "0", "MESHKIT_DEBUG_TIMEOUT='0' must be a finite number"),
+        (
+            "MESHKIT_WATCHDOG",
+            "inf",
+            "MESHKIT_WATCHDOG='inf' must be a finite number of seconds > 0 (0: off).",
+        ),
+        ("MESHKIT_WATCHDOG", "-1", "MESHKIT_WATCHDOG='-1' must be a finite number"),
+    ],
+)
+def test_bad_environment_values_name_the_variable_and_the_accepted_values(
+    monkeypatch, name, value, message
+):
+    monkeypatch.setenv("MESHKIT_DEBUG", "1")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(meshkit.MeshkitError) as info:
+        debug.enable_from_environment()
+    assert str(info.value).startswith(message), info.value
+    assert not debug.enabled()
+
+
+def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatch):
+    registered = []
+    monkeypatch.setattr(debug.atexit, "register", lambda f, *a, **k: registered.append(f))
+    monkeypatch.setattr(debug._state, "exit_hooks", False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    hooks = []
+    for _ in range(3):
+        debug.enable(timeout=5, watchdog=None)
+        hooks.append(sys.excepthook)
+        debug.disable()
+    assert len(registered) == 1
+    assert hooks[0] is hooks[1] is hooks[2] is not sys.__excepthook__
+    assert _dispatch._observers.count(debug._check) == 0
+    debug.enable(timeout=5, watchdog=None)
+    assert _dispatch._observers.count(debug._check) == 1
+    debug.disable()
 
 
 _FIRST_CALL = """
@@ -100,6 +157,42 @@ def test_the_environment_is_read_at_the_first_call_not_at_import(timeout, lines)
     env = {**os.environ, "MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": timeout}
     out = subprocess.run(
         [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.splitlines() == lines, out.stderr
+
+
+_AT_INIT = """
+import threading
+import meshkit
+print(meshkit.debug.enabled(), sorted(t.name for t in threading.enumerate()))
+try:
+    meshkit.init()
+except meshkit.MeshkitError as e:
+    print("raised:", e)
+print(meshkit.debug.enabled(), meshkit.debug._state.count)
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "lines"),
+    [
+        ("1", ["False ['MainThread']", "True 0"]),
+        (
+            "sometimes",
+            [
+                "False ['MainThread']",
+                "raised: MESHKIT_DEBUG='sometimes' is not one of 1, true, yes, on (debug mode on) "
+                "or empty, 0, false, no, off (off).",
+                "False 0",
+            ],
+        ),
+    ],
+)
+def test_debug_mode_starts_at_init(value, lines):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    env.update(MESHKIT_DEBUG=value, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", _AT_INIT], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.splitlines() == lines, out.stderr
 
@@ -258,7 +351,9 @@ def test_comparison_against_a_direct_reference(base, changes):
 def test_barrier_bad_arguments():
     with pytest.raises(meshkit.MeshkitError, match="name must be a non-empty string; got ''"):
         meshkit.barrier("")
-    with pytest.raises(meshkit.MeshkitError, match="timeout must be a positive number of seconds"):
+    with pytest.raises(
+        meshkit.MeshkitError, match="timeout must be a finite positive number of seconds"
+    ):
         meshkit.barrier("x", timeout=0)
     meshkit.barrier("single process returns at once", timeout=1)
 

@@ -192,6 +192,15 @@ def test_coordinator_port_in_use(tmp_path):
             "MESHKIT_INIT_TIMEOUT)",
         ),
         (
+            {"MESHKIT_FAIL_FAST": "later"},
+            "MESHKIT_FAIL_FAST='later' is not one of 1, true, yes, on (on, the default) or 0, "
+            "false, no, off (off).",
+        ),
+        (
+            {"MESHKIT_FAIL_FAST_GRACE": "-1"},
+            "MESHKIT_FAIL_FAST_GRACE=-1.0 must be a finite number of seconds >= 0.",
+        ),
+        (
             {"MESHKIT_LOCAL_DEVICE_IDS": "0;1"},
             "MESHKIT_LOCAL_DEVICE_IDS='0;1' is not a comma-separated",
         ),
@@ -292,3 +301,59 @@ def test_warns_when_a_launcher_says_several_processes_but_none_is_detected(tmp_p
         in out.stderr
     )
     assert "so this process runs alone (process 0 of 1)" in out.stderr
+
+
+# ---- fail-fast: an uncaught exception ends its process, after its exit handlers ----------------
+
+_FAILS_WITH_HANDLER = """
+import atexit, sys, time
+import jax
+import meshkit
+
+meshkit.init()
+me = jax.process_index()
+
+
+@atexit.register
+def handler():
+    print(f"exit handler of rank {me} ran", flush=True)
+    if sys.argv[1] == "slow":
+        time.sleep(600)
+
+
+if me == 1:
+    raise RuntimeError("planted")
+time.sleep(120)  # rank 0 waits: only the launcher's fail-fast ends it
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("handler", "env", "within"),
+    [("quick", {}, 25), ("slow", {"MESHKIT_FAIL_FAST_GRACE": "3"}, 30)],
+)
+def test_an_uncaught_exception_runs_exit_handlers_then_exits(tmp_path, handler, env, within):
+    import meshkit
+
+    script = tmp_path / "fails.py"
+    script.write_text(_FAILS_WITH_HANDLER)
+    start = time.monotonic()
+    result = meshkit.launch(
+        [str(script), handler],
+        num_processes=2,
+        devices_per_process=1,
+        platform="cpu",
+        timeout=100,
+        stream=False,
+        env={"MESHKIT_INIT_TIMEOUT": "60", **env},
+    )
+    took = time.monotonic() - start
+    rank1 = result.ranks[1]
+    assert result.first_failure == 1, result.report
+    assert rank1.returncode == 1, result.report
+    assert "RuntimeError: planted" in rank1.stderr
+    assert "running exit handlers (at most" in rank1.stderr
+    assert "exit handler of rank 1 ran" in rank1.stdout
+    if handler == "slow":
+        assert "meshkit: exit handlers still running after 3 s; exiting now" in rank1.stderr
+    assert took < within, (took, result.report)
