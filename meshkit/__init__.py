@@ -17,6 +17,7 @@ from . import debug as debug
 from ._assembly import global_array_from_local as global_array_from_local
 from ._batches import GlobalBatches as GlobalBatches
 from ._batches import global_batches as global_batches
+from ._channel import channel as channel
 from ._errors import DivergenceError as DivergenceError
 from ._errors import LaunchError as LaunchError
 from ._errors import MeshkitError as MeshkitError
@@ -78,6 +79,7 @@ __all__ = [
     "SpmdFunction",
     "UncheckedOutputWarning",
     "barrier",
+    "channel",
     "collectives",
     "debug",
     "describe",

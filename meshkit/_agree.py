@@ -72,7 +72,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _compat, _runtime
+from . import _channel, _compat, _runtime
 from ._errors import MeshkitError
 
 __all__ = ["Outcome", "agree", "agree_later", "leave", "settle", "stats", "tag_part"]
@@ -168,6 +168,9 @@ class _Tag:
     epoch: int = 0  # `check`'s barrier names: moved on after a failed check
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     threads: list[threading.Thread] = field(default_factory=list)
+    # The channel (`meshkit.channel`) of the thread whose calls it queues: a sync point drains
+    # only its own channel's tags (another thread's calls keep coming while it waits).
+    channel: str | None = None
 
 
 _tags: dict[str, _Tag] = {}
@@ -387,9 +390,16 @@ def _collect_garbage(client: Any, tag: str, seq: int, me: int) -> None:
 
 
 def _sync_point(timeout: float) -> tuple[Any, int, int]:
-    """Before an agreement the caller waits for: earlier deferred checks are raised first."""
+    """Before an agreement the caller waits for: its channel's deferred checks are raised first.
+
+    Only the tags of the caller's channel: a window that waits for no more calls while another
+    thread still makes them would be short in this process alone.
+    """
     if _live:
-        drain(timeout + 35.0)  # each pending call waits at most its timeout, plus phase 3
+        here = _channel.current()
+        mine = [t for t in list(_live) if _tags[t].channel == here]
+        if mine:
+            drain(timeout + 35.0, tags=mine)  # each call waits at most its timeout + phase 3
     settle()
     return _client()
 
@@ -763,6 +773,7 @@ def _windowed(tag: str) -> _Tag:
     state = _state(tag)
     with state.lock:
         if state.cond is None:
+            state.channel = _channel.current()
             state.cond = threading.Condition(state.lock)
             thread = threading.Thread(
                 target=_window_thread, args=(state,), name=f"meshkit-agree:{tag}", daemon=True

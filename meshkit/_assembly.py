@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from . import _agree, _compat, _dispatch, _layout, _runtime
+from . import _agree, _channel, _compat, _dispatch, _layout, _runtime
 from ._errors import MeshkitError
 from ._global import (
     _WHAT,
@@ -310,9 +310,14 @@ def run(
     what: str = _WHAT,
     defer: bool = False,
 ) -> tuple[Any, jax.Array | None]:
-    """`global_array_from_local` with the exchange tag chosen by the caller."""
+    """`global_array_from_local` with the exchange tag chosen by the caller (on its channel)."""
     assembly = Assembly(
-        tag, what, pad=pad, check=check, sizes_known=global_shape is not None, defer=defer
+        _channel.scoped(tag, what),
+        what,
+        pad=pad,
+        check=check,
+        sizes_known=global_shape is not None,
+        defer=defer,
     )
     return assembly.run(
         lambda: prepare(

@@ -8,14 +8,16 @@ bounded.
 
 End of data is decided together: at the first step where some process has no batch, every
 process stops (``pad=False``), or the processes that ran out contribute fully padded batches
-until all have (``pad=True``; the mask marks real rows). No process is ever left waiting on a
-collective that the others will not join.
+until all have (``pad=True``; the mask marks real rows). So is the end of a loop: each step is
+handed to the callers together (one barrier per step), so a process that closes its iterator
+stops the others at the same step. No process is ever left waiting on a collective that the
+others will not join.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
+import json
 import sys
 import threading
 import time
@@ -29,14 +31,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _assembly, _compat, _global, _watchdog
+from . import _agree, _assembly, _channel, _compat, _global, _runtime, _watchdog
 from ._errors import MeshkitError
 
 __all__ = ["GlobalBatches", "global_batches"]
 
 _WHAT = "meshkit.global_batches"
-_instances = itertools.count()
 _JOIN_TIMEOUT_S = 30.0
+_HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
 
@@ -56,7 +58,12 @@ class _End:
     pass
 
 
+class _Closed:
+    """Put in the queue by `GlobalBatches.close`: wakes a `__next__` waiting for a batch."""
+
+
 _END = _End()
+_CLOSED = _Closed()
 
 
 class GlobalBatches(Iterator[Any]):
@@ -92,13 +99,21 @@ class GlobalBatches(Iterator[Any]):
         self._args = (mesh_or_sharding, spec)
         self._pad, self._dtype = pad, dtype
         self._progress = progress
-        self._tag = f"global_batches/{next(_instances)}"
+        # Numbered on the creating thread's channel; the helper thread then uses it as its own.
+        self._tag = _channel.numbered("global_batches", _WHAT)
+        self._multi = _compat.distributed_state()[2] > 1
         # sizes are exchanged at every step: the end of data is decided together.
         self._assembly = _assembly.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
+        self._handover = self._tag + "/handover"  # each step handed to the callers together
+        self._timeout = _runtime.check_timeout()
         self._queue: Queue[Any] = Queue()
         self._slots = threading.Semaphore(prefetch)
         self._stop = threading.Event()
-        self._done = False
+        self._lock = threading.Lock()
+        self._done = False  # closed, ended or failed: __next__ raises StopIteration
+        self._in_next = False  # a __next__ is running: it tells the others of a close
+        self._told = False  # the others' callers know this process's last step
+        self._released = False  # the others' helpers know this one stopped
         self.steps = 0
         self.rows = 0
         self._started = time.monotonic()
@@ -122,35 +137,113 @@ class GlobalBatches(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
+        with self._lock:
+            if self._done:
+                raise StopIteration
+            self._in_next = True
+        try:
+            return self._next()
+        finally:
+            self._in_next = False
+
+    def _next(self) -> Any:
         item = self._queue.get()
         self._slots.release()
-        if isinstance(item, _End):
-            self._done = True
-            self._report(final=True)
-            raise StopIteration
         if isinstance(item, _Failure):
             self._done = True
             raise item.error
+        if isinstance(item, _Closed) or self._done:  # closed by another thread meanwhile
+            self._tell_closed()
+            raise StopIteration
+        if isinstance(item, _End):
+            self._done = self._told = True  # every process ends at this step: nothing to tell
+            self._report(final=True)
+            raise StopIteration
+        if not self._take():
+            raise StopIteration
         batch, rows, notes = item
-        _global.warn_notes(notes, stacklevel=2)
+        _global.warn_notes(notes, stacklevel=3)
         _watchdog.note_progress()
         self.steps += 1
         self.rows += rows
         self._report()
         return batch
 
+    def _take(self) -> bool:
+        """Whether every process takes this step (False: one closed; this one stops too).
+
+        The helper threads assemble ahead, so a process that closes its iterator after step k
+        has agreed on steps beyond k with the others. Each step is therefore also handed over
+        together: the n-th `__next__` of every process meets the n-th of the others (one
+        barrier, `meshkit._agree.check`), where each says whether it takes the step or closed.
+        A process that closed ends the others at the same step, before any of them computes
+        with a batch it would not join.
+        """
+        if not self._multi:
+            return True
+        outcome = _agree.check(
+            self._handover, "take", json.dumps({"status": "take"}), timeout=self._timeout
+        )
+        if outcome.agreed:
+            return True
+        statuses = {p: json.loads(r)["status"] for p, r in outcome.records.items()}
+        closed = sorted(p for p, status in statuses.items() if status == "closed")
+        if closed or not outcome.missing:
+            self._told = True
+            self.close()
+            return False
+        raise MeshkitError(
+            f"{_WHAT}: process{'es' if len(outcome.missing) > 1 else ''} "
+            f"{', '.join(map(str, outcome.missing))} did not ask for step {self.steps + 1} "
+            f"within {self._timeout:g} s; this process (process "
+            f"{_compat.distributed_state()[1]}) did.\nEvery process must take the same "
+            "number of batches from its global_batches, or close it (the others then stop at "
+            "the same step). Consider what keeps those processes from their next step (a "
+            "crash, a stall, a different branch); MESHKIT_DEBUG=1 names where they are."
+        )
+
+    def _tell_closed(self) -> None:
+        """Tell the others' callers, at their next step, that this process closed (never waits)."""
+        with self._lock:
+            if self._told or not self._multi:
+                return
+            self._told = True
+        _agree.leave_check(self._handover, json.dumps({"status": "closed"}))
+
+    def _release_helpers(self) -> None:
+        """Tell the others' helper threads, at their next step, that this one stops (once).
+
+        The helper says so itself when it sees the stop between steps; `close` says it for a
+        helper that is busy (in a loader that blocks, in an agreement), so the others' helpers,
+        waiting for this one's next step, stop instead of timing out.
+        """
+        with self._lock:
+            if self._released or not self._multi:
+                return
+            self._released = True
+        _assembly.publish_record(self._tag, {"status": "closed"})
+
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
 
-        The other processes' iterators stop at the same step (each process's helper tells the
-        others it closed), so call it on every process, as the loop that breaks early does.
+        Callable from any thread: a `__next__` waiting for a batch in another thread raises
+        `StopIteration`. In a multi-process program the others' iterators stop at the same
+        step (their next `__next__` raises `StopIteration`), whether or not they close theirs.
         """
-        self._done = True
-        self._stop.set()
+        with self._lock:
+            if self._stop.is_set():
+                return  # closed before (the helper has been waited for then)
+            self._done = True
+            tell_here = not self._in_next  # else the running __next__ tells, at its step
+            self._stop.set()
+        self._queue.put(_CLOSED)
+        if tell_here:
+            self._tell_closed()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_TIMEOUT_S)
+            self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
+            if self._thread.is_alive():
+                self._release_helpers()
+                self._thread.join(_JOIN_TIMEOUT_S)
 
     def __enter__(self) -> GlobalBatches:
         return self
@@ -190,18 +283,24 @@ class GlobalBatches(Iterator[Any]):
         return False
 
     def _work(self, source: Iterator[Any]) -> None:
+        with _channel.channel(self._tag):
+            self._work_on_channel(source)
+
+    def _work_on_channel(self, source: Iterator[Any]) -> None:
         _global.set_caller(_WHAT)
         template: Any = None
         multi = _compat.distributed_state()[2] > 1
         while True:
             if not self._take_slot():
-                if multi:  # release the processes waiting for this one's next step
-                    _assembly.publish_record(self._tag, {"status": "closed"})
+                self._release_helpers()  # the others' helpers wait for this one's next step
                 return
             status, local = "data", None
             try:
                 local = next(source)
                 template = local
+                if self._stop.is_set():
+                    self._release_helpers()  # closed while the loader ran
+                    return
             except StopIteration:
                 status = "end"
             except BaseException as e:

@@ -87,7 +87,8 @@ class DtypeWarning(UserWarning):
     """
 
 
-_warned_dtypes: set[tuple[str, str]] = set()
+_warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
+Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text
 
 _NOT_DIVISIBLE = """\
 {what}: the local array at {path} has shape {shape}; its dimension {dim}{name} has size {size},
@@ -127,7 +128,7 @@ class Prepared:
     mask_sharding: NamedSharding | None = None
     mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
     mask_plan: _layout.Plan | None = None
-    notes: list[str] = field(default_factory=list)  # DtypeWarning texts, for the caller's line
+    notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
     # From a layout seen before (`prepare`'s templates): the leaves hold their final plans, and
     # the record, its summary and the replicas' places are those of the template.
     template: _Template | None = None
@@ -261,7 +262,7 @@ def user_stacklevel() -> int:
     return level
 
 
-def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str] | None) -> np.ndarray:
+def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:
     """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype.
 
     ``notes`` None: narrow silently, as `jax.jit` does with host arguments (`meshkit.spmd`).
@@ -274,25 +275,33 @@ def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[str] | None) -> 
 
 
 def _note_narrowing(
-    path: str, wanted: np.dtype, target: np.dtype, given: bool, notes: list[str]
+    path: str, wanted: np.dtype, target: np.dtype, given: bool, notes: list[Note]
 ) -> None:
-    """Note a narrowing to 32 bits, unless this process has shown it for this dtype already."""
+    """Note a narrowing to 32 bits, unless this process has shown it for this dtype already.
+
+    Marked as shown only when `warn_notes` issues it: a call that fails after preparing (a
+    check, a transfer) leaves the warning to the next call.
+    """
     key = (str(wanted), str(target))
-    if key not in _warned_dtypes:
-        _warned_dtypes.add(key)
+    if key not in _warned_dtypes and all(k != key for k, _ in notes):
         source = "dtype=" if given else f"the data at {path}"
         notes.append(
-            f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
-            f"global array is {target}. (Shown once per dtype.)\nConsider "
-            f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', True) "
-            "to keep 64 bits."
+            (
+                key,
+                f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
+                f"global array is {target}. (Shown once per dtype.)\nConsider "
+                f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', "
+                "True) to keep 64 bits.",
+            )
         )
 
 
-def warn_notes(notes: list[str], stacklevel: int) -> None:
-    """Issue the dtype notes of an assembly as `DtypeWarning` s at the user's line."""
-    for note in notes:
-        warnings.warn(note, DtypeWarning, stacklevel=stacklevel + 1)
+def warn_notes(notes: list[Note], stacklevel: int) -> None:
+    """Issue the dtype notes of an assembly as `DtypeWarning` s at the user's line, once each."""
+    for key, text in notes:
+        if key not in _warned_dtypes:
+            _warned_dtypes.add(key)
+            warnings.warn(text, DtypeWarning, stacklevel=stacklevel + 1)
 
 
 def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | None]:
@@ -421,7 +430,7 @@ def _make_template(prepared: Prepared, flat: list[np.ndarray], dtype: Any) -> _T
 
 
 def _from_template(template: _Template, flat: list[np.ndarray]) -> Prepared:
-    notes: list[str] = []
+    notes: list[Note] = []
     for path, wanted, target, given in template.narrowings:
         _note_narrowing(path, wanted, target, given, notes)
     leaves = [
@@ -452,7 +461,7 @@ def prepare_leaves(
     me = jax.process_index()
     checked_meshes: set[int] = set()
     leaves = []
-    notes: list[str] = []
+    notes: list[Note] = []
     for (path, leaf), (mesh, spec_like), given in zip(named, pairs, shapes, strict=True):
         if id(mesh) not in checked_meshes:
             _check_global_mesh(mesh)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from . import _agree, _compat, _dispatch, _runtime
+from . import _agree, _channel, _compat, _dispatch, _runtime
 from ._errors import MeshkitError
 
 __all__ = ["describe", "make_mesh", "order_devices"]
@@ -243,7 +243,12 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
     ids = ",".join(str(d.id) for d in grid.flat)
     shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
     mine = f"{{{shape}}} devices [{ids}]"
-    outcome = _agree.check("make_mesh", mine, mine, timeout=_runtime.check_timeout())
+    outcome = _agree.check(
+        _channel.scoped("make_mesh", "meshkit.make_mesh"),
+        mine,
+        mine,
+        timeout=_runtime.check_timeout(),
+    )
     if outcome.agreed:
         return
     values, missing = outcome.records, list(outcome.missing)

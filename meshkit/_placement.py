@@ -28,7 +28,7 @@ import jax
 from jax.core import ShapedArray, Tracer
 from jax.sharding import Mesh, NamedSharding
 
-from . import _assembly, _global, debug
+from . import _assembly, _channel, _global, debug
 
 __all__ = ["assemble", "is_abstract", "is_host", "is_local", "placed", "put_host"]
 
@@ -92,7 +92,11 @@ def assemble(
     treedef = jax.tree_util.tree_structure([0] * len(named) if structure is None else structure)
     with _global.calling(what, pads=False):
         assembly = _assembly.Assembly(
-            tag, what, pad=False, check="data" if debug.enabled() else True, sizes_known=True
+            _channel.scoped(tag, what),
+            what,
+            pad=False,
+            check="data" if debug.enabled() else True,
+            sizes_known=True,
         )
         tree, _ = assembly.run(
             lambda: _global.prepare_leaves(
@@ -110,4 +114,4 @@ def assemble(
 
 def publish_failure(tag: str, error: BaseException) -> None:
     """Tell the processes waiting in an `assemble` under ``tag`` that this one failed first."""
-    _assembly.publish_failure(_assembly.check_tag(tag), error)
+    _assembly.publish_failure(_assembly.check_tag(_channel.scoped(tag, "meshkit.spmd")), error)

@@ -57,7 +57,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _agree, _compat, _dispatch, _runtime, _watchdog
+from . import _agree, _channel, _compat, _dispatch, _runtime, _watchdog
 from ._errors import DivergenceError, MeshkitError
 
 __all__ = ["DivergenceError", "barrier", "disable", "enable", "enabled", "settings"]
@@ -423,8 +423,8 @@ def _arg_name(site: _dispatch.CallSite, path: tuple[Any, ...]) -> str:
 # ---- the check ------------------------------------------------------------------------------
 
 
-def _tag() -> str:
-    return "debug/" + _agree.tag_part(threading.current_thread().name)
+def _tag(what: str = "meshkit debug mode") -> str:
+    return _channel.scoped("debug", what)
 
 
 def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
@@ -441,7 +441,7 @@ def _check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    tag = _tag()
+    tag = _tag(site.name)
     _state.tags.add(tag)
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
@@ -645,7 +645,7 @@ def _publish_leaving(status: str, message: str = "") -> None:
     _state.left = True  # an uncaught error is told once, not again by the exit that follows
     record = {"status": status, "last": _state.last or "no meshkit call", "message": message}
     wait = min(_state.settings.timeout, _LEAVE_WAIT_S)
-    for tag in sorted(_state.tags | {"debug/MainThread"}):
+    for tag in sorted(_state.tags | {"debug"}):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
             _agree.leave(tag, json.dumps(record), later=True, wait=wait)
 
@@ -715,8 +715,9 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
             "Consider a longer timeout, or what delayed this process."
         )
     missing = list(outcome.missing)
+    tag = "debug" if _channel.current() is None else _channel.scoped("debug", "")
     detail = "; ".join(
-        f"process {p} ({_last_text(_tag(), p) if _state.settings else 'no debug record'})"
+        f"process {p} ({_last_text(tag, p) if _state.settings else 'no debug record'})"
         for p in missing
     )
     raise MeshkitError(

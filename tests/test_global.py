@@ -285,6 +285,19 @@ def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
         )
 
 
+def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypatch):
+    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    mesh = meshkit.make_mesh({"data": 8})
+    x = np.arange(8, dtype=np.float64)
+    bad = {"x": x, "y": np.ones(7, np.float32)}  # 7 rows do not split over 8 devices
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(meshkit.MeshkitError, match="does not split"):
+            meshkit.global_array_from_local(bad, mesh, "data")
+    with pytest.warns(meshkit.DtypeWarning, match=r"is float64, but JAX's 64-bit mode is off"):
+        meshkit.global_array_from_local({"x": x}, mesh, "data")
+
+
 def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one(monkeypatch):
     monkeypatch.setattr(_global, "_templates", {})
     monkeypatch.setattr(_global, "_warned_dtypes", set())

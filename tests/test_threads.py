@@ -1,0 +1,191 @@
+"""Thread safety: meshkit calls from several threads pair up across processes by channel.
+
+The functions starting with an underscore run inside the launched processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.testing import launch_in_processes
+
+CALLS = 40
+SHAPES = {"a": (8, 3), "b": (4, 5)}  # each channel's own layout: a mispairing is an error
+
+
+def _two_threads():
+    """Two threads assemble global arrays at once, each on its channel; threads are named
+    differently in each process, and started in a different order."""
+    import jax
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    sums: dict[str, list[float]] = {}
+    errors: list[BaseException] = []
+
+    def work(channel):
+        rows, cols = SHAPES[channel]
+        try:
+            with meshkit.channel(channel):
+                out = []
+                for i in range(CALLS):
+                    local = np.full((rows, cols), i + me, np.float32)
+                    g = meshkit.global_array_from_local(local, mesh, "data")
+                    out.append(float(np.asarray(g.addressable_shards[0].data).sum()))
+                    if i % 7 == me:
+                        time.sleep(0.01)  # interleave differently in each process
+                sums[channel] = out
+                meshkit.barrier(f"done {channel}")  # settles the deferred checks
+        except BaseException as e:  # reported to the test
+            errors.append(e)
+
+    order = ["a", "b"] if me == 0 else ["b", "a"]
+    threads = [
+        threading.Thread(target=work, args=(c,), name=f"worker-{me}-{k}")
+        for k, c in enumerate(order)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    unnamed = ""
+
+    def without_channel():
+        nonlocal unnamed
+        try:
+            meshkit.global_array_from_local(np.ones((8, 3), np.float32), mesh, "data")
+        except meshkit.MeshkitError as e:
+            unnamed = str(e)
+
+    t = threading.Thread(target=without_channel)
+    t.start()
+    t.join(60)
+    return [repr(e) for e in errors], sums, unnamed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["debug-off", "debug-on"])
+def test_global_array_from_local_from_two_threads_at_once(debug):
+    result = launch_in_processes(
+        _two_threads,
+        timeout=180,
+        env={"MESHKIT_DEBUG": debug, "MESHKIT_CHECK_TIMEOUT": "30", "MESHKIT_DEBUG_TIMEOUT": "30"},
+    )
+    assert result.returncode == 0, result.report
+    for me, (errors, sums, unnamed) in enumerate(result.values):
+        assert errors == [], errors
+        for channel, (rows, cols) in SHAPES.items():
+            # Each of the 4 local devices holds a quarter of this process's rows.
+            per_device = rows // 4 * cols
+            assert sums[channel] == [float(per_device * (i + me)) for i in range(CALLS)]
+        assert unnamed.startswith(
+            "meshkit.global_array_from_local was called from thread 'Thread-"
+        ), unnamed
+        assert "outside any meshkit.channel" in unnamed
+        assert 'Consider wrapping the thread\'s work in `with meshkit.channel("loader"):`' in (
+            unnamed
+        )
+
+
+def test_channel_names_are_checked():
+    for bad, shown in (("", "''"), (3, "3")):
+        with (
+            pytest.raises(
+                meshkit.MeshkitError, match=f"name must be a non-empty string; got {shown}"
+            ),
+            meshkit.channel(bad),  # type: ignore[arg-type]
+        ):
+            pass
+
+
+def test_a_channel_is_used_by_one_thread_at_a_time():
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with meshkit.channel("loader"):
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold, name="holder")
+    t.start()
+    inside.wait(30)
+    try:
+        with pytest.raises(meshkit.MeshkitError) as info, meshkit.channel("loader"):
+            pass
+        assert str(info.value).startswith(
+            "meshkit.channel('loader'): thread 'holder' of this process is using this channel; "
+            "thread 'MainThread' cannot use it at the same time"
+        ), info.value
+    finally:
+        leave.set()
+        t.join(30)
+    with meshkit.channel("loader"):  # free again
+        with meshkit.channel("loader"):  # and re-entrant in one thread
+            assert meshkit._channel.current() == "loader"
+        assert meshkit._channel.current() == "loader"
+    assert meshkit._channel.current() is None
+
+
+def _closed_from_another_thread():
+    """Process 0's loader blocks at batch 3; another thread of process 0 closes the iterator."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    step = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
+    gate = threading.Event()
+
+    def loader():
+        for i in range(100):
+            if i == 3 and me == 0:
+                gate.wait(60)  # a loader stuck on a slow file system
+            yield np.full((4, 2), i, np.float32)
+
+    it = meshkit.global_batches(loader(), mesh, "data")
+    if me == 0:
+        threading.Timer(2.0, it.close).start()
+    start = time.monotonic()
+    sums = [float(step(b)) for b in it]
+    took = time.monotonic() - start
+    gate.set()
+    return sums, took
+
+
+@pytest.mark.multiprocess
+def test_close_from_another_thread_ends_a_waiting_next_in_every_process():
+    result = launch_in_processes(
+        _closed_from_another_thread, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+    )
+    assert result.returncode == 0, result.report
+    # Steps 0, 1, 2: 8 rows of value i; then process 0's close ends both at step 3.
+    for sums, took in result.values:
+        assert sums == [0.0, 16.0, 32.0], result.values
+        assert took < 20, result.values  # not the 60 s check timeout
+
+
+def test_close_from_another_thread_in_one_process():
+    mesh = meshkit.make_mesh({"data": -1})
+    gate = threading.Event()
+
+    def loader():
+        yield np.ones((8, 2), np.float32)
+        gate.wait(30)
+        yield np.ones((8, 2), np.float32)
+
+    it = meshkit.global_batches(loader(), mesh, "data")
+    assert float(next(it).sum()) == 16.0
+    threading.Timer(0.5, it.close).start()
+    start = time.monotonic()
+    with pytest.raises(StopIteration):
+        next(it)  # waits for the blocked loader until the close
+    assert time.monotonic() - start < 10
+    with pytest.raises(StopIteration):
+        next(it)
+    gate.set()
