@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from . import _diagnose
 from ._errors import LaunchError
 from ._runtime import (
     ENV_COORDINATOR,
@@ -55,6 +56,8 @@ class RankResult:
         stopped_by_launcher: True when the launcher ended it (fail-fast, timeout, interrupt).
         tail: its last lines, stdout and stderr interleaved as they came.
         pid: its process id while it ran (its process group id too).
+        reached_end: it said it reached the end of its program while other ranks still ran
+            (it waited at JAX's shutdown barrier for them).
     """
 
     rank: int
@@ -64,6 +67,7 @@ class RankResult:
     stopped_by_launcher: bool = False
     tail: str = ""
     pid: int = 0
+    reached_end: bool = False
 
 
 @dataclasses.dataclass
@@ -211,6 +215,7 @@ class _Rank:
         self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.both: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.watchdog: list[str] = []  # the stall watchdog's reports, newest last
+        self.reached_end = False  # it said it waits for the others at the end of its program
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -239,6 +244,8 @@ class _Rank:
             self.both.append(line)
             if line.startswith(WATCHDOG_MARK):
                 self.watchdog.append(line)
+            elif line.startswith("meshkit: process") and _diagnose.ENDED_MARK in line:
+                self.reached_end = True
             sink.write(self.rank, line, is_err)
         pipe.close()
 
@@ -257,6 +264,7 @@ class _Rank:
             self.stopped,
             "\n".join(self.both),
             self.proc.pid,
+            self.reached_end,
         )
 
 
@@ -476,7 +484,8 @@ def _stop(ranks: list[_Rank], grace: float) -> None:
 
 def _watchdog_summary(ranks: list[_Rank]) -> str:
     """Where each rank was when its stall watchdog fired (``meshkit.debug``), or ""."""
-    reports = [(rk.rank, rk.watchdog[-1]) for rk in ranks if rk.watchdog]
+    # Where a rank was (its last dump), rather than the line saying it then exited.
+    reports = [(rk.rank, _where(rk.watchdog)) for rk in ranks if rk.watchdog]
     if not reports:
         return ""
     lines = [f"  rank {r}: {line}" for r, line in reports]
@@ -484,6 +493,11 @@ def _watchdog_summary(ranks: list[_Rank]) -> str:
     if quiet:
         lines.append(f"  (no watchdog report from rank {', '.join(quiet)})")
     return "Stall watchdog, where each rank was:\n" + "\n".join(lines) + "\n"
+
+
+def _where(lines: list[str]) -> str:
+    dumps = [line for line in lines if " made no progress for " in line]
+    return dumps[-1] if dumps else lines[-1]
 
 
 def _tail_block(title: str, rank: int, text: str) -> str:
@@ -504,10 +518,72 @@ def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> s
         f"meshkit launch: rank {bad.rank} failed first ({_describe_exit(bad.returncode)}) "
         f"after {elapsed:.1f} s."
     ]
+    cause, evidence = _suspect(bad, results)
+    lines.extend(evidence)
     if stopped:
         lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
     if also:
         lines.append(f"Also failed on their own: {', '.join(also)}.")
+    blocks = _tail_block("root cause:", cause.rank, _error_text(cause))
+    if cause is not bad:
+        blocks += _tail_block("first to fail:", bad.rank, _error_text(bad))
+    return "\n".join(lines) + "\n" + blocks
+
+
+def _error_text(result: RankResult) -> str:
     # A traceback goes to stderr; a rank that wrote nothing there is shown by its stdout.
-    text = bad.stderr.strip() or bad.stdout
-    return "\n".join(lines) + "\n" + _tail_block("root cause:", bad.rank, text)
+    return result.stderr.strip() or result.stdout
+
+
+def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, list[str]]:
+    """The rank the evidence points to, and the lines that say why (none: ``bad`` itself).
+
+    The first rank to exit is not always the cause: a rank that waited for another in JAX's
+    cross-process machinery (a gloo or NCCL timeout) or lost it (the coordination service
+    gone) fails because of another. Evidence, in order: a rank that failed with an error of
+    its own; a rank that timed out waiting (it was in a computation the others never joined);
+    and, as context, the ranks that reached the end of their program meanwhile.
+    """
+    found = {r.rank: _diagnose.diagnose(_error_text(r)) for r in results}
+    if found[bad.rank] is None:
+        return bad, []
+    failed = [r for r in results if r.returncode not in (0, None) and not r.stopped_by_launcher]
+    own = [r for r in failed if found[r.rank] is None]
+    waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
+    ended = [r.rank for r in results if r.reached_end or r.returncode == 0]
+    cause = own[0] if own else waited[0] if waited else bad
+    lines: list[str] = []
+    first = found[bad.rank]
+    assert first is not None
+    if cause is not bad:
+        lines.append(f"Its error is {_kind_text(first)}; it failed because of another rank.")
+    diagnosis = found[cause.rank]
+    if diagnosis is None:
+        lines.append(f"The evidence points to rank {cause.rank}: it failed with its own error.")
+    elif diagnosis.kind == "timeout":
+        lines.append(
+            f"The evidence points to rank {cause.rank}: it waited for other ranks in "
+            f"{diagnosis.system} until a timeout, in a computation or collective they never "
+            "joined."
+        )
+    else:
+        lines.append(f"Its error is {_kind_text(diagnosis)}; no rank left an error of its own.")
+    away = [r for r in ended if r != cause.rank]
+    if away:
+        lines.append(
+            f"Rank{'s' if len(away) > 1 else ''} {', '.join(map(str, away))} reached the end "
+            "of the program meanwhile."
+        )
+    lines.append(
+        "Usual causes: a computation or collective run by only some ranks (a branch on "
+        "jax.process_index()), or a rank that exited, crashed or stalled first. Consider running "
+        "again with MESHKIT_DEBUG=1: it names the first meshkit call where ranks differ, and "
+        "where each rank waits."
+    )
+    return cause, lines
+
+
+def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
+    if diagnosis.kind == "timeout":
+        return f"a timeout of {diagnosis.system} (it waited for another rank)"
+    return f"a lost connection reported by {diagnosis.system} (another rank is gone)"

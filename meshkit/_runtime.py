@@ -30,7 +30,7 @@ from types import TracebackType
 
 import jax
 
-from . import _compat
+from . import _compat, _diagnose
 from ._errors import MeshkitError
 
 __all__ = [
@@ -537,7 +537,45 @@ def _init(
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
     if fail_fast is not None:
         _install_fail_fast(fail_fast)
+    note = _EndNote(_INFO.process_id)
+    note.start()
+    atexit.register(note.at_exit)
     return _INFO
+
+
+_failing = False  # the fail-fast hook is ending this process
+_ENDED_AFTER_S = 3.0
+
+
+class _EndNote(threading.Thread):
+    """Says, a while after this process's program ended, that it still waits for the others.
+
+    Started at `init` (Python 3.12 starts no thread at exit) and idle until `at_exit`, which
+    runs before JAX's own exit handler (registered earlier), where the process waits at a
+    shutdown barrier for every other process: one that waits long reached the end of its
+    program while others did not, the usual sign of processes that took different paths. The
+    line is evidence for ``meshkit launch``'s report, and for anyone reading the logs.
+    """
+
+    def __init__(self, me: int) -> None:
+        super().__init__(name="meshkit-end-note", daemon=True)
+        self.me = me
+        self.ended = threading.Event()
+
+    def at_exit(self) -> None:
+        if not _failing:
+            self.ended.set()
+
+    def run(self) -> None:
+        self.ended.wait()
+        time.sleep(_ENDED_AFTER_S)
+        with contextlib.suppress(Exception):
+            sys.stderr.write(
+                f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago "
+                "and waits at JAX's shutdown barrier for the other processes (one still "
+                "running, or stuck in a computation this one never joined).\n"
+            )
+            sys.stderr.flush()
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -577,7 +615,12 @@ def _install_fail_fast(grace: float) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        global _failing
+        _failing = True
         previous(kind, value, tb)
+        diagnosis = _diagnose.diagnose(f"{kind.__name__}: {value}")
+        if diagnosis is not None:
+            sys.stderr.write(_diagnose.explain(diagnosis) + "\n")
         sys.stderr.write(
             "meshkit: uncaught exception in a multi-process run; running exit handlers (at most "
             f"{grace:g} s), then exiting without waiting for the other processes "

@@ -223,7 +223,9 @@ def test_rank_killed_mid_step_is_named_by_the_launcher():
 
 
 def test_rank_stalled_in_python_is_named_with_its_last_call_and_stack():
-    result, text = _failed(_stalled_in_python)
+    # A 5 s watchdog: the stalled process exits 13 s into its stall, well after the others
+    # name it at their 8 s timeout (with 3 s the two raced, 11 s against 8 s plus the verdict).
+    result, text = _failed(_stalled_in_python, env={**DEBUG, "MESHKIT_WATCHDOG": "5"})
     assert "call #3 of" in text, text
     assert "process 1 did not arrive within 8 s" in text, text
     assert "its last call was #2 of" in text, text

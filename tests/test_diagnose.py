@@ -1,0 +1,132 @@
+"""Failures that end in JAX's own cross-process timeouts get meshkit's explanation.
+
+The texts below are what JAX 0.10 and 0.12 print on CPU (gloo) when a computation is run by one
+process only, and what the other process prints when the coordination service goes away.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import meshkit
+from meshkit import _diagnose, _launch
+from meshkit._launch import RankResult
+
+GLOO = (
+    "jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: "
+    "GetKeyValue() timed out with key: cpu:gloo/0,1,2,3,2048,2049,2050,2051/4 and duration: "
+    "29.99999997s [type.googleapis.com/tensorflow.CoordinationServiceError='']"
+)
+FATAL = (
+    "F1124 09:25:54.339734   14804 client.h:86] Terminating process because the JAX distributed "
+    "service detected fatal errors. This most likely indicates that another task died; see the "
+    "other task logs for more details."
+)
+STREAM = "JaxRuntimeError: UNAVAILABLE: Stream removed (Socket closed)"
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "system"),
+    [
+        (GLOO, "timeout", "gloo"),
+        (FATAL, "lost", "the coordination service"),
+        (STREAM, "lost", "the coordination service"),
+        ("Barrier timed out. Id: shutdown", "timeout", "the coordination service"),
+        ("NCCL operation ncclAllReduce timed out after 600 s", "timeout", "NCCL"),
+        ("NCCL error: remote process exited or there was a network error", "lost", "NCCL"),
+    ],
+)
+def test_known_failures_are_recognised(text, kind, system):
+    found = _diagnose.diagnose("Traceback (most recent call last):\n  ...\n" + text)
+    assert found is not None
+    assert (found.kind, found.system, found.line) == (kind, system, text)
+
+
+def test_other_errors_are_not():
+    assert _diagnose.diagnose("ValueError: shapes (3,) and (4,) do not match") is None
+    assert _diagnose.diagnose("meshkit.barrier('x'): process 1 did not arrive within 8 s") is None
+
+
+def test_the_explanation_names_the_usual_causes_and_the_next_step():
+    text = _diagnose.explain(_diagnose.diagnose(GLOO))
+    assert text.startswith(
+        "meshkit: this error is a timeout of gloo: this process waited for another process "
+        "that never joined.\nUsual causes: a computation or collective run by only some "
+        "processes"
+    )
+    assert "MESHKIT_DEBUG=1" in text
+
+
+def _rank(rank, code, stderr="", *, stopped=False, ended=False):
+    return RankResult(rank, code, "", stderr, stopped, stderr, 0, ended)
+
+
+def test_the_launcher_names_the_rank_that_waited_in_a_computation_the_others_never_joined():
+    # Rank 1 ended its program and died when the coordinator went away, before rank 0's
+    # timeout was seen: the first to fail is not the cause.
+    results = [_rank(0, 1, GLOO), _rank(1, -6, FATAL, ended=True)]
+    report = _launch._root_cause(results[1], results, 31.0)
+    assert report.startswith(
+        "meshkit launch: rank 1 failed first (killed by SIGABRT) after 31.0 s.\n"
+        "Its error is a lost connection reported by the coordination service (another rank is "
+        "gone); it failed because of another rank.\n"
+        "The evidence points to rank 0: it waited for other ranks in gloo until a timeout, in "
+        "a computation or collective they never joined.\n"
+        "Rank 1 reached the end of the program meanwhile.\n"
+        "Usual causes:"
+    ), report
+    assert "--- root cause: rank 0 ---" in report
+    assert "--- first to fail: rank 1 ---" in report
+
+
+def test_an_error_of_its_own_outranks_a_timeout():
+    results = [_rank(0, 1, GLOO), _rank(1, 1, "KeyError: 'shard-17'"), _rank(2, 0)]
+    report = _launch._root_cause(results[0], results, 12.0)
+    assert "The evidence points to rank 1: it failed with its own error." in report
+    assert "Rank 2 reached the end of the program meanwhile." in report
+    assert "--- root cause: rank 1 ---\n  | KeyError: 'shard-17'" in report
+
+
+def test_an_error_of_its_own_first_is_the_root_cause_as_before():
+    results = [_rank(0, 1, "ValueError: bad"), _rank(1, -15, "", stopped=True)]
+    report = _launch._root_cause(results[0], results, 2.0)
+    assert report.startswith("meshkit launch: rank 0 failed first (exit code 1) after 2.0 s.\n")
+    assert "evidence" not in report
+
+
+_ONLY_PROCESS_0 = """
+import jax, numpy as np
+import meshkit
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+meshkit.init()
+mesh = meshkit.make_mesh({"data": -1})
+x = jax.make_array_from_callback(
+    (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
+)
+if jax.process_index() == 0:  # a computation over every process's devices, run by one
+    print(float(jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_computation_run_by_one_process_is_explained(tmp_path):
+    script = tmp_path / "only0.py"
+    script.write_text(_ONLY_PROCESS_0)
+    start = time.monotonic()
+    result = meshkit.launch(
+        [str(script)], num_processes=2, devices_per_process=4, platform="cpu", timeout=150,
+        stream=False, env={"MESHKIT_INIT_TIMEOUT": "60"},
+    )  # fmt: skip
+    assert time.monotonic() - start < 120
+    assert result.returncode != 0, result.report
+    # JAX's gloo gives up after 30 s; rank 1 had reached the end of its program.
+    assert (
+        "The evidence points to rank 0: it waited for other ranks in gloo until a timeout"
+        in result.report
+    ), result.report
+    assert "Rank 1 reached the end of the program meanwhile." in result.report, result.report
+    assert "meshkit: this error is a timeout of gloo" in result.ranks[0].stderr
+    assert result.ranks[1].reached_end, result.ranks[1].stderr
