@@ -22,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any, Literal
 
 from ._errors import LaunchError
@@ -41,6 +42,8 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
 _TAIL_LINES = 40
+# What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclasses.dataclass
@@ -72,13 +75,16 @@ class LaunchResult:
 
     Attributes:
         returncode: 0 when every rank exited 0; the first failing rank's code (1 for a signal)
-            after a failure; 124 after a timeout; 130 after an interrupt.
+            after a failure; 124 after a timeout; 128 + the signal's number after an interrupt
+            (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
         ranks: per-rank results, indexed by rank.
         first_failure: the rank that failed first, if any.
         timed_out: True when ``timeout`` ended the run.
         alive_at_timeout: ranks still running when the timeout struck.
         elapsed: seconds from start to the last rank's end.
         report: the launcher's own closing message (root cause, timeout summary), or "".
+        interrupted_by: the signal that stopped the run (``signal.SIGINT`` for a
+            KeyboardInterrupt), or None.
         values: for `meshkit.testing` function targets, what each rank returned (None for a
             rank that failed); empty otherwise.
     """
@@ -91,6 +97,7 @@ class LaunchResult:
     elapsed: float
     report: str
     values: list[Any] = dataclasses.field(default_factory=list)
+    interrupted_by: signal.Signals | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -292,10 +299,7 @@ def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"killed by {_signal_name(-code)}"
     return f"exit code {code}"
 
 
@@ -313,6 +317,7 @@ def launch(
     stream: bool = True,
     keep_output: bool = False,
     grace: float = 3.0,
+    handle_signals: bool = False,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
 
@@ -329,12 +334,18 @@ def launch(
         stream: print each rank's output live, prefixed ``[rank<r>]``.
         keep_output: keep all output in the result (default: the last lines of each rank).
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        handle_signals: catch SIGINT, SIGTERM and SIGHUP for the duration of the run (also
+            when they were inherited as ignored), stop every rank on the first one and report
+            it (``returncode`` 128 + its number); a second one skips the rest of the grace
+            period. Needs the main thread; ``meshkit launch`` sets it. Without it, only a
+            KeyboardInterrupt is caught, reported as SIGINT.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
 
     Raises:
-        LaunchError: bad arguments (before anything starts).
+        LaunchError: bad arguments (before anything starts), or ``handle_signals`` outside the
+            main thread.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise LaunchError(
@@ -357,6 +368,12 @@ def launch(
         )
     if not (math.isfinite(grace) and grace >= 0):
         raise LaunchError(f"meshkit launch: --grace must be a finite number >= 0; got {grace!r}.")
+    if handle_signals and threading.current_thread() is not threading.main_thread():
+        raise LaunchError(
+            "meshkit.launch: handle_signals=True was given outside the main thread; Python runs "
+            "signal handlers only in the main thread.\nConsider calling launch from the main "
+            "thread, or handle_signals=False."
+        )
     if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
         raise LaunchError(
             f"meshkit launch: --log-dir {str(log_dir)!r} is a file, not a directory.\n"
@@ -394,20 +411,75 @@ def launch(
         platform=platform,
         gpus=count_gpus() if platform != "cpu" else 0,
     )
-    sink = _Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes)
+    with _signals_recorded(handle_signals) as received:
+        return _run(
+            command,
+            envs,
+            extra_env=env or {},
+            cwd=str(cwd) if cwd else None,
+            timeout=timeout,
+            grace=grace,
+            received=received,
+            sink=_Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
+            keep_output=keep_output,
+        )
+
+
+@contextlib.contextmanager
+def _signals_recorded(enabled: bool) -> Iterator[list[int]]:
+    """While inside, `STOP_SIGNALS` are appended to the yielded list instead of acting.
+
+    The run loop polls the list, so no signal ever raises in the middle of stopping the ranks.
+    An inherited SIG_IGN is replaced too: a background job of a non-interactive shell starts
+    with SIGINT ignored, and a launcher that cannot be stopped leaves its ranks running.
+    """
+    received: list[int] = []
+    if not enabled:
+        yield received
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _run(
+    command: list[str],
+    envs: list[dict[str, str]],
+    *,
+    extra_env: Mapping[str, str],
+    cwd: str | None,
+    timeout: float | None,
+    grace: float,
+    received: list[int],
+    sink: _Sink,
+    keep_output: bool,
+) -> LaunchResult:
+    """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs)."""
     ranks: list[_Rank] = []
     start = time.monotonic()
     first_failure: int | None = None
-    timed_out = interrupted = False
+    timed_out = False
+    interrupted: int | None = None
     alive_at_timeout: list[int] = []
     tails_at_timeout: dict[int, str] = {}
     failed_after = 0.0
     try:
         for r, rank_env in enumerate(envs):
-            full_env = {**os.environ, **(env or {}), **rank_env}
-            argv = _rank_argv(command)
-            ranks.append(_Rank(r, argv, full_env, str(cwd) if cwd else None, sink, keep_output))
+            if received:
+                break
+            full_env = {**os.environ, **extra_env, **rank_env}
+            ranks.append(_Rank(r, _rank_argv(command), full_env, cwd, sink, keep_output))
         while True:
+            if received:
+                interrupted = received[0]
+                break
             running = [rk for rk in ranks if rk.proc.poll() is None]
             failed = [rk for rk in ranks if rk.proc.returncode not in (None, 0)]
             if failed and first_failure is None:
@@ -424,16 +496,19 @@ def launch(
                 break
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted = signal.SIGINT
     finally:
-        _stop(ranks, grace)
+        seen = len(received)  # one more (a second Ctrl-C) skips the grace period
+        _stop(ranks, grace, hurry=lambda: len(received) > seen)
         sink.close()
     elapsed = time.monotonic() - start
     results = [rk.result() for rk in ranks]
     report = ""
-    if interrupted:
-        returncode = 130
-        report = "meshkit launch: interrupted; every rank was stopped."
+    if interrupted is not None:
+        returncode = 128 + interrupted
+        report = (
+            f"meshkit launch: interrupted by {_signal_name(interrupted)}; every rank was stopped."
+        )
     elif first_failure is not None:
         bad = results[first_failure]
         code = bad.returncode if bad.returncode is not None else 1
@@ -453,18 +528,37 @@ def launch(
     if report:
         report += _watchdog_summary(ranks)
     return LaunchResult(
-        returncode, results, first_failure, timed_out, alive_at_timeout, elapsed, report
+        returncode,
+        results,
+        first_failure,
+        timed_out,
+        alive_at_timeout,
+        elapsed,
+        report,
+        interrupted_by=signal.Signals(interrupted) if interrupted is not None else None,
     )
 
 
-def _stop(ranks: list[_Rank], grace: float) -> None:
-    """SIGTERM every live rank's group, then SIGKILL what is left after ``grace`` seconds."""
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _stop(ranks: list[_Rank], grace: float, hurry: Callable[[], bool]) -> None:
+    """SIGTERM every live rank's group, then SIGKILL what is left after ``grace`` seconds.
+
+    ``hurry()`` true (a second signal to the launcher) cuts the grace period short.
+    """
     live = [rk for rk in ranks if rk.proc.poll() is None]
     for rk in live:
         rk.stopped = True
         rk.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while any(rk.proc.poll() is None for rk in live) and time.monotonic() < deadline:
+    while (
+        any(rk.proc.poll() is None for rk in live) and time.monotonic() < deadline and not hurry()
+    ):
         time.sleep(_POLL_S)
     for rk in ranks:
         # Also the group of a rank that has exited: its own children may still be there.

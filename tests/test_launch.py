@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, processes_with_marker
@@ -148,26 +149,38 @@ def test_timeout_kills_a_hung_rank(tmp_path, marker):
     assert "[rank1] rank 1 started" in out.stdout
 
 
-# Starts the rest of its command line with SIGINT ignored (an ignored signal stays ignored
-# across exec), as a background job of a non-interactive shell starts it; no fork hook needed.
-_SIGINT_IGNORED = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "os.execvp(sys.argv[1], sys.argv[1:])"
+# Starts the rest of its command line with one signal ignored (an ignored signal stays ignored
+# across exec), as a background job of a non-interactive shell starts with SIGINT ignored and
+# nohup with SIGHUP ignored; no fork hook needed.
+_START_IGNORING = (
+    "import os, signal, sys; signal.signal(int(sys.argv[1]), signal.SIG_IGN); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
 )
 
+# Rank 0 ends on SIGTERM, saying so; rank 1 ignores it, as JAX's preemption handler does, so
+# only the SIGKILL after the grace period ends it.
+_WAITS_FOR_A_SIGNAL = """\
+import os, signal, sys, time
+rank = os.environ["MESHKIT_PROCESS_ID"]
+if rank == "0":
+    signal.signal(signal.SIGTERM, lambda *_: (print("rank 0 got SIGTERM", flush=True), sys.exit(0)))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", rank, flush=True)
+time.sleep(300)
+"""
 
+
+@pytest.mark.parametrize("start_ignored", [False, True], ids=["", "started-ignored"])
 @pytest.mark.parametrize(
-    ("sig", "start_ignored"),
-    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
-    ids=["SIGTERM", "SIGINT", "SIGINT-started-ignored"],
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
 )
 def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
-    # start_ignored: as a background job of a non-interactive shell starts it (SIGINT ignored).
-    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)
     exe = shutil.which("meshkit")
     command = [exe] if exe else [sys.executable, "-m", "meshkit"]
     if start_ignored:
-        command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
+        command = [sys.executable, "-c", _START_IGNORING, str(int(sig)), *command]
     proc = subprocess.Popen(
         [*command, "launch", "-n", "2", "--grace", "1", str(prog)],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
@@ -176,16 +189,34 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        ranks: list[int] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(processes_with_marker(marker)) >= 3  # launcher + 2 ranks
-        proc.send_signal(sig)  # SIGINT is what Ctrl-C sends
-        _, err = proc.communicate(timeout=30)
+            ranks = [p for p in processes_with_marker(marker) if _is_rank(p)]
+        assert len(ranks) == 2, ranks
+        time.sleep(0.5)  # the ranks' own signal handlers in place
+        sent = time.monotonic()
+        proc.send_signal(sig)  # SIGINT is what Ctrl-C sends, SIGHUP what a closed terminal sends
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 130
-    assert "interrupted; every rank was stopped" in err
+        proc.wait(timeout=10)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert f"meshkit launch: interrupted by {sig.name}; every rank was stopped.\n" in err, err
+    assert "[rank0] rank 0 got SIGTERM" in out, out  # stopped by SIGTERM first ...
+    assert took < 20, took  # ... and rank 1, which ignores it, by SIGKILL after --grace 1
+    left = set(processes_with_marker(marker)) & set(ranks)
+    assert not left, f"ranks still running after the launcher returned: {left}"
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(e.startswith(b"MESHKIT_PROCESS_ID=") for e in environ)
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
