@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from ._errors import LaunchError
+from ._rank_output import Pump, Sink, join_pumps
 from ._runtime import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -208,11 +209,12 @@ class _Rank:
         argv: list[str],
         env: dict[str, str],
         cwd: str | None,
-        sink: _Sink,
+        sink: Sink,
         keep_all: bool,
     ) -> None:
         self.rank = rank
         self.stopped = False
+        self.sink = sink
         maxlen = None if keep_all else _TAIL_LINES
         self.out: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
@@ -230,32 +232,28 @@ class _Rank:
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         self.pumps = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out, False, sink)),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err, True, sink)),
+            Pump(self.proc.stdout, self._stdout_line, f"meshkit-launch-rank{rank}-out"),
+            Pump(self.proc.stderr, self._stderr_line, f"meshkit-launch-rank{rank}-err"),
         ]
-        for t in self.pumps:
-            t.daemon = True
-            t.start()
 
-    def _pump(
-        self, pipe: IO[bytes], keep: collections.deque[str], is_err: bool, sink: _Sink
-    ) -> None:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            keep.append(line)
-            self.both.append(line)
-            if line.startswith(WATCHDOG_MARK):
-                self.watchdog.append(line)
-            sink.write(self.rank, line, is_err)
-        pipe.close()
+    def _stdout_line(self, line: str) -> None:
+        self._line(line, self.out, False)
+
+    def _stderr_line(self, line: str) -> None:
+        self._line(line, self.err, True)
+
+    def _line(self, line: str, keep: collections.deque[str], is_err: bool) -> None:
+        keep.append(line)
+        self.both.append(line)
+        if line.startswith(WATCHDOG_MARK):
+            self.watchdog.append(line)
+        self.sink.write(self.rank, line, is_err)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
     def result(self) -> RankResult:
-        for t in self.pumps:
-            t.join(timeout=5)
         return RankResult(
             self.rank,
             self.proc.returncode,
@@ -265,34 +263,6 @@ class _Rank:
             "\n".join(self.both),
             self.proc.pid,
         )
-
-
-class _Sink:
-    """Writes rank-prefixed lines to the terminal and per-rank log files, one line at a time."""
-
-    def __init__(self, stream: bool, log_dir: Path | None, num_processes: int) -> None:
-        self.stream = stream
-        self.lock = threading.Lock()
-        self.logs: dict[int, IO[str]] = {}
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            for r in range(num_processes):
-                self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
-
-    def write(self, rank: int, line: str, is_err: bool) -> None:
-        with self.lock:
-            if self.stream:
-                target = sys.stderr if is_err else sys.stdout
-                target.write(f"[rank{rank}] {line}\n")
-                target.flush()
-            log = self.logs.get(rank)
-            if log is not None:
-                log.write(line + "\n")
-                log.flush()
-
-    def close(self) -> None:
-        for log in self.logs.values():
-            log.close()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -420,7 +390,7 @@ def launch(
             timeout=timeout,
             grace=grace,
             received=received,
-            sink=_Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
+            sink=Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
             keep_output=keep_output,
         )
 
@@ -458,7 +428,7 @@ def _run(
     timeout: float | None,
     grace: float,
     received: list[int],
-    sink: _Sink,
+    sink: Sink,
     keep_output: bool,
 ) -> LaunchResult:
     """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs)."""
@@ -500,6 +470,8 @@ def _run(
     finally:
         seen = len(received)  # one more (a second Ctrl-C) skips the grace period
         _stop(ranks, grace, hurry=lambda: len(received) > seen)
+        # Every line in the logs before they close, however slowly our stdout is read.
+        join_pumps([p for rk in ranks for p in rk.pumps], sink)
         sink.close()
     elapsed = time.monotonic() - start
     results = [rk.result() for rk in ranks]

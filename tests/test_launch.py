@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from conftest import EXAMPLES, processes_with_marker
 import meshkit
 from meshkit import LaunchError
 from meshkit._launch import rank_environments
+from meshkit._rank_output import Sink
 
 pytestmark = pytest.mark.multiprocess
 
@@ -239,6 +241,95 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
     while processes_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with_marker(marker) == []
+
+
+def _read_slowly(pipe, into: list[bytes]) -> None:
+    # A reader that lags behind: the launcher's writes to its stdout block most of the time.
+    while chunk := pipe.read(512):
+        into.append(chunk)
+        time.sleep(0.002)
+
+
+def test_log_dir_keeps_every_line_when_stdout_is_read_slowly(tmp_path, marker):
+    # Rank 1 raises only once rank 0 is done, so neither is stopped early: every line they
+    # wrote, and rank 1's traceback, must be in the logs (before: 2,361 / 2,727 of 3,000 lines,
+    # no traceback, and "I/O operation on closed file").
+    prog = script(
+        tmp_path,
+        """
+        import os, time
+        from pathlib import Path
+        rank = os.environ["MESHKIT_PROCESS_ID"]
+        for i in range(3000):
+            print(f"rank {rank} line {i:04d}")
+        if rank == "0":
+            Path("rank0.done").touch()
+        else:
+            deadline = time.monotonic() + 60
+            while not Path("rank0.done").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("planted after 3000 lines")
+        """,
+    )
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    chunks: list[bytes] = []
+    with subprocess.Popen(
+        [*command, "launch", "-n", "2", "--grace", "1", "--log-dir", "logs", str(prog)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        reader = threading.Thread(target=_read_slowly, args=(proc.stdout, chunks), daemon=True)
+        reader.start()
+        try:
+            err = proc.stderr.read().decode()
+            proc.wait(timeout=180)
+            reader.join(timeout=60)
+        finally:
+            proc.kill()
+    out = b"".join(chunks).decode()
+    assert proc.returncode == 1, err
+    assert "rank 1 failed first (exit code 1)" in err, err
+    for r in (0, 1):
+        log = (tmp_path / "logs" / f"rank{r}.log").read_text()
+        lines = [line for line in log.splitlines() if line.startswith(f"rank {r} line ")]
+        assert lines == [f"rank {r} line {i:04d}" for i in range(3000)], (r, len(lines))
+        assert "closed file" not in log
+    # stderr has its own pipe, so stdout's lines may come before, after and amid the traceback.
+    log1 = "\n".join(
+        line
+        for line in (tmp_path / "logs" / "rank1.log").read_text().splitlines()
+        if not line.startswith("rank 1 line ")
+    )
+    assert re.search(
+        r"^Traceback \(most recent call last\):\n  File .*prog\.py\", line 13, in <module>\n"
+        r".*\nRuntimeError: planted after 3000 lines$",
+        log1,
+        re.MULTILINE,
+    ), log1
+    assert out.count("[rank0] rank 0 line ") == 3000
+    assert out.count("[rank1] rank 1 line ") == 3000
+    assert "closed file" not in out + err
+
+
+def test_sink_never_raises(tmp_path, monkeypatch):
+    class GoneTerminal:
+        def write(self, text):
+            raise OSError(5, "Input/output error")  # what a hung-up terminal answers
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", GoneTerminal())
+    sink = Sink(True, tmp_path / "logs", 1)
+    sink.write(0, "first", False)  # the echo fails and stops; the log still gets the line
+    assert not sink.stream
+    sink.write(0, "second", False)
+    sink.close()
+    sink.write(0, "after close", False)  # dropped, no "I/O operation on closed file"
+    assert (tmp_path / "logs" / "rank0.log").read_text() == "first\nsecond\n"
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
