@@ -27,8 +27,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
+from . import _reaper
 from ._errors import LaunchError
 from ._rank_output import Pump, Sink, join_pumps
+from ._reaper import Guardian, Reaper
 from ._runtime import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -42,6 +44,7 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
+_SCAN_S = 0.05  # a look through /proc costs more than a poll of our own children
 _TAIL_LINES = 40
 # What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -288,6 +291,7 @@ def launch(
     keep_output: bool = False,
     grace: float = 3.0,
     handle_signals: bool = False,
+    subreaper: bool = False,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
 
@@ -309,6 +313,12 @@ def launch(
             it (``returncode`` 128 + its number); a second one skips the rest of the grace
             period. Needs the main thread; ``meshkit launch`` sets it. Without it, only a
             KeyboardInterrupt is caught, reported as SIGINT.
+        subreaper: (Linux) make this process a child subreaper for the run, so that a rank's
+            descendant orphaned by its parent's death comes to it, and end every such child it
+            did not start itself, even one that cleared its environment and left its session.
+            Only for a process that starts no other subprocesses during the run, as
+            ``meshkit launch``, which sets it. Without it, the run's processes are still found
+            by the run's token and the ranks' sessions.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
@@ -392,6 +402,7 @@ def launch(
             received=received,
             sink=Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
             keep_output=keep_output,
+            subreaper=subreaper,
         )
 
 
@@ -430,6 +441,7 @@ def _run(
     received: list[int],
     sink: Sink,
     keep_output: bool,
+    subreaper: bool,
 ) -> LaunchResult:
     """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs)."""
     ranks: list[_Rank] = []
@@ -440,12 +452,29 @@ def _run(
     alive_at_timeout: list[int] = []
     tails_at_timeout: dict[int, str] = {}
     failed_after = 0.0
+    reaper: Reaper | None = None
+    guardian: Guardian | None = None
+    was_subreaper: bool | None = None
+    left: list[int] = []
     try:
+        if _reaper.supported():
+            token = _reaper.new_token()
+            if subreaper:
+                was_subreaper = _reaper.set_subreaper(True)
+            reaper = Reaper(token, adopt=subreaper and was_subreaper is not None)
+            with contextlib.suppress(OSError):  # without it, only a launcher SIGKILL leaks
+                guardian = Guardian(token, grace)
+                reaper.keep.add(guardian.pid)
+            extra_env = {**extra_env, _reaper.ENV_RUN: _reaper.tagged(os.environ, token)}
         for r, rank_env in enumerate(envs):
             if received:
                 break
             full_env = {**os.environ, **extra_env, **rank_env}
             ranks.append(_Rank(r, _rank_argv(command), full_env, cwd, sink, keep_output))
+            if reaper is not None:
+                reaper.add_rank(ranks[-1].proc.pid, keep=True)
+            if guardian is not None:
+                guardian.add_rank(ranks[-1].proc.pid)
         while True:
             if received:
                 interrupted = received[0]
@@ -458,6 +487,10 @@ def _run(
                 break
             if not running:
                 break
+            if reaper is not None:
+                seen_now = reaper.watch()
+                if guardian is not None:
+                    guardian.add_known(seen_now)
             if timeout is not None and time.monotonic() - start > timeout:
                 timed_out = True
                 alive_at_timeout = [rk.rank for rk in running]
@@ -469,10 +502,15 @@ def _run(
         interrupted = signal.SIGINT
     finally:
         seen = len(received)  # one more (a second Ctrl-C) skips the grace period
-        _stop(ranks, grace, hurry=lambda: len(received) > seen)
-        # Every line in the logs before they close, however slowly our stdout is read.
+        left = _stop(ranks, grace, reaper, hurry=lambda: len(received) > seen)
+        # Every line in the logs before they close, however slowly our stdout is read; a pipe
+        # still open now is held by a process that escaped the sweep, and is not waited for.
         join_pumps([p for rk in ranks for p in rk.pumps], sink)
         sink.close()
+        if guardian is not None:
+            guardian.release()
+        if was_subreaper is False:
+            _reaper.set_subreaper(False)
     elapsed = time.monotonic() - start
     results = [rk.result() for rk in ranks]
     report = ""
@@ -499,6 +537,12 @@ def _run(
         returncode = 0
     if report:
         report += _watchdog_summary(ranks)
+    if left:
+        report += (
+            f"meshkit launch: could not end {len(left)} process(es) the ranks started "
+            f"(pids {', '.join(map(str, left))}); they may be stuck in the kernel or run as "
+            "another user.\n"
+        )
     return LaunchResult(
         returncode,
         results,
@@ -518,26 +562,37 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _stop(ranks: list[_Rank], grace: float, hurry: Callable[[], bool]) -> None:
-    """SIGTERM every live rank's group, then SIGKILL what is left after ``grace`` seconds.
+def _stop(
+    ranks: list[_Rank], grace: float, reaper: Reaper | None, hurry: Callable[[], bool]
+) -> list[int]:
+    """End the ranks and every process they started; the pids that would not end.
 
-    ``hurry()`` true (a second signal to the launcher) cuts the grace period short.
+    SIGTERM to every live rank's group and to the run's other processes (`Reaper`), SIGKILL
+    to what is left after ``grace`` seconds, or as soon as ``hurry()`` is true (a second signal
+    to the launcher).
     """
     live = [rk for rk in ranks if rk.proc.poll() is None]
     for rk in live:
         rk.stopped = True
-        rk.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while (
-        any(rk.proc.poll() is None for rk in live) and time.monotonic() < deadline and not hurry()
-    ):
-        time.sleep(_POLL_S)
     for rk in ranks:
         # Also the group of a rank that has exited: its own children may still be there.
+        rk.signal(signal.SIGTERM)
+    strays = reaper.signal(signal.SIGTERM) if reaper is not None else 0
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not hurry():
+        if any(rk.proc.poll() is None for rk in live):
+            time.sleep(_POLL_S)
+        elif strays and reaper is not None and reaper.strays():
+            time.sleep(_SCAN_S)
+        else:
+            break
+    for rk in ranks:
         rk.signal(signal.SIGKILL)
+    left = reaper.sweep() if reaper is not None else []
     for rk in ranks:
         with contextlib.suppress(subprocess.TimeoutExpired):
             rk.proc.wait(timeout=10)
+    return left
 
 
 def _watchdog_summary(ranks: list[_Rank]) -> str:

@@ -18,9 +18,9 @@ import pytest
 from conftest import EXAMPLES, processes_with_marker
 
 import meshkit
-from meshkit import LaunchError
+from meshkit import LaunchError, _reaper
 from meshkit._launch import rank_environments
-from meshkit._rank_output import Sink
+from meshkit._rank_output import Pump, Sink
 
 pytestmark = pytest.mark.multiprocess
 
@@ -221,26 +221,155 @@ def _is_rank(pid: int) -> bool:
     return any(e.startswith(b"MESHKIT_PROCESS_ID=") for e in environ)
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
-    """SIGKILL gives the launcher no chance to clean up; the ranks must still go."""
-    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+# Each rank starts two children in new sessions, out of its process group: one keeps the
+# environment (MESHKIT_TEST_MARKER and the run's token), one gets an empty one (found only by
+# the launcher's subreaper or its earlier looks). Their pids go to files the test reads.
+_STARTS_CHILDREN = """\
+import os, subprocess, sys, time
+rank = os.environ["MESHKIT_PROCESS_ID"]
+kept = subprocess.Popen(["sleep", "60"], start_new_session=True)
+bare = subprocess.Popen(["sleep", "61"], start_new_session=True, env={})
+with open(f"children{rank}.tmp", "w") as f:
+    f.write(f"{kept.pid} {bare.pid}")
+os.rename(f"children{rank}.tmp", f"children{rank}")
+print("started", kept.pid, bare.pid, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _children(tmp_path, ranks: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [tmp_path / f"children{r}" for r in range(ranks)]
+        if all(f.exists() for f in files):
+            return [int(pid) for f in files for pid in f.read_text().split()]
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not start their children in time")
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live (not zombie) sleep: the one a rank started, or a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z" and cmdline.startswith(b"sleep\0")
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+_NO_SWEEP = pytest.mark.skipif(
+    not _reaper.supported(),
+    reason="no /proc here: the launcher cannot find the ranks' children outside their groups",
+)
+
+
+@_NO_SWEEP
+def test_children_in_new_sessions_end_with_the_run(tmp_path, marker):
+    # Before: they survived, and a 1 s program took 21.9 s to return (the output pumps waited
+    # for the pipes those children held).
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    bystander = subprocess.Popen(["sleep", "60"])  # not the run's: must survive it
+    children: list[int] = []
+    try:
+        start = time.monotonic()
+        out = cli("launch", "-n", "2", "--grace", "1", str(prog), "1", cwd=tmp_path,
+                  env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
+        took = time.monotonic() - start
+        children = _children(tmp_path, 2, timeout=1)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("started") == 2, out.stdout
+        assert took < 10, took
+        assert [pid for pid in children if _running(pid)] == []
+        assert bystander.poll() is None
+    finally:
+        _kill_all(children)
+        bystander.kill()
+        bystander.wait(timeout=10)
+
+
+@_NO_SWEEP
+def test_children_in_new_sessions_end_with_a_run_from_python(tmp_path, marker):
+    # No subreaper here (the caller may start processes of its own): the run's token and the
+    # launcher's looks during the run find the children; the bystander must survive.
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    bystander = subprocess.Popen(["sleep", "60"])
+    children: list[int] = []
+    try:
+        res = meshkit.launch([str(prog), "3"], num_processes=2, stream=False, grace=1,
+                             cwd=tmp_path, env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
+        children = _children(tmp_path, 2, timeout=1)
+        assert res.returncode == 0, res.report
+        assert res.elapsed < 12, res.elapsed
+        assert [pid for pid in children if _running(pid)] == []
+        assert bystander.poll() is None
+    finally:
+        _kill_all(children)
+        bystander.kill()
+        bystander.wait(timeout=10)
+
+
+@_NO_SWEEP
+def test_everything_dies_with_a_killed_launcher(tmp_path, marker):
+    """SIGKILL gives the launcher no chance to clean up; its ranks and their children must go."""
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    children: list[int] = []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit", "launch", "-n", "2", str(prog)],
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "1", str(prog), "300"],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=tmp_path,
     )
-    deadline = time.monotonic() + 30
-    while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(processes_with_marker(marker)) >= 3
-    proc.kill()
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while processes_with_marker(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_with_marker(marker) == []
+    try:
+        children = _children(tmp_path, 2)
+        # launcher, its guardian, 2 ranks and their 2 children that kept the environment
+        assert len(processes_with_marker(marker)) == 6, processes_with_marker(marker)
+        time.sleep(2)  # the launcher looks about every 0.5 s: it has seen the bare children
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            processes_with_marker(marker) or any(_running(pid) for pid in children)
+        ):
+            time.sleep(0.1)
+        assert processes_with_marker(marker) == []
+        assert [pid for pid in children if _running(pid)] == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        _kill_all(children)
+
+
+def test_pump_stops_waiting_on_a_pipe_held_open(tmp_path):
+    # A child that escaped every sweep keeps the write end: the pump reads what is there,
+    # then ends, instead of waiting for an end-of-file that never comes.
+    r, w = os.pipe()
+    lines: list[str] = []
+    pump = Pump(os.fdopen(r, "rb", buffering=0), lines.append, "test-pump")
+    try:
+        os.write(w, b"one\ntwo\nno newline")
+        time.sleep(0.3)
+        assert lines == ["one", "two"]
+        start = time.monotonic()
+        pump.finish(0.2)
+        os.write(w, b" yet\nthree\n")  # written after finish: still read, without waiting
+        pump.thread.join(timeout=10)
+        assert not pump.thread.is_alive()
+        assert time.monotonic() - start < 5
+        assert lines == ["one", "two", "no newline yet", "three"]
+    finally:
+        os.close(w)
+
+
+def test_run_token_nests():
+    assert _reaper.tagged({}, "b") == "b"
+    assert _reaper.tagged({"MESHKIT_LAUNCH_RUN": "a"}, "b") == "a:b"
 
 
 def _read_slowly(pipe, into: list[bytes]) -> None:

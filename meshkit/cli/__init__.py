@@ -127,6 +127,7 @@ def _launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         grace=args.grace,
         handle_signals=True,
+        subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
     )
     if result.report:
         # After SIGHUP the terminal may be gone; the exit status still tells what happened.
