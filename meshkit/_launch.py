@@ -4,7 +4,10 @@ This is the engine of ``meshkit launch`` and of `meshkit.testing`'s multi-proces
 Each rank runs in its own session (so a whole rank, children included, is killed as a group)
 and, on Linux, dies with the launcher even if the launcher is killed outright. When one rank
 exits non-zero, the others are stopped: SIGTERM, then SIGKILL after a short grace period
-(JAX's preemption handler catches SIGTERM, so the grace period is not optional).
+(JAX's preemption handler catches SIGTERM, so the grace period is not optional). On Linux the
+processes the ranks started outside their groups are found and ended too (`_reaper`), also
+by a guardian process when the launcher is killed; what the ranks print is read by
+`_rank_output`.
 """
 
 from __future__ import annotations
