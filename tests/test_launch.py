@@ -314,7 +314,7 @@ def test_children_in_new_sessions_end_with_the_run(tmp_path, marker):
         children = _children(tmp_path, 2, timeout=1)
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("started") == 2, out.stdout
-        assert took < 10, took
+        assert took < 15, took  # 1 s of program and the launcher's start-up on a busy machine
         assert [pid for pid in children if _running(pid)] == []
         assert bystander.poll() is None
     finally:
