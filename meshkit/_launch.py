@@ -4,7 +4,10 @@ This is the engine of ``meshkit launch`` and of `meshkit.testing`'s multi-proces
 Each rank runs in its own session (so a whole rank, children included, is killed as a group)
 and, on Linux, dies with the launcher even if the launcher is killed outright. When one rank
 exits non-zero, the others are stopped: SIGTERM, then SIGKILL after a short grace period
-(JAX's preemption handler catches SIGTERM, so the grace period is not optional).
+(JAX's preemption handler catches SIGTERM, so the grace period is not optional). On Linux the
+processes the ranks started outside their groups are found and ended too (`_reaper`), also
+by a guardian process when the launcher is killed; what the ranks print is read by
+`_rank_output`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from types import FrameType
+from typing import Any, Literal
 
-from . import _diagnose
+from . import _diagnose, _reaper
 from ._errors import LaunchError
+from ._rank_output import Pump, Sink, join_pumps
+from ._reaper import Guardian, Reaper
 from ._runtime import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -41,7 +47,10 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
+_SCAN_S = 0.05  # a look through /proc costs more than a poll of our own children
 _TAIL_LINES = 40
+# What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclasses.dataclass
@@ -76,13 +85,16 @@ class LaunchResult:
 
     Attributes:
         returncode: 0 when every rank exited 0; the first failing rank's code (1 for a signal)
-            after a failure; 124 after a timeout; 130 after an interrupt.
+            after a failure; 124 after a timeout; 128 + the signal's number after an interrupt
+            (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
         ranks: per-rank results, indexed by rank.
         first_failure: the rank that failed first, if any.
         timed_out: True when ``timeout`` ended the run.
         alive_at_timeout: ranks still running when the timeout struck.
         elapsed: seconds from start to the last rank's end.
         report: the launcher's own closing message (root cause, timeout summary), or "".
+        interrupted_by: the signal that stopped the run (``signal.SIGINT`` for a
+            KeyboardInterrupt), or None.
         values: for `meshkit.testing` function targets, what each rank returned (None for a
             rank that failed); empty otherwise.
     """
@@ -95,6 +107,7 @@ class LaunchResult:
     elapsed: float
     report: str
     values: list[Any] = dataclasses.field(default_factory=list)
+    interrupted_by: signal.Signals | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -205,11 +218,12 @@ class _Rank:
         argv: list[str],
         env: dict[str, str],
         cwd: str | None,
-        sink: _Sink,
+        sink: Sink,
         keep_all: bool,
     ) -> None:
         self.rank = rank
         self.stopped = False
+        self.sink = sink
         maxlen = None if keep_all else _TAIL_LINES
         self.out: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
@@ -228,34 +242,30 @@ class _Rank:
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         self.pumps = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out, False, sink)),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err, True, sink)),
+            Pump(self.proc.stdout, self._stdout_line, f"meshkit-launch-rank{rank}-out"),
+            Pump(self.proc.stderr, self._stderr_line, f"meshkit-launch-rank{rank}-err"),
         ]
-        for t in self.pumps:
-            t.daemon = True
-            t.start()
 
-    def _pump(
-        self, pipe: IO[bytes], keep: collections.deque[str], is_err: bool, sink: _Sink
-    ) -> None:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            keep.append(line)
-            self.both.append(line)
-            if line.startswith(WATCHDOG_MARK):
-                self.watchdog.append(line)
-            elif line.startswith("meshkit: process") and _diagnose.ENDED_MARK in line:
-                self.reached_end = True
-            sink.write(self.rank, line, is_err)
-        pipe.close()
+    def _stdout_line(self, line: str) -> None:
+        self._line(line, self.out, False)
+
+    def _stderr_line(self, line: str) -> None:
+        self._line(line, self.err, True)
+
+    def _line(self, line: str, keep: collections.deque[str], is_err: bool) -> None:
+        keep.append(line)
+        self.both.append(line)
+        if line.startswith(WATCHDOG_MARK):
+            self.watchdog.append(line)
+        elif line.startswith("meshkit: process") and _diagnose.ENDED_MARK in line:
+            self.reached_end = True
+        self.sink.write(self.rank, line, is_err)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
     def result(self) -> RankResult:
-        for t in self.pumps:
-            t.join(timeout=5)
         return RankResult(
             self.rank,
             self.proc.returncode,
@@ -268,42 +278,11 @@ class _Rank:
         )
 
 
-class _Sink:
-    """Writes rank-prefixed lines to the terminal and per-rank log files, one line at a time."""
-
-    def __init__(self, stream: bool, log_dir: Path | None, num_processes: int) -> None:
-        self.stream = stream
-        self.lock = threading.Lock()
-        self.logs: dict[int, IO[str]] = {}
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            for r in range(num_processes):
-                self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
-
-    def write(self, rank: int, line: str, is_err: bool) -> None:
-        with self.lock:
-            if self.stream:
-                target = sys.stderr if is_err else sys.stdout
-                target.write(f"[rank{rank}] {line}\n")
-                target.flush()
-            log = self.logs.get(rank)
-            if log is not None:
-                log.write(line + "\n")
-                log.flush()
-
-    def close(self) -> None:
-        for log in self.logs.values():
-            log.close()
-
-
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"killed by {_signal_name(-code)}"
     return f"exit code {code}"
 
 
@@ -321,6 +300,8 @@ def launch(
     stream: bool = True,
     keep_output: bool = False,
     grace: float = 3.0,
+    handle_signals: bool = False,
+    subreaper: bool = False,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
 
@@ -337,12 +318,24 @@ def launch(
         stream: print each rank's output live, prefixed ``[rank<r>]``.
         keep_output: keep all output in the result (default: the last lines of each rank).
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        handle_signals: catch SIGINT, SIGTERM and SIGHUP for the duration of the run (also
+            when they were inherited as ignored), stop every rank on the first one and report
+            it (``returncode`` 128 + its number); a second one skips the rest of the grace
+            period. Needs the main thread; ``meshkit launch`` sets it. Without it, only a
+            KeyboardInterrupt is caught, reported as SIGINT.
+        subreaper: (Linux) make this process a child subreaper for the run, so that a rank's
+            descendant orphaned by its parent's death comes to it, and end every such child it
+            did not start itself, even one that cleared its environment and left its session.
+            Only for a process that starts no other subprocesses during the run, as
+            ``meshkit launch``, which sets it. Without it, the run's processes are still found
+            by the run's token and the ranks' sessions.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
 
     Raises:
-        LaunchError: bad arguments (before anything starts).
+        LaunchError: bad arguments (before anything starts), or ``handle_signals`` outside the
+            main thread.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise LaunchError(
@@ -365,6 +358,12 @@ def launch(
         )
     if not (math.isfinite(grace) and grace >= 0):
         raise LaunchError(f"meshkit launch: --grace must be a finite number >= 0; got {grace!r}.")
+    if handle_signals and threading.current_thread() is not threading.main_thread():
+        raise LaunchError(
+            "meshkit.launch: handle_signals=True was given outside the main thread; Python runs "
+            "signal handlers only in the main thread.\nConsider calling launch from the main "
+            "thread, or handle_signals=False."
+        )
     if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
         raise LaunchError(
             f"meshkit launch: --log-dir {str(log_dir)!r} is a file, not a directory.\n"
@@ -402,20 +401,94 @@ def launch(
         platform=platform,
         gpus=count_gpus() if platform != "cpu" else 0,
     )
-    sink = _Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes)
+    with _signals_recorded(handle_signals) as received:
+        return _run(
+            command,
+            envs,
+            extra_env=env or {},
+            cwd=str(cwd) if cwd else None,
+            timeout=timeout,
+            grace=grace,
+            received=received,
+            sink=Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
+            keep_output=keep_output,
+            subreaper=subreaper,
+        )
+
+
+@contextlib.contextmanager
+def _signals_recorded(enabled: bool) -> Iterator[list[int]]:
+    """While inside, `STOP_SIGNALS` are appended to the yielded list instead of acting.
+
+    The run loop polls the list, so no signal ever raises in the middle of stopping the ranks.
+    An inherited SIG_IGN is replaced too: a background job of a non-interactive shell starts
+    with SIGINT ignored, and a launcher that cannot be stopped leaves its ranks running.
+    """
+    received: list[int] = []
+    if not enabled:
+        yield received
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _run(
+    command: list[str],
+    envs: list[dict[str, str]],
+    *,
+    extra_env: Mapping[str, str],
+    cwd: str | None,
+    timeout: float | None,
+    grace: float,
+    received: list[int],
+    sink: Sink,
+    keep_output: bool,
+    subreaper: bool,
+) -> LaunchResult:
+    """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs)."""
     ranks: list[_Rank] = []
     start = time.monotonic()
     first_failure: int | None = None
-    timed_out = interrupted = False
+    timed_out = False
+    interrupted: int | None = None
     alive_at_timeout: list[int] = []
     tails_at_timeout: dict[int, str] = {}
     failed_after = 0.0
+    reaper: Reaper | None = None
+    guardian: Guardian | None = None
+    was_subreaper: bool | None = None
+    left: list[int] = []
     try:
+        if _reaper.supported():
+            token = _reaper.new_token()
+            if subreaper:
+                was_subreaper = _reaper.set_subreaper(True)
+            reaper = Reaper(token, adopt=subreaper and was_subreaper is not None)
+            with contextlib.suppress(OSError):  # without it, only a launcher SIGKILL leaks
+                guardian = Guardian(token, grace)
+                reaper.keep.add(guardian.pid)
+            extra_env = {**extra_env, _reaper.ENV_RUN: _reaper.tagged(os.environ, token)}
         for r, rank_env in enumerate(envs):
-            full_env = {**os.environ, **(env or {}), **rank_env}
-            argv = _rank_argv(command)
-            ranks.append(_Rank(r, argv, full_env, str(cwd) if cwd else None, sink, keep_output))
+            if received:
+                break
+            full_env = {**os.environ, **extra_env, **rank_env}
+            ranks.append(_Rank(r, _rank_argv(command), full_env, cwd, sink, keep_output))
+            if reaper is not None:
+                reaper.add_rank(ranks[-1].proc.pid, keep=True)
+            if guardian is not None:
+                guardian.add_rank(ranks[-1].proc.pid)
         while True:
+            if received:
+                interrupted = received[0]
+                break
             running = [rk for rk in ranks if rk.proc.poll() is None]
             failed = [rk for rk in ranks if rk.proc.returncode not in (None, 0)]
             if failed and first_failure is None:
@@ -424,6 +497,10 @@ def launch(
                 break
             if not running:
                 break
+            if reaper is not None:
+                seen_now = reaper.watch()
+                if guardian is not None:
+                    guardian.add_known(seen_now)
             if timeout is not None and time.monotonic() - start > timeout:
                 timed_out = True
                 alive_at_timeout = [rk.rank for rk in running]
@@ -432,16 +509,26 @@ def launch(
                 break
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted = signal.SIGINT
     finally:
-        _stop(ranks, grace)
+        seen = len(received)  # one more (a second Ctrl-C) skips the grace period
+        left = _stop(ranks, grace, reaper, hurry=lambda: len(received) > seen)
+        # Every line in the logs before they close, however slowly our stdout is read; a pipe
+        # still open now is held by a process that escaped the sweep, and is not waited for.
+        join_pumps([p for rk in ranks for p in rk.pumps], sink)
         sink.close()
+        if guardian is not None:
+            guardian.release()
+        if was_subreaper is False:
+            _reaper.set_subreaper(False)
     elapsed = time.monotonic() - start
     results = [rk.result() for rk in ranks]
     report = ""
-    if interrupted:
-        returncode = 130
-        report = "meshkit launch: interrupted; every rank was stopped."
+    if interrupted is not None:
+        returncode = 128 + interrupted
+        report = (
+            f"meshkit launch: interrupted by {_signal_name(interrupted)}; every rank was stopped."
+        )
     elif first_failure is not None:
         bad = results[first_failure]
         code = bad.returncode if bad.returncode is not None else 1
@@ -460,26 +547,62 @@ def launch(
         returncode = 0
     if report:
         report += _watchdog_summary(ranks)
+    if left:
+        report += (
+            f"meshkit launch: could not end {len(left)} process(es) the ranks started "
+            f"(pids {', '.join(map(str, left))}); they may be stuck in the kernel or run as "
+            "another user.\n"
+        )
     return LaunchResult(
-        returncode, results, first_failure, timed_out, alive_at_timeout, elapsed, report
+        returncode,
+        results,
+        first_failure,
+        timed_out,
+        alive_at_timeout,
+        elapsed,
+        report,
+        interrupted_by=signal.Signals(interrupted) if interrupted is not None else None,
     )
 
 
-def _stop(ranks: list[_Rank], grace: float) -> None:
-    """SIGTERM every live rank's group, then SIGKILL what is left after ``grace`` seconds."""
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _stop(
+    ranks: list[_Rank], grace: float, reaper: Reaper | None, hurry: Callable[[], bool]
+) -> list[int]:
+    """End the ranks and every process they started; the pids that would not end.
+
+    SIGTERM to every live rank's group and to the run's other processes (`Reaper`), SIGKILL
+    to what is left after ``grace`` seconds, or as soon as ``hurry()`` is true (a second signal
+    to the launcher).
+    """
     live = [rk for rk in ranks if rk.proc.poll() is None]
     for rk in live:
         rk.stopped = True
-        rk.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(rk.proc.poll() is None for rk in live) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
     for rk in ranks:
         # Also the group of a rank that has exited: its own children may still be there.
+        rk.signal(signal.SIGTERM)
+    strays = reaper.signal(signal.SIGTERM) if reaper is not None else 0
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not hurry():
+        if any(rk.proc.poll() is None for rk in live):
+            time.sleep(_POLL_S)
+        elif strays and reaper is not None and reaper.strays():
+            time.sleep(_SCAN_S)
+        else:
+            break
+    for rk in ranks:
         rk.signal(signal.SIGKILL)
+    left = reaper.sweep() if reaper is not None else []
     for rk in ranks:
         with contextlib.suppress(subprocess.TimeoutExpired):
             rk.proc.wait(timeout=10)
+    return left
 
 
 def _watchdog_summary(ranks: list[_Rank]) -> str:

@@ -10,14 +10,17 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, processes_with_marker
 
 import meshkit
-from meshkit import LaunchError
+from meshkit import LaunchError, _reaper
 from meshkit._launch import rank_environments
+from meshkit._rank_output import Pump, Sink
 
 pytestmark = pytest.mark.multiprocess
 
@@ -148,26 +151,38 @@ def test_timeout_kills_a_hung_rank(tmp_path, marker):
     assert "[rank1] rank 1 started" in out.stdout
 
 
-# Starts the rest of its command line with SIGINT ignored (an ignored signal stays ignored
-# across exec), as a background job of a non-interactive shell starts it; no fork hook needed.
-_SIGINT_IGNORED = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "os.execvp(sys.argv[1], sys.argv[1:])"
+# Starts the rest of its command line with one signal ignored (an ignored signal stays ignored
+# across exec), as a background job of a non-interactive shell starts with SIGINT ignored and
+# nohup with SIGHUP ignored; no fork hook needed.
+_START_IGNORING = (
+    "import os, signal, sys; signal.signal(int(sys.argv[1]), signal.SIG_IGN); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
 )
 
+# Rank 0 ends on SIGTERM, saying so; rank 1 ignores it, as JAX's preemption handler does, so
+# only the SIGKILL after the grace period ends it.
+_WAITS_FOR_A_SIGNAL = """\
+import os, signal, sys, time
+rank = os.environ["MESHKIT_PROCESS_ID"]
+if rank == "0":
+    signal.signal(signal.SIGTERM, lambda *_: (print("rank 0 got SIGTERM", flush=True), sys.exit(0)))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", rank, flush=True)
+time.sleep(300)
+"""
 
+
+@pytest.mark.parametrize("start_ignored", [False, True], ids=["", "started-ignored"])
 @pytest.mark.parametrize(
-    ("sig", "start_ignored"),
-    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
-    ids=["SIGTERM", "SIGINT", "SIGINT-started-ignored"],
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
 )
 def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
-    # start_ignored: as a background job of a non-interactive shell starts it (SIGINT ignored).
-    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)
     exe = shutil.which("meshkit")
     command = [exe] if exe else [sys.executable, "-m", "meshkit"]
     if start_ignored:
-        command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
+        command = [sys.executable, "-c", _START_IGNORING, str(int(sig)), *command]
     proc = subprocess.Popen(
         [*command, "launch", "-n", "2", "--grace", "1", str(prog)],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
@@ -176,38 +191,304 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        ranks: list[int] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(processes_with_marker(marker)) >= 3  # launcher + 2 ranks
-        proc.send_signal(sig)  # SIGINT is what Ctrl-C sends
-        _, err = proc.communicate(timeout=30)
+            ranks = [p for p in processes_with_marker(marker) if _is_rank(p)]
+        assert len(ranks) == 2, ranks
+        time.sleep(0.5)  # the ranks' own signal handlers in place
+        sent = time.monotonic()
+        proc.send_signal(sig)  # SIGINT is what Ctrl-C sends, SIGHUP what a closed terminal sends
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 130
-    assert "interrupted; every rank was stopped" in err
+        proc.wait(timeout=10)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert f"meshkit launch: interrupted by {sig.name}; every rank was stopped.\n" in err, err
+    assert "[rank0] rank 0 got SIGTERM" in out, out  # stopped by SIGTERM first ...
+    assert took < 20, took  # ... and rank 1, which ignores it, by SIGKILL after --grace 1
+    left = set(processes_with_marker(marker)) & set(ranks)
+    assert not left, f"ranks still running after the launcher returned: {left}"
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path, marker):
-    """SIGKILL gives the launcher no chance to clean up; the ranks must still go."""
-    prog = script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+def test_a_second_signal_skips_the_grace_period(tmp_path, marker):
+    prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)  # rank 1 ignores SIGTERM
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit", "launch", "-n", "2", str(prog)],
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "60", str(prog)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            len([p for p in processes_with_marker(marker) if _is_rank(p)]) < 2
+        ):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)  # rank 1 would hold the launcher for 60 s
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM, err  # the first signal is the one reported
+    assert "interrupted by SIGTERM; every rank was stopped." in err
+    assert took < 20, took
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(e.startswith(b"MESHKIT_PROCESS_ID=") for e in environ)
+
+
+# Each rank starts two children in new sessions, out of its process group: one keeps the
+# environment (MESHKIT_TEST_MARKER and the run's token), one gets an empty one (found only by
+# the launcher's subreaper or its earlier looks). Their pids go to files the test reads.
+_STARTS_CHILDREN = """\
+import os, subprocess, sys, time
+rank = os.environ["MESHKIT_PROCESS_ID"]
+kept = subprocess.Popen(["sleep", "60"], start_new_session=True)
+bare = subprocess.Popen(["sleep", "61"], start_new_session=True, env={})
+with open(f"children{rank}.tmp", "w") as f:
+    f.write(f"{kept.pid} {bare.pid}")
+os.rename(f"children{rank}.tmp", f"children{rank}")
+print("started", kept.pid, bare.pid, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _children(tmp_path, ranks: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [tmp_path / f"children{r}" for r in range(ranks)]
+        if all(f.exists() for f in files):
+            return [int(pid) for f in files for pid in f.read_text().split()]
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not start their children in time")
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live (not zombie) sleep: the one a rank started, or a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z" and cmdline.startswith(b"sleep\0")
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+_NO_SWEEP = pytest.mark.skipif(
+    not _reaper.supported(),
+    reason="no /proc here: the launcher cannot find the ranks' children outside their groups",
+)
+
+
+@_NO_SWEEP
+def test_children_in_new_sessions_end_with_the_run(tmp_path, marker):
+    # Before: they survived, and a 1 s program took 21.9 s to return (the output pumps waited
+    # for the pipes those children held).
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    bystander = subprocess.Popen(["sleep", "60"])  # not the run's: must survive it
+    children: list[int] = []
+    try:
+        start = time.monotonic()
+        out = cli("launch", "-n", "2", "--grace", "1", str(prog), "1", cwd=tmp_path,
+                  env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
+        took = time.monotonic() - start
+        children = _children(tmp_path, 2, timeout=1)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("started") == 2, out.stdout
+        assert took < 15, took  # 1 s of program and the launcher's start-up on a busy machine
+        assert [pid for pid in children if _running(pid)] == []
+        assert bystander.poll() is None
+    finally:
+        _kill_all(children)
+        bystander.kill()
+        bystander.wait(timeout=10)
+
+
+@_NO_SWEEP
+def test_children_in_new_sessions_end_with_a_run_from_python(tmp_path, marker):
+    # No subreaper here (the caller may start processes of its own): the run's token and the
+    # launcher's looks during the run find the children; the bystander must survive.
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    bystander = subprocess.Popen(["sleep", "60"])
+    children: list[int] = []
+    try:
+        res = meshkit.launch([str(prog), "3"], num_processes=2, stream=False, grace=1,
+                             cwd=tmp_path, env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
+        children = _children(tmp_path, 2, timeout=1)
+        assert res.returncode == 0, res.report
+        assert res.elapsed < 12, res.elapsed
+        assert [pid for pid in children if _running(pid)] == []
+        assert bystander.poll() is None
+    finally:
+        _kill_all(children)
+        bystander.kill()
+        bystander.wait(timeout=10)
+
+
+@_NO_SWEEP
+def test_everything_dies_with_a_killed_launcher(tmp_path, marker):
+    """SIGKILL gives the launcher no chance to clean up; its ranks and their children must go."""
+    prog = script(tmp_path, _STARTS_CHILDREN)
+    children: list[int] = []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "1", str(prog), "300"],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=tmp_path,
     )
-    deadline = time.monotonic() + 30
-    while len(processes_with_marker(marker)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(processes_with_marker(marker)) >= 3
-    proc.kill()
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while processes_with_marker(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_with_marker(marker) == []
+    try:
+        children = _children(tmp_path, 2)
+        # launcher, its guardian, 2 ranks and their 2 children that kept the environment
+        assert len(processes_with_marker(marker)) == 6, processes_with_marker(marker)
+        time.sleep(2)  # the launcher looks about every 0.5 s: it has seen the bare children
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            processes_with_marker(marker) or any(_running(pid) for pid in children)
+        ):
+            time.sleep(0.1)
+        assert processes_with_marker(marker) == []
+        assert [pid for pid in children if _running(pid)] == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        _kill_all(children)
+
+
+def test_pump_stops_waiting_on_a_pipe_held_open(tmp_path):
+    # A child that escaped every sweep keeps the write end: the pump reads what is there,
+    # then ends, instead of waiting for an end-of-file that never comes.
+    r, w = os.pipe()
+    lines: list[str] = []
+    pump = Pump(os.fdopen(r, "rb", buffering=0), lines.append, "test-pump")
+    try:
+        os.write(w, b"one\ntwo\nno newline")
+        time.sleep(0.3)
+        assert lines == ["one", "two"]
+        start = time.monotonic()
+        pump.finish(0.2)
+        os.write(w, b" yet\nthree\n")  # written after finish: still read, without waiting
+        pump.thread.join(timeout=10)
+        assert not pump.thread.is_alive()
+        assert time.monotonic() - start < 5
+        assert lines == ["one", "two", "no newline yet", "three"]
+    finally:
+        os.close(w)
+
+
+def test_run_token_nests():
+    assert _reaper.tagged({}, "b") == "b"
+    assert _reaper.tagged({"MESHKIT_LAUNCH_RUN": "a"}, "b") == "a:b"
+
+
+def _read_slowly(pipe, into: list[bytes]) -> None:
+    # A reader that lags behind: the launcher's writes to its stdout block most of the time.
+    while chunk := pipe.read(512):
+        into.append(chunk)
+        time.sleep(0.002)
+
+
+def test_log_dir_keeps_every_line_when_stdout_is_read_slowly(tmp_path, marker):
+    # Rank 1 raises only once rank 0 is done, so neither is stopped early: every line they
+    # wrote, and rank 1's traceback, must be in the logs (before: 2,361 / 2,727 of 3,000 lines,
+    # no traceback, and "I/O operation on closed file").
+    prog = script(
+        tmp_path,
+        """
+        import os, time
+        from pathlib import Path
+        rank = os.environ["MESHKIT_PROCESS_ID"]
+        for i in range(3000):
+            print(f"rank {rank} line {i:04d}")
+        if rank == "0":
+            Path("rank0.done").touch()
+        else:
+            deadline = time.monotonic() + 60
+            while not Path("rank0.done").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("planted after 3000 lines")
+        """,
+    )
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    chunks: list[bytes] = []
+    with subprocess.Popen(
+        [*command, "launch", "-n", "2", "--grace", "1", "--log-dir", "logs", str(prog)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        reader = threading.Thread(target=_read_slowly, args=(proc.stdout, chunks), daemon=True)
+        reader.start()
+        try:
+            err = proc.stderr.read().decode()
+            proc.wait(timeout=180)
+            reader.join(timeout=60)
+        finally:
+            proc.kill()
+    out = b"".join(chunks).decode()
+    assert proc.returncode == 1, err
+    assert "rank 1 failed first (exit code 1)" in err, err
+    for r in (0, 1):
+        log = (tmp_path / "logs" / f"rank{r}.log").read_text()
+        lines = [line for line in log.splitlines() if line.startswith(f"rank {r} line ")]
+        assert lines == [f"rank {r} line {i:04d}" for i in range(3000)], (r, len(lines))
+        assert "closed file" not in log
+    # stderr has its own pipe, so stdout's lines may come before, after and amid the traceback.
+    log1 = "\n".join(
+        line
+        for line in (tmp_path / "logs" / "rank1.log").read_text().splitlines()
+        if not line.startswith("rank 1 line ")
+    )
+    assert re.search(
+        r"^Traceback \(most recent call last\):\n  File .*prog\.py\", line 13, in <module>\n"
+        r".*\nRuntimeError: planted after 3000 lines$",
+        log1,
+        re.MULTILINE,
+    ), log1
+    assert out.count("[rank0] rank 0 line ") == 3000
+    assert out.count("[rank1] rank 1 line ") == 3000
+    assert "closed file" not in out + err
+
+
+def test_sink_never_raises(tmp_path, monkeypatch):
+    class GoneTerminal:
+        def write(self, text):
+            raise OSError(5, "Input/output error")  # what a hung-up terminal answers
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", GoneTerminal())
+    sink = Sink(True, tmp_path / "logs", 1)
+    sink.write(0, "first", False)  # the echo fails and stops; the log still gets the line
+    assert not sink.stream
+    sink.write(0, "second", False)
+    sink.close()
+    sink.write(0, "after close", False)  # dropped, no "I/O operation on closed file"
+    assert (tmp_path / "logs" / "rank0.log").read_text() == "first\nsecond\n"
 
 
 # ---- bad inputs --------------------------------------------------------------------------------
@@ -247,9 +528,11 @@ def test_a_rank_that_never_calls_init_is_named(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert "ran alone" not in text, text
-    assert (
-        "meshkit.make_mesh: this process was started by meshkit launch as process 0 of 2 "
-        "(MESHKIT_COORDINATOR is set), but meshkit.init() was not called" in text
+    # Whichever rank gets there first fails the run; the other may be stopped before it says so.
+    assert re.search(
+        r"meshkit\.make_mesh: this process was started by meshkit launch as process [01] of 2 "
+        r"\(MESHKIT_COORDINATOR is set\), but meshkit\.init\(\) was not called",
+        text,
     ), text
     assert "Consider calling meshkit.init() first in the program" in text, text
     # One rank is a program of one process: nothing to join.

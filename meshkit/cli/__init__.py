@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
+import contextlib
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from .._errors import LaunchError, MeshkitError
@@ -23,7 +22,8 @@ examples:
 
 Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
 MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
-When a rank fails, the others are stopped and its error is shown; the exit status is its own."""
+When a rank fails, the others are stopped and its error is shown; the exit status is its own.
+SIGINT, SIGTERM or SIGHUP to the launcher stop every rank; the exit status is 128 + the signal."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,19 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def _launch(args: argparse.Namespace) -> int:
     from .._launch import launch
 
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
-    # A launcher stopped by SIGTERM (a CI job cancelled, a scheduler) stops its ranks too; so
-    # does SIGINT, even when the launcher was started with it ignored (a background job of a
-    # non-interactive shell inherits SIGINT ignored, and Python keeps an inherited SIG_IGN).
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    # handle_signals: a launcher stopped by SIGINT, SIGTERM (a CI job cancelled, a scheduler)
+    # or SIGHUP (its terminal closed) stops its ranks too, and exits with 128 + the signal.
     result = launch(
         command,
         num_processes=args.num_processes,
@@ -133,9 +126,14 @@ def _launch(args: argparse.Namespace) -> int:
         platform=args.platform,
         log_dir=args.log_dir,
         grace=args.grace,
+        handle_signals=True,
+        subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
     )
     if result.report:
-        sys.stderr.write(result.report if result.report.endswith("\n") else result.report + "\n")
+        # After SIGHUP the terminal may be gone; the exit status still tells what happened.
+        with contextlib.suppress(OSError):
+            sys.stderr.write(result.report.rstrip("\n") + "\n")
+            sys.stderr.flush()
     return result.returncode
 
 
