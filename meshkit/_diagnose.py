@@ -29,18 +29,27 @@ class Diagnosis:
     Attributes:
         kind: ``"timeout"`` (this process waited for another that never joined) or ``"lost"``
             (another process, or the coordination service it hosted, is gone).
-        system: what reported it: ``"gloo"``, ``"NCCL"`` or ``"the coordination service"``.
+        system: what reported it: ``"gloo"``, ``"NCCL"``, ``"the coordination service"`` or
+            ``"meshkit"`` (its failure watch, `meshkit._failfast`).
         line: the line of the text that says so.
+        process: the process that failed first, when the text names it (meshkit's does).
     """
 
     kind: str
     system: str
     line: str
+    process: int | None = None
 
 
 _RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
     (kind, system, re.compile(pattern, re.IGNORECASE))
     for kind, system, pattern in (
+        ("lost", "meshkit", r"^meshkit: process (?P<process>\d+) failed: "),
+        (
+            "lost",
+            "meshkit",
+            r"^meshkit: lost the coordination service, which process (?P<process>\d+) hosts",
+        ),
         ("timeout", "gloo", r"gloo.*(timed? ?out|deadline_exceeded)"),
         ("timeout", "NCCL", r"nccl.*(timed? ?out|timeout|watchdog)"),
         ("lost", "NCCL", r"nccl.*(remote process exited|connection closed|failed)"),
@@ -58,8 +67,11 @@ def diagnose(text: str) -> Diagnosis | None:
     """The first line of ``text`` that a known cross-process failure wrote, classified."""
     for line in text.splitlines():
         for kind, system, pattern in _RULES:
-            if pattern.search(line):
-                return Diagnosis(kind, system, line.strip())
+            match = pattern.search(line)
+            if match:
+                process = match.groupdict().get("process")
+                named = None if process is None else int(process)
+                return Diagnosis(kind, system, line.strip(), named)
     return None
 
 

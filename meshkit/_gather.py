@@ -12,18 +12,23 @@ mesh; an all-gather for ``to="all"``, point-to-point sends to one process otherw
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _layout
+from . import _agree, _channel, _dispatch, _layout, _runtime
 from ._errors import MeshkitError
 
 __all__ = ["gather", "local_from_global"]
 
 _AXIS = "processes"
+# Debug mode compares ``to`` by value (a static argument) and the leaves' shapes.
+_SITE = _dispatch.CallSite(
+    "gather", "meshkit.gather", info={"params": ("x", "to"), "static_argnums": (1,)}
+)
 
 
 def _leaves(x: Any, what: str) -> tuple[list[tuple[str, jax.Array]], Any]:
@@ -149,6 +154,7 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         array([4., 5., 6., 7.], dtype=float32)
     """
     what = "meshkit.gather"
+    _dispatch.enter(_SITE, (x, to))
     count = jax.process_count()
     if to != "all" and (isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < count):
         raise MeshkitError(
@@ -161,6 +167,7 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     if count == 1:
         values = [np.asarray(jax.device_get(leaf)) for _, leaf in leaves]
         return jax.tree_util.tree_unflatten(treedef, values)
+    _agree_on_call(to, leaves, treedef, what)
     plans = [_layout.plan(leaf.sharding, tuple(leaf.shape), me) for _, leaf in leaves]
     # Each block is sent by the lowest process holding it; every process can work out what
     # every other sends (plans are global), so no sizes need exchanging.
@@ -219,6 +226,56 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
                 value[tuple(slice(a, b) for a, b in block)] = raw.view(leaf.dtype).reshape(shape)
         values.append(value)
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _agree_on_call(
+    to: int | str, leaves: list[tuple[str, jax.Array]], treedef: Any, what: str
+) -> None:
+    """Every process must gather the same arrays to the same place; else each names the others.
+
+    One barrier (`meshkit._agree.check`) before the collective: a ``to`` that differs between
+    processes would otherwise pair a point-to-point send with an all-gather and hang for ever.
+    """
+    shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
+    mine = json.dumps({"to": to, "structure": str(treedef), "leaves": shapes})
+    timeout = _runtime.check_timeout()
+    outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout)
+    if outcome.agreed:
+        return
+    if outcome.missing:
+        missing = ", ".join(map(str, outcome.missing))
+        raise MeshkitError(
+            f"{what}: process{'es' if len(outcome.missing) > 1 else ''} {missing} did not "
+            f"call gather within {timeout:g} s; this process (process {jax.process_index()}) "
+            "did.\nEvery process must call gather, the same number of times and in the same "
+            "order (it is a collective).\nConsider looking at those processes' output; "
+            f"{_runtime.ENV_CHECK_TIMEOUT} sets the wait."
+        )
+    calls = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
+    lines = []
+    for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
+        groups: dict[str, list[int]] = {}
+        for p, call in calls.items():
+            groups.setdefault(json.dumps(call[key]), []).append(p)
+        if len(groups) > 1:
+            lines = [
+                f"  process{'es' if len(ps) > 1 else ''} {','.join(map(str, ps))}: "
+                f"{shown}{_shown(json.loads(v))}"
+                for v, ps in groups.items()
+            ]
+            break
+    raise MeshkitError(
+        f"{what}: the processes called gather differently:\n" + "\n".join(lines) + "\n"
+        "Every process must pass the same arrays and the same to= (it is a collective: a "
+        "process gathering to another place would wait for ever).\nConsider computing to= "
+        "from values every process shares (to=0, not to=jax.process_index())."
+    )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return repr(value) if isinstance(value, str) and value == "all" else str(value)
 
 
 def _block_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -663,9 +663,10 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
 
     The first rank to exit is not always the cause: a rank that waited for another in JAX's
     cross-process machinery (a gloo or NCCL timeout) or lost it (the coordination service
-    gone) fails because of another. Evidence, in order: a rank that failed with an error of
-    its own; a rank that timed out waiting (it was in a computation the others never joined);
-    and, as context, the ranks that reached the end of their program meanwhile.
+    gone) fails because of another. Evidence, in order: the rank meshkit's failure watch names
+    (it posted its failure for the others); a rank that failed with an error of its own; a
+    rank that timed out waiting (it was in a computation the others never joined); and, as
+    context, the ranks that reached the end of their program meanwhile.
     """
     found = {r.rank: _diagnose.diagnose(_error_text(r)) for r in results}
     if found[bad.rank] is None:
@@ -674,14 +675,20 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
     own = [r for r in failed if found[r.rank] is None]
     waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
     ended = [r.rank for r in results if r.reached_end or r.returncode == 0]
-    cause = own[0] if own else waited[0] if waited else bad
+    named = [r for r in results if r.rank in {d.process for d in found.values() if d}]
+    cause = named[0] if named else own[0] if own else waited[0] if waited else bad
     lines: list[str] = []
     first = found[bad.rank]
     assert first is not None
     if cause is not bad:
         lines.append(f"Its error is {_kind_text(first)}; it failed because of another rank.")
     diagnosis = found[cause.rank]
-    if diagnosis is None:
+    if named and cause is named[0]:
+        lines.append(
+            f"The evidence points to rank {cause.rank}: it failed first, and told the others "
+            "(meshkit's failure watch)."
+        )
+    elif diagnosis is None:
         lines.append(f"The evidence points to rank {cause.rank}: it failed with its own error.")
     elif diagnosis.kind == "timeout":
         lines.append(
@@ -697,6 +704,8 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
             f"Rank{'s' if len(away) > 1 else ''} {', '.join(map(str, away))} reached the end "
             "of the program meanwhile."
         )
+    if named or (diagnosis is None and own):
+        return cause, lines  # an error of its own: its output says the rest
     lines.append(
         "Usual causes: a computation or collective run by only some ranks (a branch on "
         "jax.process_index()), or a rank that exited, crashed or stalled first. Consider running "
@@ -707,6 +716,8 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
 
 
 def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
+    if diagnosis.system == "meshkit":
+        return f"meshkit's notice that rank {diagnosis.process} failed"
     if diagnosis.kind == "timeout":
         return f"a timeout of {diagnosis.system} (it waited for another rank)"
     return f"a lost connection reported by {diagnosis.system} (another rank is gone)"

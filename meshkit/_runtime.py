@@ -14,23 +14,19 @@ a `meshkit.MeshkitError` that names it.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import errno
 import math
 import os
 import socket
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from types import TracebackType
 
 import jax
 
-from . import _compat, _diagnose
+from . import _compat, _failfast
 from ._errors import MeshkitError
 
 __all__ = [
@@ -53,14 +49,11 @@ ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
 ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
 ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
-ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
-ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 # The first words of `meshkit.debug`'s stall-watchdog report; `meshkit launch` collects its lines.
 WATCHDOG_MARK = "meshkit watchdog:"
 
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
-_DEFAULT_FAIL_FAST_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +406,7 @@ def init(
         1
     """
     first = _INFO is None
-    fail_fast = _fail_fast_settings()  # a bad setting is an error before anything is joined
+    fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
     info = _init(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -535,121 +528,8 @@ def _init(
             initialization_timeout=init_timeout,
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
-    if fail_fast is not None:
-        _install_fail_fast(fail_fast)
-    note = _EndNote(_INFO.process_id)
-    note.start()
-    atexit.register(note.at_exit)
+    _failfast.install(fail_fast, _INFO.process_id, _INFO.num_processes)
     return _INFO
-
-
-_failing = False  # the fail-fast hook is ending this process
-_ENDED_AFTER_S = 3.0
-
-
-class _EndNote(threading.Thread):
-    """Says, a while after this process's program ended, that it still waits for the others.
-
-    Started at `init` (Python 3.12 starts no thread at exit) and idle until `at_exit`, which
-    runs before JAX's own exit handler (registered earlier), where the process waits at a
-    shutdown barrier for every other process: one that waits long reached the end of its
-    program while others did not, the usual sign of processes that took different paths. The
-    line is evidence for ``meshkit launch``'s report, and for anyone reading the logs.
-    """
-
-    def __init__(self, me: int) -> None:
-        super().__init__(name="meshkit-end-note", daemon=True)
-        self.me = me
-        self.ended = threading.Event()
-
-    def at_exit(self) -> None:
-        if not _failing:
-            self.ended.set()
-
-    def run(self) -> None:
-        self.ended.wait()
-        time.sleep(_ENDED_AFTER_S)
-        with contextlib.suppress(Exception):
-            sys.stderr.write(
-                f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago "
-                "and waits at JAX's shutdown barrier for the other processes (one still "
-                "running, or stuck in a computation this one never joined).\n"
-            )
-            sys.stderr.flush()
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _fail_fast_settings() -> float | None:
-    """The seconds exit handlers get when an uncaught exception ends a process; None: off."""
-    raw = os.environ.get(ENV_FAIL_FAST, "").strip().lower()
-    if raw in _FALSE:
-        return None
-    if raw not in ("", *_TRUE):
-        raise MeshkitError(
-            f"meshkit.init(): environment variable {ENV_FAIL_FAST}={raw!r} is not one of "
-            f"{', '.join(_TRUE)} (on, the default) or {', '.join(_FALSE)} (off)."
-        )
-    grace = _env_float(ENV_FAIL_FAST_GRACE)
-    if grace is None:
-        return _DEFAULT_FAIL_FAST_GRACE_S
-    if not (math.isfinite(grace) and grace >= 0):
-        raise MeshkitError(
-            f"meshkit.init(): environment variable {ENV_FAIL_FAST_GRACE}={grace!r} must be a "
-            "finite number of seconds >= 0."
-        )
-    return grace
-
-
-def _install_fail_fast(grace: float) -> None:
-    """Make an uncaught exception end this process soon, not after the others finish.
-
-    JAX's exit handler waits at a shutdown barrier for every process, so a process that raised
-    would otherwise stay alive (its error printed, its exit unseen) until the others reach their
-    own ends, which may be never. The hook prints the error, runs the program's ``atexit``
-    handlers (checkpoint writers, log flushes, meshkit's own) for at most ``grace`` seconds,
-    skipping JAX's barrier, and exits with status 1. ``MESHKIT_FAIL_FAST=0`` keeps Python's
-    normal exit.
-    """
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        global _failing
-        _failing = True
-        previous(kind, value, tb)
-        diagnosis = _diagnose.diagnose(f"{kind.__name__}: {value}")
-        if diagnosis is not None:
-            sys.stderr.write(_diagnose.explain(diagnosis) + "\n")
-        sys.stderr.write(
-            "meshkit: uncaught exception in a multi-process run; running exit handlers (at most "
-            f"{grace:g} s), then exiting without waiting for the other processes "
-            f"({ENV_FAIL_FAST}=0 waits).\n"
-        )
-        _flush()
-        threading.Thread(target=_exit_after, args=(grace,), daemon=True).start()
-        _compat.skip_jax_exit_barrier()
-        atexit._run_exitfuncs()
-        _flush()
-        os._exit(1)
-
-    sys.excepthook = hook
-
-
-def _exit_after(seconds: float) -> None:
-    time.sleep(seconds)
-    sys.stderr.write(
-        f"meshkit: exit handlers still running after {seconds:g} s; exiting now "
-        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
-    )
-    _flush()
-    os._exit(1)
-
-
-def _flush() -> None:
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 _on_join: list[Callable[[], None]] = []

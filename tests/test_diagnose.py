@@ -44,6 +44,11 @@ def test_known_failures_are_recognised(text, kind, system):
     assert (found.kind, found.system, found.line) == (kind, system, text)
 
 
+def test_meshkits_own_notice_names_the_process():
+    found = _diagnose.diagnose("meshkit: process 3 failed: KeyError: 'shard-17'\nProcess 1 stops")
+    assert (found.kind, found.system, found.process) == ("lost", "meshkit", 3)
+
+
 def test_other_errors_are_not():
     assert _diagnose.diagnose("ValueError: shapes (3,) and (4,) do not match") is None
     assert _diagnose.diagnose("meshkit.barrier('x'): process 1 did not arrive within 8 s") is None

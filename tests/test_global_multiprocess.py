@@ -489,6 +489,41 @@ def _local_mesh_and_global_leaf():
     return messages
 
 
+def _gather_to_different_places():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    g = meshkit.global_array_from_local(np.ones((4, 2), np.float32), mesh, "data")
+    me = jax.process_index()
+    try:
+        meshkit.gather({"g": g}, to=me)  # a mistake: each process gathers to itself
+    except meshkit.MeshkitError as e:
+        first = str(e)
+    else:
+        first = "no error"
+    # The check is an agreement, not a collective: the processes go on together afterwards.
+    again = meshkit.gather({"g": g}, to=0)
+    return first, None if again is None else float(again["g"].sum())
+
+
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["debug-off", "debug-on"])
+def test_gather_to_different_places_is_named_instead_of_a_hang(debug):
+    env = {**_FAST_CHECK, "MESHKIT_DEBUG": debug, "MESHKIT_DEBUG_TIMEOUT": "20"}
+    results = run_in_processes(_gather_to_different_places, num_processes=2, timeout=120, env=env)
+    for first, _ in results:
+        if debug == "0":
+            assert first.startswith(
+                "meshkit.gather: the processes called gather differently:\n"
+                "  process 0: to=0\n  process 1: to=1\n"
+            ), first
+        else:  # debug mode compares every meshkit call first: to is a static argument
+            assert "process 0 passed to static 0; process 1 passed static 1" in first, first
+    assert [v for _, v in results] == [16.0, None]
+
+
 def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused():
     results = run_in_processes(
         _local_mesh_and_global_leaf, num_processes=2, timeout=120, env=_FAST_CHECK

@@ -198,7 +198,7 @@ def test_coordinator_port_in_use(tmp_path):
         ),
         (
             {"MESHKIT_FAIL_FAST_GRACE": "-1"},
-            "MESHKIT_FAIL_FAST_GRACE=-1.0 must be a finite number of seconds >= 0.",
+            "MESHKIT_FAIL_FAST_GRACE='-1' must be a finite number of seconds >= 0.",
         ),
         (
             {"MESHKIT_LOCAL_DEVICE_IDS": "0;1"},
@@ -349,7 +349,7 @@ def test_an_uncaught_exception_runs_exit_handlers_then_exits(tmp_path, handler, 
     )
     took = time.monotonic() - start
     rank1 = result.ranks[1]
-    assert result.first_failure == 1, result.report
+    assert "--- root cause: rank 1 ---" in result.report, result.report
     assert rank1.returncode == 1, result.report
     assert "RuntimeError: planted" in rank1.stderr
     assert "running exit handlers (at most" in rank1.stderr
@@ -357,3 +357,97 @@ def test_an_uncaught_exception_runs_exit_handlers_then_exits(tmp_path, handler, 
     if handler == "slow":
         assert "meshkit: exit handlers still running after 3 s; exiting now" in rank1.stderr
     assert took < within, (took, result.report)
+
+
+_COORDINATOR_FAILS = """
+import time
+import jax, numpy as np
+import meshkit
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+meshkit.init()
+mesh = meshkit.make_mesh({"data": -1})
+x = jax.make_array_from_callback(
+    (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
+)
+step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+float(step(x))
+if jax.process_index() == 0:
+    time.sleep(1)
+    raise RuntimeError("planted in the coordinator")
+float(step(x))  # process 1 waits in a raw collective that process 0 never joins
+"""
+
+_TERMINATED = """
+import os, sys, time
+import jax, numpy as np
+import meshkit
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+meshkit.init()
+mesh = meshkit.make_mesh({"data": -1})
+x = jax.make_array_from_callback(
+    (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
+)
+step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+float(step(x))
+if jax.process_index() == 0:
+    time.sleep(120)  # process 1 waits for it in the collective below
+open(sys.argv[1], "w").write(str(os.getpid()))
+float(step(x))  # SIGTERM arrives while this process waits here, in C
+"""
+
+
+def _launch_script(tmp_path, text, args, **kwargs):
+    import meshkit
+
+    script = tmp_path / "prog.py"
+    script.write_text(text)
+    return meshkit.launch(
+        [str(script), *args], num_processes=2, devices_per_process=4, platform="cpu",
+        timeout=100, stream=False, env={"MESHKIT_INIT_TIMEOUT": "60"}, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_the_coordinators_failure_reaches_the_others_as_meshkits_error(tmp_path):
+    start = time.monotonic()
+    result = _launch_script(tmp_path, _COORDINATOR_FAILS, [])
+    assert time.monotonic() - start < 40, result.report
+    rank1 = result.ranks[1]
+    # Not gRPC's "Stream removed" nor the coordination service's abort: meshkit's words.
+    assert rank1.stderr.startswith(
+        "meshkit: process 0 failed: RuntimeError: planted in the coordinator\n"
+        "Process 1 stops too (status 1)"
+    ), rank1.stderr
+    assert rank1.returncode == 1
+    assert "--- root cause: rank 0 ---" in result.report, result.report
+    assert "The evidence points to rank 0: it failed first, and told the others" in result.report
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_rank_waiting_in_a_collective_ends_the_run_with_a_report(tmp_path):
+    import os
+    import signal
+    import threading
+
+    pid_file = tmp_path / "rank1.pid"
+    results = []
+    launcher = threading.Thread(
+        target=lambda: results.append(_launch_script(tmp_path, _TERMINATED, [str(pid_file)]))
+    )
+    start = time.monotonic()
+    launcher.start()
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() - start < 60, "rank 1 never got to its collective"
+        time.sleep(0.1)
+    time.sleep(1.0)  # inside the collective by now
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    launcher.join(60)
+    assert not launcher.is_alive()
+    (result,) = results
+    assert time.monotonic() - start < 60, result.report
+    assert result.first_failure == 1, result.report
+    assert result.ranks[1].returncode == 128 + signal.SIGTERM, result.report
+    assert "rank 1 failed first (exit code 143)" in result.report
+    assert "meshkit: process 1 received SIGTERM; running exit handlers" in result.report
