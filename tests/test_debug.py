@@ -404,6 +404,37 @@ def test_barrier_in_two_processes(marker, monkeypatch):
     ), late
 
 
+def _names_that_look_alike():
+    import jax
+
+    import meshkit
+
+    name = "ckpt/a" if jax.process_index() == 0 else "ckpt_a"
+    try:
+        meshkit.barrier(name, timeout=2)
+    except meshkit.MeshkitError as e:
+        return str(e).splitlines()[0]
+    return "passed"
+
+
+def test_barrier_names_that_look_alike_are_different_barriers():
+    values = run_in_processes(_names_that_look_alike, devices_per_process=1)
+    assert values == [
+        "meshkit.barrier('ckpt/a'): process 1 did not arrive within 2 s (use #1 of this "
+        "barrier); this process (process 0) did.",
+        "meshkit.barrier('ckpt_a'): process 0 did not arrive within 2 s (use #1 of this "
+        "barrier); this process (process 1) did.",
+    ], values
+
+
+@given(st.text(max_size=12), st.text(max_size=12))
+def test_tag_parts_of_distinct_names_are_distinct(a, b):
+    from meshkit import _agree
+
+    assert (_agree.tag_part(a) == _agree.tag_part(b)) == (a == b)
+    assert "/" not in _agree.tag_part(a)
+
+
 def _repeats_are_verified_beside_the_caller():
     import jax
     import numpy as np
