@@ -166,6 +166,39 @@ def scaling_table(data: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def handover_table(data: dict[int, dict[str, Any]]) -> str:
+    """global_batches' per-step handover (one barrier per step), paced as a training step."""
+    if any("batches_paced" not in d["results"] for d in data.values()):
+        return ""
+    base_n = min(data)
+    lines = [
+        "global_batches: each step handed over together (a barrier per step, so that a process "
+        "that closes ends the others at the same step), 10 ms paced steps",
+        f"{'procs':>5} {'no handover':>11} {'handover':>9} {'overhead':>15} {'RTs/step/proc':>13}",
+        f"{'':>5} {'ms/step':>11} {'ms/step':>9} {'ms':>15} {'(both)':>13}",
+    ]
+    lines.append("-" * len(lines[1]))
+    for n, d in sorted(data.items()):
+        r = d["results"]["batches_paced"]
+        o = r["overhead"]
+        on, off = _rpcs(d, "batches_paced", "handover"), _rpcs(d, "batches_paced", "none")
+        lines.append(
+            f"{n:>5} {_ms(r['none']['seconds']):>11} {_ms(r['handover']['seconds']):>9} "
+            f"{_ms(o['seconds']) + ' +-' + _ms(_notch(o['rounds'])):>15} "
+            f"{_fmt(on) + ' / ' + _fmt(off):>13}"
+        )
+    lines.append(
+        _note(
+            f"Medians over {data[base_n]['rounds']} paired rounds of 48 steps, each step followed "
+            "by a 10 ms wait; global_batches(check=False) on a 4 KiB batch per process, with the "
+            "handover and with GlobalBatches._take patched out. RTs: coordination-service "
+            "round trips per step and process (the helper thread's agreement on the end of "
+            "data is in both)."
+        )
+    )
+    return "\n".join(lines)
+
+
 def _service_cpu_per_rpc(d: dict[str, Any], series: str, variant: str) -> float | None:
     """In-run estimate: process 0's extra CPU per call over the others' mean, per RPC made."""
     cpus = [p[series][variant]["cpu"] for p in d["per_process"]]
@@ -449,11 +482,12 @@ def bench_coordination() -> str:
     parts = [
         scaling_table(data),
         paced_table(data),
+        handover_table(data),
         round_trip_table(data),
         cpu_table(data),
         projection(data),
     ]
-    return "\n\n".join([*parts, targets(data)])
+    return "\n\n".join([*(p for p in parts if p), targets(data)])
 
 
 if __name__ == "__main__":

@@ -259,6 +259,35 @@ results["debug_paced"] = series(
 )
 
 
+# global_batches hands each step over together (one barrier per step, so that a process that
+# closes ends the others at the same step): its cost per step, against the same loop without it.
+_batches = importlib.import_module("meshkit._batches")
+_TAKE = getattr(_batches.GlobalBatches, "_take", None)
+if _TAKE is not None:
+    held: dict[str, Any] = {}
+
+    def batches_setup(handover: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+        def enter() -> None:
+            if not handover:
+                _batches.GlobalBatches._take = lambda self: True
+            loader = (local for _ in range(PACED_CALLS + 8))
+            held["it"] = meshkit.global_batches(loader, mesh, "data", check=False)
+
+        def leave() -> None:
+            held["it"].close()
+            _batches.GlobalBatches._take = _TAKE
+
+        return enter, leave
+
+    results["batches_paced"] = series(
+        "batches_paced",
+        {"handover": lambda: next(held["it"]), "none": lambda: next(held["it"])},
+        setup={"handover": batches_setup(True), "none": batches_setup(False)},
+        calls=PACED_CALLS,
+        pace=PACE_S,
+    )
+
+
 def meshkit_mesh() -> None:
     meshkit.make_mesh({"data": -1})
 

@@ -50,6 +50,12 @@ _RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
             "meshkit",
             r"^meshkit: lost the coordination service, which process (?P<process>\d+) hosts",
         ),
+        # meshkit's own checks name the process they waited for (the first of several)
+        (
+            "timeout",
+            "meshkit",
+            r"\bprocess(?:es)? (?P<process>\d+)[\d,]* did not (arrive|ask|call)",
+        ),
         ("timeout", "gloo", r"gloo.*(timed? ?out|deadline_exceeded)"),
         ("timeout", "NCCL", r"nccl.*(timed? ?out|timeout|watchdog)"),
         ("lost", "NCCL", r"nccl.*(remote process exited|connection closed|failed)"),

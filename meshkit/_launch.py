@@ -675,7 +675,9 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
     own = [r for r in failed if found[r.rank] is None]
     waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
     ended = [r.rank for r in results if r.reached_end or r.returncode == 0]
-    named = [r for r in results if r.rank in {d.process for d in found.values() if d}]
+    # The ranks meshkit's messages name: one that posted its failure, one a check waited for.
+    naming = [d for r in results if (d := found[r.rank]) is not None and d.process is not None]
+    named = [r for r in results if naming and r.rank == naming[0].process]
     cause = named[0] if named else own[0] if own else waited[0] if waited else bad
     lines: list[str] = []
     first = found[bad.rank]
@@ -683,10 +685,15 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
     if cause is not bad:
         lines.append(f"Its error is {_kind_text(first)}; it failed because of another rank.")
     diagnosis = found[cause.rank]
-    if named and cause is named[0]:
+    if named and naming[0].kind == "lost":
         lines.append(
             f"The evidence points to rank {cause.rank}: it failed first, and told the others "
             "(meshkit's failure watch)."
+        )
+    elif named:
+        lines.append(
+            f"The evidence points to rank {cause.rank}: a meshkit check of the others waited "
+            "for it in vain."
         )
     elif diagnosis is None:
         lines.append(f"The evidence points to rank {cause.rank}: it failed with its own error.")
@@ -716,8 +723,10 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
 
 
 def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
-    if diagnosis.system == "meshkit":
+    if diagnosis.system == "meshkit" and diagnosis.kind == "lost":
         return f"meshkit's notice that rank {diagnosis.process} failed"
+    if diagnosis.system == "meshkit":
+        return f"a meshkit check that waited for rank {diagnosis.process} in vain"
     if diagnosis.kind == "timeout":
         return f"a timeout of {diagnosis.system} (it waited for another rank)"
     return f"a lost connection reported by {diagnosis.system} (another rank is gone)"

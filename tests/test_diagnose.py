@@ -49,9 +49,23 @@ def test_meshkits_own_notice_names_the_process():
     assert (found.kind, found.system, found.process) == ("lost", "meshkit", 3)
 
 
+@pytest.mark.parametrize(
+    ("text", "process"),
+    [
+        ("meshkit.barrier('x'): process 1 did not arrive within 8 s (use #1 of this barrier)", 1),
+        ("DivergenceError: meshkit debug: call #3 of step (spmd at t.py:9): processes 2,5 did "
+         "not arrive within 8 s (its last call was #2 of step)", 2),
+        ("meshkit.global_batches: process 0 did not ask for step 3 within 120 s", 0),
+        ("meshkit.gather: process 3 did not call gather within 120 s", 3),
+    ],
+)  # fmt: skip
+def test_meshkits_own_checks_name_the_process_they_waited_for(text, process):
+    found = _diagnose.diagnose(text)
+    assert (found.kind, found.system, found.process) == ("timeout", "meshkit", process)
+
+
 def test_other_errors_are_not():
     assert _diagnose.diagnose("ValueError: shapes (3,) and (4,) do not match") is None
-    assert _diagnose.diagnose("meshkit.barrier('x'): process 1 did not arrive within 8 s") is None
 
 
 def test_the_explanation_names_the_usual_causes_and_the_next_step():
@@ -92,6 +106,21 @@ def test_an_error_of_its_own_outranks_a_timeout():
     assert "The evidence points to rank 1: it failed with its own error." in report
     assert "Rank 2 reached the end of the program meanwhile." in report
     assert "--- root cause: rank 1 ---\n  | KeyError: 'shard-17'" in report
+
+
+def test_a_rank_that_a_meshkit_check_waited_for_is_the_root_cause():
+    missing = "meshkit.barrier('x'): process 1 did not arrive within 8 s (use #1 of this barrier)"
+    results = [_rank(0, 1, missing), _rank(1, -15, "", stopped=True)]
+    report = _launch._root_cause(results[0], results, 9.0)
+    assert report.startswith(
+        "meshkit launch: rank 0 failed first (exit code 1) after 9.0 s.\n"
+        "Its error is a meshkit check that waited for rank 1 in vain; it failed because of "
+        "another rank.\n"
+        "The evidence points to rank 1: a meshkit check of the others waited for it in vain.\n"
+        "Stopped the other ranks: 1.\n"
+    ), report
+    assert "--- root cause: rank 1 ---" in report, report
+    assert "--- first to fail: rank 0 ---" in report, report
 
 
 def test_an_error_of_its_own_first_is_the_root_cause_as_before():
