@@ -191,7 +191,7 @@ def handover_table(data: dict[int, dict[str, Any]]) -> str:
         _note(
             f"Medians over {data[base_n]['rounds']} paired rounds of 48 steps, each step followed "
             "by a 10 ms wait; global_batches(check=False) on a 4 KiB batch per process, with the "
-            "handover and with GlobalBatches._take patched out. RTs: coordination-service "
+            "handover (the default) and with stop_together=False. RTs: coordination-service "
             "round trips per step and process (the helper thread's agreement on the end of "
             "data is in both)."
         )

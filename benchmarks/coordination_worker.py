@@ -33,6 +33,7 @@ window as long.
 """
 
 import importlib
+import inspect
 import json
 import os
 import resource
@@ -260,22 +261,19 @@ results["debug_paced"] = series(
 
 
 # global_batches hands each step over together (one barrier per step, so that a process that
-# closes ends the others at the same step): its cost per step, against the same loop without it.
-_batches = importlib.import_module("meshkit._batches")
-_TAKE = getattr(_batches.GlobalBatches, "_take", None)
-if _TAKE is not None:
+# closes ends the others at the same step): its cost per step, against stop_together=False.
+if "stop_together" in inspect.signature(meshkit.global_batches).parameters:
     held: dict[str, Any] = {}
 
-    def batches_setup(handover: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+    def batches_setup(together: bool) -> tuple[Callable[[], object], Callable[[], object]]:
         def enter() -> None:
-            if not handover:
-                _batches.GlobalBatches._take = lambda self: True
             loader = (local for _ in range(PACED_CALLS + 8))
-            held["it"] = meshkit.global_batches(loader, mesh, "data", check=False)
+            held["it"] = meshkit.global_batches(
+                loader, mesh, "data", check=False, stop_together=together
+            )
 
         def leave() -> None:
             held["it"].close()
-            _batches.GlobalBatches._take = _TAKE
 
         return enter, leave
 

@@ -430,6 +430,12 @@ def test_a_loader_error_reaches_the_caller_with_its_traceback():
     assert any(frame.name == "broken_loader" for frame in info.traceback)
 
 
+def test_stop_together_must_be_a_bool():
+    mesh = meshkit.make_mesh({"data": 8})
+    with pytest.raises(MeshkitError, match="stop_together must be True or False; got 'yes'"):
+        meshkit.global_batches(iter([]), mesh, "data", stop_together="yes")
+
+
 def test_a_bad_batch_raises_in_the_caller_naming_global_batches():
     mesh = meshkit.make_mesh({"data": 8})
     it = meshkit.global_batches(iter([np.zeros(8), np.zeros(7)]), mesh, "data", dtype=np.float32)
