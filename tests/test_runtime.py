@@ -359,26 +359,8 @@ def test_an_uncaught_exception_runs_exit_handlers_then_exits(tmp_path, handler, 
     assert took < within, (took, result.report)
 
 
-_COORDINATOR_FAILS = """
-import time
-import jax, numpy as np
-import meshkit
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-meshkit.init()
-mesh = meshkit.make_mesh({"data": -1})
-x = jax.make_array_from_callback(
-    (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
-)
-step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
-float(step(x))
-if jax.process_index() == 0:
-    time.sleep(1)
-    raise RuntimeError("planted in the coordinator")
-float(step(x))  # process 1 waits in a raw collective that process 0 never joins
-"""
-
-_TERMINATED = """
+# Two processes x 4 CPU devices, a global array and a jitted step whose sum is a collective.
+_STEP = """
 import os, sys, time
 import jax, numpy as np
 import meshkit
@@ -391,11 +373,27 @@ x = jax.make_array_from_callback(
 )
 step = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
 float(step(x))
+"""
+
+_COORDINATOR_FAILS = (
+    _STEP
+    + """
+if jax.process_index() == 0:
+    time.sleep(1)
+    raise RuntimeError("planted in the coordinator")
+float(step(x))  # process 1 waits in a raw collective that process 0 never joins
+"""
+)
+
+_TERMINATED = (
+    _STEP
+    + """
 if jax.process_index() == 0:
     time.sleep(120)  # process 1 waits for it in the collective below
 open(sys.argv[1], "w").write(str(os.getpid()))
 float(step(x))  # SIGTERM arrives while this process waits here, in C
 """
+)
 
 
 def _launch_script(tmp_path, text, args, **kwargs):
