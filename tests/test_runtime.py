@@ -396,14 +396,14 @@ float(step(x))  # SIGTERM arrives while this process waits here, in C
 )
 
 
-def _launch_script(tmp_path, text, args, **kwargs):
+def _launch_script(tmp_path, text, args, extra_env=None):
     import meshkit
 
     script = tmp_path / "prog.py"
     script.write_text(text)
     return meshkit.launch(
         [str(script), *args], num_processes=2, devices_per_process=4, platform="cpu",
-        timeout=100, stream=False, env={"MESHKIT_INIT_TIMEOUT": "60"}, **kwargs,
+        timeout=100, stream=False, env={"MESHKIT_INIT_TIMEOUT": "60", **(extra_env or {})},
     )  # fmt: skip
 
 
@@ -449,3 +449,25 @@ def test_sigterm_to_a_rank_waiting_in_a_collective_ends_the_run_with_a_report(tm
     assert result.ranks[1].returncode == 128 + signal.SIGTERM, result.report
     assert "rank 1 failed first (exit code 143)" in result.report
     assert "meshkit: process 1 received SIGTERM; running exit handlers" in result.report
+
+
+_HOOKS = """
+import signal, sys, threading
+import meshkit
+
+meshkit.init()
+watch = any(t.name == "meshkit-failure-watch" for t in threading.enumerate())
+ours = sys.excepthook is not sys.__excepthook__
+term = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+print("hooks", ours, term, watch)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", "True True True"), ("0", "False False False")]
+)
+def test_fail_fast_can_be_turned_off(tmp_path, value, expected):
+    result = _launch_script(tmp_path, _HOOKS, [], extra_env={"MESHKIT_FAIL_FAST": value})
+    assert result.returncode == 0, result.report
+    assert [r.stdout.strip().splitlines()[-1] for r in result.ranks] == [f"hooks {expected}"] * 2
