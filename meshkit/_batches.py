@@ -144,9 +144,13 @@ class GlobalBatches(Iterator[Any]):
 
     def __next__(self) -> Any:
         with self._lock:
-            if self._done:
-                raise StopIteration
-            self._in_next = True
+            done = self._done
+            self._in_next = not done
+        if done:
+            # Closed (from another thread, during the last step's handover, say): the others
+            # learn it at this step, if nothing has told them yet.
+            self._tell_closed()
+            raise StopIteration
         try:
             return self._next()
         finally:
