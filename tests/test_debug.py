@@ -127,58 +127,39 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
     debug.disable()
 
 
-_FIRST_CALL = """
-import os, sys, threading
+_ENTRY = """
+import threading
 import meshkit
 print(meshkit.debug.enabled(), sorted(t.name for t in threading.enumerate()))
 try:
-    meshkit.make_mesh({"data": -1})
+    {call}
 except meshkit.MeshkitError as e:
     print("raised:", e)
 print(meshkit.debug.enabled(), meshkit.debug._state.count)
 """
+_FIRST = 'meshkit.make_mesh({"data": -1})'
+_INIT = "meshkit.init()"
 
 
 @pytest.mark.parametrize(
-    ("timeout", "lines"),
+    ("call", "env", "lines"),
     [
-        ("30", ["False ['MainThread']", "True 1"]),
+        # Read at the first SPMD call, whose check it then makes...
+        (_FIRST, {"MESHKIT_DEBUG_TIMEOUT": "30"}, ["False ['MainThread']", "True 1"]),
         (
-            "soon",
+            _FIRST,
+            {"MESHKIT_DEBUG_TIMEOUT": "soon"},
             [
                 "False ['MainThread']",
                 "raised: MESHKIT_DEBUG_TIMEOUT='soon' is not a number of seconds.",
                 "False 0",
             ],
         ),
-    ],
-)
-def test_the_environment_is_read_at_the_first_call_not_at_import(timeout, lines):
-    env = {**os.environ, "MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": timeout}
-    out = subprocess.run(
-        [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.stdout.splitlines() == lines, out.stderr
-
-
-_AT_INIT = """
-import threading
-import meshkit
-print(meshkit.debug.enabled(), sorted(t.name for t in threading.enumerate()))
-try:
-    meshkit.init()
-except meshkit.MeshkitError as e:
-    print("raised:", e)
-print(meshkit.debug.enabled(), meshkit.debug._state.count)
-"""
-
-
-@pytest.mark.parametrize(
-    ("value", "lines"),
-    [
-        ("1", ["False ['MainThread']", "True 0"]),
+        # ... or at init, whichever comes first; never at import.
+        (_INIT, {}, ["False ['MainThread']", "True 0"]),
         (
-            "sometimes",
+            _INIT,
+            {"MESHKIT_DEBUG": "sometimes"},
             [
                 "False ['MainThread']",
                 "raised: MESHKIT_DEBUG='sometimes' is not one of 1, true, yes, on (debug mode on) "
@@ -188,11 +169,15 @@ print(meshkit.debug.enabled(), meshkit.debug._state.count)
         ),
     ],
 )
-def test_debug_mode_starts_at_init(value, lines):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
-    env.update(MESHKIT_DEBUG=value, JAX_PLATFORMS="cpu")
+def test_the_environment_is_read_at_init_or_the_first_call_not_at_import(call, env, lines):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    clean.update({"JAX_PLATFORMS": "cpu", "MESHKIT_DEBUG": "1", **env})
     out = subprocess.run(
-        [sys.executable, "-c", _AT_INIT], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _ENTRY.format(call=call)],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.stdout.splitlines() == lines, out.stderr
 
