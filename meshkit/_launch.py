@@ -42,6 +42,7 @@ from ._runtime import (
     ENV_PROCESS_ID,
     WATCHDOG_MARK,
 )
+from ._watchdog import INSIDE, OUTSIDE
 
 __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 
@@ -533,7 +534,8 @@ def _run(
         bad = results[first_failure]
         code = bad.returncode if bad.returncode is not None else 1
         returncode = code if code > 0 else 1
-        report = _root_cause(bad, results, failed_after)
+        stalls = {rk.rank: _where(rk.watchdog) for rk in ranks if rk.watchdog}
+        report = _root_cause(bad, results, failed_after, stalls)
     elif timed_out:
         returncode = 124
         report = (
@@ -629,7 +631,12 @@ def _tail_block(title: str, rank: int, text: str) -> str:
     return f"--- {title} rank {rank} ---\n{body}\n"
 
 
-def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> str:
+def _root_cause(
+    bad: RankResult,
+    results: list[RankResult],
+    elapsed: float,
+    stalls: Mapping[int, str] | None = None,
+) -> str:
     others = [r for r in results if r.rank != bad.rank]
     stopped = [str(r.rank) for r in others if r.stopped_by_launcher]
     also = [
@@ -641,7 +648,7 @@ def _root_cause(bad: RankResult, results: list[RankResult], elapsed: float) -> s
         f"meshkit launch: rank {bad.rank} failed first ({_describe_exit(bad.returncode)}) "
         f"after {elapsed:.1f} s."
     ]
-    cause, evidence = _suspect(bad, results)
+    cause, evidence = _suspect(bad, results, stalls or {})
     lines.extend(evidence)
     if stopped:
         lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
@@ -658,7 +665,9 @@ def _error_text(result: RankResult) -> str:
     return result.stderr.strip() or result.stdout
 
 
-def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, list[str]]:
+def _suspect(
+    bad: RankResult, results: list[RankResult], stalls: Mapping[int, str]
+) -> tuple[RankResult, list[str]]:
     """The rank the evidence points to, and the lines that say why (none: ``bad`` itself).
 
     The first rank to exit is not always the cause: a rank that waited for another in JAX's
@@ -670,7 +679,7 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
     """
     found = {r.rank: _diagnose.diagnose(_error_text(r)) for r in results}
     if found[bad.rank] is None:
-        return bad, []
+        return _stalled_elsewhere(bad, results, stalls)
     failed = [r for r in results if r.returncode not in (0, None) and not r.stopped_by_launcher]
     own = [r for r in failed if found[r.rank] is None]
     waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
@@ -720,6 +729,28 @@ def _suspect(bad: RankResult, results: list[RankResult]) -> tuple[RankResult, li
         "where each rank waits."
     )
     return cause, lines
+
+
+def _stalled_elsewhere(
+    bad: RankResult, results: list[RankResult], stalls: Mapping[int, str]
+) -> tuple[RankResult, list[str]]:
+    """``bad``, unless the stall watchdog found it inside a meshkit call and another outside.
+
+    A rank that waits at a meshkit call for another that stalled in its own code (a sleep, a
+    raw collective) is a victim, even when its own watchdog ends it first.
+    """
+    if INSIDE not in stalls.get(bad.rank, ""):
+        return bad, []
+    outside = [r for r in results if OUTSIDE in stalls.get(r.rank, "")]
+    if not outside:
+        return bad, []
+    cause = outside[0]
+    where = stalls[cause.rank].split("main thread now ", 1)[-1].split(", " + OUTSIDE)[0]
+    return cause, [
+        f"The evidence points to rank {cause.rank}: the stall watchdog found it outside "
+        f"meshkit (in {where.removeprefix('in ')}) while rank {bad.rank} waited inside a "
+        "meshkit call."
+    ]
 
 
 def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:

@@ -41,7 +41,16 @@ import jax
 
 from . import _compat, _runtime
 
-__all__ = ["RUN_SHARE", "Watchdog", "frame_text", "library_file", "note_progress", "short_path"]
+__all__ = [
+    "INSIDE",
+    "OUTSIDE",
+    "RUN_SHARE",
+    "Watchdog",
+    "frame_text",
+    "library_file",
+    "note_progress",
+    "short_path",
+]
 
 # A main thread that used this share of a sample interval in CPU time is running, not waiting:
 # a blocked wait measured 0.02-0.04% (futex wake-ups), a computation in one C call ~100%.
@@ -206,11 +215,12 @@ class Watchdog(threading.Thread):
         _, me, _ = _compat.distributed_state()
         frame = sys._current_frames().get(self.main)
         here = frame_text(frame) if frame is not None else "?"
+        where = INSIDE if frame is not None and _in_meshkit(frame) else OUTSIDE
         write(
             f"{_runtime.WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
-            f"main thread now {here}; last meshkit call: {self.last_call() or 'none'}. "
-            "Stacks follow.\n"
+            f"main thread now {here}, {where}; last meshkit call: "
+            f"{self.last_call() or 'none'}. Stacks follow.\n"
         )
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -219,6 +229,22 @@ class Watchdog(threading.Thread):
 
 
 # ---- where the user's code is -----------------------------------------------------------------
+
+# Whether a stalled main thread waits inside a meshkit call (for the other processes, at a
+# check) or outside (in the program's own code, a raw collective): ``meshkit launch`` reads it.
+INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
+_MESHKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_meshkit(frame: FrameType) -> bool:
+    """Whether a frame of meshkit's own modules is on the stack (not its testing helpers)."""
+    seen: FrameType | None = frame
+    while seen is not None:
+        if os.path.dirname(seen.f_code.co_filename) + os.sep == _MESHKIT_DIR:
+            return True
+        seen = seen.f_back
+    return False
+
 
 # Frames in these directories are not the user's: meshkit, jax and the standard library.
 _LIBRARY_DIRS = tuple(

@@ -123,6 +123,29 @@ def test_a_rank_that_a_meshkit_check_waited_for_is_the_root_cause():
     assert "--- first to fail: rank 0 ---" in report, report
 
 
+def test_a_rank_stalled_outside_meshkit_outranks_one_that_waited_inside():
+    # Rank 0's watchdog ended it first; it was waiting at a meshkit call for rank 1, whose
+    # main thread slept in the program's own code.
+    results = [
+        _rank(0, 1, "meshkit watchdog: process 0 still made no progress after 11 s; exiting"),
+        _rank(1, -15, "", stopped=True),
+    ]
+    stalls = {
+        0: "meshkit watchdog: process 0 made no progress for 3 s (...); main thread now in wait "
+        "(threading.py:331), called from train (train.py:80), inside a meshkit call; last "
+        "meshkit call: call #3 of step (spmd)",
+        1: "meshkit watchdog: process 1 made no progress for 3 s (...); main thread now in load "
+        "(data.py:31), outside meshkit; last meshkit call: call #2 of step (spmd)",
+    }
+    report = _launch._root_cause(results[0], results, 11.0, stalls)
+    assert report.startswith(
+        "meshkit launch: rank 0 failed first (exit code 1) after 11.0 s.\n"
+        "The evidence points to rank 1: the stall watchdog found it outside meshkit (in load "
+        "(data.py:31)) while rank 0 waited inside a meshkit call.\n"
+    ), report
+    assert "--- root cause: rank 1 ---" in report
+
+
 def test_an_error_of_its_own_first_is_the_root_cause_as_before():
     results = [_rank(0, 1, "ValueError: bad"), _rank(1, -15, "", stopped=True)]
     report = _launch._root_cause(results[0], results, 2.0)

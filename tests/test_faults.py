@@ -233,6 +233,11 @@ def test_rank_stalled_in_python_is_named_with_its_last_call_and_stack():
     assert "Stall watchdog" in result.report, result.report
     assert "rank 1: meshkit watchdog: process 1 made no progress" in result.report, result.report
     assert "in _stalled_in_python" in result.report, result.report
+    # Where each waited: process 0 at its meshkit call, process 1 in its own code.
+    summary = result.report.split("Stall watchdog, where each rank was:", 1)[1]
+    assert re.search(r"rank 0: .*, inside a meshkit call; last meshkit call", summary), summary
+    assert re.search(r"rank 1: .*, outside meshkit; last meshkit call", summary), summary
+    assert "--- root cause: rank 1 ---" in result.report, result.report
 
 
 def test_shape_mismatch_names_the_process_and_the_argument():
@@ -300,6 +305,7 @@ def test_global_batches_background_thread_raises_no_false_alarm():
 def test_stall_in_a_raw_collective_ends_through_the_watchdog():
     _result, text = _failed(_raw_collective_stall)
     assert "meshkit watchdog: process 0 made no progress" in text, text
+    assert re.search(r"process 0 made no progress .*, outside meshkit; last meshkit call", text)
     assert "exiting with status 1" in text, text
 
 
