@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,44 @@ def test_fix_leaves_an_unparsable_file_alone(work):
     assert code == 2
     assert "cannot parse" in err
     assert (work / "broken.py").read_bytes() == (GOLDEN / "broken.py").read_bytes()
+
+
+def test_a_symlink_loop_is_an_error_of_its_own_and_the_rest_is_scanned(work):
+    loop = work / "tree" / "loop"
+    loop.mkdir()
+    (loop / "a.py").symlink_to("b.py")
+    (loop / "b.py").symlink_to("a.py")
+    (loop / "up").symlink_to("..")  # a directory loop: links to directories are not followed
+    code, out, err = run_cli("--concise", "tree")
+    assert code == 2
+    assert "tree/loop/a.py: error: cannot read: Too many levels of symbolic links" in err
+    assert "tree/a.py:3:5: MK001" in out  # the other files were scanned
+    assert "Traceback" not in err
+
+
+def test_a_module_of_a_thousand_statements_is_rewritten(work):
+    # libcst's import insertion recursed once per statement: RecursionError at ~1,000.
+    body = "\n".join(f"x{i} = {i}" for i in range(3000))
+    (work / "long.py").write_text(f'"""A long module."""\nimport jax\n\n{body}\nf = jax.pmap(g)\n')
+    code, _, err = run_cli("--fix", "long.py")
+    assert (code, err) == (0, "")
+    text = (work / "long.py").read_text()
+    assert text.endswith("x2999 = 2999\nf = meshkit.pmap_compat(g)\n")
+    assert "import meshkit" in text
+    compile(text, "long.py", "exec")
+
+
+def test_many_compile_calls_scan_in_linear_time():
+    # Each `.compile()` rescanned the file for a lowered pmap: 4,000 re.compile lines took 34 s.
+    def timed(line: str) -> float:
+        body = "\n".join(line.format(i=i) for i in range(4000))
+        source = f"import jax\nimport re\n\n{body}\nstep = jax.pmap(f)\n"
+        start = time.perf_counter()
+        assert [f.code for f in scan_source(source)] == ["MK001"]
+        return time.perf_counter() - start
+
+    plain = timed("p{i} = 'a{i}'")
+    assert timed("p{i} = re.compile('a{i}')") < 5 * plain + 1.0
 
 
 def test_null_bytes_and_undecodable_files_are_errors(work):

@@ -215,6 +215,7 @@ class _Scanner:
         self.defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.findings: list[Finding] = []
         self._fixable_refs: dict[ast.AST, bool] = {}
+        self._lowered: set[str] | None = None  # see _lowered_pmaps
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -472,20 +473,27 @@ class _Scanner:
             self._add(call, "MK011", f"`{text}.lower(...).compile()` of a pmapped function")
             return
         name = _dotted(lowered)
-        if name is None:
-            return
-        for node in self.nodes:
-            if (
-                isinstance(node, ast.Assign)
+        if name is not None and name in self._lowered_pmaps():
+            self._add(call, "MK011", f"`{name}.compile()` of a lowered pmapped function")
+
+    def _lowered_pmaps(self) -> set[str]:
+        """Names assigned ``f.lower(...)`` of a pmapped ``f`` anywhere in the file.
+
+        Made once: a file of thousands of ``re.compile`` calls must not rescan itself per call.
+        """
+        if self._lowered is None:
+            self._lowered = {
+                name
+                for node in self.nodes
+                if isinstance(node, ast.Assign)
                 and len(node.targets) == 1
-                and _dotted(node.targets[0]) == name
+                and (name := _dotted(node.targets[0])) is not None
                 and isinstance(node.value, ast.Call)
                 and isinstance(node.value.func, ast.Attribute)
                 and node.value.func.attr == "lower"
                 and self._pmapped_value(node.value.func.value) is not None
-            ):
-                self._add(call, "MK011", f"`{name}.compile()` of a lowered pmapped function")
-                return
+            }
+        return self._lowered
 
     def _merge_flag(self, node: ast.Constant | ast.Attribute) -> None:
         if isinstance(node, ast.Attribute):

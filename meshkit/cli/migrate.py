@@ -18,8 +18,9 @@ import json
 import os
 import sys
 import textwrap
+import threading
 import tokenize
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -155,10 +156,13 @@ def run(
         if fix_source is None or not edits:
             continue
         try:
-            new = fix_source(source, edits)
+            new = _deep(fix_source, source, edits)
             after = scan_source(new, str(path), select=select, ignore=ignore)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"
+            continue
+        except RecursionError:  # deeper than even _deep's stack allows: the file is untouched
+            result.error = "cannot rewrite: nested too deeply for libcst (the file is unchanged)"
             continue
         if new == source:
             continue
@@ -179,6 +183,41 @@ def run(
     if any(r.error for r in results):
         return EXIT_ERROR
     return EXIT_FINDINGS if any(r.findings for r in results) else EXIT_CLEAN
+
+
+_DEEP_STACK = 512 * 1024 * 1024  # bytes: libcst recurses once per statement in places
+_DEEP_LIMIT = 200_000
+
+
+def _deep(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a thread with a large stack and recursion limit, for libcst.
+
+    libcst's visitors recurse through a module's statements: a docstring and about 1,000
+    top-level statements exceed Python's default recursion limit. A thread of its own gets a
+    C stack large enough for a raised limit (raising it on the main thread's 8 MiB stack would
+    crash instead of raising).
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    limit = sys.getrecursionlimit()
+    previous = threading.stack_size(_DEEP_STACK)
+    try:
+        sys.setrecursionlimit(max(limit, _DEEP_LIMIT))
+        thread = threading.Thread(target=target, name="meshkit-migrate-fix")
+        thread.start()
+        thread.join()
+    finally:
+        threading.stack_size(previous)
+        sys.setrecursionlimit(limit)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _codes(value: str | None, option: str) -> set[str] | None:
@@ -206,10 +245,10 @@ def _discover(paths: Sequence[str]) -> tuple[list[Path], list[str]]:
             files.append(path)
         else:
             missing.append(given)
-    seen: set[Path] = set()
+    seen: set[str] = set()
     unique = []
     for f in files:
-        key = f.resolve()
+        key = os.path.realpath(f)  # never raises: a symlink loop is reported when read
         if key not in seen:
             seen.add(key)
             unique.append(f)
