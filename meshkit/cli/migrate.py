@@ -208,9 +208,13 @@ def _deep(fn: Callable[..., Any], *args: Any) -> Any:
     limit = sys.getrecursionlimit()
     previous = threading.stack_size(_DEEP_STACK)
     try:
-        sys.setrecursionlimit(max(limit, _DEEP_LIMIT))
         thread = threading.Thread(target=target, name="meshkit-migrate-fix")
-        thread.start()
+        sys.setrecursionlimit(max(limit, _DEEP_LIMIT))  # before the thread recurses
+        try:
+            thread.start()
+        except RuntimeError:  # no room for such a stack (a ulimit -v): as deep as we can here
+            sys.setrecursionlimit(limit)  # the main thread's stack holds only the usual limit
+            return fn(*args)
         thread.join()
     finally:
         threading.stack_size(previous)
