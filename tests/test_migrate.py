@@ -34,9 +34,18 @@ from meshkit.cli.migrate import EPILOG
 GOLDEN = Path(__file__).resolve().parent / "golden" / "migrate"
 UPDATE = os.environ.get("MESHKIT_UPDATE_GOLDEN") == "1"
 # Cases with a report run (concise unless named here) and, where something is fixable, a fix run.
-CASES = ["all_rules", "aliases", "formatting", "nested", "loops", "not_fixable", "clean"]
+CASES = [
+    "all_rules",
+    "aliases",
+    "formatting",
+    "nested",
+    "loops",
+    "not_fixable",
+    "removed_apis",
+    "clean",
+]
 FULL_REPORT = {"all_rules"}
-FIXABLE = ["all_rules", "aliases", "formatting", "nested", "loops"]
+FIXABLE = ["all_rules", "aliases", "formatting", "nested", "loops", "removed_apis"]
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
@@ -102,6 +111,29 @@ def test_fix_golden(work, case):
     ]
 
 
+def test_every_removed_name_is_absent_and_every_replacement_present_on_this_jax():
+    import importlib
+
+    from meshkit.cli._migrate_rules import REMOVED
+
+    def exists(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+        return False
+
+    assert [q for q in REMOVED if exists(q)] == []
+    assert [new for new, _ in REMOVED.values() if new is not None and not exists(new)] == []
+
+
 def test_every_rule_has_a_golden_finding():
     seen = set()
     for case in CASES:
@@ -136,7 +168,7 @@ def test_diff_golden_matches_the_fix(work):
     assert out.startswith("--- a/all_rules.py\n+++ b/all_rules.py\n")
     # The report goes to stderr, so the patch can be piped; it lists the original findings.
     assert "all_rules.py:18:20: MK001 jax.pmap in functools.partial [fixable]" in err
-    assert "18 findings in 1 of 1 file (10 fixable with --fix)." in err
+    assert "19 findings in 1 of 1 file (11 fixable with --fix)." in err
     # Every removed and added line of the patch is the fixed golden's change.
     fixed = (GOLDEN / "all_rules.fixed.py").read_text().splitlines()
     original = (GOLDEN / "all_rules.py").read_text().splitlines()

@@ -1,10 +1,12 @@
 """The fixer of ``meshkit migrate --fix``: the scanner's mechanical edits, applied with libcst.
 
 libcst keeps every byte it is not told to change, so comments and formatting survive. Three
-steps: the references the scanner marked (by position and text) become ``meshkit.<name>``; the
-imports they went through are dropped where nothing uses them any more (a comment on the lines
+steps: the references the scanner marked (by position and text) become ``meshkit.<name>`` (a
+name JAX removed becomes its replacement: ``jax.tree.map`` for ``jax.tree_map``); the imports
+they went through are dropped where nothing uses them any more (a comment on the lines
 above a dropped import moves to the next statement; one at the end of the import's own line
-goes with it); ``import meshkit`` is added once, after the file's other top imports.
+goes with it); ``import meshkit`` (and ``import jax``, where a replacement needs it) is added
+once, after the file's other top imports.
 
 This module needs libcst (``pip install 'meshkit[migrate]'``); the scanner does not.
 """
@@ -60,9 +62,13 @@ def fix_source(source: str, edits: Sequence[Edit]) -> str:
         drop = {b for b in candidates if b[0] not in used}
         if drop:
             module = module.visit(_DropImports(drop))
-    if rewriter.applied:
+    # What the new names need: meshkit for its helpers, jax for a removed JAX name's
+    # replacement written through jax (where the file reached it another way).
+    needed = sorted({e.new.split(".")[0] for e in rewriter.applied} & {"meshkit", "jax"})
+    if needed:
         context = CodemodContext()
-        AddImportsVisitor.add_needed_import(context, "meshkit")
+        for name in needed:
+            AddImportsVisitor.add_needed_import(context, name)
         module = AddImportsVisitor(context).transform_module(module)
     return module.code
 
@@ -106,9 +112,12 @@ class _Rewriter(cst.CSTTransformer):
         if edit is None:
             return updated
         self.applied.append(edit)
-        base, _, attr = edit.new.partition(".")
+        first, *rest = edit.new.split(".")
+        value: cst.BaseExpression = cst.Name(first)
+        for attr in rest[:-1]:
+            value = cst.Attribute(value=value, attr=cst.Name(attr))
         return cst.Attribute(
-            value=cst.Name(base), attr=cst.Name(attr), lpar=updated.lpar, rpar=updated.rpar
+            value=value, attr=cst.Name(rest[-1]), lpar=updated.lpar, rpar=updated.rpar
         )
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMMON_UTILS", "DEVICE_PUT", "FLAX_JAX_UTILS", "PMAP_KEYWORDS", "RULES", "Rule"]
+__all__ = [
+    "COMMON_UTILS",
+    "DEVICE_PUT",
+    "FLAX_JAX_UTILS",
+    "PMAP_KEYWORDS",
+    "REMOVED",
+    "RULES",
+    "Rule",
+]
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,18 @@ _AOT_FIX = (
     "signature and caches). Not rewritten by --fix."
 )
 
+_REMOVED_WHY = (
+    "JAX 0.10.2 and 0.12 no longer have it (each was checked on both): the line fails with "
+    "AttributeError when it runs, or with ImportError at import time for an import, so a file "
+    "with no pmap left may still not run."
+)
+_REMOVED_FIX = (
+    "The replacement the finding names: jax.tree.* for jax.tree_*, jax.sharding for the old "
+    "sharding names, jax.Array for the old array types. --fix rewrites the names that have a "
+    "one-to-one replacement (a removed name imported with from-import is then used through "
+    "jax.); the others, and imports of removed modules, need an edit by hand."
+)
+
 RULES: dict[str, Rule] = {
     r.code: r
     for r in (
@@ -137,7 +157,49 @@ RULES: dict[str, Rule] = {
         Rule("MK009", "jax_pmap_shmap_merge", _MERGE_WHY, _MERGE_FIX),
         Rule("MK010", "x[0] on a pmap output in a loop", _INDEX_WHY, _INDEX_FIX),
         Rule("MK011", ".lower().compile() of a pmap", _AOT_WHY, _AOT_FIX),
+        Rule("MK012", "API removed from JAX", _REMOVED_WHY, _REMOVED_FIX),
     )
+}
+
+# MK012: what pmap-era code uses that JAX 0.10.2 and 0.12 removed (each checked absent on both):
+# qualified name -> (its one-to-one replacement, or None; what to use instead). A module's entry
+# also covers every name under it.
+_TREE = "jax.tree.{}: the same function"
+REMOVED: dict[str, tuple[str | None, str]] = {
+    **{
+        f"jax.tree_{name}": (f"jax.tree.{name}", _TREE.format(name))
+        for name in (
+            "map",
+            "flatten",
+            "leaves",
+            "unflatten",
+            "structure",
+            "transpose",
+            "reduce",
+            "all",
+        )
+    },
+    "jax.tree_util.tree_multimap": ("jax.tree.map", "jax.tree.map, which takes several trees"),
+    "jax.experimental.PartitionSpec": ("jax.sharding.PartitionSpec", "jax.sharding.PartitionSpec"),
+    "jax.random.KeyArray": ("jax.Array", "jax.Array (typed keys: jax.random.key)"),
+    "jax.numpy.DeviceArray": ("jax.Array", "jax.Array"),
+    "jax.ShapedArray": ("jax.core.ShapedArray", "jax.core.ShapedArray"),
+    "jax.experimental.maps": (None, "jax.sharding.Mesh for Mesh; jax.shard_map for xmap"),
+    "jax.experimental.global_device_array": (None, "jax.Array (every array is global now)"),
+    "jax.interpreters.pxla.ShardedDeviceArray": (None, "jax.Array"),
+    "jax.experimental.host_callback": (None, "jax.experimental.io_callback or jax.debug.callback"),
+    "jax.experimental.optimizers": (None, "jax.example_libraries.optimizers, or optax"),
+    "jax.experimental.stax": (None, "jax.example_libraries.stax, or flax"),
+    "jax.xla_computation": (None, "jax.jit(f).lower(*args) and its .as_text()"),
+    "jax.linear_util": (None, "jax.extend.linear_util"),
+    "jax.abstract_arrays": (None, "jax.core.ShapedArray"),
+    "jax.core.axis_frame": (None, "jax.lax.axis_size(name) for the size of a named axis"),
+    "jax.core.Primitive": (None, "jax.extend.core.Primitive"),
+    "jax.ops.index_update": (None, "x.at[idx].set(y)"),
+    "jax.ops.index": (None, "x.at[idx]"),
+    "jax.api": (None, "the same names on jax"),
+    "jax.lib.xla_bridge": (None, "jax.devices(), jax.default_backend()"),
+    "jax.config.FLAGS": (None, "jax.config.values, or jax.config.update"),
 }
 
 # The helpers --fix rewrites, by qualified name: (rule, meshkit name, the keyword names a call

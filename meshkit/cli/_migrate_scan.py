@@ -30,7 +30,15 @@ import tokenize
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from ._migrate_rules import COMMON_UTILS, DEVICE_PUT, FLAX_JAX_UTILS, PMAP_KEYWORDS, RULES, Rule
+from ._migrate_rules import (
+    COMMON_UTILS,
+    DEVICE_PUT,
+    FLAX_JAX_UTILS,
+    PMAP_KEYWORDS,
+    REMOVED,
+    RULES,
+    Rule,
+)
 
 __all__ = ["Edit", "Finding", "scan_source"]
 
@@ -46,7 +54,8 @@ HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
 }
 # Every rule needs one of these in the text (an import, an attribute or the flag's name), so a
 # file without any is parsed (to report syntax errors) but not analysed.
-_MAYBE = re.compile(r"(?i:pmap)|jax_utils|common_utils|device_put_")
+# (MK012's names resolve through an import that names jax.)
+_MAYBE = re.compile(r"(?i:pmap)|jax_utils|common_utils|device_put_|\bjax\b")
 _IGNORE = re.compile(r"#\s*meshkit:\s*ignore(?:\[(?P<codes>[A-Za-z0-9,\s]*)\])?")
 _SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _Located = ast.expr | ast.stmt | ast.alias
@@ -216,6 +225,7 @@ class _Scanner:
         self.findings: list[Finding] = []
         self._fixable_refs: dict[ast.AST, bool] = {}
         self._lowered: set[str] | None = None  # see _lowered_pmaps
+        self._used: set[str] = set()  # every name the file reads or writes
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -354,7 +364,7 @@ class _Scanner:
 
     def scan(self) -> list[Finding]:
         self._collect()
-        used = {n.id for n in self.nodes if isinstance(n, ast.Name)}
+        used = self._used = {n.id for n in self.nodes if isinstance(n, ast.Name)}
         for node in self.nodes:
             if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
                 self._reference(node)
@@ -366,6 +376,7 @@ class _Scanner:
         for alias, name, target in self.from_imports:
             if name not in used:
                 self._unused_import(alias, name, target)
+        self._removed_imports()
         self._nested()
         self._index_in_loops()
         return self.findings
@@ -396,6 +407,22 @@ class _Scanner:
             self._add(node, code, message, fixable=not note, note=note, edit=edit)
         elif qual.startswith("jax.") and qual.endswith(".PmapSharding"):
             self._add(node, "MK008", f"{qual}{self._written(node, qual)}")
+        elif (removed := _removed(qual)) is not None:
+            inner = isinstance(node, ast.Attribute) and _removed(self._qual(node.value)) is not None
+            if not inner:  # one finding per chain, at the removed name itself
+                self._removed_reference(node, qual, removed)
+
+    def _removed_reference(self, node: ast.Name | ast.Attribute, qual: str, key: str) -> None:
+        """MK012: a name JAX removed; rewritten where it has a one-to-one replacement."""
+        new, instead = REMOVED[key]
+        message = f"{qual}{self._written(node, qual)}, removed from JAX: use {instead}"
+        if new is None or qual != key:
+            self._add(node, "MK012", message)
+            return
+        root = _root(node)
+        if root is not None and self.bindings.get(root) == "jax":
+            new = root + new[len("jax") :]  # keep the file's own name for jax
+        self._add(node, "MK012", message, fixable=True, edit=self._edit(node, new))
 
     def _edit(self, node: ast.Name | ast.Attribute, new: str) -> Edit:
         root = _root(node)
@@ -424,6 +451,29 @@ class _Scanner:
             if any(v is None for v in leaves):
                 return "not fixed: out_axes=None, see MK004"
         return ""
+
+    def _removed_imports(self) -> None:
+        """MK012 at an import of a removed module or name: it fails when the file is imported.
+
+        A from-import of a removed name that the file uses is fixed through its references
+        (the import goes once nothing uses it); an import of a removed module is not fixed.
+        """
+        for node in self.nodes:
+            if isinstance(node, ast.Import):
+                targets = [(a, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [(a, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]
+            else:
+                continue
+            for alias, target in targets:
+                key = _removed(target)
+                if key is None:
+                    continue
+                new, instead = REMOVED[key]
+                used = isinstance(node, ast.ImportFrom) and new is not None and target == key
+                if used and (alias.asname or alias.name) in self._used:
+                    continue  # its references are findings, and fixing them drops the import
+                self._add(alias, "MK012", f"import of {target}, removed from JAX: use {instead}")
 
     def _unused_import(self, alias: ast.alias, name: str, target: str) -> None:
         """A from-import of a legacy name that nothing uses still fails or ties the code."""
@@ -614,6 +664,20 @@ class _Scanner:
                 if hit and self._in_loop(node):
                     text = f"`{_dotted(node.func)}(lambda a: a[0], {hit[0]})`"
                     self._add(node, "MK010", f"{text} on a pmap output in a loop")
+
+
+def _removed(qual: str | None) -> str | None:
+    """The `REMOVED` entry ``qual`` is, or is under (a removed module's names), or None."""
+    if qual is None:
+        return None
+    if qual in REMOVED:
+        return qual
+    parts = qual.split(".")
+    for i in range(len(parts) - 1, 1, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in REMOVED and REMOVED[prefix][0] is None:
+            return prefix
+    return None
 
 
 def _keyword(call: ast.Call, name: str) -> ast.expr | None:

@@ -60,3 +60,6 @@ def is_pmapped(x):
 jax.config.update("jax_pmap_shmap_merge", True)  # MK009
 
 compiled = train_step.lower(np.zeros((8, 2)), np.zeros((8, 2))).compile()  # MK011
+
+# MK012: a name JAX removed.
+leaves = jax.tree_leaves({"a": 1})

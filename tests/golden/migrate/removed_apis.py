@@ -1,0 +1,36 @@
+"""Names of the pmap era that JAX 0.10.2 and 0.12 removed: meshkit migrate reports MK012."""
+
+import jax
+import jax.numpy as jnp
+from jax import tree_leaves
+from jax.experimental import PartitionSpec as P
+from jax.experimental import maps
+from jax.experimental.maps import xmap
+
+import jax as J
+
+
+def step(params, grads):
+    # fixed: jax.tree.map, through the file's own `jax`
+    return jax.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def count(tree):
+    # fixed: a from-import, used through jax (the import goes, `import jax` stays)
+    return len(tree_leaves(tree))
+
+
+def merge(a, b):
+    # fixed, keeping the alias J
+    return J.tree_util.tree_multimap(lambda x, y: x + y, a, b)
+
+
+def shape_of(x: jnp.DeviceArray) -> tuple:
+    # fixed: jax.Array
+    return x.shape
+
+
+spec = P("data")  # fixed: jax.sharding.PartitionSpec (the alias P becomes the full name)
+mesh = maps.Mesh(jax.devices(), ("data",))  # not fixed: a removed module
+run = xmap(lambda x: x, in_axes=["i"], out_axes=["i"])  # not fixed
+flat, treedef = jax.tree_flatten({"a": 1})  # fixed
