@@ -111,6 +111,54 @@ def test_fix_golden(work, case):
     ]
 
 
+_SHADOWS = """\
+import jax
+from flax.jax_utils import replicate
+from flax.training.common_utils import shard
+
+
+def total(shards):
+    t = 0
+    for shard in shards:  # a loop variable named like the helper
+        t += shard.shape[0]
+    return t
+
+
+def place(x, replicate=None):  # a parameter named like the helper
+    return replicate(x) if replicate else x
+
+
+class Trainer:
+    shard = staticmethod(lambda b: b)  # a class attribute
+
+    def step(self, batch):
+        return self.shard(batch)
+
+
+def main(batch, state):
+    state = replicate(state)
+    return shard(batch), [shard for shard in (1, 2)], (lambda shard: shard)(3)
+"""
+
+
+def test_a_local_name_that_shadows_a_helper_is_neither_reported_nor_rewritten():
+    from meshkit.cli._migrate_fix import fix_source
+
+    findings = scan_source(_SHADOWS)
+    assert [(f.line, f.code) for f in findings] == [(25, "MK005"), (26, "MK006")]
+    fixed = fix_source(_SHADOWS, [f.edit for f in findings if f.edit])
+    assert "for shard in shards:  # a loop" in fixed
+    assert "t += shard.shape[0]" in fixed
+    assert "return replicate(x) if replicate else x" in fixed
+    assert "return self.shard(batch)" in fixed
+    assert "state = meshkit.replicate(state)" in fixed
+    assert (
+        "return meshkit.shard(batch), [shard for shard in (1, 2)], (lambda shard: shard)(3)"
+        in fixed
+    )
+    compile(fixed, "shadows.py", "exec")
+
+
 def test_every_removed_name_is_absent_and_every_replacement_present_on_this_jax():
     import importlib
 

@@ -5,8 +5,10 @@ Names are resolved through the file's imports (``import jax``, ``from jax import
 is found and a local function that happens to be called ``replicate`` is not. The analysis is
 per file and flow-insensitive, which bounds what it sees:
 
-* every import in the file counts, wherever it stands, and a name rebound later (``pmap = ...``)
-  still resolves to its import; star imports and relative imports resolve nothing;
+* every import in the file counts, wherever it stands, and a name rebound later at module level
+  (``pmap = ...``) still resolves to its import; star imports and relative imports resolve
+  nothing; a name that a function, lambda, comprehension or class binds for itself (a parameter
+  ``replicate``, a loop variable ``shard``) is not the import inside that scope;
 * a pmapped function is a name bound to ``jax.pmap(f)`` / ``meshkit.pmap_compat(f)`` (also
   through ``functools.partial`` or a name bound to either), or a ``def`` decorated with one;
 * nested pmap is a pmapped function applied to a pmapped one, stacked pmap decorators, or a call
@@ -61,6 +63,8 @@ _SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Cl
 _Located = ast.expr | ast.stmt | ast.alias
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_BINDING_SCOPES = (*_FUNCTIONS, *_COMPREHENSIONS, ast.ClassDef)
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class _Scanner:
         self._fixable_refs: dict[ast.AST, bool] = {}
         self._lowered: set[str] | None = None  # see _lowered_pmaps
         self._used: set[str] = set()  # every name the file reads or writes
+        self._scope_names: dict[ast.AST, frozenset[str]] = {}  # see _locals
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -265,11 +270,34 @@ class _Scanner:
     def _qual(self, node: ast.AST) -> str | None:
         """The qualified name a name or attribute chain refers to through the imports."""
         if isinstance(node, ast.Name):
-            return self.bindings.get(node.id)
+            if node.id not in self.bindings or self._shadowed(node):
+                return None
+            return self.bindings[node.id]
         if isinstance(node, ast.Attribute):
             base = self._qual(node.value)
             return None if base is None else f"{base}.{node.attr}"
         return None
+
+    def _shadowed(self, node: ast.Name) -> bool:
+        """Whether a scope around ``node`` binds its name itself: then it is not the import.
+
+        A function, lambda, comprehension or class body that binds the name (a parameter, an
+        assignment, a loop or ``with`` target...) hides the import: in ``for shard in shards:
+        shard.shape``, ``shard`` is not ``flax``'s.
+        """
+        parent = self.parents.get(node)
+        while parent is not None:
+            if isinstance(parent, _BINDING_SCOPES) and node.id in self._locals(parent):
+                return True
+            parent = self.parents.get(parent)
+        return False
+
+    def _locals(self, scope: ast.AST) -> frozenset[str]:
+        """The names ``scope`` binds for itself (made once per scope)."""
+        known = self._scope_names.get(scope)
+        if known is None:
+            known = self._scope_names[scope] = _bound_in(scope)
+        return known
 
     def _pmap_ref(self, expr: ast.AST) -> ast.expr | None:
         """The pmap reference behind an expression that maps functions (pmap, its partial)."""
@@ -664,6 +692,48 @@ class _Scanner:
                 if hit and self._in_loop(node):
                     text = f"`{_dotted(node.func)}(lambda a: a[0], {hit[0]})`"
                     self._add(node, "MK010", f"{text} on a pmap output in a loop")
+
+
+def _bound_in(scope: ast.AST) -> frozenset[str]:
+    """The names a function, lambda, comprehension or class body binds in its own scope.
+
+    Parameters, assignment, loop, ``with``, ``except`` and walrus targets, imports, and nested
+    ``def``/``class`` names; not the names it declares ``global`` or ``nonlocal``, and not what
+    nested scopes bind (a walrus in a comprehension binds in the enclosing function, as Python).
+    """
+    names: set[str] = set()
+    declared: set[str] = set()
+    if isinstance(scope, _FUNCTIONS):
+        a = scope.args
+        for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+            if arg is not None:
+                names.add(arg.arg)
+        body: list[ast.AST] = [scope.body] if isinstance(scope, ast.Lambda) else list(scope.body)
+    elif isinstance(scope, _COMPREHENSIONS):
+        body = [g.target for g in scope.generators]
+    elif isinstance(scope, ast.ClassDef):
+        body = list(scope.body)
+    else:
+        return frozenset()
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            names.add(node.id)
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            declared.update(node.names)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+            stack.extend(node.decorator_list)  # evaluated here; the body is its own scope
+            continue
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
+            names.add(node.name)
+        if isinstance(node, _BINDING_SCOPES) and node is not scope:
+            continue  # its own scope (its defaults and decorators aside: a rare shadowing)
+        stack.extend(ast.iter_child_nodes(node))
+    return frozenset(names - declared)
 
 
 def _removed(qual: str | None) -> str | None:
