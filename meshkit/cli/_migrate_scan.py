@@ -286,9 +286,13 @@ class _Scanner:
         shard.shape``, ``shard`` is not ``flax``'s.
         """
         parent = self.parents.get(node)
+        nested = False  # inside a function or comprehension: a class body's names are not seen
         while parent is not None:
-            if isinstance(parent, _BINDING_SCOPES) and node.id in self._locals(parent):
-                return True
+            if isinstance(parent, _BINDING_SCOPES):
+                seen = not (nested and isinstance(parent, ast.ClassDef))
+                if seen and node.id in self._locals(parent):
+                    return True
+                nested = nested or not isinstance(parent, ast.ClassDef)
             parent = self.parents.get(parent)
         return False
 
