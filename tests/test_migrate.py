@@ -256,6 +256,51 @@ def test_directory_recursion_golden(work):
     assert code == 1
 
 
+@pytest.mark.parametrize(
+    ("patterns", "expected"),
+    [
+        (["sub"], ["tree/a.py:3:5:"]),  # a directory's name
+        (["*/sub/b.py"], ["tree/a.py:3:5:"]),  # a path pattern
+        (["a.py", "b.py"], []),  # file names
+    ],
+)
+def test_exclude_skips_matching_files_and_directories(work, patterns, expected):
+    args = ["--concise"] + [f"--exclude={p}" for p in patterns] + ["tree"]
+    code, out, _ = run_cli(*args)
+    assert [ln.split(" ")[0] for ln in out.splitlines() if ": MK" in ln] == expected
+    assert code == (1 if expected else 0)
+
+
+def test_stdin_is_read_and_fixed_as_a_filter(work):
+    source = (GOLDEN / "aliases.py").read_bytes()
+    fixed = subprocess.run(
+        [sys.executable, "-m", "meshkit", "migrate", "--fix", "--concise", "-"],
+        input=source, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert fixed.stdout.decode() == (GOLDEN / "aliases.fixed.py").read_text(encoding="utf-8")
+    assert "Fixed" in fixed.stderr.decode(), fixed.stderr
+    report = subprocess.run(
+        [sys.executable, "-m", "meshkit", "migrate", "--concise", "-"],
+        input=source, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert report.returncode == 1
+    assert report.stdout.decode().startswith("<stdin>:"), report.stdout
+
+
+def test_the_pre_commit_hooks_run_meshkit_migrate(work):
+    hooks = (Path(__file__).resolve().parents[1] / ".pre-commit-hooks.yaml").read_text()
+    entries = [
+        ln.split(":", 1)[1].split() for ln in hooks.splitlines() if ln.startswith("  entry:")
+    ]
+    assert [e[:2] for e in entries] == [["meshkit", "migrate"]] * 2
+    report, fix = entries  # pre-commit appends the staged files
+    code, out, err = run_cli(*report[2:], "aliases.py")
+    assert (code, err) == (1, "")
+    assert out.startswith("aliases.py:")
+    code, out, err = run_cli(*fix[2:], "aliases.py")
+    assert (code, err, out) == (0, "", "Fixed 11 of 11 findings in 1 file; 0 remain.\n")
+
+
 def test_unparsable_file_is_reported_and_others_still_scanned(work):
     args = ["--concise", "broken.py", "tree/a.py"]
     code, out, err = run_cli(*args)

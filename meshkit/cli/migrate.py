@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import fnmatch
 import io
 import json
 import os
@@ -23,7 +24,7 @@ import tokenize
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from ._migrate_rules import RULES
 from ._migrate_scan import Finding, scan_source
@@ -47,13 +48,16 @@ examples:
   meshkit migrate --fix src/ train.py   rewrite the mechanical cases in place
   meshkit migrate --format json src/    for tools
   meshkit migrate --ignore MK010 src/   CI gate without one rule
+  meshkit migrate --exclude 'tests/*' --exclude '*_pb2.py' src/   skip paths (fnmatch patterns)
+  cat train.py | meshkit migrate --fix -   the fixed source on stdout, the report on stderr
 
 rules:
 {rules}
 
 --fix rewrites MK001 (jax.pmap -> meshkit.pmap_compat, unless out_axes is negative, None or
 computed), MK005-MK007 (flax.jax_utils / common_utils helpers and jax.device_put_replicated /
-sharded -> meshkit's) and so MK002 when every pmap involved is rewritten; it adds `import meshkit`
+sharded -> meshkit's), so MK002 when every pmap involved is rewritten, and MK012 where one name
+replaces a removed one (jax.tree_map -> jax.tree.map); it adds `import meshkit` (or `import jax`)
 and drops imports nothing uses any more. The others need a person. `# meshkit: ignore` or
 `# meshkit: ignore[MK010]` on a line silences its findings.
 
@@ -67,7 +71,18 @@ EPILOG = _EPILOG.format(rules="\n".join(f"  {r.code}  {r.name}" for r in RULES.v
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``meshkit migrate`` on its subparser."""
     parser.add_argument(
-        "paths", nargs="+", metavar="PATH", help="files, or directories searched for *.py"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="files, or directories searched for *.py; - reads one file from stdin",
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="skip files and directories whose path (as found) or name matches this fnmatch "
+        "pattern; repeatable",
     )
     parser.add_argument(
         "--fix", action="store_true", help="rewrite the mechanical cases in place (needs libcst)"
@@ -106,8 +121,14 @@ class _FileResult:
         return f"{self.path}:{self.where} error: {self.error}"
 
 
+STDIN = "<stdin>"  # the name a source read from stdin (the path -) has in reports
+
+
 def run(
-    args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
+    args: argparse.Namespace,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    stdin: BinaryIO | None = None,
 ) -> int:
     """Run ``meshkit migrate`` with parsed arguments; returns the exit status.
 
@@ -115,6 +136,8 @@ def run(
         args: the namespace `add_arguments` describes.
         stdout: where the report (or, with ``--diff``, the patch) goes; default sys.stdout.
         stderr: where errors (and, with ``--diff``, the text report) go; default sys.stderr.
+        stdin: where the path ``-`` is read from; default sys.stdin's bytes. With ``--fix``,
+            its fixed source goes to ``stdout`` and the report to ``stderr``.
 
     Returns:
         0, 1 or 2, as the module docstring says.
@@ -135,17 +158,24 @@ def run(
         except ImportError:
             print(_NEEDS_LIBCST, file=err)
             return EXIT_ERROR
-    files, missing = _discover(args.paths)
+    files, missing = _discover([p for p in args.paths if p != "-"], args.exclude)
     results: list[_FileResult] = [
         _FileResult(p, error="no such file or directory") for p in missing
     ]
-    for path in files:
-        result = _FileResult(str(path))
+    piped: str | None = None  # with - and --fix: the fixed source, for stdout
+    sources: list[Path | None] = [*([None] if "-" in args.paths else []), *files]
+    for path in sources:
+        result = _FileResult(STDIN if path is None else str(path))
         results.append(result)
         try:
-            raw = path.read_bytes()
+            if path is None:
+                raw = (stdin if stdin is not None else sys.stdin.buffer).read()
+            else:
+                raw = path.read_bytes()
             source, encoding = _decode(raw)
-            result.findings = scan_source(source, str(path), select=select, ignore=ignore)
+            if path is None:
+                piped = source
+            result.findings = scan_source(source, result.path, select=select, ignore=ignore)
         except (OSError, UnicodeDecodeError, SyntaxError) as e:
             result.error = _describe(e)
             if isinstance(e, SyntaxError) and e.lineno:
@@ -157,7 +187,7 @@ def run(
             continue
         try:
             new = _deep(fix_source, source, edits)
-            after = scan_source(new, str(path), select=select, ignore=ignore)
+            after = scan_source(new, result.path, select=select, ignore=ignore)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"
             continue
@@ -167,12 +197,18 @@ def run(
         if new == source:
             continue
         if args.diff:
-            result.diff = _unified(str(path), source, new)
+            result.diff = _unified(result.path, source, new)
         if args.fix:
-            path.write_bytes(new.encode(encoding))
+            if path is None:
+                piped = new
+            else:
+                path.write_bytes(new.encode(encoding))
             result.findings = after
     report = _json(results, args) if args.format == "json" else _text(results, args)
-    if args.diff and args.format == "text":
+    if args.fix and piped is not None:  # a filter: the source out, the report aside
+        out.write(piped)
+        err.write(report)
+    elif args.diff and args.format == "text":
         out.write("".join(r.diff for r in results))
         err.write(report)
     else:
@@ -237,14 +273,20 @@ def _codes(value: str | None, option: str) -> set[str] | None:
     return codes
 
 
-def _discover(paths: Sequence[str]) -> tuple[list[Path], list[str]]:
-    """Files named, and *.py under directories named (sorted; hidden dirs and venvs skipped)."""
+def _discover(paths: Sequence[str], exclude: Sequence[str] = ()) -> tuple[list[Path], list[str]]:
+    """Files named, and *.py under directories named (sorted; hidden dirs and venvs skipped).
+
+    ``exclude``: fnmatch patterns; a file or directory whose path, as found, or name matches
+    one is skipped (a file named on the command line too).
+    """
     files: list[Path] = []
     missing: list[str] = []
     for given in paths:
         path = Path(given)
+        if _excluded(path, exclude):
+            continue
         if path.is_dir():
-            files.extend(_walk(path))
+            files.extend(_walk(path, exclude))
         elif path.is_file():
             files.append(path)
         else:
@@ -259,7 +301,7 @@ def _discover(paths: Sequence[str]) -> tuple[list[Path], list[str]]:
     return unique, missing
 
 
-def _walk(root: Path) -> Iterator[Path]:
+def _walk(root: Path, exclude: Sequence[str] = ()) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = sorted(
@@ -268,10 +310,16 @@ def _walk(root: Path) -> Iterator[Path]:
             if not d.startswith(".")
             and d not in _SKIP_DIRS
             and not (here / d / "pyvenv.cfg").exists()
+            and not _excluded(here / d, exclude)
         )
         for name in sorted(filenames):
-            if name.endswith(".py"):
+            if name.endswith(".py") and not _excluded(here / name, exclude):
                 yield here / name
+
+
+def _excluded(path: Path, patterns: Sequence[str]) -> bool:
+    text = path.as_posix()
+    return any(fnmatch.fnmatch(text, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
 
 
 def _decode(raw: bytes) -> tuple[str, str]:
