@@ -301,6 +301,34 @@ def test_the_pre_commit_hooks_run_meshkit_migrate(work):
     assert (code, err, out) == (0, "", "Fixed 11 of 11 findings in 1 file; 0 remain.\n")
 
 
+def test_sarif_format_carries_every_finding_rule_and_error(work):
+    code, out, err = run_cli("--format", "sarif", "all_rules.py", "broken.py")
+    _, as_json, _ = run_cli("--format", "json", "all_rules.py", "broken.py")
+    assert (code, err) == (2, "")  # a file that does not parse: status 2, its error in the run
+    doc = json.loads(out)
+    assert doc["version"] == "2.1.0"
+    (run,) = doc["runs"]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == list(RULES)
+    assert rules[0]["fullDescription"]["text"] == RULES["MK001"].why
+    expected = json.loads(as_json)["findings"]
+    got = run["results"]
+    assert len(got) == len(expected) == 19
+    for result, finding in zip(got, expected, strict=True):
+        region = result["locations"][0]["physicalLocation"]["region"]
+        assert result["ruleId"] == finding["code"] == rules[result["ruleIndex"]]["id"]
+        assert (region["startLine"], region["startColumn"]) == (finding["line"], finding["column"])
+        assert result["message"]["text"].startswith(finding["message"])
+        assert result["properties"]["fixable"] == finding["fixable"]
+    (invocation,) = run["invocations"]
+    assert invocation["executionSuccessful"] is False
+    (note,) = invocation["toolExecutionNotifications"]
+    assert note["message"]["text"].startswith("cannot parse: invalid syntax")
+    where = note["locations"][0]["physicalLocation"]
+    assert where["artifactLocation"]["uri"] == "broken.py"
+    assert (where["region"]["startLine"], where["region"]["startColumn"]) == (4, 7)
+
+
 def test_unparsable_file_is_reported_and_others_still_scanned(work):
     args = ["--concise", "broken.py", "tree/a.py"]
     code, out, err = run_cli(*args)

@@ -46,7 +46,7 @@ examples:
   meshkit migrate src/                  report, one line per finding and its explanation
   meshkit migrate --diff src/ > mk.patch  the rewrites as a patch, report on stderr
   meshkit migrate --fix src/ train.py   rewrite the mechanical cases in place
-  meshkit migrate --format json src/    for tools
+  meshkit migrate --format json src/    for tools (--format sarif: SARIF 2.1.0)
   meshkit migrate --ignore MK010 src/   CI gate without one rule
   meshkit migrate --exclude 'tests/*' --exclude '*_pb2.py' src/   skip paths (fnmatch patterns)
   cat train.py | meshkit migrate --fix -   the fixed source on stdout, the report on stderr
@@ -94,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "also write them",
     )
     parser.add_argument(
-        "--format", choices=["text", "json"], default="text", help="report format (default text)"
+        "--format",
+        choices=["text", "json", "sarif"],
+        default="text",
+        help="report format (default text); sarif: SARIF 2.1.0, for code-scanning tools",
     )
     parser.add_argument(
         "--concise", action="store_true", help="one line per finding, without the explanation"
@@ -204,7 +207,8 @@ def run(
             else:
                 path.write_bytes(new.encode(encoding))
             result.findings = after
-    report = _json(results, args) if args.format == "json" else _text(results, args)
+    formats = {"json": _json, "sarif": _sarif, "text": _text}
+    report = formats[args.format](results, args)
     if args.fix and piped is not None:  # a filter: the source out, the report aside
         out.write(piped)
         err.write(report)
@@ -214,7 +218,7 @@ def run(
     else:
         out.write(report)
     for r in results:
-        if r.error and args.format == "text":
+        if r.error and args.format == "text":  # json and sarif carry their errors
             print(r.error_line, file=err)
     if any(r.error for r in results):
         return EXIT_ERROR
@@ -430,3 +434,78 @@ def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
     if args.diff:
         doc["diff"] = "".join(r.diff for r in results)
     return json.dumps(doc, indent=2) + "\n"
+
+
+_SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+
+
+def _sarif(results: list[_FileResult], args: argparse.Namespace) -> str:
+    """The report as SARIF 2.1.0: one run, every rule described, errors as notifications."""
+    from meshkit import __version__
+
+    def location(path: str, line: int, col: int) -> dict[str, Any]:
+        return {
+            "physicalLocation": {
+                "artifactLocation": {"uri": Path(path).as_posix()},
+                "region": {"startLine": line, "startColumn": col},
+            }
+        }
+
+    rules = [
+        {
+            "id": r.code,
+            "name": r.name,
+            "shortDescription": {"text": r.name},
+            "fullDescription": {"text": r.why},
+            "help": {"text": r.fix},
+        }
+        for r in RULES.values()
+    ]
+    index = {code: i for i, code in enumerate(RULES)}
+    found = [
+        {
+            "ruleId": f.code,
+            "ruleIndex": index[f.code],
+            "level": "warning",
+            "message": {"text": f.message + (f" ({f.note})" if f.note else "")},
+            "locations": [location(f.path, f.line, f.col)],
+            "properties": {"fixable": f.fixable},
+        }
+        for r in results
+        for f in r.findings
+    ]
+    notes = [
+        {
+            "level": "error",
+            "message": {"text": r.error},
+            "locations": [location(r.path, *_where_of(r))],
+        }
+        for r in results
+        if r.error
+    ]
+    doc = {
+        "$schema": _SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "meshkit migrate",
+                        "version": __version__,
+                        "rules": rules,
+                    }
+                },
+                "invocations": [
+                    {"executionSuccessful": not notes, "toolExecutionNotifications": notes}
+                ],
+                "results": found,
+            }
+        ],
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def _where_of(result: _FileResult) -> tuple[int, int]:
+    """(line, column) of a file's error: where it failed to parse, else 1:1."""
+    line, _, col = result.where.rstrip(":").partition(":")
+    return (int(line), int(col)) if line.isdigit() and col.isdigit() else (1, 1)
