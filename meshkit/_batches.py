@@ -299,7 +299,6 @@ class GlobalBatches(Iterator[Any]):
     def _work_on_channel(self, source: Iterator[Any]) -> None:
         _global.set_caller(_WHAT)
         template: Any = None
-        multi = _compat.distributed_state()[2] > 1
         while True:
             if not self._take_slot():
                 self._release_helpers()  # the others' helpers wait for this one's next step
@@ -314,12 +313,12 @@ class GlobalBatches(Iterator[Any]):
             except StopIteration:
                 status = "end"
             except BaseException as e:
-                if multi:
+                if self._multi:
                     _assembly.publish_failure(self._tag, e)
                 self._queue.put(_Failure(e))
                 return
             try:
-                item = self._step(status, local, template, multi)
+                item = self._step(status, local, template)
             except BaseException as e:
                 self._queue.put(_Failure(e))
                 return
@@ -327,9 +326,9 @@ class GlobalBatches(Iterator[Any]):
             if isinstance(item, _End):
                 return
 
-    def _step(self, status: str, local: Any, template: Any, multi: bool) -> Any:
+    def _step(self, status: str, local: Any, template: Any) -> Any:
         mesh_or_sharding, spec = self._args
-        pad = self._pad
+        pad, multi = self._pad, self._multi
         assembly = self._assembly
         if status == "end":
             if not (multi and pad and template is not None):
