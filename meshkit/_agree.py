@@ -63,7 +63,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import threading
 import time
 import urllib.parse
@@ -73,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _channel, _compat, _runtime
-from ._errors import MeshkitError
+from ._errors import MeshkitError, say
 
 __all__ = ["Outcome", "agree", "agree_later", "leave", "settle", "stats", "tag_part"]
 
@@ -979,7 +978,7 @@ def _fail(error: BaseException, grace: float | None = None, *, quiet: bool = Fal
     _failed.set()
     grace = _runtime.check_timeout() if grace is None else grace
     if not quiet:
-        _say(
+        say(
             f"meshkit: a cross-process check failed; this process's next meshkit call raises it "
             f"(if none comes within {grace:g} s, the process exits):\n{type(error).__name__}: "
             f"{error}\n"
@@ -987,7 +986,7 @@ def _fail(error: BaseException, grace: float | None = None, *, quiet: bool = Fal
 
     def exit_if_unraised() -> None:
         if any(e is error for e in failures):
-            _say(
+            say(
                 f"meshkit: exiting with status 1: the failed check above was not raised within "
                 f"{grace:g} s ({_runtime.ENV_CHECK_TIMEOUT} sets the wait).\n"
             )
@@ -996,12 +995,6 @@ def _fail(error: BaseException, grace: float | None = None, *, quiet: bool = Fal
     timer = threading.Timer(grace, exit_if_unraised)
     timer.daemon = True
     timer.start()
-
-
-def _say(text: str) -> None:
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
 
 def settle() -> None:

@@ -6,6 +6,9 @@ that already catches ``ValueError`` around JAX calls keeps working.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 __all__ = [
     "DivergenceError",
     "LaunchError",
@@ -13,6 +16,7 @@ __all__ = [
     "MeshkitIndexError",
     "MeshkitNameError",
     "MeshkitTypeError",
+    "say",
 ]
 
 
@@ -65,3 +69,13 @@ class MeshkitIndexError(MeshkitError, IndexError):
 
 class MeshkitNameError(MeshkitError, NameError):
     """A `MeshkitError` where JAX raises `NameError` (a collective over an unbound axis name)."""
+
+
+def say(text: str) -> None:
+    """Write ``text`` to stderr at once; never raises, even with stderr closed.
+
+    For what meshkit cannot raise: a helper thread's finding, a process about to exit.
+    """
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+        sys.stderr.flush()

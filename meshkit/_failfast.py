@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _compat, _diagnose
-from ._errors import MeshkitError
+from ._errors import MeshkitError, say
 
 __all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "settings"]
 
@@ -109,7 +109,7 @@ def _on_exception(
     text = f"{kind.__name__}: {value}"
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
-        _say(_diagnose.explain(diagnosis) + "\n")
+        say(_diagnose.explain(diagnosis) + "\n")
     _end(
         f"{text.splitlines()[0][:300]}",
         "uncaught exception in a multi-process run",
@@ -129,7 +129,7 @@ def _end(failure: str, why: str, grace: float, *, status: int) -> None:
     if not _ending.acquire(blocking=False):
         return  # another path is ending the process
     _failing = True
-    _say(
+    say(
         f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
         f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
     )
@@ -143,7 +143,7 @@ def _end(failure: str, why: str, grace: float, *, status: int) -> None:
 
 def _exit_after(seconds: float, failure: str, status: int) -> None:
     time.sleep(seconds)
-    _say(
+    say(
         f"meshkit: exit handlers still running after {seconds:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
@@ -264,7 +264,7 @@ class _Watch(threading.Thread):
         if not _ending.acquire(blocking=False):
             return
         _failing = True
-        _say(text)
+        say(text)
         _flush()
         os._exit(1)
 
@@ -293,17 +293,11 @@ class _EndNote(threading.Thread):
     def run(self) -> None:
         self.ended.wait()
         time.sleep(_ENDED_AFTER_S)
-        _say(
+        say(
             f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
             "waits at JAX's shutdown barrier for the other processes (one still running, or "
             "stuck in a computation this one never joined).\n"
         )
-
-
-def _say(text: str) -> None:
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
 
 def _flush() -> None:

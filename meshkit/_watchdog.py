@@ -40,6 +40,7 @@ from typing import Any
 import jax
 
 from . import _compat, _runtime
+from ._errors import say
 
 __all__ = [
     "INSIDE",
@@ -204,7 +205,7 @@ class Watchdog(threading.Thread):
                 self._dump(idle)
             elif dumped and self.exit_on_stall and idle >= self.after + self.timeout:
                 _, me, _ = _compat.distributed_state()
-                write(
+                say(
                     f"{_runtime.WATCHDOG_MARK} process {me} still made no progress after "
                     f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
                     "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
@@ -216,7 +217,7 @@ class Watchdog(threading.Thread):
         frame = sys._current_frames().get(self.main)
         here = frame_text(frame) if frame is not None else "?"
         where = INSIDE if frame is not None and _in_meshkit(frame) else OUTSIDE
-        write(
+        say(
             f"{_runtime.WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
             f"main thread now {here}, {where}; last meshkit call: "
@@ -283,10 +284,3 @@ def frame_text(frame: FrameType) -> str:
         text += f", called from {user.f_code.co_name} ({short_path(user.f_code.co_filename)}:"
         text += f"{user.f_lineno})"
     return text
-
-
-def write(text: str) -> None:
-    """Write to stderr and flush; never raises (the watchdog must outlive a closed stream)."""
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
