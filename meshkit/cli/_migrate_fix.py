@@ -89,8 +89,37 @@ class _Rewriter(cst.CSTTransformer):
 
     def __init__(self, edits: Sequence[Edit]) -> None:
         super().__init__()
-        self.todo = {(e.line, e.col, e.old): e for e in edits if e.old}
+        self.todo = {(e.line, e.col, e.old): e for e in edits if e.form == "name" and e.old}
+        self.wraps = {
+            (e.form, e.line, e.col, e.end_line, e.end_col): e for e in edits if e.form != "name"
+        }
         self.applied: list[Edit] = []
+
+    def leave_Subscript(
+        self, original_node: cst.Subscript, updated_node: cst.Subscript
+    ) -> cst.BaseExpression:
+        edit = self._wrap("subscript", original_node)
+        if edit is None:
+            return updated_node
+        return _call(edit.new, updated_node.value, updated_node)
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        edit = self._wrap("call", original_node)
+        if edit is None or edit.keep >= len(updated_node.args):
+            return updated_node
+        return _call(edit.new, updated_node.args[edit.keep].value, updated_node)
+
+    def _wrap(self, form: str, original: cst.CSTNode) -> Edit | None:
+        """The edit of a subscript or call at exactly this node's position, if any."""
+        if not self.wraps:
+            return None
+        where = self.get_metadata(PositionProvider, original)
+        assert isinstance(where, CodeRange)
+        key = (form, where.start.line, where.start.column, where.end.line, where.end.column)
+        edit = self.wraps.pop(key, None)
+        if edit is not None:
+            self.applied.append(edit)
+        return edit
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
         return self._replace(original_node, updated_node)
@@ -119,6 +148,23 @@ class _Rewriter(cst.CSTTransformer):
         return cst.Attribute(
             value=value, attr=cst.Name(rest[-1]), lpar=updated.lpar, rpar=updated.rpar
         )
+
+
+def _reference(dotted: str) -> cst.BaseExpression:
+    """``a.b.c`` as a libcst expression."""
+    first, *rest = dotted.split(".")
+    value: cst.BaseExpression = cst.Name(first)
+    for attr in rest:
+        value = cst.Attribute(value=value, attr=cst.Name(attr))
+    return value
+
+
+def _call(func: str, arg: cst.BaseExpression, replaced: cst.BaseExpression) -> cst.Call:
+    """``func(arg)`` in place of ``replaced``, keeping the parentheses around it."""
+    inner = arg.with_changes(lpar=[], rpar=[]) if len(arg.lpar) == 1 else arg
+    return cst.Call(
+        func=_reference(func), args=[cst.Arg(inner)], lpar=replaced.lpar, rpar=replaced.rpar
+    )
 
 
 def _used_names(code: str) -> set[str]:

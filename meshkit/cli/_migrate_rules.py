@@ -110,15 +110,22 @@ _MERGE_FIX = (
     "rewritten by --fix."
 )
 _INDEX_WHY = (
-    "x[0] on a pmap output gathers the whole array to read one entry (3.3 ms for 8 MiB on 8 CPU "
-    "devices, where reading one shard takes microseconds), and a loop pays it every step. With "
-    "meshkit.pmap_compat(..., global_outputs=True) in a multi-process run the output is a global "
-    "array, and x[0] on the host needs entries that live on other hosts."
+    "A value with one entry per device (a pmap output, or what replicate / shard made) read "
+    "on the host: x[k], tree_map(lambda a: a[0], x), np.asarray(x), jax.device_get(x), "
+    "float(x), x.item(), wherever the value flowed (names, tuple unpacking, attributes, fields, "
+    "returns, lists, helpers in other files of the run). With meshkit.pmap_compat's defaults "
+    "it reads this process's entries, as jax.pmap did; with global_outputs=True the value is "
+    "a global array, and in a multi-process run no process holds every entry, so the read "
+    "fails or gives another process's. x[0] also gathers the whole array to read one entry "
+    "(3.3 ms for 8 MiB on 8 CPU devices, where one shard takes microseconds)."
 )
 _INDEX_FIX = (
-    "meshkit.unreplicate(x), which reads this process's first entry from its own shard (for a "
-    "value that is the same on every device, the value); or keep the value on device and read "
-    "it once after the loop. Not rewritten by --fix."
+    "--fix rewrites x[0] and tree_map(lambda a: a[0], x) to meshkit.unreplicate(x) (this "
+    "process's first entry, read from its own shard, in both modes), and np.asarray(x), "
+    "np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this process's "
+    "entries, in both modes); the same numbers as before with the defaults. Other reads need "
+    "a person: meshkit.gather(x) for every process's entries, or reduce on device first "
+    "(jax.lax.pmean) and read one entry."
 )
 _AOT_WHY = (
     "An ahead-of-time compiled pmap: from jax.pmap, the Compiled object cannot be called in "
@@ -155,7 +162,7 @@ RULES: dict[str, Rule] = {
         Rule("MK007", "jax.device_put_replicated/sharded", _DEVICE_PUT_WHY, _DEVICE_PUT_FIX),
         Rule("MK008", "PmapSharding", _PMAP_SHARDING_WHY, _PMAP_SHARDING_FIX),
         Rule("MK009", "jax_pmap_shmap_merge", _MERGE_WHY, _MERGE_FIX),
-        Rule("MK010", "x[0] on a pmap output in a loop", _INDEX_WHY, _INDEX_FIX),
+        Rule("MK010", "host read of a pmap output", _INDEX_WHY, _INDEX_FIX),
         Rule("MK011", ".lower().compile() of a pmap", _AOT_WHY, _AOT_FIX),
         Rule("MK012", "API removed from JAX", _REMOVED_WHY, _REMOVED_FIX),
     )

@@ -13,10 +13,10 @@ per file and flow-insensitive, which bounds what it sees:
   through ``functools.partial`` or a name bound to either), or a ``def`` decorated with one;
 * nested pmap is a pmapped function applied to a pmapped one, stacked pmap decorators, or a call
   of a pmapped function in the body of one (one level of calls, not through helpers);
-* ``x[0]`` in a loop is a subscript by the literal 0 of a name assigned from a call of a
-  pmapped function in the same function (or ``tree_map(lambda a: a[0], x)``). When the pmapped
-  function returns a tuple, ``x[0]`` picks an output and the finding is a false positive:
-  silence it with ``# meshkit: ignore[MK010]``.
+* a host read of a pmap output (``x[0]``, ``np.asarray(x)``, ``jax.device_get(x)``, a
+  ``tree_map`` of ``lambda a: a[0]``...) is found wherever the value flowed, through the run's
+  files (`meshkit.cli._migrate_flow` says how far that goes); a pmapped function whose returns
+  are tuple displays returns outputs, so ``out[0]`` there picks one and is not a read.
 
 A ``# meshkit: ignore`` comment (or ``# meshkit: ignore[MK001,MK010]``) on a finding's first
 line silences it, and ``--fix`` then leaves that line alone.
@@ -29,9 +29,10 @@ import io
 import itertools
 import re
 import tokenize
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from ._migrate_flow import Facts, Flow, Read, analyze
 from ._migrate_rules import (
     COMMON_UTILS,
     DEVICE_PUT,
@@ -42,12 +43,11 @@ from ._migrate_rules import (
     Rule,
 )
 
-__all__ = ["Edit", "Finding", "scan_source"]
+__all__ = ["Edit", "Finding", "project_facts", "scan_source"]
 
 PMAP = "jax.pmap"
 PMAP_COMPAT = "meshkit.pmap_compat"
 PARTIAL = "functools.partial"
-TREE_MAPS = frozenset({"jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map"})
 MERGE_FLAG = "pmap_shmap_merge"
 HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
     **{q: ("MK005", name, kw) for q, (name, kw) in FLAX_JAX_UTILS.items()},
@@ -58,10 +58,9 @@ HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
 # file without any is parsed (to report syntax errors) but not analysed.
 # (MK012's names resolve through an import that names jax.)
 _MAYBE = re.compile(r"(?i:pmap)|jax_utils|common_utils|device_put_|\bjax\b")
+_DEFINES = re.compile(r"^\s*(?:async\s+)?def\s", re.MULTILINE)  # helpers pmap outputs reach
 _IGNORE = re.compile(r"#\s*meshkit:\s*ignore(?:\[(?P<codes>[A-Za-z0-9,\s]*)\])?")
-_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _Located = ast.expr | ast.stmt | ast.alias
-_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 _BINDING_SCOPES = (*_FUNCTIONS, *_COMPREHENSIONS, ast.ClassDef)
@@ -79,6 +78,12 @@ class Edit:
         new: what replaces it (``"meshkit.pmap_compat"``).
         binding: the imported name the reference went through and what the import binds it to
             (``("ju", "flax.jax_utils")``): that import is dropped once nothing uses it.
+        form: what is replaced: ``"name"`` (the reference ``old``), ``"subscript"`` (``x[0]``
+            becomes ``new(x)``) or ``"call"`` (``f(a, x)`` becomes ``new(x)``, ``x`` being
+            argument ``keep``); a subscript or call is found by its start and end.
+        end_line: for a subscript or call, the 1-based line of its end.
+        end_col: for a subscript or call, the 0-based column (characters) of its end.
+        keep: for a call, the argument that the new call takes.
     """
 
     line: int
@@ -86,6 +91,10 @@ class Edit:
     old: str
     new: str
     binding: tuple[str, str] | None
+    form: str = "name"
+    end_line: int = 0
+    end_col: int = 0
+    keep: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,7 @@ def scan_source(
     *,
     select: Collection[str] | None = None,
     ignore: Collection[str] = (),
+    facts: Facts | None = None,
 ) -> list[Finding]:
     r"""The legacy pmap patterns in one file's source, sorted by position.
 
@@ -132,6 +142,8 @@ def scan_source(
         path: the name findings carry.
         select: report only these rule codes (default: all).
         ignore: never report these rule codes.
+        facts: what the other files of the run say of their functions (`project_facts`), for
+            pmap outputs that flow between files; default: this file alone.
 
     Returns:
         The findings, by line and column.
@@ -148,9 +160,13 @@ def scan_source(
         tree = ast.parse(source, filename=path)
     except ValueError as e:  # null bytes, before 3.12
         raise SyntaxError(str(e)) from None
-    if not _MAYBE.search(source):
+    if not _MAYBE.search(source) and not (facts is not None and facts.receives(path)):
         return []
-    found = _Scanner(tree, source, path).scan()
+    scanner = _Scanner(tree, source, path)
+    if facts is None or path not in facts.modules:
+        scanner.collect()
+        facts = analyze({path: scanner}, Facts.for_paths([path]))
+    found = scanner.scan(facts)
     silenced = _ignore_comments(source)
     out: dict[tuple[int, int, str], Finding] = {}
     for f in found:
@@ -161,6 +177,31 @@ def scan_source(
             continue
         out.setdefault((f.line, f.col, f.code), f)
     return [out[k] for k in sorted(out)]
+
+
+def project_facts(sources: Mapping[str, str]) -> Facts:
+    """What a run's files say of their functions, for pmap outputs that flow between them.
+
+    Args:
+        sources: path -> text of every file of the run (a file that does not parse is left
+            out; its error is `scan_source`'s to report).
+
+    Returns:
+        The facts `scan_source` takes: functions returning pmap outputs, parameters passed
+        them, and functions returning tuples, resolved through the files' imports.
+    """
+    facts = Facts.for_paths(sources)
+    scanners = {}
+    for path, source in sources.items():
+        try:
+            tree = ast.parse(source, filename=path)
+        except (SyntaxError, ValueError):
+            continue
+        if _MAYBE.search(source) or _DEFINES.search(source):
+            scanner = _Scanner(tree, source, path)
+            scanner.collect()
+            scanners[path] = scanner
+    return analyze(scanners, facts)
 
 
 def _ignore_comments(source: str) -> dict[int, frozenset[str]]:
@@ -225,16 +266,22 @@ class _Scanner:
         self.from_imports: list[tuple[ast.alias, str, str]] = []
         self.pmap_aliases: dict[str, ast.expr] = {}  # name -> the pmap it stands for
         self.pmapped: dict[str, ast.expr] = {}  # dotted name of a pmapped function -> its pmap
+        self.mapped: dict[str, ast.AST | None] = {}  # ... -> the function it maps
         self.defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.findings: list[Finding] = []
         self._fixable_refs: dict[ast.AST, bool] = {}
         self._lowered: set[str] | None = None  # see _lowered_pmaps
         self._used: set[str] = set()  # every name the file reads or writes
         self._scope_names: dict[ast.AST, frozenset[str]] = {}  # see _locals
+        self._collected = False
 
     # ---- resolution ---------------------------------------------------------------------------
 
-    def _collect(self) -> None:
+    def collect(self) -> None:
+        """Imports, definitions and pmapped names (once, before `scan`)."""
+        if self._collected:
+            return
+        self._collected = True
         for node in self.nodes:
             if isinstance(node, ast.Import):
                 for a in node.names:
@@ -262,10 +309,12 @@ class _Scanner:
                         self.pmap_aliases[name] = ref
                     elif (ref := self._pmapped_call(node.value)) is not None:
                         self.pmapped[name] = ref
+                        self.mapped[name] = _mapped_arg(node.value)
                 elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     refs = self._decorator_refs(node)
                     if refs:
                         self.pmapped[node.name] = refs[0][1]
+                        self.mapped[node.name] = node
 
     def _qual(self, node: ast.AST) -> str | None:
         """The qualified name a name or attribute chain refers to through the imports."""
@@ -333,6 +382,13 @@ class _Scanner:
             return self.pmapped[name]
         return self._pmapped_call(expr)
 
+    def mapped_function(self, expr: ast.AST) -> ast.AST | None:
+        """The function a pmapped callable maps (an expression or a ``def``), if known."""
+        name = _dotted(expr)
+        if name is not None and name in self.pmapped:
+            return self.mapped.get(name)
+        return _mapped_arg(expr) if isinstance(expr, ast.Call) else None
+
     def _decorator_refs(
         self, node: ast.FunctionDef | ast.AsyncFunctionDef
     ) -> list[tuple[ast.expr, ast.expr]]:
@@ -394,8 +450,9 @@ class _Scanner:
 
     # ---- rules --------------------------------------------------------------------------------
 
-    def scan(self) -> list[Finding]:
-        self._collect()
+    def scan(self, facts: Facts) -> list[Finding]:
+        """Every finding, given the run's `Facts` (which `collect` must have fed)."""
+        self.collect()
         used = self._used = {n.id for n in self.nodes if isinstance(n, ast.Name)}
         for node in self.nodes:
             if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
@@ -410,7 +467,7 @@ class _Scanner:
                 self._unused_import(alias, name, target)
         self._removed_imports()
         self._nested()
-        self._index_in_loops()
+        self._host_reads(Flow(self, facts))
         return self.findings
 
     def _written(self, node: ast.AST, qual: str) -> str:
@@ -643,59 +700,70 @@ class _Scanner:
         _, keywords, positional = self._context(ref)
         return not self._pmap_note(keywords, positional)
 
-    # ---- x[0] in loops ------------------------------------------------------------------------
+    # ---- host reads of pmap outputs -----------------------------------------------------------
 
-    def _scope(self, node: ast.AST) -> ast.AST:
-        parent = self.parents.get(node)
-        while parent is not None and not isinstance(parent, _SCOPES):
-            parent = self.parents.get(parent)
-        return parent if parent is not None else self.tree
+    def _host_reads(self, flow: Flow) -> None:
+        """MK010 at each host read of a stacked value (`meshkit.cli._migrate_flow`)."""
+        for read in flow.reads():
+            self._add(read.node, "MK010", self._read_message(read), **self._read_fix(read))
 
-    def _in_loop(self, node: ast.AST) -> bool:
-        child, parent = node, self.parents.get(node)
-        while parent is not None and not isinstance(parent, _SCOPES):
-            if isinstance(parent, _LOOPS) and child in parent.body:
-                return True
-            if isinstance(parent, _COMPREHENSIONS):
-                return True
-            child, parent = parent, self.parents.get(parent)
-        return False
+    def _read_message(self, read: Read) -> str:
+        code = self._snippet(read.node)
+        if read.what == "whole":
+            gives = (
+                "this process's entries; with global_outputs=True: every process's, which no "
+                "process can read alone"
+            )
+        elif read.index is None:
+            gives = (
+                "an entry of each leaf on this process; with global_outputs=True: that entry of "
+                "the global array, held by one process"
+            )
+        else:
+            k = read.index
+            gives = (
+                f"this process's device {k}; with global_outputs=True: global device {k}'s, "
+                "held by one process"
+            )
+        return f"host read of a pmap output `{code}` (pmap_compat's defaults: {gives})"
 
-    def _index_in_loops(self) -> None:
-        outputs: dict[ast.AST, set[str]] = {}
-        for node in self.nodes:
-            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
-                value = node.value
-                if not (isinstance(value, ast.Call) and self._pmapped_value(value.func)):
-                    continue
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names = outputs.setdefault(self._scope(node), set())
-                for t in targets:
-                    elts = t.elts if isinstance(t, ast.Tuple | ast.List) else [t]
-                    for e in elts:
-                        e = e.value if isinstance(e, ast.Starred) else e
-                        if isinstance(e, ast.Name):
-                            names.add(e.id)
-        if not outputs:
-            return
-        for node in self.nodes:
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
-                value = node.value
-                if (
-                    isinstance(value, ast.Name)
-                    and _is_zero(node.slice)
-                    and value.id in outputs.get(self._scope(node), ())
-                    and self._in_loop(node)
-                ):
-                    self._add(node, "MK010", f"`{value.id}[0]` on a pmap output in a loop")
-            elif isinstance(node, ast.Call) and self._qual(node.func) in TREE_MAPS:
-                if not (node.args and _takes_first(node.args[0])):
-                    continue
-                names = outputs.get(self._scope(node), set())
-                hit = [a.id for a in node.args[1:] if isinstance(a, ast.Name) and a.id in names]
-                if hit and self._in_loop(node):
-                    text = f"`{_dotted(node.func)}(lambda a: a[0], {hit[0]})`"
-                    self._add(node, "MK010", f"{text} on a pmap output in a loop")
+    def _read_fix(self, read: Read) -> dict[str, object]:
+        if not read.fix:
+            return {"note": "not fixed: no one-to-one rewrite (see the rule's fix)"}
+        node = read.node
+        end_line = node.end_lineno or node.lineno
+        end = self.lines[end_line - 1].encode("utf-8")[: node.end_col_offset or 0]
+        end_col = len(end.decode("utf-8", "replace"))
+        if isinstance(node, ast.Subscript):
+            edit = Edit(
+                node.lineno, self._col(node), "", read.fix, None, "subscript", end_line, end_col
+            )
+        else:
+            root = _root(node.func)
+            binding = None
+            if root is not None and root in self.bindings:
+                binding = (root, self.bindings[root])
+            edit = Edit(
+                node.lineno,
+                self._col(node),
+                "",
+                read.fix,
+                binding,
+                "call",
+                end_line,
+                end_col,
+                read.keep,
+            )
+        return {"fixable": True, "edit": edit}
+
+    def _snippet(self, node: ast.AST, width: int = 60) -> str:
+        """The expression as written, on one line and at most ``width`` characters."""
+        first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1  # type: ignore[attr-defined]
+        rows = [ln.encode("utf-8") for ln in self.lines[first : last + 1]]
+        rows[-1] = rows[-1][: node.end_col_offset]  # type: ignore[attr-defined]
+        rows[0] = rows[0][node.col_offset :]  # type: ignore[attr-defined]
+        text = " ".join(b" ".join(rows).decode("utf-8", "replace").split())
+        return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _bound_in(scope: ast.AST) -> frozenset[str]:
@@ -754,6 +822,12 @@ def _removed(qual: str | None) -> str | None:
     return None
 
 
+def _mapped_arg(call: ast.expr) -> ast.expr | None:
+    """The function argument of ``pmap(f, ...)`` (or of ``partial(pmap, ...)(f)``)."""
+    assert isinstance(call, ast.Call)
+    return call.args[0] if call.args else _keyword(call, "fun")
+
+
 def _keyword(call: ast.Call, name: str) -> ast.expr | None:
     for kw in call.keywords:
         if kw.arg == name:
@@ -768,25 +842,3 @@ def _keyword_note(keywords: list[ast.keyword], allowed: frozenset[str], qual: st
         if kw.arg not in allowed:
             return f"not fixed: keyword {kw.arg}= is not in {qual}'s legacy signature"
     return ""
-
-
-def _is_zero(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Constant)
-        and isinstance(node.value, int)
-        and not isinstance(node.value, bool)
-        and node.value == 0
-    )
-
-
-def _takes_first(fn: ast.AST) -> bool:
-    """``lambda a: a[0]``."""
-    if not (isinstance(fn, ast.Lambda) and len(fn.args.args) == 1):
-        return False
-    body, arg = fn.body, fn.args.args[0].arg
-    return (
-        isinstance(body, ast.Subscript)
-        and isinstance(body.value, ast.Name)
-        and body.value.id == arg
-        and _is_zero(body.slice)
-    )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from ._migrate_rules import RULES
-from ._migrate_scan import Finding, scan_source
+from ._migrate_scan import Finding, project_facts, scan_source
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -56,8 +56,10 @@ rules:
 
 --fix rewrites MK001 (jax.pmap -> meshkit.pmap_compat, unless out_axes is negative, None or
 computed), MK005-MK007 (flax.jax_utils / common_utils helpers and jax.device_put_replicated /
-sharded -> meshkit's), so MK002 when every pmap involved is rewritten, and MK012 where one name
-replaces a removed one (jax.tree_map -> jax.tree.map); it adds `import meshkit` (or `import jax`)
+sharded -> meshkit's), so MK002 when every pmap involved is rewritten, MK010 where the read has
+a meshkit equivalent (x[0] -> meshkit.unreplicate(x), np.asarray(x) and jax.device_get(x) ->
+meshkit.local_from_global(x)), and MK012 where one name replaces a removed one (jax.tree_map ->
+jax.tree.map); it adds `import meshkit` (or `import jax`)
 and drops imports nothing uses any more. The others need a person. `# meshkit: ignore` or
 `# meshkit: ignore[MK010]` on a line silences its findings.
 
@@ -167,6 +169,7 @@ def run(
     ]
     piped: str | None = None  # with - and --fix: the fixed source, for stdout
     sources: list[Path | None] = [*([None] if "-" in args.paths else []), *files]
+    read: list[tuple[_FileResult, Path | None, str, str]] = []
     for path in sources:
         result = _FileResult(STDIN if path is None else str(path))
         results.append(result)
@@ -176,12 +179,23 @@ def run(
             else:
                 raw = path.read_bytes()
             source, encoding = _decode(raw)
-            if path is None:
-                piped = source
-            result.findings = scan_source(source, result.path, select=select, ignore=ignore)
         except (OSError, UnicodeDecodeError, SyntaxError) as e:
             result.error = _describe(e)
-            if isinstance(e, SyntaxError) and e.lineno:
+            continue
+        if path is None:
+            piped = source
+        read.append((result, path, source, encoding))
+    # Pmap outputs flow between the run's files (a helper in utils.py reads what train.py
+    # passes it): what each file says of its functions, before any file is scanned.
+    facts = project_facts({r.path: source for r, _, source, _ in read})
+    for result, path, source, encoding in read:
+        try:
+            result.findings = scan_source(
+                source, result.path, select=select, ignore=ignore, facts=facts
+            )
+        except SyntaxError as e:
+            result.error = _describe(e)
+            if e.lineno:
                 result.where = f"{e.lineno}:{e.offset or 1}:"
             continue
         result.before = len(result.findings)
@@ -190,7 +204,7 @@ def run(
             continue
         try:
             new = _deep(fix_source, source, edits)
-            after = scan_source(new, result.path, select=select, ignore=ignore)
+            after = scan_source(new, result.path, select=select, ignore=ignore, facts=facts)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"
             continue

@@ -42,7 +42,7 @@ def train(params, batches, key):
     history = []
     for batch in batches:
         params, loss = train_step(params, meshkit.shard(batch))  # MK006
-        history.append(loss[0])  # MK010
+        history.append(meshkit.unreplicate(loss))  # MK010
     return meshkit.unreplicate(params), history, keys  # MK005
 
 

@@ -1,4 +1,4 @@
-"""x[0] on pmap outputs in loops, and ahead-of-time compiled pmaps."""
+"""Host reads of pmap outputs in and out of loops, and ahead-of-time compiled pmaps."""
 
 import jax
 import numpy as np
@@ -14,9 +14,9 @@ def train(state, batches):
         state, loss = p_step(state, batch)
         losses.append(loss[0])  # MK010: a gather every step
         host = jax.tree_util.tree_map(lambda a: a[0], state)  # MK010
-    first = state[0]  # outside the loop: paid once, not reported
+    first = state[0]  # MK010 outside a loop too
     while len(losses) < 10:
-        losses.append(evaluate(state)[0])  # a call's own [0] may pick an output: not reported
+        losses.append(evaluate(state)[0])  # MK010: evaluate returns one output, not a tuple
         score = evaluate(state)
         print(score[0])  # MK010
     return [score[0] for _ in range(2)], host, first  # MK010: a comprehension loops too
