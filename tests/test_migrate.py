@@ -531,7 +531,7 @@ def test_fix_keeps_a_declared_encoding(work):
     assert "latin1.py:3:23: MK001 jax.pmap call [fixable]" in out  # columns count characters
     code, _, _ = run_cli("--fix", "latin1.py")
     assert code == 0
-    # libcst's import adder leaves a blank line between the imports and the code.
+    # The import adder leaves a blank line between the imports and the code.
     assert (work / "latin1.py").read_bytes() == (
         "# -*- coding: latin-1 -*-\nimport meshkit\n\nname = 'café'; step = meshkit.pmap_compat(f)\n"
     ).encode("latin-1")

@@ -1,8 +1,8 @@
 """x[0] on pmap outputs in loops, and ahead-of-time compiled pmaps."""
 
 import jax
-import numpy as np
 import meshkit
+import numpy as np
 
 p_step = meshkit.pmap_compat(lambda s, b: (s + b, (s * b).sum()), axis_name="batch")
 evaluate = meshkit.pmap_compat(lambda s: s.mean())
