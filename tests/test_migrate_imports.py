@@ -234,3 +234,41 @@ def test_only_the_leading_import_block_counts():
     assert fix(src) == (
         "import jax\nimport meshkit\n\nstep = meshkit.pmap_compat(jax.jit(f))\n\nimport optax\n"
     )
+
+
+def test_cli_finds_first_party_modules_next_to_the_file(tmp_path, monkeypatch):
+    # alocal sorts before meshkit: as a third-party import meshkit would go after it.
+    (tmp_path / "alocal.py").write_text("X = 1\n")
+    (tmp_path / "apkg").mkdir()
+    (tmp_path / "apkg" / "__init__.py").write_text("")
+    src = "import jax\nimport alocal\nimport apkg\n\nstep = jax.pmap(jax.jit(f))\n"
+    (tmp_path / "train.py").write_text(src)
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "alone" / "train.py").write_text(src)  # no alocal or apkg next to this one
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("--fix", "--concise", "train.py", "alone/train.py")
+    assert (code, err) == (0, "")
+    assert (tmp_path / "train.py").read_text() == (
+        "import jax\nimport meshkit\nimport alocal\nimport apkg\n\nstep = meshkit.pmap_compat(jax.jit(f))\n"
+    )
+    assert (tmp_path / "alone" / "train.py").read_text() == (
+        "import jax\nimport alocal\nimport apkg\nimport meshkit\n\nstep = meshkit.pmap_compat(jax.jit(f))\n"
+    )
+
+
+def test_cli_first_party_names_from_packages_and_the_scanned_root(tmp_path, monkeypatch):
+    # src/mypkg/sub/train.py imports its own top package and a module at the scanned root.
+    sub = tmp_path / "src" / "mypkg" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "src" / "mypkg" / "__init__.py").write_text("")
+    (sub / "__init__.py").write_text("")
+    (tmp_path / "src" / "atools.py").write_text("")
+    src = "import jax\n\nimport atools\nimport mypkg.core\n\nstep = jax.pmap(jax.jit(f))\n"
+    (sub / "train.py").write_text(src)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("--fix", "--concise", "src")
+    assert (code, err) == (0, "")
+    assert (sub / "train.py").read_text() == (
+        "import jax\nimport meshkit\n\nimport atools\nimport mypkg.core\n\n"
+        "step = meshkit.pmap_compat(jax.jit(f))\n"
+    )
