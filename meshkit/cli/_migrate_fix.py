@@ -6,7 +6,7 @@ name JAX removed becomes its replacement: ``jax.tree.map`` for ``jax.tree_map``)
 they went through are dropped where nothing uses them any more (a comment on the lines
 above a dropped import moves to the next statement; one at the end of the import's own line
 goes with it); ``import meshkit`` (and ``import jax``, where a replacement needs it) is added
-once, after the file's other top imports.
+once, with the file's third-party imports (`meshkit.cli._migrate_imports`).
 
 This module needs libcst (``pip install 'meshkit[migrate]'``); the scanner does not.
 """
@@ -14,24 +14,34 @@ This module needs libcst (``pip install 'meshkit[migrate]'``); the scanner does 
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import libcst as cst
-from libcst.codemod import CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
+from ._migrate_imports import add_imports
 from ._migrate_scan import Edit
 
 __all__ = ["fix_source"]
 
 
-def fix_source(source: str, edits: Sequence[Edit]) -> str:
+def fix_source(
+    source: str,
+    edits: Sequence[Edit],
+    first_party: Collection[str] = (),
+    keep: Collection[str] = (),
+) -> str:
     r"""The source with the edits applied, the unused imports dropped and meshkit imported.
 
     Args:
         source: the file's text.
         edits: the scanner's edits of the findings to fix.
+        first_party: top-level module names local to the project (modules next to the file):
+            their imports form the first-party group, after which ``import meshkit`` never goes.
+            Without them, every import that is not ``__future__``, standard library or
+            relative counts as third-party.
+        keep: names used where the scanner does not look (a notebook's IPython magics): an
+            import binding one of them is never dropped.
 
     Returns:
         The new text (the same text when no edit applies).
@@ -58,7 +68,7 @@ def fix_source(source: str, edits: Sequence[Edit]) -> str:
     module = MetadataWrapper(module).visit(rewriter)
     candidates = {e.binding for e in edits if e.binding is not None}
     if rewriter.applied or candidates:
-        used = _used_names(module.code)
+        used = _used_names(module.code) | set(keep)
         drop = {b for b in candidates if b[0] not in used}
         if drop:
             module = module.visit(_DropImports(drop))
@@ -66,10 +76,7 @@ def fix_source(source: str, edits: Sequence[Edit]) -> str:
     # replacement written through jax (where the file reached it another way).
     needed = sorted({e.new.split(".")[0] for e in rewriter.applied} & {"meshkit", "jax"})
     if needed:
-        context = CodemodContext()
-        for name in needed:
-            AddImportsVisitor.add_needed_import(context, name)
-        module = AddImportsVisitor(context).transform_module(module)
+        module = add_imports(module, needed, first_party)
     return module.code
 
 

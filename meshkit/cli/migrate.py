@@ -5,13 +5,19 @@ Reporting needs only the standard library (`ast`, in `meshkit.cli._migrate_scan`
 each file is scanned again, so what the report and the exit status say remains is what the new
 text holds.
 
+Jupyter notebooks (``*.ipynb``) are scanned and fixed by their code cells
+(`meshkit.cli._migrate_notebook`). ``--fix`` computes every new text before it writes any, and
+writes each file whole or not at all (`meshkit.cli._migrate_files.write_atomic`).
+
 Exit status: 0 nothing found (or, with ``--fix``, nothing left); 1 findings remain; 2 a path
-is missing, a file cannot be read or parsed, or libcst is missing for ``--fix`` / ``--diff``.
+is missing, a file cannot be read, parsed or written, or libcst is missing for ``--fix`` /
+``--diff``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import fnmatch
 import io
@@ -26,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from ._migrate_files import FirstParty, write_atomic
+from ._migrate_flow import Facts
+from ._migrate_notebook import CodeModule, NotebookError, load_notebook
 from ._migrate_rules import RULES
 from ._migrate_scan import Finding, project_facts, scan_source
 
@@ -35,7 +44,8 @@ EXIT_CLEAN = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
 _WIDTH = 100
-_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", ".ipynb_checkpoints"})
+_SUFFIXES = (".py", ".ipynb")
 _NEEDS_LIBCST = (
     "error: --fix and --diff need libcst, which meshkit installs as an extra: "
     "pip install 'meshkit[migrate]'"
@@ -46,6 +56,7 @@ examples:
   meshkit migrate src/                  report, one line per finding and its explanation
   meshkit migrate --diff src/ > mk.patch  the rewrites as a patch, report on stderr
   meshkit migrate --fix src/ train.py   rewrite the mechanical cases in place
+  meshkit migrate --fix notebooks/ a.ipynb   notebooks too: their code cells, in place
   meshkit migrate --format json src/    for tools (--format sarif: SARIF 2.1.0)
   meshkit migrate --ignore MK010 src/   CI gate without one rule
   meshkit migrate --exclude 'tests/*' --exclude '*_pb2.py' src/   skip paths (fnmatch patterns)
@@ -59,12 +70,17 @@ computed), MK005-MK007 (flax.jax_utils / common_utils helpers and jax.device_put
 sharded -> meshkit's), so MK002 when every pmap involved is rewritten, MK010 where the read has
 a meshkit equivalent (x[0] -> meshkit.unreplicate(x), np.asarray(x) and jax.device_get(x) ->
 meshkit.local_from_global(x)), and MK012 where one name replaces a removed one (jax.tree_map ->
-jax.tree.map); it adds `import meshkit` (or `import jax`)
-and drops imports nothing uses any more. The others need a person. `# meshkit: ignore` or
+jax.tree.map); it adds `import meshkit` (or `import jax`) with the third-party imports, and
+drops imports nothing uses any more. The others need a person. `# meshkit: ignore` or
 `# meshkit: ignore[MK010]` on a line silences its findings.
 
+notebooks (*.ipynb): the code cells are read as one module (IPython magics and shell lines are
+kept as they are); findings read path.ipynb:cell N:line:col, --diff shows the cells' code.
+--fix computes every new text first, then writes each file whole (a temporary file, renamed);
+a file that cannot be written is an error, left unchanged, and the others are still written.
+
 exit status: 0 nothing found (or nothing left after --fix); 1 findings remain; 2 a path is
-missing, a file cannot be read or parsed, or libcst is missing for --fix/--diff."""
+missing, a file cannot be read, parsed or written, or libcst is missing for --fix/--diff."""
 
 
 EPILOG = _EPILOG.format(rules="\n".join(f"  {r.code}  {r.name}" for r in RULES.values()))
@@ -76,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "paths",
         nargs="+",
         metavar="PATH",
-        help="files, or directories searched for *.py; - reads one file from stdin",
+        help="files (*.py, *.ipynb), or directories searched for both; - reads one Python "
+        "file from stdin",
     )
     parser.add_argument(
         "--exclude",
@@ -119,11 +136,30 @@ class _FileResult:
     before: int = 0  # findings before --fix / --diff rewrote the file
     diff: str = ""
     error: str = ""
-    where: str = ""  # "line:col:" of a parse error
+    where: str = ""  # "line:col:" of a parse error (in its cell, for a notebook)
+    cells: list[int] = field(default_factory=list)  # a notebook's: each finding's code cell
+    error_cell: int = 0  # a notebook's: the code cell of a parse error
 
     @property
     def error_line(self) -> str:
-        return f"{self.path}:{self.where} error: {self.error}"
+        cell = f"cell {self.error_cell}:" if self.error_cell else ""
+        return f"{self.path}:{cell}{self.where} error: {self.error}"
+
+    def located(self) -> Iterator[tuple[Finding, int | None]]:
+        """Each finding with its code cell (None outside notebooks)."""
+        cells: Sequence[int | None] = self.cells or [None] * len(self.findings)
+        return zip(self.findings, cells, strict=True)
+
+
+@dataclass
+class _Write:
+    """A file --fix rewrites: written once every new text is known."""
+
+    result: _FileResult
+    path: Path
+    data: bytes
+    findings: list[Finding]  # what the new text holds
+    cells: list[int] = field(default_factory=list)
 
 
 STDIN = "<stdin>"  # the name a source read from stdin (the path -) has in reports
@@ -169,10 +205,16 @@ def run(
     ]
     piped: str | None = None  # with - and --fix: the fixed source, for stdout
     sources: list[Path | None] = [*([None] if "-" in args.paths else []), *files]
+    first_party = FirstParty(Path(p) for p in args.paths if p != "-" and Path(p).is_dir())
+    writes: list[_Write] = []  # with --fix: written once every new text is known
     read: list[tuple[_FileResult, Path | None, str, str]] = []
+    notebooks: list[tuple[_FileResult, Path]] = []
     for path in sources:
         result = _FileResult(STDIN if path is None else str(path))
         results.append(result)
+        if path is not None and path.suffix == ".ipynb":
+            notebooks.append((result, path))
+            continue
         try:
             if path is None:
                 raw = (stdin if stdin is not None else sys.stdin.buffer).read()
@@ -187,7 +229,11 @@ def run(
         read.append((result, path, source, encoding))
     # Pmap outputs flow between the run's files (a helper in utils.py reads what train.py
     # passes it): what each file says of its functions, before any file is scanned.
-    facts = project_facts({r.path: source for r, _, source, _ in read})
+    texts = {r.path: source for r, _, source, _ in read}
+    texts.update((r.path, code) for r, p in notebooks if (code := _notebook_code(p)) is not None)
+    facts = project_facts(texts)
+    for result, path in notebooks:
+        writes.extend(_notebook(result, path, args, select, ignore, fix_source, first_party, facts))
     for result, path, source, encoding in read:
         try:
             result.findings = scan_source(
@@ -203,7 +249,8 @@ def run(
         if fix_source is None or not edits:
             continue
         try:
-            new = _deep(fix_source, source, edits)
+            local = () if path is None else first_party.names(path)
+            new = _deep(fix_source, source, edits, local)
             after = scan_source(new, result.path, select=select, ignore=ignore, facts=facts)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"
@@ -218,9 +265,10 @@ def run(
         if args.fix:
             if path is None:
                 piped = new
+                result.findings = after
             else:
-                path.write_bytes(new.encode(encoding))
-            result.findings = after
+                writes.append(_Write(result, path, new.encode(encoding), after))
+    _write_all(writes)
     formats = {"json": _json, "sarif": _sarif, "text": _text}
     report = formats[args.format](results, args)
     if args.fix and piped is not None:  # a filter: the source out, the report aside
@@ -237,6 +285,106 @@ def run(
     if any(r.error for r in results):
         return EXIT_ERROR
     return EXIT_FINDINGS if any(r.findings for r in results) else EXIT_CLEAN
+
+
+def _write_all(writes: Sequence[_Write]) -> None:
+    """Write each file whole; one that cannot be written is its result's error, unchanged."""
+    for w in writes:
+        try:
+            write_atomic(w.path, w.data)
+        except OSError as e:
+            w.result.error = f"cannot write: {e.strerror or e} (the file is unchanged)"
+            continue
+        w.result.findings, w.result.cells = w.findings, w.cells
+
+
+def _notebook(
+    result: _FileResult,
+    path: Path,
+    args: argparse.Namespace,
+    select: set[str] | None,
+    ignore: set[str],
+    fix_source: Callable[..., str] | None,
+    first_party: FirstParty,
+    facts: Facts,
+) -> list[_Write]:
+    """Scan a notebook's code cells into ``result``; with ``--fix``, the write to make.
+
+    ``fix_source``: `meshkit.cli._migrate_fix.fix_source`, None without --fix and --diff.
+    """
+    try:
+        notebook = load_notebook(path.read_bytes())
+    except OSError as e:
+        result.error = _describe(e)
+        return []
+    except NotebookError as e:
+        result.error = f"cannot read notebook: {e}"
+        return []
+    code = notebook.module()
+    try:
+        found = scan_source(code.text, result.path, select=select, ignore=ignore, facts=facts)
+    except SyntaxError as e:
+        result.error = _describe(e)
+        if e.lineno:
+            result.error_cell, line = code.locate(e.lineno)
+            result.where = f"{line}:{e.offset or 1}:"
+        return []
+    result.findings, result.cells = _in_cells(found, code)
+    result.before = len(result.findings)
+    edits = [f.edit for f in result.findings if f.fixable and f.edit is not None]  # as found
+    if fix_source is None or not edits:
+        return []
+    try:
+        # Names the IPython lines use keep their imports: the scanner does not see those lines.
+        local = first_party.names(path)
+        new_text = _deep(fix_source, code.text, edits, local, code.words)
+        fixed = notebook.with_sources(code.split(new_text))
+        new_code = fixed.module()
+        after = scan_source(new_code.text, result.path, select=select, ignore=ignore, facts=facts)
+    except (SyntaxError, NotebookError) as e:
+        result.error = f"cannot rewrite: {e.msg if isinstance(e, SyntaxError) else e}"
+        return []
+    except RecursionError:
+        result.error = "cannot rewrite: nested too deeply for libcst (the file is unchanged)"
+        return []
+    changed = [
+        (n, old, new)
+        for n, (old, new) in enumerate(zip(notebook.sources, fixed.sources, strict=True), 1)
+        if old != new
+    ]
+    if not changed:
+        return []
+    if args.diff:
+        result.diff = "".join(_unified(f"{result.path}:cell {n}", o, w) for n, o, w in changed)
+    if not args.fix:
+        return []
+    return [_Write(result, path, fixed.dumps(), *_in_cells(after, new_code))]
+
+
+def _notebook_code(path: Path) -> str | None:
+    """A notebook's code cells as one module, for `project_facts` (None: `_notebook` says why)."""
+    try:
+        return load_notebook(path.read_bytes()).module().text
+    except (OSError, NotebookError):
+        return None
+
+
+def _in_cells(found: list[Finding], code: CodeModule) -> tuple[list[Finding], list[int]]:
+    """Findings of a notebook's code module at their lines in their cells, and those cells.
+
+    An import reported unused that an IPython line uses (``%timeit pmap(f)(x)``) is left out:
+    the scanner does not see those lines, and ``--fix`` keeps such an import.
+    """
+    found = [
+        f
+        for f in found
+        if not (f.edit and not f.edit.old and f.edit.binding and f.edit.binding[0] in code.words)
+    ]
+    located = [code.locate(f.line) for f in found]
+    findings = [
+        dataclasses.replace(f, line=line) for f, (_, line) in zip(found, located, strict=True)
+    ]
+    return findings, [cell for cell, _ in located]
 
 
 _DEEP_STACK = 512 * 1024 * 1024  # bytes: libcst recurses once per statement in places
@@ -292,7 +440,9 @@ def _codes(value: str | None, option: str) -> set[str] | None:
 
 
 def _discover(paths: Sequence[str], exclude: Sequence[str] = ()) -> tuple[list[Path], list[str]]:
-    """Files named, and *.py under directories named (sorted; hidden dirs and venvs skipped).
+    """Files named, and *.py and *.ipynb under directories named, sorted.
+
+    Hidden directories (``.ipynb_checkpoints`` among them) and virtual environments are skipped.
 
     ``exclude``: fnmatch patterns; a file or directory whose path, as found, or name matches
     one is skipped (a file named on the command line too).
@@ -331,7 +481,7 @@ def _walk(root: Path, exclude: Sequence[str] = ()) -> Iterator[Path]:
             and not _excluded(here / d, exclude)
         )
         for name in sorted(filenames):
-            if name.endswith(".py") and not _excluded(here / name, exclude):
+            if name.endswith(_SUFFIXES) and not _excluded(here / name, exclude):
                 yield here / name
 
 
@@ -379,20 +529,21 @@ def _explain(label: str, text: str) -> str:
     )
 
 
-def _line(f: Finding, rewrite: bool) -> str:
+def _line(f: Finding, rewrite: bool, cell: int | None = None) -> str:
     mark = ""
     if f.note:
         mark = f" [{f.note}]"
     elif f.fixable and not rewrite:
         mark = " [fixable]"
-    return f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}{mark}"
+    where = f"{f.path}:" if cell is None else f"{f.path}:cell {cell}:"  # ruff's notebook style
+    return f"{where}{f.line}:{f.col}: {f.code} {f.message}{mark}"
 
 
 def _text(results: list[_FileResult], args: argparse.Namespace) -> str:
     lines: list[str] = []
     findings = [f for r in results for f in r.findings]
-    for f in findings:
-        lines.append(_line(f, args.fix))
+    for f, cell in (located for r in results for located in r.located()):
+        lines.append(_line(f, args.fix, cell))
         if not args.concise:
             lines.append(_explain("why:", f.rule.why))
             lines.append(_explain("fix:", f.rule.fix))
@@ -424,6 +575,7 @@ def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
     findings = [
         {
             "path": f.path,
+            **({} if cell is None else {"cell": cell}),  # a notebook's code cell, from 1
             "line": f.line,
             "column": f.col,
             "code": f.code,
@@ -435,7 +587,7 @@ def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
             "fix": f.rule.fix,
         }
         for r in results
-        for f in r.findings
+        for f, cell in r.located()
     ]
     doc: dict[str, Any] = {
         "version": 1,
@@ -483,16 +635,18 @@ def _sarif(results: list[_FileResult], args: argparse.Namespace) -> str:
             "level": "warning",
             "message": {"text": f.message + (f" ({f.note})" if f.note else "")},
             "locations": [location(f.path, f.line, f.col)],
-            "properties": {"fixable": f.fixable},
+            # A notebook's region is in its code cell (from 1), named here.
+            "properties": {"fixable": f.fixable, **({} if cell is None else {"cell": cell})},
         }
         for r in results
-        for f in r.findings
+        for f, cell in r.located()
     ]
     notes = [
         {
             "level": "error",
             "message": {"text": r.error},
             "locations": [location(r.path, *_where_of(r))],
+            **({"properties": {"cell": r.error_cell}} if r.error_cell else {}),
         }
         for r in results
         if r.error

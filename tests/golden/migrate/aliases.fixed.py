@@ -3,8 +3,8 @@
 import jax as j
 from functools import partial
 
-from mylib import shard  # someone else's shard: not reported
 import meshkit
+from mylib import shard  # someone else's shard: not reported
 
 a = meshkit.pmap_compat(lambda x: x)
 b = meshkit.pmap_compat(lambda x: x)

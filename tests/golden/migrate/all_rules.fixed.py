@@ -4,9 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import meshkit
 import numpy as np
 from jax.sharding import PmapSharding
-import meshkit
 
 
 def loss_fn(params, batch):

@@ -1,9 +1,10 @@
 """A training script whose host reads happen in helpers of other modules (MK010 there)."""
 
+import meshkit
+
 from checkpoints import save
 
 from utils import get_first, to_host
-import meshkit
 
 p_step = meshkit.pmap_compat(lambda s, b: (s + b, (s * b).mean()), axis_name="i")
 

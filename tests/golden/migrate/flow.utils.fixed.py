@@ -1,4 +1,5 @@
 """Helpers a training script calls with pmap outputs."""
+
 import meshkit
 
 

@@ -3,8 +3,8 @@
 import functools
 
 import jax
-import numpy as np
 import meshkit
+import numpy as np
 
 
 @functools.partial(meshkit.pmap_compat, axis_name="batch")

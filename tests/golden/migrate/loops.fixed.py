@@ -1,7 +1,7 @@
 """Host reads of pmap outputs in and out of loops, and ahead-of-time compiled pmaps."""
 
-import numpy as np
 import meshkit
+import numpy as np
 
 p_step = meshkit.pmap_compat(lambda s, b: (s + b, (s * b).sum()), axis_name="batch")
 evaluate = meshkit.pmap_compat(lambda s: s.mean())
