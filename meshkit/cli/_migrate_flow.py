@@ -434,6 +434,8 @@ class Flow:
             if call.args and self.read_function(call.args[0]) is None:
                 return _join(*(self.kind(a) for a in call.args[1:]))
             return None
+        if isinstance(func, ast.Name) and func.id == "abs" and not self._local(func):
+            return STACKED if call.args and self.kind(call.args[0]) == STACKED else None
         if qual is not None and qual.startswith("jax.numpy."):
             return STACKED if any(self.kind(a) == STACKED for a in call.args) else None
         if isinstance(func, ast.Attribute):
