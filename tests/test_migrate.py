@@ -186,7 +186,7 @@ def test_a_local_name_that_shadows_a_helper_is_neither_reported_nor_rewritten():
 def test_every_removed_name_is_absent_and_every_replacement_present_on_this_jax():
     import importlib
 
-    from meshkit.cli._migrate_rules import REMOVED
+    from meshkit.cli._migrate_rules import REMOVED, REMOVED_MODULES
 
     def exists(name: str) -> bool:
         parts = name.split(".")
@@ -203,6 +203,10 @@ def test_every_removed_name_is_absent_and_every_replacement_present_on_this_jax(
         return False
 
     assert [q for q in REMOVED if exists(q)] == []
+    for module in REMOVED_MODULES:  # still an attribute, no longer a module
+        assert exists(module)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
     assert [new for new, _ in REMOVED.values() if new is not None and not exists(new)] == []
 
 

@@ -116,6 +116,7 @@ class Facts:
         returns: functions whose return value is stacked, and its kind.
         params: functions' parameters that some call passes a stacked value, and its kind.
         tuples: functions every return of which is a tuple display (their pmap returns a tuple).
+        classes: the classes the run's files define.
         defs: every function definition of the run's files.
     """
 
@@ -123,6 +124,7 @@ class Facts:
     returns: dict[tuple[str, str], str] = field(default_factory=dict)
     params: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     tuples: set[tuple[str, str]] = field(default_factory=set)
+    classes: set[tuple[str, str]] = field(default_factory=set)
     defs: dict[tuple[str, str], ast.FunctionDef | ast.AsyncFunctionDef] = field(
         default_factory=dict
     )
@@ -188,6 +190,8 @@ class Flow:
         self.memo: dict[ast.AST, str | None] = {}
         self.qualnames: dict[ast.AST, str] = {}
         self.imports: dict[str, tuple[str, int, str | None]] = {}  # name -> (module, level, attr)
+        self.made: dict[str, ast.expr] = {}  # dotted name -> what was called to make it
+        self._resolving: set[str] = set()
         self._build()
 
     # ---- bindings -----------------------------------------------------------------------------
@@ -213,6 +217,9 @@ class Flow:
                 end = _end(node)
                 for t in node.targets:
                     self._bind(t, end, self._thunk(node.value))
+                made = _dotted(node.targets[0])
+                if made is not None and isinstance(node.value, ast.Call):
+                    self.made.setdefault(made, node.value.func)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 self._bind(node.target, _end(node), self._thunk(node.value))
             elif isinstance(node, ast.AugAssign):
@@ -431,7 +438,7 @@ class Flow:
         if qual in SOURCES:
             return STACKED
         if qual in TREE_MAPS:
-            if call.args and self.read_function(call.args[0]) is None:
+            if call.args and self._keeps_on_device(call.args[0]):
                 return _join(*(self.kind(a) for a in call.args[1:]))
             return None
         if isinstance(func, ast.Name) and func.id == "abs" and not self._local(func):
@@ -463,6 +470,17 @@ class Flow:
             return target is not None and target in self.facts.tuples
         return False
 
+    def _keeps_on_device(self, fn: ast.expr) -> bool:
+        """Whether a function tree_map applies keeps each leaf a stacked array.
+
+        A lambda that reads nothing on the host (``lambda p, g: p - lr * g``), or a jax.numpy /
+        jax.lax function. Anything else (``unreplicate``, a helper) may not: not followed.
+        """
+        if isinstance(fn, ast.Lambda):
+            return self.read_function(fn) is None
+        qual = self.sc._qual(fn)
+        return qual is not None and qual.startswith(("jax.numpy.", "jax.lax."))
+
     # ---- calls between functions -------------------------------------------------------------
 
     def function_key(self, func: ast.expr) -> tuple[str, str] | None:
@@ -477,6 +495,8 @@ class Flow:
             module, level, attr = imported
             path = self.facts.resolve(self.path, module, level)
             return None if path is None else (path, attr)
+        if isinstance(func, ast.Attribute) and (owned := self._instance(func.value)):
+            return (owned[0], f"{owned[1]}.{func.attr}")
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             owner = func.value.id
             if owner in ("self", "cls"):
@@ -499,12 +519,30 @@ class Flow:
         if key is None:
             return None
         func = call.func
-        bound = (
-            isinstance(func, ast.Attribute)
-            and isinstance(func.value, ast.Name)
-            and func.value.id in ("self", "cls")
+        bound = isinstance(func, ast.Attribute) and (
+            (isinstance(func.value, ast.Name) and func.value.id in ("self", "cls"))
+            or self._instance(func.value) is not None
         )
+        if key in self.facts.classes:  # a class called: its __init__, self not passed
+            return (key[0], f"{key[1]}.__init__"), 1
         return key, int(bound)
+
+    def _instance(self, value: ast.expr) -> tuple[str, str] | None:
+        """The run's class (path, qualified name) that ``value`` is an instance of, if known.
+
+        Known for a name or attribute assigned a call of the class (``self._checkpointer =
+        checkpointing.Checkpointer(...)``), anywhere in the file.
+        """
+        key = _dotted(value)
+        made = self.made.get(key) if key is not None else None
+        if made is None or key in self._resolving:  # x = x.copy(): not a class's instance
+            return None
+        self._resolving.add(key)
+        try:
+            cls = self.function_key(made)
+        finally:
+            self._resolving.discard(key)
+        return cls if cls is not None and cls in self.facts.classes else None
 
     def _enclosing_class(self, node: ast.AST) -> ast.ClassDef | None:
         parent = self.sc.parents.get(node)
@@ -612,7 +650,7 @@ class Flow:
         qual = sc._qual(func)
         if qual in TREE_MAPS and len(args) >= 2:
             what = self.read_function(args[0])
-            if what is None or not any(self.kind(a) in (STACKED, TUPLE) for a in args[1:]):
+            if what is None or not any(self.kind(a) for a in args[1:]):
                 return None
             first = what == "entry" and _takes_first(args[0])
             fix = "meshkit.unreplicate" if first and len(args) == 2 and not call.keywords else ""
@@ -643,6 +681,8 @@ def analyze(scanners: Mapping[str, _Scanner], facts: Facts, rounds: int = 8) -> 
         for node, qual in flow.qualnames.items():
             if isinstance(node, _FUNCTIONS):
                 facts.defs[(path, qual)] = node
+            else:
+                facts.classes.add((path, qual))
     for _ in range(rounds):
         changed = False
         for flow in flows.values():

@@ -15,6 +15,7 @@ __all__ = [
     "FLAX_JAX_UTILS",
     "PMAP_KEYWORDS",
     "REMOVED",
+    "REMOVED_MODULES",
     "RULES",
     "Rule",
 ]
@@ -187,6 +188,11 @@ REMOVED: dict[str, tuple[str | None, str]] = {
         )
     },
     "jax.tree_util.tree_multimap": ("jax.tree.map", "jax.tree.map, which takes several trees"),
+    "jax.tree_multimap": ("jax.tree.map", "jax.tree.map, which takes several trees"),
+    "jax.experimental.optix": (None, "optax (optix's successor: the same transformations)"),
+    "jax.lax.infeed": (None, "jax.experimental.io_callback, or feed the data as an argument"),
+    "jax.lax.outfeed": (None, "jax.experimental.io_callback or jax.debug.callback"),
+    "jax.lib.xla_client": (None, "jax.devices(), jax.jit(f).lower(...) for compiled text"),
     "jax.experimental.PartitionSpec": ("jax.sharding.PartitionSpec", "jax.sharding.PartitionSpec"),
     "jax.random.KeyArray": ("jax.Array", "jax.Array (typed keys: jax.random.key)"),
     "jax.numpy.DeviceArray": ("jax.Array", "jax.Array"),
@@ -207,6 +213,12 @@ REMOVED: dict[str, tuple[str | None, str]] = {
     "jax.api": (None, "the same names on jax"),
     "jax.lib.xla_bridge": (None, "jax.devices(), jax.default_backend()"),
     "jax.config.FLAGS": (None, "jax.config.values, or jax.config.update"),
+}
+
+# MK012 for imports only: names that are still attributes (jax.config.update works) but no
+# longer modules, so `import jax.config` and `from jax.config import config` fail.
+REMOVED_MODULES: dict[str, str] = {
+    "jax.config": "`from jax import config` (jax.config is an object now, not a module)",
 }
 
 # The helpers --fix rewrites, by qualified name: (rule, meshkit name, the keyword names a call

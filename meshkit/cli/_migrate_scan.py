@@ -39,6 +39,7 @@ from ._migrate_rules import (
     FLAX_JAX_UTILS,
     PMAP_KEYWORDS,
     REMOVED,
+    REMOVED_MODULES,
     RULES,
     Rule,
 )
@@ -58,6 +59,7 @@ HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
 # file without any is parsed (to report syntax errors) but not analysed.
 # (MK012's names resolve through an import that names jax.)
 _MAYBE = re.compile(r"(?i:pmap)|jax_utils|common_utils|device_put_|\bjax\b")
+_OLD_API = re.compile(r"^jax\.api\.")  # jax.api.X, removed, was jax.X
 _DEFINES = re.compile(r"^\s*(?:async\s+)?def\s", re.MULTILINE)  # helpers pmap outputs reach
 _IGNORE = re.compile(r"#\s*meshkit:\s*ignore(?:\[(?P<codes>[A-Za-z0-9,\s]*)\])?")
 _Located = ast.expr | ast.stmt | ast.alias
@@ -274,6 +276,7 @@ class _Scanner:
         self._used: set[str] = set()  # every name the file reads or writes
         self._scope_names: dict[ast.AST, frozenset[str]] = {}  # see _locals
         self._collected = False
+        self._module_bindings: dict[str, list[ast.stmt]] | None = None  # see _rebound_pmapped
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -379,8 +382,42 @@ class _Scanner:
         """The pmap reference of a pmapped function: ``pmap(f)`` or a name bound to one."""
         name = _dotted(expr)
         if name is not None and name in self.pmapped:
+            if isinstance(expr, ast.Name) and not self._rebound_pmapped(expr):
+                return None
             return self.pmapped[name]
         return self._pmapped_call(expr)
+
+    def _rebound_pmapped(self, name: ast.Name) -> bool:
+        """For a module-level use: whether the last module-level binding before it is a pmap.
+
+        A notebook (or script) that defines ``f`` plainly in one cell and a pmapped ``f`` in a
+        later one: a use in between is the plain one. A use inside a function runs later, so
+        any pmapped binding counts there.
+        """
+        parent = self.parents.get(name)
+        while parent is not None:
+            if isinstance(parent, _FUNCTIONS):
+                return True
+            parent = self.parents.get(parent)
+        if self._module_bindings is None:
+            self._module_bindings = {}
+            for stmt in self.tree.body:
+                for bound, node in _module_binds(stmt):
+                    self._module_bindings.setdefault(bound, []).append(node)
+        at = (name.lineno, name.col_offset)
+        before = [
+            n
+            for n in self._module_bindings.get(name.id, ())
+            if (n.end_lineno or n.lineno, n.end_col_offset or 0) <= at
+        ]
+        if not before:
+            return True
+        last = before[-1]
+        if isinstance(last, ast.FunctionDef | ast.AsyncFunctionDef):
+            return bool(self._decorator_refs(last))
+        if isinstance(last, ast.Assign):
+            return self._pmapped_call(last.value) is not None
+        return False
 
     def mapped_function(self, expr: ast.AST) -> ast.AST | None:
         """The function a pmapped callable maps (an expression or a ``def``), if known."""
@@ -485,15 +522,18 @@ class _Scanner:
             message = f"jax.pmap {word}{self._written(node, qual)}"
             edit = None if note else self._edit(node, "meshkit.pmap_compat")
             self._add(node, "MK001", message, fixable=not note, note=note, edit=edit)
-        elif qual in HELPERS:
-            code, name, allowed = HELPERS[qual]
+        elif (helper := _OLD_API.sub("jax.", qual)) in HELPERS:
+            code, name, allowed = HELPERS[helper]
             word, keywords, _ = self._context(node)
             note = ""
             if keywords is not None:
-                note = _keyword_note(keywords, allowed, qual)
-            message = f"{qual} {word}{self._written(node, qual)}"
+                note = _keyword_note(keywords, allowed, helper)
+            message = f"{helper} {word}{self._written(node, helper)}"
             edit = None if note else self._edit(node, f"meshkit.{name}")
             self._add(node, code, message, fixable=not note, note=note, edit=edit)
+            if helper != qual:  # jax.api.device_put_sharded: the same rewrite fixes both
+                message = f"{qual}, removed from JAX: use meshkit.{name} (see {code})"
+                self._add(node, "MK012", message, fixable=not note, note=note)
         elif qual.startswith("jax.") and qual.endswith(".PmapSharding"):
             self._add(node, "MK008", f"{qual}{self._written(node, qual)}")
         elif (removed := _removed(qual)) is not None:
@@ -554,7 +594,13 @@ class _Scanner:
                 targets = [(a, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]
             else:
                 continue
+            module = node.module if isinstance(node, ast.ImportFrom) else None
             for alias, target in targets:
+                gone = module if module in REMOVED_MODULES else target
+                if gone in REMOVED_MODULES:  # a module no longer, though still an attribute
+                    instead = REMOVED_MODULES[gone]
+                    self._add(alias, "MK012", f"import of module {gone}, removed: use {instead}")
+                    continue
                 key = _removed(target)
                 if key is None:
                     continue
@@ -820,6 +866,19 @@ def _removed(qual: str | None) -> str | None:
         if prefix in REMOVED and REMOVED[prefix][0] is None:
             return prefix
     return None
+
+
+def _module_binds(stmt: ast.stmt) -> Iterator[tuple[str, ast.stmt]]:
+    """The names a module-level statement binds, with the statement."""
+    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        yield stmt.name, stmt
+    elif isinstance(stmt, ast.Assign):
+        for t in stmt.targets:
+            if isinstance(t, ast.Name):
+                yield t.id, stmt
+    elif isinstance(stmt, ast.Import | ast.ImportFrom):
+        for a in stmt.names:
+            yield (a.asname or a.name).split(".")[0], stmt
 
 
 def _mapped_arg(call: ast.expr) -> ast.expr | None:

@@ -39,3 +39,13 @@ def scaled(x, scale):
 
 
 by_partial = jax.pmap(functools.partial(scaled, scale=2), axis_name="i")
+
+
+# A script (or a notebook's cells) that binds a name plainly, uses it, then binds it to a pmap:
+# the first use is of the plain function, not nested.
+def square(x):
+    return x * x
+
+
+squares = jax.pmap(square)(jax.numpy.ones(1))  # MK001 only
+square = jax.pmap(square)  # MK001, and square is pmapped from here on

@@ -3,8 +3,11 @@
 import jax
 from jax.experimental import maps
 from jax.experimental.maps import xmap
+from jax.config import config  # not a module any more: `from jax import config`
+from jax.experimental import optix  # removed module: optax
 
 import jax as J
+import meshkit
 
 
 def step(params, grads):
@@ -31,3 +34,5 @@ spec = jax.sharding.PartitionSpec("data")  # fixed: jax.sharding.PartitionSpec (
 mesh = maps.Mesh(jax.devices(), ("data",))  # not fixed: a removed module
 run = xmap(lambda x: x, in_axes=["i"], out_axes=["i"])  # not fixed
 flat, treedef = jax.tree.flatten({"a": 1})  # fixed
+logs = jax.tree.map(lambda a, b: a + b, {"x": 1}, {"x": 2})  # fixed: jax.tree.map
+shards = meshkit.device_put_sharded([1, 2], jax.devices()[:2])  # MK007 and MK012, fixed

@@ -6,6 +6,8 @@ from jax import tree_leaves
 from jax.experimental import PartitionSpec as P
 from jax.experimental import maps
 from jax.experimental.maps import xmap
+from jax.config import config  # not a module any more: `from jax import config`
+from jax.experimental import optix  # removed module: optax
 
 import jax as J
 
@@ -34,3 +36,5 @@ spec = P("data")  # fixed: jax.sharding.PartitionSpec (the alias P becomes the f
 mesh = maps.Mesh(jax.devices(), ("data",))  # not fixed: a removed module
 run = xmap(lambda x: x, in_axes=["i"], out_axes=["i"])  # not fixed
 flat, treedef = jax.tree_flatten({"a": 1})  # fixed
+logs = jax.tree_multimap(lambda a, b: a + b, {"x": 1}, {"x": 2})  # fixed: jax.tree.map
+shards = jax.api.device_put_sharded([1, 2], jax.devices()[:2])  # MK007 and MK012, fixed
