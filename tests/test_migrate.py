@@ -411,6 +411,22 @@ def test_many_compile_calls_scan_in_linear_time():
     assert timed("p{i} = re.compile('a{i}')") < 5 * plain + 1.0
 
 
+def test_deep_expressions_and_long_flows_scan_and_fix(work):
+    """ast and the flow analysis recurse with the nesting: a 5,000-term sum of a pmap output
+    (RecursionError in ast.parse on the main thread) and a value passed through 3,000 names."""
+    terms = " + ".join(["y"] * 5000)
+    (work / "sum.py").write_text(f"import jax\np = jax.pmap(f)\ny = p(1)\nz = {terms}\nz[0]\n")
+    hops = "".join(f"y{i + 1} = y{i}\n" for i in range(3000))
+    (work / "hops.py").write_text(f"import jax\np = jax.pmap(f)\ny0 = p(1)\n{hops}y3000[0]\n")
+    code, out, err = run_cli("--concise", "sum.py", "hops.py")
+    assert (code, err) == (1, "")
+    assert "sum.py:5:1: MK010 host read of a pmap output `z[0]`" in out
+    assert "hops.py:3004:1: MK010 host read of a pmap output `y3000[0]`" in out
+    code, out, _ = run_cli("--fix", "--concise", "sum.py", "hops.py")
+    assert code == 0, out
+    assert (work / "hops.py").read_text().endswith("meshkit.unreplicate(y3000)\n")
+
+
 def test_null_bytes_and_undecodable_files_are_errors(work):
     (work / "nul.py").write_bytes(b"import jax\x00\n")
     # Not UTF-8 and no coding line: tokenize refuses it in the first two lines, decode later.

@@ -14,11 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import meshkit
-
-pytest.importorskip("libcst", reason="meshkit migrate --fix needs libcst (meshkit[migrate])")
 
 _PRINTED = re.compile(r"(?:step \d+|eval|checkpoint|mean \|w\|)[: ][^[\n]*")
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "legacy_pmap_script.py"
@@ -27,6 +29,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "legacy_pmap_scri
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory) -> Path:
     """The example, copied and fixed; what the fix left is checked here."""
+    pytest.importorskip("libcst", reason="meshkit migrate --fix needs libcst (meshkit[migrate])")
     path = tmp_path_factory.mktemp("migrated") / SCRIPT.name
     shutil.copy(SCRIPT, path)
     done = subprocess.run(
@@ -83,3 +86,48 @@ def test_fixed_example_prints_the_same_lines_in_two_processes(fixed):
     assert [len(lines) for lines in before] == [6, 6]
     assert before[0] != before[1]  # each process's own rows and devices
     assert _launched(fixed) == before
+
+
+# ---- the rewrites give the legacy reads' numbers -----------------------------------------------
+
+_DTYPES = st.sampled_from([np.float32, np.int32, np.bool_, np.float16])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    dtype=_DTYPES,
+    seed=st.integers(0, 2**16),
+    tupled=st.booleans(),
+)
+def test_fixed_reads_equal_the_legacy_reads_of_jax_pmap_outputs(shape, dtype, seed, tupled):
+    """MK010's rewrites, checked against the reads they replace on jax.pmap's own outputs.
+
+    `x[0]` and `tree_map(lambda a: a[0], x)` of a jax.pmap output equal
+    `meshkit.unreplicate(x)` of the pmap_compat output; `np.asarray(x)` and
+    `jax.device_get(x)` equal `meshkit.local_from_global(x)` (values, dtype and shape).
+    """
+    n = jax.local_device_count()
+    x = np.random.default_rng(seed).standard_normal((n, *shape)).astype(dtype)
+
+    def f(a):
+        return (a, {"b": a * 2 if dtype != np.bool_ else ~a}) if tupled else a
+
+    legacy = jax.pmap(f)(x)
+    fixed = meshkit.pmap_compat(f)(x)
+    tree = legacy if tupled else (legacy,)
+    new_tree = fixed if tupled else (fixed,)
+    first = jax.tree_util.tree_map(lambda a: a[0], tree)
+    read_whole = jax.device_get(tree)
+    for old, new in (
+        (first, meshkit.unreplicate(new_tree)),
+        (read_whole, meshkit.local_from_global(new_tree)),
+        (np.asarray(tree[0]), meshkit.local_from_global(new_tree[0])),
+        (tree[0][0], meshkit.unreplicate(new_tree[0])),
+    ):
+        olds, news = jax.tree_util.tree_leaves(old), jax.tree_util.tree_leaves(new)
+        assert len(olds) == len(news)
+        for o, w in zip(olds, news, strict=True):
+            o, w = np.asarray(o), np.asarray(w)
+            assert (o.dtype, o.shape) == (w.dtype, w.shape)
+            np.testing.assert_array_equal(o, w)

@@ -66,6 +66,7 @@ _HOST_METHODS = frozenset({"item", "tolist", "__array__", "tobytes"})
 _TO_PYTHON = frozenset({"float", "int", "bool", "complex"})
 _Pos = tuple[int, int]
 _Scope = ast.AST
+_Where = tuple[ast.AST, tuple[ast.AST, ...], tuple[ast.AST, ...]]  # function, comps, loops
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -188,6 +189,7 @@ class Flow:
         self.names: dict[tuple[_Scope, str], list[_Binding]] = {}
         self.attrs: dict[str, list[_Binding]] = {}
         self.memo: dict[ast.AST, str | None] = {}
+        self.where = self._place()
         self.qualnames: dict[ast.AST, str] = {}
         self.imports: dict[str, tuple[str, int, str | None]] = {}  # name -> (module, level, attr)
         self.made: dict[str, ast.expr] = {}  # dotted name -> what was called to make it
@@ -228,6 +230,7 @@ class Flow:
                     load = ast.Name(target.id, ast.Load())
                     ast.copy_location(load, target)
                     sc.parents[load] = node
+                    self.where[load] = self.where[target]
                     self._bind(target, _end(node), lambda t=load, v=value: self._augmented(t, v))
             elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
                 it = node.iter
@@ -290,22 +293,41 @@ class Flow:
             if key is not None:
                 self.attrs.setdefault(key, []).append(_Binding(pos, kind, ()))
 
+    def _place(self) -> dict[ast.AST, _Where]:
+        """Every node's function, comprehensions and loops, in one pass down the tree.
+
+        (Walking up from each node instead costs the depth per node: quadratic on a sum of
+        thousands of terms.)
+        """
+        top: _Where = (self.sc.tree, (), ())
+        where: dict[ast.AST, _Where] = {self.sc.tree: top}
+        stack: list[tuple[ast.AST, _Where]] = [(self.sc.tree, top)]
+        while stack:
+            node, (fn, comps, loops) = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                here = (fn, comps, loops)
+                if isinstance(node, (*_FUNCTIONS, ast.Lambda)):
+                    if child not in getattr(node, "decorator_list", ()):
+                        here = (node, (), ())
+                elif isinstance(node, _COMPREHENSIONS):
+                    here = (fn, (node, *comps), loops)
+                elif isinstance(node, ast.comprehension) and child is node.iter:
+                    outer = self.sc.parents[node]
+                    if outer.generators[0] is node:  # type: ignore[attr-defined]
+                        here = where[outer]  # the first iterable is the enclosing scope's
+                elif isinstance(node, _LOOPS) and child in node.body:
+                    here = (fn, comps, (node, *loops))
+                where[child] = here
+                stack.append((child, here))
+        return where
+
     def _scope(self, node: ast.AST) -> _Scope:
         """The function, lambda, comprehension or module whose name ``node`` is."""
-        parent = self.sc.parents.get(node)
-        child = node
-        while parent is not None:
-            if isinstance(parent, (*_FUNCTIONS, ast.Lambda)):
-                if child not in getattr(parent, "decorator_list", ()):
-                    return parent
-            elif (
-                isinstance(parent, _COMPREHENSIONS)
-                and child is not parent.generators[0].iter
-                and self._comp_binds(parent, node)
-            ):
-                return parent
-            child, parent = parent, self.sc.parents.get(parent)
-        return self.sc.tree
+        fn, comps, _ = self.where[node]
+        for comp in comps:  # innermost first
+            if self._comp_binds(comp, node):
+                return comp
+        return fn
 
     def _comp_binds(self, comp: ast.AST, node: ast.AST) -> bool:
         if not isinstance(node, ast.Name):
@@ -318,13 +340,9 @@ class Flow:
         return False
 
     def _loops(self, node: ast.AST, scope: _Scope) -> tuple[ast.AST, ...]:
-        found = []
-        child, parent = node, self.sc.parents.get(node)
-        while parent is not None and parent is not scope:
-            if isinstance(parent, _LOOPS) and child in parent.body:
-                found.append(parent)
-            child, parent = parent, self.sc.parents.get(parent)
-        return tuple(found)
+        """The loops of ``scope`` whose body holds ``node``, innermost first."""
+        fn, _, loops = self.where[node]
+        return loops if scope is fn else ()
 
     def _local(self, name: ast.Name) -> bool:
         """Whether a bare name is bound in the file (so it is not the builtin)."""
@@ -490,9 +508,11 @@ class Flow:
             if defs:
                 return (self.path, self.qualnames[defs[0]])
             imported = self.imports.get(func.id)
-            if imported is None or imported[2] is None:
+            if imported is None:
                 return None
             module, level, attr = imported
+            if attr is None:  # `import x`: a module, not a function
+                return None
             path = self.facts.resolve(self.path, module, level)
             return None if path is None else (path, attr)
         if isinstance(func, ast.Attribute) and (owned := self._instance(func.value)):
@@ -534,7 +554,9 @@ class Flow:
         checkpointing.Checkpointer(...)``), anywhere in the file.
         """
         key = _dotted(value)
-        made = self.made.get(key) if key is not None else None
+        if key is None:
+            return None
+        made = self.made.get(key)
         if made is None or key in self._resolving:  # x = x.copy(): not a class's instance
             return None
         self._resolving.add(key)
@@ -685,9 +707,12 @@ def analyze(scanners: Mapping[str, _Scanner], facts: Facts, rounds: int = 8) -> 
                 facts.classes.add((path, qual))
     for _ in range(rounds):
         changed = False
-        for flow in flows.values():
+        for path, flow in list(flows.items()):
             flow.memo.clear()
-            changed = flow.export() or changed
+            try:
+                changed = flow.export() or changed
+            except RecursionError:  # a chain deeper than the stack: what it said still holds
+                del flows[path]  # (scan_source reports that file's own error)
         if not changed:
             break
     return facts

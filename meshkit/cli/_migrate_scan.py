@@ -167,7 +167,7 @@ def scan_source(
     scanner = _Scanner(tree, source, path)
     if facts is None or path not in facts.modules:
         scanner.collect()
-        facts = analyze({path: scanner}, Facts.for_paths([path]))
+        facts = analyze({path: scanner}, Facts.for_paths({path: source}))
     found = scanner.scan(facts)
     silenced = _ignore_comments(source)
     out: dict[tuple[int, int, str], Finding] = {}
@@ -197,8 +197,8 @@ def project_facts(sources: Mapping[str, str]) -> Facts:
     for path, source in sources.items():
         try:
             tree = ast.parse(source, filename=path)
-        except (SyntaxError, ValueError):
-            continue
+        except (SyntaxError, ValueError, RecursionError):
+            continue  # scan_source reports why
         if _MAYBE.search(source) or _DEFINES.search(source):
             scanner = _Scanner(tree, source, path)
             scanner.collect()
@@ -751,7 +751,10 @@ class _Scanner:
     def _host_reads(self, flow: Flow) -> None:
         """MK010 at each host read of a stacked value (`meshkit.cli._migrate_flow`)."""
         for read in flow.reads():
-            self._add(read.node, "MK010", self._read_message(read), **self._read_fix(read))
+            edit = self._read_edit(read)
+            note = "" if edit else "not fixed: no one-to-one rewrite (see the rule's fix)"
+            message = self._read_message(read)
+            self._add(read.node, "MK010", message, fixable=bool(edit), note=note, edit=edit)
 
     def _read_message(self, read: Read) -> str:
         code = self._snippet(read.node)
@@ -773,9 +776,10 @@ class _Scanner:
             )
         return f"host read of a pmap output `{code}` (pmap_compat's defaults: {gives})"
 
-    def _read_fix(self, read: Read) -> dict[str, object]:
+    def _read_edit(self, read: Read) -> Edit | None:
+        """The rewrite of a read into meshkit's equivalent, where there is one."""
         if not read.fix:
-            return {"note": "not fixed: no one-to-one rewrite (see the rule's fix)"}
+            return None
         node = read.node
         end_line = node.end_lineno or node.lineno
         end = self.lines[end_line - 1].encode("utf-8")[: node.end_col_offset or 0]
@@ -800,7 +804,7 @@ class _Scanner:
                 end_col,
                 read.keep,
             )
-        return {"fixable": True, "edit": edit}
+        return edit
 
     def _snippet(self, node: ast.AST, width: int = 60) -> str:
         """The expression as written, on one line and at most ``width`` characters."""

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import io
 import json
 import os
@@ -231,18 +232,19 @@ def run(
     # passes it): what each file says of its functions, before any file is scanned.
     texts = {r.path: source for r, _, source, _ in read}
     texts.update((r.path, code) for r, p in notebooks if (code := _notebook_code(p)) is not None)
-    facts = project_facts(texts)
+    facts = _deep(project_facts, texts)
     for result, path in notebooks:
         writes.extend(_notebook(result, path, args, select, ignore, fix_source, first_party, facts))
     for result, path, source, encoding in read:
         try:
-            result.findings = scan_source(
-                source, result.path, select=select, ignore=ignore, facts=facts
-            )
+            result.findings = _scan(source, result.path, select, ignore, facts)
         except SyntaxError as e:
             result.error = _describe(e)
             if e.lineno:
                 result.where = f"{e.lineno}:{e.offset or 1}:"
+            continue
+        except RecursionError:  # deeper than even _deep's stack allows
+            result.error = _TOO_DEEP
             continue
         result.before = len(result.findings)
         edits = [f.edit for f in result.findings if f.fixable and f.edit is not None]
@@ -251,7 +253,7 @@ def run(
         try:
             local = () if path is None else first_party.names(path)
             new = _deep(fix_source, source, edits, local)
-            after = scan_source(new, result.path, select=select, ignore=ignore, facts=facts)
+            after = _scan(new, result.path, select, ignore, facts)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"
             continue
@@ -322,12 +324,15 @@ def _notebook(
         return []
     code = notebook.module()
     try:
-        found = scan_source(code.text, result.path, select=select, ignore=ignore, facts=facts)
+        found = _scan(code.text, result.path, select, ignore, facts)
     except SyntaxError as e:
         result.error = _describe(e)
         if e.lineno:
             result.error_cell, line = code.locate(e.lineno)
             result.where = f"{line}:{e.offset or 1}:"
+        return []
+    except RecursionError:
+        result.error = _TOO_DEEP
         return []
     result.findings, result.cells = _in_cells(found, code)
     result.before = len(result.findings)
@@ -340,7 +345,7 @@ def _notebook(
         new_text = _deep(fix_source, code.text, edits, local, code.words)
         fixed = notebook.with_sources(code.split(new_text))
         new_code = fixed.module()
-        after = scan_source(new_code.text, result.path, select=select, ignore=ignore, facts=facts)
+        after = _scan(new_code.text, result.path, select, ignore, facts)
     except (SyntaxError, NotebookError) as e:
         result.error = f"cannot rewrite: {e.msg if isinstance(e, SyntaxError) else e}"
         return []
@@ -385,6 +390,22 @@ def _in_cells(found: list[Finding], code: CodeModule) -> tuple[list[Finding], li
         dataclasses.replace(f, line=line) for f, (_, line) in zip(found, located, strict=True)
     ]
     return findings, [cell for cell, _ in located]
+
+
+_TOO_DEEP = "cannot scan: nested too deeply, even for a 200,000-frame stack (the file is unchanged)"
+
+
+def _scan(
+    source: str, path: str, select: set[str] | None, ignore: set[str], facts: Facts
+) -> list[Finding]:
+    """`scan_source` in `_deep`'s thread: ast and the flow analysis recurse with the nesting.
+
+    Raises:
+        SyntaxError: the source does not parse.
+        RecursionError: nested beyond even that thread's limit.
+    """
+    scan = functools.partial(scan_source, select=select, ignore=ignore, facts=facts)
+    return _deep(scan, source, path)
 
 
 _DEEP_STACK = 512 * 1024 * 1024  # bytes: libcst recurses once per statement in places
