@@ -690,6 +690,15 @@ def test_help_lists_rules_and_exit_codes(capsys):
     assert EPILOG.splitlines()[0] == "examples:"
 
 
+def test_every_rule_is_listed_in_the_json_report_and_on_the_docs_page(work):
+    _, out, _ = run_cli("--format", "json", "clean.py")
+    assert [r["code"] for r in json.loads(out)["rules"]] == list(RULES)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "migrating-from-pmap.md").read_text()
+    for code in RULES:
+        assert f"| {code} |" in page  # the rules table
+        assert f"#### {code} " in page or f", {code} " in page  # its section
+
+
 # ---- the facts the rule texts state -------------------------------------------------------------
 
 

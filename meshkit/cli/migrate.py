@@ -615,6 +615,9 @@ def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
         "files": sum(1 for r in results if not r.error),
         "findings": findings,
         "errors": [{"path": r.path, "error": r.error_line} for r in results if r.error],
+        "rules": [
+            {"code": r.code, "name": r.name, "why": r.why, "fix": r.fix} for r in RULES.values()
+        ],
     }
     if args.fix:
         doc["fixed"] = sum(r.before for r in results) - len(findings)
