@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._migrate_scan import _Scanner
 
-__all__ = ["STACKED", "Facts", "Flow", "Read", "analyze"]
+__all__ = ["STACKED", "Facts", "Flow", "Read", "analyze", "dotted_name"]
 
 STACKED = "stacked"  # device axis first: an entry per device
 TUPLE = "tuple"  # a tuple of stacked outputs (a pmapped function returning a tuple)
@@ -219,7 +219,7 @@ class Flow:
                 end = _end(node)
                 for t in node.targets:
                     self._bind(t, end, self._thunk(node.value))
-                made = _dotted(node.targets[0])
+                made = dotted_name(node.targets[0])
                 if made is not None and isinstance(node.value, ast.Call):
                     self.made.setdefault(made, node.value.func)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -289,7 +289,7 @@ class Flow:
                 else:
                     self._bind(elt, pos, lambda k=kind: _element(k()))
         elif isinstance(target, ast.Attribute):
-            key = _dotted(target)
+            key = dotted_name(target)
             if key is not None:
                 self.attrs.setdefault(key, []).append(_Binding(pos, kind, ()))
 
@@ -373,7 +373,7 @@ class Flow:
         if isinstance(expr, ast.Name):
             return self._name(expr)
         if isinstance(expr, ast.Attribute):
-            key = _dotted(expr)
+            key = dotted_name(expr)
             if key is not None and key in self.attrs:
                 return _join(*(b.kind() for b in self.attrs[key]))
             if expr.attr in _METADATA:
@@ -553,7 +553,7 @@ class Flow:
         Known for a name or attribute assigned a call of the class (``self._checkpointer =
         checkpointing.Checkpointer(...)``), anywhere in the file.
         """
-        key = _dotted(value)
+        key = dotted_name(value)
         if key is None:
             return None
         made = self.made.get(key)
@@ -726,11 +726,12 @@ def _end(node: ast.AST) -> _Pos:
     return (node.end_lineno or node.lineno, node.end_col_offset or 0)  # type: ignore[attr-defined]
 
 
-def _dotted(node: ast.AST) -> str | None:
+def dotted_name(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
+        base = dotted_name(node.value)
         return None if base is None else f"{base}.{node.attr}"
     return None
 

@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ._migrate_flow import Facts, Flow, Read, analyze
+from ._migrate_flow import dotted_name as _dotted
 from ._migrate_rules import (
     COMMON_UTILS,
     DEVICE_PUT,
@@ -222,16 +223,6 @@ def _ignore_comments(source: str) -> dict[int, frozenset[str]]:
     except (tokenize.TokenError, SyntaxError):
         pass  # ast accepted it; tokenize's stricter corners only cost the comments
     return found
-
-
-def _dotted(node: ast.AST) -> str | None:
-    """``a.b.c`` for a chain of attributes on a name, else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
 
 
 def _root(node: ast.AST) -> str | None:
