@@ -85,7 +85,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHONS)
 def examples(session: nox.Session) -> None:
     """Run every example; those with a `# meshkit-launch: ARGS` line under `meshkit launch`."""
-    install(session)
+    install(session, "examples")
     for path in sorted((ROOT / "examples").glob("*.py")):
         match = LAUNCH_HEADER.search(path.read_text())
         if match:

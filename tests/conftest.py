@@ -29,6 +29,24 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
+def require(module: str, why: str = "") -> object:
+    """Import ``module`` for a test, or skip it with the reason printed (``-ra`` lists it).
+
+    Where ``MESHKIT_REQUIRE_EXTRAS=1`` (CI sets it, and installs every extra through the test
+    dependency group) a missing package fails the test instead: the ecosystem tests run there
+    against the real libraries, never silently skipped.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        reason = f"{module} is not installed ({exc}); pip install 'meshkit[{why or module}]'"
+        if os.environ.get("MESHKIT_REQUIRE_EXTRAS") == "1":
+            pytest.fail(f"{reason}, but MESHKIT_REQUIRE_EXTRAS=1")
+        pytest.skip(reason)
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """Pids of live processes whose environment holds MESHKIT_TEST_MARKER=marker."""
     needle = f"MESHKIT_TEST_MARKER={marker}".encode()
