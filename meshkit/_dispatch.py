@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agree, _runtime
+from . import _agree, _progress, _runtime
 
 __all__ = [
     "CallSite",
@@ -93,6 +93,7 @@ def _joined_at_first_call(site: CallSite, args: tuple[Any, ...]) -> None:
     remove_observer(_joined_at_first_call)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
+    _progress.mark("running")  # under `meshkit launch`: this rank got past joining
 
 
 _observers: list[Observer] = [_joined_at_first_call]

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from . import _diagnose, _reaper
+from . import _diagnose, _progress, _reaper
 from ._errors import LaunchError
 from ._rank_output import Pump, Sink, join_pumps
 from ._reaper import Guardian, Reaper
@@ -48,6 +49,7 @@ __all__ = ["LaunchResult", "RankResult", "free_port", "launch"]
 
 Platform = Literal["auto", "cpu", "gpu"]
 _POLL_S = 0.02
+_STATUS_S = 0.25  # how often the ranks' stages are read while the cluster forms
 _SCAN_S = 0.05  # a look through /proc costs more than a poll of our own children
 _TAIL_LINES = 40
 # What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
@@ -467,6 +469,10 @@ def _run(
     guardian: Guardian | None = None
     was_subreaper: bool | None = None
     left: list[int] = []
+    status = tempfile.TemporaryDirectory(prefix="meshkit-launch-")
+    board = _progress.Board(Path(status.name), len(envs)) if sink.stream else None
+    extra_env = {**extra_env, _progress.ENV_STATUS: status.name}
+    next_look = 0.0
     try:
         if _reaper.supported():
             token = _reaper.new_token()
@@ -498,6 +504,13 @@ def _run(
                 break
             if not running:
                 break
+            now = time.monotonic() - start
+            if board is not None and now >= next_look:
+                next_look = now + _STATUS_S
+                exits = {rk.rank: rk.proc.returncode for rk in ranks}
+                said = board.line(board.stages(exits), now)
+                if said is not None:
+                    sink.note(said)
             if reaper is not None:
                 seen_now = reaper.watch()
                 if guardian is not None:
@@ -522,6 +535,7 @@ def _run(
             guardian.release()
         if was_subreaper is False:
             _reaper.set_subreaper(False)
+        status.cleanup()
     elapsed = time.monotonic() - start
     results = [rk.result() for rk in ranks]
     report = ""

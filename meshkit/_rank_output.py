@@ -71,6 +71,17 @@ class Sink:
                 except (OSError, ValueError):
                     self.stream = False
 
+    def note(self, line: str) -> None:
+        """Print one line of the launcher's own (not a rank's) to stderr, when streaming."""
+        with self.lock:
+            if self.closed or not self.stream:
+                return
+            try:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                self.stream = False
+
     def close(self) -> None:
         """Flush and close the logs; later writes are dropped.
 

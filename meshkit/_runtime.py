@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from . import _compat, _failfast
+from . import _compat, _failfast, _progress
 from ._errors import MeshkitError
 
 __all__ = [
@@ -499,6 +499,7 @@ def _init(
         return _INFO
 
     collectives = _select_gloo()
+    _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
@@ -528,6 +529,7 @@ def _init(
             initialization_timeout=init_timeout,
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
+    _progress.mark("joined", _INFO.process_id)
     _failfast.install(fail_fast, _INFO.process_id, _INFO.num_processes)
     return _INFO
 

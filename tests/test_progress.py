@@ -1,0 +1,181 @@
+"""meshkit launch says which rank is where while the cluster forms (meshkit/_progress.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshkit import _progress
+from meshkit._progress import Board, mark, ranges, summary
+
+
+def test_ranges_folds_consecutive_ranks():
+    assert ranges([]) == ""
+    assert ranges([3]) == "3"
+    assert ranges([4, 0, 1, 2, 7, 8]) == "0-2, 4, 7-8"
+
+
+@given(st.sets(st.integers(0, 200), max_size=40))
+def test_ranges_names_every_rank_once(ranks):
+    named = set()
+    for part in ranges(list(ranks)).split(", ") if ranks else []:
+        lo, _, hi = part.partition("-")
+        span = range(int(lo), int(hi or lo) + 1)
+        assert not named & set(span)
+        named |= set(span)
+    assert named == ranks
+
+
+def test_summary_groups_by_stage_in_order():
+    stages = {0: "running", 1: "joined", 2: "joining", 3: "joining", 4: "starting", 5: "exited"}
+    assert summary(stages) == (
+        "rank 1 joined; rank 0 running; ranks 2-3 joining; rank 4 starting; rank 5 exited"
+    )
+
+
+def test_stages_read_the_status_files(tmp_path, monkeypatch):
+    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    mark("joining", 0)
+    monkeypatch.setenv("MESHKIT_PROCESS_ID", "2")
+    mark("running")
+    (tmp_path / "rank3").write_text("garbage")
+    board = Board(tmp_path, 5)
+    assert board.stages({4: 1}) == {
+        0: "joining", 1: "starting", 2: "running", 3: "starting", 4: "exited"
+    }  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank2", "rank3"]
+
+
+def test_mark_outside_a_launch_run_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(_progress.ENV_STATUS, raising=False)
+    monkeypatch.chdir(tmp_path)
+    mark("joining", 0)
+    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path / "gone"))
+    mark("joining", 0)  # a directory that went away: quieter, never an error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_board_is_quiet_when_the_cluster_forms_quickly(tmp_path):
+    board = Board(tmp_path, 3)
+    assert board.line({0: "starting", 1: "starting", 2: "starting"}, 0.5) is None
+    assert board.line({0: "joining", 1: "starting", 2: "joining"}, 1.0) is None
+    assert board.line({0: "joining", 1: "joining", 2: "joining"}, 2.9) is None
+    assert board.line({0: "joined", 1: "running", 2: "joined"}, 3.0) is None
+    assert board.line({0: "joining", 1: "starting", 2: "joining"}, 9.0) is None  # done
+
+
+def test_board_says_who_waits_then_when_it_formed(tmp_path):
+    board = Board(tmp_path, 4, after=2.0, every=5.0)
+    waiting = {0: "joining", 1: "joining", 2: "joining", 3: "starting"}
+    assert board.line(waiting, 1.0) is None  # first join; nothing yet
+    assert board.line(waiting, 3.0) == (
+        "meshkit launch: waiting for the cluster to form (3.0 s): ranks 0-2 joining; "
+        "rank 3 starting"
+    )
+    assert board.line(waiting, 4.0) is None  # nothing changed, not due
+    assert board.line(waiting, 8.0) is not None  # due again after `every`
+    changed = {**waiting, 3: "joining"}
+    assert board.line(changed, 8.5) == (
+        "meshkit launch: waiting for the cluster to form (8.5 s): ranks 0-3 joining"
+    )
+    formed = {0: "running", 1: "joined", 2: "joined", 3: "joined"}
+    assert (
+        board.line(formed, 9.0) == "meshkit launch: the cluster formed after 9.0 s: 4 ranks joined"
+    )
+    assert board.line(waiting, 20.0) is None
+
+
+def test_board_names_ranks_that_exited_before_joining(tmp_path):
+    board = Board(tmp_path, 3)
+    assert board.line({0: "joining", 1: "joining", 2: "starting"}, 0.0) is None
+    assert board.line({0: "joining", 1: "joining", 2: "exited"}, 2.5) == (
+        "meshkit launch: waiting for the cluster to form (2.5 s): ranks 0-1 joining; rank 2 exited"
+    )
+    assert board.line({0: "exited", 1: "exited", 2: "exited"}, 3.0) == (
+        "meshkit launch: every rank exited before the cluster formed (3.0 s)"
+    )
+
+
+@pytest.mark.multiprocess
+def test_launch_shows_a_rank_that_is_slow_to_join(tmp_path, marker):
+    # Rank 1 spends 4 s "loading data" before meshkit.init(); rank 0 waits in init meanwhile.
+    (tmp_path / "slow.py").write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import meshkit
+            if os.environ["MESHKIT_PROCESS_ID"] == "1":
+                time.sleep(4)
+            meshkit.init()
+            mesh = meshkit.make_mesh({"data": -1})
+            print("mesh", dict(mesh.shape))
+            """
+        )
+    )
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    out = subprocess.run(
+        [*command, "launch", "-n", "2", "-d", "1", "--timeout", "120", "slow.py"],
+        cwd=tmp_path,
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank1] mesh {'data': 2}" in out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.startswith("meshkit launch:")]
+    assert lines, out.stderr
+    assert re.fullmatch(
+        r"meshkit launch: waiting for the cluster to form \(\d+\.\d s\): "
+        r"rank 0 joining; rank 1 starting",
+        lines[0],
+    ), lines
+    assert re.fullmatch(
+        r"meshkit launch: the cluster formed after \d+\.\d s: 2 ranks joined", lines[-1]
+    ), lines
+    assert not out.stdout.count("meshkit launch:"), out.stdout  # the launcher's lines: stderr
+
+
+@pytest.mark.multiprocess
+def test_launch_says_nothing_when_the_cluster_forms_quickly(tmp_path, marker):
+    # Both ranks meet at a file barrier first, so that imports slowed by a busy machine cannot
+    # make one of them wait in init for more than the board's two seconds.
+    (tmp_path / "quick.py").write_text(
+        textwrap.dedent(
+            """
+            import os, pathlib, time
+            import meshkit
+            here = pathlib.Path(".")
+            (here / f"ready{os.environ['MESHKIT_PROCESS_ID']}").touch()
+            deadline = time.monotonic() + 60
+            while not all((here / f"ready{r}").exists() for r in (0, 1)):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            meshkit.init()
+            print("ok")
+            """
+        )
+    )
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    out = subprocess.run(
+        [*command, "launch", "-n", "2", "-d", "1", "--timeout", "120", "quick.py"],
+        cwd=tmp_path,
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "waiting for the cluster" not in out.stderr, out.stderr
