@@ -73,6 +73,10 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
 def _join(*kinds: str | None) -> str | None:
+    # Callers pass lists, not generators: a kind resolves through the kinds of what flowed into
+    # it (a value passed through 3,000 names recurses 3,000 deep), and since Python 3.12 a
+    # generator consumed from C (`*gen`) adds a C frame per level under a fixed C limit that
+    # no recursion limit raises; comprehensions are inlined there and cost Python frames only.
     best = None
     for k in kinds:
         if k is not None and (best is None or _ORDER[k] > _ORDER[best]):
@@ -375,7 +379,7 @@ class Flow:
         if isinstance(expr, ast.Attribute):
             key = dotted_name(expr)
             if key is not None and key in self.attrs:
-                return _join(*(b.kind() for b in self.attrs[key]))
+                return _join(*[b.kind() for b in self.attrs[key]])
             if expr.attr in _METADATA:
                 return None
             base = self.kind(expr.value)
@@ -440,7 +444,7 @@ class Flow:
             seen += [b for b in bindings[i:] if b.pos <= end and outer in b.loops]
         if not seen:
             return None
-        return (_join(*(b.kind() for b in seen)),)
+        return (_join(*[b.kind() for b in seen]),)
 
     def _param(self, fn: ast.AST, name: str) -> str | None:
         if isinstance(fn, ast.Lambda):
@@ -457,7 +461,7 @@ class Flow:
             return STACKED
         if qual in TREE_MAPS:
             if call.args and self._keeps_on_device(call.args[0]):
-                return _join(*(self.kind(a) for a in call.args[1:]))
+                return _join(*[self.kind(a) for a in call.args[1:]])
             return None
         if isinstance(func, ast.Name) and func.id == "abs" and not self._local(func):
             return STACKED if call.args and self.kind(call.args[0]) == STACKED else None
@@ -583,7 +587,7 @@ class Flow:
                 facts.tuples.add(key)
                 changed = True
             if key not in facts.returns:
-                kind = _join(*(self.kind(r.value) for r in _returns(node) if r.value))
+                kind = _join(*[self.kind(r.value) for r in _returns(node) if r.value])
                 if kind is not None:
                     facts.returns[key] = kind
                     changed = True
