@@ -36,8 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat, _layout
 from ._errors import MeshkitError
+from ._spec_trees import align_specs, plain_specs
 from ._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
-from ._trees import broadcast_prefix, prefix_mismatch
+from ._trees import broadcast_prefix
 
 __all__ = ["DtypeWarning"]
 
@@ -193,15 +194,12 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
     mesh = mesh_or_sharding
     if is_spec_leaf(spec):
         return [(mesh, spec)] * n_leaves
-    mismatch = prefix_mismatch(spec, local, is_leaf=is_spec_leaf)
-    if mismatch is not None:
-        where, have, want = mismatch
-        raise MeshkitError(
-            f"{who()}: spec must be one spec for every array, or a pytree prefix of local with "
-            f"a spec at each leaf; the structures do not match: at spec{where}, spec has {have} "
-            f"where local has {want}."
-        )
-    return [(mesh, s) for s in broadcast_prefix(spec, local, is_leaf=is_spec_leaf)]
+    spec = plain_specs(spec)  # flax's partition specs stand for their specs
+    if is_spec_leaf(spec):
+        return [(mesh, spec)] * n_leaves
+    # A tree of specs: a prefix of local, its mappings matched by keys (one line if not).
+    aligned = align_specs(spec, local, where=f"{who()}: spec", noun="local")
+    return [(mesh, s) for s in broadcast_prefix(aligned, local, is_leaf=is_spec_leaf)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -273,15 +273,3 @@ def map_specs(fn: Callable[[Any, str], Any], specs: Any, what: str) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
     out = [fn(leaf, f"{what}{jax.tree_util.keystr(path)}") for path, leaf in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
-    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it.
-
-    ``specs`` is a pytree prefix of ``tree`` whose leaves are specs (as in ``in_specs``).
-    """
-
-    def under(s: Any, subtree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda leaf: fn(s, leaf), subtree)
-
-    return jax.tree_util.tree_map(under, specs, tree, is_leaf=is_spec_leaf)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 import jax
@@ -36,6 +36,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from . import _compat, _dispatch, _placement
 from ._errors import MeshkitError
+from ._spec_trees import align_specs, describe_node, has_mapping, plain_specs, to_spec_types
 from ._specs import (
     as_partition_spec,
     check_spec_for_mesh,
@@ -45,7 +46,6 @@ from ._specs import (
     parse_spec,
     spec_axes,
 )
-from ._trees import prefix_mismatch
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
@@ -86,6 +86,22 @@ class _Local:
 _TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
 
 
+class _Layout:
+    """One structure of the dynamic arguments: their specs aligned to it, its jit, its targets.
+
+    ``specs`` and ``raws`` hold one spec tree per argument, rebuilt in the argument's node
+    types (`meshkit._spec_trees.align_specs`), so JAX takes them as prefixes: ``specs`` in
+    `PartitionSpec` form, ``raws`` as the user wrote the leaves (strings name dimensions).
+    """
+
+    def __init__(self, specs: tuple[Any, ...], raws: tuple[Any, ...], jitted: Any) -> None:
+        self.specs = specs
+        self.raws = raws
+        self.jitted = jitted
+        # Each leaf's sharding once placed (for the steady-state test); None until then.
+        self.targets: list[NamedSharding] | None = None
+
+
 class _Plan:
     """Everything fixed once the mesh is known: specs, shardings, the jitted function."""
 
@@ -101,27 +117,65 @@ class _Plan:
             lambda s, w: check_spec_for_mesh(s, mesh, w), owner.out_specs,
             f"meshkit.spmd({name}): out_specs",
         )  # fmt: skip
+        # out_specs with mappings are matched to the outputs by keys (see `body`).
+        self.keyed_out = has_mapping(owner.out_specs)
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-        # Per structure of the dynamic arguments: each leaf's sharding once placed.
-        self.targets: dict[Any, list[NamedSharding]] = {}
-        if not isinstance(mesh, Mesh):  # an AbstractMesh, met while tracing: body only
-            return
-        self.multiprocess = mesh.is_multi_process
-        self.in_shardings = jax.tree_util.tree_map(
-            lambda s: NamedSharding(mesh, s), self.in_specs, is_leaf=is_spec_leaf
-        )
+        self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
+        # Per structure of the dynamic arguments (a treedef): specs aligned to it, its jit.
+        self.layouts: dict[Any, _Layout] = {}
 
-        def body(*args: Any) -> Any:
-            return self.body(*args)
+    def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> _Layout:
+        """The `_Layout` of this structure of the dynamic arguments (made on first sight)."""
+        if treedef is None:
+            treedef = jax.tree_util.tree_structure(dyn)
+        found = self.layouts.get(treedef)
+        if found is not None:
+            return found
+        owner = self.owner
+        raw = owner.in_specs
+        if is_spec_leaf(raw):
+            specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
+            raws: tuple[Any, ...] = (raw,) * len(dyn)
+        else:
+            if len(raw) != len(dyn):
+                raise MeshkitError(
+                    f"meshkit.spmd({owner.name}): in_specs has {len(raw)} entries but the "
+                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
+                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
+                    "none."
+                )
+            raws = tuple(
+                align_specs(r, a, where=f"meshkit.spmd({owner.name}): in_specs[{i}]")
+                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
+            )
+            specs = tuple(
+                jax.tree_util.tree_map(
+                    lambda s: as_partition_spec(s, "in_specs"), r, is_leaf=is_spec_leaf
+                )
+                for r in raws
+            )
+        jitted = None
+        if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
+            mesh = self.mesh
+            shardings = jax.tree_util.tree_map(
+                lambda s: NamedSharding(mesh, s),
+                self.in_specs if is_spec_leaf(raw) else specs,
+                is_leaf=is_spec_leaf,
+            )
 
-        # Named after the user's function, so HLO dumps and profiles tell spmd functions apart.
-        body.__name__ = body.__qualname__ = owner.name
-        self.jitted = jax.jit(
-            body,
-            in_shardings=self.in_shardings,
-            static_argnums=owner.static_argnums,
-            donate_argnums=owner.donate_argnums,
-        )
+            def body(*args: Any) -> Any:
+                return self.body(*args)
+
+            # Named after the user's function, so HLO dumps and profiles tell them apart.
+            body.__name__ = body.__qualname__ = owner.name
+            jitted = jax.jit(
+                body,
+                in_shardings=shardings,
+                static_argnums=owner.static_argnums,
+                donate_argnums=owner.donate_argnums,
+            )
+        made = self.layouts[treedef] = _Layout(specs, raws, jitted)
+        return made
 
     # ---- trace time -------------------------------------------------------------------------
 
@@ -129,73 +183,65 @@ class _Plan:
         owner = self.owner
         static = owner.static_argnums
         dyn = self.dynamic(args)
-        specs = self.specs_for(len(dyn))
-        self.check_args(dyn, specs)
+        layout = self.layout(dyn)
+        self.check_args(dyn, layout)
         if self.explicit:
-            dyn = self.reshard_typed(dyn, specs)
+            dyn = self.reshard_typed(dyn, layout)
+        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
+        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
+        back: list[Any] = []
+        where = f"meshkit.spmd({owner.name}): out_specs"
 
         def per_device(*local: Any) -> Any:
             it = iter(local)
             full = [args[i] if i in static else next(it) for i in range(len(args))]
             out = owner.fn(*full)
-            self.check_outputs(out)  # a block has the rank of the global output
-            return out
+            raws = align_specs(owner.out_specs, out, where=where, noun="the output")
+            self.check_outputs(out, raws)  # a block has the rank of the global output
+            if not self.keyed_out:
+                return out
+            treedef = jax.tree_util.tree_structure(out)
+            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(owner.out_specs, order))]
+            return to_spec_types(owner.out_specs, out)
 
-        return jax.shard_map(
+        result = jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=specs,
+            in_specs=layout.specs,
             out_specs=self.out_specs,
             check_vma=owner.check_vma,
         )(*dyn)
+        if not self.keyed_out:
+            return result
+        treedef, order = back
+        leaves: list[Any] = [None] * len(order)
+        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
+            leaves[i] = leaf
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The arguments that are not static (those in_specs describe)."""
         static = self.owner.static_argnums
         return tuple(a for i, a in enumerate(args) if i not in static)
 
-    def specs_for(self, n: int) -> tuple[Any, ...]:
-        if isinstance(self.in_specs, PartitionSpec):
-            return (self.in_specs,) * n
-        if len(self.in_specs) != n:
-            raise MeshkitError(
-                f"meshkit.spmd({self.owner.name}): in_specs has {len(self.in_specs)} entries but "
-                f"the function was called with {n} (non-static) positional arguments.\n"
-                "Consider one spec (or pytree of specs) per argument; static_argnums take none."
-            )
-        return tuple(self.in_specs)
-
-    def each_leaf(
-        self, args: tuple[Any, ...], specs: tuple[Any, ...], fn: Callable[..., Any]
-    ) -> Any:
+    def each_leaf(self, args: tuple[Any, ...], layout: _Layout, fn: Callable[..., Any]) -> Any:
         """Map ``fn(leaf, spec, raw_spec, path)`` over the leaves of ``args`` under their specs."""
-        raw = self.owner.in_specs
-        raw_specs = (raw,) * len(args) if is_spec_leaf(raw) else tuple(raw)
+        keystr = jax.tree_util.keystr
 
         def per_arg(i: int) -> Any:
-            mismatch = prefix_mismatch(specs[i], args[i], is_leaf=is_spec_leaf)
-            if mismatch is not None:
-                where, have, want = mismatch
-                raise MeshkitError(
-                    f"meshkit.spmd({self.owner.name}): in_specs[{i}] = {raw_specs[i]!r} does not "
-                    f"match the structure of argument {i} "
-                    f"({jax.tree_util.tree_structure(args[i])}): at in_specs[{i}]{where} it has "
-                    f"{have} where the argument has {want}.\n"
-                    "Consider a spec per leaf, or one spec for the whole argument."
-                )
-
-            def visit(s: PartitionSpec, r: Any, sub: Any) -> Any:
+            def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> Any:
                 return jax.tree_util.tree_map_with_path(
-                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{jax.tree_util.keystr(p)}"), sub
+                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{keystr(at)}{keystr(p)}"), sub
                 )
 
-            return jax.tree_util.tree_map(
-                visit, specs[i], raw_specs[i], args[i], is_leaf=is_spec_leaf
+            return jax.tree_util.tree_map_with_path(
+                visit, layout.specs[i], layout.raws[i], args[i], is_leaf=is_spec_leaf
             )
 
         return tuple(per_arg(i) for i in range(len(args)))
 
-    def check_args(self, dyn: tuple[Any, ...], specs: tuple[Any, ...]) -> None:
+    def check_args(self, dyn: tuple[Any, ...], layout: _Layout) -> None:
         """Rank and divisibility of every argument against its spec, with dims named."""
         name = self.owner.name
         sizes = self.mesh.shape
@@ -226,9 +272,9 @@ class _Plan:
                         f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
                     )
 
-        self.each_leaf(dyn, specs, check)
+        self.each_leaf(dyn, layout, check)
 
-    def reshard_typed(self, dyn: tuple[Any, ...], specs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def reshard_typed(self, dyn: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
         """On Explicit meshes, give every value the sharding type its spec asks for."""
 
         def fix(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
@@ -241,9 +287,13 @@ class _Plan:
                 self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
             return jax.reshard(leaf, NamedSharding(self.mesh, s))
 
-        return self.each_leaf(dyn, specs, fix)
+        return self.each_leaf(dyn, layout, fix)
 
-    def check_outputs(self, out: Any) -> None:
+    def check_outputs(self, out: Any, raws: Any) -> None:
+        """Each output's rank against the dimensions its spec string names.
+
+        ``raws`` is out_specs as written, aligned to ``out`` (`align_specs`).
+        """
         name = self.owner.name
 
         def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
@@ -254,36 +304,43 @@ class _Plan:
                     f"{raw!r} names {_count(len(dims), 'dimension')}."
                 )
 
-        if prefix_mismatch(self.out_specs, out, is_leaf=is_spec_leaf) is not None:
-            return  # shard_map reports a structure mismatch in its own words
-        raw = self.owner.out_specs
         jax.tree_util.tree_map(
-            lambda s, r, sub: jax.tree_util.tree_map_with_path(
-                lambda p, leaf: check(leaf, s, r, f"out{jax.tree_util.keystr(p)}"), sub
+            lambda r, sub: jax.tree_util.tree_map_with_path(
+                lambda p, leaf: check(leaf, as_partition_spec(r, "out_specs"), r,
+                                      f"out{jax.tree_util.keystr(p)}"), sub
             ),
-            self.out_specs, raw, out, is_leaf=is_spec_leaf,
+            raws, out, is_leaf=is_spec_leaf,
         )  # fmt: skip
 
     # ---- call time: classify, then call ------------------------------------------------------
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`meshkit._placement`), place what needs it, call jit once."""
-        run = self.jitted.lower if lower else self.jitted
-        leaves, treedef = jax.tree_util.tree_flatten(self.dynamic(args))
-        targets = self.targets.get(treedef)
+        dyn = self.dynamic(args)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self.layouts.get(treedef)
         if (
-            targets is not None
+            layout is not None
+            and layout.targets is not None
             and _compat.trace_state_clean()
-            and _placement.placed(leaves, targets)
+            and _placement.placed(leaves, layout.targets)
         ):
-            return run(*args)  # the steady state: every leaf already where in_specs puts it
+            # The steady state: every leaf already where in_specs puts it.
+            return (layout.jitted.lower if lower else layout.jitted)(*args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
-            return run(*self.traced(args))
-        if self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
-            args = self.assemble_local(args)  # this process's parts, as global arrays
-        return run(*self.place(args, treedef))
+            layout = self.layout(dyn, treedef)
+            args = self.traced(args, layout)
+        elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
+            # This process's parts, as global arrays (the layout is made inside, so that a
+            # spec error there reaches the other processes too).
+            args, layout = self.assemble_local(args, treedef)
+            args = self.place(args, layout)
+        else:
+            layout = self.layout(dyn, treedef)
+            args = self.place(args, layout)
+        return (layout.jitted.lower if lower else layout.jitted)(*args)
 
-    def traced(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def traced(self, args: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
         """Arguments of a call traced inside another jit: host values are program constants.
 
         Constants are the same in every process (the global value), as jit itself treats them;
@@ -293,13 +350,12 @@ class _Plan:
         if not self.multiprocess:
             return args
         dyn = self.dynamic(args)
-        specs = self.specs_for(len(dyn))
         const = lambda leaf, s, raw, where: (  # noqa: E731
             from_host(leaf, NamedSharding(self.mesh, s)) if _placement.is_host(leaf) else leaf
         )
-        return self.with_dynamic(args, self.each_leaf(dyn, specs, const))
+        return self.with_dynamic(args, self.each_leaf(dyn, layout, const))
 
-    def place(self, args: tuple[Any, ...], treedef: Any) -> tuple[Any, ...]:
+    def place(self, args: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
         """Every argument where its spec puts it: meshkit's checks, then moves and puts.
 
         Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
@@ -307,8 +363,7 @@ class _Plan:
         structure for the steady-state test of the next call.
         """
         dyn = self.dynamic(args)
-        specs = self.specs_for(len(dyn))
-        self.check_args(dyn, specs)
+        self.check_args(dyn, layout)
         targets: list[NamedSharding] = []
 
         def put(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
@@ -322,7 +377,7 @@ class _Plan:
                 self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
             return jax.device_put(leaf, target)
 
-        marked = self.each_leaf(dyn, specs, put)
+        marked = self.each_leaf(dyn, layout, put)
         flat, tree = jax.tree_util.tree_flatten(marked, is_leaf=lambda x: isinstance(x, _Host))
         hosts = [i for i, m in enumerate(flat) if isinstance(m, _Host)]
         values = _placement.put_host(
@@ -330,7 +385,7 @@ class _Plan:
         )
         for i, value in zip(hosts, values, strict=True):
             flat[i] = value
-        self.targets[treedef] = targets
+        layout.targets = targets
         return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
 
     def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -339,7 +394,9 @@ class _Plan:
         it = iter(dyn)
         return tuple(args[i] if i in static else next(it) for i in range(len(args)))
 
-    def assemble_local(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def assemble_local(
+        self, args: tuple[Any, ...], treedef: Any
+    ) -> tuple[tuple[Any, ...], _Layout]:
         """The call's process-local leaves assembled into global arrays, in one assembly.
 
         In a multi-process run, host data and addressable arrays are this process's part of
@@ -351,10 +408,10 @@ class _Plan:
         mesh = self.mesh
         assert isinstance(mesh, Mesh)  # multi-process plans have a concrete mesh
         try:
-            specs = self.specs_for(len(dyn))
+            layout = self.layout(dyn, treedef)
             marked = self.each_leaf(
                 dyn,
-                specs,
+                layout,
                 lambda leaf, s, raw, where: (
                     _Local(leaf, raw, where) if _placement.is_local(leaf) else leaf
                 ),
@@ -376,7 +433,7 @@ class _Plan:
         )
         for i, value in zip(local, assembled, strict=True):
             flat[i] = value
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat)), layout
 
 
 class _Host:
@@ -417,14 +474,15 @@ class SpmdFunction:
             )
         self.static_argnums = _argnums(static_argnums, "static_argnums", self.name)
         self.donate_argnums = _argnums(donate_argnums, "donate_argnums", self.name)
-        if isinstance(in_specs, dict):
+        if isinstance(in_specs, Mapping):
             raise MeshkitError(
                 f"meshkit.spmd({self.name}): in_specs must be one spec for every argument, or a "
-                f"tuple with one entry per positional argument; got a dict.\nConsider "
-                f"in_specs=({in_specs!r},) if the dict describes the first argument."
+                f"tuple with one entry per positional argument; got {describe_node(in_specs)}.\n"
+                "Consider in_specs=(specs,) if it describes the first argument."
             )
-        self.in_specs = self._drop_static(in_specs)
-        self.out_specs = out_specs
+        # flax's partition specs (nnx Variables of specs, linen boxes) stand for their specs.
+        self.in_specs = self._drop_static(plain_specs(in_specs))
+        self.out_specs = plain_specs(out_specs)
         for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
             map_specs(lambda s, w: _check_leaf(s, w), tree, f"spmd({self.name}): {what}")
         self.check_vma = bool(check_vma)

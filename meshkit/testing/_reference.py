@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import collectives as _collectives
 from .._errors import MeshkitError
 from .._layout import process_slice
-from .._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs, map_under_specs
+from .._spec_trees import align_specs, map_under_specs, plain_specs
+from .._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]
 
@@ -272,7 +273,9 @@ class _Simulation:
 
 def _specs_tuple(in_specs: Any, mesh: Mesh, n: int) -> tuple[Any, ...]:
     specs = map_specs(
-        lambda s, w: check_spec_for_mesh(s, mesh, w), in_specs, "meshkit.testing: in_specs"
+        lambda s, w: check_spec_for_mesh(s, mesh, w),
+        plain_specs(in_specs),
+        "meshkit.testing: in_specs",
     )
     if isinstance(specs, PartitionSpec):
         return (specs,) * n
@@ -367,8 +370,12 @@ def reference_spmd(
     ]
     outputs = sim.run(f, blocks)
     out_parts = map_specs(
-        lambda s, w: check_spec_for_mesh(s, mesh, w), out_specs, "meshkit.testing: out_specs"
+        lambda s, w: check_spec_for_mesh(s, mesh, w),
+        plain_specs(out_specs),
+        "meshkit.testing: out_specs",
     )
+    if not is_spec_leaf(out_parts):  # matched to the outputs by keys, as spmd does
+        out_parts = align_specs(out_parts, outputs[0], where="out_specs", noun="the output")
     return _assemble(sim, out_parts, outputs)
 
 
