@@ -14,7 +14,9 @@ process: a dataset, or one shuffled with the same seed everywhere):
 So every row is loaded once per epoch (by every process of a replica group: processes with the
 same ``shard_index`` load the same rows), and the global batches `meshkit.global_batches`
 assembles (``pad=True`` for the last one) are the same whatever the number of processes: the
-rows of one process running the same loader, in the same order.
+rows of one process running the same loader, in the same order (for the padded last batch, the
+same rows; in the same order too where each process's rows are one range, as on meshes from
+`meshkit.make_mesh`).
 
 `process_rows` is the plan itself (numpy indices, for any loader); `grain_dataset`
 (``grain.MapDataset``), `grain_sampler` (``grain.DataLoader``) and `hf_dataset` (Hugging Face
