@@ -5,7 +5,8 @@ meshes over every device of every process (`make_mesh`), and starts local multi-
 runs for development and tests (``meshkit launch``, `meshkit.testing`). Per-device code runs
 through `spmd` with the named-axis collectives of `meshkit.collectives`. Data pipelines turn
 each process's batches into global arrays (`global_array_from_local`, `global_batches`) and
-back (`local_from_global`, `gather`); `process_slice` says which part each process loads.
+back (`local_from_global`, `gather`); `process_slice` says which part each process loads, and
+`meshkit.loaders` applies it to grain and Hugging Face `datasets` loaders.
 Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the legacy helpers
 (`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
 `meshkit.debug` (``MESHKIT_DEBUG=1``) turns processes that diverge or stall into errors that name
@@ -14,6 +15,7 @@ them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
 
 from . import collectives as collectives
 from . import debug as debug
+from . import loaders as loaders
 from ._assembly import global_array_from_local as global_array_from_local
 from ._batches import GlobalBatches as GlobalBatches
 from ._batches import global_batches as global_batches
@@ -91,6 +93,7 @@ __all__ = [
     "global_batches",
     "init",
     "launch",
+    "loaders",
     "local_from_global",
     "make_mesh",
     "pad_shard_unpad",

@@ -6,9 +6,10 @@ per process and step through the coordination service: "I have a batch, of this 
 one. At most ``prefetch`` assembled batches wait for the caller, so device memory stays
 bounded.
 
-End of data is decided together: at the first step where some process has no batch, every
-process stops (``pad=False``), or the processes that ran out contribute fully padded batches
-until all have (``pad=True``; the mask marks real rows). So is the end of a loop: each step is
+End of data is decided together: with ``pad=False`` every loader must end at the same step (a
+loader that ends before the others is an error on every process, naming the counts, never a
+silent stop or a hang); with ``pad=True`` the processes that ran out contribute fully padded
+batches until all have (the mask marks real rows). So is the end of a loop: each step is
 handed to the callers together (one barrier per step), so a process that closes its iterator
 stops the others at the same step. No process is ever left waiting on a collective that the
 others will not join.
@@ -122,6 +123,7 @@ class GlobalBatches(Iterator[Any]):
         self._released = False  # the others' helpers know this one stopped
         self.steps = 0
         self.rows = 0
+        self._assembled = 0  # steps the helper thread assembled (the loaders' batches so far)
         self._started = time.monotonic()
         self._reported = self._started
         try:
@@ -330,10 +332,11 @@ class GlobalBatches(Iterator[Any]):
         mesh_or_sharding, spec = self._args
         pad, multi = self._pad, self._multi
         assembly = self._assembly
+        step = self._assembled + 1
         if status == "end":
             if not (multi and pad and template is not None):
                 if multi:
-                    assembly.agree_sizes(None, "end")
+                    self._check_end(assembly.agree_sizes(None, "end"), step)
                 return _END
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
@@ -347,16 +350,68 @@ class GlobalBatches(Iterator[Any]):
         if multi:
             # Every step agrees before placing: on the end of data, and the padded size.
             records = assembly.agree_sizes(prepared, status)
-            statuses = {r["status"] for r in records.values()}
-            if "closed" in statuses:
-                return _END
-            unpaddable = not pad or any("block_rows" not in r for r in records.values())
-            if statuses == {"end"} or ("end" in statuses and unpaddable):
+            if self._check_end(records, step):
                 return _END
         assembly.place(prepared, records)
         tree, mask = assembly.transfer(prepared, agreed=records is not None)
+        self._assembled = step
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows, prepared.notes
+
+    def _check_end(self, records: dict[int, Any], step: int) -> bool:
+        """Whether the data has ended for every process at ``step`` (the records agreed there).
+
+        Loaders that end at different steps are an error, the same on every process (each has
+        every record), unless ``pad`` lets the ended ones pad: with ``pad=False`` the longer
+        loaders' batches would be dropped unseen, and a loader that yielded no batch at all
+        has no structure to pad with.
+        """
+        statuses = {p: r["status"] for p, r in records.items()}
+        if "closed" in statuses.values() or set(statuses.values()) == {"end"}:
+            return True
+        ended = sorted(p for p, s in statuses.items() if s == "end")
+        if not ended or (self._pad and all("block_rows" in records[p] for p in ended)):
+            return False
+        raise MeshkitError(_uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad))
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _processes(ps: list[int]) -> str:
+    named = ", ".join(map(str, ps[:-1])) + " and " + str(ps[-1]) if len(ps) > 1 else str(ps[0])
+    return f"process{'es' if len(ps) > 1 else ''} {named}"
+
+
+def _uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
+    """The message for loaders that yielded different numbers of batches (see `_check_end`)."""
+    had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
+    more = f"a {_ordinal(step)}" if step > 1 else "one"
+    ended_text = (
+        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
+    )
+    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
+    head = (
+        f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
+        f"ended {had}, while {going_text} yielded {more}.\n"
+    )
+    if pad:
+        return head + (
+            "With pad=True a process whose loader has ended contributes padding, shaped like "
+            "its earlier batches; a loader that yielded no batch has none to copy.\n"
+            "Consider giving every process at least one row, or a loader that yields a batch "
+            "of 0 rows (same keys and dtypes) when its shard is empty."
+        )
+    return head + (
+        "With pad=False every step needs a batch from every process, and the batches the "
+        "longer loaders still hold would be dropped unseen.\n"
+        "Consider pad=True (the processes whose loaders ended contribute padding, which the "
+        "mask marks, until every loader has ended), or loaders that yield the same number of "
+        "batches (drop the last, short batch everywhere, or stop after a fixed number of steps "
+        "with itertools.islice)."
+    )
 
 
 def global_batches(
@@ -375,11 +430,12 @@ def global_batches(
 
     Each process passes its own loader (what it would pass to `meshkit.global_array_from_local`
     step by step). A helper thread assembles the next global batches while the caller computes,
-    at most ``prefetch`` ahead. The processes agree on the end of data: when any process runs
-    out, all stop at the same step (``pad=False``), or those that ran out contribute fully
-    padded batches until every process has (``pad=True``, which also pads uneven batches and
-    yields ``(batch, mask)`` pairs). An exception raised by a loader reaches the caller with its
-    traceback, and the other processes raise a `meshkit.MeshkitError` naming that process.
+    at most ``prefetch`` ahead. The processes agree on the end of data at every step: with
+    ``pad=False`` every loader must yield the same number of batches; with ``pad=True`` (which
+    also pads uneven batches and yields ``(batch, mask)`` pairs) the processes whose loaders
+    have ended contribute fully padded batches until every loader has. An exception raised by a
+    loader reaches the caller with its traceback, and the other processes raise a
+    `meshkit.MeshkitError` naming that process.
 
     Args:
         iterable: this process's batches (pytrees of arrays). On CPU a global batch may share
@@ -405,6 +461,13 @@ def global_batches(
     Returns:
         A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
         use it in a ``with`` block, to stop early).
+
+    Raises:
+        MeshkitError: ``prefetch``, ``stop_together`` or ``progress`` is not valid; or,
+            from ``next()``, on every process at the same step: the loaders yielded
+            different numbers of batches (``pad=False``; with ``pad=True``, a loader that
+            yielded no batch at all while others did); the processes' batches do not fit
+            together; another process's loader failed.
 
     Examples:
         >>> import numpy as np, meshkit

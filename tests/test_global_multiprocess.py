@@ -373,21 +373,75 @@ def _batches_of_unequal_length(pad):
     return out
 
 
-def _batches_stop_together():
-    return _batches_of_unequal_length(False)
-
-
 def _batches_pad_to_the_end():
     return _batches_of_unequal_length(True)
 
 
-def test_global_batches_stop_together_when_one_loader_ends():
+def _loaders_of_different_lengths():
+    import time
+
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+
+    def loader(steps):
+        for step in range(steps):
+            yield {"x": np.full((4, 2), 10 * step + me, np.float32)}
+
+    out = []
+    runs = [(4, 3, False, True), (4, 3, False, False), (2, 0, True, True), (2, 0, True, False)]
+    for mine, theirs, pad, together in runs:
+        batches = meshkit.global_batches(
+            loader(mine if me == 0 else theirs), mesh, "data", pad=pad, stop_together=together
+        )
+        taken, start = 0, time.monotonic()
+        try:
+            for _ in batches:
+                taken += 1
+        except meshkit.MeshkitError as e:
+            out.append({"taken": taken, "error": str(e), "seconds": time.monotonic() - start})
+    meshkit.barrier("after the errors")  # every process goes on, in step
+    return out
+
+
+def test_loaders_of_different_lengths_are_an_error_on_every_process():
     results = run_in_processes(
-        _batches_stop_together, num_processes=2, timeout=120, env=_FAST_CHECK
+        _loaders_of_different_lengths,
+        num_processes=2,
+        timeout=180,
+        env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
-    assert results[0] == results[1]
-    assert len(results[0]) == 3
-    assert results[0][2][0] == [20.0] * 4 + [21.0] * 4
+    for run in results[0] + results[1]:
+        assert run["seconds"] < 30, run  # found at the step, not after a timeout
+    errors = [[(r["taken"], r["error"]) for r in result] for result in results]
+    assert errors[0] == errors[1]
+    pad_false, pad_false_unsynced, pad_true, pad_true_unsynced = errors[0]
+    assert pad_false == pad_false_unsynced
+    assert pad_false[0] == 3
+    assert pad_false[1] == (
+        "meshkit.global_batches: the processes' loaders yielded different numbers of batches: "
+        "process 1's loader ended after 3 batches, while process 0's yielded a 4th.\n"
+        "With pad=False every step needs a batch from every process, and the batches the longer "
+        "loaders still hold would be dropped unseen.\n"
+        "Consider pad=True (the processes whose loaders ended contribute padding, which the mask "
+        "marks, until every loader has ended), or loaders that yield the same number of batches "
+        "(drop the last, short batch everywhere, or stop after a fixed number of steps with "
+        "itertools.islice)."
+    )
+    assert pad_true == pad_true_unsynced
+    assert pad_true[0] == 0
+    assert pad_true[1] == (
+        "meshkit.global_batches: the processes' loaders yielded different numbers of batches: "
+        "process 1's loader ended without a batch, while process 0's yielded one.\n"
+        "With pad=True a process whose loader has ended contributes padding, shaped like its "
+        "earlier batches; a loader that yielded no batch has none to copy.\n"
+        "Consider giving every process at least one row, or a loader that yields a batch of 0 "
+        "rows (same keys and dtypes) when its shard is empty."
+    )
 
 
 def test_global_batches_pad_until_every_loader_ends():
