@@ -315,7 +315,10 @@ def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
             f"'{_TMP_MARK}' in its name); orbax's CheckpointManager lists only complete steps."
         )
     if not where.is_dir():
-        tmp = sorted(p.name for p in where.parent.glob(where.name + _TMP_MARK + "*"))
+        missing = where
+        while not missing.parent.exists() and missing.parent != missing:
+            missing = missing.parent  # the first part of the path that is not there
+        tmp = sorted(p.name for p in missing.parent.glob(missing.name + _TMP_MARK + "*"))
         why = f"; only {tmp[0]!r} is there, a save of it that never completed" if tmp else ""
         return None, (
             f"{what}: there is no checkpoint at {where}{why}.\n"

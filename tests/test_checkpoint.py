@@ -235,6 +235,8 @@ def test_no_checkpoint_an_unfinished_one_and_a_path_of_the_wrong_type(tmp_path):
         "that never completed",
         str(info.value),
     ), str(info.value)
+    with pytest.raises(MeshkitError, match=r"only 'step_2.orbax-checkpoint-tmp' is there"):
+        meshkit.checkpoint.restore(tmp_path / "step_2" / "default", mesh)
     with pytest.raises(MeshkitError, match=r"path must be a str or os.PathLike; got int"):
         meshkit.checkpoint.restore(3, mesh)
 
