@@ -182,37 +182,51 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
     raise MeshkitError(_difference(what, records, doing))
 
 
+_SHARED_VALUES = (
+    "Consider computing what differs from values every process shares (host values are written "
+    "by process 0 alone: any other process's would be lost)."
+)
+_SHARED_PATH = (
+    "Consider a path every process computes the same way, on a filesystem they all see (not "
+    "tempfile.mkdtemp() in each process)."
+)
+
+
 def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
     ref_p, ref = next(iter(records.items()))
     for p, record in records.items():
         a, b = ref["entries"], record["entries"]
         for x, y in zip(a, b, strict=False):
             if x != y:
+                fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
                 return (
                     f"{what}: processes {ref_p} and {p} differ at {x[0]}: {_entry(x)} on "
                     f"process {ref_p}, {_entry(y)} on process {p}.\nEvery process must {doing}."
-                    "\nConsider computing what differs from values every process shares; host "
-                    "values are written by process 0 alone, so any other process's would be lost."
+                    f"\n{fix}"
                 )
         if len(a) != len(b):
+            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
             return (
-                f"{what}: process {ref_p} has {len(a)} leaves, process {p} has {len(b)}.\n"
-                f"Every process must {doing}."
+                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
+                f"\nEvery process must {doing}."
             )
     return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
 
 
 def _entry(entry: list[Any]) -> str:
-    if len(entry) >= 4 and entry[1] in ("array", "host"):
-        kind = "a global array" if entry[1] == "array" else "a host value"
-        text = f"{kind} of shape {tuple(entry[2])}, {entry[3]}"
-        if entry[1] == "host" and len(entry) == 5:
+    kind = entry[1] if len(entry) > 1 else ""
+    if kind in ("array", "host") and len(entry) >= 4:
+        text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "
+        text += f"{tuple(entry[2])}, {entry[3]}"
+        if kind == "host" and len(entry) == 5:
             text += f", contents digest {entry[4]}"
-        if entry[1] == "array" and len(entry) == 5 and entry[4] != "None":
+        if kind == "array" and len(entry) == 5 and entry[4] != "None":
             text += f", spec {entry[4]}"
         return text
-    if len(entry) > 1 and entry[1] == "target":
+    if kind == "target":
         return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
+    if kind == "path":
+        return str(entry[2])
     return str(entry[1:])
 
 
@@ -288,7 +302,8 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
             "Consider one directory per step (f'{root}/step_{step}'), or orbax's "
             "CheckpointManager, which numbers the steps and keeps the last few."
         )
-    _agree_on(what, "checkpoint/save", [str(where), *entries], problem, "save the same tree")
+    head = ["the directory", "path", str(where)]
+    _agree_on(what, "checkpoint/save", [head, *entries], problem, "save the same tree")
     checkpointer = ocp.StandardCheckpointer()
     try:
         checkpointer.save(where, tree)
@@ -430,7 +445,7 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
             )
         chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
     entries = [
-        [s.path, "target", list(s.shape), s.dtype, str(c)]
+        [f"the array {s.path}", "target", list(s.shape), s.dtype, str(c)]
         for s, c in zip(saved, chosen, strict=True)
     ]
     try:
@@ -506,7 +521,7 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, Path |
         source = _metadata_tree(source)
     if problem is None:
         tree, problem, entries = _plan_targets(source, mesh, specs, what)
-    head = [str(where)] if where is not None else []
+    head = [["the directory", "path", str(where)]] if where is not None else []
     _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")
     return tree, where
 

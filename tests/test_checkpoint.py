@@ -100,6 +100,18 @@ def test_one_spec_for_every_array_and_host_values_placed_on_request(tmp_path):
     assert {k: v.sharding.spec for k, v in every.items()} == dict.fromkeys(every, P())
 
 
+def test_an_array_saved_from_one_device_is_replicated_unless_a_spec_is_given(tmp_path):
+    x = jax.device_put(np.arange(16, dtype=np.float32), jax.devices()[3])
+    meshkit.checkpoint.save(tmp_path / "c", {"x": x})
+    mesh = meshkit.make_mesh({"x": 8})
+    out = meshkit.checkpoint.restore(tmp_path / "c", mesh)
+    assert out["x"].sharding == NamedSharding(mesh, P())
+    _assert_shards(out["x"], np.arange(16, dtype=np.float32))
+    split = meshkit.checkpoint.restore(tmp_path / "c", mesh, "x")
+    assert split["x"].sharding == NamedSharding(mesh, P("x"))
+    _assert_shards(split["x"], np.arange(16, dtype=np.float32))
+
+
 def test_targets_accepts_metadata_and_abstract_trees(tmp_path):
     ocp = require("orbax.checkpoint", "orbax")
     path, _ = _saved(tmp_path)

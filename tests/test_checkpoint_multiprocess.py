@@ -151,6 +151,21 @@ def _save_restore_and_refuse():
                 root / "differ", {"a": tree["a"], "seed": np.array([jax.process_index()])}
             )
         ),
+        "directories differ": _errors_of(
+            lambda: meshkit.checkpoint.save(root / f"p{jax.process_index()}", {"a": tree["a"]})
+        ),
+        "specs differ": _errors_of(
+            lambda: meshkit.checkpoint.restore(
+                root / "c",
+                meshkit.make_mesh({"data": 2, "model": 4}),
+                {
+                    "a": "data model" if jax.process_index() == 0 else "_ model",
+                    "p": "data",
+                    "r": "data",
+                    "step": None,
+                },
+            )
+        ),
     }
     # The fix the process-local message names: the same values, as a global array.
     fixed = meshkit.global_array_from_local(local, meshkit.make_mesh({"i": -1}), "i")
@@ -206,6 +221,16 @@ def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(t
         r"int64, contents digest \w+ on process 1.\nEvery process must save the same tree.",
         differ,
     ), differ
+    assert errors["directories differ"].startswith(
+        f"meshkit.checkpoint.save: processes 0 and 1 differ at the directory: {tmp_path}/p0 on "
+        f"process 0, {tmp_path}/p1 on process 1.\nEvery process must save the same tree.\n"
+        "Consider a path every process computes the same way, on a filesystem they all see"
+    ), errors["directories differ"]
+    assert errors["specs differ"].startswith(
+        "meshkit.checkpoint.restore: processes 0 and 1 differ at the array ['a']: shape (16, 8), "
+        "float32, restored with data model on process 0, shape (16, 8), float32, restored with "
+        "_ model on process 1.\nEvery process must restore the same way."
+    ), errors["specs differ"]
     # Nothing was written for the refused saves, not even orbax's temporary directory.
     assert first["left"] == ["c", "fixed"], first["left"]
     # One process with 8 devices reads what 2 processes wrote, onto each mesh shape.
