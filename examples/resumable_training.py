@@ -95,6 +95,7 @@ def say(text):
         print(text, flush=True)
 
 
+# --8<-- [start:train]
 def train(directory, label, *, stop_after=None, pause=0.0):
     """Train to STEPS from the latest checkpoint in ``directory``; the losses of the steps run."""
     options = ocp.CheckpointManagerOptions(max_to_keep=2, cleanup_tmp_directories=True)
@@ -121,11 +122,13 @@ def train(directory, label, *, stop_after=None, pause=0.0):
                 meshkit.checkpoint.check_savable(tree)  # every process, before orbax
                 manager.save(step, args=ocp.args.StandardSave(tree))  # written in the background
             if step == stop_after:
-                say(f"{label}: stopped after step {step}, as if killed (steps since the last "
-                    "checkpoint are lost)")  # fmt: skip
+                say(f"{label}: stopped after step {step}, as if killed (later steps are lost)")
                 break
             time.sleep(pause)
     return losses
+
+
+# --8<-- [end:train]
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
