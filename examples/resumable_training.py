@@ -23,6 +23,7 @@ it (Ctrl-C, or SIGKILL a rank) and start it again with the same command.
 # meshkit-launch: -n 2 -d 4
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -141,8 +142,12 @@ if args.dir:
 else:
     # Every process must see the same directory: on one machine, one named after this run's
     # coordinator port (or this process alone); on a cluster, a shared filesystem (--dir).
-    run = info.coordinator_address.rsplit(":", 1)[1] if info.coordinator_address else "alone"
-    root = Path(tempfile.gettempdir()) / f"meshkit-resumable-{run}-{info.num_processes}"
+    port = info.coordinator_address.rsplit(":", 1)[1] if info.coordinator_address else None
+    run = f"port{port}" if port else f"pid{os.getpid()}"
+    root = Path(tempfile.gettempdir()) / f"meshkit-resumable-{run}"
+    if info.process_id == 0:
+        shutil.rmtree(root, ignore_errors=True)  # nothing left from an earlier run of that name
+    meshkit.barrier("resumable_training: a fresh directory")
     reference = train(root / "uninterrupted", "uninterrupted")
     first = train(root / "interrupted", "first run", stop_after=6)
     restarted = train(root / "interrupted", "restarted")
