@@ -114,7 +114,7 @@ def _leaf_problem(where: str, leaf: Any, what: str, n: int) -> tuple[str | None,
         return None, entry
     if isinstance(leaf, np.ndarray | np.generic | numbers.Number) or hasattr(leaf, "__array__"):
         host = np.asarray(leaf)
-        if host.dtype.kind not in "biufc":
+        if not (jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_):
             return (
                 f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds numbers "
                 "(bool, int, float, complex).\nConsider saving it elsewhere (a JSON file beside "
@@ -165,11 +165,15 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
         if problem is not None:
             raise MeshkitError(problem)
         return
-    if outcome.missing:
-        gone = ", ".join(map(str, outcome.missing))
+    if outcome.missing or outcome.gave_up:
+        gone = ", ".join(map(str, outcome.missing or outcome.gave_up))
+        late = (
+            "stopped waiting for this process (their wait ran out before it arrived)"
+            if not outcome.missing
+            else f"did not reach this call within {timeout:g} s (the others did)"
+        )
         raise MeshkitError(
-            f"{what}: process(es) {gone} did not reach this call within {timeout:g} s (the "
-            f"others did).\nEvery process must {doing}, in the same order.\n"
+            f"{what}: process(es) {gone} {late}.\nEvery process must {doing}, in the same order.\n"
             f"Consider looking at those processes' output; {_runtime.ENV_CHECK_TIMEOUT} sets the "
             "wait."
         )

@@ -167,6 +167,13 @@ def _save_restore_and_refuse():
             )
         ),
     }
+    # A process that never comes (process 1 skips the call): named, after MESHKIT_CHECK_TIMEOUT.
+    os.environ["MESHKIT_CHECK_TIMEOUT"] = "5"
+    if jax.process_index() == 0:
+        errors["one process only"] = _errors_of(
+            lambda: meshkit.checkpoint.check_savable({"a": tree["a"]})
+        )
+    os.environ["MESHKIT_CHECK_TIMEOUT"] = "60"
     # The fix the process-local message names: the same values, as a global array.
     fixed = meshkit.global_array_from_local(local, meshkit.make_mesh({"i": -1}), "i")
     meshkit.checkpoint.save(root / "fixed", {"p": fixed})
@@ -180,6 +187,7 @@ def _save_restore_and_refuse():
     }
 
 
+@pytest.mark.timeout(600)  # one launch of about a minute, 2 on a busy machine
 def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(tmp_path):
     ocp = require("orbax.checkpoint", "orbax")
     results = run_in_processes(
@@ -192,6 +200,11 @@ def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(t
     assert first["restored"]["1x8"]["a"] == first["saved specs"]["a"]  # the saved spec, reused
     assert "'i'" in first["saved specs"]["p"]  # pmap_compat's global output: its mapped axis
     errors = first["errors"]
+    alone = errors.pop("one process only")
+    assert alone.startswith(
+        "meshkit.checkpoint.check_savable: process(es) 1 did not reach this call within 5 s (the "
+        "others did).\nEvery process must save the same tree, in the same order."
+    ), alone
     assert errors == second["errors"]  # every process raised, with the same message
     assert (
         "array ['a'] (saved shape (16, 8), float32) cannot be restored with "
@@ -336,6 +349,7 @@ def _digests(directory):
     }
 
 
+@pytest.mark.timeout(900)  # 2 to 3 minutes on a busy 2-core machine
 @pytest.mark.parametrize("killed", [1, 0], ids=["rank1", "rank0-the-primary"])
 def test_a_rank_killed_mid_save_loses_nothing_of_the_previous_checkpoint(tmp_path, marker, killed):
     ocp = require("orbax.checkpoint", "orbax")
@@ -391,6 +405,7 @@ def _losses(output, label):
     return {int(m[2]): m[3] for m in map(_LOSS.match, output.splitlines()) if m and m[1] == label}
 
 
+@pytest.mark.timeout(900)  # three launches: 2 to 4 minutes on a busy 2-core machine
 def test_resumable_example_killed_and_restarted_gives_the_uninterrupted_losses(tmp_path, marker):
     require("orbax.checkpoint", "orbax")
     from conftest import EXAMPLES
