@@ -11,8 +11,10 @@ Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the 
 (`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
 `meshkit.debug` (``MESHKIT_DEBUG=1``) turns processes that diverge or stall into errors that name
 them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
+`meshkit.checkpoint` saves global arrays with orbax and restores them onto any mesh, checked.
 """
 
+from . import checkpoint as checkpoint
 from . import collectives as collectives
 from . import debug as debug
 from . import loaders as loaders
@@ -82,6 +84,7 @@ __all__ = [
     "UncheckedOutputWarning",
     "barrier",
     "channel",
+    "checkpoint",
     "collectives",
     "debug",
     "describe",
