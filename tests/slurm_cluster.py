@@ -282,15 +282,17 @@ class LocalSlurm:
 
 
 def _daemon(cluster: LocalSlurm, name: str, args: list[str]) -> None:
-    log = open(cluster.root / "log" / f"{name}.log", "wb")  # noqa: SIM115 (the child owns it)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "MESHKIT_TEST_MARKER": cluster.marker,
         "SLURM_CONF": str(cluster.conf),
     }
-    with log:
+    # SIGTERM when the test process dies, even by SIGKILL (util-linux's setpriv, on Linux).
+    setpriv = which("setpriv")
+    die_with_parent = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+    with open(cluster.root / "log" / f"{name}.log", "wb") as log:
         cluster.daemons[name] = subprocess.Popen(
-            [cluster.client(name), *args],
+            [*die_with_parent, cluster.client(name), *args],
             env=env,
             cwd=cluster.root,
             stdin=subprocess.DEVNULL,
