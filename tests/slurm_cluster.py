@@ -4,7 +4,8 @@
 and log directories), starts the three daemons in the foreground as children of the test
 process, and waits until the node is idle. `LocalSlurm.stop` cancels what still runs, stops
 the daemons by pid, and returns the processes that outlived them (found by the
-``MESHKIT_TEST_MARKER`` every daemon and client carries in its environment).
+``MESHKIT_TEST_MARKER`` every daemon and client carries in its environment). The daemons also
+get SIGTERM from the kernel if the test process dies first (``setpriv --pdeathsig``).
 
 Made for a container: no cgroups (``proctrack/linuxproc``, ``task/none``), no accounting, no
 systemd; the node is ``hostname -s`` at 127.0.0.1 with the CPUs ``slurmd -C`` reports (at least
