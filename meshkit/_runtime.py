@@ -4,7 +4,9 @@
 
 1. explicit arguments (``coordinator_address=``, ``num_processes=``, ``process_id=``);
 2. the environment written by ``meshkit launch`` (``MESHKIT_COORDINATOR`` and friends);
-3. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes);
+3. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes); SLURM variables that
+   ask for several tasks outside a job step (a batch script without srun) are an error
+   (`meshkit._slurm`);
 4. otherwise a single process, which needs no coordinator.
 
 JAX aborts the whole process (a C++ fatal error, no Python exception) when the coordinator cannot
@@ -26,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from . import _compat, _failfast, _progress
+from . import _compat, _failfast, _progress, _slurm
 from ._errors import MeshkitError
 
 __all__ = [
@@ -271,6 +273,9 @@ def _plan(
             launch_address, local_device_ids=local_device_ids,
         )  # fmt: skip
     cluster = _detect_cluster()
+    if cluster is None or cluster.__name__ == "SlurmCluster":
+        # A batch script asking for several tasks looks like no cluster to JAX: say so now.
+        _slurm.check_step(os.environ)
     if cluster is not None:
         name = cluster.__name__
         return RuntimeInfo(
@@ -323,8 +328,9 @@ def _check_against_launcher(n: int, pid: int) -> None:
         )
 
 
-# Variables by which launchers JAX may not recognise announce a world of several processes.
-_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+# Variables by which launchers JAX may not recognise announce a world of several processes
+# (SLURM_NTASKS is `_slurm.check_step`'s: an error, since SLURM's own variables say what is wrong).
+_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
 def _warn_if_launcher_unrecognised() -> None:
@@ -397,7 +403,9 @@ def init(
             coordinator cannot be reached within ``timeout``; process 0's port is taken; a
             ``timeout`` that is not a finite number > 0, a ``num_processes`` below 1, a
             ``process_id`` outside ``0 .. num_processes - 1``, arguments that contradict the
-            ``meshkit launch`` environment, or other inconsistent arguments.
+            ``meshkit launch`` environment, or other inconsistent arguments; SLURM variables
+            that ask for several tasks where this process is not a task of a job step (a batch
+            script that runs the program without ``srun``).
 
     Examples:
         >>> import meshkit
