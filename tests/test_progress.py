@@ -104,6 +104,21 @@ def test_board_names_ranks_that_exited_before_joining(tmp_path):
     )
 
 
+def _launch_two(tmp_path, name: str, marker: str) -> subprocess.CompletedProcess[str]:
+    """``meshkit launch -n 2 -d 1 name`` in ``tmp_path``, its output captured."""
+    exe = shutil.which("meshkit")
+    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
+    return subprocess.run(
+        [*command, "launch", "-n", "2", "-d", "1", "--timeout", "120", name],
+        cwd=tmp_path,
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
 @pytest.mark.multiprocess
 def test_launch_shows_a_rank_that_is_slow_to_join(tmp_path, marker):
     # Rank 1 spends 4 s "loading data" before meshkit.init(); rank 0 waits in init meanwhile.
@@ -120,17 +135,7 @@ def test_launch_shows_a_rank_that_is_slow_to_join(tmp_path, marker):
             """
         )
     )
-    exe = shutil.which("meshkit")
-    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
-    out = subprocess.run(
-        [*command, "launch", "-n", "2", "-d", "1", "--timeout", "120", "slow.py"],
-        cwd=tmp_path,
-        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    out = _launch_two(tmp_path, "slow.py", marker)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[rank1] mesh {'data': 2}" in out.stdout
     lines = [line for line in out.stderr.splitlines() if line.startswith("meshkit launch:")]
@@ -166,16 +171,9 @@ def test_launch_says_nothing_when_the_cluster_forms_quickly(tmp_path, marker):
             """
         )
     )
-    exe = shutil.which("meshkit")
-    command = [exe] if exe else [sys.executable, "-m", "meshkit"]
-    out = subprocess.run(
-        [*command, "launch", "-n", "2", "-d", "1", "--timeout", "120", "quick.py"],
-        cwd=tmp_path,
-        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    out = _launch_two(tmp_path, "quick.py", marker)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "waiting for the cluster" not in out.stderr, out.stderr
+    # Silent, unless JAX's own join outlasted the board's two seconds on a loaded machine: then
+    # both ranks are named as joining and neither is blamed for not having started.
+    waits = [line for line in out.stderr.splitlines() if "waiting for the cluster" in line]
+    assert all(line.endswith("): ranks 0-1 joining") for line in waits), out.stderr
