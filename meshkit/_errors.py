@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable
 
 __all__ = [
     "DivergenceError",
@@ -16,6 +17,7 @@ __all__ = [
     "MeshkitIndexError",
     "MeshkitNameError",
     "MeshkitTypeError",
+    "ranges",
     "say",
 ]
 
@@ -79,3 +81,24 @@ def say(text: str) -> None:
     with contextlib.suppress(Exception):
         sys.stderr.write(text)
         sys.stderr.flush()
+
+
+def ranges(values: Iterable[int], sep: str = ", ") -> str:
+    """Integers folded into runs for a message: ``0-2, 5`` for 5, 0, 2, 1 (each named once).
+
+    Example:
+        >>> ranges([5, 0, 2, 1, 2])
+        '0-2, 5'
+        >>> ranges(range(4), sep=",")
+        '0-3'
+    """
+    out: list[str] = []
+    ordered = sorted(set(values))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return sep.join(out)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from . import _agree, _channel, _compat, _dispatch, _runtime
-from ._errors import MeshkitError
+from ._errors import MeshkitError, ranges
 
 __all__ = ["describe", "make_mesh", "order_devices"]
 
@@ -350,21 +350,6 @@ def make_mesh(
     return Mesh(grid, names, axis_types=types)
 
 
-def _ranges(values: Iterable[int]) -> str:
-    """Compress integers into '0-3,6' form."""
-    vs = sorted(set(values))
-    out: list[str] = []
-    start = prev = vs[0]
-    for v in [*vs[1:], None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(out)
-
-
 def describe(mesh: Mesh) -> str:
     """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
 
@@ -426,6 +411,8 @@ def describe(mesh: Mesh) -> str:
     for p in processes:
         where = np.argwhere(owner == p)
         ids = [int(d.id) for d in devs[owner == p]]
-        coords = ", ".join(f"{n}={_ranges(where[:, i].tolist())}" for i, n in enumerate(names))
-        lines.append(f"process {p}: devices {_ranges(ids)}; {coords}")
+        coords = ", ".join(
+            f"{n}={ranges(where[:, i].tolist(), sep=',')}" for i, n in enumerate(names)
+        )
+        lines.append(f"process {p}: devices {ranges(ids, sep=',')}; {coords}")
     return "\n".join(lines)

@@ -18,8 +18,10 @@ Marking is one small file write per stage, three per rank and run.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
+
+from ._errors import ranges
 
 __all__ = ["ENV_STATUS", "STAGES", "Board", "mark", "ranges"]
 
@@ -53,25 +55,6 @@ def mark(stage: str, process_id: int | None = None) -> None:
         os.replace(part, path)
     except OSError:  # a status the launcher cannot read only makes a quieter launcher
         pass
-
-
-def ranges(ranks: Sequence[int]) -> str:
-    """``0-2, 5`` for ranks 0, 1, 2 and 5 (in any order).
-
-    Example:
-        >>> ranges([5, 0, 2, 1])
-        '0-2, 5'
-    """
-    out: list[str] = []
-    ordered = sorted(ranks)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def summary(stages: Mapping[int, str]) -> str:
