@@ -45,20 +45,27 @@ def test_named_blocks_agree_with_jax(data):
 
 
 @st.composite
-def fake_layouts(draw):
-    """(fake mesh, spec, shape, processes, in meshkit's order?) over 8 fake devices."""
+def fake_meshes(draw):
+    """(fake mesh, processes, in meshkit's order?) over 8 fake devices split among processes."""
     processes = draw(st.sampled_from([1, 2, 4, 8]))
     devices = [FakeDevice(i, i // (8 // processes)) for i in range(8)]
     sizes = draw(mks.mesh_shapes(8))
     names = draw(mks.axis_names(len(sizes)))
     ordered = draw(st.booleans())
     if ordered:
-        grid = order_devices(devices, sizes)
+        grid = order_devices(devices, sizes)  # as meshkit.make_mesh arranges real devices
     else:
         grid = np.array(draw(st.permutations(devices)), dtype=object).reshape(sizes)
     mesh = SimpleNamespace(
         devices=grid, axis_names=names, shape=dict(zip(names, sizes, strict=True))
     )
+    return mesh, processes, ordered
+
+
+@st.composite
+def fake_layouts(draw):
+    """(fake mesh, spec, shape, processes, in meshkit's order?) over 8 fake devices."""
+    mesh, processes, ordered = draw(fake_meshes())
     ndim = draw(st.integers(1, 3))
     spec = draw(mks.specs(mesh, ndim))
     shape = draw(mks.shapes_for(mesh, spec, ndim))

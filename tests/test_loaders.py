@@ -19,7 +19,7 @@ from conftest import require
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
-from test_layout import FakeDevice
+from test_layout import FakeDevice, fake_meshes
 
 import meshkit
 from meshkit import MeshkitError, _layout, loaders
@@ -30,17 +30,7 @@ from meshkit.testing import strategies as mks
 @st.composite
 def batch_layouts(draw):
     """(every process's ProcessSlice of one global batch, the layout plans) over 8 fake devices."""
-    processes = draw(st.sampled_from([1, 2, 4, 8]))
-    devices = [FakeDevice(i, i // (8 // processes)) for i in range(8)]
-    sizes = draw(mks.mesh_shapes(8))
-    names = draw(mks.axis_names(len(sizes)))
-    if draw(st.booleans()):
-        grid = order_devices(devices, sizes)  # as meshkit.make_mesh arranges real devices
-    else:
-        grid = np.array(draw(st.permutations(devices)), dtype=object).reshape(sizes)
-    mesh = SimpleNamespace(
-        devices=grid, axis_names=names, shape=dict(zip(names, sizes, strict=True))
-    )
+    mesh, processes, _ = draw(fake_meshes())
     spec = draw(mks.specs(mesh, 1))
     (global_batch,) = draw(mks.shapes_for(mesh, spec, 1, max_block=4))
     blocks = _layout._named_blocks(mesh, spec, (global_batch,))
