@@ -505,7 +505,7 @@ def _run(
             if not running:
                 break
             now = time.monotonic() - start
-            if board is not None and now >= next_look:
+            if board is not None and not board.done and now >= next_look:
                 next_look = now + _STATUS_S
                 exits = {rk.rank: rk.proc.returncode for rk in ranks}
                 said = board.line(board.stages(exits), now)
