@@ -7,7 +7,7 @@ Launches coordination_worker.py in N processes x 1 CPU device for each N of
   ``check=False`` and ``check=True`` and the check's overhead (median of paired-round
   differences), debug mode's overhead per ``spmd`` call, ``meshkit.make_mesh`` and
   ``jax.make_mesh``, ``meshkit.barrier``, and the coordination-service round trips per call and
-  process (from ``meshkit._agree.stats``; "n/a" where meshkit has no such counter);
+  process (from ``meshkit._src.coord.agree.stats``; "n/a" where meshkit has no such counter);
 * CPU per call per process, to tell CPU contention (every process shares this machine's
   cores) from the protocol's own cost;
 * a projection to 1,024 hosts computed from the measured figures (round trips per call, the
@@ -152,8 +152,9 @@ def scaling_table(data: dict[int, dict[str, Any]]) -> str:
             "span), the variants taking turns (A B, B A, ...), every call waited with "
             "block_until_ready. Overhead: "
             "the median of the per-round differences, +- its 95% notch (1.57 IQR / "
-            "sqrt(rounds)). +verify: the same with each round timed until meshkit._agree.drain() "
-            "returns, i.e. until every check the round issued is verified (checks verified "
+            "sqrt(rounds)). +verify: the same with each round timed until "
+            "meshkit._src.coord.agree.drain() returns, i.e. until every check the round issued is "
+            "verified (checks verified "
             "beside the caller return before their verdict). Debug overhead: an spmd step "
             "(x * 2 on a global array) with meshkit.debug.enable(timeout=60, watchdog=None) "
             "minus the same with debug off. Times: process 0's clock."
@@ -212,8 +213,8 @@ def round_trip_table(data: dict[int, dict[str, Any]]) -> str:
     cols = ("check=True", "per agreement", "debug on", "make_mesh", "barrier", "service CPU/RPC")
     head = f"{'procs':>5} " + " ".join(f"{c:>15}" for c in cols)
     lines = [
-        "Coordination-service round trips per call and process (meshkit._agree.stats, mean over "
-        "processes; n/a: no such counter)",
+        "Coordination-service round trips per call and process "
+        "(meshkit._src.coord.agree.stats, mean over processes; n/a: no such counter)",
         head,
         "-" * len(head),
     ]
@@ -305,7 +306,8 @@ def projection(data: dict[int, dict[str, Any]]) -> str:
     ]
     if rts is None:
         lines.append(
-            "  this protocol: n/a (meshkit._agree.stats does not exist: round trips not counted)."
+            "  this protocol: n/a (meshkit._src.coord.agree.stats does not exist: round trips not "
+            "counted)."
         )
     else:
         agreements = "n/a" if per_agreement is None else f"{per_agreement:.2f}"

@@ -20,11 +20,11 @@ waited with `jax.block_until_ready`.
 
 Per variant and process: seconds per call (process 0's clock), CPU seconds per call of the
 whole process (``resource.getrusage``, every thread), and coordination-service round trips per
-call and per agreement from ``meshkit._agree.stats`` (None where meshkit has no such counter).
-Checks verified beside the caller (``meshkit._agree.drain``, where it exists) are drained at the
-end of each round, outside the timed span but inside the CPU and round-trip counts; the drain
-time is reported apart, and ``verified`` times each round to the end of its drain. Every
-process's counts are gathered through the coordination service.
+call and per agreement from ``meshkit._src.coord.agree.stats`` (None where meshkit has no such
+counter). Checks verified beside the caller (``meshkit._src.coord.agree.drain``, where it exists)
+are drained at the end of each round, outside the timed span but inside the CPU and round-trip
+counts; the drain time is reported apart, and ``verified`` times each round to the end of its
+drain. Every process's counts are gathered through the coordination service.
 
 ``--probe`` (given to the smallest run) also times the coordination service itself: per-RPC
 latency seen by process 0 (which hosts the service) and by process 1 (another process), and the
@@ -70,9 +70,9 @@ ROUNDS = bench_rounds(9)  # paired rounds per series
 PROBE_RPCS = 500
 LOAD_BEFORE = os.getloadavg()  # other work on the machine skews every figure
 
-client, ME, N = meshkit._compat.distributed_state()
+client, ME, N = meshkit._src.core.compat.distributed_state()
 try:
-    _agree: Any = importlib.import_module("meshkit._agree")
+    _agree: Any = importlib.import_module("meshkit._src.coord.agree")
 except ImportError:
     _agree = None
 STATS = getattr(_agree, "stats", None)

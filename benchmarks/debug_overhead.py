@@ -1,7 +1,7 @@
 """meshkit.debug: what the check costs per SPMD call, off (1 process) and on (2 processes).
 
-Off, every SPMD entry still passes `meshkit._dispatch.enter`: a counter increment and one
-emptiness test. Its cost is timed directly over a million calls, and as the difference between
+Off, every SPMD entry still passes `meshkit._src.runtime.dispatch.enter`: a counter increment and
+one emptiness test. Its cost is timed directly over a million calls, and as the difference between
 a meshkit.spmd call and the same jit(shard_map) by hand (the spmd_dispatch table shows the
 same per-call figure). On, each call exchanges a fingerprint through the coordination service:
 timed in 2 processes x 4 CPU devices on a small spmd step, debug off and on in alternating rounds.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from _timing import launched_result
 
-from meshkit import _dispatch
+from meshkit._src.runtime import dispatch as _dispatch
 
 HERE = Path(__file__).parent
 

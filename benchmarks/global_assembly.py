@@ -10,9 +10,10 @@ Variants, each timed to ``.block_until_ready()`` and freed before the next call:
 * ``meshkit``: ``meshkit.global_array_from_local(local, mesh, spec)`` (``check=True``, the
   default: with several processes, one message per process through the coordination service);
 * ``meshkit_verify``: ``meshkit`` timed until its check is verified (multi-process rows only).
-  ``check=True`` verifies beside the caller (`meshkit._agree.agree_later`): a call returns before
-  the processes have agreed, so ``meshkit`` alone leaves out the verification of a round's last
-  calls; this variant ends each round with ``meshkit._agree.drain``, inside the timed span;
+  ``check=True`` verifies beside the caller (`meshkit._src.coord.agree.agree_later`): a call
+  returns before the processes have agreed, so ``meshkit`` alone leaves out the verification of a
+  round's last calls; this variant ends each round with ``meshkit._src.coord.agree.drain``, inside
+  the timed span;
 * ``meshkit_nocheck``: the same with ``check=False`` (multi-process rows only).
 
 Rows: 1 process x 8 CPU devices (`bench_global_single_process`, in run.py's own process),
@@ -64,7 +65,7 @@ first: each variant's first call on the layout, one call each in the order liste
 GB/s: 1e9 bytes of local data (per process) per second; us/call: the steady median per call.
 +verify: meshkit's check=True call verifies its check beside the caller, after the call
   returns; before every round the checks still pending are drained, untimed, and the +verify
-  variant times each round until meshkit._agree.drain returns (every check of the round
+  variant times each round until meshkit._src.coord.agree.drain returns (every check of the round
   verified)."""
 CPU_NOTES = """\
 copy: the local data starts 16 B past a 64 B boundary, as numpy places large arrays under glibc
@@ -91,9 +92,9 @@ def size_text(nbytes: int) -> str:
 
 
 def drain_function() -> Callable[[float], object] | None:
-    """``meshkit._agree.drain`` (waits until every deferred check is verified), if it exists."""
+    """``meshkit._src.coord.agree.drain`` (waits for every deferred verdict), if it exists."""
     try:
-        agree = importlib.import_module("meshkit._agree")
+        agree = importlib.import_module("meshkit._src.coord.agree")
     except ImportError:
         return None
     return getattr(agree, "drain", None)
@@ -167,7 +168,7 @@ def make_case(
     """The variants for ``local`` sharded by its rows over the mesh axis "data".
 
     ``nocheck``: add ``meshkit_nocheck``; ``verify``: add ``meshkit_verify`` (where
-    ``meshkit._agree.drain`` exists; `measure` drains its rounds).
+    ``meshkit._src.coord.agree.drain`` exists; `measure` drains its rounds).
     """
     spec = PartitionSpec("data")
     sharding = NamedSharding(mesh, spec)
@@ -455,7 +456,7 @@ def target_block(data: dict[str, Any]) -> str:
             rv, uv = _time_ratio(t, u, VERIFIED)
             line += f"; +verify {rv:.3f}x +-{uv:.3f}"
         else:
-            line += "; +verify: n/a (no meshkit._agree.drain)"
+            line += "; +verify: n/a (no meshkit._src.coord.agree.drain)"
         if "meshkit_nocheck" in t:
             line += f"; check cost {(t['meshkit'] - t['meshkit_nocheck']) * 1e6:+.1f} us/call"
             if VERIFIED in t:

@@ -32,7 +32,7 @@ import numpy as np
 from _timing import interleaved_samples, median_uncertainty
 
 import meshkit
-from meshkit import _legacy
+from meshkit._src.pmap import legacy as _legacy
 
 MIB = 1 << 20
 DEVICES = 8
@@ -101,7 +101,7 @@ def _measure(method: str, aligned: bool) -> dict[str, float]:
     jax.config.update("jax_num_cpu_devices", DEVICES)
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from meshkit import _device_axis
+    from meshkit._src.pmap import device_axis as _device_axis
 
     count = REPLICATE_MIB * MIB // 4
     raw = np.empty(count + 64, np.float32)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import _device_axis
+from meshkit._src.pmap import device_axis as _device_axis
 
 AXIS = "batch"
 PER_DEVICE = (128,)  # 128 float32 per device: small, so the call overhead dominates

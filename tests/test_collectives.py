@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import meshkit
 from meshkit import MeshkitError
 from meshkit import collectives as C
-from meshkit._specs import dim_axes
+from meshkit._src.sharding.specs import dim_axes
 from meshkit.testing import assert_spmd_matches_reference
 from meshkit.testing import strategies as mks
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 import meshkit
-from meshkit import _diagnose, _launch
-from meshkit._launch import RankResult
+from meshkit._src.launch import launcher as _launch
+from meshkit._src.launch.launcher import RankResult
+from meshkit._src.lifecycle import diagnose as _diagnose
 
 GLOO = (
     "jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: "

@@ -26,8 +26,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import MeshkitError, _dispatch, _global
-from meshkit._specs import dim_axes
+from meshkit import MeshkitError
+from meshkit._src.arrays import blocks as _global
+from meshkit._src.runtime import dispatch as _dispatch
+from meshkit._src.sharding.specs import dim_axes
 from meshkit.testing import strategies as mks
 
 

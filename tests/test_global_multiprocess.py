@@ -148,7 +148,7 @@ def _windowed_checks():
     import numpy as np
 
     import meshkit
-    from meshkit import _agree
+    from meshkit._src.coord import agree as _agree
 
     mesh = meshkit.make_mesh({"data": -1, "model": 4})
     me = jax.process_index()

@@ -18,9 +18,10 @@ import pytest
 from conftest import EXAMPLES, processes_with_marker
 
 import meshkit
-from meshkit import LaunchError, _reaper
-from meshkit._launch import rank_environments
-from meshkit._rank_output import Pump, Sink
+from meshkit import LaunchError
+from meshkit._src.launch import reaper as _reaper
+from meshkit._src.launch.launcher import rank_environments
+from meshkit._src.launch.rank_output import Pump, Sink
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import MeshkitError, _layout
-from meshkit._mesh import order_devices
+from meshkit import MeshkitError
+from meshkit._src.sharding import layout as _layout
+from meshkit._src.sharding.mesh import order_devices
 from meshkit.testing import strategies as mks
 
 

@@ -20,8 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import MeshkitError, _device_axis, _legacy
-from meshkit._legacy import (
+from meshkit import MeshkitError
+from meshkit._src.pmap import device_axis as _device_axis
+from meshkit._src.pmap import legacy as _legacy
+from meshkit._src.pmap.legacy import (
     device_put_replicated,
     device_put_sharded,
     get_metrics,

@@ -30,8 +30,8 @@ def _helpers():
     import numpy as np
 
     import meshkit
-    from meshkit import _device_axis
-    from meshkit._legacy import (
+    from meshkit._src.pmap import device_axis as _device_axis
+    from meshkit._src.pmap.legacy import (
         device_put_replicated,
         device_put_sharded,
         get_metrics,
@@ -129,7 +129,7 @@ def _errors():
     import numpy as np
 
     import meshkit
-    from meshkit._legacy import device_put_sharded, replicate, unreplicate
+    from meshkit._src.pmap.legacy import device_put_sharded, replicate, unreplicate
 
     messages = []
     mesh = meshkit.make_mesh({"data": -1})

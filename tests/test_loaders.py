@@ -22,8 +22,10 @@ from jax.sharding import PartitionSpec as P
 from test_layout import FakeDevice, fake_meshes
 
 import meshkit
-from meshkit import MeshkitError, _layout, loaders
-from meshkit._mesh import order_devices
+from meshkit import MeshkitError, loaders
+from meshkit._src.loaders import loaders as _loaders
+from meshkit._src.sharding import layout as _layout
+from meshkit._src.sharding.mesh import order_devices
 from meshkit.testing import strategies as mks
 
 
@@ -57,7 +59,7 @@ def test_every_row_is_loaded_once_per_epoch_in_the_global_batches_one_process_wo
             np.testing.assert_array_equal(mine, by_shard[part.shard_index])
         by_shard[part.shard_index] = mine
         # The lazy plan (grain's datasets and sampler) agrees with the array.
-        plan = loaders._rows(part, num_rows, "test")
+        plan = _loaders._rows(part, num_rows, "test")
         assert [plan.position(j) for j in range(len(plan))] == mine.tolist()
     assert sorted(by_shard) == list(range(parts[0].shard_count))
     # Each full global batch k assembles, under meshkit's layout, to rows k*G..(k+1)*G in order.

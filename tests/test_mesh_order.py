@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshkit import MeshkitError
-from meshkit._mesh import order_devices
+from meshkit._src.sharding.mesh import order_devices
 
 
 def fake_devices(processes: int, per_process: int, *, shuffle_seed: int | None = None):

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.cli import main
-from meshkit.cli._migrate_rules import (
+from meshkit._src.migrate.command import EPILOG
+from meshkit._src.migrate.rules import (
     COMMON_UTILS,
     DEVICE_PUT,
     FLAX_JAX_UTILS,
     PMAP_KEYWORDS,
     RULES,
 )
-from meshkit.cli._migrate_scan import scan_source
-from meshkit.cli.migrate import EPILOG
+from meshkit._src.migrate.scan import scan_source
+from meshkit.cli import main
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "migrate"
 UPDATE = os.environ.get("MESHKIT_UPDATE_GOLDEN") == "1"
@@ -166,7 +166,7 @@ def main(batch, state):
 
 
 def test_a_local_name_that_shadows_a_helper_is_neither_reported_nor_rewritten():
-    from meshkit.cli._migrate_fix import fix_source
+    from meshkit._src.migrate.fix import fix_source
 
     findings = scan_source(_SHADOWS)
     assert [(f.line, f.code) for f in findings] == [(21, "MK006"), (25, "MK005"), (26, "MK006")]
@@ -186,7 +186,7 @@ def test_a_local_name_that_shadows_a_helper_is_neither_reported_nor_rewritten():
 def test_every_removed_name_is_absent_and_every_replacement_present_on_this_jax():
     import importlib
 
-    from meshkit.cli._migrate_rules import REMOVED, REMOVED_MODULES
+    from meshkit._src.migrate.rules import REMOVED, REMOVED_MODULES
 
     def exists(name: str) -> bool:
         parts = name.split(".")
@@ -486,7 +486,7 @@ def test_usage_errors_exit_2(work, capsys):
 
 
 def test_missing_libcst_is_named(work, monkeypatch):
-    monkeypatch.delitem(sys.modules, "meshkit.cli._migrate_fix", raising=False)
+    monkeypatch.delitem(sys.modules, "meshkit._src.migrate.fix", raising=False)
     monkeypatch.setitem(sys.modules, "libcst", None)  # import libcst now raises ImportError
     for flag in ("--fix", "--diff"):
         code, out, err = run_cli(flag, "aliases.py")
@@ -595,7 +595,7 @@ def test_fix_keeps_a_declared_encoding(work):
 
 
 def test_import_meshkit_is_not_added_twice_and_imports_in_use_stay():
-    from meshkit.cli._migrate_fix import fix_source
+    from meshkit._src.migrate.fix import fix_source
 
     src = (
         "import jax\n"
@@ -617,7 +617,7 @@ def test_import_meshkit_is_not_added_twice_and_imports_in_use_stay():
 
 
 def test_unused_legacy_imports_are_reported_and_dropped_without_adding_meshkit():
-    from meshkit.cli._migrate_fix import fix_source
+    from meshkit._src.migrate.fix import fix_source
 
     src = (
         "from jax import pmap, jit  # pmap is unused\n"
@@ -645,7 +645,7 @@ def test_diff_of_an_absolute_path_has_no_git_prefix(work):
 
 
 def test_dropping_the_only_statement_of_a_block_leaves_pass():
-    from meshkit.cli._migrate_fix import fix_source
+    from meshkit._src.migrate.fix import fix_source
 
     src = (
         "try:\n"

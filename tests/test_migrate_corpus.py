@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.cli._migrate_rules import RULES
+from meshkit._src.migrate.rules import RULES
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -12,10 +12,10 @@ import io
 
 import pytest
 
+from meshkit._src.migrate.fix import fix_source
+from meshkit._src.migrate.imports import import_group
+from meshkit._src.migrate.scan import scan_source
 from meshkit.cli import main
-from meshkit.cli._migrate_fix import fix_source
-from meshkit.cli._migrate_imports import import_group
-from meshkit.cli._migrate_scan import scan_source
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from meshkit._src.migrate.notebook import NotebookError, load_notebook
 from meshkit.cli import main
-from meshkit.cli._migrate_notebook import NotebookError, load_notebook
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -17,9 +17,10 @@ from pathlib import Path
 import libcst
 import pytest
 
-from meshkit.cli import _migrate_files, main
-from meshkit.cli import migrate as migrate_cli
-from meshkit.cli._migrate_files import write_atomic
+from meshkit._src.migrate import command as migrate_cli
+from meshkit._src.migrate import files as _migrate_files
+from meshkit._src.migrate.files import write_atomic
+from meshkit.cli import main
 
 LEGACY = "import jax\n\nstep = jax.pmap(f)\nx = jax.jit(f)\n"
 FIXED = "import jax\nimport meshkit\n\nstep = meshkit.pmap_compat(f)\nx = jax.jit(f)\n"
@@ -69,7 +70,7 @@ def test_a_file_whose_write_fails_is_an_error_and_the_others_are_written(work, m
 
 
 def test_every_new_text_is_computed_before_any_file_is_written(work, monkeypatch):
-    from meshkit.cli import _migrate_fix
+    from meshkit._src.migrate import fix as _migrate_fix
 
     events: list[str] = []
     real_fix = _migrate_fix.fix_source

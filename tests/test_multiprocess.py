@@ -130,7 +130,7 @@ def test_missing_process_is_named():
 def _many_agreements():
     import jax
 
-    from meshkit import _agree
+    from meshkit._src.coord import agree as _agree
 
     me = jax.process_index()
     seen = []
@@ -159,7 +159,7 @@ def _checks():
 
     import jax
 
-    from meshkit import _agree
+    from meshkit._src.coord import agree as _agree
 
     me = jax.process_index()
     seen = []

@@ -44,7 +44,10 @@ def _modules():
 
 
 # Modules whose examples need an optional package (an extra); skipped without it, except in CI.
-_EXAMPLES_NEED = {"meshkit.checkpoint": "orbax.checkpoint"}
+_EXAMPLES_NEED = {
+    "meshkit.checkpoint": "orbax.checkpoint",
+    "meshkit._src.checkpoint.orbax": "orbax.checkpoint",
+}
 
 
 def _runs_examples(module) -> bool:

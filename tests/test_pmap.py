@@ -21,8 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import MeshkitError, _device_axis, _dispatch
-from meshkit._pmap import pmap_compat
+from meshkit import MeshkitError
+from meshkit._src.pmap import device_axis as _device_axis
+from meshkit._src.pmap.pmap import pmap_compat
+from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import strategies as mks
 
 N = 8

@@ -285,7 +285,7 @@ def _messages_per_call():
     import numpy as np
 
     import meshkit
-    from meshkit import _placement
+    from meshkit._src.spmd import placement as _placement
 
     n = jax.local_device_count()
     assemblies = []

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit import _progress
-from meshkit._progress import Board, mark, ranges, summary
+from meshkit._src.lifecycle import progress as _progress
+from meshkit._src.lifecycle.progress import Board, mark, ranges, summary
 
 
 def test_ranges_folds_consecutive_ranks():

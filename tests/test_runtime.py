@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshkit._launch import free_port
+from meshkit._src.launch.launcher import free_port
 
 
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 60):

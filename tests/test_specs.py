@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._specs import parse_spec
+from meshkit._src.sharding.specs import parse_spec
 from meshkit.testing import strategies as mks
 
 

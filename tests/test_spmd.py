@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import MeshkitError, ReshardWarning, _dispatch
+from meshkit import MeshkitError, ReshardWarning
 from meshkit import collectives as C
+from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import assert_spmd_matches_reference, reference_spmd
 from meshkit.testing import strategies as mks
 

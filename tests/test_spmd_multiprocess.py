@@ -327,7 +327,7 @@ def _property_against_numpy():
 
     import meshkit
     from meshkit import collectives as C
-    from meshkit._specs import dim_axes
+    from meshkit._src.sharding.specs import dim_axes
 
     meshes = {
         "data8": meshkit.make_mesh({"data": -1}),

@@ -126,9 +126,9 @@ def test_a_channel_is_used_by_one_thread_at_a_time():
         t.join(30)
     with meshkit.channel("loader"):  # free again
         with meshkit.channel("loader"):  # and re-entrant in one thread
-            assert meshkit._channel.current() == "loader"
-        assert meshkit._channel.current() == "loader"
-    assert meshkit._channel.current() is None
+            assert meshkit._src.coord.channel.current() == "loader"
+        assert meshkit._src.coord.channel.current() == "loader"
+    assert meshkit._src.coord.channel.current() is None
 
 
 def _closed_from_another_thread():

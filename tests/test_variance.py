@@ -1,4 +1,4 @@
-"""meshkit._variance: which per-device values can differ, checked against what devices compute.
+"""meshkit._src.spmd.variance: which per-device values can differ, checked against what devices compute.
 
 The reference is numeric: the program runs under shard_map on 8 CPU devices with random data and
 every device's result is compared. A value the analysis calls invariant must be equal on every
@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import _variance
+from meshkit._src.spmd import variance as _variance
 
 N = 8
 MESH = Mesh(np.array(jax.devices()[:N]), ("i",))

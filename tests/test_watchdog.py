@@ -1,4 +1,4 @@
-"""The stall watchdog's notion of progress (`meshkit._watchdog`), one signal at a time.
+"""The stall watchdog's notion of progress (`meshkit._src.lifecycle.watchdog`), one signal at a time.
 
 A helper thread samples the main thread (pytest's) while it does one thing: the sampler must
 tell a wait from every kind of progress. The multi-process behaviour (healthy loops never
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshkit import _watchdog
+from meshkit._src.lifecycle import watchdog as _watchdog
 
 FIRST_S, GAP_S = 0.15, 0.6
 

@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import LaunchError, MeshkitError
-from .migrate import EPILOG as MIGRATE_EPILOG
-from .migrate import add_arguments as add_migrate_arguments
+from .._src.core.errors import LaunchError, MeshkitError
+from .._src.migrate.command import EPILOG as MIGRATE_EPILOG
+from .._src.migrate.command import add_arguments as add_migrate_arguments
 
 __all__ = ["main"]
 
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .._launch import launch
+    from .._src.launch.launcher import launch
 
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
     # handle_signals: a launcher stopped by SIGINT, SIGTERM (a CI job cancelled, a scheduler)
@@ -140,7 +140,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _info() -> int:
     import jax
 
-    from .._runtime import init
+    from .._src.runtime.init import init
 
     info = init()
     print(info)
@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "launch":
             return _launch(args)
         if args.command == "migrate":
-            from .migrate import run
+            from .._src.migrate.command import run
 
             return run(args)
         return _info()

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import LaunchError
-from .._launch import LaunchResult, launch
+from .._src.core.errors import LaunchError
+from .._src.launch.launcher import LaunchResult, launch
 
 __all__ = ["launch_in_processes", "run_in_processes"]
 

@@ -24,11 +24,11 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import collectives as _collectives
-from .._errors import MeshkitError
-from .._layout import process_slice
-from .._spec_trees import align_specs, map_under_specs, plain_specs
-from .._specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs
+from .._src.core.errors import MeshkitError
+from .._src.sharding.layout import process_slice
+from .._src.sharding.spec_trees import align_specs, map_under_specs, plain_specs
+from .._src.sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs
+from .._src.spmd import collectives as _collectives
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]
 
@@ -468,7 +468,7 @@ def assert_spmd_matches_reference(
         >>> out = assert_spmd_matches_reference(
         ...     lambda a: C.all_gather(a, "x", tiled=True), mesh, "x", "_", np.arange(8.0))
     """
-    from .._spmd import spmd
+    from .._src.spmd.spmd import spmd
 
     if eager:
         in_parts = _specs_tuple(in_specs, mesh, len(args))

@@ -27,8 +27,8 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh, PartitionSpec
 
-from .._mesh import make_mesh
-from .._specs import dim_axes
+from .._src.sharding.mesh import make_mesh
+from .._src.sharding.specs import dim_axes
 
 __all__ = [
     "DTYPES",

@@ -1,0 +1,416 @@
+"""The assembly protocol, and `global_array_from_local` built on it.
+
+`Assembly` runs prepare -> agree -> transfer -> assemble. `meshkit._src.arrays.blocks` holds what is
+assembled (a process's prepared part, its description, the comparison of every process's
+records, the transfer); this module holds when and how the processes agree on it, through
+`meshkit._src.coord.agree`: the records exchanged and their tags, a failure told to the processes
+waiting for this one, and the order of the steps, for `global_array_from_local`, the host arguments
+of `meshkit.spmd` / `meshkit.pmap_compat` and each step of `meshkit.global_batches`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from ..runtime import dispatch as _dispatch
+from ..sharding import layout as _layout
+from ..sharding.specs import SpecLike
+from .blocks import (
+    _WHAT,
+    Check,
+    Prepared,
+    assemble,
+    block_rows,
+    compare,
+    describe,
+    finish_padding,
+    plan_leaves,
+    prepare,
+    raise_failures,
+    replica_digests,
+    summary,
+    transfer,
+    user_stacklevel,
+    warn_notes,
+)
+
+__all__ = ["Assembly", "global_array_from_local"]
+
+
+# Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
+# leading dimension out.
+_SITE = _dispatch.CallSite(
+    "global_array_from_local",
+    "meshkit.global_array_from_local",
+    info={"ragged": True, "params": ("local",)},
+)
+
+
+def exchange_records(
+    tag: str,
+    record: dict[str, Any],
+    what: str = _WHAT,
+    *,
+    replicas: dict[str, tuple[int, str]] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Agree with every process on ``record`` (all of it but local shapes; see `summary`).
+
+    Returns this process's record alone when every process's is equal (and the ``replicas``
+    digests of each block equal its reference's); otherwise every process's record, for the
+    caller to compare, to name who differs, or to take a maximum. Missing processes, and
+    processes that stopped waiting, are an error.
+    """
+    timeout = _env.check_timeout()
+    record = _with_replicas(record, replicas)
+    outcome = _agree.agree(
+        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas
+    )
+    return _records(outcome, timeout, what)
+
+
+def exchange_records_later(
+    tag: str,
+    record: dict[str, Any],
+    what: str,
+    *,
+    replicas: dict[str, tuple[int, str]],
+    summarized: str | None = None,
+) -> None:
+    """`exchange_records`, verified beside the caller (`meshkit._src.coord.agree.agree_later`).
+
+    A difference is named by `compare` there and raised by this process's next meshkit call.
+    ``summarized``: ``summary(record)``, when the caller has it already (a layout seen before).
+    The record's JSON is only made if it is shown.
+    """
+    timeout = _env.check_timeout()
+    record = _with_replicas(record, replicas)
+    number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
+    named = f"{what} (call #{number}, checked after it returned)"
+    _agree.agree_later(
+        tag,
+        summary(record) if summarized is None else summarized,
+        lambda: json.dumps(record),
+        timeout=timeout,
+        groups=replicas,
+        on_outcome=lambda outcome: compare(_records(outcome, timeout, named), named),
+    )
+
+
+_later_calls: dict[str, int] = {}  # checks verified beside the caller, per tag (for messages)
+
+
+def _with_replicas(
+    record: dict[str, Any], replicas: dict[str, tuple[int, str]] | None
+) -> dict[str, Any]:
+    """``record`` with the replica digests, which phase 3 shows to name who differs."""
+    return {**record, "replicas": replicas} if replicas else record
+
+
+def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
+    gone = outcome.missing or outcome.gave_up
+    if gone:
+        late = not outcome.missing
+        raise MeshkitError(
+            f"{what}: process{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+            + (
+                f"stopped waiting for this process (their {timeout:g} s ran out before it arrived)"
+                if late
+                else f"did not arrive within {timeout:g} s; the others did"
+            )
+            + ".\nEvery process must make the same calls in the same order (a process that "
+            "stopped, crashed, or took another branch never arrives).\n"
+            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+            "wait."
+        )
+    return {p: json.loads(v) for p, v in outcome.records.items()}
+
+
+def publish_record(tag: str, record: dict[str, Any], *, later: bool = False) -> None:
+    """Post this process's record of the next agreement under ``tag`` without waiting for others.
+
+    Used when this process leaves a sequence of agreements (a failure, an iterator closed
+    early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
+    the tag is verified beside the caller (`exchange_records_later`).
+    """
+    _agree.leave(tag, json.dumps(record), later=later)
+
+
+def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> None:
+    """Tell the other processes that this one failed, so they stop now instead of timing out."""
+    text = str(error) or "(no message)"
+    text = text if len(text) <= 2000 else text[:2000] + " ..."
+    message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
+    publish_record(tag, {"status": "error", "message": message}, later=later)
+
+
+def check_tag(tag: str, *, later: bool = False) -> str:
+    """The tag of an `Assembly`'s checks at the transfer (``tag`` names its `agree_sizes`)."""
+    return tag + ("/later" if later else "/check")
+
+
+class Assembly:
+    """The assembly protocol: prepare -> agree -> transfer -> assemble, in one place.
+
+    `global_array_from_local` (`run`), the host arguments of `meshkit.spmd` and
+    `meshkit.pmap_compat`, and each step of `meshkit.global_batches` go through it. The
+    agreement (`meshkit._src.coord.agree`) costs O(1) coordination-service round trips per process:
+
+    - the sizes of an uneven batch (``pad=True`` without a global shape) are agreed before
+      anything is placed (the padded size depends on every process);
+    - the structure, dtypes, global shapes and a digest of the replicas (blocks that several
+      processes hold) are agreed beside the transfer, or, with ``defer``, after the call
+      returns: a disagreement is then raised by this process's next meshkit call.
+
+    Args:
+        tag: names the sequence of agreements (one per caller, the same in every process).
+        what: the public function messages name.
+        pad: pad the leading dimension to the largest process's batch (a mask marks rows).
+        check: `global_array_from_local`'s ``check``.
+        sizes_known: with ``pad``, the padded size is known (a global shape was given).
+        defer: verify the agreement beside the caller (`meshkit._src.coord.agree.agree_later`).
+        stepwise: the processes agree at every call whatever ``check`` (`global_batches`
+            agrees on the end of data at each step).
+    """
+
+    def __init__(
+        self,
+        tag: str,
+        what: str,
+        *,
+        pad: bool,
+        check: Check,
+        sizes_known: bool = False,
+        defer: bool = False,
+        stepwise: bool = False,
+    ) -> None:
+        self.tag, self.what = tag, what
+        self.pad, self.check, self.sizes_known, self.defer = pad, check, sizes_known, defer
+        self.stepwise = stepwise
+        self.multi = _compat.distributed_state()[2] > 1
+        # The checks made at the transfer form a sequence of their own, never mixed with
+        # `agree_sizes`'s; those verified beside the caller (``defer``, agreed in windows)
+        # another.
+        self.check_tag = check_tag(tag, later=defer)
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Whether the processes agree on sizes before placing anything (an uneven batch)."""
+        return self.multi and self.pad and not self.sizes_known
+
+    def prepare(self, make: Callable[[], Prepared]) -> Prepared:
+        """``make()``; its failure is published to the processes that will wait for this one."""
+        try:
+            return make()
+        except Exception as e:
+            # Told where the others wait first: `agree_sizes` (an uneven batch, each step of
+            # global_batches), else the check at the transfer.
+            if self.exchanges_sizes or (self.multi and self.stepwise):
+                publish_failure(self.tag, e)
+            elif self.multi and self.check:
+                publish_failure(self.check_tag, e, later=self.defer)
+            raise
+
+    def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Any]:
+        """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
+
+        With ``check`` the records are compared (a `MeshkitError` names who differs); without,
+        only failures are raised. ``prepared`` None: this process has no data (``status``).
+        """
+        record: dict[str, Any] = {"status": status}
+        if prepared is not None and (self.check or self.pad):
+            record = {**describe(prepared, pad=self.pad), "status": status}
+        records = exchange_records(self.tag, record, self.what)
+        raise_failures(records, self.what)
+        if (
+            self.check
+            and prepared is not None
+            and {r["status"] for r in records.values()} == {status}
+        ):
+            compare(records, self.what)
+        return records
+
+    def place(self, prepared: Prepared, records: dict[int, Any] | None) -> None:
+        """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
+        if not self.pad:
+            plan_leaves(prepared)
+            return
+        first = prepared.leaves[0]
+        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
+        if not self.sizes_known:
+            rows = block_rows(prepared)
+            if records is not None:
+                rows = max(
+                    [rows, *(int(r["block_rows"]) for r in records.values() if "block_rows" in r)]
+                )
+        finish_padding(prepared, rows)
+
+    def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
+        """Place the blocks; unless ``agreed`` already, agree beside the copy (or after it)."""
+        checking = self.multi and bool(self.check)
+        replicas = replica_digests(prepared, full=self.check == "data") if checking else {}
+        if not checking or (agreed and not replicas):
+            return assemble(prepared, transfer(prepared))
+        record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
+        if self.defer:
+            template = prepared.template
+            known = template.summary if template is not None and record is template.record else None
+            exchange_records_later(
+                self.check_tag, record, self.what, replicas=replicas, summarized=known
+            )
+            return assemble(prepared, transfer(prepared))
+        pending = _executor().submit(
+            contextvars.copy_context().run,
+            exchange_records,
+            self.check_tag,
+            record,
+            self.what,
+            replicas=replicas,
+        )
+        arrays = transfer(prepared)
+        compare(pending.result(), self.what)
+        return assemble(prepared, arrays)
+
+    def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
+        """The whole protocol for one assembly: ``(tree, mask)``."""
+        prepared = self.prepare(make)
+        if prepared.notes:
+            warn_notes(prepared.notes, user_stacklevel())
+        records = self.agree_sizes(prepared) if self.exchanges_sizes else None
+        self.place(prepared, records)
+        return self.transfer(prepared, agreed=records is not None)
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="meshkit-check")
+    return _pool
+
+
+def run(
+    local: Any,
+    mesh_or_sharding: Any,
+    spec: Any,
+    *,
+    global_shape: Any,
+    dtype: Any,
+    pad: bool,
+    check: Check,
+    tag: str,
+    what: str = _WHAT,
+    defer: bool = False,
+) -> tuple[Any, jax.Array | None]:
+    """`global_array_from_local` with the exchange tag chosen by the caller (on its channel)."""
+    assembly = Assembly(
+        _channel.scoped(tag, what),
+        what,
+        pad=pad,
+        check=check,
+        sizes_known=global_shape is not None,
+        defer=defer,
+    )
+    return assembly.run(
+        lambda: prepare(
+            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
+        )
+    )
+
+
+def global_array_from_local(
+    local: Any,
+    mesh_or_sharding: Mesh | NamedSharding,
+    spec: SpecLike | Any = None,
+    *,
+    global_shape: Sequence[int] | Any = None,
+    dtype: Any = None,
+    pad: bool = False,
+    check: Check = True,
+) -> Any:
+    """Assemble global `jax.Array`s from every process's local data.
+
+    Each process passes its own part: along each dimension the array is split across processes,
+    the rows its devices hold (`meshkit.process_slice` says which); dimensions split only inside
+    a process, or not split, are passed whole. Processes whose devices hold the same blocks (a
+    mesh axis across processes that the spec does not use) must pass the same data. With one
+    process, ``local`` is the whole array.
+
+    On CPU, as with `jax.device_put`, a numpy block that XLA can use in place (64-byte aligned,
+    no cast) is not copied: the result reads ``local``'s memory, so do not write into ``local``
+    afterwards.
+
+    Args:
+        local: this process's data: an array or a pytree (dict, list, tuple, NamedTuple,
+            registered dataclass) of numpy arrays, array-likes, scalars or single-process
+            ``jax.Array`` s.
+        mesh_or_sharding: a `jax.sharding.Mesh` over every process's devices (with ``spec``),
+            or a `jax.sharding.NamedSharding` (without ``spec``).
+        spec: how the global array is split: a `jax.sharding.PartitionSpec`, a spec string
+            (``"data"``, ``"batch seq -> data _"``), or a pytree of them that is a prefix of
+            ``local``.
+        global_shape: the global shape (a shape, or a pytree of shapes like ``local``).
+            Inferred when left out; when given it is checked against the local data, and with
+            ``pad=True`` it fixes the padded leading size (no exchange of sizes).
+        dtype: cast every array to this dtype.
+        pad: pad the leading (batch) dimension with zeros to a size every process agrees on, so
+            that uneven batches (the last one of an epoch) still assemble; the result is then
+            ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
+            True for real rows.
+        check: compare the processes' pytree structure, dtypes and shapes through the
+            coordination service (one small message per process, overlapped with the copy to
+            the devices); a mismatch raises on every process. ``"data"`` also checks that
+            replicas passed identical data (it hashes every block: costly, for debugging).
+            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
+            ``global_shape`` is given).
+
+    Returns:
+        The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair
+        ``(arrays, mask)``.
+
+    Raises:
+        MeshkitError: a local dimension does not split over this process's blocks (for the
+            leading one, consider ``pad=True``); processes disagree on structure, shapes or
+            dtypes, or one of them failed or did not arrive within ``MESHKIT_CHECK_TIMEOUT``
+            seconds; the spec names an axis the mesh lacks or has more entries than the array
+            has dimensions; the mesh does not span every process; a leaf is not an array;
+            ``global_shape`` does not fit the local data.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16, dtype=np.int32)}
+        >>> g = meshkit.global_array_from_local(batch, mesh, "data")
+        >>> g["x"].shape, g["x"].sharding.spec
+        ((16, 3), P('data',))
+        >>> x, mask = meshkit.global_array_from_local(np.ones((13, 3), np.float32), mesh, "data",
+        ...                                           pad=True)
+        >>> x.shape, int(mask.sum())
+        ((16, 3), 13)
+    """
+    _dispatch.enter(_SITE, (local,))
+    tree, mask = run(
+        local,
+        mesh_or_sharding,
+        spec,
+        global_shape=global_shape,
+        dtype=dtype,
+        pad=pad,
+        check=check,
+        tag="global_array_from_local",
+        defer=check is True,
+    )
+    return (tree, mask) if pad else tree

@@ -1,0 +1,495 @@
+"""`global_batches`: per-process batches in, global batches out, assembled ahead of time.
+
+A helper thread pulls the next local batch, agrees with the other processes (one small message
+per process and step through the coordination service: "I have a batch, of this structure" or
+"my data has ended"), and assembles the global batch while the caller computes on the previous
+one. At most ``prefetch`` assembled batches wait for the caller, so device memory stays
+bounded.
+
+End of data is decided together: with ``pad=False`` every loader must end at the same step (a
+loader that ends before the others is an error on every process, naming the counts, never a
+silent stop or a hang); with ``pad=True`` the processes that ran out contribute fully padded
+batches until all have (the mask marks real rows). So is the end of a loop: each step is
+handed to the callers together (one barrier per step), so a process that closes its iterator
+stops the others at the same step. No process is ever left waiting on a collective that the
+others will not join.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from queue import Queue
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from ..lifecycle import watchdog as _watchdog
+from . import assembly as _assembly
+from . import blocks as _global
+
+__all__ = ["GlobalBatches", "global_batches"]
+
+_WHAT = "meshkit.global_batches"
+_JOIN_TIMEOUT_S = 30.0
+_HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
+_live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop helper threads before the interpreter (and JAX's runtime) shuts down under them."""
+    for batches in list(_live):
+        batches.close()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+class _End:
+    pass
+
+
+class _Closed:
+    """Put in the queue by `GlobalBatches.close`: wakes a `__next__` waiting for a batch."""
+
+
+_END = _End()
+_CLOSED = _Closed()
+
+
+class GlobalBatches(Iterator[Any]):
+    """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
+
+    Attributes:
+        steps: global batches handed to the caller so far.
+        rows: rows of those batches (their leading size, padding included).
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        mesh_or_sharding: Mesh | NamedSharding,
+        spec: Any,
+        *,
+        prefetch: int,
+        pad: bool,
+        check: _global.Check,
+        dtype: Any,
+        progress: float | None,
+        stop_together: bool = True,
+    ) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise MeshkitError(
+                f"{_WHAT}: prefetch must be a positive int (batches assembled ahead); got "
+                f"{prefetch!r}."
+            )
+        if not isinstance(stop_together, bool):
+            raise MeshkitError(
+                f"{_WHAT}: stop_together must be True or False; got {stop_together!r}."
+            )
+        if progress is not None and not progress > 0:
+            raise MeshkitError(
+                f"{_WHAT}: progress must be None or a positive number of seconds between "
+                f"reports; got {progress!r}."
+            )
+        self._args = (mesh_or_sharding, spec)
+        self._pad, self._dtype = pad, dtype
+        self._progress = progress
+        # Numbered on the creating thread's channel; the helper thread then uses it as its own.
+        self._tag = _channel.numbered("global_batches", _WHAT)
+        self._multi = _compat.distributed_state()[2] > 1
+        self._together = stop_together and self._multi  # hand each step over together
+        # sizes are exchanged at every step: the end of data is decided together.
+        self._assembly = _assembly.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
+        self._handover = self._tag + "/handover"  # each step handed to the callers together
+        self._timeout = _env.check_timeout()
+        self._queue: Queue[Any] = Queue()
+        self._slots = threading.Semaphore(prefetch)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._done = False  # closed, ended or failed: __next__ raises StopIteration
+        self._in_next = False  # a __next__ is running: it tells the others of a close
+        self._told = False  # the others' callers know this process's last step
+        self._released = False  # the others' helpers know this one stopped
+        self.steps = 0
+        self.rows = 0
+        self._assembled = 0  # steps the helper thread assembled (the loaders' batches so far)
+        self._started = time.monotonic()
+        self._reported = self._started
+        try:
+            source = iter(iterable)
+        except TypeError:
+            raise MeshkitError(
+                f"{_WHAT}: expected an iterable of per-process batches; got "
+                f"{type(iterable).__name__}."
+            ) from None
+        self._thread = threading.Thread(
+            target=self._work, args=(source,), name="meshkit-global-batches", daemon=True
+        )
+        self._thread.start()
+        _live.add(self)
+
+    # The caller's side.
+
+    def __iter__(self) -> GlobalBatches:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            done = self._done
+            self._in_next = not done
+        if done:
+            # Closed (from another thread, during the last step's handover, say): the others
+            # learn it at this step, if nothing has told them yet.
+            self._tell_closed()
+            raise StopIteration
+        try:
+            return self._next()
+        finally:
+            self._in_next = False
+
+    def _next(self) -> Any:
+        item = self._queue.get()
+        self._slots.release()
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.error
+        if isinstance(item, _Closed) or self._done:  # closed by another thread meanwhile
+            self._tell_closed()
+            raise StopIteration
+        if isinstance(item, _End):
+            self._done = self._told = True  # every process ends at this step: nothing to tell
+            self._report(final=True)
+            raise StopIteration
+        if not self._take():
+            raise StopIteration
+        batch, rows, notes = item
+        _global.warn_notes(notes, stacklevel=3)
+        _watchdog.note_progress()
+        self.steps += 1
+        self.rows += rows
+        self._report()
+        return batch
+
+    def _take(self) -> bool:
+        """Whether every process takes this step (False: one closed; this one stops too).
+
+        The helper threads assemble ahead, so a process that closes its iterator after step k
+        has agreed on steps beyond k with the others. Each step is therefore also handed over
+        together: the n-th `__next__` of every process meets the n-th of the others (one
+        barrier, `meshkit._src.coord.agree.check`), where each says whether it takes the step or
+        closed. A process that closed ends the others at the same step, before any of them computes
+        with a batch it would not join.
+        """
+        if not self._together:
+            return True
+        outcome = _agree.check(
+            self._handover, "take", json.dumps({"status": "take"}), timeout=self._timeout
+        )
+        if outcome.agreed:
+            return True
+        statuses = {p: json.loads(r)["status"] for p, r in outcome.records.items()}
+        closed = sorted(p for p, status in statuses.items() if status == "closed")
+        if closed or not outcome.missing:
+            self._told = True
+            self.close()
+            return False
+        raise MeshkitError(
+            f"{_WHAT}: process{'es' if len(outcome.missing) > 1 else ''} "
+            f"{', '.join(map(str, outcome.missing))} did not ask for step {self.steps + 1} "
+            f"within {self._timeout:g} s; this process (process "
+            f"{_compat.distributed_state()[1]}) did.\nEvery process must take the same "
+            "number of batches from its global_batches, or close it (the others then stop at "
+            "the same step). Consider what keeps those processes from their next step (a "
+            "crash, a stall, a different branch); MESHKIT_DEBUG=1 names where they are."
+        )
+
+    def _tell_closed(self) -> None:
+        """Tell the others' callers, at their next step, that this process closed (never waits)."""
+        with self._lock:
+            if self._told or not self._together:
+                return
+            self._told = True
+        _agree.leave_check(self._handover, json.dumps({"status": "closed"}))
+
+    def _release_helpers(self) -> None:
+        """Tell the others' helper threads, at their next step, that this one stops (once).
+
+        The helper says so itself when it sees the stop between steps; `close` says it for a
+        helper that is busy (in a loader that blocks, in an agreement), so the others' helpers,
+        waiting for this one's next step, stop instead of timing out.
+        """
+        with self._lock:
+            if self._released or not self._multi:
+                return
+            self._released = True
+        _assembly.publish_record(self._tag, {"status": "closed"})
+
+    def close(self) -> None:
+        """Stop the helper thread and wait for it; batches not yet taken are dropped.
+
+        Callable from any thread: a `__next__` waiting for a batch in another thread raises
+        `StopIteration`. In a multi-process program the others' iterators stop at the same
+        step (their next `__next__` raises `StopIteration`), whether or not they close theirs.
+        """
+        with self._lock:
+            if self._stop.is_set():
+                return  # closed before (the helper has been waited for then)
+            self._done = True
+            tell_here = not self._in_next  # else the running __next__ tells, at its step
+            self._stop.set()
+        self._queue.put(_CLOSED)
+        if tell_here:
+            self._tell_closed()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
+            if self._thread.is_alive():
+                self._release_helpers()
+                self._thread.join(_JOIN_TIMEOUT_S)
+
+    def __enter__(self) -> GlobalBatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()
+
+    @property
+    def rows_per_second(self) -> float:
+        """Rows handed to the caller per second since the iterator started."""
+        return self.rows / max(1e-9, time.monotonic() - self._started)
+
+    def _report(self, final: bool = False) -> None:
+        if self._progress is None or jax.process_index() != 0:
+            return
+        now = time.monotonic()
+        if not final and now - self._reported < self._progress:
+            return
+        self._reported = now
+        state = "done" if final else "running"
+        sys.stderr.write(
+            f"{_WHAT}: {state}, step {self.steps}, {self.rows} rows, "
+            f"{self.rows_per_second:,.0f} rows/s\n"
+        )
+
+    # The helper thread's side.
+
+    def _take_slot(self) -> bool:
+        while not self._stop.is_set():
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return False
+
+    def _work(self, source: Iterator[Any]) -> None:
+        with _channel.channel(self._tag):
+            self._work_on_channel(source)
+
+    def _work_on_channel(self, source: Iterator[Any]) -> None:
+        _global.set_caller(_WHAT)
+        template: Any = None
+        while True:
+            if not self._take_slot():
+                self._release_helpers()  # the others' helpers wait for this one's next step
+                return
+            status, local = "data", None
+            try:
+                local = next(source)
+                template = local
+                if self._stop.is_set():
+                    self._release_helpers()  # closed while the loader ran
+                    return
+            except StopIteration:
+                status = "end"
+            except BaseException as e:
+                if self._multi:
+                    _assembly.publish_failure(self._tag, e)
+                self._queue.put(_Failure(e))
+                return
+            try:
+                item = self._step(status, local, template)
+            except BaseException as e:
+                self._queue.put(_Failure(e))
+                return
+            self._queue.put(item)
+            if isinstance(item, _End):
+                return
+
+    def _step(self, status: str, local: Any, template: Any) -> Any:
+        mesh_or_sharding, spec = self._args
+        pad, multi = self._pad, self._multi
+        assembly = self._assembly
+        step = self._assembled + 1
+        if status == "end":
+            if not (multi and pad and template is not None):
+                if multi:
+                    self._check_end(assembly.agree_sizes(None, "end"), step)
+                return _END
+            local = jax.tree_util.tree_map(
+                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
+            )
+        prepared = assembly.prepare(
+            lambda: _global.prepare(
+                local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
+            )
+        )
+        records = None
+        if multi:
+            # Every step agrees before placing: on the end of data, and the padded size.
+            records = assembly.agree_sizes(prepared, status)
+            if self._check_end(records, step):
+                return _END
+        assembly.place(prepared, records)
+        tree, mask = assembly.transfer(prepared, agreed=records is not None)
+        self._assembled = step
+        rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
+        return ((tree, mask) if pad else tree), rows, prepared.notes
+
+    def _check_end(self, records: dict[int, Any], step: int) -> bool:
+        """Whether the data has ended for every process at ``step`` (the records agreed there).
+
+        Loaders that end at different steps are an error, the same on every process (each has
+        every record), unless ``pad`` lets the ended ones pad: with ``pad=False`` the longer
+        loaders' batches would be dropped unseen, and a loader that yielded no batch at all
+        has no structure to pad with.
+        """
+        statuses = {p: r["status"] for p, r in records.items()}
+        if "closed" in statuses.values() or set(statuses.values()) == {"end"}:
+            return True
+        ended = sorted(p for p, s in statuses.items() if s == "end")
+        if not ended or (self._pad and all("block_rows" in records[p] for p in ended)):
+            return False
+        raise MeshkitError(_uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad))
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _processes(ps: list[int]) -> str:
+    named = ", ".join(map(str, ps[:-1])) + " and " + str(ps[-1]) if len(ps) > 1 else str(ps[0])
+    return f"process{'es' if len(ps) > 1 else ''} {named}"
+
+
+def _uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
+    """The message for loaders that yielded different numbers of batches (see `_check_end`)."""
+    had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
+    more = f"a {_ordinal(step)}" if step > 1 else "one"
+    ended_text = (
+        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
+    )
+    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
+    head = (
+        f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
+        f"ended {had}, while {going_text} yielded {more}.\n"
+    )
+    if pad:
+        return head + (
+            "With pad=True a process whose loader has ended contributes padding, shaped like "
+            "its earlier batches; a loader that yielded no batch has none to copy.\n"
+            "Consider giving every process at least one row, or a loader that yields a batch "
+            "of 0 rows (same keys and dtypes) when its shard is empty."
+        )
+    return head + (
+        "With pad=False every step needs a batch from every process, and the batches the "
+        "longer loaders still hold would be dropped unseen.\n"
+        "Consider pad=True (the processes whose loaders ended contribute padding, which the "
+        "mask marks, until every loader has ended), or loaders that yield the same number of "
+        "batches (drop the last, short batch everywhere, or stop after a fixed number of steps "
+        "with itertools.islice)."
+    )
+
+
+def global_batches(
+    iterable: Iterable[Any],
+    mesh_or_sharding: Mesh | NamedSharding,
+    spec: Any = None,
+    *,
+    prefetch: int = 2,
+    pad: bool = False,
+    check: _global.Check = True,
+    dtype: Any = None,
+    progress: float | None = None,
+    stop_together: bool = True,
+) -> GlobalBatches:
+    """Turn an iterable of per-process batches into an iterator of global batches.
+
+    Each process passes its own loader (what it would pass to `meshkit.global_array_from_local`
+    step by step). A helper thread assembles the next global batches while the caller computes,
+    at most ``prefetch`` ahead. The processes agree on the end of data at every step: with
+    ``pad=False`` every loader must yield the same number of batches; with ``pad=True`` (which
+    also pads uneven batches and yields ``(batch, mask)`` pairs) the processes whose loaders
+    have ended contribute fully padded batches until every loader has. An exception raised by a
+    loader reaches the caller with its traceback, and the other processes raise a
+    `meshkit.MeshkitError` naming that process.
+
+    Args:
+        iterable: this process's batches (pytrees of arrays). On CPU a global batch may share
+            memory with them (see `meshkit.global_array_from_local`): a loader must not refill
+            an array it has already yielded.
+        mesh_or_sharding: as for `meshkit.global_array_from_local`.
+        spec: as for `meshkit.global_array_from_local`.
+        prefetch: global batches assembled ahead of the caller (bounds the device memory held).
+        pad: pad uneven batches and run until every process's data has ended; yields
+            ``(batch, mask)``.
+        check: as for `meshkit.global_array_from_local`.
+        dtype: cast every array to this dtype.
+        progress: seconds between progress lines (steps, rows, rows/s) on process 0's stderr;
+            None for none.
+        stop_together: hand each step to the callers together (one barrier per step, in
+            `__next__`), so that a process that closes its iterator, or breaks out of its loop,
+            ends the others' at the same step. False saves the barrier (0.6 ms per step with 2
+            processes here, growing with the process count: the coordination service handles
+            every arrival) where every process stops at the same step by construction (the end
+            of data, a fixed step count); a process that then closes early leaves the others to
+            compute up to ``prefetch`` steps with batches it will not join.
+
+    Returns:
+        A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
+        use it in a ``with`` block, to stop early).
+
+    Raises:
+        MeshkitError: ``prefetch``, ``stop_together`` or ``progress`` is not valid; or,
+            from ``next()``, on every process at the same step: the loaders yielded
+            different numbers of batches (``pad=False``; with ``pad=True``, a loader that
+            yielded no batch at all while others did); the processes' batches do not fit
+            together; another process's loader failed.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> loader = ({"x": np.full((8, 2), i, np.float32)} for i in range(3))
+        >>> [float(b["x"].sum()) for b in meshkit.global_batches(loader, mesh, "data")]
+        [0.0, 16.0, 32.0]
+    """
+    return GlobalBatches(
+        iterable,
+        mesh_or_sharding,
+        spec,
+        prefetch=prefetch,
+        pad=pad,
+        check=check,
+        dtype=dtype,
+        progress=progress,
+        stop_together=stop_together,
+    )

@@ -1,0 +1,289 @@
+"""Back from global arrays to numpy: `local_from_global` and `gather`.
+
+`local_from_global` is the inverse of `meshkit.global_array_from_local`: this process's part,
+laid out as the planner lays it out (`meshkit.process_slice`), with replicas read once.
+
+`gather` brings the whole value to the host of every process (or of one). It does not reshard
+to a fully replicated array (which would hold the whole value on every device): each block
+travels once, from the lowest process that holds it, as bytes over a one-device-per-process
+mesh; an all-gather for ``to="all"``, point-to-point sends to one process otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from ..runtime import dispatch as _dispatch
+from ..sharding import layout as _layout
+
+__all__ = ["gather", "local_from_global"]
+
+_AXIS = "processes"
+# Debug mode compares ``to`` by value (a static argument) and the leaves' shapes.
+_SITE = _dispatch.CallSite(
+    "gather", "meshkit.gather", info={"params": ("x", "to"), "static_argnums": (1,)}
+)
+
+
+def _leaves(x: Any, what: str) -> tuple[list[tuple[str, jax.Array]], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(x)
+    out = []
+    for path, leaf in flat:
+        where = jax.tree_util.keystr(path) or "(the array)"
+        if not isinstance(leaf, jax.Array):
+            raise MeshkitError(
+                f"{what}: the leaf at {where} is of type {type(leaf).__name__}, not a jax.Array.\n"
+                "Consider passing the global arrays themselves (numpy data is already local)."
+            )
+        out.append((where, leaf))
+    return out, treedef
+
+
+def _local_plan(x: jax.Array, where: str, what: str) -> _layout.Plan:
+    p = _layout.plan(x.sharding, tuple(x.shape), jax.process_index())
+    if not p.rectangular:
+        raise MeshkitError(
+            f"{what}: this process's shards of {where} (shape {x.shape}, sharding {x.sharding}) "
+            "do not form a grid, so no single local array can hold them.\n"
+            "Consider meshkit.gather(x) for the whole value."
+        )
+    return p
+
+
+def local_from_global(x: Any) -> Any:
+    """This process's part of global arrays, as numpy, in the layout it was given.
+
+    The inverse of `meshkit.global_array_from_local`:
+    ``local_from_global(global_array_from_local(x, mesh, spec))`` equals ``x``. Works for any
+    array, whatever made it (``jax.jit`` outputs included): along each dimension, the distinct
+    ranges this process's devices hold, in increasing order (`meshkit.process_slice`). Blocks
+    held by several local devices (replicas) are read once.
+
+    Args:
+        x: a `jax.Array` or a pytree of them.
+
+    Returns:
+        numpy arrays, in ``x``'s pytree structure.
+
+    Raises:
+        MeshkitError: a leaf is not a ``jax.Array``, or this process's shards do not form a
+            grid (exotic device orders; `meshkit.gather` still works).
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> x = np.arange(32, dtype=np.float32).reshape(16, 2)
+        >>> back = meshkit.local_from_global(meshkit.global_array_from_local(x, mesh, "data"))
+        >>> bool((back == x).all())
+        True
+    """
+    what = "meshkit.local_from_global"
+    leaves, treedef = _leaves(x, what)
+    plans = [_local_plan(leaf, where, what) for where, leaf in leaves]
+    fetch, into = [], []
+    for i, ((_, leaf), p) in enumerate(zip(leaves, plans, strict=True)):
+        shards = {s.device: s.data for s in leaf.addressable_shards}
+        for pl in p.placements:
+            if pl.first:
+                fetch.append(shards[pl.device])
+                into.append((i, pl.local_index))
+    outs = [np.empty(p.local_shape, leaf.dtype) for (_, leaf), p in zip(leaves, plans, strict=True)]
+    for (i, index), block in zip(into, jax.device_get(fetch), strict=True):
+        outs[i][index] = block
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _process_mesh(devices: list[Any]) -> Mesh:
+    by_process: dict[int, Any] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        by_process.setdefault(int(d.process_index), d)
+    return Mesh(np.array([by_process[p] for p in sorted(by_process)], dtype=object), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=64)
+def _all_gather(mesh: Mesh) -> Any:
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_to(mesh: Mesh, root: int) -> Any:
+    n = mesh.devices.size
+
+    def body(a: jax.Array) -> jax.Array:
+        rows = [a if src == root else jax.lax.ppermute(a, _AXIS, [(src, root)]) for src in range(n)]
+        return jax.numpy.concatenate(rows, axis=1)
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=PartitionSpec(_AXIS), out_specs=PartitionSpec(_AXIS)
+        )
+    )
+
+
+def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
+    """The whole value of global arrays, as numpy, on every process or on one.
+
+    Every block travels once, from the lowest process that holds it, over one device per
+    process; the full array never sits on every device (unlike resharding to replicated and
+    reading that).
+
+    Args:
+        x: a `jax.Array` or a pytree of them (any sharding).
+        to: ``"all"`` (every process gets the value) or a process index (only that process
+            does; the others get None). Every process must call `gather` with the same ``to``.
+
+    Returns:
+        numpy arrays in ``x``'s pytree structure; None on processes other than ``to``.
+
+    Raises:
+        MeshkitError: ``to`` is not ``"all"`` or a process index; a leaf is not a
+            ``jax.Array``.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": 4, "model": 2})
+        >>> value = np.arange(16, dtype=np.float32).reshape(4, 4)
+        >>> x = meshkit.global_array_from_local(value, mesh, "data model")
+        >>> meshkit.gather(x, to=0)[1]
+        array([4., 5., 6., 7.], dtype=float32)
+    """
+    what = "meshkit.gather"
+    _dispatch.enter(_SITE, (x, to))
+    count = jax.process_count()
+    if to != "all" and (isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < count):
+        raise MeshkitError(
+            f"{what}: to={to!r} is not a process; the program has {count} process"
+            f"{'es' if count > 1 else ''} (0 to {count - 1}).\n"
+            'Consider to="all" (every process gets the value) or to=0 (process 0 only).'
+        )
+    leaves, treedef = _leaves(x, what)
+    me = jax.process_index()
+    if count == 1:
+        values = [np.asarray(jax.device_get(leaf)) for _, leaf in leaves]
+        return jax.tree_util.tree_unflatten(treedef, values)
+    _agree_on_call(to, leaves, treedef, what)
+    plans = [_layout.plan(leaf.sharding, tuple(leaf.shape), me) for _, leaf in leaves]
+    # Each block is sent by the lowest process holding it; every process can work out what
+    # every other sends (plans are global), so no sizes need exchanging.
+    owned: list[list[list[tuple[Any, ...]]]] = []  # [process][leaf] -> blocks, in order
+    for p in range(count):
+        per_leaf = []
+        for plan in plans:
+            first_owner: dict[Any, int] = {}
+            for d, b in plan.blocks.items():
+                first_owner[b] = min(first_owner.get(b, count), plan.owners[d])
+            per_leaf.append(sorted(b for b, o in first_owner.items() if o == p))
+        owned.append(per_leaf)
+    itemsizes = [np.dtype(leaf.dtype).itemsize for _, leaf in leaves]
+
+    def nbytes(blocks: list[tuple[Any, ...]], itemsize: int) -> int:
+        return sum(int(np.prod([b - a for a, b in block])) * itemsize for block in blocks)
+
+    sizes = [
+        sum(nbytes(owned[p][i], itemsizes[i]) for i in range(len(leaves))) for p in range(count)
+    ]
+    width = max(1, max(sizes))
+    payload = np.zeros(width, np.uint8)
+    at = 0
+    for i, (_, leaf) in enumerate(leaves):
+        shards = {repr(_block_of(s.index, leaf.shape)): s.data for s in leaf.addressable_shards}
+        blocks = owned[me][i]
+        for data in jax.device_get([shards[repr(b)] for b in blocks]):
+            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            payload[at : at + raw.size] = raw
+            at += raw.size
+    mesh = _process_mesh([d for _, leaf in leaves for d in leaf.sharding.device_set])
+    mine = next(d for d in mesh.devices.flat if d.process_index == me)
+    global_payload = jax.make_array_from_single_device_arrays(
+        (count, width),
+        NamedSharding(mesh, PartitionSpec(_AXIS)),
+        [jax.device_put(payload.reshape(1, width), mine)],
+    )
+    if to == "all":
+        rows = np.asarray(_all_gather(mesh)(global_payload).addressable_shards[0].data)
+    else:
+        out = _gather_to(mesh, int(to))(global_payload)
+        if me != to:
+            out.block_until_ready()
+            return None
+        rows = np.asarray(out.addressable_shards[0].data).reshape(count, width)
+    values = []
+    offsets = [0] * count
+    for i, (_, leaf) in enumerate(leaves):
+        value = np.empty(leaf.shape, leaf.dtype)
+        for p in range(count):
+            for block in owned[p][i]:
+                shape = tuple(b - a for a, b in block)
+                size = int(np.prod(shape)) * itemsizes[i]
+                raw = rows[p, offsets[p] : offsets[p] + size]
+                offsets[p] += size
+                value[tuple(slice(a, b) for a, b in block)] = raw.view(leaf.dtype).reshape(shape)
+        values.append(value)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _agree_on_call(
+    to: int | str, leaves: list[tuple[str, jax.Array]], treedef: Any, what: str
+) -> None:
+    """Every process must gather the same arrays to the same place; else each names the others.
+
+    One barrier (`meshkit._src.coord.agree.check`) before the collective: a ``to`` that differs
+    between processes would otherwise pair a point-to-point send with an all-gather and hang for
+    ever.
+    """
+    shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
+    mine = json.dumps({"to": to, "structure": str(treedef), "leaves": shapes})
+    timeout = _env.check_timeout()
+    outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout)
+    if outcome.agreed:
+        return
+    if outcome.missing:
+        missing = ", ".join(map(str, outcome.missing))
+        raise MeshkitError(
+            f"{what}: process{'es' if len(outcome.missing) > 1 else ''} {missing} did not "
+            f"call gather within {timeout:g} s; this process (process {jax.process_index()}) "
+            "did.\nEvery process must call gather, the same number of times and in the same "
+            "order (it is a collective).\nConsider looking at those processes' output; "
+            f"{_env.ENV_CHECK_TIMEOUT} sets the wait."
+        )
+    calls = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
+    lines = []
+    for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
+        groups: dict[str, list[int]] = {}
+        for p, call in calls.items():
+            groups.setdefault(json.dumps(call[key]), []).append(p)
+        if len(groups) > 1:
+            lines = [
+                f"  process{'es' if len(ps) > 1 else ''} {','.join(map(str, ps))}: "
+                f"{shown}{_shown(json.loads(v))}"
+                for v, ps in groups.items()
+            ]
+            break
+    raise MeshkitError(
+        f"{what}: the processes called gather differently:\n" + "\n".join(lines) + "\n"
+        "Every process must pass the same arrays and the same to= (it is a collective: a "
+        "process gathering to another place would wait for ever).\nConsider computing to= "
+        "from values every process shares (to=0, not to=jax.process_index())."
+    )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return repr(value) if isinstance(value, str) and value == "all" else str(value)
+
+
+def _block_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
+    )

@@ -1,0 +1,540 @@
+"""The implementation of `meshkit.checkpoint`: save and restore with orbax, agreed first."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from ..core.trees import broadcast_prefix, prefix_mismatch
+from ..sharding.specs import is_spec_leaf
+from .plan import SavedArray, describe_mesh, plan, saved_spec
+
+__all__ = ["check_savable", "restore", "save", "targets"]
+
+# orbax's name for a checkpoint directory being written (renamed away when the save commits).
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+_PROCESS_LOCAL = """\
+{what}: {where} is a process-local array: shape {shape} on this process's {count} device{s} \
+only, in a program of {n} processes. A checkpoint holds global arrays, each process writing the \
+shards its devices hold; orbax refuses an array that one process holds whole ("Cannot serialize \
+host local jax.Array"), as every process would write its own value to the same place.
+Such arrays are what meshkit.pmap_compat returns by default (global_outputs=False) and what \
+jax.pmap and meshkit.unreplicate return in a multi-process run.
+Consider pmap_compat(..., global_outputs=True), whose outputs are global arrays (the same \
+values); or make one from this process's entries: \
+meshkit.global_array_from_local(x, meshkit.make_mesh({{"i": -1}}), "i"); or, for a value that \
+is the same on every process, jax.device_get(x) (saved once, as a host array)."""
+
+
+def _import_orbax(what: str) -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise MeshkitError(
+            f"{what} needs orbax-checkpoint, which is not installed ({e}).\n"
+            "Consider pip install 'meshkit[orbax]'."
+        ) from None
+    return ocp
+
+
+def _num_processes() -> int:
+    return _compat.distributed_state()[2]
+
+
+def _digest(value: Any) -> str:
+    data = np.ascontiguousarray(np.asarray(value))
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{data.dtype.str}{data.shape}".encode())
+    h.update(memoryview(data).cast("B"))
+    return h.hexdigest()
+
+
+def _leaf_problem(where: str, leaf: Any, what: str, n: int) -> tuple[str | None, list[Any]]:
+    """A leaf's problem for saving (None: fine) and its entry in the processes' agreement."""
+    if isinstance(leaf, jax.Array):
+        spec = leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else None
+        entry = [where, "array", list(leaf.shape), str(leaf.dtype), str(spec)]
+        if n > 1 and leaf.is_fully_addressable:
+            count = len(leaf.sharding.device_set)
+            text = _PROCESS_LOCAL.format(
+                what=what, where=where, shape=leaf.shape, count=count,
+                s="s" if count != 1 else "", n=n,
+            )  # fmt: skip
+            return text, entry
+        return None, entry
+    if isinstance(leaf, np.ndarray | np.generic | numbers.Number) or hasattr(leaf, "__array__"):
+        host = np.asarray(leaf)
+        if not (jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_):
+            return (
+                f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds numbers "
+                "(bool, int, float, complex).\nConsider saving it elsewhere (a JSON file beside "
+                "the checkpoint).",
+                [where, "host", list(host.shape), str(host.dtype)],
+            )
+        return None, [where, "host", list(host.shape), str(host.dtype), _digest(host)]
+    return (
+        f"{what}: {where} is a {type(leaf).__name__}; a checkpoint holds jax.Array s, numpy "
+        "arrays and numbers.\nConsider saving it elsewhere (a JSON file beside the checkpoint), "
+        "or converting it to an array.",
+        [where, type(leaf).__name__],
+    )
+
+
+def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
+    n = _num_processes()
+    if isinstance(tree, jax.Array | np.ndarray | numbers.Number):
+        return (
+            f"{what}: expected a pytree of arrays (a dict, list, dataclass ...); got a single "
+            f"{type(tree).__name__}.\nConsider saving {{'x': x}}.",
+            [],
+        )
+    entries: list[Any] = []
+    first: str | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        problem, entry = _leaf_problem(f"the leaf {jax.tree_util.keystr(path)}", leaf, what, n)
+        entries.append(entry)
+        first = first or problem
+    return first, entries
+
+
+def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
+    """Every process reaches the same verdict before orbax is called; raise it everywhere.
+
+    One barrier of the coordination service when the processes agree. When they differ, each
+    process raises an error naming the first difference (or the process that found a problem),
+    so no process is left inside orbax waiting for the others.
+    """
+    if _num_processes() == 1:
+        if problem is not None:
+            raise MeshkitError(problem)
+        return
+    mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
+    timeout = _env.check_timeout()
+    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout)
+    if outcome.agreed:
+        if problem is not None:
+            raise MeshkitError(problem)
+        return
+    if outcome.missing or outcome.gave_up:
+        gone = ", ".join(map(str, outcome.missing or outcome.gave_up))
+        late = (
+            "stopped waiting for this process (their wait ran out before it arrived)"
+            if not outcome.missing
+            else f"did not reach this call within {timeout:g} s (the others did)"
+        )
+        raise MeshkitError(
+            f"{what}: process(es) {gone} {late}.\nEvery process must {doing}, in the same order.\n"
+            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+            "wait."
+        )
+    records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
+    for p, record in records.items():
+        if record["problem"] is not None:
+            if problem is not None:
+                raise MeshkitError(problem)
+            raise MeshkitError(f"{what}: process {p} refused the call:\n{record['problem']}")
+    raise MeshkitError(_difference(what, records, doing))
+
+
+_SHARED_VALUES = (
+    "Consider computing what differs from values every process shares (host values are written "
+    "by process 0 alone: any other process's would be lost)."
+)
+_SHARED_PATH = (
+    "Consider a path every process computes the same way, on a filesystem they all see (not "
+    "tempfile.mkdtemp() in each process)."
+)
+
+
+def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
+    ref_p, ref = next(iter(records.items()))
+    for p, record in records.items():
+        a, b = ref["entries"], record["entries"]
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
+                return (
+                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {_entry(x)} on "
+                    f"process {ref_p}, {_entry(y)} on process {p}.\nEvery process must {doing}."
+                    f"\n{fix}"
+                )
+        if len(a) != len(b):
+            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
+            return (
+                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
+                f"\nEvery process must {doing}."
+            )
+    return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
+
+
+def _entry(entry: list[Any]) -> str:
+    kind = entry[1] if len(entry) > 1 else ""
+    if kind in ("array", "host") and len(entry) >= 4:
+        text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "
+        text += f"{tuple(entry[2])}, {entry[3]}"
+        if kind == "host" and len(entry) == 5:
+            text += f", contents digest {entry[4]}"
+        if kind == "array" and len(entry) == 5 and entry[4] != "None":
+            text += f", spec {entry[4]}"
+        return text
+    if kind == "target":
+        return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
+    if kind == "path":
+        return str(entry[2])
+    return str(entry[1:])
+
+
+def check_savable(tree: Any) -> None:
+    """Check that every process can save ``tree`` with orbax, and that they save the same tree.
+
+    For orbax's own ``CheckpointManager.save`` (what `save` checks before saving): every
+    ``jax.Array`` is a global array (not process-local), every leaf is an array or a number,
+    and the processes pass the same structure, shapes, dtypes and host values. Every process
+    must call it, at the same point; the processes agree on the verdict through the
+    coordination service (one barrier), so either all of them go on or all of them raise.
+
+    Args:
+        tree: the pytree to save.
+
+    Raises:
+        MeshkitError: a process-local array (``pmap_compat``'s default outputs in a
+            multi-process run: the message names ``global_outputs=True`` and the conversion),
+            a leaf that is not an array or a number, or processes that differ (naming the first
+            leaf that differs and how).
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> meshkit.checkpoint.check_savable({"w": meshkit.replicate(np.ones(3)), "step": 1})
+    """
+    what = "meshkit.checkpoint.check_savable"
+    problem, entries = _tree_problems(tree, what)
+    _agree_on(what, "checkpoint/check", entries, problem, "save the same tree")
+
+
+def _path(path: str | os.PathLike[str], what: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise MeshkitError(f"{what}: path must be a str or os.PathLike; got {type(path).__name__}.")
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def save(path: str | os.PathLike[str], tree: Any) -> None:
+    """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
+
+    Global arrays (from `meshkit.global_array_from_local`, `meshkit.replicate`,
+    ``pmap_compat(..., global_outputs=True)``, ``jax.jit``) are written by the processes whose
+    devices hold them, each block once; host values (numpy arrays, Python numbers) by process
+    0. The directory appears only when every process has written its part: orbax writes into
+    ``<path>.orbax-checkpoint-tmp`` and renames it, so a process that fails mid-save leaves no
+    ``path``, only the temporary directory, which `restore` refuses.
+
+    Args:
+        path: a directory that does not exist yet (its parents are created), on a filesystem
+            every process sees.
+        tree: a pytree (dict, list, dataclass ...) of ``jax.Array`` s, numpy arrays and numbers.
+
+    Raises:
+        MeshkitError: what `check_savable` finds (a process-local array, above all), or
+            ``path`` exists already. Every process raises, before anything is written.
+
+    Example:
+        >>> import numpy as np, meshkit, tempfile
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> x = meshkit.global_array_from_local(np.arange(16, dtype=np.float32), mesh, "data")
+        >>> path = tempfile.mkdtemp() + "/step_1"
+        >>> meshkit.checkpoint.save(path, {"x": x, "step": 1})
+        >>> meshkit.checkpoint.restore(path, mesh)["step"]
+        1
+    """
+    what = "meshkit.checkpoint.save"
+    ocp = _import_orbax(what)
+    where = _path(path, what)
+    problem, entries = _tree_problems(tree, what)
+    if problem is None and where.exists():
+        problem = (
+            f"{what}: {where} exists already; a checkpoint goes to a new directory, so that an "
+            "earlier one is never overwritten by a save that may not finish.\n"
+            "Consider one directory per step (f'{root}/step_{step}'), or orbax's "
+            "CheckpointManager, which numbers the steps and keeps the last few."
+        )
+    head = ["the directory", "path", str(where)]
+    _agree_on(what, "checkpoint/save", [head, *entries], problem, "save the same tree")
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        checkpointer.save(where, tree)
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()
+
+
+def _metadata_tree(source: Any) -> Any:
+    """The plain tree that orbax's metadata (`StepMetadata`, `TreeMetadata`) describes."""
+    source = getattr(source, "item_metadata", source)
+    if hasattr(source, "tree") and hasattr(source, "custom_metadata"):  # orbax's TreeMetadata
+        source = source.tree
+    return source
+
+
+def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
+    """The checkpoint's metadata tree at ``where``, or None and the reason it cannot be read."""
+    if _TMP_MARK in where.name:
+        return None, (
+            f"{what}: {where} is a checkpoint that was never completed (orbax's temporary "
+            "directory: a save whose process failed, or one still being written).\n"
+            f"Consider the last complete checkpoint beside it (a directory without "
+            f"'{_TMP_MARK}' in its name); orbax's CheckpointManager lists only complete steps."
+        )
+    if not where.is_dir():
+        missing = where
+        while not missing.parent.exists() and missing.parent != missing:
+            missing = missing.parent  # the first part of the path that is not there
+        tmp = sorted(p.name for p in missing.parent.glob(missing.name + _TMP_MARK + "*"))
+        why = f"; only {tmp[0]!r} is there, a save of it that never completed" if tmp else ""
+        return None, (
+            f"{what}: there is no checkpoint at {where}{why}.\n"
+            "Consider the path given to save (orbax's CheckpointManager: "
+            "manager.directory / str(step) / 'default', or targets(manager.item_metadata(step)))."
+        )
+    if not (where / "_METADATA").exists():
+        items = sorted(p.name for p in where.iterdir() if (p / "_METADATA").exists())
+        hint = (
+            f"Consider {str(where / items[0])!r}, the item directory inside it."
+            if items
+            else "Consider the directory given to meshkit.checkpoint.save or to orbax's save."
+        )
+        return None, (
+            f"{what}: {where} is not a checkpoint of orbax's StandardCheckpointer (it has no "
+            f"_METADATA file).\n{hint}"
+        )
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        return _metadata_tree(checkpointer.metadata(where)), None
+    finally:
+        checkpointer.close()
+
+
+def _describe_leaf(path: str, leaf: Any) -> SavedArray | None:
+    """A leaf of a metadata tree (or of an abstract tree) as a `SavedArray`; None: no array."""
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    kind = type(leaf).__name__
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec: PartitionSpec | None = sharding.spec
+    else:
+        spec = saved_spec(getattr(sharding, "partition_spec", None))
+    if isinstance(leaf, np.ndarray | np.generic):
+        on_device = False
+    elif isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+        on_device = True
+    else:  # orbax's ArrayMetadata: a jax.Array was saved with sharding metadata, numpy without
+        on_device = sharding is not None
+    return SavedArray(
+        path=path,
+        shape=tuple(int(n) for n in shape),
+        dtype=str(np.dtype(dtype)),
+        spec=spec,
+        on_device=on_device,
+        scalar=kind == "ScalarMetadata",
+    )
+
+
+def _mesh_problem(mesh: Mesh, what: str) -> str | None:
+    processes = {d.process_index for d in mesh.devices.flat}
+    left_out = sorted(set(range(jax.process_count())) - processes)
+    if not left_out:
+        return None
+    which = ", ".join(map(str, left_out))
+    return (
+        f"{what}: the mesh {describe_mesh(dict(mesh.shape))} has no device of process"
+        f"{'es' if len(left_out) > 1 else ''} {which}, in a program of {jax.process_count()} "
+        "processes. Each process restores the blocks its devices hold, so a process outside "
+        "the mesh has nowhere to put its part (orbax fails there alone).\n"
+        "Consider a mesh over every process's devices (meshkit.make_mesh)."
+    )
+
+
+def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, str | None, list]:
+    """The restore targets for ``source`` (a metadata or abstract tree), or the problem."""
+    if not isinstance(mesh, Mesh):
+        return (
+            None,
+            (
+                f"{what}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.\n"
+                "Consider meshkit.make_mesh({...})."
+            ),
+            [],
+        )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(source)
+    saved: list[SavedArray] = []
+    for path, leaf in flat:
+        described = _describe_leaf(jax.tree_util.keystr(path), leaf)
+        if described is None:
+            return (
+                None,
+                (
+                    f"{what}: the checkpoint's leaf {jax.tree_util.keystr(path)} is a "
+                    f"{type(leaf).__name__}, not an array; meshkit restores arrays and numbers.\n"
+                    "Consider orbax's own restore for this checkpoint."
+                ),
+                [],
+            )
+        saved.append(described)
+    if specs is None:
+        chosen: list[Any] = [None] * len(saved)
+    else:
+        found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
+        if found is not None:
+            at, has, full = found
+            return (
+                None,
+                (
+                    f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
+                    f"specs has {has}, the checkpoint {full}.\n"
+                    "Consider one spec for every array, or a pytree of specs with the checkpoint's "
+                    "keys (None for an array that keeps the spec it was saved with)."
+                ),
+                [],
+            )
+        chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
+    entries = [
+        [f"the array {s.path}", "target", list(s.shape), s.dtype, str(c)]
+        for s, c in zip(saved, chosen, strict=True)
+    ]
+    try:
+        partitions = plan(saved, chosen, dict(mesh.shape), what)
+    except MeshkitError as e:  # classified: raised on every process after they agree
+        return None, str(e), entries
+    if any(p is not None for p in partitions):
+        problem = _mesh_problem(mesh, what)
+        if problem is not None:
+            return None, problem, entries
+    out = []
+    for s, p in zip(saved, partitions, strict=True):
+        if p is None:
+            out.append(np.dtype(s.dtype).type(0).item() if s.scalar else np.zeros(s.shape, s.dtype))
+        else:
+            out.append(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)))
+    return jax.tree_util.tree_unflatten(treedef, out), None, entries
+
+
+def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
+    """The restore targets of a checkpoint on ``mesh``: what orbax's restore takes, checked.
+
+    Each array becomes a ``jax.ShapeDtypeStruct`` of its saved shape and dtype with a
+    ``NamedSharding(mesh, spec)``; host values (saved from numpy, or Python numbers) stay host
+    values unless a spec is given for them. Pass the result to orbax:
+    ``manager.restore(step, args=ocp.args.StandardRestore(targets(...)))``. Every process must
+    call it; they agree on the verdict before returning (one barrier).
+
+    Args:
+        source: the checkpoint's directory; or its metadata (``manager.item_metadata(step)``,
+            ``StandardCheckpointer().metadata(path)``); or a pytree of
+            ``jax.ShapeDtypeStruct`` s or arrays shaped like it (``jax.eval_shape(init)``).
+        mesh: the mesh to restore onto, of any shape; it must include devices of every
+            process.
+        specs: None (every array keeps the spec it was saved with, its axis names looked up in
+            ``mesh``; replicated when it was saved without one), a spec (``PartitionSpec`` or
+            spec string, ``"data _"``) for every array, or a pytree of them that is a prefix of
+            the checkpoint's tree (None in it: as saved).
+
+    Returns:
+        A pytree shaped like the checkpoint's.
+
+    Raises:
+        MeshkitError: an array cannot be laid out on ``mesh`` with its spec (naming its tree
+            path, saved shape, the spec, the mesh and the rule: each split dimension a multiple
+            of its mesh axes' sizes, the axes the mesh's); the mesh leaves out a process;
+            ``specs`` is not a prefix of the checkpoint's tree; ``source`` is no complete
+            checkpoint.
+
+    Example:
+        >>> import numpy as np, meshkit, tempfile
+        >>> path = tempfile.mkdtemp() + "/c"
+        >>> meshkit.checkpoint.save(path, {"w": meshkit.replicate(np.ones(3, np.float32))})
+        >>> t = meshkit.checkpoint.targets(path, meshkit.make_mesh({"x": -1}), "x")
+        >>> t["w"].shape, t["w"].sharding.spec == meshkit.spec("x")
+        ((8, 3), True)
+    """
+    what = "meshkit.checkpoint.targets"
+    tree, _ = _targets(source, mesh, specs, what)
+    return tree
+
+
+def _targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, Path | None]:
+    where: Path | None = None
+    problem: str | None = None
+    tree = None
+    entries: list[Any] = []
+    if isinstance(source, str | os.PathLike):
+        ocp = _import_orbax(what)
+        where = _path(source, what)
+        source, problem = _read_metadata(ocp, where, what)
+    else:
+        source = _metadata_tree(source)
+    if problem is None:
+        tree, problem, entries = _plan_targets(source, mesh, specs, what)
+    head = [["the directory", "path", str(where)]] if where is not None else []
+    _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")
+    return tree, where
+
+
+def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
+    """Read the checkpoint at ``path`` onto ``mesh``: global arrays laid out by ``specs``.
+
+    The mesh may have any shape and the program any number of processes (the checkpoint may
+    come from 2 processes x 4 devices and be read by 1 process with 8, or onto an ``8 x 1``
+    mesh): each process reads only the blocks its devices hold. Everything is checked before
+    orbax reads a byte, in every process, and the processes agree on the verdict (see
+    `targets`).
+
+    Args:
+        path: a directory written by `save` (or by orbax's ``StandardCheckpointer``, or a
+            ``CheckpointManager`` step's item directory, ``<root>/<step>/default``).
+        mesh: the mesh to restore onto; it must include devices of every process.
+        specs: None (each array keeps the spec it was saved with, its axes looked up in
+            ``mesh``), one spec for every array, or a pytree prefix of the checkpoint's tree.
+
+    Returns:
+        The checkpoint's tree (dicts and lists, as orbax stores it): global ``jax.Array`` s on
+        ``mesh``, host values as they were saved.
+
+    Raises:
+        MeshkitError: as `targets`; a checkpoint that was never completed (orbax's temporary
+            directory, left by a process that failed mid-save) or no checkpoint at ``path``.
+
+    Example:
+        >>> import numpy as np, meshkit, tempfile
+        >>> path = tempfile.mkdtemp() + "/c"
+        >>> mesh = meshkit.make_mesh({"data": 2, "model": 4})
+        >>> w = meshkit.global_array_from_local(np.ones((8, 8), np.float32), mesh, "data model")
+        >>> meshkit.checkpoint.save(path, {"w": w})
+        >>> back = meshkit.checkpoint.restore(path, meshkit.make_mesh({"data": 8, "model": 1}))
+        >>> back["w"].sharding.spec == meshkit.spec("data model")
+        True
+        >>> dict(back["w"].sharding.mesh.shape)
+        {'data': 8, 'model': 1}
+    """
+    what = "meshkit.checkpoint.restore"
+    ocp = _import_orbax(what)
+    tree, where = _targets(_path(path, what), mesh, specs, what)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        return checkpointer.restore(where, tree)
+    finally:
+        checkpointer.close()

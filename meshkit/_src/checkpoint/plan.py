@@ -1,0 +1,175 @@
+"""Where each array of a checkpoint goes on a mesh, decided before orbax reads anything.
+
+Pure: it sees the checkpoint's saved shapes (from its metadata), the target mesh's axis sizes
+and the specs, never a device or a file. `meshkit.checkpoint` asks it first, so that an array
+that cannot be laid out on the target mesh (a dimension its mesh axes do not divide, a spec
+naming an axis the mesh lacks) is a `MeshkitError` naming the array, and orbax is never left to
+fail deep inside its reads (JAX's ``IndivisibleError`` from a coroutine, on one process only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from ..core.errors import MeshkitError
+from ..sharding.specs import SpecLike, as_partition_spec, dim_axes, spec_axes
+
+__all__ = ["SavedArray", "describe_mesh", "layout_problem", "plan", "saved_spec"]
+
+
+@dataclass(frozen=True)
+class SavedArray:
+    """One leaf of a checkpoint, as its metadata describes it.
+
+    Attributes:
+        path: its place in the tree, in `jax.tree_util.keystr` form (``"['params']['w']"``).
+        shape: the saved (global) shape.
+        dtype: the saved dtype's name.
+        spec: the spec it was saved with (a global array's); None when it was saved from the
+            host (numpy, a Python scalar) or from one device.
+        on_device: saved from a ``jax.Array`` (restored onto the mesh by default); False for
+            host values (numpy arrays, scalars), which come back as they were saved.
+        scalar: a Python scalar (orbax's ``ScalarMetadata``).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: PartitionSpec | None
+    on_device: bool
+    scalar: bool = False
+
+
+def saved_spec(entries: Any) -> PartitionSpec | None:
+    """The PartitionSpec of orbax's saved ``partition_spec`` (names, None or tuples of names)."""
+    if entries is None:
+        return None
+    out: list[Any] = []
+    for e in entries:
+        if isinstance(e, list | tuple):
+            names = tuple(str(n) for n in e)
+            out.append(names if len(names) > 1 else names[0] if names else None)
+        else:
+            out.append(None if e is None else str(e))
+    return PartitionSpec(*out)
+
+
+def describe_mesh(axes: Mapping[str, int]) -> str:
+    """``{'data': 2, 'model': 4} (8 devices)``."""
+    inner = ", ".join(f"{n!r}: {s}" for n, s in axes.items())
+    return f"{{{inner}}} ({math.prod(axes.values())} devices)"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listed(values: Sequence[int]) -> str:
+    shown = [str(v) for v in values]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def layout_problem(
+    shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
+) -> tuple[str, str] | None:
+    """Why ``partition`` cannot lay out an array of ``shape`` on a mesh of ``axes``; None if it can.
+
+    The rules are JAX's for a `jax.sharding.NamedSharding` (what `jax.device_put` and orbax's
+    restore require): no more entries than dimensions, every axis one of the mesh's and used
+    once, and each dimension a multiple of the product of the sizes of the axes splitting it
+    (every device holds an equal block). Returns ``(the rule broken, a "Consider ..." line)``.
+    """
+    shape = tuple(int(n) for n in shape)
+    if len(partition) > len(shape):
+        return (
+            f"the spec has {len(partition)} entries but the array has {len(shape)} "
+            f"dimension{'s' if len(shape) != 1 else ''}",
+            "Consider a spec with at most one entry per dimension ('' or P() for a scalar).",
+        )
+    names = spec_axes(partition)
+    for i, name in enumerate(names):
+        if name not in axes:
+            have = ", ".join(repr(a) for a in axes)
+            return (
+                f"the spec names the mesh axis {name!r}, which the mesh does not have (its axes: "
+                f"{have})",
+                f"Consider a spec over the mesh's axes, or a mesh with an axis {name!r}.",
+            )
+        if name in names[:i]:
+            return (
+                f"the spec uses the mesh axis {name!r} twice; a mesh axis splits at most one "
+                "dimension",
+                "Consider naming each mesh axis once.",
+            )
+    for dim, (size, split_by) in enumerate(
+        zip(shape, dim_axes(partition, len(shape)), strict=True)
+    ):
+        ways = math.prod(axes[a] for a in split_by)
+        if size % ways:
+            over = (
+                f"the mesh axis {split_by[0]!r} (size {ways})"
+                if len(split_by) == 1
+                else f"the mesh axes {split_by} ({' x '.join(str(axes[a]) for a in split_by)} "
+                f"= {ways})"
+            )
+            return (
+                f"dimension {dim} (size {size}) is split over {over}, and {size} is not a "
+                f"multiple of {ways}: every device must hold an equal block",
+                f"Consider a mesh whose axes splitting dimension {dim} have sizes multiplying to "
+                f"{_listed(_divisors(size))}, or a spec that leaves dimension {dim} whole ('_' in "
+                "a spec string, None in a PartitionSpec).",
+            )
+    return None
+
+
+def _shown(partition: PartitionSpec | None) -> str:
+    return "P()" if partition is None or len(partition) == 0 else repr(partition)
+
+
+def plan(
+    saved: Sequence[SavedArray],
+    chosen: Sequence[SpecLike | None],
+    axes: Mapping[str, int],
+    what: str,
+) -> list[PartitionSpec | None]:
+    """The spec each saved leaf is restored with on a mesh of ``axes``; None: as saved (host).
+
+    ``chosen`` holds the user's spec for each leaf (None: the spec it was saved with; for a
+    global array saved without one, replicated).
+
+    Raises:
+        MeshkitError: a leaf cannot be laid out so (`layout_problem`), naming its tree path, its
+            saved shape, the spec and the mesh, the rule broken, and a fix.
+    """
+    out: list[PartitionSpec | None] = []
+    for leaf, given in zip(saved, chosen, strict=True):
+        if given is None and not leaf.on_device:
+            out.append(None)  # a host value comes back as it was saved
+            continue
+        if given is None:
+            partition = leaf.spec if leaf.spec is not None else PartitionSpec()
+            source = "the spec it was saved with" if leaf.spec is not None else "replicated"
+        else:
+            partition = as_partition_spec(given, f"{what}: the spec for {leaf.path}")
+            source = f"the spec string {given!r}" if isinstance(given, str) else "the spec given"
+        found = layout_problem(leaf.shape, partition, axes)
+        if found is None:
+            out.append(partition)
+            continue
+        rule, fix = found
+        if given is None:
+            fix += (
+                f" The spec is chosen per array with {what}(..., specs=...): a spec, or a pytree "
+                "of them that is a prefix of the checkpoint's tree."
+            )
+        raise MeshkitError(
+            f"{what}: the checkpoint's array {leaf.path} (saved shape {leaf.shape}, "
+            f"{leaf.dtype}) cannot be restored with {_shown(partition)} ({source}) on the mesh "
+            f"{describe_mesh(axes)}: {rule}.\n{fix}"
+        )
+    return out

@@ -1,0 +1,132 @@
+"""Channels: how calls made from several threads pair up across processes.
+
+Processes agree call by call: the n-th `meshkit.global_array_from_local` of one process is
+compared with the n-th of every other. Within one thread that order is the program's order, the
+same everywhere. Calls from two threads interleave differently in each process, so each thread
+counts its calls on a channel of its own, named explicitly (`channel`) and the same in every
+process: a thread's name will not do (``Thread-3`` in one process may be ``Thread-4`` in
+another). The main thread's channel needs no name.
+
+In a multi-process program, a meshkit call that agrees with the other processes from a thread
+that is neither the main thread nor inside `channel` is an error that says so, rather than a
+pairing that depends on timing. meshkit's own threads (a `meshkit.global_batches` iterator's)
+name theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+from ..core import compat as _compat
+from ..core.errors import MeshkitError
+
+__all__ = ["channel", "current", "numbered", "scoped"]
+
+_local = threading.local()
+_lock = threading.Lock()
+_owners: dict[str, int] = {}  # channel name -> the thread using it now
+_counts: dict[str, int] = {}  # numbered(): per scoped name, how many were made
+
+_UNNAMED = """\
+{what} was called from thread {thread!r} in a multi-process program, outside any meshkit.channel.
+Calls from the main thread pair up with the other processes' main-thread calls in program order;
+calls from other threads interleave differently in each process, so they pair up by a channel
+name that is the same in every process (a thread's own name differs: Thread-3 here may be
+Thread-4 there).
+Consider wrapping the thread's work in `with meshkit.channel("loader"):`, with one name per
+thread, the same in every process."""
+
+
+@contextlib.contextmanager
+def channel(name: str) -> Iterator[None]:
+    """Pair this thread's meshkit calls with the other processes' calls on channel ``name``.
+
+    In a multi-process program every meshkit call that agrees with the other processes
+    (`meshkit.global_array_from_local`, `meshkit.make_mesh`, `meshkit.spmd` and
+    `meshkit.pmap_compat` with host data, debug mode's checks) is numbered per channel, and the
+    n-th call on a channel meets the n-th call on the same channel in the other processes. The
+    main thread has its own channel without a name; any other thread that makes such calls
+    needs one, the same in every process, used by one thread at a time.
+
+    Args:
+        name: the channel, a non-empty string, the same in every process.
+
+    Raises:
+        MeshkitError: an empty or non-string name, or a name another live thread of this
+            process is using.
+
+    Examples:
+        >>> import threading, numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> def load():
+        ...     with meshkit.channel("loader"):
+        ...         meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
+        >>> t = threading.Thread(target=load); t.start(); t.join()
+    """
+    if not isinstance(name, str) or not name:
+        raise MeshkitError(f"meshkit.channel: name must be a non-empty string; got {name!r}.")
+    me = threading.get_ident()
+    with _lock:
+        owner = _owners.get(name)
+        if owner is not None and owner != me and _alive(owner):
+            raise MeshkitError(
+                f"meshkit.channel({name!r}): thread {_thread_name(owner)!r} of this process is "
+                f"using this channel; thread {threading.current_thread().name!r} cannot use it "
+                "at the same time (their calls would interleave differently in each process).\n"
+                "Consider one channel name per thread."
+            )
+        _owners[name] = me
+    previous = getattr(_local, "name", None)
+    _local.name = name
+    try:
+        yield
+    finally:
+        _local.name = previous
+        with _lock:
+            if previous != name and _owners.get(name) == me:
+                del _owners[name]
+
+
+def current() -> str | None:
+    """This thread's channel: its name, or None for the main thread outside any `channel`."""
+    return getattr(_local, "name", None)
+
+
+def scoped(tag: str, what: str) -> str:
+    """``tag`` on this thread's channel: unchanged on the main thread's, ``tag@name`` on another.
+
+    Raises:
+        MeshkitError: a thread other than the main thread, outside any `channel`, in a
+            multi-process program (``what`` names the call).
+    """
+    name = current()
+    if name is not None:
+        return f"{tag}@{_quote(name)}"
+    thread = threading.current_thread()
+    if thread is not threading.main_thread() and _compat.distributed_state()[2] > 1:
+        raise MeshkitError(_UNNAMED.format(what=what, thread=thread.name))
+    return tag
+
+
+def numbered(tag: str, what: str) -> str:
+    """A fresh ``scoped(tag)/k``: the k-th one made on this thread's channel (from 0)."""
+    base = scoped(tag, what)
+    with _lock:
+        k = _counts.get(base, 0)
+        _counts[base] = k + 1
+    return f"{base}/{k}"
+
+
+def _quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")  # distinct names stay distinct in a tag
+
+
+def _alive(ident: int) -> bool:
+    return any(t.ident == ident for t in threading.enumerate())
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), "?")

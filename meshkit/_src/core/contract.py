@@ -1,0 +1,37 @@
+"""The contract between ``meshkit launch`` and the ranks it starts.
+
+The launcher writes these environment variables for each rank; `meshkit.init` reads them. Both
+sides import the names from here, so neither needs the other's module (the launcher imports no
+JAX). The status directory (``MESHKIT_LAUNCH_STATUS``) is where ranks leave what the launcher
+reads while the run goes on and after it ends.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_CPU_DEVICES",
+    "ENV_INIT_TIMEOUT",
+    "ENV_LOCAL_DEVICE_IDS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_STATUS",
+    "INSIDE",
+    "OUTSIDE",
+    "WATCHDOG_MARK",
+]
+
+# Written by `meshkit launch` for every rank, read by `meshkit.init`.
+ENV_COORDINATOR = "MESHKIT_COORDINATOR"
+ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
+ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+# The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).
+ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
+
+# The first words of the stall watchdog's report; `meshkit launch` collects its lines.
+WATCHDOG_MARK = "meshkit watchdog:"
+# Where the watchdog found the main thread waiting.
+INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"

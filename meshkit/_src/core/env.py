@@ -1,0 +1,132 @@
+"""Settings read from environment variables: one parser, one wording for a bad value.
+
+Every ``MESHKIT_*`` setting is read here, when it is needed (never at import). A value that is
+set but not accepted is a `MeshkitError` naming the variable, the value and what is accepted;
+an unset or blank variable is None, and the caller applies its default. ``where`` names the
+call that read it (``"meshkit.init()"``), so the user knows when the setting was consulted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .errors import MeshkitError
+
+__all__ = [
+    "ENV_CHECK_TIMEOUT",
+    "FALSE",
+    "TRUE",
+    "check_timeout",
+    "flag",
+    "ids",
+    "integer",
+    "number",
+    "raw",
+    "seconds",
+]
+
+ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
+_DEFAULT_CHECK_TIMEOUT_S = 120.0
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+def raw(name: str) -> str | None:
+    """The variable's value, stripped; None when it is unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _bad(where: str, name: str, value: str, rule: str) -> MeshkitError:
+    prefix = f"{where}: environment variable " if where else ""
+    return MeshkitError(f"{prefix}{name}={value!r} {rule}.")
+
+
+def integer(name: str, *, where: str = "") -> int | None:
+    """An integer setting (None when unset)."""
+    value = raw(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise _bad(where, name, value, "is not an integer") from None
+
+
+def number(name: str, *, where: str = "") -> float | None:
+    """A number of seconds as given (None when unset); the caller checks its range."""
+    value = raw(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise _bad(where, name, value, "is not a number of seconds") from None
+
+
+def seconds(
+    name: str, *, where: str = "", zero: str | None = None, positive: bool = True
+) -> float | None:
+    """A duration in seconds (None when unset): finite, and > 0 unless told otherwise.
+
+    Args:
+        name: the variable.
+        where: the call that reads it, for the message.
+        zero: what 0 means where it is accepted (``"off"``); None refuses 0 when ``positive``.
+        positive: False accepts any finite value >= 0.
+    """
+    value = number(name, where=where)
+    if value is None:
+        return None
+    if not positive:
+        if not (math.isfinite(value) and value >= 0):
+            raise _bad(where, name, raw(name) or "", "must be a finite number of seconds >= 0")
+        return value
+    if not math.isfinite(value) or value < 0 or (value == 0 and zero is None):
+        off = f" (0: {zero})" if zero is not None else ""
+        raise _bad(where, name, raw(name) or "", f"must be a finite number of seconds > 0{off}")
+    return value
+
+
+def flag(
+    name: str, *, where: str = "", on: str = "on", off: str = "off", blank: bool | None = None
+) -> bool | None:
+    """A yes/no setting: True, False, or ``blank`` when unset or empty.
+
+    Args:
+        name: the variable.
+        where: the call that reads it, for the message.
+        on: what the true values mean, for the message (``"on, the default"``).
+        off: what the false values mean, for the message.
+        blank: the answer for an unset or empty variable.
+    """
+    value = raw(name)
+    if value is None:
+        return blank
+    if value.lower() in TRUE:
+        return True
+    if value.lower() in FALSE:
+        return False
+    empty = "empty, " if blank is False else ""
+    rule = f"is not one of {', '.join(TRUE)} ({on}) or {empty}{', '.join(FALSE)} ({off})"
+    raise _bad(where, name, value, rule)
+
+
+def ids(name: str, *, where: str = "") -> tuple[int, ...] | None:
+    """A comma-separated list of integers (device ids), None when unset."""
+    value = raw(name)
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise _bad(
+            where, name, value, "is not a comma-separated list of device ids, e.g. '0,1'"
+        ) from None
+
+
+def check_timeout() -> float:
+    """Seconds an agreement between processes waits for the others (``MESHKIT_CHECK_TIMEOUT``)."""
+    value = seconds(ENV_CHECK_TIMEOUT, where="meshkit")
+    return _DEFAULT_CHECK_TIMEOUT_S if value is None else value

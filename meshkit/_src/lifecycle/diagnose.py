@@ -1,0 +1,102 @@
+"""What a failure's text says about its cause, when JAX's own cross-process machinery ended it.
+
+A process that waits for another process that never comes ends in JAX's timeouts, not in
+meshkit's: gloo's key exchange (``Gloo context initialization failed: DEADLINE_EXCEEDED:
+GetKeyValue() timed out``), NCCL's watchdog, the coordination service's barriers. A process
+whose peer is gone ends in gRPC's words (``UNAVAILABLE``, ``Stream removed``) or in the
+coordination service's fatal error (``another task died``). Such an error names neither the
+process that is missing nor why. `diagnose` recognises them, so that the fail-fast hook can
+say what usually causes them and what to run next, and ``meshkit launch`` can look for the rank
+the evidence points to instead of blaming the first one to exit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["ENDED_MARK", "Diagnosis", "diagnose", "explain"]
+
+# Printed by a process that reached the end of its program while others still run (see
+# `meshkit._src.runtime.init`): the launcher reads it as evidence.
+ENDED_MARK = "reached the end of its program"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A failure that JAX's cross-process machinery reported.
+
+    Attributes:
+        kind: ``"timeout"`` (this process waited for another that never joined) or ``"lost"``
+            (another process, or the coordination service it hosted, is gone).
+        system: what reported it: ``"gloo"``, ``"NCCL"``, ``"the coordination service"`` or
+            ``"meshkit"`` (its failure watch, `meshkit._src.lifecycle.failfast`).
+        line: the line of the text that says so.
+        process: the process that failed first, when the text names it (meshkit's does).
+    """
+
+    kind: str
+    system: str
+    line: str
+    process: int | None = None
+
+
+_RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
+    (kind, system, re.compile(pattern, re.IGNORECASE))
+    for kind, system, pattern in (
+        ("lost", "meshkit", r"^meshkit: process (?P<process>\d+) failed: "),
+        (
+            "lost",
+            "meshkit",
+            r"^meshkit: lost the coordination service, which process (?P<process>\d+) hosts",
+        ),
+        # meshkit's own checks name the process they waited for (the first of several)
+        (
+            "timeout",
+            "meshkit",
+            r"\bprocess(?:es)? (?P<process>\d+)[\d,]* did not (arrive|ask|call)",
+        ),
+        ("timeout", "gloo", r"gloo.*(timed? ?out|deadline_exceeded)"),
+        ("timeout", "NCCL", r"nccl.*(timed? ?out|timeout|watchdog)"),
+        ("lost", "NCCL", r"nccl.*(remote process exited|connection closed|failed)"),
+        ("timeout", "the coordination service", r"(GetKeyValue|barrier).*timed out"),
+        ("timeout", "the coordination service", r"DEADLINE_EXCEEDED"),
+        ("lost", "the coordination service", r"another task died"),
+        ("lost", "the coordination service", r"leader task was preempted|Stream removed"),
+        ("lost", "the coordination service", r"UNAVAILABLE|Socket closed|Connection reset"),
+        ("lost", "gloo", r"gloo.*(connection closed|connection reset|Read error|EOF)"),
+    )
+)
+
+
+def diagnose(text: str) -> Diagnosis | None:
+    """The first line of ``text`` that a known cross-process failure wrote, classified."""
+    for line in text.splitlines():
+        for kind, system, pattern in _RULES:
+            match = pattern.search(line)
+            if match:
+                process = match.groupdict().get("process")
+                named = None if process is None else int(process)
+                return Diagnosis(kind, system, line.strip(), named)
+    return None
+
+
+def explain(diagnosis: Diagnosis, who: str = "this process") -> str:
+    """What usually causes ``diagnosis``, and what to run next (several lines, no newline)."""
+    if diagnosis.kind == "timeout":
+        what = (
+            f"a timeout of {diagnosis.system}: {who} waited for another process that never joined"
+        )
+    else:
+        what = (
+            f"reported by {diagnosis.system}: another process of the program (or the "
+            "coordination service, which process 0 hosts) is gone"
+        )
+    return (
+        f"meshkit: this error is {what}.\n"
+        "Usual causes: a computation or collective run by only some processes (a branch on "
+        "jax.process_index(), a value read on one process only), or a process that exited, "
+        "crashed or stalled first; its own output holds the cause.\n"
+        "Consider running again with MESHKIT_DEBUG=1: debug mode names the first meshkit call "
+        "where processes differ, and its stall watchdog prints where each process waits."
+    )

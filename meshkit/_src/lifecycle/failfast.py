@@ -1,0 +1,290 @@
+"""Fail fast, everywhere: a process that fails ends soon, and the others learn why.
+
+Installed by `meshkit.init` when it joins a multi-process program (``MESHKIT_FAIL_FAST=0``
+leaves Python's and JAX's defaults alone):
+
+- **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
+  cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
+  processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
+  own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
+- **SIGTERM** (a person, a scheduler) does the same with status 143. JAX's handler would note
+  it for its preemption sync points and go on running.
+- **The failure watch**: a thread polls the coordination service, without blocking, for a
+  failure posted by another process (one key listing per ``max(1 s, N / 500 s)``: at most 500
+  requests per second at the coordinator, whatever the process count). On finding one it
+  prints ``meshkit: process P failed: ...`` and exits with status 1, instead of waiting in a
+  collective for ever or dying in the coordination service's C++ abort (``another task
+  died``). When the coordinator itself fails, it stays up long enough for the others to read
+  its post; when it is gone, the others say so in meshkit's words.
+- **At a normal end**, a process that JAX's shutdown barrier holds for 3 s says it reached the
+  end of its program while others still run (evidence for ``meshkit launch``'s report).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import say
+from . import diagnose as _diagnose
+
+__all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "settings"]
+
+ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
+ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
+_DEFAULT_GRACE_S = 10.0
+_KEY = "meshkit/failed/"  # + the failing process's id: what it says of its failure
+_ENDED_AFTER_S = 3.0
+_LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
+
+_ending = threading.Lock()  # held by whichever path ends this process first
+_failing = False  # this process is ending itself: no end-of-program note, no second post
+
+
+def settings() -> float | None:
+    """The seconds exit handlers get when a failure ends a process; None: fail-fast is off.
+
+    Raises:
+        MeshkitError: ``MESHKIT_FAIL_FAST`` or ``MESHKIT_FAIL_FAST_GRACE`` holds a value that
+            is not accepted (named with the accepted ones).
+    """
+    if not _env.flag(ENV_FAIL_FAST, where="meshkit.init()", on="on, the default", blank=True):
+        return None
+    grace = _env.seconds(ENV_FAIL_FAST_GRACE, where="meshkit.init()", positive=False)
+    return _DEFAULT_GRACE_S if grace is None else grace
+
+
+def install(grace: float | None, me: int, n: int) -> None:
+    """Install what this module describes, once, for process ``me`` of ``n`` (``n > 1``)."""
+    if grace is not None:
+        previous = sys.excepthook
+        sys.excepthook = lambda kind, value, tb: _on_exception(previous, grace, kind, value, tb)
+        wakeup = _take_sigterm(grace, me)
+        watch = _Watch(me, n, wakeup, grace)
+        watch.start()
+        atexit.register(watch.stop.set)
+    note = _EndNote(me)
+    note.start()
+    atexit.register(note.at_exit)
+
+
+# ---- ending this process --------------------------------------------------------------------
+
+
+def _on_exception(
+    previous: Any,
+    grace: float,
+    kind: type[BaseException],
+    value: BaseException,
+    tb: TracebackType | None,
+) -> None:
+    previous(kind, value, tb)
+    text = f"{kind.__name__}: {value}"
+    diagnosis = _diagnose.diagnose(text)
+    if diagnosis is not None:
+        say(_diagnose.explain(diagnosis) + "\n")
+    _end(
+        f"{text.splitlines()[0][:300]}",
+        "uncaught exception in a multi-process run",
+        grace,
+        status=1,
+    )
+
+
+def _end(failure: str, why: str, grace: float, *, status: int) -> None:
+    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``.
+
+    The failure is posted after the handlers, so that this process is normally the first to
+    exit (a launcher then names it); the process that hosts the coordination service then
+    stays up until the others' failure watch has read it.
+    """
+    global _failing
+    if not _ending.acquire(blocking=False):
+        return  # another path is ending the process
+    _failing = True
+    say(
+        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+        f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
+    )
+    timer = threading.Thread(target=_exit_after, args=(grace, failure, status), daemon=True)
+    timer.start()
+    if threading.current_thread() is threading.main_thread():
+        _compat.skip_jax_exit_barrier()
+        atexit._run_exitfuncs()
+    _leave(failure, status)
+
+
+def _exit_after(seconds: float, failure: str, status: int) -> None:
+    time.sleep(seconds)
+    say(
+        f"meshkit: exit handlers still running after {seconds:g} s; exiting now "
+        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
+    )
+    _leave(failure, status)
+
+
+_left = threading.Lock()
+
+
+def _leave(failure: str, status: int) -> None:
+    """Post ``failure`` for the others' failure watch (once), then exit with ``status``."""
+    if _left.acquire(blocking=False):
+        client, me, n = _compat.distributed_state()
+        if client is not None and n > 1:
+            try:
+                client.key_value_set(
+                    _KEY + str(me), json.dumps({"process": me, "failure": failure})
+                )
+            except Exception:  # the service may be gone already: nothing to tell
+                pass
+            else:
+                if me == 0:  # it hosts the coordination service: let the others read it
+                    time.sleep(1.5 * _period(n))
+        _flush()
+        os._exit(status)
+    time.sleep(3600)  # the other path is posting and exits this process
+
+
+def _take_sigterm(grace: float, me: int) -> int:
+    """SIGTERM ends this process like a failure, even while its main thread waits in C.
+
+    Python runs a signal handler in the main thread between bytecodes, so a main thread blocked
+    in a collective would never run it; the signal's wake-up byte reaches the watch thread,
+    which then ends the process itself. Returns the wake-up pipe's read end, or -1 where a
+    wake-up fd is in use already (asyncio's): there only the main thread's handler acts.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return -1
+    signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm(grace, me))
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        return -1
+    return read
+
+
+def _sigterm(grace: float, me: int) -> None:
+    why = f"process {me} received SIGTERM"
+    _end("ended by SIGTERM", why, grace, status=128 + signal.SIGTERM)
+
+
+# ---- the failure watch ----------------------------------------------------------------------
+
+
+def _period(n: int) -> float:
+    return max(1.0, n / 500)
+
+
+class _Watch(threading.Thread):
+    """Polls for the other processes' failures, and reads SIGTERM's wake-up byte."""
+
+    def __init__(self, me: int, n: int, wakeup: int, grace: float) -> None:
+        super().__init__(name="meshkit-failure-watch", daemon=True)
+        self.me, self.n, self.wakeup, self.grace = me, n, wakeup, grace
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        lost = 0
+        period = _period(self.n)
+        while not self.stop.is_set():
+            if self.wakeup >= 0:
+                ready, _, _ = select.select([self.wakeup], [], [], period)
+                if ready and signal.SIGTERM in os.read(self.wakeup, 64):
+                    time.sleep(0.5)  # the main thread's handler, if it runs, ends it better
+                    _sigterm(self.grace, self.me)
+                    return
+            elif self.stop.wait(period):
+                return
+            client, _, _ = _compat.distributed_state()
+            if self.stop.is_set() or _failing or client is None:
+                return
+            try:
+                entries = client.key_value_dir_get(_KEY)
+            except Exception as e:  # classified: only a lost service counts
+                found = _diagnose.diagnose(str(e))
+                lost = lost + 1 if found is not None and found.kind == "lost" else 0
+                if lost >= _LOST_AFTER and not self.stop.is_set():
+                    self._lost(str(e))
+                continue
+            lost = 0
+            others = [json.loads(v) for _, v in entries]
+            others = [f for f in others if f.get("process") != self.me]
+            if others and not self.stop.is_set():
+                self._failed(min(others, key=lambda f: f["process"]))
+
+    def _failed(self, failure: dict[str, Any]) -> None:
+        p = failure["process"]
+        self._exit(
+            f"meshkit: process {p} failed: {failure['failure']}\n"
+            f"Process {self.me} stops too (status 1): the program cannot go on without "
+            f"process {p} (a collective would wait for it for ever). Process {p}'s output "
+            "holds the cause.\n"
+        )
+
+    def _lost(self, error: str) -> None:
+        self._exit(
+            f"meshkit: lost the coordination service, which process 0 hosts ({error.strip()}).\n"
+            f"Process 0 has exited or failed; process {self.me} stops too (status 1). Process "
+            "0's output holds the cause.\n"
+        )
+
+    def _exit(self, text: str) -> None:
+        global _failing
+        if not _ending.acquire(blocking=False):
+            return
+        _failing = True
+        say(text)
+        _flush()
+        os._exit(1)
+
+
+# ---- at a normal end ------------------------------------------------------------------------
+
+
+class _EndNote(threading.Thread):
+    """Says, a while after this process's program ended, that it still waits for the others.
+
+    Started at `init` (Python 3.12 starts no thread at exit) and idle until `at_exit`, which
+    runs before JAX's own exit handler (registered earlier), where the process waits at a
+    shutdown barrier for every other process: one that waits long reached the end of its
+    program while others did not, the usual sign of processes that took different paths.
+    """
+
+    def __init__(self, me: int) -> None:
+        super().__init__(name="meshkit-end-note", daemon=True)
+        self.me = me
+        self.ended = threading.Event()
+
+    def at_exit(self) -> None:
+        if not _failing:
+            self.ended.set()
+
+    def run(self) -> None:
+        self.ended.wait()
+        time.sleep(_ENDED_AFTER_S)
+        say(
+            f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
+            "waits at JAX's shutdown barrier for the other processes (one still running, or "
+            "stuck in a computation this one never joined).\n"
+        )
+
+
+def _flush() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()

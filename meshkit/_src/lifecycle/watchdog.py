@@ -1,0 +1,286 @@
+"""The stall watchdog: what counts as progress, and what happens to a process that makes none.
+
+A process makes progress while any of these is true between two samples (taken every
+``min(1 s, watchdog / 4)``):
+
+- its main thread moved: its Python stack (code and instruction of every frame) changed;
+- its main thread ran: it used at least `RUN_SHARE` of the interval in CPU time (a long
+  computation in one C call, a checkpoint's compression, stays in one place but runs);
+- device work completed: an array that was pending became ready, or arrays were freed or made
+  (a loop bound by the device waits in the same place at every step, but its arrays change);
+- meshkit saw a call: an SPMD entry, a barrier, or a batch `meshkit.global_batches` handed to
+  the caller (`note_progress`).
+
+A stall is the opposite: the main thread stuck in one place, not running (a blocking wait: a
+collective another process never joins, ``block_until_ready`` on it, a sleep, a lock), no
+device work completing and no meshkit call, for ``watchdog`` seconds. Then the watchdog prints
+one ``meshkit watchdog:`` line (which ``meshkit launch`` collects into its closing summary) and
+every thread's Python stack; if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
+is set, the process exits with status 1 so that the launcher (or mpirun) ends the run instead
+of a hang. Any progress after the dump re-arms it.
+
+The device check reads `jax.live_arrays` only when the main thread neither moved nor ran,
+and keeps weak references only: the watchdog never holds a user's array or frame alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+import jax
+
+from ..core import compat as _compat
+from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
+from ..core.errors import say
+
+__all__ = [
+    "INSIDE",
+    "OUTSIDE",
+    "RUN_SHARE",
+    "Watchdog",
+    "frame_text",
+    "library_file",
+    "note_progress",
+    "short_path",
+]
+
+# A main thread that used this share of a sample interval in CPU time is running, not waiting:
+# a blocked wait measured 0.02-0.04% (futex wake-ups), a computation in one C call ~100%.
+RUN_SHARE = 0.1
+_MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest)
+_MAX_PENDING = 256  # pending arrays watched for completing
+
+_marks = 0
+
+
+def note_progress() -> None:
+    """Count progress seen by meshkit itself (a call, a barrier, a delivered batch).
+
+    One integer increment, safe from any thread: two racing increments may count as one, and
+    only a change matters to the watchdog.
+    """
+    global _marks
+    _marks += 1
+
+
+Stack = tuple[tuple[CodeType, int], ...]
+
+
+class _Arrays:
+    """Weak references to this process's live arrays and to those still pending."""
+
+    def __init__(self) -> None:
+        arrays = jax.live_arrays()
+        self.count = len(arrays)
+        self.refs = [weakref.ref(a) for a in arrays[:_MAX_REFS]]
+        self.pending = [weakref.ref(a) for a in arrays if _pending(a)][:_MAX_PENDING]
+
+    def changed_since(self, before: _Arrays) -> bool:
+        """Whether an array was made or freed, or one pending before has completed."""
+        if self.count != before.count or any(r() is None for r in before.refs):
+            return True
+        return any(not _pending(r()) for r in before.pending)
+
+
+def _pending(array: Any) -> bool:
+    if array is None:
+        return False
+    try:
+        return not array.is_deleted() and not array.is_ready()
+    except RuntimeError:  # deleted (donated) by another thread between the two questions
+        return False
+
+
+class _Sampler:
+    """Tells, sample after sample, whether this process moved since the previous sample."""
+
+    def __init__(self, main: int) -> None:
+        self.main = main
+        self.clock = _cpu_clock(main)
+        self.mark = _marks
+        self.stack: Stack | None = self._stack()
+        self.cpu = self._cpu()
+        self.arrays: _Arrays | None = None
+
+    def moved(self, interval: float) -> str | None:
+        """What moved since the last sample (for messages), or None: nothing did."""
+        reason = None
+        mark, stack, cpu = _marks, self._stack(), self._cpu()
+        if mark != self.mark:
+            reason = "meshkit call"
+        elif stack != self.stack:
+            reason = "main thread moved"
+        elif cpu is not None and self.cpu is not None and cpu - self.cpu >= RUN_SHARE * interval:
+            reason = "main thread ran"
+        self.mark, self.stack, self.cpu = mark, stack, cpu
+        if reason is not None:
+            self.arrays = None  # read the arrays only while everything else stands still
+            return reason
+        arrays = _Arrays()
+        before, self.arrays = self.arrays, arrays
+        return "device work" if before is not None and arrays.changed_since(before) else None
+
+    def _stack(self) -> Stack | None:
+        frame: FrameType | None = sys._current_frames().get(self.main)
+        if frame is None:
+            return None
+        stack = []
+        while frame is not None:
+            stack.append((frame.f_code, frame.f_lasti))
+            frame = frame.f_back
+        return tuple(stack)
+
+    def _cpu(self) -> float | None:
+        if self.clock is None:
+            return None
+        try:
+            return time.clock_gettime(self.clock)
+        except OSError:  # the thread has ended
+            return None
+
+
+def _cpu_clock(ident: int) -> int | None:
+    """The CPU-time clock of thread ``ident`` (POSIX), or None where there is none."""
+    getter = getattr(time, "pthread_getcpuclockid", None)
+    if getter is None:
+        return None
+    try:
+        return getter(ident)
+    except (OSError, OverflowError):
+        return None
+
+
+class Watchdog(threading.Thread):
+    """Dumps this process's stacks after ``after`` seconds without progress, then may exit.
+
+    Args:
+        after: seconds without progress before the dump.
+        timeout: seconds after the dump, still without progress, before exiting (if
+            ``exit_on_stall``).
+        exit_on_stall: exit with status 1 after ``after + timeout`` seconds without progress.
+        last_call: what meshkit call this process made last, for the dump.
+    """
+
+    def __init__(
+        self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
+    ) -> None:
+        super().__init__(name="meshkit-watchdog", daemon=True)
+        self.after = after
+        self.timeout = timeout
+        self.exit_on_stall = exit_on_stall
+        self.last_call = last_call
+        self.stop = threading.Event()
+        self.main = threading.main_thread().ident or 0
+
+    def run(self) -> None:
+        period = min(1.0, self.after / 4)
+        sampler: _Sampler | None = None
+        then = progress = time.monotonic()
+        dumped = False
+        while not self.stop.wait(period):
+            if _compat.distributed_state()[2] == 1:
+                continue  # one process: nobody to wait for, and no run to end
+            now = time.monotonic()
+            if sampler is None:
+                sampler = _Sampler(self.main)
+                moved: str | None = "started"
+            else:
+                moved = sampler.moved(now - then)
+            then = now
+            if moved is not None:
+                progress, dumped = now, False  # re-armed
+                continue
+            idle = now - progress
+            if not dumped and idle >= self.after:
+                dumped = True
+                self._dump(idle)
+            elif dumped and self.exit_on_stall and idle >= self.after + self.timeout:
+                _, me, _ = _compat.distributed_state()
+                say(
+                    f"{WATCHDOG_MARK} process {me} still made no progress after "
+                    f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
+                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
+                )
+                os._exit(1)
+
+    def _dump(self, idle: float) -> None:
+        _, me, _ = _compat.distributed_state()
+        frame = sys._current_frames().get(self.main)
+        here = frame_text(frame) if frame is not None else "?"
+        where = INSIDE if frame is not None and _in_meshkit(frame) else OUTSIDE
+        say(
+            f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
+            f"main thread waited in one place, no device work completed, no meshkit call); "
+            f"main thread now {here}, {where}; last meshkit call: "
+            f"{self.last_call() or 'none'}. Stacks follow.\n"
+        )
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+
+
+# ---- where the user's code is -----------------------------------------------------------------
+
+# Whether a stalled main thread waits inside a meshkit call (for the other processes, at a
+# check) or outside (in the program's own code, a raw collective): ``meshkit launch`` reads it.
+_MESHKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_meshkit(frame: FrameType) -> bool:
+    """Whether a frame of meshkit's own modules is on the stack (not its testing helpers)."""
+    seen: FrameType | None = frame
+    while seen is not None:
+        if os.path.dirname(seen.f_code.co_filename) + os.sep == _MESHKIT_DIR:
+            return True
+        seen = seen.f_back
+    return False
+
+
+# Frames in these directories are not the user's: meshkit, jax and the standard library.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (__file__, jax.__file__ or "", contextlib.__file__ or "")
+)
+
+
+def library_file(name: str) -> bool:
+    """Whether a frame's file belongs to meshkit, jax or the standard library."""
+    return name.startswith(_LIBRARY_DIRS) or name.startswith("<")
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when inside it."""
+    return _short_in(path, os.getcwd())
+
+
+@functools.lru_cache(maxsize=1024)
+def _short_in(path: str, cwd: str) -> str:
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path, cwd)
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
+def frame_text(frame: FrameType) -> str:
+    """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
+    inner = frame
+    text = f"in {inner.f_code.co_name} ({short_path(inner.f_code.co_filename)}:{inner.f_lineno})"
+    user: FrameType | None = frame
+    while user is not None and library_file(user.f_code.co_filename):
+        user = user.f_back
+    if user is not None and user is not inner:
+        text += f", called from {user.f_code.co_name} ({short_path(user.f_code.co_filename)}:"
+        text += f"{user.f_lineno})"
+    return text

@@ -1,0 +1,414 @@
+"""The implementation of `meshkit.loaders`: which rows each process loads, per loader."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import MeshkitError
+from ..sharding.layout import ProcessSlice
+
+__all__ = [
+    "grain_dataset",
+    "grain_sampler",
+    "grain_shard_options",
+    "hf_dataset",
+    "process_rows",
+]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """This process's positions in a global order of ``num_rows`` rows (see the module)."""
+
+    num_rows: int
+    global_batch: int
+    ranges: tuple[tuple[int, int], ...]  # this process's rows of one full global batch
+    offsets: tuple[int, ...]  # the same, one by one, in order
+    tail_start: int  # its rows of the last, short global batch
+    tail_size: int
+
+    @property
+    def full_batches(self) -> int:
+        return self.num_rows // self.global_batch
+
+    def __len__(self) -> int:
+        return self.full_batches * len(self.offsets) + self.tail_size
+
+    def position(self, j: int) -> int:
+        """The position in the global order of this process's ``j``-th row (0 <= j < len)."""
+        k, o = divmod(j, len(self.offsets))
+        if k < self.full_batches:
+            return k * self.global_batch + self.offsets[o]
+        return self.full_batches * self.global_batch + self.tail_start + o
+
+    def positions(self) -> np.ndarray:
+        full = self.full_batches
+        starts = np.arange(full, dtype=np.int64)[:, None] * self.global_batch
+        body = (starts + np.asarray(self.offsets, np.int64)[None, :]).reshape(-1)
+        tail = full * self.global_batch + self.tail_start + np.arange(self.tail_size)
+        return np.concatenate([body, tail.astype(np.int64)])
+
+
+def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
+    if not isinstance(part, ProcessSlice):
+        raise MeshkitError(
+            f"{what}: part must be a meshkit.ProcessSlice; got {type(part).__name__}.\n"
+            "Consider part = meshkit.process_slice(mesh, spec, (global_batch,)), the layout of "
+            "one global batch."
+        )
+    try:
+        if isinstance(num_rows, bool):
+            raise TypeError
+        rows = operator.index(num_rows)
+    except TypeError:
+        raise MeshkitError(
+            f"{what}: the number of rows must be an int; got {num_rows!r}."
+        ) from None
+    if rows < 0:
+        raise MeshkitError(f"{what}: the number of rows must be >= 0; got {rows}.")
+    if not part.global_shape or part.global_shape[0] == 0:
+        raise MeshkitError(
+            f"{what}: part describes a global array of shape {part.global_shape}, which has no "
+            "rows to split.\nConsider part = meshkit.process_slice(mesh, spec, "
+            "(global_batch,)) with a global batch of at least one row."
+        )
+    global_batch = part.global_shape[0]
+    offsets = tuple(i for a, b in part.ranges[0] for i in range(a, b))
+    # The last, short global batch: split between the shards as evenly as possible.
+    short, shards = rows % global_batch, part.shard_count
+    each, extra = divmod(short, shards)
+    i = part.shard_index
+    return _Rows(
+        rows, global_batch, part.ranges[0], offsets, i * each + min(i, extra), each + (i < extra)
+    )
+
+
+def process_rows(part: ProcessSlice, num_rows: int) -> np.ndarray:
+    """The rows of one epoch this process loads, in the order it loads them.
+
+    ``part`` is the layout of one global batch. Every consecutive ``part.local_shape[0]`` of
+    the returned indices are this process's rows of one global batch; the last, shorter group
+    (if any) its rows of the last global batch, which holds the remaining
+    ``num_rows % global_batch`` rows. Indices are positions in the dataset's global order:
+    with a permutation ``order`` shared by every process, load ``order[process_rows(...)]``.
+
+    Args:
+        part: ``meshkit.process_slice(mesh, spec, (global_batch, ...))`` for this process.
+        num_rows: the number of rows in the dataset (one epoch).
+
+    Returns:
+        An int64 numpy array of row indices, each in ``range(num_rows)``.
+
+    Raises:
+        MeshkitError: ``part`` is not a `meshkit.ProcessSlice` of an array with rows, or
+            ``num_rows`` is not an int >= 0.
+
+    Examples:
+        >>> import meshkit
+        >>> from meshkit import loaders
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> part = meshkit.process_slice(mesh, "data", (8,))  # global batches of 8 rows
+        >>> loaders.process_rows(part, 20)  # one process: every row, in order
+        array([ 0,  1,  2,  3,  4,  5,  6,  7,  8,  9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+
+        With 2 processes on this mesh, process 0 gets rows 0-3, 8-11 and 16-17, process 1
+        rows 4-7, 12-15 and 18-19: each global batch is the rows one process would load.
+    """
+    return _rows(part, num_rows, "meshkit.loaders.process_rows").positions()
+
+
+def grain_dataset(dataset: Any, part: ProcessSlice) -> Any:
+    """This process's part of a ``grain.MapDataset`` in global order, in the order it loads.
+
+    Build the dataset the same way on every process (``grain.MapDataset.source(...)``, then a
+    ``.shuffle(seed=...)`` with one seed for all, maps), take this process's part, and batch
+    it by ``part.local_shape[0]``: each batch is this process's part of one global batch,
+    the last one shorter (``pad=True`` in `meshkit.global_batches` pads it). The result
+    reads its elements from ``dataset`` lazily (no index array); indices past its length reach
+    the next epochs of ``dataset`` (a shuffled dataset reshuffles there), as grain's own
+    ``repeat`` expects.
+
+    Args:
+        dataset: a ``grain.MapDataset`` of finite length, in the global order.
+        part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
+
+    Returns:
+        A ``grain.MapDataset`` of ``len(meshkit.loaders.process_rows(part, len(dataset)))``
+        elements.
+
+    Raises:
+        MeshkitError: ``dataset`` is not a ``grain.MapDataset`` (an ``IterDataset`` cannot be
+            indexed: take the part before ``.to_iter_dataset()``); ``part`` is not a
+            `meshkit.ProcessSlice` of an array with rows.
+
+    Examples:
+        >>> import grain, meshkit
+        >>> from meshkit import loaders
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> part = meshkit.process_slice(mesh, "data", (8,))
+        >>> ds = grain.MapDataset.range(20).shuffle(seed=1)
+        >>> local = loaders.grain_dataset(ds, part).batch(part.local_shape[0])
+        >>> [len(b) for b in local]  # the last global batch is short
+        [8, 8, 4]
+    """
+    what = "meshkit.loaders.grain_dataset"
+    import grain
+
+    if not isinstance(dataset, grain.MapDataset):
+        raise MeshkitError(
+            f"{what}: expected a grain.MapDataset (random access); got "
+            f"{type(dataset).__name__}.\nConsider taking the part of the MapDataset before "
+            ".to_iter_dataset(), or, for a pipeline without random access, grain's own "
+            "sharding with meshkit.loaders.grain_shard_options(part)."
+        )
+    return _grain_part_class()(dataset, _rows(part, len(dataset), what))
+
+
+_grain_part: type | None = None
+
+
+def _grain_part_class() -> type:
+    """The ``grain.MapDataset`` subclass of `grain_dataset`, made once grain is imported."""
+    global _grain_part
+    if _grain_part is not None:
+        return _grain_part
+    import grain
+
+    class ProcessPartMapDataset(grain.MapDataset):
+        """A process's part of its parent, in load order (`meshkit.loaders.grain_dataset`)."""
+
+        def __init__(self, parent: Any, rows: _Rows) -> None:
+            super().__init__(parent)
+            self._rows = rows
+
+        def __len__(self) -> int:
+            return len(self._rows)
+
+        def __getitem__(self, index: Any) -> Any:
+            if isinstance(index, slice):
+                return self.slice(index)
+            if len(self._rows) == 0:
+                raise IndexError(f"{self} is empty; got index {index}.")
+            epoch, j = divmod(index, len(self._rows))
+            return self._parent[epoch * self._rows.num_rows + self._rows.position(j)]
+
+        def __str__(self) -> str:
+            return f"ProcessPartMapDataset(rows={len(self._rows)} of {self._rows.num_rows})"
+
+    _grain_part = ProcessPartMapDataset
+    return _grain_part
+
+
+def grain_sampler(
+    num_records: int,
+    part: ProcessSlice,
+    *,
+    shuffle: bool = False,
+    seed: int | None = None,
+    epoch: int = 0,
+) -> Any:
+    """A grain sampler for ``grain.DataLoader``: this process's records of one epoch.
+
+    Use it with ``shard_options=grain.sharding.NoSharding()`` (the sampler shards) and a
+    ``grain.transforms.Batch(part.local_shape[0])`` operation: each batch is then this
+    process's part of one global batch, the last one shorter (``pad=True`` in
+    `meshkit.global_batches`), and the global batches are the same whatever the number of
+    processes. With ``shuffle`` the records are in the order of grain's own
+    ``MapDataset.range(num_records).shuffle(seed)`` at ``epoch`` (the same on every process);
+    each record's ``rng`` is seeded from ``seed`` and its position in the epoch, so random
+    transforms do not depend on the process count either. One sampler covers one epoch; make
+    a loader per epoch with ``epoch=``. With ``worker_count > 0``, grain batches within each
+    worker, so a batch is no longer one global batch's part (every record is still loaded
+    once); `grain_dataset` with ``.batch`` then ``mp_prefetch`` keeps batches whole.
+
+    Args:
+        num_records: the number of records of the data source.
+        part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
+        shuffle: shuffle the records (the same permutation on every process).
+        seed: the shuffle's seed (an int in [0, 2**32)); also seeds the records' ``rng``.
+        epoch: which epoch's permutation to use.
+
+    Returns:
+        A sampler (``len`` and ``__getitem__`` giving ``grain.RecordMetadata``).
+
+    Raises:
+        MeshkitError: ``shuffle`` without a valid ``seed``, a negative ``epoch``; ``part``
+            is not a `meshkit.ProcessSlice` of an array with rows, ``num_records`` not an
+            int >= 0.
+
+    Examples:
+        >>> import grain, meshkit
+        >>> from meshkit import loaders
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> part = meshkit.process_slice(mesh, "data", (8,))
+        >>> source = [{"id": i} for i in range(20)]
+        >>> loader = grain.DataLoader(
+        ...     data_source=source,
+        ...     sampler=loaders.grain_sampler(len(source), part, shuffle=True, seed=0),
+        ...     shard_options=grain.sharding.NoSharding(),
+        ...     operations=[grain.transforms.Batch(part.local_shape[0])],
+        ... )
+        >>> [len(b["id"]) for b in loader]
+        [8, 8, 4]
+    """
+    what = "meshkit.loaders.grain_sampler"
+    rows = _rows(part, num_records, what)
+    if not isinstance(shuffle, bool):
+        raise MeshkitError(f"{what}: shuffle must be True or False; got {shuffle!r}.")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32
+    ):
+        raise MeshkitError(f"{what}: seed must be an int in [0, 2**32); got {seed!r}.")
+    if shuffle and seed is None:
+        raise MeshkitError(
+            f"{what}: shuffle=True needs a seed, the same on every process.\n"
+            "Consider seed=0 (any int in [0, 2**32))."
+        )
+    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+        raise MeshkitError(f"{what}: epoch must be an int >= 0; got {epoch!r}.")
+    return _GrainSampler(rows, shuffle, None if seed is None else int(seed), int(epoch))
+
+
+class _GrainSampler:
+    """`grain_sampler`'s sampler (grain's ``Sampler`` protocol); picklable for grain workers."""
+
+    def __init__(self, rows: _Rows, shuffle: bool, seed: int | None, epoch: int) -> None:
+        self._rows, self._shuffle, self._seed, self._epoch = rows, shuffle, seed, epoch
+        self._order: Any = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        # grain compares it with a checkpoint's to validate a restored iterator.
+        r = self._rows
+        return (
+            f"meshkit.loaders.grain_sampler(num_records={r.num_rows}, "
+            f"global_batch={r.global_batch}, ranges={list(r.ranges)}, "
+            f"last_batch={r.tail_start}+{r.tail_size}, shuffle={self._shuffle}, "
+            f"seed={self._seed}, epoch={self._epoch})"
+        )
+
+    def __getitem__(self, index: int) -> Any:
+        import grain
+
+        if not 0 <= index < len(self._rows):
+            raise IndexError(f"{self!r}: index {index} is out of range(0, {len(self._rows)}).")
+        position = self._epoch * self._rows.num_rows + self._rows.position(index)
+        key = position % self._rows.num_rows
+        if self._shuffle:
+            if self._order is None:
+                self._order = grain.MapDataset.range(self._rows.num_rows).shuffle(self._seed)
+            key = int(self._order[position])
+        rng = None
+        if self._seed is not None:
+            rng = np.random.Generator(np.random.Philox(key=self._seed + position))
+        return grain.RecordMetadata(index=index, record_key=key, rng=rng)
+
+
+def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> Any:
+    """The grain ``ShardOptions`` of this process: its ``shard_index`` and ``shard_count``.
+
+    For pipelines that keep grain's own sharding (a ``grain.IndexSampler`` or
+    ``grain.DataLoader(shard_options=...)``, ``dataset[shard_index::shard_count]``, per-file
+    readers). Unlike ``grain.sharding.ShardByJaxProcess``, processes of a replica group (the
+    same ``shard_index``) get the same shard. grain then splits the records into contiguous
+    shards, so a global batch holds different rows than one process would load, and grain
+    0.2's ``DataLoader`` reads ``num_records // shard_count`` records per shard, leaving out
+    up to ``shard_count - 1`` records per epoch; `grain_sampler` and `grain_dataset` have
+    neither property.
+
+    Args:
+        part: ``meshkit.process_slice(...)`` for this process.
+        drop_remainder: grain's: give every shard the same number of records, dropping the
+            remainder.
+
+    Returns:
+        A ``grain.sharding.ShardOptions``.
+
+    Raises:
+        MeshkitError: ``part`` is not a `meshkit.ProcessSlice`.
+
+    Examples:
+        >>> import meshkit
+        >>> from meshkit import loaders
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> loaders.grain_shard_options(part)
+        ShardOptions(shard_index=0, shard_count=1, drop_remainder=False)
+    """
+    if not isinstance(part, ProcessSlice):
+        raise MeshkitError(
+            "meshkit.loaders.grain_shard_options: part must be a meshkit.ProcessSlice; got "
+            f"{type(part).__name__}.\nConsider meshkit.process_slice(mesh, spec, global_shape)."
+        )
+    import grain
+
+    return grain.sharding.ShardOptions(
+        shard_index=part.shard_index, shard_count=part.shard_count, drop_remainder=drop_remainder
+    )
+
+
+def hf_dataset(dataset: Any, part: ProcessSlice) -> Any:
+    """This process's part of a Hugging Face ``datasets`` dataset in global order.
+
+    A ``datasets.Dataset`` (map-style) gives ``dataset.select(process_rows(part, len(dataset)))``:
+    iterate it with ``.iter(batch_size=part.local_shape[0])`` and each batch is this process's
+    part of one global batch, the last one shorter (``pad=True`` in `meshkit.global_batches`),
+    the same global batches whatever the number of processes. Shuffle before, with one seed on
+    every process (``dataset.shuffle(seed=epoch)``).
+
+    A streaming ``datasets.IterableDataset`` cannot be indexed: it is split by
+    ``datasets.distributed.split_dataset_by_node`` with ``part.shard_index`` and
+    ``part.shard_count`` (whole files when their number divides by the shard count, else every
+    ``shard_count``-th example). Every example is still read by one shard, but processes may
+    end with different numbers of batches: use ``pad=True``.
+
+    Args:
+        dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset``, the same on every
+            process.
+        part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
+
+    Returns:
+        A dataset of the same kind. Use ``.with_format("numpy")`` for numpy batches (the
+        default format gives Python lists).
+
+    Raises:
+        MeshkitError: ``dataset`` is neither (a ``DatasetDict`` holds several splits: pass
+            one); ``part`` is not a `meshkit.ProcessSlice` of an array with rows.
+
+    Examples:
+        >>> import datasets, meshkit
+        >>> from meshkit import loaders
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> ds = datasets.Dataset.from_dict({"id": list(range(20))})
+        >>> local = loaders.hf_dataset(ds, part).with_format("numpy")
+        >>> [len(b["id"]) for b in local.iter(batch_size=part.local_shape[0])]
+        [8, 8, 4]
+    """
+    what = "meshkit.loaders.hf_dataset"
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    if isinstance(dataset, datasets.Dataset):
+        return dataset.select(_rows(part, len(dataset), what).positions())
+    if isinstance(dataset, datasets.IterableDataset):
+        _rows(part, 0, what)
+        return split_dataset_by_node(dataset, rank=part.shard_index, world_size=part.shard_count)
+    given = type(dataset).__name__
+    if isinstance(dataset, datasets.DatasetDict | datasets.IterableDatasetDict):
+        splits = sorted(dataset)
+        given += f", which holds the splits {splits}"
+        fix = f"one split, such as dataset[{(splits or ['train'])[0]!r}]"
+    else:
+        fix = (
+            "datasets.Dataset.from_dict(...) or load_dataset(...)[split]; for other loaders, "
+            "meshkit.loaders.process_rows(part, num_rows)"
+        )
+    raise MeshkitError(
+        f"{what}: expected a datasets.Dataset or datasets.IterableDataset; got {given}.\n"
+        f"Consider {fix}."
+    )

@@ -1,0 +1,290 @@
+"""The fixer of ``meshkit migrate --fix``: the scanner's mechanical edits, applied with libcst.
+
+libcst keeps every byte it is not told to change, so comments and formatting survive. Three
+steps: the references the scanner marked (by position and text) become ``meshkit.<name>`` (a
+name JAX removed becomes its replacement: ``jax.tree.map`` for ``jax.tree_map``); the imports
+they went through are dropped where nothing uses them any more (a comment on the lines
+above a dropped import moves to the next statement; one at the end of the import's own line
+goes with it); ``import meshkit`` (and ``import jax``, where a replacement needs it) is added
+once, with the file's third-party imports (`meshkit._src.migrate.imports`).
+
+This module needs libcst (``pip install 'meshkit[migrate]'``); the scanner does not.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection, Sequence
+
+import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+
+from .imports import add_imports
+from .scan import Edit
+
+__all__ = ["fix_source"]
+
+
+def fix_source(
+    source: str,
+    edits: Sequence[Edit],
+    first_party: Collection[str] = (),
+    keep: Collection[str] = (),
+) -> str:
+    r"""The source with the edits applied, the unused imports dropped and meshkit imported.
+
+    Args:
+        source: the file's text.
+        edits: the scanner's edits of the findings to fix.
+        first_party: top-level module names local to the project (modules next to the file):
+            their imports form the first-party group, after which ``import meshkit`` never goes.
+            Without them, every import that is not ``__future__``, standard library or
+            relative counts as third-party.
+        keep: names used where the scanner does not look (a notebook's IPython magics): an
+            import binding one of them is never dropped.
+
+    Returns:
+        The new text (the same text when no edit applies).
+
+    Raises:
+        SyntaxError: libcst cannot parse the source.
+
+    Example:
+        >>> from meshkit._src.migrate.scan import scan_source
+        >>> src = "import jax\n\nstep = jax.pmap(f)  # per device\n"
+        >>> edits = [f.edit for f in scan_source(src) if f.edit]
+        >>> print(fix_source(src, edits), end="")
+        import meshkit
+        <BLANKLINE>
+        step = meshkit.pmap_compat(f)  # per device
+    """
+    if not edits:
+        return source
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        raise SyntaxError(f"libcst: {e.message} (line {e.raw_line})") from None
+    rewriter = _Rewriter(edits)
+    module = MetadataWrapper(module).visit(rewriter)
+    candidates = {e.binding for e in edits if e.binding is not None}
+    if rewriter.applied or candidates:
+        used = _used_names(module.code) | set(keep)
+        drop = {b for b in candidates if b[0] not in used}
+        if drop:
+            module = module.visit(_DropImports(drop))
+    # What the new names need: meshkit for its helpers, jax for a removed JAX name's
+    # replacement written through jax (where the file reached it another way).
+    needed = sorted({e.new.split(".")[0] for e in rewriter.applied} & {"meshkit", "jax"})
+    if needed:
+        module = add_imports(module, needed, first_party)
+    return module.code
+
+
+def _dotted(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr.value}"
+    return None
+
+
+class _Rewriter(cst.CSTTransformer):
+    """Replaces each marked reference (position and text must both match)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, edits: Sequence[Edit]) -> None:
+        super().__init__()
+        self.todo = {(e.line, e.col, e.old): e for e in edits if e.form == "name" and e.old}
+        self.wraps = {
+            (e.form, e.line, e.col, e.end_line, e.end_col): e for e in edits if e.form != "name"
+        }
+        self.applied: list[Edit] = []
+
+    def leave_Subscript(
+        self, original_node: cst.Subscript, updated_node: cst.Subscript
+    ) -> cst.BaseExpression:
+        edit = self._wrap("subscript", original_node)
+        if edit is None:
+            return updated_node
+        return _call(edit.new, updated_node.value, updated_node)
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        edit = self._wrap("call", original_node)
+        if edit is None or edit.keep >= len(updated_node.args):
+            return updated_node
+        return _call(edit.new, updated_node.args[edit.keep].value, updated_node)
+
+    def _wrap(self, form: str, original: cst.CSTNode) -> Edit | None:
+        """The edit of a subscript or call at exactly this node's position, if any."""
+        if not self.wraps:
+            return None
+        where = self.get_metadata(PositionProvider, original)
+        assert isinstance(where, CodeRange)
+        key = (form, where.start.line, where.start.column, where.end.line, where.end.column)
+        edit = self.wraps.pop(key, None)
+        if edit is not None:
+            self.applied.append(edit)
+        return edit
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        return self._replace(original_node, updated_node)
+
+    def leave_Attribute(
+        self, original_node: cst.Attribute, updated_node: cst.Attribute
+    ) -> cst.BaseExpression:
+        return self._replace(original_node, updated_node)
+
+    def _replace(
+        self, original: cst.Name | cst.Attribute, updated: cst.Name | cst.Attribute
+    ) -> cst.BaseExpression:
+        text = _dotted(original)
+        if text is None or not self.todo:
+            return updated
+        where = self.get_metadata(PositionProvider, original)
+        assert isinstance(where, CodeRange)
+        edit = self.todo.pop((where.start.line, where.start.column, text), None)
+        if edit is None:
+            return updated
+        self.applied.append(edit)
+        first, *rest = edit.new.split(".")
+        value: cst.BaseExpression = cst.Name(first)
+        for attr in rest[:-1]:
+            value = cst.Attribute(value=value, attr=cst.Name(attr))
+        return cst.Attribute(
+            value=value, attr=cst.Name(rest[-1]), lpar=updated.lpar, rpar=updated.rpar
+        )
+
+
+def _reference(dotted: str) -> cst.BaseExpression:
+    """``a.b.c`` as a libcst expression."""
+    first, *rest = dotted.split(".")
+    value: cst.BaseExpression = cst.Name(first)
+    for attr in rest:
+        value = cst.Attribute(value=value, attr=cst.Name(attr))
+    return value
+
+
+def _call(func: str, arg: cst.BaseExpression, replaced: cst.BaseExpression) -> cst.Call:
+    """``func(arg)`` in place of ``replaced``, keeping the parentheses around it."""
+    inner = arg.with_changes(lpar=[], rpar=[]) if len(arg.lpar) == 1 else arg
+    return cst.Call(
+        func=_reference(func), args=[cst.Arg(inner)], lpar=replaced.lpar, rpar=replaced.rpar
+    )
+
+
+def _used_names(code: str) -> set[str]:
+    """Names the code still uses: every name read or written, string annotations, __all__."""
+    tree = ast.parse(code)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    annotations: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            annotations.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+            annotations.append(node.returns)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                for c in ast.walk(node.value) if node.value is not None else ():
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        used.add(c.value)
+    for annotation in annotations:
+        for c in ast.walk(annotation):
+            if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                try:
+                    parsed = ast.parse(c.value, mode="eval")
+                except SyntaxError:
+                    continue
+                used |= {n.id for n in ast.walk(parsed) if isinstance(n, ast.Name)}
+    return used
+
+
+def _module_name(node: cst.BaseExpression) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _binding(alias: cst.ImportAlias, module: str | None) -> tuple[str, str]:
+    """(name bound, what it refers to), as the scanner computes it."""
+    name = _module_name(alias.name)
+    asname = alias.asname
+    bound = _module_name(asname.name) if asname is not None else None
+    if module is None:  # import a.b [as c]
+        return (bound, name) if bound else (name.split(".")[0], name.split(".")[0])
+    return (bound or name, f"{module}.{name}")
+
+
+class _DropImports(cst.CSTTransformer):
+    """Drops the import aliases of the given bindings; empty import statements go too."""
+
+    def __init__(self, drop: set[tuple[str, str]]) -> None:
+        super().__init__()
+        self.drop = drop
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        body, carried = self._filter(updated_node.body)
+        footer = [*carried, *updated_node.footer] if _has_comment(carried) else updated_node.footer
+        return updated_node.with_changes(body=body, footer=footer)
+
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        body, carried = self._filter(updated_node.body)
+        if not body:  # a block that only imported: keep it a block
+            body = [cst.SimpleStatementLine([cst.Pass()], leading_lines=carried)]
+            carried = []
+        footer = [*carried, *updated_node.footer] if _has_comment(carried) else updated_node.footer
+        return updated_node.with_changes(body=body, footer=footer)
+
+    def _filter(
+        self, statements: Sequence[cst.BaseStatement]
+    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+        """The statements with the dropped imports out; the lines above those carried down."""
+        out: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for stmt in statements:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                small = [s for s in (self._small(s) for s in stmt.body) if s is not None]
+                if not small:
+                    carried.extend(stmt.leading_lines)
+                    continue
+                if len(small) != len(stmt.body):
+                    small[-1] = small[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+                if any(a is not b for a, b in zip(small, stmt.body, strict=False)):
+                    stmt = stmt.with_changes(body=small)
+            if carried and isinstance(stmt, cst.SimpleStatementLine | cst.BaseCompoundStatement):
+                own = list(stmt.leading_lines)
+                lines = [*carried, *own] if _has_comment(carried) or not own else own
+                stmt = stmt.with_changes(leading_lines=lines)
+                carried = []
+            out.append(stmt)
+        return out, carried
+
+    def _small(self, stmt: cst.BaseSmallStatement) -> cst.BaseSmallStatement | None:
+        if isinstance(stmt, cst.Import):
+            names = list(stmt.names)
+            keep = [_binding(a, None) not in self.drop for a in names]
+        elif (
+            isinstance(stmt, cst.ImportFrom)
+            and not stmt.relative
+            and stmt.module is not None
+            and not isinstance(stmt.names, cst.ImportStar)
+        ):
+            module = _module_name(stmt.module)
+            names = list(stmt.names)
+            keep = [_binding(a, module) not in self.drop for a in names]
+        else:
+            return stmt
+        if all(keep):
+            return stmt
+        kept = [a for a, k in zip(names, keep, strict=True) if k]
+        if not kept:
+            return None
+        if not keep[-1]:  # the new last alias ends the list as the old last one did
+            kept[-1] = kept[-1].with_changes(comma=names[-1].comma)
+        return stmt.with_changes(names=kept)
+
+
+def _has_comment(lines: Sequence[cst.EmptyLine]) -> bool:
+    return any(line.comment is not None for line in lines)

@@ -1,0 +1,894 @@
+"""What pmap-era code imports from flax.jax_utils, flax.training.common_utils and old jax.
+
+`replicate`, `unreplicate`, `shard`, `shard_prng_key`, `device_put_replicated`,
+`device_put_sharded`, `prefetch_to_device`, `pad_shard_unpad` and `get_metrics` keep the
+signatures and results of the functions they stand in for, in one process and in several.
+Arrays with a device axis are meshkit's device-axis arrays (`meshkit._src.pmap.device_axis`): in one
+process exactly what `jax.pmap` takes and returns, shape ``(devices, ...)``; with several
+processes global arrays whose leading dimension has ``jax.device_count()`` entries, each process
+holding its own, so they pass to `meshkit.pmap_compat` (and to `jax.jit`) without copies.
+
+Costs. `replicate` puts one copy per device, from the host in one batched call (never ``n``
+stacked copies anywhere). `unreplicate` reads one shard of one device, whatever the device
+count: a single dispatch that copies that shard's first entry on its device, where ``x[0]`` on
+a `jax.pmap` output gathers the whole array first.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ..arrays.assembly import exchange_records
+from ..arrays.blocks import tree_paths
+from ..arrays.gather import local_from_global
+from ..core.errors import MeshkitError
+from . import device_axis as _device_axis
+
+__all__ = [
+    "device_put_replicated",
+    "device_put_sharded",
+    "get_metrics",
+    "pad_shard_unpad",
+    "prefetch_to_device",
+    "replicate",
+    "shard",
+    "shard_prng_key",
+    "unreplicate",
+]
+
+_NOT_ARRAY = """\
+{what}: the leaf at {path} is of type {kind} ({shown}), not an array.
+{what} puts numbers on devices: numpy arrays, scalars or jax.Arrays at every leaf.
+Consider keeping strings and other objects out of the pytree."""
+
+_GLOBAL_SPLIT = """\
+{what}: the leaf at {path} is a global jax.Array split across processes (shape {shape}, \
+sharding {sharding}); {what} copies a value this process holds whole.
+Consider meshkit.gather(x) for its whole value first, or passing it to the pmap_compat \
+function as a broadcast argument (in_axes=None)."""
+
+_ROW_SPLIT = """\
+meshkit.unreplicate: the first entry of the leaf at {path} (shape {shape}, sharding {sharding}) \
+is split over several devices, so no single shard holds it; unreplicate reads one device's \
+shard and does not communicate.
+Consider meshkit.gather(x)[0] (every process calls it), or an array whose leading axis is the \
+device axis (a pmap_compat or meshkit.replicate output)."""
+
+_SHARD_SIZE = """\
+meshkit.shard: the leaf at {path} has shape {shape}; its leading (batch) dimension of size \
+{size} does not split over this process's {local} local devices (shard reshapes it to \
+({local}, {size} // {local}, ...)).
+Consider a batch size divisible by {local}, meshkit.pad_shard_unpad (which pads the last \
+batch), or meshkit.global_batches(..., pad=True)."""
+
+_PREFETCH_SIZE = """\
+meshkit.prefetch_to_device: the leaf at {path} of element {index} has shape {shape}; its \
+leading dimension must have one entry per local device ({local}: {devices}).
+Consider meshkit.shard(batch) on each element first (it reshapes the batch to ({local}, -1, \
+...))."""
+
+_BATCH_SIZES = """\
+meshkit.pad_shard_unpad: the batched arguments of {name} have different batch (leading) \
+sizes:
+{listing}
+Every array that is not static is padded and split along its leading axis, so all must share \
+one batch size.
+Consider static_argnums= / static_argnames= for arguments that are not batched."""
+
+_SHARDS_LENGTH = """\
+meshkit.device_put_sharded: len(shards) == {shards}, but len(devices) == {devices}; shard i \
+goes to the i-th device, so there must be one shard per device.
+Consider device_put_sharded(shards, devices[:{shards}]) or passing {devices} shards."""
+
+_SHARDS_MISMATCH = """\
+meshkit.device_put_sharded: shards[{i}] at {path} is {got}, but shards[0] is {want}; the \
+shards are stacked into one array per leaf, so every shard must have the same shape and dtype.
+Consider padding or casting the shards to one shape and dtype first."""
+
+_SHARDS_TREE = """\
+meshkit.device_put_sharded: shards[{i}] has the pytree structure {got}, but shards[0] has \
+{want}; every shard must have the same structure.
+Consider building every shard with the same keys and nesting."""
+
+
+def _shown(leaf: Any) -> str:
+    text = repr(leaf)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _host(what: str, path: str, leaf: Any) -> np.ndarray:
+    """A host leaf as numpy in the dtype JAX will use (as `jax.device_put` does, silently)."""
+    if not isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex) and not hasattr(
+        leaf, "__array__"
+    ):
+        raise MeshkitError(
+            _NOT_ARRAY.format(what=what, path=path, kind=type(leaf).__name__, shown=_shown(leaf))
+        )
+    value = np.asarray(leaf)
+    if not (value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)):
+        raise MeshkitError(
+            _NOT_ARRAY.format(
+                what=what, path=path, kind=f"array of dtype {value.dtype}", shown=_shown(leaf)
+            )
+        )
+    target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
+    return value if value.dtype == target else value.astype(target)
+
+
+def _devices_arg(devices: Any, what: str) -> list[Any]:
+    """``devices`` checked: a non-empty sequence of distinct devices, some of this process."""
+    if isinstance(devices, jax.Device):
+        raise MeshkitError(
+            f"{what}: devices must be a sequence of devices; got a single device ({devices}).\n"
+            f"Consider devices=[{devices}] or devices=jax.local_devices()."
+        )
+    try:
+        chosen = list(devices)
+    except TypeError:
+        raise MeshkitError(
+            f"{what}: devices must be a sequence of devices; got {type(devices).__name__} "
+            f"({_shown(devices)}).\nConsider devices=jax.local_devices()."
+        ) from None
+    if not chosen:
+        raise MeshkitError(
+            f"{what}: devices is empty; the result has one entry per device, so at least one "
+            "device is needed.\nConsider devices=jax.local_devices()."
+        )
+    bad = [d for d in chosen if not isinstance(d, jax.Device)]
+    if bad:
+        raise MeshkitError(
+            f"{what}: devices holds {type(bad[0]).__name__} ({_shown(bad[0])}), not a device.\n"
+            "Consider devices from jax.devices() or jax.local_devices()."
+        )
+    if len(set(chosen)) != len(chosen):
+        twice = sorted({str(d) for d in chosen if chosen.count(d) > 1})
+        raise MeshkitError(
+            f"{what}: devices lists {', '.join(twice)} more than once; each device holds one "
+            "entry of the device axis.\nConsider removing the repeats."
+        )
+    me = jax.process_index()
+    if not any(d.process_index == me for d in chosen):
+        raise MeshkitError(
+            f"{what}: devices holds no device of this process ({me}); every process puts its "
+            "entries on its own devices.\nConsider including jax.local_devices()."
+        )
+    return chosen
+
+
+def _mesh(devices: Any, what: str) -> Mesh:
+    if devices is None:
+        return _device_axis.device_mesh(what=what)
+    return _device_axis.device_mesh(_devices_arg(devices, what), what=what)
+
+
+def _sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, _device_axis.mapped_spec(0, mesh.axis_names[0]))
+
+
+# One jitted function each, cached by JAX per input signature; each runs on its input's device.
+_expand = jax.jit(lambda a: a[None])
+_firsts = jax.jit(lambda xs: [a[0] for a in xs])
+
+
+def _from_host_rows(mesh: Mesh, row_shape: tuple[int, ...], row: Callable[[int], Any]) -> Any:
+    """A device-axis array whose entry ``i`` is ``row(i)`` (shape ``(1, *row_shape)``).
+
+    One batched put of this process's entries (``make_array_from_callback``); on CPU,
+    64-byte-aligned numpy memory is used in place, as `jax.device_put` does.
+    """
+    shape = (mesh.size, *row_shape)
+    return jax.make_array_from_callback(shape, _sharding(mesh), lambda index: row(_start(index)))
+
+
+def _start(index: Any) -> int:
+    """Where a block's leading range starts (``make_array_from_callback`` passes slices)."""
+    return index[0].start or 0
+
+
+def _from_device_rows(mesh: Mesh, rows: list[jax.Array]) -> jax.Array:
+    """A device-axis array from this process's entries, already expanded to ``(1, ...)``.
+
+    ``rows[k]`` is the entry of the k-th local device of ``mesh``; each travels device to device.
+    """
+    mine = _device_axis.local_devices(mesh)
+    placed = jax.device_put(rows, mine)
+    shape = (mesh.size, *rows[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, _sharding(mesh), placed)
+
+
+def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | None:
+    """``leaf`` as one device's array holding its whole value, or None to read it to the host."""
+    if len(leaf.sharding.device_set) == 1:
+        return leaf
+    if leaf.sharding.is_fully_replicated:
+        return leaf.addressable_data(0)
+    if not leaf.is_fully_addressable:
+        raise MeshkitError(
+            _GLOBAL_SPLIT.format(what=what, path=path, shape=leaf.shape, sharding=leaf.sharding)
+        )
+    return None
+
+
+def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
+    named, treedef = tree_paths(tree)
+    local = len(_device_axis.local_devices(mesh))
+    out = []
+    for path, leaf in named:
+        if isinstance(leaf, jax.Array):
+            whole = _single_device_value(what, path, leaf)
+            if whole is not None:
+                out.append(_from_device_rows(mesh, [_expand(whole)] * local))
+                continue
+            leaf = np.asarray(leaf)  # split over this process's devices: read once
+        value = _host(what, path, leaf)
+        block = value[None]
+        out.append(_from_host_rows(mesh, value.shape, lambda _, b=block: b))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
+    """One copy of every array per device, with a leading device axis (`flax.jax_utils`'s).
+
+    Each leaf ``x`` becomes an array of shape ``(n, *x.shape)`` whose entry ``i`` lives on the
+    ``i``-th device: in one process exactly what ``jax.pmap`` takes and returns (``n`` is the
+    device count), so pmap code and `meshkit.pmap_compat` accept it as is. With several
+    processes it is a global array over every process's devices (``n == jax.device_count()``),
+    each process holding its own entries; every process must pass the same values (not
+    checked). The copies are put from the host once per device in one batched call (a
+    single-device ``jax.Array`` is copied device to device); no ``n`` stacked copies are ever
+    made, on the host or on a device. As with `jax.device_put` on CPU, aligned numpy memory may
+    be used in place: do not write to the numpy arrays afterwards.
+
+    Args:
+        tree: a pytree of numpy arrays, scalars or ``jax.Array`` s (on one device, or
+            replicated: a global array every process holds whole).
+        devices: the devices of the device axis, in any order (meshkit orders them by process,
+            then id, as `pmap_compat` does); default: every device of every process.
+
+    Returns:
+        ``tree`` with each leaf replaced by its device-axis array; 64-bit data becomes 32-bit
+        unless ``jax_enable_x64`` is on, as with `jax.device_put`.
+
+    Raises:
+        MeshkitError: a leaf is not numeric, or is a global array split across processes;
+            ``devices`` is empty, repeats a device or holds none of this process.
+
+    Examples:
+        >>> import jax, numpy as np, meshkit
+        >>> params = {"w": np.ones((3, 2), np.float32), "step": 0}
+        >>> r = meshkit.replicate(params)
+        >>> r["w"].shape, r["step"].shape, len(r["w"].sharding.device_set)
+        ((8, 3, 2), (8,), 8)
+        >>> [s.data.shape for s in r["w"].addressable_shards][:2]
+        [(1, 3, 2), (1, 3, 2)]
+    """
+    what = "meshkit.replicate"
+    return _replicate(tree, _mesh(devices, what), what)
+
+
+def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
+    """``x`` copied to each of ``devices``, stacked along a new leading axis (old JAX's).
+
+    The removed ``jax.device_put_replicated``: each leaf of shape ``s`` becomes an array of
+    shape ``(len(devices), *s)``, one copy per device. The result is a device-axis array over
+    ``devices`` (as `meshkit.replicate` makes, which this is with required ``devices``); the
+    devices are ordered by process, then id.
+
+    Args:
+        x: a pytree of numpy arrays, scalars or single-device / replicated ``jax.Array`` s.
+        devices: a non-empty sequence of devices (with at least one of this process).
+
+    Returns:
+        ``x`` with each leaf replaced by its device-axis array.
+
+    Raises:
+        MeshkitError: ``devices`` is empty, not a sequence of devices, repeats a device or
+            holds none of this process; a leaf is not numeric.
+
+    Examples:
+        >>> import jax, numpy as np, meshkit
+        >>> y = meshkit.device_put_replicated(np.arange(3.0), jax.local_devices()[:4])
+        >>> y.shape, sorted(d.id for d in y.sharding.device_set)
+        ((4, 3), [0, 1, 2, 3])
+    """
+    what = "meshkit.device_put_replicated"
+    mesh = _device_axis.device_mesh(_devices_arg(devices, what), what=what)
+    return _replicate(x, mesh, what)
+
+
+def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
+    """Stack ``shards`` along a new leading axis, shard ``i`` being entry ``i`` (old JAX's).
+
+    The removed ``jax.device_put_sharded``: ``shards`` is a sequence of pytrees of one
+    structure whose leaves share shape and dtype; the result has that structure, each leaf of
+    shape ``(len(devices), *shape)`` with ``result[i] == shards[i]``, one entry per device and
+    never stacked anywhere. The devices are ordered by process, then id (as `pmap_compat`
+    does), and entry ``i`` sits on the ``i``-th of them: on ``devices[i]`` whenever
+    ``devices`` is in that order already (``jax.devices()``, ``jax.local_devices()``). With
+    several processes and devices of several processes, every process passes every shard and
+    puts only those of its own devices.
+
+    Args:
+        shards: one pytree per device (numpy arrays, scalars or single-device ``jax.Array`` s).
+        devices: a non-empty sequence of devices, as long as ``shards``.
+
+    Returns:
+        The stacked device-axis arrays, in the shards' pytree structure.
+
+    Raises:
+        MeshkitError: ``len(shards) != len(devices)``; the shards differ in structure, shape
+            or dtype; ``devices`` is empty, repeats a device or holds none of this process.
+
+    Examples:
+        >>> import jax, numpy as np, meshkit
+        >>> shards = [{"x": np.full((2,), i, np.int32)} for i in range(8)]
+        >>> y = meshkit.device_put_sharded(shards, jax.local_devices())
+        >>> y["x"].shape, y["x"][:, 0].tolist()
+        ((8, 2), [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    what = "meshkit.device_put_sharded"
+    chosen = _devices_arg(devices, what)
+    shards = list(shards)
+    if len(shards) != len(chosen):
+        raise MeshkitError(_SHARDS_LENGTH.format(shards=len(shards), devices=len(chosen)))
+    mesh = _device_axis.device_mesh(chosen, what=what)
+    # Entry i is shards[i], on the i-th device of the mesh's order.
+    flat = list(mesh.devices.flat)
+    entries = [flat.index(d) for d in _device_axis.local_devices(mesh)]
+    named, treedef = tree_paths(shards[0])
+    flats = [named]
+    for i, s in enumerate(shards[1:], start=1):
+        other, other_def = tree_paths(s)
+        if other_def != treedef:
+            raise MeshkitError(_SHARDS_TREE.format(i=i, got=other_def, want=treedef))
+        flats.append(other)
+    out = []
+    for k, (path, _) in enumerate(named):
+        leaves = [flat[k][1] for flat in flats]
+        if all(isinstance(leaf, jax.Array) for leaf in leaves):
+            arrays: list[jax.Array] = leaves
+            _same_kind(arrays, path)
+            holders = [_single_device_value(what, path, a) for a in arrays]
+            if all(h is not None for h in holders):
+                out.append(_from_device_rows(mesh, [_expand(holders[i]) for i in entries]))
+                continue
+        values = [_host(what, path, np.asarray(leaf)) for leaf in leaves]
+        _same_kind(values, path)
+        out.append(_from_host_rows(mesh, values[0].shape, lambda i, v=values: v[i][None]))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _same_kind(values: Sequence[Any], path: str) -> None:
+    want = (tuple(values[0].shape), values[0].dtype)
+    for i, v in enumerate(values[1:], start=1):
+        got = (tuple(v.shape), v.dtype)
+        if got != want:
+            raise MeshkitError(
+                _SHARDS_MISMATCH.format(
+                    i=i, path=path, got=f"{got[1]}{list(got[0])}", want=f"{want[1]}{list(want[0])}"
+                )
+            )
+
+
+def _path_at(tree: Any, k: int) -> str:
+    """The path of leaf ``k`` of ``tree``, for messages (computed only when one is needed)."""
+    return tree_paths(tree)[0][k][0]
+
+
+def _first_entry_shard(tree: Any, k: int, x: jax.Array) -> tuple[Any, jax.Array]:
+    """``(device, data)``: the shard holding this process's first entry of ``x`` whole.
+
+    ``(None, x)`` when no shard does but ``x`` is all on this process (JAX indexes it then).
+    """
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding) and len(sharding.mesh.axis_names) == 1:
+        # A 1-D mesh (device-axis arrays, pmap outputs): the first local device in mesh order
+        # holds the first local entry; with nothing split but dimension 0, it holds it whole.
+        spec = sharding.spec
+        if all(e is None for e in spec[1:]):
+            data = x.addressable_data(0)
+            return data.device, data
+    shards = x.addressable_shards
+    best = min(shards, key=lambda s: s.index[0].start or 0)  # ties: the first, in mesh order
+    data = best.data
+    if data.shape[1:] != x.shape[1:]:
+        if x.is_fully_addressable:
+            return None, x
+        raise MeshkitError(
+            _ROW_SPLIT.format(path=_path_at(tree, k), shape=x.shape, sharding=x.sharding)
+        )
+    return best.device, data
+
+
+Reads = list[tuple[int, Any, jax.Array]]  # (leaf index, device or None, data)
+
+
+def _first_entries(tree: Any, what: str) -> tuple[Any, list[Any], Reads]:
+    """``(treedef, leaves, reads)``: host leaves already indexed, device reads left to do."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out: list[Any] = []
+    reads: Reads = []
+    for k, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.Array | np.ndarray):
+            leaf = _host(what, _path_at(tree, k), leaf)
+        if leaf.ndim == 0:
+            raise MeshkitError(
+                f"{what}: the leaf at {_path_at(tree, k)} has shape (), so it has no leading "
+                "(device) axis to take the first entry of.\nConsider replicated values only "
+                "(meshkit.replicate or pmap_compat outputs), keeping scalars out of the pytree."
+            )
+        if isinstance(leaf, jax.Array):
+            reads.append((k, *_first_entry_shard(tree, k, leaf)))
+            out.append(None)
+        else:
+            out.append(leaf[0])
+    return treedef, out, reads
+
+
+def unreplicate(tree: Any) -> Any:
+    """The first entry of every array of a replicated pytree (flax's), reading one shard.
+
+    For device-axis arrays (`meshkit.replicate`, `pmap_compat` and ``jax.pmap`` outputs) that
+    is the entry of this process's first device: its shard alone is read and copied on that
+    device (one dispatch per device holding such shards, whatever the device count), where
+    ``x[0]`` gathers the whole array. The cost and the answer do not depend on the number of
+    devices. With several processes each process gets its own first entry (entry ``p * L`` of
+    process ``p`` with ``L`` local devices), not entry 0: for replicated values, the value.
+
+    Other arrays are accepted too: a ``jax.Array`` whose first entry no single shard holds
+    whole (one split along another axis, on this process's devices) is indexed by JAX
+    (``x[0]``, which gathers); numpy arrays give ``x[0]`` (a numpy view).
+
+    Args:
+        tree: a pytree of arrays with a leading (device) axis.
+
+    Returns:
+        ``tree`` with each ``jax.Array`` leaf replaced by its first local entry, a
+        ``jax.Array`` on the device that held it; numpy leaves by ``x[0]``.
+
+    Raises:
+        MeshkitError: a leaf has no leading axis (a scalar), is not an array, or is a global
+            array whose first local entry is split over several devices.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> state = meshkit.replicate({"w": np.arange(4.0, dtype=np.float32)})
+        >>> w = meshkit.unreplicate(state)["w"]
+        >>> w.shape, w.tolist(), w.devices() == {state["w"].addressable_shards[0].device}
+        ((4,), [0.0, 1.0, 2.0, 3.0], True)
+    """
+    treedef, out, reads = _first_entries(tree, "meshkit.unreplicate")
+    if reads:
+        by_device: dict[Any, list[tuple[int, jax.Array]]] = collections.defaultdict(list)
+        for k, device, data in reads:
+            by_device[device].append((k, data))
+        for device, group in by_device.items():
+            if device is None:  # whole multi-device arrays: JAX's own indexing
+                for k, data in group:
+                    out[k] = data[0]
+                continue
+            for (k, _), first in zip(group, _firsts([d for _, d in group]), strict=True):
+                out[k] = first
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _single(x: jax.Array) -> bool:
+    return len(x.sharding.device_set) == 1
+
+
+def shard(xs: Any) -> Any:
+    """Split the leading (batch) axis into ``(local devices, -1)`` (flax's ``shard``).
+
+    Each leaf of shape ``(b, ...)`` is reshaped to ``(L, b // L, ...)``, ``L`` being
+    ``jax.local_device_count()``: each process shards its own batch. As in flax, this is a
+    reshape and nothing moves: numpy stays numpy (a view, no copy) and a ``jax.Array`` is
+    reshaped by JAX. Placement is left to the consumer: `meshkit.pmap_compat` (or
+    ``jax.pmap``) puts each entry on its device in one batched transfer, and with several
+    processes assembles the processes' entries into one global array; `prefetch_to_device`
+    does the same ahead of time.
+
+    Args:
+        xs: a pytree of arrays whose leading dimension is divisible by the local device count.
+
+    Returns:
+        ``xs`` with every leaf reshaped to ``(L, -1, *rest)``.
+
+    Raises:
+        MeshkitError: a leaf is a scalar, or its leading dimension does not divide by ``L``.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> batch = {"image": np.zeros((32, 28, 28), np.float32), "label": np.arange(32)}
+        >>> sharded = meshkit.shard(batch)
+        >>> sharded["image"].shape, sharded["label"].shape, type(sharded["label"]).__name__
+        ((8, 4, 28, 28), (8, 4), 'ndarray')
+    """
+    local = jax.local_device_count()
+    named, treedef = tree_paths(xs)
+    out = []
+    for path, leaf in named:
+        value = (
+            leaf if isinstance(leaf, jax.Array | np.ndarray) else _host("meshkit.shard", path, leaf)
+        )
+        shape = tuple(value.shape)
+        if not shape or shape[0] % local:
+            if not shape:
+                raise MeshkitError(
+                    f"meshkit.shard: the leaf at {path} is a scalar (shape ()); shard splits "
+                    f"a leading (batch) dimension over the {local} local devices.\nConsider "
+                    "meshkit.replicate for values every device needs whole."
+                )
+            raise MeshkitError(
+                _SHARD_SIZE.format(path=path, shape=shape, size=shape[0], local=local)
+            )
+        out.append(value.reshape((local, shape[0] // local, *shape[1:])))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=32)
+def _split_onto(mesh: Mesh, count: int) -> Any:
+    return jax.jit(lambda k: jax.random.split(k, count), out_shardings=_sharding(mesh))
+
+
+def shard_prng_key(prng_key: Any) -> jax.Array:
+    """Split a PRNG key into one key per local device (`flax.training.common_utils`'s).
+
+    The keys are ``jax.random.split(prng_key, jax.local_device_count())``, the same values
+    as flax gives, already placed as a device-axis array: key ``i`` on this process's ``i``-th
+    device. With several processes the result is global (``jax.device_count()`` keys), each
+    process's entries being its own split of its own key: pass each process a different key
+    (e.g. ``jax.random.fold_in(key, jax.process_index())``) for different randomness per
+    process, as with flax.
+
+    Args:
+        prng_key: one key: a typed key (``jax.random.key``, shape ``()``) or a raw ``uint32``
+            key (``jax.random.PRNGKey``, shape ``(2,)`` for the default implementation).
+
+    Returns:
+        The keys, typed like ``prng_key``, with a leading device axis.
+
+    Raises:
+        MeshkitError: ``prng_key`` is not a single key (a batch of keys, another dtype).
+
+    Examples:
+        >>> import jax, numpy as np, meshkit
+        >>> keys = meshkit.shard_prng_key(jax.random.PRNGKey(0))
+        >>> keys.shape, keys.dtype
+        ((8, 2), dtype('uint32'))
+        >>> bool((np.asarray(keys) == np.asarray(jax.random.split(jax.random.PRNGKey(0), 8))).all())
+        True
+        >>> meshkit.shard_prng_key(jax.random.key(0)).shape
+        (8,)
+    """
+    what = "meshkit.shard_prng_key"
+    key = prng_key
+    if isinstance(key, jax.Array) and not _single(key):
+        whole = _single_device_value(what, "prng_key", key)
+        key = whole if whole is not None else np.asarray(key)
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
+    shape = tuple(np.shape(key)) if not typed else tuple(key.shape)
+    if typed and shape != ():
+        raise MeshkitError(
+            f"{what}: prng_key is an array of {shape[0] if shape else 0} typed keys (shape "
+            f"{shape}); it splits one key into one per device.\nConsider prng_key[0], or "
+            "using the keys as they are if they are already one per device."
+        )
+    if not typed and (dtype != np.uint32 or len(shape) != 1):
+        raise MeshkitError(
+            f"{what}: prng_key has dtype {dtype} and shape {shape}; a key is a typed key "
+            "(jax.random.key(seed), shape ()) or a raw uint32 key (jax.random.PRNGKey(seed), "
+            "shape (2,)).\nConsider jax.random.key(seed), or prng_key[0] for a batch of raw keys."
+        )
+    mesh = _device_axis.device_mesh(what=what)
+    mine = _device_axis.local_devices(mesh)
+    local_mesh = _device_axis.device_mesh(mine, mesh.axis_names[0], what=what)
+    keys = _split_onto(local_mesh, len(mine))(key)
+    if local_mesh is mesh:
+        return keys
+    shards = {s.device: s.data for s in keys.addressable_shards}
+    shape = (mesh.size, *keys.shape[1:])
+    return jax.make_array_from_single_device_arrays(
+        shape, _sharding(mesh), [shards[d] for d in mine]
+    )
+
+
+_PREFETCH = "meshkit.prefetch_to_device"
+
+
+def prefetch_to_device(
+    iterator: Iterable[Any], size: int, devices: Sequence[Any] | None = None
+) -> Iterator[Any]:
+    """Put the elements of ``iterator`` on the devices ``size`` elements ahead (flax's).
+
+    Each element is a pytree whose leaves have one entry per local device along their leading
+    axis (as `shard` makes them); each leaf becomes a device-axis array, entry ``i`` on the
+    ``i``-th local device (with several processes a global array over every process's devices,
+    each process contributing its own entries). While the caller works on one element, the
+    next ``size`` are already being copied: at most ``size`` placed elements wait at any time
+    (plus the one handed out), so memory stays bounded.
+
+    An exception raised by ``iterator`` reaches the caller, with its own traceback, after the
+    elements before it have been yielded. ``size=0`` places each element when it is asked for
+    (flax's yields nothing then).
+
+    Args:
+        iterator: an iterator (or iterable) of pytrees of arrays with leading axis ``L``, the
+            number of local devices among ``devices``.
+        size: how many elements to place ahead (``>= 0``); 2 is usually enough.
+        devices: the devices of the device axis; default: every device of every process (this
+            process's local devices take its entries).
+
+    Returns:
+        An iterator over the placed elements.
+
+    Raises:
+        MeshkitError: ``size`` is negative or not an int; ``devices`` is not a valid device
+            list; (while iterating) a leaf's leading dimension is not ``L``.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> batches = (meshkit.shard({"x": np.full((16, 2), i, np.float32)}) for i in range(3))
+        >>> [b["x"].shape for b in meshkit.prefetch_to_device(batches, size=2)]
+        [(8, 2, 2), (8, 2, 2), (8, 2, 2)]
+    """
+    what = _PREFETCH
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
+        raise MeshkitError(
+            f"{what}: size={size!r}; size is how many elements are placed ahead of the one in "
+            "use, an int >= 0.\nConsider size=2."
+        )
+    mesh = _mesh(devices, what)
+    return _prefetch(iter(iterator), int(size), mesh)
+
+
+def _prefetch(source: Iterator[Any], size: int, mesh: Mesh) -> Iterator[Any]:
+    mine = _device_axis.local_devices(mesh)
+    queue: collections.deque[Any] = collections.deque()
+    failure: BaseException | None = None
+    count = 0
+
+    def place(element: Any, index: int) -> Any:
+        named, treedef = tree_paths(element)
+        out = []
+        for path, leaf in named:
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != len(mine):
+                raise MeshkitError(
+                    _PREFETCH_SIZE.format(
+                        path=path, index=index, shape=tuple(np.shape(leaf)), local=len(mine),
+                        devices=", ".join(str(d) for d in mine[:4])
+                        + (", ..." if len(mine) > 4 else ""),
+                    )
+                )  # fmt: skip
+            value = leaf if isinstance(leaf, jax.Array) else _host(_PREFETCH, path, leaf)
+            out.append(_device_axis.from_local(value, mesh, 0))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def fill(until: int) -> None:
+        nonlocal failure, count
+        while failure is None and len(queue) < until:
+            try:
+                element = next(source)
+            except StopIteration:
+                return
+            except Exception as e:  # delivered after the elements already placed
+                failure = e
+                return
+            queue.append(place(element, count))
+            count += 1
+
+    while True:
+        fill(max(size, 1))
+        if not queue:
+            break
+        element = queue.popleft()
+        fill(size)  # the next ones travel while the caller works on this one
+        yield element
+    if failure is not None:
+        raise failure
+
+
+def _argnums(value: int | Sequence[int]) -> tuple[int, ...]:
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def pad_shard_unpad(
+    wrapped: Callable[..., Any],
+    static_argnums: int | Sequence[int] = (0,),
+    static_argnames: str | Sequence[str] = (),
+    static_return: bool = False,
+) -> Callable[..., Any]:
+    """Pad the batch to a multiple of the local devices, shard, call, then unshard and unpad.
+
+    flax's ``pad_shard_unpad``: the returned function takes the same arguments as ``wrapped``.
+    Every array of the arguments that are not static (by default all but the first, usually
+    the parameters) has a leading batch dimension ``b``, the same for all; it is padded with
+    zeros to ``L * db`` rows (``L`` local devices, ``db = ceil(b / L)``, at least
+    ``min_device_batch`` when that keyword is given to the returned function, so that fewer
+    shapes get compiled) and reshaped to ``(L, db, ...)``, numpy on the host, like `shard`.
+    ``wrapped`` (typically a `meshkit.pmap_compat` or ``jax.pmap`` function) is called with
+    them; each output leaf of shape ``(L, db, ...)`` is brought to the host (this process's
+    entries of a global array), reshaped to ``(L * db, ...)`` and cut to its first ``b`` rows.
+    With several processes each process pads and unpads its own batch, to the per-device batch
+    of the process with the most rows (agreed through the coordination service), so that the
+    processes' arguments fit together.
+
+    Args:
+        wrapped: the function to call on the padded, sharded arguments.
+        static_argnums: positions of arguments passed through untouched (negative counts from
+            the end).
+        static_argnames: names of keyword arguments passed through untouched.
+        static_return: return ``wrapped`` 's outputs as they are (not unsharded, unpadded).
+
+    Returns:
+        The wrapping function, with the extra keyword ``min_device_batch``.
+
+    Raises:
+        MeshkitError: (when called) the batched arguments disagree on the batch size, one of
+            their leaves is a scalar, or there is no batched argument; an output to unpad has
+            fewer than two dimensions.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> def predict(w, x):
+        ...     return x * w  # on (devices, per-device batch, ...) arrays
+        >>> out = meshkit.pad_shard_unpad(predict)(2.0, np.arange(10, dtype=np.float32))
+        >>> out.shape, out.tolist()[-3:]
+        ((10,), [14.0, 16.0, 18.0])
+    """
+    statics = _argnums(static_argnums)
+    static_names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+    name = getattr(wrapped, "__name__", type(wrapped).__name__)
+
+    @functools.wraps(wrapped)
+    def wrapper(*args: Any, min_device_batch: int | None = None, **kwargs: Any) -> Any:
+        local = jax.local_device_count()
+        fixed = {i % len(args) for i in statics if -len(args) <= i < len(args)}
+        sizes: dict[str, int] = {}
+        for i, a in enumerate(args):
+            if i not in fixed:
+                _batch_sizes(a, f"args[{i}]", sizes)
+        for k, v in kwargs.items():
+            if k not in static_names:
+                _batch_sizes(v, f"{k}=", sizes)
+        if not sizes:
+            raise MeshkitError(
+                f"meshkit.pad_shard_unpad: {name} got no batched argument (all are static: "
+                f"static_argnums={statics}, static_argnames={sorted(static_names)}), so there "
+                "is no batch to pad and shard.\nConsider fewer static arguments."
+            )
+        batches = set(sizes.values())
+        if len(batches) > 1:
+            listing = "\n".join(f"  {where}: {size}" for where, size in sizes.items())
+            raise MeshkitError(_BATCH_SIZES.format(name=name, listing=listing))
+        b = batches.pop()
+        per_device = -(-b // local)
+        if min_device_batch is not None:
+            per_device = max(per_device, int(min_device_batch))
+        if jax.process_count() > 1:
+            # Every process pads to the largest per-device batch, so that their arguments fit
+            # together into one global array (pmap_compat checks that they do).
+            records = exchange_records(
+                "pad_shard_unpad", {"per_device": per_device}, "meshkit.pad_shard_unpad"
+            )
+            per_device = max(int(r["per_device"]) for r in records.values())
+
+        def pad(x: Any) -> np.ndarray:
+            value = np.asarray(x)
+            extra = local * per_device - b
+            if extra:
+                zeros = np.zeros((extra, *value.shape[1:]), value.dtype)
+                value = np.concatenate([value, zeros])
+            return value.reshape(local, per_device, *value.shape[1:])
+
+        new_args = [a if i in fixed else jax.tree.map(pad, a) for i, a in enumerate(args)]
+        new_kwargs = {
+            k: v if k in static_names else jax.tree.map(pad, v) for k, v in kwargs.items()
+        }
+        out = wrapped(*new_args, **new_kwargs)
+        if static_return:
+            return out
+        return _unpad(out, b)
+
+    return wrapper
+
+
+def _batch_sizes(tree: Any, where: str, sizes: dict[str, int]) -> None:
+    named, _ = tree_paths(tree)
+    for path, leaf in named:
+        label = where + ("" if path == "(the array)" else path)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            raise MeshkitError(
+                f"meshkit.pad_shard_unpad: {label} is a global jax.Array (shape {leaf.shape}); "
+                "pad_shard_unpad pads and shards this process's batch.\nConsider "
+                "meshkit.local_from_global(x) for this process's part."
+            )
+        if np.ndim(leaf) == 0:
+            raise MeshkitError(
+                f"meshkit.pad_shard_unpad: {label} is a scalar, but arguments that are not "
+                "static are batches, padded and split along their leading axis.\nConsider "
+                "static_argnums= / static_argnames= for it."
+            )
+        sizes[label] = int(np.shape(leaf)[0])
+
+
+def _unpad(out: Any, b: int) -> Any:
+    named, treedef = tree_paths(out)
+    fetched: list[Any] = []
+    for path, leaf in named:
+        if np.ndim(leaf) < 2:
+            raise MeshkitError(
+                f"meshkit.pad_shard_unpad: the output at {path} has shape "
+                f"{tuple(np.shape(leaf))}; outputs are unsharded from (devices, per-device "
+                "batch, ...), so each needs those two leading axes.\nConsider "
+                "static_return=True and unpadding the outputs yourself."
+            )
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            fetched.append(local_from_global(leaf))
+        else:
+            fetched.append(leaf)
+    host = jax.device_get(fetched)  # one batched transfer, then reshaped on the host
+    rows = [np.asarray(x).reshape(-1, *np.shape(x)[2:])[:b] for x in host]
+    return jax.tree_util.tree_unflatten(treedef, rows)
+
+
+def get_metrics(device_metrics: Sequence[Any]) -> Any:
+    """Stack a list of replicated metric pytrees into one pytree of numpy arrays (flax's).
+
+    flax's ``common_utils.get_metrics``: each element (one step's metrics, as a
+    `meshkit.pmap_compat` or ``jax.pmap`` step returns them, replicated across devices) is
+    unreplicated (this process's first entry, reading one shard per array), every step's
+    values come to the host in one transfer, and each leaf is stacked along a new leading
+    axis: leaves of shape ``s`` become ``(len(device_metrics), *s)``.
+
+    Args:
+        device_metrics: a non-empty sequence of pytrees of one structure, with a leading
+            device axis on every array.
+
+    Returns:
+        The stacked metrics, numpy arrays in the elements' pytree structure.
+
+    Raises:
+        MeshkitError: ``device_metrics`` is empty, its elements differ in structure, or a leaf
+            has no leading axis.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> steps = [meshkit.replicate({"loss": np.float32(l)}) for l in (0.5, 0.25)]
+        >>> meshkit.get_metrics(steps)
+        {'loss': array([0.5 , 0.25], dtype=float32)}
+    """
+    what = "meshkit.get_metrics"
+    steps = list(device_metrics)
+    if not steps:
+        raise MeshkitError(
+            f"{what}: device_metrics is empty; it stacks one pytree per step.\nConsider "
+            "calling it once some steps' metrics are collected."
+        )
+    treedef0 = jax.tree_util.tree_structure(steps[0])
+    reads: list[tuple[int, int, jax.Array]] = []  # (step, leaf index, data)
+    firsts: list[list[Any]] = []
+    for i, step in enumerate(steps):
+        treedef, out, step_reads = _first_entries(step, what)
+        if treedef != treedef0:
+            raise MeshkitError(
+                f"{what}: device_metrics[{i}] has the pytree structure {treedef}, but "
+                f"device_metrics[0] has {treedef0}; the steps are stacked leaf by leaf.\n"
+                "Consider returning the same metrics from every step."
+            )
+        reads += [(i, k, data) for k, _, data in step_reads]
+        firsts.append(out)
+    # The shards themselves come to the host (one transfer), then lose their leading entry
+    # there: no device work per metric.
+    host = jax.device_get([data for _, _, data in reads])
+    for (i, k, _), value in zip(reads, host, strict=True):
+        firsts[i][k] = np.asarray(value)[0]
+    stacked = [np.stack([np.asarray(f[k]) for f in firsts]) for k in range(len(firsts[0]))]
+    return jax.tree_util.tree_unflatten(treedef0, stacked)

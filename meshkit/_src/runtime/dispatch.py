@@ -1,0 +1,135 @@
+"""The one choke point every SPMD entry of meshkit passes before it runs.
+
+`spmd`, `pmap_compat`, `global_array_from_local` and `make_mesh` create one `CallSite` each and
+call `enter` on every call. With no observer installed that is a counter increment and one
+truthiness test, nothing measurable next to a JAX dispatch. Observers (`meshkit.debug`'s
+fingerprint exchange, tests) see the site and the call's arguments before anything runs; what
+they raise reaches the caller unchanged, and the call does not run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..coord import agree as _agree
+from ..lifecycle import progress as _progress
+from . import init as _runtime
+
+__all__ = [
+    "CallSite",
+    "Observer",
+    "add_observer",
+    "enter",
+    "observing",
+    "origin",
+    "param_names",
+    "remove_observer",
+]
+
+
+@dataclass(eq=False)
+class CallSite:
+    """One SPMD entry point a program created (for example one `meshkit.spmd` function).
+
+    Attributes:
+        kind: which meshkit entry created it (``"spmd"``, ...).
+        name: the user's function name (``module.qualname``), for messages.
+        calls: how many times it has been entered in this process.
+        info: entry-specific facts observers may use (mesh, specs, ...).
+    """
+
+    kind: str
+    name: str
+    calls: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def param_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The positional parameter names of ``fn``, to name arguments in messages (None: unknown)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+_origins: dict[str, int] = {}
+
+
+def origin(fn: Callable[..., Any]) -> str:
+    """Where ``fn`` was defined (``file.py:line``), numbered when one definition makes several.
+
+    The k-th (k >= 2) call site made from the same definition in this process gets ``#k``
+    (lambdas made in a loop share one definition). Processes that make their functions in the
+    same order give them the same origins, so `meshkit.debug` can tell two calls of different
+    functions with the same name apart. The file's base name only: checkouts may live in
+    different directories on different hosts.
+    """
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    code = getattr(inspect.unwrap(target), "__code__", None)
+    where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else "?"
+    with _lock:
+        k = _origins.get(where, 0) + 1
+        _origins[where] = k
+    return where if k == 1 else f"{where} #{k}"
+
+
+Observer = Callable[[CallSite, tuple[Any, ...]], None]
+
+
+def _joined_at_first_call(site: CallSite, args: tuple[Any, ...]) -> None:
+    """At this process's first SPMD call: a rank of `meshkit launch` must have joined.
+
+    An observer until then: it removes itself first, so later calls pay nothing.
+    """
+    remove_observer(_joined_at_first_call)
+    named = site.name.startswith("meshkit.")
+    _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
+    _progress.mark("running")  # under `meshkit launch`: this rank got past joining
+
+
+_observers: list[Observer] = [_joined_at_first_call]
+_lock = threading.Lock()
+
+
+def enter(site: CallSite, args: tuple[Any, ...]) -> None:
+    """Count a call of ``site`` and show it to the observers, if any, before it runs."""
+    site.calls += 1
+    if _agree.failures:
+        _agree.settle()
+    if _observers:
+        for observer in tuple(_observers):
+            observer(site, args)
+
+
+def add_observer(observer: Observer) -> None:
+    """Show every SPMD call entered from now on to ``observer`` (after those already there)."""
+    with _lock:
+        _observers.append(observer)
+
+
+def remove_observer(observer: Observer) -> None:
+    """Undo `add_observer`; an observer not installed is ignored."""
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
+
+
+@contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+    """Install ``observer`` for every SPMD call entered inside the ``with`` block."""
+    add_observer(observer)
+    try:
+        yield
+    finally:
+        remove_observer(observer)

@@ -1,0 +1,533 @@
+"""Joining the cluster: ``meshkit.init()`` and what it found.
+
+``init`` decides how this process joins a multi-process JAX program, in this order:
+
+1. explicit arguments (``coordinator_address=``, ``num_processes=``, ``process_id=``);
+2. the environment written by ``meshkit launch`` (``MESHKIT_COORDINATOR`` and friends);
+3. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes); SLURM variables that
+   ask for several tasks outside a job step (a batch script without srun) are an error
+   (`meshkit._src.runtime.slurm`);
+4. otherwise a single process, which needs no coordinator.
+
+JAX aborts the whole process (a C++ fatal error, no Python exception) when the coordinator cannot
+be reached; ``init`` therefore checks the address itself first, within a bounded time, and raises
+a `meshkit.MeshkitError` that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import math
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.contract import (
+    ENV_COORDINATOR,
+    ENV_CPU_DEVICES,
+    ENV_INIT_TIMEOUT,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+from ..core.errors import MeshkitError
+from ..lifecycle import failfast as _failfast
+from ..lifecycle import progress as _progress
+from . import slurm as _slurm
+
+__all__ = [
+    "RuntimeInfo",
+    "init",
+    "runtime_info",
+]
+
+_WHERE = "meshkit.init()"
+_DEFAULT_INIT_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInfo:
+    """How this process joined the program, as decided by `meshkit.init`.
+
+    Attributes:
+        source: ``"arguments"``, ``"meshkit launch"``, ``"cluster"`` (JAX's detection),
+            ``"jax.distributed"`` (initialised before meshkit), or ``"single process"``.
+        reason: one sentence saying what was found that led to ``source``.
+        num_processes: processes in the program.
+        process_id: this process's index, ``0 <= process_id < num_processes``.
+        coordinator_address: ``host:port`` of the coordination service, None for one process.
+        cluster: the name of JAX's cluster detector that matched, when ``source == "cluster"``.
+        cpu_devices: CPU devices requested for this process, None when JAX's default was kept.
+        local_device_ids: accelerator ids this process was given; None when JAX chose (all
+            visible devices). Under Open MPI or SLURM, JAX itself gives each process only its
+            local rank's accelerator unless ids are passed; this field then shows that choice.
+        cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
+    """
+
+    source: str
+    reason: str
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_address: str | None = None
+    cluster: str | None = None
+    cpu_devices: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    cpu_collectives: str | None = None
+
+    def __str__(self) -> str:
+        rows = [
+            ("source", self.source),
+            ("reason", self.reason),
+            ("process", f"{self.process_id} of {self.num_processes}"),
+            ("coordinator", self.coordinator_address or "-"),
+            ("cluster", self.cluster or "-"),
+            ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
+            (
+                "local devices",
+                "JAX default (all visible)"
+                if self.local_device_ids is None
+                else ",".join(map(str, self.local_device_ids)),
+            ),
+            ("cpu collectives", self.cpu_collectives or "-"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+_INFO: RuntimeInfo | None = None
+_BACKENDS_STARTED = """\
+meshkit.init() was called after JAX had already started its backends, so it can no longer {what}.
+JAX fixes the device count and the cluster membership when it first touches a device (any
+jax.devices(), jnp array, or jit call does).
+Consider calling meshkit.init() first thing in your program, before any other JAX call."""
+
+_UNREACHABLE = """\
+meshkit.init(): process {pid} of {n} could not reach the coordinator at {address}
+within {timeout:g} s (source: {source}).
+The coordinator is process 0; it must be running and its address reachable from this host.
+Consider checking that process 0 started and printed no error, that host and port are right, and
+that no firewall blocks the port; raise the wait with timeout= or {env}=SECONDS."""
+
+_PORT_IN_USE = """\
+meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
+use on this host (source: {source}).
+Consider choosing another port, or ending the program that holds it (an earlier run that did not
+exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
+
+
+def runtime_info() -> RuntimeInfo | None:
+    """What `meshkit.init` decided, or None if it has not run in this process."""
+    return _INFO
+
+
+def _launched_as() -> tuple[int | None, int | None]:
+    """The process count and id `meshkit launch` gave this process (None where unset)."""
+    return _env.integer(ENV_NUM_PROCESSES, where=_WHERE), _env.integer(ENV_PROCESS_ID, where=_WHERE)
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshkitError(f"meshkit.init(): {name} must be a positive int; got {value!r}.")
+    return value
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise MeshkitError(
+            f"meshkit.init(): coordinator address {address!r} is not of the form 'host:port'."
+        )
+    return host.strip("[]"), int(port)
+
+
+def _check_coordinator(address: str, process_id: int, n: int, timeout: float, source: str) -> None:
+    """Fail with a named address instead of letting JAX abort the process."""
+    host, port = _split_address(address)
+    if process_id == 0:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise MeshkitError(
+                    _PORT_IN_USE.format(address=address, port=port, source=source)
+                ) from None
+            raise
+        finally:
+            probe.close()
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise MeshkitError(
+                    _UNREACHABLE.format(
+                        pid=process_id,
+                        n=n,
+                        address=address,
+                        timeout=timeout,
+                        source=source,
+                        env=ENV_INIT_TIMEOUT,
+                    )
+                ) from None
+            time.sleep(0.1)
+
+
+def _detect_cluster() -> type | None:
+    for env in _compat.cluster_envs():
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        with contextlib.suppress(Exception):  # a detector that cannot run has not detected
+            if env.is_env_present():
+                return env
+    return None
+
+
+def _plan(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: tuple[int, ...] | None,
+) -> RuntimeInfo:
+    """Decide how to join, without changing any state."""
+    if coordinator_address is not None or num_processes is not None or process_id is not None:
+        n = num_processes if num_processes is not None else 1
+        pid = process_id if process_id is not None else 0
+        _check_against_launcher(n, pid)
+        if n > 1 and coordinator_address is None:
+            raise MeshkitError(
+                f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
+                "(the address of process 0)."
+            )
+        return RuntimeInfo(
+            "arguments", "coordinator/processes passed to meshkit.init()", n, pid,
+            coordinator_address if n > 1 else None, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    launch_address = os.environ.get(ENV_COORDINATOR)
+    if launch_address:
+        n, pid = (
+            _env.integer(ENV_NUM_PROCESSES, where=_WHERE),
+            _env.integer(ENV_PROCESS_ID, where=_WHERE),
+        )
+        if n is None or pid is None:
+            raise MeshkitError(
+                f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
+                f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
+            )
+        return RuntimeInfo(
+            "meshkit launch", f"{ENV_COORDINATOR}={launch_address} is set", n, pid,
+            launch_address, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    cluster = _detect_cluster()
+    if cluster is None or cluster.__name__ == "SlurmCluster":
+        # A batch script asking for several tasks looks like no cluster to JAX: say so now.
+        _slurm.check_step(os.environ)
+    if cluster is not None:
+        name = cluster.__name__
+        return RuntimeInfo(
+            "cluster", f"JAX's {name} detector found its environment",
+            cluster=name, local_device_ids=local_device_ids,
+        )  # fmt: skip
+    _warn_if_launcher_unrecognised()
+    return RuntimeInfo(
+        "single process",
+        "no meshkit launch environment and no cluster detected",
+        local_device_ids=local_device_ids,
+    )
+
+
+def check_joined(what: str) -> None:
+    """Raise if `meshkit launch` started this process as one of several, and it never joined.
+
+    Without `init` each rank would run alone on its own devices, compute the whole program by
+    itself and print numbers that look right (issue: a silent wrong sum). Called at this
+    process's first SPMD call (`meshkit._src.runtime.dispatch`); reads the environment, starts
+    nothing.
+    """
+    if not os.environ.get(ENV_COORDINATOR) or _INFO is not None:
+        return
+    if _compat.distributed_state()[0] is not None:  # joined through jax.distributed itself
+        return
+    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
+    if n == "1":
+        return
+    raise MeshkitError(
+        f"{what}: this process was started by meshkit launch as process {pid} of {n} "
+        f"({ENV_COORDINATOR} is set), but meshkit.init() was not called, so it would run alone "
+        "on its own devices and compute the whole program by itself.\n"
+        "Consider calling meshkit.init() first in the program, before any other JAX or meshkit "
+        "call."
+    )
+
+
+def _check_against_launcher(n: int, pid: int) -> None:
+    """Arguments that contradict the `meshkit launch` environment would hang until a timeout."""
+    if not os.environ.get(ENV_COORDINATOR):
+        return
+    started, rank = (
+        _env.integer(ENV_NUM_PROCESSES, where=_WHERE),
+        _env.integer(ENV_PROCESS_ID, where=_WHERE),
+    )
+    if started is not None and (n, pid) != (started, rank):
+        raise MeshkitError(
+            f"meshkit.init(num_processes={n}, process_id={pid}): this process was started by "
+            f"meshkit launch as process {rank} of {started} ({ENV_NUM_PROCESSES}={started}, "
+            f"{ENV_PROCESS_ID}={rank}); the processes would wait for ones that never come.\n"
+            "Consider meshkit.init() without arguments under meshkit launch (it reads the "
+            f"launcher's settings), or meshkit launch -n {n}."
+        )
+
+
+# Variables by which launchers JAX may not recognise announce a world of several processes
+# (SLURM_NTASKS is `_slurm.check_step`'s: an error, since SLURM's own variables say what is wrong).
+_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def _warn_if_launcher_unrecognised() -> None:
+    for name in _WORLD_SIZE_VARS:
+        raw = os.environ.get(name, "")
+        if raw.isdigit() and int(raw) > 1:
+            warnings.warn(
+                f"meshkit.init(): {name}={raw} says this program runs as {raw} processes, but "
+                "no cluster JAX can join was detected, so this process runs alone (process 0 "
+                "of 1) and computes the whole program by itself.\n"
+                "Consider a launcher JAX detects (Open MPI's mpirun, SLURM's srun with "
+                "SLURM_JOB_ID and SLURM_STEP_NODELIST, meshkit launch), or pass "
+                "coordinator_address=, num_processes= and process_id= to meshkit.init().",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+
+
+def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | None) -> None:
+    same = (
+        plan.source == previous.source
+        and plan.num_processes == previous.num_processes
+        and plan.process_id == previous.process_id
+        and plan.coordinator_address == previous.coordinator_address
+    ) or plan.source == "cluster"
+    if cpu_devices is not None and cpu_devices != previous.cpu_devices:
+        same = False
+    if not same:
+        raise MeshkitError(
+            "meshkit.init() was already called in this process and joined as:\n"
+            f"{previous}\n"
+            f"Now it was asked to join as process {plan.process_id} of {plan.num_processes} "
+            f"(source: {plan.source}, cpu_devices={cpu_devices}).\n"
+            "A process joins one program once. Consider calling meshkit.init() once, at start."
+        )
+
+
+def init(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+) -> RuntimeInfo:
+    """Join this process to its multi-process JAX program (or note that it runs alone).
+
+    Call it first, before any other JAX call. It is idempotent: later calls return the first
+    call's `RuntimeInfo`. With more than one process on CPU it selects gloo collectives.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordination service. Overrides the
+            environment; give it with ``num_processes`` and ``process_id``.
+        num_processes: processes in the program.
+        process_id: this process's index.
+        local_device_ids: accelerators this process owns (default: ``MESHKIT_LOCAL_DEVICE_IDS``
+            if set, else JAX's choice: all visible ones, or under Open MPI or SLURM the one of
+            this process's local rank).
+        cpu_devices: CPU devices for this process (default: ``MESHKIT_CPU_DEVICES``, else JAX's).
+        timeout: seconds to wait for the coordinator and the other processes (default
+            ``MESHKIT_INIT_TIMEOUT``, else 300).
+
+    Returns:
+        What was detected and why; ``str()`` of it is a readable table.
+
+    Raises:
+        MeshkitError: JAX's backends already started and joining would need to change them; the
+            coordinator cannot be reached within ``timeout``; process 0's port is taken; a
+            ``timeout`` that is not a finite number > 0, a ``num_processes`` below 1, a
+            ``process_id`` outside ``0 .. num_processes - 1``, arguments that contradict the
+            ``meshkit launch`` environment, or other inconsistent arguments; SLURM variables
+            that ask for several tasks where this process is not a task of a job step (a batch
+            script that runs the program without ``srun``).
+
+    Examples:
+        >>> import meshkit
+        >>> info = meshkit.init()  # alone: no launcher environment, no cluster
+        >>> info.num_processes
+        1
+    """
+    first = _INFO is None
+    fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
+    info = _init(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        cpu_devices=cpu_devices,
+        timeout=timeout,
+        fail_fast=fail_fast,
+    )
+    if first:
+        for hook in tuple(_on_join):
+            hook()
+    return info
+
+
+def _init(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+    fail_fast: float | None = None,
+) -> RuntimeInfo:
+    global _INFO
+    cpu_devices = _positive("cpu_devices", cpu_devices)
+    if cpu_devices is None:
+        cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
+    if timeout is None:
+        timeout = _env.number(ENV_INIT_TIMEOUT, where=_WHERE)
+    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise MeshkitError(
+            f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
+            f" (from the argument, else {ENV_INIT_TIMEOUT})."
+        )
+    timeout = float(timeout)
+    num_processes = _positive("num_processes", num_processes)
+    if process_id is not None and (
+        isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
+    ):
+        raise MeshkitError(f"meshkit.init(): process_id must be an int >= 0; got {process_id!r}.")
+    if process_id is not None and process_id >= (num_processes or 1):
+        raise MeshkitError(
+            f"meshkit.init(): process_id={process_id} is not one of the "
+            f"{num_processes or 1} processes (ids 0 to {(num_processes or 1) - 1}).\n"
+            "Consider process ids from 0 to num_processes - 1, one per process."
+        )
+    ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
+    if ids is None:
+        ids = _env.ids(ENV_LOCAL_DEVICE_IDS, where=_WHERE)
+    plan = _plan(coordinator_address, num_processes, process_id, ids)
+
+    if _INFO is not None:
+        _check_again(_INFO, plan, cpu_devices)
+        return _INFO
+
+    client, joined_pid, joined_n = _compat.distributed_state()
+    if client is not None:
+        # The program called jax.distributed.initialize itself; respect it, report it.
+        _INFO = dataclasses.replace(
+            plan,
+            source="jax.distributed",
+            reason="jax.distributed.initialize() was called before meshkit.init()",
+            num_processes=joined_n,
+            process_id=joined_pid,
+            cpu_devices=cpu_devices,
+            cpu_collectives=_cpu_collectives() if joined_n > 1 else None,
+        )
+        return _INFO
+
+    started = _compat.backends_are_initialized()
+    joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
+    if started and joins:
+        what = f"join a multi-process program ({plan.reason})"
+        raise MeshkitError(_BACKENDS_STARTED.format(what=what))
+    if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
+        raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
+
+    if cpu_devices is not None and not started:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+    if not joins:
+        _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
+        return _INFO
+
+    collectives = _select_gloo()
+    _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
+    init_timeout = max(1, math.ceil(timeout))
+    ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
+    if plan.source == "cluster":
+        address, n, pid, detected_ids = _compat.cluster_params(ids_arg, init_timeout)
+        if address is not None and n is not None and pid is not None:
+            _check_coordinator(address, pid, n, timeout, source=plan.reason)
+        # JAX detects again inside initialize (keeping its TPU and slice handling its own).
+        jax.distributed.initialize(local_device_ids=ids_arg, initialization_timeout=init_timeout)
+        _, pid, n = _compat.distributed_state()
+        plan = dataclasses.replace(
+            plan,
+            num_processes=n,
+            process_id=pid,
+            coordinator_address=address,
+            local_device_ids=None if detected_ids is None else tuple(detected_ids),
+        )
+    else:
+        assert plan.coordinator_address is not None
+        _check_coordinator(
+            plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
+        )
+        jax.distributed.initialize(
+            plan.coordinator_address,
+            plan.num_processes,
+            plan.process_id,
+            local_device_ids=ids_arg,
+            initialization_timeout=init_timeout,
+        )
+    _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
+    _progress.mark("joined", _INFO.process_id)
+    _failfast.install(fail_fast, _INFO.process_id, _INFO.num_processes)
+    return _INFO
+
+
+_on_join: list[Callable[[], None]] = []
+
+
+def on_join(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the end of this process's first `init` (registering starts nothing)."""
+    _on_join.append(hook)
+
+
+def _local_cpu_count() -> int | None:
+    try:
+        return len(jax.local_devices(backend="cpu"))
+    except RuntimeError:
+        return None
+
+
+def _cpu_collectives() -> str | None:
+    value = jax.config.values.get("jax_cpu_collectives_implementation")
+    return None if value in (None, "", "none") else str(value)
+
+
+def _select_gloo() -> str | None:
+    """Multi-process CPU collectives need an implementation; gloo ships with jaxlib."""
+    if _cpu_collectives() is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    return _cpu_collectives()

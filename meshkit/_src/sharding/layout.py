@@ -1,0 +1,335 @@
+"""Which part of a global array each process provides: the layout planner.
+
+A sharding puts one block of the global array on each device. A process *provides* the blocks
+of its own devices; meshkit's convention for the process's local array is the one every loader
+can follow: along each dimension, the distinct index ranges its devices hold, in increasing
+order, concatenated. In the common case (a data axis across processes) that is one contiguous
+range of rows; for non-contiguous layouts (a process holding rows 0-3 and 8-11) it is the rows
+in global order; dimensions split only inside a process, or not at all, are provided whole.
+Processes whose devices hold the same blocks form a *replica group* and provide the same data.
+
+This is the one place that answers the question: `global_array_from_local`,
+`local_from_global`, `gather` and `process_slice` all ask it. Plans are cached per
+(sharding, shape, process).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..core.errors import MeshkitError
+from .specs import SpecLike, check_spec_for_mesh, dim_axes
+
+__all__ = ["ProcessSlice", "block_counts", "plan", "process_slice"]
+
+Interval = tuple[int, int]
+Block = tuple[Interval, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One device's block: where it sits in the global array and in the process's local one."""
+
+    device: Any
+    global_index: tuple[slice, ...]
+    local_index: tuple[slice, ...]
+    first: bool  # the first of this process's devices holding this block (replicas repeat it)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layout of one (sharding, global shape) for one process. See the module docstring."""
+
+    process: int
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    intervals: tuple[tuple[Interval, ...], ...]  # per dim, this process's distinct ranges
+    placements: tuple[Placement, ...]
+    rectangular: bool  # the blocks held form a grid (a dense local array can hold them)
+    blocks: dict[Any, Block]  # every device of the sharding -> its block
+    owners: dict[Any, int]  # every device of the sharding -> its process
+
+    def blocks_of(self, process: int) -> list[Block]:
+        """The distinct blocks ``process`` holds, in a fixed order (sorted)."""
+        return sorted({b for d, b in self.blocks.items() if self.owners[d] == process})
+
+
+def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
+    """Each device's block under NamedSharding(mesh, partition), computed from the mesh grid.
+
+    Works on meshes of real devices and of test doubles alike (only ``mesh.devices`` and the
+    axis names are read); agrees with ``NamedSharding.devices_indices_map`` (a test checks it).
+    """
+    names = list(mesh.axis_names)
+    grid = np.asarray(mesh.devices, dtype=object)
+    sizes = dict(zip(names, grid.shape, strict=True))
+    per_dim = dim_axes(partition, len(shape))
+    counts = [math.prod(sizes[a] for a in axes) for axes in per_dim]
+    out: dict[Any, Block] = {}
+    for coord in np.ndindex(*grid.shape):
+        at = dict(zip(names, coord, strict=True))
+        block = []
+        for d, axes in enumerate(per_dim):
+            k = 0
+            for a in axes:
+                k = k * sizes[a] + at[a]
+            size = shape[d] // counts[d]
+            block.append((k * size, (k + 1) * size))
+        out[grid[coord]] = tuple(block)
+    return out
+
+
+def _sharding_blocks(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Block]:
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return _named_blocks(sharding.mesh, sharding.spec, shape)
+    out: dict[Any, Block] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        out[device] = tuple(
+            (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
+        )
+    return out
+
+
+def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
+    """How many blocks each of ``ndim`` dimensions is split into."""
+    sizes = dict(sharding.mesh.shape)
+    return tuple(math.prod(sizes[a] for a in axes) for axes in dim_axes(sharding.spec, ndim))
+
+
+def plan_from_blocks(
+    blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
+) -> Plan:
+    """Lay out ``process``'s blocks into its local array (see the module docstring)."""
+    shape = tuple(int(s) for s in shape)
+    mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
+    ndim = len(shape)
+    intervals = tuple(sorted({b[i] for _, b in mine}) for i in range(ndim))
+    offsets: list[dict[Interval, int]] = []
+    for dim_intervals in intervals:
+        at, pos = {}, 0
+        for iv in dim_intervals:
+            at[iv] = pos
+            pos += iv[1] - iv[0]
+        offsets.append(at)
+    local_shape = tuple(sum(b - a for a, b in ivs) for ivs in intervals)
+    distinct = {b for _, b in mine}
+    rectangular = len(distinct) == math.prod(len(ivs) for ivs in intervals)
+    seen: set[Block] = set()
+    placements = []
+    for device, block in sorted(mine, key=lambda db: getattr(db[0], "id", 0)):
+        placements.append(
+            Placement(
+                device,
+                tuple(slice(a, b) for a, b in block),
+                tuple(
+                    slice(offsets[i][iv], offsets[i][iv] + iv[1] - iv[0])
+                    for i, iv in enumerate(block)
+                ),
+                block not in seen,
+            )
+        )
+        seen.add(block)
+    return Plan(
+        process,
+        shape,
+        local_shape,
+        tuple(tuple(ivs) for ivs in intervals),
+        tuple(placements),
+        rectangular,
+        blocks,
+        owners,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
+    """The cached layout of ``sharding`` over ``shape`` for ``process``."""
+    blocks = _sharding_blocks(sharding, shape)
+    owners = {d: int(d.process_index) for d in blocks}
+    return plan_from_blocks(blocks, owners, shape, process)
+
+
+def merged(intervals: Sequence[Interval]) -> tuple[Interval, ...]:
+    """Sorted intervals with touching ones joined: ``[(0, 4), (4, 8), (12, 16)]`` -> two."""
+    out: list[list[int]] = []
+    for a, b in intervals:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+@dataclass(frozen=True)
+class ProcessSlice:
+    """Which part of a global array one process provides (`meshkit.process_slice`).
+
+    Attributes:
+        process: the process this describes.
+        global_shape: the global array's shape.
+        local_shape: the shape of the local array the process passes to
+            `meshkit.global_array_from_local`.
+        ranges: per dimension, the ``(start, stop)`` ranges of global indices the process
+            provides, in increasing order; the local array is their concatenation. One range
+            per dimension in the common case; several in non-contiguous layouts.
+        shard_index: for a data loader that splits the dataset's rows (the leading dimension)
+            into ``shard_count`` shards: the shard this process loads. Processes in the same
+            replica group (along the leading dimension) get the same index.
+        shard_count: the number of distinct row sets processes provide.
+        replicas: the processes that provide exactly the same data as this one, itself
+            included (one process unless some mesh axis across processes is not in the spec).
+    """
+
+    process: int
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    shard_index: int
+    shard_count: int
+    replicas: tuple[int, ...]
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """The local block as one slice per dimension, when every dimension is one range.
+
+        Raises:
+            MeshkitError: the layout is non-contiguous; use ``ranges`` or ``take``.
+        """
+        if any(len(r) != 1 for r in self.ranges):
+            raise MeshkitError(
+                f"ProcessSlice.index: process {self.process} provides non-contiguous ranges "
+                f"{[list(r) for r in self.ranges]}, which one slice per dimension cannot "
+                "express.\nConsider ProcessSlice.ranges, or ProcessSlice.take(global_value)."
+            )
+        return tuple(slice(r[0][0], r[0][1]) for r in self.ranges)
+
+    def take(self, global_value: Any) -> np.ndarray:
+        """Cut this process's local array out of the whole global value (a numpy array-like).
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> mesh = meshkit.make_mesh({"data": -1})
+            >>> part = meshkit.process_slice(mesh, "data", (16, 3))
+            >>> part.take(np.arange(48).reshape(16, 3)).shape  # one process holds it all
+            (16, 3)
+        """
+        value = np.asarray(global_value)
+        if value.shape != self.global_shape:
+            raise MeshkitError(
+                f"ProcessSlice.take: the value has shape {value.shape}, but this slice is of a "
+                f"global array of shape {self.global_shape}."
+            )
+        index = [np.concatenate([np.arange(a, b) for a, b in r]) for r in self.ranges]
+        return value[np.ix_(*index)] if index else value.copy()
+
+
+def _shape_tuple(global_shape: Any) -> tuple[int, ...]:
+    try:
+        if isinstance(global_shape, str | bytes):
+            raise TypeError
+        shape = tuple(operator.index(s) for s in global_shape)
+    except TypeError:
+        raise MeshkitError(
+            f"meshkit.process_slice: global_shape must be a tuple of ints; got {global_shape!r}."
+        ) from None
+    if any(s < 0 for s in shape):
+        raise MeshkitError(f"meshkit.process_slice: global_shape {shape} has a negative size.")
+    return shape
+
+
+def check_divisible(
+    sharding: NamedSharding, shape: tuple[int, ...], what: str, dims: Sequence[str] | None = None
+) -> None:
+    """Raise a `MeshkitError` naming the dimension that ``sharding`` cannot split evenly."""
+    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
+        if size % n:
+            axes = dim_axes(sharding.spec, len(shape))[d]
+            name = f" ({dims[d]!r})" if dims and d < len(dims) else ""
+            raise MeshkitError(
+                f"{what}: dimension {d}{name} of the global shape {shape} has size {size}, which "
+                f"the mesh axes {axes} (together {n} ways) cannot split evenly.\n"
+                f"Consider a size divisible by {n}, or a spec that does not split dimension {d}."
+            )
+
+
+def process_slice(
+    mesh: Mesh,
+    spec: SpecLike,
+    global_shape: Sequence[int],
+    *,
+    process: int | None = None,
+) -> ProcessSlice:
+    """Which index ranges of a global array a process must provide, and how a loader shards.
+
+    Args:
+        mesh: the mesh the global array will live on.
+        spec: how it is sharded: a `jax.sharding.PartitionSpec` or a spec string.
+        global_shape: the global array's shape.
+        process: which process to describe (default: this one).
+
+    Returns:
+        A `ProcessSlice`: its ``ranges`` (per dimension), ``local_shape``, the
+        data-loader pair ``(shard_index, shard_count)`` for the leading dimension, and the
+        processes of its replica group.
+
+    Raises:
+        MeshkitError: the spec names an axis the mesh lacks, is longer than the shape, or a
+            dimension does not split evenly; ``process`` is out of range.
+
+    Examples:
+        >>> import meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
+        >>> part = meshkit.process_slice(mesh, "data _", (64, 10))
+        >>> part.ranges, part.shard_index, part.shard_count  # one process: all of it
+        ((((0, 64),), ((0, 10),)), 0, 1)
+    """
+    what = "meshkit.process_slice"
+    shape = _shape_tuple(global_shape)
+    partition = check_spec_for_mesh(spec, mesh, f"{what}: spec")
+    if len(partition) > len(shape):
+        raise MeshkitError(
+            f"{what}: the spec {partition} has {len(partition)} entries but the global shape "
+            f"{shape} has {len(shape)} dimensions.\nConsider one entry per dimension at most."
+        )
+    sharding = NamedSharding(mesh, partition)
+    check_divisible(sharding, shape, what)
+    processes = sorted({int(d.process_index) for d in mesh.devices.flat})
+    me = jax.process_index() if process is None else process
+    if me not in processes:
+        raise MeshkitError(
+            f"{what}: process={me} holds no device of the mesh; its processes are {processes}."
+        )
+    return describe_plan(plan(sharding, shape, me))
+
+
+def describe_plan(p: Plan) -> ProcessSlice:
+    """The public `ProcessSlice` of an internal plan."""
+    processes = sorted(set(p.owners.values()))
+    held = {q: p.blocks_of(q) for q in processes}
+    rows = {q: tuple(sorted({b[0] for b in held[q]})) if p.global_shape else () for q in processes}
+    row_sets = sorted(set(rows.values()))
+    mine = held[p.process]
+    return ProcessSlice(
+        process=p.process,
+        global_shape=p.global_shape,
+        local_shape=p.local_shape,
+        ranges=tuple(merged(ivs) for ivs in p.intervals),
+        shard_index=row_sets.index(rows[p.process]),
+        shard_count=len(row_sets),
+        replicas=tuple(q for q in processes if held[q] == mine),
+    )
+
+
+def product_blocks(p: Plan) -> list[Block]:
+    """All blocks of the grid spanned by ``p``'s intervals (for the rectangularity message)."""
+    return list(itertools.product(*p.intervals))

@@ -1,0 +1,422 @@
+"""Meshes over every device of every process, with inner axes kept inside a host.
+
+Device order. Each axis size ``s_i`` is split as ``s_i = p_i * l_i``: ``p_i`` across processes,
+``l_i`` inside a process, with ``prod(p_i)`` the process count and ``prod(l_i)`` the devices per
+process. The process factors are taken greedily from the outermost axis inwards, so inner axes
+stay inside one host whenever the sizes allow, and an axis that must straddle hosts does so as
+whole blocks: along every axis, the owning process never decreases (no interleaving). In the
+common case (``{"data": -1, "model": 4}`` with 4 devices per host) this is exactly the row-major
+reshape of the device list sorted by process.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError, ranges
+from ..runtime import dispatch as _dispatch
+
+__all__ = ["describe", "make_mesh", "order_devices"]
+
+AxisTypeLike = AxisType | str
+
+_HOW_TO_FIX_SIZE = """\
+Consider using -1 for one axis to fill the remaining devices (e.g. {{{suggest}}}), or pass
+devices= with the {product} devices you mean to use."""
+
+
+def _axis_type(value: Any, where: str) -> AxisType:
+    if isinstance(value, AxisType):
+        return value
+    if isinstance(value, str):
+        for t in AxisType:
+            if t.name.lower() == value.lower():
+                return t
+    names = ", ".join(repr(t.name.lower()) for t in AxisType)
+    raise MeshkitError(
+        f"meshkit.make_mesh: axis_types{where} must be a jax.sharding.AxisType or one of "
+        f"{names}; got {value!r}."
+    )
+
+
+def _parse_axes(axes: Any) -> list[tuple[str, int]]:
+    """Validate ``axes`` (mapping or (name, size) pairs); sizes may still hold one -1."""
+    if isinstance(axes, Mapping):
+        items = list(axes.items())
+    elif isinstance(axes, Iterable) and not isinstance(axes, str | bytes):
+        items = list(axes)
+        for item in items:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise MeshkitError(
+                    "meshkit.make_mesh: axes must be a mapping name -> size (outermost first), "
+                    f"e.g. {{'data': -1, 'model': 4}}, or a sequence of (name, size) pairs; "
+                    f"got the element {item!r}."
+                )
+    else:
+        raise MeshkitError(
+            "meshkit.make_mesh: axes must be a mapping name -> size (outermost first), "
+            f"e.g. {{'data': -1, 'model': 4}}; got {type(axes).__name__} {axes!r}."
+        )
+    if not items:
+        raise MeshkitError(
+            "meshkit.make_mesh: axes is empty; a mesh needs at least one axis. "
+            "Consider {'data': -1} for a 1-D mesh over all devices."
+        )
+    parsed: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for name, size in items:
+        if not isinstance(name, str):
+            raise MeshkitError(
+                f"meshkit.make_mesh: axis names must be strings; got {name!r} "
+                f"({type(name).__name__}) in axes={_show(items)}."
+            )
+        if not name.isidentifier() or name == "_":
+            raise MeshkitError(
+                f"meshkit.make_mesh: axis name {name!r} is not a Python identifier (letters, "
+                "digits and '_', not starting with a digit, not '_' alone); meshkit's spec "
+                f"strings need that. Got axes={_show(items)}."
+            )
+        if name in seen:
+            raise MeshkitError(
+                f"meshkit.make_mesh: axis name {name!r} appears twice in axes={_show(items)}; "
+                "each mesh axis needs its own name."
+            )
+        seen.add(name)
+        if isinstance(size, bool):
+            size_int = None
+        else:
+            try:
+                size_int = operator.index(size)
+            except TypeError:
+                size_int = None
+        if size_int is None:
+            raise MeshkitError(
+                f"meshkit.make_mesh: the size of axis {name!r} must be an int (or -1 to fill); "
+                f"got {size!r} ({type(size).__name__})."
+            )
+        if size_int < 1 and size_int != -1:
+            raise MeshkitError(
+                f"meshkit.make_mesh: the size of axis {name!r} is {size_int}; sizes must be "
+                "positive, or -1 for the one axis that fills the remaining devices."
+            )
+        parsed.append((name, size_int))
+    fill = [n for n, s in parsed if s == -1]
+    if len(fill) > 1:
+        raise MeshkitError(
+            f"meshkit.make_mesh: axes {fill} are all -1 in axes={_show(parsed)}; at most one axis "
+            "may be -1 (its size is what the others leave). Consider fixing all but one."
+        )
+    return parsed
+
+
+def _show(items: Sequence[tuple[Any, Any]]) -> str:
+    return "{" + ", ".join(f"{n!r}: {s!r}" for n, s in items) + "}"
+
+
+def _resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tuple[int, ...]:
+    known = math.prod(s for _, s in parsed if s != -1)
+    where = "devices= holds" if given else "the program has"
+    if any(s == -1 for _, s in parsed):
+        if count % known:
+            raise MeshkitError(
+                f"meshkit.make_mesh: cannot fill the -1 axis in axes={_show(parsed)}: {where} "
+                f"{count} devices, which the other axes' product {known} does not divide.\n"
+                f"Consider sizes whose product divides {count}."
+            )
+        return tuple(count // known if s == -1 else s for _, s in parsed)
+    if known != count:
+        first = parsed[0][0]
+        suggest = ", ".join(f"{n!r}: {-1 if n == first else s}" for n, s in parsed)
+        if known < count:
+            fix = _HOW_TO_FIX_SIZE.format(suggest=suggest, product=known)
+        else:
+            fix = (
+                f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})."
+            )
+        raise MeshkitError(
+            f"meshkit.make_mesh: axes={_show(parsed)} multiply to {known}, but {where} {count} "
+            f"device{'s' if count != 1 else ''}; a mesh must use exactly the devices it is given "
+            f"(no silent subset).\n{fix}"
+        )
+    return tuple(s for _, s in parsed)
+
+
+def _process_factors(sizes: Sequence[int], num_processes: int) -> tuple[int, ...]:
+    """Split the process count over the axes, outermost first (see the module docstring)."""
+    remaining = num_processes
+    factors = []
+    for size in sizes:
+        f = math.gcd(size, remaining)
+        factors.append(f)
+        remaining //= f
+    # prod(sizes) == processes * per-process, so every prime of the process count is found.
+    assert remaining == 1, (sizes, num_processes)
+    return tuple(factors)
+
+
+def order_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
+    """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a process.
+
+    Devices are grouped by ``process_index`` (processes in ascending order, devices of a process
+    in the order given). Works on any objects with ``process_index`` (real devices of any
+    platform, or test doubles).
+
+    Args:
+        devices: the flat device list; every process must hold the same number of them.
+        sizes: the resolved mesh shape; its product must equal ``len(devices)``.
+
+    Returns:
+        An object array of shape ``sizes``.
+
+    Raises:
+        MeshkitError: processes hold unequal numbers of the devices.
+
+    Examples:
+        >>> from types import SimpleNamespace as D
+        >>> devs = [D(id=i, process_index=i // 2) for i in range(4)]
+        >>> [[d.id for d in row] for row in order_devices(devs, (2, 2))]
+        [[0, 1], [2, 3]]
+    """
+    by_process: dict[int, list[Any]] = {}
+    for d in devices:
+        by_process.setdefault(int(d.process_index), []).append(d)
+    counts = {p: len(ds) for p, ds in sorted(by_process.items())}
+    if len(set(counts.values())) > 1:
+        raise MeshkitError(
+            "meshkit.make_mesh: the devices belong to processes in unequal numbers "
+            f"(process: devices = {counts}); meshkit keeps each process's devices together, "
+            "which needs the same number from each.\n"
+            "Consider passing devices= with the same number of devices from every process."
+        )
+    procs = [by_process[p] for p in sorted(by_process)]
+    num_processes, per_process = len(procs), len(procs[0])
+    if math.prod(sizes) != num_processes * per_process:
+        raise MeshkitError(
+            f"meshkit.make_mesh: mesh shape {tuple(sizes)} does not hold "
+            f"{num_processes * per_process} devices."
+        )
+    p = _process_factors(sizes, num_processes)
+    local = tuple(s // f for s, f in zip(sizes, p, strict=True))
+    grid = np.empty((num_processes, per_process), dtype=object)
+    for i, ds in enumerate(procs):
+        grid[i, :] = ds
+    k = len(sizes)
+    # (processes, per_process) -> (p_0..p_k-1, l_0..l_k-1) -> (p_0, l_0, p_1, l_1, ...) -> sizes
+    split = grid.reshape(p + local)
+    interleave = [ax for i in range(k) for ax in (i, k + i)]
+    return split.transpose(interleave).reshape(tuple(sizes))
+
+
+def _axis_types(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
+    if axis_types is None:
+        return (AxisType.Auto,) * len(names)
+    if isinstance(axis_types, AxisType | str):
+        return (_axis_type(axis_types, ""),) * len(names)
+    if isinstance(axis_types, Mapping):
+        unknown = set(axis_types) - set(names)
+        if unknown:
+            raise MeshkitError(
+                f"meshkit.make_mesh: axis_types names {sorted(unknown)}, which are not mesh axes "
+                f"{list(names)}."
+            )
+        return tuple(_axis_type(axis_types.get(n, AxisType.Auto), f"[{n!r}]") for n in names)
+    types = list(axis_types)
+    if len(types) != len(names):
+        raise MeshkitError(
+            f"meshkit.make_mesh: axis_types has {len(types)} "
+            f"entr{'y' if len(types) == 1 else 'ies'} for {len(names)} axes "
+            f"{list(names)}; give one per axis, a mapping, or a single type for all."
+        )
+    return tuple(_axis_type(t, f"[{i}]") for i, t in enumerate(types))
+
+
+def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.ndarray) -> None:
+    if _compat.distributed_state()[2] == 1:
+        return
+    ids = ",".join(str(d.id) for d in grid.flat)
+    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
+    mine = f"{{{shape}}} devices [{ids}]"
+    outcome = _agree.check(
+        _channel.scoped("make_mesh", "meshkit.make_mesh"),
+        mine,
+        mine,
+        timeout=_env.check_timeout(),
+    )
+    if outcome.agreed:
+        return
+    values, missing = outcome.records, list(outcome.missing)
+    if missing:
+        raise MeshkitError(
+            f"meshkit.make_mesh: processes {missing} did not reach make_mesh within "
+            f"{_env.check_timeout():g} s (the others did, with {mine}).\n"
+            "Every process must call make_mesh, the same number of times and in the same order.\n"
+            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+            "wait."
+        )
+    groups: dict[str, list[int]] = {}
+    for pid, v in sorted(values.items()):
+        groups.setdefault(v, []).append(pid)
+    if len(groups) > 1:
+        lines = "\n".join(
+            f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}"
+            for v, p in groups.items()
+        )
+        raise MeshkitError(
+            f"meshkit.make_mesh: processes disagree on the mesh:\n{lines}\n"
+            "Every process must build the same mesh (same axes, sizes and devices).\n"
+            "Consider computing axes from values every process shares (jax.process_count(), "
+            "jax.device_count(), a config file), not from per-process state."
+        )
+
+
+_SITE = _dispatch.CallSite(
+    "make_mesh",
+    "meshkit.make_mesh",
+    info={"params": ("axes", "devices", "axis_types"), "static_argnums": (0, 1, 2)},
+)
+
+
+def make_mesh(
+    axes: Mapping[str, int] | Sequence[tuple[str, int]],
+    *,
+    devices: Sequence[Any] | np.ndarray | None = None,
+    axis_types: AxisTypeLike | Mapping[str, AxisTypeLike] | Sequence[AxisTypeLike] | None = None,
+) -> Mesh:
+    """Make a `jax.sharding.Mesh` over all devices of all processes.
+
+    Inner (later) axes stay inside one process whenever the sizes allow; the process dimension
+    is outermost, and an axis that must straddle processes does so in whole blocks, never
+    interleaved. With more than one process, the processes check through the coordination
+    service (not a device collective) that they all built the same mesh.
+
+    Args:
+        axes: axis name -> size, outermost first; one size may be ``-1`` to fill the rest.
+            Names must be Python identifiers.
+        devices: the devices to use (default: ``jax.devices()``, every device of every process).
+            All of them are used, with the same number from each process.
+        axis_types: one `jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``,
+            ``"manual"``) for all axes, one per axis, or a mapping name -> type. Default
+            ``Auto`` for every axis, as ``jax.sharding.Mesh`` does: jit then reshards inputs
+            whose layout differs instead of rejecting them.
+
+    Returns:
+        The mesh; JAX's own type, usable wherever JAX takes one.
+
+    Raises:
+        MeshkitError: bad names or sizes, sizes that do not use exactly the devices, unequal
+            devices per process, or processes that disagree on the mesh.
+
+    Examples:
+        >>> import meshkit
+        >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
+        >>> dict(mesh.shape)
+        {'data': 4, 'model': 2}
+    """
+    parsed = _parse_axes(axes)
+    given = devices is not None
+    _dispatch.enter(
+        _SITE,
+        (
+            ",".join(f"{n}={s}" for n, s in parsed),
+            None if devices is None else int(np.size(devices)),
+            repr(axis_types),
+        ),
+    )
+    if devices is None:
+        device_list = list(jax.devices())
+    else:
+        device_list = list(np.asarray(devices, dtype=object).flat)
+        if not device_list:
+            raise MeshkitError("meshkit.make_mesh: devices= is empty.")
+        seen_ids = [d.id for d in device_list]
+        if len(set(seen_ids)) != len(seen_ids):
+            dup = sorted({i for i in seen_ids if seen_ids.count(i) > 1})
+            raise MeshkitError(
+                f"meshkit.make_mesh: devices= lists devices {dup} more than once; each device "
+                "can hold one mesh position."
+            )
+    names = tuple(n for n, _ in parsed)
+    sizes = _resolve_sizes(parsed, len(device_list), given)
+    types = _axis_types(axis_types, names)
+    grid = order_devices(device_list, sizes)
+    _check_processes_agree(names, sizes, grid)
+    return Mesh(grid, names, axis_types=types)
+
+
+def describe(mesh: Mesh) -> str:
+    """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
+
+    Rows are the coordinates of all axes but the last, columns those of the last. Each cell is
+    ``p<process>/d<device id>``.
+
+    Args:
+        mesh: any ``jax.sharding.Mesh`` (not only meshkit's).
+
+    Returns:
+        Several lines of text, ready to print.
+
+    Examples:
+        >>> import meshkit
+        >>> mesh = meshkit.make_mesh({"data": 2, "model": 4})
+        >>> print(meshkit.describe(mesh))  # doctest: +ELLIPSIS
+        Mesh {'data': 2, 'model': 4}: 8 devices on 1 process
+        ...
+    """
+    devs = np.asarray(mesh.devices, dtype=object)
+    names = list(mesh.axis_names)
+    shape = devs.shape
+    processes = sorted({int(d.process_index) for d in devs.flat})
+    kinds: dict[str, int] = {}
+    for d in devs.flat:
+        kind = str(getattr(d, "device_kind", d.platform))
+        kind = d.platform if kind.lower() == d.platform else f"{d.platform} ({kind})"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    axis_desc = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape, strict=True))
+    n_proc = len(processes)
+    lines = [
+        f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
+        f"process{'es' if n_proc > 1 else ''}"
+    ]
+    types = getattr(mesh, "axis_types", None)
+    if types is not None:
+        lines.append(
+            "axis types: " + ", ".join(f"{n}={t.name}" for n, t in zip(names, types, strict=True))
+        )
+    lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
+    lines.append("")
+    cols = shape[-1]
+    row_shape = shape[:-1]
+    col_labels = [f"{names[-1]}={j}" for j in range(cols)]
+    rows = []
+    for idx in np.ndindex(*row_shape) if row_shape else [()]:
+        label = " ".join(f"{n}={i}" for n, i in zip(names[:-1], idx, strict=True))
+        cells = [f"p{devs[(*idx, j)].process_index}/d{devs[(*idx, j)].id}" for j in range(cols)]
+        rows.append((label, cells))
+    label_w = max([len(r[0]) for r in rows] + [0])
+    cell_w = max(len(c) for c in col_labels + [c for _, cs in rows for c in cs])
+    pad = " " * label_w + "  " if label_w else ""
+    lines.append(pad + "  ".join(c.ljust(cell_w) for c in col_labels).rstrip())
+    for label, cells in rows:
+        prefix = label.ljust(label_w) + "  " if label_w else ""
+        lines.append(prefix + "  ".join(c.ljust(cell_w) for c in cells).rstrip())
+    lines.append("")
+    owner = np.vectorize(lambda d: int(d.process_index), otypes=[int])(devs)
+    for p in processes:
+        where = np.argwhere(owner == p)
+        ids = [int(d.id) for d in devs[owner == p]]
+        coords = ", ".join(
+            f"{n}={ranges(where[:, i].tolist(), sep=',')}" for i, n in enumerate(names)
+        )
+        lines.append(f"process {p}: devices {ranges(ids, sep=',')}; {coords}")
+    return "\n".join(lines)

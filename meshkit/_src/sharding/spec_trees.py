@@ -1,0 +1,249 @@
+"""Spec trees against the trees they describe: mappings matched by keys, flax's specs as they come.
+
+A spec tree (``in_specs``, ``out_specs``, the ``spec`` of `meshkit.global_array_from_local`) is a
+pytree prefix of the value it describes, with a spec at each of its leaves: a `PartitionSpec`,
+a spec string or None. JAX compares prefixes node type by node type, so a dict of specs would
+not describe a flax ``nnx.State`` or ``FrozenDict`` with the same keys. meshkit matches
+mapping nodes by their keys instead: a `collections.abc.Mapping` in a spec tree matches any
+node of the value whose children JAX keys as dict entries (dict, ``nnx.State``,
+``FrozenDict``, ``OrderedDict``...) and that has the same keys, recursively. Other nodes
+(tuples, lists, named tuples, custom nodes) must be of the same type, as in JAX.
+
+flax's own partition specs are accepted as they come: an ``nnx.Variable`` holding a spec (the
+tree ``nnx.get_partition_spec(state)`` returns wraps each spec in a ``Param`` and the like)
+stands for that spec, and a linen ``Partitioned`` box (the abstract variables of
+``jax.eval_shape(model.init, ...)``) for the spec of its names.
+
+flax is never imported here: its types are recognised by the module and name of a class in
+their MRO, which costs nothing for types that are not flax's. A mismatch is one line naming
+the place, the two containers and the keys that differ; it is found before JAX is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey
+
+from ..core.errors import MeshkitError
+from .specs import is_spec_leaf
+
+__all__ = [
+    "SpecTreeError",
+    "align_specs",
+    "describe_node",
+    "has_mapping",
+    "map_under_specs",
+    "plain_specs",
+    "to_spec_types",
+]
+
+
+class SpecTreeError(MeshkitError):
+    """A spec tree does not fit the tree it describes (one line: where, what, which keys)."""
+
+
+def _flax_class(x: Any, names: frozenset[str]) -> bool:
+    """Whether ``x`` is an instance of a flax class named one of ``names`` (by its MRO)."""
+    if not type(x).__module__.startswith("flax"):
+        return False
+    return any(c.__module__.startswith("flax") and c.__name__ in names for c in type(x).__mro__)
+
+
+_VARIABLES = frozenset({"Variable", "VariableState"})  # nnx (VariableState before flax 0.12)
+_BOXES = frozenset({"Partitioned"})  # linen (LogicallyPartitioned derives from it)
+
+
+def _is_flax_spec(x: Any) -> bool:
+    return _flax_class(x, _VARIABLES) or _flax_class(x, _BOXES)
+
+
+def _flax_spec(x: Any) -> Any:
+    """The spec a flax box stands for; ``x`` itself when it holds something else."""
+    if _flax_class(x, _BOXES):
+        return x.get_partition_spec()
+    # An nnx Variable is a pytree node over its value: a spec (a leaf to JAX) or None.
+    inner = jax.tree_util.tree_leaves(x, is_leaf=is_spec_leaf)
+    if not inner:
+        return None
+    if len(inner) == 1 and is_spec_leaf(inner[0]):
+        return inner[0]
+    return x  # a Variable of arrays is no spec: the leaf checks name what it holds
+
+
+def plain_specs(specs: Any) -> Any:
+    """``specs`` with flax's boxes (nnx Variables of specs, linen ``Partitioned``) unwrapped.
+
+    Example:
+        >>> plain_specs({"w": "model", "b": None})
+        {'b': None, 'w': 'model'}
+    """
+    if is_spec_leaf(specs):
+        return specs
+    return jax.tree_util.tree_map(
+        lambda x: _flax_spec(x) if _is_flax_spec(x) else x,
+        specs,
+        is_leaf=lambda x: is_spec_leaf(x) or _is_flax_spec(x),
+    )
+
+
+def has_mapping(specs: Any) -> bool:
+    """Whether a spec tree holds a mapping node (so that it is matched by keys)."""
+    nodes = jax.tree_util.tree_leaves(
+        specs, is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, Mapping)
+    )
+    return any(isinstance(x, Mapping) for x in nodes)
+
+
+def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``x``'s immediate children with their keys, and its one-level treedef."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    return [(path[0] if path else None, child) for path, child in with_path], treedef
+
+
+def _is_leaf(treedef: Any) -> bool:
+    """Whether a one-level treedef (see `_one_level`) is a leaf's (None and {} are nodes)."""
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _type_name(x: Any) -> str:
+    module = type(x).__module__
+    name = type(x).__qualname__
+    if module.startswith("flax.nnx"):
+        return f"nnx.{name}"
+    if isinstance(x, jax.Array):
+        return "jax.Array"
+    if type(x).__module__ == "numpy" and name == "ndarray":
+        return "numpy array"
+    return name
+
+
+def _article(name: str) -> str:
+    return "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
+
+
+def _keys(keys: Any) -> str:
+    return "{" + ", ".join(sorted(map(repr, keys))) + "}"
+
+
+def describe_node(x: Any, keys: list[Any] | None = None) -> str:
+    """``x`` in a few words: its type, and its keys or length where it has them."""
+    if x is None:
+        return "None"
+    name = _type_name(x)
+    head = f"{_article(name)} {name}"
+    if keys is not None:
+        return f"{head} with keys {_keys(keys)}"
+    if isinstance(x, tuple | list):
+        return f"{head} of length {len(x)}"
+    if isinstance(x, Mapping):
+        return f"{head} with keys {_keys(list(x))}"
+    children, treedef = _one_level(x)
+    if _is_leaf(treedef):
+        shape = getattr(x, "shape", None)
+        return f"{head} of shape {tuple(shape)}" if shape is not None else f"{head} (a leaf)"
+    return f"{head} with {len(children)} children"
+
+
+def _dict_keys(children: list[tuple[Any, Any]]) -> list[Any] | None:
+    """The keys of a node whose children JAX keys as dict entries; None for other nodes."""
+    keys = [k.key for k, _ in children if isinstance(k, DictKey)]
+    return keys if len(keys) == len(children) else None
+
+
+def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
+    """``specs`` rebuilt in ``tree``'s node types: a JAX pytree prefix of ``tree``.
+
+    ``specs`` holds plain spec leaves (see `plain_specs`); a mapping in it matches a node of
+    ``tree`` keyed by dict entries with the same keys, whatever its type. ``where`` names
+    ``specs`` in messages (``"meshkit.spmd(step): in_specs[0]"``) and ``noun`` the tree.
+
+    Raises:
+        SpecTreeError: one line: the path, the two nodes, and the keys missing or extra.
+
+    Example:
+        >>> from collections import OrderedDict
+        >>> aligned = align_specs({"b": "_", "w": "x"}, OrderedDict(w=1.0, b=2.0), where="s")
+        >>> type(aligned).__name__, list(aligned.items())
+        ('OrderedDict', [('w', 'x'), ('b', '_')])
+        >>> align_specs({"w": "x"}, {"kernel": 1.0}, where="in_specs[0]")
+        Traceback (most recent call last):
+        ...
+        meshkit._src.sharding.spec_trees.SpecTreeError: in_specs[0]: the spec is a dict with keys
+        {'w'} but the argument is a dict with keys {'kernel'}: missing 'kernel'; extra 'w'
+
+    """
+    if is_spec_leaf(specs):
+        return specs
+    spec_children, spec_def = _one_level(specs)
+    if not isinstance(specs, Mapping) and _is_leaf(spec_def):
+        return specs  # not a spec: the checks of spec leaves name it
+    children, treedef = _one_level(tree)
+    is_node = tree is not None and not _is_leaf(treedef)
+    if isinstance(specs, Mapping):
+        keys = _dict_keys(children) if is_node else None
+        if keys is None:
+            raise SpecTreeError(
+                f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
+            )
+        have = set(keys)
+        missing = [k for k in keys if k not in specs]
+        extra = [k for k in specs if k not in have]
+        if missing or extra:
+            parts = [f"missing {', '.join(sorted(map(repr, missing)))}"] if missing else []
+            parts += [f"extra {', '.join(sorted(map(repr, extra)))}"] if extra else []
+            raise SpecTreeError(
+                f"{where}: the spec is {describe_node(specs)} but {noun} is "
+                f"{describe_node(tree, keys)}: {'; '.join(parts)}"
+            )
+        aligned = [
+            align_specs(specs[k], child, where=f"{where}[{k!r}]", noun=noun)
+            for k, (_, child) in zip(keys, children, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, aligned)
+    if not is_node or spec_def != treedef:
+        raise SpecTreeError(
+            f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
+        )
+    aligned = [
+        align_specs(s, child, where=f"{where}{jax.tree_util.keystr((key,))}", noun=noun)
+        for (key, s), (_, child) in zip(spec_children, children, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, aligned)
+
+
+def to_spec_types(specs: Any, tree: Any) -> Any:
+    """``tree`` rebuilt in ``specs``' node types down to its spec leaves.
+
+    The inverse of `align_specs`, which must have accepted the pair: ``specs`` is then a JAX
+    prefix of the result.
+    """
+    if is_spec_leaf(specs):
+        return tree
+    spec_children, spec_def = _one_level(specs)
+    if _is_leaf(spec_def):
+        return tree
+    children, _ = _one_level(tree)
+    if isinstance(specs, Mapping):
+        by_key = {k.key: child for k, child in children}
+        rebuilt = [to_spec_types(s, by_key[k.key]) for k, s in spec_children]
+    else:
+        rebuilt = [
+            to_spec_types(s, c) for (_, s), (_, c) in zip(spec_children, children, strict=True)
+        ]
+    return jax.tree_util.tree_unflatten(spec_def, rebuilt)
+
+
+def map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
+    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it.
+
+    ``specs`` is a spec tree for ``tree`` (as in ``in_specs``), matched as `align_specs` does.
+    """
+    aligned = align_specs(plain_specs(specs), tree, where="specs")
+
+    def under(s: Any, subtree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda leaf: fn(s, leaf), subtree)
+
+    return jax.tree_util.tree_map(under, aligned, tree, is_leaf=is_spec_leaf)

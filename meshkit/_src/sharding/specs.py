@@ -1,0 +1,275 @@
+"""Partition specs, and a readable string form of them.
+
+Wherever meshkit takes a `jax.sharding.PartitionSpec` it also takes a string:
+
+* ``"data _ model"``: one entry per array dimension, outermost first. An entry is a mesh axis
+  name, ``_`` for a dimension that is not split, or ``(a b)`` for a dimension split over several
+  mesh axes (``a`` major). As with ``PartitionSpec``, dimensions past the last entry are not
+  split, and ``""`` means fully replicated.
+* ``"batch seq embed -> data _ model"``: the same, with the array's dimensions named on the left.
+  The names document the code, fix the rank (an argument of another rank is an error), and are
+  used in error messages.
+
+Strings are parsed once (cached). The grammar is einops' (its parser does the work: identifiers,
+one level of parentheses, ``_``); errors underline the bad token.
+"""
+
+from __future__ import annotations
+
+import functools
+import keyword
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import einops
+import jax
+from einops.parsing import ParsedExpression
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from ..core.errors import MeshkitError
+
+__all__ = [
+    "SpecString",
+    "as_partition_spec",
+    "check_spec_for_mesh",
+    "dim_axes",
+    "parse_spec",
+    "spec",
+]
+
+SpecLike = PartitionSpec | str
+
+_TOKEN = re.compile(r"->|\(|\)|\.\.\.|…|[^\s()]+")
+
+_GRAMMAR = """\
+A spec string has one entry per array dimension: a mesh axis name, '_' for a dimension that is
+not split, or '(a b)' for a dimension split over several mesh axes; optionally preceded by the
+dimensions' names and '->', e.g. "batch seq embed -> data _ model"."""
+
+
+@dataclass(frozen=True)
+class SpecString:
+    """A parsed spec string: the `PartitionSpec` it means, and what the user wrote.
+
+    Attributes:
+        text: the string as given.
+        dims: the names of the array's dimensions (left of ``->``), or None when not named.
+        partition: the equivalent `jax.sharding.PartitionSpec`.
+        spans: for each mesh axis named on the right, the ``(start, end)`` of its token in
+            ``text``, so later errors (an axis the mesh lacks) can underline it.
+    """
+
+    text: str
+    dims: tuple[str, ...] | None
+    partition: PartitionSpec
+    spans: dict[str, tuple[int, int]]
+
+
+def _pointed(text: str, start: int, end: int) -> str:
+    return f"    {text}\n    {' ' * start}{'^' * max(1, end - start)}"
+
+
+def _error(text: str, start: int, end: int, problem: str, fix: str = _GRAMMAR) -> MeshkitError:
+    return MeshkitError(
+        f"meshkit: bad spec string {text!r}: {problem}\n{_pointed(text, start, end)}\n{fix}"
+    )
+
+
+def _tokens(text: str, offset: int) -> list[tuple[str, int, int]]:
+    return [(m.group(), m.start() + offset, m.end() + offset) for m in _TOKEN.finditer(text)]
+
+
+def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
+    """Point at the first token of one side of the string that einops' grammar rejects."""
+    depth = 0
+    opened = 0
+    seen: dict[str, int] = {}
+    for tok, start, end in _tokens(side, offset):
+        if tok == "(":
+            if names_dims:
+                raise _error(text, start, end, "dimension names cannot be grouped")
+            if depth:
+                raise _error(text, start, end, "parentheses cannot be nested")
+            depth, opened = 1, start
+        elif tok == ")":
+            if not depth:
+                raise _error(text, start, end, "')' without a matching '('")
+            depth = 0
+        elif tok in ("...", "…"):
+            raise _error(text, start, end, "'...' is not supported; write one entry per dimension")
+        elif tok == "->":
+            raise _error(text, start, end, "'->' may appear only once")
+        elif tok.isdecimal():
+            raise _error(text, start, end, f"{tok!r} is a number; an entry is an axis name or '_'")
+        else:
+            if not tok.isidentifier() or keyword.iskeyword(tok):
+                raise _error(text, start, end, f"{tok!r} is not a name (a Python identifier)")
+            if tok != "_" and (tok.startswith("_") or tok.endswith("_")):
+                raise _error(
+                    text, start, end, f"{tok!r}: names cannot start or end with '_' (a lone "
+                    "'_' marks a dimension that is not split)"
+                )  # fmt: skip
+            valid, reason = ParsedExpression.check_axis_name_return_reason(
+                tok, allow_underscore=True
+            )
+            if not valid:  # pragma: no cover - the checks above cover einops' rules today
+                raise _error(text, start, end, f"{tok!r} is not a valid name ({reason})")
+            if tok == "_" and depth and not names_dims:
+                raise _error(text, start, end, "'_' cannot appear inside parentheses")
+            if tok != "_" and tok in seen:
+                what = "dimension" if names_dims else "mesh axis"
+                raise _error(text, start, end, f"the {what} {tok!r} appears twice")
+            seen[tok] = start
+    if depth:
+        raise _error(text, opened, opened + 1, "'(' is never closed")
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_spec(text: str) -> SpecString:
+    """Parse a spec string (cached). See the module docstring for the grammar.
+
+    Raises:
+        MeshkitError: with the bad token underlined.
+    """
+    if "->" in text:
+        arrow = text.index("->")
+        left, right, right_at = text[:arrow], text[arrow + 2 :], arrow + 2
+        _check_side(text, left, 0, names_dims=True)
+    else:
+        left, right, right_at = None, text, 0
+    _check_side(text, right, right_at, names_dims=False)
+    try:
+        composition = ParsedExpression(right, allow_underscore=True).composition
+        dims = None if left is None else ParsedExpression(left, allow_underscore=True).composition
+    except einops.EinopsError as e:  # pragma: no cover - _check_side finds these first
+        raise _error(text, 0, len(text), str(e)) from None
+    entries: list[str | tuple[str, ...] | None] = []
+    for group in composition:
+        assert isinstance(group, list)
+        names = [n for n in group if n != "_"]
+        if not names:
+            if group == []:  # "()": einops' empty group
+                start = text.index("()", right_at)
+                raise _error(text, start, start + 2, "empty parentheses; write '_' instead")
+            entries.append(None)
+        else:
+            entries.append(names[0] if len(names) == 1 and group == names else tuple(names))
+    dim_names: tuple[str, ...] | None = None
+    if dims is not None:
+        dim_names = tuple(g[0] for g in dims if isinstance(g, list))
+        if len(dim_names) != len(entries):
+            start = right_at + len(right) - len(right.lstrip())
+            raise _error(
+                text,
+                start,
+                len(text.rstrip()),
+                f"{len(dim_names)} dimensions are named on the left of '->' but the right gives "
+                f"{len(entries)} entries",
+                "Consider one entry per named dimension, '_' for those that are not split.",
+            )
+    spans = {tok: (s, e) for tok, s, e in _tokens(right, right_at) if tok not in "()_"}
+    return SpecString(text, dim_names, PartitionSpec(*entries), spans)
+
+
+def spec(text: str) -> PartitionSpec:
+    """The `jax.sharding.PartitionSpec` a readable spec string means.
+
+    Args:
+        text: ``"data _ model"`` (one entry per dimension: a mesh axis, ``_`` for not split,
+            ``(a b)`` for split over several axes), optionally with named dimensions:
+            ``"batch seq embed -> data _ model"``.
+
+    Returns:
+        The equivalent ``PartitionSpec``. meshkit functions take the string itself too.
+
+    Raises:
+        MeshkitError: if the string is malformed; the message underlines the bad token.
+
+    Examples:
+        >>> import meshkit
+        >>> from jax.sharding import PartitionSpec as P
+        >>> meshkit.spec("batch seq embed -> data _ model") == P("data", None, "model")
+        True
+        >>> meshkit.spec("(data fsdp) _") == P(("data", "fsdp"), None)
+        True
+    """
+    if not isinstance(text, str):
+        raise MeshkitError(f"meshkit.spec: expected a string; got {text!r}.")
+    return parse_spec(text).partition
+
+
+def as_partition_spec(value: Any, what: str) -> PartitionSpec:
+    """``value`` (a PartitionSpec or a spec string) as a PartitionSpec; ``what`` names it."""
+    if isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, str):
+        return parse_spec(value).partition
+    raise MeshkitError(
+        f"{what} must be a PartitionSpec or a spec string such as 'data _ model'; got "
+        f"{value!r} of type {type(value).__name__}."
+    )
+
+
+def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does.
+
+    One tuple of names per dimension, so specs that mean the same layout compare equal
+    (``P("x")``, ``P(("x",), None)``).
+    """
+    out = []
+    for i in range(ndim):
+        entry = partition[i] if i < len(partition) else None
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append(tuple(entry) if isinstance(entry, tuple) else (entry,))
+    return tuple(out)
+
+
+def spec_axes(partition: PartitionSpec) -> list[str]:
+    """The mesh axis names a PartitionSpec uses, in order."""
+    out: list[str] = []
+    for entry in partition:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        out.extend(entry if isinstance(entry, tuple) else (entry,))
+    return out
+
+
+def check_spec_for_mesh(value: SpecLike, mesh: Mesh | AbstractMesh, what: str) -> PartitionSpec:
+    """Resolve ``value`` and check every axis it names is an axis of ``mesh``, used once."""
+    partition = as_partition_spec(value, what)
+    names = spec_axes(partition)
+    available = ", ".join(f"{n!r} (size {s})" for n, s in mesh.shape.items())
+    for i, name in enumerate(names):
+        if name not in mesh.shape:
+            fix = f"The mesh has the axes {available}."
+            if isinstance(value, str):
+                start, end = parse_spec(value).spans[name]
+                raise MeshkitError(
+                    f"{what}: the mesh has no axis {name!r} (in the spec string {value!r})\n"
+                    f"{_pointed(value, start, end)}\n{fix}"
+                )
+            raise MeshkitError(
+                f"{what}: {partition} names the axis {name!r}, which the mesh does not have. {fix}"
+            )
+        if name in names[:i]:
+            raise MeshkitError(
+                f"{what}: {partition} uses the mesh axis {name!r} twice; a mesh axis can split "
+                "at most one dimension."
+            )
+    return partition
+
+
+def is_spec_leaf(x: Any) -> bool:
+    """Leaves of a pytree of specs: PartitionSpecs, strings and None."""
+    return x is None or isinstance(x, PartitionSpec | str)
+
+
+def map_specs(fn: Callable[[Any, str], Any], specs: Any, what: str) -> Any:
+    """Apply ``fn(leaf, where)`` to every spec leaf of a pytree of specs."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    out = [fn(leaf, f"{what}{jax.tree_util.keystr(path)}") for path, leaf in flat]
+    return jax.tree_util.tree_unflatten(treedef, out)
