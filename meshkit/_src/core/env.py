@@ -54,15 +54,17 @@ def integer(name: str, *, where: str = "") -> int | None:
         raise _bad(where, name, value, "is not an integer") from None
 
 
+def _number(name: str, text: str, where: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise _bad(where, name, text, "is not a number of seconds") from None
+
+
 def number(name: str, *, where: str = "") -> float | None:
     """A number of seconds as given (None when unset); the caller checks its range."""
-    value = raw(name)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise _bad(where, name, value, "is not a number of seconds") from None
+    text = raw(name)
+    return None if text is None else _number(name, text, where)
 
 
 def seconds(
@@ -76,16 +78,17 @@ def seconds(
         zero: what 0 means where it is accepted (``"off"``); None refuses 0 when ``positive``.
         positive: False accepts any finite value >= 0.
     """
-    value = number(name, where=where)
-    if value is None:
+    text = raw(name)
+    if text is None:
         return None
+    value = _number(name, text, where)
     if not positive:
-        if not (math.isfinite(value) and value >= 0):
-            raise _bad(where, name, raw(name) or "", "must be a finite number of seconds >= 0")
-        return value
-    if not math.isfinite(value) or value < 0 or (value == 0 and zero is None):
-        off = f" (0: {zero})" if zero is not None else ""
-        raise _bad(where, name, raw(name) or "", f"must be a finite number of seconds > 0{off}")
+        rule, ok = "must be a finite number of seconds >= 0", value >= 0
+    else:
+        rule = "must be a finite number of seconds > 0" + (f" (0: {zero})" if zero else "")
+        ok = value > 0 or (value == 0 and zero is not None)
+    if not (math.isfinite(value) and ok):
+        raise _bad(where, name, text, rule)
     return value
 
 
