@@ -24,6 +24,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
+from ..core.frames import library_file
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
 from ..runtime import init as _runtime
@@ -284,7 +285,7 @@ def _caller() -> str:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not _watchdog.library_file(name):
+        if not library_file(name):
             return f"{_watchdog.short_path(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"

@@ -42,6 +42,7 @@ import jax
 from ..core import compat as _compat
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
+from ..core.frames import in_meshkit, library_file
 
 __all__ = [
     "INSIDE",
@@ -49,7 +50,6 @@ __all__ = [
     "RUN_SHARE",
     "Watchdog",
     "frame_text",
-    "library_file",
     "note_progress",
     "short_path",
 ]
@@ -217,7 +217,7 @@ class Watchdog(threading.Thread):
         _, me, _ = _compat.distributed_state()
         frame = sys._current_frames().get(self.main)
         here = frame_text(frame) if frame is not None else "?"
-        where = INSIDE if frame is not None and _in_meshkit(frame) else OUTSIDE
+        where = INSIDE if frame is not None and in_meshkit(frame) else OUTSIDE
         say(
             f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
@@ -231,32 +231,6 @@ class Watchdog(threading.Thread):
 
 
 # ---- where the user's code is -----------------------------------------------------------------
-
-# Whether a stalled main thread waits inside a meshkit call (for the other processes, at a
-# check) or outside (in the program's own code, a raw collective): ``meshkit launch`` reads it.
-_MESHKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _in_meshkit(frame: FrameType) -> bool:
-    """Whether a frame of meshkit's own modules is on the stack (not its testing helpers)."""
-    seen: FrameType | None = frame
-    while seen is not None:
-        if os.path.dirname(seen.f_code.co_filename) + os.sep == _MESHKIT_DIR:
-            return True
-        seen = seen.f_back
-    return False
-
-
-# Frames in these directories are not the user's: meshkit, jax and the standard library.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep
-    for f in (__file__, jax.__file__ or "", contextlib.__file__ or "")
-)
-
-
-def library_file(name: str) -> bool:
-    """Whether a frame's file belongs to meshkit, jax or the standard library."""
-    return name.startswith(_LIBRARY_DIRS) or name.startswith("<")
 
 
 def short_path(path: str) -> str:

@@ -1,0 +1,45 @@
+"""Whose code a stack frame runs: meshkit's own, a library's, or the user's.
+
+meshkit's files are everything under the package except ``meshkit/testing`` (helpers that run
+the user's code, and are read as the user's). Reports point at the first frame that is none of
+meshkit's, JAX's or the standard library's (`library_file`); the stall watchdog asks whether a
+waiting main thread is inside a meshkit call (`in_meshkit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from types import FrameType
+
+import jax
+
+__all__ = ["in_meshkit", "library_file", "meshkit_file"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_TESTING = os.path.join(_PACKAGE, "testing") + os.sep
+# Frames in these directories are not the user's: meshkit, jax and the standard library.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (jax.__file__ or "", contextlib.__file__ or "")
+)
+
+
+def meshkit_file(name: str) -> bool:
+    """Whether a code object's file is one of meshkit's own modules (not its testing helpers)."""
+    return name.startswith(_PACKAGE) and not name.startswith(_TESTING)
+
+
+def library_file(name: str) -> bool:
+    """Whether a frame's file belongs to meshkit, jax or the standard library."""
+    return meshkit_file(name) or name.startswith(_LIBRARY_DIRS) or name.startswith("<")
+
+
+def in_meshkit(frame: FrameType) -> bool:
+    """Whether a frame of meshkit's own modules is on the stack from ``frame`` outward."""
+    seen: FrameType | None = frame
+    while seen is not None:
+        if meshkit_file(seen.f_code.co_filename):
+            return True
+        seen = seen.f_back
+    return False
