@@ -1,0 +1,1 @@
+"""Host data to global arrays and back: prepare, agree, transfer, assemble; batches; gather."""

@@ -1,0 +1,1 @@
+"""Checkpoints with orbax: pure planning (`plan`) beside saving and restoring (`orbax`)."""

@@ -1,0 +1,1 @@
+"""Debug mode: fingerprints of every SPMD call compared across processes, and `barrier`."""

@@ -1,0 +1,1 @@
+"""``meshkit migrate``: find pmap-era code, explain it, rewrite it (scan, flow, rules, fix)."""
