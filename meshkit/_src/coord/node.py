@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..core import env as _env
 from ..core.errors import MeshkitError, say
@@ -76,18 +77,25 @@ class Posted:
     digest: str = ""  # `check`: the digest whose barrier the process waits at
     epoch: int | None = None  # `check`: the epoch of that barrier's name
 
-    def to_json(self) -> str:
-        fields = asdict(self)
-        fields["groups"] = {
+    def fields(self) -> dict[str, Any]:
+        """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
+        named = asdict(self)
+        named["groups"] = {
             name: {"ref": ref, "summary": summary} for name, (ref, summary) in self.groups.items()
         }
-        return json.dumps(fields)
+        return named
+
+    def to_json(self) -> str:
+        return json.dumps(self.fields())
+
+    @classmethod
+    def from_fields(cls, named: dict[str, Any]) -> Posted:
+        groups = {name: (g["ref"], g["summary"]) for name, g in named["groups"].items()}
+        return cls(**{**named, "groups": groups})
 
     @classmethod
     def from_json(cls, value: str) -> Posted:
-        fields = json.loads(value)
-        groups = {name: (g["ref"], g["summary"]) for name, g in fields["groups"].items()}
-        return cls(**{**fields, "groups": groups})
+        return cls.from_fields(json.loads(value))
 
 
 @dataclass

@@ -253,9 +253,9 @@ def _window(
     """
 
     def record() -> str:
-        entries = [Posted(c.summary, text(c.record), c.groups).to_json() for c in calls]
+        entries = [Posted(c.summary, text(c.record), c.groups).fields() for c in calls]
         if left is not None:
-            entries.append(Posted(LEFT, left).to_json())
+            entries.append(Posted(LEFT, left).fields())
         return json.dumps(entries)
 
     runs: list[Run] = []
@@ -278,7 +278,9 @@ def _window(
 
 def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int) -> None:
     """Name the window's first call on which the processes differ (``on_outcome`` raises)."""
-    entries = {p: [Posted.from_json(e) for e in json.loads(r)] for p, r in outcome.records.items()}
+    entries = {
+        p: [Posted.from_fields(e) for e in json.loads(r)] for p, r in outcome.records.items()
+    }
     width = max((len(v) for v in entries.values()), default=1)
 
     def at(i: int) -> tuple[dict[int, Posted], set[int]]:
