@@ -202,7 +202,7 @@ def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(t
     errors = first["errors"]
     alone = errors.pop("one process only")
     assert alone.startswith(
-        "meshkit.checkpoint.check_savable: process(es) 1 did not reach this call within 5 s (the "
+        "meshkit.checkpoint.check_savable: process 1 did not reach this call within 5 s (the "
         "others did).\nEvery process must save the same tree, in the same order."
     ), alone
     assert errors == second["errors"]  # every process raised, with the same message

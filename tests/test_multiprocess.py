@@ -121,9 +121,7 @@ def test_missing_process_is_named():
         _one_process_skips_make_mesh, env={"MESHKIT_CHECK_TIMEOUT": "3"}, timeout=90
     )
     assert messages[1] == "skipped"
-    assert messages[0].startswith(
-        "meshkit.make_mesh: processes [1] did not reach make_mesh within 3 s"
-    )
+    assert messages[0].startswith("meshkit.make_mesh: process 1 did not reach make_mesh within 3 s")
     assert "MESHKIT_CHECK_TIMEOUT sets the wait" in messages[0]
 
 

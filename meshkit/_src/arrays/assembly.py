@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
@@ -123,11 +124,12 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     if gone:
         late = not outcome.missing
         raise MeshkitError(
-            f"{what}: process{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+            f"{what}: "
             + (
-                f"stopped waiting for this process (their {timeout:g} s ran out before it arrived)"
+                f"{_absent.stopped_waiting(gone)} for this process (their {timeout:g} s ran out "
+                "before it arrived)"
                 if late
-                else f"did not arrive within {timeout:g} s; the others did"
+                else f"{_absent.did_not(gone, timeout=timeout)}; the others did"
             )
             + ".\nEvery process must make the same calls in the same order (a process that "
             "stopped, crashed, or took another branch never arrives).\n"

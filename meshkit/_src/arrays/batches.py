@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
@@ -210,10 +211,11 @@ class GlobalBatches(Iterator[Any]):
             self._told = True
             self.close()
             return False
+        absent = _absent.did_not(
+            outcome.missing, timeout=self._timeout, arrive=f"ask for step {self.steps + 1}"
+        )
         raise MeshkitError(
-            f"{_WHAT}: process{'es' if len(outcome.missing) > 1 else ''} "
-            f"{', '.join(map(str, outcome.missing))} did not ask for step {self.steps + 1} "
-            f"within {self._timeout:g} s; this process (process "
+            f"{_WHAT}: {absent}; this process (process "
             f"{_compat.distributed_state()[1]}) did.\nEvery process must take the same "
             "number of batches from its global_batches, or close it (the others then stop at "
             "the same step). Consider what keeps those processes from their next step (a "

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import env as _env
@@ -248,10 +249,9 @@ def _agree_on_call(
     if outcome.agreed:
         return
     if outcome.missing:
-        missing = ", ".join(map(str, outcome.missing))
+        missing = _absent.did_not(outcome.missing, timeout=timeout, arrive="call gather")
         raise MeshkitError(
-            f"{what}: process{'es' if len(outcome.missing) > 1 else ''} {missing} did not "
-            f"call gather within {timeout:g} s; this process (process {jax.process_index()}) "
+            f"{what}: {missing}; this process (process {jax.process_index()}) "
             "did.\nEvery process must call gather, the same number of times and in the same "
             "order (it is a collective).\nConsider looking at those processes' output; "
             f"{_env.ENV_CHECK_TIMEOUT} sets the wait."

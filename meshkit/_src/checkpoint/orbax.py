@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
@@ -130,14 +131,15 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
             raise MeshkitError(problem)
         return
     if outcome.missing or outcome.gave_up:
-        gone = ", ".join(map(str, outcome.missing or outcome.gave_up))
-        late = (
-            "stopped waiting for this process (their wait ran out before it arrived)"
+        gone = (
+            f"{_absent.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
+            "before it arrived)"
             if not outcome.missing
-            else f"did not reach this call within {timeout:g} s (the others did)"
+            else f"{_absent.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
+            " (the others did)"
         )
         raise MeshkitError(
-            f"{what}: process(es) {gone} {late}.\nEvery process must {doing}, in the same order.\n"
+            f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
             f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
             "wait."
         )

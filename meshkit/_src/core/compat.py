@@ -19,6 +19,7 @@ __all__ = [
     "idle",
     "put_blocks",
     "scan_counts",
+    "service_error_code",
     "skip_jax_exit_barrier",
     "trace_state_clean",
     "varying_axes",
@@ -93,6 +94,16 @@ def distributed_state() -> tuple[Any | None, int, int]:
     if state.client is None:
         return None, 0, 1
     return state.client, int(state.process_id), int(state.num_processes)
+
+
+def service_error_code(error: BaseException) -> int | None:
+    """The gRPC status code of an error from ``jax.distributed``'s client; None for others.
+
+    jaxlib raises ``JaxRuntimeError`` with the coordination service's status in ``error_code``
+    (4: DEADLINE_EXCEEDED, 5: NOT_FOUND, ...); meshkit decides on that code, not on the text.
+    """
+    code = getattr(error, "error_code", None)
+    return int(code) if isinstance(code, int) else None
 
 
 def cluster_params(

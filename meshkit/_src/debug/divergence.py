@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
@@ -439,8 +440,7 @@ def _compare(
             problems.append(f"process {p} {_left_text(r)}")
     if missing:
         lines = [
-            f"process {p} did not arrive within {timeout:g} s ({_last_text(tag, p, last)})"
-            for p in missing
+            f"{_absent.did_not([p], timeout=timeout)} ({_last_text(tag, p, last)})" for p in missing
         ]
         problems.extend(lines)
     if problems:
@@ -448,7 +448,7 @@ def _compare(
         raise DivergenceError(
             f"meshkit debug: {label} ({mine['entry'].split()[0]} at {mine['where']}): "
             + "; ".join(problems)
-            + f".\n{_procs(here).capitalize()} made this call (SPMD call #"
+            + f".\n{_absent.processes(here).capitalize()} made this call (SPMD call #"
             + str(mine.get("count", count))
             + " of the process in all).\n"
             "Every process must make the same meshkit calls in the same order; consider the "
@@ -468,7 +468,10 @@ def _compare(
             _leaf_divergence(records, label, mine)
         raise DivergenceError(
             f"meshkit debug: SPMD call #{mine['count']} of the program: "
-            + "; ".join(f"{_procs(ps)} {what} {_show_value(field, value)}" for value, ps in groups)
+            + "; ".join(
+                f"{_absent.processes(ps)} {what} {_show_value(field, value)}"
+                for value, ps in groups
+            )
             + ".\nEvery process must make the same meshkit calls in the same order; consider "
             "what decides which function each process calls (rank-dependent branches, "
             "iteration over sets or dicts with per-process order, an early exit).\n"
@@ -490,11 +493,11 @@ def _leaf_divergence(calls: dict[int, dict[str, Any]], label: str, mine: dict[st
         groups = sorted(values.items(), key=lambda kv: (len(kv[1]), kv[1]))
         where = mine["leaves"][i][0]
         first, rest = groups[0], groups[1:]
-        text = f"{_procs(first[1])} passed {where} {first[0]}; " + "; ".join(
-            f"{_procs(ps)} passed {value}" for value, ps in rest
+        text = f"{_absent.processes(first[1])} passed {where} {first[0]}; " + "; ".join(
+            f"{_absent.processes(ps)} passed {value}" for value, ps in rest
         )
         suspects = (
-            f"{_procs(first[1])}"
+            f"{_absent.processes(first[1])}"
             if len(first[1]) < len(rest[0][1])
             else "the processes (no majority says which is wrong)"
         )
@@ -547,14 +550,6 @@ def _where_lines(calls: dict[int, dict[str, Any]]) -> str:
         f"  process {p}: call #{r['n']} of {r['entry'].partition(' ')[2]} at {r['where']}"
         for p, r in sorted(calls.items())
     )
-
-
-def _procs(ps: list[int]) -> str:
-    return f"process{'es' if len(ps) > 1 else ''} {_ids(ps)}"
-
-
-def _ids(ps: list[int]) -> str:
-    return ",".join(map(str, ps))
 
 
 def _left_text(record: dict[str, Any]) -> str:
@@ -655,8 +650,8 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         waited = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
         raise MeshkitError(
             f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
-            f"process{'es' if len(outcome.gave_up) > 1 else ''} {_ids(list(outcome.gave_up))} "
-            f"stopped waiting (after {waited:g} s) at use #{use} of this barrier.\n"
+            f"{_absent.stopped_waiting(outcome.gave_up)} (after {waited:g} s) at use #{use} of "
+            "this barrier.\n"
             "Consider a longer timeout, or what delayed this process."
         )
     missing = list(outcome.missing)
@@ -666,8 +661,8 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         for p in missing
     )
     raise MeshkitError(
-        f"meshkit.barrier({name!r}): process{'es' if len(missing) > 1 else ''} "
-        f"{_ids(missing)} did not arrive within {timeout:g} s (use #{use} of this barrier); "
+        f"meshkit.barrier({name!r}): {_absent.did_not(missing, timeout=timeout)} "
+        f"(use #{use} of this barrier); "
         f"this process (process {me}) did.\nMissing: {detail}.\n"
         "Consider those processes' output (a crash, a stall, a different branch); "
         f"MESHKIT_DEBUG=1 names their last meshkit call."

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -44,7 +44,6 @@ __all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "settings"]
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0
-_KEY = "meshkit/failed/"  # + the failing process's id: what it says of its failure
 _ENDED_AFTER_S = 3.0
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
 
@@ -65,13 +64,31 @@ def settings() -> float | None:
     return _DEFAULT_GRACE_S if grace is None else grace
 
 
-def install(grace: float | None, me: int, n: int) -> None:
-    """Install what this module describes, once, for process ``me`` of ``n`` (``n > 1``)."""
+# How failures travel between processes: the coordination layer (above this one) owns the
+# format and the service; `meshkit._src.runtime.init` hands its functions in at `install`.
+Post = Callable[[str], None]  # post this process's failure (the first line of the error)
+Poll = Callable[[], list[tuple[int, str]] | None]  # (process, failure) of the others; None: gone
+_post: Post | None = None
+
+
+def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> None:
+    """Install what this module describes, once, for process ``me`` of ``n`` (``n > 1``).
+
+    Args:
+        grace: seconds the exit handlers may run before a failing process exits (None: fail-fast
+            is off).
+        me: this process's id.
+        n: the number of processes.
+        post: posts this process's failure for the others' failure watch.
+        poll: the failures the other processes posted, by process (None: not joined anymore).
+    """
+    global _post
+    _post = post
     if grace is not None:
         previous = sys.excepthook
         sys.excepthook = lambda kind, value, tb: _on_exception(previous, grace, kind, value, tb)
         wakeup = _take_sigterm(grace, me)
-        watch = _Watch(me, n, wakeup, grace)
+        watch = _Watch(me, n, wakeup, grace, poll)
         watch.start()
         atexit.register(watch.stop.set)
     note = _EndNote(me)
@@ -140,12 +157,10 @@ _left = threading.Lock()
 def _leave(failure: str, status: int) -> None:
     """Post ``failure`` for the others' failure watch (once), then exit with ``status``."""
     if _left.acquire(blocking=False):
-        client, me, n = _compat.distributed_state()
-        if client is not None and n > 1:
+        _, me, n = _compat.distributed_state()
+        if _post is not None and n > 1:
             try:
-                client.key_value_set(
-                    _KEY + str(me), json.dumps({"process": me, "failure": failure})
-                )
+                _post(failure)
             except Exception:  # the service may be gone already: nothing to tell
                 pass
             else:
@@ -193,9 +208,9 @@ def _period(n: int) -> float:
 class _Watch(threading.Thread):
     """Polls for the other processes' failures, and reads SIGTERM's wake-up byte."""
 
-    def __init__(self, me: int, n: int, wakeup: int, grace: float) -> None:
+    def __init__(self, me: int, n: int, wakeup: int, grace: float, poll: Poll) -> None:
         super().__init__(name="meshkit-failure-watch", daemon=True)
-        self.me, self.n, self.wakeup, self.grace = me, n, wakeup, grace
+        self.me, self.n, self.wakeup, self.grace, self.poll = me, n, wakeup, grace, poll
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -210,27 +225,25 @@ class _Watch(threading.Thread):
                     return
             elif self.stop.wait(period):
                 return
-            client, _, _ = _compat.distributed_state()
-            if self.stop.is_set() or _failing or client is None:
+            if self.stop.is_set() or _failing:
                 return
             try:
-                entries = client.key_value_dir_get(_KEY)
+                others = self.poll()
             except Exception as e:  # classified: only a lost service counts
                 found = _diagnose.diagnose(str(e))
                 lost = lost + 1 if found is not None and found.kind == "lost" else 0
                 if lost >= _LOST_AFTER and not self.stop.is_set():
                     self._lost(str(e))
                 continue
+            if others is None:
+                return  # not joined anymore: nobody left to watch
             lost = 0
-            others = [json.loads(v) for _, v in entries]
-            others = [f for f in others if f.get("process") != self.me]
             if others and not self.stop.is_set():
-                self._failed(min(others, key=lambda f: f["process"]))
+                self._failed(*min(others))
 
-    def _failed(self, failure: dict[str, Any]) -> None:
-        p = failure["process"]
+    def _failed(self, p: int, failure: str) -> None:
         self._exit(
-            f"meshkit: process {p} failed: {failure['failure']}\n"
+            f"meshkit: process {p} failed: {failure}\n"
             f"Process {self.me} stops too (status 1): the program cannot go on without "
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
             "holds the cause.\n"

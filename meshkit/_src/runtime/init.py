@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from ..coord import failures as _failures
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.contract import (
@@ -502,7 +503,14 @@ def _init(
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
     _progress.mark("joined", _INFO.process_id)
-    _failfast.install(fail_fast, _INFO.process_id, _INFO.num_processes)
+    me = _INFO.process_id
+    _failfast.install(
+        fail_fast,
+        me,
+        _INFO.num_processes,
+        post=_failures.poster(me),
+        poll=_failures.watcher(me),
+    )
     return _INFO
 
 

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
@@ -257,9 +258,9 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
         return
     values, missing = outcome.records, list(outcome.missing)
     if missing:
+        absent = _absent.did_not(missing, timeout=_env.check_timeout(), arrive="reach make_mesh")
         raise MeshkitError(
-            f"meshkit.make_mesh: processes {missing} did not reach make_mesh within "
-            f"{_env.check_timeout():g} s (the others did, with {mine}).\n"
+            f"meshkit.make_mesh: {absent} (the others did, with {mine}).\n"
             "Every process must call make_mesh, the same number of times and in the same order.\n"
             f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
             "wait."

@@ -1,0 +1,29 @@
+"""The one wording of "process N did not arrive": who did not come, or who stopped waiting.
+
+Every cross-process check that names processes missing from an agreement words it here, with
+one plural rule, so that the launcher's diagnosis (which reads ``process 3 did not arrive``
+and ``processes 2,5 did not ask``) finds the same shape everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["did_not", "processes", "stopped_waiting"]
+
+
+def processes(ids: Iterable[int]) -> str:
+    """``"process 3"`` or ``"processes 2,5"``, in the order given (callers give them sorted)."""
+    ordered = list(ids)
+    listed = ",".join(map(str, ordered))
+    return f"process {listed}" if len(ordered) == 1 else f"processes {listed}"
+
+
+def did_not(ids: Iterable[int], *, timeout: float, arrive: str = "arrive") -> str:
+    """``"process 3 did not arrive within 8 s"``; ``arrive`` names what they did not do."""
+    return f"{processes(ids)} did not {arrive} within {timeout:g} s"
+
+
+def stopped_waiting(ids: Iterable[int]) -> str:
+    """``"processes 0,2 stopped waiting"`` (this process arrived after their timeout)."""
+    return f"{processes(ids)} stopped waiting"

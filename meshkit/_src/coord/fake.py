@@ -1,0 +1,178 @@
+"""An in-process fake of the coordination service: several "processes" in one Python process.
+
+`FakeCluster` holds one key-value store and one set of barriers; `FakeCluster.service` gives
+each process its own view (a `Service`), and `FakeCluster.nodes` a `Node` per process, so the
+protocols of `meshkit._src.coord` run in threads of one process, as in
+``tests/test_coord.py``. It follows the real service where the protocols depend on it:
+
+- a blocking read waits until the key is written or its timeout passes;
+- a process's n-th wait at a barrier name meets the n-th wait of the others there; arrivals with
+  different participant lists refuse the barrier to everyone waiting there; when a waiter's
+  timeout passes the barrier times out for all, and a later arrival hears so at once.
+
+What it adds, to make failures happen on purpose: a delay before each call of a process
+(`delay`), a process that leaves (`leave`: its calls fail, the others wait for it in vain) and
+a refusal of every barrier whose name starts with a prefix (`refuse`). Nothing is random: the
+same calls in the same order give the same answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .node import Node
+from .service import Barrier
+
+__all__ = ["FakeCluster", "FakeService", "ServiceGone"]
+
+
+class ServiceGone(ConnectionError):
+    """A process that left (`FakeCluster.leave`) called the service."""
+
+
+@dataclass
+class _Use:
+    """One use of a barrier name: who arrived, with which participant list, and how it ended."""
+
+    participants: frozenset[int] | None = None
+    arrived: set[int] = field(default_factory=set)
+    ended: Barrier | None = None
+
+
+class FakeCluster:
+    """The coordination service of ``n`` processes, in memory.
+
+    Args:
+        n: the number of processes.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cond = threading.Condition()
+        self.store: dict[str, str] = {}
+        self._uses: dict[tuple[str, int], int] = {}  # (barrier, process) -> its next use
+        self._barriers: dict[tuple[str, int], _Use] = {}
+        self._delays: dict[int, float] = {}
+        self._gone: set[int] = set()
+        self._refused: list[str] = []
+        self.unraised: list[int] = []  # processes whose deferred failure went unraised
+
+    def service(self, process: int) -> FakeService:
+        """Process ``process``'s view of the service."""
+        return FakeService(self, process)
+
+    def nodes(self) -> list[Node]:
+        """A `Node` per process (no channel, and an unraised failure is recorded, not an exit)."""
+        return [
+            Node(self.service(p), p, self.n, channel=lambda: None, on_unraised=self._unraised(p))
+            for p in range(self.n)
+        ]
+
+    def _unraised(self, process: int) -> Callable[[], None]:
+        return lambda: self.unraised.append(process)
+
+    def delay(self, process: int, seconds: float) -> None:
+        """Every later call of ``process`` starts ``seconds`` late."""
+        self._delays[process] = seconds
+
+    def leave(self, process: int) -> None:
+        """``process`` has left: its calls raise `ServiceGone`; the others wait for it in vain."""
+        with self.cond:
+            self._gone.add(process)
+            self.cond.notify_all()
+
+    def refuse(self, prefix: str) -> None:
+        """The service refuses every barrier whose name starts with ``prefix``."""
+        with self.cond:
+            self._refused.append(prefix)
+            self.cond.notify_all()
+
+    def enter(self, process: int) -> None:
+        if process in self._gone:
+            raise ServiceGone(f"process {process} has left the fake coordination service")
+        if self._delays.get(process):
+            time.sleep(self._delays[process])
+
+    def barrier(
+        self, process: int, name: str, timeout: float, participants: Sequence[int] | None
+    ) -> Barrier:
+        deadline = time.monotonic() + timeout
+        wanted = frozenset(range(self.n) if participants is None else participants)
+        with self.cond:
+            use = self._uses.get((name, process), 0)
+            self._uses[(name, process)] = use + 1
+            at = self._barriers.setdefault((name, use), _Use())
+            if at.ended is not None:
+                return at.ended  # a late arrival: the barrier is over
+            if at.participants is None:
+                at.participants = wanted
+            if at.participants != wanted or any(name.startswith(p) for p in self._refused):
+                at.ended = Barrier.REFUSED
+            at.arrived.add(process)
+            if at.ended is None and at.arrived >= at.participants:
+                at.ended = Barrier.PASSED
+            self.cond.notify_all()
+            while at.ended is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    at.ended = Barrier.TIMED_OUT
+                    self.cond.notify_all()
+                    break
+                self.cond.wait(remaining)
+            return at.ended
+
+
+class FakeService:
+    """One process's view of a `FakeCluster` (a `meshkit._src.coord.service.Service`)."""
+
+    def __init__(self, cluster: FakeCluster, process: int) -> None:
+        self.cluster, self.process = cluster, process
+
+    def _enter(self) -> Any:
+        self.cluster.enter(self.process)
+        return self.cluster.cond
+
+    def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
+        with self._enter():
+            if key in self.cluster.store and not overwrite:
+                raise KeyError(f"ALREADY_EXISTS: key {key} already exists")
+            self.cluster.store[key] = value
+            self.cluster.cond.notify_all()
+
+    def get(self, key: str, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        with self._enter():
+            while key not in self.cluster.store:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.cluster.cond.wait(remaining)
+            return self.cluster.store[key]
+
+    def dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        with self._enter():
+            return sorted((k, v) for k, v in self.cluster.store.items() if k.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        with self._enter():
+            for k in [
+                k for k in self.cluster.store if k == key or (key[-1:] == "/" and k.startswith(key))
+            ]:
+                del self.cluster.store[k]
+
+    def increment(self, key: str, amount: int) -> int:
+        with self._enter():
+            value = int(self.cluster.store.get(key, "0")) + amount
+            self.cluster.store[key] = str(value)
+            self.cluster.cond.notify_all()
+            return value
+
+    def barrier(
+        self, name: str, timeout: float, participants: Sequence[int] | None = None
+    ) -> Barrier:
+        self.cluster.enter(self.process)
+        return self.cluster.barrier(self.process, name, timeout, participants)

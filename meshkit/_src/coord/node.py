@@ -1,0 +1,372 @@
+"""One process's end of coordination: its service, its place, and the protocols' state.
+
+The protocols (`meshkit._src.coord.counter`, `barrier`, `window`) keep everything they know
+in a `Node`, never in module globals, so that several "processes" can run in one Python process
+over `meshkit._src.coord.fake` (the unit tests do). `meshkit._src.coord.agree` holds the
+process's node over the real service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..core import env as _env
+from ..core.errors import MeshkitError, say
+from . import channel as _channel
+from .service import Counted, Service, Stats
+
+__all__ = ["Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
+
+BLOCK = 64  # agreements per key block (one delete per block)
+SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
+MAX_PROCESSES = (1 << SHIFT) - 1
+OK, CHECK = "ok", "check"
+LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
+SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
+
+Record = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
+Group = tuple[int, str]  # a replica group: (its reference process, this process's summary)
+
+
+def text(record: Record) -> str:
+    return record if isinstance(record, str) else record()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one agreement found.
+
+    Attributes:
+        agreed: every process arrived and every summary (and group summary) is equal.
+        records: this process's record alone when ``agreed``; otherwise the record of every
+            process that arrived (for the caller to name who differs and how).
+        missing: processes that did not arrive within the timeout, sorted.
+        gave_up: processes that stopped waiting for this call before every process arrived
+            (this process arrived late, after their timeout), sorted.
+        seq: the call's number under its tag (the same in every process).
+    """
+
+    agreed: bool
+    records: dict[int, str]
+    missing: tuple[int, ...] = ()
+    gave_up: tuple[int, ...] = ()
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A record as a process posts it for one agreement (and as a window lists its calls).
+
+    Serialized by field name (`to_json`); ``groups`` maps a replica group's name to its
+    reference process and this process's summary for it.
+    """
+
+    summary: str
+    record: str
+    groups: Mapping[str, Group] = field(default_factory=dict)
+    gave_up: bool = False
+    digest: str = ""  # `check`: the digest whose barrier the process waits at
+    epoch: int | None = None  # `check`: the epoch of that barrier's name
+
+    def fields(self) -> dict[str, Any]:
+        """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
+        named = asdict(self)
+        named["groups"] = {
+            name: {"ref": ref, "summary": summary} for name, (ref, summary) in self.groups.items()
+        }
+        return named
+
+    def to_json(self) -> str:
+        return json.dumps(self.fields())
+
+    @classmethod
+    def from_fields(cls, named: dict[str, Any]) -> Posted:
+        groups = {name: (g["ref"], g["summary"]) for name, g in named["groups"].items()}
+        return cls(**{**named, "groups": groups})
+
+    @classmethod
+    def from_json(cls, value: str) -> Posted:
+        return cls.from_fields(json.loads(value))
+
+
+@dataclass
+class CounterState:
+    """`agree`'s memory of a tag: the previous summary, to skip comparing an unchanged one."""
+
+    last: str | None = None  # digest of the summary of the previous call, None: unknown
+    last_summary: str | None = None  # that summary, when it had no groups (a shortcut)
+
+
+@dataclass
+class BarrierState:
+    """`check`'s memory of a tag: which barrier names are in use."""
+
+    epoch: int = 0  # barrier names move on after a failed check
+    last: str | None = None  # digest of the previous check's summary (`leave_check` spoils it)
+
+
+@dataclass
+class Call:
+    """One agreement of the counter protocol, as this process makes it."""
+
+    seq: int
+    flag: bool  # the summary differs from this process's previous one (or must be compared)
+    summary: str
+    groups: dict[str, Group]
+    record: Record
+    arrived: float = 0.0  # monotonic time of the increment
+    timeout: float = 0.0
+
+
+@dataclass
+class Queued:
+    """One call of `agree_later`, waiting for its window."""
+
+    call: Call
+    on_outcome: Callable[[Outcome], None] | None
+
+
+@dataclass
+class WindowState:
+    """`agree_later`'s state of one tag in one process (guarded by ``cond``)."""
+
+    cond: threading.Condition
+    channel: str | None  # a sync point drains only its own channel's tags
+    queue: deque[Queued] = field(default_factory=deque)  # calls not yet in a window
+    inflight: int = 0  # calls in the window being agreed
+    draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
+    # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
+    # only then, so a steady loop wakes no thread per call.
+    wanted: int = 0
+    linger: float = 0.0  # how long a window stays open after its first call
+    left: str | None = None  # this process left the tag (`leave_later`): its record
+    left_posted: threading.Event = field(default_factory=threading.Event)
+    on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
+    thread: threading.Thread | None = None
+
+
+@dataclass
+class Tag:
+    """One sequence of agreements (a tag), in one process."""
+
+    name: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
+    counter: CounterState = field(default_factory=CounterState)
+    barrier: BarrierState = field(default_factory=BarrierState)
+    window: WindowState | None = None  # set once: the tag is agreed beside the caller
+
+
+def key(tag: str, seq: int, part: str) -> str:
+    return f"meshkit/{tag}/{seq // BLOCK}/{part}/{seq}"
+
+
+def digest(summary: str, groups: Mapping[str, Group]) -> str:
+    h = hashlib.blake2b(summary.encode(), digest_size=16)
+    for name in sorted(groups):
+        h.update(b"\0" + name.encode() + b"\0" + groups[name][1].encode())
+    return h.hexdigest()
+
+
+def changed(state: Tag, summary: str, groups: Mapping[str, Group]) -> bool:
+    """Whether the summary differs from this process's previous one; the caller holds the lock.
+
+    A summary without groups that is the previous one (often the very same string: a layout seen
+    before) is not hashed again.
+    """
+    counter = state.counter
+    if not groups and counter.last is not None and summary is counter.last_summary:
+        return False
+    new = digest(summary, groups)
+    flag = new != counter.last
+    counter.last = new
+    counter.last_summary = None if groups else summary
+    return flag
+
+
+def _exit_1() -> None:
+    os._exit(1)
+
+
+class Node:
+    """One process of ``n`` (``me``) at the coordination service, with its protocols' state.
+
+    Args:
+        service: the coordination service as this process sees it.
+        me: this process's id.
+        n: the number of processes.
+        stats: where round trips are counted (a fresh `Stats` by default).
+        failures: where deferred failures wait for `settle` (a fresh deque by default).
+        channel: the current thread's channel (`meshkit._src.coord.channel.current`).
+        on_unraised: ends the process when a deferred failure is not raised within the check
+            timeout (default: ``os._exit(1)``; a fake cluster records it instead).
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        me: int,
+        n: int,
+        *,
+        stats: Stats | None = None,
+        failures: deque[BaseException] | None = None,
+        channel: Callable[[], str | None] = _channel.current,
+        on_unraised: Callable[[], None] | None = None,
+    ) -> None:
+        if n > MAX_PROCESSES:
+            raise MeshkitError(
+                f"meshkit: {n} processes exceed the {MAX_PROCESSES} the agreement counters hold."
+            )
+        self.stats = Stats() if stats is None else stats
+        self.service = Counted(service, self.stats)
+        self.me, self.n = me, n
+        self.failures: deque[BaseException] = deque() if failures is None else failures
+        self.failed = threading.Event()  # a check verified beside the caller failed here
+        self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
+        self.channel = channel
+        self.on_unraised = on_unraised or _exit_1
+        self.tags: dict[str, Tag] = {}
+        self.tags_lock = threading.Lock()
+        self.live: set[str] = set()  # tags agreed beside the caller (each has a thread)
+        self.prober_lock = threading.Lock()
+        self.prober: threading.Thread | None = None  # `check`'s, started at its first probe
+        # meshkit's threads serving this process, each with the condition that wakes it
+        self.threads: list[tuple[threading.Thread, threading.Condition]] = []
+
+    def tag(self, name: str) -> Tag:
+        with self.tags_lock:
+            state = self.tags.get(name)
+            if state is None:
+                state = self.tags[name] = Tag(name)
+            return state
+
+    def read(self, key: str, deadline: float) -> str | None:
+        """The value of ``key`` once written; None if it is not written before ``deadline``.
+
+        Outside the main thread, waits in slices of `SLICE_S`, and gives up (None) once the
+        process exits (``stopping``): a thread must not be inside a blocking call then.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        while main or not self.stopping.is_set():
+            end = deadline if main else min(deadline, time.monotonic() + SLICE_S)
+            value = self.service.get(key, max(end - time.monotonic(), 0.001))
+            if value is not None:
+                return value
+            if main or time.monotonic() >= deadline:
+                return None
+        return None
+
+    def collect_garbage(self, tag: str, seq: int) -> None:
+        """Process 0 deletes the key block two blocks behind, which every process has left."""
+        if self.me == 0 and seq % BLOCK == 0 and seq >= 2 * BLOCK:
+            with contextlib.suppress(Exception):  # a failed delete only leaves keys behind
+                self.service.delete(f"meshkit/{tag}/{seq // BLOCK - 2}/")
+
+    def write(self, tag: str, seq: int, posted: Posted, overwrite: bool = False) -> None:
+        """Post this process's record of agreement ``seq`` (read by `collect`)."""
+        self.service.set(f"{key(tag, seq, 'r')}/{self.me}", posted.to_json(), overwrite=overwrite)
+
+    def collect(
+        self, tag: str, seq: int, arrived: int, deadline: float
+    ) -> tuple[dict[int, str], tuple[int, ...], tuple[int, ...]]:
+        """Every posted record of ``seq``, who posted none, and who gave up waiting.
+
+        Waits (until ``deadline``) for ``arrived`` records.
+        """
+        prefix = key(tag, seq, "r") + "/"
+        while True:
+            entries = self.service.dir_get(prefix)
+            records = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+            done = len(records) >= arrived or time.monotonic() >= deadline
+            if done or self.stopping.is_set():
+                break
+            time.sleep(0.05)
+        missing = tuple(p for p in range(self.n) if p not in records)
+        posted = {p: Posted.from_json(v) for p, v in records.items()}
+        gave_up = tuple(sorted(p for p, v in posted.items() if v.gave_up))
+        return {p: v.record for p, v in posted.items()}, missing, gave_up
+
+    def fail(self, error: BaseException, grace: float | None, *, quiet: bool = False) -> None:
+        """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.
+
+        A process whose main thread does not come back to meshkit within the check timeout is
+        likely blocked in a computation on the inputs that disagree (a collective that will not
+        complete); it exits with status 1 so that the launcher ends the run instead of a hang.
+        """
+        self.failures.append(error)
+        self.failed.set()
+        grace = _env.check_timeout() if grace is None else grace
+        if not quiet:
+            say(
+                "meshkit: a cross-process check failed; this process's next meshkit call raises "
+                f"it (if none comes within {grace:g} s, the process exits):\n"
+                f"{type(error).__name__}: {error}\n"
+            )
+
+        def exit_if_unraised() -> None:
+            if any(e is error for e in self.failures):
+                say(
+                    f"meshkit: exiting with status 1: the failed check above was not raised "
+                    f"within {grace:g} s ({_env.ENV_CHECK_TIMEOUT} sets the wait).\n"
+                )
+                self.on_unraised()
+
+        timer = threading.Timer(grace, exit_if_unraised)
+        timer.daemon = True
+        timer.start()
+
+    def drain(self, timeout: float, tags: Sequence[str] | None = None) -> bool:
+        """Wait until every `agree_later` call of this process is verified (or ``timeout``).
+
+        While it waits, the windows of this process do not wait for calls it has not made.
+        ``tags``: only the calls of those tags.
+        """
+        deadline = time.monotonic() + timeout
+        for name in list(self.live) if tags is None else [t for t in tags if t in self.live]:
+            window = self.tags[name].window
+            assert window is not None
+            with window.cond:
+                if not (window.queue or window.inflight):
+                    continue  # nothing to wait for (and no thread to wake)
+                window.draining += 1
+                window.cond.notify_all()
+                try:
+                    while (window.queue or window.inflight) and not self.failures:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return False
+                        window.cond.wait(min(remaining, 0.1))
+                finally:
+                    window.draining -= 1
+        return True
+
+    def stop(self) -> None:
+        """At exit: verify what is pending (a few seconds), then let this node's threads leave.
+
+        A thread still inside a blocking call of the coordination service when the interpreter
+        ends aborts the process, so each one is told to stop and given a slice to return.
+        """
+        if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
+            self.drain(5.0)
+        self.stopping.set()
+        for _, cond in list(self.threads):
+            with cond:
+                cond.notify_all()
+        end = time.monotonic() + SLICE_S + 0.5
+        for thread, _ in list(self.threads):
+            if thread.is_alive():
+                thread.join(max(0.0, end - time.monotonic()))
+
+    def settle(self) -> None:
+        """Raise the first disagreement found beside the caller since the last call, if any."""
+        if self.failures:
+            raise self.failures.popleft()

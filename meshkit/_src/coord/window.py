@@ -1,0 +1,324 @@
+"""`agree_later`: agreement beside the caller, on *windows* of calls (a thread per tag).
+
+Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
+by default, after its first call), then writes how many calls it holds; the others take as many
+of theirs, and the window is one agreement on the list of its calls' summaries (`check`'s
+barrier, or `agree`'s counters when replica groups are compared): two or three round trips per
+process and window however many calls it holds. A caller that needs a verdict before it goes on
+drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
+calls may be unverified, and a disagreement is printed when found and raised by this process's
+next meshkit call (`Node.settle`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from . import barrier as _barrier
+from . import counter as _counter
+from .node import (
+    LEFT,
+    Call,
+    Group,
+    Node,
+    Outcome,
+    Posted,
+    Queued,
+    Record,
+    Tag,
+    WindowState,
+    changed,
+    digest,
+    key,
+    text,
+)
+
+__all__ = ["LINGER_S", "MAX_PENDING", "WINDOW", "agree_later", "leave_later", "sync_point"]
+
+WINDOW = 512  # calls one window of agree_later holds at most
+MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
+# A window stays open this long after its first call for more calls to join it (unless it is
+# full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
+# milliseconds) then shares one agreement among several calls instead of paying one per call.
+LINGER_S = 0.1
+_LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
+
+
+def agree_later(
+    node: Node,
+    tag: str,
+    summary: str,
+    record: Record,
+    *,
+    timeout: float,
+    on_outcome: Callable[[Outcome], None],
+    groups: Mapping[str, Group] | None = None,
+    linger: float = LINGER_S,
+) -> None:
+    """`agree`, verified beside the caller: returns at once (see the module's docstring).
+
+    ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
+    processes did not agree; what it raises is printed at once and raised by this process's next
+    meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
+    """
+    state, window = windowed(node, tag)
+    groups = dict(groups or {})
+    node.stats.agreements += 1
+    with window.cond:
+        while len(window.queue) + window.inflight >= MAX_PENDING and not node.failures:
+            window.cond.wait(0.1)
+        flag = changed(state, summary, groups)
+        call = Call(-1, flag, summary, groups, record, time.monotonic(), timeout)
+        window.queue.append(Queued(call, on_outcome))
+        window.on_outcome = on_outcome
+        window.linger = linger
+        if 0 < window.wanted <= len(window.queue):
+            window.cond.notify_all()
+
+
+def windowed(node: Node, tag: str) -> tuple[Tag, WindowState]:
+    """The state of a tag agreed beside the caller; its first use starts its thread."""
+    state = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
+    if state is not None and state.window is not None:
+        return state, state.window
+    state = node.tag(tag)
+    with state.lock:
+        if state.window is None:
+            window = WindowState(threading.Condition(state.lock), node.channel())
+            thread = threading.Thread(
+                target=_run, args=(node, state, window), name=f"meshkit-agree:{tag}", daemon=True
+            )
+            window.thread = thread
+            state.window = window
+            thread.start()
+            node.threads.append((thread, window.cond))
+            node.live.add(tag)
+        return state, state.window
+
+
+def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
+    """`leave` for a tag agreed beside the caller; waits (at most ``wait`` s) until it is posted.
+
+    The tag's thread arrives for the first call this process will not make.
+    """
+    state, window = windowed(node, tag)
+    with window.cond:
+        window.left_posted.clear()
+        window.left = record
+        state.counter.last = None
+        window.cond.notify_all()
+    window.left_posted.wait(wait)
+
+
+def _run(node: Node, state: Tag, window: WindowState) -> None:
+    """Agree on each window of queued calls, in order, for as long as the process runs."""
+    cond, tag, me, stopping = window.cond, state.name, node.me, node.stopping
+    while True:
+        with cond:
+            window.wanted = 1
+            while not window.queue and window.left is None and not stopping.is_set():
+                cond.wait()
+            if me == 0:
+                _linger(node, window)
+            window.wanted = 0
+            if stopping.is_set():
+                return
+            seq = state.seq
+            state.seq += 1
+            head = window.queue[0].call if window.queue else None
+            offer = min(len(window.queue), WINDOW)
+        taken: list[Queued] = []
+        left = None
+        try:
+            node.collect_garbage(tag, seq)
+            decided = _decide(node, tag, seq, offer, head)
+            if stopping.is_set():
+                return  # the process exits
+            taken, left = _take(node, window, decided)
+            agreement = _window(seq, [q.call for q in taken], left, decided, head)
+            if agreement.groups:  # replica groups are compared per group: the counter protocol
+                total = _counter.increment(node, key(tag, seq, "c"), agreement.flag)
+                outcome = _counter.settle_call(node, tag, agreement, total)
+            else:  # one barrier per window, named by its summaries (as `check`)
+                with state.lock:
+                    epoch = state.barrier.epoch
+                outcome = _barrier.meet(
+                    node,
+                    state,
+                    seq,
+                    epoch,
+                    digest(agreement.summary, {}),
+                    agreement.summary,
+                    agreement.record,
+                    agreement.arrived + agreement.timeout,
+                )
+            if stopping.is_set():
+                return  # the process exits: its last window is not reported
+            if not outcome.agreed:
+                with state.lock:
+                    state.counter.last = None  # the next call compares again
+                _report(window, taken, outcome, me)
+        except Exception as e:  # a disagreement, or the coordination service failed
+            # A caller draining the tag raises it in a moment: no notice needed.
+            grace = head.timeout if head is not None else None
+            node.fail(e, grace, quiet=window.draining > 0)
+        with cond:
+            window.inflight -= len(taken)
+            if left is not None:
+                window.left = None
+                window.left_posted.set()
+            cond.notify_all()
+
+
+def _linger(node: Node, window: WindowState) -> None:
+    """Process 0, before it decides a window: let it fill (``window.cond`` held).
+
+    Until it holds `WINDOW` calls, or the tag's linger has passed since its first call; at once
+    when a caller drains, the process leaves the tag or exits.
+    """
+    window.wanted = WINDOW
+    while (
+        window.queue
+        and len(window.queue) < WINDOW
+        and window.left is None
+        and not window.draining
+        and not node.stopping.is_set()
+    ):
+        remaining = window.queue[0].call.arrived + window.linger - time.monotonic()
+        if remaining <= 0:
+            break
+        window.cond.wait(remaining)
+
+
+def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> str | None:
+    """How many calls window ``seq`` holds: process 0 says, the others read it.
+
+    ``"left"``: process 0 left the tag. None: process 0 did not say within the timeout.
+    """
+    if node.me == 0:
+        decided = str(offer) if offer else _LEFT_WINDOW
+        node.service.set(key(tag, seq, "w"), decided)
+        return decided
+    deadline = head.arrived + head.timeout if head is not None else time.monotonic() + 60.0
+    return node.read(key(tag, seq, "w"), deadline)
+
+
+def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Queued], str | None]:
+    """This process's calls of the window (fewer when it must not wait), and its left record."""
+    with window.cond:
+        if decided is None or decided == _LEFT_WINDOW:
+            want = len(window.queue) if decided is None else min(1, len(window.queue))
+        else:
+            want = int(decided)
+            # Wait for the caller to make the window's calls, unless it waits for us (a waiting
+            # agreement drains) or left the tag: then the window is short, and flagged.
+            window.wanted = want
+            while (
+                len(window.queue) < want
+                and window.left is None
+                and not window.draining
+                and not node.stopping.is_set()
+            ):
+                window.cond.wait(0.1)
+            window.wanted = 0
+        taken = [window.queue.popleft() for _ in range(min(want, len(window.queue)))]
+        window.inflight += len(taken)
+        left = window.left if len(taken) < max(want, 1) or not taken else None
+        return taken, left
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive calls of a window with one summary (a steady loop's window is one run)."""
+
+    summary: str
+    count: int
+
+
+def _window(
+    seq: int,
+    calls: list[Call],
+    left: str | None,
+    decided: str | None,
+    head: Call | None,
+) -> Call:
+    """One agreement for a window: the list of its calls' summaries, groups and records.
+
+    The summary lists the calls' summaries run by run (`Run`); the record, every call's
+    `Posted` record, is made only when shown.
+    """
+
+    def record() -> str:
+        entries = [Posted(c.summary, text(c.record), c.groups).fields() for c in calls]
+        if left is not None:
+            entries.append(Posted(LEFT, left).fields())
+        return json.dumps(entries)
+
+    runs: list[Run] = []
+    for c in calls:
+        if runs and (runs[-1].summary is c.summary or runs[-1].summary == c.summary):
+            runs[-1] = Run(c.summary, runs[-1].count + 1)
+        else:
+            runs.append(Run(c.summary, 1))
+    if left is not None:
+        runs.append(Run(LEFT, 1))
+    wanted = len(calls) if decided in (None, _LEFT_WINDOW) else int(decided)
+    flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
+    flag = flag or decided == _LEFT_WINDOW
+    groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
+    summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
+    started = head.arrived if head is not None else time.monotonic()
+    timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
+    return Call(seq, flag, summary, groups, record, started, timeout)
+
+
+def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int) -> None:
+    """Name the window's first call on which the processes differ (``on_outcome`` raises)."""
+    entries = {
+        p: [Posted.from_fields(e) for e in json.loads(r)] for p, r in outcome.records.items()
+    }
+    width = max((len(v) for v in entries.values()), default=1)
+
+    def at(i: int) -> tuple[dict[int, Posted], set[int]]:
+        here = {p: v[i] for p, v in entries.items() if i < len(v)}
+        return here, set(outcome.missing) | {p for p, v in entries.items() if i >= len(v)}
+
+    def differs(i: int) -> bool:
+        here, absent = at(i)
+        by_group: dict[str, set[str]] = {}
+        for e in here.values():
+            for name, (_, summary) in e.groups.items():
+                by_group.setdefault(name, set()).add(summary)
+        return bool(
+            absent
+            or len({e.summary for e in here.values()}) > 1
+            or any(len(s) > 1 for s in by_group.values())
+            or any(e.summary == LEFT for e in here.values())
+        )
+
+    first = next((i for i in range(width) if differs(i)), width - 1)
+    here, absent = at(first)
+    if me in here and here[me].summary == LEFT:
+        return  # this process left the tag: it raised its own error
+    on_outcome = taken[first].on_outcome if first < len(taken) else window.on_outcome
+    assert on_outcome is not None
+    records = {p: e.record for p, e in here.items()}
+    on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
+
+
+def sync_point(node: Node, timeout: float) -> None:
+    """Before an agreement the caller waits for: its channel's deferred checks are raised first.
+
+    Only the tags of the caller's channel: a window that waits for no more calls while another
+    thread still makes them would be short in this process alone.
+    """
+    if node.live:
+        here = node.channel()
+        mine = [t for t in list(node.live) if (w := node.tags[t].window) and w.channel == here]
+        if mine:
+            node.drain(timeout + 35.0, tags=mine)  # each call waits at most its timeout + phase 3
+    node.settle()

@@ -1,0 +1,371 @@
+"""The coordination protocols in one process, over the in-process fake of the service.
+
+Each test runs several "processes" as threads of this one, each with its own `Node` over a
+`FakeCluster`; the real multi-process runs are in test_multiprocess.py and its neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshkit._src.coord import absent, barrier, counter, failures, window
+from meshkit._src.coord.fake import FakeCluster, ServiceGone
+from meshkit._src.coord.node import Node, Outcome
+from meshkit._src.coord.service import Barrier, JaxService
+
+
+def _together(nodes: list[Node], body: Callable[[Node], Any], timeout: float = 30.0) -> list[Any]:
+    """``body(node)`` in a thread per process; what each returned (or raised), by process."""
+    results: list[Any] = [None] * len(nodes)
+
+    def run(node: Node) -> None:
+        try:
+            results[node.me] = body(node)
+        except BaseException as e:  # reported to the test as a value
+            results[node.me] = e
+
+    threads = [threading.Thread(target=run, args=(node,)) for node in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a process is still waiting"
+    for node in nodes:
+        node.stop()
+    return results
+
+
+# ---- the service interface ----------------------------------------------------------------
+
+
+class _Refusing:
+    """A client of jax.distributed whose calls fail with one gRPC status code."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def _fail(self, *args: Any) -> Any:
+        error = RuntimeError("the text does not matter")
+        error.error_code = self.code  # type: ignore[attr-defined]
+        raise error
+
+    blocking_key_value_get = wait_at_barrier = _fail
+
+
+def test_outcomes_are_told_apart_by_the_status_code_not_the_text():
+    assert JaxService(_Refusing(4)).get("k", 0.1) is None  # DEADLINE_EXCEEDED: a timeout
+    assert JaxService(_Refusing(4)).barrier("b", 0.1) is Barrier.TIMED_OUT
+    assert JaxService(_Refusing(3)).barrier("b", 0.1) is Barrier.REFUSED  # INVALID_ARGUMENT
+    with pytest.raises(RuntimeError, match="does not matter"):
+        JaxService(_Refusing(14)).get("k", 0.1)  # UNAVAILABLE: not an outcome, an error
+
+
+def test_the_fake_barrier_refuses_differing_participants_and_times_out_for_everyone():
+    cluster = FakeCluster(2)
+    one, two = cluster.service(0), cluster.service(1)
+    assert one.barrier("x", 0.05, [0]) is Barrier.PASSED  # alone, as the only participant
+    assert one.barrier("y", 0.05) is Barrier.TIMED_OUT  # process 1 never came
+    assert two.barrier("y", 5.0) is Barrier.TIMED_OUT  # it arrives late: told at once
+    cluster.leave(1)
+    with pytest.raises(ServiceGone):
+        two.get("k", 0.1)
+
+
+# ---- counter: agree ------------------------------------------------------------------------
+
+
+def _agree(summaries: list[str], timeout: float = 5.0, **kw: Any) -> list[Outcome]:
+    nodes = FakeCluster(len(summaries)).nodes()
+    return _together(
+        nodes,
+        lambda node: counter.agree(
+            node, "t", summaries[node.me], f"record {node.me}", timeout=timeout, **kw
+        ),
+    )
+
+
+def test_agree_agrees_in_two_round_trips_once_steady():
+    nodes = FakeCluster(3).nodes()
+
+    def body(node: Node) -> list[tuple[bool, int]]:
+        seen = []
+        for _ in range(3):
+            before = node.stats.rpcs
+            outcome = counter.agree(node, "t", "same", f"r{node.me}", timeout=5.0)
+            seen.append((outcome.agreed, node.stats.rpcs - before))
+        return seen
+
+    for p, seen in enumerate(_together(nodes, body)):
+        assert all(agreed for agreed, _ in seen)
+        # Steady (summary unchanged): an increment, and a verdict written or read.
+        assert seen[-1][1] == 2, (p, seen)
+
+
+def test_agree_on_a_mismatch_gives_every_record():
+    outcomes = _agree(["a", "a", "b"])
+    for outcome in outcomes:
+        assert not outcome.agreed
+        assert outcome.records == {0: "record 0", 1: "record 1", 2: "record 2"}
+        assert outcome.missing == ()
+
+
+def test_agree_compares_replica_groups():
+    groups = [{"g": (0, "x")}, {"g": (0, "y")}]
+    nodes = FakeCluster(2).nodes()
+    outcomes = _together(
+        nodes, lambda node: counter.agree(node, "t", "s", "r", timeout=5.0, groups=groups[node.me])
+    )
+    assert [o.agreed for o in outcomes] == [False, False]
+
+
+def test_agree_names_the_process_that_did_not_come():
+    cluster = FakeCluster(3)
+    nodes = cluster.nodes()
+    outcomes = _together(
+        nodes[:2], lambda node: counter.agree(node, "t", "s", f"r{node.me}", timeout=0.3)
+    )
+    for outcome in outcomes[:2]:
+        assert not outcome.agreed
+        assert outcome.missing == (2,)
+        assert set(outcome.records) == {0, 1}
+
+
+def test_agree_finds_the_record_of_a_process_that_left():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Outcome | None:
+        if node.me == 1:
+            counter.leave(node, "t", "closed")
+            return None
+        return counter.agree(node, "t", "s", "r0", timeout=5.0)
+
+    start = time.monotonic()
+    outcome = _together(nodes, body)[0]
+    assert time.monotonic() - start < 2.0  # at once, not after the timeout
+    assert not outcome.agreed
+    assert outcome.records[1] == "closed"
+    assert outcome.missing == ()
+
+
+def test_a_late_arrival_learns_who_stopped_waiting():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+
+    def body(node: Node) -> Outcome:
+        if node.me == 1:
+            time.sleep(0.6)  # past process 0's timeout
+        return counter.agree(node, "t", "s", f"r{node.me}", timeout=0.3)
+
+    early, late = _together(nodes, body)
+    assert not early.agreed
+    assert early.missing == (1,)
+    assert not late.agreed
+    assert late.gave_up == (0,)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    summaries=st.lists(st.sampled_from(["a", "b"]), min_size=2, max_size=4),
+    order=st.randoms(use_true_random=False),
+)
+def test_random_arrival_orders_give_the_sequential_verdict(summaries, order):
+    cluster = FakeCluster(len(summaries))
+    nodes = cluster.nodes()
+    delays = [order.random() * 0.05 for _ in nodes]
+
+    def body(node: Node) -> Outcome:
+        time.sleep(delays[node.me])
+        return counter.agree(node, "t", summaries[node.me], summaries[node.me], timeout=5.0)
+
+    outcomes = _together(nodes, body)
+    agreed = len(set(summaries)) == 1  # the sequential reference: compare them all at once
+    assert all(o.agreed == agreed for o in outcomes)
+    if not agreed:
+        assert all(o.records == dict(enumerate(summaries)) for o in outcomes)
+
+
+# ---- barrier: check ------------------------------------------------------------------------
+
+
+def _check(node: Node, summary: str, timeout: float = 5.0) -> Outcome:
+    return barrier.check(node, "c", summary, f"{node.me}:{summary}", timeout=timeout)
+
+
+def test_check_agrees_in_one_round_trip():
+    nodes = FakeCluster(3).nodes()
+
+    def body(node: Node) -> tuple[bool, int]:
+        before = node.stats.rpcs
+        return _check(node, "same").agreed, node.stats.rpcs - before
+
+    assert _together(nodes, body) == [(True, 1)] * 3
+
+
+def test_check_on_a_mismatch_stops_everyone_before_the_timeout():
+    nodes = FakeCluster(3).nodes()
+    start = time.monotonic()
+    outcomes = _together(nodes, lambda node: _check(node, "b" if node.me == 2 else "a", 20.0))
+    assert time.monotonic() - start < 10.0
+    for outcome in outcomes:
+        assert not outcome.agreed
+        assert outcome.records == {0: "0:a", 1: "1:a", 2: "2:b"}
+
+
+def test_check_names_who_did_not_come_and_moves_to_a_new_epoch():
+    nodes = FakeCluster(3).nodes()
+    outcomes = _together(nodes[:2], lambda node: _check(node, "s", 0.3))
+    assert [o.missing for o in outcomes[:2]] == [(2,), (2,)]
+    assert all(nodes[p].tags["c"].barrier.epoch == 1 for p in (0, 1))
+
+
+def test_check_finds_the_record_of_a_process_that_left():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Outcome | None:
+        if node.me == 1:
+            node.tag("c").barrier.last = barrier.digest("s", {})  # it checked "s" before
+            time.sleep(0.1)  # process 0 waits at the barrier by now
+            barrier.leave_check(node, "c", "left")
+            return None
+        return _check(node, "s", 20.0)
+
+    start = time.monotonic()
+    outcome = _together(nodes, body)[0]
+    assert time.monotonic() - start < 10.0
+    assert not outcome.agreed
+    assert outcome.records[1] == "left"
+
+
+def test_check_refused_by_the_service():
+    cluster = FakeCluster(2)
+    cluster.refuse("meshkit/c/")
+    outcomes = _together(cluster.nodes(), lambda node: _check(node, "s"))
+    assert not any(o.agreed for o in outcomes)
+    assert all(o.missing == () for o in outcomes)  # both arrived: a refusal, not a timeout
+
+
+def test_check_late_arrival_learns_who_stopped_waiting():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Outcome:
+        if node.me == 1:
+            time.sleep(1.2)
+        return _check(node, "s", 0.6)
+
+    early, late = _together(nodes, body)
+    assert early.missing == (1,)
+    assert late.gave_up == (0,)
+    assert late.missing == ()
+
+
+def test_check_with_a_process_that_left_the_service_times_out_naming_it():
+    cluster = FakeCluster(2)
+    cluster.leave(1)
+    outcome = _together(cluster.nodes()[:1], lambda node: _check(node, "s", 0.3))[0]
+    assert outcome.missing == (1,)
+
+
+# ---- window: agree_later -------------------------------------------------------------------
+
+
+def _later(node: Node, summaries: list[str], seen: list[Outcome], timeout: float = 5.0) -> bool:
+    for i, summary in enumerate(summaries):
+        window.agree_later(
+            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append,
+            linger=0.01,
+        )  # fmt: skip
+    return node.drain(timeout + 5.0)
+
+
+def test_windows_of_equal_calls_agree_and_report_nothing():
+    cluster = FakeCluster(2)
+    seen: list[list[Outcome]] = [[], []]
+    drained = _together(cluster.nodes(), lambda node: _later(node, ["a"] * 50, seen[node.me]))
+    assert drained == [True, True]
+    assert seen == [[], []]
+    assert cluster.unraised == []
+
+
+def test_a_window_names_the_first_call_that_differs():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    seen: list[list[Outcome]] = [[], []]
+    summaries = [["a", "a", "a"], ["a", "b", "c"]]
+    _together(nodes, lambda node: _later(node, summaries[node.me], seen[node.me]))
+    for p in (0, 1):
+        assert len(seen[p]) == 1
+        assert seen[p][0].records == {0: "0:1", 1: "1:1"}  # call #1, the first that differs
+
+
+def test_a_window_thread_failure_is_raised_by_the_next_settle():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+
+    def refuse(outcome: Outcome) -> None:
+        raise ValueError(f"they differ: {sorted(outcome.records)}")
+
+    def body(node: Node) -> BaseException | None:
+        window.agree_later(
+            node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse, linger=0.01
+        )
+        node.drain(10.0)
+        try:
+            node.settle()
+        except ValueError as e:
+            return e
+        return None
+
+    errors = _together(nodes, body)
+    assert all(isinstance(e, ValueError) and "[0, 1]" in str(e) for e in errors)
+    assert cluster.unraised == []  # raised in time: nobody exits
+
+
+def test_a_window_names_the_process_that_did_not_come():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    seen: list[Outcome] = []
+    _together(nodes[:1], lambda node: _later(node, ["a"], seen, timeout=0.3))
+    assert len(seen) == 1
+    assert seen[0].missing == (1,)
+
+
+def test_a_window_finds_the_record_of_a_process_that_left():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    seen: list[Outcome] = []
+
+    def body(node: Node) -> None:
+        if node.me == 1:
+            window.leave_later(node, "w", json.dumps({"status": "closed"}), wait=10.0)
+        else:
+            _later(node, ["a"], seen)
+
+    _together(nodes, body)
+    assert len(seen) == 1
+    assert json.loads(seen[0].records[1]) == {"status": "closed"}
+
+
+# ---- failure posts and the "did not arrive" words ------------------------------------------
+
+
+def test_failure_posts_are_seen_by_the_others_only():
+    cluster = FakeCluster(3)
+    failures.post(cluster.service(2), 2, "ValueError: boom")
+    assert failures.poll(cluster.service(2), 2) == []
+    assert failures.poll(cluster.service(0), 0) == [failures.FailurePost(2, "ValueError: boom")]
+
+
+def test_one_wording_for_processes_that_did_not_arrive():
+    assert absent.did_not([3], timeout=8) == "process 3 did not arrive within 8 s"
+    assert absent.did_not([2, 5], timeout=0.5, arrive="call gather") == (
+        "processes 2,5 did not call gather within 0.5 s"
+    )
+    assert absent.stopped_waiting([0]) == "process 0 stopped waiting"
