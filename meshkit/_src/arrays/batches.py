@@ -39,7 +39,11 @@ from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
-from . import blocks as _global
+from .assembly import Check
+from .caller import set_caller
+from .dtypes import user_stacklevel, warn_notes
+from .records import Record
+from .templates import prepare
 
 __all__ = ["GlobalBatches", "global_batches"]
 
@@ -89,7 +93,7 @@ class GlobalBatches(Iterator[Any]):
         *,
         prefetch: int,
         pad: bool,
-        check: _global.Check,
+        check: Check,
         dtype: Any,
         progress: float | None,
         stop_together: bool = True,
@@ -180,7 +184,7 @@ class GlobalBatches(Iterator[Any]):
         if not self._take():
             raise StopIteration
         batch, rows, notes = item
-        _global.warn_notes(notes, stacklevel=3)
+        warn_notes(notes, user_stacklevel())
         _watchdog.note_progress()
         self.steps += 1
         self.rows += rows
@@ -239,7 +243,7 @@ class GlobalBatches(Iterator[Any]):
             if self._released or not self._multi:
                 return
             self._released = True
-        _assembly.publish_record(self._tag, {"status": "closed"})
+        _assembly.publish_record(self._tag, Record(status="closed"))
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -305,7 +309,7 @@ class GlobalBatches(Iterator[Any]):
             self._work_on_channel(source)
 
     def _work_on_channel(self, source: Iterator[Any]) -> None:
-        _global.set_caller(_WHAT)
+        set_caller(_WHAT)
         template: Any = None
         while True:
             if not self._take_slot():
@@ -348,7 +352,7 @@ class GlobalBatches(Iterator[Any]):
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
             )
         prepared = assembly.prepare(
-            lambda: _global.prepare(
+            lambda: prepare(
                 local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
             )
         )
@@ -364,7 +368,7 @@ class GlobalBatches(Iterator[Any]):
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows, prepared.notes
 
-    def _check_end(self, records: dict[int, Any], step: int) -> bool:
+    def _check_end(self, records: dict[int, Record], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).
 
         Loaders that end at different steps are an error, the same on every process (each has
@@ -372,11 +376,11 @@ class GlobalBatches(Iterator[Any]):
         loaders' batches would be dropped unseen, and a loader that yielded no batch at all
         has no structure to pad with.
         """
-        statuses = {p: r["status"] for p, r in records.items()}
+        statuses = {p: r.status for p, r in records.items()}
         if "closed" in statuses.values() or set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
-        if not ended or (self._pad and all("block_rows" in records[p] for p in ended)):
+        if not ended or (self._pad and all(records[p].block_rows is not None for p in ended)):
             return False
         raise MeshkitError(_uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad))
 
@@ -427,7 +431,7 @@ def global_batches(
     *,
     prefetch: int = 2,
     pad: bool = False,
-    check: _global.Check = True,
+    check: Check = True,
     dtype: Any = None,
     progress: float | None = None,
     stop_together: bool = True,

@@ -11,7 +11,6 @@ mesh; an all-gather for ``to="all"``, point-to-point sends to one process otherw
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..core import caches as _caches
 from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..runtime import dispatch as _dispatch
@@ -110,12 +110,12 @@ def _process_mesh(devices: list[Any]) -> Mesh:
     return Mesh(np.array([by_process[p] for p in sorted(by_process)], dtype=object), (_AXIS,))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _all_gather(mesh: Mesh) -> Any:
     return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _gather_to(mesh: Mesh, root: int) -> Any:
     n = mesh.devices.size
 
