@@ -29,6 +29,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
@@ -338,6 +339,7 @@ def run(
     )
 
 
+@public
 def global_array_from_local(
     local: Any,
     mesh_or_sharding: Mesh | NamedSharding,

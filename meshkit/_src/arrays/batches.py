@@ -37,6 +37,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from .assembly import Check
@@ -154,6 +155,7 @@ class GlobalBatches(Iterator[Any]):
     def __iter__(self) -> GlobalBatches:
         return self
 
+    @public
     def __next__(self) -> Any:
         with self._lock:
             done = self._done
@@ -424,6 +426,7 @@ def _uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str
     )
 
 
+@public
 def global_batches(
     iterable: Iterable[Any],
     mesh_or_sharding: Mesh | NamedSharding,

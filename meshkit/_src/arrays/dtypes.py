@@ -27,6 +27,8 @@ class DtypeWarning(UserWarning):
     """
 
 
+DtypeWarning.__module__ = "meshkit"  # shown under the name users import it by
+
 
 _warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
 Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text

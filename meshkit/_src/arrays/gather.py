@@ -23,6 +23,7 @@ from ..coord import channel as _channel
 from ..core import caches as _caches
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 
@@ -60,6 +61,7 @@ def _local_plan(x: jax.Array, where: str, what: str) -> _layout.Plan:
     return p
 
 
+@public
 def local_from_global(x: Any) -> Any:
     """This process's part of global arrays, as numpy, in the layout it was given.
 
@@ -130,6 +132,7 @@ def _gather_to(mesh: Mesh, root: int) -> Any:
     )
 
 
+@public
 def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     """The whole value of global arrays, as numpy, on every process or on one.
 

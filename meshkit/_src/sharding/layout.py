@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from .specs import SpecLike, check_spec_for_mesh, dim_axes
 
 __all__ = ["ProcessSlice", "block_counts", "plan", "process_slice"]
@@ -213,6 +214,7 @@ class ProcessSlice:
             )
         return tuple(slice(r[0][0], r[0][1]) for r in self.ranges)
 
+    @public
     def take(self, global_value: Any) -> np.ndarray:
         """Cut this process's local array out of the whole global value (a numpy array-like).
 
@@ -262,6 +264,7 @@ def check_divisible(
             )
 
 
+@public
 def process_slice(
     mesh: Mesh,
     spec: SpecLike,

@@ -29,6 +29,7 @@ from einops.parsing import ParsedExpression
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 
 __all__ = [
     "SpecString",
@@ -173,6 +174,7 @@ def parse_spec(text: str) -> SpecString:
     return SpecString(text, dim_names, PartitionSpec(*entries), spans)
 
 
+@public
 def spec(text: str) -> PartitionSpec:
     """The `jax.sharding.PartitionSpec` a readable spec string means.
 
