@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
+import meshkit
+from meshkit._src.arrays import templates, transfer
 from meshkit._src.core import caches
 from meshkit._src.core.errors import MeshkitError
+from meshkit._src.sharding import layout, specs
 
 
 def test_a_cached_function_computes_once_per_argument_and_keeps_at_most_maxsize():
@@ -27,7 +31,7 @@ def test_a_cached_function_computes_once_per_argument_and_keeps_at_most_maxsize(
     assert calls == [2, 3, 4, 2]
 
 
-def test_a_full_cache_drops_the_least_recently_used_entry_not_all_of_them():
+def test_a_full_cache_drops_an_entry_not_used_lately_not_all_of_them():
     cache: caches.Cache[str, int] = caches.Cache(maxsize=3)
     for i, key in enumerate("abc"):
         cache.put(key, i)
@@ -37,9 +41,21 @@ def test_a_full_cache_drops_the_least_recently_used_entry_not_all_of_them():
     assert cache.get("b") is None
     assert len(cache) == 3
     assert cache.values() == [2, 0, 3]
-    cache.put("c", 5)  # a new value for a key kept: no eviction, now the most recent
-    assert list(cache) == ["a", "d", "c"]
+    cache.put("c", 5)  # a new value for a key kept: no eviction, marked used, in its place
+    assert list(cache) == ["c", "a", "d"]
+    cache.put("e", 4)  # "c" (just used) gets a second chance; "a" (not used since) goes
+    assert list(cache) == ["d", "c", "e"]
     assert cache.get("c") == 5
+
+
+def test_an_entry_in_use_survives_any_churn_of_others():
+    cache: caches.Cache[int, str] = caches.Cache(maxsize=4)
+    cache.put(-1, "steady")
+    for i in range(100):
+        assert cache.get(-1) == "steady"  # the layout that repeats
+        cache.put(i, "once")  # layouts seen once
+        assert len(cache) <= 4
+    assert cache.get(-1) == "steady"
 
 
 def test_clear_caches_empties_every_registered_cache():
@@ -93,3 +109,23 @@ def test_a_cache_shared_by_threads_stays_within_its_size_and_consistent():
         t.join()
     assert not errors
     assert len(cache) <= 8
+
+
+def test_clear_caches_reaches_meshkits_own_caches():
+    mesh = meshkit.make_mesh({"data": 8})
+    meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
+    sizes = [
+        len(templates._templates),
+        len(transfer._orders),
+        layout.plan.cache_info().currsize,
+        specs.parse_spec.cache_info().currsize,
+    ]
+    assert all(sizes), sizes
+    caches.clear_caches()
+    sizes = [
+        len(templates._templates),
+        len(transfer._orders),
+        layout.plan.cache_info().currsize,
+        specs.parse_spec.cache_info().currsize,
+    ]
+    assert sizes == [0, 0, 0, 0]

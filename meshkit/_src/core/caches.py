@@ -1,8 +1,8 @@
 """Bounded caches: one way to keep what meshkit worked out, and one call to forget all of it.
 
-Two shapes, both bounded, both least-recently-used (a full cache drops its oldest entry, never
-all of them at once: a layout that churns does not evict the one that repeats), both registered
-with `clear_caches`:
+Two shapes, both bounded, both dropping an entry not used lately when full (never all of them
+at once: layouts that churn do not evict the one that repeats), both registered with
+`clear_caches`:
 
 - `cached` memoizes a pure function of hashable arguments (`functools.lru_cache` underneath);
 - `Cache` is a mapping for values made elsewhere and found again by a computed key (the
@@ -58,10 +58,18 @@ def cached(maxsize: int) -> Callable[[Callable[..., R]], functools._lru_cache_wr
 
 
 class Cache(Generic[K, V]):
-    """A mapping that keeps ``maxsize`` entries at most, dropping the least recently used.
+    """A mapping that keeps ``maxsize`` entries at most, dropping one not used lately when full.
+
+    The eviction is LRU's clock approximation (second chance): a look-up only marks its entry
+    used, without a lock or a reordering (it runs on every call of a hot path: a layout seen
+    before); a full cache passes over its entries from the oldest, gives each marked one a
+    second chance (unmarked, moved to the end) and drops the first unmarked one. A layout that
+    repeats therefore survives any churn of one-off layouts, and a look-up costs a dict look-up.
 
     Safe to share between threads (`meshkit.global_batches` assembles in a helper thread while
-    the caller assembles in its own). Registered with `clear_caches`.
+    the caller assembles in its own): changes are made under a lock, and a look-up reads with
+    single dict operations, which never see an entry half made. Registered with
+    `clear_caches`.
 
     Args:
         maxsize: the most entries kept.
@@ -70,7 +78,7 @@ class Cache(Generic[K, V]):
         >>> seen = Cache(maxsize=2)
         >>> seen.put("a", 1); seen.put("b", 2); seen.get("a")
         1
-        >>> seen.put("c", 3)  # "b" is the least recently used now
+        >>> seen.put("c", 3)  # "a" was used since it was put, "b" was not
         >>> sorted(seen.keys())
         ['a', 'c']
     """
@@ -78,27 +86,42 @@ class Cache(Generic[K, V]):
     def __init__(self, maxsize: int) -> None:
         _check_size(maxsize)
         self.maxsize = maxsize
-        self._data: OrderedDict[K, V] = OrderedDict()
-        # A look-up moves the entry to the end; an eviction meanwhile must not remove it
-        # between the two steps.
+        # key -> [value, used since the last eviction pass]: a look-up sets the flag in place.
+        self._data: OrderedDict[K, list[Any]] = OrderedDict()
         self._lock = threading.Lock()
         _registry.add(self)
 
     def get(self, key: K) -> V | None:
-        """The value under ``key`` (now the most recently used), or None."""
-        with self._lock:
-            value = self._data.get(key)
-            if value is not None:
-                self._data.move_to_end(key)
-            return value
+        """The value under ``key`` (marked used), or None."""
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        entry[1] = True
+        return entry[0]
 
     def put(self, key: K, value: V) -> None:
-        """Keep ``value`` under ``key``, dropping the least recently used entry when full."""
+        """Keep ``value`` under ``key``; when full, drop the oldest entry not used lately."""
         with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            if len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
+            entry = self._data.get(key)
+            if entry is not None:
+                entry[0], entry[1] = value, True
+                return
+            if len(self._data) >= self.maxsize:
+                self._evict_one()
+            self._data[key] = [value, False]
+
+    def _evict_one(self) -> None:
+        """Drop the oldest entry not used since the last pass (under the lock, the cache full).
+
+        Ends within one turn around the cache: every entry it passes over is unmarked.
+        """
+        while True:
+            oldest, entry = next(iter(self._data.items()))
+            if not entry[1]:
+                del self._data[oldest]
+                return
+            entry[1] = False  # a second chance, at the end of the line
+            self._data.move_to_end(oldest)
 
     def cache_clear(self) -> None:
         """Forget every entry (the name `functools.lru_cache` gives it)."""
@@ -106,14 +129,14 @@ class Cache(Generic[K, V]):
             self._data.clear()
 
     def keys(self) -> list[K]:
-        """The keys, least recently used first."""
+        """The keys, oldest first (as the next eviction pass will see them)."""
         with self._lock:
             return list(self._data)
 
     def values(self) -> list[V]:
-        """The values, least recently used first."""
+        """The values, in the order of `keys`."""
         with self._lock:
-            return list(self._data.values())
+            return [entry[0] for entry in self._data.values()]
 
     def __len__(self) -> int:
         return len(self._data)

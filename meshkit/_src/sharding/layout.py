@@ -15,7 +15,6 @@ This is the one place that answers the question: `global_array_from_local`,
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from .specs import SpecLike, check_spec_for_mesh, dim_axes
@@ -152,7 +152,7 @@ def plan_from_blocks(
     )
 
 
-@functools.lru_cache(maxsize=512)
+@_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
     """The cached layout of ``sharding`` over ``shape`` for ``process``."""
     blocks = _sharding_blocks(sharding, shape)
