@@ -21,7 +21,7 @@ from . import loaders as loaders
 from ._src.arrays.assembly import global_array_from_local as global_array_from_local
 from ._src.arrays.batches import GlobalBatches as GlobalBatches
 from ._src.arrays.batches import global_batches as global_batches
-from ._src.arrays.blocks import DtypeWarning as DtypeWarning
+from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
 from ._src.arrays.gather import gather as gather
 from ._src.arrays.gather import local_from_global as local_from_global
 from ._src.coord.channel import channel as channel

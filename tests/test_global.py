@@ -27,7 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.arrays import blocks as _global
+from meshkit._src.arrays import blocks as _blocks
+from meshkit._src.arrays import dtypes as _dtypes
+from meshkit._src.arrays import templates as _templates
+from meshkit._src.arrays import transfer as _transfer
+from meshkit._src.core import caches as _caches
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit._src.sharding.specs import dim_axes
 from meshkit.testing import strategies as mks
@@ -56,7 +60,7 @@ TRANSFER_PATHS = pytest.mark.parametrize("from_host", [True, False], ids=["host"
 def test_global_value_round_trip_and_gather_match_numpy(from_host, data):
     mesh = data.draw(mks.meshes())
     tree, specs = data.draw(trees(mesh))
-    with mock.patch.object(_global, "_all_from_host", return_value=from_host) as path:
+    with mock.patch.object(_transfer, "_all_from_host", return_value=from_host) as path:
         g = meshkit.global_array_from_local(tree, mesh, specs)
     path.assert_called_once()
     back = meshkit.local_from_global(g)
@@ -84,7 +88,7 @@ def test_pad_rounds_up_and_the_mask_marks_real_rows(from_host, data):
     n = int(np.prod([mesh.shape[a] for a in dim_axes(spec, 1)[0]]))
     rows = data.draw(st.integers(0, 3 * n))
     x = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1
-    with mock.patch.object(_global, "_all_from_host", return_value=from_host) as path:
+    with mock.patch.object(_transfer, "_all_from_host", return_value=from_host) as path:
         (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
     path.assert_called_once()
     padded = -(-rows // n) * n
@@ -265,7 +269,7 @@ def test_a_given_global_shape_that_fits_is_accepted():
 
 
 def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
-    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     x = np.arange(8, dtype=np.float64)
     with pytest.warns(
@@ -287,7 +291,7 @@ def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
 
 
 def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypatch):
-    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     x = np.arange(8, dtype=np.float64)
     bad = {"x": x, "y": np.ones(7, np.float32)}  # 7 rows do not split over 8 devices
@@ -300,8 +304,8 @@ def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypa
 
 
 def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one(monkeypatch):
-    monkeypatch.setattr(_global, "_templates", {})
-    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    monkeypatch.setattr(_templates, "_templates", _caches.Cache(maxsize=64))
+    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 4, "model": 2})
     rng = np.random.default_rng(0)
 
@@ -316,12 +320,12 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
 
     x = rng.standard_normal((16, 4)).astype(np.float32)
     assemble(x)
-    assert len(_global._templates) == 1
-    (template,) = _global._templates.values()
-    with mock.patch.object(_global, "prepare_leaves", side_effect=AssertionError("planned")):
+    assert len(_templates._templates) == 1
+    (template,) = _templates._templates.values()
+    with mock.patch.object(_blocks, "prepare_leaves", side_effect=AssertionError("planned")):
         g = assemble(x + 1)  # new values, same layout: the template, and this call's values
     assert g.sharding.spec == P("data")
-    assert list(_global._templates.values()) == [template]
+    assert list(_templates._templates.values()) == [template]
     # Each input the plan depends on makes another template.
     assemble(x[:8])  # shape
     assemble(x.astype(np.int32))  # dtype
@@ -330,18 +334,18 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
     assemble(x, global_shape=(16, 4))  # a given global shape
     assemble(x, dtype="bfloat16")  # a cast
     assemble({"a": x, "b": x[:, 0]})  # structure
-    assert len(_global._templates) == 8
+    assert len(_templates._templates) == 8
     # Not cached: a spec tree, jax arrays, pad=True, a global shape as a list.
     assemble({"a": x, "b": x[:, 0]}, {"a": "data", "b": "data"})
     assemble(jax.numpy.asarray(x))
     meshkit.global_array_from_local(x[:13], mesh, "data", pad=True)
     assemble(x, global_shape=[16, 4])
-    assert len(_global._templates) == 8
+    assert len(_templates._templates) == 8
     # 64-bit data: narrowed (warned once per dtype, from a template too), or kept under x64.
     wide = rng.standard_normal(16)
     with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
         assert assemble(wide).dtype == np.float32
-    monkeypatch.setattr(_global, "_warned_dtypes", set())  # as if this process never warned
+    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())  # as if this process never warned
     with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
         assert assemble(wide).dtype == np.float32  # from the template
     with warnings.catch_warnings():
@@ -449,7 +453,7 @@ def test_a_bad_batch_raises_in_the_caller_naming_global_batches():
 
 
 def test_a_dtype_warning_from_global_batches_points_at_the_loop(monkeypatch):
-    monkeypatch.setattr(_global, "_warned_dtypes", set())
+    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     dtypes = []
     # The warning must come from the `for` statement itself (the iterator's __next__).

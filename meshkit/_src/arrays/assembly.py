@@ -1,20 +1,25 @@
 """The assembly protocol, and `global_array_from_local` built on it.
 
-`Assembly` runs prepare -> agree -> transfer -> assemble. `meshkit._src.arrays.blocks` holds what is
-assembled (a process's prepared part, its description, the comparison of every process's
-records, the transfer); this module holds when and how the processes agree on it, through
-`meshkit._src.coord.agree`: the records exchanged and their tags, a failure told to the processes
-waiting for this one, and the order of the steps, for `global_array_from_local`, the host arguments
-of `meshkit.spmd` / `meshkit.pmap_compat` and each step of `meshkit.global_batches`.
+`Assembly` owns the order of the steps, prepare -> agree -> transfer -> assemble, for
+`global_array_from_local`, the host arguments of `meshkit.spmd` / `meshkit.pmap_compat` and each
+step of `meshkit.global_batches`. The modules below it never call back up:
+
+- `meshkit._src.arrays.templates` / `meshkit._src.arrays.blocks`: this process's part, checked,
+  cast and planned (from a template when the layout repeats);
+- `meshkit._src.arrays.records`: the `Record` each process tells the others, and the comparison
+  that names who differs;
+- `meshkit._src.coord.agree`: the agreement itself (through the coordination service);
+- `meshkit._src.arrays.transfer`: the blocks onto the devices, and the global arrays.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -25,29 +30,20 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
-from .blocks import (
-    _WHAT,
-    Check,
-    Prepared,
-    assemble,
-    block_rows,
-    compare,
-    describe,
-    finish_padding,
-    plan_leaves,
-    prepare,
-    raise_failures,
-    replica_digests,
-    summary,
-    transfer,
-    user_stacklevel,
-    warn_notes,
-)
+from .blocks import Prepared, block_rows, describe, finish_padding, plan_leaves, replica_digests
+from .caller import WHAT
+from .dtypes import user_stacklevel, warn_notes
+from .records import Record, compare, raise_failures, summary
+from .templates import prepare
+from .transfer import assemble, transfer
 
-__all__ = ["Assembly", "global_array_from_local"]
+__all__ = ["Assembly", "Check", "global_array_from_local"]
+
+Check = bool | Literal["data"]  # global_array_from_local's check=
 
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
@@ -62,7 +58,7 @@ _SITE = _dispatch.CallSite(
 def exchange_records(
     tag: str,
     record: dict[str, Any],
-    what: str = _WHAT,
+    what: str = WHAT,
     *,
     replicas: dict[str, tuple[int, str]] | None = None,
 ) -> dict[int, dict[str, Any]]:
@@ -83,29 +79,29 @@ def exchange_records(
 
 def exchange_records_later(
     tag: str,
-    record: dict[str, Any],
+    record: Record,
     what: str,
     *,
     replicas: dict[str, tuple[int, str]],
     summarized: str | None = None,
 ) -> None:
-    """`exchange_records`, verified beside the caller (`meshkit._src.coord.agree.agree_later`).
+    """`exchange_records` of a `Record`, verified beside the caller (`_agree.agree_later`).
 
     A difference is named by `compare` there and raised by this process's next meshkit call.
-    ``summarized``: ``summary(record)``, when the caller has it already (a layout seen before).
-    The record's JSON is only made if it is shown.
+    ``summarized``: the record's `summary`, when the caller has it already (a layout seen
+    before). The record's JSON is only made if it is shown.
     """
     timeout = _env.check_timeout()
-    record = _with_replicas(record, replicas)
+    wire = _with_replicas(record.wire(), replicas)
     number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
     named = f"{what} (call #{number}, checked after it returned)"
     _agree.agree_later(
         tag,
-        summary(record) if summarized is None else summarized,
-        lambda: json.dumps(record),
+        summary(wire) if summarized is None else summarized,
+        lambda: json.dumps(wire),
         timeout=timeout,
         groups=replicas,
-        on_outcome=lambda outcome: compare(_records(outcome, timeout, named), named),
+        on_outcome=lambda outcome: compare(_read(_records(outcome, timeout, named)), named),
     )
 
 
@@ -117,6 +113,10 @@ def _with_replicas(
 ) -> dict[str, Any]:
     """``record`` with the replica digests, which phase 3 shows to name who differs."""
     return {**record, "replicas": replicas} if replicas else record
+
+
+def _read(records: dict[int, dict[str, Any]]) -> dict[int, Record]:
+    return {p: Record.read(r) for p, r in records.items()}
 
 
 def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
@@ -139,14 +139,14 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_record(tag: str, record: dict[str, Any], *, later: bool = False) -> None:
+def publish_record(tag: str, record: Record, *, later: bool = False) -> None:
     """Post this process's record of the next agreement under ``tag`` without waiting for others.
 
     Used when this process leaves a sequence of agreements (a failure, an iterator closed
     early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
     the tag is verified beside the caller (`exchange_records_later`).
     """
-    _agree.leave(tag, json.dumps(record), later=later)
+    _agree.leave(tag, json.dumps(record.wire()), later=later)
 
 
 def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> None:
@@ -154,7 +154,7 @@ def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> N
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, {"status": "error", "message": message}, later=later)
+    publish_record(tag, Record(status="error", message=message), later=later)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:
@@ -224,26 +224,22 @@ class Assembly:
                 publish_failure(self.check_tag, e, later=self.defer)
             raise
 
-    def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Any]:
+    def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Record]:
         """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
 
         With ``check`` the records are compared (a `MeshkitError` names who differs); without,
         only failures are raised. ``prepared`` None: this process has no data (``status``).
         """
-        record: dict[str, Any] = {"status": status}
+        record = Record(status=status)
         if prepared is not None and (self.check or self.pad):
-            record = {**describe(prepared, pad=self.pad), "status": status}
-        records = exchange_records(self.tag, record, self.what)
+            record = dataclasses.replace(describe(prepared, pad=self.pad), status=status)
+        records = _read(exchange_records(self.tag, record.wire(), self.what))
         raise_failures(records, self.what)
-        if (
-            self.check
-            and prepared is not None
-            and {r["status"] for r in records.values()} == {status}
-        ):
+        if self.check and prepared is not None and {r.status for r in records.values()} == {status}:
             compare(records, self.what)
         return records
 
-    def place(self, prepared: Prepared, records: dict[int, Any] | None) -> None:
+    def place(self, prepared: Prepared, records: dict[int, Record] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
         if not self.pad:
             plan_leaves(prepared)
@@ -254,35 +250,47 @@ class Assembly:
             rows = block_rows(prepared)
             if records is not None:
                 rows = max(
-                    [rows, *(int(r["block_rows"]) for r in records.values() if "block_rows" in r)]
+                    [rows, *(r.block_rows for r in records.values() if r.block_rows is not None)]
                 )
         finish_padding(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
-        """Place the blocks; unless ``agreed`` already, agree beside the copy (or after it)."""
-        checking = self.multi and bool(self.check)
-        replicas = replica_digests(prepared, full=self.check == "data") if checking else {}
-        if not checking or (agreed and not replicas):
-            return assemble(prepared, transfer(prepared))
-        record = {"status": "data"} if agreed else describe(prepared, pad=self.pad)
+        """Place the blocks and assemble; unless ``agreed`` already, agree beside the copy."""
+        pending = self._check(prepared, agreed=agreed)
+        arrays = transfer(prepared)
+        if pending is not None:
+            compare(_read(pending.result()), self.what)
+        return assemble(prepared, arrays)
+
+    def _check(
+        self, prepared: Prepared, *, agreed: bool
+    ) -> concurrent.futures.Future[dict[int, dict[str, Any]]] | None:
+        """Start the agreement made at the transfer; None: nothing to wait for.
+
+        Runs in a helper thread while the blocks are copied, so its latency hides behind the
+        copy; with ``defer``, it is verified beside the caller after the call returns.
+        """
+        if not (self.multi and self.check):
+            return None
+        replicas = replica_digests(prepared, full=self.check == "data")
+        if agreed and not replicas:
+            return None  # agreed before placing, and no replicas to compare
+        record = Record() if agreed else describe(prepared, pad=self.pad)
         if self.defer:
             template = prepared.template
             known = template.summary if template is not None and record is template.record else None
             exchange_records_later(
                 self.check_tag, record, self.what, replicas=replicas, summarized=known
             )
-            return assemble(prepared, transfer(prepared))
-        pending = _executor().submit(
+            return None
+        return _executor().submit(
             contextvars.copy_context().run,
             exchange_records,
             self.check_tag,
-            record,
+            record.wire(),
             self.what,
             replicas=replicas,
         )
-        arrays = transfer(prepared)
-        compare(pending.result(), self.what)
-        return assemble(prepared, arrays)
 
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""
@@ -314,7 +322,7 @@ def run(
     pad: bool,
     check: Check,
     tag: str,
-    what: str = _WHAT,
+    what: str = WHAT,
     defer: bool = False,
 ) -> tuple[Any, jax.Array | None]:
     """`global_array_from_local` with the exchange tag chosen by the caller (on its channel)."""
@@ -333,6 +341,7 @@ def run(
     )
 
 
+@public
 def global_array_from_local(
     local: Any,
     mesh_or_sharding: Mesh | NamedSharding,

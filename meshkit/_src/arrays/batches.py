@@ -38,9 +38,14 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
-from . import blocks as _global
+from .assembly import Check
+from .caller import set_caller
+from .dtypes import user_stacklevel, warn_notes
+from .records import Record
+from .templates import prepare
 
 __all__ = ["GlobalBatches", "global_batches"]
 
@@ -90,7 +95,7 @@ class GlobalBatches(Iterator[Any]):
         *,
         prefetch: int,
         pad: bool,
-        check: _global.Check,
+        check: Check,
         dtype: Any,
         progress: float | None,
         stop_together: bool = True,
@@ -151,6 +156,7 @@ class GlobalBatches(Iterator[Any]):
     def __iter__(self) -> GlobalBatches:
         return self
 
+    @public
     def __next__(self) -> Any:
         with self._lock:
             done = self._done
@@ -181,7 +187,7 @@ class GlobalBatches(Iterator[Any]):
         if not self._take():
             raise StopIteration
         batch, rows, notes = item
-        _global.warn_notes(notes, stacklevel=3)
+        warn_notes(notes, user_stacklevel())
         _watchdog.note_progress()
         self.steps += 1
         self.rows += rows
@@ -241,7 +247,7 @@ class GlobalBatches(Iterator[Any]):
             if self._released or not self._multi:
                 return
             self._released = True
-        _assembly.publish_record(self._tag, {"status": "closed"})
+        _assembly.publish_record(self._tag, Record(status="closed"))
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -307,7 +313,7 @@ class GlobalBatches(Iterator[Any]):
             self._work_on_channel(source)
 
     def _work_on_channel(self, source: Iterator[Any]) -> None:
-        _global.set_caller(_WHAT)
+        set_caller(_WHAT)
         template: Any = None
         while True:
             if not self._take_slot():
@@ -350,7 +356,7 @@ class GlobalBatches(Iterator[Any]):
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
             )
         prepared = assembly.prepare(
-            lambda: _global.prepare(
+            lambda: prepare(
                 local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
             )
         )
@@ -366,7 +372,7 @@ class GlobalBatches(Iterator[Any]):
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows, prepared.notes
 
-    def _check_end(self, records: dict[int, Any], step: int) -> bool:
+    def _check_end(self, records: dict[int, Record], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).
 
         Loaders that end at different steps are an error, the same on every process (each has
@@ -374,11 +380,11 @@ class GlobalBatches(Iterator[Any]):
         loaders' batches would be dropped unseen, and a loader that yielded no batch at all
         has no structure to pad with.
         """
-        statuses = {p: r["status"] for p, r in records.items()}
+        statuses = {p: r.status for p, r in records.items()}
         if "closed" in statuses.values() or set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
-        if not ended or (self._pad and all("block_rows" in records[p] for p in ended)):
+        if not ended or (self._pad and all(records[p].block_rows is not None for p in ended)):
             return False
         raise MeshkitError(_uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad))
 
@@ -422,6 +428,7 @@ def _uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str
     )
 
 
+@public
 def global_batches(
     iterable: Iterable[Any],
     mesh_or_sharding: Mesh | NamedSharding,
@@ -429,7 +436,7 @@ def global_batches(
     *,
     prefetch: int = 2,
     pad: bool = False,
-    check: _global.Check = True,
+    check: Check = True,
     dtype: Any = None,
     progress: float | None = None,
     stop_together: bool = True,

@@ -1,96 +1,50 @@
-"""Global arrays from each process's local data: `global_array_from_local`.
+"""A process's part of a global array, prepared: checked, cast and planned, before any transfer.
 
 Each process passes the part of the global array its devices hold (`meshkit.process_slice`
-says which); meshkit checks through the coordination service that the processes agree, puts one
-numpy view per block on each local device, and assembles the global `jax.Array`.
-
-Cost. A call is: a template of the layout (plans, shardings, the check's record), made on the
-first call with that layout and reused while it repeats; numpy views (no host copy unless a
-dtype cast or padding needs one); then, on CPU, one batched put per array (what
-`jax.make_array_from_callback` ends in, without its per-device callbacks), which puts every
-device's view in one call (XLA's CPU client aliases 64-byte-aligned host memory instead of
-copying it, as `jax.device_put` does); on accelerators, one batched
-``jax.device_put`` of the distinct blocks, one more that copies blocks to the other local
-devices holding the same block (replicas, device to device, not from the host again), and
-``jax.make_array_from_single_device_arrays``. The cross-process check (one small message per
-process through the coordination service) runs in a helper thread while the blocks are
-copied, so its latency hides behind the transfer.
+says which). `prepare_leaves` checks every leaf against its (mesh, spec) and the global shape,
+casts it to the dtype JAX will use, and plans which numpy view goes to which local device; with
+``pad=True``, `finish_padding` pads the leading dimension to the size the processes agreed on.
+Nothing here communicates or touches a device: `meshkit._src.arrays.assembly` decides when the
+processes agree, `meshkit._src.arrays.records` what they compare, and
+`meshkit._src.arrays.transfer` puts the blocks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
-import json
-import sys
-import warnings
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..core import compat as _compat
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
 from ..sharding.spec_trees import align_specs, plain_specs
 from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
+from .caller import calling as calling  # spmd names its assembly through it (moving to .caller)
+from .caller import pads as _pads
+from .caller import who
+from .dtypes import Note, cast
+from .records import LeafRecord, Record
 
-__all__ = ["DtypeWarning"]
-
-Check = bool | Literal["data"]
-_WHAT = "meshkit.global_array_from_local"
-
-
-@dataclass(frozen=True)
-class _Caller:
-    name: str  # the public function messages name
-    pads: bool  # whether it takes pad= (the fixes for an uneven batch suggest it)
-
-
-_DEFAULT_CALLER = _Caller(_WHAT, pads=True)  # frozen: safe to share as the default
-# Which public function messages name: global_batches sets it in its helper thread, spmd around
-# its assembly of host arguments.
-_caller: contextvars.ContextVar[_Caller] = contextvars.ContextVar(
-    "meshkit_caller", default=_DEFAULT_CALLER
-)
-
-
-def who() -> str:
-    """The public meshkit function the current assembly runs for, for messages."""
-    return _caller.get().name
-
-
-def set_caller(name: str) -> None:
-    """Name ``name`` in this thread's messages (the thread's own context)."""
-    _caller.set(_Caller(name, pads=True))
-
-
-@contextlib.contextmanager
-def calling(name: str, *, pads: bool) -> Iterator[None]:
-    """Name ``name`` in the messages of assemblies inside the block; ``pads``: it takes pad=."""
-    token = _caller.set(_Caller(name, pads))
-    try:
-        yield
-    finally:
-        _caller.reset(token)
-
-
-class DtypeWarning(UserWarning):
-    """64-bit data was narrowed to 32 bits because JAX's ``jax_enable_x64`` is off.
-
-    Issued once per process and dtype. Pass ``dtype=`` to choose the type explicitly (no
-    warning), or enable x64.
-    """
-
-
-_warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
-Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text
+__all__ = [
+    "Leaf",
+    "Prepared",
+    "Template",
+    "block_rows",
+    "describe",
+    "finish_padding",
+    "plan_leaves",
+    "prepare_leaves",
+    "prepare_tree",
+    "replica_digests",
+    "replica_slots",
+    "tree_paths",
+]
 
 _NOT_DIVISIBLE = """\
 {what}: the local array at {path} has shape {shape}; its dimension {dim}{name} has size {size},
@@ -115,7 +69,7 @@ class Leaf:
     sharding: NamedSharding
     dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
     global_shape: tuple[int, ...]
-    # From `prepare`, the plan over one element per block (it counts the blocks this process
+    # From `prepare_leaves`, the plan over one element per block (it counts the blocks this process
     # holds); `plan_leaves` or `finish_padding` replace it by the plan of the global shape.
     plan: _layout.Plan
     rows: int  # the local leading size before padding
@@ -131,16 +85,17 @@ class Prepared:
     mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
     mask_plan: _layout.Plan | None = None
     notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
-    # From a layout seen before (`prepare`'s templates): the leaves hold their final plans, and
-    # the record, its summary and the replicas' places are those of the template.
-    template: _Template | None = None
+    # From a layout seen before (`meshkit._src.arrays.templates`): the leaves hold their final
+    # plans, and the record, its summary and the replicas' places are those of the template.
+    template: Template | None = None
 
 
 @dataclass(frozen=True)
-class _Template:
-    """What `prepare` decided for one layout without padding, kept while the layout repeats.
+class Template:
+    """What was decided for one layout without padding, kept while the layout repeats.
 
-    A layout is everything `prepare` reads but the values: the pytree structure, each leaf's
+    Made and kept by `meshkit._src.arrays.templates`. A layout is everything its ``prepare`` reads
+    but the values: the pytree structure, each leaf's
     shape and dtype, the mesh or sharding, the spec, the global shape and the dtype asked for.
     Per leaf ``(path, sharding, dims, global shape, plan for the global shape, rows, dtype)``;
     no values (a template must not keep a batch alive).
@@ -148,16 +103,12 @@ class _Template:
 
     treedef: Any
     leaves: tuple[tuple[str, NamedSharding, Any, tuple[int, ...], _layout.Plan, int, Any], ...]
-    record: dict[str, Any]  # `describe(..., pad=False)`, shared: never mutated
-    summary: str  # `summary(record)`
-    replicas: tuple[tuple[int, Any, str, int], ...]  # `_replica_slots`
+    record: Record  # `describe(..., pad=False)`
+    summary: str  # `meshkit._src.arrays.records.summary` of the record
+    replicas: tuple[tuple[int, Any, str, int], ...]  # `replica_slots`
     # (path, dtype asked for or found, dtype used, dtype= given): the 64-bit narrowings, noted
     # on a call from the template as on any other (once per dtype and process).
     narrowings: tuple[tuple[str, np.dtype, np.dtype, bool], ...]
-
-
-_templates: dict[Any, _Template] = {}
-_MAX_TEMPLATES = 64
 
 
 def tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -203,7 +154,7 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
     return [(mesh, s) for s in broadcast_prefix(aligned, local, is_leaf=is_spec_leaf)]
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _processes_of(mesh: Mesh) -> frozenset[int]:
     return frozenset(int(d.process_index) for d in mesh.devices.flat)
 
@@ -253,56 +204,6 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
     )
 
 
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside meshkit."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("meshkit."):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:
-    """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype.
-
-    ``notes`` None: narrow silently, as `jax.jit` does with host arguments (`meshkit.spmd`).
-    """
-    wanted = value.dtype if dtype is None else np.dtype(dtype)
-    target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
-    if target != wanted and notes is not None:
-        _note_narrowing(path, wanted, target, dtype is not None, notes)
-    return value if value.dtype == target else value.astype(target)
-
-
-def _note_narrowing(
-    path: str, wanted: np.dtype, target: np.dtype, given: bool, notes: list[Note]
-) -> None:
-    """Note a narrowing to 32 bits, unless this process has shown it for this dtype already.
-
-    Marked as shown only when `warn_notes` issues it: a call that fails after preparing (a
-    check, a transfer) leaves the warning to the next call.
-    """
-    key = (str(wanted), str(target))
-    if key not in _warned_dtypes and all(k != key for k, _ in notes):
-        source = "dtype=" if given else f"the data at {path}"
-        notes.append(
-            (
-                key,
-                f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
-                f"global array is {target}. (Shown once per dtype.)\nConsider "
-                f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', "
-                "True) to keep 64 bits.",
-            )
-        )
-
-
-def warn_notes(notes: list[Note], stacklevel: int) -> None:
-    """Issue the dtype notes of an assembly as `DtypeWarning` s at the user's line, once each."""
-    for key, text in notes:
-        if key not in _warned_dtypes:
-            _warned_dtypes.add(key)
-            warnings.warn(text, DtypeWarning, stacklevel=stacklevel + 1)
-
-
 def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | None]:
     if global_shape is None:
         return [None] * len(paths)
@@ -331,7 +232,7 @@ def _block_desc(dim: int, axes: tuple[str, ...]) -> str:
     return f"{axes}" if axes else f"(dimension {dim} is not split)"
 
 
-def prepare(
+def prepare_tree(
     local: Any,
     mesh_or_sharding: Any,
     spec: Any,
@@ -340,105 +241,13 @@ def prepare(
     dtype: Any,
     pad: bool,
 ) -> Prepared:
-    """Check and plan this process's contribution; no communication, no device transfer.
-
-    A layout seen before (see `_Template`) is not checked and planned again: only the values
-    are taken (and cast, if the template says so).
-    """
-    flat, treedef = jax.tree_util.tree_flatten(local)
-    key = _layout_key(flat, treedef, mesh_or_sharding, spec, global_shape, dtype, pad)
-    template = _templates.get(key) if key is not None else None
-    if template is not None:
-        return _from_template(template, flat)
+    """Check and plan this process's part ``local`` (`meshkit.global_array_from_local`'s)."""
     named, treedef = tree_paths(local)
     if not named:
         raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
     pairs = _resolve(mesh_or_sharding, spec, local, len(named))
     shapes = _shape_for(global_shape, [p for p, _ in named])
-    prepared = prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
-    if key is not None:
-        if len(_templates) >= _MAX_TEMPLATES:
-            _templates.clear()  # layouts churn: start again rather than keep the oldest
-        _templates[key] = _make_template(prepared, flat, dtype)
-    return prepared
-
-
-def _layout_key(
-    flat: list[Any],
-    treedef: Any,
-    mesh_or_sharding: Any,
-    spec: Any,
-    global_shape: Any,
-    dtype: Any,
-    pad: bool,
-) -> Any:
-    """The key of `prepare`'s template for this call; None: the call is not of a cached kind.
-
-    Cached: numpy leaves, one spec (a string, a PartitionSpec or None) with a Mesh or a
-    NamedSharding, no padding, and a global shape and dtype given as hashable values. Anything
-    else is checked and planned on every call.
-    """
-    if pad or not all(type(x) is np.ndarray for x in flat):
-        return None
-    if not isinstance(mesh_or_sharding, Mesh | NamedSharding):
-        return None
-    if not (spec is None or isinstance(spec, str | PartitionSpec)):
-        return None
-    if global_shape is not None and not (
-        isinstance(global_shape, tuple) and all(type(s) is int for s in global_shape)
-    ):
-        return None
-    if not (dtype is None or isinstance(dtype, str | np.dtype | type)):
-        return None
-    shapes = tuple((x.shape, x.dtype) for x in flat)
-    x64 = bool(jax.config.jax_enable_x64)  # decides the dtypes leaves are cast to
-    return (treedef, shapes, mesh_or_sharding, spec, global_shape, dtype, x64)
-
-
-def _make_template(prepared: Prepared, flat: list[np.ndarray], dtype: Any) -> _Template:
-    """The template of ``prepared`` (just made from the numpy leaves ``flat``), planned."""
-    plan_leaves(prepared)
-    record = describe(prepared, pad=False)
-    leaves = tuple(
-        (
-            leaf.path,
-            leaf.sharding,
-            leaf.dims,
-            leaf.global_shape,
-            leaf.plan,
-            leaf.rows,
-            leaf.value.dtype,
-        )
-        for leaf in prepared.leaves
-    )
-    narrowings = []
-    for x, leaf in zip(flat, prepared.leaves, strict=True):
-        wanted = x.dtype if dtype is None else np.dtype(dtype)
-        if leaf.value.dtype != wanted:
-            narrowings.append((leaf.path, wanted, leaf.value.dtype, dtype is not None))
-    template = _Template(
-        prepared.treedef,
-        leaves,
-        record,
-        summary(record),
-        _replica_slots(prepared.leaves),
-        tuple(narrowings),
-    )
-    prepared.template = template
-    return template
-
-
-def _from_template(template: _Template, flat: list[np.ndarray]) -> Prepared:
-    notes: list[Note] = []
-    for path, wanted, target, given in template.narrowings:
-        _note_narrowing(path, wanted, target, given, notes)
-    leaves = [
-        Leaf(path, x if x.dtype == target else x.astype(target), sharding, dims, shape, plan, rows)
-        for x, (path, sharding, dims, shape, plan, rows, target) in zip(
-            flat, template.leaves, strict=True
-        )
-    ]
-    return Prepared(template.treedef, leaves, notes=notes, template=template)
+    return prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
 
 
 def prepare_leaves(
@@ -451,7 +260,7 @@ def prepare_leaves(
     pad: bool,
     warn_dtypes: bool = True,
 ) -> Prepared:
-    """`prepare` for leaves already named and paired with their (mesh, spec-like).
+    """`prepare_tree` for leaves already named and paired with their (mesh, spec-like).
 
     ``named`` holds ``(path, leaf)`` in the flattening order of ``treedef``; ``shapes`` the
     given global shape of each leaf (None: inferred). `meshkit.spmd` enters here with the
@@ -482,7 +291,7 @@ def prepare_leaves(
                 f"dimension{'s' if len(dims) != 1 else ''}, but the array at {path} has shape "
                 f"{value.shape} ({value.ndim} dimensions)."
             )
-        value = _cast(path, value, dtype, notes if warn_dtypes else None)
+        value = cast(path, value, dtype, notes if warn_dtypes else None)
         sharding = NamedSharding(mesh, partition)
         counts = _layout.block_counts(sharding, value.ndim)
         unit = _layout.plan(sharding, counts, me)
@@ -527,7 +336,7 @@ def prepare_leaves(
 
 def _pad_fix(k: int) -> str:
     """The fix for a local batch that does not split over this process's ``k`` blocks."""
-    if _caller.get().pads:
+    if _pads():
         return (
             "Consider pad=True to pad the last, smaller batch (a mask marks the padding), or a "
             f"local batch divisible by {k}."
@@ -628,36 +437,28 @@ def plan_leaves(prepared: Prepared) -> None:
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
-def describe(prepared: Prepared, *, pad: bool) -> dict[str, Any]:
-    """This process's record for the cross-process comparison (JSON-serialisable).
+def describe(prepared: Prepared, *, pad: bool) -> Record:
+    """This process's record for the cross-process comparison.
 
-    From a template (a layout seen before), the template's record: do not mutate it.
+    From a template (a layout seen before), the template's record.
     """
     if prepared.template is not None and not pad:
         return prepared.template.record
+    rows = block_rows(prepared) if pad else None
     leaves = []
     for leaf in prepared.leaves:
         shape: list[Any] = list(leaf.global_shape)
         if pad and shape:
             shape[0] = "?"
         axes = [list(a) for a in dim_axes(leaf.sharding.spec, leaf.value.ndim)]
-        leaves.append([leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape)])
-    record: dict[str, Any] = {"status": "data", "tree": str(prepared.treedef), "leaves": leaves}
-    if pad:
-        record["block_rows"] = block_rows(prepared)
-    return record
-
-
-def summary(record: dict[str, Any]) -> str:
-    """What must be equal in every process: all of the record but the local shapes.
-
-    The ``replicas`` digests are compared per replica group (`meshkit._src.coord.agree` groups),
-    not here.
-    """
-    compared = {k: v for k, v in record.items() if k != "replicas"}
-    if "leaves" in compared:
-        compared["leaves"] = [leaf[:4] for leaf in compared["leaves"]]
-    return json.dumps(compared, sort_keys=True)
+        leaves.append(
+            LeafRecord(leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape))
+        )
+    return Record(
+        tree=str(prepared.treedef),
+        leaves=tuple(leaves),
+        block_rows=rows,
+    )
 
 
 def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, str]]:
@@ -669,7 +470,7 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     hold their final plans (after `plan_leaves` or `finish_padding`).
     """
     template = prepared.template
-    slots = template.replicas if template is not None else _replica_slots(prepared.leaves)
+    slots = template.replicas if template is not None else replica_slots(prepared.leaves)
     groups: dict[str, tuple[int, str]] = {}
     for i, local_index, name, reference in slots:
         view = prepared.leaves[i].value[local_index]
@@ -677,7 +478,7 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     return groups
 
 
-def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
+def replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
     """The blocks this process holds that other processes hold too (replicas).
 
     ``(leaf index, local index of the block, "leaf path@block start", the lowest process
@@ -716,179 +517,3 @@ def _digest(block: np.ndarray) -> str:
     # CRC-32 (zlib releases the GIL) runs at about 3 GB/s per core here, four times blake2b:
     # the check looks for loaders that went astray, not for an adversary.
     return f"{zlib.crc32(np.ascontiguousarray(block).reshape(-1).view(np.uint8)):08x}"
-
-
-def _groups(values: dict[int, Any]) -> str:
-    by: dict[str, list[int]] = {}
-    for pid, v in sorted(values.items()):
-        by.setdefault(str(v), []).append(pid)
-    return "\n".join(
-        f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}" for v, p in by.items()
-    )
-
-
-def raise_failures(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
-    """Raise a `MeshkitError` naming the processes that reported a failure instead of data."""
-    failed = {p: r for p, r in records.items() if r.get("status") == "error"}
-    if failed:
-        lines = "\n".join(f"  process {p}: {r['message']}" for p, r in sorted(failed.items()))
-        raise MeshkitError(
-            f"{what}: process{'es' if len(failed) > 1 else ''} "
-            f"{','.join(map(str, sorted(failed)))} failed before the processes compared their "
-            f"data:\n{lines}\nEvery process stops here too (the program cannot go on with "
-            "some processes missing)."
-        )
-
-
-def compare(records: dict[int, dict[str, Any]], what: str = _WHAT) -> None:
-    """Raise a `MeshkitError` naming the processes and the pytree path where records differ."""
-    raise_failures(records, what)
-    trees = {p: r.get("tree") for p, r in records.items()}  # absent: sizes agreed already
-    if len(set(trees.values())) > 1:
-        raise MeshkitError(
-            f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
-            "Every process must pass the same structure (same keys, same number of arrays).\n"
-            "Consider building batches with the same code and keys on every process."
-        )
-    first = min(records)
-    for i, leaf in enumerate(records[first].get("leaves", ())):
-        path = leaf[0]
-        for field_index, name in ((1, "dtype"), (2, "split"), (3, "global shape")):
-            seen = {p: r["leaves"][i][field_index] for p, r in records.items()}
-            if len({json.dumps(v) for v in seen.values()}) > 1:
-                shown = {
-                    p: f"{r['leaves'][i][1]}{r['leaves'][i][4]} (global {r['leaves'][i][3]}, "
-                    f"split over {[tuple(a) for a in r['leaves'][i][2]]})"
-                    for p, r in records.items()
-                }
-                uneven = (
-                    "pass pad=True"
-                    if _caller.get().pads
-                    else "pad it first with meshkit.global_array_from_local(..., pad=True)"
-                )
-                raise MeshkitError(
-                    f"{what}: processes disagree on the {name} of {path}:\n{_groups(shown)}\n"
-                    "Processes must pass local arrays that fit together into one global array "
-                    "(local shape = global shape / processes along each split dimension).\n"
-                    f"Consider checking each process's loader; for an uneven last batch {uneven}."
-                )
-    if any("replicas" in r for r in records.values()):
-        _compare_replicas(records, what)
-
-
-def _compare_replicas(records: dict[int, dict[str, Any]], what: str) -> None:
-    """Name the processes whose replicas of one block differ (``replicas``: their digests)."""
-    owners: dict[str, dict[int, str]] = {}
-    for p, r in sorted(records.items()):
-        for name, (_, digest) in r.get("replicas", {}).items():
-            owners.setdefault(name, {})[p] = digest
-    for name, digests in sorted(owners.items()):
-        if len(set(digests.values())) > 1:
-            by: dict[str, list[int]] = {}
-            for p, dg in digests.items():
-                by.setdefault(dg, []).append(p)
-            groups = " vs ".join(str(ps) for ps in by.values())
-            path, _, start = name.rpartition("@")
-            raise MeshkitError(
-                f"{what}: processes {groups} hold the same block of {path} (starting at "
-                f"{start}) as replicas, but passed different data for it.\n"
-                "Processes in a replica group (meshkit.process_slice(...).replicas) must "
-                "load identical data; consider seeding their loaders by shard_index, not by "
-                "process index."
-            )
-
-
-def _all_from_host(prepared: Prepared) -> bool:
-    """Whether every block, replicas included, goes from the host: one batched put per array.
-
-    On CPU a device-to-device copy of a replica is a memcpy like the host one, but a host buffer
-    aligned for XLA is aliased rather than copied, and `jax.make_array_from_callback` puts all
-    of an array's blocks in one call (about a fifth of the overhead of a list put of the same
-    views). Accelerators copy replicas device to device, faster than from pageable host memory.
-    """
-    return all(
-        pl.device.platform == "cpu" for leaf in prepared.leaves for pl in leaf.plan.placements[:1]
-    )
-
-
-def _mask_value(prepared: Prepared) -> np.ndarray | None:
-    """This process's padding mask (True on real rows), when `pad=True` made one."""
-    if prepared.mask_plan is None or prepared.mask_rows is None:
-        return None
-    real, rows = prepared.mask_rows
-    mask = np.zeros(rows, bool)
-    mask[:real] = True
-    return mask
-
-
-_orders: dict[tuple[NamedSharding, tuple[int, ...]], tuple[list[Any], list[Any]]] = {}
-
-
-def _put_order(plan: _layout.Plan, sharding: NamedSharding) -> tuple[list[Any], list[Any]]:
-    """Local devices in the order JAX lists them, and the local index of each one's block."""
-    key = (sharding, plan.global_shape)
-    order = _orders.get(key)
-    if order is None:
-        if len(_orders) >= 512:
-            _orders.clear()
-        by_device = {pl.device: pl.local_index for pl in plan.placements}
-        devices = list(sharding.addressable_devices_indices_map(plan.global_shape))
-        order = _orders[key] = (devices, [by_device[d] for d in devices])
-    return order
-
-
-def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
-    """One global array, every local device's block put from the host view in one call."""
-    devices, indices = _put_order(plan, sharding)
-    blocks = [value[index] for index in indices]
-    return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
-
-
-def transfer(prepared: Prepared) -> list[jax.Array]:
-    """The global array of every leaf, then the mask if any.
-
-    On CPU every block goes from the host (`_all_from_host`); elsewhere the distinct blocks go
-    from the host in one batched put and replicas are copied device to device in another.
-    """
-    jobs: list[tuple[np.ndarray, _layout.Plan, NamedSharding]] = [
-        (leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves
-    ]
-    mask = _mask_value(prepared)
-    if mask is not None and prepared.mask_plan is not None and prepared.mask_sharding is not None:
-        jobs.append((mask, prepared.mask_plan, prepared.mask_sharding))
-    if _all_from_host(prepared):
-        return [_from_host(value, plan, sharding) for value, plan, sharding in jobs]
-    views, targets, where = [], [], []
-    for i, (value, plan, _) in enumerate(jobs):
-        for j, pl in enumerate(plan.placements):
-            if pl.first:
-                views.append(value[pl.local_index])
-                targets.append(pl.device)
-                where.append((i, j))
-    placed = jax.device_put(views, targets)
-    out: list[list[Any]] = [[None] * len(plan.placements) for _, plan, _ in jobs]
-    by_block: dict[tuple[int, Any], jax.Array] = {}
-    for (i, j), array in zip(where, placed, strict=True):
-        out[i][j] = array
-        by_block[(i, repr(jobs[i][1].placements[j].global_index))] = array
-    copies, copy_targets, copy_where = [], [], []
-    for i, (_, plan, _) in enumerate(jobs):
-        for j, pl in enumerate(plan.placements):
-            if not pl.first:
-                copies.append(by_block[(i, repr(pl.global_index))])
-                copy_targets.append(pl.device)
-                copy_where.append((i, j))
-    if copies:
-        for (i, j), array in zip(copy_where, jax.device_put(copies, copy_targets), strict=True):
-            out[i][j] = array
-    return [
-        jax.make_array_from_single_device_arrays(plan.global_shape, sharding, out[i])
-        for i, (_, plan, sharding) in enumerate(jobs)
-    ]
-
-
-def assemble(prepared: Prepared, arrays: list[jax.Array]) -> tuple[Any, jax.Array | None]:
-    """The global arrays in local's pytree, and the mask (None without padding)."""
-    n = len(prepared.leaves)
-    mask = arrays[n] if len(arrays) > n else None
-    return jax.tree_util.tree_unflatten(prepared.treedef, arrays[:n]), mask

@@ -11,7 +11,6 @@ mesh; an all-gather for ``to="all"``, point-to-point sends to one process otherw
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Literal
 
@@ -22,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..core import caches as _caches
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 
@@ -61,6 +62,7 @@ def _local_plan(x: jax.Array, where: str, what: str) -> _layout.Plan:
     return p
 
 
+@public
 def local_from_global(x: Any) -> Any:
     """This process's part of global arrays, as numpy, in the layout it was given.
 
@@ -111,12 +113,12 @@ def _process_mesh(devices: list[Any]) -> Mesh:
     return Mesh(np.array([by_process[p] for p in sorted(by_process)], dtype=object), (_AXIS,))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _all_gather(mesh: Mesh) -> Any:
     return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _gather_to(mesh: Mesh, root: int) -> Any:
     n = mesh.devices.size
 
@@ -131,6 +133,7 @@ def _gather_to(mesh: Mesh, root: int) -> Any:
     )
 
 
+@public
 def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     """The whole value of global arrays, as numpy, on every process or on one.
 

@@ -10,6 +10,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from . import caches as _caches
+
 __all__ = [
     "backends_are_initialized",
     "bound_axis_sizes",
@@ -50,7 +52,7 @@ def put_blocks(
     )
 
 
-@functools.lru_cache(maxsize=512)
+@_caches.cached(maxsize=512)
 def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
     core = _jax_core()
     return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)

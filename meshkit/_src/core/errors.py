@@ -73,6 +73,20 @@ class MeshkitNameError(MeshkitError, NameError):
     """A `MeshkitError` where JAX raises `NameError` (a collective over an unbound axis name)."""
 
 
+# The public classes print under the name users import them by (``meshkit.MeshkitError`` in a
+# traceback or a repr, not this module's path); pickling finds them there too.
+for _public in (
+    MeshkitError,
+    LaunchError,
+    DivergenceError,
+    MeshkitTypeError,
+    MeshkitIndexError,
+    MeshkitNameError,
+):
+    _public.__module__ = "meshkit"
+del _public
+
+
 def say(text: str) -> None:
     """Write ``text`` to stderr at once; never raises, even with stderr closed.
 

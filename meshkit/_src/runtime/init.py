@@ -40,6 +40,7 @@ from ..core.contract import (
     ENV_PROCESS_ID,
 )
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import progress as _progress
 from . import slurm as _slurm
@@ -124,6 +125,7 @@ Consider choosing another port, or ending the program that holds it (an earlier 
 exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
 
 
+@public
 def runtime_info() -> RuntimeInfo | None:
     """What `meshkit.init` decided, or None if it has not run in this process."""
     return _INFO
@@ -334,6 +336,7 @@ def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | No
         )
 
 
+@public
 def init(
     *,
     coordinator_address: str | None = None,

@@ -15,7 +15,6 @@ This is the one place that answers the question: `global_array_from_local`,
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
@@ -27,7 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from .specs import SpecLike, check_spec_for_mesh, dim_axes
 
 __all__ = ["ProcessSlice", "block_counts", "plan", "process_slice"]
@@ -151,7 +152,7 @@ def plan_from_blocks(
     )
 
 
-@functools.lru_cache(maxsize=512)
+@_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
     """The cached layout of ``sharding`` over ``shape`` for ``process``."""
     blocks = _sharding_blocks(sharding, shape)
@@ -213,6 +214,7 @@ class ProcessSlice:
             )
         return tuple(slice(r[0][0], r[0][1]) for r in self.ranges)
 
+    @public
     def take(self, global_value: Any) -> np.ndarray:
         """Cut this process's local array out of the whole global value (a numpy array-like).
 
@@ -262,6 +264,7 @@ def check_divisible(
             )
 
 
+@public
 def process_slice(
     mesh: Mesh,
     spec: SpecLike,

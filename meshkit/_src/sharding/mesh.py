@@ -26,6 +26,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError, ranges
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 
 __all__ = ["describe", "make_mesh", "order_devices"]
@@ -288,6 +289,7 @@ _SITE = _dispatch.CallSite(
 )
 
 
+@public
 def make_mesh(
     axes: Mapping[str, int] | Sequence[tuple[str, int]],
     *,
@@ -355,6 +357,7 @@ def make_mesh(
     return Mesh(grid, names, axis_types=types)
 
 
+@public
 def describe(mesh: Mesh) -> str:
     """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
 

@@ -16,7 +16,6 @@ one level of parentheses, ``_``); errors underline the bad token.
 
 from __future__ import annotations
 
-import functools
 import keyword
 import re
 from collections.abc import Callable
@@ -28,7 +27,9 @@ import jax
 from einops.parsing import ParsedExpression
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 
 __all__ = [
     "SpecString",
@@ -126,7 +127,7 @@ def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
         raise _error(text, opened, opened + 1, "'(' is never closed")
 
 
-@functools.lru_cache(maxsize=1024)
+@_caches.cached(maxsize=1024)
 def parse_spec(text: str) -> SpecString:
     """Parse a spec string (cached). See the module docstring for the grammar.
 
@@ -173,6 +174,7 @@ def parse_spec(text: str) -> SpecString:
     return SpecString(text, dim_names, PartitionSpec(*entries), spans)
 
 
+@public
 def spec(text: str) -> PartitionSpec:
     """The `jax.sharding.PartitionSpec` a readable spec string means.
 

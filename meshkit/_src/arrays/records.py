@@ -1,0 +1,192 @@
+"""The records processes exchange to agree on an assembly, with named fields, and their comparison.
+
+A `Record` is what one process tells the others about its part of an assembly: its status (data,
+the end of its data, closed, or failed and why), the pytree structure, one `LeafRecord` per
+array, the rows per block of an uneven batch and the digests of its replicas. On the wire it
+is the JSON object it always was: the leaves are JSON lists (a `NamedTuple` costs no bytes), the
+fields left unset are absent. `summary` is what must be equal in every process; `compare` names
+who differs and where.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+from ..core.errors import MeshkitError
+from .caller import WHAT, pads
+
+__all__ = [
+    "LeafRecord",
+    "Record",
+    "compare",
+    "raise_failures",
+    "summary",
+]
+
+
+class LeafRecord(NamedTuple):
+    """One array of a process's part, as the processes compare it (sent as a JSON list)."""
+
+    path: str  # its pytree path, as messages show it
+    dtype: str  # the dtype of the global array
+    split: list[list[str]]  # the mesh axes that split each dimension
+    global_shape: list[Any]  # with pad=True, "?" for the leading size (agreed separately)
+    local_shape: list[int]  # this process's part: not compared (processes may differ)
+
+    def compared(self) -> tuple[str, str, list[list[str]], list[Any]]:
+        """What must be equal in every process: all but the local shape."""
+        return self.path, self.dtype, self.split, self.global_shape
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one process tells the others about its part of an assembly.
+
+    Attributes:
+        status: ``"data"``; ``"end"`` (its loader ended: `meshkit.global_batches`);
+            ``"closed"`` (its iterator closed early); ``"error"`` (it failed: ``message``).
+        tree: the pytree structure of its part.
+        leaves: one `LeafRecord` per array, in flattening order.
+        block_rows: with ``pad=True``, the rows per block it needs (the largest is used).
+        message: with status ``"error"``, the failure, for the others' messages.
+        replicas: the digests of the blocks other processes hold too
+            (`meshkit._src.coord.agree` groups: name -> (reference process, digest)).
+    """
+
+    status: str = "data"
+    tree: str | None = None
+    leaves: tuple[LeafRecord, ...] | None = None
+    block_rows: int | None = None
+    message: str | None = None
+    replicas: dict[str, tuple[int, str]] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON object sent: the fields that are set, in declaration order."""
+        out = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    @classmethod
+    def read(cls, wire: dict[str, Any]) -> Record:
+        """The record another process sent (its `wire` form, parsed from JSON)."""
+        leaves = wire.get("leaves")
+        return cls(
+            status=wire["status"],
+            tree=wire.get("tree"),
+            leaves=None if leaves is None else tuple(LeafRecord(*leaf) for leaf in leaves),
+            block_rows=wire.get("block_rows"),
+            message=wire.get("message"),
+            replicas=wire.get("replicas"),
+        )
+
+
+_FIELDS = tuple(f.name for f in fields(Record))
+
+
+def summary(wire: dict[str, Any]) -> str:
+    """What must be equal in every process: all of a record's JSON object but the local shapes.
+
+    Any JSON object may be exchanged (`meshkit.pad_shard_unpad` agrees on a plain dict); a
+    `Record`'s leaves are compared without their local shapes. The ``replicas`` digests are
+    compared per replica group (`meshkit._src.coord.agree` groups), not here.
+    """
+    compared = {k: v for k, v in wire.items() if k != "replicas"}
+    if "leaves" in compared:
+        compared["leaves"] = [LeafRecord(*leaf).compared() for leaf in compared["leaves"]]
+    return json.dumps(compared, sort_keys=True)
+
+
+def _groups(values: dict[int, Any]) -> str:
+    by: dict[str, list[int]] = {}
+    for pid, v in sorted(values.items()):
+        by.setdefault(str(v), []).append(pid)
+    return "\n".join(
+        f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}" for v, p in by.items()
+    )
+
+
+def raise_failures(records: dict[int, Record], what: str = WHAT) -> None:
+    """Raise a `MeshkitError` naming the processes that reported a failure instead of data."""
+    failed = {p: r for p, r in records.items() if r.status == "error"}
+    if failed:
+        lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
+        raise MeshkitError(
+            f"{what}: process{'es' if len(failed) > 1 else ''} "
+            f"{','.join(map(str, sorted(failed)))} failed before the processes compared their "
+            f"data:\n{lines}\nEvery process stops here too (the program cannot go on with "
+            "some processes missing)."
+        )
+
+
+def compare(records: dict[int, Record], what: str = WHAT) -> None:
+    """Raise a `MeshkitError` naming the processes and the pytree path where records differ."""
+    raise_failures(records, what)
+    trees = {p: r.tree for p, r in records.items()}  # absent: sizes agreed already
+    if len(set(trees.values())) > 1:
+        raise MeshkitError(
+            f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
+            "Every process must pass the same structure (same keys, same number of arrays).\n"
+            "Consider building batches with the same code and keys on every process."
+        )
+    first = min(records)
+    for i, leaf in enumerate(records[first].leaves or ()):
+        rows = {p: _leaf(r, i) for p, r in records.items()}
+        for field_name, shown_name in _COMPARED:
+            seen = {p: getattr(x, field_name) for p, x in rows.items()}
+            if len({json.dumps(v) for v in seen.values()}) > 1:
+                shown = {
+                    p: f"{x.dtype}{x.local_shape} (global {x.global_shape}, "
+                    f"split over {[tuple(a) for a in x.split]})"
+                    for p, x in rows.items()
+                }
+                uneven = (
+                    "pass pad=True"
+                    if pads()
+                    else "pad it first with meshkit.global_array_from_local(..., pad=True)"
+                )
+                raise MeshkitError(
+                    f"{what}: processes disagree on the {shown_name} of {leaf.path}:\n"
+                    f"{_groups(shown)}\n"
+                    "Processes must pass local arrays that fit together into one global array "
+                    "(local shape = global shape / processes along each split dimension).\n"
+                    f"Consider checking each process's loader; for an uneven last batch {uneven}."
+                )
+    if any(r.replicas is not None for r in records.values()):
+        _compare_replicas(records, what)
+
+
+# The fields of a leaf compared, and their names in messages.
+_COMPARED = (("dtype", "dtype"), ("split", "split"), ("global_shape", "global shape"))
+
+
+def _leaf(record: Record, i: int) -> LeafRecord:
+    """The ``i``-th leaf of a record whose structure equals the others' (compared before)."""
+    assert record.leaves is not None
+    return record.leaves[i]
+
+
+def _compare_replicas(records: dict[int, Record], what: str) -> None:
+    """Name the processes whose replicas of one block differ (``replicas``: their digests)."""
+    owners: dict[str, dict[int, str]] = {}
+    for p, r in sorted(records.items()):
+        for name, (_, block_digest) in (r.replicas or {}).items():
+            owners.setdefault(name, {})[p] = block_digest
+    for name, digests in sorted(owners.items()):
+        if len(set(digests.values())) > 1:
+            by: dict[str, list[int]] = {}
+            for p, dg in digests.items():
+                by.setdefault(dg, []).append(p)
+            groups = " vs ".join(str(ps) for ps in by.values())
+            path, _, start = name.rpartition("@")
+            raise MeshkitError(
+                f"{what}: processes {groups} hold the same block of {path} (starting at "
+                f"{start}) as replicas, but passed different data for it.\n"
+                "Processes in a replica group (meshkit.process_slice(...).replicas) must "
+                "load identical data; consider seeding their loaders by shard_index, not by "
+                "process index."
+            )

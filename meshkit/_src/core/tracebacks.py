@@ -1,0 +1,89 @@
+"""Tracebacks of meshkit's errors show the user's frames, not meshkit's own.
+
+A `MeshkitError` raised deep inside a public function (a check in the layout planner, a
+comparison after the processes agreed) would otherwise print ten frames of meshkit's internals
+above its message; the user's mistake is in their own frame, which the message names. `public`
+marks a public entry point: when a `MeshkitError` (or a subclass) leaves it, the frames of
+meshkit's own modules are taken out of the traceback (`meshkit._src.core.frames.meshkit_file`:
+``meshkit/testing`` runs the user's code and stays), as JAX does with its internals.
+``MESHKIT_TRACEBACK_FILTERING=off`` keeps every frame (for debugging meshkit itself).
+
+Other exceptions (a bug in meshkit, an error of JAX or of the user's own callable) keep their
+whole traceback: there meshkit's frames are the story.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from . import env as _env
+from .errors import MeshkitError
+from .frames import meshkit_file
+
+__all__ = ["ENV_TRACEBACK_FILTERING", "filtered", "public"]
+
+ENV_TRACEBACK_FILTERING = "MESHKIT_TRACEBACK_FILTERING"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def public(fn: Callable[P, R]) -> Callable[P, R]:
+    """Mark ``fn`` as a public entry point: its `MeshkitError` s show the user's frames.
+
+    Costs one Python frame per call; nothing is done unless a `MeshkitError` leaves ``fn``.
+    Nested entry points (`meshkit.spmd` assembling through `meshkit.global_array_from_local`)
+    filter once each, to the same result.
+
+    Example:
+        >>> @public
+        ... def entry(x):
+        ...     return x + 1
+        >>> entry(1)
+        2
+    """
+
+    @functools.wraps(fn)
+    def entry_point(*args: P.args, **kwargs: P.kwargs) -> R:
+        __tracebackhide__ = True  # pytest: this frame is never the interesting one
+        try:
+            return fn(*args, **kwargs)
+        except MeshkitError as e:
+            if _filtering():
+                # Replaced in place, then re-raised bare: a bare raise adds no frame of its own.
+                e.with_traceback(filtered(e.__traceback__))
+            raise
+
+    return entry_point
+
+
+def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of meshkit's own modules (the others, in their order)."""
+    kept = []
+    while tb is not None:
+        if not meshkit_file(tb.tb_frame.f_code.co_filename):
+            kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for entry in reversed(kept):
+        out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return out
+
+
+def _filtering() -> bool:
+    """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default).
+
+    Read when an error passes, not at import: a program may set it after importing meshkit.
+    """
+    return bool(
+        _env.flag(
+            ENV_TRACEBACK_FILTERING,
+            where="meshkit",
+            on="hide meshkit's frames, the default",
+            off="show every frame",
+            blank=True,
+        )
+    )
