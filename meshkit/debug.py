@@ -37,19 +37,19 @@ round trips; any other call waits for its window (two round trips).
 See ``nox -s bench``.
 """
 
-from ._src.debug.divergence import ENV_DEBUG as ENV_DEBUG
-from ._src.debug.divergence import ENV_DEBUG_TIMEOUT as ENV_DEBUG_TIMEOUT
-from ._src.debug.divergence import ENV_WATCHDOG as ENV_WATCHDOG
-from ._src.debug.divergence import PERIOD as PERIOD
-from ._src.debug.divergence import DivergenceError as DivergenceError
-from ._src.debug.divergence import Settings as Settings
-from ._src.debug.divergence import barrier as barrier
-from ._src.debug.divergence import debugging as debugging
-from ._src.debug.divergence import disable as disable
-from ._src.debug.divergence import enable as enable
-from ._src.debug.divergence import enable_from_environment as enable_from_environment
-from ._src.debug.divergence import enabled as enabled
-from ._src.debug.divergence import settings as settings
+from ._src.core.errors import DivergenceError as DivergenceError
+from ._src.debug.barrier import barrier as barrier
+from ._src.debug.mode import ENV_DEBUG as ENV_DEBUG
+from ._src.debug.mode import ENV_DEBUG_TIMEOUT as ENV_DEBUG_TIMEOUT
+from ._src.debug.mode import ENV_WATCHDOG as ENV_WATCHDOG
+from ._src.debug.mode import debugging as debugging
+from ._src.debug.mode import disable as disable
+from ._src.debug.mode import enable as enable
+from ._src.debug.mode import enable_from_environment as enable_from_environment
+from ._src.debug.mode import enabled as enabled
+from ._src.debug.mode import settings as settings
+from ._src.debug.state import PERIOD as PERIOD
+from ._src.debug.state import Settings as Settings
 
 __all__ = [
     "ENV_DEBUG",
