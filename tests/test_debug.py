@@ -19,8 +19,8 @@ import meshkit
 from meshkit import debug
 from meshkit._src.debug import divergence as _divergence
 from meshkit._src.debug import fingerprint as _fingerprint
-from meshkit._src.debug import mode as _mode
 from meshkit._src.debug import state as _state
+from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import launch_in_processes, run_in_processes
 
@@ -116,7 +116,8 @@ def test_bad_environment_values_name_the_variable_and_the_accepted_values(
 
 def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatch):
     registered = []
-    monkeypatch.setattr(_mode.atexit, "register", lambda f, *a, **k: registered.append(f))
+    monkeypatch.setattr(_exit, "_registry", _exit._Registry())
+    monkeypatch.setattr(_exit.atexit, "register", lambda f, *a, **k: registered.append(f))
     monkeypatch.setattr(_state.state, "exit_hooks", False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     hooks = []
@@ -126,6 +127,11 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
         debug.disable()
     assert len(registered) == 1
     assert hooks[0] is hooks[1] is hooks[2] is not sys.__excepthook__
+    assert sorted(_exit._registry.exit) == [
+        "debug mode: publish leaving",
+        "flush stdout and stderr",
+    ]
+    assert list(_exit._registry.exception) == ["debug mode: publish leaving with the error"]
     assert _dispatch._observers.count(_divergence.check) == 0
     debug.enable(timeout=5, watchdog=None)
     assert _dispatch._observers.count(_divergence.check) == 1

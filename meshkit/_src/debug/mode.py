@@ -1,19 +1,17 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it registers while on.
 
 Turning debug mode on makes the divergence check (`.divergence.check`) a dispatch observer,
-starts the stall watchdog (`meshkit._src.lifecycle.watchdog`), and installs exit hooks (at an
-uncaught exception or at exit the other processes are told that this one leaves, so that their
-checks name it instead of waiting). ``MESHKIT_DEBUG=1`` turns it on at `meshkit.init` or at the
-first SPMD call.
+starts the stall watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
+(`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
+that this one leaves, so that their checks name it instead of waiting). ``MESHKIT_DEBUG=1``
+turns it on at `meshkit.init` or at the first SPMD call, never at import.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +19,7 @@ from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
+from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
 from ..runtime import init as _runtime
@@ -108,7 +107,7 @@ def enable(
             _dispatch.add_observer(_divergence.check)
             _st.state.observing = True
         if not _st.state.exit_hooks:
-            _install_exit_hooks()
+            _register_exit()
             _st.state.exit_hooks = True
         if watchdog is not None:
             _st.state.watchdog = _watchdog.Watchdog(
@@ -170,11 +169,10 @@ def _from_environment_at_init() -> None:
 def _from_environment_at_first_call(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     """Decide debug mode from the environment once, at the first SPMD call, and check that call.
 
-    An observer until then (so the calls after it pay nothing): it removes itself first, and
-    checks the call it sees only when it turned debug mode on (an `enable` made earlier has
-    installed the check already).
+    Run by the dispatch point's first-call step (`meshkit._src.runtime.dispatch.at_first_call`),
+    so the calls after it pay nothing; it checks the call it sees only when it turned debug mode
+    on (an `enable` made earlier has installed the check already).
     """
-    _dispatch.remove_observer(_from_environment_at_first_call)
     if enabled():
         return
     enable_from_environment()
@@ -210,17 +208,20 @@ def _publish_leaving(status: str, message: str = "") -> None:
             _agree.leave(tag, json.dumps(record), later=True, wait=wait)
 
 
-def _install_exit_hooks() -> None:
-    atexit.register(lambda: _publish_leaving("exit"))
-    previous = sys.excepthook
+def _register_exit() -> None:
+    """Tell the others this process leaves: at an uncaught exception (first), else at exit."""
+    _exit.on_exit(
+        "debug mode: publish leaving", lambda: _publish_leaving("exit"), order=_exit.LEAVE
+    )
+    _exit.on_exception(
+        "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
+    )
 
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if _st.state.settings is not None and not isinstance(value, DivergenceError):
-            text = f"{kind.__name__}: {value}".splitlines()[0][: _fingerprint.MAX_DESC]
-            _publish_leaving("error", text)
-        previous(kind, value, tb)
 
-    sys.excepthook = hook
+def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if _st.state.settings is not None and not isinstance(value, DivergenceError):
+        text = f"{kind.__name__}: {value}".splitlines()[0][: _fingerprint.MAX_DESC]
+        _publish_leaving("error", text)
 
 
 def _stop_watchdog() -> None:
@@ -229,6 +230,7 @@ def _stop_watchdog() -> None:
         _st.state.watchdog = None
 
 
-# MESHKIT_DEBUG=1 is read at init or at the first SPMD call; registering starts nothing.
-_dispatch.add_observer(_from_environment_at_first_call)
+# Declared, not started: MESHKIT_DEBUG=1 is read at init or at the first SPMD call. The runtime
+# sits below debug and cannot call it, so debug names what those two moments run.
+_dispatch.at_first_call(_from_environment_at_first_call)
 _runtime.on_join(_from_environment_at_init)

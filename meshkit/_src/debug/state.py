@@ -49,7 +49,7 @@ class State:
         self.history: dict[str, deque[str]] = {}
         self.watchdog: _watchdog.Watchdog | None = None
         self.observing = False  # the check is a dispatch observer
-        self.exit_hooks = False  # atexit and excepthook installed (once per process)
+        self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
 
 
