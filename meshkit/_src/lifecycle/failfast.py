@@ -1,7 +1,8 @@
 """Fail fast, everywhere: a process that fails ends soon, and the others learn why.
 
 Registered with the owner of exit (`meshkit._src.lifecycle.exit`) by `meshkit.init` when it
-joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's defaults alone).:
+joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's defaults alone).
+Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.core.events`):
 
 - **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
   cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
@@ -17,7 +18,8 @@ joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's
   died``). When the coordinator itself fails, it stays up long enough for the others to read
   its post; when it is gone, the others say so in meshkit's words.
 - **At a normal end**, a process that JAX's shutdown barrier holds for 3 s says it reached the
-  end of its program while others still run (evidence for ``meshkit launch``'s report).
+  end of its program while others still run (evidence for ``meshkit launch``'s report), and
+  leaves an `ended` event.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import events as _events
 from ..core.errors import say
 from . import diagnose as _diagnose
 from . import exit as _exit
@@ -90,12 +93,25 @@ def _on_exception(
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
         say(_diagnose.explain(diagnosis) + "\n")
+    _events.emit(_events.FAILED, **_failure_fields(kind.__name__, diagnosis))
     _end(
         f"{text.splitlines()[0][:300]}",
         "uncaught exception in a multi-process run",
         grace,
         status=1,
     )
+
+
+def _failure_fields(error: str, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
+    """The `failed` event's fields for an exception, after what its text says of its cause."""
+    if diagnosis is None:
+        return {"cause": "exception", "error": error}
+    if diagnosis.kind == "timeout":  # one of JAX's cross-process waits ran out
+        return {"cause": "timeout", "error": error, "system": diagnosis.system,
+                "process": diagnosis.process}  # fmt: skip
+    # Another process, or the coordination service it hosted, is gone: it failed first.
+    return {"cause": "peer", "error": error, "system": diagnosis.system,
+            "process": diagnosis.process}  # fmt: skip
 
 
 def _end(failure: str, why: str, grace: float, *, status: int) -> None:
@@ -136,6 +152,7 @@ def _post(failure: str) -> None:
 def _sigterm(grace: float, me: int) -> None:
     if _exit.ending():
         return  # the watch thread and the main thread's handler may both see one signal
+    _events.emit(_events.FAILED, cause="signal", error="SIGTERM")
     why = f"process {me} received SIGTERM"
     _end("ended by SIGTERM", why, grace, status=128 + signal.SIGTERM)
 
@@ -187,6 +204,7 @@ class _Watch(threading.Thread):
     def _failed(self, failure: dict[str, Any]) -> None:
         p = failure["process"]
         self._exit(
+            {"process": p, "system": "meshkit", "error": str(failure["failure"]).split(":")[0]},
             f"meshkit: process {p} failed: {failure['failure']}\n"
             f"Process {self.me} stops too (status 1): the program cannot go on without "
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
@@ -195,12 +213,16 @@ class _Watch(threading.Thread):
 
     def _lost(self, error: str) -> None:
         self._exit(
+            {"process": 0, "system": "the coordination service"},
             f"meshkit: lost the coordination service, which process 0 hosts ({error.strip()}).\n"
             f"Process 0 has exited or failed; process {self.me} stops too (status 1). Process "
             "0's output holds the cause.\n",
         )
 
-    def _exit(self, text: str) -> None:
+    def _exit(self, fields: dict[str, Any], text: str) -> None:
+        if _exit.ending():
+            return
+        _events.emit(_events.FAILED, cause="peer", **fields)
         _exit.now(1, text)
 
 
@@ -233,3 +255,4 @@ class _EndNote(threading.Thread):
             "waits at JAX's shutdown barrier for the other processes (one still running, or "
             "stuck in a computation this one never joined).\n"
         )
+        _events.emit(_events.ENDED)

@@ -15,7 +15,8 @@ A stall is the opposite: the main thread stuck in one place, not running (a bloc
 collective another process never joins, ``block_until_ready`` on it, a sleep, a lock), no
 device work completing and no meshkit call, for ``watchdog`` seconds. Then the watchdog prints
 one ``meshkit watchdog:`` line (which ``meshkit launch`` collects into its closing summary) and
-every thread's Python stack; if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
+every thread's Python stack, and leaves a `stalled` event for the launcher
+(`meshkit._src.core.events`); if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
 is set, the process exits with status 1 (`meshkit._src.lifecycle.exit.now`) so that the
 launcher (or mpirun) ends the run instead of a hang. Any progress after the dump re-arms it.
 
@@ -40,6 +41,7 @@ from typing import Any
 import jax
 
 from ..core import compat as _compat
+from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
 from ..core.frames import in_meshkit, library_file
@@ -221,6 +223,7 @@ class Watchdog(threading.Thread):
         here = frame_text(frame) if frame is not None else "?"
         inside = frame is not None and in_meshkit(frame)
         where = INSIDE if inside else OUTSIDE
+        _events.emit(_events.STALLED, inside=inside, frame=_frame_place(frame), idle=round(idle, 1))
         say(
             f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
@@ -248,6 +251,14 @@ def _short_in(path: str, cwd: str) -> str:
         if not rel.startswith(".."):
             return rel
     return path
+
+
+def _frame_place(frame: FrameType | None) -> str:
+    """``file:line in function`` of ``frame`` (the `stalled` event's ``frame``)."""
+    if frame is None:
+        return "?"
+    code = frame.f_code
+    return f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
 
 
 def frame_text(frame: FrameType) -> str:

@@ -30,6 +30,7 @@ import jax
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import events as _events
 from ..core.contract import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -391,6 +392,7 @@ def init(
     if first:
         for hook in tuple(_on_join):
             hook()
+        _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
     return info
 
 
