@@ -138,6 +138,21 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
     debug.disable()
 
 
+def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, capsys):
+    monkeypatch.setattr(_state.state, "announced", None)
+    debug.enable(timeout=30, watchdog=None)
+    debug.disable()
+    debug.enable(timeout=30, watchdog=None)  # the same settings again: said already
+    debug.enable(timeout=8, watchdog=2, exit_on_stall=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "meshkit debug: on in this process: timeout 30 s, watchdog off, exit_on_stall True "
+        "(meshkit.debug.enable sets them).",
+        "meshkit debug: on in this process: timeout 8 s, watchdog 2 s, exit_on_stall False "
+        "(meshkit.debug.enable sets them).",
+    ]
+
+
 _ENTRY = """
 import threading
 import meshkit

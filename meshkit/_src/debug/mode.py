@@ -3,8 +3,9 @@
 Turning debug mode on makes the divergence check (`.divergence.check`) a dispatch observer,
 starts the stall watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
 (`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
-that this one leaves, so that their checks name it instead of waiting). ``MESHKIT_DEBUG=1``
-turns it on at `meshkit.init` or at the first SPMD call, never at import.
+that this one leaves, so that their checks name it instead of waiting), and says so on stderr,
+once per setting. ``MESHKIT_DEBUG=1`` turns it on at `meshkit.init` or at the first SPMD call,
+never at import.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
-from ..core.errors import DivergenceError, MeshkitError
+from ..core.errors import DivergenceError, MeshkitError, say
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
@@ -114,6 +115,21 @@ def enable(
                 float(watchdog), float(timeout), exit_on_stall, lambda: _st.state.last
             )
             _st.state.watchdog.start()
+        _announce(_st.state.settings)
+
+
+def _announce(now: Settings) -> None:
+    """Say on stderr that debug mode is on, and how; once per process and settings."""
+    if now == _st.state.announced:
+        return
+    _st.state.announced = now
+    _, me, n = _compat.distributed_state()
+    watchdog = "off" if now.watchdog is None else f"{now.watchdog:g} s"
+    who = f"process {me} of {n}" if n > 1 else "this process"
+    say(
+        f"meshkit debug: on in {who}: timeout {now.timeout:g} s, watchdog {watchdog}, "
+        f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n"
+    )
 
 
 def disable() -> None:

@@ -51,6 +51,7 @@ class State:
         self.observing = False  # the check is a dispatch observer
         self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
+        self.announced: Settings | None = None  # the settings last said on stderr
 
 
 state = State()
