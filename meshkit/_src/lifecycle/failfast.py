@@ -106,11 +106,10 @@ def _failure_fields(error: str, diagnosis: _diagnose.Diagnosis | None) -> dict[s
     """The `failed` event's fields for an exception, after what its text says of its cause."""
     if diagnosis is None:
         return {"cause": "exception", "error": error}
-    if diagnosis.kind == "timeout":  # one of JAX's cross-process waits ran out
-        return {"cause": "timeout", "error": error, "system": diagnosis.system,
-                "process": diagnosis.process}  # fmt: skip
-    # Another process, or the coordination service it hosted, is gone: it failed first.
-    return {"cause": "peer", "error": error, "system": diagnosis.system,
+    # "timeout": one of JAX's cross-process waits ran out; "lost": another process, or the
+    # coordination service it hosted, is gone: that one failed first.
+    cause = "timeout" if diagnosis.kind == "timeout" else "peer"
+    return {"cause": cause, "error": error, "system": diagnosis.system,
             "process": diagnosis.process}  # fmt: skip
 
 
