@@ -21,9 +21,11 @@ does not arrive within the timeout is named as missing, with the last call it ma
 `meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
 several processes pass (which must be equal; a CRC-32 per block).
 
-Debug mode also runs a stall watchdog (`meshkit._src.lifecycle.watchdog`): when this process has
-made no progress for ``watchdog`` seconds (its main thread waiting in one place, no device work
-completing, no meshkit call) it prints where it is (one ``meshkit watchdog:`` line, which
+Debug mode says once on stderr that it is on, with its settings (``meshkit debug: on in process
+0 of 2: timeout 120 s, watchdog 60 s, exit_on_stall True``). It also runs a stall watchdog
+(`meshkit._src.lifecycle.watchdog`): when this process has made no progress for ``watchdog``
+seconds (its main thread waiting in one place, no device work completing, no meshkit call) it
+prints where it is (one ``meshkit watchdog:`` line, which
 ``meshkit launch`` collects into its closing summary) and the Python stacks of all its threads.
 If it still makes no progress for another ``timeout`` seconds it exits with status 1, so that
 the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
@@ -37,19 +39,19 @@ round trips; any other call waits for its window (two round trips).
 See ``nox -s bench``.
 """
 
-from ._src.debug.divergence import ENV_DEBUG as ENV_DEBUG
-from ._src.debug.divergence import ENV_DEBUG_TIMEOUT as ENV_DEBUG_TIMEOUT
-from ._src.debug.divergence import ENV_WATCHDOG as ENV_WATCHDOG
-from ._src.debug.divergence import PERIOD as PERIOD
-from ._src.debug.divergence import DivergenceError as DivergenceError
-from ._src.debug.divergence import Settings as Settings
-from ._src.debug.divergence import barrier as barrier
-from ._src.debug.divergence import debugging as debugging
-from ._src.debug.divergence import disable as disable
-from ._src.debug.divergence import enable as enable
-from ._src.debug.divergence import enable_from_environment as enable_from_environment
-from ._src.debug.divergence import enabled as enabled
-from ._src.debug.divergence import settings as settings
+from ._src.core.errors import DivergenceError as DivergenceError
+from ._src.debug.barrier import barrier as barrier
+from ._src.debug.mode import ENV_DEBUG as ENV_DEBUG
+from ._src.debug.mode import ENV_DEBUG_TIMEOUT as ENV_DEBUG_TIMEOUT
+from ._src.debug.mode import ENV_WATCHDOG as ENV_WATCHDOG
+from ._src.debug.mode import debugging as debugging
+from ._src.debug.mode import disable as disable
+from ._src.debug.mode import enable as enable
+from ._src.debug.mode import enable_from_environment as enable_from_environment
+from ._src.debug.mode import enabled as enabled
+from ._src.debug.mode import settings as settings
+from ._src.debug.state import PERIOD as PERIOD
+from ._src.debug.state import Settings as Settings
 
 __all__ = [
     "ENV_DEBUG",

@@ -18,6 +18,9 @@ from hypothesis import given
 import meshkit
 from meshkit import debug
 from meshkit._src.debug import divergence as _divergence
+from meshkit._src.debug import fingerprint as _fingerprint
+from meshkit._src.debug import state as _state
+from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import launch_in_processes, run_in_processes
 
@@ -113,8 +116,9 @@ def test_bad_environment_values_name_the_variable_and_the_accepted_values(
 
 def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatch):
     registered = []
-    monkeypatch.setattr(_divergence.atexit, "register", lambda f, *a, **k: registered.append(f))
-    monkeypatch.setattr(_divergence._state, "exit_hooks", False)
+    monkeypatch.setattr(_exit, "_registry", _exit._Registry())
+    monkeypatch.setattr(_exit.atexit, "register", lambda f, *a, **k: registered.append(f))
+    monkeypatch.setattr(_state.state, "exit_hooks", False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     hooks = []
     for _ in range(3):
@@ -123,10 +127,30 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
         debug.disable()
     assert len(registered) == 1
     assert hooks[0] is hooks[1] is hooks[2] is not sys.__excepthook__
-    assert _dispatch._observers.count(_divergence._check) == 0
+    assert sorted(_exit._registry.exit) == [
+        "debug mode: publish leaving",
+        "flush stdout and stderr",
+    ]
+    assert list(_exit._registry.exception) == ["debug mode: publish leaving with the error"]
+    assert _dispatch._observers.count(_divergence.check) == 0
     debug.enable(timeout=5, watchdog=None)
-    assert _dispatch._observers.count(_divergence._check) == 1
+    assert _dispatch._observers.count(_divergence.check) == 1
     debug.disable()
+
+
+def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, capsys):
+    monkeypatch.setattr(_state.state, "announced", None)
+    debug.enable(timeout=30, watchdog=None)
+    debug.disable()
+    debug.enable(timeout=30, watchdog=None)  # the same settings again: said already
+    debug.enable(timeout=8, watchdog=2, exit_on_stall=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "meshkit debug: on in this process: timeout 30 s, watchdog off, exit_on_stall True "
+        "(meshkit.debug.enable sets them).",
+        "meshkit debug: on in this process: timeout 8 s, watchdog 2 s, exit_on_stall False "
+        "(meshkit.debug.enable sets them).",
+    ]
 
 
 _ENTRY = """
@@ -137,7 +161,7 @@ try:
     {call}
 except meshkit.MeshkitError as e:
     print("raised:", e)
-print(meshkit.debug.enabled(), meshkit._src.debug.divergence._state.count)
+print(meshkit.debug.enabled(), meshkit._src.debug.state.state.count)
 """
 _FIRST = 'meshkit.make_mesh({"data": -1})'
 _INIT = "meshkit.init()"
@@ -200,16 +224,16 @@ def test_single_process_calls_run_and_are_counted():
 
 def test_off_means_no_observer():
     debug.enable(timeout=5, watchdog=None)
-    assert _divergence._check in _dispatch._observers
+    assert _divergence.check in _dispatch._observers
     debug.disable()
-    assert _divergence._check not in _dispatch._observers
+    assert _divergence.check not in _dispatch._observers
 
 
 # ---- fingerprints and the comparison, without processes -----------------------------------
 
 
 def _record(site, args, count=1):
-    return json.loads(json.dumps(_divergence._fingerprint(site, args, count)))
+    return json.loads(json.dumps(_fingerprint.fingerprint(site, args, count)))
 
 
 def _site(name="train_step", **info):
@@ -237,7 +261,7 @@ def test_issue_example_message():
     bad = _record(site, (1, {"image": np.zeros((30, 224, 224, 3), np.float32)}))
     records = {0: good, 1: bad, 2: good, 3: good}
     with pytest.raises(meshkit.DivergenceError) as info:
-        _divergence._compare(records, [], 0, "call #57 of train_step", 5.0, "debug/MainThread", 1)
+        _divergence.compare(records, [], 0, "call #57 of train_step", 5.0, "debug/MainThread", 1)
     assert (
         "call #57 of train_step: process 1 passed batch['image'] float32[30,224,224,3]; "
         "processes 0,2,3 passed float32[32,224,224,3]." in str(info.value)
@@ -249,13 +273,13 @@ def test_issue_example_message():
 def test_static_arguments_and_ragged_leading_axis():
     site = _site(static_argnums=(0,))
     with pytest.raises(meshkit.DivergenceError, match=r"process 1 passed params static 'adam'"):
-        _divergence._compare(
+        _divergence.compare(
             {0: _record(site, ("sgd", 1)), 1: _record(site, ("adam", 1)), 2: _record(site, ("sgd", 1))},
             [], 0, "call #57 of train_step", 5.0, "t", 1,
         )  # fmt: skip
     ragged = _site(ragged=True)
     a, b = _record(ragged, (np.zeros((30, 3)),)), _record(ragged, (np.zeros((32, 3)),))
-    _divergence._compare({0: a, 1: b}, [], 0, "x", 5.0, "t", 1)  # padded loaders may differ
+    _divergence.compare({0: a, 1: b}, [], 0, "x", 5.0, "t", 1)  # padded loaders may differ
 
 
 def test_processes_that_left_are_named():
@@ -264,25 +288,25 @@ def test_processes_that_left_are_named():
     gone = {"status": "exit", "last": "call #56 of train_step (spmd) at train.py:40"}
     with pytest.raises(meshkit.DivergenceError, match=r"process 1 ended its program \(normal exit\) "
                        r"after call #56 of train_step \(spmd\) at train.py:40") as info:  # fmt: skip
-        _divergence._compare({0: here, 1: gone}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+        _divergence.compare({0: here, 1: gone}, [], 0, "call #57 of train_step", 5.0, "t", 1)
     assert info.value.processes == [1]
     failed = {"status": "error", "last": "call #3 of f", "message": "ValueError: bad batch"}
     with pytest.raises(meshkit.DivergenceError, match="process 1 failed after call #3 of f: "
                        "ValueError: bad batch"):  # fmt: skip
-        _divergence._compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+        _divergence.compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, "t", 1)
 
 
 def test_a_missing_process_is_named_with_the_last_call_this_thread_made():
     site = _site()
     last = _record(site, (1,))
-    text = _divergence._last_text("t", 1, last)
+    text = _divergence.last_text("t", 1, last)
     assert text.startswith("its last call was #57 of train_step at "), text
     # A thread's first call: there is no earlier call, whatever the state holds by then.
-    _divergence._state.previous["t"] = last
+    _state.state.previous["t"] = last
     try:
-        assert _divergence._last_text("t", 1, {}) == "it made no meshkit call checked in debug mode"
+        assert _divergence.last_text("t", 1, {}) == "it made no meshkit call checked in debug mode"
     finally:
-        del _divergence._state.previous["t"]
+        del _state.state.previous["t"]
 
 
 _shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
@@ -315,10 +339,10 @@ def test_comparison_against_a_direct_reference(base, changes):
         None,
     )  # fmt: skip
     if first is None:
-        _divergence._compare(records, [], 0, "call", 1.0, "t", 1)
+        _divergence.compare(records, [], 0, "call", 1.0, "t", 1)
         return
     with pytest.raises(meshkit.DivergenceError) as info:
-        _divergence._compare(records, [], 0, "call", 1.0, "t", 1)
+        _divergence.compare(records, [], 0, "call", 1.0, "t", 1)
     groups: dict[tuple, list[int]] = {}
     for p, lv in enumerate(per_process):
         groups.setdefault((tuple(lv[first][0]), np.dtype(lv[first][1])), []).append(p)

@@ -17,7 +17,6 @@ others will not join.
 
 from __future__ import annotations
 
-import atexit
 import json
 import sys
 import threading
@@ -39,6 +38,7 @@ from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
+from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from .assembly import Check
@@ -55,7 +55,6 @@ _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all() -> None:
     """Stop helper threads before the interpreter (and JAX's runtime) shuts down under them."""
     for batches in list(_live):
@@ -114,6 +113,9 @@ class GlobalBatches(Iterator[Any]):
                 f"{_WHAT}: progress must be None or a positive number of seconds between "
                 f"reports; got {progress!r}."
             )
+        # Registered at the first iterator, not at import (nothing happens at import); again
+        # later is a no-op.
+        _exit.on_exit("global_batches: stop the helper threads", _close_all, order=_exit.STOP)
         self._args = (mesh_or_sharding, spec)
         self._pad, self._dtype = pad, dtype
         self._progress = progress

@@ -1,7 +1,8 @@
 """Fail fast, everywhere: a process that fails ends soon, and the others learn why.
 
-Installed by `meshkit.init` when it joins a multi-process program (``MESHKIT_FAIL_FAST=0``
-leaves Python's and JAX's defaults alone):
+Registered with the owner of exit (`meshkit._src.lifecycle.exit`) by `meshkit.init` when it
+joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's defaults alone).
+Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.core.events`):
 
 - **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
   cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
@@ -17,17 +18,15 @@ leaves Python's and JAX's defaults alone):
   died``). When the coordinator itself fails, it stays up long enough for the others to read
   its post; when it is gone, the others say so in meshkit's words.
 - **At a normal end**, a process that JAX's shutdown barrier holds for 3 s says it reached the
-  end of its program while others still run (evidence for ``meshkit launch``'s report).
+  end of its program while others still run (evidence for ``meshkit launch``'s report), and
+  leaves an `ended` event.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +35,10 @@ from typing import Any
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import events as _events
 from ..core.errors import say
 from . import diagnose as _diagnose
+from . import exit as _exit
 
 __all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "settings"]
 
@@ -46,9 +47,6 @@ ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0
 _ENDED_AFTER_S = 3.0
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
-
-_ending = threading.Lock()  # held by whichever path ends this process first
-_failing = False  # this process is ending itself: no end-of-program note, no second post
 
 
 def settings() -> float | None:
@@ -68,11 +66,13 @@ def settings() -> float | None:
 # format and the service; `meshkit._src.runtime.init` hands its functions in at `install`.
 Post = Callable[[str], None]  # post this process's failure (the first line of the error)
 Poll = Callable[[], list[tuple[int, str]] | None]  # (process, failure) of the others; None: gone
-_post: Post | None = None
+_post_failure: Post | None = None
 
 
 def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> None:
-    """Install what this module describes, once, for process ``me`` of ``n`` (``n > 1``).
+    """Register what this module describes with `meshkit._src.lifecycle.exit`, for process ``me``.
+
+    Called once, by `meshkit.init` when it joined ``n > 1`` processes.
 
     Args:
         grace: seconds the exit handlers may run before a failing process exits (None: fail-fast
@@ -82,41 +82,51 @@ def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> 
         post: posts this process's failure for the others' failure watch.
         poll: the failures the other processes posted, by process (None: not joined anymore).
     """
-    global _post
-    _post = post
+    global _post_failure
+    _post_failure = post
     if grace is not None:
-        previous = sys.excepthook
-        sys.excepthook = lambda kind, value, tb: _on_exception(previous, grace, kind, value, tb)
-        wakeup = _take_sigterm(grace, me)
+        _exit.on_exception(
+            "fail-fast: end the process",
+            lambda kind, value, tb: _on_exception(grace, kind, value, tb),
+            order=_exit.REPORT,
+        )
+        wakeup = _exit.on_sigterm(lambda: _sigterm(grace, me))
         watch = _Watch(me, n, wakeup, grace, poll)
         watch.start()
-        atexit.register(watch.stop.set)
+        _exit.on_exit("fail-fast: stop the failure watch", watch.stop.set, order=_exit.STOP)
     note = _EndNote(me)
     note.start()
-    atexit.register(note.at_exit)
+    _exit.on_exit("fail-fast: arm the end-of-program note", note.at_exit, order=_exit.STOP)
 
 
 # ---- ending this process --------------------------------------------------------------------
 
 
 def _on_exception(
-    previous: Any,
-    grace: float,
-    kind: type[BaseException],
-    value: BaseException,
-    tb: TracebackType | None,
+    grace: float, kind: type[BaseException], value: BaseException, tb: TracebackType | None
 ) -> None:
-    previous(kind, value, tb)
     text = f"{kind.__name__}: {value}"
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
         say(_diagnose.explain(diagnosis) + "\n")
+    _events.emit(_events.FAILED, **_failure_fields(kind.__name__, diagnosis))
     _end(
         f"{text.splitlines()[0][:300]}",
         "uncaught exception in a multi-process run",
         grace,
         status=1,
     )
+
+
+def _failure_fields(error: str, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
+    """The `failed` event's fields for an exception, after what its text says of its cause."""
+    if diagnosis is None:
+        return {"cause": "exception", "error": error}
+    # "timeout": one of JAX's cross-process waits ran out; "lost": another process, or the
+    # coordination service it hosted, is gone: that one failed first.
+    cause = "timeout" if diagnosis.kind == "timeout" else "peer"
+    return {"cause": cause, "error": error, "system": diagnosis.system,
+            "process": diagnosis.process}  # fmt: skip
 
 
 def _end(failure: str, why: str, grace: float, *, status: int) -> None:
@@ -126,74 +136,38 @@ def _end(failure: str, why: str, grace: float, *, status: int) -> None:
     exit (a launcher then names it); the process that hosts the coordination service then
     stays up until the others' failure watch has read it.
     """
-    global _failing
-    if not _ending.acquire(blocking=False):
-        return  # another path is ending the process
-    _failing = True
-    say(
-        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
-        f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
+    _exit.end(
+        status,
+        grace=grace,
+        announce=(
+            f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+            f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
+        ),
+        late=(
+            f"meshkit: exit handlers still running after {grace:g} s; exiting now "
+            f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
+        ),
+        final=lambda: _post(failure),
     )
-    timer = threading.Thread(target=_exit_after, args=(grace, failure, status), daemon=True)
-    timer.start()
-    if threading.current_thread() is threading.main_thread():
-        _compat.skip_jax_exit_barrier()
-        atexit._run_exitfuncs()
-    _leave(failure, status)
 
 
-def _exit_after(seconds: float, failure: str, status: int) -> None:
-    time.sleep(seconds)
-    say(
-        f"meshkit: exit handlers still running after {seconds:g} s; exiting now "
-        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
-    )
-    _leave(failure, status)
-
-
-_left = threading.Lock()
-
-
-def _leave(failure: str, status: int) -> None:
-    """Post ``failure`` for the others' failure watch (once), then exit with ``status``."""
-    if _left.acquire(blocking=False):
-        _, me, n = _compat.distributed_state()
-        if _post is not None and n > 1:
-            try:
-                _post(failure)
-            except Exception:  # the service may be gone already: nothing to tell
-                pass
-            else:
-                if me == 0:  # it hosts the coordination service: let the others read it
-                    time.sleep(1.5 * _period(n))
-        _flush()
-        os._exit(status)
-    time.sleep(3600)  # the other path is posting and exits this process
-
-
-def _take_sigterm(grace: float, me: int) -> int:
-    """SIGTERM ends this process like a failure, even while its main thread waits in C.
-
-    Python runs a signal handler in the main thread between bytecodes, so a main thread blocked
-    in a collective would never run it; the signal's wake-up byte reaches the watch thread,
-    which then ends the process itself. Returns the wake-up pipe's read end, or -1 where a
-    wake-up fd is in use already (asyncio's): there only the main thread's handler acts.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return -1
-    signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm(grace, me))
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    if previous != -1:
-        signal.set_wakeup_fd(previous)
-        os.close(read)
-        os.close(write)
-        return -1
-    return read
+def _post(failure: str) -> None:
+    """Post ``failure`` for the others' failure watch."""
+    _, me, n = _compat.distributed_state()
+    if _post_failure is not None and n > 1:
+        try:
+            _post_failure(failure)
+        except Exception:  # the service may be gone already: nothing to tell
+            pass
+        else:
+            if me == 0:  # it hosts the coordination service: let the others read it
+                time.sleep(1.5 * _period(n))
 
 
 def _sigterm(grace: float, me: int) -> None:
+    if _exit.ending():
+        return  # the watch thread and the main thread's handler may both see one signal
+    _events.emit(_events.FAILED, cause="signal", error="SIGTERM")
     why = f"process {me} received SIGTERM"
     _end("ended by SIGTERM", why, grace, status=128 + signal.SIGTERM)
 
@@ -225,7 +199,7 @@ class _Watch(threading.Thread):
                     return
             elif self.stop.wait(period):
                 return
-            if self.stop.is_set() or _failing:
+            if self.stop.is_set() or _exit.ending():
                 return
             try:
                 others = self.poll()
@@ -235,35 +209,34 @@ class _Watch(threading.Thread):
                 if lost >= _LOST_AFTER and not self.stop.is_set():
                     self._lost(str(e))
                 continue
+            lost = 0
             if others is None:
                 return  # not joined anymore: nobody left to watch
-            lost = 0
             if others and not self.stop.is_set():
                 self._failed(*min(others))
 
     def _failed(self, p: int, failure: str) -> None:
         self._exit(
+            {"process": p, "system": "meshkit", "error": failure.split(":")[0]},
             f"meshkit: process {p} failed: {failure}\n"
             f"Process {self.me} stops too (status 1): the program cannot go on without "
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
-            "holds the cause.\n"
+            "holds the cause.\n",
         )
 
     def _lost(self, error: str) -> None:
         self._exit(
+            {"process": 0, "system": "the coordination service"},
             f"meshkit: lost the coordination service, which process 0 hosts ({error.strip()}).\n"
             f"Process 0 has exited or failed; process {self.me} stops too (status 1). Process "
-            "0's output holds the cause.\n"
+            "0's output holds the cause.\n",
         )
 
-    def _exit(self, text: str) -> None:
-        global _failing
-        if not _ending.acquire(blocking=False):
+    def _exit(self, fields: dict[str, Any], text: str) -> None:
+        if _exit.ending():
             return
-        _failing = True
-        say(text)
-        _flush()
-        os._exit(1)
+        _events.emit(_events.FAILED, cause="peer", **fields)
+        _exit.now(1, text)
 
 
 # ---- at a normal end ------------------------------------------------------------------------
@@ -284,7 +257,7 @@ class _EndNote(threading.Thread):
         self.ended = threading.Event()
 
     def at_exit(self) -> None:
-        if not _failing:
+        if not _exit.ending():
             self.ended.set()
 
     def run(self) -> None:
@@ -295,9 +268,4 @@ class _EndNote(threading.Thread):
             "waits at JAX's shutdown barrier for the other processes (one still running, or "
             "stuck in a computation this one never joined).\n"
         )
-
-
-def _flush() -> None:
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _events.emit(_events.ENDED)

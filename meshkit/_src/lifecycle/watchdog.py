@@ -15,9 +15,10 @@ A stall is the opposite: the main thread stuck in one place, not running (a bloc
 collective another process never joins, ``block_until_ready`` on it, a sleep, a lock), no
 device work completing and no meshkit call, for ``watchdog`` seconds. Then the watchdog prints
 one ``meshkit watchdog:`` line (which ``meshkit launch`` collects into its closing summary) and
-every thread's Python stack; if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
-is set, the process exits with status 1 so that the launcher (or mpirun) ends the run instead
-of a hang. Any progress after the dump re-arms it.
+every thread's Python stack, and leaves a `stalled` event for the launcher
+(`meshkit._src.core.events`); if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
+is set, the process exits with status 1 (`meshkit._src.lifecycle.exit.now`) so that the
+launcher (or mpirun) ends the run instead of a hang. Any progress after the dump re-arms it.
 
 The device check reads `jax.live_arrays` only when the main thread neither moved nor ran,
 and keeps weak references only: the watchdog never holds a user's array or frame alive.
@@ -40,9 +41,11 @@ from typing import Any
 import jax
 
 from ..core import compat as _compat
+from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
 from ..core.frames import in_meshkit, library_file
+from . import exit as _exit
 
 __all__ = [
     "INSIDE",
@@ -206,18 +209,21 @@ class Watchdog(threading.Thread):
                 self._dump(idle)
             elif dumped and self.exit_on_stall and idle >= self.after + self.timeout:
                 _, me, _ = _compat.distributed_state()
-                say(
+                _exit.now(
+                    1,
                     f"{WATCHDOG_MARK} process {me} still made no progress after "
                     f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
-                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n"
+                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
                 )
-                os._exit(1)
+                return  # another path is ending the process
 
     def _dump(self, idle: float) -> None:
         _, me, _ = _compat.distributed_state()
         frame = sys._current_frames().get(self.main)
         here = frame_text(frame) if frame is not None else "?"
-        where = INSIDE if frame is not None and in_meshkit(frame) else OUTSIDE
+        inside = frame is not None and in_meshkit(frame)
+        where = INSIDE if inside else OUTSIDE
+        _events.emit(_events.STALLED, inside=inside, frame=_frame_place(frame), idle=round(idle, 1))
         say(
             f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
@@ -245,6 +251,14 @@ def _short_in(path: str, cwd: str) -> str:
         if not rel.startswith(".."):
             return rel
     return path
+
+
+def _frame_place(frame: FrameType | None) -> str:
+    """``file:line in function`` of ``frame`` (the `stalled` event's ``frame``)."""
+    if frame is None:
+        return "?"
+    code = frame.f_code
+    return f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
 
 
 def frame_text(frame: FrameType) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "CallSite",
     "Observer",
     "add_observer",
+    "at_first_call",
     "enter",
     "observing",
     "origin",
@@ -87,18 +88,33 @@ def origin(fn: Callable[..., Any]) -> str:
 Observer = Callable[[CallSite, tuple[Any, ...]], None]
 
 
-def _joined_at_first_call(site: CallSite, args: tuple[Any, ...]) -> None:
+_first_call: list[Observer] = []
+
+
+def at_first_call(hook: Observer) -> None:
+    """Run ``hook`` at this process's first SPMD call, after the join check (starts nothing).
+
+    For the layers above the runtime that act at first use (``MESHKIT_DEBUG=1``); ``hook``
+    sees the call like an observer, once.
+    """
+    _first_call.append(hook)
+
+
+def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     """At this process's first SPMD call: a rank of `meshkit launch` must have joined.
 
-    An observer until then: it removes itself first, so later calls pay nothing.
+    The dispatch point's own step, not an observer anyone registers: it removes itself first,
+    so later calls pay nothing, then runs the `at_first_call` hooks.
     """
-    remove_observer(_joined_at_first_call)
+    remove_observer(_first_call_step)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
     _progress.mark("running")  # under `meshkit launch`: this rank got past joining
+    for hook in tuple(_first_call):
+        hook(site, args)
 
 
-_observers: list[Observer] = [_joined_at_first_call]
+_observers: list[Observer] = [_first_call_step]
 _lock = threading.Lock()
 
 

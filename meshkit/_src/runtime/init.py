@@ -31,6 +31,7 @@ import jax
 from ..coord import failures as _failures
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import events as _events
 from ..core.contract import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -395,6 +396,7 @@ def init(
     if first:
         for hook in tuple(_on_join):
             hook()
+        _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
     return info
 
 

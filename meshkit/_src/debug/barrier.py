@@ -1,0 +1,82 @@
+"""`meshkit.barrier`: a named meeting point of every process, with a timeout naming who is late."""
+
+from __future__ import annotations
+
+import json
+
+from ..coord import absent as _absent
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from ..lifecycle import watchdog as _watchdog
+from . import divergence as _divergence
+from . import mode as _mode
+from . import state as _st
+
+__all__ = ["barrier"]
+
+
+def barrier(name: str, *, timeout: float | None = None) -> None:
+    """Wait until every process reaches the barrier ``name``, or fail naming those that did not.
+
+    Works through the coordination service's key-value store (no device collective), so a
+    barrier never hangs: after ``timeout`` seconds every process that arrived raises. A barrier
+    name may be used any number of times; the n-th use in one process meets the n-th use in the
+    others. With one process it returns at once.
+
+    Args:
+        name: the meeting point (the same string in every process).
+        timeout: seconds to wait (default ``MESHKIT_CHECK_TIMEOUT``, else 120).
+
+    Raises:
+        MeshkitError: some processes did not arrive in time (they are named, with their last
+            meshkit call when debug mode is on), or a bad name or timeout.
+
+    Examples:
+        >>> import meshkit
+        >>> meshkit.barrier("checkpoint-written", timeout=60)  # one process: returns at once
+    """
+    if not isinstance(name, str) or not name:
+        raise MeshkitError(f"meshkit.barrier: name must be a non-empty string; got {name!r}.")
+    if timeout is None:
+        timeout = _env.check_timeout()
+    _mode.positive(timeout, "timeout", f"meshkit.barrier({name!r})")
+    client, me, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return
+    outcome = _agree.check(
+        "barrier/" + _agree.tag_part(name),
+        "",
+        json.dumps({"waited": float(timeout)}),
+        timeout=float(timeout),
+    )
+    use = outcome.seq + 1
+    if _st.state.settings is not None:
+        _watchdog.note_progress()
+    if outcome.agreed:
+        return
+    if outcome.gave_up and not outcome.missing:
+        # Arrived last, but after another process stopped waiting: fail with it.
+        waited = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
+        raise MeshkitError(
+            f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
+            f"{_absent.stopped_waiting(outcome.gave_up)} (after {waited:g} s) at use #{use} of "
+            "this barrier.\n"
+            "Consider a longer timeout, or what delayed this process."
+        )
+    missing = list(outcome.missing)
+    tag = "debug" if _channel.current() is None else _channel.scoped("debug", "")
+    on = _st.state.settings is not None
+    detail = "; ".join(
+        f"process {p} ({_divergence.last_text(tag, p) if on else 'no debug record'})"
+        for p in missing
+    )
+    raise MeshkitError(
+        f"meshkit.barrier({name!r}): {_absent.did_not(missing, timeout=timeout)} "
+        f"(use #{use} of this barrier); "
+        f"this process (process {me}) did.\nMissing: {detail}.\n"
+        "Consider those processes' output (a crash, a stall, a different branch); "
+        f"MESHKIT_DEBUG=1 names their last meshkit call."
+    )

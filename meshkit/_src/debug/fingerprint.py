@@ -1,0 +1,153 @@
+"""Fingerprints of SPMD calls: what debug mode compares between processes.
+
+A fingerprint holds the entry and the function (with where it was made), the call's number, the
+arguments' pytree structure, and per leaf its name (``batch['image']``), shape, dtype and
+sharding, or a static argument's value. Descriptions of array leaves and the per-structure
+layouts are cached: a steady loop pays a dictionary look-up per leaf.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from ..core.frames import library_file
+from ..lifecycle import watchdog as _watchdog
+from ..runtime import dispatch as _dispatch
+
+__all__ = ["MAX_DESC", "fingerprint"]
+
+MAX_DESC = 200  # characters of a value's repr in a fingerprint or a message
+
+
+_LEAF_TEXTS: dict[tuple[Any, ...], str] = {}  # array leaves described before (a steady loop)
+_MAX_LEAF_TEXTS = 4096
+
+
+def _describe_leaf(x: Any, ragged: bool) -> str:
+    """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None or isinstance(x, Tracer):
+        return _describe_new_leaf(x, shape, dtype, ragged)
+    key = (type(x), tuple(shape), dtype, getattr(x, "sharding", None), ragged)
+    text = _LEAF_TEXTS.get(key)
+    if text is None:
+        if len(_LEAF_TEXTS) >= _MAX_LEAF_TEXTS:
+            _LEAF_TEXTS.clear()
+        text = _LEAF_TEXTS[key] = _describe_new_leaf(x, shape, dtype, ragged)
+    return text
+
+
+def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
+    if shape is None or dtype is None:
+        if isinstance(x, bool | int | float | complex):
+            return type(x).__name__
+        if x is None:
+            return "None"
+        text = repr(x)
+        return type(x).__name__ + ":" + (text if len(text) <= MAX_DESC else text[:MAX_DESC])
+    dims = [str(int(d)) for d in shape]
+    if ragged and dims:
+        dims[0] = "*"
+    text = f"{np.dtype(dtype).name}[{','.join(dims)}]"
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        text += f" sharded {tuple(sharding.spec)} over {dict(sharding.mesh.shape)}"
+    elif isinstance(x, jax.Array) and not isinstance(x, Tracer) and sharding is not None:
+        count = len(sharding.device_set)
+        if count > 1:
+            text += f" on {count} devices"
+    return text
+
+
+def _caller() -> str:
+    """``file:line in function`` of the first frame outside meshkit, jax and the stdlib."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not library_file(name):
+            return f"{_watchdog.short_path(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
+    ragged = bool(site.info.get("ragged"))
+    flat, treedef = jax.tree_util.tree_flatten(args)
+    layout = _layout_of(site, args, treedef)
+    leaves = [
+        [where, "static " + _static_repr(leaf) if static else _describe_leaf(leaf, ragged)]
+        for (where, static), leaf in zip(layout.names, flat, strict=True)
+    ]
+    return {
+        "status": "call",
+        "count": count,  # SPMD entries checked in this process, all functions
+        "entry": layout.entry,
+        "n": site.calls,
+        "structure": layout.structure,
+        "leaves": leaves,
+        "where": _caller(),
+        "time": time.time(),
+    }
+
+
+@dataclass(frozen=True)
+class _ArgLayout:
+    """What a call site's fingerprint takes from its arguments' structure (cached per treedef)."""
+
+    entry: str  # the function's name and where it was made: lambdas of one name differ
+    structure: str
+    names: tuple[tuple[str, bool], ...]  # per leaf: its name in messages, whether static
+
+
+_LAYOUTS_KEY = "debug layouts"  # in CallSite.info: treedef -> _ArgLayout
+_MAX_LAYOUTS = 64  # per call site
+
+
+def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
+    layouts: dict[Any, _ArgLayout] = site.info.setdefault(_LAYOUTS_KEY, {})
+    layout = layouts.get(treedef)
+    if layout is not None:
+        return layout
+    static = site.info.get("static_argnums") or ()
+    pairs, _ = jax.tree_util.tree_flatten_with_path(args)
+    names = tuple(
+        (
+            _arg_name(site, path),
+            bool(path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx in static),
+        )
+        for path, _ in pairs
+    )
+    origin = site.info.get("origin")
+    entry = f"{site.kind} {site.name}" + (f" [{origin}]" if origin else "")
+    if len(layouts) >= _MAX_LAYOUTS:
+        layouts.clear()
+    layout = layouts[treedef] = _ArgLayout(entry, str(treedef), names)
+    return layout
+
+
+def _static_repr(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
+
+
+def _arg_name(site: _dispatch.CallSite, path: tuple[Any, ...]) -> str:
+    """``batch['image']``: the parameter's name when known, then the rest of the key path."""
+    names = site.info.get("params")
+    if not path:
+        return "the argument"
+    head, rest = path[0], path[1:]
+    if isinstance(head, jax.tree_util.SequenceKey):
+        idx = head.idx
+        base = names[idx] if names and idx < len(names) else f"argument {idx}"
+    else:
+        base = jax.tree_util.keystr((head,))
+    return base + jax.tree_util.keystr(tuple(rest))

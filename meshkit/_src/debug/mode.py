@@ -1,0 +1,252 @@
+"""Debug mode's switch: `enable`, `disable`, its settings, and what it registers while on.
+
+Turning debug mode on makes the divergence check (`.divergence.check`) a dispatch observer,
+starts the stall watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
+(`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
+that this one leaves, so that their checks name it instead of waiting), and says so on stderr,
+once per setting. ``MESHKIT_DEBUG=1`` turns it on at `meshkit.init` or at the first SPMD call,
+never at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from ..coord import agree as _agree
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import DivergenceError, MeshkitError, say
+from ..lifecycle import exit as _exit
+from ..lifecycle import watchdog as _watchdog
+from ..runtime import dispatch as _dispatch
+from ..runtime import init as _runtime
+from . import divergence as _divergence
+from . import fingerprint as _fingerprint
+from . import state as _st
+from .state import Settings
+from .state import enabled as enabled
+
+__all__ = [
+    "ENV_DEBUG",
+    "ENV_DEBUG_TIMEOUT",
+    "ENV_WATCHDOG",
+    "debugging",
+    "disable",
+    "enable",
+    "enable_from_environment",
+    "enabled",
+    "positive",
+    "settings",
+]
+
+ENV_DEBUG = "MESHKIT_DEBUG"
+ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
+ENV_WATCHDOG = "MESHKIT_WATCHDOG"
+
+
+def enable(
+    *,
+    timeout: float | None = None,
+    watchdog: float | str | None = "auto",
+    exit_on_stall: bool = True,
+) -> None:
+    """Turn debug mode on in this process (every process of the program must do the same).
+
+    Args:
+        timeout: seconds each call waits for the other processes' fingerprints before naming
+            the missing ones (default: ``MESHKIT_DEBUG_TIMEOUT``, else ``MESHKIT_CHECK_TIMEOUT``,
+            else 120). Must exceed the longest gap between two SPMD calls of any process (a
+            checkpoint written by one process, a compilation), or it reports a slow process as
+            missing.
+        watchdog: seconds without progress before this process prints where it is and its
+            Python stacks. Progress is the main thread moving (its Python stack changes) or
+            running (using CPU), device work completing, or a meshkit call or batch; a stall is
+            the main thread waiting in one place (a collective, ``block_until_ready``, a lock).
+            ``"auto"`` (the default): ``MESHKIT_WATCHDOG`` if set, else half the timeout, so
+            that the stacks are in the log before a waiting process reports a missing one; None
+            or 0: no watchdog. It runs only in multi-process programs.
+        exit_on_stall: after the dump, exit with status 1 if there is still no progress
+            ``timeout`` seconds later, so that a hang outside meshkit's calls (a raw
+            ``jax.jit`` collective, say) ends the run instead of lasting for ever. A process
+            that waits longer than ``watchdog + timeout`` for another (at a collective, while
+            process 0 alone writes a checkpoint) needs a longer watchdog, or
+            ``exit_on_stall=False``.
+
+    Raises:
+        MeshkitError: a timeout or watchdog that is not a positive number.
+
+    Examples:
+        >>> import meshkit
+        >>> meshkit.debug.enable(timeout=30, watchdog=None)
+        >>> meshkit.debug.enabled()
+        True
+        >>> meshkit.debug.disable()
+        >>> meshkit.debug.enabled()
+        False
+    """
+    if timeout is None:
+        timeout = _env.seconds(ENV_DEBUG_TIMEOUT) or _env.check_timeout()
+    positive(timeout, "timeout")
+    if watchdog == "auto":
+        env = _env.seconds(ENV_WATCHDOG, zero="off")
+        watchdog = timeout / 2 if env is None else env
+    if watchdog is not None:
+        if watchdog == 0:
+            watchdog = None
+        else:
+            positive(watchdog, "watchdog")
+    assert watchdog is None or isinstance(watchdog, int | float)
+    with _st.lock:
+        _stop_watchdog()
+        _st.state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
+        _watchdog.note_progress()
+        if not _st.state.observing:
+            _dispatch.add_observer(_divergence.check)
+            _st.state.observing = True
+        if not _st.state.exit_hooks:
+            _register_exit()
+            _st.state.exit_hooks = True
+        if watchdog is not None:
+            _st.state.watchdog = _watchdog.Watchdog(
+                float(watchdog), float(timeout), exit_on_stall, lambda: _st.state.last
+            )
+            _st.state.watchdog.start()
+        _announce(_st.state.settings)
+
+
+def _announce(now: Settings) -> None:
+    """Say on stderr that debug mode is on, and how; once per process and settings."""
+    if now == _st.state.announced:
+        return
+    _st.state.announced = now
+    _, me, n = _compat.distributed_state()
+    watchdog = "off" if now.watchdog is None else f"{now.watchdog:g} s"
+    who = f"process {me} of {n}" if n > 1 else "this process"
+    say(
+        f"meshkit debug: on in {who}: timeout {now.timeout:g} s, watchdog {watchdog}, "
+        f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n"
+    )
+
+
+def disable() -> None:
+    """Turn debug mode off in this process (the watchdog stops too)."""
+    with _st.lock:
+        _stop_watchdog()
+        _st.state.settings = None
+        if _st.state.observing:
+            _dispatch.remove_observer(_divergence.check)
+            _st.state.observing = False
+
+
+def settings() -> Settings | None:
+    """The current `Settings`, or None when debug mode is off."""
+    return _st.state.settings
+
+
+@contextlib.contextmanager
+def debugging(**kwargs: Any) -> Iterator[None]:
+    """Debug mode inside a ``with`` block (arguments as for `enable`); off again after it."""
+    was = _st.state.settings
+    enable(**kwargs)
+    try:
+        yield
+    finally:
+        if was is None:
+            disable()
+        else:
+            enable(timeout=was.timeout, watchdog=was.watchdog, exit_on_stall=was.exit_on_stall)
+
+
+def enable_from_environment() -> None:
+    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
+
+    meshkit asks at `meshkit.init` and at this process's first SPMD call
+    (`_from_environment_at_first_call`), not at import: importing meshkit starts no thread and
+    reads no setting, and a bad setting is an error of that call.
+
+    Raises:
+        MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variables) holds a value
+            that is not one of those accepted, named with them.
+    """
+    if _env.flag(ENV_DEBUG, on="debug mode on", blank=False) and not enabled():
+        enable()
+
+
+def _from_environment_at_init() -> None:
+    """Decide debug mode from the environment when this process joins (`meshkit.init`)."""
+    if not enabled():
+        enable_from_environment()
+
+
+def _from_environment_at_first_call(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
+    """Decide debug mode from the environment once, at the first SPMD call, and check that call.
+
+    Run by the dispatch point's first-call step (`meshkit._src.runtime.dispatch.at_first_call`),
+    so the calls after it pay nothing; it checks the call it sees only when it turned debug mode
+    on (an `enable` made earlier has installed the check already).
+    """
+    if enabled():
+        return
+    enable_from_environment()
+    if enabled():
+        _divergence.check(site, args)
+
+
+def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None:
+    """Raise a `MeshkitError` unless ``value`` is a finite positive number of seconds."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (value > 0 and math.isfinite(value))
+    ):
+        raise MeshkitError(
+            f"{where}: {what} must be a finite positive number of seconds; got {value!r}."
+        )
+
+
+_LEAVE_WAIT_S = 5.0  # at exit, the most a process waits to post that it leaves
+
+
+def _publish_leaving(status: str, message: str = "") -> None:
+    """Tell the other processes, at this process's next check, that it will not come."""
+    client, _, n = _compat.distributed_state()
+    if client is None or n == 1 or _st.state.settings is None or _st.state.left:
+        return
+    _st.state.left = True  # an uncaught error is told once, not again by the exit that follows
+    record = {"status": status, "last": _st.state.last or "no meshkit call", "message": message}
+    wait = min(_st.state.settings.timeout, _LEAVE_WAIT_S)
+    for tag in sorted(_st.state.tags | {"debug"}):
+        with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
+            _agree.leave(tag, json.dumps(record), later=True, wait=wait)
+
+
+def _register_exit() -> None:
+    """Tell the others this process leaves: at an uncaught exception (first), else at exit."""
+    _exit.on_exit(
+        "debug mode: publish leaving", lambda: _publish_leaving("exit"), order=_exit.LEAVE
+    )
+    _exit.on_exception(
+        "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
+    )
+
+
+def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if _st.state.settings is not None and not isinstance(value, DivergenceError):
+        text = f"{kind.__name__}: {value}".splitlines()[0][: _fingerprint.MAX_DESC]
+        _publish_leaving("error", text)
+
+
+def _stop_watchdog() -> None:
+    if _st.state.watchdog is not None:
+        _st.state.watchdog.stop.set()
+        _st.state.watchdog = None
+
+
+# Declared, not started: MESHKIT_DEBUG=1 is read at init or at the first SPMD call. The runtime
+# sits below debug and cannot call it, so debug names what those two moments run.
+_dispatch.at_first_call(_from_environment_at_first_call)
+_runtime.on_join(_from_environment_at_init)

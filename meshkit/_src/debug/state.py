@@ -1,0 +1,63 @@
+"""Debug mode's state in this process: its settings, and what its checks remember.
+
+One `State` instance (`state`), guarded by `lock`, shared by the switch (`.mode`), the check
+(`.divergence`) and `barrier` (`.barrier`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..lifecycle import watchdog as _watchdog
+
+__all__ = ["PERIOD", "Settings", "State", "enabled", "lock", "state"]
+
+# A call that repeats this thread's call PERIOD calls back is verified beside the caller; any
+# other waits for its verdict. Loops whose pattern repeats within PERIOD calls (1, 2, 3, 4, 6 or
+# 12 calls: a step; a batch and a step; a batch, a step and a metric) wait only after a change.
+PERIOD = 12
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What debug mode is doing now.
+
+    Attributes:
+        timeout: seconds a call waits for the other processes' fingerprints.
+        watchdog: seconds without progress before the stacks are dumped; None: no watchdog.
+        exit_on_stall: whether a process still stalled ``timeout`` seconds after the dump exits.
+    """
+
+    timeout: float
+    watchdog: float | None
+    exit_on_stall: bool
+
+
+class State:
+    """Debug mode's state in this process (one instance, guarded by `lock`)."""
+
+    def __init__(self) -> None:
+        self.settings: Settings | None = None
+        self.count = 0  # SPMD entries checked in this process, all threads
+        self.last = ""  # the last checked call, for messages
+        self.tags: set[str] = set()
+        self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
+        # per tag, the compared summaries of its last PERIOD calls
+        self.history: dict[str, deque[str]] = {}
+        self.watchdog: _watchdog.Watchdog | None = None
+        self.observing = False  # the check is a dispatch observer
+        self.exit_hooks = False  # registered with the owner of exit (once per process)
+        self.left = False  # this process told the others it leaves
+        self.announced: Settings | None = None  # the settings last said on stderr
+
+
+state = State()
+lock = threading.RLock()
+
+
+def enabled() -> bool:
+    """Whether debug mode is on in this process."""
+    return state.settings is not None
