@@ -174,8 +174,8 @@ def test_sigterm_and_a_peers_failure_write_failed(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
     _failfast._sigterm(1.0, 3)
-    watch = _failfast._Watch(3, 4, -1, 1.0)
-    watch._failed({"process": 1, "failure": "RuntimeError: planted"})
+    watch = _failfast._Watch(3, 4, -1, 1.0, poll=list)
+    watch._failed(1, "RuntimeError: planted")
     watch._lost("UNAVAILABLE")
     assert _events_of(status) == [
         ("failed", {"cause": "signal", "error": "SIGTERM"}),
