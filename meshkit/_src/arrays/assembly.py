@@ -24,6 +24,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.frames import user_stacklevel
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
@@ -42,7 +43,6 @@ from .blocks import (
     replica_digests,
     summary,
     transfer,
-    user_stacklevel,
     warn_notes,
 )
 

@@ -23,7 +23,6 @@ import contextlib
 import contextvars
 import functools
 import json
-import sys
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -251,14 +250,6 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
         "global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, and "
         "keeping strings and other objects out of the pytree."
     )
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside meshkit."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("meshkit."):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:

@@ -43,7 +43,7 @@ from ..runtime import dispatch as _dispatch
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance
-from ..spmd.spmd import _user_stacklevel, fn_name, from_host
+from ..spmd.spmd import fn_name, from_host, user_stacklevel
 from . import axes
 from . import device_axis as _device_axis
 from .stages import Lowered, Stage, signature
@@ -602,7 +602,7 @@ class PmapFunction:
                     "out_axes=0 and reading entry 0 yourself, or reducing the value with "
                     "jax.lax.pmean / psum over the whole axis.",
                     UncheckedOutputWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
 
     def _finish(self, out: Any, entry: _Entry) -> Any:

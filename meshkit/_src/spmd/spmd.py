@@ -24,7 +24,6 @@ puts it (host data placed through ``in_shardings``) and is one explicit reshard 
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
@@ -36,6 +35,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
+from ..core.frames import user_stacklevel
 from ..runtime import dispatch as _dispatch
 from ..sharding.spec_trees import (
     align_specs,
@@ -533,7 +533,7 @@ class SpmdFunction:
             f"{want} on the mesh {dict(mesh.shape)}; it is resharded on every call (this "
             f"warning is shown once).\n{_RESHARD_FIX.format(target=target)}",
             ReshardWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def _plan_for_call(self) -> _Plan | None:
@@ -587,19 +587,6 @@ class SpmdFunction:
 
 def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
-
-
-def _user_stacklevel() -> int:
-    """The warnings stacklevel of the innermost frame outside meshkit and JAX (the caller)."""
-    frame: Any = sys._getframe(1)  # warn_reshard's frame: stacklevel 1
-    level = 1
-    while frame is not None:
-        mod = frame.f_globals.get("__name__", "")
-        if not mod.startswith(("meshkit.", "jax.", "jax")) or mod.startswith("meshkit.testing"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 2
 
 
 def _check_leaf(s: Any, where: str) -> PartitionSpec:
