@@ -35,6 +35,7 @@ from ._src.core.version import __version__ as __version__
 from ._src.launch.launcher import LaunchResult as LaunchResult
 from ._src.launch.launcher import RankResult as RankResult
 from ._src.launch.launcher import launch as launch
+from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
 from ._src.pmap.legacy import device_put_replicated as device_put_replicated
 from ._src.pmap.legacy import device_put_sharded as device_put_sharded
 from ._src.pmap.legacy import get_metrics as get_metrics
@@ -45,7 +46,6 @@ from ._src.pmap.legacy import shard as shard
 from ._src.pmap.legacy import shard_prng_key as shard_prng_key
 from ._src.pmap.legacy import unreplicate as unreplicate
 from ._src.pmap.pmap import PmapFunction as PmapFunction
-from ._src.pmap.pmap import UncheckedOutputWarning as UncheckedOutputWarning
 from ._src.pmap.pmap import pmap_compat as pmap_compat
 from ._src.pmap.stages import Compiled as Compiled
 from ._src.pmap.stages import Lowered as Lowered
