@@ -38,13 +38,13 @@ from ._src.launch.launcher import launch as launch
 from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
 from ._src.pmap.legacy import device_put_replicated as device_put_replicated
 from ._src.pmap.legacy import device_put_sharded as device_put_sharded
-from ._src.pmap.legacy import get_metrics as get_metrics
-from ._src.pmap.legacy import pad_shard_unpad as pad_shard_unpad
-from ._src.pmap.legacy import prefetch_to_device as prefetch_to_device
 from ._src.pmap.legacy import replicate as replicate
-from ._src.pmap.legacy import shard as shard
 from ._src.pmap.legacy import shard_prng_key as shard_prng_key
 from ._src.pmap.legacy import unreplicate as unreplicate
+from ._src.pmap.legacy_data import get_metrics as get_metrics
+from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
+from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
+from ._src.pmap.legacy_data import shard as shard
 from ._src.pmap.pmap import PmapFunction as PmapFunction
 from ._src.pmap.pmap import pmap_compat as pmap_compat
 from ._src.pmap.stages import Compiled as Compiled

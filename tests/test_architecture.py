@@ -45,7 +45,6 @@ STILL_TOO_LONG = {
     "meshkit._src.migrate.command": 737,
     "meshkit._src.migrate.flow": 823,
     "meshkit._src.migrate.scan": 898,
-    "meshkit._src.pmap.legacy": 894,
 }
 
 
