@@ -42,9 +42,6 @@ STILL_TOO_LONG = {
     "meshkit._src.migrate.command": 737,
     "meshkit._src.migrate.flow": 823,
     "meshkit._src.migrate.scan": 898,
-    "meshkit._src.pmap.legacy": 894,
-    "meshkit._src.pmap.pmap": 807,
-    "meshkit._src.spmd.spmd": 732,
 }
 
 

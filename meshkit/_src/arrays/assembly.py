@@ -30,13 +30,14 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
 from .blocks import Prepared, block_rows, describe, finish_padding, plan_leaves, replica_digests
 from .caller import WHAT
-from .dtypes import user_stacklevel, warn_notes
+from .dtypes import warn_notes
 from .records import Record, compare, raise_failures, summary
 from .templates import prepare
 from .transfer import assemble, transfer

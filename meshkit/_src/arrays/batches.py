@@ -37,13 +37,14 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from .assembly import Check
 from .caller import set_caller
-from .dtypes import user_stacklevel, warn_notes
+from .dtypes import warn_notes
 from .records import Record
 from .templates import prepare
 

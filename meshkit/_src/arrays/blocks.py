@@ -25,7 +25,6 @@ from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
 from ..sharding.spec_trees import align_specs, plain_specs
 from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
-from .caller import calling as calling  # spmd names its assembly through it (moving to .caller)
 from .caller import pads as _pads
 from .caller import who
 from .dtypes import Note, cast

@@ -7,7 +7,6 @@ fails before leaves the warning to the next one.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from .caller import who
 
-__all__ = ["DtypeWarning", "Note", "cast", "note_narrowing", "user_stacklevel", "warn_notes"]
+__all__ = ["DtypeWarning", "Note", "cast", "note_narrowing", "warn_notes"]
 
 
 class DtypeWarning(UserWarning):
@@ -32,14 +31,6 @@ DtypeWarning.__module__ = "meshkit"  # shown under the name users import it by
 
 _warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
 Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside meshkit."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("meshkit."):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:

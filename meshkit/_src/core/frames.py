@@ -1,20 +1,22 @@
 """Whose code a stack frame runs: meshkit's own, a library's, or the user's.
 
 meshkit's files are everything under the package except ``meshkit/testing`` (helpers that run
-the user's code, and are read as the user's). Reports point at the first frame that is none of
-meshkit's, JAX's or the standard library's (`library_file`); the stall watchdog asks whether a
-waiting main thread is inside a meshkit call (`in_meshkit`).
+the user's code, and are read as the user's). One rule says which frame is the user's: the first
+that is none of meshkit's, JAX's or the standard library's (`library_file`). Warnings point at it
+(`user_stacklevel`), reports name it (`user_frame`); the stall watchdog asks whether a waiting
+main thread is inside a meshkit call (`in_meshkit`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from types import FrameType
 
 import jax
 
-__all__ = ["in_meshkit", "library_file", "meshkit_file"]
+__all__ = ["in_meshkit", "library_file", "meshkit_file", "user_frame", "user_stacklevel"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
@@ -43,3 +45,29 @@ def in_meshkit(frame: FrameType) -> bool:
             return True
         seen = seen.f_back
     return False
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` outward that runs the user's code; None if there is none.
+
+    The user's code is every file `library_file` does not claim (``meshkit/testing`` included).
+    """
+    while frame is not None and library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def user_stacklevel() -> int:
+    """The `warnings.warn` ``stacklevel`` that points at the user's line, from the caller's frame.
+
+    Level 1 is the function that calls this one (the one that warns, or passes the level on to
+    what warns). The frames of meshkit, JAX and the standard library between it and the user's
+    code are skipped (`user_frame`); where every frame is a library's (code typed at a prompt
+    counts as one), the outermost frame.
+    """
+    frame: FrameType = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level

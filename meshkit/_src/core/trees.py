@@ -13,10 +13,10 @@ from typing import Any
 
 import jax
 
-__all__ = ["broadcast_prefix", "prefix_mismatch"]
+__all__ = ["broadcast_prefix", "one_level", "prefix_mismatch"]
 
 
-def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
+def one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
     """``x``'s immediate children with their keys, and its one-level treedef."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     return [(path[0] if path else None, child) for path, child in with_path], treedef
@@ -41,8 +41,8 @@ def prefix_mismatch(
     """
     if is_leaf(prefix):
         return None
-    children, treedef = _one_level(prefix)
-    full_children, full_def = _one_level(full)
+    children, treedef = one_level(prefix)
+    full_children, full_def = one_level(full)
     if treedef != full_def:
         return jax.tree_util.keystr(path), _describe(prefix), _describe(full)
     for (key, child), (_, full_child) in zip(children, full_children, strict=True):

@@ -11,14 +11,13 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
 
-from ..core.frames import library_file
+from ..core.frames import user_frame
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
 
@@ -70,13 +69,11 @@ def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
 
 def _caller() -> str:
     """``file:line in function`` of the first frame outside meshkit, jax and the stdlib."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not library_file(name):
-            return f"{_watchdog.short_path(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
+    frame = user_frame(sys._getframe(2))
+    if frame is None:
+        return "?"
+    name = _watchdog.short_path(frame.f_code.co_filename)
+    return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from ..core import compat as _compat
 from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
-from ..core.frames import in_meshkit, library_file
+from ..core.frames import in_meshkit, user_frame
 from . import exit as _exit
 
 __all__ = [
@@ -265,9 +265,7 @@ def frame_text(frame: FrameType) -> str:
     """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
     inner = frame
     text = f"in {inner.f_code.co_name} ({short_path(inner.f_code.co_filename)}:{inner.f_lineno})"
-    user: FrameType | None = frame
-    while user is not None and library_file(user.f_code.co_filename):
-        user = user.f_back
+    user = user_frame(frame)
     if user is not None and user is not inner:
         text += f", called from {user.f_code.co_name} ({short_path(user.f_code.co_filename)}:"
         text += f"{user.f_lineno})"

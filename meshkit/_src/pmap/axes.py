@@ -8,7 +8,7 @@ meshkit's explanation and fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,6 @@ from . import device_axis as _device_axis
 __all__ = [
     "Axis",
     "Layout",
-    "argnums",
     "axes_per_output",
     "call_key",
     "check_axes_tree",
@@ -226,13 +225,3 @@ def out_spec(axis: Axis, name: str) -> PartitionSpec:
     if axis is None:
         return PartitionSpec()
     return _device_axis.mapped_spec(axis if axis >= 0 else 0, name)
-
-
-def argnums(value: int | Sequence[int], what: str, name: str) -> tuple[int, ...]:
-    items = (value,) if isinstance(value, int) else tuple(value)
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise MeshkitError(
-                f"meshkit.pmap_compat({name}): {what} must be non-negative ints; got {value!r}."
-            )
-    return tuple(sorted(set(items)))

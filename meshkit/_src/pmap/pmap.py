@@ -18,65 +18,35 @@ A call is classified before anything runs, never retried:
 4. otherwise each leaf is classified (placed as needed / host data / process-local device
    array / another layout) and placed, and the entry for its mapped size is called.
 
-An entry (one `jax.jit` over the flat leaves) is traced once per signature. Outputs promised
-equal on every device (``out_axes=None``) are checked on that trace by `meshkit._src.spmd.variance`.
+An entry (`meshkit._src.pmap.entry`: one `jax.jit` over the flat leaves, a signature of the call
+plan shared with `spmd`, `meshkit._src.spmd.plan`) is traced once per signature. Outputs
+promised equal on every device (``out_axes=None``) are checked on that trace by
+`meshkit._src.spmd.variance`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import warnings
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from ..core import compat as _compat
-from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
+from ..core.errors import MeshkitError, MeshkitTypeError
 from ..runtime import dispatch as _dispatch
-from ..sharding.specs import spec_axes
-from ..spmd import placement as _placement
-from ..spmd import variance as _variance
-from ..spmd.spmd import _user_stacklevel, fn_name, from_host
+from ..spmd.plan import Signatures, argnums, dynamic, fn_name
 from . import axes
 from . import device_axis as _device_axis
+from .entry import TRACING, Entry, Mapped, build, mesh_context, process_local
 from .stages import Lowered, Stage, signature
 
-__all__ = ["PmapFunction", "UncheckedOutputWarning", "pmap_compat"]
+__all__ = ["PmapFunction", "pmap_compat"]
 
 _ANON_AXIS = "_pmap_compat"
-
-
-class UncheckedOutputWarning(UserWarning):
-    """An ``out_axes=None`` output of a `pmap_compat` function could not be checked.
-
-    `pmap_compat` checks that such an output is the same on every device; where its value
-    passes through something the check cannot follow (a collective with
-    ``axis_index_groups``, an ``io_callback``, a primitive over the mapped axis it has no rule
-    for) it warns once per function and output, and returns device 0's value as `jax.pmap`
-    does.
-    """
-
-
-@dataclass
-class _Entry:
-    """One `jax.jit` over the flat leaves: a mesh, resolved mapped axes, tracing or not."""
-
-    mesh: Mesh
-    resolved: tuple[axes.Axis, ...]
-    jitted: Any
-    targets: list[NamedSharding]  # each leaf's sharding when already placed
-    multi: bool  # the mesh spans processes
-    paths: tuple[str, ...]  # each leaf's name in messages
-    local_out: bool  # outputs become this process's entries (jax.pmap's multi-process arrays)
-    out_leaves: list[tuple[str, axes.Axis]] = field(default_factory=list)  # filled while tracing
-    checked: bool = False  # out_axes=None outputs analysed
 
 
 class PmapFunction:
@@ -118,17 +88,9 @@ class PmapFunction:
         axes.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
-        # Every out_axes entry is None or non-negative: each output's sharding is known before
-        # tracing (negative ones depend on the output's rank).
-        self._out_axes_fixed = all(
-            a is None or a >= 0
-            for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
-        )
-        self._checks_outputs = any(
-            a is None for a in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
-        )
-        self.static = axes.argnums(static_broadcasted_argnums, "static_broadcasted_argnums", name)
-        self.donate = axes.argnums(donate_argnums, "donate_argnums", name)
+        what = f"meshkit.pmap_compat({name})"
+        self.static = argnums(static_broadcasted_argnums, "static_broadcasted_argnums", what)
+        self.donate = argnums(donate_argnums, "donate_argnums", what)
         both = set(self.static) & set(self.donate)
         if both:
             raise MeshkitError(
@@ -155,12 +117,25 @@ class PmapFunction:
         self.devices = list(devices) if devices is not None else None
         self.backend = backend
         self.global_outputs = bool(global_outputs)
+        out_leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
+        self._mapped = Mapped(
+            fun=fun,
+            name=name,
+            what=what,
+            axis_name=axis_name,
+            mesh_axis=self.mesh_axis,
+            out_axes=out_axes,
+            static=self.static,
+            global_outputs=self.global_outputs,
+            out_axes_fixed=all(a is None or a >= 0 for a in out_leaves),
+            checks_outputs=any(a is None for a in out_leaves),
+        )
         self._layouts: dict[Any, axes.Layout] = {}
-        self._entries: dict[Any, _Entry] = {}
+        self._entries: dict[Any, Entry] = {}
         # Per structure of the arguments (calls without keywords or statics): the entry the
-        # last call used, for the steady-state test of the next.
-        self._steady: dict[Any, _Entry] = {}
-        self._warned: set[str] = set()
+        # last call used, for the steady-state test of the next. A call inside jax.set_mesh
+        # is not steady: it runs in this function's mesh (`mesh_context`).
+        self._steady: Signatures[Entry] = Signatures(_compat.idle)
         self._site = _dispatch.CallSite(
             "pmap_compat",
             name,
@@ -181,24 +156,24 @@ class PmapFunction:
             # as the entry of this structure expects, nothing tracing. Each step here shows in
             # the per-call time, so this path does only what deciding needs.
             leaves, treedef = jax.tree_util.tree_flatten(args)
-            entry = self._steady.get(treedef)
-            if entry is not None and _compat.idle() and _placement.placed(leaves, entry.targets):
+            entry = self._steady.steady(treedef, leaves)
+            if entry is not None:
                 out = entry.jitted(*leaves)
-                return jax.tree_util.tree_map(_process_local, out) if entry.local_out else out
+                return jax.tree_util.tree_map(process_local, out) if entry.local_out else out
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        outer = _TRACING.get()
-        if outer is not None and outer is not self:
+        outer = TRACING.get()
+        if outer is not None and outer is not self._mapped:
             return self._nested(args, kwargs)
         key = axes.call_key(args, kwargs, self.static, self._what, self.name)
-        leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
         if not (kwargs or self.static) and _compat.idle():
-            self._steady[jax.tree_util.tree_structure(args)] = entry
-        with _mesh_context(entry.mesh):
-            self._check_outputs(entry, placed)
-            return self._finish(entry.jitted(*placed), entry)
+            self._steady.keep(jax.tree_util.tree_structure(args), entry)
+        with mesh_context(entry.mesh):
+            entry.check_outputs(placed)
+            return entry.finish(entry.jitted(*placed))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a method decorator: ``self`` becomes the first argument, as with `jax.pmap`."""
@@ -213,10 +188,10 @@ class PmapFunction:
         out, as with `jax.jit`) and returns the same outputs.
         """
         key = axes.call_key(args, kwargs, self.static, self._what, self.name)
-        leaves, treedef = jax.tree_util.tree_flatten((self._dyn(args), kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
-        with _mesh_context(entry.mesh):
-            self._check_outputs(entry, placed)
+        with mesh_context(entry.mesh):
+            entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
         stage = Stage(
             what=self._what,
@@ -225,9 +200,9 @@ class PmapFunction:
             treedef=treedef,
             paths=entry.paths,
             given=signature(leaves),
-            dynamic=self._dyn,
-            place=functools.partial(self._place, entry=entry),
-            finish=functools.partial(self._finish, entry=entry),
+            dynamic=functools.partial(dynamic, static=self.static),
+            place=entry.place,
+            finish=entry.finish,
         )
         return Lowered(stage, lowered)
 
@@ -245,14 +220,9 @@ class PmapFunction:
 
     # ---- classification ---------------------------------------------------------------------
 
-    def _dyn(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not self.static:
-            return args
-        return tuple(a for i, a in enumerate(args) if i not in self.static)
-
     def _classify(
         self, key: tuple[Any, ...], treedef: Any, leaves: list[Any]
-    ) -> tuple[_Entry, list[Any]]:
+    ) -> tuple[Entry, list[Any]]:
         """The entry for this call and its leaves placed for it (the call's slow path)."""
         dyn, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         layout = self._layouts.get((key, treedef))
@@ -288,85 +258,12 @@ class PmapFunction:
         entry_key = (key, treedef, resolved, mesh, tracing)
         entry = self._entries.get(entry_key)
         if entry is None:
-            entry = self._entries[entry_key] = self._entry(
-                key, treedef, layout, resolved, mesh, tracing
+            entry = self._entries[entry_key] = build(
+                self._mapped, key, treedef, layout, resolved, mesh, tracing
             )
         if tracing:
             return entry, leaves
-        return entry, self._place(leaves, entry, treedef)
-
-    def _place(self, leaves: list[Any], entry: _Entry, treedef: Any = None) -> list[Any]:
-        """Every leaf placed for ``entry`` (`meshkit._src.spmd.placement`'s classes).
-
-        Host data goes in one batch: in one process a batched put (jit would place it too, but
-        it traces a numpy argument and a placed array separately); across processes it is this
-        process's entries, assembled with the others' as `meshkit.global_array_from_local`
-        does, with its check that the processes' structure, shapes and dtypes agree.
-        """
-        placed = [
-            self._put(leaf, r, target, entry)
-            for leaf, r, target in zip(leaves, entry.resolved, entry.targets, strict=True)
-        ]
-        host = [
-            i
-            for i, leaf in enumerate(placed)
-            if _placement.is_host(leaf) and not _placement.is_abstract(leaf)
-        ]
-        if not host:
-            return placed
-        across = jax.process_count() > 1
-        values = [_host_value(placed[i], across) for i in host]
-        targets = [entry.targets[i] for i in host]
-        if entry.multi:
-            structure = None
-            if treedef is not None:
-                keep = set(host)
-                structure = jax.tree_util.tree_unflatten(
-                    treedef, [v if i in keep else None for i, v in enumerate(placed)]
-                )
-            values = _placement.assemble(
-                [(entry.paths[i], v) for i, v in zip(host, values, strict=True)],
-                entry.mesh,
-                [t.spec for t in targets],
-                what=self._what,
-                tag="pmap_compat",
-                structure=structure,
-            )
-        else:
-            values = _placement.put_host(values, targets)
-        for i, value in zip(host, values, strict=True):
-            placed[i] = value
-        return placed
-
-    def _put(self, leaf: Any, r: axes.Axis, target: NamedSharding, entry: _Entry) -> Any:
-        """One leaf, placed for ``entry``'s mesh (no copy where the data is already there)."""
-        mesh = entry.mesh
-        if _placement.is_abstract(leaf):
-            return leaf  # lowering for shapes only (ShapeDtypeStruct, ShapedArray)
-        if isinstance(leaf, jax.Array):
-            sharding = leaf.sharding
-            if sharding == target:
-                return leaf
-            if sharding.is_equivalent_to(target, leaf.ndim):
-                if not _explicitly_typed(leaf):
-                    return leaf
-                # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
-                shards = [s.data for s in leaf.addressable_shards]
-                return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
-            if r is not None:
-                again = _device_axis.rewrap(leaf, mesh, r)
-                if again is not None:
-                    return again
-            if entry.multi and leaf.is_fully_addressable:
-                # A process-local array: jax.pmap's output, or this function's own.
-                again = _device_axis.from_local_array(leaf, mesh, r)
-                if again is not None:
-                    return again
-                if r is None:
-                    return from_host(np.asarray(leaf), target)
-                return _device_axis.from_local(leaf, mesh, r)
-            return jax.device_put(leaf, target)
-        return leaf  # host data: placed with the others by _place
+        return entry, entry.place(leaves, treedef)
 
     # ---- meshes -----------------------------------------------------------------------------
 
@@ -436,180 +333,6 @@ class PmapFunction:
             "device; consider in_axes=None for an argument every device gets whole."
         )
 
-    # ---- the compiled function --------------------------------------------------------------
-
-    def _entry(
-        self,
-        key: tuple[Any, ...],
-        treedef: Any,
-        layout: axes.Layout,
-        resolved: tuple[axes.Axis, ...],
-        mesh: Mesh,
-        tracing: bool,
-    ) -> _Entry:
-        name = self.mesh_axis
-        specs = tuple(
-            _device_axis.mapped_spec(r, name) if r is not None else PartitionSpec()
-            for r in resolved
-        )
-        # One NamedSharding object per spec, shared by the inputs' targets and the outputs'
-        # out_shardings: outputs fed back then carry the very objects the steady-state test
-        # compares with, and the comparison stops at identity.
-        by_spec: dict[PartitionSpec, NamedSharding] = {}
-
-        def sharding(spec: PartitionSpec) -> NamedSharding:
-            return by_spec.setdefault(spec, NamedSharding(mesh, spec))
-
-        targets = [sharding(s) for s in specs]
-        statics = dict(zip(self.static, key[1], strict=True))
-        n_args = key[0]
-        entry: _Entry
-
-        def per_device(*blocks: Any) -> Any:
-            local = [
-                jax.lax.squeeze(b, (r,)) if r is not None else b
-                for b, r in zip(blocks, resolved, strict=True)
-            ]
-            d_args, kw = jax.tree_util.tree_unflatten(treedef, local)
-            it = iter(d_args)
-            full = [statics[i] if i in statics else next(it) for i in range(n_args)]
-            return self._outputs_per_device(self.fun(*full, **kw), entry)
-
-        out_specs = axes.prefix_map(self.out_axes, lambda a: axes.out_spec(a, name))
-
-        def body(*flat: Any) -> Any:
-            entry.out_leaves.clear()
-            token = _TRACING.set(self)
-            try:
-                out = jax.shard_map(
-                    per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
-                )(*flat)
-            except NameError as e:
-                if not str(e).startswith("Found an unbound axis name"):
-                    raise  # the user's own NameError
-                raise MeshkitNameError(f"{e}\n{self._unbound_axis_help(str(e))}") from None
-            finally:
-                _TRACING.reset(token)
-            return self._place_outputs(out, mesh, constrain=out_shardings is None)
-
-        body.__name__ = body.__qualname__ = self.name
-        # Outputs split over the devices as jax.pmap returns them, even when every device
-        # computed the same value (an unmapped input returned with out_axes=0): jit's
-        # out_shardings where the out_axes fix them (cheaper per call), else a constraint.
-        out_shardings = None
-        if not tracing and self._out_axes_fixed:
-            out_shardings = axes.prefix_map(
-                self.out_axes, lambda a: sharding(axes.out_spec(a, name))
-            )
-        if tracing:
-            jitted = jax.jit(body, donate_argnums=layout.donated)
-        elif out_shardings is not None:
-            jitted = jax.jit(
-                body,
-                in_shardings=targets,
-                out_shardings=out_shardings,
-                donate_argnums=layout.donated,
-            )
-        else:
-            jitted = jax.jit(body, in_shardings=targets, donate_argnums=layout.donated)
-        multi = mesh.is_multi_process
-        local_out = multi and not self.global_outputs and not tracing
-        entry = _Entry(mesh, resolved, jitted, targets, multi, layout.paths, local_out)
-        return entry
-
-    def _unbound_axis_help(self, message: str) -> str:
-        axis = message.removeprefix("Found an unbound axis name: ").split(".")[0]
-        fix = (
-            f"Consider axis_name={axis!r} in pmap_compat."
-            if self.axis_name is None
-            else f"Consider naming {self.axis_name!r} in the collective."
-        )
-        return (
-            f"{self._what}: a collective names the axis {axis!r}, which is not bound here; the "
-            f"function maps the axis {self.axis_name!r}.\n{fix}"
-        )
-
-    def _outputs_per_device(self, out: Any, entry: _Entry) -> Any:
-        """Each output gets its mapped dimension back (size 1); names recorded for checks."""
-        with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
-        out_axes = axes.axes_per_output(self.out_axes, out, self.name)
-        result = []
-        for (path, leaf), axis in zip(with_path, out_axes, strict=True):
-            where = f"output{jax.tree_util.keystr(path)}"
-            leaf = jax.numpy.asarray(leaf)
-            entry.out_leaves.append((f"{where} (shape {leaf.shape})", axis))
-            if axis is None:
-                result.append(leaf)
-                continue
-            ndim = leaf.ndim + 1
-            if not -ndim <= axis < ndim:
-                raise MeshkitIndexError(
-                    f"{self._what}: out_axes={axis} for {where}, which has rank {leaf.ndim} "
-                    f"per device ({ndim} with the mapped axis; valid: {-ndim} to {ndim - 1})."
-                )
-            at = axis if axis >= 0 else 0  # negative: moved into place after shard_map
-            result.append(jax.numpy.expand_dims(leaf, at))
-        return jax.tree_util.tree_unflatten(treedef, result)
-
-    def _place_outputs(self, out: Any, mesh: Mesh, *, constrain: bool) -> Any:
-        """Negative out_axes moved into place; ``constrain``: each laid out as promised."""
-        leaves, treedef = jax.tree_util.tree_flatten(out)
-        out_axes = axes.axes_per_output(self.out_axes, out, self.name)
-        name = self.mesh_axis
-        placed = []
-        for leaf, axis in zip(leaves, out_axes, strict=True):
-            if axis is not None and axis < 0:
-                leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
-            spec = (
-                _device_axis.mapped_spec(axis % leaf.ndim, name)
-                if axis is not None
-                else PartitionSpec()
-            )
-            if constrain:
-                leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
-            placed.append(leaf)
-        return jax.tree_util.tree_unflatten(treedef, placed)
-
-    def _check_outputs(self, entry: _Entry, placed: list[Any]) -> None:
-        """Once per entry: every ``out_axes=None`` output is the same on every device."""
-        if entry.checked or not self._checks_outputs:
-            return
-        traced = entry.jitted.trace(*placed)  # jit keeps this trace for the call
-        mapped = [r is not None for r in entry.resolved]
-        verdicts = _variance.shard_map_outputs(traced.jaxpr, self.mesh_axis, mapped)
-        entry.checked = True
-        if verdicts is None:
-            return
-        for (where, axis), verdict in zip(entry.out_leaves, verdicts, strict=True):
-            if axis is not None or verdict == _variance.INVARIANT:
-                continue
-            if verdict.level == _variance.VARYING.level:
-                entry.checked = False
-                raise MeshkitError(
-                    f"{self._what}: out_axes=None for {where} promises the same value on every "
-                    f"device, but it varies over the mapped axis {self.axis_name!r}: it depends "
-                    "on a mapped argument or the device index.\njax.pmap would have returned "
-                    "device 0's value without a word. Consider reducing it first "
-                    f"(jax.lax.pmean(x, {self.axis_name!r}) or psum), or out_axes=0 to get every "
-                    "device's value."
-                )
-            if where not in self._warned:
-                self._warned.add(where)
-                warnings.warn(
-                    f"{self._what}: out_axes=None for {where} is not checked to be the same on "
-                    f"every device: {verdict.reason}, which meshkit cannot follow. Device 0's "
-                    "value is returned, as jax.pmap does (this warning is shown once).\nConsider "
-                    "out_axes=0 and reading entry 0 yourself, or reducing the value with "
-                    "jax.lax.pmean / psum over the whole axis.",
-                    UncheckedOutputWarning,
-                    stacklevel=_user_stacklevel(),
-                )
-
-    def _finish(self, out: Any, entry: _Entry) -> Any:
-        if not entry.local_out:
-            return out
-        return jax.tree_util.tree_map(_process_local, out)
-
     # ---- nested -----------------------------------------------------------------------------
 
     def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -619,7 +342,7 @@ class PmapFunction:
         inner axis runs vectorized on each device of the outer one, so collectives over either
         axis or both compute what the old nesting computed.
         """
-        outer = _TRACING.get()
+        outer = TRACING.get()
         if outer is not None and outer.mesh_axis == self.mesh_axis:
             raise MeshkitError(
                 f"{self._what}: called inside a pmap_compat over the same axis name "
@@ -644,73 +367,7 @@ class PmapFunction:
             axis_name=self.mesh_axis,
             axis_size=self.axis_size,
         )
-        return mapped(*self._dyn(args), **kwargs)
-
-
-_TRACING: contextvars.ContextVar[PmapFunction | None] = contextvars.ContextVar(
-    "meshkit_pmap_tracing", default=None
-)
-
-
-def _mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-    """``jax.set_mesh(mesh)`` when another mesh is the context, else nothing.
-
-    Under ``jax.set_mesh`` (or traced inside another mesh's jit) shard_map must run on the
-    context's mesh: this function's mesh becomes the context for the call.
-    """
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty or context == mesh.abstract_mesh:
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
-
-
-def _host_value(leaf: Any, across_processes: bool) -> Any:
-    """Host data as it is placed: float0 (no device type) as bool zeros across processes."""
-    if not across_processes:
-        return leaf
-    value = np.asarray(leaf)
-    if value.dtype == jax.dtypes.float0:
-        return np.zeros(value.shape, bool)  # as jax.pmap does across processes
-    return value
-
-
-def _explicitly_typed(x: Any) -> bool:
-    """Whether ``x``'s type carries a sharding over Explicit mesh axes (shard_map rejects it)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or not spec_axes(sharding.spec):
-        return False
-    return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def _local_size(leaf: Any, axis: int, processes: int) -> int:
-    """The mapped size this process contributes: global arrays count every process's entries."""
-    n = int(np.shape(leaf)[axis])
-    if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and not leaf.is_fully_addressable
-    ):
-        return n // processes
-    return n
-
-
-def _process_local(x: Any) -> Any:
-    """``jax.pmap``'s multi-process output: this process's entries only (no copy)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-    mapped = [d for d, e in enumerate(spec) if e is not None]
-    if mapped:
-        return _device_axis.local_view(x, mapped[0])
-    # Replicated (out_axes=None): the same value on each local device, as jax.pmap returns it.
-    mesh: Mesh = x.sharding.mesh  # type: ignore[attr-defined]
-    mine = _device_axis.local_devices(mesh)
-    local = _device_axis.device_mesh(mine, mesh.axis_names[0])
-    by_device = {s.device: s.data for s in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(local, PartitionSpec()), [by_device[d] for d in mine]
-    )
+        return mapped(*dynamic(args, self.static), **kwargs)
 
 
 def pmap_compat(
@@ -805,3 +462,15 @@ def pmap_compat(
         )
 
     return wrap if fun is None else wrap(fun)
+
+
+def _local_size(leaf: Any, axis: int, processes: int) -> int:
+    """The mapped size this process contributes: global arrays count every process's entries."""
+    n = int(np.shape(leaf)[axis])
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, Tracer)
+        and not leaf.is_fully_addressable
+    ):
+        return n // processes
+    return n

@@ -28,6 +28,7 @@ import jax
 from jax.tree_util import DictKey
 
 from ..core.errors import MeshkitError
+from ..core.trees import one_level
 from .specs import is_spec_leaf
 
 __all__ = [
@@ -97,14 +98,8 @@ def has_mapping(specs: Any) -> bool:
     return any(isinstance(x, Mapping) for x in nodes)
 
 
-def _one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``x``'s immediate children with their keys, and its one-level treedef."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    return [(path[0] if path else None, child) for path, child in with_path], treedef
-
-
 def _is_leaf(treedef: Any) -> bool:
-    """Whether a one-level treedef (see `_one_level`) is a leaf's (None and {} are nodes)."""
+    """Whether a one-level treedef (see `one_level`) is a leaf's (None and {} are nodes)."""
     return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
@@ -140,7 +135,7 @@ def describe_node(x: Any, keys: list[Any] | None = None) -> str:
         return f"{head} of length {len(x)}"
     if isinstance(x, Mapping):
         return f"{head} with keys {_keys(list(x))}"
-    children, treedef = _one_level(x)
+    children, treedef = one_level(x)
     if _is_leaf(treedef):
         shape = getattr(x, "shape", None)
         return f"{head} of shape {tuple(shape)}" if shape is not None else f"{head} (a leaf)"
@@ -177,10 +172,10 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
     """
     if is_spec_leaf(specs):
         return specs
-    spec_children, spec_def = _one_level(specs)
+    spec_children, spec_def = one_level(specs)
     if not isinstance(specs, Mapping) and _is_leaf(spec_def):
         return specs  # not a spec: the checks of spec leaves name it
-    children, treedef = _one_level(tree)
+    children, treedef = one_level(tree)
     is_node = tree is not None and not _is_leaf(treedef)
     if isinstance(specs, Mapping):
         keys = _dict_keys(children) if is_node else None
@@ -222,10 +217,10 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
     """
     if is_spec_leaf(specs):
         return tree
-    spec_children, spec_def = _one_level(specs)
+    spec_children, spec_def = one_level(specs)
     if _is_leaf(spec_def):
         return tree
-    children, _ = _one_level(tree)
+    children, _ = one_level(tree)
     if isinstance(specs, Mapping):
         by_key = {k.key: child for k, child in children}
         rebuilt = [to_spec_types(s, by_key[k.key]) for k, s in spec_children]

@@ -29,7 +29,8 @@ from jax.core import ShapedArray, Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from ..arrays import assembly as _assembly
-from ..arrays import blocks as _global
+from ..arrays import blocks as _blocks
+from ..arrays.caller import calling
 from ..coord import channel as _channel
 from ..debug import divergence as debug
 
@@ -93,7 +94,7 @@ def assemble(
     if not named:
         return []
     treedef = jax.tree_util.tree_structure([0] * len(named) if structure is None else structure)
-    with _global.calling(what, pads=False):
+    with calling(what, pads=False):
         assembly = _assembly.Assembly(
             _channel.scoped(tag, what),
             what,
@@ -102,7 +103,7 @@ def assemble(
             sizes_known=True,
         )
         tree, _ = assembly.run(
-            lambda: _global.prepare_leaves(
+            lambda: _blocks.prepare_leaves(
                 named,
                 treedef,
                 [(mesh, s) for s in specs],

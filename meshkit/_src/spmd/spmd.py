@@ -6,11 +6,13 @@ out as its spec says (the steady state), jit is called at once; otherwise meshki
 shapes against the specs (its own messages), puts host data (numpy, Python scalars) in one
 batched call, moves arrays laid out differently (warning once per argument), and then calls.
 Each signature is traced once. Every call first passes `meshkit._src.runtime.dispatch.enter`.
+The machinery is the call plan shared with `pmap_compat` (`meshkit._src.spmd.plan`); what is
+`spmd`'s own (specs per argument, its checks and reshards) is `meshkit._src.spmd.bound`.
 
 In a multi-process run, host data and process-local (fully addressable) arrays are *this
 process's part* of the argument, exactly as `meshkit.global_array_from_local` defines it: along
 a dimension split across processes, the rows this process's devices hold; other dimensions
-whole. All such leaves of a call are assembled together, through `_global`'s protocol, before
+whole. All such leaves of a call are assembled together (`meshkit._src.arrays.assembly`) before
 jit is called, so the processes compare structure, shapes and dtypes once per call (one small
 message through the coordination service) and a mismatch is an error naming the processes, not
 a hang. Single-process, host data is the whole value, which is the same thing.
@@ -24,36 +26,21 @@ puts it (host data placed through ``in_shardings``) and is one explicit reshard 
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 import jax
-import numpy as np
-from jax.core import Tracer
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
+from ..core.frames import user_stacklevel
 from ..runtime import dispatch as _dispatch
-from ..sharding.spec_trees import (
-    align_specs,
-    describe_node,
-    has_mapping,
-    plain_specs,
-    to_spec_types,
-)
-from ..sharding.specs import (
-    as_partition_spec,
-    check_spec_for_mesh,
-    dim_axes,
-    is_spec_leaf,
-    map_specs,
-    parse_spec,
-    spec_axes,
-)
-from . import placement as _placement
+from ..sharding.spec_trees import describe_node, plain_specs
+from ..sharding.specs import as_partition_spec, map_specs
+from .bound import MeshPlan
+from .plan import argnums, fn_name
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
@@ -68,389 +55,6 @@ class ReshardWarning(UserWarning):
 _RESHARD_FIX = """\
 Consider producing it with that sharding (for example as the out_specs of the step that makes
 it), or moving it once outside the loop: jax.device_put(x, {target})."""
-
-
-def fn_name(f: Callable[..., Any]) -> str:
-    """The name messages give a user's function (``pmap_compat`` uses it too)."""
-    name = getattr(f, "__name__", None) or repr(f)
-    return str(name)
-
-
-def from_host(value: Any, target: NamedSharding) -> jax.Array:
-    """Host data, the same in every process, as a global array laid out by ``target``."""
-    arr = np.asarray(value)
-    return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
-
-
-class _Local:
-    """A process-local leaf of an spmd call, with its spec and its name in messages."""
-
-    def __init__(self, value: Any, spec: Any, where: str) -> None:
-        self.value = value
-        self.spec = spec
-        self.where = where
-
-
-_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
-
-
-class _Layout:
-    """One structure of the dynamic arguments: their specs aligned to it, its jit, its targets.
-
-    ``specs`` and ``raws`` hold one spec tree per argument, rebuilt in the argument's node
-    types (`meshkit._src.sharding.spec_trees.align_specs`), so JAX takes them as prefixes:
-    ``specs`` in `PartitionSpec` form, ``raws`` as the user wrote the leaves (strings name
-    dimensions).
-    """
-
-    def __init__(self, specs: tuple[Any, ...], raws: tuple[Any, ...], jitted: Any) -> None:
-        self.specs = specs
-        self.raws = raws
-        self.jitted = jitted
-        # Each leaf's sharding once placed (for the steady-state test); None until then.
-        self.targets: list[NamedSharding] | None = None
-
-
-class _Plan:
-    """Everything fixed once the mesh is known: specs, shardings, the jitted function."""
-
-    def __init__(self, owner: SpmdFunction, mesh: Mesh | AbstractMesh) -> None:
-        self.owner = owner
-        self.mesh = mesh
-        name = owner.name
-        self.in_specs = map_specs(
-            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.in_specs,
-            f"meshkit.spmd({name}): in_specs",
-        )  # fmt: skip
-        self.out_specs = map_specs(
-            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.out_specs,
-            f"meshkit.spmd({name}): out_specs",
-        )  # fmt: skip
-        # out_specs with mappings are matched to the outputs by keys (see `body`).
-        self.keyed_out = has_mapping(owner.out_specs)
-        self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-        self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
-        # Per structure of the dynamic arguments (a treedef): specs aligned to it, its jit.
-        self.layouts: dict[Any, _Layout] = {}
-
-    def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> _Layout:
-        """The `_Layout` of this structure of the dynamic arguments (made on first sight)."""
-        if treedef is None:
-            treedef = jax.tree_util.tree_structure(dyn)
-        found = self.layouts.get(treedef)
-        if found is not None:
-            return found
-        owner = self.owner
-        raw = owner.in_specs
-        if is_spec_leaf(raw):
-            specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
-            raws: tuple[Any, ...] = (raw,) * len(dyn)
-        else:
-            if len(raw) != len(dyn):
-                raise MeshkitError(
-                    f"meshkit.spmd({owner.name}): in_specs has {len(raw)} entries but the "
-                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
-                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
-                    "none."
-                )
-            raws = tuple(
-                align_specs(r, a, where=f"meshkit.spmd({owner.name}): in_specs[{i}]")
-                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
-            )
-            specs = tuple(
-                jax.tree_util.tree_map(
-                    lambda s: as_partition_spec(s, "in_specs"), r, is_leaf=is_spec_leaf
-                )
-                for r in raws
-            )
-        jitted = None
-        if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
-            mesh = self.mesh
-            shardings = jax.tree_util.tree_map(
-                lambda s: NamedSharding(mesh, s),
-                self.in_specs if is_spec_leaf(raw) else specs,
-                is_leaf=is_spec_leaf,
-            )
-
-            def body(*args: Any) -> Any:
-                return self.body(*args)
-
-            # Named after the user's function, so HLO dumps and profiles tell them apart.
-            body.__name__ = body.__qualname__ = owner.name
-            jitted = jax.jit(
-                body,
-                in_shardings=shardings,
-                static_argnums=owner.static_argnums,
-                donate_argnums=owner.donate_argnums,
-            )
-        made = self.layouts[treedef] = _Layout(specs, raws, jitted)
-        return made
-
-    # ---- trace time -------------------------------------------------------------------------
-
-    def body(self, *args: Any) -> Any:
-        owner = self.owner
-        static = owner.static_argnums
-        dyn = self.dynamic(args)
-        layout = self.layout(dyn)
-        self.check_args(dyn, layout)
-        if self.explicit:
-            dyn = self.reshard_typed(dyn, layout)
-        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
-        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
-        back: list[Any] = []
-        where = f"meshkit.spmd({owner.name}): out_specs"
-
-        def per_device(*local: Any) -> Any:
-            it = iter(local)
-            full = [args[i] if i in static else next(it) for i in range(len(args))]
-            out = owner.fn(*full)
-            raws = align_specs(owner.out_specs, out, where=where, noun="the output")
-            self.check_outputs(out, raws)  # a block has the rank of the global output
-            if not self.keyed_out:
-                return out
-            treedef = jax.tree_util.tree_structure(out)
-            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(owner.out_specs, order))]
-            return to_spec_types(owner.out_specs, out)
-
-        result = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=layout.specs,
-            out_specs=self.out_specs,
-            check_vma=owner.check_vma,
-        )(*dyn)
-        if not self.keyed_out:
-            return result
-        treedef, order = back
-        leaves: list[Any] = [None] * len(order)
-        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
-            leaves[i] = leaf
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    def dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The arguments that are not static (those in_specs describe)."""
-        static = self.owner.static_argnums
-        return tuple(a for i, a in enumerate(args) if i not in static)
-
-    def each_leaf(self, args: tuple[Any, ...], layout: _Layout, fn: Callable[..., Any]) -> Any:
-        """Map ``fn(leaf, spec, raw_spec, path)`` over the leaves of ``args`` under their specs."""
-        keystr = jax.tree_util.keystr
-
-        def per_arg(i: int) -> Any:
-            def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> Any:
-                return jax.tree_util.tree_map_with_path(
-                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{keystr(at)}{keystr(p)}"), sub
-                )
-
-            return jax.tree_util.tree_map_with_path(
-                visit, layout.specs[i], layout.raws[i], args[i], is_leaf=is_spec_leaf
-            )
-
-        return tuple(per_arg(i) for i in range(len(args)))
-
-    def check_args(self, dyn: tuple[Any, ...], layout: _Layout) -> None:
-        """Rank and divisibility of every argument against its spec, with dims named."""
-        name = self.owner.name
-        sizes = self.mesh.shape
-
-        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
-            shape = np.shape(leaf)
-            dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != len(shape):
-                raise MeshkitError(
-                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
-                )
-            if len(s) > len(shape):
-                raise MeshkitError(
-                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
-                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
-                    "argument every device gets whole."
-                )
-            for d, axes in enumerate(dim_axes(s, len(shape))):
-                n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
-                if axes and shape[d] % n:
-                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
-                    raise MeshkitError(
-                        f"meshkit.spmd({name}): {where} has shape {tuple(shape)}; its {label} "
-                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
-                        f"{n}, which does not divide it (spec {raw!r}, mesh "
-                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
-                    )
-
-        self.each_leaf(dyn, layout, check)
-
-    def reshard_typed(self, dyn: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
-        """On Explicit meshes, give every value the sharding type its spec asks for."""
-
-        def fix(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
-            ndim = np.ndim(leaf)
-            have = getattr(jax.typeof(leaf), "sharding", None)
-            have_spec = have.spec if have is not None else PartitionSpec()
-            if dim_axes(have_spec, ndim) == dim_axes(s, ndim):
-                return leaf
-            if spec_axes(have_spec):
-                self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
-            return jax.reshard(leaf, NamedSharding(self.mesh, s))
-
-        return self.each_leaf(dyn, layout, fix)
-
-    def check_outputs(self, out: Any, raws: Any) -> None:
-        """Each output's rank against the dimensions its spec string names.
-
-        ``raws`` is out_specs as written, aligned to ``out`` (`align_specs`).
-        """
-        name = self.owner.name
-
-        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
-            dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != np.ndim(leaf):
-                raise MeshkitError(
-                    f"meshkit.spmd({name}): output {where} has rank {np.ndim(leaf)} but its spec "
-                    f"{raw!r} names {_count(len(dims), 'dimension')}."
-                )
-
-        jax.tree_util.tree_map(
-            lambda r, sub: jax.tree_util.tree_map_with_path(
-                lambda p, leaf: check(leaf, as_partition_spec(r, "out_specs"), r,
-                                      f"out{jax.tree_util.keystr(p)}"), sub
-            ),
-            raws, out, is_leaf=is_spec_leaf,
-        )  # fmt: skip
-
-    # ---- call time: classify, then call ------------------------------------------------------
-
-    def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
-        """Classify the arguments (`placement`), place what needs it, call jit once."""
-        dyn = self.dynamic(args)
-        leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layouts.get(treedef)
-        if (
-            layout is not None
-            and layout.targets is not None
-            and _compat.trace_state_clean()
-            and _placement.placed(leaves, layout.targets)
-        ):
-            # The steady state: every leaf already where in_specs puts it.
-            return (layout.jitted.lower if lower else layout.jitted)(*args)
-        if any(isinstance(leaf, Tracer) for leaf in leaves):
-            layout = self.layout(dyn, treedef)
-            args = self.traced(args, layout)
-        elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
-            # This process's parts, as global arrays (the layout is made inside, so that a
-            # spec error there reaches the other processes too).
-            args, layout = self.assemble_local(args, treedef)
-            args = self.place(args, layout)
-        else:
-            layout = self.layout(dyn, treedef)
-            args = self.place(args, layout)
-        return (layout.jitted.lower if lower else layout.jitted)(*args)
-
-    def traced(self, args: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
-        """Arguments of a call traced inside another jit: host values are program constants.
-
-        Constants are the same in every process (the global value), as jit itself treats them;
-        jit places them in one process, and they are put here across processes (jit refuses
-        host data with a sharding there).
-        """
-        if not self.multiprocess:
-            return args
-        dyn = self.dynamic(args)
-        const = lambda leaf, s, raw, where: (  # noqa: E731
-            from_host(leaf, NamedSharding(self.mesh, s)) if _placement.is_host(leaf) else leaf
-        )
-        return self.with_dynamic(args, self.each_leaf(dyn, layout, const))
-
-    def place(self, args: tuple[Any, ...], layout: _Layout) -> tuple[Any, ...]:
-        """Every argument where its spec puts it: meshkit's checks, then moves and puts.
-
-        Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
-        on one device); host data is put in one batched call. The leaves' targets are kept per
-        structure for the steady-state test of the next call.
-        """
-        dyn = self.dynamic(args)
-        self.check_args(dyn, layout)
-        targets: list[NamedSharding] = []
-
-        def put(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
-            target = NamedSharding(self.mesh, s)
-            targets.append(target)
-            if _placement.is_host(leaf):
-                return _Host(leaf, target)
-            if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            if len(leaf.sharding.device_set) > 1:
-                self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
-            return jax.device_put(leaf, target)
-
-        marked = self.each_leaf(dyn, layout, put)
-        flat, tree = jax.tree_util.tree_flatten(marked, is_leaf=lambda x: isinstance(x, _Host))
-        hosts = [i for i, m in enumerate(flat) if isinstance(m, _Host)]
-        values = _placement.put_host(
-            [flat[i].value for i in hosts], [flat[i].target for i in hosts]
-        )
-        for i, value in zip(hosts, values, strict=True):
-            flat[i] = value
-        layout.targets = targets
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
-
-    def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` with its dynamic (non-static) arguments replaced by ``dyn``."""
-        static = self.owner.static_argnums
-        it = iter(dyn)
-        return tuple(args[i] if i in static else next(it) for i in range(len(args)))
-
-    def assemble_local(
-        self, args: tuple[Any, ...], treedef: Any
-    ) -> tuple[tuple[Any, ...], _Layout]:
-        """The call's process-local leaves assembled into global arrays, in one assembly.
-
-        In a multi-process run, host data and addressable arrays are this process's part of
-        the argument, as `meshkit.global_array_from_local` defines it; the processes compare
-        structure, shapes and dtypes once per call (and, in debug mode, the data of blocks
-        that several processes provide) through the coordination service.
-        """
-        dyn = self.dynamic(args)
-        mesh = self.mesh
-        assert isinstance(mesh, Mesh)  # multi-process plans have a concrete mesh
-        try:
-            layout = self.layout(dyn, treedef)
-            marked = self.each_leaf(
-                dyn,
-                layout,
-                lambda leaf, s, raw, where: (
-                    _Local(leaf, raw, where) if _placement.is_local(leaf) else leaf
-                ),
-            )
-        except Exception as e:  # the others are waiting for this process's record
-            _placement.publish_failure(_TAG, e)
-            raise
-        flat, tree = jax.tree_util.tree_flatten(marked, is_leaf=lambda x: isinstance(x, _Local))
-        local = [i for i, m in enumerate(flat) if isinstance(m, _Local)]
-        assembled = _placement.assemble(
-            [(flat[i].where, flat[i].value) for i in local],
-            mesh,
-            [flat[i].spec for i in local],
-            what=f"meshkit.spmd({self.owner.name})",
-            tag=_TAG,
-            structure=jax.tree_util.tree_unflatten(
-                tree, [m if isinstance(m, _Local) else None for m in flat]
-            ),
-        )
-        for i, value in zip(local, assembled, strict=True):
-            flat[i] = value
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat)), layout
-
-
-class _Host:
-    """A host leaf of an spmd call and where it goes (put with the others in one call)."""
-
-    def __init__(self, value: Any, target: NamedSharding) -> None:
-        self.value = value
-        self.target = target
 
 
 class SpmdFunction:
@@ -481,8 +85,9 @@ class SpmdFunction:
                 f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "
                 f"meshkit.make_mesh) or None for the mesh of jax.set_mesh; got {mesh!r}."
             )
-        self.static_argnums = _argnums(static_argnums, "static_argnums", self.name)
-        self.donate_argnums = _argnums(donate_argnums, "donate_argnums", self.name)
+        what = f"meshkit.spmd({self.name})"
+        self.static_argnums = argnums(static_argnums, "static_argnums", what)
+        self.donate_argnums = argnums(donate_argnums, "donate_argnums", what)
         if isinstance(in_specs, Mapping):
             raise MeshkitError(
                 f"meshkit.spmd({self.name}): in_specs must be one spec for every argument, or a "
@@ -507,8 +112,8 @@ class SpmdFunction:
             },
         )
         self._warned: set[str] = set()
-        self._plans: dict[Mesh | AbstractMesh, _Plan] = {}
-        self._plan = _Plan(self, mesh) if mesh is not None else None
+        self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
+        self._plan = MeshPlan(self, mesh) if mesh is not None else None
 
     def _drop_static(self, in_specs: Any) -> Any:
         """Accept in_specs with None at the static positions too (one entry per parameter)."""
@@ -533,10 +138,10 @@ class SpmdFunction:
             f"{want} on the mesh {dict(mesh.shape)}; it is resharded on every call (this "
             f"warning is shown once).\n{_RESHARD_FIX.format(target=target)}",
             ReshardWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
-    def _plan_for_call(self) -> _Plan | None:
+    def _plan_for_call(self) -> MeshPlan | None:
         """The plan for this call's mesh; None when called while tracing without a mesh."""
         if self._plan is not None:
             return self._plan
@@ -544,7 +149,7 @@ class SpmdFunction:
             return None  # traced (inside jax.jit): only the abstract mesh is known
         return self._context_plan(jax.sharding.get_mesh(), "called")
 
-    def _context_plan(self, mesh: Mesh | AbstractMesh, when: str) -> _Plan:
+    def _context_plan(self, mesh: Mesh | AbstractMesh, when: str) -> MeshPlan:
         """The plan for the mesh of the enclosing ``jax.set_mesh`` (made on first use)."""
         if mesh.empty:
             raise MeshkitError(
@@ -553,7 +158,7 @@ class SpmdFunction:
             )
         plan = self._plans.get(mesh)
         if plan is None:
-            plan = self._plans[mesh] = _Plan(self, mesh)
+            plan = self._plans[mesh] = MeshPlan(self, mesh)
         return plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -585,23 +190,6 @@ class SpmdFunction:
         return f"<meshkit.spmd {self.name} mesh={mesh}>"
 
 
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else many or one + 's'}"
-
-
-def _user_stacklevel() -> int:
-    """The warnings stacklevel of the innermost frame outside meshkit and JAX (the caller)."""
-    frame: Any = sys._getframe(1)  # warn_reshard's frame: stacklevel 1
-    level = 1
-    while frame is not None:
-        mod = frame.f_globals.get("__name__", "")
-        if not mod.startswith(("meshkit.", "jax.", "jax")) or mod.startswith("meshkit.testing"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 2
-
-
 def _check_leaf(s: Any, where: str) -> PartitionSpec:
     if s is None:
         raise MeshkitError(
@@ -609,16 +197,6 @@ def _check_leaf(s: Any, where: str) -> PartitionSpec:
             "(None is only allowed at static_argnums positions)."
         )
     return as_partition_spec(s, f"meshkit.{where}")
-
-
-def _argnums(value: int | Sequence[int], what: str, name: str) -> tuple[int, ...]:
-    items = (value,) if isinstance(value, int) else tuple(value)
-    for i in items:
-        if not isinstance(i, int) or i < 0:
-            raise MeshkitError(
-                f"meshkit.spmd({name}): {what} must be non-negative ints; got {value!r}."
-            )
-    return tuple(sorted(set(items)))
 
 
 @overload

@@ -1,0 +1,404 @@
+"""An `spmd` function bound to one mesh: its specs checked, one signature per argument structure.
+
+`MeshPlan` is `spmd`'s front-end on the call plan (`meshkit._src.spmd.plan`): it aligns
+``in_specs`` to each structure of the dynamic arguments (a `Layout`), checks every argument's
+rank and divisibility against its spec with meshkit's own messages, moves arrays laid out
+differently (a `ReshardWarning` through its owner, once per argument), reshards values typed
+by another sharding on Explicit meshes inside the jitted body, and in a multi-process run
+assembles the process-local leaves of a call in one assembly before placing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ..core import compat as _compat
+from ..core.errors import MeshkitError
+from ..sharding.spec_trees import align_specs, has_mapping, to_spec_types
+from ..sharding.specs import (
+    as_partition_spec,
+    check_spec_for_mesh,
+    dim_axes,
+    is_spec_leaf,
+    map_specs,
+    parse_spec,
+    spec_axes,
+)
+from . import placement as _placement
+from .plan import (
+    Signature,
+    Signatures,
+    dynamic,
+    failures_published,
+    from_host,
+    jit_over_shard_map,
+)
+
+__all__ = ["Layout", "MeshPlan", "Owner"]
+
+_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
+
+
+class Owner(Protocol):
+    """What a `MeshPlan` reads of its `meshkit.spmd` function (`SpmdFunction`)."""
+
+    fn: Callable[..., Any]
+    name: str
+    in_specs: Any
+    out_specs: Any
+    check_vma: bool
+    static_argnums: tuple[int, ...]
+    donate_argnums: tuple[int, ...]
+
+    def warn_reshard(
+        self, where: str, have: str, want: PartitionSpec, mesh: Mesh | AbstractMesh
+    ) -> None: ...
+
+
+class Layout(Signature):
+    """One structure of the dynamic arguments: their specs aligned to it, its jit, its targets.
+
+    ``specs`` and ``raws`` hold one spec tree per argument, rebuilt in the argument's node
+    types (`meshkit._src.sharding.spec_trees.align_specs`), so JAX takes them as prefixes:
+    ``specs`` in `PartitionSpec` form, ``raws`` as the user wrote the leaves (strings name
+    dimensions).
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh | AbstractMesh,
+        jitted: Any,
+        what: str,
+        specs: tuple[Any, ...],
+        raws: tuple[Any, ...],
+    ) -> None:
+        super().__init__(mesh, jitted, what, _TAG)
+        self.specs = specs
+        self.raws = raws
+
+
+class MeshPlan:
+    """Everything fixed once the mesh is known: specs, shardings, the jitted functions."""
+
+    def __init__(self, owner: Owner, mesh: Mesh | AbstractMesh) -> None:
+        self.owner = owner
+        self.mesh = mesh
+        name = owner.name
+        self.what = f"meshkit.spmd({name})"
+        self.in_specs = map_specs(
+            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.in_specs,
+            f"meshkit.spmd({name}): in_specs",
+        )  # fmt: skip
+        self.out_specs = map_specs(
+            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.out_specs,
+            f"meshkit.spmd({name}): out_specs",
+        )  # fmt: skip
+        # out_specs with mappings are matched to the outputs by keys (see `body`).
+        self.keyed_out = has_mapping(owner.out_specs)
+        self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
+        # Per structure of the dynamic arguments (a treedef). Inside jax.set_mesh a call may
+        # still go straight to jit: its shardings name this plan's mesh.
+        self.layouts: Signatures[Layout] = Signatures(_compat.trace_state_clean)
+
+    def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> Layout:
+        """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
+        if treedef is None:
+            treedef = jax.tree_util.tree_structure(dyn)
+        found = self.layouts.get(treedef)
+        if found is not None:
+            return found
+        owner = self.owner
+        raw = owner.in_specs
+        if is_spec_leaf(raw):
+            specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
+            raws: tuple[Any, ...] = (raw,) * len(dyn)
+        else:
+            if len(raw) != len(dyn):
+                raise MeshkitError(
+                    f"meshkit.spmd({owner.name}): in_specs has {len(raw)} entries but the "
+                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
+                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
+                    "none."
+                )
+            raws = tuple(
+                align_specs(r, a, where=f"meshkit.spmd({owner.name}): in_specs[{i}]")
+                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
+            )
+            specs = tuple(
+                jax.tree_util.tree_map(
+                    lambda s: as_partition_spec(s, "in_specs"), r, is_leaf=is_spec_leaf
+                )
+                for r in raws
+            )
+        jitted = None
+        if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
+            mesh = self.mesh
+            shardings = jax.tree_util.tree_map(
+                lambda s: NamedSharding(mesh, s),
+                self.in_specs if is_spec_leaf(raw) else specs,
+                is_leaf=is_spec_leaf,
+            )
+
+            def body(*args: Any) -> Any:
+                return self.body(*args)
+
+            jitted = jit_over_shard_map(
+                body,
+                owner.name,
+                in_shardings=shardings,
+                static_argnums=owner.static_argnums,
+                donate_argnums=owner.donate_argnums,
+            )
+        return self.layouts.keep(treedef, Layout(self.mesh, jitted, self.what, specs, raws))
+
+    # ---- trace time -------------------------------------------------------------------------
+
+    def body(self, *args: Any) -> Any:
+        owner = self.owner
+        static = owner.static_argnums
+        dyn = self.dynamic(args)
+        layout = self.layout(dyn)
+        self.check_args(dyn, layout)
+        if self.explicit:
+            dyn = self.reshard_typed(dyn, layout)
+        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
+        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
+        back: list[Any] = []
+        where = f"meshkit.spmd({owner.name}): out_specs"
+
+        def per_device(*local: Any) -> Any:
+            it = iter(local)
+            full = [args[i] if i in static else next(it) for i in range(len(args))]
+            out = owner.fn(*full)
+            raws = align_specs(owner.out_specs, out, where=where, noun="the output")
+            self.check_outputs(out, raws)  # a block has the rank of the global output
+            if not self.keyed_out:
+                return out
+            treedef = jax.tree_util.tree_structure(out)
+            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(owner.out_specs, order))]
+            return to_spec_types(owner.out_specs, out)
+
+        result = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=layout.specs,
+            out_specs=self.out_specs,
+            check_vma=owner.check_vma,
+        )(*dyn)
+        if not self.keyed_out:
+            return result
+        treedef, order = back
+        leaves: list[Any] = [None] * len(order)
+        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
+            leaves[i] = leaf
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The arguments that are not static (those in_specs describe)."""
+        return dynamic(args, self.owner.static_argnums)
+
+    def each_leaf(self, args: tuple[Any, ...], layout: Layout, fn: Callable[..., Any]) -> Any:
+        """Map ``fn(leaf, spec, raw_spec, path)`` over the leaves of ``args`` under their specs.
+
+        The leaves are visited in the order `jax.tree_util.tree_leaves` gives them.
+        """
+        keystr = jax.tree_util.keystr
+
+        def per_arg(i: int) -> Any:
+            def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> Any:
+                return jax.tree_util.tree_map_with_path(
+                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{keystr(at)}{keystr(p)}"), sub
+                )
+
+            return jax.tree_util.tree_map_with_path(
+                visit, layout.specs[i], layout.raws[i], args[i], is_leaf=is_spec_leaf
+            )
+
+        return tuple(per_arg(i) for i in range(len(args)))
+
+    def check_args(self, dyn: tuple[Any, ...], layout: Layout) -> None:
+        """Rank and divisibility of every argument against its spec, with dims named."""
+        name = self.owner.name
+        sizes = self.mesh.shape
+
+        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            shape = np.shape(leaf)
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != len(shape):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
+            if len(s) > len(shape):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
+                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
+                    "argument every device gets whole."
+                )
+            for d, axes in enumerate(dim_axes(s, len(shape))):
+                n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+                if axes and shape[d] % n:
+                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
+                    raise MeshkitError(
+                        f"meshkit.spmd({name}): {where} has shape {tuple(shape)}; its {label} "
+                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
+                        f"{n}, which does not divide it (spec {raw!r}, mesh "
+                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
+                    )
+
+        self.each_leaf(dyn, layout, check)
+
+    def reshard_typed(self, dyn: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
+        """On Explicit meshes, give every value the sharding type its spec asks for."""
+
+        def fix(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+            ndim = np.ndim(leaf)
+            have = getattr(jax.typeof(leaf), "sharding", None)
+            have_spec = have.spec if have is not None else PartitionSpec()
+            if dim_axes(have_spec, ndim) == dim_axes(s, ndim):
+                return leaf
+            if spec_axes(have_spec):
+                self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
+            return jax.reshard(leaf, NamedSharding(self.mesh, s))
+
+        return self.each_leaf(dyn, layout, fix)
+
+    def check_outputs(self, out: Any, raws: Any) -> None:
+        """Each output's rank against the dimensions its spec string names.
+
+        ``raws`` is out_specs as written, aligned to ``out`` (`align_specs`).
+        """
+        name = self.owner.name
+
+        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != np.ndim(leaf):
+                raise MeshkitError(
+                    f"meshkit.spmd({name}): output {where} has rank {np.ndim(leaf)} but its spec "
+                    f"{raw!r} names {_count(len(dims), 'dimension')}."
+                )
+
+        jax.tree_util.tree_map(
+            lambda r, sub: jax.tree_util.tree_map_with_path(
+                lambda p, leaf: check(leaf, as_partition_spec(r, "out_specs"), r,
+                                      f"out{jax.tree_util.keystr(p)}"), sub
+            ),
+            raws, out, is_leaf=is_spec_leaf,
+        )  # fmt: skip
+
+    # ---- call time: classify, then call ------------------------------------------------------
+
+    def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
+        """Classify the arguments (`placement`), place what needs it, call jit once."""
+        dyn = self.dynamic(args)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self.layouts.steady(treedef, leaves)
+        if layout is not None:
+            # The steady state: every leaf already where in_specs puts it.
+            return (layout.jitted.lower if lower else layout.jitted)(*args)
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
+            layout = self.layout(dyn, treedef)
+            args = self.traced(args, layout)
+        elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
+            # This process's parts, as global arrays (the layout is made inside, so that a
+            # spec error there reaches the other processes too).
+            args, layout = self.assemble_local(args, leaves, treedef)
+            args = self.place(args, layout)
+        else:
+            layout = self.layout(dyn, treedef)
+            args = self.place(args, layout)
+        return (layout.jitted.lower if lower else layout.jitted)(*args)
+
+    def traced(self, args: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
+        """Arguments of a call traced inside another jit: host values are program constants.
+
+        Constants are the same in every process (the global value), as jit itself treats them;
+        jit places them in one process, and they are put here across processes (jit refuses
+        host data with a sharding there).
+        """
+        if not self.multiprocess:
+            return args
+        dyn = self.dynamic(args)
+        const = lambda leaf, s, raw, where: (  # noqa: E731
+            from_host(leaf, NamedSharding(self.mesh, s)) if _placement.is_host(leaf) else leaf
+        )
+        return self.with_dynamic(args, self.each_leaf(dyn, layout, const))
+
+    def place(self, args: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
+        """Every argument where its spec puts it: meshkit's checks, then moves and puts.
+
+        Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
+        on one device); host data is put in one batched call (`Signature.put_host`). The
+        leaves' targets are kept for the steady-state test of the next call.
+        """
+        dyn = self.dynamic(args)
+        self.check_args(dyn, layout)
+        targets: list[NamedSharding] = []
+        paths: list[str] = []
+
+        def move(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+            target = NamedSharding(self.mesh, s)
+            targets.append(target)
+            paths.append(where)
+            if _placement.is_host(leaf):
+                return leaf
+            if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
+                return leaf
+            if len(leaf.sharding.device_set) > 1:
+                self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
+            return jax.device_put(leaf, target)
+
+        flat, tree = jax.tree_util.tree_flatten(self.each_leaf(dyn, layout, move))
+        flat = layout.put_host(flat, targets, paths)
+        layout.targets = targets
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
+
+    def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with its dynamic (non-static) arguments replaced by ``dyn``."""
+        static = self.owner.static_argnums
+        it = iter(dyn)
+        return tuple(args[i] if i in static else next(it) for i in range(len(args)))
+
+    def assemble_local(
+        self, args: tuple[Any, ...], leaves: list[Any], treedef: Any
+    ) -> tuple[tuple[Any, ...], Layout]:
+        """The call's process-local leaves assembled into global arrays, in one assembly.
+
+        In a multi-process run, host data and addressable arrays are this process's part of
+        the argument, as `meshkit.global_array_from_local` defines it; the processes compare
+        structure, shapes and dtypes once per call (and, in debug mode, the data of blocks
+        that several processes provide) through the coordination service. ``leaves`` and
+        ``treedef``: the dynamic arguments flattened.
+        """
+        dyn = self.dynamic(args)
+        specs: list[Any] = []
+        paths: list[str] = []
+
+        def name(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            specs.append(raw)
+            paths.append(where)
+
+        with failures_published(_TAG):  # the others are waiting for this process's record
+            layout = self.layout(dyn, treedef)
+            self.each_leaf(dyn, layout, name)
+        local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
+        assembled = layout.assemble(
+            leaves, local, [paths[i] for i in local], [specs[i] for i in local], treedef
+        )
+        flat = list(leaves)
+        for i, value in zip(local, assembled, strict=True):
+            flat[i] = value
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(treedef, flat)), layout
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
