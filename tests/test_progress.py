@@ -126,6 +126,7 @@ def test_launch_shows_a_rank_that_is_slow_to_join(tmp_path, marker):
         textwrap.dedent(
             """
             import os, time
+            import jax  # paid before the sleep: `import meshkit` alone no longer imports JAX
             import meshkit
             if os.environ["MESHKIT_PROCESS_ID"] == "1":
                 time.sleep(4)
@@ -159,6 +160,7 @@ def test_launch_says_nothing_when_the_cluster_forms_quickly(tmp_path, marker):
         textwrap.dedent(
             """
             import os, pathlib, time
+            import jax  # before the barrier: `import meshkit` alone no longer imports JAX
             import meshkit
             here = pathlib.Path(".")
             (here / f"ready{os.environ['MESHKIT_PROCESS_ID']}").touch()
