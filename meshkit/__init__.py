@@ -13,18 +13,15 @@ Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the 
 them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
 `meshkit.checkpoint` saves global arrays with orbax and restores them onto any mesh, checked.
 """
+# The face is lazy (PEP 562): ``import meshkit`` loads a name's module when the name is first
+# used, so that ``meshkit launch`` and ``meshkit migrate`` start without importing JAX. The
+# imports under TYPE_CHECKING are what type checkers and IDEs read; `_LAZY` is what runs.
 
-from . import checkpoint as checkpoint
-from . import collectives as collectives
-from . import debug as debug
-from . import loaders as loaders
-from ._src.arrays.assembly import global_array_from_local as global_array_from_local
-from ._src.arrays.batches import GlobalBatches as GlobalBatches
-from ._src.arrays.batches import global_batches as global_batches
-from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
-from ._src.arrays.gather import gather as gather
-from ._src.arrays.gather import local_from_global as local_from_global
-from ._src.coord.channel import channel as channel
+from __future__ import annotations
+
+import importlib as _importlib
+import typing as _typing
+
 from ._src.core.errors import DivergenceError as DivergenceError
 from ._src.core.errors import LaunchError as LaunchError
 from ._src.core.errors import MeshkitError as MeshkitError
@@ -32,35 +29,48 @@ from ._src.core.errors import MeshkitIndexError as MeshkitIndexError
 from ._src.core.errors import MeshkitNameError as MeshkitNameError
 from ._src.core.errors import MeshkitTypeError as MeshkitTypeError
 from ._src.core.version import __version__ as __version__
-from ._src.launch.launcher import LaunchResult as LaunchResult
-from ._src.launch.launcher import RankResult as RankResult
-from ._src.launch.launcher import launch as launch
-from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
-from ._src.pmap.legacy import device_put_replicated as device_put_replicated
-from ._src.pmap.legacy import device_put_sharded as device_put_sharded
-from ._src.pmap.legacy import replicate as replicate
-from ._src.pmap.legacy import shard_prng_key as shard_prng_key
-from ._src.pmap.legacy import unreplicate as unreplicate
-from ._src.pmap.legacy_data import get_metrics as get_metrics
-from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
-from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
-from ._src.pmap.legacy_data import shard as shard
-from ._src.pmap.pmap import PmapFunction as PmapFunction
-from ._src.pmap.pmap import pmap_compat as pmap_compat
-from ._src.pmap.stages import Compiled as Compiled
-from ._src.pmap.stages import Lowered as Lowered
-from ._src.runtime.init import RuntimeInfo as RuntimeInfo
-from ._src.runtime.init import init as init
-from ._src.runtime.init import runtime_info as runtime_info
-from ._src.sharding.layout import ProcessSlice as ProcessSlice
-from ._src.sharding.layout import process_slice as process_slice
-from ._src.sharding.mesh import describe as describe
-from ._src.sharding.mesh import make_mesh as make_mesh
-from ._src.sharding.specs import spec as spec
-from ._src.spmd.spmd import ReshardWarning as ReshardWarning
-from ._src.spmd.spmd import SpmdFunction as SpmdFunction
-from ._src.spmd.spmd import spmd as spmd
-from .debug import barrier as barrier
+
+if _typing.TYPE_CHECKING:
+    from . import checkpoint as checkpoint
+    from . import collectives as collectives
+    from . import debug as debug
+    from . import loaders as loaders
+    from ._src.arrays.assembly import global_array_from_local as global_array_from_local
+    from ._src.arrays.batches import GlobalBatches as GlobalBatches
+    from ._src.arrays.batches import global_batches as global_batches
+    from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
+    from ._src.arrays.gather import gather as gather
+    from ._src.arrays.gather import local_from_global as local_from_global
+    from ._src.coord.channel import channel as channel
+    from ._src.launch.launcher import LaunchResult as LaunchResult
+    from ._src.launch.launcher import RankResult as RankResult
+    from ._src.launch.launcher import launch as launch
+    from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
+    from ._src.pmap.legacy import device_put_replicated as device_put_replicated
+    from ._src.pmap.legacy import device_put_sharded as device_put_sharded
+    from ._src.pmap.legacy import replicate as replicate
+    from ._src.pmap.legacy import shard_prng_key as shard_prng_key
+    from ._src.pmap.legacy import unreplicate as unreplicate
+    from ._src.pmap.legacy_data import get_metrics as get_metrics
+    from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
+    from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
+    from ._src.pmap.legacy_data import shard as shard
+    from ._src.pmap.pmap import PmapFunction as PmapFunction
+    from ._src.pmap.pmap import pmap_compat as pmap_compat
+    from ._src.pmap.stages import Compiled as Compiled
+    from ._src.pmap.stages import Lowered as Lowered
+    from ._src.runtime.init import RuntimeInfo as RuntimeInfo
+    from ._src.runtime.init import init as init
+    from ._src.runtime.init import runtime_info as runtime_info
+    from ._src.sharding.layout import ProcessSlice as ProcessSlice
+    from ._src.sharding.layout import process_slice as process_slice
+    from ._src.sharding.mesh import describe as describe
+    from ._src.sharding.mesh import make_mesh as make_mesh
+    from ._src.sharding.specs import spec as spec
+    from ._src.spmd.spmd import ReshardWarning as ReshardWarning
+    from ._src.spmd.spmd import SpmdFunction as SpmdFunction
+    from ._src.spmd.spmd import spmd as spmd
+    from .debug import barrier as barrier
 
 __all__ = [
     "Compiled",
@@ -110,3 +120,70 @@ __all__ = [
     "spmd",
     "unreplicate",
 ]
+
+# Public name -> (module, attribute in it); a module itself has no attribute. A module listed
+# in `_JAX_FREE` is the launcher's: its names load without JAX.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "checkpoint": (".checkpoint", None),
+    "collectives": (".collectives", None),
+    "debug": (".debug", None),
+    "loaders": (".loaders", None),
+    "global_array_from_local": ("._src.arrays.assembly", "global_array_from_local"),
+    "GlobalBatches": ("._src.arrays.batches", "GlobalBatches"),
+    "global_batches": ("._src.arrays.batches", "global_batches"),
+    "DtypeWarning": ("._src.arrays.dtypes", "DtypeWarning"),
+    "gather": ("._src.arrays.gather", "gather"),
+    "local_from_global": ("._src.arrays.gather", "local_from_global"),
+    "channel": ("._src.coord.channel", "channel"),
+    "LaunchResult": ("._src.launch.launcher", "LaunchResult"),
+    "RankResult": ("._src.launch.launcher", "RankResult"),
+    "launch": ("._src.launch.launcher", "launch"),
+    "device_put_replicated": ("._src.pmap.legacy", "device_put_replicated"),
+    "device_put_sharded": ("._src.pmap.legacy", "device_put_sharded"),
+    "get_metrics": ("._src.pmap.legacy_data", "get_metrics"),
+    "pad_shard_unpad": ("._src.pmap.legacy_data", "pad_shard_unpad"),
+    "prefetch_to_device": ("._src.pmap.legacy_data", "prefetch_to_device"),
+    "replicate": ("._src.pmap.legacy", "replicate"),
+    "shard": ("._src.pmap.legacy_data", "shard"),
+    "shard_prng_key": ("._src.pmap.legacy", "shard_prng_key"),
+    "unreplicate": ("._src.pmap.legacy", "unreplicate"),
+    "PmapFunction": ("._src.pmap.pmap", "PmapFunction"),
+    "UncheckedOutputWarning": ("._src.pmap.entry", "UncheckedOutputWarning"),
+    "pmap_compat": ("._src.pmap.pmap", "pmap_compat"),
+    "Compiled": ("._src.pmap.stages", "Compiled"),
+    "Lowered": ("._src.pmap.stages", "Lowered"),
+    "RuntimeInfo": ("._src.runtime.init", "RuntimeInfo"),
+    "init": ("._src.runtime.init", "init"),
+    "runtime_info": ("._src.runtime.init", "runtime_info"),
+    "ProcessSlice": ("._src.sharding.layout", "ProcessSlice"),
+    "process_slice": ("._src.sharding.layout", "process_slice"),
+    "describe": ("._src.sharding.mesh", "describe"),
+    "make_mesh": ("._src.sharding.mesh", "make_mesh"),
+    "spec": ("._src.sharding.specs", "spec"),
+    "ReshardWarning": ("._src.spmd.spmd", "ReshardWarning"),
+    "SpmdFunction": ("._src.spmd.spmd", "SpmdFunction"),
+    "spmd": ("._src.spmd.spmd", "spmd"),
+    "barrier": (".debug", "barrier"),
+}
+_JAX_FREE = frozenset({"._src.launch.launcher"})
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """Loads a public name's module on first use (PEP 562), then keeps the name here."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
+    module_name, attribute = where
+    if module_name not in _JAX_FREE:
+        # Debug mode wires itself when `meshkit.debug` is imported (it watches `init` and the
+        # first SPMD call for MESHKIT_DEBUG): any name that leads to JAX brings it along, as
+        # the eager face did, until debug mode is started by `init` itself.
+        _importlib.import_module(".debug", __name__)
+    module = _importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,8 +11,9 @@ import time
 import pytest
 
 import meshkit
-from meshkit._src.launch import launcher as _launch
-from meshkit._src.launch.launcher import RankResult
+from meshkit._src.core.events import Event
+from meshkit._src.launch import report as _report
+from meshkit._src.launch.report import RankResult, Told
 from meshkit._src.lifecycle import diagnose as _diagnose
 
 GLOO = (
@@ -46,7 +47,11 @@ def test_known_failures_are_recognised(text, kind, system):
 
 
 def test_meshkits_own_notice_names_the_process():
-    found = _diagnose.diagnose("meshkit: process 3 failed: KeyError: 'shard-17'\nProcess 1 stops")
+    # What meshkit's failure watch knows is a `failed` event, not its sentence.
+    found = _diagnose.from_event(
+        {"cause": "peer", "process": 3, "system": "meshkit", "error": "KeyError"}
+    )
+    assert found is not None
     assert (found.kind, found.system, found.process) == ("lost", "meshkit", 3)
 
 
@@ -61,8 +66,31 @@ def test_meshkits_own_notice_names_the_process():
     ],
 )  # fmt: skip
 def test_meshkits_own_checks_name_the_process_they_waited_for(text, process):
-    found = _diagnose.diagnose(text)
+    # The rank records whom it waited for; its message is for people and is not read.
+    found = _diagnose.from_event({"cause": "timeout", "system": "meshkit", "process": process})
+    assert found is not None
     assert (found.kind, found.system, found.process) == ("timeout", "meshkit", process)
+    assert _diagnose.diagnose(text) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "meshkit: process 3 failed: KeyError: 'shard-17'\nProcess 1 stops",
+        "meshkit: lost the coordination service, which process 0 hosts.",
+    ],
+)
+def test_meshkits_own_sentences_are_not_read(text):
+    # Only JAX's, gloo's and NCCL's words are: meshkit's own findings come as events.
+    assert _diagnose.diagnose(text) is None
+
+
+def test_an_event_of_an_error_of_its_own_is_no_diagnosis():
+    assert _diagnose.from_event({"cause": "exception", "error": "ValueError"}) is None
+    assert _diagnose.from_event({"cause": "signal", "error": "SIGTERM"}) is None
+    gloo = _diagnose.from_event({"cause": "timeout", "system": "gloo", "error": "JaxRuntimeError"})
+    assert gloo is not None
+    assert (gloo.kind, gloo.system, gloo.process) == ("timeout", "gloo", None)
 
 
 def test_other_errors_are_not():
@@ -83,11 +111,15 @@ def _rank(rank, code, stderr="", *, stopped=False, ended=False):
     return RankResult(rank, code, "", stderr, stopped, stderr, 0, ended)
 
 
+def _event(rank, kind, **fields):
+    return Event(rank, kind, 0.0, fields)
+
+
 def test_the_launcher_names_the_rank_that_waited_in_a_computation_the_others_never_joined():
     # Rank 1 ended its program and died when the coordinator went away, before rank 0's
     # timeout was seen: the first to fail is not the cause.
     results = [_rank(0, 1, GLOO), _rank(1, -6, FATAL, ended=True)]
-    report = _launch._root_cause(results[1], results, 31.0)
+    report = _report.root_cause(results[1], results, 31.0, Told.of([_event(1, "ended")]))
     assert report.startswith(
         "meshkit launch: rank 1 failed first (killed by SIGABRT) after 31.0 s.\n"
         "Its error is a lost connection reported by the coordination service (another rank is "
@@ -103,7 +135,7 @@ def test_the_launcher_names_the_rank_that_waited_in_a_computation_the_others_nev
 
 def test_an_error_of_its_own_outranks_a_timeout():
     results = [_rank(0, 1, GLOO), _rank(1, 1, "KeyError: 'shard-17'"), _rank(2, 0)]
-    report = _launch._root_cause(results[0], results, 12.0)
+    report = _report.root_cause(results[0], results, 12.0, Told.of([_event(2, "ended")]))
     assert "The evidence points to rank 1: it failed with its own error." in report
     assert "Rank 2 reached the end of the program meanwhile." in report
     assert "--- root cause: rank 1 ---\n  | KeyError: 'shard-17'" in report
@@ -112,7 +144,10 @@ def test_an_error_of_its_own_outranks_a_timeout():
 def test_a_rank_that_a_meshkit_check_waited_for_is_the_root_cause():
     missing = "meshkit.barrier('x'): process 1 did not arrive within 8 s (use #1 of this barrier)"
     results = [_rank(0, 1, missing), _rank(1, -15, "", stopped=True)]
-    report = _launch._root_cause(results[0], results, 9.0)
+    told = Told.of(
+        [_event(0, "failed", cause="timeout", system="meshkit", process=1, error="MeshkitError")]
+    )
+    report = _report.root_cause(results[0], results, 9.0, told)
     assert report.startswith(
         "meshkit launch: rank 0 failed first (exit code 1) after 9.0 s.\n"
         "Its error is a meshkit check that waited for rank 1 in vain; it failed because of "
@@ -131,14 +166,15 @@ def test_a_rank_stalled_outside_meshkit_outranks_one_that_waited_inside():
         _rank(0, 1, "meshkit watchdog: process 0 still made no progress after 11 s; exiting"),
         _rank(1, -15, "", stopped=True),
     ]
-    stalls = {
-        0: "meshkit watchdog: process 0 made no progress for 3 s (...); main thread now in wait "
-        "(threading.py:331), called from train (train.py:80), inside a meshkit call; last "
-        "meshkit call: call #3 of step (spmd)",
-        1: "meshkit watchdog: process 1 made no progress for 3 s (...); main thread now in load "
-        "(data.py:31), outside meshkit; last meshkit call: call #2 of step (spmd)",
-    }
-    report = _launch._root_cause(results[0], results, 11.0, stalls)
+    told = Told.of(
+        [
+            _event(0, "stalled", inside=True, idle=3.0, last="call #3 of step (spmd)",
+                   frame="in wait (threading.py:331), called from train (train.py:80)"),
+            _event(1, "stalled", inside=False, idle=3.0, frame="in load (data.py:31)",
+                   last="call #2 of step (spmd)"),
+        ]
+    )  # fmt: skip
+    report = _report.root_cause(results[0], results, 11.0, told)
     assert report.startswith(
         "meshkit launch: rank 0 failed first (exit code 1) after 11.0 s.\n"
         "The evidence points to rank 1: the stall watchdog found it outside meshkit (in load "
@@ -149,9 +185,53 @@ def test_a_rank_stalled_outside_meshkit_outranks_one_that_waited_inside():
 
 def test_an_error_of_its_own_first_is_the_root_cause_as_before():
     results = [_rank(0, 1, "ValueError: bad"), _rank(1, -15, "", stopped=True)]
-    report = _launch._root_cause(results[0], results, 2.0)
+    report = _report.root_cause(results[0], results, 2.0)
     assert report.startswith("meshkit launch: rank 0 failed first (exit code 1) after 2.0 s.\n")
     assert "evidence" not in report
+
+
+def test_the_root_cause_is_not_listed_again_as_failed_on_its_own():
+    # Rank 1 failed first, because of rank 0 (gloo timed out): rank 0 is the root cause, named
+    # once with its output, not again under "also failed on their own"; rank 2 is.
+    results = [_rank(0, 1, GLOO), _rank(1, -6, FATAL), _rank(2, 3, "OSError: disk full")]
+    report = _report.root_cause(results[1], results, 31.0)
+    assert "The evidence points to rank 2: it failed with its own error." in report, report
+    assert "Also failed on their own: 0 (exit code 1).\n" in report, report
+    results = [_rank(0, 1, GLOO), _rank(1, -6, FATAL), _rank(2, -15, stopped=True)]
+    report = _report.root_cause(results[1], results, 31.0)
+    assert "The evidence points to rank 0: it waited for other ranks in gloo" in report, report
+    assert "Also failed on their own" not in report, report
+    assert "Stopped the other ranks: 2.\n" in report, report
+
+
+def test_the_stall_summary_is_built_from_the_events():
+    told = Told.of(
+        [
+            _event(0, "stalled", inside=True, idle=3.2, frame="in wait (threading.py:331)",
+                   last="call #3 of step (spmd)"),
+            _event(0, "stalled", inside=True, idle=9.0, frame="in later (x.py:1)", last=None),
+        ]
+    )  # fmt: skip
+    assert _report.stall_summary([0, 1], told) == (
+        "Stall watchdog, where each rank was:\n"
+        "  rank 0: meshkit watchdog: process 0 made no progress for 9 s; main thread now in "
+        "later (x.py:1), inside a meshkit call; last meshkit call: none\n"
+        "  (no watchdog report from rank 1)\n"
+    )
+    assert _report.stall_summary([0, 1], Told()) == ""
+
+
+def test_events_read_back_into_verdicts(tmp_path):
+    from meshkit._src.core import events
+
+    events.emit("failed", rank=0, directory=tmp_path, cause="peer", process=1, system="meshkit")
+    events.emit("ended", rank=2, directory=tmp_path)
+    events.emit("failed", rank=0, directory=tmp_path, cause="signal", error="SIGTERM")
+    (tmp_path / "events-1.jsonl").write_text('{"rank": 1, "kind": "stalled", "ti')  # cut short
+    told = Told.of(events.read(tmp_path, 3))
+    assert told.failed[0].fields["cause"] == "peer"  # the first word of a rank is its verdict
+    assert told.ended == {2}
+    assert not told.stalled
 
 
 _ONLY_PROCESS_0 = """

@@ -20,8 +20,8 @@ from conftest import EXAMPLES, processes_with_marker
 import meshkit
 from meshkit import LaunchError
 from meshkit._src.launch import reaper as _reaper
-from meshkit._src.launch.launcher import rank_environments
 from meshkit._src.launch.rank_output import Pump, Sink
+from meshkit._src.launch.spawn import rank_environments
 
 pytestmark = pytest.mark.multiprocess
 
@@ -592,3 +592,149 @@ def test_gpu_split_environment():
         "JAX_PLATFORMS": "cpu",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+# ---- what a person reads -------------------------------------------------------------------------
+
+GLOO_CHATTER = (
+    "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+)
+
+
+def test_gloo_chatter_reaches_the_log_not_the_terminal(tmp_path, capsys):
+    sink = Sink(True, tmp_path / "logs", 1)
+    for r in range(4):
+        sink.write(0, GLOO_CHATTER.format(r), True)
+    short = (
+        "[Gloo] Rank 2 is connected to 1 peer ranks. Expected number of connected peer ranks is : 3"
+    )
+    sink.write(0, short, True)  # a rank short of peers is worth reading
+    sink.write(0, "step 1", False)
+    sink.close()
+    out, err = capsys.readouterr()
+    assert out == "[rank0] step 1\n"
+    assert err == f"[rank0] {short}\n"
+    log = (tmp_path / "logs" / "rank0.log").read_text().splitlines()
+    assert log[:4] == [GLOO_CHATTER.format(r) for r in range(4)]
+    assert log[4:] == [short, "step 1"]
+
+
+def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):
+    # What gloo prints for every device of every rank once connected (here without JAX).
+    script(
+        tmp_path,
+        f"""
+        import os, sys
+        for d in range(4):
+            print({GLOO_CHATTER!r}.format(d), file=sys.stderr, flush=True)
+        print("done", os.environ["MESHKIT_PROCESS_ID"])
+        """,
+    )
+    out = cli("launch", "-n", "2", "--log-dir", "logs", "prog.py", cwd=tmp_path,
+              env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Gloo" not in out.stdout + out.stderr, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0] done 0", "[rank1] done 1"]
+    assert (tmp_path / "logs" / "rank1.log").read_text().count("[Gloo] Rank") == 4
+
+
+# ---- the report reads events, not sentences -------------------------------------------------------
+
+# One run as the ranks tell it: rank 1 stalls in its own code and fails; rank 0 waits inside a
+# meshkit call, hears of rank 1's failure and ends first; rank 2 reached the end of its program.
+# Each rank records that (`events.emit`) and prints meshkit's sentences for people, built from
+# meshkit's message constants, which REWORD=1 replaces first; NO_EVENTS=1 records nothing.
+_TOLD = """
+import os, pathlib, sys, time
+from meshkit._src.core import contract, events
+from meshkit._src.lifecycle import diagnose
+
+if os.environ.get("REWORD") == "1":
+    contract.WATCHDOG_MARK = "stall guard says"
+    contract.INSIDE, contract.OUTSIDE = "waiting on the library", "busy in user code"
+    diagnose.ENDED_MARK = "is finished"
+W, INSIDE, OUTSIDE = contract.WATCHDOG_MARK, contract.INSIDE, contract.OUTSIDE
+recorded = os.environ.get("NO_EVENTS") != "1"
+emit = events.emit if recorded else lambda *a, **k: None
+rank = int(os.environ["MESHKIT_PROCESS_ID"])
+here = pathlib.Path(".")
+
+
+def stalled(inside, frame):
+    emit("stalled", inside=inside, frame=frame, idle=3.0, last="call #2 of step (spmd)")
+    where = INSIDE if inside else OUTSIDE
+    print(f"{W} process {rank} made no progress for 3 s; main thread now {frame}, {where}; "
+          "last meshkit call: call #2 of step (spmd)", file=sys.stderr, flush=True)
+
+
+if rank == 0:
+    stalled(True, "in wait (threading.py:331)")
+    while not all((here / f"told{r}").exists() for r in (1, 2)):
+        time.sleep(0.01)
+    emit("failed", cause="peer", process=1, system="meshkit", error="KeyError")
+    print("meshkit: process 1 failed: KeyError: 'shard-17'", file=sys.stderr, flush=True)
+    sys.exit(1)
+if rank == 1:
+    stalled(False, "in load (data.py:31)")
+    emit("failed", cause="exception", error="KeyError")
+    print("KeyError: 'shard-17'", file=sys.stderr, flush=True)
+else:
+    emit("ended")
+    print(f"meshkit: process 2 {diagnose.ENDED_MARK} 5 s ago", file=sys.stderr, flush=True)
+(here / f"told{rank}").touch()
+time.sleep(60)
+"""
+
+
+def _told_run(tmp_path, marker, **env):
+    run = tmp_path / "_".join(f"{k}{v}" for k, v in env.items()) if env else tmp_path / "plain"
+    run.mkdir()
+    (run / "told.py").write_text(_TOLD)
+    res = meshkit.launch(
+        ["told.py"], num_processes=3, platform="cpu", cwd=run, stream=False, timeout=60,
+        env={"MESHKIT_TEST_MARKER": marker, **env},
+    )  # fmt: skip
+    assert res.returncode == 1, res.report
+    # The verdicts: every line of the report but the first (its seconds) and the ranks' output.
+    verdicts = [line for line in res.report.splitlines()[1:] if not line.startswith("  | ")]
+    return res, verdicts
+
+
+def test_the_report_reads_the_ranks_events(tmp_path, marker):
+    res, verdicts = _told_run(tmp_path, marker)
+    assert res.report.startswith("meshkit launch: rank 0 failed first (exit code 1) after ")
+    assert verdicts == [
+        "Its error is meshkit's notice that rank 1 failed; it failed because of another rank.",
+        "The evidence points to rank 1: it failed first, and told the others (meshkit's failure "
+        "watch).",
+        "Rank 2 reached the end of the program meanwhile.",
+        "Stopped the other ranks: 1, 2.",
+        "--- root cause: rank 1 ---",
+        "--- first to fail: rank 0 ---",
+        "Stall watchdog, where each rank was:",
+        "  rank 0: meshkit watchdog: process 0 made no progress for 3 s; main thread now in wait "
+        "(threading.py:331), inside a meshkit call; last meshkit call: call #2 of step (spmd)",
+        "  rank 1: meshkit watchdog: process 1 made no progress for 3 s; main thread now in load "
+        "(data.py:31), outside meshkit; last meshkit call: call #2 of step (spmd)",
+        "  (no watchdog report from rank 2)",
+    ], res.report
+    assert [r.reached_end for r in res.ranks] == [False, False, True]
+
+
+def test_rewording_every_message_changes_no_verdict(tmp_path, marker):
+    _, verdicts = _told_run(tmp_path, marker)
+    reworded, reworded_verdicts = _told_run(tmp_path, marker, REWORD="1")
+    assert "stall guard says process 1" in reworded.ranks[1].stderr  # the rewording took
+    assert "is finished" in reworded.ranks[2].stderr
+    assert reworded_verdicts == verdicts, reworded.report
+    assert reworded.ranks[2].reached_end
+
+
+def test_meshkits_sentences_alone_make_no_verdict(tmp_path, marker):
+    # The same sentences without the events: the launcher no longer reads them.
+    res, verdicts = _told_run(tmp_path, marker, NO_EVENTS="1")
+    assert "meshkit watchdog: process 1 made no progress" in res.ranks[1].stderr
+    assert verdicts == ["Stopped the other ranks: 1, 2.", "--- root cause: rank 0 ---"], res.report
+    assert "Stall watchdog" not in res.report, res.report
+    assert "reached the end" not in res.report, res.report
+    assert not any(r.reached_end for r in res.ranks)

@@ -83,3 +83,71 @@ def test_console_script_and_module_entry():
     assert out.returncode == 0
     assert "launch" in out.stdout
     assert "info" in out.stdout
+
+
+def _fresh_python(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+_NO_JAX = "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+
+
+def test_the_launcher_and_the_command_import_no_jax(tmp_path):
+    (tmp_path / "prog.py").write_text("print('ran')\n")
+    out = _fresh_python(
+        "import sys, contextlib\n"
+        "import meshkit, meshkit.cli\n"
+        "from meshkit._src.launch import launcher, rank_output, reaper, report, spawn, stop\n"
+        "from meshkit._src.launch import supervise\n"
+        "from meshkit._src.core import contract, events\n"
+        "from meshkit._src.lifecycle import diagnose, progress\n"
+        "meshkit.launch, meshkit.LaunchResult, meshkit.RankResult, meshkit.MeshkitError\n"
+        f"{_NO_JAX}\n"
+        "for argv in (['launch', '--help'], ['migrate', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(None):\n"
+        "        meshkit.cli.main(argv)\n"
+        f"{_NO_JAX}\n"
+        "assert meshkit.cli.main(['launch', '-n', '2', '--platform', 'cpu', 'prog.py']) == 0\n"
+        f"{_NO_JAX}\n",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0] ran", "[rank1] ran"], out.stdout
+
+
+def test_the_lazy_face_gives_every_public_name():
+    out = _fresh_python(
+        "import sys\n"
+        "import meshkit\n"
+        f"{_NO_JAX}\n"
+        "assert set(meshkit.__all__) <= set(dir(meshkit))\n"
+        "scope = {}\n"
+        "exec('from meshkit import *', scope)\n"
+        "missing = set(meshkit.__all__) - set(scope)\n"
+        "assert not missing, missing\n"
+        "assert 'jax' in sys.modules\n"
+        "assert scope['init'] is meshkit.init and scope['debug'] is meshkit.debug\n"
+        "assert meshkit.barrier is meshkit.debug.barrier\n"
+        "try:\n"
+        "    meshkit.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert str(e) == \"module 'meshkit' has no attribute 'no_such_name'\", e\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_name_that_leads_to_jax_wires_debug_mode_as_before():
+    # `meshkit.debug` wires debug mode (MESHKIT_DEBUG at init and at the first SPMD call) when
+    # it is imported; the eager face imported it with everything.
+    out = _fresh_python(
+        "import sys\n"
+        "import meshkit\n"
+        "assert 'meshkit.debug' not in sys.modules\n"
+        "meshkit.spmd\n"
+        "assert 'meshkit.debug' in sys.modules\n"
+    )
+    assert out.returncode == 0, out.stderr

@@ -126,6 +126,7 @@ def test_launch_shows_a_rank_that_is_slow_to_join(tmp_path, marker):
         textwrap.dedent(
             """
             import os, time
+            import jax  # paid before the sleep: `import meshkit` alone no longer imports JAX
             import meshkit
             if os.environ["MESHKIT_PROCESS_ID"] == "1":
                 time.sleep(4)
@@ -159,6 +160,7 @@ def test_launch_says_nothing_when_the_cluster_forms_quickly(tmp_path, marker):
         textwrap.dedent(
             """
             import os, pathlib, time
+            import jax  # before the barrier: `import meshkit` alone no longer imports JAX
             import meshkit
             here = pathlib.Path(".")
             (here / f"ready{os.environ['MESHKIT_PROCESS_ID']}").touch()
@@ -177,3 +179,85 @@ def test_launch_says_nothing_when_the_cluster_forms_quickly(tmp_path, marker):
     # both ranks are named as joining and neither is blamed for not having started.
     waits = [line for line in out.stderr.splitlines() if "waiting for the cluster" in line]
     assert all(line.endswith("): ranks 0-1 joining") for line in waits), out.stderr
+
+
+class _FakeProc:
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class _FakeRank:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.proc = _FakeProc()
+        self.both: list[str] = []
+
+
+def test_ranks_that_join_and_end_between_two_looks_still_formed_a_cluster(tmp_path, monkeypatch):
+    # The launch-progress bug: the ranks joined and ended within one look at the status files,
+    # and the launcher stopped watching before the board said that the cluster formed.
+    from meshkit._src.launch.supervise import Supervisor
+
+    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    ranks = [_FakeRank(0), _FakeRank(1)]
+    said: list[str] = []
+    now = [0.0]
+    supervisor = Supervisor(
+        ranks,  # type: ignore[arg-type]
+        [],
+        timeout=None,
+        board=Board(tmp_path, 2),
+        note=said.append,
+        clock=lambda: now[0],
+        start=0.0,
+    )
+    mark("joining", 0)  # rank 1 is still loading its data
+    for t in (0.0, 1.0, 2.5):
+        now[0] = t
+        assert not supervisor.look()
+    assert said == [
+        "meshkit launch: waiting for the cluster to form (2.5 s): rank 0 joining; rank 1 starting"
+    ]
+    # Between this look and the next: both join, run and end.
+    mark("joined", 0)
+    mark("running", 1)
+    ranks[0].proc.returncode = ranks[1].proc.returncode = 0
+    now[0] = 2.6  # sooner than the board's next look would be due
+    assert supervisor.look()
+    assert said[1:] == ["meshkit launch: the cluster formed after 2.6 s: 2 ranks joined"]
+    assert supervisor.outcome.first_failure is None
+    assert not supervisor.outcome.timed_out
+
+
+def test_a_rank_that_fails_before_joining_ends_the_board_too(tmp_path, monkeypatch):
+    from meshkit._src.launch.supervise import Supervisor
+
+    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    ranks = [_FakeRank(0), _FakeRank(1)]
+    said: list[str] = []
+    now = [0.0]
+    board = Board(tmp_path, 2)
+    supervisor = Supervisor(
+        ranks,  # type: ignore[arg-type]
+        [],
+        timeout=None,
+        board=board,
+        note=said.append,
+        clock=lambda: now[0],
+        start=0.0,
+    )
+    mark("joining", 0)
+    for t in (0.0, 3.0):
+        now[0] = t
+        assert not supervisor.look()
+    ranks[1].proc.returncode = 2
+    now[0] = 3.1
+    assert supervisor.look()
+    assert supervisor.outcome.first_failure == 1
+    assert supervisor.outcome.failed_after == pytest.approx(3.1)
+    assert said[-1] == (
+        "meshkit launch: waiting for the cluster to form (3.1 s): rank 0 joining; rank 1 exited"
+    )

@@ -31,7 +31,8 @@ ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 # The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).
 ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
 
-# The first words of the stall watchdog's report; `meshkit launch` collects its lines.
+# The first words of the stall watchdog's report, for people: `meshkit launch` reads the
+# ``stalled`` event (`meshkit._src.core.events`), never these lines.
 WATCHDOG_MARK = "meshkit watchdog:"
-# Where the watchdog found the main thread waiting.
+# Where the watchdog found the main thread waiting (also how the launcher's summary words it).
 INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"

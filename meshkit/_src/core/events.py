@@ -50,7 +50,9 @@ JOINED = "joined"
 # ``system`` (for "timeout"/"peer": what reported it, e.g. "gloo").
 FAILED = "failed"
 # The stall watchdog fired. Fields: ``inside`` (True: waiting in a meshkit call; False: in the
-# program's own code), ``frame`` (``file:line in function`` of the main thread), ``idle`` (s).
+# program's own code), ``frame`` (``file:line in function`` of the main thread), ``idle`` (s),
+# ``last`` (the last meshkit call, as its report names it, or None; the launcher's stall summary
+# shows it).
 STALLED = "stalled"
 # This rank reached the end of its program while others still ran. Fields: none.
 ENDED = "ended"

@@ -5,12 +5,16 @@ own stdout is read: the pumps are joined before the logs close, and they stop wa
 only when nothing could still write to it (the rank is dead and its leftovers were swept), after
 reading whatever it still holds. A pipe can outlive its rank: a child the rank started keeps a
 copy of it, so waiting for end-of-file alone could wait for ever.
+
+What a person reads is kept short: gloo's note that a rank's connections are up (one line per
+device and run, about 15 on a small run) reaches the logs but not the terminal (`is_chatter`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import selectors
 import sys
 import threading
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Pump", "Sink", "join_pumps"]
+__all__ = ["Pump", "Sink", "is_chatter", "join_pumps"]
 
 # How long a pump still waits for more output once the launcher is done with the ranks.
 DRAIN_S = 0.5
@@ -29,6 +33,27 @@ STALL_S = 30.0
 # holds at most its buffer (64 KiB by default); this only bounds a writer that never stops.
 _DRAIN_MAX_BYTES = 16 << 20
 _CHUNK = 1 << 16
+# gloo (JAX's CPU collectives) prints this for every device of every rank once its connections are
+# up. With as many peers as expected it says only that all is well; a shortfall is kept.
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks?\. "
+    r"Expected number of connected peer ranks is : (\d+)"
+)
+
+
+def is_chatter(line: str) -> bool:
+    """Whether ``line`` is gloo's note that a rank's connections are all up (nothing to read).
+
+    Example:
+        >>> is_chatter("[Gloo] Rank 2 is connected to 3 peer ranks. "
+        ...            "Expected number of connected peer ranks is : 3")
+        True
+        >>> is_chatter("[Gloo] Rank 2 is connected to 1 peer ranks. "
+        ...            "Expected number of connected peer ranks is : 3")
+        False
+    """
+    match = _GLOO_CONNECTED.fullmatch(line.strip())
+    return match is not None and match[1] == match[2]
 
 
 class Sink:
@@ -50,7 +75,10 @@ class Sink:
                 self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
 
     def write(self, rank: int, line: str, is_err: bool) -> None:
-        """Append ``line`` to rank ``rank``'s log, then echo it (``[rank<r>] line``)."""
+        """Append ``line`` to rank ``rank``'s log, then echo it (``[rank<r>] line``).
+
+        gloo's chatter (`is_chatter`) goes to the log only.
+        """
         with self.lock:
             if self.closed:
                 return
@@ -63,7 +91,7 @@ class Sink:
                     log.flush()
                 except (OSError, ValueError):  # a full disk; closed by `close` that gave up
                     self.logs.pop(rank, None)
-            if self.stream:
+            if self.stream and not is_chatter(line):
                 target = sys.stderr if is_err else sys.stdout
                 try:
                     target.write(f"[rank{rank}] {line}\n")

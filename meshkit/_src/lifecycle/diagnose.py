@@ -8,17 +8,23 @@ coordination service's fatal error (``another task died``). Such an error names 
 process that is missing nor why. `diagnose` recognises them, so that the fail-fast hook can
 say what usually causes them and what to run next, and ``meshkit launch`` can look for the rank
 the evidence points to instead of blaming the first one to exit.
+
+Only JAX's, gloo's and NCCL's own words are read here: what meshkit itself has to tell (a rank
+failed and told the others, a meshkit check waited for a rank in vain) is a ``failed`` event
+(`meshkit._src.core.events`), which `from_event` classifies the same way.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ENDED_MARK", "Diagnosis", "diagnose", "explain"]
+__all__ = ["ENDED_MARK", "Diagnosis", "diagnose", "explain", "from_event"]
 
-# Printed by a process that reached the end of its program while others still run (see
-# `meshkit._src.runtime.init`): the launcher reads it as evidence.
+# Words of the note a process prints once it reached the end of its program while others still
+# run (`meshkit._src.lifecycle.failfast`); for people only: the launcher reads the ``ended`` event.
 ENDED_MARK = "reached the end of its program"
 
 
@@ -30,9 +36,10 @@ class Diagnosis:
         kind: ``"timeout"`` (this process waited for another that never joined) or ``"lost"``
             (another process, or the coordination service it hosted, is gone).
         system: what reported it: ``"gloo"``, ``"NCCL"``, ``"the coordination service"`` or
-            ``"meshkit"`` (its failure watch, `meshkit._src.lifecycle.failfast`).
-        line: the line of the text that says so.
-        process: the process that failed first, when the text names it (meshkit's does).
+            ``"meshkit"`` (its failure watch, or one of its checks).
+        line: the line of the text that says so (for an event: the error's name).
+        process: the process the failure names (only a ``failed`` event names one): the one
+            that failed first (``"lost"``), or the one a meshkit check waited for in vain.
     """
 
     kind: str
@@ -44,18 +51,6 @@ class Diagnosis:
 _RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
     (kind, system, re.compile(pattern, re.IGNORECASE))
     for kind, system, pattern in (
-        ("lost", "meshkit", r"^meshkit: process (?P<process>\d+) failed: "),
-        (
-            "lost",
-            "meshkit",
-            r"^meshkit: lost the coordination service, which process (?P<process>\d+) hosts",
-        ),
-        # meshkit's own checks name the process they waited for (the first of several)
-        (
-            "timeout",
-            "meshkit",
-            r"\bprocess(?:es)? (?P<process>\d+)[\d,]* did not (arrive|ask|call)",
-        ),
         ("timeout", "gloo", r"gloo.*(timed? ?out|deadline_exceeded)"),
         ("timeout", "NCCL", r"nccl.*(timed? ?out|timeout|watchdog)"),
         ("lost", "NCCL", r"nccl.*(remote process exited|connection closed|failed)"),
@@ -79,6 +74,31 @@ def diagnose(text: str) -> Diagnosis | None:
                 named = None if process is None else int(process)
                 return Diagnosis(kind, system, line.strip(), named)
     return None
+
+
+def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
+    """The diagnosis a rank recorded in its ``failed`` event, or None for an error of its own.
+
+    Args:
+        fields: the event's fields: ``cause`` ``"peer"`` (another process failed first; its id
+            in ``process``) or ``"timeout"`` (a cross-process wait ran out; ``system`` says
+            whose, ``process`` whom a meshkit check waited for) make a diagnosis; any other
+            cause (an exception, a signal) is the rank's own error.
+
+    Example:
+        >>> from_event({"cause": "peer", "process": 3, "system": "meshkit"}).kind
+        'lost'
+        >>> from_event({"cause": "exception", "error": "KeyError"}) is None
+        True
+    """
+    cause = fields.get("cause")
+    if cause not in ("peer", "timeout"):
+        return None
+    raw = fields.get("process")
+    process = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    system = str(fields.get("system") or ("meshkit" if process is not None else "JAX"))
+    kind = "lost" if cause == "peer" else "timeout"
+    return Diagnosis(kind, system, str(fields.get("error") or ""), process)
 
 
 def explain(diagnosis: Diagnosis, who: str = "this process") -> str:

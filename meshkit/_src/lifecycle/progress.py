@@ -110,21 +110,25 @@ class Board:
         self.done = False
 
     def stages(self, exits: Mapping[int, int | None]) -> dict[int, str]:
-        """Each rank's stage: ``exited`` once it ended, else its status file, else ``starting``.
+        """Each rank's stage, from its status file (``starting`` before it wrote one).
+
+        A rank that ended is ``exited``, unless it had joined the cluster first: then it keeps
+        the stage it reached, so that ranks which join and end between two looks still count
+        as a cluster that formed.
 
         Args:
             exits: each rank's exit status, None while it runs.
         """
         out = {}
         for r in range(self.num_ranks):
-            if exits.get(r) is not None:
-                out[r] = "exited"
-                continue
             try:
                 text = (self.directory / f"rank{r}").read_text().strip()
             except OSError:  # not written yet
                 text = ""
-            out[r] = text if text in STAGES else "starting"
+            stage = text if text in STAGES else "starting"
+            if exits.get(r) is not None and stage not in _ARRIVED:
+                stage = "exited"
+            out[r] = stage
         return out
 
     def line(self, stages: Mapping[int, str], elapsed: float) -> str | None:

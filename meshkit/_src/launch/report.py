@@ -1,0 +1,323 @@
+"""What a launch did, and the launcher's closing report: the root cause, stalls, the end.
+
+The verdicts come from what the ranks recorded (`meshkit._src.core.events`: which rank failed
+and why, which stalled where, which reached the end of its program), never from the sentences
+meshkit prints for people, so rewording a message cannot change them. The one text still read
+is what JAX's own cross-process machinery wrote (gloo, NCCL, the coordination service) when a
+rank died without recording anything: `meshkit._src.lifecycle.diagnose` classifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..core import events as _events
+from ..core.contract import INSIDE, OUTSIDE
+from ..lifecycle import diagnose as _diagnose
+
+__all__ = [
+    "TAIL_LINES",
+    "LaunchResult",
+    "RankResult",
+    "Told",
+    "describe_exit",
+    "root_cause",
+    "signal_name",
+    "stall_summary",
+    "tail_block",
+]
+
+TAIL_LINES = 40
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank did.
+
+    Attributes:
+        rank: the process id.
+        returncode: its exit status (negative: killed by that signal); None if it never ended.
+        stdout: what it printed (the last lines only, unless the launch kept everything).
+        stderr: what it printed to stderr (same rule).
+        stopped_by_launcher: True when the launcher ended it (fail-fast, timeout, interrupt).
+        tail: its last lines, stdout and stderr interleaved as they came.
+        pid: its process id while it ran (its process group id too).
+        reached_end: it said it reached the end of its program while other ranks still ran
+            (it waited at JAX's shutdown barrier for them).
+    """
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    stopped_by_launcher: bool = False
+    tail: str = ""
+    pid: int = 0
+    reached_end: bool = False
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """The outcome of `launch`.
+
+    Attributes:
+        returncode: 0 when every rank exited 0; the first failing rank's code (1 for a signal)
+            after a failure; 124 after a timeout; 128 + the signal's number after an interrupt
+            (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+        ranks: per-rank results, indexed by rank.
+        first_failure: the rank that failed first, if any.
+        timed_out: True when ``timeout`` ended the run.
+        alive_at_timeout: ranks still running when the timeout struck.
+        elapsed: seconds from start to the last rank's end.
+        report: the launcher's own closing message (root cause, timeout summary), or "".
+        interrupted_by: the signal that stopped the run (``signal.SIGINT`` for a
+            KeyboardInterrupt), or None.
+        values: for `meshkit.testing` function targets, what each rank returned (None for a
+            rank that failed); empty otherwise.
+    """
+
+    returncode: int
+    ranks: list[RankResult]
+    first_failure: int | None
+    timed_out: bool
+    alive_at_timeout: list[int]
+    elapsed: float
+    report: str
+    values: list[Any] = dataclasses.field(default_factory=list)
+    interrupted_by: signal.Signals | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Told:
+    """What the ranks recorded in the run's events, by rank.
+
+    Attributes:
+        failed: each rank's first ``failed`` event (why it failed, as it saw it).
+        stalled: each rank's last ``stalled`` event (where its stall watchdog found it).
+        ended: the ranks that reached the end of their program while others still ran.
+    """
+
+    failed: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
+    stalled: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
+    ended: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, records: Iterable[_events.Event]) -> Told:
+        """Sorts ``records`` (oldest first, as `events.read` gives them) by what they say."""
+        failed: dict[int, _events.Event] = {}
+        stalled: dict[int, _events.Event] = {}
+        ended: set[int] = set()
+        for event in records:
+            if event.kind == _events.FAILED:
+                failed.setdefault(event.rank, event)  # the first: later ones are its echoes
+            elif event.kind == _events.STALLED:
+                stalled[event.rank] = event
+            elif event.kind == _events.ENDED:
+                ended.add(event.rank)
+        return cls(failed, stalled, frozenset(ended))
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 3``, ``killed by SIGKILL`` or ``still running``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    return f"exit code {code}"
+
+
+def tail_block(title: str, rank: int, text: str) -> str:
+    """The last `TAIL_LINES` lines of ``text``, indented under a ``--- title rank N ---`` rule."""
+    lines = (text.strip() or "(no output)").splitlines()[-TAIL_LINES:]
+    body = "\n".join(f"  | {line}" for line in lines)
+    return f"--- {title} rank {rank} ---\n{body}\n"
+
+
+def stall_summary(ranks: Iterable[int], told: Told) -> str:
+    """Where each rank was when its stall watchdog fired (``meshkit.debug``), or ""."""
+    ranks = list(ranks)
+    if not any(r in told.stalled for r in ranks):
+        return ""
+    lines = [f"  rank {r}: {_stall_text(told.stalled[r])}" for r in ranks if r in told.stalled]
+    quiet = [str(r) for r in ranks if r not in told.stalled]
+    if quiet:
+        lines.append(f"  (no watchdog report from rank {', '.join(quiet)})")
+    return "Stall watchdog, where each rank was:\n" + "\n".join(lines) + "\n"
+
+
+def _stall_text(event: _events.Event) -> str:
+    fields = event.fields
+    text = (
+        f"meshkit watchdog: process {event.rank} made no progress for "
+        f"{_seconds(fields.get('idle'))} s; main thread now {fields.get('frame') or '?'}, "
+        f"{INSIDE if fields.get('inside') else OUTSIDE}"
+    )
+    if "last" in fields:
+        text += f"; last meshkit call: {fields['last'] or 'none'}"
+    return text
+
+
+def _seconds(value: object) -> str:
+    return f"{value:.0f}" if isinstance(value, (int, float)) else "?"
+
+
+def root_cause(
+    bad: RankResult, results: list[RankResult], elapsed: float, told: Told | None = None
+) -> str:
+    """The report of a failed run: who failed first, whom the evidence points to, their output.
+
+    Args:
+        bad: the rank that failed first.
+        results: every rank's result.
+        elapsed: seconds from the start to ``bad``'s failure.
+        told: what the ranks recorded in the run's events.
+    """
+    told = told or Told()
+    others = [r for r in results if r.rank != bad.rank]
+    stopped = [str(r.rank) for r in others if r.stopped_by_launcher]
+    lines = [
+        f"meshkit launch: rank {bad.rank} failed first ({describe_exit(bad.returncode)}) "
+        f"after {elapsed:.1f} s."
+    ]
+    cause, evidence = _suspect(bad, results, told)
+    lines.extend(evidence)
+    # The rank the evidence points to is named above, with its output below: not again here.
+    also = [
+        f"{r.rank} ({describe_exit(r.returncode)})"
+        for r in others
+        if not r.stopped_by_launcher and r.returncode not in (0, None) and r is not cause
+    ]
+    if stopped:
+        lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
+    if also:
+        lines.append(f"Also failed on their own: {', '.join(also)}.")
+    blocks = tail_block("root cause:", cause.rank, _error_text(cause))
+    if cause is not bad:
+        blocks += tail_block("first to fail:", bad.rank, _error_text(bad))
+    return "\n".join(lines) + "\n" + blocks
+
+
+def _error_text(result: RankResult) -> str:
+    # A traceback goes to stderr; a rank that wrote nothing there is shown by its stdout.
+    return result.stderr.strip() or result.stdout
+
+
+def _diagnosis(result: RankResult, told: Told) -> _diagnose.Diagnosis | None:
+    """Why ``result``'s rank failed as it recorded it, else as JAX's own text says, else None."""
+    event = told.failed.get(result.rank)
+    if event is not None:
+        return _diagnose.from_event(event.fields)
+    return _diagnose.diagnose(_error_text(result))
+
+
+def _suspect(
+    bad: RankResult, results: list[RankResult], told: Told
+) -> tuple[RankResult, list[str]]:
+    """The rank the evidence points to, and the lines that say why (none: ``bad`` itself).
+
+    The first rank to exit is not always the cause: a rank that waited for another in JAX's
+    cross-process machinery (a gloo or NCCL timeout) or lost it (the coordination service
+    gone) fails because of another. Evidence, in order: the rank another one's failure names
+    (meshkit's failure watch told of it, or a meshkit check waited for it); a rank that failed
+    with an error of its own; a rank that timed out waiting (it was in a computation the others
+    never joined); and, as context, the ranks that reached the end of their program meanwhile.
+    """
+    found = {r.rank: _diagnosis(r, told) for r in results}
+    if found[bad.rank] is None:
+        return _stalled_elsewhere(bad, results, told)
+    failed = [r for r in results if r.returncode not in (0, None) and not r.stopped_by_launcher]
+    own = [r for r in failed if found[r.rank] is None]
+    waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
+    ended = [r.rank for r in results if r.rank in told.ended or r.returncode == 0]
+    naming = [d for r in results if (d := found[r.rank]) is not None and d.process is not None]
+    named = [r for r in results if naming and r.rank == naming[0].process]
+    cause = named[0] if named else own[0] if own else waited[0] if waited else bad
+    lines: list[str] = []
+    first = found[bad.rank]
+    assert first is not None
+    if cause is not bad:
+        lines.append(f"Its error is {_kind_text(first)}; it failed because of another rank.")
+    diagnosis = found[cause.rank]
+    if named and naming[0].kind == "lost":
+        lines.append(
+            f"The evidence points to rank {cause.rank}: it failed first, and told the others "
+            "(meshkit's failure watch)."
+        )
+    elif named:
+        lines.append(
+            f"The evidence points to rank {cause.rank}: a meshkit check of the others waited "
+            "for it in vain."
+        )
+    elif diagnosis is None:
+        lines.append(f"The evidence points to rank {cause.rank}: it failed with its own error.")
+    elif diagnosis.kind == "timeout":
+        lines.append(
+            f"The evidence points to rank {cause.rank}: it waited for other ranks in "
+            f"{diagnosis.system} until a timeout, in a computation or collective they never "
+            "joined."
+        )
+    else:
+        lines.append(f"Its error is {_kind_text(diagnosis)}; no rank left an error of its own.")
+    away = [r for r in ended if r != cause.rank]
+    if away:
+        lines.append(
+            f"Rank{'s' if len(away) > 1 else ''} {', '.join(map(str, away))} reached the end "
+            "of the program meanwhile."
+        )
+    if named or (diagnosis is None and own):
+        return cause, lines  # an error of its own: its output says the rest
+    lines.append(
+        "Usual causes: a computation or collective run by only some ranks (a branch on "
+        "jax.process_index()), or a rank that exited, crashed or stalled first. Consider running "
+        "again with MESHKIT_DEBUG=1: it names the first meshkit call where ranks differ, and "
+        "where each rank waits."
+    )
+    return cause, lines
+
+
+def _stalled_elsewhere(
+    bad: RankResult, results: list[RankResult], told: Told
+) -> tuple[RankResult, list[str]]:
+    """``bad``, unless the stall watchdog found it inside a meshkit call and another outside.
+
+    A rank that waits at a meshkit call for another that stalled in its own code (a sleep, a
+    raw collective) is a victim, even when its own watchdog ends it first.
+    """
+    mine = told.stalled.get(bad.rank)
+    if mine is None or not mine.fields.get("inside"):
+        return bad, []
+    outside = [
+        r
+        for r in results
+        if (e := told.stalled.get(r.rank)) is not None and not e.fields.get("inside")
+    ]
+    if not outside:
+        return bad, []
+    cause = outside[0]
+    where = str(told.stalled[cause.rank].fields.get("frame") or "?")
+    return cause, [
+        f"The evidence points to rank {cause.rank}: the stall watchdog found it outside "
+        f"meshkit (in {where.removeprefix('in ')}) while rank {bad.rank} waited inside a "
+        "meshkit call."
+    ]
+
+
+def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
+    if diagnosis.process is not None and diagnosis.kind == "lost":
+        return f"meshkit's notice that rank {diagnosis.process} failed"
+    if diagnosis.process is not None:
+        return f"a meshkit check that waited for rank {diagnosis.process} in vain"
+    if diagnosis.kind == "timeout":
+        return f"a timeout of {diagnosis.system} (it waited for another rank)"
+    return f"a lost connection reported by {diagnosis.system} (another rank is gone)"

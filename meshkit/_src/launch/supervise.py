@@ -1,0 +1,157 @@
+"""Watch a running launch: failures, the end, the timeout, signals, and who is where.
+
+`Supervisor.look` is one look at the run (its ranks' exits, the launcher's signals, the clock,
+the board of stages while the cluster forms, the processes the ranks started); `watch` looks
+until the run is over and says why it ended. When the ranks end, the board gets one last look
+before the run is over, however soon after the previous one: ranks that join and finish between
+two looks are still reported as the cluster that formed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+
+from ..lifecycle.progress import Board
+from .reaper import Guardian, Reaper
+from .spawn import Rank
+from .stop import POLL_S
+
+__all__ = ["STATUS_S", "STOP_SIGNALS", "Outcome", "Supervisor", "signals_recorded"]
+
+STATUS_S = 0.25  # how often the ranks' stages are read while the cluster forms
+# What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_recorded(enabled: bool) -> Iterator[list[int]]:
+    """While inside, `STOP_SIGNALS` are appended to the yielded list instead of acting.
+
+    The run loop polls the list, so no signal ever raises in the middle of stopping the ranks.
+    An inherited SIG_IGN is replaced too: a background job of a non-interactive shell starts
+    with SIGINT ignored, and a launcher that cannot be stopped leaves its ranks running.
+    """
+    received: list[int] = []
+    if not enabled:
+        yield received
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Why a run ended, as the supervisor saw it.
+
+    Attributes:
+        first_failure: the first rank seen with a non-zero exit, or None.
+        failed_after: seconds from the start to that failure.
+        timed_out: the run's timeout struck.
+        alive_at_timeout: the ranks still running then.
+        tails_at_timeout: their last lines then (before stopping them adds signal-handler noise).
+        interrupted: the signal that stopped the launcher (the launcher sets ``SIGINT`` for a
+            KeyboardInterrupt).
+    """
+
+    first_failure: int | None = None
+    failed_after: float = 0.0
+    timed_out: bool = False
+    alive_at_timeout: list[int] = dataclasses.field(default_factory=list)
+    tails_at_timeout: dict[int, str] = dataclasses.field(default_factory=dict)
+    interrupted: int | None = None
+
+
+class Supervisor:
+    """Looks at a run until it is over.
+
+    Args:
+        ranks: the ranks started.
+        received: the signals the launcher received (`signals_recorded`), polled.
+        timeout: seconds from ``start`` before the run is over (None: no limit).
+        board: says who is where while the cluster forms (None: say nothing).
+        note: prints one of the launcher's own lines.
+        reaper: finds the processes the ranks started (None: not on this system).
+        guardian: told of those processes, to end them should the launcher be killed.
+        clock: seconds, monotonic; ``start`` is its value when the ranks started.
+        start: when the run started, on ``clock`` (default: now).
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[Rank],
+        received: list[int],
+        *,
+        timeout: float | None,
+        board: Board | None,
+        note: Callable[[str], None],
+        reaper: Reaper | None = None,
+        guardian: Guardian | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: float | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self.received = received
+        self.timeout = timeout
+        self.board = board
+        self.note = note
+        self.reaper = reaper
+        self.guardian = guardian
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.outcome = Outcome()
+        self._next_look = 0.0
+
+    def watch(self, poll: float = POLL_S) -> Outcome:
+        """Look every ``poll`` seconds until the run is over; why it ended."""
+        while not self.look():
+            time.sleep(poll)
+        return self.outcome
+
+    def look(self) -> bool:
+        """One look at the run; True once it is over (`outcome` says why)."""
+        if self.received:
+            self.outcome.interrupted = self.received[0]
+            return True
+        running = [rk for rk in self.ranks if rk.proc.poll() is None]
+        failed = [rk for rk in self.ranks if rk.proc.returncode not in (None, 0)]
+        now = self.clock() - self.start
+        if failed or not running:
+            if failed:
+                self.outcome.first_failure = failed[0].rank
+                self.outcome.failed_after = now
+            # What the ranks reached before they ended, however soon after the last look.
+            self._look_at_board(now, final=True)
+            return True
+        self._look_at_board(now)
+        if self.reaper is not None:
+            seen_now = self.reaper.watch()
+            if self.guardian is not None:
+                self.guardian.add_known(seen_now)
+        if self.timeout is not None and self.clock() - self.start > self.timeout:
+            self.outcome.timed_out = True
+            self.outcome.alive_at_timeout = [rk.rank for rk in running]
+            self.outcome.tails_at_timeout = {rk.rank: "\n".join(rk.both) for rk in running}
+            return True
+        return False
+
+    def _look_at_board(self, now: float, *, final: bool = False) -> None:
+        if self.board is None or self.board.done or (now < self._next_look and not final):
+            return
+        self._next_look = now + STATUS_S
+        exits = {rk.rank: rk.proc.returncode for rk in self.ranks}
+        said = self.board.line(self.board.stages(exits), now)
+        if said is not None:
+            self.note(said)
