@@ -196,7 +196,7 @@ def test_the_end_note_writes_ended(status, monkeypatch):
 def test_the_watchdog_writes_stalled_with_where_it_waits(status):
     from meshkit._src.lifecycle import watchdog as _watchdog
 
-    dog = _watchdog.Watchdog(1.0, 1.0, False, lambda: "")
+    dog = _watchdog.Watchdog(1.0, 1.0, False, lambda: "call #3 of step (spmd)")
     # From another thread, as the watchdog runs: the main thread waits in join, not in meshkit.
     thread = threading.Thread(target=dog._dump, args=(12.34,))
     thread.start()
@@ -205,7 +205,10 @@ def test_the_watchdog_writes_stalled_with_where_it_waits(status):
     assert kind == "stalled"
     assert fields["inside"] is False
     assert fields["idle"] == 12.3
-    assert re.fullmatch(r".+:\d+ in \w+", fields["frame"]), fields
+    assert re.fullmatch(r"in \w+ \(.+:\d+\)(, called from \w+ \(.+:\d+\))?", fields["frame"]), (
+        fields
+    )
+    assert fields["last"] == "call #3 of step (spmd)"
 
 
 def test_init_writes_joined(status):

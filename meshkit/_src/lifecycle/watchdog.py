@@ -223,12 +223,13 @@ class Watchdog(threading.Thread):
         here = frame_text(frame) if frame is not None else "?"
         inside = frame is not None and in_meshkit(frame)
         where = INSIDE if inside else OUTSIDE
-        _events.emit(_events.STALLED, inside=inside, frame=_frame_place(frame), idle=round(idle, 1))
+        last = self.last_call()
+        _events.emit(_events.STALLED, inside=inside, frame=here, idle=round(idle, 1), last=last)
         say(
             f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
             f"main thread now {here}, {where}; last meshkit call: "
-            f"{self.last_call() or 'none'}. Stacks follow.\n"
+            f"{last or 'none'}. Stacks follow.\n"
         )
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -251,14 +252,6 @@ def _short_in(path: str, cwd: str) -> str:
         if not rel.startswith(".."):
             return rel
     return path
-
-
-def _frame_place(frame: FrameType | None) -> str:
-    """``file:line in function`` of ``frame`` (the `stalled` event's ``frame``)."""
-    if frame is None:
-        return "?"
-    code = frame.f_code
-    return f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
 
 
 def frame_text(frame: FrameType) -> str:
