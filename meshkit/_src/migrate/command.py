@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from .files import FirstParty, decode, discover, write_atomic
+from .findings import Finding
 from .flow import Facts
 from .notebook import CodeModule, NotebookError, load_notebook
 from .report import REPORTS, FileResult
 from .rules import RULES
-from .scan import Finding, project_facts, scan_source
+from .scan import project_facts, scan_source
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 

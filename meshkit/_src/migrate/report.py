@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .findings import Finding
 from .rules import RULES
-from .scan import Finding
 
 __all__ = ["REPORTS", "FileResult"]
 
