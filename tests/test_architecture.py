@@ -42,7 +42,6 @@ STILL_TOO_LONG = {
     "meshkit._src.coord.agree": 1055,
     "meshkit._src.debug.divergence": 711,
     "meshkit._src.launch.launcher": 781,
-    "meshkit._src.migrate.flow": 823,
     "meshkit._src.pmap.legacy": 894,
     "meshkit._src.pmap.pmap": 807,
     "meshkit._src.spmd.spmd": 732,

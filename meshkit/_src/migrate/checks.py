@@ -20,9 +20,11 @@ import itertools
 import re
 from collections.abc import Iterator, Sequence
 
+from .bindings import dotted_name as _dotted
+from .facts import Facts
 from .findings import Edit, Finding
-from .flow import Facts, Flow, Read
-from .flow import dotted_name as _dotted
+from .flow import Flow
+from .reads import Read
 from .resolve import PARTIAL, PMAP, ResolvedFile, keyword
 from .rules import (
     COMMON_UTILS,

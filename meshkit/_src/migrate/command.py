@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from .facts import Facts
 from .files import FirstParty, decode, discover, write_atomic
 from .findings import Finding
-from .flow import Facts
 from .notebook import CodeModule, NotebookError, load_notebook
 from .report import REPORTS, FileResult
 from .rules import RULES

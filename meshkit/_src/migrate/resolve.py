@@ -22,7 +22,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from .flow import dotted_name as _dotted
+from .bindings import dotted_name as _dotted
 
 __all__ = ["PARTIAL", "PMAP", "PMAP_COMPAT", "ResolvedFile", "keyword"]
 

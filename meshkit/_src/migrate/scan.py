@@ -17,8 +17,9 @@ import tokenize
 from collections.abc import Collection, Mapping
 
 from .checks import Checks
+from .facts import Facts
 from .findings import Finding
-from .flow import Facts, analyze
+from .flow import analyze
 from .resolve import ResolvedFile
 
 __all__ = ["project_facts", "scan_source"]
