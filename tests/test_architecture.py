@@ -38,9 +38,6 @@ MAX_MODULE_LINES = 600
 # Modules still over the limit while the house is rebuilt (issue 24), with the most lines each
 # may have: an entry may only shrink, and goes when its module is split.
 STILL_TOO_LONG = {
-    "meshkit._src.migrate.command": 737,
-    "meshkit._src.migrate.flow": 823,
-    "meshkit._src.migrate.scan": 898,
 }
 
 

@@ -7,7 +7,8 @@ text holds.
 
 Jupyter notebooks (``*.ipynb``) are scanned and fixed by their code cells
 (`meshkit._src.migrate.notebook`). ``--fix`` computes every new text before it writes any, and
-writes each file whole or not at all (`meshkit._src.migrate.files.write_atomic`).
+writes each file whole or not at all (`meshkit._src.migrate.files.write_atomic`). What the run
+finds goes into one `meshkit._src.migrate.report.FileResult` per path, which the reports read.
 
 Exit status: 0 nothing found (or, with ``--fix``, nothing left); 1 findings remain; 2 a path
 is missing, a file cannot be read, parsed or written, or libcst is missing for ``--fix`` /
@@ -19,35 +20,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import fnmatch
 import functools
 import gc
-import io
-import json
-import os
 import sys
-import textwrap
 import threading
-import tokenize
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from .files import FirstParty, write_atomic
-from .flow import Facts
+from .facts import Facts
+from .files import FirstParty, decode, discover, write_atomic
+from .findings import Finding
 from .notebook import CodeModule, NotebookError, load_notebook
+from .report import REPORTS, FileResult
 from .rules import RULES
-from .scan import Finding, project_facts, scan_source
+from .scan import project_facts, scan_source
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
 EXIT_CLEAN = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
-_WIDTH = 100
-_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", ".ipynb_checkpoints"})
-_SUFFIXES = (".py", ".ipynb")
 _NEEDS_LIBCST = (
     "error: --fix and --diff need libcst, which meshkit installs as an extra: "
     "pip install 'meshkit[migrate]'"
@@ -132,32 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class _FileResult:
-    path: str
-    findings: list[Finding] = field(default_factory=list)
-    before: int = 0  # findings before --fix / --diff rewrote the file
-    diff: str = ""
-    error: str = ""
-    where: str = ""  # "line:col:" of a parse error (in its cell, for a notebook)
-    cells: list[int] = field(default_factory=list)  # a notebook's: each finding's code cell
-    error_cell: int = 0  # a notebook's: the code cell of a parse error
-
-    @property
-    def error_line(self) -> str:
-        cell = f"cell {self.error_cell}:" if self.error_cell else ""
-        return f"{self.path}:{cell}{self.where} error: {self.error}"
-
-    def located(self) -> Iterator[tuple[Finding, int | None]]:
-        """Each finding with its code cell (None outside notebooks)."""
-        cells: Sequence[int | None] = self.cells or [None] * len(self.findings)
-        return zip(self.findings, cells, strict=True)
-
-
-@dataclass
 class _Write:
     """A file --fix rewrites: written once every new text is known."""
 
-    result: _FileResult
+    result: FileResult
     path: Path
     data: bytes
     findings: list[Finding]  # what the new text holds
@@ -221,18 +193,16 @@ def _run(
         except ImportError:
             print(_NEEDS_LIBCST, file=err)
             return EXIT_ERROR
-    files, missing = _discover([p for p in args.paths if p != "-"], args.exclude)
-    results: list[_FileResult] = [
-        _FileResult(p, error="no such file or directory") for p in missing
-    ]
+    files, missing = discover([p for p in args.paths if p != "-"], args.exclude)
+    results: list[FileResult] = [FileResult(p, error="no such file or directory") for p in missing]
     piped: str | None = None  # with - and --fix: the fixed source, for stdout
     sources: list[Path | None] = [*([None] if "-" in args.paths else []), *files]
     first_party = FirstParty(Path(p) for p in args.paths if p != "-" and Path(p).is_dir())
     writes: list[_Write] = []  # with --fix: written once every new text is known
-    read: list[tuple[_FileResult, Path | None, str, str]] = []
-    notebooks: list[tuple[_FileResult, Path]] = []
+    read: list[tuple[FileResult, Path | None, str, str]] = []
+    notebooks: list[tuple[FileResult, Path]] = []
     for path in sources:
-        result = _FileResult(STDIN if path is None else str(path))
+        result = FileResult(STDIN if path is None else str(path))
         results.append(result)
         if path is not None and path.suffix == ".ipynb":
             notebooks.append((result, path))
@@ -242,7 +212,7 @@ def _run(
                 raw = (stdin if stdin is not None else sys.stdin.buffer).read()
             else:
                 raw = path.read_bytes()
-            source, encoding = _decode(raw)
+            source, encoding = decode(raw)
         except (OSError, UnicodeDecodeError, SyntaxError) as e:
             result.error = _describe(e)
             continue
@@ -292,8 +262,7 @@ def _run(
             else:
                 writes.append(_Write(result, path, new.encode(encoding), after))
     _write_all(writes)
-    formats = {"json": _json, "sarif": _sarif, "text": _text}
-    report = formats[args.format](results, args)
+    report = REPORTS[args.format](results, args)
     if args.fix and piped is not None:  # a filter: the source out, the report aside
         out.write(piped)
         err.write(report)
@@ -322,7 +291,7 @@ def _write_all(writes: Sequence[_Write]) -> None:
 
 
 def _notebook(
-    result: _FileResult,
+    result: FileResult,
     path: Path,
     args: argparse.Namespace,
     select: set[str] | None,
@@ -494,66 +463,6 @@ def _codes(value: str | None, option: str) -> set[str] | None:
     return codes
 
 
-def _discover(paths: Sequence[str], exclude: Sequence[str] = ()) -> tuple[list[Path], list[str]]:
-    """Files named, and *.py and *.ipynb under directories named, sorted.
-
-    Hidden directories (``.ipynb_checkpoints`` among them) and virtual environments are skipped.
-
-    ``exclude``: fnmatch patterns; a file or directory whose path, as found, or name matches
-    one is skipped (a file named on the command line too).
-    """
-    files: list[Path] = []
-    missing: list[str] = []
-    for given in paths:
-        path = Path(given)
-        if _excluded(path, exclude):
-            continue
-        if path.is_dir():
-            files.extend(_walk(path, exclude))
-        elif path.is_file():
-            files.append(path)
-        else:
-            missing.append(given)
-    seen: set[str] = set()
-    unique = []
-    for f in files:
-        key = os.path.realpath(f)  # never raises: a symlink loop is reported when read
-        if key not in seen:
-            seen.add(key)
-            unique.append(f)
-    return unique, missing
-
-
-def _walk(root: Path, exclude: Sequence[str] = ()) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if not d.startswith(".")
-            and d not in _SKIP_DIRS
-            and not (here / d / "pyvenv.cfg").exists()
-            and not _excluded(here / d, exclude)
-        )
-        for name in sorted(filenames):
-            if name.endswith(_SUFFIXES) and not _excluded(here / name, exclude):
-                yield here / name
-
-
-def _excluded(path: Path, patterns: Sequence[str]) -> bool:
-    text = path.as_posix()
-    return any(fnmatch.fnmatch(text, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
-
-
-def _decode(raw: bytes) -> tuple[str, str]:
-    """The text and its encoding (a PEP 263 coding line, a BOM, or UTF-8)."""
-    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
-    text = raw.decode(encoding)
-    if encoding == "utf-8-sig":
-        text = text.removeprefix("\ufeff")
-    return text, encoding
-
-
 def _describe(e: Exception) -> str:
     if isinstance(e, SyntaxError):
         return f"cannot parse: {e.msg}"
@@ -571,167 +480,3 @@ def _unified(path: str, old: str, new: str) -> str:
     )
     marked = (ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n" for ln in lines)
     return "".join(marked)
-
-
-def _explain(label: str, text: str) -> str:
-    return textwrap.fill(
-        text,
-        width=_WIDTH,
-        initial_indent=f"    {label} ",
-        subsequent_indent=" " * (len(label) + 5),
-        break_on_hyphens=False,
-        break_long_words=False,
-    )
-
-
-def _line(f: Finding, rewrite: bool, cell: int | None = None) -> str:
-    mark = ""
-    if f.note:
-        mark = f" [{f.note}]"
-    elif f.fixable and not rewrite:
-        mark = " [fixable]"
-    where = f"{f.path}:" if cell is None else f"{f.path}:cell {cell}:"  # ruff's notebook style
-    return f"{where}{f.line}:{f.col}: {f.code} {f.message}{mark}"
-
-
-def _text(results: list[_FileResult], args: argparse.Namespace) -> str:
-    lines: list[str] = []
-    findings = [f for r in results for f in r.findings]
-    for f, cell in (located for r in results for located in r.located()):
-        lines.append(_line(f, args.fix, cell))
-        if not args.concise:
-            lines.append(_explain("why:", f.rule.why))
-            lines.append(_explain("fix:", f.rule.fix))
-    scanned = sum(1 for r in results if not r.error)
-    files = f"{scanned} file{'s' if scanned != 1 else ''}"
-    with_findings = sum(1 for r in results if r.findings)
-    before = sum(r.before for r in results)
-    if args.fix and before:
-        fixed = before - len(findings)
-        lines.append(
-            f"Fixed {fixed} of {before} finding{'s' if before != 1 else ''} in {files}; "
-            f"{len(findings)} remain{'s' if len(findings) == 1 else ''}."
-        )
-    elif findings:
-        fixable = sum(1 for f in findings if f.fixable)
-        lines.append(
-            f"{len(findings)} finding{'s' if len(findings) != 1 else ''} in {with_findings} of "
-            f"{files} ({fixable} fixable with --fix)."
-        )
-    else:
-        lines.append(f"No legacy pmap patterns in {files}.")
-    errors = sum(1 for r in results if r.error)
-    if errors:
-        lines.append(f"{errors} path{'s' if errors != 1 else ''} not scanned (errors on stderr).")
-    return "\n".join(lines) + "\n"
-
-
-def _json(results: list[_FileResult], args: argparse.Namespace) -> str:
-    findings = [
-        {
-            "path": f.path,
-            **({} if cell is None else {"cell": cell}),  # a notebook's code cell, from 1
-            "line": f.line,
-            "column": f.col,
-            "code": f.code,
-            "rule": f.rule.name,
-            "message": f.message,
-            "fixable": f.fixable,
-            "note": f.note,
-            "why": f.rule.why,
-            "fix": f.rule.fix,
-        }
-        for r in results
-        for f, cell in r.located()
-    ]
-    doc: dict[str, Any] = {
-        "version": 1,
-        "files": sum(1 for r in results if not r.error),
-        "findings": findings,
-        "errors": [{"path": r.path, "error": r.error_line} for r in results if r.error],
-        "rules": [
-            {"code": r.code, "name": r.name, "why": r.why, "fix": r.fix} for r in RULES.values()
-        ],
-    }
-    if args.fix:
-        doc["fixed"] = sum(r.before for r in results) - len(findings)
-    if args.diff:
-        doc["diff"] = "".join(r.diff for r in results)
-    return json.dumps(doc, indent=2) + "\n"
-
-
-_SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
-
-
-def _sarif(results: list[_FileResult], args: argparse.Namespace) -> str:
-    """The report as SARIF 2.1.0: one run, every rule described, errors as notifications."""
-    from ..core.version import __version__
-
-    def location(path: str, line: int, col: int) -> dict[str, Any]:
-        return {
-            "physicalLocation": {
-                "artifactLocation": {"uri": Path(path).as_posix()},
-                "region": {"startLine": line, "startColumn": col},
-            }
-        }
-
-    rules = [
-        {
-            "id": r.code,
-            "name": r.name,
-            "shortDescription": {"text": r.name},
-            "fullDescription": {"text": r.why},
-            "help": {"text": r.fix},
-        }
-        for r in RULES.values()
-    ]
-    index = {code: i for i, code in enumerate(RULES)}
-    found = [
-        {
-            "ruleId": f.code,
-            "ruleIndex": index[f.code],
-            "level": "warning",
-            "message": {"text": f.message + (f" ({f.note})" if f.note else "")},
-            "locations": [location(f.path, f.line, f.col)],
-            # A notebook's region is in its code cell (from 1), named here.
-            "properties": {"fixable": f.fixable, **({} if cell is None else {"cell": cell})},
-        }
-        for r in results
-        for f, cell in r.located()
-    ]
-    notes = [
-        {
-            "level": "error",
-            "message": {"text": r.error},
-            "locations": [location(r.path, *_where_of(r))],
-            **({"properties": {"cell": r.error_cell}} if r.error_cell else {}),
-        }
-        for r in results
-        if r.error
-    ]
-    doc = {
-        "$schema": _SARIF_SCHEMA,
-        "version": "2.1.0",
-        "runs": [
-            {
-                "tool": {
-                    "driver": {
-                        "name": "meshkit migrate",
-                        "version": __version__,
-                        "rules": rules,
-                    }
-                },
-                "invocations": [
-                    {"executionSuccessful": not notes, "toolExecutionNotifications": notes}
-                ],
-                "results": found,
-            }
-        ],
-    }
-    return json.dumps(doc, indent=2) + "\n"
-
-
-def _where_of(result: _FileResult) -> tuple[int, int]:
-    """(line, column) of a file's error: where it failed to parse, else 1:1."""
-    line, _, col = result.where.rstrip(":").partition(":")
-    return (int(line), int(col)) if line.isdigit() and col.isdigit() else (1, 1)

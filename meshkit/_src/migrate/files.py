@@ -1,4 +1,7 @@
-"""The file system side of ``meshkit migrate``: atomic writes, and which modules are local.
+"""The file system side of ``meshkit migrate``: which files, their text, atomic writes, locals.
+
+A run reads the files named and the ``*.py`` and ``*.ipynb`` files under the directories named
+(`discover`), each decoded as Python does (`decode`).
 
 ``--fix`` computes every new text before it writes any, then writes each file through a
 temporary file in the same directory and `os.replace`: a file is either rewritten whole or
@@ -8,13 +11,79 @@ left as it was, whatever fails (a read-only directory, a full disk) and whenever
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import io
 import os
 import stat
 import tempfile
-from collections.abc import Iterable
+import tokenize
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["FirstParty", "write_atomic"]
+__all__ = ["FirstParty", "decode", "discover", "write_atomic"]
+
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", ".ipynb_checkpoints"})
+_SUFFIXES = (".py", ".ipynb")
+
+
+def discover(paths: Sequence[str], exclude: Sequence[str] = ()) -> tuple[list[Path], list[str]]:
+    """Files named, and *.py and *.ipynb under directories named, sorted.
+
+    Hidden directories (``.ipynb_checkpoints`` among them) and virtual environments are skipped.
+
+    ``exclude``: fnmatch patterns; a file or directory whose path, as found, or name matches
+    one is skipped (a file named on the command line too).
+    """
+    files: list[Path] = []
+    missing: list[str] = []
+    for given in paths:
+        path = Path(given)
+        if _excluded(path, exclude):
+            continue
+        if path.is_dir():
+            files.extend(_walk(path, exclude))
+        elif path.is_file():
+            files.append(path)
+        else:
+            missing.append(given)
+    seen: set[str] = set()
+    unique = []
+    for f in files:
+        key = os.path.realpath(f)  # never raises: a symlink loop is reported when read
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique, missing
+
+
+def _walk(root: Path, exclude: Sequence[str] = ()) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".")
+            and d not in _SKIP_DIRS
+            and not (here / d / "pyvenv.cfg").exists()
+            and not _excluded(here / d, exclude)
+        )
+        for name in sorted(filenames):
+            if name.endswith(_SUFFIXES) and not _excluded(here / name, exclude):
+                yield here / name
+
+
+def _excluded(path: Path, patterns: Sequence[str]) -> bool:
+    text = path.as_posix()
+    return any(fnmatch.fnmatch(text, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
+
+
+def decode(raw: bytes) -> tuple[str, str]:
+    """The text and its encoding (a PEP 263 coding line, a BOM, or UTF-8)."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    text = raw.decode(encoding)
+    if encoding == "utf-8-sig":
+        text = text.removeprefix("\ufeff")
+    return text, encoding
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -19,8 +19,8 @@ from collections.abc import Collection, Sequence
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
+from .findings import Edit
 from .imports import add_imports
-from .scan import Edit
 
 __all__ = ["fix_source"]
 

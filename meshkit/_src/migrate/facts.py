@@ -1,0 +1,140 @@
+"""What the flow analysis of ``meshkit migrate`` reads and learns: files, kinds of values, facts.
+
+The analysis (`meshkit._src.migrate.flow`) reads each file through the `ScannedFile` protocol
+(the scanner's resolution of names, `meshkit._src.migrate.resolve`, is one), finds which values
+are device-stacked and of what kind (`STACKED`, `TUPLE`, `LIST`), and gathers in `Facts` what
+the run's files say of each other's functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["LIST", "STACKED", "TUPLE", "Facts", "ScannedFile", "element", "join"]
+
+
+class ScannedFile(Protocol):
+    """What the flow analysis reads of a file the scanner has parsed and resolved."""
+
+    path: str
+    tree: ast.Module
+    nodes: list[ast.AST]  # every node, in `ast.walk` order
+    parents: dict[ast.AST, ast.AST]
+    defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]]  # functions by dotted name
+
+    def qual(self, node: ast.AST) -> str | None:
+        """The dotted name that ``node`` refers to, through the file's imports."""
+        ...
+
+    def pmapped_value(self, expr: ast.AST) -> ast.expr | None:
+        """The pmap that makes ``expr`` a pmapped function, if it is one."""
+        ...
+
+    def mapped_function(self, expr: ast.AST) -> ast.AST | None:
+        """The function a pmapped ``expr`` maps, where the file defines it."""
+        ...
+
+
+STACKED = "stacked"  # device axis first: an entry per device
+TUPLE = "tuple"  # a tuple of stacked outputs (a pmapped function returning a tuple)
+LIST = "list"  # a list or dict of stacked values (metrics appended each step)
+_ORDER = {TUPLE: 3, STACKED: 2, LIST: 1}
+
+
+def join(*kinds: str | None) -> str | None:
+    """The strongest of the kinds (a tuple of outputs, then stacked, then a list), or None."""
+    # Callers pass lists, not generators: a kind resolves through the kinds of what flowed into
+    # it (a value passed through 3,000 names recurses 3,000 deep), and since Python 3.12 a
+    # generator consumed from C (`*gen`) adds a C frame per level under a fixed C limit that
+    # no recursion limit raises; comprehensions are inlined there and cost Python frames only.
+    best = None
+    for k in kinds:
+        if k is not None and (best is None or _ORDER[k] > _ORDER[best]):
+            best = k
+    return best
+
+
+def element(kind: str | None) -> str | None:
+    """What iterating over, or indexing, a value of this kind gives (not a device's entry)."""
+    return STACKED if kind in (TUPLE, LIST) else None
+
+
+@dataclass
+class Facts:
+    """What the files of one run know of each other's functions.
+
+    Functions are keyed by (path, qualified name in the file: ``f``, ``Trainer.step``).
+
+    Attributes:
+        modules: path -> its dotted name parts (``examples/imagenet/train.py`` -> ``("examples",
+            "imagenet", "train")``), to resolve imports between the run's files.
+        returns: functions whose return value is stacked, and its kind.
+        params: functions' parameters that some call passes a stacked value, and its kind.
+        tuples: functions every return of which is a tuple display (their pmap returns a tuple).
+        classes: the classes the run's files define.
+        defs: every function definition of the run's files.
+    """
+
+    modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    returns: dict[tuple[str, str], str] = field(default_factory=dict)
+    params: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    tuples: set[tuple[str, str]] = field(default_factory=set)
+    classes: set[tuple[str, str]] = field(default_factory=set)
+    defs: dict[tuple[str, str], ast.FunctionDef | ast.AsyncFunctionDef] = field(
+        default_factory=dict
+    )
+
+    @classmethod
+    def for_paths(cls, paths: Mapping[str, object]) -> Facts:
+        """Empty facts for a run over these paths."""
+        facts = cls()
+        for path in paths:
+            parts = os.path.normpath(path).replace(os.sep, "/").split("/")
+            name = parts[-1].rsplit(".", 1)[0]
+            parts = [p for p in parts[:-1] if p not in ("", ".", "..")]
+            facts.modules[path] = (*parts, name) if name != "__init__" else tuple(parts)
+        return facts
+
+    def receives(self, path: str) -> bool:
+        """Whether some function of ``path`` is passed a stacked value by the run's files."""
+        return any(p == path and names for (p, _), names in self.params.items())
+
+    def resolve(self, importer: str, module: str, level: int) -> str | None:
+        """The run's file a module name imported from ``importer`` is, or None.
+
+        Relative imports count from the importer's package; absolute ones match the end of a
+        file's dotted path (``import input_pipeline`` beside the script, ``from
+        examples.imagenet import train``), the file nearest the importer first.
+        """
+        here = self.modules.get(importer)
+        if here is None:
+            return None
+        wanted = tuple(module.split(".")) if module else ()
+        if level:
+            base = here[: len(here) - level] if len(here) >= level else ()
+            target = (*base, *wanted)
+            for path, parts in self.modules.items():
+                if parts == target:
+                    return path
+            return None
+        best, best_shared = None, -1
+        for path, parts in self.modules.items():
+            if wanted and parts[-len(wanted) :] == wanted and path != importer:
+                shared = _shared(parts[:-1], here[:-1])
+                if shared > best_shared:
+                    best, best_shared = path, shared
+        return best
+
+
+def _shared(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    """How many leading parts two dotted paths share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
