@@ -35,10 +35,6 @@ FACES = len(LAYERS)
 
 MAX_FLAT_FILES = 10
 MAX_MODULE_LINES = 600
-# Modules still over the limit while the house is rebuilt (issue 24), with the most lines each
-# may have: an entry may only shrink, and goes when its module is split.
-STILL_TOO_LONG = {
-}
 
 
 def _module_name(path: Path) -> str:
@@ -142,12 +138,4 @@ def test_at_most_ten_files_flat_in_the_package():
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_modules_stay_readable(module):
     lines = len(_modules()[module].read_text().splitlines())
-    limit = STILL_TOO_LONG.get(module, MAX_MODULE_LINES)
-    assert lines <= limit, f"{module} has {lines} lines (at most {limit}); split it by idea"
-
-
-def test_the_list_of_long_modules_only_shrinks():
-    modules = _modules()
-    fixed = [m for m in STILL_TOO_LONG if m not in modules
-             or len(modules[m].read_text().splitlines()) <= MAX_MODULE_LINES]  # fmt: skip
-    assert not fixed, f"remove from STILL_TOO_LONG (now short enough or gone): {fixed}"
+    assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines; split it by idea"

@@ -121,9 +121,6 @@ def test_importing_meshkit_installs_nothing():
                   signal.set_wakeup_fd(-1))
         import meshkit, meshkit.debug, meshkit.checkpoint, meshkit.loaders
         from meshkit._src.coord import agree
-        # coord/agree.py registers its drain at import until its rewrite registers it with
-        # the owner of exit (issue 24, point 3): the one entry not ours to remove here.
-        atexit.unregister(agree._drain_at_exit)
         after = (sys.excepthook, atexit._ncallbacks(), threading.enumerate(),
                  list(dispatch._observers), signal.getsignal(signal.SIGTERM),
                  signal.set_wakeup_fd(-1))

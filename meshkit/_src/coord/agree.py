@@ -22,13 +22,13 @@ process is two blocks past it, so the store does not grow in a long run.
 
 from __future__ import annotations
 
-import atexit
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..lifecycle import exit as _exit
 from . import barrier as _barrier
 from . import counter as _counter
 from . import window as _window
@@ -71,6 +71,12 @@ def node() -> Node | None:
     if client is None or n == 1:
         return None
     if _node is None or _client is not client:
+        if _node is None:  # at first use, never at import
+            _exit.on_exit(
+                "agreements: verify what is pending, stop their threads",
+                _drain_at_exit,
+                order=_exit.DRAIN,
+            )
         _node, _client = Node(JaxService(client), me, n, stats=stats, failures=failures), client
     return _node
 
@@ -171,7 +177,6 @@ def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:
     return True if _node is None else _node.drain(timeout, tags)
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     """Verify what is pending (a few seconds at most), then let meshkit's threads leave."""
     if _node is not None:

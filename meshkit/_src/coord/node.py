@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -21,6 +20,7 @@ from typing import Any
 
 from ..core import env as _env
 from ..core.errors import MeshkitError, say
+from ..lifecycle import exit as _exit
 from . import channel as _channel
 from .service import Counted, Service, Stats
 
@@ -194,7 +194,7 @@ def changed(state: Tag, summary: str, groups: Mapping[str, Group]) -> bool:
 
 
 def _exit_1() -> None:
-    os._exit(1)
+    _exit.now(1)  # the failure was said already; nothing may wait for a process that hangs
 
 
 class Node:
@@ -208,7 +208,7 @@ class Node:
         failures: where deferred failures wait for `settle` (a fresh deque by default).
         channel: the current thread's channel (`meshkit._src.coord.channel.current`).
         on_unraised: ends the process when a deferred failure is not raised within the check
-            timeout (default: ``os._exit(1)``; a fake cluster records it instead).
+            timeout (default: `meshkit._src.lifecycle.exit.now`; a fake cluster records it).
     """
 
     def __init__(
