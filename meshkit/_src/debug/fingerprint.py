@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from ..core import caches as _caches
 from ..core.frames import user_frame
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
@@ -26,8 +27,8 @@ __all__ = ["MAX_DESC", "fingerprint"]
 MAX_DESC = 200  # characters of a value's repr in a fingerprint or a message
 
 
-_LEAF_TEXTS: dict[tuple[Any, ...], str] = {}  # array leaves described before (a steady loop)
-_MAX_LEAF_TEXTS = 4096
+# Array leaves described before (a steady loop describes the same ones every call).
+_LEAF_TEXTS: _caches.Cache[tuple[Any, ...], str] = _caches.Cache(maxsize=4096)
 
 
 def _describe_leaf(x: Any, ragged: bool) -> str:
@@ -39,9 +40,8 @@ def _describe_leaf(x: Any, ragged: bool) -> str:
     key = (type(x), tuple(shape), dtype, getattr(x, "sharding", None), ragged)
     text = _LEAF_TEXTS.get(key)
     if text is None:
-        if len(_LEAF_TEXTS) >= _MAX_LEAF_TEXTS:
-            _LEAF_TEXTS.clear()
-        text = _LEAF_TEXTS[key] = _describe_new_leaf(x, shape, dtype, ragged)
+        text = _describe_new_leaf(x, shape, dtype, ragged)
+        _LEAF_TEXTS.put(key, text)
     return text
 
 
@@ -110,7 +110,9 @@ _MAX_LAYOUTS = 64  # per call site
 
 
 def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
-    layouts: dict[Any, _ArgLayout] = site.info.setdefault(_LAYOUTS_KEY, {})
+    layouts: _caches.Cache[Any, _ArgLayout] | None = site.info.get(_LAYOUTS_KEY)
+    if layouts is None:  # the site's first call in debug mode
+        layouts = site.info[_LAYOUTS_KEY] = _caches.Cache(maxsize=_MAX_LAYOUTS)
     layout = layouts.get(treedef)
     if layout is not None:
         return layout
@@ -125,9 +127,8 @@ def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) ->
     )
     origin = site.info.get("origin")
     entry = f"{site.kind} {site.name}" + (f" [{origin}]" if origin else "")
-    if len(layouts) >= _MAX_LAYOUTS:
-        layouts.clear()
-    layout = layouts[treedef] = _ArgLayout(entry, str(treedef), names)
+    layout = _ArgLayout(entry, str(treedef), names)
+    layouts.put(treedef, layout)
     return layout
 
 

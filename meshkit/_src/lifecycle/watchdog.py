@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from typing import Any
 
 import jax
 
+from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
@@ -245,7 +245,7 @@ def short_path(path: str) -> str:
     return _short_in(path, os.getcwd())
 
 
-@functools.lru_cache(maxsize=1024)
+@_caches.cached(maxsize=1024)
 def _short_in(path: str, cwd: str) -> str:
     with contextlib.suppress(ValueError):
         rel = os.path.relpath(path, cwd)

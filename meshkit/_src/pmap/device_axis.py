@@ -14,7 +14,6 @@ share these conversions, so arrays pass between them without copies.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
 
 __all__ = [
@@ -42,7 +42,7 @@ def _ordered(devices: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.cached(maxsize=64)
 def _mesh(devices: tuple[Any, ...], axis_name: str) -> Mesh:
     return Mesh(np.array(devices, dtype=object), (axis_name,), axis_types=(AxisType.Auto,))
 

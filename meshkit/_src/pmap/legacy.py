@@ -18,7 +18,6 @@ a `jax.pmap` output gathers the whole array first.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ..arrays.blocks import tree_paths
+from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from . import device_axis as _device_axis
 
@@ -461,7 +461,7 @@ def _single(x: jax.Array) -> bool:
     return len(x.sharding.device_set) == 1
 
 
-@functools.lru_cache(maxsize=32)
+@_caches.cached(maxsize=32)
 def _split_onto(mesh: Mesh, count: int) -> Any:
     return jax.jit(lambda k: jax.random.split(k, count), out_shardings=_sharding(mesh))
 
