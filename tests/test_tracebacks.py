@@ -114,3 +114,34 @@ def test_public_classes_print_under_their_public_name(cls):
     assert repr(cls) == f"<class 'meshkit.{cls.__name__}'>"
     assert getattr(meshkit, cls.__name__) is cls
     assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def _spmd_bad_spec():
+    mesh = meshkit.make_mesh({"data": 8})
+    f = meshkit.spmd(lambda x: x, mesh=mesh, in_specs="nope", out_specs="data")
+    f(np.ones(8, np.float32))
+
+
+def _pmap_bad_axes():
+    meshkit.pmap_compat(lambda x: x, in_axes=(0, 0))(np.ones((8, 2), np.float32))
+
+
+def _psum_unbound_axis():
+    mesh = meshkit.make_mesh({"data": 8})
+    meshkit.spmd(lambda x: meshkit.collectives.psum(x, "model"), mesh=mesh, in_specs="data",
+                 out_specs="data")(np.ones(8, np.float32))  # fmt: skip
+
+
+def _replicate_too_many_devices():
+    meshkit.replicate(np.ones(2), devices=[object()])
+
+
+@pytest.mark.parametrize(
+    "call", [_spmd_bad_spec, _pmap_bad_axes, _psum_unbound_axis, _replicate_too_many_devices]
+)
+def test_spmd_pmap_collectives_and_legacy_errors_show_no_meshkit_frame(call):
+    with pytest.raises(meshkit.MeshkitError) as caught:
+        call()
+    frames = _frames(caught.value)
+    assert call.__name__ in [f.name for f in frames]
+    assert not [f.filename for f in frames if f.filename.startswith(SRC)], frames

@@ -19,6 +19,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..sharding.specs import is_spec_leaf
 from .plan import SavedArray, describe_mesh, plan, saved_spec
@@ -200,6 +201,7 @@ def _entry(entry: list[Any]) -> str:
     return str(entry[1:])
 
 
+@public
 def check_savable(tree: Any) -> None:
     """Check that every process can save ``tree`` with orbax, and that they save the same tree.
 
@@ -233,6 +235,7 @@ def _path(path: str | os.PathLike[str], what: str) -> Path:
     return Path(os.path.abspath(os.fspath(path)))
 
 
+@public
 def save(path: str | os.PathLike[str], tree: Any) -> None:
     """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
 
@@ -435,6 +438,7 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
     return jax.tree_util.tree_unflatten(treedef, out), None, entries
 
 
+@public
 def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
     """The restore targets of a checkpoint on ``mesh``: what orbax's restore takes, checked.
 
@@ -496,6 +500,7 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, Path |
     return tree, where
 
 
+@public
 def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
     """Read the checkpoint at ``path`` onto ``mesh``: global arrays laid out by ``specs``.
 

@@ -10,6 +10,7 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..lifecycle import watchdog as _watchdog
 from . import divergence as _divergence
 from . import mode as _mode
@@ -18,6 +19,7 @@ from . import state as _st
 __all__ = ["barrier"]
 
 
+@public
 def barrier(name: str, *, timeout: float | None = None) -> None:
     """Wait until every process reaches the barrier ``name``, or fail naming those that did not.
 

@@ -20,6 +20,7 @@ from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError, say
+from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from ..runtime import dispatch as _dispatch
@@ -48,6 +49,7 @@ ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
 ENV_WATCHDOG = "MESHKIT_WATCHDOG"
 
 
+@public
 def enable(
     *,
     timeout: float | None = None,
@@ -132,6 +134,7 @@ def _announce(now: Settings) -> None:
     )
 
 
+@public
 def disable() -> None:
     """Turn debug mode off in this process (the watchdog stops too)."""
     with _st.lock:
@@ -161,6 +164,7 @@ def debugging(**kwargs: Any) -> Iterator[None]:
             enable(timeout=was.timeout, watchdog=was.watchdog, exit_on_stall=was.exit_on_stall)
 
 
+@public
 def enable_from_environment() -> None:
     """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
 

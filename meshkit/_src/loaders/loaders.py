@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..sharding.layout import ProcessSlice
 
 __all__ = [
@@ -87,6 +88,7 @@ def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
     )
 
 
+@public
 def process_rows(part: ProcessSlice, num_rows: int) -> np.ndarray:
     """The rows of one epoch this process loads, in the order it loads them.
 
@@ -121,6 +123,7 @@ def process_rows(part: ProcessSlice, num_rows: int) -> np.ndarray:
     return _rows(part, num_rows, "meshkit.loaders.process_rows").positions()
 
 
+@public
 def grain_dataset(dataset: Any, part: ProcessSlice) -> Any:
     """This process's part of a ``grain.MapDataset`` in global order, in the order it loads.
 
@@ -203,6 +206,7 @@ def _grain_part_class() -> type:
     return _grain_part
 
 
+@public
 def grain_sampler(
     num_records: int,
     part: ProcessSlice,
@@ -310,6 +314,7 @@ class _GrainSampler:
         return grain.RecordMetadata(index=index, record_key=key, rng=rng)
 
 
+@public
 def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> Any:
     """The grain ``ShardOptions`` of this process: its ``shard_index`` and ``shard_count``.
 
@@ -352,6 +357,7 @@ def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> 
     )
 
 
+@public
 def hf_dataset(dataset: Any, part: ProcessSlice) -> Any:
     """This process's part of a Hugging Face ``datasets`` dataset in global order.
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..arrays.blocks import tree_paths
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from . import device_axis as _device_axis
 
 __all__ = [
@@ -211,6 +212,7 @@ def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@public
 def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
     """One copy of every array per device, with a leading device axis (`flax.jax_utils`'s).
 
@@ -251,6 +253,7 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
     return _replicate(tree, device_axis_mesh(devices, what), what)
 
 
+@public
 def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
     """``x`` copied to each of ``devices``, stacked along a new leading axis (old JAX's).
 
@@ -281,6 +284,7 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
     return _replicate(x, mesh, what)
 
 
+@public
 def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
     """Stack ``shards`` along a new leading axis, shard ``i`` being entry ``i`` (old JAX's).
 
@@ -410,6 +414,7 @@ def first_entries(tree: Any, what: str) -> tuple[Any, list[Any], Reads]:
     return treedef, out, reads
 
 
+@public
 def unreplicate(tree: Any) -> Any:
     """The first entry of every array of a replicated pytree (flax's), reading one shard.
 
@@ -466,6 +471,7 @@ def _split_onto(mesh: Mesh, count: int) -> Any:
     return jax.jit(lambda k: jax.random.split(k, count), out_shardings=_sharding(mesh))
 
 
+@public
 def shard_prng_key(prng_key: Any) -> jax.Array:
     """Split a PRNG key into one key per local device (`flax.training.common_utils`'s).
 

@@ -21,6 +21,7 @@ from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
 from ..arrays.gather import local_from_global
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 from ..spmd.plan import argnums
 from . import device_axis as _device_axis
 from .legacy import device_axis_mesh, first_entries, host_array
@@ -49,6 +50,7 @@ one batch size.
 Consider static_argnums= / static_argnames= for arguments that are not batched."""
 
 
+@public
 def shard(xs: Any) -> Any:
     """Split the leading (batch) axis into ``(local devices, -1)`` (flax's ``shard``).
 
@@ -103,6 +105,7 @@ def shard(xs: Any) -> Any:
 _PREFETCH = "meshkit.prefetch_to_device"
 
 
+@public
 def prefetch_to_device(
     iterator: Iterable[Any], size: int, devices: Sequence[Any] | None = None
 ) -> Iterator[Any]:
@@ -195,6 +198,7 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Mesh) -> Iterator[Any]:
         raise failure
 
 
+@public
 def pad_shard_unpad(
     wrapped: Callable[..., Any],
     static_argnums: int | Sequence[int] = (0,),
@@ -335,6 +339,7 @@ def _unpad(out: Any, b: int) -> Any:
     return jax.tree_util.tree_unflatten(treedef, rows)
 
 
+@public
 def get_metrics(device_metrics: Sequence[Any]) -> Any:
     """Stack a list of replicated metric pytrees into one pytree of numpy arrays (flax's).
 

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.plan import Signatures, argnums, dynamic, fn_name
 from . import axes
@@ -149,6 +150,7 @@ class PmapFunction:
 
     # ---- calls ------------------------------------------------------------------------------
 
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _dispatch.enter(self._site, args)
         if not (kwargs or self.static):
@@ -181,6 +183,7 @@ class PmapFunction:
             return self
         return functools.partial(self, obj)
 
+    @public
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for these arguments, like ``jax.pmap(f).lower``: ``.as_text()``, ``.compile()``.
 
@@ -370,6 +373,7 @@ class PmapFunction:
         return mapped(*dynamic(args, self.static), **kwargs)
 
 
+@public
 def pmap_compat(
     fun: Callable[..., Any] | None = None,
     axis_name: Hashable | None = None,

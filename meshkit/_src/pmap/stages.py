@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ..core.errors import MeshkitTypeError
+from ..core.tracebacks import public
 
 __all__ = ["Compiled", "Lowered", "Stage", "signature"]
 
@@ -61,6 +62,7 @@ class Lowered:
         self._stage = stage
         self.lowered = lowered
 
+    @public
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
         """Compile; the result is called like the pmapped function."""
         return Compiled(self._stage, self.lowered.compile(*args, **kwargs))
@@ -76,6 +78,7 @@ class Compiled:
         self._stage = stage
         self.compiled = compiled
 
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
         n_args, static_vals, _ = stage.key

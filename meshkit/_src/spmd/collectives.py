@@ -13,6 +13,7 @@ from jax import lax
 
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
+from ..core.tracebacks import public
 
 __all__ = [
     "all_gather",
@@ -129,6 +130,7 @@ def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
     return getattr(lax, op)(_varying(x, names), _axis_arg(names))
 
 
+@public
 def psum(x: Any, axis_name: AxisName) -> Any:
     """Sum of ``x`` over the devices of ``axis_name`` (every device gets the sum).
 
@@ -143,21 +145,25 @@ def psum(x: Any, axis_name: AxisName) -> Any:
     return _reduce("psum", x, axis_name)
 
 
+@public
 def pmean(x: Any, axis_name: AxisName) -> Any:
     """Mean of ``x`` over the devices of ``axis_name``; integers give floats, as in `jax.lax`."""
     return _reduce("pmean", x, axis_name)
 
 
+@public
 def pmax(x: Any, axis_name: AxisName) -> Any:
     """Elementwise maximum of ``x`` over the devices of ``axis_name``."""
     return _reduce("pmax", x, axis_name)
 
 
+@public
 def pmin(x: Any, axis_name: AxisName) -> Any:
     """Elementwise minimum of ``x`` over the devices of ``axis_name``."""
     return _reduce("pmin", x, axis_name)
 
 
+@public
 def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
     """Every device's ``x`` from the group of ``axis_name``, on every device.
 
@@ -197,6 +203,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
     )
 
 
+@public
 def psum_scatter(
     x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
 ) -> Any:
@@ -226,6 +233,7 @@ def psum_scatter(
     return lax.psum_scatter(x, _axis_arg(names), scatter_dimension=scatter_dimension, tiled=tiled)
 
 
+@public
 def all_to_all(
     x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
 ) -> Any:
@@ -257,6 +265,7 @@ def all_to_all(
     )
 
 
+@public
 def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
     """Send ``x`` from device ``src`` to device ``dst`` of the group for each pair in ``perm``.
 
@@ -294,6 +303,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
     return lax.ppermute(_varying(x, names), _axis_arg(names), perm=pairs)
 
 
+@public
 def shift(x: Any, axis_name: AxisName, offset: int = 1) -> Any:
     """Ring shift: device ``i`` of the group sends ``x`` to device ``(i + offset) % size``.
 
@@ -314,6 +324,7 @@ def shift(x: Any, axis_name: AxisName, offset: int = 1) -> Any:
     return ppermute(x, names, [(i, (i + offset) % size) for i in range(size)])
 
 
+@public
 def axis_index(axis_name: AxisName) -> Any:
     """This device's index along ``axis_name`` (row-major over a tuple of names)."""
     names, _, ctx = _names("axis_index", axis_name)
@@ -322,6 +333,7 @@ def axis_index(axis_name: AxisName) -> Any:
     return lax.axis_index(_axis_arg(names))
 
 
+@public
 def axis_size(axis_name: AxisName) -> int:
     """The number of devices along ``axis_name`` (the product over a tuple), a Python int."""
     return _names("axis_size", axis_name)[1]

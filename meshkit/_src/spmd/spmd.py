@@ -36,6 +36,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import user_stacklevel
+from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding.spec_trees import describe_node, plain_specs
 from ..sharding.specs import as_partition_spec, map_specs
@@ -161,6 +162,7 @@ class SpmdFunction:
             plan = self._plans[mesh] = MeshPlan(self, mesh)
         return plan
 
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
@@ -173,6 +175,7 @@ class SpmdFunction:
             return self._context_plan(jax.sharding.get_abstract_mesh(), "traced").body(*args)
         return plan.call(args)
 
+    @public
     def lower(self, *args: Any) -> Any:
         """Lower for these arguments, like `jax.jit(...).lower` (to inspect HLO or compile)."""
         plan = self._plan_for_call()
@@ -225,6 +228,7 @@ def spmd(
 ) -> Callable[[Callable[..., Any]], SpmdFunction]: ...
 
 
+@public
 def spmd(
     f: Callable[..., Any] | None = None,
     *,
