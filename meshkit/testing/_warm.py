@@ -249,7 +249,8 @@ class WarmCluster:
         assert workers is not None
         message = Call(file, qualname, tuple(args), dict(env or {}))
         for sock in workers.connections.values():
-            send(sock, message)
+            with contextlib.suppress(OSError):  # a worker that died answers None below
+                send(sock, message)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         answers = {r: self._next(inbox, deadline) for r, inbox in workers.inboxes.items()}

@@ -17,8 +17,8 @@ def test_two_processes(warm_cluster):
     assert warm_cluster.run(body) == [(0, 8), (1, 8)]
 ```
 
-The processes start at the first call of a test that uses the fixture and end with the
-module; a test whose body hangs ends them, and the next test starts fresh ones.
+The processes start when the first test of the module that uses the fixture sets it up, and
+end with the module; a test whose body hangs ends them, and the next call starts fresh ones.
 """
 
 from __future__ import annotations
@@ -57,4 +57,7 @@ def warm_cluster(
     options = dict(marker.kwargs) if marker is not None else {}
     options["env"] = {**warm_cluster_env, **(options.get("env") or {})}
     with WarmCluster(**options) as cluster:
+        # Started here, before the test's own fixtures change the environment the launcher
+        # passes on (a restart after a timeout starts at the next call instead).
+        cluster.start()
         yield cluster
