@@ -73,3 +73,18 @@ def marker() -> str:
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def warm_cluster_env() -> dict[str, str]:
+    """The warm cluster's workers carry a marker of their own; none may outlive the module.
+
+    (Overrides `meshkit.testing.pytest_plugin`'s fixture.) A per-test marker would not do: the
+    workers outlive each test, and a cluster restarted inside a test would take its marker.
+    """
+    value = uuid.uuid4().hex
+    yield {"MESHKIT_TEST_MARKER": value}
+    left = processes_with_marker(value)
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"warm cluster processes left behind: {left}"

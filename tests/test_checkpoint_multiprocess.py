@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshkit.testing import run_in_processes
-
 pytestmark = pytest.mark.multiprocess
 
 _CKPT = "MESHKIT_TEST_CKPT"
@@ -188,9 +186,11 @@ def _save_restore_and_refuse():
 
 
 @pytest.mark.timeout(600)  # one launch of about a minute, 2 on a busy machine
-def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(tmp_path):
+def test_save_in_two_processes_restore_onto_other_meshes_and_refuse_bad_inputs(
+    tmp_path, warm_cluster
+):
     ocp = require("orbax.checkpoint", "orbax")
-    results = run_in_processes(
+    results = warm_cluster.run(
         _save_restore_and_refuse,
         timeout=400,
         env={_CKPT: str(tmp_path), "MESHKIT_CHECK_TIMEOUT": "60"},

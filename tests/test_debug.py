@@ -494,8 +494,8 @@ def _repeats_are_verified_beside_the_caller():
 
 
 @pytest.mark.multiprocess
-def test_repeated_calls_are_cheap_and_a_change_stops_before_it_runs():
-    results = run_in_processes(_repeats_are_verified_beside_the_caller, timeout=120)
+def test_repeated_calls_are_cheap_and_a_change_stops_before_it_runs(warm_cluster):
+    results = warm_cluster.run(_repeats_are_verified_beside_the_caller, timeout=120)
     (costs0, where0, message0), (costs1, where1, message1) = results
     for cost in (*costs0, *costs1):
         assert cost < 0.1, results  # a window per many calls, not a round trip per call

@@ -101,8 +101,8 @@ def _assemble_layouts():
     return checked
 
 
-def test_every_layout_assembles_round_trips_and_gathers():
-    results = run_in_processes(_assemble_layouts, num_processes=2, timeout=400)
+def test_every_layout_assembles_round_trips_and_gathers(warm_cluster):
+    results = warm_cluster.run(_assemble_layouts, timeout=400)
     assert len(results[0]) == len(results[1]) >= 20
     first, second = "\n".join(results[0]), "\n".join(results[1])
     # The interleaved mesh gives each process non-contiguous rows.
@@ -132,8 +132,8 @@ def _mismatched_shapes():
     return "no error"
 
 
-def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes():
-    results = run_in_processes(_mismatched_shapes, num_processes=2, timeout=120, env=_FAST_CHECK)
+def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes(warm_cluster):
+    results = warm_cluster.run(_mismatched_shapes, timeout=120, env=_FAST_CHECK)
     for message in results:
         assert "processes disagree on the global shape of ['x']" in message
         assert "process 0: float32[8, 3] (global [16, 3]" in message
@@ -182,6 +182,7 @@ def _windowed_checks():
 
 
 def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
+    # Fresh processes: the message names the call by its number in the process's life.
     results = run_in_processes(_windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
     for per_call, slow_per_call, raised_at, message in results:
         # Windows of calls: a tight loop shares one agreement (two round trips) among many
@@ -225,13 +226,13 @@ def _dtype_mismatch():
     return _mismatched_structure_and_dtype("dtype")
 
 
-def test_mismatched_structure_and_dtype_raise():
-    tree = run_in_processes(_tree_mismatch, num_processes=2, timeout=120, env=_FAST_CHECK)
+def test_mismatched_structure_and_dtype_raise(warm_cluster):
+    tree = warm_cluster.run(_tree_mismatch, timeout=120, env=_FAST_CHECK)
     for message in tree:
         assert "processes passed pytrees of different structure" in message
         assert "process 0: PyTreeDef({'x': *})" in message
         assert "process 1: PyTreeDef({'extra': *, 'x': *})" in message
-    dtype = run_in_processes(_dtype_mismatch, num_processes=2, timeout=120, env=_FAST_CHECK)
+    dtype = warm_cluster.run(_dtype_mismatch, timeout=120, env=_FAST_CHECK)
     for message in dtype:
         assert "processes disagree on the dtype of ['x']" in message
         assert "process 1: int32[8, 3]" in message
@@ -262,13 +263,12 @@ def _one_process_fails_locally_data_check():
     [_one_process_fails_locally, _one_process_fails_locally_data_check],
     ids=["check=True", "check=data"],
 )
-def test_a_local_error_on_one_process_stops_the_other_at_once(target):
+def test_a_local_error_on_one_process_stops_the_other_at_once(target, warm_cluster):
     import time
 
     start = time.monotonic()
-    results = run_in_processes(
+    results = warm_cluster.run(
         target,
-        num_processes=2,
         timeout=120,
         env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
@@ -316,8 +316,8 @@ def _replica_data_differs():
     return messages
 
 
-def test_replicas_that_differ_are_caught_by_default_and_by_the_data_check():
-    results = run_in_processes(_replica_data_differs, num_processes=2, timeout=120, env=_FAST_CHECK)
+def test_replicas_that_differ_are_caught_by_default_and_by_the_data_check(warm_cluster):
+    results = warm_cluster.run(_replica_data_differs, timeout=120, env=_FAST_CHECK)
     for *messages, real_rows in results:
         assert len(messages) == 4, messages
         for message in messages:
@@ -341,8 +341,8 @@ def _uneven_last_batch():
     return {"shape": list(g["x"].shape), "mask": full["mask"].tolist(), "x": full["x"].tolist()}
 
 
-def test_uneven_last_batch_pads_to_an_agreed_size_with_a_mask():
-    results = run_in_processes(_uneven_last_batch, num_processes=2, timeout=120, env=_FAST_CHECK)
+def test_uneven_last_batch_pads_to_an_agreed_size_with_a_mask(warm_cluster):
+    results = warm_cluster.run(_uneven_last_batch, timeout=120, env=_FAST_CHECK)
     assert results[0] == results[1]
     r = results[0]
     assert r["shape"] == [10, 2]  # 5 rows per process, the larger share
@@ -408,10 +408,9 @@ def _loaders_of_different_lengths():
     return out
 
 
-def test_loaders_of_different_lengths_are_an_error_on_every_process():
-    results = run_in_processes(
+def test_loaders_of_different_lengths_are_an_error_on_every_process(warm_cluster):
+    results = warm_cluster.run(
         _loaders_of_different_lengths,
-        num_processes=2,
         timeout=180,
         env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
@@ -444,10 +443,8 @@ def test_loaders_of_different_lengths_are_an_error_on_every_process():
     )
 
 
-def test_global_batches_pad_until_every_loader_ends():
-    results = run_in_processes(
-        _batches_pad_to_the_end, num_processes=2, timeout=120, env=_FAST_CHECK
-    )
+def test_global_batches_pad_until_every_loader_ends(warm_cluster):
+    results = warm_cluster.run(_batches_pad_to_the_end, timeout=120, env=_FAST_CHECK)
     assert results[0] == results[1]
     assert len(results[0]) == 5
     values, mask = results[0][4]
@@ -481,8 +478,8 @@ def _loader_raises():
     return {"type": None}
 
 
-def test_a_loader_error_reaches_its_caller_and_stops_the_others():
-    results = run_in_processes(_loader_raises, num_processes=2, timeout=120, env=_FAST_CHECK)
+def test_a_loader_error_reaches_its_caller_and_stops_the_others(warm_cluster):
+    results = warm_cluster.run(_loader_raises, timeout=120, env=_FAST_CHECK)
     assert results[1]["type"] == "KeyError"
     assert "shard-00017 is missing" in results[1]["message"]
     assert "in loader" in results[1]["trace"]  # the loader's own frame
@@ -578,10 +575,8 @@ def test_gather_to_different_places_is_named_instead_of_a_hang(debug):
     assert [v for _, v in results] == [16.0, None]
 
 
-def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused():
-    results = run_in_processes(
-        _local_mesh_and_global_leaf, num_processes=2, timeout=120, env=_FAST_CHECK
-    )
+def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused(warm_cluster):
+    results = warm_cluster.run(_local_mesh_and_global_leaf, timeout=120, env=_FAST_CHECK)
     for pid, (local_mesh, global_leaf, bad_to) in enumerate(results):
         assert (
             f"the mesh {{'data': 4}} holds devices of processes [{pid}], but the program has 2 processes"

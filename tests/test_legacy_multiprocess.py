@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit.testing import run_in_processes
-
 pytestmark = pytest.mark.multiprocess
 
 
@@ -103,8 +101,8 @@ def _helpers():
     return out
 
 
-def test_each_helper_works_across_processes():
-    results = run_in_processes(_helpers, num_processes=2, timeout=240)
+def test_each_helper_works_across_processes(warm_cluster):
+    results = warm_cluster.run(_helpers, timeout=240)
     for me, r in enumerate(results):
         shape, addressable, entries = r["replicate"]
         assert shape == [8, 3]
@@ -154,8 +152,8 @@ def _errors():
     return messages
 
 
-def test_errors_across_processes_name_the_argument_and_the_fix():
-    results = run_in_processes(_errors, num_processes=2, timeout=120)
+def test_errors_across_processes_name_the_argument_and_the_fix(warm_cluster):
+    results = warm_cluster.run(_errors, timeout=120)
     for me, (global_leaf, foreign, row_split) in enumerate(results):
         assert (
             "meshkit.replicate: the leaf at ['x'] is a global jax.Array split across processes "

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit.testing import run_in_processes
-
 pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH = 16
@@ -135,11 +133,9 @@ def _require(*modules):
         require(module)
 
 
-def test_real_loaders_cover_every_row_once_and_match_one_process():
+def test_real_loaders_cover_every_row_once_and_match_one_process(warm_cluster):
     _require("grain", "datasets")
-    results = run_in_processes(
-        _loader_runs, num_processes=2, timeout=240, env={"MESHKIT_CHECK_TIMEOUT": "60"}
-    )
+    results = warm_cluster.run(_loader_runs, timeout=240, env={"MESHKIT_CHECK_TIMEOUT": "60"})
     assert [r.pop("part") for r in results] == [[0, 2, 1, [0, 1]], [1, 2, 1, [0, 1]]]
     assert results[0] == results[1]  # every process gathers the same global batches
     runs = results[0]

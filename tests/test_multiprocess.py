@@ -61,8 +61,8 @@ def _mesh_and_psum():
     }
 
 
-def test_mesh_spans_processes_and_psum_crosses_them():
-    results = run_in_processes(_mesh_and_psum, num_processes=2, devices_per_process=4)
+def test_mesh_spans_processes_and_psum_crosses_them(warm_cluster):
+    results = warm_cluster.run(_mesh_and_psum)  # 2 processes x 4 devices
     data = np.arange(24, dtype=np.float32).reshape(8, 3)
     for rank, r in enumerate(results):
         assert r["process"] == rank
@@ -91,8 +91,8 @@ def _disagreeing_meshes():
     return None
 
 
-def test_processes_disagreeing_on_the_mesh_all_get_an_error():
-    messages = run_in_processes(_disagreeing_meshes)
+def test_processes_disagreeing_on_the_mesh_all_get_an_error(warm_cluster):
+    messages = warm_cluster.run(_disagreeing_meshes)
     for msg in messages:
         assert msg is not None
         assert msg.startswith("meshkit.make_mesh: processes disagree on the mesh:")
@@ -116,8 +116,8 @@ def _one_process_skips_make_mesh():
     return None
 
 
-def test_missing_process_is_named():
-    messages = run_in_processes(
+def test_missing_process_is_named(warm_cluster):
+    messages = warm_cluster.run(
         _one_process_skips_make_mesh, env={"MESHKIT_CHECK_TIMEOUT": "3"}, timeout=90
     )
     assert messages[1] == "skipped"

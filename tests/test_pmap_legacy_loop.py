@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.testing import run_in_processes
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = EXAMPLES / "pmap_migration.py"
 UNMODIFIED = EXAMPLES / "pmap_unmodified_loop.py"
@@ -46,9 +44,8 @@ def test_legacy_loop_gives_jax_pmaps_numbers_in_one_process():
 
 
 @pytest.mark.multiprocess
-def test_legacy_loop_gives_jax_pmaps_numbers_in_two_processes(marker, monkeypatch):
-    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
-    (p0, l0), (p1, l1) = run_in_processes(_compare_in_process, timeout=240)
+def test_legacy_loop_gives_jax_pmaps_numbers_in_two_processes(warm_cluster):
+    (p0, l0), (p1, l1) = warm_cluster.run(_compare_in_process, timeout=240)
     assert (p0, p1) == (0, 1)
     assert l0 == l1  # the loss is averaged over every device of both processes
     assert l0[-1] < 0.5 * l0[0]
@@ -69,9 +66,8 @@ def test_unmodified_loop_prints_jax_pmaps_lines_in_one_process():
 
 
 @pytest.mark.multiprocess
-def test_unmodified_loop_prints_jax_pmaps_lines_in_two_processes(marker, monkeypatch):
-    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
-    (p0, lines0), (p1, lines1) = run_in_processes(_unmodified_in_process, timeout=240)
+def test_unmodified_loop_prints_jax_pmaps_lines_in_two_processes(warm_cluster):
+    (p0, lines0), (p1, lines1) = warm_cluster.run(_unmodified_in_process, timeout=240)
     assert (p0, p1) == (0, 1)
     # The global loss and the replicated state agree; per-device losses and eval counts are
     # each process's own, as with jax.pmap.

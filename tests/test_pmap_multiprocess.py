@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit.testing import run_in_processes
-
 pytestmark = pytest.mark.multiprocess
 
 
@@ -74,8 +72,8 @@ def _collectives_and_layouts():
     return out
 
 
-def test_collectives_span_processes_and_outputs_are_global():
-    results = run_in_processes(_collectives_and_layouts, timeout=180)
+def test_collectives_span_processes_and_outputs_are_global(warm_cluster):
+    results = warm_cluster.run(_collectives_and_layouts, timeout=180)
     for me, r in enumerate(results):
         assert r["shapes"] == [(8, 3), (3,), (8,)]
         assert r["global"] is False
@@ -119,8 +117,8 @@ def _nested():
     }
 
 
-def test_nested_pmap_compat_across_processes():
-    for r in run_in_processes(_nested, timeout=180):
+def test_nested_pmap_compat_across_processes(warm_cluster):
+    for r in warm_cluster.run(_nested, timeout=180):
         assert r == {"shape": (4, 2, 3), "mesh": {"outer": 4}, "local": False, "ok": True}
 
 
@@ -173,8 +171,8 @@ def _property_against_vmap():
     return len(checked)
 
 
-def test_pmap_compat_matches_vmap_across_processes():
-    counts = run_in_processes(_property_against_vmap, timeout=240)
+def test_pmap_compat_matches_vmap_across_processes(warm_cluster):
+    counts = warm_cluster.run(_property_against_vmap, timeout=240)
     assert counts[0] == counts[1] >= 10
 
 
@@ -189,12 +187,12 @@ def _differential():
     return pmap_cases.compare_all()
 
 
-def test_legacy_code_sees_what_jax_pmap_gives_in_each_process(monkeypatch):
+def test_legacy_code_sees_what_jax_pmap_gives_in_each_process(warm_cluster):
     """Host reads, transformations, local devices, float0, methods, compile, carries, layouts."""
     import os
 
-    monkeypatch.setenv("MESHKIT_TEST_DIR", os.path.dirname(__file__))
-    results = run_in_processes(_differential, timeout=240)
+    env = {"MESHKIT_TEST_DIR": os.path.dirname(__file__)}
+    results = warm_cluster.run(_differential, timeout=240, env=env)
     for me, r in enumerate(results):
         differing = {case: diff for case, diff in r.items() if diff is not None}
         assert not differing, f"process {me}: {differing}"
@@ -227,11 +225,11 @@ def _random_programs_against_jax_pmap():
     return len(checked)
 
 
-def test_random_programs_match_jax_pmap_in_each_process(monkeypatch):
+def test_random_programs_match_jax_pmap_in_each_process(warm_cluster):
     import os
 
-    monkeypatch.setenv("MESHKIT_TEST_DIR", os.path.dirname(__file__))
-    counts = run_in_processes(_random_programs_against_jax_pmap, timeout=240)
+    env = {"MESHKIT_TEST_DIR": os.path.dirname(__file__)}
+    counts = warm_cluster.run(_random_programs_against_jax_pmap, timeout=240, env=env)
     assert counts[0] == counts[1] == 20
 
 
@@ -259,11 +257,11 @@ def _host_mismatch():
     return messages, np.asarray(ok[0]).tolist()
 
 
-def test_host_arguments_that_differ_across_processes_are_named():
+def test_host_arguments_that_differ_across_processes_are_named(warm_cluster):
     import time
 
     start = time.monotonic()
-    results = run_in_processes(_host_mismatch, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "20"})
+    results = warm_cluster.run(_host_mismatch, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "20"})
     assert time.monotonic() - start < 100  # named at once, not after a timeout
     for messages, ok in results:
         assert ok == [[8.0, 8.0]] * 4  # the processes are still in step
@@ -317,6 +315,6 @@ def _messages_per_call():
     return counts
 
 
-def test_only_host_data_sends_a_message():
-    for counts in run_in_processes(_messages_per_call, timeout=120):
+def test_only_host_data_sends_a_message(warm_cluster):
+    for counts in warm_cluster.run(_messages_per_call, timeout=120):
         assert counts == {"numpy": 3, "fed back": 0, "prefetched": 0}

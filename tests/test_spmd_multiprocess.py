@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit.testing import run_in_processes
-
 pytestmark = pytest.mark.multiprocess
 
 
@@ -76,8 +74,8 @@ def _collectives_across_processes():
     return {"process": jax.process_index(), "checked": checked}
 
 
-def test_collectives_match_the_reference_across_processes():
-    results = run_in_processes(_collectives_across_processes, num_processes=2, timeout=240)
+def test_collectives_match_the_reference_across_processes(warm_cluster):
+    results = warm_cluster.run(_collectives_across_processes, timeout=240)
     assert [r["process"] for r in results] == [0, 1]
     assert results[0]["checked"] == results[1]["checked"]
     assert len(results[0]["checked"]) == 14
@@ -141,8 +139,8 @@ def _own_rows():
     return results
 
 
-def test_host_data_is_each_process_own_rows():
-    results = run_in_processes(_own_rows, num_processes=2, timeout=240, env=_FAST_CHECK)
+def test_host_data_is_each_process_own_rows(warm_cluster):
+    results = warm_cluster.run(_own_rows, timeout=240, env=_FAST_CHECK)
     for result in results:
         for key in ("{'data': 8}", "{'data': 2, 'model': 4}"):
             for kind in ("numpy", "device array"):
@@ -192,8 +190,8 @@ def _replicated_argument():
     return out
 
 
-def test_replicated_argument_equal_works_and_a_difference_is_caught():
-    results = run_in_processes(_replicated_argument, num_processes=2, timeout=180, env=_FAST_CHECK)
+def test_replicated_argument_equal_works_and_a_difference_is_caught(warm_cluster):
+    results = warm_cluster.run(_replicated_argument, timeout=180, env=_FAST_CHECK)
     for r in results:
         # Rows: 4 x (1, 1) and 4 x (2, 2), times (3, 5): 4 * 8 + 4 * 16 = 96.
         assert r["same"] == 96.0, r
@@ -258,7 +256,7 @@ def _local_failure():
     return _mismatch("local")
 
 
-def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming_them():
+def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming_them(warm_cluster):
     import time
 
     cases = {
@@ -287,7 +285,7 @@ def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming
     }
     for target, parts in cases.items():
         start = time.monotonic()
-        results = run_in_processes(target, num_processes=2, timeout=120, env=_FAST_CHECK)
+        results = warm_cluster.run(target, timeout=120, env=_FAST_CHECK)
         assert time.monotonic() - start < 100, f"{target.__name__} waited for a timeout"
         for message, after in results:
             for part in parts:
@@ -295,13 +293,11 @@ def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming
             assert after == 8.0 * 2, (target.__name__, after)
 
 
-def test_a_local_error_on_one_process_stops_the_other_at_once():
+def test_a_local_error_on_one_process_stops_the_other_at_once(warm_cluster):
     import time
 
     start = time.monotonic()
-    results = run_in_processes(
-        _local_failure, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
-    )
+    results = warm_cluster.run(_local_failure, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"})
     assert time.monotonic() - start < 50, "process 0 waited for the check timeout"
     (first, _), (second, _) = results
     assert second.startswith(
@@ -384,8 +380,8 @@ def _property_against_numpy():
     return checked
 
 
-def test_spmd_on_process_local_host_data_matches_numpy_on_the_global_value():
-    results = run_in_processes(_property_against_numpy, num_processes=2, timeout=400)
+def test_spmd_on_process_local_host_data_matches_numpy_on_the_global_value(warm_cluster):
+    results = warm_cluster.run(_property_against_numpy, timeout=400)
     assert results[0] == results[1]
     assert len(results[0]) >= 15
     assert len({spec for _, spec, _ in results[0]}) >= 4, results[0]

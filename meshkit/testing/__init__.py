@@ -9,12 +9,19 @@
   launcher, each joined through `meshkit.init`, and returns what each returned;
   `launch_in_processes` hands back the whole `meshkit.LaunchResult`, for tests that expect a
   failure.
+* `WarmCluster` launches N processes once, joins them, and runs many test bodies in them
+  (a body that raises fails its own test; one that hangs is timed out and the cluster
+  restarts). ``pytest -p meshkit.testing.pytest_plugin`` gives each test module one, as the
+  ``warm_cluster`` fixture.
 """
 
 from ._multiprocess import launch_in_processes, run_in_processes
 from ._reference import assert_spmd_matches_reference, reference_spmd
+from ._warm import RankReply, WarmCluster
 
 __all__ = [
+    "RankReply",
+    "WarmCluster",
     "assert_spmd_matches_reference",
     "launch_in_processes",
     "reference_spmd",

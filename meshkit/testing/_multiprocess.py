@@ -18,16 +18,26 @@ __all__ = ["launch_in_processes", "run_in_processes"]
 Target = Callable[[], Any] | str | os.PathLike[str]
 
 
+def function_location(fn: Callable[..., Any]) -> tuple[str, str]:
+    """The file and qualified name from which another process imports ``fn`` again.
+
+    Raises:
+        LaunchError: ``fn`` is a lambda, a nested function, or has no source file.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    source = inspect.getsourcefile(fn)
+    if "<locals>" in qualname or "<lambda>" in qualname or source is None:
+        raise LaunchError(
+            f"meshkit.testing: {fn!r} cannot be run in other processes; each process "
+            "imports it again from its file, so it must be a module-level function.\n"
+            "Consider moving it to the top level of its module."
+        )
+    return source, qualname
+
+
 def _command(target: Target, out_dir: str, init: bool, args: Sequence[str]) -> list[str]:
     if callable(target):
-        qualname = getattr(target, "__qualname__", "")
-        source = inspect.getsourcefile(target)
-        if "<locals>" in qualname or "<lambda>" in qualname or source is None:
-            raise LaunchError(
-                f"meshkit.testing: {target!r} cannot be run in other processes; each process "
-                "imports it again from its file, so it must be a module-level function.\n"
-                "Consider moving it to the top level of its module."
-            )
+        source, qualname = function_location(target)
         flag = "--init" if init else "--no-init"
         return ["-m", "meshkit.testing._worker", source, qualname, out_dir, flag]
     return [os.fspath(Path(target).resolve()), *args]
