@@ -66,11 +66,17 @@ def install(session: nox.Session, *groups: str) -> None:
     )  # fmt: skip
 
 
+# Two pytest workers, a module to each at a time (a module's warm cluster starts once), handed
+# out in collection order: tests/conftest.py puts the modules that mostly wait first. Later
+# options win: `nox -s tests -- -n 0` runs in one process, `-- -n 4` in four.
+PARALLEL = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+
+
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """Unit, property and multi-process tests against the installed package."""
     install(session, "test")
-    session.run("pytest", *session.posargs, env={"MESHKIT_EXPECT_INSTALLED": "1"})
+    session.run("pytest", *PARALLEL, *session.posargs, env={"MESHKIT_EXPECT_INSTALLED": "1"})
 
 
 @nox.session(python="3.12")

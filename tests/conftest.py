@@ -29,6 +29,18 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run first the modules that hold a test marked ``waits``; keep the order otherwise.
+
+    ``nox -s tests`` runs the suite in 2 workers, a module to a worker (``--dist loadfile``),
+    handed out in this order. The modules that spend tens of seconds waiting (soaks, timeouts,
+    watchdogs) start at once, so that their waiting overlaps the rest of the suite instead of
+    running alone at its end.
+    """
+    waits = {item.path for item in items if item.get_closest_marker("waits")}
+    items.sort(key=lambda item: item.path not in waits)
+
+
 def require(module: str, why: str = "") -> object:
     """Import ``module`` for a test, or skip it with the reason printed (``-ra`` lists it).
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 _CKPT = "MESHKIT_TEST_CKPT"
 

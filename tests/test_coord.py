@@ -17,9 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshkit._src.coord import absent, barrier, counter, failures, window
-from meshkit._src.coord.fake import FakeCluster, ServiceGone
+from meshkit._src.coord.fake import FakeCluster, FakeService, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, JaxService
+from meshkit._src.lifecycle.failfast import Unanswered
 
 
 def _together(nodes: list[Node], body: Callable[[Node], Any], timeout: float = 30.0) -> list[Any]:
@@ -57,7 +58,7 @@ class _Refusing:
         error.error_code = self.code  # type: ignore[attr-defined]
         raise error
 
-    blocking_key_value_get = wait_at_barrier = _fail
+    blocking_key_value_get = wait_at_barrier = key_value_dir_get = _fail
 
 
 def test_outcomes_are_told_apart_by_the_status_code_not_the_text():
@@ -273,6 +274,34 @@ def test_check_with_a_process_that_left_the_service_times_out_naming_it():
     assert outcome.missing == (1,)
 
 
+class _SlowWrites(FakeService):
+    """A process's view of the fake service whose writes take a while."""
+
+    def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
+        time.sleep(0.2)
+        super().set(key, value, overwrite=overwrite)
+
+
+def test_the_probe_and_the_refused_wait_post_one_record_once():
+    # A check's prober thread posts its record while the refused wait posts it too: one write.
+    cluster = FakeCluster(2)
+    node = Node(_SlowWrites(cluster, 0), 0, 2, channel=lambda: None)
+    waiter = barrier.Waiter(node, "c", 0, 0, "d", "s", "0:s")
+    threads = [threading.Thread(target=waiter.post) for _ in range(2)]
+    errors: list[BaseException] = []
+    threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    finally:
+        threading.excepthook = threading.__excepthook__
+    assert errors == []
+    records, _, _ = node.collect("c", 0, 1, time.monotonic() + 1)
+    assert records == {0: "0:s"}
+
+
 # ---- window: agree_later -------------------------------------------------------------------
 
 
@@ -361,6 +390,38 @@ def test_failure_posts_are_seen_by_the_others_only():
     failures.post(cluster.service(2), 2, "ValueError: boom")
     assert failures.poll(cluster.service(2), 2) == []
     assert failures.poll(cluster.service(0), 0) == [failures.FailurePost(2, "ValueError: boom")]
+
+
+def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_service_is_gone():
+    cluster = FakeCluster(2)
+    failures.post(cluster.service(1), 1, "ValueError: boom")
+    assert failures.answer(cluster.service(0), 0) == [(1, "ValueError: boom")]
+    cluster.leave(0)  # as the real client when its service is gone: UNAVAILABLE
+    assert failures.answer(cluster.service(0), 0) == Unanswered(
+        lost=True, error="process 0 has left the fake coordination service"
+    )
+    for code, lost in [(14, True), (10, True), (4, False), (5, False), (3, False)]:
+        answered = failures.answer(JaxService(_Refusing(code)), 0)
+        assert answered == Unanswered(lost=lost, error="the text does not matter"), code
+
+
+def test_the_failure_watch_ends_the_process_only_for_a_service_that_is_gone(monkeypatch):
+    from meshkit._src.lifecycle import failfast
+
+    monkeypatch.setattr(failfast, "_period", lambda n: 0.01)
+
+    def watch(answers: list[Any]) -> list[str]:
+        ended: list[str] = []
+        w = failfast._Watch(1, 2, -1, 1.0, poll=lambda: answers.pop(0) if answers else None)
+        monkeypatch.setattr(w, "_lost", ended.append)
+        w.run()  # returns when the answers run out (None: not joined anymore)
+        return ended
+
+    slow = Unanswered(lost=False, error="DEADLINE_EXCEEDED")
+    gone = Unanswered(lost=True, error="UNAVAILABLE: socket closed")
+    assert watch([slow] * 5) == []
+    assert watch([gone, [], gone, slow, gone]) == []  # never twice in a row
+    assert watch([[], gone, gone]) == ["UNAVAILABLE: socket closed"]
 
 
 def test_one_wording_for_processes_that_did_not_arrive():

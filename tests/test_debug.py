@@ -247,9 +247,9 @@ def test_fingerprint_names_arguments_shapes_and_shardings():
     sharded = jax.device_put(jnp.zeros((8, 2)), jax.sharding.NamedSharding(mesh, jax.P("data")))
     record = _record(_site(), ({"w": sharded}, {"image": np.zeros((32, 3), np.float32)}, 2.0))
     assert record["leaves"] == [
-        ["params['w']", "float32[8,2] sharded ('data',) over {'data': 8}"],
-        ["batch['image']", "float32[32,3]"],
-        ["argument 2", "float"],
+        {"name": "params['w']", "text": "float32[8,2] sharded ('data',) over {'data': 8}"},
+        {"name": "batch['image']", "text": "float32[32,3]"},
+        {"name": "argument 2", "text": "float"},
     ]
     assert record["n"] == 57
     assert record["where"].startswith("tests/test_debug.py:") or "test_debug.py:" in record["where"]

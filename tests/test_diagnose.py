@@ -250,6 +250,7 @@ if jax.process_index() == 0:  # a computation over every process's devices, run 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.waits  # gloo's own 30 s timeout
 def test_a_computation_run_by_one_process_is_explained(tmp_path):
     script = tmp_path / "only0.py"
     script.write_text(_ONLY_PROCESS_0)

@@ -20,7 +20,7 @@ import pytest
 import meshkit
 from meshkit.testing import launch_in_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 DEBUG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "8", "MESHKIT_WATCHDOG": "3"}
 LIMIT_S = 60

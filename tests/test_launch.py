@@ -23,7 +23,7 @@ from meshkit._src.launch import reaper as _reaper
 from meshkit._src.launch.rank_output import Pump, Sink
 from meshkit._src.launch.spawn import rank_environments
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd=None, timeout: float = 120):

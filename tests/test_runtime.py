@@ -328,6 +328,7 @@ time.sleep(120)  # rank 0 waits: only the launcher's fail-fast ends it
 
 
 @pytest.mark.multiprocess
+@pytest.mark.waits  # the slow case waits out its 3 s grace
 @pytest.mark.parametrize(
     ("handler", "env", "within"),
     [("quick", {}, 25), ("slow", {"MESHKIT_FAIL_FAST_GRACE": "3"}, 30)],

@@ -22,7 +22,7 @@ import pytest
 
 from meshkit.testing import launch_in_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 SOAK_S = 30.0
 PACE_S = 0.02  # each step's wait: SOAK_S / PACE_S steps last SOAK_S at least

@@ -135,17 +135,21 @@ class Waiter:
     make_record: Record
     posted: bool = False
     spoiled: set[str] = field(default_factory=set)
+    # The prober's thread and the waiting one both post: one write of the record, not two.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @functools.cached_property
     def record(self) -> str:
         return text(self.make_record)
 
     def post(self, gave_up: bool = False) -> None:
-        if self.posted and not gave_up:
-            return
-        posted = Posted(self.summary, self.record, {}, gave_up, self.digest, self.epoch)
-        self.node.write(self.tag, self.seq, posted, overwrite=self.posted)
-        self.posted = True
+        """Write this record once (again with ``gave_up``: the barrier's timeout passed here)."""
+        with self.lock:
+            if self.posted and not gave_up:
+                return
+            posted = Posted(self.summary, self.record, {}, gave_up, self.digest, self.epoch)
+            self.node.write(self.tag, self.seq, posted, overwrite=self.posted)
+            self.posted = True
 
     def probe(self) -> None:
         """Post this record, read the others'; spoil the barriers of other digests."""

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..core import compat as _compat
+from ..lifecycle.failfast import Unanswered
 from .service import JaxService, Service
 
-__all__ = ["PREFIX", "FailurePost", "poll", "post", "poster", "watcher"]
+__all__ = ["PREFIX", "FailurePost", "answer", "poll", "post", "poster", "watcher"]
 
 PREFIX = "meshkit/failed/"  # + the failing process's id
 
@@ -39,7 +40,16 @@ def poll(service: Service, me: int) -> list[FailurePost]:
     return sorted((f for f in found if f.process != me), key=lambda f: f.process)
 
 
-def _joined() -> Service | None:
+def answer(service: Service, me: int) -> list[tuple[int, str]] | Unanswered:
+    """`poll` as the failure watch sees it: ``(process, failure)`` pairs, or an `Unanswered`."""
+    try:
+        posts = poll(service, me)
+    except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
+        return Unanswered(lost=JaxService.gone(e), error=str(e))
+    return [(f.process, f.failure) for f in posts]
+
+
+def _joined() -> JaxService | None:
     client, _, n = _compat.distributed_state()
     return None if client is None or n == 1 else JaxService(client)
 
@@ -55,16 +65,15 @@ def poster(me: int) -> Callable[[str], None]:
     return post_failure
 
 
-def watcher(me: int) -> Callable[[], list[tuple[int, str]] | None]:
+def watcher(me: int) -> Callable[[], list[tuple[int, str]] | Unanswered | None]:
     """`poll` for process ``me`` over the real service, as ``(process, failure)`` pairs.
 
-    The function returns None once this process is no longer joined (the watch then ends).
+    The function returns None once this process is no longer joined (the watch then ends), and
+    an `Unanswered` when the service did not answer, told by its status code whether it is gone.
     """
 
-    def poll_failures() -> list[tuple[int, str]] | None:
+    def poll_failures() -> list[tuple[int, str]] | Unanswered | None:
         service = _joined()
-        if service is None:
-            return None
-        return [(f.process, f.failure) for f in poll(service, me)]
+        return None if service is None else answer(service, me)
 
     return poll_failures

@@ -25,13 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .node import Node
-from .service import Barrier
+from .service import UNAVAILABLE, Barrier
 
 __all__ = ["FakeCluster", "FakeService", "ServiceGone"]
 
 
 class ServiceGone(ConnectionError):
-    """A process that left (`FakeCluster.leave`) called the service."""
+    """A process that left (`FakeCluster.leave`) called the service.
+
+    It carries the status code the real service's client reports when the service is gone.
+    """
+
+    error_code = UNAVAILABLE
 
 
 @dataclass

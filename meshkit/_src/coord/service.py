@@ -21,11 +21,19 @@ from typing import Any, Protocol
 
 from ..core import compat as _compat
 
-__all__ = ["Barrier", "Counted", "JaxService", "Service", "Stats"]
+__all__ = ["GONE", "Barrier", "Counted", "JaxService", "Service", "Stats"]
 
 # gRPC status codes the coordination service answers with (grpc/status.h).
+CANCELLED = 1
+UNKNOWN = 2
 DEADLINE_EXCEEDED = 4
 NOT_FOUND = 5
+ABORTED = 10
+INTERNAL = 13
+UNAVAILABLE = 14
+# The codes of a service that is gone (its host exited, or the connection to it broke), as
+# opposed to one that is slow (DEADLINE_EXCEEDED) or refuses a request (NOT_FOUND, ...).
+GONE = frozenset({CANCELLED, UNKNOWN, ABORTED, INTERNAL, UNAVAILABLE})
 
 
 class Barrier(enum.Enum):
@@ -87,6 +95,11 @@ class JaxService:
     def _code(error: BaseException) -> int | None:
         """The service's status code for ``error``: the one place outcomes are told apart."""
         return _compat.service_error_code(error)
+
+    @classmethod
+    def gone(cls, error: BaseException) -> bool:
+        """Whether ``error``'s status code says the service itself is gone (`GONE`)."""
+        return cls._code(error) in GONE
 
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
         self._client.key_value_set(key, value, allow_overwrite=overwrite)

@@ -152,12 +152,12 @@ def _leaf_divergence(calls: dict[int, dict[str, Any]], label: str, mine: dict[st
     for i in range(n_leaves):
         values: dict[str, list[int]] = {}
         for p, r in sorted(calls.items()):
-            leaf = r["leaves"][i] if i < len(r["leaves"]) else ["?", "(absent)"]
-            values.setdefault(leaf[1], []).append(p)
+            leaf = r["leaves"][i] if i < len(r["leaves"]) else {"name": "?", "text": "(absent)"}
+            values.setdefault(leaf["text"], []).append(p)
         if len(values) == 1:
             continue
         groups = sorted(values.items(), key=lambda kv: (len(kv[1]), kv[1]))
-        where = mine["leaves"][i][0]
+        where = mine["leaves"][i]["name"]
         first, rest = groups[0], groups[1:]
         text = f"{_absent.processes(first[1])} passed {where} {first[0]}; " + "; ".join(
             f"{_absent.processes(ps)} passed {value}" for value, ps in rest

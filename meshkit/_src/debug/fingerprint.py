@@ -80,8 +80,12 @@ def fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> 
     ragged = bool(site.info.get("ragged"))
     flat, treedef = jax.tree_util.tree_flatten(args)
     layout = _layout_of(site, args, treedef)
+    # Each leaf as sent to the other processes: its name in messages and what it is.
     leaves = [
-        [where, "static " + _static_repr(leaf) if static else _describe_leaf(leaf, ragged)]
+        {
+            "name": where,
+            "text": "static " + _static_repr(leaf) if static else _describe_leaf(leaf, ragged),
+        }
         for (where, static), leaf in zip(layout.names, flat, strict=True)
     ]
     return {

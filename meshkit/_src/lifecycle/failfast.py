@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -65,7 +66,24 @@ def settings() -> float | None:
 # How failures travel between processes: the coordination layer (above this one) owns the
 # format and the service; `meshkit._src.runtime.init` hands its functions in at `install`.
 Post = Callable[[str], None]  # post this process's failure (the first line of the error)
-Poll = Callable[[], list[tuple[int, str]] | None]  # (process, failure) of the others; None: gone
+
+
+@dataclass(frozen=True)
+class Unanswered:
+    """A poll the coordination service did not answer.
+
+    Attributes:
+        lost: whether the service's status code says it is gone (its host exited or failed),
+            rather than slow or refusing this one request.
+        error: the service's error, for the message that ends this process.
+    """
+
+    lost: bool
+    error: str
+
+
+# The others' failures as (process, failure); None once this process is no longer joined.
+Poll = Callable[[], list[tuple[int, str]] | Unanswered | None]
 _post_failure: Post | None = None
 
 
@@ -201,13 +219,11 @@ class _Watch(threading.Thread):
                 return
             if self.stop.is_set() or _exit.ending():
                 return
-            try:
-                others = self.poll()
-            except Exception as e:  # classified: only a lost service counts
-                found = _diagnose.diagnose(str(e))
-                lost = lost + 1 if found is not None and found.kind == "lost" else 0
+            others = self.poll()
+            if isinstance(others, Unanswered):  # only a service that is gone counts
+                lost = lost + 1 if others.lost else 0
                 if lost >= _LOST_AFTER and not self.stop.is_set():
-                    self._lost(str(e))
+                    self._lost(others.error)
                 continue
             lost = 0
             if others is None:
