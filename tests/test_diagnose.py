@@ -190,6 +190,34 @@ def test_an_error_of_its_own_first_is_the_root_cause_as_before():
     assert "evidence" not in report
 
 
+def test_the_rank_a_divergence_names_is_the_root_cause_not_the_first_to_exit():
+    # Every rank raised the same DivergenceError naming rank 2 (a setting on one host).
+    results = [_rank(0, 1, "DivergenceError: a"), _rank(1, 1, "DivergenceError: a"),
+               _rank(2, 1, "DivergenceError: a")]  # fmt: skip
+    differ = {"cause": "divergence", "error": "DivergenceError", "field": "jax_enable_x64"}
+    told = Told.of([_event(r, "failed", processes=[2], **differ) for r in (1, 0, 2)])
+    report = _report.root_cause(results[0], results, 4.0, told)
+    assert report.splitlines()[1:3] == [
+        "Its error is meshkit's notice of a difference; another rank differs.",
+        "The evidence points to rank 2: meshkit found that it differs from the others "
+        "(jax_enable_x64).",
+    ], report
+    assert "--- root cause: rank 2 ---" in report
+    assert "Also failed on their own: 1 (exit code 1)." in report
+    # Two ranks that differ: no majority, so the first to fail stays the one shown.
+    told = Told.of([_event(r, "failed", processes=[0, 1], **differ) for r in (0, 1)])
+    report = _report.root_cause(results[0], results[:2], 4.0, told)
+    assert report.splitlines()[1] == (
+        "meshkit found that ranks 0, 1 differ (jax_enable_x64); no majority says which is wrong."
+    ), report
+    # A process that never came to a check is the one the others waited for.
+    told = Told.of([_event(0, "failed", processes=[1], **{**differ, "field": "arrival"})])
+    report = _report.root_cause(results[0], results[:2], 4.0, told)
+    assert "The evidence points to rank 1: a meshkit check of the others waited for it in " in (
+        report
+    )
+
+
 def test_the_root_cause_is_not_listed_again_as_failed_on_its_own():
     # Rank 1 failed first, because of rank 0 (gloo timed out): rank 0 is the root cause, named
     # once with its output, not again under "also failed on their own"; rank 2 is.

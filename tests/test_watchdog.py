@@ -108,3 +108,77 @@ def test_a_pending_array_that_completes_is_progress():
 def test_meshkit_progress_counts():
     assert _verdict(_wait, during=_watchdog.note_progress) == "meshkit call"
     assert _verdicts_in_this_thread(_watchdog.note_progress) == ["meshkit call"]
+
+
+# A child process pinned to one CPU with busy loops beside it: its main thread gets a few
+# percent of that CPU. A thread of its own measures what the sampler counts as running (CPU time
+# plus time runnable, waiting for the CPU) while the main thread compresses, then while it waits
+# on an event (blocked).
+_STARVED = """
+import os, threading, time, zlib
+from meshkit._src.lifecycle import watchdog
+
+os.sched_setaffinity(0, {0})
+hogs = []
+for _ in range(12):
+    pid = os.fork()
+    if pid == 0:
+        while True:  # a busy loop on the same CPU
+            pass
+    hogs.append(pid)
+try:
+    main = threading.main_thread()
+    shares, ran, waiting, ended = [], threading.Event(), threading.Event(), threading.Event()
+
+    def window():
+        sampler = watchdog._Sampler(main.ident, main.native_id)
+        clock = watchdog._Sampler(main.ident, None)  # the CPU clock alone
+        used, cpu, start = sampler._cpu(), clock._cpu(), time.monotonic()
+        time.sleep(0.6)
+        wall = time.monotonic() - start
+        shares.extend([(sampler._cpu() - used) / wall, (clock._cpu() - cpu) / wall])
+
+    def measure():
+        window()
+        ran.set()
+        waiting.wait()
+        time.sleep(0.2)  # the main thread is blocked by now
+        window()
+        ended.set()
+
+    t = threading.Thread(target=measure)
+    t.start()
+    chunk = os.urandom(1 << 16)
+    while not ran.is_set():
+        zlib.compress(chunk, 6)  # running, starved
+    waiting.set()
+    ended.wait()  # blocked
+    t.join()
+    print(*(f"{x:.3f}" for x in shares))
+finally:
+    for pid in hogs:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+"""
+
+
+def test_a_thread_starved_of_cpu_counts_as_running_and_a_blocked_one_does_not():
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no per-thread scheduler statistics here (Linux's schedstat)")
+    out = subprocess.run(
+        [sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    running, running_cpu, blocked, _ = map(float, out.split())
+    # Runnable nearly all the time while it computes, though it got a few percent of a CPU
+    # (running_cpu: the CPU clock alone, below RUN_SHARE here: it would have looked idle).
+    assert running > 0.5, out
+    assert blocked < _watchdog.RUN_SHARE, out
+    print(
+        f"starved: ran or runnable {running:.0%} (CPU alone {running_cpu:.0%}); blocked {blocked:.0%}"
+    )

@@ -35,17 +35,20 @@ class LaunchError(MeshkitError):
 
 
 class DivergenceError(MeshkitError):
-    """Raised in debug mode when the processes of a program stopped making the same calls.
+    """Raised when the processes of a program differ where they must be the same.
 
-    Every process that reaches the check raises it, with the same message: the processes that
-    differ, the first field that differs (which function was called, the arguments' structure,
-    one argument's shape, dtype or sharding) or the processes that did not arrive, and where
-    each process made the call.
+    In debug mode: the processes stopped making the same calls. At `meshkit.init` (its
+    preflight): they run different software or settings. Every process that reaches the check
+    raises it, with the same message: the processes that differ, the first field that differs
+    (which function was called, the arguments' structure, one argument's shape, dtype or
+    sharding, a version or a `jax.config` setting) or the processes that did not arrive, and
+    where each process made the call. Under ``meshkit launch`` the report names the process it
+    names as the root cause.
 
     Attributes:
         processes: the ids of the processes that differ from the rest (or did not arrive).
-        field: what differs: ``"entry"``, ``"structure"``, an argument's name, or
-            ``"arrival"``.
+        field: what differs: ``"entry"``, ``"structure"``, an argument's name, a field of the
+            preflight (``"jax"``, ``"jax_enable_x64"``, ...), or ``"arrival"``.
     """
 
     def __init__(

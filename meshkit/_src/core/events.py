@@ -47,7 +47,8 @@ JOINED = "joined"
 # This rank is failing. Fields: ``cause`` ("exception", "signal", "peer" - another process
 # failed first, "timeout" - one of JAX's cross-process waits ran out), ``error`` (the exception's
 # type name, or the signal's name), ``process`` (for "peer": the process that failed first),
-# ``system`` (for "timeout"/"peer": what reported it, e.g. "gloo").
+# ``system`` (for "timeout"/"peer": what reported it, e.g. "gloo"); cause "divergence" (a
+# `DivergenceError`: processes differ) has ``processes`` (those it names) and ``field``.
 FAILED = "failed"
 # The stall watchdog fired. Fields: ``inside`` (True: waiting in a meshkit call; False: in the
 # program's own code), ``frame`` (``file:line in function`` of the main thread), ``idle`` (s),

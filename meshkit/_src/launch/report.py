@@ -233,6 +233,9 @@ def _suspect(
     with an error of its own; a rank that timed out waiting (it was in a computation the others
     never joined); and, as context, the ranks that reached the end of their program meanwhile.
     """
+    differ = _divergence(told)
+    if differ is not None:
+        return _differing(bad, results, *differ)
     found = {r.rank: _diagnosis(r, told) for r in results}
     if found[bad.rank] is None:
         return _stalled_elsewhere(bad, results, told)
@@ -283,6 +286,42 @@ def _suspect(
         "again with MESHKIT_DEBUG=1: it names the first meshkit call where ranks differ, and "
         "where each rank waits."
     )
+    return cause, lines
+
+
+def _divergence(told: Told) -> tuple[list[int], str] | None:
+    """The processes and the field of the first ``divergence`` a rank recorded, if any.
+
+    Every rank that checked raises the same `meshkit.DivergenceError`, so any rank's record
+    says who differs.
+    """
+    for rank in sorted(told.failed):
+        fields = told.failed[rank].fields
+        raw = fields.get("processes")
+        if fields.get("cause") == "divergence" and isinstance(raw, list):
+            processes = [p for p in raw if isinstance(p, int) and not isinstance(p, bool)]
+            return processes, str(fields.get("field") or "")
+    return None
+
+
+def _differing(
+    bad: RankResult, results: list[RankResult], processes: list[int], field: str
+) -> tuple[RankResult, list[str]]:
+    """The rank a `meshkit.DivergenceError` names, when it names one; else ``bad``."""
+    named = [r for r in results if len(processes) == 1 and r.rank == processes[0]]
+    if not named:
+        ranks = ", ".join(map(str, processes)) or "?"
+        return bad, [
+            f"meshkit found that ranks {ranks} differ ({field}); no majority says which is wrong."
+        ]
+    cause = named[0]
+    if field == "arrival":
+        why = "a meshkit check of the others waited for it in vain"
+    else:
+        why = f"meshkit found that it differs from the others ({field})"
+    lines = [f"The evidence points to rank {cause.rank}: {why}."]
+    if cause is not bad:
+        lines.insert(0, "Its error is meshkit's notice of a difference; another rank differs.")
     return cause, lines
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
-from ..core.errors import say
+from ..core.errors import DivergenceError, say
 from . import diagnose as _diagnose
 from . import exit as _exit
 
@@ -127,7 +127,12 @@ def _on_exception(
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
         say(_diagnose.explain(diagnosis) + "\n")
-    _events.emit(_events.FAILED, **_failure_fields(kind.__name__, diagnosis))
+    if isinstance(value, DivergenceError):  # every process raises it: it names who differs
+        fields: dict[str, Any] = {"cause": "divergence", "error": kind.__name__,
+                                  "processes": value.processes, "field": value.field}  # fmt: skip
+    else:
+        fields = _failure_fields(kind.__name__, diagnosis)
+    _events.emit(_events.FAILED, **fields)
     _end(
         f"{text.splitlines()[0][:300]}",
         "uncaught exception in a multi-process run",

@@ -4,8 +4,10 @@ A process makes progress while any of these is true between two samples (taken e
 ``min(1 s, watchdog / 4)``):
 
 - its main thread moved: its Python stack (code and instruction of every frame) changed;
-- its main thread ran: it used at least `RUN_SHARE` of the interval in CPU time (a long
-  computation in one C call, a checkpoint's compression, stays in one place but runs);
+- its main thread ran, or wanted to: it used at least `RUN_SHARE` of the interval in CPU time
+  or waiting for a CPU (a long computation in one C call, a checkpoint's compression, stays in
+  one place but runs; on a machine with more work than cores it waits for a core, runnable, not
+  blocked: Linux's per-thread ``schedstat``, where there is none the thread's CPU clock alone);
 - device work completed: an array that was pending became ready, or arrays were freed or made
   (a loop bound by the device waits in the same place at every step, but its arrays change);
 - meshkit saw a call: an SPMD entry, a barrier, or a batch `meshkit.global_batches` handed to
@@ -57,8 +59,9 @@ __all__ = [
     "short_path",
 ]
 
-# A main thread that used this share of a sample interval in CPU time is running, not waiting:
-# a blocked wait measured 0.02-0.04% (futex wake-ups), a computation in one C call ~100%.
+# A main thread that used this share of a sample interval in CPU time (or runnable, waiting for
+# a CPU) is running, not waiting: a blocked wait measured 0.02-0.04% (futex wake-ups), a
+# computation in one C call ~100%.
 RUN_SHARE = 0.1
 _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest)
 _MAX_PENDING = 256  # pending arrays watched for completing
@@ -104,12 +107,26 @@ def _pending(array: Any) -> bool:
         return False
 
 
-class _Sampler:
-    """Tells, sample after sample, whether this process moved since the previous sample."""
+def _schedstat(native_id: int | None) -> str | None:
+    """The path of Linux's scheduler statistics of thread ``native_id``, where there are some."""
+    if native_id is None:
+        return None
+    path = f"/proc/self/task/{native_id}/schedstat"
+    return path if os.path.exists(path) else None
 
-    def __init__(self, main: int) -> None:
+
+class _Sampler:
+    """Tells, sample after sample, whether this process moved since the previous sample.
+
+    Args:
+        main: the ``threading`` ident of the thread watched (the main thread).
+        native_id: its id at the kernel, for its scheduler statistics (None: the CPU clock only).
+    """
+
+    def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
         self.clock = _cpu_clock(main)
+        self.schedstat = _schedstat(native_id)
         self.mark = _marks
         self.stack: Stack | None = self._stack()
         self.cpu = self._cpu()
@@ -144,6 +161,17 @@ class _Sampler:
         return tuple(stack)
 
     def _cpu(self) -> float | None:
+        """Seconds the thread ran or waited, runnable, for a CPU; None once it has ended.
+
+        Without Linux's scheduler statistics: the thread's CPU time alone.
+        """
+        if self.schedstat is not None:
+            try:
+                with open(self.schedstat) as f:
+                    on_cpu, runnable = f.read().split()[:2]
+                return (int(on_cpu) + int(runnable)) / 1e9
+            except (OSError, ValueError):  # the thread has ended
+                return None
         if self.clock is None:
             return None
         try:
@@ -184,6 +212,7 @@ class Watchdog(threading.Thread):
         self.last_call = last_call
         self.stop = threading.Event()
         self.main = threading.main_thread().ident or 0
+        self.native_id = threading.main_thread().native_id
 
     def run(self) -> None:
         period = min(1.0, self.after / 4)
@@ -195,7 +224,7 @@ class Watchdog(threading.Thread):
                 continue  # one process: nobody to wait for, and no run to end
             now = time.monotonic()
             if sampler is None:
-                sampler = _Sampler(self.main)
+                sampler = _Sampler(self.main, self.native_id)
                 moved: str | None = "started"
             else:
                 moved = sampler.moved(now - then)

@@ -44,6 +44,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import progress as _progress
+from . import preflight as _preflight
 from . import slurm as _slurm
 
 __all__ = [
@@ -368,6 +369,10 @@ def init(
         What was detected and why; ``str()`` of it is a readable table.
 
     Raises:
+        DivergenceError: the processes run different versions of JAX, jaxlib, meshkit or
+            Python, on different platforms, kinds or numbers of local devices, or with different
+            `jax.config` settings that reach compiled programs (the preflight; see
+            ``MESHKIT_PREFLIGHT``).
         MeshkitError: JAX's backends already started and joining would need to change them; the
             coordinator cannot be reached within ``timeout``; process 0's port is taken; a
             ``timeout`` that is not a finite number > 0, a ``num_processes`` below 1, a
@@ -394,9 +399,11 @@ def init(
         fail_fast=fail_fast,
     )
     if first:
+        _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
+        # Before anything runs: the processes run the same software with the same settings.
+        _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
         for hook in tuple(_on_join):
             hook()
-        _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
     return info
 
 

@@ -1,0 +1,221 @@
+"""The preflight: at `meshkit.init`, processes agree on their software and settings.
+
+Processes of one program must run the same JAX, jaxlib, meshkit and Python, on the same
+platform and kind of device with as many local devices each, with the same `jax.config`
+settings that reach a compiled program. A difference otherwise shows late and far from its
+cause: a C++ abort inside gloo ("Received data size doesn't match expected size") for
+``jax_enable_x64`` set on one host, a hang in NCCL, or numbers that differ.
+
+`check` makes one exchange of `Facts` at ``init`` (one round trip of the coordination service
+when every process agrees) and raises a `DivergenceError` naming the processes, the field and
+each value when they differ. The main program file differs legitimately (a launcher may start
+another script on purpose) and so does ``XLA_FLAGS`` (dump directories): those two are a
+warning. ``MESHKIT_PREFLIGHT=0`` turns the preflight off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import warnings
+
+import jax
+import jaxlib
+
+from ..coord import absent as _absent
+from ..coord import agree as _agree
+from ..core import env as _env
+from ..core.errors import DivergenceError
+from ..core.version import __version__
+
+__all__ = ["ENV_PREFLIGHT", "SETTINGS", "WARN_ONLY", "Facts", "check", "differences", "facts"]
+
+ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
+_TAG = "preflight"
+
+# The `jax.config` flags that change what a program computes or how it is compiled and
+# partitioned; those the running JAX does not have are left out (the same in every process,
+# since the JAX versions are compared too).
+SETTINGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_numpy_dtype_promotion",
+    "jax_numpy_rank_promotion",
+    "jax_default_prng_impl",
+    "jax_enable_custom_prng",
+    "jax_threefry_partitionable",
+    "jax_softmax_custom_jvp",
+    "jax_dynamic_shapes",
+    "jax_disable_jit",
+    "jax_debug_nans",
+    "jax_debug_infs",
+    "jax_enable_checks",
+    "jax_use_shardy_partitioner",
+    "jax_exec_time_optimization_effort",
+    "jax_memory_fitting_effort",
+)
+# Fields that may differ on purpose: a difference is a warning, not an error.
+WARN_ONLY = ("program", "XLA_FLAGS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What one process runs, as the processes compare it at `meshkit.init`.
+
+    Attributes:
+        python: the Python version.
+        jax: the JAX version.
+        jaxlib: the jaxlib version.
+        meshkit: the meshkit version.
+        platform: JAX's default backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
+        device_kind: the kind of this process's first local device (``"cpu"``, ``"H100"``).
+        local_devices: how many devices this process has.
+        settings: the `SETTINGS` flags the running JAX has, by name, as text.
+        XLA_FLAGS: the environment variable (a warning only when it differs).
+        program: the SHA-256 of the main program file, "" when there is none (a warning only).
+    """
+
+    python: str
+    jax: str
+    jaxlib: str
+    meshkit: str
+    platform: str
+    device_kind: str
+    local_devices: int
+    settings: dict[str, str]
+    XLA_FLAGS: str
+    program: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Facts:
+        return cls(**json.loads(text))
+
+    def fields(self) -> dict[str, str]:
+        """Every compared value by its name in messages (a setting under its flag's name)."""
+        flat = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        del flat["settings"]
+        return {**flat, **self.settings}
+
+
+def _program_digest() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def facts() -> Facts:
+    """This process's `Facts` (it reads the local devices: call it after joining)."""
+    devices = jax.local_devices()
+    return Facts(
+        python=platform.python_version(),
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        meshkit=__version__,
+        platform=jax.default_backend(),
+        device_kind=devices[0].device_kind if devices else "",
+        local_devices=len(devices),
+        settings={
+            name: str(getattr(jax.config, name)) for name in SETTINGS if hasattr(jax.config, name)
+        },
+        XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
+        program=_program_digest(),
+    )
+
+
+def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int]]]]:
+    """The fields whose values differ, in `Facts` order: each value with its processes."""
+    names: list[str] = []
+    for f in records.values():
+        names.extend(k for k in f.fields() if k not in names)
+    found = []
+    for name in names:
+        values: dict[str, list[int]] = {}
+        for p, f in sorted(records.items()):
+            values.setdefault(f.fields().get(name, "(absent)"), []).append(p)
+        if len(values) > 1:
+            found.append((name, values))
+    return found
+
+
+def _suspects(values: dict[str, list[int]]) -> list[int]:
+    """The processes outside the one largest group; every process when none is largest."""
+    groups = sorted(values.values(), key=len, reverse=True)
+    if len(groups) > 1 and len(groups[0]) == len(groups[1]):
+        return sorted(p for ps in groups for p in ps)
+    return sorted(p for ps in groups[1:] for p in ps)
+
+
+def _lines(values: dict[str, list[int]]) -> str:
+    return "; ".join(f"{_absent.processes(ps)}: {value}" for value, ps in values.items())
+
+
+def check(me: int, n: int, timeout: float) -> None:
+    """Compare this process's `Facts` with the others' (one exchange), once joined.
+
+    Raises:
+        DivergenceError: the processes differ in a field other than `WARN_ONLY`, or some did
+            not arrive within ``timeout`` seconds; every process raises it, naming the
+            processes, the field and each value.
+        MeshkitError: ``MESHKIT_PREFLIGHT`` is not a yes/no value.
+    """
+    if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
+        return
+    mine = facts()
+    outcome = _agree.check(_TAG, mine.to_json(), mine.to_json(), timeout=timeout)
+    if outcome.agreed:
+        return
+    if outcome.missing:
+        raise DivergenceError(
+            f"meshkit.init(): {_absent.did_not(list(outcome.missing), timeout=timeout)} to "
+            "compare software and settings (the preflight), though every process had joined. "
+            "Consider the output of the missing processes (a crash or a stall right after "
+            f"init); {ENV_PREFLIGHT}=0 turns the preflight off.",
+            processes=list(outcome.missing),
+            field="arrival",
+        )
+    records = {p: Facts.from_json(r) for p, r in outcome.records.items()}
+    found = differences(records)
+    errors = [(name, values) for name, values in found if name not in WARN_ONLY]
+    for name, values in found:
+        if name in WARN_ONLY:
+            warnings.warn(_warning(name, values), stacklevel=3)
+    if errors:
+        suspects = sorted({p for _, values in errors for p in _suspects(values)})
+        raise DivergenceError(_message(errors, suspects), processes=suspects, field=errors[0][0])
+
+
+def _warning(name: str, values: dict[str, list[int]]) -> str:
+    what = "main program file" if name == "program" else "XLA_FLAGS"
+    return (
+        f"meshkit.init(): the processes run different {what}s ({_lines(values)}"
+        f"{' by SHA-256' if name == 'program' else ''}). That may be on purpose; if not, "
+        "consider how each host got its copy of the program."
+    )
+
+
+def _message(errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int]) -> str:
+    rows = "\n".join(f"  {name}: {_lines(values)}" for name, values in errors)
+    settings = [name for name, _ in errors if name.startswith("jax_")]
+    advice = (
+        f"consider how {_absent.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "
+        f"{', '.join(settings)} (a jax.config.update or JAX_* environment variable on one host)"
+        if settings
+        else f"consider the installation of {_absent.processes(suspects)} (its environment, "
+        "image or devices)"
+    )
+    return (
+        f"meshkit.init(): the processes differ in their software or settings:\n{rows}\n"
+        "Every process must run the same JAX, jaxlib, meshkit and Python, on the same platform "
+        "and kind of device with as many local devices, and the same jax.config settings that "
+        f"reach compiled programs; {advice}. {ENV_PREFLIGHT}=0 turns this check off."
+    )

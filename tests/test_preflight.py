@@ -1,0 +1,217 @@
+"""The preflight at `meshkit.init`: processes agree on their software and settings first.
+
+The unit tests hand `preflight.check` the other processes' records through a stand-in for the
+agreement; the multi-process tests start real processes whose settings differ.
+
+The functions starting with an underscore run inside the launched processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jaxlib
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import meshkit
+from meshkit._src.coord.node import Outcome
+from meshkit._src.runtime import preflight
+from meshkit.testing import launch_in_processes
+
+BASE = preflight.Facts(
+    python="3.11.9",
+    jax="0.10.2",
+    jaxlib="0.10.2",
+    meshkit="0.9.0",
+    platform="cpu",
+    device_kind="cpu",
+    local_devices=4,
+    settings={"jax_enable_x64": "False", "jax_default_matmul_precision": "None"},
+    XLA_FLAGS="",
+    program="ab12",
+)
+
+
+def _exchange(monkeypatch, records: dict[int, preflight.Facts], missing=()):
+    """Make `preflight.check` see ``records`` (by process) as the exchange's outcome."""
+    asked: list[str] = []
+
+    def check(tag, summary, record, *, timeout):
+        asked.append(tag)
+        agreed = len({r.to_json() for r in records.values()}) == 1 and not missing
+        return Outcome(agreed, {p: r.to_json() for p, r in records.items()}, tuple(missing))
+
+    monkeypatch.setattr(preflight._agree, "check", check)
+    monkeypatch.setattr(preflight, "facts", lambda: records[0])
+    return asked
+
+
+def _with(facts: preflight.Facts, **changes: Any) -> preflight.Facts:
+    settings = {k: changes.pop(k) for k in list(changes) if k.startswith("jax_")}
+    return dataclasses.replace(facts, **changes, settings={**facts.settings, **settings})
+
+
+def test_facts_are_this_processs_software_and_devices():
+    mine = preflight.facts()
+    assert (mine.jax, mine.jaxlib, mine.meshkit) == (
+        jax.__version__,
+        jaxlib.__version__,
+        meshkit.__version__,
+    )
+    assert (mine.platform, mine.local_devices) == ("cpu", jax.local_device_count())
+    assert mine.settings["jax_enable_x64"] == str(jax.config.jax_enable_x64)
+    assert preflight.Facts.from_json(mine.to_json()) == mine
+
+
+def test_equal_processes_pass_in_one_exchange(monkeypatch):
+    asked = _exchange(monkeypatch, {0: BASE, 1: BASE, 2: BASE})
+    preflight.check(0, 3, 5.0)
+    assert asked == ["preflight"]
+
+
+def test_a_setting_on_one_host_names_that_process_the_flag_and_both_values(monkeypatch):
+    _exchange(monkeypatch, {0: BASE, 1: BASE, 2: _with(BASE, jax_enable_x64="True")})
+    with pytest.raises(meshkit.DivergenceError) as caught:
+        preflight.check(0, 3, 5.0)
+    assert str(caught.value).startswith(
+        "meshkit.init(): the processes differ in their software or settings:\n"
+        "  jax_enable_x64: processes 0,1: False; process 2: True\n"
+    )
+    assert "consider how process 2 sets jax_enable_x64 (a jax.config.update" in str(caught.value)
+    assert "MESHKIT_PREFLIGHT=0 turns this check off" in str(caught.value)
+    assert (caught.value.processes, caught.value.field) == ([2], "jax_enable_x64")
+
+
+def test_two_processes_that_differ_are_both_named(monkeypatch):
+    other = _with(BASE, jax="0.10.1", local_devices=2)
+    _exchange(monkeypatch, {0: BASE, 1: other})
+    with pytest.raises(meshkit.DivergenceError) as caught:
+        preflight.check(0, 2, 5.0)
+    text = str(caught.value)
+    assert "  jax: process 0: 0.10.2; process 1: 0.10.1\n" in text
+    assert "  local_devices: process 0: 4; process 1: 2\n" in text
+    assert "consider the installation of processes 0,1" in text
+    assert caught.value.processes == [0, 1]  # no majority says which is wrong
+
+
+def test_a_different_program_or_xla_flags_is_a_warning(monkeypatch):
+    other = _with(BASE, program="cd34", XLA_FLAGS="--xla_dump_to=/tmp/a")
+    _exchange(monkeypatch, {0: BASE, 1: BASE, 2: other})
+    with pytest.warns(UserWarning, match="the processes run different") as seen:
+        preflight.check(0, 3, 5.0)
+    texts = [str(w.message) for w in seen]
+    assert texts == [
+        "meshkit.init(): the processes run different XLA_FLAGSs (processes 0,1: ; process 2: "
+        "--xla_dump_to=/tmp/a). That may be on purpose; if not, consider how each host got its "
+        "copy of the program.",
+        "meshkit.init(): the processes run different main program files (processes 0,1: ab12; "
+        "process 2: cd34 by SHA-256). That may be on purpose; if not, consider how each host "
+        "got its copy of the program.",
+    ]
+
+
+def test_a_process_that_does_not_come_is_named(monkeypatch):
+    _exchange(monkeypatch, {0: BASE, 1: BASE}, missing=(2,))
+    with pytest.raises(meshkit.DivergenceError, match="process 2 did not arrive within 5 s"):
+        preflight.check(0, 3, 5.0)
+
+
+def test_the_preflight_can_be_turned_off_and_its_setting_is_checked(monkeypatch):
+    asked = _exchange(monkeypatch, {0: BASE, 1: _with(BASE, jax_enable_x64="True")})
+    monkeypatch.setenv("MESHKIT_PREFLIGHT", "0")
+    preflight.check(0, 2, 5.0)
+    assert asked == []
+    monkeypatch.setenv("MESHKIT_PREFLIGHT", "sometimes")
+    with pytest.raises(meshkit.MeshkitError, match="MESHKIT_PREFLIGHT='sometimes'"):
+        preflight.check(0, 2, 5.0)
+    preflight.check(0, 1, 5.0)  # one process: nothing to compare, nothing read
+
+
+_FIELDS = ["python", "jax", "device_kind", "local_devices", "jax_enable_x64", "program"]
+
+
+@given(
+    st.lists(
+        st.dictionaries(st.sampled_from(_FIELDS), st.sampled_from(["a", "b", "c"]), max_size=3),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_differences_group_every_process_by_its_value(changes):
+    records = {p: _with(BASE, **c) for p, c in enumerate(changes)}
+    found = dict(preflight.differences(records))
+    for name in {*BASE.fields(), *(k for c in changes for k in c)}:
+        values = {p: r.fields()[name] for p, r in records.items()}
+        if len(set(values.values())) == 1:
+            assert name not in found
+            continue
+        groups = found[name]
+        assert {v: sorted(ps) for v, ps in groups.items()} == {
+            v: sorted(p for p, x in values.items() if x == v) for v in set(values.values())
+        }
+
+
+# ---- real processes --------------------------------------------------------------------------
+
+
+def _x64_on_process_1():
+    import os
+
+    if os.environ["MESHKIT_PROCESS_ID"] == "1":
+        jax.config.update("jax_enable_x64", True)
+    meshkit.init()
+    return "ran on"
+
+
+@pytest.mark.multiprocess
+def test_x64_on_one_process_fails_at_init_on_every_process_naming_it(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    result = launch_in_processes(_x64_on_process_1, init=False, timeout=60)
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert result.values == [None, None], text
+    for rank in result.ranks:
+        assert "DivergenceError: meshkit.init(): the processes differ in their software" in (
+            rank.stderr
+        ), text
+        assert "jax_enable_x64: process 0: False; process 1: True" in rank.stderr, text
+
+
+def _x64_on_process_1_of_3():
+    import os
+
+    if os.environ["MESHKIT_PROCESS_ID"] == "1":
+        jax.config.update("jax_enable_x64", True)
+    meshkit.init()
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_names_the_process_whose_settings_differ(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    result = launch_in_processes(
+        _x64_on_process_1_of_3, num_processes=3, devices_per_process=1, init=False, timeout=60
+    )
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert "jax_enable_x64: processes 0,2: False; process 1: True" in result.ranks[0].stderr, text
+    assert "The evidence points to rank 1: meshkit found that it differs" in result.report, text
+
+
+def _same_everywhere():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        meshkit.init()
+    return jax.process_count(), [str(w.message) for w in seen]
+
+
+@pytest.mark.multiprocess
+def test_equal_processes_start_without_a_word(marker, monkeypatch):
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    result = launch_in_processes(_same_everywhere, init=False, timeout=60)
+    assert result.returncode == 0, result.report
+    assert result.values == [(2, []), (2, [])], result.report
