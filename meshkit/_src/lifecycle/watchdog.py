@@ -212,7 +212,7 @@ class Watchdog(threading.Thread):
         self.last_call = last_call
         self.stop = threading.Event()
         self.main = threading.main_thread().ident or 0
-        self.native_id = threading.main_thread().native_id
+        self.main_native_id = threading.main_thread().native_id
 
     def run(self) -> None:
         period = min(1.0, self.after / 4)
@@ -224,7 +224,7 @@ class Watchdog(threading.Thread):
                 continue  # one process: nobody to wait for, and no run to end
             now = time.monotonic()
             if sampler is None:
-                sampler = _Sampler(self.main, self.native_id)
+                sampler = _Sampler(self.main, self.main_native_id)
                 moved: str | None = "started"
             else:
                 moved = sampler.moved(now - then)
