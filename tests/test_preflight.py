@@ -9,11 +9,11 @@ The functions starting with an underscore run inside the launched processes.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import warnings
 from typing import Any
 
 import jax
-import jaxlib
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -60,7 +60,7 @@ def test_facts_are_this_processs_software_and_devices():
     mine = preflight.facts()
     assert (mine.jax, mine.jaxlib, mine.meshkit) == (
         jax.__version__,
-        jaxlib.__version__,
+        importlib.metadata.version("jaxlib"),
         meshkit.__version__,
     )
     assert (mine.platform, mine.local_devices) == ("cpu", jax.local_device_count())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,7 +25,6 @@ import sys
 import warnings
 
 import jax
-import jaxlib
 
 from ..coord import absent as _absent
 from ..coord import agree as _agree
@@ -119,7 +119,7 @@ def facts() -> Facts:
     return Facts(
         python=platform.python_version(),
         jax=jax.__version__,
-        jaxlib=jaxlib.__version__,
+        jaxlib=importlib.metadata.version("jaxlib"),
         meshkit=__version__,
         platform=jax.default_backend(),
         device_kind=devices[0].device_kind if devices else "",
