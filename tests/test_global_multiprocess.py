@@ -514,6 +514,32 @@ def test_a_process_that_never_calls_is_named_after_the_timeout():
     assert "process 1 did not arrive within 3 s; the others did." in message
 
 
+def _mismatch_then_end():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    rows = 8 if jax.process_index() == 1 else 4
+    x = meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
+    print("returned", x.shape, flush=True)  # the default check is verified beside the caller
+
+
+def test_a_mismatch_in_the_last_call_of_a_program_ends_it_with_a_non_zero_status():
+    # The check verified beside the caller fails at exit, where no meshkit call can raise it:
+    # found then, it ends the process with status 1 instead of a traceback of a thread and 0.
+    result = launch_in_processes(_mismatch_then_end, num_processes=2, timeout=120)
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert "can't create new thread" not in text, text
+    assert "processes disagree on the global shape of (the array)" in text, text
+    assert (
+        "meshkit: exiting with status 1: a cross-process check above failed after this "
+        "process's last meshkit call, so nothing raised it." in text
+    ), text
+
+
 def _local_mesh_and_global_leaf():
     import jax
     import numpy as np

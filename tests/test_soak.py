@@ -124,7 +124,7 @@ def _steps_with_checkpoints():
     path = os.path.join(tempfile.mkdtemp(), f"ckpt{jax.process_index()}")
     for i in range(STEPS * 2 // 3):
         acc = step(acc, x)
-        if i % 250 == 100:  # every process writes its part: 4 checkpoints of 4 watchdog periods
+        if i % 400 == 100:  # every process writes its part: 3 checkpoints of 4 watchdog periods
             float(acc)
             began = time.monotonic()
             _checkpoint_write(path, 4.0)

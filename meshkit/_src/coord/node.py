@@ -232,6 +232,7 @@ class Node:
         self.failures: deque[BaseException] = deque() if failures is None else failures
         self.failed = threading.Event()  # a check verified beside the caller failed here
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
+        self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
         self.on_unraised = on_unraised or _exit_1
         self.tags: dict[str, Tag] = {}
@@ -304,6 +305,10 @@ class Node:
         """
         self.failures.append(error)
         self.failed.set()
+        if self.exiting.is_set():
+            # Found at exit: no meshkit call will come to raise it; `stop` ends the process.
+            say(f"meshkit: a cross-process check failed:\n{type(error).__name__}: {error}\n")
+            return
         grace = _env.check_timeout() if grace is None else grace
         if not quiet:
             say(
@@ -353,11 +358,15 @@ class Node:
         """At exit: verify what is pending (a few seconds), then let this node's threads leave.
 
         A thread still inside a blocking call of the coordination service when the interpreter
-        ends aborts the process, so each one is told to stop and given a slice to return.
+        ends aborts the process, so each one is told to stop and given a slice to return. A
+        failed check that no meshkit call raised (found at exit, or before it) ends the process
+        with status 1 (``on_unraised``): a program whose processes disagreed did not succeed.
         """
+        self.exiting.set()
         if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
+        unraised = bool(self.failures)
         for _, cond in list(self.threads):
             with cond:
                 cond.notify_all()
@@ -365,6 +374,12 @@ class Node:
         for thread, _ in list(self.threads):
             if thread.is_alive():
                 thread.join(max(0.0, end - time.monotonic()))
+        if unraised:  # the program ended before a meshkit call could raise it: not a success
+            say(
+                "meshkit: exiting with status 1: a cross-process check above failed after this "
+                "process's last meshkit call, so nothing raised it.\n"
+            )
+            self.on_unraised()
 
     def settle(self) -> None:
         """Raise the first disagreement found beside the caller since the last call, if any."""
