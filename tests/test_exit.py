@@ -112,6 +112,25 @@ def test_end_gives_the_handlers_at_most_the_grace_period():
     assert time.monotonic() - start < 60
 
 
+def test_end_reached_while_python_runs_its_exit_handlers_exits_at_once():
+    # A SIGTERM that arrives while the program's own end runs the exit handlers (the drain of
+    # the agreements waits there): no thread may start then (Python 3.12 refuses one), and the
+    # handlers are running already. `end` exits with its status.
+    out = _run("""
+        from meshkit._src.lifecycle import exit as _exit
+        def drain():
+            print("draining", flush=True)
+            _exit.end(5, grace=30, announce="terminated\\n", final=lambda: print("final", flush=True))
+            print("not reached", flush=True)
+        _exit.on_exit("drain", drain, order=_exit.DRAIN)
+        _exit.on_exit("flush", lambda: print("not reached either", flush=True), order=_exit.FLUSH)
+        print("the program ends", flush=True)
+    """)
+    assert out.returncode == 5, out.stderr
+    assert out.stdout.splitlines() == ["the program ends", "draining", "final"]
+    assert out.stderr == "terminated\n"
+
+
 def test_importing_meshkit_installs_nothing():
     out = _run("""
         import atexit, signal, sys, threading

@@ -91,6 +91,7 @@ class _Registry:
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
     sigterm_wakeup: int | None = None  # None: SIGTERM not taken yet
+    interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
 
 
 _registry = _Registry()
@@ -182,6 +183,8 @@ def _call(handler: _Handler, *args: object) -> None:
 
 def run_exit_handlers() -> None:
     """Run meshkit's exit handlers not run yet, in order (Python's ``atexit`` calls this)."""
+    if not _ending.locked():  # not `end` running them: the program ended, Python is exiting
+        _registry.interpreter_exiting = True
     for handler in _ordered(_registry.exit):
         with _lock:
             if handler.name in _registry.ran:
@@ -233,6 +236,11 @@ def end(
         return
     if announce:
         say(announce)
+    if _registry.interpreter_exiting:
+        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): no thread
+        # may start to bound the handlers, and they are running already. Exit now.
+        _exit(status, final)
+        return
     timer = threading.Thread(
         target=_exit_after, args=(grace, late, final, status), name="meshkit-exit", daemon=True
     )
