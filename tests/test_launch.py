@@ -345,6 +345,23 @@ def test_children_in_new_sessions_end_with_a_run_from_python(tmp_path, marker):
         bystander.wait(timeout=10)
 
 
+def test_looks_for_the_runs_processes_are_spaced_by_their_cpu_time_not_their_wait(monkeypatch):
+    # On a loaded machine a look at /proc waits for a CPU; spaced by that wall time, looks came
+    # 5 s and more apart, and the children a 3 s rank started in new sessions escaped unseen.
+    from meshkit._src.launch import reaper as _reaper
+
+    def slow_table():
+        time.sleep(0.2)  # waiting, not working
+        return {}
+
+    monkeypatch.setattr(_reaper, "_table", slow_table)
+    reaper = _reaper.Reaper("t0ken")
+    start = time.monotonic()
+    reaper.watch()
+    assert reaper._next_watch - start < 1.0, reaper._next_watch - start
+    assert reaper.watch() == []  # too soon: no look
+
+
 @_NO_SWEEP
 def test_everything_dies_with_a_killed_launcher(tmp_path, marker):
     """SIGKILL gives the launcher no chance to clean up; its ranks and their children must go."""

@@ -228,14 +228,18 @@ class Reaper:
     def watch(self) -> list[tuple[int, int]]:
         """Look for the run's processes if it is time to; the (pid, start time) newly seen.
 
-        Looks are spaced so that they cost about 2% of one core (at least 0.5 s apart).
+        Looks are spaced so that they cost about 2% of one core (at least 0.5 s apart). The
+        cost is the look's CPU time, not its wall time: on a loaded machine a look waits for a
+        CPU, and spacing looks by that wait (5 s and more) let a short-lived rank's children in
+        new sessions escape unseen.
         """
         now = time.monotonic()
         if now < self._next_watch:
             return []
         before = dict(self.known)
+        cpu = time.thread_time()
         self.strays()
-        took = time.monotonic() - now
+        took = time.thread_time() - cpu
         self._next_watch = now + max(0.5, 50 * took)
         return [(pid, t) for pid, t in self.known.items() if before.get(pid) != t]
 
