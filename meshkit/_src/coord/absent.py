@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["did_not", "processes", "stopped_waiting"]
+__all__ = ["did_not", "outside_majority", "processes", "stopped_waiting"]
 
 
 def processes(ids: Iterable[int]) -> str:
@@ -27,3 +27,15 @@ def did_not(ids: Iterable[int], *, timeout: float, arrive: str = "arrive") -> st
 def stopped_waiting(ids: Iterable[int]) -> str:
     """``"processes 0,2 stopped waiting"`` (this process arrived after their timeout)."""
     return f"{processes(ids)} stopped waiting"
+
+
+def outside_majority(groups: Iterable[list[int]]) -> list[int]:
+    """The processes not in the one largest group, sorted; all of them when no group is largest.
+
+    ``groups``: the processes that agree with each other, one list per value they hold. The
+    processes a disagreement names as the ones that differ.
+    """
+    ordered = list(groups)
+    size = max(len(ps) for ps in ordered)
+    largest = [ps for ps in ordered if len(ps) == size]
+    return sorted(p for ps in ordered for p in ps if len(largest) > 1 or ps is not largest[0])

@@ -142,7 +142,7 @@ def compare(
             "what decides which function each process calls (rank-dependent branches, "
             "iteration over sets or dicts with per-process order, an early exit).\n"
             + _where_lines(records),
-            processes=_outside_majority([ps for _, ps in groups]),
+            processes=_absent.outside_majority(ps for _, ps in groups),
             field=field,
         )
 
@@ -181,17 +181,9 @@ def _leaf_divergence(calls: dict[int, dict[str, Any]], label: str, mine: dict[st
             )
         raise DivergenceError(
             f"meshkit debug: {label}: {text}.\n{rule}\n" + _where_lines(calls),
-            processes=_outside_majority([ps for _, ps in groups]),
+            processes=_absent.outside_majority(ps for _, ps in groups),
             field=where,
         )
-
-
-def _outside_majority(groups: list[list[int]]) -> list[int]:
-    """The processes not in the one largest group; all of them when no group is largest."""
-    size = max(len(ps) for ps in groups)
-    largest = [ps for ps in groups if len(ps) == size]
-    rest = [p for ps in groups for p in ps if len(largest) > 1 or ps is not largest[0]]
-    return sorted(rest)
 
 
 def _group(calls: dict[int, dict[str, Any]], field: str) -> list[tuple[Any, list[int]]]:

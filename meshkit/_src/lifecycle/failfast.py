@@ -127,12 +127,7 @@ def _on_exception(
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
         say(_diagnose.explain(diagnosis) + "\n")
-    if isinstance(value, DivergenceError):  # every process raises it: it names who differs
-        fields: dict[str, Any] = {"cause": "divergence", "error": kind.__name__,
-                                  "processes": value.processes, "field": value.field}  # fmt: skip
-    else:
-        fields = _failure_fields(kind.__name__, diagnosis)
-    _events.emit(_events.FAILED, **fields)
+    _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
     _end(
         f"{text.splitlines()[0][:300]}",
         "uncaught exception in a multi-process run",
@@ -141,8 +136,12 @@ def _on_exception(
     )
 
 
-def _failure_fields(error: str, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
-    """The `failed` event's fields for an exception, after what its text says of its cause."""
+def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
+    """The `failed` event's fields for an exception: its type, else what its text says."""
+    error = type(value).__name__
+    if isinstance(value, DivergenceError):  # every process raises it: it names who differs
+        return {"cause": "divergence", "error": error, "processes": value.processes,
+                "field": value.field}  # fmt: skip
     if diagnosis is None:
         return {"cause": "exception", "error": error}
     # "timeout": one of JAX's cross-process waits ran out; "lost": another process, or the

@@ -134,25 +134,18 @@ def facts() -> Facts:
 
 def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int]]]]:
     """The fields whose values differ, in `Facts` order: each value with its processes."""
+    fields = {p: f.fields() for p, f in sorted(records.items())}
     names: list[str] = []
-    for f in records.values():
-        names.extend(k for k in f.fields() if k not in names)
+    for flat in fields.values():
+        names.extend(k for k in flat if k not in names)
     found = []
     for name in names:
         values: dict[str, list[int]] = {}
-        for p, f in sorted(records.items()):
-            values.setdefault(f.fields().get(name, "(absent)"), []).append(p)
+        for p, flat in fields.items():
+            values.setdefault(flat.get(name, "(absent)"), []).append(p)
         if len(values) > 1:
             found.append((name, values))
     return found
-
-
-def _suspects(values: dict[str, list[int]]) -> list[int]:
-    """The processes outside the one largest group; every process when none is largest."""
-    groups = sorted(values.values(), key=len, reverse=True)
-    if len(groups) > 1 and len(groups[0]) == len(groups[1]):
-        return sorted(p for ps in groups for p in ps)
-    return sorted(p for ps in groups[1:] for p in ps)
 
 
 def _lines(values: dict[str, list[int]]) -> str:
@@ -170,8 +163,8 @@ def check(me: int, n: int, timeout: float) -> None:
     """
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
         return
-    mine = facts()
-    outcome = _agree.check(_TAG, mine.to_json(), mine.to_json(), timeout=timeout)
+    mine = facts().to_json()
+    outcome = _agree.check(_TAG, mine, mine, timeout=timeout)
     if outcome.agreed:
         return
     if outcome.missing:
@@ -190,7 +183,9 @@ def check(me: int, n: int, timeout: float) -> None:
         if name in WARN_ONLY:
             warnings.warn(_warning(name, values), stacklevel=3)
     if errors:
-        suspects = sorted({p for _, values in errors for p in _suspects(values)})
+        suspects = sorted(
+            {p for _, values in errors for p in _absent.outside_majority(values.values())}
+        )
         raise DivergenceError(_message(errors, suspects), processes=suspects, field=errors[0][0])
 
 
