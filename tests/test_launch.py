@@ -260,6 +260,8 @@ import os, subprocess, sys, time
 rank = os.environ["MESHKIT_PROCESS_ID"]
 kept = subprocess.Popen(["sleep", "60"], start_new_session=True)
 bare = subprocess.Popen(["sleep", "61"], start_new_session=True, env={})
+with open(f"status{rank}", "w") as f:
+    f.write(os.environ["MESHKIT_LAUNCH_STATUS"])
 with open(f"children{rank}.tmp", "w") as f:
     f.write(f"{kept.pid} {bare.pid}")
 os.rename(f"children{rank}.tmp", f"children{rank}")
@@ -390,6 +392,9 @@ def test_everything_dies_with_a_killed_launcher(tmp_path, marker):
             time.sleep(0.1)
         assert processes_with_marker(marker) == []
         assert [pid for pid in children if _running(pid)] == []
+        status = Path((tmp_path / "status0").read_text())
+        assert status.name.startswith("meshkit-launch-")
+        assert not status.exists()  # the guardian removed the run's status directory too
     finally:
         proc.kill()
         proc.wait(timeout=10)

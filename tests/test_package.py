@@ -11,6 +11,7 @@ import pkgutil
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,9 @@ def _runs_examples(module) -> bool:
     return importlib.util.find_spec(needs.split(".")[0]) is not None
 
 
-def test_docstring_examples_run():
+def test_docstring_examples_run(tmp_path, monkeypatch):
+    # The examples make directories with tempfile, as a user would: here they go under tmp_path.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=flags)

@@ -129,15 +129,16 @@ def _steps_with_checkpoints():
     acc = jnp.zeros(())
     start = time.monotonic()
     longest = 0.0
-    path = os.path.join(tempfile.mkdtemp(), f"ckpt{jax.process_index()}")
-    for i in range(STEPS * 2 // 3):
-        acc = step(acc, x)
-        if i % 400 == 100:  # every process writes its part: 3 checkpoints of 2+ watchdog periods
-            float(acc)
-            began = time.monotonic()
-            _checkpoint_write(path, 4.5)
-            longest = max(longest, time.monotonic() - began)
-        time.sleep(PACE_S)
+    with tempfile.TemporaryDirectory(prefix="meshkit-soak-") as directory:
+        path = os.path.join(directory, f"ckpt{jax.process_index()}")
+        for i in range(STEPS * 2 // 3):
+            acc = step(acc, x)
+            if i % 400 == 100:  # every process writes its part: 3 checkpoints of 2+ periods
+                float(acc)
+                began = time.monotonic()
+                _checkpoint_write(path, 4.5)
+                longest = max(longest, time.monotonic() - began)
+            time.sleep(PACE_S)
     return float(acc), time.monotonic() - start, longest
 
 

@@ -209,7 +209,7 @@ def _run(
                 was_subreaper = _reaper.set_subreaper(True)
             reaper = Reaper(token, adopt=subreaper and was_subreaper is not None)
             with contextlib.suppress(OSError):  # without it, only a launcher SIGKILL leaks
-                guardian = Guardian(token, grace)
+                guardian = Guardian(token, grace, status.name)
                 reaper.keep.add(guardian.pid)
             extra_env = {**extra_env, _reaper.ENV_RUN: _reaper.tagged(os.environ, token)}
         supervisor = Supervisor(

@@ -17,9 +17,10 @@ Linux only: it reads ``/proc``. A process belongs to a run when
   launcher died with it (SIGKILL) and no subreaper is left.
 
 Only processes of this user are looked at. A `Reaper` is used by the launcher; the same code runs
-on its own, stdlib only, as the run's guardian (``python -I -S _reaper.py TOKEN GRACE``), which
-sweeps the token when the launcher dies without doing it (SIGKILL): the launcher holds the write
-end of the guardian's stdin, so the guardian reads end-of-file however the launcher ends.
+on its own, stdlib only, as the run's guardian (``python -I -S reaper.py TOKEN GRACE STATUS``),
+which sweeps the token when the launcher dies without doing it (SIGKILL), then removes the run's
+status directory: the launcher holds the write end of the guardian's stdin, so the guardian reads
+end-of-file however the launcher ends.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import ctypes
 import dataclasses
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,11 +277,13 @@ class Guardian:
     Args:
         token: the run's token.
         grace: seconds between SIGTERM and SIGKILL for the strays.
+        status: the run's status directory, removed after such a sweep (the launcher removes it
+            itself otherwise).
     """
 
-    def __init__(self, token: str, grace: float) -> None:
+    def __init__(self, token: str, grace: float, status: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(Path(__file__).resolve()), token, repr(grace)],
+            [sys.executable, "-I", "-S", str(Path(__file__).resolve()), token, repr(grace), status],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # holds none of the caller's pipes open after we die
             stderr=subprocess.DEVNULL,
@@ -319,8 +323,11 @@ class Guardian:
             self.proc.wait()
 
 
-def _guard(token: str, grace: float) -> None:
-    """Wait for the launcher to go; unless it said "done" first, stop what is left of the run."""
+def _guard(token: str, grace: float, status: str) -> None:
+    """Wait for the launcher to go; unless it said "done" first, stop what is left of the run.
+
+    Then remove the status directory: nothing of the run is left to write to it.
+    """
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     reaper = Reaper(token)
@@ -333,7 +340,8 @@ def _guard(token: str, grace: float) -> None:
         elif words[:1] == [b"known"]:
             reaper.known[int(words[1])] = int(words[2])
     reaper.stop(grace)
+    shutil.rmtree(status, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    _guard(sys.argv[1], float(sys.argv[2]))
+    _guard(sys.argv[1], float(sys.argv[2]), sys.argv[3])
