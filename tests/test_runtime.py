@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -122,24 +123,28 @@ def test_after_backends_started_cannot_join(tmp_path):
 
 def test_unreachable_coordinator_is_named_in_bounded_time(tmp_path):
     port = free_port()  # nothing listens there
-    start = time.monotonic()
     out = run_py(
         f"""
+        import time
         import meshkit
+        start = time.monotonic()
         try:
             meshkit.init(coordinator_address="127.0.0.1:{port}", num_processes=2, process_id=1,
                          timeout=2)
         except meshkit.MeshkitError as e:
             print(e)
+        print(f"init took {{time.monotonic() - start:.1f}} s")
         """,
         tmp_path,
     )
-    elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stderr  # a Python error, not JAX's abort (SIGABRT)
     assert f"could not reach the coordinator at 127.0.0.1:{port}\nwithin 2 s" in out.stdout
     assert "process 1 of 2" in out.stdout
     assert "MESHKIT_INIT_TIMEOUT" in out.stdout
-    assert elapsed < 30
+    # Bounded by the 2 s asked for (JAX's own default waits 5 minutes), measured from the call:
+    # starting Python and importing JAX took up to 30 s beside a second copy of the suite.
+    took = float(re.search(r"init took ([\d.]+) s", out.stdout).group(1))
+    assert took < 15, out.stdout
 
 
 def test_unreachable_coordinator_timeout_from_environment(tmp_path):

@@ -27,7 +27,8 @@ def _verdict(activity, during=None):
     clock, then the arrays) and GAP_S later; ``during`` runs in the sampling thread just
     before the last sample.
     """
-    sampler = _watchdog._Sampler(threading.main_thread().ident)
+    main = threading.main_thread()
+    sampler = _watchdog._Sampler(main.ident, main.native_id)  # as the watchdog makes it
     verdicts = []
 
     def sample():
@@ -79,7 +80,8 @@ def _verdicts_in_this_thread(*actions):
     The stack is the same at every sample and the CPU share is ignored (an endless interval),
     so only the arrays and meshkit's own count can speak.
     """
-    sampler = _watchdog._Sampler(threading.main_thread().ident)
+    main = threading.main_thread()
+    sampler = _watchdog._Sampler(main.ident, main.native_id)  # as the watchdog makes it
     verdicts = []
     for action in (None, None, *actions):
         if action is not None:
@@ -183,3 +185,76 @@ def test_a_thread_starved_of_cpu_counts_as_running_and_a_blocked_one_does_not():
     print(
         f"starved: ran or runnable {running:.0%} (CPU alone {running_cpu:.0%}); blocked {blocked:.0%}"
     )
+
+
+# The same pinned child: its main thread waits (one place, blocked) on a worker thread that
+# computes, starved; then on a thread that sleeps. The sampler's verdicts in each phase.
+_STARVED_WORKER = """
+import os, threading, time, zlib
+from meshkit._src.lifecycle import watchdog
+
+os.sched_setaffinity(0, {0})
+hogs = []
+for _ in range(12):
+    pid = os.fork()
+    if pid == 0:
+        while True:
+            pass
+    hogs.append(pid)
+try:
+    main = threading.main_thread()
+    stop = threading.Event()
+
+    def work():
+        chunk = os.urandom(1 << 16)
+        while not stop.is_set():
+            zlib.compress(chunk, 6)
+
+    def phase():
+        verdicts = []
+
+        def sample():
+            sampler = watchdog._Sampler(main.ident, main.native_id)
+            for _ in range(3):
+                time.sleep(0.4)
+                verdicts.append(sampler.moved(0.4))
+
+        t = threading.Thread(target=sample)
+        t.start()
+        t.join()  # the main thread: blocked in one place
+        return verdicts[-1]
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    starved = phase()
+    stop.set()
+    worker.join()
+    print(starved, "|", phase())
+finally:
+    for pid in hogs:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+"""
+
+
+def test_a_process_whose_threads_wait_for_a_cpu_is_not_stalled():
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no per-thread scheduler statistics here (Linux's schedstat)")
+    out = subprocess.run(
+        [sys.executable, "-c", _STARVED_WORKER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    starved, blocked = (part.strip() for part in out.split("|"))
+    # The main thread waits on a worker that computes but hardly gets the CPU: not a stall.
+    assert starved == "a thread was starved", out
+    # Every thread blocked, the same CPU as busy: a stall.
+    assert blocked == "None", out
