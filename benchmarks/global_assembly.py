@@ -36,7 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from _timing import bench_rounds, interleaved_samples, launched_result, median_uncertainty
+from _timing import bench_rounds, interleaved_samples, launched_result, median_uncertainty, table
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import meshkit
@@ -482,3 +482,24 @@ def bench_global_two_processes() -> str:
         "only (the table's goals are for 64 MiB); issue 13's target is below the table.",
     ]
     return format_results(title, data, notes) + "\n\n" + target_block(data)
+
+
+def bench_check_changes() -> str:
+    """Issue 25: a call whose layout changed waits one round trip under the default check."""
+    data = launched_result(HERE / "check_changes.py")
+    title = (
+        f"global_array_from_local, a call whose layout changed, 2 processes x 4 CPU devices, "
+        f"{size_text(data['bytes'])} float32 per process (process 0's timings)"
+    )
+    rows = [
+        ("13 layouts in turn, check=True (each waits)", data["jax"], data["changed"]),
+        ("13 layouts in turn, check='deferred'", data["jax"], data["deferred"]),
+    ]
+    extra = data["changed"] - data["deferred"]
+    lines = [
+        table(title, rows, "jax", "meshkit"),
+        f"A changed call's wait: {extra * 1e6:.0f} us (check=True less check='deferred'); "
+        f"one coordination round trip (meshkit.barrier): {data['round_trip'] * 1e6:.0f} us; "
+        f"goal: at most one round trip ({'met' if extra <= data['round_trip'] else 'NOT met'}).",
+    ]
+    return "\n".join(lines)

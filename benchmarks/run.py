@@ -21,6 +21,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from coordination import bench_coordination  # noqa: E402
 from debug_overhead import bench_debug  # noqa: E402
 from global_assembly import (  # noqa: E402
+    bench_check_changes,
     bench_global_gpu,
     bench_global_single_process,
     bench_global_two_processes,
@@ -63,5 +64,6 @@ if __name__ == "__main__":
     print(bench_debug(), end="\n\n")
     print(bench_global_single_process(MALLOC), end="\n\n")
     print(bench_global_two_processes(), end="\n\n")
+    print(bench_check_changes(), end="\n\n")
     print(bench_global_gpu(), end="\n\n")
     print(bench_coordination())

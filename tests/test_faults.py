@@ -390,7 +390,7 @@ def _eight_global_shape_mismatch():
     for call in range(1, EIGHT_STEPS + 1):
         rows = 4 if call == 3 and jax.process_index() == 5 else 8
         meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
-    meshkit.barrier("end")  # a sync point: raises what the deferred check found, if not yet
+    meshkit.barrier("end")
 
 
 def test_8proc_shape_mismatch_names_the_one_process():
@@ -432,8 +432,8 @@ def test_8proc_global_array_from_local_shape_mismatch_without_debug():
     _, text = _failed(_eight_global_shape_mismatch, env={"MESHKIT_DEBUG": "0"}, **EIGHT)
     assert "DivergenceError" not in text, text  # the default check, not debug mode, found it
     assert (
-        "meshkit.global_array_from_local (call #3, checked after it returned): processes "
-        "disagree on the global shape of (the array):" in text
+        "meshkit.global_array_from_local (call #3): processes disagree on the global shape of "
+        "(the array):" in text
     ), text
     assert "processes 0,1,2,3,4,6,7: float32[8, 3] (global [64, 3]" in text, text
     assert "process 5: float32[4, 3] (global [32, 3]" in text, text

@@ -126,7 +126,6 @@ def _mismatched_shapes():
     batch = {"x": np.zeros((rows, 3), np.float32), "y": np.zeros((8,), np.int32)}
     try:
         meshkit.global_array_from_local(batch, mesh, "data")
-        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -170,8 +169,8 @@ def _windowed_checks():
             per_call = (_agree.stats.rpcs - rpcs - 1) / 100
         if i > 200:
             local = bad if (me == 1 and i == 250) else good
-            try:
-                meshkit.global_array_from_local(local, mesh, "data")
+            try:  # deferred: even the call that changes returns before it is verified
+                meshkit.global_array_from_local(local, mesh, "data", check="deferred")
             except meshkit.MeshkitError as e:  # raised by a later call, once verified
                 return per_call, slow_per_call, i, str(e)
     try:
@@ -212,7 +211,6 @@ def _mismatched_structure_and_dtype(which):
         batch = {"x": np.zeros((8, 3), np.float32 if me == 0 else np.int32)}
     try:
         meshkit.global_array_from_local(batch, mesh, "data")
-        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -248,7 +246,6 @@ def _one_process_fails_locally(check=True):
     rows = 8 if jax.process_index() == 0 else 7  # process 1: not divisible over its 4 devices
     try:
         meshkit.global_array_from_local(np.zeros((rows, 2), np.float32), mesh, "data", check=check)
-        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -500,7 +497,6 @@ def _one_process_never_calls():
         return "skipped"
     try:
         meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
-        meshkit.barrier("checked")  # the default check is raised by the next sync point
     except meshkit.MeshkitError as e:
         return str(e)
     return "no error"
@@ -522,13 +518,15 @@ def _mismatch_then_end():
 
     mesh = meshkit.make_mesh({"data": -1})
     rows = 8 if jax.process_index() == 1 else 4
-    x = meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
-    print("returned", x.shape, flush=True)  # the default check is verified beside the caller
+    local = np.ones((rows, 3), np.float32)
+    x = meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+    print("returned", x.shape, flush=True)  # verified beside the caller
 
 
 def test_a_mismatch_in_the_last_call_of_a_program_ends_it_with_a_non_zero_status():
-    # The check verified beside the caller fails at exit, where no meshkit call can raise it:
-    # found then, it ends the process with status 1 instead of a traceback of a thread and 0.
+    # The deferred check fails at exit, where no meshkit call can raise it: found then, it ends
+    # the process with status 1 instead of a traceback of a thread and 0. (The default check
+    # raises in the call itself: tests/test_verified.py.)
     result = launch_in_processes(_mismatch_then_end, num_processes=2, timeout=120)
     text = result.report + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode != 0, text

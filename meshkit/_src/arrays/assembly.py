@@ -42,9 +42,14 @@ from .records import Record, compare, raise_failures, summary
 from .templates import prepare
 from .transfer import assemble, transfer
 
-__all__ = ["Assembly", "Check", "global_array_from_local"]
+__all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
 
-Check = bool | Literal["data"]  # global_array_from_local's check=
+Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
+# When an `Assembly`'s check at the transfer is verified: before the call returns ("now"); beside
+# the caller, except that a call whose layout is not the one `PERIOD` calls back waits for its
+# verdict ("on_change"); beside the caller always ("later").
+Verify = Literal["now", "on_change", "later"]
+_CHECKS: dict[Any, Verify] = {True: "on_change", "deferred": "later", "data": "now", False: "now"}
 
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
@@ -85,24 +90,32 @@ def exchange_records_later(
     *,
     replicas: dict[str, tuple[int, str]],
     summarized: str | None = None,
+    verdict_on_change: bool = False,
 ) -> None:
     """`exchange_records` of a `Record`, verified beside the caller (`_agree.agree_later`).
 
-    A difference is named by `compare` there and raised by this process's next meshkit call.
-    ``summarized``: the record's `summary`, when the caller has it already (a layout seen
-    before). The record's JSON is only made if it is shown.
+    A difference is named by `compare` there and raised by this process's next meshkit call;
+    with ``verdict_on_change``, by this call if its layout is not the one `PERIOD` calls back
+    (it waits for the verdict). ``summarized``: the record's `summary`, when the caller has it
+    already (a layout seen before). The record's JSON is only made if it is shown.
     """
     timeout = _env.check_timeout()
     wire = _with_replicas(record.wire(), replicas)
     number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
-    named = f"{what} (call #{number}, checked after it returned)"
+
+    def on_outcome(outcome: _agree.Outcome) -> None:
+        when = "" if outcome.waited else ", checked after it returned"
+        named = f"{what} (call #{number}{when})"
+        compare(_read(_records(outcome, timeout, named)), named)
+
     _agree.agree_later(
         tag,
         summary(wire) if summarized is None else summarized,
         lambda: json.dumps(wire),
         timeout=timeout,
         groups=replicas,
-        on_outcome=lambda outcome: compare(_read(_records(outcome, timeout, named)), named),
+        on_outcome=on_outcome,
+        verdict_on_change=verdict_on_change,
     )
 
 
@@ -173,8 +186,11 @@ class Assembly:
     - the sizes of an uneven batch (``pad=True`` without a global shape) are agreed before
       anything is placed (the padded size depends on every process);
     - the structure, dtypes, global shapes and a digest of the replicas (blocks that several
-      processes hold) are agreed beside the transfer, or, with ``defer``, after the call
-      returns: a disagreement is then raised by this process's next meshkit call.
+      processes hold) are agreed beside the transfer (``verify="now"``), or beside the caller
+      after the call returns: a disagreement is then raised by this process's next meshkit
+      call. With ``verify="on_change"``, a call whose layout is not the one `PERIOD` calls back
+      waits for its verdict: the first call on which processes differ is a change for at least
+      one of them, which raises before it returns and never joins a computation on the arrays.
 
     Args:
         tag: names the sequence of agreements (one per caller, the same in every process).
@@ -182,7 +198,7 @@ class Assembly:
         pad: pad the leading dimension to the largest process's batch (a mask marks rows).
         check: `global_array_from_local`'s ``check``.
         sizes_known: with ``pad``, the padded size is known (a global shape was given).
-        defer: verify the agreement beside the caller (`meshkit._src.coord.agree.agree_later`).
+        verify: when the check at the transfer is verified (`Verify`).
         stepwise: the processes agree at every call whatever ``check`` (`global_batches`
             agrees on the end of data at each step).
     """
@@ -195,17 +211,17 @@ class Assembly:
         pad: bool,
         check: Check,
         sizes_known: bool = False,
-        defer: bool = False,
+        verify: Verify = "now",
         stepwise: bool = False,
     ) -> None:
         self.tag, self.what = tag, what
-        self.pad, self.check, self.sizes_known, self.defer = pad, check, sizes_known, defer
+        self.pad, self.check, self.sizes_known, self.verify = pad, check, sizes_known, verify
         self.stepwise = stepwise
         self.multi = _compat.distributed_state()[2] > 1
+        self.later = verify != "now"
         # The checks made at the transfer form a sequence of their own, never mixed with
-        # `agree_sizes`'s; those verified beside the caller (``defer``, agreed in windows)
-        # another.
-        self.check_tag = check_tag(tag, later=defer)
+        # `agree_sizes`'s; those verified beside the caller (agreed in windows) another.
+        self.check_tag = check_tag(tag, later=self.later)
 
     @property
     def exchanges_sizes(self) -> bool:
@@ -222,7 +238,7 @@ class Assembly:
             if self.exchanges_sizes or (self.multi and self.stepwise):
                 publish_failure(self.tag, e)
             elif self.multi and self.check:
-                publish_failure(self.check_tag, e, later=self.defer)
+                publish_failure(self.check_tag, e, later=self.later)
             raise
 
     def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Record]:
@@ -269,7 +285,7 @@ class Assembly:
         """Start the agreement made at the transfer; None: nothing to wait for.
 
         Runs in a helper thread while the blocks are copied, so its latency hides behind the
-        copy; with ``defer``, it is verified beside the caller after the call returns.
+        copy; unless ``verify="now"``, it is verified beside the caller (`exchange_records_later`).
         """
         if not (self.multi and self.check):
             return None
@@ -277,11 +293,16 @@ class Assembly:
         if agreed and not replicas:
             return None  # agreed before placing, and no replicas to compare
         record = Record() if agreed else describe(prepared, pad=self.pad)
-        if self.defer:
+        if self.later:
             template = prepared.template
             known = template.summary if template is not None and record is template.record else None
             exchange_records_later(
-                self.check_tag, record, self.what, replicas=replicas, summarized=known
+                self.check_tag,
+                record,
+                self.what,
+                replicas=replicas,
+                summarized=known,
+                verdict_on_change=self.verify == "on_change",
             )
             return None
         return _executor().submit(
@@ -324,7 +345,7 @@ def run(
     check: Check,
     tag: str,
     what: str = WHAT,
-    defer: bool = False,
+    verify: Verify = "now",
 ) -> tuple[Any, jax.Array | None]:
     """`global_array_from_local` with the exchange tag chosen by the caller (on its channel)."""
     assembly = Assembly(
@@ -333,7 +354,7 @@ def run(
         pad=pad,
         check=check,
         sizes_known=global_shape is not None,
-        defer=defer,
+        verify=verify,
     )
     return assembly.run(
         lambda: prepare(
@@ -383,11 +404,23 @@ def global_array_from_local(
             ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
             True for real rows.
         check: compare the processes' pytree structure, dtypes and shapes through the
-            coordination service (one small message per process, overlapped with the copy to
-            the devices); a mismatch raises on every process. ``"data"`` also checks that
-            replicas passed identical data (it hashes every block: costly, for debugging).
-            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
-            ``global_shape`` is given).
+            coordination service; a mismatch raises on every process, and no computation on
+            mismatched arrays completes. ``True``: a call whose layout (structure, dtypes,
+            shapes, shardings) is the one of this thread's call `meshkit.debug.PERIOD` calls
+            back returns at once and is verified beside the caller, in windows of calls; any
+            other call waits for its verdict (one coordination round trip) and raises before
+            it returns. The first call on which processes differ is such a change for at least
+            one of them, which then never joins a computation with the others; what the
+            others run on their own devices alone (no collective) may complete before its
+            failure stops them. ``"deferred"``: every call returns at once and is verified
+            beside the caller; a mismatch is raised by the process's next meshkit call (or
+            ends it), after up to ``2 * 512`` unverified calls. ``"data"``: verified before
+            the call returns, and replicas (blocks that several processes pass) must hold
+            identical data (every block is hashed: costly, for debugging). ``False`` skips
+            the comparison (``pad=True`` still exchanges batch sizes unless ``global_shape``
+            is given). With ``True``, replicas are compared by sampled digests verified
+            beside the caller: a process whose replicated data differs is named by its next
+            meshkit call, not before this one returns.
 
     Returns:
         The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair
@@ -399,7 +432,7 @@ def global_array_from_local(
             dtypes, or one of them failed or did not arrive within ``MESHKIT_CHECK_TIMEOUT``
             seconds; the spec names an axis the mesh lacks or has more entries than the array
             has dimensions; the mesh does not span every process; a leaf is not an array;
-            ``global_shape`` does not fit the local data.
+            ``global_shape`` does not fit the local data; ``check`` is not one of its values.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -413,6 +446,11 @@ def global_array_from_local(
         >>> x.shape, int(mask.sum())
         ((16, 3), 13)
     """
+    if not (isinstance(check, bool) or (isinstance(check, str) and check in ("data", "deferred"))):
+        raise MeshkitError(
+            f"meshkit.global_array_from_local: check must be True, False, 'data' or 'deferred'; "
+            f"got {check!r}."
+        )
     _dispatch.enter(_SITE, (local,))
     tree, mask = run(
         local,
@@ -423,6 +461,6 @@ def global_array_from_local(
         pad=pad,
         check=check,
         tag="global_array_from_local",
-        defer=check is True,
+        verify=_CHECKS[check],
     )
     return (tree, mask) if pad else tree

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from queue import Queue
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -42,7 +42,6 @@ from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
-from .assembly import Check
 from .caller import set_caller
 from .dtypes import warn_notes
 from .records import Record
@@ -51,6 +50,7 @@ from .templates import prepare
 __all__ = ["GlobalBatches", "global_batches"]
 
 _WHAT = "meshkit.global_batches"
+BatchCheck = bool | Literal["data"]  # global_batches' check=
 _JOIN_TIMEOUT_S = 30.0
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
@@ -95,7 +95,7 @@ class GlobalBatches(Iterator[Any]):
         *,
         prefetch: int,
         pad: bool,
-        check: Check,
+        check: BatchCheck,
         dtype: Any,
         progress: float | None,
         stop_together: bool = True,
@@ -108,6 +108,11 @@ class GlobalBatches(Iterator[Any]):
         if not isinstance(stop_together, bool):
             raise MeshkitError(
                 f"{_WHAT}: stop_together must be True or False; got {stop_together!r}."
+            )
+        if not (isinstance(check, bool) or (isinstance(check, str) and check == "data")):
+            raise MeshkitError(
+                f"{_WHAT}: check must be True, False or 'data' (each step is verified before "
+                f"it is yielded; there is no deferred mode); got {check!r}."
             )
         if progress is not None and not progress > 0:
             raise MeshkitError(
@@ -439,7 +444,7 @@ def global_batches(
     *,
     prefetch: int = 2,
     pad: bool = False,
-    check: Check = True,
+    check: BatchCheck = True,
     dtype: Any = None,
     progress: float | None = None,
     stop_together: bool = True,
@@ -464,7 +469,10 @@ def global_batches(
         prefetch: global batches assembled ahead of the caller (bounds the device memory held).
         pad: pad uneven batches and run until every process's data has ended; yields
             ``(batch, mask)``.
-        check: as for `meshkit.global_array_from_local`.
+        check: compare the processes' structure, dtypes and shapes at every step, in the
+            helper thread, before the step's batch is yielded (ahead of the caller, so the
+            wait is hidden while it computes); ``"data"`` also hashes every replicated block
+            (costly, for debugging); ``False`` compares only the end of data.
         dtype: cast every array to this dtype.
         progress: seconds between progress lines (steps, rows, rows/s) on process 0's stderr;
             None for none.
@@ -481,7 +489,7 @@ def global_batches(
         use it in a ``with`` block, to stop early).
 
     Raises:
-        MeshkitError: ``prefetch``, ``stop_together`` or ``progress`` is not valid; or,
+        MeshkitError: ``prefetch``, ``stop_together``, ``check`` or ``progress`` is not valid; or,
             from ``next()``, on every process at the same step: the loaders yielded
             different numbers of batches (``pad=False``; with ``pad=True``, a loader that
             yielded no batch at all while others did); the processes' batches do not fit

@@ -39,6 +39,7 @@ __all__ = [
     "BLOCK",
     "LINGER_S",
     "MAX_PENDING",
+    "PERIOD",
     "PROBE_S",
     "WINDOW",
     "Outcome",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 WINDOW = _window.WINDOW
+PERIOD = _window.PERIOD
 MAX_PENDING = _window.MAX_PENDING
 LINGER_S = _window.LINGER_S
 PROBE_S = _barrier.PROBE_S
@@ -131,11 +133,14 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
+    verdict_on_change: bool = False,
 ) -> None:
-    """`window.agree_later` for this process (see there): returns at once.
+    """`window.agree_later` for this process (see there).
 
-    A tag is either agreed at once (`agree`) or beside the caller (`agree_later`), never both.
-    ``record`` (or the function that makes it) is only made when shown.
+    Returns at once, unless ``verdict_on_change`` and the call is a change: then it returns once
+    the call is verified, and raises what differs. A tag is either agreed at once (`agree`) or
+    beside the caller (`agree_later`), never both. ``record`` (or the function that makes it) is
+    only made when shown.
     """
     settle()
     here = node()
@@ -143,7 +148,7 @@ def agree_later(
         return
     _window.agree_later(
         here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
-        linger=linger,
+        linger=linger, verdict_on_change=verdict_on_change,
     )  # fmt: skip
     settle()
 

@@ -24,7 +24,7 @@ from ..lifecycle import exit as _exit
 from . import channel as _channel
 from .service import Counted, Service, Stats
 
-__all__ = ["Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
+__all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
 
 BLOCK = 64  # agreements per key block (one delete per block)
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
@@ -32,6 +32,11 @@ MAX_PROCESSES = (1 << SHIFT) - 1
 OK, CHECK = "ok", "check"
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
+# `agree_later` with ``verdict_on_change``: a call whose summary repeats its tag's summary PERIOD
+# calls back goes on at once; any other waits for its verdict. Loops whose pattern repeats within
+# PERIOD calls (1, 2, 3, 4, 6 or 12 calls: a step; a batch and a step; a batch, a step and a
+# metric) wait only after a change.
+PERIOD = 12
 
 Record = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
 Group = tuple[int, str]  # a replica group: (its reference process, this process's summary)
@@ -53,6 +58,8 @@ class Outcome:
         gave_up: processes that stopped waiting for this call before every process arrived
             (this process arrived late, after their timeout), sorted.
         seq: the call's number under its tag (the same in every process).
+        waited: the call named is one whose caller waits for this verdict (`agree_later` with
+            ``verdict_on_change``): it has not returned.
     """
 
     agreed: bool
@@ -60,6 +67,7 @@ class Outcome:
     missing: tuple[int, ...] = ()
     gave_up: tuple[int, ...] = ()
     seq: int = 0
+    waited: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,7 @@ class Queued:
 
     call: Call
     on_outcome: Callable[[Outcome], None] | None
+    waits: bool = False  # its caller waits for the verdict (a change, `verdict_on_change`)
 
 
 @dataclass
@@ -152,6 +161,8 @@ class WindowState:
     left_posted: threading.Event = field(default_factory=threading.Event)
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     thread: threading.Thread | None = None
+    # The summaries of the tag's last PERIOD calls, oldest first (`verdict_on_change`).
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=PERIOD))
 
 
 @dataclass

@@ -8,6 +8,13 @@ process and window however many calls it holds. A caller that needs a verdict be
 drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
 calls may be unverified, and a disagreement is printed when found and raised by this process's
 next meshkit call (`Node.settle`).
+
+With ``verdict_on_change``, a call whose summary is not the tag's summary `PERIOD` calls back
+waits for its verdict before it returns. That makes the first call on which processes differ an
+error before it returns in some process: processes that agreed so far remember the same summaries,
+so at the first difference at least one of them does not repeat its call `PERIOD` calls back,
+waits, and raises. The others went on, but whatever they compute with that process (any
+collective) cannot complete without it, and its failure stops them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from . import barrier as _barrier
 from . import counter as _counter
 from .node import (
     LEFT,
+    PERIOD,
     Call,
     Group,
     Node,
@@ -37,7 +45,16 @@ from .node import (
     text,
 )
 
-__all__ = ["LINGER_S", "MAX_PENDING", "WINDOW", "agree_later", "leave_later", "sync_point"]
+__all__ = [
+    "LINGER_S",
+    "MAX_PENDING",
+    "PERIOD",
+    "VERDICT_EXTRA_S",
+    "WINDOW",
+    "agree_later",
+    "leave_later",
+    "sync_point",
+]
 
 WINDOW = 512  # calls one window of agree_later holds at most
 MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
@@ -45,6 +62,9 @@ MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before t
 # full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
 # milliseconds) then shares one agreement among several calls instead of paying one per call.
 LINGER_S = 0.1
+# A caller waiting for a verdict waits its call's timeout and this much more: the barrier's third
+# phase, which names the processes that did not arrive.
+VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
 
 
@@ -58,12 +78,15 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
+    verdict_on_change: bool = False,
 ) -> None:
     """`agree`, verified beside the caller: returns at once (see the module's docstring).
 
     ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
     processes did not agree; what it raises is printed at once and raised by this process's next
     meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
+    ``verdict_on_change``: unless ``summary`` repeats the tag's summary `PERIOD` calls back,
+    wait until this call (and those before it) is verified; the caller then settles.
     """
     state, window = windowed(node, tag)
     groups = dict(groups or {})
@@ -72,12 +95,24 @@ def agree_later(
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.failures:
             window.cond.wait(0.1)
         flag = changed(state, summary, groups)
+        waits = not _repeats(window, summary) and verdict_on_change
         call = Call(-1, flag, summary, groups, record, time.monotonic(), timeout)
-        window.queue.append(Queued(call, on_outcome))
+        window.queue.append(Queued(call, on_outcome, waits))
         window.on_outcome = on_outcome
         window.linger = linger
         if 0 < window.wanted <= len(window.queue):
             window.cond.notify_all()
+    if waits:
+        node.stats.verdicts_waited += 1
+        node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
+
+
+def _repeats(window: WindowState, summary: str) -> bool:
+    """Whether ``summary`` is the tag's summary `PERIOD` calls back; remembers it (lock held)."""
+    recent = window.recent
+    oldest = recent[0] if len(recent) == PERIOD else None
+    recent.append(summary)
+    return oldest is not None and (oldest is summary or oldest == summary)
 
 
 def windowed(node: Node, tag: str) -> tuple[Tag, WindowState]:
@@ -306,8 +341,10 @@ def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int)
         return  # this process left the tag: it raised its own error
     on_outcome = taken[first].on_outcome if first < len(taken) else window.on_outcome
     assert on_outcome is not None
+    waited = taken[first].waits if first < len(taken) else False
     records = {p: e.record for p, e in here.items()}
-    on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
+    missing = tuple(sorted(absent))
+    on_outcome(Outcome(False, records, missing, outcome.gave_up, outcome.seq, waited))
 
 
 def sync_point(node: Node, timeout: float) -> None:
@@ -320,5 +357,5 @@ def sync_point(node: Node, timeout: float) -> None:
         here = node.channel()
         mine = [t for t in list(node.live) if (w := node.tags[t].window) and w.channel == here]
         if mine:
-            node.drain(timeout + 35.0, tags=mine)  # each call waits at most its timeout + phase 3
+            node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
     node.settle()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
 from typing import Any
 
 from ..coord import absent as _absent
@@ -59,9 +58,6 @@ def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
     before = _st.state.previous.get(tag)
     _st.state.previous[tag] = record
-    history = _st.state.history.setdefault(tag, deque(maxlen=_st.PERIOD))
-    changed = len(history) < _st.PERIOD or history[0] != summary
-    history.append(summary)
     timeout = settings.timeout
 
     def on_outcome(outcome: _agree.Outcome) -> None:
@@ -72,14 +68,12 @@ def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
         last = before if before is not None else {}
         compare(records, list(outcome.missing), me, label, timeout, tag, count, last=last)
 
+    # The first call at which processes diverge is a change for at least one of them (had every
+    # process repeated its call PERIOD calls back, they would agree again): such a call waits for
+    # its verdict, and a divergent one is raised here, before it runs.
     _agree.agree_later(tag, summary, lambda: json.dumps(record), timeout=timeout,
-                       on_outcome=on_outcome, linger=_LINGER_S)  # fmt: skip
-    if changed:
-        # The first call at which processes diverge is a change for at least one of them (had
-        # every process repeated its call PERIOD calls back, they would agree again): such a
-        # call waits for its verdict, and a divergent one is raised here, before it runs.
-        _agree.drain(timeout + 35.0, tags=[tag])
-        _agree.settle()
+                       on_outcome=on_outcome, linger=_LINGER_S,
+                       verdict_on_change=True)  # fmt: skip
     _watchdog.note_progress()
 
 

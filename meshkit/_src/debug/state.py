@@ -7,18 +7,17 @@ One `State` instance (`state`), guarded by `lock`, shared by the switch (`.mode`
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..coord import node as _node
 from ..lifecycle import watchdog as _watchdog
 
 __all__ = ["PERIOD", "Settings", "State", "enabled", "lock", "state"]
 
 # A call that repeats this thread's call PERIOD calls back is verified beside the caller; any
-# other waits for its verdict. Loops whose pattern repeats within PERIOD calls (1, 2, 3, 4, 6 or
-# 12 calls: a step; a batch and a step; a batch, a step and a metric) wait only after a change.
-PERIOD = 12
+# other waits for its verdict (the rule of `meshkit._src.coord.window`'s ``verdict_on_change``).
+PERIOD = _node.PERIOD
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,6 @@ class State:
         self.last = ""  # the last checked call, for messages
         self.tags: set[str] = set()
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
-        # per tag, the compared summaries of its last PERIOD calls
-        self.history: dict[str, deque[str]] = {}
         self.watchdog: _watchdog.Watchdog | None = None
         self.observing = False  # the check is a dispatch observer
         self.exit_hooks = False  # registered with the owner of exit (once per process)

@@ -1,0 +1,86 @@
+"""What a call whose layout changed costs under the default check (issue 25), 2 processes.
+
+Usage: ``meshkit launch -n 2 -d 4 check_changes.py BENCHMARKS_DIR``. Process 0 prints one
+``BENCH {json}`` line.
+
+Each call cycles through 13 layouts of 64 KiB per process (13 widths of one float32 batch), so
+no call repeats the layout of its thread's call 12 back (`meshkit.debug.PERIOD`): under
+``check=True`` every call waits for its verdict. Timed beside ``check="deferred"`` (never
+waits) and ``jax.make_array_from_process_local_data``, in alternating rounds; a round is
+26 calls, then a device barrier (untimed). The coordination service's round trip is
+timed alone: a `meshkit.barrier`, one wait at the service's barrier by every process.
+"""
+
+import json
+import sys
+import time
+
+sys.path.insert(0, sys.argv[1])
+from _timing import bench_rounds, interleaved_medians
+
+import meshkit
+
+meshkit.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+mesh = meshkit.make_mesh({"data": -1})
+sharding = NamedSharding(mesh, PartitionSpec("data"))
+ROWS = 64  # 64 KiB per process at the middle width
+widths = [256 - 6 * 12 + 12 * k for k in range(13)]  # 13 layouts, about 64 KiB each
+batches = [np.random.default_rng(w).random((ROWS, w), dtype=np.float32) for w in widths]
+shapes = [(ROWS * jax.process_count(), w) for w in widths]
+CALLS = 2 * len(widths)
+
+
+def cycle(fn):
+    def run():
+        return [fn(i % len(widths)) for i in range(CALLS)]
+
+    return run
+
+
+def ours(check):
+    return cycle(lambda i: meshkit.global_array_from_local(batches[i], mesh, "data", check=check))
+
+
+base = cycle(lambda i: jax.make_array_from_process_local_data(sharding, batches[i], shapes[i]))
+
+
+def settle():
+    """Before each round, untimed: the deferred checks verified, then every process at once."""
+    from meshkit._src.coord import agree
+
+    agree.drain(60.0)
+    multihost_utils.sync_global_devices("meshkit-bench")
+
+
+jax_s, changed_s, deferred_s = interleaved_medians(
+    [base, ours(True), ours("deferred")],
+    wait=jax.block_until_ready,
+    rounds=bench_rounds(15),
+    number=1,
+    before_round=settle,
+)
+trips = []
+for i in range(30):
+    start = time.perf_counter()
+    meshkit.barrier(f"round trip {i}")
+    trips.append(time.perf_counter() - start)
+if jax.process_index() == 0:
+    per = 1.0 / CALLS
+    print(
+        "BENCH "
+        + json.dumps(
+            {
+                "jax": jax_s * per,
+                "changed": changed_s * per,
+                "deferred": deferred_s * per,
+                "round_trip": float(np.median(trips)),
+                "bytes": int(batches[6].nbytes),
+            }
+        )
+    )

@@ -1,0 +1,237 @@
+"""The default check: no computation completes on arrays whose processes disagree.
+
+`meshkit.global_array_from_local(..., check=True)` verifies a call whose layout repeats the one
+`meshkit.debug.PERIOD` calls back beside the caller, and makes any other call wait for its
+verdict. Each case runs 2 processes x 4 CPU devices through the launcher: every step assembles
+a batch, prints ``returned STEP``, runs a jitted sum over it (a collective across both
+processes) and prints ``computed STEP``. The change comes at step 15, after ``PERIOD`` steps of
+one layout, where a process whose layout repeats goes on without waiting.
+
+The functions starting with an underscore run inside the launched processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from meshkit.debug import PERIOD
+from meshkit.testing import launch_in_processes, run_in_processes
+
+pytestmark = [pytest.mark.multiprocess]
+
+STEPS = 20
+CHANGE = 15  # after PERIOD steps of one layout
+FAST = {"MESHKIT_DEBUG": "0", "MESHKIT_CHECK_TIMEOUT": "10"}
+
+# rows per process and step, by case: (process 0's, process 1's) from the step on
+CASES = {
+    "one": {CHANGE: (8, 4)},  # process 1 alone changes
+    "both": {CHANGE: (16, 4)},  # both change, differently
+    "back": {CHANGE: (16, 16), CHANGE + 1: (8, 16)},  # a change together, then 0 goes back
+}
+
+
+def _rows(case: str, process: int, step: int) -> int:
+    rows = 8
+    for start, pair in sorted(CASES[case].items()):
+        if step >= start:
+            rows = pair[process]
+    return rows
+
+
+def _steps():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import meshkit
+
+    case = os.environ["VERIFIED_CASE"]
+    mesh = meshkit.make_mesh({"data": -1})
+    total = jax.jit(jnp.sum)
+    me = jax.process_index()
+    for step in range(1, STEPS + 1):
+        local = np.ones((_rows(case, me, step), 3), np.float32)
+        x = meshkit.global_array_from_local(local, mesh, "data")
+        print(f"returned {step} {list(x.shape)}", flush=True)
+        print(f"computed {step} {float(total(x))}", flush=True)
+
+
+def _run(case: str):
+    assert PERIOD < CHANGE - 1, "the change must come after PERIOD calls of one layout"
+    result = launch_in_processes(_steps, timeout=90, env={**FAST, "VERIFIED_CASE": case})
+    return result, result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
+
+
+def _steps_seen(result, what: str) -> list[list[int]]:
+    return [
+        [int(m) for m in re.findall(rf"^{what} (\d+)", rank.stdout, re.MULTILINE)]
+        for rank in result.ranks
+    ]
+
+
+def test_one_process_changes_its_layout():
+    result, text = _run("one")
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    returned, computed = _steps_seen(result, "returned"), _steps_seen(result, "computed")
+    # Process 1 changed: its call waited for the verdict and raised before it returned.
+    assert returned[1] == list(range(1, CHANGE)), text
+    # Process 0 repeated its layout: its call returned, and its computation never completed.
+    assert max(returned[0]) >= CHANGE, text
+    assert computed == [list(range(1, CHANGE))] * 2, text
+    rank1 = result.ranks[1].stderr
+    assert (
+        f"meshkit.global_array_from_local (call #{CHANGE}): processes disagree on the global "
+        "shape of (the array)" in rank1
+    ), text
+    assert "process 0: float32[8, 3] (global [16, 3]" in rank1, text
+    assert "process 1: float32[4, 3] (global [8, 3]" in rank1, text
+    assert "rank 1 failed first" in result.report, text
+
+
+def test_both_processes_change_differently():
+    result, text = _run("both")
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    # Both changed: each waited, and each raised before its call returned.
+    assert _steps_seen(result, "returned") == [list(range(1, CHANGE))] * 2, text
+    assert _steps_seen(result, "computed") == [list(range(1, CHANGE))] * 2, text
+    for rank in result.ranks:
+        assert (
+            f"meshkit.global_array_from_local (call #{CHANGE}): processes disagree on the "
+            "global shape" in rank.stderr
+        ), text
+        assert "process 0: float32[16, 3]" in rank.stderr, text
+        assert "process 1: float32[4, 3]" in rank.stderr, text
+
+
+def test_a_change_together_then_one_goes_back():
+    result, text = _run("back")
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    returned, computed = _steps_seen(result, "returned"), _steps_seen(result, "computed")
+    # Step 15: both changed to 16 rows; each waited, they agreed, the step computed.
+    assert computed == [list(range(1, CHANGE + 1))] * 2, text
+    # Step 16: process 0 went back to 8 rows, the layout of PERIOD calls back: it went on.
+    # Process 1 kept 16 rows, which is not its layout PERIOD calls back: it waited, and raised.
+    assert returned[1] == list(range(1, CHANGE + 1)), text
+    assert max(returned[0]) >= CHANGE + 1, text
+    rank1 = result.ranks[1].stderr
+    assert f"meshkit.global_array_from_local (call #{CHANGE + 1}): processes disagree" in rank1
+    assert "process 0: float32[8, 3] (global [16, 3]" in rank1, text
+    assert "process 1: float32[16, 3] (global [32, 3]" in rank1, text
+
+
+def _threads():
+    import json
+    import threading
+
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    lock = threading.Lock()
+
+    def say(**fields) -> None:
+        with lock:
+            print(json.dumps(fields), flush=True)
+
+    def work(name: str) -> None:
+        with meshkit.channel(name):
+            for step in range(1, STEPS + 1):
+                rows = 4 if (name, me) == ("b", 1) and step >= CHANGE else 8
+                try:
+                    meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
+                except meshkit.MeshkitError as e:
+                    say(thread=name, error=str(e))
+                    return
+                say(thread=name, returned=step)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    meshkit.barrier("end")  # raises what was found beside the caller, if nothing did yet
+
+
+def test_threads_wait_for_their_own_changes():
+    import json
+
+    result = launch_in_processes(_threads, timeout=90, env=FAST)
+    text = result.report + "\n" + "\n".join(r.stdout + r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    lines = [
+        [json.loads(line) for line in rank.stdout.splitlines() if line.startswith("{")]
+        for rank in result.ranks
+    ]
+
+    def returned(process: int, thread: str) -> list[int]:
+        return [e["returned"] for e in lines[process] if e["thread"] == thread and "returned" in e]
+
+    def error(process: int, thread: str) -> str:
+        return next(
+            (e["error"] for e in lines[process] if e["thread"] == thread and "error" in e), ""
+        )
+
+    # Process 1's thread b changed at its call 15: that call waited and raised.
+    assert returned(1, "b") == list(range(1, CHANGE)), text
+    assert f"global_array_from_local (call #{CHANGE}): processes disagree" in error(1, "b"), text
+    # Thread a agrees everywhere: it made every call, unless the disagreement that thread b
+    # found beside it was raised by one of its calls (the process's next meshkit call).
+    for process in (0, 1):
+        if error(process, "a"):
+            assert f"call #{CHANGE}" in error(process, "a"), text
+        else:
+            assert returned(process, "a") == list(range(1, STEPS + 1)), text
+    # Process 0's thread b repeated its layout and went on; the mismatch reached it later: raised
+    # by a later call, by the final barrier, or, found after its last call, it ended process 0
+    # with status 1.
+    assert max(returned(0, "b")) >= CHANGE, text
+    assert (
+        f"call #{CHANGE}, checked after it returned"
+        in result.ranks[0].stdout + result.ranks[0].stderr
+    ), text
+
+
+def _deferred_and_invalid():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    try:
+        meshkit.global_array_from_local(np.ones((8, 3)), mesh, "data", check="later")
+    except meshkit.MeshkitError as e:
+        invalid = str(e)
+    returned = []
+    try:
+        for step in range(1, 6):
+            rows = 4 if (me, step) == (1, 2) else 8
+            local = np.ones((rows, 3), np.float32)
+            meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+            returned.append(step)
+        meshkit.barrier("end")
+    except meshkit.MeshkitError as e:
+        return invalid, returned, str(e)
+    return invalid, returned, "no error"
+
+
+def test_deferred_check_returns_first_and_raises_later():
+    for invalid, returned, error in run_in_processes(_deferred_and_invalid, timeout=120, env=FAST):
+        assert invalid == (
+            "meshkit.global_array_from_local: check must be True, False, 'data' or "
+            "'deferred'; got 'later'."
+        )
+        assert 2 in returned  # the mismatched call returned in both processes
+        assert "global_array_from_local (call #2, checked after it returned)" in error, error
