@@ -683,3 +683,41 @@ def test_a_process_that_closes_early_releases_the_others():
     assert time.monotonic() - start < 50, "process 1 waited for the check timeout"
     # Process 1 stops at the same step, although its helper had assembled 3 steps ahead.
     assert result.values == [2, 2]
+
+
+def _deferred_and_invalid():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    try:
+        meshkit.global_array_from_local(np.ones((8, 3)), mesh, "data", check="later")
+    except meshkit.MeshkitError as e:
+        invalid = str(e)
+    returned = []
+    with meshkit.channel("deferred"):  # its own sequence of calls, numbered from 1
+        try:
+            for step in range(1, 6):
+                rows = 4 if (me, step) == (1, 2) else 8
+                local = np.ones((rows, 3), np.float32)
+                meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+                returned.append(step)
+            meshkit.barrier("end deferred")
+        except meshkit.MeshkitError as e:
+            return invalid, returned, str(e)
+    return invalid, returned, "no error"
+
+
+def test_deferred_check_returns_first_and_raises_later(warm_cluster):
+    # The default check raises in the call that changed: tests/test_verified.py.
+    results = warm_cluster.run(_deferred_and_invalid, timeout=120, env=_FAST_CHECK)
+    for invalid, returned, error in results:
+        assert invalid == (
+            "meshkit.global_array_from_local: check must be True, False, 'data' or "
+            "'deferred'; got 'later'."
+        )
+        assert 2 in returned  # the mismatched call returned in both processes
+        assert "global_array_from_local (call #2, checked after it returned)" in error, error

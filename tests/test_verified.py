@@ -18,7 +18,7 @@ import re
 import pytest
 
 from meshkit.debug import PERIOD
-from meshkit.testing import launch_in_processes, run_in_processes
+from meshkit.testing import launch_in_processes
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -200,38 +200,3 @@ def test_threads_wait_for_their_own_changes():
         f"call #{CHANGE}, checked after it returned"
         in result.ranks[0].stdout + result.ranks[0].stderr
     ), text
-
-
-def _deferred_and_invalid():
-    import jax
-    import numpy as np
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    me = jax.process_index()
-    try:
-        meshkit.global_array_from_local(np.ones((8, 3)), mesh, "data", check="later")
-    except meshkit.MeshkitError as e:
-        invalid = str(e)
-    returned = []
-    try:
-        for step in range(1, 6):
-            rows = 4 if (me, step) == (1, 2) else 8
-            local = np.ones((rows, 3), np.float32)
-            meshkit.global_array_from_local(local, mesh, "data", check="deferred")
-            returned.append(step)
-        meshkit.barrier("end")
-    except meshkit.MeshkitError as e:
-        return invalid, returned, str(e)
-    return invalid, returned, "no error"
-
-
-def test_deferred_check_returns_first_and_raises_later():
-    for invalid, returned, error in run_in_processes(_deferred_and_invalid, timeout=120, env=FAST):
-        assert invalid == (
-            "meshkit.global_array_from_local: check must be True, False, 'data' or "
-            "'deferred'; got 'later'."
-        )
-        assert 2 in returned  # the mismatched call returned in both processes
-        assert "global_array_from_local (call #2, checked after it returned)" in error, error
