@@ -357,6 +357,75 @@ def test_a_window_thread_failure_is_raised_by_the_next_settle():
     assert cluster.unraised == []  # raised in time: nobody exits
 
 
+def _refuse(outcome: Outcome) -> None:
+    raise ValueError(f"they differ (waited: {outcome.waited})")
+
+
+def test_verdict_on_change_waits_only_for_a_change_and_raises_in_that_call():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    period = window.PERIOD
+
+    def body(node: Node) -> tuple[int, int, str]:
+        # PERIOD + 3 equal calls (the first PERIOD wait: nothing to repeat yet), then process 1
+        # changes: its call waits and raises; process 0's repeats, goes on, and learns later.
+        returned = 0
+        for i in range(period + 4):
+            summary = "b" if (node.me, i) == (1, period + 3) else "a"
+            try:
+                window.agree_later(
+                    node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
+                    linger=0.01, verdict_on_change=True,
+                )  # fmt: skip
+            except ValueError as e:
+                return returned, node.stats.verdicts_waited, str(e)
+            returned += 1
+        node.drain(10.0)
+        try:
+            node.settle()
+        except ValueError as e:
+            return returned, node.stats.verdicts_waited, str(e)
+        return returned, node.stats.verdicts_waited, "no error"
+
+    (r0, waited0, e0), (r1, waited1, e1) = _together(nodes, body)
+    assert (r1, waited1, e1) == (period + 3, period + 1, "they differ (waited: True)")
+    assert (r0, waited0, e0) == (period + 4, period, "they differ (waited: False)")
+
+
+def test_the_call_that_waited_raises_though_another_thread_settles_first():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    stop = threading.Event()
+    stolen: list[BaseException] = []
+
+    def settle_often(node: Node) -> None:  # another thread's meshkit calls
+        while not stop.is_set():
+            try:
+                node.settle()
+            except ValueError as e:
+                stolen.append(e)
+            time.sleep(0.0005)
+
+    def body(node: Node) -> str:
+        if node.me == 1:
+            thief = threading.Thread(target=settle_often, args=(node,))
+            thief.start()
+        try:
+            window.agree_later(
+                node, "w", str(node.me), "r", timeout=5.0, on_outcome=_refuse, linger=0.01,
+                verdict_on_change=True,
+            )  # fmt: skip
+            return "returned"
+        except ValueError as e:
+            return str(e)
+        finally:
+            if node.me == 1:
+                stop.set()
+                thief.join()
+
+    assert _together(nodes, body) == ["they differ (waited: True)"] * 2
+
+
 def test_a_window_names_the_process_that_did_not_come():
     cluster = FakeCluster(2)
     nodes = cluster.nodes()

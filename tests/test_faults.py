@@ -432,7 +432,7 @@ def test_8proc_global_array_from_local_shape_mismatch_without_debug():
     _, text = _failed(_eight_global_shape_mismatch, env={"MESHKIT_DEBUG": "0"}, **EIGHT)
     assert "DivergenceError" not in text, text  # the default check, not debug mode, found it
     assert (
-        "meshkit.global_array_from_local (call #3): processes disagree on the global shape of "
+        "meshkit.global_array_from_local: processes disagree on the global shape of "
         "(the array):" in text
     ), text
     assert "processes 0,1,2,3,4,6,7: float32[8, 3] (global [64, 3]" in text, text

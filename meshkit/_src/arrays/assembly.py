@@ -102,11 +102,12 @@ def exchange_records_later(
     timeout = _env.check_timeout()
     wire = _with_replicas(record.wire(), replicas)
     number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
+    caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 
     def on_outcome(outcome: _agree.Outcome) -> None:
-        when = "" if outcome.waited else ", checked after it returned"
-        named = f"{what} (call #{number}{when})"
-        compare(_read(_records(outcome, timeout, named)), named)
+        # A call that waited for its verdict raises in the call, named as a check made at once.
+        named = what if outcome.waited else f"{what} (call #{number}, checked after it returned)"
+        caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
     _agree.agree_later(
         tag,

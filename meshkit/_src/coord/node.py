@@ -163,6 +163,8 @@ class WindowState:
     thread: threading.Thread | None = None
     # The summaries of the tag's last PERIOD calls, oldest first (`verdict_on_change`).
     recent: deque[str] = field(default_factory=lambda: deque(maxlen=PERIOD))
+    # The failure of a window that held a call whose caller waits: that caller raises it.
+    failed: BaseException | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ collective) cannot complete without it, and its failure stops them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -105,6 +106,13 @@ def agree_later(
     if waits:
         node.stats.verdicts_waited += 1
         node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
+        with window.cond:
+            failed, window.failed = window.failed, None
+        if failed is not None:
+            # Raised here, whichever thread's meshkit call would have settled it first.
+            with contextlib.suppress(ValueError):
+                node.failures.remove(failed)
+            raise failed
 
 
 def _repeats(window: WindowState, summary: str) -> bool:
@@ -198,6 +206,9 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
                     state.counter.last = None  # the next call compares again
                 _report(window, taken, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
+            if any(q.waits for q in taken):
+                with cond:
+                    window.failed = e  # before `fail` wakes the caller that waits for it
             # A caller draining the tag raises it in a moment: no notice needed.
             grace = head.timeout if head is not None else None
             node.fail(e, grace, quiet=window.draining > 0)
