@@ -113,11 +113,26 @@ def test_meshkit_progress_counts():
     assert _verdicts_in_this_thread(_watchdog.note_progress) == ["meshkit call"]
 
 
-# A child process pinned to one CPU with busy loops beside it: its main thread gets a few
-# percent of that CPU. A thread of its own measures what the sampler counts as running (CPU time
-# plus time runnable, waiting for the CPU) while the main thread compresses, then while it waits
-# on an event (blocked).
-_STARVED = """
+def _pinned(body: str) -> str:
+    """Run ``body`` (indented for a ``try:``) in a child pinned to CPU 0 beside 12 busy loops.
+
+    Returns its stdout; skips where Linux's per-thread scheduler statistics are missing.
+    """
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no per-thread scheduler statistics here (Linux's schedstat)")
+    script = _PINNED_PRELUDE + body + _PINNED_END
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+
+
+_PINNED_PRELUDE = """
 import os, threading, time, zlib
 from meshkit._src.lifecycle import watchdog
 
@@ -130,6 +145,19 @@ for _ in range(12):
             pass
     hogs.append(pid)
 try:
+"""
+_PINNED_END = """finally:
+    for pid in hogs:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+"""
+
+
+# A child process pinned to one CPU with busy loops beside it: its main thread gets a few
+# percent of that CPU. A thread of its own measures what the sampler counts as running (CPU time
+# plus time runnable, waiting for the CPU) while the main thread compresses, then while it waits
+# on an event (blocked).
+_STARVED = """
     main = threading.main_thread()
     shares, ran, waiting, ended = [], threading.Event(), threading.Event(), threading.Event()
 
@@ -158,25 +186,11 @@ try:
     ended.wait()  # blocked
     t.join()
     print(*(f"{x:.3f}" for x in shares))
-finally:
-    for pid in hogs:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
 """
 
 
 def test_a_thread_starved_of_cpu_counts_as_running_and_a_blocked_one_does_not():
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
-        pytest.skip("no per-thread scheduler statistics here (Linux's schedstat)")
-    out = subprocess.run(
-        [sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
+    out = _pinned(_STARVED)
     running, running_cpu, blocked, _ = map(float, out.split())
     # Runnable nearly all the time while it computes, though it got a few percent of a CPU
     # (running_cpu: the CPU clock alone, below RUN_SHARE here: it would have looked idle).
@@ -190,18 +204,6 @@ def test_a_thread_starved_of_cpu_counts_as_running_and_a_blocked_one_does_not():
 # The same pinned child: its main thread waits (one place, blocked) on a worker thread that
 # computes, starved; then on a thread that sleeps. The sampler's verdicts in each phase.
 _STARVED_WORKER = """
-import os, threading, time, zlib
-from meshkit._src.lifecycle import watchdog
-
-os.sched_setaffinity(0, {0})
-hogs = []
-for _ in range(12):
-    pid = os.fork()
-    if pid == 0:
-        while True:
-            pass
-    hogs.append(pid)
-try:
     main = threading.main_thread()
     stop = threading.Event()
 
@@ -230,29 +232,11 @@ try:
     stop.set()
     worker.join()
     print(starved, "|", phase())
-finally:
-    for pid in hogs:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
 """
 
 
 def test_a_process_whose_threads_wait_for_a_cpu_is_not_stalled():
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
-        pytest.skip("no per-thread scheduler statistics here (Linux's schedstat)")
-    out = subprocess.run(
-        [sys.executable, "-c", _STARVED_WORKER],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = _pinned(_STARVED_WORKER)
     starved, blocked = (part.strip() for part in out.split("|"))
     # The main thread waits on a worker that computes but hardly gets the CPU: not a stall.
     assert starved == "a thread was starved", out
