@@ -409,9 +409,10 @@ def global_array_from_local(
             mismatched arrays completes. ``True``: a call whose layout (structure, dtypes,
             shapes, shardings) is the one of this thread's call `meshkit.debug.PERIOD` calls
             back returns at once and is verified beside the caller, in windows of calls; any
-            other call waits for its verdict (one coordination round trip) and raises before
-            it returns. The first call on which processes differ is such a change for at least
-            one of them, which then never joins a computation with the others; what the
+            other call waits for its verdict (two coordination round trips: the window's size,
+            then its barrier) and raises before it returns. The first call on which
+            processes differ is such a change for at least one of them, which then never
+            joins a computation with the others; what the
             others run on their own devices alone (no collective) may complete before its
             failure stops them. ``"deferred"``: every call returns at once and is verified
             beside the caller; a mismatch is raised by the process's next meshkit call (or
@@ -447,7 +448,7 @@ def global_array_from_local(
         >>> x.shape, int(mask.sum())
         ((16, 3), 13)
     """
-    if not (isinstance(check, bool) or (isinstance(check, str) and check in ("data", "deferred"))):
+    if not isinstance(check, bool | str) or check not in _CHECKS:
         raise MeshkitError(
             f"meshkit.global_array_from_local: check must be True, False, 'data' or 'deferred'; "
             f"got {check!r}."
