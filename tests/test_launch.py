@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from conftest import EXAMPLES, processes_with_marker
 
 import meshkit
 from meshkit import LaunchError
+from meshkit._src.core.ports import port_in_use, reserve_port
 from meshkit._src.launch import reaper as _reaper
 from meshkit._src.launch.rank_output import Pump, Sink
 from meshkit._src.launch.spawn import rank_environments
@@ -566,16 +568,40 @@ def test_a_rank_that_never_calls_init_is_named(tmp_path):
     assert "ran alone" in out.stdout, out.stdout
 
 
-def test_port_in_use(tmp_path):
+@pytest.mark.parametrize("holder", ["listener", "launcher"])
+def test_port_in_use(tmp_path, holder):
     (tmp_path / "x.py").write_text("")
-    with socket.socket() as holder:
-        holder.bind(("", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        if holder == "listener":
+            held = stack.enter_context(socket.socket())
+            held.bind(("", 0))
+            held.listen()
+        else:  # another run's launcher holds its port, not yet served by its rank 0
+            held = stack.enter_context(reserve_port())
+        port = held.getsockname()[1]
         out = cli("launch", "-n", "2", "--port", str(port), "x.py", cwd=tmp_path)
     assert out.returncode == 2
     assert f"port {port} is already in use on this machine" in out.stderr
     assert "Consider another --port" in out.stderr
+
+
+def test_the_coordinator_port_is_held_from_start_to_end(tmp_path):
+    # Before rank 0 serves it, no other bind may get the port (a second launcher picking it
+    # would mix two runs' ranks), and rank 0's check does not take the hold for a server.
+    script(
+        tmp_path,
+        """
+        import os
+        from meshkit._src.core.ports import coordinator_port_taken, port_in_use
+        port = int(os.environ["MESHKIT_COORDINATOR"].rpartition(":")[2])
+        print(f"port {port}: held {port_in_use(port)}, taken {coordinator_port_taken(port)}")
+        """,
+    )
+    out = cli("launch", "-n", "2", "--timeout", "60", "prog.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = re.findall(r"\[rank(\d)\] port (\d+): held True, taken False", out.stdout)
+    assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
+    assert not port_in_use(int(lines[0][1]))  # let go when the run ended
 
 
 def test_api_validates_before_starting_anything():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from meshkit._src.launch.launcher import free_port
+from meshkit._src.core.ports import free_port, reserve_port
 
 
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 60):
@@ -270,25 +270,26 @@ def test_arguments_that_contradict_the_launcher_are_named(tmp_path):
 
 def test_jax_cluster_detection_is_used(tmp_path):
     """A SLURM-like environment (one task) goes through JAX's SlurmCluster detector."""
-    port = free_port()
-    env = {
-        "JAX_COORDINATOR_PORT": str(port),  # honoured, as JAX itself does
-        "SLURM_JOB_ID": str(1000 + free_port() % 900),
-        "SLURM_STEP_NODELIST": "localhost",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-    }
-    out = run_py(
-        """
-        import meshkit
-        info = meshkit.init(timeout=20)
-        print(info.source, info.cluster, info.num_processes, info.process_id)
-        print(info.coordinator_address)
-        """,
-        tmp_path,
-        env=env,
-    )
+    with reserve_port() as held:  # held as meshkit launch holds it: no other run may pick it
+        port = held.getsockname()[1]
+        env = {
+            "JAX_COORDINATOR_PORT": str(port),  # honoured, as JAX itself does
+            "SLURM_JOB_ID": str(1000 + port % 900),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0",
+        }
+        out = run_py(
+            """
+            import meshkit
+            info = meshkit.init(timeout=20)
+            print(info.source, info.cluster, info.num_processes, info.process_id)
+            print(info.coordinator_address)
+            """,
+            tmp_path,
+            env=env,
+        )
     assert out.returncode == 0, out.stderr
     first, address = out.stdout.splitlines()[:2]
     assert first == "cluster SlurmCluster 1 0"

@@ -14,9 +14,11 @@ Nothing here imports JAX: ``meshkit launch`` starts its ranks without paying for
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -26,6 +28,7 @@ from pathlib import Path
 from ..core import events as _events
 from ..core.contract import ENV_STATUS
 from ..core.errors import LaunchError
+from ..core.ports import free_port, port_in_use, reserve_port
 from ..lifecycle.progress import Board
 from . import reaper as _reaper
 from .rank_output import Sink, join_pumps
@@ -39,7 +42,7 @@ from .report import (
     stall_summary,
     tail_block,
 )
-from .spawn import Platform, Rank, count_gpus, free_port, port_in_use, rank_argv, rank_environments
+from .spawn import Platform, Rank, count_gpus, rank_argv, rank_environments
 from .stop import stop
 from .supervise import Outcome, Supervisor, signals_recorded
 
@@ -144,24 +147,18 @@ def launch(
                 + (f" (looked in {Path(cwd).resolve()})" if cwd else "")
                 + ".\nConsider checking the path, or use -m module.name to run a module."
             )
-    if port is None:
-        port = free_port()
-    elif not 0 < port < 65536:
+    # The port is held for the whole run (`reserve_port`): a port picked and let go could be
+    # picked by a second launcher before rank 0 serves it, and the two runs' ranks would mix.
+    if port is not None and not 0 < port < 65536:
         raise LaunchError(f"meshkit launch: --port must be in 1..65535; got {port}.")
-    elif port_in_use(port):
-        raise LaunchError(
-            f"meshkit launch: port {port} is already in use on this machine, so rank 0 cannot "
-            "serve the coordinator there.\nConsider another --port, or leave it out to let "
-            "meshkit pick a free one."
+    with _hold(port) as held, signals_recorded(handle_signals) as received:
+        envs = rank_environments(
+            num_processes,
+            int(held.getsockname()[1]),
+            devices_per_process=devices_per_process,
+            platform=platform,
+            gpus=count_gpus() if platform != "cpu" else 0,
         )
-    envs = rank_environments(
-        num_processes,
-        port,
-        devices_per_process=devices_per_process,
-        platform=platform,
-        gpus=count_gpus() if platform != "cpu" else 0,
-    )
-    with signals_recorded(handle_signals) as received:
         return _run(
             command,
             envs,
@@ -174,6 +171,26 @@ def launch(
             keep_output=keep_output,
             subreaper=subreaper,
         )
+
+
+def _hold(port: int | None) -> socket.socket:
+    """Hold the coordinator port for the run (a free one when ``port`` is None)."""
+    if port is None:
+        return reserve_port()
+    taken = port_in_use(port)
+    if not taken:
+        try:
+            return reserve_port(port)
+        except OSError as e:  # held by another process since the check, or not ours to bind
+            if e.errno != errno.EADDRINUSE:
+                raise LaunchError(
+                    f"meshkit launch: cannot hold --port {port} for the coordinator: {e.strerror}."
+                ) from None
+    raise LaunchError(
+        f"meshkit launch: port {port} is already in use on this machine, so rank 0 cannot "
+        "serve the coordinator there.\nConsider another --port, or leave it out to let "
+        "meshkit pick a free one."
+    )
 
 
 def _run(

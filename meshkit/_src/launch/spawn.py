@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from typing import Literal
@@ -33,30 +31,11 @@ __all__ = [
     "Platform",
     "Rank",
     "count_gpus",
-    "free_port",
-    "port_in_use",
     "rank_argv",
     "rank_environments",
 ]
 
 Platform = Literal["auto", "cpu", "gpu"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_in_use(port: int) -> bool:
-    """Whether some process on this machine listens on (or holds) TCP ``port``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
 
 
 def count_gpus() -> int:

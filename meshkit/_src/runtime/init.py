@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import math
 import os
 import socket
@@ -32,6 +31,7 @@ from ..coord import failures as _failures
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
+from ..core import ports as _ports
 from ..core.contract import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -159,17 +159,10 @@ def _check_coordinator(address: str, process_id: int, n: int, timeout: float, so
     """Fail with a named address instead of letting JAX abort the process."""
     host, port = _split_address(address)
     if process_id == 0:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            probe.bind(("", port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise MeshkitError(
-                    _PORT_IN_USE.format(address=address, port=port, source=source)
-                ) from None
-            raise
-        finally:
-            probe.close()
+        # `meshkit launch` holds the port for the run (a bound socket that does not listen);
+        # anything else there, a second coordinator included, would share it with ours.
+        if _ports.coordinator_port_taken(port):
+            raise MeshkitError(_PORT_IN_USE.format(address=address, port=port, source=source))
         return
     deadline = time.monotonic() + timeout
     while True:
