@@ -403,9 +403,10 @@ def test_many_compile_calls_scan_in_linear_time():
     def timed(line: str) -> float:
         body = "\n".join(line.format(i=i) for i in range(4000))
         source = f"import jax\nimport re\n\n{body}\nstep = jax.pmap(f)\n"
-        start = time.perf_counter()
+        # This thread's CPU time: the wall time doubled beside a second copy of the suite.
+        start = time.thread_time()
         assert [f.code for f in scan_source(source)] == ["MK001"]
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     plain = timed("p{i} = 'a{i}'")
     assert timed("p{i} = re.compile('a{i}')") < 5 * plain + 1.0

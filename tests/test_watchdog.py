@@ -7,6 +7,8 @@ ended, stalls ended in time) is in test_soak.py and test_faults.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -50,7 +52,40 @@ def _wait():
 
 
 def test_a_wait_in_one_place_is_no_progress():
-    assert _verdict(_wait) is None
+    # In a fresh process: a wait is no progress only if no other thread of the process wants
+    # a CPU, and pytest's worker has threads of its own (beside a second copy of the suite, 8
+    # workers on 2 cores, one of them counted as starved).
+    out = subprocess.run(
+        [sys.executable, "-c", _WAIT_IN_A_FRESH_PROCESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.split() == ["None", "None"], out
+
+
+_WAIT_IN_A_FRESH_PROCESS = f"""
+import threading, time
+from meshkit._src.lifecycle import watchdog
+
+main = threading.main_thread()
+sampler = watchdog._Sampler(main.ident, main.native_id)
+verdicts = []
+
+def sample():
+    then = time.monotonic()
+    for delay in ({FIRST_S}, {FIRST_S}, {GAP_S}, {GAP_S}):
+        time.sleep(delay)
+        now = time.monotonic()
+        verdicts.append(sampler.moved(now - then))  # the interval measured, as the watchdog
+        then = now
+
+thread = threading.Thread(target=sample)
+thread.start()
+thread.join()  # the main thread waits in one place, blocked
+print(*verdicts[2:])
+"""
 
 
 def test_the_main_thread_moving_is_progress():
