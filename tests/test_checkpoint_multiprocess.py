@@ -25,6 +25,7 @@ import pytest
 pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 _CKPT = "MESHKIT_TEST_CKPT"
+_KILLED = "MESHKIT_TEST_KILLED"  # the rank a test kills mid-save
 
 
 def require(module, why):
@@ -275,6 +276,7 @@ def _big_tree(seed, rows):
 
 
 def _save_two_steps():
+    import jax
     import orbax.checkpoint as ocp
 
     root = Path(os.environ[_CKPT])
@@ -284,6 +286,11 @@ def _save_two_steps():
         manager.wait_until_finished()
         print("step 1 saved", flush=True)
         manager.save(2, args=ocp.args.StandardSave(_big_tree(2, 2**18)))  # 128 MiB
+        if os.environ.get(_KILLED) == str(jax.process_index()):
+            # The rank the test kills: its writes go on in orbax's threads while the main
+            # thread waits here, so it is killed with step 2 unfinished however busy the
+            # machine is (waiting in wait_until_finished, a fast save could end first).
+            time.sleep(600)
         manager.wait_until_finished()
         print("step 2 saved", flush=True)
 
@@ -364,7 +371,8 @@ def test_a_rank_killed_mid_save_loses_nothing_of_the_previous_checkpoint(tmp_pat
         str(tmp_path),
         "--init",
     ]
-    run = _Run(command, {_CKPT: str(root), "MESHKIT_INIT_TIMEOUT": "120"}, tmp_path)
+    env = {_CKPT: str(root), _KILLED: str(killed), "MESHKIT_INIT_TIMEOUT": "120"}
+    run = _Run(command, env, tmp_path)
     try:
         run.wait_for(lambda: any("step 1 saved" in line for line in run.lines), "step 1 saved")
         before = _digests(root / "1")

@@ -15,8 +15,12 @@ import pytest
 from meshkit._src.core.ports import free_port, reserve_port
 
 
-def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 60):
-    """Run code in a clean interpreter (no MESHKIT_* variables unless given)."""
+def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
+    """Run code in a clean interpreter (no MESHKIT_* variables unless given).
+
+    The time limit only keeps a hung child from holding the suite: importing JAX alone took
+    50 s and more with two copies of the suite and a third test run beside them.
+    """
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "SLURM_", "OMPI_"))
     }

@@ -136,7 +136,7 @@ def _steps_with_checkpoints():
         path = os.path.join(directory, f"ckpt{jax.process_index()}")
         for i in range(STEPS * 2 // 3):
             acc = step(acc, x)
-            if i % 400 == 100:  # every process writes its part: 3 checkpoints of 2+ periods
+            if i % 600 == 100:  # every process writes its part: 2 checkpoints of 2+ periods
                 float(acc)
                 began = time.monotonic()
                 _checkpoint_write(path, 4.5)

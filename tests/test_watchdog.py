@@ -67,13 +67,19 @@ def test_a_wait_in_one_place_is_no_progress():
 
 _WAIT_IN_A_FRESH_PROCESS = f"""
 import threading, time
+import jax
 from meshkit._src.lifecycle import watchdog
 
+# The backend starts before the sampling (the sampler's first look at the arrays would start
+# it, and its threads' start-up, starved beside a second copy of the suite, is progress).
+jax.devices()
 main = threading.main_thread()
-sampler = watchdog._Sampler(main.ident, main.native_id)
 verdicts = []
 
 def sample():
+    # Made in the sampling thread, as the watchdog makes it: the sampler leaves its own thread
+    # out (woken from each sleep, it waits for a CPU itself beside a second copy of the suite).
+    sampler = watchdog._Sampler(main.ident, main.native_id)
     then = time.monotonic()
     for delay in ({FIRST_S}, {FIRST_S}, {GAP_S}, {GAP_S}):
         time.sleep(delay)
