@@ -721,3 +721,77 @@ def test_deferred_check_returns_first_and_raises_later(warm_cluster):
         )
         assert 2 in returned  # the mismatched call returned in both processes
         assert "global_array_from_local (call #2, checked after it returned)" in error, error
+
+
+def _short_batches():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+
+    def loader(sizes):
+        for step, rows in enumerate(sizes):
+            yield {"x": np.full((rows, 2), 10 * step + me, np.float32)}
+
+    # (pad, process 0's batch sizes, process 1's): process 1 loses rows mid-stream or at its end.
+    cases = {
+        "pad, short mid-stream": (True, [8, 8, 8, 8], [8, 4, 8, 8]),
+        "pad, short last": (True, [8, 8, 8], [8, 8, 4]),
+        # One row: the same rows per device block (2) as 8 rows, told by the rows compared.
+        "pad, one row short mid-stream": (True, [8, 8, 8], [8, 7, 8]),
+        "ragged, short mid-stream": ("ragged", [8, 8, 8, 8], [8, 4, 8, 8]),
+        "no pad, short last": (False, [8, 8, 8], [8, 8, 4]),
+        "no pad, short mid-stream": (False, [8, 8, 8, 8], [8, 4, 8, 8]),
+    }
+    out = {}
+    for name, (pad, mine, theirs) in cases.items():
+        taken, real, error = 0, 0, None
+        try:
+            for item in meshkit.global_batches(
+                loader(mine if me == 0 else theirs), mesh, "data", pad=pad
+            ):
+                taken += 1
+                if pad:
+                    real += int(meshkit.gather(item[1]).sum())
+        except meshkit.MeshkitError as e:
+            error = str(e)
+        out[name] = (taken, real, error)
+    meshkit.barrier("after the short batches")  # every process goes on, in step
+    return out
+
+
+def test_only_a_loaders_last_batch_may_be_short(warm_cluster):
+    results = warm_cluster.run(_short_batches, timeout=180, env=_FAST_CHECK)
+    assert results[0] == results[1]
+    out = results[0]
+    midstream = (
+        "meshkit.global_batches: at step 2, process 1's batch has 4 rows where process 0's batch "
+        "has 8 rows, and the loader of process 1 has more batches after it.\n"
+        "A batch short before the end of the data is rows its loader lost (a filter, an uneven "
+        "shard, a skipped file); pad=True pads only where the data ends, so it does not hide "
+        "them.\nConsider checking that process's loader; where batches of varying size are "
+        "intended, pass pad='ragged' (every step is padded to the largest batch; the mask marks "
+        "the real rows)."
+    )
+    assert out["pad, short mid-stream"] == (1, 16, midstream)
+    # The short last batch is padded: 8 + 8 + (8 + 4) real rows in 3 steps of 16.
+    assert out["pad, short last"] == (3, 44, None)
+    assert out["pad, one row short mid-stream"][:2] == (1, 16)
+    assert out["pad, one row short mid-stream"][2].startswith(
+        "meshkit.global_batches: at step 2, process 1's batch has 7 rows where process 0's batch "
+        "has 8 rows, and the loader of process 1 has more batches after it."
+    )
+    assert out["ragged, short mid-stream"] == (4, 60, None)
+    assert out["no pad, short last"] == (
+        2,
+        0,
+        "meshkit.global_batches: at step 3, process 1's batch has 4 rows where process 0's batch "
+        "has 8 rows; it is the loader's last batch.\nWith pad=False every step needs batches of "
+        "one size from every process.\nConsider pad=True (the last step is padded; the mask "
+        "marks the real rows), or dropping the short last batch on every process "
+        "(drop_remainder).",
+    )
+    assert out["no pad, short mid-stream"] == (1, 0, midstream)

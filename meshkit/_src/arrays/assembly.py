@@ -242,19 +242,34 @@ class Assembly:
                 publish_failure(self.check_tag, e, later=self.later)
             raise
 
-    def agree_sizes(self, prepared: Prepared | None, status: str = "data") -> dict[int, Record]:
+    def agree_sizes(
+        self,
+        prepared: Prepared | None,
+        status: str = "data",
+        *,
+        rows: int | None = None,
+        what: str | None = None,
+        explain: Callable[[dict[int, Record]], None] | None = None,
+    ) -> dict[int, Record]:
         """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
 
         With ``check`` the records are compared (a `MeshkitError` names who differs); without,
         only failures are raised. ``prepared`` None: this process has no data (``status``).
+        ``rows``: the data's rows, compared too (`Record.rows`). ``what``: the
+        caller as messages name it (default the assembly's). ``explain``: runs on the records
+        before they are compared, to raise a message of the caller's own for a difference it
+        knows better.
         """
+        what = self.what if what is None else what
         record = Record(status=status)
         if prepared is not None and (self.check or self.pad):
-            record = dataclasses.replace(describe(prepared, pad=self.pad), status=status)
-        records = _read(exchange_records(self.tag, record.wire(), self.what))
-        raise_failures(records, self.what)
+            record = dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
+        records = _read(exchange_records(self.tag, record.wire(), what))
+        raise_failures(records, what)
         if self.check and prepared is not None and {r.status for r in records.values()} == {status}:
-            compare(records, self.what)
+            if explain is not None:
+                explain(records)
+            compare(records, what)
         return records
 
     def place(self, prepared: Prepared, records: dict[int, Record] | None) -> None:

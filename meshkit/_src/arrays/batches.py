@@ -17,12 +17,13 @@ others will not join.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from queue import Queue
 from typing import Any, Literal
@@ -42,6 +43,7 @@ from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
+from . import ends as _ends
 from .caller import set_caller
 from .dtypes import warn_notes
 from .records import Record
@@ -51,6 +53,7 @@ __all__ = ["GlobalBatches", "global_batches"]
 
 _WHAT = "meshkit.global_batches"
 BatchCheck = bool | Literal["data"]  # global_batches' check=
+BatchPad = bool | Literal["ragged"]  # global_batches' pad=
 _JOIN_TIMEOUT_S = 30.0
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
@@ -79,6 +82,24 @@ _END = _End()
 _CLOSED = _Closed()
 
 
+@dataclass
+class _Pulled:
+    """One read of a loader: a batch (``"data"``), its end (``"end"``), or what it raised."""
+
+    status: str
+    local: Any = None
+    error: BaseException | None = None
+
+
+def _pull(source: Iterator[Any]) -> _Pulled:
+    try:
+        return _Pulled("data", next(source))
+    except StopIteration:
+        return _Pulled("end")
+    except BaseException as e:  # the loader's own error: the caller gets it at its step
+        return _Pulled("error", error=e)
+
+
 class GlobalBatches(Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
@@ -94,7 +115,7 @@ class GlobalBatches(Iterator[Any]):
         spec: Any,
         *,
         prefetch: int,
-        pad: bool,
+        pad: BatchPad,
         check: BatchCheck,
         dtype: Any,
         progress: float | None,
@@ -114,6 +135,11 @@ class GlobalBatches(Iterator[Any]):
                 f"{_WHAT}: check must be True, False or 'data' (each step is verified before "
                 f"it is yielded; there is no deferred mode); got {check!r}."
             )
+        if not (isinstance(pad, bool) or (isinstance(pad, str) and pad == "ragged")):
+            raise MeshkitError(
+                f"{_WHAT}: pad must be True (pad where each loader's data ends), 'ragged' (pad "
+                f"short batches at every step) or False; got {pad!r}."
+            )
         if progress is not None and not progress > 0:
             raise MeshkitError(
                 f"{_WHAT}: progress must be None or a positive number of seconds between "
@@ -123,14 +149,17 @@ class GlobalBatches(Iterator[Any]):
         # later is a no-op.
         _exit.on_exit("global_batches: stop the helper threads", _close_all, order=_exit.STOP)
         self._args = (mesh_or_sharding, spec)
-        self._pad, self._dtype = pad, dtype
+        self._pad, self._dtype = bool(pad), dtype
+        self._ragged = pad == "ragged"  # short batches allowed at every step, not only the last
         self._progress = progress
         # Numbered on the creating thread's channel; the helper thread then uses it as its own.
         self._tag = _channel.numbered("global_batches", _WHAT)
         self._multi = _compat.distributed_state()[2] > 1
         self._together = stop_together and self._multi  # hand each step over together
         # sizes are exchanged at every step: the end of data is decided together.
-        self._assembly = _assembly.Assembly(self._tag, _WHAT, pad=pad, check=check, stepwise=True)
+        self._assembly = _assembly.Assembly(
+            self._tag, _WHAT, pad=self._pad, check=check, stepwise=True
+        )
         self._handover = self._tag + "/handover"  # each step handed to the callers together
         self._timeout = _env.check_timeout()
         self._queue: Queue[Any] = Queue()
@@ -323,26 +352,33 @@ class GlobalBatches(Iterator[Any]):
     def _work_on_channel(self, source: Iterator[Any]) -> None:
         set_caller(_WHAT)
         template: Any = None
+        # A batch read ahead of its step: only at a step whose batches differ in rows, by a
+        # process with fewer, to tell its loader's last batch from a short one mid-stream.
+        ahead: list[_Pulled] = []
+
+        def peek() -> bool | None:
+            """Whether the loader has ended after this batch (None: it failed, raised later)."""
+            if not ahead:
+                ahead.append(_pull(source))
+            return {"end": True, "data": False}.get(ahead[0].status)
+
         while True:
             if not self._take_slot():
                 self._release_helpers()  # the others' helpers wait for this one's next step
                 return
-            status, local = "data", None
-            try:
-                local = next(source)
-                template = local
+            pulled = ahead.pop() if ahead else _pull(source)
+            if pulled.error is not None:
+                if self._multi:
+                    _assembly.publish_failure(self._tag, pulled.error)
+                self._queue.put(_Failure(pulled.error))
+                return
+            if pulled.status == "data":
+                template = pulled.local
                 if self._stop.is_set():
                     self._release_helpers()  # closed while the loader ran
                     return
-            except StopIteration:
-                status = "end"
-            except BaseException as e:
-                if self._multi:
-                    _assembly.publish_failure(self._tag, e)
-                self._queue.put(_Failure(e))
-                return
             try:
-                item = self._step(status, local, template)
+                item = self._step(pulled.status, pulled.local, template, peek)
             except BaseException as e:
                 self._queue.put(_Failure(e))
                 return
@@ -350,15 +386,16 @@ class GlobalBatches(Iterator[Any]):
             if isinstance(item, _End):
                 return
 
-    def _step(self, status: str, local: Any, template: Any) -> Any:
+    def _step(self, status: str, local: Any, template: Any, peek: Callable[[], bool | None]) -> Any:
         mesh_or_sharding, spec = self._args
         pad, multi = self._pad, self._multi
         assembly = self._assembly
         step = self._assembled + 1
+        what = f"{_WHAT} (step {step})"
         if status == "end":
             if not (multi and pad and template is not None):
                 if multi:
-                    self._check_end(assembly.agree_sizes(None, "end"), step)
+                    self._check_end(assembly.agree_sizes(None, "end", what=what), step)
                 return _END
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
@@ -370,15 +407,50 @@ class GlobalBatches(Iterator[Any]):
         )
         records = None
         if multi:
-            # Every step agrees before placing: on the end of data, and the padded size.
-            records = assembly.agree_sizes(prepared, status)
+            # Every step agrees before placing: on the end of data, the padded size and (but
+            # with pad="ragged") the rows, which only a loader's last batch may lack.
+            rows = None
+            if status == "data" and not self._ragged and prepared.leaves[0].global_shape:
+                rows = int(prepared.leaves[0].value.shape[0])
+            check_rows = (
+                None if self._ragged else (lambda agreed: self._check_rows(agreed, step, peek))
+            )
+            records = assembly.agree_sizes(
+                prepared, status, rows=rows, what=what, explain=None if pad else check_rows
+            )
             if self._check_end(records, step):
                 return _END
+            if pad and check_rows is not None:
+                check_rows(records)
         assembly.place(prepared, records)
         tree, mask = assembly.transfer(prepared, agreed=records is not None)
         self._assembled = step
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if pad else tree), rows, prepared.notes
+
+    def _check_rows(
+        self, records: dict[int, Record], step: int, peek: Callable[[], bool | None]
+    ) -> None:
+        """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
+
+        Where the batches differ in rows, each process with fewer reads its loader one batch
+        ahead (``peek``), and all exchange whether theirs is the last: one more round trip, at
+        such steps only. Every process has the same records, so all decide alike.
+        """
+        fewer = _ends.short(records)
+        if not fewer:
+            return
+        last = peek() if jax.process_index() in fewer else None
+        said = _assembly.exchange_records(
+            self._tag, Record(last=last).wire(), f"{_WHAT} (step {step})"
+        )
+        lasts = {p: Record.read(w).last for p, w in said.items()}
+        if len(lasts) == 1:  # every process sent the same
+            lasts = dict.fromkeys(records, last)
+        told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
+        message = _ends.short_batch(told, step, pad=self._pad)
+        if message is not None:
+            raise MeshkitError(message)
 
     def _check_end(self, records: dict[int, Record], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).
@@ -394,46 +466,9 @@ class GlobalBatches(Iterator[Any]):
         ended = sorted(p for p, s in statuses.items() if s == "end")
         if not ended or (self._pad and all(records[p].block_rows is not None for p in ended)):
             return False
-        raise MeshkitError(_uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad))
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
-def _processes(ps: list[int]) -> str:
-    named = ", ".join(map(str, ps[:-1])) + " and " + str(ps[-1]) if len(ps) > 1 else str(ps[0])
-    return f"process{'es' if len(ps) > 1 else ''} {named}"
-
-
-def _uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
-    """The message for loaders that yielded different numbers of batches (see `_check_end`)."""
-    had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
-    more = f"a {_ordinal(step)}" if step > 1 else "one"
-    ended_text = (
-        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
-    )
-    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
-    head = (
-        f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
-        f"ended {had}, while {going_text} yielded {more}.\n"
-    )
-    if pad:
-        return head + (
-            "With pad=True a process whose loader has ended contributes padding, shaped like "
-            "its earlier batches; a loader that yielded no batch has none to copy.\n"
-            "Consider giving every process at least one row, or a loader that yields a batch "
-            "of 0 rows (same keys and dtypes) when its shard is empty."
+        raise MeshkitError(
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad)
         )
-    return head + (
-        "With pad=False every step needs a batch from every process, and the batches the "
-        "longer loaders still hold would be dropped unseen.\n"
-        "Consider pad=True (the processes whose loaders ended contribute padding, which the "
-        "mask marks, until every loader has ended), or loaders that yield the same number of "
-        "batches (drop the last, short batch everywhere, or stop after a fixed number of steps "
-        "with itertools.islice)."
-    )
 
 
 @public
@@ -443,7 +478,7 @@ def global_batches(
     spec: Any = None,
     *,
     prefetch: int = 2,
-    pad: bool = False,
+    pad: BatchPad = False,
     check: BatchCheck = True,
     dtype: Any = None,
     progress: float | None = None,
@@ -455,10 +490,12 @@ def global_batches(
     step by step). A helper thread assembles the next global batches while the caller computes,
     at most ``prefetch`` ahead. The processes agree on the end of data at every step: with
     ``pad=False`` every loader must yield the same number of batches; with ``pad=True`` (which
-    also pads uneven batches and yields ``(batch, mask)`` pairs) the processes whose loaders
-    have ended contribute fully padded batches until every loader has. An exception raised by a
-    loader reaches the caller with its traceback, and the other processes raise a
-    `meshkit.MeshkitError` naming that process.
+    also pads each loader's short last batch and yields ``(batch, mask)`` pairs) the processes
+    whose loaders have ended contribute fully padded batches until every loader has. At a step
+    whose batches differ in rows, each process with fewer reads its loader one batch ahead, to
+    tell its last batch from a short one in the middle (one more round trip, at such steps
+    only). An exception raised by a loader reaches the caller with its traceback, and the
+    other processes raise a `meshkit.MeshkitError` naming that process.
 
     Args:
         iterable: this process's batches (pytrees of arrays). On CPU a global batch may share
@@ -467,8 +504,11 @@ def global_batches(
         mesh_or_sharding: as for `meshkit.global_array_from_local`.
         spec: as for `meshkit.global_array_from_local`.
         prefetch: global batches assembled ahead of the caller (bounds the device memory held).
-        pad: pad uneven batches and run until every process's data has ended; yields
-            ``(batch, mask)``.
+        pad: pad where the data ends and run until every process's data has ended; yields
+            ``(batch, mask)``. Only a loader's last batch may be short: a batch shorter than
+            another process's while its loader has more is an error naming the process, the
+            step and the rows (rows a loader lost, which padding would hide). ``"ragged"``
+            pads short batches at every step.
         check: compare the processes' structure, dtypes and shapes at every step, in the
             helper thread, before the step's batch is yielded (ahead of the caller, so the
             wait is hidden while it computes); ``"data"`` also hashes every replicated block
@@ -489,11 +529,14 @@ def global_batches(
         use it in a ``with`` block, to stop early).
 
     Raises:
-        MeshkitError: ``prefetch``, ``stop_together``, ``check`` or ``progress`` is not valid; or,
+        MeshkitError: ``prefetch``, ``pad``, ``stop_together``, ``check`` or ``progress`` is not
+            valid; or,
             from ``next()``, on every process at the same step: the loaders yielded
             different numbers of batches (``pad=False``; with ``pad=True``, a loader that
-            yielded no batch at all while others did); the processes' batches do not fit
-            together; another process's loader failed.
+            yielded no batch at all while others did); a batch is short before the end of its
+            loader's data (``pad=True`` or ``False``; ``False`` names a short last batch as
+            such); the processes' batches do not fit together; another process's loader
+            failed. Errors found across processes name the step.
 
     Examples:
         >>> import numpy as np, meshkit

@@ -53,6 +53,12 @@ class Record:
         message: with status ``"error"``, the failure, for the others' messages.
         replicas: the digests of the blocks other processes hold too
             (`meshkit._src.coord.agree` groups: name -> (reference process, digest)).
+        rows: in `meshkit.global_batches` (not with ``pad="ragged"``), the rows of its batch
+            (its first array's leading size): compared, so that a step whose batches differ in
+            rows by less than a block is seen too.
+        last: in `meshkit.global_batches`' second exchange at a step whose batches differ in
+            rows, from each process with fewer rows than the most: whether its batch is its
+            loader's last (the loader read one batch ahead); None from the others.
     """
 
     status: str = "data"
@@ -61,6 +67,8 @@ class Record:
     block_rows: int | None = None
     message: str | None = None
     replicas: dict[str, tuple[int, str]] | None = None
+    rows: int | None = None
+    last: bool | None = None
 
     def wire(self) -> dict[str, Any]:
         """The JSON object sent: the fields that are set, in declaration order."""
@@ -82,6 +90,8 @@ class Record:
             block_rows=wire.get("block_rows"),
             message=wire.get("message"),
             replicas=wire.get("replicas"),
+            rows=wire.get("rows"),
+            last=wire.get("last"),
         )
 
 
