@@ -44,6 +44,22 @@ def bench_make_mesh_single_process() -> str:
     return table("make_mesh, 1 process x 8 CPU devices", rows, "jax.make_mesh", "meshkit")
 
 
+def bench_programs_two_processes() -> str:
+    data = launched_result(HERE / "programs_multiprocess.py")
+    return table(
+        "programs compared at compilation, 2 processes x 4 CPU devices (comparison off vs on)",
+        [
+            ("compile a jitted step (lower().compile())", data["compile_off"], data["compile_on"]),
+            ("call of the compiled step (cached)", data["call_off"], data["call_on"]),
+        ],
+        "off",
+        "on",
+    ) + (
+        f"\nthe comparison itself (fingerprint + one barrier): {data['compare'] * 1e3:.2f} ms per "
+        f"compilation, measured over {data['compared']} compilations"
+    )
+
+
 def bench_make_mesh_two_processes() -> str:
     data = launched_result(HERE / "mesh_multiprocess.py")
     return table(
@@ -61,6 +77,7 @@ if __name__ == "__main__":
     print(bench_pmap_dispatch(), end="\n\n")
     print(bench_legacy(), end="\n\n")
     print(bench_make_mesh_two_processes(), end="\n\n")
+    print(bench_programs_two_processes(), end="\n\n")
     print(bench_debug(), end="\n\n")
     print(bench_global_single_process(MALLOC), end="\n\n")
     print(bench_global_two_processes(), end="\n\n")

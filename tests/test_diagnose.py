@@ -272,8 +272,10 @@ mesh = meshkit.make_mesh({"data": -1})
 x = jax.make_array_from_callback(
     (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
 )
-if jax.process_index() == 0:  # a computation over every process's devices, run by one
-    print(float(jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)))
+total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+print(float(total(x)))  # run by both: compiled (and the programs compared) once
+if jax.process_index() == 0:  # run again by one process alone: nothing compiles, gloo waits
+    print(float(total(x)))
 """
 
 

@@ -6,19 +6,23 @@ JAX has no public API for these facts. Each accessor is checked on the JAX lines
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import caches as _caches
 
 __all__ = [
+    "Compiling",
     "backends_are_initialized",
     "bound_axis_sizes",
     "cluster_envs",
     "cluster_params",
     "distributed_state",
+    "hide_from_jax_tracebacks",
     "idle",
+    "on_compile",
     "put_blocks",
     "scan_counts",
     "service_error_code",
@@ -193,3 +197,117 @@ def varying_axes(x: Any) -> frozenset[Any]:
 
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()) or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiling:
+    """A computation JAX is about to compile for its devices (`on_compile`), read on demand.
+
+    One type for every way in: `jax.jit`, `jax.shard_map` inside it, `jax.pmap` (a jit over
+    the devices on both JAX lines) and what meshkit builds on them. ``computation`` is JAX's
+    ``pxla.MeshComputation``; only this class reads it.
+    """
+
+    computation: Any
+
+    @property
+    def name(self) -> str:
+        """JAX's name for it: ``jit(step)``, ``pmap(f)``..."""
+        return str(self.computation._name)
+
+    def processes(self) -> frozenset[int]:
+        """The processes whose devices run it (one: a computation of this process alone)."""
+        devices = self.computation._device_list
+        if devices is None:
+            return frozenset()
+        return frozenset(int(d.process_index) for d in devices)
+
+    def where(self) -> str | None:
+        """The traced function and its definition, ``step at train.py:12``, when JAX knows it."""
+        info = getattr(self.computation.compile_args.get("all_args_info"), "debug_info", None)
+        return getattr(info, "func_src_info", None) or None
+
+    def module_text(self) -> str:
+        """The StableHLO module without locations: equal programs give equal text."""
+        return str(self.computation._hlo.operation.get_asm(enable_debug_info=False))
+
+    def args(self) -> list[tuple[str, str, str]]:
+        """Every argument (also those the program does not use): name, type, sharding."""
+        info = self.computation.compile_args.get("all_args_info")
+        avals = list(getattr(info, "in_avals", None) or ())
+        names = list(getattr(getattr(info, "debug_info", None), "arg_names", None) or ())
+        shardings = list(self.computation.compile_args.get("in_shardings") or ())
+        out = []
+        for i, aval in enumerate(avals):
+            name = names[i] if i < len(names) and names[i] else f"argument {i}"
+            sharding = shardings[i] if i < len(shardings) else None
+            out.append((str(name), str(aval), _sharding_text(sharding)))
+        return out
+
+
+def _sharding_text(sharding: Any) -> str:
+    if sharding is None:
+        return "?"
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is not None and mesh is not None and hasattr(mesh, "shape"):
+        axes = ", ".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
+        return f"{spec} over mesh({axes})"
+    return str(sharding)
+
+
+_compile_hooks: list[Callable[[Compiling], None]] = []
+_original_compile: Callable[..., Any] | None = None
+
+
+def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
+    """Call ``hook`` before JAX compiles a computation (not for one already compiled).
+
+    Wraps ``pxla.MeshComputation.compile``, the one step every jit, shard_map and pmap
+    computation passes on its way to XLA on JAX 0.10 and 0.12 (a cached computation returns
+    its executable there without compiling). What ``hook`` raises leaves the compilation
+    undone and reaches the caller of the jitted function. Returns the function that removes
+    the hook, or None where this JAX has no such step (nothing is installed).
+    """
+    global _original_compile
+    cls = getattr(_pxla(), "MeshComputation", None)
+    original = getattr(cls, "compile", None)
+    if original is None:
+        return None
+    if _original_compile is None:
+        _original_compile = original
+
+        @functools.wraps(original)
+        def compile(
+            self: Any, compiler_options: Any = None, *, device_assignment: Any = None
+        ) -> Any:
+            cached = getattr(self, "_executable", None) is not None
+            if not (cached and compiler_options is None and device_assignment is None):
+                for each in tuple(_compile_hooks):
+                    each(Compiling(self))
+            return original(self, compiler_options, device_assignment=device_assignment)
+
+        cls.compile = compile  # type: ignore[union-attr]
+    _compile_hooks.append(hook)
+
+    def remove() -> None:
+        global _original_compile
+        if hook in _compile_hooks:
+            _compile_hooks.remove(hook)
+        if not _compile_hooks and _original_compile is not None:
+            cls.compile = _original_compile  # type: ignore[union-attr]
+            _original_compile = None
+
+    return remove
+
+
+def hide_from_jax_tracebacks(path: str) -> None:
+    """Leave the frames of file ``path`` out of the tracebacks JAX filters (as it does its own).
+
+    For meshkit code that runs inside a JAX call (`on_compile`'s hook): an error raised there
+    shows the user's frame that called JAX, not meshkit's. ``JAX_TRACEBACK_FILTERING=off``
+    shows every frame, as for JAX's own.
+    """
+    from jax._src import traceback_util
+
+    if path not in traceback_util._exclude_paths:
+        traceback_util.register_exclusion(path)

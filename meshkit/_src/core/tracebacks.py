@@ -23,7 +23,7 @@ from . import env as _env
 from .errors import MeshkitError
 from .frames import meshkit_file
 
-__all__ = ["ENV_TRACEBACK_FILTERING", "filtered", "public"]
+__all__ = ["ENV_TRACEBACK_FILTERING", "filtered", "filtering", "public"]
 
 ENV_TRACEBACK_FILTERING = "MESHKIT_TRACEBACK_FILTERING"
 
@@ -52,7 +52,7 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except MeshkitError as e:
-            if _filtering():
+            if filtering():
                 # Replaced in place, then re-raised bare: a bare raise adds no frame of its own.
                 e.with_traceback(filtered(e.__traceback__))
             raise
@@ -73,7 +73,7 @@ def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
     return out
 
 
-def _filtering() -> bool:
+def filtering() -> bool:
     """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default).
 
     Read when an error passes, not at import: a program may set it after importing meshkit.

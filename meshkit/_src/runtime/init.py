@@ -45,6 +45,7 @@ from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import progress as _progress
 from . import preflight as _preflight
+from . import programs as _programs
 from . import slurm as _slurm
 
 __all__ = [
@@ -395,6 +396,8 @@ def init(
         _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
         # Before anything runs: the processes run the same software with the same settings.
         _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
+        # From now on, every computation across processes is compared before it first runs.
+        _programs.install(info.num_processes)
         for hook in tuple(_on_join):
             hook()
     return info

@@ -1,0 +1,265 @@
+"""Programs compared when they are compiled: every process must run the same computation.
+
+In a multi-process program, every computation JAX compiles for devices of several processes
+(`jax.jit`, `jax.shard_map` inside it, `jax.pmap`, and `meshkit.spmd` and
+`meshkit.pmap_compat`, which build on them) is fingerprinted in each process and agreed on
+before it first runs: the StableHLO module without source locations, hashed. The processes
+agree on it through the coordination service's counters (`meshkit._src.coord.counter`: a few
+round trips per compilation, a record of about 200 bytes each); a computation already compiled
+runs as before, with nothing added per call. Only after a difference do the processes exchange
+their arguments (name, type, sharding of each), to name the first that differs. A process that
+ends its program leaves the comparison (an exit handler), so that one waiting there for a
+computation it never compiled learns it at once.
+
+Programs that differ are the classic multi-host bug that runs without an error: each process
+pads its batch to its own longest sequence, so process 1 compiles ``float32[8,24]`` where
+process 0 compiles ``float32[8,16]``, and every step computes wrong numbers (on GPUs, hangs in
+NCCL). Here every process raises a `DivergenceError` naming the processes, the function (its
+name and definition, ``step at train.py:12``) and the first argument whose shape, dtype or
+sharding differs, before anything runs.
+
+The n-th compilation of one process meets the n-th of every other, counted per thread channel
+(`meshkit.channel`) like meshkit's own calls. A compilation in a thread that is neither the
+main thread nor inside a channel is not compared: its place in the order differs between
+processes. ``MESHKIT_PROGRAM_CHECK=0`` turns the comparison off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ..coord import absent as _absent
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core import tracebacks as _tracebacks
+from ..core.errors import DivergenceError
+from ..lifecycle import exit as _exit
+
+__all__ = ["ENV_PROGRAM_CHECK", "Stats", "install", "installed", "stats", "uninstall"]
+
+ENV_PROGRAM_CHECK = "MESHKIT_PROGRAM_CHECK"
+_TAG = "programs"
+_WHAT = "meshkit (programs compared at compilation)"
+
+_remove: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the comparison cost this process so far.
+
+    Attributes:
+        compared: compilations compared with the other processes.
+        seconds: wall time spent comparing them (the fingerprint and the agreement).
+    """
+
+    compared: int = 0
+    seconds: float = 0.0
+
+
+_stats = Stats()
+_tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
+
+
+def stats() -> Stats:
+    """This process's `Stats` (a copy)."""
+    return dataclasses.replace(_stats)
+
+
+def install(num_processes: int) -> bool:
+    """Compare the processes' programs at every compilation from now on (at `meshkit.init`).
+
+    Nothing is installed for one process, with ``MESHKIT_PROGRAM_CHECK=0``, or where the
+    running JAX has no compilation step to hook (`meshkit._src.core.compat.on_compile`).
+    Returns whether the comparison is on.
+    """
+    global _remove
+    if num_processes < 2 or not _env.flag(ENV_PROGRAM_CHECK, where="meshkit.init()", blank=True):
+        return False
+    if _remove is None:
+        _remove = _compat.on_compile(_compare)
+        _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
+        if _tracebacks.filtering():
+            for path in (_compat.__file__, __file__):  # the hook's frames, inside JAX's call
+                _compat.hide_from_jax_tracebacks(path)
+        if _remove is None:
+            warnings.warn(
+                f"meshkit.init(): JAX {jax.__version__} has no compilation step meshkit can "
+                "hook (pxla.MeshComputation.compile), so the processes' programs are not "
+                "compared when compiled; debug mode (MESHKIT_DEBUG=1) still compares meshkit's "
+                "calls.",
+                stacklevel=3,
+            )
+    return _remove is not None
+
+
+def installed() -> bool:
+    """Whether programs are compared at compilation in this process."""
+    return _remove is not None
+
+
+def uninstall() -> None:
+    """Stop comparing programs (for tests, and when the distributed runtime shuts down)."""
+    global _remove
+    if _remove is not None:
+        _remove()
+        _remove = None
+
+
+def _compare(compiling: _compat.Compiling) -> None:
+    if len(compiling.processes()) < 2:
+        return  # this process's devices alone: nothing to pair
+    if _channel.current() is None and threading.current_thread() is not threading.main_thread():
+        return  # no order shared with the other processes: not compared (see the docstring)
+    tag = _channel.scoped(_TAG, _WHAT)
+    _tags.add(tag)
+    start = time.perf_counter()
+    try:
+        _agree_on(compiling, tag)
+    finally:
+        _stats.compared += 1
+        _stats.seconds += time.perf_counter() - start
+
+
+def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
+    digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
+    # A small record: the arguments (one entry each, thousands in a large model) are exchanged
+    # only to explain a difference (`_explain`).
+    record = json.dumps({"name": compiling.name, "where": compiling.where(), "digest": digest})
+    timeout = _env.check_timeout()
+    outcome = _agree.agree(tag, f"{compiling.name} {digest}", record, timeout=timeout)
+    if outcome.agreed:
+        return
+    number = outcome.seq + 1
+    records = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
+    left = sorted(p for p, r in records.items() if r.get("left"))
+    late = left or list(outcome.missing or outcome.gave_up)
+    if late:
+        if left:
+            gone = f"{_absent.processes(left)} left the program (it ended or failed) without it"
+        elif outcome.missing:
+            gone = _absent.did_not(late, timeout=timeout, arrive="compile a computation with it")
+        else:
+            gone = f"{_absent.stopped_waiting(late)} for it"
+        raise DivergenceError(
+            f"{_WHAT}: this process compiled {_function(json.loads(record))} as its "
+            f"{_ordinal(number)} computation across processes, and {gone}.\n"
+            "Every process must run the same computations on global arrays in the same order "
+            "(a computation run by some processes only, such as a value read on one process, "
+            "waits for the others forever).\nConsider the output of those processes, and code "
+            f"that depends on jax.process_index(); {ENV_PROGRAM_CHECK}=0 turns this check off.",
+            processes=late,
+            field="arrival",
+        )
+    raise _difference(records, number, _explain(compiling, tag, timeout))
+
+
+def _explain(
+    compiling: _compat.Compiling, tag: str, timeout: float
+) -> dict[int, list[list[str]]] | None:
+    """Every process's arguments, after a difference every process saw (None: all equal).
+
+    One more exchange, made by every process: they all hold the same records, all of them
+    present, so all come here.
+    """
+    args = compiling.args()
+    listed = json.dumps(args)
+    summary = hashlib.sha256(listed.encode()).hexdigest()
+    outcome = _agree.check(tag + "/arguments", summary, lambda: listed, timeout=timeout)
+    if outcome.agreed or outcome.missing or outcome.gave_up:
+        return None
+    return {p: json.loads(r) for p, r in outcome.records.items()}
+
+
+def _leave() -> None:
+    """At exit: leave every tag compared on, so that a process waiting there learns it at once."""
+    for tag in sorted(_tags):
+        _agree.leave(tag, json.dumps({"left": True}))
+
+
+def _difference(
+    records: dict[int, dict[str, Any]], number: int, args: dict[int, list[list[str]]] | None
+) -> DivergenceError:
+    by_digest: dict[str, list[int]] = {}
+    for p, r in records.items():
+        by_digest.setdefault(r["digest"], []).append(p)
+    suspects = _absent.outside_majority(by_digest.values())
+    lines = "\n".join(
+        f"  {_absent.processes(ps)}: {_function(records[ps[0]])}" for ps in by_digest.values()
+    )
+    head = (
+        f"{_WHAT}: the processes compiled different programs as their {_ordinal(number)} "
+        f"computation across processes:\n{lines}\n"
+    )
+    field, detail = _first_difference(records, args)
+    return DivergenceError(
+        head + detail + "Every process must compile the same program for the same global shapes "
+        "(a value that depends on the process, such as each process padding its batch to its "
+        "own longest sequence, makes a different program).\nConsider fixing such sizes for all "
+        f"processes; {ENV_PROGRAM_CHECK}=0 turns this check off.",
+        processes=suspects,
+        field=field,
+    )
+
+
+def _first_difference(
+    records: dict[int, dict[str, Any]], args: dict[int, list[list[str]]] | None
+) -> tuple[str, str]:
+    """The first argument whose type or sharding differs, as (field, sentence).
+
+    ``args``: every process's arguments (name, type, sharding), None when they are all equal.
+    """
+    names = {p: r["name"] for p, r in records.items()}
+    if len(set(names.values())) > 1:
+        return "function", "They are different functions.\n"
+    inside = (
+        "program",
+        (
+            "Their arguments are the same: the computations differ inside (a constant, a shape or "
+            "a branch traced from a value that differs between processes).\n"
+        ),
+    )
+    if args is None:
+        return inside
+    if len({len(a) for a in args.values()}) > 1:
+        counts = _grouped({p: str(len(a)) for p, a in args.items()})
+        return "structure", f"They take different numbers of arguments: {counts}.\n"
+    first = args[min(args)]
+    for i, (name, _, _) in enumerate(first):
+        for part, label in ((1, "type"), (2, "sharding")):
+            values = {p: a[i][part] for p, a in args.items()}
+            if len(set(values.values())) > 1:
+                return (
+                    name,
+                    f"The first argument that differs is {name}, its {label}: "
+                    f"{_grouped(values)}.\n",
+                )
+    return inside
+
+
+def _grouped(values: dict[int, str]) -> str:
+    by: dict[str, list[int]] = {}
+    for p, v in sorted(values.items()):
+        by.setdefault(v, []).append(p)
+    return "; ".join(f"{_absent.processes(ps)}: {v}" for v, ps in by.items())
+
+
+def _function(record: dict[str, Any]) -> str:
+    where = record.get("where")
+    return f"{record['name']} ({where})" if where else str(record["name"])
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
