@@ -11,6 +11,7 @@ loader is read ahead of its step.
 
 from __future__ import annotations
 
+from ..coord import absent as _absent
 from .records import Record
 
 __all__ = ["short", "short_batch", "uneven_end"]
@@ -67,11 +68,6 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
     )
 
 
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
 def _processes(ps: list[int]) -> str:
     return f"process{'es' if len(ps) > 1 else ''} {_and([str(p) for p in ps])}"
 
@@ -117,7 +113,7 @@ def _leading_rows(records: dict[int, Record]) -> dict[int, int] | None:
 def uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
     """The message for loaders that yielded different numbers of batches (see `_check_end`)."""
     had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
-    more = f"a {_ordinal(step)}" if step > 1 else "one"
+    more = f"a {_absent.ordinal(step)}" if step > 1 else "one"
     ended_text = (
         f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
     )

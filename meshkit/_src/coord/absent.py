@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["did_not", "outside_majority", "processes", "stopped_waiting"]
+__all__ = ["did_not", "ordinal", "outside_majority", "processes", "stopped_waiting"]
 
 
 def processes(ids: Iterable[int]) -> str:
@@ -39,3 +39,14 @@ def outside_majority(groups: Iterable[list[int]]) -> list[int]:
     size = max(len(ps) for ps in ordered)
     largest = [ps for ps in ordered if len(ps) == size]
     return sorted(p for ps in ordered for p in ps if len(largest) > 1 or ps is not largest[0])
+
+
+def ordinal(n: int) -> str:
+    """``"3rd"``: the n-th call of a sequence every process makes, as messages name it.
+
+    Example:
+        >>> [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 112)]
+        ['1st', '2nd', '3rd', '4th', '11th', '12th', '13th', '21st', '112th']
+    """
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -154,7 +154,7 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
             gone = f"{_absent.stopped_waiting(late)} for it"
         raise DivergenceError(
             f"{_WHAT}: this process compiled {_function(json.loads(record))} as its "
-            f"{_ordinal(number)} computation across processes, and {gone}.\n"
+            f"{_absent.ordinal(number)} computation across processes, and {gone}.\n"
             "Every process must run the same computations on global arrays in the same order "
             "(a computation run by some processes only, such as a value read on one process, "
             "waits for the others forever).\nConsider the output of those processes, and code "
@@ -199,7 +199,7 @@ def _difference(
         f"  {_absent.processes(ps)}: {_function(records[ps[0]])}" for ps in by_digest.values()
     )
     head = (
-        f"{_WHAT}: the processes compiled different programs as their {_ordinal(number)} "
+        f"{_WHAT}: the processes compiled different programs as their {_absent.ordinal(number)} "
         f"computation across processes:\n{lines}\n"
     )
     field, detail = _first_difference(records, args)
@@ -258,8 +258,3 @@ def _grouped(values: dict[int, str]) -> str:
 def _function(record: dict[str, Any]) -> str:
     where = record.get("where")
     return f"{record['name']} ({where})" if where else str(record["name"])
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
