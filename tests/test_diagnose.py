@@ -273,9 +273,11 @@ x = jax.make_array_from_callback(
     (8, 4), NamedSharding(mesh, P("data")), lambda idx: np.ones((8, 4))[idx]
 )
 total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
-print(float(total(x)))  # run by both: compiled (and the programs compared) once
-if jax.process_index() == 0:  # run again by one process alone: nothing compiles, gloo waits
-    print(float(total(x)))
+# Compiled by both (the programs are compared at compilation), run by one: its first collective
+# waits for the other process in gloo's rendezvous, which gives up after 30 s.
+compiled = total.lower(x).compile()
+if jax.process_index() == 0:  # a computation over every process's devices, run by one
+    print(float(compiled(x)))
 """
 
 
