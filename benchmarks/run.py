@@ -55,7 +55,8 @@ def bench_programs_two_processes() -> str:
         "off",
         "on",
     ) + (
-        f"\nthe comparison itself (fingerprint + one barrier): {data['compare'] * 1e3:.2f} ms per "
+        f"\nthe comparison itself (fingerprint + agreement, with any wait for the other process): "
+        f"{data['compare'] * 1e3:.2f} ms per "
         f"compilation, measured over {data['compared']} compilations"
     )
 
