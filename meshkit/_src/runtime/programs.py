@@ -110,7 +110,7 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Stop comparing programs (for tests, and when the distributed runtime shuts down)."""
+    """Stop comparing programs in this process (tests and benchmarks toggle it in every process)."""
     global _remove
     if _remove is not None:
         _remove()
