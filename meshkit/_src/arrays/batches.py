@@ -409,14 +409,16 @@ class GlobalBatches(Iterator[Any]):
         if multi:
             # Every step agrees before placing: on the end of data, the padded size and (but
             # with pad="ragged") the rows, which only a loader's last batch may lack.
-            rows = None
+            batch_rows = None
             if status == "data" and not self._ragged and prepared.leaves[0].global_shape:
-                rows = int(prepared.leaves[0].value.shape[0])
+                batch_rows = int(prepared.leaves[0].value.shape[0])
             check_rows = (
-                None if self._ragged else (lambda agreed: self._check_rows(agreed, step, peek))
+                None
+                if self._ragged
+                else (lambda agreed: self._check_rows(agreed, step, what, peek))
             )
             records = assembly.agree_sizes(
-                prepared, status, rows=rows, what=what, explain=None if pad else check_rows
+                prepared, status, rows=batch_rows, what=what, explain=None if pad else check_rows
             )
             if self._check_end(records, step):
                 return _END
@@ -429,7 +431,7 @@ class GlobalBatches(Iterator[Any]):
         return ((tree, mask) if pad else tree), rows, prepared.notes
 
     def _check_rows(
-        self, records: dict[int, Record], step: int, peek: Callable[[], bool | None]
+        self, records: dict[int, Record], step: int, what: str, peek: Callable[[], bool | None]
     ) -> None:
         """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
 
@@ -441,9 +443,7 @@ class GlobalBatches(Iterator[Any]):
         if not fewer:
             return
         last = peek() if jax.process_index() in fewer else None
-        said = _assembly.exchange_records(
-            self._tag, Record(last=last).wire(), f"{_WHAT} (step {step})"
-        )
+        said = _assembly.exchange_records(self._tag, Record(last=last).wire(), what)
         lasts = {p: Record.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)

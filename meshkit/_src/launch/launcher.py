@@ -28,7 +28,7 @@ from pathlib import Path
 from ..core import events as _events
 from ..core.contract import ENV_STATUS
 from ..core.errors import LaunchError
-from ..core.ports import free_port, port_in_use, reserve_port
+from ..core.ports import port_in_use, reserve_port
 from ..lifecycle.progress import Board
 from . import reaper as _reaper
 from .rank_output import Sink, join_pumps
@@ -46,7 +46,7 @@ from .spawn import Platform, Rank, count_gpus, rank_argv, rank_environments
 from .stop import stop
 from .supervise import Outcome, Supervisor, signals_recorded
 
-__all__ = ["LaunchResult", "Platform", "RankResult", "free_port", "launch"]
+__all__ = ["LaunchResult", "Platform", "RankResult", "launch"]
 
 
 def launch(
