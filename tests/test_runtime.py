@@ -1,4 +1,9 @@
-"""meshkit.init: each case in a fresh subprocess, since init changes global JAX state."""
+"""meshkit.init: each case in a fresh subprocess, since init changes global JAX state.
+
+The exception: arguments and settings that init refuses are refused before it reads or changes
+any state, so those cases run in this test process, after its JAX backends have started (a
+refusal that came after init's state checks would read "already started" here, and fail).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,12 @@ import sys
 import textwrap
 import time
 
+import jax
 import pytest
 
+import meshkit
 from meshkit._src.core.ports import free_port, reserve_port
+from meshkit._src.runtime import init as _init_module
 
 
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
@@ -35,6 +43,24 @@ def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: floa
         timeout=timeout,
         check=False,
     )
+
+
+def _refused(monkeypatch, call, env: dict[str, str] | None = None) -> str:
+    """The message of ``call``'s refusal in this process, with only ``env`` of meshkit's settings.
+
+    A refusal must leave init's state as it was: nothing joined, nothing recorded.
+    """
+    for name in list(os.environ):
+        if name.startswith(("MESHKIT_", "SLURM_", "OMPI_")):
+            monkeypatch.delenv(name)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    jax.devices()  # started: a refusal that came after init's state checks would say so instead
+    before = _init_module._INFO
+    with pytest.raises(meshkit.MeshkitError) as refusal:
+        call()
+    assert _init_module._INFO is before
+    return str(refusal.value)
 
 
 def test_single_process_is_a_noop_and_idempotent(tmp_path):
@@ -212,45 +238,43 @@ def test_coordinator_port_in_use(tmp_path):
             "MESHKIT_FAIL_FAST_GRACE='-1' must be a finite number of seconds >= 0.",
         ),
         (
+            {
+                "MESHKIT_COORDINATOR": "nohost",
+                "MESHKIT_NUM_PROCESSES": "2",
+                "MESHKIT_PROCESS_ID": "1",
+            },
+            "coordinator address 'nohost' is not of the form 'host:port'",
+        ),
+        (
             {"MESHKIT_LOCAL_DEVICE_IDS": "0;1"},
             "MESHKIT_LOCAL_DEVICE_IDS='0;1' is not a comma-separated",
         ),
     ],
 )
-def test_bad_environment(tmp_path, env, expected):
-    out = run_py(
-        "import meshkit\ntry:\n meshkit.init()\nexcept meshkit.MeshkitError as e:\n print(e)",
-        tmp_path,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr
-    assert expected in out.stdout
+def test_bad_environment(monkeypatch, env, expected):
+    assert expected in _refused(monkeypatch, meshkit.init, env)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ("num_processes=2", "needs coordinator_address='host:port'"),
-        ("coordinator_address='nohost', num_processes=2, process_id=1",
+        ({"num_processes": 2}, "needs coordinator_address='host:port'"),
+        ({"coordinator_address": "nohost", "num_processes": 2, "process_id": 1},
          "coordinator address 'nohost' is not of the form 'host:port'"),
-        ("cpu_devices=-1", "cpu_devices must be a positive int; got -1"),
-        ("timeout=0", "timeout must be a finite number > 0 seconds; got 0"),
-        ("timeout=float('nan')", "timeout must be a finite number > 0 seconds; got nan"),
-        ("timeout=float('inf')", "timeout must be a finite number > 0 seconds; got inf"),
-        ("timeout='10'", "timeout must be a finite number > 0 seconds; got '10'"),
-        ("num_processes=0", "num_processes must be a positive int; got 0"),
-        ("process_id=-1", "process_id must be an int >= 0; got -1"),
-        ("coordinator_address='127.0.0.1:1', num_processes=2, process_id=2",
+        ({"cpu_devices": -1}, "cpu_devices must be a positive int; got -1"),
+        ({"timeout": 0}, "timeout must be a finite number > 0 seconds; got 0"),
+        ({"timeout": float("nan")}, "timeout must be a finite number > 0 seconds; got nan"),
+        ({"timeout": float("inf")}, "timeout must be a finite number > 0 seconds; got inf"),
+        ({"timeout": "10"}, "timeout must be a finite number > 0 seconds; got '10'"),
+        ({"num_processes": 0}, "num_processes must be a positive int; got 0"),
+        ({"process_id": -1}, "process_id must be an int >= 0; got -1"),
+        ({"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2},
          "process_id=2 is not one of the 2 processes (ids 0 to 1).\nConsider process ids from 0"),
     ],
+    ids=lambda v: ", ".join(f"{k}={x!r}" for k, x in v.items()) if isinstance(v, dict) else v,
 )  # fmt: skip
-def test_bad_arguments(tmp_path, kwargs, expected):
-    out = run_py(
-        f"import meshkit\ntry:\n meshkit.init({kwargs})\nexcept meshkit.MeshkitError as e:\n print(e)",
-        tmp_path,
-    )
-    assert out.returncode == 0, out.stderr
-    assert expected in out.stdout
+def test_bad_arguments(monkeypatch, kwargs, expected):
+    assert expected in _refused(monkeypatch, lambda: meshkit.init(**kwargs))
 
 
 def test_arguments_that_contradict_the_launcher_are_named(tmp_path):

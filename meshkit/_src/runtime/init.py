@@ -207,11 +207,13 @@ def _plan(
         n = num_processes if num_processes is not None else 1
         pid = process_id if process_id is not None else 0
         _check_against_launcher(n, pid)
-        if n > 1 and coordinator_address is None:
-            raise MeshkitError(
-                f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
-                "(the address of process 0)."
-            )
+        if n > 1:
+            if coordinator_address is None:
+                raise MeshkitError(
+                    f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
+                    "(the address of process 0)."
+                )
+            _split_address(coordinator_address)  # refused before any state is read
         return RuntimeInfo(
             "arguments", "coordinator/processes passed to meshkit.init()", n, pid,
             coordinator_address if n > 1 else None, local_device_ids=local_device_ids,
@@ -227,6 +229,7 @@ def _plan(
                 f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
                 f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
             )
+        _split_address(launch_address)
         return RuntimeInfo(
             "meshkit launch", f"{ENV_COORDINATOR}={launch_address} is set", n, pid,
             launch_address, local_device_ids=local_device_ids,
