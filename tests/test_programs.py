@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from ranks import programs as ranks
 
 from meshkit._src.core import compat
 from meshkit._src.runtime import programs
@@ -284,23 +285,10 @@ def test_equal_programs_agree_once_per_compilation_and_never_per_call(warm_clust
 # ---- fresh processes -----------------------------------------------------------------------
 
 
-def _one_of_eight_differs():
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    rows = 3 if jax.process_index() == 5 else 2
-    x = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), np.ones((rows, 2), np.float32)
-    )
-    return float(jax.jit(lambda v: v.sum())(x))
-
-
 def test_the_one_process_of_eight_whose_program_differs_is_named():
     start = time.monotonic()
     result = launch_in_processes(
-        _one_of_eight_differs, num_processes=8, devices_per_process=1, timeout=120, env=_FAST
+        ranks.one_of_eight_differs, num_processes=8, devices_per_process=1, timeout=120, env=_FAST
     )
     took = time.monotonic() - start
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
@@ -319,30 +307,10 @@ def test_the_one_process_of_eight_whose_program_differs_is_named():
     assert took < 90, text
 
 
-def _only_process_0_computes():
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import meshkit
-
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    x = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), np.ones((4, 2), np.float32)
-    )
-    if jax.process_index() == 0:  # a computation over both processes' devices, run by one
-        start = time.monotonic()
-        try:
-            return float(jax.jit(lambda v: v.sum())(x))
-        except meshkit.DivergenceError as e:
-            return str(e).splitlines()[0], e.processes, e.field, time.monotonic() - start
-    return "ended"
-
-
 def test_a_computation_one_process_runs_alone_is_named_when_the_other_ends():
     start = time.monotonic()
     result = launch_in_processes(
-        _only_process_0_computes, devices_per_process=1, timeout=120, env=_FAST
+        ranks.only_process_0_computes, devices_per_process=1, timeout=120, env=_FAST
     )
     took = time.monotonic() - start
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
@@ -362,15 +330,9 @@ def test_a_computation_one_process_runs_alone_is_named_when_the_other_ends():
     assert took < 60, text
 
 
-def _switched_off():
-    from meshkit._src.runtime import programs as p
-
-    return p.installed()
-
-
 def test_the_switch_turns_the_comparison_off():
     result = launch_in_processes(
-        _switched_off, env={"MESHKIT_PROGRAM_CHECK": "0"}, devices_per_process=1, timeout=90
+        ranks.switched_off, env={"MESHKIT_PROGRAM_CHECK": "0"}, devices_per_process=1, timeout=90
     )
     assert result.returncode == 0, result.report
     assert result.values == [False, False]

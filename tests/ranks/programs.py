@@ -1,0 +1,50 @@
+"""What the fresh processes of `tests/test_programs.py` run (its warm cluster runs its own).
+
+The launched processes import this module, not the test module: they need meshkit, JAX and
+numpy, not pytest and hypothesis.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def one_of_eight_differs():
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rows = 3 if jax.process_index() == 5 else 2
+    x = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), np.ones((rows, 2), np.float32)
+    )
+    return float(jax.jit(lambda v: v.sum())(x))
+
+
+def only_process_0_computes():
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshkit
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    x = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), np.ones((4, 2), np.float32)
+    )
+    if jax.process_index() == 0:  # a computation over both processes' devices, run by one
+        start = time.monotonic()
+        try:
+            return float(jax.jit(lambda v: v.sum())(x))
+        except meshkit.DivergenceError as e:
+            return str(e).splitlines()[0], e.processes, e.field, time.monotonic() - start
+    return "ended"
+
+
+def switched_off():
+    from meshkit._src.runtime import programs as p
+
+    return p.installed()
