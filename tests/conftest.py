@@ -21,8 +21,9 @@ def _compilation_cache() -> None:
     """A JAX compilation cache of this test process's own, empty at its start, removed at exit.
 
     Many in-process tests compile the same small programs again (a new function object, a new
-    `pmap_compat`, the same hypothesis draw); with the cache the second compilation is a read:
-    on Python 3.12, 35.8 CPU-s instead of 41.8 for test_pmap, test_spmd and test_legacy. Every
+    `pmap_compat`, the same hypothesis draw); with the cache the second compilation is a read.
+    test_pmap, test_spmd, test_legacy and test_collectives in one process, Python 3.12, runs
+    alternating with and without it: 58.6 and 71.5 CPU-s with it, 71.1 and 77.8 without. Every
     program is kept (no minimum compile time). Each process has its own directory, so none can
     read an entry another is still writing; processes the tests launch get none.
     """
