@@ -7,9 +7,17 @@ and ``processes 2,5 did not ask``) finds the same shape everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-__all__ = ["did_not", "ordinal", "outside_majority", "processes", "stopped_waiting"]
+__all__ = [
+    "by_value",
+    "did_not",
+    "listed",
+    "ordinal",
+    "outside_majority",
+    "processes",
+    "stopped_waiting",
+]
 
 
 def processes(ids: Iterable[int]) -> str:
@@ -39,6 +47,24 @@ def outside_majority(groups: Iterable[list[int]]) -> list[int]:
     size = max(len(ps) for ps in ordered)
     largest = [ps for ps in ordered if len(ps) == size]
     return sorted(p for ps in ordered for p in ps if len(largest) > 1 or ps is not largest[0])
+
+
+def by_value(values: Mapping[int, str]) -> dict[str, list[int]]:
+    """Each value the processes hold, with its processes (sorted), in the order first held."""
+    groups: dict[str, list[int]] = {}
+    for p, value in sorted(values.items()):
+        groups.setdefault(value, []).append(p)
+    return groups
+
+
+def listed(groups: Mapping[str, list[int]]) -> str:
+    """``"processes 0,1: float32[8]; process 2: float32[4]"``: who holds which value.
+
+    Example:
+        >>> listed(by_value({2: "b", 0: "a", 1: "a"}))
+        'processes 0,1: a; process 2: b'
+    """
+    return "; ".join(f"{processes(ps)}: {value}" for value, ps in groups.items())
 
 
 def ordinal(n: int) -> str:

@@ -140,16 +140,10 @@ def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int
         names.extend(k for k in flat if k not in names)
     found = []
     for name in names:
-        values: dict[str, list[int]] = {}
-        for p, flat in fields.items():
-            values.setdefault(flat.get(name, "(absent)"), []).append(p)
+        values = _absent.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()})
         if len(values) > 1:
             found.append((name, values))
     return found
-
-
-def _lines(values: dict[str, list[int]]) -> str:
-    return "; ".join(f"{_absent.processes(ps)}: {value}" for value, ps in values.items())
 
 
 def check(me: int, n: int, timeout: float) -> None:
@@ -192,14 +186,14 @@ def check(me: int, n: int, timeout: float) -> None:
 def _warning(name: str, values: dict[str, list[int]]) -> str:
     what = "main program file" if name == "program" else "XLA_FLAGS"
     return (
-        f"meshkit.init(): the processes run different {what}s ({_lines(values)}"
+        f"meshkit.init(): the processes run different {what}s ({_absent.listed(values)}"
         f"{' by SHA-256' if name == 'program' else ''}). That may be on purpose; if not, "
         "consider how each host got its copy of the program."
     )
 
 
 def _message(errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int]) -> str:
-    rows = "\n".join(f"  {name}: {_lines(values)}" for name, values in errors)
+    rows = "\n".join(f"  {name}: {_absent.listed(values)}" for name, values in errors)
     settings = [name for name, _ in errors if name.startswith("jax_")]
     advice = (
         f"consider how {_absent.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "

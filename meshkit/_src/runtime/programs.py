@@ -136,7 +136,8 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
     # A small record: the arguments (one entry each, thousands in a large model) are exchanged
     # only to explain a difference (`_explain`).
-    record = json.dumps({"name": compiling.name, "where": compiling.where(), "digest": digest})
+    mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
+    record = json.dumps(mine)
     timeout = _env.check_timeout()
     outcome = _agree.agree(tag, f"{compiling.name} {digest}", record, timeout=timeout)
     if outcome.agreed:
@@ -153,7 +154,7 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
         else:
             gone = f"{_absent.stopped_waiting(late)} for it"
         raise DivergenceError(
-            f"{_WHAT}: this process compiled {_function(json.loads(record))} as its "
+            f"{_WHAT}: this process compiled {_function(mine)} as its "
             f"{_absent.ordinal(number)} computation across processes, and {gone}.\n"
             "Every process must run the same computations on global arrays in the same order "
             "(a computation run by some processes only, such as a value read on one process, "
@@ -191,9 +192,7 @@ def _leave() -> None:
 def _difference(
     records: dict[int, dict[str, Any]], number: int, args: dict[int, list[list[str]]] | None
 ) -> DivergenceError:
-    by_digest: dict[str, list[int]] = {}
-    for p, r in records.items():
-        by_digest.setdefault(r["digest"], []).append(p)
+    by_digest = _absent.by_value({p: r["digest"] for p, r in records.items()})
     suspects = _absent.outside_majority(by_digest.values())
     lines = "\n".join(
         f"  {_absent.processes(ps)}: {_function(records[ps[0]])}" for ps in by_digest.values()
@@ -233,7 +232,7 @@ def _first_difference(
     if args is None:
         return inside
     if len({len(a) for a in args.values()}) > 1:
-        counts = _grouped({p: str(len(a)) for p, a in args.items()})
+        counts = _absent.listed(_absent.by_value({p: str(len(a)) for p, a in args.items()}))
         return "structure", f"They take different numbers of arguments: {counts}.\n"
     first = args[min(args)]
     for i, (name, _, _) in enumerate(first):
@@ -243,16 +242,9 @@ def _first_difference(
                 return (
                     name,
                     f"The first argument that differs is {name}, its {label}: "
-                    f"{_grouped(values)}.\n",
+                    f"{_absent.listed(_absent.by_value(values))}.\n",
                 )
     return inside
-
-
-def _grouped(values: dict[int, str]) -> str:
-    by: dict[str, list[int]] = {}
-    for p, v in sorted(values.items()):
-        by.setdefault(v, []).append(p)
-    return "; ".join(f"{_absent.processes(ps)}: {v}" for v, ps in by.items())
 
 
 def _function(record: dict[str, Any]) -> str:
