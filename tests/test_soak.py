@@ -29,8 +29,12 @@ from meshkit.testing import launch_in_processes
 pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 SOAK_S = 30.0
-PACE_S = 0.02  # each step's wait: SOAK_S / PACE_S steps last SOAK_S at least
+# Each step's wait, as a step waits for its accelerator: SOAK_S / PACE_S steps last SOAK_S at
+# least. The watchdog samples every 0.5 s (1 s in the paced cases), 10 steps or more apart.
+# (At 20 ms a step, the soaks cost 71 CPU-s of the suite's 675 for the same 30 s.)
+PACE_S = 0.05
 STEPS = int(SOAK_S / PACE_S)
+CHECKPOINT_STEPS = STEPS * 3 // 4  # 22.5 s of steps and two 4.5 s writes
 ENV = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "2", "MESHKIT_WATCHDOG": "2"}
 # The paced cases make a debug-checked call per step; the timeout is also how long a process
 # waits there for the others, and a first call that compiles can lag 7 s under heavy load (beside
@@ -134,9 +138,9 @@ def _steps_with_checkpoints():
     longest = 0.0
     with tempfile.TemporaryDirectory(prefix="meshkit-soak-") as directory:
         path = os.path.join(directory, f"ckpt{jax.process_index()}")
-        for i in range(STEPS * 2 // 3):
+        for i in range(CHECKPOINT_STEPS):
             acc = step(acc, x)
-            if i % 600 == 100:  # every process writes its part: 2 checkpoints of 2+ periods
+            if i % 200 == 100:  # every process writes its part: 2 checkpoints of 2+ periods
                 float(acc)
                 began = time.monotonic()
                 _checkpoint_write(path, 4.5)
@@ -213,7 +217,7 @@ def test_global_batches_feeding_a_jit_step(soaks):
 
 def test_steps_with_checkpoint_writes_longer_than_the_watchdog(soaks):
     values = _ran(soaks, _steps_with_checkpoints)
-    assert [v[0] for v in values] == [64.0 * (STEPS * 2 // 3)] * 2
+    assert [v[0] for v in values] == [64.0 * CHECKPOINT_STEPS] * 2
     # Each write outlasted the watchdog and its timeout together (2 s + 2 s).
     assert all(v[2] > 4.0 for v in values), values
 
