@@ -1,4 +1,7 @@
-"""meshkit.debug in one process (switches, fingerprints, the comparison) and barrier in two."""
+"""meshkit.debug in one process (switches, fingerprints, the comparison) and barrier in two.
+
+What the fresh processes run is in `ranks/debug.py`; the warm cluster runs its own.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
+from ranks import debug as ranks
 
 import meshkit
 from meshkit import debug
@@ -369,40 +373,13 @@ def test_barrier_bad_arguments():
     meshkit.barrier("single process returns at once", timeout=1)
 
 
-def _barrier_meets():
-    import time
-
-    import jax
-
-    if jax.process_index() == 1:
-        time.sleep(1.0)
-    came = time.time()  # one machine: the processes share this clock
-    for _ in range(3):  # a name may be reused
-        meshkit.barrier("meet", timeout=30)
-    return came, time.time()
-
-
-def _barrier_missing():
-    import time
-
-    import jax
-
-    if jax.process_index() == 1:
-        time.sleep(6)
-    try:
-        meshkit.barrier("checkpoint written", timeout=2)
-    except meshkit.MeshkitError as e:
-        return str(e)
-    return "passed"
-
-
 @pytest.mark.multiprocess
 def test_barrier_in_two_processes(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
-    times = run_in_processes(_barrier_meets, devices_per_process=1)
+    times = run_in_processes(ranks.barrier_meets, devices_per_process=1)
     late = times[1][0]
     assert all(passed >= late for _, passed in times), times  # process 0 waited for the late one
-    result = launch_in_processes(_barrier_missing, devices_per_process=1, timeout=60)
+    result = launch_in_processes(ranks.barrier_missing, devices_per_process=1, timeout=60)
     early, late = result.values
     assert early is not None, result.report
     assert (
@@ -416,21 +393,8 @@ def test_barrier_in_two_processes(marker, monkeypatch):
     ), late
 
 
-def _names_that_look_alike():
-    import jax
-
-    import meshkit
-
-    name = "ckpt/a" if jax.process_index() == 0 else "ckpt_a"
-    try:
-        meshkit.barrier(name, timeout=2)
-    except meshkit.MeshkitError as e:
-        return str(e).splitlines()[0]
-    return "passed"
-
-
 def test_barrier_names_that_look_alike_are_different_barriers():
-    values = run_in_processes(_names_that_look_alike, devices_per_process=1)
+    values = run_in_processes(ranks.names_that_look_alike, devices_per_process=1)
     assert values == [
         "meshkit.barrier('ckpt/a'): process 1 did not arrive within 2 s (use #1 of this "
         "barrier); this process (process 0) did.",

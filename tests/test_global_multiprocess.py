@@ -1,13 +1,15 @@
 """Global arrays on 2 processes x 4 CPU devices: assembly, round trip, gather, errors, batches.
 
-Functions starting with an underscore run inside the launched processes (each imports this file
-again). Every process builds the same global reference with a shared seed and passes the part
-`process_slice` names; the assembled array is compared shard by shard with the reference.
+Functions starting with an underscore run in the module's warm cluster (its processes import
+this file); what freshly launched processes run is in `ranks/global_multiprocess.py`. Every
+process builds the same global reference with a shared seed and passes the part `process_slice`
+names; the assembled array is compared shard by shard with the reference.
 """
 
 from __future__ import annotations
 
 import pytest
+from ranks import global_multiprocess as ranks
 
 from meshkit.testing import launch_in_processes, run_in_processes
 
@@ -140,49 +142,9 @@ def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes(warm_cl
         assert "pad=True" in message
 
 
-def _windowed_checks():
-    import time
-
-    import jax
-    import numpy as np
-
-    import meshkit
-    from meshkit._src.coord import agree as _agree
-
-    mesh = meshkit.make_mesh({"data": -1, "model": 4})
-    me = jax.process_index()
-    good = np.ones((8, 4), np.float32)
-    bad = np.ones((8, 4), np.int32)  # process 1's call #250: another dtype
-    meshkit.barrier("start")
-    rpcs = _agree.stats.rpcs
-    for _ in range(100):  # a slow loop: a call every 3 ms, windows stay open for more
-        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
-        time.sleep(0.003)
-    meshkit.barrier("slow")  # every check so far verified, none raised
-    slow_per_call = (_agree.stats.rpcs - rpcs - 1) / 100  # less the barrier's one
-    rpcs = _agree.stats.rpcs
-    for i in range(101, 301):
-        if i <= 200:
-            jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
-        if i == 200:
-            meshkit.barrier("fast")
-            per_call = (_agree.stats.rpcs - rpcs - 1) / 100
-        if i > 200:
-            local = bad if (me == 1 and i == 250) else good
-            try:  # deferred: even the call that changes returns before it is verified
-                meshkit.global_array_from_local(local, mesh, "data", check="deferred")
-            except meshkit.MeshkitError as e:  # raised by a later call, once verified
-                return per_call, slow_per_call, i, str(e)
-    try:
-        meshkit.barrier("end")
-    except meshkit.MeshkitError as e:
-        return per_call, slow_per_call, 301, str(e)
-    return per_call, slow_per_call, None, "no error"
-
-
 def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
     # Fresh processes: the message names the call by its number in the process's life.
-    results = run_in_processes(_windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
+    results = run_in_processes(ranks.windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
     for per_call, slow_per_call, raised_at, message in results:
         # Windows of calls: a tight loop shares one agreement (two round trips) among many
         # calls; a slow loop among the calls of `_agree.LINGER_S` (a window per call would be
@@ -486,48 +448,22 @@ def test_a_loader_error_reaches_its_caller_and_stops_the_others(warm_cluster):
     assert results[0]["steps"] == results[1]["steps"] == 1
 
 
-def _one_process_never_calls():
-    import jax
-    import numpy as np
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    if jax.process_index() == 1:
-        return "skipped"
-    try:
-        meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
-    except meshkit.MeshkitError as e:
-        return str(e)
-    return "no error"
-
-
 def test_a_process_that_never_calls_is_named_after_the_timeout():
     result = launch_in_processes(
-        _one_process_never_calls, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "3"}
+        ranks.one_process_never_calls,
+        num_processes=2,
+        timeout=120,
+        env={"MESHKIT_CHECK_TIMEOUT": "3"},
     )
     message = result.values[0]
     assert "process 1 did not arrive within 3 s; the others did." in message
-
-
-def _mismatch_then_end():
-    import jax
-    import numpy as np
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    rows = 8 if jax.process_index() == 1 else 4
-    local = np.ones((rows, 3), np.float32)
-    x = meshkit.global_array_from_local(local, mesh, "data", check="deferred")
-    print("returned", x.shape, flush=True)  # verified beside the caller
 
 
 def test_a_mismatch_in_the_last_call_of_a_program_ends_it_with_a_non_zero_status():
     # The deferred check fails at exit, where no meshkit call can raise it: found then, it ends
     # the process with status 1 instead of a traceback of a thread and 0. (The default check
     # raises in the call itself: tests/test_verified.py.)
-    result = launch_in_processes(_mismatch_then_end, num_processes=2, timeout=120)
+    result = launch_in_processes(ranks.mismatch_then_end, num_processes=2, timeout=120)
     text = result.report + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode != 0, text
     assert "can't create new thread" not in text, text
@@ -564,30 +500,12 @@ def _local_mesh_and_global_leaf():
     return messages
 
 
-def _gather_to_different_places():
-    import jax
-    import numpy as np
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    g = meshkit.global_array_from_local(np.ones((4, 2), np.float32), mesh, "data")
-    me = jax.process_index()
-    try:
-        meshkit.gather({"g": g}, to=me)  # a mistake: each process gathers to itself
-    except meshkit.MeshkitError as e:
-        first = str(e)
-    else:
-        first = "no error"
-    # The check is an agreement, not a collective: the processes go on together afterwards.
-    again = meshkit.gather({"g": g}, to=0)
-    return first, None if again is None else float(again["g"].sum())
-
-
 @pytest.mark.parametrize("debug", ["0", "1"], ids=["debug-off", "debug-on"])
 def test_gather_to_different_places_is_named_instead_of_a_hang(debug):
     env = {**_FAST_CHECK, "MESHKIT_DEBUG": debug, "MESHKIT_DEBUG_TIMEOUT": "20"}
-    results = run_in_processes(_gather_to_different_places, num_processes=2, timeout=120, env=env)
+    results = run_in_processes(
+        ranks.gather_to_different_places, num_processes=2, timeout=120, env=env
+    )
     for first, _ in results:
         if debug == "0":
             assert first.startswith(
@@ -611,61 +529,9 @@ def test_a_mesh_of_one_process_and_an_already_global_leaf_are_refused(warm_clust
         assert "to=2 is not a process; the program has 2 processes (0 to 1)" in bad_to
 
 
-def _stop_early(mode):
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    me = jax.process_index()
-    # A collective per step: a process that took a step the others do not would hang in it.
-    step = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
-
-    def loader():
-        for i in range(100):
-            yield np.full((4, 2), i, np.float32)
-
-    steps = 0
-    if mode == "with":
-        with meshkit.global_batches(loader(), mesh, "data", prefetch=3) as it:
-            for b in it:
-                float(step(b))
-                steps += 1
-                if steps == 2:
-                    break
-    elif mode == "one closes":
-        it = meshkit.global_batches(loader(), mesh, "data", prefetch=3)
-        for b in it:
-            float(step(b))
-            steps += 1
-            if me == 0 and steps == 2:
-                it.close()
-                break
-    else:  # leave the loop and the program without closing: the exit handler stops it
-        for b in meshkit.global_batches(loader(), mesh, "data", prefetch=3):
-            float(step(b))
-            steps += 1
-            if steps == 2:
-                break
-    return steps
-
-
-def _stop_early_with():
-    return _stop_early("with")
-
-
-def _stop_early_one_closes():
-    return _stop_early("one closes")
-
-
-def _stop_early_no_close():
-    return _stop_early("no close")
-
-
-@pytest.mark.parametrize("target", [_stop_early_with, _stop_early_no_close])
+@pytest.mark.parametrize(
+    "target", [ranks.stop_early_with, ranks.stop_early_no_close], ids=["with", "no-close"]
+)
 def test_breaking_out_of_global_batches_exits_cleanly(target):
     result = launch_in_processes(target, num_processes=2, timeout=120, env=_FAST_CHECK)
     assert result.returncode == 0, result.report
@@ -677,7 +543,10 @@ def test_a_process_that_closes_early_releases_the_others():
 
     start = time.monotonic()
     result = launch_in_processes(
-        _stop_early_one_closes, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+        ranks.stop_early_one_closes,
+        num_processes=2,
+        timeout=120,
+        env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
     assert result.returncode == 0, result.report
     assert time.monotonic() - start < 50, "process 1 waited for the check timeout"

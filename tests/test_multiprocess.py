@@ -1,7 +1,7 @@
 """2 processes x 4 CPU devices through the launcher: meshes, psum, cross-process checks.
 
-The functions starting with an underscore run inside the launched processes; each process
-imports this file again (only meshkit, numpy and jax are needed there).
+The functions starting with an underscore run in the module's warm cluster, whose processes
+import this file; what freshly launched processes run is in `ranks/processes.py`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from ranks import processes as ranks
 
 from meshkit._src.coord.barrier import PROBE_S
 from meshkit.testing import launch_in_processes, run_in_processes
@@ -126,23 +127,8 @@ def test_missing_process_is_named(warm_cluster):
     assert "MESHKIT_CHECK_TIMEOUT sets the wait" in messages[0]
 
 
-def _many_agreements():
-    import jax
-
-    from meshkit._src.coord import agree as _agree
-
-    me = jax.process_index()
-    seen = []
-    # Equal, equal, different (every record comes back), equal again, then equal summaries
-    # with different records (records are shown, not compared).
-    for i, summary in enumerate(["a", "a", f"b{me}", "a", "a"]):
-        outcome = _agree.agree("test", summary, f"{me}:{i}", timeout=20)
-        seen.append((outcome.agreed, sorted(outcome.records.items()), outcome.missing))
-    return seen
-
-
 def test_agreements_are_numbered_per_call():
-    results = run_in_processes(_many_agreements, devices_per_process=1)
+    results = run_in_processes(ranks.many_agreements, devices_per_process=1)
     for me, seen in enumerate(results):
         assert seen == [
             (True, [(me, f"{me}:0")], ()),
@@ -153,53 +139,8 @@ def test_agreements_are_numbered_per_call():
         ], (me, seen)
 
 
-def _checks():
-    import time
-
-    import jax
-
-    from meshkit._src.coord import agree as _agree
-
-    me = jax.process_index()
-    seen = []
-
-    def check(summary, timeout=60.0):
-        rpcs, start = _agree.stats.rpcs, time.monotonic()
-        outcome = _agree.check("test-check", summary, f"{me}:{summary}", timeout=timeout)
-        took = time.monotonic() - start
-        seen.append(
-            (
-                summary,
-                outcome.agreed,
-                sorted(outcome.records.items()),
-                outcome.missing,
-                outcome.gave_up,
-                _agree.stats.rpcs - rpcs,
-                took,
-            )
-        )
-
-    # Equal, alternating (one barrier per summary: no extra round trip), then different.
-    for summary in ["a", "a", "b", "a", "b", "b"]:
-        check(summary)
-    check(f"c{me}")  # different: found by the probes long before the 60 s timeout
-    check("a")  # a new epoch of barriers: equal again
-    # Process 1 is late: process 0 stops waiting after 2 s; process 1 arrives after that.
-    if me == 1:
-        time.sleep(4.0)
-    check("late", timeout=2.0)
-    check("a")
-    # Process 1 leaves the tag (a failure, an exit): process 0 is told at once.
-    if me == 1:
-        _agree.leave_check("test-check", "1:left")
-    else:
-        time.sleep(0.5)
-        check("a")
-    return seen
-
-
 def test_checks_meet_at_one_barrier_per_summary_and_fail_fast():
-    results = run_in_processes(_checks, devices_per_process=1, timeout=120)
+    results = run_in_processes(ranks.checks, devices_per_process=1, timeout=120)
     for me, seen in enumerate(results):
         steady = seen[:6]
         for summary, agreed, records, missing, gave_up, _, _ in steady:
@@ -234,14 +175,8 @@ def test_run_in_processes_reports_a_failing_rank():
     from meshkit import LaunchError
 
     with pytest.raises(LaunchError, match=r"rank 1 failed first") as e:
-        run_in_processes(_fails_on_rank_1, devices_per_process=1, timeout=60)
+        run_in_processes(ranks.fails_on_rank_1, devices_per_process=1, timeout=60)
     assert "ZeroDivisionError" in str(e.value)
-
-
-def _fails_on_rank_1():
-    import jax
-
-    return 1 / (1 - jax.process_index())
 
 
 def test_local_function_is_refused():

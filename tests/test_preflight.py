@@ -3,20 +3,20 @@
 The unit tests hand `preflight.check` the other processes' records through a stand-in for the
 agreement; the multi-process tests start real processes whose settings differ.
 
-The functions starting with an underscore run inside the launched processes.
+What the launched processes run is in `ranks/preflight.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import warnings
 from typing import Any
 
 import jax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from ranks import preflight as ranks
 
 import meshkit
 from meshkit._src.coord.node import Outcome
@@ -159,19 +159,10 @@ def test_differences_group_every_process_by_its_value(changes):
 # ---- real processes --------------------------------------------------------------------------
 
 
-def _x64_on_process_1():
-    import os
-
-    if os.environ["MESHKIT_PROCESS_ID"] == "1":
-        jax.config.update("jax_enable_x64", True)
-    meshkit.init()
-    return "ran on"
-
-
 @pytest.mark.multiprocess
 def test_x64_on_one_process_fails_at_init_on_every_process_naming_it(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
-    result = launch_in_processes(_x64_on_process_1, init=False, timeout=60)
+    result = launch_in_processes(ranks.x64_on_process_1, init=False, timeout=60)
     text = result.report + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode != 0, text
     assert result.values == [None, None], text
@@ -182,19 +173,11 @@ def test_x64_on_one_process_fails_at_init_on_every_process_naming_it(marker, mon
     assert "meshkit found that ranks 0, 1 differ (jax_enable_x64)" in result.report, text
 
 
-def _x64_on_process_1_of_3():
-    import os
-
-    if os.environ["MESHKIT_PROCESS_ID"] == "1":
-        jax.config.update("jax_enable_x64", True)
-    meshkit.init()
-
-
 @pytest.mark.multiprocess
 def test_the_launcher_names_the_process_whose_settings_differ(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
     result = launch_in_processes(
-        _x64_on_process_1_of_3, num_processes=3, devices_per_process=1, init=False, timeout=60
+        ranks.x64_on_process_1_of_3, num_processes=3, devices_per_process=1, init=False, timeout=60
     )
     text = result.report + "\n".join(r.stderr for r in result.ranks)
     assert result.returncode != 0, text
@@ -203,16 +186,9 @@ def test_the_launcher_names_the_process_whose_settings_differ(marker, monkeypatc
     assert "The evidence points to rank 1: meshkit found that it differs" in result.report, text
 
 
-def _same_everywhere():
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        meshkit.init()
-    return jax.process_count(), [str(w.message) for w in seen]
-
-
 @pytest.mark.multiprocess
 def test_equal_processes_start_without_a_word(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
-    result = launch_in_processes(_same_everywhere, init=False, timeout=60)
+    result = launch_in_processes(ranks.same_everywhere, init=False, timeout=60)
     assert result.returncode == 0, result.report
     assert result.values == [(2, []), (2, [])], result.report

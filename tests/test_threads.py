@@ -1,6 +1,6 @@
 """Thread safety: meshkit calls from several threads pair up across processes by channel.
 
-The functions starting with an underscore run inside the launched processes.
+What the launched processes run is in `ranks/threads.py`.
 """
 
 from __future__ import annotations
@@ -10,79 +10,27 @@ import time
 
 import numpy as np
 import pytest
+from ranks import threads as ranks
 
 import meshkit
 from meshkit.testing import launch_in_processes
-
-CALLS = 40
-SHAPES = {"a": (8, 3), "b": (4, 5)}  # each channel's own layout: a mispairing is an error
-
-
-def _two_threads():
-    """Two threads assemble global arrays at once, each on its channel; threads are named
-    differently in each process, and started in a different order."""
-    import jax
-
-    mesh = meshkit.make_mesh({"data": -1})
-    me = jax.process_index()
-    sums: dict[str, list[float]] = {}
-    errors: list[BaseException] = []
-
-    def work(channel):
-        rows, cols = SHAPES[channel]
-        try:
-            with meshkit.channel(channel):
-                out = []
-                for i in range(CALLS):
-                    local = np.full((rows, cols), i + me, np.float32)
-                    g = meshkit.global_array_from_local(local, mesh, "data")
-                    out.append(float(np.asarray(g.addressable_shards[0].data).sum()))
-                    if i % 7 == me:
-                        time.sleep(0.01)  # interleave differently in each process
-                sums[channel] = out
-                meshkit.barrier(f"done {channel}")  # settles the deferred checks
-        except BaseException as e:  # reported to the test
-            errors.append(e)
-
-    order = ["a", "b"] if me == 0 else ["b", "a"]
-    threads = [
-        threading.Thread(target=work, args=(c,), name=f"worker-{me}-{k}")
-        for k, c in enumerate(order)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    unnamed = ""
-
-    def without_channel():
-        nonlocal unnamed
-        try:
-            meshkit.global_array_from_local(np.ones((8, 3), np.float32), mesh, "data")
-        except meshkit.MeshkitError as e:
-            unnamed = str(e)
-
-    t = threading.Thread(target=without_channel)
-    t.start()
-    t.join(60)
-    return [repr(e) for e in errors], sums, unnamed
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("debug", ["0", "1"], ids=["debug-off", "debug-on"])
 def test_global_array_from_local_from_two_threads_at_once(debug):
     result = launch_in_processes(
-        _two_threads,
+        ranks.two_threads,
         timeout=180,
         env={"MESHKIT_DEBUG": debug, "MESHKIT_CHECK_TIMEOUT": "30", "MESHKIT_DEBUG_TIMEOUT": "30"},
     )
     assert result.returncode == 0, result.report
     for me, (errors, sums, unnamed) in enumerate(result.values):
         assert errors == [], errors
-        for channel, (rows, cols) in SHAPES.items():
+        for channel, (rows, cols) in ranks.SHAPES.items():
             # Each of the 4 local devices holds a quarter of this process's rows.
             per_device = rows // 4 * cols
-            assert sums[channel] == [float(per_device * (i + me)) for i in range(CALLS)]
+            assert sums[channel] == [float(per_device * (i + me)) for i in range(ranks.CALLS)]
         assert unnamed.startswith(
             "meshkit.global_array_from_local was called from thread 'Thread-"
         ), unnamed
@@ -131,37 +79,10 @@ def test_a_channel_is_used_by_one_thread_at_a_time():
     assert meshkit._src.coord.channel.current() is None
 
 
-def _closed_from_another_thread():
-    """Process 0's loader blocks at batch 3; another thread of process 0 closes the iterator."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = meshkit.make_mesh({"data": -1})
-    me = jax.process_index()
-    step = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
-    gate = threading.Event()
-
-    def loader():
-        for i in range(100):
-            if i == 3 and me == 0:
-                gate.wait(60)  # a loader stuck on a slow file system
-            yield np.full((4, 2), i, np.float32)
-
-    it = meshkit.global_batches(loader(), mesh, "data")
-    if me == 0:
-        threading.Timer(2.0, it.close).start()
-    start = time.monotonic()
-    sums = [float(step(b)) for b in it]
-    took = time.monotonic() - start
-    gate.set()
-    return sums, took
-
-
 @pytest.mark.multiprocess
 def test_close_from_another_thread_ends_a_waiting_next_in_every_process():
     result = launch_in_processes(
-        _closed_from_another_thread, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+        ranks.closed_from_another_thread, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
     )
     assert result.returncode == 0, result.report
     # Steps 0, 1, 2: 8 rows of value i; then process 0's close ends both at step 3.

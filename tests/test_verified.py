@@ -7,62 +7,28 @@ a batch, prints ``returned STEP``, runs a jitted sum over it (a collective acros
 processes) and prints ``computed STEP``. The change comes at step 15, after ``PERIOD`` steps of
 one layout, where a process whose layout repeats goes on without waiting.
 
-The functions starting with an underscore run inside the launched processes.
+What the launched processes run is in `ranks/verified.py`.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
+from ranks import verified as ranks
+from ranks.verified import CHANGE, STEPS
 
 from meshkit.debug import PERIOD
 from meshkit.testing import launch_in_processes
 
 pytestmark = [pytest.mark.multiprocess]
 
-STEPS = 20
-CHANGE = 15  # after PERIOD steps of one layout
 FAST = {"MESHKIT_DEBUG": "0", "MESHKIT_CHECK_TIMEOUT": "10"}
-
-# rows per process and step, by case: (process 0's, process 1's) from the step on
-CASES = {
-    "one": {CHANGE: (8, 4)},  # process 1 alone changes
-    "both": {CHANGE: (16, 4)},  # both change, differently
-    "back": {CHANGE: (16, 16), CHANGE + 1: (8, 16)},  # a change together, then 0 goes back
-}
-
-
-def _rows(case: str, process: int, step: int) -> int:
-    rows = 8
-    for start, pair in sorted(CASES[case].items()):
-        if step >= start:
-            rows = pair[process]
-    return rows
-
-
-def _steps():
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import meshkit
-
-    case = os.environ["VERIFIED_CASE"]
-    mesh = meshkit.make_mesh({"data": -1})
-    total = jax.jit(jnp.sum)
-    me = jax.process_index()
-    for step in range(1, STEPS + 1):
-        local = np.ones((_rows(case, me, step), 3), np.float32)
-        x = meshkit.global_array_from_local(local, mesh, "data")
-        print(f"returned {step} {list(x.shape)}", flush=True)
-        print(f"computed {step} {float(total(x))}", flush=True)
 
 
 def _run(case: str):
     assert PERIOD < CHANGE - 1, "the change must come after PERIOD calls of one layout"
-    result = launch_in_processes(_steps, timeout=90, env={**FAST, "VERIFIED_CASE": case})
+    result = launch_in_processes(ranks.steps, timeout=90, env={**FAST, "VERIFIED_CASE": case})
     return result, result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
 
 
@@ -128,46 +94,10 @@ def test_a_change_together_then_one_goes_back():
     assert "process 1: float32[16, 3] (global [32, 3]" in rank1, text
 
 
-def _threads():
-    import json
-    import threading
-
-    import jax
-    import numpy as np
-
-    import meshkit
-
-    mesh = meshkit.make_mesh({"data": -1})
-    me = jax.process_index()
-    lock = threading.Lock()
-
-    def say(**fields) -> None:
-        with lock:
-            print(json.dumps(fields), flush=True)
-
-    def work(name: str) -> None:
-        with meshkit.channel(name):
-            for step in range(1, STEPS + 1):
-                rows = 4 if (name, me) == ("b", 1) and step >= CHANGE else 8
-                try:
-                    meshkit.global_array_from_local(np.ones((rows, 3), np.float32), mesh, "data")
-                except meshkit.MeshkitError as e:
-                    say(thread=name, error=str(e))
-                    return
-                say(thread=name, returned=step)
-
-    threads = [threading.Thread(target=work, args=(name,)) for name in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    meshkit.barrier("end")  # raises what was found beside the caller, if nothing did yet
-
-
 def test_threads_wait_for_their_own_changes():
     import json
 
-    result = launch_in_processes(_threads, timeout=90, env=FAST)
+    result = launch_in_processes(ranks.threads, timeout=90, env=FAST)
     text = result.report + "\n" + "\n".join(r.stdout + r.stderr for r in result.ranks)
     assert result.returncode != 0, text
     assert not result.timed_out, text
