@@ -167,11 +167,15 @@ def _save_restore_and_refuse():
         ),
     }
     # A process that never comes (process 1 skips the call): named, after MESHKIT_CHECK_TIMEOUT.
+    # Process 1 meanwhile waits at no agreement (one waiting at the next, make_mesh, would be
+    # named at once by both: test_programs.py's processes waiting at different agreements).
     os.environ["MESHKIT_CHECK_TIMEOUT"] = "5"
     if jax.process_index() == 0:
         errors["one process only"] = _errors_of(
             lambda: meshkit.checkpoint.check_savable({"a": tree["a"]})
         )
+    else:
+        time.sleep(6)
     os.environ["MESHKIT_CHECK_TIMEOUT"] = "60"
     # The fix the process-local message names: the same values, as a global array.
     fixed = meshkit.global_array_from_local(local, meshkit.make_mesh({"i": -1}), "i")

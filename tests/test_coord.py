@@ -6,6 +6,7 @@ Each test runs several "processes" as threads of this one, each with its own `No
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ from meshkit._src.coord import absent, barrier, counter, failures, window
 from meshkit._src.coord.fake import FakeCluster, FakeService, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, JaxService
+from meshkit._src.core.errors import DivergenceError
 from meshkit._src.lifecycle.failfast import Unanswered
 
 
@@ -286,7 +288,7 @@ def test_the_probe_and_the_refused_wait_post_one_record_once():
     # A check's prober thread posts its record while the refused wait posts it too: one write.
     cluster = FakeCluster(2)
     node = Node(_SlowWrites(cluster, 0), 0, 2, channel=lambda: None)
-    waiter = barrier.Waiter(node, "c", 0, 0, "d", "s", "0:s")
+    waiter = barrier.Waiter(node, "c", 0, 0, "d", "s", "0:s", threading.get_ident())
     threads = [threading.Thread(target=waiter.post) for _ in range(2)]
     errors: list[BaseException] = []
     threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment]
@@ -449,6 +451,132 @@ def test_a_window_finds_the_record_of_a_process_that_left():
     _together(nodes, body)
     assert len(seen) == 1
     assert json.loads(seen[0].records[1]) == {"status": "closed"}
+
+
+# ---- waits: processes waiting at different agreements -----------------------------------------
+
+
+def _wait_at(node: Node, kind: str, tag: str, what: str, timeout: float = 30.0) -> Outcome:
+    """A synchronous agreement of ``kind`` ("check" or "agree") at ``tag``."""
+    if kind == "check":
+        return barrier.check(node, tag, "s", "r", timeout=timeout, what=what)
+    return counter.agree(node, tag, "s", "r", timeout=timeout, what=what)
+
+
+@pytest.mark.parametrize("kinds", [("check", "agree"), ("agree", "check"), ("check", "check"),
+                                   ("agree", "agree")])  # fmt: skip
+def test_processes_waiting_at_different_agreements_are_named_at_once(kinds):
+    nodes = FakeCluster(2).nodes()
+    places = {0: ("programs", "the first run of step"), 1: ("batches", "step 3 of the batches")}
+
+    def body(node: Node) -> Any:
+        tag, what = places[node.me]
+        start = time.monotonic()
+        try:
+            _wait_at(node, kinds[node.me], tag, what)
+        except DivergenceError as e:
+            return e, time.monotonic() - start
+        return "agreed"
+
+    source, first = inspect.getsourcelines(_wait_at)
+    lines = {  # the user's line each waits at: the innermost frame of this file
+        kind: first + next(i for i, text in enumerate(source) if call in text)
+        for kind, call in (("check", "barrier.check("), ("agree", "counter.agree("))
+    }
+    results = _together(nodes, body)
+    for error, waited in results:
+        assert waited < 5.0, results  # at the first probes, not after the 30 s timeout
+        assert error.processes == [0, 1], error
+        assert error.field == "order", error
+        assert str(error).startswith(
+            "meshkit: the processes wait at different agreements of their main thread, and none "
+            f"can go on: process 0 at tests/test_coord.py:{lines[kinds[0]]} in _wait_at (the "
+            f"first run of step); process 1 at tests/test_coord.py:{lines[kinds[1]]} in _wait_at "
+            "(step 3 of the batches).\n"
+        ), str(error)
+    for node in nodes:  # each raised: its waits stay for the others, until its next wait
+        assert node.waits.stale
+
+
+def test_three_processes_two_of_which_wait_at_one_agreement():
+    nodes = FakeCluster(3).nodes()
+
+    def body(node: Node) -> Any:
+        tag, what = ("gather", "a gather") if node.me != 1 else ("mesh", "make_mesh")
+        try:
+            _wait_at(node, "check" if node.me == 0 else "agree", tag, what)
+        except DivergenceError as e:
+            return str(e).splitlines()[0], e.processes
+        return "agreed"
+
+    for message, processes in _together(nodes, body, timeout=10.0):
+        # Each process names the places posted when it probed: process 1's, and its own.
+        assert "(make_mesh)" in message, message
+        assert "in _wait_at (a gather)" in message, message
+        assert 1 in processes, message
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.sampled_from("abc"), min_size=2, max_size=5),
+    st.fixed_dictionaries({t: st.sampled_from(["check", "agree"]) for t in "abc"}),
+    st.integers(0, 3),
+)
+def test_random_orders_agree_or_name_the_cycle_in_every_process(program, kinds, swap):
+    """Against the sequences themselves: an error iff the processes' orders differ."""
+    other = list(program)
+    k = swap % (len(program) - 1)
+    other[k], other[k + 1] = other[k + 1], other[k]  # process 1 swaps two neighbours
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Any:
+        try:
+            for tag in program if node.me == 0 else other:
+                _wait_at(node, kinds[tag], tag, f"an agreement at {tag}", timeout=20.0)
+        except DivergenceError as e:
+            return e.field, e.processes
+        return "agreed"
+
+    results = _together(nodes, body)
+    if other == program:
+        assert results == ["agreed", "agreed"]
+    else:
+        assert results == [("order", [0, 1])] * 2, (program, other, results)
+
+
+def test_a_late_process_and_another_channel_are_no_cycle():
+    """Waits that end once a slow process comes, or once another thread comes, raise nothing."""
+    local = threading.local()  # each thread's channel (meshkit.channel is one per process)
+    cluster = FakeCluster(2)
+    nodes = [
+        Node(
+            cluster.service(p),
+            p,
+            2,
+            channel=lambda: getattr(local, "channel", None),
+            is_main=lambda: True,
+        )
+        for p in range(2)
+    ]
+
+    def body(node: Node) -> Any:
+        def loader() -> None:  # waits at "y" on a channel of its own: process 1's at once
+            local.channel = "loader"
+            time.sleep(1.5 if node.me == 0 else 0.0)
+            _wait_at(node, "agree", "y", "y")
+
+        helper = threading.Thread(target=loader)
+        helper.start()
+        if node.me == 1:
+            # Late, five probe intervals: process 0's main thread waits at "x" meanwhile, and
+            # process 1's other thread at "y", which process 0 has not reached: not a cycle,
+            # as they are on different channels.
+            time.sleep(1.0)
+        outcome = _wait_at(node, "check", "x", "x")
+        helper.join()
+        return outcome.agreed, node.waits.stale
+
+    assert _together(nodes, body) == [(True, False), (True, False)]
 
 
 # ---- failure posts and the "did not arrive" words ------------------------------------------

@@ -41,7 +41,7 @@ def _exchange(monkeypatch, records: dict[int, preflight.Facts], missing=()):
     """Make `preflight.check` see ``records`` (by process) as the exchange's outcome."""
     asked: list[str] = []
 
-    def check(tag, summary, record, *, timeout):
+    def check(tag, summary, record, *, timeout, what=""):
         asked.append(tag)
         agreed = len({r.to_json() for r in records.values()}) == 1 and not missing
         return Outcome(agreed, {p: r.to_json() for p, r in records.items()}, tuple(missing))

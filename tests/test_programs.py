@@ -10,6 +10,7 @@ processes: the one process that differs is named.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import time
@@ -328,6 +329,30 @@ def test_a_computation_one_process_runs_alone_is_named_when_the_other_ends():
     # Told when process 1 left, not after the 20 s check timeout (nor gloo's 30 s).
     assert waited < 10, (waited, text)
     assert took < 60, text
+
+
+def test_processes_waiting_at_different_agreements_are_named_with_both_places():
+    # Process 0 waits at the first compilation of a program, process 1 at the next step of its
+    # global_batches: each waits for the other, and each learns it at its first probes.
+    result = launch_in_processes(ranks.waits_at_different_agreements, timeout=120, env=_FAST)
+    text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode == 0, text
+    source, first = inspect.getsourcelines(ranks.waits_at_different_agreements)
+    line = {mark: first + next(i for i, t in enumerate(source) if f"# {mark}" in t)
+            for mark in ("process 0", "process 1")}  # fmt: skip
+    # A path as the rank shows it: relative to its working directory, or whole.
+    file = r"\S*tests/ranks/programs\.py"
+    where = file + r":{} in waits_at_different_agreements"
+    expected = (
+        r"meshkit: the processes wait at different agreements of their main thread, and none "
+        rf"can go on: process 0 at {where.format(line['process 0'])} \(the first compilation "
+        rf"of jit\(<lambda>\) \(<lambda> at {file}:{line['process 0']}\)\); process 1 at "
+        rf"{where.format(line['process 1'])} \(step 3 of meshkit\.global_batches\)\."
+    )
+    for message, processes, field, waited in result.values:
+        assert re.fullmatch(expected, message), message
+        assert (processes, field) == ([0, 1], "order"), (processes, field)
+        assert waited < 10, (waited, text)  # not the 20 s check timeout
 
 
 def test_the_switch_turns_the_comparison_off():

@@ -48,3 +48,26 @@ def switched_off():
     from meshkit._src.runtime import programs as p
 
     return p.installed()
+
+
+def waits_at_different_agreements():
+    """Process 0 compiles a program at step 2; process 1 skips it and asks for step 3."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    replicated = NamedSharding(mesh, P())
+    total = jax.jit(lambda b: b.sum(), out_shardings=replicated)
+    loader = (np.full((4, 2), i, np.float32) for i in range(100))
+    start = time.monotonic()
+    try:
+        for i, batch in enumerate(meshkit.global_batches(loader, mesh, "data")):  # process 1
+            float(total(batch))
+            if i == 1 and jax.process_index() == 0:  # a program process 1 does not run
+                float(jax.jit(lambda b: b.max(), out_shardings=replicated)(batch))  # process 0
+    except meshkit.DivergenceError as e:
+        return str(e).splitlines()[0], e.processes, e.field, time.monotonic() - start
+    return "no error"

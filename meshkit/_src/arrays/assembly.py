@@ -78,7 +78,7 @@ def exchange_records(
     timeout = _env.check_timeout()
     record = _with_replicas(record, replicas)
     outcome = _agree.agree(
-        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas
+        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what
     )
     return _records(outcome, timeout, what)
 

@@ -244,7 +244,11 @@ class GlobalBatches(Iterator[Any]):
         if not self._together:
             return True
         outcome = _agree.check(
-            self._handover, "take", json.dumps({"status": "take"}), timeout=self._timeout
+            self._handover,
+            "take",
+            json.dumps({"status": "take"}),
+            timeout=self._timeout,
+            what=f"step {self.steps + 1} of {_WHAT}",
         )
         if outcome.agreed:
             return True

@@ -248,7 +248,7 @@ def _agree_on_call(
     shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
     mine = json.dumps({"to": to, "structure": str(treedef), "leaves": shapes})
     timeout = _env.check_timeout()
-    outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout)
+    outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout, what=what)
     if outcome.agreed:
         return
     if outcome.missing:

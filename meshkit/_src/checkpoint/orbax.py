@@ -126,7 +126,7 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
         return
     mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
     timeout = _env.check_timeout()
-    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout)
+    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
     if outcome.agreed:
         if problem is not None:
             raise MeshkitError(problem)

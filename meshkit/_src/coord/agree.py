@@ -101,6 +101,7 @@ def agree(
     *,
     timeout: float,
     groups: Mapping[str, Group] | None = None,
+    what: str = "",
 ) -> Outcome:
     """`counter.agree` for this process (see there); first raises what `agree_later` found."""
     here = node()
@@ -109,10 +110,10 @@ def agree(
     settle()
     if here is None:
         return Outcome(True, {_compat.distributed_state()[1]: record})
-    return _counter.agree(here, tag, summary, record, timeout=timeout, groups=groups)
+    return _counter.agree(here, tag, summary, record, timeout=timeout, groups=groups, what=what)
 
 
-def check(tag: str, summary: str, record: Record, *, timeout: float) -> Outcome:
+def check(tag: str, summary: str, record: Record, *, timeout: float, what: str = "") -> Outcome:
     """`barrier.check` for this process (see there); first raises what `agree_later` found."""
     here = node()
     if here is not None:
@@ -121,7 +122,7 @@ def check(tag: str, summary: str, record: Record, *, timeout: float) -> Outcome:
     if here is None:
         me = _compat.distributed_state()[1]
         return Outcome(True, {me: record if isinstance(record, str) else record()})
-    return _barrier.check(here, tag, summary, record, timeout=timeout)
+    return _barrier.check(here, tag, summary, record, timeout=timeout, what=what)
 
 
 def agree_later(

@@ -19,26 +19,42 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .node import LEFT, SLICE_S, Node, Outcome, Posted, Record, Tag, digest, key, text
+from .node import (
+    LEFT,
+    PROBE_MAX_S,
+    PROBE_S,
+    SLICE_S,
+    Node,
+    Outcome,
+    Posted,
+    Record,
+    Tag,
+    digest,
+    key,
+    text,
+)
 from .service import Barrier
 
 __all__ = ["PROBE_S", "Prober", "check", "leave_check", "meet"]
-
-PROBE_S = 0.2  # a check still waiting after this long compares records (then 2x, up to 5 s)
-_PROBE_MAX_S = 5.0
 
 
 def barrier_id(tag: str, epoch: int, digest_: str) -> str:
     return f"meshkit/{tag}/b{epoch}/{digest_}"
 
 
-def check(node: Node, tag: str, summary: str, record: Record, *, timeout: float) -> Outcome:
+def check(
+    node: Node, tag: str, summary: str, record: Record, *, timeout: float, what: str = ""
+) -> Outcome:
     """`agree` for checks, where any difference between processes is an error: one round trip.
 
     The summaries of a tag take any number of distinct values without cost (a loop that
     alternates functions alternates barriers); no key is written while processes agree.
     ``record`` may be a function that makes it: it is made only when shown (and an agreed
-    `Outcome` then has no records).
+    `Outcome` then has no records). ``what``: the agreement in words, for a message naming
+    processes that wait at different agreements (`meshkit._src.coord.waits`; default the tag).
+
+    Raises:
+        DivergenceError: the processes wait at different agreements (`Node.probe_waits`).
     """
     state = node.tag(tag)
     mine = digest(summary, {})
@@ -50,7 +66,8 @@ def check(node: Node, tag: str, summary: str, record: Record, *, timeout: float)
     node.stats.agreements += 1
     node.collect_garbage(tag, seq)
     deadline = time.monotonic() + timeout
-    return meet(node, state, seq, epoch, mine, summary, record, deadline)
+    with node.waited(tag, seq, what, barrier_id(tag, epoch, mine)):
+        return meet(node, state, seq, epoch, mine, summary, record, deadline)
 
 
 def meet(
@@ -65,7 +82,7 @@ def meet(
 ) -> Outcome:
     """`check`'s protocol for agreement ``seq`` of ``state``'s tag, once numbered."""
     tag, me, n = state.name, node.me, node.n
-    waiter = Waiter(node, tag, seq, epoch, digest_, summary, record)
+    waiter = Waiter(node, tag, seq, epoch, digest_, summary, record, threading.get_ident())
     start = time.monotonic()
     prober = _prober(node)
     prober.add(waiter)
@@ -77,6 +94,13 @@ def meet(
         prober.remove(waiter)
     if ended is Barrier.PASSED:
         return Outcome(True, {me: record} if isinstance(record, str) else {}, (), (), seq)
+    if node.waits.registered(waiter.thread):
+        # Refused by this process's probe (processes wait at different agreements), or by
+        # another's: a process refused here while the others wait elsewhere learns it now.
+        if not node.waits.pending(waiter.thread):
+            with contextlib.suppress(Exception):
+                node.probe_waits()
+        node.waits.raise_found(waiter.thread)
     timed_out = ended is Barrier.TIMED_OUT
     with state.lock:
         state.barrier.epoch = max(state.barrier.epoch, epoch + 1)
@@ -111,15 +135,14 @@ def leave_check(node: Node, tag: str, record: str) -> None:
         epoch, last = state.barrier.epoch, state.barrier.last
         state.barrier.epoch += 1
         state.barrier.last = None
-    Waiter(node, tag, seq, epoch, "", LEFT, record).post()
+    Waiter(node, tag, seq, epoch, "", LEFT, record, threading.get_ident()).post()
     if last is not None:
         spoil(node, barrier_id(tag, epoch, last))
 
 
 def spoil(node: Node, barrier: str) -> None:
     """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""
-    with contextlib.suppress(Exception):  # refused (others wait there), or passed alone
-        node.service.barrier(barrier, 0.001, [node.me])
+    node.spoil(barrier)
 
 
 @dataclass(eq=False)
@@ -133,6 +156,7 @@ class Waiter:
     digest: str
     summary: str
     make_record: Record
+    thread: int  # the waiting thread
     posted: bool = False
     spoiled: set[str] = field(default_factory=set)
     # The prober's thread and the waiting one both post: one write of the record, not two.
@@ -152,7 +176,17 @@ class Waiter:
             self.posted = True
 
     def probe(self) -> None:
-        """Post this record, read the others'; spoil the barriers of other digests."""
+        """Post this record, read the others'; spoil the barriers of other digests.
+
+        A synchronous wait also compares where every process waits (`Node.probe_waits`); in a
+        cycle, the others in it refuse this barrier (as this probe refuses theirs), so that its
+        thread returns and raises.
+        """
+        node = self.node
+        if node.waits.registered(self.thread):
+            node.probe_waits()
+            if node.waits.pending(self.thread):
+                return
         self.post()
         entries = self.node.service.dir_get(key(self.tag, self.seq, "r") + "/")
         for _, value in entries:
@@ -211,7 +245,7 @@ class Prober(threading.Thread):
                 now = time.monotonic()
                 due = [w for w, (t, _) in self.waiting.items() if t <= now]
                 for w in due:
-                    period = min(self.waiting[w][1] * 2, _PROBE_MAX_S)
+                    period = min(self.waiting[w][1] * 2, PROBE_MAX_S)
                     self.waiting[w] = (now + period, period)
                 if not due:
                     if not self.waiting and now - self.last_add > 50 * tick:

@@ -140,6 +140,7 @@ def agree(
     *,
     timeout: float,
     groups: Mapping[str, Group] | None = None,
+    what: str = "",
 ) -> Outcome:
     """Agree with every other process on ``summary``; the caller's thread waits for the answer.
 
@@ -154,10 +155,15 @@ def agree(
         groups: replica groups this process belongs to: name -> (the group's reference
             process, this process's summary for the group); processes sharing a group name
             must give equal group summaries.
+        what: the agreement in words, for a message naming processes that wait at different
+            agreements (`meshkit._src.coord.waits`; default the tag).
 
     Returns:
         An `Outcome`; ``agreed`` False with every arrived process's record when anything
         differs, ``missing`` naming processes that did not arrive in time.
+
+    Raises:
+        DivergenceError: the processes wait at different agreements (`Node.probe_waits`).
     """
     state = node.tag(tag)
     groups = dict(groups or {})
@@ -170,9 +176,10 @@ def agree(
     call = Call(seq, flag, summary, groups, record, timeout=timeout)
     node.stats.agreements += 1
     node.collect_garbage(tag, seq)
-    total = increment(node, key(tag, seq, "c"), flag)
-    call.arrived = time.monotonic()
-    outcome = settle_call(node, tag, call, total)
+    with node.waited(tag, seq, what):
+        total = increment(node, key(tag, seq, "c"), flag)
+        call.arrived = time.monotonic()
+        outcome = settle_call(node, tag, call, total)
     if not outcome.agreed:
         with state.lock:
             state.counter.last = None  # the next call compares again

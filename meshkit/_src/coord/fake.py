@@ -71,9 +71,16 @@ class FakeCluster:
         return FakeService(self, process)
 
     def nodes(self) -> list[Node]:
-        """A `Node` per process (no channel, and an unraised failure is recorded, not an exit)."""
+        """A `Node` per process: each thread is its main thread; an unraised failure is noted."""
         return [
-            Node(self.service(p), p, self.n, channel=lambda: None, on_unraised=self._unraised(p))
+            Node(
+                self.service(p),
+                p,
+                self.n,
+                channel=lambda: None,
+                on_unraised=self._unraised(p),
+                is_main=lambda: True,
+            )
             for p in range(self.n)
         ]
 

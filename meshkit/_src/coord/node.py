@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from ..core import env as _env
 from ..core.errors import MeshkitError, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
+from . import waits as _waits
 from .service import Counted, Service, Stats
 
 __all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
@@ -32,6 +33,11 @@ MAX_PROCESSES = (1 << SHIFT) - 1
 OK, CHECK = "ok", "check"
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
+# A synchronous wait still waiting after this long compares where the processes wait (then
+# after 2x, 4x, ... up to PROBE_MAX_S): `check`'s records, and every process's waits
+# (`meshkit._src.coord.waits`).
+PROBE_S = 0.2
+PROBE_MAX_S = 5.0
 # `agree_later` with ``verdict_on_change``: a call whose summary repeats its tag's summary PERIOD
 # calls back goes on at once; any other waits for its verdict. Loops whose pattern repeats within
 # PERIOD calls (1, 2, 3, 4, 6 or 12 calls: a step; a batch and a step; a batch, a step and a
@@ -220,6 +226,8 @@ class Node:
         stats: where round trips are counted (a fresh `Stats` by default).
         failures: where deferred failures wait for `settle` (a fresh deque by default).
         channel: the current thread's channel (`meshkit._src.coord.channel.current`).
+        is_main: whether the current thread is the process's main thread (a fake cluster's
+            processes are threads, each its own "main thread").
         on_unraised: ends the process when a deferred failure is not raised within the check
             timeout (default: `meshkit._src.lifecycle.exit.now`; a fake cluster records it).
     """
@@ -234,6 +242,7 @@ class Node:
         failures: deque[BaseException] | None = None,
         channel: Callable[[], str | None] = _channel.current,
         on_unraised: Callable[[], None] | None = None,
+        is_main: Callable[[], bool] | None = None,
     ) -> None:
         if n > MAX_PROCESSES:
             raise MeshkitError(
@@ -247,12 +256,14 @@ class Node:
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
+        self.is_main = is_main or (lambda: threading.current_thread() is threading.main_thread())
         self.on_unraised = on_unraised or _exit_1
         self.tags: dict[str, Tag] = {}
         self.tags_lock = threading.Lock()
         self.live: set[str] = set()  # tags agreed beside the caller (each has a thread)
         self.prober_lock = threading.Lock()
         self.prober: threading.Thread | None = None  # `check`'s, started at its first probe
+        self.waits = _waits.Waits()  # this process's synchronous waits (`check`, `agree`)
         # meshkit's threads serving this process, each with the condition that wakes it
         self.threads: list[tuple[threading.Thread, threading.Condition]] = []
 
@@ -267,17 +278,96 @@ class Node:
         """The value of ``key`` once written; None if it is not written before ``deadline``.
 
         Outside the main thread, waits in slices of `SLICE_S`, and gives up (None) once the
-        process exits (``stopping``): a thread must not be inside a blocking call then.
+        process exits (``stopping``): a thread must not be inside a blocking call then. A
+        thread in a synchronous wait (`waited`) waits in slices of `PROBE_S`, doubling, and
+        compares where the processes wait after each (`probe_waits`): it raises the
+        `DivergenceError` of processes waiting at different agreements.
         """
+        me = threading.get_ident()
         main = threading.current_thread() is threading.main_thread()
+        probing = self.waits.registered(me)
+        period = PROBE_S
         while main or not self.stopping.is_set():
-            end = deadline if main else min(deadline, time.monotonic() + SLICE_S)
-            value = self.service.get(key, max(end - time.monotonic(), 0.001))
+            now = time.monotonic()
+            if probing:
+                end = min(deadline, now + (period if main else min(period, SLICE_S)))
+            else:
+                end = deadline if main else min(deadline, now + SLICE_S)
+            value = self.service.get(key, max(end - now, 0.001))
             if value is not None:
                 return value
-            if main or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (main and not probing):
                 return None
+            if probing:
+                with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
+                    self.probe_waits()
+                self.waits.raise_found(me)
+                period = min(period * 2, PROBE_MAX_S)
         return None
+
+    @contextlib.contextmanager
+    def waited(self, tag: str, seq: int, what: str, barrier: str = "") -> Iterator[None]:
+        """Register the calling thread's synchronous wait at agreement ``seq`` of ``tag``.
+
+        ``barrier``: the barrier it waits at (`check`), which a process that finds it in a
+        cycle refuses, so that it returns.
+        """
+        if self.waits.clear_stale():  # the waits of a cycle raised before: no longer true
+            self._forget_waits()
+        channel = self.channel()
+        if channel is None and not self.is_main():
+            yield  # a thread outside any channel: its place in the order is not defined
+            return
+        thread = self.waits.enter(channel, tag, seq, what or tag, barrier)
+        try:
+            yield
+        finally:
+            if self.waits.leave(thread):  # the store lists waits of this process, none is left
+                self._forget_waits()
+
+    def _forget_waits(self) -> None:
+        with contextlib.suppress(Exception):  # a failed delete leaves waits that have ended
+            self.service.delete(_waits.PREFIX + str(self.me))
+
+    def probe_waits(self) -> None:
+        """Post this process's waits, read the others'; keep the cycles found (`waits.cycles`)."""
+        mine = self.waits.current()
+        if not mine:
+            return
+        self.service.set(
+            _waits.PREFIX + str(self.me),
+            _waits.encode([w for _, w in mine]),
+            overwrite=True,
+        )
+        self.waits.posted = True
+        theirs, notices = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
+        found = _waits.told(mine, notices)
+        if notices:
+            with contextlib.suppress(Exception):
+                self.service.delete(_waits.notice_key(self.me))
+        with self.tags_lock:
+            reached = {name: state.seq for name, state in self.tags.items()}
+        waits = dict(mine)
+        for thread, error in _waits.cycles(self.me, mine, theirs, reached).items():
+            found.setdefault(thread, error)
+            channel = waits[thread].channel
+            for q in error.processes:  # the others in the cycle raise the same error
+                if q == self.me:
+                    continue
+                for v in theirs.get(q, []):
+                    if v.channel != channel:
+                        continue
+                    said = _waits.notice(error, v)  # told first, then woken from its barrier
+                    self.service.set(_waits.notice_key(q), said, overwrite=True)
+                    if v.barrier:
+                        self.spoil(v.barrier)
+        if found:
+            self.waits.keep(found)
+
+    def spoil(self, barrier: str) -> None:
+        """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""
+        with contextlib.suppress(Exception):  # refused (others wait there), or passed alone
+            self.service.barrier(barrier, 0.001, [self.me])
 
     def collect_garbage(self, tag: str, seq: int) -> None:
         """Process 0 deletes the key block two blocks behind, which every process has left."""

@@ -16,7 +16,17 @@ from types import FrameType
 
 import jax
 
-__all__ = ["in_meshkit", "library_file", "meshkit_file", "user_frame", "user_stacklevel"]
+from . import caches as _caches
+
+__all__ = [
+    "in_meshkit",
+    "library_file",
+    "meshkit_file",
+    "place",
+    "short_path",
+    "user_frame",
+    "user_stacklevel",
+]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
@@ -71,3 +81,24 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when inside it."""
+    return _short_in(path, os.getcwd())
+
+
+@_caches.cached(maxsize=1024)
+def _short_in(path: str, cwd: str) -> str:
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path, cwd)
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
+def place(frame: FrameType | None) -> str:
+    """``train.py:28 in main``: where a frame is, as messages name a place; "?" for None."""
+    if frame is None:
+        return "?"
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"

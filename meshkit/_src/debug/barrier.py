@@ -35,6 +35,9 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     Raises:
         MeshkitError: some processes did not arrive in time (they are named, with their last
             meshkit call when debug mode is on), or a bad name or timeout.
+        DivergenceError: processes wait for each other at different points (another barrier,
+            a first compilation, a step of `meshkit.global_batches`), named at once with the
+            place of each.
 
     Examples:
         >>> import meshkit
@@ -53,6 +56,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         "",
         json.dumps({"waited": float(timeout)}),
         timeout=float(timeout),
+        what=f"meshkit.barrier({name!r})",
     )
     use = outcome.seq + 1
     if _st.state.settings is not None:

@@ -18,8 +18,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ..core import caches as _caches
-from ..core.frames import user_frame
-from ..lifecycle import watchdog as _watchdog
+from ..core.frames import place, user_frame
 from ..runtime import dispatch as _dispatch
 
 __all__ = ["MAX_DESC", "fingerprint"]
@@ -69,11 +68,7 @@ def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
 
 def _caller() -> str:
     """``file:line in function`` of the first frame outside meshkit, jax and the stdlib."""
-    frame = user_frame(sys._getframe(2))
-    if frame is None:
-        return "?"
-    name = _watchdog.short_path(frame.f_code.co_filename)
-    return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return place(user_frame(sys._getframe(2)))
 
 
 def fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:

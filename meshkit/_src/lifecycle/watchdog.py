@@ -48,12 +48,11 @@ from typing import Any
 
 import jax
 
-from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
-from ..core.frames import in_meshkit, user_frame
+from ..core.frames import in_meshkit, short_path, user_frame
 from . import exit as _exit
 
 __all__ = [
@@ -64,7 +63,6 @@ __all__ = [
     "Watchdog",
     "frame_text",
     "note_progress",
-    "short_path",
 ]
 
 # A main thread that used this share of a sample interval in CPU time (or runnable, waiting for
@@ -324,20 +322,6 @@ class Watchdog(threading.Thread):
 
 
 # ---- where the user's code is -----------------------------------------------------------------
-
-
-def short_path(path: str) -> str:
-    """``path`` relative to the working directory when inside it."""
-    return _short_in(path, os.getcwd())
-
-
-@_caches.cached(maxsize=1024)
-def _short_in(path: str, cwd: str) -> str:
-    with contextlib.suppress(ValueError):
-        rel = os.path.relpath(path, cwd)
-        if not rel.startswith(".."):
-            return rel
-    return path
 
 
 def frame_text(frame: FrameType) -> str:

@@ -158,7 +158,7 @@ def check(me: int, n: int, timeout: float) -> None:
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
         return
     mine = facts().to_json()
-    outcome = _agree.check(_TAG, mine, mine, timeout=timeout)
+    outcome = _agree.check(_TAG, mine, mine, timeout=timeout, what="the preflight of meshkit.init")
     if outcome.agreed:
         return
     if outcome.missing:

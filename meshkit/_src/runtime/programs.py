@@ -139,7 +139,8 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
     record = json.dumps(mine)
     timeout = _env.check_timeout()
-    outcome = _agree.agree(tag, f"{compiling.name} {digest}", record, timeout=timeout)
+    what = f"the first compilation of {_function(mine)}"
+    outcome = _agree.agree(tag, f"{compiling.name} {digest}", record, timeout=timeout, what=what)
     if outcome.agreed:
         return
     number = outcome.seq + 1

@@ -254,6 +254,7 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
         mine,
         mine,
         timeout=_env.check_timeout(),
+        what="meshkit.make_mesh",
     )
     if outcome.agreed:
         return
