@@ -4,10 +4,13 @@ In a multi-process JAX program every process must make the same SPMD calls, in t
 with the same shapes. When they do not, JAX's collectives hang or return wrong values, with no
 error. With debug mode on (``MESHKIT_DEBUG=1`` in the environment, or `enable`), every meshkit
 SPMD entry (`meshkit.spmd` functions, `meshkit.pmap_compat` functions,
-`meshkit.global_array_from_local`, `meshkit.make_mesh`) compares a fingerprint of the call with
-the other processes' through the coordination service (never through a device collective:
-those are what hang). The fingerprint holds the entry and function, the call's number in this
-process, the arguments' pytree structure, shapes, dtypes and shardings, and static arguments.
+`meshkit.global_array_from_local`, `meshkit.make_mesh`) and every call of
+``jax.experimental.multihost_utils``' ``process_allgather``, ``broadcast_one_to_all``,
+``sync_global_devices`` and ``assert_equal`` (replaced by checked versions while debug mode is
+on) compares a fingerprint of the call with the other processes' through the coordination
+service (never through a device collective: those are what hang). The fingerprint holds the
+entry and function, the call's number in this process, the arguments' pytree structure, shapes,
+dtypes and shardings, and static arguments.
 
 The fingerprints are compared in windows of calls beside the caller (see
 `meshkit._src.coord.agree`), and a call whose fingerprint differs from this thread's call `PERIOD`

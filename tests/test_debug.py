@@ -6,6 +6,7 @@ What the fresh processes run is in `ranks/debug.py`; the warm cluster runs its o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -363,6 +364,65 @@ def test_comparison_against_a_direct_reference(base, changes):
 # ---- barrier -----------------------------------------------------------------------------
 
 
+# ---- jax.experimental.multihost_utils in debug mode ---------------------------------------
+
+
+def test_multihost_utils_are_checked_only_while_debug_mode_is_on():
+    from jax.experimental import multihost_utils as mu
+
+    from meshkit._src.debug import multihost as _multihost
+
+    jax_own = {name: getattr(mu, name) for name in _multihost.COVERED}
+    with debug.debugging(timeout=5, watchdog=None):
+        assert all(getattr(mu, name) is not jax_own[name] for name in _multihost.COVERED)
+        before = _state.state.count
+        mu.sync_global_devices("saved")  # calls assert_equal, which calls process_allgather
+        line = sys._getframe().f_lineno - 1
+        assert _state.state.count == before + 1  # the outer call only
+        assert _state.state.last == (
+            "call #1 of jax.experimental.multihost_utils.sync_global_devices (multihost_utils) "
+            f"at tests/test_debug.py:{line} in "
+            "test_multihost_utils_are_checked_only_while_debug_mode_is_on"
+        ), _state.state.last
+    assert {name: getattr(mu, name) for name in _multihost.COVERED} == jax_own
+    mu.sync_global_devices("unchecked")
+    assert not _multihost.installed()
+
+
+def test_multihost_utils_from_an_unnamed_thread_run_unchecked():
+    import threading
+
+    from jax.experimental import multihost_utils as mu
+
+    out = []
+    with debug.debugging(timeout=5, watchdog=None):
+        before = _state.state.count
+        worker = threading.Thread(target=lambda: out.append(mu.process_allgather(np.ones(3))))
+        worker.start()
+        worker.join()
+        assert _state.state.count == before
+        with meshkit.channel("metrics"):  # a named channel pairs up: checked
+            mu.process_allgather(np.ones(3))
+        assert _state.state.count == before + 1
+    np.testing.assert_array_equal(out[0], np.ones((1, 3)))
+
+
+@given(
+    _shapes, _dtypes, st.booleans(), st.sampled_from(["process_allgather", "broadcast_one_to_all"])
+)
+def test_checked_multihost_utils_give_jax_s_answers(shape, dtype, tiled, name):
+    """In one process: the checked helpers return what JAX's return (numpy's reference too)."""
+    from jax.experimental import multihost_utils as mu
+
+    x = (np.arange(math.prod(shape)) % 7).astype(dtype).reshape(shape)
+    expected = x if tiled or name == "broadcast_one_to_all" else x[None]
+    call = (lambda f: f(x, tiled=tiled)) if name == "process_allgather" else (lambda f: f(x))
+    with debug.debugging(timeout=5, watchdog=None):
+        out = call(getattr(mu, name))
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert np.asarray(out).dtype == np.asarray(call(getattr(mu, name))).dtype
+
+
 def test_barrier_bad_arguments():
     with pytest.raises(meshkit.MeshkitError, match="name must be a non-empty string; got ''"):
         meshkit.barrier("")
@@ -474,3 +534,68 @@ def test_repeated_calls_are_cheap_and_a_change_stops_before_it_runs(warm_cluster
     for message in (message0, message1):
         assert re.search(r"call #\d+ of <lambda>: process 0 passed x float32\[16,2\]", message)
         assert "process 1 passed float32[32,2]" in message, message
+
+
+def _multihost_utils_checked_in_two_processes():
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils as mu
+
+    import meshkit
+
+    me = jax.process_index()
+    found = {}
+    with meshkit.debug.debugging(timeout=20, watchdog=None):
+        # Calls that agree run, and give JAX's answers.
+        gathered = mu.process_allgather(np.full((2, 3), me, np.float32))
+        sent = mu.broadcast_one_to_all(np.full((3,), me + 5, np.int32))
+        mu.sync_global_devices("agreed")
+        mu.assert_equal(np.arange(4))
+        found["ran"] = np.asarray(gathered).tolist(), np.asarray(sent).tolist()
+        cases = {
+            "shape": lambda: mu.process_allgather(np.zeros((2 + me, 3), np.float32)),
+            "name": lambda: mu.sync_global_devices(f"after step {100 + me}"),
+            "function": lambda: (
+                mu.process_allgather(np.ones(3)) if me == 0 else mu.broadcast_one_to_all(np.ones(3))
+            ),
+        }
+        for case, call in cases.items():
+            try:
+                call()
+                found[case] = "ran"
+            except meshkit.DivergenceError as e:
+                found[case] = str(e), e.processes, e.field
+    return found
+
+
+@pytest.mark.multiprocess
+def test_multihost_utils_that_differ_are_named_before_they_run(warm_cluster):
+    results = warm_cluster.run(_multihost_utils_checked_in_two_processes, timeout=120)
+    prefix = "jax.experimental.multihost_utils."
+    expected = {  # each case: what the message says differs, and the field
+        "shape": (
+            f"call #2 of {prefix}process_allgather: process 0 passed in_tree float32[2,3]; "
+            "process 1 passed float32[3,3].",
+            "in_tree",
+        ),
+        "name": (
+            f"call #2 of {prefix}sync_global_devices: process 0 passed name static 'after step "
+            "100'; process 1 passed static 'after step 101'.",
+            "name",
+        ),
+        "function": (
+            f"process 0 called {prefix}process_allgather (multihost_utils); process 1 called "
+            f"{prefix}broadcast_one_to_all (multihost_utils).",
+            "entry",
+        ),
+    }
+    for found in results:
+        # The calls that agree ran and gave JAX's answers: the gathered blocks, process 0's value.
+        assert found["ran"] == ([[[0.0] * 3] * 2, [[1.0] * 3] * 2], [5, 5, 5]), found
+        for case, (says, field) in expected.items():
+            assert found[case] != "ran", (case, found)  # raised in both, before it ran
+            message, processes, raised_field = found[case]
+            assert says in message.splitlines()[0], (case, message)
+            assert "test_debug.py:" in message, message  # each process's line of the call
+            assert (processes, raised_field) == ([0, 1], field), (case, message)
+    assert results[0] == results[1]  # the same error in both processes

@@ -1,7 +1,8 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it registers while on.
 
 Turning debug mode on makes the divergence check (`.divergence.check`) a dispatch observer,
-starts the stall watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
+checks the calls of `jax.experimental.multihost_utils` (`.multihost`), starts the stall
+watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
 (`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
 that this one leaves, so that their checks name it instead of waiting), and says so on stderr,
 once per setting. ``MESHKIT_DEBUG=1`` turns it on at `meshkit.init` or at the first SPMD call,
@@ -27,6 +28,7 @@ from ..runtime import dispatch as _dispatch
 from ..runtime import init as _runtime
 from . import divergence as _divergence
 from . import fingerprint as _fingerprint
+from . import multihost as _multihost
 from . import state as _st
 from .state import Settings
 from .state import enabled as enabled
@@ -108,6 +110,7 @@ def enable(
         _watchdog.note_progress()
         if not _st.state.observing:
             _dispatch.add_observer(_divergence.check)
+            _multihost.install()
             _st.state.observing = True
         if not _st.state.exit_hooks:
             _register_exit()
@@ -142,6 +145,7 @@ def disable() -> None:
         _st.state.settings = None
         if _st.state.observing:
             _dispatch.remove_observer(_divergence.check)
+            _multihost.uninstall()
             _st.state.observing = False
 
 
