@@ -137,12 +137,7 @@ def leave_check(node: Node, tag: str, record: str) -> None:
         state.barrier.last = None
     Waiter(node, tag, seq, epoch, "", LEFT, record, threading.get_ident()).post()
     if last is not None:
-        spoil(node, barrier_id(tag, epoch, last))
-
-
-def spoil(node: Node, barrier: str) -> None:
-    """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""
-    node.spoil(barrier)
+        node.spoil(barrier_id(tag, epoch, last))
 
 
 @dataclass(eq=False)
@@ -188,14 +183,14 @@ class Waiter:
             if node.waits.pending(self.thread):
                 return
         self.post()
-        entries = self.node.service.dir_get(key(self.tag, self.seq, "r") + "/")
+        entries = node.service.dir_get(key(self.tag, self.seq, "r") + "/")
         for _, value in entries:
             theirs = Posted.from_json(value)
             if theirs.epoch != self.epoch or theirs.digest in ("", self.digest):
                 continue
             if theirs.digest not in self.spoiled:
                 self.spoiled.add(theirs.digest)
-                spoil(self.node, barrier_id(self.tag, self.epoch, theirs.digest))
+                node.spoil(barrier_id(self.tag, self.epoch, theirs.digest))
 
 
 def _prober(node: Node) -> Prober:
