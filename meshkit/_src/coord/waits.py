@@ -26,7 +26,6 @@ import dataclasses
 import json
 import sys
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -63,19 +62,12 @@ class Wait:
     barrier: str = ""
 
 
-@dataclass
-class _Entry:
-    wait: Wait
-    thread: int
-    since: float
-
-
 class Waits:
     """This process's synchronous waits, and what the probes found about them."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.entries: dict[int, _Entry] = {}  # thread -> its wait
+        self.entries: dict[int, Wait] = {}  # thread -> its wait
         self.found: dict[int, DivergenceError] = {}  # thread -> the cycle it waits in
         self.posted = False  # the store holds this process's waits (cleared when none is left)
         self.stale = False  # ... those of a cycle raised, kept until this process's next wait
@@ -83,13 +75,13 @@ class Waits:
     def enter(self, channel: str | None, tag: str, seq: int, what: str, barrier: str = "") -> int:
         """Register the calling thread's wait; returns the thread's id for `leave`."""
         me = threading.get_ident()
-        entry = _Entry(Wait(channel or "", tag, seq, what, barrier=barrier), me, time.monotonic())
+        wait = Wait(channel or "", tag, seq, what, barrier=barrier)
         with self.lock:
-            self.entries[me] = entry
+            self.entries[me] = wait
         return me
 
     def leave(self, thread: int) -> bool:
-        """Unregister ``thread``'s wait; True if the store still lists waits of this process."""
+        """Unregister ``thread``'s wait; True: its process's posted waits are to be deleted."""
         with self.lock:
             self.entries.pop(thread, None)
             self.found.pop(thread, None)
@@ -114,9 +106,9 @@ class Waits:
     def current(self) -> list[tuple[int, Wait]]:
         """Every wait now, with its thread, the user's line read from the thread's stack."""
         with self.lock:
-            entries = list(self.entries.values())
+            entries = list(self.entries.items())
         frames = sys._current_frames()
-        return [(e.thread, _placed(e.wait, frames.get(e.thread))) for e in entries]
+        return [(thread, _placed(wait, frames.get(thread))) for thread, wait in entries]
 
     def raise_found(self, thread: int) -> None:
         """Raise the cycle a probe found for ``thread``, if any.
@@ -133,12 +125,13 @@ class Waits:
 
     def clear_stale(self) -> bool:
         """Whether the store still holds the waits of a cycle raised before (then forget it)."""
-        if not self.stale:
+        if not self.stale:  # the common case, without the lock
             return False
         with self.lock:
-            stale, self.stale = self.stale, False
-            self.posted = self.posted and not stale
-            return stale
+            if not self.stale:
+                return False
+            self.stale = self.posted = False
+            return True
 
 
 def _placed(wait: Wait, frame: Any) -> Wait:
