@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
 
-__all__ = ["channel", "current", "numbered", "scoped"]
+__all__ = ["channel", "current", "numbered", "paired", "scoped"]
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -93,6 +93,14 @@ def channel(name: str) -> Iterator[None]:
 def current() -> str | None:
     """This thread's channel: its name, or None for the main thread outside any `channel`."""
     return getattr(_local, "name", None)
+
+
+def paired() -> bool:
+    """Whether this thread's calls pair up with the other processes' (main thread, or a channel).
+
+    Any other thread's calls come in an order that differs by process.
+    """
+    return current() is not None or threading.current_thread() is threading.main_thread()
 
 
 def scoped(tag: str, what: str) -> str:

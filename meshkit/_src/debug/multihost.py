@@ -96,7 +96,7 @@ def _checked(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_inside, "depth", 0)
-        if depth == 0 and _divergence.enabled() and _ordered():
+        if depth == 0 and _divergence.enabled() and _channel.paired():
             site.calls += 1
             _divergence.check(site, _compared_args(params, args, kwargs))
         _inside.depth = depth + 1
@@ -106,11 +106,6 @@ def _checked(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             _inside.depth = depth
 
     return checked
-
-
-def _ordered() -> bool:
-    """Whether this thread's calls pair up with the other processes' (main thread, or a channel)."""
-    return threading.current_thread() is threading.main_thread() or _channel.current() is not None
 
 
 def _compared_args(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -120,7 +119,7 @@ def uninstall() -> None:
 def _compare(compiling: _compat.Compiling) -> None:
     if len(compiling.processes()) < 2:
         return  # this process's devices alone: nothing to pair
-    if _channel.current() is None and threading.current_thread() is not threading.main_thread():
+    if not _channel.paired():
         return  # no order shared with the other processes: not compared (see the docstring)
     tag = _channel.scoped(_TAG, _WHAT)
     _tags.add(tag)
