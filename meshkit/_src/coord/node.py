@@ -339,7 +339,7 @@ class Node:
             _waits.encode([w for _, w in mine]),
             overwrite=True,
         )
-        self.waits.posted = True
+        self.waits.mark_posted()
         theirs, notices = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
         found = _waits.told(mine, notices)
         if notices:

@@ -90,6 +90,11 @@ class Waits:
                 return True
             return False
 
+    def mark_posted(self) -> None:
+        """The store now lists this process's waits (`leave` deletes them when none is left)."""
+        with self.lock:
+            self.posted = True
+
     def registered(self, thread: int) -> bool:
         """Whether ``thread`` is in a synchronous wait."""
         return thread in self.entries
