@@ -516,6 +516,33 @@ def test_three_processes_two_of_which_wait_at_one_agreement():
         assert 1 in processes, message
 
 
+@pytest.mark.parametrize("late", ["check", "agree"])
+def test_a_process_that_joins_a_cycle_after_the_others_raised_is_refused_at_once(late):
+    # Processes 1 and 2 find their cycle and raise before process 0 has posted its wait; a
+    # wait at a barrier (check) returns only when another process refuses it, so they linger.
+    nodes = FakeCluster(3).nodes()
+
+    def body(node: Node) -> Any:
+        tag, what = ("gather", "a gather") if node.me != 1 else ("mesh", "make_mesh")
+        if node.me == 0:
+            time.sleep(1.0)
+        start = time.monotonic()
+        try:
+            _wait_at(node, late if node.me == 0 else "agree", tag, what)
+        except DivergenceError as e:
+            return str(e).splitlines()[0], e.processes, time.monotonic() - start
+        return "agreed"
+
+    results = _together(nodes, body, timeout=20.0)
+    assert [r[1] for r in results[1:]] == [[1, 2], [1, 2]], results
+    message, processes, waited = results[0]
+    assert waited < 5.0, results  # a probe interval or two, not the 30 s timeout
+    assert processes == [0, 1], results
+    assert "process 1 at" in message, message
+    assert "(make_mesh)" in message, message
+    assert "processes 0,2 at" in message or "process 0 at" in message, message
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     st.lists(st.sampled_from("abc"), min_size=2, max_size=5),

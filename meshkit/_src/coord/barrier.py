@@ -100,7 +100,7 @@ def meet(
         if not node.waits.pending(waiter.thread):
             with contextlib.suppress(Exception):
                 node.probe_waits()
-        node.waits.raise_found(waiter.thread)
+        node.raise_found(waiter.thread)
     timed_out = ended is Barrier.TIMED_OUT
     with state.lock:
         state.barrier.epoch = max(state.barrier.epoch, epoch + 1)

@@ -14,12 +14,12 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import env as _env
-from ..core.errors import MeshkitError, say
+from ..core.errors import DivergenceError, MeshkitError, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
 from . import waits as _waits
@@ -38,6 +38,9 @@ SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
 # (`meshkit._src.coord.waits`).
 PROBE_S = 0.2
 PROBE_MAX_S = 5.0
+# After raising a cycle, a process goes on probing this long (at the same doubling intervals)
+# for processes that join the cycle later, whose waits only the others can refuse.
+LINGER_S = 60.0
 # `agree_later` with ``verdict_on_change``: a call whose summary repeats its tag's summary PERIOD
 # calls back goes on at once; any other waits for its verdict. Loops whose pattern repeats within
 # PERIOD calls (1, 2, 3, 4, 6 or 12 calls: a step; a batch and a step; a batch, a step and a
@@ -301,7 +304,7 @@ class Node:
             if probing:
                 with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
                     self.probe_waits()
-                self.waits.raise_found(me)
+                self.raise_found(me)
                 period = min(period * 2, PROBE_MAX_S)
         return None
 
@@ -350,19 +353,70 @@ class Node:
         waits = dict(mine)
         for thread, error in _waits.cycles(self.me, mine, theirs, reached).items():
             found.setdefault(thread, error)
-            channel = waits[thread].channel
-            for q in error.processes:  # the others in the cycle raise the same error
-                if q == self.me:
-                    continue
-                for v in theirs.get(q, []):
-                    if v.channel != channel:
-                        continue
-                    said = _waits.notice(error, v)  # told first, then woken from its barrier
-                    self.service.set(_waits.notice_key(q), said, overwrite=True)
-                    if v.barrier:
-                        self.spoil(v.barrier)
+            # the others in the cycle raise the same error
+            others = [q for q in error.processes if q != self.me]
+            self._tell(error, others, theirs, waits[thread].channel)
         if found:
             self.waits.keep(found)
+
+    def raise_found(self, thread: int) -> None:
+        """Raise the cycle a probe found for ``thread`` (if any), and linger for late ones.
+
+        A process that joins the cycle after this one raised (its wait began, or was posted,
+        later) finds it at its own probe; but a wait at a barrier (`check`) returns only when
+        another process refuses the barrier. So this process goes on probing, in a thread of
+        its own, and refuses the barriers of the waits that join the cycle, until its next
+        wait, its exit, or `LINGER_S`.
+        """
+        taken = self.waits.take_found(thread)
+        if taken is None:
+            return
+        wait, error, generation = taken
+        lingers = threading.Thread(
+            target=self._refuse_late,
+            args=(wait, set(error.processes), generation),
+            name="meshkit-cycle-linger",
+            daemon=True,
+        )
+        # forget the threads that ended (earlier lingers); one not started yet has no ident
+        self.threads[:] = [(t, c) for t, c in self.threads if t.ident is None or t.is_alive()]
+        self.threads.append((lingers, threading.Condition()))
+        lingers.start()
+        raise error
+
+    def _refuse_late(self, wait: _waits.Wait, told: set[int], generation: int) -> None:
+        """`raise_found`'s probes: tell, and refuse, the waits that join ``wait``'s cycle."""
+        period, end = PROBE_S, time.monotonic() + LINGER_S
+        while not self.stopping.wait(period) and time.monotonic() < end:
+            if not self.waits.lingering(generation):
+                return
+            with contextlib.suppress(Exception):  # a failed probe leaves the others' timeouts
+                theirs, _ = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
+                with self.tags_lock:
+                    reached = {name: state.seq for name, state in self.tags.items()}
+                found = _waits.cycles(self.me, [(0, wait)], theirs, reached).get(0)
+                late = [q for q in found.processes if q not in told] if found else []
+                if late and found is not None and self.waits.lingering(generation):
+                    self._tell(found, late, theirs, wait.channel)
+                    told.update(late)
+            period = min(period * 2, PROBE_MAX_S)
+
+    def _tell(
+        self,
+        error: DivergenceError,
+        processes: Iterable[int],
+        theirs: dict[int, list[_waits.Wait]],
+        channel: str,
+    ) -> None:
+        """Tell ``processes`` of the cycle ``error`` they wait in, and refuse their barriers."""
+        for q in processes:
+            for v in theirs.get(q, []):
+                if v.channel != channel:
+                    continue
+                said = _waits.notice(error, v)  # told first, then woken from its barrier
+                self.service.set(_waits.notice_key(q), said, overwrite=True)
+                if v.barrier:
+                    self.spoil(v.barrier)
 
     def spoil(self, barrier: str) -> None:
         """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""

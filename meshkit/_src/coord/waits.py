@@ -16,8 +16,10 @@ another process waits on the same channel at another tag, at an agreement this p
 reached yet (its own count of that tag is not past it): each then needs the other first. That
 is exact, not a guess from timing: the other process's wait there can only end when this
 process arrives, or with an error of its own. The waiting thread then raises a
-`DivergenceError` naming where each process waits (`diverged`), at most a probe interval after
-the processes stopped.
+`DivergenceError` naming where each process waits, at most a probe interval after the
+processes stopped. A process that raised keeps its waits posted until its next wait, and goes on
+probing for a while (`Node.raise_found`): one that joins the cycle later and waits at a barrier
+can only be woken by another process.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Waits:
         self.found: dict[int, DivergenceError] = {}  # thread -> the cycle it waits in
         self.posted = False  # the store holds this process's waits (cleared when none is left)
         self.stale = False  # ... those of a cycle raised, kept until this process's next wait
+        self.generation = 0  # counts the stale spells: a lingering probe ends with its own
 
     def enter(self, channel: str | None, tag: str, seq: int, what: str, barrier: str = "") -> int:
         """Register the calling thread's wait; returns the thread's id for `leave`."""
@@ -115,18 +118,27 @@ class Waits:
         frames = sys._current_frames()
         return [(thread, _placed(wait, frames.get(thread))) for thread, wait in entries]
 
-    def raise_found(self, thread: int) -> None:
-        """Raise the cycle a probe found for ``thread``, if any.
+    def take_found(self, thread: int) -> tuple[Wait, DivergenceError, int] | None:
+        """The cycle a probe found for ``thread``, with its wait, for the thread to raise.
 
         The posted waits stay in the store (until this process's next wait), for the
-        processes in the cycle that have not probed yet.
+        processes in the cycle that have not probed yet; the number returned names this
+        stale spell (`lingering`).
         """
         with self.lock:
             error = self.found.pop(thread, None)
-            if error is not None:
+            wait = self.entries.get(thread)
+            if error is None or wait is None:
+                return None
+            if not self.stale:
                 self.stale = True
-        if error is not None:
-            raise error
+                self.generation += 1
+            return wait, error, self.generation
+
+    def lingering(self, generation: int) -> bool:
+        """Whether the stale spell ``generation`` goes on (no wait of this process since)."""
+        with self.lock:
+            return self.stale and self.generation == generation
 
     def clear_stale(self) -> bool:
         """Whether the store still holds the waits of a cycle raised before (then forget it)."""
