@@ -262,13 +262,10 @@ def _agree_on_call(
     calls = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
     lines = []
     for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
-        groups: dict[str, list[int]] = {}
-        for p, call in calls.items():
-            groups.setdefault(json.dumps(call[key]), []).append(p)
+        groups = _absent.by_value({p: json.dumps(call[key]) for p, call in calls.items()})
         if len(groups) > 1:
             lines = [
-                f"  process{'es' if len(ps) > 1 else ''} {','.join(map(str, ps))}: "
-                f"{shown}{_shown(json.loads(v))}"
+                f"  {_absent.processes(ps)}: {shown}{_shown(json.loads(v))}"
                 for v, ps in groups.items()
             ]
             break

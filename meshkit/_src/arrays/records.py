@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from ..coord import absent as _absent
 from ..core.errors import MeshkitError
 from .caller import WHAT, pads
 
@@ -112,12 +113,7 @@ def summary(wire: dict[str, Any]) -> str:
 
 
 def _groups(values: dict[int, Any]) -> str:
-    by: dict[str, list[int]] = {}
-    for pid, v in sorted(values.items()):
-        by.setdefault(str(v), []).append(pid)
-    return "\n".join(
-        f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}" for v, p in by.items()
-    )
+    return _absent.lines(_absent.by_value({p: str(v) for p, v in values.items()}))
 
 
 def raise_failures(records: dict[int, Record], what: str = WHAT) -> None:
@@ -126,9 +122,8 @@ def raise_failures(records: dict[int, Record], what: str = WHAT) -> None:
     if failed:
         lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
         raise MeshkitError(
-            f"{what}: process{'es' if len(failed) > 1 else ''} "
-            f"{','.join(map(str, sorted(failed)))} failed before the processes compared their "
-            f"data:\n{lines}\nEvery process stops here too (the program cannot go on with "
+            f"{what}: {_absent.processes(sorted(failed))} failed before the processes compared "
+            f"their data:\n{lines}\nEvery process stops here too (the program cannot go on with "
             "some processes missing)."
         )
 

@@ -57,6 +57,17 @@ def by_value(values: Mapping[int, str]) -> dict[str, list[int]]:
     return groups
 
 
+def lines(groups: Mapping[str, list[int]]) -> str:
+    """One indented line per value, naming its processes (``by_value``'s groups).
+
+    Example:
+        >>> print(lines(by_value({2: "b", 0: "a", 1: "a"})))
+          processes 0,1: a
+          process 2: b
+    """
+    return "\n".join(f"  {processes(ps)}: {value}" for value, ps in groups.items())
+
+
 def listed(groups: Mapping[str, list[int]]) -> str:
     """``"processes 0,1: float32[8]; process 2: float32[4]"``: who holds which value.
 

@@ -267,14 +267,9 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
             f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
             "wait."
         )
-    groups: dict[str, list[int]] = {}
-    for pid, v in sorted(values.items()):
-        groups.setdefault(v, []).append(pid)
+    groups = _absent.by_value(values)
     if len(groups) > 1:
-        lines = "\n".join(
-            f"  process{'es' if len(p) > 1 else ''} {','.join(map(str, p))}: {v}"
-            for v, p in groups.items()
-        )
+        lines = _absent.lines(groups)
         raise MeshkitError(
             f"meshkit.make_mesh: processes disagree on the mesh:\n{lines}\n"
             "Every process must build the same mesh (same axes, sizes and devices).\n"
