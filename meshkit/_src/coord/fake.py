@@ -97,6 +97,11 @@ class FakeCluster:
             self._gone.add(process)
             self.cond.notify_all()
 
+    def waiting(self, process: int) -> bool:
+        """Whether ``process`` waits at a barrier now (for tests that order arrivals)."""
+        with self.cond:
+            return any(process in u.arrived and u.ended is None for u in self._barriers.values())
+
     def refuse(self, prefix: str) -> None:
         """The service refuses every barrier whose name starts with ``prefix``."""
         with self.cond:
