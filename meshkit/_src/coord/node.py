@@ -348,16 +348,19 @@ class Node:
         if notices:
             with contextlib.suppress(Exception):
                 self.service.delete(_waits.notice_key(self.me))
-        with self.tags_lock:
-            reached = {name: state.seq for name, state in self.tags.items()}
         waits = dict(mine)
-        for thread, error in _waits.cycles(self.me, mine, theirs, reached).items():
+        for thread, error in _waits.cycles(self.me, mine, theirs, self._reached()).items():
             found.setdefault(thread, error)
             # the others in the cycle raise the same error
             others = [q for q in error.processes if q != self.me]
             self._tell(error, others, theirs, waits[thread].channel)
         if found:
             self.waits.keep(found)
+
+    def _reached(self) -> dict[str, int]:
+        """Per tag, how many agreements of it this process has begun."""
+        with self.tags_lock:
+            return {name: state.seq for name, state in self.tags.items()}
 
     def raise_found(self, thread: int) -> None:
         """Raise the cycle a probe found for ``thread`` (if any), and linger for late ones.
@@ -392,9 +395,7 @@ class Node:
                 return
             with contextlib.suppress(Exception):  # a failed probe leaves the others' timeouts
                 theirs, _ = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
-                with self.tags_lock:
-                    reached = {name: state.seq for name, state in self.tags.items()}
-                found = _waits.cycles(self.me, [(0, wait)], theirs, reached).get(0)
+                found = _waits.cycles(self.me, [(0, wait)], theirs, self._reached()).get(0)
                 late = [q for q in found.processes if q not in told] if found else []
                 if late and found is not None and self.waits.lingering(generation):
                     self._tell(found, late, theirs, wait.channel)
