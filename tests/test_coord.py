@@ -21,7 +21,7 @@ from meshkit._src.coord import absent, barrier, counter, failures, window
 from meshkit._src.coord.fake import FakeCluster, FakeService, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, JaxService
-from meshkit._src.core.errors import DivergenceError
+from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import Unanswered
 
 
@@ -409,6 +409,88 @@ def test_verdict_on_change_waits_only_for_a_change_and_raises_in_that_call():
     (r0, waited0, e0), (r1, waited1, e1) = _together(nodes, body)
     assert (r1, waited1, e1) == (period + 3, period + 1, "they differ (waited: True)")
     assert (r0, waited0, e0) == (period + 4, period, "they differ (waited: False)")
+
+
+@pytest.mark.parametrize("forget", [False, True], ids=["to-the-end", "in-step-again"])
+def test_a_process_that_raised_while_the_others_went_on_is_out_of_step(forget):
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    period = window.PERIOD
+    here = threading.local()
+    for node in nodes:
+        node.channel = lambda: getattr(here, "channel", None)
+
+    def body(node: Node) -> tuple[str, ...]:
+        # As above: process 1 changes, waits and raises; process 0 repeats and goes on.
+        for i in range(period + 4):
+            summary = "b" if (node.me, i) == (1, period + 3) else "a"
+            try:
+                window.agree_later(
+                    node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
+                    linger=0.01, verdict_on_change=True,
+                )  # fmt: skip
+            except ValueError as e:
+                first = str(e)
+                break
+        else:
+            node.drain(10.0)
+            try:
+                node.settle()
+            except ValueError as e:
+                return ("went on", str(e))
+            return ("went on", "no error")
+        later = []
+        for _ in range(2):  # the program caught it and goes on: every later call raises
+            try:
+                node.settle()
+            except MeshkitError as e:
+                later.append(str(e))
+        here.channel = "another"  # another thread's channel is in step
+        try:
+            node.settle()
+            other = "no error"
+        except MeshkitError as e:
+            other = str(e)
+        here.channel = None
+        if forget:
+            node.in_step()
+            node.settle()  # nothing left to raise
+        return (first, *later, other)
+
+    went_on, raised = _together(nodes, body)
+    assert went_on == ("went on", "they differ (waited: False)")
+    message = (
+        "meshkit: the processes are out of step: process 0 went on past the call at which the "
+        "processes differed, which raised here:\n  they differ (waited: True)\nIt may be "
+        "waiting in a computation that this process must not join"
+    )
+    assert raised[0] == "they differ (waited: True)"
+    assert raised[1].startswith(message), raised
+    assert raised[2] == raised[1], raised
+    assert raised[3] == "no error"
+    # A program that ran on to its end after it exits with status 1; one in step again does not.
+    assert cluster.unraised == ([] if forget else [1])
+
+
+def test_both_processes_waited_so_none_is_out_of_step():
+    cluster = FakeCluster(2)
+    period = window.PERIOD
+
+    def body(node: Node) -> tuple[str, str]:
+        for i in range(period + 4):  # both change at the last call: both wait, both raise
+            summary = f"{node.me}" if i == period + 3 else "a"
+            try:
+                window.agree_later(
+                    node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
+                    linger=0.01, verdict_on_change=True,
+                )  # fmt: skip
+            except ValueError as e:
+                first = str(e)
+        node.settle()  # in step: nothing to raise
+        return first, "in step"
+
+    assert _together(cluster.nodes(), body) == [("they differ (waited: True)", "in step")] * 2
+    assert cluster.unraised == []
 
 
 def test_the_call_that_waited_raises_though_another_thread_settles_first():

@@ -98,6 +98,34 @@ def test_a_change_together_then_one_goes_back():
     assert "process 1: float32[16, 3] (global [32, 3]" in rank1, text
 
 
+def test_a_process_that_catches_the_error_and_goes_on_never_joins_the_others_step():
+    # Process 1 changes at step 15, catches the error and goes on. Process 0 repeated its layout
+    # and went on into its step-15 sum, which waits for process 1. Had process 1's next call
+    # assembled an array, its step-16 sum would have completed process 0's step-15 sum: a
+    # number made of two steps' data on both processes, and a run that exits 0.
+    result = launch_in_processes(ranks.caught, timeout=90, env=FAST)
+    text = result.report + "\n" + "\n".join(r.stdout + r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    assert not result.timed_out, text
+    computed = _steps_seen(result, "computed")
+    assert computed == [list(range(1, CHANGE))] * 2, text  # no process computed step 15 or later
+    raised = re.findall(r"^raised (\d+) (.*)$", result.ranks[1].stdout, re.MULTILINE)
+    assert [int(step) for step, _ in raised] == list(range(CHANGE, STEPS + 1)), text
+    assert raised[0][1].startswith(
+        "meshkit.global_array_from_local: processes disagree on the global shape"
+    ), text
+    for _, message in raised[1:]:  # every later call raises that the processes are out of step
+        assert message.startswith(
+            "meshkit: the processes are out of step: process 0 went on past the call at which "
+            "the processes differed, which raised here: meshkit.global_array_from_local: "
+            "processes disagree on the global shape of (the array): It may be waiting in a "
+            "computation that this process must not join"
+        ), message
+    # Process 1's program ran to its end, and exits with status 1: the launcher names it.
+    assert "rank 1 failed first (exit code 1)" in result.report, text
+    assert "a program whose processes went out of step did not succeed" in result.report, text
+
+
 def test_threads_wait_for_their_own_changes():
     import json
 

@@ -44,6 +44,11 @@ def _listen(
 
 
 def _run(call: Call, modules: dict[str, ModuleType]) -> Reply:
+    from .._src.coord import agree  # imported by meshkit.init before the first call
+
+    # Every rank finished the body before (the test process waits for all of them): the
+    # processes are in step again, whatever that body left (`meshkit._src.coord.agree.in_step`).
+    agree.in_step()
     saved = {name: os.environ.get(name) for name in call.env}
     os.environ.update(call.env)
     out = io.StringIO()

@@ -45,6 +45,29 @@ def steps():
         print(f"computed {step} {float(total(x))}", flush=True)
 
 
+def caught():
+    """Process 1 changes its layout at `CHANGE`, catches the error, and goes on (values by step)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    total = jax.jit(jnp.sum)
+    me = jax.process_index()
+    for step in range(1, STEPS + 1):
+        rows = 4 if (me, step) == (1, CHANGE) else 8
+        local = np.full((rows, 3), float(step), np.float32)
+        try:
+            x = meshkit.global_array_from_local(local, mesh, "data")
+        except meshkit.MeshkitError as e:
+            print(f"raised {step} {' '.join(str(e).split())}", flush=True)
+            continue
+        print(f"returned {step} {list(x.shape)}", flush=True)
+        print(f"computed {step} {float(total(x))}", flush=True)
+
+
 def threads():
     import json
     import threading

@@ -47,6 +47,7 @@ __all__ = [
     "agree_later",
     "check",
     "drain",
+    "in_step",
     "leave",
     "leave_check",
     "settle",
@@ -91,7 +92,16 @@ def tag_part(name: str) -> str:
 def settle() -> None:
     """Raise the first disagreement `agree_later` found since the last call, if any."""
     if failures:
-        raise failures.popleft()
+        if _node is not None:
+            _node.settle()  # an out-of-step error stays, for its channel (`Node.settle`)
+        else:
+            raise failures.popleft()
+
+
+def in_step() -> None:
+    """Forget that processes went out of step (`Node.in_step`): every process finished its work."""
+    if _node is not None:
+        _node.in_step()
 
 
 def agree(

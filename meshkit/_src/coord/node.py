@@ -25,7 +25,9 @@ from . import channel as _channel
 from . import waits as _waits
 from .service import Counted, Service, Stats
 
-__all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
+__all__ = [
+    "PERIOD", "Group", "Node", "OutOfStep", "Outcome", "Posted", "Record", "Tag", "key", "text",
+]  # fmt: skip
 
 BLOCK = 64  # agreements per key block (one delete per block)
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
@@ -93,6 +95,7 @@ class Posted:
     gave_up: bool = False
     digest: str = ""  # `check`: the digest whose barrier the process waits at
     epoch: int | None = None  # `check`: the epoch of that barrier's name
+    waited: bool = False  # a window's call: its caller waited for the verdict (did not go on)
 
     def fields(self) -> dict[str, Any]:
         """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
@@ -153,6 +156,19 @@ class Queued:
     waits: bool = False  # its caller waits for the verdict (a change, `verdict_on_change`)
 
 
+class OutOfStep(MeshkitError):
+    """Kept in `Node.failures` once other processes went on past a call that raised here.
+
+    They may wait in a computation this process must not join: each later meshkit call of the
+    channel that raised (``channel``) raises this error again, as a new `MeshkitError`; it is
+    never taken out, and a program that ends normally after it exits with status 1.
+    """
+
+    def __init__(self, message: str, channel: str | None) -> None:
+        super().__init__(message)
+        self.channel = channel
+
+
 @dataclass
 class WindowState:
     """`agree_later`'s state of one tag in one process (guarded by ``cond``)."""
@@ -174,6 +190,8 @@ class WindowState:
     recent: deque[str] = field(default_factory=lambda: deque(maxlen=PERIOD))
     # The failure of a window that held a call whose caller waits: that caller raises it.
     failed: BaseException | None = None
+    # ... and the processes whose call there did not wait for the verdict (they went on).
+    went_on: tuple[int, ...] = ()
 
 
 @dataclass
@@ -524,7 +542,8 @@ class Node:
         if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
-        unraised = bool(self.failures)
+        unraised = any(not isinstance(e, OutOfStep) for e in self.failures)
+        out_of_step = next((e for e in self.failures if isinstance(e, OutOfStep)), None)
         for _, cond in list(self.threads):
             with cond:
                 cond.notify_all()
@@ -538,8 +557,38 @@ class Node:
                 "process's last meshkit call, so nothing raised it.\n"
             )
             self.on_unraised()
+        elif out_of_step is not None:  # raised, caught, and the program went on to its end
+            say(
+                "meshkit: exiting with status 1: a program whose processes went out of step did "
+                f"not succeed.\n{out_of_step}\n"
+            )
+            self.on_unraised()
+
+    def in_step(self) -> None:
+        """Forget that processes went out of step (every `OutOfStep`).
+
+        For a harness that knows every process finished what it ran, and so is in step again
+        (`meshkit.testing.WarmCluster` between test bodies).
+        """
+        for error in [e for e in self.failures if isinstance(e, OutOfStep)]:
+            with contextlib.suppress(ValueError):
+                self.failures.remove(error)
 
     def settle(self) -> None:
-        """Raise the first disagreement found beside the caller since the last call, if any."""
-        if self.failures:
-            raise self.failures.popleft()
+        """Raise the first disagreement found beside the caller since the last call, if any.
+
+        An `OutOfStep` stays: every later call on its channel raises it again.
+        """
+        if not self.failures:
+            return
+        here = self.channel()
+        for error in list(self.failures):
+            if isinstance(error, OutOfStep):
+                if error.channel == here:
+                    raise MeshkitError(str(error))
+                continue
+            try:
+                self.failures.remove(error)
+            except ValueError:  # another thread raised it meanwhile
+                continue
+            raise error

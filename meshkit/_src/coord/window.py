@@ -14,7 +14,10 @@ waits for its verdict before it returns. That makes the first call on which proc
 error before it returns in some process: processes that agreed so far remember the same summaries,
 so at the first difference at least one of them does not repeat its call `PERIOD` calls back,
 waits, and raises. The others went on, but whatever they compute with that process (any
-collective) cannot complete without it, and its failure stops them.
+collective) cannot complete without it, and its failure stops them. Should the program catch
+that error and go on, its later calls must not meet the others' pending computations: the
+verdict lists which processes went on (each call's `Posted.waited`), and every later call of
+that channel raises that the processes are out of step (`OutOfStep`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from . import absent as _absent
 from . import barrier as _barrier
 from . import counter as _counter
 from .node import (
@@ -35,6 +39,7 @@ from .node import (
     Group,
     Node,
     Outcome,
+    OutOfStep,
     Posted,
     Queued,
     Record,
@@ -108,11 +113,28 @@ def agree_later(
         node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
         with window.cond:
             failed, window.failed = window.failed, None
+            went_on, window.went_on = window.went_on, ()
         if failed is not None:
             # Raised here, whichever thread's meshkit call would have settled it first.
             with contextlib.suppress(ValueError):
                 node.failures.remove(failed)
+            if went_on:  # they are in their computations of this call: never join one
+                node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
             raise failed
+
+
+def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
+    """What each later call raises once ``went_on`` went on past a call that raised ``error``."""
+    first = (str(error).splitlines() or [type(error).__name__])[0]
+    return (
+        f"meshkit: the processes are out of step: {_absent.processes(went_on)} went on past the "
+        f"call at which the processes differed, which raised here:\n  {first}\n"
+        f"{'They' if len(went_on) > 1 else 'It'} may be waiting in a computation that this "
+        "process must not join (it would mix the data of two different calls), so every later "
+        "meshkit call of this thread raises this error.\n"
+        "Consider ending the program at that error instead of going on: the other processes end "
+        "with it."
+    )
 
 
 def _repeats(window: WindowState, summary: str) -> bool:
@@ -182,7 +204,7 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
             if stopping.is_set():
                 return  # the process exits
             taken, left = _take(node, window, decided)
-            agreement = _window(seq, [q.call for q in taken], left, decided, head)
+            agreement = _window(seq, taken, left, decided, head)
             if agreement.groups:  # replica groups are compared per group: the counter protocol
                 total = _counter.increment(node, key(tag, seq, "c"), agreement.flag)
                 outcome = _counter.settle_call(node, tag, agreement, total)
@@ -287,7 +309,7 @@ class Run:
 
 def _window(
     seq: int,
-    calls: list[Call],
+    taken: list[Queued],
     left: str | None,
     decided: str | None,
     head: Call | None,
@@ -295,11 +317,15 @@ def _window(
     """One agreement for a window: the list of its calls' summaries, groups and records.
 
     The summary lists the calls' summaries run by run (`Run`); the record, every call's
-    `Posted` record, is made only when shown.
+    `Posted` record (with whether its caller waited for the verdict), is made only when shown.
     """
+    calls = [q.call for q in taken]
 
     def record() -> str:
-        entries = [Posted(c.summary, text(c.record), c.groups).fields() for c in calls]
+        entries = [
+            Posted(q.call.summary, text(q.call.record), q.call.groups, waited=q.waits).fields()
+            for q in taken
+        ]
         if left is not None:
             entries.append(Posted(LEFT, left).fields())
         return json.dumps(entries)
@@ -353,6 +379,10 @@ def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int)
     on_outcome = taken[first].on_outcome if first < len(taken) else window.on_outcome
     assert on_outcome is not None
     waited = taken[first].waits if first < len(taken) else False
+    if waited:  # this call raises in its caller: which processes went on past it?
+        went_on = tuple(p for p, e in sorted(here.items()) if not (e.waited or e.summary == LEFT))
+        with window.cond:
+            window.went_on = went_on
     records = {p: e.record for p, e in here.items()}
     missing = tuple(sorted(absent))
     on_outcome(Outcome(False, records, missing, outcome.gave_up, outcome.seq, waited))
