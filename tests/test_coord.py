@@ -427,7 +427,7 @@ def test_a_process_that_raised_while_the_others_went_on_is_out_of_step(forget):
             try:
                 window.agree_later(
                     node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
-                    linger=0.01, verdict_on_change=True,
+                    linger=0.01, verdict_on_change=True, repeat_returns=True,
                 )  # fmt: skip
             except ValueError as e:
                 first = str(e)
@@ -482,7 +482,7 @@ def test_both_processes_waited_so_none_is_out_of_step():
             try:
                 window.agree_later(
                     node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
-                    linger=0.01, verdict_on_change=True,
+                    linger=0.01, verdict_on_change=True, repeat_returns=True,
                 )  # fmt: skip
             except ValueError as e:
                 first = str(e)

@@ -126,6 +126,26 @@ def test_a_process_that_catches_the_error_and_goes_on_never_joins_the_others_ste
     assert "a program whose processes went out of step did not succeed" in result.report, text
 
 
+def test_in_debug_mode_a_call_checked_before_it_runs_keeps_the_processes_in_step():
+    # The same under debug mode, with spmd steps: process 1's changed step-15 call waits for
+    # its check and raises before it runs. Process 0's repeated its fingerprint and went on past
+    # the check, to its host data's agreement, where process 1's failure reaches it: it raises
+    # the same error in the same call, and neither computes step 15. In step, both go on.
+    env = {**FAST, "MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "10"}
+    result = launch_in_processes(ranks.caught_in_debug_mode, timeout=90, env=env)
+    text = result.report + "\n" + "\n".join(r.stdout + r.stderr for r in result.ranks)
+    assert result.returncode == 0, text
+    steps = [s for s in range(1, STEPS + 1) if s != CHANGE]
+    assert _steps_seen(result, "computed") == [steps] * 2, text
+    for rank in result.ranks:
+        raised = re.findall(r"^raised (\d+) (.*)$", rank.stdout, re.MULTILINE)
+        assert [int(step) for step, _ in raised] == [CHANGE], text
+        assert raised[0][1].startswith(f"meshkit debug: call #{CHANGE} of <lambda>"), text
+    # Every step computed the sum of its own data: 16 rows of 3 values `step`.
+    values = re.findall(r"^computed (\d+) (\S+)$", result.ranks[0].stdout, re.MULTILINE)
+    assert all(float(v) == 48.0 * int(s) for s, v in values), values
+
+
 def test_threads_wait_for_their_own_changes():
     import json
 

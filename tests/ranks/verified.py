@@ -68,6 +68,29 @@ def caught():
         print(f"computed {step} {float(total(x))}", flush=True)
 
 
+def caught_in_debug_mode():
+    """`caught`, with `meshkit.spmd` steps under debug mode (each call checked before it runs)."""
+    import jax
+    import numpy as np
+
+    import meshkit
+    from meshkit import collectives as C
+
+    mesh = meshkit.make_mesh({"data": -1})
+    total = meshkit.spmd(
+        lambda x: C.psum(x.sum(), "data"), mesh=mesh, in_specs="data", out_specs=""
+    )
+    me = jax.process_index()
+    for step in range(1, STEPS + 1):
+        rows = 4 if (me, step) == (1, CHANGE) else 8
+        try:
+            value = total(np.full((rows, 3), float(step), np.float32))
+        except meshkit.MeshkitError as e:
+            print(f"raised {step} {' '.join(str(e).split())}", flush=True)
+            continue
+        print(f"computed {step} {float(value)}", flush=True)
+
+
 def threads():
     import json
     import threading

@@ -117,6 +117,7 @@ def exchange_records_later(
         groups=replicas,
         on_outcome=on_outcome,
         verdict_on_change=verdict_on_change,
+        repeat_returns=verdict_on_change,  # a repeated call returns its arrays at once
     )
 
 

@@ -145,6 +145,7 @@ def agree_later(
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
     verdict_on_change: bool = False,
+    repeat_returns: bool = False,
 ) -> None:
     """`window.agree_later` for this process (see there).
 
@@ -159,7 +160,7 @@ def agree_later(
         return
     _window.agree_later(
         here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
-        linger=linger, verdict_on_change=verdict_on_change,
+        linger=linger, verdict_on_change=verdict_on_change, repeat_returns=repeat_returns,
     )  # fmt: skip
     settle()
 

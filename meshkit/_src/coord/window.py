@@ -17,7 +17,8 @@ waits, and raises. The others went on, but whatever they compute with that proce
 collective) cannot complete without it, and its failure stops them. Should the program catch
 that error and go on, its later calls must not meet the others' pending computations: the
 verdict lists which processes went on (each call's `Posted.waited`), and every later call of
-that channel raises that the processes are out of step (`OutOfStep`).
+that channel raises that the processes are out of step (`OutOfStep`), where a call that goes on
+returns its result to its caller at once (``repeat_returns``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def agree_later(
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
     verdict_on_change: bool = False,
+    repeat_returns: bool = False,
 ) -> None:
     """`agree`, verified beside the caller: returns at once (see the module's docstring).
 
@@ -93,6 +95,9 @@ def agree_later(
     meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
     ``verdict_on_change``: unless ``summary`` repeats the tag's summary `PERIOD` calls back,
     wait until this call (and those before it) is verified; the caller then settles.
+    ``repeat_returns``: a call that goes on returns its result to its caller at once
+    (`global_array_from_local`'s arrays), so processes that went on past a call that raised
+    here may be computing with it: this process is then out of step (`OutOfStep`).
     """
     state, window = windowed(node, tag)
     groups = dict(groups or {})
@@ -118,7 +123,7 @@ def agree_later(
             # Raised here, whichever thread's meshkit call would have settled it first.
             with contextlib.suppress(ValueError):
                 node.failures.remove(failed)
-            if went_on:  # they are in their computations of this call: never join one
+            if went_on and repeat_returns:  # they may compute with it: never join them
                 node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
             raise failed
 
