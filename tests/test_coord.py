@@ -411,28 +411,32 @@ def test_verdict_on_change_waits_only_for_a_change_and_raises_in_that_call():
     assert (r0, waited0, e0) == (period + 4, period, "they differ (waited: False)")
 
 
+def _until_raised(node: Node, summary_at: Callable[[int], str]) -> str | None:
+    """PERIOD + 4 calls with a verdict on change, each returning at once when it repeats."""
+    for i in range(window.PERIOD + 4):
+        try:
+            window.agree_later(
+                node, "w", summary_at(i), f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
+                linger=0.01, verdict_on_change=True, repeat_returns=True,
+            )  # fmt: skip
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 @pytest.mark.parametrize("forget", [False, True], ids=["to-the-end", "in-step-again"])
 def test_a_process_that_raised_while_the_others_went_on_is_out_of_step(forget):
     cluster = FakeCluster(2)
     nodes = cluster.nodes()
-    period = window.PERIOD
+    last = window.PERIOD + 3
     here = threading.local()
     for node in nodes:
         node.channel = lambda: getattr(here, "channel", None)
 
     def body(node: Node) -> tuple[str, ...]:
         # As above: process 1 changes, waits and raises; process 0 repeats and goes on.
-        for i in range(period + 4):
-            summary = "b" if (node.me, i) == (1, period + 3) else "a"
-            try:
-                window.agree_later(
-                    node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
-                    linger=0.01, verdict_on_change=True, repeat_returns=True,
-                )  # fmt: skip
-            except ValueError as e:
-                first = str(e)
-                break
-        else:
+        first = _until_raised(node, lambda i: "b" if (node.me, i) == (1, last) else "a")
+        if first is None:
             node.drain(10.0)
             try:
                 node.settle()
@@ -474,18 +478,11 @@ def test_a_process_that_raised_while_the_others_went_on_is_out_of_step(forget):
 
 def test_both_processes_waited_so_none_is_out_of_step():
     cluster = FakeCluster(2)
-    period = window.PERIOD
+    last = window.PERIOD + 3
 
-    def body(node: Node) -> tuple[str, str]:
-        for i in range(period + 4):  # both change at the last call: both wait, both raise
-            summary = f"{node.me}" if i == period + 3 else "a"
-            try:
-                window.agree_later(
-                    node, "w", summary, f"{node.me}:{i}", timeout=5.0, on_outcome=_refuse,
-                    linger=0.01, verdict_on_change=True, repeat_returns=True,
-                )  # fmt: skip
-            except ValueError as e:
-                first = str(e)
+    def body(node: Node) -> tuple[str | None, str]:
+        # Both change at the last call: both wait, and both raise.
+        first = _until_raised(node, lambda i: f"{node.me}" if i == last else "a")
         node.settle()  # in step: nothing to raise
         return first, "in step"
 
