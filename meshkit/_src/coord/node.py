@@ -521,7 +521,7 @@ class Node:
                 window.draining += 1
                 window.cond.notify_all()
                 try:
-                    while (window.queue or window.inflight) and not self.failures:
+                    while (window.queue or window.inflight) and not self.unraised():
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             return False
@@ -542,7 +542,7 @@ class Node:
         if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
-        unraised = any(not isinstance(e, OutOfStep) for e in self.failures)
+        unraised = self.unraised()
         out_of_step = next((e for e in self.failures if isinstance(e, OutOfStep)), None)
         for _, cond in list(self.threads):
             with cond:
@@ -563,6 +563,13 @@ class Node:
                 f"not succeed.\n{out_of_step}\n"
             )
             self.on_unraised()
+
+    def unraised(self) -> bool:
+        """Whether a failure found beside the caller waits for a call to raise it.
+
+        An `OutOfStep` does not count: it stays, for its channel's calls only.
+        """
+        return any(not isinstance(e, OutOfStep) for e in self.failures)
 
     def in_step(self) -> None:
         """Forget that processes went out of step (every `OutOfStep`).

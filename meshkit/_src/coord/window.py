@@ -103,7 +103,7 @@ def agree_later(
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
-        while len(window.queue) + window.inflight >= MAX_PENDING and not node.failures:
+        while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
         flag = changed(state, summary, groups)
         waits = not _repeats(window, summary) and verdict_on_change
