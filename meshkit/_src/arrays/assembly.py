@@ -428,7 +428,8 @@ def global_array_from_local(
             other call waits for its verdict (two coordination round trips: the window's size,
             then its barrier) and raises before it returns. The first call on which
             processes differ is such a change for at least one of them, which then never
-            joins a computation with the others; what the
+            joins a computation with the others (a process that catches that error and goes
+            on gets an error from each later meshkit call instead); what the
             others run on their own devices alone (no collective) may complete before its
             failure stops them. ``"deferred"``: every call returns at once and is verified
             beside the caller; a mismatch is raised by the process's next meshkit call (or
