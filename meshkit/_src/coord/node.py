@@ -19,15 +19,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import env as _env
-from ..core.errors import DivergenceError, MeshkitError, say
+from ..core.errors import DivergenceError, MeshkitError, OutOfStep, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
 from . import waits as _waits
 from .service import Counted, Service, Stats
 
-__all__ = [
-    "PERIOD", "Group", "Node", "OutOfStep", "Outcome", "Posted", "Record", "Tag", "key", "text",
-]  # fmt: skip
+__all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
 
 BLOCK = 64  # agreements per key block (one delete per block)
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
@@ -154,19 +152,6 @@ class Queued:
     call: Call
     on_outcome: Callable[[Outcome], None] | None
     waits: bool = False  # its caller waits for the verdict (a change, `verdict_on_change`)
-
-
-class OutOfStep(MeshkitError):
-    """Kept in `Node.failures` once other processes went on past a call that raised here.
-
-    They may wait in a computation this process must not join: each later meshkit call of the
-    channel that raised (``channel``) raises this error again, as a new `MeshkitError`; it is
-    never taken out, and a program that ends normally after it exits with status 1.
-    """
-
-    def __init__(self, message: str, channel: str | None) -> None:
-        super().__init__(message)
-        self.channel = channel
 
 
 @dataclass

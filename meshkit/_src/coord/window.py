@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..core.errors import OutOfStep
 from . import absent as _absent
 from . import barrier as _barrier
 from . import counter as _counter
@@ -40,7 +41,6 @@ from .node import (
     Group,
     Node,
     Outcome,
-    OutOfStep,
     Posted,
     Queued,
     Record,
