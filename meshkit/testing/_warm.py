@@ -78,9 +78,11 @@ class WarmCluster:
 
     A body is a module-level function; each worker imports its module from its file (once:
     bodies of one module share its module state) and calls it with the given arguments. A
-    body that raises fails its own call only: the workers go on with the next one, in step
-    (a body that caught a divergence that left the processes out of step does not make the
-    next body's calls raise: every rank finished it). A body
+    body that raises fails its own call only: the workers go on with the next one (a body
+    that caught a divergence that left the processes out of step does not make the next
+    body's meshkit calls raise, since every rank returned from it; but a computation that a
+    process dispatched past that divergence may still be pending on its devices, so bodies
+    that leave processes out of step belong in a fresh launch). A body
     that does not finish within ``timeout`` seconds on every rank ends the cluster: its
     processes are killed, and the next call starts a fresh one. Workers talk to the test
     process over sockets on 127.0.0.1 only, after a random token. Nothing starts before the
