@@ -36,9 +36,11 @@ import importlib
 import inspect
 import json
 import os
+import queue
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -260,30 +262,63 @@ results["debug_paced"] = series(
 )
 
 
-# global_batches hands each step over together (one barrier per step, so that a process that
-# closes ends the others at the same step): its cost per step, against stop_together=False.
+# global_batches paced as a training step: its per-step cost against a hand-written prefetch
+# (a thread assembling each batch with jax.make_array_from_process_local_data, two ahead, as
+# global_batches' helper does, without its checks and agreements), with its default check and
+# with check=False. One iterator per variant serves every round (made before the warm-up
+# round, in which its windows grow to their size): the rounds time the steady state.
+BATCH_CALLS = 96
+
+
+class _HandWritten:
+    """The baseline: a thread assembles the global batches, at most two ahead."""
+
+    def __init__(self, count: int) -> None:
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.slots = threading.Semaphore(2)
+        self.stop = threading.Event()
+
+        def work() -> None:
+            for _ in range(count):
+                while not self.slots.acquire(timeout=0.1):
+                    if self.stop.is_set():
+                        return
+                self.queue.put(jax.make_array_from_process_local_data(sharding, local))
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def __next__(self) -> Any:
+        item = self.queue.get()
+        self.slots.release()
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 if "stop_together" in inspect.signature(meshkit.global_batches).parameters:
     held: dict[str, Any] = {}
 
-    def batches_setup(together: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-        def enter() -> None:
-            loader = (local for _ in range(PACED_CALLS + 8))
-            held["it"] = meshkit.global_batches(
-                loader, mesh, "data", check=False, stop_together=together
-            )
-
-        def leave() -> None:
-            held["it"].close()
-
-        return enter, leave
+    kinds = ("check", "nocheck", "thread")
+    total = (ROUNDS + 1) * BATCH_CALLS + 8  # every round's steps, the warm-up's too
+    for kind in kinds:
+        if kind == "thread":
+            held[kind] = _HandWritten(total)
+        else:
+            loader = (local for _ in range(total))
+            held[kind] = meshkit.global_batches(loader, mesh, "data", check=kind == "check")
 
     results["batches_paced"] = series(
         "batches_paced",
-        {"handover": lambda: next(held["it"]), "none": lambda: next(held["it"])},
-        setup={"handover": batches_setup(True), "none": batches_setup(False)},
-        calls=PACED_CALLS,
+        {kind: (lambda kind=kind: next(held[kind])) for kind in kinds},
+        calls=BATCH_CALLS,
         pace=PACE_S,
     )
+    for kind in kinds:
+        held[kind].close()
 
 
 def meshkit_mesh() -> None:

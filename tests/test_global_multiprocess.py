@@ -538,7 +538,7 @@ def test_breaking_out_of_global_batches_exits_cleanly(target):
     assert result.values == [2, 2]
 
 
-def test_a_process_that_closes_early_releases_the_others():
+def test_a_process_that_went_on_past_a_close_is_ended_naming_it():
     import time
 
     start = time.monotonic()
@@ -548,10 +548,168 @@ def test_a_process_that_closes_early_releases_the_others():
         timeout=120,
         env={"MESHKIT_CHECK_TIMEOUT": "60"},
     )
-    assert result.returncode == 0, result.report
-    assert time.monotonic() - start < 50, "process 1 waited for the check timeout"
-    # Process 1 stops at the same step, although its helper had assembled 3 steps ahead.
-    assert result.values == [2, 2]
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    # Process 0 closes after step 2. Process 1's helper had assembled step 3 (agreed with
+    # process 0's helper), so process 1 takes it and waits in its sum, which process 0 never
+    # joins: the close watch finds the close, and the process ends with the error, not the
+    # 60 s check timeout, nor for ever.
+    assert result.returncode != 0, text
+    assert time.monotonic() - start < 50, text
+    assert (
+        "meshkit.global_batches: the processes left their loops at different steps: process 0 "
+        "after step 2 closed its iterator, but this process (process 1) took step 3 already: "
+        "its computations at that step wait for process 0, which will not join them." in text
+    ), text
+
+
+def _asks_past_a_close():
+    import time
+
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    loader = (np.full((4, 2), i, np.float32) for i in range(100))
+    error = None
+    with meshkit.global_batches(loader, mesh, "data", prefetch=3) as it:
+        sums = [float(meshkit.gather(next(it)).sum()) for _ in range(2)]
+        if me == 0:
+            it.close()  # after step 2; process 1 goes on
+        meshkit.barrier("process 0 closed")
+        time.sleep(2.5)  # the close watch reads the posts every second
+        if me == 1:
+            try:
+                next(it)
+            except meshkit.DivergenceError as e:
+                error = (str(e), e.processes, e.field)
+    meshkit.barrier("after the error")  # the processes go on, in step
+    return sums, error
+
+
+def _closed_after_different_steps():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    loader = (np.full((4, 2), i, np.float32) for i in range(100))
+    it = meshkit.global_batches(loader, mesh, "data", prefetch=3)
+    # No collective in the steps: process 1 takes a third step that process 0 never takes.
+    for _ in range(3 if me == 1 else 2):
+        next(it)
+    if me == 1:
+        it.close()  # after step 3, before process 0 closes
+    meshkit.barrier("process 1 closed")
+    error = None
+    if me == 0:
+        try:
+            it.close()
+        except meshkit.DivergenceError as e:
+            error = (str(e), e.processes, e.field)
+    meshkit.barrier("after the error")
+    return it.steps, error
+
+
+def test_leaving_the_loop_at_different_steps_is_named(warm_cluster):
+    advice = (
+        "Every process must take the same number of batches from its global_batches: a loop "
+        "that stops early (break, close(), the end of a with block) must stop after the same "
+        "step on every process.\nConsider deciding when to stop from a value every process "
+        "has (the step number, a value computed on global arrays), not from one process's own "
+        "data or clock."
+    )
+    asked = warm_cluster.run(_asks_past_a_close, timeout=120, env=_FAST_CHECK)
+    assert asked[0] == ([0.0, 16.0], None)
+    assert asked[1] == (
+        [0.0, 16.0],
+        (
+            "meshkit.global_batches: the processes left their loops at different steps: "
+            "process 0 after step 2 closed its iterator, but this process (process 1) asks "
+            f"for step 3, which process 0 will not take.\n{advice}",
+            [0],
+            "steps",
+        ),
+    )
+    closed = warm_cluster.run(_closed_after_different_steps, timeout=120, env=_FAST_CHECK)
+    assert closed == [
+        (
+            2,
+            (
+                "meshkit.global_batches: the processes left their loops at different steps: "
+                "process 1 after step 3, this process (process 0) after step 2.\n" + advice,
+                [1],
+                "steps",
+            ),
+        ),
+        (3, None),
+    ]
+
+
+def _windows_agree_and_fall_back():
+    import jax
+    import numpy as np
+
+    import meshkit
+    from meshkit._src.coord import agree
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    steps = 200
+    # A steady loop: after its first step, the steps are agreed in windows of 2, 4, 8, ...
+    agree.stats.reset()
+    it = meshkit.global_batches(
+        (np.full((4, 2), 10 * i + me, np.float32) for i in range(steps)), mesh, "data"
+    )
+    sums = [float(b.sum()) for b in it]
+    steady = {
+        "sums_right": sums == [160.0 * i + 8.0 for i in range(steps)],
+        "windows": it._ahead.windows,
+        "rpcs_per_step": agree.stats.rpcs / steps,
+    }
+    # A difference inside a window is named at its own step, as the per-step agreement names
+    # it: the window falls back to agreeing its steps one by one.
+    named = {}
+    for at in (2, 3, 6, 13, 40):
+
+        def loader(at=at):
+            for i in range(60):
+                rows = 4 if (me == 1 and i + 1 == at) else 8
+                yield np.full((rows, 2), i, np.float32)
+
+        taken = 0
+        try:
+            for _ in meshkit.global_batches(loader(), mesh, "data"):
+                taken += 1
+        except meshkit.MeshkitError as e:
+            named[at] = (taken, str(e).splitlines()[0])
+    meshkit.barrier("after the errors")
+    return steady, named
+
+
+def test_steps_are_agreed_in_windows_and_differences_named_at_their_step(warm_cluster):
+    results = warm_cluster.run(_windows_agree_and_fall_back, timeout=180, env=_FAST_CHECK)
+    for steady, named in results:
+        assert steady["sums_right"], steady
+        # 199 steps after the first in windows of 2, 4, ..., 32, then 32 (the cap with 2
+        # processes): 2 + 4 + 8 + 16 + 32 = 62 steps, then 4 windows of 32, then the 9 steps
+        # left with the end of every loader (agreed in one window too)
+        assert steady["windows"] >= 8, steady
+        # 2 round trips per window of up to 32 steps (more while the window grows), against 2
+        # per step agreed alone
+        assert steady["rpcs_per_step"] < 0.5, steady
+        for at, (taken, message) in named.items():
+            assert taken == at - 1, (at, taken, message)
+            assert message == (
+                f"meshkit.global_batches: at step {at}, process 1's batch has 4 rows where "
+                "process 0's batch has 8 rows, and the loader of process 1 has more batches "
+                "after it."
+            ), (at, message)
+    assert results[0][1] == results[1][1]
 
 
 def _deferred_and_invalid():

@@ -80,15 +80,23 @@ def test_a_channel_is_used_by_one_thread_at_a_time():
 
 
 @pytest.mark.multiprocess
-def test_close_from_another_thread_ends_a_waiting_next_in_every_process():
+def test_close_from_another_thread_ends_a_waiting_next_and_the_others_are_told():
     result = launch_in_processes(
         ranks.closed_from_another_thread, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
     )
     assert result.returncode == 0, result.report
-    # Steps 0, 1, 2: 8 rows of value i; then process 0's close ends both at step 3.
-    for sums, took in result.values:
+    # Steps 1, 2, 3: 8 rows of value 0, 1, 2. Process 0's loader blocks at its 4th batch, so
+    # no process's helper has step 4; process 0's close ends its waiting next(), and process 1,
+    # which asks for step 4, is told that process 0 will not take it.
+    for sums, took, _ in result.values:
         assert sums == [0.0, 16.0, 32.0], result.values
         assert took < 20, result.values  # not the 60 s check timeout
+    assert [error for _, _, error in result.values] == [
+        None,
+        "meshkit.global_batches: the processes left their loops at different steps: process 0 "
+        "after step 3 closed its iterator, but this process (process 1) asks for step 4, which "
+        "process 0 will not take.",
+    ]
 
 
 def test_close_from_another_thread_in_one_process():

@@ -51,7 +51,7 @@ def switched_off():
 
 
 def waits_at_different_agreements():
-    """Process 0 compiles a program at step 2; process 1 skips it and asks for step 3."""
+    """Process 0 compiles a program at step 2; process 1 skips it and computes step 3."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -64,8 +64,8 @@ def waits_at_different_agreements():
     loader = (np.full((4, 2), i, np.float32) for i in range(100))
     start = time.monotonic()
     try:
-        for i, batch in enumerate(meshkit.global_batches(loader, mesh, "data")):  # process 1
-            float(total(batch))
+        for i, batch in enumerate(meshkit.global_batches(loader, mesh, "data")):
+            float(total(batch))  # process 1
             if i == 1 and jax.process_index() == 0:  # a program process 1 does not run
                 float(jax.jit(lambda b: b.max(), out_shardings=replicated)(batch))  # process 0
     except meshkit.DivergenceError as e:

@@ -88,7 +88,12 @@ def closed_from_another_thread():
     if me == 0:
         threading.Timer(2.0, it.close).start()
     start = time.monotonic()
-    sums = [float(step(b)) for b in it]
+    sums, error = [], None
+    try:
+        for b in it:
+            sums.append(float(step(b)))
+    except meshkit.DivergenceError as e:  # the others: process 0 closed after step 3
+        error = str(e).splitlines()[0]
     took = time.monotonic() - start
     gate.set()
-    return sums, took
+    return sums, took, error

@@ -262,9 +262,7 @@ class Assembly:
         knows better.
         """
         what = self.what if what is None else what
-        record = Record(status=status)
-        if prepared is not None and (self.check or self.pad):
-            record = dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
+        record = self.record(prepared, status, rows)
         records = _read(exchange_records(self.tag, record.wire(), what))
         raise_failures(records, what)
         if self.check and prepared is not None and {r.status for r in records.values()} == {status}:
@@ -272,6 +270,26 @@ class Assembly:
                 explain(records)
             compare(records, what)
         return records
+
+    def record(self, prepared: Prepared | None, status: str, rows: int | None) -> Record:
+        """This process's record for `agree_sizes`: the status, and what the checks compare."""
+        if prepared is None or not (self.check or self.pad):
+            return Record(status=status)
+        return dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
+
+    def agree_window(
+        self, summary: str, record: dict[str, Any], *, what: str
+    ) -> dict[int, dict[str, Any]]:
+        """One agreement in ``tag``'s sequence for several steps (`meshkit._src.arrays.ahead`).
+
+        ``summary`` stands for the steps' records; returns this process's ``record`` alone
+        when every summary is equal, else every process's, among them the records of
+        processes that left the sequence (`publish_record`). Missing processes, and processes
+        that stopped waiting, are an error.
+        """
+        timeout = _env.check_timeout()
+        outcome = _agree.agree(self.tag, summary, json.dumps(record), timeout=timeout, what=what)
+        return _records(outcome, timeout, what)
 
     def place(self, prepared: Prepared, records: dict[int, Record] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""

@@ -1,53 +1,49 @@
 """`global_batches`: per-process batches in, global batches out, assembled ahead of time.
 
-A helper thread pulls the next local batch, agrees with the other processes (one small message
-per process and step through the coordination service: "I have a batch, of this structure" or
-"my data has ended"), and assembles the global batch while the caller computes on the previous
-one. At most ``prefetch`` assembled batches wait for the caller, so device memory stays
-bounded.
+A helper thread (`meshkit._src.arrays.ahead`) pulls the next local batches, agrees with the
+other processes through the coordination service ("I have a batch, of this structure" or "my
+data has ended": per step, or once for a window of steps read ahead), and assembles the global
+batches while the caller computes on the previous one. At most ``prefetch`` assembled batches
+wait for the caller, so device memory stays bounded.
 
 End of data is decided together: with ``pad=False`` every loader must end at the same step (a
 loader that ends before the others is an error on every process, naming the counts, never a
 silent stop or a hang); with ``pad=True`` the processes that ran out contribute fully padded
-batches until all have (the mask marks real rows). So is the end of a loop: each step is
-handed to the callers together (one barrier per step), so a process that closes its iterator
-stops the others at the same step. No process is ever left waiting on a collective that the
-others will not join.
+batches until all have (the mask marks real rows). A loop that ends early must end after the
+same step on every process: a process that goes on past a step where another closed its
+iterator gets a `meshkit.DivergenceError` naming it at its next step, or is ended with it when
+it has taken such a step already (`meshkit._src.arrays.closes`; nothing is exchanged per step
+for this). No process is left waiting for ever on a collective that the others will not join.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import contextlib
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from queue import Queue
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
-from ..core import env as _env
-from ..core.errors import MeshkitError
+from ..core import events as _events
+from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
+from . import ahead as _ahead
 from . import assembly as _assembly
-from . import ends as _ends
-from .caller import set_caller
+from . import closes as _closes
+from . import position as _position
 from .dtypes import warn_notes
 from .records import Record
-from .templates import prepare
 
 __all__ = ["GlobalBatches", "global_batches"]
 
@@ -56,48 +52,23 @@ BatchCheck = bool | Literal["data"]  # global_batches' check=
 BatchPad = bool | Literal["ragged"]  # global_batches' pad=
 _JOIN_TIMEOUT_S = 30.0
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
+# A caller that took a step a process that closed will not take is likely waiting in its
+# collective: the process ends unless a meshkit call raises the error within this time.
+_STUCK_S = 5.0
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
 
 def _close_all() -> None:
     """Stop helper threads before the interpreter (and JAX's runtime) shuts down under them."""
     for batches in list(_live):
-        batches.close()
-
-
-@dataclass
-class _Failure:
-    error: BaseException
-
-
-class _End:
-    pass
+        batches._close(at_exit=True)
 
 
 class _Closed:
     """Put in the queue by `GlobalBatches.close`: wakes a `__next__` waiting for a batch."""
 
 
-_END = _End()
 _CLOSED = _Closed()
-
-
-@dataclass
-class _Pulled:
-    """One read of a loader: a batch (``"data"``), its end (``"end"``), or what it raised."""
-
-    status: str
-    local: Any = None
-    error: BaseException | None = None
-
-
-def _pull(source: Iterator[Any]) -> _Pulled:
-    try:
-        return _Pulled("data", next(source))
-    except StopIteration:
-        return _Pulled("end")
-    except BaseException as e:  # the loader's own error: the caller gets it at its step
-        return _Pulled("error", error=e)
 
 
 class GlobalBatches(Iterator[Any]):
@@ -148,31 +119,32 @@ class GlobalBatches(Iterator[Any]):
         # Registered at the first iterator, not at import (nothing happens at import); again
         # later is a no-op.
         _exit.on_exit("global_batches: stop the helper threads", _close_all, order=_exit.STOP)
-        self._args = (mesh_or_sharding, spec)
-        self._pad, self._dtype = bool(pad), dtype
+        self._pad = bool(pad)
         self._ragged = pad == "ragged"  # short batches allowed at every step, not only the last
         self._progress = progress
         # Numbered on the creating thread's channel; the helper thread then uses it as its own.
         self._tag = _channel.numbered("global_batches", _WHAT)
         self._multi = _compat.distributed_state()[2] > 1
-        self._together = stop_together and self._multi  # hand each step over together
+        # every process leaves the loop after the same step, or the others are told (`closes`)
+        self._together = stop_together and self._multi
+        self._node = _agree.node() if self._multi else None
+        self._me = _compat.distributed_state()[1]
         # sizes are exchanged at every step: the end of data is decided together.
         self._assembly = _assembly.Assembly(
             self._tag, _WHAT, pad=self._pad, check=check, stepwise=True
         )
-        self._handover = self._tag + "/handover"  # each step handed to the callers together
-        self._timeout = _env.check_timeout()
-        self._queue: Queue[Any] = Queue()
-        self._slots = threading.Semaphore(prefetch)
+        self._handoff = _ahead.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._done = False  # closed, ended or failed: __next__ raises StopIteration
-        self._in_next = False  # a __next__ is running: it tells the others of a close
-        self._told = False  # the others' callers know this process's last step
+        self._ended = False  # the data ended, or the iterator failed: a close tells nobody
         self._released = False  # the others' helpers know this one stopped
+        self._closed_after: int | None = None  # the steps taken when this process closed
+        self._closers: dict[int, int] = {}  # processes that closed early: their steps
+        self._gone: DivergenceError | None = None  # this caller took a step a closer did not
+        self._unwatch = threading.Event()  # ended, failed or closed: no close to watch for
         self.steps = 0
         self.rows = 0
-        self._assembled = 0  # steps the helper thread assembled (the loaders' batches so far)
         self._started = time.monotonic()
         self._reported = self._started
         try:
@@ -182,10 +154,30 @@ class GlobalBatches(Iterator[Any]):
                 f"{_WHAT}: expected an iterable of per-process batches; got "
                 f"{type(iterable).__name__}."
             ) from None
+        self._ahead = _ahead.Ahead(
+            source,
+            self._assembly,
+            (mesh_or_sharding, spec),
+            pad=self._pad,
+            ragged=self._ragged,
+            dtype=dtype,
+            multi=self._multi,
+            processes=_compat.distributed_state()[2],
+            told=self._together,
+            me=self._me,
+            handoff=self._handoff,
+            stop=self._stop,
+            release=self._release_helpers,
+            hear=self._hear,
+        )
         self._thread = threading.Thread(
-            target=self._work, args=(source,), name="meshkit-global-batches", daemon=True
+            target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
+        self._position: _position.Position | None = None
+        if self._together and self._node is not None:
+            self._position = _position.Position(self._node, self._tag)
+            _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -195,122 +187,172 @@ class GlobalBatches(Iterator[Any]):
 
     @public
     def __next__(self) -> Any:
-        with self._lock:
-            done = self._done
-            self._in_next = not done
-        if done:
-            # Closed (from another thread, during the last step's handover, say): the others
-            # learn it at this step, if nothing has told them yet.
-            self._tell_closed()
+        if self._done:
             raise StopIteration
-        try:
+        position = self._position
+        if position is None:
             return self._next()
+        position.in_next = True
+        try:
+            batch = self._next()
         finally:
-            self._in_next = False
+            position.in_next = False
+        position.took(self.steps)
+        return batch
 
     def _next(self) -> Any:
-        item = self._queue.get()
-        self._slots.release()
-        if isinstance(item, _Failure):
-            self._done = True
+        item = self._handoff.get()
+        if isinstance(item, _ahead.Failure):
+            self._done = self._ended = True
+            self._unwatch.set()
             raise item.error
-        if isinstance(item, _Closed) or self._done:  # closed by another thread meanwhile
-            self._tell_closed()
+        if isinstance(item, _Closed):
             raise StopIteration
-        if isinstance(item, _End):
-            self._done = self._told = True  # every process ends at this step: nothing to tell
+        if item is _ahead.END:
+            self._done = self._ended = True  # every process ends at this step
+            self._unwatch.set()
             self._report(final=True)
             raise StopIteration
-        if not self._take():
-            raise StopIteration
+        with self._lock:
+            if self._done:  # closed by another thread meanwhile
+                raise StopIteration
+            error = self._went_on_error(took=False)
+            if error is None:
+                self.steps += 1
+            else:
+                self._done = self._ended = True
+                self._unwatch.set()
+        if error is not None:
+            if self._node is not None:
+                with contextlib.suppress(ValueError):  # raised here, not by a later call
+                    self._node.failures.remove(error)
+            raise error
         batch, rows, notes = item
-        warn_notes(notes, user_stacklevel())
+        if notes:
+            warn_notes(notes, user_stacklevel())
         _watchdog.note_progress()
-        self.steps += 1
         self.rows += rows
         self._report()
         return batch
 
-    def _take(self) -> bool:
-        """Whether every process takes this step (False: one closed; this one stops too).
+    def _went_on_error(self, *, took: bool) -> DivergenceError | None:
+        """The error of going on past a process that closed (`closes.went_on`); lock held.
 
-        The helper threads assemble ahead, so a process that closes its iterator after step k
-        has agreed on steps beyond k with the others. Each step is therefore also handed over
-        together: the n-th `__next__` of every process meets the n-th of the others (one
-        barrier, `meshkit._src.coord.agree.check`), where each says whether it takes the step or
-        closed. A process that closed ends the others at the same step, before any of them computes
-        with a batch it would not join.
+        ``took``: whether this process has taken a step the closers will not take; else whether
+        it would, by taking the next.
         """
-        if not self._together:
-            return True
-        outcome = _agree.check(
-            self._handover,
-            "take",
-            json.dumps({"status": "take"}),
-            timeout=self._timeout,
-            what=f"step {self.steps + 1} of {_WHAT}",
-        )
-        if outcome.agreed:
-            return True
-        statuses = {p: json.loads(r)["status"] for p, r in outcome.records.items()}
-        closed = sorted(p for p, status in statuses.items() if status == "closed")
-        if closed or not outcome.missing:
-            self._told = True
-            self.close()
-            return False
-        absent = _absent.did_not(
-            outcome.missing, timeout=self._timeout, arrive=f"ask for step {self.steps + 1}"
-        )
-        raise MeshkitError(
-            f"{_WHAT}: {absent}; this process (process "
-            f"{_compat.distributed_state()[1]}) did.\nEvery process must take the same "
-            "number of batches from its global_batches, or close it (the others then stop at "
-            "the same step). Consider what keeps those processes from their next step (a "
-            "crash, a stall, a different branch); MESHKIT_DEBUG=1 names where they are."
-        )
+        if self._gone is not None:
+            return self._gone
+        past = self.steps - (1 if took else 0)
+        if not any(k <= past for k in self._closers.values()):
+            return None
+        return _closes.went_on(self._closers, self._me, self.steps, took=took)
 
-    def _tell_closed(self) -> None:
-        """Tell the others' callers, at their next step, that this process closed (never waits)."""
+    def _hear(self, closers: dict[int, int]) -> None:
+        """Processes that closed their iterators (the close watch, or the helpers' records).
+
+        If this process's caller has taken a step they will not take, it is likely waiting in
+        that step's collective: the error is kept for its next meshkit call, and ends the
+        process if none comes within `_STUCK_S` (`Node.fail`).
+        """
         with self._lock:
-            if self._told or not self._together:
+            for p, k in closers.items():
+                self._closers.setdefault(p, k)
+            if self._done or self._gone is not None:
                 return
-            self._told = True
-        _agree.leave_check(self._handover, json.dumps({"status": "closed"}))
+            error = self._went_on_error(took=True)
+            self._gone = error
+        if error is not None:
+            self._fail(error)
+
+    def _look(self) -> bool:
+        """The watch's look at where the caller is (`position.Position.look`), once a period.
+
+        True: the caller waits in a cycle with another process (kept for its next meshkit
+        call, or the process ends).
+        """
+        assert self._position is not None
+        error = self._position.look()
+        if error is None:
+            return False
+        with self._lock:
+            if self._gone is None:
+                self._gone = error
+        self._fail(error)
+        return True
+
+    def _fail(self, error: DivergenceError) -> None:
+        """Keep ``error`` for the caller's next meshkit call; end the process if none comes.
+
+        The caller is likely waiting in a collective that will not complete (`Node.fail`).
+        """
+        if self._node is not None:
+            _events.emit(
+                _events.FAILED, cause="divergence", error=type(error).__name__,
+                processes=error.processes, field=error.field,
+            )  # fmt: skip
+            self._node.fail(error, _STUCK_S)
 
     def _release_helpers(self) -> None:
         """Tell the others' helper threads, at their next step, that this one stops (once).
 
         The helper says so itself when it sees the stop between steps; `close` says it for a
         helper that is busy (in a loader that blocks, in an agreement), so the others' helpers,
-        waiting for this one's next step, stop instead of timing out.
+        waiting for this one's next step, stop instead of timing out. The record holds the
+        steps this process's caller took (`closes`).
         """
         with self._lock:
             if self._released or not self._multi:
                 return
             self._released = True
-        _assembly.publish_record(self._tag, Record(status="closed"))
+            steps = self._closed_after
+        _assembly.publish_record(self._tag, Record(status="closed", steps=steps))
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
 
         Callable from any thread: a `__next__` waiting for a batch in another thread raises
-        `StopIteration`. In a multi-process program the others' iterators stop at the same
-        step (their next `__next__` raises `StopIteration`), whether or not they close theirs.
+        `StopIteration`. In a multi-process program every process must close its iterator
+        after the same step (or let the data end): a process that goes on past a step where
+        another closed gets a `meshkit.DivergenceError` naming it, at its next step (see
+        `global_batches`' ``stop_together``).
+
+        Raises:
+            DivergenceError: another process closed its iterator after a different step.
         """
+        error = self._close()
+        if error is not None:
+            raise error
+
+    def _close(self, *, at_exit: bool = False) -> DivergenceError | None:
+        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead)."""
         with self._lock:
             if self._stop.is_set():
-                return  # closed before (the helper has been waited for then)
+                return None  # closed before (the helper has been waited for then)
             self._done = True
-            tell_here = not self._in_next  # else the running __next__ tells, at its step
             self._stop.set()
-        self._queue.put(_CLOSED)
-        if tell_here:
-            self._tell_closed()
+            self._unwatch.set()
+            post = self._together and not self._ended and self._node is not None
+            if post:
+                self._closed_after = self.steps
+        self._handoff.put(_CLOSED)
+        error = self._gone  # this caller took a step a closer did not: the watch found it
+        if post and not (at_exit and _exit.ending()):  # a failing process: fail-fast tells
+            assert self._node is not None
+            closers = _closes.post(self._node, self._tag, self.steps)
+            error = error or _closes.differs(closers, self._me)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
             if self._thread.is_alive():
                 self._release_helpers()
                 self._thread.join(_JOIN_TIMEOUT_S)
+        if error is not None and self._node is not None:
+            if not at_exit:
+                with contextlib.suppress(ValueError):  # raised by close, not by a later call
+                    self._node.failures.remove(error)
+            elif error is not self._gone:
+                self._node.fail(error, _STUCK_S)  # no call will raise it: the process exits 1
+        return error
 
     def __enter__(self) -> GlobalBatches:
         return self
@@ -343,136 +385,9 @@ class GlobalBatches(Iterator[Any]):
 
     # The helper thread's side.
 
-    def _take_slot(self) -> bool:
-        while not self._stop.is_set():
-            if self._slots.acquire(timeout=0.1):
-                return True
-        return False
-
-    def _work(self, source: Iterator[Any]) -> None:
+    def _work(self) -> None:
         with _channel.channel(self._tag):
-            self._work_on_channel(source)
-
-    def _work_on_channel(self, source: Iterator[Any]) -> None:
-        set_caller(_WHAT)
-        template: Any = None
-        # A batch read ahead of its step: only at a step whose batches differ in rows, by a
-        # process with fewer, to tell its loader's last batch from a short one mid-stream.
-        ahead: list[_Pulled] = []
-
-        def peek() -> bool | None:
-            """Whether the loader has ended after this batch (None: it failed, raised later)."""
-            if not ahead:
-                ahead.append(_pull(source))
-            return {"end": True, "data": False}.get(ahead[0].status)
-
-        while True:
-            if not self._take_slot():
-                self._release_helpers()  # the others' helpers wait for this one's next step
-                return
-            pulled = ahead.pop() if ahead else _pull(source)
-            if pulled.error is not None:
-                if self._multi:
-                    _assembly.publish_failure(self._tag, pulled.error)
-                self._queue.put(_Failure(pulled.error))
-                return
-            if pulled.status == "data":
-                template = pulled.local
-                if self._stop.is_set():
-                    self._release_helpers()  # closed while the loader ran
-                    return
-            try:
-                item = self._step(pulled.status, pulled.local, template, peek)
-            except BaseException as e:
-                self._queue.put(_Failure(e))
-                return
-            self._queue.put(item)
-            if isinstance(item, _End):
-                return
-
-    def _step(self, status: str, local: Any, template: Any, peek: Callable[[], bool | None]) -> Any:
-        mesh_or_sharding, spec = self._args
-        pad, multi = self._pad, self._multi
-        assembly = self._assembly
-        step = self._assembled + 1
-        what = f"{_WHAT} (step {step})"
-        if status == "end":
-            if not (multi and pad and template is not None):
-                if multi:
-                    self._check_end(assembly.agree_sizes(None, "end", what=what), step)
-                return _END
-            local = jax.tree_util.tree_map(
-                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), template
-            )
-        prepared = assembly.prepare(
-            lambda: prepare(
-                local, mesh_or_sharding, spec, global_shape=None, dtype=self._dtype, pad=pad
-            )
-        )
-        records = None
-        if multi:
-            # Every step agrees before placing: on the end of data, the padded size and (but
-            # with pad="ragged") the rows, which only a loader's last batch may lack.
-            batch_rows = None
-            if status == "data" and not self._ragged and prepared.leaves[0].global_shape:
-                batch_rows = int(prepared.leaves[0].value.shape[0])
-            check_rows = (
-                None
-                if self._ragged
-                else (lambda agreed: self._check_rows(agreed, step, what, peek))
-            )
-            records = assembly.agree_sizes(
-                prepared, status, rows=batch_rows, what=what, explain=None if pad else check_rows
-            )
-            if self._check_end(records, step):
-                return _END
-            if pad and check_rows is not None:
-                check_rows(records)
-        assembly.place(prepared, records)
-        tree, mask = assembly.transfer(prepared, agreed=records is not None)
-        self._assembled = step
-        rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if pad else tree), rows, prepared.notes
-
-    def _check_rows(
-        self, records: dict[int, Record], step: int, what: str, peek: Callable[[], bool | None]
-    ) -> None:
-        """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
-
-        Where the batches differ in rows, each process with fewer reads its loader one batch
-        ahead (``peek``), and all exchange whether theirs is the last: one more round trip, at
-        such steps only. Every process has the same records, so all decide alike.
-        """
-        fewer = _ends.short(records)
-        if not fewer:
-            return
-        last = peek() if jax.process_index() in fewer else None
-        said = _assembly.exchange_records(self._tag, Record(last=last).wire(), what)
-        lasts = {p: Record.read(w).last for p, w in said.items()}
-        if len(lasts) == 1:  # every process sent the same
-            lasts = dict.fromkeys(records, last)
-        told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _ends.short_batch(told, step, pad=self._pad)
-        if message is not None:
-            raise MeshkitError(message)
-
-    def _check_end(self, records: dict[int, Record], step: int) -> bool:
-        """Whether the data has ended for every process at ``step`` (the records agreed there).
-
-        Loaders that end at different steps are an error, the same on every process (each has
-        every record), unless ``pad`` lets the ended ones pad: with ``pad=False`` the longer
-        loaders' batches would be dropped unseen, and a loader that yielded no batch at all
-        has no structure to pad with.
-        """
-        statuses = {p: r.status for p, r in records.items()}
-        if "closed" in statuses.values() or set(statuses.values()) == {"end"}:
-            return True
-        ended = sorted(p for p, s in statuses.items() if s == "end")
-        if not ended or (self._pad and all(records[p].block_rows is not None for p in ended)):
-            return False
-        raise MeshkitError(
-            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._pad)
-        )
+            self._ahead.run()
 
 
 @public
@@ -520,19 +435,25 @@ def global_batches(
         dtype: cast every array to this dtype.
         progress: seconds between progress lines (steps, rows, rows/s) on process 0's stderr;
             None for none.
-        stop_together: hand each step to the callers together (one barrier per step, in
-            `__next__`), so that a process that closes its iterator, or breaks out of its loop,
-            ends the others' at the same step. False saves the barrier (0.6 ms per step with 2
-            processes here, growing with the process count: the coordination service handles
-            every arrival) where every process stops at the same step by construction (the end
-            of data, a fixed step count); a process that then closes early leaves the others to
-            compute up to ``prefetch`` steps with batches it will not join.
+        stop_together: check that every process leaves the loop after the same step. A
+            process that closes its iterator early (``close()``, ``break`` then the end of a
+            ``with`` block or of the program) posts its step count once; a process that goes
+            on raises a `meshkit.DivergenceError` naming it when it asks for the next step,
+            or, if it has taken that step already (its helper had assembled it), is ended with
+            that error within seconds, since its computations at that step wait for a process
+            that will not join them; processes that close after different steps raise it
+            from ``close()``. Nothing is exchanged per step: the close is read by a thread
+            about once a second, and a close costs two requests. False turns the check off:
+            a process that closes early then leaves the others to wait in their next
+            collective.
 
     Returns:
         A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
         use it in a ``with`` block, to stop early).
 
     Raises:
+        DivergenceError: from ``next()`` or ``close()``: another process closed its iterator
+            after a different step (``stop_together``).
         MeshkitError: ``prefetch``, ``pad``, ``stop_together``, ``check`` or ``progress`` is not
             valid; or,
             from ``next()``, on every process at the same step: the loaders yielded

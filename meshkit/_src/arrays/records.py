@@ -60,6 +60,8 @@ class Record:
         last: in `meshkit.global_batches`' second exchange at a step whose batches differ in
             rows, from each process with fewer rows than the most: whether its batch is its
             loader's last (the loader read one batch ahead); None from the others.
+        steps: with status ``"closed"``, in `meshkit.global_batches`, the steps its caller took
+            before it closed the iterator (`meshkit._src.arrays.closes`).
     """
 
     status: str = "data"
@@ -70,6 +72,7 @@ class Record:
     replicas: dict[str, tuple[int, str]] | None = None
     rows: int | None = None
     last: bool | None = None
+    steps: int | None = None
 
     def wire(self) -> dict[str, Any]:
         """The JSON object sent: the fields that are set, in declaration order."""
@@ -93,6 +96,7 @@ class Record:
             replicas=wire.get("replicas"),
             rows=wire.get("rows"),
             last=wire.get("last"),
+            steps=wire.get("steps"),
         )
 
 

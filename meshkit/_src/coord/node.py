@@ -331,6 +331,11 @@ class Node:
             if self.waits.leave(thread):  # the store lists waits of this process, none is left
                 self._forget_waits()
 
+    def leave_moving(self, thread: int, wait: _waits.Wait) -> None:
+        """Unregister ``thread``'s `Waits.enter_moving` ``wait`` (and its post, if none is left)."""
+        if self.waits.leave_moving(thread, wait):
+            self._forget_waits()
+
     def _forget_waits(self) -> None:
         with contextlib.suppress(Exception):  # a failed delete leaves waits that have ended
             self.service.delete(_waits.PREFIX + str(self.me))

@@ -54,6 +54,12 @@ class Wait:
         where: the user's line the thread waits at (``train.py:28 in main``), "?" if none.
         barrier: the barrier it waits at (`check`), where another process can refuse it so
             that it returns; "" for a wait of `agree`, which wakes up to probe by itself.
+        moving: not at an agreement: the thread is inside a step of a
+            `meshkit.global_batches` (``seq`` is the step's number from 0, under the iterator's
+            steps tag) and has stayed there a while. It may end without the others, so it is
+            never the waiting side of a cycle; but a process waiting at an agreement before
+            it has taken that step waits in a cycle with it (the processes took their steps and
+            agreements in different orders).
     """
 
     channel: str
@@ -62,6 +68,7 @@ class Wait:
     what: str
     where: str = "?"
     barrier: str = ""
+    moving: bool = False
 
 
 class Waits:
@@ -82,6 +89,20 @@ class Waits:
         with self.lock:
             self.entries[me] = wait
         return me
+
+    def enter_moving(self, thread: int, channel: str | None, tag: str, seq: int, what: str) -> Wait:
+        """Register ``thread`` as inside a step (`Wait.moving`), unless it waits already."""
+        wait = Wait(channel or "", tag, seq, what, moving=True)
+        with self.lock:
+            self.entries.setdefault(thread, wait)
+        return wait
+
+    def leave_moving(self, thread: int, wait: Wait) -> bool:
+        """`leave` for ``thread``'s `enter_moving` ``wait``, if it is still the one registered."""
+        with self.lock:
+            if self.entries.get(thread) is not wait:
+                return False
+        return self.leave(thread)
 
     def leave(self, thread: int) -> bool:
         """Unregister ``thread``'s wait; True: its process's posted waits are to be deleted."""
@@ -178,6 +199,8 @@ def cycles(
     """
     found: dict[int, DivergenceError] = {}
     for thread, w in mine:
+        if w.moving:
+            continue  # it may end without the others: only they can tell it waits in a cycle
         blocking = {
             q: v
             for q, waits in theirs.items()

@@ -1,0 +1,492 @@
+"""The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
+
+Before a step's global batch is handed to the caller, the processes agree on one record per
+process (`Record`: its status - data, the end of its loader's data, closed, failed - and, with
+checks, the structure, dtypes, shapes and rows): `Assembly.agree_sizes`, two requests per
+process at the coordinator in a steady loop. Agreed step by step, that is 2N requests per step
+for N processes.
+
+So the helper agrees on *windows* of steps. It reads up to W batches ahead, prepares them on
+the host (nothing is placed on a device yet), and agrees once on the list of their records'
+summaries (`Ahead._window`): two requests per process for W steps. When the lists are equal
+and every step has data, each step of the window is agreed exactly as the per-step agreement
+would have agreed it, and is placed and handed to the caller as prefetch slots free up. Any
+other outcome (a loader that ended, failed, or yields a batch of another shape in the window)
+falls back to per-step agreements for the window's steps, so that every message names the
+step it names today; a process that closed or failed is told in the window's place, at the
+window's first step. Every process takes the same path, as each sees the same outcome. W starts
+at 1 (the first step is agreed alone) and doubles while windows agree, up to `width_cap`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.errors import MeshkitError
+from . import assembly as _assembly
+from . import closes as _closes
+from . import ends as _ends
+from .blocks import Prepared
+from .caller import set_caller
+from .records import Record, raise_failures, summary
+from .templates import prepare
+
+__all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
+
+_WHAT = "meshkit.global_batches"
+# Batches read ahead for a window are held on the host: at most this many bytes of them.
+AHEAD_BYTES = 64 << 20
+
+
+@dataclass
+class Failure:
+    """Put in the caller's queue: raised by its next `next()`."""
+
+    error: BaseException
+
+
+class _End:
+    pass
+
+
+END = _End()  # put in the caller's queue: the data ended for every process at this step
+
+
+@dataclass
+class _Pulled:
+    """One read of a loader: a batch (``"data"``), its end (``"end"``), or what it raised."""
+
+    status: str
+    local: Any = None
+    error: BaseException | None = None
+
+
+def _pull(source: Iterator[Any]) -> _Pulled:
+    try:
+        return _Pulled("data", next(source))
+    except StopIteration:
+        return _Pulled("end")
+    except BaseException as e:  # the loader's own error: the caller gets it at its step
+        return _Pulled("error", error=e)
+
+
+def _nbytes(leaf: Any) -> int:
+    """A leaf's bytes, without copying a ``jax.Array`` to the host."""
+    nbytes = getattr(leaf, "nbytes", None)
+    return int(nbytes) if nbytes is not None else np.asarray(leaf).nbytes
+
+
+def width_cap(processes: int, batch_bytes: int) -> int:
+    """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
+
+    Two windows' batches may be on the host at once (one agreed, one being read).
+
+    With W steps per window a step costs 2N / W requests at the coordinator: at most 2 at any
+    process count while the batches fit in `AHEAD_BYTES`.
+    """
+    return max(1, min(max(32, processes), AHEAD_BYTES // (2 * max(1, batch_bytes))))
+
+
+class Handoff:
+    """The assembled steps waiting for the caller: at most ``prefetch`` (one producer, the helper).
+
+    The caller's `get` takes a waiting item without a lock (a deque's ends are thread-safe);
+    a condition is used only when one side waits for the other: a `next()` is a few
+    microseconds, not a `queue.Queue` and a semaphore's two lock round trips.
+    """
+
+    def __init__(self, prefetch: int) -> None:
+        self.items: deque[Any] = deque()
+        self.prefetch = prefetch
+        self.cond = threading.Condition()
+        self.taker_waits = False
+        self.putter_waits = False
+
+    def put(self, item: Any) -> None:
+        """Hand ``item`` to the caller (the helper, after `free` or `wait_free`; or a close)."""
+        self.items.append(item)
+        if self.taker_waits:
+            with self.cond:
+                self.cond.notify_all()
+
+    def get(self) -> Any:
+        """The next item, waiting for it if none is there yet."""
+        try:
+            item = self.items.popleft()
+        except IndexError:
+            with self.cond:
+                self.taker_waits = True
+                while not self.items:
+                    self.cond.wait()
+                self.taker_waits = False
+                item = self.items.popleft()
+        if self.putter_waits:
+            with self.cond:
+                self.cond.notify_all()
+        return item
+
+    def free(self) -> bool:
+        """Whether the helper may assemble one more item now."""
+        return len(self.items) < self.prefetch
+
+    def wait_free(self, stop: threading.Event) -> bool:
+        """Wait until the helper may assemble one more item; False once ``stop`` is set."""
+        while not stop.is_set():
+            if len(self.items) < self.prefetch:
+                return True
+            with self.cond:
+                self.putter_waits = True
+                if len(self.items) >= self.prefetch:
+                    self.cond.wait(0.1)
+                self.putter_waits = False
+        return False
+
+
+@dataclass
+class _Window:
+    """A window being read: its batches as read, and the steps prepared with their records."""
+
+    pulled: list[_Pulled] = dataclasses.field(default_factory=list)
+    steps: list[tuple[Prepared, Record]] = dataclasses.field(default_factory=list)
+    done: bool = False  # a read without data, or a batch that does not prepare, ends it
+
+    def read(self, ahead: Ahead, width: int) -> bool:
+        """Read one more batch (or none when full); whether the window is read."""
+        if self.done or len(self.pulled) >= width:
+            return True
+        one = ahead._next()
+        self.pulled.append(one)
+        if one.status != "data":
+            self.done = True
+            return True
+        ahead._template = one.local
+        try:
+            prepared = ahead._prepare(one.local)
+        except Exception:  # raised again by its own step, which agrees on it alone
+            self.done = True
+            return True
+        record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
+        self.steps.append((prepared, record))
+        return len(self.pulled) >= width
+
+
+@dataclass
+class Ahead:
+    """The helper's side of one `meshkit.global_batches` iterator (run by its thread).
+
+    Args:
+        source: this process's loader.
+        assembly: the iterator's assembly protocol (its tag names the agreements).
+        args: ``(mesh_or_sharding, spec)``.
+        pad, ragged, dtype: `global_batches`' settings.
+        multi: several processes agree (else nothing is exchanged).
+        processes: how many.
+        told: processes that closed early told apart from the end of data (``stop_together``).
+        me: this process's id.
+        handoff: where the assembled steps wait for the caller.
+        stop: set when the iterator is closed.
+        release: tells the others' helpers that this one stops.
+        hear: takes processes that closed early (`GlobalBatches._hear`).
+    """
+
+    source: Iterator[Any]
+    assembly: _assembly.Assembly
+    args: tuple[Any, Any]
+    pad: bool
+    ragged: bool
+    dtype: Any
+    multi: bool
+    processes: int
+    told: bool
+    me: int
+    handoff: Handoff
+    stop: threading.Event
+    release: Callable[[], None]
+    hear: Callable[[dict[int, int]], None]
+    assembled: int = 0  # steps assembled (the loaders' batches so far)
+    windows: int = 0  # windows agreed whole (tests and benchmarks read it)
+    _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
+    _template: Any = None
+    _cap: int | None = None
+    _said: dict[tuple[int, int | None], tuple[Any, str]] = dataclasses.field(default_factory=dict)
+
+    def run(self) -> None:
+        """Read, agree and assemble until the data ends, the iterator closes or a step fails.
+
+        While agreed steps wait for a prefetch slot, the next window is read (at most one
+        window agreed and one being read: ``2 * width_cap`` batches on the host).
+        """
+        set_caller(_WHAT)
+        width, alone = 1, 0  # the next window's size; steps still to agree one by one
+        agreed: deque[tuple[Prepared, Record] | _End] = deque()
+        window = _Window()
+        ending = False  # the end of data is agreed (the last item in ``agreed``)
+        try:
+            while True:
+                if agreed and self.handoff.free():
+                    if not self._place(agreed.popleft()):
+                        return
+                    continue
+                if width > 1 and not alone and not ending and len(agreed) < width:
+                    if self.stop.is_set():
+                        self.release()  # the others' helpers wait for this one's next agreement
+                        return
+                    if not window.read(self, width):
+                        continue  # one more batch read into the window
+                    outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
+                    window = _Window()
+                    if isinstance(outcome, Failure | _End):
+                        # The steps agreed before the window are the callers' still.
+                        while agreed and self._take_slot():
+                            self._place(agreed.popleft())
+                        if agreed:  # closed meanwhile
+                            self.release()
+                        else:
+                            self.put(outcome)
+                        return
+                    if outcome:
+                        agreed.extend(outcome)
+                        ending = outcome[-1] is END
+                        self.windows += 1
+                        width = min(2 * width, self._width_cap())
+                    else:  # the window's steps are agreed one by one, as they always were
+                        alone, width = width, 1
+                    continue
+                if not self._take_slot():
+                    self.release()
+                    return
+                if agreed:
+                    if not self._place(agreed.popleft()):
+                        return
+                    continue
+                steady = self._one()
+                if steady is None:
+                    return
+                alone = max(0, alone - 1)
+                grow = steady and self.multi and not alone
+                width = min(2, self._width_cap()) if grow else 1
+        except BaseException as e:  # the caller raises it at its next step
+            self.put(Failure(e))
+
+    def _take_slot(self) -> bool:
+        return self.handoff.wait_free(self.stop)
+
+    def put(self, item: Any) -> None:
+        self.handoff.put(item)
+
+    def _place(self, step: tuple[Prepared, Record] | _End) -> bool:
+        """Hand an agreed step to the caller; False: it was the end of data (the loop ends)."""
+        if isinstance(step, _End):
+            self.put(END)
+            return False
+        prepared, record = step
+        self.put(self._finish(prepared, {self.me: record}))
+        return True
+
+    def _summary(self, prepared: Prepared, record: Record) -> str:
+        """``summary(record.wire())``, made once per layout and rows (a template's record)."""
+        template = prepared.template
+        if template is None:
+            return summary(record.wire())
+        key = (id(template), record.rows)
+        known = self._said.get(key)
+        if known is None or known[0] is not template:
+            if len(self._said) >= 16:
+                self._said.clear()
+            known = self._said[key] = (template, summary(record.wire()))
+        return known[1]
+
+    def _width_cap(self) -> int:
+        if self._cap is None:
+            leaves = jax.tree_util.tree_leaves(self._template)
+            self._cap = width_cap(self.processes, sum(_nbytes(x) for x in leaves))
+        return self._cap
+
+    def _next(self) -> _Pulled:
+        return self._ahead.popleft() if self._ahead else _pull(self.source)
+
+    def _peek(self) -> bool | None:
+        """Whether the loader has ended after this batch (None: it failed, raised later)."""
+        if not self._ahead:
+            self._ahead.append(_pull(self.source))
+        return {"end": True, "data": False}.get(self._ahead[0].status)
+
+    def _prepare(self, local: Any) -> Prepared:
+        mesh_or_sharding, spec = self.args
+        return prepare(
+            local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=self.pad
+        )
+
+    def _rows(self, prepared: Prepared, status: str) -> int | None:
+        """The rows the step's record compares (`Record.rows`): not with ``pad="ragged"``."""
+        if status == "data" and not self.ragged and prepared.leaves[0].global_shape:
+            return int(prepared.leaves[0].value.shape[0])
+        return None
+
+    # One step at a time.
+
+    def _one(self) -> bool | None:
+        """Agree on and assemble the next step alone; whether it was agreed with data.
+
+        None: the loop ended (the end of data, a failure; put in the queue) or was closed.
+        """
+        pulled = self._next()
+        if pulled.error is not None:
+            if self.multi:
+                _assembly.publish_failure(self.assembly.tag, pulled.error)
+            self.put(Failure(pulled.error))
+            return None
+        if pulled.status == "data":
+            self._template = pulled.local
+            if self.stop.is_set():
+                self.release()  # closed while the loader ran
+                return None
+        item, steady = self._step(pulled.status, pulled.local)
+        self.put(item)
+        return None if item is END else steady
+
+    def _step(self, status: str, local: Any) -> tuple[Any, bool]:
+        pad, multi, assembly = self.pad, self.multi, self.assembly
+        step = self.assembled + 1
+        what = f"{_WHAT} (step {step})"
+        if status == "end":
+            if not (multi and pad and self._template is not None):
+                if multi:
+                    self._check_end(assembly.agree_sizes(None, "end", what=what), step)
+                return END, False
+            local = jax.tree_util.tree_map(
+                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), self._template
+            )
+        prepared = assembly.prepare(lambda: self._prepare(local))
+        if not multi:
+            return self._finish(prepared, None), False
+        # Every step agrees before placing: on the end of data, the padded size and (but with
+        # pad="ragged") the rows, which only a loader's last batch may lack.
+        check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
+        records = assembly.agree_sizes(
+            prepared,
+            status,
+            rows=self._rows(prepared, status),
+            what=what,
+            explain=None if pad else check_rows,
+        )
+        if self._check_end(records, step):
+            return END, False
+        if pad and check_rows is not None:
+            check_rows(records)
+        return self._finish(prepared, records), len(records) == 1 and status == "data"
+
+    def _finish(self, prepared: Prepared, records: dict[int, Record] | None) -> Any:
+        """Place and transfer an agreed step: the caller's item."""
+        self.assembly.place(prepared, records)
+        tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
+        self.assembled += 1
+        rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
+        return ((tree, mask) if self.pad else tree), rows, prepared.notes
+
+    # A window of steps.
+
+    def _agree(
+        self, window: _Window, width: int, step: int
+    ) -> list[tuple[Prepared, Record] | _End] | Failure | _End:
+        """Agree at once on the steps of a window read (`_Window.read`), from step ``step``.
+
+        Returns the window's steps, prepared, with their records, when every process has the
+        same records for all of them, all with data (followed by `END` when every loader ended
+        right after them); none when the window's steps are to be
+        agreed one by one (its batches are back in the read-ahead queue); the caller's last
+        item (`END`, a `Failure`) when a process closed or failed, or the agreement failed.
+        """
+        try:
+            return self._agree_or_raise(window, width, step)
+        except Exception as e:
+            return Failure(e)
+
+    def _agree_or_raise(
+        self, window: _Window, width: int, step: int
+    ) -> list[tuple[Prepared, Record] | _End] | _End:
+        runs: list[list[Any]] = []
+        for prepared, record in window.steps:
+            said = self._summary(prepared, record)
+            if runs and runs[-1][0] == said:
+                runs[-1][1] += 1
+            else:
+                runs.append([said, 1])
+        whole = len(window.steps) == width
+        # Every loader ending right after the window's batches is agreed too: the common end.
+        ended = window.pulled[-1].status == "end" and len(window.steps) == len(window.pulled) - 1
+        first = "data" if window.steps else window.pulled[0].status
+        records = self.assembly.agree_window(
+            json.dumps({"runs": runs, "whole": whole, "end": ended}),
+            {"status": "window", "first": first},
+            what=f"{_WHAT} (steps {step} to {step + width - 1})",
+        )
+        if len(records) == 1 and (whole or ended):
+            return [*window.steps, END] if ended else list(window.steps)
+        left = {p: Record.read(r) for p, r in records.items() if r["status"] != "window"}
+        if left:  # a process closed or failed: it is the window's first step that tells
+            at = {p: left.get(p, Record(status=r.get("first", "data"))) for p, r in records.items()}
+            what = f"{_WHAT} (step {step})"
+            raise_failures(at, what)
+            self._check_end(at, step)
+            return END
+        self._ahead.extendleft(reversed(window.pulled))
+        return []
+
+    # What the records say.
+
+    def _check_rows(self, records: dict[int, Record], step: int, what: str) -> None:
+        """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
+
+        Where the batches differ in rows, each process with fewer reads its loader one batch
+        ahead (`_peek`), and all exchange whether theirs is the last: one more round trip, at
+        such steps only. Every process has the same records, so all decide alike.
+        """
+        fewer = _ends.short(records)
+        if not fewer:
+            return
+        last = self._peek() if self.me in fewer else None
+        said = _assembly.exchange_records(self.assembly.tag, Record(last=last).wire(), what)
+        lasts = {p: Record.read(w).last for p, w in said.items()}
+        if len(lasts) == 1:  # every process sent the same
+            lasts = dict.fromkeys(records, last)
+        told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
+        message = _ends.short_batch(told, step, pad=self.pad)
+        if message is not None:
+            raise MeshkitError(message)
+
+    def _check_end(self, records: dict[int, Record], step: int) -> bool:
+        """Whether the data has ended for every process at ``step`` (the records agreed there).
+
+        Loaders that end at different steps are an error, the same on every process (each has
+        every record), unless ``pad`` lets the ended ones pad: with ``pad=False`` the longer
+        loaders' batches would be dropped unseen, and a loader that yielded no batch at all
+        has no structure to pad with. A process that closed its iterator while others have
+        data (``told``) is the others' error at their next step (`closes.went_on`).
+        """
+        statuses = {p: r.status for p, r in records.items()}
+        closed = {p: r.steps for p, r in records.items() if r.status == "closed"}
+        if closed:
+            going = set(statuses.values()) - {"end", "closed"}
+            closers = {p: k for p, k in closed.items() if k is not None}
+            if not (going and self.told and closers):
+                return True  # the others' data ended too (or nobody is told: stop_together)
+            self.hear(closers)
+            raise _closes.went_on(closers, self.me, step - 1, took=False)
+        if set(statuses.values()) == {"end"}:
+            return True
+        ended = sorted(p for p, s in statuses.items() if s == "end")
+        if not ended or (self.pad and all(records[p].block_rows is not None for p in ended)):
+            return False
+        raise MeshkitError(
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
+        )

@@ -1,0 +1,104 @@
+"""`meshkit.global_batches`' close notices (`meshkit._src.arrays.closes`), in one process.
+
+Processes are `Node`s over the in-process fake of the coordination service; the real runs (a
+process that goes on past another's close, closes after different steps) are in
+test_global_multiprocess.py and test_threads.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshkit._src.arrays import closes
+from meshkit._src.coord.fake import FakeCluster
+
+
+def test_posts_are_read_by_every_process_and_name_the_steps():
+    nodes = FakeCluster(3).nodes()
+    assert closes.posted(nodes[2], "gb/0") == {}
+    assert closes.post(nodes[1], "gb/0", 4) == {1: 4}
+    assert closes.post(nodes[0], "gb/0", 4) == {0: 4, 1: 4}
+    assert closes.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
+    assert closes.posted(nodes[2], "gb/1") == {}  # another iterator
+    assert closes.differs({0: 4, 1: 4}, 0) is None
+
+
+def test_closing_after_different_steps_names_the_others():
+    error = closes.differs({0: 2, 1: 3, 2: 2}, 0)
+    assert error is not None
+    assert str(error).splitlines()[0] == (
+        "meshkit.global_batches: the processes left their loops at different steps: process 1 "
+        "after step 3, this process (process 0) after step 2."
+    )
+    assert (error.processes, error.field) == ([1], "steps")
+
+
+def test_going_on_names_the_processes_that_closed_before():
+    asks = closes.went_on({0: 2, 2: 5}, 1, 2, took=False)
+    assert str(asks).splitlines()[0] == (
+        "meshkit.global_batches: the processes left their loops at different steps: process 0 "
+        "after step 2 closed its iterator, but this process (process 1) asks for step 3, which "
+        "process 0 will not take."
+    )
+    took = closes.went_on({0: 2, 2: 2}, 1, 3, took=True)
+    assert str(took).splitlines()[0] == (
+        "meshkit.global_batches: the processes left their loops at different steps: processes "
+        "0,2 after step 2 closed their iterators, but this process (process 1) took step 3 "
+        "already: its computations at that step wait for processes 0,2, which will not join "
+        "them."
+    )
+    assert took.processes == [0, 2]
+
+
+@given(
+    st.dictionaries(st.integers(0, 7), st.integers(0, 20), min_size=1, max_size=8),
+    st.integers(0, 20),
+    st.booleans(),
+)
+def test_the_processes_named_are_those_past_whose_last_step_this_one_goes(closers, steps, took):
+    # Reference: a closer is named when this process goes beyond its last step, by the step
+    # taken (took) or by the one asked for.
+    beyond = sorted(p for p, k in closers.items() if (steps if took else steps + 1) > k)
+    error = closes.went_on(closers, 99, steps, took=took)
+    assert error.processes == (beyond or sorted(closers))
+    mine = closes.differs({**closers, 99: steps}, 99)
+    others = sorted(p for p, k in closers.items() if k != steps)
+    assert (mine is None) == (not others)
+    assert mine is None or mine.processes == others
+
+
+def test_the_watch_hears_a_close_and_stops_by_itself():
+    nodes = FakeCluster(2).nodes()
+    heard: list[dict[int, int]] = []
+    stop = threading.Event()
+    watch = closes.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    closes.post(nodes[0], "gb/0", 7)
+    watch.join(5)
+    assert not watch.is_alive()
+    assert heard == [{0: 7}]
+    assert time.monotonic() - start < 1.5 * closes.period(2)
+
+
+def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
+    cluster = FakeCluster(2)
+    nodes = cluster.nodes()
+    heard: list[dict[int, int]] = []
+    stop = threading.Event()
+    watch = closes.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch.start()
+    stop.set()
+    watch.join(2)
+    assert not watch.is_alive()
+    gone = closes.Watch(nodes[1], "gb/1", heard.append, threading.Event())
+    cluster.leave(1)  # its calls fail, as when the service is gone
+    gone.start()
+    gone.join(3)
+    assert not gone.is_alive()
+    assert heard == []
