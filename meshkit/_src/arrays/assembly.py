@@ -118,6 +118,7 @@ def exchange_records_later(
         on_outcome=on_outcome,
         verdict_on_change=verdict_on_change,
         repeat_returns=verdict_on_change,  # a repeated call returns its arrays at once
+        what=f"call #{number} of {what}",
     )
 
 

@@ -55,8 +55,9 @@ class Position:
         """Forget the moving wait, if registered."""
         with self.lock:
             wait, self.wait = self.wait, None
-        if wait is not None and self.caller is not None:
-            self.node.leave_moving(self.caller, wait)
+        caller = self.caller
+        if wait is not None and caller is not None and self.node.waits.leave_moving(caller, wait):
+            self.node.forget_waits()  # none of this process's waits is left
 
     def look(self) -> DivergenceError | None:
         """In the watch's thread, once a period: the cycle the caller is found in, if any."""

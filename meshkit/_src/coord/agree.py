@@ -146,6 +146,7 @@ def agree_later(
     linger: float = LINGER_S,
     verdict_on_change: bool = False,
     repeat_returns: bool = False,
+    what: str = "",
 ) -> None:
     """`window.agree_later` for this process (see there).
 
@@ -161,6 +162,7 @@ def agree_later(
     _window.agree_later(
         here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
         linger=linger, verdict_on_change=verdict_on_change, repeat_returns=repeat_returns,
+        what=what,
     )  # fmt: skip
     settle()
 

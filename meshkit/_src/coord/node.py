@@ -305,9 +305,7 @@ class Node:
             if time.monotonic() >= deadline or (main and not probing):
                 return None
             if probing:
-                with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
-                    self.probe_waits()
-                self.raise_found(me)
+                self.probe(me)
                 period = min(period * 2, PROBE_MAX_S)
         return None
 
@@ -319,7 +317,7 @@ class Node:
         cycle refuses, so that it returns.
         """
         if self.waits.clear_stale():  # the waits of a cycle raised before: no longer true
-            self._forget_waits()
+            self.forget_waits()
         channel = self.channel()
         if channel is None and not self.is_main():
             yield  # a thread outside any channel: its place in the order is not defined
@@ -329,14 +327,15 @@ class Node:
             yield
         finally:
             if self.waits.leave(thread):  # the store lists waits of this process, none is left
-                self._forget_waits()
+                self.forget_waits()
 
-    def leave_moving(self, thread: int, wait: _waits.Wait) -> None:
-        """Unregister ``thread``'s `Waits.enter_moving` ``wait`` (and its post, if none is left)."""
-        if self.waits.leave_moving(thread, wait):
-            self._forget_waits()
+    def probe(self, thread: int) -> None:
+        """`probe_waits`, then raise the cycle found for ``thread`` (`raise_found`), if any."""
+        with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
+            self.probe_waits()
+        self.raise_found(thread)
 
-    def _forget_waits(self) -> None:
+    def forget_waits(self) -> None:
         with contextlib.suppress(Exception):  # a failed delete leaves waits that have ended
             self.service.delete(_waits.PREFIX + str(self.me))
 

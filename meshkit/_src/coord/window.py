@@ -37,6 +37,8 @@ from . import counter as _counter
 from .node import (
     LEFT,
     PERIOD,
+    PROBE_MAX_S,
+    PROBE_S,
     Call,
     Group,
     Node,
@@ -73,6 +75,7 @@ LINGER_S = 0.1
 # phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
+CALLS = "#calls"  # + a tag: the count of this process's calls of it (for `Node._reached`)
 
 
 def agree_later(
@@ -87,6 +90,7 @@ def agree_later(
     linger: float = LINGER_S,
     verdict_on_change: bool = False,
     repeat_returns: bool = False,
+    what: str = "",
 ) -> None:
     """`agree`, verified beside the caller: returns at once (see the module's docstring).
 
@@ -98,14 +102,20 @@ def agree_later(
     ``repeat_returns``: a call that goes on returns its result to its caller at once
     (`global_array_from_local`'s arrays), so processes that went on past a call that raised
     here may be computing with it: this process is then out of step (`OutOfStep`).
+    ``what``: the call in words, for a message naming processes that wait at different
+    agreements: a call waiting for its verdict is the n-th agreement of the tag's *calls tag*
+    (``tag + CALLS``), which counts the calls this process made (`Node.waited`).
     """
     state, window = windowed(node, tag)
+    calls = node.tag(tag + CALLS)
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
         flag = changed(state, summary, groups)
+        number = calls.seq
+        calls.seq += 1
         waits = not _repeats(window, summary) and verdict_on_change
         call = Call(-1, flag, summary, groups, record, time.monotonic(), timeout)
         window.queue.append(Queued(call, on_outcome, waits))
@@ -115,7 +125,7 @@ def agree_later(
             window.cond.notify_all()
     if waits:
         node.stats.verdicts_waited += 1
-        node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
+        _wait_verdict(node, tag, number, what, timeout + VERDICT_EXTRA_S)
         with window.cond:
             failed, window.failed = window.failed, None
             went_on, window.went_on = window.went_on, ()
@@ -126,6 +136,27 @@ def agree_later(
             if went_on and repeat_returns:  # they may compute with it: never join them
                 node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
             raise failed
+
+
+def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) -> None:
+    """Wait until call ``number`` of ``tag`` (and those before it) is verified, or ``timeout``.
+
+    The wait is registered as agreement ``number`` of the tag's calls tag (`Node.waited`) and,
+    as `Node.read` does, probes at doubling intervals: processes waiting at different
+    agreements (one at this verdict, another at a program's first compilation) raise the
+    `DivergenceError` naming both places at once, not after the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    period = PROBE_S
+    with node.waited(tag + CALLS, number, what or tag):
+        me = threading.get_ident()
+        probing = node.waits.registered(me)
+        while not node.drain(min(period, max(deadline - time.monotonic(), 0.0)), tags=[tag]):
+            if time.monotonic() >= deadline:
+                return
+            if probing:
+                node.probe(me)
+            period = min(period * 2, PROBE_MAX_S)
 
 
 def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:

@@ -73,7 +73,7 @@ def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     # its verdict, and a divergent one is raised here, before it runs.
     _agree.agree_later(tag, summary, lambda: json.dumps(record), timeout=timeout,
                        on_outcome=on_outcome, linger=_LINGER_S,
-                       verdict_on_change=True)  # fmt: skip
+                       verdict_on_change=True, what=f"{label}, debug mode")  # fmt: skip
     _watchdog.note_progress()
 
 
