@@ -157,6 +157,10 @@ def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) 
             if probing:
                 node.probe(me)
             period = min(period * 2, PROBE_MAX_S)
+        if probing and node.unraised():
+            # The window failed (another process left, say): a process that found this wait in
+            # a cycle told it so before it raised and left, and that is the cause to raise.
+            node.probe(me)
 
 
 def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
