@@ -360,53 +360,46 @@ def test_processes_waiting_at_different_agreements_are_named_with_both_places():
     assert "the process exits" in said, said
 
 
-def test_a_call_waiting_for_its_verdict_is_in_the_cycle_detection():
-    # Process 0 waits at the first compilation of a program, process 1 for the verdict of a
-    # global_array_from_local call whose layout changed: each waits for the other, and both
-    # raise at their probes, not after the 20 s check timeout.
-    result = launch_in_processes(ranks.waits_at_a_verdict, timeout=120, env=_FAST)
+def _assert_verdict_cycle(result, target, call):
+    """Both processes raised the cycle: process 0 compiling, process 1 at ``call``'s verdict."""
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
-    assert result.returncode == 0, text
-    source, first = inspect.getsourcelines(ranks.waits_at_a_verdict)
-    line = {mark: first + next(i for i, t in enumerate(source) if t.rstrip().endswith(mark))
-            for mark in ("# process 0", "# 1")}  # fmt: skip
+    line = {}
+    for fn, mark in ((ranks._compiles_while_process_1_waits, "# process 0"), (target, "# 1")):
+        source, first = inspect.getsourcelines(fn)
+        line[mark] = first + next(i for i, t in enumerate(source) if t.rstrip().endswith(mark))
     file = r"\S*tests/ranks/programs\.py"
-    where = file + r":{} in waits_at_a_verdict"
     expected = (
         r"meshkit: the processes wait at different agreements of their main thread, and none "
-        rf"can go on: process 0 at {where.format(line['# process 0'])} \(the first compilation "
-        rf"of jit\(<lambda>\) \(<lambda> at {file}:{line['# process 0']}\)\); process 1 at "
-        rf"{where.format(line['# 1'])} \(call #2 of meshkit\.global_array_from_local\)\."
-    )
-    for message, processes, field, waited in result.values:
-        assert re.fullmatch(expected, message), message
-        assert (processes, field) == ([0, 1], "order"), (processes, field)
-        assert waited < 10, (waited, text)
-
-
-def test_a_debug_mode_call_waiting_for_its_verdict_is_in_the_cycle_detection():
-    # As above, with debug mode's check of an spmd call (its first: it waits for its verdict).
-    # Both raise at once. The run then ends with status 1: process 1's debug check of that call
-    # still finds, at exit, that process 0 ended without it (the processes did diverge).
-    result = launch_in_processes(
-        ranks.waits_at_a_debug_verdict, timeout=120, env={**_FAST, "MESHKIT_DEBUG": "1"}
-    )
-    text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
-    source, first = inspect.getsourcelines(ranks.waits_at_a_debug_verdict)
-    line = {mark: first + next(i for i, t in enumerate(source) if t.rstrip().endswith(mark))
-            for mark in ("# process 0", "# 1")}  # fmt: skip
-    file = r"\S*tests/ranks/programs\.py"
-    where = file + r":{} in waits_at_a_debug_verdict"
-    expected = (
-        r"meshkit: the processes wait at different agreements of their main thread, and none "
-        rf"can go on: process 0 at {where.format(line['# process 0'])} \(the first compilation "
-        rf"of jit\(<lambda>\) \(<lambda> at {file}:{line['# process 0']}\)\); process 1 at "
-        rf"{where.format(line['# 1'])} \(call #1 of <lambda>, debug mode\)\."
+        rf"can go on: process 0 at {file}:{line['# process 0']} in "
+        r"_compiles_while_process_1_waits \(the first compilation of jit\(<lambda>\) "
+        rf"\(<lambda> at {file}:{line['# process 0']}\)\); process 1 at {file}:{line['# 1']} "
+        rf"in verdict \({re.escape(call)}\)\."
     )
     for message, processes, field, waited in result.values:
         assert re.fullmatch(expected, message), (message, text)
         assert (processes, field) == ([0, 1], "order"), (processes, field)
-        assert waited < 10, (waited, text)
+        assert waited < 10, (waited, text)  # at the probes, not after the 20 s check timeout
+    return text
+
+
+def test_a_call_waiting_for_its_verdict_is_in_the_cycle_detection():
+    # Process 0 waits at the first compilation of a program, process 1 for the verdict of a
+    # global_array_from_local call whose layout changed: each waits for the other.
+    result = launch_in_processes(ranks.waits_at_a_verdict, timeout=120, env=_FAST)
+    text = _assert_verdict_cycle(
+        result, ranks.waits_at_a_verdict, "call #2 of meshkit.global_array_from_local"
+    )
+    assert result.returncode == 0, text
+
+
+def test_a_debug_mode_call_waiting_for_its_verdict_is_in_the_cycle_detection():
+    # As above, with debug mode's check of an spmd call (its first: it waits for its verdict).
+    # The run then ends with status 1: process 1's debug check of that call still finds, at
+    # exit, that process 0 ended without it (the processes did diverge).
+    result = launch_in_processes(
+        ranks.waits_at_a_debug_verdict, timeout=120, env={**_FAST, "MESHKIT_DEBUG": "1"}
+    )
+    _assert_verdict_cycle(result, ranks.waits_at_a_debug_verdict, "call #1 of <lambda>, debug mode")
 
 
 def test_the_switch_turns_the_comparison_off():

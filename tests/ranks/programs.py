@@ -73,8 +73,12 @@ def waits_at_different_agreements():
     return "no error"
 
 
-def waits_at_a_verdict():
-    """Process 0 compiles a program; process 1 makes a call of another layout and waits."""
+def _compiles_while_process_1_waits(verdict):
+    """Process 0 compiles a program only it runs; process 1 runs ``verdict(mesh, x)`` instead.
+
+    Returns the first line of the `DivergenceError` each raises, with its processes, field and
+    the seconds it took.
+    """
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -88,31 +92,28 @@ def waits_at_a_verdict():
     try:
         if jax.process_index() == 0:
             float(jax.jit(lambda b: b.max(), out_shardings=replicated)(x))  # process 0
-        else:  # a layout its last call did not have: it waits for its verdict
-            meshkit.global_array_from_local(np.ones((8, 3), np.float32), mesh, "data")  # 1
+        else:
+            verdict(mesh, x)
     except meshkit.DivergenceError as e:
         return str(e).splitlines()[0], e.processes, e.field, time.monotonic() - start
     return "no error"
+
+
+def waits_at_a_verdict():
+    """Process 1 makes a call of another layout than its last, and waits for its verdict."""
+    import meshkit
+
+    def verdict(mesh, x):
+        meshkit.global_array_from_local(np.ones((8, 3), np.float32), mesh, "data")  # 1
+
+    return _compiles_while_process_1_waits(verdict)
 
 
 def waits_at_a_debug_verdict():
-    """Debug mode: process 0 compiles a program; process 1 calls an spmd step and waits."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+    """Debug mode: process 1 makes its first spmd call, which waits for its verdict."""
     import meshkit
 
-    mesh = meshkit.make_mesh({"data": -1})
-    replicated = NamedSharding(mesh, P())
-    x = meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
-    step = meshkit.spmd(lambda b: b * 2, mesh=mesh, in_specs="data", out_specs="data")
-    start = time.monotonic()
-    try:
-        if jax.process_index() == 0:
-            float(jax.jit(lambda b: b.max(), out_shardings=replicated)(x))  # process 0
-        else:  # its first call: debug mode waits for its verdict
-            step(x)  # 1
-    except meshkit.DivergenceError as e:
-        return str(e).splitlines()[0], e.processes, e.field, time.monotonic() - start
-    return "no error"
+    def verdict(mesh, x):
+        meshkit.spmd(lambda b: b * 2, mesh=mesh, in_specs="data", out_specs="data")(x)  # 1
+
+    return _compiles_while_process_1_waits(verdict)
