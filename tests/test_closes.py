@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from meshkit._src.arrays import closes
 from meshkit._src.coord.fake import FakeCluster
+from meshkit._src.lifecycle.failfast import poll_period
 
 
 def test_posts_are_read_by_every_process_and_name_the_steps():
@@ -83,7 +84,7 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     watch.join(5)
     assert not watch.is_alive()
     assert heard == [{0: 7}]
-    assert time.monotonic() - start < 1.5 * closes.period(2)
+    assert time.monotonic() - start < 1.5 * poll_period(2)
 
 
 def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():

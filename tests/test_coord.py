@@ -731,7 +731,7 @@ def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_serv
 def test_the_failure_watch_ends_the_process_only_for_a_service_that_is_gone(monkeypatch):
     from meshkit._src.lifecycle import failfast
 
-    monkeypatch.setattr(failfast, "_period", lambda n: 0.01)
+    monkeypatch.setattr(failfast, "poll_period", lambda n: 0.01)
 
     def watch(answers: list[Any]) -> list[str]:
         ended: list[str] = []

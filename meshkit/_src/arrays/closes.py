@@ -28,6 +28,7 @@ from collections.abc import Callable
 from ..coord import absent as _absent
 from ..coord.node import Node
 from ..core.errors import DivergenceError
+from ..lifecycle import failfast as _failfast
 
 __all__ = ["Watch", "differs", "post", "posted", "went_on"]
 
@@ -106,11 +107,6 @@ def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
     )
 
 
-def period(n: int) -> float:
-    """Seconds between two reads of the posts: at most 500 reads per second at the coordinator."""
-    return max(1.0, n / 500)
-
-
 class Watch(threading.Thread):
     """Reads the posts of ``tag`` every `period` until one is found or ``stop`` is set.
 
@@ -132,7 +128,7 @@ class Watch(threading.Thread):
         self.node, self.tag, self.heard, self.stop, self.tick = node, tag, heard, stop, tick
 
     def run(self) -> None:
-        wait = period(self.node.n)
+        wait = _failfast.poll_period(self.node.n)
         while not self.stop.wait(wait):
             try:
                 if self.tick():

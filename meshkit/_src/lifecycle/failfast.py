@@ -41,7 +41,7 @@ from ..core.errors import DivergenceError, say
 from . import diagnose as _diagnose
 from . import exit as _exit
 
-__all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "settings"]
+__all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "poll_period", "settings"]
 
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
@@ -183,7 +183,7 @@ def _post(failure: str) -> None:
             pass
         else:
             if me == 0:  # it hosts the coordination service: let the others read it
-                time.sleep(1.5 * _period(n))
+                time.sleep(1.5 * poll_period(n))
 
 
 def _sigterm(grace: float, me: int) -> None:
@@ -197,7 +197,12 @@ def _sigterm(grace: float, me: int) -> None:
 # ---- the failure watch ----------------------------------------------------------------------
 
 
-def _period(n: int) -> float:
+def poll_period(n: int) -> float:
+    """Seconds between two polls of a watch that each of ``n`` processes runs.
+
+    The failure watch, and `global_batches`' close watch: at most 500 requests per second at
+    the coordinator, whatever the process count.
+    """
     return max(1.0, n / 500)
 
 
@@ -211,7 +216,7 @@ class _Watch(threading.Thread):
 
     def run(self) -> None:
         lost = 0
-        period = _period(self.n)
+        period = poll_period(self.n)
         while not self.stop.is_set():
             if self.wakeup >= 0:
                 ready, _, _ = select.select([self.wakeup], [], [], period)
