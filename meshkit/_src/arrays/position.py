@@ -42,7 +42,7 @@ class Position:
         self.steps = 0
         self.in_next = False  # the caller asks for a step (it waits for the helper)
         self.seen = -1  # the steps at the watch's last look
-        self.wait: _waits.Wait | None = None  # registered as moving
+        self.wait: tuple[int, _waits.Wait] | None = None  # (thread, wait) registered as moving
 
     def took(self, steps: int) -> None:
         """In the caller's thread: it has taken ``steps`` steps."""
@@ -54,9 +54,8 @@ class Position:
     def clear(self) -> None:
         """Forget the moving wait, if registered."""
         with self.lock:
-            wait, self.wait = self.wait, None
-        caller = self.caller
-        if wait is not None and caller is not None and self.node.waits.leave_moving(caller, wait):
+            registered, self.wait = self.wait, None
+        if registered is not None and self.node.waits.leave_moving(*registered):
             self.node.forget_waits()  # none of this process's waits is left
 
     def look(self) -> DivergenceError | None:
@@ -77,7 +76,8 @@ class Position:
                 return None  # nobody waits on this channel
             what = f"step {steps} of meshkit.global_batches"
             with self.lock:
-                self.wait = node.waits.enter_moving(caller, self.channel, self.tag, steps - 1, what)
+                wait = node.waits.enter_moving(caller, self.channel, self.tag, steps - 1, what)
+                self.wait = (caller, wait)
         node.probe_waits()  # posts the wait; a process in a cycle with it tells this one
         taken = node.waits.take_found(caller) if node.waits.pending(caller) else None
         return None if taken is None else taken[1]
