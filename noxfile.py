@@ -69,13 +69,14 @@ def install(session: nox.Session, *groups: str) -> None:
     )  # fmt: skip
 
 
-# Four pytest workers, a module to each at a time (a module's warm cluster starts once), handed
+# Six pytest workers, a module to each at a time (a module's warm cluster starts once), handed
 # out in collection order: tests/conftest.py puts the modules that mostly wait first. Much of
 # the suite's time is waiting (timeouts, watchdogs, paced soaks), so on 2 cores workers beyond
 # two still help: 9:54 in one process, 6:21 in two, 5:41 in three (Python 3.11, idle, 744
-# tests); with 976 tests, 5:52 in three and 5:32 in four (1.80 and 1.85 cores busy). Later
-# options win: `nox -s tests -- -n 0` runs in this process, `-- -n 8` in eight.
-PARALLEL = ["-n", "4", "--dist", "loadfile", "--no-loadscope-reorder"]
+# tests); with 1046 tests, 5:42 in four and 5:10 in six on Python 3.11 (1.76 and 1.88 cores
+# busy), 5:34 in six on Python 3.12 (1.92). Later options win: `nox -s tests -- -n 0` runs in
+# this process, `-- -n 8` in eight.
+PARALLEL = ["-n", "6", "--dist", "loadfile", "--no-loadscope-reorder"]
 # The plugins the suite uses, named instead of found: pytest rewrites the asserts of every
 # package that declares a plugin (all of hypothesis, 74 modules, and anyio's 30, which the suite
 # does not use), in each of the 5 pytest processes: 1.6 CPU-s per process (Python 3.12), where

@@ -55,7 +55,7 @@ EXAMPLES = REPO / "examples"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run first the modules that hold a test marked ``waits``; keep the order otherwise.
 
-    ``nox -s tests`` runs the suite in 4 workers, a module to a worker (``--dist loadfile``),
+    ``nox -s tests`` runs the suite in 6 workers, a module to a worker (``--dist loadfile``),
     handed out in this order. The modules that spend tens of seconds waiting (soaks, timeouts,
     watchdogs) start at once, so that their waiting overlaps the rest of the suite instead of
     running alone at its end.
