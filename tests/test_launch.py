@@ -172,6 +172,7 @@ if rank == "0":
 else:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("up", rank, flush=True)
+open(os.path.join(sys.argv[1], "up" + rank), "w").close()  # its handler is in place
 time.sleep(300)
 """
 
@@ -187,7 +188,7 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
     if start_ignored:
         command = [sys.executable, "-c", _START_IGNORING, str(int(sig)), *command]
     proc = subprocess.Popen(
-        [*command, "launch", "-n", "2", "--grace", "1", str(prog)],
+        [*command, "launch", "-n", "2", "--grace", "1", str(prog), str(tmp_path)],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -196,11 +197,11 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
     try:
         deadline = time.monotonic() + 60
         ranks: list[int] = []
-        while len(ranks) < 2 and time.monotonic() < deadline:
+        up = [tmp_path / "up0", tmp_path / "up1"]
+        while not all(p.exists() for p in up) and time.monotonic() < deadline:
             time.sleep(0.1)
-            ranks = [p for p in processes_with_marker(marker) if _is_rank(p)]
-        assert len(ranks) == 2, ranks
-        time.sleep(0.5)  # the ranks' own signal handlers in place
+        ranks = [p for p in processes_with_marker(marker) if _is_rank(p)]
+        assert len(ranks) == 2, ranks  # and each has its own signal handler in place
         sent = time.monotonic()
         proc.send_signal(sig)  # SIGINT is what Ctrl-C sends, SIGHUP what a closed terminal sends
         out, err = proc.communicate(timeout=30)
@@ -219,7 +220,8 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
 def test_a_second_signal_skips_the_grace_period(tmp_path, marker):
     prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)  # rank 1 ignores SIGTERM
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "60", str(prog)],
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "60", str(prog),
+         str(tmp_path)],  # fmt: skip
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -227,11 +229,9 @@ def test_a_second_signal_skips_the_grace_period(tmp_path, marker):
     )
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            len([p for p in processes_with_marker(marker) if _is_rank(p)]) < 2
-        ):
-            time.sleep(0.1)
-        time.sleep(0.5)
+        up = [tmp_path / "up0", tmp_path / "up1"]
+        while not all(p.exists() for p in up) and time.monotonic() < deadline:
+            time.sleep(0.1)  # until each rank's signal handler is in place
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(1)
