@@ -217,11 +217,13 @@ def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
     assert not left, f"ranks still running after the launcher returned: {left}"
 
 
+_LAUNCH = [sys.executable, "-m", "meshkit", "launch"]
+
+
 def test_a_second_signal_skips_the_grace_period(tmp_path, marker):
     prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)  # rank 1 ignores SIGTERM
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "--grace", "60", str(prog),
-         str(tmp_path)],  # fmt: skip
+        [*_LAUNCH, "-n", "2", "--grace", "60", str(prog), str(tmp_path)],
         env={**os.environ, "MESHKIT_TEST_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
