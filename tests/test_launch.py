@@ -659,6 +659,13 @@ def test_gloo_chatter_reaches_the_log_not_the_terminal(tmp_path, capsys):
         "[Gloo] Rank 2 is connected to 1 peer ranks. Expected number of connected peer ranks is : 3"
     )
     sink.write(0, short, True)  # a rank short of peers is worth reading
+    # Two of the rank's threads writing the note at once, cut into each other.
+    cut = [
+        "[Gloo] Rank " + GLOO_CHATTER.format(1),
+        GLOO_CHATTER.format(0).removeprefix("[Gloo] Rank "),
+    ]
+    for line in cut:
+        sink.write(0, line, True)
     sink.write(0, "step 1", False)
     sink.close()
     out, err = capsys.readouterr()
@@ -666,7 +673,7 @@ def test_gloo_chatter_reaches_the_log_not_the_terminal(tmp_path, capsys):
     assert err == f"[rank0] {short}\n"
     log = (tmp_path / "logs" / "rank0.log").read_text().splitlines()
     assert log[:4] == [GLOO_CHATTER.format(r) for r in range(4)]
-    assert log[4:] == [short, "step 1"]
+    assert log[4:] == [short, *cut, "step 1"]
 
 
 def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):

@@ -19,11 +19,18 @@ examples:
   meshkit launch -n 2 --devices-per-process 4 examples/hello_mesh.py
   meshkit launch -n 4 --timeout 600 --log-dir logs train.py --config base.yaml
   meshkit launch -n 2 -m meshkit info
+  # on each of 2 machines (R = 0 on the machine whose address is given, 1 on the other):
+  meshkit launch --nnodes 2 --node-rank R --coordinator node0:29500 -n 8 train.py
 
 Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
 MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
 When a rank fails, the others are stopped and its error is shown; the exit status is its own.
-SIGINT, SIGTERM or SIGHUP to the launcher stop every rank; the exit status is 128 + the signal."""
+SIGINT, SIGTERM or SIGHUP to the launcher stop every rank; the exit status is 128 + the signal.
+On several machines, one launcher each: process ids are node-major (machine R runs R*N..R*N+N-1);
+a failure, a signal or a lost machine stops every machine, and each prints the same report.
+--nnodes, --node-rank and --coordinator may come from MESHKIT_NNODES, MESHKIT_NODE_RANK (or a
+Kubernetes Indexed Job's JOB_COMPLETION_INDEX) and MESHKIT_LAUNCH_COORDINATOR, so that every
+machine runs the same command."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launch = sub.add_parser(
         "launch",
-        help="run N processes of a JAX program on this machine",
-        description="Run N processes of one JAX program on this machine (development, tests).",
+        help="run N processes of a JAX program on this machine (or on each of several)",
+        description="Run N processes of one JAX program on this machine, or on each of "
+        "several machines with one launcher each.",
         epilog=_LAUNCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,7 +52,35 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         metavar="N",
-        help="processes to start (default 2)",
+        help="processes to start on this machine (default 2)",
+    )
+    launch.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        metavar="M",
+        help="machines in the run, each running this launcher (default 1, or $MESHKIT_NNODES)",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this machine's place, 0..M-1 (or $MESHKIT_NODE_RANK, $JOB_COMPLETION_INDEX)",
+    )
+    launch.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="machine 0's address, the same on every machine: its launcher serves PORT, "
+        "process 0 JAX's coordinator PORT+1 (or $MESHKIT_LAUNCH_COORDINATOR)",
+    )
+    launch.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds for every machine to join (default 300)",
     )
     launch.add_argument(
         "--devices-per-process",
@@ -128,6 +164,7 @@ def _launch(args: argparse.Namespace) -> int:
         grace=args.grace,
         handle_signals=True,
         subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
+        **_machines(args),
     )
     if result.report:
         # After SIGHUP the terminal may be gone; the exit status still tells what happened.
@@ -135,6 +172,28 @@ def _launch(args: argparse.Namespace) -> int:
             sys.stderr.write(result.report.rstrip("\n") + "\n")
             sys.stderr.flush()
     return result.returncode
+
+
+def _machines(args: argparse.Namespace) -> dict[str, Any]:
+    """--nnodes, --node-rank and --coordinator, each from its flag or else the environment."""
+    from .._src.core import env
+
+    where = "meshkit launch"
+    nnodes = args.nnodes if args.nnodes is not None else env.integer("MESHKIT_NNODES", where=where)
+    node_rank = args.node_rank
+    if node_rank is None:
+        node_rank = env.integer("MESHKIT_NODE_RANK", where=where)
+    if node_rank is None:
+        node_rank = env.integer("JOB_COMPLETION_INDEX", where=where)
+    coordinator = args.coordinator or env.raw("MESHKIT_LAUNCH_COORDINATOR")
+    if nnodes is None and coordinator is None:
+        return {}
+    return {
+        "nnodes": 1 if nnodes is None else nnodes,
+        "node_rank": node_rank,
+        "coordinator": coordinator,
+        "join_timeout": args.join_timeout,
+    }
 
 
 def _info() -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,10 +131,10 @@ def _records(file: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def read(directory: str | os.PathLike[str], num_ranks: int) -> list[Event]:
-    """Every rank's events, in the order they were written (by time, then rank)."""
+def read(directory: str | os.PathLike[str], ranks: int | Iterable[int]) -> list[Event]:
+    """The events of ``ranks`` (a count: ranks 0..n-1), in the order written (time, then rank)."""
     out = []
-    for rank in range(num_ranks):
+    for rank in range(ranks) if isinstance(ranks, int) else ranks:
         for record in _records(path(directory, rank)):
             fields = {k: v for k, v in record.items() if k not in ("rank", "kind", "time")}
             out.append(Event(int(record["rank"]), record["kind"], float(record["time"]), fields))

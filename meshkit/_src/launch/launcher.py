@@ -26,17 +26,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
-from ..core.contract import ENV_STATUS
+from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
 from ..core.errors import LaunchError
 from ..core.ports import port_in_use, reserve_port
 from ..lifecycle.progress import Board
 from . import reaper as _reaper
+from .link import Link
+from .machines import placement, run_on_machines
 from .rank_output import Sink, join_pumps
 from .reaper import Guardian, Reaper
 from .report import (
     LaunchResult,
     RankResult,
     Told,
+    describe_exit,
     root_cause,
     signal_name,
     stall_summary,
@@ -65,8 +68,16 @@ def launch(
     grace: float = 3.0,
     handle_signals: bool = False,
     subreaper: bool = False,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    coordinator: str | None = None,
+    join_timeout: float = 300.0,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
+
+    With ``nnodes > 1`` this machine is one of several, each running this launcher with its
+    own ``node_rank`` and the same ``coordinator``; together they run ``nnodes *
+    num_processes`` ranks of one program (see `meshkit._src.launch.nodes`).
 
     Args:
         command: what follows ``python``: ``["script.py", *args]`` or ``["-m", "module", *args]``.
@@ -92,12 +103,23 @@ def launch(
             Only for a process that starts no other subprocesses during the run, as
             ``meshkit launch``, which sets it. Without it, the run's processes are still found
             by the run's token and the ranks' sessions.
+        nnodes: machines in the run.
+        node_rank: this machine's place among them, 0..nnodes-1 (machine 0 serves the
+            coordinator); needed when ``nnodes > 1``. Process ids are node-major: this
+            machine's ranks are ``node_rank * num_processes`` onwards.
+        coordinator: ``HOST:PORT``, an address of machine 0 every machine reaches: its launcher
+            serves the machines' meeting point at ``PORT``, and process 0 JAX's coordinator at
+            ``PORT + 1``. Needed when ``nnodes > 1``.
+        join_timeout: seconds for every machine's launcher to join.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
+        On several machines, its ``ranks`` are this machine's (each ``rank`` its process id),
+        and its ``returncode`` and ``report`` the run's, the same on every machine.
 
     Raises:
-        LaunchError: bad arguments (before anything starts), or ``handle_signals`` outside the
+        LaunchError: bad arguments (before anything starts), a join that failed on several
+            machines (naming the machines and the values), or ``handle_signals`` outside the
             main thread.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
@@ -151,6 +173,36 @@ def launch(
     # picked by a second launcher before rank 0 serves it, and the two runs' ranks would mix.
     if port is not None and not 0 < port < 65536:
         raise LaunchError(f"meshkit launch: --port must be in 1..65535; got {port}.")
+    if nnodes != 1 or coordinator is not None:
+        place = placement(nnodes, node_rank, coordinator, port, join_timeout)
+        with signals_recorded(handle_signals) as received:
+            return run_on_machines(
+                command,
+                place,
+                num_processes=num_processes,
+                devices_per_process=devices_per_process,
+                platform=platform,
+                received=received,
+                run=lambda envs, link: _run(
+                    command,
+                    envs,
+                    extra_env=env or {},
+                    cwd=str(cwd) if cwd else None,
+                    timeout=timeout,
+                    grace=grace,
+                    received=received,
+                    sink=Sink(
+                        stream,
+                        Path(log_dir) if log_dir is not None else None,
+                        [int(e[ENV_PROCESS_ID]) for e in envs],
+                    ),
+                    keep_output=keep_output,
+                    subreaper=subreaper,
+                    link=link,
+                ),
+                cwd=str(cwd) if cwd else None,
+                stream=stream,
+            )
     with _hold(port) as held, signals_recorded(handle_signals) as received:
         envs = rank_environments(
             num_processes,
@@ -205,8 +257,14 @@ def _run(
     sink: Sink,
     keep_output: bool,
     subreaper: bool,
+    link: Link | None = None,
 ) -> LaunchResult:
-    """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs)."""
+    """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs).
+
+    With a ``link``, this machine is one of several: a stop from another machine ends the run
+    here, the end of the run here is told to the others, and the report is the one over all
+    machines.
+    """
     ranks: list[Rank] = []
     start = time.monotonic()
     reaper: Reaper | None = None
@@ -214,7 +272,8 @@ def _run(
     was_subreaper: bool | None = None
     left: list[int] = []
     status = tempfile.TemporaryDirectory(prefix="meshkit-launch-")
-    board = Board(Path(status.name), len(envs)) if sink.stream else None
+    ids = [int(e[ENV_PROCESS_ID]) for e in envs]
+    board = Board(Path(status.name), ids) if sink.stream else None
     extra_env = {**extra_env, ENV_STATUS: status.name}
     told = Told()
     supervisor: Supervisor | None = None
@@ -238,8 +297,9 @@ def _run(
             reaper=reaper,
             guardian=guardian,
             start=start,
+            remote=link.stop_requested if link is not None else None,
         )
-        for r, rank_env in enumerate(envs):
+        for r, rank_env in zip(ids, envs, strict=True):
             if received:
                 break
             full_env = {**os.environ, **extra_env, **rank_env}
@@ -249,8 +309,12 @@ def _run(
             if guardian is not None:
                 guardian.add_rank(ranks[-1].proc.pid)
         supervisor.watch()
+        if link is not None:
+            _tell(link, supervisor.outcome, ranks)
     except KeyboardInterrupt:
         keyboard = True
+        if link is not None:
+            link.tell("interrupted", 128 + signal.SIGINT, text="SIGINT stopped its launcher")
     finally:
         seen = len(received)  # one more (a second Ctrl-C) skips the grace period
         left = stop(ranks, grace, reaper, hurry=lambda: len(received) > seen)
@@ -263,32 +327,73 @@ def _run(
         if was_subreaper is False:
             _reaper.set_subreaper(False)
         # Read once every rank has ended: nothing can still write, and the directory goes next.
-        told = Told.of(_events.read(status.name, len(envs)))
+        records = _events.read(status.name, ids)
+        told = Told.of(records)
         status.cleanup()
     outcome = supervisor.outcome if supervisor is not None else Outcome()
     if keyboard:
         outcome.interrupted = signal.SIGINT
-    elapsed = time.monotonic() - start
     results = [rk.result(reached_end=rk.rank in told.ended) for rk in ranks]
+    returncode = _returncode(outcome, results)
+    report = _report(outcome, results, told, timeout, left)
+    if link is not None:
+        returncode, report = _over(link, outcome, results, records, returncode, report)
+    elapsed = time.monotonic() - start
     return LaunchResult(
-        _returncode(outcome, results),
+        returncode,
         results,
         outcome.first_failure,
         outcome.timed_out,
         outcome.alive_at_timeout,
         elapsed,
-        _report(outcome, results, told, timeout, left),
+        report,
         interrupted_by=signal.Signals(outcome.interrupted)
         if outcome.interrupted is not None
         else None,
     )
 
 
+def _tell(link: Link, outcome: Outcome, ranks: list[Rank]) -> None:
+    """Tell the other machines why this one's run ended early (nothing when it just ended)."""
+    if outcome.interrupted is not None:
+        name = signal_name(outcome.interrupted)
+        link.tell("interrupted", 128 + outcome.interrupted, text=f"{name} stopped its launcher")
+    elif outcome.first_failure is not None:
+        code = next(rk.proc.returncode for rk in ranks if rk.rank == outcome.first_failure)
+        text = f"rank {outcome.first_failure} failed ({describe_exit(code)})"
+        code = code if code and code > 0 else 1
+        link.tell("failed", code, outcome.first_failure, text, outcome.failed_after)
+    elif outcome.timed_out:
+        link.tell("timed out", 124, text="its --timeout struck")
+
+
+def _over(
+    link: Link,
+    outcome: Outcome,
+    results: list[RankResult],
+    records: list[_events.Event],
+    returncode: int,
+    report: str,
+) -> tuple[int, str]:
+    """The run's exit status and report over every machine (this machine's, if the hub is gone)."""
+    verdict = link.end(results, records)
+    if verdict is not None:
+        return verdict
+    why = outcome.stopped_by
+    text = why if isinstance(why, str) else "machine 0's launcher did not send the report"
+    return returncode or 1, f"meshkit launch: {text} This machine's ranks were stopped.\n{report}"
+
+
+def _rank(results: list[RankResult], rank: int) -> RankResult:
+    """The result of process ``rank`` (on several machines, this one's ranks do not start at 0)."""
+    return next(r for r in results if r.rank == rank)
+
+
 def _returncode(outcome: Outcome, results: list[RankResult]) -> int:
     if outcome.interrupted is not None:
         return 128 + outcome.interrupted
     if outcome.first_failure is not None:
-        code = results[outcome.first_failure].returncode
+        code = _rank(results, outcome.first_failure).returncode
         return code if code is not None and code > 0 else 1
     return 124 if outcome.timed_out else 0
 
@@ -308,7 +413,7 @@ def _report(
             "stopped."
         )
     elif outcome.first_failure is not None:
-        bad = results[outcome.first_failure]
+        bad = _rank(results, outcome.first_failure)
         report = root_cause(bad, results, outcome.failed_after, told)
     elif outcome.timed_out:
         alive = outcome.alive_at_timeout

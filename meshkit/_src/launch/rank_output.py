@@ -19,7 +19,7 @@ import selectors
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -34,9 +34,11 @@ STALL_S = 30.0
 _DRAIN_MAX_BYTES = 16 << 20
 _CHUNK = 1 << 16
 # gloo (JAX's CPU collectives) prints this for every device of every rank once its connections are
-# up. With as many peers as expected it says only that all is well; a shortfall is kept.
+# up. With as many peers as expected it says only that all is well; a shortfall is kept. Two of
+# a rank's threads may write it at once, cut into each other ("[Gloo] Rank [Gloo] Rank 1 is
+# connected ..." then "0 is connected ..."): both halves are recognised.
 _GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks?\. "
+    r"(?:\[Gloo\] Rank )*(?:\d+ )?is connected to (\d+) peer ranks?\. "
     r"Expected number of connected peer ranks is : (\d+)"
 )
 
@@ -51,6 +53,9 @@ def is_chatter(line: str) -> bool:
         >>> is_chatter("[Gloo] Rank 2 is connected to 1 peer ranks. "
         ...            "Expected number of connected peer ranks is : 3")
         False
+        >>> is_chatter("[Gloo] Rank [Gloo] Rank 1 is connected to 7 peer ranks. "
+        ...            "Expected number of connected peer ranks is : 7")  # two threads at once
+        True
     """
     match = _GLOO_CONNECTED.fullmatch(line.strip())
     return match is not None and match[1] == match[2]
@@ -63,7 +68,7 @@ class Sink:
     there, a full disk stops that log, and a line that arrives after `close` is dropped.
     """
 
-    def __init__(self, stream: bool, log_dir: Path | None, num_processes: int) -> None:
+    def __init__(self, stream: bool, log_dir: Path | None, ranks: int | Iterable[int]) -> None:
         self.stream = stream
         self.lock = threading.Lock()
         self.logs: dict[int, IO[str]] = {}
@@ -71,7 +76,7 @@ class Sink:
         self.closed = False
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-            for r in range(num_processes):
+            for r in range(ranks) if isinstance(ranks, int) else ranks:
                 self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
 
     def write(self, rank: int, line: str, is_err: bool) -> None:

@@ -173,7 +173,11 @@ def _seconds(value: object) -> str:
 
 
 def root_cause(
-    bad: RankResult, results: list[RankResult], elapsed: float, told: Told | None = None
+    bad: RankResult,
+    results: list[RankResult],
+    elapsed: float,
+    told: Told | None = None,
+    machines: Mapping[int, str] | None = None,
 ) -> str:
     """The report of a failed run: who failed first, whom the evidence points to, their output.
 
@@ -182,6 +186,7 @@ def root_cause(
         results: every rank's result.
         elapsed: seconds from the start to ``bad``'s failure.
         told: what the ranks recorded in the run's events.
+        machines: in a run on several machines, each rank's machine (``machine 1 (host-b)``).
     """
     told = told or Told()
     others = [r for r in results if r.rank != bad.rank]
@@ -192,6 +197,10 @@ def root_cause(
     ]
     cause, evidence = _suspect(bad, results, told)
     lines.extend(evidence)
+    if machines:
+        named = [bad.rank] if cause is bad else [bad.rank, cause.rank]
+        where = "; ".join(f"rank {r} ran on {machines.get(r, '?')}" for r in named)
+        lines.append(f"R{where[1:]}.")
     # The rank the evidence points to is named above, with its output below: not again here.
     also = [
         f"{r.rank} ({describe_exit(r.returncode)})"

@@ -60,12 +60,18 @@ def rank_environments(
     devices_per_process: int | None,
     platform: Platform,
     gpus: int,
+    coordinator: str | None = None,
+    first: int = 0,
+    total: int | None = None,
 ) -> list[dict[str, str]]:
     """The environment variables each rank gets (the launcher -> ``meshkit.init`` contract).
 
     Args:
-        num_processes: ranks to start.
-        port: the coordinator's port on 127.0.0.1 (rank 0 serves it).
+        num_processes: ranks to start on this machine.
+        port: the coordinator's port on 127.0.0.1 (rank 0 serves it), unless ``coordinator``.
+        coordinator: ``HOST:PORT`` of JAX's coordinator, in a run on several machines.
+        first: the process id of this machine's first rank (node-major ids).
+        total: processes on every machine together (default ``num_processes``).
         devices_per_process: CPU devices (cpu) or GPUs (gpu) per rank; None for the default
             (JAX's CPU default, or the GPUs split evenly).
         platform: ``"cpu"``, ``"gpu"``, or ``"auto"`` (gpu when ``gpus > 0``).
@@ -76,8 +82,8 @@ def rank_environments(
     """
     use_gpu = platform == "gpu" or (platform == "auto" and gpus > 0)
     base = {
-        ENV_COORDINATOR: f"127.0.0.1:{port}",
-        ENV_NUM_PROCESSES: str(num_processes),
+        ENV_COORDINATOR: coordinator or f"127.0.0.1:{port}",
+        ENV_NUM_PROCESSES: str(total or num_processes),
         "PYTHONUNBUFFERED": "1",
     }
     envs = []
@@ -91,10 +97,10 @@ def rank_environments(
             )
         for r in range(num_processes):
             ids = ",".join(str(i) for i in range(r * per, (r + 1) * per))
-            envs.append({**base, ENV_PROCESS_ID: str(r), ENV_LOCAL_DEVICE_IDS: ids})
+            envs.append({**base, ENV_PROCESS_ID: str(first + r), ENV_LOCAL_DEVICE_IDS: ids})
         return envs
     for r in range(num_processes):
-        env = {**base, ENV_PROCESS_ID: str(r), "JAX_PLATFORMS": "cpu"}
+        env = {**base, ENV_PROCESS_ID: str(first + r), "JAX_PLATFORMS": "cpu"}
         if devices_per_process is not None:
             env[ENV_CPU_DEVICES] = str(devices_per_process)
         envs.append(env)

@@ -64,6 +64,8 @@ class Outcome:
         tails_at_timeout: their last lines then (before stopping them adds signal-handler noise).
         interrupted: the signal that stopped the launcher (the launcher sets ``SIGINT`` for a
             KeyboardInterrupt).
+        stopped_by: in a run on several machines, why another machine stopped this one (what
+            ``remote`` returned).
     """
 
     first_failure: int | None = None
@@ -72,6 +74,7 @@ class Outcome:
     alive_at_timeout: list[int] = dataclasses.field(default_factory=list)
     tails_at_timeout: dict[int, str] = dataclasses.field(default_factory=dict)
     interrupted: int | None = None
+    stopped_by: object | None = None
 
 
 class Supervisor:
@@ -87,6 +90,8 @@ class Supervisor:
         guardian: told of those processes, to end them should the launcher be killed.
         clock: seconds, monotonic; ``start`` is its value when the ranks started.
         start: when the run started, on ``clock`` (default: now).
+        remote: in a run on several machines, asked at each look whether another machine
+            stopped the run: None, or why (the run is then over).
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class Supervisor:
         guardian: Guardian | None = None,
         clock: Callable[[], float] = time.monotonic,
         start: float | None = None,
+        remote: Callable[[], object | None] | None = None,
     ) -> None:
         self.ranks = ranks
         self.received = received
@@ -112,6 +118,7 @@ class Supervisor:
         self.clock = clock
         self.start = clock() if start is None else start
         self.outcome = Outcome()
+        self.remote = remote
         self._next_look = 0.0
 
     def watch(self, poll: float = POLL_S) -> Outcome:
@@ -125,6 +132,10 @@ class Supervisor:
         if self.received:
             self.outcome.interrupted = self.received[0]
             return True
+        if self.remote is not None:
+            self.outcome.stopped_by = self.remote()
+            if self.outcome.stopped_by is not None:
+                return True
         running = [rk for rk in self.ranks if rk.proc.poll() is None]
         failed = [rk for rk in self.ranks if rk.proc.returncode not in (None, 0)]
         now = self.clock() - self.start

@@ -18,7 +18,7 @@ Marking is one small file write per stage, three per rank and run.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
@@ -82,7 +82,7 @@ class Board:
 
     Args:
         directory: the run's status directory (`ENV_STATUS`).
-        num_ranks: ranks in the run.
+        ranks: the ranks to watch (a count: ranks 0..n-1).
         after: seconds of waiting before the first line.
         every: seconds between two lines when nothing changes.
 
@@ -98,10 +98,15 @@ class Board:
     """
 
     def __init__(
-        self, directory: Path, num_ranks: int, *, after: float = 2.0, every: float = 5.0
+        self,
+        directory: Path,
+        ranks: int | Iterable[int],
+        *,
+        after: float = 2.0,
+        every: float = 5.0,
     ) -> None:
         self.directory = directory
-        self.num_ranks = num_ranks
+        self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
         self.after = after
         self.every = every
         self.first_join: float | None = None
@@ -120,7 +125,7 @@ class Board:
             exits: each rank's exit status, None while it runs.
         """
         out = {}
-        for r in range(self.num_ranks):
+        for r in self.ranks:
             try:
                 text = (self.directory / f"rank{r}").read_text().strip()
             except OSError:  # not written yet
