@@ -289,3 +289,26 @@ def test_reaching_a_hub_that_is_not_up_gives_up_after_the_join_timeout_or_a_sign
     assert time.monotonic() - start < 5
     signals = [15]
     assert reach("127.0.0.1", port, 1, 60, lambda: bool(signals)) is None
+
+
+def test_a_report_that_came_before_the_hub_closed_is_read():
+    # The hub sends its report, then closes: a launcher that reads both before it asks for the
+    # report must still get it (it once saw only the closed connection, and exited with 1).
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        sock = reach("127.0.0.1", server.getsockname()[1], 1, 10, lambda: False)
+        assert sock is not None
+        hub, _ = server.accept()
+        link = Link(sock, _hello(1))
+        try:
+            hub.makefile().readline()  # the hello
+            hub.sendall(b'{"kind": "over", "returncode": 0, "report": ""}\n')
+            hub.close()
+            deadline = time.monotonic() + 10
+            while not link.lost and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert link.lost == "its connection closed"
+            assert link.end([_result(2, 0)], []) == (0, "")
+        finally:
+            link.close()

@@ -177,16 +177,18 @@ class Link:
             )
             for r in results
         ]
-        if not self.wire.send("ended", results=records, events=[event_record(e) for e in events]):
-            return None
-        while not self.lost:  # the heartbeats bound it: a silent hub is lost after `lost_after`
+        # Sent even when the hub is gone: its report may already be here (it reports, then
+        # closes), and the loop below reads it first.
+        self.wire.send("ended", results=records, events=[event_record(e) for e in events])
+        while True:  # the heartbeats bound it: a silent hub is lost after `lost_after`
             try:
                 message = self.inbox.get(timeout=0.1)
             except queue.Empty:
+                if self.lost:  # only once what came before the loss is read: the hub sends
+                    return None  # its report, then closes
                 continue
             if message["kind"] == "over":
                 return int(message["returncode"]), str(message["report"])
-        return None
 
     def close(self) -> None:
         self.closed.set()
