@@ -173,6 +173,24 @@ def launch(
     # picked by a second launcher before rank 0 serves it, and the two runs' ranks would mix.
     if port is not None and not 0 < port < 65536:
         raise LaunchError(f"meshkit launch: --port must be in 1..65535; got {port}.")
+    logs = Path(log_dir) if log_dir is not None else None
+
+    def run(envs: list[dict[str, str]], received: list[int], link: Link | None) -> LaunchResult:
+        ids = [int(e[ENV_PROCESS_ID]) for e in envs]
+        return _run(
+            command,
+            envs,
+            extra_env=env or {},
+            cwd=str(cwd) if cwd else None,
+            timeout=timeout,
+            grace=grace,
+            received=received,
+            sink=Sink(stream, logs, ids),
+            keep_output=keep_output,
+            subreaper=subreaper,
+            link=link,
+        )
+
     if nnodes != 1 or coordinator is not None:
         place = placement(nnodes, node_rank, coordinator, port, join_timeout)
         with signals_recorded(handle_signals) as received:
@@ -183,23 +201,7 @@ def launch(
                 devices_per_process=devices_per_process,
                 platform=platform,
                 received=received,
-                run=lambda envs, link: _run(
-                    command,
-                    envs,
-                    extra_env=env or {},
-                    cwd=str(cwd) if cwd else None,
-                    timeout=timeout,
-                    grace=grace,
-                    received=received,
-                    sink=Sink(
-                        stream,
-                        Path(log_dir) if log_dir is not None else None,
-                        [int(e[ENV_PROCESS_ID]) for e in envs],
-                    ),
-                    keep_output=keep_output,
-                    subreaper=subreaper,
-                    link=link,
-                ),
+                run=lambda envs, link: run(envs, received, link),
                 cwd=str(cwd) if cwd else None,
                 stream=stream,
             )
@@ -211,18 +213,7 @@ def launch(
             platform=platform,
             gpus=count_gpus() if platform != "cpu" else 0,
         )
-        return _run(
-            command,
-            envs,
-            extra_env=env or {},
-            cwd=str(cwd) if cwd else None,
-            timeout=timeout,
-            grace=grace,
-            received=received,
-            sink=Sink(stream, Path(log_dir) if log_dir is not None else None, num_processes),
-            keep_output=keep_output,
-            subreaper=subreaper,
-        )
+        return run(envs, received, None)
 
 
 def _hold(port: int | None) -> socket.socket:
