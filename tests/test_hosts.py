@@ -89,6 +89,7 @@ def _finish(procs: Sequence[subprocess.Popen], tmp: Path) -> list[tuple[int, str
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
+                q.wait(timeout=10)
             pytest.fail(f"a launcher ran past {LIMIT_S + 30} s")
     return [
         (

@@ -133,6 +133,16 @@ def test_two_machines_with_one_node_rank_are_named(run):
         ) or "machine 1 (m2, 127.0.0.1) and machine 1 (m1, 127.0.0.1) both say" in str(error)
 
 
+def test_machine_0_hears_of_a_join_that_failed_before_it_joined(run):
+    # The others may reach machine 0's hub before machine 0's own launcher does.
+    r = run(nnodes=3)
+    early = r.join(_hello(1, nnodes=3), _hello(1, nnodes=3, hostname="m2"))
+    late = r.join(_hello(0, nnodes=3))
+    for error in [*early.values(), *late.values()]:
+        assert isinstance(error, LaunchError), error
+        assert "both say --node-rank 1" in str(error), error
+
+
 def test_a_machine_that_never_joins_is_named(run):
     start = time.monotonic()
     joined = run(nnodes=3, join_timeout=1.0).join(_hello(0, nnodes=3), _hello(1, nnodes=3))

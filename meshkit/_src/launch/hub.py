@@ -68,7 +68,8 @@ class Hub:
         self.lost_after = lost_after
         self.peers: dict[socket.socket, _Peer] = {}
         self.nodes: dict[int, _Peer] = {}
-        self.phase = "joining"
+        self.phase = "joining"  # then "running" and "over", or "failed" (the join)
+        self.failure = ""
         self.start = time.monotonic()
         self.stop_cause: Stop | None = None
         self.stop_at = 0.0
@@ -98,6 +99,7 @@ class Hub:
                 self._tick(time.monotonic())
         except Exception as e:  # a bug here must not leave the machines waiting for the hub
             self._fail(f"machine 0's hub failed: {e!r}. Every machine stops.")
+            self.phase = "over"
             raise
         finally:
             for peer in self.peers.values():
@@ -153,7 +155,7 @@ class Hub:
             return
         if self.phase == "joining":
             self._fail(f"{peer.hello.machine(peer.address)} left while the machines joined.")
-        elif peer.ended is None:
+        elif self.phase == "running" and peer.ended is None:
             self._lost(peer, "its launcher's connection closed")
 
     def _on(self, peer: _Peer, message: Mapping[str, Any]) -> None:
@@ -164,6 +166,7 @@ class Hub:
             text = f"{peer.hello.machine(peer.address)}: {message['text']}"
             if self.phase == "joining":
                 self._fail(f"{text} before every machine joined; no machine starts its ranks.")
+            if self.phase != "running":
                 return
             rank, code = message["rank"], message["code"]
             self._stop(Stop(peer.hello.node, kind, rank, text, int(code), float(message["after"])))
@@ -171,6 +174,8 @@ class Hub:
             peer.ended = dict(message)
 
     def _tick(self, now: float) -> None:
+        if self.phase == "failed":
+            return
         if self.phase == "joining":
             missing = [n for n in range(self.nnodes) if n not in self.nodes]
             if now - self.start > self.join_timeout:
@@ -197,6 +202,9 @@ class Hub:
     # ---- joining ------------------------------------------------------------------------------
 
     def _hello(self, peer: _Peer, hello: Hello) -> None:
+        if self.phase == "failed":  # a machine that comes after the join failed hears why
+            peer.wire.send("error", text=self.failure)
+            return
         if self.phase != "joining":
             peer.wire.send("error", text="meshkit launch: the run has already started.")
             return
@@ -242,9 +250,15 @@ class Hub:
         return f"Joined: {', '.join(joined)}." if joined else "No machine joined."
 
     def _fail(self, text: str) -> None:
+        """The join failed: every machine that joined hears why, and so does every later one.
+
+        The hub goes on serving until machine 0's launcher closes it, which it does once its
+        own connection has heard: machine 0's launcher may connect after the others.
+        """
+        self.failure = f"meshkit launch: {text}"
         for peer in self.peers.values():
-            peer.wire.send("error", text=f"meshkit launch: {text}")
-        self.phase = "over"
+            peer.wire.send("error", text=self.failure)
+        self.phase = "failed"
 
     # ---- running ------------------------------------------------------------------------------
 
