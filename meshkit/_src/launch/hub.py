@@ -20,7 +20,8 @@ from typing import Any
 
 from ..core import events as _events
 from ..core.errors import LaunchError, ranges
-from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire, version
+from ..core.version import __version__
+from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
 from .report import RankResult, Told, root_cause
 
 __all__ = ["Hub"]
@@ -143,7 +144,7 @@ class Hub:
         theirs = fields.get("version", "?") if isinstance(fields, Mapping) else "?"
         who = peer.hello.machine(peer.address) if peer.hello else f"the launcher at {peer.address}"
         self._fail(
-            f"{who} speaks another protocol (meshkit {theirs}; machine 0 runs {version()}).\n"
+            f"{who} speaks another protocol (meshkit {theirs}; machine 0 runs {__version__}).\n"
             "Consider installing the same meshkit on every machine."
         )
 

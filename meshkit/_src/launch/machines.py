@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 from ..core.errors import LaunchError
 from ..core.ports import reserve_port
+from ..core.version import __version__
 from .hub import Hub
 from .link import Link, reach
-from .nodes import Go, Hello, hostname, parse_address, program_digest, serve, version
+from .nodes import Go, Hello, hostname, parse_address, program_digest, serve
 from .report import LaunchResult, signal_name
 from .spawn import Platform, count_gpus, rank_environments
 
@@ -146,7 +147,7 @@ def run_on_machines(
             devices=devices_per_process,
             platform=platform,
             program=program_digest(command, cwd),
-            version=version(),
+            version=__version__,
         )
 
         def interrupted() -> bool:

@@ -52,7 +52,6 @@ __all__ = [
     "program_digest",
     "result_record",
     "serve",
-    "version",
 ]
 
 BEAT_S = 1.0  # how often each side says it is alive
@@ -203,7 +202,7 @@ def local_host_check(host: str) -> None:
             return
     raise LaunchError(
         f"meshkit launch: the coordinator {host!r} is not an address of machine 0 "
-        f"({socket.gethostname()}), which serves it.\nConsider --coordinator with an address "
+        f"({hostname()}), which serves it.\nConsider --coordinator with an address "
         "of the machine started with --node-rank 0."
     )
 
@@ -232,13 +231,3 @@ def serve(host: str, port: int) -> socket.socket:
 def hostname() -> str:
     """This machine's name, as the reports show it."""
     return socket.gethostname()
-
-
-def version() -> str:
-    """Meshkit's installed version (read without importing meshkit's runtime)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("meshkit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
