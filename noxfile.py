@@ -88,7 +88,12 @@ PLUGINS = ["-p", "xdist.plugin", "-p", "pytest_timeout", "-p", "_hypothesis_pyte
 def tests(session: nox.Session) -> None:
     """Unit, property and multi-process tests against the installed package."""
     install(session, "test")
-    env = {"MESHKIT_EXPECT_INSTALLED": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {
+        "MESHKIT_EXPECT_INSTALLED": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        # meshkit.testing forks its ranks from a process that imported JAX once (FORK_NOTE).
+        "MESHKIT_TESTING_FORK": "1",
+    }
     session.run("pytest", *PLUGINS, *PARALLEL, *session.posargs, env=env)
 
 

@@ -18,7 +18,8 @@ from types import TracebackType
 from typing import Any
 
 from .._src.core.errors import LaunchError
-from .._src.launch.launcher import LaunchResult, launch
+from .._src.launch.launcher import LaunchResult, launch_ranks
+from ._forks import starter
 from ._multiprocess import function_location
 from ._wire import Call, Hello, Reply, receive, send
 
@@ -98,6 +99,8 @@ class WarmCluster:
         env: extra environment variables for every process, set when it starts.
         timeout: default seconds a call may take on every rank before the cluster is ended.
         start_timeout: seconds the processes may take to start and join.
+        fork: fork each process from one that imported JAX once (see
+            `launch_in_processes`); None: when ``MESHKIT_TESTING_FORK=1``.
 
     Example:
         ```python
@@ -126,8 +129,10 @@ class WarmCluster:
         env: Mapping[str, str] | None = None,
         timeout: float = 120.0,
         start_timeout: float = 120.0,
+        fork: bool | None = None,
     ) -> None:
         self.num_processes = num_processes
+        self.fork = fork
         self.devices_per_process = devices_per_process
         self.env = dict(env or {})
         self.timeout = timeout
@@ -168,9 +173,11 @@ class WarmCluster:
         command = ["-m", "meshkit.testing._warm_worker", _HOST, str(server.getsockname()[1]), token]
         env = {"MESHKIT_INIT_TIMEOUT": str(max(5, int(self.start_timeout))), **self.env}
 
+        start_with = starter(self.fork, "meshkit.testing.WarmCluster")
+
         def run_launcher() -> None:
             outcome.append(
-                launch(
+                launch_ranks(
                     command,
                     num_processes=self.num_processes,
                     devices_per_process=self.devices_per_process,
@@ -179,6 +186,7 @@ class WarmCluster:
                     cwd=directory.name,  # not the source tree: import the installed meshkit
                     stream=False,
                     grace=1.0,
+                    starter=start_with,
                 )
             )
 

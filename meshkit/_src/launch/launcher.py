@@ -45,11 +45,11 @@ from .report import (
     stall_summary,
     tail_block,
 )
-from .spawn import Platform, Rank, count_gpus, rank_argv, rank_environments
+from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start_fresh
 from .stop import stop
 from .supervise import Outcome, Supervisor, signals_recorded
 
-__all__ = ["LaunchResult", "Platform", "RankResult", "launch"]
+__all__ = ["LaunchResult", "Platform", "RankResult", "launch", "launch_ranks"]
 
 
 def launch(
@@ -122,6 +122,54 @@ def launch(
             machines (naming the machines and the values), or ``handle_signals`` outside the
             main thread.
     """
+    return launch_ranks(
+        command,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        timeout=timeout,
+        port=port,
+        platform=platform,
+        log_dir=log_dir,
+        env=env,
+        cwd=cwd,
+        stream=stream,
+        keep_output=keep_output,
+        grace=grace,
+        handle_signals=handle_signals,
+        subreaper=subreaper,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        coordinator=coordinator,
+        join_timeout=join_timeout,
+    )
+
+
+def launch_ranks(
+    command: Sequence[str],
+    *,
+    num_processes: int,
+    devices_per_process: int | None = None,
+    timeout: float | None = None,
+    port: int | None = None,
+    platform: Platform = "auto",
+    log_dir: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stream: bool = True,
+    keep_output: bool = False,
+    grace: float = 3.0,
+    handle_signals: bool = False,
+    subreaper: bool = False,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    coordinator: str | None = None,
+    join_timeout: float = 300.0,
+    starter: Starter = start_fresh,
+) -> LaunchResult:
+    """`launch`, with how each rank's process starts (``starter``; `launch` starts fresh ones).
+
+    `meshkit.testing` passes its fork server here (`meshkit.testing._forks`).
+    """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise LaunchError(
             f"meshkit launch: the number of processes (-n) must be an int >= 1; "
@@ -189,6 +237,7 @@ def launch(
             keep_output=keep_output,
             subreaper=subreaper,
             link=link,
+            starter=starter,
         )
 
     if nnodes != 1 or coordinator is not None:
@@ -249,6 +298,7 @@ def _run(
     keep_output: bool,
     subreaper: bool,
     link: Link | None = None,
+    starter: Starter = start_fresh,
 ) -> LaunchResult:
     """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs).
 
@@ -294,7 +344,7 @@ def _run(
             if received:
                 break
             full_env = {**os.environ, **extra_env, **rank_env}
-            ranks.append(Rank(r, rank_argv(command), full_env, cwd, sink, keep_output))
+            ranks.append(Rank(r, command, full_env, cwd, sink, keep_output, starter))
             if reaper is not None:
                 reaper.add_rank(ranks[-1].proc.pid, keep=True)
             if guardian is not None:

@@ -14,7 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import IO, Literal, Protocol
 
 from ..core.contract import (
     ENV_COORDINATOR,
@@ -29,10 +30,13 @@ from .report import TAIL_LINES, RankResult
 
 __all__ = [
     "Platform",
+    "Process",
     "Rank",
+    "Starter",
     "count_gpus",
     "rank_argv",
     "rank_environments",
+    "start_fresh",
 ]
 
 Platform = Literal["auto", "cpu", "gpu"]
@@ -128,17 +132,63 @@ def rank_argv(command: list[str]) -> list[str]:
     return argv
 
 
+class Process(Protocol):
+    """What the launcher uses of a rank's process (a `subprocess.Popen` has it all).
+
+    ``pid`` leads the rank's own session and process group; ``stdout`` and ``stderr`` are the
+    read ends of its output pipes; ``returncode`` is None while it runs, then its exit code, or
+    minus the signal that ended it.
+    """
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# How a rank's process starts: ``python <command>`` with this environment in this directory.
+Starter = Callable[[list[str], Mapping[str, str], "str | None"], Process]
+
+
+def start_fresh(command: list[str], env: Mapping[str, str], cwd: str | None) -> Process:
+    """Start ``python <command>`` as a new interpreter, in its own session (`rank_argv`)."""
+    return subprocess.Popen(
+        rank_argv(command),
+        env=dict(env),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: killed as a whole
+    )
+
+
 class Rank:
-    """One running rank: its process, its output pumps and what it printed."""
+    """One running rank: its process, its output pumps and what it printed.
+
+    Args:
+        rank: its process id.
+        command: what follows ``python``.
+        env: its whole environment.
+        cwd: its working directory (None: ours).
+        sink: where its lines go.
+        keep_all: keep every line (else the last `TAIL_LINES`).
+        start: starts its process (default: a fresh interpreter, `start_fresh`).
+    """
 
     def __init__(
         self,
         rank: int,
-        argv: list[str],
+        command: list[str],
         env: dict[str, str],
         cwd: str | None,
         sink: Sink,
         keep_all: bool,
+        start: Starter = start_fresh,
     ) -> None:
         self.rank = rank
         self.stopped = False
@@ -147,15 +197,7 @@ class Rank:
         self.out: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.err: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.both: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: killed as a whole
-        )
+        self.proc = start(command, env, cwd)
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         self.pumps = [
