@@ -29,6 +29,7 @@ from global_assembly import (  # noqa: E402
 from legacy import bench_legacy  # noqa: E402
 from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
+from testing_starts import bench_testing_starts  # noqa: E402
 
 import meshkit  # noqa: E402
 
@@ -84,4 +85,5 @@ if __name__ == "__main__":
     print(bench_global_two_processes(), end="\n\n")
     print(bench_check_changes(), end="\n\n")
     print(bench_global_gpu(), end="\n\n")
-    print(bench_coordination())
+    print(bench_coordination(), end="\n\n")
+    print(bench_testing_starts())

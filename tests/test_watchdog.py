@@ -283,3 +283,19 @@ def test_a_process_whose_threads_wait_for_a_cpu_is_not_stalled():
     assert starved == "a thread was starved", out
     # Every thread blocked, the same CPU as busy: a stall.
     assert blocked == "None", out
+
+
+def test_the_main_thread_is_found_in_a_forked_process():
+    """After ``os.fork``, ``threading.main_thread().native_id`` is still the parent's: the
+    watchdog asks the main thread itself, so it reads the right scheduler statistics (without
+    them, a main thread busy but starved of CPU on a loaded machine looked stalled)."""
+    code = (
+        "import os, threading\n"
+        "from meshkit._src.lifecycle import watchdog\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if watchdog._main_native_id() == os.getpid() else 3)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), watchdog._main_native_id() == os.getpid())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["0", "True"], out.stderr

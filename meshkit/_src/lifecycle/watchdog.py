@@ -117,6 +117,18 @@ def _pending(array: Any) -> bool:
         return False
 
 
+def _main_native_id() -> int | None:
+    """The kernel's id of the main thread.
+
+    ``threading.main_thread().native_id`` is not renewed by ``os.fork`` (Python 3.11 and 3.12):
+    in a forked process it is the parent's thread. Asked from the main thread, the thread's own
+    id is right.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return threading.get_native_id()
+    return threading.main_thread().native_id
+
+
 def _schedstat(native_id: int | None) -> str | None:
     """The path of Linux's scheduler statistics of thread ``native_id``, where there are some."""
     if native_id is None:
@@ -267,7 +279,7 @@ class Watchdog(threading.Thread):
         self.last_call = last_call
         self.stop = threading.Event()
         self.main = threading.main_thread().ident or 0
-        self.main_native_id = threading.main_thread().native_id
+        self.main_native_id = _main_native_id()
 
     def run(self) -> None:
         period = min(1.0, self.after / 4)
