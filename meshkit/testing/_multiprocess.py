@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._src.core.errors import LaunchError
-from .._src.launch.launcher import LaunchResult, launch_ranks
+from .._src.launch.launcher import LaunchResult, launch
 from ._forks import starter
 
 __all__ = ["launch_in_processes", "run_in_processes"]
@@ -83,7 +83,7 @@ def launch_in_processes(
     with tempfile.TemporaryDirectory(prefix="meshkit-mp-") as tmp:
         full_env = {"MESHKIT_INIT_TIMEOUT": str(max(5, int(timeout)))}
         full_env.update(env or {})
-        result = launch_ranks(
+        result = launch(
             _command(target, tmp, init, args),
             num_processes=num_processes,
             devices_per_process=devices_per_process,

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any
 
 from .._src.core.errors import LaunchError
-from .._src.launch.launcher import LaunchResult, launch_ranks
+from .._src.launch.launcher import LaunchResult, launch
 from ._forks import starter
 from ._multiprocess import function_location
 from ._wire import Call, Hello, Reply, receive, send
@@ -177,7 +177,7 @@ class WarmCluster:
 
         def run_launcher() -> None:
             outcome.append(
-                launch_ranks(
+                launch(
                     command,
                     num_processes=self.num_processes,
                     devices_per_process=self.devices_per_process,

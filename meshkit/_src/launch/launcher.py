@@ -49,7 +49,7 @@ from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start
 from .stop import stop
 from .supervise import Outcome, Supervisor, signals_recorded
 
-__all__ = ["LaunchResult", "Platform", "RankResult", "launch", "launch_ranks"]
+__all__ = ["LaunchResult", "Platform", "RankResult", "launch"]
 
 
 def launch(
@@ -72,6 +72,7 @@ def launch(
     node_rank: int | None = None,
     coordinator: str | None = None,
     join_timeout: float = 300.0,
+    starter: Starter | None = None,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
 
@@ -111,6 +112,9 @@ def launch(
             serves the machines' meeting point at ``PORT``, and process 0 JAX's coordinator at
             ``PORT + 1``. Needed when ``nnodes > 1``.
         join_timeout: seconds for every machine's launcher to join.
+        starter: how each rank's process starts: None for a fresh ``python`` (what
+            ``meshkit launch`` does). `meshkit.testing` passes its fork server, which forks
+            ranks from a process that imported JAX once.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
@@ -121,54 +125,6 @@ def launch(
         LaunchError: bad arguments (before anything starts), a join that failed on several
             machines (naming the machines and the values), or ``handle_signals`` outside the
             main thread.
-    """
-    return launch_ranks(
-        command,
-        num_processes=num_processes,
-        devices_per_process=devices_per_process,
-        timeout=timeout,
-        port=port,
-        platform=platform,
-        log_dir=log_dir,
-        env=env,
-        cwd=cwd,
-        stream=stream,
-        keep_output=keep_output,
-        grace=grace,
-        handle_signals=handle_signals,
-        subreaper=subreaper,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        coordinator=coordinator,
-        join_timeout=join_timeout,
-    )
-
-
-def launch_ranks(
-    command: Sequence[str],
-    *,
-    num_processes: int,
-    devices_per_process: int | None = None,
-    timeout: float | None = None,
-    port: int | None = None,
-    platform: Platform = "auto",
-    log_dir: str | os.PathLike[str] | None = None,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    stream: bool = True,
-    keep_output: bool = False,
-    grace: float = 3.0,
-    handle_signals: bool = False,
-    subreaper: bool = False,
-    nnodes: int = 1,
-    node_rank: int | None = None,
-    coordinator: str | None = None,
-    join_timeout: float = 300.0,
-    starter: Starter = start_fresh,
-) -> LaunchResult:
-    """`launch`, with how each rank's process starts (``starter``; `launch` starts fresh ones).
-
-    `meshkit.testing` passes its fork server here (`meshkit.testing._forks`).
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise LaunchError(
@@ -237,7 +193,7 @@ def launch_ranks(
             keep_output=keep_output,
             subreaper=subreaper,
             link=link,
-            starter=starter,
+            starter=starter or start_fresh,
         )
 
     if nnodes != 1 or coordinator is not None:
