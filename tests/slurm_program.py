@@ -23,6 +23,7 @@ print(
     f"coordinator {info.coordinator_address}, SLURM job {os.environ['SLURM_JOB_ID']}",
     flush=True,
 )
+print(f"process {me}/{n}: local devices {info.local_device_ids}; {info.reason}", flush=True)
 if sys.argv[1:] == ["fail"] and me == 1:
     print(f"process 1 fails at {time.time():.3f}", flush=True)
     raise RuntimeError("planted failure in process 1")

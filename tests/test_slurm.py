@@ -52,8 +52,14 @@ def _task_env(cluster: slurm_cluster.LocalSlurm) -> dict[str, str]:
     )
 
 
-def _check_program_output(out: str, node: str, job_id: int | None = None) -> None:
-    """Both tasks joined one 2 x 4 mesh and computed the right numbers."""
+def _check_program_output(
+    out: str, node: str, job_id: int | None = None, *, bound: bool = False
+) -> None:
+    """Both tasks joined one 2 x 4 mesh and computed the right numbers.
+
+    Each task's device ids: JAX's choice, its local rank; or, where each task sees only its
+    own GPU (``bound``), device 0, the one it sees.
+    """
     job = re.search(r"SLURM job (\d+)", out)
     assert job, out
     assert job_id is None or int(job.group(1)) == job_id, (job_id, out)
@@ -66,19 +72,31 @@ def _check_program_output(out: str, node: str, job_id: int | None = None) -> Non
         ), out
         assert f"process {r}/2: mesh {{'data': 2, 'model': 4}}, 8 devices" in out, out
         assert f"process {r}/2: psum over 8 devices = 276" in out, out  # sum(range(24))
+        ids = 0 if bound else r
+        assert f"process {r}/2: local devices ({ids},);" in out, out
         rows = "0-3" if r == 0 else "4-7"
         assert f"process {r}/2: rows {rows} round trip equal, gather equal (sum 276)" in out, out
+
+
+# Each task sees only its own GPU, as under `srun --gpu-bind` (this SLURM has no GPUs to bind):
+# task r sees GPU 4 + r, renumbered 0, where JAX alone would ask task 1 for a device 1.
+_BIND = 'CUDA_VISIBLE_DEVICES=$((SLURM_LOCALID + 4)) exec "$0" "$@"'
 
 
 def test_srun_two_tasks_join_and_compute(slurm):
     srun = slurm.client("srun")
     result = slurm.run(
-        [srun, "-n", "2", "-t", "5", sys.executable, str(PROGRAM)],
+        [srun, "-n", "2", "-t", "5", "bash", "-c", _BIND, sys.executable, str(PROGRAM)],
         timeout=_RUN_TIMEOUT_S,
         env=_task_env(slurm),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    _check_program_output(result.stdout, slurm.node)
+    _check_program_output(result.stdout, slurm.node, bound=True)
+    assert (
+        "process 1/2: local devices (0,); JAX's SlurmCluster detector found its environment; "
+        "devices 0: local rank 1 with CUDA_VISIBLE_DEVICES=5: the scheduler bound these to the "
+        "task" in result.stdout
+    ), result.stdout
 
 
 def test_sbatch_job_script(slurm):

@@ -44,6 +44,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import progress as _progress
+from . import gpus as _gpus
 from . import preflight as _preflight
 from . import programs as _programs
 from . import slurm as _slurm
@@ -73,7 +74,10 @@ class RuntimeInfo:
         cpu_devices: CPU devices requested for this process, None when JAX's default was kept.
         local_device_ids: accelerator ids this process was given; None when JAX chose (all
             visible devices). Under Open MPI or SLURM, JAX itself gives each process only its
-            local rank's accelerator unless ids are passed; this field then shows that choice.
+            local rank's accelerator unless ids are passed; this field then shows that choice,
+            or, where the scheduler bound GPUs to the task (``srun --gpus-per-task``,
+            ``--gpu-bind``: the task sees only its own, renumbered from 0), the task's own
+            devices (`meshkit._src.runtime.gpus`; ``reason`` says why).
         cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
     """
 
@@ -488,6 +492,13 @@ def _init(
     ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
         address, n, pid, detected_ids = _compat.cluster_params(ids_arg, init_timeout)
+        reason = plan.reason
+        if ids_arg is None and detected_ids is not None and len(detected_ids) == 1:
+            # JAX would take the local rank as the one device id; not if GPUs were bound.
+            binding = _gpus.bound_device_ids(os.environ, int(detected_ids[0]))
+            if binding is not None:
+                ids_arg = detected_ids = list(binding.ids)
+                reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
         if address is not None and n is not None and pid is not None:
             _check_coordinator(address, pid, n, timeout, source=plan.reason)
         # JAX detects again inside initialize (keeping its TPU and slice handling its own).
@@ -495,6 +506,7 @@ def _init(
         _, pid, n = _compat.distributed_state()
         plan = dataclasses.replace(
             plan,
+            reason=reason,
             num_processes=n,
             process_id=pid,
             coordinator_address=address,

@@ -1,0 +1,109 @@
+"""Which accelerators a task of a scheduler owns, when the scheduler bound them to it.
+
+Under SLURM or Open MPI, and unless told otherwise, ``jax.distributed.initialize`` gives each
+process one accelerator: the one numbered by its local rank (``SLURM_LOCALID``,
+``OMPI_COMM_WORLD_LOCAL_RANK``). That is right when every task of a node sees all the node's
+GPUs. It is wrong when the scheduler bound GPUs to each task (``srun --gpus-per-task``,
+``--gpu-bind``, a wrapper that sets ``CUDA_VISIBLE_DEVICES`` per rank): the task then sees only
+its own GPUs, renumbered from 0, and local rank 3 asks for a device 3 it cannot see (JAX issue
+16788), or uses one of its several GPUs only.
+
+`bound_device_ids` tells the two apart from the environment alone, before JAX is asked:
+
+- ``SLURM_GPUS_PER_TASK=k`` (set by ``srun --gpus-per-task``) and exactly ``k`` visible
+  devices: the task owns them all, ids ``0..k-1``;
+- a local rank at or beyond the number of visible devices: the visible devices are the task's
+  own, ids ``0..count-1``;
+- otherwise (no visible-device list, or a local rank among the visible devices) JAX's choice
+  stands.
+
+Visible devices are read from ``CUDA_VISIBLE_DEVICES`` (NVIDIA), else ``ROCR_VISIBLE_DEVICES``
+or ``HIP_VISIBLE_DEVICES`` (AMD); an empty list or ``-1`` hides every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["VISIBLE_VARS", "Binding", "bound_device_ids", "visible_devices"]
+
+VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """The accelerators a task owns, and why meshkit thinks so.
+
+    Attributes:
+        ids: device ids in the task's own numbering (what JAX's ``local_device_ids`` takes).
+        reason: the variables that say so, for `meshkit.runtime_info` and messages.
+    """
+
+    ids: tuple[int, ...]
+    reason: str
+
+
+def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """The variable that lists this process's visible accelerators, and how many it lists.
+
+    None when none of `VISIBLE_VARS` is set.
+
+    Example:
+        >>> visible_devices({"CUDA_VISIBLE_DEVICES": "4,5"})
+        ('CUDA_VISIBLE_DEVICES', 2)
+        >>> visible_devices({}) is None
+        True
+    """
+    for name in VISIBLE_VARS:
+        if name in environ:
+            entries = [e.strip() for e in environ[name].split(",") if e.strip()]
+            if entries[:1] == ["-1"]:
+                entries = []
+            return name, len(entries)
+    return None
+
+
+def _count(text: str | None) -> int | None:
+    """The number in ``"2"`` or ``"a100:2"`` (SLURM's ``[type:]count``)."""
+    if text is None:
+        return None
+    tail = text.strip().rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def bound_device_ids(environ: Mapping[str, str], local_rank: int | None) -> Binding | None:
+    """The devices a scheduler bound to this task, or None when JAX's choice is right.
+
+    Args:
+        environ: the process's environment.
+        local_rank: the task's index on its node, which JAX would use as its one device id
+            (None when JAX would not choose: nothing to correct).
+
+    Returns:
+        The task's own devices, or None.
+
+    Examples:
+        >>> bound_device_ids({"CUDA_VISIBLE_DEVICES": "3"}, 3).ids  # srun --gpu-bind
+        (0,)
+        >>> env = {"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_PER_TASK": "2"}
+        >>> bound_device_ids(env, 1).ids  # srun --gpus-per-task=2
+        (0, 1)
+        >>> bound_device_ids({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 1) is None  # all visible
+        True
+    """
+    visible = visible_devices(environ)
+    if visible is None or local_rank is None:
+        return None
+    name, count = visible
+    if count == 0:
+        return None
+    listed = f"{name}={environ[name]}"
+    per_task = _count(environ.get("SLURM_GPUS_PER_TASK"))
+    if per_task == count:
+        why = f"SLURM_GPUS_PER_TASK={environ['SLURM_GPUS_PER_TASK']} and {listed}"
+        return Binding(tuple(range(count)), f"{why}: the task's own GPUs")
+    if local_rank >= count:
+        why = f"local rank {local_rank} with {listed}"
+        return Binding(tuple(range(count)), f"{why}: the scheduler bound these to the task")
+    return None
