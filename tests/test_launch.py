@@ -21,6 +21,7 @@ from conftest import EXAMPLES, processes_with_marker
 import meshkit
 from meshkit import LaunchError
 from meshkit._src.core.ports import port_in_use, reserve_port
+from meshkit._src.launch import launcher as _launcher
 from meshkit._src.launch import reaper as _reaper
 from meshkit._src.launch.rank_output import Pump, Sink
 from meshkit._src.launch.spawn import rank_environments
@@ -315,7 +316,7 @@ def test_children_in_new_sessions_end_with_the_run(tmp_path, marker):
     children: list[int] = []
     try:
         start = time.monotonic()
-        out = cli("launch", "-n", "2", "--grace", "1", str(prog), "1", cwd=tmp_path,
+        out = cli("launch", "-n", "2", "--grace", "1", "--allow-unjoined", str(prog), "1", cwd=tmp_path,
                   env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
         took = time.monotonic() - start
         children = _children(tmp_path, 2, timeout=1)
@@ -339,6 +340,7 @@ def test_children_in_new_sessions_end_with_a_run_from_python(tmp_path, marker):
     children: list[int] = []
     try:
         res = meshkit.launch([str(prog), "3"], num_processes=2, stream=False, grace=1,
+                             allow_unjoined=True,
                              cwd=tmp_path, env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
         children = _children(tmp_path, 2, timeout=1)
         assert res.returncode == 0, res.report
@@ -599,7 +601,7 @@ def test_the_coordinator_port_is_held_from_start_to_end(tmp_path):
         print(f"port {port}: held {port_in_use(port)}, taken {coordinator_port_taken(port)}")
         """,
     )
-    out = cli("launch", "-n", "2", "--timeout", "60", "prog.py", cwd=tmp_path)
+    out = cli("launch", "-n", "2", "--timeout", "60", "--allow-unjoined", "prog.py", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = re.findall(r"\[rank(\d)\] port (\d+): held True, taken False", out.stdout)
     assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
@@ -687,7 +689,7 @@ def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):
         print("done", os.environ["MESHKIT_PROCESS_ID"])
         """,
     )
-    out = cli("launch", "-n", "2", "--log-dir", "logs", "prog.py", cwd=tmp_path,
+    out = cli("launch", "-n", "2", "--log-dir", "logs", "--allow-unjoined", "prog.py", cwd=tmp_path,
               env={"MESHKIT_TEST_MARKER": marker})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "Gloo" not in out.stdout + out.stderr, out.stderr
@@ -795,3 +797,30 @@ def test_meshkits_sentences_alone_make_no_verdict(tmp_path, marker):
     assert "Stall watchdog" not in res.report, res.report
     assert "reached the end" not in res.report, res.report
     assert not any(r.reached_end for r in res.ranks)
+
+
+def test_a_program_whose_ranks_never_join_fails_unless_allowed(tmp_path):
+    """Raw JAX code without meshkit.init() (nor any meshkit call): each rank runs alone to the
+    end and exits 0; the launcher says so afterwards and fails the run."""
+    (tmp_path / "alone.py").write_text("print('ran alone')\n")
+    out = cli("launch", "-n", "2", "--timeout", "60", "alone.py", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.count("ran alone") == 2, out.stdout
+    assert out.stderr.rstrip().endswith(
+        "meshkit launch: every rank exited 0, but none joined the program (none called "
+        "meshkit.init()): each ran alone, as a program of one process on its own devices, and "
+        "what it printed is what one process computes, not the answer of one 2-process "
+        "program.\nConsider calling meshkit.init() first in the program, or --allow-unjoined "
+        "(launch(allow_unjoined=True)) to run independent processes on purpose."
+    ), out.stderr
+    allowed = cli("launch", "-n", "2", "--allow-unjoined", "alone.py", cwd=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr
+    single = cli("launch", "-n", "1", "alone.py", cwd=tmp_path)  # one process: nothing to join
+    assert single.returncode == 0, single.stderr
+
+
+def test_the_ranks_that_never_joined_are_named():
+    assert _launcher._unjoined([2, 3], 4).startswith(
+        "meshkit launch: every rank exited 0, but ranks 2-3 never joined the program (no "
+        "meshkit.init() call): each of those ran alone, as a program of one process"
+    )

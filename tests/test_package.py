@@ -112,7 +112,8 @@ def test_the_launcher_and_the_command_import_no_jax(tmp_path):
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(None):\n"
         "        meshkit.cli.main(argv)\n"
         f"{_NO_JAX}\n"
-        "assert meshkit.cli.main(['launch', '-n', '2', '--platform', 'cpu', 'prog.py']) == 0\n"
+        "assert meshkit.cli.main(['launch', '-n', '2', '--platform', 'cpu', '--allow-unjoined', "
+        "'prog.py']) == 0\n"
         f"{_NO_JAX}\n",
         cwd=tmp_path,
     )

@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping ranks",
     )
     launch.add_argument(
+        "--allow-unjoined",
+        action="store_true",
+        help="accept processes that never call meshkit.init() (each then runs alone, as a "
+        "program of one process); without it such a run fails",
+    )
+    launch.add_argument(
         "-m",
         dest="module",
         default=None,
@@ -162,6 +168,7 @@ def _launch(args: argparse.Namespace) -> int:
         platform=args.platform,
         log_dir=args.log_dir,
         grace=args.grace,
+        allow_unjoined=args.allow_unjoined,
         handle_signals=True,
         subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
         **_machines(args),

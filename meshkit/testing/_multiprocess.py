@@ -67,7 +67,9 @@ def launch_in_processes(
         timeout: seconds before every process is killed; a test never hangs.
         args: command-line arguments for a script target.
         env: extra environment variables for every process.
-        init: for function targets, whether to call `meshkit.init` first.
+        init: for function targets, whether to call `meshkit.init` first. For any target,
+            False also accepts processes that never join one program (each then runs as a
+            program of one process); with True such a run fails, as under ``meshkit launch``.
         stream: also print the processes' output as it comes.
         fork: start each process by forking one that imported JAX once (Linux; it saves
             about a second of CPU per process), instead of a fresh ``python`` each as
@@ -95,6 +97,7 @@ def launch_in_processes(
             keep_output=True,
             grace=1.0,
             starter=starter(fork, "meshkit.testing.launch_in_processes"),
+            allow_unjoined=not init,
         )
         values: list[Any] = []
         for r in range(num_processes):

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from ..core import events as _events
 from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
-from ..core.errors import LaunchError
+from ..core.errors import LaunchError, ranges
 from ..core.ports import port_in_use, reserve_port
+from ..lifecycle import progress as _progress
 from ..lifecycle.progress import Board
 from . import reaper as _reaper
 from .link import Link
@@ -72,6 +73,7 @@ def launch(
     node_rank: int | None = None,
     coordinator: str | None = None,
     join_timeout: float = 300.0,
+    allow_unjoined: bool = False,
     starter: Starter | None = None,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
@@ -112,6 +114,9 @@ def launch(
             serves the machines' meeting point at ``PORT``, and process 0 JAX's coordinator at
             ``PORT + 1``. Needed when ``nnodes > 1``.
         join_timeout: seconds for every machine's launcher to join.
+        allow_unjoined: accept a run of several processes that never joined one program
+            (none called ``meshkit.init``): each then ran alone, as a program of one process.
+            Without it such a run fails (exit status 1), on one machine.
         starter: how each rank's process starts: None for a fresh ``python`` (what
             ``meshkit launch`` does). `meshkit.testing` passes its fork server, which forks
             ranks from a process that imported JAX once.
@@ -194,6 +199,7 @@ def launch(
             subreaper=subreaper,
             link=link,
             starter=starter or start_fresh,
+            allow_unjoined=allow_unjoined or nnodes * num_processes == 1,
         )
 
     if nnodes != 1 or coordinator is not None:
@@ -255,6 +261,7 @@ def _run(
     subreaper: bool,
     link: Link | None = None,
     starter: Starter = start_fresh,
+    allow_unjoined: bool = True,
 ) -> LaunchResult:
     """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs).
 
@@ -268,6 +275,7 @@ def _run(
     guardian: Guardian | None = None
     was_subreaper: bool | None = None
     left: list[int] = []
+    alone: list[int] = []
     status = tempfile.TemporaryDirectory(prefix="meshkit-launch-")
     ids = [int(e[ENV_PROCESS_ID]) for e in envs]
     board = Board(Path(status.name), ids) if sink.stream else None
@@ -326,6 +334,7 @@ def _run(
         # Read once every rank has ended: nothing can still write, and the directory goes next.
         records = _events.read(status.name, ids)
         told = Told.of(records)
+        alone = sorted(set(ids) - _progress.joined(Path(status.name), ids))
         status.cleanup()
     outcome = supervisor.outcome if supervisor is not None else Outcome()
     if keyboard:
@@ -333,6 +342,8 @@ def _run(
     results = [rk.result(reached_end=rk.rank in told.ended) for rk in ranks]
     returncode = _returncode(outcome, results)
     report = _report(outcome, results, told, timeout, left)
+    if returncode == 0 and alone and not allow_unjoined and link is None:
+        returncode, report = 1, _unjoined(alone, len(ids))
     if link is not None:
         returncode, report = _over(link, outcome, results, records, returncode, report)
     elapsed = time.monotonic() - start
@@ -379,6 +390,23 @@ def _over(
     why = outcome.stopped_by
     text = why if isinstance(why, str) else "machine 0's launcher did not send the report"
     return returncode or 1, f"meshkit launch: {text} This machine's ranks were stopped.\n{report}"
+
+
+def _unjoined(alone: list[int], n: int) -> str:
+    """Why a run whose ranks all exited 0 failed: some never joined the program."""
+    if len(alone) == n:
+        who, they = "none joined the program (none called meshkit.init())", "each"
+    else:
+        word = "ranks" if len(alone) > 1 else "rank"
+        who = f"{word} {ranges(alone)} never joined the program (no meshkit.init() call)"
+        they = "each of those"
+    return (
+        f"meshkit launch: every rank exited 0, but {who}: {they} ran alone, as a program of one "
+        "process on its own devices, and what it printed is what one process computes, not "
+        f"the answer of one {n}-process program.\n"
+        "Consider calling meshkit.init() first in the program, or --allow-unjoined "
+        "(launch(allow_unjoined=True)) to run independent processes on purpose.\n"
+    )
 
 
 def _rank(results: list[RankResult], rank: int) -> RankResult:

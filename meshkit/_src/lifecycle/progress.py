@@ -24,7 +24,7 @@ from pathlib import Path
 from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
 from ..core.errors import ranges
 
-__all__ = ["ENV_STATUS", "STAGES", "Board", "mark", "ranges"]
+__all__ = ["ENV_STATUS", "STAGES", "Board", "joined", "mark", "ranges"]
 
 # In the order a rank goes through them; a summary lists them in this order.
 STAGES = ("starting", "joining", "joined", "running", "exited")
@@ -54,6 +54,23 @@ def mark(stage: str, process_id: int | None = None) -> None:
         os.replace(part, path)
     except OSError:  # a status the launcher cannot read only makes a quieter launcher
         pass
+
+
+def joined(directory: Path, ranks: Iterable[int]) -> set[int]:
+    """The ranks whose status file says they joined the cluster (``joined`` or ``running``).
+
+    A rank that never called ``meshkit.init`` (or ran alone) wrote nothing, or no more than
+    ``joining``.
+    """
+    found = set()
+    for r in ranks:
+        try:
+            text = (directory / f"rank{r}").read_text().strip()
+        except OSError:
+            continue
+        if text in _ARRIVED:
+            found.add(r)
+    return found
 
 
 def summary(stages: Mapping[int, str]) -> str:
