@@ -44,9 +44,19 @@ CASES = [
     "not_fixable",
     "removed_apis",
     "clean",
+    "entry_point",
 ]
 FULL_REPORT = {"all_rules"}
-FIXABLE = ["all_rules", "aliases", "formatting", "nested", "loops", "host_reads", "removed_apis"]
+FIXABLE = [
+    "all_rules",
+    "aliases",
+    "formatting",
+    "nested",
+    "loops",
+    "host_reads",
+    "removed_apis",
+    "entry_point",
+]
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -186,10 +186,10 @@ def _run(
         print(f"error: {e}", file=err)
         return EXIT_ERROR
     rewrite = args.fix or args.diff
-    fix_source = None
+    fix_source = add_init = None
     if rewrite:
         try:
-            from .fix import fix_source
+            from .fix import add_init, fix_source
         except ImportError:
             print(_NEEDS_LIBCST, file=err)
             return EXIT_ERROR
@@ -244,6 +244,8 @@ def _run(
         try:
             local = () if path is None else first_party.names(path)
             new = _deep(fix_source, source, edits, local)
+            if new != source and add_init is not None:  # a rewritten program must join
+                new, result.init_line = _deep(add_init, new, local)
             after = _scan(new, result.path, select, ignore, facts)
         except SyntaxError as e:  # libcst refused a file ast accepted
             result.error = f"cannot rewrite: {e.msg}"

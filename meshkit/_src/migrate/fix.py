@@ -8,6 +8,9 @@ above a dropped import moves to the next statement; one at the end of the import
 goes with it); ``import meshkit`` (and ``import jax``, where a replacement needs it) is added
 once, with the file's third-party imports (`meshkit._src.migrate.imports`).
 
+A rewritten program must join its processes: `add_init` puts ``meshkit.init()`` first in its
+``if __name__ == "__main__":`` block, where nothing in the file joins yet.
+
 This module needs libcst (``pip install 'meshkit[migrate]'``); the scanner does not.
 """
 
@@ -22,7 +25,7 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 from .findings import Edit
 from .imports import add_imports
 
-__all__ = ["fix_source"]
+__all__ = ["add_init", "fix_source"]
 
 
 def fix_source(
@@ -288,3 +291,80 @@ class _DropImports(cst.CSTTransformer):
 
 def _has_comment(lines: Sequence[cst.EmptyLine]) -> bool:
     return any(line.comment is not None for line in lines)
+
+
+_INIT = "meshkit.init()  # meshkit migrate: join this program's processes (before any JAX work)\n"
+_JOINS = {"meshkit.init", "jax.distributed.initialize"}
+
+
+def _joins(tree: ast.Module) -> bool:
+    """Whether the code calls ``meshkit.init`` or ``jax.distributed.initialize`` anywhere."""
+    aliases = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "meshkit"
+        for a in node.names
+        if a.name == "init"
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in _JOINS or name in aliases:
+                return True
+    return False
+
+
+def _is_main_guard(test: cst.BaseExpression) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+        return False
+    target = test.comparisons[0]
+    if not isinstance(target.operator, cst.Equal):
+        return False
+    sides = {cst.Module([]).code_for_node(n).strip() for n in (test.left, target.comparator)}
+    return "__name__" in sides and ({'"__main__"', "'__main__'"} & sides) != set()
+
+
+def add_init(source: str, first_party: Collection[str] = ()) -> tuple[str, int | None]:
+    r"""``meshkit.init()`` first in the program's ``if __name__ == "__main__":`` block.
+
+    Nothing changes where the file has no such block at its top level (a library module: its
+    program's entry point is elsewhere), or already calls ``meshkit.init`` or
+    ``jax.distributed.initialize``. ``import meshkit`` is added if needed.
+
+    Args:
+        source: a file's text, as `fix_source` left it.
+        first_party: as for `fix_source`.
+
+    Returns:
+        The new text, and the line of the call added (None when nothing was added).
+
+    Example:
+        >>> src = "import jax\n\nif __name__ == '__main__':\n    print(jax.device_count())\n"
+        >>> new, line = add_init(src)
+        >>> print(new.splitlines()[line - 1].strip())
+        meshkit.init()  # meshkit migrate: join this program's processes (before any JAX work)
+        >>> new.splitlines()[:2], line
+        (['import jax', 'import meshkit'], 5)
+    """
+    if _joins(ast.parse(source)):
+        return source, None
+    module = cst.parse_module(source)
+    guards = [
+        i for i, s in enumerate(module.body) if isinstance(s, cst.If) and _is_main_guard(s.test)
+    ]
+    if not guards:
+        return source, None
+    stmt = module.body[guards[0]]
+    assert isinstance(stmt, cst.If)
+    call = cst.parse_statement(_INIT)
+    if isinstance(stmt.body, cst.IndentedBlock):
+        body = stmt.body.with_changes(body=[call, *stmt.body.body])
+    else:  # `if __name__ == "__main__": main()`: the one line becomes a block
+        body = cst.IndentedBlock(body=[call, cst.SimpleStatementLine(body=stmt.body.body)])
+    statements = list(module.body)
+    statements[guards[0]] = stmt.with_changes(body=body)
+    module = add_imports(module.with_changes(body=statements), ["meshkit"], first_party)
+    new = module.code
+    line = next(n for n, text in enumerate(new.splitlines(), 1) if text.strip() == _INIT.strip())
+    return new, line

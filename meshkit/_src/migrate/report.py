@@ -36,6 +36,8 @@ class FileResult:
         where: ``"line:col:"`` of a parse error (in its cell, for a notebook).
         cells: a notebook's: each finding's code cell.
         error_cell: a notebook's: the code cell of a parse error.
+        init_line: where ``--fix`` / ``--diff`` added ``meshkit.init()`` to the program's
+            ``if __name__ == "__main__":`` block (None: not added).
     """
 
     path: str
@@ -46,6 +48,7 @@ class FileResult:
     where: str = ""
     cells: list[int] = field(default_factory=list)
     error_cell: int = 0
+    init_line: int | None = None
 
     @property
     def error_line(self) -> str:
@@ -92,6 +95,12 @@ def _text(results: list[FileResult], args: argparse.Namespace) -> str:
     files = f"{scanned} file{'s' if scanned != 1 else ''}"
     with_findings = sum(1 for r in results if r.findings)
     before = sum(r.before for r in results)
+    for r in results:
+        if r.init_line is not None:
+            lines.append(
+                f"{r.path}:{r.init_line}: added meshkit.init(), first in the program's "
+                '`if __name__ == "__main__":` block: its processes join one program.'
+            )
     if args.fix and before:
         fixed = before - len(findings)
         lines.append(
