@@ -358,10 +358,12 @@ def add_init(source: str, first_party: Collection[str] = ()) -> tuple[str, int |
     stmt = module.body[guards[0]]
     assert isinstance(stmt, cst.If)
     call = cst.parse_statement(_INIT)
-    if isinstance(stmt.body, cst.IndentedBlock):
-        body = stmt.body.with_changes(body=[call, *stmt.body.body])
+    block = stmt.body
+    if isinstance(block, cst.IndentedBlock):
+        body = block.with_changes(body=[call, *block.body])
     else:  # `if __name__ == "__main__": main()`: the one line becomes a block
-        body = cst.IndentedBlock(body=[call, cst.SimpleStatementLine(body=stmt.body.body)])
+        assert isinstance(block, cst.SimpleStatementSuite)
+        body = cst.IndentedBlock(body=[call, cst.SimpleStatementLine(body=block.body)])
     statements = list(module.body)
     statements[guards[0]] = stmt.with_changes(body=body)
     module = add_imports(module.with_changes(body=statements), ["meshkit"], first_party)
