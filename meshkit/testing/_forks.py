@@ -30,7 +30,6 @@ from typing import IO, Any
 
 from .._src.core import env as _env
 from .._src.core.errors import LaunchError
-from .._src.launch.reaper import ENV_RUN
 from .._src.launch.spawn import Process, Starter, start_fresh
 
 __all__ = [
@@ -327,10 +326,8 @@ class Forks:
             # Its own environment: the test process's, without any run's settings (a server
             # carrying a run's token would be that run's to sweep), with the rank's values of
             # what is read while importing.
-            base = {
-                k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k != ENV_RUN
-            }
-            base = {k: v for k, v in base.items() if not k.startswith(IMPORT_PREFIXES)}
+            dropped = ("MESHKIT_", *IMPORT_PREFIXES)  # MESHKIT_LAUNCH_RUN among them
+            base = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
             server = ForkServer({**base, **dict(key)}, self.preload)
             self._servers[key] = server
             idle = [k for k, s in self._servers.items() if k != key and not s.busy]

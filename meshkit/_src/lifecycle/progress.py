@@ -62,15 +62,15 @@ def joined(directory: Path, ranks: Iterable[int]) -> set[int]:
     A rank that never called ``meshkit.init`` (or ran alone) wrote nothing, or no more than
     ``joining``.
     """
-    found = set()
-    for r in ranks:
-        try:
-            text = (directory / f"rank{r}").read_text().strip()
-        except OSError:
-            continue
-        if text in _ARRIVED:
-            found.add(r)
-    return found
+    return {r for r in ranks if _written(directory, r) in _ARRIVED}
+
+
+def _written(directory: Path, rank: int) -> str:
+    """What ``rank``'s status file says ("" before it wrote one)."""
+    try:
+        return (directory / f"rank{rank}").read_text().strip()
+    except OSError:  # not written yet
+        return ""
 
 
 def summary(stages: Mapping[int, str]) -> str:
@@ -143,10 +143,7 @@ class Board:
         """
         out = {}
         for r in self.ranks:
-            try:
-                text = (self.directory / f"rank{r}").read_text().strip()
-            except OSError:  # not written yet
-                text = ""
+            text = _written(self.directory, r)
             stage = text if text in STAGES else "starting"
             if exits.get(r) is not None and stage not in _ARRIVED:
                 stage = "exited"
