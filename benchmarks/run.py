@@ -26,6 +26,7 @@ from global_assembly import (  # noqa: E402
     bench_global_single_process,
     bench_global_two_processes,
 )
+from hosts_exchange import bench_hosts  # noqa: E402
 from legacy import bench_legacy  # noqa: E402
 from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
@@ -86,4 +87,5 @@ if __name__ == "__main__":
     print(bench_check_changes(), end="\n\n")
     print(bench_global_gpu(), end="\n\n")
     print(bench_coordination(), end="\n\n")
+    print(bench_hosts(), end="\n\n")
     print(bench_testing_starts())

@@ -59,6 +59,7 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.pmap import pmap_compat as pmap_compat
     from ._src.pmap.stages import Compiled as Compiled
     from ._src.pmap.stages import Lowered as Lowered
+    from ._src.runtime.hosts import Hosts as Hosts
     from ._src.runtime.init import RuntimeInfo as RuntimeInfo
     from ._src.runtime.init import init as init
     from ._src.runtime.init import runtime_info as runtime_info
@@ -77,6 +78,7 @@ __all__ = [
     "DivergenceError",
     "DtypeWarning",
     "GlobalBatches",
+    "Hosts",
     "LaunchError",
     "LaunchResult",
     "Lowered",
@@ -152,6 +154,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "pmap_compat": ("._src.pmap.pmap", "pmap_compat"),
     "Compiled": ("._src.pmap.stages", "Compiled"),
     "Lowered": ("._src.pmap.stages", "Lowered"),
+    "Hosts": ("._src.runtime.hosts", "Hosts"),
     "RuntimeInfo": ("._src.runtime.init", "RuntimeInfo"),
     "init": ("._src.runtime.init", "init"),
     "runtime_info": ("._src.runtime.init", "runtime_info"),

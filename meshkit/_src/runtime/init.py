@@ -45,9 +45,11 @@ from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import progress as _progress
 from . import gpus as _gpus
+from . import hosts as _hosts
 from . import preflight as _preflight
 from . import programs as _programs
 from . import slurm as _slurm
+from .hosts import Hosts
 
 __all__ = [
     "RuntimeInfo",
@@ -79,6 +81,8 @@ class RuntimeInfo:
             ``--gpu-bind``: the task sees only its own, renumbered from 0), the task's own
             devices (`meshkit._src.runtime.gpus`; ``reason`` says why).
         cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
+        hosts: which processes run on which host (`meshkit.Hosts`), learned in one exchange once
+            the processes joined; `meshkit.make_mesh` keeps inner axes inside a host.
     """
 
     source: str
@@ -90,6 +94,7 @@ class RuntimeInfo:
     cpu_devices: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     cpu_collectives: str | None = None
+    hosts: Hosts | None = None
 
     def __str__(self) -> str:
         rows = [
@@ -106,9 +111,16 @@ class RuntimeInfo:
                 else ",".join(map(str, self.local_device_ids)),
             ),
             ("cpu collectives", self.cpu_collectives or "-"),
+            ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _shown_hosts(hosts: Hosts) -> str:
+    if len(hosts) <= 4:
+        return f"{len(hosts)} ({hosts})"
+    return f"{len(hosts)} (this process on {hosts.host_of(_compat.distributed_state()[1])})"
 
 
 _INFO: RuntimeInfo | None = None
@@ -388,6 +400,7 @@ def init(
         >>> info.num_processes
         1
     """
+    global _INFO
     first = _INFO is None
     fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
     info = _init(
@@ -403,6 +416,9 @@ def init(
         _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
         # Before anything runs: the processes run the same software with the same settings.
         _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
+        hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
+        _hosts.remember(hosts)
+        info = _INFO = dataclasses.replace(info, hosts=hosts)
         # From now on, every computation across processes is compared before it first runs.
         _programs.install(info.num_processes)
         for hook in tuple(_on_join):

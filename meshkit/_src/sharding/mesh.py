@@ -1,11 +1,19 @@
 """Meshes over every device of every process, with inner axes kept inside a host.
 
-Device order. Each axis size ``s_i`` is split as ``s_i = p_i * l_i``: ``p_i`` across processes,
-``l_i`` inside a process, with ``prod(p_i)`` the process count and ``prod(l_i)`` the devices per
-process. The process factors are taken greedily from the outermost axis inwards, so inner axes
-stay inside one host whenever the sizes allow, and an axis that must straddle hosts does so as
-whole blocks: along every axis, the owning process never decreases (no interleaving). In the
-common case (``{"data": -1, "model": 4}`` with 4 devices per host) this is exactly the row-major
+Device order. Devices are grouped three ways: by host (hosts ordered by their lowest process
+index), by process inside a host (ascending), by device inside a process (in the order given).
+Each axis size ``s_i`` is split as ``s_i = h_i * q_i * l_i``: ``h_i`` across hosts, ``q_i``
+across the processes of a host, ``l_i`` inside a process, with ``prod(h_i)`` the host count,
+``prod(q_i)`` the processes per host and ``prod(l_i)`` the devices per process. Each level's
+factors are taken greedily from the outermost axis inwards (hosts first), so inner axes stay
+inside one host, and inside one process, whenever the sizes allow, whatever the ranks of the
+processes of a host; an axis that must straddle hosts or processes does so in whole blocks.
+``across_hosts`` names the axes that take the host factors (the slow axes of a multi-host mesh).
+
+Hosts come from `meshkit._src.runtime.hosts` (learned at `meshkit.init`). Where they are not
+known, or hold unequal numbers of processes, each process counts as a host of its own: the order
+is then by process, as with one process per host. In the common case (``{"data": -1, "model":
+4}`` with 4 devices per process, ranks numbered host by host) this is exactly the row-major
 reshape of the device list sorted by process.
 """
 
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +36,7 @@ from ..core import env as _env
 from ..core.errors import MeshkitError, ranges
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
+from ..runtime import hosts as _hosts
 
 __all__ = ["describe", "make_mesh", "order_devices"]
 
@@ -154,41 +163,101 @@ def _resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tu
     return tuple(s for _, s in parsed)
 
 
-def _process_factors(sizes: Sequence[int], num_processes: int) -> tuple[int, ...]:
-    """Split the process count over the axes, outermost first (see the module docstring)."""
-    remaining = num_processes
+def _factors(
+    sizes: Sequence[int], count: int, among: Collection[int] | None = None
+) -> tuple[int, ...] | None:
+    """Split ``count`` over the axes (those in ``among``), outermost first; None if they can't.
+
+    Each axis takes the greatest common divisor of its size and what is left of ``count``.
+    Over all axes this always succeeds when ``count`` divides the product of the sizes (each
+    prime of ``count`` is met as often as it divides the product).
+    """
+    remaining = count
     factors = []
-    for size in sizes:
-        f = math.gcd(size, remaining)
+    for i, size in enumerate(sizes):
+        f = math.gcd(size, remaining) if among is None or i in among else 1
         factors.append(f)
         remaining //= f
-    # prod(sizes) == processes * per-process, so every prime of the process count is found.
-    assert remaining == 1, (sizes, num_processes)
-    return tuple(factors)
+    return tuple(factors) if remaining == 1 else None
 
 
-def order_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
-    """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a process.
+def _groups(
+    procs: Sequence[int], host_of: Sequence[int] | Mapping[int, Any] | None
+) -> list[list[int]]:
+    """The processes grouped by host, hosts ordered by their lowest process.
 
-    Devices are grouped by ``process_index`` (processes in ascending order, devices of a process
-    in the order given). Works on any objects with ``process_index`` (real devices of any
-    platform, or test doubles).
+    A group per process when hosts are not known or hold unequal numbers of processes.
+    """
+    if host_of is None:
+        return [[p] for p in procs]
+    hosts: dict[Any, list[int]] = {}
+    for p in procs:
+        hosts.setdefault(host_of[p], []).append(p)
+    groups = list(hosts.values())
+    if len({len(g) for g in groups}) > 1:
+        return [[p] for p in procs]
+    return groups
+
+
+def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
+    """The fast domain of each process of ``devices``: its TPU slice, else its host.
+
+    On a multi-slice TPU (devices whose ``slice_index`` takes several values) the slow network
+    runs between slices, and the hosts of a slice share its fast interconnect: the slice is the
+    unit `order_devices` keeps inner axes inside. Elsewhere it is the host (None: not known).
+
+    Examples:
+        >>> from types import SimpleNamespace as D
+        >>> devs = [D(id=i, process_index=i, slice_index=i // 2) for i in range(4)]
+        >>> domains(devs, None)
+        {0: ('slice', 0), 1: ('slice', 0), 2: ('slice', 1), 3: ('slice', 1)}
+    """
+    slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
+    if None not in slices.values() and len(set(slices.values())) > 1:
+        return {p: ("slice", s) for p, s in slices.items()}
+    if hosts is None:
+        return None
+    return {p: ("host", hosts.of_process[p]) for p in slices}
+
+
+def order_devices(
+    devices: Sequence[Any],
+    sizes: Sequence[int],
+    *,
+    host_of: Sequence[int] | Mapping[int, Any] | None = None,
+    across: Collection[int] | None = None,
+) -> np.ndarray:
+    """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a host.
+
+    Devices are grouped by host (hosts ordered by their lowest ``process_index``), then by
+    process (ascending), then in the order given; each axis size is split into a host, a process
+    and a device factor, taken greedily from the outermost axis inwards (the module docstring).
+    Works on any objects with ``process_index`` (real devices, or test doubles).
 
     Args:
         devices: the flat device list; every process must hold the same number of them.
         sizes: the resolved mesh shape; its product must equal ``len(devices)``.
+        host_of: the host of each process (any hashable, by process index); None: each
+            process is a host of its own.
+        across: the axes (by position) that take the host factors; None: any axis, outermost
+            first.
 
     Returns:
         An object array of shape ``sizes``.
 
     Raises:
-        MeshkitError: processes hold unequal numbers of the devices.
+        MeshkitError: processes hold unequal numbers of the devices; the ``across`` axes
+            cannot span the hosts.
 
     Examples:
         >>> from types import SimpleNamespace as D
-        >>> devs = [D(id=i, process_index=i // 2) for i in range(4)]
-        >>> [[d.id for d in row] for row in order_devices(devs, (2, 2))]
-        [[0, 1], [2, 3]]
+        >>> devs = [D(id=i, process_index=i // 2) for i in range(8)]
+        >>> [[d.id for d in row] for row in order_devices(devs, (2, 4))]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> # processes 0 and 2 on one host, 1 and 3 on another (ranks interleaved)
+        >>> grid = order_devices(devs, (2, 4), host_of=["a", "b", "a", "b"])
+        >>> [[d.id for d in row] for row in grid]
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
     """
     by_process: dict[int, list[Any]] = {}
     for d in devices:
@@ -201,22 +270,36 @@ def order_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
             "which needs the same number from each.\n"
             "Consider passing devices= with the same number of devices from every process."
         )
-    procs = [by_process[p] for p in sorted(by_process)]
-    num_processes, per_process = len(procs), len(procs[0])
-    if math.prod(sizes) != num_processes * per_process:
+    groups = _groups(sorted(by_process), host_of)
+    n_hosts, per_host, per_process = len(groups), len(groups[0]), len(by_process[groups[0][0]])
+    if math.prod(sizes) != n_hosts * per_host * per_process:
         raise MeshkitError(
             f"meshkit.make_mesh: mesh shape {tuple(sizes)} does not hold "
-            f"{num_processes * per_process} devices."
+            f"{n_hosts * per_host * per_process} devices."
         )
-    p = _process_factors(sizes, num_processes)
-    local = tuple(s // f for s, f in zip(sizes, p, strict=True))
-    grid = np.empty((num_processes, per_process), dtype=object)
-    for i, ds in enumerate(procs):
-        grid[i, :] = ds
+    h = _factors(sizes, n_hosts, across)
+    if h is None:
+        assert across is not None
+        chosen = [sizes[i] for i in sorted(across)]
+        raise MeshkitError(
+            f"meshkit.make_mesh: the axes across hosts, of sizes {chosen}, cannot span the "
+            f"{n_hosts} hosts: their product must be a multiple of {n_hosts} (the other axes "
+            "stay inside a host).\nConsider sizes for those axes whose product is a multiple "
+            f"of the host count, e.g. {n_hosts}."
+        )
+    inner = tuple(s // f for s, f in zip(sizes, h, strict=True))
+    q = _factors(inner, per_host)
+    assert q is not None  # prod(inner) == per_host * per_process
+    local = tuple(s // f for s, f in zip(inner, q, strict=True))
+    grid = np.empty((n_hosts, per_host, per_process), dtype=object)
+    for i, group in enumerate(groups):
+        for j, p in enumerate(group):
+            grid[i, j, :] = by_process[p]
     k = len(sizes)
-    # (processes, per_process) -> (p_0..p_k-1, l_0..l_k-1) -> (p_0, l_0, p_1, l_1, ...) -> sizes
-    split = grid.reshape(p + local)
-    interleave = [ax for i in range(k) for ax in (i, k + i)]
+    # (hosts, processes, devices) -> (h_0..h_k-1, q_0..q_k-1, l_0..l_k-1)
+    # -> (h_0, q_0, l_0, h_1, q_1, l_1, ...) -> sizes
+    split = grid.reshape(h + q + local)
+    interleave = [ax for i in range(k) for ax in (i, k + i, 2 * k + i)]
     return split.transpose(interleave).reshape(tuple(sizes))
 
 
@@ -241,6 +324,29 @@ def _axis_types(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
             f"{list(names)}; give one per axis, a mapping, or a single type for all."
         )
     return tuple(_axis_type(t, f"[{i}]") for i, t in enumerate(types))
+
+
+def _across(across_hosts: Any, names: Sequence[str]) -> frozenset[int] | None:
+    """The positions of the ``across_hosts`` axes, None when not given."""
+    if across_hosts is None:
+        return None
+    chosen = [across_hosts] if isinstance(across_hosts, str) else across_hosts
+    if not isinstance(chosen, Iterable) or not all(isinstance(a, str) for a in chosen):
+        raise MeshkitError(
+            "meshkit.make_mesh: across_hosts must be an axis name or a sequence of them; got "
+            f"{across_hosts!r}."
+        )
+    chosen = list(chosen)
+    unknown = [a for a in chosen if a not in names]
+    if unknown or not chosen:
+        raise MeshkitError(
+            f"meshkit.make_mesh: across_hosts={across_hosts!r} names "
+            f"{'no axis' if not chosen else ', '.join(map(repr, unknown))}, not "
+            f"{'an axis' if len(unknown) <= 1 else 'axes'} of the mesh {list(names)}.\n"
+            "Consider the name of the outer axis that runs across hosts, e.g. "
+            f"across_hosts={names[0]!r}."
+        )
+    return frozenset(names.index(a) for a in chosen)
 
 
 def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.ndarray) -> None:
@@ -281,7 +387,10 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
 _SITE = _dispatch.CallSite(
     "make_mesh",
     "meshkit.make_mesh",
-    info={"params": ("axes", "devices", "axis_types"), "static_argnums": (0, 1, 2)},
+    info={
+        "params": ("axes", "devices", "axis_types", "across_hosts"),
+        "static_argnums": (0, 1, 2, 3),
+    },
 )
 
 
@@ -291,13 +400,15 @@ def make_mesh(
     *,
     devices: Sequence[Any] | np.ndarray | None = None,
     axis_types: AxisTypeLike | Mapping[str, AxisTypeLike] | Sequence[AxisTypeLike] | None = None,
+    across_hosts: str | Sequence[str] | None = None,
 ) -> Mesh:
     """Make a `jax.sharding.Mesh` over all devices of all processes.
 
-    Inner (later) axes stay inside one process whenever the sizes allow; the process dimension
-    is outermost, and an axis that must straddle processes does so in whole blocks, never
-    interleaved. With more than one process, the processes check through the coordination
-    service (not a device collective) that they all built the same mesh.
+    Inner (later) axes stay inside one host, and inside one process, whenever the sizes allow,
+    whatever the ranks of a host's processes (hosts as learned by `meshkit.init`); an axis that
+    must straddle hosts or processes does so in whole blocks. With more than one process, the
+    processes check through the coordination service (not a device collective) that they all
+    built the same mesh.
 
     Args:
         axes: axis name -> size, outermost first; one size may be ``-1`` to fill the rest.
@@ -308,13 +419,18 @@ def make_mesh(
             ``"manual"``) for all axes, one per axis, or a mapping name -> type. Default
             ``Auto`` for every axis, as ``jax.sharding.Mesh`` does: jit then reshards inputs
             whose layout differs instead of rejecting them.
+        across_hosts: the axis, or axes, that run across hosts (the slow network), the role of
+            ``dcn_mesh_shape`` in JAX's ``create_hybrid_device_mesh``: together they take every
+            factor of the host count, outermost first, and all other axes stay inside a host.
+            Default: the outermost axes that can, as above. On one host it changes nothing.
 
     Returns:
         The mesh; JAX's own type, usable wherever JAX takes one.
 
     Raises:
         MeshkitError: bad names or sizes, sizes that do not use exactly the devices, unequal
-            devices per process, or processes that disagree on the mesh.
+            devices per process, ``across_hosts`` axes that are not mesh axes or cannot span
+            the hosts, or processes that disagree on the mesh.
 
     Examples:
         >>> import meshkit
@@ -330,6 +446,7 @@ def make_mesh(
             ",".join(f"{n}={s}" for n, s in parsed),
             None if devices is None else int(np.size(devices)),
             repr(axis_types),
+            repr(across_hosts),
         ),
     )
     if devices is None:
@@ -348,7 +465,10 @@ def make_mesh(
     names = tuple(n for n, _ in parsed)
     sizes = _resolve_sizes(parsed, len(device_list), given)
     types = _axis_types(axis_types, names)
-    grid = order_devices(device_list, sizes)
+    across = _across(across_hosts, names)
+    n = _compat.distributed_state()[2]
+    hosts = _hosts.table(_env.check_timeout(), "meshkit.make_mesh") if n > 1 else None
+    grid = order_devices(device_list, sizes, host_of=domains(device_list, hosts), across=across)
     _check_processes_agree(names, sizes, grid)
     return Mesh(grid, names, axis_types=types)
 
@@ -358,7 +478,9 @@ def describe(mesh: Mesh) -> str:
     """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
 
     Rows are the coordinates of all axes but the last, columns those of the last. Each cell is
-    ``p<process>/d<device id>``.
+    ``p<process>/d<device id>``. When the mesh spans several hosts (as `meshkit.init` learned
+    them), the header counts them, a line per host says what it holds, and each process line
+    names its host.
 
     Args:
         mesh: any ``jax.sharding.Mesh`` (not only meshkit's).
@@ -384,9 +506,16 @@ def describe(mesh: Mesh) -> str:
         kinds[kind] = kinds.get(kind, 0) + 1
     axis_desc = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape, strict=True))
     n_proc = len(processes)
+    table = _hosts.known()
+    host_of = None
+    if table is not None and len({table.of_process[p] for p in processes}) > 1:
+        host_of = {p: table.host_of(p) for p in processes}
+    on_hosts = ""
+    if host_of is not None:
+        on_hosts = f" on {len(set(host_of.values()))} hosts"
     lines = [
         f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
-        f"process{'es' if n_proc > 1 else ''}"
+        f"process{'es' if n_proc > 1 else ''}{on_hosts}"
     ]
     types = getattr(mesh, "axis_types", None)
     if types is not None:
@@ -412,11 +541,21 @@ def describe(mesh: Mesh) -> str:
         lines.append(prefix + "  ".join(c.ljust(cell_w) for c in cells).rstrip())
     lines.append("")
     owner = np.vectorize(lambda d: int(d.process_index), otypes=[int])(devs)
-    for p in processes:
-        where = np.argwhere(owner == p)
-        ids = [int(d.id) for d in devs[owner == p]]
+
+    def place(held: np.ndarray) -> str:
+        where = np.argwhere(held)
+        ids = [int(d.id) for d in devs[held]]
         coords = ", ".join(
             f"{n}={ranges(where[:, i].tolist(), sep=',')}" for i, n in enumerate(names)
         )
-        lines.append(f"process {p}: devices {ranges(ids, sep=',')}; {coords}")
+        return f"devices {ranges(ids, sep=',')}; {coords}"
+
+    if host_of is not None:
+        for host in dict.fromkeys(host_of.values()):
+            mine = [p for p in processes if host_of[p] == host]
+            held = np.isin(owner, mine)
+            lines.append(f"host {host}: {_absent.processes(mine)}; {place(held)}")
+    for p in processes:
+        at = "" if host_of is None else f" on {host_of[p]}"
+        lines.append(f"process {p}{at}: {place(owner == p)}")
     return "\n".join(lines)

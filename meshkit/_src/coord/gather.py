@@ -1,0 +1,85 @@
+"""`gather`: every process's value to process 0, and one combined answer back to every process.
+
+For exchanges whose values legitimately differ in every process (the hostname of each, say) and
+whose answer is one small table. Each process writes its value, and all wait at one barrier;
+process 0 then reads every value in one directory read, combines them, and writes the answer;
+the others read it. Round trips per process: three (write, barrier, read); process 0's directory
+read returns ``n`` values, and nobody else reads them, so the total work is O(n), never
+O(n^2) as an all-to-all exchange would be. Process 0 deletes the values once it has combined
+them, so the store keeps only the answer.
+
+A process that does not arrive within the timeout is named by every process that did: the
+barrier times out for all, and each reads which values are missing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .service import Barrier, Service
+
+__all__ = ["Gathered", "gather"]
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """How one `gather` ended for the calling process.
+
+    Attributes:
+        answer: the combined answer, or None when some process did not arrive.
+        missing: the processes that did not arrive (empty when ``answer`` is given).
+    """
+
+    answer: str | None
+    missing: tuple[int, ...] = ()
+
+
+def gather(
+    service: Service,
+    me: int,
+    n: int,
+    tag: str,
+    value: str,
+    combine: Callable[[Mapping[int, str]], str],
+    *,
+    timeout: float,
+) -> Gathered:
+    """Gather every process's ``value`` at process 0, and give each the answer of ``combine``.
+
+    Every one of the ``n`` processes calls it once per ``tag`` (a tag is used once per
+    coordination session). ``combine`` runs in process 0 only, on the values by process.
+
+    Args:
+        service: the coordination service as process ``me`` sees it.
+        me: this process's id.
+        n: the number of processes.
+        tag: the exchange's name, unique in the session.
+        value: this process's value.
+        combine: values by process -> the answer (text).
+        timeout: seconds to wait for every process, and then for the answer.
+
+    Returns:
+        The answer, or the processes that did not arrive within ``timeout``.
+
+    Examples:
+        >>> from meshkit._src.coord.fake import FakeCluster
+        >>> gather(FakeCluster(1).service(0), 0, 1, "t", "a", lambda v: ",".join(v.values()),
+        ...        timeout=1.0)
+        Gathered(answer='a', missing=())
+    """
+    deadline = time.monotonic() + timeout
+    values, answer = f"meshkit/{tag}/v/", f"meshkit/{tag}/answer"
+    service.set(f"{values}{me}", value)
+    if service.barrier(f"meshkit/{tag}/b", timeout) is not Barrier.PASSED:
+        arrived = {int(k.rsplit("/", 1)[1]) for k, _ in service.dir_get(values)}
+        return Gathered(None, tuple(p for p in range(n) if p not in arrived))
+    if me == 0:
+        found = {int(k.rsplit("/", 1)[1]): v for k, v in service.dir_get(values)}
+        combined = combine(dict(sorted(found.items())))
+        service.set(answer, combined)
+        service.delete(values)
+        return Gathered(combined)
+    got = service.get(answer, max(deadline - time.monotonic(), 0.001))
+    return Gathered(got) if got is not None else Gathered(None, (0,))

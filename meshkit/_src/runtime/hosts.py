@@ -1,0 +1,190 @@
+"""Which host each process runs on, learned in one exchange when the processes join.
+
+A *host* is one machine: the processes on it share memory and a fast interconnect between their
+devices (NVLink, a host's PCIe), while hosts talk over the network. `make_mesh` keeps inner mesh
+axes inside a host, whatever the ranks of its processes, so it needs to know which processes
+share one. Each process names its host by its hostname and the machine's boot id (two machines
+that share a hostname, as containers may, stay apart; two network namespaces of one machine with
+their own hostnames, as the test suite's simulated hosts, are apart too); ``MESHKIT_HOST``
+overrides the name (one value per machine, any text).
+
+The exchange is one `meshkit._src.coord.gather`: process 0 collects every name and publishes a
+run-length table (hosts ordered by their lowest process), so each process reads O(hosts) text,
+not O(processes) records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..coord import absent as _absent
+from ..coord import agree as _agree
+from ..coord import gather as _gather
+from ..core import compat as _compat
+from ..core.errors import MeshkitError, ranges
+
+__all__ = ["ENV_HOST", "Hosts", "exchange", "here", "known", "remember", "table"]
+
+ENV_HOST = "MESHKIT_HOST"
+_TAG = "hosts"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The hosts of a program: which processes run on which machine.
+
+    Attributes:
+        names: each host's name (its hostname, or ``MESHKIT_HOST``), hosts ordered by their
+            lowest process index; two machines that share a hostname get ``#2``, ``#3``... after
+            it.
+        of_process: for each process index, the index of its host in ``names``.
+
+    Examples:
+        >>> hosts = Hosts(names=("node-a", "node-b"), of_process=(0, 1, 0, 1))
+        >>> hosts.processes(1)
+        (1, 3)
+        >>> print(hosts)
+        node-a: processes 0,2; node-b: processes 1,3
+    """
+
+    names: tuple[str, ...]
+    of_process: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def host_of(self, process: int) -> str:
+        """The name of the host that runs ``process``."""
+        return self.names[self.of_process[process]]
+
+    def processes(self, host: int) -> tuple[int, ...]:
+        """The processes of host number ``host``, ascending."""
+        return tuple(p for p, h in enumerate(self.of_process) if h == host)
+
+    def __str__(self) -> str:
+        members: list[list[int]] = [[] for _ in self.names]
+        for p, h in enumerate(self.of_process):
+            members[h].append(p)
+        return "; ".join(
+            f"{name}: process{'es' if len(ps) > 1 else ''} {ranges(ps, sep=',')}"
+            for name, ps in zip(self.names, members, strict=True)
+        )
+
+    def to_json(self) -> str:
+        """Run-length text: ``[[name, ...], [[host, count], ...]]`` (small when node-major)."""
+        runs: list[list[int]] = []
+        for h in self.of_process:
+            if runs and runs[-1][0] == h:
+                runs[-1][1] += 1
+            else:
+                runs.append([h, 1])
+        return json.dumps([list(self.names), runs], separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Hosts:
+        names, runs = json.loads(text)
+        return cls(tuple(names), tuple(h for h, count in runs for _ in range(count)))
+
+    @classmethod
+    def of(cls, identities: Sequence[str]) -> Hosts:
+        """The table of processes whose identities (`here`, by process) are given.
+
+        An identity is a name, a NUL character and a machine id; equal ones are one host.
+        """
+        first: dict[str, int] = {}
+        for ident in identities:
+            first.setdefault(ident, len(first))
+        shown: list[str] = []
+        seen: dict[str, int] = {}
+        for ident in first:
+            name = ident.split("\0", 1)[0]
+            seen[name] = seen.get(name, 0) + 1
+            shown.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+        return cls(tuple(shown), tuple(first[i] for i in identities))
+
+
+def here() -> str:
+    """This process's host identity: its name, a NUL character, and the machine's boot id.
+
+    The name is ``MESHKIT_HOST`` when set (then it alone names the host), else the hostname.
+    """
+    name = os.environ.get(ENV_HOST, "").strip()
+    if name:
+        return f"{name}\0"
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}\0{boot}"
+
+
+def _combine(values: Mapping[int, str]) -> str:
+    return Hosts.of([values[p] for p in sorted(values)]).to_json()
+
+
+def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> Hosts:
+    """Learn every process's host: one `gather` through the coordination service.
+
+    Every process of a joined program calls it once, at the same point (`meshkit.init`).
+
+    Raises:
+        MeshkitError: some processes did not take part within ``timeout`` seconds.
+    """
+    node = _agree.node()
+    if n == 1 or node is None:
+        return Hosts.of([here()])
+    got = _gather.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
+    if got.answer is None:
+        raise MeshkitError(
+            f"{what}: {_absent.did_not(got.missing, timeout=timeout)} to say which host it runs "
+            "on, though every process had joined.\nConsider the output of "
+            f"{_absent.processes(got.missing)} (a crash or a stall), and that every process makes "
+            "the same calls."
+        )
+    return Hosts.from_json(got.answer)
+
+
+_TABLE: Hosts | None = None
+
+
+def known() -> Hosts | None:
+    """The hosts this process learned (at `meshkit.init`, or at the first `make_mesh`)."""
+    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == _processes() else None
+
+
+def table(timeout: float, what: str) -> Hosts:
+    """The hosts of the program, exchanged at the first call if `meshkit.init` did not.
+
+    A program that joined through ``jax.distributed.initialize`` alone learns them here: every
+    process must then make the call, as every process makes `make_mesh`.
+    """
+    global _TABLE
+    found = known()
+    if found is None:
+        _, me, n = _compat.distributed_state()
+        found = _TABLE = exchange(me, n, timeout, what)
+    return found
+
+
+def remember(hosts: Hosts) -> None:
+    """Keep ``hosts`` as the program's table (`meshkit.init` calls it after its exchange)."""
+    global _TABLE
+    if len(hosts.of_process) != _processes():
+        raise MeshkitError(
+            f"meshkit: a host table of {len(hosts.of_process)} processes in a program of "
+            f"{_processes()}."
+        )
+    _TABLE = hosts
+
+
+def _processes() -> int:
+    return _compat.distributed_state()[2]
