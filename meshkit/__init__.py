@@ -45,6 +45,7 @@ if _typing.TYPE_CHECKING:
     from ._src.launch.launcher import LaunchResult as LaunchResult
     from ._src.launch.launcher import RankResult as RankResult
     from ._src.launch.launcher import launch as launch
+    from ._src.launch.report import LaunchAttempt as LaunchAttempt
     from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
     from ._src.pmap.legacy import device_put_replicated as device_put_replicated
     from ._src.pmap.legacy import device_put_sharded as device_put_sharded
@@ -79,6 +80,7 @@ __all__ = [
     "DtypeWarning",
     "GlobalBatches",
     "Hosts",
+    "LaunchAttempt",
     "LaunchError",
     "LaunchResult",
     "Lowered",
@@ -138,6 +140,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "local_from_global": ("._src.arrays.gather", "local_from_global"),
     "channel": ("._src.coord.channel", "channel"),
     "LaunchResult": ("._src.launch.launcher", "LaunchResult"),
+    "LaunchAttempt": ("._src.launch.report", "LaunchAttempt"),
     "RankResult": ("._src.launch.launcher", "RankResult"),
     "launch": ("._src.launch.launcher", "launch"),
     "device_put_replicated": ("._src.pmap.legacy", "device_put_replicated"),

@@ -43,10 +43,16 @@ from ._src.checkpoint.orbax import check_savable as check_savable
 from ._src.checkpoint.orbax import restore as restore
 from ._src.checkpoint.orbax import save as save
 from ._src.checkpoint.orbax import targets as targets
+from ._src.checkpoint.steps import Latest as Latest
+from ._src.checkpoint.steps import latest as latest
+from ._src.checkpoint.steps import step_path as step_path
 
 __all__ = [
+    "Latest",
     "check_savable",
+    "latest",
     "restore",
     "save",
+    "step_path",
     "targets",
 ]

@@ -169,7 +169,7 @@ def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch)
     _failfast._on_exception(1.0, RuntimeError, RuntimeError(text), None)
     _failfast._on_exception(1.0, RuntimeError, RuntimeError("UNAVAILABLE: Socket closed"), None)
     assert _events_of(status) == [
-        ("failed", {"cause": "exception", "error": "ValueError"}),
+        ("failed", {"cause": "exception", "error": "ValueError", "where": ""}),  # never raised
         (
             "failed",
             {"cause": "timeout", "error": "RuntimeError", "system": "gloo", "process": None},
@@ -260,7 +260,12 @@ def test_a_failing_two_process_run_leaves_its_events(tmp_path):
     assert result.ranks[0].returncode != 0, result.report
     events = {r: [(e.kind, e.fields) for e in _events.read(tmp_path, 2) if e.rank == r]
               for r in (0, 1)}  # fmt: skip
-    assert events[1] == [("joined", {}), ("failed", {"cause": "exception", "error": "ValueError"})]
+    line = _FAILING_RUN.splitlines().index('    raise ValueError("planted")') + 1
+    raised_at = f"{script}:{line}"
+    assert events[1] == [
+        ("joined", {}),
+        ("failed", {"cause": "exception", "error": "ValueError", "where": raised_at}),
+    ]
     # Process 0 learns it from its failure watch, or from the launcher stopping it first.
     assert events[0][0] == ("joined", {}), events
     assert events[0][1] in (

@@ -18,10 +18,10 @@ import pytest
 from meshkit import LaunchError
 from meshkit._src.core.ports import free_port
 from meshkit._src.launch.hub import Hub
-from meshkit._src.launch.link import Link, reach
+from meshkit._src.launch.link import Link, Over, reach
 from meshkit._src.launch.machines import placement
 from meshkit._src.launch.nodes import Hello, Stop, parse_address, program_digest, serve
-from meshkit._src.launch.report import RankResult
+from meshkit._src.launch.report import LaunchAttempt, RankResult
 
 
 def _hello(node: int, **changes: object) -> Hello:
@@ -35,7 +35,14 @@ def _hello(node: int, **changes: object) -> Hello:
 class _Run:
     """A hub on a free port of 127.0.0.1 and the links that join it, each joining in a thread."""
 
-    def __init__(self, nnodes: int = 2, join_timeout: float = 10.0, lost_after: float = 10.0):
+    def __init__(
+        self,
+        nnodes: int = 2,
+        join_timeout: float = 10.0,
+        lost_after: float = 10.0,
+        history: tuple[LaunchAttempt, ...] = (),
+        max_restarts: int = 0,
+    ):
         self.port = free_port()
         self.hub = Hub(
             serve("127.0.0.1", self.port),
@@ -44,6 +51,8 @@ class _Run:
             jax_port=self.port + 1,
             join_timeout=join_timeout,
             lost_after=lost_after,
+            history=history,
+            max_restarts=max_restarts,
         )
         self.links: list[Link] = []
         self.joined: dict[int, object] = {}
@@ -108,6 +117,7 @@ def test_machines_that_join_get_one_run(run):
         ("program", "xyz", "program"),
         ("version", "2.0", "meshkit version"),
         ("nnodes", 3, "--nnodes"),
+        ("max_restarts", 2, "--max-restarts"),
     ],
 )
 def test_machines_that_differ_are_named_with_both_values(run, field, value, word):
@@ -194,13 +204,50 @@ def test_a_failure_stops_every_machine_and_each_gets_one_report(run):
     for t in threads:
         t.join(30)
     assert verdicts[0] == verdicts[1]
-    code, report = verdicts[0]
+    code, report = verdicts[0].returncode, verdicts[0].report
     assert code == 3
     assert report.startswith("meshkit launch: rank 3 failed first (exit code 3) after 2.5 s."), (
         report
     )
     assert "Rank 3 ran on machine 1 (m1)." in report, report
     assert "  | ValueError: bad step" in report, report
+
+
+def test_machine_0_counts_the_starts_and_sends_them_with_the_verdict(run):
+    before = LaunchAttempt(0, 1, "meshkit launch: machine 1 (m1) was lost", restartable=True)
+    r = run(history=(before,), max_restarts=2)
+    joined = r.join(_hello(0, max_restarts=2), _hello(1, max_restarts=2))
+    assert [go.attempt for go in joined.values()] == [1, 1]
+    _link_of(r, 1).tell("failed", 3, rank=3, text="rank 3 failed (exit code 3)", after=1.0)
+    _wait_stop(_link_of(r, 0))
+    verdicts: dict[int, object] = {}
+    ended = [
+        (0, [_result(0, -15, stopped=True), _result(1, -15, stopped=True)]),
+        (1, [_result(2, -15, stopped=True), _result(3, 3, "ValueError: bad step")]),
+    ]
+    threads = [
+        threading.Thread(
+            target=lambda n=n, res=res: verdicts.update({n: _link_of(r, n).end(res, [], 0.5)})
+        )
+        for n, res in ended
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert verdicts[0] == verdicts[1]
+    attempts = verdicts[0].attempts
+    assert [a.number for a in attempts] == [0, 1]
+    assert attempts[0] == before
+    assert (attempts[1].returncode, attempts[1].restartable, attempts[1].stopped_s) == (
+        3,
+        True,
+        0.5,
+    )
+    assert attempts[1].cause.startswith("meshkit launch: rank 3 failed first (exit code 3)")
+    report = verdicts[0].report.splitlines()
+    assert "meshkit launch: 1 restart (at most 2):" in report
+    assert report[-1].startswith("  attempt 1: not every rank joined; rank 3 failed first (exit")
 
 
 def _wait_stop(link: Link, limit: float = 10.0) -> object:
@@ -220,9 +267,8 @@ def test_a_machine_whose_connection_closes_is_lost(run):
     stop = _wait_stop(_link_of(r, 0))
     assert (stop.why, stop.node) == ("lost", 1), stop
     assert stop.text == "machine 1 (m1, 127.0.0.1) was lost: its launcher's connection closed."
-    code, report = _link_of(r, 0).end(
-        [_result(0, -15, stopped=True), _result(1, -15, stopped=True)], []
-    )
+    over = _link_of(r, 0).end([_result(0, -15, stopped=True), _result(1, -15, stopped=True)], [])
+    code, report = over.returncode, over.report
     assert code == 1
     assert "s: its launcher's connection closed. Ranks 2-3 ran there;" in report, report
 
@@ -319,6 +365,6 @@ def test_a_report_that_came_before_the_hub_closed_is_read():
             while not link.lost and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert link.lost == "its connection closed"
-            assert link.end([_result(2, 0)], []) == (0, "")
+            assert link.end([_result(2, 0)], []) == Over(0, "", [])
         finally:
             link.close()

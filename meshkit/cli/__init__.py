@@ -21,11 +21,14 @@ examples:
   meshkit launch -n 2 -m meshkit info
   # on each of 2 machines (R = 0 on the machine whose address is given, 1 on the other):
   meshkit launch --nnodes 2 --node-rank R --coordinator node0:29500 -n 8 train.py
+  meshkit launch -n 8 --max-restarts 3 train.py   # restart the group after a failure
 
 Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
 MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
 When a rank fails, the others are stopped and its error is shown; the exit status is its own.
 SIGINT, SIGTERM or SIGHUP to the launcher stop every rank; the exit status is 128 + the signal.
+With --max-restarts K, a failure stops every rank and the whole group starts again (a fresh
+coordinator; MESHKIT_ATTEMPT tells which start), up to K times, not for the same failure twice.
 On several machines, one launcher each: process ids are node-major (machine R runs R*N..R*N+N-1);
 a failure, a signal or a lost machine stops every machine, and each prints the same report.
 --nnodes, --node-rank and --coordinator may come from MESHKIT_NNODES, MESHKIT_NODE_RANK (or a
@@ -120,6 +123,15 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping ranks",
     )
     launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="K",
+        help="when a process fails, stop every process and start the whole group again, up to "
+        "K times (default 0, or $MESHKIT_MAX_RESTARTS); the program resumes from its latest "
+        "checkpoint",
+    )
+    launch.add_argument(
         "--allow-unjoined",
         action="store_true",
         help="accept processes that never call meshkit.init() (each then runs alone, as a "
@@ -157,6 +169,10 @@ def _launch(args: argparse.Namespace) -> int:
     from .._src.launch.launcher import launch
 
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
+    try:  # settings from the environment are arguments too: a bad one is a usage error (2)
+        machines, max_restarts = _machines(args), _max_restarts(args)
+    except MeshkitError as e:
+        raise LaunchError(str(e)) from None
     # handle_signals: a launcher stopped by SIGINT, SIGTERM (a CI job cancelled, a scheduler)
     # or SIGHUP (its terminal closed) stops its ranks too, and exits with 128 + the signal.
     result = launch(
@@ -169,9 +185,10 @@ def _launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         grace=args.grace,
         allow_unjoined=args.allow_unjoined,
+        max_restarts=max_restarts,
         handle_signals=True,
         subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
-        **_machines(args),
+        **machines,
     )
     if result.report:
         # After SIGHUP the terminal may be gone; the exit status still tells what happened.
@@ -179,6 +196,17 @@ def _launch(args: argparse.Namespace) -> int:
             sys.stderr.write(result.report.rstrip("\n") + "\n")
             sys.stderr.flush()
     return result.returncode
+
+
+def _max_restarts(args: argparse.Namespace) -> int:
+    """--max-restarts, else ``MESHKIT_MAX_RESTARTS``, else 0."""
+    from .._src.core import env
+    from .._src.launch.restarts import ENV_MAX_RESTARTS
+
+    if args.max_restarts is not None:
+        return args.max_restarts
+    value = env.integer(ENV_MAX_RESTARTS, where="meshkit launch")
+    return 0 if value is None else value
 
 
 def _machines(args: argparse.Namespace) -> dict[str, Any]:

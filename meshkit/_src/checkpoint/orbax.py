@@ -6,6 +6,7 @@ import hashlib
 import json
 import numbers
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import events as _events
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..sharding.specs import is_spec_leaf
+from . import steps as _steps
 from .plan import SavedArray, describe_mesh, plan, saved_spec
 
 __all__ = ["check_savable", "restore", "save", "targets"]
@@ -283,6 +286,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
+    _events.emit(_events.SAVED, step=_steps.step_of(where))  # for meshkit launch's report
 
 
 def _metadata_tree(source: Any) -> Any:
@@ -539,9 +543,14 @@ def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
     """
     what = "meshkit.checkpoint.restore"
     ocp = _import_orbax(what)
+    started = time.monotonic()
     tree, where = _targets(_path(path, what), mesh, specs, what)
     checkpointer = ocp.StandardCheckpointer()
     try:
-        return checkpointer.restore(where, tree)
+        restored = checkpointer.restore(where, tree)
     finally:
         checkpointer.close()
+    # For meshkit launch's report of a restart: which step, and what the restore cost.
+    step = _steps.step_of(_path(path, what))
+    _events.emit(_events.RESTORED, step=step, seconds=round(time.monotonic() - started, 4))
+    return restored

@@ -9,6 +9,7 @@ reads while the run goes on and after it ends.
 from __future__ import annotations
 
 __all__ = [
+    "ENV_ATTEMPT",
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
     "ENV_INIT_TIMEOUT",
@@ -28,6 +29,8 @@ ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
 ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
 ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
 ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+# Which start of the whole group this is: 0, then 1 after the first restart (--max-restarts).
+ENV_ATTEMPT = "MESHKIT_ATTEMPT"
 # The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).
 ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
 

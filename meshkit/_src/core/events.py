@@ -35,6 +35,8 @@ __all__ = [
     "FAILED",
     "JOINED",
     "KINDS",
+    "RESTORED",
+    "SAVED",
     "STALLED",
     "Event",
     "emit",
@@ -45,10 +47,11 @@ __all__ = [
 # This rank joined the cluster (`meshkit.init` returned). Fields: none.
 JOINED = "joined"
 # This rank is failing. Fields: ``cause`` ("exception", "signal", "peer" - another process
-# failed first, "timeout" - one of JAX's cross-process waits ran out), ``error`` (the exception's
-# type name, or the signal's name), ``process`` (for "peer": the process that failed first),
-# ``system`` (for "timeout"/"peer": what reported it, e.g. "gloo"); cause "divergence" (a
-# `DivergenceError`: processes differ) has ``processes`` (those it names) and ``field``.
+# failed first, "timeout" - one of JAX's cross-process waits ran out), ``error`` (the
+# exception's type name, or the signal's name), ``where`` (for "exception": the ``file:line`` it
+# was raised at), ``process`` (for "peer": the process that failed first), ``system`` (for
+# "timeout"/"peer": what reported it, e.g. "gloo"); cause "divergence" (a `DivergenceError`:
+# processes differ) has ``processes`` (those it names) and ``field``.
 FAILED = "failed"
 # The stall watchdog fired. Fields: ``inside`` (True: waiting in a meshkit call; False: in the
 # program's own code), ``frame`` (``file:line in function`` of the main thread), ``idle`` (s),
@@ -57,7 +60,13 @@ FAILED = "failed"
 STALLED = "stalled"
 # This rank reached the end of its program while others still ran. Fields: none.
 ENDED = "ended"
-KINDS = (JOINED, FAILED, STALLED, ENDED)
+# This rank saved a checkpoint completely (`meshkit.checkpoint.save`). Fields: ``step`` (from a
+# ``step_<n>`` directory name; None otherwise).
+SAVED = "saved"
+# This rank restored a checkpoint (`meshkit.checkpoint.restore`). Fields: ``step`` (as for
+# SAVED), ``seconds`` (how long the restore took).
+RESTORED = "restored"
+KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
 from ..core.errors import LaunchError, ranges
 from ..core.version import __version__
+from . import restarts as _restarts
 from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
-from .report import RankResult, Told, root_cause
+from .report import LaunchAttempt, LaunchResult, RankResult, Told, root_cause
 
 __all__ = ["Hub"]
 
@@ -49,6 +50,9 @@ class Hub:
         jax_port: the port process 0 serves JAX's coordinator on.
         join_timeout: seconds for every machine to join.
         lost_after: seconds of silence after which a machine is lost.
+        history: the earlier starts of the group (``--max-restarts``), as this launcher counted
+            them; this run is start number ``len(history)``.
+        max_restarts: how many restarts the run may make (every machine's is the same).
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class Hub:
         jax_port: int,
         join_timeout: float,
         lost_after: float = LOST_S,
+        history: Sequence[LaunchAttempt] = (),
+        max_restarts: int = 0,
     ) -> None:
         self.listener = listener
         self.nnodes = nnodes
@@ -67,6 +73,9 @@ class Hub:
         self.jax_port = jax_port
         self.join_timeout = join_timeout
         self.lost_after = lost_after
+        self.history = list(history)
+        self.max_restarts = max_restarts
+        self.went_at = time.time()  # when the ranks were told to start (epoch, as events)
         self.peers: dict[socket.socket, _Peer] = {}
         self.nodes: dict[int, _Peer] = {}
         self.phase = "joining"  # then "running" and "over", or "failed" (the join)
@@ -239,11 +248,13 @@ class Hub:
         if len(self.nodes) == self.nnodes:
             self.phase = "running"
             p = hello.processes
+            self.went_at = time.time()
             self._all(
                 "go",
                 coordinator=f"{self.host}:{self.jax_port}",
                 num_processes=self.nnodes * p,
                 machines={n: q.hello.hostname for n, q in self.nodes.items() if q.hello},
+                attempt=len(self.history),
             )
 
     def _joined(self) -> str:
@@ -281,12 +292,36 @@ class Hub:
                 peer.wire.send(kind, **fields)
 
     def _over(self) -> None:
-        returncode, report = self._verdict()
-        self._all("over", returncode=returncode, report=report)
+        returncode, report, results, events = self._verdict()
+        cause = self.stop_cause
+        this = _restarts.attempt_of(
+            len(self.history),
+            LaunchResult(returncode, results, cause.rank if cause else None, False, [],
+                         time.monotonic() - self.start, report),
+            sorted(events, key=lambda e: (e.time, e.rank)),
+            ranks=[r.rank for r in results],
+            started_at=self.went_at,
+            stopped_s=max((s for p in self.nodes.values() if p.ended
+                           and (s := p.ended.get("stopped_s")) is not None), default=None),
+            restartable=cause is not None and cause.why in ("failed", "lost"),
+        )  # fmt: skip
+        attempts = [*self.history, this]
+        if len(attempts) > 1 or (self.max_restarts and returncode != 0):
+            report = "\n".join(
+                x for x in (report.rstrip("\n"), _restarts.summary(attempts, self.max_restarts))
+                if x
+            )  # fmt: skip
+        # No new connection may reach this hub once the verdict is out: a launcher that joins
+        # the next start finds the port closed, or the next hub, never this one.
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(self.listener)
+            self.listener.close()
+        self._all("over", returncode=returncode, report=report,
+                  attempts=[dataclasses.asdict(a) for a in attempts])  # fmt: skip
         self.phase = "over"
 
-    def _verdict(self) -> tuple[int, str]:
-        """The run's exit status and its report, over every machine's ranks."""
+    def _verdict(self) -> tuple[int, str, list[RankResult], list[_events.Event]]:
+        """The run's exit status and report over every machine's ranks; their results, records."""
         results: list[RankResult] = []
         events: list[_events.Event] = []
         machines: dict[int, str] = {}
@@ -300,6 +335,15 @@ class Hub:
             results.extend(RankResult(**r) for r in peer.ended["results"])
             events.extend(_events.Event(**e) for e in peer.ended["events"])
         results.sort(key=lambda r: r.rank)
+        code, report = self._decide(results, events, machines)
+        return code, report, results, events
+
+    def _decide(
+        self,
+        results: list[RankResult],
+        events: list[_events.Event],
+        machines: dict[int, str],
+    ) -> tuple[int, str]:
         cause = self.stop_cause
         if cause is None:
             return 0, ""

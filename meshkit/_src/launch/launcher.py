@@ -26,13 +26,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
-from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
+from ..core.contract import ENV_ATTEMPT, ENV_PROCESS_ID, ENV_STATUS
 from ..core.errors import LaunchError, ranges
 from ..core.ports import port_in_use, reserve_port
 from ..lifecycle import progress as _progress
 from ..lifecycle.progress import Board
 from . import reaper as _reaper
-from .link import Link
+from . import restarts as _restarts
+from .link import Link, Over
 from .machines import placement, run_on_machines
 from .rank_output import Sink, join_pumps
 from .reaper import Guardian, Reaper
@@ -75,6 +76,7 @@ def launch(
     join_timeout: float = 300.0,
     allow_unjoined: bool = False,
     starter: Starter | None = None,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Run ``python <command>`` as ``num_processes`` ranks of one JAX program on this machine.
 
@@ -120,6 +122,11 @@ def launch(
         starter: how each rank's process starts: None for a fresh ``python`` (what
             ``meshkit launch`` does). `meshkit.testing` passes its fork server, which forks
             ranks from a process that imported JAX once.
+        max_restarts: when a rank fails, stop every process and start the whole group again,
+            with a fresh coordination session, up to this many times
+            (`meshkit._src.launch.restarts`); the processes see which start it is in
+            ``meshkit.runtime_info().attempt``. A failure that repeats the same way, a
+            timeout or an interrupt is not restarted. The result lists every attempt.
 
     Returns:
         The outcome of the run, as a `LaunchResult`: a failed run is reported there, not raised.
@@ -182,19 +189,26 @@ def launch(
     # picked by a second launcher before rank 0 serves it, and the two runs' ranks would mix.
     if port is not None and not 0 < port < 65536:
         raise LaunchError(f"meshkit launch: --port must be in 1..65535; got {port}.")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(
+            f"meshkit launch: --max-restarts must be an int >= 0; got {max_restarts!r}."
+        )
     logs = Path(log_dir) if log_dir is not None else None
 
-    def run(envs: list[dict[str, str]], received: list[int], link: Link | None) -> LaunchResult:
+    def run(
+        envs: list[dict[str, str]], received: list[int], link: Link | None, attempt: int = 0
+    ) -> LaunchResult:
         ids = [int(e[ENV_PROCESS_ID]) for e in envs]
         return _run(
             command,
-            envs,
+            [{**e, ENV_ATTEMPT: str(attempt)} for e in envs],
+            attempt=attempt,
             extra_env=env or {},
             cwd=str(cwd) if cwd else None,
             timeout=timeout,
             grace=grace,
             received=received,
-            sink=Sink(stream, logs, ids),
+            sink=Sink(stream, logs, ids, attempt),
             keep_output=keep_output,
             subreaper=subreaper,
             link=link,
@@ -212,26 +226,41 @@ def launch(
                 devices_per_process=devices_per_process,
                 platform=platform,
                 received=received,
-                run=lambda envs, link: run(envs, received, link),
+                run=lambda envs, link, attempt: run(envs, received, link, attempt),
+                max_restarts=max_restarts,
                 cwd=str(cwd) if cwd else None,
                 stream=stream,
             )
-    with _hold(port) as held, signals_recorded(handle_signals) as received:
-        envs = rank_environments(
-            num_processes,
-            int(held.getsockname()[1]),
-            devices_per_process=devices_per_process,
-            platform=platform,
-            gpus=count_gpus() if platform != "cpu" else 0,
+    gpus = count_gpus() if platform != "cpu" else 0
+
+    def one(attempt: int, received: list[int]) -> LaunchResult:
+        with _hold(port, again=attempt > 0) as held:  # a fresh coordination session each time
+            envs = rank_environments(
+                num_processes,
+                int(held.getsockname()[1]),
+                devices_per_process=devices_per_process,
+                platform=platform,
+                gpus=gpus,
+            )
+            return run(envs, received, None, attempt)
+
+    with signals_recorded(handle_signals) as received:
+        if not max_restarts:
+            return one(0, received)
+        return _restarts.run_attempts(
+            lambda attempt: one(attempt, received), max_restarts, Sink(stream, None, []).note
         )
-        return run(envs, received, None)
 
 
-def _hold(port: int | None) -> socket.socket:
-    """Hold the coordinator port for the run (a free one when ``port`` is None)."""
+def _hold(port: int | None, again: bool = False) -> socket.socket:
+    """Hold the coordinator port for the run (a free one when ``port`` is None).
+
+    ``again``: a restart, on the port the last attempt used; its closed connections may still
+    be in TIME_WAIT there, which a plain bind (`port_in_use`) counts as taken.
+    """
     if port is None:
         return reserve_port()
-    taken = port_in_use(port)
+    taken = not again and port_in_use(port)
     if not taken:
         try:
             return reserve_port(port)
@@ -262,6 +291,7 @@ def _run(
     link: Link | None = None,
     starter: Starter = start_fresh,
     allow_unjoined: bool = True,
+    attempt: int = 0,
 ) -> LaunchResult:
     """Start the ranks, watch them, stop them, and say what happened (`launch` checked inputs).
 
@@ -271,6 +301,8 @@ def _run(
     """
     ranks: list[Rank] = []
     start = time.monotonic()
+    started_at = time.time()
+    seen: float | None = None  # when the watch ended (a failure, a timeout, the end)
     reaper: Reaper | None = None
     guardian: Guardian | None = None
     was_subreaper: bool | None = None
@@ -314,6 +346,7 @@ def _run(
             if guardian is not None:
                 guardian.add_rank(ranks[-1].proc.pid)
         supervisor.watch()
+        seen = time.monotonic()
         if link is not None:
             _tell(link, supervisor.outcome, ranks)
     except KeyboardInterrupt:
@@ -321,8 +354,9 @@ def _run(
         if link is not None:
             link.tell("interrupted", 128 + signal.SIGINT, text="SIGINT stopped its launcher")
     finally:
-        seen = len(received)  # one more (a second Ctrl-C) skips the grace period
-        left = stop(ranks, grace, reaper, hurry=lambda: len(received) > seen)
+        signals = len(received)  # one more (a second Ctrl-C) skips the grace period
+        left = stop(ranks, grace, reaper, hurry=lambda: len(received) > signals)
+        stopped = time.monotonic()
         # Every line in the logs before they close, however slowly our stdout is read; a pipe
         # still open now is held by a process that escaped the sweep, and is not waited for.
         join_pumps([p for rk in ranks for p in rk.pumps], sink)
@@ -342,12 +376,17 @@ def _run(
     results = [rk.result(reached_end=rk.rank in told.ended) for rk in ranks]
     returncode = _returncode(outcome, results)
     report = _report(outcome, results, told, timeout, left)
-    if returncode == 0 and alone and not allow_unjoined and link is None:
+    unjoined = returncode == 0 and alone and not allow_unjoined and link is None
+    if unjoined:
         returncode, report = 1, _unjoined(alone, len(ids))
+    failed = outcome.first_failure is not None
+    stopped_s = stopped - seen if failed and seen is not None else None
+    over = None
     if link is not None:
-        returncode, report = _over(link, outcome, results, records, returncode, report)
+        over = _over(link, outcome, results, records, returncode, report, stopped_s)
+        returncode, report = over.returncode, over.report
     elapsed = time.monotonic() - start
-    return LaunchResult(
+    result = LaunchResult(
         returncode,
         results,
         outcome.first_failure,
@@ -359,6 +398,24 @@ def _run(
         if outcome.interrupted is not None
         else None,
     )
+    if over is not None and over.attempts:  # machine 0 counted the starts, over all machines
+        result.attempts = over.attempts
+        return result
+    # Alone, or the hub is gone: this machine's own account (a lost machine 0 may come back).
+    lost_hub = over is not None and isinstance(outcome.stopped_by, str)
+    result.attempts = [
+        _restarts.attempt_of(
+            attempt,
+            result,
+            records,
+            ranks=ids,
+            started_at=started_at,
+            stopped_s=stopped_s,
+            restartable=(failed or lost_hub)
+            and not (outcome.timed_out or outcome.interrupted or unjoined),
+        )
+    ]
+    return result
 
 
 def _tell(link: Link, outcome: Outcome, ranks: list[Rank]) -> None:
@@ -382,14 +439,17 @@ def _over(
     records: list[_events.Event],
     returncode: int,
     report: str,
-) -> tuple[int, str]:
+    stopped_s: float | None,
+) -> Over:
     """The run's exit status and report over every machine (this machine's, if the hub is gone)."""
-    verdict = link.end(results, records)
+    verdict = link.end(results, records, stopped_s)
     if verdict is not None:
         return verdict
     why = outcome.stopped_by
     text = why if isinstance(why, str) else "machine 0's launcher did not send the report"
-    return returncode or 1, f"meshkit launch: {text} This machine's ranks were stopped.\n{report}"
+    return Over(
+        returncode or 1, f"meshkit launch: {text} This machine's ranks were stopped.\n{report}", []
+    )
 
 
 def _unjoined(alone: list[int], n: int) -> str:

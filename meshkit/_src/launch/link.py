@@ -18,9 +18,31 @@ from typing import Any
 from ..core import events as _events
 from ..core.errors import LaunchError, ranges
 from .nodes import BEAT_S, LOST_S, Go, Hello, Stop, Wire, event_record, result_record
-from .report import RankResult
+from .report import LaunchAttempt, RankResult
 
-__all__ = ["Link", "reach"]
+__all__ = ["Link", "Over", "reach"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Over:
+    """The hub's verdict on a run over every machine.
+
+    Attributes:
+        returncode: the run's exit status, the same on every machine.
+        report: the run's report.
+        attempts: every start of the group so far (``--max-restarts``), as machine 0 counts
+            them, this one last.
+    """
+
+    returncode: int
+    report: str
+    attempts: list[LaunchAttempt]
+
+
+def _attempt(record: dict[str, Any]) -> LaunchAttempt:
+    """A `LaunchAttempt` from its JSON record (its failure comes back as a list)."""
+    failure = record.get("failure")
+    return LaunchAttempt(**{**record, "failure": None if failure is None else tuple(failure)})
 
 
 def reach(
@@ -120,7 +142,12 @@ class Link:
             kind = message["kind"]
             if kind == "go":
                 machines = {int(k): str(v) for k, v in message["machines"].items()}
-                return Go(str(message["coordinator"]), int(message["num_processes"]), machines)
+                return Go(
+                    str(message["coordinator"]),
+                    int(message["num_processes"]),
+                    machines,
+                    int(message.get("attempt", 0)),
+                )
             if kind == "error":
                 raise LaunchError(str(message["text"]))
             if kind == "stop":  # the hub's own failure to start (it sends "error" first)
@@ -161,12 +188,16 @@ class Link:
         self.wire.send(kind, code=code, rank=rank, text=text, after=after)
 
     def end(
-        self, results: Sequence[RankResult], events: Sequence[_events.Event]
-    ) -> tuple[int, str] | None:
+        self,
+        results: Sequence[RankResult],
+        events: Sequence[_events.Event],
+        stopped_s: float | None = None,
+    ) -> Over | None:
         """Send what this machine's ranks did; the run's exit status and report, or None.
 
-        Waits until the hub has heard from every machine (or lost it); None when the hub
-        itself was lost.
+        ``stopped_s``: seconds from the failure this launcher saw to its ranks stopped. Waits
+        until the hub has heard from every machine (or lost it); None when the hub itself was
+        lost.
         """
         failed = {e.rank for e in events if e.kind == _events.FAILED}
         records = [
@@ -179,7 +210,12 @@ class Link:
         ]
         # Sent even when the hub is gone: its report may already be here (it reports, then
         # closes), and the loop below reads it first.
-        self.wire.send("ended", results=records, events=[event_record(e) for e in events])
+        self.wire.send(
+            "ended",
+            results=records,
+            events=[event_record(e) for e in events],
+            stopped_s=stopped_s,
+        )
         while True:  # the heartbeats bound it: a silent hub is lost after `lost_after`
             try:
                 message = self.inbox.get(timeout=0.1)
@@ -188,7 +224,8 @@ class Link:
                     return None  # its report, then closes
                 continue
             if message["kind"] == "over":
-                return int(message["returncode"]), str(message["report"])
+                attempts = [_attempt(a) for a in message.get("attempts", [])]
+                return Over(int(message["returncode"]), str(message["report"]), attempts)
 
     def close(self) -> None:
         self.closed.set()

@@ -20,7 +20,8 @@ from ..core.version import __version__
 from .hub import Hub
 from .link import Link, reach
 from .nodes import Go, Hello, hostname, parse_address, program_digest, serve
-from .report import LaunchResult, signal_name
+from .report import LaunchAttempt, LaunchResult, signal_name
+from .restarts import restarting, should_restart
 from .spawn import Platform, count_gpus, rank_environments
 
 __all__ = ["Placement", "placement", "run_on_machines"]
@@ -104,19 +105,54 @@ def run_on_machines(
     devices_per_process: int | None,
     platform: Platform,
     received: list[int],
-    run: Callable[[list[dict[str, str]], Link], LaunchResult],
+    run: Callable[[list[dict[str, str]], Link, int], LaunchResult],
     cwd: str | None,
     stream: bool,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Join the other machines, then ``run`` this machine's ranks; the run's result.
 
     Machine 0 serves the meeting point at the coordinator's port, and holds ``PORT + 1`` for
-    process 0's JAX coordinator until the run ends.
+    process 0's JAX coordinator until the run ends. With ``max_restarts``, every launcher
+    joins again and starts its ranks again after a failure, as the attempts machine 0 counted
+    decide (`meshkit._src.launch.restarts.should_restart`, the same on every machine).
 
     Raises:
         LaunchError: the join failed (a bad setting on some machine, a machine that never
             came, a coordinator not reached), naming the machines and the values.
     """
+    history: list[LaunchAttempt] = []
+    while True:
+        result = _session(
+            command, place, num_processes=num_processes, devices_per_process=devices_per_process,
+            platform=platform, received=received, run=run, cwd=cwd, stream=stream,
+            max_restarts=max_restarts, history=history,
+        )  # fmt: skip
+        # Machine 0's count, every start from 0, when the hub sent it; else (the hub was lost)
+        # this machine's own account of this start, after the ones it knew.
+        whole = [a.number for a in result.attempts] == list(range(len(result.attempts)))
+        history = result.attempts if whole else [*history, *result.attempts]
+        result.attempts = history
+        if received or not should_restart(history, max_restarts):
+            return result
+        _note(stream)(restarting(history, max_restarts))
+
+
+def _session(
+    command: Sequence[str],
+    place: Placement,
+    *,
+    num_processes: int,
+    devices_per_process: int | None,
+    platform: Platform,
+    received: list[int],
+    run: Callable[[list[dict[str, str]], Link, int], LaunchResult],
+    cwd: str | None,
+    stream: bool,
+    max_restarts: int,
+    history: list[LaunchAttempt],
+) -> LaunchResult:
+    """One start of the group on this machine: join, run, report (`run_on_machines`)."""
     start = time.monotonic()
     hub: Hub | None = None
     held = None
@@ -138,6 +174,8 @@ def run_on_machines(
                 host=place.host,
                 jax_port=place.port + 1,
                 join_timeout=place.join_timeout,
+                history=history,
+                max_restarts=max_restarts,
             )
         hello = Hello(
             node=place.node_rank,
@@ -148,6 +186,7 @@ def run_on_machines(
             platform=platform,
             program=program_digest(command, cwd),
             version=__version__,
+            max_restarts=max_restarts,
         )
 
         def interrupted() -> bool:
@@ -161,7 +200,8 @@ def run_on_machines(
             go = link.join(_note(stream), interrupted, start)
             if go is None:
                 return _interrupted(link, received[0], time.monotonic() - start)
-            return run(_environments(go, place, num_processes, devices_per_process, platform), link)
+            envs = _environments(go, place, num_processes, devices_per_process, platform)
+            return run(envs, link, go.attempt)
         finally:
             link.close()
     finally:

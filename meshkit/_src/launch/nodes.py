@@ -100,6 +100,7 @@ class Hello:
     platform: str
     program: str
     version: str
+    max_restarts: int = 0
 
     def machine(self, address: str = "") -> str:
         """``machine 1 (host-b)``, or ``machine 1 (host-b, 198.18.0.2)`` with an address."""
@@ -115,6 +116,7 @@ SAME = (
     ("platform", "--platform"),
     ("version", "meshkit version"),
     ("program", "program (digest of its command line and script)"),
+    ("max_restarts", "--max-restarts"),
 )
 
 
@@ -125,6 +127,7 @@ class Go:
     coordinator: str  # JAX's coordinator, ``HOST:PORT+1``
     num_processes: int
     machines: dict[int, str]  # node -> "host-b"
+    attempt: int = 0  # which start of the group (``--max-restarts``), as machine 0 counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,7 +68,9 @@ class Sink:
     there, a full disk stops that log, and a line that arrives after `close` is dropped.
     """
 
-    def __init__(self, stream: bool, log_dir: Path | None, ranks: int | Iterable[int]) -> None:
+    def __init__(
+        self, stream: bool, log_dir: Path | None, ranks: int | Iterable[int], attempt: int = 0
+    ) -> None:
         self.stream = stream
         self.lock = threading.Lock()
         self.logs: dict[int, IO[str]] = {}
@@ -77,7 +79,11 @@ class Sink:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             for r in range(ranks) if isinstance(ranks, int) else ranks:
-                self.logs[r] = open(log_dir / f"rank{r}.log", "w", encoding="utf-8")  # noqa: SIM115
+                # A restart (attempt > 0) appends: every attempt's lines stay in one log.
+                log = open(log_dir / f"rank{r}.log", "a" if attempt else "w", encoding="utf-8")  # noqa: SIM115
+                if attempt:
+                    log.write(f"--- meshkit launch: attempt {attempt}, after a restart ---\n")
+                self.logs[r] = log
 
     def write(self, rank: int, line: str, is_err: bool) -> None:
         """Append ``line`` to rank ``rank``'s log, then echo it (``[rank<r>] line``).

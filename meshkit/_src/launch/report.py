@@ -20,6 +20,7 @@ from ..lifecycle import diagnose as _diagnose
 
 __all__ = [
     "TAIL_LINES",
+    "LaunchAttempt",
     "LaunchResult",
     "RankResult",
     "Told",
@@ -59,6 +60,42 @@ class RankResult:
     reached_end: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchAttempt:
+    """One start of the whole group of processes (``meshkit launch --max-restarts``).
+
+    Attributes:
+        number: 0 for the first start, 1 for the first restart, and so on (what
+            ``meshkit.runtime_info().attempt`` says in its processes).
+        returncode: the attempt's exit status, as `LaunchResult.returncode`.
+        cause: the first line of its report: why it failed ("" when it succeeded).
+        restartable: it failed in a way a restart may mend (a rank failed or a machine was
+            lost), not by a timeout, an interrupt, or processes that never joined.
+        elapsed: seconds from its start to the end of its last rank.
+        joined_s: seconds from its start until every rank had joined (None: some never did).
+        stopped_s: seconds from the failure the launcher saw to every rank stopped (None when
+            nothing failed).
+        restored_step: the checkpoint step its processes restored (`meshkit.checkpoint`), if any.
+        restore_s: the seconds that restore took (the slowest process).
+        saved_step: the last checkpoint step it saved completely, if any.
+        failure: what identifies the failure (rank, cause, error type, where it was raised,
+            the last step), to tell a failure that repeats from one that does not; None when
+            it did not fail by an exception.
+    """
+
+    number: int
+    returncode: int
+    cause: str = ""
+    restartable: bool = False
+    elapsed: float = 0.0
+    joined_s: float | None = None
+    stopped_s: float | None = None
+    restored_step: int | None = None
+    restore_s: float | None = None
+    saved_step: int | None = None
+    failure: tuple[Any, ...] | None = None
+
+
 @dataclasses.dataclass
 class LaunchResult:
     """The outcome of `launch`.
@@ -77,6 +114,8 @@ class LaunchResult:
             KeyboardInterrupt), or None.
         values: for `meshkit.testing` function targets, what each rank returned (None for a
             rank that failed); empty otherwise.
+        attempts: every start of the group, the last one this result's (one without
+            ``max_restarts``).
     """
 
     returncode: int
@@ -88,6 +127,7 @@ class LaunchResult:
     report: str
     values: list[Any] = dataclasses.field(default_factory=list)
     interrupted_by: signal.Signals | None = None
+    attempts: list[LaunchAttempt] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,6 +136,14 @@ def _on_exception(
     )
 
 
+def _raised_at(value: BaseException) -> str:
+    """``file:line`` where ``value`` was raised (its traceback's innermost frame), or ""."""
+    tb = value.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "" if tb is None else f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+
+
 def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
     """The `failed` event's fields for an exception: its type, else what its text says."""
     error = type(value).__name__
@@ -143,7 +151,7 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
         return {"cause": "divergence", "error": error, "processes": value.processes,
                 "field": value.field}  # fmt: skip
     if diagnosis is None:
-        return {"cause": "exception", "error": error}
+        return {"cause": "exception", "error": error, "where": _raised_at(value)}
     # "timeout": one of JAX's cross-process waits ran out; "lost": another process, or the
     # coordination service it hosted, is gone: that one failed first.
     cause = "timeout" if diagnosis.kind == "timeout" else "peer"

@@ -33,6 +33,7 @@ from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
 from ..core.contract import (
+    ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_INIT_TIMEOUT,
@@ -83,6 +84,9 @@ class RuntimeInfo:
         cpu_collectives: the CPU collectives implementation set for multi-process CPU runs.
         hosts: which processes run on which host (`meshkit.Hosts`), learned in one exchange once
             the processes joined; `meshkit.make_mesh` keeps inner axes inside a host.
+        attempt: which start of the whole group of processes this is: 0 for the first, 1 after
+            the first restart (``meshkit launch --max-restarts``; under SLURM,
+            ``SLURM_RESTART_COUNT`` of a requeued job).
     """
 
     source: str
@@ -95,6 +99,7 @@ class RuntimeInfo:
     local_device_ids: tuple[int, ...] | None = None
     cpu_collectives: str | None = None
     hosts: Hosts | None = None
+    attempt: int = 0
 
     def __str__(self) -> str:
         rows = [
@@ -112,6 +117,7 @@ class RuntimeInfo:
             ),
             ("cpu collectives", self.cpu_collectives or "-"),
             ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
+            ("attempt", str(self.attempt)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -418,7 +424,7 @@ def init(
         _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
         hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
         _hosts.remember(hosts)
-        info = _INFO = dataclasses.replace(info, hosts=hosts)
+        info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
         # From now on, every computation across processes is compared before it first runs.
         _programs.install(info.num_processes)
         for hook in tuple(_on_join):
@@ -551,6 +557,15 @@ def _init(
         poll=_failures.watcher(me),
     )
     return _INFO
+
+
+def _attempt() -> int:
+    """Which start of the group this is: ``MESHKIT_ATTEMPT``, else ``SLURM_RESTART_COUNT``."""
+    for name in (ENV_ATTEMPT, "SLURM_RESTART_COUNT"):
+        value = _env.integer(name, where=_WHERE)
+        if value is not None:
+            return max(0, value)
+    return 0
 
 
 _on_join: list[Callable[[], None]] = []

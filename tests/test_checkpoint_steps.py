@@ -1,0 +1,65 @@
+"""`meshkit.checkpoint.latest` and `step_path`: the latest complete step, never a save cut short."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import meshkit
+from meshkit import MeshkitError
+from meshkit._src.checkpoint.steps import step_of
+
+_TMP = ".orbax-checkpoint-tmp"  # orbax's mark on the directory of a save in progress
+
+
+@given(
+    complete=st.sets(st.integers(0, 10**6), max_size=6),
+    cut_short=st.sets(st.integers(0, 10**6), max_size=3),
+    others=st.sets(st.sampled_from(["final", "step_x", "steps_3", "step_-1", "notes"]), max_size=3),
+)
+def test_latest_is_the_highest_complete_step(complete, cut_short, others):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for step in complete:
+            meshkit.checkpoint.step_path(root, step).mkdir()
+        for step in cut_short:  # what a process killed mid-save leaves
+            (root / f"step_{step}{_TMP}-1700000000").mkdir()
+        for name in others:
+            (root / name).mkdir()
+        (root / "step_999999999").write_text("a file, not a checkpoint")
+        found = meshkit.checkpoint.latest(root)
+        if not complete:
+            assert found is None
+        else:
+            assert found is not None
+            assert (found.step, found.path) == (max(complete), root / f"step_{max(complete)}")
+
+
+def test_no_root_or_an_empty_one_has_no_latest(tmp_path):
+    assert meshkit.checkpoint.latest(tmp_path / "not yet") is None
+    assert meshkit.checkpoint.latest(str(tmp_path)) is None
+
+
+def test_step_path_and_step_of_agree():
+    path = meshkit.checkpoint.step_path("/ckpt", 12)
+    assert path == Path("/ckpt/step_12")
+    assert step_of(path) == 12
+    assert step_of("/ckpt/step_12" + _TMP) is None
+
+
+def test_bad_input_is_named():
+    with pytest.raises(
+        MeshkitError, match=r"^meshkit.checkpoint.step_path: step must be an int >= 0; got -1\.$"
+    ):
+        meshkit.checkpoint.step_path("/ckpt", -1)
+    with pytest.raises(MeshkitError, match=r"step must be an int >= 0; got True"):
+        meshkit.checkpoint.step_path("/ckpt", True)
+    with pytest.raises(
+        MeshkitError,
+        match=r"^meshkit.checkpoint.latest: root must be a str or os.PathLike; got int\.$",
+    ):
+        meshkit.checkpoint.latest(3)  # type: ignore[arg-type]
