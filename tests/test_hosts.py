@@ -324,6 +324,21 @@ def test_a_host_killed_restarts_the_group_when_its_launcher_comes_back(
     assert finals == [uninterrupted_final]
 
 
+def test_a_program_that_never_joins_fails_on_every_host_unless_allowed(tmp_path):
+    (tmp_path / "alone.py").write_text("print('alone')\n")
+    for extra, expected in (([], 1), (["--allow-unjoined"], 0)):
+        with Hosts(2) as hosts:
+            run = [*extra, "-n", "2", str(tmp_path / "alone.py")]
+            outs = _finish(_start(hosts, tmp_path, [_launcher(0, run), _launcher(1, run)]),
+                           tmp_path)  # fmt: skip
+            assert _left(hosts) == []
+        for code, out, err in outs:
+            assert code == expected, err
+            assert out.count("alone") == 2, out
+            if expected:
+                assert "but none joined the program (none called meshkit.init())" in err, err
+
+
 # ---- bad settings: named on every machine that started, within the join timeout -------------
 
 NOJAX = "print('never runs')\n"

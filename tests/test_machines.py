@@ -118,6 +118,7 @@ def test_machines_that_join_get_one_run(run):
         ("version", "2.0", "meshkit version"),
         ("nnodes", 3, "--nnodes"),
         ("max_restarts", 2, "--max-restarts"),
+        ("allow_unjoined", True, "--allow-unjoined"),
     ],
 )
 def test_machines_that_differ_are_named_with_both_values(run, field, value, word):
@@ -248,6 +249,36 @@ def test_machine_0_counts_the_starts_and_sends_them_with_the_verdict(run):
     report = verdicts[0].report.splitlines()
     assert "meshkit launch: 1 restart (at most 2):" in report
     assert report[-1].startswith("  attempt 1: not every rank joined; rank 3 failed first (exit")
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_ranks_that_never_joined_fail_the_run_on_every_machine(run, allowed):
+    r = run()
+    r.join(_hello(0, allow_unjoined=allowed), _hello(1, allow_unjoined=allowed))
+    verdicts: dict[int, object] = {}
+    ended = [(0, [_result(0, 0), _result(1, 0)], [0, 1]), (1, [_result(2, 0), _result(3, 0)], [3])]
+    threads = [
+        threading.Thread(
+            target=lambda n=n, res=res, alone=alone: verdicts.update(
+                {n: _link_of(r, n).end(res, [], None, alone)}
+            )
+        )
+        for n, res, alone in ended
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert verdicts[0] == verdicts[1]
+    if allowed:
+        assert (verdicts[0].returncode, verdicts[0].report) == (0, "")
+        return
+    assert verdicts[0].returncode == 1
+    assert verdicts[0].report.startswith(
+        "meshkit launch: every rank exited 0, but ranks 0-1, 3 never joined the program (no "
+        "meshkit.init() call): each of those ran alone"
+    ), verdicts[0].report
+    assert "not the answer of one 4-process program" in verdicts[0].report
 
 
 def _wait_stop(link: Link, limit: float = 10.0) -> object:

@@ -23,7 +23,7 @@ from ..core.errors import LaunchError, ranges
 from ..core.version import __version__
 from . import restarts as _restarts
 from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
-from .report import LaunchAttempt, LaunchResult, RankResult, Told, root_cause
+from .report import LaunchAttempt, LaunchResult, RankResult, Told, root_cause, unjoined_report
 
 __all__ = ["Hub"]
 
@@ -346,6 +346,14 @@ class Hub:
     ) -> tuple[int, str]:
         cause = self.stop_cause
         if cause is None:
+            alone = sorted(
+                r for p in self.nodes.values() if p.ended for r in p.ended.get("alone", [])
+            )
+            hello = next(iter(self.nodes.values())).hello
+            assert hello is not None
+            total = self.nnodes * hello.processes
+            if alone and not hello.allow_unjoined and total > 1:
+                return 1, unjoined_report(alone, total)
             return 0, ""
         if cause.why == "lost":
             lost = self.nodes[cause.node]

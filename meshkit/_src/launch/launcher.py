@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..core import events as _events
 from ..core.contract import ENV_ATTEMPT, ENV_PROCESS_ID, ENV_STATUS
-from ..core.errors import LaunchError, ranges
+from ..core.errors import LaunchError
 from ..core.ports import port_in_use, reserve_port
 from ..lifecycle import progress as _progress
 from ..lifecycle.progress import Board
@@ -46,6 +46,7 @@ from .report import (
     signal_name,
     stall_summary,
     tail_block,
+    unjoined_report,
 )
 from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start_fresh
 from .stop import stop
@@ -228,6 +229,7 @@ def launch(
                 received=received,
                 run=lambda envs, link, attempt: run(envs, received, link, attempt),
                 max_restarts=max_restarts,
+                allow_unjoined=allow_unjoined,
                 cwd=str(cwd) if cwd else None,
                 stream=stream,
             )
@@ -376,14 +378,14 @@ def _run(
     results = [rk.result(reached_end=rk.rank in told.ended) for rk in ranks]
     returncode = _returncode(outcome, results)
     report = _report(outcome, results, told, timeout, left)
-    unjoined = returncode == 0 and alone and not allow_unjoined and link is None
+    unjoined = returncode == 0 and bool(alone) and not allow_unjoined and link is None
     if unjoined:
-        returncode, report = 1, _unjoined(alone, len(ids))
+        returncode, report = 1, unjoined_report(alone, len(ids))
     failed = outcome.first_failure is not None
     stopped_s = stopped - seen if failed and seen is not None else None
     over = None
     if link is not None:
-        over = _over(link, outcome, results, records, returncode, report, stopped_s)
+        over = _over(link, outcome, results, records, returncode, report, stopped_s, alone)
         returncode, report = over.returncode, over.report
     elapsed = time.monotonic() - start
     result = LaunchResult(
@@ -440,32 +442,16 @@ def _over(
     returncode: int,
     report: str,
     stopped_s: float | None,
+    alone: list[int],
 ) -> Over:
     """The run's exit status and report over every machine (this machine's, if the hub is gone)."""
-    verdict = link.end(results, records, stopped_s)
+    verdict = link.end(results, records, stopped_s, alone)
     if verdict is not None:
         return verdict
     why = outcome.stopped_by
     text = why if isinstance(why, str) else "machine 0's launcher did not send the report"
     return Over(
         returncode or 1, f"meshkit launch: {text} This machine's ranks were stopped.\n{report}", []
-    )
-
-
-def _unjoined(alone: list[int], n: int) -> str:
-    """Why a run whose ranks all exited 0 failed: some never joined the program."""
-    if len(alone) == n:
-        who, they = "none joined the program (none called meshkit.init())", "each"
-    else:
-        word = "ranks" if len(alone) > 1 else "rank"
-        who = f"{word} {ranges(alone)} never joined the program (no meshkit.init() call)"
-        they = "each of those"
-    return (
-        f"meshkit launch: every rank exited 0, but {who}: {they} ran alone, as a program of one "
-        "process on its own devices, and what it printed is what one process computes, not "
-        f"the answer of one {n}-process program.\n"
-        "Consider calling meshkit.init() first in the program, or --allow-unjoined "
-        "(launch(allow_unjoined=True)) to run independent processes on purpose.\n"
     )
 
 

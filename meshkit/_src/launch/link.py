@@ -192,10 +192,12 @@ class Link:
         results: Sequence[RankResult],
         events: Sequence[_events.Event],
         stopped_s: float | None = None,
+        alone: Sequence[int] = (),
     ) -> Over | None:
         """Send what this machine's ranks did; the run's exit status and report, or None.
 
-        ``stopped_s``: seconds from the failure this launcher saw to its ranks stopped. Waits
+        ``stopped_s``: seconds from the failure this launcher saw to its ranks stopped;
+        ``alone``: this machine's ranks that never joined the program. Waits
         until the hub has heard from every machine (or lost it); None when the hub itself was
         lost.
         """
@@ -215,6 +217,7 @@ class Link:
             results=records,
             events=[event_record(e) for e in events],
             stopped_s=stopped_s,
+            alone=list(alone),
         )
         while True:  # the heartbeats bound it: a silent hub is lost after `lost_after`
             try:

@@ -109,6 +109,7 @@ def run_on_machines(
     cwd: str | None,
     stream: bool,
     max_restarts: int = 0,
+    allow_unjoined: bool = False,
 ) -> LaunchResult:
     """Join the other machines, then ``run`` this machine's ranks; the run's result.
 
@@ -126,7 +127,7 @@ def run_on_machines(
         result = _session(
             command, place, num_processes=num_processes, devices_per_process=devices_per_process,
             platform=platform, received=received, run=run, cwd=cwd, stream=stream,
-            max_restarts=max_restarts, history=history,
+            max_restarts=max_restarts, history=history, allow_unjoined=allow_unjoined,
         )  # fmt: skip
         # Machine 0's count, every start from 0, when the hub sent it; else (the hub was lost)
         # this machine's own account of this start, after the ones it knew.
@@ -151,6 +152,7 @@ def _session(
     stream: bool,
     max_restarts: int,
     history: list[LaunchAttempt],
+    allow_unjoined: bool,
 ) -> LaunchResult:
     """One start of the group on this machine: join, run, report (`run_on_machines`)."""
     start = time.monotonic()
@@ -187,6 +189,7 @@ def _session(
             program=program_digest(command, cwd),
             version=__version__,
             max_restarts=max_restarts,
+            allow_unjoined=allow_unjoined,
         )
 
         def interrupted() -> bool:

@@ -101,6 +101,7 @@ class Hello:
     program: str
     version: str
     max_restarts: int = 0
+    allow_unjoined: bool = False
 
     def machine(self, address: str = "") -> str:
         """``machine 1 (host-b)``, or ``machine 1 (host-b, 198.18.0.2)`` with an address."""
@@ -117,6 +118,7 @@ SAME = (
     ("version", "meshkit version"),
     ("program", "program (digest of its command line and script)"),
     ("max_restarts", "--max-restarts"),
+    ("allow_unjoined", "--allow-unjoined"),
 )
 
 

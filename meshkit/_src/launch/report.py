@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE
+from ..core.errors import ranges
 from ..lifecycle import diagnose as _diagnose
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "signal_name",
     "stall_summary",
     "tail_block",
+    "unjoined_report",
 ]
 
 TAIL_LINES = 40
@@ -409,3 +411,20 @@ def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
     if diagnosis.kind == "timeout":
         return f"a timeout of {diagnosis.system} (it waited for another rank)"
     return f"a lost connection reported by {diagnosis.system} (another rank is gone)"
+
+
+def unjoined_report(alone: Sequence[int], n: int) -> str:
+    """Why a run whose ranks all exited 0 failed: some never joined the program."""
+    if len(alone) == n:
+        who, they = "none joined the program (none called meshkit.init())", "each"
+    else:
+        word = "ranks" if len(alone) > 1 else "rank"
+        who = f"{word} {ranges(alone)} never joined the program (no meshkit.init() call)"
+        they = "each of those"
+    return (
+        f"meshkit launch: every rank exited 0, but {who}: {they} ran alone, as a program of one "
+        "process on its own devices, and what it printed is what one process computes, not "
+        f"the answer of one {n}-process program.\n"
+        "Consider calling meshkit.init() first in the program, or --allow-unjoined "
+        "(launch(allow_unjoined=True)) to run independent processes on purpose.\n"
+    )
