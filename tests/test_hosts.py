@@ -324,6 +324,26 @@ def test_a_host_killed_restarts_the_group_when_its_launcher_comes_back(
     assert finals == [uninterrupted_final]
 
 
+def test_the_forming_line_names_the_host_whose_ranks_are_late(tmp_path):
+    (tmp_path / "late.py").write_text(
+        "import socket, time\n"
+        "if socket.gethostname() == 'host-1':\n"
+        "    time.sleep(6)  # its ranks are slow to start (a slow disk, a big import)\n"
+        "import meshkit\n"
+        "meshkit.init()\n"
+    )
+    with Hosts(2) as hosts:
+        run = ["-n", "2", "-d", "1", str(tmp_path / "late.py")]
+        outs = _finish(_start(hosts, tmp_path, [_launcher(0, run), _launcher(1, run)]), tmp_path)
+        assert _left(hosts) == []
+    (code0, _, err0), (code1, _, err1) = outs
+    assert (code0, code1) == (0, 0), (err0, err1)
+    waiting = [x for x in err0.splitlines() if "waiting for the cluster to form" in x]
+    assert any(x.endswith("ranks 0-1 joining; machine 1 (host-1): ranks 2-3 starting")
+               for x in waiting), err0  # fmt: skip
+    assert "meshkit launch: the cluster formed after " in err0, err0
+
+
 def test_a_program_that_never_joins_fails_on_every_host_unless_allowed(tmp_path):
     (tmp_path / "alone.py").write_text("print('alone')\n")
     for extra, expected in (([], 1), (["--allow-unjoined"], 0)):

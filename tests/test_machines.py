@@ -281,6 +281,26 @@ def test_ranks_that_never_joined_fail_the_run_on_every_machine(run, allowed):
     assert "not the answer of one 4-process program" in verdicts[0].report
 
 
+def test_every_machine_hears_which_machines_still_form_the_cluster(run):
+    r = run()
+    r.join(_hello(0), _hello(1))
+    zero, one = _link_of(r, 0), _link_of(r, 1)
+
+    def others_seen_by(link: Link, stages: dict[int, str], want: dict[str, str]) -> None:
+        deadline = time.monotonic() + 10
+        while (seen := link.share_stages(stages)) != want:
+            assert time.monotonic() < deadline, seen
+            link.stop_requested()  # reads what the hub sent
+            time.sleep(0.05)
+
+    others_seen_by(zero, {0: "joining", 1: "joining"}, {"machine 1 (m1)": "ranks 2-3 starting"})
+    others_seen_by(one, {2: "joining", 3: "starting"}, {"machine 0 (m0)": "ranks 0-1 joining"})
+    others_seen_by(zero, {0: "joining", 1: "joining"},
+                   {"machine 1 (m1)": "rank 2 joining; rank 3 starting"})  # fmt: skip
+    others_seen_by(one, {2: "joined", 3: "joined"}, {"machine 0 (m0)": "ranks 0-1 joining"})
+    others_seen_by(zero, {0: "joined", 1: "joined"}, {})  # nothing left to say
+
+
 def _wait_stop(link: Link, limit: float = 10.0) -> object:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:

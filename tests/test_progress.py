@@ -261,3 +261,20 @@ def test_a_rank_that_fails_before_joining_ends_the_board_too(tmp_path, monkeypat
     assert said[-1] == (
         "meshkit launch: waiting for the cluster to form (3.1 s): rank 0 joining; rank 1 exited"
     )
+
+
+def test_the_waiting_line_names_the_other_machines_still_forming(tmp_path):
+    board = Board(tmp_path, [0, 1])
+    others = {"machine 1 (host-1)": "ranks 2-3 starting"}
+    assert board.line({0: "joining", 1: "joining"}, 0.5, others) is None  # too early
+    assert board.line({0: "joining", 1: "joining"}, 2.6, others) == (
+        "meshkit launch: waiting for the cluster to form (2.6 s): ranks 0-1 joining; "
+        "machine 1 (host-1): ranks 2-3 starting"
+    )
+    # What another machine does is news too: a line at once.
+    assert board.line(
+        {0: "joining", 1: "joining"}, 2.7, {"machine 1 (host-1)": "ranks 2-3 joining"}
+    )
+    assert board.line({0: "joined", 1: "joined"}, 3.0, {}) == (
+        "meshkit launch: the cluster formed after 3.0 s: 2 ranks joined"
+    )

@@ -21,6 +21,7 @@ from typing import Any
 from ..core import events as _events
 from ..core.errors import LaunchError, ranges
 from ..core.version import __version__
+from ..lifecycle import progress as _progress
 from . import restarts as _restarts
 from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
 from .report import LaunchAttempt, LaunchResult, RankResult, Told, root_cause, unjoined_report
@@ -76,6 +77,9 @@ class Hub:
         self.history = list(history)
         self.max_restarts = max_restarts
         self.went_at = time.time()  # when the ranks were told to start (epoch, as events)
+        self.stages: dict[int, dict[int, str]] = {}  # node -> its ranks' stages, as it said
+        self._forming: list[list[Any]] | None = None  # what "forming" said last
+        self._forming_at = 0.0
         self.peers: dict[socket.socket, _Peer] = {}
         self.nodes: dict[int, _Peer] = {}
         self.phase = "joining"  # then "running" and "over", or "failed" (the join)
@@ -182,6 +186,8 @@ class Hub:
             self._stop(Stop(peer.hello.node, kind, rank, text, int(code), float(message["after"])))
         elif kind == "ended" and peer.hello is not None:
             peer.ended = dict(message)
+        elif kind == "stages" and peer.hello is not None:
+            self.stages[peer.hello.node] = {int(r): str(st) for r, st in message["stages"].items()}
 
     def _tick(self, now: float) -> None:
         if self.phase == "failed":
@@ -202,6 +208,8 @@ class Hub:
         if now - self._beat_at >= BEAT_S:
             self._beat_at = now
             self._all("alive")
+        if self._forming != [] and now - self._forming_at >= BEAT_S:
+            self._say_forming(now)
         for peer in list(self.peers.values()):
             if peer.hello is not None and peer.ended is None and now - peer.seen > self.lost_after:
                 self._lost(peer, f"its launcher said nothing for {self.lost_after:g} s")
@@ -256,6 +264,25 @@ class Hub:
                 machines={n: q.hello.hostname for n, q in self.nodes.items() if q.hello},
                 attempt=len(self.history),
             )
+
+    def _say_forming(self, now: float) -> None:
+        """Tell every machine which machines' ranks still start or join (when that changed).
+
+        One line per such machine, never one per rank: O(machines still forming) per message,
+        at most one message a second, none once every rank has joined.
+        """
+        rows = []
+        for node, peer in sorted(self.nodes.items()):
+            assert peer.hello is not None
+            p = peer.hello.processes
+            stages = self.stages.get(node) or dict.fromkeys(
+                range(node * p, node * p + p), "starting"
+            )
+            if any(st in ("starting", "joining") for st in stages.values()):
+                rows.append([node, peer.hello.machine(), _progress.summary(stages)])
+        if rows != self._forming:
+            self._forming, self._forming_at = rows, now
+            self._all("forming", machines=rows)
 
     def _joined(self) -> str:
         joined = [f"{p.hello.machine(p.address)}" for _, p in sorted(self.nodes.items()) if p.hello]

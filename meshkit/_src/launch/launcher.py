@@ -337,6 +337,7 @@ def _run(
             guardian=guardian,
             start=start,
             remote=link.stop_requested if link is not None else None,
+            share=link.share_stages if link is not None else None,
         )
         for r, rank_env in zip(ids, envs, strict=True):
             if received:

@@ -12,7 +12,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
@@ -92,6 +92,8 @@ class Link:
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.closed = threading.Event()
         self.lost = ""  # how the hub was lost, once it was
+        self.forming: dict[str, str] = {}  # other machines whose ranks still join, as the hub says
+        self._stages: dict[int, str] | None = None  # this machine's ranks' stages, as last sent
         self.wire = Wire(sock)
         self.wire.send("hello", hello=dataclasses.asdict(hello))
         self.seen = time.monotonic()
@@ -172,10 +174,29 @@ class Link:
                 message = self.inbox.get_nowait()
             except queue.Empty:
                 return None
+            if message["kind"] == "forming":
+                self.forming = {
+                    str(label): str(text)
+                    for node, label, text in message["machines"]
+                    if node != self.hello.node
+                }
+                continue
             if message["kind"] == "stop":
                 return Stop(**message["stop"])
             if message["kind"] == "hub lost":
                 return f"machine 0, which serves the coordinator, was lost: {message['how']}."
+
+    def share_stages(self, stages: Mapping[int, str]) -> dict[str, str]:
+        """Tell the hub this machine's ranks' stages (when they changed); the other machines'.
+
+        Returns:
+            Each other machine whose ranks are still starting or joining, by its name
+            (``machine 1 (host-1)``), with what its ranks do (``ranks 2-3 starting``).
+        """
+        if dict(stages) != self._stages:
+            self._stages = dict(stages)
+            self.wire.send("stages", stages={str(r): st for r, st in stages.items()})
+        return dict(self.forming)
 
     def tell(
         self, kind: str, code: int, rank: int | None = None, text: str = "", after: float = 0.0

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 
 from ..lifecycle.progress import Board
@@ -92,6 +92,8 @@ class Supervisor:
         start: when the run started, on ``clock`` (default: now).
         remote: in a run on several machines, asked at each look whether another machine
             stopped the run: None, or why (the run is then over).
+        share: in a run on several machines, given this machine's ranks' stages at each look
+            at the board; returns the other machines still forming (name -> their stages).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         start: float | None = None,
         remote: Callable[[], object | None] | None = None,
+        share: Callable[[Mapping[int, str]], Mapping[str, str]] | None = None,
     ) -> None:
         self.ranks = ranks
         self.received = received
@@ -119,6 +122,7 @@ class Supervisor:
         self.start = clock() if start is None else start
         self.outcome = Outcome()
         self.remote = remote
+        self.share = share
         self._next_look = 0.0
 
     def watch(self, poll: float = POLL_S) -> Outcome:
@@ -163,6 +167,8 @@ class Supervisor:
             return
         self._next_look = now + STATUS_S
         exits = {rk.rank: rk.proc.returncode for rk in self.ranks}
-        said = self.board.line(self.board.stages(exits), now)
+        stages = self.board.stages(exits)
+        others = self.share(stages) if self.share is not None else {}
+        said = self.board.line(stages, now, others)
         if said is not None:
             self.note(said)

@@ -150,8 +150,15 @@ class Board:
             out[r] = stage
         return out
 
-    def line(self, stages: Mapping[int, str], elapsed: float) -> str | None:
-        """What to print now, given the stages ``elapsed`` seconds into the run, or None."""
+    def line(
+        self, stages: Mapping[int, str], elapsed: float, others: Mapping[str, str] | None = None
+    ) -> str | None:
+        """What to print now, given the stages ``elapsed`` seconds into the run, or None.
+
+        ``others``: on several machines, each other machine still forming, by name, with what
+        its ranks do (``{"machine 1 (host-1)": "ranks 2-3 starting"}``); the waiting line
+        names them after this machine's ranks.
+        """
         if self.done:
             return None
         if self.first_join is None and any(s != "starting" for s in stages.values()):
@@ -174,7 +181,7 @@ class Board:
             return line
         if self.first_join is None or elapsed - self.first_join < self.after:
             return None
-        said = summary(stages)
+        said = summary(stages) + "".join(f"; {m}: {what}" for m, what in (others or {}).items())
         due = self.said_at is None or elapsed - self.said_at >= self.every
         if said == self.said and not due:
             return None
