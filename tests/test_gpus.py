@@ -93,3 +93,21 @@ def test_meshkit_launch_splits_the_gpus_it_sees(monkeypatch):
     assert count_gpus() == 4
     envs = rank_environments(2, 1234, devices_per_process=None, platform="auto", gpus=4)
     assert [e["MESHKIT_LOCAL_DEVICE_IDS"] for e in envs] == ["0,1", "2,3"]
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, 0),
+        ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+        ({"ROCR_VISIBLE_DEVICES": "0,1"}, 2),
+    ],
+)
+def test_the_launcher_counts_gpus_as_init_reads_them(monkeypatch, env, expected):
+    """One reading of the visible-device variables for `meshkit launch` and `meshkit.init`."""
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert count_gpus() == expected == visible_devices(env)[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 from .errors import MeshkitError
 
@@ -17,6 +18,7 @@ __all__ = [
     "ENV_CHECK_TIMEOUT",
     "FALSE",
     "TRUE",
+    "VISIBLE_VARS",
     "check_timeout",
     "flag",
     "ids",
@@ -24,6 +26,7 @@ __all__ = [
     "number",
     "raw",
     "seconds",
+    "visible_devices",
 ]
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
@@ -133,3 +136,29 @@ def check_timeout() -> float:
     """Seconds an agreement between processes waits for the others (``MESHKIT_CHECK_TIMEOUT``)."""
     value = seconds(ENV_CHECK_TIMEOUT, where="meshkit")
     return _DEFAULT_CHECK_TIMEOUT_S if value is None else value
+
+
+# The variables that list the accelerators a process may see, in the order they are read:
+# NVIDIA's, then AMD's two. `meshkit.init` reads them for a task's bound GPUs
+# (`meshkit._src.runtime.gpus`), `meshkit launch` to count the GPUs it splits between ranks.
+VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """The variable that lists this process's visible accelerators, and how many it lists.
+
+    None when none of `VISIBLE_VARS` is set.
+
+    Example:
+        >>> visible_devices({"CUDA_VISIBLE_DEVICES": "4,5"})
+        ('CUDA_VISIBLE_DEVICES', 2)
+        >>> visible_devices({}) is None
+        True
+    """
+    for name in VISIBLE_VARS:
+        if name in environ:
+            entries = [e.strip() for e in environ[name].split(",") if e.strip()]
+            if entries[:1] == ["-1"]:
+                entries = []
+            return name, len(entries)
+    return None

@@ -24,6 +24,7 @@ from ..core.contract import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from ..core.env import visible_devices
 from ..core.errors import LaunchError
 from .rank_output import Pump, Sink, is_chatter
 from .report import TAIL_LINES, RankResult
@@ -44,9 +45,9 @@ Platform = Literal["auto", "cpu", "gpu"]
 
 def count_gpus() -> int:
     """NVIDIA GPUs on this machine per ``nvidia-smi -L`` (0 without it); never imports JAX."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible_devices(os.environ)  # the GPUs this machine's ranks may see
     if visible is not None:
-        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+        return visible[1]
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return 0

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["VISIBLE_VARS", "Binding", "bound_device_ids", "visible_devices"]
+from ..core.env import VISIBLE_VARS, visible_devices
 
-VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+__all__ = ["VISIBLE_VARS", "Binding", "bound_device_ids", "visible_devices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,26 +42,6 @@ class Binding:
 
     ids: tuple[int, ...]
     reason: str
-
-
-def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
-    """The variable that lists this process's visible accelerators, and how many it lists.
-
-    None when none of `VISIBLE_VARS` is set.
-
-    Example:
-        >>> visible_devices({"CUDA_VISIBLE_DEVICES": "4,5"})
-        ('CUDA_VISIBLE_DEVICES', 2)
-        >>> visible_devices({}) is None
-        True
-    """
-    for name in VISIBLE_VARS:
-        if name in environ:
-            entries = [e.strip() for e in environ[name].split(",") if e.strip()]
-            if entries[:1] == ["-1"]:
-                entries = []
-            return name, len(entries)
-    return None
 
 
 def _count(text: str | None) -> int | None:
