@@ -208,21 +208,29 @@ def _meshes(outs: Sequence[str]) -> list[dict]:
     return sorted(found, key=lambda m: m["process"])
 
 
+def _check_meshes(
+    outs: Sequence[tuple[int, str, str]], host_of: list[int], rows: list[list[int]], table: str
+) -> None:
+    """Every process ran, on its host, the mesh ``rows`` (processes), whose rows sum per host."""
+    for code, _, err in outs:
+        assert code == 0, err
+    meshes = _meshes([out for _, out, _ in outs])
+    assert [m["process"] for m in meshes] == [0, 1, 2, 3]
+    for m in meshes:
+        assert m["host"] == f"host-{host_of[m['process']]}"
+        assert m["rows"] == rows
+        assert m["hosts"] == f"host-0: processes {table}"
+        assert m["sums"] == [6.0, 22.0]  # rows 0-3 on host-0, 4-7 on host-1
+
+
 def test_the_inner_axis_stays_inside_each_host_with_node_major_ranks(tmp_path):
     (tmp_path / "mesh.py").write_text(MESH_PROGRAM)
     with Hosts(2) as hosts:
         run = ["-n", "2", "-d", "2", str(tmp_path / "mesh.py")]
         outs = _finish(_start(hosts, tmp_path, [_launcher(0, run), _launcher(1, run)]), tmp_path)
         assert _left(hosts) == []
-    for code, _, err in outs:
-        assert code == 0, err
-    meshes = _meshes([out for _, out, _ in outs])
-    assert [m["process"] for m in meshes] == [0, 1, 2, 3]
-    for m in meshes:
-        assert m["host"] == f"host-{m['process'] // 2}"
-        assert m["rows"] == [[0, 0, 1, 1], [2, 2, 3, 3]]  # each row inside one host
-        assert m["hosts"] == "host-0: processes 0-1; host-1: processes 2-3"
-        assert m["sums"] == [6.0, 22.0]  # 0+1+2+3 on host-0, 4+5+6+7 on host-1
+    # each row (the model axis) inside one host
+    _check_meshes(outs, [0, 0, 1, 1], [[0, 0, 1, 1], [2, 2, 3, 3]], "0-1; host-1: processes 2-3")
 
 
 def test_the_inner_axis_stays_inside_each_host_with_interleaved_ranks(tmp_path):
@@ -239,15 +247,8 @@ def test_the_inner_axis_stays_inside_each_host_with_interleaved_ranks(tmp_path):
                 procs.append(hosts.popen(p % 2, argv, stdout=out, stderr=err))
         outs = _finish(procs, tmp_path)
         assert _left(hosts) == []
-    for code, _, err in outs:
-        assert code == 0, err
-    meshes = _meshes([out for _, out, _ in outs])
-    assert [m["process"] for m in meshes] == [0, 1, 2, 3]
-    for m in meshes:
-        assert m["host"] == f"host-{m['process'] % 2}"
-        assert m["rows"] == [[0, 0, 2, 2], [1, 1, 3, 3]]  # by rank alone: [[0,0,1,1],[2,2,3,3]]
-        assert m["hosts"] == "host-0: processes 0,2; host-1: processes 1,3"
-        assert m["sums"] == [6.0, 22.0]
+    # by rank alone the rows would be [[0, 0, 1, 1], [2, 2, 3, 3]], each across both hosts
+    _check_meshes(outs, [0, 1, 0, 1], [[0, 0, 2, 2], [1, 1, 3, 3]], "0,2; host-1: processes 1,3")
 
 
 # ---- restarts: a process killed, a host killed; the run ends as an uninterrupted one --------

@@ -180,6 +180,24 @@ def _result(rank: int, code: int, stderr: str = "", stopped: bool = False) -> Ra
     return RankResult(rank, code, "", stderr, stopped, stderr)
 
 
+def _end_all(r: _Run, ended: dict[int, tuple]) -> dict[int, Over]:
+    """Each machine's `Link.end` at once, from its own thread (each waits for the verdict)."""
+    verdicts: dict[int, Over] = {}
+
+    def one(node: int, args: tuple) -> None:
+        verdict = _link_of(r, node).end(*args)
+        assert verdict is not None
+        verdicts[node] = verdict
+
+    threads = [threading.Thread(target=one, args=(n, a)) for n, a in ended.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert verdicts[0] == verdicts[1]
+    return verdicts
+
+
 def test_a_failure_stops_every_machine_and_each_gets_one_report(run):
     r = run()
     r.join(_hello(0), _hello(1))
@@ -189,22 +207,10 @@ def test_a_failure_stops_every_machine_and_each_gets_one_report(run):
     assert stop == Stop(
         1, "failed", 3, "machine 1 (m1, 127.0.0.1): rank 3 failed (exit code 3)", 3, 2.5
     )
-    verdicts: dict[int, object] = {}
-    ended = [
-        (0, [_result(0, -15, stopped=True), _result(1, -15, stopped=True)]),
-        (1, [_result(2, -15, stopped=True), _result(3, 3, "ValueError: bad step")]),
-    ]
-    threads = [
-        threading.Thread(
-            target=lambda n=n, res=res: verdicts.update({n: _link_of(r, n).end(res, [])})
-        )
-        for n, res in ended
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert verdicts[0] == verdicts[1]
+    verdicts = _end_all(r, {
+        0: ([_result(0, -15, stopped=True), _result(1, -15, stopped=True)], []),
+        1: ([_result(2, -15, stopped=True), _result(3, 3, "ValueError: bad step")], []),
+    })  # fmt: skip
     code, report = verdicts[0].returncode, verdicts[0].report
     assert code == 3
     assert report.startswith("meshkit launch: rank 3 failed first (exit code 3) after 2.5 s."), (
@@ -221,22 +227,10 @@ def test_machine_0_counts_the_starts_and_sends_them_with_the_verdict(run):
     assert [go.attempt for go in joined.values()] == [1, 1]
     _link_of(r, 1).tell("failed", 3, rank=3, text="rank 3 failed (exit code 3)", after=1.0)
     _wait_stop(_link_of(r, 0))
-    verdicts: dict[int, object] = {}
-    ended = [
-        (0, [_result(0, -15, stopped=True), _result(1, -15, stopped=True)]),
-        (1, [_result(2, -15, stopped=True), _result(3, 3, "ValueError: bad step")]),
-    ]
-    threads = [
-        threading.Thread(
-            target=lambda n=n, res=res: verdicts.update({n: _link_of(r, n).end(res, [], 0.5)})
-        )
-        for n, res in ended
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert verdicts[0] == verdicts[1]
+    verdicts = _end_all(r, {
+        0: ([_result(0, -15, stopped=True), _result(1, -15, stopped=True)], [], 0.5),
+        1: ([_result(2, -15, stopped=True), _result(3, 3, "ValueError: bad step")], [], 0.5),
+    })  # fmt: skip
     attempts = verdicts[0].attempts
     assert [a.number for a in attempts] == [0, 1]
     assert attempts[0] == before
@@ -255,21 +249,10 @@ def test_machine_0_counts_the_starts_and_sends_them_with_the_verdict(run):
 def test_ranks_that_never_joined_fail_the_run_on_every_machine(run, allowed):
     r = run()
     r.join(_hello(0, allow_unjoined=allowed), _hello(1, allow_unjoined=allowed))
-    verdicts: dict[int, object] = {}
-    ended = [(0, [_result(0, 0), _result(1, 0)], [0, 1]), (1, [_result(2, 0), _result(3, 0)], [3])]
-    threads = [
-        threading.Thread(
-            target=lambda n=n, res=res, alone=alone: verdicts.update(
-                {n: _link_of(r, n).end(res, [], None, alone)}
-            )
-        )
-        for n, res, alone in ended
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert verdicts[0] == verdicts[1]
+    verdicts = _end_all(r, {
+        0: ([_result(0, 0), _result(1, 0)], [], None, [0, 1]),
+        1: ([_result(2, 0), _result(3, 0)], [], None, [3]),
+    })  # fmt: skip
     if allowed:
         assert (verdicts[0].returncode, verdicts[0].report) == (0, "")
         return

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from ..core.errors import LaunchError
 from ..core.ports import reserve_port
@@ -122,13 +123,22 @@ def run_on_machines(
         LaunchError: the join failed (a bad setting on some machine, a machine that never
             came, a coordinator not reached), naming the machines and the values.
     """
+    hello = Hello(
+        node=place.node_rank,
+        nnodes=place.nnodes,
+        hostname=hostname(),
+        processes=num_processes,
+        devices=devices_per_process,
+        platform=platform,
+        program=program_digest(command, cwd),
+        version=__version__,
+        max_restarts=max_restarts,
+        allow_unjoined=allow_unjoined,
+    )
     history: list[LaunchAttempt] = []
     while True:
-        result = _session(
-            command, place, num_processes=num_processes, devices_per_process=devices_per_process,
-            platform=platform, received=received, run=run, cwd=cwd, stream=stream,
-            max_restarts=max_restarts, history=history, allow_unjoined=allow_unjoined,
-        )  # fmt: skip
+        result = _session(place, hello, received=received, run=run, stream=stream,
+                          history=history)  # fmt: skip
         # Machine 0's count, every start from 0, when the hub sent it; else (the hub was lost)
         # this machine's own account of this start, after the ones it knew.
         whole = [a.number for a in result.attempts] == list(range(len(result.attempts)))
@@ -140,19 +150,13 @@ def run_on_machines(
 
 
 def _session(
-    command: Sequence[str],
     place: Placement,
+    hello: Hello,
     *,
-    num_processes: int,
-    devices_per_process: int | None,
-    platform: Platform,
     received: list[int],
     run: Callable[[list[dict[str, str]], Link, int], LaunchResult],
-    cwd: str | None,
     stream: bool,
-    max_restarts: int,
     history: list[LaunchAttempt],
-    allow_unjoined: bool,
 ) -> LaunchResult:
     """One start of the group on this machine: join, run, report (`run_on_machines`)."""
     start = time.monotonic()
@@ -177,20 +181,8 @@ def _session(
                 jax_port=place.port + 1,
                 join_timeout=place.join_timeout,
                 history=history,
-                max_restarts=max_restarts,
+                max_restarts=hello.max_restarts,
             )
-        hello = Hello(
-            node=place.node_rank,
-            nnodes=place.nnodes,
-            hostname=hostname(),
-            processes=num_processes,
-            devices=devices_per_process,
-            platform=platform,
-            program=program_digest(command, cwd),
-            version=__version__,
-            max_restarts=max_restarts,
-            allow_unjoined=allow_unjoined,
-        )
 
         def interrupted() -> bool:
             return bool(received)
@@ -203,7 +195,7 @@ def _session(
             go = link.join(_note(stream), interrupted, start)
             if go is None:
                 return _interrupted(link, received[0], time.monotonic() - start)
-            envs = _environments(go, place, num_processes, devices_per_process, platform)
+            envs = _environments(go, place, hello)
             return run(envs, link, go.attempt)
         finally:
             link.close()
@@ -214,17 +206,16 @@ def _session(
             held.close()
 
 
-def _environments(
-    go: Go, place: Placement, num_processes: int, devices: int | None, platform: Platform
-) -> list[dict[str, str]]:
+def _environments(go: Go, place: Placement, hello: Hello) -> list[dict[str, str]]:
+    platform = cast(Platform, hello.platform)  # this launcher's own setting, as it said it
     return rank_environments(
-        num_processes,
+        hello.processes,
         place.port + 1,
-        devices_per_process=devices,
+        devices_per_process=hello.devices,
         platform=platform,
         gpus=count_gpus() if platform != "cpu" else 0,
         coordinator=go.coordinator,
-        first=place.node_rank * num_processes,
+        first=place.node_rank * hello.processes,
         total=go.num_processes,
     )
 
