@@ -24,6 +24,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..sharding.specs import is_spec_leaf
+from . import shaped as _shaped
 from . import steps as _steps
 from .plan import SavedArray, describe_mesh, plan, saved_spec
 
@@ -486,7 +487,9 @@ def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
     return tree
 
 
-def _targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, Path | None]:
+def _targets(
+    source: Any, mesh: Any, specs: Any, what: str, like: Any = None
+) -> tuple[Any, Path | None]:
     where: Path | None = None
     problem: str | None = None
     tree = None
@@ -499,13 +502,18 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, Path |
         source = _metadata_tree(source)
     if problem is None:
         tree, problem, entries = _plan_targets(source, mesh, specs, what)
+    if problem is None and like is not None:
+        tree, problem = _shaped.into(tree, like, what)
+        entries.append(["like=", "structure", str(jax.tree_util.tree_structure(like))])
     head = [["the directory", "path", str(where)]] if where is not None else []
     _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")
     return tree, where
 
 
 @public
-def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
+def restore(
+    path: str | os.PathLike[str], mesh: Mesh, specs: Any = None, *, like: Any = None
+) -> Any:
     """Read the checkpoint at ``path`` onto ``mesh``: global arrays laid out by ``specs``.
 
     The mesh may have any shape and the program any number of processes (the checkpoint may
@@ -520,14 +528,20 @@ def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
         mesh: the mesh to restore onto; it must include devices of every process.
         specs: None (each array keeps the spec it was saved with, its axes looked up in
             ``mesh``), one spec for every array, or a pytree prefix of the checkpoint's tree.
+        like: a template of the tree that was saved (the state as a fresh run builds it:
+            arrays or ``jax.ShapeDtypeStruct`` s): the tree comes back in its structure, optax
+            states, flax ``nnx`` states, dataclasses and NamedTuples as their own types
+            (`meshkit._src.checkpoint.shaped`). Default: dicts and lists.
 
     Returns:
-        The checkpoint's tree (dicts and lists, as orbax stores it): global ``jax.Array`` s on
-        ``mesh``, host values as they were saved.
+        The checkpoint's tree (dicts and lists, as orbax stores it, or ``like``'s structure):
+        global ``jax.Array`` s on ``mesh``, host values as they were saved.
 
     Raises:
         MeshkitError: as `targets`; a checkpoint that was never completed (orbax's temporary
-            directory, left by a process that failed mid-save) or no checkpoint at ``path``.
+            directory, left by a process that failed mid-save) or no checkpoint at ``path``;
+            a ``like`` with a leaf the checkpoint lacks or has in another shape, or without
+            one of its arrays.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
@@ -544,7 +558,7 @@ def restore(path: str | os.PathLike[str], mesh: Mesh, specs: Any = None) -> Any:
     what = "meshkit.checkpoint.restore"
     ocp = _import_orbax(what)
     started = time.monotonic()
-    tree, where = _targets(_path(path, what), mesh, specs, what)
+    tree, where = _targets(_path(path, what), mesh, specs, what, like)
     checkpointer = ocp.StandardCheckpointer()
     try:
         restored = checkpointer.restore(where, tree)

@@ -1,0 +1,105 @@
+"""Restore into the caller's structure: ``meshkit.checkpoint.restore(path, mesh, like=state)``.
+
+orbax stores a pytree as nested dicts and lists: an optax state (NamedTuples), a flax ``nnx``
+state, a dataclass come back as plain dicts and lists ("'dict' object has no attribute 'mu'").
+Given a template of the tree that was saved (the state as a fresh run builds it, arrays or
+``jax.ShapeDtypeStruct`` s), `into` arranges the restore targets in the template's own
+structure, matching each of its leaves to the checkpoint's entry at the same path: a field or a
+key by its name, a sequence item by its position. orbax then restores into that structure, so
+the types come back as they were saved.
+
+Every leaf of the template must be in the checkpoint with the same shape, and every array of the
+checkpoint in the template: a difference is named (the path, and what each side has), never a
+silent partial restore.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["into"]
+
+
+def _step(key: Any) -> str | int:
+    """One step of a key path, as the checkpoint's dicts and lists name it."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            value = getattr(key, attr)
+            return value if isinstance(value, int) else str(value)
+    return str(key)
+
+
+def _show(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f"[{p!r}]" for p in path) or "the top"
+
+
+def _child(node: Any, step: str | int) -> tuple[bool, Any]:
+    if isinstance(node, dict):
+        for key in (step, str(step)):
+            if key in node:
+                return True, node[key]
+        return False, None
+    if isinstance(node, list | tuple) and isinstance(step, int) and 0 <= step < len(node):
+        return True, node[step]
+    return False, None
+
+
+def _has(node: Any) -> str:
+    if isinstance(node, dict):
+        return f"the keys {sorted(map(str, node))}"
+    if isinstance(node, list | tuple):
+        return f"a sequence of {len(node)}"
+    return f"a leaf ({type(node).__name__})"
+
+
+def into(targets: Any, like: Any, what: str) -> tuple[Any, str | None]:
+    """The checkpoint's restore targets in ``like``'s structure; or None and the difference.
+
+    ``targets`` are nested dicts and lists, as orbax describes a saved tree.
+
+    Examples:
+        >>> from typing import NamedTuple
+        >>> class State(NamedTuple):
+        ...     mu: Any
+        ...     count: Any
+        >>> shaped, problem = into({"mu": 1.0, "count": 2}, State(0.0, 0), "restore")
+        >>> shaped, problem
+        (State(mu=1.0, count=2), None)
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    wanted: set[tuple[str | int, ...]] = set()
+    for keys, leaf in flat:
+        path = tuple(_step(k) for k in keys)
+        node: Any = targets
+        for depth, step in enumerate(path):
+            found, node_next = _child(node, step)
+            if not found:
+                return None, (
+                    f"{what}: like= has {_show(path)}, which the checkpoint lacks: at "
+                    f"{_show(path[:depth])} the checkpoint has {_has(node)}.\n"
+                    "Consider as like= the state as the run that saved it built it (same "
+                    "model, same optimizer)."
+                )
+            node = node_next
+        saved_shape = tuple(np.shape(node))
+        if hasattr(leaf, "shape") and tuple(leaf.shape) != saved_shape:
+            return None, (
+                f"{what}: like= has {_show(path)} of shape {tuple(leaf.shape)}; the checkpoint's "
+                f"is of shape {saved_shape}.\nConsider as like= the state of the model that was "
+                "saved (the same sizes)."
+            )
+        wanted.add(path)
+        out.append(node)
+    for keys, _ in jax.tree_util.tree_flatten_with_path(targets)[0]:
+        path = tuple(_step(k) for k in keys)
+        if path not in wanted:
+            return None, (
+                f"{what}: the checkpoint has {_show(path)}, which like= lacks; a restore into "
+                "like= would drop it.\nConsider as like= the whole state that was saved, or "
+                "restore without like= and pick what you need."
+            )
+    return jax.tree_util.tree_unflatten(treedef, out), None
