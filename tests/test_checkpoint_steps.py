@@ -63,3 +63,35 @@ def test_bad_input_is_named():
         match=r"^meshkit.checkpoint.latest: root must be a str or os.PathLike; got int\.$",
     ):
         meshkit.checkpoint.latest(3)  # type: ignore[arg-type]
+
+
+def test_save_keeps_the_latest_steps(tmp_path):
+    from conftest import require
+
+    require("orbax.checkpoint", "orbax")
+    import numpy as np
+
+    for step in range(1, 5):
+        meshkit.checkpoint.save(meshkit.checkpoint.step_path(tmp_path, step), {"s": step}, keep=2)
+    (tmp_path / f"step_3{_TMP}-1").mkdir()  # a save cut short, older than the latest
+    (tmp_path / f"step_9{_TMP}-1").mkdir()  # a save of a newer step, still going on
+    meshkit.checkpoint.save(meshkit.checkpoint.step_path(tmp_path, 5), {"s": np.int32(5)}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5", f"step_9{_TMP}-1"]
+    assert meshkit.checkpoint.latest(tmp_path).step == 5
+
+
+def test_keep_needs_a_count_and_a_step_directory(tmp_path):
+    from conftest import require
+
+    require("orbax.checkpoint", "orbax")
+    with pytest.raises(
+        MeshkitError, match=r"^meshkit.checkpoint.save: keep must be an int >= 1 \(the latest"
+    ):
+        meshkit.checkpoint.save(tmp_path / "step_1", {"s": 1}, keep=0)
+    with pytest.raises(
+        MeshkitError,
+        match=r"^meshkit.checkpoint.save: keep= needs a step directory, <root>/step_<n>; got "
+        r"'final'.\nConsider meshkit.checkpoint.step_path\(root, step\) as the path.",
+    ):
+        meshkit.checkpoint.save(tmp_path / "final", {"s": 1}, keep=3)
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -240,7 +240,7 @@ def _path(path: str | os.PathLike[str], what: str) -> Path:
 
 
 @public
-def save(path: str | os.PathLike[str], tree: Any) -> None:
+def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) -> None:
     """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
 
     Global arrays (from `meshkit.global_array_from_local`, `meshkit.replicate`,
@@ -254,10 +254,15 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         path: a directory that does not exist yet (its parents are created), on a filesystem
             every process sees.
         tree: a pytree (dict, list, dataclass ...) of ``jax.Array`` s, numpy arrays and numbers.
+        keep: with ``path`` a ``step_<n>`` directory (`step_path`): once the save is complete,
+            keep only the ``keep`` latest complete steps beside it, and the temporary
+            directories of saves newer than the latest (process 0 deletes the rest). None:
+            delete nothing.
 
     Raises:
-        MeshkitError: what `check_savable` finds (a process-local array, above all), or
-            ``path`` exists already. Every process raises, before anything is written.
+        MeshkitError: what `check_savable` finds (a process-local array, above all), ``path``
+            exists already, or ``keep`` is not an int >= 1 or ``path`` no ``step_<n>``
+            directory. Every process raises, before anything is written.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
@@ -279,8 +284,11 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
             "Consider one directory per step (f'{root}/step_{step}'), or orbax's "
             "CheckpointManager, which numbers the steps and keeps the last few."
         )
+    if problem is None and keep is not None:
+        problem = _steps.keep_problem(where, keep, what)
     head = ["the directory", "path", str(where)]
-    _agree_on(what, "checkpoint/save", [head, *entries], problem, "save the same tree")
+    kept = ["keep=", "keep", str(keep)]
+    _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
     checkpointer = ocp.StandardCheckpointer()
     try:
         checkpointer.save(where, tree)
@@ -288,6 +296,8 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
     finally:
         checkpointer.close()
     _events.emit(_events.SAVED, step=_steps.step_of(where))  # for meshkit launch's report
+    if keep is not None and _compat.distributed_state()[1] == 0:
+        _steps.prune(where.parent, keep)
 
 
 def _metadata_tree(source: Any) -> Any:

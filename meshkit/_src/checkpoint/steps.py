@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 
-__all__ = ["Latest", "latest", "step_of", "step_path"]
+__all__ = ["Latest", "keep_problem", "latest", "prune", "step_of", "step_path"]
 
 _STEP = re.compile(r"step_(\d+)")
+_TMP = re.compile(r"step_(\d+)\.orbax-checkpoint-tmp.*")  # a save not complete (yet)
 
 
 @dataclass(frozen=True)
@@ -98,3 +100,43 @@ def latest(root: str | os.PathLike[str]) -> Latest | None:
         return None
     steps = [step for e in where.iterdir() if e.is_dir() and (step := step_of(e)) is not None]
     return Latest(max(steps), where / f"step_{max(steps)}") if steps else None
+
+
+def keep_problem(where: Path, keep: object, what: str) -> str | None:
+    """Why ``keep`` cannot apply to a save at ``where``, or None."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        return f"{what}: keep must be an int >= 1 (the latest steps to keep); got {keep!r}."
+    if step_of(where) is None:
+        return (
+            f"{what}: keep= needs a step directory, <root>/step_<n>; got {where.name!r}.\n"
+            "Consider meshkit.checkpoint.step_path(root, step) as the path."
+        )
+    return None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` latest complete steps under ``root``; what was deleted.
+
+    The temporary directories of saves that never completed go too, unless they belong to a
+    step newer than the latest complete one (a save still going on).
+
+    Examples:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for name in ("step_1", "step_2", "step_3", "step_2.orbax-checkpoint-tmp-1"):
+        ...     (root / name).mkdir()
+        >>> sorted(p.name for p in prune(root, 2))
+        ['step_1', 'step_2.orbax-checkpoint-tmp-1']
+    """
+    complete = sorted(
+        (step, e) for e in root.iterdir() if e.is_dir() and (step := step_of(e)) is not None
+    )
+    gone = [e for _, e in complete[:-keep]]
+    newest = complete[-1][0] if complete else -1
+    for e in root.iterdir():
+        found = _TMP.fullmatch(e.name)
+        if found and e.is_dir() and int(found.group(1)) <= newest:
+            gone.append(e)
+    for e in gone:
+        shutil.rmtree(e, ignore_errors=True)
+    return gone
