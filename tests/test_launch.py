@@ -21,9 +21,9 @@ from conftest import EXAMPLES, processes_with_marker
 import meshkit
 from meshkit import LaunchError
 from meshkit._src.core.ports import port_in_use, reserve_port
-from meshkit._src.launch import launcher as _launcher
 from meshkit._src.launch import reaper as _reaper
 from meshkit._src.launch.rank_output import Pump, Sink
+from meshkit._src.launch.report import unjoined_report
 from meshkit._src.launch.spawn import rank_environments
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
@@ -820,7 +820,7 @@ def test_a_program_whose_ranks_never_join_fails_unless_allowed(tmp_path):
 
 
 def test_the_ranks_that_never_joined_are_named():
-    assert _launcher._unjoined([2, 3], 4).startswith(
+    assert unjoined_report([2, 3], 4).startswith(
         "meshkit launch: every rank exited 0, but ranks 2-3 never joined the program (no "
         "meshkit.init() call): each of those ran alone, as a program of one process"
     )
