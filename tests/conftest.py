@@ -123,3 +123,13 @@ def warm_cluster_env() -> dict[str, str]:
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"warm cluster processes left behind: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _simulated_hosts(request: pytest.FixtureRequest) -> None:
+    """A test marked ``hosts`` skips (the reason printed) where simulated hosts cannot be made,
+    and fails instead under ``MESHKIT_REQUIRE_HOSTS=1`` (CI, as root)."""
+    if request.node.get_closest_marker("hosts") is not None:
+        from host_runs import require_hosts
+
+        require_hosts()

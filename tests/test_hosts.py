@@ -20,18 +20,12 @@ from host_runs import (
     finish,
     launcher,
     left,
-    require_hosts,
     start,
     wait_for,
 )
 from hosts import Hosts
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
-
-
-@pytest.fixture(autouse=True)
-def _simulated_hosts_can_be_made() -> None:
-    require_hosts()
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.hosts]
 
 
 PROGRAM = """\

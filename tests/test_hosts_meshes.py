@@ -14,17 +14,11 @@ from host_runs import (
     finish,
     launcher,
     left,
-    require_hosts,
     start,
 )
 from hosts import Hosts
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
-
-
-@pytest.fixture(autouse=True)
-def _simulated_hosts_can_be_made() -> None:
-    require_hosts()
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.hosts]
 
 
 # ---- meshes: the inner axis stays inside each host, whatever the ranks -----------------------

@@ -17,7 +17,6 @@ from host_runs import (
     finish,
     launcher,
     left,
-    require_hosts,
     start,
     wait_for,
 )
@@ -26,12 +25,7 @@ from hosts import Hosts
 import meshkit
 from meshkit.testing._forks import starter
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
-
-
-@pytest.fixture(autouse=True)
-def _simulated_hosts_can_be_made() -> None:
-    require_hosts()
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.hosts]
 
 
 # ---- restarts: a process killed, a host killed; the run ends as an uninterrupted one --------
