@@ -114,22 +114,35 @@ def test_a_host_unplugged_is_named_by_both(program, tmp_path):
 
 
 def test_the_forming_line_names_the_host_whose_ranks_are_late(tmp_path):
+    """Host-1's processes start only once machine 0 has said it waits for them (a file the test
+    creates then), however slowly the machine runs: the line is always there to read."""
+    go = tmp_path / "go"
     (tmp_path / "late.py").write_text(
-        "import socket, time\n"
-        "if socket.gethostname() == 'host-1':\n"
-        "    time.sleep(6)  # its ranks are slow to start (a slow disk, a big import)\n"
+        "import os, socket, sys, time\n"
+        "if socket.gethostname() == 'host-1':  # slow to start (a slow disk, a big import)\n"
+        "    deadline = time.monotonic() + 60\n"
+        f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.1)\n"
         "import meshkit\n"
         "meshkit.init()\n"
     )
+    said = "ranks 0-1 joining; machine 1 (host-1): ranks 2-3 starting"
     with Hosts(2) as hosts:
         run = ["-n", "2", "-d", "1", str(tmp_path / "late.py")]
-        outs = finish(start(hosts, tmp_path, [launcher(0, run), launcher(1, run)]), tmp_path)
+        procs = start(hosts, tmp_path, [launcher(0, run), launcher(1, run)])
+        deadline = time.monotonic() + 60
+        while said not in (tmp_path / "launcher0.err").read_text():
+            if time.monotonic() > deadline:
+                go.touch()  # let the run end; the assertion below says what was printed
+                break
+            time.sleep(0.1)
+        go.touch()
+        outs = finish(procs, tmp_path)
         assert left(hosts) == []
     (code0, _, err0), (code1, _, err1) = outs
     assert (code0, code1) == (0, 0), (err0, err1)
     waiting = [x for x in err0.splitlines() if "waiting for the cluster to form" in x]
-    assert any(x.endswith("ranks 0-1 joining; machine 1 (host-1): ranks 2-3 starting")
-               for x in waiting), err0  # fmt: skip
+    assert any(x.endswith(said) for x in waiting), err0
     assert "meshkit launch: the cluster formed after " in err0, err0
 
 
