@@ -18,7 +18,7 @@ from host_runs import (
 )
 from hosts import Hosts
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.hosts]
 
 
 # ---- meshes: the inner axis stays inside each host, whatever the ranks -----------------------

@@ -25,7 +25,7 @@ from hosts import Hosts
 import meshkit
 from meshkit.testing._forks import starter
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.hosts]
 
 
 # ---- restarts: a process killed, a host killed; the run ends as an uninterrupted one --------
