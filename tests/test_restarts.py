@@ -157,6 +157,11 @@ def test_an_attempt_is_read_from_the_ranks_records():
         elapsed=1.0, joined_s=2.5, stopped_s=0.5, restored_step=4, restore_s=0.5,
         saved_step=6, failure=(1, "ValueError", "t.py:3", 6),
     )  # fmt: skip
+    # The rank that raised is the cause, whichever rank the launcher saw exit first.
+    peer = _event(0, _events.FAILED, 0.5, cause="peer", process=1, error="ValueError")
+    raced = attempt_of(2, _result(1, 0, "x"), [peer, *records], ranks=[0, 1], started_at=100.0,
+                       stopped_s=0.5, restartable=True)  # fmt: skip
+    assert raced.failure == (1, "ValueError", "t.py:3", 6)
     missing = attempt_of(0, _result(0), records[:1], ranks=[0, 1], started_at=100.0,
                          stopped_s=None, restartable=False)  # fmt: skip
     assert (missing.joined_s, missing.failure, missing.cause) == (None, None, "")

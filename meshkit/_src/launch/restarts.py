@@ -72,11 +72,13 @@ def attempt_of(
     restored_step = next((s for s, _ in restored if s is not None), None)
     saved_step = max(saved) if saved else None
     failure = None
-    first = result.first_failure
-    if first is not None and first in failed and failed[first].fields.get("cause") == "exception":
-        fields = failed[first].fields
+    # The rank whose own exception started it (the earliest such record), whichever rank the
+    # launcher saw exit first: the others' exits (a peer's failure noticed) race with it.
+    raised = [e for e in failed.values() if e.fields.get("cause") == "exception"]
+    if result.returncode != 0 and raised:
+        first = min(raised, key=lambda e: (e.time, e.rank))
         last_step = saved_step if saved_step is not None else restored_step
-        failure = (first, fields.get("error"), fields.get("where"), last_step)
+        failure = (first.rank, first.fields.get("error"), first.fields.get("where"), last_step)
     return LaunchAttempt(
         number=number,
         returncode=result.returncode,
