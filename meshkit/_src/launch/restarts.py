@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from ..core import events as _events
-from .report import LaunchAttempt, LaunchResult
+from .report import LaunchAttempt, LaunchResult, Told
 
 __all__ = [
     "ENV_MAX_RESTARTS",
@@ -59,7 +59,7 @@ def attempt_of(
     joined: dict[int, float] = {}
     saved: list[int] = []
     restored: list[tuple[int | None, float]] = []
-    failed: dict[int, _events.Event] = {}
+    records = list(records)
     for event in records:
         if event.kind == _events.JOINED:
             joined.setdefault(event.rank, event.time)
@@ -67,13 +67,12 @@ def attempt_of(
             saved.append(int(event.fields["step"]))
         elif event.kind == _events.RESTORED:
             restored.append((event.fields.get("step"), float(event.fields.get("seconds", 0.0))))
-        elif event.kind == _events.FAILED:
-            failed.setdefault(event.rank, event)
     restored_step = next((s for s, _ in restored if s is not None), None)
     saved_step = max(saved) if saved else None
     failure = None
     # The rank whose own exception started it (the earliest such record), whichever rank the
     # launcher saw exit first: the others' exits (a peer's failure noticed) race with it.
+    failed = Told.of(records).failed  # each rank's first failure, as the report reads them
     raised = [e for e in failed.values() if e.fields.get("cause") == "exception"]
     if result.returncode != 0 and raised:
         first = min(raised, key=lambda e: (e.time, e.rank))
