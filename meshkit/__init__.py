@@ -46,6 +46,8 @@ if _typing.TYPE_CHECKING:
     from ._src.launch.launcher import RankResult as RankResult
     from ._src.launch.launcher import launch as launch
     from ._src.launch.report import LaunchAttempt as LaunchAttempt
+    from ._src.lifecycle.preemption import PreemptionNotice as PreemptionNotice
+    from ._src.lifecycle.preemption import notice as preemption_notice
     from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
     from ._src.pmap.legacy import device_put_replicated as device_put_replicated
     from ._src.pmap.legacy import device_put_sharded as device_put_sharded
@@ -89,6 +91,7 @@ __all__ = [
     "MeshkitNameError",
     "MeshkitTypeError",
     "PmapFunction",
+    "PreemptionNotice",
     "ProcessSlice",
     "RankResult",
     "ReshardWarning",
@@ -114,6 +117,7 @@ __all__ = [
     "make_mesh",
     "pad_shard_unpad",
     "pmap_compat",
+    "preemption_notice",
     "prefetch_to_device",
     "process_slice",
     "replicate",
@@ -143,6 +147,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "LaunchAttempt": ("._src.launch.report", "LaunchAttempt"),
     "RankResult": ("._src.launch.launcher", "RankResult"),
     "launch": ("._src.launch.launcher", "launch"),
+    "PreemptionNotice": ("._src.lifecycle.preemption", "PreemptionNotice"),
+    "preemption_notice": ("._src.lifecycle.preemption", "notice"),
     "device_put_replicated": ("._src.pmap.legacy", "device_put_replicated"),
     "device_put_sharded": ("._src.pmap.legacy", "device_put_sharded"),
     "get_metrics": ("._src.pmap.legacy_data", "get_metrics"),

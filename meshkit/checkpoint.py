@@ -45,6 +45,7 @@ from ._src.checkpoint.orbax import save as save
 from ._src.checkpoint.orbax import targets as targets
 from ._src.checkpoint.steps import Latest as Latest
 from ._src.checkpoint.steps import latest as latest
+from ._src.checkpoint.steps import should_save as should_save
 from ._src.checkpoint.steps import step_path as step_path
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "latest",
     "restore",
     "save",
+    "should_save",
     "step_path",
     "targets",
 ]

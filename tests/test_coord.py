@@ -6,6 +6,7 @@ Each test runs several "processes" as threads of this one, each with its own `No
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import threading
@@ -20,9 +21,10 @@ from hypothesis import strategies as st
 from meshkit._src.coord import absent, barrier, counter, failures, window
 from meshkit._src.coord.fake import FakeCluster, FakeService, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
-from meshkit._src.coord.service import Barrier, JaxService
+from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
 from meshkit._src.core.errors import DivergenceError, MeshkitError
-from meshkit._src.lifecycle.failfast import Unanswered
+from meshkit._src.lifecycle.failfast import Posted, Unanswered
+from meshkit._src.lifecycle.preemption import PreemptionNotice
 
 
 def _together(nodes: list[Node], body: Callable[[Node], Any], timeout: float = 30.0) -> list[Any]:
@@ -711,14 +713,33 @@ def test_a_late_process_and_another_channel_are_no_cycle():
 def test_failure_posts_are_seen_by_the_others_only():
     cluster = FakeCluster(3)
     failures.post(cluster.service(2), 2, "ValueError: boom")
-    assert failures.poll(cluster.service(2), 2) == []
-    assert failures.poll(cluster.service(0), 0) == [failures.FailurePost(2, "ValueError: boom")]
+    assert failures.poll(cluster.service(2), 2) == Posted([], [])
+    assert failures.poll(cluster.service(0), 0) == Posted([(2, "ValueError: boom")], [])
+
+
+def test_preemption_notices_travel_with_the_failures_in_one_listing():
+    cluster = FakeCluster(3)
+    late = PreemptionNotice(process=2, received=20.0, deadline=45.0, own=True)
+    first = PreemptionNotice(process=1, received=10.0, deadline=35.0, own=True)
+    failures.post_notice(cluster.service(2), late)
+    failures.post_notice(cluster.service(1), first)
+    failures.post(cluster.service(2), 2, "ValueError: boom")
+    service = Counted(cluster.service(0), Stats())
+    posted = failures.poll(service, 0)
+    assert service.stats.rpcs == 1  # one directory listing for both
+    # Taken as told by another process, the first notice first; never one's own.
+    assert posted.notices == [
+        dataclasses.replace(first, own=False),
+        dataclasses.replace(late, own=False),
+    ]
+    assert posted.failures == [(2, "ValueError: boom")]
+    assert failures.poll(cluster.service(1), 1).notices == [dataclasses.replace(late, own=False)]
 
 
 def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_service_is_gone():
     cluster = FakeCluster(2)
     failures.post(cluster.service(1), 1, "ValueError: boom")
-    assert failures.answer(cluster.service(0), 0) == [(1, "ValueError: boom")]
+    assert failures.answer(cluster.service(0), 0) == Posted([(1, "ValueError: boom")], [])
     cluster.leave(0)  # as the real client when its service is gone: UNAVAILABLE
     assert failures.answer(cluster.service(0), 0) == Unanswered(
         lost=True, error="process 0 has left the fake coordination service"
@@ -735,16 +756,17 @@ def test_the_failure_watch_ends_the_process_only_for_a_service_that_is_gone(monk
 
     def watch(answers: list[Any]) -> list[str]:
         ended: list[str] = []
-        w = failfast._Watch(1, 2, -1, 1.0, poll=lambda: answers.pop(0) if answers else None)
+        w = failfast._Watch(1, 2, poll=lambda: answers.pop(0) if answers else None)
         monkeypatch.setattr(w, "_lost", ended.append)
         w.run()  # returns when the answers run out (None: not joined anymore)
         return ended
 
     slow = Unanswered(lost=False, error="DEADLINE_EXCEEDED")
     gone = Unanswered(lost=True, error="UNAVAILABLE: socket closed")
+    none = Posted([], [])
     assert watch([slow] * 5) == []
-    assert watch([gone, [], gone, slow, gone]) == []  # never twice in a row
-    assert watch([[], gone, gone]) == ["UNAVAILABLE: socket closed"]
+    assert watch([gone, none, gone, slow, gone]) == []  # never twice in a row
+    assert watch([none, gone, gone]) == ["UNAVAILABLE: socket closed"]
 
 
 def test_one_wording_for_processes_that_did_not_arrive():

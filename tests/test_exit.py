@@ -186,15 +186,13 @@ def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch)
     ]
 
 
-def test_sigterm_and_a_peers_failure_write_failed(status, monkeypatch):
+def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
-    _failfast._sigterm(1.0, 3)
-    watch = _failfast._Watch(3, 4, -1, 1.0, poll=list)
+    watch = _failfast._Watch(3, 4, poll=list)
     watch._failed(1, "RuntimeError: planted")
     watch._lost("UNAVAILABLE")
     assert _events_of(status) == [
-        ("failed", {"cause": "signal", "error": "SIGTERM"}),
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
         ("failed", {"cause": "peer", "process": 0, "system": "the coordination service"}),
     ]
@@ -270,5 +268,4 @@ def test_a_failing_two_process_run_leaves_its_events(tmp_path):
     assert events[0][0] == ("joined", {}), events
     assert events[0][1] in (
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "ValueError"}),
-        ("failed", {"cause": "signal", "error": "SIGTERM"}),
     ), events

@@ -1,10 +1,13 @@
 """Whole-group restarts on simulated hosts, 2 hosts x 2 processes x 2 CPU devices: a process
 killed on one host, and a whole host killed, at step 7 of 12 (a checkpoint every 2 steps); each
-run ends with the uninterrupted run's final loss and parameters. Needs root (see `host_runs`).
+run ends with the uninterrupted run's final loss and parameters. And a preemption: SIGTERM to
+one host's launcher reaches every process of both. Needs root (see `host_runs`).
 """
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -100,3 +103,33 @@ def test_a_host_killed_restarts_the_group_when_its_launcher_comes_back(
     assert "; restored step 6 in " in err0_text, err0_text
     finals = _finals([out0, (tmp_path / "again.out").read_text()])
     assert finals == [uninterrupted_final]
+
+
+# ---- a preemption notice to one host's launcher ---------------------------------------------
+
+PREEMPTED = Path(__file__).parent / "ranks" / "preempted.py"
+
+
+def test_sigterm_to_one_hosts_launcher_preempts_every_host(tmp_path):
+    # Host 1's launcher forwards the notice to its ranks, which tell host 0's through the
+    # coordination service: all four save at one step, end with 143, and both launchers report
+    # the same and exit with 143 (not restarted: the launcher itself is being stopped).
+    require("orbax.checkpoint", "orbax")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    with Hosts(2) as hosts:
+        run = ["--max-restarts", "1", "-n", "2", "-d", "2", str(PREEMPTED), str(tmp_path / "ck"),
+               "should", "--victim", "9", "--ready", str(ready)]  # fmt: skip
+        procs = start(hosts, tmp_path, [launcher(0, run), launcher(1, run)])
+        wait_for([ready / f"ready{p}" for p in range(4)])
+        procs[1].send_signal(signal.SIGTERM)
+        outs = finish(procs, tmp_path)
+        assert left(hosts) == []
+    assert [code for code, _, _ in outs] == [143, 143], outs
+    assert "SIGTERM: a preemption notice, forwarded to every rank" in outs[1][2]
+    reports = [err[err.index("meshkit launch: preempted: ") :] for _, _, err in outs]
+    assert reports[0] == reports[1]
+    found = re.search(r"Every rank saved step (\d+) after it and exited \(status 143\)", reports[0])
+    assert found, reports[0]
+    saving = re.findall(r"\[rank(\d)\] SAVING (\d+)", outs[0][1] + outs[1][1])
+    assert sorted(saving) == [(str(p), found.group(1)) for p in range(4)], saving

@@ -178,74 +178,86 @@ time.sleep(300)
 """
 
 
-@pytest.mark.parametrize("start_ignored", [False, True], ids=["", "started-ignored"])
-@pytest.mark.parametrize(
-    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
-)
-def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
+def _signalled_launcher(tmp_path, marker, signals, *, start_ignored=None, grace="1", env=None):
+    """Run `_WAITS_FOR_A_SIGNAL` under the launcher, send ``signals`` (1 s apart) once both
+    ranks are up; ``(returncode, stdout, stderr, seconds after the first signal, rank pids)``."""
     prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)
     exe = shutil.which("meshkit")
     command = [exe] if exe else [sys.executable, "-m", "meshkit"]
-    if start_ignored:
-        command = [sys.executable, "-c", _START_IGNORING, str(int(sig)), *command]
+    if start_ignored is not None:
+        command = [sys.executable, "-c", _START_IGNORING, str(int(start_ignored)), *command]
     proc = subprocess.Popen(
-        [*command, "launch", "-n", "2", "--grace", "1", str(prog), str(tmp_path)],
-        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
+        [*command, "launch", "-n", "2", "--grace", grace, str(prog), str(tmp_path)],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         deadline = time.monotonic() + 60
-        ranks: list[int] = []
         up = [tmp_path / "up0", tmp_path / "up1"]
         while not all(p.exists() for p in up) and time.monotonic() < deadline:
             time.sleep(0.1)
         ranks = [p for p in processes_with_marker(marker) if _is_rank(p)]
         assert len(ranks) == 2, ranks  # and each has its own signal handler in place
         sent = time.monotonic()
-        proc.send_signal(sig)  # SIGINT is what Ctrl-C sends, SIGHUP what a closed terminal sends
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(1)
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
         took = time.monotonic() - sent
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    left = set(processes_with_marker(marker)) & set(ranks)
+    assert not left, f"ranks still running after the launcher returned: {left}"
+    return proc.returncode, out, err, took, ranks
+
+
+@pytest.mark.parametrize("start_ignored", [False, True], ids=["", "started-ignored"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_launcher_signal_stops_every_rank(tmp_path, marker, sig, start_ignored):
+    # SIGINT is what Ctrl-C sends, SIGHUP what a closed terminal sends.
+    code, out, err, took, _ = _signalled_launcher(
+        tmp_path, marker, [sig], start_ignored=sig if start_ignored else None
+    )
+    assert code == 128 + sig, (code, err)
     assert f"meshkit launch: interrupted by {sig.name}; every rank was stopped.\n" in err, err
     assert "[rank0] rank 0 got SIGTERM" in out, out  # stopped by SIGTERM first ...
     assert took < 20, took  # ... and rank 1, which ignores it, by SIGKILL after --grace 1
-    left = set(processes_with_marker(marker)) & set(ranks)
-    assert not left, f"ranks still running after the launcher returned: {left}"
+
+
+@pytest.mark.parametrize("start_ignored", [False, True], ids=["", "started-ignored"])
+def test_launcher_sigterm_is_a_preemption_notice_for_every_rank(tmp_path, marker, start_ignored):
+    # A scheduler's SIGTERM goes to each rank, which ends by itself (rank 0, whose program takes
+    # SIGTERM and exits); one that does not end within MESHKIT_PREEMPT_GRACE and --grace (rank
+    # 1 ignores SIGTERM) is stopped. A second SIGTERM changes nothing.
+    code, out, err, took, _ = _signalled_launcher(
+        tmp_path, marker, [signal.SIGTERM, signal.SIGTERM],
+        start_ignored=signal.SIGTERM if start_ignored else None,
+        env={"MESHKIT_PREEMPT_GRACE": "2"},
+    )  # fmt: skip
+    assert code == 128 + signal.SIGTERM, (code, err)
+    assert "meshkit launch: SIGTERM: a preemption notice, forwarded to every rank" in err, err
+    assert err.count("forwarded to every rank") == 1, err
+    assert "[rank0] rank 0 got SIGTERM" in out, out
+    assert "meshkit launch: preempted: the notice (SIGTERM to the launcher) reached" in err, err
+    assert "Ranks 1 had not ended when the launcher's wait after the notice ran out" in err, err
+    assert 2 <= took < 20, took
 
 
 _LAUNCH = [sys.executable, "-m", "meshkit", "launch"]
 
 
-def test_a_second_signal_skips_the_grace_period(tmp_path, marker):
-    prog = script(tmp_path, _WAITS_FOR_A_SIGNAL)  # rank 1 ignores SIGTERM
-    proc = subprocess.Popen(
-        [*_LAUNCH, "-n", "2", "--grace", "60", str(prog), str(tmp_path)],
-        env={**os.environ, "MESHKIT_TEST_MARKER": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        up = [tmp_path / "up0", tmp_path / "up1"]
-        while not all(p.exists() for p in up) and time.monotonic() < deadline:
-            time.sleep(0.1)  # until each rank's signal handler is in place
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)  # rank 1 would hold the launcher for 60 s
-        _, err = proc.communicate(timeout=30)
-        took = time.monotonic() - sent
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-    assert proc.returncode == 128 + signal.SIGTERM, err  # the first signal is the one reported
-    assert "interrupted by SIGTERM; every rank was stopped." in err
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_second_signal_skips_the_grace_period(tmp_path, marker, first):
+    # Rank 1 ignores SIGTERM and would hold the launcher for --grace 60 s; after a SIGTERM (a
+    # notice), the SIGINT that follows stops the run, and a third signal hurries that stop.
+    signals = [first, signal.SIGINT] + ([signal.SIGHUP] if first == signal.SIGTERM else [])
+    code, _, err, took, _ = _signalled_launcher(tmp_path, marker, signals, grace="60")
+    assert code == 128 + signal.SIGINT, err  # the signal that stopped the run
+    assert "interrupted by SIGINT; every rank was stopped." in err
     assert took < 20, took
 
 

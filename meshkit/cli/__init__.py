@@ -26,7 +26,9 @@ examples:
 Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
 MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
 When a rank fails, the others are stopped and its error is shown; the exit status is its own.
-SIGINT, SIGTERM or SIGHUP to the launcher stop every rank; the exit status is 128 + the signal.
+SIGTERM to the launcher is a preemption notice: it goes to every rank, which save (see
+meshkit.checkpoint.should_save) and end within MESHKIT_PREEMPT_GRACE seconds (25), then status 143.
+SIGINT or SIGHUP stop every rank; the exit status is 128 + the signal.
 With --max-restarts K, a failure stops every rank and the whole group starts again (a fresh
 coordinator; MESHKIT_ATTEMPT tells which start), up to K times, not for the same failure twice.
 On several machines, one launcher each: process ids are node-major (machine R runs R*N..R*N+N-1);
@@ -120,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping ranks",
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (after a preemption "
+        "notice: MESHKIT_PREEMPT_GRACE and this)",
     )
     launch.add_argument(
         "--max-restarts",
@@ -173,8 +176,8 @@ def _launch(args: argparse.Namespace) -> int:
         machines, max_restarts = _machines(args), _max_restarts(args)
     except MeshkitError as e:
         raise LaunchError(str(e)) from None
-    # handle_signals: a launcher stopped by SIGINT, SIGTERM (a CI job cancelled, a scheduler)
-    # or SIGHUP (its terminal closed) stops its ranks too, and exits with 128 + the signal.
+    # handle_signals: SIGTERM (a scheduler's notice) goes to the ranks, which save and end; a
+    # launcher stopped by SIGINT or SIGHUP (its terminal closed) stops its ranks too.
     result = launch(
         command,
         num_processes=args.num_processes,

@@ -23,6 +23,7 @@ from ..core import events as _events
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
+from ..lifecycle import preemption as _preemption
 from ..sharding.specs import is_spec_leaf
 from . import shaped as _shaped
 from . import steps as _steps
@@ -259,10 +260,15 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
             directories of saves newer than the latest (process 0 deletes the rest). None:
             delete nothing.
 
+    After a preemption notice, the save at the step `should_save` named for it is the
+    program's last act: once it is complete on every process, it raises ``SystemExit(143)``
+    (the program unwinds as after ``sys.exit(143)``, status 143 for the scheduler).
+
     Raises:
         MeshkitError: what `check_savable` finds (a process-local array, above all), ``path``
             exists already, or ``keep`` is not an int >= 1 or ``path`` no ``step_<n>``
             directory. Every process raises, before anything is written.
+        SystemExit: with status 143, after the save at a preemption sync point.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
@@ -290,14 +296,17 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
     kept = ["keep=", "keep", str(keep)]
     _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
     checkpointer = ocp.StandardCheckpointer()
-    try:
-        checkpointer.save(where, tree)
-        checkpointer.wait_until_finished()
-    finally:
-        checkpointer.close()
-    _events.emit(_events.SAVED, step=_steps.step_of(where))  # for meshkit launch's report
+    with _preemption.saving():  # a preemption deadline waits for it
+        try:
+            checkpointer.save(where, tree)
+            checkpointer.wait_until_finished()
+        finally:
+            checkpointer.close()
+    step = _steps.step_of(where)
+    _events.emit(_events.SAVED, step=step)  # for meshkit launch's report
     if keep is not None and _compat.distributed_state()[1] == 0:
         _steps.prune(where.parent, keep)
+    _preemption.saved(step)  # after a preemption sync point: SystemExit(143)
 
 
 def _metadata_tree(source: Any) -> Any:

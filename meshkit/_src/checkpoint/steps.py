@@ -16,13 +16,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
+from ..lifecycle import failfast as _failfast
+from ..lifecycle import preemption as _preemption
 
-__all__ = ["Latest", "keep_problem", "latest", "prune", "step_of", "step_path"]
+__all__ = ["Latest", "keep_problem", "latest", "prune", "should_save", "step_of", "step_path"]
 
 _STEP = re.compile(r"step_(\d+)")
 _TMP = re.compile(r"step_(\d+)\.orbax-checkpoint-tmp.*")  # a save not complete (yet)
@@ -140,3 +144,58 @@ def prune(root: Path, keep: int) -> list[Path]:
     for e in gone:
         shutil.rmtree(e, ignore_errors=True)
     return gone
+
+
+def _take_sigterm_alone() -> None:
+    """A process alone that never called `meshkit.init`: SIGTERM becomes a notice here.
+
+    Not when fail-fast is off (``MESHKIT_FAIL_FAST=0`` leaves SIGTERM alone), outside the main
+    thread (only it may take a signal), or when the program initialized ``jax.distributed``
+    itself (JAX's own handler then serves its sync points).
+    """
+    if _preemption.installed() or threading.current_thread() is not threading.main_thread():
+        return
+    if _compat.distributed_state()[0] is not None or _failfast.settings() is None:
+        return
+    _preemption.install(0, seconds=_preemption.grace(), tell=None, sync=_preemption.alone)
+
+
+@public
+def should_save(step: int, *, every: int | None = None) -> bool:
+    """Whether to save at ``step``: every ``every`` steps, and once after a preemption notice.
+
+    Call it at every step, on every process, with the same increasing steps; it answers the
+    same on every process. After a preemption notice (SIGTERM from a scheduler, to any of the
+    processes) it is true at one step, the same on every process: the step after the last one
+    any process asked about when the notice came (the processes agree on it once,
+    `meshkit._src.coord.preemption`; the first step asked, when the notice came while they
+    joined or restored). A `save` made then ends the program once it is complete, with status
+    143 (``SystemExit(143)``): the scheduler starts the run again, and `latest` finds that
+    step. Without a notice it costs no round trip; see the "Preemption and resume" docs.
+
+    Args:
+        step: the training step, increasing from call to call.
+        every: save at every multiple of ``every`` (step 0 excepted); None: only after a notice.
+
+    Returns:
+        Whether to save at ``step``.
+
+    Raises:
+        MeshkitError: ``step`` not an int >= 0, ``every`` not an int >= 1.
+
+    Examples:
+        >>> import meshkit
+        >>> [s for s in range(1, 10) if meshkit.checkpoint.should_save(s, every=4)]
+        [4, 8]
+    """
+    what = "meshkit.checkpoint.should_save"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise MeshkitError(f"{what}: step must be an int >= 0; got {step!r}.")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise MeshkitError(
+            f"{what}: every must be an int >= 1 (save at every multiple of it) or None; got "
+            f"{every!r}."
+        )
+    _take_sigterm_alone()
+    notice = _preemption.reached_sync_point(step)
+    return notice or (every is not None and step > 0 and step % every == 0)

@@ -1,24 +1,43 @@
-"""Failure posts: what a failing process tells the others, and how they look for it.
+"""Posts: what a process tells all the others at once, its failure or a preemption notice.
 
 A process that fails in a multi-process run posts ``{"process": id, "failure": text}`` under
-``meshkit/failed/<id>``; every process's failure watch (`meshkit._src.lifecycle.failfast`)
-polls that directory and stops when another process posted. The lifecycle layer sits below
-coordination, so `meshkit._src.runtime.init` hands it `poster` and `watcher` at `init`.
+``meshkit/posts/failed/<id>``; a process that received a preemption notice posts it under
+``meshkit/posts/notice/<id>`` (`meshkit._src.lifecycle.preemption.PreemptionNotice`'s fields).
+Every process's failure watch (`meshkit._src.lifecycle.failfast`) reads both in one directory
+listing per period: a failure stops it, a notice is taken as its own. The lifecycle layer sits
+below coordination, so `meshkit._src.runtime.init` hands it `poster`, `teller` and `watcher`
+at `init`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..core import compat as _compat
-from ..lifecycle.failfast import Unanswered
+from ..lifecycle.failfast import Posted, Unanswered
+from ..lifecycle.preemption import PreemptionNotice
 from .service import JaxService, Service
 
-__all__ = ["PREFIX", "FailurePost", "answer", "poll", "post", "poster", "watcher"]
+__all__ = [
+    "FAILED",
+    "NOTICE",
+    "PREFIX",
+    "FailurePost",
+    "answer",
+    "poll",
+    "post",
+    "post_notice",
+    "poster",
+    "teller",
+    "watcher",
+]
 
-PREFIX = "meshkit/failed/"  # + the failing process's id
+PREFIX = "meshkit/posts/"
+FAILED = PREFIX + "failed/"  # + the failing process's id
+NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
 
 
 @dataclass(frozen=True)
@@ -31,22 +50,38 @@ class FailurePost:
 
 def post(service: Service, me: int, failure: str) -> None:
     """Post process ``me``'s ``failure`` (once: a second post is an error of the service)."""
-    service.set(PREFIX + str(me), json.dumps(asdict(FailurePost(me, failure))))
+    service.set(FAILED + str(me), json.dumps(asdict(FailurePost(me, failure))))
 
 
-def poll(service: Service, me: int) -> list[FailurePost]:
-    """The failures other processes than ``me`` posted so far, by process id."""
-    found = [FailurePost(**json.loads(value)) for _, value in service.dir_get(PREFIX)]
-    return sorted((f for f in found if f.process != me), key=lambda f: f.process)
+def post_notice(service: Service, notice: PreemptionNotice) -> None:
+    """Post a preemption notice that process ``notice.process`` received (once per process)."""
+    service.set(NOTICE + str(notice.process), json.dumps(asdict(notice)))
 
 
-def answer(service: Service, me: int) -> list[tuple[int, str]] | Unanswered:
-    """`poll` as the failure watch sees it: ``(process, failure)`` pairs, or an `Unanswered`."""
+def poll(service: Service, me: int) -> Posted:
+    """What processes other than ``me`` posted so far: failures by process, notices by time."""
+    failures: list[FailurePost] = []
+    notices: list[PreemptionNotice] = []
+    for key, value in service.dir_get(PREFIX):
+        if key.startswith(FAILED):
+            failures.append(FailurePost(**json.loads(value)))
+        elif key.startswith(NOTICE):
+            fields = json.loads(value)
+            notices.append(PreemptionNotice(**{**fields, "own": False}))
+    return Posted(
+        failures=[(f.process, f.failure) for f in sorted(failures, key=lambda f: f.process)
+                  if f.process != me],
+        notices=sorted((n for n in notices if n.process != me),
+                       key=lambda n: (n.received, n.process)),
+    )  # fmt: skip
+
+
+def answer(service: Service, me: int) -> Posted | Unanswered:
+    """`poll` as the failure watch sees it, or an `Unanswered` when the service did not answer."""
     try:
-        posts = poll(service, me)
+        return poll(service, me)
     except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
         return Unanswered(lost=JaxService.gone(e), error=str(e))
-    return [(f.process, f.failure) for f in posts]
 
 
 def _joined() -> JaxService | None:
@@ -65,15 +100,28 @@ def poster(me: int) -> Callable[[str], None]:
     return post_failure
 
 
-def watcher(me: int) -> Callable[[], list[tuple[int, str]] | Unanswered | None]:
-    """`poll` for process ``me`` over the real service, as ``(process, failure)`` pairs.
+def teller() -> Callable[[PreemptionNotice], None]:
+    """Tells the others of this process's notice: meshkit's post, then JAX's sync managers."""
+
+    def tell(notice: PreemptionNotice) -> None:
+        client, _, n = _compat.distributed_state()
+        if client is None or n == 1:
+            return
+        post_notice(JaxService(client), dataclasses.replace(notice, own=False))
+        _compat.tell_jax_preemption(client, notice.received)
+
+    return tell
+
+
+def watcher(me: int) -> Callable[[], Posted | Unanswered | None]:
+    """`poll` for process ``me`` over the real service.
 
     The function returns None once this process is no longer joined (the watch then ends), and
     an `Unanswered` when the service did not answer, told by its status code whether it is gone.
     """
 
-    def poll_failures() -> list[tuple[int, str]] | Unanswered | None:
+    def poll_posts() -> Posted | Unanswered | None:
         service = _joined()
         return None if service is None else answer(service, me)
 
-    return poll_failures
+    return poll_posts

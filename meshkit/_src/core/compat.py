@@ -27,6 +27,7 @@ __all__ = [
     "scan_counts",
     "service_error_code",
     "skip_jax_exit_barrier",
+    "tell_jax_preemption",
     "trace_state_clean",
     "varying_axes",
 ]
@@ -100,6 +101,38 @@ def distributed_state() -> tuple[Any | None, int, int]:
     if state.client is None:
         return None, 0, 1
     return state.client, int(state.process_id), int(state.num_processes)
+
+
+# JAX's preemption sync manager (xla/tsl/distributed_runtime/preemption) learns of a notice from
+# this key of the coordination service, whose value is the time the process will be stopped, in
+# absl's RFC 3339 form; its own SIGTERM handler writes it, which meshkit's handler replaces.
+_PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+
+def tell_jax_preemption(client: Any, received: float) -> bool:
+    """Tell JAX's preemption sync managers of a notice, as JAX's own SIGTERM handler would.
+
+    Every process's manager then takes part in JAX's protocol at once, which sets the same sync
+    step for all (`preemption_sync_point`). Returns False when another process told it first.
+
+    Args:
+        client: the client of ``jax.distributed``.
+        received: when the notice came, in seconds since the epoch (JAX's handler gives the
+            moment of the signal as the time of death: its protocol starts at once).
+    """
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(received, tz=datetime.UTC).isoformat()
+    try:
+        client.key_value_set(_PREEMPTION_NOTICE_KEY, when)
+    except Exception as e:  # JaxRuntimeError: the key is there already (another process told)
+        if service_error_code(e) == _ALREADY_EXISTS:
+            return False
+        raise
+    return True
+
+
+_ALREADY_EXISTS = 6  # gRPC's status code
 
 
 def service_error_code(error: BaseException) -> int | None:

@@ -9,12 +9,14 @@ reads while the run goes on and after it ends.
 from __future__ import annotations
 
 __all__ = [
+    "DEFAULT_PREEMPT_GRACE_S",
     "ENV_ATTEMPT",
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
     "ENV_INIT_TIMEOUT",
     "ENV_LOCAL_DEVICE_IDS",
     "ENV_NUM_PROCESSES",
+    "ENV_PREEMPT_GRACE",
     "ENV_PROCESS_ID",
     "ENV_STATUS",
     "INSIDE",
@@ -33,6 +35,10 @@ ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 ENV_ATTEMPT = "MESHKIT_ATTEMPT"
 # The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).
 ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
+# Seconds from a preemption notice to the end of every rank (`meshkit._src.lifecycle.preemption`);
+# the launcher waits that long, and a margin, for its ranks after forwarding a notice.
+ENV_PREEMPT_GRACE = "MESHKIT_PREEMPT_GRACE"
+DEFAULT_PREEMPT_GRACE_S = 25.0
 
 # The first words of the stall watchdog's report, for people: `meshkit launch` reads the
 # ``stalled`` event (`meshkit._src.core.events`), never these lines.

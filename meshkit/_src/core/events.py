@@ -35,6 +35,7 @@ __all__ = [
     "FAILED",
     "JOINED",
     "KINDS",
+    "PREEMPTED",
     "RESTORED",
     "SAVED",
     "STALLED",
@@ -66,7 +67,13 @@ SAVED = "saved"
 # This rank restored a checkpoint (`meshkit.checkpoint.restore`). Fields: ``step`` (as for
 # SAVED), ``seconds`` (how long the restore took).
 RESTORED = "restored"
-KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED)
+# This rank ends after a preemption notice (`meshkit._src.lifecycle.preemption`). Fields:
+# ``how`` ("saved": it saved after the sync point; "deadline": the grace ran out; "ended": its
+# program returned), ``source`` ("SIGTERM": it received the notice; "process P": P told it),
+# ``process`` (the process that received it), ``received`` (when, seconds since the epoch),
+# ``step`` (the program's last step meshkit saw, or None), ``saved`` (for "saved": the step).
+PREEMPTED = "preempted"
+KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,15 @@ from ..core.version import __version__
 from ..lifecycle import progress as _progress
 from . import restarts as _restarts
 from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
-from .report import LaunchAttempt, LaunchResult, RankResult, Told, root_cause, unjoined_report
+from .report import (
+    LaunchAttempt,
+    LaunchResult,
+    RankResult,
+    Told,
+    preempted_report,
+    root_cause,
+    unjoined_report,
+)
 
 __all__ = ["Hub"]
 
@@ -381,6 +389,10 @@ class Hub:
             total = self.nnodes * hello.processes
             if alone and not hello.allow_unjoined and total > 1:
                 return 1, unjoined_report(alone, total)
+            told = Told.of(sorted(events, key=lambda e: (e.time, e.rank)))
+            if told.preempted:  # the ranks ended for a notice: the run is to start again
+                overdue = any(r.stopped_by_launcher for r in results)
+                return 143, preempted_report(results, told, overdue=overdue, machines=machines)
             return 0, ""
         if cause.why == "lost":
             lost = self.nodes[cause.node]

@@ -26,7 +26,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
-from ..core.contract import ENV_ATTEMPT, ENV_PROCESS_ID, ENV_STATUS
+from ..core.contract import (
+    DEFAULT_PREEMPT_GRACE_S,
+    ENV_ATTEMPT,
+    ENV_PREEMPT_GRACE,
+    ENV_PROCESS_ID,
+    ENV_STATUS,
+)
 from ..core.errors import LaunchError
 from ..core.ports import port_in_use, reserve_port
 from ..lifecycle import progress as _progress
@@ -42,6 +48,7 @@ from .report import (
     RankResult,
     Told,
     describe_exit,
+    preempted_report,
     root_cause,
     signal_name,
     stall_summary,
@@ -97,12 +104,17 @@ def launch(
         cwd: working directory of the ranks.
         stream: print each rank's output live, prefixed ``[rank<r>]``.
         keep_output: keep all output in the result (default: the last lines of each rank).
-        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks; after a preemption
+            notice, the ranks get their ``MESHKIT_PREEMPT_GRACE`` and this before SIGKILL.
         handle_signals: catch SIGINT, SIGTERM and SIGHUP for the duration of the run (also
-            when they were inherited as ignored), stop every rank on the first one and report
-            it (``returncode`` 128 + its number); a second one skips the rest of the grace
-            period. Needs the main thread; ``meshkit launch`` sets it. Without it, only a
-            KeyboardInterrupt is caught, reported as SIGINT.
+            when they were inherited as ignored). SIGTERM is a preemption notice (what
+            schedulers send before they stop a job): it is forwarded to every rank, which save
+            and end by themselves (`meshkit._src.lifecycle.preemption`), and the run ends with
+            status 143 and a report of where they stopped; a second SIGTERM changes nothing.
+            SIGINT and SIGHUP stop every rank and are reported (``returncode`` 128 + the
+            signal's number); a second signal then skips the rest of the grace period. Needs
+            the main thread; ``meshkit launch`` sets it. Without it, only a KeyboardInterrupt
+            is caught, reported as SIGINT.
         subreaper: (Linux) make this process a child subreaper for the run, so that a rank's
             descendant orphaned by its parent's death comes to it, and end every such child it
             did not start itself, even one that cleared its environment and left its session.
@@ -338,6 +350,10 @@ def _run(
             start=start,
             remote=link.stop_requested if link is not None else None,
             share=link.share_stages if link is not None else None,
+            preempted=lambda r: any(
+                e.kind == _events.PREEMPTED for e in _events.read(status.name, [r])
+            ),
+            notice_wait=_notice_wait({**os.environ, **extra_env}) + grace,
         )
         for r, rank_env in zip(ids, envs, strict=True):
             if received:
@@ -377,8 +393,9 @@ def _run(
     if keyboard:
         outcome.interrupted = signal.SIGINT
     results = [rk.result(reached_end=rk.rank in told.ended) for rk in ranks]
-    returncode = _returncode(outcome, results)
-    report = _report(outcome, results, told, timeout, left)
+    preempted = _preempted(outcome, told)
+    returncode = _returncode(outcome, results, preempted)
+    report = _report(outcome, results, told, timeout, left, preempted)
     unjoined = returncode == 0 and bool(alone) and not allow_unjoined and link is None
     if unjoined:
         returncode, report = 1, unjoined_report(alone, len(ids))
@@ -400,6 +417,7 @@ def _run(
         interrupted_by=signal.Signals(outcome.interrupted)
         if outcome.interrupted is not None
         else None,
+        preempted=preempted,
     )
     if over is not None and over.attempts:  # machine 0 counted the starts, over all machines
         result.attempts = over.attempts
@@ -461,12 +479,35 @@ def _rank(results: list[RankResult], rank: int) -> RankResult:
     return next(r for r in results if r.rank == rank)
 
 
-def _returncode(outcome: Outcome, results: list[RankResult]) -> int:
+def _notice_wait(environ: Mapping[str, str]) -> float:
+    """The ranks' grace after a preemption notice (``MESHKIT_PREEMPT_GRACE``), in seconds.
+
+    After forwarding a notice, the launcher waits that long and its own ``grace`` (as a
+    scheduler waits between SIGTERM and SIGKILL) for the ranks to end. A value the ranks refuse
+    makes them fail at ``meshkit.init``; the launcher then waits as for the default.
+    """
+    try:
+        value = float(environ.get(ENV_PREEMPT_GRACE, "").strip() or DEFAULT_PREEMPT_GRACE_S)
+    except ValueError:
+        value = DEFAULT_PREEMPT_GRACE_S
+    return value if math.isfinite(value) and value >= 0 else DEFAULT_PREEMPT_GRACE_S
+
+
+def _preempted(outcome: Outcome, told: Told) -> bool:
+    """Whether the run ended for a preemption notice (and not for a failure, a stop, a timeout)."""
+    if outcome.interrupted is not None or outcome.first_failure is not None or outcome.timed_out:
+        return False
+    return outcome.preempted is not None or bool(told.preempted)
+
+
+def _returncode(outcome: Outcome, results: list[RankResult], preempted: bool = False) -> int:
     if outcome.interrupted is not None:
         return 128 + outcome.interrupted
     if outcome.first_failure is not None:
         code = _rank(results, outcome.first_failure).returncode
         return code if code is not None and code > 0 else 1
+    if preempted:
+        return 128 + signal.SIGTERM
     return 124 if outcome.timed_out else 0
 
 
@@ -476,10 +517,16 @@ def _report(
     told: Told,
     timeout: float | None,
     left: list[int],
+    preempted: bool = False,
 ) -> str:
     """The launcher's closing message: why the run ended badly, then where ranks stalled."""
     report = ""
-    if outcome.interrupted is not None:
+    if preempted:
+        notice = outcome.preempted
+        source = notice.source if notice is not None and notice.source == "the launcher" else None
+        overdue = notice is not None and notice.overdue
+        report = preempted_report(results, told, source, overdue)
+    elif outcome.interrupted is not None:
         report = (
             f"meshkit launch: interrupted by {signal_name(outcome.interrupted)}; every rank was "
             "stopped."

@@ -26,6 +26,7 @@ __all__ = [
     "RankResult",
     "Told",
     "describe_exit",
+    "preempted_report",
     "root_cause",
     "signal_name",
     "stall_summary",
@@ -118,6 +119,8 @@ class LaunchResult:
             rank that failed); empty otherwise.
         attempts: every start of the group, the last one this result's (one without
             ``max_restarts``).
+        preempted: the ranks ended for a preemption notice (SIGTERM to the launcher, which
+            forwarded it, or to a rank): ``returncode`` 143, no restart.
     """
 
     returncode: int
@@ -130,6 +133,7 @@ class LaunchResult:
     values: list[Any] = dataclasses.field(default_factory=list)
     interrupted_by: signal.Signals | None = None
     attempts: list[LaunchAttempt] = dataclasses.field(default_factory=list)
+    preempted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +144,15 @@ class Told:
         failed: each rank's first ``failed`` event (why it failed, as it saw it).
         stalled: each rank's last ``stalled`` event (where its stall watchdog found it).
         ended: the ranks that reached the end of their program while others still ran.
+        preempted: each rank's ``preempted`` event (it ended for a preemption notice).
+        saved: the last step each rank saved completely (``saved`` events with a step).
     """
 
     failed: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
     stalled: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
     ended: frozenset[int] = frozenset()
+    preempted: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
+    saved: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, records: Iterable[_events.Event]) -> Told:
@@ -152,6 +160,8 @@ class Told:
         failed: dict[int, _events.Event] = {}
         stalled: dict[int, _events.Event] = {}
         ended: set[int] = set()
+        preempted: dict[int, _events.Event] = {}
+        saved: dict[int, int] = {}
         for event in records:
             if event.kind == _events.FAILED:
                 failed.setdefault(event.rank, event)  # the first: later ones are its echoes
@@ -159,7 +169,11 @@ class Told:
                 stalled[event.rank] = event
             elif event.kind == _events.ENDED:
                 ended.add(event.rank)
-        return cls(failed, stalled, frozenset(ended))
+            elif event.kind == _events.PREEMPTED:
+                preempted.setdefault(event.rank, event)
+            elif event.kind == _events.SAVED and isinstance(event.fields.get("step"), int):
+                saved[event.rank] = event.fields["step"]
+        return cls(failed, stalled, frozenset(ended), preempted, saved)
 
 
 def signal_name(signum: int) -> str:
@@ -212,6 +226,64 @@ def _stall_text(event: _events.Event) -> str:
 
 def _seconds(value: object) -> str:
     return f"{value:.0f}" if isinstance(value, (int, float)) else "?"
+
+
+def preempted_report(
+    results: Sequence[RankResult],
+    told: Told,
+    source: str | None = None,
+    overdue: bool = False,
+    machines: Mapping[int, str] | None = None,
+) -> str:
+    """The report of a run its ranks ended for a preemption notice (status 143: requeue it).
+
+    Args:
+        results: every rank's result.
+        told: what the ranks recorded (their ``preempted`` and ``saved`` events).
+        source: who received the notice, when the launcher knows (``"the launcher"``).
+        overdue: ranks still ran when the launcher's wait after the notice ran out.
+        machines: in a run on several machines, each rank's machine.
+    """
+    events = sorted(told.preempted.values(), key=lambda e: (e.time, e.rank))
+    if source is None and events:
+        first = events[0].fields
+        source = f"rank {first.get('process')}" if first.get("process") is not None else None
+    said = f"meshkit launch: preempted: the notice (SIGTERM to {source or 'a rank'}) reached"
+    ranks = [r.rank for r in results]
+    how = {e.rank: e.fields.get("how") for e in events}
+    saved_after = sorted({e.fields.get("saved") for e in events if e.fields.get("how") == "saved"},
+                         key=str)  # fmt: skip
+    steps = sorted({e.fields["step"] for e in events if isinstance(e.fields.get("step"), int)})
+    at = f" at step {steps[-1]}" if steps else ""
+    lines = [f"{said} {'every rank' if set(how) >= set(ranks) else 'ranks ' + ranges(how)}{at}."]
+    if saved_after and set(how.values()) == {"saved"}:
+        lines.append(
+            f"Every rank saved step {', '.join(map(str, saved_after))} after it and exited "
+            "(status 143); start the run again to resume there."
+        )
+    else:
+        last = sorted(set(told.saved.values()))
+        kinds = {
+            "deadline": "the grace after the notice ran out",
+            "ended": "its program ended",
+            "saved": "it saved",
+        }
+        for result in results:
+            where = f" on {machines[result.rank]}" if machines and result.rank in machines else ""
+            why = kinds.get(str(how.get(result.rank)))
+            if why is None:  # it ended before it heard of the notice, or said nothing
+                why = "its program ended" if result.returncode == 0 else (
+                    describe_exit(result.returncode))  # fmt: skip
+            lines.append(f"  rank {result.rank}{where}: {why}")
+        since = f" (step {last[-1]}, saved by meshkit.checkpoint)" if last else ""
+        lines.append(f"Start the run again to resume from its last complete checkpoint{since}.")
+    if overdue:
+        alive = [str(r.rank) for r in results if r.stopped_by_launcher]
+        lines.append(
+            f"Ranks {', '.join(alive)} had not ended when the launcher's wait after the notice "
+            "ran out; they were stopped."
+        )
+    return "\n".join(lines) + "\n"
 
 
 def root_cause(

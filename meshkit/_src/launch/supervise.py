@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,7 +22,7 @@ from .reaper import Guardian, Reaper
 from .spawn import Rank
 from .stop import POLL_S
 
-__all__ = ["STATUS_S", "STOP_SIGNALS", "Outcome", "Supervisor", "signals_recorded"]
+__all__ = ["STATUS_S", "STOP_SIGNALS", "Outcome", "Preemption", "Supervisor", "signals_recorded"]
 
 STATUS_S = 0.25  # how often the ranks' stages are read while the cluster forms
 # What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
@@ -53,6 +54,23 @@ def signals_recorded(enabled: bool) -> Iterator[list[int]]:
 
 
 @dataclasses.dataclass
+class Preemption:
+    """A preemption notice during a run (SIGTERM to the launcher, or to a rank directly).
+
+    Attributes:
+        source: who received it: ``"the launcher"`` (which forwarded it to every rank) or
+            ``"rank R"`` (the first rank seen to end for it).
+        after: seconds from the start of the run to the notice.
+        overdue: the ranks did not all end within the launcher's wait after it (they were
+            stopped).
+    """
+
+    source: str
+    after: float
+    overdue: bool = False
+
+
+@dataclasses.dataclass
 class Outcome:
     """Why a run ended, as the supervisor saw it.
 
@@ -66,6 +84,7 @@ class Outcome:
             KeyboardInterrupt).
         stopped_by: in a run on several machines, why another machine stopped this one (what
             ``remote`` returned).
+        preempted: the run's ranks ended for a preemption notice (`Preemption`).
     """
 
     first_failure: int | None = None
@@ -75,6 +94,7 @@ class Outcome:
     tails_at_timeout: dict[int, str] = dataclasses.field(default_factory=dict)
     interrupted: int | None = None
     stopped_by: object | None = None
+    preempted: Preemption | None = None
 
 
 class Supervisor:
@@ -94,6 +114,12 @@ class Supervisor:
             stopped the run: None, or why (the run is then over).
         share: in a run on several machines, given this machine's ranks' stages at each look
             at the board; returns the other machines still forming (name -> their stages).
+        preempted: whether rank R recorded that it ended for a preemption notice (its
+            ``preempted`` event); asked once for a rank that exits with a status other than 0.
+        notice_wait: with ``preempted``, a SIGTERM to the launcher is a preemption notice: it
+            is forwarded to every rank, which end by themselves, and the run is over when they
+            have, or ``notice_wait`` seconds later (the rest are then stopped). Without it
+            (None), SIGTERM stops the run as SIGINT does.
     """
 
     def __init__(
@@ -110,6 +136,8 @@ class Supervisor:
         start: float | None = None,
         remote: Callable[[], object | None] | None = None,
         share: Callable[[Mapping[int, str]], Mapping[str, str]] | None = None,
+        preempted: Callable[[int], bool] | None = None,
+        notice_wait: float | None = None,
     ) -> None:
         self.ranks = ranks
         self.received = received
@@ -123,7 +151,11 @@ class Supervisor:
         self.outcome = Outcome()
         self.remote = remote
         self.share = share
+        self.preempted = preempted
+        self.notice_wait = notice_wait
         self._next_look = 0.0
+        self._signals = 0  # the signals in ``received`` already acted on
+        self._ended_by_notice: set[int] = set()  # ranks that exited for a notice
 
     def watch(self, poll: float = POLL_S) -> Outcome:
         """Look every ``poll`` seconds until the run is over; why it ended."""
@@ -133,16 +165,27 @@ class Supervisor:
 
     def look(self) -> bool:
         """One look at the run; True once it is over (`outcome` says why)."""
-        if self.received:
-            self.outcome.interrupted = self.received[0]
-            return True
+        now = self.clock() - self.start
+        while self._signals < len(self.received):
+            signum = self.received[self._signals]
+            self._signals += 1
+            if signum != signal.SIGTERM or self.notice_wait is None:
+                self.outcome.interrupted = signum
+                return True
+            if self.outcome.preempted is None:  # a second SIGTERM changes nothing
+                self._forward(now)
         if self.remote is not None:
             self.outcome.stopped_by = self.remote()
             if self.outcome.stopped_by is not None:
                 return True
         running = [rk for rk in self.ranks if rk.proc.poll() is None]
-        failed = [rk for rk in self.ranks if rk.proc.returncode not in (None, 0)]
-        now = self.clock() - self.start
+        failed = [rk for rk in self.ranks if not self._ended_well(rk, now)]
+        preempted = self.outcome.preempted
+        if preempted is not None and running and not failed:
+            assert self.notice_wait is not None
+            if now - preempted.after > self.notice_wait:
+                preempted.overdue = True
+                return True
         if failed or not running:
             if failed:
                 self.outcome.first_failure = failed[0].rank
@@ -161,6 +204,35 @@ class Supervisor:
             self.outcome.tails_at_timeout = {rk.rank: "\n".join(rk.both) for rk in running}
             return True
         return False
+
+    def _forward(self, now: float) -> None:
+        """SIGTERM to the launcher: a preemption notice for every rank (not their children)."""
+        self.outcome.preempted = Preemption("the launcher", now)
+        for rk in self.ranks:
+            if rk.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(rk.proc.pid, signal.SIGTERM)
+        self.note(
+            "meshkit launch: SIGTERM: a preemption notice, forwarded to every rank; they save "
+            "and end by themselves."
+        )
+
+    def _ended_well(self, rank: Rank, now: float) -> bool:
+        """Whether ``rank`` runs, ended with status 0, or ended for a preemption notice."""
+        code = rank.proc.returncode
+        if code is None or code == 0 or rank.rank in self._ended_by_notice:
+            return True
+        if code not in (128 + signal.SIGTERM, -signal.SIGTERM) or self.preempted is None:
+            return False
+        forwarded = self.outcome.preempted is not None and (
+            self.outcome.preempted.source == "the launcher"
+        )
+        if not forwarded and not self.preempted(rank.rank):
+            return False
+        self._ended_by_notice.add(rank.rank)
+        if self.outcome.preempted is None:
+            self.outcome.preempted = Preemption(f"rank {rank.rank}", now)
+        return True
 
     def _look_at_board(self, now: float, *, final: bool = False) -> None:
         if self.board is None or self.board.done or (now < self._next_look and not final):

@@ -8,15 +8,16 @@ Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.
   cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
   processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
   own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
-- **SIGTERM** (a person, a scheduler) does the same with status 143. JAX's handler would note
-  it for its preemption sync points and go on running.
+- **SIGTERM** is not a failure: it is a preemption notice (`meshkit._src.lifecycle.preemption`).
 - **The failure watch**: a thread polls the coordination service, without blocking, for a
   failure posted by another process (one key listing per ``max(1 s, N / 500 s)``: at most 500
   requests per second at the coordinator, whatever the process count). On finding one it
   prints ``meshkit: process P failed: ...`` and exits with status 1, instead of waiting in a
   collective for ever or dying in the coordination service's C++ abort (``another task
   died``). When the coordinator itself fails, it stays up long enough for the others to read
-  its post; when it is gone, the others say so in meshkit's words.
+  its post; when it is gone, the others say so in meshkit's words. The same listing brings
+  the preemption notices other processes posted (`meshkit._src.lifecycle.preemption.receive`);
+  after a notice, a coordination service that is gone ends this process as preempted.
 - **At a normal end**, a process that JAX's shutdown barrier holds for 3 s says it reached the
   end of its program while others still run (evidence for ``meshkit launch``'s report), and
   leaves an `ended` event.
@@ -24,9 +25,6 @@ Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.
 
 from __future__ import annotations
 
-import os
-import select
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +38,7 @@ from ..core import events as _events
 from ..core.errors import DivergenceError, say
 from . import diagnose as _diagnose
 from . import exit as _exit
+from . import preemption as _preemption
 
 __all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "poll_period", "settings"]
 
@@ -82,8 +81,21 @@ class Unanswered:
     error: str
 
 
-# The others' failures as (process, failure); None once this process is no longer joined.
-Poll = Callable[[], list[tuple[int, str]] | Unanswered | None]
+@dataclass(frozen=True)
+class Posted:
+    """What the other processes posted so far, as one poll of the failure watch found it.
+
+    Attributes:
+        failures: their failures, as ``(process, failure)`` pairs, by process.
+        notices: their preemption notices, the first one first.
+    """
+
+    failures: list[tuple[int, str]]
+    notices: list[_preemption.PreemptionNotice]
+
+
+# One look at the others' posts; None once this process is no longer joined.
+Poll = Callable[[], Posted | Unanswered | None]
 _post_failure: Post | None = None
 
 
@@ -108,8 +120,7 @@ def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> 
             lambda kind, value, tb: _on_exception(grace, kind, value, tb),
             order=_exit.REPORT,
         )
-        wakeup = _exit.on_sigterm(lambda: _sigterm(grace, me))
-        watch = _Watch(me, n, wakeup, grace, poll)
+        watch = _Watch(me, n, poll)
         watch.start()
         _exit.on_exit("fail-fast: stop the failure watch", watch.stop.set, order=_exit.STOP)
     note = _EndNote(me)
@@ -124,6 +135,10 @@ def _on_exception(
     grace: float, kind: type[BaseException], value: BaseException, tb: TracebackType | None
 ) -> None:
     text = f"{kind.__name__}: {value}"
+    notice = _preemption.past_deadline()
+    if notice is not None:
+        _preemption.end_after_error(notice, text.splitlines()[0][:200])
+        return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
         say(_diagnose.explain(diagnosis) + "\n")
@@ -194,14 +209,6 @@ def _post(failure: str) -> None:
                 time.sleep(1.5 * poll_period(n))
 
 
-def _sigterm(grace: float, me: int) -> None:
-    if _exit.ending():
-        return  # the watch thread and the main thread's handler may both see one signal
-    _events.emit(_events.FAILED, cause="signal", error="SIGTERM")
-    why = f"process {me} received SIGTERM"
-    _end("ended by SIGTERM", why, grace, status=128 + signal.SIGTERM)
-
-
 # ---- the failure watch ----------------------------------------------------------------------
 
 
@@ -215,38 +222,32 @@ def poll_period(n: int) -> float:
 
 
 class _Watch(threading.Thread):
-    """Polls for the other processes' failures, and reads SIGTERM's wake-up byte."""
+    """Polls for the other processes' failures and preemption notices."""
 
-    def __init__(self, me: int, n: int, wakeup: int, grace: float, poll: Poll) -> None:
+    def __init__(self, me: int, n: int, poll: Poll) -> None:
         super().__init__(name="meshkit-failure-watch", daemon=True)
-        self.me, self.n, self.wakeup, self.grace, self.poll = me, n, wakeup, grace, poll
+        self.me, self.n, self.poll = me, n, poll
         self.stop = threading.Event()
 
     def run(self) -> None:
         lost = 0
         period = poll_period(self.n)
-        while not self.stop.is_set():
-            if self.wakeup >= 0:
-                ready, _, _ = select.select([self.wakeup], [], [], period)
-                if ready and signal.SIGTERM in os.read(self.wakeup, 64):
-                    time.sleep(0.5)  # the main thread's handler, if it runs, ends it better
-                    _sigterm(self.grace, self.me)
-                    return
-            elif self.stop.wait(period):
+        while not self.stop.wait(period):
+            if _exit.ending():
                 return
-            if self.stop.is_set() or _exit.ending():
-                return
-            others = self.poll()
-            if isinstance(others, Unanswered):  # only a service that is gone counts
-                lost = lost + 1 if others.lost else 0
+            posted = self.poll()
+            if isinstance(posted, Unanswered):  # only a service that is gone counts
+                lost = lost + 1 if posted.lost else 0
                 if lost >= _LOST_AFTER and not self.stop.is_set():
-                    self._lost(others.error)
+                    self._lost(posted.error)
                 continue
             lost = 0
-            if others is None:
+            if posted is None:
                 return  # not joined anymore: nobody left to watch
-            if others and not self.stop.is_set():
-                self._failed(*min(others))
+            if posted.notices:
+                _preemption.receive(posted.notices[0])
+            if posted.failures and not self.stop.is_set():
+                self._failed(*min(posted.failures))
 
     def _failed(self, p: int, failure: str) -> None:
         self._exit(
@@ -258,6 +259,10 @@ class _Watch(threading.Thread):
         )
 
     def _lost(self, error: str) -> None:
+        notice = _preemption.notice()
+        if notice is not None:  # process 0 ended for the notice too, at the same deadline
+            _preemption.lost_service(notice)
+            return
         self._exit(
             {"process": 0, "system": "the coordination service"},
             f"meshkit: lost the coordination service, which process 0 hosts ({error.strip()}).\n"

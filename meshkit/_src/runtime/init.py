@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from ..coord import failures as _failures
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
@@ -44,8 +43,10 @@ from ..core.contract import (
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
+from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
 from . import gpus as _gpus
+from . import guards as _guards
 from . import hosts as _hosts
 from . import preflight as _preflight
 from . import programs as _programs
@@ -409,6 +410,9 @@ def init(
     global _INFO
     first = _INFO is None
     fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
+    preempt_grace = _preemption.grace()
+    if first:  # a scheduler's notice while the processes join is a notice too
+        _guards.before_joining(fail_fast, preempt_grace)
     info = _init(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -417,6 +421,7 @@ def init(
         cpu_devices=cpu_devices,
         timeout=timeout,
         fail_fast=fail_fast,
+        preempt_grace=preempt_grace,
     )
     if first:
         _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
@@ -441,6 +446,7 @@ def _init(
     cpu_devices: int | None = None,
     timeout: float | None = None,
     fail_fast: float | None = None,
+    preempt_grace: float = 0.0,
 ) -> RuntimeInfo:
     global _INFO
     cpu_devices = _positive("cpu_devices", cpu_devices)
@@ -506,6 +512,7 @@ def _init(
 
     if not joins:
         _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
+        _guards.alone(fail_fast, preempt_grace, plan.process_id)
         return _INFO
 
     collectives = _select_gloo()
@@ -548,14 +555,7 @@ def _init(
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
     _progress.mark("joined", _INFO.process_id)
-    me = _INFO.process_id
-    _failfast.install(
-        fail_fast,
-        me,
-        _INFO.num_processes,
-        post=_failures.poster(me),
-        poll=_failures.watcher(me),
-    )
+    _guards.joined(fail_fast, preempt_grace, _INFO.process_id, _INFO.num_processes)
     return _INFO
 
 

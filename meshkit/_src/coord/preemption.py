@@ -1,0 +1,99 @@
+"""The step at which every process saves after a preemption notice, agreed once.
+
+Each process's preemption thread, when it learns of the notice
+(`meshkit._src.lifecycle.preemption`), freezes its program's answers (a question asked from now
+on waits for the agreement), and sends the last step its program answered
+(`meshkit.checkpoint.should_save`), or none if it answered none yet. The sync step is the step
+after the highest one sent: a step no process has answered yet, which every process reaches,
+since they ask about the same steps. When no process had answered one (a notice while they
+joined or restored), it is the first step each asks about, the same for all as they resume at
+the same step.
+
+The exchange needs no program thread (a program may be inside a collective, or a checkpoint
+save that waits for the others): each process writes its step and counts itself in (two round
+trips); the process that completes the count reads every step (one directory read) and writes
+the answer, which the others wait for in slices of `SLICE_S`, so that their thread stops
+promptly when the process ends. Once per run, nothing per step.
+
+Example:
+    >>> import threading
+    >>> from meshkit._src.coord.fake import FakeCluster
+    >>> sync_step(FakeCluster(1).service(0), 0, 1, answered=7, timeout=1.0,
+    ...           stop=threading.Event())
+    Synced(step=8, agreed=True, missing=())
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from ..core import compat as _compat
+from ..lifecycle.preemption import Synced, alone
+from .service import JaxService, Service
+
+__all__ = ["SLICE_S", "combine", "sync_step", "syncer"]
+
+SLICE_S = 0.5  # the longest wait in one request: the thread stops within it at exit
+_PREFIX = "meshkit/preemption/"
+
+
+def combine(values: Mapping[int, str]) -> str:
+    """The sync step from every process's last step answered (JSON ints or nulls): max + 1."""
+    answered = [v for v in (json.loads(x) for x in values.values()) if v is not None]
+    return json.dumps(max(answered) + 1 if answered else None)
+
+
+def sync_step(
+    service: Service,
+    me: int,
+    n: int,
+    *,
+    answered: int | None,
+    timeout: float,
+    stop: threading.Event,
+) -> Synced:
+    """Agree with the other ``n - 1`` processes on the sync step (see the module).
+
+    Args:
+        service: the coordination service as process ``me`` sees it.
+        me: this process's id.
+        n: the number of processes.
+        answered: the last step this process's program answered; None if none yet.
+        timeout: seconds to wait for the others (the time left before the deadline).
+        stop: set when this process ends: the wait stops within `SLICE_S`.
+    """
+    if n == 1:
+        return alone(answered, timeout, stop)
+    deadline = time.monotonic() + timeout
+    steps, answer = _PREFIX + "answered/", _PREFIX + "step"
+    service.set(f"{steps}{me}", json.dumps(answered))
+    if service.increment(_PREFIX + "count", 1) == n:  # the last to come: every step is there
+        combined = combine({int(k.rsplit("/", 1)[1]): v for k, v in service.dir_get(steps)})
+        service.set(answer, combined)
+        return Synced(json.loads(combined))
+    while not stop.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        got = service.get(answer, min(SLICE_S, left))
+        if got is not None:
+            return Synced(json.loads(got))
+    if stop.is_set():
+        return Synced(None, agreed=False)
+    came = {int(k.rsplit("/", 1)[1]) for k, _ in service.dir_get(steps)}
+    return Synced(None, agreed=False, missing=tuple(p for p in range(n) if p not in came))
+
+
+def syncer(me: int) -> Callable[[int | None, float, threading.Event], Synced]:
+    """`sync_step` for process ``me`` over the real service (`alone` when not joined)."""
+
+    def sync(answered: int | None, timeout: float, stop: threading.Event) -> Synced:
+        client, _, n = _compat.distributed_state()
+        if client is None or n == 1:
+            return alone(answered, timeout, stop)
+        return sync_step(JaxService(client), me, n, answered=answered, timeout=timeout, stop=stop)
+
+    return sync

@@ -1,0 +1,484 @@
+"""Preemption: SIGTERM is a notice that the run will be stopped soon, not a failure.
+
+Schedulers stop a job with SIGTERM and, a while later, SIGKILL (SLURM's ``KillWait``, 30 s by
+default; Kubernetes' termination grace period, 30 s; a spot VM's notice). JAX's answer is its
+preemption sync point: the process that gets the notice tells the coordination service, every
+process's preemption sync manager agrees on the same safe step, and
+``multihost_utils.reached_preemption_sync_point(step)`` is true at that step on every process,
+where the program saves (orbax's ``CheckpointManager`` asks it too). meshkit keeps that protocol
+working and adds what it lacks:
+
+- **The notice.** `install` (at `meshkit.init`, fail-fast on, the default) takes SIGTERM. The
+  first one is recorded as this process's notice (`notice`); a thread then tells JAX's sync
+  managers, as JAX's own handler would have, and the other processes, through the failure
+  watch's directory (`meshkit._src.coord.failures`), which take it as their notice. Later
+  SIGTERMs change nothing.
+- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): at the
+  program's first question after it knows of the notice, the processes agree on the step after
+  the last one any of them answered (`meshkit._src.coord.preemption`: one exchange, in the
+  program's own thread, nothing per step); a process that hears of the notice later (its
+  failure watch looks once a second) answers no meanwhile, and the others wait for it. Unlike
+  JAX's protocol, a notice before the first question of a restarted run (while it joins or
+  restores) works: the sync step is then the first step asked. The save made at it
+  (`meshkit.checkpoint.save`, `saved`) ends the process with status 143 once it is complete.
+- **The deadline.** Every process that knows of the notice ends at the same moment, the notice's
+  time plus ``MESHKIT_PREEMPT_GRACE`` seconds (default 25, below the 30 s most schedulers wait
+  before SIGKILL), unless its program ended first: with status 143 (128 + SIGTERM, what
+  schedulers read as stopped by the notice, not failed) and a ``preempted`` event for
+  ``meshkit launch``. A meshkit checkpoint save still running then is waited for.
+
+Nothing here acts before `install`; without it (fail-fast off), SIGTERM is JAX's and Python's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..core import env as _env
+from ..core import events as _events
+from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
+from ..core.errors import say
+from . import exit as _exit
+
+__all__ = [
+    "ENV_PREEMPT_GRACE",
+    "PREEMPTED",
+    "PreemptionNotice",
+    "Sync",
+    "Synced",
+    "alone",
+    "end_after_error",
+    "grace",
+    "install",
+    "installed",
+    "lost_service",
+    "note_step",
+    "notice",
+    "past_deadline",
+    "reached_sync_point",
+    "receive",
+    "saved",
+    "saving",
+]
+
+_DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
+PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
+_COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
+# A thread inside the coordination client when the interpreter ends aborts the process: at a
+# normal end, the notice thread gets this long to come out of its requests.
+_LEAVE_S = 2.0
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """A preemption notice this process knows of.
+
+    Attributes:
+        process: the process that received the notice (SIGTERM) first.
+        received: when, in seconds since the epoch (its clock).
+        deadline: when every process that knows of it ends unless its program ended first, in
+            seconds since the epoch: ``received`` plus that process's ``MESHKIT_PREEMPT_GRACE``.
+        own: whether this process received it itself (else another process told it).
+    """
+
+    process: int
+    received: float
+    deadline: float
+    own: bool
+
+    @property
+    def source(self) -> str:
+        """Who received it, in words: ``SIGTERM`` or ``process 3``."""
+        return "SIGTERM" if self.own else f"process {self.process}"
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The sync step the processes agreed on after a notice.
+
+    Attributes:
+        step: the step to save at; None: the first step each process asks about (none had
+            answered one yet).
+        agreed: whether they agreed (else no process saves: the deadline ends the run).
+        missing: when they did not, the processes that did not take part in time, if known.
+    """
+
+    step: int | None
+    agreed: bool = True
+    missing: tuple[int, ...] = ()
+
+
+# Tells the others (the coordination layer's post and JAX's key): handed in at `install`.
+Tell = Callable[[PreemptionNotice], None]
+# Agrees on the sync step from this process's last step answered, within a time, until the
+# event is set (this process ends): the coordination layer's exchange, handed in at `install`.
+Sync = Callable[[int | None, float, threading.Event], Synced]
+
+
+def alone(answered: int | None, timeout: float, stop: threading.Event) -> Synced:
+    """The sync step of a process alone: the step after the last one it answered (`Sync`)."""
+    return Synced(None if answered is None else answered + 1)
+
+
+class _State:
+    """This process's preemption state (one instance; `install` resets it)."""
+
+    def __init__(self) -> None:
+        # Re-entrant: the SIGTERM handler runs in the main thread between two bytecodes, maybe
+        # inside a block of the main thread that holds it.
+        self.lock = threading.RLock()
+        self.installed = False
+        self.me = -1  # unknown until `install` is given it
+        self.grace = _DEFAULT_GRACE_S
+        self.tell: Tell | None = None
+        self.sync: Sync | None = None
+        self.notice: PreemptionNotice | None = None
+        self.untold = False  # a notice of this process's own that the others have not heard yet
+        self.step: int | None = None  # the last step the program reported (for reports)
+        self.asked: int | None = None  # the last step `reached_sync_point` answered
+        self.frozen = False  # this process sent its step: questions wait for the agreement
+        self.synced: Synced | None = None  # the agreement, once made (or failed)
+        self.decided = threading.Condition(self.lock)
+        self.sync_step: int | None = None  # the step to save at, once known
+        self.reached = False  # `reached_sync_point` was true: the next save is the last
+        self.stop = threading.Event()  # this process ends: the agreement stops waiting
+        self.talking = threading.Lock()  # held while the notice thread talks to the others
+        self.saves = 0  # meshkit checkpoint saves in progress
+        self.saves_done = threading.Condition(self.lock)
+        self.reported = False  # the `preempted` event is written
+        self.wake = threading.Event()  # for the notice thread: tell, or the deadline moved
+
+
+_state = _State()
+
+
+def grace() -> float:
+    """``MESHKIT_PREEMPT_GRACE``: seconds from a notice to the end of every process (default 25).
+
+    Raises:
+        MeshkitError: a value that is not a number of seconds >= 0.
+    """
+    value = _env.seconds(ENV_PREEMPT_GRACE, where="meshkit.init()", positive=False)
+    return _DEFAULT_GRACE_S if value is None else value
+
+
+def installed() -> bool:
+    """Whether this process takes SIGTERM as a preemption notice (`install` ran)."""
+    return _state.installed
+
+
+def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | None) -> None:
+    """Take SIGTERM as a preemption notice in process ``me``.
+
+    `meshkit.init` calls it first before joining (``me`` None: a notice then is this process's,
+    told once it has joined) and again once joined: each call takes SIGTERM again (JAX's
+    ``jax.distributed.initialize`` takes it for its own handler in between) and updates what is
+    given; the threads start once.
+
+    Args:
+        me: this process's id; None while it is not known yet.
+        seconds: the grace from a notice to the end (`grace`).
+        tell: tells the other processes and JAX's sync managers of this process's notice (None
+            for a process alone, or not joined yet); called from the notice thread, never from
+            the signal handler.
+        sync: agrees with the others on the sync step (`alone` for a process alone; None
+            while it is not joined yet: a notice then waits for the next call to agree).
+    """
+    with _state.lock:
+        _state.grace, _state.tell, _state.sync = seconds, tell, sync
+        if me is not None:
+            _state.me = me
+            own = _state.notice
+            if own is not None and own.own and own.process < 0:  # received before it joined
+                _state.notice = dataclasses.replace(own, process=me)
+        first = not _state.installed
+        _state.installed = True
+    wakeup = _exit.on_sigterm(_on_sigterm)
+    if first:
+        if wakeup >= 0:
+            threading.Thread(
+                target=_read, args=(wakeup,), name="meshkit-sigterm", daemon=True
+            ).start()
+        _Thread().start()
+        _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
+    _state.wake.set()  # a notice received before ``tell`` was given is told now
+
+
+def notice() -> PreemptionNotice | None:
+    """The preemption notice this process knows of, or None (``meshkit.preemption_notice``).
+
+    A scheduler that will stop the run sends SIGTERM first; meshkit takes it as a notice (from
+    `meshkit.init`, unless ``MESHKIT_FAIL_FAST=0``), tells every other process, and ends each
+    ``MESHKIT_PREEMPT_GRACE`` seconds later unless its program ended first. The program may save
+    at the step `meshkit.checkpoint.should_save` names, or look here to stop its own way.
+
+    Returns:
+        The first notice this process received or was told of (who received it, when, the
+        deadline), or None while there is none.
+
+    Example:
+        >>> import meshkit
+        >>> meshkit.preemption_notice() is None
+        True
+    """
+    return _state.notice
+
+
+def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
+    """Take a notice: this process's SIGTERM (``told`` None) or one another process posted.
+
+    The first notice counts (later ones change nothing); the deadline starts at once. Safe in
+    a signal handler: nothing here waits or talks to another process.
+
+    Returns:
+        The notice this process now knows of (the first one).
+    """
+    with _state.lock:
+        if _state.notice is not None or not _state.installed:
+            return _state.notice
+        if told is None:
+            now = time.time()
+            told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
+            _state.untold = True
+        _state.notice = told
+    _state.wake.set()
+    return told
+
+
+def note_step(step: int) -> None:
+    """The program's current step (`meshkit.checkpoint.should_save`, `meshkit.global_batches`)."""
+    _state.step = step
+
+
+def reached_sync_point(step: int) -> bool:
+    """Whether ``step`` is the step at which every process saves after a notice.
+
+    Call it with steps that increase, the same on every process (at every step, or the save
+    comes later than it could). Without a notice it answers at once (no round trip). Once this
+    process has sent its last step answered for the agreement on the sync step (its notice
+    thread, `Sync`), a question waits for that agreement, at most until the deadline. It is
+    true once: at the first step at or past the agreed one.
+    """
+    with _state.lock:
+        notice_ = _state.notice
+        while _state.frozen and _state.synced is None and notice_ is not None:
+            left = notice_.deadline - time.time()
+            if left <= 0:
+                break
+            _state.decided.wait(left)
+        _state.asked = _state.step = step
+        synced = _state.synced
+        if synced is None or not synced.agreed or _state.reached:
+            return False  # not agreed (yet); or saved for it already
+        if _state.sync_step is None:
+            # No process had answered a step before the notice: this first one, on each.
+            _state.sync_step = step if synced.step is None else synced.step
+        # The first step at or past it (steps asked may skip): the same on every process.
+        _state.reached = step >= _state.sync_step
+        return _state.reached
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """Around a checkpoint save: the deadline waits for it to finish."""
+    with _state.lock:
+        _state.saves += 1
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.saves -= 1
+            _state.saves_done.notify_all()
+
+
+def saved(step: int | None) -> None:
+    """A checkpoint save completed: after the sync point, the process ends (status 143).
+
+    Raises ``SystemExit(143)`` in the caller (the program unwinds and exits as after
+    ``sys.exit``), when the sync point was reached; returns otherwise.
+    """
+    notice_ = _state.notice
+    if notice_ is None or not _state.reached:
+        return
+    _event("saved", notice_, saved=step)
+    say(
+        f"meshkit: preempted ({notice_.source}): saved step {step}; exiting with status "
+        f"{PREEMPTED} for the scheduler to start the run again.\n"
+    )
+    raise SystemExit(PREEMPTED)
+
+
+def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> None:
+    with _state.lock:
+        if _state.reported:
+            return
+        _state.reported = True
+    _events.emit(
+        _events.PREEMPTED,
+        how=how,
+        source=notice_.source,
+        process=notice_.process,
+        received=notice_.received,
+        step=_state.step,
+        saved=saved,
+    )
+
+
+def _at_exit() -> None:
+    """At a normal end after a notice: a ``preempted`` event (the status is the program's).
+
+    An agreement still waiting for the others stops (within one slice of its wait): no thread
+    of meshkit's is inside the coordination client when the interpreter ends.
+    """
+    _state.stop.set()
+    if _state.talking.acquire(timeout=_LEAVE_S):  # its wait ends within a slice of it
+        _state.talking.release()
+    notice_ = _state.notice
+    if notice_ is not None and not _exit.ending():
+        _event("ended", notice_)
+
+
+def _end_at_deadline(notice_: PreemptionNotice) -> None:
+    """The grace ran out: wait for a save in progress, then end this process (status 143)."""
+    with _state.lock:
+        while _state.saves:
+            _state.saves_done.wait()
+    if _exit.ending():
+        return
+    if _state.me == 0:
+        time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
+    _event("deadline", notice_)
+    step = "" if _state.step is None else f" at step {_state.step}"
+    _exit.end(
+        PREEMPTED,
+        grace=0.0,
+        announce=(
+            f"meshkit: preempted ({notice_.source} "
+            f"{max(0.0, time.time() - notice_.received):.1f} s ago){step}: the program did not "
+            f"save and stop within {ENV_PREEMPT_GRACE}={_state.grace:g} s; exiting with status "
+            f"{PREEMPTED}.\n"
+        ),
+    )
+
+
+def _on_sigterm() -> None:
+    """The SIGTERM handler (the main thread): the notice, nothing that waits."""
+    receive(None)
+
+
+def _read(wakeup: int) -> None:
+    """Take SIGTERM from its wake-up byte (the main thread, waiting in C, runs no handler)."""
+    while True:
+        try:
+            select.select([wakeup], [], [])
+            data = os.read(wakeup, 64)
+        except OSError:
+            return
+        if signal.SIGTERM in data:
+            receive(None)
+
+
+def lost_service(notice_: PreemptionNotice) -> None:
+    """After a notice, the coordination service is gone: process 0 ended for it; end too."""
+    _event("deadline", notice_)
+    _exit.now(
+        PREEMPTED,
+        f"meshkit: preempted ({notice_.source}): process 0, which hosts the coordination "
+        f"service, has ended; exiting with status {PREEMPTED}.\n",
+    )
+
+
+def past_deadline() -> PreemptionNotice | None:
+    """The notice whose deadline has passed, or None: the processes are ending for it.
+
+    An error raised now is likely the echo of another process that ended at the deadline (a
+    collective it left): fail-fast ends this process as preempted instead of failed.
+    """
+    notice_ = _state.notice
+    return notice_ if notice_ is not None and time.time() >= notice_.deadline else None
+
+
+def end_after_error(notice_: PreemptionNotice, error: str) -> None:
+    """End this process as preempted after ``error``, raised past the notice's deadline."""
+    _event("deadline", notice_)
+    _exit.now(
+        PREEMPTED,
+        f"meshkit: preempted ({notice_.source}): the other processes ended at the deadline "
+        f"({error}); exiting with status {PREEMPTED}.\n",
+    )
+
+
+class _Thread(threading.Thread):
+    """After a notice: tells the others of this process's own, and ends it at the deadline."""
+
+    def __init__(self) -> None:
+        super().__init__(name="meshkit-preemption", daemon=True)
+
+    def run(self) -> None:
+        while True:
+            notice_ = _state.notice
+            if notice_ is None:
+                _state.wake.wait()
+                _state.wake.clear()
+                continue
+            self._tell(notice_)
+            self._agree(notice_)
+            left = notice_.deadline - time.time()
+            if left <= 0:
+                _end_at_deadline(notice_)
+                return
+            _state.wake.wait(min(left, 1.0))
+            _state.wake.clear()
+
+    @staticmethod
+    def _agree(notice_: PreemptionNotice) -> None:
+        """Send the last step answered, and agree with the others on the sync step (once).
+
+        From the moment the step is taken, the program's questions wait for the agreement: a
+        step answered later could be one the others save at.
+        """
+        with _state.lock:
+            if _state.frozen or _state.sync is None:
+                return  # agreed already; or joining: agreed once this process has joined
+            _state.frozen = True
+            answered, sync = _state.asked, _state.sync
+        try:
+            with _state.talking:
+                if _state.stop.is_set():  # the process ends: no request may start now
+                    return
+                synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
+        except Exception as e:  # the service is gone: no sync step, the deadline ends the run
+            say(f"meshkit: could not agree on a step to save at after the notice: {e}\n")
+            synced = Synced(None, agreed=False)
+        if not synced.agreed and not _state.stop.is_set():
+            who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
+                "some process")  # fmt: skip
+            say(
+                f"meshkit: no step to save at after the preemption notice: {who} did not take "
+                "part in time; the deadline ends the run.\n"
+            )
+        with _state.lock:
+            _state.synced = synced
+            _state.decided.notify_all()
+
+    @staticmethod
+    def _tell(notice_: PreemptionNotice) -> None:
+        with _state.lock:
+            if not _state.untold or _state.tell is None:
+                return
+            _state.untold = False
+            tell = _state.tell
+        try:
+            with _state.talking:
+                if not _state.stop.is_set():  # the process ends: no request may start now
+                    tell(notice_)
+        except Exception as e:  # the others then learn it from JAX's protocol, or not at all
+            say(f"meshkit: could not tell the other processes of the preemption notice: {e}\n")

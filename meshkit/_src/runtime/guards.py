@@ -1,0 +1,38 @@
+"""What `meshkit.init` wires the lifecycle to: fail-fast and preemption, over coordination.
+
+The lifecycle layer (`meshkit._src.lifecycle`) sits below coordination; `init` hands it the
+functions that talk to the other processes: fail-fast's failure posts and watch
+(`meshkit._src.coord.failures`), preemption's telling of a notice and its agreement on the sync
+step (`meshkit._src.coord.preemption`). Three moments: before joining (a notice is this
+process's own, told once joined), alone, and joined.
+"""
+
+from __future__ import annotations
+
+from ..coord import failures as _failures
+from ..coord import preemption as _coord_preemption
+from ..core import compat as _compat
+from ..lifecycle import failfast as _failfast
+from ..lifecycle import preemption as _preemption
+
+__all__ = ["alone", "before_joining", "joined"]
+
+
+def before_joining(fail_fast: float | None, grace: float) -> None:
+    """Take SIGTERM as a notice while the processes join (not if the program joined itself)."""
+    if fail_fast is not None and _compat.distributed_state()[0] is None:
+        _preemption.install(None, seconds=grace, tell=None, sync=None)
+
+
+def alone(fail_fast: float | None, grace: float, me: int) -> None:
+    """A process that runs alone: SIGTERM is a notice, the sync step its own."""
+    if fail_fast is not None:
+        _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
+
+
+def joined(fail_fast: float | None, grace: float, me: int, n: int) -> None:
+    """Process ``me`` of ``n`` joined: fail-fast's watch, and notices told and agreed on."""
+    _failfast.install(fail_fast, me, n, post=_failures.poster(me), poll=_failures.watcher(me))
+    if fail_fast is not None:  # the failure watch relays the others' notices
+        sync = _coord_preemption.syncer(me)
+        _preemption.install(me, seconds=grace, tell=_failures.teller(), sync=sync)
