@@ -24,6 +24,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..sharding.specs import is_spec_leaf
+from . import data as _data
 from . import shaped as _shaped
 from . import steps as _steps
 from .plan import SavedArray, describe_mesh, plan, saved_spec
@@ -174,6 +175,7 @@ def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> st
         for x, y in zip(a, b, strict=False):
             if x != y:
                 fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
+                fix = _data.DATA_FIX if x[1] == "data" else fix
                 return (
                     f"{what}: processes {ref_p} and {p} differ at {x[0]}: {_entry(x)} on "
                     f"process {ref_p}, {_entry(y)} on process {p}.\nEvery process must {doing}."
@@ -200,7 +202,7 @@ def _entry(entry: list[Any]) -> str:
         return text
     if kind == "target":
         return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
-    if kind == "path":
+    if kind in ("path", "data"):
         return str(entry[2])
     return str(entry[1:])
 
@@ -240,7 +242,9 @@ def _path(path: str | os.PathLike[str], what: str) -> Path:
 
 
 @public
-def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) -> None:
+def save(
+    path: str | os.PathLike[str], tree: Any, *, keep: int | None = None, data: Any = None
+) -> None:
     """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
 
     Global arrays (from `meshkit.global_array_from_local`, `meshkit.replicate`,
@@ -258,11 +262,17 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
             keep only the ``keep`` latest complete steps beside it, and the temporary
             directories of saves newer than the latest (process 0 deletes the rest). None:
             delete nothing.
+        data: the `meshkit.GlobalBatches` that fed the step being saved (or a
+            `meshkit.DataPosition`): its position after the batches the caller took is saved
+            inside the same commit (orbax's custom metadata, under ``"meshkit"``), for
+            `data_position` and ``global_batches(..., start=...)``. Per-process states reach
+            process 0 through the coordination service (one request per process).
 
     Raises:
         MeshkitError: what `check_savable` finds (a process-local array, above all), ``path``
             exists already, or ``keep`` is not an int >= 1 or ``path`` no ``step_<n>``
-            directory. Every process raises, before anything is written.
+            directory; ``data`` is neither, or the processes' positions differ. Every process
+            raises, before anything is written.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
@@ -286,12 +296,14 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
         )
     if problem is None and keep is not None:
         problem = _steps.keep_problem(where, keep, what)
+    problem, shared = _data.share(data, where, problem, what)
     head = ["the directory", "path", str(where)]
     kept = ["keep=", "keep", str(keep)]
+    entries.append(shared.entry)  # the data position's common part, compared with the rest
     _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
     checkpointer = ocp.StandardCheckpointer()
     try:
-        checkpointer.save(where, tree)
+        checkpointer.save(where, tree, **shared.metadata())
         checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
