@@ -388,9 +388,9 @@ class GlobalBatches(Iterator[Any]):
             >>> import numpy as np, meshkit
             >>> mesh = meshkit.make_mesh({"data": -1})
             >>> loader = ({"x": np.full((8, 2), i, np.float32)} for i in range(3))
-            >>> batches = meshkit.global_batches(loader, mesh, "data")
-            >>> _ = next(batches)
-            >>> batches.position().step
+            >>> with meshkit.global_batches(loader, mesh, "data") as batches:
+            ...     _ = next(batches)
+            ...     batches.position().step
             1
         """
         with self._lock:

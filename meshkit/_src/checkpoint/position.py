@@ -42,10 +42,10 @@ def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> 
         >>> import numpy as np, meshkit, tempfile
         >>> mesh = meshkit.make_mesh({"data": -1})
         >>> loader = (np.ones((8, 2), np.float32) for _ in range(3))
-        >>> batches = meshkit.global_batches(loader, mesh, "data")
-        >>> _ = next(batches)
         >>> path = tempfile.mkdtemp() + "/step_1"
-        >>> meshkit.checkpoint.save(path, {"step": 1}, data=batches)
+        >>> with meshkit.global_batches(loader, mesh, "data") as batches:
+        ...     _ = next(batches)
+        ...     meshkit.checkpoint.save(path, {"step": 1}, data=batches)
         >>> meshkit.checkpoint.data_position(path).step
         1
     """
