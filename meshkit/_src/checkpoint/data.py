@@ -100,6 +100,8 @@ class Shared:
         if self.prefix is not None and node is not None and me == 0:
             found = {int(k.rsplit("/", 1)[1]): v for k, v in node.service.dir_get(self.prefix)}
             node.service.delete(self.prefix)
+            assert position.states is not None
+            found[0] = position.states[0]  # its own, not sent
             position = dataclasses.replace(position, states=dict(sorted(found.items())))
         elif position.states is not None and self.prefix is None:  # one process: its state
             position = dataclasses.replace(position, states={me: position.states[me]})
@@ -114,8 +116,9 @@ def _prefix(where: Path) -> str:
 def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str | None, Shared]:
     """``data``'s position for a save to ``where``: the save's problem, and the position shared.
 
-    Per-process states in a multi-process program are posted for process 0 (one request,
-    before the save's agreement, and only when the save has no problem so far); a meshkit
+    Per-process states in a multi-process program are posted for process 0 by the others (one
+    request each, before the save's agreement, and only when the save has no problem so far;
+    process 0 reads them in one request and deletes them in another); a meshkit
     loader's position and a position of steps are the same on every process (the agreement
     compares them) and send nothing.
     """
@@ -125,7 +128,8 @@ def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str |
     if problem is not None or position is None or position.states is None or node is None:
         return problem, Shared(position)
     prefix = _prefix(where)
-    node.service.set(prefix + str(node.me), position.states[node.me], overwrite=True)
+    if node.me != 0:  # process 0 has its own
+        node.service.set(prefix + str(node.me), position.states[node.me], overwrite=True)
     return None, Shared(position, prefix)
 
 
