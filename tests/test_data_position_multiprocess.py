@@ -125,6 +125,7 @@ def test_bad_positions_are_errors_on_every_process_never_a_hang(warm_cluster, tm
         assert "was saved without a data position" in out["no data position"]
         assert out["missing_ok"] is None
         assert out["still in step"] == 4
+        assert out["closed together after"] == ranks.SAVE_AT + 1
     # Another loader on process 1 only: process 1 says what differs, process 0 names process 1.
     assert results[1]["another loader on process 1"] == results[1]["another loader"]
     assert results[0]["another loader on process 1"] == (

@@ -194,4 +194,9 @@ def refusals(root):
     # The loop goes on after all of these: the processes are still in step.
     with meshkit.global_batches(_grain(), _mesh(), "data", pad="ragged", start=position) as b:
         out["still in step"] = len(list(_steps(b, True)))
+    # A resumed loop left early, after the same step on every process: no error (the steps
+    # compared by stop_together count on from the position's, on every process alike).
+    with meshkit.global_batches(_grain(), _mesh(), "data", pad="ragged", start=position) as b:
+        next(b)
+    out["closed together after"] = b.steps
     return out
