@@ -13,7 +13,9 @@ A meshkit loader's position is the same on every process and sends nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,21 @@ class Shared:
         return {"custom_metadata": {KEY: {_POSITION: position.to_dict()}}}
 
 
+@functools.cache
+def _orbax_problem(what: str) -> str | None:
+    """Why this orbax cannot keep a data position (None: it can): custom metadata is newer."""
+    import orbax.checkpoint as ocp
+
+    save = inspect.signature(ocp.StandardCheckpointer.save).parameters
+    if "custom_metadata" in save and hasattr(ocp.metadata, "get_step_metadata"):
+        return None
+    return (
+        f"{what}: data= needs an orbax-checkpoint whose StandardCheckpointer.save takes "
+        f"custom_metadata; this one ({getattr(ocp, '__version__', '?')}) does not.\n"
+        "Consider pip install -U orbax-checkpoint (0.12.8 has it)."
+    )
+
+
 def _prefix(where: Path) -> str:
     digest = hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
     return f"meshkit/checkpoint/data/{digest}/"
@@ -123,7 +140,7 @@ def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str |
     compares them) and send nothing.
     """
     position, mine = position_of(data, what)
-    problem = problem or mine
+    problem = problem or mine or (None if position is None else _orbax_problem(what))
     node = _agree.node()
     if problem is not None or position is None or position.states is None or node is None:
         return problem, Shared(position)
