@@ -176,7 +176,7 @@ class DataPosition:
         Raises:
             MeshkitError: ``value`` is not a data position, or one of a newer format.
         """
-        return cls._read(value, _WHAT.replace("json", "dict"))
+        return cls._read(value, "meshkit.DataPosition.from_dict")
 
     @classmethod
     def _read(cls, value: Any, what: str) -> DataPosition:
