@@ -131,6 +131,6 @@ def docs(session: nox.Session) -> None:
 @nox.session(python="3.12")
 def bench(session: nox.Session) -> None:
     """Benchmarks, side by side in one run; prints ratio tables."""
-    install(session)
+    install(session, "bench")
     env = {"PYTHONHASHSEED": "0", **{k: v for k, v in os.environ.items() if k == "BENCH_REPEATS"}}
     session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs, env=env)

@@ -19,6 +19,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from coordination import bench_coordination  # noqa: E402
+from data_position import bench_data_position  # noqa: E402
 from debug_overhead import bench_debug  # noqa: E402
 from global_assembly import (  # noqa: E402
     bench_check_changes,
@@ -88,4 +89,5 @@ if __name__ == "__main__":
     print(bench_global_gpu(), end="\n\n")
     print(bench_coordination(), end="\n\n")
     print(bench_hosts(), end="\n\n")
+    print(bench_data_position(), end="\n\n")
     print(bench_testing_starts())

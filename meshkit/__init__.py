@@ -6,7 +6,8 @@ runs for development and tests (``meshkit launch``, `meshkit.testing`). Per-devi
 through `spmd` with the named-axis collectives of `meshkit.collectives`. Data pipelines turn
 each process's batches into global arrays (`global_array_from_local`, `global_batches`) and
 back (`local_from_global`, `gather`); `process_slice` says which part each process loads, and
-`meshkit.loaders` applies it to grain and Hugging Face `datasets` loaders.
+`meshkit.loaders` applies it to grain and Hugging Face `datasets` loaders; a `DataPosition`
+says where the data stands, to resume it at the same global batch.
 Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the legacy helpers
 (`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
 `meshkit.debug` (``MESHKIT_DEBUG=1``) turns processes that diverge or stall into errors that name
@@ -42,6 +43,7 @@ if _typing.TYPE_CHECKING:
     from ._src.arrays.gather import gather as gather
     from ._src.arrays.gather import local_from_global as local_from_global
     from ._src.coord.channel import channel as channel
+    from ._src.core.data_position import DataPosition as DataPosition
     from ._src.launch.launcher import LaunchResult as LaunchResult
     from ._src.launch.launcher import RankResult as RankResult
     from ._src.launch.launcher import launch as launch
@@ -78,6 +80,7 @@ if _typing.TYPE_CHECKING:
 
 __all__ = [
     "Compiled",
+    "DataPosition",
     "DivergenceError",
     "DtypeWarning",
     "GlobalBatches",
@@ -143,6 +146,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "gather": ("._src.arrays.gather", "gather"),
     "local_from_global": ("._src.arrays.gather", "local_from_global"),
     "channel": ("._src.coord.channel", "channel"),
+    "DataPosition": ("._src.core.data_position", "DataPosition"),
     "LaunchResult": ("._src.launch.launcher", "LaunchResult"),
     "LaunchAttempt": ("._src.launch.report", "LaunchAttempt"),
     "RankResult": ("._src.launch.launcher", "RankResult"),

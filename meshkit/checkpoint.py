@@ -20,6 +20,11 @@ wait:
   axes do not divide, a spec naming an axis the mesh lacks, a mesh that leaves a process out)
   and refuses a directory whose save never finished.
 
+``save(..., data=batches)`` keeps where the data stands (the `meshkit.DataPosition` of the
+`meshkit.global_batches` iterator that fed the step) inside the same commit; `data_position`
+reads it back, and ``global_batches(..., start=position)`` resumes at the next global batch, on
+any number of processes for meshkit's own loaders.
+
 With orbax's ``CheckpointManager`` (steps, ``max_to_keep``, asynchronous saves), use the two
 checks directly: `check_savable` before ``manager.save`` and `targets` to build the restore
 targets (see ``examples/resumable_training.py``).
@@ -43,6 +48,7 @@ from ._src.checkpoint.orbax import check_savable as check_savable
 from ._src.checkpoint.orbax import restore as restore
 from ._src.checkpoint.orbax import save as save
 from ._src.checkpoint.orbax import targets as targets
+from ._src.checkpoint.position import data_position as data_position
 from ._src.checkpoint.steps import Latest as Latest
 from ._src.checkpoint.steps import latest as latest
 from ._src.checkpoint.steps import should_save as should_save
@@ -51,6 +57,7 @@ from ._src.checkpoint.steps import step_path as step_path
 __all__ = [
     "Latest",
     "check_savable",
+    "data_position",
     "latest",
     "restore",
     "save",

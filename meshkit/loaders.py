@@ -18,6 +18,11 @@ rows of one process running the same loader, in the same order (for the padded l
 same rows; in the same order too where each process's rows are one range, as on meshes from
 `meshkit.make_mesh`).
 
+`grain_batches` (``grain.MapDataset``) and `hf_batches` (``datasets.Dataset``) are loaders of
+their own on that plan, with shuffling per epoch: their position is global (an epoch and a
+global step in it), so `meshkit.global_batches` records it with every step and resumes it on
+any number of processes (``start=``; saved in a checkpoint with ``save(..., data=...)``).
+
 `process_rows` is the plan itself (numpy indices, for any loader); `grain_dataset`
 (``grain.MapDataset``), `grain_sampler` (``grain.DataLoader``) and `hf_dataset` (Hugging Face
 ``datasets.Dataset``) apply it. `grain_shard_options` and `hf_dataset` on a streaming
@@ -26,6 +31,9 @@ grain and datasets are imported only when these functions are called (``meshkit[
 ``meshkit[datasets]``).
 """
 
+from ._src.loaders.batches import Batches as Batches
+from ._src.loaders.batches import grain_batches as grain_batches
+from ._src.loaders.batches import hf_batches as hf_batches
 from ._src.loaders.loaders import grain_dataset as grain_dataset
 from ._src.loaders.loaders import grain_sampler as grain_sampler
 from ._src.loaders.loaders import grain_shard_options as grain_shard_options
@@ -33,9 +41,12 @@ from ._src.loaders.loaders import hf_dataset as hf_dataset
 from ._src.loaders.loaders import process_rows as process_rows
 
 __all__ = [
+    "Batches",
+    "grain_batches",
     "grain_dataset",
     "grain_sampler",
     "grain_shard_options",
+    "hf_batches",
     "hf_dataset",
     "process_rows",
 ]

@@ -48,6 +48,7 @@ def _modules():
 _EXAMPLES_NEED = {
     "meshkit.checkpoint": "orbax.checkpoint",
     "meshkit._src.checkpoint.orbax": "orbax.checkpoint",
+    "meshkit._src.checkpoint.position": "orbax.checkpoint",
 }
 
 

@@ -16,6 +16,10 @@ falls back to per-step agreements for the window's steps, so that every message 
 step it names today; a process that closed or failed is told in the window's place, at the
 window's first step. Every process takes the same path, as each sees the same outcome. W starts
 at 1 (the first step is agreed alone) and doubles while windows agree, up to `width_cap`.
+
+The source's position (`meshkit.DataPosition`) is captured right after each read, and travels
+with the step it read (``capture``): the caller's `GlobalBatches.position` is the one after the
+batches it took, never after the batches read ahead for later steps.
 """
 
 from __future__ import annotations
@@ -68,15 +72,22 @@ class _Pulled:
     status: str
     local: Any = None
     error: BaseException | None = None
+    state: Any = None  # the source's position right after this read (``capture``)
 
 
-def _pull(source: Iterator[Any]) -> _Pulled:
+def _pull(source: Iterator[Any], capture: Callable[[], Any] | None = None) -> _Pulled:
     try:
-        return _Pulled("data", next(source))
+        pulled = _Pulled("data", next(source))
     except StopIteration:
-        return _Pulled("end")
+        pulled = _Pulled("end")
     except BaseException as e:  # the loader's own error: the caller gets it at its step
         return _Pulled("error", error=e)
+    if capture is not None:
+        try:
+            pulled.state = capture()
+        except BaseException as e:  # the source's get_state failed: at this step, as its own
+            return _Pulled("error", error=e)
+    return pulled
 
 
 def _nbytes(leaf: Any) -> int:
@@ -151,12 +162,15 @@ class Handoff:
         return False
 
 
+_Read = tuple[Prepared, Record, Any]  # a step read ahead: prepared, its record, its position
+
+
 @dataclass
 class _Window:
     """A window being read: its batches as read, and the steps prepared with their records."""
 
     pulled: list[_Pulled] = dataclasses.field(default_factory=list)
-    steps: list[tuple[Prepared, Record]] = dataclasses.field(default_factory=list)
+    steps: list[_Read] = dataclasses.field(default_factory=list)
     done: bool = False  # a read without data, or a batch that does not prepare, ends it
 
     def read(self, ahead: Ahead, width: int) -> bool:
@@ -175,7 +189,7 @@ class _Window:
             self.done = True
             return True
         record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
-        self.steps.append((prepared, record))
+        self.steps.append((prepared, record, one.state))
         return len(self.pulled) >= width
 
 
@@ -196,6 +210,8 @@ class Ahead:
         stop: set when the iterator is closed.
         release: tells the others' helpers that this one stops.
         hear: takes processes that closed early (`GlobalBatches._hear`).
+        capture: the source's position, called right after each read (None: not kept).
+        assembled: steps assembled so far (a resumed iterator starts at its position's).
     """
 
     source: Iterator[Any]
@@ -212,6 +228,7 @@ class Ahead:
     stop: threading.Event
     release: Callable[[], None]
     hear: Callable[[dict[int, int]], None]
+    capture: Callable[[], Any] | None = None
     assembled: int = 0  # steps assembled (the loaders' batches so far)
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
@@ -227,7 +244,7 @@ class Ahead:
         """
         set_caller(_WHAT)
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
-        agreed: deque[tuple[Prepared, Record] | _End] = deque()
+        agreed: deque[_Read | _End] = deque()
         window = _Window()
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
@@ -283,13 +300,13 @@ class Ahead:
     def put(self, item: Any) -> None:
         self.handoff.put(item)
 
-    def _place(self, step: tuple[Prepared, Record] | _End) -> bool:
+    def _place(self, step: _Read | _End) -> bool:
         """Hand an agreed step to the caller; False: it was the end of data (the loop ends)."""
         if isinstance(step, _End):
             self.put(END)
             return False
-        prepared, record = step
-        self.put(self._finish(prepared, {self.me: record}))
+        prepared, record, state = step
+        self.put(self._finish(prepared, {self.me: record}, state))
         return True
 
     def _summary(self, prepared: Prepared, record: Record) -> str:
@@ -312,12 +329,12 @@ class Ahead:
         return self._cap
 
     def _next(self) -> _Pulled:
-        return self._ahead.popleft() if self._ahead else _pull(self.source)
+        return self._ahead.popleft() if self._ahead else _pull(self.source, self.capture)
 
     def _peek(self) -> bool | None:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
-            self._ahead.append(_pull(self.source))
+            self._ahead.append(_pull(self.source, self.capture))
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
@@ -350,11 +367,11 @@ class Ahead:
             if self.stop.is_set():
                 self.release()  # closed while the loader ran
                 return None
-        item, steady = self._step(pulled.status, pulled.local)
+        item, steady = self._step(pulled.status, pulled.local, pulled.state)
         self.put(item)
         return None if item is END else steady
 
-    def _step(self, status: str, local: Any) -> tuple[Any, bool]:
+    def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
         pad, multi, assembly = self.pad, self.multi, self.assembly
         step = self.assembled + 1
         what = f"{_WHAT} (step {step})"
@@ -368,7 +385,7 @@ class Ahead:
             )
         prepared = assembly.prepare(lambda: self._prepare(local))
         if not multi:
-            return self._finish(prepared, None), False
+            return self._finish(prepared, None, state), False
         # Every step agrees before placing: on the end of data, the padded size and (but with
         # pad="ragged") the rows, which only a loader's last batch may lack.
         check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
@@ -383,21 +400,19 @@ class Ahead:
             return END, False
         if pad and check_rows is not None:
             check_rows(records)
-        return self._finish(prepared, records), len(records) == 1 and status == "data"
+        return self._finish(prepared, records, state), len(records) == 1 and status == "data"
 
-    def _finish(self, prepared: Prepared, records: dict[int, Record] | None) -> Any:
-        """Place and transfer an agreed step: the caller's item."""
+    def _finish(self, prepared: Prepared, records: dict[int, Record] | None, state: Any) -> Any:
+        """Place and transfer an agreed step: the caller's item (with the source's position)."""
         self.assembly.place(prepared, records)
         tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
         self.assembled += 1
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if self.pad else tree), rows, prepared.notes
+        return ((tree, mask) if self.pad else tree), rows, prepared.notes, state
 
     # A window of steps.
 
-    def _agree(
-        self, window: _Window, width: int, step: int
-    ) -> list[tuple[Prepared, Record] | _End] | Failure | _End:
+    def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | Failure | _End:
         """Agree at once on the steps of a window read (`_Window.read`), from step ``step``.
 
         Returns the window's steps, prepared, with their records, when every process has the
@@ -411,11 +426,9 @@ class Ahead:
         except Exception as e:
             return Failure(e)
 
-    def _agree_or_raise(
-        self, window: _Window, width: int, step: int
-    ) -> list[tuple[Prepared, Record] | _End] | _End:
+    def _agree_or_raise(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         runs: list[list[Any]] = []
-        for prepared, record in window.steps:
+        for prepared, record, _ in window.steps:
             said = self._summary(prepared, record)
             if runs and runs[-1][0] == said:
                 runs[-1][1] += 1

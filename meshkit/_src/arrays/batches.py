@@ -33,6 +33,7 @@ from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import events as _events
+from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
@@ -42,6 +43,7 @@ from . import ahead as _ahead
 from . import assembly as _assembly
 from . import closes as _closes
 from . import position as _position
+from . import resume as _resume
 from .dtypes import warn_notes
 from .records import Record
 
@@ -75,7 +77,8 @@ class GlobalBatches(Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
     Attributes:
-        steps: global batches handed to the caller so far.
+        steps: global batches handed to the caller so far; a resumed iterator counts on from
+            its ``start`` position's step.
         rows: rows of those batches (their leading size, padding included).
     """
 
@@ -91,6 +94,7 @@ class GlobalBatches(Iterator[Any]):
         dtype: Any,
         progress: float | None,
         stop_together: bool = True,
+        start: DataPosition | None = None,
     ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise MeshkitError(
@@ -143,19 +147,16 @@ class GlobalBatches(Iterator[Any]):
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
         self._unwatch = threading.Event()  # ended, failed or closed: no close to watch for
-        self.steps = 0
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        try:
-            source = iter(iterable)
-        except TypeError:
-            raise MeshkitError(
-                f"{_WHAT}: expected an iterable of per-process batches; got "
-                f"{type(iterable).__name__}."
-            ) from None
+        # Checked against the source, and agreed by every process, before anything is read.
+        n = _compat.distributed_state()[2]
+        self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
+        self.steps = self._source.step
+        self._state = self._source.first  # the source's position after the steps taken
         self._ahead = _ahead.Ahead(
-            source,
+            self._source.source,
             self._assembly,
             (mesh_or_sharding, spec),
             pad=self._pad,
@@ -169,6 +170,8 @@ class GlobalBatches(Iterator[Any]):
             stop=self._stop,
             release=self._release_helpers,
             hear=self._hear,
+            capture=self._source.capture,
+            assembled=self.steps,
         )
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
@@ -176,7 +179,7 @@ class GlobalBatches(Iterator[Any]):
         self._thread.start()
         self._position: _position.Position | None = None
         if self._together and self._node is not None:
-            self._position = _position.Position(self._node, self._tag)
+            self._position = _position.Position(self._node, self._tag, self.steps)
             _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
@@ -219,6 +222,7 @@ class GlobalBatches(Iterator[Any]):
             error = self._went_on_error(took=False)
             if error is None:
                 self.steps += 1
+                self._state = item[3]  # the source's position right after this step's read
             else:
                 self._done = self._ended = True
                 self._unwatch.set()
@@ -227,7 +231,7 @@ class GlobalBatches(Iterator[Any]):
                 with contextlib.suppress(ValueError):  # raised here, not by a later call
                     self._node.failures.remove(error)
             raise error
-        batch, rows, notes = item
+        batch, rows, notes, _ = item
         if notes:
             warn_notes(notes, user_stacklevel())
         _watchdog.note_progress()
@@ -365,6 +369,34 @@ class GlobalBatches(Iterator[Any]):
         if stop is not None:
             stop.set()
 
+    def position(self) -> DataPosition:
+        """Where the data stands after the global batches the caller took (not those read ahead).
+
+        Save it with the checkpoint of the same step (``meshkit.checkpoint.save(path, tree,
+        data=batches)``) and resume with ``meshkit.global_batches(..., start=position)``: the
+        next global batch is then the one this iterator would hand out next. The helper thread
+        reads ahead of the caller; the position is the source's right after it read the batch
+        of the caller's last step, never the source's current one. From a meshkit loader
+        (`meshkit.loaders.grain_batches`, `hf_batches`) it is global and resumes on any number
+        of processes; from an iterator with ``get_state()`` it holds this process's state
+        (resumable on as many processes); from anything else, only the steps.
+
+        Returns:
+            A `meshkit.DataPosition`; callable from any thread.
+
+        Example:
+            >>> import numpy as np, meshkit
+            >>> mesh = meshkit.make_mesh({"data": -1})
+            >>> loader = ({"x": np.full((8, 2), i, np.float32)} for i in range(3))
+            >>> with meshkit.global_batches(loader, mesh, "data") as batches:
+            ...     _ = next(batches)
+            ...     batches.position().step
+            1
+        """
+        with self._lock:
+            steps, state = self.steps, self._state
+        return self._source.position(steps, state)
+
     @property
     def rows_per_second(self) -> float:
         """Rows handed to the caller per second since the iterator started."""
@@ -402,6 +434,7 @@ def global_batches(
     dtype: Any = None,
     progress: float | None = None,
     stop_together: bool = True,
+    start: DataPosition | None = None,
 ) -> GlobalBatches:
     """Turn an iterable of per-process batches into an iterator of global batches.
 
@@ -446,6 +479,15 @@ def global_batches(
             about once a second, and a close costs two requests. False turns the check off:
             a process that closes early then leaves the others to wait in their next
             collective.
+        start: resume at this `meshkit.DataPosition` (`GlobalBatches.position`, or
+            `meshkit.checkpoint.data_position` of a checkpoint saved with ``data=``): the first
+            global batch is the one the saved run would have taken next, and ``steps`` counts
+            on from the position's. A meshkit loader's position (`meshkit.loaders.grain_batches`,
+            `hf_batches`) resumes the same loader (dataset length, global batch, seed) on any
+            number of processes; per-process states (an iterator with ``get_state()`` and
+            ``set_state()``, such as grain's) resume on as many processes; a position of steps
+            alone resumes nothing. Checked, and agreed by every process, before anything is
+            read.
 
     Returns:
         A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
@@ -455,7 +497,8 @@ def global_batches(
         DivergenceError: from ``next()`` or ``close()``: another process closed its iterator
             after a different step (``stop_together``).
         MeshkitError: ``prefetch``, ``pad``, ``stop_together``, ``check`` or ``progress`` is not
-            valid; or,
+            valid; ``start`` does not fit the source (another loader's, per-process states of
+            another process count, steps alone), on every process; or,
             from ``next()``, on every process at the same step: the loaders yielded
             different numbers of batches (``pad=False``; with ``pad=True``, a loader that
             yielded no batch at all while others did); a batch is short before the end of its
@@ -480,4 +523,5 @@ def global_batches(
         dtype=dtype,
         progress=progress,
         stop_together=stop_together,
+        start=start,
     )

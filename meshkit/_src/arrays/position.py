@@ -32,14 +32,15 @@ __all__ = ["Position"]
 class Position:
     """One iterator's caller: its thread, channel and steps, and its moving wait when stuck."""
 
-    def __init__(self, node: Node, tag: str) -> None:
+    def __init__(self, node: Node, tag: str, steps: int = 0) -> None:
         self.node = node
         self.tag = tag + "/steps"
         self.count = node.tag(self.tag)  # its ``seq``: the steps taken (`Node._reached`)
+        self.count.seq = steps  # a resumed iterator counts on from its start (every process)
         self.lock = threading.Lock()
         self.caller: int | None = None
         self.channel: str | None = None
-        self.steps = 0
+        self.steps = steps
         self.in_next = False  # the caller asks for a step (it waits for the helper)
         self.seen = -1  # the steps at the watch's last look
         self.wait: tuple[int, _waits.Wait] | None = None  # (thread, wait) registered as moving

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import numbers
 import os
 import time
@@ -14,20 +13,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..coord import absent as _absent
-from ..coord import agree as _agree
-from ..coord import channel as _channel
 from ..core import compat as _compat
-from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
 from ..sharding.specs import is_spec_leaf
+from . import data as _data
 from . import shaped as _shaped
 from . import steps as _steps
 from .plan import SavedArray, describe_mesh, plan, saved_spec
+from .verdict import agree_on as _agree_on
 
 __all__ = ["check_savable", "restore", "save", "targets"]
 
@@ -118,94 +115,6 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
     return first, entries
 
 
-def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
-    """Every process reaches the same verdict before orbax is called; raise it everywhere.
-
-    One barrier of the coordination service when the processes agree. When they differ, each
-    process raises an error naming the first difference (or the process that found a problem),
-    so no process is left inside orbax waiting for the others.
-    """
-    if _num_processes() == 1:
-        if problem is not None:
-            raise MeshkitError(problem)
-        return
-    mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
-    timeout = _env.check_timeout()
-    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
-    if outcome.agreed:
-        if problem is not None:
-            raise MeshkitError(problem)
-        return
-    if outcome.missing or outcome.gave_up:
-        gone = (
-            f"{_absent.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
-            "before it arrived)"
-            if not outcome.missing
-            else f"{_absent.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
-            " (the others did)"
-        )
-        raise MeshkitError(
-            f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
-    records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
-    for p, record in records.items():
-        if record["problem"] is not None:
-            if problem is not None:
-                raise MeshkitError(problem)
-            raise MeshkitError(f"{what}: process {p} refused the call:\n{record['problem']}")
-    raise MeshkitError(_difference(what, records, doing))
-
-
-_SHARED_VALUES = (
-    "Consider computing what differs from values every process shares (host values are written "
-    "by process 0 alone: any other process's would be lost)."
-)
-_SHARED_PATH = (
-    "Consider a path every process computes the same way, on a filesystem they all see (not "
-    "tempfile.mkdtemp() in each process)."
-)
-
-
-def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
-    ref_p, ref = next(iter(records.items()))
-    for p, record in records.items():
-        a, b = ref["entries"], record["entries"]
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
-                return (
-                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {_entry(x)} on "
-                    f"process {ref_p}, {_entry(y)} on process {p}.\nEvery process must {doing}."
-                    f"\n{fix}"
-                )
-        if len(a) != len(b):
-            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
-            return (
-                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
-                f"\nEvery process must {doing}."
-            )
-    return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
-
-
-def _entry(entry: list[Any]) -> str:
-    kind = entry[1] if len(entry) > 1 else ""
-    if kind in ("array", "host") and len(entry) >= 4:
-        text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "
-        text += f"{tuple(entry[2])}, {entry[3]}"
-        if kind == "host" and len(entry) == 5:
-            text += f", contents digest {entry[4]}"
-        if kind == "array" and len(entry) == 5 and entry[4] != "None":
-            text += f", spec {entry[4]}"
-        return text
-    if kind == "target":
-        return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
-    if kind == "path":
-        return str(entry[2])
-    return str(entry[1:])
-
-
 @public
 def check_savable(tree: Any) -> None:
     """Check that every process can save ``tree`` with orbax, and that they save the same tree.
@@ -241,7 +150,9 @@ def _path(path: str | os.PathLike[str], what: str) -> Path:
 
 
 @public
-def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) -> None:
+def save(
+    path: str | os.PathLike[str], tree: Any, *, keep: int | None = None, data: Any = None
+) -> None:
     """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
 
     Global arrays (from `meshkit.global_array_from_local`, `meshkit.replicate`,
@@ -259,6 +170,11 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
             keep only the ``keep`` latest complete steps beside it, and the temporary
             directories of saves newer than the latest (process 0 deletes the rest). None:
             delete nothing.
+        data: the `meshkit.GlobalBatches` that fed the step being saved (or a
+            `meshkit.DataPosition`): its position after the batches the caller took is saved
+            inside the same commit (orbax's custom metadata, under ``"meshkit"``), for
+            `data_position` and ``global_batches(..., start=...)``. Per-process states reach
+            process 0 through the coordination service (one request per process).
 
     After a preemption notice, the save at the step `should_save` named for it is the
     program's last act: once it is complete on every process, it raises ``SystemExit(143)``
@@ -267,7 +183,8 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
     Raises:
         MeshkitError: what `check_savable` finds (a process-local array, above all), ``path``
             exists already, or ``keep`` is not an int >= 1 or ``path`` no ``step_<n>``
-            directory. Every process raises, before anything is written.
+            directory; ``data`` is neither, or the processes' positions differ. Every process
+            raises, before anything is written.
         SystemExit: with status 143, after the save at a preemption sync point.
 
     Example:
@@ -292,13 +209,15 @@ def save(path: str | os.PathLike[str], tree: Any, *, keep: int | None = None) ->
         )
     if problem is None and keep is not None:
         problem = _steps.keep_problem(where, keep, what)
+    problem, shared = _data.share(data, where, problem, what)
     head = ["the directory", "path", str(where)]
     kept = ["keep=", "keep", str(keep)]
+    entries.append(shared.entry)  # the data position's common part, compared with the rest
     _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
     checkpointer = ocp.StandardCheckpointer()
     with _preemption.saving():  # a preemption deadline waits for it
         try:
-            checkpointer.save(where, tree)
+            checkpointer.save(where, tree, **shared.metadata())
             checkpointer.wait_until_finished()
         finally:
             checkpointer.close()

@@ -1,0 +1,158 @@
+"""The data position inside a checkpoint: what `meshkit.checkpoint.save`'s ``data=`` adds.
+
+The position goes into orbax's own commit, as the checkpoint's custom metadata, which process
+0 writes: a checkpoint either holds the arrays and the position of the same step, or is not
+there. The processes' common part of the position (the steps, a meshkit loader's identity and
+place) is one more entry of the save's existing agreement, so processes that save different
+positions all raise before anything is written. Per-process states (a grain iterator's) must
+reach process 0: each process sets one key in the coordination service before that agreement's
+barrier, and process 0 reads them all in one directory read after it (`share`, `Shared`).
+A meshkit loader's position is the same on every process and sends nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from ..coord import agree as _agree
+from ..core import compat as _compat
+from ..core.data_position import DataPosition
+
+__all__ = ["DATA_FIX", "KEY", "Shared", "from_metadata", "position_of", "share"]
+
+KEY = "meshkit"  # custom metadata: {"meshkit": {"data_position": DataPosition.to_dict()}}
+_POSITION = "data_position"
+DATA_FIX = (
+    "Consider data= the iterator that fed the step being saved, saved after the same step on "
+    "every process (each process's position then says the same)."
+)
+
+
+def position_of(data: Any, what: str) -> tuple[DataPosition | None, str | None]:
+    """``data``'s position (a `DataPosition`, or what ``data.position()`` gives), or the problem."""
+    if data is None:
+        return None, None
+    position = data
+    if not isinstance(data, DataPosition):
+        method = getattr(data, "position", None)
+        position = method() if callable(method) else None
+    if not isinstance(position, DataPosition):
+        return None, (
+            f"{what}: data must be a meshkit.GlobalBatches (its position() is saved) or a "
+            f"meshkit.DataPosition; got {type(data).__name__}.\n"
+            "Consider data=batches, the meshkit.global_batches iterator that fed this step."
+        )
+    me = _compat.distributed_state()[1]
+    if position.states is not None:
+        state = position.states.get(me)
+        if state is None:
+            return None, (
+                f"{what}: data= holds per-process states of processes {sorted(position.states)}"
+                f", none of this process ({me}).\nConsider data=batches, the iterator itself."
+            )
+        unsavable = json.loads(state).get("unsavable")
+        if unsavable is not None:
+            return None, (
+                f"{what}: data='s source keeps a state of type {unsavable} (its get_state()), "
+                "which is neither bytes nor JSON values: it cannot go into a checkpoint's "
+                "metadata.\nConsider a source whose get_state() gives bytes or JSON values (a "
+                "grain DataLoader or IterDataset iterator), or meshkit.loaders.grain_batches / "
+                "hf_batches."
+            )
+    return position, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """A save's data position, as this process posted it for process 0 (`share`).
+
+    Attributes:
+        position: this process's position (None: the save has no ``data=``).
+        prefix: where the processes' states were posted; None: nothing was posted (one
+            process, or a position without per-process states).
+    """
+
+    position: DataPosition | None = None
+    prefix: str | None = None
+
+    @property
+    def entry(self) -> list[Any]:
+        """The position's entry in the save's agreement: its common part, in words."""
+        position = self.position
+        return ["data=", "data", "no data position" if position is None else position.describe()]
+
+    def metadata(self) -> dict[str, Any]:
+        """Orbax's ``save`` keyword arguments, after the agreement (none without a position).
+
+        On process 0, the position holds every process's state: each posted it before the
+        agreement's barrier passed, so one directory read finds them all (process 0 then
+        deletes them). The other processes' metadata is not written by orbax.
+        """
+        if self.position is None:
+            return {}
+        _, me, n = _compat.distributed_state()
+        position = dataclasses.replace(self.position, processes=n)
+        node = _agree.node()
+        if self.prefix is not None and node is not None and me == 0:
+            found = {int(k.rsplit("/", 1)[1]): v for k, v in node.service.dir_get(self.prefix)}
+            node.service.delete(self.prefix)
+            assert position.states is not None
+            found[0] = position.states[0]  # its own, not sent
+            position = dataclasses.replace(position, states=dict(sorted(found.items())))
+        elif position.states is not None and self.prefix is None:  # one process: its state
+            position = dataclasses.replace(position, states={me: position.states[me]})
+        return {"custom_metadata": {KEY: {_POSITION: position.to_dict()}}}
+
+
+@functools.cache
+def _orbax_problem(what: str) -> str | None:
+    """Why this orbax cannot keep a data position (None: it can): custom metadata is newer."""
+    import orbax.checkpoint as ocp
+
+    save = inspect.signature(ocp.StandardCheckpointer.save).parameters
+    if "custom_metadata" in save and hasattr(ocp.metadata, "get_step_metadata"):
+        return None
+    return (
+        f"{what}: data= needs an orbax-checkpoint whose StandardCheckpointer.save takes "
+        f"custom_metadata; this one ({getattr(ocp, '__version__', '?')}) does not.\n"
+        "Consider pip install -U orbax-checkpoint (0.12.8 has it)."
+    )
+
+
+def _prefix(where: Path) -> str:
+    digest = hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
+    return f"meshkit/checkpoint/data/{digest}/"
+
+
+def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str | None, Shared]:
+    """``data``'s position for a save to ``where``: the save's problem, and the position shared.
+
+    Per-process states in a multi-process program are posted for process 0 by the others (one
+    request each, before the save's agreement, and only when the save has no problem so far;
+    process 0 reads them in one request and deletes them in another); a meshkit
+    loader's position and a position of steps are the same on every process (the agreement
+    compares them) and send nothing.
+    """
+    position, mine = position_of(data, what)
+    problem = problem or mine or (None if position is None else _orbax_problem(what))
+    node = _agree.node()
+    if problem is not None or position is None or position.states is None or node is None:
+        return problem, Shared(position)
+    prefix = _prefix(where)
+    if node.me != 0:  # process 0 has its own
+        node.service.set(prefix + str(node.me), position.states[node.me], overwrite=True)
+    return None, Shared(position, prefix)
+
+
+def from_metadata(custom: Any) -> Any:
+    """The position's plain value in a checkpoint's custom metadata (None: none saved)."""
+    if not isinstance(custom, dict):
+        return None
+    mine = custom.get(KEY)
+    return mine.get(_POSITION) if isinstance(mine, dict) else None

@@ -1,0 +1,113 @@
+"""The verdict every process reaches before orbax is called, and the words of a difference.
+
+`meshkit.checkpoint`'s calls (`save`, `check_savable`, `targets`, `restore`) describe what each
+process was given as a list of entries (``[where, kind, ...]``: a leaf, the path, the data
+position) and a problem found locally, if any; `agree_on` compares them across processes in one
+barrier of the coordination service and raises the same `MeshkitError` on every process when
+they differ or one found a problem, so that no process is left inside orbax waiting for the
+others. `difference` and `entry` word the first entry that differs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..coord import absent as _absent
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..core import compat as _compat
+from ..core import env as _env
+from ..core.errors import MeshkitError
+from . import data as _data
+
+__all__ = ["agree_on", "difference", "entry"]
+
+
+def agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
+    """Every process reaches the same verdict before orbax is called; raise it everywhere.
+
+    One barrier of the coordination service when the processes agree. When they differ, each
+    process raises an error naming the first difference (or the process that found a problem),
+    so no process is left inside orbax waiting for the others.
+    """
+    if _compat.distributed_state()[2] == 1:
+        if problem is not None:
+            raise MeshkitError(problem)
+        return
+    mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
+    timeout = _env.check_timeout()
+    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
+    if outcome.agreed:
+        if problem is not None:
+            raise MeshkitError(problem)
+        return
+    if outcome.missing or outcome.gave_up:
+        gone = (
+            f"{_absent.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
+            "before it arrived)"
+            if not outcome.missing
+            else f"{_absent.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
+            " (the others did)"
+        )
+        raise MeshkitError(
+            f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
+            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+            "wait."
+        )
+    records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
+    for p, record in records.items():
+        if record["problem"] is not None:
+            if problem is not None:
+                raise MeshkitError(problem)
+            raise MeshkitError(f"{what}: process {p} refused the call:\n{record['problem']}")
+    raise MeshkitError(difference(what, records, doing))
+
+
+_SHARED_VALUES = (
+    "Consider computing what differs from values every process shares (host values are written "
+    "by process 0 alone: any other process's would be lost)."
+)
+_SHARED_PATH = (
+    "Consider a path every process computes the same way, on a filesystem they all see (not "
+    "tempfile.mkdtemp() in each process)."
+)
+
+
+def difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
+    ref_p, ref = next(iter(records.items()))
+    for p, record in records.items():
+        a, b = ref["entries"], record["entries"]
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
+                fix = _data.DATA_FIX if x[1] == "data" else fix
+                return (
+                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {entry(x)} on "
+                    f"process {ref_p}, {entry(y)} on process {p}.\nEvery process must {doing}."
+                    f"\n{fix}"
+                )
+        if len(a) != len(b):
+            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
+            return (
+                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
+                f"\nEvery process must {doing}."
+            )
+    return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
+
+
+def entry(entry: list[Any]) -> str:
+    kind = entry[1] if len(entry) > 1 else ""
+    if kind in ("array", "host") and len(entry) >= 4:
+        text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "
+        text += f"{tuple(entry[2])}, {entry[3]}"
+        if kind == "host" and len(entry) == 5:
+            text += f", contents digest {entry[4]}"
+        if kind == "array" and len(entry) == 5 and entry[4] != "None":
+            text += f", spec {entry[4]}"
+        return text
+    if kind == "target":
+        return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
+    if kind in ("path", "data"):
+        return str(entry[2])
+    return str(entry[1:])

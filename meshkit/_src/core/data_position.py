@@ -1,0 +1,322 @@
+"""The data position: where a stream of global batches stands, to resume it at the same batch.
+
+A `DataPosition` is what `meshkit.GlobalBatches.position` returns and `meshkit.checkpoint.save`
+keeps beside the arrays (``data=``). It holds the steps the caller took and, by the kind of
+source the batches came from:
+
+- a meshkit loader (`meshkit.loaders.grain_batches`, `hf_batches`): the loader's identity (its
+  kind, dataset length, global batch, seed, epochs) and its *global* position (epoch, step in
+  the epoch). Every process holds the same position, so it resumes on any number of processes.
+- a source with ``get_state()`` / ``set_state()`` (a grain ``DataLoader`` or ``IterDataset``
+  iterator): each process's own state, opaque, indexed by process id, with the process count
+  it came from. It resumes on the same number of processes only.
+- anything else: the steps alone, which cannot resume a source.
+
+It lives in core, below `arrays` (which takes positions) and `checkpoint` (which saves them):
+they are siblings and share the type here. `GlobalSource` is the interface of a meshkit loader
+that `arrays` reads without importing `loaders`.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import MeshkitError
+
+__all__ = [
+    "VERSION",
+    "DataPosition",
+    "GlobalIterator",
+    "GlobalSource",
+    "LoaderIdentity",
+    "decode_state",
+    "encode_state",
+]
+
+VERSION = 1  # of `DataPosition.to_json`'s format; a reader refuses newer ones
+_WHAT = "meshkit.DataPosition.from_json"
+_IDENTITY = ("kind", "num_rows", "global_batch", "seed", "drop_remainder")  # what must match
+
+
+@dataclass(frozen=True)
+class LoaderIdentity:
+    """What makes a meshkit loader's global batches what they are (and its position valid).
+
+    Attributes:
+        kind: ``"grain"`` (`meshkit.loaders.grain_batches`) or ``"datasets"`` (`hf_batches`).
+        num_rows: rows of the dataset (one epoch).
+        global_batch: rows of a global batch.
+        seed: the shuffle's seed; None: not shuffled.
+        epochs: epochs the loader runs (a position resumes in a loader with as many or more).
+        drop_remainder: whether an epoch's last, short global batch is left out.
+    """
+
+    kind: str
+    num_rows: int
+    global_batch: int
+    seed: int | None
+    epochs: int
+    drop_remainder: bool = False
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch."""
+        full, short = divmod(self.num_rows, self.global_batch)
+        return full + (1 if short and not self.drop_remainder else 0)
+
+    def differences(self, other: LoaderIdentity) -> list[str]:
+        """What differs from ``other`` among what must match: ``"seed 3 (here 4)"``, ..."""
+        return [
+            f"{name} {getattr(other, name)!r} (this loader: {getattr(self, name)!r})"
+            for name in _IDENTITY
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+    def describe(self) -> str:
+        """``grain_batches(num_rows=45, global_batch=16, seed=7, epochs=2)``."""
+        name = "grain_batches" if self.kind == "grain" else "hf_batches"
+        drop = ", drop_remainder=True" if self.drop_remainder else ""
+        return (
+            f"{name}(num_rows={self.num_rows}, global_batch={self.global_batch}, "
+            f"seed={self.seed}, epochs={self.epochs}{drop})"
+        )
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a `meshkit.global_batches` iterator stands: the batches its caller took.
+
+    Made by `meshkit.GlobalBatches.position`, saved by ``meshkit.checkpoint.save(...,
+    data=...)``, read back by `meshkit.checkpoint.data_position` and resumed by
+    ``meshkit.global_batches(..., start=position)``: the next global batch is the one an
+    uninterrupted run would have taken next.
+
+    Attributes:
+        step: global batches the caller took, over the whole run (a resumed iterator counts on
+            from its start position).
+        loader: the identity of the meshkit loader the batches came from; None for other
+            sources.
+        epoch: the meshkit loader's epoch of the next batch (None for other sources).
+        epoch_step: the global batches of that epoch already taken (None for other sources).
+        processes: the number of processes of the run the position comes from.
+        states: a stateful source's state (its ``get_state()``, encoded as JSON text) by
+            process id; None for a meshkit loader or a source without state. A position from
+            `meshkit.GlobalBatches.position` holds this process's state only; a saved one
+            every process's.
+        version: the format's version.
+
+    Example:
+        >>> import meshkit
+        >>> p = meshkit.DataPosition(step=3)
+        >>> meshkit.DataPosition.from_json(p.to_json()) == p
+        True
+    """
+
+    step: int
+    loader: LoaderIdentity | None = None
+    epoch: int | None = None
+    epoch_step: int | None = None
+    processes: int = 1
+    states: Mapping[int, str] | None = None
+    version: int = VERSION
+
+    @property
+    def kind(self) -> str:
+        """``"loader"`` (a meshkit loader), ``"states"`` (per-process states) or ``"steps"``."""
+        if self.loader is not None:
+            return "loader"
+        return "states" if self.states is not None else "steps"
+
+    @property
+    def loader_step(self) -> int | None:
+        """Global batches taken from the meshkit loader since its start (None: no loader)."""
+        if self.loader is None or self.epoch is None or self.epoch_step is None:
+            return None
+        return self.epoch * self.loader.steps_per_epoch + self.epoch_step
+
+    def describe(self) -> str:
+        """The position in words, without per-process states (equal on every process)."""
+        text = f"step {self.step}"
+        if self.loader is not None:
+            text += (
+                f" of {self.loader.describe()}, epoch {self.epoch} at its step {self.epoch_step}"
+            )
+        elif self.states is not None:
+            text += f" with per-process states of {self.processes} processes"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The position as plain JSON values (`to_json` writes them)."""
+        return {
+            "version": self.version,
+            "step": self.step,
+            "loader": None if self.loader is None else dataclasses.asdict(self.loader),
+            "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
+            "processes": self.processes,
+            "states": None
+            if self.states is None
+            else {str(p): s for p, s in sorted(self.states.items())},
+        }
+
+    def to_json(self) -> str:
+        """The position as JSON text (small: under 1 KiB per process for grain's states)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, value: Any) -> DataPosition:
+        """The position `to_dict` gave.
+
+        Raises:
+            MeshkitError: ``value`` is not a data position, or one of a newer format.
+        """
+        return cls._read(value, "meshkit.DataPosition.from_dict")
+
+    @classmethod
+    def _read(cls, value: Any, what: str) -> DataPosition:
+        """`from_dict`, its messages naming ``what`` (the call that read ``value``)."""
+        if not isinstance(value, Mapping):
+            raise MeshkitError(f"{what}: expected a JSON object; got {type(value).__name__}.")
+        version = value.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise MeshkitError(f"{what}: no valid format version in {_short(value)}.")
+        if version > VERSION:
+            raise MeshkitError(
+                f"{what}: the data position is of format version {version}; this meshkit "
+                f"reads versions up to {VERSION}.\nConsider the meshkit version that saved it, "
+                "or a newer one."
+            )
+        try:
+            loader = value.get("loader")
+            states = value.get("states")
+            position = cls(
+                step=_int(value["step"]),
+                loader=None if loader is None else _identity(loader),
+                epoch=_int_or_none(value.get("epoch")),
+                epoch_step=_int_or_none(value.get("epoch_step")),
+                processes=_int(value.get("processes", 1)),
+                states=None if states is None else {int(p): str(s) for p, s in states.items()},
+                version=version,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise MeshkitError(f"{what}: not a data position ({e!r}): {_short(value)}.") from None
+        return position
+
+    @classmethod
+    def from_json(cls, text: str) -> DataPosition:
+        """The position `to_json` wrote.
+
+        Raises:
+            MeshkitError: ``text`` is not a data position, or one of a newer format.
+        """
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise MeshkitError(f"{_WHAT}: not JSON ({e}): {str(text)[:80]!r}.") from None
+        return cls._read(value, _WHAT)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(x: Any) -> int:
+    if not _is_int(x) or x < 0:
+        raise ValueError(f"expected an int >= 0, got {x!r}")
+    return x
+
+
+def _int_or_none(x: Any) -> int | None:
+    return None if x is None else _int(x)
+
+
+def _identity(value: Any) -> LoaderIdentity:
+    seed = value["seed"]
+    return LoaderIdentity(
+        kind=str(value["kind"]),
+        num_rows=_int(value["num_rows"]),
+        global_batch=_int(value["global_batch"]),
+        seed=None if seed is None else _int(seed),
+        epochs=_int(value["epochs"]),
+        drop_remainder=bool(value.get("drop_remainder", False)),
+    )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def encode_state(state: Any) -> str:
+    """A source's ``get_state()`` as JSON text: bytes (grain's ``DataLoader``) or JSON values.
+
+    Raises:
+        TypeError: the state is neither (it cannot be saved in a checkpoint's metadata).
+    """
+    if isinstance(state, bytes | bytearray):
+        return json.dumps({"bytes": base64.b64encode(bytes(state)).decode("ascii")})
+    try:
+        return json.dumps({"json": state}, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"a state of type {type(state).__name__} is neither bytes nor JSON values"
+        ) from None
+
+
+def decode_state(text: str) -> Any:
+    """The state `encode_state` encoded."""
+    value = json.loads(text)
+    if "bytes" in value:
+        return base64.b64decode(value["bytes"])
+    return value["json"]
+
+
+class GlobalIterator(Iterator[Any]):
+    """A meshkit loader's iterator: its batches, and the global step of the next one.
+
+    Args:
+        batches: the loader's batches from global step ``step`` on.
+        step: the global step (over all epochs) of the first of them.
+        source: the loader.
+    """
+
+    def __init__(self, batches: Iterator[Any], step: int, source: GlobalSource) -> None:
+        self._batches = batches
+        self.step = step
+        self.source = source
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        self.step += 1
+        return batch
+
+
+class GlobalSource(abc.ABC):
+    """A meshkit loader: its global batches in an order every process shares.
+
+    Its position is global (an epoch and a step in it), the same on every process and for
+    every process count, so `meshkit.global_batches` can resume it anywhere.
+    """
+
+    @property
+    @abc.abstractmethod
+    def identity(self) -> LoaderIdentity:
+        """What a position of this loader must match."""
+
+    @abc.abstractmethod
+    def iterate(self, step: int) -> GlobalIterator:
+        """This process's part of each global batch from global step ``step`` on."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterate(0)
+
+    def __len__(self) -> int:
+        """Global batches over all epochs."""
+        identity = self.identity
+        return identity.epochs * identity.steps_per_epoch
