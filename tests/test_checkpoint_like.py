@@ -65,6 +65,32 @@ def test_a_flax_nnx_state_updates_a_fresh_model(tmp_path):
     np.testing.assert_array_equal(fresh(x), model(x))
 
 
+def test_a_model_and_optimizer_state_with_numbered_layers_comes_back_whole(tmp_path):
+    # nnx.Sequential's layers and the (model, optimizer) pair are numbered: orbax stores them
+    # under the keys "0", "1"; the template's items are matched to them.
+    nnx = require("flax.nnx", "flax")
+    optax = require("optax", "optax")
+
+    def build(seed):
+        model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(seed)), nnx.relu,
+                               nnx.Linear(8, 1, rngs=nnx.Rngs(seed + 1)))  # fmt: skip
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    model, optimizer = build(0)
+    x = jnp.ones((3, 4))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    optimizer.update(model, grads)  # a step, and moments that are not zeros
+    meshkit.checkpoint.save(tmp_path / "c", nnx.state((model, optimizer)))
+    fresh_model, fresh_opt = build(5)
+    back = meshkit.checkpoint.restore(
+        tmp_path / "c", _mesh(), like=nnx.state((fresh_model, fresh_opt))
+    )
+    _same(back, nnx.state((model, optimizer)))
+    nnx.update((fresh_model, fresh_opt), back)
+    np.testing.assert_array_equal(fresh_model(x), model(x))
+    assert int(fresh_opt.step[...]) == 1
+
+
 class Moments(NamedTuple):
     mu: Any
     nu: Any

@@ -36,15 +36,20 @@ def _show(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f"[{p!r}]" for p in path) or "the top"
 
 
-def _child(node: Any, step: str | int) -> tuple[bool, Any]:
+def _child(node: Any, step: str | int) -> tuple[bool, Any, str | int]:
+    """The child of ``node`` at ``step``: found, it, and the step as the checkpoint names it.
+
+    A sequence's item of the template may be a dict's key ``"0"`` in the checkpoint (orbax
+    stores a tuple of a flax ``nnx`` state, an ``nnx.Sequential``'s layers, by string keys).
+    """
     if isinstance(node, dict):
         for key in (step, str(step)):
             if key in node:
-                return True, node[key]
-        return False, None
+                return True, node[key], key
+        return False, None, step
     if isinstance(node, list | tuple) and isinstance(step, int) and 0 <= step < len(node):
-        return True, node[step]
-    return False, None
+        return True, node[step], step
+    return False, None, step
 
 
 def _has(node: Any) -> str:
@@ -75,8 +80,10 @@ def into(targets: Any, like: Any, what: str) -> tuple[Any, str | None]:
     for keys, leaf in flat:
         path = tuple(_step(k) for k in keys)
         node: Any = targets
+        reached: list[str | int] = []  # the path in the checkpoint's own keys
         for depth, step in enumerate(path):
-            found, node_next = _child(node, step)
+            found, node_next, key = _child(node, step)
+            reached.append(key)
             if not found:
                 return None, (
                     f"{what}: like= has {_show(path)}, which the checkpoint lacks: at "
@@ -92,7 +99,7 @@ def into(targets: Any, like: Any, what: str) -> tuple[Any, str | None]:
                 f"is of shape {saved_shape}.\nConsider as like= the state of the model that was "
                 "saved (the same sizes)."
             )
-        wanted.add(path)
+        wanted.add(tuple(reached))
         out.append(node)
     for keys, _ in jax.tree_util.tree_flatten_with_path(targets)[0]:
         path = tuple(_step(k) for k in keys)
