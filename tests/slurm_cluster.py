@@ -181,12 +181,27 @@ class LocalSlurm:
             RuntimeError: sbatch refused the job.
             TimeoutError: the job did not end within ``timeout`` s (it is cancelled first).
         """
+        return self.wait(self.submit(args, env=env, cwd=cwd), timeout=timeout)
+
+    def submit(self, args: list[str], *, env: dict[str, str] | None = None, cwd=None) -> int:
+        """Submit a batch job; its id (`wait` waits for its end).
+
+        Raises:
+            RuntimeError: sbatch refused the job.
+        """
         submitted = self.run(
             [self.client("sbatch"), "--parsable", *args], timeout=60, env=env, cwd=cwd
         )
         if submitted.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)}: {submitted.stderr}")
-        job = int(submitted.stdout.strip().split(";")[0])
+        return int(submitted.stdout.strip().split(";")[0])
+
+    def wait(self, job: int, *, timeout: float) -> BatchJob:
+        """Wait (bounded) until batch job ``job`` ends, asking ``scontrol`` every 0.25 s.
+
+        Raises:
+            TimeoutError: the job did not end within ``timeout`` s (it is cancelled first).
+        """
         deadline = time.monotonic() + timeout
         while True:
             fields = self._job_fields(job)
@@ -198,6 +213,10 @@ class LocalSlurm:
                 self.cancel_all()
                 raise TimeoutError(f"batch job {job} still {state} after {timeout:g} s")
             time.sleep(0.25)
+
+    def state(self, job: int) -> str:
+        """The job's state now, as ``scontrol`` says it ("" when it does not answer)."""
+        return self._job_fields(job).get("JobState", "")
 
     def _job_fields(self, job: int) -> dict[str, str]:
         try:

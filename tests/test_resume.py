@@ -1,0 +1,140 @@
+"""Exact resume, end to end: `examples/preemptible_training.py` (flax nnx + optax, grain through
+`meshkit.global_batches`) interrupted, then started again, ends as the uninterrupted run.
+
+- a preemption notice (SIGTERM) to process 1 after step 6: every process saves at one step and
+  ends with 143; started again on 2 processes x 4 devices the run ends with the uninterrupted
+  run's loss and parameters, bit for bit, and on 1 process x 8 devices and 4 processes x 2
+  devices within 1e-6 relative;
+- a crash (SIGKILL of process 1 mid-run) under ``meshkit launch --max-restarts 1``: the group
+  starts again from the last periodic checkpoint, and ends bit for bit as the uninterrupted run.
+
+The SLURM case (a job preempted with ``scancel --signal=TERM`` and requeued) is in
+`tests/test_slurm.py`, with the cluster it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES, processes_with_marker, require
+
+import meshkit
+from meshkit.testing._forks import starter
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
+
+PROGRAM = EXAMPLES / "preemptible_training.py"
+_LIMIT_S = 240
+
+
+@pytest.fixture(autouse=True)
+def _extras():
+    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
+        require(module, why)
+
+
+def _launch(root: Path, *args: str, n: int = 2, d: int = 4) -> meshkit.LaunchResult:
+    return meshkit.launch(
+        [str(PROGRAM), "train", str(root), *args], num_processes=n, devices_per_process=d,
+        platform="cpu", timeout=_LIMIT_S, stream=False, keep_output=True,
+        starter=starter(None, "tests/test_resume.py"),
+    )  # fmt: skip
+
+
+def _final(result: meshkit.LaunchResult) -> str:
+    lines = [x for x in result.ranks[0].stdout.splitlines() if x.startswith("FINAL ")]
+    assert len(lines) == 1, result.report
+    return lines[0]
+
+
+def _params(root: Path) -> list[np.ndarray]:
+    with np.load(root / "final.npz") as saved:
+        return [saved[k] for k in sorted(saved.files, key=lambda k: int(k.split("_")[1]))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[str, list[np.ndarray]]:
+    """The uninterrupted run, 2 processes x 4 CPU devices: its FINAL line and parameters."""
+    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
+        require(module, why)
+    root = tmp_path_factory.mktemp("whole")
+    result = _launch(root)
+    assert result.returncode == 0, result.report
+    return _final(result), _params(root)
+
+
+def test_a_preempted_run_resumes_exactly_on_the_same_and_on_other_process_counts(
+    tmp_path, uninterrupted
+):
+    final, params = uninterrupted
+    cut = tmp_path / "cut"
+    preempted = _launch(cut, "--notice-at", "6")
+    assert preempted.preempted, preempted.report
+    assert preempted.returncode == 143
+    assert [r.returncode for r in preempted.ranks] == [143, 143], preempted.report
+    saved = meshkit.checkpoint.latest(cut)
+    assert saved is not None
+    assert 6 <= saved.step < 24, saved
+    # The same checkpoint, resumed three ways.
+    for n in (1, 4):
+        shutil.copytree(cut, tmp_path / f"on{n}")
+    resumed = _launch(cut)
+    assert resumed.returncode == 0, resumed.report
+    assert f"START at step {saved.step}" in resumed.ranks[0].stdout
+    assert _final(resumed) == final  # loss and parameters, bit for bit
+    for n, d in ((1, 8), (4, 2)):
+        other = _launch(tmp_path / f"on{n}", n=n, d=d)
+        assert other.returncode == 0, other.report
+        loss = float(_final(other).split()[1])
+        assert loss == pytest.approx(float(final.split()[1]), rel=1e-6), (n, d)
+        for got, want in zip(_params(tmp_path / f"on{n}"), params, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_crashed_process_restarts_the_group_from_the_last_periodic_checkpoint(
+    tmp_path, marker, uninterrupted
+):
+    final, _ = uninterrupted
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshkit", "launch", "-n", "2", "-d", "4", "--max-restarts", "1",
+         "--timeout", str(_LIMIT_S), str(PROGRAM), "train", str(tmp_path / "ck"),
+         "--step-time", "0.2"],
+        env={**os.environ, "MESHKIT_TEST_MARKER": marker}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + _LIMIT_S
+        for line in proc.stdout:  # the launcher's own output: [rank0] LOSS 6 ...
+            if line.startswith("[rank0] LOSS 6 "):
+                break
+            assert time.monotonic() < deadline, "no step 6"
+        (victim,) = [p for p in processes_with_marker(marker) if _rank_of(p) == 1]
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=_LIMIT_S)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, err
+    assert "meshkit launch: restarting every process (restart 1 of at most 1): rank 1 " in err
+    assert "[rank0] START at step 4" in out, out  # the last periodic checkpoint: every 4
+    finals = [x.split("] ", 1)[1] for x in out.splitlines() if "] FINAL " in x]
+    assert finals == [final]
+
+
+def _rank_of(pid: int) -> int | None:
+    """The MESHKIT_PROCESS_ID of process ``pid`` (None: no rank, the launcher or a helper)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ids = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"MESHKIT_PROCESS_ID=")]
+    return int(ids[0]) if ids else None
