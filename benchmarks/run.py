@@ -30,6 +30,7 @@ from global_assembly import (  # noqa: E402
 from hosts_exchange import bench_hosts  # noqa: E402
 from legacy import bench_legacy  # noqa: E402
 from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
+from preemption import bench_preemption  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
 from testing_starts import bench_testing_starts  # noqa: E402
 
@@ -90,4 +91,5 @@ if __name__ == "__main__":
     print(bench_coordination(), end="\n\n")
     print(bench_hosts(), end="\n\n")
     print(bench_data_position(), end="\n\n")
+    print(bench_preemption(), end="\n\n")
     print(bench_testing_starts())
