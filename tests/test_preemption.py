@@ -217,6 +217,26 @@ def test_the_deadline_waits_for_a_save_in_progress(fresh, monkeypatch):
     assert ended == [143]
 
 
+def test_the_deadline_says_the_step_global_batches_reached(fresh, tmp_path, monkeypatch):
+    import numpy as np
+
+    import meshkit
+
+    monkeypatch.setenv("MESHKIT_LAUNCH_STATUS", str(tmp_path))
+    monkeypatch.setenv("MESHKIT_PROCESS_ID", "1")
+    monkeypatch.setattr(_exit, "end", lambda status, **kwargs: None)
+    mesh = meshkit.make_mesh({"data": -1})
+    loader = (np.ones((8, 2), np.float32) for _ in range(5))
+    with meshkit.global_batches(loader, mesh, "data") as batches:
+        for _ in range(3):
+            next(batches)
+    notice = preemption.receive(None)
+    assert notice is not None
+    preemption._end_at_deadline(notice)
+    (event,) = _events.read(tmp_path, 2)
+    assert (event.kind, event.fields["how"], event.fields["step"]) == ("preempted", "deadline", 3)
+
+
 def test_past_the_deadline_an_error_is_the_echo_of_others_ending(fresh):
     assert preemption.past_deadline() is None
     fresh.notice = preemption.PreemptionNotice(1, time.time() - 40, time.time() + 5, own=True)

@@ -38,6 +38,7 @@ from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
+from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import ahead as _ahead
 from . import assembly as _assembly
@@ -235,6 +236,7 @@ class GlobalBatches(Iterator[Any]):
         if notes:
             warn_notes(notes, user_stacklevel())
         _watchdog.note_progress()
+        _preemption.note_step(self.steps)  # where a preemption's report says the run stopped
         self.rows += rows
         self._report()
         return batch
