@@ -7,7 +7,8 @@ Phase 1, no notice: ``STEPS`` steps of 10 ms of host work each, with and without
 of many calls). Phase 2, after a barrier: process 1 sends itself SIGTERM 20 steps in; every
 process goes on asking at each step (steps increase across both phases), and records how many
 steps and seconds after the notice the sync step came, the longest single question (the one
-that waited for the agreement) and the round trips of the agreement. Process 0 prints ``BENCH {json}``; the others print ``RANK {json}``.
+that waited for the agreement) and the round trips of the agreement. Process 0 prints
+``BENCH {json}``; the others print ``RANK {json}``.
 """
 
 import json
