@@ -214,10 +214,6 @@ class LocalSlurm:
                 raise TimeoutError(f"batch job {job} still {state} after {timeout:g} s")
             time.sleep(0.25)
 
-    def state(self, job: int) -> str:
-        """The job's state now, as ``scontrol`` says it ("" when it does not answer)."""
-        return self._job_fields(job).get("JobState", "")
-
     def _job_fields(self, job: int) -> dict[str, str]:
         try:
             out = subprocess.run(

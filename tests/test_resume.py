@@ -8,7 +8,7 @@
 - a crash (SIGKILL of process 1 mid-run) under ``meshkit launch --max-restarts 1``: the group
   starts again from the last periodic checkpoint, and ends bit for bit as the uninterrupted run.
 
-The SLURM case (a job preempted with ``scancel --signal=TERM`` and requeued) is in
+The SLURM case (a job preempted with ``scancel --signal=TERM`` and submitted again) is in
 `tests/test_slurm.py`, with the cluster it needs.
 """
 
