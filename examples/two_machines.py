@@ -12,6 +12,7 @@ process starts, naming both machines and both values.
     python examples/two_machines.py
 """
 
+import concurrent.futures
 import socket
 import subprocess
 import sys
@@ -25,7 +26,10 @@ with socket.socket() as s:  # a free port: machine 0 serves it, and JAX's coordi
 
 def launchers(per_machine: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
     """Start one launcher per entry ("machine"), together; wait for all; their outcomes."""
-    common = ["--nnodes", str(len(per_machine)), "--coordinator", f"127.0.0.1:{port}"]
+    common = [
+        "--nnodes", str(len(per_machine)), "--coordinator", f"127.0.0.1:{port}",
+        "--join-timeout", "60",
+    ]  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "meshkit", "launch", *common, "--node-rank", str(r), *args],
@@ -35,7 +39,18 @@ def launchers(per_machine: list[list[str]]) -> list[subprocess.CompletedProcess[
         )
         for r, args in enumerate(per_machine)
     ]
-    outs = [p.communicate(timeout=180) for p in procs]
+    # Every launcher's pipes are read together (none may wait on a full pipe), and the wait is
+    # bounded: whatever happens, every launcher has ended when this returns.
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        waits = [pool.submit(p.communicate, timeout=180) for p in procs]
+        try:
+            outs = [w.result() for w in waits]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            said = [p.communicate() for p in procs]
+            said_text = f"a launcher ran past 180 s; all were killed. They said: {said}"
+            raise SystemExit(said_text) from None
     return [
         subprocess.CompletedProcess(p.args, p.returncode, out, err)
         for p, (out, err) in zip(procs, outs, strict=True)

@@ -381,6 +381,40 @@ def test_reaching_a_hub_that_is_not_up_gives_up_after_the_join_timeout_or_a_sign
     assert reach("127.0.0.1", port, 1, 60, lambda: bool(signals)) is None
 
 
+def test_a_connection_to_itself_is_not_taken_for_the_hub(monkeypatch):
+    # With nothing listening yet on a local port, the kernel may pick that very port as the
+    # connection's source: the launcher is then connected to itself (and holds machine 0's
+    # port). Made here on purpose (bound to the port it connects to), then the real hub.
+    from meshkit._src.launch import link
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        hub_port = server.getsockname()[1]
+        lonely = free_port()
+        made = []
+        real = socket.create_connection
+
+        def connect(address, timeout):
+            if not made:
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", lonely))
+                sock.connect(("127.0.0.1", lonely))  # a TCP simultaneous open with itself
+                assert sock.getsockname() == sock.getpeername()
+                made.append(sock)
+                return sock
+            return real(("127.0.0.1", hub_port), timeout=timeout)
+
+        monkeypatch.setattr(link.socket, "create_connection", connect)
+        sock = reach("127.0.0.1", hub_port, 1, 10, lambda: False)
+        assert sock is not None
+        try:
+            assert made[0].fileno() == -1  # the connection to itself was let go
+            assert sock.getpeername()[1] == hub_port
+        finally:
+            sock.close()
+
+
 def test_a_report_that_came_before_the_hub_closed_is_read():
     # The hub sends its report, then closes: a launcher that reads both before it asks for the
     # report must still get it (it once saw only the closed connection, and exited with 1).

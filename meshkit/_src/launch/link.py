@@ -67,6 +67,13 @@ def reach(
             last = e
             time.sleep(0.2)
             continue
+        if sock.getsockname() == sock.getpeername():
+            # A connection to itself: with nothing listening yet on a local port of the
+            # ephemeral range, the kernel may pick that very port as the source (a TCP
+            # simultaneous open); it would also keep machine 0 from serving the port.
+            sock.close()
+            time.sleep(0.2)
+            continue
         sock.settimeout(None)
         return sock
     raise LaunchError(
