@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -62,6 +65,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     waits = {item.path for item in items if item.get_closest_marker("waits")}
     items.sort(key=lambda item: item.path not in waits)
+
+
+@pytest.fixture(autouse=True)
+def _no_global_batches_left() -> Iterator[None]:
+    """Close what a test left of `meshkit.global_batches`: an iterator never closed keeps its
+    helper thread waiting for a prefetch slot, and a later test of this worker that counts the
+    helpers alive would see it."""
+    yield
+    module = sys.modules.get("meshkit._src.arrays.batches")
+    for batches in list(getattr(module, "_live", ())):
+        with contextlib.suppress(Exception):  # its own error belongs to the test that made it
+            batches.close()
 
 
 def require(module: str, why: str = "") -> object:

@@ -204,14 +204,15 @@ def test_saving_the_position_costs_under_a_millisecond_and_a_kibibyte(tmp_path):
     from meshkit._src.checkpoint import data as _data
 
     # What save adds: the position, its checks and entry, the metadata (one process: nothing
-    # is sent), timed over many calls.
+    # is sent), timed over many calls in this thread's CPU time (the suite's other workers
+    # share the cores: wall time here says how busy they are; the bench times the wall).
     calls = 200
-    started = time.perf_counter()
+    started = time.thread_time()
     for _ in range(calls):
         _, shared = _data.share(batches, tmp_path, None, "save")
         _ = shared.entry
         _ = shared.metadata()
-    assert (time.perf_counter() - started) / calls < 1e-3
+    assert (time.thread_time() - started) / calls < 1e-3
     size = len(json.dumps(shared.metadata()["custom_metadata"]))
     assert size < 1024, size
     batches.close()
