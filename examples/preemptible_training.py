@@ -19,6 +19,8 @@ checks that the resumed run ends with the uninterrupted run's loss and parameter
 
     python examples/preemptible_training.py
     meshkit launch -n 2 -d 4 examples/preemptible_training.py train /tmp/run   # one run
+    meshkit launch -n 2 -d 4 --max-restarts 1 examples/preemptible_training.py train /tmp/r2 \
+        --crash-at 6                                   # a crash, and the restart it needs
 
 Preempt a run by hand with ``kill -TERM`` to ``meshkit launch`` (it forwards the notice to
 every process), then start the same command again: it goes on from the step it saved.
@@ -36,7 +38,7 @@ ROWS, FEATURES, HIDDEN, GLOBAL_BATCH, EPOCHS, EVERY = 384, 8, 32, 16, 1, 4
 STEPS = ROWS // GLOBAL_BATCH * EPOCHS  # 24 global batches
 
 
-def train(root: str, notice_at: int | None, step_time: float) -> None:
+def train(root: str, notice_at: int | None, crash_at: int | None, step_time: float) -> None:
     """One run of the training, resuming from the latest checkpoint under ``root``."""
     import meshkit
 
@@ -99,6 +101,8 @@ def train(root: str, notice_at: int | None, step_time: float) -> None:
                 print(f"LOSS {step} {float(loss)!r}", flush=True)
             if step == notice_at and me == 1 and found is None:
                 os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, to one process
+            if step == crash_at and me == 1 and found is None:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing saved at this step
             time.sleep(step_time)  # a longer step, for whoever watches
             if meshkit.checkpoint.should_save(step, every=EVERY):
                 path = meshkit.checkpoint.step_path(root, step)
@@ -121,8 +125,13 @@ def demo() -> int:
             platform="cpu", timeout=300, stream=False,
         )  # fmt: skip
 
+    def said(result: meshkit.LaunchResult, word: str) -> str:
+        # Process 0's line from `word` on (Gloo's own messages may share its line of stdout).
+        lines = result.ranks[0].stdout.splitlines()
+        return next(x[x.index(word) :] for x in lines if word in x)
+
     def final(result: meshkit.LaunchResult) -> str:
-        return next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("FINAL"))
+        return said(result, "FINAL ")
 
     with tempfile.TemporaryDirectory() as whole, tempfile.TemporaryDirectory() as cut:
         reference = launch(whole)
@@ -131,7 +140,7 @@ def demo() -> int:
         print(f"preempted:      status {preempted.returncode}")
         print("  " + preempted.report.strip().replace("\n", "\n  "))
         resumed = launch(cut)
-        start = next(x for x in resumed.ranks[0].stdout.splitlines() if x.startswith("START"))
+        start = said(resumed, "START at step")
         print(f"resumed:        {final(resumed)} ({start.lower()})")
     same = preempted.preempted and final(resumed) == final(reference)
     print("the resumed run ends as the uninterrupted one:", same)
@@ -152,6 +161,12 @@ if __name__ == "__main__":
         default=None,
         help="process 1 sends itself SIGTERM after this step (first run only)",
     )
+    parser.add_argument(
+        "--crash-at",
+        type=int,
+        default=None,
+        help="process 1 kills itself (SIGKILL) after this step (first run only)",
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds added to a step")
     args = parser.parse_args()
-    train(args.root, args.notice_at, args.step_time)
+    train(args.root, args.notice_at, args.crash_at, args.step_time)

@@ -7,10 +7,11 @@ Each step adds 1 to a replicated array ``x`` and sleeps 50 ms; process ``--victi
 sends itself SIGTERM after step ``--at`` (default 5). MODE says how the program checks:
 
 - ``jax``: JAX's documented protocol, ``multihost_utils.reached_preemption_sync_point(step)``
-  at every step, a save there, then the end of the loop;
+  at every step, a save there, then the end of the loop; beside it, orbax's
+  ``CheckpointManager`` (under ``ROOT/orbax``) saves when its ``should_save`` says so (orbax
+  asks JAX's sync point too);
 - ``should``: ``meshkit.checkpoint.should_save(step, every=K)`` and ``save`` (which ends the
   program after the preemption save);
-- ``orbax``: orbax's ``CheckpointManager`` (``should_save``, ``reached_preemption``);
 - ``none``: never (meshkit's deadline ends it).
 
 ``--again``: the victim sends itself a second SIGTERM while the preemption save runs.
@@ -31,7 +32,7 @@ import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("root")
-parser.add_argument("mode", choices=["jax", "should", "orbax", "none"])
+parser.add_argument("mode", choices=["jax", "should", "none"])
 parser.add_argument("--victim", type=int, default=1)
 parser.add_argument("--at", type=int, default=5)
 parser.add_argument("--every", type=int, default=1000)
@@ -80,11 +81,11 @@ if args.restore:
     print(f"RESTORED {found.step} {float(np.asarray(x.addressable_data(0))[0])}", flush=True)
 step_fn = jax.jit(lambda a: a + 1)
 manager = None
-if args.mode == "orbax":
+if args.mode == "jax":
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(save_interval_steps=args.every)
-    manager = ocp.CheckpointManager(args.root, options=options)
+    manager = ocp.CheckpointManager(os.path.join(args.root, "orbax"), options=options)
 
 
 def kill_when_written(step: int) -> None:
@@ -121,23 +122,19 @@ for step in range(start, args.steps + 1):
     if args.mode == "jax":
         from jax.experimental import multihost_utils
 
+        assert manager is not None
+        if manager.should_save(step):  # every K steps, and at JAX's sync point
+            manager.save(step, args=ocp.args.StandardSave({"x": x}))
+            manager.wait_until_finished()
+            print(f"ORBAX {step}", flush=True)
         if multihost_utils.reached_preemption_sync_point(step):
             save(step)
             print(f"SAVED {step}", flush=True)
             break
-    elif args.mode == "should":
-        if meshkit.checkpoint.should_save(step, every=args.every):
-            print(f"SAVING {step}", flush=True)
-            save(step)
-            print(f"SAVED {step}", flush=True)
-    elif args.mode == "orbax":
-        assert manager is not None
-        if manager.should_save(step):
-            manager.save(step, args=ocp.args.StandardSave({"x": x}))
-            manager.wait_until_finished()
-            print(f"SAVED {step}", flush=True)
-        if manager.reached_preemption(step):
-            break
+    elif args.mode == "should" and meshkit.checkpoint.should_save(step, every=args.every):
+        print(f"SAVING {step}", flush=True)
+        save(step)
+        print(f"SAVED {step}", flush=True)
     time.sleep(0.05)
 if manager is not None:
     manager.close()
