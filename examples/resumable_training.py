@@ -12,7 +12,8 @@ latest checkpoint (step 4). The restart's losses equal the uninterrupted run's, 
 
 With ``--dir DIR`` it is one run that resumes from the latest checkpoint in DIR, if any: kill
 it (Ctrl-C, or SIGKILL a rank) and start it again with the same command.
-``tests/test_checkpoint_multiprocess.py`` does exactly that.
+(`examples/preemptible_training.py` tells the same story through `meshkit.checkpoint.save`,
+with the data position, a preemption notice and a crash; ``tests/test_resume.py`` kills it.)
 
     python examples/resumable_training.py
     meshkit launch -n 2 -d 4 examples/resumable_training.py
