@@ -140,6 +140,42 @@ def warm_cluster_env() -> dict[str, str]:
     assert not left, f"warm cluster processes left behind: {left}"
 
 
+@pytest.fixture(scope="session")
+def preemptible_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """The uninterrupted run of ``examples/preemptible_training.py``, 2 processes x 4 CPU devices.
+
+    Returns its FINAL line (loss and parameter digest) and its ``final.npz``. Made once per
+    suite run: pytest-xdist's workers share it through their common base directory, the first
+    to ask runs it while the others wait on a lock (test_resume and test_slurm compare against
+    it; one run of the example costs about 14 CPU-seconds).
+    """
+    import fcntl
+
+    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
+        require(module, why)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's only
+    root, final = shared / "preemptible-reference", shared / "preemptible-reference.final"
+    with open(shared / "preemptible-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not final.exists():
+            import meshkit
+            from meshkit.testing._forks import starter
+
+            shutil.rmtree(root, ignore_errors=True)  # a worker that failed before
+            result = meshkit.launch(
+                [str(EXAMPLES / "preemptible_training.py"), "train", str(root)],
+                num_processes=2, devices_per_process=4, platform="cpu", timeout=240,
+                stream=False, keep_output=True, starter=starter(None, "tests/conftest.py"),
+            )  # fmt: skip
+            assert result.returncode == 0, result.report
+            # Gloo's own lines may share a line of stdout with the program's: FINAL anywhere.
+            lines = result.ranks[0].stdout.splitlines()
+            (line,) = [x[x.index("FINAL ") :] for x in lines if "FINAL " in x]
+            final.write_text(line)
+    return final.read_text(), root / "final.npz"
+
+
 @pytest.fixture(autouse=True)
 def _simulated_hosts(request: pytest.FixtureRequest) -> None:
     """A test marked ``hosts`` skips (the reason printed) where simulated hosts cannot be made,

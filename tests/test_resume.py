@@ -51,20 +51,17 @@ def _final(result: meshkit.LaunchResult) -> str:
     return lines[0]
 
 
-def _params(root: Path) -> list[np.ndarray]:
-    with np.load(root / "final.npz") as saved:
+def _params(npz: Path) -> list[np.ndarray]:
+    with np.load(npz) as saved:
         return [saved[k] for k in sorted(saved.files, key=lambda k: int(k.split("_")[1]))]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[str, list[np.ndarray]]:
-    """The uninterrupted run, 2 processes x 4 CPU devices: its FINAL line and parameters."""
-    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
-        require(module, why)
-    root = tmp_path_factory.mktemp("whole")
-    result = _launch(root)
-    assert result.returncode == 0, result.report
-    return _final(result), _params(root)
+def uninterrupted(preemptible_reference) -> tuple[str, list[np.ndarray]]:
+    """The uninterrupted run, 2 processes x 4 CPU devices: its FINAL line and parameters
+    (conftest's, shared with test_slurm)."""
+    final, npz = preemptible_reference
+    return final, _params(npz)
 
 
 def test_a_preempted_run_resumes_exactly_on_the_same_and_on_other_process_counts(
@@ -91,7 +88,7 @@ def test_a_preempted_run_resumes_exactly_on_the_same_and_on_other_process_counts
         assert other.returncode == 0, other.report
         loss = float(_final(other).split()[1])
         assert loss == pytest.approx(float(final.split()[1]), rel=1e-6), (n, d)
-        for got, want in zip(_params(tmp_path / f"on{n}"), params, strict=True):
+        for got, want in zip(_params(tmp_path / f"on{n}" / "final.npz"), params, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 

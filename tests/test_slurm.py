@@ -173,7 +173,9 @@ def test_batch_script_without_srun_is_an_error(slurm):
 PREEMPTIBLE = EXAMPLES / "preemptible_training.py"
 
 
-def test_a_job_preempted_by_scancel_resumes_exactly_when_submitted_again(slurm, tmp_path):
+def test_a_job_preempted_by_scancel_resumes_exactly_when_submitted_again(
+    slurm, tmp_path, preemptible_reference
+):
     """`scancel --signal=TERM` reaches both tasks of the running step: they save at one step
     and end with 143; the job submitted again resumes there and ends with the uninterrupted
     run's loss and parameters, bit for bit (2 tasks x 4 CPU devices). (`scontrol requeue` does
@@ -183,13 +185,7 @@ def test_a_job_preempted_by_scancel_resumes_exactly_when_submitted_again(slurm, 
 
     for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
         require(module, why)
-    whole = meshkit.launch(
-        [str(PREEMPTIBLE), "train", str(tmp_path / "whole")], num_processes=2,
-        devices_per_process=4, platform="cpu", timeout=_RUN_TIMEOUT_S, stream=False,
-    )  # fmt: skip
-    assert whole.returncode == 0, whole.report
-    # Gloo's messages may share a line of stdout with the program's: FINAL anywhere in a line.
-    (final,) = [x[x.index("FINAL ") :] for x in whole.ranks[0].stdout.splitlines() if "FINAL " in x]
+    final, _ = preemptible_reference  # the uninterrupted run (conftest's, shared)
     out = slurm.root / "jobs" / "preempted-%j.out"
     script = slurm.root / "jobs" / "preemptible.sh"
     script.write_text(
