@@ -202,5 +202,8 @@ def launched_result(
     )
     if result.returncode != 0:
         raise SystemExit(f"benchmark failed:\n{result.report}")
-    line = next(x for x in result.ranks[0].stdout.splitlines() if x.startswith("BENCH "))
+    # Gloo's own messages may share a line of stdout with the program's: BENCH anywhere.
+    line = next(
+        x[x.index("BENCH ") :] for x in result.ranks[0].stdout.splitlines() if "BENCH " in x
+    )
     return json.loads(line.removeprefix("BENCH "))

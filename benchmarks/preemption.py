@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
 WORKER = HERE / "preemption_worker.py"
 STEPS = 100
+_RECORD = re.compile(r"(?:BENCH|RANK) (\{.*\})$")
 
 
 def _counts() -> list[int]:
@@ -40,8 +42,11 @@ def _run(n: int) -> list[dict[str, Any]]:
         raise SystemExit(f"benchmark failed:\n{result.report}")
     records = []
     for rank in result.ranks:
-        line = next(x for x in rank.stdout.splitlines() if x.startswith(("BENCH ", "RANK ")))
-        records.append(json.loads(line.split(" ", 1)[1]))
+        # Gloo's own messages may share a line of stdout with the program's: the record
+        # is what follows "BENCH " or "RANK " anywhere in a line.
+        found = (_RECORD.search(x) for x in rank.stdout.splitlines())
+        line = next(m.group(1) for m in found if m)
+        records.append(json.loads(line))
     return records
 
 
