@@ -51,10 +51,14 @@ def _counted(client):
 _sync.JaxService = _counted  # type: ignore[assignment]
 
 # Phase 1: the cost of asking, no notice.
+# Steps only increase, as in a training loop, across both phases (a process answers each step
+# once; the agreement's sync step is after the highest step any process answered).
+step = 0
 question, question_cpu = [], []  # wall time, and this thread's CPU time (N > cores: shared)
 for _ in range(5):
     start, start_cpu = time.perf_counter(), time.thread_time()
-    for step in range(1, 10_001):
+    for _ in range(10_000):
+        step += 1
         meshkit.checkpoint.should_save(step, every=10**9)
     question.append((time.perf_counter() - start) / 10_000)
     question_cpu.append((time.thread_time() - start_cpu) / 10_000)
@@ -62,29 +66,33 @@ with_q, without_q = [], []
 for r in range(6):
     for asks in (True, False) if r % 2 == 0 else (False, True):
         start = time.perf_counter()
-        for step in range(1, STEPS + 1):
+        for _ in range(STEPS):
+            step += 1
             work()
             if asks:
                 meshkit.checkpoint.should_save(step, every=10**9)
         (with_q if asks else without_q).append((time.perf_counter() - start) / STEPS)
 
-# Phase 2: a notice after step 20, the agreement, the sync step.
+# Phase 2, once every process is done with phase 1 (a notice must not find a process still
+# measuring): a notice 20 steps in, the agreement, the sync step.
+meshkit.barrier("preemption benchmark: phase 2")
 NOTICE_AT = 20
 asked_at = None
 longest = 0.0
 sync = None
-for step in range(1, 400):
+for k in range(1, 400):
+    step += 1
     work()
-    if me == 1 and step == NOTICE_AT:
+    if me == 1 and k == NOTICE_AT:
         os.kill(os.getpid(), signal.SIGTERM)
     start = time.perf_counter()
     answer = meshkit.checkpoint.should_save(step)
     longest = max(longest, time.perf_counter() - start)
     notice = meshkit.preemption_notice()
     if notice is not None and asked_at is None:
-        asked_at = step - NOTICE_AT
+        asked_at = k - NOTICE_AT
     if answer:
-        sync = step
+        sync = k
         break
 notice = meshkit.preemption_notice()
 record = {
