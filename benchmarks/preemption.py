@@ -77,7 +77,7 @@ def bench_preemption() -> str:
         )
     lines.append(
         "question: should_save without a notice (no round trip), wall and this thread's CPU "
-        "time (beyond 2 processes the 2 cores are shared, which stretches the wall time); "
+        "time (more processes than cores stretch the wall time, not the work); "
         "steps: from the notice to the sync step; longest wait: the question that waited for "
         "the agreement; RPCs/proc: round trips of the agreement, the most any process made."
     )
