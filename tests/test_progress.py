@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -261,6 +262,47 @@ def test_a_rank_that_fails_before_joining_ends_the_board_too(tmp_path, monkeypat
     assert said[-1] == (
         "meshkit launch: waiting for the cluster to form (3.1 s): rank 0 joining; rank 1 exited"
     )
+
+
+def _supervised(ranks: list[_FakeRank]):
+    from meshkit._src.launch.supervise import Supervisor
+
+    return Supervisor(
+        ranks,  # type: ignore[arg-type]
+        [],
+        timeout=None,
+        board=None,
+        note=lambda line: None,
+        clock=lambda: 1.0,
+        start=0.0,
+    )
+
+
+def test_a_rank_aborted_in_the_same_look_as_a_killed_one_is_not_named_first():
+    # Rank 1 is killed (SIGKILL); rank 0, in a collective with it, is ended by Gloo's abort
+    # within the 20 ms between two looks: the launcher named rank 0 (the lower rank).
+    ranks = [_FakeRank(0), _FakeRank(1)]
+    ranks[0].proc.returncode, ranks[1].proc.returncode = -signal.SIGABRT, -signal.SIGKILL
+    supervisor = _supervised(ranks)
+    assert supervisor.look()
+    assert supervisor.outcome.first_failure == 1
+
+
+_EXITS = st.sampled_from([0, 1, 2, 134, -signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV])
+
+
+@given(codes=st.lists(_EXITS, min_size=1, max_size=8))
+def test_the_first_failure_of_one_look_is_the_lowest_rank_not_aborted_else_the_lowest(codes):
+    ranks = [_FakeRank(r) for r in range(len(codes))]
+    for rank, code in zip(ranks, codes, strict=True):
+        rank.proc.returncode = code
+    supervisor = _supervised(ranks)
+    assert supervisor.look()  # every rank has ended
+    failed = [r for r, code in enumerate(codes) if code != 0]
+    aborted = [r for r in failed if codes[r] in (134, -signal.SIGABRT)]
+    others = [r for r in failed if r not in aborted]
+    expected = (others or aborted or [None])[0]
+    assert supervisor.outcome.first_failure == expected
 
 
 def test_the_waiting_line_names_the_other_machines_still_forming(tmp_path):

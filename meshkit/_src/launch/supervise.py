@@ -53,6 +53,21 @@ def signals_recorded(enabled: bool) -> Iterator[list[int]]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def _first(failed: list[Rank]) -> Rank:
+    """The rank that most likely failed first among those one look found failed.
+
+    Looks are `POLL_S` apart, and a rank whose peer vanished mid-collective often ends within
+    that time: Gloo and XLA end it with SIGABRT. So among ranks seen failed together, one
+    ended by SIGABRT comes after one ended otherwise (killed, or an exit status of its own);
+    then the lowest rank.
+    """
+
+    def aborted(rank: Rank) -> bool:
+        return rank.proc.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT)
+
+    return min(failed, key=lambda rank: (aborted(rank), rank.rank))
+
+
 @dataclasses.dataclass
 class Preemption:
     """A preemption notice during a run (SIGTERM to the launcher, or to a rank directly).
@@ -188,7 +203,7 @@ class Supervisor:
                 return True
         if failed or not running:
             if failed:
-                self.outcome.first_failure = failed[0].rank
+                self.outcome.first_failure = _first(failed).rank
                 self.outcome.failed_after = now
             # What the ranks reached before they ended, however soon after the last look.
             self._look_at_board(now, final=True)
