@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -97,6 +98,17 @@ def require(module: str, why: str = "") -> object:
         pytest.skip(reason)
 
 
+def said(text: str, word: str) -> list[str]:
+    """Each line of ``text`` that begins with ``word``, from ``word`` on.
+
+    Gloo (JAX's CPU collectives) prints "[Gloo] Rank N is connected to ..." on stdout in
+    pieces, without ending its line, so a program's line may follow such a piece ("[Gloo] Rank
+    START at step 4"): the piece is passed over.
+    """
+    line_of = re.compile(rf"^(?:\[Gloo\].*?)?({re.escape(word)}.*)$")
+    return [m.group(1) for line in text.splitlines() if (m := line_of.match(line))]
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """Pids of live processes whose environment holds MESHKIT_TEST_MARKER=marker."""
     needle = f"MESHKIT_TEST_MARKER={marker}".encode()
@@ -169,9 +181,7 @@ def preemptible_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str
                 stream=False, keep_output=True, starter=starter(None, "tests/conftest.py"),
             )  # fmt: skip
             assert result.returncode == 0, result.report
-            # Gloo's own lines may share a line of stdout with the program's: FINAL anywhere.
-            lines = result.ranks[0].stdout.splitlines()
-            (line,) = [x[x.index("FINAL ") :] for x in lines if "FINAL " in x]
+            (line,) = said(result.ranks[0].stdout, "FINAL ")
             final.write_text(line)
     return final.read_text(), root / "final.npz"
 

@@ -345,11 +345,10 @@ def _run(tmp_path, *args, env=None):
 
 def _said(result, word):
     """The step each rank printed after ``word`` (``SAVED 7`` -> 7), by rank."""
+    from conftest import said
+
     return {
-        r.rank: int(line.split()[1])
-        for r in result.ranks
-        for line in r.stdout.splitlines()
-        if line.startswith(word + " ")
+        r.rank: int(line.split()[1]) for r in result.ranks for line in said(r.stdout, word + " ")
     }
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, require
+from conftest import EXAMPLES, said
 
 import meshkit
 from meshkit.testing._forks import starter
@@ -30,23 +30,18 @@ PROGRAM = EXAMPLES / "preemptible_training.py"
 _LIMIT_S = 240
 
 
-@pytest.fixture(autouse=True)
-def _extras():
-    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
-        require(module, why)
-
-
-def _launch(root: Path, *args: str, n: int = 2, d: int = 4) -> meshkit.LaunchResult:
+def _launch(
+    root: Path, *args: str, n: int = 2, d: int = 4, max_restarts: int = 0
+) -> meshkit.LaunchResult:
     return meshkit.launch(
         [str(PROGRAM), "train", str(root), *args], num_processes=n, devices_per_process=d,
         platform="cpu", timeout=_LIMIT_S, stream=False, keep_output=True,
-        starter=starter(None, "tests/test_resume.py"),
+        max_restarts=max_restarts, starter=starter(None, "tests/test_resume.py"),
     )  # fmt: skip
 
 
 def _final(result: meshkit.LaunchResult) -> str:
-    # Gloo's own lines may share a line of stdout with the program's ("[Gloo] Rank FINAL ...").
-    lines = [x[x.index("FINAL ") :] for x in result.ranks[0].stdout.splitlines() if "FINAL " in x]
+    lines = said(result.ranks[0].stdout, "FINAL ")
     assert len(lines) == 1, result.report
     return lines[0]
 
@@ -98,11 +93,7 @@ def test_a_crashed_process_restarts_the_group_from_the_last_periodic_checkpoint(
     # Process 1 is killed (SIGKILL) after step 6: nothing tells the others, the launcher sees
     # it die, stops them and starts the group again, which resumes from step 4.
     final, _ = uninterrupted
-    result = meshkit.launch(
-        [str(PROGRAM), "train", str(tmp_path / "ck"), "--crash-at", "6"], num_processes=2,
-        devices_per_process=4, platform="cpu", timeout=_LIMIT_S, stream=False,
-        keep_output=True, max_restarts=1, starter=starter(None, "tests/test_resume.py"),
-    )  # fmt: skip
+    result = _launch(tmp_path / "ck", "--crash-at", "6", max_restarts=1)
     assert result.returncode == 0, result.report
     assert [a.number for a in result.attempts] == [0, 1], result.report
     assert "rank 1 failed first (killed by SIGKILL)" in result.attempts[0].cause, result.report

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
-from conftest import EXAMPLES, REPO
+from conftest import EXAMPLES, REPO, said
 
 import meshkit
 
@@ -181,10 +181,6 @@ def test_a_job_preempted_by_scancel_resumes_exactly_when_submitted_again(
     run's loss and parameters, bit for bit (2 tasks x 4 CPU devices). (`scontrol requeue` does
     the same, but SLURM holds a requeued job for two minutes, and starting it sooner races with
     slurmd's cleanup of the first run: "Job N already killed, do not launch batch job".)"""
-    from conftest import require
-
-    for module, why in (("orbax.checkpoint", "orbax"), ("grain", "grain"), ("flax.nnx", "flax")):
-        require(module, why)
     final, _ = preemptible_reference  # the uninterrupted run (conftest's, shared)
     out = slurm.root / "jobs" / "preempted-%j.out"
     script = slurm.root / "jobs" / "preemptible.sh"
@@ -210,4 +206,4 @@ def test_a_job_preempted_by_scancel_resumes_exactly_when_submitted_again(
     text = (slurm.root / "jobs" / f"preempted-{job}.out").read_text()
     assert (again.state, again.status) == ("COMPLETED", 0), (again, text)
     assert f"START at step {saved[0]}" in text, text
-    assert [x[x.index("FINAL ") :] for x in text.splitlines() if "FINAL " in x] == [final], text
+    assert said(text, "FINAL ") == [final], text
