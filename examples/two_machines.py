@@ -13,15 +13,17 @@ process starts, naming both machines and both values.
 """
 
 import concurrent.futures
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from meshkit.testing import free_ports
+
 HERE = Path(__file__).resolve().parent
-with socket.socket() as s:  # a free port: machine 0 serves it, and JAX's coordinator the next
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+# Machine 0 serves PORT (the launchers meet there) and PORT+1 (JAX's coordinator): two free
+# ports in a row. A port the OS hands out for the asking is no good for PORT: the next one may be
+# any connection's (these runs make many).
+port = free_ports(2)
 
 
 def launchers(per_machine: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:

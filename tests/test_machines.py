@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from meshkit import LaunchError
-from meshkit._src.core.ports import free_port
+from meshkit._src.core.ports import ephemeral_range, free_port, free_ports, port_in_use
 from meshkit._src.launch.hub import Hub
 from meshkit._src.launch.link import Link, Over, reach
 from meshkit._src.launch.machines import placement
@@ -43,7 +45,7 @@ class _Run:
         history: tuple[LaunchAttempt, ...] = (),
         max_restarts: int = 0,
     ):
-        self.port = free_port()
+        self.port = free_ports(2)  # PORT and PORT+1, as machine 0 serves them
         self.hub = Hub(
             serve("127.0.0.1", self.port),
             nnodes=nnodes,
@@ -436,3 +438,28 @@ def test_a_report_that_came_before_the_hub_closed_is_read():
             assert link.end([_result(2, 0)], []) == Over(0, "", [])
         finally:
             link.close()
+
+
+def test_a_taken_port_plus_one_on_machine_0_is_named_before_anything_starts(tmp_path):
+    # JAX's coordinator will serve PORT+1: held by anything else (here a plain bound socket, as
+    # an outgoing connection's source port would be), machine 0 refuses at once, with status 2.
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the program started')\n")
+    port = free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("", port + 1))
+        out = subprocess.run(
+            [sys.executable, "-m", "meshkit", "launch", "--nnodes", "2", "--node-rank", "0",
+             "--coordinator", f"127.0.0.1:{port}", "--join-timeout", "5", "-n", "1",
+             str(script)],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert (
+        f"meshkit launch: machine 0 cannot hold port {port + 1} (the coordinator's PORT+1, for "
+        "JAX's coordinator): Address already in use.\nConsider another PORT in --coordinator, "
+        f"below this machine's ephemeral ports (from {ephemeral_range()[0]}), which any outgoing "
+        "connection may take." in out.stderr
+    )
+    assert "the program started" not in out.stderr
+    assert not port_in_use(port)  # machine 0's meeting point was let go

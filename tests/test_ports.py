@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from pathlib import Path
 
 import pytest
 
-from meshkit._src.core.ports import coordinator_port_taken, free_port, port_in_use, reserve_port
+from meshkit._src.core.ports import (
+    coordinator_port_taken,
+    free_port,
+    free_ports,
+    port_in_use,
+    reserve_port,
+)
 
 
 def _listener(*, reuseport: bool, listen: bool = True) -> socket.socket:
@@ -63,3 +70,44 @@ def test_a_port_held_by_anything_but_a_reservation_is_taken(reuseport, listen):
 def test_a_free_port_is_not_taken():
     port = free_port()
     assert not coordinator_port_taken(port)
+
+
+def test_free_ports_are_consecutive_free_and_below_theephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for count in (1, 2, 5):
+        first = free_ports(count)
+        assert first >= 10000
+        assert first + count - 1 < low
+        assert not any(port_in_use(p) for p in range(first, first + count))
+
+
+def test_free_ports_skip_a_run_with_one_port_held(monkeypatch):
+    # The draws land on the same first port five times while its second port is held, then on
+    # another free run: the run with a held port is never returned.
+    import meshkit._src.core.ports as ports
+
+    first, other = free_ports(2), free_ports(2)
+    with reserve_port(first + 1):
+        draws = iter([first] * 5 + [other])
+        monkeypatch.setattr(ports.random.Random, "randint", lambda self, a, b: next(draws))
+        assert ports.free_ports(2) == other
+        assert next(draws, None) is None  # every draw was made
+
+
+def test_free_ports_end_after_a_bounded_number_of_draws(monkeypatch):
+    import meshkit._src.core.ports as ports
+
+    monkeypatch.setattr(ports, "port_in_use", lambda p: True)
+    with pytest.raises(OSError, match=r"no 2 consecutive free TCP ports in 7 draws from 10000-"):
+        ports.free_ports(2, tries=7)
+    with pytest.raises(ValueError, match="free_ports: count must be at least 1, got 0"):
+        ports.free_ports(0)
+
+
+def test_free_ports_draw_from_everywhere_when_theephemeral_range_starts_low(monkeypatch):
+    import meshkit._src.core.ports as ports
+
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (5000, 60999))
+    seen = {ports.free_ports(2) for _ in range(50)}
+    assert all(1024 <= p <= 65534 for p in seen)
+    assert max(seen) >= 5000

@@ -13,7 +13,11 @@
   (a body that raises fails its own test; one that hangs is timed out and the cluster
   restarts). ``pytest -p meshkit.testing.pytest_plugin`` gives each test module one, as the
   ``warm_cluster`` fixture.
+* `free_ports` finds consecutive free TCP ports, for tests that start ``meshkit launch
+  --coordinator HOST:PORT`` themselves (machine 0 serves PORT and PORT+1).
 """
+
+from meshkit._src.core.ports import free_ports
 
 from ._multiprocess import launch_in_processes, run_in_processes
 from ._reference import assert_spmd_matches_reference, reference_spmd
@@ -23,6 +27,7 @@ __all__ = [
     "RankReply",
     "WarmCluster",
     "assert_spmd_matches_reference",
+    "free_ports",
     "launch_in_processes",
     "reference_spmd",
     "run_in_processes",

@@ -18,9 +18,22 @@ reservation (bound, not listening) from a port that something else holds or serv
 from __future__ import annotations
 
 import errno
+import random
 import socket
+from pathlib import Path
 
-__all__ = ["coordinator_port_taken", "free_port", "port_in_use", "reserve_port"]
+__all__ = [
+    "coordinator_port_taken",
+    "ephemeral_range",
+    "free_port",
+    "free_ports",
+    "port_in_use",
+    "reserve_port",
+]
+
+# Where `free_ports` draws from when the kernel's ephemeral range cannot be read: Linux's default.
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST = 10000  # below: well-known and registered services' ports, often configured by hand
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,6 +41,52 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """Ports given to outgoing connections here (first, last); Linux's default if unknown."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_ports(count: int = 2, *, tries: int = 1000) -> int:
+    """The first of ``count`` consecutive TCP ports that are all free now: ``--coordinator``'s PORT.
+
+    Machine 0 of ``meshkit launch --nnodes N --coordinator HOST:PORT`` serves PORT and PORT+1.
+    `free_port` alone does not do for PORT: the OS picks it from its ephemeral range, where
+    every outgoing connection also takes ports without binding them, so PORT+1 may be taken by
+    a connection (or by its TIME_WAIT after a run, which keeps the port from any bind for a
+    minute). The ports here are drawn, at random, from below the ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``, from 10000 up), which connections never take
+    on their own, and each is checked with a plain bind on all addresses.
+
+    Raises:
+        ValueError: ``count`` is not positive.
+        OSError: no run of ``count`` free ports was found in ``tries`` draws.
+
+    Example:
+        >>> port = free_ports(2)
+        >>> port_in_use(port), port_in_use(port + 1)
+        (False, False)
+    """
+    if count < 1:
+        raise ValueError(f"free_ports: count must be at least 1, got {count}")
+    low = _LOWEST
+    high = ephemeral_range()[0] - count  # the last first port whose run ends below the range
+    if high < low:  # an ephemeral range that starts low: draw from below 65536 instead
+        low, high = 1024, 65535 - count + 1
+    draw = random.Random()
+    for _ in range(tries):
+        first = draw.randint(low, high)
+        if not any(port_in_use(p) for p in range(first, first + count)):
+            return first
+    raise OSError(
+        errno.EADDRINUSE,
+        f"no {count} consecutive free TCP ports in {tries} draws from {low}-{high}",
+    )
 
 
 def port_in_use(port: int) -> bool:

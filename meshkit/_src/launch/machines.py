@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from ..core.errors import LaunchError
-from ..core.ports import reserve_port
+from ..core.ports import ephemeral_range, reserve_port
 from ..core.version import __version__
 from .hub import Hub
 from .link import Link, reach
@@ -172,7 +172,8 @@ def _session(
                 raise LaunchError(
                     f"meshkit launch: machine 0 cannot hold port {place.port + 1} (the "
                     f"coordinator's PORT+1, for JAX's coordinator): {e.strerror}.\nConsider "
-                    "another PORT in --coordinator."
+                    "another PORT in --coordinator, below this machine's ephemeral ports (from "
+                    f"{ephemeral_range()[0]}), which any outgoing connection may take."
                 ) from None
             hub = Hub(
                 listener,
