@@ -6,13 +6,13 @@ a process judged stalled would print a ``meshkit watchdog:`` line after 2 s and 
 the paced cases, whose every step is checked, a 5 s watchdog and 10 s for the others' arrival
 (`PACED_ENV`). (Below that is less than a collective between two processes can promise on 2
 cores running two copies of this suite, some 27 runnable processes: a step waited 1 s, then
-2 s, there for its starved peer.) The loops are
-the ones users leave running: plain ``jax.jit`` steps (no meshkit call at all), a
-`meshkit.global_batches` pipeline feeding a ``jax.jit`` step, steps interrupted by a checkpoint
-write that keeps the main thread busy in Python for several watchdog periods, and `meshkit.pmap_compat` steps. Every step paces itself with a short sleep, the way a
-step waits for an accelerator: at most samples the main thread sits in the same place, and only
-the device work it completes shows it moves. Each case checks its numbers, that it ran for
-`SOAK_S`, and that no watchdog line was printed.
+2 s, there for its starved peer.) The loops are the ones users leave running: plain
+``jax.jit`` steps (no meshkit call at all), a `meshkit.global_batches` pipeline feeding a
+``jax.jit`` step, steps interrupted by a checkpoint write that keeps the main thread busy in
+Python for two watchdog periods and more, and `meshkit.pmap_compat` steps. Every step paces
+itself with a short sleep, the way a step waits for an accelerator: at most samples the main
+thread sits in the same place, and only the device work it completes shows it moves. Each case
+checks its numbers, that it ran for `SOAK_S`, and that no watchdog line was printed.
 
 What the launched processes run is in `ranks/soak.py`.
 """
@@ -35,12 +35,12 @@ ENV = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "2", "MESHKIT_WATCHDOG": "
 # a second copy of the suite). A process sees only itself: waiting 2 s in a collective for a
 # peer starved of CPU (measured beside a second copy of the suite: 2 s and more) is a stall
 # from where it stands. Their watchdog is 5 s, still 6 periods in each soak; only the checkpoint
-# case, which runs alone, keeps the 2 s watchdog and timeout (its writes outlast 2 s + 2 s).
+# case, which runs alone, keeps the 2 s watchdog and timeout (its write outlasts 2 s + 2 s).
 PACED_ENV = {**ENV, "MESHKIT_DEBUG_TIMEOUT": "10", "MESHKIT_WATCHDOG": "5"}
 
 
 # The cases whose steps mostly sleep. The checkpoint case keeps both of its processes busy in
-# Python for 4.5 s at a time: run beside the others, it starves them on a 2-core machine, and
+# Python for 4.5 s: run beside the others, it starves them on a 2-core machine, and
 # their watchdogs rightly call that a stall; it runs alone, after them.
 _PACED = ("jit_only", "batches_and_jit", "pmap_compat_steps")
 
@@ -54,7 +54,7 @@ def _launch(target):
 def soaks():
     """The paced cases' launches, started together when the module's first test asks.
 
-    A paced soak is 30 s of steps that mostly sleep: one after the other, they cost three
+    A paced soak is `SOAK_S` of steps that mostly sleep: one after the other, they cost three
     times that in wall time, together about once. Each case still runs its own 2 processes for
     `SOAK_S` under its own watchdog; only the waiting overlaps.
     """
@@ -89,7 +89,7 @@ def test_global_batches_feeding_a_jit_step(soaks):
 def test_steps_with_checkpoint_writes_longer_than_the_watchdog(soaks):
     values = _ran(soaks, ranks.steps_with_checkpoints)
     assert [v[0] for v in values] == [64.0 * CHECKPOINT_STEPS] * 2
-    # Each write outlasted the watchdog and its timeout together (2 s + 2 s).
+    # The write outlasted the watchdog and its timeout together (2 s + 2 s).
     assert all(v[2] > 4.0 for v in values), values
 
 
