@@ -293,3 +293,38 @@ def test_the_environment_says_when_calls_do_not(monkeypatch):
         "MESHKIT_TESTING_FORK='sometimes' is not one of 1, true, yes, on (fork) or empty, "
         "0, false, no, off (fresh, the default)."
     )
+
+
+# A module that neither JAX nor meshkit imports, cheap to preload.
+_EXTRA = "xml.dom.minidom"
+
+
+def loaded_before_the_body():
+    """Whether the rank had `_EXTRA` imported before this body ran (it imports nothing)."""
+    return _EXTRA in sys.modules
+
+
+def test_preloaded_modules_are_imported_before_the_ranks_are_forked():
+    preloaded = run_in_processes(
+        loaded_before_the_body, fork=True, preload=(_EXTRA, "no_such_package_here.sub")
+    )
+    assert preloaded == [True, True]
+    assert run_in_processes(loaded_before_the_body, fork=True) == [False, False]
+    # Fresh ranks import as usual: the preload is only for the fork server.
+    assert run_in_processes(loaded_before_the_body, fork=False, preload=(_EXTRA,)) == [
+        False,
+        False,
+    ]
+
+
+def test_the_starter_for_a_preload():
+    from meshkit.testing._forks import FORKS, PRELOAD, starter
+
+    more = starter(True, "here", (_EXTRA, "jax"))
+    assert more is starter(True, "here", (_EXTRA,))  # one set of servers for each addition
+    assert more is not FORKS
+    assert isinstance(more, Forks)
+    assert more.preload == (*PRELOAD, _EXTRA)
+    assert starter(True, "here", ("jax", "numpy")) is FORKS  # nothing added
+    assert starter(True, "here", ("no_such_package_here",)) is FORKS  # not installed: left out
+    assert starter(False, "here", (_EXTRA,)) is start_fresh

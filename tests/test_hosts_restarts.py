@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import require
+from conftest import ECOSYSTEM, require
 from host_runs import (
     LIMIT_S,
     finish,
@@ -48,7 +48,7 @@ def uninterrupted_final(tmp_path_factory) -> str:
     result = meshkit.launch(
         [str(TRAINING), str(tmp_path_factory.mktemp("whole"))],
         num_processes=4, devices_per_process=2, platform="cpu", timeout=LIMIT_S,
-        stream=False, keep_output=True, starter=starter(None, "tests/test_hosts_restarts.py"),
+        stream=False, keep_output=True, starter=starter(None, "tests/test_hosts_restarts.py", ECOSYSTEM),
     )  # fmt: skip
     assert result.returncode == 0, result.report
     (final,) = [x for x in result.ranks[0].stdout.splitlines() if x.startswith("FINAL ")]

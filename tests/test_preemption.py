@@ -335,11 +335,13 @@ def test_a_bad_grace_is_an_error_of_init(tmp_path):
 
 
 def _run(tmp_path, *args, env=None):
+    from conftest import ECOSYSTEM
+
     from meshkit.testing import launch_in_processes
 
     return launch_in_processes(
         RANKS / "preempted.py", num_processes=2, devices_per_process=4, timeout=120,
-        args=[str(tmp_path / "ckpt"), *args], env=env,
+        args=[str(tmp_path / "ckpt"), *args], env=env, preload=ECOSYSTEM,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require
+from conftest import ECOSYSTEM, require
 
 import meshkit
 from meshkit import LaunchError
@@ -43,7 +43,7 @@ def _train(root: Path, *args: str, max_restarts: int = 0) -> meshkit.LaunchResul
         keep_output=True,
         grace=1.0,
         max_restarts=max_restarts,
-        starter=starter(None, "tests/test_restarts.py"),
+        starter=starter(None, "tests/test_restarts.py", ECOSYSTEM),
     )
 
 

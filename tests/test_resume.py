@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, said
+from conftest import ECOSYSTEM, EXAMPLES, said
 
 import meshkit
 from meshkit.testing._forks import starter
@@ -36,7 +36,7 @@ def _launch(
     return meshkit.launch(
         [str(PROGRAM), "train", str(root), *args], num_processes=n, devices_per_process=d,
         platform="cpu", timeout=_LIMIT_S, stream=False, keep_output=True,
-        max_restarts=max_restarts, starter=starter(None, "tests/test_resume.py"),
+        max_restarts=max_restarts, starter=starter(None, "tests/test_resume.py", ECOSYSTEM),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ starts fresh. The environment variables read while Python, JAX and numpy import
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -350,15 +351,37 @@ class Forks:
 
 # The test process's servers (they end with it: each sees its socket close).
 FORKS = Forks()
+# Servers that import more than `PRELOAD` first, by what they add (`starter`'s ``preload``).
+_MORE: dict[tuple[str, ...], Forks] = {}
+_MORE_LOCK = threading.Lock()
 
 
-def starter(fork: bool | None, where: str) -> Starter:
+def starter(fork: bool | None, where: str, preload: Sequence[str] = ()) -> Starter:
     """How `meshkit.testing` starts ranks: forked (`FORKS`) or fresh (`start_fresh`).
 
     Args:
         fork: the caller's choice; None reads ``MESHKIT_TESTING_FORK`` (unset: fresh).
         where: the call that asks, for the message about a bad value.
+        preload: modules the ranks import, for a server to import before it forks them (beside
+            `PRELOAD`): ranks of flax, orbax or grain programs then skip those imports (about
+            0.5 CPU-s each for orbax or grain). Such servers are kept apart from `FORKS`; a
+            module whose package is not installed is left out.
     """
     if fork is None:
         fork = _env.flag(ENV_FORK, where=where, on="fork", off="fresh, the default", blank=False)
-    return FORKS if fork else start_fresh
+    if not fork:
+        return start_fresh
+    # Those installed only (found without importing them): the ranks of a program that needs
+    # one that is missing fail as fresh ones would, not the server.
+    more = tuple(
+        m
+        for m in dict.fromkeys(preload)
+        if m not in PRELOAD and importlib.util.find_spec(m.partition(".")[0]) is not None
+    )
+    if not more:
+        return FORKS
+    with _MORE_LOCK:
+        forks = _MORE.get(more)
+        if forks is None:
+            forks = _MORE[more] = Forks(preload=(*PRELOAD, *more))
+        return forks

@@ -55,6 +55,7 @@ def launch_in_processes(
     init: bool = True,
     stream: bool = False,
     fork: bool | None = None,
+    preload: Sequence[str] = (),
 ) -> LaunchResult:
     """Launch ``target`` in ``num_processes`` processes; return the `LaunchResult`.
 
@@ -77,6 +78,10 @@ def launch_in_processes(
             iteration order of sets of strings), so a test of what differs between fresh
             interpreters needs fresh ones. None: fork when ``MESHKIT_TESTING_FORK=1``.
             A target that cannot be forked starts fresh.
+        preload: when forking, modules to import once before the processes are forked (they
+            must import without starting anything): a target that uses flax, orbax or grain
+            then skips their import in every process, e.g.
+            ``preload=("orbax.checkpoint", "flax.nnx")``. Fresh processes import as usual.
 
     Returns:
         The launch result; for function targets, ``result.values`` holds what each rank
@@ -96,7 +101,7 @@ def launch_in_processes(
             stream=stream,
             keep_output=True,
             grace=1.0,
-            starter=starter(fork, "meshkit.testing.launch_in_processes"),
+            starter=starter(fork, "meshkit.testing.launch_in_processes", preload),
             allow_unjoined=not init,
         )
         values: list[Any] = []
@@ -116,6 +121,7 @@ def run_in_processes(
     env: Mapping[str, str] | None = None,
     init: bool = True,
     fork: bool | None = None,
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Call the module-level ``fn`` in ``num_processes`` processes; return each one's value.
 
@@ -132,6 +138,8 @@ def run_in_processes(
         init: whether to call `meshkit.init` before ``fn``.
         fork: fork each process from one that imported JAX once (see `launch_in_processes`);
             None: when ``MESHKIT_TESTING_FORK=1``.
+        preload: when forking, modules to import once before forking (see
+            `launch_in_processes`).
 
     Returns:
         ``[value of rank 0, value of rank 1, ...]``.
@@ -158,6 +166,7 @@ def run_in_processes(
         env=env,
         init=init,
         fork=fork,
+        preload=preload,
     )
     if result.returncode != 0:
         outputs = "\n".join(
