@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
+from ranks.preloads import ECOSYSTEM
 
 # Before any backend use: every in-process test sees 8 CPU devices.
 jax.config.update("jax_num_cpu_devices", 8)
@@ -54,11 +55,6 @@ settings.load_profile(os.environ.get("MESHKIT_HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-# What the ranks of the ecosystem tests import (training loops with orbax checkpoints, flax nnx
-# and optax, grain): their fork server imports it once, each rank skips it (0.63 CPU-s on
-# Python 3.11: 1.59 CPU-s to import JAX, meshkit and these, 0.96 without). One tuple for every
-# such test, so that a worker keeps one server for them all.
-ECOSYSTEM = ("orbax.checkpoint", "flax.nnx", "optax", "grain")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

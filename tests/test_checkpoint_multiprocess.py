@@ -21,8 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks.preloads import ECOSYSTEM
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.waits,
+    pytest.mark.warm_cluster(preload=ECOSYSTEM),
+]
 
 _CKPT = "MESHKIT_TEST_CKPT"
 _KILLED = "MESHKIT_TEST_KILLED"  # the rank a test kills mid-save

@@ -16,11 +16,16 @@ import re
 
 import pytest
 from ranks import positions as ranks
+from ranks.preloads import ECOSYSTEM
 
 import meshkit
 from meshkit.testing import run_in_processes
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.filterwarnings("ignore::meshkit.DtypeWarning")]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.filterwarnings("ignore::meshkit.DtypeWarning"),
+    pytest.mark.warm_cluster(preload=ECOSYSTEM),
+]
 
 _ENV = {"MESHKIT_CHECK_TIMEOUT": "60"}
 
@@ -87,8 +92,9 @@ def test_a_position_saved_by_two_processes_resumes_on_one_two_and_four(
 
     monkeypatch.setenv(ranks.CKPT, root)
     four = run_in_processes(
-        ranks.resume_from_env, num_processes=4, devices_per_process=2, timeout=240, env=_ENV
-    )
+        ranks.resume_from_env, num_processes=4, devices_per_process=2, timeout=240, env=_ENV,
+        preload=ECOSYSTEM,
+    )  # fmt: skip
     assert all(r == four[0] for r in four)
     _expect_resumed(four[0], full, 4)
 

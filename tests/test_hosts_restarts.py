@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import ECOSYSTEM, require
+from conftest import require
 from host_runs import (
     LIMIT_S,
     finish,
@@ -24,6 +24,7 @@ from host_runs import (
     wait_for,
 )
 from hosts import Hosts
+from ranks.preloads import ECOSYSTEM
 
 import meshkit
 from meshkit.testing._forks import starter

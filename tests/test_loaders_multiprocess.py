@@ -13,8 +13,9 @@ cover every row once. Functions starting with an underscore run in the launched 
 from __future__ import annotations
 
 import pytest
+from ranks.preloads import ECOSYSTEM
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.warm_cluster(preload=ECOSYSTEM)]
 
 GLOBAL_BATCH = 16
 EPOCHS = 2

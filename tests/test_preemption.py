@@ -335,7 +335,7 @@ def test_a_bad_grace_is_an_error_of_init(tmp_path):
 
 
 def _run(tmp_path, *args, env=None):
-    from conftest import ECOSYSTEM
+    from ranks.preloads import ECOSYSTEM
 
     from meshkit.testing import launch_in_processes
 

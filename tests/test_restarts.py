@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ECOSYSTEM, require
+from conftest import require
+from ranks.preloads import ECOSYSTEM
 
 import meshkit
 from meshkit import LaunchError

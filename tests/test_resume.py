@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ECOSYSTEM, EXAMPLES, said
+from conftest import EXAMPLES, said
+from ranks.preloads import ECOSYSTEM
 
 import meshkit
 from meshkit.testing._forks import starter

@@ -13,7 +13,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -101,6 +101,8 @@ class WarmCluster:
         start_timeout: seconds the processes may take to start and join.
         fork: fork each process from one that imported JAX once (see
             `launch_in_processes`); None: when ``MESHKIT_TESTING_FORK=1``.
+        preload: when forking, modules to import once before the processes are forked (see
+            `launch_in_processes`).
 
     Example:
         ```python
@@ -130,9 +132,11 @@ class WarmCluster:
         timeout: float = 120.0,
         start_timeout: float = 120.0,
         fork: bool | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         self.num_processes = num_processes
         self.fork = fork
+        self.preload = tuple(preload)
         self.devices_per_process = devices_per_process
         self.env = dict(env or {})
         self.timeout = timeout
@@ -173,7 +177,7 @@ class WarmCluster:
         command = ["-m", "meshkit.testing._warm_worker", _HOST, str(server.getsockname()[1]), token]
         env = {"MESHKIT_INIT_TIMEOUT": str(max(5, int(self.start_timeout))), **self.env}
 
-        start_with = starter(self.fork, "meshkit.testing.WarmCluster")
+        start_with = starter(self.fork, "meshkit.testing.WarmCluster", self.preload)
 
         def run_launcher() -> None:
             outcome.append(

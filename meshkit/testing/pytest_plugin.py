@@ -33,7 +33,7 @@ __all__ = ["warm_cluster", "warm_cluster_env"]
 
 _MARKER = (
     "warm_cluster(num_processes=2, devices_per_process=4, env=None, timeout=120.0, "
-    "start_timeout=120.0): options of the module's meshkit.testing.WarmCluster"
+    "start_timeout=120.0, preload=()): options of the module's meshkit.testing.WarmCluster"
 )
 
 
