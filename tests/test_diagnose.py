@@ -15,6 +15,7 @@ from meshkit._src.core.events import Event
 from meshkit._src.launch import report as _report
 from meshkit._src.launch.report import RankResult, Told
 from meshkit._src.lifecycle import diagnose as _diagnose
+from meshkit.testing._forks import starter
 
 GLOO = (
     "jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: "
@@ -290,6 +291,7 @@ def test_a_computation_run_by_one_process_is_explained(tmp_path):
     result = meshkit.launch(
         [str(script)], num_processes=2, devices_per_process=4, platform="cpu", timeout=150,
         stream=False, env={"MESHKIT_INIT_TIMEOUT": "60"},
+        starter=starter(None, "tests/test_diagnose.py"),
     )  # fmt: skip
     assert time.monotonic() - start < 120
     assert result.returncode != 0, result.report

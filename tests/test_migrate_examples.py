@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshkit
+from meshkit.testing._forks import starter
 
 _PRINTED = re.compile(r"(?:step \d+|eval|checkpoint|mean \|w\|)[: ][^[\n]*")
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "legacy_pmap_script.py"
@@ -72,7 +73,7 @@ def test_fixed_example_prints_the_same_lines_in_one_process(fixed):
 def _launched(script: Path) -> list[list[str]]:
     result = meshkit.launch(
         [str(script)], num_processes=2, devices_per_process=4, timeout=240, stream=False,
-        keep_output=True,
+        keep_output=True, starter=starter(None, "tests/test_migrate_examples.py"),
     )  # fmt: skip
     assert result.returncode == 0, [r.tail for r in result.ranks]
     # gloo's C++ code prints connection counts to the same stdout (a count that varies, and

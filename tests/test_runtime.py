@@ -21,6 +21,7 @@ import pytest
 import meshkit
 from meshkit._src.core.ports import free_port, reserve_port
 from meshkit._src.runtime import init as _init_module
+from meshkit.testing._forks import starter
 
 
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
@@ -383,6 +384,7 @@ def test_an_uncaught_exception_runs_exit_handlers_then_exits(tmp_path, handler, 
         timeout=100,
         stream=False,
         env={"MESHKIT_INIT_TIMEOUT": "60", **env},
+        starter=starter(None, "tests/test_runtime.py"),
     )
     took = time.monotonic() - start
     rank1 = result.ranks[1]
@@ -441,6 +443,7 @@ def _launch_script(tmp_path, text, args, extra_env=None):
     return meshkit.launch(
         [str(script), *args], num_processes=2, devices_per_process=4, platform="cpu",
         timeout=100, stream=False, env={"MESHKIT_INIT_TIMEOUT": "60", **(extra_env or {})},
+        starter=starter(None, "tests/test_runtime.py"),
     )  # fmt: skip
 
 
