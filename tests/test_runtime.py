@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
-import sys
 import textwrap
+import threading
 import time
+import uuid
 
 import jax
 import pytest
@@ -25,24 +27,41 @@ from meshkit.testing._forks import starter
 
 
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
-    """Run code in a clean interpreter (no MESHKIT_* variables unless given).
+    """Run code as a script in a clean interpreter (no MESHKIT_* variables unless given).
 
-    The time limit only keeps a hung child from holding the suite: importing JAX alone took
-    50 s and more with two copies of the suite and a third test run beside them.
+    Started as `meshkit.testing` starts its processes: forked from a server that imported JAX
+    and started nothing, under ``MESHKIT_TESTING_FORK=1`` (nox), else a fresh ``python``. The
+    time limit only keeps a hung child from holding the suite: importing JAX alone took 50 s
+    and more with two copies of the suite and a third test run beside them.
     """
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "SLURM_", "OMPI_"))
     }
     base["JAX_PLATFORMS"] = "cpu"
     base.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=tmp_path,
-        env=base,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+    script = tmp_path / f"run_py_{uuid.uuid4().hex[:8]}.py"
+    script.write_text(textwrap.dedent(code))
+    proc = starter(None, "tests/test_runtime.py run_py")([str(script)], base, str(tmp_path))
+    said: dict[str, bytes] = {}
+    readers = [
+        threading.Thread(target=lambda n=n, f=f: said.__setitem__(n, f.read()), daemon=True)
+        for n, f in (("stdout", proc.stdout), ("stderr", proc.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if any(reader.is_alive() for reader in readers):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and whatever it started
+        proc.wait(30)
+        raise subprocess.TimeoutExpired(str(script), timeout)
+    code_ = proc.wait(max(1.0, deadline - time.monotonic()))
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+    return subprocess.CompletedProcess(
+        [str(script)], code_, said["stdout"].decode(), said["stderr"].decode()
     )
 
 
