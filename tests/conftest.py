@@ -7,8 +7,12 @@ import contextlib
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +155,43 @@ def warm_cluster_env() -> dict[str, str]:
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"warm cluster processes left behind: {left}"
+
+
+def run_python(
+    argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGV`` (a script and its arguments) with exactly ``env``, its output captured.
+
+    Started as `meshkit.testing` starts its processes: forked from a server that imported JAX
+    and started nothing under ``MESHKIT_TESTING_FORK=1`` (nox; about a second of CPU less
+    each), else a fresh interpreter. A test of what a fresh interpreter imports must use
+    ``subprocess`` itself. After ``timeout`` seconds the process's session is killed and
+    `subprocess.TimeoutExpired` raised.
+    """
+    from meshkit.testing._forks import starter
+
+    proc = starter(None, "tests/conftest.py run_python")(argv, env, str(cwd))
+    said: dict[str, bytes] = {}
+    readers = [
+        threading.Thread(target=lambda n=n, f=f: said.__setitem__(n, f.read()), daemon=True)
+        for n, f in (("stdout", proc.stdout), ("stderr", proc.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if any(reader.is_alive() for reader in readers):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: it and whatever it started
+        proc.wait(30)
+        raise subprocess.TimeoutExpired(argv, timeout)
+    code = proc.wait(max(1.0, deadline - time.monotonic()))
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+    return subprocess.CompletedProcess(
+        argv, code, said["stdout"].decode(errors="replace"), said["stderr"].decode(errors="replace")
+    )
 
 
 @pytest.fixture(scope="session")

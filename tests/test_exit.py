@@ -10,9 +10,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,8 +81,12 @@ def test_the_exception_hook_is_installed_once_and_runs_around_the_traceback(regi
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
     clean.update({"JAX_PLATFORMS": "cpu", **(env or {})})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    from conftest import run_python
+
+    with tempfile.TemporaryDirectory(prefix="meshkit-exit-") as tmp:
+        script = Path(tmp) / "program.py"
+        script.write_text(textwrap.dedent(code))
+        return run_python([str(script)], clean, tmp, timeout=120)
 
 
 def test_end_runs_the_handlers_then_its_final_step_and_exits_with_the_status():

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -286,10 +284,11 @@ print("END", step, flush=True)
 def _alone(tmp_path, *args, env=None):
     script = tmp_path / "alone.py"
     script.write_text(_ALONE)
-    return subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ckpt"), *args],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "MESHKIT_PREEMPT_GRACE": "1", **(env or {})},
+    from conftest import run_python
+
+    return run_python(
+        [str(script), str(tmp_path / "ckpt"), *args],
+        {**os.environ, "MESHKIT_PREEMPT_GRACE": "1", **(env or {})}, tmp_path, timeout=120,
     )  # fmt: skip
 
 

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import textwrap
 import threading
 import time
@@ -19,6 +18,7 @@ import uuid
 
 import jax
 import pytest
+from conftest import run_python
 
 import meshkit
 from meshkit._src.core.ports import free_port, reserve_port
@@ -29,9 +29,7 @@ from meshkit.testing._forks import starter
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
     """Run code as a script in a clean interpreter (no MESHKIT_* variables unless given).
 
-    Started as `meshkit.testing` starts its processes: forked from a server that imported JAX
-    and started nothing, under ``MESHKIT_TESTING_FORK=1`` (nox), else a fresh ``python``. The
-    time limit only keeps a hung child from holding the suite: importing JAX alone took 50 s
+    Started by conftest's `run_python` (forked under nox, else fresh). The time limit only keeps a hung child from holding the suite: importing JAX alone took 50 s
     and more with two copies of the suite and a third test run beside them.
     """
     base = {
@@ -41,28 +39,7 @@ def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: floa
     base.update(env or {})
     script = tmp_path / f"run_py_{uuid.uuid4().hex[:8]}.py"
     script.write_text(textwrap.dedent(code))
-    proc = starter(None, "tests/test_runtime.py run_py")([str(script)], base, str(tmp_path))
-    said: dict[str, bytes] = {}
-    readers = [
-        threading.Thread(target=lambda n=n, f=f: said.__setitem__(n, f.read()), daemon=True)
-        for n, f in (("stdout", proc.stdout), ("stderr", proc.stderr))
-    ]
-    for reader in readers:
-        reader.start()
-    deadline = time.monotonic() + timeout
-    for reader in readers:
-        reader.join(max(0.0, deadline - time.monotonic()))
-    if any(reader.is_alive() for reader in readers):
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and whatever it started
-        proc.wait(30)
-        raise subprocess.TimeoutExpired(str(script), timeout)
-    code_ = proc.wait(max(1.0, deadline - time.monotonic()))
-    for f in (proc.stdout, proc.stderr):
-        if f is not None:
-            f.close()
-    return subprocess.CompletedProcess(
-        [str(script)], code_, said["stdout"].decode(), said["stderr"].decode()
-    )
+    return run_python([str(script)], base, tmp_path, timeout)
 
 
 def _refused(monkeypatch, call, env: dict[str, str] | None = None) -> str:
@@ -487,8 +464,6 @@ def test_sigterm_to_a_rank_waiting_in_a_collective_preempts_every_rank_at_the_de
     # SIGTERM is a preemption notice, not a failure: rank 1, waiting in C, takes it from its
     # wake-up byte and tells rank 0 (which never checks for one); both end at the deadline.
     import os
-    import signal
-    import threading
 
     pid_file = tmp_path / "rank1.pid"
     results = []
