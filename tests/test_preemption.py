@@ -361,6 +361,7 @@ def _restored_x(path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.waits  # steps paced for the notice to arrive, orbax's saves
 def test_jaxs_own_protocol_and_orbax_save_at_one_step_on_every_process(tmp_path):
     # JAX's documented pattern, under meshkit's defaults: the sync point, a save, the loop ends;
     # orbax's CheckpointManager, asking JAX's sync point too, saves the same step.

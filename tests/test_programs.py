@@ -331,6 +331,7 @@ def test_a_computation_one_process_runs_alone_is_named_when_the_other_ends():
     assert took < 60, text
 
 
+@pytest.mark.waits  # until the cycle's probes find it, seconds apart
 def test_processes_waiting_at_different_agreements_are_named_with_both_places():
     # Process 0 waits at the first compilation of a program in step 2, process 1 in step 3 of
     # its global_batches, in that step's sum, which waits for process 0: process 0 finds the

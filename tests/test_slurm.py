@@ -23,7 +23,8 @@ from conftest import EXAMPLES, REPO, said
 
 import meshkit
 
-pytestmark = pytest.mark.multiprocess
+# waits: for the cluster's daemons and jobs to start, and a preempted job's grace.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 PROGRAM = Path(__file__).resolve().parent / "slurm_program.py"
 JOB_SCRIPT = EXAMPLES / "slurm_job.sh"
