@@ -171,9 +171,9 @@ def run_python(
     from meshkit.testing._forks import starter
 
     proc = starter(None, "tests/conftest.py run_python")(argv, env, str(cwd))
-    said: dict[str, bytes] = {}
+    out: dict[str, bytes] = {}
     readers = [
-        threading.Thread(target=lambda n=n, f=f: said.__setitem__(n, f.read()), daemon=True)
+        threading.Thread(target=lambda n=n, f=f: out.__setitem__(n, f.read()), daemon=True)
         for n, f in (("stdout", proc.stdout), ("stderr", proc.stderr))
     ]
     for reader in readers:
@@ -190,7 +190,7 @@ def run_python(
         if f is not None:
             f.close()
     return subprocess.CompletedProcess(
-        argv, code, said["stdout"].decode(errors="replace"), said["stderr"].decode(errors="replace")
+        argv, code, out["stdout"].decode(errors="replace"), out["stderr"].decode(errors="replace")
     )
 
 

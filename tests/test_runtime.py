@@ -29,8 +29,9 @@ from meshkit.testing._forks import starter
 def run_py(code: str, tmp_path, env: dict[str, str] | None = None, timeout: float = 180):
     """Run code as a script in a clean interpreter (no MESHKIT_* variables unless given).
 
-    Started by conftest's `run_python` (forked under nox, else fresh). The time limit only keeps a hung child from holding the suite: importing JAX alone took 50 s
-    and more with two copies of the suite and a third test run beside them.
+    Started by conftest's `run_python` (forked under nox, else fresh). The time limit only
+    keeps a hung child from holding the suite: importing JAX alone took 50 s and more with two
+    copies of the suite and a third test run beside them.
     """
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "SLURM_", "OMPI_"))

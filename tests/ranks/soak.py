@@ -13,7 +13,7 @@ import time
 SOAK_S = 20.0
 # Each step's wait, as a step waits for its accelerator: SOAK_S / PACE_S steps last SOAK_S at
 # least. The watchdog samples every 0.5 s (1 s in the paced cases), 10 steps or more apart.
-# (At 20 ms a step, the soaks cost 71 CPU-s of the suite's 675 for the same 30 s.)
+# (At 20 ms a step and 30 s, the soaks cost 71 CPU-s of the suite's 675.)
 PACE_S = 0.05
 STEPS = int(SOAK_S / PACE_S)
 # The checkpoint case: one write that outlasts the watchdog and its timeout together (2 s + 2 s),
