@@ -273,8 +273,8 @@ def test_host_arguments_that_differ_across_processes_are_named(warm_cluster):
         assert "processes disagree on the dtype of args[0][0]:" in messages["dtype"]
         assert "process 1: int32[4, 2]" in messages["dtype"]
         assert "processes passed pytrees of different structure:" in messages["leaves"]
-        assert "process 0: PyTreeDef((([*],), {}))" in messages["leaves"]
-        assert "process 1: PyTreeDef((([*, *],), {}))" in messages["leaves"]
+        assert "process 0: (([*],), {})" in messages["leaves"]
+        assert "process 1: (([*, *],), {})" in messages["leaves"]
 
 
 def _messages_per_call():

@@ -279,8 +279,8 @@ def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming
         ],
         _leaf_count_differs: [
             "meshkit.spmd(step): processes passed pytrees of different structure:",
-            "process 0: PyTreeDef(([*, *],))",
-            "process 1: PyTreeDef(([*, *, *],))",
+            "process 0: ([*, *],)",
+            "process 1: ([*, *, *],)",
         ],
     }
     for target, parts in cases.items():

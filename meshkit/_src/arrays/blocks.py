@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import caches as _caches
+from ..core import canonical as _canonical
 from ..core.errors import MeshkitError
 from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
@@ -454,7 +455,7 @@ def describe(prepared: Prepared, *, pad: bool) -> Record:
             LeafRecord(leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape))
         )
     return Record(
-        tree=str(prepared.treedef),
+        tree=_canonical.structure(prepared.treedef),
         leaves=tuple(leaves),
         block_rows=rows,
     )

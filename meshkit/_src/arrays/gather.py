@@ -22,6 +22,7 @@ from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import caches as _caches
+from ..core import canonical as _canonical
 from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
@@ -246,7 +247,7 @@ def _agree_on_call(
     ever.
     """
     shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
-    mine = json.dumps({"to": to, "structure": str(treedef), "leaves": shapes})
+    mine = json.dumps({"to": to, "structure": _canonical.structure(treedef), "leaves": shapes})
     timeout = _env.check_timeout()
     outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout, what=what)
     if outcome.agreed:

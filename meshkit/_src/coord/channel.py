@@ -5,10 +5,11 @@ compared with the n-th of every other. Within one thread that order is the progr
 same everywhere. Calls from two threads interleave differently in each process, so each thread
 counts its calls on a channel of its own, named explicitly (`channel`) and the same in every
 process: a thread's name will not do (``Thread-3`` in one process may be ``Thread-4`` in
-another). The main thread's channel needs no name.
+another). The program's thread (the one that called `meshkit.init`, the main thread unless the
+program runs in a worker thread, as under Ray Train) needs no name.
 
 In a multi-process program, a meshkit call that agrees with the other processes from a thread
-that is neither the main thread nor inside `channel` is an error that says so, rather than a
+that is neither the program's thread nor inside `channel` is an error that says so, rather than a
 pairing that depends on timing. meshkit's own threads (a `meshkit.global_batches` iterator's)
 name theirs.
 """
@@ -21,6 +22,7 @@ import urllib.parse
 from collections.abc import Iterator
 
 from ..core import compat as _compat
+from ..core import program_thread as _program_thread
 from ..core.errors import MeshkitError
 
 __all__ = ["channel", "current", "numbered", "paired", "scoped"]
@@ -32,7 +34,8 @@ _counts: dict[str, int] = {}  # numbered(): per scoped name, how many were made
 
 _UNNAMED = """\
 {what} was called from thread {thread!r} in a multi-process program, outside any meshkit.channel.
-Calls from the main thread pair up with the other processes' main-thread calls in program order;
+Calls from the program's thread (the one that called meshkit.init) pair up with the other
+processes' in program order;
 calls from other threads interleave differently in each process, so they pair up by a channel
 name that is the same in every process (a thread's own name differs: Thread-3 here may be
 Thread-4 there).
@@ -100,7 +103,7 @@ def paired() -> bool:
 
     Any other thread's calls come in an order that differs by process.
     """
-    return current() is not None or threading.current_thread() is threading.main_thread()
+    return current() is not None or _program_thread.is_program_thread()
 
 
 def scoped(tag: str, what: str) -> str:
@@ -114,7 +117,7 @@ def scoped(tag: str, what: str) -> str:
     if name is not None:
         return f"{tag}@{_quote(name)}"
     thread = threading.current_thread()
-    if thread is not threading.main_thread() and _compat.distributed_state()[2] > 1:
+    if not _program_thread.is_program_thread() and _compat.distributed_state()[2] > 1:
         raise MeshkitError(_UNNAMED.format(what=what, thread=thread.name))
     return tag
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import env as _env
+from ..core import program_thread as _program_thread
 from ..core.errors import DivergenceError, MeshkitError, OutOfStep, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
@@ -262,7 +263,7 @@ class Node:
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
-        self.is_main = is_main or (lambda: threading.current_thread() is threading.main_thread())
+        self.is_main = is_main or _program_thread.is_program_thread
         self.on_unraised = on_unraised or _exit_1
         self.tags: dict[str, Tag] = {}
         self.tags_lock = threading.Lock()
@@ -290,7 +291,7 @@ class Node:
         `DivergenceError` of processes waiting at different agreements.
         """
         me = threading.get_ident()
-        main = threading.current_thread() is threading.main_thread()
+        main = _program_thread.is_program_thread()
         probing = self.waits.registered(me)
         period = PROBE_S
         while main or not self.stopping.is_set():

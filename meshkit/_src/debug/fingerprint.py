@@ -18,6 +18,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ..core import caches as _caches
+from ..core import canonical as _canonical
 from ..core.frames import place, user_frame
 from ..runtime import dispatch as _dispatch
 
@@ -50,8 +51,8 @@ def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
             return type(x).__name__
         if x is None:
             return "None"
-        text = repr(x)
-        return type(x).__name__ + ":" + (text if len(text) <= MAX_DESC else text[:MAX_DESC])
+        text = _canonical.value(x)
+        return text if len(text) <= MAX_DESC else text[:MAX_DESC]
     dims = [str(int(d)) for d in shape]
     if ragged and dims:
         dims[0] = "*"
@@ -126,13 +127,13 @@ def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) ->
     )
     origin = site.info.get("origin")
     entry = f"{site.kind} {site.name}" + (f" [{origin}]" if origin else "")
-    layout = _ArgLayout(entry, str(treedef), names)
+    layout = _ArgLayout(entry, _canonical.structure(treedef), names)
     layouts.put(treedef, layout)
     return layout
 
 
 def _static_repr(x: Any) -> str:
-    text = repr(x)
+    text = _canonical.value(x)
     return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
 
 

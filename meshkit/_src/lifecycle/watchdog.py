@@ -50,6 +50,7 @@ import jax
 
 from ..core import compat as _compat
 from ..core import events as _events
+from ..core import program_thread as _program_thread
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.errors import say
 from ..core.frames import in_meshkit, short_path, user_frame
@@ -118,15 +119,15 @@ def _pending(array: Any) -> bool:
 
 
 def _main_native_id() -> int | None:
-    """The kernel's id of the main thread.
+    """The kernel's id of the program's thread (`meshkit._src.core.program_thread`).
 
     ``threading.main_thread().native_id`` is not renewed by ``os.fork`` (Python 3.11 and 3.12):
-    in a forked process it is the parent's thread. Asked from the main thread, the thread's own
-    id is right.
+    in a forked process it is the parent's thread. Asked from the thread itself, its own id is
+    right.
     """
-    if threading.current_thread() is threading.main_thread():
+    if _program_thread.is_program_thread():
         return threading.get_native_id()
-    return threading.main_thread().native_id
+    return _program_thread.program_thread().native_id
 
 
 def _schedstat(native_id: int | None) -> str | None:
@@ -278,7 +279,7 @@ class Watchdog(threading.Thread):
         self.exit_on_stall = exit_on_stall
         self.last_call = last_call
         self.stop = threading.Event()
-        self.main = threading.main_thread().ident or 0
+        self.main = _program_thread.program_thread().ident or 0
         self.main_native_id = _main_native_id()
 
     def run(self) -> None:

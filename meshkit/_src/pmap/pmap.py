@@ -35,11 +35,12 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 
+from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
-from ..spmd.plan import Signatures, argnums, dynamic, fn_name
+from ..spmd.plan import Signatures, argnums, dynamic
 from . import axes
 from . import device_axis as _device_axis
 from .entry import TRACING, Entry, Mapped, build, mesh_context, process_local
@@ -75,7 +76,7 @@ class PmapFunction:
             )
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.name = name = fn_name(fun)
+        self.name = name = _canonical.function_name(fun)
         if axis_name is not None and not isinstance(axis_name, str):
             raise MeshkitTypeError(
                 f"meshkit.pmap_compat({name}): axis_name must be a string (or None); got "

@@ -40,16 +40,9 @@ __all__ = [
     "argnums",
     "dynamic",
     "failures_published",
-    "fn_name",
     "from_host",
     "jit_over_shard_map",
 ]
-
-
-def fn_name(f: Callable[..., Any]) -> str:
-    """The name messages give a user's function."""
-    name = getattr(f, "__name__", None) or repr(f)
-    return str(name)
 
 
 def argnums(

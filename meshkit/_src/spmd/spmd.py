@@ -33,6 +33,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import user_stacklevel
@@ -41,7 +42,7 @@ from ..runtime import dispatch as _dispatch
 from ..sharding.spec_trees import describe_node, plain_specs
 from ..sharding.specs import as_partition_spec, map_specs
 from .bound import MeshPlan
-from .plan import argnums, fn_name
+from .plan import argnums
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
@@ -80,7 +81,7 @@ class SpmdFunction:
             raise MeshkitError(f"meshkit.spmd: expected a function; got {fn!r}.")
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.name = fn_name(fn)
+        self.name = _canonical.function_name(fn)
         if mesh is not None and not isinstance(mesh, Mesh):
             raise MeshkitError(
                 f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "

@@ -1,0 +1,193 @@
+"""Canonical text for what processes compare: pytree structures, functions, static values.
+
+Processes compare what they pass (the structure of a batch, the function a computation runs,
+the static fields of a flax ``TrainState``). Python's own texts for these carry object identity:
+``str(treedef)`` shows a ``jax.tree_util.Partial``'s function as
+``<function scale at 0x7f...>``, and an optax transformation's closures the same way, so two
+processes running the same program would never agree. The texts here hold only what is the
+same in every process that runs the same code:
+
+- a type: its module and qualified name (``flax.training.train_state.TrainState``);
+- a function: its module, qualified name and first line (``train.train_step:41``), a
+  ``functools.partial`` its function and arguments, a bound method its function and owner;
+- any other value: its canonical parts (containers, dataclasses, numbers, strings, arrays by
+  shape, dtype and a digest of their bytes); an object with a ``repr`` of its own, that text
+  with any memory address taken out; an object with Python's default ``repr``, its type.
+
+Values that differ in a way that changes a program (another function, another static size)
+still give different texts.
+
+Example:
+    >>> import functools, jax
+    >>> def scale(x, k):
+    ...     return x * k
+    >>> structure(jax.tree_util.tree_structure(jax.tree_util.Partial(scale, k=2.0)))
+    "...Partial[meshkit._src.core.canonical.scale:1]((), {'k': *})"
+    >>> function_name(functools.partial(scale, k=2.0))
+    'scale'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import re
+import types
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["function", "function_name", "structure", "value"]
+
+# A memory address as Python prints it in default reprs: "<Foo object at 0x7f2c...>".
+_ADDRESS = re.compile(r"\s+at\s+0x[0-9a-fA-F]+|0x[0-9a-fA-F]{8,}")
+_MAX_DEPTH = 8  # nesting followed inside static values; deeper parts are named by type
+_MAX_ITEMS = 64  # elements of one container spelled out; more are counted and digested
+_MAX_TEXT = 400  # a repr longer than this is digested
+
+
+def _type_name(t: type) -> str:
+    module = getattr(t, "__module__", None)
+    qualname = getattr(t, "__qualname__", None) or getattr(t, "__name__", "?")
+    return f"{module}.{qualname}" if module and module != "builtins" else str(qualname)
+
+
+def _digest(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
+
+
+def function(f: Any, _depth: int = 0) -> str:
+    """A callable's canonical text: what it runs, where it is defined, what it is bound to.
+
+    Args:
+        f: a function, lambda, method, ``functools.partial``, builtin or callable object.
+
+    Returns:
+        ``module.qualname:line`` for Python functions (lambdas of one scope told apart by
+        line); ``functools.partial(...)`` with the function and its bound arguments; a bound
+        method as its function ``of`` its owner's canonical text; a callable object as
+        `value` gives it.
+    """
+    if isinstance(f, functools.partial):
+        parts = [function(f.func, _depth + 1)]
+        parts += [value(a, _depth + 1) for a in f.args]
+        parts += [f"{k}={value(v, _depth + 1)}" for k, v in sorted(f.keywords.items())]
+        return f"functools.partial({', '.join(parts)})"
+    if isinstance(f, types.MethodType):
+        owner = f.__self__
+        owner_text = _type_name(owner) if isinstance(owner, type) else value(owner, _depth + 1)
+        return f"{function(f.__func__, _depth + 1)} of {owner_text}"
+    code = getattr(f, "__code__", None)
+    qualname = getattr(f, "__qualname__", None)
+    if isinstance(code, types.CodeType) and qualname:
+        return f"{getattr(f, '__module__', None) or '?'}.{qualname}:{code.co_firstlineno}"
+    if isinstance(f, types.BuiltinFunctionType | types.BuiltinMethodType) and qualname:
+        module = getattr(f, "__module__", None)
+        return f"{module}.{qualname}" if module else str(qualname)
+    return value(f, _depth)
+
+
+def function_name(f: Callable[..., Any]) -> str:
+    """The short name messages and compiled programs give a user's function.
+
+    The function's ``__name__``; for a ``functools.partial`` its function's (as JAX names it);
+    for a callable object its type's name. Never a ``repr`` (which may carry an address).
+    """
+    while isinstance(f, functools.partial):
+        f = f.func
+    name = getattr(f, "__name__", None)
+    return str(name) if isinstance(name, str) and name else type(f).__name__
+
+
+def value(x: Any, _depth: int = 0) -> str:
+    """A static value's canonical text (see the module docstring for the rules)."""
+    if x is None or isinstance(x, bool | int | float | complex | str | bytes):
+        text = repr(x)
+        return text if len(text) <= _MAX_TEXT else f"{type(x).__name__}#{_digest(text.encode())}"
+    if isinstance(x, type):
+        return _type_name(x)
+    if isinstance(x, enum.Enum):
+        return f"{_type_name(type(x))}.{x.name}"
+    if isinstance(x, np.ndarray | np.generic):
+        array = np.asarray(x)
+        data = array.tobytes() if array.dtype != object else repr(array.tolist()).encode()
+        return f"{array.dtype.name}{list(array.shape)}#{_digest(data)}"
+    if isinstance(x, jax.Array):
+        return f"jax.Array {x.dtype.name}{list(x.shape)}"  # never read back: it may be remote
+    if isinstance(x, np.dtype):
+        return f"dtype({x.name})"
+    if callable(x) and (
+        isinstance(x, functools.partial | types.MethodType)
+        or isinstance(getattr(x, "__code__", None), types.CodeType)
+        or isinstance(x, types.BuiltinFunctionType)
+    ):
+        return function(x, _depth)
+    if _depth >= _MAX_DEPTH:
+        return _type_name(type(x))
+    if isinstance(x, tuple | list | set | frozenset):
+        items = sorted(x, key=repr) if isinstance(x, set | frozenset) else list(x)
+        inner = ", ".join(value(i, _depth + 1) for i in items[:_MAX_ITEMS])
+        if len(items) > _MAX_ITEMS:
+            rest = "".join(value(i, _depth + 1) for i in items[_MAX_ITEMS:])
+            inner += f", ... {len(items) - _MAX_ITEMS} more #{_digest(rest.encode())}"
+        name = type(x).__name__ if type(x) in (tuple, list, set, frozenset) else _type_name(type(x))
+        return f"{name}({inner})"
+    if isinstance(x, dict):
+        keys = sorted(x, key=repr)
+        inner = ", ".join(
+            f"{value(k, _depth + 1)}: {value(x[k], _depth + 1)}" for k in keys[:_MAX_ITEMS]
+        )
+        if len(keys) > _MAX_ITEMS:
+            inner += f", ... {len(keys) - _MAX_ITEMS} more"
+        name = "dict" if type(x) is dict else _type_name(type(x))
+        return f"{name}{{{inner}}}"
+    if dataclasses.is_dataclass(x):
+        inner = ", ".join(
+            f"{f.name}={value(getattr(x, f.name, None), _depth + 1)}"
+            for f in dataclasses.fields(x)
+            if f.repr
+        )
+        return f"{_type_name(type(x))}({inner})"
+    if type(x).__repr__ is object.__repr__:
+        return _type_name(type(x))
+    try:
+        text = _ADDRESS.sub("", repr(x))
+    except Exception:  # a repr that fails is no reason to fail the comparison
+        return _type_name(type(x))
+    if len(text) > _MAX_TEXT:
+        text = f"#{_digest(text.encode())}"
+    return f"{_type_name(type(x))}:{text}"
+
+
+@functools.lru_cache(maxsize=512)
+def structure(treedef: Any) -> str:
+    """A pytree structure's canonical text, equal in every process that builds it the same way.
+
+    Shaped like JAX's own ``PyTreeDef`` text (``*`` a leaf, tuples, lists and dicts as
+    Python writes them), with every node's type by qualified name and its static data (a
+    custom node's auxiliary data, such as a ``TrainState``'s ``apply_fn`` and ``tx``) by
+    `value`. Cached per treedef.
+    """
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return "*"
+    kind, aux = treedef.node_data()
+    children = [structure(c) for c in treedef.children()]
+    if kind is type(None):
+        return "None"
+    if kind is tuple:
+        return f"({children[0]},)" if len(children) == 1 else f"({', '.join(children)})"
+    if kind is list:
+        return f"[{', '.join(children)}]"
+    if kind is dict:
+        keys = list(aux or ())
+        return (
+            "{" + ", ".join(f"{value(k)}: {c}" for k, c in zip(keys, children, strict=True)) + "}"
+        )
+    head = _type_name(kind)
+    if aux is not None:
+        head += f"[{value(aux)}]"
+    return f"{head}({', '.join(children)})"
