@@ -237,10 +237,21 @@ def test_the_compile_effort_settings_of_the_running_jax_are_compared():
 
 
 def test_setting_values_are_the_same_text_in_every_process():
-    assert preflight._text(frozenset({"data", "model", "x"})) == "{'data', 'model', 'x'}"
+    assert preflight._text(frozenset({"x", "model", "data"})) == "frozenset(['data', 'model', 'x'])"
     assert preflight._text(object()) == "builtins.object"  # never an address
     assert preflight._text("O1") == "O1"
     assert preflight._text(None) == "None"
+
+
+def test_meshkit_info_shows_what_the_preflight_compares():
+    text = preflight.describe(BASE)
+    assert text.splitlines()[:4] == [
+        "compared by the processes at meshkit.init (the preflight):",
+        "  python 3.11.9, jax 0.10.2, jaxlib 0.10.2, meshkit 0.9.0",
+        "  cpu: 4 x cpu per process",
+        "  2 jax.config settings:",
+    ]
+    assert "    jax_enable_x64=False  jax_default_matmul_precision=None" in text
 
 
 def test_a_setting_without_the_jax_prefix_gets_the_settings_advice(monkeypatch):

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import warnings
 
 import jax
@@ -41,6 +42,7 @@ __all__ = [
     "WARN_ONLY",
     "Facts",
     "check",
+    "describe",
     "differences",
     "facts",
     "settings",
@@ -147,7 +149,7 @@ def settings() -> tuple[str, ...]:
 def _text(value: object) -> str:
     """A setting's value as text that is the same in every process that has the same value."""
     if isinstance(value, set | frozenset):  # their order of iteration follows string hashes
-        return "{" + ", ".join(sorted(map(repr, value))) + "}"
+        return f"{type(value).__name__}([{', '.join(sorted(map(repr, value)))}])"
     kind = type(value)
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:  # an address
         return f"{kind.__module__}.{kind.__qualname__}"
@@ -177,6 +179,26 @@ def facts() -> Facts:
         settings={name: _text(_compat.setting(name)) for name in settings()},
         XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
         program=_program_digest(),
+    )
+
+
+def describe(mine: Facts) -> str:
+    """What the preflight compares, as ``meshkit info`` shows it: versions, devices, settings."""
+    settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
+    return "\n".join(
+        [
+            "compared by the processes at meshkit.init (the preflight):",
+            f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}",
+            f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process",
+            f"  {len(mine.settings)} jax.config settings:",
+            textwrap.fill(
+                settings,
+                width=100,
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            ),
+        ]
     )
 
 
