@@ -76,8 +76,8 @@ ALSO_COMPARED: dict[str, str] = {
     "compiled program",
     "jax_pallas_poison_buffers": "Pallas kernels fill their buffers first: other programs",
     "jax_pgle_aggregation_percentile": "the profile the second compilation under PGLE uses",
-    "jax_share_binary_between_hosts": "the processes hand compiled programs to each other "
-    "through the coordination service only when all do",
+    "jax_share_binary_between_hosts": "with it, one process compiles and the others wait for its "
+    "program in the coordination service: a process without it never hands its program over",
     "jax_cpu_collectives_implementation": "processes with different CPU collectives (gloo, mpi) "
     "cannot talk",
 }
