@@ -635,6 +635,8 @@ def test_module_mode_runs_meshkit_info(tmp_path, marker):
         assert f"[rank{r}] source           meshkit launch" in out.stdout
         assert f"[rank{r}] process          {r} of 2" in out.stdout
         assert re.search(rf"\[rank{r}\] {r} \(this\)\s+\S+\s+cpu", out.stdout)
+        assert f"[rank{r}]   cpu: 2 x cpu per process" in out.stdout
+        assert re.search(rf"\[rank{r}\]   \d+ jax.config settings:", out.stdout)
 
 
 def test_gpu_split_environment():

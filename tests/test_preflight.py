@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,6 +22,7 @@ from ranks import preflight as ranks
 
 import meshkit
 from meshkit._src.coord.node import Outcome
+from meshkit._src.core import compat
 from meshkit._src.runtime import preflight
 from meshkit.testing import launch_in_processes
 
@@ -65,6 +68,7 @@ def test_facts_are_this_processs_software_and_devices():
     )
     assert (mine.platform, mine.local_devices) == ("cpu", jax.local_device_count())
     assert mine.settings["jax_enable_x64"] == str(jax.config.jax_enable_x64)
+    assert tuple(mine.settings) == preflight.settings()
     assert preflight.Facts.from_json(mine.to_json()) == mine
 
 
@@ -156,6 +160,108 @@ def test_differences_group_every_process_by_its_value(changes):
         }
 
 
+# ---- which settings -----------------------------------------------------------------------
+
+SNAPSHOT = Path(__file__).parent / "golden" / "preflight" / "settings.json"
+JAX_LINE = ".".join(jax.__version__.split(".")[:2])
+
+SNAPSHOT_CHANGED = """\
+JAX {version} compares other settings than {snapshot} says for JAX {line}.
+New here: {new}
+Gone here: {gone}
+A new name is an option JAX marks as part of every compiled program (include_in_jit_key or
+include_in_trace_context in jax/_src/config.py), or one of preflight.ALSO_COMPARED. Keep it
+compared unless processes set it differently by design (a device, a directory, a log level of
+their own); then add it to preflight.NOT_COMPARED with the reason. A name gone is an option
+JAX removed or renamed: where preflight.ALSO_COMPARED or NOT_COMPARED names it, add the new
+name with its reason (keep the old one while a supported JAX line has it). Then write the
+entry of JAX {line} in {snapshot}:
+  "{line}": {names}"""
+
+
+def test_the_compared_settings_are_this_jax_lines_snapshot():
+    snapshot = json.loads(SNAPSHOT.read_text())
+    names = list(preflight.settings())
+    where = SNAPSHOT.relative_to(Path(__file__).parent.parent)
+    assert JAX_LINE in snapshot, (
+        f"{where} has no entry for JAX {JAX_LINE} (it has {', '.join(snapshot)}). Review the "
+        f"settings this JAX compares, then add:\n  {json.dumps(JAX_LINE)}: {json.dumps(names)}"
+    )
+    expected = snapshot[JAX_LINE]
+    assert names == expected, SNAPSHOT_CHANGED.format(
+        version=jax.__version__,
+        snapshot=where,
+        line=JAX_LINE,
+        new=", ".join(sorted(set(names) - set(expected))) or "none",
+        gone=", ".join(sorted(set(expected) - set(names))) or "none",
+        names=json.dumps(names),
+    )
+
+
+def test_what_jax_puts_in_the_trace_context_is_compared_or_excluded_by_name():
+    traced = compat.trace_context_settings()
+    if traced is None:
+        pytest.skip(f"jaxlib {importlib.metadata.version('jaxlib')} cannot name them")
+    assert traced, "jaxlib named no option of the trace context: has trace_context_names moved?"
+    left = traced - set(preflight.settings()) - preflight.NOT_COMPARED.keys()
+    assert not left, (
+        f"compat.compiled_settings() misses {sorted(left)}: has jax/_src/config.py moved?"
+    )
+
+
+def test_every_exception_has_its_reason_and_is_still_needed():
+    marked = compat.compiled_settings()
+    for name, reason in {**preflight.ALSO_COMPARED, **preflight.NOT_COMPARED}.items():
+        assert reason.strip(), f"{name} needs its reason"
+    redundant = marked & preflight.ALSO_COMPARED.keys()
+    assert not redundant, f"JAX marks {sorted(redundant)} itself: drop them from ALSO_COMPARED"
+    stale = preflight.NOT_COMPARED.keys() - marked
+    assert not stale, f"JAX no longer marks {sorted(stale)}: drop them from NOT_COMPARED"
+    snapshot = json.loads(SNAPSHOT.read_text())
+    everywhere = {name for names in snapshot.values() for name in names}
+    unknown = preflight.ALSO_COMPARED.keys() - everywhere
+    assert not unknown, f"no supported JAX has {sorted(unknown)}: drop them from ALSO_COMPARED"
+
+
+def test_the_compile_effort_settings_of_the_running_jax_are_compared():
+    effort = [
+        "jax_optimization_level",
+        "jax_memory_fitting_level",
+        "jax_exec_time_optimization_effort",
+        "jax_memory_fitting_effort",
+    ]
+    present = [name for name in effort if name in compat.settings_of_jax()]
+    assert len(present) >= 2, present
+    assert set(present) <= set(preflight.settings())
+    assert "jax_default_device" not in preflight.settings()  # each process names its own
+
+
+def test_setting_values_are_the_same_text_in_every_process():
+    assert preflight._text(frozenset({"x", "model", "data"})) == "frozenset(['data', 'model', 'x'])"
+    assert preflight._text(object()) == "builtins.object"  # never an address
+    assert preflight._text("O1") == "O1"
+    assert preflight._text(None) == "None"
+
+
+def test_meshkit_info_shows_what_the_preflight_compares():
+    text = preflight.describe(BASE)
+    assert text.splitlines()[:4] == [
+        "compared by the processes at meshkit.init (the preflight):",
+        "  python 3.11.9, jax 0.10.2, jaxlib 0.10.2, meshkit 0.9.0",
+        "  cpu: 4 x cpu per process",
+        "  2 jax.config settings:",
+    ]
+    assert "    jax_enable_x64=False  jax_default_matmul_precision=None" in text
+
+
+def test_a_setting_without_the_jax_prefix_gets_the_settings_advice(monkeypatch):
+    other = dataclasses.replace(BASE, settings={**BASE.settings, "check_vma": "False"})
+    mine = dataclasses.replace(BASE, settings={**BASE.settings, "check_vma": "True"})
+    _exchange(monkeypatch, {0: mine, 1: mine, 2: other})
+    with pytest.raises(meshkit.DivergenceError, match="consider how process 2 sets check_vma"):
+        preflight.check(0, 3, 5.0)
+
+
 # ---- real processes --------------------------------------------------------------------------
 
 
@@ -192,3 +298,17 @@ def test_equal_processes_start_without_a_word(marker, monkeypatch):
     result = launch_in_processes(ranks.same_everywhere, init=False, timeout=60)
     assert result.returncode == 0, result.report
     assert result.values == [(2, []), (2, [])], result.report
+
+
+@pytest.mark.multiprocess
+def test_an_optimization_level_on_one_process_is_named(marker, monkeypatch):
+    if not hasattr(jax.config, "jax_optimization_level"):
+        pytest.skip(f"JAX {jax.__version__} has no jax_optimization_level")
+    monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
+    result = launch_in_processes(ranks.optimization_level_on_process_1, init=False, timeout=60)
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert result.returncode != 0, text
+    first = result.ranks[result.first_failure or 0].stderr
+    assert "DivergenceError: meshkit.init(): the processes differ in their software" in first, text
+    assert "jax_optimization_level: process 0: UNKNOWN; process 1: O1" in first, text
+    assert "meshkit found that ranks 0, 1 differ (jax_optimization_level)" in result.report, text

@@ -154,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "info",
-        help="join the cluster (meshkit.init) and print what was detected and the devices",
+        help="join the cluster (meshkit.init) and print what was detected, the devices, and "
+        "the versions and jax.config settings the processes compare",
     )
     migrate = sub.add_parser(
         "migrate",
@@ -237,6 +238,7 @@ def _machines(args: argparse.Namespace) -> dict[str, Any]:
 def _info() -> int:
     import jax
 
+    from .._src.runtime import preflight
     from .._src.runtime.init import init
 
     info = init()
@@ -253,6 +255,8 @@ def _info() -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print()
+    print(preflight.describe(preflight.facts()))
     return 0
 
 

@@ -21,6 +21,12 @@ def x64_on_process_1():
     return "ran on"
 
 
+def optimization_level_on_process_1():
+    if os.environ["MESHKIT_PROCESS_ID"] == "1":
+        jax.config.update("jax_optimization_level", "O1")
+    meshkit.init()
+
+
 def x64_on_process_1_of_3():
     if os.environ["MESHKIT_PROCESS_ID"] == "1":
         jax.config.update("jax_enable_x64", True)

@@ -19,6 +19,7 @@ __all__ = [
     "bound_axis_sizes",
     "cluster_envs",
     "cluster_params",
+    "compiled_settings",
     "distributed_state",
     "hide_from_jax_tracebacks",
     "idle",
@@ -26,8 +27,11 @@ __all__ = [
     "put_blocks",
     "scan_counts",
     "service_error_code",
+    "setting",
+    "settings_of_jax",
     "skip_jax_exit_barrier",
     "tell_jax_preemption",
+    "trace_context_settings",
     "trace_state_clean",
     "varying_axes",
 ]
@@ -38,6 +42,93 @@ def backends_are_initialized() -> bool:
     from jax._src import xla_bridge
 
     return bool(xla_bridge.backends_are_initialized())
+
+
+def compiled_settings() -> frozenset[str]:
+    """The `jax.config` options that JAX itself marks as part of every traced or compiled program.
+
+    JAX declares an option with ``include_in_jit_key=True`` (part of jit's cache key) or
+    ``include_in_trace_context=True`` (part of the trace context), and keeps both marks in
+    jaxlib's C++ ``Config``, which has no accessor for the first (``trace_context_names()``
+    gives the second, where jaxlib has it). So the names are read from the declarations in
+    ``jax/_src/config.py``: every such mark of an option is written there as a literal ``True``
+    beside the option's name (checked on JAX 0.10.2 and 0.12; the marks outside that file are
+    on context managers such as the mesh, not options). Only registered options count
+    (``config_states``); where the source cannot be read, ``trace_context_names()`` alone. The
+    file is read once per process (about 20 ms).
+    """
+    return _compiled_settings()
+
+
+@functools.cache
+def _compiled_settings() -> frozenset[str]:
+    import ast
+    import os
+
+    from jax._src import config
+
+    marked = set(trace_context_settings() or ())
+    path = config.__file__ or ""
+    if path.endswith(".py") and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        marked.update(_marked_declarations(tree))
+    return frozenset(marked & set(config.config_states))
+
+
+def settings_of_jax() -> frozenset[str]:
+    """The names of every option registered with `jax.config` (``config_states``)."""
+    from jax._src import config
+
+    return frozenset(config.config_states)
+
+
+def setting(name: str) -> Any:
+    """The value of the `jax.config` option ``name`` in this thread.
+
+    Read from the option itself: some (``jax_no_collectives`` on JAX 0.12) are registered in
+    ``config_states`` but are no attribute of ``jax.config``.
+    """
+    from jax._src import config
+
+    return config.config_states[name].value
+
+
+def trace_context_settings() -> frozenset[str] | None:
+    """The `jax.config` options in JAX's trace context; None where jaxlib cannot tell.
+
+    jaxlib's ``config.trace_context_names()`` (from jaxlib's extension version 455: JAX 0.10.2
+    checks for it, 0.12 expects it) also names context managers (the mesh, the axis
+    environment), which are left out.
+    """
+    from jax._src import config
+
+    names = getattr(config.config_ext, "trace_context_names", None)
+    if names is None:
+        return None
+    return frozenset(set(names()) & set(config.config_states))
+
+
+_MARKS = ("include_in_jit_key", "include_in_trace_context")
+
+
+def _marked_declarations(tree: Any) -> set[str]:
+    """Names of the calls in ``tree`` that pass a mark of `_MARKS` as a literal ``True``."""
+    import ast
+
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords if k.arg}
+        if not any(
+            isinstance(keywords.get(m), ast.Constant) and keywords[m].value is True for m in _MARKS
+        ):
+            continue
+        name = keywords.get("name", node.args[0] if node.args else None)
+        if isinstance(name, ast.Constant) and isinstance(name.value, str):
+            found.add(name.value)
+    return found
 
 
 def put_blocks(

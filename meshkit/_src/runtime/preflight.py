@@ -2,7 +2,8 @@
 
 Processes of one program must run the same JAX, jaxlib, meshkit and Python, on the same
 platform and kind of device with as many local devices each, with the same `jax.config`
-settings that reach a compiled program. A difference otherwise shows late and far from its
+settings that reach a compiled program (`settings`: those JAX itself marks so, and a few
+exceptions, each with its reason). A difference otherwise shows late and far from its
 cause: a C++ abort inside gloo ("Received data size doesn't match expected size") for
 ``jax_enable_x64`` set on one host, a hang in NCCL, or numbers that differ.
 
@@ -22,42 +23,68 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import warnings
 
 import jax
 
 from ..coord import absent as _absent
 from ..coord import agree as _agree
+from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError
 from ..core.version import __version__
 
-__all__ = ["ENV_PREFLIGHT", "SETTINGS", "WARN_ONLY", "Facts", "check", "differences", "facts"]
+__all__ = [
+    "ALSO_COMPARED",
+    "ENV_PREFLIGHT",
+    "NOT_COMPARED",
+    "WARN_ONLY",
+    "Facts",
+    "check",
+    "describe",
+    "differences",
+    "facts",
+    "settings",
+]
 
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _TAG = "preflight"
 
-# The `jax.config` flags that change what a program computes or how it is compiled and
-# partitioned; those the running JAX does not have are left out (the same in every process,
-# since the JAX versions are compared too).
-SETTINGS = (
-    "jax_enable_x64",
-    "jax_default_matmul_precision",
-    "jax_numpy_dtype_promotion",
-    "jax_numpy_rank_promotion",
-    "jax_default_prng_impl",
-    "jax_enable_custom_prng",
-    "jax_threefry_partitionable",
-    "jax_softmax_custom_jvp",
-    "jax_dynamic_shapes",
-    "jax_disable_jit",
-    "jax_debug_nans",
-    "jax_debug_infs",
-    "jax_enable_checks",
-    "jax_use_shardy_partitioner",
-    "jax_exec_time_optimization_effort",
-    "jax_memory_fitting_effort",
-)
+# The `jax.config` settings compared are those JAX itself marks as part of every traced or
+# compiled program (`compat.compiled_settings`), with these exceptions, each compared where the
+# running JAX has it (the JAX versions are compared too, so every process has the same ones).
+# Unmarked settings that still change what a process compiles or runs, or that every process
+# must share to talk to the others:
+ALSO_COMPARED: dict[str, str] = {
+    "jax_exec_time_optimization_effort": "an XLA build option (JAX 0.10; jax_optimization_level "
+    "in JAX 0.12)",
+    "jax_memory_fitting_effort": "an XLA build option (JAX 0.10; jax_memory_fitting_level in "
+    "JAX 0.12)",
+    "jax_compiler_enable_remat_pass": "turns XLA's rematerialization pass off: other programs",
+    "jax_default_prng_impl": "the random bits jax.random.key(seed) gives",
+    "jax_enable_custom_prng": "whether jax.random.PRNGKey gives typed keys: other programs",
+    "jax_debug_nans": "a NaN found re-runs the step op by op in that process alone, whose "
+    "collectives the others never join",
+    "jax_debug_infs": "as jax_debug_nans, for infinities",
+    "jax_refs_to_pins": "how refs are lowered (JAX 0.10)",
+    "jax_use_rgv3": "how shard_map's collectives name their replica groups (JAX 0.12)",
+    "jax_ragged_dot_use_ragged_dot_instruction": "how ragged_dot is lowered on TPU",
+    "jax_bcoo_cusparse_lowering": "how sparse (BCOO) operations are lowered on GPU",
+    "jax_use_magma": "how eig is lowered on GPU",
+    "jax_experimental_unsafe_xla_runtime_errors": "checkify's checks become errors inside the "
+    "compiled program",
+    "jax_pallas_poison_buffers": "Pallas kernels fill their buffers first: other programs",
+    "jax_pgle_aggregation_percentile": "the profile the second compilation under PGLE uses",
+    "jax_share_binary_between_hosts": "with it, one process compiles and the others wait for its "
+    "program in the coordination service: a process without it never hands its program over",
+    "jax_cpu_collectives_implementation": "processes with different CPU collectives (gloo, mpi) "
+    "cannot talk",
+}
+# Marked settings that differ between processes by design:
+NOT_COMPARED: dict[str, str] = {
+    "jax_default_device": "names a device of the process that sets it; each sets its own",
+}
 # Fields that may differ on purpose: a difference is a warning, not an error.
 WARN_ONLY = ("program", "XLA_FLAGS")
 
@@ -74,7 +101,7 @@ class Facts:
         platform: JAX's default backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
         device_kind: the kind of this process's first local device (``"cpu"``, ``"H100"``).
         local_devices: how many devices this process has.
-        settings: the `SETTINGS` flags the running JAX has, by name, as text.
+        settings: the `settings` of the running JAX, by name, each value as text.
         XLA_FLAGS: the environment variable (a warning only when it differs).
         program: the SHA-256 of the main program file, "" when there is none (a warning only).
     """
@@ -104,6 +131,31 @@ class Facts:
         return {**flat, **self.settings}
 
 
+def settings() -> tuple[str, ...]:
+    """The `jax.config` settings the preflight compares on the running JAX, sorted by name.
+
+    Those JAX marks as part of every traced or compiled program, less `NOT_COMPARED`, and
+    those of `ALSO_COMPARED` this JAX has.
+
+    Example:
+        >>> "jax_enable_x64" in settings() and "jax_default_device" not in settings()
+        True
+    """
+    marked = _compat.compiled_settings() - NOT_COMPARED.keys()
+    also = ALSO_COMPARED.keys() & _compat.settings_of_jax()
+    return tuple(sorted(marked | also))
+
+
+def _text(value: object) -> str:
+    """A setting's value as text that is the same in every process that has the same value."""
+    if isinstance(value, set | frozenset):  # their order of iteration follows string hashes
+        return f"{type(value).__name__}([{', '.join(sorted(map(repr, value)))}])"
+    kind = type(value)
+    if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:  # an address
+        return f"{kind.__module__}.{kind.__qualname__}"
+    return str(value)
+
+
 def _program_digest() -> str:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -124,11 +176,29 @@ def facts() -> Facts:
         platform=jax.default_backend(),
         device_kind=devices[0].device_kind if devices else "",
         local_devices=len(devices),
-        settings={
-            name: str(getattr(jax.config, name)) for name in SETTINGS if hasattr(jax.config, name)
-        },
+        settings={name: _text(_compat.setting(name)) for name in settings()},
         XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
         program=_program_digest(),
+    )
+
+
+def describe(mine: Facts) -> str:
+    """What the preflight compares, as ``meshkit info`` shows it: versions, devices, settings."""
+    settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
+    return "\n".join(
+        [
+            "compared by the processes at meshkit.init (the preflight):",
+            f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}",
+            f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process",
+            f"  {len(mine.settings)} jax.config settings:",
+            textwrap.fill(
+                settings,
+                width=100,
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            ),
+        ]
     )
 
 
@@ -180,7 +250,10 @@ def check(me: int, n: int, timeout: float) -> None:
         suspects = sorted(
             {p for _, values in errors for p in _absent.outside_majority(values.values())}
         )
-        raise DivergenceError(_message(errors, suspects), processes=suspects, field=errors[0][0])
+        compared = {name for record in records.values() for name in record.settings}
+        raise DivergenceError(
+            _message(errors, suspects, compared), processes=suspects, field=errors[0][0]
+        )
 
 
 def _warning(name: str, values: dict[str, list[int]]) -> str:
@@ -192,13 +265,15 @@ def _warning(name: str, values: dict[str, list[int]]) -> str:
     )
 
 
-def _message(errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int]) -> str:
+def _message(
+    errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int], compared: set[str]
+) -> str:
     rows = "\n".join(f"  {name}: {_absent.listed(values)}" for name, values in errors)
-    settings = [name for name, _ in errors if name.startswith("jax_")]
+    named = [name for name, _ in errors if name in compared]
     advice = (
         f"consider how {_absent.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "
-        f"{', '.join(settings)} (a jax.config.update or JAX_* environment variable on one host)"
-        if settings
+        f"{', '.join(named)} (a jax.config.update or JAX_* environment variable on one host)"
+        if named
         else f"consider the installation of {_absent.processes(suspects)} (its environment, "
         "image or devices)"
     )
