@@ -361,3 +361,10 @@ def test_launch_flags_set_the_ranks_variables():
         "MESHKIT_SHUTDOWN_TIMEOUT": "60",
     }
     assert _join_options(_parser().parse_args(["launch", "prog.py"])) == {}
+
+
+def test_a_wrapper_that_passes_keywords_on_is_accepted():
+    def wrapper(*args, **kwargs):
+        raise AssertionError("never called")
+
+    options.check_supported({"heartbeat_timeout_seconds": 5}, wrapper, "any")
