@@ -106,6 +106,30 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int, default=None, help="coordinator port (default: a free one)"
     )
     launch.add_argument(
+        "--init-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds each process waits in meshkit.init for the coordinator and the others "
+        "(sets MESHKIT_INIT_TIMEOUT; default 300)",
+    )
+    launch.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="whole seconds without heartbeats after which JAX takes a process for dead (sets "
+        "MESHKIT_HEARTBEAT_TIMEOUT; default JAX's, 100)",
+    )
+    launch.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="whole seconds a process that ends waits at JAX's exit barrier for the others "
+        "(sets MESHKIT_SHUTDOWN_TIMEOUT; default JAX's, 300)",
+    )
+    launch.add_argument(
         "--platform",
         choices=["auto", "cpu", "gpu"],
         default="auto",
@@ -190,6 +214,7 @@ def _launch(args: argparse.Namespace) -> int:
         grace=args.grace,
         allow_unjoined=args.allow_unjoined,
         max_restarts=max_restarts,
+        env=_join_options(args),
         handle_signals=True,
         subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
         **machines,
@@ -200,6 +225,18 @@ def _launch(args: argparse.Namespace) -> int:
             sys.stderr.write(result.report.rstrip("\n") + "\n")
             sys.stderr.flush()
     return result.returncode
+
+
+def _join_options(args: argparse.Namespace) -> dict[str, str]:
+    """--init-timeout, --heartbeat-timeout and --shutdown-timeout, as the ranks read them."""
+    from .._src.core.contract import ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT
+
+    given = {
+        ENV_INIT_TIMEOUT: args.init_timeout,
+        ENV_HEARTBEAT_TIMEOUT: args.heartbeat_timeout,
+        ENV_SHUTDOWN_TIMEOUT: args.shutdown_timeout,
+    }
+    return {name: str(value) for name, value in given.items() if value is not None}
 
 
 def _max_restarts(args: argparse.Namespace) -> int:

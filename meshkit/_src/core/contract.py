@@ -13,11 +13,13 @@ __all__ = [
     "ENV_ATTEMPT",
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
+    "ENV_HEARTBEAT_TIMEOUT",
     "ENV_INIT_TIMEOUT",
     "ENV_LOCAL_DEVICE_IDS",
     "ENV_NUM_PROCESSES",
     "ENV_PREEMPT_GRACE",
     "ENV_PROCESS_ID",
+    "ENV_SHUTDOWN_TIMEOUT",
     "ENV_STATUS",
     "INSIDE",
     "OUTSIDE",
@@ -31,6 +33,10 @@ ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
 ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
 ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
 ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+# jax.distributed.initialize's heartbeat and shutdown timeouts, in whole seconds
+# (`meshkit._src.runtime.distributed_options`); `meshkit launch` sets them from its flags.
+ENV_HEARTBEAT_TIMEOUT = "MESHKIT_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "MESHKIT_SHUTDOWN_TIMEOUT"
 # Which start of the whole group this is: 0, then 1 after the first restart (--max-restarts).
 ENV_ATTEMPT = "MESHKIT_ATTEMPT"
 # The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).

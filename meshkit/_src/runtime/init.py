@@ -4,14 +4,16 @@
 
 1. explicit arguments (``coordinator_address=``, ``num_processes=``, ``process_id=``);
 2. the environment written by ``meshkit launch`` (``MESHKIT_COORDINATOR`` and friends);
-3. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes); SLURM variables that
+3. another engine's environment: Kubeflow Trainer's ``JAX_*`` variables, SkyPilot's, a JobSet
+   or Indexed Job's (`meshkit._src.core.engines`; in part, or disagreeing with another source
+   on the process count, it is an error);
+4. JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, Kubernetes); SLURM variables that
    ask for several tasks outside a job step (a batch script without srun) are an error
    (`meshkit._src.runtime.slurm`);
-4. otherwise a single process, which needs no coordinator.
+5. otherwise a single process, which needs no coordinator.
 
-JAX aborts the whole process (a C++ fatal error, no Python exception) when the coordinator cannot
-be reached; ``init`` therefore checks the address itself first, within a bounded time, and raises
-a `meshkit.MeshkitError` that names it.
+The coordinator's address is checked before JAX is asked (`meshkit._src.runtime.coordinator`):
+JAX aborts the whole process when it cannot reach it.
 """
 
 from __future__ import annotations
@@ -20,17 +22,15 @@ import contextlib
 import dataclasses
 import math
 import os
-import socket
-import time
 import warnings
 from collections.abc import Callable, Sequence
 
 import jax
 
 from ..core import compat as _compat
+from ..core import engines as _engines
 from ..core import env as _env
 from ..core import events as _events
-from ..core import ports as _ports
 from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
@@ -45,12 +45,14 @@ from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
+from . import distributed_options as _options
 from . import gpus as _gpus
 from . import guards as _guards
 from . import hosts as _hosts
 from . import preflight as _preflight
 from . import programs as _programs
 from . import slurm as _slurm
+from .coordinator import check_coordinator, split_address
 from .hosts import Hosts
 
 __all__ = [
@@ -68,7 +70,9 @@ class RuntimeInfo:
     """How this process joined the program, as decided by `meshkit.init`.
 
     Attributes:
-        source: ``"arguments"``, ``"meshkit launch"``, ``"cluster"`` (JAX's detection),
+        source: ``"arguments"``, ``"meshkit launch"``, another engine's environment
+            (``"JAX_* variables"``, as Kubeflow Trainer's JAX runtime sets them; ``"SkyPilot"``;
+            ``"JobSet"``; ``"Indexed Job"``), ``"cluster"`` (JAX's detection),
             ``"jax.distributed"`` (initialised before meshkit), or ``"single process"``.
         reason: one sentence saying what was found that led to ``source``.
         num_processes: processes in the program.
@@ -137,19 +141,6 @@ JAX fixes the device count and the cluster membership when it first touches a de
 jax.devices(), jnp array, or jit call does).
 Consider calling meshkit.init() first thing in your program, before any other JAX call."""
 
-_UNREACHABLE = """\
-meshkit.init(): process {pid} of {n} could not reach the coordinator at {address}
-within {timeout:g} s (source: {source}).
-The coordinator is process 0; it must be running and its address reachable from this host.
-Consider checking that process 0 started and printed no error, that host and port are right, and
-that no firewall blocks the port; raise the wait with timeout= or {env}=SECONDS."""
-
-_PORT_IN_USE = """\
-meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
-use on this host (source: {source}).
-Consider choosing another port, or ending the program that holds it (an earlier run that did not
-exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
-
 
 @public
 def runtime_info() -> RuntimeInfo | None:
@@ -168,45 +159,6 @@ def _positive(name: str, value: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MeshkitError(f"meshkit.init(): {name} must be a positive int; got {value!r}.")
     return value
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise MeshkitError(
-            f"meshkit.init(): coordinator address {address!r} is not of the form 'host:port'."
-        )
-    return host.strip("[]"), int(port)
-
-
-def _check_coordinator(address: str, process_id: int, n: int, timeout: float, source: str) -> None:
-    """Fail with a named address instead of letting JAX abort the process."""
-    host, port = _split_address(address)
-    if process_id == 0:
-        # `meshkit launch` holds the port for the run (a bound socket that does not listen);
-        # anything else there, a second coordinator included, would share it with ours.
-        if _ports.coordinator_port_taken(port):
-            raise MeshkitError(_PORT_IN_USE.format(address=address, port=port, source=source))
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise MeshkitError(
-                    _UNREACHABLE.format(
-                        pid=process_id,
-                        n=n,
-                        address=address,
-                        timeout=timeout,
-                        source=source,
-                        env=ENV_INIT_TIMEOUT,
-                    )
-                ) from None
-            time.sleep(0.1)
 
 
 def _detect_cluster() -> type | None:
@@ -236,11 +188,12 @@ def _plan(
                     f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
                     "(the address of process 0)."
                 )
-            _split_address(coordinator_address)  # refused before any state is read
+            split_address(coordinator_address)  # refused before any state is read
         return RuntimeInfo(
             "arguments", "coordinator/processes passed to meshkit.init()", n, pid,
             coordinator_address if n > 1 else None, local_device_ids=local_device_ids,
         )  # fmt: skip
+    _engines.check_agreement(os.environ)
     launch_address = os.environ.get(ENV_COORDINATOR)
     if launch_address:
         n, pid = (
@@ -252,12 +205,18 @@ def _plan(
                 f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
                 f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
             )
-        _split_address(launch_address)
+        split_address(launch_address)
         return RuntimeInfo(
             "meshkit launch", f"{ENV_COORDINATOR}={launch_address} is set", n, pid,
             launch_address, local_device_ids=local_device_ids,
         )  # fmt: skip
     cluster = _detect_cluster()
+    engine = _engines.read_engine(os.environ, jax_detects=cluster and cluster.__name__)
+    if engine is not None:
+        return RuntimeInfo(
+            engine.engine, f"{engine.engine} found: {engine.found}", engine.num_processes,
+            engine.process_id, engine.coordinator_address, local_device_ids=local_device_ids,
+        )  # fmt: skip
     if cluster is None or cluster.__name__ == "SlurmCluster":
         # A batch script asking for several tasks looks like no cluster to JAX: say so now.
         _slurm.check_step(os.environ)
@@ -367,6 +326,8 @@ def init(
     local_device_ids: Sequence[int] | None = None,
     cpu_devices: int | None = None,
     timeout: float | None = None,
+    heartbeat_timeout: int | None = None,
+    shutdown_timeout: int | None = None,
 ) -> RuntimeInfo:
     """Join this process to its multi-process JAX program (or note that it runs alone).
 
@@ -383,7 +344,13 @@ def init(
             this process's local rank).
         cpu_devices: CPU devices for this process (default: ``MESHKIT_CPU_DEVICES``, else JAX's).
         timeout: seconds to wait for the coordinator and the other processes (default
-            ``MESHKIT_INIT_TIMEOUT``, else 300).
+            ``MESHKIT_INIT_TIMEOUT``, else 300); JAX's ``initialization_timeout``.
+        heartbeat_timeout: whole seconds without heartbeats after which JAX's coordination
+            service takes a process for dead (default ``MESHKIT_HEARTBEAT_TIMEOUT``, else JAX's,
+            100); JAX's ``heartbeat_timeout_seconds``.
+        shutdown_timeout: whole seconds a process that ends waits at JAX's exit barrier for the
+            others (default ``MESHKIT_SHUTDOWN_TIMEOUT``, else JAX's, 300); JAX's
+            ``shutdown_timeout_seconds``.
 
     Returns:
         What was detected and why; ``str()`` of it is a readable table.
@@ -397,7 +364,13 @@ def init(
             coordinator cannot be reached within ``timeout``; process 0's port is taken; a
             ``timeout`` that is not a finite number > 0, a ``num_processes`` below 1, a
             ``process_id`` outside ``0 .. num_processes - 1``, arguments that contradict the
-            ``meshkit launch`` environment, or other inconsistent arguments; SLURM variables
+            ``meshkit launch`` environment, or other inconsistent arguments; a
+            ``heartbeat_timeout`` or ``shutdown_timeout`` that is not a whole number >= 1, or
+            that the running JAX's ``jax.distributed.initialize`` does not take (the message
+            names the JAX versions that do); another engine's variables in part (Kubeflow's
+            ``JAX_COORDINATOR_ADDRESS`` without ``JAX_NUM_PROCESSES``), with a process id not
+            below its count, or two variables that give different process counts
+            (``JAX_NUM_PROCESSES`` and ``MESHKIT_NUM_PROCESSES``, say); SLURM variables
             that ask for several tasks where this process is not a task of a job step (a batch
             script that runs the program without ``srun``).
 
@@ -420,6 +393,8 @@ def init(
         local_device_ids=local_device_ids,
         cpu_devices=cpu_devices,
         timeout=timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        shutdown_timeout=shutdown_timeout,
         fail_fast=fail_fast,
         preempt_grace=preempt_grace,
     )
@@ -445,6 +420,8 @@ def _init(
     local_device_ids: Sequence[int] | None = None,
     cpu_devices: int | None = None,
     timeout: float | None = None,
+    heartbeat_timeout: int | None = None,
+    shutdown_timeout: int | None = None,
     fail_fast: float | None = None,
     preempt_grace: float = 0.0,
 ) -> RuntimeInfo:
@@ -465,6 +442,10 @@ def _init(
             f" (from the argument, else {ENV_INIT_TIMEOUT})."
         )
     timeout = float(timeout)
+    options = _options.chosen(
+        heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
+    )
+    _options.check_supported(options)
     num_processes = _positive("num_processes", num_processes)
     if process_id is not None and (
         isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
@@ -529,9 +510,11 @@ def _init(
                 ids_arg = detected_ids = list(binding.ids)
                 reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
         if address is not None and n is not None and pid is not None:
-            _check_coordinator(address, pid, n, timeout, source=plan.reason)
+            check_coordinator(address, pid, n, timeout, source=plan.reason)
         # JAX detects again inside initialize (keeping its TPU and slice handling its own).
-        jax.distributed.initialize(local_device_ids=ids_arg, initialization_timeout=init_timeout)
+        jax.distributed.initialize(
+            local_device_ids=ids_arg, initialization_timeout=init_timeout, **options
+        )
         _, pid, n = _compat.distributed_state()
         plan = dataclasses.replace(
             plan,
@@ -543,7 +526,7 @@ def _init(
         )
     else:
         assert plan.coordinator_address is not None
-        _check_coordinator(
+        check_coordinator(
             plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
         )
         jax.distributed.initialize(
@@ -552,6 +535,7 @@ def _init(
             plan.process_id,
             local_device_ids=ids_arg,
             initialization_timeout=init_timeout,
+            **options,
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
     _progress.mark("joined", _INFO.process_id)

@@ -1,0 +1,396 @@
+"""The environments that engines other than `meshkit launch` give each process.
+
+A pure reading: `read_engine` takes an environment mapping and returns how the process joins
+(`EngineJoin`), or None where no engine of this module set its variables. Nothing is joined or
+changed here; `meshkit.init` acts on the answer. Each engine's facts, as checked:
+
+* **JAX_* variables** (Kubeflow Trainer's ``jax-distributed`` runtime; other tools set the same
+  three): ``JAX_COORDINATOR_ADDRESS`` (``<trainjob>-node-0-0.<trainjob>:<port>``),
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (the pod's Job completion index), one process per
+  pod. JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS`` themselves
+  (``jax/_src/distributed.py``): with no cluster JAX detects, the other two are never read and
+  each process would run alone. ``JAX_COORDINATOR_ADDRESS`` alone is JAX's override of the
+  address of a cluster JAX detects (SLURM, Open MPI): that stays JAX's.
+* **SkyPilot**, on each node of a task: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NUM_NODES`` and
+  ``SKYPILOT_NODE_IPS`` (one IP a line, the head node first). SkyPilot runs the ``run`` commands
+  once per node, so this is one process per node; the coordinator is the first IP at the port of
+  `ENV_PORT` (else `DEFAULT_PORT`). For several processes per node, run ``meshkit launch`` in
+  the ``run`` commands instead (its variables come first).
+* **JobSet / Indexed Job** (Kubernetes): ``JOB_COMPLETION_INDEX`` is the pod's index. Kubernetes
+  puts neither the Job's completions nor its service in the environment, so the process count is
+  `ENV_NUM_PROCESSES` (``MESHKIT_NUM_PROCESSES``, set in the pod template); the coordinator is
+  index 0's pod: ``<JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>`` in a JobSet (subdomain
+  `ENV_K8S_SUBDOMAIN`, else JobSet's default, the JobSet's name), ``<job>-0.<subdomain>`` in a
+  plain Indexed Job (the job from ``HOSTNAME``, ``<job>-<index>``; the subdomain, the Job's
+  headless service, must be given). `ENV_K8S_COORDINATOR_HOST` names index 0's host where that
+  name does not resolve. A JobSet without a count is an error; a plain Indexed Job without one
+  runs alone (Indexed Jobs also run independent tasks).
+
+Two variables that give the process count (or this process's id) and disagree are an error,
+whichever engine is then used: ``JAX_NUM_PROCESSES`` against `meshkit launch`'s
+``MESHKIT_NUM_PROCESSES``, SLURM's ``SLURM_NTASKS`` in a job step and Open MPI's
+``OMPI_COMM_WORLD_SIZE`` (`check_agreement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from .contract import ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from .errors import MeshkitError
+
+__all__ = [
+    "DEFAULT_PORT",
+    "ENV_K8S_COORDINATOR_HOST",
+    "ENV_K8S_SUBDOMAIN",
+    "ENV_PORT",
+    "JAX_VARS",
+    "SKYPILOT_VARS",
+    "EngineJoin",
+    "check_agreement",
+    "read_engine",
+]
+
+JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+SKYPILOT_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
+# The coordinator's port where an engine gives only a host: JAX's own variable (its cluster
+# detection honours it too, and Kubeflow Trainer sets it), else the port JAX's K8s detector uses.
+ENV_PORT = "JAX_COORDINATOR_PORT"
+DEFAULT_PORT = 55527
+ENV_K8S_SUBDOMAIN = "MESHKIT_K8S_SUBDOMAIN"
+ENV_K8S_COORDINATOR_HOST = "MESHKIT_K8S_COORDINATOR_HOST"
+_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+
+JAX_ENGINE = "JAX_* variables"
+SKYPILOT = "SkyPilot"
+JOBSET = "JobSet"
+INDEXED_JOB = "Indexed Job"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineJoin:
+    """How an engine's environment says this process joins.
+
+    Attributes:
+        engine: which environment was found (``"JAX_* variables"``, ``"SkyPilot"``,
+            ``"JobSet"``, ``"Indexed Job"``).
+        num_processes: processes in the program.
+        process_id: this process's index.
+        coordinator_address: ``host:port`` of process 0; None for one process.
+        found: the variables read, ``NAME=value`` joined by commas, for messages and reports.
+    """
+
+    engine: str
+    num_processes: int
+    process_id: int
+    coordinator_address: str | None
+    found: str
+
+
+_PARTIAL = """\
+meshkit.init(): the environment sets {found} but not {missing}; {engine} sets {all} together.
+Without all of them this process cannot join the others, and would run alone as process 0 of 1.
+Consider setting {missing} too, or unsetting {found_names} to run one process."""
+
+_BAD = """\
+meshkit.init(): {what} ({engine}: {found}).
+{rule}
+Consider {fix}"""
+
+_DISAGREE = """\
+meshkit.init(): the environment gives this process two different {what}: {first} but {second}.
+Processes that do not agree on the program would wait for ones that never come.
+Consider setting one of them only, or the same value in both; under meshkit launch inside
+another engine's job, unset the engine's JAX_* variables in the launcher's environment."""
+
+_NO_COUNT = """\
+meshkit.init(): this process is index {index} of a {engine} ({found}), but no variable gives the
+number of processes: Kubernetes does not put the Job's completions in the environment.
+Without it this process would run alone as process 0 of 1.
+Consider setting {count}=<completions> in the pod template (env: - name: {count}, value:
+"<completions>"), or passing num_processes= to meshkit.init()."""
+
+
+def _found(environ: Mapping[str, str], names: tuple[str, ...]) -> str:
+    return ", ".join(f"{n}={environ[n]!r}" for n in names if n in environ)
+
+
+def _int(value: str | None) -> int | None:
+    text = (value or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _bad(engine: str, found: str, what: str, rule: str, fix: str) -> MeshkitError:
+    return MeshkitError(_BAD.format(what=what, engine=engine, found=found, rule=rule, fix=fix))
+
+
+def _count_and_id(
+    engine: str, found: str, count: tuple[str, str], index: tuple[str, str]
+) -> tuple[int, int]:
+    """A process count >= 1 and an id below it, each given as (variable, text)."""
+    n, pid = _int(count[1]), _int(index[1])
+    if n is None or n < 1:
+        raise _bad(
+            engine,
+            found,
+            f"{count[0]}={count[1]!r} is not a process count >= 1",
+            f"{count[0]} is the number of processes in the program.",
+            f"a whole number >= 1 in {count[0]}.",
+        )
+    if pid is None or pid >= n:
+        raise _bad(
+            engine,
+            found,
+            f"{index[0]}={index[1]!r} is not a process id below {count[0]}={n}",
+            f"Process ids run from 0 to {n - 1}, one per process.",
+            f"giving each process its own id from 0 to {n - 1}, and {count[0]} the "
+            "number of processes.",
+        )
+    return n, pid
+
+
+def _address(engine: str, found: str, name: str, address: str) -> str:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise _bad(
+            engine,
+            found,
+            f"{name}={address!r} is not of the form 'host:port'",
+            "It is process 0's host and the port its coordination service serves.",
+            f"{name}=HOST:PORT, the same in every process.",
+        )
+    return address.strip()
+
+
+def _port(environ: Mapping[str, str], engine: str, found: str) -> int:
+    raw = environ.get(ENV_PORT, "").strip()
+    if not raw:
+        return DEFAULT_PORT
+    port = _int(raw)
+    if port is None or not 0 < port < 65536:
+        raise _bad(
+            engine,
+            f"{found}, {ENV_PORT}={raw!r}",
+            f"{ENV_PORT}={raw!r} is not a port",
+            "The coordinator's port is a number from 1 to 65535.",
+            f"{ENV_PORT}=PORT, the same in every process, or unset for {DEFAULT_PORT}.",
+        )
+    return port
+
+
+def _jax_vars(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
+    present = [n for n in JAX_VARS if environ.get(n, "").strip()]
+    if not present or (present == ["JAX_COORDINATOR_ADDRESS"] and jax_detects is not None):
+        return None  # nothing set, or JAX's own override of a cluster it detects
+    found = _found(environ, tuple(present))
+    if len(present) < len(JAX_VARS):
+        missing = [n for n in JAX_VARS if n not in present]
+        raise MeshkitError(
+            _PARTIAL.format(
+                found=found,
+                missing=" and ".join(missing),
+                engine="Kubeflow Trainer's JAX runtime",
+                all=", ".join(JAX_VARS),
+                found_names=", ".join(present),
+            )
+        )
+    n, pid = _count_and_id(
+        JAX_ENGINE,
+        found,
+        ("JAX_NUM_PROCESSES", environ["JAX_NUM_PROCESSES"]),
+        ("JAX_PROCESS_ID", environ["JAX_PROCESS_ID"]),
+    )
+    address = _address(
+        JAX_ENGINE, found, "JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"]
+    )
+    return EngineJoin(JAX_ENGINE, n, pid, address if n > 1 else None, found)
+
+
+def _skypilot(environ: Mapping[str, str]) -> EngineJoin | None:
+    present = [n for n in SKYPILOT_VARS if n in environ]
+    if not present:
+        return None
+    found = _found(environ, tuple(present))
+    if len(present) < len(SKYPILOT_VARS):
+        missing = [n for n in SKYPILOT_VARS if n not in present]
+        raise MeshkitError(
+            _PARTIAL.format(
+                found=found,
+                missing=" and ".join(missing),
+                engine="SkyPilot",
+                all=", ".join(SKYPILOT_VARS),
+                found_names=", ".join(present),
+            )
+        )
+    n, pid = _count_and_id(
+        SKYPILOT,
+        found,
+        ("SKYPILOT_NUM_NODES", environ["SKYPILOT_NUM_NODES"]),
+        ("SKYPILOT_NODE_RANK", environ["SKYPILOT_NODE_RANK"]),
+    )
+    ips = [line.strip() for line in environ["SKYPILOT_NODE_IPS"].splitlines() if line.strip()]
+    if len(ips) != n:
+        raise _bad(
+            SKYPILOT,
+            found,
+            f"SKYPILOT_NODE_IPS lists {len(ips)} IPs for SKYPILOT_NUM_NODES={n} nodes",
+            "SkyPilot lists one IP a line, one per node, the head node first.",
+            "running the program from the task's run commands, "
+            "where SkyPilot sets these variables.",
+        )
+    if n == 1:
+        return EngineJoin(SKYPILOT, 1, 0, None, found)
+    host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
+    return EngineJoin(SKYPILOT, n, pid, f"{host}:{_port(environ, SKYPILOT, found)}", found)
+
+
+def _indexed_job(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
+    if "JOB_COMPLETION_INDEX" not in environ:
+        return None
+    jobset = environ.get("JOBSET_NAME", "").strip()
+    engine = JOBSET if jobset else INDEXED_JOB
+    names = (
+        "JOB_COMPLETION_INDEX",
+        "JOBSET_NAME",
+        "REPLICATED_JOB_NAME",
+        "JOB_INDEX",
+        ENV_NUM_PROCESSES,
+        ENV_K8S_SUBDOMAIN,
+        ENV_K8S_COORDINATOR_HOST,
+    )
+    found = _found(environ, names)
+    index = environ["JOB_COMPLETION_INDEX"]
+    count = environ.get(ENV_NUM_PROCESSES, "").strip()
+    if not count:
+        if jax_detects == "K8sCluster" or not jobset:
+            return None  # JAX asks Kubernetes' API; a plain Indexed Job may run independent tasks
+        raise MeshkitError(
+            _NO_COUNT.format(index=index, engine=engine, found=found, count=ENV_NUM_PROCESSES)
+        )
+    n, pid = _count_and_id(
+        engine, found, (ENV_NUM_PROCESSES, count), ("JOB_COMPLETION_INDEX", index)
+    )
+    if (_int(environ.get("JOB_INDEX")) or 0) > 0:
+        raise _bad(
+            engine,
+            found,
+            f"JOB_INDEX={environ['JOB_INDEX']!r}: this pod belongs to "
+            "a JobSet's second or later Job",
+            "meshkit joins the pods of one Job: process ids come from JOB_COMPLETION_INDEX alone.",
+            "one replicated Job "
+            "(replicas: 1) with completions and parallelism = the process count, or "
+            "passing coordinator_address=, num_processes= and process_id= to "
+            "meshkit.init().",
+        )
+    if n == 1:
+        return EngineJoin(engine, 1, 0, None, found)
+    host = environ.get(ENV_K8S_COORDINATOR_HOST, "").strip() or _index0_host(environ, found)
+    return EngineJoin(engine, n, pid, f"{host}:{_port(environ, engine, found)}", found)
+
+
+def _index0_host(environ: Mapping[str, str], found: str) -> str:
+    subdomain = environ.get(ENV_K8S_SUBDOMAIN, "").strip()
+    jobset = environ.get("JOBSET_NAME", "").strip()
+    if jobset:
+        rjob = environ.get("REPLICATED_JOB_NAME", "").strip()
+        if not rjob:
+            raise _bad(
+                JOBSET,
+                found,
+                "JOBSET_NAME is set but REPLICATED_JOB_NAME is not",
+                "Index 0's host is <JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>.",
+                "REPLICATED_JOB_NAME from the pod's annotation "
+                "jobset.sigs.k8s.io/replicatedjob-name (the downward API).",
+            )
+        return f"{jobset}-{rjob}-0-0.{subdomain or jobset}"
+    index, hostname = environ["JOB_COMPLETION_INDEX"].strip(), environ.get("HOSTNAME", "")
+    job = hostname.removesuffix(f"-{index}") if hostname.endswith(f"-{index}") else ""
+    if not job or not subdomain:
+        raise _bad(
+            INDEXED_JOB,
+            f"{found}, HOSTNAME={hostname!r}",
+            "index 0's host is unknown: "
+            f"{ENV_K8S_SUBDOMAIN} is not set or HOSTNAME is not <job>-<index>",
+            "Index 0's host is <job>-0.<subdomain>, the subdomain being the Job's "
+            "headless service.",
+            f"{ENV_K8S_SUBDOMAIN}=<the service's name>, or "
+            f"{ENV_K8S_COORDINATOR_HOST}=<index 0's host>.",
+        )
+    return f"{job}-0.{subdomain}"
+
+
+def read_engine(environ: Mapping[str, str], *, jax_detects: str | None = None) -> EngineJoin | None:
+    """How this process joins according to an engine's variables; None where none set them.
+
+    Engines are read in this order: JAX_* variables, SkyPilot, JobSet / Indexed Job. `meshkit
+    launch`'s variables and arguments to `meshkit.init` are read before this, JAX's own cluster
+    detection after.
+
+    Args:
+        environ: the environment (normally ``os.environ``).
+        jax_detects: the name of JAX's cluster detector that found its environment, if any
+            (``"SlurmCluster"``, ``"K8sCluster"``): it decides for ``JAX_COORDINATOR_ADDRESS``
+            alone, and for an Indexed Job without a count.
+
+    Raises:
+        MeshkitError: an engine's variables in part, or with values that do not fit
+            (a count below 1, an id not below the count, an address without a port).
+
+    Example:
+        >>> read_engine({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
+        ...              "JAX_PROCESS_ID": "1"}).process_id
+        1
+        >>> read_engine({}) is None
+        True
+    """
+    check_agreement(environ)
+    return (
+        _jax_vars(environ, jax_detects) or _skypilot(environ) or _indexed_job(environ, jax_detects)
+    )
+
+
+def _claims(environ: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
+    """(count variable, value, id variable, value) of each source that sets a process count."""
+    sources = [
+        ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+        (ENV_NUM_PROCESSES, ENV_PROCESS_ID),
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ]
+    if all(environ.get(n) for n in _STEP_VARS):  # a task of a SLURM job step
+        sources.append(("SLURM_NTASKS", "SLURM_PROCID"))
+    return [
+        (c, environ[c].strip(), i, environ.get(i, "").strip())
+        for c, i in sources
+        if environ.get(c, "").strip()
+    ]
+
+
+def check_agreement(environ: Mapping[str, str]) -> None:
+    """Raise if two variables give different process counts, or ids, for this process.
+
+    ``JAX_NUM_PROCESSES`` is compared with each other source (``MESHKIT_NUM_PROCESSES``,
+    ``OMPI_COMM_WORLD_SIZE``, ``SLURM_NTASKS`` of a job step), and ``JAX_PROCESS_ID`` with its
+    id. `meshkit launch` inside a SLURM step or an Open MPI job is not compared: there the step's
+    tasks are launchers, each starting several processes.
+
+    Example:
+        >>> check_agreement({"JAX_NUM_PROCESSES": "2", "MESHKIT_NUM_PROCESSES": "2"})
+    """
+    claims = _claims(environ)
+    if not claims or claims[0][0] != "JAX_NUM_PROCESSES":
+        return
+    count, n, ident, pid = claims[0]
+    for other_count, other_n, other_ident, other_pid in claims[1:]:
+        if _int(n) != _int(other_n):
+            raise MeshkitError(
+                _DISAGREE.format(
+                    what="process counts", first=f"{count}={n}", second=f"{other_count}={other_n}"
+                )
+            )
+        if pid and other_pid and _int(pid) != _int(other_pid):
+            raise MeshkitError(
+                _DISAGREE.format(
+                    what="process ids", first=f"{ident}={pid}", second=f"{other_ident}={other_pid}"
+                )
+            )

@@ -1,0 +1,120 @@
+"""``jax.distributed.initialize``'s timeouts, as `meshkit.init` passes them.
+
+Three options of JAX's join reach through meshkit: the initialization timeout (``timeout=`` of
+`meshkit.init`, ``MESHKIT_INIT_TIMEOUT``, ``meshkit launch --init-timeout``), the heartbeat
+timeout (after how long without heartbeats JAX's coordination service takes a process for dead)
+and the shutdown timeout (how long a process that ends waits at JAX's exit barrier for the
+others). Each comes from `meshkit.init`'s argument, else its environment variable (which
+``meshkit launch`` sets from its flag), else JAX's default is kept.
+
+Checked on the JAX lines meshkit supports: ``initialization_timeout``,
+``heartbeat_timeout_seconds`` and ``shutdown_timeout_seconds`` are parameters of
+``jax.distributed.initialize`` in JAX 0.10.2 and in 0.12 (defaults 300, 100 and 300 s). A JAX
+whose ``initialize`` lacks one (a later rename) is an error naming the option and the JAX
+versions that have it, raised before anything is joined, not a ``TypeError`` from inside JAX.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ..core import env as _env
+from ..core.contract import ENV_HEARTBEAT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT
+from ..core.errors import MeshkitError
+
+__all__ = ["JAX_CHECKED", "OPTIONS", "check_supported", "chosen"]
+
+# meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
+OPTIONS = {
+    "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
+    "shutdown_timeout": ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT),
+}
+INITIALIZATION = "initialization_timeout"
+JAX_CHECKED = "JAX 0.10.2 and 0.12"
+
+_BAD_VALUE = """\
+meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{origin}.
+JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
+Consider {name}=SECONDS, e.g. {name}=120."""
+
+_UNSUPPORTED = """\
+meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
+jax.distributed.initialize, so it cannot be passed{origin}.
+{checked} have it.
+Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+default)."""
+
+
+def _origin(variable: str | None) -> str:
+    return f" (from the environment variable {variable})" if variable else ""
+
+
+def chosen(**given: Any) -> dict[str, int]:
+    """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment.
+
+    Args:
+        **given: `OPTIONS`' names with the values passed to `meshkit.init` (None: not passed).
+
+    Raises:
+        MeshkitError: a value, given or from its variable, that is not a whole number >= 1.
+
+    Example:
+        >>> chosen(heartbeat_timeout=60, shutdown_timeout=None)  # with no variables set
+        {'heartbeat_timeout_seconds': 60}
+    """
+    options = {}
+    for name, (parameter, variable) in OPTIONS.items():
+        value, origin = given.get(name), None
+        if value is None:
+            value, origin = _env.integer(variable, where="meshkit.init()"), variable
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MeshkitError(
+                _BAD_VALUE.format(
+                    name=name, value=value, origin=_origin(origin), parameter=parameter
+                )
+            )
+        options[parameter] = value
+    return options
+
+
+def _parameters(initialize: Callable[..., Any]) -> set[str]:
+    everything = {p for p, _ in OPTIONS.values()} | {INITIALIZATION}
+    try:
+        parameters = inspect.signature(initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return everything
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return everything  # a wrapper (a test's spy, a framework's) that passes keywords on
+    return set(parameters)
+
+
+def check_supported(
+    options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
+) -> None:
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``.
+
+    Args:
+        options: `chosen`'s answer (the initialization timeout is always passed, and checked).
+        initialize: the function to read (default: ``jax.distributed.initialize``).
+        version: the JAX version for the message (default: ``jax.__version__``).
+    """
+    if initialize is None:
+        import jax
+
+        initialize, version = jax.distributed.initialize, jax.__version__
+    accepted = _parameters(initialize)
+    by_parameter = {p: (name, variable) for name, (p, variable) in OPTIONS.items()}
+    for parameter in [INITIALIZATION, *options]:
+        if parameter in accepted:
+            continue
+        name, variable = by_parameter.get(parameter, ("timeout", None))
+        origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+        raise MeshkitError(
+            _UNSUPPORTED.format(
+                name=name, version=version, parameter=parameter, origin=origin, checked=JAX_CHECKED
+            )
+        )
