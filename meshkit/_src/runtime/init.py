@@ -31,6 +31,7 @@ from ..core import compat as _compat
 from ..core import engines as _engines
 from ..core import env as _env
 from ..core import events as _events
+from ..core import program_thread as _program_thread
 from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
@@ -384,8 +385,9 @@ def init(
     first = _INFO is None
     fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
     preempt_grace = _preemption.grace()
-    if first:  # a scheduler's notice while the processes join is a notice too
-        _guards.before_joining(fail_fast, preempt_grace)
+    if first:
+        _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
+        _guards.before_joining(fail_fast, preempt_grace)  # a notice while joining is one too
     info = _init(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -468,7 +470,10 @@ def _init(
 
     client, joined_pid, joined_n = _compat.distributed_state()
     if client is not None:
-        # The program called jax.distributed.initialize itself; respect it, report it.
+        # Joined elsewhere (the program, Ray, an engine's runtime): adopt the join and guard it
+        # as a join of meshkit's own.
+        if joined_n > 1 and not _compat.backends_are_initialized():
+            _select_gloo()
         _INFO = dataclasses.replace(
             plan,
             source="jax.distributed",
@@ -478,6 +483,17 @@ def _init(
             cpu_devices=cpu_devices,
             cpu_collectives=_cpu_collectives() if joined_n > 1 else None,
         )
+        if options:
+            warnings.warn(
+                f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
+                "before meshkit.init(), and JAX takes it only when joining; pass it to that "
+                "jax.distributed.initialize() call.",
+                stacklevel=4,
+            )
+        if joined_n > 1:
+            _guards.joined(fail_fast, preempt_grace, joined_pid, joined_n)
+        else:
+            _guards.alone(fail_fast, preempt_grace, joined_pid)
         return _INFO
 
     started = _compat.backends_are_initialized()

@@ -1,0 +1,130 @@
+"""A meshkit program run by Ray: as 2 plain actors, or through Ray Train's `JaxTrainer`.
+
+Run as a script (Ray pickles the functions of ``__main__`` by value, so the workers need no
+path to this file): ``python ray_job.py {actors|trainer} PORT [FAILING_RANK]``. It starts a
+local Ray cluster in this process (2 CPUs, a small object store, no dashboard), runs 2 workers
+of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or ``FAILED <text>``), and
+shuts Ray down. Each worker joins JAX by hand with `jax.distributed.initialize`, as Ray Train
+does on GPUs and TPUs, then calls `meshkit.init()`: meshkit adopts that join and installs its
+guards. Under `JaxTrainer` the training function runs in a worker thread, which becomes the
+program's thread.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import ray
+
+
+def work(rank: int, world: int, coordinator: str, failing: int | None) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(coordinator, world, rank, initialization_timeout=60)
+    import numpy as np
+
+    import meshkit
+
+    info = meshkit.init()
+    mesh = meshkit.make_mesh({"data": -1})
+    local = np.full((jax.local_device_count(), 2), float(rank + 1), np.float32)
+    x = meshkit.global_array_from_local(local, mesh, "data")
+
+    @meshkit.spmd(mesh=mesh, in_specs="data", out_specs=jax.sharding.PartitionSpec())
+    def total(block):
+        return jax.lax.psum(block.sum(), "data")
+
+    result = {
+        "rank": rank,
+        "process": info.process_id,
+        "processes": info.num_processes,
+        "source": info.source,
+        "devices": jax.device_count(),
+        "thread": threading.current_thread() is threading.main_thread(),
+        "total": float(total(x)),
+    }
+    print("TOTAL " + json.dumps(result), flush=True)
+    for step in range(3):
+        if step == 1 and rank == failing:
+            raise RuntimeError(f"rank {rank} fails at step {step}")
+        result["step_total"] = float(total(x))
+    return result
+
+
+@ray.remote(num_cpus=1)
+class Worker:
+    def run(self, rank, world, coordinator, failing):
+        try:
+            return work(rank, world, coordinator, failing)
+        except BaseException as e:
+            return {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+
+
+def actors(coordinator: str, failing: int | None) -> None:
+    workers = [Worker.remote() for _ in range(2)]
+    refs = [w.run.remote(r, 2, coordinator, failing) for r, w in enumerate(workers)]
+    for value in ray.get(refs, timeout=240):
+        print("RESULT " + json.dumps(value), flush=True)
+
+
+def trainer(coordinator: str, failing: int | None, out: str) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    def train_fn(config):
+        ctx = ray.train.get_context()
+        rank = ctx.get_world_rank()
+        try:
+            value = work(rank, ctx.get_world_size(), config["coordinator"], config["failing"])
+        except BaseException as e:
+            value = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+            with open(os.path.join(config["out"], f"{rank}.json"), "w") as f:
+                json.dump(value, f)
+            raise
+        with open(os.path.join(config["out"], f"{rank}.json"), "w") as f:
+            json.dump(value, f)
+
+    job = JaxTrainer(
+        train_fn,
+        train_loop_config={"coordinator": coordinator, "failing": failing, "out": out},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=out, name="meshkit"),
+    )
+    try:
+        job.fit()
+    except Exception as e:
+        print(f"FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    for rank in range(2):
+        path = os.path.join(out, f"{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                print("RESULT " + f.read(), flush=True)
+
+
+def main() -> None:
+    mode, port = sys.argv[1], int(sys.argv[2])
+    failing = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    coordinator = f"127.0.0.1:{port}"
+    ray.init(
+        num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
+        object_store_memory=80 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "MESHKIT_FAIL_FAST": os.environ.get("MESHKIT_FAIL_FAST", "")}},
+    )
+    start = time.monotonic()
+    try:
+        if mode == "actors":
+            actors(coordinator, failing)
+        else:
+            trainer(coordinator, failing, os.environ["RAY_JOB_OUT"])
+    finally:
+        print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""meshkit under Ray, for real: a local Ray cluster, 2 workers of 4 CPU devices each.
+
+tests/ray_programs/ray_job.py starts the cluster in its own process and runs the program as two
+plain actors or through Ray Train's `JaxTrainer` (whose training function runs in a worker
+thread, not the main thread). Each worker joins JAX by hand, as Ray Train does on GPUs and
+TPUs, then calls `meshkit.init()`, which adopts the join. Required in CI (which installs ray);
+skipped elsewhere with the reason printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import require
+
+from meshkit.testing import free_ports
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
+
+JOB = Path(__file__).resolve().parent / "ray_programs" / "ray_job.py"
+
+
+def _job(tmp_path: Path, mode: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], list]:
+    require("ray", "the Ray tests start a local Ray cluster")
+    require("ray.train.v2.jax", "Ray Train's JaxTrainer")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "JAX_"))}
+    env.update({"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    done = subprocess.run(
+        [sys.executable, str(JOB), mode, str(free_ports(1)), *extra],
+        capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )  # fmt: skip
+    totals = [
+        json.loads(line[line.index("TOTAL ") + 6 :])
+        for line in done.stdout.splitlines()
+        if "TOTAL " in line
+    ]
+    return done, totals
+
+
+def _ray_processes_left() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "raylet" in ln or "gcs_server" in ln]
+
+
+def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path):
+    done, totals = _job(tmp_path, "actors")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = sorted(
+        (json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
+    assert [(r["process"], r["processes"], r["devices"]) for r in results] == [(0, 2, 8), (1, 2, 8)]
+    # psum over the 8 devices of both workers: 4 devices x 2 rows x (1 + 2).
+    assert {r["total"] for r in results} == {24.0}
+    assert {r["step_total"] for r in results} == {24.0}
+    assert {r["source"] for r in results} == {"jax.distributed"}
+    assert not _ray_processes_left()
+
+
+def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker(tmp_path):
+    done, totals = _job(tmp_path, "trainer", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = {t["rank"]: t for t in totals}
+    assert sorted(ranks) == [0, 1], done.stdout[-3000:]
+    for t in ranks.values():
+        # The training function's thread is not the main thread, and is the program's thread.
+        assert t["thread"] is False
+        assert (t["processes"], t["devices"], t["total"]) == (2, 8, 24.0)
+    assert "FAILED WorkerGroupError" in done.stdout
+    assert "RuntimeError: rank 1 fails at step 1" in done.stdout
+    assert not _ray_processes_left()
