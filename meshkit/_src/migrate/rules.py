@@ -70,9 +70,11 @@ _NONE_WHY = (
     "agree: a value that differs across devices is silently wrong."
 )
 _NONE_FIX = (
-    "meshkit.pmap_compat checks at trace time that such an output is the same on every device "
-    "and names it otherwise. Not rewritten by --fix: reduce the value (jax.lax.pmean, psum) "
-    "before returning it, then change to meshkit.pmap_compat by hand."
+    "meshkit.pmap_compat takes the same out_axes (None, or None entries such as (None, 0)) and "
+    "checks at trace time that such an output is the same on every device, naming it "
+    "otherwise: --fix rewrites the pmap (MK001); if it then names an output, reduce the value "
+    "(jax.lax.pmean, psum) before returning it. A None output is one value, not one entry per "
+    "device: reading it on the host is not an MK010 finding."
 )
 _FLAX_WHY = (
     "What flax.jax_utils does depends on the Flax release: some build on "
@@ -122,11 +124,13 @@ _INDEX_WHY = (
 )
 _INDEX_FIX = (
     "--fix rewrites x[0] and tree_map(lambda a: a[0], x) to meshkit.unreplicate(x) (this "
-    "process's first entry, read from its own shard, in both modes), and np.asarray(x), "
-    "np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this process's "
-    "entries, in both modes); the same numbers as before with the defaults. Other reads need "
-    "a person: meshkit.gather(x) for every process's entries, or reduce on device first "
-    "(jax.lax.pmean) and read one entry."
+    "process's first entry, read from its own shard, in both modes; numpy gives x[0]), and "
+    "np.asarray(x), np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this "
+    "process's entries, in both modes) where the value is on the devices on every path; one "
+    "that may be a numpy array (shard of a numpy batch, a helper also called with numpy) is "
+    "left as written, since local_from_global takes jax.Arrays only. The same numbers as "
+    "before with the defaults. Other reads need a person: meshkit.gather(x) for every "
+    "process's entries, or reduce on device first (jax.lax.pmean) and read one entry."
 )
 _AOT_WHY = (
     "An ahead-of-time compiled pmap: from jax.pmap, the Compiled object cannot be called in "
