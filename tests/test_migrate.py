@@ -47,6 +47,7 @@ CASES = [
     "entry_point",
     "wmt_tohost",
     "imagenet_out_axes",
+    "jax_api",
 ]
 FULL_REPORT = {"all_rules"}
 FIXABLE = [case for case in CASES if case not in ("not_fixable", "clean")]
@@ -514,7 +515,8 @@ def test_select_and_ignore(work):
     assert codes == ["MK003", "MK004"]
     _, out, _ = run_cli("--concise", "--ignore", "MK001", "all_rules.py")
     codes = {ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("all_rules.py:")}
-    assert codes == set(RULES) - {"MK001"}
+    # all_rules.py holds the pmap-era rules; JAX's 2025-26 API moves (MK013 on) are jax_api.py's.
+    assert codes == {c for c in RULES if c <= "MK012"} - {"MK001"}
 
 
 def test_fix_respects_select(work):

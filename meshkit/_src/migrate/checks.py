@@ -24,6 +24,7 @@ from .bindings import dotted_name as _dotted
 from .facts import Facts
 from .findings import Edit, Finding
 from .flow import Flow
+from .jax_api import JaxApiChecks
 from .reads import Read
 from .resolve import PARTIAL, PMAP, ResolvedFile, keyword
 from .rules import (
@@ -127,6 +128,7 @@ class Checks:
             if name not in used:
                 self._unused_import(alias, name, target)
         self._removed_imports()
+        JaxApiChecks(self.file, self._add, self._col).scan()
         self._nested()
         self._host_reads(Flow(self.file, facts))
         return self.findings
