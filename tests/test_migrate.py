@@ -45,6 +45,9 @@ CASES = [
     "removed_apis",
     "clean",
     "entry_point",
+    "wmt_tohost",
+    "imagenet_out_axes",
+    "jax_api",
 ]
 FULL_REPORT = {"all_rules"}
 FIXABLE = [case for case in CASES if case not in ("not_fixable", "clean")]
@@ -245,7 +248,7 @@ def test_diff_golden_matches_the_fix(work):
     assert out.startswith("--- a/all_rules.py\n+++ b/all_rules.py\n")
     # The report goes to stderr, so the patch can be piped; it lists the original findings.
     assert "all_rules.py:18:20: MK001 jax.pmap in functools.partial [fixable]" in err
-    assert "19 findings in 1 of 1 file (12 fixable with --fix)." in err
+    assert "19 findings in 1 of 1 file (14 fixable with --fix)." in err
     # Every removed and added line of the patch is the fixed golden's change.
     fixed = (GOLDEN / "all_rules.fixed.py").read_text().splitlines()
     original = (GOLDEN / "all_rules.py").read_text().splitlines()
@@ -512,7 +515,8 @@ def test_select_and_ignore(work):
     assert codes == ["MK003", "MK004"]
     _, out, _ = run_cli("--concise", "--ignore", "MK001", "all_rules.py")
     codes = {ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("all_rules.py:")}
-    assert codes == set(RULES) - {"MK001"}
+    # all_rules.py holds the pmap-era rules; JAX's 2025-26 API moves (MK013 on) are jax_api.py's.
+    assert codes == {c for c in RULES if c <= "MK012"} - {"MK001"}
 
 
 def test_fix_respects_select(work):

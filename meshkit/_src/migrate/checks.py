@@ -24,6 +24,7 @@ from .bindings import dotted_name as _dotted
 from .facts import Facts
 from .findings import Edit, Finding
 from .flow import Flow
+from .jax_api import JaxApiChecks
 from .reads import Read
 from .resolve import PARTIAL, PMAP, ResolvedFile, keyword
 from .rules import (
@@ -43,6 +44,10 @@ HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
     **{q: ("MK006", name, kw) for q, (name, kw) in COMMON_UTILS.items()},
     **{q: ("MK007", name, kw) for q, (name, kw) in DEVICE_PUT.items()},
 }
+_NUMPY_NOTE = (
+    "not fixed: the value may be a numpy array here ({origin}), and meshkit.local_from_global "
+    "takes jax.Arrays only; as written, the read gives what it gave with pmap_compat's defaults"
+)
 _OLD_API = re.compile(r"^jax\.api\.")  # jax.api.X, removed, was jax.X
 _Located = ast.expr | ast.stmt | ast.alias
 
@@ -123,6 +128,7 @@ class Checks:
             if name not in used:
                 self._unused_import(alias, name, target)
         self._removed_imports()
+        JaxApiChecks(self.file, self._add, self._col).scan()
         self._nested()
         self._host_reads(Flow(self.file, facts))
         return self.findings
@@ -198,8 +204,8 @@ class Checks:
             leaves = list(_axes_values(value))
             if any(isinstance(v, int) and not isinstance(v, bool) and v < 0 for v in leaves):
                 return "not fixed: negative out_axes, see MK003"
-            if any(v is None for v in leaves):
-                return "not fixed: out_axes=None, see MK004"
+            # None entries (out_axes=None, (None, 0), a dict with None) are pmap_compat's too:
+            # rewritten, and pmap_compat checks that such an output is the same everywhere.
         return ""
 
     def _removed_imports(self) -> None:
@@ -261,7 +267,10 @@ class Checks:
             if any(isinstance(v, int) and not isinstance(v, bool) and v < 0 for v in leaves):
                 self._add(kw.value, "MK003", f"jax.pmap with out_axes={text}")
             if any(v is None for v in leaves):
-                self._add(kw.value, "MK004", f"jax.pmap with out_axes={text}")
+                fixable = self._ref_fixable(ref)
+                note = "" if fixable else "not fixed: this jax.pmap is not rewritten (see MK001)"
+                message = f"jax.pmap with out_axes={text}"
+                self._add(kw.value, "MK004", message, fixable=fixable, note=note)
 
     def _compile(self, call: ast.Call) -> None:
         """MK011: ``f.lower(...).compile()`` of a pmapped function, in one go or two."""
@@ -374,6 +383,8 @@ class Checks:
         for read in flow.reads():
             edit = self._read_edit(read)
             note = "" if edit else "not fixed: no one-to-one rewrite (see the rule's fix)"
+            if read.numpy:
+                note = _NUMPY_NOTE.format(origin=read.numpy)
             message = self._read_message(read)
             self._add(read.node, "MK010", message, fixable=bool(edit), note=note, edit=edit)
 

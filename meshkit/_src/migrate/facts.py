@@ -4,17 +4,33 @@ The analysis (`meshkit._src.migrate.flow`) reads each file through the `ScannedF
 (the scanner's resolution of names, `meshkit._src.migrate.resolve`, is one), finds which values
 are device-stacked and of what kind (`STACKED`, `TUPLE`, `LIST`), and gathers in `Facts` what
 the run's files say of each other's functions.
+
+A pmapped function whose ``out_axes`` is a tuple with ``None`` entries returns a tuple whose
+``None`` outputs are one value, not one entry per device: its kind is a partial tuple
+(`tuple_of`), and `element` of it says which outputs are stacked.
 """
 
 from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["LIST", "STACKED", "TUPLE", "Facts", "ScannedFile", "element", "join"]
+__all__ = [
+    "KEEP_NUMPY",
+    "LIST",
+    "SOURCES",
+    "STACKED",
+    "TUPLE",
+    "Facts",
+    "ScannedFile",
+    "element",
+    "is_tuple",
+    "join",
+    "tuple_of",
+]
 
 
 class ScannedFile(Protocol):
@@ -39,28 +55,90 @@ class ScannedFile(Protocol):
         ...
 
 
+# Calls that make stacked values.
+SOURCES = frozenset(
+    {
+        "flax.jax_utils.replicate",
+        "flax.training.common_utils.shard",
+        "flax.training.common_utils.shard_prng_key",
+        "jax.device_put_replicated",
+        "jax.device_put_sharded",
+        "meshkit.replicate",
+        "meshkit.shard",
+        "meshkit.shard_prng_key",
+        "meshkit.device_put_replicated",
+        "meshkit.device_put_sharded",
+    }
+)
+# Of those, the ones that keep a numpy input numpy (flax's and meshkit's shard reshape it).
+KEEP_NUMPY = frozenset({"flax.training.common_utils.shard", "meshkit.shard"})
 STACKED = "stacked"  # device axis first: an entry per device
 TUPLE = "tuple"  # a tuple of stacked outputs (a pmapped function returning a tuple)
 LIST = "list"  # a list or dict of stacked values (metrics appended each step)
 _ORDER = {TUPLE: 3, STACKED: 2, LIST: 1}
 
 
+def tuple_of(stacked: Sequence[bool]) -> str | None:
+    """The kind of a tuple of outputs, given which are stacked (``out_axes=(None, 0)``)."""
+    if not any(stacked):
+        return None
+    if all(stacked):
+        return TUPLE
+    return f"{TUPLE}:" + "".join("s" if s else "-" for s in stacked)
+
+
+def is_tuple(kind: str | None) -> bool:
+    """Whether a kind is a tuple of outputs, all or some of them stacked."""
+    return kind is not None and kind.startswith(TUPLE)
+
+
+def _mask(kind: str) -> str:
+    return kind.partition(":")[2]
+
+
 def join(*kinds: str | None) -> str | None:
-    """The strongest of the kinds (a tuple of outputs, then stacked, then a list), or None."""
+    """The strongest of the kinds (a tuple of outputs, then stacked, then a list), or None.
+
+    Two partial tuples join output by output: an output stacked in either is stacked.
+    """
     # Callers pass lists, not generators: a kind resolves through the kinds of what flowed into
     # it (a value passed through 3,000 names recurses 3,000 deep), and since Python 3.12 a
     # generator consumed from C (`*gen`) adds a C frame per level under a fixed C limit that
     # no recursion limit raises; comprehensions are inlined there and cost Python frames only.
     best = None
     for k in kinds:
-        if k is not None and (best is None or _ORDER[k] > _ORDER[best]):
+        if k is None:
+            continue
+        if best is None or _ORDER[k.partition(":")[0]] > _ORDER[best.partition(":")[0]]:
             best = k
+        elif is_tuple(k) and is_tuple(best) and k != best:
+            a, b = _mask(k), _mask(best)
+            if not a or not b:
+                best = TUPLE
+            else:
+                n = max(len(a), len(b))
+                a, b = a.ljust(n, "-"), b.ljust(n, "-")
+                best = tuple_of([x == "s" or y == "s" for x, y in zip(a, b, strict=True)])
     return best
 
 
-def element(kind: str | None) -> str | None:
-    """What iterating over, or indexing, a value of this kind gives (not a device's entry)."""
-    return STACKED if kind in (TUPLE, LIST) else None
+def element(kind: str | None, index: int | None = None) -> str | None:
+    """What iterating over, or indexing, a value of this kind gives (not a device's entry).
+
+    Args:
+        kind: the value's kind.
+        index: the position taken, where known (a literal index, a tuple target's place): a
+            partial tuple's element is stacked only where its ``out_axes`` entry is not None.
+    """
+    if kind in (LIST, TUPLE):
+        return STACKED
+    if not is_tuple(kind):
+        return None
+    assert kind is not None
+    mask = _mask(kind)
+    if index is None or not -len(mask) <= index < len(mask):
+        return None  # which output is unknown: not followed
+    return STACKED if mask[index] == "s" else None
 
 
 @dataclass
@@ -77,6 +155,9 @@ class Facts:
         tuples: functions every return of which is a tuple display (their pmap returns a tuple).
         classes: the classes the run's files define.
         defs: every function definition of the run's files.
+        host_params: parameters that some call passes a value that may be a numpy array (not
+            a device array), with where that value comes from (``"`x` (train.py:12)"``).
+        host_returns: stacked-returning functions that may return a numpy array, and where from.
     """
 
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -87,6 +168,8 @@ class Facts:
     defs: dict[tuple[str, str], ast.FunctionDef | ast.AsyncFunctionDef] = field(
         default_factory=dict
     )
+    host_params: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    host_returns: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @classmethod
     def for_paths(cls, paths: Mapping[str, object]) -> Facts:

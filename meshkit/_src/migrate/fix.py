@@ -104,6 +104,7 @@ class _Rewriter(cst.CSTTransformer):
             (e.form, e.line, e.col, e.end_line, e.end_col): e for e in edits if e.form != "name"
         }
         self.applied: list[Edit] = []
+        self.deleted: list[cst.SimpleStatementLine] = []
 
     def leave_Subscript(
         self, original_node: cst.Subscript, updated_node: cst.Subscript
@@ -114,10 +115,55 @@ class _Rewriter(cst.CSTTransformer):
         return _call(edit.new, updated_node.value, updated_node)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        named = self._wrap("keywords", original_node)
+        if named is not None:
+            updated_node = _name_arguments(updated_node, named)
         edit = self._wrap("call", original_node)
         if edit is None or edit.keep >= len(updated_node.args):
             return updated_node
         return _call(edit.new, updated_node.args[edit.keep].value, updated_node)
+
+    def leave_WithItem(
+        self, original_node: cst.WithItem, updated_node: cst.WithItem
+    ) -> cst.WithItem:
+        edit = self._wrap("with", original_node.item)
+        if edit is None:
+            return updated_node
+        return updated_node.with_changes(item=_call(edit.new, updated_node.item, updated_node.item))
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if len(original_node.body) != 1 or not isinstance(original_node.body[0], cst.Expr):
+            return updated_node
+        if self._wrap("delete", original_node.body[0]) is None:
+            return updated_node
+        # Dropped by the enclosing block, which gives its blank lines and comments above to
+        # the next statement.
+        marker = cst.SimpleStatementLine([cst.Pass()], leading_lines=updated_node.leading_lines)
+        self.deleted.append(marker)
+        return marker
+
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        return updated_node.with_changes(body=self._without_deleted(updated_node.body))
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        return updated_node.with_changes(body=self._without_deleted(updated_node.body))
+
+    def _without_deleted(self, body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        out: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for stmt in body:
+            if any(stmt is d for d in self.deleted):
+                carried.extend(stmt.leading_lines)  # type: ignore[attr-defined]
+                continue
+            if carried and isinstance(stmt, cst.SimpleStatementLine | cst.BaseCompoundStatement):
+                stmt = stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines])
+                carried = []
+            out.append(stmt)
+        return out or list(body)  # a block of deleted calls only is not rewritten (checked)
 
     def _wrap(self, form: str, original: cst.CSTNode) -> Edit | None:
         """The edit of a subscript or call at exactly this node's position, if any."""
@@ -158,6 +204,30 @@ class _Rewriter(cst.CSTTransformer):
         return cst.Attribute(
             value=value, attr=cst.Name(rest[-1]), lpar=updated.lpar, rpar=updated.rpar
         )
+
+
+def _name_arguments(call: cst.Call, edit: Edit) -> cst.Call:
+    """The call with positional arguments named and keywords renamed.
+
+    Arguments from ``edit.keep`` on take the names of ``edit.new`` (comma-separated); the
+    ``a=b`` pairs of ``edit.old`` rename keywords (named ones included).
+    """
+    names = [n for n in edit.new.split(",") if n]
+    renames = dict(pair.split("=") for pair in edit.old.split(",") if pair)
+    args = list(call.args)
+    for i, arg in enumerate(args):
+        if arg.keyword is None and edit.keep <= i < edit.keep + len(names) and not arg.star:
+            name = names[i - edit.keep]
+            args[i] = arg.with_changes(
+                keyword=cst.Name(renames.get(name, name)),
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""),
+                    whitespace_after=cst.SimpleWhitespace(""),
+                ),
+            )
+        elif arg.keyword is not None and arg.keyword.value in renames:
+            args[i] = arg.with_changes(keyword=cst.Name(renames[arg.keyword.value]))
+    return call.with_changes(args=args)
 
 
 def _reference(dotted: str) -> cst.BaseExpression:

@@ -34,33 +34,33 @@ run's functions return and are passed.
 from __future__ import annotations
 
 import ast
+import contextlib
 from collections.abc import Iterator, Mapping
 
-from .bindings import FUNCTIONS, Bindings, dotted_name, has_param, position
-from .facts import LIST, STACKED, TUPLE, Facts, ScannedFile, element, join
-from .reads import HOST_METHODS, TREE_MAPS, HostReads, Read
-
-__all__ = ["Flow", "analyze"]
-
-# Calls that make stacked values.
-SOURCES = frozenset(
-    {
-        "flax.jax_utils.replicate",
-        "flax.training.common_utils.shard",
-        "flax.training.common_utils.shard_prng_key",
-        "jax.device_put_replicated",
-        "jax.device_put_sharded",
-        "meshkit.replicate",
-        "meshkit.shard",
-        "meshkit.shard_prng_key",
-        "meshkit.device_put_replicated",
-        "meshkit.device_put_sharded",
-    }
+from .bindings import FUNCTIONS, Bindings, dotted_name, has_param, position, returns_of
+from .facts import (
+    LIST,
+    SOURCES,
+    STACKED,
+    TUPLE,
+    Facts,
+    ScannedFile,
+    element,
+    is_tuple,
+    join,
+    tuple_of,
 )
+from .numpy_values import NumpyValues
+from .reads import HOST_METHODS, TREE_MAPS, HostReads, Read, int_index
+
+__all__ = ["SOURCES", "Flow", "analyze"]
+
 _METADATA = frozenset({"shape", "dtype", "ndim", "size", "sharding", "nbytes", "itemsize"})
+_PARTIAL = "functools.partial"
+_UNKNOWN = object()  # an out_axes the analysis cannot read (computed, or through **)
 
 
-class Flow:
+class Flow(NumpyValues):
     """Stacked values in one file, given what the run knows of other files (`Facts`).
 
     Args:
@@ -73,9 +73,10 @@ class Flow:
         self.facts = facts
         self.path = scanner.path
         self.memo: dict[ast.AST, str | None] = {}
+        self.numpy_memo: dict[ast.AST, str | None] = {}
         self._resolving: set[str] = set()
         self.bindings = Bindings(scanner, self)
-        self.host = HostReads(scanner.qual, self.kind, self.bindings.local)
+        self.host = HostReads(scanner.qual, self.kind, self.bindings.local, self.numpy)
 
     # ---- kinds --------------------------------------------------------------------------------
 
@@ -105,6 +106,8 @@ class Flow:
                 return None
             if base in (TUPLE, LIST):
                 return STACKED
+            if is_tuple(base):  # out_axes=(None, 0): out[0] is one value, out[1] stacked
+                return element(base, int_index(expr.slice))
             index = expr.slice
             if isinstance(index, ast.Constant) and isinstance(index.value, str):
                 return STACKED  # metrics["loss"]
@@ -152,8 +155,9 @@ class Flow:
     def _call(self, call: ast.Call) -> str | None:
         sc = self.sc
         func = call.func
-        if sc.pmapped_value(func) is not None:
-            return TUPLE if self._returns_tuples(func) else STACKED
+        ref = sc.pmapped_value(func)
+        if ref is not None:
+            return self._outputs(func, ref)
         qual = sc.qual(func)
         if qual in SOURCES:
             return STACKED
@@ -175,6 +179,45 @@ class Flow:
         if target is not None:
             return self.facts.returns.get(target[0])
         return None
+
+    def _outputs(self, func: ast.expr, ref: ast.expr) -> str | None:
+        """The kind of what a pmapped function returns, by its ``out_axes``.
+
+        ``None`` outputs are one value (the same on every device), not stacked: with
+        ``out_axes=None`` nothing is, with ``out_axes=(None, 0)`` the second output is.
+        """
+        axes = self._out_axes(ref)
+        if isinstance(axes, tuple | list):
+            return tuple_of([_all_mapped(a) for a in axes])
+        if axes is None or (isinstance(axes, dict) and not _all_mapped(axes)):
+            return None
+        return TUPLE if self._returns_tuples(func) else STACKED
+
+    def _out_axes(self, ref: ast.expr) -> object:
+        """The literal ``out_axes`` a pmap reference is given (0 by default), or `_UNKNOWN`."""
+        parent = self.sc.parents.get(ref)
+        keywords: list[ast.keyword] = []
+        if isinstance(parent, ast.Call) and parent.func is ref:
+            keywords = list(parent.keywords)
+        elif (
+            isinstance(parent, ast.Call)
+            and parent.args
+            and parent.args[0] is ref
+            and self.sc.qual(parent.func) == _PARTIAL
+        ):
+            keywords = list(parent.keywords)
+            outer = self.sc.parents.get(parent)
+            if isinstance(outer, ast.Call) and outer.func is parent:
+                keywords += outer.keywords
+        for kw in keywords:
+            if kw.arg is None:
+                return _UNKNOWN
+            if kw.arg == "out_axes":
+                try:
+                    return ast.literal_eval(kw.value)
+                except ValueError:
+                    return _UNKNOWN
+        return 0
 
     def _returns_tuples(self, func: ast.expr) -> bool:
         """Whether the function a pmapped callable maps returns a tuple of outputs."""
@@ -303,7 +346,7 @@ class Flow:
                 facts.tuples.add(key)
                 changed = True
             if key not in facts.returns:
-                kind = join(*[self.kind(r.value) for r in _returns(node) if r.value])
+                kind = join(*[self.kind(r.value) for r in returns_of(node) if r.value])
                 if kind is not None:
                     facts.returns[key] = kind
                     changed = True
@@ -314,7 +357,7 @@ class Flow:
             if target is None:
                 continue
             (path, qual), skip = target
-            params = self._signature(path, qual)
+            params = self.signature(path, qual)
             if params is None:
                 continue
             known = facts.params.setdefault((path, qual), {})
@@ -329,7 +372,7 @@ class Flow:
                     changed = True
         return changed
 
-    def _signature(self, path: str, qual: str) -> list[str] | None:
+    def signature(self, path: str, qual: str) -> list[str] | None:
         fn = self.facts.defs.get((path, qual))
         if fn is None:
             return None
@@ -362,20 +405,30 @@ def analyze(scanners: Mapping[str, ScannedFile], facts: Facts, rounds: int = 8) 
                 del flows[path]  # (scan_source reports that file's own error)
         if not changed:
             break
+    # Then where stacked values may be numpy, from the kinds now known (it only grows).
+    for _ in range(rounds):
+        changed = False
+        for flow in flows.values():
+            flow.numpy_memo.clear()
+            flow.memo.clear()
+            with contextlib.suppress(RecursionError):  # as above
+                changed = flow.export_numpy() or changed
+        if not changed:
+            break
     return facts
 
 
-def _returns(fn: ast.AST) -> Iterator[ast.Return]:
-    """The return statements of a function's own body (not of nested functions)."""
-    stack = list(ast.iter_child_nodes(fn))
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Return):
-            yield node
-        if not isinstance(node, (*FUNCTIONS, ast.Lambda, ast.ClassDef)):
-            stack.extend(ast.iter_child_nodes(node))
-
-
 def _all_tuples(fn: ast.AST) -> bool:
-    values = [r.value for r in _returns(fn)]
+    values = [r.value for r in returns_of(fn)]
     return bool(values) and all(isinstance(v, ast.Tuple) for v in values)
+
+
+def _all_mapped(axes: object) -> bool:
+    """Whether an out_axes entry maps every leaf (no None in it)."""
+    if axes is None:
+        return False
+    if isinstance(axes, tuple | list):
+        return bool(axes) and all(_all_mapped(a) for a in axes)
+    if isinstance(axes, dict):
+        return bool(axes) and all(_all_mapped(a) for a in axes.values())
+    return True

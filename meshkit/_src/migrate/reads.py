@@ -14,9 +14,11 @@ import ast
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .facts import STACKED, TUPLE
+from .facts import STACKED, is_tuple
 
-__all__ = ["HOST_METHODS", "TO_PYTHON", "TREE_MAPS", "HostReads", "Read"]
+__all__ = ["HOST_METHODS", "TO_PYTHON", "TREE_MAPS", "HostReads", "Read", "int_index"]
+
+_LOCAL = "meshkit.local_from_global"
 
 TREE_MAPS = frozenset({"jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map"})
 HOST_METHODS = frozenset({"item", "tolist", "__array__", "tobytes"})
@@ -34,6 +36,9 @@ class Read:
         fix: the meshkit function that replaces it where that is mechanical, else "".
         keep: for a Call fix, the index of the argument that becomes the new call's argument.
         index: the device entry read, for ``"entry"`` reads with a literal index.
+        numpy: where the value read may instead be a numpy array (``"`b` (train.py:9)"``),
+            which leaves a read of the whole value without its rewrite
+            (``meshkit.local_from_global`` takes jax.Arrays only); "" when it is not.
     """
 
     node: ast.Subscript | ast.Call
@@ -41,6 +46,7 @@ class Read:
     fix: str = ""
     keep: int = 0
     index: int | None = None
+    numpy: str = ""
 
 
 class HostReads:
@@ -50,6 +56,8 @@ class HostReads:
         qual: the dotted name a node refers to through the file's imports, or None.
         kind: the kind of an expression's value (`meshkit._src.migrate.facts.STACKED`...).
         local: whether a bare name is bound in the file (so it is not the builtin).
+        numpy: where an expression's value may be a numpy array instead of a device array
+            (`meshkit._src.migrate.flow.Flow.numpy`), or None.
     """
 
     def __init__(
@@ -57,10 +65,12 @@ class HostReads:
         qual: Callable[[ast.AST], str | None],
         kind: Callable[[ast.AST], str | None],
         local: Callable[[ast.Name], bool],
+        numpy: Callable[[ast.AST], str | None],
     ) -> None:
         self.qual = qual
         self.kind = kind
         self.local = local
+        self.numpy = numpy
 
     def function(self, fn: ast.expr) -> str | None:
         """What a function given to tree_map reads of each leaf on the host, or None."""
@@ -85,7 +95,7 @@ class HostReads:
         if (
             isinstance(node, ast.Subscript)
             and is_param(node.value)
-            and _int_index(node.slice) is not None
+            and int_index(node.slice) is not None
         ):
             return "entry"
         if isinstance(node, ast.Call):
@@ -101,7 +111,7 @@ class HostReads:
         """Every host read of a stacked value among ``nodes``."""
         for node in nodes:
             if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
-                index = _int_index(node.slice)
+                index = int_index(node.slice)
                 if index is not None and self.kind(node.value) == STACKED:
                     plain = isinstance(node.slice, ast.Constant) and index == 0
                     fix = "meshkit.unreplicate" if plain else ""
@@ -129,23 +139,30 @@ class HostReads:
         kind = self.kind(args[0])
         if kind is None:
             return None
-        single = len(args) == 1 and not call.keywords and kind in (STACKED, TUPLE)
+        single = len(args) == 1 and not call.keywords and (kind == STACKED or is_tuple(kind))
         if qual == "jax.device_get":
-            return Read(call, "whole", "meshkit.local_from_global" if single else "")
+            return self._whole(call, single)
         if qual is not None and qual.startswith("numpy."):
             simple = qual in ("numpy.array", "numpy.asarray") and single and kind == STACKED
-            return Read(call, "whole", "meshkit.local_from_global" if simple else "")
+            return self._whole(call, simple)
         if isinstance(func, ast.Name) and func.id in TO_PYTHON and not self.local(func):
             return Read(call, "whole") if kind == STACKED else None
         return None
 
+    def _whole(self, call: ast.Call, rewritable: bool) -> Read:
+        """A read of every entry: to meshkit.local_from_global where the value is on devices."""
+        if not rewritable:
+            return Read(call, "whole")
+        numpy = self.numpy(call.args[0]) or ""
+        return Read(call, "whole", "" if numpy else _LOCAL, numpy=numpy)
 
-def _int_index(index: ast.AST) -> int | None:
+
+def int_index(index: ast.AST) -> int | None:
     """The literal integer of ``x[k]`` / ``x[-k]`` / ``x[k, ...]``, else None."""
     if isinstance(index, ast.Tuple) and index.elts:
         index = index.elts[0]
     if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
-        inner = _int_index(index.operand)
+        inner = int_index(index.operand)
         return None if inner is None else -inner
     if (
         isinstance(index, ast.Constant)

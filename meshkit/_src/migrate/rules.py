@@ -70,9 +70,11 @@ _NONE_WHY = (
     "agree: a value that differs across devices is silently wrong."
 )
 _NONE_FIX = (
-    "meshkit.pmap_compat checks at trace time that such an output is the same on every device "
-    "and names it otherwise. Not rewritten by --fix: reduce the value (jax.lax.pmean, psum) "
-    "before returning it, then change to meshkit.pmap_compat by hand."
+    "meshkit.pmap_compat takes the same out_axes (None, or None entries such as (None, 0)) and "
+    "checks at trace time that such an output is the same on every device, naming it "
+    "otherwise: --fix rewrites the pmap (MK001); if it then names an output, reduce the value "
+    "(jax.lax.pmean, psum) before returning it. A None output is one value, not one entry per "
+    "device: reading it on the host is not an MK010 finding."
 )
 _FLAX_WHY = (
     "What flax.jax_utils does depends on the Flax release: some build on "
@@ -122,11 +124,13 @@ _INDEX_WHY = (
 )
 _INDEX_FIX = (
     "--fix rewrites x[0] and tree_map(lambda a: a[0], x) to meshkit.unreplicate(x) (this "
-    "process's first entry, read from its own shard, in both modes), and np.asarray(x), "
-    "np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this process's "
-    "entries, in both modes); the same numbers as before with the defaults. Other reads need "
-    "a person: meshkit.gather(x) for every process's entries, or reduce on device first "
-    "(jax.lax.pmean) and read one entry."
+    "process's first entry, read from its own shard, in both modes; numpy gives x[0]), and "
+    "np.asarray(x), np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this "
+    "process's entries, in both modes) where the value is on the devices on every path; one "
+    "that may be a numpy array (shard of a numpy batch, a helper also called with numpy) is "
+    "left as written, since local_from_global takes jax.Arrays only. The same numbers as "
+    "before with the defaults. Other reads need a person: meshkit.gather(x) for every "
+    "process's entries, or reduce on device first (jax.lax.pmean) and read one entry."
 )
 _AOT_WHY = (
     "An ahead-of-time compiled pmap: from jax.pmap, the Compiled object cannot be called in "
@@ -151,6 +155,52 @@ _REMOVED_FIX = (
     "jax.); the others, and imports of removed modules, need an edit by hand."
 )
 
+_SHARD_MAP_WHY = (
+    "jax.experimental.shard_map is deprecated since JAX 0.8 (a DeprecationWarning on use; in "
+    "JAX 0.12 a shim that calls jax.shard_map with check_vma=check_rep). jax.shard_map takes "
+    "mesh, in_specs and out_specs as keywords only."
+)
+_SHARD_MAP_FIX = (
+    "jax.shard_map: --fix rewrites the reference, names the positional mesh, in_specs, "
+    "out_specs and check_rep (as check_vma), and drops the old import; auto= and arguments "
+    "passed with * or ** are left to a person."
+)
+_CHECK_REP_WHY = (
+    "jax.shard_map has no check_rep: JAX renamed it check_vma (its replication checking became "
+    "varying-manual-axes typing), and passing check_rep raises TypeError."
+)
+_CHECK_REP_FIX = (
+    "check_vma= with the same value (--fix renames a keyword written at the call, whatever its "
+    "value); a check_rep key of a dict passed with ** is reported, to rename where it is built."
+)
+_MESH_CONTEXT_WHY = (
+    "JAX's mesh context moved to jax.set_mesh: jax.sharding.use_mesh is gone (AttributeError in "
+    "JAX 0.12), and `with mesh:` is deprecated (a DeprecationWarning; a RuntimeError with "
+    "jax_disallow_mesh_context_manager)."
+)
+_MESH_CONTEXT_FIX = (
+    "jax.set_mesh(mesh), as a context manager (`with jax.set_mesh(mesh):`) or a call: --fix "
+    "rewrites use_mesh and a `with` of a name bound to a new Mesh (jax.sharding.Mesh, "
+    "jax.make_mesh, meshkit.make_mesh) or annotated Mesh; `with ... as m:` is left to a person."
+)
+_TPU_INIT_WHY = (
+    "jax.cloud_tpu_init was removed from JAX (AttributeError in JAX 0.12): JAX initializes "
+    "Cloud TPUs itself when its backend starts."
+)
+_TPU_INIT_FIX = (
+    "Delete the call: --fix deletes one that stands alone as a statement (and its import when "
+    "nothing else uses it); any other use is left to a person."
+)
+_PMAP_WRAPPER_WHY = (
+    "A library's pmap (flax nnx.pmap, equinox filter_pmap) is built on jax.pmap and inherits "
+    "it: host-local outputs in multi-process runs, no nested pmap; meshkit.pmap_compat does not "
+    "stand in for it, since it splits and merges the library's modules and filters."
+)
+_PMAP_WRAPPER_FIX = (
+    "Move the step to the library's sharded transforms (nnx.shard_map, or nnx.jit with "
+    "shardings; eqx.filter_jit with shardings, or jax.shard_map). Not rewritten by --fix."
+)
+
 RULES: dict[str, Rule] = {
     r.code: r
     for r in (
@@ -166,6 +216,11 @@ RULES: dict[str, Rule] = {
         Rule("MK010", "host read of a pmap output", _INDEX_WHY, _INDEX_FIX),
         Rule("MK011", ".lower().compile() of a pmap", _AOT_WHY, _AOT_FIX),
         Rule("MK012", "API removed from JAX", _REMOVED_WHY, _REMOVED_FIX),
+        Rule("MK013", "jax.experimental.shard_map", _SHARD_MAP_WHY, _SHARD_MAP_FIX),
+        Rule("MK014", "check_rep", _CHECK_REP_WHY, _CHECK_REP_FIX),
+        Rule("MK015", "mesh context (use_mesh, with mesh)", _MESH_CONTEXT_WHY, _MESH_CONTEXT_FIX),
+        Rule("MK016", "jax.cloud_tpu_init", _TPU_INIT_WHY, _TPU_INIT_FIX),
+        Rule("MK017", "nnx.pmap / eqx.filter_pmap", _PMAP_WRAPPER_WHY, _PMAP_WRAPPER_FIX),
     )
 }
 

@@ -25,7 +25,7 @@ def train_step(params, batch):
 gather_last = jax.pmap(lambda x: x * 2, out_axes=-1)
 
 # MK001 + MK004: device 0's value, unchecked.
-total = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", out_axes=None)
+total = meshkit.pmap_compat(lambda x: jax.lax.psum(x, "i"), axis_name="i", out_axes=None)
 
 # MK001 + MK002: a pmapped function inside another.
 inner = meshkit.pmap_compat(lambda x: x + 1, axis_name="inner")

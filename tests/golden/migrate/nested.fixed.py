@@ -20,7 +20,7 @@ def stacked(x):
 
 
 # a pmapped function called in the body of another; one of them has out_axes=None
-flat = jax.pmap(lambda x: x.sum(), axis_name="k", out_axes=None)
+flat = meshkit.pmap_compat(lambda x: x.sum(), axis_name="k", out_axes=None)
 
 
 @functools.partial(meshkit.pmap_compat, axis_name="i")
