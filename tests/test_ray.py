@@ -49,7 +49,7 @@ def _ray_processes_left() -> list[str]:
 
 
 def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path):
-    done, totals = _job(tmp_path, "actors")
+    done, _ = _job(tmp_path, "actors")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = sorted(
         (json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")),

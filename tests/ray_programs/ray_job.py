@@ -113,7 +113,12 @@ def main() -> None:
         object_store_memory=80 * 1024 * 1024,
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "MESHKIT_FAIL_FAST": os.environ.get("MESHKIT_FAIL_FAST", "")}},
+        runtime_env={
+            "env_vars": {
+                "JAX_PLATFORMS": "cpu",
+                "MESHKIT_FAIL_FAST": os.environ.get("MESHKIT_FAIL_FAST", ""),
+            }
+        },
     )
     start = time.monotonic()
     try:
