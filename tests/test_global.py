@@ -375,8 +375,14 @@ def test_gather_rejects_a_process_that_does_not_exist():
         MeshkitError, match=r"the leaf at \['x'\] is of type ndarray, not a jax.Array"
     ):
         meshkit.gather({"x": np.zeros(3)})
-    with pytest.raises(MeshkitError, match=r"is of type ndarray, not a jax.Array"):
-        meshkit.local_from_global(np.zeros(3))
+    # numpy is this process's data already: local_from_global gives it back (a legacy
+    # ``tohost`` is called on pmap outputs and on numpy batches alike).
+    back = meshkit.local_from_global({"x": np.arange(3), "g": g, "s": np.float32(2)})
+    assert back["x"].tolist() == [0, 1, 2]
+    assert back["g"].shape == (8,)
+    assert back["s"] == np.float32(2)
+    with pytest.raises(MeshkitError, match=r"the leaf at \['t'\] is of type str, not a jax.Array"):
+        meshkit.local_from_global({"t": "text"})
 
 
 def test_global_batches_yield_in_order_and_count():

@@ -112,6 +112,7 @@ def main() -> None:
         num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
         object_store_memory=80 * 1024 * 1024,
         include_dashboard=False,
+        _node_ip_address="127.0.0.1",  # the cluster's traffic stays on the loopback
         log_to_driver=True,
         runtime_env={
             "env_vars": {

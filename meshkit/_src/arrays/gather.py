@@ -38,11 +38,15 @@ _SITE = _dispatch.CallSite(
 )
 
 
-def _leaves(x: Any, what: str) -> tuple[list[tuple[str, jax.Array]], Any]:
+def _leaves(x: Any, what: str, *, numpy_ok: bool = False) -> tuple[list[tuple[str, Any]], Any]:
+    """``x``'s leaves with their paths: jax.Arrays, and numpy (as numpy) where ``numpy_ok``."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(x)
-    out = []
+    out: list[tuple[str, Any]] = []
     for path, leaf in flat:
         where = jax.tree_util.keystr(path) or "(the array)"
+        if numpy_ok and isinstance(leaf, np.ndarray | np.generic):
+            out.append((where, np.asarray(leaf)))
+            continue
         if not isinstance(leaf, jax.Array):
             raise MeshkitError(
                 f"{what}: the leaf at {where} is of type {type(leaf).__name__}, not a jax.Array.\n"
@@ -74,14 +78,15 @@ def local_from_global(x: Any) -> Any:
     held by several local devices (replicas) are read once.
 
     Args:
-        x: a `jax.Array` or a pytree of them.
+        x: a `jax.Array` or a pytree of them. numpy leaves are this process's data already
+            and come back as they are (legacy helpers such as ``tohost`` are called on both).
 
     Returns:
         numpy arrays, in ``x``'s pytree structure.
 
     Raises:
-        MeshkitError: a leaf is not a ``jax.Array``, or this process's shards do not form a
-            grid (exotic device orders; `meshkit.gather` still works).
+        MeshkitError: a leaf is neither a ``jax.Array`` nor numpy, or this process's shards do
+            not form a grid (exotic device orders; `meshkit.gather` still works).
 
     Examples:
         >>> import numpy as np, meshkit
@@ -92,16 +97,20 @@ def local_from_global(x: Any) -> Any:
         True
     """
     what = "meshkit.local_from_global"
-    leaves, treedef = _leaves(x, what)
-    plans = [_local_plan(leaf, where, what) for where, leaf in leaves]
+    leaves, treedef = _leaves(x, what, numpy_ok=True)
+    outs: list[np.ndarray] = []
     fetch, into = [], []
-    for i, ((_, leaf), p) in enumerate(zip(leaves, plans, strict=True)):
+    for i, (where, leaf) in enumerate(leaves):
+        if isinstance(leaf, np.ndarray):
+            outs.append(leaf)  # host data is this process's already
+            continue
+        p = _local_plan(leaf, where, what)
         shards = {s.device: s.data for s in leaf.addressable_shards}
         for pl in p.placements:
             if pl.first:
                 fetch.append(shards[pl.device])
                 into.append((i, pl.local_index))
-    outs = [np.empty(p.local_shape, leaf.dtype) for (_, leaf), p in zip(leaves, plans, strict=True)]
+        outs.append(np.empty(p.local_shape, leaf.dtype))
     for (i, index), block in zip(into, jax.device_get(fetch), strict=True):
         outs[i][index] = block
     return jax.tree_util.tree_unflatten(treedef, outs)
