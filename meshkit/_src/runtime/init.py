@@ -39,12 +39,14 @@ from ..core.contract import (
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_STATUS,
 )
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
+from . import compile_cache as _compile_cache
 from . import distributed_options as _options
 from . import gpus as _gpus
 from . import guards as _guards
@@ -328,6 +330,7 @@ def init(
     timeout: float | None = None,
     heartbeat_timeout: int | None = None,
     shutdown_timeout: int | None = None,
+    compilation_cache: str | os.PathLike[str] | None = None,
 ) -> RuntimeInfo:
     """Join this process to its multi-process JAX program (or note that it runs alone).
 
@@ -351,6 +354,10 @@ def init(
         shutdown_timeout: whole seconds a process that ends waits at JAX's exit barrier for the
             others (default ``MESHKIT_SHUTDOWN_TIMEOUT``, else JAX's, 300); JAX's
             ``shutdown_timeout_seconds``.
+        compilation_cache: a directory for JAX's persistent compilation cache, shared by
+            restarts and hosts (default ``MESHKIT_COMPILATION_CACHE``, which ``meshkit launch
+            --compilation-cache`` sets, else none); set before anything compiles. Read at the
+            first call only.
 
     Returns:
         What was detected and why; ``str()`` of it is a readable table.
@@ -372,7 +379,8 @@ def init(
             below its count, or two variables that give different process counts
             (``JAX_NUM_PROCESSES`` and ``MESHKIT_NUM_PROCESSES``, say); SLURM variables
             that ask for several tasks where this process is not a task of a job step (a batch
-            script that runs the program without ``srun``).
+            script that runs the program without ``srun``); a ``compilation_cache`` directory
+            that cannot be created or written (the message names it and its source).
 
     Examples:
         >>> import meshkit
@@ -385,6 +393,7 @@ def init(
     fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
     preempt_grace = _preemption.grace()
     if first:  # a scheduler's notice while the processes join is a notice too
+        _compile_cache.enable(compilation_cache)  # before anything compiles
         _guards.before_joining(fail_fast, preempt_grace)
     info = _init(
         coordinator_address=coordinator_address,
@@ -400,6 +409,8 @@ def init(
     )
     if first:
         _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
+        if os.environ.get(ENV_STATUS):
+            _compile_cache.watch()  # each attempt's compile time, for the launcher's report
         # Before anything runs: the processes run the same software with the same settings.
         _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
         hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
