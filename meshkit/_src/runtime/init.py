@@ -392,8 +392,9 @@ def init(
     first = _INFO is None
     fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
     preempt_grace = _preemption.grace()
-    if first:  # a scheduler's notice while the processes join is a notice too
+    if first:
         _compile_cache.enable(compilation_cache)  # before anything compiles
+        # A scheduler's notice while the processes join is a notice too.
         _guards.before_joining(fail_fast, preempt_grace)
     info = _init(
         coordinator_address=coordinator_address,
