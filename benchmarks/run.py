@@ -18,6 +18,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from compile_cache import bench_compile_cache  # noqa: E402
 from coordination import bench_coordination  # noqa: E402
 from data_position import bench_data_position  # noqa: E402
 from debug_overhead import bench_debug  # noqa: E402
@@ -92,4 +93,5 @@ if __name__ == "__main__":
     print(bench_hosts(), end="\n\n")
     print(bench_data_position(), end="\n\n")
     print(bench_preemption(), end="\n\n")
+    print(bench_compile_cache(), end="\n\n")
     print(bench_testing_starts())

@@ -10,6 +10,9 @@ report lists both attempts: the start, the restore, the stop.
 
     meshkit launch -n 2 -d 2 --max-restarts 2 examples/restart_on_failure.py
     meshkit launch -n 2 -d 2 --max-restarts 2 examples/restart_on_failure.py --dir /tmp/run
+
+With ``--compilation-cache DIR`` the second attempt reads its programs from JAX's persistent
+compilation cache instead of compiling them; the report shows each attempt's compile time.
 """
 
 # `nox -s examples` runs this file under `meshkit launch` with these arguments:

@@ -130,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
         "(sets MESHKIT_SHUTDOWN_TIMEOUT; default JAX's, 300)",
     )
     launch.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache directory, shared by every rank and restart "
+        "(sets MESHKIT_COMPILATION_CACHE; on several machines, a shared file system)",
+    )
+    launch.add_argument(
         "--platform",
         choices=["auto", "cpu", "gpu"],
         default="auto",
@@ -199,6 +206,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
     try:  # settings from the environment are arguments too: a bad one is a usage error (2)
         machines, max_restarts = _machines(args), _max_restarts(args)
+        join_options = _join_options(args)
     except MeshkitError as e:
         raise LaunchError(str(e)) from None
     # handle_signals: SIGTERM (a scheduler's notice) goes to the ranks, which save and end; a
@@ -214,7 +222,7 @@ def _launch(args: argparse.Namespace) -> int:
         grace=args.grace,
         allow_unjoined=args.allow_unjoined,
         max_restarts=max_restarts,
-        env=_join_options(args),
+        env=join_options,
         handle_signals=True,
         subreaper=True,  # this process starts nothing else: every orphan that comes is a rank's
         **machines,
@@ -228,14 +236,29 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _join_options(args: argparse.Namespace) -> dict[str, str]:
-    """--init-timeout, --heartbeat-timeout and --shutdown-timeout, as the ranks read them."""
-    from .._src.core.contract import ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT
+    """--init-timeout, --heartbeat-timeout, --shutdown-timeout and --compilation-cache as set.
+
+    As the ranks read them; the cache directory is checked here, before any rank starts.
+    """
+    from .._src.core.cache_directory import writable
+    from .._src.core.contract import (
+        ENV_COMPILATION_CACHE,
+        ENV_HEARTBEAT_TIMEOUT,
+        ENV_INIT_TIMEOUT,
+        ENV_SHUTDOWN_TIMEOUT,
+    )
 
     given = {
         ENV_INIT_TIMEOUT: args.init_timeout,
         ENV_HEARTBEAT_TIMEOUT: args.heartbeat_timeout,
         ENV_SHUTDOWN_TIMEOUT: args.shutdown_timeout,
     }
+    if args.compilation_cache is not None:
+        given[ENV_COMPILATION_CACHE] = writable(
+            args.compilation_cache,
+            called="meshkit launch",
+            source="from the flag --compilation-cache",
+        )
     return {name: str(value) for name, value in given.items() if value is not None}
 
 

@@ -121,9 +121,8 @@ def _marked_declarations(tree: Any) -> set[str]:
         if not isinstance(node, ast.Call):
             continue
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
-        if not any(
-            isinstance(keywords.get(m), ast.Constant) and keywords[m].value is True for m in _MARKS
-        ):
+        marks = [keywords.get(m) for m in _MARKS]
+        if not any(isinstance(v, ast.Constant) and v.value is True for v in marks):
             continue
         name = keywords.get("name", node.args[0] if node.args else None)
         if isinstance(name, ast.Constant) and isinstance(name.value, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_PREEMPT_GRACE_S",
     "ENV_ATTEMPT",
+    "ENV_COMPILATION_CACHE",
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
     "ENV_HEARTBEAT_TIMEOUT",
@@ -37,6 +38,9 @@ ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
 # (`meshkit._src.runtime.distributed_options`); `meshkit launch` sets them from its flags.
 ENV_HEARTBEAT_TIMEOUT = "MESHKIT_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "MESHKIT_SHUTDOWN_TIMEOUT"
+# JAX's persistent compilation cache directory (`meshkit._src.runtime.compile_cache`); `meshkit
+# launch --compilation-cache DIR` sets it, as an absolute path, for every rank.
+ENV_COMPILATION_CACHE = "MESHKIT_COMPILATION_CACHE"
 # Which start of the whole group this is: 0, then 1 after the first restart (--max-restarts).
 ENV_ATTEMPT = "MESHKIT_ATTEMPT"
 # The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).

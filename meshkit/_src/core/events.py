@@ -31,6 +31,7 @@ from typing import Any
 from .contract import ENV_PROCESS_ID, ENV_STATUS
 
 __all__ = [
+    "COMPILED",
     "ENDED",
     "FAILED",
     "JOINED",
@@ -73,7 +74,11 @@ RESTORED = "restored"
 # ``process`` (the process that received it), ``received`` (when, seconds since the epoch),
 # ``step`` (the program's last step meshkit saw, or None), ``saved`` (for "saved": the step).
 PREEMPTED = "preempted"
-KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED)
+# This rank finished compiling a program (`meshkit._src.runtime.compile_cache`). Fields, all
+# totals since it started: ``seconds`` (compiling, or fetching from JAX's persistent compilation
+# cache), ``programs`` (how many), ``hits`` (how many came from that cache).
+COMPILED = "compiled"
+KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED, COMPILED)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,10 @@ class LaunchAttempt:
         failure: what identifies the failure (rank, cause, error type, where it was raised,
             the last step), to tell a failure that repeats from one that does not; None when
             it did not fail by an exception.
+        compiled: per rank that reported (`meshkit.init` reports under ``meshkit launch``),
+            ``(rank, seconds, programs, hits)``: seconds spent compiling or fetching programs
+            from JAX's persistent compilation cache, how many programs, how many of them came
+            from that cache.
     """
 
     number: int
@@ -97,6 +101,7 @@ class LaunchAttempt:
     restore_s: float | None = None
     saved_step: int | None = None
     failure: tuple[Any, ...] | None = None
+    compiled: tuple[tuple[int, float, int, int], ...] = ()
 
 
 @dataclasses.dataclass

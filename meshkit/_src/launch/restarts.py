@@ -59,6 +59,7 @@ def attempt_of(
     joined: dict[int, float] = {}
     saved: list[int] = []
     restored: list[tuple[int | None, float]] = []
+    compiled: dict[int, tuple[float, int, int]] = {}  # each rank's last totals
     records = list(records)
     for event in records:
         if event.kind == _events.JOINED:
@@ -67,6 +68,13 @@ def attempt_of(
             saved.append(int(event.fields["step"]))
         elif event.kind == _events.RESTORED:
             restored.append((event.fields.get("step"), float(event.fields.get("seconds", 0.0))))
+        elif event.kind == _events.COMPILED:
+            fields = event.fields
+            compiled[event.rank] = (
+                float(fields.get("seconds", 0.0)),
+                int(fields.get("programs", 0)),
+                int(fields.get("hits", 0)),
+            )
     restored_step = next((s for s, _ in restored if s is not None), None)
     saved_step = max(saved) if saved else None
     failure = None
@@ -89,6 +97,7 @@ def attempt_of(
         restored_step=restored_step,
         restore_s=max(s for _, s in restored) if restored else None,
         saved_step=saved_step,
+        compiled=tuple((rank, *compiled[rank]) for rank in sorted(compiled)),
         failure=failure,
     )
 
@@ -158,6 +167,16 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
+def _compiled(compiled: Sequence[tuple[int, float, int, int]]) -> str:
+    """The first rank's compile time, its programs from the cache, and the slowest rank's."""
+    rank, seconds, programs, hits = compiled[0]
+    text = f"rank {rank} compiled {programs} programs in {seconds:.2f} s ({hits} from the cache)"
+    slowest = max(compiled, key=lambda c: c[1])
+    if slowest[0] != rank:
+        text += f", rank {slowest[0]} in {slowest[1]:.2f} s ({slowest[3]} from the cache)"
+    return text
+
+
 def summary(attempts: Sequence[LaunchAttempt], max_restarts: int) -> str:
     """The report's list of attempts: what each did, why each restart came, what it cost."""
     restarts = len(attempts) - 1
@@ -168,6 +187,8 @@ def summary(attempts: Sequence[LaunchAttempt], max_restarts: int) -> str:
         parts = [joined or f"every rank joined after {_s(a.joined_s)}"]
         if a.restored_step is not None:
             parts.append(f"restored step {a.restored_step} in {_s(a.restore_s)}")
+        if a.compiled:
+            parts.append(_compiled(a.compiled))
         if a.saved_step is not None:
             parts.append(f"saved up to step {a.saved_step}")
         if a.returncode == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
+from typing import Any
 
 from .bindings import dotted_name
 from .findings import Edit
@@ -66,7 +67,7 @@ class JaxApiChecks:
         col: a node's column in characters.
     """
 
-    def __init__(self, file: ResolvedFile, add: Add, col: Callable[[ast.AST], int]) -> None:
+    def __init__(self, file: ResolvedFile, add: Add, col: Callable[[Any], int]) -> None:
         self.file = file
         self.add = add
         self.col = col

@@ -51,7 +51,7 @@ def _origin(variable: str | None) -> str:
     return f" (from the environment variable {variable})" if variable else ""
 
 
-def chosen(**given: Any) -> dict[str, int]:
+def chosen(**given: Any) -> dict[str, Any]:
     """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment.
 
     Args:

@@ -40,12 +40,15 @@ from ..core.contract import (
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_STATUS,
 )
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
+from . import compile_cache as _compile_cache
+from . import cpu_backend as _cpu
 from . import distributed_options as _options
 from . import gpus as _gpus
 from . import guards as _guards
@@ -147,11 +150,6 @@ Consider calling meshkit.init() first thing in your program, before any other JA
 def runtime_info() -> RuntimeInfo | None:
     """What `meshkit.init` decided, or None if it has not run in this process."""
     return _INFO
-
-
-def _launched_as() -> tuple[int | None, int | None]:
-    """The process count and id `meshkit launch` gave this process (None where unset)."""
-    return _env.integer(ENV_NUM_PROCESSES, where=_WHERE), _env.integer(ENV_PROCESS_ID, where=_WHERE)
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -329,6 +327,7 @@ def init(
     timeout: float | None = None,
     heartbeat_timeout: int | None = None,
     shutdown_timeout: int | None = None,
+    compilation_cache: str | os.PathLike[str] | None = None,
 ) -> RuntimeInfo:
     """Join this process to its multi-process JAX program (or note that it runs alone).
 
@@ -352,6 +351,10 @@ def init(
         shutdown_timeout: whole seconds a process that ends waits at JAX's exit barrier for the
             others (default ``MESHKIT_SHUTDOWN_TIMEOUT``, else JAX's, 300); JAX's
             ``shutdown_timeout_seconds``.
+        compilation_cache: a directory for JAX's persistent compilation cache, shared by
+            restarts and hosts (default ``MESHKIT_COMPILATION_CACHE``, which ``meshkit launch
+            --compilation-cache`` sets, else none); set before anything compiles. Read at the
+            first call only.
 
     Returns:
         What was detected and why; ``str()`` of it is a readable table.
@@ -373,7 +376,8 @@ def init(
             below its count, or two variables that give different process counts
             (``JAX_NUM_PROCESSES`` and ``MESHKIT_NUM_PROCESSES``, say); SLURM variables
             that ask for several tasks where this process is not a task of a job step (a batch
-            script that runs the program without ``srun``).
+            script that runs the program without ``srun``); a ``compilation_cache`` directory
+            that cannot be created or written (the message names it and its source).
 
     Examples:
         >>> import meshkit
@@ -387,6 +391,7 @@ def init(
     preempt_grace = _preemption.grace()
     if first:
         _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
+        _compile_cache.enable(compilation_cache)  # before anything compiles
         _guards.before_joining(fail_fast, preempt_grace)  # a notice while joining is one too
     info = _init(
         coordinator_address=coordinator_address,
@@ -402,6 +407,8 @@ def init(
     )
     if first:
         _events.emit(_events.JOINED)  # for `meshkit launch` (nothing outside its runs)
+        if os.environ.get(ENV_STATUS):
+            _compile_cache.watch()  # each attempt's compile time, for the launcher's report
         # Before anything runs: the processes run the same software with the same settings.
         _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
         hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
@@ -473,7 +480,7 @@ def _init(
         # Joined elsewhere (the program, Ray, an engine's runtime): adopt the join and guard it
         # as a join of meshkit's own.
         if joined_n > 1 and not _compat.backends_are_initialized():
-            _select_gloo()
+            _cpu.select_gloo()
         _INFO = dataclasses.replace(
             plan,
             source="jax.distributed",
@@ -481,7 +488,7 @@ def _init(
             num_processes=joined_n,
             process_id=joined_pid,
             cpu_devices=cpu_devices,
-            cpu_collectives=_cpu_collectives() if joined_n > 1 else None,
+            cpu_collectives=_cpu.collectives() if joined_n > 1 else None,
         )
         if options:
             warnings.warn(
@@ -501,7 +508,7 @@ def _init(
     if started and joins:
         what = f"join a multi-process program ({plan.reason})"
         raise MeshkitError(_BACKENDS_STARTED.format(what=what))
-    if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
+    if started and cpu_devices is not None and _cpu.local_cpu_count() != cpu_devices:
         raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
 
     if cpu_devices is not None and not started:
@@ -512,7 +519,7 @@ def _init(
         _guards.alone(fail_fast, preempt_grace, plan.process_id)
         return _INFO
 
-    collectives = _select_gloo()
+    collectives = _cpu.select_gloo()
     _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids_arg = list(plan.local_device_ids) if plan.local_device_ids is not None else None
@@ -574,22 +581,3 @@ _on_join: list[Callable[[], None]] = []
 def on_join(hook: Callable[[], None]) -> None:
     """Run ``hook`` at the end of this process's first `init` (registering starts nothing)."""
     _on_join.append(hook)
-
-
-def _local_cpu_count() -> int | None:
-    try:
-        return len(jax.local_devices(backend="cpu"))
-    except RuntimeError:
-        return None
-
-
-def _cpu_collectives() -> str | None:
-    value = jax.config.values.get("jax_cpu_collectives_implementation")
-    return None if value in (None, "", "none") else str(value)
-
-
-def _select_gloo() -> str | None:
-    """Multi-process CPU collectives need an implementation; gloo ships with jaxlib."""
-    if _cpu_collectives() is None:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    return _cpu_collectives()

@@ -1,0 +1,126 @@
+"""JAX's persistent compilation cache, as `meshkit.init` turns it on, and its compile times.
+
+The directory comes from `meshkit.init`'s ``compilation_cache=`` argument, else
+``MESHKIT_COMPILATION_CACHE`` (which ``meshkit launch --compilation-cache DIR`` sets), else no
+cache is set by meshkit (a ``jax_compilation_cache_dir`` set by the program stays). It is set
+in `meshkit.init`, before this process compiles anything: JAX opens its cache at the first
+compilation and keeps that directory for the life of the process.
+
+JAX writes an entry only when a program took ``jax_persistent_cache_min_compile_time_secs``
+(default 1 s) to compile; meshkit lowers that to 0 while it is at JAX's default, so that the
+many small programs of a CPU run are cached too (a value the program set is kept).
+
+Several processes, one directory (checked in JAX 0.10.2 and 0.12, ``jax/_src/compiler.py``
+``_cache_write`` and ``lru_cache.py``): in a joined program only process 0 writes entries; the
+others read. An entry is one file named by its key, written in place (not through a rename),
+and without ``jax_compilation_cache_max_size`` there is no lock. A process that reads an entry
+while another still writes it fails to load it; JAX then warns and compiles itself. Two
+independent programs (two runs, each its own process 0) writing one key write the same bytes.
+So sharing is safe, and at worst costs a compilation.
+
+Under ``meshkit launch`` each rank reports its compile time (`watch`): a ``compiled`` event
+after each compilation with the totals so far, which the launcher's restart report shows per
+attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import jax
+
+from ..core import events as _events
+from ..core.cache_directory import writable
+from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
+
+__all__ = ["BACKEND_COMPILE", "CACHE_HIT", "Totals", "enable", "totals", "watch"]
+
+# jax.monitoring's names (JAX 0.10.2 and 0.12): the time to compile or fetch one program from
+# the persistent cache (jax/_src/dispatch.py BACKEND_COMPILE_EVENT), and a persistent cache hit.
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
+_JAX_DEFAULT_MIN_TIME = 1.0
+
+
+def enable(
+    directory: str | os.PathLike[str] | None, *, called: str = "meshkit.init()"
+) -> str | None:
+    """Set JAX's compilation cache directory from the argument, else the environment.
+
+    Args:
+        directory: `meshkit.init`'s ``compilation_cache`` (None: not passed).
+        called: what was called, for the message.
+
+    Returns:
+        The absolute directory set, or None when neither gives one.
+
+    Raises:
+        MeshkitError: the directory cannot be created or written; the message names it and
+            where it came from.
+    """
+    if directory is not None:
+        source = "from the argument compilation_cache"
+    else:
+        directory = os.environ.get(ENV_COMPILATION_CACHE) or None
+        source = f"from the environment variable {ENV_COMPILATION_CACHE}"
+        if directory is not None and os.environ.get(ENV_STATUS):
+            source += ", set by meshkit launch --compilation-cache"
+    if directory is None:
+        return None
+    path = writable(directory, called=called, source=source)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if jax.config.values.get(_MIN_TIME) == _JAX_DEFAULT_MIN_TIME:
+        jax.config.update(_MIN_TIME, 0.0)
+    return path
+
+
+class Totals:
+    """This process's compilations so far, as `watch` counts them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seconds = 0.0
+        self.programs = 0
+        self.hits = 0
+
+    def as_fields(self) -> dict[str, Any]:
+        return {"seconds": round(self.seconds, 4), "programs": self.programs, "hits": self.hits}
+
+
+_TOTALS = Totals()
+_watching = False
+
+
+def totals() -> dict[str, Any]:
+    """``{"seconds", "programs", "hits"}`` counted since `watch` (zeros before)."""
+    with _TOTALS.lock:
+        return _TOTALS.as_fields()
+
+
+def _on_duration(event: str, duration_secs: float, **_: Any) -> None:
+    if event != BACKEND_COMPILE:
+        return
+    with _TOTALS.lock:
+        _TOTALS.seconds += duration_secs
+        _TOTALS.programs += 1
+        fields = _TOTALS.as_fields()
+    _events.emit(_events.COMPILED, **fields)
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == CACHE_HIT:
+        with _TOTALS.lock:
+            _TOTALS.hits += 1
+
+
+def watch() -> None:
+    """Count compile time and cache hits from JAX's monitoring events (once per process)."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    jax.monitoring.register_event_listener(_on_event)
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
