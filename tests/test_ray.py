@@ -25,11 +25,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 JOB = Path(__file__).resolve().parent / "ray_programs" / "ray_job.py"
 
 
-def _job(tmp_path: Path, mode: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], list]:
+def _job(
+    tmp_path: Path, mode: str, *extra: str, heartbeat: int | None = None
+) -> tuple[subprocess.CompletedProcess[str], list]:
     require("ray", "the Ray tests start a local Ray cluster")
     require("ray.train.v2.jax", "Ray Train's JaxTrainer")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "JAX_"))}
     env.update({"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    if heartbeat is not None:
+        env["RAY_JOB_HEARTBEAT"] = str(heartbeat)
     done = subprocess.run(
         [sys.executable, str(JOB), mode, str(free_ports(1)), *extra],
         capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path,
@@ -74,4 +78,24 @@ def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker
         assert (t["processes"], t["devices"], t["total"]) == (2, 8, 24.0)
     assert "FAILED WorkerGroupError" in done.stdout
     assert "RuntimeError: rank 1 fails at step 1" in done.stdout
+    assert not _ray_processes_left()
+
+
+def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(tmp_path):
+    # Rank 1's process dies (os._exit) while rank 0 waits in a collective: no exception to
+    # report, nothing told. Ray names the dead actor at once; rank 0 ends when JAX's
+    # coordination service misses rank 1's heartbeats (10 s here, 100 s by JAX's default),
+    # naming task 1. Never a hang.
+    done, _ = _job(tmp_path, "actors", "die:1", heartbeat=10)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = {
+        int(line.split()[1]): (float(line.split()[2]), line)
+        for line in done.stdout.splitlines()
+        if line.startswith("ERROR ")
+    }
+    assert sorted(errors) == [0, 1], done.stdout[-3000:]
+    assert "ActorDiedError" in errors[1][1]
+    assert errors[0][0] - errors[1][0] < 60  # JAX's heartbeat ended rank 0, not a timeout
+    output = done.stdout + done.stderr
+    assert "stopped sending heartbeats" in output
     assert not _ray_processes_left()

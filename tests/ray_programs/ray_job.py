@@ -16,14 +16,20 @@ import sys
 import threading
 import time
 
+# A cluster of this machine alone, on the loopback: Ray's processes use 127.0.0.1, never the
+# machine's other addresses (Ray's own switch for this, read when ray is imported).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
 
 
-def work(rank: int, world: int, coordinator: str, failing: int | None) -> dict:
+def work(rank: int, world: int, coordinator: str, failing: str | None) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(coordinator, world, rank, initialization_timeout=60)
+    heartbeat = {}
+    if os.environ.get("RAY_JOB_HEARTBEAT"):  # how soon JAX finds a process that is gone
+        heartbeat["heartbeat_timeout_seconds"] = int(os.environ["RAY_JOB_HEARTBEAT"])
+    jax.distributed.initialize(coordinator, world, rank, initialization_timeout=60, **heartbeat)
     import numpy as np
 
     import meshkit
@@ -48,8 +54,10 @@ def work(rank: int, world: int, coordinator: str, failing: int | None) -> dict:
     }
     print("TOTAL " + json.dumps(result), flush=True)
     for step in range(3):
-        if step == 1 and rank == failing:
+        if step == 1 and failing == str(rank):
             raise RuntimeError(f"rank {rank} fails at step {step}")
+        if step == 1 and failing == f"die:{rank}":
+            os._exit(3)  # the worker's process dies, as a crash or the OOM killer ends it
         result["step_total"] = float(total(x))
     return result
 
@@ -57,20 +65,28 @@ def work(rank: int, world: int, coordinator: str, failing: int | None) -> dict:
 @ray.remote(num_cpus=1)
 class Worker:
     def run(self, rank, world, coordinator, failing):
-        try:
-            return work(rank, world, coordinator, failing)
-        except BaseException as e:
-            return {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+        return work(rank, world, coordinator, failing)
 
 
-def actors(coordinator: str, failing: int | None) -> None:
+def actors(coordinator: str, failing: str | None) -> None:
+    """Each worker's result or error as it comes (``ERROR rank seconds type text``)."""
     workers = [Worker.remote() for _ in range(2)]
     refs = [w.run.remote(r, 2, coordinator, failing) for r, w in enumerate(workers)]
-    for value in ray.get(refs, timeout=240):
-        print("RESULT " + json.dumps(value), flush=True)
+    start, pending = time.monotonic(), list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=240)
+        if not done:
+            print("TIMEOUT", [refs.index(r) for r in pending], flush=True)
+            break
+        rank = refs.index(done[0])
+        try:
+            print("RESULT " + json.dumps(ray.get(done[0])), flush=True)
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[-3000:]}"
+            print(f"ERROR {rank} {time.monotonic() - start:.1f} {error!r}", flush=True)
 
 
-def trainer(coordinator: str, failing: int | None, out: str) -> None:
+def trainer(coordinator: str, failing: str | None, out: str) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.jax import JaxTrainer
 
@@ -106,18 +122,17 @@ def trainer(coordinator: str, failing: int | None, out: str) -> None:
 
 def main() -> None:
     mode, port = sys.argv[1], int(sys.argv[2])
-    failing = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    failing = sys.argv[3] if len(sys.argv) > 3 else None  # "1": rank 1 raises; "die:1": dies
     coordinator = f"127.0.0.1:{port}"
     ray.init(
         num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
         object_store_memory=80 * 1024 * 1024,
         include_dashboard=False,
-        _node_ip_address="127.0.0.1",  # the cluster's traffic stays on the loopback
         log_to_driver=True,
         runtime_env={
             "env_vars": {
                 "JAX_PLATFORMS": "cpu",
-                "MESHKIT_FAIL_FAST": os.environ.get("MESHKIT_FAIL_FAST", ""),
+                "RAY_JOB_HEARTBEAT": os.environ.get("RAY_JOB_HEARTBEAT", ""),
             }
         },
     )
