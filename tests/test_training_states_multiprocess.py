@@ -206,3 +206,14 @@ def test_processes_with_other_functions_optimizers_or_statics_are_named(warm_clu
         assert "compiled different programs" in static
         assert "_train_step" in static
         assert "0x" not in static
+
+
+def test_the_same_states_in_one_process_of_eight_devices():
+    # This process alone (8 CPU devices from conftest): the same program, the same numbers.
+    import numpy as np
+
+    r = _states_through_every_entry()
+    np.testing.assert_allclose(r["ours"], r["theirs"], rtol=1e-6)
+    np.testing.assert_allclose(r["partial"], r["partial_ref"], rtol=1e-6)
+    np.testing.assert_allclose(*r["nnx"], rtol=1e-5)
+    np.testing.assert_allclose(*r["assembled"], rtol=1e-5)
