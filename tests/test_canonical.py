@@ -177,3 +177,22 @@ def test_two_interpreters_give_the_same_texts_for_real_training_states():
         assert not _ADDRESS.search(line), line
     assert ours[0][0].startswith("flax.training.train_state.TrainState[")
     assert "optax." in ours[0][0]
+
+
+class _Unhashable:
+    """A pytree node whose static data is a list (JAX allows it outside jit)."""
+
+    def __init__(self, x, meta):
+        self.x, self.meta = x, meta
+
+
+jax.tree_util.register_pytree_node(
+    _Unhashable, lambda n: ((n.x,), n.meta), lambda meta, children: _Unhashable(children[0], meta)
+)
+
+
+def test_a_structure_with_unhashable_static_data_still_gets_its_text():
+    a = canonical.structure(jax.tree_util.tree_structure(_Unhashable(1.0, ["a", 1])))
+    b = canonical.structure(jax.tree_util.tree_structure(_Unhashable(1.0, ["a", 2])))
+    assert a == "test_canonical._Unhashable[list('a', 1)](*)"
+    assert a != b

@@ -163,15 +163,26 @@ def value(x: Any, _depth: int = 0) -> str:
     return f"{_type_name(type(x))}:{text}"
 
 
-@functools.lru_cache(maxsize=512)
 def structure(treedef: Any) -> str:
     """A pytree structure's canonical text, equal in every process that builds it the same way.
 
     Shaped like JAX's own ``PyTreeDef`` text (``*`` a leaf, tuples, lists and dicts as
     Python writes them), with every node's type by qualified name and its static data (a
     custom node's auxiliary data, such as a ``TrainState``'s ``apply_fn`` and ``tx``) by
-    `value`. Cached per treedef.
+    `value`. Cached per treedef (a treedef whose static data cannot be hashed is not).
     """
+    try:
+        return _cached(treedef)
+    except TypeError:  # unhashable static data: JAX allows it outside jit
+        return _structure(treedef)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached(treedef: Any) -> str:
+    return _structure(treedef)
+
+
+def _structure(treedef: Any) -> str:
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return "*"
     kind, aux = treedef.node_data()
