@@ -179,22 +179,26 @@ def _port(environ: Mapping[str, str], engine: str, found: str) -> int:
     return port
 
 
+def _require_all(present: list[str], names: tuple[str, ...], found: str, engine: str) -> None:
+    """A partial environment (some of an engine's variables, not all) is an error naming them."""
+    if len(present) < len(names):
+        raise MeshkitError(
+            _PARTIAL.format(
+                found=found,
+                missing=" and ".join(n for n in names if n not in present),
+                engine=engine,
+                all=", ".join(names),
+                found_names=", ".join(present),
+            )
+        )
+
+
 def _jax_vars(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
     present = [n for n in JAX_VARS if environ.get(n, "").strip()]
     if not present or (present == ["JAX_COORDINATOR_ADDRESS"] and jax_detects is not None):
         return None  # nothing set, or JAX's own override of a cluster it detects
     found = _found(environ, tuple(present))
-    if len(present) < len(JAX_VARS):
-        missing = [n for n in JAX_VARS if n not in present]
-        raise MeshkitError(
-            _PARTIAL.format(
-                found=found,
-                missing=" and ".join(missing),
-                engine="Kubeflow Trainer's JAX runtime",
-                all=", ".join(JAX_VARS),
-                found_names=", ".join(present),
-            )
-        )
+    _require_all(present, JAX_VARS, found, "Kubeflow Trainer's JAX runtime")
     n, pid = _count_and_id(
         JAX_ENGINE,
         found,
@@ -212,17 +216,7 @@ def _skypilot(environ: Mapping[str, str]) -> EngineJoin | None:
     if not present:
         return None
     found = _found(environ, tuple(present))
-    if len(present) < len(SKYPILOT_VARS):
-        missing = [n for n in SKYPILOT_VARS if n not in present]
-        raise MeshkitError(
-            _PARTIAL.format(
-                found=found,
-                missing=" and ".join(missing),
-                engine="SkyPilot",
-                all=", ".join(SKYPILOT_VARS),
-                found_names=", ".join(present),
-            )
-        )
+    _require_all(present, SKYPILOT_VARS, found, "SkyPilot")
     n, pid = _count_and_id(
         SKYPILOT,
         found,
