@@ -57,6 +57,12 @@ def _scale(x, k):
     return x * k
 
 
+def _psum_scaled(block, k):
+    import jax
+
+    return jax.lax.psum(block.sum() * k, "data")
+
+
 def _states_through_every_entry():
     import functools
 
@@ -111,6 +117,15 @@ def _states_through_every_entry():
     nnx_ours = float(nnx_sum(host_state, x[rows]))
     nnx_theirs = float(linear(jnp.asarray(x)).sum())
 
+    # spmd over a functools.partial, with host data.
+    scaled_sum = meshkit.spmd(
+        functools.partial(_psum_scaled, k=2.0),
+        mesh=mesh,
+        in_specs="data",
+        out_specs=jax.sharding.PartitionSpec(),
+    )
+    spmd_partial = (float(scaled_sum(x[rows])), float(2.0 * x.sum()))
+
     # A Partial holding this process's rows, assembled into a global Partial.
     held = meshkit.global_array_from_local(jax.tree_util.Partial(_scale, x[rows]), mesh, "data")
     assembled = float(jax.jit(lambda p: p(3.0).sum())(held))
@@ -121,6 +136,7 @@ def _states_through_every_entry():
         "partial_ref": (2.0 * x.reshape(8, 2, 4).sum(0)).tolist(),
         "nnx": (nnx_ours, nnx_theirs),
         "assembled": (assembled, float(3.0 * x.sum())),
+        "spmd_partial": spmd_partial,
     }
 
 
@@ -133,6 +149,7 @@ def test_training_states_and_partials_go_through_every_entry_and_equal_plain_jax
         np.testing.assert_allclose(r["partial"], r["partial_ref"], rtol=1e-6)
         np.testing.assert_allclose(*r["nnx"], rtol=1e-5)
         np.testing.assert_allclose(*r["assembled"], rtol=1e-5)
+        np.testing.assert_allclose(*r["spmd_partial"], rtol=1e-5)
 
 
 def _programs_that_differ():
@@ -217,3 +234,4 @@ def test_the_same_states_in_one_process_of_eight_devices():
     np.testing.assert_allclose(r["partial"], r["partial_ref"], rtol=1e-6)
     np.testing.assert_allclose(*r["nnx"], rtol=1e-5)
     np.testing.assert_allclose(*r["assembled"], rtol=1e-5)
+    np.testing.assert_allclose(*r["spmd_partial"], rtol=1e-5)
