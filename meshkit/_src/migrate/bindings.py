@@ -16,22 +16,13 @@ from __future__ import annotations
 
 import ast
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from .facts import LIST, ScannedFile, element
 
-__all__ = [
-    "Binding",
-    "Bindings",
-    "BoundKinds",
-    "dotted_name",
-    "end",
-    "has_param",
-    "position",
-    "returns_of",
-]
+__all__ = ["Binding", "Bindings", "BoundKinds", "dotted_name", "end", "has_param", "position"]
 
 Pos = tuple[int, int]
 _Where = tuple[ast.AST, tuple[ast.AST, ...], tuple[ast.AST, ...]]  # function, comps, loops
@@ -68,14 +59,11 @@ class Binding:
         pos: where it takes effect: the end of its statement (a loop's target: its start).
         kind: the kind of what it binds, found when asked.
         loops: the loops of its scope it sits in, innermost first.
-        sources: the expressions whose values it binds (an assignment's value, a loop's
-            iterable, what is appended), to say where a numpy value may come from.
     """
 
     pos: Pos
     kind: Callable[[], str | None]
     loops: tuple[ast.AST, ...]
-    sources: tuple[ast.expr, ...] = ()
 
 
 class Bindings:
@@ -126,12 +114,12 @@ class Bindings:
             if isinstance(node, ast.Assign):
                 stop = end(node)
                 for t in node.targets:
-                    self._bind(t, stop, self._thunk(node.value), (node.value,))
+                    self._bind(t, stop, self._thunk(node.value))
                 made = dotted_name(node.targets[0])
                 if made is not None and isinstance(node.value, ast.Call):
                     self.made.setdefault(made, node.value.func)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                self._bind(node.target, end(node), self._thunk(node.value), (node.value,))
+                self._bind(node.target, end(node), self._thunk(node.value))
             elif isinstance(node, ast.AugAssign):
                 target, value = node.target, node.value
                 if isinstance(target, ast.Name):
@@ -139,19 +127,14 @@ class Bindings:
                     ast.copy_location(load, target)
                     sc.parents[load] = node
                     self.where[load] = self.where[target]
-                    self._bind(
-                        target,
-                        end(node),
-                        lambda t=load, v=value: kinds.augmented(t, v),
-                        (load, value),
-                    )
+                    self._bind(target, end(node), lambda t=load, v=value: kinds.augmented(t, v))
             elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
                 it = node.iter
                 # A comprehension's element is written before its `for`: bound from its start.
                 at = node.target if isinstance(node, ast.For | ast.AsyncFor) else sc.parents[node]
-                self._bind(node.target, position(at), lambda it=it: kinds.iterated(it), (it,))
+                self._bind(node.target, position(at), lambda it=it: kinds.iterated(it))
             elif isinstance(node, ast.NamedExpr):
-                self._bind(node.target, end(node), self._thunk(node.value), (node.value,))
+                self._bind(node.target, end(node), self._thunk(node.value))
             elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -161,12 +144,7 @@ class Bindings:
             ):
                 arg = node.args[-1]
                 each = node.func.attr != "extend"
-                self._bind(
-                    node.func.value,
-                    end(node),
-                    lambda a=arg, e=each: kinds.appended(a, e),
-                    (arg,),
-                )
+                self._bind(node.func.value, end(node), lambda a=arg, e=each: kinds.appended(a, e))
         for bindings in (*self.names.values(), *self.attrs.values()):
             bindings.sort(key=lambda b: b.pos)
         self.starts = {key: [b.pos for b in bs] for key, bs in self.names.items()}
@@ -181,27 +159,26 @@ class Bindings:
         target: ast.expr,
         pos: Pos,
         kind: Callable[[], str | None],
-        sources: tuple[ast.expr, ...],
     ) -> None:
         if isinstance(target, ast.Name):
             scope = self.scope(target)
             loops = self.loops(target, scope)
-            binding = Binding(pos, kind, loops, sources)
+            binding = Binding(pos, kind, loops)
             self.names.setdefault((scope, target.id), []).append(binding)
         elif isinstance(target, ast.Tuple | ast.List):
             starred = False
             for i, elt in enumerate(target.elts):
                 if isinstance(elt, ast.Starred):
                     starred = True
-                    self._bind(elt.value, pos, lambda k=kind: LIST if k() else None, sources)
+                    self._bind(elt.value, pos, lambda k=kind: LIST if k() else None)
                     continue
                 # After a starred target, places count from the end.
                 at = i - len(target.elts) if starred else i
-                self._bind(elt, pos, lambda k=kind, at=at: element(k(), at), sources)
+                self._bind(elt, pos, lambda k=kind, at=at: element(k(), at))
         elif isinstance(target, ast.Attribute):
             key = dotted_name(target)
             if key is not None:
-                self.attrs.setdefault(key, []).append(Binding(pos, kind, (), sources))
+                self.attrs.setdefault(key, []).append(Binding(pos, kind, ()))
 
     def _place(self) -> dict[ast.AST, _Where]:
         """Every node's function, comprehensions and loops, in one pass down the tree.
@@ -319,14 +296,3 @@ def has_param(fn: ast.AST, name: str) -> bool:
     a = fn.args  # type: ignore[attr-defined]
     every = (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
     return any(p is not None and p.arg == name for p in every)
-
-
-def returns_of(fn: ast.AST) -> Iterator[ast.Return]:
-    """The return statements of a function's own body (not of nested functions)."""
-    stack = list(ast.iter_child_nodes(fn))
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Return):
-            yield node
-        if not isinstance(node, (*FUNCTIONS, ast.Lambda, ast.ClassDef)):
-            stack.extend(ast.iter_child_nodes(node))

@@ -44,10 +44,6 @@ HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
     **{q: ("MK006", name, kw) for q, (name, kw) in COMMON_UTILS.items()},
     **{q: ("MK007", name, kw) for q, (name, kw) in DEVICE_PUT.items()},
 }
-_NUMPY_NOTE = (
-    "not fixed: the value may be a numpy array here ({origin}), and meshkit.local_from_global "
-    "takes jax.Arrays only; as written, the read gives what it gave with pmap_compat's defaults"
-)
 _OLD_API = re.compile(r"^jax\.api\.")  # jax.api.X, removed, was jax.X
 _Located = ast.expr | ast.stmt | ast.alias
 
@@ -383,8 +379,6 @@ class Checks:
         for read in flow.reads():
             edit = self._read_edit(read)
             note = "" if edit else "not fixed: no one-to-one rewrite (see the rule's fix)"
-            if read.numpy:
-                note = _NUMPY_NOTE.format(origin=read.numpy)
             message = self._read_message(read)
             self._add(read.node, "MK010", message, fixable=bool(edit), note=note, edit=edit)
 

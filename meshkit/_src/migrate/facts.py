@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
-    "KEEP_NUMPY",
     "LIST",
-    "SOURCES",
     "STACKED",
     "TUPLE",
     "Facts",
@@ -55,23 +53,6 @@ class ScannedFile(Protocol):
         ...
 
 
-# Calls that make stacked values.
-SOURCES = frozenset(
-    {
-        "flax.jax_utils.replicate",
-        "flax.training.common_utils.shard",
-        "flax.training.common_utils.shard_prng_key",
-        "jax.device_put_replicated",
-        "jax.device_put_sharded",
-        "meshkit.replicate",
-        "meshkit.shard",
-        "meshkit.shard_prng_key",
-        "meshkit.device_put_replicated",
-        "meshkit.device_put_sharded",
-    }
-)
-# Of those, the ones that keep a numpy input numpy (flax's and meshkit's shard reshape it).
-KEEP_NUMPY = frozenset({"flax.training.common_utils.shard", "meshkit.shard"})
 STACKED = "stacked"  # device axis first: an entry per device
 TUPLE = "tuple"  # a tuple of stacked outputs (a pmapped function returning a tuple)
 LIST = "list"  # a list or dict of stacked values (metrics appended each step)
@@ -155,9 +136,6 @@ class Facts:
         tuples: functions every return of which is a tuple display (their pmap returns a tuple).
         classes: the classes the run's files define.
         defs: every function definition of the run's files.
-        host_params: parameters that some call passes a value that may be a numpy array (not
-            a device array), with where that value comes from (``"`x` (train.py:12)"``).
-        host_returns: stacked-returning functions that may return a numpy array, and where from.
     """
 
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -168,8 +146,6 @@ class Facts:
     defs: dict[tuple[str, str], ast.FunctionDef | ast.AsyncFunctionDef] = field(
         default_factory=dict
     )
-    host_params: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
-    host_returns: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @classmethod
     def for_paths(cls, paths: Mapping[str, object]) -> Facts:

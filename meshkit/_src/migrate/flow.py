@@ -34,13 +34,11 @@ run's functions return and are passed.
 from __future__ import annotations
 
 import ast
-import contextlib
 from collections.abc import Iterator, Mapping
 
-from .bindings import FUNCTIONS, Bindings, dotted_name, has_param, position, returns_of
+from .bindings import FUNCTIONS, Bindings, dotted_name, has_param, position
 from .facts import (
     LIST,
-    SOURCES,
     STACKED,
     TUPLE,
     Facts,
@@ -50,17 +48,31 @@ from .facts import (
     join,
     tuple_of,
 )
-from .numpy_values import NumpyValues
 from .reads import HOST_METHODS, TREE_MAPS, HostReads, Read, int_index
 
-__all__ = ["SOURCES", "Flow", "analyze"]
+__all__ = ["Flow", "analyze"]
 
+# Calls that make stacked values.
+SOURCES = frozenset(
+    {
+        "flax.jax_utils.replicate",
+        "flax.training.common_utils.shard",
+        "flax.training.common_utils.shard_prng_key",
+        "jax.device_put_replicated",
+        "jax.device_put_sharded",
+        "meshkit.replicate",
+        "meshkit.shard",
+        "meshkit.shard_prng_key",
+        "meshkit.device_put_replicated",
+        "meshkit.device_put_sharded",
+    }
+)
 _METADATA = frozenset({"shape", "dtype", "ndim", "size", "sharding", "nbytes", "itemsize"})
 _PARTIAL = "functools.partial"
 _UNKNOWN = object()  # an out_axes the analysis cannot read (computed, or through **)
 
 
-class Flow(NumpyValues):
+class Flow:
     """Stacked values in one file, given what the run knows of other files (`Facts`).
 
     Args:
@@ -73,10 +85,9 @@ class Flow(NumpyValues):
         self.facts = facts
         self.path = scanner.path
         self.memo: dict[ast.AST, str | None] = {}
-        self.numpy_memo: dict[ast.AST, str | None] = {}
         self._resolving: set[str] = set()
         self.bindings = Bindings(scanner, self)
-        self.host = HostReads(scanner.qual, self.kind, self.bindings.local, self.numpy)
+        self.host = HostReads(scanner.qual, self.kind, self.bindings.local)
 
     # ---- kinds --------------------------------------------------------------------------------
 
@@ -346,7 +357,7 @@ class Flow(NumpyValues):
                 facts.tuples.add(key)
                 changed = True
             if key not in facts.returns:
-                kind = join(*[self.kind(r.value) for r in returns_of(node) if r.value])
+                kind = join(*[self.kind(r.value) for r in _returns(node) if r.value])
                 if kind is not None:
                     facts.returns[key] = kind
                     changed = True
@@ -357,7 +368,7 @@ class Flow(NumpyValues):
             if target is None:
                 continue
             (path, qual), skip = target
-            params = self.signature(path, qual)
+            params = self._signature(path, qual)
             if params is None:
                 continue
             known = facts.params.setdefault((path, qual), {})
@@ -372,7 +383,7 @@ class Flow(NumpyValues):
                     changed = True
         return changed
 
-    def signature(self, path: str, qual: str) -> list[str] | None:
+    def _signature(self, path: str, qual: str) -> list[str] | None:
         fn = self.facts.defs.get((path, qual))
         if fn is None:
             return None
@@ -405,21 +416,22 @@ def analyze(scanners: Mapping[str, ScannedFile], facts: Facts, rounds: int = 8) 
                 del flows[path]  # (scan_source reports that file's own error)
         if not changed:
             break
-    # Then where stacked values may be numpy, from the kinds now known (it only grows).
-    for _ in range(rounds):
-        changed = False
-        for flow in flows.values():
-            flow.numpy_memo.clear()
-            flow.memo.clear()
-            with contextlib.suppress(RecursionError):  # as above
-                changed = flow.export_numpy() or changed
-        if not changed:
-            break
     return facts
 
 
+def _returns(fn: ast.AST) -> Iterator[ast.Return]:
+    """The return statements of a function's own body (not of nested functions)."""
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Return):
+            yield node
+        if not isinstance(node, (*FUNCTIONS, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def _all_tuples(fn: ast.AST) -> bool:
-    values = [r.value for r in returns_of(fn)]
+    values = [r.value for r in _returns(fn)]
     return bool(values) and all(isinstance(v, ast.Tuple) for v in values)
 
 

@@ -36,9 +36,6 @@ class Read:
         fix: the meshkit function that replaces it where that is mechanical, else "".
         keep: for a Call fix, the index of the argument that becomes the new call's argument.
         index: the device entry read, for ``"entry"`` reads with a literal index.
-        numpy: where the value read may instead be a numpy array (``"`b` (train.py:9)"``),
-            which leaves a read of the whole value without its rewrite
-            (``meshkit.local_from_global`` takes jax.Arrays only); "" when it is not.
     """
 
     node: ast.Subscript | ast.Call
@@ -46,7 +43,6 @@ class Read:
     fix: str = ""
     keep: int = 0
     index: int | None = None
-    numpy: str = ""
 
 
 class HostReads:
@@ -56,8 +52,6 @@ class HostReads:
         qual: the dotted name a node refers to through the file's imports, or None.
         kind: the kind of an expression's value (`meshkit._src.migrate.facts.STACKED`...).
         local: whether a bare name is bound in the file (so it is not the builtin).
-        numpy: where an expression's value may be a numpy array instead of a device array
-            (`meshkit._src.migrate.flow.Flow.numpy`), or None.
     """
 
     def __init__(
@@ -65,12 +59,10 @@ class HostReads:
         qual: Callable[[ast.AST], str | None],
         kind: Callable[[ast.AST], str | None],
         local: Callable[[ast.Name], bool],
-        numpy: Callable[[ast.AST], str | None],
     ) -> None:
         self.qual = qual
         self.kind = kind
         self.local = local
-        self.numpy = numpy
 
     def function(self, fn: ast.expr) -> str | None:
         """What a function given to tree_map reads of each leaf on the host, or None."""
@@ -141,20 +133,13 @@ class HostReads:
             return None
         single = len(args) == 1 and not call.keywords and (kind == STACKED or is_tuple(kind))
         if qual == "jax.device_get":
-            return self._whole(call, single)
+            return Read(call, "whole", _LOCAL if single else "")
         if qual is not None and qual.startswith("numpy."):
             simple = qual in ("numpy.array", "numpy.asarray") and single and kind == STACKED
-            return self._whole(call, simple)
+            return Read(call, "whole", _LOCAL if simple else "")
         if isinstance(func, ast.Name) and func.id in TO_PYTHON and not self.local(func):
             return Read(call, "whole") if kind == STACKED else None
         return None
-
-    def _whole(self, call: ast.Call, rewritable: bool) -> Read:
-        """A read of every entry: to meshkit.local_from_global where the value is on devices."""
-        if not rewritable:
-            return Read(call, "whole")
-        numpy = self.numpy(call.args[0]) or ""
-        return Read(call, "whole", "" if numpy else _LOCAL, numpy=numpy)
 
 
 def int_index(index: ast.AST) -> int | None:

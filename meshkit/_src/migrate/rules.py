@@ -126,11 +126,10 @@ _INDEX_FIX = (
     "--fix rewrites x[0] and tree_map(lambda a: a[0], x) to meshkit.unreplicate(x) (this "
     "process's first entry, read from its own shard, in both modes; numpy gives x[0]), and "
     "np.asarray(x), np.array(x) and jax.device_get(x) to meshkit.local_from_global(x) (this "
-    "process's entries, in both modes) where the value is on the devices on every path; one "
-    "that may be a numpy array (shard of a numpy batch, a helper also called with numpy) is "
-    "left as written, since local_from_global takes jax.Arrays only. The same numbers as "
-    "before with the defaults. Other reads need a person: meshkit.gather(x) for every "
-    "process's entries, or reduce on device first (jax.lax.pmean) and read one entry."
+    "process's entries, in both modes; a numpy array, such as shard of a numpy batch, is "
+    "given back as it is, uncopied). The same numbers as before with the defaults. Other "
+    "reads need a person: meshkit.gather(x) for every process's entries, or reduce on device "
+    "first (jax.lax.pmean) and read one entry."
 )
 _AOT_WHY = (
     "An ahead-of-time compiled pmap: from jax.pmap, the Compiled object cannot be called in "

