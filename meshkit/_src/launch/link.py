@@ -40,9 +40,12 @@ class Over:
 
 
 def _attempt(record: dict[str, Any]) -> LaunchAttempt:
-    """A `LaunchAttempt` from its JSON record (its failure comes back as a list)."""
+    """A `LaunchAttempt` from its JSON record (its failure and compile times come back as lists)."""
     failure = record.get("failure")
-    return LaunchAttempt(**{**record, "failure": None if failure is None else tuple(failure)})
+    compiled = tuple(tuple(c) for c in record.get("compiled", ()))  # JSON gives lists
+    return LaunchAttempt(
+        **{**record, "failure": None if failure is None else tuple(failure), "compiled": compiled}
+    )
 
 
 def reach(
