@@ -81,8 +81,12 @@ def test_failing_rank_stops_the_others_fast(tmp_path, marker):
     elapsed = time.monotonic() - start
     assert out.returncode == 1
     assert elapsed < 30, elapsed
-    assert re.search(r"rank 1 failed first \(exit code 1\) after [\d.]+ s", out.stderr)
-    assert "Stopped the other ranks: 0." in out.stderr
+    first = re.search(r"rank (\d) failed first \(exit code 1\) after [\d.]+ s", out.stderr)
+    assert first, out.stderr[-3000:]
+    if first.group(1) == "1":
+        assert "Stopped the other ranks: 0." in out.stderr
+    else:  # on a loaded machine rank 0's fail-fast may end it before a look finds rank 1 ended
+        assert "The evidence points to rank 1" in out.stderr
     cause = out.stderr.split("--- root cause: rank 1 ---", 1)[1]
     assert "RuntimeError: planted failure in rank 1" in cause
     assert 'File "' in cause  # the traceback itself
