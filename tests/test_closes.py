@@ -15,17 +15,55 @@ from hypothesis import strategies as st
 
 from meshkit._src.arrays import closes
 from meshkit._src.coord.fake import FakeCluster
+from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import poll_period
 
 
 def test_posts_are_read_by_every_process_and_name_the_steps():
     nodes = FakeCluster(3).nodes()
     assert closes.posted(nodes[2], "gb/0") == {}
-    assert closes.post(nodes[1], "gb/0", 4) == {1: 4}
-    assert closes.post(nodes[0], "gb/0", 4) == {0: 4, 1: 4}
+    closes.leave(nodes[1], "gb/0", closes.CLOSED, 4)
+    assert closes.posted(nodes[2], "gb/0") == {1: 4}
+    closes.leave(nodes[0], "gb/0", closes.CLOSED, 4)
+    closes.leave(nodes[2], "gb/0", closes.TOOK, 5)  # not a close: the watch does not hear it
     assert closes.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
     assert closes.posted(nodes[2], "gb/1") == {}  # another iterator
     assert closes.differs({0: 4, 1: 4}, 0) is None
+
+
+def test_a_close_waits_until_every_process_says_how_it_left():
+    nodes = FakeCluster(3).nodes()
+    closes.leave(nodes[0], "gb/0", closes.CLOSED, 4)
+    threading.Timer(0.3, closes.leave, (nodes[1], "gb/0", closes.CLOSED, 4)).start()
+    threading.Timer(0.5, closes.leave, (nodes[2], "gb/0", closes.ENDED, 4)).start()
+    start = time.monotonic()
+    said = closes.confirm(nodes[0], "gb/0", timeout=10)
+    assert 0.4 < time.monotonic() - start < 5
+    assert said == {0: ("closed", 4), 1: ("closed", 4), 2: ("ended", 4)}
+    assert closes.left_error(said, 3, 0, 10) is None  # every process left after step 4
+
+
+def test_a_close_names_the_processes_that_went_on_or_did_not_say():
+    said = {0: ("closed", 3), 1: ("took", 4), 2: ("asks", 3), 3: ("closed", 3)}
+    error = closes.left_error(said, 4, 0, 10)
+    assert isinstance(error, DivergenceError)
+    assert str(error).splitlines()[0] == (
+        "meshkit.global_batches: the processes left their loops at different steps: this "
+        "process (process 0) closed its iterator after step 3, but process 1 took step 4, "
+        "process 2 asks for step 4."
+    )
+    assert (error.processes, error.field) == ([1, 2], "steps")
+    assert str(error).splitlines()[1].startswith("Every process must take the same number")
+    assert str(error).splitlines()[2].startswith("Consider deciding when to stop")
+    late = closes.left_error({0: ("closed", 3), 2: ("closed", 3)}, 3, 0, 10)
+    assert isinstance(late, MeshkitError)
+    assert not isinstance(late, DivergenceError)  # a slow process is not a divergent one
+    assert str(late).splitlines()[0] == (
+        "meshkit.global_batches: this process (process 0) closed its iterator after step 3, "
+        "and process 1 did not leave the loop within 10 s (no close, no end of data, no "
+        "further step asked for)."
+    )
+    assert "MESHKIT_CHECK_TIMEOUT sets the wait" in str(late)
 
 
 def test_closing_after_different_steps_names_the_others():
@@ -80,7 +118,7 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     watch.start()
     time.sleep(0.2)
     start = time.monotonic()
-    closes.post(nodes[0], "gb/0", 7)
+    closes.leave(nodes[0], "gb/0", closes.CLOSED, 7)
     watch.join(5)
     assert not watch.is_alive()
     assert heard == [{0: 7}]

@@ -562,6 +562,33 @@ def test_a_process_that_went_on_past_a_close_is_ended_naming_it():
     ), text
 
 
+def test_a_loop_left_early_on_one_process_computes_nothing_after_it():
+    # Rank 1 leaves its with block after step 3; rank 0 takes step 4 and waits in its psum.
+    # Rank 1's close waits for rank 0 to confirm, learns that it went on, and raises: its
+    # psum after the loop never meets rank 0's psum of step 4 (which would sum 10s with 4s).
+    # Rank 0, in a psum that cannot complete, is ended with its own error.
+    result = launch_in_processes(
+        ranks.one_rank_leaves_the_loop_early,
+        num_processes=2,
+        timeout=120,
+        env={"MESHKIT_CHECK_TIMEOUT": "60"},
+    )
+    text = result.report + "\n".join(r.stdout + r.stderr for r in result.ranks)
+    assert "after the loop" not in text, text
+    assert result.values == [None, None], text
+    assert result.ranks[0].returncode != 0, text
+    assert result.ranks[1].returncode != 0, text
+    assert (
+        "meshkit.global_batches: the processes left their loops at different steps: this "
+        "process (process 1) closed its iterator after step 3, but process 0 took step 4."
+        in result.ranks[1].stderr
+    ), text
+    assert (
+        "process 1 after step 3 closed its iterator, but this process (process 0) took step 4 "
+        "already" in result.ranks[0].stderr
+    ), text
+
+
 def _asks_past_a_close():
     import time
 
@@ -576,20 +603,21 @@ def _asks_past_a_close():
     error = None
     with meshkit.global_batches(loader, mesh, "data", prefetch=3) as it:
         sums = [float(meshkit.gather(next(it)).sum()) for _ in range(2)]
-        if me == 0:
-            it.close()  # after step 2; process 1 goes on
-        meshkit.barrier("process 0 closed")
-        time.sleep(2.5)  # the close watch reads the posts every second
-        if me == 1:
-            try:
+        try:
+            if me == 0:
+                it.close()  # after step 2: it waits for process 1, which goes on
+            else:
+                time.sleep(2.5)  # the close watch reads the posts every second
                 next(it)
-            except meshkit.DivergenceError as e:
-                error = (str(e), e.processes, e.field)
+        except meshkit.DivergenceError as e:
+            error = (str(e), e.processes, e.field)
     meshkit.barrier("after the error")  # the processes go on, in step
     return sums, error
 
 
 def _closed_after_different_steps():
+    import time
+
     import jax
     import numpy as np
 
@@ -602,15 +630,14 @@ def _closed_after_different_steps():
     # No collective in the steps: process 1 takes a third step that process 0 never takes.
     for _ in range(3 if me == 1 else 2):
         next(it)
-    if me == 1:
-        it.close()  # after step 3, before process 0 closes
-    meshkit.barrier("process 1 closed")
-    error = None
+    meshkit.barrier("steps taken")
     if me == 0:
-        try:
-            it.close()
-        except meshkit.DivergenceError as e:
-            error = (str(e), e.processes, e.field)
+        time.sleep(1.0)  # process 1 closes first (else it is a process that took step 3)
+    error = None
+    try:
+        it.close()  # after step 3 on process 1, after step 2 on process 0: both raise
+    except meshkit.DivergenceError as e:
+        error = (str(e), e.processes, e.field)
     meshkit.barrier("after the error")
     return it.steps, error
 
@@ -624,7 +651,16 @@ def test_leaving_the_loop_at_different_steps_is_named(warm_cluster):
         "data or clock."
     )
     asked = warm_cluster.run(_asks_past_a_close, timeout=120, env=_FAST_CHECK)
-    assert asked[0] == ([0.0, 16.0], None)
+    assert asked[0] == (
+        [0.0, 16.0],
+        (
+            "meshkit.global_batches: the processes left their loops at different steps: "
+            "this process (process 0) closed its iterator after step 2, but process 1 asks "
+            f"for step 3.\n{advice}",
+            [1],
+            "steps",
+        ),
+    )
     assert asked[1] == (
         [0.0, 16.0],
         (
@@ -646,7 +682,15 @@ def test_leaving_the_loop_at_different_steps_is_named(warm_cluster):
                 "steps",
             ),
         ),
-        (3, None),
+        (
+            3,
+            (
+                "meshkit.global_batches: the processes left their loops at different steps: "
+                "process 0 after step 2, this process (process 1) after step 3.\n" + advice,
+                [0],
+                "steps",
+            ),
+        ),
     ]
 
 

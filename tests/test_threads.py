@@ -87,12 +87,14 @@ def test_close_from_another_thread_ends_a_waiting_next_and_the_others_are_told()
     assert result.returncode == 0, result.report
     # Steps 1, 2, 3: 8 rows of value 0, 1, 2. Process 0's loader blocks at its 4th batch, so
     # no process's helper has step 4; process 0's close ends its waiting next(), and process 1,
-    # which asks for step 4, is told that process 0 will not take it.
+    # which asks for step 4, is told that process 0 will not take it; it says so, and process
+    # 0's close, which waited for that, raises too.
     for sums, took, _ in result.values:
         assert sums == [0.0, 16.0, 32.0], result.values
         assert took < 20, result.values  # not the 60 s check timeout
     assert [error for _, _, error in result.values] == [
-        None,
+        "meshkit.global_batches: the processes left their loops at different steps: this "
+        "process (process 0) closed its iterator after step 3, but process 1 asks for step 4.",
         "meshkit.global_batches: the processes left their loops at different steps: process 0 "
         "after step 3 closed its iterator, but this process (process 1) asks for step 4, which "
         "process 0 will not take.",

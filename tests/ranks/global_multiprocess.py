@@ -148,3 +148,36 @@ def stop_early_one_closes():
 
 def stop_early_no_close():
     return stop_early("no close")
+
+
+def one_rank_leaves_the_loop_early():
+    """Rank 1 leaves its ``with`` loop after step 3, rank 0 goes on; a psum after the loop.
+
+    The post-loop psum is the same program as the steps' psum: if rank 1 went on after its
+    close, its psum would meet rank 0's psum of step 4 and compute a wrong number.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    me = jax.process_index()
+    total = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
+    tens = meshkit.global_array_from_local(np.full((4, 2), 10, np.float32), mesh, "data")
+
+    def loader():
+        for i in range(1, 100):
+            yield np.full((4, 2), i, np.float32)
+
+    sums = []
+    with meshkit.global_batches(loader(), mesh, "data", prefetch=3) as batches:
+        for b in batches:
+            sums.append(float(total(b)))
+            if me == 1 and len(sums) == 3:
+                break
+    after = float(total(tens))  # 160.0 on every process
+    print(f"rank {me} after the loop: {after}", flush=True)
+    return sums, after

@@ -85,8 +85,17 @@ def closed_from_another_thread():
             yield np.full((4, 2), i, np.float32)
 
     it = meshkit.global_batches(loader(), mesh, "data")
+    closed: list[str] = []
+
+    def close():
+        try:
+            it.close()  # waits for process 1, which asks for step 4
+        except meshkit.DivergenceError as e:
+            closed.append(str(e).splitlines()[0])
+
     if me == 0:
-        threading.Timer(2.0, it.close).start()
+        closer = threading.Timer(2.0, close)
+        closer.start()
     start = time.monotonic()
     sums, error = [], None
     try:
@@ -96,4 +105,7 @@ def closed_from_another_thread():
         error = str(e).splitlines()[0]
     took = time.monotonic() - start
     gate.set()
+    if me == 0:
+        closer.join(60)
+        error = closed[0] if closed else None
     return sums, took, error

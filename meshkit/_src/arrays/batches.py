@@ -10,10 +10,12 @@ End of data is decided together: with ``pad=False`` every loader must end at the
 loader that ends before the others is an error on every process, naming the counts, never a
 silent stop or a hang); with ``pad=True`` the processes that ran out contribute fully padded
 batches until all have (the mask marks real rows). A loop that ends early must end after the
-same step on every process: a process that goes on past a step where another closed its
-iterator gets a `meshkit.DivergenceError` naming it at its next step, or is ended with it when
-it has taken such a step already (`meshkit._src.arrays.closes`; nothing is exchanged per step
-for this). No process is left waiting for ever on a collective that the others will not join.
+same step on every process: a process that closes its iterator waits, once, until every
+process has said how it left its loop, and raises a `meshkit.DivergenceError` if one went on
+or closed after another step; a process that goes on gets it at its next step, or is ended
+with it when it has taken such a step already (`meshkit._src.arrays.closes`; nothing is
+exchanged per step for this). No process computes after its loop while another is still in
+it, and none is left waiting for ever on a collective that the others will not join.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
+from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
@@ -145,6 +148,7 @@ class GlobalBatches(Iterator[Any]):
         self._ended = False  # the data ended, or the iterator failed: a close tells nobody
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
+        self._left = False  # this process said how it left the loop (`closes.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
         self._unwatch = threading.Event()  # ended, failed or closed: no close to watch for
@@ -209,12 +213,15 @@ class GlobalBatches(Iterator[Any]):
         if isinstance(item, _ahead.Failure):
             self._done = self._ended = True
             self._unwatch.set()
+            # a close the helpers' agreement told of: this process asks for the next step
+            self._leave(_closes.ASKS if self._closers else _closes.FAILED)
             raise item.error
         if isinstance(item, _Closed):
             raise StopIteration
         if item is _ahead.END:
             self._done = self._ended = True  # every process ends at this step
             self._unwatch.set()
+            self._leave(_closes.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
@@ -228,6 +235,7 @@ class GlobalBatches(Iterator[Any]):
                 self._done = self._ended = True
                 self._unwatch.set()
         if error is not None:
+            self._leave(_closes.ASKS)
             if self._node is not None:
                 with contextlib.suppress(ValueError):  # raised here, not by a later call
                     self._node.failures.remove(error)
@@ -269,6 +277,7 @@ class GlobalBatches(Iterator[Any]):
             error = self._went_on_error(took=True)
             self._gone = error
         if error is not None:
+            self._leave(_closes.TOOK)  # the closers wait for it before they go on
             self._fail(error)
 
     def _look(self) -> bool:
@@ -299,6 +308,19 @@ class GlobalBatches(Iterator[Any]):
             )  # fmt: skip
             self._node.fail(error, _STUCK_S)
 
+    def _leave(self, how: str) -> bool:
+        """Say once how this process left the loop (`closes.leave`); whether it said it now."""
+        with self._lock:
+            if self._left or not self._together or self._node is None:
+                return False
+            self._left = True
+            steps = self.steps
+        try:
+            _closes.leave(self._node, self._tag, how, steps)
+        except Exception:  # the service is gone: the failure watch says so
+            return False
+        return True
+
     def _release_helpers(self) -> None:
         """Tell the others' helper threads, at their next step, that this one stops (once).
 
@@ -319,18 +341,23 @@ class GlobalBatches(Iterator[Any]):
 
         Callable from any thread: a `__next__` waiting for a batch in another thread raises
         `StopIteration`. In a multi-process program every process must close its iterator
-        after the same step (or let the data end): a process that goes on past a step where
+        after the same step (or let the data end): ``close()`` waits until every process has
+        said how it left its loop (one wait, once per loop), so that nothing computed after
+        the loop meets another process's step; a process that goes on past a step where
         another closed gets a `meshkit.DivergenceError` naming it, at its next step (see
         `global_batches`' ``stop_together``).
 
         Raises:
-            DivergenceError: another process closed its iterator after a different step.
+            DivergenceError: another process closed its iterator after a different step, or
+                went on (took or asked for the next step).
+            MeshkitError: another process did not leave its loop within
+                ``MESHKIT_CHECK_TIMEOUT``.
         """
         error = self._close()
         if error is not None:
             raise error
 
-    def _close(self, *, at_exit: bool = False) -> DivergenceError | None:
+    def _close(self, *, at_exit: bool = False) -> MeshkitError | None:
         """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead)."""
         with self._lock:
             if self._stop.is_set():
@@ -342,16 +369,21 @@ class GlobalBatches(Iterator[Any]):
             if post:
                 self._closed_after = self.steps
         self._handoff.put(_CLOSED)
-        error = self._gone  # this caller took a step a closer did not: the watch found it
-        if post and not (at_exit and _exit.ending()):  # a failing process: fail-fast tells
-            assert self._node is not None
-            closers = _closes.post(self._node, self._tag, self.steps)
-            error = error or _closes.differs(closers, self._me)
+        error: MeshkitError | None = self._gone  # this caller took a step a closer did not
+        # A failing process does not wait: fail-fast tells the others.
+        said = post and not (at_exit and _exit.ending()) and self._leave(_closes.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
             if self._thread.is_alive():
                 self._release_helpers()
                 self._thread.join(_JOIN_TIMEOUT_S)
+        if said:
+            # Wait for every process to say how it left: one that goes on must not meet this
+            # one's computations after the loop in its own step's collectives.
+            assert self._node is not None
+            timeout = _env.check_timeout()
+            left = _closes.confirm(self._node, self._tag, timeout)
+            error = error or _closes.left_error(left, self._node.n, self._me, timeout)
         if error is not None and self._node is not None:
             if not at_exit:
                 with contextlib.suppress(ValueError):  # raised by close, not by a later call
@@ -470,17 +502,21 @@ def global_batches(
         dtype: cast every array to this dtype.
         progress: seconds between progress lines (steps, rows, rows/s) on process 0's stderr;
             None for none.
-        stop_together: check that every process leaves the loop after the same step. A
-            process that closes its iterator early (``close()``, ``break`` then the end of a
-            ``with`` block or of the program) posts its step count once; a process that goes
-            on raises a `meshkit.DivergenceError` naming it when it asks for the next step,
-            or, if it has taken that step already (its helper had assembled it), is ended with
-            that error within seconds, since its computations at that step wait for a process
-            that will not join them; processes that close after different steps raise it
-            from ``close()``. Nothing is exchanged per step: the close is read by a thread
-            about once a second, and a close costs two requests. False turns the check off:
-            a process that closes early then leaves the others to wait in their next
-            collective.
+        stop_together: check that every process leaves the loop after the same step; a loop
+            left early computes nothing wrong on any process. A process that closes its
+            iterator (``close()``, ``break`` then the end of a ``with`` block or of the
+            program) says after which step, and waits until every process has said how it
+            left its loop, before ``close()`` returns: if one closed after another step or
+            went on, ``close()`` raises a `meshkit.DivergenceError` naming those processes and
+            their steps, before anything after the loop runs (where it could meet another
+            process's step in a collective and return a wrong number). A process that goes
+            on raises the error when it asks for the next step, or, if it has taken that step
+            already (its helper had assembled it), is ended with it within seconds, since its
+            computations at that step wait for a process that will not join them. Nothing is
+            exchanged per step: the close is read by a thread about once a second; a close
+            costs one wait (four requests per process), answered when the last process has
+            left. False turns the check off: a process that closes early then leaves the
+            others to wait in their next collective.
         start: resume at this `meshkit.DataPosition` (`GlobalBatches.position`, or
             `meshkit.checkpoint.data_position` of a checkpoint saved with ``data=``): the first
             global batch is the one the saved run would have taken next, and ``steps`` counts
@@ -497,7 +533,8 @@ def global_batches(
 
     Raises:
         DivergenceError: from ``next()`` or ``close()``: another process closed its iterator
-            after a different step (``stop_together``).
+            after a different step, or (from ``close()``) went on past this one's
+            (``stop_together``).
         MeshkitError: ``prefetch``, ``pad``, ``stop_together``, ``check`` or ``progress`` is not
             valid; ``start`` does not fit the source (another loader's, per-process states of
             another process count, steps alone), on every process; or,

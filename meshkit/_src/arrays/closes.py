@@ -4,53 +4,133 @@ The processes' helper threads agree on each step ahead of their callers, so when
 closes its iterator after step k (a ``break``, ``close()``, the end of a ``with`` block), the
 others may already hold step k + 1, agreed with that process's helper. Nothing per step tells
 them that its caller will never take it: that would be a round trip per step in every
-``next()``, whose cost grows with the process count. Instead a process that closes early posts
-its step count once, under the iterator's key (`post`), and every process compares:
+``next()``, whose cost grows with the process count. Instead each process says once, when its
+loop ends, how it left it (`leave`: closed after step k, its data ended after step k, it took
+step k + 1 or asks for it, it failed), under the iterator's key, and:
 
-- **a process that closes** reads the others' posts: one that closed after another step is a
-  `DivergenceError` (`differs`), raised by ``close()``;
+- **a process that closes** waits until every process has said how it left (`confirm`: one
+  wait, answered when the last process says it) and compares (`left_error`): a process that
+  closed after another step, or went on, is a `DivergenceError` raised by ``close()`` before
+  the caller computes anything after its loop (which could meet another process's step);
 - **a process that goes on** learns of the close from a thread that reads the posts about once
   a second (`Watch`; one request per process and period, none per step), or from the closing
   process's last record in the helpers' agreement. Its next ``next()`` raises instead of
   handing out a step the other will not take; if its caller has taken such a step already, it
   is likely waiting in that step's collective, and the process is ended with the error unless a
-  meshkit call raises it within seconds.
+  meshkit call raises it within seconds. Either way it says so first (`leave`), which answers
+  the closing processes.
 
-Every process that closes after the same step is the common case, and costs two requests per
-process at the close.
+Every process that closes after the same step is the common case, and costs one wait at the
+close (four requests per process: the post, the count, the wait, the read).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from ..coord import absent as _absent
 from ..coord.node import Node
-from ..core.errors import DivergenceError
+from ..core import env as _env
+from ..core.errors import DivergenceError, MeshkitError
 from ..lifecycle import failfast as _failfast
 
-__all__ = ["Watch", "differs", "post", "posted", "went_on"]
+__all__ = ["CLOSED", "Watch", "confirm", "differs", "leave", "left_error", "posted", "went_on"]
 
 _WHAT = "meshkit.global_batches"
+
+# How a process left its loop (`leave`), with the steps its caller took then.
+CLOSED = "closed"  # it closed its iterator
+ENDED = "ended"  # its data ended (for every process: the end is agreed)
+TOOK = "took"  # it took a step past a process that closed
+ASKS = "asks"  # it asked for a step past a process that closed
+FAILED = "failed"  # its loop failed (a loader's error, a check)
 
 
 def _key(tag: str) -> str:
     return f"meshkit/closes/{tag}/"
 
 
+def _count_key(tag: str) -> str:
+    return f"meshkit/closes-count/{tag}"
+
+
+def _all_key(tag: str) -> str:
+    return f"meshkit/closes-all/{tag}"
+
+
+def _read(node: Node, tag: str) -> dict[int, tuple[str, int]]:
+    """How each process that said so left its loop: (how, steps its caller took)."""
+    out = {}
+    for k, v in node.service.dir_get(_key(tag)):
+        how, _, steps = v.partition(" ")
+        out[int(k.rsplit("/", 1)[1])] = (how, int(steps))
+    return out
+
+
 def posted(node: Node, tag: str) -> dict[int, int]:
     """The step counts posted so far by processes that closed ``tag``'s iterator early."""
-    return {int(k.rsplit("/", 1)[1]): int(v) for k, v in node.service.dir_get(_key(tag))}
+    return {p: k for p, (how, k) in _read(node, tag).items() if how == CLOSED}
 
 
-def post(node: Node, tag: str, steps: int) -> dict[int, int]:
-    """Post that this process closed after ``steps`` steps; every post so far, this one's too.
+def leave(node: Node, tag: str, how: str, steps: int) -> None:
+    """Say how this process left ``tag``'s loop (once per loop): ``how`` after ``steps`` steps.
 
-    Of two processes that close at once, at least the later reader sees the other's post.
+    The process that says it last marks every process as said (`confirm` waits for that).
     """
-    node.service.set(_key(tag) + str(node.me), str(steps), overwrite=True)
-    return posted(node, tag)
+    node.service.set(_key(tag) + str(node.me), f"{how} {steps}", overwrite=True)
+    if node.service.increment(_count_key(tag), 1) == node.n:
+        node.service.set(_all_key(tag), "1", overwrite=True)
+
+
+def confirm(node: Node, tag: str, timeout: float) -> dict[int, tuple[str, int]]:
+    """Wait until every process has said how it left ``tag``'s loop (`leave`), or ``timeout``.
+
+    Returns what each process said by then.
+    """
+    node.read(_all_key(tag), time.monotonic() + timeout)
+    return _read(node, tag)
+
+
+def _did(how: str, steps: int) -> str:
+    return {
+        CLOSED: f"closed its iterator after step {steps}",
+        ENDED: f"reached the end of its data after step {steps}",
+        TOOK: f"took step {steps}",
+        ASKS: f"asks for step {steps + 1}",
+    }.get(how, f"failed at step {steps + 1}")
+
+
+def left_error(
+    said: dict[int, tuple[str, int]], n: int, me: int, timeout: float
+) -> MeshkitError | None:
+    """The error of process ``me``, which closed its iterator, from what the ``n`` processes said.
+
+    None when every process closed after the same step (or its data ended there).
+    """
+    mine = said[me][1]
+    ahead = {p: hk for p, hk in said.items() if hk[0] not in (CLOSED, ENDED)}
+    if ahead:
+        groups = _absent.by_value({p: _did(*hk) for p, hk in ahead.items()})
+        others = ", ".join(f"{_absent.processes(ps)} {did}" for did, ps in groups.items())
+        return DivergenceError(
+            f"{_WHAT}: the processes left their loops at different steps: this process "
+            f"(process {me}) closed its iterator after step {mine}, but {others}.\n{_ADVICE}",
+            processes=sorted(ahead),
+            field="steps",
+        )
+    error = differs({p: k for p, (_, k) in said.items()}, me)
+    missing = sorted(set(range(n)) - set(said))
+    if error is not None or not missing:
+        return error
+    return MeshkitError(
+        f"{_WHAT}: this process (process {me}) closed its iterator after step {mine}, and "
+        f"{_absent.processes(missing)} did not leave the loop within {timeout:g} s (no "
+        "close, no end of data, no further step asked for).\n"
+        "Every process must leave its loop after the same step.\nConsider looking at those "
+        f"processes' output; {_env.ENV_CHECK_TIMEOUT} sets the wait."
+    )
 
 
 def _after(closers: dict[int, int]) -> str:
