@@ -75,6 +75,14 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
     assert examples >= 4  # init, make_mesh, describe, order_devices
 
 
+def test_version_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "meshkit", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"meshkit {meshkit.__version__}"
+
+
 def test_console_script_and_module_entry():
     exe = shutil.which("meshkit")
     if exe is not None:

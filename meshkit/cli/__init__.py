@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._src.core.errors import LaunchError, MeshkitError
+from .._src.core.version import __version__
 from .._src.migrate.command import EPILOG as MIGRATE_EPILOG
 from .._src.migrate.command import add_arguments as add_migrate_arguments
 
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshkit", description="Multi-host JAX made simple, fast and safe."
     )
+    parser.add_argument("--version", action="version", version=f"meshkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launch = sub.add_parser(
         "launch",
