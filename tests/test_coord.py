@@ -128,7 +128,18 @@ def test_agree_compares_replica_groups():
     outcomes = _together(
         nodes, lambda node: counter.agree(node, "t", "s", "r", timeout=5.0, groups=groups[node.me])
     )
-    assert [o.agreed for o in outcomes] == [False, False]
+    # Equal summaries, one replica group whose summaries differ: not agreed, everyone's record
+    # given, nobody missing.
+    for outcome in outcomes:
+        assert not outcome.agreed
+        assert outcome.records == {0: "r", 1: "r"}
+        assert (outcome.missing, outcome.gave_up) == ((), ())
+    # The same call with equal group summaries agrees: the groups made the difference.
+    same = _together(
+        FakeCluster(2).nodes(),
+        lambda node: counter.agree(node, "t", "s", "r", timeout=5.0, groups=groups[0]),
+    )
+    assert [o.agreed for o in same] == [True, True]
 
 
 def test_agree_names_the_process_that_did_not_come():

@@ -481,9 +481,11 @@ def test_prefetch_to_device_places_elements_and_stays_bounded(size):
 
 def test_prefetch_to_device_over_chosen_devices():
     devices = jax.devices()[4:]
-    out = list(prefetch_to_device(iter([np.ones((4, 3), np.float32)] * 2), 1, devices))
+    elements = [np.full((4, 3), k, np.float32) for k in range(2)]
+    out = list(prefetch_to_device(iter(elements), 1, devices))
     assert len(out) == 2
-    assert_device_axis(out[1], lambda i: [1.0, 1.0, 1.0], devices=devices)
+    for k, element in enumerate(out):  # each element, in order, on the devices chosen
+        assert_device_axis(element, lambda i, k=k: [float(k)] * 3, devices=devices)
 
 
 def test_prefetch_to_device_delivers_earlier_elements_then_the_iterators_error():

@@ -333,12 +333,19 @@ def test_lower_under_another_context_mesh():
 
 
 def test_lower_for_shapes_only():
+    # Lowered from shapes alone (no data), as jax.pmap's lower takes them: the output's shape
+    # and dtype are known, and the compiled program runs on data afterwards.
     f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
+    x = np.arange(N * 2, dtype=np.float32).reshape(N, 2)
     for abstract in (
         jax.ShapeDtypeStruct((N, 2), np.float32),
         jax.core.ShapedArray((N, 2), np.float32),
     ):
-        assert "all-reduce" in f.lower(abstract).compile().as_text()
+        lowered = f.lower(abstract)
+        assert (lowered.out_info.shape, lowered.out_info.dtype) == ((N, 2), np.float32)
+        compiled = lowered.compile()
+        assert "all-reduce" in compiled.as_text()
+        np.testing.assert_array_equal(np.asarray(compiled(x)), np.broadcast_to(x.sum(0), (N, 2)))
 
 
 def test_devices_keep_the_order_given():
