@@ -1,8 +1,8 @@
 """The one wording of "process N did not arrive": who did not come, or who stopped waiting.
 
 Every cross-process check that names processes missing from an agreement words it here, with
-one plural rule, so that the launcher's diagnosis (which reads ``process 3 did not arrive``
-and ``processes 2,5 did not ask``) finds the same shape everywhere.
+one plural rule, so that messages name them the same way everywhere. These are words for
+people; what the launcher reads is the ``failed`` event (`meshkit._src.core.events`).
 """
 
 from __future__ import annotations
