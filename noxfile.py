@@ -51,12 +51,10 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 PYTHONS = ["3.11", "3.12"]
 ROOT = Path(__file__).parent
 _expose_pyenv_interpreters(PYTHONS)
-# Bytecode is cached as Python caches it by default: each module when it is first imported. Where
-# PYTHONDONTWRITEBYTECODE is set, as on our CI machines, nothing is cached, and every test
-# subprocess compiled JAX from source (about 1.7 s each; the test sessions took twice as long).
-# Compiling every installed package when the venv is made (uv's UV_COMPILE_BYTECODE=1) costs
-# 24 s and 44 CPU-s per venv (measured, Python 3.12: 138 packages, most never imported), in each
-# of the 6 venvs a CI run makes; caching on import costs only what is imported, once.
+# Bytecode is cached as Python caches it by default: each module when it is first imported.
+# Where PYTHONDONTWRITEBYTECODE is set, nothing would be cached and every test subprocess would
+# compile JAX from source again; compiling every installed package up front costs more than
+# caching what is imported.
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""
 LAUNCH_HEADER = re.compile(r"^# meshkit-launch:(.*)$", re.MULTILINE)
 
@@ -73,15 +71,12 @@ def install(session: nox.Session, *groups: str) -> None:
 # Six pytest workers, a module to each at a time (a module's warm cluster starts once), handed
 # out in collection order: tests/conftest.py puts the modules that mostly wait first. Much of
 # the suite's time is waiting (timeouts, watchdogs, paced soaks), so on 2 cores workers beyond
-# two still help: 9:54 in one process, 6:21 in two, 5:41 in three (Python 3.11, idle, 744
-# tests); with 1046 tests, 5:42 in four and 5:10 in six on Python 3.11 (1.76 and 1.88 cores
-# busy), 5:34 in six on Python 3.12 (1.92). Later options win: `nox -s tests -- -n 0` runs in
-# this process, `-- -n 8` in eight.
+# two still help. Later options win: `nox -s tests -- -n 0` runs in this process, `-- -n 8` in
+# eight.
 PARALLEL = ["-n", "6", "--dist", "loadfile", "--no-loadscope-reorder"]
 # The plugins the suite uses, named instead of found: pytest rewrites the asserts of every
-# package that declares a plugin (all of hypothesis, 74 modules, and anyio's 30, which the suite
-# does not use), in each of the 5 pytest processes: 1.6 CPU-s per process (Python 3.12), where
-# the rewritten modules' bytecode was not cached.
+# package that declares a plugin (all of hypothesis, and anyio, which the suite does not use), in
+# each pytest process.
 PLUGINS = ["-p", "xdist.plugin", "-p", "pytest_timeout", "-p", "_hypothesis_pytestplugin"]
 
 
@@ -92,9 +87,8 @@ def tests(session: nox.Session) -> None:
     env = {
         "MESHKIT_EXPECT_INSTALLED": "1",
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-        # meshkit.testing forks its ranks from a process that imported JAX once: the suite
-        # took 287 s and 566 CPU-s of the machine where fresh ranks took 338 s and 669 CPU-s
-        # (Python 3.11, idle, same clone, one after the other).
+        # meshkit.testing forks its ranks from a process that imported JAX once (a second of
+        # CPU less per rank than a fresh interpreter).
         "MESHKIT_TESTING_FORK": "1",
     }
     session.run("pytest", *PLUGINS, *PARALLEL, *session.posargs, env=env)
@@ -110,8 +104,7 @@ def lint(session: nox.Session) -> None:
 
 
 # Examples run two at a time: one that waits (a launcher forming its cluster, a restart) leaves
-# the second core to the other. All 16 on Python 3.11: 78 s one at a time, 66 s two at a time,
-# for the same 127 CPU-s of the machine (2 cores).
+# the second core to the other.
 EXAMPLES_AT_ONCE = 2
 EXAMPLE_LIMIT_S = 300  # each example's own limit, as `meshkit launch --timeout` gives it
 

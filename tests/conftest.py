@@ -31,9 +31,7 @@ def _compilation_cache() -> None:
 
     Many in-process tests compile the same small programs again (a new function object, a new
     `pmap_compat`, the same hypothesis draw); with the cache the second compilation is a read.
-    test_pmap, test_spmd, test_legacy and test_collectives in one process, Python 3.12, runs
-    alternating with and without it: 58.6 and 71.5 CPU-s with it, 71.1 and 77.8 without. Every
-    program is kept (no minimum compile time). Each process has its own directory, so none can
+    Every program is kept (no minimum compile time). Each process has its own directory, so none can
     read an entry another is still writing; processes the tests launch get none.
     """
     path = tempfile.mkdtemp(prefix="meshkit-tests-jax-cache-")
@@ -201,7 +199,7 @@ def preemptible_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str
     Returns its FINAL line (loss and parameter digest) and its ``final.npz``. Made once per
     suite run: pytest-xdist's workers share it through their common base directory, the first
     to ask runs it while the others wait on a lock (test_resume and test_slurm compare against
-    it; one run of the example costs about 14 CPU-seconds).
+    it, so the example runs once).
     """
     import fcntl
 
