@@ -156,3 +156,23 @@ def test_a_failing_handler_does_not_raise(caplog):
         _log.say(_log.logger("guards"), logging.ERROR, "meshkit: said while exiting\n")
     finally:
         logging.getLogger("meshkit").removeHandler(broken)
+
+
+def test_a_message_said_just_before_the_exit_leaves_a_buffering_handler():
+    code = """
+        import logging, logging.handlers, sys
+        from meshkit._src.lifecycle import exit as _exit
+
+        target = logging.StreamHandler(sys.stdout)
+        held = logging.handlers.MemoryHandler(100, logging.CRITICAL, target)  # flushed when full
+        logging.getLogger("meshkit").addHandler(held)
+        _exit.now(3, "meshkit: exiting with status 3\\n")
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (3, "meshkit: exiting with status 3\n", "")

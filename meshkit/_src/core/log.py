@@ -108,7 +108,7 @@ def flush() -> None:
     loggers = [logging.getLogger(), logging.getLogger(ROOT)]
     loggers += [
         v
-        for k, v in logging.Logger.manager.loggerDict.items()
+        for k, v in list(logging.Logger.manager.loggerDict.items())  # others may add loggers
         if k.startswith(ROOT + ".") and isinstance(v, logging.Logger)
     ]
     for each in loggers:
