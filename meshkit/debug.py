@@ -24,12 +24,13 @@ does not arrive within the timeout is named as missing, with the last call it ma
 `meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
 several processes pass (which must be equal; a CRC-32 per block).
 
-Debug mode says once on stderr that it is on, with its settings (``meshkit debug: on in process
-0 of 2: timeout 120 s, watchdog 60 s, exit_on_stall True``). It also runs a stall watchdog
-(`meshkit._src.lifecycle.watchdog`): when this process has made no progress for ``watchdog``
-seconds (its main thread waiting in one place, no device work completing, no meshkit call) it
-prints where it is (one ``meshkit watchdog:`` line, which
-``meshkit launch`` collects into its closing summary) and the Python stacks of all its threads.
+Debug mode says once (logged under ``meshkit.debug``) that it is on, with its settings
+(``meshkit debug: on in process 0 of 2: timeout 120 s, watchdog 60 s, exit_on_stall True``).
+It also runs a stall watchdog (`meshkit._src.lifecycle.watchdog`): when this process has made
+no progress for ``watchdog`` seconds (its main thread waiting in one place, no device work
+completing, no meshkit call) it logs where it is (one ``meshkit watchdog:`` message under
+``meshkit.guards``; ``meshkit launch`` puts it in its closing summary) and writes the Python
+stacks of all its threads to stderr.
 If it still makes no progress for another ``timeout`` seconds it exits with status 1, so that
 the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
 

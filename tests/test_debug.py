@@ -6,6 +6,7 @@ What the fresh processes run is in `ranks/debug.py`; the warm cluster runs its o
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -143,13 +144,14 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
     debug.disable()
 
 
-def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, capsys):
+def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="meshkit")
     monkeypatch.setattr(_state.state, "announced", None)
     debug.enable(timeout=30, watchdog=None)
     debug.disable()
     debug.enable(timeout=30, watchdog=None)  # the same settings again: said already
     debug.enable(timeout=8, watchdog=2, exit_on_stall=False)
-    lines = capsys.readouterr().err.splitlines()
+    lines = [r.getMessage() for r in caplog.records if r.name == "meshkit.debug"]
     assert lines == [
         "meshkit debug: on in this process: timeout 30 s, watchdog off, exit_on_stall True "
         "(meshkit.debug.enable sets them).",

@@ -8,12 +8,11 @@ processes' parts, mismatches across processes) is in test_global_multiprocess.py
 
 from __future__ import annotations
 
-import io
+import logging
 import re
 import threading
 import time
 import warnings
-from contextlib import redirect_stderr
 from typing import NamedTuple
 from unittest import mock
 
@@ -486,15 +485,14 @@ def test_global_batches_arguments_are_checked():
         meshkit.global_batches(3, mesh, "data")
 
 
-def test_progress_reports_steps_and_rate():
+def test_progress_reports_steps_and_rate(caplog):
+    caplog.set_level(logging.INFO, logger="meshkit")
     mesh = meshkit.make_mesh({"data": 8})
-    stderr = io.StringIO()
-    with redirect_stderr(stderr):
-        list(
-            meshkit.global_batches(
-                (np.zeros(8, np.float32) for _ in range(3)), mesh, "data", progress=1e-6
-            )
+    list(
+        meshkit.global_batches(
+            (np.zeros(8, np.float32) for _ in range(3)), mesh, "data", progress=1e-6
         )
-    lines = stderr.getvalue().splitlines()
+    )
+    lines = [r.getMessage() for r in caplog.records if r.name == "meshkit.arrays"]
     assert lines[-1].startswith("meshkit.global_batches: done, step 3, 24 rows, ")
     assert re.search(r"running, step 1, 8 rows, [\d,]+ rows/s", lines[0])

@@ -140,13 +140,13 @@ def test_the_agreed_step_is_the_first_one_no_process_has_answered(start, count, 
     assert answers == [s == sync for s in steps]
 
 
-def test_no_agreement_means_no_save_and_the_deadline_ends_the_run(fresh, capfd):
+def test_no_agreement_means_no_save_and_the_deadline_ends_the_run(fresh, caplog):
     fresh.sync = lambda answered, timeout, stop: preemption.Synced(None, False, (2,))
     preemption.receive(None)
     _agree_now()
     assert not any(preemption.reached_sync_point(s) for s in range(5))
     assert "meshkit: no step to save at after the preemption notice: process(es) 2 did not " in (
-        capfd.readouterr().err
+        caplog.text
     )
 
 

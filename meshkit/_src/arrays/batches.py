@@ -21,7 +21,7 @@ it, and none is left waiting for ever on a collective that the others will not j
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 import threading
 import time
 import weakref
@@ -39,6 +39,7 @@ from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import user_stacklevel
+from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import preemption as _preemption
@@ -53,6 +54,7 @@ from .records import Record
 
 __all__ = ["GlobalBatches", "global_batches"]
 
+_LOG = logger("arrays")
 _WHAT = "meshkit.global_batches"
 BatchCheck = bool | Literal["data"]  # global_batches' check=
 BatchPad = bool | Literal["ragged"]  # global_batches' pad=
@@ -444,9 +446,11 @@ class GlobalBatches(Iterator[Any]):
             return
         self._reported = now
         state = "done" if final else "running"
-        sys.stderr.write(
+        say(
+            _LOG,
+            logging.INFO,
             f"{_WHAT}: {state}, step {self.steps}, {self.rows} rows, "
-            f"{self.rows_per_second:,.0f} rows/s\n"
+            f"{self.rows_per_second:,.0f} rows/s\n",
         )
 
     # The helper thread's side.
@@ -500,8 +504,8 @@ def global_batches(
             wait is hidden while it computes); ``"data"`` also hashes every replicated block
             (costly, for debugging); ``False`` compares only the end of data.
         dtype: cast every array to this dtype.
-        progress: seconds between progress lines (steps, rows, rows/s) on process 0's stderr;
-            None for none.
+        progress: seconds between progress lines (steps, rows, rows/s) from process 0, logged
+            at INFO under ``meshkit.arrays`` (stderr by default); None for none.
         stop_together: check that every process leaves the loop after the same step; a loop
             left early computes nothing wrong on any process. A process that closes its
             iterator (``close()``, ``break`` then the end of a ``with`` block or of the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -20,11 +21,19 @@ from typing import Any
 
 from ..core import env as _env
 from ..core import program_thread as _program_thread
-from ..core.errors import DivergenceError, MeshkitError, OutOfStep, say
+from ..core.errors import DivergenceError, MeshkitError, OutOfStep
+from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
 from . import waits as _waits
 from .service import Counted, Service, Stats
+
+_LOG = logger("coord")
+
+
+def _say(text: str) -> None:  # an error no call can raise: a helper thread's, or at exit
+    say(_LOG, logging.ERROR, text, stacklevel=2)
+
 
 __all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
 
@@ -473,11 +482,11 @@ class Node:
         self.failed.set()
         if self.exiting.is_set():
             # Found at exit: no meshkit call will come to raise it; `stop` ends the process.
-            say(f"meshkit: a cross-process check failed:\n{type(error).__name__}: {error}\n")
+            _say(f"meshkit: a cross-process check failed:\n{type(error).__name__}: {error}\n")
             return
         grace = _env.check_timeout() if grace is None else grace
         if not quiet:
-            say(
+            _say(
                 "meshkit: a cross-process check failed; this process's next meshkit call raises "
                 f"it (if none comes within {grace:g} s, the process exits):\n"
                 f"{type(error).__name__}: {error}\n"
@@ -485,7 +494,7 @@ class Node:
 
         def exit_if_unraised() -> None:
             if any(e is error for e in self.failures):
-                say(
+                _say(
                     f"meshkit: exiting with status 1: the failed check above was not raised "
                     f"within {grace:g} s ({_env.ENV_CHECK_TIMEOUT} sets the wait).\n"
                 )
@@ -542,13 +551,13 @@ class Node:
             if thread.is_alive():
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
-            say(
+            _say(
                 "meshkit: exiting with status 1: a cross-process check above failed after this "
                 "process's last meshkit call, so nothing raised it.\n"
             )
             self.on_unraised()
         elif out_of_step is not None:  # raised, caught, and the program went on to its end
-            say(
+            _say(
                 "meshkit: exiting with status 1: a program whose processes went out of step did "
                 f"not succeed.\n{out_of_step}\n"
             )

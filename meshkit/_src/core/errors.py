@@ -6,8 +6,6 @@ that already catches ``ValueError`` around JAX calls keeps working.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Iterable
 
 __all__ = [
@@ -19,7 +17,6 @@ __all__ = [
     "MeshkitTypeError",
     "OutOfStep",
     "ranges",
-    "say",
 ]
 
 
@@ -103,16 +100,6 @@ for _public in (
 ):
     _public.__module__ = "meshkit"
 del _public
-
-
-def say(text: str) -> None:
-    """Write ``text`` to stderr at once; never raises, even with stderr closed.
-
-    For what meshkit cannot raise: a helper thread's finding, a process about to exit.
-    """
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
 
 def ranges(values: Iterable[int], sep: str = ", ") -> str:

@@ -4,15 +4,16 @@ Turning debug mode on makes the divergence check (`.divergence.check`) a dispatc
 checks the calls of `jax.experimental.multihost_utils` (`.multihost`), starts the stall
 watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
 (`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
-that this one leaves, so that their checks name it instead of waiting), and says so on stderr,
-once per setting. ``MESHKIT_DEBUG=1`` turns it on at `meshkit.init` or at the first SPMD call,
-never at import.
+that this one leaves, so that their checks name it instead of waiting), and says so (logged at
+INFO under ``meshkit.debug``), once per setting. ``MESHKIT_DEBUG=1`` turns it on at
+`meshkit.init` or at the first SPMD call, never at import.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
-from ..core.errors import DivergenceError, MeshkitError, say
+from ..core.errors import DivergenceError, MeshkitError
+from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
@@ -32,6 +34,8 @@ from . import multihost as _multihost
 from . import state as _st
 from .state import Settings
 from .state import enabled as enabled
+
+_LOG = logger("debug")
 
 __all__ = [
     "ENV_DEBUG",
@@ -124,7 +128,7 @@ def enable(
 
 
 def _announce(now: Settings) -> None:
-    """Say on stderr that debug mode is on, and how; once per process and settings."""
+    """Say that debug mode is on, and how; once per process and settings."""
     if now == _st.state.announced:
         return
     _st.state.announced = now
@@ -132,8 +136,10 @@ def _announce(now: Settings) -> None:
     watchdog = "off" if now.watchdog is None else f"{now.watchdog:g} s"
     who = f"process {me} of {n}" if n > 1 else "this process"
     say(
+        _LOG,
+        logging.INFO,
         f"meshkit debug: on in {who}: timeout {now.timeout:g} s, watchdog {watchdog}, "
-        f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n"
+        f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n",
     )
 
 

@@ -48,7 +48,7 @@ class State:
         self.observing = False  # the check is a dispatch observer
         self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
-        self.announced: Settings | None = None  # the settings last said on stderr
+        self.announced: Settings | None = None  # the settings last announced
 
 
 state = State()

@@ -17,7 +17,8 @@ meshkit's exit handlers by order, then by registration:
 4. `FLUSH`: flush what is buffered for stdout and stderr.
 
 JAX's handler follows: it shuts ``jax.distributed`` down at a barrier every process must reach.
-A handler that raises is reported on stderr and the next one runs; each runs once.
+A handler that raises is reported (logged under ``meshkit.guards``) and the next one runs; each
+runs once.
 
 **An uncaught exception** reaches meshkit's `sys.excepthook`, which runs the exception handlers
 of an order below `REPORT` (debug mode's leaving record), then the hook it replaced (which prints
@@ -36,6 +37,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -46,7 +48,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from ..core import compat as _compat
-from ..core.errors import say
+from ..core.log import flush as flush_logs
+from ..core.log import logger, say
+
+_LOG = logger("guards")
 
 __all__ = [
     "DRAIN",
@@ -178,7 +183,11 @@ def _call(handler: _Handler, *args: object) -> None:
     try:
         handler.call(*args)
     except Exception as e:  # one handler's failure must not keep the others from running
-        say(f"meshkit: the exit handler {handler.name!r} failed: {type(e).__name__}: {e}\n")
+        say(
+            _LOG,
+            logging.ERROR,
+            f"meshkit: the exit handler {handler.name!r} failed: {type(e).__name__}: {e}\n",
+        )
 
 
 def run_exit_handlers() -> None:
@@ -217,6 +226,7 @@ def end(
     announce: str = "",
     late: str = "",
     final: Callable[[], None] | None = None,
+    level: int = logging.ERROR,
 ) -> None:
     """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit.
 
@@ -228,21 +238,25 @@ def end(
     Args:
         status: the exit status.
         grace: seconds the exit handlers get.
-        announce: said on stderr first (what ends the process).
+        announce: said first (what ends the process), logged under ``meshkit.guards``.
         late: said when the exit handlers are still running after ``grace`` seconds.
         final: the last step before the exit (run once, whichever path exits).
+        level: the `logging` level of ``announce`` and ``late``.
     """
     if not _ending.acquire(blocking=False):
         return
     if announce:
-        say(announce)
+        say(_LOG, level, announce)
     if _registry.interpreter_exiting:
         # Reached from an exit handler (a SIGTERM while Python runs its atexit list): no thread
         # may start to bound the handlers, and they are running already. Exit now.
         _exit(status, final)
         return
     timer = threading.Thread(
-        target=_exit_after, args=(grace, late, final, status), name="meshkit-exit", daemon=True
+        target=_exit_after,
+        args=(grace, late, final, status, level),
+        name="meshkit-exit",
+        daemon=True,
     )
     timer.start()
     if threading.current_thread() is threading.main_thread():
@@ -251,14 +265,16 @@ def end(
     _exit(status, final)
 
 
-def _exit_after(seconds: float, late: str, final: Callable[[], None] | None, status: int) -> None:
+def _exit_after(
+    seconds: float, late: str, final: Callable[[], None] | None, status: int, level: int
+) -> None:
     time.sleep(seconds)
     if late:
-        say(late)
+        say(_LOG, level, late)
     _exit(status, final)
 
 
-def now(status: int, message: str = "") -> None:
+def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
     """Say ``message`` and exit with ``status`` at once, running no exit handler.
 
     For a process that must not wait for anything (a stall that would last for ever, a peer
@@ -267,7 +283,7 @@ def now(status: int, message: str = "") -> None:
     if not _ending.acquire(blocking=False):
         return
     if message:
-        say(message)
+        say(_LOG, level, message)
     _exit(status, None)
 
 
@@ -287,3 +303,4 @@ def _flush() -> None:
     with contextlib.suppress(Exception):  # a closed stream has nothing left to lose
         sys.stdout.flush()
         sys.stderr.flush()
+    flush_logs()  # a message said just before `os._exit` must leave this process first

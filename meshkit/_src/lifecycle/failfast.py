@@ -25,6 +25,7 @@ Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -35,10 +36,13 @@ from typing import Any
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
-from ..core.errors import DivergenceError, say
+from ..core.errors import DivergenceError
+from ..core.log import logger, say
 from . import diagnose as _diagnose
 from . import exit as _exit
 from . import preemption as _preemption
+
+_LOG = logger("guards")
 
 __all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "poll_period", "settings"]
 
@@ -141,7 +145,7 @@ def _on_exception(
         return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
-        say(_diagnose.explain(diagnosis) + "\n")
+        say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
     _end(
         f"{text.splitlines()[0][:300]}",
@@ -302,8 +306,10 @@ class _EndNote(threading.Thread):
         self.ended.wait()
         time.sleep(_ENDED_AFTER_S)
         say(
+            _LOG,
+            logging.WARNING,
             f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
             "waits at JAX's shutdown barrier for the other processes (one still running, or "
-            "stuck in a computation this one never joined).\n"
+            "stuck in a computation this one never joined).\n",
         )
         _events.emit(_events.ENDED)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import select
 import signal
@@ -45,8 +46,10 @@ from dataclasses import dataclass
 from ..core import env as _env
 from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
-from ..core.errors import say
+from ..core.log import logger, say
 from . import exit as _exit
+
+_LOG = logger("guards")
 
 __all__ = [
     "ENV_PREEMPT_GRACE",
@@ -310,8 +313,10 @@ def saved(step: int | None) -> None:
         return
     _event("saved", notice_, saved=step)
     say(
+        _LOG,
+        logging.WARNING,
         f"meshkit: preempted ({notice_.source}): saved step {step}; exiting with status "
-        f"{PREEMPTED} for the scheduler to start the run again.\n"
+        f"{PREEMPTED} for the scheduler to start the run again.\n",
     )
     raise SystemExit(PREEMPTED)
 
@@ -366,6 +371,7 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
             f"save and stop within {ENV_PREEMPT_GRACE}={_state.grace:g} s; exiting with status "
             f"{PREEMPTED}.\n"
         ),
+        level=logging.WARNING,
     )
 
 
@@ -393,6 +399,7 @@ def lost_service(notice_: PreemptionNotice) -> None:
         PREEMPTED,
         f"meshkit: preempted ({notice_.source}): process 0, which hosts the coordination "
         f"service, has ended; exiting with status {PREEMPTED}.\n",
+        level=logging.WARNING,
     )
 
 
@@ -413,6 +420,7 @@ def end_after_error(notice_: PreemptionNotice, error: str) -> None:
         PREEMPTED,
         f"meshkit: preempted ({notice_.source}): the other processes ended at the deadline "
         f"({error}); exiting with status {PREEMPTED}.\n",
+        level=logging.WARNING,
     )
 
 
@@ -456,14 +464,20 @@ class _Thread(threading.Thread):
                     return
                 synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
         except Exception as e:  # the service is gone: no sync step, the deadline ends the run
-            say(f"meshkit: could not agree on a step to save at after the notice: {e}\n")
+            say(
+                _LOG,
+                logging.WARNING,
+                f"meshkit: could not agree on a step to save at after the notice: {e}\n",
+            )
             synced = Synced(None, agreed=False)
         if not synced.agreed and not _state.stop.is_set():
             who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
                 "some process")  # fmt: skip
             say(
+                _LOG,
+                logging.WARNING,
                 f"meshkit: no step to save at after the preemption notice: {who} did not take "
-                "part in time; the deadline ends the run.\n"
+                "part in time; the deadline ends the run.\n",
             )
         with _state.lock:
             _state.synced = synced
@@ -481,4 +495,8 @@ class _Thread(threading.Thread):
                 if not _state.stop.is_set():  # the process ends: no request may start now
                     tell(notice_)
         except Exception as e:  # the others then learn it from JAX's protocol, or not at all
-            say(f"meshkit: could not tell the other processes of the preemption notice: {e}\n")
+            say(
+                _LOG,
+                logging.WARNING,
+                f"meshkit: could not tell the other processes of the preemption notice: {e}\n",
+            )

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -52,9 +53,12 @@ from ..core import compat as _compat
 from ..core import events as _events
 from ..core import program_thread as _program_thread
 from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
-from ..core.errors import say
 from ..core.frames import in_meshkit, short_path, user_frame
+from ..core.log import flush as flush_logs
+from ..core.log import logger, say
 from . import exit as _exit
+
+_LOG = logger("guards")
 
 __all__ = [
     "DEMAND_SHARE",
@@ -323,11 +327,17 @@ class Watchdog(threading.Thread):
         last = self.last_call()
         _events.emit(_events.STALLED, inside=inside, frame=here, idle=round(idle, 1), last=last)
         say(
+            _LOG,
+            logging.WARNING,
             f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
             f"main thread waited in one place, no device work completed, no meshkit call); "
             f"main thread now {here}, {where}; last meshkit call: "
-            f"{last or 'none'}. Stacks follow.\n"
+            f"{last or 'none'}. Stacks follow.\n",
         )
+        # The stacks stay a direct write to stderr's file descriptor: faulthandler writes them
+        # from C without running Python code in (or waiting on a lock held by) the stuck
+        # process's threads, which a `logging` handler could. Flush the message first.
+        flush_logs()
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         with contextlib.suppress(Exception):

@@ -1,0 +1,117 @@
+"""meshkit's messages for people, through `logging` under the ``"meshkit"`` logger.
+
+Each concept logs under its own child (``meshkit.runtime``, ``meshkit.guards``,
+``meshkit.coord``, ``meshkit.arrays``, ``meshkit.debug``), so a program filters or routes them as
+it does JAX's. Where the program configured no logging at all (no handler on ``"meshkit"`` nor on
+the root logger), the first message installs one handler on ``"meshkit"`` that writes each message
+to ``sys.stderr`` as it is, so the text on stderr is the same as without logging; it steps aside
+as soon as a handler appears on either logger (``logging.basicConfig`` after the first message).
+The first message also sets the level of ``"meshkit"`` to INFO where the program set none.
+Nothing is installed at import.
+
+Structured events (`meshkit._src.core.events`) are read by programs and do not come here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import TextIO
+
+__all__ = ["ROOT", "logger", "say"]
+
+ROOT = "meshkit"
+
+_lock = threading.Lock()
+_said = threading.Event()  # a first message was said: the level and handler are settled
+
+
+class _Stderr(logging.StreamHandler):
+    """The default handler: the message alone, to the ``sys.stderr`` of the moment of the call.
+
+    Looked up at each message, not kept, so that a redirected or captured stderr receives it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        del value  # always the stderr of the moment
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if _configured(besides=self):
+            return False  # the program's own handlers have it (through propagation)
+        return bool(super().handle(record))
+
+
+def _configured(besides: logging.Handler | None = None) -> bool:
+    """Whether the program put a handler on ``"meshkit"`` or on the root logger."""
+    mine = [h for h in logging.getLogger(ROOT).handlers if h is not besides]
+    return bool(mine or logging.getLogger().handlers)
+
+
+def _first_message() -> None:
+    """At the first message: the level INFO where unset, the stderr handler where none is.
+
+    meshkit's INFO messages (debug mode's announcement, `global_batches`' progress) are ones
+    the program asked for, so they show under a root logger at WARNING too (``basicConfig()``
+    with no level, which absl calls the first time it logs, as orbax does at import); a level
+    the program set on ``"meshkit"`` is kept.
+    """
+    if _said.is_set():
+        return
+    with _lock:
+        if _said.is_set():
+            return
+        top = logging.getLogger(ROOT)
+        if top.level == logging.NOTSET:
+            top.setLevel(logging.INFO)
+        if not _configured():
+            top.addHandler(_Stderr())
+        _said.set()
+
+
+def logger(concept: str) -> logging.Logger:
+    """The logger of one concept: ``logging.getLogger("meshkit." + concept)``.
+
+    Example:
+        >>> logger("runtime").name
+        'meshkit.runtime'
+    """
+    return logging.getLogger(f"{ROOT}.{concept}")
+
+
+def say(log: logging.Logger, level: int, text: str, *, stacklevel: int = 1) -> None:
+    """Log ``text`` (one trailing newline dropped: the handler adds it); never raises.
+
+    The record names the caller's line (``stacklevel`` as in `logging.Logger.log`, counted
+    from the caller).
+
+    For what meshkit cannot raise: a helper thread's finding, a process about to exit. A
+    failing handler must not turn a message into a second failure, hence no exception escapes.
+    """
+    with contextlib.suppress(Exception):
+        _first_message()
+        log.log(level, text.removesuffix("\n"), stacklevel=stacklevel + 1)
+
+
+def flush() -> None:
+    """Flush the handlers of meshkit's loggers and the root logger (before ``os._exit``)."""
+    loggers = [logging.getLogger(), logging.getLogger(ROOT)]
+    loggers += [
+        v
+        for k, v in list(logging.Logger.manager.loggerDict.items())  # others may add loggers
+        if k.startswith(ROOT + ".") and isinstance(v, logging.Logger)
+    ]
+    for each in loggers:
+        for handler in list(each.handlers):
+            with contextlib.suppress(Exception):
+                handler.flush()
