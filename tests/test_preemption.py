@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -264,6 +265,8 @@ def test_should_save_refuses_bad_arguments(kwargs, message):
 _ALONE = """
 import os, signal, sys, time
 import meshkit
+if sys.argv[4:] == ["user-handler"]:  # the program's own handler, set before init: chained
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("USER HANDLER", signum, flush=True))
 if sys.argv[2] == "init":
     meshkit.init()
 import jax.numpy as jnp
@@ -305,6 +308,16 @@ def test_alone_the_notice_saves_at_the_step_it_came_and_ends_with_143(tmp_path, 
     assert found.group(1) in ("4", "5"), out.stderr
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["step_3", f"step_{found.group(1)}"]
+
+
+def test_a_sigterm_handler_set_before_init_is_chained(tmp_path):
+    require("orbax.checkpoint", "orbax")
+    out = _alone(tmp_path, "init", "check", "user-handler")
+    assert out.returncode == 143, out.stderr
+    lines = out.stdout.split("\n")
+    assert f"USER HANDLER {int(signal.SIGTERM)}" in lines, out.stdout  # the program's, once
+    assert lines.count(f"USER HANDLER {int(signal.SIGTERM)}") == 1
+    assert "meshkit: preempted (SIGTERM): saved step" in out.stderr  # and meshkit's notice
 
 
 def test_alone_a_program_that_never_checks_ends_at_the_deadline(tmp_path):

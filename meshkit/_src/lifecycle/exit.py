@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from ..core import compat as _compat
 from ..core.log import flush as flush_logs
@@ -95,6 +96,7 @@ class _Registry:
     ran: set[str] = field(default_factory=set)  # exit handlers already run
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
+    previous_sigterm: Callable[[int, Any], Any] | None = None  # the program's, chained
     sigterm_wakeup: int | None = None  # None: SIGTERM not taken yet
     interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
 
@@ -150,7 +152,8 @@ def on_sigterm(handler: Callable[[], None]) -> int:
     in a collective would never run it; the signal also writes a wake-up byte to a pipe, whose
     read end a watching thread can select on to act itself (fail-fast's failure watch does).
     Only the main thread may take a signal; SIGTERM is taken once (a second call replaces the
-    handler and returns the same pipe).
+    handler and returns the same pipe). A Python handler the program set before is chained:
+    called after ``handler``, with the signal's arguments.
 
     Returns:
         The wake-up pipe's read end; -1 where a wake-up fd was in use already (asyncio's), or
@@ -159,7 +162,18 @@ def on_sigterm(handler: Callable[[], None]) -> int:
     with _lock:
         if threading.current_thread() is not threading.main_thread():
             return -1
-        signal.signal(signal.SIGTERM, lambda signum, frame: handler())
+        before = signal.getsignal(signal.SIGTERM)
+        if callable(before) and not getattr(before, "_meshkit", False):
+            _registry.previous_sigterm = before
+
+        def take(signum: int, frame: Any) -> None:
+            handler()
+            previous = _registry.previous_sigterm
+            if previous is not None:
+                previous(signum, frame)
+
+        take._meshkit = True  # type: ignore[attr-defined]
+        signal.signal(signal.SIGTERM, take)
         if _registry.sigterm_wakeup is not None:
             return _registry.sigterm_wakeup
         read, write = os.pipe()
