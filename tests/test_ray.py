@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ def _job(
     require("ray", "the Ray tests start a local Ray cluster")
     require("ray.train.v2.jax", "Ray Train's JaxTrainer")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "JAX_"))}
-    env.update({"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    env.update(
+        {"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+    )
     if heartbeat is not None:
         env["RAY_JOB_HEARTBEAT"] = str(heartbeat)
     done = subprocess.run(
@@ -47,6 +50,12 @@ def _job(
     return done, totals
 
 
+def _lines(stdout: str, word: str) -> list[str]:
+    """The driver's lines holding ``word``: Ray forwards the workers' output to the same stdout,
+    a piece of which may stand before the driver's line without a newline of its own."""
+    return [line for line in stdout.splitlines() if word in line]
+
+
 def _ray_processes_left() -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if "raylet" in ln or "gcs_server" in ln]
@@ -56,7 +65,7 @@ def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path):
     done, _ = _job(tmp_path, "actors")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = sorted(
-        (json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")),
+        (json.loads(ln[ln.index("RESULT ") + 7 :]) for ln in _lines(done.stdout, "RESULT ")),
         key=lambda r: r["rank"],
     )
     assert [(r["process"], r["processes"], r["devices"]) for r in results] == [(0, 2, 8), (1, 2, 8)]
@@ -89,9 +98,9 @@ def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat
     done, _ = _job(tmp_path, "actors", "die:1", heartbeat=10)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     errors = {
-        int(line.split()[1]): (float(line.split()[2]), line)
-        for line in done.stdout.splitlines()
-        if line.startswith("ERROR ")
+        int(m.group(1)): (float(m.group(2)), line)
+        for line in _lines(done.stdout, "ERROR ")
+        if (m := re.search(r"ERROR (\d+) ([\d.]+) ", line))
     }
     assert sorted(errors) == [0, 1], done.stdout[-3000:]
     assert "ActorDiedError" in errors[1][1]
