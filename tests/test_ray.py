@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require
+from conftest import processes_with_marker, require
 
 from meshkit.testing import free_ports
 
@@ -27,7 +27,7 @@ JOB = Path(__file__).resolve().parent / "ray_programs" / "ray_job.py"
 
 
 def _job(
-    tmp_path: Path, mode: str, *extra: str, heartbeat: int | None = None
+    tmp_path: Path, marker: str, mode: str, *extra: str, heartbeat: int | None = None
 ) -> tuple[subprocess.CompletedProcess[str], list]:
     require("ray", "the Ray tests start a local Ray cluster")
     require("ray.train.v2.jax", "Ray Train's JaxTrainer")
@@ -35,6 +35,7 @@ def _job(
     env.update(
         {"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
     )
+    env["MESHKIT_TEST_MARKER"] = marker  # Ray's processes inherit it: none may outlive the job
     if heartbeat is not None:
         env["RAY_JOB_HEARTBEAT"] = str(heartbeat)
     done = subprocess.run(
@@ -56,13 +57,13 @@ def _lines(stdout: str, word: str) -> list[str]:
     return [line for line in stdout.splitlines() if word in line]
 
 
-def _ray_processes_left() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "raylet" in ln or "gcs_server" in ln]
+def _ray_processes_left(marker: str) -> list[int]:
+    """This job's processes still alive (Ray's gcs_server, raylet and workers included)."""
+    return processes_with_marker(marker)
 
 
-def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path):
-    done, _ = _job(tmp_path, "actors")
+def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker):
+    done, _ = _job(tmp_path, marker, "actors")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = sorted(
         (json.loads(ln[ln.index("RESULT ") + 7 :]) for ln in _lines(done.stdout, "RESULT ")),
@@ -73,11 +74,11 @@ def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path):
     assert {r["total"] for r in results} == {24.0}
     assert {r["step_total"] for r in results} == {24.0}
     assert {r["source"] for r in results} == {"jax.distributed"}
-    assert not _ray_processes_left()
+    assert not _ray_processes_left(marker)
 
 
-def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker(tmp_path):
-    done, totals = _job(tmp_path, "trainer", "1")
+def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker(tmp_path, marker):
+    done, totals = _job(tmp_path, marker, "trainer", "1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = {t["rank"]: t for t in totals}
     assert sorted(ranks) == [0, 1], done.stdout[-3000:]
@@ -87,15 +88,15 @@ def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker
         assert (t["processes"], t["devices"], t["total"]) == (2, 8, 24.0)
     assert "FAILED WorkerGroupError" in done.stdout
     assert "RuntimeError: rank 1 fails at step 1" in done.stdout
-    assert not _ray_processes_left()
+    assert not _ray_processes_left(marker)
 
 
-def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(tmp_path):
+def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(tmp_path, marker):
     # Rank 1's process dies (os._exit) while rank 0 waits in a collective: no exception to
     # report, nothing told. Ray names the dead actor at once; rank 0 ends when JAX's
     # coordination service misses rank 1's heartbeats (10 s here, 100 s by JAX's default),
     # naming task 1. Never a hang.
-    done, _ = _job(tmp_path, "actors", "die:1", heartbeat=10)
+    done, _ = _job(tmp_path, marker, "actors", "die:1", heartbeat=10)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     errors = {
         int(m.group(1)): (float(m.group(2)), line)
@@ -107,4 +108,4 @@ def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat
     assert errors[0][0] - errors[1][0] < 60  # JAX's heartbeat ended rank 0, not a timeout
     output = done.stdout + done.stderr
     assert "stopped sending heartbeats" in output
-    assert not _ray_processes_left()
+    assert not _ray_processes_left(marker)
