@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,13 @@ def _lines(stdout: str, word: str) -> list[str]:
     return [line for line in stdout.splitlines() if word in line]
 
 
-def _ray_processes_left(marker: str) -> list[int]:
-    """This job's processes still alive (Ray's gcs_server, raylet and workers included)."""
-    return processes_with_marker(marker)
+def _ray_processes_left(marker: str, wait: float = 30.0) -> list[int]:
+    """This job's processes still alive ``wait`` seconds after it ended (Ray's gcs_server,
+    raylet and workers included: ``ray.shutdown`` stops them, its workers end a moment later)."""
+    deadline = time.monotonic() + wait
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker):
