@@ -58,13 +58,24 @@ def _lines(stdout: str, word: str) -> list[str]:
     return [line for line in stdout.splitlines() if word in line]
 
 
-def _ray_processes_left(marker: str, wait: float = 30.0) -> list[int]:
-    """This job's processes still alive ``wait`` seconds after it ended (Ray's gcs_server,
-    raylet and workers included: ``ray.shutdown`` stops them, its workers end a moment later)."""
+def _ray_processes_left(marker: str, wait: float = 30.0) -> list[str]:
+    """This job's Ray cluster processes (gcs_server, raylet) alive ``wait`` seconds after it.
+
+    ``ray.shutdown`` stops them; an idle worker Ray started may take longer to notice, and is
+    killed here (the marker fixture then finds nothing of the job left)."""
     deadline = time.monotonic() + wait
     while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return left
+    cluster = []
+    for pid in left:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "gcs_server" in args or "raylet" in args:
+                cluster.append(args)
+            os.kill(pid, 9)
+        except OSError:
+            pass  # ended meanwhile
+    return cluster
 
 
 def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker):
