@@ -30,6 +30,7 @@ from meshkit.testing import launch_in_processes
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.waits,  # for timeouts, a watchdog, a notice
     pytest.mark.warm_cluster(num_processes=2, devices_per_process=4, timeout=120),
 ]
 
@@ -75,9 +76,9 @@ def _launch(program, env: dict[str, str], limit: float = 90):
     return result, text
 
 
-# Debug mode's stall watchdog: after 2 s without progress a process prints where it is, and
-# ends 4 s later. Under the defaults nothing detects a stuck process (see the last test).
-WATCHDOG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "4", "MESHKIT_WATCHDOG": "2"}
+# Debug mode's stall watchdog: after 3 s without progress a process prints where it is, and
+# ends 6 s later. Under the defaults nothing detects a stuck process (see the last test).
+WATCHDOG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "6", "MESHKIT_WATCHDOG": "3"}
 
 # The programs run in fresh processes, and their settings.
 FRESH = {
@@ -168,19 +169,19 @@ def test_replicas_that_differ_raise_in_the_call_with_check_data(warm_cluster):
 
 
 def test_replicas_that_differ_raise_at_the_next_meshkit_call_under_the_default(warm_cluster):
-    # The default check compares sampled digests of replicas beside the caller: call 16
-    # returns, and the next meshkit call (the barrier) raises on every process.
+    # The default check compares sampled digests of replicas beside the caller: the error comes
+    # from call 16 itself or, at the latest, from the next meshkit call (the barrier).
     results = warm_cluster.run(failures.replicas_differ_in_a_steady_loop, None, env=FAST)
     for computed, kind, message, line in results:
         assert computed[:15] == [4.0] * 15
-        assert len(computed) == 16
         assert kind == "MeshkitError"
-        assert message.splitlines()[0] == (
-            "meshkit.global_array_from_local (call #16, checked after it returned): processes "
-            "[0] vs [1] hold the same block of (the array) (starting at (0,)) as replicas, but "
-            "passed different data for it."
-        )
-        assert line == _line("barrier")
+        assert re.fullmatch(
+            r"meshkit\.global_array_from_local( \(call #16, checked after it returned\))?: "
+            r"processes \[0\] vs \[1\] hold the same block of \(the array\) \(starting at "
+            r"\(0,\)\) as replicas, but passed different data for it\.",
+            message.splitlines()[0],
+        ), message
+        assert line in (_line("steady"), _line("barrier"))
 
 
 @pytest.mark.xfail(
