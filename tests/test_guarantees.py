@@ -80,14 +80,21 @@ def _launch(program, env: dict[str, str], limit: float = 90):
 # ends 6 s later. Under the defaults nothing detects a stuck process (see the last test).
 WATCHDOG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "6", "MESHKIT_WATCHDOG": "3"}
 
-# The programs run in fresh processes, and their settings.
+# The runs in fresh processes: a name for each, its program and its settings.
 FRESH = {
-    failures.shape_mismatch: FAST,
-    failures.only_process_0_runs_a_compiled_step: {"MESHKIT_CHECK_TIMEOUT": "5"},
-    failures.loop_left_early: FAST,
-    failures.process_dies: FAST,
-    failures.preempted: FAST,
-    failures.stuck: WATCHDOG,
+    "shape": (failures.shape_mismatch, FAST),
+    "compiled alone": (
+        failures.only_process_0_runs_a_compiled_step,
+        {"MESHKIT_CHECK_TIMEOUT": "5"},
+    ),
+    "compiled alone, debug": (
+        failures.only_process_0_runs_a_compiled_step,
+        {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "10", "MESHKIT_CHECK_TIMEOUT": "5"},
+    ),
+    "loop": (failures.loop_left_early, FAST),
+    "dies": (failures.process_dies, FAST),
+    "preempted": (failures.preempted, FAST),
+    "stuck": (failures.stuck, WATCHDOG),
 }
 
 
@@ -110,8 +117,8 @@ def fresh_runs(request: pytest.FixtureRequest):
     marker = uuid.uuid4().hex
     with ThreadPoolExecutor(len(FRESH)) as pool:
         runs = {
-            program: pool.submit(_launch, program, {**env, "MESHKIT_TEST_MARKER": marker})
-            for program, env in (FRESH.items() if _selected(request, "fresh_runs") else ())
+            name: pool.submit(_launch, program, {**env, "MESHKIT_TEST_MARKER": marker})
+            for name, (program, env) in (FRESH.items() if _selected(request, "fresh_runs") else ())
         }
         if _selected(request, "warm_cluster"):
             request.getfixturevalue("warm_cluster")  # starts while the fresh runs run
@@ -122,9 +129,9 @@ def fresh_runs(request: pytest.FixtureRequest):
     assert not left, f"processes left behind: {left}"
 
 
-def _run(fresh_runs: dict[object, Future], program):
-    """The fresh run of ``program``: its launch result and every line it printed."""
-    return fresh_runs[program].result()
+def _run(fresh_runs: dict[str, Future], name: str):
+    """The fresh run called ``name``: its launch result and every line it printed."""
+    return fresh_runs[name].result()
 
 
 # ---- layout or shape mismatch ------------------------------------------------------------------
@@ -134,7 +141,7 @@ def test_a_layout_mismatch_raises_in_the_call_before_any_computation_on_it_compl
     # Process 1 passes 8 rows at step 15 of a steady loop, process 0 4 rows. Process 1's layout
     # changed, so its call waits for the verdict and raises; process 0's repeated, so it returns
     # and its psum waits for process 1, until the failure ends it. No step 15 is printed.
-    result, text = _run(fresh_runs, failures.shape_mismatch)
+    result, text = _run(fresh_runs, "shape")
     assert result.returncode != 0, text
     for rank in result.ranks:
         assert _printed(rank.stdout, "STEP") == [(k, STEP) for k in range(1, 15)], text
@@ -236,10 +243,32 @@ def test_a_computation_only_one_process_runs_is_named_at_the_programs_lines(warm
     "compute 44.0 (80.0 and 8.0 are right); only a timeout at a later meshkit call ends the run",
 )
 def test_a_compiled_computation_one_process_runs_alone_computes_nothing_wrong(fresh_runs):
-    result, text = _run(fresh_runs, failures.only_process_0_runs_a_compiled_step)
+    result, text = _run(fresh_runs, "compiled alone")
     for rank in result.ranks:
         assert all(v == STEP for _, v in _printed(rank.stdout, "STEP")), text
         assert all(v == 80.0 for _, v in _printed(rank.stdout, "EVAL")), text
+
+
+def test_with_debug_mode_a_compiled_computation_one_process_runs_alone_is_named_before_it_runs(
+    fresh_runs,
+):
+    # Debug mode compares the order of every process's meshkit calls: process 0's evaluation
+    # (an spmd call where process 1 makes its next global_array_from_local) waits for its
+    # verdict, since it breaks the pattern of the calls before it, and raises before it runs.
+    result, text = _run(fresh_runs, "compiled alone, debug")
+    assert result.returncode != 0, text
+    for rank in result.ranks:
+        assert all(v == STEP for _, v in _printed(rank.stdout, "STEP")), text
+        assert _printed(rank.stdout, "EVAL") == [], text
+    message = (
+        r"meshkit\.DivergenceError: meshkit debug: SPMD call #\d+ of the program: process 0 "
+        r"called <lambda> \(spmd, made at failures\.py:\d+\); process 1 called "
+        r"meshkit\.global_array_from_local \(global_array_from_local\)\.\n"
+    )
+    stderr = result.ranks[0].stderr
+    frame = f'{PROGRAM}", line {_line("alone again")}, in only_process_0_runs_a_compiled_step\n'
+    assert frame in stderr, stderr
+    assert re.search(message, stderr.split(frame, 1)[1]), stderr
 
 
 # ---- a loop left at different steps -----------------------------------------------------------
@@ -250,7 +279,7 @@ def test_a_loop_left_early_computes_nothing_wrong_on_any_process(fresh_runs):
     # after the loop (80.0 is right). Rank 1's psum after the loop must not meet rank 0's psum
     # of step 4 (44.0): rank 1's close() waits until rank 0 says how it left, learns that it
     # took step 4, and raises before the program computes anything after the loop.
-    result, text = _run(fresh_runs, failures.loop_left_early)
+    result, text = _run(fresh_runs, "loop")
     for rank in result.ranks:
         assert _printed(rank.stdout, "STEP") == [(k, STEP) for k in (1, 2, 3)], text
         after = _printed(rank.stdout, "AFTER")
@@ -279,7 +308,7 @@ def test_a_loop_left_early_computes_nothing_wrong_on_any_process(fresh_runs):
 def test_a_process_that_dies_ends_the_others_before_they_compute_on(fresh_runs):
     # Process 1 is killed (SIGKILL) before step 4; process 0 waits in step 4's psum. The
     # launcher sees the death and stops process 0.
-    result, text = _run(fresh_runs, failures.process_dies)
+    result, text = _run(fresh_runs, "dies")
     assert result.returncode != 0, text
     assert result.first_failure == 1, text
     assert "rank 1 failed first (killed by SIGKILL)" in result.report, text
@@ -297,7 +326,7 @@ def test_a_process_that_dies_ends_the_others_before_they_compute_on(fresh_runs):
 def test_a_preemption_notice_saves_at_one_step_on_every_process_and_ends_143(fresh_runs):
     # Process 1 receives SIGTERM after step 5. `should_save` says yes at the same step on both,
     # which then end with status 143, as a save after a notice ends them.
-    result, text = _run(fresh_runs, failures.preempted)
+    result, text = _run(fresh_runs, "preempted")
     saved = {r.rank: _printed(r.stdout, "SAVE") for r in result.ranks}
     assert set(saved) == {0, 1}, text
     ((_, step),) = saved[0]
@@ -321,7 +350,7 @@ def test_a_preemption_notice_saves_at_one_step_on_every_process_and_ends_143(fre
 
 
 def test_a_stuck_process_is_shown_where_it_waits_and_the_run_ends_with_the_watchdog(fresh_runs):
-    result, text = _run(fresh_runs, failures.stuck)
+    result, text = _run(fresh_runs, "stuck")
     assert result.returncode != 0, text
     for rank in result.ranks:
         assert _printed(rank.stdout, "STEP") == [(k, STEP) for k in (1, 2, 3, 4)], text
