@@ -234,6 +234,12 @@ def test_the_launcher_names_no_root_cause_without_a_majority():
     assert "--- root cause:" not in report, report
     assert "--- first to fail: rank 1 ---" in report, report
     assert "evidence points" not in report, report
+    # Each rank's record names the other (loops left at different steps): no rank is singled out.
+    steps = {"cause": "divergence", "error": "DivergenceError", "field": "steps"}
+    told = Told.of([Event(r, "failed", 0.0, {**steps, "processes": [1 - r]}) for r in (0, 1)])
+    report = _report.root_cause(results[1], results, 4.5, told)
+    assert "meshkit found that ranks 0, 1 differ (steps); no majority" in report, report
+    assert "--- root cause:" not in report, report
 
 
 def test_the_launcher_names_no_root_cause_when_every_rank_failed_alike():

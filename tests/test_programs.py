@@ -203,8 +203,10 @@ def test_batches_padded_to_each_processs_own_length_are_named_before_the_step(wa
         "meshkit (programs compared at compilation): the processes compiled different programs "
         "as their "
     ), text
-    assert f"  process 0: jit(step) (step at {__file__}:{line})\n" in text, text
-    assert f"  process 1: jit(step) (step at {__file__}:{line})\n" in text, text
+    # The function, where it is defined, and the line of the user's code that ran it.
+    ran = f"run at {__file__}:{_line_of('return float(step(x))')} in _padded_to_own_length"
+    assert f"  process 0: jit(step) (step at {__file__}:{line}), {ran}\n" in text, text
+    assert f"  process 1: jit(step) (step at {__file__}:{line}), {ran}\n" in text, text
     assert (
         "The first argument that differs is batch, its type: process 0: float32[8@data,16]; "
         "process 1: float32[8@data,24]."

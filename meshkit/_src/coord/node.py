@@ -494,9 +494,8 @@ class Node:
         def exit_if_unraised() -> None:
             if any(e is error for e in self.failures):
                 _say(
-                    f"meshkit: exiting with status 1: a failed check was not raised within "
-                    f"{grace:g} s ({_env.ENV_CHECK_TIMEOUT} sets the wait):\n"
-                    f"{type(error).__name__}: {error}\n"
+                    f"meshkit: exiting with status 1, no call raised this within {grace:g} s "
+                    f"({_env.ENV_CHECK_TIMEOUT} sets the wait):\n{type(error).__name__}: {error}\n"
                 )
                 self.on_unraised()
 
@@ -551,12 +550,10 @@ class Node:
             if thread.is_alive():
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
-            pending = "".join(
-                f"{type(e).__name__}: {e}\n" for e in self.failures if not isinstance(e, OutOfStep)
-            )
+            left = next(e for e in self.failures if not isinstance(e, OutOfStep))
             _say(
-                "meshkit: exiting with status 1: a cross-process check failed after this "
-                f"process's last meshkit call, so nothing raised it:\n{pending}"
+                "meshkit: exiting with status 1: a cross-process check failed after this process's "
+                f"last meshkit call, so nothing raised it:\n{type(left).__name__}: {left}\n"
             )
             self.on_unraised()
         elif out_of_step is not None:  # raised, caught, and the program went on to its end

@@ -428,18 +428,24 @@ def _suspect(
 
 
 def _divergence(told: Told) -> tuple[list[int], str] | None:
-    """The processes and the field of the first ``divergence`` a rank recorded, if any.
+    """The processes and the field of the ``divergence`` the ranks recorded, if any.
 
-    Every rank that checked raises the same `meshkit.DivergenceError`, so any rank's record
-    says who differs.
+    Every rank that checked raises the same `meshkit.DivergenceError`, so one rank's record
+    says who differs. Where the ranks' records name different processes (each names the
+    other, as two processes whose loops ended at different steps do), all those named are
+    returned: no rank is singled out.
     """
+    found: list[tuple[list[int], str]] = []
     for rank in sorted(told.failed):
         fields = told.failed[rank].fields
         raw = fields.get("processes")
         if fields.get("cause") == "divergence" and isinstance(raw, list):
             processes = [p for p in raw if isinstance(p, int) and not isinstance(p, bool)]
-            return processes, str(fields.get("field") or "")
-    return None
+            found.append((processes, str(fields.get("field") or "")))
+    if not found:
+        return None
+    named = sorted({p for processes, _ in found for p in processes})
+    return (found[0][0] if named == sorted(found[0][0]) else named), found[0][1]
 
 
 def _same_failure(told: Told) -> str:

@@ -219,7 +219,7 @@ def _difference(
         f"computation across processes:\n{lines}\n"
     )
     field, detail = _first_difference(records, args)
-    return DivergenceError(head + detail, processes=suspects, field=field)
+    return DivergenceError((head + detail).rstrip("\n"), processes=suspects, field=field)
 
 
 def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
