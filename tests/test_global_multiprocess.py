@@ -749,9 +749,9 @@ def test_steps_are_agreed_in_windows_and_differences_named_at_their_step(warm_cl
         for at, (taken, message) in named.items():
             assert taken == at - 1, (at, taken, message)
             assert message == (
-                f"meshkit.global_batches: at step {at}, process 1's batch has 4 rows where "
-                "process 0's batch has 8 rows, and the loader of process 1 has more batches "
-                "after it."
+                f"meshkit.global_batches: at step {at}, the processes' batches differ in rows "
+                "before the end of their data: process 0's batch has 8 rows; process 1's batch "
+                "has 4 rows; the loader of process 1 has more batches after it."
             ), (at, message)
     assert results[0][1] == results[1][1]
 
