@@ -107,6 +107,7 @@ def test_meshkit_info_shows_the_versions_the_preflight_compares():
     assert f"  {len(preflight.settings())} jax.config settings:" in text, text
     for name in preflight.settings():
         assert f"{name}=" in text, (name, text)
+    assert "  a warning only where they differ: XLA_FLAGS=" in text, text
 
 
 def test_console_script_and_module_entry():
