@@ -215,6 +215,19 @@ def test_a_compiled_function_of_jax_is_named_without_its_internal_file():
     assert programs._ran(mine) == "jit(step) (step at train.py:12), run at train.py:93 in <module>"
 
 
+def test_each_process_is_shown_with_the_line_or_the_thread_that_ran_its_program():
+    records = {
+        0: {"name": "jit(f)", "digest": "a", "line": "t.py:9 in main"},
+        1: {"name": "jit(f)", "digest": "a", "line": "t.py:7 in main"},
+        2: {"name": "jit(stack)", "digest": "b", "thread": "meshkit-batches"},
+    }
+    text = str(programs._difference(records, 2, None))
+    assert (
+        "  processes 0,1: jit(f), run by process 0 at t.py:9 in main; process 1 at t.py:7 in "
+        "main\n  process 2: jit(stack), run in thread meshkit-batches\n" in text
+    ), text
+
+
 # ---- the launcher names no root cause it cannot know ----------------------------------------
 
 

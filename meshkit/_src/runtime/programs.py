@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -144,6 +145,8 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     line = _frames.user_place(sys._getframe())
     if line is not None:
         mine["line"] = line
+    else:  # no frame of the user's code: a thread of meshkit's or a library's
+        mine["thread"] = threading.current_thread().name
     record = json.dumps(mine)
     timeout = _env.check_timeout()
     what = f"the first compilation of {_function(mine)}"
@@ -227,13 +230,15 @@ def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
 
     The processes of one program; each line of the user's code that ran it, where they differ.
     """
-    ran = _absent.by_value({p: records[p].get("line") or "" for p in ps})
+    ran = _absent.by_value({p: _ran(records[p]) for p in ps})
     if len(ran) == 1:
-        return f"  {_absent.processes(ps)}: {_ran(records[ps[0]])}"
+        return f"  {_absent.processes(ps)}: {next(iter(ran))}"
+    function = _function(records[ps[0]])
     each = "; ".join(
-        f"{_absent.processes(qs)} at {line or '(no line of your code)'}" for line, qs in ran.items()
+        f"{_absent.processes(qs)}{text.removeprefix(function + ', run')}"
+        for text, qs in ran.items()
     )
-    return f"  {_absent.processes(ps)}: {_function(records[ps[0]])}, run {each}"
+    return f"  {_absent.processes(ps)}: {function}, run by {each}"
 
 
 # What differs, and the fix that fits it: the field, what to say.
@@ -302,6 +307,10 @@ def _function(record: dict[str, Any]) -> str:
 
 
 def _ran(record: dict[str, Any]) -> str:
-    """``jit(step) (step at train.py:12), run at train.py:95 in <module>``."""
-    line = record.get("line")
-    return _function(record) + (f", run at {line}" if line else "")
+    """``jit(step) (step at train.py:12), run at train.py:95 in <module>``.
+
+    Where no line of the user's code ran it: ``jit(stack), run in thread meshkit-batches``.
+    """
+    line, thread = record.get("line"), record.get("thread")
+    where = f", run at {line}" if line else f", run in thread {thread}" if thread else ""
+    return _function(record) + where
