@@ -83,6 +83,33 @@ def test_version_flag():
     assert out.stdout.strip() == f"meshkit {meshkit.__version__}"
 
 
+def test_meshkit_info_shows_the_versions_the_preflight_compares():
+    import importlib.metadata
+    import platform
+
+    import jax
+
+    from meshkit._src.runtime import preflight
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "meshkit", "info"], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "compared by the processes at meshkit.init (the preflight):" in text, text
+    versions = (
+        f"  python {platform.python_version()}, jax {jax.__version__}, "
+        f"jaxlib {importlib.metadata.version('jaxlib')}, meshkit {meshkit.__version__}"
+    )
+    assert versions in text.splitlines(), text
+    assert f"  {len(preflight.settings())} jax.config settings:" in text, text
+    for name in preflight.settings():
+        assert f"{name}=" in text, (name, text)
+    assert "  a warning only where they differ: XLA_FLAGS=" in text, text
+
+
 def test_console_script_and_module_entry():
     exe = shutil.which("meshkit")
     if exe is not None:
