@@ -1,35 +1,15 @@
 """The environments that engines other than `meshkit launch` give each process.
 
 A pure reading: `read_engine` takes an environment mapping and returns how the process joins
-(`EngineJoin`), or None where no engine of this module set its variables. Nothing is joined or
-changed here; `meshkit.init` acts on the answer. Each engine's facts, as checked:
-
-* **JAX_* variables** (Kubeflow Trainer's ``jax-distributed`` runtime; other tools set the same
-  three): ``JAX_COORDINATOR_ADDRESS`` (``<trainjob>-node-0-0.<trainjob>:<port>``),
-  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (the pod's Job completion index), one process per
-  pod. JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS`` themselves
-  (``jax/_src/distributed.py``): with no cluster JAX detects, the other two are never read and
-  each process would run alone. ``JAX_COORDINATOR_ADDRESS`` alone is JAX's override of the
-  address of a cluster JAX detects (SLURM, Open MPI): that stays JAX's.
-* **SkyPilot**, on each node of a task: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NUM_NODES`` and
-  ``SKYPILOT_NODE_IPS`` (one IP a line, the head node first). SkyPilot runs the ``run`` commands
-  once per node, so this is one process per node; the coordinator is the first IP at the port of
-  `ENV_PORT` (else `DEFAULT_PORT`). For several processes per node, run ``meshkit launch`` in
-  the ``run`` commands instead (its variables come first).
-* **JobSet / Indexed Job** (Kubernetes): ``JOB_COMPLETION_INDEX`` is the pod's index. Kubernetes
-  puts neither the Job's completions nor its service in the environment, so the process count is
-  `ENV_NUM_PROCESSES` (``MESHKIT_NUM_PROCESSES``, set in the pod template); the coordinator is
-  index 0's pod: ``<JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>`` in a JobSet (subdomain
-  `ENV_K8S_SUBDOMAIN`, else JobSet's default, the JobSet's name), ``<job>-0.<subdomain>`` in a
-  plain Indexed Job (the job from ``HOSTNAME``, ``<job>-<index>``; the subdomain, the Job's
-  headless service, must be given). `ENV_K8S_COORDINATOR_HOST` names index 0's host where that
-  name does not resolve. A JobSet without a count is an error; a plain Indexed Job without one
-  runs alone (Indexed Jobs also run independent tasks).
+(`EngineJoin`), or None where no engine of this module set its variables; `meshkit.init` acts on
+the answer. The engines, in the order they are read: ``JAX_*`` variables (Kubeflow Trainer's
+``jax-distributed`` runtime; JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS``, as the
+address of a cluster JAX detects, which then stays JAX's), SkyPilot (one process per node),
+JobSet and Indexed Jobs (Kubernetes). Each engine's variables, and how index 0's host is found,
+are in ``docs/multi-host.md`` ("Kubeflow", "JobSet and Indexed Jobs", "SkyPilot").
 
 Two variables that give the process count (or this process's id) and disagree are an error,
-whichever engine is then used: ``JAX_NUM_PROCESSES`` against `meshkit launch`'s
-``MESHKIT_NUM_PROCESSES``, SLURM's ``SLURM_NTASKS`` in a job step and Open MPI's
-``OMPI_COMM_WORLD_SIZE`` (`check_agreement`).
+whichever engine is then used (`check_agreement`).
 """
 
 from __future__ import annotations
