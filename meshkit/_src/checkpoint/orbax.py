@@ -24,7 +24,7 @@ from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
 from . import template as _template
-from .plan import SavedArray, describe_mesh, plan, saved_spec
+from .restore_plan import SavedArray, describe_mesh, plan, saved_spec
 from .verdict import agree_on as _agree_on
 
 __all__ = ["check_savable", "data_position", "restore", "save", "targets"]
@@ -530,7 +530,7 @@ def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> 
     if not isinstance(missing_ok, bool):
         raise MeshkitError(f"{what}: missing_ok must be True or False; got {missing_ok!r}.")
     if _TMP_MARK in where.name or not (where / "_METADATA").is_file():
-        _, problem = _read_metadata(ocp, where, what)  # the words of restore's checks
+        _, problem = _read_metadata(ocp, where, what)  # restore's messages
         raise MeshkitError(problem or f"{what}: {where} is no complete checkpoint.")
     value = None
     if (where / _STEP_METADATA).is_file():

@@ -22,12 +22,12 @@ from ..core import events as _events
 from ..core.cache_directory import writable
 from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
 
-__all__ = ["BACKEND_COMPILE", "CACHE_HIT", "Totals", "enable", "totals", "watch"]
+__all__ = ["enable", "totals", "watch"]
 
 # jax.monitoring's names (JAX 0.10.2 and 0.12): the time to compile or fetch one program from
 # the persistent cache (jax/_src/dispatch.py BACKEND_COMPILE_EVENT), and a persistent cache hit.
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _JAX_DEFAULT_MIN_TIME = 1.0
 
@@ -66,43 +66,29 @@ def enable(
     return path
 
 
-class Totals:
-    """This process's compilations so far, as `watch` counts them."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.seconds = 0.0
-        self.programs = 0
-        self.hits = 0
-
-    def as_fields(self) -> dict[str, Any]:
-        return {"seconds": round(self.seconds, 4), "programs": self.programs, "hits": self.hits}
-
-
-_TOTALS = Totals()
+_lock = threading.Lock()
+_totals = {"seconds": 0.0, "programs": 0, "hits": 0}  # this process's compilations so far
 _watching = False
 
 
 def totals() -> dict[str, Any]:
     """``{"seconds", "programs", "hits"}`` counted since `watch` (zeros before)."""
-    with _TOTALS.lock:
-        return _TOTALS.as_fields()
+    with _lock:
+        return {**_totals, "seconds": round(_totals["seconds"], 4)}
 
 
 def _on_duration(event: str, duration_secs: float, **_: Any) -> None:
-    if event != BACKEND_COMPILE:
-        return
-    with _TOTALS.lock:
-        _TOTALS.seconds += duration_secs
-        _TOTALS.programs += 1
-        fields = _TOTALS.as_fields()
-    _events.emit(_events.COMPILED, **fields)
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _totals["seconds"] += duration_secs
+            _totals["programs"] += 1
+        _events.emit(_events.COMPILED, **totals())
 
 
 def _on_event(event: str, **_: Any) -> None:
-    if event == CACHE_HIT:
-        with _TOTALS.lock:
-            _TOTALS.hits += 1
+    if event == _CACHE_HIT:
+        with _lock:
+            _totals["hits"] += 1
 
 
 def watch() -> None:
