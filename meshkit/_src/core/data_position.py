@@ -145,17 +145,10 @@ class DataPosition:
 
     def to_dict(self) -> dict[str, Any]:
         """The position as plain JSON values (`to_json` writes them)."""
-        return {
-            "version": self.version,
-            "step": self.step,
-            "loader": None if self.loader is None else dataclasses.asdict(self.loader),
-            "epoch": self.epoch,
-            "epoch_step": self.epoch_step,
-            "processes": self.processes,
-            "states": None
-            if self.states is None
-            else {str(p): s for p, s in sorted(self.states.items())},
-        }
+        value = dataclasses.asdict(dataclasses.replace(self, states=None))
+        if self.states is not None:  # any mapping, its keys as JSON's strings
+            value["states"] = {str(p): s for p, s in sorted(self.states.items())}
+        return value
 
     def to_json(self) -> str:
         """The position as JSON text (small: under 1 KiB per process for grain's states)."""

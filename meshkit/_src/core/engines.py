@@ -27,6 +27,7 @@ __all__ = [
     "ENV_PORT",
     "JAX_VARS",
     "SKYPILOT_VARS",
+    "STEP_VARS",
     "EngineJoin",
     "check_agreement",
     "read_engine",
@@ -40,7 +41,9 @@ ENV_PORT = "JAX_COORDINATOR_PORT"
 DEFAULT_PORT = 55527
 ENV_K8S_SUBDOMAIN = "MESHKIT_K8S_SUBDOMAIN"
 ENV_K8S_COORDINATOR_HOST = "MESHKIT_K8S_COORDINATOR_HOST"
-_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+# What JAX's SlurmCluster.is_env_present requires (the same in JAX 0.10 and 0.12): srun sets
+# them for each task of a job step.
+STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 JAX_ENGINE = "JAX_* variables"
 SKYPILOT = "SkyPilot"
@@ -106,25 +109,25 @@ def _bad(engine: str, found: str, what: str, rule: str, fix: str) -> MeshkitErro
 
 
 def _count_and_id(
-    engine: str, found: str, count: tuple[str, str], index: tuple[str, str]
+    engine: str, found: str, environ: Mapping[str, str], count: str, index: str
 ) -> tuple[int, int]:
-    """A process count >= 1 and an id below it, each given as (variable, text)."""
-    n, pid = _int(count[1]), _int(index[1])
+    """The process count (>= 1) in the variable ``count`` and the id below it in ``index``."""
+    n, pid = _int(environ[count]), _int(environ[index])
     if n is None or n < 1:
         raise _bad(
             engine,
             found,
-            f"{count[0]}={count[1]!r} is not a process count >= 1",
-            f"{count[0]} is the number of processes in the program.",
-            f"a whole number >= 1 in {count[0]}.",
+            f"{count}={environ[count]!r} is not a process count >= 1",
+            f"{count} is the number of processes in the program.",
+            f"a whole number >= 1 in {count}.",
         )
     if pid is None or pid >= n:
         raise _bad(
             engine,
             found,
-            f"{index[0]}={index[1]!r} is not a process id below {count[0]}={n}",
+            f"{index}={environ[index]!r} is not a process id below {count}={n}",
             f"Process ids run from 0 to {n - 1}, one per process.",
-            f"giving each process its own id from 0 to {n - 1}, and {count[0]} the "
+            f"giving each process its own id from 0 to {n - 1}, and {count} the "
             "number of processes.",
         )
     return n, pid
@@ -159,8 +162,11 @@ def _port(environ: Mapping[str, str], engine: str, found: str) -> int:
     return port
 
 
-def _require_all(present: list[str], names: tuple[str, ...], found: str, engine: str) -> None:
-    """A partial environment (some of an engine's variables, not all) is an error naming them."""
+def _all_of(
+    environ: Mapping[str, str], present: list[str], names: tuple[str, ...], engine: str
+) -> str:
+    """``present``, all of ``names``, as `_found` lists them; some but not all is an error."""
+    found = _found(environ, tuple(present))
     if len(present) < len(names):
         raise MeshkitError(
             _PARTIAL.format(
@@ -171,20 +177,15 @@ def _require_all(present: list[str], names: tuple[str, ...], found: str, engine:
                 found_names=", ".join(present),
             )
         )
+    return found
 
 
 def _jax_vars(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
     present = [n for n in JAX_VARS if environ.get(n, "").strip()]
     if not present or (present == ["JAX_COORDINATOR_ADDRESS"] and jax_detects is not None):
         return None  # nothing set, or JAX's own override of a cluster it detects
-    found = _found(environ, tuple(present))
-    _require_all(present, JAX_VARS, found, "Kubeflow Trainer's JAX runtime")
-    n, pid = _count_and_id(
-        JAX_ENGINE,
-        found,
-        ("JAX_NUM_PROCESSES", environ["JAX_NUM_PROCESSES"]),
-        ("JAX_PROCESS_ID", environ["JAX_PROCESS_ID"]),
-    )
+    found = _all_of(environ, present, JAX_VARS, "Kubeflow Trainer's JAX runtime")
+    n, pid = _count_and_id(JAX_ENGINE, found, environ, "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     address = _address(
         JAX_ENGINE, found, "JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"]
     )
@@ -195,14 +196,8 @@ def _skypilot(environ: Mapping[str, str]) -> EngineJoin | None:
     present = [n for n in SKYPILOT_VARS if n in environ]
     if not present:
         return None
-    found = _found(environ, tuple(present))
-    _require_all(present, SKYPILOT_VARS, found, "SkyPilot")
-    n, pid = _count_and_id(
-        SKYPILOT,
-        found,
-        ("SKYPILOT_NUM_NODES", environ["SKYPILOT_NUM_NODES"]),
-        ("SKYPILOT_NODE_RANK", environ["SKYPILOT_NODE_RANK"]),
-    )
+    found = _all_of(environ, present, SKYPILOT_VARS, "SkyPilot")
+    n, pid = _count_and_id(SKYPILOT, found, environ, "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK")
     ips = [line.strip() for line in environ["SKYPILOT_NODE_IPS"].splitlines() if line.strip()]
     if len(ips) != n:
         raise _bad(
@@ -234,17 +229,14 @@ def _indexed_job(environ: Mapping[str, str], jax_detects: str | None) -> EngineJ
         ENV_K8S_COORDINATOR_HOST,
     )
     found = _found(environ, names)
-    index = environ["JOB_COMPLETION_INDEX"]
-    count = environ.get(ENV_NUM_PROCESSES, "").strip()
-    if not count:
+    if not environ.get(ENV_NUM_PROCESSES, "").strip():
         if jax_detects == "K8sCluster" or not jobset:
             return None  # JAX asks Kubernetes' API; a plain Indexed Job may run independent tasks
+        index = environ["JOB_COMPLETION_INDEX"]
         raise MeshkitError(
             _NO_COUNT.format(index=index, engine=engine, found=found, count=ENV_NUM_PROCESSES)
         )
-    n, pid = _count_and_id(
-        engine, found, (ENV_NUM_PROCESSES, count), ("JOB_COMPLETION_INDEX", index)
-    )
+    n, pid = _count_and_id(engine, found, environ, ENV_NUM_PROCESSES, "JOB_COMPLETION_INDEX")
     if (_int(environ.get("JOB_INDEX")) or 0) > 0:
         raise _bad(
             engine,
@@ -331,7 +323,7 @@ def _claims(environ: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
         (ENV_NUM_PROCESSES, ENV_PROCESS_ID),
         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
     ]
-    if all(environ.get(n) for n in _STEP_VARS):  # a task of a SLURM job step
+    if all(environ.get(n) for n in STEP_VARS):  # a task of a SLURM job step
         sources.append(("SLURM_NTASKS", "SLURM_PROCID"))
     return [
         (c, environ[c].strip(), i, environ.get(i, "").strip())

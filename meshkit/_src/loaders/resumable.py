@@ -1,12 +1,8 @@
 """`grain_batches` and `hf_batches`: this process's part of each global batch, resumable anywhere.
 
-The global order is the dataset's, each epoch shuffled with one seed on every process; global
-batch ``k`` of an epoch is rows ``k * global_batch ...`` of it, and this process reads its rows
-of each (`rows._rows`: the same plan as `process_rows`). So a loader's position is global, an
-epoch and a global step in it, the same on every process whatever their number:
-`meshkit.global_batches` records it with every step (`meshkit.DataPosition`) and starts a
-loader there (``start=``), on any number of processes, at the global batch an uninterrupted run
-would have read next.
+A loader's position is global (an epoch and a global step in it), the same on every process
+whatever their number, so ``global_batches(..., start=position)`` resumes it on any number of
+processes at the global batch an uninterrupted run would have read next.
 """
 
 from __future__ import annotations

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..core.engines import STEP_VARS
 from ..core.errors import MeshkitError
 
 __all__ = ["STEP_VARS", "check_step"]
 
-# What JAX's SlurmCluster.is_env_present requires (the same in JAX 0.10 and 0.12).
-STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 _NOT_A_STEP = """\
 meshkit.init(): SLURM_NTASKS={n} says this SLURM job runs {n} tasks, but this process is not a
