@@ -41,6 +41,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .caches import cached
+
 __all__ = ["function", "function_name", "structure", "value"]
 
 # A memory address as Python prints it in default reprs: "<Foo object at 0x7f2c...>".
@@ -175,7 +177,7 @@ def structure(treedef: Any) -> str:
         return _structure(treedef)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512)
 def _cached(treedef: Any) -> str:
     return _structure(treedef)
 

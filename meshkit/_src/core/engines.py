@@ -4,9 +4,10 @@ A pure reading: `read_engine` takes an environment mapping and returns how the p
 (`EngineJoin`), or None where no engine of this module set its variables; `meshkit.init` acts on
 the answer. The engines, in the order they are read: ``JAX_*`` variables (Kubeflow Trainer's
 ``jax-distributed`` runtime; JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS``, as the
-address of a cluster JAX detects, which then stays JAX's), SkyPilot (one process per node),
-JobSet and Indexed Jobs (Kubernetes). Each engine's variables, and how index 0's host is found,
-are in ``docs/multi-host.md`` ("Kubeflow", "JobSet and Indexed Jobs", "SkyPilot").
+address of a cluster JAX detects, so without one each process would run alone), SkyPilot (one
+process per node), JobSet and Indexed Jobs (Kubernetes). Each engine's variables, and how index
+0's host is found, are in ``docs/multi-host.md`` ("Kubeflow", "JobSet and Indexed Jobs",
+"SkyPilot").
 
 Two variables that give the process count (or this process's id) and disagree are an error,
 whichever engine is then used (`check_agreement`).
