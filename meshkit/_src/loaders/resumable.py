@@ -7,7 +7,7 @@ processes at the global batch an uninterrupted run would have read next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -94,15 +94,6 @@ def _identity(
     return LoaderIdentity(kind, rows.num_rows, rows.global_batch, seed, epochs, drop), rows
 
 
-def _stack(elements: list[Any], template: Callable[[], Any]) -> Any:
-    """One batch from a list of elements (pytrees of arrays or numbers); zero rows: none."""
-    if not elements:
-        return jax.tree_util.tree_map(
-            lambda x: np.zeros((0, *np.shape(x)), np.asarray(x).dtype), template()
-        )
-    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
-
-
 class _GrainBatches(Batches):
     def __init__(
         self, dataset: Any, identity: LoaderIdentity, rows: _Rows, read_options: Any
@@ -127,13 +118,15 @@ class _GrainBatches(Batches):
                 f"MapDataset), at global step {step}.\nConsider filtering before, into a "
                 "dataset of its own (a list, an ArrayRecord file), so that every index has a row."
             )
-        return _stack(elements, lambda: self._dataset[0])
+        if not elements:  # no rows: an empty batch shaped like the dataset's elements
+            return jax.tree_util.tree_map(
+                lambda x: np.zeros((0, *np.shape(x)), np.asarray(x).dtype), self._dataset[0]
+            )
+        return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
 
     def _read_from(self, step: int) -> Iterator[Any]:
         import grain
 
-        if step >= len(self):
-            return iter(())
         steps = grain.MapDataset.range(step, len(self)).map(self._read)
         return iter(steps.to_iter_dataset(self._read_options))
 

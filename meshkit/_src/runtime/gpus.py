@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..core.env import VISIBLE_VARS, visible_devices
+from ..core.env import visible_devices
 
-__all__ = ["VISIBLE_VARS", "Binding", "bound_device_ids", "visible_devices"]
+__all__ = ["Binding", "bound_device_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
