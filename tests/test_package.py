@@ -48,7 +48,6 @@ def _modules():
 _EXAMPLES_NEED = {
     "meshkit.checkpoint": "orbax.checkpoint",
     "meshkit._src.checkpoint.orbax": "orbax.checkpoint",
-    "meshkit._src.checkpoint.position": "orbax.checkpoint",
 }
 
 
