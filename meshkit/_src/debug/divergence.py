@@ -1,11 +1,11 @@
 """The divergence check: every process's fingerprint of a call, compared through coordination.
 
-At each SPMD entry while debug mode is on (`.mode` makes `check` a dispatch observer), this
-process's fingerprint (`.fingerprint`) joins a window of calls that the processes agree on
-beside the caller (`meshkit._src.coord.agree`). A call that differs from this thread's call
-`PERIOD` calls back waits for its verdict; `compare` turns different fingerprints, or processes
-that did not arrive or left, into a `DivergenceError` that names them and the first field that
-differs.
+While debug mode is on, the dispatch point (`meshkit._src.runtime.dispatch`) and `.multihost`'s
+collectives call `check`: this process's fingerprint (`.fingerprint`) joins a window of calls
+that the processes agree on beside the caller (`meshkit._src.coord.agree`). A call that differs
+from this thread's call `PERIOD` calls back waits for its verdict; `compare` turns different
+fingerprints, or processes that did not arrive or left, into a `DivergenceError` that names them
+and the first field that differs.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core.errors import DivergenceError
 from ..lifecycle import watchdog as _watchdog
-from ..runtime import dispatch as _dispatch
 from . import fingerprint as _fingerprint
 from . import state as _st
 from .state import enabled as enabled  # read here by meshkit._src.spmd.placement
 
-__all__ = ["channel_tag", "check", "compare", "enabled", "last_text"]
+__all__ = ["check", "compare", "enabled", "last_text"]
 
 # Debug windows stay open longer than global_array_from_local's: a divergence is always first
 # seen at a call that waits for its verdict (and drains its window at once), so a repeat's window
@@ -34,11 +33,7 @@ __all__ = ["channel_tag", "check", "compare", "enabled", "last_text"]
 _LINGER_S = 0.2
 
 
-def channel_tag(what: str = "meshkit debug mode") -> str:
-    return _channel.scoped("debug", what)
-
-
-def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
+def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     settings = _st.state.settings
     if settings is None:
         return
@@ -52,7 +47,7 @@ def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    tag = channel_tag(site.name)
+    tag = _channel.scoped("debug", site.name)
     _st.state.tags.add(tag)
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
