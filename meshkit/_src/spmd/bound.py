@@ -1,6 +1,6 @@
 """An `spmd` function bound to one mesh: its specs checked, one signature per argument structure.
 
-`MeshPlan` is `spmd`'s front-end on the call plan (`meshkit._src.spmd.plan`): it aligns
+`MeshPlan` is `spmd`'s front-end on the shared placement (`meshkit._src.spmd.placement`): it aligns
 ``in_specs`` to each structure of the dynamic arguments (a `Layout`), checks every argument's
 rank and divisibility against its spec with meshkit's own messages, moves arrays laid out
 differently (a `ReshardWarning` through its owner, once per argument), reshards values typed
@@ -18,8 +18,8 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..core import compat as _compat
 from ..core.errors import MeshkitError
+from ..sharding.argument_plan import ArgumentPlan, argument_plan
 from ..sharding.spec_trees import align_specs, has_mapping, to_spec_types
 from ..sharding.specs import (
     as_partition_spec,
@@ -31,14 +31,7 @@ from ..sharding.specs import (
     spec_axes,
 )
 from . import placement as _placement
-from .plan import (
-    Signature,
-    Signatures,
-    dynamic,
-    failures_published,
-    from_host,
-    jit_over_shard_map,
-)
+from .placement import dynamic, failures_published, from_host, jit_over_shard_map
 
 __all__ = ["Layout", "MeshPlan", "Owner"]
 
@@ -61,26 +54,22 @@ class Owner(Protocol):
     ) -> None: ...
 
 
-class Layout(Signature):
-    """One structure of the dynamic arguments: their specs aligned to it, its jit, its targets.
+class Layout:
+    """One structure of the dynamic arguments: their specs aligned to it, its jit, its plan.
 
     ``specs`` and ``raws`` hold one spec tree per argument, rebuilt in the argument's node
     types (`meshkit._src.sharding.spec_trees.align_specs`), so JAX takes them as prefixes:
     ``specs`` in `PartitionSpec` form, ``raws`` as the user wrote the leaves (strings name
-    dimensions).
+    dimensions). ``jitted`` is None over an `AbstractMesh` (met while tracing: the body is
+    traced in place); ``plan`` is set once a call has placed the leaves (then later calls
+    whose leaves are all placed go straight to ``jitted``).
     """
 
-    def __init__(
-        self,
-        mesh: Mesh | AbstractMesh,
-        jitted: Any,
-        what: str,
-        specs: tuple[Any, ...],
-        raws: tuple[Any, ...],
-    ) -> None:
-        super().__init__(mesh, jitted, what, _TAG)
+    def __init__(self, jitted: Any, specs: tuple[Any, ...], raws: tuple[Any, ...]) -> None:
+        self.jitted = jitted
         self.specs = specs
         self.raws = raws
+        self.plan: ArgumentPlan | None = None
 
 
 class MeshPlan:
@@ -103,9 +92,8 @@ class MeshPlan:
         self.keyed_out = has_mapping(owner.out_specs)
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
         self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
-        # Per structure of the dynamic arguments (a treedef). Inside jax.set_mesh a call may
-        # still go straight to jit: its shardings name this plan's mesh.
-        self.layouts: Signatures[Layout] = Signatures(_compat.trace_state_clean)
+        # Per structure of the dynamic arguments (a treedef).
+        self.layouts: dict[Any, Layout] = {}
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> Layout:
         """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
@@ -156,7 +144,8 @@ class MeshPlan:
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
-        return self.layouts.keep(treedef, Layout(self.mesh, jitted, self.what, specs, raws))
+        layout = self.layouts[treedef] = Layout(jitted, specs, raws)
+        return layout
 
     # ---- trace time -------------------------------------------------------------------------
 
@@ -299,12 +288,14 @@ class MeshPlan:
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
-        dyn = self.dynamic(args)
-        leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layouts.steady(treedef, leaves)
-        if layout is not None:
-            # The steady state: every leaf already where in_specs puts it.
+        static = self.owner.static_argnums
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.plan is not None and layout.plan.placed(leaves):
+            # The steady state: every leaf already where in_specs puts it. A trace around
+            # the call changes nothing here: jit takes placed arrays as they are.
             return (layout.jitted.lower if lower else layout.jitted)(*args)
+        dyn = self.dynamic(args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             layout = self.layout(dyn, treedef)
             args = self.traced(args, layout)
@@ -337,30 +328,43 @@ class MeshPlan:
         """Every argument where its spec puts it: meshkit's checks, then moves and puts.
 
         Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
-        on one device); host data is put in one batched call (`Signature.put_host`). The
-        leaves' targets are kept for the steady-state test of the next call.
+        on one device); host data is put in one batched call (`placement.put_host`). The
+        layout keeps its plan for the steady-state test of the next call.
         """
         dyn = self.dynamic(args)
         self.check_args(dyn, layout)
-        targets: list[NamedSharding] = []
+        plan = self.argument_plan(dyn, layout)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
+        moved = [
+            self.move(leaf, target, where)
+            for leaf, target, where in zip(leaves, plan.targets, plan.paths, strict=True)
+        ]
+        flat = _placement.put_host(plan, moved, what=self.what, tag=_TAG)
+        layout.plan = plan
+        return self.with_dynamic(args, jax.tree_util.tree_unflatten(treedef, flat))
+
+    def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
+        """``leaf`` laid out as ``target`` (host data as it is: it is put in one batch)."""
+        if _placement.is_host(leaf):
+            return leaf
+        if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            return leaf
+        if len(leaf.sharding.device_set) > 1:
+            self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
+        return jax.device_put(leaf, target)
+
+    def argument_plan(self, dyn: tuple[Any, ...], layout: Layout) -> ArgumentPlan:
+        """The plan of this structure's leaves: each one's sharding and name in messages."""
+        specs: list[PartitionSpec] = []
         paths: list[str] = []
 
-        def move(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
-            target = NamedSharding(self.mesh, s)
-            targets.append(target)
+        def visit(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+            specs.append(s)
             paths.append(where)
-            if _placement.is_host(leaf):
-                return leaf
-            if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            if len(leaf.sharding.device_set) > 1:
-                self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
-            return jax.device_put(leaf, target)
 
-        flat, tree = jax.tree_util.tree_flatten(self.each_leaf(dyn, layout, move))
-        flat = layout.put_host(flat, targets, paths)
-        layout.targets = targets
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
+        self.each_leaf(dyn, layout, visit)
+        assert isinstance(self.mesh, Mesh)  # placing needs devices
+        return argument_plan(self.mesh, tuple(specs), tuple(paths))
 
     def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` with its dynamic (non-static) arguments replaced by ``dyn``."""
@@ -380,19 +384,24 @@ class MeshPlan:
         ``treedef``: the dynamic arguments flattened.
         """
         dyn = self.dynamic(args)
-        specs: list[Any] = []
-        paths: list[str] = []
+        raws: list[Any] = []
 
         def name(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
-            specs.append(raw)
-            paths.append(where)
+            raws.append(raw)
 
         with failures_published(_TAG):  # the others are waiting for this process's record
             layout = self.layout(dyn, treedef)
             self.each_leaf(dyn, layout, name)
+            plan = self.argument_plan(dyn, layout)
         local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
-        assembled = layout.assemble(
-            leaves, local, [paths[i] for i in local], [specs[i] for i in local], treedef
+        assembled = _placement.assemble(
+            plan,
+            leaves,
+            local,
+            what=self.what,
+            tag=_TAG,
+            specs=[raws[i] for i in local],
+            treedef=treedef,
         )
         flat = list(leaves)
         for i, value in zip(local, assembled, strict=True):

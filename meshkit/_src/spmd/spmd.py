@@ -6,8 +6,9 @@ out as its spec says (the steady state), jit is called at once; otherwise meshki
 shapes against the specs (its own messages), puts host data (numpy, Python scalars) in one
 batched call, moves arrays laid out differently (warning once per argument), and then calls.
 Each signature is traced once. Every call first passes `meshkit._src.runtime.dispatch.enter`.
-The machinery is the call plan shared with `pmap_compat` (`meshkit._src.spmd.plan`); what is
-`spmd`'s own (specs per argument, its checks and reshards) is `meshkit._src.spmd.bound`.
+The placement is shared with `pmap_compat` (`meshkit._src.spmd.placement`, on the argument plan
+of `meshkit._src.sharding.argument_plan`); what is `spmd`'s own (specs per argument, its checks
+and reshards) is `meshkit._src.spmd.bound`.
 
 In a multi-process run, host data and process-local (fully addressable) arrays are *this
 process's part* of the argument, exactly as `meshkit.global_array_from_local` defines it: along
@@ -42,7 +43,7 @@ from ..runtime import dispatch as _dispatch
 from ..sharding.spec_trees import describe_node, plain_specs
 from ..sharding.specs import as_partition_spec, map_specs
 from .bound import MeshPlan
-from .plan import argnums
+from .placement import argnums
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
