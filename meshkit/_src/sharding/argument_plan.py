@@ -36,7 +36,7 @@ class ArgumentPlan:
     mesh: Mesh
     targets: tuple[NamedSharding, ...]
     paths: tuple[str, ...]
-    _compare: list[NamedSharding] = field(init=False, repr=False)
+    _compare: list[Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compare", list(self.targets))
