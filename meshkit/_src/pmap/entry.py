@@ -374,13 +374,4 @@ def process_local(x: Any) -> Any:
         return x
     spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
     mapped = [d for d, e in enumerate(spec) if e is not None]
-    if mapped:
-        return _device_axis.local_view(x, mapped[0])
-    # Replicated (out_axes=None): the same value on each local device, as jax.pmap returns it.
-    mesh: Mesh = x.sharding.mesh  # type: ignore[attr-defined]
-    mine = _device_axis.local_devices(mesh)
-    local = _device_axis.device_mesh(mine, mesh.axis_names[0])
-    by_device = {s.device: s.data for s in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(local, PartitionSpec()), [by_device[d] for d in mine]
-    )
+    return _device_axis.local_view(x, mapped[0] if mapped else None)
