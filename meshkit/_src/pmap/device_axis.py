@@ -169,11 +169,12 @@ def rewrap(x: jax.Array, mesh: Mesh, dim: int) -> jax.Array | None:
     return jax.make_array_from_single_device_arrays(x.shape, target, shards)
 
 
-def local_view(x: jax.Array, dim: int = 0) -> jax.Array:
+def local_view(x: jax.Array, dim: int | None = 0) -> jax.Array:
     """This process's entries of a device-axis array, as an array over its local devices only.
 
     No copy: the local shards, assembled over a mesh of this process's devices. The result
-    is what `jax.pmap` returned in a multi-process run (a process-local array).
+    is what `jax.pmap` returned in a multi-process run (a process-local array). ``dim``: the
+    mapped dimension, or None for a value every device holds whole (``out_axes=None``).
     """
     sharding = x.sharding
     if (
@@ -189,7 +190,7 @@ def local_view(x: jax.Array, dim: int = 0) -> jax.Array:
     mesh: Mesh = sharding.mesh
     mine = local_devices(mesh)
     local_mesh = _mesh(tuple(mine), mesh.axis_names[0])
-    shape = (*x.shape[:dim], len(mine), *x.shape[dim + 1 :])
+    shape = x.shape if dim is None else (*x.shape[:dim], len(mine), *x.shape[dim + 1 :])
     by_device = {s.device: s.data for s in x.addressable_shards}
     target = NamedSharding(local_mesh, sharding.spec)
     return jax.make_array_from_single_device_arrays(shape, target, [by_device[d] for d in mine])

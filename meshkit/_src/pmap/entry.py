@@ -1,14 +1,14 @@
 """One compiled signature of a `pmap_compat` function: its jit over shard_map, placement, outputs.
 
-`pmap_compat`'s front-end on the call plan (`meshkit._src.spmd.plan`). An `Entry` is a
-`Signature` whose jit takes the call's flat leaves: each mapped leaf's mapped dimension is split
-over a 1-D device mesh, and inside `jax.shard_map` each device's block loses that dimension, so
-the function sees what `jax.pmap` showed it; outputs get it back at ``out_axes``. The entry
-places a call's leaves (`Entry.place`: device-axis conversions without copies where the data
-is already on the right devices, host data through the call plan), checks once that outputs
-promised equal on every device are (`Entry.check_outputs`, by `meshkit._src.spmd.variance`),
-and turns outputs into what `jax.pmap` returns (`Entry.finish`). A `Lowered` holds these
-callables, never the function object.
+An `Entry` is one `jax.jit` over the call's flat leaves, with the `ArgumentPlan` of where each
+goes (`meshkit._src.sharding.argument_plan`, shared with `spmd`): each mapped leaf's mapped
+dimension is split over a 1-D device mesh, and inside `jax.shard_map` each device's block loses
+that dimension, so the function sees what `jax.pmap` showed it; outputs get it back at
+``out_axes``. The entry places a call's leaves (`Entry.place`: device-axis conversions without
+copies where the data is already on the right devices, host data through
+`meshkit._src.spmd.placement`), checks once that outputs promised equal on every device are
+(`Entry.check_outputs`, by `meshkit._src.spmd.variance`), and turns outputs into what
+`jax.pmap` returns (`Entry.finish`). A `Lowered` holds these callables, never the function.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError
 from ..core.frames import user_stacklevel
+from ..sharding.argument_plan import ArgumentPlan, argument_plan
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance
-from ..spmd.plan import Signature, from_host, jit_over_shard_map
+from ..spmd.placement import from_host, jit_over_shard_map
 from . import axes
 from . import device_axis as _device_axis
 
@@ -92,22 +93,24 @@ TRACING: contextvars.ContextVar[Mapped | None] = contextvars.ContextVar(
 
 
 @dataclass(eq=False)
-class Entry(Signature):
+class Entry:
     """One `jax.jit` over the flat leaves: a mesh, resolved mapped axes, tracing or not.
 
-    Attributes (besides `Signature`'s, whose ``targets`` are known at once here):
+    Attributes:
         mapped: the function's settings.
+        plan: where each leaf goes on the entry's mesh, and its name in messages.
+        jitted: ``jax.jit`` over the body that runs `jax.shard_map`.
         resolved: each leaf's mapped axis (non-negative) or None.
-        paths: each leaf's name in messages.
         local_out: outputs become this process's entries (jax.pmap's multi-process arrays).
         out_leaves: each output's name and out axis, filled while tracing.
         checked: the out_axes=None outputs have been analysed.
     """
 
-    mapped: Mapped | None = None
-    resolved: tuple[axes.Axis, ...] = ()
-    paths: tuple[str, ...] = ()
-    local_out: bool = False
+    mapped: Mapped
+    plan: ArgumentPlan
+    jitted: Any
+    resolved: tuple[axes.Axis, ...]
+    local_out: bool
     out_leaves: list[tuple[str, axes.Axis]] = field(default_factory=list)
     checked: bool = False
 
@@ -115,15 +118,15 @@ class Entry(Signature):
         """Every leaf placed for this entry (`meshkit._src.spmd.placement`'s classes).
 
         Arrays are converted to the entry's device axis; host data goes in one batch through
-        `Signature.put_host`: across processes it is this process's entries, assembled with
-        the others' as `meshkit.global_array_from_local` does, with its check that the
-        processes' structure, shapes and dtypes agree. ``treedef``: the leaves' structure, for
-        messages.
+        `meshkit._src.spmd.placement.put_host`: across processes it is this process's entries,
+        assembled with the others' as `meshkit.global_array_from_local` does, with its check
+        that the processes' structure, shapes and dtypes agree. ``treedef``: the leaves'
+        structure, for messages.
         """
-        assert self.targets is not None  # known when the entry is made
+        plan = self.plan
         placed = [
             self.put(leaf, r, target)
-            for leaf, r, target in zip(leaves, self.resolved, self.targets, strict=True)
+            for leaf, r, target in zip(leaves, self.resolved, plan.targets, strict=True)
         ]
         if jax.process_count() > 1:
             placed = [
@@ -132,12 +135,12 @@ class Entry(Signature):
                 else leaf
                 for leaf in placed
             ]
-        return self.put_host(placed, self.targets, self.paths, treedef)
+        what = self.mapped.what
+        return _placement.put_host(plan, placed, what=what, tag="pmap_compat", treedef=treedef)
 
     def put(self, leaf: Any, r: axes.Axis, target: NamedSharding) -> Any:
         """One leaf, placed for this entry's mesh (no copy where the data is already there)."""
-        mesh = self.mesh
-        assert isinstance(mesh, Mesh)
+        mesh = self.plan.mesh
         if _placement.is_abstract(leaf):
             return leaf  # lowering for shapes only (ShapeDtypeStruct, ShapedArray)
         if isinstance(leaf, jax.Array):
@@ -154,7 +157,7 @@ class Entry(Signature):
                 again = _device_axis.rewrap(leaf, mesh, r)
                 if again is not None:
                     return again
-            if self.multiprocess and leaf.is_fully_addressable:
+            if mesh.is_multi_process and leaf.is_fully_addressable:
                 # A process-local array: jax.pmap's output, or this function's own.
                 again = _device_axis.from_local_array(leaf, mesh, r)
                 if again is not None:
@@ -174,7 +177,6 @@ class Entry(Signature):
     def check_outputs(self, placed: list[Any]) -> None:
         """Once per entry: every ``out_axes=None`` output is the same on every device."""
         mapped = self.mapped
-        assert mapped is not None
         if self.checked or not mapped.checks_outputs:
             return
         traced = self.jitted.trace(*placed)  # jit keeps this trace for the call
@@ -228,15 +230,10 @@ def build(
     specs = tuple(
         _device_axis.mapped_spec(r, name) if r is not None else PartitionSpec() for r in resolved
     )
-    # One NamedSharding object per spec, shared by the inputs' targets and the outputs'
-    # out_shardings: outputs fed back then carry the very objects the steady-state test
-    # compares with, and the comparison stops at identity.
-    by_spec: dict[PartitionSpec, NamedSharding] = {}
-
-    def sharding(spec: PartitionSpec) -> NamedSharding:
-        return by_spec.setdefault(spec, NamedSharding(mesh, spec))
-
-    targets = [sharding(s) for s in specs]
+    # The outputs' out_shardings are the plan's objects where the specs match: outputs fed
+    # back then carry the very objects the steady-state test compares with.
+    plan = argument_plan(mesh, specs, layout.paths)
+    sharding = plan.sharding
     statics = dict(zip(mapped.static, key[1], strict=True))
     n_args = key[0]
     entry: Entry
@@ -276,22 +273,12 @@ def build(
         out_shardings = axes.prefix_map(mapped.out_axes, lambda a: sharding(axes.out_spec(a, name)))
     options: dict[str, Any] = {"donate_argnums": layout.donated}
     if not tracing:
-        options["in_shardings"] = targets
+        options["in_shardings"] = plan.targets
         if out_shardings is not None:
             options["out_shardings"] = out_shardings
     jitted = jit_over_shard_map(body, mapped.name, **options)
     local_out = mesh.is_multi_process and not mapped.global_outputs and not tracing
-    entry = Entry(
-        mesh,
-        jitted,
-        mapped.what,
-        "pmap_compat",
-        targets,
-        mapped=mapped,
-        resolved=resolved,
-        paths=layout.paths,
-        local_out=local_out,
-    )
+    entry = Entry(mapped, plan, jitted, resolved, local_out)
     return entry
 
 
@@ -387,13 +374,4 @@ def process_local(x: Any) -> Any:
         return x
     spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
     mapped = [d for d, e in enumerate(spec) if e is not None]
-    if mapped:
-        return _device_axis.local_view(x, mapped[0])
-    # Replicated (out_axes=None): the same value on each local device, as jax.pmap returns it.
-    mesh: Mesh = x.sharding.mesh  # type: ignore[attr-defined]
-    mine = _device_axis.local_devices(mesh)
-    local = _device_axis.device_mesh(mine, mesh.axis_names[0])
-    by_device = {s.device: s.data for s in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(local, PartitionSpec()), [by_device[d] for d in mine]
-    )
+    return _device_axis.local_view(x, mapped[0] if mapped else None)

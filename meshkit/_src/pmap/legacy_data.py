@@ -22,7 +22,7 @@ from ..arrays.blocks import tree_paths
 from ..arrays.gather import local_from_global
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
-from ..spmd.plan import argnums
+from ..spmd.placement import argnums
 from . import device_axis as _device_axis
 from .legacy import device_axis_mesh, first_entries, host_array
 

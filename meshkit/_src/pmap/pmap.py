@@ -18,8 +18,8 @@ A call is classified before anything runs, never retried:
 4. otherwise each leaf is classified (placed as needed / host data / process-local device
    array / another layout) and placed, and the entry for its mapped size is called.
 
-An entry (`meshkit._src.pmap.entry`: one `jax.jit` over the flat leaves, a signature of the call
-plan shared with `spmd`, `meshkit._src.spmd.plan`) is traced once per signature. Outputs
+An entry (`meshkit._src.pmap.entry`: one `jax.jit` over the flat leaves, with an argument plan
+as `spmd` has, `meshkit._src.sharding.argument_plan`) is traced once per signature. Outputs
 promised equal on every device (``out_axes=None``) are checked on that trace by
 `meshkit._src.spmd.variance`.
 """
@@ -40,7 +40,7 @@ from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
-from ..spmd.plan import Signatures, argnums, dynamic
+from ..spmd.placement import argnums, dynamic
 from . import axes
 from . import device_axis as _device_axis
 from .entry import TRACING, Entry, Mapped, build, mesh_context, process_local
@@ -137,7 +137,7 @@ class PmapFunction:
         # Per structure of the arguments (calls without keywords or statics): the entry the
         # last call used, for the steady-state test of the next. A call inside jax.set_mesh
         # is not steady: it runs in this function's mesh (`mesh_context`).
-        self._steady: Signatures[Entry] = Signatures(_compat.idle)
+        self._steady: dict[Any, Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
             name,
@@ -159,8 +159,8 @@ class PmapFunction:
             # as the entry of this structure expects, nothing tracing. Each step here shows in
             # the per-call time, so this path does only what deciding needs.
             leaves, treedef = jax.tree_util.tree_flatten(args)
-            entry = self._steady.steady(treedef, leaves)
-            if entry is not None:
+            entry = self._steady.get(treedef)
+            if entry is not None and entry.plan.placed(leaves) and _compat.idle():
                 out = entry.jitted(*leaves)
                 return jax.tree_util.tree_map(process_local, out) if entry.local_out else out
         return self._call(args, kwargs)
@@ -173,8 +173,8 @@ class PmapFunction:
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
         if not (kwargs or self.static) and _compat.idle():
-            self._steady.keep(jax.tree_util.tree_structure(args), entry)
-        with mesh_context(entry.mesh):
+            self._steady[jax.tree_util.tree_structure(args)] = entry
+        with mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             return entry.finish(entry.jitted(*placed))
 
@@ -194,7 +194,7 @@ class PmapFunction:
         key = axes.call_key(args, kwargs, self.static, self._what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         entry, placed = self._classify(key, treedef, leaves)
-        with mesh_context(entry.mesh):
+        with mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
         stage = Stage(
@@ -202,7 +202,7 @@ class PmapFunction:
             static=self.static,
             key=key,
             treedef=treedef,
-            paths=entry.paths,
+            paths=entry.plan.paths,
             given=signature(leaves),
             dynamic=functools.partial(dynamic, static=self.static),
             place=entry.place,

@@ -1,6 +1,6 @@
 """An `spmd` function bound to one mesh: its specs checked, one signature per argument structure.
 
-`MeshPlan` is `spmd`'s front-end on the call plan (`meshkit._src.spmd.plan`): it aligns
+`MeshPlan` is `spmd`'s front-end on the shared placement (`meshkit._src.spmd.placement`): it aligns
 ``in_specs`` to each structure of the dynamic arguments (a `Layout`), checks every argument's
 rank and divisibility against its spec with meshkit's own messages, moves arrays laid out
 differently (a `ReshardWarning` through its owner, once per argument), reshards values typed
@@ -18,8 +18,8 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..core import compat as _compat
 from ..core.errors import MeshkitError
+from ..sharding.argument_plan import ArgumentPlan, argument_plan
 from ..sharding.spec_trees import align_specs, has_mapping, to_spec_types
 from ..sharding.specs import (
     as_partition_spec,
@@ -31,14 +31,7 @@ from ..sharding.specs import (
     spec_axes,
 )
 from . import placement as _placement
-from .plan import (
-    Signature,
-    Signatures,
-    dynamic,
-    failures_published,
-    from_host,
-    jit_over_shard_map,
-)
+from .placement import dynamic, failures_published, from_host, jit_over_shard_map
 
 __all__ = ["Layout", "MeshPlan", "Owner"]
 
@@ -61,26 +54,33 @@ class Owner(Protocol):
     ) -> None: ...
 
 
-class Layout(Signature):
-    """One structure of the dynamic arguments: their specs aligned to it, its jit, its targets.
+class Layout:
+    """One structure of the dynamic arguments: their specs aligned to it, its jit, its plan.
 
-    ``specs`` and ``raws`` hold one spec tree per argument, rebuilt in the argument's node
-    types (`meshkit._src.sharding.spec_trees.align_specs`), so JAX takes them as prefixes:
-    ``specs`` in `PartitionSpec` form, ``raws`` as the user wrote the leaves (strings name
-    dimensions).
+    Attributes:
+        jitted: ``jax.jit`` over the body (None over an `AbstractMesh`, met while tracing:
+            the body is traced in place).
+        specs: one spec tree per argument, rebuilt in the argument's node types
+            (`meshkit._src.sharding.spec_trees.align_specs`) so that JAX takes it as a prefix.
+        leaves: per leaf, in flattening order: its spec, its spec as the user wrote it
+            (strings name dimensions) and its name in messages.
+        plan: where each leaf goes (None over an `AbstractMesh`).
+        steady: the plan once a call has placed the leaves: later calls whose leaves are all
+            placed go straight to ``jitted``.
     """
 
     def __init__(
         self,
-        mesh: Mesh | AbstractMesh,
         jitted: Any,
-        what: str,
         specs: tuple[Any, ...],
-        raws: tuple[Any, ...],
+        leaves: list[tuple[PartitionSpec, Any, str]],
+        plan: ArgumentPlan | None,
     ) -> None:
-        super().__init__(mesh, jitted, what, _TAG)
+        self.jitted = jitted
         self.specs = specs
-        self.raws = raws
+        self.leaves = leaves
+        self.plan = plan
+        self.steady: ArgumentPlan | None = None
 
 
 class MeshPlan:
@@ -103,9 +103,8 @@ class MeshPlan:
         self.keyed_out = has_mapping(owner.out_specs)
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
         self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
-        # Per structure of the dynamic arguments (a treedef). Inside jax.set_mesh a call may
-        # still go straight to jit: its shardings name this plan's mesh.
-        self.layouts: Signatures[Layout] = Signatures(_compat.trace_state_clean)
+        # Per structure of the dynamic arguments (a treedef).
+        self.layouts: dict[Any, Layout] = {}
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> Layout:
         """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
@@ -137,9 +136,11 @@ class MeshPlan:
                 )
                 for r in raws
             )
-        jitted = None
+        leaves = _leaf_specs(dyn, specs, raws)
+        jitted = plan = None
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
+            plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
             shardings = jax.tree_util.tree_map(
                 lambda s: NamedSharding(mesh, s),
                 self.in_specs if is_spec_leaf(raw) else specs,
@@ -156,18 +157,20 @@ class MeshPlan:
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
-        return self.layouts.keep(treedef, Layout(self.mesh, jitted, self.what, specs, raws))
+        layout = self.layouts[treedef] = Layout(jitted, specs, leaves, plan)
+        return layout
 
     # ---- trace time -------------------------------------------------------------------------
 
     def body(self, *args: Any) -> Any:
         owner = self.owner
         static = owner.static_argnums
-        dyn = self.dynamic(args)
-        layout = self.layout(dyn)
-        self.check_args(dyn, layout)
+        dyn = dynamic(args, static)
+        flat, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self.layout(dyn, treedef)
+        self.check_args(flat, layout)
         if self.explicit:
-            dyn = self.reshard_typed(dyn, layout)
+            dyn = jax.tree_util.tree_unflatten(treedef, self.reshard_typed(flat, layout))
         # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
         # ``back`` holds what turns them back: the output's treedef and its leaves' order.
         back: list[Any] = []
@@ -201,35 +204,11 @@ class MeshPlan:
             leaves[i] = leaf
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The arguments that are not static (those in_specs describe)."""
-        return dynamic(args, self.owner.static_argnums)
-
-    def each_leaf(self, args: tuple[Any, ...], layout: Layout, fn: Callable[..., Any]) -> Any:
-        """Map ``fn(leaf, spec, raw_spec, path)`` over the leaves of ``args`` under their specs.
-
-        The leaves are visited in the order `jax.tree_util.tree_leaves` gives them.
-        """
-        keystr = jax.tree_util.keystr
-
-        def per_arg(i: int) -> Any:
-            def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> Any:
-                return jax.tree_util.tree_map_with_path(
-                    lambda p, leaf: fn(leaf, s, r, f"args[{i}]{keystr(at)}{keystr(p)}"), sub
-                )
-
-            return jax.tree_util.tree_map_with_path(
-                visit, layout.specs[i], layout.raws[i], args[i], is_leaf=is_spec_leaf
-            )
-
-        return tuple(per_arg(i) for i in range(len(args)))
-
-    def check_args(self, dyn: tuple[Any, ...], layout: Layout) -> None:
-        """Rank and divisibility of every argument against its spec, with dims named."""
+    def check_args(self, flat: list[Any], layout: Layout) -> None:
+        """Rank and divisibility of every leaf against its spec, with dims named."""
         name = self.owner.name
         sizes = self.mesh.shape
-
-        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+        for leaf, (s, raw, where) in zip(flat, layout.leaves, strict=True):
             shape = np.shape(leaf)
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
             if dims is not None and len(dims) != len(shape):
@@ -255,22 +234,19 @@ class MeshPlan:
                         f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
                     )
 
-        self.each_leaf(dyn, layout, check)
-
-    def reshard_typed(self, dyn: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
+    def reshard_typed(self, flat: list[Any], layout: Layout) -> list[Any]:
         """On Explicit meshes, give every value the sharding type its spec asks for."""
-
-        def fix(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
+        out = []
+        for leaf, (s, _, where) in zip(flat, layout.leaves, strict=True):
             ndim = np.ndim(leaf)
             have = getattr(jax.typeof(leaf), "sharding", None)
             have_spec = have.spec if have is not None else PartitionSpec()
-            if dim_axes(have_spec, ndim) == dim_axes(s, ndim):
-                return leaf
-            if spec_axes(have_spec):
-                self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
-            return jax.reshard(leaf, NamedSharding(self.mesh, s))
-
-        return self.each_leaf(dyn, layout, fix)
+            if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
+                if spec_axes(have_spec):
+                    self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
+                leaf = jax.reshard(leaf, NamedSharding(self.mesh, s))
+            out.append(leaf)
+        return out
 
     def check_outputs(self, out: Any, raws: Any) -> None:
         """Each output's rank against the dimensions its spec string names.
@@ -279,125 +255,124 @@ class MeshPlan:
         """
         name = self.owner.name
 
-        def check(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
+        def check(raw: Any, sub: Any) -> None:
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != np.ndim(leaf):
-                raise MeshkitError(
-                    f"meshkit.spmd({name}): output {where} has rank {np.ndim(leaf)} but its spec "
-                    f"{raw!r} names {_count(len(dims), 'dimension')}."
-                )
+            for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                if dims is not None and len(dims) != np.ndim(leaf):
+                    raise MeshkitError(
+                        f"meshkit.spmd({name}): output out{jax.tree_util.keystr(path)} has rank "
+                        f"{np.ndim(leaf)} but its spec {raw!r} names "
+                        f"{_count(len(dims), 'dimension')}."
+                    )
 
-        jax.tree_util.tree_map(
-            lambda r, sub: jax.tree_util.tree_map_with_path(
-                lambda p, leaf: check(leaf, as_partition_spec(r, "out_specs"), r,
-                                      f"out{jax.tree_util.keystr(p)}"), sub
-            ),
-            raws, out, is_leaf=is_spec_leaf,
-        )  # fmt: skip
+        jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
 
     # ---- call time: classify, then call ------------------------------------------------------
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
-        dyn = self.dynamic(args)
+        static = self.owner.static_argnums
+        dyn = dynamic(args, static) if static else args
         leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layouts.steady(treedef, leaves)
-        if layout is not None:
-            # The steady state: every leaf already where in_specs puts it.
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            # The steady state: every leaf already where in_specs puts it. A trace around
+            # the call changes nothing here: jit takes placed arrays as they are.
             return (layout.jitted.lower if lower else layout.jitted)(*args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             layout = self.layout(dyn, treedef)
-            args = self.traced(args, layout)
+            flat = self.traced(leaves, layout)
         elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
             # This process's parts, as global arrays (the layout is made inside, so that a
             # spec error there reaches the other processes too).
-            args, layout = self.assemble_local(args, leaves, treedef)
-            args = self.place(args, layout)
+            with failures_published(_TAG):  # the others are waiting for this process's record
+                layout = self.layout(dyn, treedef)
+            flat = self.place(self.assemble_local(leaves, treedef, layout), layout)
         else:
             layout = self.layout(dyn, treedef)
-            args = self.place(args, layout)
+            flat = self.place(leaves, layout)
+        it = iter(jax.tree_util.tree_unflatten(treedef, flat))
+        args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
 
-    def traced(self, args: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
-        """Arguments of a call traced inside another jit: host values are program constants.
+    def traced(self, flat: list[Any], layout: Layout) -> list[Any]:
+        """Leaves of a call traced inside another jit: host values are program constants.
 
         Constants are the same in every process (the global value), as jit itself treats them;
         jit places them in one process, and they are put here across processes (jit refuses
         host data with a sharding there).
         """
-        if not self.multiprocess:
-            return args
-        dyn = self.dynamic(args)
-        const = lambda leaf, s, raw, where: (  # noqa: E731
-            from_host(leaf, NamedSharding(self.mesh, s)) if _placement.is_host(leaf) else leaf
-        )
-        return self.with_dynamic(args, self.each_leaf(dyn, layout, const))
+        if not self.multiprocess or layout.plan is None:
+            return flat
+        targets = layout.plan.targets
+        return [
+            from_host(leaf, target) if _placement.is_host(leaf) else leaf
+            for leaf, target in zip(flat, targets, strict=True)
+        ]
 
-    def place(self, args: tuple[Any, ...], layout: Layout) -> tuple[Any, ...]:
-        """Every argument where its spec puts it: meshkit's checks, then moves and puts.
+    def place(self, flat: list[Any], layout: Layout) -> list[Any]:
+        """Every leaf where its spec puts it: meshkit's checks, then moves and puts.
 
         Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
-        on one device); host data is put in one batched call (`Signature.put_host`). The
-        leaves' targets are kept for the steady-state test of the next call.
+        on one device); host data is put in one batched call (`placement.put_host`). The
+        layout keeps its plan for the steady-state test of the next call.
         """
-        dyn = self.dynamic(args)
-        self.check_args(dyn, layout)
-        targets: list[NamedSharding] = []
-        paths: list[str] = []
+        self.check_args(flat, layout)
+        plan = layout.plan
+        assert plan is not None  # placing needs a mesh of devices
+        moved = [
+            self.move(leaf, target, where)
+            for leaf, target, where in zip(flat, plan.targets, plan.paths, strict=True)
+        ]
+        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG)
+        layout.steady = plan
+        return placed
 
-        def move(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> Any:
-            target = NamedSharding(self.mesh, s)
-            targets.append(target)
-            paths.append(where)
-            if _placement.is_host(leaf):
-                return leaf
-            if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            if len(leaf.sharding.device_set) > 1:
-                self.owner.warn_reshard(where, f"sharding {leaf.sharding}", s, self.mesh)
-            return jax.device_put(leaf, target)
+    def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
+        """``leaf`` laid out as ``target`` (host data as it is: it is put in one batch)."""
+        if _placement.is_host(leaf):
+            return leaf
+        if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            return leaf
+        if len(leaf.sharding.device_set) > 1:
+            self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
+        return jax.device_put(leaf, target)
 
-        flat, tree = jax.tree_util.tree_flatten(self.each_leaf(dyn, layout, move))
-        flat = layout.put_host(flat, targets, paths)
-        layout.targets = targets
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(tree, flat))
-
-    def with_dynamic(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` with its dynamic (non-static) arguments replaced by ``dyn``."""
-        static = self.owner.static_argnums
-        it = iter(dyn)
-        return tuple(args[i] if i in static else next(it) for i in range(len(args)))
-
-    def assemble_local(
-        self, args: tuple[Any, ...], leaves: list[Any], treedef: Any
-    ) -> tuple[tuple[Any, ...], Layout]:
+    def assemble_local(self, flat: list[Any], treedef: Any, layout: Layout) -> list[Any]:
         """The call's process-local leaves assembled into global arrays, in one assembly.
 
         In a multi-process run, host data and addressable arrays are this process's part of
         the argument, as `meshkit.global_array_from_local` defines it; the processes compare
         structure, shapes and dtypes once per call (and, in debug mode, the data of blocks
-        that several processes provide) through the coordination service. ``leaves`` and
-        ``treedef``: the dynamic arguments flattened.
+        that several processes provide) through the coordination service.
         """
-        dyn = self.dynamic(args)
-        specs: list[Any] = []
-        paths: list[str] = []
-
-        def name(leaf: Any, s: PartitionSpec, raw: Any, where: str) -> None:
-            specs.append(raw)
-            paths.append(where)
-
-        with failures_published(_TAG):  # the others are waiting for this process's record
-            layout = self.layout(dyn, treedef)
-            self.each_leaf(dyn, layout, name)
-        local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
-        assembled = layout.assemble(
-            leaves, local, [paths[i] for i in local], [specs[i] for i in local], treedef
+        plan = layout.plan
+        assert plan is not None  # a multi-process mesh is made of devices
+        local = [i for i, leaf in enumerate(flat) if _placement.is_local(leaf)]
+        raws = [layout.leaves[i][1] for i in local]
+        assembled = _placement.assemble(
+            plan, flat, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
         )
-        flat = list(leaves)
+        out = list(flat)
         for i, value in zip(local, assembled, strict=True):
-            flat[i] = value
-        return self.with_dynamic(args, jax.tree_util.tree_unflatten(treedef, flat)), layout
+            out[i] = value
+        return out
+
+
+def _leaf_specs(
+    dyn: tuple[Any, ...], specs: tuple[Any, ...], raws: tuple[Any, ...]
+) -> list[tuple[PartitionSpec, Any, str]]:
+    """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
+    keystr = jax.tree_util.keystr
+    out: list[tuple[PartitionSpec, Any, str]] = []
+    for i, arg in enumerate(dyn):
+
+        def visit(at: Any, s: PartitionSpec, r: Any, sub: Any, i: int = i) -> None:
+            for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                out.append((s, r, f"args[{i}]{keystr(at)}{keystr(p)}"))
+
+        jax.tree_util.tree_map_with_path(visit, specs[i], raws[i], arg, is_leaf=is_spec_leaf)
+    return out
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

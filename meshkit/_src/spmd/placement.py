@@ -1,50 +1,102 @@
-"""Classify, then call: how `spmd` and `pmap_compat` decide where each argument goes.
+"""Classify, then call: how `spmd` and `pmap_compat` put a call's arguments where jit takes them.
 
-Both entries compile one `jax.jit` per signature whose ``in_shardings`` say where every leaf of
-the arguments must live. Before calling it they classify the leaves, never try the call and
-retry on failure:
+Both compile one `jax.jit` over a body that runs `jax.shard_map`, per structure of the
+arguments, with an `ArgumentPlan` (`meshkit._src.sharding.argument_plan`) saying where every
+leaf must live. A call is decided before anything runs, never tried and retried:
 
-* **placed**: a `jax.Array` whose sharding is the target: passed as it is. When every leaf is
-  placed (the steady state: earlier outputs fed back) the call goes straight to jit, after one
-  comparison per leaf (`placed`);
-* **host data** (numpy, Python scalars): in one process, put on the devices in one batched
-  `jax.device_put` (`put_host`; jit would place it too, but it traces a numpy argument and a
-  placed array separately); in a multi-process run it is *this process's part*, assembled with
-  the other processes' parts as `meshkit.global_array_from_local` does, with its check that the
+* **placed**: every leaf is an array laid out as its target (earlier outputs fed back): jit is
+  called at once, after one comparison per leaf (`ArgumentPlan.placed`);
+* **host data** (numpy, Python scalars): in one process, put in one batched
+  `jax.device_put` (jit would place it too, but it traces a numpy argument and a placed
+  array separately); in a multi-process run it is *this process's part*, assembled with the
+  other processes' parts as `meshkit.global_array_from_local` does, with its check that the
   parts fit together (`assemble`);
-* **process-local device arrays** in a multi-process run: the same as host data (the caller may
-  first rewrap ones already on the right local devices without a copy);
-* **another layout**: moved (the caller decides whether that deserves a warning).
+* **process-local device arrays** in a multi-process run: the same as host data;
+* **another layout**: moved (the front-end decides whether that deserves a warning).
 
-Tracers (the call is being traced by an enclosing transformation) are never placed.
+Tracers (the call is traced by an enclosing transformation) are never placed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.core import ShapedArray, Tracer
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from ..arrays import assembly as _assembly
 from ..arrays import blocks as _blocks
 from ..arrays.caller import calling
 from ..coord import channel as _channel
+from ..core.errors import MeshkitError
 from ..debug import divergence as debug
+from ..sharding.argument_plan import ArgumentPlan
 
-__all__ = ["assemble", "is_abstract", "is_host", "is_local", "placed", "put_host"]
+__all__ = [
+    "argnums",
+    "assemble",
+    "dynamic",
+    "failures_published",
+    "from_host",
+    "is_abstract",
+    "is_host",
+    "is_local",
+    "jit_over_shard_map",
+    "put_host",
+]
 
 
-def placed(leaves: Sequence[Any], targets: list[NamedSharding]) -> bool:
-    """Whether every leaf is an array already laid out as its target (no host data).
+def argnums(
+    value: int | Sequence[int], what: str, caller: str, *, from_end: bool = False
+) -> tuple[int, ...]:
+    """Positions of arguments (``static_argnums``, ``donate_argnums``...) as a tuple of ints.
 
-    Only for calls made outside any trace (`meshkit._src.core.compat.idle`): a tracer is not tested
-    for. One list comparison (identity first, then equality, per element), the cheapest test
-    of 50 leaves measured here.
+    Args:
+        value: one position or a sequence of them, as the user gave it.
+        what: the parameter's name in messages.
+        caller: the call that messages name (``meshkit.spmd(step)``).
+        from_end: negative positions count from the end of each call's arguments; they are
+            kept as given, in their order. Otherwise they must be non-negative and come back
+            sorted, without repeats.
+
+    Raises:
+        MeshkitError: a position that is not an int (bools are not positions), or a negative
+            one where they do not count from the end.
     """
-    return [getattr(leaf, "sharding", None) for leaf in leaves] == targets
+    items = (value,) if isinstance(value, int) else tuple(value)
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, int) or (i < 0 and not from_end):
+            kind = "ints" if from_end else "non-negative ints"
+            raise MeshkitError(f"{caller}: {what} must be {kind}; got {value!r}.")
+    return items if from_end else tuple(sorted(set(items)))
+
+
+def dynamic(args: tuple[Any, ...], static: tuple[int, ...]) -> tuple[Any, ...]:
+    """The arguments that are not static (at the positions ``static``), in their order."""
+    if not static:
+        return args
+    return tuple(a for i, a in enumerate(args) if i not in static)
+
+
+def from_host(value: Any, target: NamedSharding) -> jax.Array:
+    """Host data, the same in every process, as a global array laid out by ``target``."""
+    arr = np.asarray(value)
+    return jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
+
+
+def jit_over_shard_map(
+    body: Callable[..., Any], name: str, **jit_options: Any
+) -> Callable[..., Any]:
+    """``jax.jit(body, **jit_options)``, ``body`` (which runs `jax.shard_map`) named ``name``.
+
+    Named after the user's function, so that HLO dumps and profiles tell the programs apart.
+    """
+    body.__name__ = body.__qualname__ = name
+    return jax.jit(body, **jit_options)
 
 
 def is_host(leaf: Any) -> bool:
@@ -64,36 +116,59 @@ def is_local(leaf: Any) -> bool:
     )
 
 
-def put_host(values: list[Any], targets: list[NamedSharding]) -> list[jax.Array]:
-    """Host data of a single-process call, laid out as ``targets``, in one batched put."""
-    if not values:
-        return []
-    return list(jax.device_put(values, targets))
+def put_host(
+    plan: ArgumentPlan, leaves: list[Any], *, what: str, tag: str, treedef: Any = None
+) -> list[Any]:
+    """``leaves`` with their host data placed at the plan's targets (other leaves as they are).
+
+    In one process, one batched `jax.device_put`; across processes the host data is this
+    process's parts, assembled with the others' (`assemble`). ``treedef``: the structure of
+    ``leaves``, which messages show.
+    """
+    host = [i for i, leaf in enumerate(leaves) if is_host(leaf) and not is_abstract(leaf)]
+    if not host:
+        return leaves
+    if plan.multiprocess:
+        placed = assemble(plan, leaves, host, what=what, tag=tag, treedef=treedef)
+    else:
+        placed = jax.device_put([leaves[i] for i in host], [plan.targets[i] for i in host])
+    out = list(leaves)
+    for i, value in zip(host, placed, strict=True):
+        out[i] = value
+    return out
 
 
 def assemble(
-    named: list[tuple[str, Any]],
-    mesh: Mesh,
-    specs: list[Any],
+    plan: ArgumentPlan,
+    leaves: list[Any],
+    chosen: list[int],
     *,
     what: str,
     tag: str,
-    structure: Any = None,
+    specs: Sequence[Any] | None = None,
+    treedef: Any = None,
 ) -> list[jax.Array]:
-    """This process's parts of a multi-process call's arguments, as global arrays.
+    """The ``chosen`` leaves, this process's parts of a multi-process call, as global arrays.
 
-    One assembly for all of them (``named``: each leaf with its name in messages; ``specs``:
-    its spec on ``mesh``), as `meshkit.global_array_from_local` defines the parts: along a
-    dimension split across processes, the rows this process's devices hold; other dimensions
-    whole. The processes compare structure, shapes and dtypes once per call through the
-    coordination service (and, in debug mode, the data of blocks that several processes
-    provide), and a mismatch is a `MeshkitError` naming the processes on every one of them.
-    ``structure``: the arguments as messages show them, with the leaves of ``named`` in
-    flattening order and None elsewhere (default: a flat list).
+    One assembly for all of them, as `meshkit.global_array_from_local` defines the parts: along
+    a dimension split across processes, the blocks `ArgumentPlan.blocks` gives this process;
+    other dimensions whole. The processes compare structure, shapes and dtypes once per call
+    through the coordination service (and, in debug mode, the data of blocks that several
+    processes provide); a mismatch is a `MeshkitError` naming the processes on every one of
+    them. ``specs``: each chosen leaf's spec as messages show it (default: the plan's);
+    ``treedef``: the structure of ``leaves``, which messages show (default: a flat list).
     """
-    if not named:
+    if not chosen:
         return []
-    treedef = jax.tree_util.tree_structure([0] * len(named) if structure is None else structure)
+    keep = set(chosen)
+    structure = (
+        [0] * len(chosen)
+        if treedef is None
+        else jax.tree_util.tree_unflatten(
+            treedef, [leaf if i in keep else None for i, leaf in enumerate(leaves)]
+        )
+    )
+    shown = list(specs) if specs is not None else [plan.targets[i].spec for i in chosen]
     with calling(what, pads=False):
         assembly = _assembly.Assembly(
             _channel.scoped(tag, what),
@@ -104,10 +179,10 @@ def assemble(
         )
         tree, _ = assembly.run(
             lambda: _blocks.prepare_leaves(
-                named,
-                treedef,
-                [(mesh, s) for s in specs],
-                [None] * len(named),
+                [(plan.paths[i], leaves[i]) for i in chosen],
+                jax.tree_util.tree_structure(structure),
+                [(plan.mesh, s) for s in shown],
+                [None] * len(chosen),
                 dtype=None,
                 pad=False,
                 warn_dtypes=False,  # jit narrows host data silently; so do spmd and pmap_compat
@@ -116,6 +191,16 @@ def assemble(
     return list(jax.tree_util.tree_leaves(tree))
 
 
-def publish_failure(tag: str, error: BaseException) -> None:
-    """Tell the processes waiting in an `assemble` under ``tag`` that this one failed first."""
-    _assembly.publish_failure(_assembly.check_tag(_channel.scoped(tag, "meshkit.spmd")), error)
+@contextlib.contextmanager
+def failures_published(tag: str) -> Iterator[None]:
+    """Inside: an error is also published to the processes waiting in an assembly under ``tag``.
+
+    For the preparation of a multi-process call's assembly: the other processes are waiting
+    for this process's record, and stop at once with its error instead of timing out.
+    """
+    try:
+        yield
+    except Exception as e:
+        tagged = _assembly.check_tag(_channel.scoped(tag, "meshkit.spmd"))
+        _assembly.publish_failure(tagged, e)
+        raise

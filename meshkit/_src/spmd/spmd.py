@@ -1,26 +1,13 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-A call is one `jax.jit` dispatch whose ``in_shardings`` are the ``in_specs``. The arguments are
-classified before it (`meshkit._src.spmd.placement`), never retried: when every leaf is already laid
-out as its spec says (the steady state), jit is called at once; otherwise meshkit checks the
-shapes against the specs (its own messages), puts host data (numpy, Python scalars) in one
-batched call, moves arrays laid out differently (warning once per argument), and then calls.
-Each signature is traced once. Every call first passes `meshkit._src.runtime.dispatch.enter`.
-The machinery is the call plan shared with `pmap_compat` (`meshkit._src.spmd.plan`); what is
-`spmd`'s own (specs per argument, its checks and reshards) is `meshkit._src.spmd.bound`.
-
-In a multi-process run, host data and process-local (fully addressable) arrays are *this
-process's part* of the argument, exactly as `meshkit.global_array_from_local` defines it: along
-a dimension split across processes, the rows this process's devices hold; other dimensions
-whole. All such leaves of a call are assembled together (`meshkit._src.arrays.assembly`) before
-jit is called, so the processes compare structure, shapes and dtypes once per call (one small
-message through the coordination service) and a mismatch is an error naming the processes, not
-a hang. Single-process, host data is the whole value, which is the same thing.
-
-Meshes with Explicit axes (``jax.make_mesh``'s default) type their arrays by sharding, and
-`jax.shard_map` demands that the type match ``in_specs``; inside the jitted function meshkit
-reshards values whose type differs. That costs nothing when the data is already where the spec
-puts it (host data placed through ``in_shardings``) and is one explicit reshard otherwise.
+A call is one `jax.jit` dispatch whose ``in_shardings`` are the ``in_specs``, after the dispatch
+point (`meshkit._src.runtime.dispatch.enter`). The arguments are classified before it, never
+retried (`meshkit._src.spmd.bound`, on the shared `meshkit._src.spmd.placement`): leaves already
+laid out as their specs say go straight to jit; otherwise meshkit checks the shapes against the
+specs (its own messages), places host data (in a multi-process run: this process's part,
+assembled as `meshkit.global_array_from_local` does), moves arrays laid out differently
+(warning once per argument), and then calls. On meshes with Explicit axes, values typed by
+another sharding are resharded inside the jitted function.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from ..runtime import dispatch as _dispatch
 from ..sharding.spec_trees import describe_node, plain_specs
 from ..sharding.specs import as_partition_spec, map_specs
 from .bound import MeshPlan
-from .plan import argnums
+from .placement import argnums
 
 __all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
 
