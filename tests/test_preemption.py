@@ -76,7 +76,7 @@ def _agree_now():
     """What the notice thread does once it knows of the notice: agree on the sync step."""
     notice = preemption.notice()
     assert notice is not None
-    preemption._Thread._agree(notice)
+    preemption._agree(notice)
 
 
 def _answers(steps, notice_at, every, sync):

@@ -51,6 +51,7 @@ from typing import Any
 from ..core import compat as _compat
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -261,28 +262,20 @@ def end(
         return
     if announce:
         say(_LOG, level, announce)
-    if _registry.interpreter_exiting:
-        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): no thread
-        # may start to bound the handlers, and they are running already. Exit now.
+    if _registry.interpreter_exiting or not _service.at(
+        "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
+    ):
+        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): the
+        # handlers are running already, and no thread may start to bound them. Exit now.
         _exit(status, final)
         return
-    timer = threading.Thread(
-        target=_exit_after,
-        args=(grace, late, final, status, level),
-        name="meshkit-exit",
-        daemon=True,
-    )
-    timer.start()
     if threading.current_thread() is threading.main_thread():
         _compat.skip_jax_exit_barrier()
         atexit._run_exitfuncs()
     _exit(status, final)
 
 
-def _exit_after(
-    seconds: float, late: str, final: Callable[[], None] | None, status: int, level: int
-) -> None:
-    time.sleep(seconds)
+def _late(late: str, level: int, status: int, final: Callable[[], None] | None) -> None:
     if late:
         say(_LOG, level, late)
     _exit(status, final)

@@ -35,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import select
 import signal
 import threading
 import time
@@ -48,6 +46,7 @@ from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -157,7 +156,7 @@ class _State:
         self.saves = 0  # meshkit checkpoint saves in progress
         self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
-        self.wake = threading.Event()  # for the notice thread: tell, or the deadline moved
+        self.deadline_armed = False
 
 
 _state = _State()
@@ -206,13 +205,10 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     wakeup = _exit.on_sigterm(_on_sigterm)
     if first:
-        if wakeup >= 0:
-            threading.Thread(
-                target=_read, args=(wakeup,), name="meshkit-sigterm", daemon=True
-            ).start()
-        _Thread().start()
+        _service.on_signal(wakeup, _on_sigterm)
+        _service.on_wake("preemption: tell, agree, arm the deadline", _tend)
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
-    _state.wake.set()  # a notice received before ``tell`` was given is told now
+    _service.wake()  # a notice received before ``tell`` was given is told now
 
 
 def notice() -> PreemptionNotice | None:
@@ -252,7 +248,7 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _state.wake.set()
+    _service.wake(nudge=False)  # a pipe's byte: safe in a signal handler
     return told
 
 
@@ -380,18 +376,6 @@ def _on_sigterm() -> None:
     receive(None)
 
 
-def _read(wakeup: int) -> None:
-    """Take SIGTERM from its wake-up byte (the main thread, waiting in C, runs no handler)."""
-    while True:
-        try:
-            select.select([wakeup], [], [])
-            data = os.read(wakeup, 64)
-        except OSError:
-            return
-        if signal.SIGTERM in data:
-            receive(None)
-
-
 def lost_service(notice_: PreemptionNotice) -> None:
     """After a notice, the coordination service is gone: process 0 ended for it; end too."""
     _event("deadline", notice_)
@@ -424,79 +408,71 @@ def end_after_error(notice_: PreemptionNotice, error: str) -> None:
     )
 
 
-class _Thread(threading.Thread):
-    """After a notice: tells the others of this process's own, and ends it at the deadline."""
+def _tend() -> None:
+    """In the service thread, after a notice: tell the others, agree, arm the deadline."""
+    notice_ = _state.notice
+    if notice_ is None:
+        return
+    _tell(notice_)
+    _agree(notice_)
+    with _state.lock:
+        if _state.deadline_armed:
+            return
+        _state.deadline_armed = True
+    left = max(0.0, notice_.deadline - time.time())
+    _service.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
-    def __init__(self) -> None:
-        super().__init__(name="meshkit-preemption", daemon=True)
 
-    def run(self) -> None:
-        while True:
-            notice_ = _state.notice
-            if notice_ is None:
-                _state.wake.wait()
-                _state.wake.clear()
-                continue
-            self._tell(notice_)
-            self._agree(notice_)
-            left = notice_.deadline - time.time()
-            if left <= 0:
-                _end_at_deadline(notice_)
+def _agree(notice_: PreemptionNotice) -> None:
+    """Send the last step answered, and agree with the others on the sync step (once).
+
+    From the moment the step is taken, the program's questions wait for the agreement: a
+    step answered later could be one the others save at.
+    """
+    with _state.lock:
+        if _state.frozen or _state.sync is None:
+            return  # agreed already; or joining: agreed once this process has joined
+        _state.frozen = True
+        answered, sync = _state.asked, _state.sync
+    try:
+        with _state.talking:
+            if _state.stop.is_set():  # the process ends: no request may start now
                 return
-            _state.wake.wait(min(left, 1.0))
-            _state.wake.clear()
+            synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
+    except Exception as e:  # the service is gone: no sync step, the deadline ends the run
+        say(
+            _LOG,
+            logging.WARNING,
+            f"meshkit: could not agree on a step to save at after the notice: {e}\n",
+        )
+        synced = Synced(None, agreed=False)
+    if not synced.agreed and not _state.stop.is_set():
+        who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
+            "some process")  # fmt: skip
+        say(
+            _LOG,
+            logging.WARNING,
+            f"meshkit: no step to save at after the preemption notice: {who} did not take "
+            "part in time; the deadline ends the run.\n",
+        )
+    with _state.lock:
+        _state.synced = synced
+        _state.decided.notify_all()
 
-    @staticmethod
-    def _agree(notice_: PreemptionNotice) -> None:
-        """Send the last step answered, and agree with the others on the sync step (once).
 
-        From the moment the step is taken, the program's questions wait for the agreement: a
-        step answered later could be one the others save at.
-        """
-        with _state.lock:
-            if _state.frozen or _state.sync is None:
-                return  # agreed already; or joining: agreed once this process has joined
-            _state.frozen = True
-            answered, sync = _state.asked, _state.sync
-        try:
-            with _state.talking:
-                if _state.stop.is_set():  # the process ends: no request may start now
-                    return
-                synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
-        except Exception as e:  # the service is gone: no sync step, the deadline ends the run
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: could not agree on a step to save at after the notice: {e}\n",
-            )
-            synced = Synced(None, agreed=False)
-        if not synced.agreed and not _state.stop.is_set():
-            who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
-                "some process")  # fmt: skip
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: no step to save at after the preemption notice: {who} did not take "
-                "part in time; the deadline ends the run.\n",
-            )
-        with _state.lock:
-            _state.synced = synced
-            _state.decided.notify_all()
-
-    @staticmethod
-    def _tell(notice_: PreemptionNotice) -> None:
-        with _state.lock:
-            if not _state.untold or _state.tell is None:
-                return
-            _state.untold = False
-            tell = _state.tell
-        try:
-            with _state.talking:
-                if not _state.stop.is_set():  # the process ends: no request may start now
-                    tell(notice_)
-        except Exception as e:  # the others then learn it from JAX's protocol, or not at all
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: could not tell the other processes of the preemption notice: {e}\n",
-            )
+def _tell(notice_: PreemptionNotice) -> None:
+    with _state.lock:
+        if not _state.untold or _state.tell is None:
+            return
+        _state.untold = False
+        tell = _state.tell
+    try:
+        with _state.talking:
+            if not _state.stop.is_set():  # the process ends: no request may start now
+                tell(notice_)
+    except Exception as e:  # the others then learn it from JAX's protocol, or not at all
+        say(
+            _LOG,
+            logging.WARNING,
+            f"meshkit: could not tell the other processes of the preemption notice: {e}\n",
+        )

@@ -57,6 +57,7 @@ from ..core.frames import in_meshkit, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -263,8 +264,11 @@ def _cpu_clock(ident: int) -> int | None:
         return None
 
 
-class Watchdog(threading.Thread):
+class Watchdog:
     """Dumps this process's stacks after ``after`` seconds without progress, then may exit.
+
+    Its samples run in the service thread (`meshkit._src.lifecycle.service`), every
+    ``min(1 s, after / 4)``, from `start` until ``stop`` is set.
 
     Args:
         after: seconds without progress before the dump.
@@ -277,7 +281,6 @@ class Watchdog(threading.Thread):
     def __init__(
         self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
     ) -> None:
-        super().__init__(name="meshkit-watchdog", daemon=True)
         self.after = after
         self.timeout = timeout
         self.exit_on_stall = exit_on_stall
@@ -285,38 +288,43 @@ class Watchdog(threading.Thread):
         self.stop = threading.Event()
         self.main = _program_thread.program_thread().ident or 0
         self.main_native_id = _main_native_id()
+        self.period = min(1.0, after / 4)
+        self.sampler: _Sampler | None = None
+        self.then = self.progress = time.monotonic()
+        self.dumped = False
 
-    def run(self) -> None:
-        period = min(1.0, self.after / 4)
-        sampler: _Sampler | None = None
-        then = progress = time.monotonic()
-        dumped = False
-        while not self.stop.wait(period):
-            if _compat.distributed_state()[2] == 1:
-                continue  # one process: nobody to wait for, and no run to end
-            now = time.monotonic()
-            if sampler is None:
-                sampler = _Sampler(self.main, self.main_native_id)
-                moved: str | None = "started"
-            else:
-                moved = sampler.moved(now - then)
-            then = now
-            if moved is not None:
-                progress, dumped = now, False  # re-armed
-                continue
-            idle = now - progress
-            if not dumped and idle >= self.after:
-                dumped = True
-                self._dump(idle)
-            elif dumped and self.exit_on_stall and idle >= self.after + self.timeout:
-                _, me, _ = _compat.distributed_state()
-                _exit.now(
-                    1,
-                    f"{WATCHDOG_MARK} process {me} still made no progress after "
-                    f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
-                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
-                )
-                return  # another path is ending the process
+    def start(self) -> None:
+        """Take the first sample one period from now."""
+        _service.at("watchdog: sample", self.period, self._sample)
+
+    def _sample(self) -> None:
+        if self.stop.is_set():
+            return
+        _service.at("watchdog: sample", self.period, self._sample, nudge=False)
+        if _compat.distributed_state()[2] == 1:
+            return  # one process: nobody to wait for, and no run to end
+        now = time.monotonic()
+        if self.sampler is None:
+            self.sampler = _Sampler(self.main, self.main_native_id)
+            moved: str | None = "started"
+        else:
+            moved = self.sampler.moved(now - self.then)
+        self.then = now
+        if moved is not None:
+            self.progress, self.dumped = now, False  # re-armed
+            return
+        idle = now - self.progress
+        if not self.dumped and idle >= self.after:
+            self.dumped = True
+            self._dump(idle)
+        elif self.dumped and self.exit_on_stall and idle >= self.after + self.timeout:
+            _, me, _ = _compat.distributed_state()
+            _exit.now(
+                1,
+                f"{WATCHDOG_MARK} process {me} still made no progress after "
+                f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
+                "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
+            )
 
     def _dump(self, idle: float) -> None:
         _, me, _ = _compat.distributed_state()

@@ -1,0 +1,202 @@
+"""The one meshkit thread of a process: ``meshkit-service``.
+
+Started once, by the first guard that needs it (`meshkit.init`'s fail-fast and preemption, the
+debug watchdog, `meshkit._src.lifecycle.exit.end`), it does all the lifecycle's background work:
+
+- **waits** for what another process posts (fail-fast's `watch`: one blocking read of this
+  process's alarm key in the coordination service, which a failing or preempted process writes;
+  an idle wait is one request per `slice_s` seconds, no polling), or, with no watch, on a pipe;
+- **reads SIGTERM**: the handler only records the notice (`on_signal`); its wake-up byte comes
+  through the pipe `sigterm` names, so a notice counts even while the main thread waits in C;
+- **runs timed tasks** (`at`): the preemption deadline, the watchdog's samples, the end note,
+  the bound on a failing process's exit handlers;
+- **tends** after each wake-up (`on_wake`): preemption tells the others of a notice, agrees on
+  the sync step.
+
+A task or tending call runs in this thread, one at a time: a long one (the agreement on the sync
+step waits for the others, at most until the deadline) delays the others. While the watch waits
+in the coordination service, a wake-up from this process (`wake`) interrupts it through
+``nudge`` (the watch writes its own alarm key); a SIGTERM whose handler could not run is read
+within `slice_s` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["at", "on_signal", "on_wake", "running", "slice_s", "start", "wake", "watch"]
+
+SLICE_S = 5.0  # the longest wait in the coordination service: SIGTERM is read within it
+_LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
+
+Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
+
+
+def slice_s() -> float:
+    """Seconds one wait of the watch may last (SIGTERM while the main thread is in C)."""
+    return SLICE_S
+
+
+class _Service(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="meshkit-service", daemon=True)
+        self.lock = threading.Lock()
+        self.tasks: dict[str, tuple[float, Callable[[], None]]] = {}
+        self.tending: dict[str, Callable[[], None]] = {}
+        self.look: Look | None = None
+        self.nudge: Callable[[], None] | None = None
+        self.outside = threading.Event()  # not inside the coordination service now
+        self.outside.set()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.signals = -1  # SIGTERM's wake-up pipe
+        self.on_sigterm: Callable[[], None] | None = None
+
+    def run(self) -> None:
+        while True:
+            timeout = self._run_due()
+            self.outside.clear()
+            look = self.look
+            if look is not None:
+                try:
+                    if look(min(timeout, SLICE_S)) is False:
+                        self.look = None  # not joined anymore: nothing to watch
+                except Exception:  # the watch says its own failures
+                    pass
+                timeout = 0.0
+            self.outside.set()
+            ready = [fd for fd in (self.wake_r, self.signals) if fd >= 0]
+            try:
+                readable, _, _ = select.select(ready, [], [], timeout)
+            except (OSError, ValueError):  # a pipe closed under it: wait on the others
+                readable = []
+            for fd in readable:
+                try:
+                    data = os.read(fd, 256)
+                except OSError:
+                    continue
+                if fd == self.signals and signal.SIGTERM in data and self.on_sigterm:
+                    self.on_sigterm()
+            for call in list(self.tending.values()):
+                with contextlib.suppress(Exception):  # one tending call must not stop the rest
+                    call()
+
+    def _run_due(self) -> float:
+        """Run the tasks that are due; the seconds until the next one (an hour: none)."""
+        while True:
+            now = time.monotonic()
+            with self.lock:
+                due = [(name, call) for name, (t, call) in self.tasks.items() if t <= now]
+                for name, _ in due:
+                    del self.tasks[name]
+                later = min((t for t, _ in self.tasks.values()), default=now + 3600.0)
+            if not due:
+                return max(0.0, later - now)
+            for _, call in due:
+                with contextlib.suppress(Exception):  # a task says its own failures
+                    call()
+
+
+_service: _Service | None = None
+_start_lock = threading.Lock()
+
+
+def start() -> bool:
+    """Start the service thread once; False where no thread may start (the interpreter ends)."""
+    global _service
+    with _start_lock:
+        if _service is None:
+            service = _Service()
+            try:
+                service.start()
+            except RuntimeError:  # Python runs its exit handlers: threads cannot start now
+                return False
+            _service = service
+    return True
+
+
+def running() -> bool:
+    """Whether the service thread runs."""
+    return _service is not None and _service.is_alive()
+
+
+def wake(*, nudge: bool = True) -> None:
+    """Wake the service thread now (from a thread; a signal handler only records its flag).
+
+    Args:
+        nudge: also interrupt a wait in the coordination service (one request); off where the
+            service may be gone already.
+    """
+    service = _service
+    if service is None:
+        return
+    with contextlib.suppress(OSError):  # full: a wake-up is pending already
+        os.write(service.wake_w, b"w")
+    if nudge and service.nudge is not None and not service.outside.is_set():
+        with contextlib.suppress(Exception):  # the service is gone: its wait ends by itself
+            service.nudge()
+
+
+def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool = True) -> bool:
+    """Run ``call`` in the service thread ``delay`` seconds from now (None: cancel ``name``).
+
+    Registering ``name`` again replaces its task. Returns False where no thread may start.
+    """
+    if delay is None:
+        if _service is not None:
+            with _service.lock:
+                _service.tasks.pop(name, None)
+        return True
+    if not start():
+        return False
+    assert _service is not None
+    with _service.lock:
+        _service.tasks[name] = (time.monotonic() + delay, call)
+    wake(nudge=nudge)
+    return True
+
+
+def on_wake(name: str, call: Callable[[], None]) -> None:
+    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+    start()
+    assert _service is not None
+    _service.tending[name] = call
+    wake(nudge=False)
+
+
+def on_signal(fd: int, handler: Callable[[], None]) -> None:
+    """Call ``handler`` when SIGTERM's wake-up byte arrives on pipe ``fd`` (-1: none)."""
+    start()
+    assert _service is not None
+    _service.signals, _service.on_sigterm = fd, handler
+    wake(nudge=False)
+
+
+def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
+    """Wait in the coordination service with ``look`` (None: stop, and leave it).
+
+    Stopping (at exit) interrupts the wait with ``nudge`` and waits, at most `_LEAVE_S`, until
+    the thread is out of the coordination client: a thread inside it when the interpreter ends
+    aborts the process.
+    """
+    service = _service
+    if service is None:
+        if look is None:
+            return
+        start()
+        service = _service
+        assert service is not None
+    if look is not None:
+        service.look, service.nudge = look, nudge
+        wake(nudge=False)
+        return
+    service.look = None
+    wake()
+    service.outside.wait(_LEAVE_S)
+    service.nudge = None
