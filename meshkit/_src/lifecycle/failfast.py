@@ -5,7 +5,7 @@ joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's
 Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.core.events`):
 
 - **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
-  cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
+  cross-process timeouts (`meshkit._src.core.diagnosis`), posts the failure for the other
   processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
   own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
 - **SIGTERM** is not a failure: it is a preemption notice (`meshkit._src.lifecycle.preemption`).
@@ -37,11 +37,11 @@ from types import TracebackType
 from typing import Any
 
 from ..core import compat as _compat
+from ..core import diagnosis as _diagnose
 from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import DivergenceError
 from ..core.log import logger, say
-from . import diagnose as _diagnose
 from . import exit as _exit
 from . import preemption as _preemption
 from . import service as _service

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
-from ..lifecycle import progress as _progress
+from ..core import rank_stages as _progress
 from . import init as _runtime
 
 __all__ = [
