@@ -135,14 +135,14 @@ def install(
     """
     global _post_failure
     _post_failure = post
-    if grace is not None:
-        _exit.on_exception(
-            "fail-fast: end the process",
-            lambda kind, value, tb: _on_exception(grace, kind, value, tb),
-            order=_exit.REPORT,
-        )
-        _service.watch(_Watch(me, n, poll, wait).look, nudge)
-    _service.start()  # for the end note: no thread may start once the program ended
+    if grace is None:
+        return
+    _exit.on_exception(
+        "fail-fast: end the process",
+        lambda kind, value, tb: _on_exception(grace, kind, value, tb),
+        order=_exit.REPORT,
+    )
+    _service.watch(_Watch(me, n, poll, wait).look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
@@ -157,7 +157,10 @@ def _on_exception(
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
     if notice is not None:
-        _preemption.end_after_error(notice, text.splitlines()[0][:200])
+        _preemption.end_preempted(
+            notice,
+            f"the other processes ended at the deadline ({text.splitlines()[0][:200]})",
+        )
         return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
@@ -294,7 +297,9 @@ class _Watch:
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()
         if notice is not None:  # process 0 ended for the notice too, at the same deadline
-            _preemption.lost_service(notice)
+            _preemption.end_preempted(
+                notice, "process 0, which hosts the coordination service, has ended"
+            )
             return
         self._exit(
             {"process": 0, "system": "the coordination service"},

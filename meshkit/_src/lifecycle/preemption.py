@@ -1,31 +1,23 @@
 """Preemption: SIGTERM is a notice that the run will be stopped soon, not a failure.
 
-Schedulers stop a job with SIGTERM and, a while later, SIGKILL (SLURM's ``KillWait``, 30 s by
-default; Kubernetes' termination grace period, 30 s; a spot VM's notice). JAX's answer is its
-preemption sync point: the process that gets the notice tells the coordination service, every
-process's preemption sync manager agrees on the same safe step, and
-``multihost_utils.reached_preemption_sync_point(step)`` is true at that step on every process,
-where the program saves (orbax's ``CheckpointManager`` asks it too). meshkit keeps that protocol
-working and adds what it lacks:
+Schedulers send SIGTERM, then SIGKILL a while later (SLURM's ``KillWait``, Kubernetes' grace
+period: 30 s). JAX's answer is its preemption sync point
+(``multihost_utils.reached_preemption_sync_point``, which orbax's ``CheckpointManager`` asks
+too); meshkit keeps it working and adds what it lacks:
 
-- **The notice.** `install` (at `meshkit.init`, fail-fast on, the default) takes SIGTERM. The
-  first one is recorded as this process's notice (`notice`); a thread then tells JAX's sync
-  managers, as JAX's own handler would have, and the other processes, through the failure
-  watch's directory (`meshkit._src.coord.failures`), which take it as their notice. Later
-  SIGTERMs change nothing.
-- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): at the
-  program's first question after it knows of the notice, the processes agree on the step after
-  the last one any of them answered (`meshkit._src.coord.preemption`: one exchange, in the
-  program's own thread, nothing per step); a process that hears of the notice later (its
-  failure watch looks once a second) answers no meanwhile, and the others wait for it. Unlike
-  JAX's protocol, a notice before the first question of a restarted run (while it joins or
-  restores) works: the sync step is then the first step asked. The save made at it
-  (`meshkit.checkpoint.save`, `saved`) ends the process with status 143 once it is complete.
-- **The deadline.** Every process that knows of the notice ends at the same moment, the notice's
-  time plus ``MESHKIT_PREEMPT_GRACE`` seconds (default 25, below the 30 s most schedulers wait
-  before SIGKILL), unless its program ended first: with status 143 (128 + SIGTERM, what
-  schedulers read as stopped by the notice, not failed) and a ``preempted`` event for
-  ``meshkit launch``. A meshkit checkpoint save still running then is waited for.
+- **The notice.** `install` (at `meshkit.init`, fail-fast on) takes SIGTERM, chained to a
+  handler the program set before. The handler only records the first notice (`receive`);
+  the service thread (`meshkit._src.lifecycle.service`) then tells JAX's sync managers and the
+  other processes (`meshkit._src.coord.failures`), which take it as theirs. Later SIGTERMs
+  change nothing.
+- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): the
+  service thread sends the last step the program answered, and the processes agree on the step
+  after the highest one (`meshkit._src.coord.preemption`, once per run); meanwhile questions
+  wait. A notice before the first question (while joining or restoring) gives the first step
+  asked. The save made at it (`saved`) ends the process with status 143.
+- **The deadline.** Every process that knows of the notice ends at its time plus
+  ``MESHKIT_PREEMPT_GRACE`` seconds (default 25), unless its program ended first: status 143
+  and a ``preempted`` event for ``meshkit launch``; a checkpoint save in progress is waited for.
 
 Nothing here acts before `install`; without it (fail-fast off), SIGTERM is JAX's and Python's.
 """
@@ -57,11 +49,10 @@ __all__ = [
     "Sync",
     "Synced",
     "alone",
-    "end_after_error",
+    "end_preempted",
     "grace",
     "install",
     "installed",
-    "lost_service",
     "note_step",
     "notice",
     "past_deadline",
@@ -75,7 +66,7 @@ _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
 # A thread inside the coordination client when the interpreter ends aborts the process: at a
-# normal end, the notice thread gets this long to come out of its requests.
+# normal end, the service thread gets this long to come out of the agreement's requests.
 _LEAVE_S = 2.0
 
 
@@ -152,7 +143,7 @@ class _State:
         self.sync_step: int | None = None  # the step to save at, once known
         self.reached = False  # `reached_sync_point` was true: the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
-        self.talking = threading.Lock()  # held while the notice thread talks to the others
+        self.talking = threading.Lock()  # held while the service thread talks to the others
         self.saves = 0  # meshkit checkpoint saves in progress
         self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
@@ -189,7 +180,7 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         me: this process's id; None while it is not known yet.
         seconds: the grace from a notice to the end (`grace`).
         tell: tells the other processes and JAX's sync managers of this process's notice (None
-            for a process alone, or not joined yet); called from the notice thread, never from
+            for a process alone, or not joined yet); called from the service thread, never from
             the signal handler.
         sync: agrees with the others on the sync step (`alone` for a process alone; None
             while it is not joined yet: a notice then waits for the next call to agree).
@@ -376,17 +367,6 @@ def _on_sigterm() -> None:
     receive(None)
 
 
-def lost_service(notice_: PreemptionNotice) -> None:
-    """After a notice, the coordination service is gone: process 0 ended for it; end too."""
-    _event("deadline", notice_)
-    _exit.now(
-        PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): process 0, which hosts the coordination "
-        f"service, has ended; exiting with status {PREEMPTED}.\n",
-        level=logging.WARNING,
-    )
-
-
 def past_deadline() -> PreemptionNotice | None:
     """The notice whose deadline has passed, or None: the processes are ending for it.
 
@@ -397,13 +377,16 @@ def past_deadline() -> PreemptionNotice | None:
     return notice_ if notice_ is not None and time.time() >= notice_.deadline else None
 
 
-def end_after_error(notice_: PreemptionNotice, error: str) -> None:
-    """End this process as preempted after ``error``, raised past the notice's deadline."""
+def end_preempted(notice_: PreemptionNotice, why: str) -> None:
+    """End this process as preempted now (status 143): ``why`` says what ended the others.
+
+    After a notice, process 0 (which hosts the coordination service) has ended, or an error
+    was raised past the deadline (the echo of others ending there: `past_deadline`).
+    """
     _event("deadline", notice_)
     _exit.now(
         PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): the other processes ended at the deadline "
-        f"({error}); exiting with status {PREEMPTED}.\n",
+        f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n",
         level=logging.WARNING,
     )
 

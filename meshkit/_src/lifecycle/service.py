@@ -1,23 +1,26 @@
-"""The one meshkit thread of a process: ``meshkit-service``.
+"""The one meshkit thread of a process, ``meshkit-service``: the lifecycle's background work.
 
 Started once, by the first guard that needs it (`meshkit.init`'s fail-fast and preemption, the
-debug watchdog, `meshkit._src.lifecycle.exit.end`), it does all the lifecycle's background work:
+debug watchdog, `meshkit._src.lifecycle.exit.end`). Each turn of its loop it
 
-- **waits** for what another process posts (fail-fast's `watch`: one blocking read of this
-  process's alarm key in the coordination service, which a failing or preempted process writes;
-  an idle wait is one request per `slice_s` seconds, no polling), or, with no watch, on a pipe;
-- **reads SIGTERM**: the handler only records the notice (`on_signal`); its wake-up byte comes
-  through the pipe `sigterm` names, so a notice counts even while the main thread waits in C;
-- **runs timed tasks** (`at`): the preemption deadline, the watchdog's samples, the end note,
-  the bound on a failing process's exit handlers;
-- **tends** after each wake-up (`on_wake`): preemption tells the others of a notice, agrees on
-  the sync step.
+- **waits**: with fail-fast's `watch` in the coordination service (one blocking read of this
+  process's alarm key, which a process that posts a failure or a notice writes; idle, one
+  request per `SLICE_S`, no polling), else on its pipes;
+- **reads SIGTERM**: the handler only records the notice; its wake-up byte arrives on the pipe
+  `on_signal` names, so a notice counts even while the main thread waits in C (within
+  `SLICE_S` while the thread waits in the coordination service);
+- **runs the tasks due** (`at`): the preemption deadline, the watchdog's samples, the end note,
+  the bound on a failing process's exit handlers; then the `on_wake` calls (preemption tells
+  the others of a notice and agrees on the sync step).
 
-A task or tending call runs in this thread, one at a time: a long one (the agreement on the sync
-step waits for the others, at most until the deadline) delays the others. While the watch waits
-in the coordination service, a wake-up from this process (`wake`) interrupts it through
-``nudge`` (the watch writes its own alarm key); a SIGTERM whose handler could not run is read
-within `slice_s` seconds.
+What it finds surfaces in one of two ways, never at a later unrelated call: it ends the process
+(another process failed, the coordination service is gone, the preemption deadline, a failing
+process's exit handlers past their grace, a stall past the watchdog's timeout: the fail-fast
+path of `meshkit._src.lifecycle.failfast`), or it is state that the next call that needs it
+reads (a preemption notice: `should_save`, `meshkit.preemption_notice`). Calls run one at a
+time: a long one (the sync step's agreement, at most until the deadline) delays the others.
+`wake` interrupts a wait in the coordination service through its ``nudge`` (the watch writes
+its own alarm key).
 """
 
 from __future__ import annotations
@@ -30,17 +33,12 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["at", "on_signal", "on_wake", "running", "slice_s", "start", "wake", "watch"]
+__all__ = ["SLICE_S", "at", "on_signal", "on_wake", "start", "wake", "watch"]
 
 SLICE_S = 5.0  # the longest wait in the coordination service: SIGTERM is read within it
 _LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
 
 Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
-
-
-def slice_s() -> float:
-    """Seconds one wait of the watch may last (SIGTERM while the main thread is in C)."""
-    return SLICE_S
 
 
 class _Service(threading.Thread):
@@ -119,11 +117,6 @@ def start() -> bool:
                 return False
             _service = service
     return True
-
-
-def running() -> bool:
-    """Whether the service thread runs."""
-    return _service is not None and _service.is_alive()
 
 
 def wake(*, nudge: bool = True) -> None:

@@ -1,36 +1,15 @@
-"""The stall watchdog: what counts as progress, and what happens to a process that makes none.
+"""The stall watchdog (debug mode): what counts as progress, and what a stall does.
 
-A process makes progress while any of these is true between two samples (taken every
-``min(1 s, watchdog / 4)``):
-
-- its main thread moved: its Python stack (code and instruction of every frame) changed;
-- its main thread ran, or wanted to: it used at least `RUN_SHARE` of the interval in CPU time
-  or waiting for a CPU (a long computation in one C call, a checkpoint's compression, stays in
-  one place but runs; on a machine with more work than cores it waits for a core, runnable, not
-  blocked: Linux's per-thread ``schedstat``, where there is none the thread's CPU clock alone);
-- device work completed: an array that was pending became ready, or arrays were freed or made
-  (a loop bound by the device waits in the same place at every step, but its arrays change);
-- a thread of the process was starved: it wanted a CPU at least `DEMAND_SHARE` of the
-  interval (running or runnable) and waited for one at least `RUN_SHARE` of it (on a machine
-  with more work than cores, the threads that compute what the main thread waits for are
-  starved, not stuck; a process stuck in a collective has every thread blocked, and a thread
-  that only wakes up now and then, however long it waits for a core, wants little). On such a
-  machine, a main thread that hangs while another of its threads computes is seen only once the
-  machine has cores to spare;
-- meshkit saw a call: an SPMD entry, a barrier, or a batch `meshkit.global_batches` handed to
-  the caller (`note_progress`).
-
-A stall is the opposite: the main thread stuck in one place, not running (a blocking wait: a
-collective another process never joins, ``block_until_ready`` on it, a sleep, a lock), no
-device work completing and no meshkit call, for ``watchdog`` seconds. Then the watchdog prints
-one ``meshkit watchdog:`` line (which ``meshkit launch`` collects into its closing summary) and
-every thread's Python stack, and leaves a `stalled` event for the launcher
-(`meshkit._src.core.events`); if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
-is set, the process exits with status 1 (`meshkit._src.lifecycle.exit.now`) so that the
-launcher (or mpirun) ends the run instead of a hang. Any progress after the dump re-arms it.
-
-The device check reads `jax.live_arrays` only when the main thread neither moved nor ran,
-and keeps weak references only: the watchdog never holds a user's array or frame alive.
+Sampled by the service thread every ``min(1 s, watchdog / 4)``, a process makes progress while
+its main thread's Python stack changes, it runs (or waits runnable for a CPU) at least
+`RUN_SHARE` of the interval (Linux's per-thread ``schedstat``, else its CPU clock), device work
+completes (an array made, freed, or ready), another of its threads is starved of CPU
+(`DEMAND_SHARE`; on a machine with more work than cores), or meshkit sees a call
+(`note_progress`). A stall, none of these for ``watchdog`` seconds, prints one ``meshkit
+watchdog:`` line and every thread's stack, and leaves a `stalled` event; with ``exit_on_stall``
+the process exits with status 1 ``timeout`` seconds later, so that the launcher ends the run
+instead of a hang. Any progress re-arms it. The device check reads `jax.live_arrays` only when
+the main thread stood still, through weak references. ``docs/hangs.md`` tells it in full.
 """
 
 from __future__ import annotations
