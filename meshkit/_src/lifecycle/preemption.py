@@ -153,6 +153,10 @@ class _State:
 _state = _State()
 
 
+def _warn(text: str) -> None:
+    say(_LOG, logging.WARNING, f"meshkit: {text}\n")
+
+
 def grace() -> float:
     """``MESHKIT_PREEMPT_GRACE``: seconds from a notice to the end of every process (default 25).
 
@@ -171,10 +175,9 @@ def installed() -> bool:
 def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | None) -> None:
     """Take SIGTERM as a preemption notice in process ``me``.
 
-    `meshkit.init` calls it first before joining (``me`` None: a notice then is this process's,
-    told once it has joined) and again once joined: each call takes SIGTERM again (JAX's
-    ``jax.distributed.initialize`` takes it for its own handler in between) and updates what is
-    given; the threads start once.
+    `meshkit.init` calls it before joining (``me`` None) and once joined: each call takes
+    SIGTERM again (``jax.distributed.initialize`` takes it in between) and updates what is
+    given; the service thread's part is registered once.
 
     Args:
         me: this process's id; None while it is not known yet.
@@ -198,6 +201,7 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
     if first:
         _service.on_signal(wakeup, _on_sigterm)
         _service.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _service.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
     _service.wake()  # a notice received before ``tell`` was given is told now
 
@@ -253,7 +257,7 @@ def reached_sync_point(step: int) -> bool:
 
     Call it with steps that increase, the same on every process (at every step, or the save
     comes later than it could). Without a notice it answers at once (no round trip). Once this
-    process has sent its last step answered for the agreement on the sync step (its notice
+    process has sent its last step answered for the agreement on the sync step (the service
     thread, `Sync`), a question waits for that agreement, at most until the deadline. It is
     true once: at the first step at or past the agreed one.
     """
@@ -299,11 +303,9 @@ def saved(step: int | None) -> None:
     if notice_ is None or not _state.reached:
         return
     _event("saved", notice_, saved=step)
-    say(
-        _LOG,
-        logging.WARNING,
-        f"meshkit: preempted ({notice_.source}): saved step {step}; exiting with status "
-        f"{PREEMPTED} for the scheduler to start the run again.\n",
+    _warn(
+        f"preempted ({notice_.source}): saved step {step}; exiting with status {PREEMPTED} "
+        "for the scheduler to start the run again."
     )
     raise SystemExit(PREEMPTED)
 
@@ -423,20 +425,14 @@ def _agree(notice_: PreemptionNotice) -> None:
                 return
             synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
     except Exception as e:  # the service is gone: no sync step, the deadline ends the run
-        say(
-            _LOG,
-            logging.WARNING,
-            f"meshkit: could not agree on a step to save at after the notice: {e}\n",
-        )
+        _warn(f"could not agree on a step to save at after the notice: {e}")
         synced = Synced(None, agreed=False)
     if not synced.agreed and not _state.stop.is_set():
         who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
             "some process")  # fmt: skip
-        say(
-            _LOG,
-            logging.WARNING,
-            f"meshkit: no step to save at after the preemption notice: {who} did not take "
-            "part in time; the deadline ends the run.\n",
+        _warn(
+            f"no step to save at after the preemption notice: {who} did not take part in "
+            "time; the deadline ends the run."
         )
     with _state.lock:
         _state.synced = synced
@@ -454,8 +450,4 @@ def _tell(notice_: PreemptionNotice) -> None:
             if not _state.stop.is_set():  # the process ends: no request may start now
                 tell(notice_)
     except Exception as e:  # the others then learn it from JAX's protocol, or not at all
-        say(
-            _LOG,
-            logging.WARNING,
-            f"meshkit: could not tell the other processes of the preemption notice: {e}\n",
-        )
+        _warn(f"could not tell the other processes of the preemption notice: {e}")

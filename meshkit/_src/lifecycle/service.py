@@ -5,10 +5,11 @@ debug watchdog, `meshkit._src.lifecycle.exit.end`). Each turn of its loop it
 
 - **waits**: with fail-fast's `watch` in the coordination service (one blocking read of this
   process's alarm key, which a process that posts a failure or a notice writes; idle, one
-  request per `SLICE_S`, no polling), else on its pipes;
+  request per `SLICE_S` while the program is idle, per `ACTIVE_SLICE_S` while it steps), else
+  on its pipes;
 - **reads SIGTERM**: the handler only records the notice; its wake-up byte arrives on the pipe
-  `on_signal` names, so a notice counts even while the main thread waits in C (within
-  `SLICE_S` while the thread waits in the coordination service);
+  `on_signal` names, so a notice counts even while the main thread waits in C (within one wait
+  in the coordination service: `ACTIVE_SLICE_S` while the program steps, `SLICE_S` idle);
 - **runs the tasks due** (`at`): the preemption deadline, the watchdog's samples, the end note,
   the bound on a failing process's exit handlers; then the `on_wake` calls (preemption tells
   the others of a notice and agrees on the sync step).
@@ -33,9 +34,23 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["SLICE_S", "at", "on_signal", "on_wake", "start", "wake", "watch"]
+__all__ = [
+    "ACTIVE_SLICE_S",
+    "SLICE_S",
+    "at",
+    "on_activity",
+    "on_signal",
+    "on_wake",
+    "start",
+    "wake",
+    "watch",
+]
 
-SLICE_S = 5.0  # the longest wait in the coordination service: SIGTERM is read within it
+SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
+# While the program steps (a probe of `on_activity` changed within `_ACTIVE_S`), waits last at
+# most this long: a SIGTERM is then told to the others within a second, as its sync step needs.
+ACTIVE_SLICE_S = 1.0
+_ACTIVE_S = 10.0
 _LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
 
 Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
@@ -55,6 +70,16 @@ class _Service(threading.Thread):
         os.set_blocking(self.wake_w, False)
         self.signals = -1  # SIGTERM's wake-up pipe
         self.on_sigterm: Callable[[], None] | None = None
+        self.probes: list[Callable[[], object]] = []
+        self.seen: tuple[object, ...] = ()
+        self.active_at = -_ACTIVE_S
+
+    def _slice(self) -> float:
+        """How long a wait in the coordination service may last now."""
+        now, seen = time.monotonic(), tuple(probe() for probe in self.probes)
+        if seen != self.seen:
+            self.seen, self.active_at = seen, now
+        return ACTIVE_SLICE_S if now - self.active_at < _ACTIVE_S else SLICE_S
 
     def run(self) -> None:
         while True:
@@ -63,7 +88,7 @@ class _Service(threading.Thread):
             look = self.look
             if look is not None:
                 try:
-                    if look(min(timeout, SLICE_S)) is False:
+                    if look(min(timeout, self._slice())) is False:
                         self.look = None  # not joined anymore: nothing to watch
                 except Exception:  # the watch says its own failures
                     pass
@@ -161,6 +186,13 @@ def on_wake(name: str, call: Callable[[], None]) -> None:
     assert _service is not None
     _service.tending[name] = call
     wake(nudge=False)
+
+
+def on_activity(probe: Callable[[], object]) -> None:
+    """Count a change of ``probe()`` (read once per wait) as the program stepping."""
+    start()
+    assert _service is not None
+    _service.probes.append(probe)
 
 
 def on_signal(fd: int, handler: Callable[[], None]) -> None:
