@@ -769,7 +769,8 @@ def test_the_failure_watch_ends_the_process_only_for_a_service_that_is_gone(monk
         ended: list[str] = []
         w = failfast._Watch(1, 2, poll=lambda: answers.pop(0) if answers else None)
         monkeypatch.setattr(w, "_lost", ended.append)
-        w.run()  # returns when the answers run out (None: not joined anymore)
+        while w.look(0.0):  # until the answers run out (None: not joined anymore)
+            pass
         return ended
 
     slow = Unanswered(lost=False, error="DEADLINE_EXCEEDED")

@@ -11,10 +11,10 @@ import time
 import pytest
 
 import meshkit
+from meshkit._src.core import diagnosis as _diagnose
 from meshkit._src.core.events import Event
 from meshkit._src.launch import report as _report
 from meshkit._src.launch.report import RankResult, Told
-from meshkit._src.lifecycle import diagnose as _diagnose
 from meshkit.testing._forks import starter
 
 GLOO = (

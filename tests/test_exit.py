@@ -199,7 +199,7 @@ def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch)
 def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
-    watch = _failfast._Watch(3, 4, poll=list)
+    watch = _failfast._Watch(3, 4, poll=list, wait=None)
     watch._failed(1, "RuntimeError: planted")
     watch._lost("UNAVAILABLE")
     assert _events_of(status) == [
@@ -208,12 +208,12 @@ def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     ]
 
 
-def test_the_end_note_writes_ended(status, monkeypatch):
+def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_ENDED_AFTER_S", 0.0)
-    note = _failfast._EndNote(3)
-    note.start()
-    note.at_exit()
-    note.join(10)
+    _failfast._at_exit(3)  # as at a normal end: the service thread says it
+    deadline = time.monotonic() + 10
+    while not _events_of(status) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _events_of(status) == [("ended", {})]
 
 

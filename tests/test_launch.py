@@ -724,7 +724,7 @@ def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):
 _TOLD = """
 import os, pathlib, sys, time
 from meshkit._src.core import contract, events
-from meshkit._src.lifecycle import diagnose
+from meshkit._src.core import diagnosis as diagnose
 
 if os.environ.get("REWORD") == "1":
     contract.WATCHDOG_MARK = "stall guard says"

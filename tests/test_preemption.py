@@ -56,7 +56,7 @@ def test_the_first_notice_counts_and_its_deadline_is_fixed(fresh):
     told = preemption.PreemptionNotice(process=3, received=1.0, deadline=2.0, own=False)
     assert preemption.receive(told) is mine  # a second SIGTERM, or a later post: no change
     assert preemption.receive(None) is mine
-    assert fresh.untold  # for the notice thread to tell the others
+    assert fresh.untold  # for the service thread to tell the others
 
 
 def test_a_notice_told_by_another_process_is_not_told_again(fresh):
@@ -73,10 +73,10 @@ def test_nothing_is_noticed_before_install(monkeypatch):
 
 
 def _agree_now():
-    """What the notice thread does once it knows of the notice: agree on the sync step."""
+    """What the service thread does once it knows of the notice: agree on the sync step."""
     notice = preemption.notice()
     assert notice is not None
-    preemption._Thread._agree(notice)
+    preemption._agree(notice)
 
 
 def _answers(steps, notice_at, every, sync):
@@ -163,7 +163,7 @@ def test_questions_wait_once_the_step_is_sent_and_the_answer_is_the_agreed_step(
     fresh.sync = sync
     assert not preemption.reached_sync_point(3)  # no notice: at once, no agreement
     preemption.receive(None)
-    assert not preemption.reached_sync_point(4)  # the notice thread has not sent its step yet
+    assert not preemption.reached_sync_point(4)  # the service thread has not sent its step yet
     agreeing = threading.Thread(target=_agree_now)
     agreeing.start()
     while not sent:
@@ -301,7 +301,7 @@ def test_alone_the_notice_saves_at_the_step_it_came_and_ends_with_143(tmp_path):
     out = _alone(tmp_path, "init", "check")
     assert out.returncode == 143, out.stderr
     assert out.stdout.split() == ["SAVED", "3"], out.stdout  # every 3; the last save ends it
-    # The notice came during step 4: it saves at 4, or at 5 when the notice thread sent its
+    # The notice came during step 4: it saves at 4, or at 5 when the service thread sent its
     # step after the program had answered for 4.
     found = re.search(r"meshkit: preempted \(SIGTERM\): saved step (\d+); exiting", out.stderr)
     assert found, out.stderr

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.lifecycle import progress as _progress
-from meshkit._src.lifecycle.progress import Board, mark, ranges, summary
+from meshkit._src.core import rank_stages as _progress
+from meshkit._src.core.rank_stages import Board, mark, ranges, summary
 
 
 def test_ranges_folds_consecutive_ranks():

@@ -507,7 +507,7 @@ import signal, sys, threading
 import meshkit
 
 meshkit.init()
-watch = any(t.name == "meshkit-failure-watch" for t in threading.enumerate())
+watch = any(t.name == "meshkit-service" for t in threading.enumerate())
 ours = sys.excepthook is not sys.__excepthook__
 term = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
 print("hooks", ours, term, watch)

@@ -120,3 +120,21 @@ def test_close_from_another_thread_in_one_process():
     with pytest.raises(StopIteration):
         next(it)
     gate.set()
+
+
+# The coordination layer's own threads (the check prober, a thread per agreement tag) and
+# global_batches' close watch: issue 43 folds them into coord/'s one primitive; until then they
+# are counted apart, by name, and nothing else may appear.
+_COORDINATION = ("meshkit-check-probe", "meshkit-agree:", "meshkit-global-batches-watch")
+
+
+@pytest.mark.multiprocess
+def test_an_idle_joined_process_runs_one_meshkit_thread_and_a_loop_adds_its_prefetcher():
+    result = launch_in_processes(ranks.meshkit_threads, timeout=180)
+    assert result.returncode == 0, result.report
+    for idle, loop in result.values:
+        assert all(name.startswith("meshkit-") for name in idle), idle  # no thread but ours
+        ours = [name for name in idle if not name.startswith(_COORDINATION)]
+        assert ours == ["meshkit-service"], idle  # the lifecycle's one service thread
+        added = {name for name in set(loop) - set(idle) if not name.startswith(_COORDINATION)}
+        assert added == {"meshkit-global-batches"}, loop  # the prefetcher, nothing else

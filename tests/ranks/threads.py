@@ -109,3 +109,26 @@ def closed_from_another_thread():
         closer.join(60)
         error = closed[0] if closed else None
     return sums, took, error
+
+
+def meshkit_threads():
+    """The names of this process's threads beside the main thread: idle after `meshkit.init`
+    and a first call, then while a `meshkit.global_batches` loop runs."""
+    import jax
+
+    def names():
+        return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+
+    mesh = meshkit.make_mesh({"data": -1})
+    g = meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
+    jax.block_until_ready(g)
+    time.sleep(2)  # what the call started has settled
+    idle = names()
+    seen: set[str] = set()
+    loader = (np.full((8, 2), i, np.float32) for i in range(20))
+    with meshkit.global_batches(loader, mesh, "data") as batches:
+        for batch in batches:
+            jax.block_until_ready(batch)
+            seen.update(names())
+            time.sleep(0.05)
+    return idle, sorted(seen)

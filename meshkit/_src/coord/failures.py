@@ -3,10 +3,11 @@
 A process that fails in a multi-process run posts ``{"process": id, "failure": text}`` under
 ``meshkit/posts/failed/<id>``; a process that received a preemption notice posts it under
 ``meshkit/posts/notice/<id>`` (`meshkit._src.lifecycle.preemption.PreemptionNotice`'s fields).
-Every process's failure watch (`meshkit._src.lifecycle.failfast`) reads both in one directory
-listing per period: a failure stops it, a notice is taken as its own. The lifecycle layer sits
-below coordination, so `meshkit._src.runtime.init` hands it `poster`, `teller` and `watcher`
-at `init`.
+A process that posts also writes every other process's alarm key, ``meshkit/alarm/<id>``, on
+which that process's service thread waits (`waiter`; `nudger` wakes one's own): woken, its
+failure watch (`meshkit._src.lifecycle.failfast`) reads both kinds of post in one directory
+listing: a failure stops it, a notice is taken as its own. The lifecycle layer sits below
+coordination, so `meshkit._src.runtime.guards` hands it these functions at `init`.
 """
 
 from __future__ import annotations
@@ -22,22 +23,27 @@ from ..lifecycle.preemption import PreemptionNotice
 from .service import JaxService, Service
 
 __all__ = [
+    "ALARM",
     "FAILED",
     "NOTICE",
     "PREFIX",
     "FailurePost",
+    "alarm",
     "answer",
+    "nudger",
     "poll",
     "post",
     "post_notice",
     "poster",
     "teller",
+    "waiter",
     "watcher",
 ]
 
 PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
 NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
+ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits on it
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,23 @@ class FailurePost:
     failure: str  # the first line of the error, for the other processes' messages
 
 
-def post(service: Service, me: int, failure: str) -> None:
-    """Post process ``me``'s ``failure`` (once: a second post is an error of the service)."""
+def post(service: Service, me: int, failure: str, n: int = 0) -> None:
+    """Post process ``me``'s ``failure`` (once), then wake the others of ``n`` (`alarm`)."""
     service.set(FAILED + str(me), json.dumps(asdict(FailurePost(me, failure))))
+    alarm(service, me, n)
 
 
-def post_notice(service: Service, notice: PreemptionNotice) -> None:
-    """Post a preemption notice that process ``notice.process`` received (once per process)."""
+def post_notice(service: Service, notice: PreemptionNotice, n: int = 0) -> None:
+    """Post a preemption notice that process ``notice.process`` received, then wake the others."""
     service.set(NOTICE + str(notice.process), json.dumps(asdict(notice)))
+    alarm(service, notice.process, n)
+
+
+def alarm(service: Service, me: int, n: int) -> None:
+    """Write the alarm key of every process of ``n`` but ``me``: their watch reads the posts."""
+    for p in range(n):
+        if p != me:
+            service.set(ALARM + str(p), "1", overwrite=True)
 
 
 def poll(service: Service, me: int) -> Posted:
@@ -95,7 +110,7 @@ def poster(me: int) -> Callable[[str], None]:
     def post_failure(failure: str) -> None:
         service = _joined()
         if service is not None:
-            post(service, me, failure)
+            post(service, me, failure, _compat.distributed_state()[2])
 
     return post_failure
 
@@ -107,7 +122,7 @@ def teller() -> Callable[[PreemptionNotice], None]:
         client, _, n = _compat.distributed_state()
         if client is None or n == 1:
             return
-        post_notice(JaxService(client), dataclasses.replace(notice, own=False))
+        post_notice(JaxService(client), dataclasses.replace(notice, own=False), n)
         _compat.tell_jax_preemption(client, notice.received)
 
     return tell
@@ -125,3 +140,32 @@ def watcher(me: int) -> Callable[[], Posted | Unanswered | None]:
         return None if service is None else answer(service, me)
 
     return poll_posts
+
+
+def waiter(me: int) -> Callable[[float], bool]:
+    """Waits at most that long for process ``me``'s alarm key: True once written, and taken.
+
+    True also once this process is no longer joined (the watch's next read then ends it).
+    """
+
+    def wait(timeout: float) -> bool:
+        service = _joined()
+        if service is None:
+            return True
+        if service.get(ALARM + str(me), timeout) is None:
+            return False
+        service.delete(ALARM + str(me))  # a post after this writes it again
+        return True
+
+    return wait
+
+
+def nudger(me: int) -> Callable[[], None]:
+    """Writes process ``me``'s own alarm key: its wait ends now (this process needs its thread)."""
+
+    def nudge() -> None:
+        service = _joined()
+        if service is not None:
+            service.set(ALARM + str(me), "1", overwrite=True)
+
+    return nudge

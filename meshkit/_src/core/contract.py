@@ -43,7 +43,7 @@ ENV_SHUTDOWN_TIMEOUT = "MESHKIT_SHUTDOWN_TIMEOUT"
 ENV_COMPILATION_CACHE = "MESHKIT_COMPILATION_CACHE"
 # Which start of the whole group this is: 0, then 1 after the first restart (--max-restarts).
 ENV_ATTEMPT = "MESHKIT_ATTEMPT"
-# The run's status directory: a rank marks its stage there (`meshkit._src.lifecycle.progress`).
+# The run's status directory: a rank marks its stage there (`meshkit._src.core.rank_stages`).
 ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
 # Seconds from a preemption notice to the end of every rank (`meshkit._src.lifecycle.preemption`);
 # the launcher waits that long, and a margin, for its ranks after forwarding a notice.

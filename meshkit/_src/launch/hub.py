@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
+from ..core import rank_stages as _progress
 from ..core.errors import LaunchError, ranges
 from ..core.version import __version__
-from ..lifecycle import progress as _progress
 from . import restarts as _restarts
 from .nodes import BEAT_S, LOST_S, SAME, Hello, Stop, Wire
 from .report import (

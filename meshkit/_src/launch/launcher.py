@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
+from ..core import rank_stages as _progress
 from ..core.contract import (
     DEFAULT_PREEMPT_GRACE_S,
     ENV_ATTEMPT,
@@ -35,8 +36,7 @@ from ..core.contract import (
 )
 from ..core.errors import LaunchError
 from ..core.ports import port_in_use, reserve_port
-from ..lifecycle import progress as _progress
-from ..lifecycle.progress import Board
+from ..core.rank_stages import Board
 from . import reaper as _reaper
 from . import restarts as _restarts
 from .link import Link, Over

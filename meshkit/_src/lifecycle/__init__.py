@@ -1,5 +1,4 @@
-"""A process's life and end: fail-fast, the stall watchdog, diagnosis, launch progress.
+"""A process's life and end: the exit path, fail-fast, preemption, the stall watchdog.
 
-Fail-fast ends a failing process soon and tells the others; the watchdog reports a stalled one;
-the diagnosis explains JAX's cross-process timeouts; ranks mark their stages for the launcher.
+Their background work runs in one thread per process, ``meshkit-service`` (`service`).
 """

@@ -1,35 +1,23 @@
 """The one owner of process exit: the exception hook, exit handlers, SIGTERM, the final exit.
 
-Whatever meshkit does when its process ends is registered here, by name and in one documented
-order; nothing is installed at import. The first `on_exit` adds one handler to Python's
-``atexit`` list, the first `on_exception` replaces `sys.excepthook`, `on_sigterm` takes SIGTERM:
-each once, whoever asks first (fail-fast at `meshkit.init`, debug mode when it turns on,
-`meshkit.global_batches` at its first iterator).
+Nothing is installed at import: the first `on_exit` adds one entry to Python's ``atexit`` list,
+the first `on_exception` wraps `sys.excepthook`, `on_sigterm` takes SIGTERM (chained to the
+program's handler), each once, whoever asks first.
 
-**At a normal end** Python runs its ``atexit`` list, last registered first. meshkit's entry was
-registered after JAX's own handler (JAX registers it when imported), so it runs first, and calls
-meshkit's exit handlers by order, then by registration:
+**At a normal end** meshkit's ``atexit`` entry (registered after JAX's, so run before it) calls
+the exit handlers by order, then by registration: `STOP` (stop the watch and helper threads,
+arm the end note), `LEAVE` (tell the others this process leaves), `DRAIN` (let agreements in
+flight finish), `FLUSH` (stdout and stderr). A handler that raises is logged (``meshkit.guards``)
+and the next runs; each runs once. JAX's shutdown barrier follows.
 
-1. `STOP`: stop watchers and helper threads (the failure watch, ``global_batches``' helpers) and
-   arm the end-of-program note;
-2. `LEAVE`: tell the other processes that this one leaves (debug mode's record);
-3. `DRAIN`: let agreements still in flight finish (a few seconds at most);
-4. `FLUSH`: flush what is buffered for stdout and stderr.
+**An uncaught exception** runs the exception handlers below `REPORT`, the hook it replaced
+(the traceback), then those from `REPORT` (fail-fast's, which calls `end`).
 
-JAX's handler follows: it shuts ``jax.distributed`` down at a barrier every process must reach.
-A handler that raises is reported (logged under ``meshkit.guards``) and the next one runs; each
-runs once.
-
-**An uncaught exception** reaches meshkit's `sys.excepthook`, which runs the exception handlers
-of an order below `REPORT` (debug mode's leaving record), then the hook it replaced (which prints
-the traceback), then the handlers of order `REPORT` and above (fail-fast's, which ends the
-process with `end`).
-
-**Ending a failing process** (`end`): the exit handlers (meshkit's, then the rest of Python's
-``atexit`` list, without JAX's shutdown barrier, which would wait for processes that go on) get
-at most ``grace`` seconds; then the caller's ``final`` step runs (fail-fast posts the failure for
-the others) and the process exits. `now` exits at once. The first path that ends the process
-wins (the others return), and this module holds the process's only ``os._exit``.
+**Ending a failing process**: `end` runs the exit handlers (and the rest of Python's ``atexit``
+list, without JAX's shutdown barrier, which would wait for processes that go on) for at most
+``grace`` seconds, bounded by a task of the service thread, then the caller's ``final`` step,
+then exits; `now` exits at once. The first path that ends the process wins; this module holds
+the process's only ``os._exit``.
 """
 
 from __future__ import annotations
@@ -51,6 +39,7 @@ from typing import Any
 from ..core import compat as _compat
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -261,28 +250,20 @@ def end(
         return
     if announce:
         say(_LOG, level, announce)
-    if _registry.interpreter_exiting:
-        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): no thread
-        # may start to bound the handlers, and they are running already. Exit now.
+    if _registry.interpreter_exiting or not _service.at(
+        "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
+    ):
+        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): the
+        # handlers are running already, and no thread may start to bound them. Exit now.
         _exit(status, final)
         return
-    timer = threading.Thread(
-        target=_exit_after,
-        args=(grace, late, final, status, level),
-        name="meshkit-exit",
-        daemon=True,
-    )
-    timer.start()
     if threading.current_thread() is threading.main_thread():
         _compat.skip_jax_exit_barrier()
         atexit._run_exitfuncs()
     _exit(status, final)
 
 
-def _exit_after(
-    seconds: float, late: str, final: Callable[[], None] | None, status: int, level: int
-) -> None:
-    time.sleep(seconds)
+def _late(late: str, level: int, status: int, final: Callable[[], None] | None) -> None:
     if late:
         say(_LOG, level, late)
     _exit(status, final)

@@ -5,28 +5,31 @@ joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's
 Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.core.events`):
 
 - **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
-  cross-process timeouts (`meshkit._src.lifecycle.diagnose`), posts the failure for the other
+  cross-process timeouts (`meshkit._src.core.diagnosis`), posts the failure for the other
   processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
   own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
 - **SIGTERM** is not a failure: it is a preemption notice (`meshkit._src.lifecycle.preemption`).
-- **The failure watch**: a thread polls the coordination service, without blocking, for a
-  failure posted by another process (one key listing per ``max(1 s, N / 500 s)``: at most 500
-  requests per second at the coordinator, whatever the process count). On finding one it
-  prints ``meshkit: process P failed: ...`` and exits with status 1, instead of waiting in a
-  collective for ever or dying in the coordination service's C++ abort (``another task
-  died``). When the coordinator itself fails, it stays up long enough for the others to read
-  its post; when it is gone, the others say so in meshkit's words. The same listing brings
-  the preemption notices other processes posted (`meshkit._src.lifecycle.preemption.receive`);
-  after a notice, a coordination service that is gone ends this process as preempted.
-- **At a normal end**, a process that JAX's shutdown barrier holds for 3 s says it reached the
-  end of its program while others still run (evidence for ``meshkit launch``'s report), and
-  leaves an `ended` event.
+- **The failure watch** (the fail-fast path; `meshkit._src.lifecycle.service` runs it): the
+  service thread waits in the coordination service on this process's alarm key, which a
+  process that posts its failure or a preemption notice writes for every other (an idle wait
+  is one request per ``slice_s`` seconds, no polling). Woken, it reads every post in one
+  listing. A failure of another process ends this one at once: it prints ``meshkit: process P
+  failed: ...`` and exits with status 1 (`meshkit._src.lifecycle.exit.now`), instead of waiting
+  in a collective for ever or dying in the coordination service's C++ abort (``another task
+  died``). A coordination service that is gone (two reads in a row, ``poll_period`` apart,
+  answered with a status code that says so) ends it the same way, naming process 0, which hosts
+  it; after a preemption notice, as preempted. A notice is taken as this process's own
+  (`meshkit._src.lifecycle.preemption.receive`). These are the only ways a failure found by
+  the service thread ends a process; nothing found there surfaces later in another call.
+- **At a normal end**, the watch stops (the thread leaves the coordination client before the
+  interpreter ends), and a process that JAX's shutdown barrier holds for 3 s says it reached
+  the end of its program while others still run (evidence for ``meshkit launch``'s report),
+  and leaves an `ended` event.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +37,14 @@ from types import TracebackType
 from typing import Any
 
 from ..core import compat as _compat
+from ..core import diagnosis as _diagnose
 from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import DivergenceError
 from ..core.log import logger, say
-from . import diagnose as _diagnose
 from . import exit as _exit
 from . import preemption as _preemption
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -100,11 +104,22 @@ class Posted:
 
 # One look at the others' posts; None once this process is no longer joined.
 Poll = Callable[[], Posted | Unanswered | None]
+# Waits at most that long for this process's alarm key: True once written (or not joined).
+Wait = Callable[[float], bool]
 _post_failure: Post | None = None
 
 
-def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> None:
-    """Register what this module describes with `meshkit._src.lifecycle.exit`, for process ``me``.
+def install(
+    grace: float | None,
+    me: int,
+    n: int,
+    *,
+    post: Post,
+    poll: Poll,
+    wait: Wait,
+    nudge: Callable[[], None],
+) -> None:
+    """Register what this module describes, for process ``me`` of ``n``.
 
     Called once, by `meshkit.init` when it joined ``n > 1`` processes.
 
@@ -113,23 +128,24 @@ def install(grace: float | None, me: int, n: int, *, post: Post, poll: Poll) -> 
             is off).
         me: this process's id.
         n: the number of processes.
-        post: posts this process's failure for the others' failure watch.
-        poll: the failures the other processes posted, by process (None: not joined anymore).
+        post: posts this process's failure (and writes the others' alarm keys).
+        poll: what the other processes posted (None: not joined anymore).
+        wait: waits for this process's alarm key.
+        nudge: writes this process's alarm key (wakes its own wait).
     """
     global _post_failure
     _post_failure = post
-    if grace is not None:
-        _exit.on_exception(
-            "fail-fast: end the process",
-            lambda kind, value, tb: _on_exception(grace, kind, value, tb),
-            order=_exit.REPORT,
-        )
-        watch = _Watch(me, n, poll)
-        watch.start()
-        _exit.on_exit("fail-fast: stop the failure watch", watch.stop.set, order=_exit.STOP)
-    note = _EndNote(me)
-    note.start()
-    _exit.on_exit("fail-fast: arm the end-of-program note", note.at_exit, order=_exit.STOP)
+    if grace is None:
+        return
+    _exit.on_exception(
+        "fail-fast: end the process",
+        lambda kind, value, tb: _on_exception(grace, kind, value, tb),
+        order=_exit.REPORT,
+    )
+    _service.watch(_Watch(me, n, poll, wait).look, nudge)
+    _exit.on_exit(
+        "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
+    )
 
 
 # ---- ending this process --------------------------------------------------------------------
@@ -141,7 +157,10 @@ def _on_exception(
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
     if notice is not None:
-        _preemption.end_after_error(notice, text.splitlines()[0][:200])
+        _preemption.end_preempted(
+            notice,
+            f"the other processes ended at the deadline ({text.splitlines()[0][:200]})",
+        )
         return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None:
@@ -217,41 +236,54 @@ def _post(failure: str) -> None:
 
 
 def poll_period(n: int) -> float:
-    """Seconds between two polls of a watch that each of ``n`` processes runs.
+    """Seconds between two looks of a watch that each of ``n`` processes runs.
 
-    The failure watch, and `global_batches`' close watch: at most 500 requests per second at
-    the coordinator, whatever the process count.
+    The failure watch after a read left unanswered, and `global_batches`' close watch: at most
+    500 requests per second at the coordinator, whatever the process count.
     """
     return max(1.0, n / 500)
 
 
-class _Watch(threading.Thread):
-    """Polls for the other processes' failures and preemption notices."""
+class _Watch:
+    """Waits for the other processes' failures and preemption notices (in the service thread)."""
 
-    def __init__(self, me: int, n: int, poll: Poll) -> None:
-        super().__init__(name="meshkit-failure-watch", daemon=True)
-        self.me, self.n, self.poll = me, n, poll
-        self.stop = threading.Event()
+    def __init__(self, me: int, n: int, poll: Poll, wait: Wait | None = None) -> None:
+        self.me, self.n, self.poll, self.wait = me, n, poll, wait
+        self.lost = 0  # reads in a row the service answered as gone
 
-    def run(self) -> None:
-        lost = 0
-        period = poll_period(self.n)
-        while not self.stop.wait(period):
-            if _exit.ending():
-                return
-            posted = self.poll()
-            if isinstance(posted, Unanswered):  # only a service that is gone counts
-                lost = lost + 1 if posted.lost else 0
-                if lost >= _LOST_AFTER and not self.stop.is_set():
-                    self._lost(posted.error)
-                continue
-            lost = 0
-            if posted is None:
-                return  # not joined anymore: nobody left to watch
-            if posted.notices:
-                _preemption.receive(posted.notices[0])
-            if posted.failures and not self.stop.is_set():
-                self._failed(*min(posted.failures))
+    def look(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for a post, then act on the posts; False: watch no more."""
+        woken = True
+        if self.wait is not None:
+            try:
+                woken = self.wait(timeout)
+            except Exception:  # the read tells whether the service is gone
+                woken = True
+        if not woken:
+            return True
+        going_on = self.check()
+        if self.lost:
+            time.sleep(poll_period(self.n))  # two reads, a period apart, before it counts
+        return going_on
+
+    def check(self) -> bool:
+        """Read the posts once and act on them; False once this process is no longer joined."""
+        if _exit.ending():
+            return False
+        posted = self.poll()
+        if isinstance(posted, Unanswered):  # only a service that is gone counts
+            self.lost = self.lost + 1 if posted.lost else 0
+            if self.lost >= _LOST_AFTER:
+                self._lost(posted.error)
+            return True
+        self.lost = 0
+        if posted is None:
+            return False  # not joined anymore: nobody left to watch
+        if posted.notices:
+            _preemption.receive(posted.notices[0])
+        if posted.failures:
+            self._failed(*min(posted.failures))
+        return True
 
     def _failed(self, p: int, failure: str) -> None:
         self._exit(
@@ -265,7 +297,9 @@ class _Watch(threading.Thread):
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()
         if notice is not None:  # process 0 ended for the notice too, at the same deadline
-            _preemption.lost_service(notice)
+            _preemption.end_preempted(
+                notice, "process 0, which hosts the coordination service, has ended"
+            )
             return
         self._exit(
             {"process": 0, "system": "the coordination service"},
@@ -284,32 +318,24 @@ class _Watch(threading.Thread):
 # ---- at a normal end ------------------------------------------------------------------------
 
 
-class _EndNote(threading.Thread):
-    """Says, a while after this process's program ended, that it still waits for the others.
+def _at_exit(me: int) -> None:
+    """Stop the watch; say, a while later, that this process still waits for the others.
 
-    Started at `init` (Python 3.12 starts no thread at exit) and idle until `at_exit`, which
-    runs before JAX's own exit handler (registered earlier), where the process waits at a
+    Runs before JAX's own exit handler (registered earlier), where the process waits at a
     shutdown barrier for every other process: one that waits long reached the end of its
     program while others did not, the usual sign of processes that took different paths.
     """
+    _service.watch(None)
+    if not _exit.ending():
+        _service.at("fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False)
 
-    def __init__(self, me: int) -> None:
-        super().__init__(name="meshkit-end-note", daemon=True)
-        self.me = me
-        self.ended = threading.Event()
 
-    def at_exit(self) -> None:
-        if not _exit.ending():
-            self.ended.set()
-
-    def run(self) -> None:
-        self.ended.wait()
-        time.sleep(_ENDED_AFTER_S)
-        say(
-            _LOG,
-            logging.WARNING,
-            f"meshkit: process {self.me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
-            "waits at JAX's shutdown barrier for the other processes (one still running, or "
-            "stuck in a computation this one never joined).\n",
-        )
-        _events.emit(_events.ENDED)
+def _end_note(me: int) -> None:
+    say(
+        _LOG,
+        logging.WARNING,
+        f"meshkit: process {me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
+        "waits at JAX's shutdown barrier for the other processes (one still running, or "
+        "stuck in a computation this one never joined).\n",
+    )
+    _events.emit(_events.ENDED)

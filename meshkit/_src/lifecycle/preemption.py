@@ -1,31 +1,23 @@
 """Preemption: SIGTERM is a notice that the run will be stopped soon, not a failure.
 
-Schedulers stop a job with SIGTERM and, a while later, SIGKILL (SLURM's ``KillWait``, 30 s by
-default; Kubernetes' termination grace period, 30 s; a spot VM's notice). JAX's answer is its
-preemption sync point: the process that gets the notice tells the coordination service, every
-process's preemption sync manager agrees on the same safe step, and
-``multihost_utils.reached_preemption_sync_point(step)`` is true at that step on every process,
-where the program saves (orbax's ``CheckpointManager`` asks it too). meshkit keeps that protocol
-working and adds what it lacks:
+Schedulers send SIGTERM, then SIGKILL a while later (SLURM's ``KillWait``, Kubernetes' grace
+period: 30 s). JAX's answer is its preemption sync point
+(``multihost_utils.reached_preemption_sync_point``, which orbax's ``CheckpointManager`` asks
+too); meshkit keeps it working and adds what it lacks:
 
-- **The notice.** `install` (at `meshkit.init`, fail-fast on, the default) takes SIGTERM. The
-  first one is recorded as this process's notice (`notice`); a thread then tells JAX's sync
-  managers, as JAX's own handler would have, and the other processes, through the failure
-  watch's directory (`meshkit._src.coord.failures`), which take it as their notice. Later
-  SIGTERMs change nothing.
-- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): at the
-  program's first question after it knows of the notice, the processes agree on the step after
-  the last one any of them answered (`meshkit._src.coord.preemption`: one exchange, in the
-  program's own thread, nothing per step); a process that hears of the notice later (its
-  failure watch looks once a second) answers no meanwhile, and the others wait for it. Unlike
-  JAX's protocol, a notice before the first question of a restarted run (while it joins or
-  restores) works: the sync step is then the first step asked. The save made at it
-  (`meshkit.checkpoint.save`, `saved`) ends the process with status 143 once it is complete.
-- **The deadline.** Every process that knows of the notice ends at the same moment, the notice's
-  time plus ``MESHKIT_PREEMPT_GRACE`` seconds (default 25, below the 30 s most schedulers wait
-  before SIGKILL), unless its program ended first: with status 143 (128 + SIGTERM, what
-  schedulers read as stopped by the notice, not failed) and a ``preempted`` event for
-  ``meshkit launch``. A meshkit checkpoint save still running then is waited for.
+- **The notice.** `install` (at `meshkit.init`, fail-fast on) takes SIGTERM, chained to a
+  handler the program set before. The handler only records the first notice (`receive`);
+  the service thread (`meshkit._src.lifecycle.service`) then tells JAX's sync managers and the
+  other processes (`meshkit._src.coord.failures`), which take it as theirs. Later SIGTERMs
+  change nothing.
+- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): the
+  service thread sends the last step the program answered, and the processes agree on the step
+  after the highest one (`meshkit._src.coord.preemption`, once per run); meanwhile questions
+  wait. A notice before the first question (while joining or restoring) gives the first step
+  asked. The save made at it (`saved`) ends the process with status 143.
+- **The deadline.** Every process that knows of the notice ends at its time plus
+  ``MESHKIT_PREEMPT_GRACE`` seconds (default 25), unless its program ended first: status 143
+  and a ``preempted`` event for ``meshkit launch``; a checkpoint save in progress is waited for.
 
 Nothing here acts before `install`; without it (fail-fast off), SIGTERM is JAX's and Python's.
 """
@@ -35,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import select
 import signal
 import threading
 import time
@@ -48,6 +38,7 @@ from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -58,11 +49,10 @@ __all__ = [
     "Sync",
     "Synced",
     "alone",
-    "end_after_error",
+    "end_preempted",
     "grace",
     "install",
     "installed",
-    "lost_service",
     "note_step",
     "notice",
     "past_deadline",
@@ -76,7 +66,7 @@ _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
 # A thread inside the coordination client when the interpreter ends aborts the process: at a
-# normal end, the notice thread gets this long to come out of its requests.
+# normal end, the service thread gets this long to come out of the agreement's requests.
 _LEAVE_S = 2.0
 
 
@@ -153,14 +143,18 @@ class _State:
         self.sync_step: int | None = None  # the step to save at, once known
         self.reached = False  # `reached_sync_point` was true: the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
-        self.talking = threading.Lock()  # held while the notice thread talks to the others
+        self.talking = threading.Lock()  # held while the service thread talks to the others
         self.saves = 0  # meshkit checkpoint saves in progress
         self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
-        self.wake = threading.Event()  # for the notice thread: tell, or the deadline moved
+        self.deadline_armed = False
 
 
 _state = _State()
+
+
+def _warn(text: str) -> None:
+    say(_LOG, logging.WARNING, f"meshkit: {text}\n")
 
 
 def grace() -> float:
@@ -181,16 +175,15 @@ def installed() -> bool:
 def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | None) -> None:
     """Take SIGTERM as a preemption notice in process ``me``.
 
-    `meshkit.init` calls it first before joining (``me`` None: a notice then is this process's,
-    told once it has joined) and again once joined: each call takes SIGTERM again (JAX's
-    ``jax.distributed.initialize`` takes it for its own handler in between) and updates what is
-    given; the threads start once.
+    `meshkit.init` calls it before joining (``me`` None) and once joined: each call takes
+    SIGTERM again (``jax.distributed.initialize`` takes it in between) and updates what is
+    given; the service thread's part is registered once.
 
     Args:
         me: this process's id; None while it is not known yet.
         seconds: the grace from a notice to the end (`grace`).
         tell: tells the other processes and JAX's sync managers of this process's notice (None
-            for a process alone, or not joined yet); called from the notice thread, never from
+            for a process alone, or not joined yet); called from the service thread, never from
             the signal handler.
         sync: agrees with the others on the sync step (`alone` for a process alone; None
             while it is not joined yet: a notice then waits for the next call to agree).
@@ -206,13 +199,11 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     wakeup = _exit.on_sigterm(_on_sigterm)
     if first:
-        if wakeup >= 0:
-            threading.Thread(
-                target=_read, args=(wakeup,), name="meshkit-sigterm", daemon=True
-            ).start()
-        _Thread().start()
+        _service.on_signal(wakeup, _on_sigterm)
+        _service.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _service.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
-    _state.wake.set()  # a notice received before ``tell`` was given is told now
+    _service.wake()  # a notice received before ``tell`` was given is told now
 
 
 def notice() -> PreemptionNotice | None:
@@ -252,7 +243,7 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _state.wake.set()
+    _service.wake(nudge=False)  # a pipe's byte: safe in a signal handler
     return told
 
 
@@ -266,7 +257,7 @@ def reached_sync_point(step: int) -> bool:
 
     Call it with steps that increase, the same on every process (at every step, or the save
     comes later than it could). Without a notice it answers at once (no round trip). Once this
-    process has sent its last step answered for the agreement on the sync step (its notice
+    process has sent its last step answered for the agreement on the sync step (the service
     thread, `Sync`), a question waits for that agreement, at most until the deadline. It is
     true once: at the first step at or past the agreed one.
     """
@@ -312,11 +303,9 @@ def saved(step: int | None) -> None:
     if notice_ is None or not _state.reached:
         return
     _event("saved", notice_, saved=step)
-    say(
-        _LOG,
-        logging.WARNING,
-        f"meshkit: preempted ({notice_.source}): saved step {step}; exiting with status "
-        f"{PREEMPTED} for the scheduler to start the run again.\n",
+    _warn(
+        f"preempted ({notice_.source}): saved step {step}; exiting with status {PREEMPTED} "
+        "for the scheduler to start the run again."
     )
     raise SystemExit(PREEMPTED)
 
@@ -380,29 +369,6 @@ def _on_sigterm() -> None:
     receive(None)
 
 
-def _read(wakeup: int) -> None:
-    """Take SIGTERM from its wake-up byte (the main thread, waiting in C, runs no handler)."""
-    while True:
-        try:
-            select.select([wakeup], [], [])
-            data = os.read(wakeup, 64)
-        except OSError:
-            return
-        if signal.SIGTERM in data:
-            receive(None)
-
-
-def lost_service(notice_: PreemptionNotice) -> None:
-    """After a notice, the coordination service is gone: process 0 ended for it; end too."""
-    _event("deadline", notice_)
-    _exit.now(
-        PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): process 0, which hosts the coordination "
-        f"service, has ended; exiting with status {PREEMPTED}.\n",
-        level=logging.WARNING,
-    )
-
-
 def past_deadline() -> PreemptionNotice | None:
     """The notice whose deadline has passed, or None: the processes are ending for it.
 
@@ -413,90 +379,75 @@ def past_deadline() -> PreemptionNotice | None:
     return notice_ if notice_ is not None and time.time() >= notice_.deadline else None
 
 
-def end_after_error(notice_: PreemptionNotice, error: str) -> None:
-    """End this process as preempted after ``error``, raised past the notice's deadline."""
+def end_preempted(notice_: PreemptionNotice, why: str) -> None:
+    """End this process as preempted now (status 143): ``why`` says what ended the others.
+
+    After a notice, process 0 (which hosts the coordination service) has ended, or an error
+    was raised past the deadline (the echo of others ending there: `past_deadline`).
+    """
     _event("deadline", notice_)
     _exit.now(
         PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): the other processes ended at the deadline "
-        f"({error}); exiting with status {PREEMPTED}.\n",
+        f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n",
         level=logging.WARNING,
     )
 
 
-class _Thread(threading.Thread):
-    """After a notice: tells the others of this process's own, and ends it at the deadline."""
+def _tend() -> None:
+    """In the service thread, after a notice: tell the others, agree, arm the deadline."""
+    notice_ = _state.notice
+    if notice_ is None:
+        return
+    _tell(notice_)
+    _agree(notice_)
+    with _state.lock:
+        if _state.deadline_armed:
+            return
+        _state.deadline_armed = True
+    left = max(0.0, notice_.deadline - time.time())
+    _service.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
-    def __init__(self) -> None:
-        super().__init__(name="meshkit-preemption", daemon=True)
 
-    def run(self) -> None:
-        while True:
-            notice_ = _state.notice
-            if notice_ is None:
-                _state.wake.wait()
-                _state.wake.clear()
-                continue
-            self._tell(notice_)
-            self._agree(notice_)
-            left = notice_.deadline - time.time()
-            if left <= 0:
-                _end_at_deadline(notice_)
+def _agree(notice_: PreemptionNotice) -> None:
+    """Send the last step answered, and agree with the others on the sync step (once).
+
+    From the moment the step is taken, the program's questions wait for the agreement: a
+    step answered later could be one the others save at.
+    """
+    with _state.lock:
+        if _state.frozen or _state.sync is None:
+            return  # agreed already; or joining: agreed once this process has joined
+        _state.frozen = True
+        answered, sync = _state.asked, _state.sync
+    try:
+        with _state.talking:
+            if _state.stop.is_set():  # the process ends: no request may start now
                 return
-            _state.wake.wait(min(left, 1.0))
-            _state.wake.clear()
+            synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
+    except Exception as e:  # the service is gone: no sync step, the deadline ends the run
+        _warn(f"could not agree on a step to save at after the notice: {e}")
+        synced = Synced(None, agreed=False)
+    if not synced.agreed and not _state.stop.is_set():
+        who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
+            "some process")  # fmt: skip
+        _warn(
+            f"no step to save at after the preemption notice: {who} did not take part in "
+            "time; the deadline ends the run."
+        )
+    with _state.lock:
+        _state.synced = synced
+        _state.decided.notify_all()
 
-    @staticmethod
-    def _agree(notice_: PreemptionNotice) -> None:
-        """Send the last step answered, and agree with the others on the sync step (once).
 
-        From the moment the step is taken, the program's questions wait for the agreement: a
-        step answered later could be one the others save at.
-        """
-        with _state.lock:
-            if _state.frozen or _state.sync is None:
-                return  # agreed already; or joining: agreed once this process has joined
-            _state.frozen = True
-            answered, sync = _state.asked, _state.sync
-        try:
-            with _state.talking:
-                if _state.stop.is_set():  # the process ends: no request may start now
-                    return
-                synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
-        except Exception as e:  # the service is gone: no sync step, the deadline ends the run
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: could not agree on a step to save at after the notice: {e}\n",
-            )
-            synced = Synced(None, agreed=False)
-        if not synced.agreed and not _state.stop.is_set():
-            who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
-                "some process")  # fmt: skip
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: no step to save at after the preemption notice: {who} did not take "
-                "part in time; the deadline ends the run.\n",
-            )
-        with _state.lock:
-            _state.synced = synced
-            _state.decided.notify_all()
-
-    @staticmethod
-    def _tell(notice_: PreemptionNotice) -> None:
-        with _state.lock:
-            if not _state.untold or _state.tell is None:
-                return
-            _state.untold = False
-            tell = _state.tell
-        try:
-            with _state.talking:
-                if not _state.stop.is_set():  # the process ends: no request may start now
-                    tell(notice_)
-        except Exception as e:  # the others then learn it from JAX's protocol, or not at all
-            say(
-                _LOG,
-                logging.WARNING,
-                f"meshkit: could not tell the other processes of the preemption notice: {e}\n",
-            )
+def _tell(notice_: PreemptionNotice) -> None:
+    with _state.lock:
+        if not _state.untold or _state.tell is None:
+            return
+        _state.untold = False
+        tell = _state.tell
+    try:
+        with _state.talking:
+            if not _state.stop.is_set():  # the process ends: no request may start now
+                tell(notice_)
+    except Exception as e:  # the others then learn it from JAX's protocol, or not at all
+        _warn(f"could not tell the other processes of the preemption notice: {e}")

@@ -1,36 +1,15 @@
-"""The stall watchdog: what counts as progress, and what happens to a process that makes none.
+"""The stall watchdog (debug mode): what counts as progress, and what a stall does.
 
-A process makes progress while any of these is true between two samples (taken every
-``min(1 s, watchdog / 4)``):
-
-- its main thread moved: its Python stack (code and instruction of every frame) changed;
-- its main thread ran, or wanted to: it used at least `RUN_SHARE` of the interval in CPU time
-  or waiting for a CPU (a long computation in one C call, a checkpoint's compression, stays in
-  one place but runs; on a machine with more work than cores it waits for a core, runnable, not
-  blocked: Linux's per-thread ``schedstat``, where there is none the thread's CPU clock alone);
-- device work completed: an array that was pending became ready, or arrays were freed or made
-  (a loop bound by the device waits in the same place at every step, but its arrays change);
-- a thread of the process was starved: it wanted a CPU at least `DEMAND_SHARE` of the
-  interval (running or runnable) and waited for one at least `RUN_SHARE` of it (on a machine
-  with more work than cores, the threads that compute what the main thread waits for are
-  starved, not stuck; a process stuck in a collective has every thread blocked, and a thread
-  that only wakes up now and then, however long it waits for a core, wants little). On such a
-  machine, a main thread that hangs while another of its threads computes is seen only once the
-  machine has cores to spare;
-- meshkit saw a call: an SPMD entry, a barrier, or a batch `meshkit.global_batches` handed to
-  the caller (`note_progress`).
-
-A stall is the opposite: the main thread stuck in one place, not running (a blocking wait: a
-collective another process never joins, ``block_until_ready`` on it, a sleep, a lock), no
-device work completing and no meshkit call, for ``watchdog`` seconds. Then the watchdog prints
-one ``meshkit watchdog:`` line (which ``meshkit launch`` collects into its closing summary) and
-every thread's Python stack, and leaves a `stalled` event for the launcher
-(`meshkit._src.core.events`); if the stall lasts ``timeout`` seconds more and ``exit_on_stall``
-is set, the process exits with status 1 (`meshkit._src.lifecycle.exit.now`) so that the
-launcher (or mpirun) ends the run instead of a hang. Any progress after the dump re-arms it.
-
-The device check reads `jax.live_arrays` only when the main thread neither moved nor ran,
-and keeps weak references only: the watchdog never holds a user's array or frame alive.
+Sampled by the service thread every ``min(1 s, watchdog / 4)``, a process makes progress while
+its main thread's Python stack changes, it runs (or waits runnable for a CPU) at least
+`RUN_SHARE` of the interval (Linux's per-thread ``schedstat``, else its CPU clock), device work
+completes (an array made, freed, or ready), another of its threads is starved of CPU
+(`DEMAND_SHARE`; on a machine with more work than cores), or meshkit sees a call
+(`note_progress`). A stall, none of these for ``watchdog`` seconds, prints one ``meshkit
+watchdog:`` line and every thread's stack, and leaves a `stalled` event; with ``exit_on_stall``
+the process exits with status 1 ``timeout`` seconds later, so that the launcher ends the run
+instead of a hang. Any progress re-arms it. The device check reads `jax.live_arrays` only when
+the main thread stood still, through weak references. ``docs/hangs.md`` tells it in full.
 """
 
 from __future__ import annotations
@@ -57,6 +36,7 @@ from ..core.frames import in_meshkit, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
+from . import service as _service
 
 _LOG = logger("guards")
 
@@ -263,8 +243,11 @@ def _cpu_clock(ident: int) -> int | None:
         return None
 
 
-class Watchdog(threading.Thread):
+class Watchdog:
     """Dumps this process's stacks after ``after`` seconds without progress, then may exit.
+
+    Its samples run in the service thread (`meshkit._src.lifecycle.service`), every
+    ``min(1 s, after / 4)``, from `start` until ``stop`` is set.
 
     Args:
         after: seconds without progress before the dump.
@@ -277,7 +260,6 @@ class Watchdog(threading.Thread):
     def __init__(
         self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
     ) -> None:
-        super().__init__(name="meshkit-watchdog", daemon=True)
         self.after = after
         self.timeout = timeout
         self.exit_on_stall = exit_on_stall
@@ -285,38 +267,43 @@ class Watchdog(threading.Thread):
         self.stop = threading.Event()
         self.main = _program_thread.program_thread().ident or 0
         self.main_native_id = _main_native_id()
+        self.period = min(1.0, after / 4)
+        self.sampler: _Sampler | None = None
+        self.then = self.progress = time.monotonic()
+        self.dumped = False
 
-    def run(self) -> None:
-        period = min(1.0, self.after / 4)
-        sampler: _Sampler | None = None
-        then = progress = time.monotonic()
-        dumped = False
-        while not self.stop.wait(period):
-            if _compat.distributed_state()[2] == 1:
-                continue  # one process: nobody to wait for, and no run to end
-            now = time.monotonic()
-            if sampler is None:
-                sampler = _Sampler(self.main, self.main_native_id)
-                moved: str | None = "started"
-            else:
-                moved = sampler.moved(now - then)
-            then = now
-            if moved is not None:
-                progress, dumped = now, False  # re-armed
-                continue
-            idle = now - progress
-            if not dumped and idle >= self.after:
-                dumped = True
-                self._dump(idle)
-            elif dumped and self.exit_on_stall and idle >= self.after + self.timeout:
-                _, me, _ = _compat.distributed_state()
-                _exit.now(
-                    1,
-                    f"{WATCHDOG_MARK} process {me} still made no progress after "
-                    f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
-                    "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
-                )
-                return  # another path is ending the process
+    def start(self) -> None:
+        """Take the first sample one period from now."""
+        _service.at("watchdog: sample", self.period, self._sample)
+
+    def _sample(self) -> None:
+        if self.stop.is_set():
+            return
+        _service.at("watchdog: sample", self.period, self._sample, nudge=False)
+        if _compat.distributed_state()[2] == 1:
+            return  # one process: nobody to wait for, and no run to end
+        now = time.monotonic()
+        if self.sampler is None:
+            self.sampler = _Sampler(self.main, self.main_native_id)
+            moved: str | None = "started"
+        else:
+            moved = self.sampler.moved(now - self.then)
+        self.then = now
+        if moved is not None:
+            self.progress, self.dumped = now, False  # re-armed
+            return
+        idle = now - self.progress
+        if not self.dumped and idle >= self.after:
+            self.dumped = True
+            self._dump(idle)
+        elif self.dumped and self.exit_on_stall and idle >= self.after + self.timeout:
+            _, me, _ = _compat.distributed_state()
+            _exit.now(
+                1,
+                f"{WATCHDOG_MARK} process {me} still made no progress after "
+                f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
+                "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
+            )
 
     def _dump(self, idle: float) -> None:
         _, me, _ = _compat.distributed_state()

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
+from ..core import rank_stages as _progress
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
 from ..debug import state as _debug
-from ..lifecycle import progress as _progress
 from . import init as _runtime
 
 __all__ = [

@@ -32,7 +32,15 @@ def alone(fail_fast: float | None, grace: float, me: int) -> None:
 
 def joined(fail_fast: float | None, grace: float, me: int, n: int) -> None:
     """Process ``me`` of ``n`` joined: fail-fast's watch, and notices told and agreed on."""
-    _failfast.install(fail_fast, me, n, post=_failures.poster(me), poll=_failures.watcher(me))
+    _failfast.install(
+        fail_fast,
+        me,
+        n,
+        post=_failures.poster(me),
+        poll=_failures.watcher(me),
+        wait=_failures.waiter(me),
+        nudge=_failures.nudger(me),
+    )
     if fail_fast is not None:  # the failure watch relays the others' notices
         sync = _coord_preemption.syncer(me)
         _preemption.install(me, seconds=grace, tell=_failures.teller(), sync=sync)

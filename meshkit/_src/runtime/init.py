@@ -32,6 +32,7 @@ from ..core import engines as _engines
 from ..core import env as _env
 from ..core import events as _events
 from ..core import program_thread as _program_thread
+from ..core import rank_stages as _progress
 from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
@@ -47,7 +48,6 @@ from ..core.tracebacks import public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
-from ..lifecycle import progress as _progress
 from . import compile_cache as _compile_cache
 from . import cpu_backend as _cpu
 from . import distributed_options as _options

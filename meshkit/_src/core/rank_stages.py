@@ -21,8 +21,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ..core.contract import ENV_PROCESS_ID, ENV_STATUS
-from ..core.errors import ranges
+from .contract import ENV_PROCESS_ID, ENV_STATUS
+from .errors import ranges
 
 __all__ = ["ENV_STATUS", "STAGES", "Board", "joined", "mark", "ranges"]
 

@@ -1,0 +1,227 @@
+"""The one meshkit thread of a process, ``meshkit-service``: the lifecycle's background work.
+
+Started once, by the first guard that needs it (`meshkit.init`'s fail-fast and preemption, the
+debug watchdog, `meshkit._src.lifecycle.exit.end`). Each turn of its loop it
+
+- **waits**: with fail-fast's `watch` in the coordination service (one blocking read of this
+  process's alarm key, which a process that posts a failure or a notice writes; idle, one
+  request per `SLICE_S` while the program is idle, per `ACTIVE_SLICE_S` while it steps), else
+  on its pipes;
+- **reads SIGTERM**: the handler only records the notice; its wake-up byte arrives on the pipe
+  `on_signal` names, so a notice counts even while the main thread waits in C (within one wait
+  in the coordination service: `ACTIVE_SLICE_S` while the program steps, `SLICE_S` idle);
+- **runs the tasks due** (`at`): the preemption deadline, the watchdog's samples, the end note,
+  the bound on a failing process's exit handlers; then the `on_wake` calls (preemption tells
+  the others of a notice and agrees on the sync step).
+
+What it finds surfaces in one of two ways, never at a later unrelated call: it ends the process
+(another process failed, the coordination service is gone, the preemption deadline, a failing
+process's exit handlers past their grace, a stall past the watchdog's timeout: the fail-fast
+path of `meshkit._src.lifecycle.failfast`), or it is state that the next call that needs it
+reads (a preemption notice: `should_save`, `meshkit.preemption_notice`). Calls run one at a
+time: a long one (the sync step's agreement, at most until the deadline) delays the others.
+`wake` interrupts a wait in the coordination service through its ``nudge`` (the watch writes
+its own alarm key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = [
+    "ACTIVE_SLICE_S",
+    "SLICE_S",
+    "at",
+    "on_activity",
+    "on_signal",
+    "on_wake",
+    "start",
+    "wake",
+    "watch",
+]
+
+SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
+# While the program steps (a probe of `on_activity` changed within `_ACTIVE_S`), waits last at
+# most this long: a SIGTERM is then told to the others within a second, as its sync step needs.
+ACTIVE_SLICE_S = 1.0
+_ACTIVE_S = 10.0
+_LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
+
+Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
+
+
+class _Service(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="meshkit-service", daemon=True)
+        self.lock = threading.Lock()
+        self.tasks: dict[str, tuple[float, Callable[[], None]]] = {}
+        self.tending: dict[str, Callable[[], None]] = {}
+        self.look: Look | None = None
+        self.nudge: Callable[[], None] | None = None
+        self.outside = threading.Event()  # not inside the coordination service now
+        self.outside.set()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.signals = -1  # SIGTERM's wake-up pipe
+        self.on_sigterm: Callable[[], None] | None = None
+        self.probes: list[Callable[[], object]] = []
+        self.seen: tuple[object, ...] = ()
+        self.active_at = -_ACTIVE_S
+
+    def _slice(self) -> float:
+        """How long a wait in the coordination service may last now."""
+        now, seen = time.monotonic(), tuple(probe() for probe in self.probes)
+        if seen != self.seen:
+            self.seen, self.active_at = seen, now
+        return ACTIVE_SLICE_S if now - self.active_at < _ACTIVE_S else SLICE_S
+
+    def run(self) -> None:
+        while True:
+            timeout = self._run_due()
+            self.outside.clear()
+            look = self.look
+            if look is not None:
+                try:
+                    if look(min(timeout, self._slice())) is False:
+                        self.look = None  # not joined anymore: nothing to watch
+                except Exception:  # the watch says its own failures
+                    pass
+                timeout = 0.0
+            self.outside.set()
+            ready = [fd for fd in (self.wake_r, self.signals) if fd >= 0]
+            try:
+                readable, _, _ = select.select(ready, [], [], timeout)
+            except (OSError, ValueError):  # a pipe closed under it: wait on the others
+                readable = []
+            for fd in readable:
+                try:
+                    data = os.read(fd, 256)
+                except OSError:
+                    continue
+                if fd == self.signals and signal.SIGTERM in data and self.on_sigterm:
+                    self.on_sigterm()
+            for call in list(self.tending.values()):
+                with contextlib.suppress(Exception):  # one tending call must not stop the rest
+                    call()
+
+    def _run_due(self) -> float:
+        """Run the tasks that are due; the seconds until the next one (an hour: none)."""
+        while True:
+            now = time.monotonic()
+            with self.lock:
+                due = [(name, call) for name, (t, call) in self.tasks.items() if t <= now]
+                for name, _ in due:
+                    del self.tasks[name]
+                later = min((t for t, _ in self.tasks.values()), default=now + 3600.0)
+            if not due:
+                return max(0.0, later - now)
+            for _, call in due:
+                with contextlib.suppress(Exception):  # a task says its own failures
+                    call()
+
+
+_service: _Service | None = None
+_start_lock = threading.Lock()
+
+
+def start() -> bool:
+    """Start the service thread once; False where no thread may start (the interpreter ends)."""
+    global _service
+    with _start_lock:
+        if _service is None:
+            service = _Service()
+            try:
+                service.start()
+            except RuntimeError:  # Python runs its exit handlers: threads cannot start now
+                return False
+            _service = service
+    return True
+
+
+def wake(*, nudge: bool = True) -> None:
+    """Wake the service thread now (from a thread; a signal handler only records its flag).
+
+    Args:
+        nudge: also interrupt a wait in the coordination service (one request); off where the
+            service may be gone already.
+    """
+    service = _service
+    if service is None:
+        return
+    with contextlib.suppress(OSError):  # full: a wake-up is pending already
+        os.write(service.wake_w, b"w")
+    if nudge and service.nudge is not None and not service.outside.is_set():
+        with contextlib.suppress(Exception):  # the service is gone: its wait ends by itself
+            service.nudge()
+
+
+def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool = True) -> bool:
+    """Run ``call`` in the service thread ``delay`` seconds from now (None: cancel ``name``).
+
+    Registering ``name`` again replaces its task. Returns False where no thread may start.
+    """
+    if delay is None:
+        if _service is not None:
+            with _service.lock:
+                _service.tasks.pop(name, None)
+        return True
+    if not start():
+        return False
+    assert _service is not None
+    with _service.lock:
+        _service.tasks[name] = (time.monotonic() + delay, call)
+    wake(nudge=nudge)
+    return True
+
+
+def on_wake(name: str, call: Callable[[], None]) -> None:
+    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+    start()
+    assert _service is not None
+    _service.tending[name] = call
+    wake(nudge=False)
+
+
+def on_activity(probe: Callable[[], object]) -> None:
+    """Count a change of ``probe()`` (read once per wait) as the program stepping."""
+    start()
+    assert _service is not None
+    _service.probes.append(probe)
+
+
+def on_signal(fd: int, handler: Callable[[], None]) -> None:
+    """Call ``handler`` when SIGTERM's wake-up byte arrives on pipe ``fd`` (-1: none)."""
+    start()
+    assert _service is not None
+    _service.signals, _service.on_sigterm = fd, handler
+    wake(nudge=False)
+
+
+def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
+    """Wait in the coordination service with ``look`` (None: stop, and leave it).
+
+    Stopping (at exit) interrupts the wait with ``nudge`` and waits, at most `_LEAVE_S`, until
+    the thread is out of the coordination client: a thread inside it when the interpreter ends
+    aborts the process.
+    """
+    service = _service
+    if service is None:
+        if look is None:
+            return
+        start()
+        service = _service
+        assert service is not None
+    if look is not None:
+        service.look, service.nudge = look, nudge
+        wake(nudge=False)
+        return
+    service.look = None
+    wake()
+    service.outside.wait(_LEAVE_S)
+    service.nudge = None
