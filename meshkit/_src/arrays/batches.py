@@ -47,7 +47,6 @@ from ..lifecycle import watchdog as _watchdog
 from . import ahead as _ahead
 from . import assembly as _assembly
 from . import closes as _closes
-from . import position as _position
 from . import resume as _resume
 from .dtypes import warn_notes
 from .records import Record
@@ -184,10 +183,8 @@ class GlobalBatches(Iterator[Any]):
             target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
-        self._position: _position.Position | None = None
         if self._together and self._node is not None:
-            self._position = _position.Position(self._node, self._tag, self.steps)
-            _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _closes.Watch(self._node, self._tag, self._hear, self._unwatch).start()
         _live.add(self)
 
     # The caller's side.
@@ -199,16 +196,7 @@ class GlobalBatches(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        position = self._position
-        if position is None:
-            return self._next()
-        position.in_next = True
-        try:
-            batch = self._next()
-        finally:
-            position.in_next = False
-        position.took(self.steps)
-        return batch
+        return self._next()
 
     def _next(self) -> Any:
         item = self._handoff.get()
@@ -281,22 +269,6 @@ class GlobalBatches(Iterator[Any]):
         if error is not None:
             self._leave(_closes.TOOK)  # the closers wait for it before they go on
             self._fail(error)
-
-    def _look(self) -> bool:
-        """The watch's look at where the caller is (`position.Position.look`), once a period.
-
-        True: the caller waits in a cycle with another process (kept for its next meshkit
-        call, or the process ends).
-        """
-        assert self._position is not None
-        error = self._position.look()
-        if error is None:
-            return False
-        with self._lock:
-            if self._gone is None:
-                self._gone = error
-        self._fail(error)
-        return True
 
     def _fail(self, error: DivergenceError) -> None:
         """Keep ``error`` for the caller's next meshkit call; end the process if none comes.

@@ -27,18 +27,16 @@ import contextlib
 import json
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.errors import OutOfStep
 from . import absent as _absent
-from . import barrier as _barrier
-from . import counter as _counter
+from . import agreement as _agreement
 from .node import (
     LEFT,
     PERIOD,
-    PROBE_MAX_S,
-    PROBE_S,
     Call,
     Group,
     Node,
@@ -48,8 +46,6 @@ from .node import (
     Record,
     Tag,
     WindowState,
-    changed,
-    digest,
     key,
     text,
 )
@@ -75,7 +71,6 @@ LINGER_S = 0.1
 # phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
-CALLS = "#calls"  # + a tag: the count of this process's calls of it (for `Node._reached`)
 
 
 def agree_later(
@@ -102,22 +97,18 @@ def agree_later(
     ``repeat_returns``: a call that goes on returns its result to its caller at once
     (`global_array_from_local`'s arrays), so processes that went on past a call that raised
     here may be computing with it: this process is then out of step (`OutOfStep`).
-    ``what``: the call in words, for a message naming processes that wait at different
-    agreements: a call waiting for its verdict is the n-th agreement of the tag's *calls tag*
-    (``tag + CALLS``), which counts the calls this process made (`Node.waited`).
+    ``what``: the call in words (unused by the windows; kept for the callers' symmetry with
+    `agreement.agree`).
     """
-    state, window = windowed(node, tag)
-    calls = node.tag(tag + CALLS)
+    del what
+    _, window = windowed(node, tag)
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
-        flag = changed(state, summary, groups)
-        number = calls.seq
-        calls.seq += 1
         waits = not _repeats(window, summary) and verdict_on_change
-        call = Call(-1, flag, summary, groups, record, time.monotonic(), timeout)
+        call = Call(-1, False, summary, groups, record, time.monotonic(), timeout)
         window.queue.append(Queued(call, on_outcome, waits))
         window.on_outcome = on_outcome
         window.linger = linger
@@ -125,7 +116,7 @@ def agree_later(
             window.cond.notify_all()
     if waits:
         node.stats.verdicts_waited += 1
-        _wait_verdict(node, tag, number, what, timeout + VERDICT_EXTRA_S)
+        node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
         with window.cond:
             failed, window.failed = window.failed, None
             went_on, window.went_on = window.went_on, ()
@@ -136,31 +127,6 @@ def agree_later(
             if went_on and repeat_returns:  # they may compute with it: never join them
                 node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
             raise failed
-
-
-def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) -> None:
-    """Wait until call ``number`` of ``tag`` (and those before it) is verified, or ``timeout``.
-
-    The wait is registered as agreement ``number`` of the tag's calls tag (`Node.waited`) and,
-    as `Node.read` does, probes at doubling intervals: processes waiting at different
-    agreements (one at this verdict, another at a program's first compilation) raise the
-    `DivergenceError` naming both places at once, not after the timeout.
-    """
-    deadline = time.monotonic() + timeout
-    period = PROBE_S
-    with node.waited(tag + CALLS, number, what or tag):
-        me = threading.get_ident()
-        probing = node.waits.registered(me)
-        while not node.drain(min(period, max(deadline - time.monotonic(), 0.0)), tags=[tag]):
-            if time.monotonic() >= deadline:
-                return
-            if probing:
-                node.probe(me)
-            period = min(period * 2, PROBE_MAX_S)
-        if probing and node.unraised():
-            # The window failed (another process left, say): a process that found this wait in
-            # a cycle told it so before it raised and left, and that is the cause to raise.
-            node.probe(me)
 
 
 def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
@@ -210,11 +176,10 @@ def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
 
     The tag's thread arrives for the first call this process will not make.
     """
-    state, window = windowed(node, tag)
+    _, window = windowed(node, tag)
     with window.cond:
         window.left_posted.clear()
         window.left = record
-        state.counter.last = None
         window.cond.notify_all()
     window.left_posted.wait(wait)
 
@@ -245,27 +210,18 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
                 return  # the process exits
             taken, left = _take(node, window, decided)
             agreement = _window(seq, taken, left, decided, head)
-            if agreement.groups:  # replica groups are compared per group: the counter protocol
-                total = _counter.increment(node, key(tag, seq, "c"), agreement.flag)
-                outcome = _counter.settle_call(node, tag, agreement, total)
-            else:  # one barrier per window, named by its summaries (as `check`)
-                with state.lock:
-                    epoch = state.barrier.epoch
-                outcome = _barrier.meet(
-                    node,
-                    state,
-                    seq,
-                    epoch,
-                    digest(agreement.summary, {}),
-                    agreement.summary,
-                    agreement.record,
-                    agreement.arrived + agreement.timeout,
-                )
+            outcome = _agreement.agree(
+                node,
+                "w:" + _agree_tag(tag),
+                tag,
+                agreement.summary,
+                agreement.record,
+                timeout=max(agreement.arrived + agreement.timeout - time.monotonic(), 0.001),
+                groups=agreement.groups,
+            )
             if stopping.is_set():
                 return  # the process exits: its last window is not reported
             if not outcome.agreed:
-                with state.lock:
-                    state.counter.last = None  # the next call compares again
                 _report(window, taken, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
             if any(q.waits for q in taken):
@@ -440,3 +396,7 @@ def sync_point(node: Node, timeout: float) -> None:
         if mine:
             node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
     node.settle()
+
+
+def _agree_tag(tag: str) -> str:
+    return urllib.parse.quote(tag, safe="")
