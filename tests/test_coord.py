@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit._src.coord import absent, agreement, failures, window
+from meshkit._src.coord import absent, agreement, failures, places, window
 from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
@@ -668,3 +668,58 @@ def test_one_wording_for_processes_that_did_not_arrive():
         "processes 2,5 did not call gather within 0.5 s"
     )
     assert absent.stopped_waiting([0]) == "process 0 stopped waiting"
+
+
+# ---- places: waits in a channel's order outside its agreements --------------------------------
+
+
+def test_an_agreement_and_a_caller_inside_a_step_it_has_not_taken_are_a_cycle():
+    # Process 1's caller stays inside step 3 of an iterator (it waits in that step's collective);
+    # process 0 took 2 steps and waits at an agreement: each waits for the other. Process 0
+    # raises at its first look, naming both places, and tells process 1, whose watch reads it.
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Any:
+        if node.me == 1:
+            moving = places.Moving(node, "main", "steps:it", "step {step} of the batches")
+            moving.took(3, inspect.currentframe())
+            deadline = time.monotonic() + 20.0
+            while time.monotonic() < deadline:  # the watch's periods
+                told = moving.look()
+                if told is not None:
+                    return told
+                time.sleep(0.1)
+            return "not told"
+        node.counts["steps:it"] = 2
+        start = time.monotonic()
+        try:
+            _wait_at(node, "programs", "the first compilation")
+        except DivergenceError as e:
+            return e, time.monotonic() - start
+        return "agreed"
+
+    (error, waited), told = _together(nodes, body)
+    assert waited < 10.0, waited  # at the first looks, not after the 30 s timeout
+    assert (error.processes, error.field) == ([0, 1], "order")
+    assert "process 0 at tests/test_coord.py:" in str(error), str(error)
+    assert "(the first compilation); process 1 at tests/test_coord.py:" in str(error), str(error)
+    assert "(step 3 of the batches)." in str(error), str(error)
+    assert isinstance(told, DivergenceError), told
+    assert str(told) == str(error)
+
+
+def test_a_caller_inside_a_step_the_others_took_is_no_cycle():
+    # The same, but process 0 has taken step 3 too: process 1 will come to the agreement.
+    nodes = FakeCluster(2).nodes()
+    mine = places.Place("main", "", 0, "an agreement", "here")
+    node = nodes[0]
+    node.counts["steps:it"] = 3
+    moving = {1: places.Place("main", "steps:it", 2, "step 3", "there", moving=True)}
+    assert places.cycle(node, mine, moving) is None
+    other_channel = {1: places.Place("c:loader", "steps:it", 5, "step 6", "there", moving=True)}
+    assert places.cycle(node, mine, other_channel) is None
+    node.counts["steps:it"] = 2
+    assert places.cycle(node, mine, moving) is not None
+    assert places.cycle(node, moving[1], {1: mine}) is None  # a moving place never decides
+    for n in nodes:
+        n.stop()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -32,13 +33,15 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
+from ..coord import agreement as _agreement
 from ..coord import channel as _channel
+from ..coord import places as _places
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
-from ..core.frames import user_stacklevel
+from ..core.frames import user_frame, user_stacklevel
 from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
@@ -183,8 +186,15 @@ class GlobalBatches(Iterator[Any]):
             target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
+        self._moving: _places.Moving | None = None
         if self._together and self._node is not None:
-            _closes.Watch(self._node, self._tag, self._hear, self._unwatch).start()
+            self._moving = _places.Moving(
+                self._node,
+                _agreement.channel_sequence(self._node),
+                "steps:" + self._tag,
+                "step {step} of " + _WHAT,
+            )
+            _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -196,7 +206,28 @@ class GlobalBatches(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        return self._next()
+        moving = self._moving
+        if moving is None:
+            return self._next()
+        moving.asking = True
+        try:
+            batch = self._next()
+        finally:
+            moving.asking = False
+        moving.took(self.steps, user_frame(sys._getframe(1)))
+        return batch
+
+    def _look(self) -> bool:
+        """The watch's look at the caller (`places.Moving.look`); True: it is in a cycle."""
+        assert self._moving is not None
+        error = self._moving.look()
+        if error is None:
+            return False
+        with self._lock:
+            if self._gone is None:
+                self._gone = error
+        self._fail(error)
+        return True
 
     def _next(self) -> Any:
         item = self._handoff.get()

@@ -190,7 +190,9 @@ def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
 class Watch(threading.Thread):
     """Reads the posts of ``tag`` every `period` until one is found or ``stop`` is set.
 
-    ``heard(closers)`` runs in this thread at the first non-empty read. A read that fails
+    First ``tick()`` runs (the caller's place: `meshkit._src.coord.places.Moving`; True ends
+    the watch), then ``heard(closers)`` runs in this thread at the first non-empty read. A
+    read that fails
     (the service is gone: the failure watch reports that) ends the watch.
     """
 
@@ -200,14 +202,17 @@ class Watch(threading.Thread):
         tag: str,
         heard: Callable[[dict[int, int]], None],
         stop: threading.Event,
+        tick: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(name="meshkit-global-batches-watch", daemon=True)
-        self.node, self.tag, self.heard, self.stop = node, tag, heard, stop
+        self.node, self.tag, self.heard, self.stop, self.tick = node, tag, heard, stop, tick
 
     def run(self) -> None:
         wait = _failfast.poll_period(self.node.n)
         while not self.stop.wait(wait):
             try:
+                if self.tick():
+                    return
                 closers = posted(self.node, self.tag)
             except Exception:  # the service is gone: the failure watch says so
                 return

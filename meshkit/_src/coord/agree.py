@@ -92,11 +92,6 @@ def in_step() -> None:
         _node.in_step()
 
 
-def _sequence(here: Node) -> str:
-    name = here.channel()
-    return _agreement.channel_sequence(None if name is None else tag_part(name))
-
-
 def agree(
     tag: str,
     summary: str,
@@ -118,7 +113,14 @@ def agree(
     if here is None:
         return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
     return _agreement.agree(
-        here, _sequence(here), tag, summary, record, timeout=timeout, groups=groups, what=what
+        here,
+        _agreement.channel_sequence(here),
+        tag,
+        summary,
+        record,
+        timeout=timeout,
+        groups=groups,
+        what=what,
     )
 
 
@@ -177,7 +179,7 @@ def leave(tag: str, record: str, *, later: bool = False, wait: float | None = No
     if later:
         _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
     else:
-        _agreement.leave(here, _sequence(here), tag, record)
+        _agreement.leave(here, _agreement.channel_sequence(here), tag, record)
 
 
 def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:

@@ -31,6 +31,7 @@ import json
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,7 @@ from typing import Any
 from ..core.errors import DivergenceError
 from ..core.frames import place, user_frame
 from . import absent as _absent
+from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, Record, text
 
 __all__ = ["LEFT", "Entry", "agree", "leave", "predict"]
@@ -135,8 +137,8 @@ def _state(node: Node, sequence: str) -> Sequence:
         return state
 
 
-def _where() -> str:
-    return place(user_frame(sys._getframe(2)))
+def _where(depth: int = 2) -> str:
+    return place(user_frame(sys._getframe(depth)))
 
 
 def agree(
@@ -192,7 +194,7 @@ def agree(
     if total & ARRIVALS == node.n:
         verdict = _conclude(node, sequence, k, total)
     else:
-        verdict = node.read(_key(sequence, k, "v"), deadline)
+        verdict = _wait(node, sequence, k, deadline, entry)
     if verdict is None:  # not every process arrived in time: mark the counter, then look again
         total = node.service.increment(_key(sequence, k, "c"), FLAG)
         if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
@@ -242,6 +244,32 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
     total = node.service.increment(_key(sequence, k, "c"), 1 + FLAG)
     if total & ARRIVALS == node.n:
         node.service.set(_key(sequence, k, "v"), DIFFER)
+
+
+def _wait(node: Node, sequence: str, k: int, deadline: float, entry: _Lazy) -> str | None:
+    """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
+
+    After `places.FIRST_S` (then at doubling intervals) this wait posts its place and reads the
+    others' (`places.Waiting`): a process waiting in this channel's order outside any agreement
+    (inside a step of `meshkit.global_batches`, at a window's verdict) that this process has not
+    reached is a cycle, raised here.
+    """
+    key = _key(sequence, k, "v")
+    waiting: _places.Waiting | None = None
+    try:
+        while True:
+            period = _places.FIRST_S if waiting is None else waiting.period
+            verdict = node.read(key, min(deadline, time.monotonic() + period))
+            if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
+                return verdict
+            if waiting is None:
+                entry.where = entry.where or _where(3)
+                place = _places.Place(sequence, "", k, entry.what, entry.where)
+                waiting = _places.Waiting(node, place)
+            waiting.look()
+    finally:
+        if waiting is not None:
+            waiting.end()
 
 
 class _Lazy:
@@ -339,9 +367,10 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
 MAIN = "main"  # the main thread's sequence
 
 
-def channel_sequence(channel: str | None) -> str:
-    """The sequence of a channel's agreements (`meshkit._src.coord.channel.current`)."""
-    return MAIN if channel is None else "c:" + channel
+def channel_sequence(node: Node) -> str:
+    """The sequence of the calling thread's channel (`meshkit._src.coord.channel.current`)."""
+    name = node.channel()
+    return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
 
 
 def _collect_garbage(node: Node, sequence: str, k: int) -> None:

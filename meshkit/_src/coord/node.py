@@ -223,6 +223,8 @@ class Node:
         self.tags_lock = threading.Lock()
         self.live: set[str] = set()  # tags agreed beside the caller (each has a thread)
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
+        # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
+        self.counts: dict[str, int] = {}
         # meshkit's threads serving this process, each with the condition that wakes it
         self.threads: list[tuple[threading.Thread, threading.Condition]] = []
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 import urllib.parse
@@ -32,8 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.errors import OutOfStep
+from ..core.frames import place as place_of
+from ..core.frames import user_frame
 from . import absent as _absent
 from . import agreement as _agreement
+from . import places as _places
 from .node import (
     LEFT,
     PERIOD,
@@ -97,17 +101,20 @@ def agree_later(
     ``repeat_returns``: a call that goes on returns its result to its caller at once
     (`global_array_from_local`'s arrays), so processes that went on past a call that raised
     here may be computing with it: this process is then out of step (`OutOfStep`).
-    ``what``: the call in words (unused by the windows; kept for the callers' symmetry with
-    `agreement.agree`).
+    ``what``: the call in words, for a message naming processes that wait at different places
+    of the channel's order (`places`): a call waiting for its verdict is there as the n-th call
+    of the tag.
     """
-    del what
     _, window = windowed(node, tag)
+    calls = "calls:" + tag
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
         waits = not _repeats(window, summary) and verdict_on_change
+        number = node.counts.get(calls, 0)
+        node.counts[calls] = number + 1
         call = Call(-1, False, summary, groups, record, time.monotonic(), timeout)
         window.queue.append(Queued(call, on_outcome, waits))
         window.on_outcome = on_outcome
@@ -116,7 +123,7 @@ def agree_later(
             window.cond.notify_all()
     if waits:
         node.stats.verdicts_waited += 1
-        node.drain(timeout + VERDICT_EXTRA_S, tags=[tag])
+        _wait_verdict(node, tag, number, what, timeout + VERDICT_EXTRA_S)
         with window.cond:
             failed, window.failed = window.failed, None
             went_on, window.went_on = window.went_on, ()
@@ -127,6 +134,34 @@ def agree_later(
             if went_on and repeat_returns:  # they may compute with it: never join them
                 node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
             raise failed
+
+
+def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) -> None:
+    """Wait until call ``number`` of ``tag`` (and those before it) is verified, or ``timeout``.
+
+    A long wait is a `places.Place` of the caller's channel (the n-th call of the tag): a
+    process waiting at another agreement before it made that call is in a cycle with it, and
+    both raise at once, not after the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    place = _places.Place(
+        _agreement.channel_sequence(node), "calls:" + tag, number, what or tag,
+        place_of(user_frame(sys._getframe(2))),
+    )  # fmt: skip
+    waiting = _places.Waiting(node, place)
+    try:
+        period = _places.FIRST_S
+        while not node.drain(min(period, max(deadline - time.monotonic(), 0.0)), tags=[tag]):
+            if time.monotonic() >= deadline:
+                return
+            waiting.look()
+            period = waiting.period
+        if waiting.posted and node.unraised():
+            # The window failed (another process left): one in a cycle with this wait told it
+            # so before it raised and left, and that is the cause to raise.
+            waiting.look()
+    finally:
+        waiting.end()
 
 
 def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
