@@ -63,7 +63,7 @@ class Entry:
         what: the agreement in words, for a message naming processes at different sites.
         where: the user's line the call came from (``train.py:28 in main``), "?" if none.
         summary: what must be equal in every process.
-        record: what to show when summaries differ; not compared.
+        record: what to show when summaries differ; not compared ("" until shown: ``full``).
         groups: replica group name -> (its reference process, this process's summary for it);
             processes sharing a group name must give equal group summaries.
         gave_up: this process stopped waiting before every process arrived.
@@ -76,6 +76,7 @@ class Entry:
     record: str
     groups: Mapping[str, Group] = field(default_factory=dict)
     gave_up: bool = False
+    full: bool = True  # False: posted to be compared only, without its record (made if shown)
 
     def to_json(self) -> str:
         named = asdict(self)
@@ -188,7 +189,7 @@ def agree(
     node.stats.agreements += 1
     _collect_garbage(node, sequence, k)
     if flagged:
-        _post(node, sequence, k, entry)
+        _post(node, sequence, k, entry, full=False)  # compared by summary; shown only if needed
     total = node.service.increment(_key(sequence, k, "c"), 1 + FLAG * flagged)
     deadline = time.monotonic() + timeout
     if total & ARRIVALS == node.n:
@@ -204,21 +205,25 @@ def agree(
             state.history.append(mine)
         return Outcome(True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use)
     node.stats.slow += 1
-    if not entry.posted or verdict is None:
-        if not where:
-            entry.where = _where()
-        _post(node, sequence, k, entry, gave_up=verdict is None)
+    if not entry.where:
+        entry.where = _where()
     arrived = node.n if verdict is not None else total & ARRIVALS
     grace = min(timeout, 30.0)
-    entries = _collect(node, sequence, k, arrived, time.monotonic() + grace)
-    agreed = verdict == POST and len(entries) == node.n and _same(entries)
+    if verdict == POST:  # compared by every process on the summaries alone
+        if not entry.posted:
+            _post(node, sequence, k, entry, full=False)
+        entries = _collect(node, sequence, k, arrived, time.monotonic() + grace, full=False)
+        if len(entries) == node.n and _same(entries):
+            with state.lock:
+                state.history.append(mine)
+            return Outcome(
+                True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use
+            )
+    if not entry.full or verdict is None:
+        _post(node, sequence, k, entry, gave_up=verdict is None)
+    entries = _collect(node, sequence, k, arrived, time.monotonic() + grace, full=True)
     with state.lock:
-        if agreed:
-            state.history.append(mine)
-        else:
-            state.history.clear()  # every process compares again
-    if agreed:
-        return Outcome(True, {p: e.record for p, e in entries.items()}, seq=use)
+        state.history.clear()  # every process compares again
     _raise_if_elsewhere(node.me, entries, sequence)
     missing = tuple(p for p in range(node.n) if p not in entries)
     # Who stopped waiting before this process came; none when this process gave up itself.
@@ -279,7 +284,7 @@ class _Lazy:
         self, site: str, what: str, where: str, summary: str, record: Record, groups: dict
     ) -> None:
         self.site, self.what, self.where, self.summary = site, what, where, summary
-        self.record, self.groups, self.posted = record, groups, False
+        self.record, self.groups, self.posted, self.full = record, groups, False, False
         self._text: str | None = None
 
     def text(self) -> str:
@@ -287,16 +292,19 @@ class _Lazy:
             self._text = text(self.record)
         return self._text
 
-    def entry(self, gave_up: bool = False) -> Entry:
+    def entry(self, gave_up: bool = False, full: bool = True) -> Entry:
+        record = self.text() if full else ""
         return Entry(
-            self.site, self.what, self.where, self.summary, self.text(), self.groups, gave_up
+            self.site, self.what, self.where, self.summary, record, self.groups, gave_up, full
         )
 
 
-def _post(node: Node, sequence: str, k: int, entry: _Lazy, gave_up: bool = False) -> None:
-    value = entry.entry(gave_up).to_json()
+def _post(
+    node: Node, sequence: str, k: int, entry: _Lazy, gave_up: bool = False, full: bool = True
+) -> None:
+    value = entry.entry(gave_up, full).to_json()
     node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", value, overwrite=entry.posted)
-    entry.posted = True
+    entry.posted, entry.full = True, full
 
 
 def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
@@ -320,11 +328,17 @@ def _read(node: Node, sequence: str, k: int) -> dict[int, Entry]:
     return {int(key.rsplit("/", 1)[1]): Entry.from_json(v) for key, v in entries}
 
 
-def _collect(node: Node, sequence: str, k: int, arrived: int, deadline: float) -> dict[int, Entry]:
-    """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them."""
+def _collect(
+    node: Node, sequence: str, k: int, arrived: int, deadline: float, *, full: bool
+) -> dict[int, Entry]:
+    """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them.
+
+    ``full``: only entries with their records count (the others are read again).
+    """
     while True:
         entries = _read(node, sequence, k)
-        if len(entries) >= arrived or time.monotonic() >= deadline or node.stopping.is_set():
+        ready = [e for e in entries.values() if e.full or not full or e.summary == LEFT]
+        if len(ready) >= arrived or time.monotonic() >= deadline or node.stopping.is_set():
             return entries
         time.sleep(0.02)
 

@@ -114,7 +114,7 @@ class Posted:
 
 @dataclass
 class Call:
-    """One agreement of the counter protocol, as this process makes it."""
+    """One call of `agree_later`, or one window of them, as this process makes it."""
 
     seq: int
     flag: bool  # the summary differs from this process's previous one (or must be compared)

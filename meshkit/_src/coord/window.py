@@ -2,9 +2,9 @@
 
 Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
 by default, after its first call), then writes how many calls it holds; the others take as many
-of theirs, and the window is one agreement on the list of its calls' summaries (`check`'s
-barrier, or `agree`'s counters when replica groups are compared): two or three round trips per
-process and window however many calls it holds. A caller that needs a verdict before it goes on
+of theirs, and the window is one agreement on the list of its calls' summaries (the
+`agreement` primitive, on the window thread's own sequence): three round trips per process and
+window however many calls it holds. A caller that needs a verdict before it goes on
 drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
 calls may be unverified, and a disagreement is printed when found and raised by this process's
 next meshkit call (`Node.settle`).
@@ -373,7 +373,10 @@ def _window(
     flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
     flag = flag or decided == _LEFT_WINDOW
     groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
-    summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
+    if len(runs) == 1 and runs[0].count == wanted:  # one run of the window's size: the same
+        summary = json.dumps([{"summary": runs[0].summary, "count": "all"}])  # every window
+    else:
+        summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
     started = head.arrived if head is not None else time.monotonic()
     timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
     return Call(seq, flag, summary, groups, record, started, timeout)
