@@ -87,9 +87,14 @@ def settle() -> None:
 
 
 def in_step() -> None:
-    """Forget that processes went out of step (`Node.in_step`): every process finished its work."""
+    """Every process finished its work: forget out-of-step errors, restart the sequences.
+
+    `Node.in_step`, then `agreement.restart` (a process that skipped an agreement is in step
+    with the others again).
+    """
     if _node is not None:
         _node.in_step()
+        _agreement.restart(_node)
 
 
 def agree(

@@ -43,7 +43,7 @@ from . import absent as _absent
 from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, Record, text
 
-__all__ = ["LEFT", "Entry", "agree", "leave", "predict"]
+__all__ = ["LEFT", "Entry", "agree", "leave", "predict", "restart"]
 
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 ARRIVALS = (1 << SHIFT) - 1
@@ -99,6 +99,7 @@ class Sequence:
     history: deque[str] = field(default_factory=lambda: deque(maxlen=HISTORY))  # agreed digests
     period: int = 0  # the history's period while calls repeat it (0: to be found)
     uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
+    epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
 
 
 def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
@@ -178,7 +179,7 @@ def agree(
     state = _state(node, sequence)
     mine = digest(site, summary, groups)
     with state.lock:
-        k = state.next
+        k, base = state.next, f"{sequence}/e{state.epoch}"
         state.next += 1
         use = state.uses.get(site, 0)
         state.uses[site] = use + 1
@@ -187,19 +188,19 @@ def agree(
     where = _where() if flagged else ""
     entry = _Lazy(site, what or site, where, summary, record, groups)
     node.stats.agreements += 1
-    _collect_garbage(node, sequence, k)
+    _collect_garbage(node, base, k)
     if flagged:
-        _post(node, sequence, k, entry, full=False)  # compared by summary; shown only if needed
-    total = node.service.increment(_key(sequence, k, "c"), 1 + FLAG * flagged)
+        _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
+    total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
     deadline = time.monotonic() + timeout
     if total & ARRIVALS == node.n:
-        verdict = _conclude(node, sequence, k, total)
+        verdict = _conclude(node, base, k, total)
     else:
-        verdict = _wait(node, sequence, k, deadline, entry)
+        verdict = _wait(node, sequence, base, k, deadline, entry)
     if verdict is None:  # not every process arrived in time: mark the counter, then look again
-        total = node.service.increment(_key(sequence, k, "c"), FLAG)
+        total = node.service.increment(_key(base, k, "c"), FLAG)
         if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
-            verdict = node.read(_key(sequence, k, "v"), time.monotonic() + timeout)
+            verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
     if verdict == OK:
         with state.lock:
             state.history.append(mine)
@@ -211,8 +212,8 @@ def agree(
     grace = min(timeout, 30.0)
     if verdict == POST:  # compared by every process on the summaries alone
         if not entry.posted:
-            _post(node, sequence, k, entry, full=False)
-        entries = _collect(node, sequence, k, arrived, time.monotonic() + grace, full=False)
+            _post(node, base, k, entry, full=False)
+        entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
         if len(entries) == node.n and _same(entries):
             with state.lock:
                 state.history.append(mine)
@@ -220,8 +221,8 @@ def agree(
                 True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use
             )
     if not entry.full or verdict is None:
-        _post(node, sequence, k, entry, gave_up=verdict is None)
-    entries = _collect(node, sequence, k, arrived, time.monotonic() + grace, full=True)
+        _post(node, base, k, entry, gave_up=verdict is None)
+    entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
     with state.lock:
         state.history.clear()  # every process compares again
     _raise_if_elsewhere(node.me, entries, sequence)
@@ -241,17 +242,19 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
     """
     state = _state(node, sequence)
     with state.lock:
-        k = state.next
+        k, base = state.next, f"{sequence}/e{state.epoch}"
         state.next += 1
         state.history.clear()
     entry = _Lazy(site, site, _where(), LEFT, record, {})
-    _post(node, sequence, k, entry)
-    total = node.service.increment(_key(sequence, k, "c"), 1 + FLAG)
+    _post(node, base, k, entry)
+    total = node.service.increment(_key(base, k, "c"), 1 + FLAG)
     if total & ARRIVALS == node.n:
-        node.service.set(_key(sequence, k, "v"), DIFFER)
+        node.service.set(_key(base, k, "v"), DIFFER)
 
 
-def _wait(node: Node, sequence: str, k: int, deadline: float, entry: _Lazy) -> str | None:
+def _wait(
+    node: Node, sequence: str, base: str, k: int, deadline: float, entry: _Lazy
+) -> str | None:
     """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
 
     After `places.FIRST_S` (then at doubling intervals) this wait posts its place and reads the
@@ -259,7 +262,7 @@ def _wait(node: Node, sequence: str, k: int, deadline: float, entry: _Lazy) -> s
     (inside a step of `meshkit.global_batches`, at a window's verdict) that this process has not
     reached is a cycle, raised here.
     """
-    key = _key(sequence, k, "v")
+    key = _key(base, k, "v")
     waiting: _places.Waiting | None = None
     try:
         while True:
@@ -385,6 +388,18 @@ def channel_sequence(node: Node) -> str:
     """The sequence of the calling thread's channel (`meshkit._src.coord.channel.current`)."""
     name = node.channel()
     return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
+
+
+def restart(node: Node) -> None:
+    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`).
+
+    For a harness that knows every process finished what it ran (a process that skipped an
+    agreement would otherwise stay one agreement behind the others for good).
+    """
+    with node.tags_lock:
+        for name, state in list(node.sequences.items()):
+            if not name.startswith("w:"):  # a window thread's sequence goes on
+                node.sequences[name] = Sequence(epoch=state.epoch + 1)
 
 
 def _collect_garbage(node: Node, sequence: str, k: int) -> None:
