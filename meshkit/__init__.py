@@ -190,11 +190,6 @@ def __getattr__(name: str) -> _typing.Any:
     if where is None:
         raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
     module_name, attribute = where
-    if module_name not in _JAX_FREE:
-        # Debug mode wires itself when `meshkit.debug` is imported (it watches `init` and the
-        # first SPMD call for MESHKIT_DEBUG): any name that leads to JAX brings it along, as
-        # the eager face did, until debug mode is started by `init` itself.
-        _importlib.import_module(".debug", __name__)
     module = _importlib.import_module(module_name, __name__)
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value

@@ -45,10 +45,10 @@ Example:
 """
 
 from ._src.checkpoint.orbax import check_savable as check_savable
+from ._src.checkpoint.orbax import data_position as data_position
 from ._src.checkpoint.orbax import restore as restore
 from ._src.checkpoint.orbax import save as save
 from ._src.checkpoint.orbax import targets as targets
-from ._src.checkpoint.position import data_position as data_position
 from ._src.checkpoint.steps import Latest as Latest
 from ._src.checkpoint.steps import latest as latest
 from ._src.checkpoint.steps import should_save as should_save

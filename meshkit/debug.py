@@ -4,13 +4,13 @@ In a multi-process JAX program every process must make the same SPMD calls, in t
 with the same shapes. When they do not, JAX's collectives hang or return wrong values, with no
 error. With debug mode on (``MESHKIT_DEBUG=1`` in the environment, or `enable`), every meshkit
 SPMD entry (`meshkit.spmd` functions, `meshkit.pmap_compat` functions,
-`meshkit.global_array_from_local`, `meshkit.make_mesh`) and every call of
-``jax.experimental.multihost_utils``' ``process_allgather``, ``broadcast_one_to_all``,
-``sync_global_devices`` and ``assert_equal`` (replaced by checked versions while debug mode is
-on) compares a fingerprint of the call with the other processes' through the coordination
-service (never through a device collective: those are what hang). The fingerprint holds the
-entry and function, the call's number in this process, the arguments' pytree structure, shapes,
-dtypes and shardings, and static arguments.
+`meshkit.global_array_from_local`, `meshkit.make_mesh`) and every call of this module's
+`process_allgather`, `broadcast_one_to_all`, `sync_global_devices` and `assert_equal` (JAX's
+``jax.experimental.multihost_utils`` functions of those names, which meshkit leaves unchanged:
+call these instead to have them checked) compares a fingerprint of the call with the other
+processes' through the coordination service (never through a device collective: those are what
+hang). The fingerprint holds the entry and function, the call's number in this process, the
+arguments' pytree structure, shapes, dtypes and shardings, and static arguments.
 
 The fingerprints are compared in windows of calls beside the caller (see
 `meshkit._src.coord.agree`), and a call whose fingerprint differs from this thread's call `PERIOD`
@@ -54,6 +54,10 @@ from ._src.debug.mode import enable as enable
 from ._src.debug.mode import enable_from_environment as enable_from_environment
 from ._src.debug.mode import enabled as enabled
 from ._src.debug.mode import settings as settings
+from ._src.debug.multihost import assert_equal as assert_equal
+from ._src.debug.multihost import broadcast_one_to_all as broadcast_one_to_all
+from ._src.debug.multihost import process_allgather as process_allgather
+from ._src.debug.multihost import sync_global_devices as sync_global_devices
 from ._src.debug.state import PERIOD as PERIOD
 from ._src.debug.state import Settings as Settings
 
@@ -64,11 +68,15 @@ __all__ = [
     "PERIOD",
     "DivergenceError",
     "Settings",
+    "assert_equal",
     "barrier",
+    "broadcast_one_to_all",
     "debugging",
     "disable",
     "enable",
     "enable_from_environment",
     "enabled",
+    "process_allgather",
     "settings",
+    "sync_global_devices",
 ]

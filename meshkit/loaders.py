@@ -31,14 +31,14 @@ grain and datasets are imported only when these functions are called (``meshkit[
 ``meshkit[datasets]``).
 """
 
-from ._src.loaders.batches import Batches as Batches
-from ._src.loaders.batches import grain_batches as grain_batches
-from ._src.loaders.batches import hf_batches as hf_batches
-from ._src.loaders.loaders import grain_dataset as grain_dataset
-from ._src.loaders.loaders import grain_sampler as grain_sampler
-from ._src.loaders.loaders import grain_shard_options as grain_shard_options
-from ._src.loaders.loaders import hf_dataset as hf_dataset
-from ._src.loaders.loaders import process_rows as process_rows
+from ._src.loaders.resumable import Batches as Batches
+from ._src.loaders.resumable import grain_batches as grain_batches
+from ._src.loaders.resumable import hf_batches as hf_batches
+from ._src.loaders.rows import grain_dataset as grain_dataset
+from ._src.loaders.rows import grain_sampler as grain_sampler
+from ._src.loaders.rows import grain_shard_options as grain_shard_options
+from ._src.loaders.rows import hf_dataset as hf_dataset
+from ._src.loaders.rows import process_rows as process_rows
 
 __all__ = [
     "Batches",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("lifecycle",),
     ("coord", "launch", "migrate"),
+    ("debug",),
     ("runtime",),
-    ("sharding", "debug"),
+    ("sharding",),
     ("arrays", "checkpoint", "loaders"),
     ("spmd",),
     ("pmap",),
@@ -139,3 +141,55 @@ def test_at_most_ten_files_flat_in_the_package():
 def test_modules_stay_readable(module):
     lines = len(_modules()[module].read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines; split it by idea"
+
+
+COMPAT = "meshkit._src.core.compat"  # the one module that touches JAX's internals
+
+
+def _jax_internals(path: Path) -> list[str]:
+    """What ``path`` reaches of ``jax._src`` or ``jaxlib``: imports, ``import_module``, ``jax._src``."""
+    private = ("jax._src", "jaxlib")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr == "_src":
+            if isinstance(node.value, ast.Name) and node.value.id == "jax":
+                names = ["jax._src"]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            callee = node.func.id if isinstance(node.func, ast.Name) else callee
+            if callee in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [
+            f"line {getattr(node, 'lineno', '?')}: {n}" for n in names if n.startswith(private)
+        ]
+    return sorted(set(found))
+
+
+def test_only_compat_touches_jax_internals():
+    wrong = {
+        module: hits
+        for module, path in sorted(_modules().items())
+        if module != COMPAT and (hits := _jax_internals(path))
+    }
+    assert not wrong, f"move these into {COMPAT}, with the reason and the JAX versions: {wrong}"
+
+
+def test_compat_names_each_internal_it_imports():
+    """Each ``from jax._src... import name`` of compat is listed, with its reason, up top."""
+    path = _modules()[COMPAT]
+    tree = ast.parse(path.read_text())
+    listed = ast.get_docstring(tree) or ""
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src")
+        for alias in node.names
+    }
+    assert imported, "compat imports no JAX internals: is the check still looking?"
+    missing = sorted(name for name in imported if not re.search(rf"\b{name}\b", listed))
+    assert not missing, f"{COMPAT}'s docstring does not list {missing}"

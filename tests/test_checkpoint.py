@@ -1,6 +1,6 @@
 """meshkit.checkpoint in one process (8 CPU devices): round trips onto other meshes, bad inputs.
 
-The classification of an array against a target mesh (`meshkit._src.checkpoint.plan`) is checked
+The classification of an array against a target mesh (`meshkit._src.checkpoint.restore_plan`) is checked
 against JAX itself: a layout meshkit accepts is one `jax.device_put` accepts, and the other way
 round. Saving from 2 processes, restoring onto other meshes and process counts, process-local
 arrays and a rank killed mid-save are in test_checkpoint_multiprocess.py.
@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.checkpoint.plan import SavedArray, describe_mesh, layout_problem, plan
+from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, layout_problem, plan
 from meshkit.testing import strategies as mks
 
 

@@ -95,3 +95,45 @@ def test_keep_needs_a_count_and_a_step_directory(tmp_path):
     ):
         meshkit.checkpoint.save(tmp_path / "final", {"s": 1}, keep=3)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+_NO_INIT = """
+import os, signal, sys
+import meshkit
+if sys.argv[1] == "user-handler":
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("USER HANDLER", signum, flush=True))
+before = signal.getsignal(signal.SIGTERM)
+saved = [s for s in range(1, 10) if meshkit.checkpoint.should_save(s, every=4)]
+print("SAVES", saved, signal.getsignal(signal.SIGTERM) is before, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("AFTER SIGTERM", [s for s in range(10, 13) if meshkit.checkpoint.should_save(s)], flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["python-default", "user-handler"])
+def test_without_init_should_save_takes_no_signal(tmp_path, handler):
+    # A process that never called meshkit.init: should_save is the periodic steps only, and
+    # SIGTERM does what it did without meshkit (ends the process, or runs the program's handler).
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_INIT, handler],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0] == "SAVES [4, 8] True", out.stdout + out.stderr
+    if handler == "python-default":
+        assert out.returncode == -signal.SIGTERM, out.stderr
+        assert lines == ["SAVES [4, 8] True"], out.stdout
+    else:
+        assert out.returncode == 0, out.stderr
+        assert lines[1:] == [f"USER HANDLER {int(signal.SIGTERM)}", "AFTER SIGTERM []"]
+    assert "preempt" not in out.stderr, out.stderr

@@ -138,10 +138,6 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
         "flush stdout and stderr",
     ]
     assert list(_exit._registry.exception) == ["debug mode: publish leaving with the error"]
-    assert _dispatch._observers.count(_divergence.check) == 0
-    debug.enable(timeout=5, watchdog=None)
-    assert _dispatch._observers.count(_divergence.check) == 1
-    debug.disable()
 
 
 def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, caplog):
@@ -229,11 +225,18 @@ def test_single_process_calls_run_and_are_counted():
     assert seen == ["spmd", "make_mesh"]
 
 
-def test_off_means_no_observer():
-    debug.enable(timeout=5, watchdog=None)
-    assert _divergence.check in _dispatch._observers
-    debug.disable()
-    assert _divergence.check not in _dispatch._observers
+def test_calls_are_checked_only_while_debug_mode_is_on():
+    site = _dispatch.CallSite("spmd", "f")
+    observers = list(_dispatch._observers)
+    before = _state.state.count
+    _dispatch.enter(site, (1,))
+    assert _state.state.count == before
+    with debug.debugging(timeout=5, watchdog=None):
+        _dispatch.enter(site, (1,))
+        assert _state.state.count == before + 1
+        assert _dispatch._observers == observers  # debug mode registers no observer
+    _dispatch.enter(site, (1,))
+    assert _state.state.count == before + 1
 
 
 # ---- fingerprints and the comparison, without processes -----------------------------------
@@ -369,42 +372,41 @@ def test_comparison_against_a_direct_reference(base, changes):
 # ---- jax.experimental.multihost_utils in debug mode ---------------------------------------
 
 
+_MULTIHOST = ("process_allgather", "broadcast_one_to_all", "sync_global_devices", "assert_equal")
+
+
 def test_multihost_utils_are_checked_only_while_debug_mode_is_on():
     from jax.experimental import multihost_utils as mu
 
-    from meshkit._src.debug import multihost as _multihost
-
-    jax_own = {name: getattr(mu, name) for name in _multihost.COVERED}
+    jax_own = {name: getattr(mu, name) for name in _MULTIHOST}
     with debug.debugging(timeout=5, watchdog=None):
-        assert all(getattr(mu, name) is not jax_own[name] for name in _multihost.COVERED)
         before = _state.state.count
-        mu.sync_global_devices("saved")  # calls assert_equal, which calls process_allgather
+        debug.sync_global_devices("saved")  # JAX's calls assert_equal, then process_allgather
         line = sys._getframe().f_lineno - 1
-        assert _state.state.count == before + 1  # the outer call only
+        assert _state.state.count == before + 1  # the call made, not those inside it
         assert _state.state.last == (
             "call #1 of jax.experimental.multihost_utils.sync_global_devices (multihost_utils) "
             f"at tests/test_debug.py:{line} in "
             "test_multihost_utils_are_checked_only_while_debug_mode_is_on"
         ), _state.state.last
-    assert {name: getattr(mu, name) for name in _multihost.COVERED} == jax_own
-    mu.sync_global_devices("unchecked")
-    assert not _multihost.installed()
+        assert {name: getattr(mu, name) for name in _MULTIHOST} == jax_own  # JAX's, unchanged
+    before = _state.state.count
+    debug.sync_global_devices("unchecked")
+    assert _state.state.count == before
 
 
 def test_multihost_utils_from_an_unnamed_thread_run_unchecked():
     import threading
 
-    from jax.experimental import multihost_utils as mu
-
     out = []
     with debug.debugging(timeout=5, watchdog=None):
         before = _state.state.count
-        worker = threading.Thread(target=lambda: out.append(mu.process_allgather(np.ones(3))))
+        worker = threading.Thread(target=lambda: out.append(debug.process_allgather(np.ones(3))))
         worker.start()
         worker.join()
         assert _state.state.count == before
         with meshkit.channel("metrics"):  # a named channel pairs up: checked
-            mu.process_allgather(np.ones(3))
+            debug.process_allgather(np.ones(3))
         assert _state.state.count == before + 1
     np.testing.assert_array_equal(out[0], np.ones((1, 3)))
 
@@ -420,7 +422,7 @@ def test_checked_multihost_utils_give_jax_s_answers(shape, dtype, tiled, name):
     expected = x if tiled or name == "broadcast_one_to_all" else x[None]
     call = (lambda f: f(x, tiled=tiled)) if name == "process_allgather" else (lambda f: f(x))
     with debug.debugging(timeout=5, watchdog=None):
-        out = call(getattr(mu, name))
+        out = call(getattr(debug, name))
     np.testing.assert_array_equal(np.asarray(out), expected)
     assert np.asarray(out).dtype == np.asarray(call(getattr(mu, name))).dtype
 
@@ -541,9 +543,9 @@ def test_repeated_calls_are_cheap_and_a_change_stops_before_it_runs(warm_cluster
 def _multihost_utils_checked_in_two_processes():
     import jax
     import numpy as np
-    from jax.experimental import multihost_utils as mu
 
     import meshkit
+    from meshkit import debug as mu  # the checked versions of multihost_utils' collectives
 
     me = jax.process_index()
     found = {}

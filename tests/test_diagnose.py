@@ -205,12 +205,15 @@ def test_the_rank_a_divergence_names_is_the_root_cause_not_the_first_to_exit():
     ], report
     assert "--- root cause: rank 2 ---" in report
     assert "Also failed on their own: 1 (exit code 1)." in report
-    # Two ranks that differ: no majority, so the first to fail stays the one shown.
+    # Two ranks that differ: no majority, so no root cause; the first to fail is shown.
     told = Told.of([_event(r, "failed", processes=[0, 1], **differ) for r in (0, 1)])
     report = _report.root_cause(results[0], results[:2], 4.0, told)
     assert report.splitlines()[1] == (
-        "meshkit found that ranks 0, 1 differ (jax_enable_x64); no majority says which is wrong."
+        "meshkit found that ranks 0, 1 differ (jax_enable_x64); no majority says which is "
+        "wrong, so no rank is named as the cause."
     ), report
+    assert "--- root cause:" not in report, report
+    assert "--- first to fail: rank 0 ---" in report, report
     # A process that never came to a check is the one the others waited for.
     told = Told.of([_event(0, "failed", processes=[1], **{**differ, "field": "arrival"})])
     report = _report.root_cause(results[0], results[:2], 4.0, told)

@@ -37,13 +37,19 @@ def test_only_a_last_batch_may_be_short(rows, last, pad, step):
     assert (message is None) == allowed, message
     if message is not None:
         assert message.startswith(f"meshkit.global_batches: at step {step}, ")
-        # The short processes, all of them and only them, are named before "where".
-        named = message.split(" where ", 1)[0]
-        assert ends._processes(short) in named, message
         if midstream:
-            assert "more batches after it" in message
-            assert "pass pad='ragged'" in message
+            # Every process with its rows; no padding offered, which would hide the bug.
+            held = {p: n for p, n in enumerate(rows)}
+            for n in set(rows):
+                ps = [p for p, m in held.items() if m == n]
+                assert ends._rows_text(ps, held) in message, message
+            assert f"{ends._loaders(midstream)} more batches after it" in message, message
+            assert "ragged" not in message, message
+            assert "pad=True" not in message.split("\nConsider", 1)[1], message
         else:  # pad=False, the short batches are the last ones
+            # The short processes, all of them and only them, are named before "where".
+            named = message.split(" where ", 1)[0]
+            assert ends._processes(short) in named, message
             assert "last batch" in message
             assert "Consider pad=True" in message
 
@@ -77,10 +83,11 @@ def test_several_short_processes_are_each_named_with_their_rows():
     message = ends.short_batch(records, 3, pad=True)
     assert message is not None
     assert message.startswith(
-        "meshkit.global_batches: at step 3, the batches of processes 1 and 2 have 4 and 6 rows "
-        "where process 0's batch has 8 rows, and the loader of process 1 has more batches after "
-        "it."
+        "meshkit.global_batches: at step 3, the processes' batches differ in rows before the "
+        "end of their data: process 0's batch has 8 rows; process 1's batch has 4 rows; "
+        "process 2's batch has 6 rows; the loader of process 1 has more batches after it."
     ), message
+    assert "the batches alone do not tell which process's loader is wrong" in message, message
 
 
 @pytest.mark.parametrize("pad", ["yes", 1, None, "Ragged"])

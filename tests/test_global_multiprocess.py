@@ -469,8 +469,8 @@ def test_a_mismatch_in_the_last_call_of_a_program_ends_it_with_a_non_zero_status
     assert "can't create new thread" not in text, text
     assert "processes disagree on the global shape of (the array)" in text, text
     assert (
-        "meshkit: exiting with status 1: a cross-process check above failed after this "
-        "process's last meshkit call, so nothing raised it." in text
+        "meshkit: exiting with status 1: a cross-process check failed after this process's "
+        "last meshkit call, so nothing raised it:" in text
     ), text
 
 
@@ -749,9 +749,9 @@ def test_steps_are_agreed_in_windows_and_differences_named_at_their_step(warm_cl
         for at, (taken, message) in named.items():
             assert taken == at - 1, (at, taken, message)
             assert message == (
-                f"meshkit.global_batches: at step {at}, process 1's batch has 4 rows where "
-                "process 0's batch has 8 rows, and the loader of process 1 has more batches "
-                "after it."
+                f"meshkit.global_batches: at step {at}, the processes' batches differ in rows "
+                "before the end of their data: process 0's batch has 8 rows; process 1's batch "
+                "has 4 rows; the loader of process 1 has more batches after it."
             ), (at, message)
     assert results[0][1] == results[1][1]
 
@@ -839,21 +839,24 @@ def test_only_a_loaders_last_batch_may_be_short(warm_cluster):
     assert results[0] == results[1]
     out = results[0]
     midstream = (
-        "meshkit.global_batches: at step 2, process 1's batch has 4 rows where process 0's batch "
-        "has 8 rows, and the loader of process 1 has more batches after it.\n"
-        "A batch short before the end of the data is rows its loader lost (a filter, an uneven "
-        "shard, a skipped file); pad=True pads only where the data ends, so it does not hide "
-        "them.\nConsider checking that process's loader; where batches of varying size are "
-        "intended, pass pad='ragged' (every step is padded to the largest batch; the mask marks "
-        "the real rows)."
+        "meshkit.global_batches: at step 2, the processes' batches differ in rows before the end "
+        "of their data: process 0's batch has 8 rows; process 1's batch has 4 rows; the loader "
+        "of process 1 has more batches after it.\n"
     )
-    assert out["pad, short mid-stream"] == (1, 16, midstream)
+    taken, real, error = out["pad, short mid-stream"]
+    assert (taken, real) == (1, 16)
+    assert error.startswith(midstream), error
+    # Two processes: no culprit named, and no padding offered (it would hide the lost rows).
+    assert "the batches alone do not tell which process's loader is wrong" in error, error
+    assert "Consider checking that the loaders make batches of one size" in error, error
+    assert "ragged" not in error, error
     # The short last batch is padded: 8 + 8 + (8 + 4) real rows in 3 steps of 16.
     assert out["pad, short last"] == (3, 44, None)
     assert out["pad, one row short mid-stream"][:2] == (1, 16)
     assert out["pad, one row short mid-stream"][2].startswith(
-        "meshkit.global_batches: at step 2, process 1's batch has 7 rows where process 0's batch "
-        "has 8 rows, and the loader of process 1 has more batches after it."
+        "meshkit.global_batches: at step 2, the processes' batches differ in rows before the end "
+        "of their data: process 0's batch has 8 rows; process 1's batch has 7 rows; the loader "
+        "of process 1 has more batches after it."
     )
     assert out["ragged, short mid-stream"] == (4, 60, None)
     assert out["no pad, short last"] == (
@@ -865,4 +868,5 @@ def test_only_a_loaders_last_batch_may_be_short(warm_cluster):
         "marks the real rows), or dropping the short last batch on every process "
         "(drop_remainder).",
     )
-    assert out["no pad, short mid-stream"] == (1, 0, midstream)
+    assert out["no pad, short mid-stream"][:2] == (1, 0)
+    assert out["no pad, short mid-stream"][2] == error

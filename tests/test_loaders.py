@@ -23,7 +23,7 @@ from test_layout import FakeDevice, fake_meshes
 
 import meshkit
 from meshkit import MeshkitError, loaders
-from meshkit._src.loaders import loaders as _loaders
+from meshkit._src.loaders import rows as _loaders
 from meshkit._src.sharding import layout as _layout
 from meshkit._src.sharding.mesh import order_devices
 from meshkit.testing import strategies as mks
@@ -135,9 +135,17 @@ def test_process_rows_of_two_processes():
             r"^meshkit.loaders.process_rows: part must be a meshkit.ProcessSlice; got str.\n"
             r"Consider part = meshkit.process_slice\(mesh, spec, \(global_batch,\)\), the layout of one global batch.$",
         ),
-        (None, -1, r"^meshkit.loaders.process_rows: the number of rows must be >= 0; got -1.$"),
-        (None, 2.0, r"^meshkit.loaders.process_rows: the number of rows must be an int; got 2.0.$"),
-        (None, True, r"the number of rows must be an int; got True"),
+        (
+            None,
+            -1,
+            r"^meshkit.loaders.process_rows: the number of rows must be an int >= 0; got -1.$",
+        ),
+        (
+            None,
+            2.0,
+            r"^meshkit.loaders.process_rows: the number of rows must be an int .*got 2.0.$",
+        ),
+        (None, True, r"the number of rows must be an int .*got True"),
     ],
 )
 def test_process_rows_refuses_bad_input(part, num_rows, message):
@@ -254,7 +262,9 @@ def test_grain_sampler_refuses_bad_input():
         r"Consider seed=0 \(any int in \[0, 2\*\*32\)\).$",
     ):
         loaders.grain_sampler(8, part, shuffle=True)
-    with pytest.raises(MeshkitError, match=r"seed must be an int in \[0, 2\*\*32\); got -1."):
+    with pytest.raises(
+        MeshkitError, match=r"^meshkit.loaders.grain_sampler: seed must be .*got -1.$"
+    ):
         loaders.grain_sampler(8, part, shuffle=True, seed=-1)
     with pytest.raises(MeshkitError, match=r"epoch must be an int >= 0; got -1."):
         loaders.grain_sampler(8, part, epoch=-1)

@@ -48,7 +48,6 @@ def _modules():
 _EXAMPLES_NEED = {
     "meshkit.checkpoint": "orbax.checkpoint",
     "meshkit._src.checkpoint.orbax": "orbax.checkpoint",
-    "meshkit._src.checkpoint.position": "orbax.checkpoint",
 }
 
 
@@ -81,6 +80,33 @@ def test_version_flag():
     )
     assert out.returncode == 0
     assert out.stdout.strip() == f"meshkit {meshkit.__version__}"
+
+
+def test_meshkit_info_shows_the_versions_the_preflight_compares():
+    import importlib.metadata
+    import platform
+
+    import jax
+
+    from meshkit._src.runtime import preflight
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "meshkit", "info"], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "compared by the processes at meshkit.init (the preflight):" in text, text
+    versions = (
+        f"  python {platform.python_version()}, jax {jax.__version__}, "
+        f"jaxlib {importlib.metadata.version('jaxlib')}, meshkit {meshkit.__version__}"
+    )
+    assert versions in text.splitlines(), text
+    assert f"  {len(preflight.settings())} jax.config settings:" in text, text
+    for name in preflight.settings():
+        assert f"{name}=" in text, (name, text)
+    assert "  a warning only where they differ: XLA_FLAGS=" in text, text
 
 
 def test_console_script_and_module_entry():
@@ -153,14 +179,10 @@ def test_the_lazy_face_gives_every_public_name():
     assert out.returncode == 0, out.stderr
 
 
-def test_a_name_that_leads_to_jax_wires_debug_mode_as_before():
-    # `meshkit.debug` wires debug mode (MESHKIT_DEBUG at init and at the first SPMD call) when
-    # it is imported; the eager face imported it with everything.
+def test_a_name_that_leads_to_jax_loads_its_own_modules_only():
+    # Debug mode needs no face imported to be wired: `init` and the first SPMD call decide it
+    # from MESHKIT_DEBUG (tests/test_debug.py), so `meshkit.spmd` does not bring the face along.
     out = _fresh_python(
-        "import sys\n"
-        "import meshkit\n"
-        "assert 'meshkit.debug' not in sys.modules\n"
-        "meshkit.spmd\n"
-        "assert 'meshkit.debug' in sys.modules\n"
+        "import sys\nimport meshkit\nmeshkit.spmd\nassert 'meshkit.debug' not in sys.modules\n"
     )
     assert out.returncode == 0, out.stderr

@@ -295,10 +295,10 @@ def _alone(tmp_path, *args, env=None):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("init", ["init", "no-init"])
-def test_alone_the_notice_saves_at_the_step_it_came_and_ends_with_143(tmp_path, init):
+def test_alone_the_notice_saves_at_the_step_it_came_and_ends_with_143(tmp_path):
+    # Without init no notice is taken: tests/test_checkpoint_steps.py.
     require("orbax.checkpoint", "orbax")
-    out = _alone(tmp_path, init, "check")
+    out = _alone(tmp_path, "init", "check")
     assert out.returncode == 143, out.stderr
     assert out.stdout.split() == ["SAVED", "3"], out.stdout  # every 3; the last save ends it
     # The notice came during step 4: it saves at 4, or at 5 when the notice thread sent its

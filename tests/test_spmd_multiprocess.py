@@ -264,8 +264,8 @@ def test_processes_passing_different_shapes_dtypes_or_leaves_get_an_error_naming
             "meshkit.spmd(step): processes disagree on the global shape of args[0]:",
             "process 0: float32[4, 2] (global [8, 2], split over [('data',), ()])",
             "process 1: float32[8, 2] (global [16, 2], split over [('data',), ()])",
-            "Consider checking each process's loader; for an uneven last batch pad it first "
-            "with meshkit.global_array_from_local(..., pad=True).",
+            "Consider the same batch size on every process; for an uneven last batch (the end "
+            "of the data), pad it first with meshkit.global_array_from_local(..., pad=True).",
         ],
         _width_differs: [
             "meshkit.spmd(step): processes disagree on the global shape of args[0]:",

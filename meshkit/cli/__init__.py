@@ -318,7 +318,13 @@ def _info() -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print()
-    print(preflight.describe(preflight.facts()))
+    mine = preflight.facts()
+    print(preflight.describe(mine))
+    program = f"sha256 {mine.program[:16]}..." if mine.program else "none"
+    print(
+        f"  a warning only where they differ: XLA_FLAGS={mine.XLA_FLAGS or '(unset)'}, "
+        f"the main program file ({program})"
+    )
     return 0
 
 

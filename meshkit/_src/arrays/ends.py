@@ -32,8 +32,10 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
     """The error for a batch at ``step`` shorter than another process's, or None if allowed.
 
     Only a loader's last batch may be short: with ``pad=True`` it is padded, and with
-    ``pad=False`` the message says it is the last one. A batch short before the end of the data
-    is rows a loader lost (a filter, an uneven shard); padding it would hide them. The records
+    ``pad=False`` the message says it is the last one. Batches of different sizes before the
+    end of the data are rows one loader lost (a filter, an uneven shard) or another added (its
+    own padding): padding them would hide that, and with no majority the records cannot tell
+    which, so the message says what each process passed and names no culprit. The records
     carry the second exchange's `Record.last`; a process that could not tell (its loader failed
     when read ahead: the failure is raised at the next step) is not named.
     """
@@ -46,8 +48,8 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
     midstream = [p for p in fewer if records[p].last is False]
     if pad and not midstream:
         return None  # short last batches: padded
-    head = f"{_WHAT}: at step {step}, {_rows_text(fewer, rows)} where {_rows_text(full, rows)}"
     if not midstream:  # pad=False, the short batches their loaders' last (or not known)
+        head = f"{_WHAT}: at step {step}, {_rows_text(fewer, rows)} where {_rows_text(full, rows)}"
         said = (
             f"; {'each is its loader' if len(fewer) > 1 else 'it is the loader'}'s last batch"
             if all(records[p].last for p in fewer)
@@ -58,14 +60,42 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
             "process.\nConsider pad=True (the last step is padded; the mask marks the real "
             "rows), or dropping the short last batch on every process (drop_remainder)."
         )
-    return (
-        f"{head}, and {_loaders(midstream)} more batches after it.\n"
-        "A batch short before the end of the data is rows its loader lost (a filter, an "
-        "uneven shard, a skipped file); pad=True pads only where the data ends, so it "
-        "does not hide them.\nConsider checking that process's loader; where batches of "
-        "varying size are intended, pass pad='ragged' (every step is padded to the largest "
-        "batch; the mask marks the real rows)."
+    return _MIDSTREAM.format(
+        what=_WHAT,
+        step=step,
+        each="; ".join(_rows_text(ps, rows) for ps in _absent.by_value(_as_text(rows)).values()),
+        more=_loaders(midstream),
+        which=_which(rows),
     )
+
+
+# Batches of different sizes while a loader still has data: a loader lost rows or added some.
+# Padding (pad=True, pad="ragged") would hide that, so it is not offered.
+_MIDSTREAM = (
+    "{what}: at step {step}, the processes' batches differ in rows before the end of their "
+    "data: {each}; {more} more batches after it.\n"
+    "Every process's loader must give batches of one size at every step but its last (a "
+    "batch may be short only where its data ends: pad=True pads it there).\n"
+    "A batch of another size before the end of the data comes from a loader that lost rows "
+    "(a filter, an uneven shard, a skipped file) or added some (padding of its own, another "
+    "batch size); {which}.\n"
+    "Consider checking that the loaders make batches of one size on every process "
+    "(meshkit.process_slice(mesh, axis, global_shape).local_shape[0] rows each) and pad none "
+    "of their own."
+)
+
+
+def _as_text(rows: dict[int, int]) -> dict[int, str]:
+    return {p: str(n) for p, n in rows.items()}
+
+
+def _which(rows: dict[int, int]) -> str:
+    """Who differs, where most processes agree on the rows; else that the records cannot tell."""
+    groups = list(_absent.by_value(_as_text(rows)).values())
+    odd = _absent.outside_majority(groups)
+    if len(odd) == len(rows):
+        return "the batches alone do not tell which process's loader is wrong"
+    return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
 
 
 def _processes(ps: list[int]) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from ..coord import absent as _absent
-from ..core.errors import MeshkitError
+from ..core.errors import DivergenceError, MeshkitError
 from .caller import WHAT, pads
 
 __all__ = [
@@ -133,37 +133,38 @@ def raise_failures(records: dict[int, Record], what: str = WHAT) -> None:
 
 
 def compare(records: dict[int, Record], what: str = WHAT) -> None:
-    """Raise a `MeshkitError` naming the processes and the pytree path where records differ."""
+    """Raise a `DivergenceError` naming the processes and the pytree path where records differ.
+
+    The message says what each process passed; it names the processes outside a majority
+    (`DivergenceError.processes`: all of them where none holds a majority) and offers padding
+    only where padding fits: the leading (batch) dimension alone differs and pad is off.
+    """
     raise_failures(records, what)
     trees = {p: r.tree for p, r in records.items()}  # absent: sizes agreed already
     if len(set(trees.values())) > 1:
-        raise MeshkitError(
+        raise DivergenceError(
             f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
             "Every process must pass the same structure (same keys, same number of arrays).\n"
-            "Consider building batches with the same code and keys on every process."
+            "Consider building batches with the same code and keys on every process.",
+            processes=_absent.outside_majority(_absent.by_value(_texts(trees)).values()),
+            field="structure",
         )
     first = min(records)
     for i, leaf in enumerate(records[first].leaves or ()):
         rows = {p: _leaf(r, i) for p, r in records.items()}
         for field_name, shown_name in _COMPARED:
             seen = {p: getattr(x, field_name) for p, x in rows.items()}
-            if len({json.dumps(v) for v in seen.values()}) > 1:
-                shown = {
-                    p: f"{x.dtype}{x.local_shape} (global {x.global_shape}, "
-                    f"split over {[tuple(a) for a in x.split]})"
-                    for p, x in rows.items()
-                }
-                uneven = (
-                    "pass pad=True"
-                    if pads()
-                    else "pad it first with meshkit.global_array_from_local(..., pad=True)"
-                )
-                raise MeshkitError(
+            held = _absent.by_value({p: json.dumps(v) for p, v in seen.items()})
+            if len(held) > 1:
+                shown = {p: _shown(x) for p, x in rows.items()}
+                raise DivergenceError(
                     f"{what}: processes disagree on the {shown_name} of {leaf.path}:\n"
                     f"{_groups(shown)}\n"
                     "Processes must pass local arrays that fit together into one global array "
                     "(local shape = global shape / processes along each split dimension).\n"
-                    f"Consider checking each process's loader; for an uneven last batch {uneven}."
+                    + _fix(field_name, list(seen.values())),
+                    processes=_absent.outside_majority(held.values()),
+                    field=leaf.path,
                 )
     if any(r.replicas is not None for r in records.values()):
         _compare_replicas(records, what)
@@ -171,6 +172,49 @@ def compare(records: dict[int, Record], what: str = WHAT) -> None:
 
 # The fields of a leaf compared, and their names in messages.
 _COMPARED = (("dtype", "dtype"), ("split", "split"), ("global_shape", "global shape"))
+
+
+def _texts(values: dict[int, Any]) -> dict[int, str]:
+    return {p: str(v) for p, v in values.items()}
+
+
+def _shown(leaf: LeafRecord) -> str:
+    """``float32[32, 8] (global [?, 8], split over [('data',), ()])``: what a process passed."""
+    shape = ", ".join(str(d) for d in leaf.global_shape)
+    return (
+        f"{leaf.dtype}{leaf.local_shape} (global [{shape}], "
+        f"split over {[tuple(a) for a in leaf.split]})"
+    )
+
+
+def _fix(field_name: str, values: list[Any]) -> str:
+    """The "Consider" line that fits what differs (``values``: each process's, of that field)."""
+    if field_name == "dtype":
+        return "Consider the same dtype on every process (cast in the loader: x.astype(...))."
+    if field_name == "split":
+        return "Consider the same spec for this array on every process."
+    # With pad on, the leading size is "?" (agreed separately): what differs is beyond it.
+    leading_only = (
+        len({len(v) for v in values}) == 1
+        and len({json.dumps(v[1:]) for v in values}) == 1
+        and all(v and v[0] != "?" for v in values)
+    )
+    if not leading_only:
+        return (
+            "Only the leading (batch) dimension may differ between processes, and only with "
+            "padding; these arrays differ in another dimension, which padding cannot fix.\n"
+            "Consider loaders that give every process arrays of the same trailing dimensions "
+            "(the same features, sequence length or image size)."
+        )
+    uneven = (
+        "pass pad=True"
+        if pads()
+        else "pad it first with meshkit.global_array_from_local(..., pad=True)"
+    )
+    return (
+        "Consider the same batch size on every process; for an uneven last batch (the end of "
+        f"the data), {uneven}."
+    )
 
 
 def _leaf(record: Record, i: int) -> LeafRecord:

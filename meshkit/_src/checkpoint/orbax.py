@@ -1,4 +1,4 @@
-"""The implementation of `meshkit.checkpoint`: save and restore with orbax, agreed first."""
+"""`meshkit.checkpoint` with orbax: save, restore, targets and the saved data position."""
 
 from __future__ import annotations
 
@@ -15,21 +15,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import compat as _compat
 from ..core import events as _events
+from ..core.data_position import DataPosition
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
 from ..sharding.specs import is_spec_leaf
 from . import data as _data
-from . import shaped as _shaped
 from . import steps as _steps
-from .plan import SavedArray, describe_mesh, plan, saved_spec
+from . import template as _template
+from .restore_plan import SavedArray, describe_mesh, plan, saved_spec
 from .verdict import agree_on as _agree_on
 
-__all__ = ["check_savable", "restore", "save", "targets"]
+__all__ = ["check_savable", "data_position", "restore", "save", "targets"]
 
 # orbax's name for a checkpoint directory being written (renamed away when the save commits).
 _TMP_MARK = ".orbax-checkpoint-tmp"
+# orbax's step metadata file, where a checkpoint's custom metadata lives (written by process 0
+# inside the save's commit).
+_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 _PROCESS_LOCAL = """\
 {what}: {where} is a process-local array: shape {shape} on this process's {count} device{s} \
@@ -53,10 +57,6 @@ def _import_orbax(what: str) -> Any:
             "Consider pip install 'meshkit[orbax]'."
         ) from None
     return ocp
-
-
-def _num_processes() -> int:
-    return _compat.distributed_state()[2]
 
 
 def _digest(value: Any) -> str:
@@ -99,7 +99,7 @@ def _leaf_problem(where: str, leaf: Any, what: str, n: int) -> tuple[str | None,
 
 
 def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
-    n = _num_processes()
+    n = _compat.distributed_state()[2]
     if isinstance(tree, jax.Array | np.ndarray | numbers.Number):
         return (
             f"{what}: expected a pytree of arrays (a dict, list, dataclass ...); got a single "
@@ -320,28 +320,19 @@ def _mesh_problem(mesh: Mesh, what: str) -> str | None:
 def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, str | None, list]:
     """The restore targets for ``source`` (a metadata or abstract tree), or the problem."""
     if not isinstance(mesh, Mesh):
-        return (
-            None,
-            (
-                f"{what}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.\n"
-                "Consider meshkit.make_mesh({...})."
-            ),
-            [],
-        )
+        problem = f"{what}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.\n"
+        return None, problem + "Consider meshkit.make_mesh({...}).", []
     flat, treedef = jax.tree_util.tree_flatten_with_path(source)
     saved: list[SavedArray] = []
     for path, leaf in flat:
         described = _describe_leaf(jax.tree_util.keystr(path), leaf)
         if described is None:
-            return (
-                None,
-                (
-                    f"{what}: the checkpoint's leaf {jax.tree_util.keystr(path)} is a "
-                    f"{type(leaf).__name__}, not an array; meshkit restores arrays and numbers.\n"
-                    "Consider orbax's own restore for this checkpoint."
-                ),
-                [],
+            problem = (
+                f"{what}: the checkpoint's leaf {jax.tree_util.keystr(path)} is a "
+                f"{type(leaf).__name__}, not an array; meshkit restores arrays and numbers.\n"
+                "Consider orbax's own restore for this checkpoint."
             )
+            return None, problem, []
         saved.append(described)
     if specs is None:
         chosen: list[Any] = [None] * len(saved)
@@ -349,16 +340,13 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
         found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
         if found is not None:
             at, has, full = found
-            return (
-                None,
-                (
-                    f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
-                    f"specs has {has}, the checkpoint {full}.\n"
-                    "Consider one spec for every array, or a pytree of specs with the checkpoint's "
-                    "keys (None for an array that keeps the spec it was saved with)."
-                ),
-                [],
+            problem = (
+                f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
+                f"specs has {has}, the checkpoint {full}.\n"
+                "Consider one spec for every array, or a pytree of specs with the checkpoint's "
+                "keys (None for an array that keeps the spec it was saved with)."
             )
+            return None, problem, []
         chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
     entries = [
         [f"the array {s.path}", "target", list(s.shape), s.dtype, str(c)]
@@ -368,10 +356,9 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
         partitions = plan(saved, chosen, dict(mesh.shape), what)
     except MeshkitError as e:  # classified: raised on every process after they agree
         return None, str(e), entries
-    if any(p is not None for p in partitions):
-        problem = _mesh_problem(mesh, what)
-        if problem is not None:
-            return None, problem, entries
+    problem = _mesh_problem(mesh, what) if any(p is not None for p in partitions) else None
+    if problem is not None:
+        return None, problem, entries
     out = []
     for s, p in zip(saved, partitions, strict=True):
         if p is None:
@@ -420,14 +407,10 @@ def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
         >>> t["w"].shape, t["w"].sharding.spec == meshkit.spec("x")
         ((8, 3), True)
     """
-    what = "meshkit.checkpoint.targets"
-    tree, _ = _targets(source, mesh, specs, what)
-    return tree
+    return _targets(source, mesh, specs, "meshkit.checkpoint.targets")
 
 
-def _targets(
-    source: Any, mesh: Any, specs: Any, what: str, like: Any = None
-) -> tuple[Any, Path | None]:
+def _targets(source: Any, mesh: Any, specs: Any, what: str, like: Any = None) -> Any:
     where: Path | None = None
     problem: str | None = None
     tree = None
@@ -441,11 +424,11 @@ def _targets(
     if problem is None:
         tree, problem, entries = _plan_targets(source, mesh, specs, what)
     if problem is None and like is not None:
-        tree, problem = _shaped.into(tree, like, what)
+        tree, problem = _template.into(tree, like, what)
         entries.append(["like=", "structure", str(jax.tree_util.tree_structure(like))])
     head = [["the directory", "path", str(where)]] if where is not None else []
     _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")
-    return tree, where
+    return tree
 
 
 @public
@@ -468,8 +451,8 @@ def restore(
             ``mesh``), one spec for every array, or a pytree prefix of the checkpoint's tree.
         like: a template of the tree that was saved (the state as a fresh run builds it:
             arrays or ``jax.ShapeDtypeStruct`` s): the tree comes back in its structure, optax
-            states, flax ``nnx`` states, dataclasses and NamedTuples as their own types
-            (`meshkit._src.checkpoint.shaped`). Default: dicts and lists.
+            states, flax ``nnx`` states, dataclasses and NamedTuples as their own types.
+            Default: dicts and lists.
 
     Returns:
         The checkpoint's tree (dicts and lists, as orbax stores it, or ``like``'s structure):
@@ -496,13 +479,71 @@ def restore(
     what = "meshkit.checkpoint.restore"
     ocp = _import_orbax(what)
     started = time.monotonic()
-    tree, where = _targets(_path(path, what), mesh, specs, what, like)
+    where = _path(path, what)
+    tree = _targets(where, mesh, specs, what, like)
     checkpointer = ocp.StandardCheckpointer()
     try:
         restored = checkpointer.restore(where, tree)
     finally:
         checkpointer.close()
     # For meshkit launch's report of a restart: which step, and what the restore cost.
-    step = _steps.step_of(_path(path, what))
-    _events.emit(_events.RESTORED, step=step, seconds=round(time.monotonic() - started, 4))
+    seconds = round(time.monotonic() - started, 4)
+    _events.emit(_events.RESTORED, step=_steps.step_of(where), seconds=seconds)
     return restored
+
+
+@public
+def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> DataPosition | None:
+    """The `meshkit.DataPosition` saved with the checkpoint at ``path`` (``save(data=...)``).
+
+    Reads the checkpoint's metadata only (no array), with nothing exchanged between processes:
+    every process reads the same file and gets the same answer. Pass the result to
+    ``meshkit.global_batches(..., start=position)`` to resume the data at the global batch the
+    saved run would have taken next.
+
+    Args:
+        path: a checkpoint directory written by `save`.
+        missing_ok: return None for a checkpoint saved without ``data=`` (the data then starts
+            from its beginning with ``start=None``), instead of raising.
+
+    Returns:
+        A `meshkit.DataPosition` (None: none saved, with ``missing_ok``).
+
+    Raises:
+        MeshkitError: no complete checkpoint at ``path`` (as `restore`); a checkpoint saved
+            without ``data=`` (unless ``missing_ok``); a position of a newer format.
+
+    Example:
+        >>> import numpy as np, meshkit, tempfile
+        >>> mesh = meshkit.make_mesh({"data": -1})
+        >>> loader = (np.ones((8, 2), np.float32) for _ in range(3))
+        >>> path = tempfile.mkdtemp() + "/step_1"
+        >>> with meshkit.global_batches(loader, mesh, "data") as batches:
+        ...     _ = next(batches)
+        ...     meshkit.checkpoint.save(path, {"step": 1}, data=batches)
+        >>> meshkit.checkpoint.data_position(path).step
+        1
+    """
+    what = "meshkit.checkpoint.data_position"
+    ocp = _import_orbax(what)
+    where = _path(path, what)
+    if not isinstance(missing_ok, bool):
+        raise MeshkitError(f"{what}: missing_ok must be True or False; got {missing_ok!r}.")
+    if _TMP_MARK in where.name or not (where / "_METADATA").is_file():
+        _, problem = _read_metadata(ocp, where, what)  # restore's messages
+        raise MeshkitError(problem or f"{what}: {where} is no complete checkpoint.")
+    value = None
+    if (where / _STEP_METADATA).is_file():
+        value = _data.from_metadata(ocp.metadata.get_step_metadata(where).custom_metadata)
+    if value is not None:
+        return DataPosition._read(value, what)
+    if missing_ok:
+        return None
+    raise MeshkitError(
+        f"{what}: the checkpoint at {where} was saved without a data position (no data= "
+        "given to meshkit.checkpoint.save), so nothing says which batch comes next.\n"
+        "Consider meshkit.checkpoint.save(path, tree, data=batches) with the "
+        "meshkit.global_batches iterator that fed the step; for this checkpoint, "
+        "data_position(path, missing_ok=True) gives None, and start=None starts the data "
+        "from its beginning."
+    )

@@ -16,14 +16,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
-from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 
 __all__ = ["Latest", "keep_problem", "latest", "prune", "should_save", "step_of", "step_path"]
@@ -146,20 +143,6 @@ def prune(root: Path, keep: int) -> list[Path]:
     return gone
 
 
-def _take_sigterm_alone() -> None:
-    """A process alone that never called `meshkit.init`: SIGTERM becomes a notice here.
-
-    Not when fail-fast is off (``MESHKIT_FAIL_FAST=0`` leaves SIGTERM alone), outside the main
-    thread (only it may take a signal), or when the program initialized ``jax.distributed``
-    itself (JAX's own handler then serves its sync points).
-    """
-    if _preemption.installed() or threading.current_thread() is not threading.main_thread():
-        return
-    if _compat.distributed_state()[0] is not None or _failfast.settings() is None:
-        return
-    _preemption.install(0, seconds=_preemption.grace(), tell=None, sync=_preemption.alone)
-
-
 @public
 def should_save(step: int, *, every: int | None = None) -> bool:
     """Whether to save at ``step``: every ``every`` steps, and once after a preemption notice.
@@ -172,6 +155,11 @@ def should_save(step: int, *, every: int | None = None) -> bool:
     joined or restored). A `save` made then ends the program once it is complete, with status
     143 (``SystemExit(143)``): the scheduler starts the run again, and `latest` finds that
     step. Without a notice it costs no round trip; see the "Preemption and resume" docs.
+
+    Notices are taken by `meshkit.init` (which turns SIGTERM into one; see "What meshkit.init
+    installs"). In a process that never called it, ``should_save`` takes nothing over: it is
+    true at the multiples of ``every`` only, and SIGTERM keeps the program's handler or
+    Python's default.
 
     Args:
         step: the training step, increasing from call to call.
@@ -196,6 +184,5 @@ def should_save(step: int, *, every: int | None = None) -> bool:
             f"{what}: every must be an int >= 1 (save at every multiple of it) or None; got "
             f"{every!r}."
         )
-    _take_sigterm_alone()
     notice = _preemption.reached_sync_point(step)
     return notice or (every is not None and step > 0 and step % every == 0)

@@ -270,18 +270,17 @@ class Node:
             _say(f"meshkit: a cross-process check failed:\n{type(error).__name__}: {error}\n")
             return
         grace = _env.check_timeout() if grace is None else grace
-        if not quiet:
+        if not quiet:  # its text is printed once: where it is raised, or below if never
             _say(
                 "meshkit: a cross-process check failed; this process's next meshkit call raises "
-                f"it (if none comes within {grace:g} s, the process exits):\n"
-                f"{type(error).__name__}: {error}\n"
+                f"it (if none comes within {grace:g} s, the process exits).\n"
             )
 
         def exit_if_unraised() -> None:
             if any(e is error for e in self.failures):
                 _say(
-                    f"meshkit: exiting with status 1: the failed check above was not raised "
-                    f"within {grace:g} s ({_env.ENV_CHECK_TIMEOUT} sets the wait).\n"
+                    f"meshkit: exiting with status 1, no call raised this within {grace:g} s "
+                    f"({_env.ENV_CHECK_TIMEOUT} sets the wait):\n{type(error).__name__}: {error}\n"
                 )
                 self.on_unraised()
 
@@ -336,9 +335,10 @@ class Node:
             if thread.is_alive():
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
+            left = next(e for e in self.failures if not isinstance(e, OutOfStep))
             _say(
-                "meshkit: exiting with status 1: a cross-process check above failed after this "
-                "process's last meshkit call, so nothing raised it.\n"
+                "meshkit: exiting with status 1: a cross-process check failed after this process's "
+                f"last meshkit call, so nothing raised it:\n{type(left).__name__}: {left}\n"
             )
             self.on_unraised()
         elif out_of_step is not None:  # raised, caught, and the program went on to its end

@@ -15,7 +15,7 @@ import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from .errors import MeshkitError
@@ -133,16 +133,8 @@ class Cache(Generic[K, V]):
         with self._lock:
             return list(self._data)
 
-    def values(self) -> list[V]:
-        """The values, in the order of `keys`."""
-        with self._lock:
-            return [entry[0] for entry in self._data.values()]
-
     def __len__(self) -> int:
         return len(self._data)
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self.keys())
 
 
 def clear_caches() -> None:

@@ -41,6 +41,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .caches import cached
+
 __all__ = ["function", "function_name", "structure", "value"]
 
 # A memory address as Python prints it in default reprs: "<Foo object at 0x7f2c...>".
@@ -78,14 +80,12 @@ def function(f: Any, _depth: int = 0) -> str:
         parts += [f"{k}={value(v, _depth + 1)}" for k, v in sorted(f.keywords.items())]
         return f"functools.partial({', '.join(parts)})"
     if isinstance(f, types.MethodType):
-        owner = f.__self__
-        owner_text = _type_name(owner) if isinstance(owner, type) else value(owner, _depth + 1)
-        return f"{function(f.__func__, _depth + 1)} of {owner_text}"
+        return f"{function(f.__func__, _depth + 1)} of {value(f.__self__, _depth + 1)}"
     code = getattr(f, "__code__", None)
     qualname = getattr(f, "__qualname__", None)
     if isinstance(code, types.CodeType) and qualname:
         return f"{getattr(f, '__module__', None) or '?'}.{qualname}:{code.co_firstlineno}"
-    if isinstance(f, types.BuiltinFunctionType | types.BuiltinMethodType) and qualname:
+    if isinstance(f, types.BuiltinFunctionType) and qualname:  # also BuiltinMethodType
         module = getattr(f, "__module__", None)
         return f"{module}.{qualname}" if module else str(qualname)
     return value(f, _depth)
@@ -177,7 +177,7 @@ def structure(treedef: Any) -> str:
         return _structure(treedef)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512)
 def _cached(treedef: Any) -> str:
     return _structure(treedef)
 

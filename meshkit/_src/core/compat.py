@@ -1,7 +1,36 @@
 """The few private JAX internals meshkit relies on, in one place.
 
-JAX has no public API for these facts. Each accessor is checked on the JAX lines CI tests
-(0.10 on Python 3.11, 0.12 on Python 3.12); when JAX moves one, only this file changes.
+JAX has no public API for these facts; when JAX moves one, only this file changes
+(`tests/test_architecture.py` keeps every other module of meshkit off ``jax._src`` and
+``jaxlib``). Each touch point, why meshkit needs it, and where it is used; every one was
+checked on JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1 (Python 3.12), the two lines CI runs:
+
+- ``xla_bridge.backends_are_initialized``: `meshkit.init` refuses to change device settings or
+  join once JAX's backends run, with a message instead of JAX's silent ignore.
+- ``config.config_states``, ``config.config_ext.trace_context_names`` and the source of
+  ``jax/_src/config.py`` (its ``include_in_jit_key=True`` / ``include_in_trace_context=True``
+  marks): the preflight compares the settings that reach compiled programs; JAX has no public
+  list of them, nor a reader for options that are no attribute of ``jax.config``.
+- ``pxla.batched_device_put`` with ``core.update_aval_with_sharding`` and ``core.ShapedArray``:
+  one call assembles a global array from this process's blocks, without
+  `jax.make_array_from_callback`'s per-device callback (assembly within 1.1x of JAX's own).
+- ``api.clean_up`` (on ``atexit``): a process that leaves early must not wait at JAX's exit
+  barrier for the others (fail-fast ends the group instead).
+- ``distributed.global_state`` (client, process id and count): coordination's key-value store
+  and barriers, read without starting JAX's backends as ``jax.process_index()`` would.
+- ``clusters.ClusterEnv.auto_detect_unset_distributed_params`` and ``._cluster_types``: `init`
+  checks the coordinator JAX would use, and names the cluster, before JAX aborts on it.
+- ``core.trace_state_clean``, ``core.get_axis_env``: `pmap_compat` tells a call from a trace
+  (as `jax.pmap` does) and reads the bound axis sizes at trace time.
+- the ``scan`` equation's parameters (``num_consts``/``num_carry`` on 0.10, ``ft_in`` on 0.12)
+  and the aval's ``manual_axis_type.varying``: `meshkit.spmd`'s replication analysis.
+- ``pxla.MeshComputation`` (``compile``, ``_executable``, ``_name``, ``_device_list``,
+  ``_hlo``, ``compile_args``): the compile-time program comparison hooks the one step every
+  jit, shard_map and pmap computation passes before XLA (`on_compile`; installed by `init`).
+- ``traceback_util._exclude_paths`` and ``register_exclusion``: the comparison's frames, which
+  run inside JAX's call, are hidden from tracebacks as JAX hides its own.
+- the coordination service's ``RECEIVED_PREEMPTION_NOTICE`` key: JAX's preemption sync
+  managers learn of a notice meshkit's SIGTERM handler took (`tell_jax_preemption`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The data position: where a stream of global batches stands, to resume it at the same batch.
 
 A `DataPosition` is what `meshkit.GlobalBatches.position` returns and `meshkit.checkpoint.save`
-keeps beside the arrays (``data=``). It holds the steps the caller took and, by the kind of
-source the batches came from:
-
-- a meshkit loader (`meshkit.loaders.grain_batches`, `hf_batches`): the loader's identity (its
-  kind, dataset length, global batch, seed, epochs) and its *global* position (epoch, step in
-  the epoch). Every process holds the same position, so it resumes on any number of processes.
-- a source with ``get_state()`` / ``set_state()`` (a grain ``DataLoader`` or ``IterDataset``
-  iterator): each process's own state, opaque, indexed by process id, with the process count
-  it came from. It resumes on the same number of processes only.
-- anything else: the steps alone, which cannot resume a source.
-
-It lives in core, below `arrays` (which takes positions) and `checkpoint` (which saves them):
-they are siblings and share the type here. `GlobalSource` is the interface of a meshkit loader
-that `arrays` reads without importing `loaders`.
+keeps beside the arrays (``data=``): the steps the caller took and, for a meshkit loader, its
+global position (the same on every process, so it resumes on any number of them); for a source
+with ``get_state()`` / ``set_state()``, each process's own state (it resumes on as many
+processes). It lives in core because `arrays` (which takes positions) and `checkpoint` (which
+saves them) both use it; `GlobalSource` is the interface of a meshkit loader that `arrays`
+reads without importing `loaders`.
 """
 
 from __future__ import annotations
@@ -153,17 +145,10 @@ class DataPosition:
 
     def to_dict(self) -> dict[str, Any]:
         """The position as plain JSON values (`to_json` writes them)."""
-        return {
-            "version": self.version,
-            "step": self.step,
-            "loader": None if self.loader is None else dataclasses.asdict(self.loader),
-            "epoch": self.epoch,
-            "epoch_step": self.epoch_step,
-            "processes": self.processes,
-            "states": None
-            if self.states is None
-            else {str(p): s for p, s in sorted(self.states.items())},
-        }
+        value = dataclasses.asdict(dataclasses.replace(self, states=None))
+        if self.states is not None:  # any mapping, its keys as JSON's strings
+            value["states"] = {str(p): s for p, s in sorted(self.states.items())}
+        return value
 
     def to_json(self) -> str:
         """The position as JSON text (small: under 1 KiB per process for grain's states)."""
@@ -195,7 +180,7 @@ class DataPosition:
         try:
             loader = value.get("loader")
             states = value.get("states")
-            position = cls(
+            return cls(
                 step=_int(value["step"]),
                 loader=None if loader is None else _identity(loader),
                 epoch=_int_or_none(value.get("epoch")),
@@ -206,7 +191,6 @@ class DataPosition:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MeshkitError(f"{what}: not a data position ({e!r}): {_short(value)}.") from None
-        return position
 
     @classmethod
     def from_json(cls, text: str) -> DataPosition:
@@ -222,12 +206,8 @@ class DataPosition:
         return cls._read(value, _WHAT)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _int(x: Any) -> int:
-    if not _is_int(x) or x < 0:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
         raise ValueError(f"expected an int >= 0, got {x!r}")
     return x
 

@@ -1,35 +1,16 @@
 """The environments that engines other than `meshkit launch` give each process.
 
 A pure reading: `read_engine` takes an environment mapping and returns how the process joins
-(`EngineJoin`), or None where no engine of this module set its variables. Nothing is joined or
-changed here; `meshkit.init` acts on the answer. Each engine's facts, as checked:
-
-* **JAX_* variables** (Kubeflow Trainer's ``jax-distributed`` runtime; other tools set the same
-  three): ``JAX_COORDINATOR_ADDRESS`` (``<trainjob>-node-0-0.<trainjob>:<port>``),
-  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (the pod's Job completion index), one process per
-  pod. JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS`` themselves
-  (``jax/_src/distributed.py``): with no cluster JAX detects, the other two are never read and
-  each process would run alone. ``JAX_COORDINATOR_ADDRESS`` alone is JAX's override of the
-  address of a cluster JAX detects (SLURM, Open MPI): that stays JAX's.
-* **SkyPilot**, on each node of a task: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NUM_NODES`` and
-  ``SKYPILOT_NODE_IPS`` (one IP a line, the head node first). SkyPilot runs the ``run`` commands
-  once per node, so this is one process per node; the coordinator is the first IP at the port of
-  `ENV_PORT` (else `DEFAULT_PORT`). For several processes per node, run ``meshkit launch`` in
-  the ``run`` commands instead (its variables come first).
-* **JobSet / Indexed Job** (Kubernetes): ``JOB_COMPLETION_INDEX`` is the pod's index. Kubernetes
-  puts neither the Job's completions nor its service in the environment, so the process count is
-  `ENV_NUM_PROCESSES` (``MESHKIT_NUM_PROCESSES``, set in the pod template); the coordinator is
-  index 0's pod: ``<JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>`` in a JobSet (subdomain
-  `ENV_K8S_SUBDOMAIN`, else JobSet's default, the JobSet's name), ``<job>-0.<subdomain>`` in a
-  plain Indexed Job (the job from ``HOSTNAME``, ``<job>-<index>``; the subdomain, the Job's
-  headless service, must be given). `ENV_K8S_COORDINATOR_HOST` names index 0's host where that
-  name does not resolve. A JobSet without a count is an error; a plain Indexed Job without one
-  runs alone (Indexed Jobs also run independent tasks).
+(`EngineJoin`), or None where no engine of this module set its variables; `meshkit.init` acts on
+the answer. The engines, in the order they are read: ``JAX_*`` variables (Kubeflow Trainer's
+``jax-distributed`` runtime; JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS``, as the
+address of a cluster JAX detects, so without one each process would run alone), SkyPilot (one
+process per node), JobSet and Indexed Jobs (Kubernetes). Each engine's variables, and how index
+0's host is found, are in ``docs/multi-host.md`` ("Kubeflow", "JobSet and Indexed Jobs",
+"SkyPilot").
 
 Two variables that give the process count (or this process's id) and disagree are an error,
-whichever engine is then used: ``JAX_NUM_PROCESSES`` against `meshkit launch`'s
-``MESHKIT_NUM_PROCESSES``, SLURM's ``SLURM_NTASKS`` in a job step and Open MPI's
-``OMPI_COMM_WORLD_SIZE`` (`check_agreement`).
+whichever engine is then used (`check_agreement`).
 """
 
 from __future__ import annotations
@@ -47,6 +28,7 @@ __all__ = [
     "ENV_PORT",
     "JAX_VARS",
     "SKYPILOT_VARS",
+    "STEP_VARS",
     "EngineJoin",
     "check_agreement",
     "read_engine",
@@ -60,7 +42,9 @@ ENV_PORT = "JAX_COORDINATOR_PORT"
 DEFAULT_PORT = 55527
 ENV_K8S_SUBDOMAIN = "MESHKIT_K8S_SUBDOMAIN"
 ENV_K8S_COORDINATOR_HOST = "MESHKIT_K8S_COORDINATOR_HOST"
-_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+# What JAX's SlurmCluster.is_env_present requires (the same in JAX 0.10 and 0.12): srun sets
+# them for each task of a job step.
+STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 JAX_ENGINE = "JAX_* variables"
 SKYPILOT = "SkyPilot"
@@ -126,25 +110,25 @@ def _bad(engine: str, found: str, what: str, rule: str, fix: str) -> MeshkitErro
 
 
 def _count_and_id(
-    engine: str, found: str, count: tuple[str, str], index: tuple[str, str]
+    engine: str, found: str, environ: Mapping[str, str], count: str, index: str
 ) -> tuple[int, int]:
-    """A process count >= 1 and an id below it, each given as (variable, text)."""
-    n, pid = _int(count[1]), _int(index[1])
+    """The process count (>= 1) in the variable ``count`` and the id below it in ``index``."""
+    n, pid = _int(environ[count]), _int(environ[index])
     if n is None or n < 1:
         raise _bad(
             engine,
             found,
-            f"{count[0]}={count[1]!r} is not a process count >= 1",
-            f"{count[0]} is the number of processes in the program.",
-            f"a whole number >= 1 in {count[0]}.",
+            f"{count}={environ[count]!r} is not a process count >= 1",
+            f"{count} is the number of processes in the program.",
+            f"a whole number >= 1 in {count}.",
         )
     if pid is None or pid >= n:
         raise _bad(
             engine,
             found,
-            f"{index[0]}={index[1]!r} is not a process id below {count[0]}={n}",
+            f"{index}={environ[index]!r} is not a process id below {count}={n}",
             f"Process ids run from 0 to {n - 1}, one per process.",
-            f"giving each process its own id from 0 to {n - 1}, and {count[0]} the "
+            f"giving each process its own id from 0 to {n - 1}, and {count} the "
             "number of processes.",
         )
     return n, pid
@@ -179,8 +163,11 @@ def _port(environ: Mapping[str, str], engine: str, found: str) -> int:
     return port
 
 
-def _require_all(present: list[str], names: tuple[str, ...], found: str, engine: str) -> None:
-    """A partial environment (some of an engine's variables, not all) is an error naming them."""
+def _all_of(
+    environ: Mapping[str, str], present: list[str], names: tuple[str, ...], engine: str
+) -> str:
+    """``present``, all of ``names``, as `_found` lists them; some but not all is an error."""
+    found = _found(environ, tuple(present))
     if len(present) < len(names):
         raise MeshkitError(
             _PARTIAL.format(
@@ -191,20 +178,15 @@ def _require_all(present: list[str], names: tuple[str, ...], found: str, engine:
                 found_names=", ".join(present),
             )
         )
+    return found
 
 
 def _jax_vars(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
     present = [n for n in JAX_VARS if environ.get(n, "").strip()]
     if not present or (present == ["JAX_COORDINATOR_ADDRESS"] and jax_detects is not None):
         return None  # nothing set, or JAX's own override of a cluster it detects
-    found = _found(environ, tuple(present))
-    _require_all(present, JAX_VARS, found, "Kubeflow Trainer's JAX runtime")
-    n, pid = _count_and_id(
-        JAX_ENGINE,
-        found,
-        ("JAX_NUM_PROCESSES", environ["JAX_NUM_PROCESSES"]),
-        ("JAX_PROCESS_ID", environ["JAX_PROCESS_ID"]),
-    )
+    found = _all_of(environ, present, JAX_VARS, "Kubeflow Trainer's JAX runtime")
+    n, pid = _count_and_id(JAX_ENGINE, found, environ, "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     address = _address(
         JAX_ENGINE, found, "JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"]
     )
@@ -215,14 +197,8 @@ def _skypilot(environ: Mapping[str, str]) -> EngineJoin | None:
     present = [n for n in SKYPILOT_VARS if n in environ]
     if not present:
         return None
-    found = _found(environ, tuple(present))
-    _require_all(present, SKYPILOT_VARS, found, "SkyPilot")
-    n, pid = _count_and_id(
-        SKYPILOT,
-        found,
-        ("SKYPILOT_NUM_NODES", environ["SKYPILOT_NUM_NODES"]),
-        ("SKYPILOT_NODE_RANK", environ["SKYPILOT_NODE_RANK"]),
-    )
+    found = _all_of(environ, present, SKYPILOT_VARS, "SkyPilot")
+    n, pid = _count_and_id(SKYPILOT, found, environ, "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK")
     ips = [line.strip() for line in environ["SKYPILOT_NODE_IPS"].splitlines() if line.strip()]
     if len(ips) != n:
         raise _bad(
@@ -254,17 +230,14 @@ def _indexed_job(environ: Mapping[str, str], jax_detects: str | None) -> EngineJ
         ENV_K8S_COORDINATOR_HOST,
     )
     found = _found(environ, names)
-    index = environ["JOB_COMPLETION_INDEX"]
-    count = environ.get(ENV_NUM_PROCESSES, "").strip()
-    if not count:
+    if not environ.get(ENV_NUM_PROCESSES, "").strip():
         if jax_detects == "K8sCluster" or not jobset:
             return None  # JAX asks Kubernetes' API; a plain Indexed Job may run independent tasks
+        index = environ["JOB_COMPLETION_INDEX"]
         raise MeshkitError(
             _NO_COUNT.format(index=index, engine=engine, found=found, count=ENV_NUM_PROCESSES)
         )
-    n, pid = _count_and_id(
-        engine, found, (ENV_NUM_PROCESSES, count), ("JOB_COMPLETION_INDEX", index)
-    )
+    n, pid = _count_and_id(engine, found, environ, ENV_NUM_PROCESSES, "JOB_COMPLETION_INDEX")
     if (_int(environ.get("JOB_INDEX")) or 0) > 0:
         raise _bad(
             engine,
@@ -351,7 +324,7 @@ def _claims(environ: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
         (ENV_NUM_PROCESSES, ENV_PROCESS_ID),
         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
     ]
-    if all(environ.get(n) for n in _STEP_VARS):  # a task of a SLURM job step
+    if all(environ.get(n) for n in STEP_VARS):  # a task of a SLURM job step
         sources.append(("SLURM_NTASKS", "SLURM_PROCID"))
     return [
         (c, environ[c].strip(), i, environ.get(i, "").strip())

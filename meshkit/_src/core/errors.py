@@ -36,17 +36,22 @@ class DivergenceError(MeshkitError):
     """Raised when the processes of a program differ where they must be the same.
 
     In debug mode: the processes stopped making the same calls. At `meshkit.init` (its
-    preflight): they run different software or settings. Every process that reaches the check
-    raises it, with the same message: the processes that differ, the first field that differs
-    (which function was called, the arguments' structure, one argument's shape, dtype or
-    sharding, a version or a `jax.config` setting) or the processes that did not arrive, and
-    where each process made the call. Under ``meshkit launch`` the report names the process it
-    names as the root cause.
+    preflight): they run different software or settings. At a compilation: they compiled
+    different programs. In an assembly (`meshkit.global_array_from_local`,
+    `meshkit.global_batches`): their parts do not fit together. Every process that reaches the
+    check raises it, with the same message: what each process did or passed, the first field
+    that differs (which function was called, the arguments' structure, one argument's shape,
+    dtype or sharding, a version or a `jax.config` setting) or the processes that did not
+    arrive, and where each process made the call. Under ``meshkit launch`` the report names the
+    process it names as the root cause, when it names one.
 
     Attributes:
-        processes: the ids of the processes that differ from the rest (or did not arrive).
-        field: what differs: ``"entry"``, ``"structure"``, an argument's name, a field of the
-            preflight (``"jax"``, ``"jax_enable_x64"``, ...), or ``"arrival"``.
+        processes: the ids of the processes that differ from a majority of the others (or did
+            not arrive while most did); all of those involved where no majority says which is
+            wrong (two processes that disagree).
+        field: what differs: ``"entry"``, ``"function"``, ``"program"``, ``"structure"``, an
+            argument's name or an array's pytree path, a field of the preflight (``"jax"``,
+            ``"jax_enable_x64"``, ...), or ``"arrival"``.
     """
 
     def __init__(

@@ -4,7 +4,9 @@ meshkit's files are everything under the package except ``meshkit/testing`` (hel
 the user's code, and are read as the user's). One rule says which frame is the user's: the first
 that is none of meshkit's, JAX's or the standard library's (`library_file`). Warnings point at it
 (`user_stacklevel`), reports name it (`user_frame`); the stall watchdog asks whether a waiting
-main thread is inside a meshkit call (`in_meshkit`).
+main thread is inside a meshkit call (`in_meshkit`). A message that names the line where the
+user's program did something (`user_place`) also passes over installed packages (optax, flax:
+their frames sit between JAX's and the user's when they call JAX for the user).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import sysconfig
 from types import FrameType
 
 import jax
@@ -25,6 +28,7 @@ __all__ = [
     "place",
     "short_path",
     "user_frame",
+    "user_place",
     "user_stacklevel",
 ]
 
@@ -34,6 +38,12 @@ _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(f)) + os.sep
     for f in (jax.__file__ or "", contextlib.__file__ or "")
+)
+
+
+# Installed packages: frames there are a library's, for `user_place`.
+_INSTALLED_DIRS = tuple(
+    {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")}
 )
 
 
@@ -65,6 +75,23 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None and library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
+
+
+def user_place(frame: FrameType | None) -> str | None:
+    """Where the user's own code is, from ``frame`` outward: ``train.py:95 in <module>``.
+
+    The first frame of a file that is not a library's (`library_file`) nor an installed
+    package's (site-packages: optax, flax); where every such frame is a package's, the first
+    that `user_frame` finds; None where there is none (a helper thread of meshkit or a library).
+    """
+    first = user_frame(frame)
+    seen = first
+    while seen is not None:
+        name = seen.f_code.co_filename
+        if not name.startswith(_INSTALLED_DIRS) and not library_file(name):
+            return place(seen)
+        seen = seen.f_back
+    return None if first is None else place(first)
 
 
 def user_stacklevel() -> int:

@@ -1,18 +1,11 @@
 """The coordinator's TCP port: picked and held by `meshkit launch`, checked by `meshkit.init`.
 
-JAX's coordination service (gRPC) binds its port with ``SO_REUSEPORT``, so a second coordinator
-started by the same user on a port that one already serves does not fail: both listen, and the
-kernel hands each new connection to either of them. Two runs that picked the same free port then
-mix their ranks ("Unexpected task registered" from JAX, a SIGABRT). A port picked by binding to
-port 0 and closing is free only for that instant; a second launcher can get it before the first
-run's rank 0 binds it.
-
-So the launcher *holds* the port for the whole run: `reserve_port` binds a socket with
-``SO_REUSEPORT`` and never listens on it. The kernel then gives that port to no other bind
-(port 0, or a plain bind of it) while rank 0's coordinator, also ``SO_REUSEPORT`` and of the
-same user, binds it beside the reservation; a socket that does not listen receives no
-connection. `coordinator_port_taken` is rank 0's check before it serves: it tells a
-reservation (bound, not listening) from a port that something else holds or serves.
+JAX's coordination service binds its port with ``SO_REUSEPORT``, so a second coordinator of the
+same user on a port one already serves does not fail: both listen, and two runs that picked the
+same free port mix their ranks. So the launcher holds the port for the whole run:
+`reserve_port` binds it with ``SO_REUSEPORT`` and never listens, so no other bind gets it while
+rank 0's coordinator still can. `coordinator_port_taken` is rank 0's check before it serves: it
+tells that reservation from a port that something else holds or serves.
 """
 
 from __future__ import annotations

@@ -58,9 +58,5 @@ def broadcast_prefix(prefix: Any, full: Any, *, is_leaf: Callable[[Any], bool]) 
     ``prefix`` must be a pytree prefix of ``full`` (ask `prefix_mismatch` first); ``is_leaf``
     says which nodes of ``prefix`` are entries (as for `prefix_mismatch`).
     """
-    out: list[Any] = []
-    jax.tree_util.tree_map(
-        lambda entry, sub: out.extend([entry] * len(jax.tree_util.tree_leaves(sub))),
-        prefix, full, is_leaf=is_leaf,
-    )  # fmt: skip
-    return out
+    broadcast = jax.tree.broadcast(prefix, full, is_leaf=is_leaf)
+    return jax.tree_util.tree_structure(full).flatten_up_to(broadcast)

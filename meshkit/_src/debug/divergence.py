@@ -1,11 +1,11 @@
 """The divergence check: every process's fingerprint of a call, compared through coordination.
 
-At each SPMD entry while debug mode is on (`.mode` makes `check` a dispatch observer), this
-process's fingerprint (`.fingerprint`) joins a window of calls that the processes agree on
-beside the caller (`meshkit._src.coord.agree`). A call that differs from this thread's call
-`PERIOD` calls back waits for its verdict; `compare` turns different fingerprints, or processes
-that did not arrive or left, into a `DivergenceError` that names them and the first field that
-differs.
+While debug mode is on, the dispatch point (`meshkit._src.runtime.dispatch`) and `.multihost`'s
+collectives call `check`: this process's fingerprint (`.fingerprint`) joins a window of calls
+that the processes agree on beside the caller (`meshkit._src.coord.agree`). A call that differs
+from this thread's call `PERIOD` calls back waits for its verdict; `compare` turns different
+fingerprints, or processes that did not arrive or left, into a `DivergenceError` that names them
+and the first field that differs.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core.errors import DivergenceError
 from ..lifecycle import watchdog as _watchdog
-from ..runtime import dispatch as _dispatch
 from . import fingerprint as _fingerprint
 from . import state as _st
 from .state import enabled as enabled  # read here by meshkit._src.spmd.placement
 
-__all__ = ["channel_tag", "check", "compare", "enabled", "last_text"]
+__all__ = ["check", "compare", "enabled", "last_text"]
 
 # Debug windows stay open longer than global_array_from_local's: a divergence is always first
 # seen at a call that waits for its verdict (and drains its window at once), so a repeat's window
@@ -34,11 +33,7 @@ __all__ = ["channel_tag", "check", "compare", "enabled", "last_text"]
 _LINGER_S = 0.2
 
 
-def channel_tag(what: str = "meshkit debug mode") -> str:
-    return _channel.scoped("debug", what)
-
-
-def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
+def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     settings = _st.state.settings
     if settings is None:
         return
@@ -52,7 +47,7 @@ def check(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    tag = channel_tag(site.name)
+    tag = _channel.scoped("debug", site.name)
     _st.state.tags.add(tag)
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
@@ -94,107 +89,76 @@ def compare(
     """
     mine = records[me]
     left = {p: r for p, r in records.items() if r.get("status") != "call"}
-    problems: list[str] = []
-    if left:
-        for p, r in sorted(left.items()):
-            problems.append(f"process {p} {_left_text(r)}")
-    if missing:
-        lines = [
-            f"{_absent.did_not([p], timeout=timeout)} ({last_text(tag, p, last)})" for p in missing
-        ]
-        problems.extend(lines)
+    problems = [f"process {p} {_left_text(r)}" for p, r in sorted(left.items())]
+    for p in missing:
+        problems.append(f"{_absent.did_not([p], timeout=timeout)} ({last_text(tag, p, last)})")
     if problems:
-        here = sorted(p for p in records if p not in left)
+        here = _absent.processes(sorted(p for p in records if p not in left)).capitalize()
         raise DivergenceError(
             f"meshkit debug: {label} ({mine['entry'].split()[0]} at {mine['where']}): "
-            + "; ".join(problems)
-            + f".\n{_absent.processes(here).capitalize()} made this call (SPMD call #"
-            + str(mine.get("count", count))
-            + " of the process in all).\n"
+            f"{'; '.join(problems)}.\n{here} made this call (SPMD call "
+            f"#{mine.get('count', count)} of the process in all).\n"
             "Every process must make the same meshkit calls in the same order; consider the "
             "missing processes' output (a crash, an early exit, a different branch or a stall).",
             processes=sorted(set(missing) | set(left)),
             field="arrival",
         )
-    for field, what in (
-        ("entry", "called"),
-        ("structure", "passed arguments structured as"),
-        ("leaves", None),
-    ):
-        groups = _group(records, field)
+    for field, what in (("entry", "called"), ("structure", "passed arguments structured as")):
+        groups = _group({p: r[field] for p, r in records.items()})
+        if len(groups) > 1:
+            said = (f"{_absent.processes(ps)} {what} {_shown(field, v)}" for v, ps in groups)
+            raise DivergenceError(
+                f"meshkit debug: SPMD call #{mine['count']} of the program: "
+                + "; ".join(said)
+                + ".\nEvery process must make the same meshkit calls in the same order; consider "
+                "what decides which function each process calls (rank-dependent branches, "
+                "iteration over sets or dicts with per-process order, an early exit).\n"
+                + _where_lines(records),
+                processes=_absent.outside_majority(ps for _, ps in groups),
+                field=field,
+            )  # fmt: skip
+    for i, leaf in enumerate(mine["leaves"]):  # one structure: as many leaves everywhere
+        groups = _group({p: r["leaves"][i]["text"] for p, r in records.items()})
         if len(groups) == 1:
             continue
-        if field == "leaves":
-            _leaf_divergence(records, label, mine)
-        raise DivergenceError(
-            f"meshkit debug: SPMD call #{mine['count']} of the program: "
-            + "; ".join(
-                f"{_absent.processes(ps)} {what} {_show_value(field, value)}"
-                for value, ps in groups
-            )
-            + ".\nEvery process must make the same meshkit calls in the same order; consider "
-            "what decides which function each process calls (rank-dependent branches, "
-            "iteration over sets or dicts with per-process order, an early exit).\n"
-            + _where_lines(records),
-            processes=_absent.outside_majority(ps for _, ps in groups),
-            field=field,
-        )
-
-
-def _leaf_divergence(calls: dict[int, dict[str, Any]], label: str, mine: dict[str, Any]) -> None:
-    n_leaves = len(mine["leaves"])
-    for i in range(n_leaves):
-        values: dict[str, list[int]] = {}
-        for p, r in sorted(calls.items()):
-            leaf = r["leaves"][i] if i < len(r["leaves"]) else {"name": "?", "text": "(absent)"}
-            values.setdefault(leaf["text"], []).append(p)
-        if len(values) == 1:
-            continue
-        groups = sorted(values.items(), key=lambda kv: (len(kv[1]), kv[1]))
-        where = mine["leaves"][i]["name"]
-        first, rest = groups[0], groups[1:]
-        text = f"{_absent.processes(first[1])} passed {where} {first[0]}; " + "; ".join(
-            f"{_absent.processes(ps)} passed {value}" for value, ps in rest
+        (first, few), (second, more) = groups[0], groups[1]
+        text = f"{_absent.processes(few)} passed {leaf['name']} {first}; " + "; ".join(
+            f"{_absent.processes(ps)} passed {value}" for value, ps in groups[1:]
         )
         suspects = (
-            f"{_absent.processes(first[1])}"
-            if len(first[1]) < len(rest[0][1])
+            _absent.processes(few)
+            if len(few) < len(more)
             else "the processes (no majority says which is wrong)"
         )
-        if first[0].startswith("static") or rest[0][0].startswith("static"):
-            rule = (
-                "Static arguments (and make_mesh's axes) must be equal in every process; "
-                f"consider what sets them in {suspects} (a per-process setting, an "
-                "environment variable)."
-            )
-        else:
-            rule = (
-                "Every process must pass arguments of the same shapes, dtypes and shardings to "
-                f"an SPMD call; consider the data pipeline of {suspects} (a short last batch, "
-                "a per-process setting)."
-            )
+        rule = (
+            "Static arguments (and make_mesh's axes) must be equal in every process; consider "
+            f"what sets them in {suspects} (a per-process setting, an environment variable)."
+            if first.startswith("static") or second.startswith("static")
+            else "Every process must pass arguments of the same shapes, dtypes and shardings to "
+            f"an SPMD call; consider the data pipeline of {suspects} (a short last batch, a "
+            "per-process setting)."
+        )
         raise DivergenceError(
-            f"meshkit debug: {label}: {text}.\n{rule}\n" + _where_lines(calls),
+            f"meshkit debug: {label}: {text}.\n{rule}\n" + _where_lines(records),
             processes=_absent.outside_majority(ps for _, ps in groups),
-            field=where,
+            field=leaf["name"],
         )
 
 
-def _group(calls: dict[int, dict[str, Any]], field: str) -> list[tuple[Any, list[int]]]:
-    values: dict[str, tuple[Any, list[int]]] = {}
-    for p, r in sorted(calls.items()):
-        value = r.get(field)
-        key = json.dumps(value)
-        values.setdefault(key, (value, []))[1].append(p)
-    return sorted(values.values(), key=lambda vp: (len(vp[1]), vp[1]))
+def _group(values: dict[int, Any]) -> list[tuple[Any, list[int]]]:
+    """The distinct values and the processes of each, the smallest group first."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for p, value in sorted(values.items()):
+        groups.setdefault(json.dumps(value), (value, []))[1].append(p)
+    return sorted(groups.values(), key=lambda vp: (len(vp[1]), vp[1]))
 
 
-def _show_value(field: str, value: Any) -> str:
-    if field == "entry":
-        kind, _, name = str(value).partition(" ")
-        name, _, origin = name.partition(" [")
-        return f"{name} ({kind}{', made at ' + origin.rstrip(']') if origin else ''})"
-    return str(value)
+def _shown(field: str, value: Any) -> str:
+    if field != "entry":
+        return str(value)
+    kind, _, name = str(value).partition(" ")
+    name, _, origin = name.partition(" [")
+    return f"{name} ({kind}{', made at ' + origin.rstrip(']') if origin else ''})"
 
 
 def _where_lines(calls: dict[int, dict[str, Any]]) -> str:
@@ -205,8 +169,7 @@ def _where_lines(calls: dict[int, dict[str, Any]]) -> str:
 
 
 def _left_text(record: dict[str, Any]) -> str:
-    status = record.get("status")
-    last = record.get("last") or "no meshkit call"
+    status, last = record.get("status"), record.get("last") or "no meshkit call"
     if status == "exit":
         return f"ended its program (normal exit) after {last}"
     if status == "error":

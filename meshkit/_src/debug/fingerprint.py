@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -20,11 +20,19 @@ from jax.core import Tracer
 from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core.frames import place, user_frame
-from ..runtime import dispatch as _dispatch
 
-__all__ = ["MAX_DESC", "fingerprint"]
+__all__ = ["MAX_DESC", "Site", "fingerprint"]
 
 MAX_DESC = 200  # characters of a value's repr in a fingerprint or a message
+
+
+class Site(Protocol):
+    """An SPMD entry as the check reads it (`meshkit._src.runtime.dispatch.CallSite`)."""
+
+    kind: str
+    name: str
+    calls: int
+    info: dict[str, Any]
 
 
 # Array leaves described before (a steady loop describes the same ones every call).
@@ -72,7 +80,7 @@ def _caller() -> str:
     return place(user_frame(sys._getframe(2)))
 
 
-def fingerprint(site: _dispatch.CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
+def fingerprint(site: Site, args: tuple[Any, ...], count: int) -> dict[str, Any]:
     ragged = bool(site.info.get("ragged"))
     flat, treedef = jax.tree_util.tree_flatten(args)
     layout = _layout_of(site, args, treedef)
@@ -109,7 +117,7 @@ _LAYOUTS_KEY = "debug layouts"  # in CallSite.info: treedef -> _ArgLayout
 _MAX_LAYOUTS = 64  # per call site
 
 
-def _layout_of(site: _dispatch.CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
+def _layout_of(site: Site, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
     layouts: _caches.Cache[Any, _ArgLayout] | None = site.info.get(_LAYOUTS_KEY)
     if layouts is None:  # the site's first call in debug mode
         layouts = site.info[_LAYOUTS_KEY] = _caches.Cache(maxsize=_MAX_LAYOUTS)
@@ -137,7 +145,7 @@ def _static_repr(x: Any) -> str:
     return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
 
 
-def _arg_name(site: _dispatch.CallSite, path: tuple[Any, ...]) -> str:
+def _arg_name(site: Site, path: tuple[Any, ...]) -> str:
     """``batch['image']``: the parameter's name when known, then the rest of the key path."""
     names = site.info.get("params")
     if not path:

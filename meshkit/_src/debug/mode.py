@@ -1,12 +1,14 @@
-"""Debug mode's switch: `enable`, `disable`, its settings, and what it registers while on.
+"""Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-Turning debug mode on makes the divergence check (`.divergence.check`) a dispatch observer,
-checks the calls of `jax.experimental.multihost_utils` (`.multihost`), starts the stall
-watchdog (`meshkit._src.lifecycle.watchdog`), registers with the owner of exit
+While debug mode is on, every SPMD call that passes the dispatch point
+(`meshkit._src.runtime.dispatch`) and every call of `.multihost`'s collectives is checked by
+`.divergence.check`. Turning it on also starts the stall watchdog
+(`meshkit._src.lifecycle.watchdog`), registers once per process with the owner of exit
 (`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
 that this one leaves, so that their checks name it instead of waiting), and says so (logged at
 INFO under ``meshkit.debug``), once per setting. ``MESHKIT_DEBUG=1`` turns it on at
-`meshkit.init` or at the first SPMD call, never at import.
+`meshkit.init` or at the first SPMD call, whichever comes first (both call `from_environment`);
+importing meshkit reads no setting and registers nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +28,7 @@ from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
-from ..runtime import dispatch as _dispatch
-from ..runtime import init as _runtime
-from . import divergence as _divergence
 from . import fingerprint as _fingerprint
-from . import multihost as _multihost
 from . import state as _st
 from .state import Settings
 from .state import enabled as enabled
@@ -46,6 +44,7 @@ __all__ = [
     "enable",
     "enable_from_environment",
     "enabled",
+    "from_environment",
     "positive",
     "settings",
 ]
@@ -102,45 +101,36 @@ def enable(
     if watchdog == "auto":
         env = _env.seconds(ENV_WATCHDOG, zero="off")
         watchdog = timeout / 2 if env is None else env
+    if watchdog == 0:
+        watchdog = None
     if watchdog is not None:
-        if watchdog == 0:
-            watchdog = None
-        else:
-            positive(watchdog, "watchdog")
+        positive(watchdog, "watchdog")
     assert watchdog is None or isinstance(watchdog, int | float)
     with _st.lock:
         _stop_watchdog()
-        _st.state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
+        now = _st.state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
-        if not _st.state.observing:
-            _dispatch.add_observer(_divergence.check)
-            _multihost.install()
-            _st.state.observing = True
         if not _st.state.exit_hooks:
-            _register_exit()
+            _exit.on_exit("debug mode: publish leaving", _leave_at_exit, order=_exit.LEAVE)
+            _exit.on_exception(
+                "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
+            )
             _st.state.exit_hooks = True
         if watchdog is not None:
             _st.state.watchdog = _watchdog.Watchdog(
                 float(watchdog), float(timeout), exit_on_stall, lambda: _st.state.last
             )
             _st.state.watchdog.start()
-        _announce(_st.state.settings)
-
-
-def _announce(now: Settings) -> None:
-    """Say that debug mode is on, and how; once per process and settings."""
-    if now == _st.state.announced:
-        return
-    _st.state.announced = now
-    _, me, n = _compat.distributed_state()
-    watchdog = "off" if now.watchdog is None else f"{now.watchdog:g} s"
-    who = f"process {me} of {n}" if n > 1 else "this process"
-    say(
-        _LOG,
-        logging.INFO,
-        f"meshkit debug: on in {who}: timeout {now.timeout:g} s, watchdog {watchdog}, "
-        f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n",
-    )
+        if now != _st.state.announced:  # said once per process and settings
+            _st.state.announced = now
+            _, me, n = _compat.distributed_state()
+            shown = "off" if now.watchdog is None else f"{now.watchdog:g} s"
+            who = f"process {me} of {n}" if n > 1 else "this process"
+            text = (
+                f"meshkit debug: on in {who}: timeout {now.timeout:g} s, watchdog {shown}, "
+                f"exit_on_stall {now.exit_on_stall} (meshkit.debug.enable sets them).\n"
+            )
+            say(_LOG, logging.INFO, text)
 
 
 @public
@@ -149,10 +139,7 @@ def disable() -> None:
     with _st.lock:
         _stop_watchdog()
         _st.state.settings = None
-        if _st.state.observing:
-            _dispatch.remove_observer(_divergence.check)
-            _multihost.uninstall()
-            _st.state.observing = False
+        _st.state.sites.clear()
 
 
 def settings() -> Settings | None:
@@ -178,9 +165,9 @@ def debugging(**kwargs: Any) -> Iterator[None]:
 def enable_from_environment() -> None:
     """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
 
-    meshkit asks at `meshkit.init` and at this process's first SPMD call
-    (`_from_environment_at_first_call`), not at import: importing meshkit starts no thread and
-    reads no setting, and a bad setting is an error of that call.
+    meshkit asks at `meshkit.init` and at this process's first SPMD call, not at import:
+    importing meshkit starts no thread and reads no setting, and a bad setting is an error of
+    that call.
 
     Raises:
         MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variables) holds a value
@@ -190,24 +177,10 @@ def enable_from_environment() -> None:
         enable()
 
 
-def _from_environment_at_init() -> None:
-    """Decide debug mode from the environment when this process joins (`meshkit.init`)."""
+def from_environment() -> None:
+    """At `meshkit.init` and at the first SPMD call: `enable_from_environment` unless on already."""
     if not enabled():
         enable_from_environment()
-
-
-def _from_environment_at_first_call(site: _dispatch.CallSite, args: tuple[Any, ...]) -> None:
-    """Decide debug mode from the environment once, at the first SPMD call, and check that call.
-
-    Run by the dispatch point's first-call step (`meshkit._src.runtime.dispatch.at_first_call`),
-    so the calls after it pay nothing; it checks the call it sees only when it turned debug mode
-    on (an `enable` made earlier has installed the check already).
-    """
-    if enabled():
-        return
-    enable_from_environment()
-    if enabled():
-        _divergence.check(site, args)
 
 
 def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None:
@@ -238,14 +211,8 @@ def _publish_leaving(status: str, message: str = "") -> None:
             _agree.leave(tag, json.dumps(record), later=True, wait=wait)
 
 
-def _register_exit() -> None:
-    """Tell the others this process leaves: at an uncaught exception (first), else at exit."""
-    _exit.on_exit(
-        "debug mode: publish leaving", lambda: _publish_leaving("exit"), order=_exit.LEAVE
-    )
-    _exit.on_exception(
-        "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
-    )
+def _leave_at_exit() -> None:
+    _publish_leaving("exit")
 
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -258,9 +225,3 @@ def _stop_watchdog() -> None:
     if _st.state.watchdog is not None:
         _st.state.watchdog.stop.set()
         _st.state.watchdog = None
-
-
-# Declared, not started: MESHKIT_DEBUG=1 is read at init or at the first SPMD call. The runtime
-# sits below debug and cannot call it, so debug names what those two moments run.
-_dispatch.at_first_call(_from_environment_at_first_call)
-_runtime.on_join(_from_environment_at_init)

@@ -1,7 +1,8 @@
 """Debug mode's state in this process: its settings, and what its checks remember.
 
 One `State` instance (`state`), guarded by `lock`, shared by the switch (`.mode`), the check
-(`.divergence`) and `barrier` (`.barrier`).
+(`.divergence`), the checked collectives (`.multihost`), `barrier` and the dispatch point
+(`meshkit._src.runtime.dispatch`, which checks a call while ``state.settings`` is set).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..lifecycle import watchdog as _watchdog
 
 __all__ = ["PERIOD", "Settings", "State", "enabled", "lock", "state"]
 
-# A call that repeats this thread's call PERIOD calls back is verified beside the caller; any
+# A call that repeats this thread's call PERIOD calls back is agreed on beside the caller; any
 # other waits for its verdict (the rule of `meshkit._src.coord.window`'s ``verdict_on_change``).
 PERIOD = _node.PERIOD
 
@@ -44,8 +45,8 @@ class State:
         self.last = ""  # the last checked call, for messages
         self.tags: set[str] = set()
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
+        self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
         self.watchdog: _watchdog.Watchdog | None = None
-        self.observing = False  # the check is a dispatch observer
         self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
         self.announced: Settings | None = None  # the settings last announced

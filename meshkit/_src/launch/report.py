@@ -314,8 +314,9 @@ def root_cause(
         f"meshkit launch: rank {bad.rank} failed first ({describe_exit(bad.returncode)}) "
         f"after {elapsed:.1f} s."
     ]
-    cause, evidence = _suspect(bad, results, told)
+    suspect, evidence = _suspect(bad, results, told)
     lines.extend(evidence)
+    cause = suspect or bad  # no rank the evidence points to: the first to fail is shown
     if machines:
         named = [bad.rank] if cause is bad else [bad.rank, cause.rank]
         where = "; ".join(f"rank {r} ran on {machines.get(r, '?')}" for r in named)
@@ -330,6 +331,8 @@ def root_cause(
         lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
     if also:
         lines.append(f"Also failed on their own: {', '.join(also)}.")
+    if suspect is None:  # every rank failed the same way: the first is not the cause
+        return "\n".join(lines) + "\n" + tail_block("first to fail:", bad.rank, _error_text(bad))
     blocks = tail_block("root cause:", cause.rank, _error_text(cause))
     if cause is not bad:
         blocks += tail_block("first to fail:", bad.rank, _error_text(bad))
@@ -351,8 +354,12 @@ def _diagnosis(result: RankResult, told: Told) -> _diagnose.Diagnosis | None:
 
 def _suspect(
     bad: RankResult, results: list[RankResult], told: Told
-) -> tuple[RankResult, list[str]]:
+) -> tuple[RankResult | None, list[str]]:
     """The rank the evidence points to, and the lines that say why (none: ``bad`` itself).
+
+    None where the evidence points to no rank: a `meshkit.DivergenceError` with no majority,
+    or every rank that recorded a failure failed with the same error at the same line (a
+    check every process makes, such as `meshkit.global_batches` comparing the batches).
 
     The first rank to exit is not always the cause: a rank that waited for another in JAX's
     cross-process machinery (a gloo or NCCL timeout) or lost it (the coordination service
@@ -364,6 +371,9 @@ def _suspect(
     differ = _divergence(told)
     if differ is not None:
         return _differing(bad, results, *differ)
+    same = _same_failure(told)
+    if same:
+        return None, [same]
     found = {r.rank: _diagnosis(r, told) for r in results}
     if found[bad.rank] is None:
         return _stalled_elsewhere(bad, results, told)
@@ -418,29 +428,53 @@ def _suspect(
 
 
 def _divergence(told: Told) -> tuple[list[int], str] | None:
-    """The processes and the field of the first ``divergence`` a rank recorded, if any.
+    """The processes and the field of the ``divergence`` the ranks recorded, if any.
 
-    Every rank that checked raises the same `meshkit.DivergenceError`, so any rank's record
-    says who differs.
+    Every rank that checked raises the same `meshkit.DivergenceError`, so one rank's record
+    says who differs. Where the ranks' records name different processes (each names the
+    other, as two processes whose loops ended at different steps do), all those named are
+    returned: no rank is singled out.
     """
+    found: list[tuple[list[int], str]] = []
     for rank in sorted(told.failed):
         fields = told.failed[rank].fields
         raw = fields.get("processes")
         if fields.get("cause") == "divergence" and isinstance(raw, list):
             processes = [p for p in raw if isinstance(p, int) and not isinstance(p, bool)]
-            return processes, str(fields.get("field") or "")
-    return None
+            found.append((processes, str(fields.get("field") or "")))
+    if not found:
+        return None
+    named = sorted({p for processes, _ in found for p in processes})
+    return (found[0][0] if named == sorted(found[0][0]) else named), found[0][1]
+
+
+def _same_failure(told: Told) -> str:
+    """A line saying that the ranks failed alike, when two or more did; else ""."""
+    seen = {
+        rank: (str(e.fields.get("error")), str(e.fields.get("where")))
+        for rank, e in told.failed.items()
+        if e.fields.get("cause") == "exception" and e.fields.get("where")
+    }
+    if len(seen) < 2 or len(set(seen.values())) > 1:
+        return ""
+    error, where = next(iter(seen.values()))
+    return (
+        f"Ranks {ranges(seen)} failed alike ({error} at {where}): the first to fail is not "
+        "known to be the cause, so no rank is named as one; each rank's message says what it "
+        "saw."
+    )
 
 
 def _differing(
     bad: RankResult, results: list[RankResult], processes: list[int], field: str
-) -> tuple[RankResult, list[str]]:
-    """The rank a `meshkit.DivergenceError` names, when it names one; else ``bad``."""
+) -> tuple[RankResult | None, list[str]]:
+    """The rank a `meshkit.DivergenceError` names, when it names one; else None."""
     named = [r for r in results if len(processes) == 1 and r.rank == processes[0]]
     if not named:
         ranks = ", ".join(map(str, processes)) or "?"
-        return bad, [
-            f"meshkit found that ranks {ranks} differ ({field}); no majority says which is wrong."
+        return None, [
+            f"meshkit found that ranks {ranks} differ ({field}); no majority says which is "
+            "wrong, so no rank is named as the cause."
         ]
     cause = named[0]
     if field == "arrival":

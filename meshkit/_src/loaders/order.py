@@ -2,15 +2,11 @@
 
 Epoch ``e`` of a dataset of ``n`` rows, shuffled with ``seed``, reads row ``permute(i, n, seed,
 e)`` at position ``i``. The permutation is a keyed Feistel network over the smallest domain of
-``4**k >= n`` values, walked until it lands inside ``range(n)`` (each walk stays on the cycle of
-a bijection, so it ends): no table of ``n`` entries (a position in a dataset of 10**9 rows costs
-nothing to hold), a whole batch of positions in a few numpy operations, and the same result on
-every process, machine and numpy version (pure 64-bit integer arithmetic), which a saved
-position needs: resumed in another run, it must name the same rows.
-
-grain's own ``MapDataset.shuffle`` is lazy too, but computes one index per Python call (about
-8 us at 10**6 rows and over 1 ms at 40 rows); numpy's ``permutation`` holds ``n`` indices and
-its stream may change between numpy versions.
+``4**k >= n`` values, walked until it lands inside ``range(n)`` (each walk stays on a cycle of a
+bijection, so it ends). It holds no table of ``n`` entries, permutes a whole batch of positions
+in a few numpy operations (grain's ``MapDataset.shuffle`` computes one index per Python call),
+and gives the same rows on every process, machine and numpy version (pure 64-bit integer
+arithmetic), which a saved position needs.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """JAX's persistent compilation cache, as `meshkit.init` turns it on, and its compile times.
 
-The directory comes from `meshkit.init`'s ``compilation_cache=`` argument, else
-``MESHKIT_COMPILATION_CACHE`` (which ``meshkit launch --compilation-cache DIR`` sets), else no
-cache is set by meshkit (a ``jax_compilation_cache_dir`` set by the program stays). It is set
-in `meshkit.init`, before this process compiles anything: JAX opens its cache at the first
-compilation and keeps that directory for the life of the process.
+The directory comes from `meshkit.init`'s ``compilation_cache=``, else
+``MESHKIT_COMPILATION_CACHE`` (set by ``meshkit launch --compilation-cache``), else meshkit
+sets none. It is set before this process compiles anything: JAX opens its cache at the first
+compilation and keeps that directory. Why several processes may share one directory is in
+``docs/multi-host.md`` ("A compilation cache shared by restarts and hosts").
 
-JAX writes an entry only when a program took ``jax_persistent_cache_min_compile_time_secs``
-(default 1 s) to compile; meshkit lowers that to 0 while it is at JAX's default, so that the
-many small programs of a CPU run are cached too (a value the program set is kept).
-
-Several processes, one directory (checked in JAX 0.10.2 and 0.12, ``jax/_src/compiler.py``
-``_cache_write`` and ``lru_cache.py``): in a joined program only process 0 writes entries; the
-others read. An entry is one file named by its key, written in place (not through a rename),
-and without ``jax_compilation_cache_max_size`` there is no lock. A process that reads an entry
-while another still writes it fails to load it; JAX then warns and compiles itself. Two
-independent programs (two runs, each its own process 0) writing one key write the same bytes.
-So sharing is safe, and at worst costs a compilation.
-
-Under ``meshkit launch`` each rank reports its compile time (`watch`): a ``compiled`` event
-after each compilation with the totals so far, which the launcher's restart report shows per
-attempt.
+Under ``meshkit launch`` each rank reports its compile time (`watch`): a ``compiled`` event after
+each compilation with the totals so far, for the launcher's restart report.
 """
 
 from __future__ import annotations
@@ -35,12 +22,12 @@ from ..core import events as _events
 from ..core.cache_directory import writable
 from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
 
-__all__ = ["BACKEND_COMPILE", "CACHE_HIT", "Totals", "enable", "totals", "watch"]
+__all__ = ["enable", "totals", "watch"]
 
 # jax.monitoring's names (JAX 0.10.2 and 0.12): the time to compile or fetch one program from
 # the persistent cache (jax/_src/dispatch.py BACKEND_COMPILE_EVENT), and a persistent cache hit.
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _JAX_DEFAULT_MIN_TIME = 1.0
 
@@ -72,48 +59,36 @@ def enable(
         return None
     path = writable(directory, called=called, source=source)
     jax.config.update("jax_compilation_cache_dir", path)
+    # JAX writes only programs that took this long to compile: at JAX's default, keep the small
+    # programs of a CPU run too (a value the program set stays).
     if jax.config.values.get(_MIN_TIME) == _JAX_DEFAULT_MIN_TIME:
         jax.config.update(_MIN_TIME, 0.0)
     return path
 
 
-class Totals:
-    """This process's compilations so far, as `watch` counts them."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.seconds = 0.0
-        self.programs = 0
-        self.hits = 0
-
-    def as_fields(self) -> dict[str, Any]:
-        return {"seconds": round(self.seconds, 4), "programs": self.programs, "hits": self.hits}
-
-
-_TOTALS = Totals()
+_lock = threading.Lock()
+_totals = {"seconds": 0.0, "programs": 0, "hits": 0}  # this process's compilations so far
 _watching = False
 
 
 def totals() -> dict[str, Any]:
     """``{"seconds", "programs", "hits"}`` counted since `watch` (zeros before)."""
-    with _TOTALS.lock:
-        return _TOTALS.as_fields()
+    with _lock:
+        return {**_totals, "seconds": round(_totals["seconds"], 4)}
 
 
 def _on_duration(event: str, duration_secs: float, **_: Any) -> None:
-    if event != BACKEND_COMPILE:
-        return
-    with _TOTALS.lock:
-        _TOTALS.seconds += duration_secs
-        _TOTALS.programs += 1
-        fields = _TOTALS.as_fields()
-    _events.emit(_events.COMPILED, **fields)
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _totals["seconds"] += duration_secs
+            _totals["programs"] += 1
+        _events.emit(_events.COMPILED, **totals())
 
 
 def _on_event(event: str, **_: Any) -> None:
-    if event == CACHE_HIT:
-        with _TOTALS.lock:
-            _TOTALS.hits += 1
+    if event == _CACHE_HIT:
+        with _lock:
+            _totals["hits"] += 1
 
 
 def watch() -> None:

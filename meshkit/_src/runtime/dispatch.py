@@ -2,9 +2,12 @@
 
 `spmd`, `pmap_compat`, `global_array_from_local` and `make_mesh` create one `CallSite` each and
 call `enter` on every call. With no observer installed that is a counter increment and one
-truthiness test, nothing measurable next to a JAX dispatch. Observers (`meshkit.debug`'s
-fingerprint exchange, tests) see the site and the call's arguments before anything runs; what
-they raise reaches the caller unchanged, and the call does not run.
+truthiness test per watcher (observers, debug mode), nothing measurable next to a JAX dispatch.
+While debug mode is on (`meshkit._src.debug`), its check sees the site and the call's arguments
+before anything runs, as do observers (tests, tools); what they raise reaches the caller
+unchanged, and the call does not run. The first call of the process also checks that a rank of
+``meshkit launch`` has joined and decides debug mode from ``MESHKIT_DEBUG`` when `meshkit.init`
+has not; nothing here is registered at import.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
+from ..debug import divergence as _debug_check
+from ..debug import mode as _debug_mode
+from ..debug import state as _debug
 from ..lifecycle import progress as _progress
 from . import init as _runtime
 
@@ -26,7 +32,6 @@ __all__ = [
     "CallSite",
     "Observer",
     "add_observer",
-    "at_first_call",
     "enter",
     "observing",
     "origin",
@@ -88,30 +93,18 @@ def origin(fn: Callable[..., Any]) -> str:
 Observer = Callable[[CallSite, tuple[Any, ...]], None]
 
 
-_first_call: list[Observer] = []
-
-
-def at_first_call(hook: Observer) -> None:
-    """Run ``hook`` at this process's first SPMD call, after the join check (starts nothing).
-
-    For the layers above the runtime that act at first use (``MESHKIT_DEBUG=1``); ``hook``
-    sees the call like an observer, once.
-    """
-    _first_call.append(hook)
-
-
 def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     """At this process's first SPMD call: a rank of `meshkit launch` must have joined.
 
     The dispatch point's own step, not an observer anyone registers: it removes itself first,
-    so later calls pay nothing, then runs the `at_first_call` hooks.
+    so later calls pay nothing. ``MESHKIT_DEBUG=1`` turns debug mode on here when `meshkit.init`
+    has not (this call is then the first one checked).
     """
     remove_observer(_first_call_step)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
     _progress.mark("running")  # under `meshkit launch`: this rank got past joining
-    for hook in tuple(_first_call):
-        hook(site, args)
+    _debug_mode.from_environment()
 
 
 _observers: list[Observer] = [_first_call_step]
@@ -126,6 +119,8 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)
+    if _debug.state.settings is not None:
+        _debug_check.check(site, args)
 
 
 def add_observer(observer: Observer) -> None:

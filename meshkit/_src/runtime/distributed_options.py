@@ -1,17 +1,10 @@
 """``jax.distributed.initialize``'s timeouts, as `meshkit.init` passes them.
 
-Three options of JAX's join reach through meshkit: the initialization timeout (``timeout=`` of
-`meshkit.init`, ``MESHKIT_INIT_TIMEOUT``, ``meshkit launch --init-timeout``), the heartbeat
-timeout (after how long without heartbeats JAX's coordination service takes a process for dead)
-and the shutdown timeout (how long a process that ends waits at JAX's exit barrier for the
-others). Each comes from `meshkit.init`'s argument, else its environment variable (which
-``meshkit launch`` sets from its flag), else JAX's default is kept.
-
-Checked on the JAX lines meshkit supports: ``initialization_timeout``,
-``heartbeat_timeout_seconds`` and ``shutdown_timeout_seconds`` are parameters of
-``jax.distributed.initialize`` in JAX 0.10.2 and in 0.12 (defaults 300, 100 and 300 s). A JAX
-whose ``initialize`` lacks one (a later rename) is an error naming the option and the JAX
-versions that have it, raised before anything is joined, not a ``TypeError`` from inside JAX.
+The initialization, heartbeat and shutdown timeouts each come from `meshkit.init`'s argument,
+else its environment variable (which ``meshkit launch`` sets from its flag), else JAX's default
+stays. ``initialization_timeout``, ``heartbeat_timeout_seconds`` and
+``shutdown_timeout_seconds`` are parameters of ``jax.distributed.initialize`` in JAX 0.10.2 and
+0.12; a JAX without one is an error naming the option, raised before anything is joined.
 """
 
 from __future__ import annotations

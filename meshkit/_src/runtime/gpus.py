@@ -1,24 +1,11 @@
 """Which accelerators a task of a scheduler owns, when the scheduler bound them to it.
 
-Under SLURM or Open MPI, and unless told otherwise, ``jax.distributed.initialize`` gives each
-process one accelerator: the one numbered by its local rank (``SLURM_LOCALID``,
-``OMPI_COMM_WORLD_LOCAL_RANK``). That is right when every task of a node sees all the node's
-GPUs. It is wrong when the scheduler bound GPUs to each task (``srun --gpus-per-task``,
-``--gpu-bind``, a wrapper that sets ``CUDA_VISIBLE_DEVICES`` per rank): the task then sees only
-its own GPUs, renumbered from 0, and local rank 3 asks for a device 3 it cannot see (JAX issue
-16788), or uses one of its several GPUs only.
-
-`bound_device_ids` tells the two apart from the environment alone, before JAX is asked:
-
-- ``SLURM_GPUS_PER_TASK=k`` (set by ``srun --gpus-per-task``) and exactly ``k`` visible
-  devices: the task owns them all, ids ``0..k-1``;
-- a local rank at or beyond the number of visible devices: the visible devices are the task's
-  own, ids ``0..count-1``;
-- otherwise (no visible-device list, or a local rank among the visible devices) JAX's choice
-  stands.
-
-Visible devices are read from ``CUDA_VISIBLE_DEVICES`` (NVIDIA), else ``ROCR_VISIBLE_DEVICES``
-or ``HIP_VISIBLE_DEVICES`` (AMD); an empty list or ``-1`` hides every device.
+Under SLURM or Open MPI ``jax.distributed.initialize`` gives each process the one device
+numbered by its local rank. Where the scheduler bound GPUs to each task (``srun
+--gpus-per-task``, ``--gpu-bind``), the task sees only its own GPUs, renumbered from 0, and
+local rank 3 asks for a device it cannot see (JAX issue 16788). `bound_device_ids` tells the two
+cases apart from the environment, before JAX is asked; the rule is the table of
+``docs/multi-host.md`` ("GPUs bound to each task").
 """
 
 from __future__ import annotations
@@ -26,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..core.env import VISIBLE_VARS, visible_devices
+from ..core.env import visible_devices
 
-__all__ = ["VISIBLE_VARS", "Binding", "bound_device_ids", "visible_devices"]
+__all__ = ["Binding", "bound_device_ids"]
 
 
 @dataclasses.dataclass(frozen=True)

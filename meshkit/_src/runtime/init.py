@@ -23,7 +23,7 @@ import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -44,6 +44,7 @@ from ..core.contract import (
 )
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
+from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
@@ -416,8 +417,7 @@ def init(
         info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
         # From now on, every computation across processes is compared before it first runs.
         _programs.install(info.num_processes)
-        for hook in tuple(_on_join):
-            hook()
+        _debug_mode.from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
     return info
 
 
@@ -573,11 +573,3 @@ def _attempt() -> int:
         if value is not None:
             return max(0, value)
     return 0
-
-
-_on_join: list[Callable[[], None]] = []
-
-
-def on_join(hook: Callable[[], None]) -> None:
-    """Run ``hook`` at the end of this process's first `init` (registering starts nothing)."""
-    _on_join.append(hook)

@@ -14,14 +14,17 @@ computation it never compiled learns it at once.
 Programs that differ are the classic multi-host bug that runs without an error: each process
 pads its batch to its own longest sequence, so process 1 compiles ``float32[8,24]`` where
 process 0 compiles ``float32[8,16]``, and every step computes wrong numbers (on GPUs, hangs in
-NCCL). Here every process raises a `DivergenceError` naming the processes, the function (its
-name and definition, ``step at train.py:12``) and the first argument whose shape, dtype or
-sharding differs, before anything runs.
+NCCL). Here every process raises a `DivergenceError` naming, for each process, what it
+compiled (the function, its definition when it is the user's, ``step at train.py:12``) and the
+line of the user's code that ran it (``train.py:95 in <module>``), then the first argument
+whose shape, dtype or sharding differs, before anything runs. No process is named as the one
+at fault unless a majority holds the other program.
 
 The n-th compilation of one process meets the n-th of every other, counted per thread channel
 (`meshkit.channel`) like meshkit's own calls. A compilation in a thread that is neither the
 main thread nor inside a channel is not compared: its place in the order differs between
-processes. ``MESHKIT_PROGRAM_CHECK=0`` turns the comparison off.
+processes. ``MESHKIT_PROGRAM_CHECK=0`` turns the comparison off; it fixes nothing: processes
+whose programs differ then wait in the computation, or compute wrong numbers, without a word.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -41,6 +46,7 @@ from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core import frames as _frames
 from ..core import tracebacks as _tracebacks
 from ..core.errors import DivergenceError
 from ..lifecycle import exit as _exit
@@ -134,8 +140,13 @@ def _compare(compiling: _compat.Compiling) -> None:
 def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
     # A small record: the arguments (one entry each, thousands in a large model) are exchanged
-    # only to explain a difference (`_explain`).
+    # only to explain a difference (`_explain`). ``line``: for messages only, never compared.
     mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
+    line = _frames.user_place(sys._getframe())
+    if line is not None:
+        mine["line"] = line
+    else:  # no frame of the user's code: a thread of meshkit's or a library's
+        mine["thread"] = threading.current_thread().name
     record = json.dumps(mine)
     timeout = _env.check_timeout()
     what = f"the first compilation of {_function(mine)}"
@@ -153,17 +164,28 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
             gone = _absent.did_not(late, timeout=timeout, arrive="compile a computation with it")
         else:
             gone = f"{_absent.stopped_waiting(late)} for it"
+        # Named as the ones at fault only where those that compiled it are more: with as
+        # many on each side, this process may be the one running a computation alone.
+        came = len(compiling.processes()) - len(late)
         raise DivergenceError(
-            f"{_WHAT}: this process compiled {_function(mine)} as its "
-            f"{_absent.ordinal(number)} computation across processes, and {gone}.\n"
-            "Every process must run the same computations on global arrays in the same order "
-            "(a computation run by some processes only, such as a value read on one process, "
-            "waits for the others forever).\nConsider the output of those processes, and code "
-            f"that depends on jax.process_index(); {ENV_PROGRAM_CHECK}=0 turns this check off.",
-            processes=late,
+            _ALONE.format(what=_WHAT, mine=_ran(mine), number=_absent.ordinal(number), gone=gone),
+            processes=late if came > len(late) else sorted(compiling.processes()),
             field="arrival",
         )
     raise _difference(records, number, _explain(compiling, tag, timeout))
+
+
+# A computation this process compiled and another did not: it waits for them in it for ever.
+_ALONE = (
+    "{what}: this process compiled {mine} as its {number} computation across processes, "
+    "and {gone}.\n"
+    "Every process must run the same computations on global arrays, in the same order: a "
+    "computation that some processes run and others skip (under `if jax.process_index() == 0:`, "
+    "or on a condition of one process's own data) waits for the others for ever.\n"
+    "Consider running that computation on every process (and using or printing its result on "
+    "one), or computing a value one process needs from host data with numpy "
+    "(meshkit.local_from_global(x) gives this process's part of a global array as numpy)."
+)
 
 
 def _explain(
@@ -194,59 +216,101 @@ def _difference(
 ) -> DivergenceError:
     by_digest = _absent.by_value({p: r["digest"] for p, r in records.items()})
     suspects = _absent.outside_majority(by_digest.values())
-    lines = "\n".join(
-        f"  {_absent.processes(ps)}: {_function(records[ps[0]])}" for ps in by_digest.values()
-    )
+    lines = "\n".join(_group_line(records, ps) for ps in by_digest.values())
     head = (
         f"{_WHAT}: the processes compiled different programs as their {_absent.ordinal(number)} "
         f"computation across processes:\n{lines}\n"
     )
     field, detail = _first_difference(records, args)
-    return DivergenceError(
-        head + detail + "Every process must compile the same program for the same global shapes "
-        "(a value that depends on the process, such as each process padding its batch to its "
-        "own longest sequence, makes a different program).\nConsider fixing such sizes for all "
-        f"processes; {ENV_PROGRAM_CHECK}=0 turns this check off.",
-        processes=suspects,
-        field=field,
+    return DivergenceError((head + detail).rstrip("\n"), processes=suspects, field=field)
+
+
+def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
+    """``  process 0: jit(step) (step at train.py:12), run at train.py:95 in <module>``.
+
+    The processes of one program; each line of the user's code that ran it, where they differ.
+    """
+    ran = _absent.by_value({p: _ran(records[p]) for p in ps})
+    if len(ran) == 1:
+        return f"  {_absent.processes(ps)}: {next(iter(ran))}"
+    function = _function(records[ps[0]])
+    each = "; ".join(
+        f"{_absent.processes(qs)}{text.removeprefix(function + ', run')}"
+        for text, qs in ran.items()
     )
+    return f"  {_absent.processes(ps)}: {function}, run by {each}"
+
+
+# What differs, and the fix that fits it: the field, what to say.
+_OTHER_FUNCTIONS = (
+    "They are different functions: the processes ran different computations at this point "
+    "(a computation that some processes run and others skip, under "
+    "`if jax.process_index() == 0:` or a condition of one process's own data, meets another "
+    "computation of the others).\n"
+    "Consider running that computation on every process (and using or printing its result on "
+    "one), or computing a value one process needs from host data with numpy "
+    "(meshkit.local_from_global(x) gives this process's part of a global array as numpy).\n"
+)
+_INSIDE = (
+    "Their arguments are the same: the computations differ inside (a constant, a shape or a "
+    "branch traced from a value that differs between processes, such as "
+    "jax.process_index() or one process's own data).\n"
+    "Consider computing such values from what every process holds alike (the step number, a "
+    "setting), or passing them as arguments of the computation.\n"
+)
+_ARGUMENT = (
+    "The first argument that differs is {name}, its {label}: {values}.\n"
+    "Every process must compile the same program for the same global shapes (a size that "
+    "depends on the process, such as each process padding its batch to its own longest "
+    "sequence, makes a different program).\n"
+    "Consider sizes fixed for every process (pad every batch to one length chosen in advance), "
+    "or the same shardings on every process.\n"
+)
 
 
 def _first_difference(
     records: dict[int, dict[str, Any]], args: dict[int, list[list[str]]] | None
 ) -> tuple[str, str]:
-    """The first argument whose type or sharding differs, as (field, sentence).
+    """The first argument whose type or sharding differs, as (field, sentences with the fix).
 
     ``args``: every process's arguments (name, type, sharding), None when they are all equal.
     """
     names = {p: r["name"] for p, r in records.items()}
     if len(set(names.values())) > 1:
-        return "function", "They are different functions.\n"
-    inside = (
-        "program",
-        (
-            "Their arguments are the same: the computations differ inside (a constant, a shape or "
-            "a branch traced from a value that differs between processes).\n"
-        ),
-    )
+        return "function", _OTHER_FUNCTIONS
+    inside = ("program", _INSIDE)
     if args is None:
         return inside
     if len({len(a) for a in args.values()}) > 1:
         counts = _absent.listed(_absent.by_value({p: str(len(a)) for p, a in args.items()}))
-        return "structure", f"They take different numbers of arguments: {counts}.\n"
+        return "structure", (
+            f"They take different numbers of arguments: {counts}.\n"
+            "Consider passing the same pytree (same keys, same number of arrays) on every "
+            "process.\n"
+        )
     first = args[min(args)]
     for i, (name, _, _) in enumerate(first):
         for part, label in ((1, "type"), (2, "sharding")):
             values = {p: a[i][part] for p, a in args.items()}
             if len(set(values.values())) > 1:
-                return (
-                    name,
-                    f"The first argument that differs is {name}, its {label}: "
-                    f"{_absent.listed(_absent.by_value(values))}.\n",
-                )
+                listed = _absent.listed(_absent.by_value(values))
+                return name, _ARGUMENT.format(name=name, label=label, values=listed)
     return inside
 
 
 def _function(record: dict[str, Any]) -> str:
+    """``jit(step) (step at train.py:12)``; JAX's own definitions are not named (not the user's)."""
     where = record.get("where")
-    return f"{record['name']} ({where})" if where else str(record["name"])
+    if where and not _frames.library_file(str(where).rpartition(" at ")[2].rpartition(":")[0]):
+        return f"{record['name']} ({where})"
+    return str(record["name"])
+
+
+def _ran(record: dict[str, Any]) -> str:
+    """``jit(step) (step at train.py:12), run at train.py:95 in <module>``.
+
+    Where no line of the user's code ran it: ``jit(stack), run in thread meshkit-batches``.
+    """
+    line, thread = record.get("line"), record.get("thread")
+    where = f", run at {line}" if line else f", run in thread {thread}" if thread else ""
+    return _function(record) + where

@@ -1,26 +1,21 @@
 """SLURM: a task of a job step, or a batch script's one copy of the program?
 
-JAX's SLURM detector (``jax._src.clusters.slurm_cluster``) joins a process as one task of a job
-step when five variables are set: ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
-``SLURM_PROCID`` and ``SLURM_LOCALID``. ``srun`` sets all five for each task it starts. A batch
-script (``sbatch``) and an ``salloc`` shell run inside the job's allocation but outside any job
-step, and their commands run once. Measured with SLURM 22.05: an ``sbatch -n 2`` script has
-``SLURM_JOB_ID``, ``SLURM_NTASKS=2``, ``SLURM_PROCID=0`` and ``SLURM_LOCALID=0`` but no
-``SLURM_STEP_NODELIST`` (nor any other ``SLURM_STEP_*``); an ``salloc -n 2`` shell has
-``SLURM_JOB_ID`` and ``SLURM_NTASKS=2`` only. JAX detects nothing there, so the process would
-run alone although the job asked for several tasks; `check_step` says so, before JAX is asked.
+JAX's SLURM detector (``jax._src.clusters.slurm_cluster``) joins a process as a task of a job
+step when the five `STEP_VARS` are set, as ``srun`` sets them for each task. A batch script and
+an ``salloc`` shell run outside any step with only some of them (``docs/multi-host.md``,
+"Without srun"), so JAX detects nothing and the process would run alone although the job asked
+for several tasks; `check_step` says so, before JAX is asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..core.engines import STEP_VARS
 from ..core.errors import MeshkitError
 
 __all__ = ["STEP_VARS", "check_step"]
 
-# What JAX's SlurmCluster.is_env_present requires (the same in JAX 0.10 and 0.12).
-STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 _NOT_A_STEP = """\
 meshkit.init(): SLURM_NTASKS={n} says this SLURM job runs {n} tasks, but this process is not a

@@ -65,12 +65,9 @@ def describe_mesh(axes: Mapping[str, int]) -> str:
     return f"{{{inner}}} ({math.prod(axes.values())} devices)"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _listed(values: Sequence[int]) -> str:
-    shown = [str(v) for v in values]
+def _divisors(n: int) -> str:
+    """``"1, 2, 3 or 6"``: the divisors of ``n``, in words."""
+    shown = [str(d) for d in range(1, n + 1) if n % d == 0]
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
@@ -121,7 +118,7 @@ def layout_problem(
                 f"dimension {dim} (size {size}) is split over {over}, and {size} is not a "
                 f"multiple of {ways}: every device must hold an equal block",
                 f"Consider a mesh whose axes splitting dimension {dim} have sizes multiplying to "
-                f"{_listed(_divisors(size))}, or a spec that leaves dimension {dim} whole ('_' in "
+                f"{_divisors(size)}, or a spec that leaves dimension {dim} whole ('_' in "
                 "a spec string, None in a PartitionSpec).",
             )
     return None

@@ -1,16 +1,10 @@
-"""Restore into the caller's structure: ``meshkit.checkpoint.restore(path, mesh, like=state)``.
+"""Restore into a template's structure: ``meshkit.checkpoint.restore(path, mesh, like=state)``.
 
-orbax stores a pytree as nested dicts and lists: an optax state (NamedTuples), a flax ``nnx``
-state, a dataclass come back as plain dicts and lists ("'dict' object has no attribute 'mu'").
-Given a template of the tree that was saved (the state as a fresh run builds it, arrays or
-``jax.ShapeDtypeStruct`` s), `into` arranges the restore targets in the template's own
-structure, matching each of its leaves to the checkpoint's entry at the same path: a field or a
-key by its name, a sequence item by its position. orbax then restores into that structure, so
-the types come back as they were saved.
-
-Every leaf of the template must be in the checkpoint with the same shape, and every array of the
-checkpoint in the template: a difference is named (the path, and what each side has), never a
-silent partial restore.
+orbax stores a pytree as nested dicts and lists, so an optax state (NamedTuples), a flax ``nnx``
+state or a dataclass comes back as plain dicts and lists. `into` arranges the restore targets in
+the structure of a template (the state as a fresh run builds it), matching each of its leaves to
+the checkpoint's entry at the same path, so orbax restores the saved types. A leaf on one side
+only, or of another shape, is named; a restore is never silently partial.
 """
 
 from __future__ import annotations

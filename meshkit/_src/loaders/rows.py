@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import operator
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,24 @@ class _Rows:
         return np.concatenate([body, tail.astype(np.int64)])
 
 
+def _whole(value: Any, name: str, least: int, what: str) -> int:
+    """``value`` as an int >= ``least``; a `MeshkitError` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise MeshkitError(f"{what}: {name} must be an int >= {least}; got {value!r}.")
+    return int(value)
+
+
+def _seed(seed: Any, what: str) -> int | None:
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32
+    ):
+        raise MeshkitError(
+            f"{what}: seed must be None (no shuffle) or an int in [0, 2**32), the same on every "
+            f"process; got {seed!r}."
+        )
+    return None if seed is None else int(seed)
+
+
 def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
     if not isinstance(part, ProcessSlice):
         raise MeshkitError(
@@ -61,16 +79,7 @@ def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
             "Consider part = meshkit.process_slice(mesh, spec, (global_batch,)), the layout of "
             "one global batch."
         )
-    try:
-        if isinstance(num_rows, bool):
-            raise TypeError
-        rows = operator.index(num_rows)
-    except TypeError:
-        raise MeshkitError(
-            f"{what}: the number of rows must be an int; got {num_rows!r}."
-        ) from None
-    if rows < 0:
-        raise MeshkitError(f"{what}: the number of rows must be >= 0; got {rows}.")
+    rows = _whole(num_rows, "the number of rows", 0, what)
     if not part.global_shape or part.global_shape[0] == 0:
         raise MeshkitError(
             f"{what}: part describes a global array of shape {part.global_shape}, which has no "
@@ -171,14 +180,9 @@ def grain_dataset(dataset: Any, part: ProcessSlice) -> Any:
     return _grain_part_class()(dataset, _rows(part, len(dataset), what))
 
 
-_grain_part: type | None = None
-
-
+@functools.cache
 def _grain_part_class() -> type:
     """The ``grain.MapDataset`` subclass of `grain_dataset`, made once grain is imported."""
-    global _grain_part
-    if _grain_part is not None:
-        return _grain_part
     import grain
 
     class ProcessPartMapDataset(grain.MapDataset):
@@ -202,8 +206,7 @@ def _grain_part_class() -> type:
         def __str__(self) -> str:
             return f"ProcessPartMapDataset(rows={len(self._rows)} of {self._rows.num_rows})"
 
-    _grain_part = ProcessPartMapDataset
-    return _grain_part
+    return ProcessPartMapDataset
 
 
 @public
@@ -263,18 +266,13 @@ def grain_sampler(
     rows = _rows(part, num_records, what)
     if not isinstance(shuffle, bool):
         raise MeshkitError(f"{what}: shuffle must be True or False; got {shuffle!r}.")
-    if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32
-    ):
-        raise MeshkitError(f"{what}: seed must be an int in [0, 2**32); got {seed!r}.")
+    seed = _seed(seed, what)
     if shuffle and seed is None:
         raise MeshkitError(
             f"{what}: shuffle=True needs a seed, the same on every process.\n"
             "Consider seed=0 (any int in [0, 2**32))."
         )
-    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-        raise MeshkitError(f"{what}: epoch must be an int >= 0; got {epoch!r}.")
-    return _GrainSampler(rows, shuffle, None if seed is None else int(seed), int(epoch))
+    return _GrainSampler(rows, shuffle, seed, _whole(epoch, "epoch", 0, what))
 
 
 class _GrainSampler:

@@ -1,18 +1,13 @@
 """`grain_batches` and `hf_batches`: this process's part of each global batch, resumable anywhere.
 
-The global order is the dataset's, each epoch shuffled with one seed on every process; global
-batch ``k`` of an epoch is rows ``k * global_batch ...`` of it, and this process reads its rows
-of each (`loaders._rows`: the same plan as `process_rows`). So a loader's position is global, an
-epoch and a global step in it, the same on every process whatever their number:
-`meshkit.global_batches` records it with every step (`meshkit.DataPosition`) and starts a
-loader there (``start=``), on any number of processes, at the global batch an uninterrupted run
-would have read next.
+A loader's position is global (an epoch and a global step in it), the same on every process
+whatever their number, so ``global_batches(..., start=position)`` resumes it on any number of
+processes at the global batch an uninterrupted run would have read next.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -22,8 +17,8 @@ from ..core.data_position import GlobalIterator, GlobalSource, LoaderIdentity
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..sharding.layout import ProcessSlice
-from .loaders import _Rows, _rows
 from .order import permute
+from .rows import _Rows, _rows, _seed, _whole
 
 __all__ = ["Batches", "grain_batches", "hf_batches"]
 
@@ -88,29 +83,15 @@ class Batches(GlobalSource):
         raise NotImplementedError
 
 
-def _check(part: Any, num_rows: int, seed: Any, epochs: Any, drop: Any, what: str) -> _Rows:
+def _identity(
+    kind: str, part: Any, num_rows: int, seed: Any, epochs: Any, drop: Any, what: str
+) -> tuple[LoaderIdentity, _Rows]:
+    """The loader's identity and this process's rows, its arguments checked."""
     rows = _rows(part, num_rows, what)
-    if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32
-    ):
-        raise MeshkitError(
-            f"{what}: seed must be None (no shuffle) or an int in [0, 2**32), the same on every "
-            f"process; got {seed!r}."
-        )
-    if isinstance(epochs, bool) or not isinstance(epochs, int | np.integer) or epochs < 1:
-        raise MeshkitError(f"{what}: epochs must be an int >= 1; got {epochs!r}.")
+    seed, epochs = _seed(seed, what), _whole(epochs, "epochs", 1, what)
     if not isinstance(drop, bool):
         raise MeshkitError(f"{what}: drop_remainder must be True or False; got {drop!r}.")
-    return rows
-
-
-def _stack(elements: list[Any], template: Callable[[], Any]) -> Any:
-    """One batch from a list of elements (pytrees of arrays or numbers); zero rows: none."""
-    if not elements:
-        return jax.tree_util.tree_map(
-            lambda x: np.zeros((0, *np.shape(x)), np.asarray(x).dtype), template()
-        )
-    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
+    return LoaderIdentity(kind, rows.num_rows, rows.global_batch, seed, epochs, drop), rows
 
 
 class _GrainBatches(Batches):
@@ -137,13 +118,15 @@ class _GrainBatches(Batches):
                 f"MapDataset), at global step {step}.\nConsider filtering before, into a "
                 "dataset of its own (a list, an ArrayRecord file), so that every index has a row."
             )
-        return _stack(elements, lambda: self._dataset[0])
+        if not elements:  # no rows: an empty batch shaped like the dataset's elements
+            return jax.tree_util.tree_map(
+                lambda x: np.zeros((0, *np.shape(x)), np.asarray(x).dtype), self._dataset[0]
+            )
+        return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
 
     def _read_from(self, step: int) -> Iterator[Any]:
         import grain
 
-        if step >= len(self):
-            return iter(())
         steps = grain.MapDataset.range(step, len(self)).map(self._read)
         return iter(steps.to_iter_dataset(self._read_options))
 
@@ -211,8 +194,7 @@ def grain_batches(
             "before .to_iter_dataset(); for a pipeline without random access, its iterator in "
             "meshkit.global_batches saves grain's own state (resumable on as many processes)."
         )
-    num_rows = len(dataset)
-    rows = _check(part, num_rows, seed, epochs, drop_remainder, what)
+    identity, rows = _identity("grain", part, len(dataset), seed, epochs, drop_remainder, what)
     if read_options is None:
         read_options = grain.ReadOptions(
             num_threads=_READ_THREADS, prefetch_buffer_size=_READ_AHEAD
@@ -221,10 +203,6 @@ def grain_batches(
         raise MeshkitError(
             f"{what}: read_options must be a grain.ReadOptions; got {type(read_options).__name__}."
         )
-    identity = LoaderIdentity(
-        "grain", num_rows, rows.global_batch, None if seed is None else int(seed),
-        operator.index(epochs), drop_remainder,
-    )  # fmt: skip
     return _GrainBatches(dataset, identity, rows, read_options)
 
 
@@ -299,11 +277,7 @@ def hf_batches(
         raise MeshkitError(
             f"{what}: expected a map-style datasets.Dataset; got {given}.\nConsider {fix}."
         )
-    rows = _check(part, len(dataset), seed, epochs, drop_remainder, what)
+    identity, rows = _identity("datasets", part, len(dataset), seed, epochs, drop_remainder, what)
     if dataset.format["type"] is None:
         dataset = dataset.with_format("numpy")
-    identity = LoaderIdentity(
-        "datasets", len(dataset), rows.global_batch, None if seed is None else int(seed),
-        operator.index(epochs), drop_remainder,
-    )  # fmt: skip
     return _HfBatches(dataset, identity, rows)

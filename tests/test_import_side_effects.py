@@ -1,0 +1,131 @@
+"""Importing meshkit, or any of its faces, changes nothing in the process.
+
+A fresh interpreter per face notes what a library could install (signal handlers, hooks,
+threads, ``atexit`` callbacks, logging handlers, JAX's settings and the functions meshkit
+touches), imports the face, and compares; then meshkit's own lists of hooks are checked to hold
+only what they hold before anything registers. Debug mode, fail-fast and the rest start at
+`meshkit.init`, `meshkit.debug.enable` or a first call (see ``docs/what-init-installs.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = """
+import atexit, faulthandler, json, logging, signal, sys, threading
+import jax
+import jax.experimental.multihost_utils as mu
+from jax._src.interpreters import pxla
+
+SIGNALS = [s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
+                       "SIGALRM", "SIGCHLD") if hasattr(signal, s)]
+
+def snapshot():
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    return {
+        "signals": {s: repr(signal.getsignal(getattr(signal, s))) for s in SIGNALS},
+        "wakeup fd": wakeup,
+        "sys.excepthook": repr(sys.excepthook),
+        "threading.excepthook": repr(threading.excepthook),
+        "sys.unraisablehook": repr(sys.unraisablehook),
+        "faulthandler": faulthandler.is_enabled(),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "atexit callbacks": atexit._ncallbacks(),
+        "logging": {name or "root": [repr(h) for h in logging.getLogger(name).handlers]
+                    + [logging.getLogger(name).level] for name in ("", "meshkit", "jax")},
+        "jax.config": {k: repr(v) for k, v in jax.config.values.items()},
+        "multihost_utils": {n: id(getattr(mu, n)) for n in dir(mu) if not n.startswith("_")},
+        "MeshComputation.compile": id(pxla.MeshComputation.compile),
+    }
+
+before = snapshot()
+FACE
+after = snapshot()
+changed = {k: [before[k], after[k]] for k in before if before[k] != after[k]}
+
+# meshkit's own hook lists hold only what they are born with.
+from meshkit._src.core import compat
+from meshkit._src.debug import state as debug_state
+from meshkit._src.lifecycle import exit as exit_, preemption, failfast
+from meshkit._src.runtime import dispatch, programs, init
+own = {
+    "dispatch observers": [o.__name__ for o in dispatch._observers],
+    "compile hooks": len(compat._compile_hooks),
+    "exit handlers": sorted(exit_._registry.exit),
+    "exception handlers": sorted(exit_._registry.exception),
+    "atexit installed": exit_._registry.atexit_installed,
+    "sigterm taken": exit_._registry.sigterm_wakeup is not None,
+    "preemption installed": preemption.installed(),
+    "programs compared": programs.installed(),
+    "debug mode": debug_state.enabled(),
+    "joined": init.runtime_info() is not None,
+}
+print(json.dumps({"changed": changed, "own": own}))
+"""
+
+_BORN = {
+    "dispatch observers": ["_first_call_step"],
+    "compile hooks": 0,
+    "exit handlers": [],
+    "exception handlers": [],
+    "atexit installed": False,
+    "sigterm taken": False,
+    "preemption installed": False,
+    "programs compared": False,
+    "debug mode": False,
+    "joined": False,
+}
+
+FACES = {
+    "meshkit": "import meshkit",
+    "meshkit.debug": "import meshkit.debug",
+    "meshkit.checkpoint": "import meshkit.checkpoint",
+    "meshkit.loaders": "import meshkit.loaders",
+    "meshkit.collectives": "import meshkit.collectives",
+    "meshkit.testing": "import meshkit.testing",
+    "meshkit.cli": "import meshkit.cli",
+    # Every public name of the lazy face, loaded: its modules import nothing that acts.
+    "every public name": "import meshkit\nfrom meshkit import *",
+}
+
+
+@pytest.mark.parametrize("face", sorted(FACES))
+def test_importing_a_face_installs_nothing(face):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    env.update({"JAX_PLATFORMS": "cpu", "MESHKIT_DEBUG": "1"})  # read at init, not at import
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.replace("FACE", FACES[face])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert found["changed"] == {}, found["changed"]
+    assert found["own"] == _BORN
+
+
+def test_the_probe_sees_what_init_installs():
+    """The same probe after `meshkit.init` in debug mode: what it checks can fail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    env.update({"JAX_PLATFORMS": "cpu", "MESHKIT_DEBUG": "1", "MESHKIT_WATCHDOG": "0"})
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.replace("FACE", "import meshkit\nmeshkit.init()")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert set(found["changed"]) >= {"signals", "sys.excepthook", "atexit callbacks"}, found
+    assert found["own"]["debug mode"], found
+    assert found["own"]["preemption installed"], found
+    assert "debug mode: publish leaving" in found["own"]["exit handlers"], found
