@@ -339,7 +339,8 @@ class GlobalBatches(Iterator[Any]):
                 return
             self._released = True
             steps = self._closed_after
-        _assembly.publish_record(self._tag, Record(status="closed", steps=steps))
+        # on the helper's channel: its next agreement is the one the others' helpers wait at
+        _assembly.publish_record(self._tag, Record(status="closed", steps=steps), channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.

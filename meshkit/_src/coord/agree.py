@@ -170,13 +170,21 @@ def agree_later(
     settle()
 
 
-def leave(tag: str, record: str, *, later: bool = False, wait: float | None = None) -> None:
+def leave(
+    tag: str,
+    record: str,
+    *,
+    later: bool = False,
+    wait: float | None = None,
+    channel: str | None = None,
+) -> None:
     """Tell the processes at this channel's next agreement that this one will not come, and why.
 
     ``later``: the tag is agreed beside the caller (`agree_later`); its thread arrives for the
     first call this process will not make, and this call waits until it has (at most ``wait``
     seconds, default the check timeout; a record not posted by then leaves the others to their
-    timeout).
+    timeout). ``channel``: the channel whose next agreement it is (default the caller's), for a
+    thread that leaves for another (a close for an iterator's helper thread).
     """
     here = node()
     if here is None:
@@ -184,7 +192,7 @@ def leave(tag: str, record: str, *, later: bool = False, wait: float | None = No
     if later:
         _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
     else:
-        _agreement.leave(here, _agreement.channel_sequence(here), tag, record)
+        _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 
 
 def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:

@@ -384,9 +384,9 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
 MAIN = "main"  # the main thread's sequence
 
 
-def channel_sequence(node: Node) -> str:
-    """The sequence of the calling thread's channel (`meshkit._src.coord.channel.current`)."""
-    name = node.channel()
+def channel_sequence(node: Node, name: str | None = None) -> str:
+    """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
+    name = node.channel() if name is None else name
     return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
 
 
