@@ -42,6 +42,7 @@ if _typing.TYPE_CHECKING:
     from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
     from ._src.arrays.gather import gather as gather
     from ._src.arrays.gather import local_from_global as local_from_global
+    from ._src.arrays.meshes import make_mesh as make_mesh
     from ._src.coord.channel import channel as channel
     from ._src.core.data_position import DataPosition as DataPosition
     from ._src.launch.launcher import LaunchResult as LaunchResult
@@ -71,7 +72,6 @@ if _typing.TYPE_CHECKING:
     from ._src.sharding.layout import ProcessSlice as ProcessSlice
     from ._src.sharding.layout import process_slice as process_slice
     from ._src.sharding.mesh import describe as describe
-    from ._src.sharding.mesh import make_mesh as make_mesh
     from ._src.sharding.specs import spec as spec
     from ._src.spmd.spmd import ReshardWarning as ReshardWarning
     from ._src.spmd.spmd import SpmdFunction as SpmdFunction
@@ -174,7 +174,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ProcessSlice": ("._src.sharding.layout", "ProcessSlice"),
     "process_slice": ("._src.sharding.layout", "process_slice"),
     "describe": ("._src.sharding.mesh", "describe"),
-    "make_mesh": ("._src.sharding.mesh", "make_mesh"),
+    "make_mesh": ("._src.arrays.meshes", "make_mesh"),
     "spec": ("._src.sharding.specs", "spec"),
     "ReshardWarning": ("._src.spmd.spmd", "ReshardWarning"),
     "SpmdFunction": ("._src.spmd.spmd", "SpmdFunction"),

@@ -171,9 +171,15 @@ def _save_restore_and_refuse():
             )
         ),
     }
+    # The fix the process-local message names: the same values, as a global array.
+    fixed = meshkit.global_array_from_local(local, meshkit.make_mesh({"i": -1}), "i")
+    meshkit.checkpoint.save(root / "fixed", {"p": fixed})
+    back = meshkit.checkpoint.restore(root / "fixed", meshkit.make_mesh({"i": -1}))
+    np.testing.assert_array_equal(meshkit.gather(back["p"]), ref["rows"] * 2)
     # A process that never comes (process 1 skips the call): named, after MESHKIT_CHECK_TIMEOUT.
-    # Process 1 meanwhile waits at no agreement (one waiting at the next, make_mesh, would be
-    # named at once by both: test_programs.py's processes waiting at different agreements).
+    # Last in the body: process 1 is one agreement behind from here on (its next agreement would
+    # meet process 0's check_savable and raise that the processes are at different
+    # agreements); the next body starts every sequence again.
     os.environ["MESHKIT_CHECK_TIMEOUT"] = "5"
     if jax.process_index() == 0:
         errors["one process only"] = _errors_of(
@@ -182,11 +188,6 @@ def _save_restore_and_refuse():
     else:
         time.sleep(6)
     os.environ["MESHKIT_CHECK_TIMEOUT"] = "60"
-    # The fix the process-local message names: the same values, as a global array.
-    fixed = meshkit.global_array_from_local(local, meshkit.make_mesh({"i": -1}), "i")
-    meshkit.checkpoint.save(root / "fixed", {"p": fixed})
-    back = meshkit.checkpoint.restore(root / "fixed", meshkit.make_mesh({"i": -1}))
-    np.testing.assert_array_equal(meshkit.gather(back["p"]), ref["rows"] * 2)
     return {
         "saved specs": specs_saved,
         "restored": restored,

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit._src.coord import absent, barrier, counter, failures, window
-from meshkit._src.coord.fake import FakeCluster, FakeService, ServiceGone
+from meshkit._src.coord import absent, agreement, failures, places, window
+from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
 from meshkit._src.core.errors import DivergenceError, MeshkitError
@@ -84,16 +84,18 @@ def test_the_fake_barrier_refuses_differing_participants_and_times_out_for_every
         two.get("k", 0.1)
 
 
-# ---- counter: agree ------------------------------------------------------------------------
+# ---- agreement: the one primitive ---------------------------------------------------------
+
+
+def _at(node: Node, site: str, summary: str, record: str, timeout: float = 5.0, **kw: Any):
+    """One agreement at ``site`` on the node's main sequence."""
+    return agreement.agree(node, "main", site, summary, record, timeout=timeout, **kw)
 
 
 def _agree(summaries: list[str], timeout: float = 5.0, **kw: Any) -> list[Outcome]:
     nodes = FakeCluster(len(summaries)).nodes()
     return _together(
-        nodes,
-        lambda node: counter.agree(
-            node, "t", summaries[node.me], f"record {node.me}", timeout=timeout, **kw
-        ),
+        nodes, lambda node: _at(node, "t", summaries[node.me], f"record {node.me}", timeout, **kw)
     )
 
 
@@ -102,16 +104,51 @@ def test_agree_agrees_in_two_round_trips_once_steady():
 
     def body(node: Node) -> list[tuple[bool, int]]:
         seen = []
-        for _ in range(3):
+        for _ in range(agreement.SPAN + 3):
             before = node.stats.rpcs
-            outcome = counter.agree(node, "t", "same", f"r{node.me}", timeout=5.0)
+            outcome = _at(node, "t", "same", f"r{node.me}")
             seen.append((outcome.agreed, node.stats.rpcs - before))
         return seen
 
     for p, seen in enumerate(_together(nodes, body)):
         assert all(agreed for agreed, _ in seen)
-        # Steady (summary unchanged): an increment, and a verdict written or read.
+        # Steady (the summary the sequence predicts): an increment, and a verdict written or read.
         assert seen[-1][1] == 2, (p, seen)
+        # A change (the first calls: nothing to predict yet) posts first: one round trip more,
+        # and the last arrival reads the posted entries once.
+        assert seen[0][1] in (3, 4), (p, seen)
+
+
+def test_a_steady_pattern_of_several_sites_agrees_in_two_round_trips():
+    # A loop that agrees at three sites in turn (a batch, a step, a metric) is steady too: the
+    # sequence predicts the entry one period back.
+    nodes = FakeCluster(2).nodes()
+    pattern = [("batch", "float32[8]"), ("step", "jit(f)"), ("metric", "float32[]")]
+
+    def body(node: Node) -> list[int]:
+        costs = []
+        for i in range(agreement.SPAN + 4 * len(pattern)):
+            site, summary = pattern[i % len(pattern)]
+            before = node.stats.rpcs
+            assert _at(node, site, summary, "r").agreed
+            costs.append(node.stats.rpcs - before)
+        return costs
+
+    for costs in _together(nodes, body):
+        steady = agreement.SPAN + len(pattern)  # the pattern holds over SPAN agreements
+        assert costs[steady:] == [2] * (len(costs) - steady), costs
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from("abc"), min_size=1, max_size=12), st.integers(2, 40))
+def test_the_prediction_of_a_periodic_history_is_its_entry_one_period_back(unit, length):
+    history = [unit[i % len(unit)] for i in range(length)]
+    predicted, period = agreement.predict(history)
+    if predicted is not None:  # a period was read from the history: it holds, and predicts
+        assert history[-period:] == history[-2 * period : -period]
+        assert predicted == history[-period]
+    if length >= 2 * max(len(unit), agreement.SPAN):
+        assert predicted == unit[length % len(unit)]  # the history goes on as it repeats
 
 
 def test_agree_on_a_mismatch_gives_every_record():
@@ -122,12 +159,25 @@ def test_agree_on_a_mismatch_gives_every_record():
         assert outcome.missing == ()
 
 
+def test_a_change_in_one_process_after_steady_calls_is_a_mismatch_at_once():
+    nodes = FakeCluster(3).nodes()
+
+    def body(node: Node) -> tuple[list[bool], float]:
+        agreed = [_at(node, "t", "a", f"r{node.me}").agreed for _ in range(agreement.SPAN + 2)]
+        start = time.monotonic()
+        last = _at(node, "t", "b" if node.me == 2 else "a", f"last {node.me}", timeout=20.0)
+        return [*agreed, last.agreed], time.monotonic() - start, last.records
+
+    for agreed, waited, records in _together(nodes, body):
+        assert agreed == [True] * (agreement.SPAN + 2) + [False]
+        assert waited < 5.0  # decided when the last process arrived, not at the timeout
+        assert records == {0: "last 0", 1: "last 1", 2: "last 2"}
+
+
 def test_agree_compares_replica_groups():
     groups = [{"g": (0, "x")}, {"g": (0, "y")}]
     nodes = FakeCluster(2).nodes()
-    outcomes = _together(
-        nodes, lambda node: counter.agree(node, "t", "s", "r", timeout=5.0, groups=groups[node.me])
-    )
+    outcomes = _together(nodes, lambda node: _at(node, "t", "s", "r", groups=groups[node.me]))
     # Equal summaries, one replica group whose summaries differ: not agreed, everyone's record
     # given, nobody missing.
     for outcome in outcomes:
@@ -136,8 +186,7 @@ def test_agree_compares_replica_groups():
         assert (outcome.missing, outcome.gave_up) == ((), ())
     # The same call with equal group summaries agrees: the groups made the difference.
     same = _together(
-        FakeCluster(2).nodes(),
-        lambda node: counter.agree(node, "t", "s", "r", timeout=5.0, groups=groups[0]),
+        FakeCluster(2).nodes(), lambda node: _at(node, "t", "s", "r", groups=groups[0])
     )
     assert [o.agreed for o in same] == [True, True]
 
@@ -145,13 +194,18 @@ def test_agree_compares_replica_groups():
 def test_agree_names_the_process_that_did_not_come():
     cluster = FakeCluster(3)
     nodes = cluster.nodes()
-    outcomes = _together(
-        nodes[:2], lambda node: counter.agree(node, "t", "s", f"r{node.me}", timeout=0.3)
-    )
+    outcomes = _together(nodes[:2], lambda node: _at(node, "t", "s", f"r{node.me}", 0.3))
     for outcome in outcomes[:2]:
         assert not outcome.agreed
         assert outcome.missing == (2,)
         assert set(outcome.records) == {0, 1}
+
+
+def test_agree_with_a_process_that_left_the_service_times_out_naming_it():
+    cluster = FakeCluster(2)
+    cluster.leave(1)
+    outcome = _together(cluster.nodes()[:1], lambda node: _at(node, "c", "s", "r", 0.3))[0]
+    assert outcome.missing == (1,)
 
 
 def test_agree_finds_the_record_of_a_process_that_left():
@@ -159,13 +213,13 @@ def test_agree_finds_the_record_of_a_process_that_left():
 
     def body(node: Node) -> Outcome | None:
         if node.me == 1:
-            counter.leave(node, "t", "closed")
+            agreement.leave(node, "main", "t", "closed")
             return None
-        return counter.agree(node, "t", "s", "r0", timeout=5.0)
+        return _at(node, "t", "s", "r0", 20.0)
 
     start = time.monotonic()
     outcome = _together(nodes, body)[0]
-    assert time.monotonic() - start < 2.0  # at once, not after the timeout
+    assert time.monotonic() - start < 5.0  # at once, not after the timeout
     assert not outcome.agreed
     assert outcome.records[1] == "closed"
     assert outcome.missing == ()
@@ -179,7 +233,7 @@ def test_a_late_arrival_learns_who_stopped_waiting():
     def body(node: Node) -> Outcome:
         if node.me == 1:  # after process 0's timeout: a sleep alone is a race on a busy machine
             assert gave_up.wait(30.0), "process 0 did not return"
-        outcome = counter.agree(node, "t", "s", f"r{node.me}", timeout=0.3)
+        outcome = _at(node, "t", "s", f"r{node.me}", 0.3)
         if node.me == 0:
             gave_up.set()
         return outcome
@@ -189,149 +243,31 @@ def test_a_late_arrival_learns_who_stopped_waiting():
     assert early.missing == (1,)
     assert not late.agreed
     assert late.gave_up == (0,)
+    assert late.missing == ()
 
 
 @settings(max_examples=15, deadline=None)
 @given(
     summaries=st.lists(st.sampled_from(["a", "b"]), min_size=2, max_size=4),
     order=st.randoms(use_true_random=False),
+    steady=st.integers(0, 3),
 )
-def test_random_arrival_orders_give_the_sequential_verdict(summaries, order):
+def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, steady):
     cluster = FakeCluster(len(summaries))
     nodes = cluster.nodes()
     delays = [order.random() * 0.05 for _ in nodes]
 
     def body(node: Node) -> Outcome:
+        for _ in range(steady):  # agreed calls before: some processes then arrive unflagged
+            assert _at(node, "t", "a", "a").agreed
         time.sleep(delays[node.me])
-        return counter.agree(node, "t", summaries[node.me], summaries[node.me], timeout=5.0)
+        return _at(node, "t", summaries[node.me], summaries[node.me])
 
     outcomes = _together(nodes, body)
     agreed = len(set(summaries)) == 1  # the sequential reference: compare them all at once
     assert all(o.agreed == agreed for o in outcomes)
     if not agreed:
         assert all(o.records == dict(enumerate(summaries)) for o in outcomes)
-
-
-# ---- barrier: check ------------------------------------------------------------------------
-
-
-def _check(node: Node, summary: str, timeout: float = 5.0) -> Outcome:
-    return barrier.check(node, "c", summary, f"{node.me}:{summary}", timeout=timeout)
-
-
-def test_check_agrees_in_one_round_trip():
-    nodes = FakeCluster(3).nodes()
-
-    def body(node: Node) -> tuple[bool, int]:
-        before = node.stats.rpcs
-        return _check(node, "same").agreed, node.stats.rpcs - before
-
-    assert _together(nodes, body) == [(True, 1)] * 3
-
-
-def test_check_on_a_mismatch_stops_everyone_before_the_timeout():
-    nodes = FakeCluster(3).nodes()
-    start = time.monotonic()
-    outcomes = _together(nodes, lambda node: _check(node, "b" if node.me == 2 else "a", 20.0))
-    assert time.monotonic() - start < 10.0
-    for outcome in outcomes:
-        assert not outcome.agreed
-        assert outcome.records == {0: "0:a", 1: "1:a", 2: "2:b"}
-
-
-def test_check_names_who_did_not_come_and_moves_to_a_new_epoch():
-    nodes = FakeCluster(3).nodes()
-    outcomes = _together(nodes[:2], lambda node: _check(node, "s", 0.3))
-    assert [o.missing for o in outcomes[:2]] == [(2,), (2,)]
-    assert all(nodes[p].tags["c"].barrier.epoch == 1 for p in (0, 1))
-
-
-def _arrived(cluster: FakeCluster, process: int, timeout: float = 30.0) -> None:
-    """Wait until ``process`` waits at a barrier of ``cluster``."""
-    end = time.monotonic() + timeout
-    while not cluster.waiting(process):
-        assert time.monotonic() < end, f"process {process} never came to a barrier"
-        time.sleep(0.01)
-
-
-def test_check_finds_the_record_of_a_process_that_left():
-    cluster = FakeCluster(2)
-    nodes = cluster.nodes()
-
-    def body(node: Node) -> Outcome | None:
-        if node.me == 1:
-            node.tag("c").barrier.last = barrier.digest("s", {})  # it checked "s" before
-            _arrived(cluster, 0)  # process 0 waits at the barrier
-            barrier.leave_check(node, "c", "left")
-            return None
-        return _check(node, "s", 20.0)
-
-    start = time.monotonic()
-    outcome = _together(nodes, body)[0]
-    assert time.monotonic() - start < 10.0
-    assert not outcome.agreed
-    assert outcome.records[1] == "left"
-
-
-def test_check_refused_by_the_service():
-    cluster = FakeCluster(2)
-    cluster.refuse("meshkit/c/")
-    outcomes = _together(cluster.nodes(), lambda node: _check(node, "s"))
-    assert not any(o.agreed for o in outcomes)
-    assert all(o.missing == () for o in outcomes)  # both arrived: a refusal, not a timeout
-
-
-def test_check_late_arrival_learns_who_stopped_waiting():
-    nodes = FakeCluster(2).nodes()
-    gave_up = threading.Event()
-
-    def body(node: Node) -> Outcome:
-        if node.me == 1:  # after process 0's timeout: a sleep alone is a race on a busy machine
-            assert gave_up.wait(30.0), "process 0 did not return"
-        outcome = _check(node, "s", 0.6)
-        if node.me == 0:
-            gave_up.set()
-        return outcome
-
-    early, late = _together(nodes, body)
-    assert early.missing == (1,)
-    assert late.gave_up == (0,)
-    assert late.missing == ()
-
-
-def test_check_with_a_process_that_left_the_service_times_out_naming_it():
-    cluster = FakeCluster(2)
-    cluster.leave(1)
-    outcome = _together(cluster.nodes()[:1], lambda node: _check(node, "s", 0.3))[0]
-    assert outcome.missing == (1,)
-
-
-class _SlowWrites(FakeService):
-    """A process's view of the fake service whose writes take a while."""
-
-    def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
-        time.sleep(0.2)
-        super().set(key, value, overwrite=overwrite)
-
-
-def test_the_probe_and_the_refused_wait_post_one_record_once():
-    # A check's prober thread posts its record while the refused wait posts it too: one write.
-    cluster = FakeCluster(2)
-    node = Node(_SlowWrites(cluster, 0), 0, 2, channel=lambda: None)
-    waiter = barrier.Waiter(node, "c", 0, 0, "d", "s", "0:s", threading.get_ident())
-    threads = [threading.Thread(target=waiter.post) for _ in range(2)]
-    errors: list[BaseException] = []
-    threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-    finally:
-        threading.excepthook = threading.__excepthook__
-    assert errors == []
-    records, _, _ = node.collect("c", 0, 1, time.monotonic() + 1)
-    assert records == {0: "0:s"}
 
 
 # ---- window: agree_later -------------------------------------------------------------------
@@ -565,103 +501,64 @@ def test_a_window_finds_the_record_of_a_process_that_left():
     assert json.loads(seen[0].records[1]) == {"status": "closed"}
 
 
-# ---- waits: processes waiting at different agreements -----------------------------------------
+# ---- processes at different agreements of one sequence ------------------------------------
 
 
-def _wait_at(node: Node, kind: str, tag: str, what: str, timeout: float = 30.0) -> Outcome:
-    """A synchronous agreement of ``kind`` ("check" or "agree") at ``tag``."""
-    if kind == "check":
-        return barrier.check(node, tag, "s", "r", timeout=timeout, what=what)
-    return counter.agree(node, tag, "s", "r", timeout=timeout, what=what)
+def _wait_at(node: Node, site: str, what: str, timeout: float = 30.0) -> Outcome:
+    """An agreement at ``site`` on the node's main sequence."""
+    return agreement.agree(node, "main", site, "s", "r", timeout=timeout, what=what)
 
 
-@pytest.mark.parametrize("kinds", [("check", "agree"), ("agree", "check"), ("check", "check"),
-                                   ("agree", "agree")])  # fmt: skip
-def test_processes_waiting_at_different_agreements_are_named_at_once(kinds):
+def test_processes_at_different_agreements_are_named_at_once():
     nodes = FakeCluster(2).nodes()
     places = {0: ("programs", "the first run of step"), 1: ("batches", "step 3 of the batches")}
 
     def body(node: Node) -> Any:
-        tag, what = places[node.me]
+        site, what = places[node.me]
         start = time.monotonic()
         try:
-            _wait_at(node, kinds[node.me], tag, what)
+            _wait_at(node, site, what)
         except DivergenceError as e:
             return e, time.monotonic() - start
         return "agreed"
 
     source, first = inspect.getsourcelines(_wait_at)
-    lines = {  # the user's line each waits at: the innermost frame of this file
-        kind: first + next(i for i, text in enumerate(source) if call in text)
-        for kind, call in (("check", "barrier.check("), ("agree", "counter.agree("))
-    }
+    line = first + next(i for i, text in enumerate(source) if "agreement.agree(" in text)
     results = _together(nodes, body)
     for error, waited in results:
-        assert waited < 5.0, results  # at the first probes, not after the 30 s timeout
+        assert waited < 5.0, results  # when the last arrived: the same key, not a timeout
         assert error.processes == [0, 1], error
         assert error.field == "order", error
         assert str(error).startswith(
             "meshkit: the processes wait at different agreements of their main thread, and none "
-            f"can go on: process 0 at tests/test_coord.py:{lines[kinds[0]]} in _wait_at (the "
-            f"first run of step); process 1 at tests/test_coord.py:{lines[kinds[1]]} in _wait_at "
+            f"can go on: process 0 at tests/test_coord.py:{line} in _wait_at (the "
+            f"first run of step); process 1 at tests/test_coord.py:{line} in _wait_at "
             "(step 3 of the batches).\n"
         ), str(error)
-    for node in nodes:  # each raised: its waits stay for the others, until its next wait
-        assert node.waits.stale
 
 
 def test_three_processes_two_of_which_wait_at_one_agreement():
     nodes = FakeCluster(3).nodes()
 
     def body(node: Node) -> Any:
-        tag, what = ("gather", "a gather") if node.me != 1 else ("mesh", "make_mesh")
+        site, what = ("gather", "a gather") if node.me != 1 else ("mesh", "make_mesh")
         try:
-            _wait_at(node, "check" if node.me == 0 else "agree", tag, what)
+            _wait_at(node, site, what)
         except DivergenceError as e:
             return str(e).splitlines()[0], e.processes
         return "agreed"
 
     for message, processes in _together(nodes, body, timeout=10.0):
-        # Each process names the places posted when it probed: process 1's, and its own.
+        assert "process 1 at" in message, message
         assert "(make_mesh)" in message, message
+        assert "processes 0,2 at" in message, message
         assert "in _wait_at (a gather)" in message, message
-        assert 1 in processes, message
-
-
-@pytest.mark.parametrize("late", ["check", "agree"])
-def test_a_process_that_joins_a_cycle_after_the_others_raised_is_refused_at_once(late):
-    # Processes 1 and 2 find their cycle and raise before process 0 has posted its wait; a
-    # wait at a barrier (check) returns only when another process refuses it, so they linger.
-    nodes = FakeCluster(3).nodes()
-
-    def body(node: Node) -> Any:
-        tag, what = ("gather", "a gather") if node.me != 1 else ("mesh", "make_mesh")
-        if node.me == 0:
-            time.sleep(1.0)
-        start = time.monotonic()
-        try:
-            _wait_at(node, late if node.me == 0 else "agree", tag, what)
-        except DivergenceError as e:
-            return str(e).splitlines()[0], e.processes, time.monotonic() - start
-        return "agreed"
-
-    results = _together(nodes, body, timeout=20.0)
-    assert all(1 in r[1] for r in results[1:]), results
-    message, processes, waited = results[0]
-    assert waited < 5.0, results  # a probe interval or two, not the 30 s timeout
-    assert processes == [0, 1], results
-    assert "process 1 at" in message, message
-    assert "(make_mesh)" in message, message
-    assert "processes 0,2 at" in message or "process 0 at" in message, message
+        assert processes == [0, 1, 2], message
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    st.lists(st.sampled_from("abc"), min_size=2, max_size=5),
-    st.fixed_dictionaries({t: st.sampled_from(["check", "agree"]) for t in "abc"}),
-    st.integers(0, 3),
-)
-def test_random_orders_agree_or_name_the_cycle_in_every_process(program, kinds, swap):
+@given(st.lists(st.sampled_from("abc"), min_size=2, max_size=5), st.integers(0, 3))
+def test_random_orders_agree_or_name_the_difference_in_every_process(program, swap):
     """Against the sequences themselves: an error iff the processes' orders differ."""
     other = list(program)
     k = swap % (len(program) - 1)
@@ -670,8 +567,8 @@ def test_random_orders_agree_or_name_the_cycle_in_every_process(program, kinds, 
 
     def body(node: Node) -> Any:
         try:
-            for tag in program if node.me == 0 else other:
-                _wait_at(node, kinds[tag], tag, f"an agreement at {tag}", timeout=20.0)
+            for site in program if node.me == 0 else other:
+                _wait_at(node, site, f"an agreement at {site}", timeout=20.0)
         except DivergenceError as e:
             return e.field, e.processes
         return "agreed"
@@ -683,39 +580,24 @@ def test_random_orders_agree_or_name_the_cycle_in_every_process(program, kinds, 
         assert results == [("order", [0, 1])] * 2, (program, other, results)
 
 
-def test_a_late_process_and_another_channel_are_no_cycle():
-    """Waits that end once a slow process comes, or once another thread comes, raise nothing."""
-    local = threading.local()  # each thread's channel (meshkit.channel is one per process)
-    cluster = FakeCluster(2)
-    nodes = [
-        Node(
-            cluster.service(p),
-            p,
-            2,
-            channel=lambda: getattr(local, "channel", None),
-            is_main=lambda: True,
-        )
-        for p in range(2)
-    ]
+def test_a_late_process_and_another_sequence_are_no_difference():
+    """Agreements that pass once a slow process comes, or on another channel, raise nothing."""
+    nodes = FakeCluster(2).nodes()
 
     def body(node: Node) -> Any:
-        def loader() -> None:  # waits at "y" on a channel of its own: process 1's at once
-            local.channel = "loader"
+        def loader() -> None:  # agrees at "y" on a sequence of its own
             time.sleep(1.5 if node.me == 0 else 0.0)
-            _wait_at(node, "agree", "y", "y")
+            agreement.agree(node, "c:loader", "y", "s", "r", timeout=30.0)
 
         helper = threading.Thread(target=loader)
         helper.start()
         if node.me == 1:
-            # Late, five probe intervals: process 0's main thread waits at "x" meanwhile, and
-            # process 1's other thread at "y", which process 0 has not reached: not a cycle,
-            # as they are on different channels.
-            time.sleep(1.0)
-        outcome = _wait_at(node, "check", "x", "x")
+            time.sleep(1.0)  # late: process 0's main sequence waits at "x" meanwhile
+        outcome = _wait_at(node, "x", "x")
         helper.join()
-        return outcome.agreed, node.waits.stale
+        return outcome.agreed
 
-    assert _together(nodes, body) == [(True, False), (True, False)]
+    assert _together(nodes, body) == [True, True]
 
 
 # ---- failure posts and the "did not arrive" words ------------------------------------------
@@ -787,3 +669,58 @@ def test_one_wording_for_processes_that_did_not_arrive():
         "processes 2,5 did not call gather within 0.5 s"
     )
     assert absent.stopped_waiting([0]) == "process 0 stopped waiting"
+
+
+# ---- places: waits in a channel's order outside its agreements --------------------------------
+
+
+def test_an_agreement_and_a_caller_inside_a_step_it_has_not_taken_are_a_cycle():
+    # Process 1's caller stays inside step 3 of an iterator (it waits in that step's collective);
+    # process 0 took 2 steps and waits at an agreement: each waits for the other. Process 0
+    # raises at its first look, naming both places, and tells process 1, whose watch reads it.
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> Any:
+        if node.me == 1:
+            moving = places.Moving(node, "main", "steps:it", "step {step} of the batches")
+            moving.took(3, inspect.currentframe())
+            deadline = time.monotonic() + 20.0
+            while time.monotonic() < deadline:  # the watch's periods
+                told = moving.look()
+                if told is not None:
+                    return told
+                time.sleep(0.1)
+            return "not told"
+        node.counts["steps:it"] = 2
+        start = time.monotonic()
+        try:
+            _wait_at(node, "programs", "the first compilation")
+        except DivergenceError as e:
+            return e, time.monotonic() - start
+        return "agreed"
+
+    (error, waited), told = _together(nodes, body)
+    assert waited < 10.0, waited  # at the first looks, not after the 30 s timeout
+    assert (error.processes, error.field) == ([0, 1], "order")
+    assert "process 0 at tests/test_coord.py:" in str(error), str(error)
+    assert "(the first compilation); process 1 at tests/test_coord.py:" in str(error), str(error)
+    assert "(step 3 of the batches)." in str(error), str(error)
+    assert isinstance(told, DivergenceError), told
+    assert str(told) == str(error)
+
+
+def test_a_caller_inside_a_step_the_others_took_is_no_cycle():
+    # The same, but process 0 has taken step 3 too: process 1 will come to the agreement.
+    nodes = FakeCluster(2).nodes()
+    mine = places.Place("main", "", 0, "an agreement", "here")
+    node = nodes[0]
+    node.counts["steps:it"] = 3
+    moving = {1: places.Place("main", "steps:it", 2, "step 3", "there", moving=True)}
+    assert places.cycle(node, mine, moving) is None
+    other_channel = {1: places.Place("c:loader", "steps:it", 5, "step 6", "there", moving=True)}
+    assert places.cycle(node, mine, other_channel) is None
+    node.counts["steps:it"] = 2
+    assert places.cycle(node, mine, moving) is not None
+    assert places.cycle(node, moving[1], {1: mine}) is None  # a moving place never decides
+    for n in nodes:
+        n.stop()

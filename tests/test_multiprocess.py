@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from ranks import processes as ranks
 
-from meshkit._src.coord.barrier import PROBE_S
 from meshkit.testing import launch_in_processes, run_in_processes
 
 pytestmark = pytest.mark.multiprocess
@@ -139,7 +138,7 @@ def test_agreements_are_numbered_per_call():
         ], (me, seen)
 
 
-def test_checks_meet_at_one_barrier_per_summary_and_fail_fast():
+def test_checks_agree_in_a_few_round_trips_and_fail_fast():
     results = run_in_processes(ranks.checks, devices_per_process=1, timeout=120)
     for me, seen in enumerate(results):
         steady = seen[:6]
@@ -147,12 +146,11 @@ def test_checks_meet_at_one_barrier_per_summary_and_fail_fast():
             assert agreed, (me, seen)
             assert records == [(me, f"{me}:{summary}")], (me, seen)
             assert (missing, gave_up) == ((), ()), (me, seen)
-        # One round trip per call once processes agree, alternating summaries included (the
-        # first call of block 0 is process 0's garbage collection, which deletes nothing). A
-        # call that waited PROBE_S for the other process (a loaded machine) also probed: its
-        # record was posted and read. One that did not wait so long cannot have.
-        for call in steady[1:]:
-            assert call[5] == 1 or (call[5] > 1 and call[6] >= PROBE_S), (me, seen)
+        # O(1) round trips per call whatever the summaries: a summary that is not the one the
+        # sequence predicts (none here: no pattern repeats) is posted, counted and decided in
+        # at most four (the last arrival reads the posts once and writes the verdict).
+        for call in steady:
+            assert 2 <= call[5] <= 4, (me, seen)
         different = seen[6]
         assert different[:5] == (f"c{me}", False, [(0, "0:c0"), (1, "1:c1")], (), ()), (me, seen)
         assert different[6] < 10.0, (me, seen)  # fast: the timeout is 60 s

@@ -27,7 +27,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh, PartitionSpec
 
-from .._src.sharding.mesh import make_mesh
+from .._src.arrays.meshes import make_mesh
 from .._src.sharding.specs import dim_axes
 
 __all__ = [

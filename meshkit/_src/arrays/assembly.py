@@ -156,14 +156,17 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_record(tag: str, record: Record, *, later: bool = False) -> None:
+def publish_record(
+    tag: str, record: Record, *, later: bool = False, channel: str | None = None
+) -> None:
     """Post this process's record of the next agreement under ``tag`` without waiting for others.
 
     Used when this process leaves a sequence of agreements (a failure, an iterator closed
     early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
-    the tag is verified beside the caller (`exchange_records_later`).
+    the tag is verified beside the caller (`exchange_records_later`). ``channel``: the channel
+    whose next agreement it is, when another thread's (default the caller's).
     """
-    _agree.leave(tag, json.dumps(record.wire()), later=later)
+    _agree.leave(tag, json.dumps(record.wire()), later=later, channel=channel)
 
 
 def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -32,13 +33,15 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
+from ..coord import agreement as _agreement
 from ..coord import channel as _channel
+from ..coord import places as _places
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
-from ..core.frames import user_stacklevel
+from ..core.frames import user_frame, user_stacklevel
 from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
@@ -47,7 +50,6 @@ from ..lifecycle import watchdog as _watchdog
 from . import ahead as _ahead
 from . import assembly as _assembly
 from . import closes as _closes
-from . import position as _position
 from . import resume as _resume
 from .dtypes import warn_notes
 from .records import Record
@@ -184,9 +186,14 @@ class GlobalBatches(Iterator[Any]):
             target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
-        self._position: _position.Position | None = None
+        self._moving: _places.Moving | None = None
         if self._together and self._node is not None:
-            self._position = _position.Position(self._node, self._tag, self.steps)
+            self._moving = _places.Moving(
+                self._node,
+                _agreement.channel_sequence(self._node),
+                "steps:" + self._tag,
+                "step {step} of " + _WHAT,
+            )
             _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
@@ -199,16 +206,28 @@ class GlobalBatches(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        position = self._position
-        if position is None:
+        moving = self._moving
+        if moving is None:
             return self._next()
-        position.in_next = True
+        moving.asking = True
         try:
             batch = self._next()
         finally:
-            position.in_next = False
-        position.took(self.steps)
+            moving.asking = False
+        moving.took(self.steps, user_frame(sys._getframe(1)))
         return batch
+
+    def _look(self) -> bool:
+        """The watch's look at the caller (`places.Moving.look`); True: it is in a cycle."""
+        assert self._moving is not None
+        error = self._moving.look()
+        if error is None:
+            return False
+        with self._lock:
+            if self._gone is None:
+                self._gone = error
+        self._fail(error)
+        return True
 
     def _next(self) -> Any:
         item = self._handoff.get()
@@ -282,22 +301,6 @@ class GlobalBatches(Iterator[Any]):
             self._leave(_closes.TOOK)  # the closers wait for it before they go on
             self._fail(error)
 
-    def _look(self) -> bool:
-        """The watch's look at where the caller is (`position.Position.look`), once a period.
-
-        True: the caller waits in a cycle with another process (kept for its next meshkit
-        call, or the process ends).
-        """
-        assert self._position is not None
-        error = self._position.look()
-        if error is None:
-            return False
-        with self._lock:
-            if self._gone is None:
-                self._gone = error
-        self._fail(error)
-        return True
-
     def _fail(self, error: DivergenceError) -> None:
         """Keep ``error`` for the caller's next meshkit call; end the process if none comes.
 
@@ -336,7 +339,8 @@ class GlobalBatches(Iterator[Any]):
                 return
             self._released = True
             steps = self._closed_after
-        _assembly.publish_record(self._tag, Record(status="closed", steps=steps))
+        # on the helper's channel: its next agreement is the one the others' helpers wait at
+        _assembly.publish_record(self._tag, Record(status="closed", steps=steps), channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.

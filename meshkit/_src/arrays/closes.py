@@ -190,10 +190,10 @@ def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
 class Watch(threading.Thread):
     """Reads the posts of ``tag`` every `period` until one is found or ``stop`` is set.
 
-    First ``tick()`` runs (the caller's position: `meshkit._src.arrays.position`; True ends
-    the watch), then the posts are read: ``heard(closers)`` runs in this thread at the first
-    non-empty read. A read that fails (the service is gone: the failure watch reports that)
-    ends the watch.
+    First ``tick()`` runs (the caller's place: `meshkit._src.coord.places.Moving`; True ends
+    the watch), then ``heard(closers)`` runs in this thread at the first non-empty read. A
+    read that fails
+    (the service is gone: the failure watch reports that) ends the watch.
     """
 
     def __init__(

@@ -1,23 +1,15 @@
-"""Cross-process agreement in O(1) coordination-service round trips per process and call.
+"""This process's agreements: the one primitive (`agreement`) over JAX's coordination service.
 
 Every cross-process check of meshkit (the pieces of `global_array_from_local`, debug mode's
-call fingerprints, `make_mesh`, `barrier`, the steps of `global_batches`) asks one question:
-*did every process arrive, and do their summaries agree?* This module answers it for the
-calling process, through the coordination service of `jax.distributed` (`service.JaxService`),
-never through a device collective (those are what hang when processes diverge). Three forms, by
-what the caller needs, each a protocol of its own module over `service.Service`:
+call fingerprints, `make_mesh`, `barrier`, the steps of `global_batches`, first compilations)
+asks one question: *did every process arrive, and do their summaries agree?* `agree` and
+`check` answer it in the caller's thread, at the next agreement of the caller's channel
+(`agreement.agree`: two round trips per process in a steady loop); a difference, a process that
+did not come, or processes at different agreements are found by that call. `agree_later`
+(`window`) is the deferred form: verified beside the caller, on windows of calls.
 
-- `check` (`barrier`): any difference is an error; one barrier wait per process and call.
-- `agree` (`counter`): records that may legitimately differ (the sizes of an uneven batch, host
-  arguments); every process gets every record whenever they differ.
-- `agree_later` (`window`): `agree` verified beside the caller on windows of calls, by a
-  thread per tag; a disagreement is raised by this process's next meshkit call (`settle`).
-
-A process that leaves a sequence of agreements calls `leave` (`leave_check` for a tag of
-`check`), so the others learn at once, from its record, why it will not come.
-
-Keys are grouped in blocks of ``BLOCK`` agreements; process 0 deletes a block once every
-process is two blocks past it, so the store does not grow in a long run.
+A process that will not come to its next agreement calls `leave`, so the others learn at once,
+from its record, why.
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ..core import compat as _compat
 from ..core import env as _env
 from ..lifecycle import exit as _exit
-from . import barrier as _barrier
-from . import counter as _counter
+from . import agreement as _agreement
 from . import window as _window
 from .node import BLOCK, Group, Node, Outcome, Record
 from .service import JaxService, Stats
@@ -40,7 +31,6 @@ __all__ = [
     "LINGER_S",
     "MAX_PENDING",
     "PERIOD",
-    "PROBE_S",
     "WINDOW",
     "Outcome",
     "agree",
@@ -49,7 +39,6 @@ __all__ = [
     "drain",
     "in_step",
     "leave",
-    "leave_check",
     "settle",
     "stats",
     "tag_part",
@@ -59,7 +48,6 @@ WINDOW = _window.WINDOW
 PERIOD = _window.PERIOD
 MAX_PENDING = _window.MAX_PENDING
 LINGER_S = _window.LINGER_S
-PROBE_S = _barrier.PROBE_S
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
 failures: deque[BaseException] = deque()  # disagreements found beside the caller, for `settle`
@@ -99,40 +87,55 @@ def settle() -> None:
 
 
 def in_step() -> None:
-    """Forget that processes went out of step (`Node.in_step`): every process finished its work."""
+    """Every process finished its work: forget out-of-step errors, restart the sequences.
+
+    `Node.in_step`, then `agreement.restart` (a process that skipped an agreement is in step
+    with the others again).
+    """
     if _node is not None:
         _node.in_step()
+        _agreement.restart(_node)
 
 
 def agree(
     tag: str,
     summary: str,
-    record: str,
+    record: Record,
     *,
     timeout: float,
     groups: Mapping[str, Group] | None = None,
     what: str = "",
 ) -> Outcome:
-    """`counter.agree` for this process (see there); first raises what `agree_later` found."""
+    """`agreement.agree` at the caller's channel's next agreement; first raises what is pending.
+
+    ``tag`` names the agreement's site; ``record`` (or the function that makes it) is made only
+    when shown. The windows of the caller's channel (`agree_later`) are verified first.
+    """
     here = node()
     if here is not None:
         _window.sync_point(here, timeout)
     settle()
     if here is None:
-        return Outcome(True, {_compat.distributed_state()[1]: record})
-    return _counter.agree(here, tag, summary, record, timeout=timeout, groups=groups, what=what)
+        return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
+    return _agreement.agree(
+        here,
+        _agreement.channel_sequence(here),
+        tag,
+        summary,
+        record,
+        timeout=timeout,
+        groups=groups,
+        what=what,
+    )
 
 
 def check(tag: str, summary: str, record: Record, *, timeout: float, what: str = "") -> Outcome:
-    """`barrier.check` for this process (see there); first raises what `agree_later` found."""
-    here = node()
-    if here is not None:
-        _window.sync_point(here, timeout)
-    settle()
-    if here is None:
-        me = _compat.distributed_state()[1]
-        return Outcome(True, {me: record if isinstance(record, str) else record()})
-    return _barrier.check(here, tag, summary, record, timeout=timeout, what=what)
+    """`agree` where any difference is an error (the same primitive; kept for its callers)."""
+    return agree(tag, summary, record, timeout=timeout, what=what)
+
+
+def _text(record: Record) -> str:
+    return record if isinstance(record, str) else record()
 
 
 def agree_later(
@@ -167,13 +170,21 @@ def agree_later(
     settle()
 
 
-def leave(tag: str, record: str, *, later: bool = False, wait: float | None = None) -> None:
-    """Tell the processes at ``tag``'s next agreement that this one will not come, and why.
+def leave(
+    tag: str,
+    record: str,
+    *,
+    later: bool = False,
+    wait: float | None = None,
+    channel: str | None = None,
+) -> None:
+    """Tell the processes at this channel's next agreement that this one will not come, and why.
 
     ``later``: the tag is agreed beside the caller (`agree_later`); its thread arrives for the
     first call this process will not make, and this call waits until it has (at most ``wait``
     seconds, default the check timeout; a record not posted by then leaves the others to their
-    timeout).
+    timeout). ``channel``: the channel whose next agreement it is (default the caller's), for a
+    thread that leaves for another (a close for an iterator's helper thread).
     """
     here = node()
     if here is None:
@@ -181,14 +192,7 @@ def leave(tag: str, record: str, *, later: bool = False, wait: float | None = No
     if later:
         _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
     else:
-        _counter.leave(here, tag, record)
-
-
-def leave_check(tag: str, record: str) -> None:
-    """`barrier.leave_check` for this process: never waits."""
-    here = node()
-    if here is not None:
-        _barrier.leave_check(here, tag, record)
+        _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 
 
 def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:

@@ -17,6 +17,7 @@ name theirs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -27,7 +28,11 @@ from ..core.errors import MeshkitError
 
 __all__ = ["channel", "current", "numbered", "paired", "scoped"]
 
-_local = threading.local()
+# A context variable, not a thread-local: a helper that agrees for the caller (the check made
+# beside a copy, in `contextvars.copy_context().run`) agrees on the caller's channel.
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "meshkit_channel", default=None
+)
 _lock = threading.Lock()
 _owners: dict[str, int] = {}  # channel name -> the thread using it now
 _counts: dict[str, int] = {}  # numbered(): per scoped name, how many were made
@@ -82,12 +87,12 @@ def channel(name: str) -> Iterator[None]:
                 "Consider one channel name per thread."
             )
         _owners[name] = me
-    previous = getattr(_local, "name", None)
-    _local.name = name
+    previous = _current.get()
+    _current.set(name)
     try:
         yield
     finally:
-        _local.name = previous
+        _current.set(previous)
         with _lock:
             if previous != name and _owners.get(name) == me:
                 del _owners[name]
@@ -95,7 +100,7 @@ def channel(name: str) -> Iterator[None]:
 
 def current() -> str | None:
     """This thread's channel: its name, or None for the main thread outside any `channel`."""
-    return getattr(_local, "name", None)
+    return _current.get()
 
 
 def paired() -> bool:

@@ -1,6 +1,7 @@
 """One process's end of coordination: its service, its place, and the protocols' state.
 
-The protocols (`meshkit._src.coord.counter`, `barrier`, `window`) keep everything they know
+The agreement primitive (`meshkit._src.coord.agreement`) and the windows beside the caller
+(`meshkit._src.coord.window`) keep everything they know
 in a `Node`, never in module globals, so that several "processes" can run in one Python process
 over `meshkit._src.coord.fake` (the unit tests do). `meshkit._src.coord.agree` holds the
 process's node over the real service.
@@ -9,23 +10,21 @@ process's node over the real service.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import env as _env
 from ..core import program_thread as _program_thread
-from ..core.errors import DivergenceError, MeshkitError, OutOfStep
+from ..core.errors import MeshkitError, OutOfStep
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
-from . import waits as _waits
 from .service import Counted, Service, Stats
 
 _LOG = logger("coord")
@@ -38,19 +37,8 @@ def _say(text: str) -> None:  # an error no call can raise: a helper thread's, o
 __all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
 
 BLOCK = 64  # agreements per key block (one delete per block)
-SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
-MAX_PROCESSES = (1 << SHIFT) - 1
-OK, CHECK = "ok", "check"
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
-# A synchronous wait still waiting after this long compares where the processes wait (then
-# after 2x, 4x, ... up to PROBE_MAX_S): `check`'s records, and every process's waits
-# (`meshkit._src.coord.waits`).
-PROBE_S = 0.2
-PROBE_MAX_S = 5.0
-# After raising a cycle, a process goes on probing this long (at the same doubling intervals)
-# for processes that join the cycle later, whose waits only the others can refuse.
-LINGER_S = 60.0
 # `agree_later` with ``verdict_on_change``: a call whose summary repeats its tag's summary PERIOD
 # calls back goes on at once; any other waits for its verdict. Loops whose pattern repeats within
 # PERIOD calls (1, 2, 3, 4, 6 or 12 calls: a step; a batch and a step; a batch, a step and a
@@ -101,8 +89,6 @@ class Posted:
     record: str
     groups: Mapping[str, Group] = field(default_factory=dict)
     gave_up: bool = False
-    digest: str = ""  # `check`: the digest whose barrier the process waits at
-    epoch: int | None = None  # `check`: the epoch of that barrier's name
     waited: bool = False  # a window's call: its caller waited for the verdict (did not go on)
 
     def fields(self) -> dict[str, Any]:
@@ -127,24 +113,8 @@ class Posted:
 
 
 @dataclass
-class CounterState:
-    """`agree`'s memory of a tag: the previous summary, to skip comparing an unchanged one."""
-
-    last: str | None = None  # digest of the summary of the previous call, None: unknown
-    last_summary: str | None = None  # that summary, when it had no groups (a shortcut)
-
-
-@dataclass
-class BarrierState:
-    """`check`'s memory of a tag: which barrier names are in use."""
-
-    epoch: int = 0  # barrier names move on after a failed check
-    last: str | None = None  # digest of the previous check's summary (`leave_check` spoils it)
-
-
-@dataclass
 class Call:
-    """One agreement of the counter protocol, as this process makes it."""
+    """One call of `agree_later`, or one window of them, as this process makes it."""
 
     seq: int
     flag: bool  # the summary differs from this process's previous one (or must be compared)
@@ -196,36 +166,11 @@ class Tag:
     name: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
-    counter: CounterState = field(default_factory=CounterState)
-    barrier: BarrierState = field(default_factory=BarrierState)
     window: WindowState | None = None  # set once: the tag is agreed beside the caller
 
 
 def key(tag: str, seq: int, part: str) -> str:
     return f"meshkit/{tag}/{seq // BLOCK}/{part}/{seq}"
-
-
-def digest(summary: str, groups: Mapping[str, Group]) -> str:
-    h = hashlib.blake2b(summary.encode(), digest_size=16)
-    for name in sorted(groups):
-        h.update(b"\0" + name.encode() + b"\0" + groups[name][1].encode())
-    return h.hexdigest()
-
-
-def changed(state: Tag, summary: str, groups: Mapping[str, Group]) -> bool:
-    """Whether the summary differs from this process's previous one; the caller holds the lock.
-
-    A summary without groups that is the previous one (often the very same string: a layout seen
-    before) is not hashed again.
-    """
-    counter = state.counter
-    if not groups and counter.last is not None and summary is counter.last_summary:
-        return False
-    new = digest(summary, groups)
-    flag = new != counter.last
-    counter.last = new
-    counter.last_summary = None if groups else summary
-    return flag
 
 
 def _exit_1() -> None:
@@ -260,9 +205,9 @@ class Node:
         on_unraised: Callable[[], None] | None = None,
         is_main: Callable[[], bool] | None = None,
     ) -> None:
-        if n > MAX_PROCESSES:
+        if n >= 1 << 16:
             raise MeshkitError(
-                f"meshkit: {n} processes exceed the {MAX_PROCESSES} the agreement counters hold."
+                f"meshkit: {n} processes exceed the {(1 << 16) - 1} the agreement counters hold."
             )
         self.stats = Stats() if stats is None else stats
         self.service = Counted(service, self.stats)
@@ -277,9 +222,9 @@ class Node:
         self.tags: dict[str, Tag] = {}
         self.tags_lock = threading.Lock()
         self.live: set[str] = set()  # tags agreed beside the caller (each has a thread)
-        self.prober_lock = threading.Lock()
-        self.prober: threading.Thread | None = None  # `check`'s, started at its first probe
-        self.waits = _waits.Waits()  # this process's synchronous waits (`check`, `agree`)
+        self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
+        # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
+        self.counts: dict[str, int] = {}
         # meshkit's threads serving this process, each with the condition that wakes it
         self.threads: list[tuple[threading.Thread, threading.Condition]] = []
 
@@ -293,183 +238,23 @@ class Node:
     def read(self, key: str, deadline: float) -> str | None:
         """The value of ``key`` once written; None if it is not written before ``deadline``.
 
-        Outside the main thread, waits in slices of `SLICE_S`, and gives up (None) once the
-        process exits (``stopping``): a thread must not be inside a blocking call then. A
-        thread in a synchronous wait (`waited`) waits in slices of `PROBE_S`, doubling, and
-        compares where the processes wait after each (`probe_waits`): it raises the
-        `DivergenceError` of processes waiting at different agreements.
+        Outside the program's thread, waits in slices of `SLICE_S`, and gives up (None) once
+        the process exits (``stopping``): a thread must not be inside a blocking call then.
         """
-        me = threading.get_ident()
-        main = _program_thread.is_program_thread()
-        probing = self.waits.registered(me)
-        period = PROBE_S
-        while main or not self.stopping.is_set():
+        if self.is_main():
+            return self.service.get(key, max(deadline - time.monotonic(), 0.001))
+        while not self.stopping.is_set():
             now = time.monotonic()
-            if probing:
-                end = min(deadline, now + (period if main else min(period, SLICE_S)))
-            else:
-                end = deadline if main else min(deadline, now + SLICE_S)
-            value = self.service.get(key, max(end - now, 0.001))
-            if value is not None:
+            value = self.service.get(key, max(min(deadline, now + SLICE_S) - now, 0.001))
+            if value is not None or time.monotonic() >= deadline:
                 return value
-            if time.monotonic() >= deadline or (main and not probing):
-                return None
-            if probing:
-                self.probe(me)
-                period = min(period * 2, PROBE_MAX_S)
         return None
-
-    @contextlib.contextmanager
-    def waited(self, tag: str, seq: int, what: str, barrier: str = "") -> Iterator[None]:
-        """Register the calling thread's synchronous wait at agreement ``seq`` of ``tag``.
-
-        ``barrier``: the barrier it waits at (`check`), which a process that finds it in a
-        cycle refuses, so that it returns.
-        """
-        if self.waits.clear_stale():  # the waits of a cycle raised before: no longer true
-            self.forget_waits()
-        channel = self.channel()
-        if channel is None and not self.is_main():
-            yield  # a thread outside any channel: its place in the order is not defined
-            return
-        thread = self.waits.enter(channel, tag, seq, what or tag, barrier)
-        try:
-            yield
-        finally:
-            if self.waits.leave(thread):  # the store lists waits of this process, none is left
-                self.forget_waits()
-
-    def probe(self, thread: int) -> None:
-        """`probe_waits`, then raise the cycle found for ``thread`` (`raise_found`), if any."""
-        with contextlib.suppress(Exception):  # a probe that fails leaves the timeout
-            self.probe_waits()
-        self.raise_found(thread)
-
-    def forget_waits(self) -> None:
-        with contextlib.suppress(Exception):  # a failed delete leaves waits that have ended
-            self.service.delete(_waits.PREFIX + str(self.me))
-
-    def probe_waits(self) -> None:
-        """Post this process's waits, read the others'; keep the cycles found (`waits.cycles`)."""
-        mine = self.waits.current()
-        if not mine:
-            return
-        self.service.set(
-            _waits.PREFIX + str(self.me),
-            _waits.encode([w for _, w in mine]),
-            overwrite=True,
-        )
-        self.waits.mark_posted()
-        theirs, notices = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
-        found = _waits.told(mine, notices)
-        if notices:
-            with contextlib.suppress(Exception):
-                self.service.delete(_waits.notice_key(self.me))
-        waits = dict(mine)
-        for thread, error in _waits.cycles(self.me, mine, theirs, self._reached()).items():
-            found.setdefault(thread, error)
-            # the others in the cycle raise the same error
-            others = [q for q in error.processes if q != self.me]
-            self._tell(error, others, theirs, waits[thread].channel)
-        if found:
-            self.waits.keep(found)
-
-    def _reached(self) -> dict[str, int]:
-        """Per tag, how many agreements of it this process has begun."""
-        with self.tags_lock:
-            return {name: state.seq for name, state in self.tags.items()}
-
-    def raise_found(self, thread: int) -> None:
-        """Raise the cycle a probe found for ``thread`` (if any), and linger for late ones.
-
-        A process that joins the cycle after this one raised (its wait began, or was posted,
-        later) finds it at its own probe; but a wait at a barrier (`check`) returns only when
-        another process refuses the barrier. So this process goes on probing, in a thread of
-        its own, and refuses the barriers of the waits that join the cycle, until its next
-        wait, its exit, or `LINGER_S`.
-        """
-        taken = self.waits.take_found(thread)
-        if taken is None:
-            return
-        wait, error, generation = taken
-        lingers = threading.Thread(
-            target=self._refuse_late,
-            args=(wait, set(error.processes), generation),
-            name="meshkit-cycle-linger",
-            daemon=True,
-        )
-        # forget the threads that ended (earlier lingers); one not started yet has no ident
-        self.threads[:] = [(t, c) for t, c in self.threads if t.ident is None or t.is_alive()]
-        self.threads.append((lingers, threading.Condition()))
-        lingers.start()
-        raise error
-
-    def _refuse_late(self, wait: _waits.Wait, told: set[int], generation: int) -> None:
-        """`raise_found`'s probes: tell, and refuse, the waits that join ``wait``'s cycle."""
-        period, end = PROBE_S, time.monotonic() + LINGER_S
-        while not self.stopping.wait(period) and time.monotonic() < end:
-            if not self.waits.lingering(generation):
-                return
-            with contextlib.suppress(Exception):  # a failed probe leaves the others' timeouts
-                theirs, _ = _waits.read(self.service.dir_get(_waits.PREFIX), self.me)
-                found = _waits.cycles(self.me, [(0, wait)], theirs, self._reached()).get(0)
-                late = [q for q in found.processes if q not in told] if found else []
-                if late and found is not None and self.waits.lingering(generation):
-                    self._tell(found, late, theirs, wait.channel)
-                    told.update(late)
-            period = min(period * 2, PROBE_MAX_S)
-
-    def _tell(
-        self,
-        error: DivergenceError,
-        processes: Iterable[int],
-        theirs: dict[int, list[_waits.Wait]],
-        channel: str,
-    ) -> None:
-        """Tell ``processes`` of the cycle ``error`` they wait in, and refuse their barriers."""
-        for q in processes:
-            for v in theirs.get(q, []):
-                if v.channel != channel:
-                    continue
-                said = _waits.notice(error, v)  # told first, then woken from its barrier
-                self.service.set(_waits.notice_key(q), said, overwrite=True)
-                if v.barrier:
-                    self.spoil(v.barrier)
-
-    def spoil(self, barrier: str) -> None:
-        """Arrive at ``barrier`` as its only participant: the service refuses it to its waiters."""
-        with contextlib.suppress(Exception):  # refused (others wait there), or passed alone
-            self.service.barrier(barrier, 0.001, [self.me])
 
     def collect_garbage(self, tag: str, seq: int) -> None:
         """Process 0 deletes the key block two blocks behind, which every process has left."""
         if self.me == 0 and seq % BLOCK == 0 and seq >= 2 * BLOCK:
             with contextlib.suppress(Exception):  # a failed delete only leaves keys behind
                 self.service.delete(f"meshkit/{tag}/{seq // BLOCK - 2}/")
-
-    def write(self, tag: str, seq: int, posted: Posted, overwrite: bool = False) -> None:
-        """Post this process's record of agreement ``seq`` (read by `collect`)."""
-        self.service.set(f"{key(tag, seq, 'r')}/{self.me}", posted.to_json(), overwrite=overwrite)
-
-    def collect(
-        self, tag: str, seq: int, arrived: int, deadline: float
-    ) -> tuple[dict[int, str], tuple[int, ...], tuple[int, ...]]:
-        """Every posted record of ``seq``, who posted none, and who gave up waiting.
-
-        Waits (until ``deadline``) for ``arrived`` records.
-        """
-        prefix = key(tag, seq, "r") + "/"
-        while True:
-            entries = self.service.dir_get(prefix)
-            records = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
-            done = len(records) >= arrived or time.monotonic() >= deadline
-            if done or self.stopping.is_set():
-                break
-            time.sleep(0.05)
-        missing = tuple(p for p in range(self.n) if p not in records)
-        posted = {p: Posted.from_json(v) for p, v in records.items()}
-        gave_up = tuple(sorted(p for p, v in posted.items() if v.gave_up))
-        return {p: v.record for p, v in posted.items()}, missing, gave_up
 
     def fail(self, error: BaseException, grace: float | None, *, quiet: bool = False) -> None:
         """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.

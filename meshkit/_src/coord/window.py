@@ -2,9 +2,9 @@
 
 Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
 by default, after its first call), then writes how many calls it holds; the others take as many
-of theirs, and the window is one agreement on the list of its calls' summaries (`check`'s
-barrier, or `agree`'s counters when replica groups are compared): two or three round trips per
-process and window however many calls it holds. A caller that needs a verdict before it goes on
+of theirs, and the window is one agreement on the list of its calls' summaries (the
+`agreement` primitive, on the window thread's own sequence): three round trips per process and
+window however many calls it holds. A caller that needs a verdict before it goes on
 drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
 calls may be unverified, and a disagreement is printed when found and raised by this process's
 next meshkit call (`Node.settle`).
@@ -25,20 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.errors import OutOfStep
+from ..core.frames import place as place_of
+from ..core.frames import user_frame
 from . import absent as _absent
-from . import barrier as _barrier
-from . import counter as _counter
+from . import agreement as _agreement
+from . import places as _places
 from .node import (
     LEFT,
     PERIOD,
-    PROBE_MAX_S,
-    PROBE_S,
     Call,
     Group,
     Node,
@@ -48,8 +50,6 @@ from .node import (
     Record,
     Tag,
     WindowState,
-    changed,
-    digest,
     key,
     text,
 )
@@ -75,7 +75,6 @@ LINGER_S = 0.1
 # phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
-CALLS = "#calls"  # + a tag: the count of this process's calls of it (for `Node._reached`)
 
 
 def agree_later(
@@ -102,22 +101,21 @@ def agree_later(
     ``repeat_returns``: a call that goes on returns its result to its caller at once
     (`global_array_from_local`'s arrays), so processes that went on past a call that raised
     here may be computing with it: this process is then out of step (`OutOfStep`).
-    ``what``: the call in words, for a message naming processes that wait at different
-    agreements: a call waiting for its verdict is the n-th agreement of the tag's *calls tag*
-    (``tag + CALLS``), which counts the calls this process made (`Node.waited`).
+    ``what``: the call in words, for a message naming processes that wait at different places
+    of the channel's order (`places`): a call waiting for its verdict is there as the n-th call
+    of the tag.
     """
-    state, window = windowed(node, tag)
-    calls = node.tag(tag + CALLS)
+    _, window = windowed(node, tag)
+    calls = "calls:" + tag
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
-        flag = changed(state, summary, groups)
-        number = calls.seq
-        calls.seq += 1
         waits = not _repeats(window, summary) and verdict_on_change
-        call = Call(-1, flag, summary, groups, record, time.monotonic(), timeout)
+        number = node.counts.get(calls, 0)
+        node.counts[calls] = number + 1
+        call = Call(-1, False, summary, groups, record, time.monotonic(), timeout)
         window.queue.append(Queued(call, on_outcome, waits))
         window.on_outcome = on_outcome
         window.linger = linger
@@ -141,26 +139,29 @@ def agree_later(
 def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) -> None:
     """Wait until call ``number`` of ``tag`` (and those before it) is verified, or ``timeout``.
 
-    The wait is registered as agreement ``number`` of the tag's calls tag (`Node.waited`) and,
-    as `Node.read` does, probes at doubling intervals: processes waiting at different
-    agreements (one at this verdict, another at a program's first compilation) raise the
-    `DivergenceError` naming both places at once, not after the timeout.
+    A long wait is a `places.Place` of the caller's channel (the n-th call of the tag): a
+    process waiting at another agreement before it made that call is in a cycle with it, and
+    both raise at once, not after the timeout.
     """
     deadline = time.monotonic() + timeout
-    period = PROBE_S
-    with node.waited(tag + CALLS, number, what or tag):
-        me = threading.get_ident()
-        probing = node.waits.registered(me)
+    place = _places.Place(
+        _agreement.channel_sequence(node), "calls:" + tag, number, what or tag,
+        place_of(user_frame(sys._getframe(2))),
+    )  # fmt: skip
+    waiting = _places.Waiting(node, place)
+    try:
+        period = _places.FIRST_S
         while not node.drain(min(period, max(deadline - time.monotonic(), 0.0)), tags=[tag]):
             if time.monotonic() >= deadline:
                 return
-            if probing:
-                node.probe(me)
-            period = min(period * 2, PROBE_MAX_S)
-        if probing and node.unraised():
-            # The window failed (another process left, say): a process that found this wait in
-            # a cycle told it so before it raised and left, and that is the cause to raise.
-            node.probe(me)
+            waiting.look()
+            period = waiting.period
+        if waiting.posted and node.unraised():
+            # The window failed (another process left): one in a cycle with this wait told it
+            # so before it raised and left, and that is the cause to raise.
+            waiting.look()
+    finally:
+        waiting.end()
 
 
 def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
@@ -210,11 +211,10 @@ def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
 
     The tag's thread arrives for the first call this process will not make.
     """
-    state, window = windowed(node, tag)
+    _, window = windowed(node, tag)
     with window.cond:
         window.left_posted.clear()
         window.left = record
-        state.counter.last = None
         window.cond.notify_all()
     window.left_posted.wait(wait)
 
@@ -245,27 +245,18 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
                 return  # the process exits
             taken, left = _take(node, window, decided)
             agreement = _window(seq, taken, left, decided, head)
-            if agreement.groups:  # replica groups are compared per group: the counter protocol
-                total = _counter.increment(node, key(tag, seq, "c"), agreement.flag)
-                outcome = _counter.settle_call(node, tag, agreement, total)
-            else:  # one barrier per window, named by its summaries (as `check`)
-                with state.lock:
-                    epoch = state.barrier.epoch
-                outcome = _barrier.meet(
-                    node,
-                    state,
-                    seq,
-                    epoch,
-                    digest(agreement.summary, {}),
-                    agreement.summary,
-                    agreement.record,
-                    agreement.arrived + agreement.timeout,
-                )
+            outcome = _agreement.agree(
+                node,
+                "w:" + _agree_tag(tag),
+                tag,
+                agreement.summary,
+                agreement.record,
+                timeout=max(agreement.arrived + agreement.timeout - time.monotonic(), 0.001),
+                groups=agreement.groups,
+            )
             if stopping.is_set():
                 return  # the process exits: its last window is not reported
             if not outcome.agreed:
-                with state.lock:
-                    state.counter.last = None  # the next call compares again
                 _report(window, taken, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
             if any(q.waits for q in taken):
@@ -382,7 +373,10 @@ def _window(
     flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
     flag = flag or decided == _LEFT_WINDOW
     groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
-    summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
+    if len(runs) == 1 and runs[0].count == wanted:  # one run of the window's size: the same
+        summary = json.dumps([{"summary": runs[0].summary, "count": "all"}])  # every window
+    else:
+        summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
     started = head.arrived if head is not None else time.monotonic()
     timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
     return Call(seq, flag, summary, groups, record, started, timeout)
@@ -440,3 +434,7 @@ def sync_point(node: Node, timeout: float) -> None:
         if mine:
             node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
     node.settle()
+
+
+def _agree_tag(tag: str) -> str:
+    return urllib.parse.quote(tag, safe="")

@@ -4,7 +4,7 @@ In a multi-process program, every computation JAX compiles for devices of severa
 (`jax.jit`, `jax.shard_map` inside it, `jax.pmap`, and `meshkit.spmd` and
 `meshkit.pmap_compat`, which build on them) is fingerprinted in each process and agreed on
 before it first runs: the StableHLO module without source locations, hashed. The processes
-agree on it through the coordination service's counters (`meshkit._src.coord.counter`: a few
+agree on it through the coordination service (`meshkit._src.coord.agreement`: a few
 round trips per compilation, a record of about 200 bytes each); a computation already compiled
 runs as before, with nothing added per call. Only after a difference do the processes exchange
 their arguments (name, type, sharding of each), to name the first that differs. A process that

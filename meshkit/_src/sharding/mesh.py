@@ -24,21 +24,24 @@ import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ..coord import absent as _absent
-from ..coord import agree as _agree
-from ..coord import channel as _channel
-from ..core import compat as _compat
-from ..core import env as _env
 from ..core.errors import MeshkitError, ranges
 from ..core.tracebacks import public
-from ..runtime import dispatch as _dispatch
 from ..runtime import hosts as _hosts
 
-__all__ = ["describe", "make_mesh", "order_devices"]
+__all__ = [
+    "AxisTypeLike",
+    "across_positions",
+    "axis_types_of",
+    "describe",
+    "domains",
+    "order_devices",
+    "parse_axes",
+    "resolve_sizes",
+]
 
 AxisTypeLike = AxisType | str
 
@@ -61,7 +64,7 @@ def _axis_type(value: Any, where: str) -> AxisType:
     )
 
 
-def _parse_axes(axes: Any) -> list[tuple[str, int]]:
+def parse_axes(axes: Any) -> list[tuple[str, int]]:
     """Validate ``axes`` (mapping or (name, size) pairs); sizes may still hold one -1."""
     if isinstance(axes, Mapping):
         items = list(axes.items())
@@ -135,7 +138,7 @@ def _show(items: Sequence[tuple[Any, Any]]) -> str:
     return "{" + ", ".join(f"{n!r}: {s!r}" for n, s in items) + "}"
 
 
-def _resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tuple[int, ...]:
+def resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tuple[int, ...]:
     known = math.prod(s for _, s in parsed if s != -1)
     where = "devices= holds" if given else "the program has"
     if any(s == -1 for _, s in parsed):
@@ -303,7 +306,7 @@ def order_devices(
     return split.transpose(interleave).reshape(tuple(sizes))
 
 
-def _axis_types(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
+def axis_types_of(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
     if axis_types is None:
         return (AxisType.Auto,) * len(names)
     if isinstance(axis_types, AxisType | str):
@@ -326,7 +329,7 @@ def _axis_types(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
     return tuple(_axis_type(t, f"[{i}]") for i, t in enumerate(types))
 
 
-def _across(across_hosts: Any, names: Sequence[str]) -> frozenset[int] | None:
+def across_positions(across_hosts: Any, names: Sequence[str]) -> frozenset[int] | None:
     """The positions of the ``across_hosts`` axes, None when not given."""
     if across_hosts is None:
         return None
@@ -347,130 +350,6 @@ def _across(across_hosts: Any, names: Sequence[str]) -> frozenset[int] | None:
             f"across_hosts={names[0]!r}."
         )
     return frozenset(names.index(a) for a in chosen)
-
-
-def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.ndarray) -> None:
-    if _compat.distributed_state()[2] == 1:
-        return
-    ids = ",".join(str(d.id) for d in grid.flat)
-    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
-    mine = f"{{{shape}}} devices [{ids}]"
-    outcome = _agree.check(
-        _channel.scoped("make_mesh", "meshkit.make_mesh"),
-        mine,
-        mine,
-        timeout=_env.check_timeout(),
-        what="meshkit.make_mesh",
-    )
-    if outcome.agreed:
-        return
-    values, missing = outcome.records, list(outcome.missing)
-    if missing:
-        absent = _absent.did_not(missing, timeout=_env.check_timeout(), arrive="reach make_mesh")
-        raise MeshkitError(
-            f"meshkit.make_mesh: {absent} (the others did, with {mine}).\n"
-            "Every process must call make_mesh, the same number of times and in the same order.\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
-    groups = _absent.by_value(values)
-    if len(groups) > 1:
-        lines = _absent.lines(groups)
-        raise MeshkitError(
-            f"meshkit.make_mesh: processes disagree on the mesh:\n{lines}\n"
-            "Every process must build the same mesh (same axes, sizes and devices).\n"
-            "Consider computing axes from values every process shares (jax.process_count(), "
-            "jax.device_count(), a config file), not from per-process state."
-        )
-
-
-_SITE = _dispatch.CallSite(
-    "make_mesh",
-    "meshkit.make_mesh",
-    info={
-        "params": ("axes", "devices", "axis_types", "across_hosts"),
-        "static_argnums": (0, 1, 2, 3),
-    },
-)
-
-
-@public
-def make_mesh(
-    axes: Mapping[str, int] | Sequence[tuple[str, int]],
-    *,
-    devices: Sequence[Any] | np.ndarray | None = None,
-    axis_types: AxisTypeLike | Mapping[str, AxisTypeLike] | Sequence[AxisTypeLike] | None = None,
-    across_hosts: str | Sequence[str] | None = None,
-) -> Mesh:
-    """Make a `jax.sharding.Mesh` over all devices of all processes.
-
-    Inner (later) axes stay inside one host, and inside one process, whenever the sizes allow,
-    whatever the ranks of a host's processes (hosts as learned by `meshkit.init`); an axis that
-    must straddle hosts or processes does so in whole blocks. With more than one process, the
-    processes check through the coordination service (not a device collective) that they all
-    built the same mesh.
-
-    Args:
-        axes: axis name -> size, outermost first; one size may be ``-1`` to fill the rest.
-            Names must be Python identifiers.
-        devices: the devices to use (default: ``jax.devices()``, every device of every process).
-            All of them are used, with the same number from each process.
-        axis_types: one `jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``,
-            ``"manual"``) for all axes, one per axis, or a mapping name -> type. Default
-            ``Auto`` for every axis, as ``jax.sharding.Mesh`` does: jit then reshards inputs
-            whose layout differs instead of rejecting them.
-        across_hosts: the axis, or axes, that run across hosts (the slow network), the role of
-            ``dcn_mesh_shape`` in JAX's ``create_hybrid_device_mesh``: together they take every
-            factor of the host count, outermost first, and all other axes stay inside a host.
-            Default: the outermost axes that can, as above. On one host it changes nothing.
-
-    Returns:
-        The mesh; JAX's own type, usable wherever JAX takes one.
-
-    Raises:
-        MeshkitError: bad names or sizes, sizes that do not use exactly the devices, unequal
-            devices per process, ``across_hosts`` axes that are not mesh axes or cannot span
-            the hosts, or processes that disagree on the mesh.
-
-    Examples:
-        >>> import meshkit
-        >>> mesh = meshkit.make_mesh({"data": -1, "model": 2})
-        >>> dict(mesh.shape)
-        {'data': 4, 'model': 2}
-    """
-    parsed = _parse_axes(axes)
-    given = devices is not None
-    _dispatch.enter(
-        _SITE,
-        (
-            ",".join(f"{n}={s}" for n, s in parsed),
-            None if devices is None else int(np.size(devices)),
-            repr(axis_types),
-            repr(across_hosts),
-        ),
-    )
-    if devices is None:
-        device_list = list(jax.devices())
-    else:
-        device_list = list(np.asarray(devices, dtype=object).flat)
-        if not device_list:
-            raise MeshkitError("meshkit.make_mesh: devices= is empty.")
-        seen_ids = [d.id for d in device_list]
-        if len(set(seen_ids)) != len(seen_ids):
-            dup = sorted({i for i in seen_ids if seen_ids.count(i) > 1})
-            raise MeshkitError(
-                f"meshkit.make_mesh: devices= lists devices {dup} more than once; each device "
-                "can hold one mesh position."
-            )
-    names = tuple(n for n, _ in parsed)
-    sizes = _resolve_sizes(parsed, len(device_list), given)
-    types = _axis_types(axis_types, names)
-    across = _across(across_hosts, names)
-    n = _compat.distributed_state()[2]
-    hosts = _hosts.table(_env.check_timeout(), "meshkit.make_mesh") if n > 1 else None
-    grid = order_devices(device_list, sizes, host_of=domains(device_list, hosts), across=across)
-    _check_processes_agree(names, sizes, grid)
-    return Mesh(grid, names, axis_types=types)
 
 
 @public

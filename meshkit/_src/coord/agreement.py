@@ -1,0 +1,409 @@
+"""The one agreement primitive: a record per process, one decision, keyed by a sequence.
+
+Each process brings an `Entry` (the agreement's site, the user's line, the summary that must be
+equal everywhere, a record shown when summaries differ, replica-group summaries) to the k-th
+agreement of a *sequence* (a channel's, or a window thread's); the k-th agreement of a sequence
+meets the k-th of every other process under one key, whatever its site. Processes that reach
+different agreements meet there too, and the decision names both sites at once: a mismatch,
+not a deadlock.
+
+Round trips per process (see docs/coordination.md, "The agreement primitive"):
+
+1. A call whose digest is the one its sequence predicts (`predict`: the entry one period
+   back in the agreed history, the same in every process) arrives *unflagged*; any other posts
+   its entry first (one round trip).
+2. One atomic increment of the agreement's counter, ``1 + FLAG`` if flagged: the process whose
+   increment counts ``n`` arrivals is the last, and writes the verdict: ``ok`` when no arrival
+   was flagged, the comparison of the posted entries when all were, ``post`` otherwise (every
+   process then posts, and all compare the same entries). The others read the verdict with one
+   blocking get, bounded by the timeout.
+
+``ok`` is exact: every process agreed at every earlier agreement of the sequence, so all hold
+the same history and predict the same digest, and a process that repeats it holds what every
+process agreed on one period back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..core.errors import DivergenceError
+from ..core.frames import place, user_frame
+from . import absent as _absent
+from . import places as _places
+from .node import BLOCK, LEFT, Group, Node, Outcome, Record, text
+
+__all__ = ["LEFT", "Entry", "agree", "leave", "predict", "restart"]
+
+SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
+ARRIVALS = (1 << SHIFT) - 1
+FLAG = 1 << SHIFT
+OK, DIFFER, POST = "ok", "differ", "post"
+MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
+SPAN = 12  # a period holds over this many agreements before it predicts
+HISTORY = 2 * MAX_PERIOD
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One process's record at one agreement, as it posts it.
+
+    Attributes:
+        site: which agreement this is (its tag: ``make_mesh``, ``programs``, ...).
+        what: the agreement in words, for a message naming processes at different sites.
+        where: the user's line the call came from (``train.py:28 in main``), "?" if none.
+        summary: what must be equal in every process.
+        record: what to show when summaries differ; not compared ("" until shown: ``full``).
+        groups: replica group name -> (its reference process, this process's summary for it);
+            processes sharing a group name must give equal group summaries.
+        gave_up: this process stopped waiting before every process arrived.
+    """
+
+    site: str
+    what: str
+    where: str
+    summary: str
+    record: str
+    groups: Mapping[str, Group] = field(default_factory=dict)
+    gave_up: bool = False
+    full: bool = True  # False: posted to be compared only, without its record (made if shown)
+
+    def to_json(self) -> str:
+        named = asdict(self)
+        named["groups"] = {k: list(v) for k, v in self.groups.items()}
+        return json.dumps(named)
+
+    @classmethod
+    def from_json(cls, value: str) -> Entry:
+        named: dict[str, Any] = json.loads(value)
+        named["groups"] = {k: (int(v[0]), str(v[1])) for k, v in named["groups"].items()}
+        return cls(**named)
+
+
+@dataclass
+class Sequence:
+    """One process's state of one sequence of agreements."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next: int = 0  # the next agreement's number
+    history: deque[str] = field(default_factory=lambda: deque(maxlen=HISTORY))  # agreed digests
+    period: int = 0  # the history's period while calls repeat it (0: to be found)
+    uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
+    epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
+
+
+def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
+    """The digest the next agreement repeats, and the period it was read with.
+
+    The smallest ``p`` (``period`` first, when given and still true) such that each of the last
+    ``max(p, SPAN)`` digests equals the one ``p`` before it. A function of the agreed history
+    alone, so every process predicts the same; exact for a history that repeats a pattern of
+    up to `SPAN` agreements (two periods that both hold over `SPAN` entries have their greatest
+    common divisor as a period too). None: no period found (the next call is flagged).
+    """
+    h = list(history)
+    candidates = ([period] if period else []) + list(range(1, MAX_PERIOD + 1))
+    for p in candidates:
+        span = max(p, SPAN)
+        if len(h) >= span + p and all(h[-i] == h[-i - p] for i in range(1, span + 1)):
+            return h[-p], p
+    return None, 0
+
+
+def digest(site: str, summary: str, groups: Mapping[str, Group]) -> str:
+    h = hashlib.blake2b(site.encode() + b"\0" + summary.encode(), digest_size=16)
+    for name in sorted(groups):
+        h.update(b"\0" + name.encode() + b"\0" + groups[name][1].encode())
+    return h.hexdigest()
+
+
+def _key(sequence: str, k: int, part: str) -> str:
+    return f"meshkit/q/{sequence}/{k // BLOCK}/{part}/{k}"
+
+
+def _state(node: Node, sequence: str) -> Sequence:
+    with node.tags_lock:
+        state = node.sequences.get(sequence)
+        if state is None:
+            state = node.sequences[sequence] = Sequence()
+        return state
+
+
+def _where(depth: int = 2) -> str:
+    return place(user_frame(sys._getframe(depth)))
+
+
+def agree(
+    node: Node,
+    sequence: str,
+    site: str,
+    summary: str,
+    record: Record,
+    *,
+    timeout: float,
+    groups: Mapping[str, Group] | None = None,
+    what: str = "",
+) -> Outcome:
+    """Agree with every process on ``summary`` at this process's next agreement of ``sequence``.
+
+    Args:
+        node: this process at the coordination service.
+        sequence: the sequence of agreements (a channel's); its k-th agreement meets the k-th
+            of every other process.
+        site: which agreement this is; processes at different sites raise at once.
+        summary: what must be equal in every process.
+        record: what to show when summaries differ (or the function that makes it, made only
+            when shown).
+        timeout: seconds to wait for the other processes.
+        groups: replica groups this process belongs to (see `Entry.groups`).
+        what: the agreement in words (default ``site``).
+
+    Returns:
+        An `Outcome`: agreed, or every arrived process's record, who did not arrive in time
+        (``missing``) and who stopped waiting before this process came (``gave_up``).
+
+    Raises:
+        DivergenceError: the processes are at different sites (``field == "order"``).
+    """
+    groups = dict(groups or {})
+    state = _state(node, sequence)
+    mine = digest(site, summary, groups)
+    with state.lock:
+        k, base = state.next, f"{sequence}/e{state.epoch}"
+        state.next += 1
+        use = state.uses.get(site, 0)
+        state.uses[site] = use + 1
+        predicted, state.period = predict(state.history, state.period)
+    flagged = mine != predicted
+    where = _where() if flagged else ""
+    entry = _Lazy(site, what or site, where, summary, record, groups)
+    node.stats.agreements += 1
+    _collect_garbage(node, base, k)
+    if flagged:
+        _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
+    total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
+    deadline = time.monotonic() + timeout
+    if total & ARRIVALS == node.n:
+        verdict = _conclude(node, base, k, total)
+    else:
+        verdict = _wait(node, sequence, base, k, deadline, entry)
+    if verdict is None:  # not every process arrived in time: mark the counter, then look again
+        total = node.service.increment(_key(base, k, "c"), FLAG)
+        if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
+            verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
+    if verdict == OK:
+        with state.lock:
+            state.history.append(mine)
+        return Outcome(True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use)
+    node.stats.slow += 1
+    if not entry.where:
+        entry.where = _where()
+    arrived = node.n if verdict is not None else total & ARRIVALS
+    grace = min(timeout, 30.0)
+    if verdict == POST:  # compared by every process on the summaries alone
+        if not entry.posted:
+            _post(node, base, k, entry, full=False)
+        entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
+        if len(entries) == node.n and _same(entries):
+            with state.lock:
+                state.history.append(mine)
+            return Outcome(
+                True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use
+            )
+    if not entry.full or verdict is None:
+        _post(node, base, k, entry, gave_up=verdict is None)
+    entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
+    with state.lock:
+        state.history.clear()  # every process compares again
+    _raise_if_elsewhere(node.me, entries, sequence)
+    missing = tuple(p for p in range(node.n) if p not in entries)
+    # Who stopped waiting before this process came; none when this process gave up itself.
+    gave_up = tuple(sorted(p for p, e in entries.items() if e.gave_up and p != node.me))
+    if verdict is None:
+        gave_up = ()
+    return Outcome(False, {p: e.record for p, e in entries.items()}, missing, gave_up, use)
+
+
+def leave(node: Node, sequence: str, site: str, record: str) -> None:
+    """Tell the processes at ``sequence``'s next agreement that this one will not come, and why.
+
+    Posts ``record`` (as the summary `LEFT`) and arrives, flagged, so the others find it
+    (`Outcome.records`) instead of waiting; never waits.
+    """
+    state = _state(node, sequence)
+    with state.lock:
+        k, base = state.next, f"{sequence}/e{state.epoch}"
+        state.next += 1
+        state.history.clear()
+    entry = _Lazy(site, site, _where(), LEFT, record, {})
+    _post(node, base, k, entry)
+    total = node.service.increment(_key(base, k, "c"), 1 + FLAG)
+    if total & ARRIVALS == node.n:
+        node.service.set(_key(base, k, "v"), DIFFER)
+
+
+def _wait(
+    node: Node, sequence: str, base: str, k: int, deadline: float, entry: _Lazy
+) -> str | None:
+    """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
+
+    After `places.FIRST_S` (then at doubling intervals) this wait posts its place and reads the
+    others' (`places.Waiting`): a process waiting in this channel's order outside any agreement
+    (inside a step of `meshkit.global_batches`, at a window's verdict) that this process has not
+    reached is a cycle, raised here.
+    """
+    key = _key(base, k, "v")
+    waiting: _places.Waiting | None = None
+    try:
+        while True:
+            period = _places.FIRST_S if waiting is None else waiting.period
+            verdict = node.read(key, min(deadline, time.monotonic() + period))
+            if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
+                return verdict
+            if waiting is None:
+                entry.where = entry.where or _where(3)
+                place = _places.Place(sequence, "", k, entry.what, entry.where)
+                waiting = _places.Waiting(node, place)
+            waiting.look()
+    finally:
+        if waiting is not None:
+            waiting.end()
+
+
+class _Lazy:
+    """This process's `Entry`, its record made only when posted."""
+
+    def __init__(
+        self, site: str, what: str, where: str, summary: str, record: Record, groups: dict
+    ) -> None:
+        self.site, self.what, self.where, self.summary = site, what, where, summary
+        self.record, self.groups, self.posted, self.full = record, groups, False, False
+        self._text: str | None = None
+
+    def text(self) -> str:
+        if self._text is None:
+            self._text = text(self.record)
+        return self._text
+
+    def entry(self, gave_up: bool = False, full: bool = True) -> Entry:
+        record = self.text() if full else ""
+        return Entry(
+            self.site, self.what, self.where, self.summary, record, self.groups, gave_up, full
+        )
+
+
+def _post(
+    node: Node, sequence: str, k: int, entry: _Lazy, gave_up: bool = False, full: bool = True
+) -> None:
+    value = entry.entry(gave_up, full).to_json()
+    node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", value, overwrite=entry.posted)
+    entry.posted, entry.full = True, full
+
+
+def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
+    """As the last arrival: decide, and write the verdict for the others."""
+    if total >> SHIFT == 0:
+        verdict = OK
+    else:
+        entries = _read(node, sequence, k)
+        if any(e.gave_up or e.summary == LEFT for e in entries.values()):
+            verdict = DIFFER
+        elif len(entries) < node.n:
+            verdict = POST  # unflagged processes posted nothing: everyone posts and compares
+        else:
+            verdict = OK if _same(entries) else DIFFER
+    node.service.set(_key(sequence, k, "v"), verdict)
+    return verdict
+
+
+def _read(node: Node, sequence: str, k: int) -> dict[int, Entry]:
+    entries = node.service.dir_get(_key(sequence, k, "r") + "/")
+    return {int(key.rsplit("/", 1)[1]): Entry.from_json(v) for key, v in entries}
+
+
+def _collect(
+    node: Node, sequence: str, k: int, arrived: int, deadline: float, *, full: bool
+) -> dict[int, Entry]:
+    """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them.
+
+    ``full``: only entries with their records count (the others are read again).
+    """
+    while True:
+        entries = _read(node, sequence, k)
+        ready = [e for e in entries.values() if e.full or not full or e.summary == LEFT]
+        if len(ready) >= arrived or time.monotonic() >= deadline or node.stopping.is_set():
+            return entries
+        time.sleep(0.02)
+
+
+def _same(entries: Mapping[int, Entry]) -> bool:
+    """Whether every entry has the same site and summary, and every replica group one summary."""
+    if len({(e.site, e.summary) for e in entries.values()}) > 1:
+        return False
+    if any(e.gave_up or e.summary == LEFT for e in entries.values()):
+        return False
+    by_group: dict[str, set[str]] = {}
+    for e in entries.values():
+        for name, (_, summary) in e.groups.items():
+            by_group.setdefault(name, set()).add(summary)
+    return all(len(s) == 1 for s in by_group.values())
+
+
+def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) -> None:
+    """Raise when the processes that came are at different sites of the sequence."""
+    here = {p: e for p, e in entries.items() if e.summary != LEFT}
+    if len({e.site for e in here.values()}) < 2:
+        return
+    groups = _absent.by_value({p: f"{e.where} ({e.what})" for p, e in here.items()})
+    where = "; ".join(f"{_absent.processes(ps)} at {at}" for at, ps in groups.items())
+    channel = sequence.removeprefix("c:")
+    thread = "main thread" if sequence == MAIN else f"channel {channel!r}"
+    raise DivergenceError(
+        f"meshkit: the processes wait at different agreements of their {thread}, and none can "
+        f"go on: {where}.\n"
+        "Each waits for the others to arrive where it is. Every process must reach meshkit's "
+        "agreements (its calls with host data, global_batches' steps, first compilations of "
+        "programs over several processes) in the same order; consider a branch taken by some "
+        "processes only (a condition on jax.process_index(), on local data, or on a value only "
+        "some processes read).",
+        processes=sorted(here),
+        field="order",
+    )
+
+
+MAIN = "main"  # the main thread's sequence
+
+
+def channel_sequence(node: Node, name: str | None = None) -> str:
+    """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
+    name = node.channel() if name is None else name
+    return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
+
+
+def restart(node: Node) -> None:
+    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`).
+
+    For a harness that knows every process finished what it ran (a process that skipped an
+    agreement would otherwise stay one agreement behind the others for good).
+    """
+    with node.tags_lock:
+        for name, state in list(node.sequences.items()):
+            if not name.startswith("w:"):  # a window thread's sequence goes on
+                node.sequences[name] = Sequence(epoch=state.epoch + 1)
+
+
+def _collect_garbage(node: Node, sequence: str, k: int) -> None:
+    """Process 0 deletes the key block two blocks behind, which every process has left."""
+    if node.me == 0 and k % BLOCK == 0 and k >= 2 * BLOCK:
+        with contextlib.suppress(Exception):  # a failed delete only leaves keys behind
+            node.service.delete(f"meshkit/q/{sequence}/{k // BLOCK - 2}/")

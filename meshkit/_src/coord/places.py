@@ -1,0 +1,194 @@
+"""Where a thread waits outside its channel's agreements, for a process that waits for it.
+
+Processes at different agreements of one channel meet under one key (`agreement`). Two waits are
+in a channel's order without being agreements: a caller inside a step of
+`meshkit.global_batches` (the n-th step of an iterator is in the order every process follows,
+though nothing is sent per step), and a call waiting for the verdict of its window
+(`window.agree_later` with ``verdict_on_change``). When process 0 waits at an agreement and
+process 1 in such a place that process 0 has not reached, neither can go on.
+
+A wait that lasts longer than a second posts its `Place` (one key per process), and reads the
+others' (one directory read), again at doubling intervals. It is in a *cycle* with another
+process's place on the same channel that this process has not passed (its own count there is
+not past it): that place can only be left when this process arrives, which it cannot before its
+own wait ends. Both raise the same `DivergenceError` (``field == "order"``); a caller inside a
+step (*moving*: it may end without the others) never decides, and learns it from a notice the
+deciding process writes, read by its iterator's watch. No thread is started for this, and
+nothing is read from other threads' stacks: each place is posted by the thread that knows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass
+
+from ..core.errors import DivergenceError
+from ..core.frames import place
+from . import absent as _absent
+from .node import Node
+
+__all__ = ["NOTICE", "PREFIX", "Moving", "Place", "Waiting", "count", "cycle", "forget", "told"]
+
+PREFIX = "meshkit/at/"  # + process id: where that process waits
+NOTICE = PREFIX + "told-"  # + process id: the cycle another process found it in
+FIRST_S = 1.0  # a wait posts its place after this long (then 2x, 4x, ... up to LAST_S)
+LAST_S = 5.0
+
+
+@dataclass(frozen=True)
+class Place:
+    """One wait in a channel's order.
+
+    Attributes:
+        sequence: the channel's sequence of agreements (`agreement.channel_sequence`).
+        counter: what ``number`` counts: "" the sequence's agreements, ``steps:<tag>`` an
+            iterator's steps, ``calls:<tag>`` the calls of a tag agreed in windows.
+        number: the agreement, step or call (from 0) the thread waits at.
+        what: the wait in words (``step 3 of meshkit.global_batches``).
+        where: the user's line (``train.py:28 in main``).
+        moving: inside a step: it may end without the others, so it never decides a cycle.
+    """
+
+    sequence: str
+    counter: str
+    number: int
+    what: str
+    where: str
+    moving: bool = False
+
+
+def count(node: Node, sequence: str, counter: str) -> int:
+    """How many of ``counter``'s agreements, steps or calls this process has begun."""
+    if counter:
+        return node.counts.get(counter, 0)
+    state = node.sequences.get(sequence)
+    return 0 if state is None else state.next
+
+
+def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError | None:
+    """The error of the cycle ``mine`` waits in with the others' places, if any."""
+    if mine.moving:
+        return None
+    blocking = [
+        q
+        for q, v in theirs.items()
+        if v.sequence == mine.sequence
+        and (v.counter, v.number) != (mine.counter, mine.number)
+        and count(node, v.sequence, v.counter) <= v.number
+    ]
+    if not blocking:
+        return None
+    places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
+    groups = _absent.by_value({p: f"{v.where} ({v.what})" for p, v in places.items()})
+    where = "; ".join(f"{_absent.processes(ps)} at {at}" for at, ps in groups.items())
+    channel = mine.sequence.removeprefix("c:")
+    thread = "main thread" if mine.sequence == "main" else f"channel {channel!r}"
+    return DivergenceError(
+        f"meshkit: the processes wait at different agreements of their {thread}, and none can "
+        f"go on: {where}.\n"
+        "Each waits for the others to arrive where it is. Every process must reach meshkit's "
+        "agreements (its calls with host data, global_batches' steps, first compilations of "
+        "programs over several processes) in the same order; consider a branch taken by some "
+        "processes only (a condition on jax.process_index(), on local data, or on a value only "
+        "some processes read).",
+        processes=sorted({node.me, *blocking}),
+        field="order",
+    )
+
+
+class Waiting:
+    """One thread's wait at ``place``: `look` posts it and raises the cycle it is in, if any."""
+
+    def __init__(self, node: Node, place: Place) -> None:
+        self.node, self.place, self.posted = node, place, False
+        self.period = FIRST_S
+
+    def look(self) -> None:
+        """Post this place, read the others'; raise a cycle found here or told by another.
+
+        The process that finds a cycle first tells the others in it (a key each), so that each
+        raises the same error, a moving place through its watch.
+        """
+        node = self.node
+        node.service.set(PREFIX + str(node.me), json.dumps(asdict(self.place)), overwrite=True)
+        self.posted = True
+        theirs, notice = {}, None
+        for key, value in node.service.dir_get(PREFIX):
+            name = key.rsplit("/", 1)[1]
+            if name == f"told-{node.me}":
+                notice = value
+            elif not name.startswith("told-") and int(name) != node.me:
+                theirs[int(name)] = Place(**json.loads(value))
+        self.period = min(self.period * 2, LAST_S)
+        if notice is not None:
+            with contextlib.suppress(Exception):
+                node.service.delete(NOTICE + str(node.me))
+            raise _read_notice(notice)
+        error = cycle(node, self.place, theirs)
+        if error is None:
+            return
+        said = json.dumps({"message": str(error), "processes": error.processes})
+        for q in error.processes:
+            if q != node.me:
+                node.service.set(NOTICE + str(q), said, overwrite=True)
+        raise error
+
+    def end(self) -> None:
+        """The wait ended: its place is no longer true."""
+        if self.posted:
+            forget(self.node)
+
+
+def forget(node: Node) -> None:
+    with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
+        node.service.delete(PREFIX + str(node.me))
+
+
+def told(node: Node) -> DivergenceError | None:
+    """The cycle another process found this one's place in, if it wrote one."""
+    said = node.service.get(NOTICE + str(node.me), 0.001)
+    return None if said is None else _read_notice(said)
+
+
+def _read_notice(said: str) -> DivergenceError:
+    fields = json.loads(said)
+    return DivergenceError(fields["message"], processes=fields["processes"], field="order")
+
+
+class Moving:
+    """A caller that moves through a sequence of steps (an iterator's), seen from a watch thread.
+
+    The caller says where it is at each step (`took`: a dictionary store, nothing sent); the
+    watch, once a period, posts the caller as `Place.moving` when it stayed inside one step for
+    a whole period outside the next one, and returns the cycle a waiting process told it of.
+    """
+
+    def __init__(self, node: Node, sequence: str, counter: str, what: str) -> None:
+        self.node, self.sequence, self.counter, self.what = node, sequence, counter, what
+        self.steps, self.seen, self.frame = 0, -1, None
+        self.asking = False  # the caller is inside the iterator's next()
+        self.waiting: Waiting | None = None
+
+    def took(self, steps: int, frame: object) -> None:
+        """In the caller's thread: it has taken ``steps`` steps; ``frame`` is its user frame."""
+        self.node.counts[self.counter] = self.steps = steps
+        self.frame = frame
+
+    def look(self) -> DivergenceError | None:
+        """In the watch's thread: post the caller's place if it stays in a step; a notice found."""
+        steps = self.steps
+        if steps == 0 or self.asking or steps != self.seen or self.frame is None:
+            self.seen = steps
+            if self.waiting is not None:
+                self.waiting.end()
+                self.waiting = None
+            return None
+        if self.waiting is None:
+            what = self.what.format(step=steps)
+            at = place(self.frame)  # type: ignore[arg-type]
+            self.waiting = Waiting(
+                self.node, Place(self.sequence, self.counter, steps - 1, what, at, moving=True)
+            )
+            self.waiting.look()  # posts it (a moving place decides nothing)
+        return told(self.node)
