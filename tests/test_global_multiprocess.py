@@ -538,6 +538,22 @@ def test_breaking_out_of_global_batches_exits_cleanly(target):
     assert result.values == [2, 2]
 
 
+def test_an_exception_leaving_a_with_block_is_the_one_error_shown():
+    # Rank 0's loop body raises at step 1, rank 1 goes on. Leaving the `with` block, rank 0
+    # says how it left and does not wait for rank 1: its ValueError is the error shown, not a
+    # second one from the close about steps that differ (nor after the 60 s check timeout).
+    result = launch_in_processes(
+        ranks.stop_early_raising, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+    )
+    rank0 = result.ranks[0]
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert rank0.returncode != 0, text
+    assert "ValueError: boom at step 1" in rank0.stderr, text
+    assert "left their loops at different steps" not in rank0.stderr, text
+    assert "During handling of the above exception" not in rank0.stderr, text
+    assert not result.timed_out, text
+
+
 def test_a_process_that_went_on_past_a_close_is_ended_naming_it():
     import time
 

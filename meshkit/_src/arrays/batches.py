@@ -365,8 +365,13 @@ class GlobalBatches(Iterator[Any]):
         if error is not None:
             raise error
 
-    def _close(self, *, at_exit: bool = False) -> MeshkitError | None:
-        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead)."""
+    def _close(self, *, at_exit: bool = False, wait: bool = True) -> MeshkitError | None:
+        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead).
+
+        ``wait=False`` (a ``with`` block left by an exception) says how this process left but
+        does not wait for the others: the exception already ends this process's loop, and it
+        is the error to show.
+        """
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
@@ -385,7 +390,7 @@ class GlobalBatches(Iterator[Any]):
             if self._thread.is_alive():
                 self._release_helpers()
                 self._thread.join(_JOIN_TIMEOUT_S)
-        if said:
+        if said and wait:
             # Wait for every process to say how it left: one that goes on must not meet this
             # one's computations after the loop in its own step's collectives.
             assert self._node is not None
@@ -403,8 +408,11 @@ class GlobalBatches(Iterator[Any]):
     def __enter__(self) -> GlobalBatches:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exception: object, traceback: object) -> None:
+        if exception is None:
+            self.close()
+        else:  # the exception is the error to show; close's own would hide it
+            self._close(wait=False)
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)  # absent when __init__ raised
