@@ -47,6 +47,15 @@ def _message(stderr: str, head: str) -> str:
     return stderr[start:end]
 
 
+def _raised(result, head: str) -> str:
+    """The message of the first rank that raised it (the other may be ended by its failure
+    first, printing only its first line)."""
+    for rank in result.ranks:
+        if head in rank.stderr and "\nConsider" in rank.stderr.split(head, 1)[1]:
+            return _message(rank.stderr, head)
+    raise AssertionError(f"no rank raised {head!r}:\n{result.report}")
+
+
 def _launch(target):
     result = launch_in_processes(target, timeout=150, env=_FAST)
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
@@ -63,8 +72,7 @@ def _launch(target):
 def test_a_computation_only_process_0_runs_names_the_users_line():
     result, text = _launch(ranks.only_process_0_sums_the_mask)
     head = "meshkit (programs compared at compilation): "
-    stderr = result.ranks[0].stderr
-    message = _message(stderr, head)
+    message = _raised(result, head)  # each side's message names both
     line = _line(ranks.only_process_0_sums_the_mask, "# process 0 only")
     # What process 0 compiled, and the user's line that ran it; not JAX's internals.
     assert re.search(rf"jit\(_reduce_sum\), run at {_FILE}:{line} in each_step", message), text
@@ -97,7 +105,7 @@ def test_a_process_padding_its_batches_is_not_blamed_on_the_other():
     head = "meshkit.global_batches: at step 1, "
     for rank in result.ranks:
         assert rank.stderr.count(head) <= 1, rank.stderr
-    message = _message(next(r.stderr for r in result.ranks if head in r.stderr), head)
+    message = _raised(result, head)
     # What each side passed, and no culprit: two processes, no majority.
     assert "the processes' batches differ in rows before the end of their data" in message
     assert "process 0's batch has 32 rows; process 1's batch has 40 rows" in message, message
