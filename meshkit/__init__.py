@@ -40,9 +40,9 @@ if _typing.TYPE_CHECKING:
     from ._src.arrays.batches import GlobalBatches as GlobalBatches
     from ._src.arrays.batches import global_batches as global_batches
     from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
-    from ._src.arrays.gather import gather as gather
-    from ._src.arrays.gather import local_from_global as local_from_global
     from ._src.arrays.meshes import make_mesh as make_mesh
+    from ._src.arrays.to_host import gather as gather
+    from ._src.arrays.to_host import local_from_global as local_from_global
     from ._src.coord.channel import channel as channel
     from ._src.core.data_position import DataPosition as DataPosition
     from ._src.launch.launcher import LaunchResult as LaunchResult
@@ -143,8 +143,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "GlobalBatches": ("._src.arrays.batches", "GlobalBatches"),
     "global_batches": ("._src.arrays.batches", "global_batches"),
     "DtypeWarning": ("._src.arrays.dtypes", "DtypeWarning"),
-    "gather": ("._src.arrays.gather", "gather"),
-    "local_from_global": ("._src.arrays.gather", "local_from_global"),
+    "gather": ("._src.arrays.to_host", "gather"),
+    "local_from_global": ("._src.arrays.to_host", "local_from_global"),
     "channel": ("._src.coord.channel", "channel"),
     "DataPosition": ("._src.core.data_position", "DataPosition"),
     "LaunchResult": ("._src.launch.launcher", "LaunchResult"),

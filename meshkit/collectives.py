@@ -14,20 +14,20 @@ permutation that leaves the group. The checks run while JAX traces, never per ca
 of these functions; that works only for code that calls the collectives through this module.
 """
 
-from ._src.spmd.collectives import AxisName as AxisName
-from ._src.spmd.collectives import Interceptor as Interceptor
-from ._src.spmd.collectives import all_gather as all_gather
-from ._src.spmd.collectives import all_to_all as all_to_all
-from ._src.spmd.collectives import axis_index as axis_index
-from ._src.spmd.collectives import axis_size as axis_size
-from ._src.spmd.collectives import interceptor as interceptor
-from ._src.spmd.collectives import pmax as pmax
-from ._src.spmd.collectives import pmean as pmean
-from ._src.spmd.collectives import pmin as pmin
-from ._src.spmd.collectives import ppermute as ppermute
-from ._src.spmd.collectives import psum as psum
-from ._src.spmd.collectives import psum_scatter as psum_scatter
-from ._src.spmd.collectives import shift as shift
+from ._src.spmd.axis_collectives import AxisName as AxisName
+from ._src.spmd.axis_collectives import Interceptor as Interceptor
+from ._src.spmd.axis_collectives import all_gather as all_gather
+from ._src.spmd.axis_collectives import all_to_all as all_to_all
+from ._src.spmd.axis_collectives import axis_index as axis_index
+from ._src.spmd.axis_collectives import axis_size as axis_size
+from ._src.spmd.axis_collectives import interceptor as interceptor
+from ._src.spmd.axis_collectives import pmax as pmax
+from ._src.spmd.axis_collectives import pmean as pmean
+from ._src.spmd.axis_collectives import pmin as pmin
+from ._src.spmd.axis_collectives import ppermute as ppermute
+from ._src.spmd.axis_collectives import psum as psum
+from ._src.spmd.axis_collectives import psum_scatter as psum_scatter
+from ._src.spmd.axis_collectives import shift as shift
 
 __all__ = [
     "AxisName",

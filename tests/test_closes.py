@@ -1,4 +1,4 @@
-"""`meshkit.global_batches`' close notices (`meshkit._src.arrays.closes`), in one process.
+"""`meshkit.global_batches`' close notices (`meshkit._src.arrays.loop_exit`), in one process.
 
 Processes are `Node`s over the in-process fake of the coordination service; the real runs (a
 process that goes on past another's close, closes after different steps) are in
@@ -13,7 +13,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.arrays import closes
+from meshkit._src.arrays import loop_exit
 from meshkit._src.coord.fake import FakeCluster
 from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import poll_period
@@ -21,31 +21,31 @@ from meshkit._src.lifecycle.failfast import poll_period
 
 def test_posts_are_read_by_every_process_and_name_the_steps():
     nodes = FakeCluster(3).nodes()
-    assert closes.posted(nodes[2], "gb/0") == {}
-    closes.leave(nodes[1], "gb/0", closes.CLOSED, 4)
-    assert closes.posted(nodes[2], "gb/0") == {1: 4}
-    closes.leave(nodes[0], "gb/0", closes.CLOSED, 4)
-    closes.leave(nodes[2], "gb/0", closes.TOOK, 5)  # not a close: the watch does not hear it
-    assert closes.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
-    assert closes.posted(nodes[2], "gb/1") == {}  # another iterator
-    assert closes.differs({0: 4, 1: 4}, 0) is None
+    assert loop_exit.posted(nodes[2], "gb/0") == {}
+    loop_exit.leave(nodes[1], "gb/0", loop_exit.CLOSED, 4)
+    assert loop_exit.posted(nodes[2], "gb/0") == {1: 4}
+    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 4)
+    loop_exit.leave(nodes[2], "gb/0", loop_exit.TOOK, 5)  # not a close: the watch does not hear it
+    assert loop_exit.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
+    assert loop_exit.posted(nodes[2], "gb/1") == {}  # another iterator
+    assert loop_exit.differs({0: 4, 1: 4}, 0) is None
 
 
 def test_a_close_waits_until_every_process_says_how_it_left():
     nodes = FakeCluster(3).nodes()
-    closes.leave(nodes[0], "gb/0", closes.CLOSED, 4)
-    threading.Timer(0.3, closes.leave, (nodes[1], "gb/0", closes.CLOSED, 4)).start()
-    threading.Timer(0.5, closes.leave, (nodes[2], "gb/0", closes.ENDED, 4)).start()
+    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 4)
+    threading.Timer(0.3, loop_exit.leave, (nodes[1], "gb/0", loop_exit.CLOSED, 4)).start()
+    threading.Timer(0.5, loop_exit.leave, (nodes[2], "gb/0", loop_exit.ENDED, 4)).start()
     start = time.monotonic()
-    said = closes.confirm(nodes[0], "gb/0", timeout=10)
+    said = loop_exit.confirm(nodes[0], "gb/0", timeout=10)
     assert 0.4 < time.monotonic() - start < 5
     assert said == {0: ("closed", 4), 1: ("closed", 4), 2: ("ended", 4)}
-    assert closes.left_error(said, 3, 0, 10) is None  # every process left after step 4
+    assert loop_exit.left_error(said, 3, 0, 10) is None  # every process left after step 4
 
 
 def test_a_close_names_the_processes_that_went_on_or_did_not_say():
     said = {0: ("closed", 3), 1: ("took", 4), 2: ("asks", 3), 3: ("closed", 3)}
-    error = closes.left_error(said, 4, 0, 10)
+    error = loop_exit.left_error(said, 4, 0, 10)
     assert isinstance(error, DivergenceError)
     assert str(error).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: this "
@@ -55,7 +55,7 @@ def test_a_close_names_the_processes_that_went_on_or_did_not_say():
     assert (error.processes, error.field) == ([1, 2], "steps")
     assert str(error).splitlines()[1].startswith("Every process must take the same number")
     assert str(error).splitlines()[2].startswith("Consider deciding when to stop")
-    late = closes.left_error({0: ("closed", 3), 2: ("closed", 3)}, 3, 0, 10)
+    late = loop_exit.left_error({0: ("closed", 3), 2: ("closed", 3)}, 3, 0, 10)
     assert isinstance(late, MeshkitError)
     assert not isinstance(late, DivergenceError)  # a slow process is not a divergent one
     assert str(late).splitlines()[0] == (
@@ -67,7 +67,7 @@ def test_a_close_names_the_processes_that_went_on_or_did_not_say():
 
 
 def test_closing_after_different_steps_names_the_others():
-    error = closes.differs({0: 2, 1: 3, 2: 2}, 0)
+    error = loop_exit.differs({0: 2, 1: 3, 2: 2}, 0)
     assert error is not None
     assert str(error).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: process 1 "
@@ -77,13 +77,13 @@ def test_closing_after_different_steps_names_the_others():
 
 
 def test_going_on_names_the_processes_that_closed_before():
-    asks = closes.went_on({0: 2, 2: 5}, 1, 2, took=False)
+    asks = loop_exit.went_on({0: 2, 2: 5}, 1, 2, took=False)
     assert str(asks).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: process 0 "
         "after step 2 closed its iterator, but this process (process 1) asks for step 3, which "
         "process 0 will not take."
     )
-    took = closes.went_on({0: 2, 2: 2}, 1, 3, took=True)
+    took = loop_exit.went_on({0: 2, 2: 2}, 1, 3, took=True)
     assert str(took).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: processes "
         "0,2 after step 2 closed their iterators, but this process (process 1) took step 3 "
@@ -102,9 +102,9 @@ def test_the_processes_named_are_those_past_whose_last_step_this_one_goes(closer
     # Reference: a closer is named when this process goes beyond its last step, by the step
     # taken (took) or by the one asked for.
     beyond = sorted(p for p, k in closers.items() if (steps if took else steps + 1) > k)
-    error = closes.went_on(closers, 99, steps, took=took)
+    error = loop_exit.went_on(closers, 99, steps, took=took)
     assert error.processes == (beyond or sorted(closers))
-    mine = closes.differs({**closers, 99: steps}, 99)
+    mine = loop_exit.differs({**closers, 99: steps}, 99)
     others = sorted(p for p, k in closers.items() if k != steps)
     assert (mine is None) == (not others)
     assert mine is None or mine.processes == others
@@ -114,11 +114,11 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = closes.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch = loop_exit.Watch(nodes[1], "gb/0", heard.append, stop)
     watch.start()
     time.sleep(0.2)
     start = time.monotonic()
-    closes.leave(nodes[0], "gb/0", closes.CLOSED, 7)
+    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 7)
     watch.join(5)
     assert not watch.is_alive()
     assert heard == [{0: 7}]
@@ -130,12 +130,12 @@ def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
     nodes = cluster.nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = closes.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch = loop_exit.Watch(nodes[1], "gb/0", heard.append, stop)
     watch.start()
     stop.set()
     watch.join(2)
     assert not watch.is_alive()
-    gone = closes.Watch(nodes[1], "gb/1", heard.append, threading.Event())
+    gone = loop_exit.Watch(nodes[1], "gb/1", heard.append, threading.Event())
     cluster.leave(1)  # its calls fail, as when the service is gone
     gone.start()
     gone.join(3)

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit._src.coord import absent, agreement, failures, places, window
+from meshkit._src.coord import agreement, failures, missing, places, window
 from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
 from meshkit._src.core.errors import DivergenceError, MeshkitError
-from meshkit._src.lifecycle.failfast import Posted, Unanswered
+from meshkit._src.lifecycle.failfast import PeerPosts, Unanswered
 from meshkit._src.lifecycle.preemption import PreemptionNotice
 
 
@@ -606,8 +606,8 @@ def test_a_late_process_and_another_sequence_are_no_difference():
 def test_failure_posts_are_seen_by_the_others_only():
     cluster = FakeCluster(3)
     failures.post(cluster.service(2), 2, "ValueError: boom")
-    assert failures.poll(cluster.service(2), 2) == Posted([], [])
-    assert failures.poll(cluster.service(0), 0) == Posted([(2, "ValueError: boom")], [])
+    assert failures.poll(cluster.service(2), 2) == PeerPosts([], [])
+    assert failures.poll(cluster.service(0), 0) == PeerPosts([(2, "ValueError: boom")], [])
 
 
 def test_preemption_notices_travel_with_the_failures_in_one_listing():
@@ -632,7 +632,7 @@ def test_preemption_notices_travel_with_the_failures_in_one_listing():
 def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_service_is_gone():
     cluster = FakeCluster(2)
     failures.post(cluster.service(1), 1, "ValueError: boom")
-    assert failures.answer(cluster.service(0), 0) == Posted([(1, "ValueError: boom")], [])
+    assert failures.answer(cluster.service(0), 0) == PeerPosts([(1, "ValueError: boom")], [])
     cluster.leave(0)  # as the real client when its service is gone: UNAVAILABLE
     assert failures.answer(cluster.service(0), 0) == Unanswered(
         lost=True, error="process 0 has left the fake coordination service"
@@ -657,18 +657,18 @@ def test_the_failure_watch_ends_the_process_only_for_a_service_that_is_gone(monk
 
     slow = Unanswered(lost=False, error="DEADLINE_EXCEEDED")
     gone = Unanswered(lost=True, error="UNAVAILABLE: socket closed")
-    none = Posted([], [])
+    none = PeerPosts([], [])
     assert watch([slow] * 5) == []
     assert watch([gone, none, gone, slow, gone]) == []  # never twice in a row
     assert watch([none, gone, gone]) == ["UNAVAILABLE: socket closed"]
 
 
 def test_one_wording_for_processes_that_did_not_arrive():
-    assert absent.did_not([3], timeout=8) == "process 3 did not arrive within 8 s"
-    assert absent.did_not([2, 5], timeout=0.5, arrive="call gather") == (
+    assert missing.did_not([3], timeout=8) == "process 3 did not arrive within 8 s"
+    assert missing.did_not([2, 5], timeout=0.5, arrive="call gather") == (
         "processes 2,5 did not call gather within 0.5 s"
     )
-    assert absent.stopped_waiting([0]) == "process 0 stopped waiting"
+    assert missing.stopped_waiting([0]) == "process 0 stopped waiting"
 
 
 # ---- places: waits in a channel's order outside its agreements --------------------------------

@@ -18,8 +18,8 @@ import pytest
 from ranks import error_messages as ranks
 
 import meshkit
-from meshkit._src.arrays import ends
-from meshkit._src.arrays.records import LeafRecord, Record, compare
+from meshkit._src.arrays import data_end
+from meshkit._src.arrays.records import LeafRecord, PartRecord, compare
 from meshkit._src.core.events import Event
 from meshkit._src.launch import report as _report
 from meshkit._src.launch.report import RankResult, Told
@@ -47,6 +47,15 @@ def _message(stderr: str, head: str) -> str:
     return stderr[start:end]
 
 
+def _raised(result, head: str) -> str:
+    """The message of the first rank that raised it (the other may be ended by its failure
+    first, printing only its first line)."""
+    for rank in result.ranks:
+        if head in rank.stderr and "\nConsider" in rank.stderr.split(head, 1)[1]:
+            return _message(rank.stderr, head)
+    raise AssertionError(f"no rank raised {head!r}:\n{result.report}")
+
+
 def _launch(target):
     result = launch_in_processes(target, timeout=150, env=_FAST)
     text = result.report + "\n" + "\n".join(r.stderr for r in result.ranks)
@@ -63,8 +72,7 @@ def _launch(target):
 def test_a_computation_only_process_0_runs_names_the_users_line():
     result, text = _launch(ranks.only_process_0_sums_the_mask)
     head = "meshkit (programs compared at compilation): "
-    stderr = result.ranks[0].stderr
-    message = _message(stderr, head)
+    message = _raised(result, head)  # each side's message names both
     line = _line(ranks.only_process_0_sums_the_mask, "# process 0 only")
     # What process 0 compiled, and the user's line that ran it; not JAX's internals.
     assert re.search(rf"jit\(_reduce_sum\), run at {_FILE}:{line} in each_step", message), text
@@ -97,7 +105,7 @@ def test_a_process_padding_its_batches_is_not_blamed_on_the_other():
     head = "meshkit.global_batches: at step 1, "
     for rank in result.ranks:
         assert rank.stderr.count(head) <= 1, rank.stderr
-    message = _message(next(r.stderr for r in result.ranks if head in r.stderr), head)
+    message = _raised(result, head)
     # What each side passed, and no culprit: two processes, no majority.
     assert "the processes' batches differ in rows before the end of their data" in message
     assert "process 0's batch has 32 rows; process 1's batch has 40 rows" in message, message
@@ -112,13 +120,19 @@ def test_a_process_padding_its_batches_is_not_blamed_on_the_other():
     assert result.report.count(head) == 1, result.report
 
 
-def _records(**rows: int) -> dict[int, Record]:
-    return {int(p[1:]): Record(rows=n, last=False if p == "p0" else None) for p, n in rows.items()}
+def _records(**rows: int) -> dict[int, PartRecord]:
+    return {
+        int(p[1:]): PartRecord(rows=n, last=False if p == "p0" else None) for p, n in rows.items()
+    }
 
 
 def test_rows_that_differ_name_the_outlier_only_where_a_majority_agrees():
-    three = {0: Record(rows=32, last=False), 1: Record(rows=32, last=False), 2: Record(rows=40)}
-    message = ends.short_batch(three, 3, pad=True)
+    three = {
+        0: PartRecord(rows=32, last=False),
+        1: PartRecord(rows=32, last=False),
+        2: PartRecord(rows=40),
+    }
+    message = data_end.short_batch(three, 3, pad=True)
     assert message is not None
     assert "processes 0 and 1 have 32 rows; process 2's batch has 40 rows" in message, message
     assert "process 2 differs from the others" in message, message
@@ -128,9 +142,9 @@ def test_rows_that_differ_name_the_outlier_only_where_a_majority_agrees():
 # ---- a trailing dimension that differs ------------------------------------------------------
 
 
-def _leaf_records(*shapes: tuple[list, list]) -> dict[int, Record]:
+def _leaf_records(*shapes: tuple[list, list]) -> dict[int, PartRecord]:
     return {
-        p: Record(tree="*", leaves=(LeafRecord("['x']", "float32", [["data"], []], g, local),))
+        p: PartRecord(tree="*", leaves=(LeafRecord("['x']", "float32", [["data"], []], g, local),))
         for p, (g, local) in enumerate(shapes)
     }
 
@@ -187,7 +201,7 @@ def _messages() -> list[str]:
             what="w", mine=programs._ran(names[0]), number="2nd", gone="process 1 left"
         )
     )
-    midstream = ends.short_batch(_records(p0=32, p1=40), 1, pad=True)
+    midstream = data_end.short_batch(_records(p0=32, p1=40), 1, pad=True)
     assert midstream is not None
     out.append(midstream)
     for shapes in (

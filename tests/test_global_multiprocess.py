@@ -538,6 +538,22 @@ def test_breaking_out_of_global_batches_exits_cleanly(target):
     assert result.values == [2, 2]
 
 
+def test_an_exception_leaving_a_with_block_is_the_one_error_shown():
+    # Rank 0's loop body raises at step 1, rank 1 goes on. Leaving the `with` block, rank 0
+    # says how it left and does not wait for rank 1: its ValueError is the error shown, not a
+    # second one from the close about steps that differ (nor after the 60 s check timeout).
+    result = launch_in_processes(
+        ranks.stop_early_raising, num_processes=2, timeout=120, env={"MESHKIT_CHECK_TIMEOUT": "60"}
+    )
+    rank0 = result.ranks[0]
+    text = result.report + "\n".join(r.stderr for r in result.ranks)
+    assert rank0.returncode != 0, text
+    assert "ValueError: boom at step 1" in rank0.stderr, text
+    assert "left their loops at different steps" not in rank0.stderr, text
+    assert "During handling of the above exception" not in rank0.stderr, text
+    assert not result.timed_out, text
+
+
 def test_a_process_that_went_on_past_a_close_is_ended_naming_it():
     import time
 
@@ -556,10 +572,15 @@ def test_a_process_that_went_on_past_a_close_is_ended_naming_it():
     assert result.returncode != 0, text
     assert time.monotonic() - start < 50, text
     assert (
-        "meshkit.global_batches: the processes left their loops at different steps: process 0 "
-        "after step 2 closed its iterator, but this process (process 1) took step 3 already: "
-        "its computations at that step wait for process 0, which will not join them." in text
+        "meshkit.global_batches: the processes left their loops at different steps: this "
+        "process (process 0) closed its iterator after step 2, but process 1 took step 3."
+        in result.ranks[0].stderr
     ), text
+    # Process 1, waiting in step 3's sum, is ended naming process 0, whose output has the cause.
+    assert "meshkit: process 0 failed: DivergenceError: meshkit.global_batches" in (
+        result.ranks[1].stderr
+    ), text
+    assert "Process 0's output holds the cause." in result.ranks[1].stderr, text
 
 
 def test_a_loop_left_early_on_one_process_computes_nothing_after_it():
@@ -583,10 +604,8 @@ def test_a_loop_left_early_on_one_process_computes_nothing_after_it():
         "process (process 1) closed its iterator after step 3, but process 0 took step 4."
         in result.ranks[1].stderr
     ), text
-    assert (
-        "process 1 after step 3 closed its iterator, but this process (process 0) took step 4 "
-        "already" in result.ranks[0].stderr
-    ), text
+    assert "cannot go on without process 1" in result.ranks[0].stderr, text
+    assert "Process 1's output holds the cause." in result.ranks[0].stderr, text
 
 
 def _asks_past_a_close():
@@ -712,7 +731,7 @@ def _windows_agree_and_fall_back():
     sums = [float(b.sum()) for b in it]
     steady = {
         "sums_right": sums == [160.0 * i + 8.0 for i in range(steps)],
-        "windows": it._ahead.windows,
+        "windows": it._prefetch.windows,
         "rpcs_per_step": agree.stats.rpcs / steps,
     }
     # A difference inside a window is named at its own step, as the per-step agreement names

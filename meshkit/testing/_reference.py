@@ -28,7 +28,7 @@ from .._src.core.errors import MeshkitError
 from .._src.sharding.layout import process_slice
 from .._src.sharding.spec_trees import align_specs, map_under_specs, plain_specs
 from .._src.sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs
-from .._src.spmd import collectives as _collectives
+from .._src.spmd import axis_collectives as _axis_collectives
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]
 
@@ -243,7 +243,7 @@ class _Simulation:
         outputs: list[Any] = [None] * self.n
 
         def device(i: int) -> None:
-            token = _collectives.interceptor.set(_Device(self, i, self.coords[i]))
+            token = _axis_collectives.interceptor.set(_Device(self, i, self.coords[i]))
             try:
                 with self.cond:
                     self._wait_turn(i)
@@ -257,7 +257,7 @@ class _Simulation:
                     e.add_note(f"(raised in meshkit.testing.reference_spmd, {self.where(i)})")
                 self.fail(e)
             finally:
-                _collectives.interceptor.reset(token)
+                _axis_collectives.interceptor.reset(token)
 
         threads = [threading.Thread(target=device, args=(i,), daemon=True) for i in range(self.n)]
         for t in threads:

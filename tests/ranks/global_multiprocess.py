@@ -121,6 +121,15 @@ def stop_early(mode):
                 steps += 1
                 if steps == 2:
                     break
+    elif mode == "raises":  # rank 0's loop body raises at step 1; rank 1 goes on
+        with meshkit.global_batches(loader(), mesh, "data", prefetch=3) as it:
+            for b in it:
+                float(step(b))
+                steps += 1
+                if me == 0:
+                    raise ValueError(f"boom at step {steps}")
+                if steps == 3:
+                    break
     elif mode == "one closes":
         it = meshkit.global_batches(loader(), mesh, "data", prefetch=3)
         for b in it:
@@ -140,6 +149,10 @@ def stop_early(mode):
 
 def stop_early_with():
     return stop_early("with")
+
+
+def stop_early_raising():
+    return stop_early("raises")
 
 
 def stop_early_one_closes():

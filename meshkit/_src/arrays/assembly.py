@@ -6,7 +6,7 @@ step of `meshkit.global_batches`. The modules below it never call back up:
 
 - `meshkit._src.arrays.templates` / `meshkit._src.arrays.blocks`: this process's part, checked,
   cast and planned (from a template when the layout repeats);
-- `meshkit._src.arrays.records`: the `Record` each process tells the others, and the comparison
+- `meshkit._src.arrays.records`: the `PartRecord` each process tells the others, and the comparison
   that names who differs;
 - `meshkit._src.coord.agree`: the agreement itself (through the coordination service);
 - `meshkit._src.arrays.transfer`: the blocks onto the devices, and the global arrays.
@@ -24,9 +24,9 @@ from typing import Any, Literal
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
@@ -36,9 +36,9 @@ from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
 from .blocks import Prepared, block_rows, describe, finish_padding, plan_leaves, replica_digests
-from .caller import WHAT
 from .dtypes import warn_notes
-from .records import Record, compare, raise_failures, summary
+from .entry_point import WHAT
+from .records import PartRecord, compare, raise_failures, summary
 from .templates import prepare
 from .transfer import assemble, transfer
 
@@ -85,14 +85,14 @@ def exchange_records(
 
 def exchange_records_later(
     tag: str,
-    record: Record,
+    record: PartRecord,
     what: str,
     *,
     replicas: dict[str, tuple[int, str]],
     summarized: str | None = None,
     verdict_on_change: bool = False,
 ) -> None:
-    """`exchange_records` of a `Record`, verified beside the caller (`_agree.agree_later`).
+    """`exchange_records` of a `PartRecord`, verified beside the caller (`_agree.agree_later`).
 
     A difference is named by `compare` there and raised by this process's next meshkit call;
     with ``verdict_on_change``, by this call if its layout is not the one `PERIOD` calls back
@@ -132,8 +132,8 @@ def _with_replicas(
     return {**record, "replicas": replicas} if replicas else record
 
 
-def _read(records: dict[int, dict[str, Any]]) -> dict[int, Record]:
-    return {p: Record.read(r) for p, r in records.items()}
+def _read(records: dict[int, dict[str, Any]]) -> dict[int, PartRecord]:
+    return {p: PartRecord.read(r) for p, r in records.items()}
 
 
 def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
@@ -143,10 +143,10 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
         raise MeshkitError(
             f"{what}: "
             + (
-                f"{_absent.stopped_waiting(gone)} for this process (their {timeout:g} s ran out "
+                f"{_missing.stopped_waiting(gone)} for this process (their {timeout:g} s ran out "
                 "before it arrived)"
                 if late
-                else f"{_absent.did_not(gone, timeout=timeout)}; the others did"
+                else f"{_missing.did_not(gone, timeout=timeout)}; the others did"
             )
             + ".\nEvery process must make the same calls in the same order (a process that "
             "stopped, crashed, or took another branch never arrives).\n"
@@ -157,7 +157,7 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
 
 
 def publish_record(
-    tag: str, record: Record, *, later: bool = False, channel: str | None = None
+    tag: str, record: PartRecord, *, later: bool = False, channel: str | None = None
 ) -> None:
     """Post this process's record of the next agreement under ``tag`` without waiting for others.
 
@@ -174,7 +174,7 @@ def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> N
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, Record(status="error", message=message), later=later)
+    publish_record(tag, PartRecord(status="error", message=message), later=later)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:
@@ -254,13 +254,13 @@ class Assembly:
         *,
         rows: int | None = None,
         what: str | None = None,
-        explain: Callable[[dict[int, Record]], None] | None = None,
-    ) -> dict[int, Record]:
+        explain: Callable[[dict[int, PartRecord]], None] | None = None,
+    ) -> dict[int, PartRecord]:
         """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
 
         With ``check`` the records are compared (a `MeshkitError` names who differs); without,
         only failures are raised. ``prepared`` None: this process has no data (``status``).
-        ``rows``: the data's rows, compared too (`Record.rows`). ``what``: the
+        ``rows``: the data's rows, compared too (`PartRecord.rows`). ``what``: the
         caller as messages name it (default the assembly's). ``explain``: runs on the records
         before they are compared, to raise a message of the caller's own for a difference it
         knows better.
@@ -275,16 +275,16 @@ class Assembly:
             compare(records, what)
         return records
 
-    def record(self, prepared: Prepared | None, status: str, rows: int | None) -> Record:
+    def record(self, prepared: Prepared | None, status: str, rows: int | None) -> PartRecord:
         """This process's record for `agree_sizes`: the status, and what the checks compare."""
         if prepared is None or not (self.check or self.pad):
-            return Record(status=status)
+            return PartRecord(status=status)
         return dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
 
     def agree_window(
         self, summary: str, record: dict[str, Any], *, what: str
     ) -> dict[int, dict[str, Any]]:
-        """One agreement in ``tag``'s sequence for several steps (`meshkit._src.arrays.ahead`).
+        """One agreement in ``tag``'s sequence for several steps (`meshkit._src.arrays.prefetch`).
 
         ``summary`` stands for the steps' records; returns this process's ``record`` alone
         when every summary is equal, else every process's, among them the records of
@@ -295,7 +295,7 @@ class Assembly:
         outcome = _agree.agree(self.tag, summary, json.dumps(record), timeout=timeout, what=what)
         return _records(outcome, timeout, what)
 
-    def place(self, prepared: Prepared, records: dict[int, Record] | None) -> None:
+    def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
         if not self.pad:
             plan_leaves(prepared)
@@ -331,7 +331,7 @@ class Assembly:
         replicas = replica_digests(prepared, full=self.check == "data")
         if agreed and not replicas:
             return None  # agreed before placing, and no replicas to compare
-        record = Record() if agreed else describe(prepared, pad=self.pad)
+        record = PartRecord() if agreed else describe(prepared, pad=self.pad)
         if self.later:
             template = prepared.template
             known = template.summary if template is not None and record is template.record else None

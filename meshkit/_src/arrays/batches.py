@@ -1,6 +1,6 @@
 """`global_batches`: per-process batches in, global batches out, assembled ahead of time.
 
-A helper thread (`meshkit._src.arrays.ahead`) pulls the next local batches, agrees with the
+A helper thread (`meshkit._src.arrays.prefetch`) pulls the next local batches, agrees with the
 other processes through the coordination service ("I have a batch, of this structure" or "my
 data has ended": per step, or once for a window of steps read ahead), and assembles the global
 batches while the caller computes on the previous one. At most ``prefetch`` assembled batches
@@ -13,7 +13,7 @@ batches until all have (the mask marks real rows). A loop that ends early must e
 same step on every process: a process that closes its iterator waits, once, until every
 process has said how it left its loop, and raises a `meshkit.DivergenceError` if one went on
 or closed after another step; a process that goes on gets it at its next step, or is ended
-with it when it has taken such a step already (`meshkit._src.arrays.closes`; nothing is
+with it when it has taken such a step already (`meshkit._src.arrays.loop_exit`; nothing is
 exchanged per step for this). No process computes after its loop while another is still in
 it, and none is left waiting for ever on a collective that the others will not join.
 """
@@ -47,12 +47,12 @@ from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
-from . import ahead as _ahead
 from . import assembly as _assembly
-from . import closes as _closes
+from . import loop_exit as _loop_exit
+from . import prefetch as _prefetch
 from . import resume as _resume
 from .dtypes import warn_notes
-from .records import Record
+from .records import PartRecord
 
 __all__ = ["GlobalBatches", "global_batches"]
 
@@ -145,7 +145,7 @@ class GlobalBatches(Iterator[Any]):
         self._assembly = _assembly.Assembly(
             self._tag, _WHAT, pad=self._pad, check=check, stepwise=True
         )
-        self._handoff = _ahead.Handoff(prefetch)
+        self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._done = False  # closed, ended or failed: __next__ raises StopIteration
@@ -164,7 +164,7 @@ class GlobalBatches(Iterator[Any]):
         self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
-        self._ahead = _ahead.Ahead(
+        self._prefetch = _prefetch.Ahead(
             self._source.source,
             self._assembly,
             (mesh_or_sharding, spec),
@@ -194,7 +194,7 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _closes.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _loop_exit.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -231,18 +231,18 @@ class GlobalBatches(Iterator[Any]):
 
     def _next(self) -> Any:
         item = self._handoff.get()
-        if isinstance(item, _ahead.Failure):
+        if isinstance(item, _prefetch.Failure):
             self._done = self._ended = True
             self._unwatch.set()
             # a close the helpers' agreement told of: this process asks for the next step
-            self._leave(_closes.ASKS if self._closers else _closes.FAILED)
+            self._leave(_loop_exit.ASKS if self._closers else _loop_exit.FAILED)
             raise item.error
         if isinstance(item, _Closed):
             raise StopIteration
-        if item is _ahead.END:
+        if item is _prefetch.END:
             self._done = self._ended = True  # every process ends at this step
             self._unwatch.set()
-            self._leave(_closes.ENDED)
+            self._leave(_loop_exit.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
@@ -256,7 +256,7 @@ class GlobalBatches(Iterator[Any]):
                 self._done = self._ended = True
                 self._unwatch.set()
         if error is not None:
-            self._leave(_closes.ASKS)
+            self._leave(_loop_exit.ASKS)
             if self._node is not None:
                 with contextlib.suppress(ValueError):  # raised here, not by a later call
                     self._node.failures.remove(error)
@@ -281,7 +281,7 @@ class GlobalBatches(Iterator[Any]):
         past = self.steps - (1 if took else 0)
         if not any(k <= past for k in self._closers.values()):
             return None
-        return _closes.went_on(self._closers, self._me, self.steps, took=took)
+        return _loop_exit.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
         """Processes that closed their iterators (the close watch, or the helpers' records).
@@ -298,7 +298,7 @@ class GlobalBatches(Iterator[Any]):
             error = self._went_on_error(took=True)
             self._gone = error
         if error is not None:
-            self._leave(_closes.TOOK)  # the closers wait for it before they go on
+            self._leave(_loop_exit.TOOK)  # the closers wait for it before they go on
             self._fail(error)
 
     def _fail(self, error: DivergenceError) -> None:
@@ -321,7 +321,7 @@ class GlobalBatches(Iterator[Any]):
             self._left = True
             steps = self.steps
         try:
-            _closes.leave(self._node, self._tag, how, steps)
+            _loop_exit.leave(self._node, self._tag, how, steps)
         except Exception:  # the service is gone: the failure watch says so
             return False
         return True
@@ -340,7 +340,9 @@ class GlobalBatches(Iterator[Any]):
             self._released = True
             steps = self._closed_after
         # on the helper's channel: its next agreement is the one the others' helpers wait at
-        _assembly.publish_record(self._tag, Record(status="closed", steps=steps), channel=self._tag)
+        _assembly.publish_record(
+            self._tag, PartRecord(status="closed", steps=steps), channel=self._tag
+        )
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -363,8 +365,13 @@ class GlobalBatches(Iterator[Any]):
         if error is not None:
             raise error
 
-    def _close(self, *, at_exit: bool = False) -> MeshkitError | None:
-        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead)."""
+    def _close(self, *, at_exit: bool = False, wait: bool = True) -> MeshkitError | None:
+        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead).
+
+        ``wait=False`` (a ``with`` block left by an exception) says how this process left but
+        does not wait for the others: the exception already ends this process's loop, and it
+        is the error to show.
+        """
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
@@ -377,19 +384,19 @@ class GlobalBatches(Iterator[Any]):
         self._handoff.put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         # A failing process does not wait: fail-fast tells the others.
-        said = post and not (at_exit and _exit.ending()) and self._leave(_closes.CLOSED)
+        said = post and not (at_exit and _exit.ending()) and self._leave(_loop_exit.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
             if self._thread.is_alive():
                 self._release_helpers()
                 self._thread.join(_JOIN_TIMEOUT_S)
-        if said:
+        if said and wait:
             # Wait for every process to say how it left: one that goes on must not meet this
             # one's computations after the loop in its own step's collectives.
             assert self._node is not None
             timeout = _env.check_timeout()
-            left = _closes.confirm(self._node, self._tag, timeout)
-            error = error or _closes.left_error(left, self._node.n, self._me, timeout)
+            left = _loop_exit.confirm(self._node, self._tag, timeout)
+            error = error or _loop_exit.left_error(left, self._node.n, self._me, timeout)
         if error is not None and self._node is not None:
             if not at_exit:
                 with contextlib.suppress(ValueError):  # raised by close, not by a later call
@@ -401,8 +408,11 @@ class GlobalBatches(Iterator[Any]):
     def __enter__(self) -> GlobalBatches:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, exception: object, traceback: object) -> None:
+        if exception is None:
+            self.close()
+        else:  # the exception is the error to show; close's own would hide it
+            self._close(wait=False)
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)  # absent when __init__ raised
@@ -461,7 +471,7 @@ class GlobalBatches(Iterator[Any]):
 
     def _work(self) -> None:
         with _channel.channel(self._tag):
-            self._ahead.run()
+            self._prefetch.run()
 
 
 @public

@@ -26,10 +26,10 @@ from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
 from ..sharding.spec_trees import align_specs, plain_specs
 from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
-from .caller import pads as _pads
-from .caller import who
 from .dtypes import Note, cast
-from .records import LeafRecord, Record
+from .entry_point import pads as _pads
+from .entry_point import who
+from .records import LeafRecord, PartRecord
 
 __all__ = [
     "Leaf",
@@ -103,7 +103,7 @@ class Template:
 
     treedef: Any
     leaves: tuple[tuple[str, NamedSharding, Any, tuple[int, ...], _layout.Plan, int, Any], ...]
-    record: Record  # `describe(..., pad=False)`
+    record: PartRecord  # `describe(..., pad=False)`
     summary: str  # `meshkit._src.arrays.records.summary` of the record
     replicas: tuple[tuple[int, Any, str, int], ...]  # `replica_slots`
     # (path, dtype asked for or found, dtype used, dtype= given): the 64-bit narrowings, noted
@@ -437,7 +437,7 @@ def plan_leaves(prepared: Prepared) -> None:
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
-def describe(prepared: Prepared, *, pad: bool) -> Record:
+def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
     """This process's record for the cross-process comparison.
 
     From a template (a layout seen before), the template's record.
@@ -454,7 +454,7 @@ def describe(prepared: Prepared, *, pad: bool) -> Record:
         leaves.append(
             LeafRecord(leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape))
         )
-    return Record(
+    return PartRecord(
         tree=_canonical.structure(prepared.treedef),
         leaves=tuple(leaves),
         block_rows=rows,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .caller import who
+from .entry_point import who
 
 __all__ = ["DtypeWarning", "Note", "cast", "note_narrowing", "warn_notes"]
 

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
@@ -46,16 +46,16 @@ def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.
         return
     values, missing = outcome.records, list(outcome.missing)
     if missing:
-        absent = _absent.did_not(missing, timeout=_env.check_timeout(), arrive="reach make_mesh")
+        absent = _missing.did_not(missing, timeout=_env.check_timeout(), arrive="reach make_mesh")
         raise MeshkitError(
             f"meshkit.make_mesh: {absent} (the others did, with {mine}).\n"
             "Every process must call make_mesh, the same number of times and in the same order.\n"
             f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
             "wait."
         )
-    groups = _absent.by_value(values)
+    groups = _missing.by_value(values)
     if len(groups) > 1:
-        lines = _absent.lines(groups)
+        lines = _missing.lines(groups)
         raise MeshkitError(
             f"meshkit.make_mesh: processes disagree on the mesh:\n{lines}\n"
             "Every process must build the same mesh (same axes, sizes and devices).\n"

@@ -1,6 +1,6 @@
 """The records processes exchange to agree on an assembly, with named fields, and their comparison.
 
-A `Record` is what one process tells the others about its part of an assembly: its status (data,
+A `PartRecord` is what one process tells the others about its part of an assembly: its status (data,
 the end of its data, closed, or failed and why), the pytree structure, one `LeafRecord` per
 array, the rows per block of an uneven batch and the digests of its replicas. On the wire it
 is the JSON object it always was: the leaves are JSON lists (a `NamedTuple` costs no bytes), the
@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-from ..coord import absent as _absent
+from ..coord import missing as _missing
 from ..core.errors import DivergenceError, MeshkitError
-from .caller import WHAT, pads
+from .entry_point import WHAT, pads
 
 __all__ = [
     "LeafRecord",
-    "Record",
+    "PartRecord",
     "compare",
     "raise_failures",
     "summary",
@@ -42,7 +42,7 @@ class LeafRecord(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Record:
+class PartRecord:
     """What one process tells the others about its part of an assembly.
 
     Attributes:
@@ -61,7 +61,7 @@ class Record:
             rows, from each process with fewer rows than the most: whether its batch is its
             loader's last (the loader read one batch ahead); None from the others.
         steps: with status ``"closed"``, in `meshkit.global_batches`, the steps its caller took
-            before it closed the iterator (`meshkit._src.arrays.closes`).
+            before it closed the iterator (`meshkit._src.arrays.loop_exit`).
     """
 
     status: str = "data"
@@ -84,7 +84,7 @@ class Record:
         return out
 
     @classmethod
-    def read(cls, wire: dict[str, Any]) -> Record:
+    def read(cls, wire: dict[str, Any]) -> PartRecord:
         """The record another process sent (its `wire` form, parsed from JSON)."""
         leaves = wire.get("leaves")
         return cls(
@@ -100,14 +100,14 @@ class Record:
         )
 
 
-_FIELDS = tuple(f.name for f in fields(Record))
+_FIELDS = tuple(f.name for f in fields(PartRecord))
 
 
 def summary(wire: dict[str, Any]) -> str:
     """What must be equal in every process: all of a record's JSON object but the local shapes.
 
     Any JSON object may be exchanged (`meshkit.pad_shard_unpad` agrees on a plain dict); a
-    `Record`'s leaves are compared without their local shapes. The ``replicas`` digests are
+    `PartRecord`'s leaves are compared without their local shapes. The ``replicas`` digests are
     compared per replica group (`meshkit._src.coord.agree` groups), not here.
     """
     compared = {k: v for k, v in wire.items() if k != "replicas"}
@@ -117,22 +117,22 @@ def summary(wire: dict[str, Any]) -> str:
 
 
 def _groups(values: dict[int, Any]) -> str:
-    return _absent.lines(_absent.by_value({p: str(v) for p, v in values.items()}))
+    return _missing.lines(_missing.by_value({p: str(v) for p, v in values.items()}))
 
 
-def raise_failures(records: dict[int, Record], what: str = WHAT) -> None:
+def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
     """Raise a `MeshkitError` naming the processes that reported a failure instead of data."""
     failed = {p: r for p, r in records.items() if r.status == "error"}
     if failed:
         lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
         raise MeshkitError(
-            f"{what}: {_absent.processes(sorted(failed))} failed before the processes compared "
+            f"{what}: {_missing.processes(sorted(failed))} failed before the processes compared "
             f"their data:\n{lines}\nEvery process stops here too (the program cannot go on with "
             "some processes missing)."
         )
 
 
-def compare(records: dict[int, Record], what: str = WHAT) -> None:
+def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
     """Raise a `DivergenceError` naming the processes and the pytree path where records differ.
 
     The message says what each process passed; it names the processes outside a majority
@@ -146,7 +146,7 @@ def compare(records: dict[int, Record], what: str = WHAT) -> None:
             f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
             "Every process must pass the same structure (same keys, same number of arrays).\n"
             "Consider building batches with the same code and keys on every process.",
-            processes=_absent.outside_majority(_absent.by_value(_texts(trees)).values()),
+            processes=_missing.outside_majority(_missing.by_value(_texts(trees)).values()),
             field="structure",
         )
     first = min(records)
@@ -154,7 +154,7 @@ def compare(records: dict[int, Record], what: str = WHAT) -> None:
         rows = {p: _leaf(r, i) for p, r in records.items()}
         for field_name, shown_name in _COMPARED:
             seen = {p: getattr(x, field_name) for p, x in rows.items()}
-            held = _absent.by_value({p: json.dumps(v) for p, v in seen.items()})
+            held = _missing.by_value({p: json.dumps(v) for p, v in seen.items()})
             if len(held) > 1:
                 shown = {p: _shown(x) for p, x in rows.items()}
                 raise DivergenceError(
@@ -163,7 +163,7 @@ def compare(records: dict[int, Record], what: str = WHAT) -> None:
                     "Processes must pass local arrays that fit together into one global array "
                     "(local shape = global shape / processes along each split dimension).\n"
                     + _fix(field_name, list(seen.values())),
-                    processes=_absent.outside_majority(held.values()),
+                    processes=_missing.outside_majority(held.values()),
                     field=leaf.path,
                 )
     if any(r.replicas is not None for r in records.values()):
@@ -217,13 +217,13 @@ def _fix(field_name: str, values: list[Any]) -> str:
     )
 
 
-def _leaf(record: Record, i: int) -> LeafRecord:
+def _leaf(record: PartRecord, i: int) -> LeafRecord:
     """The ``i``-th leaf of a record whose structure equals the others' (compared before)."""
     assert record.leaves is not None
     return record.leaves[i]
 
 
-def _compare_replicas(records: dict[int, Record], what: str) -> None:
+def _compare_replicas(records: dict[int, PartRecord], what: str) -> None:
     """Name the processes whose replicas of one block differ (``replicas``: their digests)."""
     owners: dict[str, dict[int, str]] = {}
     for p, r in sorted(records.items()):

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
+from ..coord import missing as _missing
 from ..core import env as _env
 from ..core.data_position import (
     DataPosition,
@@ -270,9 +270,9 @@ def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
         return
     if outcome.missing or outcome.gave_up:
         gone = (
-            _absent.did_not(outcome.missing, timeout=timeout, arrive="reach this call")
+            _missing.did_not(outcome.missing, timeout=timeout, arrive="reach this call")
             if outcome.missing
-            else _absent.stopped_waiting(outcome.gave_up)
+            else _missing.stopped_waiting(outcome.gave_up)
         )
         raise MeshkitError(
             f"{what}: {gone}.\nEvery process must resume its iterator at the same position."
@@ -288,7 +288,7 @@ def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
     positions = {p: r["position"] for p, r in records.items()}
     raise MeshkitError(
         f"{what}: the processes resume at different positions:\n"
-        f"{_absent.lines(_absent.by_value(positions))}\n"
+        f"{_missing.lines(_missing.by_value(positions))}\n"
         "Every process must resume at the same position.\nConsider reading it from the same "
         "checkpoint on every process (meshkit.checkpoint.data_position(path))."
     )

@@ -24,8 +24,8 @@ from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
 from . import template as _template
+from .cross_check import agree_on as _agree_on
 from .restore_plan import SavedArray, describe_mesh, plan, saved_spec
-from .verdict import agree_on as _agree_on
 
 __all__ = ["check_savable", "data_position", "restore", "save", "targets"]
 

@@ -151,7 +151,7 @@ def should_save(step: int, *, every: int | None = None) -> bool:
     same on every process. After a preemption notice (SIGTERM from a scheduler, to any of the
     processes) it is true at one step, the same on every process: the step after the last one
     any process asked about when the notice came (the processes agree on it once,
-    `meshkit._src.coord.preemption`; the first step asked, when the notice came while they
+    `meshkit._src.coord.save_step`; the first step asked, when the notice came while they
     joined or restored). A `save` made then ends the program once it is complete, with status
     143 (``SystemExit(143)``): the scheduler starts the run again, and `latest` finds that
     step. Without a notice it costs no round trip; see the "Preemption and resume" docs.

@@ -23,7 +23,7 @@ from ..core import env as _env
 from ..lifecycle import exit as _exit
 from . import agreement as _agreement
 from . import window as _window
-from .node import BLOCK, Group, Node, Outcome, Record
+from .node import BLOCK, Group, Node, Outcome, RecordText
 from .service import JaxService, Stats
 
 __all__ = [
@@ -100,7 +100,7 @@ def in_step() -> None:
 def agree(
     tag: str,
     summary: str,
-    record: Record,
+    record: RecordText,
     *,
     timeout: float,
     groups: Mapping[str, Group] | None = None,
@@ -129,19 +129,19 @@ def agree(
     )
 
 
-def check(tag: str, summary: str, record: Record, *, timeout: float, what: str = "") -> Outcome:
+def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: str = "") -> Outcome:
     """`agree` where any difference is an error (the same primitive; kept for its callers)."""
     return agree(tag, summary, record, timeout=timeout, what=what)
 
 
-def _text(record: Record) -> str:
+def _text(record: RecordText) -> str:
     return record if isinstance(record, str) else record()
 
 
 def agree_later(
     tag: str,
     summary: str,
-    record: Record,
+    record: RecordText,
     *,
     timeout: float,
     on_outcome: Callable[[Outcome], None],

@@ -39,9 +39,9 @@ from typing import Any
 
 from ..core.errors import DivergenceError
 from ..core.frames import place, user_frame
-from . import absent as _absent
+from . import missing as _missing
 from . import places as _places
-from .node import BLOCK, LEFT, Group, Node, Outcome, Record, text
+from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 
 __all__ = ["LEFT", "Entry", "agree", "leave", "predict", "restart"]
 
@@ -148,7 +148,7 @@ def agree(
     sequence: str,
     site: str,
     summary: str,
-    record: Record,
+    record: RecordText,
     *,
     timeout: float,
     groups: Mapping[str, Group] | None = None,
@@ -284,7 +284,7 @@ class _Lazy:
     """This process's `Entry`, its record made only when posted."""
 
     def __init__(
-        self, site: str, what: str, where: str, summary: str, record: Record, groups: dict
+        self, site: str, what: str, where: str, summary: str, record: RecordText, groups: dict
     ) -> None:
         self.site, self.what, self.where, self.summary = site, what, where, summary
         self.record, self.groups, self.posted, self.full = record, groups, False, False
@@ -364,8 +364,8 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
     here = {p: e for p, e in entries.items() if e.summary != LEFT}
     if len({e.site for e in here.values()}) < 2:
         return
-    groups = _absent.by_value({p: f"{e.where} ({e.what})" for p, e in here.items()})
-    where = "; ".join(f"{_absent.processes(ps)} at {at}" for at, ps in groups.items())
+    groups = _missing.by_value({p: f"{e.where} ({e.what})" for p, e in here.items()})
+    where = "; ".join(f"{_missing.processes(ps)} at {at}" for at, ps in groups.items())
     channel = sequence.removeprefix("c:")
     thread = "main thread" if sequence == MAIN else f"channel {channel!r}"
     raise DivergenceError(

@@ -7,7 +7,7 @@ A process that posts also writes every other process's alarm key, ``meshkit/alar
 which that process's service thread waits (`waiter`; `nudger` wakes one's own): woken, its
 failure watch (`meshkit._src.lifecycle.failfast`) reads both kinds of post in one directory
 listing: a failure stops it, a notice is taken as its own. The lifecycle layer sits below
-coordination, so `meshkit._src.runtime.guards` hands it these functions at `init`.
+coordination, so `meshkit._src.runtime.install_guards` hands it these functions at `init`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..core import compat as _compat
-from ..lifecycle.failfast import Posted, Unanswered
+from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
 from .service import JaxService, Service
 
@@ -73,7 +73,7 @@ def alarm(service: Service, me: int, n: int) -> None:
             service.set(ALARM + str(p), "1", overwrite=True)
 
 
-def poll(service: Service, me: int) -> Posted:
+def poll(service: Service, me: int) -> PeerPosts:
     """What processes other than ``me`` posted so far: failures by process, notices by time."""
     failures: list[FailurePost] = []
     notices: list[PreemptionNotice] = []
@@ -83,7 +83,7 @@ def poll(service: Service, me: int) -> Posted:
         elif key.startswith(NOTICE):
             fields = json.loads(value)
             notices.append(PreemptionNotice(**{**fields, "own": False}))
-    return Posted(
+    return PeerPosts(
         failures=[(f.process, f.failure) for f in sorted(failures, key=lambda f: f.process)
                   if f.process != me],
         notices=sorted((n for n in notices if n.process != me),
@@ -91,7 +91,7 @@ def poll(service: Service, me: int) -> Posted:
     )  # fmt: skip
 
 
-def answer(service: Service, me: int) -> Posted | Unanswered:
+def answer(service: Service, me: int) -> PeerPosts | Unanswered:
     """`poll` as the failure watch sees it, or an `Unanswered` when the service did not answer."""
     try:
         return poll(service, me)
@@ -128,14 +128,14 @@ def teller() -> Callable[[PreemptionNotice], None]:
     return tell
 
 
-def watcher(me: int) -> Callable[[], Posted | Unanswered | None]:
+def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
     """`poll` for process ``me`` over the real service.
 
     The function returns None once this process is no longer joined (the watch then ends), and
     an `Unanswered` when the service did not answer, told by its status code whether it is gone.
     """
 
-    def poll_posts() -> Posted | Unanswered | None:
+    def poll_posts() -> PeerPosts | Unanswered | None:
         service = _joined()
         return None if service is None else answer(service, me)
 

@@ -34,7 +34,7 @@ def _say(text: str) -> None:  # an error no call can raise: a helper thread's, o
     say(_LOG, logging.ERROR, text, stacklevel=2)
 
 
-__all__ = ["PERIOD", "Group", "Node", "Outcome", "Posted", "Record", "Tag", "key", "text"]
+__all__ = ["PERIOD", "Group", "Node", "Outcome", "PostedRecord", "RecordText", "Tag", "key", "text"]
 
 BLOCK = 64  # agreements per key block (one delete per block)
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
@@ -45,11 +45,11 @@ SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
 # metric) wait only after a change.
 PERIOD = 12
 
-Record = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
+RecordText = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
 Group = tuple[int, str]  # a replica group: (its reference process, this process's summary)
 
 
-def text(record: Record) -> str:
+def text(record: RecordText) -> str:
     return record if isinstance(record, str) else record()
 
 
@@ -78,7 +78,7 @@ class Outcome:
 
 
 @dataclass(frozen=True)
-class Posted:
+class PostedRecord:
     """A record as a process posts it for one agreement (and as a window lists its calls).
 
     Serialized by field name (`to_json`); ``groups`` maps a replica group's name to its
@@ -103,12 +103,12 @@ class Posted:
         return json.dumps(self.fields())
 
     @classmethod
-    def from_fields(cls, named: dict[str, Any]) -> Posted:
+    def from_fields(cls, named: dict[str, Any]) -> PostedRecord:
         groups = {name: (g["ref"], g["summary"]) for name, g in named["groups"].items()}
         return cls(**{**named, "groups": groups})
 
     @classmethod
-    def from_json(cls, value: str) -> Posted:
+    def from_json(cls, value: str) -> PostedRecord:
         return cls.from_fields(json.loads(value))
 
 
@@ -120,7 +120,7 @@ class Call:
     flag: bool  # the summary differs from this process's previous one (or must be compared)
     summary: str
     groups: dict[str, Group]
-    record: Record
+    record: RecordText
     arrived: float = 0.0  # monotonic time of the increment
     timeout: float = 0.0
 

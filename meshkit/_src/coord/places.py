@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from ..core.errors import DivergenceError
 from ..core.frames import place
-from . import absent as _absent
+from . import missing as _missing
 from .node import Node
 
 __all__ = ["NOTICE", "PREFIX", "Moving", "Place", "Waiting", "count", "cycle", "forget", "told"]
@@ -80,8 +80,8 @@ def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError 
     if not blocking:
         return None
     places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
-    groups = _absent.by_value({p: f"{v.where} ({v.what})" for p, v in places.items()})
-    where = "; ".join(f"{_absent.processes(ps)} at {at}" for at, ps in groups.items())
+    groups = _missing.by_value({p: f"{v.where} ({v.what})" for p, v in places.items()})
+    where = "; ".join(f"{_missing.processes(ps)} at {at}" for at, ps in groups.items())
     channel = mine.sequence.removeprefix("c:")
     thread = "main thread" if mine.sequence == "main" else f"channel {channel!r}"
     return DivergenceError(

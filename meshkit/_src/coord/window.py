@@ -16,7 +16,7 @@ so at the first difference at least one of them does not repeat its call `PERIOD
 waits, and raises. The others went on, but whatever they compute with that process (any
 collective) cannot complete without it, and its failure stops them. Should the program catch
 that error and go on, its later calls must not meet the others' pending computations: the
-verdict lists which processes went on (each call's `Posted.waited`), and every later call of
+verdict lists which processes went on (each call's `PostedRecord.waited`), and every later call of
 that channel raises that the processes are out of step (`OutOfStep`), where a call that goes on
 returns its result to its caller at once (``repeat_returns``).
 """
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from ..core.errors import OutOfStep
 from ..core.frames import place as place_of
 from ..core.frames import user_frame
-from . import absent as _absent
 from . import agreement as _agreement
+from . import missing as _missing
 from . import places as _places
 from .node import (
     LEFT,
@@ -45,9 +45,9 @@ from .node import (
     Group,
     Node,
     Outcome,
-    Posted,
+    PostedRecord,
     Queued,
-    Record,
+    RecordText,
     Tag,
     WindowState,
     key,
@@ -81,7 +81,7 @@ def agree_later(
     node: Node,
     tag: str,
     summary: str,
-    record: Record,
+    record: RecordText,
     *,
     timeout: float,
     on_outcome: Callable[[Outcome], None],
@@ -168,7 +168,7 @@ def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
     """What each later call raises once ``went_on`` went on past a call that raised ``error``."""
     first = (str(error).splitlines() or [type(error).__name__])[0]
     return (
-        f"meshkit: the processes are out of step: {_absent.processes(went_on)} went on past the "
+        f"meshkit: the processes are out of step: {_missing.processes(went_on)} went on past the "
         f"call at which the processes differed, which raised here:\n  {first}\n"
         f"{'They' if len(went_on) > 1 else 'It'} may be waiting in a computation that this "
         "process must not join (it would mix the data of two different calls), so every later "
@@ -348,17 +348,19 @@ def _window(
     """One agreement for a window: the list of its calls' summaries, groups and records.
 
     The summary lists the calls' summaries run by run (`Run`); the record, every call's
-    `Posted` record (with whether its caller waited for the verdict), is made only when shown.
+    `PostedRecord` record (with whether its caller waited for the verdict), is made only when shown.
     """
     calls = [q.call for q in taken]
 
     def record() -> str:
         entries = [
-            Posted(q.call.summary, text(q.call.record), q.call.groups, waited=q.waits).fields()
+            PostedRecord(
+                q.call.summary, text(q.call.record), q.call.groups, waited=q.waits
+            ).fields()
             for q in taken
         ]
         if left is not None:
-            entries.append(Posted(LEFT, left).fields())
+            entries.append(PostedRecord(LEFT, left).fields())
         return json.dumps(entries)
 
     runs: list[Run] = []
@@ -385,11 +387,11 @@ def _window(
 def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int) -> None:
     """Name the window's first call on which the processes differ (``on_outcome`` raises)."""
     entries = {
-        p: [Posted.from_fields(e) for e in json.loads(r)] for p, r in outcome.records.items()
+        p: [PostedRecord.from_fields(e) for e in json.loads(r)] for p, r in outcome.records.items()
     }
     width = max((len(v) for v in entries.values()), default=1)
 
-    def at(i: int) -> tuple[dict[int, Posted], set[int]]:
+    def at(i: int) -> tuple[dict[int, PostedRecord], set[int]]:
         here = {p: v[i] for p, v in entries.items() if i < len(v)}
         return here, set(outcome.missing) | {p for p, v in entries.items() if i >= len(v)}
 

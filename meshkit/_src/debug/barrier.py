@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
@@ -68,7 +68,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         waited = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
         raise MeshkitError(
             f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
-            f"{_absent.stopped_waiting(outcome.gave_up)} (after {waited:g} s) at use #{use} of "
+            f"{_missing.stopped_waiting(outcome.gave_up)} (after {waited:g} s) at use #{use} of "
             "this barrier.\n"
             "Consider a longer timeout, or what delayed this process."
         )
@@ -80,7 +80,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
         for p in missing
     )
     raise MeshkitError(
-        f"meshkit.barrier({name!r}): {_absent.did_not(missing, timeout=timeout)} "
+        f"meshkit.barrier({name!r}): {_missing.did_not(missing, timeout=timeout)} "
         f"(use #{use} of this barrier); "
         f"this process (process {me}) did.\nMissing: {detail}.\n"
         "Consider those processes' output (a crash, a stall, a different branch); "

@@ -14,9 +14,9 @@ import json
 import time
 from typing import Any
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core.errors import DivergenceError
 from ..lifecycle import watchdog as _watchdog
@@ -91,9 +91,9 @@ def compare(
     left = {p: r for p, r in records.items() if r.get("status") != "call"}
     problems = [f"process {p} {_left_text(r)}" for p, r in sorted(left.items())]
     for p in missing:
-        problems.append(f"{_absent.did_not([p], timeout=timeout)} ({last_text(tag, p, last)})")
+        problems.append(f"{_missing.did_not([p], timeout=timeout)} ({last_text(tag, p, last)})")
     if problems:
-        here = _absent.processes(sorted(p for p in records if p not in left)).capitalize()
+        here = _missing.processes(sorted(p for p in records if p not in left)).capitalize()
         raise DivergenceError(
             f"meshkit debug: {label} ({mine['entry'].split()[0]} at {mine['where']}): "
             f"{'; '.join(problems)}.\n{here} made this call (SPMD call "
@@ -106,7 +106,7 @@ def compare(
     for field, what in (("entry", "called"), ("structure", "passed arguments structured as")):
         groups = _group({p: r[field] for p, r in records.items()})
         if len(groups) > 1:
-            said = (f"{_absent.processes(ps)} {what} {_shown(field, v)}" for v, ps in groups)
+            said = (f"{_missing.processes(ps)} {what} {_shown(field, v)}" for v, ps in groups)
             raise DivergenceError(
                 f"meshkit debug: SPMD call #{mine['count']} of the program: "
                 + "; ".join(said)
@@ -114,7 +114,7 @@ def compare(
                 "what decides which function each process calls (rank-dependent branches, "
                 "iteration over sets or dicts with per-process order, an early exit).\n"
                 + _where_lines(records),
-                processes=_absent.outside_majority(ps for _, ps in groups),
+                processes=_missing.outside_majority(ps for _, ps in groups),
                 field=field,
             )  # fmt: skip
     for i, leaf in enumerate(mine["leaves"]):  # one structure: as many leaves everywhere
@@ -122,11 +122,11 @@ def compare(
         if len(groups) == 1:
             continue
         (first, few), (second, more) = groups[0], groups[1]
-        text = f"{_absent.processes(few)} passed {leaf['name']} {first}; " + "; ".join(
-            f"{_absent.processes(ps)} passed {value}" for value, ps in groups[1:]
+        text = f"{_missing.processes(few)} passed {leaf['name']} {first}; " + "; ".join(
+            f"{_missing.processes(ps)} passed {value}" for value, ps in groups[1:]
         )
         suspects = (
-            _absent.processes(few)
+            _missing.processes(few)
             if len(few) < len(more)
             else "the processes (no majority says which is wrong)"
         )
@@ -140,7 +140,7 @@ def compare(
         )
         raise DivergenceError(
             f"meshkit debug: {label}: {text}.\n{rule}\n" + _where_lines(records),
-            processes=_absent.outside_majority(ps for _, ps in groups),
+            processes=_missing.outside_majority(ps for _, ps in groups),
             field=leaf["name"],
         )
 

@@ -39,7 +39,7 @@ from typing import Any
 from ..core import compat as _compat
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
-from . import service as _service
+from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -250,7 +250,7 @@ def end(
         return
     if announce:
         say(_LOG, level, announce)
-    if _registry.interpreter_exiting or not _service.at(
+    if _registry.interpreter_exiting or not _service_thread.at(
         "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
     ):
         # Reached from an exit handler (a SIGTERM while Python runs its atexit list): the

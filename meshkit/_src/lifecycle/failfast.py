@@ -9,7 +9,7 @@ Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.
   processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
   own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
 - **SIGTERM** is not a failure: it is a preemption notice (`meshkit._src.lifecycle.preemption`).
-- **The failure watch** (the fail-fast path; `meshkit._src.lifecycle.service` runs it): the
+- **The failure watch** (the fail-fast path; `meshkit._src.lifecycle.service_thread` runs it): the
   service thread waits in the coordination service on this process's alarm key, which a
   process that posts its failure or a preemption notice writes for every other (an idle wait
   is one request per ``slice_s`` seconds, no polling). Woken, it reads every post in one
@@ -44,7 +44,7 @@ from ..core.errors import DivergenceError
 from ..core.log import logger, say
 from . import exit as _exit
 from . import preemption as _preemption
-from . import service as _service
+from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -90,7 +90,7 @@ class Unanswered:
 
 
 @dataclass(frozen=True)
-class Posted:
+class PeerPosts:
     """What the other processes posted so far, as one poll of the failure watch found it.
 
     Attributes:
@@ -103,7 +103,7 @@ class Posted:
 
 
 # One look at the others' posts; None once this process is no longer joined.
-Poll = Callable[[], Posted | Unanswered | None]
+Poll = Callable[[], PeerPosts | Unanswered | None]
 # Waits at most that long for this process's alarm key: True once written (or not joined).
 Wait = Callable[[float], bool]
 _post_failure: Post | None = None
@@ -142,7 +142,7 @@ def install(
         lambda kind, value, tb: _on_exception(grace, kind, value, tb),
         order=_exit.REPORT,
     )
-    _service.watch(_Watch(me, n, poll, wait).look, nudge)
+    _service_thread.watch(_Watch(me, n, poll, wait).look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
@@ -325,9 +325,11 @@ def _at_exit(me: int) -> None:
     shutdown barrier for every other process: one that waits long reached the end of its
     program while others did not, the usual sign of processes that took different paths.
     """
-    _service.watch(None)
+    _service_thread.watch(None)
     if not _exit.ending():
-        _service.at("fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False)
+        _service_thread.at(
+            "fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False
+        )
 
 
 def _end_note(me: int) -> None:

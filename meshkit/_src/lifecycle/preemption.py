@@ -7,12 +7,12 @@ too); meshkit keeps it working and adds what it lacks:
 
 - **The notice.** `install` (at `meshkit.init`, fail-fast on) takes SIGTERM, chained to a
   handler the program set before. The handler only records the first notice (`receive`);
-  the service thread (`meshkit._src.lifecycle.service`) then tells JAX's sync managers and the
-  other processes (`meshkit._src.coord.failures`), which take it as theirs. Later SIGTERMs
+  the service thread (`meshkit._src.lifecycle.service_thread`) then tells JAX's sync managers
+  and the other processes (`meshkit._src.coord.failures`), which take it as theirs. Later SIGTERMs
   change nothing.
 - **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): the
   service thread sends the last step the program answered, and the processes agree on the step
-  after the highest one (`meshkit._src.coord.preemption`, once per run); meanwhile questions
+  after the highest one (`meshkit._src.coord.save_step`, once per run); meanwhile questions
   wait. A notice before the first question (while joining or restoring) gives the first step
   asked. The save made at it (`saved`) ends the process with status 143.
 - **The deadline.** Every process that knows of the notice ends at its time plus
@@ -38,7 +38,7 @@ from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service as _service
+from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -199,11 +199,11 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     wakeup = _exit.on_sigterm(_on_sigterm)
     if first:
-        _service.on_signal(wakeup, _on_sigterm)
-        _service.on_wake("preemption: tell, agree, arm the deadline", _tend)
-        _service.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
+        _service_thread.on_signal(wakeup, _on_sigterm)
+        _service_thread.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _service_thread.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
-    _service.wake()  # a notice received before ``tell`` was given is told now
+    _service_thread.wake()  # a notice received before ``tell`` was given is told now
 
 
 def notice() -> PreemptionNotice | None:
@@ -243,7 +243,7 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _service.wake(nudge=False)  # a pipe's byte: safe in a signal handler
+    _service_thread.wake(nudge=False)  # a pipe's byte: safe in a signal handler
     return told
 
 
@@ -405,7 +405,9 @@ def _tend() -> None:
             return
         _state.deadline_armed = True
     left = max(0.0, notice_.deadline - time.time())
-    _service.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
+    _service_thread.at(
+        "preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False
+    )
 
 
 def _agree(notice_: PreemptionNotice) -> None:

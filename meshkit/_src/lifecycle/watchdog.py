@@ -36,7 +36,7 @@ from ..core.frames import in_meshkit, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service as _service
+from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -246,7 +246,7 @@ def _cpu_clock(ident: int) -> int | None:
 class Watchdog:
     """Dumps this process's stacks after ``after`` seconds without progress, then may exit.
 
-    Its samples run in the service thread (`meshkit._src.lifecycle.service`), every
+    Its samples run in the service thread (`meshkit._src.lifecycle.service_thread`), every
     ``min(1 s, after / 4)``, from `start` until ``stop`` is set.
 
     Args:
@@ -274,12 +274,12 @@ class Watchdog:
 
     def start(self) -> None:
         """Take the first sample one period from now."""
-        _service.at("watchdog: sample", self.period, self._sample)
+        _service_thread.at("watchdog: sample", self.period, self._sample)
 
     def _sample(self) -> None:
         if self.stop.is_set():
             return
-        _service.at("watchdog: sample", self.period, self._sample, nudge=False)
+        _service_thread.at("watchdog: sample", self.period, self._sample, nudge=False)
         if _compat.distributed_state()[2] == 1:
             return  # one process: nobody to wait for, and no run to end
         now = time.monotonic()

@@ -8,7 +8,7 @@ text holds.
 Jupyter notebooks (``*.ipynb``) are scanned and fixed by their code cells
 (`meshkit._src.migrate.notebook`). ``--fix`` computes every new text before it writes any, and
 writes each file whole or not at all (`meshkit._src.migrate.files.write_atomic`). What the run
-finds goes into one `meshkit._src.migrate.report.FileResult` per path, which the reports read.
+finds goes into one `meshkit._src.migrate.formats.FileResult` per path, which the reports read.
 
 Exit status: 0 nothing found (or, with ``--fix``, nothing left); 1 findings remain; 2 a path
 is missing, a file cannot be read, parsed or written, or libcst is missing for ``--fix`` /
@@ -32,8 +32,8 @@ from typing import Any, BinaryIO, TextIO
 from .facts import Facts
 from .files import FirstParty, decode, discover, write_atomic
 from .findings import Finding
+from .formats import REPORTS, FileResult
 from .notebook import CodeModule, NotebookError, load_notebook
-from .report import REPORTS, FileResult
 from .rules import RULES
 from .scan import project_facts, scan_source
 

@@ -1,7 +1,7 @@
 """What ``meshkit migrate`` finds: a `Finding` per legacy pattern, and the `Edit` that fixes it.
 
 The scanner (`meshkit._src.migrate.scan`) makes them, the fixer (`meshkit._src.migrate.fix`)
-applies the edits, and the reports (`meshkit._src.migrate.report`) print the findings.
+applies the edits, and the reports (`meshkit._src.migrate.formats`) print the findings.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
-from ..arrays.gather import local_from_global
+from ..arrays.to_host import local_from_global
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..spmd.placement import argnums

@@ -8,7 +8,7 @@ that share a hostname, as containers may, stay apart; two network namespaces of 
 their own hostnames, as the test suite's simulated hosts, are apart too); ``MESHKIT_HOST``
 overrides the name (one value per machine, any text).
 
-The exchange is one `meshkit._src.coord.gather`: process 0 collects every name and publishes a
+The exchange is one `meshkit._src.coord.combine`: process 0 collects every name and publishes a
 run-length table (hosts ordered by their lowest process), so each process reads O(hosts) text,
 not O(processes) records.
 """
@@ -21,9 +21,9 @@ import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
-from ..coord import gather as _gather
+from ..coord import combine as _coord_combine
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, ranges
 
@@ -142,12 +142,12 @@ def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> H
     node = _agree.node()
     if n == 1 or node is None:
         return Hosts.of([here()])
-    got = _gather.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
+    got = _coord_combine.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
     if got.answer is None:
         raise MeshkitError(
-            f"{what}: {_absent.did_not(got.missing, timeout=timeout)} to say which host it runs "
+            f"{what}: {_missing.did_not(got.missing, timeout=timeout)} to say which host it runs "
             "on, though every process had joined.\nConsider the output of "
-            f"{_absent.processes(got.missing)} (a crash or a stall), and that every process makes "
+            f"{_missing.processes(got.missing)} (a crash or a stall), and that every process makes "
             "the same calls."
         )
     return Hosts.from_json(got.answer)

@@ -52,8 +52,8 @@ from . import compile_cache as _compile_cache
 from . import cpu_backend as _cpu
 from . import distributed_options as _options
 from . import gpus as _gpus
-from . import guards as _guards
 from . import hosts as _hosts
+from . import install_guards as _install_guards
 from . import preflight as _preflight
 from . import programs as _programs
 from . import slurm as _slurm
@@ -393,7 +393,9 @@ def init(
     if first:
         _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
         _compile_cache.enable(compilation_cache)  # before anything compiles
-        _guards.before_joining(fail_fast, preempt_grace)  # a notice while joining is one too
+        _install_guards.before_joining(
+            fail_fast, preempt_grace
+        )  # a notice while joining is one too
     info = _init(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -498,9 +500,9 @@ def _init(
                 stacklevel=4,
             )
         if joined_n > 1:
-            _guards.joined(fail_fast, preempt_grace, joined_pid, joined_n)
+            _install_guards.joined(fail_fast, preempt_grace, joined_pid, joined_n)
         else:
-            _guards.alone(fail_fast, preempt_grace, joined_pid)
+            _install_guards.alone(fail_fast, preempt_grace, joined_pid)
         return _INFO
 
     started = _compat.backends_are_initialized()
@@ -516,7 +518,7 @@ def _init(
 
     if not joins:
         _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
-        _guards.alone(fail_fast, preempt_grace, plan.process_id)
+        _install_guards.alone(fail_fast, preempt_grace, plan.process_id)
         return _INFO
 
     collectives = _cpu.select_gloo()
@@ -562,7 +564,7 @@ def _init(
         )
     _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
     _progress.mark("joined", _INFO.process_id)
-    _guards.joined(fail_fast, preempt_grace, _INFO.process_id, _INFO.num_processes)
+    _install_guards.joined(fail_fast, preempt_grace, _INFO.process_id, _INFO.num_processes)
     return _INFO
 
 

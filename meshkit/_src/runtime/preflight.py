@@ -28,8 +28,8 @@ import warnings
 
 import jax
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError
@@ -210,7 +210,7 @@ def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int
         names.extend(k for k in flat if k not in names)
     found = []
     for name in names:
-        values = _absent.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()})
+        values = _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()})
         if len(values) > 1:
             found.append((name, values))
     return found
@@ -233,7 +233,7 @@ def check(me: int, n: int, timeout: float) -> None:
         return
     if outcome.missing:
         raise DivergenceError(
-            f"meshkit.init(): {_absent.did_not(list(outcome.missing), timeout=timeout)} to "
+            f"meshkit.init(): {_missing.did_not(list(outcome.missing), timeout=timeout)} to "
             "compare software and settings (the preflight), though every process had joined. "
             "Consider the output of the missing processes (a crash or a stall right after "
             f"init); {ENV_PREFLIGHT}=0 turns the preflight off.",
@@ -248,7 +248,7 @@ def check(me: int, n: int, timeout: float) -> None:
             warnings.warn(_warning(name, values), stacklevel=3)
     if errors:
         suspects = sorted(
-            {p for _, values in errors for p in _absent.outside_majority(values.values())}
+            {p for _, values in errors for p in _missing.outside_majority(values.values())}
         )
         compared = {name for record in records.values() for name in record.settings}
         raise DivergenceError(
@@ -259,7 +259,7 @@ def check(me: int, n: int, timeout: float) -> None:
 def _warning(name: str, values: dict[str, list[int]]) -> str:
     what = "main program file" if name == "program" else "XLA_FLAGS"
     return (
-        f"meshkit.init(): the processes run different {what}s ({_absent.listed(values)}"
+        f"meshkit.init(): the processes run different {what}s ({_missing.listed(values)}"
         f"{' by SHA-256' if name == 'program' else ''}). That may be on purpose; if not, "
         "consider how each host got its copy of the program."
     )
@@ -268,13 +268,13 @@ def _warning(name: str, values: dict[str, list[int]]) -> str:
 def _message(
     errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int], compared: set[str]
 ) -> str:
-    rows = "\n".join(f"  {name}: {_absent.listed(values)}" for name, values in errors)
+    rows = "\n".join(f"  {name}: {_missing.listed(values)}" for name, values in errors)
     named = [name for name, _ in errors if name in compared]
     advice = (
-        f"consider how {_absent.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "
+        f"consider how {_missing.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "
         f"{', '.join(named)} (a jax.config.update or JAX_* environment variable on one host)"
         if named
-        else f"consider the installation of {_absent.processes(suspects)} (its environment, "
+        else f"consider the installation of {_missing.processes(suspects)} (its environment, "
         "image or devices)"
     )
     return (

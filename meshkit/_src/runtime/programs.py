@@ -41,9 +41,9 @@ from typing import Any
 
 import jax
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import frames as _frames
@@ -159,16 +159,16 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     late = left or list(outcome.missing or outcome.gave_up)
     if late:
         if left:
-            gone = f"{_absent.processes(left)} left the program (it ended or failed) without it"
+            gone = f"{_missing.processes(left)} left the program (it ended or failed) without it"
         elif outcome.missing:
-            gone = _absent.did_not(late, timeout=timeout, arrive="compile a computation with it")
+            gone = _missing.did_not(late, timeout=timeout, arrive="compile a computation with it")
         else:
-            gone = f"{_absent.stopped_waiting(late)} for it"
+            gone = f"{_missing.stopped_waiting(late)} for it"
         # Named as the ones at fault only where those that compiled it are more: with as
         # many on each side, this process may be the one running a computation alone.
         came = len(compiling.processes()) - len(late)
         raise DivergenceError(
-            _ALONE.format(what=_WHAT, mine=_ran(mine), number=_absent.ordinal(number), gone=gone),
+            _ALONE.format(what=_WHAT, mine=_ran(mine), number=_missing.ordinal(number), gone=gone),
             processes=late if came > len(late) else sorted(compiling.processes()),
             field="arrival",
         )
@@ -214,11 +214,11 @@ def _leave() -> None:
 def _difference(
     records: dict[int, dict[str, Any]], number: int, args: dict[int, list[list[str]]] | None
 ) -> DivergenceError:
-    by_digest = _absent.by_value({p: r["digest"] for p, r in records.items()})
-    suspects = _absent.outside_majority(by_digest.values())
+    by_digest = _missing.by_value({p: r["digest"] for p, r in records.items()})
+    suspects = _missing.outside_majority(by_digest.values())
     lines = "\n".join(_group_line(records, ps) for ps in by_digest.values())
     head = (
-        f"{_WHAT}: the processes compiled different programs as their {_absent.ordinal(number)} "
+        f"{_WHAT}: the processes compiled different programs as their {_missing.ordinal(number)} "
         f"computation across processes:\n{lines}\n"
     )
     field, detail = _first_difference(records, args)
@@ -230,15 +230,15 @@ def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
 
     The processes of one program; each line of the user's code that ran it, where they differ.
     """
-    ran = _absent.by_value({p: _ran(records[p]) for p in ps})
+    ran = _missing.by_value({p: _ran(records[p]) for p in ps})
     if len(ran) == 1:
-        return f"  {_absent.processes(ps)}: {next(iter(ran))}"
+        return f"  {_missing.processes(ps)}: {next(iter(ran))}"
     function = _function(records[ps[0]])
     each = "; ".join(
-        f"{_absent.processes(qs)}{text.removeprefix(function + ', run')}"
+        f"{_missing.processes(qs)}{text.removeprefix(function + ', run')}"
         for text, qs in ran.items()
     )
-    return f"  {_absent.processes(ps)}: {function}, run by {each}"
+    return f"  {_missing.processes(ps)}: {function}, run by {each}"
 
 
 # What differs, and the fix that fits it: the field, what to say.
@@ -282,7 +282,7 @@ def _first_difference(
     if args is None:
         return inside
     if len({len(a) for a in args.values()}) > 1:
-        counts = _absent.listed(_absent.by_value({p: str(len(a)) for p, a in args.items()}))
+        counts = _missing.listed(_missing.by_value({p: str(len(a)) for p, a in args.items()}))
         return "structure", (
             f"They take different numbers of arguments: {counts}.\n"
             "Consider passing the same pytree (same keys, same number of arrays) on every "
@@ -293,7 +293,7 @@ def _first_difference(
         for part, label in ((1, "type"), (2, "sharding")):
             values = {p: a[i][part] for p, a in args.items()}
             if len(set(values.values())) > 1:
-                listed = _absent.listed(_absent.by_value(values))
+                listed = _missing.listed(_missing.by_value(values))
                 return name, _ARGUMENT.format(name=name, label=label, values=listed)
     return inside
 

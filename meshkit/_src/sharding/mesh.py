@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ..coord import absent as _absent
+from ..coord import missing as _missing
 from ..core.errors import MeshkitError, ranges
 from ..core.tracebacks import public
 from ..runtime import hosts as _hosts
@@ -433,7 +433,7 @@ def describe(mesh: Mesh) -> str:
         for host in dict.fromkeys(host_of.values()):
             mine = [p for p in processes if host_of[p] == host]
             held = np.isin(owner, mine)
-            lines.append(f"host {host}: {_absent.processes(mine)}; {place(held)}")
+            lines.append(f"host {host}: {_missing.processes(mine)}; {place(held)}")
     for p in processes:
         at = "" if host_of is None else f" on {host_of[p]}"
         lines.append(f"process {p}{at}: {place(owner == p)}")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
@@ -44,10 +44,10 @@ def agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing
         return
     if outcome.missing or outcome.gave_up:
         gone = (
-            f"{_absent.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
+            f"{_missing.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
             "before it arrived)"
             if not outcome.missing
-            else f"{_absent.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
+            else f"{_missing.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
             " (the others did)"
         )
         raise MeshkitError(

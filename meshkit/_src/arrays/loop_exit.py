@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..coord import absent as _absent
+from ..coord import missing as _missing
 from ..coord.node import Node
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
@@ -112,8 +112,8 @@ def left_error(
     mine = said[me][1]
     ahead = {p: hk for p, hk in said.items() if hk[0] not in (CLOSED, ENDED)}
     if ahead:
-        groups = _absent.by_value({p: _did(*hk) for p, hk in ahead.items()})
-        others = ", ".join(f"{_absent.processes(ps)} {did}" for did, ps in groups.items())
+        groups = _missing.by_value({p: _did(*hk) for p, hk in ahead.items()})
+        others = ", ".join(f"{_missing.processes(ps)} {did}" for did, ps in groups.items())
         return DivergenceError(
             f"{_WHAT}: the processes left their loops at different steps: this process "
             f"(process {me}) closed its iterator after step {mine}, but {others}.\n{_ADVICE}",
@@ -126,7 +126,7 @@ def left_error(
         return error
     return MeshkitError(
         f"{_WHAT}: this process (process {me}) closed its iterator after step {mine}, and "
-        f"{_absent.processes(missing)} did not leave the loop within {timeout:g} s (no "
+        f"{_missing.processes(missing)} did not leave the loop within {timeout:g} s (no "
         "close, no end of data, no further step asked for).\n"
         "Every process must leave its loop after the same step.\nConsider looking at those "
         f"processes' output; {_env.ENV_CHECK_TIMEOUT} sets the wait."
@@ -135,8 +135,8 @@ def left_error(
 
 def _after(closers: dict[int, int]) -> str:
     """``"process 0 after step 2"``, ``"processes 0,2 after step 2, process 3 after step 4"``."""
-    groups = _absent.by_value({p: str(k) for p, k in closers.items()})
-    return ", ".join(f"{_absent.processes(ps)} after step {k}" for k, ps in groups.items())
+    groups = _missing.by_value({p: str(k) for p, k in closers.items()})
+    return ", ".join(f"{_missing.processes(ps)} after step {k}" for k, ps in groups.items())
 
 
 _ADVICE = (
@@ -155,7 +155,7 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
     """
     early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)} or closers
     named = _after(early)
-    who = _absent.processes(sorted(early))
+    who = _missing.processes(sorted(early))
     if took:
         doing = (
             f"took step {steps} already: its computations at that step wait for "

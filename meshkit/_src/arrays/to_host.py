@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..coord import absent as _absent
 from ..coord import agree as _agree
 from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import env as _env
@@ -262,7 +262,7 @@ def _agree_on_call(
     if outcome.agreed:
         return
     if outcome.missing:
-        missing = _absent.did_not(outcome.missing, timeout=timeout, arrive="call gather")
+        missing = _missing.did_not(outcome.missing, timeout=timeout, arrive="call gather")
         raise MeshkitError(
             f"{what}: {missing}; this process (process {jax.process_index()}) "
             "did.\nEvery process must call gather, the same number of times and in the same "
@@ -272,10 +272,10 @@ def _agree_on_call(
     calls = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
     lines = []
     for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
-        groups = _absent.by_value({p: json.dumps(call[key]) for p, call in calls.items()})
+        groups = _missing.by_value({p: json.dumps(call[key]) for p, call in calls.items()})
         if len(groups) > 1:
             lines = [
-                f"  {_absent.processes(ps)}: {shown}{_shown(json.loads(v))}"
+                f"  {_missing.processes(ps)}: {shown}{_shown(json.loads(v))}"
                 for v, ps in groups.items()
             ]
             break

@@ -3,14 +3,14 @@
 The lifecycle layer (`meshkit._src.lifecycle`) sits below coordination; `init` hands it the
 functions that talk to the other processes: fail-fast's failure posts and watch
 (`meshkit._src.coord.failures`), preemption's telling of a notice and its agreement on the sync
-step (`meshkit._src.coord.preemption`). Three moments: before joining (a notice is this
+step (`meshkit._src.coord.save_step`). Three moments: before joining (a notice is this
 process's own, told once joined), alone, and joined.
 """
 
 from __future__ import annotations
 
 from ..coord import failures as _failures
-from ..coord import preemption as _coord_preemption
+from ..coord import save_step as _coord_preemption
 from ..core import compat as _compat
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption

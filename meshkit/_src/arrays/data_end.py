@@ -1,6 +1,6 @@
 """Where the processes' data ends, in `meshkit.global_batches`: its messages, decided from records.
 
-Each step's records (`meshkit._src.arrays.records.Record`) say, for every process, whether its
+Each step's records (`meshkit._src.arrays.records.PartRecord`) say, for every process, whether its
 loader has ended and how many rows its batch has. Where the rows differ, the processes with
 fewer (`short`) read their loaders one batch ahead and say, in a second exchange, whether theirs
 is the last batch. From the same records every process decides the same thing at the same step:
@@ -11,15 +11,15 @@ loader is read ahead of its step.
 
 from __future__ import annotations
 
-from ..coord import absent as _absent
-from .records import Record
+from ..coord import missing as _missing
+from .records import PartRecord
 
 __all__ = ["short", "short_batch", "uneven_end"]
 
 _WHAT = "meshkit.global_batches"
 
 
-def short(records: dict[int, Record]) -> list[int]:
+def short(records: dict[int, PartRecord]) -> list[int]:
     """The processes whose batch at this step has fewer rows than another's (none: one size)."""
     rows = _leading_rows(records)
     if rows is None:
@@ -28,7 +28,7 @@ def short(records: dict[int, Record]) -> list[int]:
     return sorted(p for p, n in rows.items() if n < most)
 
 
-def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | None:
+def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str | None:
     """The error for a batch at ``step`` shorter than another process's, or None if allowed.
 
     Only a loader's last batch may be short: with ``pad=True`` it is padded, and with
@@ -36,7 +36,7 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
     end of the data are rows one loader lost (a filter, an uneven shard) or another added (its
     own padding): padding them would hide that, and with no majority the records cannot tell
     which, so the message says what each process passed and names no culprit. The records
-    carry the second exchange's `Record.last`; a process that could not tell (its loader failed
+    carry the second exchange's `PartRecord.last`; a process that could not tell (its loader failed
     when read ahead: the failure is raised at the next step) is not named.
     """
     rows = _leading_rows(records)
@@ -63,7 +63,7 @@ def short_batch(records: dict[int, Record], step: int, *, pad: bool) -> str | No
     return _MIDSTREAM.format(
         what=_WHAT,
         step=step,
-        each="; ".join(_rows_text(ps, rows) for ps in _absent.by_value(_as_text(rows)).values()),
+        each="; ".join(_rows_text(ps, rows) for ps in _missing.by_value(_as_text(rows)).values()),
         more=_loaders(midstream),
         which=_which(rows),
     )
@@ -91,8 +91,8 @@ def _as_text(rows: dict[int, int]) -> dict[int, str]:
 
 def _which(rows: dict[int, int]) -> str:
     """Who differs, where most processes agree on the rows; else that the records cannot tell."""
-    groups = list(_absent.by_value(_as_text(rows)).values())
-    odd = _absent.outside_majority(groups)
+    groups = list(_missing.by_value(_as_text(rows)).values())
+    odd = _missing.outside_majority(groups)
     if len(odd) == len(rows):
         return "the batches alone do not tell which process's loader is wrong"
     return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
@@ -125,8 +125,8 @@ def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
     return f"the batches of {_processes(ps)} have {_and([str(n) for n in counts])} rows"
 
 
-def _leading_rows(records: dict[int, Record]) -> dict[int, int] | None:
-    """Rows of each process that has data at this step (`Record.rows`).
+def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:
+    """Rows of each process that has data at this step (`PartRecord.rows`).
 
     None when fewer than two have data, or a record does not say its rows.
     """
@@ -143,7 +143,7 @@ def _leading_rows(records: dict[int, Record]) -> dict[int, int] | None:
 def uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
     """The message for loaders that yielded different numbers of batches (see `_check_end`)."""
     had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
-    more = f"a {_absent.ordinal(step)}" if step > 1 else "one"
+    more = f"a {_missing.ordinal(step)}" if step > 1 else "one"
     ended_text = (
         f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
     )

@@ -1,7 +1,7 @@
 """The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
 
 Before a step's global batch is handed to the caller, the processes agree on one record per
-process (`Record`: its status - data, the end of its loader's data, closed, failed - and, with
+process (`PartRecord`: its status - data, the end of its loader's data, closed, failed - and, with
 checks, the structure, dtypes, shapes and rows): `Assembly.agree_sizes`, two requests per
 process at the coordinator in a steady loop. Agreed step by step, that is 2N requests per step
 for N processes.
@@ -37,11 +37,11 @@ import numpy as np
 
 from ..core.errors import MeshkitError
 from . import assembly as _assembly
-from . import closes as _closes
-from . import ends as _ends
+from . import data_end as _data_end
+from . import loop_exit as _loop_exit
 from .blocks import Prepared
-from .caller import set_caller
-from .records import Record, raise_failures, summary
+from .entry_point import set_caller
+from .records import PartRecord, raise_failures, summary
 from .templates import prepare
 
 __all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
@@ -162,7 +162,7 @@ class Handoff:
         return False
 
 
-_Read = tuple[Prepared, Record, Any]  # a step read ahead: prepared, its record, its position
+_Read = tuple[Prepared, PartRecord, Any]  # a step read ahead: prepared, its record, its position
 
 
 @dataclass
@@ -309,7 +309,7 @@ class Ahead:
         self.put(self._finish(prepared, {self.me: record}, state))
         return True
 
-    def _summary(self, prepared: Prepared, record: Record) -> str:
+    def _summary(self, prepared: Prepared, record: PartRecord) -> str:
         """``summary(record.wire())``, made once per layout and rows (a template's record)."""
         template = prepared.template
         if template is None:
@@ -344,7 +344,7 @@ class Ahead:
         )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
-        """The rows the step's record compares (`Record.rows`): not with ``pad="ragged"``."""
+        """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
         if status == "data" and not self.ragged and prepared.leaves[0].global_shape:
             return int(prepared.leaves[0].value.shape[0])
         return None
@@ -402,7 +402,7 @@ class Ahead:
             check_rows(records)
         return self._finish(prepared, records, state), len(records) == 1 and status == "data"
 
-    def _finish(self, prepared: Prepared, records: dict[int, Record] | None, state: Any) -> Any:
+    def _finish(self, prepared: Prepared, records: dict[int, PartRecord] | None, state: Any) -> Any:
         """Place and transfer an agreed step: the caller's item (with the source's position)."""
         self.assembly.place(prepared, records)
         tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
@@ -445,9 +445,12 @@ class Ahead:
         )
         if len(records) == 1 and (whole or ended):
             return [*window.steps, END] if ended else list(window.steps)
-        left = {p: Record.read(r) for p, r in records.items() if r["status"] != "window"}
+        left = {p: PartRecord.read(r) for p, r in records.items() if r["status"] != "window"}
         if left:  # a process closed or failed: it is the window's first step that tells
-            at = {p: left.get(p, Record(status=r.get("first", "data"))) for p, r in records.items()}
+            at = {
+                p: left.get(p, PartRecord(status=r.get("first", "data")))
+                for p, r in records.items()
+            }
             what = f"{_WHAT} (step {step})"
             raise_failures(at, what)
             self._check_end(at, step)
@@ -457,27 +460,27 @@ class Ahead:
 
     # What the records say.
 
-    def _check_rows(self, records: dict[int, Record], step: int, what: str) -> None:
+    def _check_rows(self, records: dict[int, PartRecord], step: int, what: str) -> None:
         """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
 
         Where the batches differ in rows, each process with fewer reads its loader one batch
         ahead (`_peek`), and all exchange whether theirs is the last: one more round trip, at
         such steps only. Every process has the same records, so all decide alike.
         """
-        fewer = _ends.short(records)
+        fewer = _data_end.short(records)
         if not fewer:
             return
         last = self._peek() if self.me in fewer else None
-        said = _assembly.exchange_records(self.assembly.tag, Record(last=last).wire(), what)
-        lasts = {p: Record.read(w).last for p, w in said.items()}
+        said = _assembly.exchange_records(self.assembly.tag, PartRecord(last=last).wire(), what)
+        lasts = {p: PartRecord.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _ends.short_batch(told, step, pad=self.pad)
+        message = _data_end.short_batch(told, step, pad=self.pad)
         if message is not None:
             raise MeshkitError(message)
 
-    def _check_end(self, records: dict[int, Record], step: int) -> bool:
+    def _check_end(self, records: dict[int, PartRecord], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).
 
         Loaders that end at different steps are an error, the same on every process (each has
@@ -494,12 +497,12 @@ class Ahead:
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)
-            raise _closes.went_on(closers, self.me, step - 1, took=False)
+            raise _loop_exit.went_on(closers, self.me, step - 1, took=False)
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
         if not ended or (self.pad and all(records[p].block_rows is not None for p in ended)):
             return False
         raise MeshkitError(
-            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
+            _data_end.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
         )
