@@ -291,6 +291,42 @@ def test_windows_of_equal_calls_agree_and_report_nothing():
     assert cluster.unraised == []
 
 
+def test_a_window_thread_leaves_when_idle_and_the_next_call_starts_one(monkeypatch):
+    monkeypatch.setattr(window, "IDLE_S", 0.2)
+    nodes = FakeCluster(2).nodes()
+    seen: list[list[Outcome]] = [[], []]
+
+    def both(summaries: list[list[str]]) -> list[bool]:  # `_together`, without the exit
+        drained = [False, False]
+
+        def run(node: Node) -> None:
+            drained[node.me] = _later(node, summaries[node.me], seen[node.me])
+
+        threads = [threading.Thread(target=run, args=(node,)) for node in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30.0)
+        return drained
+
+    def alive(node: Node) -> list[str]:
+        return [t.name for t, _ in node.threads if t.is_alive()]
+
+    # Equal calls agree; then, idle past IDLE_S, no process has a window thread left.
+    assert both([["a"] * 5, ["a"] * 5]) == [True, True]
+    deadline = time.monotonic() + 5.0
+    while any(alive(node) for node in nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [alive(node) for node in nodes] == [[], []]
+    # The next calls start a thread again and are agreed in order; a difference is still found.
+    assert both([["a", "a"], ["a", "b"]]) == [True, True]
+    assert [alive(node) for node in nodes] == [["meshkit-agree:w"], ["meshkit-agree:w"]]
+    assert [len(s) for s in seen] == [1, 1]
+    assert seen[0][0].records == {0: "0:1", 1: "1:1"}  # the second call, the first that differs
+    for node in nodes:
+        node.stop()
+
+
 def test_a_window_names_the_first_call_that_differs():
     cluster = FakeCluster(2)
     nodes = cluster.nodes()

@@ -269,6 +269,33 @@ def test_the_launcher_names_no_root_cause_without_a_majority():
     assert "--- root cause:" not in report, report
 
 
+def test_without_a_majority_the_report_shows_the_error_that_ended_the_first_rank():
+    # Rank 0 exited first, ended by rank 1's failure (fail-fast): its output holds a notice
+    # only, so the report shows rank 1's error, once, and still names no cause.
+    results = [
+        _rank(0, 1, "meshkit: process 1 failed: DivergenceError: shapes\nProcess 0 stops too"),
+        _rank(
+            1, 1, "DivergenceError: shapes\n  process 0: float32[16, 3]\n  process 1: float32[4, 3]"
+        ),
+    ]
+    differ = {"cause": "divergence", "error": "DivergenceError", "field": "(the array)"}
+    told = Told.of(
+        [
+            Event(1, "failed", 0.0, {**differ, "processes": [0, 1]}),
+            Event(0, "failed", 0.0, {"cause": "peer", "process": 1, "error": "DivergenceError"}),
+        ]
+    )
+    report = _report.root_cause(results[0], results, 1.6, told)
+    assert "no majority says which is wrong" in report, report
+    assert "--- the error that ended rank 0: rank 1 ---" in report, report
+    assert report.count("process 0: float32[16, 3]") == 1, report
+    assert "--- root cause:" not in report, report
+    # A first rank that raised its own error is shown as the first to fail.
+    told = Told.of([Event(r, "failed", 0.0, {**differ, "processes": [0, 1]}) for r in (0, 1)])
+    report = _report.root_cause(results[1], results, 1.6, told)
+    assert "--- first to fail: rank 1 ---" in report, report
+
+
 def test_the_launcher_names_no_root_cause_when_every_rank_failed_alike():
     results = [_rank(0, 1, "MeshkitError: a", stopped=True), _rank(1, 1, "MeshkitError: a")]
     failed = {"cause": "exception", "error": "MeshkitError", "where": "/x/train.py:56"}

@@ -122,10 +122,10 @@ def test_close_from_another_thread_in_one_process():
     gate.set()
 
 
-# The coordination layer's own threads (the check prober, a thread per agreement tag) and
-# global_batches' close watch: issue 43 folds them into coord/'s one primitive; until then they
-# are counted apart, by name, and nothing else may appear.
-_COORDINATION = ("meshkit-check-probe", "meshkit-agree:", "meshkit-global-batches-watch")
+# Threads of a loop that live only while it runs: the window thread of a tag in use (it leaves
+# after `window.IDLE_S` without a call) and global_batches' close watch. Counted apart, by name,
+# while the loop runs; an idle process has neither.
+_LOOP_ONLY = ("meshkit-agree:", "meshkit-global-batches-watch")
 
 
 @pytest.mark.multiprocess
@@ -134,7 +134,6 @@ def test_an_idle_joined_process_runs_one_meshkit_thread_and_a_loop_adds_its_pref
     assert result.returncode == 0, result.report
     for idle, loop in result.values:
         assert all(name.startswith("meshkit-") for name in idle), idle  # no thread but ours
-        ours = [name for name in idle if not name.startswith(_COORDINATION)]
-        assert ours == ["meshkit-service"], idle  # the lifecycle's one service thread
-        added = {name for name in set(loop) - set(idle) if not name.startswith(_COORDINATION)}
+        assert idle == ["meshkit-service"], idle  # the one service thread, nothing else
+        added = {name for name in set(loop) - set(idle) if not name.startswith(_LOOP_ONLY)}
         assert added == {"meshkit-global-batches"}, loop  # the prefetcher, nothing else

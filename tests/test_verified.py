@@ -77,7 +77,8 @@ def test_both_processes_change_differently():
         assert raised in rank.stderr or stopped, text
     # Both raise on one verdict. Which raises first is a race, and the other may stop on the
     # first one's failure notice (which quotes the error's first line), or on the launcher's
-    # signal, before it prints its own traceback; the report holds the whole message once.
+    # signal, before it prints its own traceback; the report holds the whole message once (of
+    # a first rank ended by the other's failure, it shows the other's error).
     assert result.report.count("process 0: float32[16, 3] (global [32, 3]") == 1, text
     assert result.report.count("process 1: float32[4, 3] (global [8, 3]") == 1, text
 

@@ -125,6 +125,14 @@ def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
     return f"the batches of {_processes(ps)} have {_and([str(n) for n in counts])} rows"
 
 
+def rows_outliers(records: dict[int, PartRecord]) -> list[int]:
+    """The processes whose batch rows differ from a majority's; every one without a majority."""
+    rows = _leading_rows(records) or {}
+    if not rows:
+        return sorted(records)
+    return _missing.outside_majority(_missing.by_value(_as_text(rows)).values())
+
+
 def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:
     """Rows of each process that has data at this step (`PartRecord.rows`).
 

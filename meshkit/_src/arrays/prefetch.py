@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.errors import MeshkitError
+from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import data_end as _data_end
 from . import loop_exit as _loop_exit
@@ -478,7 +478,9 @@ class Ahead:
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
         message = _data_end.short_batch(told, step, pad=self.pad)
         if message is not None:
-            raise MeshkitError(message)
+            # A DivergenceError: the launcher reads who differs (no one singled out without a
+            # majority), whichever process raised first.
+            raise DivergenceError(message, processes=_data_end.rows_outliers(told), field="rows")
 
     def _check_end(self, records: dict[int, PartRecord], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).

@@ -1,4 +1,4 @@
-"""`agree_later`: agreement beside the caller, on *windows* of calls (a thread per tag).
+"""`agree_later`: agreement beside the caller, on *windows* of calls (a thread per tag in use).
 
 Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
 by default, after its first call), then writes how many calls it holds; the others take as many
@@ -75,6 +75,9 @@ LINGER_S = 0.1
 # phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
+# A tag's thread leaves after this long without a call (its next call starts one again): a
+# process idle between calls runs no thread per tag; a loop of calls keeps its thread.
+IDLE_S = 1.0
 
 
 def agree_later(
@@ -105,7 +108,7 @@ def agree_later(
     of the channel's order (`places`): a call waiting for its verdict is there as the n-th call
     of the tag.
     """
-    _, window = windowed(node, tag)
+    state, window = windowed(node, tag)
     calls = "calls:" + tag
     groups = dict(groups or {})
     node.stats.agreements += 1
@@ -119,6 +122,7 @@ def agree_later(
         window.queue.append(Queued(call, on_outcome, waits))
         window.on_outcome = on_outcome
         window.linger = linger
+        _ensure_thread(node, state, window)
         if 0 < window.wanted <= len(window.queue):
             window.cond.notify_all()
     if waits:
@@ -194,16 +198,30 @@ def windowed(node: Node, tag: str) -> tuple[Tag, WindowState]:
     state = node.tag(tag)
     with state.lock:
         if state.window is None:
-            window = WindowState(threading.Condition(state.lock), node.channel())
-            thread = threading.Thread(
-                target=_run, args=(node, state, window), name=f"meshkit-agree:{tag}", daemon=True
-            )
-            window.thread = thread
-            state.window = window
-            thread.start()
-            node.threads.append((thread, window.cond))
+            state.window = WindowState(threading.Condition(state.lock), node.channel())
             node.live.add(tag)
+            _start(node, state, state.window)
         return state, state.window
+
+
+def _start(node: Node, state: Tag, window: WindowState) -> None:
+    """Start the tag's thread (``window.cond`` held).
+
+    At the tag's first call, and at its first call after the thread left for want of calls
+    (`IDLE_S`).
+    """
+    thread = threading.Thread(
+        target=_run, args=(node, state, window), name=f"meshkit-agree:{state.name}", daemon=True
+    )
+    window.thread = thread
+    node.threads.append((thread, window.cond))
+    thread.start()
+
+
+def _ensure_thread(node: Node, state: Tag, window: WindowState) -> None:
+    """After a call or a leave is queued (``window.cond`` held): a thread must take it."""
+    if window.thread is None and not node.stopping.is_set():
+        _start(node, state, window)
 
 
 def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
@@ -211,10 +229,11 @@ def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
 
     The tag's thread arrives for the first call this process will not make.
     """
-    _, window = windowed(node, tag)
+    state, window = windowed(node, tag)
     with window.cond:
         window.left_posted.clear()
         window.left = record
+        _ensure_thread(node, state, window)
         window.cond.notify_all()
     window.left_posted.wait(wait)
 
@@ -225,8 +244,18 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
     while True:
         with cond:
             window.wanted = 1
+            idle_until = time.monotonic() + IDLE_S
             while not window.queue and window.left is None and not stopping.is_set():
-                cond.wait()
+                if not cond.wait(max(idle_until - time.monotonic(), 0.0)):
+                    if window.queue or window.left is not None:
+                        break
+                    # No call for IDLE_S: leave; the tag's next call starts a thread again, so
+                    # an idle process keeps no thread per tag.
+                    window.wanted = 0
+                    window.thread = None
+                    with contextlib.suppress(ValueError):
+                        node.threads.remove((threading.current_thread(), cond))
+                    return
             if me == 0:
                 _linger(node, window)
             window.wanted = 0

@@ -332,6 +332,20 @@ def root_cause(
     if also:
         lines.append(f"Also failed on their own: {', '.join(also)}.")
     if suspect is None:  # every rank failed the same way: the first is not the cause
+        # A first rank ended by another's failure (fail-fast) holds only a notice: the error
+        # itself is in the output of the rank that raised it.
+        first = _diagnosis(bad, told)
+        raised = next(
+            (r for r in others if first and first.kind == "lost" and r.rank == first.process), None
+        )
+        if raised is not None:
+            return (
+                "\n".join(lines)
+                + "\n"
+                + tail_block(
+                    f"the error that ended rank {bad.rank}:", raised.rank, _error_text(raised)
+                )
+            )
         return "\n".join(lines) + "\n" + tail_block("first to fail:", bad.rank, _error_text(bad))
     blocks = tail_block("root cause:", cause.rank, _error_text(cause))
     if cause is not bad:
