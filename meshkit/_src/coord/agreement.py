@@ -37,9 +37,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core.errors import DivergenceError
 from ..core.frames import place, user_frame
-from . import missing as _missing
 from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 
@@ -364,24 +362,11 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
     here = {p: e for p, e in entries.items() if e.summary != LEFT}
     if len({e.site for e in here.values()}) < 2:
         return
-    groups = _missing.by_value({p: f"{e.where} ({e.what})" for p, e in here.items()})
-    where = "; ".join(f"{_missing.processes(ps)} at {at}" for at, ps in groups.items())
-    channel = sequence.removeprefix("c:")
-    thread = "main thread" if sequence == MAIN else f"channel {channel!r}"
-    raise DivergenceError(
-        f"meshkit: the processes wait at different agreements of their {thread}, and none can "
-        f"go on: {where}.\n"
-        "Each waits for the others to arrive where it is. Every process must reach meshkit's "
-        "agreements (its calls with host data, global_batches' steps, first compilations of "
-        "programs over several processes) in the same order; consider a branch taken by some "
-        "processes only (a condition on jax.process_index(), on local data, or on a value only "
-        "some processes read).",
-        processes=sorted(here),
-        field="order",
-    )
+    where = {p: f"{e.where} ({e.what})" for p, e in here.items()}
+    raise _places.different_agreements(sequence, where, sorted(here))
 
 
-MAIN = "main"  # the main thread's sequence
+MAIN = _places.MAIN  # the main thread's sequence
 
 
 def channel_sequence(node: Node, name: str | None = None) -> str:

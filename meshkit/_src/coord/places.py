@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from ..core.errors import DivergenceError
@@ -80,19 +81,36 @@ def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError 
     if not blocking:
         return None
     places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
-    groups = _missing.by_value({p: f"{v.where} ({v.what})" for p, v in places.items()})
-    where = "; ".join(f"{_missing.processes(ps)} at {at}" for at, ps in groups.items())
-    channel = mine.sequence.removeprefix("c:")
-    thread = "main thread" if mine.sequence == "main" else f"channel {channel!r}"
+    return different_agreements(
+        mine.sequence,
+        {p: f"{v.where} ({v.what})" for p, v in places.items()},
+        sorted({node.me, *blocking}),
+    )
+
+
+MAIN = "main"  # the main thread's sequence of agreements (other channels: "c:<name>")
+
+
+def different_agreements(
+    sequence: str, where: Mapping[int, str], processes: list[int]
+) -> DivergenceError:
+    """The error of processes that wait at different agreements of ``sequence``.
+
+    ``where``: each process's place and call in words; ``processes``: whom the error names.
+    """
+    groups = _missing.by_value(where)
+    at = "; ".join(f"{_missing.processes(ps)} at {spot}" for spot, ps in groups.items())
+    channel = sequence.removeprefix("c:")
+    thread = "main thread" if sequence == MAIN else f"channel {channel!r}"
     return DivergenceError(
         f"meshkit: the processes wait at different agreements of their {thread}, and none can "
-        f"go on: {where}.\n"
+        f"go on: {at}.\n"
         "Each waits for the others to arrive where it is. Every process must reach meshkit's "
         "agreements (its calls with host data, global_batches' steps, first compilations of "
         "programs over several processes) in the same order; consider a branch taken by some "
         "processes only (a condition on jax.process_index(), on local data, or on a value only "
         "some processes read).",
-        processes=sorted({node.me, *blocking}),
+        processes=processes,
         field="order",
     )
 
