@@ -91,8 +91,7 @@ def _as_text(rows: dict[int, int]) -> dict[int, str]:
 
 def _which(rows: dict[int, int]) -> str:
     """Who differs, where most processes agree on the rows; else that the records cannot tell."""
-    groups = list(_missing.by_value(_as_text(rows)).values())
-    odd = _missing.outside_majority(groups)
+    odd = _outside_majority(rows)
     if len(odd) == len(rows):
         return "the batches alone do not tell which process's loader is wrong"
     return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
@@ -127,9 +126,11 @@ def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
 
 def rows_outliers(records: dict[int, PartRecord]) -> list[int]:
     """The processes whose batch rows differ from a majority's; every one without a majority."""
-    rows = _leading_rows(records) or {}
-    if not rows:
-        return sorted(records)
+    rows = _leading_rows(records)
+    return _outside_majority(rows) if rows else sorted(records)
+
+
+def _outside_majority(rows: dict[int, int]) -> list[int]:
     return _missing.outside_majority(_missing.by_value(_as_text(rows)).values())
 
 

@@ -335,9 +335,8 @@ def root_cause(
         # A first rank ended by another's failure (fail-fast) holds only a notice: the error
         # itself is in the output of the rank that raised it.
         first = _diagnosis(bad, told)
-        raised = next(
-            (r for r in others if first and first.kind == "lost" and r.rank == first.process), None
-        )
+        ender = first.process if first is not None and first.kind == "lost" else None
+        raised = next((r for r in others if r.rank == ender), None)
         if raised is not None:
             return (
                 "\n".join(lines)
