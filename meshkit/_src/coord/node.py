@@ -265,8 +265,9 @@ class Node:
         """
         self.failures.append(error)
         self.failed.set()
-        if self.exiting.is_set():
-            # Found at exit: no meshkit call will come to raise it; `stop` ends the process.
+        if self.exiting.is_set() or not threading.main_thread().is_alive():
+            # Found at exit (or once the main thread has ended, when Python starts no thread):
+            # no meshkit call will come to raise it; `stop` ends the process.
             _say(f"meshkit: a cross-process check failed:\n{type(error).__name__}: {error}\n")
             return
         grace = _env.check_timeout() if grace is None else grace
