@@ -200,12 +200,50 @@ def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
     watch = _failfast._Watch(3, 4, poll=list, wait=None)
-    watch._failed(1, "RuntimeError: planted")
+    watch.failed(1, "RuntimeError: planted")
     watch._lost("UNAVAILABLE")
     assert _events_of(status) == [
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
         ("failed", {"cause": "peer", "process": 0, "system": "the coordination service"}),
     ]
+
+
+def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch, caplog):
+    # JAX's words at a collective whose peer is gone ("connection closed") follow a failure
+    # found first: the check kept for this process's next call, else another process's post.
+    from meshkit import DivergenceError
+
+    ended = []
+    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace, status: ended.append(
+        (failure, why, status)))  # fmt: skip
+    monkeypatch.setattr(_exit, "now", lambda status, text="", **k: ended.append((text, status)))
+    posts = _failfast.PeerPosts(failures=[(2, "RuntimeError: planted"), (1, "ValueError: x")],
+                                notices=[])  # fmt: skip
+    watch = _failfast._Watch(3, 4, poll=lambda: posts, wait=None)
+    kept = [DivergenceError("meshkit: processes differ.", processes=[0, 3], field="order")]
+    monkeypatch.setattr(_failfast, "_watch", watch)
+    monkeypatch.setattr(_failfast, "_kept", lambda: kept.pop() if kept else None)
+    gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
+    with caplog.at_level(logging.ERROR, logger="meshkit"):
+        _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)  # the kept one
+        _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)  # process 1's post
+        _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)  # its own
+    said = caplog.text
+    assert ("meshkit: the error above follows a cross-process check that failed first:\n"
+            "DivergenceError: meshkit: processes differ.") in said  # fmt: skip
+    assert "meshkit: the error above follows another process's failure." in said
+    assert "another process of the program" not in said  # gloo's explanation gave way
+    assert ended[0] == ("DivergenceError: meshkit: processes differ.", "a failed cross-process "
+                        "check", 1)  # fmt: skip
+    assert ended[1][0].startswith("meshkit: process 1 failed: ValueError: x\nProcess 3 stops too")
+    assert ended[1][1] == 1
+    assert ended[2] == (
+        "ValueError: bad batch",
+        "uncaught exception in a multi-process run",
+        1,
+    )
+    assert [fields.get("cause") for _, fields in _events_of(status)] == [
+        "divergence", "peer", "exception"]  # fmt: skip
 
 
 def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core.errors import OutOfStep
 from ..lifecycle import exit as _exit
 from . import agreement as _agreement
 from . import window as _window
@@ -42,6 +43,7 @@ __all__ = [
     "settle",
     "stats",
     "tag_part",
+    "take_unraised",
 ]
 
 WINDOW = _window.WINDOW
@@ -84,6 +86,19 @@ def settle() -> None:
             _node.settle()  # an out-of-step error stays, for its channel (`Node.settle`)
         else:
             raise failures.popleft()
+
+
+def take_unraised() -> BaseException | None:
+    """Take the first failure kept for this process's next meshkit call; None if none waits.
+
+    For an uncaught exception that follows it (`meshkit._src.lifecycle.failfast`): that failure
+    is its cause, said there, and no call is left to raise it.
+    """
+    if _node is None or not _node.unraised():
+        return None
+    kept = next(e for e in failures if not isinstance(e, OutOfStep))
+    failures.remove(kept)
+    return kept
 
 
 def in_step() -> None:

@@ -54,6 +54,7 @@ ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0
 _ENDED_AFTER_S = 3.0
+_POST_WAIT_S = 2.0  # how long JAX's error at a lost peer waits for that peer's failure post
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
 
 
@@ -106,7 +107,12 @@ class PeerPosts:
 Poll = Callable[[], PeerPosts | Unanswered | None]
 # Waits at most that long for this process's alarm key: True once written (or not joined).
 Wait = Callable[[float], bool]
+# Takes the failure a check beside the caller found (or another process told) and kept for this
+# process's next meshkit call, if one waits: it is then no longer waiting to be raised.
+Kept = Callable[[], BaseException | None]
 _post_failure: Post | None = None
+_kept: Kept | None = None
+_watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
 
 
 def install(
@@ -118,6 +124,7 @@ def install(
     poll: Poll,
     wait: Wait,
     nudge: Callable[[], None],
+    kept: Kept | None = None,
 ) -> None:
     """Register what this module describes, for process ``me`` of ``n``.
 
@@ -132,17 +139,19 @@ def install(
         poll: what the other processes posted (None: not joined anymore).
         wait: waits for this process's alarm key.
         nudge: writes this process's alarm key (wakes its own wait).
+        kept: takes the failure kept for this process's next meshkit call, if any.
     """
-    global _post_failure
-    _post_failure = post
+    global _post_failure, _kept, _watch
+    _post_failure, _kept = post, kept
     if grace is None:
         return
+    _watch = _Watch(me, n, poll, wait)
     _exit.on_exception(
         "fail-fast: end the process",
         lambda kind, value, tb: _on_exception(grace, kind, value, tb),
         order=_exit.REPORT,
     )
-    _service_thread.watch(_Watch(me, n, poll, wait).look, nudge)
+    _service_thread.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
@@ -163,6 +172,8 @@ def _on_exception(
         )
         return
     diagnosis = _diagnose.diagnose(text)
+    if diagnosis is not None and _end_with_known_cause(grace):
+        return
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
@@ -172,6 +183,58 @@ def _on_exception(
         grace,
         status=1,
     )
+
+
+def _end_with_known_cause(grace: float) -> bool:
+    """End this process with the failure that caused JAX's error, if it knows it: True if so.
+
+    JAX's error at a collective or wait whose peer is gone follows a failure found first: a
+    cross-process check kept for this process's next meshkit call (found here, or told by the
+    process that found it), or another process's posted failure that the watch has not read
+    yet. The process that found it may end first; its peers then see gloo's or the service's
+    words, and would name no cause. Each is said as it would have been without JAX's error.
+    """
+    kept = None if _kept is None else _kept()
+    if kept is not None:
+        say(_LOG, logging.ERROR,
+            "meshkit: the error above follows a cross-process check that failed first:\n"
+            f"{type(kept).__name__}: {kept}\n")  # fmt: skip
+        _events.emit(_events.FAILED, **_failure_fields(kept, None))
+        _end(f"{type(kept).__name__}: {str(kept).splitlines()[0][:300]}",
+             "a failed cross-process check", grace, status=1)  # fmt: skip
+        return True
+    posted = _peer_failures()
+    if posted is None:
+        return False
+    p, failure = min(posted.failures)
+    assert _watch is not None
+    say(_LOG, logging.ERROR, "meshkit: the error above follows another process's failure.\n")
+    _watch.failed(p, failure)
+    return True
+
+
+def _peer_failures() -> PeerPosts | None:
+    """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`.
+
+    A peer posts its failure after its exit handlers, which may already have closed its side of
+    a collective: one wait on this process's alarm key (which a post writes) covers that gap.
+    """
+    for look in range(2):
+        if _watch is None or _exit.ending():
+            return None
+        posted = _watch.poll()
+        if isinstance(posted, PeerPosts) and posted.failures:
+            return posted
+        if look == 0 and (_watch.wait is None or not _call_quietly(_watch.wait, _POST_WAIT_S)):
+            return None
+    return None
+
+
+def _call_quietly(wait: Wait, timeout: float) -> bool:
+    try:
+        return wait(timeout)
+    except Exception:  # the service is gone: no post will come
+        return False
 
 
 def _raised_at(value: BaseException) -> str:
@@ -282,10 +345,11 @@ class _Watch:
         if posted.notices:
             _preemption.receive(posted.notices[0])
         if posted.failures:
-            self._failed(*min(posted.failures))
+            self.failed(*min(posted.failures))
         return True
 
-    def _failed(self, p: int, failure: str) -> None:
+    def failed(self, p: int, failure: str) -> None:
+        """End this process (status 1, no exit handler) for process ``p``'s ``failure``."""
         self._exit(
             {"process": p, "system": "meshkit", "error": failure.split(":")[0]},
             f"meshkit: process {p} failed: {failure}\n"

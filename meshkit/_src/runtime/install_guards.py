@@ -9,6 +9,7 @@ process's own, told once joined), alone, and joined.
 
 from __future__ import annotations
 
+from ..coord import agree as _agree
 from ..coord import failures as _failures
 from ..coord import save_step as _coord_preemption
 from ..core import compat as _compat
@@ -40,6 +41,7 @@ def joined(fail_fast: float | None, grace: float, me: int, n: int) -> None:
         poll=_failures.watcher(me),
         wait=_failures.waiter(me),
         nudge=_failures.nudger(me),
+        kept=_agree.take_unraised,
     )
     if fail_fast is not None:  # the failure watch relays the others' notices
         sync = _coord_preemption.syncer(me)
