@@ -3,12 +3,13 @@
 Usage: ``meshkit launch -n 2 -d 4 check_changes.py BENCHMARKS_DIR``. Process 0 prints one
 ``BENCH {json}`` line.
 
-Each call cycles through 13 layouts of 64 KiB per process (13 widths of one float32 batch), so
-no call repeats the layout of its thread's call 12 back (`meshkit.debug.PERIOD`): under
-``check=True`` every call waits for its verdict. Timed beside ``check="deferred"`` (never
-waits) and ``jax.make_array_from_process_local_data``, in alternating rounds; a round is
-26 calls, then a device barrier (untimed). The coordination service's round trip is
-timed alone: a `meshkit.barrier`, one wait at the service's barrier by every process.
+Each call cycles through 17 layouts of 64 KiB per process (17 widths of one float32 batch), so
+no agreement repeats a pattern the primitive predicts (periods up to 16): under ``check=True``
+every call posts its record before the agreement, the most a changed layout costs. Timed beside
+one layout under ``check=True`` (a steady loop), ``check="deferred"`` (never waits) and
+``jax.make_array_from_process_local_data``, in alternating rounds; a round is 34 calls, then a
+device barrier (untimed). The coordination service's round trip is timed alone: a
+`meshkit.barrier`, one wait at the service's barrier by every process.
 """
 
 import json
@@ -30,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 mesh = meshkit.make_mesh({"data": -1})
 sharding = NamedSharding(mesh, PartitionSpec("data"))
 ROWS = 64  # 64 KiB per process at the middle width
-widths = [256 - 6 * 12 + 12 * k for k in range(13)]  # 13 layouts, about 64 KiB each
+widths = [256 - 6 * 16 + 12 * k for k in range(17)]  # 17 layouts, about 64 KiB each
 batches = [np.random.default_rng(w).random((ROWS, w), dtype=np.float32) for w in widths]
 shapes = [(ROWS * jax.process_count(), w) for w in widths]
 CALLS = 2 * len(widths)
@@ -47,6 +48,10 @@ def ours(check):
     return cycle(lambda i: meshkit.global_array_from_local(batches[i], mesh, "data", check=check))
 
 
+def steady():  # one layout: every call after the first PERIOD repeats the agreed pattern
+    return cycle(lambda i: meshkit.global_array_from_local(batches[8], mesh, "data"))
+
+
 base = cycle(lambda i: jax.make_array_from_process_local_data(sharding, batches[i], shapes[i]))
 
 
@@ -58,8 +63,8 @@ def settle():
     multihost_utils.sync_global_devices("meshkit-bench")
 
 
-jax_s, changed_s, deferred_s = interleaved_medians(
-    [base, ours(True), ours("deferred")],
+jax_s, changed_s, deferred_s, steady_s = interleaved_medians(
+    [base, ours(True), ours("deferred"), steady()],
     wait=jax.block_until_ready,
     rounds=bench_rounds(15),
     number=1,
@@ -79,8 +84,9 @@ if jax.process_index() == 0:
                 "jax": jax_s * per,
                 "changed": changed_s * per,
                 "deferred": deferred_s * per,
+                "steady": steady_s * per,
                 "round_trip": float(np.median(trips)),
-                "bytes": int(batches[6].nbytes),
+                "bytes": int(batches[8].nbytes),
             }
         )
     )

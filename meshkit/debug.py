@@ -12,15 +12,11 @@ processes' through the coordination service (never through a device collective: 
 hang). The fingerprint holds the entry and function, the call's number in this process, the
 arguments' pytree structure, shapes, dtypes and shardings, and static arguments.
 
-The fingerprints are compared in windows of calls beside the caller (see
-`meshkit._src.coord.agree`), and a call whose fingerprint differs from this thread's call `PERIOD`
-(12) calls back waits for its verdict before it runs. At the first call where processes diverge, at
-least one of them made a call that differs from its call 12 calls back (had all repeated theirs,
-they would agree again), so that process raises `meshkit.DivergenceError` (naming the processes
-that differ and the first field that differs) before running it; the processes that repeated their
-call print the same error at once and raise it at their next meshkit call, or exit with status 1
-after the timeout if they never get there. A process that
-does not arrive within the timeout is named as missing, with the last call it made.
+Every process agrees on each call's fingerprint before the call runs (one agreement of the
+caller's channel, `meshkit._src.coord.agree`): at the first call where processes diverge, every
+process raises `meshkit.DivergenceError` from that call, naming the processes that differ and the
+first field that differs, and none runs it. A process that does not arrive within the timeout is
+named as missing, with the last call it made; one that ended or failed, by how it left.
 `meshkit.spmd` also compares, in debug mode, the data of the parts of its host arguments that
 several processes pass (which must be equal; a CRC-32 per block).
 
@@ -37,9 +33,10 @@ the launcher's (or mpirun's) fail-fast ends the group instead of a hang.
 `barrier` is always available: a named meeting point with a timeout whose error names the
 processes that did not come.
 
-Off, the cost is one counter increment and one emptiness test per SPMD call. On, a call that
-repeats the call 12 back costs its fingerprint (microseconds) and a share of its window's two
-round trips; any other call waits for its window (two round trips).
+Off, the cost is one counter increment and one emptiness test per SPMD call. On, a call costs
+its fingerprint (microseconds) and one agreement: two requests to the coordination service (an
+increment, a read of the verdict) when the calls repeat a pattern for `PERIOD` (12) calls, three
+otherwise.
 See ``nox -s bench``.
 """
 

@@ -145,10 +145,13 @@ def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes(warm_cl
 def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
     # Fresh processes: the message names the call by its number in the process's life.
     results = run_in_processes(ranks.windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
-    for per_call, slow_per_call, raised_at, message in results:
-        # Windows of calls: a tight loop shares one agreement (two round trips) among many
-        # calls; a slow loop among the calls of `_agree.LINGER_S` (a window per call would be
-        # two round trips per call).
+    for in_call, per_call, slow_per_call, raised_at, message in results:
+        # The default, agreed in the call: a steady call is one increment and one read of the
+        # verdict (or its write, by the last to arrive), and a delete per 64 agreements.
+        assert 1.9 <= in_call <= 2.1, results
+        # Deferred, in windows of calls: a tight loop shares one agreement (two round trips)
+        # among many calls; a slow loop among the calls of `_agree.LINGER_S` (a window per call
+        # would be two round trips per call).
         assert per_call < 0.1, results
         assert slow_per_call < 1.0, results
         assert raised_at is not None, results
@@ -457,6 +460,21 @@ def test_a_process_that_never_calls_is_named_after_the_timeout():
     )
     message = result.values[0]
     assert "process 1 did not arrive within 3 s; the others did." in message
+
+
+def test_a_process_that_ended_is_named_at_once():
+    result = launch_in_processes(
+        ranks.one_process_ends_first,
+        num_processes=2,
+        timeout=120,
+        env={"MESHKIT_CHECK_TIMEOUT": "30"},
+    )
+    message = result.values[0]
+    assert message.startswith(
+        "meshkit.global_array_from_local: process 1 left the program (it ended or failed) "
+        "without making this call.\n"
+    ), message
+    assert result.elapsed < 30, result.report  # not the check timeout
 
 
 def test_a_mismatch_in_the_last_call_of_a_program_ends_it_with_a_non_zero_status():

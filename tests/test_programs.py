@@ -388,20 +388,19 @@ def _assert_verdict_cycle(result, target, call):
     return text
 
 
-def test_a_call_waiting_for_its_verdict_is_in_the_cycle_detection():
-    # Process 0 waits at the first compilation of a program, process 1 for the verdict of a
-    # global_array_from_local call whose layout changed: each waits for the other.
+def test_a_call_at_its_agreement_meets_a_compilation_at_the_same_one():
+    # Process 0 waits at the first compilation of a program, process 1 at the agreement of a
+    # global_array_from_local call: the same agreement of the main thread's sequence, at two
+    # different sites, so both raise at once.
     result = launch_in_processes(ranks.waits_at_a_verdict, timeout=120, env=_FAST)
     text = _assert_verdict_cycle(
-        result, ranks.waits_at_a_verdict, "call #2 of meshkit.global_array_from_local"
+        result, ranks.waits_at_a_verdict, "meshkit.global_array_from_local"
     )
     assert result.returncode == 0, text
 
 
-def test_a_debug_mode_call_waiting_for_its_verdict_is_in_the_cycle_detection():
-    # As above, with debug mode's check of an spmd call (its first: it waits for its verdict).
-    # The run then ends with status 1: process 1's debug check of that call still finds, at
-    # exit, that process 0 ended without it (the processes did diverge).
+def test_a_debug_mode_check_meets_a_compilation_at_the_same_agreement():
+    # As above, with debug mode's check of an spmd call, agreed on before the call runs.
     result = launch_in_processes(
         ranks.waits_at_a_debug_verdict, timeout=120, env={**_FAST, "MESHKIT_DEBUG": "1"}
     )

@@ -47,7 +47,7 @@ def _run(call: Call, modules: dict[str, ModuleType]) -> Reply:
     from .._src.coord import agree  # imported by meshkit.init before the first call
 
     # Every rank returned from the body before (the test process waits for all of them): its
-    # out-of-step errors are forgotten (`meshkit._src.coord.agree.in_step`). Device work it
+    # sequences restart (`meshkit._src.coord.agree.in_step`). Device work it
     # dispatched may still be pending; `WarmCluster`'s docstring says which bodies to avoid.
     agree.in_step()
     saved = {name: os.environ.get(name) for name in call.env}

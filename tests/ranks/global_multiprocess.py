@@ -20,34 +20,44 @@ def windowed_checks():
     me = jax.process_index()
     good = np.ones((8, 4), np.float32)
     bad = np.ones((8, 4), np.int32)  # process 1's call #250: another dtype
+    deferred = {"check": "deferred"}
     meshkit.barrier("start")
+    for _ in range(20):  # the agreements' pattern: predicted after PERIOD repeats
+        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
+    rpcs = _agree.stats.rpcs
+    for _ in range(128):  # the default: every call agreed before it returns
+        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
+    in_call = (_agree.stats.rpcs - rpcs) / 128
+    meshkit.barrier("in call")
     rpcs = _agree.stats.rpcs
     for _ in range(100):  # a slow loop: a call every 3 ms, windows stay open for more
-        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
+        jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data", **deferred))
         time.sleep(0.003)
     meshkit.barrier("slow")  # every check so far verified, none raised
     slow_per_call = (_agree.stats.rpcs - rpcs - 1) / 100  # less the barrier's one
     rpcs = _agree.stats.rpcs
     for i in range(101, 301):
         if i <= 200:
-            jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data"))
+            jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data", **deferred))
         if i == 200:
             meshkit.barrier("fast")
             per_call = (_agree.stats.rpcs - rpcs - 1) / 100
         if i > 200:
             local = bad if (me == 1 and i == 250) else good
             try:  # deferred: even the call that changes returns before it is verified
-                meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+                meshkit.global_array_from_local(local, mesh, "data", **deferred)
             except meshkit.MeshkitError as e:  # raised by a later call, once verified
-                return per_call, slow_per_call, i, str(e)
+                return in_call, per_call, slow_per_call, i, str(e)
     try:
         meshkit.barrier("end")
     except meshkit.MeshkitError as e:
-        return per_call, slow_per_call, 301, str(e)
-    return per_call, slow_per_call, None, "no error"
+        return in_call, per_call, slow_per_call, 301, str(e)
+    return in_call, per_call, slow_per_call, None, "no error"
 
 
 def one_process_never_calls():
+    import time
+
     import jax
     import numpy as np
 
@@ -55,7 +65,24 @@ def one_process_never_calls():
 
     mesh = meshkit.make_mesh({"data": -1})
     if jax.process_index() == 1:
+        time.sleep(6)  # alive, past process 0's 3 s wait, and never calling
         return "skipped"
+    try:
+        meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
+    except meshkit.MeshkitError as e:
+        return str(e)
+    return "no error"
+
+
+def one_process_ends_first():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    if jax.process_index() == 1:
+        return "ended"  # its exit is posted at its next agreement: process 0's call reads it
     try:
         meshkit.global_array_from_local(np.zeros((4, 2), np.float32), mesh, "data")
     except meshkit.MeshkitError as e:

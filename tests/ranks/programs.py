@@ -100,7 +100,7 @@ def _compiles_while_process_1_waits(verdict):
 
 
 def waits_at_a_verdict():
-    """Process 1 makes a call of another layout than its last, and waits for its verdict."""
+    """Process 1 makes a global_array_from_local call, which waits at its agreement."""
     import meshkit
 
     def verdict(mesh, x):
@@ -110,7 +110,7 @@ def waits_at_a_verdict():
 
 
 def waits_at_a_debug_verdict():
-    """Debug mode: process 1 makes its first spmd call, which waits for its verdict."""
+    """Debug mode: process 1 makes its first spmd call, whose check waits at its agreement."""
     import meshkit
 
     def verdict(mesh, x):

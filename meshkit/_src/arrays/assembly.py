@@ -14,7 +14,6 @@ step of `meshkit.global_batches`. The modules below it never call back up:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextvars
 import dataclasses
 import json
@@ -45,11 +44,10 @@ from .transfer import assemble, transfer
 __all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
 
 Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
-# When an `Assembly`'s check at the transfer is verified: before the call returns ("now"); beside
-# the caller, except that a call whose layout is not the one `PERIOD` calls back waits for its
-# verdict ("on_change"); beside the caller always ("later").
-Verify = Literal["now", "on_change", "later"]
-_CHECKS: dict[Any, Verify] = {True: "on_change", "deferred": "later", "data": "now", False: "now"}
+# When an `Assembly`'s check at the transfer is verified: before the call returns ("now"), or
+# after it returns, raised by a later call ("later", only for check="deferred").
+Verify = Literal["now", "later"]
+_CHECKS: dict[Any, Verify] = {True: "now", "deferred": "later", "data": "now", False: "now"}
 
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
@@ -67,19 +65,21 @@ def exchange_records(
     what: str = WHAT,
     *,
     replicas: dict[str, tuple[int, str]] | None = None,
+    channel: str | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Agree with every process on ``record`` (all of it but local shapes; see `summary`).
 
     Returns this process's record alone when every process's is equal (and the ``replicas``
     digests of each block equal its reference's); otherwise every process's record, for the
     caller to compare, to name who differs, or to take a maximum. Missing processes, and
-    processes that stopped waiting, are an error.
+    processes that stopped waiting, are an error. ``channel``: `_agree.agree`'s.
     """
     timeout = _env.check_timeout()
     record = _with_replicas(record, replicas)
     outcome = _agree.agree(
-        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what
-    )
+        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what,
+        channel=channel,
+    )  # fmt: skip
     return _records(outcome, timeout, what)
 
 
@@ -90,13 +90,11 @@ def exchange_records_later(
     *,
     replicas: dict[str, tuple[int, str]],
     summarized: str | None = None,
-    verdict_on_change: bool = False,
 ) -> None:
-    """`exchange_records` of a `PartRecord`, verified beside the caller (`_agree.agree_later`).
+    """`exchange_records` of a `PartRecord`, verified after the call returns (`_agree.agree_later`).
 
-    A difference is named by `compare` there and raised by this process's next meshkit call;
-    with ``verdict_on_change``, by this call if its layout is not the one `PERIOD` calls back
-    (it waits for the verdict). ``summarized``: the record's `summary`, when the caller has it
+    A difference is named by `compare` there and raised by this process's next meshkit call
+    (``check="deferred"``). ``summarized``: the record's `summary`, when the caller has it
     already (a layout seen before). The record's JSON is only made if it is shown.
     """
     timeout = _env.check_timeout()
@@ -105,8 +103,7 @@ def exchange_records_later(
     caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 
     def on_outcome(outcome: _agree.Outcome) -> None:
-        # A call that waited for its verdict raises in the call, named as a check made at once.
-        named = what if outcome.waited else f"{what} (call #{number}, checked after it returned)"
+        named = f"{what} (call #{number}, checked after it returned)"
         caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
     _agree.agree_later(
@@ -116,13 +113,10 @@ def exchange_records_later(
         timeout=timeout,
         groups=replicas,
         on_outcome=on_outcome,
-        verdict_on_change=verdict_on_change,
-        repeat_returns=verdict_on_change,  # a repeated call returns its arrays at once
-        what=f"call #{number} of {what}",
     )
 
 
-_later_calls: dict[str, int] = {}  # checks verified beside the caller, per tag (for messages)
+_later_calls: dict[str, int] = {}  # checks verified after the call returns, per tag (for messages)
 
 
 def _with_replicas(
@@ -163,18 +157,20 @@ def publish_record(
 
     Used when this process leaves a sequence of agreements (a failure, an iterator closed
     early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
-    the tag is verified beside the caller (`exchange_records_later`). ``channel``: the channel
+    the tag is verified after the call returns (`exchange_records_later`). ``channel``: the channel
     whose next agreement it is, when another thread's (default the caller's).
     """
     _agree.leave(tag, json.dumps(record.wire()), later=later, channel=channel)
 
 
-def publish_failure(tag: str, error: BaseException, *, later: bool = False) -> None:
+def publish_failure(
+    tag: str, error: BaseException, *, later: bool = False, channel: str | None = None
+) -> None:
     """Tell the other processes that this one failed, so they stop now instead of timing out."""
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, PartRecord(status="error", message=message), later=later)
+    publish_record(tag, PartRecord(status="error", message=message), later=later, channel=channel)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:
@@ -192,11 +188,10 @@ class Assembly:
     - the sizes of an uneven batch (``pad=True`` without a global shape) are agreed before
       anything is placed (the padded size depends on every process);
     - the structure, dtypes, global shapes and a digest of the replicas (blocks that several
-      processes hold) are agreed beside the transfer (``verify="now"``), or beside the caller
-      after the call returns: a disagreement is then raised by this process's next meshkit
-      call. With ``verify="on_change"``, a call whose layout is not the one `PERIOD` calls back
-      waits for its verdict: the first call on which processes differ is a change for at least
-      one of them, which raises before it returns and never joins a computation on the arrays.
+      processes hold) are agreed once the copy of the blocks is under way (``verify="now"``):
+      a disagreement raises before the call returns, so no computation on the arrays starts;
+      or, for ``check="deferred"`` alone, after the call returns: a
+      disagreement is then raised by this process's next meshkit call.
 
     Args:
         tag: names the sequence of agreements (one per caller, the same in every process).
@@ -207,6 +202,10 @@ class Assembly:
         verify: when the check at the transfer is verified (`Verify`).
         stepwise: the processes agree at every call whatever ``check`` (`global_batches`
             agrees on the end of data at each step).
+        check_channel: the channel whose sequence holds the checks at the transfer (default the
+            caller's). `global_batches` keeps them apart: its helper places a step (and checks
+            its replicas) or agrees on the next window first as its caller takes steps, an order
+            that may differ between processes.
     """
 
     def __init__(
@@ -219,14 +218,15 @@ class Assembly:
         sizes_known: bool = False,
         verify: Verify = "now",
         stepwise: bool = False,
+        check_channel: str | None = None,
     ) -> None:
         self.tag, self.what = tag, what
         self.pad, self.check, self.sizes_known, self.verify = pad, check, sizes_known, verify
-        self.stepwise = stepwise
+        self.stepwise, self.check_channel = stepwise, check_channel
         self.multi = _compat.distributed_state()[2] > 1
         self.later = verify != "now"
         # The checks made at the transfer form a sequence of their own, never mixed with
-        # `agree_sizes`'s; those verified beside the caller (agreed in windows) another.
+        # `agree_sizes`'s; those verified after the call returns (agreed in windows) another.
         self.check_tag = check_tag(tag, later=self.later)
 
     @property
@@ -311,26 +311,27 @@ class Assembly:
         finish_padding(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
-        """Place the blocks and assemble; unless ``agreed`` already, agree beside the copy."""
-        pending = self._check(prepared, agreed=agreed)
-        arrays = transfer(prepared)
-        if pending is not None:
-            compare(_read(pending.result()), self.what)
+        """Place the blocks and assemble; unless ``agreed`` already, agree while they copy.
+
+        The copy is started first (JAX dispatches it without waiting), so the agreement's round
+        trip overlaps it; the arrays are returned only once the processes agreed.
+        """
+        try:
+            arrays = transfer(prepared)
+        except Exception as e:  # the others wait for this process at the check: tell them
+            if self.multi and self.check and not agreed:
+                publish_failure(self.check_tag, e, later=self.later, channel=self.check_channel)
+            raise
+        self._check(prepared, agreed=agreed)
         return assemble(prepared, arrays)
 
-    def _check(
-        self, prepared: Prepared, *, agreed: bool
-    ) -> concurrent.futures.Future[dict[int, dict[str, Any]]] | None:
-        """Start the agreement made at the transfer; None: nothing to wait for.
-
-        Runs in a helper thread while the blocks are copied, so its latency hides behind the
-        copy; unless ``verify="now"``, it is verified beside the caller (`exchange_records_later`).
-        """
+    def _check(self, prepared: Prepared, *, agreed: bool) -> None:
+        """The agreement made at the transfer, in the caller's thread (or beside it, deferred)."""
         if not (self.multi and self.check):
-            return None
+            return
         replicas = replica_digests(prepared, full=self.check == "data")
         if agreed and not replicas:
-            return None  # agreed before placing, and no replicas to compare
+            return  # agreed before placing, and no replicas to compare
         record = PartRecord() if agreed else describe(prepared, pad=self.pad)
         if self.later:
             template = prepared.template
@@ -341,17 +342,12 @@ class Assembly:
                 self.what,
                 replicas=replicas,
                 summarized=known,
-                verdict_on_change=self.verify == "on_change",
             )
-            return None
-        return _executor().submit(
-            contextvars.copy_context().run,
-            exchange_records,
-            self.check_tag,
-            record.wire(),
-            self.what,
-            replicas=replicas,
+            return
+        records = exchange_records(
+            self.check_tag, record.wire(), self.what, replicas=replicas, channel=self.check_channel
         )
+        compare(_read(records), self.what)
 
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""
@@ -361,16 +357,6 @@ class Assembly:
         records = self.agree_sizes(prepared) if self.exchanges_sizes else None
         self.place(prepared, records)
         return self.transfer(prepared, agreed=records is not None)
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="meshkit-check")
-    return _pool
 
 
 def run(
@@ -443,25 +429,17 @@ def global_array_from_local(
             ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
             True for real rows.
         check: compare the processes' pytree structure, dtypes and shapes through the
-            coordination service; a mismatch raises on every process, and no computation on
-            mismatched arrays completes. ``True``: a call whose layout (structure, dtypes,
-            shapes, shardings) is the one of this thread's call `meshkit.debug.PERIOD` calls
-            back returns at once and is verified beside the caller, in windows of calls; any
-            other call waits for its verdict (two coordination round trips: the window's size,
-            then its barrier) and raises before it returns. The first call on which
-            processes differ is such a change for at least one of them, which then never
-            joins a computation with the others (a process that catches that error and goes
-            on gets an error from each later meshkit call instead); what the
-            others run on their own devices alone (no collective) may complete before its
-            failure stops them. ``"deferred"``: every call returns at once and is verified
-            beside the caller; a mismatch is raised by the process's next meshkit call (or
-            ends it), after up to ``2 * 512`` unverified calls. ``"data"``: verified before
-            the call returns, and replicas (blocks that several processes pass) must hold
-            identical data (every block is hashed: costly, for debugging). ``False`` skips
-            the comparison (``pad=True`` still exchanges batch sizes unless ``global_shape``
-            is given). With ``True``, replicas are compared by sampled digests verified
-            beside the caller: a process whose replicated data differs is named by its next
-            meshkit call, not before this one returns.
+            coordination service. ``True``: every process agrees before the call returns (two
+            requests to the coordination service in a loop whose layouts repeat a pattern for
+            `meshkit.debug.PERIOD` calls, three otherwise), replicas (blocks that several
+            processes pass) compared by sampled digests; a mismatch raises in this call on
+            every process, so no computation on mismatched arrays starts. ``"data"``: the
+            same, with every replicated block hashed whole (costly, for debugging).
+            ``"deferred"``: every call returns at once and is verified after the call returns; a
+            mismatch is raised by the process's next meshkit call (or ends it), after up to
+            ``2 * 512`` unverified calls, so computations on the arrays may run first.
+            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
+            ``global_shape`` is given).
 
     Returns:
         The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair

@@ -143,8 +143,9 @@ class GlobalBatches(Iterator[Any]):
         self._me = _compat.distributed_state()[1]
         # sizes are exchanged at every step: the end of data is decided together.
         self._assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=self._pad, check=check, stepwise=True
-        )
+            self._tag, _WHAT, pad=self._pad, check=check, stepwise=True,
+            check_channel=self._tag + "/replicas",
+        )  # fmt: skip
         self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -47,7 +47,8 @@ class PartRecord:
 
     Attributes:
         status: ``"data"``; ``"end"`` (its loader ended: `meshkit.global_batches`);
-            ``"closed"`` (its iterator closed early); ``"error"`` (it failed: ``message``).
+            ``"closed"`` (its iterator closed early); ``"error"`` (it failed: ``message``);
+            ``"exit"`` (it left the program: another layer's record at exit).
         tree: the pytree structure of its part.
         leaves: one `LeafRecord` per array, in flattening order.
         block_rows: with ``pad=True``, the rows per block it needs (the largest is used).
@@ -88,7 +89,7 @@ class PartRecord:
         """The record another process sent (its `wire` form, parsed from JSON)."""
         leaves = wire.get("leaves")
         return cls(
-            status=wire["status"],
+            status=wire.get("status", "exit"),  # a process that left names no status
             tree=wire.get("tree"),
             leaves=None if leaves is None else tuple(LeafRecord(*leaf) for leaf in leaves),
             block_rows=wire.get("block_rows"),
@@ -123,6 +124,13 @@ def _groups(values: dict[int, Any]) -> str:
 def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
     """Raise a `MeshkitError` naming the processes that reported a failure instead of data."""
     failed = {p: r for p, r in records.items() if r.status == "error"}
+    ended = sorted(p for p, r in records.items() if r.status == "exit")
+    if ended and not failed:
+        raise MeshkitError(
+            f"{what}: {_missing.processes(ended)} left the program (it ended or failed) without "
+            "making this call.\nEvery process must make the same calls in the same order; "
+            "consider what ended it early (its output says)."
+        )
     if failed:
         lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
         raise MeshkitError(

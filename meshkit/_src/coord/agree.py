@@ -6,7 +6,7 @@ asks one question: *did every process arrive, and do their summaries agree?* `ag
 `check` answer it in the caller's thread, at the next agreement of the caller's channel
 (`agreement.agree`: two round trips per process in a steady loop); a difference, a process that
 did not come, or processes at different agreements are found by that call. `agree_later`
-(`window`) is the deferred form: verified beside the caller, on windows of calls.
+(`window`) is the deferred form: verified after the call returns, on windows of calls.
 
 A process that will not come to its next agreement calls `leave`, so the others learn at once,
 from its record, why.
@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..core import compat as _compat
 from ..core import env as _env
-from ..core.errors import OutOfStep
 from ..lifecycle import exit as _exit
 from . import agreement as _agreement
 from . import window as _window
@@ -31,7 +30,6 @@ __all__ = [
     "BLOCK",
     "LINGER_S",
     "MAX_PENDING",
-    "PERIOD",
     "WINDOW",
     "Outcome",
     "agree",
@@ -47,12 +45,13 @@ __all__ = [
 ]
 
 WINDOW = _window.WINDOW
-PERIOD = _window.PERIOD
 MAX_PENDING = _window.MAX_PENDING
 LINGER_S = _window.LINGER_S
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
-failures: deque[BaseException] = deque()  # disagreements found beside the caller, for `settle`
+failures: deque[BaseException] = (
+    deque()
+)  # disagreements found after its call returned, for `settle`
 _node: Node | None = None
 _client: object = None  # the client `_node` talks through
 
@@ -83,7 +82,7 @@ def settle() -> None:
     """Raise the first disagreement `agree_later` found since the last call, if any."""
     if failures:
         if _node is not None:
-            _node.settle()  # an out-of-step error stays, for its channel (`Node.settle`)
+            _node.settle()
         else:
             raise failures.popleft()
 
@@ -96,19 +95,18 @@ def take_unraised() -> BaseException | None:
     """
     if _node is None or not _node.unraised():
         return None
-    kept = next(e for e in failures if not isinstance(e, OutOfStep))
-    failures.remove(kept)
-    return kept
+    try:
+        return failures.popleft()
+    except IndexError:  # another thread raised it meanwhile
+        return None
 
 
 def in_step() -> None:
-    """Every process finished its work: forget out-of-step errors, restart the sequences.
+    """Every process finished its work: restart the sequences (`agreement.restart`).
 
-    `Node.in_step`, then `agreement.restart` (a process that skipped an agreement is in step
-    with the others again).
+    A process that skipped an agreement is in step with the others again.
     """
     if _node is not None:
-        _node.in_step()
         _agreement.restart(_node)
 
 
@@ -120,11 +118,14 @@ def agree(
     timeout: float,
     groups: Mapping[str, Group] | None = None,
     what: str = "",
+    channel: str | None = None,
 ) -> Outcome:
     """`agreement.agree` at the caller's channel's next agreement; first raises what is pending.
 
     ``tag`` names the agreement's site; ``record`` (or the function that makes it) is made only
     when shown. The windows of the caller's channel (`agree_later`) are verified first.
+    ``channel``: agree on that channel's sequence instead (a sequence a thread keeps beside its
+    own, for agreements whose order against its own ones may differ between processes).
     """
     here = node()
     if here is not None:
@@ -134,7 +135,7 @@ def agree(
         return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
     return _agreement.agree(
         here,
-        _agreement.channel_sequence(here),
+        _agreement.channel_sequence(here, channel),
         tag,
         summary,
         record,
@@ -162,16 +163,11 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
-    verdict_on_change: bool = False,
-    repeat_returns: bool = False,
-    what: str = "",
 ) -> None:
-    """`window.agree_later` for this process (see there).
+    """`window.agree_later` for this process (see there): returns at once.
 
-    Returns at once, unless ``verdict_on_change`` and the call is a change: then it returns once
-    the call is verified, and raises what differs. A tag is either agreed at once (`agree`) or
-    beside the caller (`agree_later`), never both. ``record`` (or the function that makes it) is
-    only made when shown.
+    A tag is either agreed in the call (`agree`) or after it returns (`agree_later`), never both.
+    ``record`` (or the function that makes it) is only made when shown.
     """
     settle()
     here = node()
@@ -179,8 +175,7 @@ def agree_later(
         return
     _window.agree_later(
         here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
-        linger=linger, verdict_on_change=verdict_on_change, repeat_returns=repeat_returns,
-        what=what,
+        linger=linger,
     )  # fmt: skip
     settle()
 
@@ -195,7 +190,7 @@ def leave(
 ) -> None:
     """Tell the processes at this channel's next agreement that this one will not come, and why.
 
-    ``later``: the tag is agreed beside the caller (`agree_later`); its thread arrives for the
+    ``later``: the tag is agreed after the call returns (`agree_later`); its thread arrives for the
     first call this process will not make, and this call waits until it has (at most ``wait``
     seconds, default the check timeout; a record not posted by then leaves the others to their
     timeout). ``channel``: the channel whose next agreement it is (default the caller's), for a

@@ -48,7 +48,7 @@ ARRIVALS = (1 << SHIFT) - 1
 FLAG = 1 << SHIFT
 OK, DIFFER, POST = "ok", "differ", "post"
 MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
-SPAN = 12  # a period holds over this many agreements before it predicts
+SPAN = 12  # a period holds over this many agreements before it predicts (`meshkit.debug.PERIOD`)
 HISTORY = 2 * MAX_PERIOD
 
 

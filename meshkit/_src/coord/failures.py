@@ -6,7 +6,9 @@ A process that fails in a multi-process run posts ``{"process": id, "failure": t
 A process that posts also writes every other process's alarm key, ``meshkit/alarm/<id>``, on
 which that process's service thread waits (`waiter`; `nudger` wakes one's own): woken, its
 failure watch (`meshkit._src.lifecycle.failfast`) reads both kinds of post in one directory
-listing: a failure stops it, a notice is taken as its own. The lifecycle layer sits below
+listing: a failure stops it, a notice is taken as its own; a watch stopped by a failure counts
+itself under ``meshkit/posts-read`` first (`reader`), so that process 0, which hosts the service,
+stays up until every other process has read its post. The lifecycle layer sits below
 coordination, so `meshkit._src.runtime.install_guards` hands it these functions at `init`.
 """
 
@@ -35,6 +37,7 @@ __all__ = [
     "post",
     "post_notice",
     "poster",
+    "reader",
     "teller",
     "waiter",
     "watcher",
@@ -44,6 +47,7 @@ PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
 NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
 ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits on it
+READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,16 @@ def poster(me: int) -> Callable[[str], None]:
             post(service, me, failure, _compat.distributed_state()[2])
 
     return post_failure
+
+
+def reader() -> Callable[[int], int]:
+    """Adds to the count of processes that read a failure post; the count (0 if not joined)."""
+
+    def read(amount: int) -> int:
+        service = _joined()
+        return 0 if service is None else service.increment(READ, amount)
+
+    return read
 
 
 def teller() -> Callable[[PreemptionNotice], None]:

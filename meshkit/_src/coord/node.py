@@ -1,6 +1,6 @@
 """One process's end of coordination: its service, its place, and the protocols' state.
 
-The agreement primitive (`meshkit._src.coord.agreement`) and the windows beside the caller
+The agreement primitive (`meshkit._src.coord.agreement`) and the deferred windows
 (`meshkit._src.coord.window`) keep everything they know
 in a `Node`, never in module globals, so that several "processes" can run in one Python process
 over `meshkit._src.coord.fake` (the unit tests do). `meshkit._src.coord.agree` holds the
@@ -21,7 +21,7 @@ from typing import Any
 
 from ..core import env as _env
 from ..core import program_thread as _program_thread
-from ..core.errors import MeshkitError, OutOfStep
+from ..core.errors import MeshkitError
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from . import channel as _channel
@@ -34,16 +34,11 @@ def _say(text: str) -> None:  # an error no call can raise: a helper thread's, o
     say(_LOG, logging.ERROR, text, stacklevel=2)
 
 
-__all__ = ["PERIOD", "Group", "Node", "Outcome", "PostedRecord", "RecordText", "Tag", "key", "text"]
+__all__ = ["Group", "Node", "Outcome", "PostedRecord", "RecordText", "Tag", "key", "text"]
 
 BLOCK = 64  # agreements per key block (one delete per block)
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
-# `agree_later` with ``verdict_on_change``: a call whose summary repeats its tag's summary PERIOD
-# calls back goes on at once; any other waits for its verdict. Loops whose pattern repeats within
-# PERIOD calls (1, 2, 3, 4, 6 or 12 calls: a step; a batch and a step; a batch, a step and a
-# metric) wait only after a change.
-PERIOD = 12
 
 RecordText = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
 Group = tuple[int, str]  # a replica group: (its reference process, this process's summary)
@@ -65,8 +60,6 @@ class Outcome:
         gave_up: processes that stopped waiting for this call before every process arrived
             (this process arrived late, after their timeout), sorted.
         seq: the call's number under its tag (the same in every process).
-        waited: the call named is one whose caller waits for this verdict (`agree_later` with
-            ``verdict_on_change``): it has not returned.
     """
 
     agreed: bool
@@ -74,7 +67,6 @@ class Outcome:
     missing: tuple[int, ...] = ()
     gave_up: tuple[int, ...] = ()
     seq: int = 0
-    waited: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,7 +81,6 @@ class PostedRecord:
     record: str
     groups: Mapping[str, Group] = field(default_factory=dict)
     gave_up: bool = False
-    waited: bool = False  # a window's call: its caller waited for the verdict (did not go on)
 
     def fields(self) -> dict[str, Any]:
         """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
@@ -131,7 +122,6 @@ class Queued:
 
     call: Call
     on_outcome: Callable[[Outcome], None] | None
-    waits: bool = False  # its caller waits for the verdict (a change, `verdict_on_change`)
 
 
 @dataclass
@@ -151,12 +141,6 @@ class WindowState:
     left_posted: threading.Event = field(default_factory=threading.Event)
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     thread: threading.Thread | None = None
-    # The summaries of the tag's last PERIOD calls, oldest first (`verdict_on_change`).
-    recent: deque[str] = field(default_factory=lambda: deque(maxlen=PERIOD))
-    # The failure of a window that held a call whose caller waits: that caller raises it.
-    failed: BaseException | None = None
-    # ... and the processes whose call there did not wait for the verdict (they went on).
-    went_on: tuple[int, ...] = ()
 
 
 @dataclass
@@ -166,7 +150,7 @@ class Tag:
     name: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
-    window: WindowState | None = None  # set once: the tag is agreed beside the caller
+    window: WindowState | None = None  # set once: the tag is agreed after the call returns
 
 
 def key(tag: str, seq: int, part: str) -> str:
@@ -213,7 +197,7 @@ class Node:
         self.service = Counted(service, self.stats)
         self.me, self.n = me, n
         self.failures: deque[BaseException] = deque() if failures is None else failures
-        self.failed = threading.Event()  # a check verified beside the caller failed here
+        self.failed = threading.Event()  # a check verified after the call returns failed here
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
@@ -221,7 +205,7 @@ class Node:
         self.on_unraised = on_unraised or _exit_1
         self.tags: dict[str, Tag] = {}
         self.tags_lock = threading.Lock()
-        self.live: set[str] = set()  # tags agreed beside the caller (each has a thread)
+        self.live: set[str] = set()  # tags agreed after the call returns (each has a thread)
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
         # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
         self.counts: dict[str, int] = {}
@@ -327,7 +311,6 @@ class Node:
             self.drain(5.0)
         self.stopping.set()
         unraised = self.unraised()
-        out_of_step = next((e for e in self.failures if isinstance(e, OutOfStep)), None)
         for _, cond in list(self.threads):
             with cond:
                 cond.notify_all()
@@ -336,49 +319,20 @@ class Node:
             if thread.is_alive():
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
-            left = next(e for e in self.failures if not isinstance(e, OutOfStep))
+            left = next(iter(self.failures), None)
             _say(
                 "meshkit: exiting with status 1: a cross-process check failed after this process's "
                 f"last meshkit call, so nothing raised it:\n{type(left).__name__}: {left}\n"
             )
             self.on_unraised()
-        elif out_of_step is not None:  # raised, caught, and the program went on to its end
-            _say(
-                "meshkit: exiting with status 1: a program whose processes went out of step did "
-                f"not succeed.\n{out_of_step}\n"
-            )
-            self.on_unraised()
 
     def unraised(self) -> bool:
-        """Whether a failure found beside the caller waits for a call to raise it.
-
-        An `OutOfStep` does not count: it stays, for its channel's calls only.
-        """
-        return any(not isinstance(e, OutOfStep) for e in self.failures)
-
-    def in_step(self) -> None:
-        """Forget that processes went out of step (every `OutOfStep`).
-
-        For a harness that knows every process finished what it ran, and so is in step again
-        (`meshkit.testing.WarmCluster` between test bodies).
-        """
-        for error in [e for e in self.failures if isinstance(e, OutOfStep)]:
-            with contextlib.suppress(ValueError):
-                self.failures.remove(error)
+        """Whether a failure found after its call returned waits for a call to raise it."""
+        return bool(self.failures)
 
     def settle(self) -> None:
-        """Raise the first disagreement found beside the caller since the last call, if any.
-
-        An `OutOfStep` stays: every later call on its channel raises it again.
-        """
-        if not self.failures:
-            return
-        here = self.channel()
+        """Raise the first disagreement a deferred check found since the last call, if any."""
         for error in list(self.failures):
-            if isinstance(error, OutOfStep):
-                if error.channel == here:
-                    raise MeshkitError(str(error))
-                continue
             try:
                 self.failures.remove(error)
             except ValueError:  # another thread raised it meanwhile

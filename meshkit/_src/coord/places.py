@@ -1,11 +1,10 @@
 """Where a thread waits outside its channel's agreements, for a process that waits for it.
 
-Processes at different agreements of one channel meet under one key (`agreement`). Two waits are
-in a channel's order without being agreements: a caller inside a step of
+Processes at different agreements of one channel meet under one key (`agreement`). One wait is
+in a channel's order without being an agreement: a caller inside a step of
 `meshkit.global_batches` (the n-th step of an iterator is in the order every process follows,
-though nothing is sent per step), and a call waiting for the verdict of its window
-(`window.agree_later` with ``verdict_on_change``). When process 0 waits at an agreement and
-process 1 in such a place that process 0 has not reached, neither can go on.
+though nothing is sent per step). When process 0 waits at an agreement and process 1 in such a
+place that process 0 has not reached, neither can go on.
 
 A wait that lasts longer than a second posts its `Place` (one key per process), and reads the
 others' (one directory read), again at doubling intervals. It is in a *cycle* with another
@@ -44,8 +43,8 @@ class Place:
     Attributes:
         sequence: the channel's sequence of agreements (`agreement.channel_sequence`).
         counter: what ``number`` counts: "" the sequence's agreements, ``steps:<tag>`` an
-            iterator's steps, ``calls:<tag>`` the calls of a tag agreed in windows.
-        number: the agreement, step or call (from 0) the thread waits at.
+            iterator's steps.
+        number: the agreement or step (from 0) the thread waits at.
         what: the wait in words (``step 3 of meshkit.global_batches``).
         where: the user's line (``train.py:28 in main``).
         moving: inside a step: it may end without the others, so it never decides a cycle.
@@ -60,7 +59,7 @@ class Place:
 
 
 def count(node: Node, sequence: str, counter: str) -> int:
-    """How many of ``counter``'s agreements, steps or calls this process has begun."""
+    """How many of ``counter``'s agreements or steps this process has begun."""
     if counter:
         return node.counts.get(counter, 0)
     state = node.sequences.get(sequence)

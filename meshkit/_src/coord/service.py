@@ -144,10 +144,9 @@ class Stats:
     rpcs: int = 0
     agreements: int = 0
     slow: int = 0  # agreements that needed more than their fast path
-    verdicts_waited: int = 0  # `agree_later` calls whose caller waited for the verdict (changes)
 
     def reset(self) -> None:
-        self.rpcs = self.agreements = self.slow = self.verdicts_waited = 0
+        self.rpcs = self.agreements = self.slow = 0
 
 
 class Counted:

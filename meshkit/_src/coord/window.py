@@ -1,4 +1,4 @@
-"""`agree_later`: agreement beside the caller, on *windows* of calls (a thread per tag in use).
+"""`agree_later`: agreement after the call returns, on *windows* of calls (a thread per tag in use).
 
 Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
 by default, after its first call), then writes how many calls it holds; the others take as many
@@ -7,40 +7,23 @@ of theirs, and the window is one agreement on the list of its calls' summaries (
 window however many calls it holds. A caller that needs a verdict before it goes on
 drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
 calls may be unverified, and a disagreement is printed when found and raised by this process's
-next meshkit call (`Node.settle`).
-
-With ``verdict_on_change``, a call whose summary is not the tag's summary `PERIOD` calls back
-waits for its verdict before it returns. That makes the first call on which processes differ an
-error before it returns in some process: processes that agreed so far remember the same summaries,
-so at the first difference at least one of them does not repeat its call `PERIOD` calls back,
-waits, and raises. The others went on, but whatever they compute with that process (any
-collective) cannot complete without it, and its failure stops them. Should the program catch
-that error and go on, its later calls must not meet the others' pending computations: the
-verdict lists which processes went on (each call's `PostedRecord.waited`), and every later call of
-that channel raises that the processes are out of step (`OutOfStep`), where a call that goes on
-returns its result to its caller at once (``repeat_returns``).
+next meshkit call (`Node.settle`). Only ``global_array_from_local(check="deferred")`` asks for
+this: every other check is agreed in the call that needs it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..core.errors import OutOfStep
-from ..core.frames import place as place_of
-from ..core.frames import user_frame
 from . import agreement as _agreement
-from . import missing as _missing
-from . import places as _places
 from .node import (
     LEFT,
-    PERIOD,
     Call,
     Group,
     Node,
@@ -57,7 +40,6 @@ from .node import (
 __all__ = [
     "LINGER_S",
     "MAX_PENDING",
-    "PERIOD",
     "VERDICT_EXTRA_S",
     "WINDOW",
     "agree_later",
@@ -71,8 +53,8 @@ MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before t
 # full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
 # milliseconds) then shares one agreement among several calls instead of paying one per call.
 LINGER_S = 0.1
-# A caller waiting for a verdict waits its call's timeout and this much more: the barrier's third
-# phase, which names the processes that did not arrive.
+# A caller draining its deferred checks waits their timeout and this much more: the agreement's
+# last phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
 # A tag's thread leaves after this long without a call (its next call starts one again): a
@@ -90,108 +72,30 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
     linger: float = LINGER_S,
-    verdict_on_change: bool = False,
-    repeat_returns: bool = False,
-    what: str = "",
 ) -> None:
-    """`agree`, verified beside the caller: returns at once (see the module's docstring).
+    """`agree`, verified after the call returns: returns at once (see the module's docstring).
 
     ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
     processes did not agree; what it raises is printed at once and raised by this process's next
     meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
-    ``verdict_on_change``: unless ``summary`` repeats the tag's summary `PERIOD` calls back,
-    wait until this call (and those before it) is verified; the caller then settles.
-    ``repeat_returns``: a call that goes on returns its result to its caller at once
-    (`global_array_from_local`'s arrays), so processes that went on past a call that raised
-    here may be computing with it: this process is then out of step (`OutOfStep`).
-    ``what``: the call in words, for a message naming processes that wait at different places
-    of the channel's order (`places`): a call waiting for its verdict is there as the n-th call
-    of the tag.
     """
     state, window = windowed(node, tag)
-    calls = "calls:" + tag
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
-        waits = not _repeats(window, summary) and verdict_on_change
-        number = node.counts.get(calls, 0)
-        node.counts[calls] = number + 1
         call = Call(-1, False, summary, groups, record, time.monotonic(), timeout)
-        window.queue.append(Queued(call, on_outcome, waits))
+        window.queue.append(Queued(call, on_outcome))
         window.on_outcome = on_outcome
         window.linger = linger
         _ensure_thread(node, state, window)
         if 0 < window.wanted <= len(window.queue):
             window.cond.notify_all()
-    if waits:
-        node.stats.verdicts_waited += 1
-        _wait_verdict(node, tag, number, what, timeout + VERDICT_EXTRA_S)
-        with window.cond:
-            failed, window.failed = window.failed, None
-            went_on, window.went_on = window.went_on, ()
-        if failed is not None:
-            # Raised here, whichever thread's meshkit call would have settled it first.
-            with contextlib.suppress(ValueError):
-                node.failures.remove(failed)
-            if went_on and repeat_returns:  # they may compute with it: never join them
-                node.failures.append(OutOfStep(out_of_step(failed, went_on), window.channel))
-            raise failed
-
-
-def _wait_verdict(node: Node, tag: str, number: int, what: str, timeout: float) -> None:
-    """Wait until call ``number`` of ``tag`` (and those before it) is verified, or ``timeout``.
-
-    A long wait is a `places.Place` of the caller's channel (the n-th call of the tag): a
-    process waiting at another agreement before it made that call is in a cycle with it, and
-    both raise at once, not after the timeout.
-    """
-    deadline = time.monotonic() + timeout
-    place = _places.Place(
-        _agreement.channel_sequence(node), "calls:" + tag, number, what or tag,
-        place_of(user_frame(sys._getframe(2))),
-    )  # fmt: skip
-    waiting = _places.Waiting(node, place)
-    try:
-        period = _places.FIRST_S
-        while not node.drain(min(period, max(deadline - time.monotonic(), 0.0)), tags=[tag]):
-            if time.monotonic() >= deadline:
-                return
-            waiting.look()
-            period = waiting.period
-        if waiting.posted and node.unraised():
-            # The window failed (another process left): one in a cycle with this wait told it
-            # so before it raised and left, and that is the cause to raise.
-            waiting.look()
-    finally:
-        waiting.end()
-
-
-def out_of_step(error: BaseException, went_on: tuple[int, ...]) -> str:
-    """What each later call raises once ``went_on`` went on past a call that raised ``error``."""
-    first = (str(error).splitlines() or [type(error).__name__])[0]
-    return (
-        f"meshkit: the processes are out of step: {_missing.processes(went_on)} went on past the "
-        f"call at which the processes differed, which raised here:\n  {first}\n"
-        f"{'They' if len(went_on) > 1 else 'It'} may be waiting in a computation that this "
-        "process must not join (it would mix the data of two different calls), so every later "
-        "meshkit call of this thread raises this error.\n"
-        "Consider ending the program at that error instead of going on: the other processes end "
-        "with it."
-    )
-
-
-def _repeats(window: WindowState, summary: str) -> bool:
-    """Whether ``summary`` is the tag's summary `PERIOD` calls back; remembers it (lock held)."""
-    recent = window.recent
-    oldest = recent[0] if len(recent) == PERIOD else None
-    recent.append(summary)
-    return oldest is not None and (oldest is summary or oldest == summary)
 
 
 def windowed(node: Node, tag: str) -> tuple[Tag, WindowState]:
-    """The state of a tag agreed beside the caller; its first use starts its thread."""
+    """The state of a tag agreed after the call returns; its first use starts its thread."""
     state = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
     if state is not None and state.window is not None:
         return state, state.window
@@ -225,7 +129,7 @@ def _ensure_thread(node: Node, state: Tag, window: WindowState) -> None:
 
 
 def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
-    """`leave` for a tag agreed beside the caller; waits (at most ``wait`` s) until it is posted.
+    """`leave` for a deferred tag; waits (at most ``wait`` s) until its record is posted.
 
     The tag's thread arrives for the first call this process will not make.
     """
@@ -288,9 +192,6 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
             if not outcome.agreed:
                 _report(window, taken, outcome, me)
         except Exception as e:  # a disagreement, or the coordination service failed
-            if any(q.waits for q in taken):
-                with cond:
-                    window.failed = e  # before `fail` wakes the caller that waits for it
             # A caller draining the tag raises it in a moment: no notice needed.
             grace = head.timeout if head is not None else None
             node.fail(e, grace, quiet=window.draining > 0)
@@ -377,16 +278,13 @@ def _window(
     """One agreement for a window: the list of its calls' summaries, groups and records.
 
     The summary lists the calls' summaries run by run (`Run`); the record, every call's
-    `PostedRecord` record (with whether its caller waited for the verdict), is made only when shown.
+    `PostedRecord`, is made only when shown.
     """
     calls = [q.call for q in taken]
 
     def record() -> str:
         entries = [
-            PostedRecord(
-                q.call.summary, text(q.call.record), q.call.groups, waited=q.waits
-            ).fields()
-            for q in taken
+            PostedRecord(q.call.summary, text(q.call.record), q.call.groups).fields() for q in taken
         ]
         if left is not None:
             entries.append(PostedRecord(LEFT, left).fields())
@@ -443,14 +341,9 @@ def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int)
         return  # this process left the tag: it raised its own error
     on_outcome = taken[first].on_outcome if first < len(taken) else window.on_outcome
     assert on_outcome is not None
-    waited = taken[first].waits if first < len(taken) else False
-    if waited:  # this call raises in its caller: which processes went on past it?
-        went_on = tuple(p for p, e in sorted(here.items()) if not (e.waited or e.summary == LEFT))
-        with window.cond:
-            window.went_on = went_on
     records = {p: e.record for p, e in here.items()}
     missing = tuple(sorted(absent))
-    on_outcome(Outcome(False, records, missing, outcome.gave_up, outcome.seq, waited))
+    on_outcome(Outcome(False, records, missing, outcome.gave_up, outcome.seq))
 
 
 def sync_point(node: Node, timeout: float) -> None:

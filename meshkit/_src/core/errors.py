@@ -15,7 +15,6 @@ __all__ = [
     "MeshkitIndexError",
     "MeshkitNameError",
     "MeshkitTypeError",
-    "OutOfStep",
     "ranges",
 ]
 
@@ -77,20 +76,6 @@ class MeshkitIndexError(MeshkitError, IndexError):
 
 class MeshkitNameError(MeshkitError, NameError):
     """A `MeshkitError` where JAX raises `NameError` (a collective over an unbound axis name)."""
-
-
-class OutOfStep(MeshkitError):
-    """Kept among a process's failures once other processes went on past a call that raised.
-
-    They may wait in a computation this process must not join: each later meshkit call of the
-    channel that raised (``channel``) raises this error again, as a new `MeshkitError`; it is
-    never taken out, and a program that ends normally after it exits with status 1
-    (`meshkit._src.coord.node.Node.settle`).
-    """
-
-    def __init__(self, message: str, channel: str | None) -> None:
-        super().__init__(message)
-        self.channel = channel
 
 
 # The public classes print under the name users import them by (``meshkit.MeshkitError`` in a

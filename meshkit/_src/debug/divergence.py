@@ -1,11 +1,10 @@
 """The divergence check: every process's fingerprint of a call, compared through coordination.
 
 While debug mode is on, the dispatch point (`meshkit._src.runtime.dispatch`) and `.multihost`'s
-collectives call `check`: this process's fingerprint (`.fingerprint`) joins a window of calls
-that the processes agree on beside the caller (`meshkit._src.coord.agree`). A call that differs
-from this thread's call `PERIOD` calls back waits for its verdict; `compare` turns different
+collectives call `check`: this process's fingerprint (`.fingerprint`) is agreed on before the call
+runs, at its channel's next agreement (`meshkit._src.coord.agree`); `compare` turns different
 fingerprints, or processes that did not arrive or left, into a `DivergenceError` that names them
-and the first field that differs.
+and the first field that differs, raised by the call itself.
 """
 
 from __future__ import annotations
@@ -26,12 +25,6 @@ from .state import enabled as enabled  # read here by meshkit._src.spmd.placemen
 
 __all__ = ["check", "compare", "enabled", "last_text"]
 
-# Debug windows stay open longer than global_array_from_local's: a divergence is always first
-# seen at a call that waits for its verdict (and drains its window at once), so a repeat's window
-# can wait for more calls without delaying any error, and a loop of slow steps shares a window
-# among more of them.
-_LINGER_S = 0.2
-
 
 def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     settings = _st.state.settings
@@ -49,26 +42,21 @@ def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
         return
     tag = _channel.scoped("debug", site.name)
     _st.state.tags.add(tag)
+    _st.state.channels.add(_channel.current())
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
     before = _st.state.previous.get(tag)
     _st.state.previous[tag] = record
     timeout = settings.timeout
-
-    def on_outcome(outcome: _agree.Outcome) -> None:
+    outcome = _agree.agree(
+        tag, summary, lambda: json.dumps(record), timeout=timeout, what=f"{label}, debug mode"
+    )
+    if not outcome.agreed:
         records = {p: json.loads(v) for p, v in outcome.records.items()}
-        if me not in records:
-            records[me] = record
+        records.setdefault(me, record)
         # ``{}``: no earlier call of this thread (the missing processes made none either).
         last = before if before is not None else {}
         compare(records, list(outcome.missing), me, label, timeout, tag, count, last=last)
-
-    # The first call at which processes diverge is a change for at least one of them (had every
-    # process repeated its call PERIOD calls back, they would agree again): such a call waits for
-    # its verdict, and a divergent one is raised here, before it runs.
-    _agree.agree_later(tag, summary, lambda: json.dumps(record), timeout=timeout,
-                       on_outcome=on_outcome, linger=_LINGER_S,
-                       verdict_on_change=True, what=f"{label}, debug mode")  # fmt: skip
     _watchdog.note_progress()
 
 

@@ -111,7 +111,9 @@ def enable(
         now = _st.state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
         if not _st.state.exit_hooks:
-            _exit.on_exit("debug mode: publish leaving", _leave_at_exit, order=_exit.LEAVE)
+            # Before the other leaves (`meshkit._src.runtime.programs`): the first record a
+            # process waiting at this one's next agreement reads then names its last call.
+            _exit.on_exit("debug mode: publish leaving", _leave_at_exit, order=_exit.LEAVE - 1)
             _exit.on_exception(
                 "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
             )
@@ -195,20 +197,21 @@ def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None
         )
 
 
-_LEAVE_WAIT_S = 5.0  # at exit, the most a process waits to post that it leaves
-
-
 def _publish_leaving(status: str, message: str = "") -> None:
-    """Tell the other processes, at this process's next check, that it will not come."""
+    """Tell the other processes, at each channel's next agreement, that this one will not come."""
     client, _, n = _compat.distributed_state()
     if client is None or n == 1 or _st.state.settings is None or _st.state.left:
         return
     _st.state.left = True  # an uncaught error is told once, not again by the exit that follows
-    record = {"status": status, "last": _st.state.last or "no meshkit call", "message": message}
-    wait = min(_st.state.settings.timeout, _LEAVE_WAIT_S)
-    for tag in sorted(_st.state.tags | {"debug"}):
+    record = {
+        "left": True,
+        "status": status,
+        "last": _st.state.last or "no meshkit call",
+        "message": message,
+    }
+    for channel in sorted(_st.state.channels | {None}, key=str):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
-            _agree.leave(tag, json.dumps(record), later=True, wait=wait)
+            _agree.leave("debug", json.dumps(record), channel=channel)
 
 
 def _leave_at_exit() -> None:

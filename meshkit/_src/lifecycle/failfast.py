@@ -29,6 +29,7 @@ Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0
 _ENDED_AFTER_S = 3.0
 _POST_WAIT_S = 2.0  # how long JAX's error at a lost peer waits for that peer's failure post
+_READ_S = 5.0  # how long process 0 stays up, after its failure post, for the others to read it
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
 
 
@@ -107,10 +109,13 @@ class PeerPosts:
 Poll = Callable[[], PeerPosts | Unanswered | None]
 # Waits at most that long for this process's alarm key: True once written (or not joined).
 Wait = Callable[[float], bool]
-# Takes the failure a check beside the caller found (or another process told) and kept for this
+# Takes the failure a deferred check found (or another process told) and kept for this
 # process's next meshkit call, if one waits: it is then no longer waiting to be raised.
 Kept = Callable[[], BaseException | None]
+# Adds to the count of processes that read a failure post and stopped for it; returns the count.
+Read = Callable[[int], int]
 _post_failure: Post | None = None
+_read: Read | None = None
 _kept: Kept | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
 
@@ -125,6 +130,7 @@ def install(
     wait: Wait,
     nudge: Callable[[], None],
     kept: Kept | None = None,
+    read: Read | None = None,
 ) -> None:
     """Register what this module describes, for process ``me`` of ``n``.
 
@@ -140,9 +146,10 @@ def install(
         wait: waits for this process's alarm key.
         nudge: writes this process's alarm key (wakes its own wait).
         kept: takes the failure kept for this process's next meshkit call, if any.
+        read: adds to (and returns) the count of processes that read a failure post.
     """
-    global _post_failure, _kept, _watch
-    _post_failure, _kept = post, kept
+    global _post_failure, _kept, _watch, _read
+    _post_failure, _kept, _read = post, kept, read
     if grace is None:
         return
     _watch = _Watch(me, n, poll, wait)
@@ -292,7 +299,22 @@ def _post(failure: str) -> None:
             pass
         else:
             if me == 0:  # it hosts the coordination service: let the others read it
-                time.sleep(1.5 * poll_period(n))
+                _wait_until_read(n)
+
+
+def _wait_until_read(n: int) -> None:
+    """Until every other process read the failure post or posted its own (at most `_READ_S`)."""
+    deadline = time.monotonic() + _READ_S
+    while time.monotonic() < deadline:
+        try:
+            read = 0 if _read is None else _read(0)
+            posted = _watch.poll() if _watch is not None else None
+        except Exception:  # the service failed: nobody can read it any more
+            return
+        others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
+        if _read is None or read + others >= n - 1:
+            return
+        time.sleep(0.05)
 
 
 # ---- the failure watch ----------------------------------------------------------------------
@@ -349,7 +371,13 @@ class _Watch:
         return True
 
     def failed(self, p: int, failure: str) -> None:
-        """End this process (status 1, no exit handler) for process ``p``'s ``failure``."""
+        """End this process (status 1, no exit handler) for process ``p``'s ``failure``.
+
+        Counts itself among the processes that read a failure post first (`_wait_until_read`).
+        """
+        if _read is not None and not _exit.ending():
+            with contextlib.suppress(Exception):  # the service is gone: nobody waits for it
+                _read(1)
         self._exit(
             {"process": p, "system": "meshkit", "error": failure.split(":")[0]},
             f"meshkit: process {p} failed: {failure}\n"

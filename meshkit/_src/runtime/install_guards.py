@@ -42,6 +42,7 @@ def joined(fail_fast: float | None, grace: float, me: int, n: int) -> None:
         wait=_failures.waiter(me),
         nudge=_failures.nudger(me),
         kept=_agree.take_unraised,
+        read=_failures.reader(),
     )
     if fail_fast is not None:  # the failure watch relays the others' notices
         sync = _coord_preemption.syncer(me)
