@@ -308,8 +308,8 @@ class GlobalBatches(Iterator[Any]):
             return
         inside = self._moving is not None and not self._moving.asking
         if inside and _failfast.end_for(
-            error, f"process {self._me} stops inside step {self.steps} of {_WHAT}, whose "
-            "collectives the other processes will not join"
+            error, f"process {self._me} stops inside step {self.steps} of {_WHAT}: the other "
+            "processes will not join its collectives"
         ):  # fmt: skip
             return
         _events.emit(

@@ -205,9 +205,10 @@ def end_for(error: BaseException, why: str) -> bool:
     """
     if _grace is None or _exit.ending():
         return False
-    say(_LOG, logging.ERROR, f"meshkit: {why}:\n{type(error).__name__}: {error}\n")
+    say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
     _events.emit(_events.FAILED, **_failure_fields(error, None))
-    _end(f"{type(error).__name__}: {str(error).splitlines()[0][:300]}", why, _grace, status=1)
+    failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    _end(failure, "this process cannot go on", _grace, status=1)
     return True
 
 
