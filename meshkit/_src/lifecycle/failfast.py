@@ -50,7 +50,8 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "end_for", "install", "poll_period", "settings"
+    "ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "end_for", "install", "peer_failed", "poll_period",
+    "settings",
 ]  # fmt: skip
 
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
@@ -193,6 +194,16 @@ def _on_exception(
         grace,
         status=1,
     )
+
+
+def peer_failed(p: int, failure: str) -> None:
+    """Process ``p`` ended by ``failure`` (learned from its record at an agreement): end too.
+
+    The same words and status as the failure watch (`_Watch.failed`), which may not have read
+    the post yet; nothing with fail-fast off.
+    """
+    if _watch is not None and not _exit.ending():
+        _watch.failed(p, failure)
 
 
 def end_for(error: BaseException, why: str) -> bool:
