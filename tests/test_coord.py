@@ -609,3 +609,56 @@ def test_a_caller_inside_a_step_the_others_took_is_no_cycle():
     assert places.cycle(node, moving[1], {1: mine}) is None  # a moving place never decides
     for n in nodes:
         n.stop()
+
+
+# ---- a process that left the program ------------------------------------------------------
+
+
+def test_a_leave_record_says_how_the_process_ends(monkeypatch):
+    from meshkit._src.coord import agree
+
+    monkeypatch.delattr("sys.last_value", raising=False)
+    assert json.loads(agree.leave_record(last="call #3")) == {
+        "left": True, "status": "exit", "last": "call #3"}  # fmt: skip
+    monkeypatch.setattr("sys.last_value", RuntimeError("planted\nsecond line"), raising=False)
+    assert json.loads(agree.leave_record()) == {
+        "left": True, "status": "error", "message": "RuntimeError: planted"}  # fmt: skip
+
+
+def _left_at(monkeypatch, records: dict[int, str]) -> list[tuple[int, str]]:
+    """`agree.agree` over a fake node whose agreement found ``records``; peers ended for."""
+    from meshkit._src.coord import agree
+    from meshkit._src.lifecycle import failfast
+
+    ended: list[tuple[int, str]] = []
+    monkeypatch.setattr(agree, "node", lambda: FakeCluster(2).nodes()[0])
+    monkeypatch.setattr(agree._agreement, "agree", lambda *a, **k: Outcome(False, records))
+    monkeypatch.setattr(failfast, "peer_failed", lambda p, failure: ended.append((p, failure)))
+    return ended
+
+
+def test_a_process_that_failed_instead_of_coming_ends_this_one_as_its_failure_watch_would(
+    monkeypatch,
+):
+    from meshkit._src.coord import agree
+
+    failed = json.dumps({"left": True, "status": "error", "message": "RuntimeError: planted"})
+    ended = _left_at(monkeypatch, {0: '{"mesh": 1}', 1: failed})
+    outcome = agree.agree("make_mesh", "s", "r", timeout=1.0)
+    assert not outcome.agreed
+    assert ended == [(1, "RuntimeError: planted")]
+
+
+def test_check_names_a_process_that_left_instead_of_coming(monkeypatch):
+    from meshkit import MeshkitError
+    from meshkit._src.coord import agree
+
+    ended = _left_at(
+        monkeypatch, {0: '{"mesh": 1}', 1: json.dumps({"left": True, "status": "exit"})}
+    )
+    with pytest.raises(MeshkitError) as info:
+        agree.check("make_mesh", "s", "r", timeout=1.0, what="meshkit.make_mesh")
+    assert str(info.value).splitlines()[0] == (
+        "meshkit.make_mesh: process 1 left the program without making this call (process 1 ended)."
+    )
+    assert ended == []  # a normal end is no failure to end this process for

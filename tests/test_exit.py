@@ -246,6 +246,36 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
         "divergence", "peer", "exception"]  # fmt: skip
 
 
+def test_process_0_stays_up_until_the_others_read_its_failure_post(monkeypatch):
+    # 4 processes: process 3 posted a failure of its own, so two reads complete the count.
+    counts = iter([0, 0, 1, 2, 3])
+    asked = []
+
+    def read(amount):
+        asked.append(amount)
+        return next(counts)
+
+    posts = _failfast.PeerPosts(failures=[(3, "RuntimeError: its own")], notices=[])
+    monkeypatch.setattr(_failfast, "_read", read)
+    monkeypatch.setattr(_failfast, "_watch", _failfast._Watch(0, 4, poll=lambda: posts))
+    _failfast._wait_until_read(4)
+    assert asked == [0, 0, 0, 0]  # it asked until 2 read (with process 3's post: 3 of 3)
+    # Nobody reads: it gives up after _READ_S.
+    monkeypatch.setattr(_failfast, "_READ_S", 0.3)
+    monkeypatch.setattr(_failfast, "_read", lambda amount: 0)
+    start = time.monotonic()
+    _failfast._wait_until_read(4)
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
+def test_a_watch_stopped_by_a_failure_counts_itself_as_a_reader(status, monkeypatch):
+    read = []
+    monkeypatch.setattr(_failfast, "_read", read.append)
+    monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
+    _failfast._Watch(3, 4, poll=list, wait=None).failed(1, "RuntimeError: planted")
+    assert read == [1]
+
+
 def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_ENDED_AFTER_S", 0.0)
     _failfast._at_exit(3)  # as at a normal end: the service thread says it

@@ -20,7 +20,6 @@ it, and none is left waiting for ever on a collective that the others will not j
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
@@ -45,6 +44,7 @@ from ..core.frames import user_frame, user_stacklevel
 from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
+from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
@@ -64,7 +64,6 @@ _JOIN_TIMEOUT_S = 30.0
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 # A caller that took a step a process that closed will not take is likely waiting in its
 # collective: the process ends unless a meshkit call raises the error within this time.
-_STUCK_S = 5.0
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
 
@@ -258,9 +257,6 @@ class GlobalBatches(Iterator[Any]):
                 self._unwatch.set()
         if error is not None:
             self._leave(_loop_exit.ASKS)
-            if self._node is not None:
-                with contextlib.suppress(ValueError):  # raised here, not by a later call
-                    self._node.failures.remove(error)
             raise error
         batch, rows, notes, _ = item
         if notes:
@@ -287,9 +283,8 @@ class GlobalBatches(Iterator[Any]):
     def _hear(self, closers: dict[int, int]) -> None:
         """Processes that closed their iterators (the close watch, or the helpers' records).
 
-        If this process's caller has taken a step they will not take, it is likely waiting in
-        that step's collective: the error is kept for its next meshkit call, and ends the
-        process if none comes within `_STUCK_S` (`Node.fail`).
+        If this process's caller has taken a step they will not take, its next step raises it
+        (`_fail`).
         """
         with self._lock:
             for p, k in closers.items():
@@ -303,16 +298,24 @@ class GlobalBatches(Iterator[Any]):
             self._fail(error)
 
     def _fail(self, error: DivergenceError) -> None:
-        """Keep ``error`` for the caller's next meshkit call; end the process if none comes.
+        """``error`` for the caller: raised by its next step, or ending the process at once.
 
-        The caller is likely waiting in a collective that will not complete (`Node.fail`).
+        A caller inside its step (not asking for the next) may be waiting in that step's
+        collectives, which the others will never join: fail-fast ends the process now
+        (`failfast.end_for`). A caller asking for its next step gets the error from it.
         """
-        if self._node is not None:
-            _events.emit(
-                _events.FAILED, cause="divergence", error=type(error).__name__,
-                processes=error.processes, field=error.field,
-            )  # fmt: skip
-            self._node.fail(error, _STUCK_S)
+        if self._node is None:
+            return
+        inside = self._moving is not None and not self._moving.asking
+        if inside and _failfast.end_for(
+            error, f"process {self._me} stops inside step {self.steps} of {_WHAT}: the other "
+            "processes will not join its collectives"
+        ):  # fmt: skip
+            return
+        _events.emit(
+            _events.FAILED, cause="divergence", error=type(error).__name__,
+            processes=error.processes, field=error.field,
+        )  # fmt: skip
 
     def _leave(self, how: str) -> bool:
         """Say once how this process left the loop (`closes.leave`); whether it said it now."""
@@ -398,12 +401,8 @@ class GlobalBatches(Iterator[Any]):
             timeout = _env.check_timeout()
             left = _loop_exit.confirm(self._node, self._tag, timeout)
             error = error or _loop_exit.left_error(left, self._node.n, self._me, timeout)
-        if error is not None and self._node is not None:
-            if not at_exit:
-                with contextlib.suppress(ValueError):  # raised by close, not by a later call
-                    self._node.failures.remove(error)
-            elif error is not self._gone:
-                self._node.fail(error, _STUCK_S)  # no call will raise it: the process exits 1
+        if error is not None and self._node is not None and at_exit and error is not self._gone:
+            self._node.fail(error, None)  # at exit, no call will raise it: the process exits 1
         return error
 
     def __enter__(self) -> GlobalBatches:

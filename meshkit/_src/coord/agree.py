@@ -9,19 +9,26 @@ did not come, or processes at different agreements are found by that call. `agre
 (`window`) is the deferred form: verified after the call returns, on windows of calls.
 
 A process that will not come to its next agreement calls `leave`, so the others learn at once,
-from its record, why.
+from its record, why. A process that leaves the program posts a `leave_record` (``"left":
+true``): one that ended by an uncaught exception is then a peer's failure, and fail-fast ends a
+process that reads it the way its failure watch would (`agree`); `check` names one that ended.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from ..core import compat as _compat
 from ..core import env as _env
+from ..core.errors import MeshkitError
 from ..lifecycle import exit as _exit
+from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
+from . import missing as _missing
 from . import window as _window
 from .node import BLOCK, Group, Node, Outcome, RecordText
 from .service import JaxService, Stats
@@ -38,6 +45,7 @@ __all__ = [
     "drain",
     "in_step",
     "leave",
+    "leave_record",
     "settle",
     "stats",
     "tag_part",
@@ -133,7 +141,7 @@ def agree(
     settle()
     if here is None:
         return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
-    return _agreement.agree(
+    outcome = _agreement.agree(
         here,
         _agreement.channel_sequence(here, channel),
         tag,
@@ -143,11 +151,60 @@ def agree(
         groups=groups,
         what=what,
     )
+    if not outcome.agreed:
+        for p, left in sorted(_left(outcome).items()):
+            if left.get("status") == "error":  # it ended by an uncaught exception
+                _failfast.peer_failed(p, str(left.get("message") or "(no message)"))
+    return outcome
 
 
 def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: str = "") -> Outcome:
-    """`agree` where any difference is an error (the same primitive; kept for its callers)."""
-    return agree(tag, summary, record, timeout=timeout, what=what)
+    """`agree`, and a process that left the program instead of coming is an error.
+
+    Raises:
+        MeshkitError: a process left the program (its `leave_record`) instead of coming.
+    """
+    outcome = agree(tag, summary, record, timeout=timeout, what=what)
+    left = _left(outcome) if not outcome.agreed else {}
+    if left:
+        how = "; ".join(
+            f"process {p} "
+            + (f"failed: {r.get('message')}" if r.get("status") == "error" else "ended")
+            for p, r in sorted(left.items())
+        )
+        raise MeshkitError(
+            f"{what or tag}: {_missing.processes(sorted(left))} left the program without "
+            f"making this call ({how}).\nEvery process must make the same calls in the same "
+            "order; consider what ended it early (its output says)."
+        )
+    return outcome
+
+
+def leave_record(**fields: object) -> str:
+    """The record of a process that leaves the program: ``"left": true``, how, and ``fields``.
+
+    ``"status"``: ``"error"`` when an uncaught exception ends it (``"message"``: its first
+    line), else ``"exit"``.
+    """
+    error = getattr(sys, "last_value", None)
+    how: dict[str, object] = {"left": True, "status": "exit"}
+    if isinstance(error, BaseException):
+        first = (str(error).splitlines() or [""])[0][:300]
+        how.update(status="error", message=f"{type(error).__name__}: {first}")
+    return json.dumps({**how, **fields})
+
+
+def _left(outcome: Outcome) -> dict[int, dict[str, object]]:
+    """The records of processes that left the program (`leave_record`), by process."""
+    left = {}
+    for p, text in outcome.records.items():
+        try:
+            record = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("left") is True:
+            left[p] = record
+    return left
 
 
 def _text(record: RecordText) -> str:

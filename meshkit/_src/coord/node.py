@@ -243,9 +243,11 @@ class Node:
     def fail(self, error: BaseException, grace: float | None, *, quiet: bool = False) -> None:
         """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.
 
-        A process whose main thread does not come back to meshkit within the check timeout is
-        likely blocked in a computation on the inputs that disagree (a collective that will not
-        complete); it exits with status 1 so that the launcher ends the run instead of a hang.
+        Only for ``check="deferred"``, whose checks are found after the call returned, and for
+        a failure found at exit. A process whose main thread does not come back to meshkit within
+        the check timeout is likely blocked in a computation on the inputs that disagree (a
+        collective that will not complete); it exits with status 1 so that the launcher ends the
+        run instead of a hang.
         """
         self.failures.append(error)
         self.failed.set()

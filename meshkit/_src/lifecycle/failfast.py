@@ -49,7 +49,10 @@ from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
-__all__ = ["ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "install", "poll_period", "settings"]
+__all__ = [
+    "ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "end_for", "install", "peer_failed", "poll_period",
+    "settings",
+]  # fmt: skip
 
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
@@ -118,6 +121,7 @@ _post_failure: Post | None = None
 _read: Read | None = None
 _kept: Kept | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
+_grace: float | None = None  # the exit handlers' seconds; None: fail-fast is off
 
 
 def install(
@@ -148,8 +152,8 @@ def install(
         kept: takes the failure kept for this process's next meshkit call, if any.
         read: adds to (and returns) the count of processes that read a failure post.
     """
-    global _post_failure, _kept, _watch, _read
-    _post_failure, _kept, _read = post, kept, read
+    global _post_failure, _kept, _watch, _read, _grace
+    _post_failure, _kept, _read, _grace = post, kept, read, grace
     if grace is None:
         return
     _watch = _Watch(me, n, poll, wait)
@@ -190,6 +194,33 @@ def _on_exception(
         grace,
         status=1,
     )
+
+
+def peer_failed(p: int, failure: str) -> None:
+    """Process ``p`` ended by ``failure`` (learned from its record at an agreement): end too.
+
+    The same words and status as the failure watch (`_Watch.failed`), which may not have read
+    the post yet; nothing with fail-fast off.
+    """
+    if _watch is not None and not _exit.ending():
+        _watch.failed(p, failure)
+
+
+def end_for(error: BaseException, why: str) -> bool:
+    """End this process for ``error``, found beside a caller that cannot return; False if off.
+
+    For a caller waiting in a computation that ``error`` says will never complete (a step of
+    `meshkit.global_batches` that the other processes will not take): no call of its own is
+    left to raise it. Says the error (``why`` first), posts it for the others, and exits with
+    status 1, the way an uncaught exception does; with fail-fast off it does nothing (False).
+    """
+    if _grace is None or _exit.ending():
+        return False
+    say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
+    _events.emit(_events.FAILED, **_failure_fields(error, None))
+    failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    _end(failure, "this process cannot go on", _grace, status=1)
+    return True
 
 
 def _end_with_known_cause(grace: float) -> bool:

@@ -208,7 +208,7 @@ def _explain(
 def _leave() -> None:
     """At exit: leave every tag compared on, so that a process waiting there learns it at once."""
     for tag in sorted(_tags):
-        _agree.leave(tag, json.dumps({"left": True, "status": "exit"}))
+        _agree.leave(tag, _agree.leave_record())
 
 
 def _difference(
