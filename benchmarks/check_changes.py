@@ -8,8 +8,8 @@ no agreement repeats a pattern the primitive predicts (periods up to 16): under 
 every call posts its record before the agreement, the most a changed layout costs. Timed beside
 one layout under ``check=True`` (a steady loop), ``check="deferred"`` (never waits) and
 ``jax.make_array_from_process_local_data``, in alternating rounds; a round is 34 calls, then a
-device barrier (untimed). The coordination service's round trip is timed alone: a
-`meshkit.barrier`, one wait at the service's barrier by every process.
+device barrier (untimed). The coordination service's round trip is timed alone: one wait at
+the service's own barrier by every process (``wait_at_barrier``, one request each).
 """
 
 import json
@@ -70,10 +70,15 @@ jax_s, changed_s, deferred_s, steady_s = interleaved_medians(
     number=1,
     before_round=settle,
 )
+# One round trip of the coordination service: its own barrier, one request per process (a
+# meshkit.barrier is an agreement, several requests).
+from jax._src import distributed  # noqa: E402
+
+client = distributed.global_state.client
 trips = []
 for i in range(30):
     start = time.perf_counter()
-    meshkit.barrier(f"round trip {i}")
+    client.wait_at_barrier(f"meshkit-bench-round-trip-{i}", 60_000)
     trips.append(time.perf_counter() - start)
 if jax.process_index() == 0:
     per = 1.0 / CALLS

@@ -500,7 +500,7 @@ def bench_check_changes() -> str:
     lines = [
         table(title, rows, "jax", "meshkit"),
         f"A changed call over a steady one: {extra * 1e6:.0f} us; one coordination round trip "
-        f"(meshkit.barrier): {data['round_trip'] * 1e6:.0f} us; goal: at most one round trip "
+        f"(the service's barrier): {data['round_trip'] * 1e6:.0f} us; goal: at most one round trip "
         f"({'met' if extra <= data['round_trip'] else 'NOT met'}).",
     ]
     return "\n".join(lines)
