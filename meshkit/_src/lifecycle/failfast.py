@@ -59,6 +59,7 @@ ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0
 _ENDED_AFTER_S = 3.0
 _POST_WAIT_S = 2.0  # how long JAX's error at a lost peer waits for that peer's failure post
+_EXIT_MARGIN_S = 0.5  # process 0, ending for a peer's failure, outlives the peer's exit by this
 _READ_S = 5.0  # how long process 0 stays up, after its failure post, for the others to read it
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
 
@@ -405,10 +406,15 @@ class _Watch:
         """End this process (status 1, no exit handler) for process ``p``'s ``failure``.
 
         Counts itself among the processes that read a failure post first (`_wait_until_read`).
+        Process 0, which hosts the coordination service, first lets process ``p`` post its
+        failure and exit (`_outlive`): a process whose service goes while it runs its exit
+        handlers dies in the service's C++ abort instead of its own status.
         """
         if _read is not None and not _exit.ending():
             with contextlib.suppress(Exception):  # the service is gone: nobody waits for it
                 _read(1)
+        if self.me == 0 and not _exit.ending():
+            self._outlive(p)
         self._exit(
             {"process": p, "system": "meshkit", "error": failure.split(":")[0]},
             f"meshkit: process {p} failed: {failure}\n"
@@ -416,6 +422,24 @@ class _Watch:
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
             "holds the cause.\n",
         )
+
+    def _outlive(self, p: int) -> None:
+        """Until process ``p`` posted its failure (its last step before it exits), then a margin.
+
+        At most `_READ_S`; at once when the service no longer answers.
+        """
+        deadline = time.monotonic() + _READ_S
+        while time.monotonic() < deadline:
+            try:
+                posted = self.poll()
+            except Exception:  # the service failed: nothing to wait for
+                return
+            if not isinstance(posted, PeerPosts):
+                return
+            if any(q == p for q, _ in posted.failures):
+                break
+            time.sleep(0.05)
+        time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()
