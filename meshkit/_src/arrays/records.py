@@ -89,7 +89,7 @@ class PartRecord:
         """The record another process sent (its `wire` form, parsed from JSON)."""
         leaves = wire.get("leaves")
         return cls(
-            status=wire.get("status", "exit"),  # a process that left names no status
+            status=wire["status"],
             tree=wire.get("tree"),
             leaves=None if leaves is None else tuple(LeafRecord(*leaf) for leaf in leaves),
             block_rows=wire.get("block_rows"),

@@ -57,9 +57,8 @@ MAX_PENDING = _window.MAX_PENDING
 LINGER_S = _window.LINGER_S
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
-failures: deque[BaseException] = (
-    deque()
-)  # disagreements found after its call returned, for `settle`
+# disagreements found after their call returned (check="deferred"), for `settle`
+failures: deque[BaseException] = deque()
 _node: Node | None = None
 _client: object = None  # the client `_node` talks through
 

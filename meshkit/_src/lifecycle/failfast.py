@@ -217,11 +217,16 @@ def end_for(error: BaseException, why: str) -> bool:
     """
     if _grace is None or _exit.ending():
         return False
-    say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
-    _events.emit(_events.FAILED, **_failure_fields(error, None))
-    failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    _end(failure, "this process cannot go on", _grace, status=1)
+    _end_saying(error, f"meshkit: {why}.\n", "this process cannot go on", _grace)
     return True
+
+
+def _end_saying(error: BaseException, header: str, why: str, grace: float) -> None:
+    """Say ``header`` and ``error``, leave its `failed` event, end as `_end` does (status 1)."""
+    say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
+    _events.emit(_events.FAILED, **_failure_fields(error, None))
+    first = (str(error).splitlines() or [""])[0][:300]
+    _end(f"{type(error).__name__}: {first}", why, grace, status=1)
 
 
 def _end_with_known_cause(grace: float) -> bool:
@@ -235,12 +240,8 @@ def _end_with_known_cause(grace: float) -> bool:
     """
     kept = None if _kept is None else _kept()
     if kept is not None:
-        say(_LOG, logging.ERROR,
-            "meshkit: the error above follows a cross-process check that failed first:\n"
-            f"{type(kept).__name__}: {kept}\n")  # fmt: skip
-        _events.emit(_events.FAILED, **_failure_fields(kept, None))
-        _end(f"{type(kept).__name__}: {str(kept).splitlines()[0][:300]}",
-             "a failed cross-process check", grace, status=1)  # fmt: skip
+        header = "meshkit: the error above follows a cross-process check that failed first:\n"
+        _end_saying(kept, header, "a failed cross-process check", grace)
         return True
     posted = _peer_failures()
     if posted is None:
@@ -336,17 +337,31 @@ def _post(failure: str) -> None:
 
 def _wait_until_read(n: int) -> None:
     """Until every other process read the failure post or posted its own (at most `_READ_S`)."""
-    deadline = time.monotonic() + _READ_S
+
+    def all_read() -> bool:
+        read = 0 if _read is None else _read(0)
+        posted = _watch.poll() if _watch is not None else None
+        others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
+        return _read is None or read + others >= n - 1
+
+    _until(all_read, _READ_S)
+
+
+def _until(done: Callable[[], bool | None], seconds: float) -> bool | None:
+    """Ask ``done`` every 50 ms for at most ``seconds``: True once it says so, False at the end.
+
+    None when ``done`` gives up (returns None) or the service fails under it (it raises).
+    """
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            read = 0 if _read is None else _read(0)
-            posted = _watch.poll() if _watch is not None else None
-        except Exception:  # the service failed: nobody can read it any more
-            return
-        others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
-        if _read is None or read + others >= n - 1:
-            return
+            answer = done()
+        except Exception:  # the service failed: nobody answers any more
+            return None
+        if answer is None or answer:
+            return answer
         time.sleep(0.05)
+    return False
 
 
 # ---- the failure watch ----------------------------------------------------------------------
@@ -428,18 +443,13 @@ class _Watch:
 
         At most `_READ_S`; at once when the service no longer answers.
         """
-        deadline = time.monotonic() + _READ_S
-        while time.monotonic() < deadline:
-            try:
-                posted = self.poll()
-            except Exception:  # the service failed: nothing to wait for
-                return
-            if not isinstance(posted, PeerPosts):
-                return
-            if any(q == p for q, _ in posted.failures):
-                break
-            time.sleep(0.05)
-        time.sleep(_EXIT_MARGIN_S)
+
+        def posted() -> bool | None:
+            posts = self.poll()
+            return any(q == p for q, _ in posts.failures) if isinstance(posts, PeerPosts) else None
+
+        if _until(posted, _READ_S) is not None:
+            time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()
