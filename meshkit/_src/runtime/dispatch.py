@@ -35,6 +35,7 @@ __all__ = [
     "enter",
     "observing",
     "origin",
+    "quiet",
     "param_names",
     "remove_observer",
 ]
@@ -121,6 +122,15 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
             observer(site, args)
     if _debug.state.settings is not None:
         _debug_check.check(site, args)
+
+
+def quiet() -> bool:
+    """Whether `enter` would only count the call: no observer, no kept failure, debug off.
+
+    Entries with a steady fast path (`meshkit.spmd` on placed inputs) test this and count
+    the call themselves.
+    """
+    return not _observers and not _agree.failures and _debug.state.settings is None
 
 
 def add_observer(observer: Observer) -> None:

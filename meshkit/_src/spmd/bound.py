@@ -269,6 +269,16 @@ class MeshPlan:
 
     # ---- call time: classify, then call ------------------------------------------------------
 
+    def steady(self, args: tuple[Any, ...]) -> Any:
+        """The jitted function when every leaf of ``args`` is placed as a past call put it."""
+        if self.owner.static_argnums:
+            return None
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            return layout.jitted
+        return None
+
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
         static = self.owner.static_argnums

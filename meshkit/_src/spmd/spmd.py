@@ -150,8 +150,17 @@ class SpmdFunction:
             plan = self._plans[mesh] = MeshPlan(self, mesh)
         return plan
 
-    @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self._plan
+        if plan is not None and not kwargs and _dispatch.quiet():
+            jitted = plan.steady(args)
+            if jitted is not None:  # every leaf already placed: straight to jit
+                self._site.calls += 1
+                return jitted(*args)
+        return self._call(*args, **kwargs)
+
+    @public
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
                 f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
