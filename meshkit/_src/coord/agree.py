@@ -166,16 +166,8 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
-        how = "; ".join(
-            f"process {p} "
-            + (f"failed: {r.get('message')}" if r.get("status") == "error" else "ended")
-            for p, r in sorted(left.items())
-        )
-        raise MeshkitError(
-            f"{what or tag}: {_missing.processes(sorted(left))} left the program without "
-            f"making this call ({how}).\nEvery process must make the same calls in the same "
-            "order; consider what ended it early (its output says)."
-        )
+        how = {p: r.get("message") if r.get("status") == "error" else None for p, r in left.items()}
+        raise MeshkitError(_missing.left_program(what or tag, how))
     return outcome
 
 
