@@ -35,8 +35,8 @@ __all__ = [
     "enter",
     "observing",
     "origin",
-    "quiet",
     "param_names",
+    "quiet",
     "remove_observer",
 ]
 
