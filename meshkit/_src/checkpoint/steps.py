@@ -13,7 +13,8 @@ from ..core.tracebacks import public
 from ..lifecycle import preemption as _preemption
 
 __all__ = [
-    "Latest", "abs_path", "keep_problem", "latest", "prune", "should_save", "step_of", "step_path"
+    "Latest", "abs_path", "keep_problem", "latest", "prune", "should_save", "step_of",
+    "step_path",
 ]  # fmt: skip
 
 _STEP = re.compile(r"step_(\d+)")
@@ -74,16 +75,13 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
 
 @public
 def latest(root: str | os.PathLike[str]) -> Latest | None:
-    """The complete checkpoint with the highest step under ``root``, or None if there is none.
-
-    Only ``step_<n>`` directories count (`step_path`), not orbax's temporary directories of a
-    save that never finished. ``root`` must be on a filesystem every process sees.
+    """The complete ``step_<n>`` checkpoint with the highest step under ``root``, or None.
 
     Args:
-        root: the directory holding ``step_<n>`` checkpoints; it need not exist yet.
+        root: the directory of ``step_<n>`` checkpoints (`step_path`); it need not exist.
 
     Returns:
-        The step and directory of the latest checkpoint, or None.
+        The step and directory of the latest complete checkpoint, or None.
 
     Examples:
         >>> import tempfile, meshkit
@@ -128,14 +126,12 @@ def prune(root: Path, keep: int) -> list[Path]:
 def should_save(step: int, *, every: int | None = None) -> bool:
     """Whether to save at ``step``: every ``every`` steps, and once after a preemption notice.
 
-    Call it at every step, on every process, with the same increasing steps. After a preemption
-    notice (taken by `meshkit.init`) it is true at one step, the same on every process, and a
-    `save` then ends the program with status 143 once complete. Without a notice it costs no
-    round trip. See docs/preemption.md.
+    Call it at every step on every process. After a notice it is true at one step, the same on
+    every process, and `save` then ends the program with status 143 (docs/preemption.md).
 
     Args:
         step: the training step, increasing from call to call.
-        every: save at every multiple of ``every`` (step 0 excepted); None: only after a notice.
+        every: save at every multiple of ``every`` (not step 0); None: only after a notice.
 
     Returns:
         Whether to save at ``step``.
