@@ -39,10 +39,9 @@ from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import data_end as _data_end
 from . import loop_exit as _loop_exit
-from .blocks import Prepared
+from .blocks import Prepared, prepare
 from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
-from .templates import prepare
 
 __all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
 
