@@ -13,7 +13,7 @@ batches until all have (the mask marks real rows). A loop that ends early must e
 same step on every process: a process that closes its iterator waits, once, until every
 process has said how it left its loop, and raises a `meshkit.DivergenceError` if one went on
 or closed after another step; a process that goes on gets it at its next step, or is ended
-with it when it has taken such a step already (`meshkit._src.arrays.loop_exit`; nothing is
+with it when it has taken such a step already (`meshkit._src.arrays.ends`; nothing is
 exchanged per step for this). No process computes after its loop while another is still in
 it, and none is left waiting for ever on a collective that the others will not join.
 """
@@ -48,7 +48,7 @@ from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
-from . import loop_exit as _loop_exit
+from . import ends as _ends
 from . import prefetch as _prefetch
 from . import resume as _resume
 from .dtypes import warn_notes
@@ -194,7 +194,7 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _loop_exit.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _ends.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -235,14 +235,14 @@ class GlobalBatches(Iterator[Any]):
             self._done = self._ended = True
             self._unwatch.set()
             # a close the helpers' agreement told of: this process asks for the next step
-            self._leave(_loop_exit.ASKS if self._closers else _loop_exit.FAILED)
+            self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
         if isinstance(item, _Closed):
             raise StopIteration
         if item is _prefetch.END:
             self._done = self._ended = True  # every process ends at this step
             self._unwatch.set()
-            self._leave(_loop_exit.ENDED)
+            self._leave(_ends.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
@@ -256,7 +256,7 @@ class GlobalBatches(Iterator[Any]):
                 self._done = self._ended = True
                 self._unwatch.set()
         if error is not None:
-            self._leave(_loop_exit.ASKS)
+            self._leave(_ends.ASKS)
             raise error
         batch, rows, notes, _ = item
         if notes:
@@ -278,7 +278,7 @@ class GlobalBatches(Iterator[Any]):
         past = self.steps - (1 if took else 0)
         if not any(k <= past for k in self._closers.values()):
             return None
-        return _loop_exit.went_on(self._closers, self._me, self.steps, took=took)
+        return _ends.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
         """Processes that closed their iterators (the close watch, or the helpers' records).
@@ -294,7 +294,7 @@ class GlobalBatches(Iterator[Any]):
             error = self._went_on_error(took=True)
             self._gone = error
         if error is not None:
-            self._leave(_loop_exit.TOOK)  # the closers wait for it before they go on
+            self._leave(_ends.TOOK)  # the closers wait for it before they go on
             self._fail(error)
 
     def _fail(self, error: DivergenceError) -> None:
@@ -325,7 +325,7 @@ class GlobalBatches(Iterator[Any]):
             self._left = True
             steps = self.steps
         try:
-            _loop_exit.leave(self._node, self._tag, how, steps)
+            _ends.leave(self._node, self._tag, how, steps)
         except Exception:  # the service is gone: the failure watch says so
             return False
         return True
@@ -388,7 +388,7 @@ class GlobalBatches(Iterator[Any]):
         self._handoff.put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         # A failing process does not wait: fail-fast tells the others.
-        said = post and not (at_exit and _exit.ending()) and self._leave(_loop_exit.CLOSED)
+        said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
             if self._thread.is_alive():
@@ -399,8 +399,8 @@ class GlobalBatches(Iterator[Any]):
             # one's computations after the loop in its own step's collectives.
             assert self._node is not None
             timeout = _env.check_timeout()
-            left = _loop_exit.confirm(self._node, self._tag, timeout)
-            error = error or _loop_exit.left_error(left, self._node.n, self._me, timeout)
+            left = _ends.confirm(self._node, self._tag, timeout)
+            error = error or _ends.left_error(left, self._node.n, self._me, timeout)
         if error is not None and self._node is not None and at_exit and error is not self._gone:
             self._node.fail(error, None)  # at exit, no call will raise it: the process exits 1
         return error

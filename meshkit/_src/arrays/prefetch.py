@@ -37,8 +37,7 @@ import numpy as np
 
 from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
-from . import data_end as _data_end
-from . import loop_exit as _loop_exit
+from . import ends as _ends
 from .blocks import Prepared, prepare
 from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
@@ -466,7 +465,7 @@ class Ahead:
         ahead (`_peek`), and all exchange whether theirs is the last: one more round trip, at
         such steps only. Every process has the same records, so all decide alike.
         """
-        fewer = _data_end.short(records)
+        fewer = _ends.short(records)
         if not fewer:
             return
         last = self._peek() if self.me in fewer else None
@@ -475,11 +474,11 @@ class Ahead:
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _data_end.short_batch(told, step, pad=self.pad)
+        message = _ends.short_batch(told, step, pad=self.pad)
         if message is not None:
             # A DivergenceError: the launcher reads who differs (no one singled out without a
             # majority), whichever process raised first.
-            raise DivergenceError(message, processes=_data_end.rows_outliers(told), field="rows")
+            raise DivergenceError(message, processes=_ends.rows_outliers(told), field="rows")
 
     def _check_end(self, records: dict[int, PartRecord], step: int) -> bool:
         """Whether the data has ended for every process at ``step`` (the records agreed there).
@@ -498,12 +497,12 @@ class Ahead:
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)
-            raise _loop_exit.went_on(closers, self.me, step - 1, took=False)
+            raise _ends.went_on(closers, self.me, step - 1, took=False)
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
         if not ended or (self.pad and all(records[p].block_rows is not None for p in ended)):
             return False
         raise MeshkitError(
-            _data_end.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
         )

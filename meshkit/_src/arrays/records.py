@@ -62,7 +62,7 @@ class PartRecord:
             rows, from each process with fewer rows than the most: whether its batch is its
             loader's last (the loader read one batch ahead); None from the others.
         steps: with status ``"closed"``, in `meshkit.global_batches`, the steps its caller took
-            before it closed the iterator (`meshkit._src.arrays.loop_exit`).
+            before it closed the iterator (`meshkit._src.arrays.ends`).
     """
 
     status: str = "data"
