@@ -359,45 +359,29 @@ def global_array_from_local(
 ) -> Any:
     """Assemble global `jax.Array`s from every process's local data.
 
-    Each process passes its own part: along each dimension the array is split across processes,
-    the rows its devices hold (`meshkit.process_slice` says which); dimensions split only inside
-    a process, or not split, are passed whole. Processes whose devices hold the same blocks (a
-    mesh axis across processes that the spec does not use) must pass the same data. With one
-    process, ``local`` is the whole array.
-
-    On CPU, as with `jax.device_put`, a numpy block that XLA can use in place (64-byte aligned,
-    no cast) is not copied: the result reads ``local``'s memory, so do not write into ``local``
-    afterwards.
+    Each process passes its own part: along each dimension split across processes, the rows its
+    devices hold (`meshkit.process_slice` says which); other dimensions whole. Processes whose
+    devices hold the same blocks must pass the same data. With one process, ``local`` is the
+    whole array. On CPU an aligned numpy block may be used in place, as by `jax.device_put`:
+    do not write into ``local`` afterwards.
 
     Args:
-        local: this process's data: an array or a pytree (dict, list, tuple, NamedTuple,
-            registered dataclass) of numpy arrays, array-likes, scalars or single-process
-            ``jax.Array`` s.
+        local: this process's data: an array or a pytree of numpy arrays, array-likes, scalars
+            or single-process ``jax.Array`` s.
         mesh_or_sharding: a `jax.sharding.Mesh` over every process's devices (with ``spec``),
             or a `jax.sharding.NamedSharding` (without ``spec``).
-        spec: how the global array is split: a `jax.sharding.PartitionSpec`, a spec string
-            (``"data"``, ``"batch seq -> data _"``), or a pytree of them that is a prefix of
-            ``local``.
-        global_shape: the global shape (a shape, or a pytree of shapes like ``local``).
-            Inferred when left out; when given it is checked against the local data, and with
-            ``pad=True`` it fixes the padded leading size (no exchange of sizes).
+        spec: a `jax.sharding.PartitionSpec`, a spec string (``"data"``,
+            ``"batch seq -> data _"``), or a pytree of them that is a prefix of ``local``.
+        global_shape: the global shape (or a pytree of shapes like ``local``); inferred when
+            left out, checked when given. With ``pad=True`` it fixes the padded leading size.
         dtype: cast every array to this dtype.
-        pad: pad the leading (batch) dimension with zeros to a size every process agrees on, so
-            that uneven batches (the last one of an epoch) still assemble; the result is then
-            ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
-            True for real rows.
-        check: compare the processes' pytree structure, dtypes and shapes through the
-            coordination service. ``True``: every process agrees before the call returns (two
-            requests to the coordination service in a loop whose layouts repeat a pattern for
-            `meshkit.debug.PERIOD` calls, three otherwise), replicas (blocks that several
-            processes pass) compared by sampled digests; a mismatch raises in this call on
-            every process, so no computation on mismatched arrays starts. ``"data"``: the
-            same, with every replicated block hashed whole (costly, for debugging).
-            ``"deferred"``: every call returns at once and is verified after the call returns; a
-            mismatch is raised by the process's next meshkit call (or ends it), after up to
-            ``2 * 512`` unverified calls, so computations on the arrays may run first.
-            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
-            ``global_shape`` is given).
+        pad: pad the leading (batch) dimension with zeros to a size every process agrees on;
+            the result is then ``(arrays, mask)``, ``mask`` True for real rows.
+        check: ``True``: the processes agree on structure, dtypes, shapes and sampled digests
+            of replicated blocks before the call returns; a mismatch raises in this call on
+            every process. ``"data"``: replicated blocks hashed whole (costly). ``"deferred"``:
+            returns at once; a mismatch is raised by a later meshkit call, so computations
+            on the arrays may run first. ``False``: no comparison.
 
     Returns:
         The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair
@@ -405,11 +389,9 @@ def global_array_from_local(
 
     Raises:
         MeshkitError: a local dimension does not split over this process's blocks (for the
-            leading one, consider ``pad=True``); processes disagree on structure, shapes or
-            dtypes, or one of them failed or did not arrive within ``MESHKIT_CHECK_TIMEOUT``
-            seconds; the spec names an axis the mesh lacks or has more entries than the array
-            has dimensions; the mesh does not span every process; a leaf is not an array;
-            ``global_shape`` does not fit the local data; ``check`` is not one of its values.
+            leading one, consider ``pad=True``); processes disagree, failed or did not arrive
+            within ``MESHKIT_CHECK_TIMEOUT``; a bad spec, mesh, leaf, ``global_shape`` or
+            ``check``.
 
     Examples:
         >>> import numpy as np, meshkit

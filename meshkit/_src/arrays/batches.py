@@ -147,21 +147,16 @@ class GlobalBatches(Iterator[Any]):
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
         self._prefetch = _prefetch.Ahead(
-            self._source.source,
+            self._source,
             self._assembly,
             (mesh_or_sharding, spec),
-            pad=self._pad,
             ragged=self._ragged,
             dtype=dtype,
-            multi=self._multi,
-            processes=_compat.distributed_state()[2],
             told=self._together,
-            me=self._me,
             handoff=self._handoff,
             stop=self._stop,
             release=self._release_helpers,
             hear=self._hear,
-            capture=self._source.capture,
             assembled=self.steps,
         )
         self._thread = threading.Thread(

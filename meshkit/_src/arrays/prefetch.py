@@ -25,6 +25,7 @@ from . import ends as _ends
 from .blocks import Prepared, prepare
 from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
+from .resume import Opened
 
 __all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
 
@@ -174,21 +175,16 @@ class _Window:
 class Ahead:
     """The helper's side of one `meshkit.global_batches` iterator (run by its thread)."""
 
-    source: Iterator[Any]  # this process's loader
+    opened: Opened  # this process's loader
     assembly: _assembly.Assembly
     args: tuple[Any, Any]  # (mesh_or_sharding, spec)
-    pad: bool
     ragged: bool
     dtype: Any
-    multi: bool  # several processes agree
-    processes: int
     told: bool  # closes are told apart from the end of data (stop_together)
-    me: int
     handoff: Handoff
     stop: threading.Event  # set when the iterator is closed
     release: Callable[[], None]  # tells the others' helpers that this one stops
     hear: Callable[[dict[int, int]], None]  # takes processes that closed early
-    capture: Callable[[], Any] | None = None  # the source's position after a read
     assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
@@ -245,7 +241,7 @@ class Ahead:
                 if steady is None:
                     return
                 alone = max(0, alone - 1)
-                grow = steady and self.multi and not alone
+                grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap()) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
             self.put(Failure(e))
@@ -262,7 +258,7 @@ class Ahead:
             self.put(END)
             return False
         prepared, record, state = step
-        self.put(self._finish(prepared, {self.me: record}, state))
+        self.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
     def _summary(self, prepared: Prepared, record: PartRecord) -> str:
@@ -281,22 +277,29 @@ class Ahead:
     def _width_cap(self) -> int:
         if self._cap is None:
             leaves = jax.tree_util.tree_leaves(self._template)
-            self._cap = width_cap(self.processes, sum(_nbytes(x) for x in leaves))
+            self._cap = width_cap(self.opened.processes, sum(_nbytes(x) for x in leaves))
         return self._cap
 
     def _next(self) -> _Pulled:
-        return self._ahead.popleft() if self._ahead else _pull(self.source, self.capture)
+        return (
+            self._ahead.popleft() if self._ahead else _pull(self.opened.source, self.opened.capture)
+        )
 
     def _peek(self) -> bool | None:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
-            self._ahead.append(_pull(self.source, self.capture))
+            self._ahead.append(_pull(self.opened.source, self.opened.capture))
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
         mesh_or_sharding, spec = self.args
         return prepare(
-            local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=self.pad
+            local,
+            mesh_or_sharding,
+            spec,
+            global_shape=None,
+            dtype=self.dtype,
+            pad=self.assembly.pad,
         )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
@@ -311,7 +314,7 @@ class Ahead:
         """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
         pulled = self._next()
         if pulled.error is not None:
-            if self.multi:
+            if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, pulled.error)
             self.put(Failure(pulled.error))
             return None
@@ -325,7 +328,8 @@ class Ahead:
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
-        pad, multi, assembly = self.pad, self.multi, self.assembly
+        assembly = self.assembly
+        pad, multi = assembly.pad, assembly.multi
         step = self.assembled + 1
         what = f"{_WHAT} (step {step})"
         if status == "end":
@@ -360,7 +364,7 @@ class Ahead:
         tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
         self.assembled += 1
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if self.pad else tree), rows, prepared.notes, state
+        return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
     # A window of steps.
 
@@ -417,13 +421,13 @@ class Ahead:
         fewer = _ends.short(records)
         if not fewer:
             return
-        last = self._peek() if self.me in fewer else None
+        last = self._peek() if self.opened.me in fewer else None
         said = _assembly.exchange_records(self.assembly.tag, PartRecord(last=last).wire(), what)
         lasts = {p: PartRecord.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _ends.short_batch(told, step, pad=self.pad)
+        message = _ends.short_batch(told, step, pad=self.assembly.pad)
         if message is not None:
             raise DivergenceError(message, processes=_ends.rows_outliers(told), field="rows")
 
@@ -441,12 +445,14 @@ class Ahead:
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)
-            raise _ends.went_on(closers, self.me, step - 1, took=False)
+            raise _ends.went_on(closers, self.opened.me, step - 1, took=False)
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
-        if not ended or (self.pad and all(records[p].block_rows is not None for p in ended)):
+        if not ended or (
+            self.assembly.pad and all(records[p].block_rows is not None for p in ended)
+        ):
             return False
         raise MeshkitError(
-            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.assembly.pad)
         )
