@@ -456,8 +456,8 @@ def test_a_loader_error_reaches_its_caller_and_stops_the_others(warm_cluster):
         # Alive but never calling: named after the check timeout.
         ("one_process_never_calls", 3, "process 1 did not arrive within 3 s; the others did."),
         # Ended: its leave record names it at once, not after the 60 s timeout.
-        ("one_process_ends_first", 60, "process 1 left the program (it ended or failed) without "
-         "making this call.\n"),
+        ("one_process_ends_first", 60, "process 1 left the program without making this "
+         "call (process 1 ended).\n"),
     ],
     ids=["alive", "ended"],
 )  # fmt: skip

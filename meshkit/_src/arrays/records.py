@@ -93,11 +93,7 @@ def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
     failed = {p: r for p, r in records.items() if r.status == "error"}
     ended = sorted(p for p, r in records.items() if r.status == "exit")
     if ended and not failed:
-        raise MeshkitError(
-            f"{what}: {_missing.processes(ended)} left the program (it ended or failed) without "
-            "making this call.\nEvery process must make the same calls in the same order; "
-            "consider what ended it early (its output says)."
-        )
+        raise MeshkitError(_missing.left_program(what, dict.fromkeys(ended)))
     if failed:
         lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
         raise MeshkitError(
