@@ -1,14 +1,11 @@
-"""``pmap_compat(f).lower(...)`` and its ``.compile()``: called with f's own arguments.
+"""``pmap_compat(f).lower(...)`` and its ``.compile()``, called with f's own arguments.
 
-`jax.pmap`'s compiled object cannot be called in a multi-process run (it has no host-local to
-global conversion). These wrap JAX's `Lowered` and `Compiled` with the pmapped function's
-placement, so the compiled function takes the arguments the pmapped one takes and returns the
-same outputs, in any process count; argument mismatches are reported with JAX's phrases.
+They wrap JAX's `Lowered` and `Compiled` with the entry's placement, so the compiled function
+works in any process count (`jax.pmap`'s does not across processes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,42 +14,27 @@ import numpy as np
 
 from ..core.errors import MeshkitTypeError
 from ..core.tracebacks import public
+from ..spmd.placement import dynamic
+from .entry import Entry
 
 __all__ = ["Compiled", "Lowered", "Stage", "signature"]
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
-    """Each leaf's shape and dtype as given (before placement), to compare later calls with."""
-    return [
-        (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves
-    ]
+    """Each leaf's shape and dtype as given (before placement)."""
+    return [(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves]
 
 
 @dataclass(frozen=True)
 class Stage:
-    """What a lowering fixed, and the callables that run a call of the compiled function.
-
-    Attributes:
-        what: the function's name in messages (``pmap_compat(step)``).
-        static: positions of the static arguments.
-        key: the call key it was lowered for: ``(number of arguments, static values, ...)``.
-        treedef: the structure of the dynamic arguments and keyword arguments.
-        paths: each leaf's place in the arguments, for messages.
-        given: each leaf's shape and dtype as lowered (`signature`).
-        dynamic: drops the static arguments from a call's arguments.
-        place: puts a call's leaves where the compiled function takes them.
-        finish: turns the compiled function's outputs into the pmapped function's.
-    """
+    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
 
     what: str
     static: tuple[int, ...]
     key: Any
     treedef: Any
-    paths: Sequence[str]
     given: list[tuple[tuple[int, ...], str]]
-    dynamic: Callable[[tuple[Any, ...]], tuple[Any, ...]]
-    place: Callable[[list[Any]], list[Any]]
-    finish: Callable[[Any], Any]
+    entry: Entry
 
 
 class Lowered:
@@ -89,7 +71,7 @@ class Compiled:
                     f"{stage.what}: compiled for static arguments {static_vals}, called with "
                     f"{given}.\nConsider lowering again for these values."
                 )
-            args = stage.dynamic(args)
+            args = dynamic(args, stage.static)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if treedef != stage.treedef:
             raise MeshkitTypeError(
@@ -103,7 +85,7 @@ class Compiled:
             rows = [
                 f"  {where}: compiled for {want[1]}{list(want[0])}, called with "
                 f"{got[1]}{list(got[0])}"
-                for where, want, got in zip(stage.paths, stage.given, now, strict=True)
+                for where, want, got in zip(stage.entry.plan.paths, stage.given, now, strict=True)
                 if want != got
             ]
             raise MeshkitTypeError(
@@ -111,7 +93,7 @@ class Compiled:
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )
-        return stage.finish(self.compiled(*stage.place(leaves)))
+        return stage.entry.finish(self.compiled(*stage.entry.place(leaves)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)  # as_text, cost_analysis, ...
