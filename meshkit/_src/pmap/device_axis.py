@@ -19,7 +19,6 @@ from ..core.errors import MeshkitError
 
 __all__ = [
     "DEFAULT_AXIS",
-    "assemble",
     "check_devices",
     "device_mesh",
     "from_local",
@@ -129,11 +128,6 @@ def from_rows(
     return jax.make_array_from_callback(tuple(shape), sharding(mesh, dim), place)
 
 
-def assemble(mesh: Mesh, shape: Sequence[int], blocks: list[Any], dim: int | None = 0) -> Any:
-    """The array over ``mesh`` whose local blocks, in mesh order, are ``blocks`` (no copy)."""
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding(mesh, dim), blocks)
-
-
 def _blocks(x: jax.Array, devices: Sequence[Any]) -> list[Any]:
     by_device = {s.device: s.data for s in x.addressable_shards}
     return [by_device[d] for d in devices]
@@ -144,15 +138,11 @@ def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
 
     The processes' parts are not compared here (`meshkit.global_array_from_local` does that).
     """
-    mine = local_devices(mesh)
     if isinstance(value, jax.Array) and len(value.devices()) > 1:
         value = np.asarray(value)  # a multi-device local array: read it once
-    shape = _with_size(np.shape(value), dim, mesh.size)
+    offset = list(mesh.devices.flat).index(local_devices(mesh)[0])
     head = (slice(None),) * dim
-    if isinstance(value, jax.Array):
-        rows = [value[(*head, slice(i, i + 1))] for i in range(len(mine))]
-        return assemble(mesh, shape, jax.device_put(rows, mine), dim)
-    offset = list(mesh.devices.flat).index(mine[0])
+    shape = _with_size(np.shape(value), dim, mesh.size)
     return from_rows(mesh, shape, lambda i: value[(*head, slice(i - offset, i - offset + 1))], dim)
 
 
@@ -167,7 +157,8 @@ def from_local_array(x: jax.Array, mesh: Mesh, dim: int | None) -> jax.Array | N
     local = sharding(_mesh(tuple(mine), mesh.axis_names[0]), dim)
     if not x.sharding.is_equivalent_to(local, x.ndim):
         return None
-    return assemble(mesh, _with_size(x.shape, dim, mesh.size), _blocks(x, mine), dim)
+    shape = _with_size(x.shape, dim, mesh.size)
+    return jax.make_array_from_single_device_arrays(shape, sharding(mesh, dim), _blocks(x, mine))
 
 
 def local_view(x: jax.Array, dim: int | None = 0) -> jax.Array:

@@ -189,7 +189,7 @@ def build(
             raise MeshkitNameError(f"{e}\n{_unbound_axis_help(fn, str(e))}") from None
         finally:
             TRACING.reset(token)
-        return _place_outputs(fn, out, mesh, constrain=out_shardings is None)
+        return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
 
     # Outputs split over the devices as jax.pmap returns them, even when every device computed
     # the same value: jit's out_shardings where the out_axes fix them (cheaper per call), else
@@ -247,11 +247,11 @@ def _outputs_per_device(entry: Entry, out: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, result)
 
 
-def _place_outputs(fn: Any, out: Any, mesh: Mesh, *, constrain: bool) -> Any:
+def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> Any:
     """Negative out_axes moved into place; ``constrain``: each laid out as promised."""
     leaves, treedef = jax.tree_util.tree_flatten(out)
     placed = []
-    for leaf, axis in zip(leaves, axes.axes_per_output(fn.out_axes, out, fn.name), strict=True):
+    for leaf, (_, axis) in zip(leaves, entry.out_leaves, strict=True):
         if axis is not None and axis < 0:
             leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
         if constrain:

@@ -75,15 +75,8 @@ def device_axis_mesh(devices: Any, what: str) -> Mesh:
     return _device_axis.device_mesh(None if devices is None else check_devices(devices, what))
 
 
-# One jitted function each, cached by JAX per input signature; each runs on its input's device.
-_expand = jax.jit(lambda a: a[None])
+# One dispatch reads the first entries of every array on one device.
 _firsts = jax.jit(lambda xs: [a[0] for a in xs])
-
-
-def _from_device_rows(mesh: Mesh, rows: list[jax.Array]) -> jax.Array:
-    """A device-axis array from this process's entries ``(1, ...)``, one per local device."""
-    placed = jax.device_put(rows, _device_axis.local_devices(mesh))
-    return _device_axis.assemble(mesh, (mesh.size, *rows[0].shape[1:]), placed)
 
 
 def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | None:
@@ -101,19 +94,15 @@ def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | N
 
 def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
     named, treedef = tree_paths(tree)
-    local = len(_device_axis.local_devices(mesh))
     out = []
     for path, leaf in named:
-        if isinstance(leaf, jax.Array):
-            whole = _single_device_value(what, path, leaf)
-            if whole is not None:
-                out.append(_from_device_rows(mesh, [_expand(whole)] * local))
-                continue
-            leaf = np.asarray(leaf)  # split over this process's devices: read once
-        block = host_array(what, path, leaf)[None]
-        out.append(
-            _device_axis.from_rows(mesh, (mesh.size, *block.shape[1:]), lambda _, b=block: b)
-        )
+        whole = _single_device_value(what, path, leaf) if isinstance(leaf, jax.Array) else None
+        if whole is None:  # host data, or split over this process's devices: read once
+            whole = host_array(
+                what, path, np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf
+            )
+        block = whole[None]
+        out.append(_device_axis.from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -179,8 +168,6 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             f"device_put_sharded(shards, devices[:{len(shards)}]) or passing {len(chosen)} shards."
         )
     mesh = _device_axis.device_mesh(chosen)
-    flat = list(mesh.devices.flat)
-    entries = [flat.index(d) for d in _device_axis.local_devices(mesh)]
     named, treedef = tree_paths(shards[0])
     flats = [named]
     for i, s in enumerate(shards[1:], start=1):
@@ -194,14 +181,13 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
         flats.append(other)
     out = []
     for k, (path, _) in enumerate(named):
-        leaves = [f[k][1] for f in flats]
-        if all(isinstance(leaf, jax.Array) for leaf in leaves):
-            _same_kind(leaves, path)
-            holders = [_single_device_value(what, path, a) for a in leaves]
-            if all(h is not None for h in holders):
-                out.append(_from_device_rows(mesh, [_expand(holders[i]) for i in entries]))
-                continue
-        values = [host_array(what, path, np.asarray(leaf)) for leaf in leaves]
+        values: list[Any] = [f[k][1] for f in flats]
+        arrays = all(isinstance(v, jax.Array) for v in values)
+        held = [_single_device_value(what, path, v) for v in values] if arrays else [None]
+        if all(h is not None for h in held):  # device to device
+            values = held
+        else:
+            values = [host_array(what, path, np.asarray(v)) for v in values]
         _same_kind(values, path)
         shape = (mesh.size, *values[0].shape)
         out.append(_device_axis.from_rows(mesh, shape, lambda i, v=values: v[i][None]))

@@ -142,10 +142,7 @@ class PmapFunction:
 
     @public
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Lower for these arguments, like ``jax.pmap(f).lower``: ``.as_text()``, ``.compile()``.
-
-        The compiled function takes the same arguments (static ones may be left out).
-        """
+        """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
         with mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
@@ -214,11 +211,7 @@ class PmapFunction:
         return key, treedef, leaves, entry, placed
 
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
-        """The mesh for ``per_process`` entries in each process: the first devices of each.
-
-        ``local_only``: traced inside a transformation of a multi-process run, where `jax.pmap`
-        maps over this process's devices only.
-        """
+        """The first ``per_process`` devices of each process (``local_only``: of this one)."""
         if self.devices is not None:
             pool = _device_axis.check_devices(self.devices, self.what)
         else:
@@ -257,10 +250,7 @@ class PmapFunction:
         )
 
     def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called while an enclosing pmap_compat traces: vectorized on each of its devices.
-
-        Collectives over either axis or both compute what the old nested pmaps computed.
-        """
+        """Called while an enclosing pmap_compat traces: vmap on each of its devices."""
         if TRACING.get().mesh_axis == self.mesh_axis:
             raise MeshkitError(
                 f"{self.what}: called inside a pmap_compat over the same axis name "
@@ -300,38 +290,14 @@ def pmap_compat(
     donate_argnums: int | Sequence[int] = (),
     global_outputs: bool = False,
 ) -> Any:
-    """`jax.pmap`'s interface and results on mesh sharding: ``jax.jit(jax.shard_map(...))``.
+    """`jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-    Old pmap code runs by changing ``jax.pmap`` to ``meshkit.pmap_compat``: arguments carry one
-    entry per local device along their mapped axis, collectives span every device of every
-    process, and outputs are what `jax.pmap` returns (in a multi-process run, arrays of this
-    process's entries). Differences from `jax.pmap`, all on the side of safety:
-
-    * ``out_axes=None`` checks that the value is the same on every device (once per
-      signature); where it cannot follow the value it warns (`UncheckedOutputWarning`);
-    * negative ``in_axes`` / ``out_axes`` count from the end, as in `jax.vmap`;
-    * errors name the argument, its shape, the mapped axis and the device count, with
-      `jax.pmap`'s exception classes and key phrases;
-    * a nested ``pmap_compat`` runs vectorized on each device of the outer axis;
-    * ``global_outputs=True`` returns global arrays over every device of every process.
-
-    Args:
-        fun: the per-device function; omit it to use ``pmap_compat`` as a decorator.
-        axis_name: the name collectives use for the mapped axis (a string), or None.
-        in_axes: the mapped axis of each positional argument: an int, None (every device gets
-            the whole argument) or a tuple of pytree prefixes. Keywords are mapped on axis 0.
-        out_axes: where the device axis goes in each output: an int, None (the output must be
-            the same on every device), or a pytree prefix of the outputs.
-        static_broadcasted_argnums: positional arguments passed as (hashable) Python values.
-        devices: the devices to map over (default: all); the mapped size must then equal this
-            process's share of them.
-        backend: the platform whose devices to use (``"cpu"``, ``"gpu"``, ``"tpu"``).
-        axis_size: the mapped size when no argument is mapped.
-        donate_argnums: positional arguments whose buffers may be reused for the outputs.
-        global_outputs: in a multi-process run, return global arrays over every device.
-
-    Returns:
-        A `PmapFunction`; ``.lower(*args).compile()`` gives a function called the same way.
+    Old pmap code runs by changing ``jax.pmap`` to ``meshkit.pmap_compat``; collectives span
+    every device of every process and outputs are what `jax.pmap` returns. Unlike it,
+    ``out_axes=None`` is checked to be the same on every device (`UncheckedOutputWarning`
+    where it cannot be), negative axes count from the end, a nested ``pmap_compat`` runs
+    vectorized on each outer device, and ``global_outputs=True`` returns global arrays over
+    every process's devices. Other parameters are `jax.pmap`'s.
 
     Example:
         >>> import jax, numpy as np, meshkit
