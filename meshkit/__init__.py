@@ -61,10 +61,10 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
     from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
     from ._src.pmap.legacy_data import shard as shard
+    from ._src.pmap.pmap import Compiled as Compiled
+    from ._src.pmap.pmap import Lowered as Lowered
     from ._src.pmap.pmap import PmapFunction as PmapFunction
     from ._src.pmap.pmap import pmap_compat as pmap_compat
-    from ._src.pmap.stages import Compiled as Compiled
-    from ._src.pmap.stages import Lowered as Lowered
     from ._src.runtime.hosts import Hosts as Hosts
     from ._src.runtime.init import RuntimeInfo as RuntimeInfo
     from ._src.runtime.init import init as init
@@ -165,8 +165,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "PmapFunction": ("._src.pmap.pmap", "PmapFunction"),
     "UncheckedOutputWarning": ("._src.pmap.entry", "UncheckedOutputWarning"),
     "pmap_compat": ("._src.pmap.pmap", "pmap_compat"),
-    "Compiled": ("._src.pmap.stages", "Compiled"),
-    "Lowered": ("._src.pmap.stages", "Lowered"),
+    "Compiled": ("._src.pmap.pmap", "Compiled"),
+    "Lowered": ("._src.pmap.pmap", "Lowered"),
     "Hosts": ("._src.runtime.hosts", "Hosts"),
     "RuntimeInfo": ("._src.runtime.init", "RuntimeInfo"),
     "init": ("._src.runtime.init", "init"),

@@ -230,11 +230,11 @@ def _first_entry_shard(tree: Any, k: int, x: jax.Array) -> tuple[Any, jax.Array]
     return best.device, best.data
 
 
-def first_entries(tree: Any, what: str) -> tuple[Any, list[Any], list[tuple[int, Any, Any]]]:
-    """``(treedef, leaves, reads)``: host leaves indexed, ``(k, device, data)`` reads left to do."""
+def first_entries(tree: Any, what: str) -> Any:
+    """``tree`` with each leaf replaced by its first local entry (one dispatch per device)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out: list[Any] = []
-    reads: list[tuple[int, Any, Any]] = []
+    reads: dict[Any, list[tuple[int, jax.Array]]] = collections.defaultdict(list)
     for k, leaf in enumerate(leaves):
         if not isinstance(leaf, jax.Array | np.ndarray):
             leaf = host_array(what, _path_at(tree, k), leaf)
@@ -245,11 +245,16 @@ def first_entries(tree: Any, what: str) -> tuple[Any, list[Any], list[tuple[int,
                 "(meshkit.replicate or pmap_compat outputs), keeping scalars out of the pytree."
             )
         if isinstance(leaf, jax.Array):
-            reads.append((k, *_first_entry_shard(tree, k, leaf)))
-            out.append(None)
-        else:
-            out.append(leaf[0])
-    return treedef, out, reads
+            device, data = _first_entry_shard(tree, k, leaf)
+            reads[device].append((k, data))
+        out.append(leaf[0] if isinstance(leaf, np.ndarray) else None)
+    for device, group in reads.items():
+        data = [d for _, d in group]
+        # device None: whole multi-device arrays, indexed by JAX.
+        firsts = [d[0] for d in data] if device is None else _firsts(data)
+        for (k, _), first in zip(group, firsts, strict=True):
+            out[k] = first
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 @public
@@ -266,18 +271,7 @@ def unreplicate(tree: Any) -> Any:
         >>> meshkit.unreplicate(state)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
-    treedef, out, reads = first_entries(tree, "meshkit.unreplicate")
-    by_device: dict[Any, list[tuple[int, jax.Array]]] = collections.defaultdict(list)
-    for k, device, data in reads:
-        by_device[device].append((k, data))
-    for device, group in by_device.items():
-        if device is None:  # whole multi-device arrays: JAX's own indexing
-            for k, data in group:
-                out[k] = data[0]
-            continue
-        for (k, _), first in zip(group, _firsts([d for _, d in group]), strict=True):
-            out[k] = first
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return first_entries(tree, "meshkit.unreplicate")
 
 
 @_caches.cached(maxsize=32)

@@ -258,8 +258,8 @@ def _unpad(out: Any, b: int) -> Any:
 def get_metrics(device_metrics: Sequence[Any]) -> Any:
     """Stack a list of replicated metric pytrees into one pytree of numpy arrays (flax's).
 
-    Each step's metrics are unreplicated (one shard read each), all come to the host in one
-    transfer, and each leaf of shape ``s`` becomes ``(len(device_metrics), *s)``.
+    Each step's metrics are unreplicated, all come to the host in one transfer, and each leaf
+    of shape ``s`` becomes ``(len(device_metrics), *s)``.
 
     Example:
         >>> import numpy as np, meshkit
@@ -275,21 +275,13 @@ def get_metrics(device_metrics: Sequence[Any]) -> Any:
             "calling it once some steps' metrics are collected."
         )
     treedef0 = jax.tree_util.tree_structure(steps[0])
-    reads: list[tuple[int, int, Any]] = []  # (step, leaf index, data)
-    firsts: list[list[Any]] = []
     for i, step in enumerate(steps):
-        treedef, out, step_reads = first_entries(step, what)
+        treedef = jax.tree_util.tree_structure(step)
         if treedef != treedef0:
             raise MeshkitError(
                 f"{what}: device_metrics[{i}] has the pytree structure {treedef}, but "
                 f"device_metrics[0] has {treedef0}; the steps are stacked leaf by leaf.\n"
                 "Consider returning the same metrics from every step."
             )
-        reads += [(i, k, data) for k, _, data in step_reads]
-        firsts.append(out)
-    # The shards come to the host in one transfer and lose their leading entry there.
-    host = jax.device_get([data for _, _, data in reads])
-    for (i, k, _), value in zip(reads, host, strict=True):
-        firsts[i][k] = np.asarray(value)[0]
-    stacked = [np.stack([np.asarray(f[k]) for f in firsts]) for k in range(len(firsts[0]))]
-    return jax.tree_util.tree_unflatten(treedef0, stacked)
+    host = jax.device_get([first_entries(step, what) for step in steps])  # one transfer
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *host)

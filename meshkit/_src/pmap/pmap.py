@@ -1,15 +1,16 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-A call is classified before anything runs: its structure selects a cached layout and entry
-(`meshkit._src.pmap.entry`); arguments already placed as that entry expects (earlier outputs
-fed back) go straight to its jit; otherwise each leaf is placed. Inside an enclosing trace the
-function maps over this process's devices, as `jax.pmap` does.
+A call's structure selects a cached layout and entry (`meshkit._src.pmap.entry`); arguments
+already placed as that entry expects go straight to its jit, others are placed first. Inside
+an enclosing trace it maps over this process's devices, as `jax.pmap` does. ``.lower()`` gives
+`Lowered` / `Compiled`, called with the function's own arguments in any process count.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -26,9 +27,8 @@ from ..spmd.placement import argnums, dynamic
 from . import axes
 from . import device_axis as _device_axis
 from .entry import TRACING, Entry, build, mesh_context, process_local
-from .stages import Lowered, Stage, signature
 
-__all__ = ["PmapFunction", "pmap_compat"]
+__all__ = ["Compiled", "Lowered", "PmapFunction", "pmap_compat"]
 
 
 class PmapFunction:
@@ -337,3 +337,82 @@ def _local_size(leaf: Any, axis: int, processes: int) -> int:
     ):
         return n // processes
     return n
+
+
+def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
+    """Each leaf's shape and dtype as given (before placement)."""
+    return [(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
+
+    what: str
+    static: tuple[int, ...]
+    key: Any
+    treedef: Any
+    given: list[tuple[tuple[int, ...], str]]
+    entry: Entry
+
+
+class Lowered:
+    """``pmap_compat(f).lower(...)``: JAX's `Lowered`, with `compile` keeping f's signature."""
+
+    def __init__(self, stage: Stage, lowered: Any) -> None:
+        self._stage = stage
+        self.lowered = lowered
+
+    @public
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        """Compile; the result is called like the pmapped function."""
+        return Compiled(self._stage, self.lowered.compile(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)  # as_text, compiler_ir, cost_analysis, ...
+
+
+class Compiled:
+    """A compiled `pmap_compat` function: call it with the arguments it was lowered for."""
+
+    def __init__(self, stage: Stage, compiled: Any) -> None:
+        self._stage = stage
+        self.compiled = compiled
+
+    @public
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stage = self._stage
+        n_args, static_vals, _ = stage.key
+        if stage.static and len(args) == n_args:  # static arguments given again: they must match
+            given = tuple(args[i] for i in stage.static)
+            if given != static_vals:
+                raise MeshkitTypeError(
+                    f"{stage.what}: compiled for static arguments {static_vals}, called with "
+                    f"{given}.\nConsider lowering again for these values."
+                )
+            args = dynamic(args, stage.static)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if treedef != stage.treedef:
+            raise MeshkitTypeError(
+                f"{stage.what}: Function compiled with input pytree does not match the input "
+                f"pytree it was called with.\ncompiled for: {stage.treedef}\ncalled with:  "
+                f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
+                "for, or lowering again."
+            )
+        now = signature(leaves)
+        if now != stage.given:
+            rows = [
+                f"  {where}: compiled for {want[1]}{list(want[0])}, called with "
+                f"{got[1]}{list(got[0])}"
+                for where, want, got in zip(stage.entry.plan.paths, stage.given, now, strict=True)
+                if want != got
+            ]
+            raise MeshkitTypeError(
+                f"{stage.what}: Argument types differ from the types for which this computation "
+                "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
+                "arguments, or calling the pmapped function itself (it compiles per signature)."
+            )
+        return stage.entry.finish(self.compiled(*stage.entry.place(leaves)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)  # as_text, cost_analysis, ...
