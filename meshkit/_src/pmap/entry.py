@@ -199,11 +199,9 @@ def build(
     if not tracing:
         options["in_shardings"] = plan.targets
         if fn.out_axes_fixed:
-            out_shardings = options["out_shardings"] = jax.tree_util.tree_map(
-                lambda a: plan.sharding(axes.out_spec(a, name)),
-                fn.out_axes,
-                is_leaf=lambda x: x is None,
-            )
+            is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+            out_shardings = jax.tree_util.tree_map(plan.sharding, out_specs, is_leaf=is_spec)
+            options["out_shardings"] = out_shardings
     jitted = _placement.jit_over_shard_map(body, fn.name, **options)
     local_out = mesh.is_multi_process and not fn.global_outputs and not tracing
     entry = Entry(fn, plan, jitted, resolved, local_out)

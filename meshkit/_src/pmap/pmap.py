@@ -26,7 +26,7 @@ from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
 from . import axes
 from . import device_axis as _device_axis
-from .entry import TRACING, Entry, build, mesh_context, process_local
+from .entry import TRACING, Entry, build, mesh_context
 
 __all__ = ["Compiled", "Lowered", "PmapFunction", "pmap_compat"]
 
@@ -65,8 +65,7 @@ class PmapFunction:
             )
         self.axis_name = axis_name
         self.mesh_axis = axis_name if axis_name is not None else "_pmap_compat"
-        if isinstance(in_axes, list):
-            in_axes = tuple(in_axes)
+        in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
         axes.check_axes_tree(in_axes, "in_axes", name)
         axes.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
@@ -124,8 +123,7 @@ class PmapFunction:
             leaves, treedef = jax.tree_util.tree_flatten(args)
             entry = self._steady.get(treedef)
             if entry is not None and entry.plan.placed(leaves) and _compat.idle():
-                out = entry.jitted(*leaves)
-                return jax.tree_util.tree_map(process_local, out) if entry.local_out else out
+                return entry.finish(entry.jitted(*leaves))
         outer = TRACING.get()
         if outer is not None and outer is not self:
             return self._nested(args, kwargs)
