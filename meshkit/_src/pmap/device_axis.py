@@ -18,7 +18,6 @@ from ..core import caches as _caches
 from ..core.errors import MeshkitError
 
 __all__ = [
-    "DEFAULT_AXIS",
     "check_devices",
     "device_mesh",
     "from_local",
@@ -29,8 +28,6 @@ __all__ = [
     "mapped_spec",
     "sharding",
 ]
-
-DEFAULT_AXIS = "devices"
 
 
 def _shown(value: Any) -> str:
@@ -84,7 +81,7 @@ def _mesh(devices: tuple[Any, ...], axis_name: str) -> Mesh:
 
 
 def device_mesh(
-    devices: Sequence[Any] | None = None, axis_name: str = DEFAULT_AXIS, *, keep_order: bool = False
+    devices: Sequence[Any] | None = None, axis_name: str = "devices", *, keep_order: bool = False
 ) -> Mesh:
     """The cached 1-D mesh over ``devices`` (default: all), ordered by process then id.
 
