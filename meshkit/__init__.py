@@ -53,8 +53,8 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.legacy_data import shard as shard
     from ._src.pmap.pmap import PmapFunction as PmapFunction
     from ._src.pmap.pmap import pmap_compat as pmap_compat
-    from ._src.pmap.stages import Compiled as Compiled
-    from ._src.pmap.stages import Lowered as Lowered
+    from ._src.pmap.pmap import Compiled as Compiled
+    from ._src.pmap.pmap import Lowered as Lowered
     from ._src.runtime.hosts import Hosts as Hosts
     from ._src.runtime.init import RuntimeInfo as RuntimeInfo
     from ._src.runtime.init import init as init
@@ -97,8 +97,7 @@ _LAZY_FROM = {
     "._src.pmap.legacy": "device_put_replicated device_put_sharded replicate shard_prng_key "
     "unreplicate",
     "._src.pmap.legacy_data": "get_metrics pad_shard_unpad prefetch_to_device shard",
-    "._src.pmap.pmap": "PmapFunction pmap_compat",
-    "._src.pmap.stages": "Compiled Lowered",
+    "._src.pmap.pmap": "Compiled Lowered PmapFunction pmap_compat",
     "._src.runtime.hosts": "Hosts",
     "._src.runtime.init": "RuntimeInfo init runtime_info",
     "._src.sharding.layout": "ProcessSlice process_slice",
