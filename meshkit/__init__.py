@@ -51,10 +51,10 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
     from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
     from ._src.pmap.legacy_data import shard as shard
-    from ._src.pmap.pmap import PmapFunction as PmapFunction
-    from ._src.pmap.pmap import pmap_compat as pmap_compat
     from ._src.pmap.pmap import Compiled as Compiled
     from ._src.pmap.pmap import Lowered as Lowered
+    from ._src.pmap.pmap import PmapFunction as PmapFunction
+    from ._src.pmap.pmap import pmap_compat as pmap_compat
     from ._src.runtime.hosts import Hosts as Hosts
     from ._src.runtime.init import RuntimeInfo as RuntimeInfo
     from ._src.runtime.init import init as init
