@@ -1,30 +1,10 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
-Each process brings an `Entry` (the agreement's site, the user's line, the summary that must be
-equal everywhere, a record shown when summaries differ, replica-group summaries) to the k-th
-agreement of a *sequence* (a channel's, or a window thread's); the k-th agreement of a sequence
-meets the k-th of every other process under one key, whatever its site. Processes that reach
-different agreements meet there too, and the decision names both sites at once: a mismatch,
-not a deadlock.
-
-Round trips per process (see docs/coordination.md, "The agreement primitive"):
-
-1. When the agreed history predicts a digest (`predict`: the entry one period back, the same in
-   every process), a process whose digest is the predicted one waits at the sequence's
-   service barrier, at most `FAST_S`: when every process arrives there, all agreed (one round
-   trip). A process with another digest breaks that barrier at once (a participant list the
-   others do not give), so nobody waits for it; a refused or timed-out barrier goes on to 2.
-2. A process whose digest was not predicted posts its entry first (one round trip). One atomic
-   increment of the agreement's counter, ``1 + FLAG`` if it posted: the process whose
-   increment counts ``n`` arrivals is the last, and writes the verdict: ``ok`` when nobody
-   posted, the comparison of the posted entries when all did, ``post`` otherwise (every
-   process then posts, and all compare the same entries). The others read the verdict with one
-   blocking get, bounded by the timeout.
-
-``ok`` is exact: every process agreed at every earlier agreement of the sequence, so all hold
-the same history and predict the same digest, and a process that repeats it holds what every
-process agreed on one period back. Every process calls the barrier at the k-th agreement of a
-sequence exactly when the history predicts a digest, so their barrier uses stay aligned.
+The k-th agreement of a sequence (a channel's, or a window thread's) meets the k-th of every
+other process, whatever its site, so processes at different agreements are named at once. A
+digest the agreed history predicts waits at the sequence's service barrier (one round trip);
+any other takes the counted path: post, increment, the last arrival's verdict. The protocol,
+its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
