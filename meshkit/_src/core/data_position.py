@@ -38,16 +38,7 @@ _IDENTITY = ("kind", "num_rows", "global_batch", "seed", "drop_remainder")  # wh
 
 @dataclass(frozen=True)
 class LoaderIdentity:
-    """What makes a meshkit loader's global batches what they are (and its position valid).
-
-    Attributes:
-        kind: ``"grain"`` (`meshkit.loaders.grain_batches`) or ``"datasets"`` (`hf_batches`).
-        num_rows: rows of the dataset (one epoch).
-        global_batch: rows of a global batch.
-        seed: the shuffle's seed; None: not shuffled.
-        epochs: epochs the loader runs (a position resumes in a loader with as many or more).
-        drop_remainder: whether an epoch's last, short global batch is left out.
-    """
+    """What makes a meshkit loader's global batches what they are (and its position valid)."""
 
     kind: str
     num_rows: int
@@ -234,11 +225,7 @@ def _short(value: Any) -> str:
 
 
 def encode_state(state: Any) -> str:
-    """A source's ``get_state()`` as JSON text: bytes (grain's ``DataLoader``) or JSON values.
-
-    Raises:
-        TypeError: the state is neither (it cannot be saved in a checkpoint's metadata).
-    """
+    """A source's ``get_state()`` as JSON text: bytes (grain's ``DataLoader``) or JSON values."""
     if isinstance(state, bytes | bytearray):
         return json.dumps({"bytes": base64.b64encode(bytes(state)).decode("ascii")})
     try:
@@ -258,13 +245,7 @@ def decode_state(text: str) -> Any:
 
 
 class GlobalIterator(Iterator[Any]):
-    """A meshkit loader's iterator: its batches, and the global step of the next one.
-
-    Args:
-        batches: the loader's batches from global step ``step`` on.
-        step: the global step (over all epochs) of the first of them.
-        source: the loader.
-    """
+    """A meshkit loader's iterator: its batches, and the global step of the next one."""
 
     def __init__(self, batches: Iterator[Any], step: int, source: GlobalSource) -> None:
         self._batches = batches
@@ -278,11 +259,7 @@ class GlobalIterator(Iterator[Any]):
 
 
 class GlobalSource(abc.ABC):
-    """A meshkit loader: its global batches in an order every process shares.
-
-    Its position is global (an epoch and a step in it), the same on every process and for
-    every process count, so `meshkit.global_batches` can resume it anywhere.
-    """
+    """A meshkit loader: its global batches in an order every process shares."""
 
     @property
     @abc.abstractmethod

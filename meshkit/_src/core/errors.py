@@ -78,8 +78,7 @@ class MeshkitNameError(MeshkitError, NameError):
     """A `MeshkitError` where JAX raises `NameError` (a collective over an unbound axis name)."""
 
 
-# The public classes print under the name users import them by (``meshkit.MeshkitError`` in a
-# traceback or a repr, not this module's path); pickling finds them there too.
+# Public classes print (and pickle) under the name users import them by.
 for _public in (
     MeshkitError,
     LaunchError,
@@ -93,14 +92,7 @@ del _public
 
 
 def ranges(values: Iterable[int], sep: str = ", ") -> str:
-    """Integers folded into runs for a message: ``0-2, 5`` for 5, 0, 2, 1 (each named once).
-
-    Example:
-        >>> ranges([5, 0, 2, 1, 2])
-        '0-2, 5'
-        >>> ranges(range(4), sep=",")
-        '0-3'
-    """
+    """Integers folded into runs for a message: ``0-2, 5`` for 5, 0, 2, 1 (each named once)."""
     out: list[str] = []
     ordered = sorted(set(values))
     i = 0

@@ -1,10 +1,7 @@
 """``jax.distributed.initialize``'s timeouts, as `meshkit.init` passes them.
 
-The initialization, heartbeat and shutdown timeouts each come from `meshkit.init`'s argument,
-else its environment variable (which ``meshkit launch`` sets from its flag), else JAX's default
-stays. ``initialization_timeout``, ``heartbeat_timeout_seconds`` and
-``shutdown_timeout_seconds`` are parameters of ``jax.distributed.initialize`` in JAX 0.10.2 and
-0.12; a JAX without one is an error naming the option, raised before anything is joined.
+Each comes from the argument, else its environment variable, else JAX's default; a JAX without
+the parameter is an error raised before joining.
 """
 
 from __future__ import annotations
@@ -45,18 +42,7 @@ def _origin(variable: str | None) -> str:
 
 
 def chosen(**given: Any) -> dict[str, Any]:
-    """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment.
-
-    Args:
-        **given: `OPTIONS`' names with the values passed to `meshkit.init` (None: not passed).
-
-    Raises:
-        MeshkitError: a value, given or from its variable, that is not a whole number >= 1.
-
-    Example:
-        >>> chosen(heartbeat_timeout=60, shutdown_timeout=None)  # with no variables set
-        {'heartbeat_timeout_seconds': 60}
-    """
+    """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment."""
     options = {}
     for name, (parameter, variable) in OPTIONS.items():
         value, origin = given.get(name), None
@@ -88,13 +74,7 @@ def _parameters(initialize: Callable[..., Any]) -> set[str]:
 def check_supported(
     options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
 ) -> None:
-    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``.
-
-    Args:
-        options: `chosen`'s answer (the initialization timeout is always passed, and checked).
-        initialize: the function to read (default: ``jax.distributed.initialize``).
-        version: the JAX version for the message (default: ``jax.__version__``).
-    """
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
     if initialize is None:
         import jax
 

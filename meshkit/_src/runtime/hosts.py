@@ -1,16 +1,7 @@
 """Which host each process runs on, learned in one exchange when the processes join.
 
-A *host* is one machine: the processes on it share memory and a fast interconnect between their
-devices (NVLink, a host's PCIe), while hosts talk over the network. `make_mesh` keeps inner mesh
-axes inside a host, whatever the ranks of its processes, so it needs to know which processes
-share one. Each process names its host by its hostname and the machine's boot id (two machines
-that share a hostname, as containers may, stay apart; two network namespaces of one machine with
-their own hostnames, as the test suite's simulated hosts, are apart too); ``MESHKIT_HOST``
-overrides the name (one value per machine, any text).
-
-The exchange is one `meshkit._src.coord.combine`: process 0 collects every name and publishes a
-run-length table (hosts ordered by their lowest process), so each process reads O(hosts) text,
-not O(processes) records.
+A host is named by its hostname and boot id (``MESHKIT_HOST`` overrides); process 0 gathers
+every name and publishes a run-length table. `make_mesh` keeps inner axes inside a host.
 """
 
 from __future__ import annotations
@@ -112,10 +103,7 @@ class Hosts:
 
 
 def here() -> str:
-    """This process's host identity: its name, a NUL character, and the machine's boot id.
-
-    The name is ``MESHKIT_HOST`` when set (then it alone names the host), else the hostname.
-    """
+    """This process's host identity: its name, a NUL character, and the machine's boot id."""
     name = os.environ.get(ENV_HOST, "").strip()
     if name:
         return f"{name}\0"
@@ -132,13 +120,7 @@ def _combine(values: Mapping[int, str]) -> str:
 
 
 def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> Hosts:
-    """Learn every process's host: one `gather` through the coordination service.
-
-    Every process of a joined program calls it once, at the same point (`meshkit.init`).
-
-    Raises:
-        MeshkitError: some processes did not take part within ``timeout`` seconds.
-    """
+    """Learn every process's host: one `gather` through the coordination service."""
     node = _agree.node()
     if n == 1 or node is None:
         return Hosts.of([here()])
@@ -162,11 +144,7 @@ def known() -> Hosts | None:
 
 
 def table(timeout: float, what: str) -> Hosts:
-    """The hosts of the program, exchanged at the first call if `meshkit.init` did not.
-
-    A program that joined through ``jax.distributed.initialize`` alone learns them here: every
-    process must then make the call, as every process makes `make_mesh`.
-    """
+    """The hosts of the program, exchanged at the first call if `meshkit.init` did not."""
     global _TABLE
     found = known()
     if found is None:

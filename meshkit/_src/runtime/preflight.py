@@ -1,17 +1,8 @@
 """The preflight: at `meshkit.init`, processes agree on their software and settings.
 
-Processes of one program must run the same JAX, jaxlib, meshkit and Python, on the same
-platform and kind of device with as many local devices each, with the same `jax.config`
-settings that reach a compiled program (`settings`: those JAX itself marks so, and a few
-exceptions, each with its reason). A difference otherwise shows late and far from its
-cause: a C++ abort inside gloo ("Received data size doesn't match expected size") for
-``jax_enable_x64`` set on one host, a hang in NCCL, or numbers that differ.
-
-`check` makes one exchange of `Facts` at ``init`` (one round trip of the coordination service
-when every process agrees) and raises a `DivergenceError` naming the processes, the field and
-each value when they differ. The main program file differs legitimately (a launcher may start
-another script on purpose) and so does ``XLA_FLAGS`` (dump directories): those two are a
-warning. ``MESHKIT_PREFLIGHT=0`` turns the preflight off.
+One exchange of `Facts` (versions, platform, devices, the `jax.config` settings that reach
+compiled programs); a difference raises `DivergenceError` on every process. The main file and
+``XLA_FLAGS`` only warn. ``MESHKIT_PREFLIGHT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -51,11 +42,8 @@ __all__ = [
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _TAG = "preflight"
 
-# The `jax.config` settings compared are those JAX itself marks as part of every traced or
-# compiled program (`compat.compiled_settings`), with these exceptions, each compared where the
-# running JAX has it (the JAX versions are compared too, so every process has the same ones).
-# Unmarked settings that still change what a process compiles or runs, or that every process
-# must share to talk to the others:
+# Settings JAX does not mark as compiled (`compat.compiled_settings`) that still change what a
+# process compiles or runs, or that every process must share, with the reason:
 ALSO_COMPARED: dict[str, str] = {
     "jax_exec_time_optimization_effort": "an XLA build option (JAX 0.10; jax_optimization_level "
     "in JAX 0.12)",
@@ -91,20 +79,7 @@ WARN_ONLY = ("program", "XLA_FLAGS")
 
 @dataclasses.dataclass(frozen=True)
 class Facts:
-    """What one process runs, as the processes compare it at `meshkit.init`.
-
-    Attributes:
-        python: the Python version.
-        jax: the JAX version.
-        jaxlib: the jaxlib version.
-        meshkit: the meshkit version.
-        platform: JAX's default backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
-        device_kind: the kind of this process's first local device (``"cpu"``, ``"H100"``).
-        local_devices: how many devices this process has.
-        settings: the `settings` of the running JAX, by name, each value as text.
-        XLA_FLAGS: the environment variable (a warning only when it differs).
-        program: the SHA-256 of the main program file, "" when there is none (a warning only).
-    """
+    """What one process runs, as the processes compare it at `meshkit.init`."""
 
     python: str
     jax: str
@@ -132,15 +107,7 @@ class Facts:
 
 
 def settings() -> tuple[str, ...]:
-    """The `jax.config` settings the preflight compares on the running JAX, sorted by name.
-
-    Those JAX marks as part of every traced or compiled program, less `NOT_COMPARED`, and
-    those of `ALSO_COMPARED` this JAX has.
-
-    Example:
-        >>> "jax_enable_x64" in settings() and "jax_default_device" not in settings()
-        True
-    """
+    """The `jax.config` settings the preflight compares on the running JAX, sorted by name."""
     marked = _compat.compiled_settings() - NOT_COMPARED.keys()
     also = ALSO_COMPARED.keys() & _compat.settings_of_jax()
     return tuple(sorted(marked | also))
@@ -217,14 +184,7 @@ def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int
 
 
 def check(me: int, n: int, timeout: float) -> None:
-    """Compare this process's `Facts` with the others' (one exchange), once joined.
-
-    Raises:
-        DivergenceError: the processes differ in a field other than `WARN_ONLY`, or some did
-            not arrive within ``timeout`` seconds; every process raises it, naming the
-            processes, the field and each value.
-        MeshkitError: ``MESHKIT_PREFLIGHT`` is not a yes/no value.
-    """
+    """Compare this process's `Facts` with the others' (one exchange), once joined."""
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
         return
     mine = facts().to_json()
