@@ -1,36 +1,25 @@
-"""The few private JAX internals meshkit relies on, in one place.
+"""The few private JAX internals meshkit relies on, in one place (checked on JAX 0.10.2 and 0.12).
 
-JAX has no public API for these facts; when JAX moves one, only this file changes
-(`tests/test_architecture.py` keeps every other module of meshkit off ``jax._src`` and
-``jaxlib``). Each touch point, why meshkit needs it, and where it is used; every one was
-checked on JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1 (Python 3.12), the two lines CI runs:
+`tests/test_architecture.py` keeps every other module off ``jax._src``. Each touch point, and why:
 
-- ``xla_bridge.backends_are_initialized``: `meshkit.init` refuses to change device settings or
-  join once JAX's backends run, with a message instead of JAX's silent ignore.
-- ``config.config_states``, ``config.config_ext.trace_context_names`` and the source of
-  ``jax/_src/config.py`` (its ``include_in_jit_key=True`` / ``include_in_trace_context=True``
-  marks): the preflight compares the settings that reach compiled programs; JAX has no public
-  list of them, nor a reader for options that are no attribute of ``jax.config``.
-- ``pxla.batched_device_put`` with ``core.update_aval_with_sharding`` and ``core.ShapedArray``:
-  one call assembles a global array from this process's blocks, without
-  `jax.make_array_from_callback`'s per-device callback (assembly within 1.1x of JAX's own).
-- ``api.clean_up`` (on ``atexit``): a process that leaves early must not wait at JAX's exit
-  barrier for the others (fail-fast ends the group instead).
-- ``distributed.global_state`` (client, process id and count): coordination's key-value store
-  and barriers, read without starting JAX's backends as ``jax.process_index()`` would.
+- ``xla_bridge.backends_are_initialized``: `init` refuses to join once backends run.
+- ``config.config_states``, ``config_ext.trace_context_names`` and ``jax/_src/config.py``'s
+  ``include_in_jit_key=True`` / ``include_in_trace_context=True`` marks: the preflight compares
+  the settings that reach compiled programs (JAX has no public list of them).
+- ``pxla.batched_device_put``, ``core.update_aval_with_sharding``, ``core.ShapedArray``: one
+  call assembles a global array, without `jax.make_array_from_callback`'s per-device callback.
+- ``api.clean_up`` (on ``atexit``): a process leaving early must not wait at JAX's exit barrier.
+- ``distributed.global_state``: the coordination client, read without starting backends.
 - ``clusters.ClusterEnv.auto_detect_unset_distributed_params`` and ``._cluster_types``: `init`
-  checks the coordinator JAX would use, and names the cluster, before JAX aborts on it.
-- ``core.trace_state_clean``, ``core.get_axis_env``: `pmap_compat` tells a call from a trace
-  (as `jax.pmap` does) and reads the bound axis sizes at trace time.
-- the ``scan`` equation's parameters (``num_consts``/``num_carry`` on 0.10, ``ft_in`` on 0.12)
-  and the aval's ``manual_axis_type.varying``: `meshkit.spmd`'s replication analysis.
-- ``pxla.MeshComputation`` (``compile``, ``_executable``, ``_name``, ``_device_list``,
-  ``_hlo``, ``compile_args``): the compile-time program comparison hooks the one step every
-  jit, shard_map and pmap computation passes before XLA (`on_compile`; installed by `init`).
-- ``traceback_util._exclude_paths`` and ``register_exclusion``: the comparison's frames, which
-  run inside JAX's call, are hidden from tracebacks as JAX hides its own.
-- the coordination service's ``RECEIVED_PREEMPTION_NOTICE`` key: JAX's preemption sync
-  managers learn of a notice meshkit's SIGTERM handler took (`tell_jax_preemption`).
+  checks the coordinator before JAX aborts on it.
+- ``core.trace_state_clean``, ``core.get_axis_env``: `pmap_compat` tells a call from a trace.
+- the ``scan`` equation's ``num_consts``/``num_carry`` (0.10) or ``ft_in`` (0.12), the aval's
+  ``manual_axis_type.varying``: `meshkit.spmd`'s replication analysis.
+- ``pxla.MeshComputation`` (``compile``, ``_executable``, ``_name``, ``_device_list``, ``_hlo``,
+  ``compile_args``): the program comparison hooks the step every computation passes.
+- ``traceback_util._exclude_paths``, ``register_exclusion``: the comparison's frames hidden.
+- the coordination key ``RECEIVED_PREEMPTION_NOTICE``: JAX's preemption sync managers learn of
+  a notice meshkit's SIGTERM handler took.
 """
 
 from __future__ import annotations
@@ -43,27 +32,12 @@ from typing import Any
 from . import caches as _caches
 
 __all__ = [
-    "Compiling",
-    "backends_are_initialized",
-    "bound_axis_sizes",
-    "cluster_envs",
-    "cluster_params",
-    "compiled_settings",
-    "distributed_state",
-    "hide_from_jax_tracebacks",
-    "idle",
-    "on_compile",
-    "put_blocks",
-    "scan_counts",
-    "service_error_code",
-    "setting",
-    "settings_of_jax",
-    "skip_jax_exit_barrier",
-    "tell_jax_preemption",
-    "trace_context_settings",
-    "trace_state_clean",
+    "Compiling", "backends_are_initialized", "bound_axis_sizes", "cluster_envs", "cluster_params",
+    "compiled_settings", "distributed_state", "hide_from_jax_tracebacks", "idle", "on_compile",
+    "put_blocks", "scan_counts", "service_error_code", "setting", "settings_of_jax",
+    "skip_jax_exit_barrier", "tell_jax_preemption", "trace_context_settings", "trace_state_clean",
     "varying_axes",
-]
+]  # fmt: skip
 
 
 def backends_are_initialized() -> bool:

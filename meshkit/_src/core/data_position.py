@@ -1,12 +1,7 @@
 """The data position: where a stream of global batches stands, to resume it at the same batch.
 
-A `DataPosition` is what `meshkit.GlobalBatches.position` returns and `meshkit.checkpoint.save`
-keeps beside the arrays (``data=``): the steps the caller took and, for a meshkit loader, its
-global position (the same on every process, so it resumes on any number of them); for a source
-with ``get_state()`` / ``set_state()``, each process's own state (it resumes on as many
-processes). It lives in core because `arrays` (which takes positions) and `checkpoint` (which
-saves them) both use it; `GlobalSource` is the interface of a meshkit loader that `arrays`
-reads without importing `loaders`.
+In core because `arrays` (which takes positions) and `checkpoint` (which saves them) both use
+it; `GlobalSource` is the meshkit loader interface `arrays` reads without importing `loaders`.
 """
 
 from __future__ import annotations
@@ -22,14 +17,9 @@ from typing import Any
 from .errors import MeshkitError
 
 __all__ = [
-    "VERSION",
-    "DataPosition",
-    "GlobalIterator",
-    "GlobalSource",
-    "LoaderIdentity",
-    "decode_state",
+    "VERSION", "DataPosition", "GlobalIterator", "GlobalSource", "LoaderIdentity", "decode_state",
     "encode_state",
-]
+]  # fmt: skip
 
 VERSION = 1  # of `DataPosition.to_json`'s format; a reader refuses newer ones
 _WHAT = "meshkit.DataPosition.from_json"
@@ -75,23 +65,17 @@ class LoaderIdentity:
 class DataPosition:
     """Where a `meshkit.global_batches` iterator stands: the batches its caller took.
 
-    Made by `meshkit.GlobalBatches.position`, saved by ``meshkit.checkpoint.save(...,
-    data=...)``, read back by `meshkit.checkpoint.data_position` and resumed by
-    ``meshkit.global_batches(..., start=position)``: the next global batch is the one an
-    uninterrupted run would have taken next.
+    From `meshkit.GlobalBatches.position`, saved by ``meshkit.checkpoint.save(..., data=...)``,
+    resumed by ``meshkit.global_batches(..., start=position)`` at the batch an uninterrupted run
+    would take next.
 
     Attributes:
-        step: global batches the caller took, over the whole run (a resumed iterator counts on
-            from its start position).
-        loader: the identity of the meshkit loader the batches came from; None for other
-            sources.
-        epoch: the meshkit loader's epoch of the next batch (None for other sources).
+        step: global batches the caller took over the whole run.
+        loader: the meshkit loader's identity; None for other sources.
+        epoch: the loader's epoch of the next batch (None for other sources).
         epoch_step: the global batches of that epoch already taken (None for other sources).
         processes: the number of processes of the run the position comes from.
-        states: a stateful source's state (its ``get_state()``, encoded as JSON text) by
-            process id; None for a meshkit loader or a source without state. A position from
-            `meshkit.GlobalBatches.position` holds this process's state only; a saved one
-            every process's.
+        states: a stateful source's ``get_state()`` (JSON text) by process id, else None.
         version: the format's version.
 
     Example:
@@ -147,11 +131,7 @@ class DataPosition:
 
     @classmethod
     def from_dict(cls, value: Any) -> DataPosition:
-        """The position `to_dict` gave.
-
-        Raises:
-            MeshkitError: ``value`` is not a data position, or one of a newer format.
-        """
+        """The position `to_dict` gave; a `MeshkitError` if it is none (or of a newer format)."""
         return cls._read(value, "meshkit.DataPosition.from_dict")
 
     @classmethod
@@ -185,11 +165,7 @@ class DataPosition:
 
     @classmethod
     def from_json(cls, text: str) -> DataPosition:
-        """The position `to_json` wrote.
-
-        Raises:
-            MeshkitError: ``text`` is not a data position, or one of a newer format.
-        """
+        """The position `to_json` wrote; a `MeshkitError` if it is none (or of a newer format)."""
         try:
             value = json.loads(text)
         except (TypeError, ValueError) as e:

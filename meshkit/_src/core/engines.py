@@ -15,20 +15,10 @@ from .env import visible_devices
 from .errors import MeshkitError
 
 __all__ = [
-    "DEFAULT_PORT",
-    "ENV_K8S_COORDINATOR_HOST",
-    "ENV_K8S_SUBDOMAIN",
-    "ENV_PORT",
-    "JAX_VARS",
-    "SKYPILOT_VARS",
-    "STEP_VARS",
-    "Binding",
-    "EngineJoin",
-    "bound_device_ids",
-    "check_agreement",
-    "check_step",
-    "read_engine",
-]
+    "DEFAULT_PORT", "ENV_K8S_COORDINATOR_HOST", "ENV_K8S_SUBDOMAIN", "ENV_PORT", "JAX_VARS",
+    "SKYPILOT_VARS", "STEP_VARS", "Binding", "EngineJoin", "bound_device_ids", "check_agreement",
+    "check_step", "read_engine",
+]  # fmt: skip
 
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 SKYPILOT_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
@@ -304,17 +294,12 @@ def check_agreement(environ: Mapping[str, str]) -> None:
     count, n, ident, pid = claims[0]
     for other_count, other_n, other_ident, other_pid in claims[1:]:
         if _int(n) != _int(other_n):
-            raise MeshkitError(
-                _DISAGREE.format(
-                    what="process counts", first=f"{count}={n}", second=f"{other_count}={other_n}"
-                )
-            )
-        if pid and other_pid and _int(pid) != _int(other_pid):
-            raise MeshkitError(
-                _DISAGREE.format(
-                    what="process ids", first=f"{ident}={pid}", second=f"{other_ident}={other_pid}"
-                )
-            )
+            first, second, what = f"{count}={n}", f"{other_count}={other_n}", "process counts"
+        elif pid and other_pid and _int(pid) != _int(other_pid):
+            first, second, what = f"{ident}={pid}", f"{other_ident}={other_pid}", "process ids"
+        else:
+            continue
+        raise MeshkitError(_DISAGREE.format(what=what, first=first, second=second))
 
 
 _NOT_A_STEP = """\
@@ -355,13 +340,10 @@ def check_step(environ: Mapping[str, str]) -> None:
             raise MeshkitError(_NOT_A_STEP.format(n=n, found=listed, missing=missing))
         return  # one task, or no task count: a single process, as JAX also sees it
     assert n is not None
-    if pid is None or pid >= n:
-        what = (
-            f"SLURM_PROCID={environ['SLURM_PROCID']!r} is not a task index below SLURM_NTASKS={n}"
-        )
-        raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))
-    if local is None:
-        what = f"SLURM_LOCALID={environ['SLURM_LOCALID']!r} is not a task index >= 0"
+    bad = "SLURM_PROCID" if pid is None or pid >= n else "SLURM_LOCALID" if local is None else ""
+    if bad:
+        rule = f"below SLURM_NTASKS={n}" if bad == "SLURM_PROCID" else ">= 0"
+        what = f"{bad}={environ[bad]!r} is not a task index {rule}"
         raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))
 
 
@@ -373,24 +355,13 @@ class Binding:
     reason: str
 
 
-def _count(text: str | None) -> int | None:
-    """The number in ``"2"`` or ``"a100:2"`` (SLURM's ``[type:]count``)."""
-    if text is None:
-        return None
-    tail = text.strip().rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else None
-
-
 def bound_device_ids(environ: Mapping[str, str], local_rank: int | None) -> Binding | None:
     """The devices a scheduler bound to this task, or None when JAX's choice is right."""
-    visible = visible_devices(environ)
-    if visible is None or local_rank is None:
-        return None
-    name, count = visible
-    if count == 0:
+    name, count = visible_devices(environ) or ("", 0)
+    if count == 0 or local_rank is None:
         return None
     listed = f"{name}={environ[name]}"
-    per_task = _count(environ.get("SLURM_GPUS_PER_TASK"))
+    per_task = _int(environ.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1])  # [type:]count
     if per_task == count:
         why = f"SLURM_GPUS_PER_TASK={environ['SLURM_GPUS_PER_TASK']} and {listed}"
         return Binding(tuple(range(count)), f"{why}: the task's own GPUs")

@@ -7,6 +7,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -18,20 +19,9 @@ from typing import Any
 from .contract import ENV_PROCESS_ID, ENV_STATUS
 
 __all__ = [
-    "COMPILED",
-    "ENDED",
-    "FAILED",
-    "JOINED",
-    "KINDS",
-    "PREEMPTED",
-    "RESTORED",
-    "SAVED",
-    "STALLED",
-    "Event",
-    "emit",
-    "path",
-    "read",
-]
+    "COMPILED", "ENDED", "FAILED", "JOINED", "KINDS", "PREEMPTED", "RESTORED", "SAVED", "STALLED",
+    "Event", "emit", "own_rank", "path", "read",
+]  # fmt: skip
 
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned
@@ -76,21 +66,23 @@ def emit(
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
     directory = directory if directory is not None else os.environ.get(ENV_STATUS)
-    if rank is None:
-        raw = os.environ.get(ENV_PROCESS_ID, "")
-        rank = int(raw) if raw.isdigit() else None
+    rank = own_rank() if rank is None else rank
     if not directory or rank is None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
     line = (json.dumps(record, default=str) + "\n").encode()
-    try:
+    with contextlib.suppress(OSError):  # a lost event only makes a less precise report
         fd = os.open(path(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
-    except OSError:  # an event the launcher cannot read only makes a less precise report
-        pass
+
+
+def own_rank() -> int | None:
+    """This rank under ``meshkit launch`` (``MESHKIT_PROCESS_ID``), else None."""
+    raw = os.environ.get(ENV_PROCESS_ID, "")
+    return int(raw) if raw.isdigit() else None
 
 
 def _records(file: Path) -> Iterator[dict[str, Any]]:

@@ -6,12 +6,14 @@ directory; the launcher reads them and, once a rank waited a while, says who is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .contract import ENV_PROCESS_ID, ENV_STATUS
+from .contract import ENV_STATUS
 from .errors import ranges
+from .events import own_rank
 
 __all__ = ["ENV_STATUS", "STAGES", "Board", "joined", "mark", "ranges"]
 
@@ -24,20 +26,14 @@ _ARRIVED = ("joined", "running")
 def mark(stage: str, process_id: int | None = None) -> None:
     """Record this rank's stage for the launcher (nothing outside a `meshkit launch` run)."""
     where = os.environ.get(ENV_STATUS)
-    if not where:
+    process_id = own_rank() if process_id is None else process_id
+    if not where or process_id is None:
         return
-    if process_id is None:
-        raw = os.environ.get(ENV_PROCESS_ID, "")
-        if not raw.isdigit():
-            return
-        process_id = int(raw)
     path = Path(where) / f"rank{process_id}"
     part = path.with_name(f".rank{process_id}.{os.getpid()}")
-    try:  # written whole then renamed: the launcher never reads half a word
+    with contextlib.suppress(OSError):  # written whole then renamed: never read in half
         part.write_text(stage)
         os.replace(part, path)
-    except OSError:  # a status the launcher cannot read only makes a quieter launcher
-        pass
 
 
 def joined(directory: Path, ranks: Iterable[int]) -> set[int]:

@@ -30,19 +30,9 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "DRAIN",
-    "FLUSH",
-    "LEAVE",
-    "REPORT",
-    "STOP",
-    "end",
-    "ending",
-    "now",
-    "on_exception",
-    "on_exit",
-    "on_sigterm",
-    "run_exit_handlers",
-]
+    "DRAIN", "FLUSH", "LEAVE", "REPORT", "STOP", "end", "ending", "now", "on_exception", "on_exit",
+    "on_sigterm", "run_exit_handlers",
+]  # fmt: skip
 
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10

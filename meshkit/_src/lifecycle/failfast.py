@@ -117,10 +117,8 @@ def _on_exception(
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
     if notice is not None:
-        _preemption.end_preempted(
-            notice,
-            f"the other processes ended at the deadline ({text.splitlines()[0][:200]})",
-        )
+        why = f"the other processes ended at the deadline ({text.splitlines()[0][:200]})"
+        _preemption.end_preempted(notice, why)
         return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None and _end_with_known_cause(grace):
@@ -128,12 +126,7 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(
-        f"{text.splitlines()[0][:300]}",
-        "uncaught exception in a multi-process run",
-        grace,
-        status=1,
-    )
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -155,7 +148,7 @@ def _end_saying(error: BaseException, header: str, why: str, grace: float) -> No
     say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
     _events.emit(_events.FAILED, **_failure_fields(error, None))
     first = (str(error).splitlines() or [""])[0][:300]
-    _end(f"{type(error).__name__}: {first}", why, grace, status=1)
+    _end(f"{type(error).__name__}: {first}", why, grace)
 
 
 def _end_with_known_cause(grace: float) -> bool:
@@ -183,16 +176,12 @@ def _peer_failures() -> PeerPosts | None:
         posted = _watch.poll()
         if isinstance(posted, PeerPosts) and posted.failures:
             return posted
-        if look == 0 and (_watch.wait is None or not _call_quietly(_watch.wait, _POST_WAIT_S)):
+        try:
+            if look == 0 and (_watch.wait is None or not _watch.wait(_POST_WAIT_S)):
+                return None
+        except Exception:  # the service is gone: no post will come
             return None
     return None
-
-
-def _call_quietly(wait: Wait, timeout: float) -> bool:
-    try:
-        return wait(timeout)
-    except Exception:  # the service is gone: no post will come
-        return False
 
 
 def _raised_at(value: BaseException) -> str:
@@ -216,10 +205,10 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float, *, status: int) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
+def _end(failure: str, why: str, grace: float) -> None:
+    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with status 1."""
     _exit.end(
-        status,
+        1,
         grace=grace,
         announce=(
             f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "

@@ -27,24 +27,10 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "ENV_PREEMPT_GRACE",
-    "PREEMPTED",
-    "PreemptionNotice",
-    "Sync",
-    "Synced",
-    "alone",
-    "end_preempted",
-    "grace",
-    "install",
-    "installed",
-    "note_step",
-    "notice",
-    "past_deadline",
-    "reached_sync_point",
-    "receive",
-    "saved",
-    "saving",
-]
+    "ENV_PREEMPT_GRACE", "PREEMPTED", "PreemptionNotice", "Sync", "Synced", "alone",
+    "end_preempted", "grace", "install", "installed", "note_step", "notice", "past_deadline",
+    "reached_sync_point", "receive", "saved", "saving",
+]  # fmt: skip
 
 _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
@@ -59,10 +45,15 @@ class PreemptionNotice:
 
     Attributes:
         process: the process that received the notice (SIGTERM) first.
-        received: when, in seconds since the epoch (its clock).
-        deadline: when every process that knows of it ends unless its program ended first, in
-            seconds since the epoch: ``received`` plus that process's ``MESHKIT_PREEMPT_GRACE``.
+        received: when, in seconds since the epoch.
+        deadline: when every process ends unless its program ended first (``received`` plus
+            ``MESHKIT_PREEMPT_GRACE``).
         own: whether this process received it itself (else another process told it).
+
+    Example:
+        >>> import meshkit
+        >>> meshkit.PreemptionNotice(3, 0.0, 25.0, own=False).source
+        'process 3'
     """
 
     process: int
@@ -102,22 +93,22 @@ class _State:
         # Re-entrant: the SIGTERM handler may run inside a block that holds it.
         self.lock = threading.RLock()
         self.installed = False
-        self.me = -1  # unknown until `install` is given it
+        self.me = -1
         self.grace = _DEFAULT_GRACE_S
         self.tell: Tell | None = None
         self.sync: Sync | None = None
         self.notice: PreemptionNotice | None = None
-        self.untold = False  # a notice of this process's own that the others have not heard yet
-        self.step: int | None = None  # the last step the program reported (for reports)
+        self.untold = False  # an own notice the others have not heard yet
+        self.step: int | None = None  # the last step the program reported
         self.asked: int | None = None  # the last step `reached_sync_point` answered
-        self.frozen = False  # this process sent its step: questions wait for the agreement
-        self.synced: Synced | None = None  # the agreement, once made (or failed)
+        self.frozen = False  # step sent: questions wait for the agreement
+        self.synced: Synced | None = None
         self.decided = threading.Condition(self.lock)
-        self.sync_step: int | None = None  # the step to save at, once known
-        self.reached = False  # `reached_sync_point` was true: the next save is the last
+        self.sync_step: int | None = None
+        self.reached = False  # the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
         self.talking = threading.Lock()  # held while the service thread talks to the others
-        self.saves = 0  # meshkit checkpoint saves in progress
+        self.saves = 0  # checkpoint saves in progress
         self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
         self.deadline_armed = False
@@ -162,16 +153,10 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
 
 
 def notice() -> PreemptionNotice | None:
-    """The preemption notice this process knows of, or None (``meshkit.preemption_notice``).
+    """The first preemption notice (SIGTERM) this process received or was told of, or None.
 
-    A scheduler that will stop the run sends SIGTERM first; meshkit takes it as a notice (from
-    `meshkit.init`, unless ``MESHKIT_FAIL_FAST=0``), tells every other process, and ends each
-    ``MESHKIT_PREEMPT_GRACE`` seconds later unless its program ended first. The program may save
-    at the step `meshkit.checkpoint.should_save` names, or look here to stop its own way.
-
-    Returns:
-        The first notice this process received or was told of (who received it, when, the
-        deadline), or None while there is none.
+    meshkit tells every other process, and each ends ``MESHKIT_PREEMPT_GRACE`` seconds later
+    unless its program ended first (save at `meshkit.checkpoint.should_save`'s step).
 
     Example:
         >>> import meshkit

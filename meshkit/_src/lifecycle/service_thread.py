@@ -16,16 +16,9 @@ import time
 from collections.abc import Callable
 
 __all__ = [
-    "ACTIVE_SLICE_S",
-    "SLICE_S",
-    "at",
-    "on_activity",
-    "on_signal",
-    "on_wake",
-    "start",
-    "wake",
+    "ACTIVE_SLICE_S", "SLICE_S", "at", "on_activity", "on_signal", "on_wake", "start", "wake",
     "watch",
-]
+]  # fmt: skip
 
 SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
 # The longest wait while the program steps (`on_activity` changed within `_ACTIVE_S`).
@@ -145,45 +138,42 @@ def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool 
         return True
     if not start():
         return False
-    assert _service is not None
-    with _service.lock:
-        _service.tasks[name] = (time.monotonic() + delay, call)
+    service = _running()
+    with service.lock:
+        service.tasks[name] = (time.monotonic() + delay, call)
     wake(nudge=nudge)
     return True
 
 
-def on_wake(name: str, call: Callable[[], None]) -> None:
-    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+def _running() -> _Service:
     start()
     assert _service is not None
-    _service.tending[name] = call
+    return _service
+
+
+def on_wake(name: str, call: Callable[[], None]) -> None:
+    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+    _running().tending[name] = call
     wake(nudge=False)
 
 
 def on_activity(probe: Callable[[], object]) -> None:
     """Count a change of ``probe()`` (read once per wait) as the program stepping."""
-    start()
-    assert _service is not None
-    _service.probes.append(probe)
+    _running().probes.append(probe)
 
 
 def on_signal(fd: int, handler: Callable[[], None]) -> None:
     """Call ``handler`` when SIGTERM's wake-up byte arrives on pipe ``fd`` (-1: none)."""
-    start()
-    assert _service is not None
-    _service.signals, _service.on_sigterm = fd, handler
+    service = _running()
+    service.signals, service.on_sigterm = fd, handler
     wake(nudge=False)
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
     """Wait in the coordination service with ``look`` (None: stop, and leave it)."""
-    service = _service
-    if service is None:
-        if look is None:
-            return
-        start()
-        service = _service
-        assert service is not None
+    if _service is None and look is None:
+        return
+    service = _running()
     if look is not None:
         service.look, service.nudge = look, nudge
         wake(nudge=False)

@@ -34,14 +34,8 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "DEMAND_SHARE",
-    "INSIDE",
-    "OUTSIDE",
-    "RUN_SHARE",
-    "Watchdog",
-    "frame_text",
-    "note_progress",
-]
+    "DEMAND_SHARE", "INSIDE", "OUTSIDE", "RUN_SHARE", "Watchdog", "frame_text", "note_progress",
+]  # fmt: skip
 
 # A thread that ran (or waited runnable) this share of an interval is running, not waiting
 # (measured: a blocked wait 0.02-0.04%, a computation in one C call ~100%).
@@ -90,17 +84,10 @@ def _pending(array: Any) -> bool:
 
 def _main_native_id() -> int | None:
     """The kernel's id of the program's thread (`meshkit._src.core.program_thread`)."""
+    # Asked from the thread itself: ``main_thread().native_id`` is stale after ``os.fork``.
     if _program_thread.is_program_thread():
         return threading.get_native_id()
     return _program_thread.program_thread().native_id
-
-
-def _schedstat(native_id: int | None) -> str | None:
-    """The path of Linux's scheduler statistics of thread ``native_id``, where there are some."""
-    if native_id is None:
-        return None
-    path = f"/proc/self/task/{native_id}/schedstat"
-    return path if os.path.exists(path) else None
 
 
 class _Sampler:
@@ -109,7 +96,8 @@ class _Sampler:
     def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
         self.clock = _cpu_clock(main)
-        self.schedstat = _schedstat(native_id)
+        path = f"/proc/self/task/{native_id}/schedstat"
+        self.schedstat = path if native_id is not None and os.path.exists(path) else None
         self.mark = _marks
         self.stack: Stack | None = self._stack()
         self.cpu = self._cpu()
@@ -154,12 +142,8 @@ class _Sampler:
     def _cpu(self) -> float | None:
         """Seconds the thread ran or waited, runnable, for a CPU; None once it has ended."""
         if self.schedstat is not None:
-            try:
-                with open(self.schedstat) as f:
-                    on_cpu, runnable = f.read().split()[:2]
-                return (int(on_cpu) + int(runnable)) / 1e9
-            except (OSError, ValueError):  # the thread has ended
-                return None
+            ns = _read_schedstat(self.schedstat)
+            return None if ns is None else sum(ns) / 1e9
         if self.clock is None:
             return None
         try:
@@ -174,17 +158,18 @@ def _threads(besides: str) -> dict[str, tuple[int, int]] | None:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
-    found = {}
-    for task in tasks:
-        if task == besides:
-            continue
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                ran, waited = f.read().split()[:2]
-            found[task] = (int(ran), int(waited))
-        except (OSError, ValueError):  # the thread has ended
-            continue
-    return found
+    found = {t: _read_schedstat(f"/proc/self/task/{t}/schedstat") for t in tasks if t != besides}
+    return {t: ns for t, ns in found.items() if ns is not None}
+
+
+def _read_schedstat(path: str) -> tuple[int, int] | None:
+    """Nanoseconds a thread ran, and waited runnable; None once it has ended."""
+    try:
+        with open(path) as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
 
 
 def _starved(
@@ -194,10 +179,8 @@ def _starved(
     for task, (ran, waited) in now.items():
         if task in before:
             more_ran, more_waited = ran - before[task][0], waited - before[task][1]
-            if (
-                more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
-                and more_waited >= RUN_SHARE * interval * 1e9
-            ):
+            demand = more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
+            if demand and more_waited >= RUN_SHARE * interval * 1e9:
                 return True
     return False
 

@@ -23,15 +23,9 @@ from ..debug import state as _debug
 from . import init as _runtime
 
 __all__ = [
-    "CallSite",
-    "Observer",
-    "add_observer",
-    "enter",
-    "observing",
-    "origin",
-    "param_names",
+    "CallSite", "Observer", "add_observer", "enter", "observing", "origin", "param_names",
     "remove_observer",
-]
+]  # fmt: skip
 
 
 @dataclass(eq=False)

@@ -30,10 +30,9 @@ class Hosts:
     """The hosts of a program: which processes run on which machine.
 
     Attributes:
-        names: each host's name (its hostname, or ``MESHKIT_HOST``), hosts ordered by their
-            lowest process index; two machines that share a hostname get ``#2``, ``#3``... after
-            it.
-        of_process: for each process index, the index of its host in ``names``.
+        names: each host's name (hostname or ``MESHKIT_HOST``; ``#2``... for a repeated name),
+            ordered by their lowest process.
+        of_process: for each process, the index of its host in ``names``.
 
     Examples:
         >>> hosts = Hosts(names=("node-a", "node-b"), of_process=(0, 1, 0, 1))

@@ -49,11 +49,7 @@ from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
 
-__all__ = [
-    "RuntimeInfo",
-    "init",
-    "runtime_info",
-]
+__all__ = ["RuntimeInfo", "init", "runtime_info"]
 
 _WHERE = "meshkit.init()"
 _DEFAULT_INIT_TIMEOUT_S = 300.0
@@ -92,6 +88,7 @@ class RuntimeInfo:
     attempt: int = 0
 
     def __str__(self) -> str:
+        ids = self.local_device_ids
         rows = [
             ("source", self.source),
             ("reason", self.reason),
@@ -101,9 +98,7 @@ class RuntimeInfo:
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
             (
                 "local devices",
-                "JAX default (all visible)"
-                if self.local_device_ids is None
-                else ",".join(map(str, self.local_device_ids)),
+                "JAX default (all visible)" if ids is None else ",".join(map(str, ids)),
             ),
             ("cpu collectives", self.cpu_collectives or "-"),
             ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
@@ -479,12 +474,12 @@ def _attempt() -> int:
     return 0
 
 
-_UNREACHABLE = """\
-meshkit.init(): process {pid} of {n} could not reach the coordinator at {address}
-within {timeout:g} s (source: {source}).
+_UNREACHABLE = f"""\
+meshkit.init(): process {{pid}} of {{n}} could not reach the coordinator at {{address}}
+within {{timeout:g}} s (source: {{source}}).
 The coordinator is process 0; it must be running and its address reachable from this host.
 Consider checking that process 0 started and printed no error, that host and port are right, and
-that no firewall blocks the port; raise the wait with timeout= or {env}=SECONDS."""
+that no firewall blocks the port; raise the wait with timeout= or {ENV_INIT_TIMEOUT}=SECONDS."""
 
 _PORT_IN_USE = """\
 meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
@@ -518,16 +513,8 @@ def check_coordinator(address: str, process_id: int, n: int, timeout: float, sou
                 return
         except OSError:
             if time.monotonic() >= deadline:
-                raise MeshkitError(
-                    _UNREACHABLE.format(
-                        pid=process_id,
-                        n=n,
-                        address=address,
-                        timeout=timeout,
-                        source=source,
-                        env=ENV_INIT_TIMEOUT,
-                    )
-                ) from None
+                what = dict(pid=process_id, n=n, address=address, timeout=timeout, source=source)
+                raise MeshkitError(_UNREACHABLE.format(**what)) from None
             time.sleep(0.1)
 
 

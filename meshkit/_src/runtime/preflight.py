@@ -27,17 +27,9 @@ from ..core.errors import DivergenceError
 from ..core.version import __version__
 
 __all__ = [
-    "ALSO_COMPARED",
-    "ENV_PREFLIGHT",
-    "NOT_COMPARED",
-    "WARN_ONLY",
-    "Facts",
-    "check",
-    "describe",
-    "differences",
-    "facts",
-    "settings",
-]
+    "ALSO_COMPARED", "ENV_PREFLIGHT", "NOT_COMPARED", "WARN_ONLY", "Facts", "check", "describe",
+    "differences", "facts", "settings",
+]  # fmt: skip
 
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _TAG = "preflight"
@@ -152,35 +144,24 @@ def facts() -> Facts:
 def describe(mine: Facts) -> str:
     """What the preflight compares, as ``meshkit info`` shows it: versions, devices, settings."""
     settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
-    return "\n".join(
-        [
-            "compared by the processes at meshkit.init (the preflight):",
-            f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}",
-            f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process",
-            f"  {len(mine.settings)} jax.config settings:",
-            textwrap.fill(
-                settings,
-                width=100,
-                initial_indent="    ",
-                subsequent_indent="    ",
-                break_on_hyphens=False,
-            ),
-        ]
+    indent = {"initial_indent": "    ", "subsequent_indent": "    ", "break_on_hyphens": False}
+    return (
+        "compared by the processes at meshkit.init (the preflight):\n"
+        f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}\n"
+        f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process\n"
+        f"  {len(mine.settings)} jax.config settings:\n" + textwrap.fill(settings, 100, **indent)
     )
 
 
 def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int]]]]:
     """The fields whose values differ, in `Facts` order: each value with its processes."""
     fields = {p: f.fields() for p, f in sorted(records.items())}
-    names: list[str] = []
-    for flat in fields.values():
-        names.extend(k for k in flat if k not in names)
-    found = []
-    for name in names:
-        values = _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()})
-        if len(values) > 1:
-            found.append((name, values))
-    return found
+    names = dict.fromkeys(k for flat in fields.values() for k in flat)  # in order, once each
+    found = [
+        (name, _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()}))
+        for name in names
+    ]
+    return [(name, values) for name, values in found if len(values) > 1]
 
 
 def check(me: int, n: int, timeout: float) -> None:
@@ -207,13 +188,10 @@ def check(me: int, n: int, timeout: float) -> None:
         if name in WARN_ONLY:
             warnings.warn(_warning(name, values), stacklevel=3)
     if errors:
-        suspects = sorted(
-            {p for _, values in errors for p in _missing.outside_majority(values.values())}
-        )
+        suspects = sorted({p for _, v in errors for p in _missing.outside_majority(v.values())})
         compared = {name for record in records.values() for name in record.settings}
-        raise DivergenceError(
-            _message(errors, suspects, compared), processes=suspects, field=errors[0][0]
-        )
+        message = _message(errors, suspects, compared)
+        raise DivergenceError(message, processes=suspects, field=errors[0][0])
 
 
 def _warning(name: str, values: dict[str, list[int]]) -> str:
