@@ -111,9 +111,8 @@ class DataPosition:
         """The position in words, without per-process states (equal on every process)."""
         text = f"step {self.step}"
         if self.loader is not None:
-            text += (
-                f" of {self.loader.describe()}, epoch {self.epoch} at its step {self.epoch_step}"
-            )
+            where = f"epoch {self.epoch} at its step {self.epoch_step}"
+            text += f" of {self.loader.describe()}, {where}"
         elif self.states is not None:
             text += f" with per-process states of {self.processes} processes"
         return text
@@ -184,12 +183,11 @@ def _int_or_none(x: Any) -> int | None:
 
 
 def _identity(value: Any) -> LoaderIdentity:
-    seed = value["seed"]
     return LoaderIdentity(
         kind=str(value["kind"]),
         num_rows=_int(value["num_rows"]),
         global_batch=_int(value["global_batch"]),
-        seed=None if seed is None else _int(seed),
+        seed=_int_or_none(value["seed"]),
         epochs=_int(value["epochs"]),
         drop_remainder=bool(value.get("drop_remainder", False)),
     )

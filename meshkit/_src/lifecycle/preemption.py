@@ -237,15 +237,8 @@ def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> Non
         if _state.reported:
             return
         _state.reported = True
-    _events.emit(
-        _events.PREEMPTED,
-        how=how,
-        source=notice_.source,
-        process=notice_.process,
-        received=notice_.received,
-        step=_state.step,
-        saved=saved,
-    )
+    fields = {"source": notice_.source, "process": notice_.process, "received": notice_.received}
+    _events.emit(_events.PREEMPTED, how=how, **fields, step=_state.step, saved=saved)
 
 
 def _at_exit() -> None:

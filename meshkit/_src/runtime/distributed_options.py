@@ -29,11 +29,11 @@ meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{ori
 JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
 Consider {name}=SECONDS, e.g. {name}=120."""
 
-_UNSUPPORTED = """\
-meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
-jax.distributed.initialize, so it cannot be passed{origin}.
-{checked} have it.
-Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+_UNSUPPORTED = f"""\
+meshkit.init({{name}}=...): the running JAX {{version}} has no {{parameter}} parameter in
+jax.distributed.initialize, so it cannot be passed{{origin}}.
+{JAX_CHECKED} have it.
+Consider installing one of those JAX versions, or leaving {{name}} unset (JAX then keeps its own
 default)."""
 
 
@@ -51,11 +51,8 @@ def chosen(**given: Any) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise MeshkitError(
-                _BAD_VALUE.format(
-                    name=name, value=value, origin=_origin(origin), parameter=parameter
-                )
-            )
+            what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
+            raise MeshkitError(_BAD_VALUE.format(**what))
         options[parameter] = value
     return options
 
@@ -86,8 +83,5 @@ def check_supported(
             continue
         name, variable = by_parameter.get(parameter, ("timeout", None))
         origin = _origin(variable) if _env.raw(variable or "") is not None else ""
-        raise MeshkitError(
-            _UNSUPPORTED.format(
-                name=name, version=version, parameter=parameter, origin=origin, checked=JAX_CHECKED
-            )
-        )
+        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
+        raise MeshkitError(text)

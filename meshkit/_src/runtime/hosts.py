@@ -6,6 +6,8 @@ every name and publishes a run-length table. `make_mesh` keeps inner axes inside
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import socket
@@ -60,9 +62,7 @@ class Hosts:
         return tuple(p for p, h in enumerate(self.of_process) if h == host)
 
     def __str__(self) -> str:
-        members: list[list[int]] = [[] for _ in self.names]
-        for p, h in enumerate(self.of_process):
-            members[h].append(p)
+        members = [self.processes(h) for h in range(len(self.names))]
         return "; ".join(
             f"{name}: process{'es' if len(ps) > 1 else ''} {ranges(ps, sep=',')}"
             for name, ps in zip(self.names, members, strict=True)
@@ -70,12 +70,7 @@ class Hosts:
 
     def to_json(self) -> str:
         """Run-length text: ``[[name, ...], [[host, count], ...]]`` (small when node-major)."""
-        runs: list[list[int]] = []
-        for h in self.of_process:
-            if runs and runs[-1][0] == h:
-                runs[-1][1] += 1
-            else:
-                runs.append([h, 1])
+        runs = [[h, len(list(run))] for h, run in itertools.groupby(self.of_process)]
         return json.dumps([list(self.names), runs], separators=(",", ":"))
 
     @classmethod
@@ -106,11 +101,9 @@ def here() -> str:
     name = os.environ.get(ENV_HOST, "").strip()
     if name:
         return f"{name}\0"
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    boot = ""
+    with contextlib.suppress(OSError), open(_BOOT_ID) as f:
+        boot = f.read().strip()
     return f"{socket.gethostname()}\0{boot}"
 
 
