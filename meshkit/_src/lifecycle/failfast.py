@@ -126,7 +126,7 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace, status=1)
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -148,7 +148,7 @@ def _end_saying(error: BaseException, header: str, why: str, grace: float) -> No
     say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
     _events.emit(_events.FAILED, **_failure_fields(error, None))
     first = (str(error).splitlines() or [""])[0][:300]
-    _end(f"{type(error).__name__}: {first}", why, grace)
+    _end(f"{type(error).__name__}: {first}", why, grace, status=1)
 
 
 def _end_with_known_cause(grace: float) -> bool:
@@ -205,10 +205,10 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with status 1."""
+def _end(failure: str, why: str, grace: float, *, status: int) -> None:
+    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
     _exit.end(
-        1,
+        status,
         grace=grace,
         announce=(
             f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
