@@ -64,12 +64,7 @@ class Board:
     """The launcher's view of the ranks' stages, and when to say it."""
 
     def __init__(
-        self,
-        directory: Path,
-        ranks: int | Iterable[int],
-        *,
-        after: float = 2.0,
-        every: float = 5.0,
+        self, directory: Path, ranks: int | Iterable[int], *, after: float = 2.0, every: float = 5.0
     ) -> None:
         self.directory = directory
         self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
