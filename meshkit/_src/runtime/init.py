@@ -316,9 +316,7 @@ def init(
         1
     """
     global _INFO
-    fail_fast = _failfast.settings()  # a bad setting is an error before anything is joined
-    preempt_grace = _preemption.grace()
-    guards = (fail_fast, preempt_grace)
+    guards = (_failfast.settings(), _preemption.grace())  # bad settings raise before joining
     cpu_devices = _positive("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
