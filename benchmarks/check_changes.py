@@ -9,7 +9,8 @@ every call posts its record before the agreement, the most a changed layout cost
 one layout under ``check=True`` (a steady loop, on its own channel), ``check="deferred"``
 (never waits) and ``jax.make_array_from_process_local_data``, in alternating rounds; a round
 is 34 calls, then a device barrier (untimed). The coordination service's round trip is timed
-alone: one wait at the service's own barrier by every process (``wait_at_barrier``, one request each).
+alone: one wait at the service's own barrier by every process (``wait_at_barrier``, one
+request each).
 """
 
 import json
