@@ -159,7 +159,10 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
-        how = {p: r.get("message") if r.get("status") == "error" else None for p, r in left.items()}
+        how = {
+            p: str(r.get("message")) if r.get("status") == "error" else None
+            for p, r in left.items()
+        }
         raise MeshkitError(_missing.left_program(what or tag, how))
     return outcome
 
