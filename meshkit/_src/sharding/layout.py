@@ -1,21 +1,12 @@
-"""Which part of a global array each process provides: the layout planner.
+"""Which blocks of a global array each process provides, and where they sit in its local array.
 
-A sharding puts one block of the global array on each device. A process *provides* the blocks
-of its own devices; meshkit's convention for the process's local array is the one every loader
-can follow: along each dimension, the distinct index ranges its devices hold, in increasing
-order, concatenated. In the common case (a data axis across processes) that is one contiguous
-range of rows; for non-contiguous layouts (a process holding rows 0-3 and 8-11) it is the rows
-in global order; dimensions split only inside a process, or not at all, are provided whole.
-Processes whose devices hold the same blocks form a *replica group* and provide the same data.
-
-This is the one place that answers the question: `global_array_from_local`,
-`local_from_global`, `gather` and `process_slice` all ask it. Plans are cached per
-(sharding, shape, process).
+A process's local array is, along each dimension, the distinct ranges its devices hold, in
+increasing order, concatenated (docs/data-pipelines.md). `global_array_from_local`,
+`local_from_global`, `gather` and `process_slice` all follow the cached `plan`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -49,7 +40,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Plan:
-    """The layout of one (sharding, global shape) for one process. See the module docstring."""
+    """The layout of one (sharding, global shape) for one process."""
 
     process: int
     global_shape: tuple[int, ...]
@@ -66,10 +57,9 @@ class Plan:
 
 
 def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
-    """Each device's block under NamedSharding(mesh, partition), computed from the mesh grid.
+    """Each device's block under NamedSharding(mesh, partition), from the mesh grid alone.
 
-    Works on meshes of real devices and of test doubles alike (only ``mesh.devices`` and the
-    axis names are read); agrees with ``NamedSharding.devices_indices_map`` (a test checks it).
+    Reads only ``mesh.devices`` and the axis names, so test doubles of devices work too.
     """
     names = list(mesh.axis_names)
     grid = np.asarray(mesh.devices, dtype=object)
@@ -90,17 +80,6 @@ def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) ->
     return out
 
 
-def _sharding_blocks(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Block]:
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        return _named_blocks(sharding.mesh, sharding.spec, shape)
-    out: dict[Any, Block] = {}
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        out[device] = tuple(
-            (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
-        )
-    return out
-
-
 def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     """How many blocks each of ``ndim`` dimensions is split into."""
     sizes = dict(sharding.mesh.shape)
@@ -110,7 +89,7 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
 def plan_from_blocks(
     blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
 ) -> Plan:
-    """Lay out ``process``'s blocks into its local array (see the module docstring)."""
+    """Lay out ``process``'s blocks into its local array."""
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
     ndim = len(shape)
@@ -155,7 +134,16 @@ def plan_from_blocks(
 @_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
     """The cached layout of ``sharding`` over ``shape`` for ``process``."""
-    blocks = _sharding_blocks(sharding, shape)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
+    else:
+        blocks = {
+            d: tuple(
+                (i.start or 0, n if i.stop is None else i.stop)
+                for i, n in zip(at, shape, strict=True)
+            )
+            for d, at in sharding.devices_indices_map(tuple(shape)).items()
+        }
     owners = {d: int(d.process_index) for d in blocks}
     return plan_from_blocks(blocks, owners, shape, process)
 
@@ -249,21 +237,6 @@ def _shape_tuple(global_shape: Any) -> tuple[int, ...]:
     return shape
 
 
-def check_divisible(
-    sharding: NamedSharding, shape: tuple[int, ...], what: str, dims: Sequence[str] | None = None
-) -> None:
-    """Raise a `MeshkitError` naming the dimension that ``sharding`` cannot split evenly."""
-    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
-        if size % n:
-            axes = dim_axes(sharding.spec, len(shape))[d]
-            name = f" ({dims[d]!r})" if dims and d < len(dims) else ""
-            raise MeshkitError(
-                f"{what}: dimension {d}{name} of the global shape {shape} has size {size}, which "
-                f"the mesh axes {axes} (together {n} ways) cannot split evenly.\n"
-                f"Consider a size divisible by {n}, or a spec that does not split dimension {d}."
-            )
-
-
 @public
 def process_slice(
     mesh: Mesh,
@@ -305,7 +278,14 @@ def process_slice(
             f"{shape} has {len(shape)} dimensions.\nConsider one entry per dimension at most."
         )
     sharding = NamedSharding(mesh, partition)
-    check_divisible(sharding, shape, what)
+    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
+        if size % n:
+            raise MeshkitError(
+                f"{what}: dimension {d} of the global shape {shape} has size {size}, which the "
+                f"mesh axes {dim_axes(partition, len(shape))[d]} (together {n} ways) cannot "
+                f"split evenly.\nConsider a size divisible by {n}, or a spec that does not split "
+                f"dimension {d}."
+            )
     processes = sorted({int(d.process_index) for d in mesh.devices.flat})
     me = jax.process_index() if process is None else process
     if me not in processes:
@@ -331,8 +311,3 @@ def describe_plan(p: Plan) -> ProcessSlice:
         shard_count=len(row_sets),
         replicas=tuple(q for q in processes if held[q] == mine),
     )
-
-
-def product_blocks(p: Plan) -> list[Block]:
-    """All blocks of the grid spanned by ``p``'s intervals (for the rectangularity message)."""
-    return list(itertools.product(*p.intervals))

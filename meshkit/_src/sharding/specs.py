@@ -1,17 +1,7 @@
-"""Partition specs, and a readable string form of them.
+"""Partition specs, and their readable string form ``"batch seq -> data _"``.
 
-Wherever meshkit takes a `jax.sharding.PartitionSpec` it also takes a string:
-
-* ``"data _ model"``: one entry per array dimension, outermost first. An entry is a mesh axis
-  name, ``_`` for a dimension that is not split, or ``(a b)`` for a dimension split over several
-  mesh axes (``a`` major). As with ``PartitionSpec``, dimensions past the last entry are not
-  split, and ``""`` means fully replicated.
-* ``"batch seq embed -> data _ model"``: the same, with the array's dimensions named on the left.
-  The names document the code, fix the rank (an argument of another rank is an error), and are
-  used in error messages.
-
-Strings are parsed once (cached). The grammar is einops' (its parser does the work: identifiers,
-one level of parentheses, ``_``); errors underline the bad token.
+The grammar is in docs/per-device.md. Strings are parsed once (cached) with einops' parser;
+errors underline the bad token.
 """
 
 from __future__ import annotations
@@ -52,15 +42,7 @@ dimensions' names and '->', e.g. "batch seq embed -> data _ model"."""
 
 @dataclass(frozen=True)
 class SpecString:
-    """A parsed spec string: the `PartitionSpec` it means, and what the user wrote.
-
-    Attributes:
-        text: the string as given.
-        dims: the names of the array's dimensions (left of ``->``), or None when not named.
-        partition: the equivalent `jax.sharding.PartitionSpec`.
-        spans: for each mesh axis named on the right, the ``(start, end)`` of its token in
-            ``text``, so later errors (an axis the mesh lacks) can underline it.
-    """
+    """A parsed spec string: its `PartitionSpec`, the dimension names, each axis's token span."""
 
     text: str
     dims: tuple[str, ...] | None
@@ -112,11 +94,6 @@ def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
                     text, start, end, f"{tok!r}: names cannot start or end with '_' (a lone "
                     "'_' marks a dimension that is not split)"
                 )  # fmt: skip
-            valid, reason = ParsedExpression.check_axis_name_return_reason(
-                tok, allow_underscore=True
-            )
-            if not valid:  # pragma: no cover - the checks above cover einops' rules today
-                raise _error(text, start, end, f"{tok!r} is not a valid name ({reason})")
             if tok == "_" and depth and not names_dims:
                 raise _error(text, start, end, "'_' cannot appear inside parentheses")
             if tok != "_" and tok in seen:
@@ -129,11 +106,7 @@ def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
 
 @_caches.cached(maxsize=1024)
 def parse_spec(text: str) -> SpecString:
-    """Parse a spec string (cached). See the module docstring for the grammar.
-
-    Raises:
-        MeshkitError: with the bad token underlined.
-    """
+    """Parse a spec string (cached); a `MeshkitError` underlines the bad token."""
     if "->" in text:
         arrow = text.index("->")
         left, right, right_at = text[:arrow], text[arrow + 2 :], arrow + 2
@@ -215,11 +188,7 @@ def as_partition_spec(value: Any, what: str) -> PartitionSpec:
 
 
 def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does.
-
-    One tuple of names per dimension, so specs that mean the same layout compare equal
-    (``P("x")``, ``P(("x",), None)``).
-    """
+    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does (comparable)."""
     out = []
     for i in range(ndim):
         entry = partition[i] if i < len(partition) else None
@@ -232,12 +201,7 @@ def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]
 
 def spec_axes(partition: PartitionSpec) -> list[str]:
     """The mesh axis names a PartitionSpec uses, in order."""
-    out: list[str] = []
-    for entry in partition:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        out.extend(entry if isinstance(entry, tuple) else (entry,))
-    return out
+    return [a for axes in dim_axes(partition, len(partition)) for a in axes]
 
 
 def check_spec_for_mesh(value: SpecLike, mesh: Mesh | AbstractMesh, what: str) -> PartitionSpec:
