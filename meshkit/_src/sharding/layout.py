@@ -7,6 +7,7 @@ increasing order, concatenated (docs/data-pipelines.md). `global_array_from_loca
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -92,40 +93,30 @@ def plan_from_blocks(
     """Lay out ``process``'s blocks into its local array."""
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
-    ndim = len(shape)
-    intervals = tuple(sorted({b[i] for _, b in mine}) for i in range(ndim))
-    offsets: list[dict[Interval, int]] = []
-    for dim_intervals in intervals:
-        at, pos = {}, 0
-        for iv in dim_intervals:
-            at[iv] = pos
-            pos += iv[1] - iv[0]
-        offsets.append(at)
-    local_shape = tuple(sum(b - a for a, b in ivs) for ivs in intervals)
-    distinct = {b for _, b in mine}
-    rectangular = len(distinct) == math.prod(len(ivs) for ivs in intervals)
+    mine.sort(key=lambda db: getattr(db[0], "id", 0))
+    intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
+    # Per dimension, where each interval starts in the local array.
+    starts = [
+        dict(zip(ivs, itertools.accumulate((b - a for a, b in ivs), initial=0), strict=False))
+        for ivs in intervals
+    ]
     seen: set[Block] = set()
     placements = []
-    for device, block in sorted(mine, key=lambda db: getattr(db[0], "id", 0)):
+    for device, block in mine:
+        local = tuple(
+            slice(starts[i][iv], starts[i][iv] + iv[1] - iv[0]) for i, iv in enumerate(block)
+        )
         placements.append(
-            Placement(
-                device,
-                tuple(slice(a, b) for a, b in block),
-                tuple(
-                    slice(offsets[i][iv], offsets[i][iv] + iv[1] - iv[0])
-                    for i, iv in enumerate(block)
-                ),
-                block not in seen,
-            )
+            Placement(device, tuple(slice(*iv) for iv in block), local, block not in seen)
         )
         seen.add(block)
     return Plan(
         process,
         shape,
-        local_shape,
-        tuple(tuple(ivs) for ivs in intervals),
+        tuple(sum(b - a for a, b in ivs) for ivs in intervals),
+        intervals,
         tuple(placements),
-        rectangular,
+        len(seen) == math.prod(map(len, intervals)),  # rectangular
         blocks,
         owners,
     )
