@@ -52,10 +52,6 @@ class Plan:
     blocks: dict[Any, Block]  # every device of the sharding -> its block
     owners: dict[Any, int]  # every device of the sharding -> its process
 
-    def blocks_of(self, process: int) -> list[Block]:
-        """The distinct blocks ``process`` holds, in a fixed order (sorted)."""
-        return sorted({b for d, b in self.blocks.items() if self.owners[d] == process})
-
 
 def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
     """Each device's block under NamedSharding(mesh, partition), from the mesh grid alone.
@@ -214,20 +210,6 @@ class ProcessSlice:
         return value[np.ix_(*index)] if index else value.copy()
 
 
-def _shape_tuple(global_shape: Any) -> tuple[int, ...]:
-    try:
-        if isinstance(global_shape, str | bytes):
-            raise TypeError
-        shape = tuple(operator.index(s) for s in global_shape)
-    except TypeError:
-        raise MeshkitError(
-            f"meshkit.process_slice: global_shape must be a tuple of ints; got {global_shape!r}."
-        ) from None
-    if any(s < 0 for s in shape):
-        raise MeshkitError(f"meshkit.process_slice: global_shape {shape} has a negative size.")
-    return shape
-
-
 @public
 def process_slice(
     mesh: Mesh,
@@ -261,7 +243,16 @@ def process_slice(
         ((((0, 64),), ((0, 10),)), 0, 1)
     """
     what = "meshkit.process_slice"
-    shape = _shape_tuple(global_shape)
+    try:
+        if isinstance(global_shape, str | bytes):
+            raise TypeError
+        shape = tuple(operator.index(s) for s in global_shape)
+    except TypeError:
+        raise MeshkitError(
+            f"{what}: global_shape must be a tuple of ints; got {global_shape!r}."
+        ) from None
+    if any(s < 0 for s in shape):
+        raise MeshkitError(f"{what}: global_shape {shape} has a negative size.")
     partition = check_spec_for_mesh(spec, mesh, f"{what}: spec")
     if len(partition) > len(shape):
         raise MeshkitError(
@@ -289,7 +280,7 @@ def process_slice(
 def describe_plan(p: Plan) -> ProcessSlice:
     """The public `ProcessSlice` of an internal plan."""
     processes = sorted(set(p.owners.values()))
-    held = {q: p.blocks_of(q) for q in processes}
+    held = {q: sorted({b for d, b in p.blocks.items() if p.owners[d] == q}) for q in processes}
     rows = {q: tuple(sorted({b[0] for b in held[q]})) if p.global_shape else () for q in processes}
     row_sets = sorted(set(rows.values()))
     mine = held[p.process]

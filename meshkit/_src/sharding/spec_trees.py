@@ -124,12 +124,6 @@ def describe_node(x: Any, keys: list[Any] | None = None) -> str:
     return f"{head} with {len(children)} children"
 
 
-def _dict_keys(children: list[tuple[Any, Any]]) -> list[Any] | None:
-    """The keys of a node whose children JAX keys as dict entries; None for other nodes."""
-    keys = [k.key for k, _ in children if isinstance(k, DictKey)]
-    return keys if len(keys) == len(children) else None
-
-
 def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
     """``specs`` rebuilt in ``tree``'s node types, so JAX takes it as a prefix of ``tree``.
 
@@ -143,12 +137,12 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
         return specs  # not a spec: the checks of spec leaves name it
     children, treedef = one_level(tree)
     is_node = tree is not None and not _is_leaf(treedef)
-    keys = _dict_keys(children) if keyed and is_node else None
-    if (keys is None) if keyed else (not is_node or spec_def != treedef):
+    keys = [k.key for k, _ in children if isinstance(k, DictKey)]  # of a dict-like node
+    if not is_node or (len(keys) != len(children) if keyed else spec_def != treedef):
         raise SpecTreeError(
             f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
         )
-    if keys is not None:
+    if keyed:
         missing, extra = set(keys) - set(specs), set(specs) - set(keys)
         if missing or extra:
             parts = [f"missing {', '.join(sorted(map(repr, missing)))}"] if missing else []

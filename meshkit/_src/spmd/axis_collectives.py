@@ -48,7 +48,6 @@ class Interceptor(Protocol):
         ...
 
 
-# Set by meshkit.testing while it runs per-device code against the numpy references.
 interceptor: contextvars.ContextVar[Interceptor | None] = contextvars.ContextVar(
     "meshkit_collectives_interceptor", default=None
 )
@@ -91,10 +90,7 @@ def _axis_arg(names: tuple[str, ...]) -> AxisName:
 
 
 def _varying(x: Any, names: tuple[str, ...]) -> Any:
-    """``x`` typed as varying over all of ``names`` (no data moves).
-
-    With check_vma, JAX refuses a collective over axes some of which ``x`` is invariant over.
-    """
+    """``x`` typed varying over all ``names`` (check_vma refuses a partly invariant operand)."""
 
     def cast(leaf: Any) -> Any:
         vma = _compat.varying_axes(leaf)
@@ -177,16 +173,9 @@ def pmin(x: Any, axis_name: AxisName) -> Any:
 def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
     """Every device's ``x`` from the group of ``axis_name``, on every device.
 
-    Args:
-        x: this device's block (an array or pytree of arrays).
-        axis_name: a mesh axis name or a tuple of them.
-        axis: where the gathered blocks go: a new dimension at ``axis`` (``tiled=False``, the
-            result has one more dimension, of the group size) or concatenated along the existing
-            dimension ``axis`` (``tiled=True``).
-        tiled: concatenate instead of stacking.
-
-    The result is the same on every device of the group, and typed so (JAX's
-    ``to="invarying"``): an ``out_specs`` may leave those axes out.
+    Stacked along a new dimension ``axis``, or concatenated along dimension ``axis`` with
+    ``tiled=True``. The result is typed invariant over the group, so ``out_specs`` may leave
+    those axes out.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -295,9 +284,6 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 @public
 def shift(x: Any, axis_name: AxisName, offset: int = 1) -> Any:
     """Ring shift: device ``i`` of the group sends ``x`` to device ``(i + offset) % size``.
-
-    So device ``j`` receives the value of device ``j - offset`` (wrapping around); negative
-    offsets shift the other way.
 
     Examples:
         >>> import numpy as np, meshkit

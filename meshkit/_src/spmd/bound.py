@@ -85,9 +85,8 @@ class MeshPlan:
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
         """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
-        found = self.layouts.get(treedef)
-        if found is not None:
-            return found
+        if treedef in self.layouts:
+            return self.layouts[treedef]
         owner, raw = self.owner, self.owner.in_specs
         if is_spec_leaf(raw):
             specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
@@ -104,12 +103,7 @@ class MeshPlan:
                 align_specs(r, a, where=f"{self.what}: in_specs[{i}]")
                 for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
             )
-            specs = tuple(
-                jax.tree_util.tree_map(
-                    lambda s: as_partition_spec(s, "in_specs"), r, is_leaf=is_spec_leaf
-                )
-                for r in raws
-            )
+            specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
         leaves = _leaf_specs(dyn, specs, raws)
         jitted = plan = None
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only

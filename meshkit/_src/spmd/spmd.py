@@ -62,17 +62,17 @@ class SpmdFunction:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = _canonical.function_name(fn)
+        what = f"meshkit.spmd({self.name})"
         if mesh is not None and not isinstance(mesh, Mesh):
             raise MeshkitError(
-                f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "
+                f"{what}: mesh must be a jax.sharding.Mesh (e.g. from "
                 f"meshkit.make_mesh) or None for the mesh of jax.set_mesh; got {mesh!r}."
             )
-        what = f"meshkit.spmd({self.name})"
         self.static_argnums = argnums(static_argnums, "static_argnums", what)
         self.donate_argnums = argnums(donate_argnums, "donate_argnums", what)
         if isinstance(in_specs, Mapping):
             raise MeshkitError(
-                f"meshkit.spmd({self.name}): in_specs must be one spec for every argument, or a "
+                f"{what}: in_specs must be one spec for every argument, or a "
                 f"tuple with one entry per positional argument; got {describe_node(in_specs)}.\n"
                 "Consider in_specs=(specs,) if it describes the first argument."
             )
@@ -90,16 +90,9 @@ class SpmdFunction:
             map_specs(_check_leaf, tree, f"spmd({self.name}): {what}")
         self.check_vma = bool(check_vma)
         self.mesh = mesh
-        self._site = _dispatch.CallSite(
-            "spmd",
-            self.name,
-            info={
-                "mesh": mesh,
-                "params": _dispatch.param_names(fn),
-                "origin": _dispatch.origin(fn),
-                "static_argnums": self.static_argnums,
-            },
-        )
+        info = {"mesh": mesh, "params": _dispatch.param_names(fn), "origin": _dispatch.origin(fn)}
+        info["static_argnums"] = self.static_argnums
+        self._site = _dispatch.CallSite("spmd", self.name, info=info)
         self._warned: set[str] = set()
         self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
         self._plan = MeshPlan(self, mesh) if mesh is not None else None
@@ -134,10 +127,9 @@ class SpmdFunction:
                 f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and {when} "
                 "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
             )
-        plan = self._plans.get(mesh)
-        if plan is None:
-            plan = self._plans[mesh] = MeshPlan(self, mesh)
-        return plan
+        if mesh not in self._plans:
+            self._plans[mesh] = MeshPlan(self, mesh)
+        return self._plans[mesh]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self._plan
@@ -156,7 +148,7 @@ class SpmdFunction:
                 f"positional); got keywords {sorted(kwargs)}."
             )
         _dispatch.enter(self._site, args)
-        plan = self._plan if self._plan is not None else self._plan_for_call()
+        plan = self._plan_for_call()
         if plan is None:  # traced inside jax.jit: shard_map over the abstract mesh
             return self._context_plan(jax.sharding.get_abstract_mesh(), "traced").body(*args)
         return plan.call(args)

@@ -37,11 +37,7 @@ def _unknown(reason: str) -> Variance:
 
 def join(values: Sequence[Variance]) -> Variance:
     """The least upper bound: varying wins, then the first unknown (its reason kept)."""
-    best = INVARIANT
-    for v in values:
-        if v.level > best.level:
-            best = v
-    return best
+    return max(values, key=lambda v: v.level, default=INVARIANT)
 
 
 # Collectives whose result is the same on every device of the axes they reduce over.
@@ -74,9 +70,7 @@ class _Analysis:
         env: dict[Any, Variance] = dict(zip(inner.invars, inputs, strict=True))
 
         def read(atom: Any) -> Variance:
-            if isinstance(atom, jex.Literal):
-                return INVARIANT
-            return env.get(atom, INVARIANT)
+            return INVARIANT if isinstance(atom, jex.Literal) else env.get(atom, INVARIANT)
 
         for eqn in inner.eqns:
             ins = [read(a) for a in eqn.invars]
@@ -101,12 +95,9 @@ class _Analysis:
             return [join([*ins, _unknown(f"meshkit has no rule for {name}")])] * n_out
         if name in _IMPURE:
             return [join([*ins, _unknown(f"it comes from jax.experimental.{name}")])] * n_out
-        if name == "scan":
-            return self.scan(eqn, ins)
-        if name == "while":
-            return self.while_loop(eqn, ins)
-        if name == "cond":
-            return self.cond(eqn, ins)
+        loop = {"scan": self.scan, "while": self.while_loop, "cond": self.cond}.get(name)
+        if loop is not None:
+            return loop(eqn, ins)
         subs = list(jex.jaxprs_in_params(params))
         if not subs:
             return [join(ins)] * n_out
@@ -117,11 +108,8 @@ class _Analysis:
         # Another higher-order primitive: every output may depend on every input and on
         # whatever its bodies compute from them.
         worst = join(ins)
-        found = [worst]
-        for sub in subs:
-            inner = _open(sub)
-            found += self.run(sub, [worst] * len(inner.invars))
-        return [join(found)] * n_out
+        found = [v for sub in subs for v in self.run(sub, [worst] * len(_open(sub).invars))]
+        return [join([worst, *found])] * n_out
 
     def _fixpoint(self, carry: list[Variance], step: Any) -> tuple[list[Variance], list[Variance]]:
         """Join ``step(carry)``'s leading outputs into ``carry`` until it stops changing."""
