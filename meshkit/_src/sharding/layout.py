@@ -153,17 +153,13 @@ class ProcessSlice:
     Attributes:
         process: the process this describes.
         global_shape: the global array's shape.
-        local_shape: the shape of the local array the process passes to
-            `meshkit.global_array_from_local`.
-        ranges: per dimension, the ``(start, stop)`` ranges of global indices the process
-            provides, in increasing order; the local array is their concatenation. One range
-            per dimension in the common case; several in non-contiguous layouts.
-        shard_index: for a data loader that splits the dataset's rows (the leading dimension)
-            into ``shard_count`` shards: the shard this process loads. Processes in the same
-            replica group (along the leading dimension) get the same index.
+        local_shape: the shape of its local array for `meshkit.global_array_from_local`.
+        ranges: per dimension, the ``(start, stop)`` ranges of global indices it provides, in
+            increasing order; the local array is their concatenation.
+        shard_index: the shard of the dataset's rows this process loads, out of
+            ``shard_count``; processes of one replica group share it.
         shard_count: the number of distinct row sets processes provide.
-        replicas: the processes that provide exactly the same data as this one, itself
-            included (one process unless some mesh axis across processes is not in the spec).
+        replicas: the processes that provide exactly the same data as this one, itself included.
     """
 
     process: int

@@ -213,19 +213,14 @@ def order_devices(
     The order is docs/meshes.md's; any objects with ``process_index`` work (test doubles too).
 
     Args:
-        devices: the flat device list; every process must hold the same number of them.
-        sizes: the resolved mesh shape; its product must equal ``len(devices)``.
-        host_of: the host of each process (any hashable, by process index); None: each
-            process is a host of its own.
-        across: the axes (by position) that take the host factors; None: any axis, outermost
-            first.
-
-    Returns:
-        An object array of shape ``sizes``.
+        devices: the flat device list, the same number from every process.
+        sizes: the resolved mesh shape, of product ``len(devices)``.
+        host_of: the host of each process (by process index); None: one host per process.
+        across: the positions of the axes that take the host factors; None: any, outermost first.
 
     Raises:
-        MeshkitError: processes hold unequal numbers of the devices; the ``across`` axes
-            cannot span the hosts.
+        MeshkitError: processes hold unequal numbers of devices, or the ``across`` axes cannot
+            span the hosts.
 
     Examples:
         >>> from types import SimpleNamespace as D
@@ -327,18 +322,11 @@ def across_positions(across_hosts: Any, names: Sequence[str]) -> frozenset[int] 
 
 @public
 def describe(mesh: Mesh) -> str:
-    """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
+    """A readable text picture of any ``mesh``: its axes, which process owns which part, devices.
 
-    Rows are the coordinates of all axes but the last, columns those of the last. Each cell is
-    ``p<process>/d<device id>``. When the mesh spans several hosts (as `meshkit.init` learned
-    them), the header counts them, a line per host says what it holds, and each process line
-    names its host.
-
-    Args:
-        mesh: any ``jax.sharding.Mesh`` (not only meshkit's).
-
-    Returns:
-        Several lines of text, ready to print.
+    Rows are the coordinates of all axes but the last, columns those of the last; each cell is
+    ``p<process>/d<device id>``. Across several hosts (as `meshkit.init` learned them), a line
+    per host says what it holds.
 
     Examples:
         >>> import meshkit
@@ -375,17 +363,14 @@ def describe(mesh: Mesh) -> str:
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
     cols = shape[-1]
-    row_shape = shape[:-1]
-    col_labels = [f"{names[-1]}={j}" for j in range(cols)]
-    rows = []
-    for idx in np.ndindex(*row_shape) if row_shape else [()]:
+    rows = [("", [f"{names[-1]}={j}" for j in range(cols)])]  # the column labels first
+    for idx in np.ndindex(*shape[:-1]):
         label = " ".join(f"{n}={i}" for n, i in zip(names[:-1], idx, strict=True))
-        cells = [f"p{devs[(*idx, j)].process_index}/d{devs[(*idx, j)].id}" for j in range(cols)]
-        rows.append((label, cells))
-    label_w = max([len(r[0]) for r in rows] + [0])
-    cell_w = max(len(c) for c in col_labels + [c for _, cs in rows for c in cs])
-    pad = " " * label_w + "  " if label_w else ""
-    lines.append(pad + "  ".join(c.ljust(cell_w) for c in col_labels).rstrip())
+        rows.append(
+            (label, [f"p{devs[*idx, j].process_index}/d{devs[*idx, j].id}" for j in range(cols)])
+        )
+    label_w = max(len(label) for label, _ in rows)
+    cell_w = max(len(c) for _, cells in rows for c in cells)
     for label, cells in rows:
         prefix = label.ljust(label_w) + "  " if label_w else ""
         lines.append(prefix + "  ".join(c.ljust(cell_w) for c in cells).rstrip())

@@ -88,9 +88,7 @@ def is_abstract(leaf: Any) -> bool:
 
 def is_local(leaf: Any) -> bool:
     """Process-local: host data or an array on this process's devices only (not a tracer)."""
-    return not isinstance(leaf, jax.Array) or (
-        not isinstance(leaf, Tracer) and leaf.is_fully_addressable
-    )
+    return is_host(leaf) or (not isinstance(leaf, Tracer) and leaf.is_fully_addressable)
 
 
 def put_host(
