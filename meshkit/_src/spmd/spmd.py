@@ -131,6 +131,7 @@ class SpmdFunction:
             self._plans[mesh] = MeshPlan(self, mesh)
         return self._plans[mesh]
 
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self._plan
         if plan is not None and not kwargs and _dispatch.quiet():
@@ -140,7 +141,6 @@ class SpmdFunction:
                 return jitted(*args)
         return self._call(*args, **kwargs)
 
-    @public
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
