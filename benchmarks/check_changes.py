@@ -6,10 +6,11 @@ Usage: ``meshkit launch -n 2 -d 4 check_changes.py BENCHMARKS_DIR``. Process 0 p
 Each call cycles through 17 layouts of 64 KiB per process (17 widths of one float32 batch), so
 no agreement repeats a pattern the primitive predicts (periods up to 16): under ``check=True``
 every call posts its record before the agreement, the most a changed layout costs. Timed beside
-one layout under ``check=True`` (a steady loop), ``check="deferred"`` (never waits) and
-``jax.make_array_from_process_local_data``, in alternating rounds; a round is 34 calls, then a
-device barrier (untimed). The coordination service's round trip is timed alone: one wait at
-the service's own barrier by every process (``wait_at_barrier``, one request each).
+one layout under ``check=True`` (a steady loop, on its own channel), ``check="deferred"``
+(never waits) and ``jax.make_array_from_process_local_data``, in alternating rounds; a round
+is 34 calls, then a device barrier (untimed). The coordination service's round trip is timed
+alone: one wait at the service's own barrier by every process (``wait_at_barrier``, one
+request each).
 """
 
 import json
@@ -48,8 +49,16 @@ def ours(check):
     return cycle(lambda i: meshkit.global_array_from_local(batches[i], mesh, "data", check=check))
 
 
-def steady():  # one layout: every call after the first PERIOD repeats the agreed pattern
-    return cycle(lambda i: meshkit.global_array_from_local(batches[8], mesh, "data"))
+def steady():
+    """One layout, on a channel of its own: its agreed history is steady across rounds (on the
+    main channel, each round would follow the changed calls' and agree PERIOD calls first)."""
+    one = cycle(lambda i: meshkit.global_array_from_local(batches[8], mesh, "data"))
+
+    def run():
+        with meshkit.channel("bench-steady"):
+            return one()
+
+    return run
 
 
 base = cycle(lambda i: jax.make_array_from_process_local_data(sharding, batches[i], shapes[i]))

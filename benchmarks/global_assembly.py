@@ -8,12 +8,11 @@ Variants, each timed to ``.block_until_ready()`` and freed before the next call:
   batched ``jax.device_put(views, devices)``; ``jax.make_array_from_single_device_arrays``.
   No planning, no checks, and replicas are put from the host again;
 * ``meshkit``: ``meshkit.global_array_from_local(local, mesh, spec)`` (``check=True``, the
-  default: with several processes, one message per process through the coordination service);
-* ``meshkit_verify``: ``meshkit`` timed until its check is verified (multi-process rows only).
-  ``check=True`` verifies beside the caller (`meshkit._src.coord.agree.agree_later`): a call
-  returns before the processes have agreed, so ``meshkit`` alone leaves out the verification of a
-  round's last calls; this variant ends each round with ``meshkit._src.coord.agree.drain``, inside
-  the timed span;
+  default: with several processes, one agreement through the coordination service, decided in
+  the call);
+* ``meshkit_verify``: ``meshkit`` with each round timed until `meshkit._src.coord.agree.drain`
+  returns (multi-process rows only); with every default check decided in its call the drain has
+  nothing to wait for, so it equals ``meshkit`` but for the drain's own call;
 * ``meshkit_nocheck``: the same with ``check=False`` (multi-process rows only).
 
 Rows: 1 process x 8 CPU devices (`bench_global_single_process`, in run.py's own process),

@@ -1,22 +1,12 @@
 """meshkit: multi-host JAX made simple, fast and safe.
 
-One Python process per host runs the same program; meshkit joins them (`init`), builds
-meshes over every device of every process (`make_mesh`), and starts local multi-process
-runs for development and tests (``meshkit launch``, `meshkit.testing`). Per-device code runs
-through `spmd` with the named-axis collectives of `meshkit.collectives`. Data pipelines turn
-each process's batches into global arrays (`global_array_from_local`, `global_batches`) and
-back (`local_from_global`, `gather`); `process_slice` says which part each process loads, and
-`meshkit.loaders` applies it to grain and Hugging Face `datasets` loaders; a `DataPosition`
-says where the data stands, to resume it at the same global batch.
-Code written for `jax.pmap` runs on mesh sharding through `pmap_compat` and the legacy helpers
-(`replicate`, `unreplicate`, `shard`, ...); ``meshkit migrate`` finds and rewrites it.
-`meshkit.debug` (``MESHKIT_DEBUG=1``) turns processes that diverge or stall into errors that name
-them (`DivergenceError`); `barrier` is a named meeting point with a timeout.
-`meshkit.checkpoint` saves global arrays with orbax and restores them onto any mesh, checked.
+Join the processes (`init`), build meshes over all their devices (`make_mesh`), run per-device
+code (`spmd`, `meshkit.collectives`), turn per-process batches into global arrays and back
+(`global_batches`, `local_from_global`), checkpoint (`meshkit.checkpoint`) and debug
+(`meshkit.debug`). See docs/index.md.
 """
-# The face is lazy (PEP 562): ``import meshkit`` loads a name's module when the name is first
-# used, so that ``meshkit launch`` and ``meshkit migrate`` start without importing JAX. The
-# imports under TYPE_CHECKING are what type checkers and IDEs read; `_LAZY` is what runs.
+# Lazy (PEP 562): a name's module loads on first use, so that ``meshkit launch`` starts without
+# JAX. Type checkers read the TYPE_CHECKING imports; `_LAZY` is what runs.
 
 from __future__ import annotations
 
@@ -61,10 +51,10 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
     from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
     from ._src.pmap.legacy_data import shard as shard
+    from ._src.pmap.pmap import Compiled as Compiled
+    from ._src.pmap.pmap import Lowered as Lowered
     from ._src.pmap.pmap import PmapFunction as PmapFunction
     from ._src.pmap.pmap import pmap_compat as pmap_compat
-    from ._src.pmap.stages import Compiled as Compiled
-    from ._src.pmap.stages import Lowered as Lowered
     from ._src.runtime.hosts import Hosts as Hosts
     from ._src.runtime.init import RuntimeInfo as RuntimeInfo
     from ._src.runtime.init import init as init
@@ -79,109 +69,52 @@ if _typing.TYPE_CHECKING:
     from .debug import barrier as barrier
 
 __all__ = [
-    "Compiled",
-    "DataPosition",
-    "DivergenceError",
-    "DtypeWarning",
-    "GlobalBatches",
-    "Hosts",
-    "LaunchAttempt",
-    "LaunchError",
-    "LaunchResult",
-    "Lowered",
-    "MeshkitError",
-    "MeshkitIndexError",
-    "MeshkitNameError",
-    "MeshkitTypeError",
-    "PmapFunction",
-    "PreemptionNotice",
-    "ProcessSlice",
-    "RankResult",
-    "ReshardWarning",
-    "RuntimeInfo",
-    "SpmdFunction",
-    "UncheckedOutputWarning",
-    "barrier",
-    "channel",
-    "checkpoint",
-    "collectives",
-    "debug",
-    "describe",
-    "device_put_replicated",
-    "device_put_sharded",
-    "gather",
-    "get_metrics",
-    "global_array_from_local",
-    "global_batches",
-    "init",
-    "launch",
-    "loaders",
-    "local_from_global",
-    "make_mesh",
-    "pad_shard_unpad",
-    "pmap_compat",
-    "preemption_notice",
-    "prefetch_to_device",
-    "process_slice",
-    "replicate",
-    "runtime_info",
-    "shard",
-    "shard_prng_key",
-    "spec",
-    "spmd",
-    "unreplicate",
-]
+    "Compiled", "DataPosition", "DivergenceError", "DtypeWarning", "GlobalBatches", "Hosts",
+    "LaunchAttempt", "LaunchError", "LaunchResult", "Lowered", "MeshkitError",
+    "MeshkitIndexError", "MeshkitNameError", "MeshkitTypeError", "PmapFunction",
+    "PreemptionNotice", "ProcessSlice", "RankResult", "ReshardWarning", "RuntimeInfo",
+    "SpmdFunction", "UncheckedOutputWarning", "barrier", "channel", "checkpoint",
+    "collectives", "debug", "describe", "device_put_replicated", "device_put_sharded",
+    "gather", "get_metrics", "global_array_from_local", "global_batches", "init", "launch",
+    "loaders", "local_from_global", "make_mesh", "pad_shard_unpad", "pmap_compat",
+    "preemption_notice", "prefetch_to_device", "process_slice", "replicate", "runtime_info",
+    "shard", "shard_prng_key", "spec", "spmd", "unreplicate",
+]  # fmt: skip
 
-# Public name -> (module, attribute in it); a module itself has no attribute. A module listed
-# in `_JAX_FREE` is the launcher's: its names load without JAX.
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "checkpoint": (".checkpoint", None),
-    "collectives": (".collectives", None),
-    "debug": (".debug", None),
-    "loaders": (".loaders", None),
-    "global_array_from_local": ("._src.arrays.assembly", "global_array_from_local"),
-    "GlobalBatches": ("._src.arrays.batches", "GlobalBatches"),
-    "global_batches": ("._src.arrays.batches", "global_batches"),
-    "DtypeWarning": ("._src.arrays.dtypes", "DtypeWarning"),
-    "gather": ("._src.arrays.to_host", "gather"),
-    "local_from_global": ("._src.arrays.to_host", "local_from_global"),
-    "channel": ("._src.coord.channel", "channel"),
-    "DataPosition": ("._src.core.data_position", "DataPosition"),
-    "LaunchResult": ("._src.launch.launcher", "LaunchResult"),
-    "LaunchAttempt": ("._src.launch.report", "LaunchAttempt"),
-    "RankResult": ("._src.launch.launcher", "RankResult"),
-    "launch": ("._src.launch.launcher", "launch"),
-    "PreemptionNotice": ("._src.lifecycle.preemption", "PreemptionNotice"),
-    "preemption_notice": ("._src.lifecycle.preemption", "notice"),
-    "device_put_replicated": ("._src.pmap.legacy", "device_put_replicated"),
-    "device_put_sharded": ("._src.pmap.legacy", "device_put_sharded"),
-    "get_metrics": ("._src.pmap.legacy_data", "get_metrics"),
-    "pad_shard_unpad": ("._src.pmap.legacy_data", "pad_shard_unpad"),
-    "prefetch_to_device": ("._src.pmap.legacy_data", "prefetch_to_device"),
-    "replicate": ("._src.pmap.legacy", "replicate"),
-    "shard": ("._src.pmap.legacy_data", "shard"),
-    "shard_prng_key": ("._src.pmap.legacy", "shard_prng_key"),
-    "unreplicate": ("._src.pmap.legacy", "unreplicate"),
-    "PmapFunction": ("._src.pmap.pmap", "PmapFunction"),
-    "UncheckedOutputWarning": ("._src.pmap.entry", "UncheckedOutputWarning"),
-    "pmap_compat": ("._src.pmap.pmap", "pmap_compat"),
-    "Compiled": ("._src.pmap.stages", "Compiled"),
-    "Lowered": ("._src.pmap.stages", "Lowered"),
-    "Hosts": ("._src.runtime.hosts", "Hosts"),
-    "RuntimeInfo": ("._src.runtime.init", "RuntimeInfo"),
-    "init": ("._src.runtime.init", "init"),
-    "runtime_info": ("._src.runtime.init", "runtime_info"),
-    "ProcessSlice": ("._src.sharding.layout", "ProcessSlice"),
-    "process_slice": ("._src.sharding.layout", "process_slice"),
-    "describe": ("._src.sharding.mesh", "describe"),
-    "make_mesh": ("._src.arrays.meshes", "make_mesh"),
-    "spec": ("._src.sharding.specs", "spec"),
-    "ReshardWarning": ("._src.spmd.spmd", "ReshardWarning"),
-    "SpmdFunction": ("._src.spmd.spmd", "SpmdFunction"),
-    "spmd": ("._src.spmd.spmd", "spmd"),
-    "barrier": (".debug", "barrier"),
+# Module -> the public names it holds ("public=attribute" where they differ).
+_LAZY_FROM = {
+    "._src.arrays.assembly": "global_array_from_local",
+    "._src.arrays.batches": "GlobalBatches global_batches",
+    "._src.arrays.dtypes": "DtypeWarning",
+    "._src.arrays.meshes": "make_mesh",
+    "._src.arrays.to_host": "gather local_from_global",
+    "._src.coord.channel": "channel",
+    "._src.core.data_position": "DataPosition",
+    "._src.launch.launcher": "LaunchResult RankResult launch",
+    "._src.launch.report": "LaunchAttempt",
+    "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",
+    "._src.pmap.entry": "UncheckedOutputWarning",
+    "._src.pmap.legacy": "device_put_replicated device_put_sharded replicate shard_prng_key "
+    "unreplicate",
+    "._src.pmap.legacy_data": "get_metrics pad_shard_unpad prefetch_to_device shard",
+    "._src.pmap.pmap": "Compiled Lowered PmapFunction pmap_compat",
+    "._src.runtime.hosts": "Hosts",
+    "._src.runtime.init": "RuntimeInfo init runtime_info",
+    "._src.sharding.layout": "ProcessSlice process_slice",
+    "._src.sharding.mesh": "describe",
+    "._src.sharding.specs": "spec",
+    "._src.spmd.spmd": "ReshardWarning SpmdFunction spmd",
+    ".debug": "barrier",
 }
-_JAX_FREE = frozenset({"._src.launch.launcher"})
+# Public name -> (module, attribute in it); a module itself has no attribute.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **{name: (f".{name}", None) for name in ("checkpoint", "collectives", "debug", "loaders")},
+    **{
+        public: (module, attribute or public)
+        for module, names in _LAZY_FROM.items()
+        for public, _, attribute in (n.partition("=") for n in names.split())
+    },
+}
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -1,17 +1,9 @@
 """Named-axis collectives for per-device code (inside `meshkit.spmd` or `jax.shard_map`).
 
-Each function takes one mesh axis name or a tuple of them. With a tuple, the devices along those
-axes form one group, numbered row-major in the order the names are given (so
-``all_gather(x, ("data", "model"))`` puts the ``data`` index outermost). All of them work on
-pytrees of arrays, like their `jax.lax` counterparts, which do the work.
-
-What meshkit adds is checking with messages that name the function, the bad value and what
-would be valid: an axis name that is not bound where the collective is called (outside spmd, a
-typo, an axis the mesh lacks), a dimension that does not divide by the group size, a
-permutation that leaves the group. The checks run while JAX traces, never per call.
-
-`meshkit.testing` runs the same per-device code one device at a time against numpy references
-of these functions; that works only for code that calls the collectives through this module.
+Each takes a mesh axis name or a tuple of them (one group, numbered row-major in the order
+given) and works on pytrees like its `jax.lax` counterpart. meshkit adds checks while tracing:
+an axis not bound where the collective is called, a dimension the group size does not divide,
+a permutation that leaves the group.
 """
 
 from ._src.spmd.axis_collectives import AxisName as AxisName
@@ -30,17 +22,6 @@ from ._src.spmd.axis_collectives import psum_scatter as psum_scatter
 from ._src.spmd.axis_collectives import shift as shift
 
 __all__ = [
-    "AxisName",
-    "Interceptor",
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "pmax",
-    "pmean",
-    "pmin",
-    "ppermute",
-    "psum",
-    "psum_scatter",
-    "shift",
-]
+    "AxisName", "Interceptor", "all_gather", "all_to_all", "axis_index", "axis_size", "pmax",
+    "pmean", "pmin", "ppermute", "psum", "psum_scatter", "shift",
+]  # fmt: skip

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit._src.arrays import templates, transfer
+from meshkit._src.arrays import assembly, blocks
 from meshkit._src.core import caches
 from meshkit._src.core.errors import MeshkitError
 from meshkit._src.sharding import layout, specs
@@ -114,16 +114,16 @@ def test_clear_caches_reaches_meshkits_own_caches():
     mesh = meshkit.make_mesh({"data": 8})
     meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
     sizes = [
-        len(templates._templates),
-        len(transfer._orders),
+        len(blocks._templates),
+        len(assembly._orders),
         layout.plan.cache_info().currsize,
         specs.parse_spec.cache_info().currsize,
     ]
     assert all(sizes), sizes
     caches.clear_caches()
     sizes = [
-        len(templates._templates),
-        len(transfer._orders),
+        len(blocks._templates),
+        len(assembly._orders),
         layout.plan.cache_info().currsize,
         specs.parse_spec.cache_info().currsize,
     ]

@@ -1,4 +1,4 @@
-"""`meshkit.global_batches`' close notices (`meshkit._src.arrays.loop_exit`), in one process.
+"""`meshkit.global_batches`' close notices (`meshkit._src.arrays.ends`), in one process.
 
 Processes are `Node`s over the in-process fake of the coordination service; the real runs (a
 process that goes on past another's close, closes after different steps) are in
@@ -13,7 +13,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.arrays import loop_exit
+from meshkit._src.arrays import ends
 from meshkit._src.coord.fake import FakeCluster
 from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import poll_period
@@ -21,31 +21,31 @@ from meshkit._src.lifecycle.failfast import poll_period
 
 def test_posts_are_read_by_every_process_and_name_the_steps():
     nodes = FakeCluster(3).nodes()
-    assert loop_exit.posted(nodes[2], "gb/0") == {}
-    loop_exit.leave(nodes[1], "gb/0", loop_exit.CLOSED, 4)
-    assert loop_exit.posted(nodes[2], "gb/0") == {1: 4}
-    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 4)
-    loop_exit.leave(nodes[2], "gb/0", loop_exit.TOOK, 5)  # not a close: the watch does not hear it
-    assert loop_exit.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
-    assert loop_exit.posted(nodes[2], "gb/1") == {}  # another iterator
-    assert loop_exit.differs({0: 4, 1: 4}, 0) is None
+    assert ends.posted(nodes[2], "gb/0") == {}
+    ends.leave(nodes[1], "gb/0", ends.CLOSED, 4)
+    assert ends.posted(nodes[2], "gb/0") == {1: 4}
+    ends.leave(nodes[0], "gb/0", ends.CLOSED, 4)
+    ends.leave(nodes[2], "gb/0", ends.TOOK, 5)  # not a close: the watch does not hear it
+    assert ends.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
+    assert ends.posted(nodes[2], "gb/1") == {}  # another iterator
+    assert ends.differs({0: 4, 1: 4}, 0) is None
 
 
 def test_a_close_waits_until_every_process_says_how_it_left():
     nodes = FakeCluster(3).nodes()
-    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 4)
-    threading.Timer(0.3, loop_exit.leave, (nodes[1], "gb/0", loop_exit.CLOSED, 4)).start()
-    threading.Timer(0.5, loop_exit.leave, (nodes[2], "gb/0", loop_exit.ENDED, 4)).start()
+    ends.leave(nodes[0], "gb/0", ends.CLOSED, 4)
+    threading.Timer(0.3, ends.leave, (nodes[1], "gb/0", ends.CLOSED, 4)).start()
+    threading.Timer(0.5, ends.leave, (nodes[2], "gb/0", ends.ENDED, 4)).start()
     start = time.monotonic()
-    said = loop_exit.confirm(nodes[0], "gb/0", timeout=10)
+    said = ends.confirm(nodes[0], "gb/0", timeout=10)
     assert 0.4 < time.monotonic() - start < 5
     assert said == {0: ("closed", 4), 1: ("closed", 4), 2: ("ended", 4)}
-    assert loop_exit.left_error(said, 3, 0, 10) is None  # every process left after step 4
+    assert ends.left_error(said, 3, 0, 10) is None  # every process left after step 4
 
 
 def test_a_close_names_the_processes_that_went_on_or_did_not_say():
     said = {0: ("closed", 3), 1: ("took", 4), 2: ("asks", 3), 3: ("closed", 3)}
-    error = loop_exit.left_error(said, 4, 0, 10)
+    error = ends.left_error(said, 4, 0, 10)
     assert isinstance(error, DivergenceError)
     assert str(error).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: this "
@@ -55,7 +55,7 @@ def test_a_close_names_the_processes_that_went_on_or_did_not_say():
     assert (error.processes, error.field) == ([1, 2], "steps")
     assert str(error).splitlines()[1].startswith("Every process must take the same number")
     assert str(error).splitlines()[2].startswith("Consider deciding when to stop")
-    late = loop_exit.left_error({0: ("closed", 3), 2: ("closed", 3)}, 3, 0, 10)
+    late = ends.left_error({0: ("closed", 3), 2: ("closed", 3)}, 3, 0, 10)
     assert isinstance(late, MeshkitError)
     assert not isinstance(late, DivergenceError)  # a slow process is not a divergent one
     assert str(late).splitlines()[0] == (
@@ -67,7 +67,7 @@ def test_a_close_names_the_processes_that_went_on_or_did_not_say():
 
 
 def test_closing_after_different_steps_names_the_others():
-    error = loop_exit.differs({0: 2, 1: 3, 2: 2}, 0)
+    error = ends.differs({0: 2, 1: 3, 2: 2}, 0)
     assert error is not None
     assert str(error).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: process 1 "
@@ -77,13 +77,13 @@ def test_closing_after_different_steps_names_the_others():
 
 
 def test_going_on_names_the_processes_that_closed_before():
-    asks = loop_exit.went_on({0: 2, 2: 5}, 1, 2, took=False)
+    asks = ends.went_on({0: 2, 2: 5}, 1, 2, took=False)
     assert str(asks).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: process 0 "
         "after step 2 closed its iterator, but this process (process 1) asks for step 3, which "
         "process 0 will not take."
     )
-    took = loop_exit.went_on({0: 2, 2: 2}, 1, 3, took=True)
+    took = ends.went_on({0: 2, 2: 2}, 1, 3, took=True)
     assert str(took).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: processes "
         "0,2 after step 2 closed their iterators, but this process (process 1) took step 3 "
@@ -102,9 +102,9 @@ def test_the_processes_named_are_those_past_whose_last_step_this_one_goes(closer
     # Reference: a closer is named when this process goes beyond its last step, by the step
     # taken (took) or by the one asked for.
     beyond = sorted(p for p, k in closers.items() if (steps if took else steps + 1) > k)
-    error = loop_exit.went_on(closers, 99, steps, took=took)
+    error = ends.went_on(closers, 99, steps, took=took)
     assert error.processes == (beyond or sorted(closers))
-    mine = loop_exit.differs({**closers, 99: steps}, 99)
+    mine = ends.differs({**closers, 99: steps}, 99)
     others = sorted(p for p, k in closers.items() if k != steps)
     assert (mine is None) == (not others)
     assert mine is None or mine.processes == others
@@ -114,11 +114,11 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = loop_exit.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch = ends.Watch(nodes[1], "gb/0", heard.append, stop)
     watch.start()
     time.sleep(0.2)
     start = time.monotonic()
-    loop_exit.leave(nodes[0], "gb/0", loop_exit.CLOSED, 7)
+    ends.leave(nodes[0], "gb/0", ends.CLOSED, 7)
     watch.join(5)
     assert not watch.is_alive()
     assert heard == [{0: 7}]
@@ -130,12 +130,12 @@ def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
     nodes = cluster.nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = loop_exit.Watch(nodes[1], "gb/0", heard.append, stop)
+    watch = ends.Watch(nodes[1], "gb/0", heard.append, stop)
     watch.start()
     stop.set()
     watch.join(2)
     assert not watch.is_alive()
-    gone = loop_exit.Watch(nodes[1], "gb/1", heard.append, threading.Event())
+    gone = ends.Watch(nodes[1], "gb/1", heard.append, threading.Event())
     cluster.leave(1)  # its calls fail, as when the service is gone
     gone.start()
     gone.join(3)

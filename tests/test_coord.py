@@ -99,7 +99,7 @@ def _agree(summaries: list[str], timeout: float = 5.0, **kw: Any) -> list[Outcom
     )
 
 
-def test_agree_agrees_in_two_round_trips_once_steady():
+def test_agree_agrees_in_one_round_trip_once_steady():
     nodes = FakeCluster(3).nodes()
 
     def body(node: Node) -> list[tuple[bool, int]]:
@@ -112,14 +112,14 @@ def test_agree_agrees_in_two_round_trips_once_steady():
 
     for p, seen in enumerate(_together(nodes, body)):
         assert all(agreed for agreed, _ in seen)
-        # Steady (the summary the sequence predicts): an increment, and a verdict written or read.
-        assert seen[-1][1] == 2, (p, seen)
+        # Steady (the summary the sequence predicts): one wait at the sequence's barrier.
+        assert seen[-1][1] == 1, (p, seen)
         # A change (the first calls: nothing to predict yet) posts first: one round trip more,
         # and the last arrival reads the posted entries once.
         assert seen[0][1] in (3, 4), (p, seen)
 
 
-def test_a_steady_pattern_of_several_sites_agrees_in_two_round_trips():
+def test_a_steady_pattern_of_several_sites_agrees_in_one_round_trip():
     # A loop that agrees at three sites in turn (a batch, a step, a metric) is steady too: the
     # sequence predicts the entry one period back.
     nodes = FakeCluster(2).nodes()
@@ -136,7 +136,7 @@ def test_a_steady_pattern_of_several_sites_agrees_in_two_round_trips():
 
     for costs in _together(nodes, body):
         steady = agreement.SPAN + len(pattern)  # the pattern holds over SPAN agreements
-        assert costs[steady:] == [2] * (len(costs) - steady), costs
+        assert costs[steady:] == [1] * (len(costs) - steady), costs
 
 
 @settings(max_examples=30, deadline=None)
@@ -172,6 +172,54 @@ def test_a_change_in_one_process_after_steady_calls_is_a_mismatch_at_once():
         assert agreed == [True] * (agreement.SPAN + 2) + [False]
         assert waited < 5.0  # decided when the last process arrived, not at the timeout
         assert records == {0: "last 0", 1: "last 1", 2: "last 2"}
+
+
+def _steady_then(body_last: Callable[[Node], Any], n: int = 2) -> list[Any]:
+    """Each process agrees steadily (until the barrier serves), then runs ``body_last``."""
+
+    def body(node: Node) -> Any:
+        for _ in range(agreement.SPAN + 2):
+            assert _at(node, "t", "a", f"r{node.me}").agreed
+        before = node.stats.rpcs
+        assert _at(node, "t", "a", "r").agreed
+        assert node.stats.rpcs - before == 1
+        start = time.monotonic()
+        return body_last(node), time.monotonic() - start
+
+    return _together(FakeCluster(n).nodes(), body)
+
+
+def test_a_change_after_steady_calls_breaks_the_barrier_so_nobody_waits_there():
+    # The process whose summary changed is flagged: it breaks the barrier the others wait at,
+    # so the counted path decides as soon as the last process arrives.
+    results = _steady_then(lambda node: _at(node, "t", "b" if node.me else "a", "x", 20.0), 3)
+    for outcome, waited in results:
+        assert not outcome.agreed
+        assert waited < agreement.FAST_S  # not the barrier's wait
+
+
+def test_a_leave_after_steady_calls_breaks_the_barrier_too():
+    def last(node: Node) -> Outcome | None:
+        if node.me == 1:
+            agreement.leave(node, "main", "t", "closed")
+            return None
+        return _at(node, "t", "a", "r0", 20.0)
+
+    (outcome, waited), _ = _steady_then(last)
+    assert not outcome.agreed
+    assert outcome.records[1] == "closed"
+    assert waited < agreement.FAST_S
+
+
+def test_a_process_later_than_the_barrier_wait_still_agrees():
+    # The barrier times out for process 0; the counted path agrees once process 1 arrives.
+    def last(node: Node) -> bool:
+        if node.me == 1:
+            time.sleep(agreement.FAST_S * 1.5)
+        agreed = _at(node, "t", "a", "r", 20.0).agreed
+        return agreed and _at(node, "t", "a", "r", 20.0).agreed  # and the next one too
+
+    assert [agreed for agreed, _ in _steady_then(last)] == [True, True]
 
 
 def test_agree_compares_replica_groups():

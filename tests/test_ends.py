@@ -1,6 +1,6 @@
 """Where the data ends in `meshkit.global_batches`: the short-batch rule, decided from records.
 
-`meshkit._src.arrays.data_end.short_batch` decides from the records every process holds at a step;
+`meshkit._src.arrays.ends.short_batch` decides from the records every process holds at a step;
 the multi-process behaviour is in `tests/test_global_multiprocess.py`.
 """
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshkit
-from meshkit._src.arrays import data_end
+from meshkit._src.arrays import ends
 from meshkit._src.arrays.records import LeafRecord, PartRecord
 
 
@@ -31,9 +31,9 @@ def _record(rows: int | None, last: bool | None, status: str = "data") -> PartRe
 )
 def test_only_a_last_batch_may_be_short(rows, last, pad, step):
     records = {p: _record(n, last[p]) for p, n in enumerate(rows)}
-    message = data_end.short_batch(records, step, pad=pad)
+    message = ends.short_batch(records, step, pad=pad)
     short = [p for p, n in enumerate(rows) if n < max(rows)]
-    assert data_end.short(records) == short
+    assert ends.short(records) == short
     midstream = [p for p in short if not last[p]]
     allowed = not short or (pad and not midstream)
     assert (message is None) == allowed, message
@@ -44,28 +44,28 @@ def test_only_a_last_batch_may_be_short(rows, last, pad, step):
             held = {p: n for p, n in enumerate(rows)}
             for n in set(rows):
                 ps = [p for p, m in held.items() if m == n]
-                assert data_end._rows_text(ps, held) in message, message
-            assert f"{data_end._loaders(midstream)} more batches after it" in message, message
+                assert ends._rows_text(ps, held) in message, message
+            assert f"{ends._loaders(midstream)} more batches after it" in message, message
             assert "ragged" not in message, message
             assert "pad=True" not in message.split("\nConsider", 1)[1], message
         else:  # pad=False, the short batches are the last ones
             # The short processes, all of them and only them, are named before "where".
             named = message.split(" where ", 1)[0]
-            assert data_end._processes(short) in named, message
+            assert ends._processes(short) in named, message
             assert "last batch" in message
             assert "Consider pad=True" in message
 
 
 def test_processes_that_ended_are_not_short():
     records = {0: _record(8, False), 1: _record(0, True, status="end"), 2: _record(8, False)}
-    assert data_end.short_batch(records, 5, pad=True) is None
+    assert ends.short_batch(records, 5, pad=True) is None
 
 
 def test_a_process_that_could_not_read_ahead_is_not_named():
     # Its loader failed when read ahead: that failure is raised at the next step instead.
     records = {0: _record(8, None), 1: _record(4, None)}
-    assert data_end.short_batch(records, 2, pad=True) is None
-    message = data_end.short_batch(records, 2, pad=False)
+    assert ends.short_batch(records, 2, pad=True) is None
+    message = ends.short_batch(records, 2, pad=False)
     assert message is not None
     assert "its loader's last batch" not in message, message
     assert "the loader's last batch" not in message, message
@@ -76,13 +76,13 @@ def test_a_process_that_could_not_read_ahead_is_not_named():
 def test_records_without_rows_name_no_short_process():
     # pad="ragged" sends no rows: nothing is short.
     records = {0: _record(None, None), 1: _record(None, None)}
-    assert data_end.short(records) == []
-    assert data_end.short_batch(records, 1, pad=True) is None
+    assert ends.short(records) == []
+    assert ends.short_batch(records, 1, pad=True) is None
 
 
 def test_several_short_processes_are_each_named_with_their_rows():
     records = {0: _record(8, False), 1: _record(4, False), 2: _record(6, True)}
-    message = data_end.short_batch(records, 3, pad=True)
+    message = ends.short_batch(records, 3, pad=True)
     assert message is not None
     assert message.startswith(
         "meshkit.global_batches: at step 3, the processes' batches differ in rows before the "

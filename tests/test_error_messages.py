@@ -18,7 +18,7 @@ import pytest
 from ranks import error_messages as ranks
 
 import meshkit
-from meshkit._src.arrays import data_end
+from meshkit._src.arrays import ends
 from meshkit._src.arrays.records import LeafRecord, PartRecord, compare
 from meshkit._src.core.events import Event
 from meshkit._src.launch import report as _report
@@ -132,7 +132,7 @@ def test_rows_that_differ_name_the_outlier_only_where_a_majority_agrees():
         1: PartRecord(rows=32, last=False),
         2: PartRecord(rows=40),
     }
-    message = data_end.short_batch(three, 3, pad=True)
+    message = ends.short_batch(three, 3, pad=True)
     assert message is not None
     assert "processes 0 and 1 have 32 rows; process 2's batch has 40 rows" in message, message
     assert "process 2 differs from the others" in message, message
@@ -201,7 +201,7 @@ def _messages() -> list[str]:
             what="w", mine=programs._ran(names[0]), number="2nd", gone="process 1 left"
         )
     )
-    midstream = data_end.short_batch(_records(p0=32, p1=40), 1, pad=True)
+    midstream = ends.short_batch(_records(p0=32, p1=40), 1, pad=True)
     assert midstream is not None
     out.append(midstream)
     for shapes in (

@@ -26,10 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
+from meshkit._src.arrays import assembly as _assembly_mod
 from meshkit._src.arrays import blocks as _blocks
 from meshkit._src.arrays import dtypes as _dtypes
-from meshkit._src.arrays import templates as _templates
-from meshkit._src.arrays import transfer as _transfer
 from meshkit._src.core import caches as _caches
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit._src.sharding.specs import dim_axes
@@ -59,7 +58,7 @@ TRANSFER_PATHS = pytest.mark.parametrize("from_host", [True, False], ids=["host"
 def test_global_value_round_trip_and_gather_match_numpy(from_host, data):
     mesh = data.draw(mks.meshes())
     tree, specs = data.draw(trees(mesh))
-    with mock.patch.object(_transfer, "_all_from_host", return_value=from_host) as path:
+    with mock.patch.object(_assembly_mod, "_all_from_host", return_value=from_host) as path:
         g = meshkit.global_array_from_local(tree, mesh, specs)
     path.assert_called_once()
     back = meshkit.local_from_global(g)
@@ -87,7 +86,7 @@ def test_pad_rounds_up_and_the_mask_marks_real_rows(from_host, data):
     n = int(np.prod([mesh.shape[a] for a in dim_axes(spec, 1)[0]]))
     rows = data.draw(st.integers(0, 3 * n))
     x = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1
-    with mock.patch.object(_transfer, "_all_from_host", return_value=from_host) as path:
+    with mock.patch.object(_assembly_mod, "_all_from_host", return_value=from_host) as path:
         (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
     path.assert_called_once()
     padded = -(-rows // n) * n
@@ -303,7 +302,7 @@ def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypa
 
 
 def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one(monkeypatch):
-    monkeypatch.setattr(_templates, "_templates", _caches.Cache(maxsize=64))
+    monkeypatch.setattr(_blocks, "_templates", _caches.Cache(maxsize=64))
     monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 4, "model": 2})
     rng = np.random.default_rng(0)
@@ -319,12 +318,12 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
 
     x = rng.standard_normal((16, 4)).astype(np.float32)
     assemble(x)
-    assert len(_templates._templates) == 1
-    (template,) = [value for value, _ in _templates._templates._data.values()]
+    assert len(_blocks._templates) == 1
+    (template,) = [value for value, _ in _blocks._templates._data.values()]
     with mock.patch.object(_blocks, "prepare_leaves", side_effect=AssertionError("planned")):
         g = assemble(x + 1)  # new values, same layout: the template, and this call's values
     assert g.sharding.spec == P("data")
-    assert [value for value, _ in _templates._templates._data.values()] == [template]
+    assert [value for value, _ in _blocks._templates._data.values()] == [template]
     # Each input the plan depends on makes another template.
     assemble(x[:8])  # shape
     assemble(x.astype(np.int32))  # dtype
@@ -333,13 +332,13 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
     assemble(x, global_shape=(16, 4))  # a given global shape
     assemble(x, dtype="bfloat16")  # a cast
     assemble({"a": x, "b": x[:, 0]})  # structure
-    assert len(_templates._templates) == 8
+    assert len(_blocks._templates) == 8
     # Not cached: a spec tree, jax arrays, pad=True, a global shape as a list.
     assemble({"a": x, "b": x[:, 0]}, {"a": "data", "b": "data"})
     assemble(jax.numpy.asarray(x))
     meshkit.global_array_from_local(x[:13], mesh, "data", pad=True)
     assemble(x, global_shape=[16, 4])
-    assert len(_templates._templates) == 8
+    assert len(_blocks._templates) == 8
     # 64-bit data: narrowed (warned once per dtype, from a template too), or kept under x64.
     wide = rng.standard_normal(16)
     with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from meshkit._src.core.engines import bound_device_ids
 from meshkit._src.core.env import visible_devices
 from meshkit._src.launch.spawn import count_gpus, rank_environments
-from meshkit._src.runtime.gpus import bound_device_ids
 
 
 @pytest.mark.parametrize(

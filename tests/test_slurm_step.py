@@ -14,8 +14,8 @@ import pytest
 from test_runtime import run_py
 
 from meshkit import MeshkitError
+from meshkit._src.core.engines import STEP_VARS, check_step
 from meshkit._src.runtime import init as runtime
-from meshkit._src.runtime.slurm import STEP_VARS, check_step
 
 SRUN_TASK = {
     "SLURM_JOB_ID": "1234",

@@ -1,15 +1,8 @@
-"""The assembly protocol, and `global_array_from_local` built on it.
+"""The assembly protocol (prepare -> agree -> transfer -> assemble) and `global_array_from_local`.
 
-`Assembly` owns the order of the steps, prepare -> agree -> transfer -> assemble, for
-`global_array_from_local`, the host arguments of `meshkit.spmd` / `meshkit.pmap_compat` and each
-step of `meshkit.global_batches`. The modules below it never call back up:
-
-- `meshkit._src.arrays.templates` / `meshkit._src.arrays.blocks`: this process's part, checked,
-  cast and planned (from a template when the layout repeats);
-- `meshkit._src.arrays.records`: the `PartRecord` each process tells the others, and the comparison
-  that names who differs;
-- `meshkit._src.coord.agree`: the agreement itself (through the coordination service);
-- `meshkit._src.arrays.transfer`: the blocks onto the devices, and the global arrays.
+`Assembly` serves `global_array_from_local`, the host arguments of `meshkit.spmd` /
+`meshkit.pmap_compat` and each step of `meshkit.global_batches`; the transfer puts each
+process's prepared blocks on its devices and builds the global arrays.
 """
 
 from __future__ import annotations
@@ -21,11 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..coord import missing as _missing
+from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
@@ -34,21 +29,25 @@ from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
-from .blocks import Prepared, block_rows, describe, finish_padding, plan_leaves, replica_digests
+from .blocks import (
+    Prepared,
+    block_rows,
+    describe,
+    finish_padding,
+    plan_leaves,
+    prepare,
+    replica_digests,
+)
 from .dtypes import warn_notes
 from .entry_point import WHAT
 from .records import PartRecord, compare, raise_failures, summary
-from .templates import prepare
-from .transfer import assemble, transfer
 
 __all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
 
 Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
-# When an `Assembly`'s check at the transfer is verified: before the call returns ("now"), or
-# after it returns, raised by a later call ("later", only for check="deferred").
+# When the check at the transfer is verified: before the call returns, or by a later call.
 Verify = Literal["now", "later"]
 _CHECKS: dict[Any, Verify] = {True: "now", "deferred": "later", "data": "now", False: "now"}
-
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
 # leading dimension out.
@@ -67,15 +66,9 @@ def exchange_records(
     replicas: dict[str, tuple[int, str]] | None = None,
     channel: str | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Agree with every process on ``record`` (all of it but local shapes; see `summary`).
-
-    Returns this process's record alone when every process's is equal (and the ``replicas``
-    digests of each block equal its reference's); otherwise every process's record, for the
-    caller to compare, to name who differs, or to take a maximum. Missing processes, and
-    processes that stopped waiting, are an error. ``channel``: `_agree.agree`'s.
-    """
+    """Agree on ``record`` (see `summary`): this process's alone if all are equal, else all."""
     timeout = _env.check_timeout()
-    record = _with_replicas(record, replicas)
+    record = {**record, "replicas": replicas} if replicas else record
     outcome = _agree.agree(
         tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what,
         channel=channel,
@@ -83,22 +76,15 @@ def exchange_records(
     return _records(outcome, timeout, what)
 
 
-def exchange_records_later(
-    tag: str,
-    record: PartRecord,
-    what: str,
-    *,
-    replicas: dict[str, tuple[int, str]],
-    summarized: str | None = None,
-) -> None:
-    """`exchange_records` of a `PartRecord`, verified after the call returns (`_agree.agree_later`).
+_later_calls: dict[str, int] = {}  # calls checked after they returned, per tag (for messages)
 
-    A difference is named by `compare` there and raised by this process's next meshkit call
-    (``check="deferred"``). ``summarized``: the record's `summary`, when the caller has it
-    already (a layout seen before). The record's JSON is only made if it is shown.
-    """
+
+def _exchange_later(
+    tag: str, record: PartRecord, what: str, replicas: dict[str, tuple[int, str]], said: str | None
+) -> None:
+    """`exchange_records` verified after the call returns; a later call raises a difference."""
     timeout = _env.check_timeout()
-    wire = _with_replicas(record.wire(), replicas)
+    wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
     number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
     caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 
@@ -108,22 +94,12 @@ def exchange_records_later(
 
     _agree.agree_later(
         tag,
-        summary(wire) if summarized is None else summarized,
+        summary(wire) if said is None else said,
         lambda: json.dumps(wire),
         timeout=timeout,
         groups=replicas,
         on_outcome=on_outcome,
     )
-
-
-_later_calls: dict[str, int] = {}  # checks verified after the call returns, per tag (for messages)
-
-
-def _with_replicas(
-    record: dict[str, Any], replicas: dict[str, tuple[int, str]] | None
-) -> dict[str, Any]:
-    """``record`` with the replica digests, which phase 3 shows to name who differs."""
-    return {**record, "replicas": replicas} if replicas else record
 
 
 def _read(records: dict[int, dict[str, Any]]) -> dict[int, PartRecord]:
@@ -153,20 +129,14 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
 def publish_record(
     tag: str, record: PartRecord, *, later: bool = False, channel: str | None = None
 ) -> None:
-    """Post this process's record of the next agreement under ``tag`` without waiting for others.
-
-    Used when this process leaves a sequence of agreements (a failure, an iterator closed
-    early), so that the others, waiting for it, stop at once instead of timing out. ``later``:
-    the tag is verified after the call returns (`exchange_records_later`). ``channel``: the channel
-    whose next agreement it is, when another thread's (default the caller's).
-    """
+    """Post this process's record of ``tag``'s next agreement without waiting (it leaves)."""
     _agree.leave(tag, json.dumps(record.wire()), later=later, channel=channel)
 
 
 def publish_failure(
     tag: str, error: BaseException, *, later: bool = False, channel: str | None = None
 ) -> None:
-    """Tell the other processes that this one failed, so they stop now instead of timing out."""
+    """Tell the processes waiting under ``tag`` that this one failed, so they stop now."""
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
@@ -178,34 +148,76 @@ def check_tag(tag: str, *, later: bool = False) -> str:
     return tag + ("/later" if later else "/check")
 
 
+# (sharding, global shape) -> the local devices in JAX's order and each one's block's index.
+_orders: _caches.Cache[tuple[NamedSharding, tuple[int, ...]], tuple[list[Any], list[Any]]] = (
+    _caches.Cache(maxsize=512)
+)
+
+
+def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
+    """One global array, every local device's block put from the host view in one call."""
+    key = (sharding, plan.global_shape)
+    order = _orders.get(key)
+    if order is None:
+        by_device = {pl.device: pl.local_index for pl in plan.placements}
+        devices = list(sharding.addressable_devices_indices_map(plan.global_shape))
+        order = (devices, [by_device[d] for d in devices])
+        _orders.put(key, order)
+    devices, indices = order
+    blocks = [value[index] for index in indices]
+    return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
+
+
+def _all_from_host(prepared: Prepared) -> bool:
+    """Whether every block goes from the host (on CPU), replicas included."""
+    return all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1])
+
+
+def transfer(prepared: Prepared) -> list[jax.Array]:
+    """The global array of every leaf, then the mask if any.
+
+    On CPU every block goes from the host in one put per array (aligned numpy is aliased, not
+    copied); elsewhere distinct blocks go in one batched put and replicas device to device.
+    """
+    jobs = [(leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves]
+    if prepared.mask_plan is not None:
+        assert prepared.mask_rows is not None
+        assert prepared.mask_sharding is not None
+        real, rows = prepared.mask_rows
+        mask = np.zeros(rows, bool)
+        mask[:real] = True
+        jobs.append((mask, prepared.mask_plan, prepared.mask_sharding))
+    if _all_from_host(prepared):
+        return [_from_host(value, plan, sharding) for value, plan, sharding in jobs]
+    first = [(i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements if pl.first]
+    rest = [
+        (i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements if not pl.first
+    ]
+    placed = jax.device_put(
+        [jobs[i][0][pl.local_index] for i, pl in first], [pl.device for _, pl in first]
+    )
+    out = {(i, pl.device): a for (i, pl), a in zip(first, placed, strict=True)}
+    if rest:
+        block = {(i, jobs[i][1].blocks[pl.device]): out[i, pl.device] for i, pl in first}
+        sources = [block[i, jobs[i][1].blocks[pl.device]] for i, pl in rest]
+        copies = jax.device_put(sources, [pl.device for _, pl in rest])
+        out.update({(i, pl.device): a for (i, pl), a in zip(rest, copies, strict=True)})
+    return [
+        jax.make_array_from_single_device_arrays(
+            plan.global_shape, sharding, [out[i, pl.device] for pl in plan.placements]
+        )
+        for i, (_, plan, sharding) in enumerate(jobs)
+    ]
+
+
 class Assembly:
-    """The assembly protocol: prepare -> agree -> transfer -> assemble, in one place.
+    """One caller's assembly protocol: prepare -> agree -> transfer -> assemble.
 
-    `global_array_from_local` (`run`), the host arguments of `meshkit.spmd` and
-    `meshkit.pmap_compat`, and each step of `meshkit.global_batches` go through it. The
-    agreement (`meshkit._src.coord.agree`) costs O(1) coordination-service round trips per process:
-
-    - the sizes of an uneven batch (``pad=True`` without a global shape) are agreed before
-      anything is placed (the padded size depends on every process);
-    - the structure, dtypes, global shapes and a digest of the replicas (blocks that several
-      processes hold) are agreed once the copy of the blocks is under way (``verify="now"``):
-      a disagreement raises before the call returns, so no computation on the arrays starts;
-      or, for ``check="deferred"`` alone, after the call returns: a
-      disagreement is then raised by this process's next meshkit call.
-
-    Args:
-        tag: names the sequence of agreements (one per caller, the same in every process).
-        what: the public function messages name.
-        pad: pad the leading dimension to the largest process's batch (a mask marks rows).
-        check: `global_array_from_local`'s ``check``.
-        sizes_known: with ``pad``, the padded size is known (a global shape was given).
-        verify: when the check at the transfer is verified (`Verify`).
-        stepwise: the processes agree at every call whatever ``check`` (`global_batches`
-            agrees on the end of data at each step).
-        check_channel: the channel whose sequence holds the checks at the transfer (default the
-            caller's). `global_batches` keeps them apart: its helper places a step (and checks
-            its replicas) or agrees on the next window first as its caller takes steps, an order
-            that may differ between processes.
+    Uneven batches (``pad`` without known sizes) agree on sizes before placing; the structure,
+    dtypes, shapes and replica digests are agreed while the blocks copy, before the call
+    returns (``verify="now"``) or, for ``check="deferred"``, by a later call. ``stepwise``:
+    agree at every call whatever ``check`` (`global_batches`). ``check_channel``: the channel
+    of the checks at the transfer (default the caller's).
     """
 
     def __init__(
@@ -221,26 +233,19 @@ class Assembly:
         check_channel: str | None = None,
     ) -> None:
         self.tag, self.what = tag, what
-        self.pad, self.check, self.sizes_known, self.verify = pad, check, sizes_known, verify
+        self.pad, self.check, self.sizes_known = pad, check, sizes_known
         self.stepwise, self.check_channel = stepwise, check_channel
         self.multi = _compat.distributed_state()[2] > 1
         self.later = verify != "now"
-        # The checks made at the transfer form a sequence of their own, never mixed with
-        # `agree_sizes`'s; those verified after the call returns (agreed in windows) another.
-        self.check_tag = check_tag(tag, later=self.later)
-
-    @property
-    def exchanges_sizes(self) -> bool:
-        """Whether the processes agree on sizes before placing anything (an uneven batch)."""
-        return self.multi and self.pad and not self.sizes_known
+        self.check_tag = check_tag(tag, later=self.later)  # a sequence apart from agree_sizes'
+        # whether the processes agree on sizes before placing anything (an uneven batch)
+        self.exchanges_sizes = self.multi and pad and not sizes_known
 
     def prepare(self, make: Callable[[], Prepared]) -> Prepared:
         """``make()``; its failure is published to the processes that will wait for this one."""
         try:
             return make()
         except Exception as e:
-            # Told where the others wait first: `agree_sizes` (an uneven batch, each step of
-            # global_batches), else the check at the transfer.
             if self.exchanges_sizes or (self.multi and self.stepwise):
                 publish_failure(self.tag, e)
             elif self.multi and self.check:
@@ -256,14 +261,10 @@ class Assembly:
         what: str | None = None,
         explain: Callable[[dict[int, PartRecord]], None] | None = None,
     ) -> dict[int, PartRecord]:
-        """Agree (and wait) on ``status`` and, with data, the record; every record if any differs.
+        """Agree on ``status`` and this process's record; every record if any differs.
 
-        With ``check`` the records are compared (a `MeshkitError` names who differs); without,
-        only failures are raised. ``prepared`` None: this process has no data (``status``).
-        ``rows``: the data's rows, compared too (`PartRecord.rows`). ``what``: the
-        caller as messages name it (default the assembly's). ``explain``: runs on the records
-        before they are compared, to raise a message of the caller's own for a difference it
-        knows better.
+        Failures are raised; with ``check`` the records are compared, after ``explain`` (a
+        caller's own message for a difference it knows better).
         """
         what = self.what if what is None else what
         record = self.record(prepared, status, rows)
@@ -282,17 +283,11 @@ class Assembly:
         return dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
 
     def agree_window(
-        self, summary: str, record: dict[str, Any], *, what: str
+        self, said: str, record: dict[str, Any], *, what: str
     ) -> dict[int, dict[str, Any]]:
-        """One agreement in ``tag``'s sequence for several steps (`meshkit._src.arrays.prefetch`).
-
-        ``summary`` stands for the steps' records; returns this process's ``record`` alone
-        when every summary is equal, else every process's, among them the records of
-        processes that left the sequence (`publish_record`). Missing processes, and processes
-        that stopped waiting, are an error.
-        """
+        """One agreement for several steps, ``said`` standing for their records."""
         timeout = _env.check_timeout()
-        outcome = _agree.agree(self.tag, summary, json.dumps(record), timeout=timeout, what=what)
+        outcome = _agree.agree(self.tag, said, json.dumps(record), timeout=timeout, what=what)
         return _records(outcome, timeout, what)
 
     def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
@@ -311,11 +306,7 @@ class Assembly:
         finish_padding(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
-        """Place the blocks and assemble; unless ``agreed`` already, agree while they copy.
-
-        The copy is started first (JAX dispatches it without waiting), so the agreement's round
-        trip overlaps it; the arrays are returned only once the processes agreed.
-        """
+        """Start the copy, agree while it runs (unless ``agreed``), then ``(tree, mask)``."""
         try:
             arrays = transfer(prepared)
         except Exception as e:  # the others wait for this process at the check: tell them
@@ -323,10 +314,12 @@ class Assembly:
                 publish_failure(self.check_tag, e, later=self.later, channel=self.check_channel)
             raise
         self._check(prepared, agreed=agreed)
-        return assemble(prepared, arrays)
+        n = len(prepared.leaves)
+        tree = jax.tree_util.tree_unflatten(prepared.treedef, arrays[:n])
+        return tree, (arrays[n] if len(arrays) > n else None)
 
     def _check(self, prepared: Prepared, *, agreed: bool) -> None:
-        """The agreement made at the transfer, in the caller's thread (or beside it, deferred)."""
+        """The agreement at the transfer: records (unless agreed before) and replica digests."""
         if not (self.multi and self.check):
             return
         replicas = replica_digests(prepared, full=self.check == "data")
@@ -335,14 +328,8 @@ class Assembly:
         record = PartRecord() if agreed else describe(prepared, pad=self.pad)
         if self.later:
             template = prepared.template
-            known = template.summary if template is not None and record is template.record else None
-            exchange_records_later(
-                self.check_tag,
-                record,
-                self.what,
-                replicas=replicas,
-                summarized=known,
-            )
+            said = template.summary if template is not None and record is template.record else None
+            _exchange_later(self.check_tag, record, self.what, replicas, said)
             return
         records = exchange_records(
             self.check_tag, record.wire(), self.what, replicas=replicas, channel=self.check_channel
@@ -359,35 +346,6 @@ class Assembly:
         return self.transfer(prepared, agreed=records is not None)
 
 
-def run(
-    local: Any,
-    mesh_or_sharding: Any,
-    spec: Any,
-    *,
-    global_shape: Any,
-    dtype: Any,
-    pad: bool,
-    check: Check,
-    tag: str,
-    what: str = WHAT,
-    verify: Verify = "now",
-) -> tuple[Any, jax.Array | None]:
-    """`global_array_from_local` with the exchange tag chosen by the caller (on its channel)."""
-    assembly = Assembly(
-        _channel.scoped(tag, what),
-        what,
-        pad=pad,
-        check=check,
-        sizes_known=global_shape is not None,
-        verify=verify,
-    )
-    return assembly.run(
-        lambda: prepare(
-            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
-        )
-    )
-
-
 @public
 def global_array_from_local(
     local: Any,
@@ -401,45 +359,29 @@ def global_array_from_local(
 ) -> Any:
     """Assemble global `jax.Array`s from every process's local data.
 
-    Each process passes its own part: along each dimension the array is split across processes,
-    the rows its devices hold (`meshkit.process_slice` says which); dimensions split only inside
-    a process, or not split, are passed whole. Processes whose devices hold the same blocks (a
-    mesh axis across processes that the spec does not use) must pass the same data. With one
-    process, ``local`` is the whole array.
-
-    On CPU, as with `jax.device_put`, a numpy block that XLA can use in place (64-byte aligned,
-    no cast) is not copied: the result reads ``local``'s memory, so do not write into ``local``
-    afterwards.
+    Each process passes its own part: along each dimension split across processes, the rows its
+    devices hold (`meshkit.process_slice` says which); other dimensions whole. Processes whose
+    devices hold the same blocks must pass the same data. With one process, ``local`` is the
+    whole array. On CPU an aligned numpy block may be used in place, as by `jax.device_put`:
+    do not write into ``local`` afterwards.
 
     Args:
-        local: this process's data: an array or a pytree (dict, list, tuple, NamedTuple,
-            registered dataclass) of numpy arrays, array-likes, scalars or single-process
-            ``jax.Array`` s.
+        local: this process's data: an array or a pytree of numpy arrays, array-likes, scalars
+            or single-process ``jax.Array`` s.
         mesh_or_sharding: a `jax.sharding.Mesh` over every process's devices (with ``spec``),
             or a `jax.sharding.NamedSharding` (without ``spec``).
-        spec: how the global array is split: a `jax.sharding.PartitionSpec`, a spec string
-            (``"data"``, ``"batch seq -> data _"``), or a pytree of them that is a prefix of
-            ``local``.
-        global_shape: the global shape (a shape, or a pytree of shapes like ``local``).
-            Inferred when left out; when given it is checked against the local data, and with
-            ``pad=True`` it fixes the padded leading size (no exchange of sizes).
+        spec: a `jax.sharding.PartitionSpec`, a spec string (``"data"``,
+            ``"batch seq -> data _"``), or a pytree of them that is a prefix of ``local``.
+        global_shape: the global shape (or a pytree of shapes like ``local``); inferred when
+            left out, checked when given. With ``pad=True`` it fixes the padded leading size.
         dtype: cast every array to this dtype.
-        pad: pad the leading (batch) dimension with zeros to a size every process agrees on, so
-            that uneven batches (the last one of an epoch) still assemble; the result is then
-            ``(arrays, mask)`` with a boolean ``mask`` over the global batch (sharded like it),
-            True for real rows.
-        check: compare the processes' pytree structure, dtypes and shapes through the
-            coordination service. ``True``: every process agrees before the call returns (two
-            requests to the coordination service in a loop whose layouts repeat a pattern for
-            `meshkit.debug.PERIOD` calls, three otherwise), replicas (blocks that several
-            processes pass) compared by sampled digests; a mismatch raises in this call on
-            every process, so no computation on mismatched arrays starts. ``"data"``: the
-            same, with every replicated block hashed whole (costly, for debugging).
-            ``"deferred"``: every call returns at once and is verified after the call returns; a
-            mismatch is raised by the process's next meshkit call (or ends it), after up to
-            ``2 * 512`` unverified calls, so computations on the arrays may run first.
-            ``False`` skips the comparison (``pad=True`` still exchanges batch sizes unless
-            ``global_shape`` is given).
+        pad: pad the leading (batch) dimension with zeros to a size every process agrees on;
+            the result is then ``(arrays, mask)``, ``mask`` True for real rows.
+        check: ``True``: the processes agree on structure, dtypes, shapes and sampled digests
+            of replicated blocks before the call returns; a mismatch raises in this call on
+            every process. ``"data"``: replicated blocks hashed whole (costly). ``"deferred"``:
+            returns at once; a mismatch is raised by a later meshkit call, so computations
+            on the arrays may run first. ``False``: no comparison.
 
     Returns:
         The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair
@@ -447,11 +389,9 @@ def global_array_from_local(
 
     Raises:
         MeshkitError: a local dimension does not split over this process's blocks (for the
-            leading one, consider ``pad=True``); processes disagree on structure, shapes or
-            dtypes, or one of them failed or did not arrive within ``MESHKIT_CHECK_TIMEOUT``
-            seconds; the spec names an axis the mesh lacks or has more entries than the array
-            has dimensions; the mesh does not span every process; a leaf is not an array;
-            ``global_shape`` does not fit the local data; ``check`` is not one of its values.
+            leading one, consider ``pad=True``); processes disagree, failed or did not arrive
+            within ``MESHKIT_CHECK_TIMEOUT``; a bad spec, mesh, leaf, ``global_shape`` or
+            ``check``.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -471,15 +411,18 @@ def global_array_from_local(
             f"got {check!r}."
         )
     _dispatch.enter(_SITE, (local,))
-    tree, mask = run(
-        local,
-        mesh_or_sharding,
-        spec,
-        global_shape=global_shape,
-        dtype=dtype,
+    what = WHAT
+    assembly = Assembly(
+        _channel.scoped("global_array_from_local", what),
+        what,
         pad=pad,
         check=check,
-        tag="global_array_from_local",
+        sizes_known=global_shape is not None,
         verify=_CHECKS[check],
+    )
+    tree, mask = assembly.run(
+        lambda: prepare(
+            local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad
+        )
     )
     return (tree, mask) if pad else tree

@@ -1,21 +1,8 @@
 """`global_batches`: per-process batches in, global batches out, assembled ahead of time.
 
-A helper thread (`meshkit._src.arrays.prefetch`) pulls the next local batches, agrees with the
-other processes through the coordination service ("I have a batch, of this structure" or "my
-data has ended": per step, or once for a window of steps read ahead), and assembles the global
-batches while the caller computes on the previous one. At most ``prefetch`` assembled batches
-wait for the caller, so device memory stays bounded.
-
-End of data is decided together: with ``pad=False`` every loader must end at the same step (a
-loader that ends before the others is an error on every process, naming the counts, never a
-silent stop or a hang); with ``pad=True`` the processes that ran out contribute fully padded
-batches until all have (the mask marks real rows). A loop that ends early must end after the
-same step on every process: a process that closes its iterator waits, once, until every
-process has said how it left its loop, and raises a `meshkit.DivergenceError` if one went on
-or closed after another step; a process that goes on gets it at its next step, or is ended
-with it when it has taken such a step already (`meshkit._src.arrays.loop_exit`; nothing is
-exchanged per step for this). No process computes after its loop while another is still in
-it, and none is left waiting for ever on a collective that the others will not join.
+A helper thread (`meshkit._src.arrays.prefetch`) reads, agrees and assembles up to ``prefetch``
+steps ahead of the caller. The end of data is decided together; a loop left early must end
+after the same step everywhere (`meshkit._src.arrays.ends`), or a `DivergenceError` says so.
 """
 
 from __future__ import annotations
@@ -48,7 +35,7 @@ from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
-from . import loop_exit as _loop_exit
+from . import ends as _ends
 from . import prefetch as _prefetch
 from . import resume as _resume
 from .dtypes import warn_notes
@@ -62,8 +49,6 @@ BatchCheck = bool | Literal["data"]  # global_batches' check=
 BatchPad = bool | Literal["ragged"]  # global_batches' pad=
 _JOIN_TIMEOUT_S = 30.0
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
-# A caller that took a step a process that closed will not take is likely waiting in its
-# collective: the process ends unless a meshkit call raises the error within this time.
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
 
@@ -127,20 +112,18 @@ class GlobalBatches(Iterator[Any]):
                 f"{_WHAT}: progress must be None or a positive number of seconds between "
                 f"reports; got {progress!r}."
             )
-        # Registered at the first iterator, not at import (nothing happens at import); again
-        # later is a no-op.
+        # at the first iterator, not at import; again is a no-op
         _exit.on_exit("global_batches: stop the helper threads", _close_all, order=_exit.STOP)
         self._pad = bool(pad)
         self._ragged = pad == "ragged"  # short batches allowed at every step, not only the last
         self._progress = progress
-        # Numbered on the creating thread's channel; the helper thread then uses it as its own.
+        # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
         self._multi = _compat.distributed_state()[2] > 1
         # every process leaves the loop after the same step, or the others are told (`closes`)
         self._together = stop_together and self._multi
         self._node = _agree.node() if self._multi else None
         self._me = _compat.distributed_state()[1]
-        # sizes are exchanged at every step: the end of data is decided together.
         self._assembly = _assembly.Assembly(
             self._tag, _WHAT, pad=self._pad, check=check, stepwise=True,
             check_channel=self._tag + "/replicas",
@@ -159,27 +142,21 @@ class GlobalBatches(Iterator[Any]):
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        # Checked against the source, and agreed by every process, before anything is read.
         n = _compat.distributed_state()[2]
         self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
         self._prefetch = _prefetch.Ahead(
-            self._source.source,
+            self._source,
             self._assembly,
             (mesh_or_sharding, spec),
-            pad=self._pad,
             ragged=self._ragged,
             dtype=dtype,
-            multi=self._multi,
-            processes=_compat.distributed_state()[2],
             told=self._together,
-            me=self._me,
             handoff=self._handoff,
             stop=self._stop,
             release=self._release_helpers,
             hear=self._hear,
-            capture=self._source.capture,
             assembled=self.steps,
         )
         self._thread = threading.Thread(
@@ -194,7 +171,7 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _loop_exit.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _ends.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -235,14 +212,14 @@ class GlobalBatches(Iterator[Any]):
             self._done = self._ended = True
             self._unwatch.set()
             # a close the helpers' agreement told of: this process asks for the next step
-            self._leave(_loop_exit.ASKS if self._closers else _loop_exit.FAILED)
+            self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
         if isinstance(item, _Closed):
             raise StopIteration
         if item is _prefetch.END:
             self._done = self._ended = True  # every process ends at this step
             self._unwatch.set()
-            self._leave(_loop_exit.ENDED)
+            self._leave(_ends.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
@@ -256,7 +233,7 @@ class GlobalBatches(Iterator[Any]):
                 self._done = self._ended = True
                 self._unwatch.set()
         if error is not None:
-            self._leave(_loop_exit.ASKS)
+            self._leave(_ends.ASKS)
             raise error
         batch, rows, notes, _ = item
         if notes:
@@ -268,24 +245,16 @@ class GlobalBatches(Iterator[Any]):
         return batch
 
     def _went_on_error(self, *, took: bool) -> DivergenceError | None:
-        """The error of going on past a process that closed (`closes.went_on`); lock held.
-
-        ``took``: whether this process has taken a step the closers will not take; else whether
-        it would, by taking the next.
-        """
+        """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
         if self._gone is not None:
             return self._gone
         past = self.steps - (1 if took else 0)
         if not any(k <= past for k in self._closers.values()):
             return None
-        return _loop_exit.went_on(self._closers, self._me, self.steps, took=took)
+        return _ends.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
-        """Processes that closed their iterators (the close watch, or the helpers' records).
-
-        If this process's caller has taken a step they will not take, its next step raises it
-        (`_fail`).
-        """
+        """Processes that closed early (the watch, or the helpers' records); fail if went past."""
         with self._lock:
             for p, k in closers.items():
                 self._closers.setdefault(p, k)
@@ -294,15 +263,13 @@ class GlobalBatches(Iterator[Any]):
             error = self._went_on_error(took=True)
             self._gone = error
         if error is not None:
-            self._leave(_loop_exit.TOOK)  # the closers wait for it before they go on
+            self._leave(_ends.TOOK)  # the closers wait for it before they go on
             self._fail(error)
 
     def _fail(self, error: DivergenceError) -> None:
-        """``error`` for the caller: raised by its next step, or ending the process at once.
+        """``error`` for the caller: raised at its next step, or ending the process now.
 
-        A caller inside its step (not asking for the next) may be waiting in that step's
-        collectives, which the others will never join: fail-fast ends the process now
-        (`failfast.end_for`). A caller asking for its next step gets the error from it.
+        A caller inside its step may wait in a collective the others will not join: fail-fast.
         """
         if self._node is None:
             return
@@ -318,26 +285,20 @@ class GlobalBatches(Iterator[Any]):
         )  # fmt: skip
 
     def _leave(self, how: str) -> bool:
-        """Say once how this process left the loop (`closes.leave`); whether it said it now."""
+        """Say once how this process left the loop (`ends.leave`); whether it said it now."""
         with self._lock:
             if self._left or not self._together or self._node is None:
                 return False
             self._left = True
             steps = self.steps
         try:
-            _loop_exit.leave(self._node, self._tag, how, steps)
+            _ends.leave(self._node, self._tag, how, steps)
         except Exception:  # the service is gone: the failure watch says so
             return False
         return True
 
     def _release_helpers(self) -> None:
-        """Tell the others' helper threads, at their next step, that this one stops (once).
-
-        The helper says so itself when it sees the stop between steps; `close` says it for a
-        helper that is busy (in a loader that blocks, in an agreement), so the others' helpers,
-        waiting for this one's next step, stop instead of timing out. The record holds the
-        steps this process's caller took (`closes`).
-        """
+        """Tell the others' helpers, at their next agreement, that this one stops (once)."""
         with self._lock:
             if self._released or not self._multi:
                 return
@@ -351,12 +312,8 @@ class GlobalBatches(Iterator[Any]):
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
 
-        Callable from any thread: a `__next__` waiting for a batch in another thread raises
-        `StopIteration`. In a multi-process program every process must close its iterator
-        after the same step (or let the data end): ``close()`` waits until every process has
-        said how it left its loop (one wait, once per loop), so that nothing computed after
-        the loop meets another process's step; a process that goes on past a step where
-        another closed gets a `meshkit.DivergenceError` naming it, at its next step (see
+        Callable from any thread. With several processes, waits until every process has said
+        how it left its loop, so nothing after the loop meets another process's step (see
         `global_batches`' ``stop_together``).
 
         Raises:
@@ -370,12 +327,7 @@ class GlobalBatches(Iterator[Any]):
             raise error
 
     def _close(self, *, at_exit: bool = False, wait: bool = True) -> MeshkitError | None:
-        """`close`; returns the error it raises (at exit it is kept for `Node.fail` instead).
-
-        ``wait=False`` (a ``with`` block left by an exception) says how this process left but
-        does not wait for the others: the exception already ends this process's loop, and it
-        is the error to show.
-        """
+        """`close`, returning its error; ``wait=False``: say how this process left, not wait."""
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
@@ -387,20 +339,17 @@ class GlobalBatches(Iterator[Any]):
                 self._closed_after = self.steps
         self._handoff.put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
-        # A failing process does not wait: fail-fast tells the others.
-        said = post and not (at_exit and _exit.ending()) and self._leave(_loop_exit.CLOSED)
+        said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_HELPER_STOPS_S)  # between steps, it stops and says so itself
             if self._thread.is_alive():
                 self._release_helpers()
                 self._thread.join(_JOIN_TIMEOUT_S)
         if said and wait:
-            # Wait for every process to say how it left: one that goes on must not meet this
-            # one's computations after the loop in its own step's collectives.
             assert self._node is not None
             timeout = _env.check_timeout()
-            left = _loop_exit.confirm(self._node, self._tag, timeout)
-            error = error or _loop_exit.left_error(left, self._node.n, self._me, timeout)
+            left = _ends.confirm(self._node, self._tag, timeout)
+            error = error or _ends.left_error(left, self._node.n, self._me, timeout)
         if error is not None and self._node is not None and at_exit and error is not self._gone:
             self._node.fail(error, None)  # at exit, no call will raise it: the process exits 1
         return error
@@ -423,13 +372,9 @@ class GlobalBatches(Iterator[Any]):
         """Where the data stands after the global batches the caller took (not those read ahead).
 
         Save it with the checkpoint of the same step (``meshkit.checkpoint.save(path, tree,
-        data=batches)``) and resume with ``meshkit.global_batches(..., start=position)``: the
-        next global batch is then the one this iterator would hand out next. The helper thread
-        reads ahead of the caller; the position is the source's right after it read the batch
-        of the caller's last step, never the source's current one. From a meshkit loader
-        (`meshkit.loaders.grain_batches`, `hf_batches`) it is global and resumes on any number
-        of processes; from an iterator with ``get_state()`` it holds this process's state
-        (resumable on as many processes); from anything else, only the steps.
+        data=batches)``) and resume with ``meshkit.global_batches(..., start=position)``. A
+        meshkit loader's position is global (any process count); an iterator with
+        ``get_state()`` gives this process's state (as many processes); else only the steps.
 
         Returns:
             A `meshkit.DataPosition`; callable from any thread.
@@ -492,76 +437,51 @@ def global_batches(
 
     Each process passes its own loader (what it would pass to `meshkit.global_array_from_local`
     step by step). A helper thread assembles the next global batches while the caller computes,
-    at most ``prefetch`` ahead. The processes agree on the end of data at every step: with
-    ``pad=False`` every loader must yield the same number of batches; with ``pad=True`` (which
-    also pads each loader's short last batch and yields ``(batch, mask)`` pairs) the processes
-    whose loaders have ended contribute fully padded batches until every loader has. At a step
-    whose batches differ in rows, each process with fewer reads its loader one batch ahead, to
-    tell its last batch from a short one in the middle (one more round trip, at such steps
-    only). An exception raised by a loader reaches the caller with its traceback, and the
-    other processes raise a `meshkit.MeshkitError` naming that process.
+    at most ``prefetch`` ahead. The processes agree on the end of data at every step. A loader's
+    exception reaches the caller with its traceback; the other processes raise a
+    `meshkit.MeshkitError` naming that process.
 
     Args:
         iterable: this process's batches (pytrees of arrays). On CPU a global batch may share
-            memory with them (see `meshkit.global_array_from_local`): a loader must not refill
-            an array it has already yielded.
+            memory with them: a loader must not refill an array it has already yielded.
         mesh_or_sharding: as for `meshkit.global_array_from_local`.
         spec: as for `meshkit.global_array_from_local`.
         prefetch: global batches assembled ahead of the caller (bounds the device memory held).
-        pad: pad where the data ends and run until every process's data has ended; yields
-            ``(batch, mask)``. Only a loader's last batch may be short: a batch shorter than
-            another process's while its loader has more is an error naming the process, the
-            step and the rows (rows a loader lost, which padding would hide). ``"ragged"``
-            pads short batches at every step.
+        pad: ``False``: every loader yields the same number of batches of one size. ``True``:
+            each loader's short last batch is padded, loaders that ended contribute padded
+            batches until all have, and ``(batch, mask)`` pairs are yielded; a batch short
+            before its loader's end is an error naming the process, step and rows.
+            ``"ragged"``: short batches are padded at every step.
         check: compare the processes' structure, dtypes and shapes at every step, in the
-            helper thread, before the step's batch is yielded (ahead of the caller, so the
-            wait is hidden while it computes); ``"data"`` also hashes every replicated block
-            (costly, for debugging); ``False`` compares only the end of data.
+            helper thread, before the step is yielded; ``"data"`` also hashes every replicated
+            block (costly); ``False`` compares only the end of data.
         dtype: cast every array to this dtype.
         progress: seconds between progress lines (steps, rows, rows/s) from process 0, logged
-            at INFO under ``meshkit.arrays`` (stderr by default); None for none.
-        stop_together: check that every process leaves the loop after the same step; a loop
-            left early computes nothing wrong on any process. A process that closes its
-            iterator (``close()``, ``break`` then the end of a ``with`` block or of the
-            program) says after which step, and waits until every process has said how it
-            left its loop, before ``close()`` returns: if one closed after another step or
-            went on, ``close()`` raises a `meshkit.DivergenceError` naming those processes and
-            their steps, before anything after the loop runs (where it could meet another
-            process's step in a collective and return a wrong number). A process that goes
-            on raises the error when it asks for the next step, or, if it has taken that step
-            already (its helper had assembled it), is ended with it within seconds, since its
-            computations at that step wait for a process that will not join them. Nothing is
-            exchanged per step: the close is read by a thread about once a second; a close
-            costs one wait (four requests per process), answered when the last process has
-            left. False turns the check off: a process that closes early then leaves the
-            others to wait in their next collective.
+            at INFO under ``meshkit.arrays``; None for none.
+        stop_together: check that every process leaves the loop after the same step, so a loop
+            left early computes nothing wrong. ``close()`` (or the end of a ``with`` block)
+            waits until every process has said how it left its loop, and raises a
+            `meshkit.DivergenceError` if one closed after another step or went on; a process
+            that goes on raises it at its next step, or, if it already took that step, is
+            ended with it within seconds. Nothing is exchanged per step. ``False`` turns the
+            check off.
         start: resume at this `meshkit.DataPosition` (`GlobalBatches.position`, or
-            `meshkit.checkpoint.data_position` of a checkpoint saved with ``data=``): the first
-            global batch is the one the saved run would have taken next, and ``steps`` counts
-            on from the position's. A meshkit loader's position (`meshkit.loaders.grain_batches`,
-            `hf_batches`) resumes the same loader (dataset length, global batch, seed) on any
-            number of processes; per-process states (an iterator with ``get_state()`` and
-            ``set_state()``, such as grain's) resume on as many processes; a position of steps
-            alone resumes nothing. Checked, and agreed by every process, before anything is
-            read.
+            `meshkit.checkpoint.data_position`): the first global batch is the one the saved
+            run would have taken next, and ``steps`` counts on from it. A meshkit loader's
+            position resumes on any number of processes, per-process states (``get_state()``
+            / ``set_state()``) on as many; checked and agreed by every process before any read.
 
     Returns:
         A `GlobalBatches` iterator (``steps``, ``rows``, ``rows_per_second``; ``close()``, or
         use it in a ``with`` block, to stop early).
 
     Raises:
-        DivergenceError: from ``next()`` or ``close()``: another process closed its iterator
-            after a different step, or (from ``close()``) went on past this one's
-            (``stop_together``).
-        MeshkitError: ``prefetch``, ``pad``, ``stop_together``, ``check`` or ``progress`` is not
-            valid; ``start`` does not fit the source (another loader's, per-process states of
-            another process count, steps alone), on every process; or,
-            from ``next()``, on every process at the same step: the loaders yielded
-            different numbers of batches (``pad=False``; with ``pad=True``, a loader that
-            yielded no batch at all while others did); a batch is short before the end of its
-            loader's data (``pad=True`` or ``False``; ``False`` names a short last batch as
-            such); the processes' batches do not fit together; another process's loader
-            failed. Errors found across processes name the step.
+        DivergenceError: from ``next()`` or ``close()``: processes left the loop at different
+            steps (``stop_together``).
+        MeshkitError: an argument is not valid; ``start`` does not fit the source; or, from
+            ``next()`` on every process at the same step (named): the loaders yielded
+            different numbers of batches, a batch is short before its loader's end, the
+            batches do not fit together, or another process's loader failed.
 
     Examples:
         >>> import numpy as np, meshkit

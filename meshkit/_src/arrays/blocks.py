@@ -1,16 +1,13 @@
 """A process's part of a global array, prepared: checked, cast and planned, before any transfer.
 
-Each process passes the part of the global array its devices hold (`meshkit.process_slice`
-says which). `prepare_leaves` checks every leaf against its (mesh, spec) and the global shape,
-casts it to the dtype JAX will use, and plans which numpy view goes to which local device; with
-``pad=True``, `finish_padding` pads the leading dimension to the size the processes agreed on.
-Nothing here communicates or touches a device: `meshkit._src.arrays.assembly` decides when the
-processes agree, `meshkit._src.arrays.records` what they compare, and
-`meshkit._src.arrays.transfer` puts the blocks.
+`prepare` checks every leaf against its (mesh, spec) and global shape, casts it to the dtype
+JAX will use and plans which view goes to which local device; a layout seen before is taken
+from its `Template`. Nothing here communicates or touches a device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +26,7 @@ from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_
 from .dtypes import Note, cast
 from .entry_point import pads as _pads
 from .entry_point import who
-from .records import LeafRecord, PartRecord
+from .records import LeafRecord, PartRecord, summary
 
 __all__ = [
     "Leaf",
@@ -39,10 +36,9 @@ __all__ = [
     "describe",
     "finish_padding",
     "plan_leaves",
+    "prepare",
     "prepare_leaves",
-    "prepare_tree",
     "replica_digests",
-    "replica_slots",
     "tree_paths",
 ]
 
@@ -69,9 +65,7 @@ class Leaf:
     sharding: NamedSharding
     dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
     global_shape: tuple[int, ...]
-    # From `prepare_leaves`, the plan over one element per block (it counts the blocks this process
-    # holds); `plan_leaves` or `finish_padding` replace it by the plan of the global shape.
-    plan: _layout.Plan
+    plan: _layout.Plan  # first over one element per block, then over the global shape
     rows: int  # the local leading size before padding
 
 
@@ -85,34 +79,82 @@ class Prepared:
     mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
     mask_plan: _layout.Plan | None = None
     notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
-    # From a layout seen before (`meshkit._src.arrays.templates`): the leaves hold their final
-    # plans, and the record, its summary and the replicas' places are those of the template.
-    template: Template | None = None
+    template: Template | None = None  # the layout was seen before: leaves planned already
 
 
 @dataclass(frozen=True)
 class Template:
-    """What was decided for one layout without padding, kept while the layout repeats.
-
-    Made and kept by `meshkit._src.arrays.templates`. A layout is everything its ``prepare`` reads
-    but the values: the pytree structure, each leaf's
-    shape and dtype, the mesh or sharding, the spec, the global shape and the dtype asked for.
-    Per leaf ``(path, sharding, dims, global shape, plan for the global shape, rows, dtype)``;
-    no values (a template must not keep a batch alive).
-    """
+    """One layout's planned leaves (without values), record and replica slots, kept for reuse."""
 
     treedef: Any
-    leaves: tuple[tuple[str, NamedSharding, Any, tuple[int, ...], _layout.Plan, int, Any], ...]
+    leaves: tuple[Leaf, ...]
     record: PartRecord  # `describe(..., pad=False)`
-    summary: str  # `meshkit._src.arrays.records.summary` of the record
-    replicas: tuple[tuple[int, Any, str, int], ...]  # `replica_slots`
-    # (path, dtype asked for or found, dtype used, dtype= given): the 64-bit narrowings, noted
-    # on a call from the template as on any other (once per dtype and process).
-    narrowings: tuple[tuple[str, np.dtype, np.dtype, bool], ...]
+    summary: str  # `summary` of the record
+    replicas: tuple[tuple[int, Any, str, int], ...]  # `_replica_slots`
+
+
+_templates: _caches.Cache[Any, Template] = _caches.Cache(maxsize=64)
+_NO_VALUE = np.empty(0)  # a template keeps no batch alive
+
+
+def prepare(
+    local: Any, mesh_or_sharding: Any, spec: Any, *, global_shape: Any, dtype: Any, pad: bool
+) -> Prepared:
+    """Check and plan this process's part ``local``; a layout seen before reuses its template."""
+    flat, treedef = jax.tree_util.tree_flatten(local)
+    key = _layout_key(flat, treedef, mesh_or_sharding, spec, global_shape, dtype, pad)
+    template = _templates.get(key) if key is not None else None
+    if template is not None:
+        notes: list[Note] = []
+        leaves = [
+            dataclasses.replace(leaf, value=cast(leaf.path, x, dtype, notes))
+            for leaf, x in zip(template.leaves, flat, strict=True)
+        ]
+        return Prepared(treedef, leaves, notes=notes, template=template)
+    named, treedef = tree_paths(local)
+    if not named:
+        raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
+    pairs = _resolve(mesh_or_sharding, spec, local, len(named))
+    shapes = _shape_for(global_shape, [p for p, _ in named])
+    prepared = prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
+    if key is not None:
+        plan_leaves(prepared)
+        record = describe(prepared, pad=False)
+        prepared.template = Template(
+            treedef,
+            tuple(dataclasses.replace(leaf, value=_NO_VALUE) for leaf in prepared.leaves),
+            record,
+            summary(record.wire()),
+            _replica_slots(prepared.leaves),
+        )
+        _templates.put(key, prepared.template)
+    return prepared
+
+
+def _layout_key(
+    flat: list[Any], treedef: Any, mesh_or_sharding: Any, spec: Any, global_shape: Any,
+    dtype: Any, pad: bool,
+) -> Any:  # fmt: skip
+    """A call's template key: numpy leaves, a plain spec, hashable shape and dtype, no pad."""
+    if pad or not all(type(x) is np.ndarray for x in flat):
+        return None
+    if not isinstance(mesh_or_sharding, Mesh | NamedSharding):
+        return None
+    if not (spec is None or isinstance(spec, str | PartitionSpec)):
+        return None
+    if global_shape is not None and not (
+        isinstance(global_shape, tuple) and all(type(s) is int for s in global_shape)
+    ):
+        return None
+    if not (dtype is None or isinstance(dtype, str | np.dtype | type)):
+        return None
+    shapes = tuple((x.shape, x.dtype) for x in flat)
+    x64 = bool(jax.config.jax_enable_x64)  # decides the dtypes leaves are cast to
+    return (treedef, shapes, mesh_or_sharding, spec, global_shape, dtype, x64)
 
 
 def tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """``([(path as messages show it, leaf), ...], treedef)``; the legacy helpers use it too."""
+    """``([(path as messages show it, leaf), ...], treedef)``."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return [(jax.tree_util.keystr(p) or "(the array)", leaf) for p, leaf in flat], treedef
 
@@ -228,28 +270,6 @@ def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | No
     return [tuple(s) for s in shapes]
 
 
-def _block_desc(dim: int, axes: tuple[str, ...]) -> str:
-    return f"{axes}" if axes else f"(dimension {dim} is not split)"
-
-
-def prepare_tree(
-    local: Any,
-    mesh_or_sharding: Any,
-    spec: Any,
-    *,
-    global_shape: Any,
-    dtype: Any,
-    pad: bool,
-) -> Prepared:
-    """Check and plan this process's part ``local`` (`meshkit.global_array_from_local`'s)."""
-    named, treedef = tree_paths(local)
-    if not named:
-        raise MeshkitError(f"{who()}: local holds no arrays (an empty pytree).")
-    pairs = _resolve(mesh_or_sharding, spec, local, len(named))
-    shapes = _shape_for(global_shape, [p for p, _ in named])
-    return prepare_leaves(named, treedef, pairs, shapes, dtype=dtype, pad=pad)
-
-
 def prepare_leaves(
     named: list[tuple[str, Any]],
     treedef: Any,
@@ -260,11 +280,9 @@ def prepare_leaves(
     pad: bool,
     warn_dtypes: bool = True,
 ) -> Prepared:
-    """`prepare_tree` for leaves already named and paired with their (mesh, spec-like).
+    """Check and cast ``(path, leaf)`` pairs, each with its (mesh, spec) and global shape or None.
 
-    ``named`` holds ``(path, leaf)`` in the flattening order of ``treedef``; ``shapes`` the
-    given global shape of each leaf (None: inferred). `meshkit.spmd` enters here with the
-    host leaves of its arguments, named as its messages name them.
+    `meshkit.spmd` enters here with its host arguments, named as its messages name them.
     """
     me = jax.process_index()
     checked_meshes: set[int] = set()
@@ -316,8 +334,8 @@ def prepare_leaves(
                     _NOT_DIVISIBLE.format(
                         what=who(), path=path, shape=value.shape, dim=d,
                         name=f" ({dims[d]!r})" if dims else "", size=size, k=k,
-                        s="" if k == 1 else "s", axes=_block_desc(d, dim_axes(partition,
-                        value.ndim)[d]), n=n, process=me, fix=fix,
+                        s="" if k == 1 else "s", axes=dim_axes(partition, value.ndim)[d] or
+                        f"(dimension {d} is not split)", n=n, process=me, fix=fix,
                     )
                 )  # fmt: skip
             inferred.append(-(-size // k) * n)
@@ -438,10 +456,7 @@ def plan_leaves(prepared: Prepared) -> None:
 
 
 def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
-    """This process's record for the cross-process comparison.
-
-    From a template (a layout seen before), the template's record.
-    """
+    """This process's record for the cross-process comparison (a template's, if it has one)."""
     if prepared.template is not None and not pad:
         return prepared.template.record
     rows = block_rows(prepared) if pad else None
@@ -462,15 +477,12 @@ def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
 
 
 def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, str]]:
-    """A digest of every block this process holds that other processes hold too (replicas).
+    """``{"path@block start": (lowest holder, digest)}`` of the blocks other processes hold too.
 
-    Returned as `meshkit._src.coord.agree` groups: ``"leaf path@block start"`` -> (the lowest
-    process holding the block, the digest). ``full``: a CRC-32 of the whole block; otherwise of
-    about `_SAMPLE` elements spread over it (a few KiB whatever the block's size). The leaves must
-    hold their final plans (after `plan_leaves` or `finish_padding`).
+    ``full``: a CRC-32 of each whole block; otherwise of about `_SAMPLE` elements spread over it.
     """
     template = prepared.template
-    slots = template.replicas if template is not None else replica_slots(prepared.leaves)
+    slots = template.replicas if template is not None else _replica_slots(prepared.leaves)
     groups: dict[str, tuple[int, str]] = {}
     for i, local_index, name, reference in slots:
         view = prepared.leaves[i].value[local_index]
@@ -478,12 +490,8 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     return groups
 
 
-def replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
-    """The blocks this process holds that other processes hold too (replicas).
-
-    ``(leaf index, local index of the block, "leaf path@block start", the lowest process
-    holding the block)``, from the leaves' final plans.
-    """
+def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
+    """``(leaf index, local index, "path@block start", lowest holder)`` of each replicated block."""
     slots = []
     for i, leaf in enumerate(leaves):
         plan = leaf.plan
@@ -514,6 +522,5 @@ def _sampled_digest(block: np.ndarray) -> str:
 
 
 def _digest(block: np.ndarray) -> str:
-    # CRC-32 (zlib releases the GIL) runs at about 3 GB/s per core here, four times blake2b:
-    # the check looks for loaders that went astray, not for an adversary.
+    # CRC-32: fast (zlib releases the GIL); the check looks for loaders gone astray, not attacks.
     return f"{zlib.crc32(np.ascontiguousarray(block).reshape(-1).view(np.uint8)):08x}"

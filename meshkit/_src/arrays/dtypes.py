@@ -1,8 +1,7 @@
 """64-bit data in a 32-bit JAX: the cast, and the `DtypeWarning` shown once per dtype.
 
-A narrowing is noted while a process's part is prepared and issued by the caller of the
-assembly (`warn_notes`), at the user's line, once the part is known to be sound: a call that
-fails before leaves the warning to the next one.
+A narrowing is noted while a part is prepared and warned by the caller at the user's line once
+the call succeeds (`warn_notes`): a call that fails leaves the warning to the next one.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import numpy as np
 
 from .entry_point import who
 
-__all__ = ["DtypeWarning", "Note", "cast", "note_narrowing", "warn_notes"]
+__all__ = ["DtypeWarning", "Note", "cast", "warn_notes"]
 
 
 class DtypeWarning(UserWarning):
@@ -28,34 +27,19 @@ class DtypeWarning(UserWarning):
 
 DtypeWarning.__module__ = "meshkit"  # shown under the name users import it by
 
-
 _warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
 Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text
 
 
 def cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:
-    """``value`` in the dtype JAX will use; a narrowing to 32 bits is noted once per dtype.
-
-    ``notes`` None: narrow silently, as `jax.jit` does with host arguments (`meshkit.spmd`).
-    """
+    """``value`` in the dtype JAX will use; a narrowing is noted (``notes`` None: silently)."""
     wanted = value.dtype if dtype is None else np.dtype(dtype)
     target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
-    if target != wanted and notes is not None:
-        note_narrowing(path, wanted, target, dtype is not None, notes)
-    return value if value.dtype == target else value.astype(target)
-
-
-def note_narrowing(
-    path: str, wanted: np.dtype, target: np.dtype, given: bool, notes: list[Note]
-) -> None:
-    """Note a narrowing to 32 bits, unless this process has shown it for this dtype already.
-
-    Marked as shown only when `warn_notes` issues it: a call that fails after preparing (a
-    check, a transfer) leaves the warning to the next call.
-    """
     key = (str(wanted), str(target))
-    if key not in _warned_dtypes and all(k != key for k, _ in notes):
-        source = "dtype=" if given else f"the data at {path}"
+    new = notes is not None and key not in _warned_dtypes and all(k != key for k, _ in notes)
+    if target != wanted and new:
+        assert notes is not None
+        source = "dtype=" if dtype is not None else f"the data at {path}"
         notes.append(
             (
                 key,
@@ -65,6 +49,7 @@ def note_narrowing(
                 "True) to keep 64 bits.",
             )
         )
+    return value if value.dtype == target else value.astype(target)
 
 
 def warn_notes(notes: list[Note], stacklevel: int) -> None:

@@ -1,9 +1,4 @@
-"""`meshkit.make_mesh`: the device order of `meshkit._src.sharding.mesh`, agreed by every process.
-
-The order is pure (`sharding.mesh.order_devices`); with several processes, each then agrees
-with the others, through the coordination service (never a device collective), that it built
-the same mesh: one agreement per call, on the caller's channel.
-"""
+"""`meshkit.make_mesh`: the pure device order of `sharding.mesh`, agreed by every process."""
 
 from __future__ import annotations
 
@@ -84,25 +79,20 @@ def make_mesh(
 ) -> Mesh:
     """Make a `jax.sharding.Mesh` over all devices of all processes.
 
-    Inner (later) axes stay inside one host, and inside one process, whenever the sizes allow,
-    whatever the ranks of a host's processes (hosts as learned by `meshkit.init`); an axis that
-    must straddle hosts or processes does so in whole blocks. With more than one process, the
-    processes check through the coordination service (not a device collective) that they all
-    built the same mesh.
+    Inner (later) axes stay inside one host, and one process, whenever the sizes allow; an axis
+    that must straddle hosts or processes does so in whole blocks. With several processes,
+    they check through the coordination service that they all built the same mesh.
 
     Args:
         axes: axis name -> size, outermost first; one size may be ``-1`` to fill the rest.
             Names must be Python identifiers.
-        devices: the devices to use (default: ``jax.devices()``, every device of every process).
-            All of them are used, with the same number from each process.
-        axis_types: one `jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``,
-            ``"manual"``) for all axes, one per axis, or a mapping name -> type. Default
-            ``Auto`` for every axis, as ``jax.sharding.Mesh`` does: jit then reshards inputs
-            whose layout differs instead of rejecting them.
-        across_hosts: the axis, or axes, that run across hosts (the slow network), the role of
-            ``dcn_mesh_shape`` in JAX's ``create_hybrid_device_mesh``: together they take every
-            factor of the host count, outermost first, and all other axes stay inside a host.
-            Default: the outermost axes that can, as above. On one host it changes nothing.
+        devices: the devices to use (default: ``jax.devices()``), the same number from each
+            process.
+        axis_types: one `jax.sharding.AxisType` (or ``"auto"``, ``"explicit"``, ``"manual"``)
+            for all axes, one per axis, or a mapping name -> type. Default ``Auto``.
+        across_hosts: the axis or axes that run across hosts (as ``dcn_mesh_shape`` in JAX's
+            ``create_hybrid_device_mesh``): together they take every factor of the host
+            count, outermost first. Default: the outermost axes that can.
 
     Returns:
         The mesh; JAX's own type, usable wherever JAX takes one.

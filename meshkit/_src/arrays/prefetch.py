@@ -1,25 +1,9 @@
 """The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
 
-Before a step's global batch is handed to the caller, the processes agree on one record per
-process (`PartRecord`: its status - data, the end of its loader's data, closed, failed - and, with
-checks, the structure, dtypes, shapes and rows): `Assembly.agree_sizes`, two requests per
-process at the coordinator in a steady loop. Agreed step by step, that is 2N requests per step
-for N processes.
-
-So the helper agrees on *windows* of steps. It reads up to W batches ahead, prepares them on
-the host (nothing is placed on a device yet), and agrees once on the list of their records'
-summaries (`Ahead._window`): two requests per process for W steps. When the lists are equal
-and every step has data, each step of the window is agreed exactly as the per-step agreement
-would have agreed it, and is placed and handed to the caller as prefetch slots free up. Any
-other outcome (a loader that ended, failed, or yields a batch of another shape in the window)
-falls back to per-step agreements for the window's steps, so that every message names the
-step it names today; a process that closed or failed is told in the window's place, at the
-window's first step. Every process takes the same path, as each sees the same outcome. W starts
-at 1 (the first step is agreed alone) and doubles while windows agree, up to `width_cap`.
-
-The source's position (`meshkit.DataPosition`) is captured right after each read, and travels
-with the step it read (``capture``): the caller's `GlobalBatches.position` is the one after the
-batches it took, never after the batches read ahead for later steps.
+The processes agree on one record per process and step; to spare the coordinator, the helper
+reads a window of up to `width_cap` steps ahead and agrees on all their records at once. Any
+window that is not all data of equal records falls back to per-step agreements, so messages
+name their step. The source's position is captured with each read and travels with its step.
 """
 
 from __future__ import annotations
@@ -37,12 +21,11 @@ import numpy as np
 
 from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
-from . import data_end as _data_end
-from . import loop_exit as _loop_exit
-from .blocks import Prepared
+from . import ends as _ends
+from .blocks import Prepared, prepare
 from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
-from .templates import prepare
+from .resume import Opened
 
 __all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
 
@@ -99,20 +82,15 @@ def _nbytes(leaf: Any) -> int:
 def width_cap(processes: int, batch_bytes: int) -> int:
     """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
 
-    Two windows' batches may be on the host at once (one agreed, one being read).
-
-    With W steps per window a step costs 2N / W requests at the coordinator: at most 2 at any
-    process count while the batches fit in `AHEAD_BYTES`.
+    Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
     """
     return max(1, min(max(32, processes), AHEAD_BYTES // (2 * max(1, batch_bytes))))
 
 
 class Handoff:
-    """The assembled steps waiting for the caller: at most ``prefetch`` (one producer, the helper).
+    """The assembled steps waiting for the caller, at most ``prefetch``.
 
-    The caller's `get` takes a waiting item without a lock (a deque's ends are thread-safe);
-    a condition is used only when one side waits for the other: a `next()` is a few
-    microseconds, not a `queue.Queue` and a semaphore's two lock round trips.
+    A deque's ends are thread-safe: the condition is only taken when one side waits.
     """
 
     def __init__(self, prefetch: int) -> None:
@@ -123,7 +101,7 @@ class Handoff:
         self.putter_waits = False
 
     def put(self, item: Any) -> None:
-        """Hand ``item`` to the caller (the helper, after `free` or `wait_free`; or a close)."""
+        """Hand ``item`` to the caller."""
         self.items.append(item)
         if self.taker_waits:
             with self.cond:
@@ -195,41 +173,19 @@ class _Window:
 
 @dataclass
 class Ahead:
-    """The helper's side of one `meshkit.global_batches` iterator (run by its thread).
+    """The helper's side of one `meshkit.global_batches` iterator (run by its thread)."""
 
-    Args:
-        source: this process's loader.
-        assembly: the iterator's assembly protocol (its tag names the agreements).
-        args: ``(mesh_or_sharding, spec)``.
-        pad, ragged, dtype: `global_batches`' settings.
-        multi: several processes agree (else nothing is exchanged).
-        processes: how many.
-        told: processes that closed early told apart from the end of data (``stop_together``).
-        me: this process's id.
-        handoff: where the assembled steps wait for the caller.
-        stop: set when the iterator is closed.
-        release: tells the others' helpers that this one stops.
-        hear: takes processes that closed early (`GlobalBatches._hear`).
-        capture: the source's position, called right after each read (None: not kept).
-        assembled: steps assembled so far (a resumed iterator starts at its position's).
-    """
-
-    source: Iterator[Any]
+    opened: Opened  # this process's loader
     assembly: _assembly.Assembly
-    args: tuple[Any, Any]
-    pad: bool
+    args: tuple[Any, Any]  # (mesh_or_sharding, spec)
     ragged: bool
     dtype: Any
-    multi: bool
-    processes: int
-    told: bool
-    me: int
+    told: bool  # closes are told apart from the end of data (stop_together)
     handoff: Handoff
-    stop: threading.Event
-    release: Callable[[], None]
-    hear: Callable[[dict[int, int]], None]
-    capture: Callable[[], Any] | None = None
-    assembled: int = 0  # steps assembled (the loaders' batches so far)
+    stop: threading.Event  # set when the iterator is closed
+    release: Callable[[], None]  # tells the others' helpers that this one stops
+    hear: Callable[[dict[int, int]], None]  # takes processes that closed early
+    assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
     _template: Any = None
@@ -237,11 +193,7 @@ class Ahead:
     _said: dict[tuple[int, int | None], tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def run(self) -> None:
-        """Read, agree and assemble until the data ends, the iterator closes or a step fails.
-
-        While agreed steps wait for a prefetch slot, the next window is read (at most one
-        window agreed and one being read: ``2 * width_cap`` batches on the host).
-        """
+        """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
         set_caller(_WHAT)
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
         agreed: deque[_Read | _End] = deque()
@@ -289,7 +241,7 @@ class Ahead:
                 if steady is None:
                     return
                 alone = max(0, alone - 1)
-                grow = steady and self.multi and not alone
+                grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap()) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
             self.put(Failure(e))
@@ -306,7 +258,7 @@ class Ahead:
             self.put(END)
             return False
         prepared, record, state = step
-        self.put(self._finish(prepared, {self.me: record}, state))
+        self.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
     def _summary(self, prepared: Prepared, record: PartRecord) -> str:
@@ -325,22 +277,29 @@ class Ahead:
     def _width_cap(self) -> int:
         if self._cap is None:
             leaves = jax.tree_util.tree_leaves(self._template)
-            self._cap = width_cap(self.processes, sum(_nbytes(x) for x in leaves))
+            self._cap = width_cap(self.opened.processes, sum(_nbytes(x) for x in leaves))
         return self._cap
 
     def _next(self) -> _Pulled:
-        return self._ahead.popleft() if self._ahead else _pull(self.source, self.capture)
+        return (
+            self._ahead.popleft() if self._ahead else _pull(self.opened.source, self.opened.capture)
+        )
 
     def _peek(self) -> bool | None:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
-            self._ahead.append(_pull(self.source, self.capture))
+            self._ahead.append(_pull(self.opened.source, self.opened.capture))
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
         mesh_or_sharding, spec = self.args
         return prepare(
-            local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=self.pad
+            local,
+            mesh_or_sharding,
+            spec,
+            global_shape=None,
+            dtype=self.dtype,
+            pad=self.assembly.pad,
         )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
@@ -352,13 +311,10 @@ class Ahead:
     # One step at a time.
 
     def _one(self) -> bool | None:
-        """Agree on and assemble the next step alone; whether it was agreed with data.
-
-        None: the loop ended (the end of data, a failure; put in the queue) or was closed.
-        """
+        """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
         pulled = self._next()
         if pulled.error is not None:
-            if self.multi:
+            if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, pulled.error)
             self.put(Failure(pulled.error))
             return None
@@ -372,7 +328,8 @@ class Ahead:
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
-        pad, multi, assembly = self.pad, self.multi, self.assembly
+        assembly = self.assembly
+        pad, multi = assembly.pad, assembly.multi
         step = self.assembled + 1
         what = f"{_WHAT} (step {step})"
         if status == "end":
@@ -386,8 +343,7 @@ class Ahead:
         prepared = assembly.prepare(lambda: self._prepare(local))
         if not multi:
             return self._finish(prepared, None, state), False
-        # Every step agrees before placing: on the end of data, the padded size and (but with
-        # pad="ragged") the rows, which only a loader's last batch may lack.
+        # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
         check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
         records = assembly.agree_sizes(
             prepared,
@@ -408,25 +364,22 @@ class Ahead:
         tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
         self.assembled += 1
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if self.pad else tree), rows, prepared.notes, state
+        return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
     # A window of steps.
 
     def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | Failure | _End:
-        """Agree at once on the steps of a window read (`_Window.read`), from step ``step``.
+        """Agree at once on a window read from step ``step``.
 
-        Returns the window's steps, prepared, with their records, when every process has the
-        same records for all of them, all with data (followed by `END` when every loader ended
-        right after them); none when the window's steps are to be
-        agreed one by one (its batches are back in the read-ahead queue); the caller's last
-        item (`END`, a `Failure`) when a process closed or failed, or the agreement failed.
+        Returns its steps (then `END` if every loader ended right after) when all processes'
+        records are equal; [] to agree them one by one; `END` or a `Failure` to end the loop.
         """
         try:
-            return self._agree_or_raise(window, width, step)
+            return self._agree_window(window, width, step)
         except Exception as e:
             return Failure(e)
 
-    def _agree_or_raise(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
+    def _agree_window(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         runs: list[list[Any]] = []
         for prepared, record, _ in window.steps:
             said = self._summary(prepared, record)
@@ -463,33 +416,26 @@ class Ahead:
     def _check_rows(self, records: dict[int, PartRecord], step: int, what: str) -> None:
         """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
 
-        Where the batches differ in rows, each process with fewer reads its loader one batch
-        ahead (`_peek`), and all exchange whether theirs is the last: one more round trip, at
-        such steps only. Every process has the same records, so all decide alike.
+        Processes with fewer rows read one batch ahead and all exchange whether it was the last.
         """
-        fewer = _data_end.short(records)
+        fewer = _ends.short(records)
         if not fewer:
             return
-        last = self._peek() if self.me in fewer else None
+        last = self._peek() if self.opened.me in fewer else None
         said = _assembly.exchange_records(self.assembly.tag, PartRecord(last=last).wire(), what)
         lasts = {p: PartRecord.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _data_end.short_batch(told, step, pad=self.pad)
+        message = _ends.short_batch(told, step, pad=self.assembly.pad)
         if message is not None:
-            # A DivergenceError: the launcher reads who differs (no one singled out without a
-            # majority), whichever process raised first.
-            raise DivergenceError(message, processes=_data_end.rows_outliers(told), field="rows")
+            raise DivergenceError(message, processes=_ends.rows_outliers(told), field="rows")
 
     def _check_end(self, records: dict[int, PartRecord], step: int) -> bool:
-        """Whether the data has ended for every process at ``step`` (the records agreed there).
+        """Whether the data ended for every process at ``step``; raises if loaders end unevenly.
 
-        Loaders that end at different steps are an error, the same on every process (each has
-        every record), unless ``pad`` lets the ended ones pad: with ``pad=False`` the longer
-        loaders' batches would be dropped unseen, and a loader that yielded no batch at all
-        has no structure to pad with. A process that closed its iterator while others have
-        data (``told``) is the others' error at their next step (`closes.went_on`).
+        Ended loaders may pad only with ``pad`` and an earlier batch; a process that closed while
+        others have data is their error (`ends.went_on`).
         """
         statuses = {p: r.status for p, r in records.items()}
         closed = {p: r.steps for p, r in records.items() if r.status == "closed"}
@@ -499,12 +445,14 @@ class Ahead:
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)
-            raise _loop_exit.went_on(closers, self.me, step - 1, took=False)
+            raise _ends.went_on(closers, self.opened.me, step - 1, took=False)
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
-        if not ended or (self.pad and all(records[p].block_rows is not None for p in ended)):
+        if not ended or (
+            self.assembly.pad and all(records[p].block_rows is not None for p in ended)
+        ):
             return False
         raise MeshkitError(
-            _data_end.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.pad)
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.assembly.pad)
         )

@@ -1,11 +1,8 @@
-"""The records processes exchange to agree on an assembly, with named fields, and their comparison.
+"""The records processes exchange to agree on an assembly, and their comparison.
 
-A `PartRecord` is what one process tells the others about its part of an assembly: its status (data,
-the end of its data, closed, or failed and why), the pytree structure, one `LeafRecord` per
-array, the rows per block of an uneven batch and the digests of its replicas. On the wire it
-is the JSON object it always was: the leaves are JSON lists (a `NamedTuple` costs no bytes), the
-fields left unset are absent. `summary` is what must be equal in every process; `compare` names
-who differs and where.
+A `PartRecord` is one process's part: its status, pytree structure, one `LeafRecord` per array
+and what batches add. On the wire it is a JSON object without its unset fields; `summary` is
+what must be equal everywhere, and `compare` names who differs and where.
 """
 
 from __future__ import annotations
@@ -46,23 +43,17 @@ class PartRecord:
     """What one process tells the others about its part of an assembly.
 
     Attributes:
-        status: ``"data"``; ``"end"`` (its loader ended: `meshkit.global_batches`);
-            ``"closed"`` (its iterator closed early); ``"error"`` (it failed: ``message``);
-            ``"exit"`` (it left the program: another layer's record at exit).
+        status: ``"data"``; ``"end"`` (its loader ended); ``"closed"`` (its iterator closed
+            early); ``"error"`` (it failed: ``message``); ``"exit"`` (it left the program).
         tree: the pytree structure of its part.
         leaves: one `LeafRecord` per array, in flattening order.
         block_rows: with ``pad=True``, the rows per block it needs (the largest is used).
         message: with status ``"error"``, the failure, for the others' messages.
-        replicas: the digests of the blocks other processes hold too
-            (`meshkit._src.coord.agree` groups: name -> (reference process, digest)).
-        rows: in `meshkit.global_batches` (not with ``pad="ragged"``), the rows of its batch
-            (its first array's leading size): compared, so that a step whose batches differ in
-            rows by less than a block is seen too.
-        last: in `meshkit.global_batches`' second exchange at a step whose batches differ in
-            rows, from each process with fewer rows than the most: whether its batch is its
-            loader's last (the loader read one batch ahead); None from the others.
-        steps: with status ``"closed"``, in `meshkit.global_batches`, the steps its caller took
-            before it closed the iterator (`meshkit._src.arrays.loop_exit`).
+        replicas: digests of the blocks other processes hold too (name -> (holder, digest)).
+        rows: in `meshkit.global_batches`, the rows of its batch (not with ``pad="ragged"``).
+        last: at a step whose batches differ in rows, whether a shorter batch is its loader's
+            last (None from the others).
+        steps: with status ``"closed"``, the steps its caller took before it closed.
     """
 
     status: str = "data"
@@ -77,48 +68,24 @@ class PartRecord:
 
     def wire(self) -> dict[str, Any]:
         """The JSON object sent: the fields that are set, in declaration order."""
-        out = {}
-        for name in _FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     @classmethod
     def read(cls, wire: dict[str, Any]) -> PartRecord:
         """The record another process sent (its `wire` form, parsed from JSON)."""
-        leaves = wire.get("leaves")
-        return cls(
-            status=wire["status"],
-            tree=wire.get("tree"),
-            leaves=None if leaves is None else tuple(LeafRecord(*leaf) for leaf in leaves),
-            block_rows=wire.get("block_rows"),
-            message=wire.get("message"),
-            replicas=wire.get("replicas"),
-            rows=wire.get("rows"),
-            last=wire.get("last"),
-            steps=wire.get("steps"),
-        )
-
-
-_FIELDS = tuple(f.name for f in fields(PartRecord))
+        values: dict[str, Any] = {f.name: wire.get(f.name) for f in fields(cls)}
+        values["status"] = wire["status"]
+        if values["leaves"] is not None:
+            values["leaves"] = tuple(LeafRecord(*leaf) for leaf in values["leaves"])
+        return cls(**values)
 
 
 def summary(wire: dict[str, Any]) -> str:
-    """What must be equal in every process: all of a record's JSON object but the local shapes.
-
-    Any JSON object may be exchanged (`meshkit.pad_shard_unpad` agrees on a plain dict); a
-    `PartRecord`'s leaves are compared without their local shapes. The ``replicas`` digests are
-    compared per replica group (`meshkit._src.coord.agree` groups), not here.
-    """
+    """What must be equal in every process: a record's JSON without local shapes and replicas."""
     compared = {k: v for k, v in wire.items() if k != "replicas"}
     if "leaves" in compared:
         compared["leaves"] = [LeafRecord(*leaf).compared() for leaf in compared["leaves"]]
     return json.dumps(compared, sort_keys=True)
-
-
-def _groups(values: dict[int, Any]) -> str:
-    return _missing.lines(_missing.by_value({p: str(v) for p, v in values.items()}))
 
 
 def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
@@ -126,11 +93,7 @@ def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
     failed = {p: r for p, r in records.items() if r.status == "error"}
     ended = sorted(p for p, r in records.items() if r.status == "exit")
     if ended and not failed:
-        raise MeshkitError(
-            f"{what}: {_missing.processes(ended)} left the program (it ended or failed) without "
-            "making this call.\nEvery process must make the same calls in the same order; "
-            "consider what ended it early (its output says)."
-        )
+        raise MeshkitError(_missing.left_program(what, dict.fromkeys(ended)))
     if failed:
         lines = "\n".join(f"  process {p}: {r.message}" for p, r in sorted(failed.items()))
         raise MeshkitError(
@@ -141,33 +104,29 @@ def raise_failures(records: dict[int, PartRecord], what: str = WHAT) -> None:
 
 
 def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
-    """Raise a `DivergenceError` naming the processes and the pytree path where records differ.
-
-    The message says what each process passed; it names the processes outside a majority
-    (`DivergenceError.processes`: all of them where none holds a majority) and offers padding
-    only where padding fits: the leading (batch) dimension alone differs and pad is off.
-    """
+    """Raise a `DivergenceError` naming the processes outside a majority and where they differ."""
     raise_failures(records, what)
-    trees = {p: r.tree for p, r in records.items()}  # absent: sizes agreed already
-    if len(set(trees.values())) > 1:
+    trees = _missing.by_value({p: str(r.tree) for p, r in records.items()})
+    if len(trees) > 1:
         raise DivergenceError(
-            f"{what}: processes passed pytrees of different structure:\n{_groups(trees)}\n"
+            f"{what}: processes passed pytrees of different structure:\n"
+            f"{_missing.lines(trees)}\n"
             "Every process must pass the same structure (same keys, same number of arrays).\n"
             "Consider building batches with the same code and keys on every process.",
-            processes=_missing.outside_majority(_missing.by_value(_texts(trees)).values()),
+            processes=_missing.outside_majority(trees.values()),
             field="structure",
         )
     first = min(records)
     for i, leaf in enumerate(records[first].leaves or ()):
-        rows = {p: _leaf(r, i) for p, r in records.items()}
+        rows = {p: (r.leaves or ())[i] for p, r in records.items()}
         for field_name, shown_name in _COMPARED:
             seen = {p: getattr(x, field_name) for p, x in rows.items()}
             held = _missing.by_value({p: json.dumps(v) for p, v in seen.items()})
             if len(held) > 1:
-                shown = {p: _shown(x) for p, x in rows.items()}
+                shown = _missing.by_value({p: _shown(x) for p, x in rows.items()})
                 raise DivergenceError(
                     f"{what}: processes disagree on the {shown_name} of {leaf.path}:\n"
-                    f"{_groups(shown)}\n"
+                    f"{_missing.lines(shown)}\n"
                     "Processes must pass local arrays that fit together into one global array "
                     "(local shape = global shape / processes along each split dimension).\n"
                     + _fix(field_name, list(seen.values())),
@@ -180,10 +139,6 @@ def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
 
 # The fields of a leaf compared, and their names in messages.
 _COMPARED = (("dtype", "dtype"), ("split", "split"), ("global_shape", "global shape"))
-
-
-def _texts(values: dict[int, Any]) -> dict[int, str]:
-    return {p: str(v) for p, v in values.items()}
 
 
 def _shown(leaf: LeafRecord) -> str:
@@ -223,12 +178,6 @@ def _fix(field_name: str, values: list[Any]) -> str:
         "Consider the same batch size on every process; for an uneven last batch (the end of "
         f"the data), {uneven}."
     )
-
-
-def _leaf(record: PartRecord, i: int) -> LeafRecord:
-    """The ``i``-th leaf of a record whose structure equals the others' (compared before)."""
-    assert record.leaves is not None
-    return record.leaves[i]
 
 
 def _compare_replicas(records: dict[int, PartRecord], what: str) -> None:

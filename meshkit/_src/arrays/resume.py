@@ -1,20 +1,8 @@
 """Where a `meshkit.global_batches` source stands: kept with every step, resumed at ``start=``.
 
-Three kinds of source, told apart before anything is read:
-
-- a meshkit loader (`core.data_position.GlobalSource`: `meshkit.loaders.grain_batches`,
-  `hf_batches`): its position is global (epoch, step in it), the same on every process, and
-  resumes on any number of processes;
-- an iterator with ``get_state()`` and ``set_state()`` (grain's ``DataLoader`` and
-  ``IterDataset`` iterators): each process's own state, which resumes on the same number of
-  processes only (each state belongs to one process's part of the data);
-- anything else: only the steps are known, and it cannot be resumed.
-
-``start=`` is checked against the source (its kind; a loader's identity and length; the
-process count of per-process states) and, for a stateful source, applied with ``set_state``,
-before the helper thread reads anything. With several processes they agree on the verdict
-(one barrier of the coordination service), so that a bad position is the same error on every
-process, never one process reading on while the others stop.
+A meshkit loader's position is global (any process count); an iterator with ``get_state()`` /
+``set_state()`` has per-process states (as many processes); anything else only counts steps.
+``start=`` is checked against the source and agreed by every process before anything is read.
 """
 
 from __future__ import annotations
@@ -48,24 +36,14 @@ _GLOBAL = (
 
 @dataclass(frozen=True)
 class Opened:
-    """A source opened at its start, and how its position is kept.
+    """A source opened at its start, and how its position is kept."""
 
-    Attributes:
-        source: the iterator the helper thread reads.
-        capture: called right after each read: the source's position then (None: not kept).
-        first: the position before the first read.
-        identity: a meshkit loader's identity (None for other sources).
-        stateful: the source has ``get_state()`` / ``set_state()``.
-        step: the steps the caller took before this iterator (``start.step``).
-        me, processes: this process's id, and the number of processes.
-    """
-
-    source: Iterator[Any]
-    capture: Callable[[], Any] | None
-    first: Any
-    identity: LoaderIdentity | None
-    stateful: bool
-    step: int
+    source: Iterator[Any]  # what the helper thread reads
+    capture: Callable[[], Any] | None  # the source's position right after a read (None: not kept)
+    first: Any  # the position before the first read
+    identity: LoaderIdentity | None  # a meshkit loader's
+    stateful: bool  # the source has get_state() / set_state()
+    step: int  # the steps taken before this iterator (start.step)
     me: int
     processes: int
 
@@ -107,14 +85,7 @@ def _iter(iterable: Iterable[Any]) -> Iterator[Any]:
 def open_source(
     iterable: Iterable[Any], start: DataPosition | None, me: int, processes: int, tag: str
 ) -> Opened:
-    """Open ``iterable`` at ``start`` (None: where it stands), checked on every process.
-
-    ``tag``: the iterator's, for the processes' agreement on a ``start``.
-
-    Raises:
-        MeshkitError: ``start`` does not fit the source (on every process alike when several
-            agree); ``iterable`` is not iterable.
-    """
+    """Open ``iterable`` at ``start`` (None: where it stands); a bad start fails everywhere."""
     if start is not None and not isinstance(start, DataPosition):
         raise MeshkitError(
             f"{_WHAT}: start must be a meshkit.DataPosition or None; got "
@@ -256,12 +227,7 @@ def _states_problem(
 
 
 def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
-    """Every process learns every process's verdict on ``start`` (one barrier when they agree).
-
-    Raises:
-        MeshkitError: a process found a problem (its own first, else the first process's), the
-            processes resume at different positions, or one did not come.
-    """
+    """Raise on every process if one refused ``start``, they differ, or one did not come."""
     what = f"{_WHAT} (start=)"
     mine = json.dumps({"position": start.describe(), "problem": problem})
     timeout = _env.check_timeout()

@@ -1,12 +1,7 @@
-"""Back from global arrays to numpy: `local_from_global` and `gather`.
+"""Back from global arrays to numpy: `local_from_global` (this process's part) and `gather`.
 
-`local_from_global` is the inverse of `meshkit.global_array_from_local`: this process's part,
-laid out as the planner lays it out (`meshkit.process_slice`), with replicas read once.
-
-`gather` brings the whole value to the host of every process (or of one). It does not reshard
-to a fully replicated array (which would hold the whole value on every device): each block
-travels once, from the lowest process that holds it, as bytes over a one-device-per-process
-mesh; an all-gather for ``to="all"``, point-to-point sends to one process otherwise.
+`gather` sends each block once, from the lowest process holding it, as bytes over a
+one-device-per-process mesh: no resharding to a replicated array.
 """
 
 from __future__ import annotations
@@ -71,22 +66,19 @@ def _local_plan(x: jax.Array, where: str, what: str) -> _layout.Plan:
 def local_from_global(x: Any) -> Any:
     """This process's part of global arrays, as numpy, in the layout it was given.
 
-    The inverse of `meshkit.global_array_from_local`:
-    ``local_from_global(global_array_from_local(x, mesh, spec))`` equals ``x``. Works for any
-    array, whatever made it (``jax.jit`` outputs included): along each dimension, the distinct
-    ranges this process's devices hold, in increasing order (`meshkit.process_slice`). Blocks
-    held by several local devices (replicas) are read once.
+    The inverse of `meshkit.global_array_from_local`, for any array (``jax.jit`` outputs
+    included): along each dimension, the distinct ranges this process's devices hold, in
+    increasing order (`meshkit.process_slice`); replicated blocks are read once.
 
     Args:
-        x: a `jax.Array` or a pytree of them. numpy leaves are this process's data already
-            and come back as they are (legacy helpers such as ``tohost`` are called on both).
+        x: a `jax.Array` or a pytree of them; numpy leaves come back as they are.
 
     Returns:
         numpy arrays, in ``x``'s pytree structure.
 
     Raises:
         MeshkitError: a leaf is neither a ``jax.Array`` nor numpy, or this process's shards do
-            not form a grid (exotic device orders; `meshkit.gather` still works).
+            not form a grid (`meshkit.gather` still works).
 
     Examples:
         >>> import numpy as np, meshkit
@@ -147,14 +139,13 @@ def _gather_to(mesh: Mesh, root: int) -> Any:
 def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     """The whole value of global arrays, as numpy, on every process or on one.
 
-    Every block travels once, from the lowest process that holds it, over one device per
-    process; the full array never sits on every device (unlike resharding to replicated and
-    reading that).
+    Each block travels once, over one device per process; the whole array never sits on every
+    device.
 
     Args:
         x: a `jax.Array` or a pytree of them (any sharding).
-        to: ``"all"`` (every process gets the value) or a process index (only that process
-            does; the others get None). Every process must call `gather` with the same ``to``.
+        to: ``"all"`` or the process index that gets the value (the others get None); the same
+            on every process.
 
     Returns:
         numpy arrays in ``x``'s pytree structure; None on processes other than ``to``.
@@ -187,8 +178,8 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         return jax.tree_util.tree_unflatten(treedef, values)
     _agree_on_call(to, leaves, treedef, what)
     plans = [_layout.plan(leaf.sharding, tuple(leaf.shape), me) for _, leaf in leaves]
-    # Each block is sent by the lowest process holding it; every process can work out what
-    # every other sends (plans are global), so no sizes need exchanging.
+    # Each block is sent by the lowest process holding it; plans are global, so every process
+    # knows what every other sends.
     owned: list[list[list[tuple[Any, ...]]]] = []  # [process][leaf] -> blocks, in order
     for p in range(count):
         per_leaf = []
@@ -210,9 +201,8 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     payload = np.zeros(width, np.uint8)
     at = 0
     for i, (_, leaf) in enumerate(leaves):
-        shards = {repr(_block_of(s.index, leaf.shape)): s.data for s in leaf.addressable_shards}
-        blocks = owned[me][i]
-        for data in jax.device_get([shards[repr(b)] for b in blocks]):
+        shards = {plans[i].blocks[s.device]: s.data for s in leaf.addressable_shards}
+        for data in jax.device_get([shards[b] for b in owned[me][i]]):
             raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
             payload[at : at + raw.size] = raw
             at += raw.size
@@ -249,12 +239,7 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
 def _agree_on_call(
     to: int | str, leaves: list[tuple[str, jax.Array]], treedef: Any, what: str
 ) -> None:
-    """Every process must gather the same arrays to the same place; else each names the others.
-
-    One barrier (`meshkit._src.coord.agree.check`) before the collective: a ``to`` that differs
-    between processes would otherwise pair a point-to-point send with an all-gather and hang for
-    ever.
-    """
+    """Raise on every process unless all gather the same arrays to the same place (else: hang)."""
     shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
     mine = json.dumps({"to": to, "structure": _canonical.structure(treedef), "leaves": shapes})
     timeout = _env.check_timeout()
@@ -291,9 +276,3 @@ def _shown(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(map(str, value)) + "]"
     return repr(value) if isinstance(value, str) and value == "all" else str(value)
-
-
-def _block_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(
-        (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
-    )

@@ -1,11 +1,8 @@
-"""The verdict every process reaches before orbax is called, and the words of a difference.
+"""The checkpoint calls' cross-process verdict, reached before orbax is called.
 
-`meshkit.checkpoint`'s calls (`save`, `check_savable`, `targets`, `restore`) describe what each
-process was given as a list of entries (``[where, kind, ...]``: a leaf, the path, the data
-position) and a problem found locally, if any; `agree_on` compares them across processes in one
-barrier of the coordination service and raises the same `MeshkitError` on every process when
-they differ or one found a problem, so that no process is left inside orbax waiting for the
-others. `difference` and `entry` word the first entry that differs.
+Each call describes what its process was given as entries (``[where, kind, ...]``) and a
+problem found locally, if any; `agree_on` compares them in one barrier and raises the same
+`MeshkitError` everywhere when they differ, so no process is left waiting inside orbax.
 """
 
 from __future__ import annotations
@@ -25,12 +22,7 @@ __all__ = ["agree_on", "difference", "entry"]
 
 
 def agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
-    """Every process reaches the same verdict before orbax is called; raise it everywhere.
-
-    One barrier of the coordination service when the processes agree. When they differ, each
-    process raises an error naming the first difference (or the process that found a problem),
-    so no process is left inside orbax waiting for the others.
-    """
+    """Agree on ``entries`` and ``problem`` across processes; raise the verdict on every one."""
     if _compat.distributed_state()[2] == 1:
         if problem is not None:
             raise MeshkitError(problem)
@@ -75,6 +67,7 @@ _SHARED_PATH = (
 
 
 def difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
+    """The message naming the first entry where the processes' records differ."""
     ref_p, ref = next(iter(records.items()))
     for p, record in records.items():
         a, b = ref["entries"], record["entries"]
@@ -97,6 +90,7 @@ def difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str
 
 
 def entry(entry: list[Any]) -> str:
+    """An entry in words."""
     kind = entry[1] if len(entry) > 1 else ""
     if kind in ("array", "host") and len(entry) >= 4:
         text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "

@@ -1,13 +1,8 @@
 """The data position inside a checkpoint: what `meshkit.checkpoint.save`'s ``data=`` adds.
 
-The position goes into orbax's own commit, as the checkpoint's custom metadata, which process
-0 writes: a checkpoint either holds the arrays and the position of the same step, or is not
-there. The processes' common part of the position (the steps, a meshkit loader's identity and
-place) is one more entry of the save's existing agreement, so processes that save different
-positions all raise before anything is written. Per-process states (a grain iterator's) must
-reach process 0: each process sets one key in the coordination service before that agreement's
-barrier, and process 0 reads them all in one directory read after it (`share`, `Shared`).
-A meshkit loader's position is the same on every process and sends nothing.
+The position goes into orbax's commit as custom metadata, written by process 0. Its common
+part is one more entry of the save's agreement; per-process states (a grain iterator's) are
+posted to the coordination service before that agreement, and process 0 reads them after it.
 """
 
 from __future__ import annotations
@@ -70,30 +65,19 @@ def position_of(data: Any, what: str) -> tuple[DataPosition | None, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Shared:
-    """A save's data position, as this process posted it for process 0 (`share`).
-
-    Attributes:
-        position: this process's position (None: the save has no ``data=``).
-        prefix: where the processes' states were posted; None: nothing was posted (one
-            process, or a position without per-process states).
-    """
+    """A save's data position (None: no ``data=``), and where its states were posted (None: not)."""
 
     position: DataPosition | None = None
     prefix: str | None = None
 
     @property
     def entry(self) -> list[Any]:
-        """The position's entry in the save's agreement: its common part, in words."""
+        """The position's entry in the save's agreement."""
         position = self.position
         return ["data=", "data", "no data position" if position is None else position.describe()]
 
     def metadata(self) -> dict[str, Any]:
-        """Orbax's ``save`` keyword arguments, after the agreement (none without a position).
-
-        On process 0, the position holds every process's state: each posted it before the
-        agreement's barrier passed, so one directory read finds them all (process 0 then
-        deletes them). The other processes' metadata is not written by orbax.
-        """
+        """Orbax's ``save`` keyword arguments, after the agreement; process 0 gathers the states."""
         if self.position is None:
             return {}
         _, me, n = _compat.distributed_state()
@@ -112,7 +96,7 @@ class Shared:
 
 @functools.cache
 def _orbax_problem(what: str) -> str | None:
-    """Why this orbax cannot keep a data position (None: it can): custom metadata is newer."""
+    """Why this orbax cannot keep a data position (it lacks custom metadata); None: it can."""
     import orbax.checkpoint as ocp
 
     save = inspect.signature(ocp.StandardCheckpointer.save).parameters
@@ -125,26 +109,15 @@ def _orbax_problem(what: str) -> str | None:
     )
 
 
-def _prefix(where: Path) -> str:
-    digest = hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
-    return f"meshkit/checkpoint/data/{digest}/"
-
-
 def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str | None, Shared]:
-    """``data``'s position for a save to ``where``: the save's problem, and the position shared.
-
-    Per-process states in a multi-process program are posted for process 0 by the others (one
-    request each, before the save's agreement, and only when the save has no problem so far;
-    process 0 reads them in one request and deletes them in another); a meshkit
-    loader's position and a position of steps are the same on every process (the agreement
-    compares them) and send nothing.
-    """
+    """The save's problem, and ``data``'s position; other processes post their state for 0."""
     position, mine = position_of(data, what)
     problem = problem or mine or (None if position is None else _orbax_problem(what))
     node = _agree.node()
     if problem is not None or position is None or position.states is None or node is None:
         return problem, Shared(position)
-    prefix = _prefix(where)
+    digest = hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
+    prefix = f"meshkit/checkpoint/data/{digest}/"
     if node.me != 0:  # process 0 has its own
         node.service.set(prefix + str(node.me), position.states[node.me], overwrite=True)
     return None, Shared(position, prefix)

@@ -31,8 +31,7 @@ __all__ = ["check_savable", "data_position", "restore", "save", "targets"]
 
 # orbax's name for a checkpoint directory being written (renamed away when the save commits).
 _TMP_MARK = ".orbax-checkpoint-tmp"
-# orbax's step metadata file, where a checkpoint's custom metadata lives (written by process 0
-# inside the save's commit).
+# orbax's step metadata file, which holds the checkpoint's custom metadata.
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 
 _PROCESS_LOCAL = """\
@@ -119,20 +118,15 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
 def check_savable(tree: Any) -> None:
     """Check that every process can save ``tree`` with orbax, and that they save the same tree.
 
-    For orbax's own ``CheckpointManager.save`` (what `save` checks before saving): every
-    ``jax.Array`` is a global array (not process-local), every leaf is an array or a number,
-    and the processes pass the same structure, shapes, dtypes and host values. Every process
-    must call it, at the same point; the processes agree on the verdict through the
-    coordination service (one barrier), so either all of them go on or all of them raise.
+    `save`'s check, for orbax's own ``CheckpointManager.save``. Every process must call it; they
+    agree on the verdict (one barrier), so all go on or all raise.
 
     Args:
         tree: the pytree to save.
 
     Raises:
-        MeshkitError: a process-local array (``pmap_compat``'s default outputs in a
-            multi-process run: the message names ``global_outputs=True`` and the conversion),
-            a leaf that is not an array or a number, or processes that differ (naming the first
-            leaf that differs and how).
+        MeshkitError: a process-local array, a leaf that is not an array or a number, or
+            processes that differ (naming the first leaf that differs).
 
     Example:
         >>> import numpy as np, meshkit
@@ -143,62 +137,35 @@ def check_savable(tree: Any) -> None:
     _agree_on(what, "checkpoint/check", entries, problem, "save the same tree")
 
 
-def _path(path: str | os.PathLike[str], what: str) -> Path:
-    if not isinstance(path, str | os.PathLike):
-        raise MeshkitError(f"{what}: path must be a str or os.PathLike; got {type(path).__name__}.")
-    return Path(os.path.abspath(os.fspath(path)))
-
-
 @public
 def save(
     path: str | os.PathLike[str], tree: Any, *, keep: int | None = None, data: Any = None
 ) -> None:
     """Save ``tree`` to the new directory ``path``, in every process; return once it is complete.
 
-    Global arrays (from `meshkit.global_array_from_local`, `meshkit.replicate`,
-    ``pmap_compat(..., global_outputs=True)``, ``jax.jit``) are written by the processes whose
-    devices hold them, each block once; host values (numpy arrays, Python numbers) by process
-    0. The directory appears only when every process has written its part: orbax writes into
-    ``<path>.orbax-checkpoint-tmp`` and renames it, so a process that fails mid-save leaves no
-    ``path``, only the temporary directory, which `restore` refuses.
+    Each process writes the blocks its devices hold, process 0 the host values; ``path`` appears
+    only once every process has written its part.
 
     Args:
-        path: a directory that does not exist yet (its parents are created), on a filesystem
-            every process sees.
-        tree: a pytree (dict, list, dataclass ...) of ``jax.Array`` s, numpy arrays and numbers.
-        keep: with ``path`` a ``step_<n>`` directory (`step_path`): once the save is complete,
-            keep only the ``keep`` latest complete steps beside it, and the temporary
-            directories of saves newer than the latest (process 0 deletes the rest). None:
-            delete nothing.
-        data: the `meshkit.GlobalBatches` that fed the step being saved (or a
-            `meshkit.DataPosition`): its position after the batches the caller took is saved
-            inside the same commit (orbax's custom metadata, under ``"meshkit"``), for
-            `data_position` and ``global_batches(..., start=...)``. Per-process states reach
-            process 0 through the coordination service (one request per process).
-
-    After a preemption notice, the save at the step `should_save` named for it is the
-    program's last act: once it is complete on every process, it raises ``SystemExit(143)``
-    (the program unwinds as after ``sys.exit(143)``, status 143 for the scheduler).
+        path: a new directory, on a filesystem every process sees.
+        tree: a pytree of ``jax.Array`` s, numpy arrays and numbers.
+        keep: with ``path`` a `step_path`, keep only the ``keep`` latest steps beside it.
+        data: the `meshkit.GlobalBatches` that fed the step (or a `meshkit.DataPosition`), whose
+            position is saved with it (`data_position`).
 
     Raises:
-        MeshkitError: what `check_savable` finds (a process-local array, above all), ``path``
-            exists already, or ``keep`` is not an int >= 1 or ``path`` no ``step_<n>``
-            directory; ``data`` is neither, or the processes' positions differ. Every process
-            raises, before anything is written.
-        SystemExit: with status 143, after the save at a preemption sync point.
+        MeshkitError: what `check_savable` finds, ``path`` exists, a bad ``keep`` or ``data``;
+            on every process, before anything is written.
+        SystemExit: status 143, after the save at a preemption sync point (`should_save`).
 
     Example:
         >>> import numpy as np, meshkit, tempfile
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> x = meshkit.global_array_from_local(np.arange(16, dtype=np.float32), mesh, "data")
         >>> path = tempfile.mkdtemp() + "/step_1"
-        >>> meshkit.checkpoint.save(path, {"x": x, "step": 1})
-        >>> meshkit.checkpoint.restore(path, mesh)["step"]
-        1
+        >>> meshkit.checkpoint.save(path, {"w": meshkit.replicate(np.ones(3)), "step": 1})
     """
     what = "meshkit.checkpoint.save"
     ocp = _import_orbax(what)
-    where = _path(path, what)
+    where = _steps.abs_path(path, what)
     problem, entries = _tree_problems(tree, what)
     if problem is None and where.exists():
         problem = (
@@ -214,13 +181,9 @@ def save(
     kept = ["keep=", "keep", str(keep)]
     entries.append(shared.entry)  # the data position's common part, compared with the rest
     _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
-    checkpointer = ocp.StandardCheckpointer()
-    with _preemption.saving():  # a preemption deadline waits for it
-        try:
-            checkpointer.save(where, tree, **shared.metadata())
-            checkpointer.wait_until_finished()
-        finally:
-            checkpointer.close()
+    with _preemption.saving(), ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(where, tree, **shared.metadata())  # a preemption deadline waits
+        checkpointer.wait_until_finished()
     step = _steps.step_of(where)
     _events.emit(_events.SAVED, step=step)  # for meshkit launch's report
     if keep is not None and _compat.distributed_state()[1] == 0:
@@ -267,11 +230,8 @@ def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
             f"{what}: {where} is not a checkpoint of orbax's StandardCheckpointer (it has no "
             f"_METADATA file).\n{hint}"
         )
-    checkpointer = ocp.StandardCheckpointer()
-    try:
+    with ocp.StandardCheckpointer() as checkpointer:
         return _metadata_tree(checkpointer.metadata(where)), None
-    finally:
-        checkpointer.close()
 
 
 def _describe_leaf(path: str, leaf: Any) -> SavedArray | None:
@@ -370,42 +330,30 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
 
 @public
 def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
-    """The restore targets of a checkpoint on ``mesh``: what orbax's restore takes, checked.
+    """The restore targets of a checkpoint on ``mesh``, checked: what orbax's restore takes.
 
-    Each array becomes a ``jax.ShapeDtypeStruct`` of its saved shape and dtype with a
-    ``NamedSharding(mesh, spec)``; host values (saved from numpy, or Python numbers) stay host
-    values unless a spec is given for them. Pass the result to orbax:
-    ``manager.restore(step, args=ocp.args.StandardRestore(targets(...)))``. Every process must
-    call it; they agree on the verdict before returning (one barrier).
+    Arrays become ``jax.ShapeDtypeStruct`` s with a ``NamedSharding(mesh, spec)``; host values stay
+    host values. Every process must call it; they agree on the verdict (one barrier).
 
     Args:
-        source: the checkpoint's directory; or its metadata (``manager.item_metadata(step)``,
-            ``StandardCheckpointer().metadata(path)``); or a pytree of
-            ``jax.ShapeDtypeStruct`` s or arrays shaped like it (``jax.eval_shape(init)``).
-        mesh: the mesh to restore onto, of any shape; it must include devices of every
-            process.
-        specs: None (every array keeps the spec it was saved with, its axis names looked up in
-            ``mesh``; replicated when it was saved without one), a spec (``PartitionSpec`` or
-            spec string, ``"data _"``) for every array, or a pytree of them that is a prefix of
-            the checkpoint's tree (None in it: as saved).
+        source: the checkpoint's directory, its metadata (``manager.item_metadata(step)``), or an
+            abstract tree like it.
+        mesh: the mesh to restore onto, with devices of every process.
+        specs: None (as saved), one spec for every array, or a pytree prefix of specs.
 
     Returns:
         A pytree shaped like the checkpoint's.
 
     Raises:
-        MeshkitError: an array cannot be laid out on ``mesh`` with its spec (naming its tree
-            path, saved shape, the spec, the mesh and the rule: each split dimension a multiple
-            of its mesh axes' sizes, the axes the mesh's); the mesh leaves out a process;
-            ``specs`` is not a prefix of the checkpoint's tree; ``source`` is no complete
-            checkpoint.
+        MeshkitError: an array that cannot be laid out on ``mesh``, a mesh that leaves out a
+            process, ``specs`` that do not fit, no complete checkpoint.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/c"
         >>> meshkit.checkpoint.save(path, {"w": meshkit.replicate(np.ones(3, np.float32))})
-        >>> t = meshkit.checkpoint.targets(path, meshkit.make_mesh({"x": -1}), "x")
-        >>> t["w"].shape, t["w"].sharding.spec == meshkit.spec("x")
-        ((8, 3), True)
+        >>> meshkit.checkpoint.targets(path, meshkit.make_mesh({"x": -1}), "x")["w"].shape
+        (8, 3)
     """
     return _targets(source, mesh, specs, "meshkit.checkpoint.targets")
 
@@ -417,7 +365,7 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str, like: Any = None) ->
     entries: list[Any] = []
     if isinstance(source, str | os.PathLike):
         ocp = _import_orbax(what)
-        where = _path(source, what)
+        where = _steps.abs_path(source, what)
         source, problem = _read_metadata(ocp, where, what)
     else:
         source = _metadata_tree(source)
@@ -437,55 +385,37 @@ def restore(
 ) -> Any:
     """Read the checkpoint at ``path`` onto ``mesh``: global arrays laid out by ``specs``.
 
-    The mesh may have any shape and the program any number of processes (the checkpoint may
-    come from 2 processes x 4 devices and be read by 1 process with 8, or onto an ``8 x 1``
-    mesh): each process reads only the blocks its devices hold. Everything is checked before
-    orbax reads a byte, in every process, and the processes agree on the verdict (see
-    `targets`).
+    The mesh and process count may differ from the save's; everything is checked first (`targets`).
 
     Args:
-        path: a directory written by `save` (or by orbax's ``StandardCheckpointer``, or a
-            ``CheckpointManager`` step's item directory, ``<root>/<step>/default``).
-        mesh: the mesh to restore onto; it must include devices of every process.
-        specs: None (each array keeps the spec it was saved with, its axes looked up in
-            ``mesh``), one spec for every array, or a pytree prefix of the checkpoint's tree.
-        like: a template of the tree that was saved (the state as a fresh run builds it:
-            arrays or ``jax.ShapeDtypeStruct`` s): the tree comes back in its structure, optax
-            states, flax ``nnx`` states, dataclasses and NamedTuples as their own types.
-            Default: dicts and lists.
+        path: a directory written by `save` or orbax's ``StandardCheckpointer``.
+        mesh: the mesh to restore onto, with devices of every process.
+        specs: as in `targets`.
+        like: a template of the saved tree: the result takes its structure (optax, flax ``nnx``,
+            dataclasses). Default: dicts and lists.
 
     Returns:
-        The checkpoint's tree (dicts and lists, as orbax stores it, or ``like``'s structure):
-        global ``jax.Array`` s on ``mesh``, host values as they were saved.
+        The checkpoint's tree: global ``jax.Array`` s on ``mesh``, host values as saved.
 
     Raises:
-        MeshkitError: as `targets`; a checkpoint that was never completed (orbax's temporary
-            directory, left by a process that failed mid-save) or no checkpoint at ``path``;
-            a ``like`` with a leaf the checkpoint lacks or has in another shape, or without
-            one of its arrays.
+        MeshkitError: as `targets`; an unfinished save; a ``like`` that does not match.
 
     Example:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/c"
         >>> mesh = meshkit.make_mesh({"data": 2, "model": 4})
         >>> w = meshkit.global_array_from_local(np.ones((8, 8), np.float32), mesh, "data model")
-        >>> meshkit.checkpoint.save(path, {"w": w})
-        >>> back = meshkit.checkpoint.restore(path, meshkit.make_mesh({"data": 8, "model": 1}))
-        >>> back["w"].sharding.spec == meshkit.spec("data model")
-        True
-        >>> dict(back["w"].sharding.mesh.shape)
-        {'data': 8, 'model': 1}
+        >>> meshkit.checkpoint.save(path, {"w": w, "step": 1})
+        >>> meshkit.checkpoint.restore(path, meshkit.make_mesh({"data": 8, "model": 1}))["step"]
+        1
     """
     what = "meshkit.checkpoint.restore"
     ocp = _import_orbax(what)
     started = time.monotonic()
-    where = _path(path, what)
+    where = _steps.abs_path(path, what)
     tree = _targets(where, mesh, specs, what, like)
-    checkpointer = ocp.StandardCheckpointer()
-    try:
+    with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(where, tree)
-    finally:
-        checkpointer.close()
     # For meshkit launch's report of a restart: which step, and what the restore cost.
     seconds = round(time.monotonic() - started, 4)
     _events.emit(_events.RESTORED, step=_steps.step_of(where), seconds=seconds)
@@ -496,37 +426,28 @@ def restore(
 def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> DataPosition | None:
     """The `meshkit.DataPosition` saved with the checkpoint at ``path`` (``save(data=...)``).
 
-    Reads the checkpoint's metadata only (no array), with nothing exchanged between processes:
-    every process reads the same file and gets the same answer. Pass the result to
-    ``meshkit.global_batches(..., start=position)`` to resume the data at the global batch the
-    saved run would have taken next.
+    Reads the metadata only; pass it to ``meshkit.global_batches(..., start=position)``.
 
     Args:
         path: a checkpoint directory written by `save`.
-        missing_ok: return None for a checkpoint saved without ``data=`` (the data then starts
-            from its beginning with ``start=None``), instead of raising.
+        missing_ok: return None for a checkpoint saved without ``data=`` instead of raising.
 
     Returns:
-        A `meshkit.DataPosition` (None: none saved, with ``missing_ok``).
+        A `meshkit.DataPosition`, or None (none saved, with ``missing_ok``).
 
     Raises:
-        MeshkitError: no complete checkpoint at ``path`` (as `restore`); a checkpoint saved
-            without ``data=`` (unless ``missing_ok``); a position of a newer format.
+        MeshkitError: no complete checkpoint at ``path``; none saved (unless ``missing_ok``).
 
     Example:
         >>> import numpy as np, meshkit, tempfile
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> loader = (np.ones((8, 2), np.float32) for _ in range(3))
-        >>> path = tempfile.mkdtemp() + "/step_1"
-        >>> with meshkit.global_batches(loader, mesh, "data") as batches:
-        ...     _ = next(batches)
-        ...     meshkit.checkpoint.save(path, {"step": 1}, data=batches)
+        >>> path = tempfile.mkdtemp() + "/c"
+        >>> meshkit.checkpoint.save(path, {"step": 1}, data=meshkit.DataPosition(step=1))
         >>> meshkit.checkpoint.data_position(path).step
         1
     """
     what = "meshkit.checkpoint.data_position"
     ocp = _import_orbax(what)
-    where = _path(path, what)
+    where = _steps.abs_path(path, what)
     if not isinstance(missing_ok, bool):
         raise MeshkitError(f"{what}: missing_ok must be True or False; got {missing_ok!r}.")
     if _TMP_MARK in where.name or not (where / "_METADATA").is_file():

@@ -1,11 +1,4 @@
-"""Where each array of a checkpoint goes on a mesh, decided before orbax reads anything.
-
-Pure: it sees the checkpoint's saved shapes (from its metadata), the target mesh's axis sizes
-and the specs, never a device or a file. `meshkit.checkpoint` asks it first, so that an array
-that cannot be laid out on the target mesh (a dimension its mesh axes do not divide, a spec
-naming an axis the mesh lacks) is a `MeshkitError` naming the array, and orbax is never left to
-fail deep inside its reads (JAX's ``IndivisibleError`` from a coroutine, on one process only).
-"""
+"""Where each array of a checkpoint goes on a mesh, decided (purely) before orbax reads anything."""
 
 from __future__ import annotations
 
@@ -27,13 +20,11 @@ class SavedArray:
     """One leaf of a checkpoint, as its metadata describes it.
 
     Attributes:
-        path: its place in the tree, in `jax.tree_util.keystr` form (``"['params']['w']"``).
+        path: its place in the tree, in `jax.tree_util.keystr` form.
         shape: the saved (global) shape.
         dtype: the saved dtype's name.
-        spec: the spec it was saved with (a global array's); None when it was saved from the
-            host (numpy, a Python scalar) or from one device.
-        on_device: saved from a ``jax.Array`` (restored onto the mesh by default); False for
-            host values (numpy arrays, scalars), which come back as they were saved.
+        spec: the spec it was saved with; None when saved from the host or one device.
+        on_device: saved from a ``jax.Array``; False for host values, restored as saved.
         scalar: a Python scalar (orbax's ``ScalarMetadata``).
     """
 
@@ -74,12 +65,9 @@ def _divisors(n: int) -> str:
 def layout_problem(
     shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
 ) -> tuple[str, str] | None:
-    """Why ``partition`` cannot lay out an array of ``shape`` on a mesh of ``axes``; None if it can.
+    """Why ``partition`` cannot lay out ``shape`` on ``axes`` (JAX's NamedSharding rules).
 
-    The rules are JAX's for a `jax.sharding.NamedSharding` (what `jax.device_put` and orbax's
-    restore require): no more entries than dimensions, every axis one of the mesh's and used
-    once, and each dimension a multiple of the product of the sizes of the axes splitting it
-    (every device holds an equal block). Returns ``(the rule broken, a "Consider ..." line)``.
+    Returns ``(the rule broken, a "Consider ..." line)``, or None if it can.
     """
     shape = tuple(int(n) for n in shape)
     if len(partition) > len(shape):
@@ -134,14 +122,9 @@ def plan(
     axes: Mapping[str, int],
     what: str,
 ) -> list[PartitionSpec | None]:
-    """The spec each saved leaf is restored with on a mesh of ``axes``; None: as saved (host).
+    """The spec each leaf is restored with (``chosen``'s, else as saved); None: a host value.
 
-    ``chosen`` holds the user's spec for each leaf (None: the spec it was saved with; for a
-    global array saved without one, replicated).
-
-    Raises:
-        MeshkitError: a leaf cannot be laid out so (`layout_problem`), naming its tree path, its
-            saved shape, the spec and the mesh, the rule broken, and a fix.
+    Raises a `MeshkitError` naming the leaf, spec, mesh and rule when one cannot be laid out.
     """
     out: list[PartitionSpec | None] = []
     for leaf, given in zip(saved, chosen, strict=True):

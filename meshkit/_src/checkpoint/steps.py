@@ -1,15 +1,4 @@
-"""Checkpoints by step: ``<root>/step_<n>``, and the latest complete one to resume from.
-
-`meshkit.checkpoint.save` writes a checkpoint into a new directory, which appears only once every
-process has written its part (orbax's temporary directory, renamed). With one directory per
-step, ``<root>/step_<n>``, the latest *complete* checkpoint is the ``step_<n>`` directory with the
-highest ``n``: a save cut short leaves only orbax's temporary directory, which `latest` skips (a
-``sorted(glob(...))[-1]`` would pick it). Resuming after a restart (``meshkit launch
---max-restarts``) is then two lines::
-
-    found = meshkit.checkpoint.latest(root)
-    state, start = (restore(found.path, mesh), found.step + 1) if found else (init(), 0)
-"""
+"""Checkpoints by step: ``<root>/step_<n>``, the latest complete one, pruning, `should_save`."""
 
 from __future__ import annotations
 
@@ -23,7 +12,10 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import preemption as _preemption
 
-__all__ = ["Latest", "keep_problem", "latest", "prune", "should_save", "step_of", "step_path"]
+__all__ = [
+    "Latest", "abs_path", "keep_problem", "latest", "prune", "should_save", "step_of",
+    "step_path",
+]  # fmt: skip
 
 _STEP = re.compile(r"step_(\d+)")
 _TMP = re.compile(r"step_(\d+)\.orbax-checkpoint-tmp.*")  # a save not complete (yet)
@@ -42,6 +34,20 @@ class Latest:
     path: Path
 
 
+def _below(value: object, least: int) -> bool:
+    """Whether ``value`` is not an int >= ``least`` (bools are not ints here)."""
+    return isinstance(value, bool) or not isinstance(value, int) or value < least
+
+
+def abs_path(path: object, what: str, name: str = "path") -> Path:
+    """``path`` made absolute; a `MeshkitError` unless it is a str or os.PathLike."""
+    if not isinstance(path, str | os.PathLike):
+        raise MeshkitError(
+            f"{what}: {name} must be a str or os.PathLike; got {type(path).__name__}."
+        )
+    return Path(os.path.abspath(os.fspath(path)))
+
+
 def step_path(root: str | os.PathLike[str], step: int) -> Path:
     """``<root>/step_<step>``, the directory `latest` finds.
 
@@ -49,63 +55,50 @@ def step_path(root: str | os.PathLike[str], step: int) -> Path:
         >>> str(step_path("/ckpt", 12))
         '/ckpt/step_12'
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if _below(step, 0):
         raise MeshkitError(f"meshkit.checkpoint.step_path: step must be an int >= 0; got {step!r}.")
     return Path(os.fspath(root)) / f"step_{step}"
 
 
 def step_of(path: str | os.PathLike[str]) -> int | None:
-    """The step of a ``step_<n>`` directory, or None for any other name.
-
-    Examples:
-        >>> step_of("/ckpt/step_12"), step_of("/ckpt/final")
-        (12, None)
-    """
+    """The step of a ``step_<n>`` directory, or None for any other name."""
     found = _STEP.fullmatch(Path(os.fspath(path)).name)
     return int(found.group(1)) if found else None
 
 
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """The complete ``step_<n>`` directories under ``root``, by step."""
+    return sorted(
+        (step, e) for e in root.iterdir() if e.is_dir() and (step := step_of(e)) is not None
+    )
+
+
 @public
 def latest(root: str | os.PathLike[str]) -> Latest | None:
-    """The complete checkpoint with the highest step under ``root``, or None if there is none.
-
-    Only directories named ``step_<n>`` count (`step_path`); orbax's temporary directories of a
-    save that never finished do not. Every process sees the same files, so every process gets
-    the same answer (``root`` must be on a filesystem they share, as for `save`).
+    """The complete ``step_<n>`` checkpoint with the highest step under ``root``, or None.
 
     Args:
-        root: the directory holding ``step_<n>`` checkpoints; it need not exist yet.
+        root: the directory of ``step_<n>`` checkpoints (`step_path`); it need not exist.
 
     Returns:
-        The step and directory of the latest checkpoint, or None (no ``root``, or no complete
-        checkpoint in it).
+        The step and directory of the latest complete checkpoint, or None.
 
     Examples:
-        >>> import tempfile, numpy as np, meshkit
+        >>> import tempfile, meshkit
         >>> root = tempfile.mkdtemp()
-        >>> meshkit.checkpoint.latest(root) is None
-        True
         >>> for step in (2, 10, 4):
         ...     meshkit.checkpoint.save(meshkit.checkpoint.step_path(root, step), {"step": step})
-        >>> found = meshkit.checkpoint.latest(root)
-        >>> found.step, found.path.name
-        (10, 'step_10')
+        >>> meshkit.checkpoint.latest(root).step
+        10
     """
-    if not isinstance(root, str | os.PathLike):
-        raise MeshkitError(
-            f"meshkit.checkpoint.latest: root must be a str or os.PathLike; got "
-            f"{type(root).__name__}."
-        )
-    where = Path(os.path.abspath(os.fspath(root)))
-    if not where.is_dir():
-        return None
-    steps = [step for e in where.iterdir() if e.is_dir() and (step := step_of(e)) is not None]
-    return Latest(max(steps), where / f"step_{max(steps)}") if steps else None
+    where = abs_path(root, "meshkit.checkpoint.latest", "root")
+    found = _complete(where) if where.is_dir() else []
+    return Latest(*found[-1]) if found else None
 
 
 def keep_problem(where: Path, keep: object, what: str) -> str | None:
     """Why ``keep`` cannot apply to a save at ``where``, or None."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    if _below(keep, 1):
         return f"{what}: keep must be an int >= 1 (the latest steps to keep); got {keep!r}."
     if step_of(where) is None:
         return (
@@ -116,22 +109,8 @@ def keep_problem(where: Path, keep: object, what: str) -> str | None:
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` latest complete steps under ``root``; what was deleted.
-
-    The temporary directories of saves that never completed go too, unless they belong to a
-    step newer than the latest complete one (a save still going on).
-
-    Examples:
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp())
-        >>> for name in ("step_1", "step_2", "step_3", "step_2.orbax-checkpoint-tmp-1"):
-        ...     (root / name).mkdir()
-        >>> sorted(p.name for p in prune(root, 2))
-        ['step_1', 'step_2.orbax-checkpoint-tmp-1']
-    """
-    complete = sorted(
-        (step, e) for e in root.iterdir() if e.is_dir() and (step := step_of(e)) is not None
-    )
+    """Delete all but the ``keep`` latest steps, and unfinished saves older than them."""
+    complete = _complete(root)
     gone = [e for _, e in complete[:-keep]]
     newest = complete[-1][0] if complete else -1
     for e in root.iterdir():
@@ -147,23 +126,12 @@ def prune(root: Path, keep: int) -> list[Path]:
 def should_save(step: int, *, every: int | None = None) -> bool:
     """Whether to save at ``step``: every ``every`` steps, and once after a preemption notice.
 
-    Call it at every step, on every process, with the same increasing steps; it answers the
-    same on every process. After a preemption notice (SIGTERM from a scheduler, to any of the
-    processes) it is true at one step, the same on every process: the step after the last one
-    any process asked about when the notice came (the processes agree on it once,
-    `meshkit._src.coord.save_step`; the first step asked, when the notice came while they
-    joined or restored). A `save` made then ends the program once it is complete, with status
-    143 (``SystemExit(143)``): the scheduler starts the run again, and `latest` finds that
-    step. Without a notice it costs no round trip; see the "Preemption and resume" docs.
-
-    Notices are taken by `meshkit.init` (which turns SIGTERM into one; see "What meshkit.init
-    installs"). In a process that never called it, ``should_save`` takes nothing over: it is
-    true at the multiples of ``every`` only, and SIGTERM keeps the program's handler or
-    Python's default.
+    Call it at every step on every process. After a notice it is true at one step, the same on
+    every process, and `save` then ends the program with status 143 (docs/preemption.md).
 
     Args:
         step: the training step, increasing from call to call.
-        every: save at every multiple of ``every`` (step 0 excepted); None: only after a notice.
+        every: save at every multiple of ``every`` (not step 0); None: only after a notice.
 
     Returns:
         Whether to save at ``step``.
@@ -177,9 +145,9 @@ def should_save(step: int, *, every: int | None = None) -> bool:
         [4, 8]
     """
     what = "meshkit.checkpoint.should_save"
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if _below(step, 0):
         raise MeshkitError(f"{what}: step must be an int >= 0; got {step!r}.")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+    if every is not None and _below(every, 1):
         raise MeshkitError(
             f"{what}: every must be an int >= 1 (save at every multiple of it) or None; got "
             f"{every!r}."

@@ -1,11 +1,4 @@
-"""Restore into a template's structure: ``meshkit.checkpoint.restore(path, mesh, like=state)``.
-
-orbax stores a pytree as nested dicts and lists, so an optax state (NamedTuples), a flax ``nnx``
-state or a dataclass comes back as plain dicts and lists. `into` arranges the restore targets in
-the structure of a template (the state as a fresh run builds it), matching each of its leaves to
-the checkpoint's entry at the same path, so orbax restores the saved types. A leaf on one side
-only, or of another shape, is named; a restore is never silently partial.
-"""
+"""Restore targets arranged in a template's structure (``restore(..., like=state)``)."""
 
 from __future__ import annotations
 
@@ -31,11 +24,7 @@ def _show(path: tuple[str | int, ...]) -> str:
 
 
 def _child(node: Any, step: str | int) -> tuple[bool, Any, str | int]:
-    """The child of ``node`` at ``step``: found, it, and the step as the checkpoint names it.
-
-    A sequence's item of the template may be a dict's key ``"0"`` in the checkpoint (orbax
-    stores a tuple of a flax ``nnx`` state, an ``nnx.Sequential``'s layers, by string keys).
-    """
+    """The child of ``node`` at ``step``: found, it, and its key (a tuple's item may be ``"0"``)."""
     if isinstance(node, dict):
         for key in (step, str(step)):
             if key in node:
@@ -55,19 +44,7 @@ def _has(node: Any) -> str:
 
 
 def into(targets: Any, like: Any, what: str) -> tuple[Any, str | None]:
-    """The checkpoint's restore targets in ``like``'s structure; or None and the difference.
-
-    ``targets`` are nested dicts and lists, as orbax describes a saved tree.
-
-    Examples:
-        >>> from typing import NamedTuple
-        >>> class State(NamedTuple):
-        ...     mu: Any
-        ...     count: Any
-        >>> shaped, problem = into({"mu": 1.0, "count": 2}, State(0.0, 0), "restore")
-        >>> shaped, problem
-        (State(mu=1.0, count=2), None)
-    """
+    """``targets`` (orbax's dicts and lists) in ``like``'s structure; or None and the difference."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     out = []
     wanted: set[tuple[str | int, ...]] = set()

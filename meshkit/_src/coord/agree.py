@@ -1,17 +1,10 @@
 """This process's agreements: the one primitive (`agreement`) over JAX's coordination service.
 
-Every cross-process check of meshkit (the pieces of `global_array_from_local`, debug mode's
-call fingerprints, `make_mesh`, `barrier`, the steps of `global_batches`, first compilations)
-asks one question: *did every process arrive, and do their summaries agree?* `agree` and
-`check` answer it in the caller's thread, at the next agreement of the caller's channel
-(`agreement.agree`: two round trips per process in a steady loop); a difference, a process that
-did not come, or processes at different agreements are found by that call. `agree_later`
-(`window`) is the deferred form: verified after the call returns, on windows of calls.
-
-A process that will not come to its next agreement calls `leave`, so the others learn at once,
-from its record, why. A process that leaves the program posts a `leave_record` (``"left":
-true``): one that ended by an uncaught exception is then a peer's failure, and fail-fast ends a
-process that reads it the way its failure watch would (`agree`); `check` names one that ended.
+`agree` and `check` answer, in the caller's thread, whether every process arrived with the same
+summary at the next agreement of the caller's channel; `agree_later` (`window`) is the deferred
+form, verified after the call returns. A process that will not come calls `leave`; one that
+leaves the program posts a `leave_record`, which fail-fast reads as a failure when it ended by
+an uncaught exception.
 """
 
 from __future__ import annotations
@@ -166,16 +159,11 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
-        how = "; ".join(
-            f"process {p} "
-            + (f"failed: {r.get('message')}" if r.get("status") == "error" else "ended")
-            for p, r in sorted(left.items())
-        )
-        raise MeshkitError(
-            f"{what or tag}: {_missing.processes(sorted(left))} left the program without "
-            f"making this call ({how}).\nEvery process must make the same calls in the same "
-            "order; consider what ended it early (its output says)."
-        )
+        how = {
+            p: str(r.get("message")) if r.get("status") == "error" else None
+            for p, r in left.items()
+        }
+        raise MeshkitError(_missing.left_program(what or tag, how))
     return outcome
 
 

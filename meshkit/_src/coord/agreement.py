@@ -1,26 +1,10 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
-Each process brings an `Entry` (the agreement's site, the user's line, the summary that must be
-equal everywhere, a record shown when summaries differ, replica-group summaries) to the k-th
-agreement of a *sequence* (a channel's, or a window thread's); the k-th agreement of a sequence
-meets the k-th of every other process under one key, whatever its site. Processes that reach
-different agreements meet there too, and the decision names both sites at once: a mismatch,
-not a deadlock.
-
-Round trips per process (see docs/coordination.md, "The agreement primitive"):
-
-1. A call whose digest is the one its sequence predicts (`predict`: the entry one period
-   back in the agreed history, the same in every process) arrives *unflagged*; any other posts
-   its entry first (one round trip).
-2. One atomic increment of the agreement's counter, ``1 + FLAG`` if flagged: the process whose
-   increment counts ``n`` arrivals is the last, and writes the verdict: ``ok`` when no arrival
-   was flagged, the comparison of the posted entries when all were, ``post`` otherwise (every
-   process then posts, and all compare the same entries). The others read the verdict with one
-   blocking get, bounded by the timeout.
-
-``ok`` is exact: every process agreed at every earlier agreement of the sequence, so all hold
-the same history and predict the same digest, and a process that repeats it holds what every
-process agreed on one period back.
+The k-th agreement of a sequence (a channel's, or a window thread's) meets the k-th of every
+other process, whatever its site, so processes at different agreements are named at once. A
+digest the agreed history predicts waits at the sequence's service barrier (one round trip);
+any other takes the counted path: post, increment, the last arrival's verdict. The protocol,
+its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
@@ -40,6 +24,7 @@ from typing import Any
 from ..core.frames import place, user_frame
 from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
+from .service import Barrier
 
 __all__ = ["LEFT", "Entry", "agree", "leave", "predict", "restart"]
 
@@ -50,6 +35,7 @@ OK, DIFFER, POST = "ok", "differ", "post"
 MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
 SPAN = 12  # a period holds over this many agreements before it predicts (`meshkit.debug.PERIOD`)
 HISTORY = 2 * MAX_PERIOD
+FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
 
 
 @dataclass(frozen=True)
@@ -98,6 +84,7 @@ class Sequence:
     period: int = 0  # the history's period while calls repeat it (0: to be found)
     uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
     epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
+    blocks: set[int] = field(default_factory=set)  # key blocks written (process 0 deletes them)
 
 
 def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
@@ -183,14 +170,18 @@ def agree(
         state.uses[site] = use + 1
         predicted, state.period = predict(state.history, state.period)
     flagged = mine != predicted
+    node.stats.agreements += 1
+    deadline = time.monotonic() + timeout
+    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+        with state.lock:
+            state.history.append(mine)
+        return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
     where = _where() if flagged else ""
     entry = _Lazy(site, what or site, where, summary, record, groups)
-    node.stats.agreements += 1
-    _collect_garbage(node, base, k)
+    _collect_garbage(node, state, base, k)
     if flagged:
         _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
     total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
-    deadline = time.monotonic() + timeout
     if total & ARRIVALS == node.n:
         verdict = _conclude(node, base, k, total)
     else:
@@ -242,12 +233,30 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
     with state.lock:
         k, base = state.next, f"{sequence}/e{state.epoch}"
         state.next += 1
+        predicted, _ = predict(state.history, state.period)
         state.history.clear()
+    if predicted is not None:
+        _fast(node, base, 0.0, unflagged=False)
     entry = _Lazy(site, site, _where(), LEFT, record, {})
+    _collect_garbage(node, state, base, k)
     _post(node, base, k, entry)
     total = node.service.increment(_key(base, k, "c"), 1 + FLAG)
     if total & ARRIVALS == node.n:
         node.service.set(_key(base, k, "v"), DIFFER)
+
+
+def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
+    """The barrier of sequence ``base``: whether every process arrived there unflagged.
+
+    An unflagged process waits (at most `FAST_S`); a flagged one breaks it for every process
+    with a list naming itself twice (the service refuses lists that differ, at once and
+    without logging), so the others leave it as soon as they arrive.
+    """
+    name = f"meshkit/b/{base}"
+    if unflagged:
+        return node.service.barrier(name, min(timeout, FAST_S)) is Barrier.PASSED
+    node.service.barrier(name, 1.0, [*range(node.n), node.me])
+    return False
 
 
 def _wait(
@@ -387,8 +396,19 @@ def restart(node: Node) -> None:
                 node.sequences[name] = Sequence(epoch=state.epoch + 1)
 
 
-def _collect_garbage(node: Node, sequence: str, k: int) -> None:
-    """Process 0 deletes the key block two blocks behind, which every process has left."""
-    if node.me == 0 and k % BLOCK == 0 and k >= 2 * BLOCK:
+def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None:
+    """Process 0 deletes the key blocks two or more blocks behind, which every process has left.
+
+    Only agreements that took the counted path wrote keys; process 0 takes that path at every
+    such agreement too, so it knows every block that holds keys (``state.blocks``).
+    """
+    if node.me != 0:
+        return
+    block = k // BLOCK
+    with state.lock:
+        state.blocks.add(block)
+        done = sorted(b for b in state.blocks if b <= block - 2)
+        state.blocks.difference_update(done)
+    for b in done:
         with contextlib.suppress(Exception):  # a failed delete only leaves keys behind
-            node.service.delete(f"meshkit/q/{sequence}/{k // BLOCK - 2}/")
+            node.service.delete(f"meshkit/q/{sequence}/{b}/")

@@ -1,17 +1,8 @@
 """Channels: how calls made from several threads pair up across processes.
 
-Processes agree call by call: the n-th `meshkit.global_array_from_local` of one process is
-compared with the n-th of every other. Within one thread that order is the program's order, the
-same everywhere. Calls from two threads interleave differently in each process, so each thread
-counts its calls on a channel of its own, named explicitly (`channel`) and the same in every
-process: a thread's name will not do (``Thread-3`` in one process may be ``Thread-4`` in
-another). The program's thread (the one that called `meshkit.init`, the main thread unless the
-program runs in a worker thread, as under Ray Train) needs no name.
-
-In a multi-process program, a meshkit call that agrees with the other processes from a thread
-that is neither the program's thread nor inside `channel` is an error that says so, rather than a
-pairing that depends on timing. meshkit's own threads (a `meshkit.global_batches` iterator's)
-name theirs.
+The n-th agreeing call of a thread is compared with the n-th call of the same channel in every
+other process. The program's thread needs no name; any other thread that agrees names its
+channel (`channel`), the same in every process; a call from an unnamed thread is an error.
 """
 
 from __future__ import annotations

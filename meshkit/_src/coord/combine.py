@@ -1,15 +1,9 @@
 """`gather`: every process's value to process 0, and one combined answer back to every process.
 
-For exchanges whose values legitimately differ in every process (the hostname of each, say) and
-whose answer is one small table. Each process writes its value, and all wait at one barrier;
-process 0 then reads every value in one directory read, combines them, and writes the answer;
-the others read it. Round trips per process: three (write, barrier, read); process 0's directory
-read returns ``n`` values, and nobody else reads them, so the total work is O(n), never
-O(n^2) as an all-to-all exchange would be. Process 0 deletes the values once it has combined
-them, so the store keeps only the answer.
-
-A process that does not arrive within the timeout is named by every process that did: the
-barrier times out for all, and each reads which values are missing.
+Each process writes its value and waits at one barrier; process 0 reads all values in one
+directory read, combines them, writes the answer and deletes the values; the others read the
+answer. Three round trips per process, O(n) work in all. A process that does not arrive in time
+is named by every process that did.
 """
 
 from __future__ import annotations

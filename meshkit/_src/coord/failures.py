@@ -1,15 +1,10 @@
 """Posts: what a process tells all the others at once, its failure or a preemption notice.
 
-A process that fails in a multi-process run posts ``{"process": id, "failure": text}`` under
-``meshkit/posts/failed/<id>``; a process that received a preemption notice posts it under
-``meshkit/posts/notice/<id>`` (`meshkit._src.lifecycle.preemption.PreemptionNotice`'s fields).
-A process that posts also writes every other process's alarm key, ``meshkit/alarm/<id>``, on
-which that process's service thread waits (`waiter`; `nudger` wakes one's own): woken, its
-failure watch (`meshkit._src.lifecycle.failfast`) reads both kinds of post in one directory
-listing: a failure stops it, a notice is taken as its own; a watch stopped by a failure counts
-itself under ``meshkit/posts-read`` first (`reader`), so that process 0, which hosts the service,
-stays up until every other process has read its post. The lifecycle layer sits below
-coordination, so `meshkit._src.runtime.install_guards` hands it these functions at `init`.
+A failure goes under ``meshkit/posts/failed/<id>``, a notice under ``meshkit/posts/notice/<id>``;
+the poster writes every other process's alarm key (``meshkit/alarm/<id>``), which wakes its
+service thread (`waiter`), whose failure watch reads both kinds in one listing. A watch stopped
+by a failure counts itself under ``meshkit/posts-read`` (`reader`), so that process 0, which
+hosts the service, stays up until every other process has read the post.
 """
 
 from __future__ import annotations

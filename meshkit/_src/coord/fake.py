@@ -127,7 +127,12 @@ class FakeCluster:
                 return at.ended  # a late arrival: the barrier is over
             if at.participants is None:
                 at.participants = wanted
-            if at.participants != wanted or any(name.startswith(p) for p in self._refused):
+            listed = None if participants is None else len(participants)
+            if (
+                at.participants != wanted
+                or listed not in (None, len(wanted))  # a process named twice, as the service
+                or any(name.startswith(p) for p in self._refused)
+            ):
                 at.ended = Barrier.REFUSED
             at.arrived.add(process)
             if at.ended is None and at.arrived >= at.participants:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 __all__ = [
     "by_value",
     "did_not",
+    "left_program",
     "listed",
     "ordinal",
     "outside_majority",
@@ -87,3 +88,23 @@ def ordinal(n: int) -> str:
     """
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+def left_program(what: str, how: Mapping[int, str | None]) -> str:
+    """The error for processes that left the program instead of making the call ``what``.
+
+    ``how``: per process, its failure (``"ValueError: ..."``) or None when it ended normally.
+
+    Example:
+        >>> left_program("meshkit.make_mesh", {1: None}).splitlines()[0]
+        'meshkit.make_mesh: process 1 left the program without making this call (process 1 ended).'
+    """
+    said = "; ".join(
+        f"process {p} " + (f"failed: {error}" if error else "ended")
+        for p, error in sorted(how.items())
+    )
+    return (
+        f"{what}: {processes(sorted(how))} left the program without making this call ({said}).\n"
+        "Every process must make the same calls in the same order; consider what ended it early "
+        "(its output says)."
+    )

@@ -1,10 +1,7 @@
 """One process's end of coordination: its service, its place, and the protocols' state.
 
-The agreement primitive (`meshkit._src.coord.agreement`) and the deferred windows
-(`meshkit._src.coord.window`) keep everything they know
-in a `Node`, never in module globals, so that several "processes" can run in one Python process
-over `meshkit._src.coord.fake` (the unit tests do). `meshkit._src.coord.agree` holds the
-process's node over the real service.
+The protocols keep their state in a `Node`, never in module globals, so that several
+"processes" run in one Python process over `meshkit._src.coord.fake` (as the unit tests do).
 """
 
 from __future__ import annotations

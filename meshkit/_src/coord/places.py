@@ -1,19 +1,10 @@
-"""Where a thread waits outside its channel's agreements, for a process that waits for it.
+"""Where a thread waits outside its channel's agreements, to find waits that form a cycle.
 
-Processes at different agreements of one channel meet under one key (`agreement`). One wait is
-in a channel's order without being an agreement: a caller inside a step of
-`meshkit.global_batches` (the n-th step of an iterator is in the order every process follows,
-though nothing is sent per step). When process 0 waits at an agreement and process 1 in such a
-place that process 0 has not reached, neither can go on.
-
-A wait that lasts longer than a second posts its `Place` (one key per process), and reads the
-others' (one directory read), again at doubling intervals. It is in a *cycle* with another
-process's place on the same channel that this process has not passed (its own count there is
-not past it): that place can only be left when this process arrives, which it cannot before its
-own wait ends. Both raise the same `DivergenceError` (``field == "order"``); a caller inside a
-step (*moving*: it may end without the others) never decides, and learns it from a notice the
-deciding process writes, read by its iterator's watch. No thread is started for this, and
-nothing is read from other threads' stacks: each place is posted by the thread that knows it.
+A caller inside a step of `meshkit.global_batches` is in its channel's order without being at
+an agreement. A wait longer than `FIRST_S` posts its `Place` and reads the others' (again at
+doubling intervals); a place of another process on the same channel that this process has not
+passed is a cycle, raised as a `DivergenceError` (``field == "order"``) by the waiting side. A
+caller inside a step (*moving*) never decides; it learns of the cycle from a notice.
 """
 
 from __future__ import annotations

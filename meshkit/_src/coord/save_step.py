@@ -1,19 +1,10 @@
-"""The step at which every process saves after a preemption notice, agreed once.
+"""The step at which every process saves after a preemption notice, agreed once per run.
 
-Each process's preemption thread, when it learns of the notice
-(`meshkit._src.lifecycle.preemption`), freezes its program's answers (a question asked from now
-on waits for the agreement), and sends the last step its program answered
-(`meshkit.checkpoint.should_save`), or none if it answered none yet. The sync step is the step
-after the highest one sent: a step no process has answered yet, which every process reaches,
-since they ask about the same steps. When no process had answered one (a notice while they
-joined or restored), it is the first step each asks about, the same for all as they resume at
-the same step.
-
-The exchange needs no program thread (a program may be inside a collective, or a checkpoint
-save that waits for the others): each process writes its step and counts itself in (two round
-trips); the process that completes the count reads every step (one directory read) and writes
-the answer, which the others wait for in slices of `SLICE_S`, so that their thread stops
-promptly when the process ends. Once per run, nothing per step.
+Each process's preemption thread freezes its program's answers and sends the last step its
+program answered (`meshkit.checkpoint.should_save`), or none. The sync step is the one after
+the highest sent (or, if none was, the first step each asks about). No program thread is
+needed: each writes its step and counts itself in; the last to count reads every step once
+and writes the answer, which the others wait for in slices of `SLICE_S`.
 
 Example:
     >>> import threading

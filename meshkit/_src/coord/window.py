@@ -1,14 +1,10 @@
-"""`agree_later`: agreement after the call returns, on *windows* of calls (a thread per tag in use).
+"""`agree_later`: agreement after the call returns, on windows of calls (a thread per tag in use).
 
-Process 0's thread lets a window fill (up to ``WINDOW`` calls, or the tag's linger, `LINGER_S`
-by default, after its first call), then writes how many calls it holds; the others take as many
-of theirs, and the window is one agreement on the list of its calls' summaries (the
-`agreement` primitive, on the window thread's own sequence): three round trips per process and
-window however many calls it holds. A caller that needs a verdict before it goes on
-drains its tag (`drain`), then settles. The caller goes on at once, at most ``MAX_PENDING``
-calls may be unverified, and a disagreement is printed when found and raised by this process's
-next meshkit call (`Node.settle`). Only ``global_array_from_local(check="deferred")`` asks for
-this: every other check is agreed in the call that needs it.
+Only ``global_array_from_local(check="deferred")`` uses it. Process 0's thread lets a window
+fill (up to `WINDOW` calls, or `LINGER_S` after its first), writes its size, and the window is
+one agreement (the `agreement` primitive, on the thread's own sequence) on its calls' summaries.
+At most `MAX_PENDING` calls are unverified; a disagreement is printed when found and raised by
+the next meshkit call (`Node.settle`); a caller that needs the verdict drains its tag.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Whether a compilation cache directory can be used, decided before anything compiles.
 
-Pure file-system checks (no JAX), shared by `meshkit.init` (`meshkit._src.runtime.compile_cache`)
-and ``meshkit launch --compilation-cache``, which checks on its own machine before it starts any
-rank. JAX itself only warns when it cannot write a cache entry and compiles on; a directory that
-cannot be written would make every restart compile everything again, silently.
+Shared by `meshkit.init` and ``meshkit launch --compilation-cache``. JAX only warns when it
+cannot write a cache entry, so an unwritable directory would silently recompile every restart.
 """
 
 from __future__ import annotations
@@ -25,21 +23,7 @@ system mounted at the same path), or leave the compilation cache unset to compil
 
 
 def writable(directory: str | os.PathLike[str], *, called: str, source: str) -> str:
-    """The directory as an absolute path, created if missing; raise if it cannot be written.
-
-    Args:
-        directory: the directory given.
-        called: what was called, for the message (``"meshkit.init()"``).
-        source: where the directory came from, for the message (``"the argument
-            compilation_cache"``, ``"the environment variable MESHKIT_COMPILATION_CACHE"``).
-
-    Raises:
-        MeshkitError: it cannot be created, is not a directory, or a file cannot be written in it.
-
-    Example:
-        >>> import tempfile
-        >>> path = writable(tempfile.mkdtemp(), called="f()", source="a test")
-    """
+    """The directory as an absolute path, created if missing; raise if it cannot be written."""
     path = os.path.abspath(os.fspath(directory))
 
     def refuse(reason: str) -> MeshkitError:

@@ -1,12 +1,7 @@
-"""Bounded caches: one way to keep what meshkit worked out, and one call to forget all of it.
+"""Bounded caches, and one call (`clear_caches`) to forget all of them.
 
-Two shapes, both bounded, both dropping an entry not used lately when full (never all of them
-at once: layouts that churn do not evict the one that repeats), both registered with
-`clear_caches`:
-
-- `cached` memoizes a pure function of hashable arguments (`functools.lru_cache` underneath);
-- `Cache` is a mapping for values made elsewhere and found again by a computed key (the
-  template of a layout, made from the first call's data, is not a function of its key).
+`cached` memoizes a pure function (`functools.lru_cache`); `Cache` keeps values made elsewhere
+under a computed key. Both drop an entry not used lately when full.
 """
 
 from __future__ import annotations
@@ -31,22 +26,7 @@ _registry: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def cached(maxsize: int) -> Callable[[Callable[..., R]], functools._lru_cache_wrapper[R]]:
-    """Memoize a pure function of hashable arguments, keeping ``maxsize`` results at most.
-
-    Args:
-        maxsize: the most results kept; the least recently used goes first.
-
-    Returns:
-        A decorator; the function it returns is a `functools.lru_cache` wrapper, registered
-        with `clear_caches`.
-
-    Example:
-        >>> @cached(maxsize=2)
-        ... def square(x):
-        ...     return x * x
-        >>> square(3), square.cache_info().currsize
-        (9, 1)
-    """
+    """Memoize a pure function of hashable arguments, keeping ``maxsize`` results at most."""
     _check_size(maxsize)
 
     def decorate(fn: Callable[..., R]) -> functools._lru_cache_wrapper[R]:
@@ -58,30 +38,7 @@ def cached(maxsize: int) -> Callable[[Callable[..., R]], functools._lru_cache_wr
 
 
 class Cache(Generic[K, V]):
-    """A mapping that keeps ``maxsize`` entries at most, dropping one not used lately when full.
-
-    The eviction is LRU's clock approximation (second chance): a look-up only marks its entry
-    used, without a lock or a reordering (it runs on every call of a hot path: a layout seen
-    before); a full cache passes over its entries from the oldest, gives each marked one a
-    second chance (unmarked, moved to the end) and drops the first unmarked one. A layout that
-    repeats therefore survives any churn of one-off layouts, and a look-up costs a dict look-up.
-
-    Safe to share between threads (`meshkit.global_batches` assembles in a helper thread while
-    the caller assembles in its own): changes are made under a lock, and a look-up reads with
-    single dict operations, which never see an entry half made. Registered with
-    `clear_caches`.
-
-    Args:
-        maxsize: the most entries kept.
-
-    Example:
-        >>> seen = Cache(maxsize=2)
-        >>> seen.put("a", 1); seen.put("b", 2); seen.get("a")
-        1
-        >>> seen.put("c", 3)  # "a" was used since it was put, "b" was not
-        >>> sorted(seen.keys())
-        ['a', 'c']
-    """
+    """A mapping that keeps ``maxsize`` entries at most, dropping one not used lately when full."""
 
     def __init__(self, maxsize: int) -> None:
         _check_size(maxsize)
@@ -111,10 +68,7 @@ class Cache(Generic[K, V]):
             self._data[key] = [value, False]
 
     def _evict_one(self) -> None:
-        """Drop the oldest entry not used since the last pass (under the lock, the cache full).
-
-        Ends within one turn around the cache: every entry it passes over is unmarked.
-        """
+        """Drop the oldest entry not used since the last pass (under the lock, the cache full)."""
         while True:
             oldest, entry = next(iter(self._data.items()))
             if not entry[1]:
@@ -138,11 +92,7 @@ class Cache(Generic[K, V]):
 
 
 def clear_caches() -> None:
-    """Empty every cache made with `cached` or `Cache` (tests, or after changing JAX's config).
-
-    meshkit's caches are keyed by everything their values depend on, so clearing them never
-    changes a result, only the time the next calls take.
-    """
+    """Empty every cache made with `cached` or `Cache` (tests, or after changing JAX's config)."""
     for cache in list(_registry):
         cache.cache_clear()
 

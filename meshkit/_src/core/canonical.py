@@ -1,30 +1,8 @@
 """Canonical text for what processes compare: pytree structures, functions, static values.
 
-Processes compare what they pass (the structure of a batch, the function a computation runs,
-the static fields of a flax ``TrainState``). Python's own texts for these carry object identity:
-``str(treedef)`` shows a ``jax.tree_util.Partial``'s function as
-``<function scale at 0x7f...>``, and an optax transformation's closures the same way, so two
-processes running the same program would never agree. The texts here hold only what is the
-same in every process that runs the same code:
-
-- a type: its module and qualified name (``flax.training.train_state.TrainState``);
-- a function: its module, qualified name and first line (``train.train_step:41``), a
-  ``functools.partial`` its function and arguments, a bound method its function and owner;
-- any other value: its canonical parts (containers, dataclasses, numbers, strings, arrays by
-  shape, dtype and a digest of their bytes); an object with a ``repr`` of its own, that text
-  with any memory address taken out; an object with Python's default ``repr``, its type.
-
-Values that differ in a way that changes a program (another function, another static size)
-still give different texts.
-
-Example:
-    >>> import functools, jax
-    >>> def scale(x, k):
-    ...     return x * k
-    >>> structure(jax.tree_util.tree_structure(jax.tree_util.Partial(scale, k=2.0)))
-    "...Partial[meshkit._src.core.canonical.scale:1]((), {'k': *})"
-    >>> function_name(functools.partial(scale, k=2.0))
-    'scale'
+Python's own texts carry object identity (``<function f at 0x7f...>``); these hold only what is
+the same in every process running the same code: types by qualified name, functions by module,
+qualified name and first line, other values by their parts, with addresses taken out.
 """
 
 from __future__ import annotations
@@ -63,17 +41,7 @@ def _digest(data: bytes) -> str:
 
 
 def function(f: Any, _depth: int = 0) -> str:
-    """A callable's canonical text: what it runs, where it is defined, what it is bound to.
-
-    Args:
-        f: a function, lambda, method, ``functools.partial``, builtin or callable object.
-
-    Returns:
-        ``module.qualname:line`` for Python functions (lambdas of one scope told apart by
-        line); ``functools.partial(...)`` with the function and its bound arguments; a bound
-        method as its function ``of`` its owner's canonical text; a callable object as
-        `value` gives it.
-    """
+    """A callable's canonical text: what it runs, where it is defined, what it is bound to."""
     if isinstance(f, functools.partial):
         parts = [function(f.func, _depth + 1)]
         parts += [value(a, _depth + 1) for a in f.args]
@@ -92,11 +60,7 @@ def function(f: Any, _depth: int = 0) -> str:
 
 
 def function_name(f: Callable[..., Any]) -> str:
-    """The short name messages and compiled programs give a user's function.
-
-    The function's ``__name__``; for a ``functools.partial`` its function's (as JAX names it);
-    for a callable object its type's name. Never a ``repr`` (which may carry an address).
-    """
+    """The short name messages and compiled programs give a user's function."""
     while isinstance(f, functools.partial):
         f = f.func
     name = getattr(f, "__name__", None)
@@ -164,13 +128,7 @@ def value(x: Any, _depth: int = 0) -> str:
 
 
 def structure(treedef: Any) -> str:
-    """A pytree structure's canonical text, equal in every process that builds it the same way.
-
-    Shaped like JAX's own ``PyTreeDef`` text (``*`` a leaf, tuples, lists and dicts as
-    Python writes them), with every node's type by qualified name and its static data (a
-    custom node's auxiliary data, such as a ``TrainState``'s ``apply_fn`` and ``tx``) by
-    `value`. Cached per treedef (a treedef whose static data cannot be hashed is not).
-    """
+    """A pytree structure's canonical text, equal in every process that builds it the same way."""
     try:
         return _cached(treedef)
     except TypeError:  # unhashable static data: JAX allows it outside jit

@@ -1,36 +1,25 @@
-"""The few private JAX internals meshkit relies on, in one place.
+"""The few private JAX internals meshkit relies on, in one place (checked on JAX 0.10.2 and 0.12).
 
-JAX has no public API for these facts; when JAX moves one, only this file changes
-(`tests/test_architecture.py` keeps every other module of meshkit off ``jax._src`` and
-``jaxlib``). Each touch point, why meshkit needs it, and where it is used; every one was
-checked on JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1 (Python 3.12), the two lines CI runs:
+`tests/test_architecture.py` keeps every other module off ``jax._src``. Each touch point, and why:
 
-- ``xla_bridge.backends_are_initialized``: `meshkit.init` refuses to change device settings or
-  join once JAX's backends run, with a message instead of JAX's silent ignore.
-- ``config.config_states``, ``config.config_ext.trace_context_names`` and the source of
-  ``jax/_src/config.py`` (its ``include_in_jit_key=True`` / ``include_in_trace_context=True``
-  marks): the preflight compares the settings that reach compiled programs; JAX has no public
-  list of them, nor a reader for options that are no attribute of ``jax.config``.
-- ``pxla.batched_device_put`` with ``core.update_aval_with_sharding`` and ``core.ShapedArray``:
-  one call assembles a global array from this process's blocks, without
-  `jax.make_array_from_callback`'s per-device callback (assembly within 1.1x of JAX's own).
-- ``api.clean_up`` (on ``atexit``): a process that leaves early must not wait at JAX's exit
-  barrier for the others (fail-fast ends the group instead).
-- ``distributed.global_state`` (client, process id and count): coordination's key-value store
-  and barriers, read without starting JAX's backends as ``jax.process_index()`` would.
+- ``xla_bridge.backends_are_initialized``: `init` refuses to join once backends run.
+- ``config.config_states``, ``config_ext.trace_context_names`` and ``jax/_src/config.py``'s
+  ``include_in_jit_key=True`` / ``include_in_trace_context=True`` marks: the preflight compares
+  the settings that reach compiled programs (JAX has no public list of them).
+- ``pxla.batched_device_put``, ``core.update_aval_with_sharding``, ``core.ShapedArray``: one
+  call assembles a global array, without `jax.make_array_from_callback`'s per-device callback.
+- ``api.clean_up`` (on ``atexit``): a process leaving early must not wait at JAX's exit barrier.
+- ``distributed.global_state``: the coordination client, read without starting backends.
 - ``clusters.ClusterEnv.auto_detect_unset_distributed_params`` and ``._cluster_types``: `init`
-  checks the coordinator JAX would use, and names the cluster, before JAX aborts on it.
-- ``core.trace_state_clean``, ``core.get_axis_env``: `pmap_compat` tells a call from a trace
-  (as `jax.pmap` does) and reads the bound axis sizes at trace time.
-- the ``scan`` equation's parameters (``num_consts``/``num_carry`` on 0.10, ``ft_in`` on 0.12)
-  and the aval's ``manual_axis_type.varying``: `meshkit.spmd`'s replication analysis.
-- ``pxla.MeshComputation`` (``compile``, ``_executable``, ``_name``, ``_device_list``,
-  ``_hlo``, ``compile_args``): the compile-time program comparison hooks the one step every
-  jit, shard_map and pmap computation passes before XLA (`on_compile`; installed by `init`).
-- ``traceback_util._exclude_paths`` and ``register_exclusion``: the comparison's frames, which
-  run inside JAX's call, are hidden from tracebacks as JAX hides its own.
-- the coordination service's ``RECEIVED_PREEMPTION_NOTICE`` key: JAX's preemption sync
-  managers learn of a notice meshkit's SIGTERM handler took (`tell_jax_preemption`).
+  checks the coordinator before JAX aborts on it.
+- ``core.trace_state_clean``, ``core.get_axis_env``: `pmap_compat` tells a call from a trace.
+- the ``scan`` equation's ``num_consts``/``num_carry`` (0.10) or ``ft_in`` (0.12), the aval's
+  ``manual_axis_type.varying``: `meshkit.spmd`'s replication analysis.
+- ``pxla.MeshComputation`` (``compile``, ``_executable``, ``_name``, ``_device_list``, ``_hlo``,
+  ``compile_args``): the program comparison hooks the step every computation passes.
+- ``traceback_util._exclude_paths``, ``register_exclusion``: the comparison's frames hidden.
+- the coordination key ``RECEIVED_PREEMPTION_NOTICE``: JAX's preemption sync managers learn of
+  a notice meshkit's SIGTERM handler took.
 """
 
 from __future__ import annotations
@@ -43,27 +32,12 @@ from typing import Any
 from . import caches as _caches
 
 __all__ = [
-    "Compiling",
-    "backends_are_initialized",
-    "bound_axis_sizes",
-    "cluster_envs",
-    "cluster_params",
-    "compiled_settings",
-    "distributed_state",
-    "hide_from_jax_tracebacks",
-    "idle",
-    "on_compile",
-    "put_blocks",
-    "scan_counts",
-    "service_error_code",
-    "setting",
-    "settings_of_jax",
-    "skip_jax_exit_barrier",
-    "tell_jax_preemption",
-    "trace_context_settings",
-    "trace_state_clean",
+    "Compiling", "backends_are_initialized", "bound_axis_sizes", "cluster_envs", "cluster_params",
+    "compiled_settings", "distributed_state", "hide_from_jax_tracebacks", "idle", "on_compile",
+    "put_blocks", "scan_counts", "service_error_code", "setting", "settings_of_jax",
+    "skip_jax_exit_barrier", "tell_jax_preemption", "trace_context_settings", "trace_state_clean",
     "varying_axes",
-]
+]  # fmt: skip
 
 
 def backends_are_initialized() -> bool:
@@ -74,17 +48,11 @@ def backends_are_initialized() -> bool:
 
 
 def compiled_settings() -> frozenset[str]:
-    """The `jax.config` options that JAX itself marks as part of every traced or compiled program.
+    """The `jax.config` options JAX marks as part of every traced or compiled program.
 
-    JAX declares an option with ``include_in_jit_key=True`` (part of jit's cache key) or
-    ``include_in_trace_context=True`` (part of the trace context), and keeps both marks in
-    jaxlib's C++ ``Config``, which has no accessor for the first (``trace_context_names()``
-    gives the second, where jaxlib has it). So the names are read from the declarations in
-    ``jax/_src/config.py``: every such mark of an option is written there as a literal ``True``
-    beside the option's name (checked on JAX 0.10.2 and 0.12; the marks outside that file are
-    on context managers such as the mesh, not options). Only registered options count
-    (``config_states``); where the source cannot be read, ``trace_context_names()`` alone. The
-    file is read once per process (about 20 ms).
+    jaxlib keeps the ``include_in_jit_key`` mark in C++ without an accessor, so the names are
+    read from the literal ``True`` marks in ``jax/_src/config.py`` (JAX 0.10.2 and 0.12), plus
+    ``trace_context_names()``; read once per process (about 20 ms).
     """
     return _compiled_settings()
 
@@ -113,11 +81,7 @@ def settings_of_jax() -> frozenset[str]:
 
 
 def setting(name: str) -> Any:
-    """The value of the `jax.config` option ``name`` in this thread.
-
-    Read from the option itself: some (``jax_no_collectives`` on JAX 0.12) are registered in
-    ``config_states`` but are no attribute of ``jax.config``.
-    """
+    """The value of `jax.config` option ``name`` (``jax_no_collectives`` is no attribute)."""
     from jax._src import config
 
     return config.config_states[name].value
@@ -126,9 +90,8 @@ def setting(name: str) -> Any:
 def trace_context_settings() -> frozenset[str] | None:
     """The `jax.config` options in JAX's trace context; None where jaxlib cannot tell.
 
-    jaxlib's ``config.trace_context_names()`` (from jaxlib's extension version 455: JAX 0.10.2
-    checks for it, 0.12 expects it) also names context managers (the mesh, the axis
-    environment), which are left out.
+    ``trace_context_names()`` exists from jaxlib extension 455 (optional on 0.10.2, always on
+    0.12); it also names context managers, left out here.
     """
     from jax._src import config
 
@@ -164,12 +127,8 @@ def put_blocks(
 ) -> Any:
     """A global `jax.Array` from this process's blocks, one per local device, in one call.
 
-    What `jax.make_array_from_callback` ends in (``pxla.batched_device_put``), without its
-    per-device callback and checks: the caller guarantees that ``blocks[i]`` is device
-    ``devices[i]``'s block of the ``shape`` array under ``sharding``, in ``dtype``, and that
-    ``devices`` are every local device of ``sharding`` in its
-    ``addressable_devices_indices_map`` order. As there, a 64-byte-aligned numpy block can be
-    aliased on CPU rather than copied.
+    `jax.make_array_from_callback`'s last step without its checks: ``blocks[i]`` must be
+    ``devices[i]``'s block, ``devices`` in ``addressable_devices_indices_map`` order.
     """
     return _pxla().batched_device_put(
         _sharded_aval(shape, dtype, sharding), sharding, blocks, devices
@@ -190,12 +149,7 @@ def _pxla() -> Any:
 
 
 def skip_jax_exit_barrier() -> bool:
-    """Take JAX's own exit handler (``jax._src.api.clean_up``) off Python's ``atexit`` list.
-
-    It shuts ``jax.distributed`` down at a barrier every process must reach, so a process that
-    leaves early (an uncaught exception) would wait there for the others. Returns whether the
-    handler was found (when JAX moves it, the caller's time bound still ends the wait).
-    """
+    """Take JAX's exit handler (``api.clean_up``, a barrier for all) off ``atexit``; False: none."""
     import atexit
 
     from jax._src import api
@@ -208,12 +162,7 @@ def skip_jax_exit_barrier() -> bool:
 
 
 def distributed_state() -> tuple[Any | None, int, int]:
-    """``(client, process_id, num_processes)`` of ``jax.distributed``; client None when not joined.
-
-    The client offers ``key_value_set``, ``blocking_key_value_get``, ``key_value_delete`` and
-    ``wait_at_barrier``: a key-value store and barriers that do not use device collectives.
-    Reading these does not start JAX's backends (``jax.process_index()`` would).
-    """
+    """``(client, process_id, num_processes)``, client None when not joined; starts no backend."""
     from jax._src import distributed
 
     state = distributed.global_state
@@ -222,22 +171,15 @@ def distributed_state() -> tuple[Any | None, int, int]:
     return state.client, int(state.process_id), int(state.num_processes)
 
 
-# JAX's preemption sync manager (xla/tsl/distributed_runtime/preemption) learns of a notice from
-# this key of the coordination service, whose value is the time the process will be stopped, in
-# absl's RFC 3339 form; its own SIGTERM handler writes it, which meshkit's handler replaces.
+# JAX's preemption sync manager reads this key (the time of death, RFC 3339) that its SIGTERM
+# handler writes.
 _PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
 def tell_jax_preemption(client: Any, received: float) -> bool:
-    """Tell JAX's preemption sync managers of a notice, as JAX's own SIGTERM handler would.
+    """Tell JAX's preemption sync managers of a notice, as JAX's SIGTERM handler would.
 
-    Every process's manager then takes part in JAX's protocol at once, which sets the same sync
-    step for all (`preemption_sync_point`). Returns False when another process told it first.
-
-    Args:
-        client: the client of ``jax.distributed``.
-        received: when the notice came, in seconds since the epoch (JAX's handler gives the
-            moment of the signal as the time of death: its protocol starts at once).
+    Returns False when another process told it first.
     """
     import datetime
 
@@ -255,11 +197,7 @@ _ALREADY_EXISTS = 6  # gRPC's status code
 
 
 def service_error_code(error: BaseException) -> int | None:
-    """The gRPC status code of an error from ``jax.distributed``'s client; None for others.
-
-    jaxlib raises ``JaxRuntimeError`` with the coordination service's status in ``error_code``
-    (4: DEADLINE_EXCEEDED, 5: NOT_FOUND, ...); meshkit decides on that code, not on the text.
-    """
+    """The gRPC status code of a ``jax.distributed`` client error (``error_code``), else None."""
     code = getattr(error, "error_code", None)
     return int(code) if isinstance(code, int) else None
 
@@ -267,12 +205,7 @@ def service_error_code(error: BaseException) -> int | None:
 def cluster_params(
     local_device_ids: Sequence[int] | None, timeout_s: int
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
-    """What ``jax.distributed.initialize()`` will use under the detected cluster.
-
-    ``(coordinator_address, num_processes, process_id, local_device_ids)``, from JAX's own
-    detection (which honours ``JAX_COORDINATOR_PORT`` and, under Open MPI or SLURM, gives each
-    process only its local rank's accelerator unless ``local_device_ids`` is set).
-    """
+    """``(address, num_processes, process_id, local_device_ids)`` JAX's detection will use."""
     from jax._src.clusters import ClusterEnv
 
     return ClusterEnv.auto_detect_unset_distributed_params(
@@ -288,18 +221,12 @@ def cluster_envs() -> list[Any]:
 
 
 def trace_state_clean() -> bool:
-    """True outside every JAX transformation (no jit, grad, vmap ... is tracing here).
-
-    `jax.pmap` itself asks this to tell a call from a trace; `pmap_compat` follows it.
-    """
+    """True outside every JAX transformation (as `jax.pmap` asks)."""
     return bool(_jax_core().trace_state_clean())
 
 
 def idle() -> bool:
-    """Nothing traces here and no ``jax.set_mesh`` is active: a call may run as it is.
-
-    On the per-call path of `pmap_compat`: the module lookups are cached.
-    """
+    """Nothing traces here and no ``jax.set_mesh`` is active (per call: lookups cached)."""
     return _jax_core().trace_state_clean() and _jax_sharding().get_abstract_mesh().empty
 
 
@@ -318,33 +245,25 @@ def _jax_sharding() -> Any:
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """``(constants, carries)`` among the inputs of a ``scan`` equation, from its parameters.
+    """``(constants, carries)`` among a ``scan`` equation's inputs.
 
-    JAX 0.10 names the counts (``num_consts``, ``num_carry``); JAX 0.12 gives a flat tree
-    ``ft_in`` of the groups ``(consts, carry, xs)``, one leaf per input.
+    JAX 0.10 has ``num_consts`` and ``num_carry``; 0.12 a FlatTree ``ft_in`` of the three groups.
     """
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
-    # A jax._src.flattree.FlatTree: its len() counts leaves, unpack() gives the three groups.
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
 
 
 def bound_axis_sizes() -> dict[Any, int]:
-    """The named axes bound where this is called (inside shard_map, pmap, vmap), with sizes.
-
-    Empty outside any of them. Read at trace time only.
-    """
+    """The named axes bound here (inside shard_map, pmap, vmap) with their sizes."""
     from jax._src import core
 
     return dict(core.get_axis_env().axis_sizes)
 
 
 def varying_axes(x: Any) -> frozenset[Any]:
-    """The manual mesh axes over which a traced per-device value is typed as varying.
-
-    shard_map's replication typing (check_vma) keeps it in the aval; empty when untyped.
-    """
+    """The manual mesh axes a traced value is typed as varying over (check_vma's aval)."""
     import jax
 
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
@@ -353,12 +272,7 @@ def varying_axes(x: Any) -> frozenset[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Compiling:
-    """A computation JAX is about to compile for its devices (`on_compile`), read on demand.
-
-    One type for every way in: `jax.jit`, `jax.shard_map` inside it, `jax.pmap` (a jit over
-    the devices on both JAX lines) and what meshkit builds on them. ``computation`` is JAX's
-    ``pxla.MeshComputation``; only this class reads it.
-    """
+    """A computation JAX is about to compile (`on_compile`): a ``pxla.MeshComputation``."""
 
     computation: Any
 
@@ -412,13 +326,10 @@ _original_compile: Callable[..., Any] | None = None
 
 
 def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
-    """Call ``hook`` before JAX compiles a computation (not for one already compiled).
+    """Call ``hook`` before JAX compiles a computation (wraps ``MeshComputation.compile``).
 
-    Wraps ``pxla.MeshComputation.compile``, the one step every jit, shard_map and pmap
-    computation passes on its way to XLA on JAX 0.10 and 0.12 (a cached computation returns
-    its executable there without compiling). What ``hook`` raises leaves the compilation
-    undone and reaches the caller of the jitted function. Returns the function that removes
-    the hook, or None where this JAX has no such step (nothing is installed).
+    What ``hook`` raises reaches the caller. Returns the hook's remover, or None where this
+    JAX has no such step.
     """
     global _original_compile
     cls = getattr(_pxla(), "MeshComputation", None)
@@ -453,12 +364,7 @@ def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
 
 
 def hide_from_jax_tracebacks(path: str) -> None:
-    """Leave the frames of file ``path`` out of the tracebacks JAX filters (as it does its own).
-
-    For meshkit code that runs inside a JAX call (`on_compile`'s hook): an error raised there
-    shows the user's frame that called JAX, not meshkit's. ``JAX_TRACEBACK_FILTERING=off``
-    shows every frame, as for JAX's own.
-    """
+    """Leave file ``path``'s frames out of the tracebacks JAX filters, as it does its own."""
     from jax._src import traceback_util
 
     if path not in traceback_util._exclude_paths:

@@ -1,12 +1,7 @@
 """The data position: where a stream of global batches stands, to resume it at the same batch.
 
-A `DataPosition` is what `meshkit.GlobalBatches.position` returns and `meshkit.checkpoint.save`
-keeps beside the arrays (``data=``): the steps the caller took and, for a meshkit loader, its
-global position (the same on every process, so it resumes on any number of them); for a source
-with ``get_state()`` / ``set_state()``, each process's own state (it resumes on as many
-processes). It lives in core because `arrays` (which takes positions) and `checkpoint` (which
-saves them) both use it; `GlobalSource` is the interface of a meshkit loader that `arrays`
-reads without importing `loaders`.
+In core because `arrays` (which takes positions) and `checkpoint` (which saves them) both use
+it; `GlobalSource` is the meshkit loader interface `arrays` reads without importing `loaders`.
 """
 
 from __future__ import annotations
@@ -22,14 +17,9 @@ from typing import Any
 from .errors import MeshkitError
 
 __all__ = [
-    "VERSION",
-    "DataPosition",
-    "GlobalIterator",
-    "GlobalSource",
-    "LoaderIdentity",
-    "decode_state",
+    "VERSION", "DataPosition", "GlobalIterator", "GlobalSource", "LoaderIdentity", "decode_state",
     "encode_state",
-]
+]  # fmt: skip
 
 VERSION = 1  # of `DataPosition.to_json`'s format; a reader refuses newer ones
 _WHAT = "meshkit.DataPosition.from_json"
@@ -38,16 +28,7 @@ _IDENTITY = ("kind", "num_rows", "global_batch", "seed", "drop_remainder")  # wh
 
 @dataclass(frozen=True)
 class LoaderIdentity:
-    """What makes a meshkit loader's global batches what they are (and its position valid).
-
-    Attributes:
-        kind: ``"grain"`` (`meshkit.loaders.grain_batches`) or ``"datasets"`` (`hf_batches`).
-        num_rows: rows of the dataset (one epoch).
-        global_batch: rows of a global batch.
-        seed: the shuffle's seed; None: not shuffled.
-        epochs: epochs the loader runs (a position resumes in a loader with as many or more).
-        drop_remainder: whether an epoch's last, short global batch is left out.
-    """
+    """What makes a meshkit loader's global batches what they are (and its position valid)."""
 
     kind: str
     num_rows: int
@@ -84,23 +65,17 @@ class LoaderIdentity:
 class DataPosition:
     """Where a `meshkit.global_batches` iterator stands: the batches its caller took.
 
-    Made by `meshkit.GlobalBatches.position`, saved by ``meshkit.checkpoint.save(...,
-    data=...)``, read back by `meshkit.checkpoint.data_position` and resumed by
-    ``meshkit.global_batches(..., start=position)``: the next global batch is the one an
-    uninterrupted run would have taken next.
+    From `meshkit.GlobalBatches.position`, saved by ``meshkit.checkpoint.save(..., data=...)``,
+    resumed by ``meshkit.global_batches(..., start=position)`` at the batch an uninterrupted run
+    would take next.
 
     Attributes:
-        step: global batches the caller took, over the whole run (a resumed iterator counts on
-            from its start position).
-        loader: the identity of the meshkit loader the batches came from; None for other
-            sources.
-        epoch: the meshkit loader's epoch of the next batch (None for other sources).
+        step: global batches the caller took over the whole run.
+        loader: the meshkit loader's identity; None for other sources.
+        epoch: the loader's epoch of the next batch (None for other sources).
         epoch_step: the global batches of that epoch already taken (None for other sources).
         processes: the number of processes of the run the position comes from.
-        states: a stateful source's state (its ``get_state()``, encoded as JSON text) by
-            process id; None for a meshkit loader or a source without state. A position from
-            `meshkit.GlobalBatches.position` holds this process's state only; a saved one
-            every process's.
+        states: a stateful source's ``get_state()`` (JSON text) by process id, else None.
         version: the format's version.
 
     Example:
@@ -136,9 +111,8 @@ class DataPosition:
         """The position in words, without per-process states (equal on every process)."""
         text = f"step {self.step}"
         if self.loader is not None:
-            text += (
-                f" of {self.loader.describe()}, epoch {self.epoch} at its step {self.epoch_step}"
-            )
+            where = f"epoch {self.epoch} at its step {self.epoch_step}"
+            text += f" of {self.loader.describe()}, {where}"
         elif self.states is not None:
             text += f" with per-process states of {self.processes} processes"
         return text
@@ -156,11 +130,7 @@ class DataPosition:
 
     @classmethod
     def from_dict(cls, value: Any) -> DataPosition:
-        """The position `to_dict` gave.
-
-        Raises:
-            MeshkitError: ``value`` is not a data position, or one of a newer format.
-        """
+        """The position `to_dict` gave; a `MeshkitError` if it is none (or of a newer format)."""
         return cls._read(value, "meshkit.DataPosition.from_dict")
 
     @classmethod
@@ -194,11 +164,7 @@ class DataPosition:
 
     @classmethod
     def from_json(cls, text: str) -> DataPosition:
-        """The position `to_json` wrote.
-
-        Raises:
-            MeshkitError: ``text`` is not a data position, or one of a newer format.
-        """
+        """The position `to_json` wrote; a `MeshkitError` if it is none (or of a newer format)."""
         try:
             value = json.loads(text)
         except (TypeError, ValueError) as e:
@@ -217,12 +183,11 @@ def _int_or_none(x: Any) -> int | None:
 
 
 def _identity(value: Any) -> LoaderIdentity:
-    seed = value["seed"]
     return LoaderIdentity(
         kind=str(value["kind"]),
         num_rows=_int(value["num_rows"]),
         global_batch=_int(value["global_batch"]),
-        seed=None if seed is None else _int(seed),
+        seed=_int_or_none(value["seed"]),
         epochs=_int(value["epochs"]),
         drop_remainder=bool(value.get("drop_remainder", False)),
     )
@@ -234,11 +199,7 @@ def _short(value: Any) -> str:
 
 
 def encode_state(state: Any) -> str:
-    """A source's ``get_state()`` as JSON text: bytes (grain's ``DataLoader``) or JSON values.
-
-    Raises:
-        TypeError: the state is neither (it cannot be saved in a checkpoint's metadata).
-    """
+    """A source's ``get_state()`` as JSON text: bytes (grain's ``DataLoader``) or JSON values."""
     if isinstance(state, bytes | bytearray):
         return json.dumps({"bytes": base64.b64encode(bytes(state)).decode("ascii")})
     try:
@@ -258,13 +219,7 @@ def decode_state(text: str) -> Any:
 
 
 class GlobalIterator(Iterator[Any]):
-    """A meshkit loader's iterator: its batches, and the global step of the next one.
-
-    Args:
-        batches: the loader's batches from global step ``step`` on.
-        step: the global step (over all epochs) of the first of them.
-        source: the loader.
-    """
+    """A meshkit loader's iterator: its batches, and the global step of the next one."""
 
     def __init__(self, batches: Iterator[Any], step: int, source: GlobalSource) -> None:
         self._batches = batches
@@ -278,11 +233,7 @@ class GlobalIterator(Iterator[Any]):
 
 
 class GlobalSource(abc.ABC):
-    """A meshkit loader: its global batches in an order every process shares.
-
-    Its position is global (an epoch and a step in it), the same on every process and for
-    every process count, so `meshkit.global_batches` can resume it anywhere.
-    """
+    """A meshkit loader: its global batches in an order every process shares."""
 
     @property
     @abc.abstractmethod

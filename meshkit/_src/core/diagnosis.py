@@ -1,17 +1,7 @@
-"""What a failure's text says about its cause, when JAX's own cross-process machinery ended it.
+"""What a failure's text says about its cause, when JAX's cross-process machinery ended it.
 
-A process that waits for another process that never comes ends in JAX's timeouts, not in
-meshkit's: gloo's key exchange (``Gloo context initialization failed: DEADLINE_EXCEEDED:
-GetKeyValue() timed out``), NCCL's watchdog, the coordination service's barriers. A process
-whose peer is gone ends in gRPC's words (``UNAVAILABLE``, ``Stream removed``) or in the
-coordination service's fatal error (``another task died``). Such an error names neither the
-process that is missing nor why. `diagnose` recognises them, so that the fail-fast hook can
-say what usually causes them and what to run next, and ``meshkit launch`` can look for the rank
-the evidence points to instead of blaming the first one to exit.
-
-Only JAX's, gloo's and NCCL's own words are read here: what meshkit itself has to tell (a rank
-failed and told the others, a meshkit check waited for a rank in vain) is a ``failed`` event
-(`meshkit._src.core.events`), which `from_event` classifies the same way.
+`diagnose` recognises gloo's, NCCL's and the coordination service's timeouts and lost-peer
+errors (which name no process); `from_event` classifies a rank's ``failed`` event the same way.
 """
 
 from __future__ import annotations
@@ -23,24 +13,13 @@ from typing import Any
 
 __all__ = ["ENDED_MARK", "Diagnosis", "diagnose", "explain", "from_event"]
 
-# Words of the note a process prints once it reached the end of its program while others still
-# run (`meshkit._src.lifecycle.failfast`); for people only: the launcher reads the ``ended`` event.
+# Words of fail-fast's end note (for people; the launcher reads the ``ended`` event).
 ENDED_MARK = "reached the end of its program"
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """A failure that JAX's cross-process machinery reported.
-
-    Attributes:
-        kind: ``"timeout"`` (this process waited for another that never joined) or ``"lost"``
-            (another process, or the coordination service it hosted, is gone).
-        system: what reported it: ``"gloo"``, ``"NCCL"``, ``"the coordination service"`` or
-            ``"meshkit"`` (its failure watch, or one of its checks).
-        line: the line of the text that says so (for an event: the error's name).
-        process: the process the failure names (only a ``failed`` event names one): the one
-            that failed first (``"lost"``), or the one a meshkit check waited for in vain.
-    """
+    """A failure that JAX's cross-process machinery reported."""
 
     kind: str
     system: str
@@ -74,20 +53,7 @@ def diagnose(text: str) -> Diagnosis | None:
 
 
 def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
-    """The diagnosis a rank recorded in its ``failed`` event, or None for an error of its own.
-
-    Args:
-        fields: the event's fields: ``cause`` ``"peer"`` (another process failed first; its id
-            in ``process``) or ``"timeout"`` (a cross-process wait ran out; ``system`` says
-            whose, ``process`` whom a meshkit check waited for) make a diagnosis; any other
-            cause (an exception, a signal) is the rank's own error.
-
-    Example:
-        >>> from_event({"cause": "peer", "process": 3, "system": "meshkit"}).kind
-        'lost'
-        >>> from_event({"cause": "exception", "error": "KeyError"}) is None
-        True
-    """
+    """The diagnosis a rank recorded in its ``failed`` event, or None for an error of its own."""
     cause = fields.get("cause")
     if cause not in ("peer", "timeout"):
         return None

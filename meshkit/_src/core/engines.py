@@ -1,16 +1,8 @@
 """The environments that engines other than `meshkit launch` give each process.
 
-A pure reading: `read_engine` takes an environment mapping and returns how the process joins
-(`EngineJoin`), or None where no engine of this module set its variables; `meshkit.init` acts on
-the answer. The engines, in the order they are read: ``JAX_*`` variables (Kubeflow Trainer's
-``jax-distributed`` runtime; JAX 0.10.2 and 0.12 read only ``JAX_COORDINATOR_ADDRESS``, as the
-address of a cluster JAX detects, so without one each process would run alone), SkyPilot (one
-process per node), JobSet and Indexed Jobs (Kubernetes). Each engine's variables, and how index
-0's host is found, are in ``docs/multi-host.md`` ("Kubeflow", "JobSet and Indexed Jobs",
-"SkyPilot").
-
-Two variables that give the process count (or this process's id) and disagree are an error,
-whichever engine is then used (`check_agreement`).
+`read_engine` is a pure reading of an environment: ``JAX_*`` variables (Kubeflow Trainer),
+SkyPilot, JobSet and Indexed Jobs, in that order (``docs/multi-host.md``). Two variables that
+give different process counts or ids are an error (`check_agreement`).
 """
 
 from __future__ import annotations
@@ -19,31 +11,23 @@ import dataclasses
 from collections.abc import Mapping
 
 from .contract import ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from .env import visible_devices
 from .errors import MeshkitError
 
 __all__ = [
-    "DEFAULT_PORT",
-    "ENV_K8S_COORDINATOR_HOST",
-    "ENV_K8S_SUBDOMAIN",
-    "ENV_PORT",
-    "JAX_VARS",
-    "SKYPILOT_VARS",
-    "STEP_VARS",
-    "EngineJoin",
-    "check_agreement",
-    "read_engine",
-]
+    "DEFAULT_PORT", "ENV_K8S_COORDINATOR_HOST", "ENV_K8S_SUBDOMAIN", "ENV_PORT", "JAX_VARS",
+    "SKYPILOT_VARS", "STEP_VARS", "Binding", "EngineJoin", "bound_device_ids", "check_agreement",
+    "check_step", "read_engine",
+]  # fmt: skip
 
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 SKYPILOT_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
-# The coordinator's port where an engine gives only a host: JAX's own variable (its cluster
-# detection honours it too, and Kubeflow Trainer sets it), else the port JAX's K8s detector uses.
+# The coordinator's port where an engine gives only a host; else JAX's K8s detector's port.
 ENV_PORT = "JAX_COORDINATOR_PORT"
 DEFAULT_PORT = 55527
 ENV_K8S_SUBDOMAIN = "MESHKIT_K8S_SUBDOMAIN"
 ENV_K8S_COORDINATOR_HOST = "MESHKIT_K8S_COORDINATOR_HOST"
-# What JAX's SlurmCluster.is_env_present requires (the same in JAX 0.10 and 0.12): srun sets
-# them for each task of a job step.
+# What JAX's SlurmCluster.is_env_present requires (JAX 0.10 and 0.12); srun sets them.
 STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 JAX_ENGINE = "JAX_* variables"
@@ -54,16 +38,7 @@ INDEXED_JOB = "Indexed Job"
 
 @dataclasses.dataclass(frozen=True)
 class EngineJoin:
-    """How an engine's environment says this process joins.
-
-    Attributes:
-        engine: which environment was found (``"JAX_* variables"``, ``"SkyPilot"``,
-            ``"JobSet"``, ``"Indexed Job"``).
-        num_processes: processes in the program.
-        process_id: this process's index.
-        coordinator_address: ``host:port`` of process 0; None for one process.
-        found: the variables read, ``NAME=value`` joined by commas, for messages and reports.
-    """
+    """How an engine's environment says this process joins."""
 
     engine: str
     num_processes: int
@@ -288,29 +263,7 @@ def _index0_host(environ: Mapping[str, str], found: str) -> str:
 
 
 def read_engine(environ: Mapping[str, str], *, jax_detects: str | None = None) -> EngineJoin | None:
-    """How this process joins according to an engine's variables; None where none set them.
-
-    Engines are read in this order: JAX_* variables, SkyPilot, JobSet / Indexed Job. `meshkit
-    launch`'s variables and arguments to `meshkit.init` are read before this, JAX's own cluster
-    detection after.
-
-    Args:
-        environ: the environment (normally ``os.environ``).
-        jax_detects: the name of JAX's cluster detector that found its environment, if any
-            (``"SlurmCluster"``, ``"K8sCluster"``): it decides for ``JAX_COORDINATOR_ADDRESS``
-            alone, and for an Indexed Job without a count.
-
-    Raises:
-        MeshkitError: an engine's variables in part, or with values that do not fit
-            (a count below 1, an id not below the count, an address without a port).
-
-    Example:
-        >>> read_engine({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
-        ...              "JAX_PROCESS_ID": "1"}).process_id
-        1
-        >>> read_engine({}) is None
-        True
-    """
+    """How this process joins according to an engine's variables; None where none set them."""
     check_agreement(environ)
     return (
         _jax_vars(environ, jax_detects) or _skypilot(environ) or _indexed_job(environ, jax_detects)
@@ -334,30 +287,85 @@ def _claims(environ: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
 
 
 def check_agreement(environ: Mapping[str, str]) -> None:
-    """Raise if two variables give different process counts, or ids, for this process.
-
-    ``JAX_NUM_PROCESSES`` is compared with each other source (``MESHKIT_NUM_PROCESSES``,
-    ``OMPI_COMM_WORLD_SIZE``, ``SLURM_NTASKS`` of a job step), and ``JAX_PROCESS_ID`` with its
-    id. `meshkit launch` inside a SLURM step or an Open MPI job is not compared: there the step's
-    tasks are launchers, each starting several processes.
-
-    Example:
-        >>> check_agreement({"JAX_NUM_PROCESSES": "2", "MESHKIT_NUM_PROCESSES": "2"})
-    """
+    """Raise if two variables give different process counts, or ids, for this process."""
     claims = _claims(environ)
     if not claims or claims[0][0] != "JAX_NUM_PROCESSES":
         return
     count, n, ident, pid = claims[0]
     for other_count, other_n, other_ident, other_pid in claims[1:]:
         if _int(n) != _int(other_n):
-            raise MeshkitError(
-                _DISAGREE.format(
-                    what="process counts", first=f"{count}={n}", second=f"{other_count}={other_n}"
-                )
-            )
-        if pid and other_pid and _int(pid) != _int(other_pid):
-            raise MeshkitError(
-                _DISAGREE.format(
-                    what="process ids", first=f"{ident}={pid}", second=f"{other_ident}={other_pid}"
-                )
-            )
+            first, second, what = f"{count}={n}", f"{other_count}={other_n}", "process counts"
+        elif pid and other_pid and _int(pid) != _int(other_pid):
+            first, second, what = f"{ident}={pid}", f"{other_ident}={other_pid}", "process ids"
+        else:
+            continue
+        raise MeshkitError(_DISAGREE.format(what=what, first=first, second=second))
+
+
+_NOT_A_STEP = """\
+meshkit.init(): SLURM_NTASKS={n} says this SLURM job runs {n} tasks, but this process is not a
+task of a job step, so there are no other processes to join: it would run alone and compute the
+whole program by itself.
+Found: {found}.
+Missing: {missing}.
+srun sets these five for each task it starts, and JAX's SLURM detection needs them all; the
+commands of a batch script itself, and those typed in an salloc shell, run once, outside any job
+step.
+Consider starting the program with srun in the job script (`srun python program.py` starts the
+{n} tasks), or, to run one process on purpose, `srun --ntasks=1 python program.py` or
+meshkit.init(num_processes=1)."""
+
+_BAD_VALUE = """\
+meshkit.init(): {what} (SLURM's variables {found}).
+srun sets these for each task of a job step: SLURM_NTASKS is the step's task count (>= 1),
+SLURM_PROCID this task's index below it, SLURM_LOCALID its index on this node (>= 0).
+Consider running the program under srun, and not setting SLURM_* variables by hand."""
+
+
+def check_step(environ: Mapping[str, str]) -> None:
+    """Raise if SLURM's variables ask for several tasks but this process is not one of a step."""
+    found = [name for name in STEP_VARS if name in environ]
+    if not found:
+        return
+    listed = ", ".join(f"{name}={environ[name]}" for name in found)
+    n, pid, local = (
+        _int(environ.get(v)) for v in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    )
+    if "SLURM_NTASKS" in environ and (n is None or n < 1):
+        what = f"SLURM_NTASKS={environ['SLURM_NTASKS']!r} is not a task count >= 1"
+        raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))
+    if len(found) < len(STEP_VARS):
+        if n is not None and n > 1:
+            missing = ", ".join(name for name in STEP_VARS if name not in environ)
+            raise MeshkitError(_NOT_A_STEP.format(n=n, found=listed, missing=missing))
+        return  # one task, or no task count: a single process, as JAX also sees it
+    assert n is not None
+    bad = "SLURM_PROCID" if pid is None or pid >= n else "SLURM_LOCALID" if local is None else ""
+    if bad:
+        rule = f"below SLURM_NTASKS={n}" if bad == "SLURM_PROCID" else ">= 0"
+        what = f"{bad}={environ[bad]!r} is not a task index {rule}"
+        raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """The accelerators a task owns, and why meshkit thinks so."""
+
+    ids: tuple[int, ...]
+    reason: str
+
+
+def bound_device_ids(environ: Mapping[str, str], local_rank: int | None) -> Binding | None:
+    """The devices a scheduler bound to this task, or None when JAX's choice is right."""
+    name, count = visible_devices(environ) or ("", 0)
+    if count == 0 or local_rank is None:
+        return None
+    listed = f"{name}={environ[name]}"
+    per_task = _int(environ.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1])  # [type:]count
+    if per_task == count:
+        why = f"SLURM_GPUS_PER_TASK={environ['SLURM_GPUS_PER_TASK']} and {listed}"
+        return Binding(tuple(range(count)), f"{why}: the task's own GPUs")
+    if local_rank >= count:
+        why = f"local rank {local_rank} with {listed}"
+        return Binding(tuple(range(count)), f"{why}: the scheduler bound these to the task")
+    return None

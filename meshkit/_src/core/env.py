@@ -1,36 +1,26 @@
 """Settings read from environment variables: one parser, one wording for a bad value.
 
-Every ``MESHKIT_*`` setting is read here, when it is needed (never at import). A value that is
-set but not accepted is a `MeshkitError` naming the variable, the value and what is accepted;
-an unset or blank variable is None, and the caller applies its default. ``where`` names the
-call that read it (``"meshkit.init()"``), so the user knows when the setting was consulted.
+Read when needed, never at import. Unset or blank is None (the caller applies its default); a
+value that is set but not accepted is a `MeshkitError` naming the variable and the call.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from .errors import MeshkitError
 
 __all__ = [
-    "ENV_CHECK_TIMEOUT",
-    "FALSE",
-    "TRUE",
-    "VISIBLE_VARS",
-    "check_timeout",
-    "flag",
-    "ids",
-    "integer",
-    "number",
-    "raw",
-    "seconds",
-    "visible_devices",
-]
+    "ENV_CHECK_TIMEOUT", "FALSE", "TRUE", "VISIBLE_VARS", "check_timeout", "flag", "ids",
+    "integer", "number", "raw", "seconds", "visible_devices",
+]  # fmt: skip
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
+T = TypeVar("T")
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 
@@ -46,67 +36,47 @@ def _bad(where: str, name: str, value: str, rule: str) -> MeshkitError:
     return MeshkitError(f"{prefix}{name}={value!r} {rule}.")
 
 
-def integer(name: str, *, where: str = "") -> int | None:
-    """An integer setting (None when unset)."""
+def _parse(name: str, where: str, convert: Callable[[str], T], rule: str) -> T | None:
     value = raw(name)
     if value is None:
         return None
     try:
-        return int(value)
+        return convert(value)
     except ValueError:
-        raise _bad(where, name, value, "is not an integer") from None
+        raise _bad(where, name, value, rule) from None
 
 
-def _number(name: str, text: str, where: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise _bad(where, name, text, "is not a number of seconds") from None
+def integer(name: str, *, where: str = "") -> int | None:
+    """An integer setting (None when unset)."""
+    return _parse(name, where, int, "is not an integer")
 
 
 def number(name: str, *, where: str = "") -> float | None:
     """A number of seconds as given (None when unset); the caller checks its range."""
-    text = raw(name)
-    return None if text is None else _number(name, text, where)
+    return _parse(name, where, float, "is not a number of seconds")
 
 
 def seconds(
     name: str, *, where: str = "", zero: str | None = None, positive: bool = True
 ) -> float | None:
-    """A duration in seconds (None when unset): finite, and > 0 unless told otherwise.
-
-    Args:
-        name: the variable.
-        where: the call that reads it, for the message.
-        zero: what 0 means where it is accepted (``"off"``); None refuses 0 when ``positive``.
-        positive: False accepts any finite value >= 0.
-    """
-    text = raw(name)
-    if text is None:
+    """A duration in seconds (None when unset): finite, and > 0 unless told otherwise."""
+    value = number(name, where=where)
+    if value is None:
         return None
-    value = _number(name, text, where)
     if not positive:
         rule, ok = "must be a finite number of seconds >= 0", value >= 0
     else:
         rule = "must be a finite number of seconds > 0" + (f" (0: {zero})" if zero else "")
         ok = value > 0 or (value == 0 and zero is not None)
     if not (math.isfinite(value) and ok):
-        raise _bad(where, name, text, rule)
+        raise _bad(where, name, raw(name) or "", rule)
     return value
 
 
 def flag(
     name: str, *, where: str = "", on: str = "on", off: str = "off", blank: bool | None = None
 ) -> bool | None:
-    """A yes/no setting: True, False, or ``blank`` when unset or empty.
-
-    Args:
-        name: the variable.
-        where: the call that reads it, for the message.
-        on: what the true values mean, for the message (``"on, the default"``).
-        off: what the false values mean, for the message.
-        blank: the answer for an unset or empty variable.
-    """
+    """A yes/no setting: True, False, or ``blank`` when unset or empty."""
     value = raw(name)
     if value is None:
         return blank
@@ -121,15 +91,8 @@ def flag(
 
 def ids(name: str, *, where: str = "") -> tuple[int, ...] | None:
     """A comma-separated list of integers (device ids), None when unset."""
-    value = raw(name)
-    if value is None:
-        return None
-    try:
-        return tuple(int(x) for x in value.split(","))
-    except ValueError:
-        raise _bad(
-            where, name, value, "is not a comma-separated list of device ids, e.g. '0,1'"
-        ) from None
+    rule = "is not a comma-separated list of device ids, e.g. '0,1'"
+    return _parse(name, where, lambda v: tuple(int(x) for x in v.split(",")), rule)
 
 
 def check_timeout() -> float:
@@ -138,23 +101,12 @@ def check_timeout() -> float:
     return _DEFAULT_CHECK_TIMEOUT_S if value is None else value
 
 
-# The variables that list the accelerators a process may see, in the order they are read:
-# NVIDIA's, then AMD's two. `meshkit.init` reads them for a task's bound GPUs
-# (`meshkit._src.runtime.gpus`), `meshkit launch` to count the GPUs it splits between ranks.
+# The variables that list a process's visible accelerators, in the order read.
 VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
 def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
-    """The variable that lists this process's visible accelerators, and how many it lists.
-
-    None when none of `VISIBLE_VARS` is set.
-
-    Example:
-        >>> visible_devices({"CUDA_VISIBLE_DEVICES": "4,5"})
-        ('CUDA_VISIBLE_DEVICES', 2)
-        >>> visible_devices({}) is None
-        True
-    """
+    """The variable that lists this process's visible accelerators, and how many it lists."""
     for name in VISIBLE_VARS:
         if name in environ:
             entries = [e.strip() for e in environ[name].split(",") if e.strip()]

@@ -1,12 +1,7 @@
 """Whose code a stack frame runs: meshkit's own, a library's, or the user's.
 
-meshkit's files are everything under the package except ``meshkit/testing`` (helpers that run
-the user's code, and are read as the user's). One rule says which frame is the user's: the first
-that is none of meshkit's, JAX's or the standard library's (`library_file`). Warnings point at it
-(`user_stacklevel`), reports name it (`user_frame`); the stall watchdog asks whether a waiting
-main thread is inside a meshkit call (`in_meshkit`). A message that names the line where the
-user's program did something (`user_place`) also passes over installed packages (optax, flax:
-their frames sit between JAX's and the user's when they call JAX for the user).
+meshkit's files are the package less ``meshkit/testing``. The user's frame is the first that is
+none of meshkit's, JAX's or the standard library's (`library_file`).
 """
 
 from __future__ import annotations
@@ -22,15 +17,9 @@ import jax
 from . import caches as _caches
 
 __all__ = [
-    "in_meshkit",
-    "library_file",
-    "meshkit_file",
-    "place",
-    "short_path",
-    "user_frame",
-    "user_place",
-    "user_stacklevel",
-]
+    "in_meshkit", "library_file", "meshkit_file", "place", "short_path", "user_frame",
+    "user_place", "user_stacklevel",
+]  # fmt: skip
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
@@ -68,22 +57,14 @@ def in_meshkit(frame: FrameType) -> bool:
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
-    """The first frame from ``frame`` outward that runs the user's code; None if there is none.
-
-    The user's code is every file `library_file` does not claim (``meshkit/testing`` included).
-    """
+    """The first frame from ``frame`` outward that runs the user's code; None if there is none."""
     while frame is not None and library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
 
 def user_place(frame: FrameType | None) -> str | None:
-    """Where the user's own code is, from ``frame`` outward: ``train.py:95 in <module>``.
-
-    The first frame of a file that is not a library's (`library_file`) nor an installed
-    package's (site-packages: optax, flax); where every such frame is a package's, the first
-    that `user_frame` finds; None where there is none (a helper thread of meshkit or a library).
-    """
+    """Where the user's own code is, from ``frame`` outward: ``train.py:95 in <module>``."""
     first = user_frame(frame)
     seen = first
     while seen is not None:
@@ -95,13 +76,7 @@ def user_place(frame: FrameType | None) -> str | None:
 
 
 def user_stacklevel() -> int:
-    """The `warnings.warn` ``stacklevel`` that points at the user's line, from the caller's frame.
-
-    Level 1 is the function that calls this one (the one that warns, or passes the level on to
-    what warns). The frames of meshkit, JAX and the standard library between it and the user's
-    code are skipped (`user_frame`); where every frame is a library's (code typed at a prompt
-    counts as one), the outermost frame.
-    """
+    """The `warnings.warn` ``stacklevel`` that points at the user's line from the caller's."""
     frame: FrameType = sys._getframe(1)
     level = 1
     while frame.f_back is not None and library_file(frame.f_code.co_filename):

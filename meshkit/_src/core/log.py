@@ -1,15 +1,8 @@
 """meshkit's messages for people, through `logging` under the ``"meshkit"`` logger.
 
-Each concept logs under its own child (``meshkit.runtime``, ``meshkit.guards``,
-``meshkit.coord``, ``meshkit.arrays``, ``meshkit.debug``), so a program filters or routes them as
-it does JAX's. Where the program configured no logging at all (no handler on ``"meshkit"`` nor on
-the root logger), the first message installs one handler on ``"meshkit"`` that writes each message
-to ``sys.stderr`` as it is, so the text on stderr is the same as without logging; it steps aside
-as soon as a handler appears on either logger (``logging.basicConfig`` after the first message).
-The first message also sets the level of ``"meshkit"`` to INFO where the program set none.
-Nothing is installed at import.
-
-Structured events (`meshkit._src.core.events`) are read by programs and do not come here.
+Where the program configured no logging, the first message installs a handler writing each
+message to ``sys.stderr`` as it is (it steps aside once the program adds one) and sets the
+level to INFO where unset. Nothing is installed at import.
 """
 
 from __future__ import annotations
@@ -29,10 +22,7 @@ _said = threading.Event()  # a first message was said: the level and handler are
 
 
 class _Stderr(logging.StreamHandler):
-    """The default handler: the message alone, to the ``sys.stderr`` of the moment of the call.
-
-    Looked up at each message, not kept, so that a redirected or captured stderr receives it.
-    """
+    """The default handler: the message alone, to the ``sys.stderr`` of the moment of the call."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -59,13 +49,7 @@ def _configured(besides: logging.Handler | None = None) -> bool:
 
 
 def _first_message() -> None:
-    """At the first message: the level INFO where unset, the stderr handler where none is.
-
-    meshkit's INFO messages (debug mode's announcement, `global_batches`' progress) are ones
-    the program asked for, so they show under a root logger at WARNING too (``basicConfig()``
-    with no level, which absl calls the first time it logs, as orbax does at import); a level
-    the program set on ``"meshkit"`` is kept.
-    """
+    """At the first message: the level INFO where unset, the stderr handler where none is."""
     if _said.is_set():
         return
     with _lock:
@@ -80,24 +64,12 @@ def _first_message() -> None:
 
 
 def logger(concept: str) -> logging.Logger:
-    """The logger of one concept: ``logging.getLogger("meshkit." + concept)``.
-
-    Example:
-        >>> logger("runtime").name
-        'meshkit.runtime'
-    """
+    """The logger of one concept: ``logging.getLogger("meshkit." + concept)``."""
     return logging.getLogger(f"{ROOT}.{concept}")
 
 
 def say(log: logging.Logger, level: int, text: str, *, stacklevel: int = 1) -> None:
-    """Log ``text`` (one trailing newline dropped: the handler adds it); never raises.
-
-    The record names the caller's line (``stacklevel`` as in `logging.Logger.log`, counted
-    from the caller).
-
-    For what meshkit cannot raise: a helper thread's finding, a process about to exit. A
-    failing handler must not turn a message into a second failure, hence no exception escapes.
-    """
+    """Log ``text`` (one trailing newline dropped: the handler adds it); never raises."""
     with contextlib.suppress(Exception):
         _first_message()
         log.log(level, text.removesuffix("\n"), stacklevel=stacklevel + 1)

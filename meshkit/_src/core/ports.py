@@ -1,11 +1,8 @@
 """The coordinator's TCP port: picked and held by `meshkit launch`, checked by `meshkit.init`.
 
-JAX's coordination service binds its port with ``SO_REUSEPORT``, so a second coordinator of the
-same user on a port one already serves does not fail: both listen, and two runs that picked the
-same free port mix their ranks. So the launcher holds the port for the whole run:
-`reserve_port` binds it with ``SO_REUSEPORT`` and never listens, so no other bind gets it while
-rank 0's coordinator still can. `coordinator_port_taken` is rank 0's check before it serves: it
-tells that reservation from a port that something else holds or serves.
+JAX's coordinator binds with ``SO_REUSEPORT``, so two runs could share one port; the launcher
+holds it for the run (`reserve_port`: bound, never listening) and rank 0 checks that nothing
+else holds or serves it (`coordinator_port_taken`).
 """
 
 from __future__ import annotations
@@ -16,13 +13,9 @@ import socket
 from pathlib import Path
 
 __all__ = [
-    "coordinator_port_taken",
-    "ephemeral_range",
-    "free_port",
-    "free_ports",
-    "port_in_use",
+    "coordinator_port_taken", "ephemeral_range", "free_port", "free_ports", "port_in_use",
     "reserve_port",
-]
+]  # fmt: skip
 
 # Where `free_ports` draws from when the kernel's ephemeral range cannot be read: Linux's default.
 _EPHEMERAL_DEFAULT = (32768, 60999)
@@ -83,11 +76,7 @@ def free_ports(count: int = 2, *, tries: int = 1000) -> int:
 
 
 def port_in_use(port: int) -> bool:
-    """Whether anything on this machine holds TCP ``port``.
-
-    A listener, a bound socket and a `reserve_port` reservation all count: a plain bind fails
-    against each of them.
-    """
+    """Whether anything on this machine holds TCP ``port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("", port))
@@ -97,22 +86,7 @@ def port_in_use(port: int) -> bool:
 
 
 def reserve_port(port: int = 0) -> socket.socket:
-    """Hold TCP ``port`` (0: one the OS picks) on all addresses for a coordinator to serve later.
-
-    The returned socket is bound with ``SO_REUSEPORT`` and does not listen: no other bind gets
-    the port while it is open, and JAX's coordinator (``SO_REUSEPORT``, same user) still binds
-    it. Close it when the run ends.
-
-    Raises:
-        OSError: ``EADDRINUSE`` when the port is already held.
-
-    Example:
-        >>> held = reserve_port()
-        >>> port = held.getsockname()[1]
-        >>> port_in_use(port), coordinator_port_taken(port)
-        (True, False)
-        >>> held.close()
-    """
+    """Hold TCP ``port`` (0: one the OS picks) on all addresses for a coordinator to serve later."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -124,12 +98,7 @@ def reserve_port(port: int = 0) -> socket.socket:
 
 
 def coordinator_port_taken(port: int) -> bool:
-    """Whether a coordinator about to serve ``port`` here would share it with something else.
-
-    True when a socket without ``SO_REUSEPORT`` holds it (a bind with ``SO_REUSEPORT`` fails)
-    or when something already listens on it (a connection to this machine succeeds: a second
-    coordinator would silently share the port). A `reserve_port` reservation alone is neither.
-    """
+    """Whether a coordinator about to serve ``port`` here would share it with something else."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:

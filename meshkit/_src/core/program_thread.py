@@ -1,10 +1,7 @@
 """The program's thread: the one that called `meshkit.init` (the main thread before that).
 
-A multi-process program's calls pair up across processes in program order. That order is the
-order of one thread: usually the main thread, but Ray Train's ``JaxTrainer`` runs the training
-function in a worker thread of its own, and so do other engines. The thread that called
-`meshkit.init` is taken to be the program's thread wherever it runs; `meshkit.channel` stays for a
-program's *other* threads. Signals are another matter: only Python's main thread may take them.
+Calls pair up across processes in the order of this thread (Ray Train runs the program in a
+worker thread); only the main thread may take signals.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Tracebacks of meshkit's errors show the user's frames, not meshkit's own.
 
-A `MeshkitError` raised deep inside a public function (a check in the layout planner, a
-comparison after the processes agreed) would otherwise print ten frames of meshkit's internals
-above its message; the user's mistake is in their own frame, which the message names. `public`
-marks a public entry point: when a `MeshkitError` (or a subclass) leaves it, the frames of
-meshkit's own modules are taken out of the traceback (`meshkit._src.core.frames.meshkit_file`:
-``meshkit/testing`` runs the user's code and stays), as JAX does with its internals.
-``MESHKIT_TRACEBACK_FILTERING=off`` keeps every frame (for debugging meshkit itself).
-
-Other exceptions (a bug in meshkit, an error of JAX or of the user's own callable) keep their
-whole traceback: there meshkit's frames are the story.
+`public` marks an entry point: a `MeshkitError` leaving it loses meshkit's frames, as JAX
+hides its own (``MESHKIT_TRACEBACK_FILTERING=off`` keeps them). Other exceptions keep theirs.
 """
 
 from __future__ import annotations
@@ -32,19 +24,7 @@ R = TypeVar("R")
 
 
 def public(fn: Callable[P, R]) -> Callable[P, R]:
-    """Mark ``fn`` as a public entry point: its `MeshkitError` s show the user's frames.
-
-    Costs one Python frame per call; nothing is done unless a `MeshkitError` leaves ``fn``.
-    Nested entry points (`meshkit.spmd` assembling through `meshkit.global_array_from_local`)
-    filter once each, to the same result.
-
-    Example:
-        >>> @public
-        ... def entry(x):
-        ...     return x + 1
-        >>> entry(1)
-        2
-    """
+    """Mark ``fn`` as a public entry point: its `MeshkitError` s show the user's frames."""
 
     @functools.wraps(fn)
     def entry_point(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -74,10 +54,7 @@ def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def filtering() -> bool:
-    """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default).
-
-    Read when an error passes, not at import: a program may set it after importing meshkit.
-    """
+    """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default)."""
     return bool(
         _env.flag(
             ENV_TRACEBACK_FILTERING,

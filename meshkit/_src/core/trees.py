@@ -1,9 +1,6 @@
 """Pytree prefixes: where one stops being a prefix of another, and its entry per leaf.
 
-`jax.tree_util.tree_map` over a prefix tree (``in_specs`` over arguments, ``in_axes`` over
-arguments, ``out_specs`` over outputs) raises a ValueError when the structures differ. meshkit
-asks first, so that it can name the place in its own words and never has to tell a structure
-error apart from an error of its own or the user's by catching it.
+Asked before `jax.tree_util` would raise, so that messages name the place in meshkit's words.
 """
 
 from __future__ import annotations
@@ -33,12 +30,7 @@ def _describe(x: Any) -> str:
 def prefix_mismatch(
     prefix: Any, full: Any, *, is_leaf: Callable[[Any], bool], path: tuple[Any, ...] = ()
 ) -> tuple[str, str, str] | None:
-    """The first place where ``prefix`` is not a pytree prefix of ``full``; None if it is.
-
-    ``is_leaf`` says which nodes of ``prefix`` apply to a whole subtree of ``full``. Returns
-    ``(key path, what prefix has there, what full has there)``, the path in
-    `jax.tree_util.keystr` form starting from ``path``.
-    """
+    """The first place where ``prefix`` is not a pytree prefix of ``full``; None if it is."""
     if is_leaf(prefix):
         return None
     children, treedef = one_level(prefix)
@@ -53,10 +45,6 @@ def prefix_mismatch(
 
 
 def broadcast_prefix(prefix: Any, full: Any, *, is_leaf: Callable[[Any], bool]) -> list[Any]:
-    """The entry of ``prefix`` that covers each leaf of ``full``, in ``full``'s leaf order.
-
-    ``prefix`` must be a pytree prefix of ``full`` (ask `prefix_mismatch` first); ``is_leaf``
-    says which nodes of ``prefix`` are entries (as for `prefix_mismatch`).
-    """
+    """The entry of ``prefix`` that covers each leaf of ``full``, in ``full``'s leaf order."""
     broadcast = jax.tree.broadcast(prefix, full, is_leaf=is_leaf)
     return jax.tree_util.tree_structure(full).flatten_up_to(broadcast)

@@ -23,21 +23,17 @@ __all__ = ["barrier"]
 def barrier(name: str, *, timeout: float | None = None) -> None:
     """Wait until every process reaches the barrier ``name``, or fail naming those that did not.
 
-    Works through the coordination service's key-value store (no device collective), so a
-    barrier never hangs: after ``timeout`` seconds every process that arrived raises. A barrier
-    name may be used any number of times; the n-th use in one process meets the n-th use in the
-    others. With one process it returns at once.
+    Through the coordination service (no device collective), so it never hangs. The n-th use
+    of a name in one process meets the n-th use in the others; with one process it returns.
 
     Args:
         name: the meeting point (the same string in every process).
         timeout: seconds to wait (default ``MESHKIT_CHECK_TIMEOUT``, else 120).
 
     Raises:
-        MeshkitError: some processes did not arrive in time (they are named, with their last
-            meshkit call when debug mode is on), or a bad name or timeout.
-        DivergenceError: processes wait for each other at different points (another barrier,
-            a first compilation, a step of `meshkit.global_batches`), named at once with the
-            place of each.
+        MeshkitError: processes that did not arrive in time (named, with their last meshkit
+            call in debug mode); a bad name or timeout.
+        DivergenceError: processes waiting at different points, each named with its place.
 
     Examples:
         >>> import meshkit

@@ -1,10 +1,7 @@
-"""The divergence check: every process's fingerprint of a call, compared through coordination.
+"""The divergence check: each checked call's fingerprint, agreed on across processes first.
 
-While debug mode is on, the dispatch point (`meshkit._src.runtime.dispatch`) and `.multihost`'s
-collectives call `check`: this process's fingerprint (`.fingerprint`) is agreed on before the call
-runs, at its channel's next agreement (`meshkit._src.coord.agree`); `compare` turns different
-fingerprints, or processes that did not arrive or left, into a `DivergenceError` that names them
-and the first field that differs, raised by the call itself.
+`check` runs at the dispatch point and in `.multihost`'s collectives; `compare` turns different
+fingerprints, or missing or departed processes, into a `DivergenceError` naming them.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ __all__ = ["check", "compare", "enabled", "last_text"]
 
 
 def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
+    """Agree on this call's fingerprint with the other processes (debug mode on); raise if not."""
     settings = _st.state.settings
     if settings is None:
         return
@@ -70,10 +68,9 @@ def compare(
     count: int,
     last: dict[str, Any] | None = None,
 ) -> None:
-    """Raise a `DivergenceError` if ``records`` (every process's fingerprint) differ.
+    """Raise a `DivergenceError` if ``records`` (per process) differ, or some are missing or left.
 
-    ``last``: this process's previous fingerprint under ``tag`` (default: the last one made),
-    which the processes that did not arrive made too.
+    ``last``: this process's previous fingerprint under ``tag`` (default: the last one made).
     """
     mine = records[me]
     left = {p: r for p, r in records.items() if r.get("status") != "call"}

@@ -1,9 +1,7 @@
 """Fingerprints of SPMD calls: what debug mode compares between processes.
 
-A fingerprint holds the entry and the function (with where it was made), the call's number, the
-arguments' pytree structure, and per leaf its name (``batch['image']``), shape, dtype and
-sharding, or a static argument's value. Descriptions of array leaves and the per-structure
-layouts are cached: a steady loop pays a dictionary look-up per leaf.
+The entry and function, the call's number, the arguments' pytree structure, and per leaf its
+name, shape, dtype and sharding (or a static value). Leaf texts and layouts are cached.
 """
 
 from __future__ import annotations

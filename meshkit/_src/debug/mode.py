@@ -1,14 +1,8 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-While debug mode is on, every SPMD call that passes the dispatch point
-(`meshkit._src.runtime.dispatch`) and every call of `.multihost`'s collectives is checked by
-`.divergence.check`. Turning it on also starts the stall watchdog
-(`meshkit._src.lifecycle.watchdog`), registers once per process with the owner of exit
-(`meshkit._src.lifecycle.exit`: at an uncaught exception or at exit the other processes are told
-that this one leaves, so that their checks name it instead of waiting), and says so (logged at
-INFO under ``meshkit.debug``), once per setting. ``MESHKIT_DEBUG=1`` turns it on at
-`meshkit.init` or at the first SPMD call, whichever comes first (both call `from_environment`);
-importing meshkit reads no setting and registers nothing.
+On: the stall watchdog runs, this process tells the others when it leaves (exit hooks,
+registered once), and the settings are logged once under ``meshkit.debug``. Nothing happens at
+import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
 """
 
 from __future__ import annotations
@@ -36,18 +30,9 @@ from .state import enabled as enabled
 _LOG = logger("debug")
 
 __all__ = [
-    "ENV_DEBUG",
-    "ENV_DEBUG_TIMEOUT",
-    "ENV_WATCHDOG",
-    "debugging",
-    "disable",
-    "enable",
-    "enable_from_environment",
-    "enabled",
-    "from_environment",
-    "positive",
-    "settings",
-]
+    "ENV_DEBUG", "ENV_DEBUG_TIMEOUT", "ENV_WATCHDOG", "debugging", "disable", "enable",
+    "enable_from_environment", "enabled", "from_environment", "positive", "settings",
+]  # fmt: skip
 
 ENV_DEBUG = "MESHKIT_DEBUG"
 ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
@@ -64,24 +49,14 @@ def enable(
     """Turn debug mode on in this process (every process of the program must do the same).
 
     Args:
-        timeout: seconds each call waits for the other processes' fingerprints before naming
-            the missing ones (default: ``MESHKIT_DEBUG_TIMEOUT``, else ``MESHKIT_CHECK_TIMEOUT``,
-            else 120). Must exceed the longest gap between two SPMD calls of any process (a
-            checkpoint written by one process, a compilation), or it reports a slow process as
-            missing.
-        watchdog: seconds without progress before this process prints where it is and its
-            Python stacks. Progress is the main thread moving (its Python stack changes) or
-            running (using CPU), device work completing, or a meshkit call or batch; a stall is
-            the main thread waiting in one place (a collective, ``block_until_ready``, a lock).
-            ``"auto"`` (the default): ``MESHKIT_WATCHDOG`` if set, else half the timeout, so
-            that the stacks are in the log before a waiting process reports a missing one; None
-            or 0: no watchdog. It runs only in multi-process programs.
-        exit_on_stall: after the dump, exit with status 1 if there is still no progress
-            ``timeout`` seconds later, so that a hang outside meshkit's calls (a raw
-            ``jax.jit`` collective, say) ends the run instead of lasting for ever. A process
-            that waits longer than ``watchdog + timeout`` for another (at a collective, while
-            process 0 alone writes a checkpoint) needs a longer watchdog, or
-            ``exit_on_stall=False``.
+        timeout: seconds each call waits for the other processes before naming the missing
+            ones (default ``MESHKIT_DEBUG_TIMEOUT``, else ``MESHKIT_CHECK_TIMEOUT``, else 120);
+            longer than any gap between two SPMD calls.
+        watchdog: seconds without progress before this process logs where it is and its
+            stacks; ``"auto"``: ``MESHKIT_WATCHDOG``, else half the timeout; None or 0: off.
+            Multi-process programs only.
+        exit_on_stall: exit with status 1 if still no progress ``timeout`` seconds after the
+            watchdog's report.
 
     Raises:
         MeshkitError: a timeout or watchdog that is not a positive number.
@@ -92,8 +67,6 @@ def enable(
         >>> meshkit.debug.enabled()
         True
         >>> meshkit.debug.disable()
-        >>> meshkit.debug.enabled()
-        False
     """
     if timeout is None:
         timeout = _env.seconds(ENV_DEBUG_TIMEOUT) or _env.check_timeout()
@@ -165,22 +138,18 @@ def debugging(**kwargs: Any) -> Iterator[None]:
 
 @public
 def enable_from_environment() -> None:
-    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it.
-
-    meshkit asks at `meshkit.init` and at this process's first SPMD call, not at import:
-    importing meshkit starts no thread and reads no setting, and a bad setting is an error of
-    that call.
+    """Turn debug mode on if ``MESHKIT_DEBUG`` asks for it (meshkit asks at `meshkit.init`).
 
     Raises:
-        MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variables) holds a value
-            that is not one of those accepted, named with them.
+        MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variable) holds a value
+            that is not accepted.
     """
     if _env.flag(ENV_DEBUG, on="debug mode on", blank=False) and not enabled():
         enable()
 
 
 def from_environment() -> None:
-    """At `meshkit.init` and at the first SPMD call: `enable_from_environment` unless on already."""
+    """`enable_from_environment` unless on already (at `meshkit.init` and the first SPMD call)."""
     if not enabled():
         enable_from_environment()
 

@@ -1,19 +1,9 @@
-"""``jax.experimental.multihost_utils``' collectives, checked in debug mode before they run.
+"""JAX's ``multihost_utils`` collectives, checked in debug mode before they run.
 
-`process_allgather`, `broadcast_one_to_all`, `sync_global_devices` and `assert_equal` each run a
-computation over every device of every process: called with different shapes or names, or in a
-different order, by the processes, it hangs or dies in the collective library. meshkit leaves
-JAX's module as it is; a program that wants these calls checked calls meshkit's versions
-(``meshkit.debug.process_allgather`` ...), which take JAX's arguments and return JAX's answers.
-While debug mode is on, each call is an SPMD entry of its own (kind ``multihost_utils``),
-fingerprinted and agreed on in this thread's sequence of checked calls before JAX's function
-runs (`.divergence.check`); off, it is JAX's function behind one test.
-
-Compared: the function; the arguments' pytree structure and each leaf's shape, dtype and
-sharding; `sync_global_devices`' name and `process_allgather`'s ``tiled``. Not compared:
-``is_source`` and ``fail_message``, which may differ by process, nor values (which `assert_equal`
-itself compares). A call from a thread that is neither the program's thread nor inside a
-`meshkit.channel` runs unchecked: its order against the other processes' calls is not defined.
+Each is an SPMD entry of its own (kind ``multihost_utils``) with JAX's arguments and answers;
+off, it is JAX's function behind one test. ``is_source`` and ``fail_message`` may differ by
+process and are not compared. A call from a thread outside the program's sequence of checked
+calls (not the main thread, no `meshkit.channel`) runs unchecked.
 """
 
 from __future__ import annotations

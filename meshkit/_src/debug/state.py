@@ -1,9 +1,4 @@
-"""Debug mode's state in this process: its settings, and what its checks remember.
-
-One `State` instance (`state`), guarded by `lock`, shared by the switch (`.mode`), the check
-(`.divergence`), the checked collectives (`.multihost`), `barrier` and the dispatch point
-(`meshkit._src.runtime.dispatch`, which checks a call while ``state.settings`` is set).
-"""
+"""Debug mode's state in this process: its settings, and what its checks remember."""
 
 from __future__ import annotations
 

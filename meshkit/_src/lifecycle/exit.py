@@ -1,23 +1,9 @@
 """The one owner of process exit: the exception hook, exit handlers, SIGTERM, the final exit.
 
-Nothing is installed at import: the first `on_exit` adds one entry to Python's ``atexit`` list,
-the first `on_exception` wraps `sys.excepthook`, `on_sigterm` takes SIGTERM (chained to the
-program's handler), each once, whoever asks first.
-
-**At a normal end** meshkit's ``atexit`` entry (registered after JAX's, so run before it) calls
-the exit handlers by order, then by registration: `STOP` (stop the watch and helper threads,
-arm the end note), `LEAVE` (tell the others this process leaves), `DRAIN` (let agreements in
-flight finish), `FLUSH` (stdout and stderr). A handler that raises is logged (``meshkit.guards``)
-and the next runs; each runs once. JAX's shutdown barrier follows.
-
-**An uncaught exception** runs the exception handlers below `REPORT`, the hook it replaced
-(the traceback), then those from `REPORT` (fail-fast's, which calls `end`).
-
-**Ending a failing process**: `end` runs the exit handlers (and the rest of Python's ``atexit``
-list, without JAX's shutdown barrier, which would wait for processes that go on) for at most
-``grace`` seconds, bounded by a task of the service thread, then the caller's ``final`` step,
-then exits; `now` exits at once. The first path that ends the process wins; this module holds
-the process's only ``os._exit``.
+Installed on first use. At a normal end the exit handlers run by order (`STOP`, `LEAVE`,
+`DRAIN`, `FLUSH`) before JAX's shutdown barrier. `end` ends a failing process (handlers bounded
+by ``grace``, JAX's barrier skipped); `now` exits at once. This module holds the only
+``os._exit``.
 """
 
 from __future__ import annotations
@@ -44,19 +30,9 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "DRAIN",
-    "FLUSH",
-    "LEAVE",
-    "REPORT",
-    "STOP",
-    "end",
-    "ending",
-    "now",
-    "on_exception",
-    "on_exit",
-    "on_sigterm",
-    "run_exit_handlers",
-]
+    "DRAIN", "FLUSH", "LEAVE", "REPORT", "STOP", "end", "ending", "now", "on_exception", "on_exit",
+    "on_sigterm", "run_exit_handlers",
+]  # fmt: skip
 
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
@@ -99,18 +75,11 @@ _final = threading.Lock()  # held by the path that makes the final exit
 
 def _add(table: dict[str, _Handler], name: str, call: Callable[..., None], order: int) -> None:
     old = table.get(name)
-    # Registering a name again replaces its handler in place: registration is idempotent.
     table[name] = _Handler(name, order, old.seq if old else next(_seq), call)
 
 
 def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
-    """Run ``handler`` when this process ends, at ``order`` (`STOP`, `LEAVE`, `DRAIN`, `FLUSH`).
-
-    Args:
-        name: what the handler does, for messages; registering a name again replaces it.
-        handler: called with no arguments, once.
-        order: when it runs; handlers of one order run in the order they were registered.
-    """
+    """Run ``handler`` when this process ends, at ``order`` (`STOP`, `LEAVE`, `DRAIN`, `FLUSH`)."""
     with _lock:
         _add(_registry.exit, name, handler, order)
         if not _registry.atexit_installed:
@@ -120,13 +89,7 @@ def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
 
 
 def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
-    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread.
-
-    Args:
-        name: what the handler does, for messages; registering a name again replaces it.
-        handler: below `REPORT` it runs before the traceback is printed, from it after.
-        order: when it runs among the exception handlers.
-    """
+    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread."""
     with _lock:
         _add(_registry.exception, name, handler, order)
         if _registry.previous_hook is None:
@@ -135,19 +98,7 @@ def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
 
 
 def on_sigterm(handler: Callable[[], None]) -> int:
-    """Call ``handler`` in the main thread on SIGTERM, even while that thread waits in C.
-
-    Python runs a signal handler in the main thread between bytecodes, so a main thread blocked
-    in a collective would never run it; the signal also writes a wake-up byte to a pipe, whose
-    read end a watching thread can select on to act itself (fail-fast's failure watch does).
-    Only the main thread may take a signal; SIGTERM is taken once (a second call replaces the
-    handler and returns the same pipe). A Python handler the program set before is chained:
-    called after ``handler``, with the signal's arguments.
-
-    Returns:
-        The wake-up pipe's read end; -1 where a wake-up fd was in use already (asyncio's), or
-        when called from another thread: there only the main thread's handler acts.
-    """
+    """Call ``handler`` in the main thread on SIGTERM, even while that thread waits in C."""
     with _lock:
         if threading.current_thread() is not threading.main_thread():
             return -1
@@ -231,21 +182,7 @@ def end(
     final: Callable[[], None] | None = None,
     level: int = logging.ERROR,
 ) -> None:
-    """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit.
-
-    Returns at once if another path is ending the process already. From the main thread the
-    exit handlers run here (meshkit's and the rest of Python's ``atexit`` list, JAX's shutdown
-    barrier taken off it: it would wait for processes that go on); from another thread only the
-    time bound applies.
-
-    Args:
-        status: the exit status.
-        grace: seconds the exit handlers get.
-        announce: said first (what ends the process), logged under ``meshkit.guards``.
-        late: said when the exit handlers are still running after ``grace`` seconds.
-        final: the last step before the exit (run once, whichever path exits).
-        level: the `logging` level of ``announce`` and ``late``.
-    """
+    """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit."""
     if not _ending.acquire(blocking=False):
         return
     if announce:
@@ -253,8 +190,7 @@ def end(
     if _registry.interpreter_exiting or not _service_thread.at(
         "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
     ):
-        # Reached from an exit handler (a SIGTERM while Python runs its atexit list): the
-        # handlers are running already, and no thread may start to bound them. Exit now.
+        # Reached from an exit handler: they run already, and no thread may start now.
         _exit(status, final)
         return
     if threading.current_thread() is threading.main_thread():
@@ -270,11 +206,7 @@ def _late(late: str, level: int, status: int, final: Callable[[], None] | None) 
 
 
 def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
-    """Say ``message`` and exit with ``status`` at once, running no exit handler.
-
-    For a process that must not wait for anything (a stall that would last for ever, a peer
-    that failed). Returns at once if another path is ending the process already.
-    """
+    """Say ``message`` and exit with ``status`` at once, running no exit handler."""
     if not _ending.acquire(blocking=False):
         return
     if message:

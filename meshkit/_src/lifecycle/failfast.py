@@ -1,30 +1,9 @@
-"""Fail fast, everywhere: a process that fails ends soon, and the others learn why.
+"""Fail fast: a process that fails ends soon, and the others learn why.
 
-Registered with the owner of exit (`meshkit._src.lifecycle.exit`) by `meshkit.init` when it
-joins a multi-process program (``MESHKIT_FAIL_FAST=0`` leaves Python's and JAX's defaults alone).
-Each failure also leaves a `failed` event for ``meshkit launch`` (`meshkit._src.core.events`):
-
-- **An uncaught exception** prints its traceback, meshkit's explanation when it is one of JAX's
-  cross-process timeouts (`meshkit._src.core.diagnosis`), posts the failure for the other
-  processes, runs the ``atexit`` handlers for at most ``MESHKIT_FAIL_FAST_GRACE`` seconds (JAX's
-  own, which waits at a shutdown barrier for every process, is skipped), and exits with status 1.
-- **SIGTERM** is not a failure: it is a preemption notice (`meshkit._src.lifecycle.preemption`).
-- **The failure watch** (the fail-fast path; `meshkit._src.lifecycle.service_thread` runs it): the
-  service thread waits in the coordination service on this process's alarm key, which a
-  process that posts its failure or a preemption notice writes for every other (an idle wait
-  is one request per ``slice_s`` seconds, no polling). Woken, it reads every post in one
-  listing. A failure of another process ends this one at once: it prints ``meshkit: process P
-  failed: ...`` and exits with status 1 (`meshkit._src.lifecycle.exit.now`), instead of waiting
-  in a collective for ever or dying in the coordination service's C++ abort (``another task
-  died``). A coordination service that is gone (two reads in a row, ``poll_period`` apart,
-  answered with a status code that says so) ends it the same way, naming process 0, which hosts
-  it; after a preemption notice, as preempted. A notice is taken as this process's own
-  (`meshkit._src.lifecycle.preemption.receive`). These are the only ways a failure found by
-  the service thread ends a process; nothing found there surfaces later in another call.
-- **At a normal end**, the watch stops (the thread leaves the coordination client before the
-  interpreter ends), and a process that JAX's shutdown barrier holds for 3 s says it reached
-  the end of its program while others still run (evidence for ``meshkit launch``'s report),
-  and leaves an `ended` event.
+An uncaught exception posts the failure, runs the exit handlers for at most
+``MESHKIT_FAIL_FAST_GRACE`` s and exits 1. The failure watch (in the service thread) ends this
+process when another failed or the coordination service is gone. At a normal end a process
+held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -65,32 +44,20 @@ _LOST_AFTER = 2  # failed polls in a row before the coordination service counts 
 
 
 def settings() -> float | None:
-    """The seconds exit handlers get when a failure ends a process; None: fail-fast is off.
-
-    Raises:
-        MeshkitError: ``MESHKIT_FAIL_FAST`` or ``MESHKIT_FAIL_FAST_GRACE`` holds a value that
-            is not accepted (named with the accepted ones).
-    """
+    """The seconds exit handlers get when a failure ends a process; None: fail-fast is off."""
     if not _env.flag(ENV_FAIL_FAST, where="meshkit.init()", on="on, the default", blank=True):
         return None
     grace = _env.seconds(ENV_FAIL_FAST_GRACE, where="meshkit.init()", positive=False)
     return _DEFAULT_GRACE_S if grace is None else grace
 
 
-# How failures travel between processes: the coordination layer (above this one) owns the
-# format and the service; `meshkit._src.runtime.init` hands its functions in at `install`.
+# What the coordination layer hands in at `install`:
 Post = Callable[[str], None]  # post this process's failure (the first line of the error)
 
 
 @dataclass(frozen=True)
 class Unanswered:
-    """A poll the coordination service did not answer.
-
-    Attributes:
-        lost: whether the service's status code says it is gone (its host exited or failed),
-            rather than slow or refusing this one request.
-        error: the service's error, for the message that ends this process.
-    """
+    """A poll the coordination service did not answer."""
 
     lost: bool
     error: str
@@ -98,25 +65,15 @@ class Unanswered:
 
 @dataclass(frozen=True)
 class PeerPosts:
-    """What the other processes posted so far, as one poll of the failure watch found it.
-
-    Attributes:
-        failures: their failures, as ``(process, failure)`` pairs, by process.
-        notices: their preemption notices, the first one first.
-    """
+    """What the other processes posted so far, as one poll of the failure watch found it."""
 
     failures: list[tuple[int, str]]
     notices: list[_preemption.PreemptionNotice]
 
 
-# One look at the others' posts; None once this process is no longer joined.
 Poll = Callable[[], PeerPosts | Unanswered | None]
-# Waits at most that long for this process's alarm key: True once written (or not joined).
 Wait = Callable[[float], bool]
-# Takes the failure a deferred check found (or another process told) and kept for this
-# process's next meshkit call, if one waits: it is then no longer waiting to be raised.
 Kept = Callable[[], BaseException | None]
-# Adds to the count of processes that read a failure post and stopped for it; returns the count.
 Read = Callable[[int], int]
 _post_failure: Post | None = None
 _read: Read | None = None
@@ -137,22 +94,7 @@ def install(
     kept: Kept | None = None,
     read: Read | None = None,
 ) -> None:
-    """Register what this module describes, for process ``me`` of ``n``.
-
-    Called once, by `meshkit.init` when it joined ``n > 1`` processes.
-
-    Args:
-        grace: seconds the exit handlers may run before a failing process exits (None: fail-fast
-            is off).
-        me: this process's id.
-        n: the number of processes.
-        post: posts this process's failure (and writes the others' alarm keys).
-        poll: what the other processes posted (None: not joined anymore).
-        wait: waits for this process's alarm key.
-        nudge: writes this process's alarm key (wakes its own wait).
-        kept: takes the failure kept for this process's next meshkit call, if any.
-        read: adds to (and returns) the count of processes that read a failure post.
-    """
+    """Register what this module describes, for process ``me`` of ``n``."""
     global _post_failure, _kept, _watch, _read, _grace
     _post_failure, _kept, _read, _grace = post, kept, read, grace
     if grace is None:
@@ -169,19 +111,14 @@ def install(
     )
 
 
-# ---- ending this process --------------------------------------------------------------------
-
-
 def _on_exception(
     grace: float, kind: type[BaseException], value: BaseException, tb: TracebackType | None
 ) -> None:
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
     if notice is not None:
-        _preemption.end_preempted(
-            notice,
-            f"the other processes ended at the deadline ({text.splitlines()[0][:200]})",
-        )
+        why = f"the other processes ended at the deadline ({text.splitlines()[0][:200]})"
+        _preemption.end_preempted(notice, why)
         return
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None and _end_with_known_cause(grace):
@@ -189,32 +126,17 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(
-        f"{text.splitlines()[0][:300]}",
-        "uncaught exception in a multi-process run",
-        grace,
-        status=1,
-    )
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace, status=1)
 
 
 def peer_failed(p: int, failure: str) -> None:
-    """Process ``p`` ended by ``failure`` (learned from its record at an agreement): end too.
-
-    The same words and status as the failure watch (`_Watch.failed`), which may not have read
-    the post yet; nothing with fail-fast off.
-    """
+    """Process ``p`` ended by ``failure`` (learned from its record at an agreement): end too."""
     if _watch is not None and not _exit.ending():
         _watch.failed(p, failure)
 
 
 def end_for(error: BaseException, why: str) -> bool:
-    """End this process for ``error``, found beside a caller that cannot return; False if off.
-
-    For a caller waiting in a computation that ``error`` says will never complete (a step of
-    `meshkit.global_batches` that the other processes will not take): no call of its own is
-    left to raise it. Says the error (``why`` first), posts it for the others, and exits with
-    status 1, the way an uncaught exception does; with fail-fast off it does nothing (False).
-    """
+    """End this process for ``error``, found beside a caller that cannot return; False if off."""
     if _grace is None or _exit.ending():
         return False
     _end_saying(error, f"meshkit: {why}.\n", "this process cannot go on", _grace)
@@ -230,14 +152,7 @@ def _end_saying(error: BaseException, header: str, why: str, grace: float) -> No
 
 
 def _end_with_known_cause(grace: float) -> bool:
-    """End this process with the failure that caused JAX's error, if it knows it: True if so.
-
-    JAX's error at a collective or wait whose peer is gone follows a failure found first: a
-    cross-process check kept for this process's next meshkit call (found here, or told by the
-    process that found it), or another process's posted failure that the watch has not read
-    yet. The process that found it may end first; its peers then see gloo's or the service's
-    words, and would name no cause. Each is said as it would have been without JAX's error.
-    """
+    """End this process with the failure that caused JAX's error, if it knows it: True if so."""
     kept = None if _kept is None else _kept()
     if kept is not None:
         header = "meshkit: the error above follows a cross-process check that failed first:\n"
@@ -254,27 +169,19 @@ def _end_with_known_cause(grace: float) -> bool:
 
 
 def _peer_failures() -> PeerPosts | None:
-    """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`.
-
-    A peer posts its failure after its exit handlers, which may already have closed its side of
-    a collective: one wait on this process's alarm key (which a post writes) covers that gap.
-    """
+    """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`."""
     for look in range(2):
         if _watch is None or _exit.ending():
             return None
         posted = _watch.poll()
         if isinstance(posted, PeerPosts) and posted.failures:
             return posted
-        if look == 0 and (_watch.wait is None or not _call_quietly(_watch.wait, _POST_WAIT_S)):
+        try:
+            if look == 0 and (_watch.wait is None or not _watch.wait(_POST_WAIT_S)):
+                return None
+        except Exception:  # the service is gone: no post will come
             return None
     return None
-
-
-def _call_quietly(wait: Wait, timeout: float) -> bool:
-    try:
-        return wait(timeout)
-    except Exception:  # the service is gone: no post will come
-        return False
 
 
 def _raised_at(value: BaseException) -> str:
@@ -293,20 +200,13 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
                 "field": value.field}  # fmt: skip
     if diagnosis is None:
         return {"cause": "exception", "error": error, "where": _raised_at(value)}
-    # "timeout": one of JAX's cross-process waits ran out; "lost": another process, or the
-    # coordination service it hosted, is gone: that one failed first.
     cause = "timeout" if diagnosis.kind == "timeout" else "peer"
     return {"cause": cause, "error": error, "system": diagnosis.system,
             "process": diagnosis.process}  # fmt: skip
 
 
 def _end(failure: str, why: str, grace: float, *, status: int) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``.
-
-    The failure is posted after the handlers, so that this process is normally the first to
-    exit (a launcher then names it); the process that hosts the coordination service then
-    stays up until the others' failure watch has read it.
-    """
+    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
     _exit.end(
         status,
         grace=grace,
@@ -348,10 +248,7 @@ def _wait_until_read(n: int) -> None:
 
 
 def _until(done: Callable[[], bool | None], seconds: float) -> bool | None:
-    """Ask ``done`` every 50 ms for at most ``seconds``: True once it says so, False at the end.
-
-    None when ``done`` gives up (returns None) or the service fails under it (it raises).
-    """
+    """Ask ``done`` every 50 ms for at most ``seconds``: True once it says so, False at the end."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -364,15 +261,8 @@ def _until(done: Callable[[], bool | None], seconds: float) -> bool | None:
     return False
 
 
-# ---- the failure watch ----------------------------------------------------------------------
-
-
 def poll_period(n: int) -> float:
-    """Seconds between two looks of a watch that each of ``n`` processes runs.
-
-    The failure watch after a read left unanswered, and `global_batches`' close watch: at most
-    500 requests per second at the coordinator, whatever the process count.
-    """
+    """Seconds between two looks of a watch that each of ``n`` processes runs."""
     return max(1.0, n / 500)
 
 
@@ -418,13 +308,7 @@ class _Watch:
         return True
 
     def failed(self, p: int, failure: str) -> None:
-        """End this process (status 1, no exit handler) for process ``p``'s ``failure``.
-
-        Counts itself among the processes that read a failure post first (`_wait_until_read`).
-        Process 0, which hosts the coordination service, first lets process ``p`` post its
-        failure and exit (`_outlive`): a process whose service goes while it runs its exit
-        handlers dies in the service's C++ abort instead of its own status.
-        """
+        """End this process (status 1, no exit handler) for process ``p``'s ``failure``."""
         if _read is not None and not _exit.ending():
             with contextlib.suppress(Exception):  # the service is gone: nobody waits for it
                 _read(1)
@@ -439,10 +323,7 @@ class _Watch:
         )
 
     def _outlive(self, p: int) -> None:
-        """Until process ``p`` posted its failure (its last step before it exits), then a margin.
-
-        At most `_READ_S`; at once when the service no longer answers.
-        """
+        """Until process ``p`` posted its failure (its last step before it exits), then a margin."""
 
         def posted() -> bool | None:
             posts = self.poll()
@@ -472,16 +353,8 @@ class _Watch:
         _exit.now(1, text)
 
 
-# ---- at a normal end ------------------------------------------------------------------------
-
-
 def _at_exit(me: int) -> None:
-    """Stop the watch; say, a while later, that this process still waits for the others.
-
-    Runs before JAX's own exit handler (registered earlier), where the process waits at a
-    shutdown barrier for every other process: one that waits long reached the end of its
-    program while others did not, the usual sign of processes that took different paths.
-    """
+    """Stop the watch; say, a while later, that this process still waits for the others."""
     _service_thread.watch(None)
     if not _exit.ending():
         _service_thread.at(

@@ -1,25 +1,9 @@
 """Preemption: SIGTERM is a notice that the run will be stopped soon, not a failure.
 
-Schedulers send SIGTERM, then SIGKILL a while later (SLURM's ``KillWait``, Kubernetes' grace
-period: 30 s). JAX's answer is its preemption sync point
-(``multihost_utils.reached_preemption_sync_point``, which orbax's ``CheckpointManager`` asks
-too); meshkit keeps it working and adds what it lacks:
-
-- **The notice.** `install` (at `meshkit.init`, fail-fast on) takes SIGTERM, chained to a
-  handler the program set before. The handler only records the first notice (`receive`);
-  the service thread (`meshkit._src.lifecycle.service_thread`) then tells JAX's sync managers
-  and the other processes (`meshkit._src.coord.failures`), which take it as theirs. Later SIGTERMs
-  change nothing.
-- **The sync step** (`reached_sync_point`, behind `meshkit.checkpoint.should_save`): the
-  service thread sends the last step the program answered, and the processes agree on the step
-  after the highest one (`meshkit._src.coord.save_step`, once per run); meanwhile questions
-  wait. A notice before the first question (while joining or restoring) gives the first step
-  asked. The save made at it (`saved`) ends the process with status 143.
-- **The deadline.** Every process that knows of the notice ends at its time plus
-  ``MESHKIT_PREEMPT_GRACE`` seconds (default 25), unless its program ended first: status 143
-  and a ``preempted`` event for ``meshkit launch``; a checkpoint save in progress is waited for.
-
-Nothing here acts before `install`; without it (fail-fast off), SIGTERM is JAX's and Python's.
+The handler records the notice; the service thread tells JAX's sync managers and the other
+processes, and they agree on a sync step (`reached_sync_point`, behind
+`meshkit.checkpoint.should_save`). Every process ends ``MESHKIT_PREEMPT_GRACE`` s after the
+notice (status 143) unless its program ended first.
 """
 
 from __future__ import annotations
@@ -43,30 +27,15 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "ENV_PREEMPT_GRACE",
-    "PREEMPTED",
-    "PreemptionNotice",
-    "Sync",
-    "Synced",
-    "alone",
-    "end_preempted",
-    "grace",
-    "install",
-    "installed",
-    "note_step",
-    "notice",
-    "past_deadline",
-    "reached_sync_point",
-    "receive",
-    "saved",
-    "saving",
-]
+    "ENV_PREEMPT_GRACE", "PREEMPTED", "PreemptionNotice", "Sync", "Synced", "alone",
+    "end_preempted", "grace", "install", "installed", "note_step", "notice", "past_deadline",
+    "reached_sync_point", "receive", "saved", "saving",
+]  # fmt: skip
 
 _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
-# A thread inside the coordination client when the interpreter ends aborts the process: at a
-# normal end, the service thread gets this long to come out of the agreement's requests.
+# At a normal end, how long the service thread gets to leave the coordination client.
 _LEAVE_S = 2.0
 
 
@@ -76,10 +45,15 @@ class PreemptionNotice:
 
     Attributes:
         process: the process that received the notice (SIGTERM) first.
-        received: when, in seconds since the epoch (its clock).
-        deadline: when every process that knows of it ends unless its program ended first, in
-            seconds since the epoch: ``received`` plus that process's ``MESHKIT_PREEMPT_GRACE``.
+        received: when, in seconds since the epoch.
+        deadline: when every process ends unless its program ended first (``received`` plus
+            ``MESHKIT_PREEMPT_GRACE``).
         own: whether this process received it itself (else another process told it).
+
+    Example:
+        >>> import meshkit
+        >>> meshkit.PreemptionNotice(3, 0.0, 25.0, own=False).source
+        'process 3'
     """
 
     process: int
@@ -95,24 +69,15 @@ class PreemptionNotice:
 
 @dataclass(frozen=True)
 class Synced:
-    """The sync step the processes agreed on after a notice.
-
-    Attributes:
-        step: the step to save at; None: the first step each process asks about (none had
-            answered one yet).
-        agreed: whether they agreed (else no process saves: the deadline ends the run).
-        missing: when they did not, the processes that did not take part in time, if known.
-    """
+    """The sync step the processes agreed on after a notice."""
 
     step: int | None
     agreed: bool = True
     missing: tuple[int, ...] = ()
 
 
-# Tells the others (the coordination layer's post and JAX's key): handed in at `install`.
+# Handed in at `install` by the coordination layer:
 Tell = Callable[[PreemptionNotice], None]
-# Agrees on the sync step from this process's last step answered, within a time, until the
-# event is set (this process ends): the coordination layer's exchange, handed in at `install`.
 Sync = Callable[[int | None, float, threading.Event], Synced]
 
 
@@ -125,26 +90,25 @@ class _State:
     """This process's preemption state (one instance; `install` resets it)."""
 
     def __init__(self) -> None:
-        # Re-entrant: the SIGTERM handler runs in the main thread between two bytecodes, maybe
-        # inside a block of the main thread that holds it.
+        # Re-entrant: the SIGTERM handler may run inside a block that holds it.
         self.lock = threading.RLock()
         self.installed = False
-        self.me = -1  # unknown until `install` is given it
+        self.me = -1
         self.grace = _DEFAULT_GRACE_S
         self.tell: Tell | None = None
         self.sync: Sync | None = None
         self.notice: PreemptionNotice | None = None
-        self.untold = False  # a notice of this process's own that the others have not heard yet
-        self.step: int | None = None  # the last step the program reported (for reports)
+        self.untold = False  # an own notice the others have not heard yet
+        self.step: int | None = None  # the last step the program reported
         self.asked: int | None = None  # the last step `reached_sync_point` answered
-        self.frozen = False  # this process sent its step: questions wait for the agreement
-        self.synced: Synced | None = None  # the agreement, once made (or failed)
+        self.frozen = False  # step sent: questions wait for the agreement
+        self.synced: Synced | None = None
         self.decided = threading.Condition(self.lock)
-        self.sync_step: int | None = None  # the step to save at, once known
-        self.reached = False  # `reached_sync_point` was true: the next save is the last
+        self.sync_step: int | None = None
+        self.reached = False  # the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
         self.talking = threading.Lock()  # held while the service thread talks to the others
-        self.saves = 0  # meshkit checkpoint saves in progress
+        self.saves = 0  # checkpoint saves in progress
         self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
         self.deadline_armed = False
@@ -158,11 +122,7 @@ def _warn(text: str) -> None:
 
 
 def grace() -> float:
-    """``MESHKIT_PREEMPT_GRACE``: seconds from a notice to the end of every process (default 25).
-
-    Raises:
-        MeshkitError: a value that is not a number of seconds >= 0.
-    """
+    """``MESHKIT_PREEMPT_GRACE``: seconds from a notice to the end of every process (default 25)."""
     value = _env.seconds(ENV_PREEMPT_GRACE, where="meshkit.init()", positive=False)
     return _DEFAULT_GRACE_S if value is None else value
 
@@ -173,21 +133,7 @@ def installed() -> bool:
 
 
 def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | None) -> None:
-    """Take SIGTERM as a preemption notice in process ``me``.
-
-    `meshkit.init` calls it before joining (``me`` None) and once joined: each call takes
-    SIGTERM again (``jax.distributed.initialize`` takes it in between) and updates what is
-    given; the service thread's part is registered once.
-
-    Args:
-        me: this process's id; None while it is not known yet.
-        seconds: the grace from a notice to the end (`grace`).
-        tell: tells the other processes and JAX's sync managers of this process's notice (None
-            for a process alone, or not joined yet); called from the service thread, never from
-            the signal handler.
-        sync: agrees with the others on the sync step (`alone` for a process alone; None
-            while it is not joined yet: a notice then waits for the next call to agree).
-    """
+    """Take SIGTERM as a preemption notice in process ``me``."""
     with _state.lock:
         _state.grace, _state.tell, _state.sync = seconds, tell, sync
         if me is not None:
@@ -207,16 +153,10 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
 
 
 def notice() -> PreemptionNotice | None:
-    """The preemption notice this process knows of, or None (``meshkit.preemption_notice``).
+    """The first preemption notice (SIGTERM) this process received or was told of, or None.
 
-    A scheduler that will stop the run sends SIGTERM first; meshkit takes it as a notice (from
-    `meshkit.init`, unless ``MESHKIT_FAIL_FAST=0``), tells every other process, and ends each
-    ``MESHKIT_PREEMPT_GRACE`` seconds later unless its program ended first. The program may save
-    at the step `meshkit.checkpoint.should_save` names, or look here to stop its own way.
-
-    Returns:
-        The first notice this process received or was told of (who received it, when, the
-        deadline), or None while there is none.
+    meshkit tells every other process, and each ends ``MESHKIT_PREEMPT_GRACE`` seconds later
+    unless its program ended first (save at `meshkit.checkpoint.should_save`'s step).
 
     Example:
         >>> import meshkit
@@ -227,14 +167,7 @@ def notice() -> PreemptionNotice | None:
 
 
 def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
-    """Take a notice: this process's SIGTERM (``told`` None) or one another process posted.
-
-    The first notice counts (later ones change nothing); the deadline starts at once. Safe in
-    a signal handler: nothing here waits or talks to another process.
-
-    Returns:
-        The notice this process now knows of (the first one).
-    """
+    """Take a notice: this process's SIGTERM (``told`` None) or one another process posted."""
     with _state.lock:
         if _state.notice is not None or not _state.installed:
             return _state.notice
@@ -253,14 +186,7 @@ def note_step(step: int) -> None:
 
 
 def reached_sync_point(step: int) -> bool:
-    """Whether ``step`` is the step at which every process saves after a notice.
-
-    Call it with steps that increase, the same on every process (at every step, or the save
-    comes later than it could). Without a notice it answers at once (no round trip). Once this
-    process has sent its last step answered for the agreement on the sync step (the service
-    thread, `Sync`), a question waits for that agreement, at most until the deadline. It is
-    true once: at the first step at or past the agreed one.
-    """
+    """Whether ``step`` is the step at which every process saves after a notice."""
     with _state.lock:
         notice_ = _state.notice
         while _state.frozen and _state.synced is None and notice_ is not None:
@@ -294,11 +220,7 @@ def saving() -> Iterator[None]:
 
 
 def saved(step: int | None) -> None:
-    """A checkpoint save completed: after the sync point, the process ends (status 143).
-
-    Raises ``SystemExit(143)`` in the caller (the program unwinds and exits as after
-    ``sys.exit``), when the sync point was reached; returns otherwise.
-    """
+    """A checkpoint save completed: after the sync point, the process ends (status 143)."""
     notice_ = _state.notice
     if notice_ is None or not _state.reached:
         return
@@ -315,23 +237,12 @@ def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> Non
         if _state.reported:
             return
         _state.reported = True
-    _events.emit(
-        _events.PREEMPTED,
-        how=how,
-        source=notice_.source,
-        process=notice_.process,
-        received=notice_.received,
-        step=_state.step,
-        saved=saved,
-    )
+    fields = {"source": notice_.source, "process": notice_.process, "received": notice_.received}
+    _events.emit(_events.PREEMPTED, how=how, **fields, step=_state.step, saved=saved)
 
 
 def _at_exit() -> None:
-    """At a normal end after a notice: a ``preempted`` event (the status is the program's).
-
-    An agreement still waiting for the others stops (within one slice of its wait): no thread
-    of meshkit's is inside the coordination client when the interpreter ends.
-    """
+    """At a normal end after a notice: a ``preempted`` event (the status is the program's)."""
     _state.stop.set()
     if _state.talking.acquire(timeout=_LEAVE_S):  # its wait ends within a slice of it
         _state.talking.release()
@@ -370,21 +281,13 @@ def _on_sigterm() -> None:
 
 
 def past_deadline() -> PreemptionNotice | None:
-    """The notice whose deadline has passed, or None: the processes are ending for it.
-
-    An error raised now is likely the echo of another process that ended at the deadline (a
-    collective it left): fail-fast ends this process as preempted instead of failed.
-    """
+    """The notice whose deadline has passed, or None: the processes are ending for it."""
     notice_ = _state.notice
     return notice_ if notice_ is not None and time.time() >= notice_.deadline else None
 
 
 def end_preempted(notice_: PreemptionNotice, why: str) -> None:
-    """End this process as preempted now (status 143): ``why`` says what ended the others.
-
-    After a notice, process 0 (which hosts the coordination service) has ended, or an error
-    was raised past the deadline (the echo of others ending there: `past_deadline`).
-    """
+    """End this process as preempted now (status 143): ``why`` says what ended the others."""
     _event("deadline", notice_)
     _exit.now(
         PREEMPTED,
@@ -411,11 +314,7 @@ def _tend() -> None:
 
 
 def _agree(notice_: PreemptionNotice) -> None:
-    """Send the last step answered, and agree with the others on the sync step (once).
-
-    From the moment the step is taken, the program's questions wait for the agreement: a
-    step answered later could be one the others save at.
-    """
+    """Send the last step answered, and agree with the others on the sync step (once)."""
     with _state.lock:
         if _state.frozen or _state.sync is None:
             return  # agreed already; or joining: agreed once this process has joined

@@ -1,27 +1,8 @@
-"""The one meshkit thread of a process, ``meshkit-service``: the lifecycle's background work.
+"""The one meshkit thread of a process, ``meshkit-service``, started by the first guard needing it.
 
-Started once, by the first guard that needs it (`meshkit.init`'s fail-fast and preemption, the
-debug watchdog, `meshkit._src.lifecycle.exit.end`). Each turn of its loop it
-
-- **waits**: with fail-fast's `watch` in the coordination service (one blocking read of this
-  process's alarm key, which a process that posts a failure or a notice writes; idle, one
-  request per `SLICE_S` while the program is idle, per `ACTIVE_SLICE_S` while it steps), else
-  on its pipes;
-- **reads SIGTERM**: the handler only records the notice; its wake-up byte arrives on the pipe
-  `on_signal` names, so a notice counts even while the main thread waits in C (within one wait
-  in the coordination service: `ACTIVE_SLICE_S` while the program steps, `SLICE_S` idle);
-- **runs the tasks due** (`at`): the preemption deadline, the watchdog's samples, the end note,
-  the bound on a failing process's exit handlers; then the `on_wake` calls (preemption tells
-  the others of a notice and agrees on the sync step).
-
-What it finds surfaces in one of two ways, never at a later unrelated call: it ends the process
-(another process failed, the coordination service is gone, the preemption deadline, a failing
-process's exit handlers past their grace, a stall past the watchdog's timeout: the fail-fast
-path of `meshkit._src.lifecycle.failfast`), or it is state that the next call that needs it
-reads (a preemption notice: `should_save`, `meshkit.preemption_notice`). Calls run one at a
-time: a long one (the sync step's agreement, at most until the deadline) delays the others.
-`wake` interrupts a wait in the coordination service through its ``nudge`` (the watch writes
-its own alarm key).
+Each turn it waits (in the coordination service through fail-fast's `watch`, else on its
+pipes), reads SIGTERM's wake-up byte, runs the tasks due (`at`), then the `on_wake` calls. What
+it finds either ends the process or is state the next call reads.
 """
 
 from __future__ import annotations
@@ -35,20 +16,12 @@ import time
 from collections.abc import Callable
 
 __all__ = [
-    "ACTIVE_SLICE_S",
-    "SLICE_S",
-    "at",
-    "on_activity",
-    "on_signal",
-    "on_wake",
-    "start",
-    "wake",
+    "ACTIVE_SLICE_S", "SLICE_S", "at", "on_activity", "on_signal", "on_wake", "start", "wake",
     "watch",
-]
+]  # fmt: skip
 
 SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
-# While the program steps (a probe of `on_activity` changed within `_ACTIVE_S`), waits last at
-# most this long: a SIGTERM is then told to the others within a second, as its sync step needs.
+# The longest wait while the program steps (`on_activity` changed within `_ACTIVE_S`).
 ACTIVE_SLICE_S = 1.0
 _ACTIVE_S = 10.0
 _LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
@@ -145,12 +118,7 @@ def start() -> bool:
 
 
 def wake(*, nudge: bool = True) -> None:
-    """Wake the service thread now (from a thread; a signal handler only records its flag).
-
-    Args:
-        nudge: also interrupt a wait in the coordination service (one request); off where the
-            service may be gone already.
-    """
+    """Wake the service thread now (from a thread; a signal handler only records its flag)."""
     service = _service
     if service is None:
         return
@@ -162,10 +130,7 @@ def wake(*, nudge: bool = True) -> None:
 
 
 def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool = True) -> bool:
-    """Run ``call`` in the service thread ``delay`` seconds from now (None: cancel ``name``).
-
-    Registering ``name`` again replaces its task. Returns False where no thread may start.
-    """
+    """Run ``call`` in the service thread ``delay`` seconds from now (None: cancel ``name``)."""
     if delay is None:
         if _service is not None:
             with _service.lock:
@@ -173,50 +138,42 @@ def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool 
         return True
     if not start():
         return False
-    assert _service is not None
-    with _service.lock:
-        _service.tasks[name] = (time.monotonic() + delay, call)
+    service = _running()
+    with service.lock:
+        service.tasks[name] = (time.monotonic() + delay, call)
     wake(nudge=nudge)
     return True
 
 
-def on_wake(name: str, call: Callable[[], None]) -> None:
-    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+def _running() -> _Service:
     start()
     assert _service is not None
-    _service.tending[name] = call
+    return _service
+
+
+def on_wake(name: str, call: Callable[[], None]) -> None:
+    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
+    _running().tending[name] = call
     wake(nudge=False)
 
 
 def on_activity(probe: Callable[[], object]) -> None:
     """Count a change of ``probe()`` (read once per wait) as the program stepping."""
-    start()
-    assert _service is not None
-    _service.probes.append(probe)
+    _running().probes.append(probe)
 
 
 def on_signal(fd: int, handler: Callable[[], None]) -> None:
     """Call ``handler`` when SIGTERM's wake-up byte arrives on pipe ``fd`` (-1: none)."""
-    start()
-    assert _service is not None
-    _service.signals, _service.on_sigterm = fd, handler
+    service = _running()
+    service.signals, service.on_sigterm = fd, handler
     wake(nudge=False)
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
-    """Wait in the coordination service with ``look`` (None: stop, and leave it).
-
-    Stopping (at exit) interrupts the wait with ``nudge`` and waits, at most `_LEAVE_S`, until
-    the thread is out of the coordination client: a thread inside it when the interpreter ends
-    aborts the process.
-    """
-    service = _service
-    if service is None:
-        if look is None:
-            return
-        start()
-        service = _service
-        assert service is not None
+    """Wait in the coordination service with ``look`` (None: stop, and leave it)."""
+    if _service is None and look is None:
+        return
+    service = _running()
     if look is not None:
         service.look, service.nudge = look, nudge
         wake(nudge=False)

@@ -1,15 +1,8 @@
 """The stall watchdog (debug mode): what counts as progress, and what a stall does.
 
-Sampled by the service thread every ``min(1 s, watchdog / 4)``, a process makes progress while
-its main thread's Python stack changes, it runs (or waits runnable for a CPU) at least
-`RUN_SHARE` of the interval (Linux's per-thread ``schedstat``, else its CPU clock), device work
-completes (an array made, freed, or ready), another of its threads is starved of CPU
-(`DEMAND_SHARE`; on a machine with more work than cores), or meshkit sees a call
-(`note_progress`). A stall, none of these for ``watchdog`` seconds, prints one ``meshkit
-watchdog:`` line and every thread's stack, and leaves a `stalled` event; with ``exit_on_stall``
-the process exits with status 1 ``timeout`` seconds later, so that the launcher ends the run
-instead of a hang. Any progress re-arms it. The device check reads `jax.live_arrays` only when
-the main thread stood still, through weak references. ``docs/hangs.md`` tells it in full.
+Progress: the main thread's stack changes or it runs, device work completes, a thread is
+starved of CPU, or meshkit sees a call. A stall prints every thread's stack and a ``stalled``
+event; with ``exit_on_stall`` the process exits 1 later (``docs/hangs.md``).
 """
 
 from __future__ import annotations
@@ -41,22 +34,13 @@ from . import service_thread as _service_thread
 _LOG = logger("guards")
 
 __all__ = [
-    "DEMAND_SHARE",
-    "INSIDE",
-    "OUTSIDE",
-    "RUN_SHARE",
-    "Watchdog",
-    "frame_text",
-    "note_progress",
-]
+    "DEMAND_SHARE", "INSIDE", "OUTSIDE", "RUN_SHARE", "Watchdog", "frame_text", "note_progress",
+]  # fmt: skip
 
-# A main thread that used this share of a sample interval in CPU time (or runnable, waiting for
-# a CPU) is running, not waiting: a blocked wait measured 0.02-0.04% (futex wake-ups), a
-# computation in one C call ~100%.
+# A thread that ran (or waited runnable) this share of an interval is running, not waiting
+# (measured: a blocked wait 0.02-0.04%, a computation in one C call ~100%).
 RUN_SHARE = 0.1
-# A thread that wanted a CPU (ran, or waited runnable) this share of a sample interval, and
-# waited at least RUN_SHARE of it, was starved: a wake-up measured ~20 ms of waiting in 0.6 s
-# with load 16 on 2 cores, a starved computation ~100% of the interval.
+# A thread that wanted a CPU this share of an interval, and waited RUN_SHARE of it, was starved.
 DEMAND_SHARE = 0.5
 _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest)
 _MAX_PENDING = 256  # pending arrays watched for completing
@@ -65,11 +49,7 @@ _marks = 0
 
 
 def note_progress() -> None:
-    """Count progress seen by meshkit itself (a call, a barrier, a delivered batch).
-
-    One integer increment, safe from any thread: two racing increments may count as one, and
-    only a change matters to the watchdog.
-    """
+    """Count progress seen by meshkit itself (a call, a barrier, a delivered batch)."""
     global _marks
     _marks += 1
 
@@ -103,37 +83,21 @@ def _pending(array: Any) -> bool:
 
 
 def _main_native_id() -> int | None:
-    """The kernel's id of the program's thread (`meshkit._src.core.program_thread`).
-
-    ``threading.main_thread().native_id`` is not renewed by ``os.fork`` (Python 3.11 and 3.12):
-    in a forked process it is the parent's thread. Asked from the thread itself, its own id is
-    right.
-    """
+    """The kernel's id of the program's thread (`meshkit._src.core.program_thread`)."""
+    # Asked from the thread itself: ``main_thread().native_id`` is stale after ``os.fork``.
     if _program_thread.is_program_thread():
         return threading.get_native_id()
     return _program_thread.program_thread().native_id
 
 
-def _schedstat(native_id: int | None) -> str | None:
-    """The path of Linux's scheduler statistics of thread ``native_id``, where there are some."""
-    if native_id is None:
-        return None
-    path = f"/proc/self/task/{native_id}/schedstat"
-    return path if os.path.exists(path) else None
-
-
 class _Sampler:
-    """Tells, sample after sample, whether this process moved since the previous sample.
-
-    Args:
-        main: the ``threading`` ident of the thread watched (the main thread).
-        native_id: its id at the kernel, for its scheduler statistics (None: the CPU clock only).
-    """
+    """Tells, sample after sample, whether this process moved since the previous sample."""
 
     def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
         self.clock = _cpu_clock(main)
-        self.schedstat = _schedstat(native_id)
+        path = f"/proc/self/task/{native_id}/schedstat"
+        self.schedstat = path if native_id is not None and os.path.exists(path) else None
         self.mark = _marks
         self.stack: Stack | None = self._stack()
         self.cpu = self._cpu()
@@ -176,17 +140,10 @@ class _Sampler:
         return tuple(stack)
 
     def _cpu(self) -> float | None:
-        """Seconds the thread ran or waited, runnable, for a CPU; None once it has ended.
-
-        Without Linux's scheduler statistics: the thread's CPU time alone.
-        """
+        """Seconds the thread ran or waited, runnable, for a CPU; None once it has ended."""
         if self.schedstat is not None:
-            try:
-                with open(self.schedstat) as f:
-                    on_cpu, runnable = f.read().split()[:2]
-                return (int(on_cpu) + int(runnable)) / 1e9
-            except (OSError, ValueError):  # the thread has ended
-                return None
+            ns = _read_schedstat(self.schedstat)
+            return None if ns is None else sum(ns) / 1e9
         if self.clock is None:
             return None
         try:
@@ -196,25 +153,23 @@ class _Sampler:
 
 
 def _threads(besides: str) -> dict[str, tuple[int, int]] | None:
-    """Per thread of this process (all but ``besides``): nanoseconds it ran, and waited runnable.
-
-    From Linux's per-thread scheduler statistics; None where there are none.
-    """
+    """Per thread of this process (all but ``besides``): nanoseconds it ran, and waited runnable."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
-    found = {}
-    for task in tasks:
-        if task == besides:
-            continue
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                ran, waited = f.read().split()[:2]
-            found[task] = (int(ran), int(waited))
-        except (OSError, ValueError):  # the thread has ended
-            continue
-    return found
+    found = {t: _read_schedstat(f"/proc/self/task/{t}/schedstat") for t in tasks if t != besides}
+    return {t: ns for t, ns in found.items() if ns is not None}
+
+
+def _read_schedstat(path: str) -> tuple[int, int] | None:
+    """Nanoseconds a thread ran, and waited runnable; None once it has ended."""
+    try:
+        with open(path) as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
 
 
 def _starved(
@@ -224,10 +179,8 @@ def _starved(
     for task, (ran, waited) in now.items():
         if task in before:
             more_ran, more_waited = ran - before[task][0], waited - before[task][1]
-            if (
-                more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
-                and more_waited >= RUN_SHARE * interval * 1e9
-            ):
+            demand = more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
+            if demand and more_waited >= RUN_SHARE * interval * 1e9:
                 return True
     return False
 
@@ -244,18 +197,7 @@ def _cpu_clock(ident: int) -> int | None:
 
 
 class Watchdog:
-    """Dumps this process's stacks after ``after`` seconds without progress, then may exit.
-
-    Its samples run in the service thread (`meshkit._src.lifecycle.service_thread`), every
-    ``min(1 s, after / 4)``, from `start` until ``stop`` is set.
-
-    Args:
-        after: seconds without progress before the dump.
-        timeout: seconds after the dump, still without progress, before exiting (if
-            ``exit_on_stall``).
-        exit_on_stall: exit with status 1 after ``after + timeout`` seconds without progress.
-        last_call: what meshkit call this process made last, for the dump.
-    """
+    """Dumps this process's stacks after ``after`` seconds without progress, then may exit."""
 
     def __init__(
         self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
@@ -321,17 +263,12 @@ class Watchdog:
             f"main thread now {here}, {where}; last meshkit call: "
             f"{last or 'none'}. Stacks follow.\n",
         )
-        # The stacks stay a direct write to stderr's file descriptor: faulthandler writes them
-        # from C without running Python code in (or waiting on a lock held by) the stuck
-        # process's threads, which a `logging` handler could. Flush the message first.
+        # faulthandler writes from C, taking no lock a stuck thread may hold (logging could).
         flush_logs()
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         with contextlib.suppress(Exception):
             sys.stderr.flush()
-
-
-# ---- where the user's code is -----------------------------------------------------------------
 
 
 def frame_text(frame: FrameType) -> str:

@@ -1,12 +1,8 @@
 """The shuffled order of `grain_batches` and `hf_batches`: a permutation computed per index.
 
-Epoch ``e`` of a dataset of ``n`` rows, shuffled with ``seed``, reads row ``permute(i, n, seed,
-e)`` at position ``i``. The permutation is a keyed Feistel network over the smallest domain of
-``4**k >= n`` values, walked until it lands inside ``range(n)`` (each walk stays on a cycle of a
-bijection, so it ends). It holds no table of ``n`` entries, permutes a whole batch of positions
-in a few numpy operations (grain's ``MapDataset.shuffle`` computes one index per Python call),
-and gives the same rows on every process, machine and numpy version (pure 64-bit integer
-arithmetic), which a saved position needs.
+A keyed Feistel network over the smallest ``4**k >= n``, walked until it lands in ``range(n)``:
+no table of ``n`` entries, vectorized over positions, and the same on every machine and numpy
+version (64-bit integer arithmetic), which a saved position needs.
 """
 
 from __future__ import annotations
@@ -48,14 +44,7 @@ def _feistel(x: np.ndarray, half: int, keys: list[np.uint64]) -> np.ndarray:
 
 
 def permute(positions: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
-    """The rows read at ``positions`` (each in ``range(n)``) of epoch ``epoch``, as int64.
-
-    A bijection of ``range(n)`` for each ``(seed, epoch)``.
-
-    Example:
-        >>> sorted(permute(np.arange(10), 10, seed=0, epoch=0).tolist()) == list(range(10))
-        True
-    """
+    """The rows read at ``positions`` of epoch ``epoch``: a bijection of ``range(n)``, as int64."""
     positions = np.asarray(positions, np.int64)
     if n <= 1 or positions.size == 0:
         return positions.copy()

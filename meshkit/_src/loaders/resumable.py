@@ -1,8 +1,6 @@
-"""`grain_batches` and `hf_batches`: this process's part of each global batch, resumable anywhere.
+"""`grain_batches` and `hf_batches`: loaders whose position is global (an epoch and a step).
 
-A loader's position is global (an epoch and a global step in it), the same on every process
-whatever their number, so ``global_batches(..., start=position)`` resumes it on any number of
-processes at the global batch an uninterrupted run would have read next.
+``global_batches(..., start=position)`` resumes one on any number of processes.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..sharding.layout import ProcessSlice
 from .order import permute
-from .rows import _Rows, _rows, _seed, _whole
+from .rows import _map_dataset, _Rows, _rows, _seed, _whole
 
 __all__ = ["Batches", "grain_batches", "hf_batches"]
 
@@ -31,14 +29,11 @@ _READ_AHEAD = 4
 class Batches(GlobalSource):
     """A meshkit loader: this process's part of each global batch, in a global order.
 
-    Made by `grain_batches` or `hf_batches`; pass it to `meshkit.global_batches`. Iterating it
-    gives numpy pytrees, each this process's rows of one global batch (``part.local_shape[0]``
-    rows; the last global batch of an epoch is short, and a process's part of it may have no
-    rows). ``len()`` is the number of global batches over all epochs.
+    Made by `grain_batches` or `hf_batches`, for `meshkit.global_batches`. ``len()`` is the number
+    of global batches over all epochs.
 
     Attributes:
-        identity: the loader's `LoaderIdentity` (kind, dataset length, global batch, seed,
-            epochs), which a `meshkit.DataPosition` must match to resume it.
+        identity: the loader's `LoaderIdentity`, which a resumed position must match.
     """
 
     def __init__(self, identity: LoaderIdentity, rows: _Rows) -> None:
@@ -103,11 +98,7 @@ class _GrainBatches(Batches):
         self._read_options = read_options
 
     def _keys(self, step: int) -> np.ndarray:
-        """The dataset indices of this process's rows of global batch ``step``.
-
-        The dataset is read at ``e * n + key`` in epoch ``e``, so that a shuffled or randomly
-        mapped ``MapDataset`` sees the epoch, as with grain's own ``repeat``.
-        """
+        """The dataset indices of global batch ``step``: ``epoch * n + key``, as grain's repeat."""
         return (step // self._steps) * self._identity.num_rows + super()._keys(step)
 
     def _read(self, step: int) -> Any:
@@ -143,57 +134,36 @@ def grain_batches(
 ) -> Batches:
     """This process's part of each global batch of a ``grain.MapDataset``, resumable anywhere.
 
-    The global order is the dataset's, shuffled at each epoch with ``seed`` (a permutation of
-    meshkit's own, computed per row from the seed and the epoch: no table of the rows, and the
-    same on every process and in every run); global batch ``k`` of an epoch
-    is rows ``k * global_batch`` to ``(k + 1) * global_batch`` of it, and each batch this
-    loader yields is this process's part of one (`process_rows`). Pass it to
-    `meshkit.global_batches`: the global batches are the same whatever the number of processes,
-    and `meshkit.GlobalBatches.position` records where the run stands, which
-    ``global_batches(..., start=position)`` resumes on any number of processes.
-
-    Each epoch's last global batch is short when the dataset's length is not a multiple of the
-    global batch (``pad=True`` pads it for one epoch, ``pad="ragged"`` for several), unless
-    ``drop_remainder``. Batches are read by grain's threads (``read_options``), in order.
+    The global order is the dataset's, shuffled each epoch with ``seed``; pass the loader to
+    `meshkit.global_batches`, whose position resumes on any number of processes.
 
     Args:
-        dataset: a ``grain.MapDataset`` of finite length, built the same way on every process
-            (maps, random maps); read at index ``epoch * len(dataset) + key``.
+        dataset: a ``grain.MapDataset`` of finite length, the same on every process.
         part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
         seed: shuffle every epoch with this seed (an int in [0, 2**32)); None: no shuffle.
         epochs: passes over the dataset.
         drop_remainder: leave out each epoch's last global batch when it is short.
-        read_options: a ``grain.ReadOptions`` (threads reading batches, batches read ahead);
-            default 2 threads, 4 batches ahead.
+        read_options: a ``grain.ReadOptions``; default 2 threads, 4 batches ahead.
 
     Returns:
-        A `meshkit.loaders.Batches` of ``epochs * ceil(len(dataset) / global_batch)`` global
-        batches (``floor`` with ``drop_remainder``).
+        A `meshkit.loaders.Batches` of ``epochs * ceil(len(dataset) / global_batch)`` batches
+        (``floor`` with ``drop_remainder``).
 
     Raises:
-        MeshkitError: ``dataset`` is not a ``grain.MapDataset``; ``part`` is not a
-            `meshkit.ProcessSlice` of an array with rows; ``seed``, ``epochs`` or
-            ``drop_remainder`` is not valid.
+        MeshkitError: ``dataset`` is not a ``grain.MapDataset``, or an invalid argument.
 
     Examples:
         >>> import grain, meshkit
-        >>> from meshkit import loaders
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> part = meshkit.process_slice(mesh, "data", (8,))
-        >>> ds = grain.MapDataset.range(20)
-        >>> [b.tolist() for b in loaders.grain_batches(ds, part)]
-        [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17, 18, 19]]
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> [len(b) for b in meshkit.loaders.grain_batches(grain.MapDataset.range(20), part)]
+        [8, 8, 4]
     """
     what = "meshkit.loaders.grain_batches"
-    import grain
-
-    if not isinstance(dataset, grain.MapDataset):
-        raise MeshkitError(
-            f"{what}: expected a grain.MapDataset (random access); got "
-            f"{type(dataset).__name__}.\nConsider grain.MapDataset.source(...) with the maps "
-            "before .to_iter_dataset(); for a pipeline without random access, its iterator in "
-            "meshkit.global_batches saves grain's own state (resumable on as many processes)."
-        )
+    grain = _map_dataset(
+        dataset, what, "grain.MapDataset.source(...) with the maps before .to_iter_dataset(); for "
+        "a pipeline without random access, its iterator in meshkit.global_batches saves grain's "
+        "own state (resumable on as many processes).",
+    )  # fmt: skip
     identity, rows = _identity("grain", part, len(dataset), seed, epochs, drop_remainder, what)
     if read_options is None:
         read_options = grain.ReadOptions(
@@ -227,14 +197,9 @@ def hf_batches(
     epochs: int = 1,
     drop_remainder: bool = False,
 ) -> Batches:
-    """This process's part of each global batch of a Hugging Face ``datasets.Dataset``.
+    """As `grain_batches`, for a map-style Hugging Face ``datasets.Dataset``.
 
-    As `grain_batches`, for a map-style ``datasets.Dataset``: the global order is the
-    dataset's, shuffled at each epoch with ``seed`` (the same permutation as
-    `grain_batches`'); each batch is this process's rows of
-    one global batch, read with one ``dataset[indices]``, a dict of columns (numpy arrays when
-    the dataset has no format of its own). The position `meshkit.global_batches` records
-    resumes on any number of processes.
+    Each batch is one ``dataset[indices]`` (numpy columns when the dataset has no format).
 
     Args:
         dataset: a ``datasets.Dataset``, the same on every process.
@@ -247,17 +212,14 @@ def hf_batches(
         A `meshkit.loaders.Batches`.
 
     Raises:
-        MeshkitError: ``dataset`` is not a ``datasets.Dataset`` (a streaming
-            ``IterableDataset`` has no random access: see `hf_dataset`; a ``DatasetDict``
-            holds several splits); ``part``, ``seed``, ``epochs`` or ``drop_remainder`` is not
-            valid.
+        MeshkitError: ``dataset`` is not a ``datasets.Dataset`` (for a stream, see `hf_dataset`),
+            or an invalid argument.
 
     Examples:
         >>> import datasets, meshkit
-        >>> from meshkit import loaders
         >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
         >>> ds = datasets.Dataset.from_dict({"id": list(range(20))})
-        >>> [b["id"].tolist() for b in loaders.hf_batches(ds, part)][-1]
+        >>> [b["id"].tolist() for b in meshkit.loaders.hf_batches(ds, part)][-1]
         [16, 17, 18, 19]
     """
     what = "meshkit.loaders.hf_batches"

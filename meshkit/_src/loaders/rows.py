@@ -12,18 +12,12 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..sharding.layout import ProcessSlice
 
-__all__ = [
-    "grain_dataset",
-    "grain_sampler",
-    "grain_shard_options",
-    "hf_dataset",
-    "process_rows",
-]
+__all__ = ["grain_dataset", "grain_sampler", "grain_shard_options", "hf_dataset", "process_rows"]
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """This process's positions in a global order of ``num_rows`` rows (see the module)."""
+    """This process's positions in a global order of ``num_rows`` rows."""
 
     num_rows: int
     global_batch: int
@@ -72,6 +66,18 @@ def _seed(seed: Any, what: str) -> int | None:
     return None if seed is None else int(seed)
 
 
+def _map_dataset(dataset: Any, what: str, fix: str) -> Any:
+    """The grain module, once ``dataset`` is checked to be a ``grain.MapDataset``."""
+    import grain
+
+    if not isinstance(dataset, grain.MapDataset):
+        raise MeshkitError(
+            f"{what}: expected a grain.MapDataset (random access); got "
+            f"{type(dataset).__name__}.\nConsider {fix}"
+        )
+    return grain
+
+
 def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
     if not isinstance(part, ProcessSlice):
         raise MeshkitError(
@@ -101,11 +107,8 @@ def _rows(part: Any, num_rows: Any, what: str) -> _Rows:
 def process_rows(part: ProcessSlice, num_rows: int) -> np.ndarray:
     """The rows of one epoch this process loads, in the order it loads them.
 
-    ``part`` is the layout of one global batch. Every consecutive ``part.local_shape[0]`` of
-    the returned indices are this process's rows of one global batch; the last, shorter group
-    (if any) its rows of the last global batch, which holds the remaining
-    ``num_rows % global_batch`` rows. Indices are positions in the dataset's global order:
-    with a permutation ``order`` shared by every process, load ``order[process_rows(...)]``.
+    Each ``part.local_shape[0]`` consecutive indices are this process's rows of one global batch
+    (fewer for the last); indices are positions in the dataset's global order.
 
     Args:
         part: ``meshkit.process_slice(mesh, spec, (global_batch, ...))`` for this process.
@@ -115,68 +118,46 @@ def process_rows(part: ProcessSlice, num_rows: int) -> np.ndarray:
         An int64 numpy array of row indices, each in ``range(num_rows)``.
 
     Raises:
-        MeshkitError: ``part`` is not a `meshkit.ProcessSlice` of an array with rows, or
-            ``num_rows`` is not an int >= 0.
+        MeshkitError: an invalid ``part`` or ``num_rows``.
 
     Examples:
         >>> import meshkit
-        >>> from meshkit import loaders
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> part = meshkit.process_slice(mesh, "data", (8,))  # global batches of 8 rows
-        >>> loaders.process_rows(part, 20)  # one process: every row, in order
-        array([ 0,  1,  2,  3,  4,  5,  6,  7,  8,  9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
-
-        With 2 processes on this mesh, process 0 gets rows 0-3, 8-11 and 16-17, process 1
-        rows 4-7, 12-15 and 18-19: each global batch is the rows one process would load.
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> meshkit.loaders.process_rows(part, 10)  # one process: every row, in order
+        array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     """
     return _rows(part, num_rows, "meshkit.loaders.process_rows").positions()
 
 
 @public
 def grain_dataset(dataset: Any, part: ProcessSlice) -> Any:
-    """This process's part of a ``grain.MapDataset`` in global order, in the order it loads.
+    """This process's part of a ``grain.MapDataset`` in global order, read lazily.
 
-    Build the dataset the same way on every process (``grain.MapDataset.source(...)``, then a
-    ``.shuffle(seed=...)`` with one seed for all, maps), take this process's part, and batch
-    it by ``part.local_shape[0]``: each batch is this process's part of one global batch,
-    the last one shorter (``pad=True`` in `meshkit.global_batches` pads it). The result
-    reads its elements from ``dataset`` lazily (no index array); indices past its length reach
-    the next epochs of ``dataset`` (a shuffled dataset reshuffles there), as grain's own
-    ``repeat`` expects.
+    Batch it by ``part.local_shape[0]``: each batch is this process's part of one global batch.
 
     Args:
-        dataset: a ``grain.MapDataset`` of finite length, in the global order.
+        dataset: a ``grain.MapDataset`` of finite length, the same on every process.
         part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
 
     Returns:
-        A ``grain.MapDataset`` of ``len(meshkit.loaders.process_rows(part, len(dataset)))``
-        elements.
+        A ``grain.MapDataset`` of ``len(process_rows(part, len(dataset)))`` elements.
 
     Raises:
-        MeshkitError: ``dataset`` is not a ``grain.MapDataset`` (an ``IterDataset`` cannot be
-            indexed: take the part before ``.to_iter_dataset()``); ``part`` is not a
-            `meshkit.ProcessSlice` of an array with rows.
+        MeshkitError: ``dataset`` is not a ``grain.MapDataset``, or an invalid ``part``.
 
     Examples:
         >>> import grain, meshkit
-        >>> from meshkit import loaders
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> part = meshkit.process_slice(mesh, "data", (8,))
-        >>> ds = grain.MapDataset.range(20).shuffle(seed=1)
-        >>> local = loaders.grain_dataset(ds, part).batch(part.local_shape[0])
-        >>> [len(b) for b in local]  # the last global batch is short
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> ds = meshkit.loaders.grain_dataset(grain.MapDataset.range(20), part)
+        >>> [len(b) for b in ds.batch(part.local_shape[0])]
         [8, 8, 4]
     """
     what = "meshkit.loaders.grain_dataset"
-    import grain
-
-    if not isinstance(dataset, grain.MapDataset):
-        raise MeshkitError(
-            f"{what}: expected a grain.MapDataset (random access); got "
-            f"{type(dataset).__name__}.\nConsider taking the part of the MapDataset before "
-            ".to_iter_dataset(), or, for a pipeline without random access, grain's own "
-            "sharding with meshkit.loaders.grain_shard_options(part)."
-        )
+    _map_dataset(
+        dataset, what, "taking the part of the MapDataset before .to_iter_dataset(), or, for a "
+        "pipeline without random access, grain's own sharding with "
+        "meshkit.loaders.grain_shard_options(part).",
+    )  # fmt: skip
     return _grain_part_class()(dataset, _rows(part, len(dataset), what))
 
 
@@ -218,49 +199,31 @@ def grain_sampler(
     seed: int | None = None,
     epoch: int = 0,
 ) -> Any:
-    """A grain sampler for ``grain.DataLoader``: this process's records of one epoch.
+    """A sampler for ``grain.DataLoader``: this process's records of one epoch.
 
-    Use it with ``shard_options=grain.sharding.NoSharding()`` (the sampler shards) and a
-    ``grain.transforms.Batch(part.local_shape[0])`` operation: each batch is then this
-    process's part of one global batch, the last one shorter (``pad=True`` in
-    `meshkit.global_batches`), and the global batches are the same whatever the number of
-    processes. With ``shuffle`` the records are in the order of grain's own
-    ``MapDataset.range(num_records).shuffle(seed)`` at ``epoch`` (the same on every process);
-    each record's ``rng`` is seeded from ``seed`` and its position in the epoch, so random
-    transforms do not depend on the process count either. One sampler covers one epoch; make
-    a loader per epoch with ``epoch=``. With ``worker_count > 0``, grain batches within each
-    worker, so a batch is no longer one global batch's part (every record is still loaded
-    once); `grain_dataset` with ``.batch`` then ``mp_prefetch`` keeps batches whole.
+    Use it with ``shard_options=grain.sharding.NoSharding()`` and a
+    ``grain.transforms.Batch(part.local_shape[0])``: each batch is then this process's part of one
+    global batch (with ``worker_count=0``; see docs/data-pipelines.md).
 
     Args:
         num_records: the number of records of the data source.
         part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
-        shuffle: shuffle the records (the same permutation on every process).
-        seed: the shuffle's seed (an int in [0, 2**32)); also seeds the records' ``rng``.
+        shuffle: shuffle as grain's ``MapDataset.range(num_records).shuffle(seed)`` at ``epoch``.
+        seed: the shuffle's seed (an int in [0, 2**32)); also seeds each record's ``rng``.
         epoch: which epoch's permutation to use.
 
     Returns:
-        A sampler (``len`` and ``__getitem__`` giving ``grain.RecordMetadata``).
+        A sampler whose items are ``grain.RecordMetadata``.
 
     Raises:
-        MeshkitError: ``shuffle`` without a valid ``seed``, a negative ``epoch``; ``part``
-            is not a `meshkit.ProcessSlice` of an array with rows, ``num_records`` not an
-            int >= 0.
+        MeshkitError: ``shuffle`` without a seed, or an invalid argument.
 
     Examples:
         >>> import grain, meshkit
-        >>> from meshkit import loaders
-        >>> mesh = meshkit.make_mesh({"data": -1})
-        >>> part = meshkit.process_slice(mesh, "data", (8,))
-        >>> source = [{"id": i} for i in range(20)]
-        >>> loader = grain.DataLoader(
-        ...     data_source=source,
-        ...     sampler=loaders.grain_sampler(len(source), part, shuffle=True, seed=0),
-        ...     shard_options=grain.sharding.NoSharding(),
-        ...     operations=[grain.transforms.Batch(part.local_shape[0])],
-        ... )
-        >>> [len(b["id"]) for b in loader]
-        [8, 8, 4]
+        >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
+        >>> sampler = meshkit.loaders.grain_sampler(20, part, shuffle=True, seed=0)
+        >>> len(sampler)
+        20
     """
     what = "meshkit.loaders.grain_sampler"
     rows = _rows(part, num_records, what)
@@ -316,19 +279,12 @@ class _GrainSampler:
 def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> Any:
     """The grain ``ShardOptions`` of this process: its ``shard_index`` and ``shard_count``.
 
-    For pipelines that keep grain's own sharding (a ``grain.IndexSampler`` or
-    ``grain.DataLoader(shard_options=...)``, ``dataset[shard_index::shard_count]``, per-file
-    readers). Unlike ``grain.sharding.ShardByJaxProcess``, processes of a replica group (the
-    same ``shard_index``) get the same shard. grain then splits the records into contiguous
-    shards, so a global batch holds different rows than one process would load, and grain
-    0.2's ``DataLoader`` reads ``num_records // shard_count`` records per shard, leaving out
-    up to ``shard_count - 1`` records per epoch; `grain_sampler` and `grain_dataset` have
-    neither property.
+    For pipelines that keep grain's own sharding; a replica group shares a shard (unlike
+    ``ShardByJaxProcess``), but see docs/data-pipelines.md for what grain then does.
 
     Args:
         part: ``meshkit.process_slice(...)`` for this process.
-        drop_remainder: grain's: give every shard the same number of records, dropping the
-            remainder.
+        drop_remainder: grain's: give every shard the same number of records.
 
     Returns:
         A ``grain.sharding.ShardOptions``.
@@ -338,9 +294,8 @@ def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> 
 
     Examples:
         >>> import meshkit
-        >>> from meshkit import loaders
         >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
-        >>> loaders.grain_shard_options(part)
+        >>> meshkit.loaders.grain_shard_options(part)
         ShardOptions(shard_index=0, shard_count=1, drop_remainder=False)
     """
     if not isinstance(part, ProcessSlice):
@@ -359,39 +314,27 @@ def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> 
 def hf_dataset(dataset: Any, part: ProcessSlice) -> Any:
     """This process's part of a Hugging Face ``datasets`` dataset in global order.
 
-    A ``datasets.Dataset`` (map-style) gives ``dataset.select(process_rows(part, len(dataset)))``:
-    iterate it with ``.iter(batch_size=part.local_shape[0])`` and each batch is this process's
-    part of one global batch, the last one shorter (``pad=True`` in `meshkit.global_batches`),
-    the same global batches whatever the number of processes. Shuffle before, with one seed on
-    every process (``dataset.shuffle(seed=epoch)``).
-
-    A streaming ``datasets.IterableDataset`` cannot be indexed: it is split by
-    ``datasets.distributed.split_dataset_by_node`` with ``part.shard_index`` and
-    ``part.shard_count`` (whole files when their number divides by the shard count, else every
-    ``shard_count``-th example). Every example is still read by one shard, but processes may
-    end with different numbers of batches: use ``pad=True``.
+    A ``datasets.Dataset`` gives ``dataset.select(process_rows(...))``; a streaming
+    ``IterableDataset`` is split by ``split_dataset_by_node`` (processes may then end with
+    different numbers of batches: use ``pad=True``).
 
     Args:
-        dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset``, the same on every
-            process.
+        dataset: a ``datasets.Dataset`` or ``IterableDataset``, the same on every process.
         part: ``meshkit.process_slice(mesh, spec, (global_batch,))`` for this process.
 
     Returns:
-        A dataset of the same kind. Use ``.with_format("numpy")`` for numpy batches (the
-        default format gives Python lists).
+        A dataset of the same kind (``.with_format("numpy")`` for numpy batches).
 
     Raises:
-        MeshkitError: ``dataset`` is neither (a ``DatasetDict`` holds several splits: pass
-            one); ``part`` is not a `meshkit.ProcessSlice` of an array with rows.
+        MeshkitError: ``dataset`` is neither (of a ``DatasetDict``, pass one split), or an
+            invalid ``part``.
 
     Examples:
         >>> import datasets, meshkit
-        >>> from meshkit import loaders
         >>> part = meshkit.process_slice(meshkit.make_mesh({"data": -1}), "data", (8,))
         >>> ds = datasets.Dataset.from_dict({"id": list(range(20))})
-        >>> local = loaders.hf_dataset(ds, part).with_format("numpy")
-        >>> [len(b["id"]) for b in local.iter(batch_size=part.local_shape[0])]
-        [8, 8, 4]
+        >>> len(meshkit.loaders.hf_dataset(ds, part))
+        20
     """
     what = "meshkit.loaders.hf_dataset"
     import datasets

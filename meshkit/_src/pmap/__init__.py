@@ -1,5 +1,1 @@
-"""``pmap_compat``: ``jax.pmap``'s interface and results, on the spmd machinery.
-
-Also its stages (`Lowered`, `Compiled`), the device-axis conversions and the flax-era helpers
-(`replicate`, `shard`, ...).
-"""
+"""``pmap_compat`` (`jax.pmap` on jit and shard_map), its stages and the flax-era helpers."""

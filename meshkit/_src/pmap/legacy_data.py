@@ -1,9 +1,6 @@
-"""The flax-era data helpers: a batch split per device, placed ahead, padded; metrics stacked.
+"""The flax-era data helpers: `shard`, `prefetch_to_device`, `pad_shard_unpad`, `get_metrics`.
 
-`shard`, `prefetch_to_device`, `pad_shard_unpad` and `get_metrics` keep the signatures and
-results of flax's functions (``flax.training.common_utils``, ``flax.jax_utils``), in one process
-and in several. They shape and move *batches* (and per-step metrics) for a `pmap_compat` or
-``jax.pmap`` step; the device-axis placement they build on is in `meshkit._src.pmap.legacy`.
+Same signatures and results as flax's, in one process and in several.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
@@ -52,57 +48,34 @@ Consider static_argnums= / static_argnames= for arguments that are not batched."
 
 @public
 def shard(xs: Any) -> Any:
-    """Split the leading (batch) axis into ``(local devices, -1)`` (flax's ``shard``).
+    """Reshape each leaf's leading (batch) axis to ``(local devices, -1)`` (flax's ``shard``).
 
-    Each leaf of shape ``(b, ...)`` is reshaped to ``(L, b // L, ...)``, ``L`` being
-    ``jax.local_device_count()``: each process shards its own batch. As in flax, this is a
-    reshape and nothing moves: numpy stays numpy (a view, no copy) and a ``jax.Array`` is
-    reshaped by JAX. Placement is left to the consumer: `meshkit.pmap_compat` (or
-    ``jax.pmap``) puts each entry on its device in one batched transfer, and with several
-    processes assembles the processes' entries into one global array; `prefetch_to_device`
-    does the same ahead of time.
+    A reshape only: numpy stays numpy (a view); `pmap_compat` places the entries later.
 
-    Args:
-        xs: a pytree of arrays whose leading dimension is divisible by the local device count.
-
-    Returns:
-        ``xs`` with every leaf reshaped to ``(L, -1, *rest)``.
-
-    Raises:
-        MeshkitError: a leaf is a scalar, or its leading dimension does not divide by ``L``.
-
-    Examples:
+    Example:
         >>> import numpy as np, meshkit
-        >>> batch = {"image": np.zeros((32, 28, 28), np.float32), "label": np.arange(32)}
-        >>> sharded = meshkit.shard(batch)
-        >>> sharded["image"].shape, sharded["label"].shape, type(sharded["label"]).__name__
-        ((8, 4, 28, 28), (8, 4), 'ndarray')
+        >>> meshkit.shard({"label": np.arange(32)})["label"].shape
+        (8, 4)
     """
     local = jax.local_device_count()
     named, treedef = tree_paths(xs)
     out = []
     for path, leaf in named:
-        value = (
-            leaf
-            if isinstance(leaf, jax.Array | np.ndarray)
-            else host_array("meshkit.shard", path, leaf)
-        )
-        shape = tuple(value.shape)
-        if not shape or shape[0] % local:
-            if not shape:
-                raise MeshkitError(
-                    f"meshkit.shard: the leaf at {path} is a scalar (shape ()); shard splits "
-                    f"a leading (batch) dimension over the {local} local devices.\nConsider "
-                    "meshkit.replicate for values every device needs whole."
-                )
+        if not isinstance(leaf, jax.Array | np.ndarray):
+            leaf = host_array("meshkit.shard", path, leaf)
+        shape = tuple(leaf.shape)
+        if not shape:
+            raise MeshkitError(
+                f"meshkit.shard: the leaf at {path} is a scalar (shape ()); shard splits a "
+                f"leading (batch) dimension over the {local} local devices.\nConsider "
+                "meshkit.replicate for values every device needs whole."
+            )
+        if shape[0] % local:
             raise MeshkitError(
                 _SHARD_SIZE.format(path=path, shape=shape, size=shape[0], local=local)
             )
-        out.append(value.reshape((local, shape[0] // local, *shape[1:])))
+        out.append(leaf.reshape((local, shape[0] // local, *shape[1:])))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-_PREFETCH = "meshkit.prefetch_to_device"
 
 
 @public
@@ -111,67 +84,46 @@ def prefetch_to_device(
 ) -> Iterator[Any]:
     """Put the elements of ``iterator`` on the devices ``size`` elements ahead (flax's).
 
-    Each element is a pytree whose leaves have one entry per local device along their leading
-    axis (as `shard` makes them); each leaf becomes a device-axis array, entry ``i`` on the
-    ``i``-th local device (with several processes a global array over every process's devices,
-    each process contributing its own entries). While the caller works on one element, the
-    next ``size`` are already being copied: at most ``size`` placed elements wait at any time
-    (plus the one handed out), so memory stays bounded.
+    Each leaf (one entry per local device along axis 0, as `shard` makes) becomes a
+    device-axis array. An error of ``iterator`` is raised after the elements before it.
+    ``size=0`` places each element when it is asked for.
 
-    An exception raised by ``iterator`` reaches the caller, with its own traceback, after the
-    elements before it have been yielded. ``size=0`` places each element when it is asked for
-    (flax's yields nothing then).
-
-    Args:
-        iterator: an iterator (or iterable) of pytrees of arrays with leading axis ``L``, the
-            number of local devices among ``devices``.
-        size: how many elements to place ahead (``>= 0``); 2 is usually enough.
-        devices: the devices of the device axis; default: every device of every process (this
-            process's local devices take its entries).
-
-    Returns:
-        An iterator over the placed elements.
-
-    Raises:
-        MeshkitError: ``size`` is negative or not an int; ``devices`` is not a valid device
-            list; (while iterating) a leaf's leading dimension is not ``L``.
-
-    Examples:
+    Example:
         >>> import numpy as np, meshkit
         >>> batches = (meshkit.shard({"x": np.full((16, 2), i, np.float32)}) for i in range(3))
         >>> [b["x"].shape for b in meshkit.prefetch_to_device(batches, size=2)]
         [(8, 2, 2), (8, 2, 2), (8, 2, 2)]
     """
-    what = _PREFETCH
+    what = "meshkit.prefetch_to_device"
     if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
         raise MeshkitError(
             f"{what}: size={size!r}; size is how many elements are placed ahead of the one in "
             "use, an int >= 0.\nConsider size=2."
         )
-    mesh = device_axis_mesh(devices, what)
-    return _prefetch(iter(iterator), int(size), mesh)
+    return _prefetch(iter(iterator), int(size), device_axis_mesh(devices, what))
 
 
-def _prefetch(source: Iterator[Any], size: int, mesh: Mesh) -> Iterator[Any]:
+def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
     mine = _device_axis.local_devices(mesh)
     queue: collections.deque[Any] = collections.deque()
     failure: BaseException | None = None
     count = 0
 
-    def place(element: Any, index: int) -> Any:
+    def place(element: Any) -> Any:
         named, treedef = tree_paths(element)
         out = []
         for path, leaf in named:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != len(mine):
+                shown = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
                 raise MeshkitError(
                     _PREFETCH_SIZE.format(
-                        path=path, index=index, shape=tuple(np.shape(leaf)), local=len(mine),
-                        devices=", ".join(str(d) for d in mine[:4])
-                        + (", ..." if len(mine) > 4 else ""),
+                        path=path, index=count, shape=tuple(np.shape(leaf)), local=len(mine),
+                        devices=shown,
                     )
                 )  # fmt: skip
-            value = leaf if isinstance(leaf, jax.Array) else host_array(_PREFETCH, path, leaf)
-            out.append(_device_axis.from_local(value, mesh, 0))
+            if not isinstance(leaf, jax.Array):
+                leaf = host_array("meshkit.prefetch_to_device", path, leaf)
+            out.append(_device_axis.from_local(leaf, mesh, 0))
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fill(until: int) -> None:
@@ -184,7 +136,7 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Mesh) -> Iterator[Any]:
             except Exception as e:  # delivered after the elements already placed
                 failure = e
                 return
-            queue.append(place(element, count))
+            queue.append(place(element))
             count += 1
 
     while True:
@@ -207,39 +159,15 @@ def pad_shard_unpad(
 ) -> Callable[..., Any]:
     """Pad the batch to a multiple of the local devices, shard, call, then unshard and unpad.
 
-    flax's ``pad_shard_unpad``: the returned function takes the same arguments as ``wrapped``.
-    Every array of the arguments that are not static (by default all but the first, usually
-    the parameters) has a leading batch dimension ``b``, the same for all; it is padded with
-    zeros to ``L * db`` rows (``L`` local devices, ``db = ceil(b / L)``, at least
-    ``min_device_batch`` when that keyword is given to the returned function, so that fewer
-    shapes get compiled) and reshaped to ``(L, db, ...)``, numpy on the host, like `shard`.
-    ``wrapped`` (typically a `meshkit.pmap_compat` or ``jax.pmap`` function) is called with
-    them; each output leaf of shape ``(L, db, ...)`` is brought to the host (this process's
-    entries of a global array), reshaped to ``(L * db, ...)`` and cut to its first ``b`` rows.
-    With several processes each process pads and unpads its own batch, to the per-device batch
-    of the process with the most rows (agreed through the coordination service), so that the
-    processes' arguments fit together.
+    flax's ``pad_shard_unpad``: every non-static argument's leaves share a batch size ``b``;
+    they are zero-padded to ``(L, db, ...)`` (``L`` local devices, ``db = ceil(b / L)``, at
+    least the returned function's ``min_device_batch=``), ``wrapped`` is called, and each
+    output is brought to the host, reshaped and cut to ``b`` rows (unless
+    ``static_return``). With several processes all pad to the largest per-device batch.
 
-    Args:
-        wrapped: the function to call on the padded, sharded arguments.
-        static_argnums: positions of arguments passed through untouched (negative counts from
-            the end).
-        static_argnames: names of keyword arguments passed through untouched.
-        static_return: return ``wrapped`` 's outputs as they are (not unsharded, unpadded).
-
-    Returns:
-        The wrapping function, with the extra keyword ``min_device_batch``.
-
-    Raises:
-        MeshkitError: (when called) the batched arguments disagree on the batch size, one of
-            their leaves is a scalar, or there is no batched argument; an output to unpad has
-            fewer than two dimensions.
-
-    Examples:
+    Example:
         >>> import numpy as np, meshkit
-        >>> def predict(w, x):
-        ...     return x * w  # on (devices, per-device batch, ...) arrays
-        >>> out = meshkit.pad_shard_unpad(predict)(2.0, np.arange(10, dtype=np.float32))
+        >>> out = meshkit.pad_shard_unpad(lambda w, x: x * w)(2.0, np.arange(10, dtype=np.float32))
         >>> out.shape, out.tolist()[-3:]
         ((10,), [14.0, 16.0, 18.0])
     """
@@ -252,29 +180,23 @@ def pad_shard_unpad(
         local = jax.local_device_count()
         fixed = {i % len(args) for i in statics if -len(args) <= i < len(args)}
         sizes: dict[str, int] = {}
-        for i, a in enumerate(args):
-            if i not in fixed:
-                _batch_sizes(a, f"args[{i}]", sizes)
-        for k, v in kwargs.items():
-            if k not in static_names:
-                _batch_sizes(v, f"{k}=", sizes)
+        batched = [(f"args[{i}]", a) for i, a in enumerate(args) if i not in fixed]
+        batched += [(f"{k}=", v) for k, v in kwargs.items() if k not in static_names]
+        for where, tree in batched:
+            _batch_sizes(tree, where, sizes)
         if not sizes:
             raise MeshkitError(
                 f"meshkit.pad_shard_unpad: {name} got no batched argument (all are static: "
                 f"static_argnums={statics}, static_argnames={sorted(static_names)}), so there "
                 "is no batch to pad and shard.\nConsider fewer static arguments."
             )
-        batches = set(sizes.values())
-        if len(batches) > 1:
+        if len(set(sizes.values())) > 1:
             listing = "\n".join(f"  {where}: {size}" for where, size in sizes.items())
             raise MeshkitError(_BATCH_SIZES.format(name=name, listing=listing))
-        b = batches.pop()
-        per_device = -(-b // local)
-        if min_device_batch is not None:
-            per_device = max(per_device, int(min_device_batch))
+        b = next(iter(sizes.values()))
+        per_device = max(-(-b // local), int(min_device_batch or 0))
         if jax.process_count() > 1:
-            # Every process pads to the largest per-device batch, so that their arguments fit
-            # together into one global array (pmap_compat checks that they do).
+            # Every process pads to the largest per-device batch, so that the parts fit.
             records = exchange_records(
                 "pad_shard_unpad", {"per_device": per_device}, "meshkit.pad_shard_unpad"
             )
@@ -282,10 +204,8 @@ def pad_shard_unpad(
 
         def pad(x: Any) -> np.ndarray:
             value = np.asarray(x)
-            extra = local * per_device - b
-            if extra:
-                zeros = np.zeros((extra, *value.shape[1:]), value.dtype)
-                value = np.concatenate([value, zeros])
+            extra = np.zeros((local * per_device - b, *value.shape[1:]), value.dtype)
+            value = np.concatenate([value, extra]) if len(extra) else value
             return value.reshape(local, per_device, *value.shape[1:])
 
         new_args = [a if i in fixed else jax.tree.map(pad, a) for i, a in enumerate(args)]
@@ -293,16 +213,13 @@ def pad_shard_unpad(
             k: v if k in static_names else jax.tree.map(pad, v) for k, v in kwargs.items()
         }
         out = wrapped(*new_args, **new_kwargs)
-        if static_return:
-            return out
-        return _unpad(out, b)
+        return out if static_return else _unpad(out, b)
 
     return wrapper
 
 
 def _batch_sizes(tree: Any, where: str, sizes: dict[str, int]) -> None:
-    named, _ = tree_paths(tree)
-    for path, leaf in named:
+    for path, leaf in tree_paths(tree)[0]:
         label = where + ("" if path == "(the array)" else path)
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             raise MeshkitError(
@@ -330,10 +247,8 @@ def _unpad(out: Any, b: int) -> Any:
                 "batch, ...), so each needs those two leading axes.\nConsider "
                 "static_return=True and unpadding the outputs yourself."
             )
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            fetched.append(local_from_global(leaf))
-        else:
-            fetched.append(leaf)
+        global_ = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        fetched.append(local_from_global(leaf) if global_ else leaf)
     host = jax.device_get(fetched)  # one batched transfer, then reshaped on the host
     rows = [np.asarray(x).reshape(-1, *np.shape(x)[2:])[:b] for x in host]
     return jax.tree_util.tree_unflatten(treedef, rows)
@@ -343,24 +258,10 @@ def _unpad(out: Any, b: int) -> Any:
 def get_metrics(device_metrics: Sequence[Any]) -> Any:
     """Stack a list of replicated metric pytrees into one pytree of numpy arrays (flax's).
 
-    flax's ``common_utils.get_metrics``: each element (one step's metrics, as a
-    `meshkit.pmap_compat` or ``jax.pmap`` step returns them, replicated across devices) is
-    unreplicated (this process's first entry, reading one shard per array), every step's
-    values come to the host in one transfer, and each leaf is stacked along a new leading
-    axis: leaves of shape ``s`` become ``(len(device_metrics), *s)``.
+    Each step's metrics are unreplicated, all come to the host in one transfer, and each leaf
+    of shape ``s`` becomes ``(len(device_metrics), *s)``.
 
-    Args:
-        device_metrics: a non-empty sequence of pytrees of one structure, with a leading
-            device axis on every array.
-
-    Returns:
-        The stacked metrics, numpy arrays in the elements' pytree structure.
-
-    Raises:
-        MeshkitError: ``device_metrics`` is empty, its elements differ in structure, or a leaf
-            has no leading axis.
-
-    Examples:
+    Example:
         >>> import numpy as np, meshkit
         >>> steps = [meshkit.replicate({"loss": np.float32(l)}) for l in (0.5, 0.25)]
         >>> meshkit.get_metrics(steps)
@@ -374,22 +275,13 @@ def get_metrics(device_metrics: Sequence[Any]) -> Any:
             "calling it once some steps' metrics are collected."
         )
     treedef0 = jax.tree_util.tree_structure(steps[0])
-    reads: list[tuple[int, int, jax.Array]] = []  # (step, leaf index, data)
-    firsts: list[list[Any]] = []
     for i, step in enumerate(steps):
-        treedef, out, step_reads = first_entries(step, what)
+        treedef = jax.tree_util.tree_structure(step)
         if treedef != treedef0:
             raise MeshkitError(
                 f"{what}: device_metrics[{i}] has the pytree structure {treedef}, but "
                 f"device_metrics[0] has {treedef0}; the steps are stacked leaf by leaf.\n"
                 "Consider returning the same metrics from every step."
             )
-        reads += [(i, k, data) for k, _, data in step_reads]
-        firsts.append(out)
-    # The shards themselves come to the host (one transfer), then lose their leading entry
-    # there: no device work per metric.
-    host = jax.device_get([data for _, _, data in reads])
-    for (i, k, _), value in zip(reads, host, strict=True):
-        firsts[i][k] = np.asarray(value)[0]
-    stacked = [np.stack([np.asarray(f[k]) for f in firsts]) for k in range(len(firsts[0]))]
-    return jax.tree_util.tree_unflatten(treedef0, stacked)
+    host = jax.device_get([first_entries(step, what) for step in steps])  # one transfer
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *host)

@@ -1,33 +1,16 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-Each mapped argument's mapped dimension (``in_axes``) has one entry per device. The devices form
-a 1-D mesh (`meshkit._src.pmap.device_axis`), the mapped dimension is split over it, and inside
-`jax.shard_map` each device's block (one entry) loses that dimension, so the function sees what
-`jax.pmap` showed it. Outputs get the dimension back at ``out_axes``. By default they are what
-`jax.pmap` returns in every process count: in a multi-process run, arrays of this process's
-entries over its own devices; ``global_outputs=True`` gives global arrays over every device.
-
-A call is classified before anything runs, never retried:
-
-1. the call's structure (positional count, static values, keyword names, pytree) selects a
-   cached layout: each leaf's mapped axis and name for messages;
-2. if JAX is tracing (``jax.jit``, ``jax.grad``, ``jax.make_jaxpr`` around the call), the
-   function is traced over this process's devices, as `jax.pmap` does;
-3. otherwise, when every leaf is already an array laid out as the cached entry expects (the
-   steady state: earlier outputs fed back), the entry's jit is called at once;
-4. otherwise each leaf is classified (placed as needed / host data / process-local device
-   array / another layout) and placed, and the entry for its mapped size is called.
-
-An entry (`meshkit._src.pmap.entry`: one `jax.jit` over the flat leaves, with an argument plan
-as `spmd` has, `meshkit._src.sharding.argument_plan`) is traced once per signature. Outputs
-promised equal on every device (``out_axes=None``) are checked on that trace by
-`meshkit._src.spmd.variance`.
+A call's structure selects a cached layout and entry (`meshkit._src.pmap.entry`); arguments
+already placed as that entry expects go straight to its jit, others are placed first. Inside
+an enclosing trace it maps over this process's devices, as `jax.pmap` does. ``.lower()`` gives
+`Lowered` / `Compiled`, called with the function's own arguments in any process count.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -43,12 +26,9 @@ from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
 from . import axes
 from . import device_axis as _device_axis
-from .entry import TRACING, Entry, Mapped, build, mesh_context, process_local
-from .stages import Lowered, Stage, signature
+from .entry import TRACING, Entry, build, mesh_context
 
-__all__ = ["PmapFunction", "pmap_compat"]
-
-_ANON_AXIS = "_pmap_compat"
+__all__ = ["Compiled", "Lowered", "PmapFunction", "pmap_compat"]
 
 
 class PmapFunction:
@@ -77,66 +57,52 @@ class PmapFunction:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.name = name = _canonical.function_name(fun)
+        self.what = what = f"meshkit.pmap_compat({name})"
         if axis_name is not None and not isinstance(axis_name, str):
             raise MeshkitTypeError(
-                f"meshkit.pmap_compat({name}): axis_name must be a string (or None); got "
-                f"{axis_name!r}.\nMesh axes are named by strings; consider axis_name='batch'."
+                f"{what}: axis_name must be a string (or None); got {axis_name!r}.\nMesh axes "
+                "are named by strings; consider axis_name='batch'."
             )
         self.axis_name = axis_name
-        self.mesh_axis = axis_name if axis_name is not None else _ANON_AXIS
-        if isinstance(in_axes, list):
-            in_axes = tuple(in_axes)
+        self.mesh_axis = axis_name if axis_name is not None else "_pmap_compat"
+        in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
         axes.check_axes_tree(in_axes, "in_axes", name)
         axes.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
-        what = f"meshkit.pmap_compat({name})"
         self.static = argnums(static_broadcasted_argnums, "static_broadcasted_argnums", what)
         self.donate = argnums(donate_argnums, "donate_argnums", what)
         both = set(self.static) & set(self.donate)
         if both:
             raise MeshkitError(
-                f"meshkit.pmap_compat({name}): argument(s) {sorted(both)} are both static and "
-                "donated; a static argument is a Python value, it has no buffer to donate."
+                f"{what}: argument(s) {sorted(both)} are both static and donated; a static "
+                "argument is a Python value, it has no buffer to donate."
             )
         if axis_size is not None and (
             isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1
         ):
-            raise MeshkitError(
-                f"meshkit.pmap_compat({name}): axis_size must be a positive int; got {axis_size!r}."
-            )
+            raise MeshkitError(f"{what}: axis_size must be a positive int; got {axis_size!r}.")
         self.axis_size = axis_size
         if devices is not None and backend is not None:
-            raise MeshkitError(
-                f"meshkit.pmap_compat({name}): give devices= or backend=, not both (as jax.pmap)."
-            )
+            raise MeshkitError(f"{what}: give devices= or backend=, not both (as jax.pmap).")
         if devices is not None and not list(devices):
             raise MeshkitError(
-                f"meshkit.pmap_compat({name}): 'devices' argument to pmap must be non-empty, or "
-                "None.\nConsider devices=None (every device of every process) or a list such "
-                "as jax.local_devices()."
+                f"{what}: 'devices' argument to pmap must be non-empty, or None.\nConsider "
+                "devices=None (every device of every process) or a list such as "
+                "jax.local_devices()."
             )
         self.devices = list(devices) if devices is not None else None
         self.backend = backend
         self.global_outputs = bool(global_outputs)
         out_leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
-        self._mapped = Mapped(
-            fun=fun,
-            name=name,
-            what=what,
-            axis_name=axis_name,
-            mesh_axis=self.mesh_axis,
-            out_axes=out_axes,
-            static=self.static,
-            global_outputs=self.global_outputs,
-            out_axes_fixed=all(a is None or a >= 0 for a in out_leaves),
-            checks_outputs=any(a is None for a in out_leaves),
-        )
+        # Non-negative out_axes fix each output's sharding before tracing.
+        self.out_axes_fixed = all(a is None or a >= 0 for a in out_leaves)
+        self.checks_outputs = any(a is None for a in out_leaves)
+        self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
         self._layouts: dict[Any, axes.Layout] = {}
         self._entries: dict[Any, Entry] = {}
-        # Per structure of the arguments (calls without keywords or statics): the entry the
-        # last call used, for the steady-state test of the next. A call inside jax.set_mesh
-        # is not steady: it runs in this function's mesh (`mesh_context`).
+        # Per structure of positional-only calls: the entry the last call used, for the
+        # steady-state test of the next.
         self._steady: dict[Any, Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
@@ -149,29 +115,19 @@ class PmapFunction:
             },
         )
 
-    # ---- calls ------------------------------------------------------------------------------
-
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _dispatch.enter(self._site, args)
         if not (kwargs or self.static):
-            # The steady state of a loop: no keywords or statics, every leaf already placed
-            # as the entry of this structure expects, nothing tracing. Each step here shows in
-            # the per-call time, so this path does only what deciding needs.
+            # The steady state of a loop: every leaf placed as the last entry expects.
             leaves, treedef = jax.tree_util.tree_flatten(args)
             entry = self._steady.get(treedef)
             if entry is not None and entry.plan.placed(leaves) and _compat.idle():
-                out = entry.jitted(*leaves)
-                return jax.tree_util.tree_map(process_local, out) if entry.local_out else out
-        return self._call(args, kwargs)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                return entry.finish(entry.jitted(*leaves))
         outer = TRACING.get()
-        if outer is not None and outer is not self._mapped:
+        if outer is not None and outer is not self:
             return self._nested(args, kwargs)
-        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
-        leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
-        entry, placed = self._classify(key, treedef, leaves)
+        _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
         with mesh_context(entry.plan.mesh):
@@ -180,35 +136,18 @@ class PmapFunction:
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a method decorator: ``self`` becomes the first argument, as with `jax.pmap`."""
-        if obj is None:
-            return self
-        return functools.partial(self, obj)
+        return self if obj is None else functools.partial(self, obj)
 
     @public
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Lower for these arguments, like ``jax.pmap(f).lower``: ``.as_text()``, ``.compile()``.
-
-        The compiled function takes the same arguments as this one (static ones may be left
-        out, as with `jax.jit`) and returns the same outputs.
-        """
-        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
-        leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
-        entry, placed = self._classify(key, treedef, leaves)
+        """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
+        key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
         with mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
-        stage = Stage(
-            what=self._what,
-            static=self.static,
-            key=key,
-            treedef=treedef,
-            paths=entry.plan.paths,
-            given=signature(leaves),
-            dynamic=functools.partial(dynamic, static=self.static),
-            place=entry.place,
-            finish=entry.finish,
+        return Lowered(
+            Stage(self.what, self.static, key, treedef, signature(leaves), entry), lowered
         )
-        return Lowered(stage, lowered)
 
     @property
     def calls(self) -> int:
@@ -218,22 +157,14 @@ class PmapFunction:
     def __repr__(self) -> str:
         return f"<meshkit.pmap_compat {self.name} axis_name={self.axis_name!r}>"
 
-    @property
-    def _what(self) -> str:
-        return f"meshkit.pmap_compat({self.name})"
-
-    # ---- classification ---------------------------------------------------------------------
-
-    def _classify(
-        self, key: tuple[Any, ...], treedef: Any, leaves: list[Any]
-    ) -> tuple[Entry, list[Any]]:
-        """The entry for this call and its leaves placed for it (the call's slow path)."""
-        dyn, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
+        key = axes.call_key(args, kwargs, self.static, self.what, self.name)
+        leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         layout = self._layouts.get((key, treedef))
         if layout is None:
-            layout = axes.layout(
-                self.in_axes, self.static, self.donate, key[0], dyn, kwargs, self._what
-            )
+            dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
+            layout = axes.layout(self.in_axes, self.static, self.donate, key[0], dyn, kw, self.what)
             self._layouts[(key, treedef)] = layout
         resolved = tuple(
             axes.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
@@ -241,20 +172,30 @@ class PmapFunction:
         )
         tracing = not _compat.trace_state_clean()
         processes = jax.process_count()
-        sizes = {
-            _local_size(leaf, r, processes)
-            for leaf, r in zip(leaves, resolved, strict=True)
+        mapped = [
+            (leaf, r, where)
+            for leaf, r, where in zip(leaves, resolved, layout.paths, strict=True)
             if r is not None
-        }
+        ]
+        sizes = {_local_size(leaf, r, processes) for leaf, r, _ in mapped}
         if len(sizes) > 1:
-            raise MeshkitError(self._mapped_size_error(leaves, resolved, layout.paths))
+            rows = [
+                f"  {where}: shape {tuple(np.shape(leaf))}, mapped axis {r} of size "
+                f"{np.shape(leaf)[r]}"
+                for leaf, r, where in mapped
+            ]
+            raise MeshkitError(
+                f"{self.what}: the mapped arguments have different sizes along their mapped "
+                "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
+                "device; consider in_axes=None for an argument every device gets whole."
+            )
         if sizes:
             size = sizes.pop()
         elif self.axis_size is not None:
             size = self.axis_size
         else:
             raise MeshkitError(
-                f"{self._what}: pmap requires at least one argument with a mapped axis.\nEvery "
+                f"{self.what}: pmap requires at least one argument with a mapped axis.\nEvery "
                 "in_axes entry is None; consider in_axes=0 for the argument with one entry per "
                 "device, or axis_size= to map a function of no mapped argument."
             )
@@ -262,107 +203,66 @@ class PmapFunction:
         entry_key = (key, treedef, resolved, mesh, tracing)
         entry = self._entries.get(entry_key)
         if entry is None:
-            entry = self._entries[entry_key] = build(
-                self._mapped, key, treedef, layout, resolved, mesh, tracing
-            )
-        if tracing:
-            return entry, leaves
-        return entry, entry.place(leaves, treedef)
-
-    # ---- meshes -----------------------------------------------------------------------------
-
-    def _pool(self) -> list[Any]:
-        """The devices this function may map over (all of them, or devices=/backend=)."""
-        if self.devices is not None:
-            return self.devices
-        return list(jax.devices(self.backend) if self.backend else jax.devices())
+            entry = build(self, key, treedef, layout, resolved, mesh, tracing)
+            self._entries[entry_key] = entry
+        placed = leaves if tracing else entry.place(leaves, treedef)
+        return key, treedef, leaves, entry, placed
 
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
-        """The mesh for ``per_process`` entries in each process.
-
-        ``local_only``: traced inside a transformation in a multi-process run, where `jax.pmap`
-        maps over this process's devices only.
-        """
-        pool = self._pool()
-        me = jax.process_index()
-        mine = [d for d in pool if d.process_index == me]
-        if local_only:
-            if per_process == len(pool):  # a global array traced by an enclosing jit
-                return _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
-            if per_process > len(mine):
-                raise MeshkitError(self._size_error(per_process, len(mine), "on this process"))
-            chosen = sorted(mine, key=lambda d: d.id)[:per_process]
-            return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
+        """The first ``per_process`` devices of each process (``local_only``: of this one)."""
         if self.devices is not None:
-            # jax.pmap maps entry i to devices[i] (in one process; across processes meshkit
-            # orders them by process so that each process's entries are contiguous).
-            mesh = _device_axis.device_mesh(pool, self.mesh_axis, what=self._what, keep_order=True)
+            pool = _device_axis.check_devices(self.devices, self.what)
+        else:
+            pool = list(jax.devices(self.backend) if self.backend else jax.devices())
+        name = self.mesh_axis
+        if local_only and per_process == len(pool):  # a global array traced by an enclosing jit
+            return _device_axis.device_mesh(pool, name)
+        me = jax.process_index()
+        if self.devices is not None and not local_only:
+            # jax.pmap maps entry i to devices[i] (in one process).
+            mesh = _device_axis.device_mesh(pool, name, keep_order=True)
             local = len(_device_axis.local_devices(mesh))
             if per_process != local:
                 raise MeshkitError(self._size_error(per_process, local, "given in devices="))
             return mesh
-        if per_process > len(mine):
-            raise MeshkitError(self._size_error(per_process, len(mine), "on this process"))
-        if per_process == len(mine):
-            return _device_axis.device_mesh(pool, self.mesh_axis, what=self._what)
-        # Fewer entries than devices: the first n devices of each process, as jax.pmap did.
-        by_process: dict[int, list[Any]] = {}
+        if local_only:
+            pool = [d for d in pool if d.process_index == me]
+        have = sum(d.process_index == me for d in pool)
+        if per_process > have:
+            raise MeshkitError(self._size_error(per_process, have, "on this process"))
+        taken: dict[int, int] = {}
+        chosen = []
         for d in sorted(pool, key=lambda d: (d.process_index, d.id)):
-            by_process.setdefault(d.process_index, []).append(d)
-        chosen = [d for ds in by_process.values() for d in ds[:per_process]]
-        return _device_axis.device_mesh(chosen, self.mesh_axis, what=self._what)
+            taken[d.process_index] = taken.get(d.process_index, 0) + 1
+            if taken[d.process_index] <= per_process:
+                chosen.append(d)
+        return _device_axis.device_mesh(chosen, name)
 
     def _size_error(self, n: int, have: int, where: str) -> str:
         return (
-            f"{self._what}: the mapped axis has size {n}, which requires {n} devices, but only "
+            f"{self.what}: the mapped axis has size {n}, which requires {n} devices, but only "
             f"{have} {'is' if have == 1 else 'are'} available {where} (jax.local_devices(): "
             f"{jax.local_device_count()}).\nEach process maps one entry per local device; "
             "consider a mapped size of at most the local device count (meshkit.shard(batch) "
             "reshapes a batch that way)."
         )
 
-    def _mapped_size_error(
-        self, leaves: list[Any], resolved: tuple[axes.Axis, ...], paths: tuple[str, ...]
-    ) -> str:
-        rows = []
-        for leaf, r, where in zip(leaves, resolved, paths, strict=True):
-            if r is not None:
-                n = np.shape(leaf)[r]
-                rows.append(
-                    f"  {where}: shape {tuple(np.shape(leaf))}, mapped axis {r} of size {n}"
-                )
-        return (
-            f"{self._what}: the mapped arguments have different sizes along their mapped "
-            "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
-            "device; consider in_axes=None for an argument every device gets whole."
-        )
-
-    # ---- nested -----------------------------------------------------------------------------
-
     def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called while an enclosing pmap_compat traces: mapped on each of its devices by vmap.
-
-        Old nested pmaps split devices between the two axes; today `jax.pmap` refuses them. The
-        inner axis runs vectorized on each device of the outer one, so collectives over either
-        axis or both compute what the old nesting computed.
-        """
-        outer = TRACING.get()
-        if outer is not None and outer.mesh_axis == self.mesh_axis:
+        """Called while an enclosing pmap_compat traces: vmap on each of its devices."""
+        if TRACING.get().mesh_axis == self.mesh_axis:
             raise MeshkitError(
-                f"{self._what}: called inside a pmap_compat over the same axis name "
+                f"{self.what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        key = axes.call_key(args, kwargs, self.static, self._what, self.name)
-        n_args = key[0]
-        statics = dict(zip(self.static, key[1], strict=True))
+        n_args = axes.call_key(args, kwargs, self.static, self.what, self.name)[0]
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = axes.in_axes_for(self.in_axes, n_args, kwargs, self._what)
+        in_axes = axes.in_axes_for(self.in_axes, n_args, kwargs, self.what)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
-            it = iter(dyn)
-            return self.fun(
-                *[statics[i] if i in statics else next(it) for i in range(n_args)], **kw
-            )
+            full = list(args)
+            for i, value in zip(positions, dyn, strict=True):
+                full[i] = value
+            return self.fun(*full, **kw)
 
         mapped = jax.vmap(
             dyn_fun,
@@ -388,57 +288,16 @@ def pmap_compat(
     donate_argnums: int | Sequence[int] = (),
     global_outputs: bool = False,
 ) -> Any:
-    """`jax.pmap`'s interface and results on mesh sharding: ``jax.jit(jax.shard_map(...))``.
+    """`jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-    Old pmap code runs by changing ``jax.pmap`` to ``meshkit.pmap_compat``: arguments carry one
-    entry per local device along their mapped axis (``in_axes``), named-axis collectives
-    (``jax.lax.psum(x, axis_name)``, `meshkit.collectives`) span every device of every process,
-    and outputs are what `jax.pmap` returns, in one process and in several: in a multi-process
-    run each process gets arrays of its own entries over its own devices, so host reads
-    (``np.asarray(out)``, ``jax.device_get(out)``, ``out[0]``) give what they gave. Differences
-    from `jax.pmap`, all on the side of safety:
+    Old pmap code runs by changing ``jax.pmap`` to ``meshkit.pmap_compat``; collectives span
+    every device of every process and outputs are what `jax.pmap` returns. Unlike it,
+    ``out_axes=None`` is checked to be the same on every device (`UncheckedOutputWarning`
+    where it cannot be), negative axes count from the end, a nested ``pmap_compat`` runs
+    vectorized on each outer device, and ``global_outputs=True`` returns global arrays over
+    every process's devices. Other parameters are `jax.pmap`'s.
 
-    * ``out_axes=None`` checks that the value is the same on every device (on the traced
-      program, once per signature) instead of returning device 0's value; where the check
-      cannot follow the value it warns (`UncheckedOutputWarning`);
-    * negative ``in_axes`` / ``out_axes`` count from the end, as in `jax.vmap`;
-    * errors name the argument, its shape, the mapped axis and the device count (with the same
-      exception classes and key phrases as `jax.pmap`'s);
-    * a nested ``pmap_compat`` runs vectorized on each device of the outer axis;
-    * ``global_outputs=True`` (opt-in) returns global arrays over every device of every process
-      instead, which a later `jax.jit`, `meshkit.gather` or a checkpointer sees whole.
-
-    Args:
-        fun: the per-device function. Omit it to use ``pmap_compat`` as a decorator (also with
-            `functools.partial`, and on methods with ``static_broadcasted_argnums=(0,)``).
-        axis_name: the name collectives use for the mapped axis (a string), or None.
-        in_axes: which axis of each positional argument is mapped: an int, None (every device
-            gets the whole argument), or a tuple with one entry (int, None or pytree prefix)
-            per positional argument. Keyword arguments are mapped on axis 0.
-        out_axes: where the device axis goes in each output: an int, None (the output must be
-            the same on every device), or a pytree prefix of the outputs.
-        static_broadcasted_argnums: positional arguments passed as Python values (hashable),
-            compiled into the function.
-        devices: the devices to map over (default: every device of every process). The mapped
-            size must then equal this process's share of them.
-        backend: the platform whose devices to use (``"cpu"``, ``"gpu"``, ``"tpu"``).
-        axis_size: the mapped size when no argument is mapped.
-        donate_argnums: positional arguments whose buffers may be reused for the outputs.
-        global_outputs: in a multi-process run, return global arrays over every device (see
-            above) instead of `jax.pmap`'s per-process arrays. No effect in one process.
-
-    Returns:
-        A `PmapFunction`: call it like the original; ``.lower(*args)`` lowers it, and the
-        lowered function's ``.compile()`` is called with the same arguments.
-
-    Raises:
-        MeshkitError: a mapped size larger than the local device count or differing between
-            arguments; ``in_axes`` not a prefix of the arguments; static arguments passed by
-            keyword or unhashable; ``out_axes=None`` on a value that varies across devices.
-            `MeshkitTypeError` (also a `TypeError`), `MeshkitIndexError` (an `IndexError`) and
-            `MeshkitNameError` (a `NameError`) where `jax.pmap` raises those classes.
-
-    Examples:
+    Example:
         >>> import jax, numpy as np, meshkit
         >>> n = jax.local_device_count()
         >>> @meshkit.pmap_compat(axis_name="batch")
@@ -447,9 +306,6 @@ def pmap_compat(
         >>> out = normalize(np.ones((n, 2), np.float32))
         >>> out.shape == (n, 2), float(out.sum())
         (True, 1.0)
-        >>> total = meshkit.pmap_compat(lambda x: jax.lax.psum(x, "i"), "i", out_axes=None)
-        >>> total(np.arange(n, dtype=np.float32)).tolist() == float(n * (n - 1) / 2)
-        True
     """
 
     def wrap(f: Callable[..., Any]) -> PmapFunction:
@@ -479,3 +335,82 @@ def _local_size(leaf: Any, axis: int, processes: int) -> int:
     ):
         return n // processes
     return n
+
+
+def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
+    """Each leaf's shape and dtype as given (before placement)."""
+    return [(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
+
+    what: str
+    static: tuple[int, ...]
+    key: Any
+    treedef: Any
+    given: list[tuple[tuple[int, ...], str]]
+    entry: Entry
+
+
+class Lowered:
+    """``pmap_compat(f).lower(...)``: JAX's `Lowered`, with `compile` keeping f's signature."""
+
+    def __init__(self, stage: Stage, lowered: Any) -> None:
+        self._stage = stage
+        self.lowered = lowered
+
+    @public
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        """Compile; the result is called like the pmapped function."""
+        return Compiled(self._stage, self.lowered.compile(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)  # as_text, compiler_ir, cost_analysis, ...
+
+
+class Compiled:
+    """A compiled `pmap_compat` function: call it with the arguments it was lowered for."""
+
+    def __init__(self, stage: Stage, compiled: Any) -> None:
+        self._stage = stage
+        self.compiled = compiled
+
+    @public
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stage = self._stage
+        n_args, static_vals, _ = stage.key
+        if stage.static and len(args) == n_args:  # static arguments given again: they must match
+            given = tuple(args[i] for i in stage.static)
+            if given != static_vals:
+                raise MeshkitTypeError(
+                    f"{stage.what}: compiled for static arguments {static_vals}, called with "
+                    f"{given}.\nConsider lowering again for these values."
+                )
+            args = dynamic(args, stage.static)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if treedef != stage.treedef:
+            raise MeshkitTypeError(
+                f"{stage.what}: Function compiled with input pytree does not match the input "
+                f"pytree it was called with.\ncompiled for: {stage.treedef}\ncalled with:  "
+                f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
+                "for, or lowering again."
+            )
+        now = signature(leaves)
+        if now != stage.given:
+            rows = [
+                f"  {where}: compiled for {want[1]}{list(want[0])}, called with "
+                f"{got[1]}{list(got[0])}"
+                for where, want, got in zip(stage.entry.plan.paths, stage.given, now, strict=True)
+                if want != got
+            ]
+            raise MeshkitTypeError(
+                f"{stage.what}: Argument types differ from the types for which this computation "
+                "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
+                "arguments, or calling the pmapped function itself (it compiles per signature)."
+            )
+        return stage.entry.finish(self.compiled(*stage.entry.place(leaves)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)  # as_text, cost_analysis, ...

@@ -1,13 +1,7 @@
 """JAX's persistent compilation cache, as `meshkit.init` turns it on, and its compile times.
 
-The directory comes from `meshkit.init`'s ``compilation_cache=``, else
-``MESHKIT_COMPILATION_CACHE`` (set by ``meshkit launch --compilation-cache``), else meshkit
-sets none. It is set before this process compiles anything: JAX opens its cache at the first
-compilation and keeps that directory. Why several processes may share one directory is in
-``docs/multi-host.md`` ("A compilation cache shared by restarts and hosts").
-
-Under ``meshkit launch`` each rank reports its compile time (`watch`): a ``compiled`` event after
-each compilation with the totals so far, for the launcher's restart report.
+The directory comes from ``compilation_cache=``, else ``MESHKIT_COMPILATION_CACHE``; it is set
+before anything compiles. Under ``meshkit launch`` each compilation emits a ``compiled`` event.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
 
 __all__ = ["enable", "totals", "watch"]
 
-# jax.monitoring's names (JAX 0.10.2 and 0.12): the time to compile or fetch one program from
-# the persistent cache (jax/_src/dispatch.py BACKEND_COMPILE_EVENT), and a persistent cache hit.
+# jax.monitoring's event names (JAX 0.10.2 and 0.12).
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
@@ -35,19 +28,7 @@ _JAX_DEFAULT_MIN_TIME = 1.0
 def enable(
     directory: str | os.PathLike[str] | None, *, called: str = "meshkit.init()"
 ) -> str | None:
-    """Set JAX's compilation cache directory from the argument, else the environment.
-
-    Args:
-        directory: `meshkit.init`'s ``compilation_cache`` (None: not passed).
-        called: what was called, for the message.
-
-    Returns:
-        The absolute directory set, or None when neither gives one.
-
-    Raises:
-        MeshkitError: the directory cannot be created or written; the message names it and
-            where it came from.
-    """
+    """Set JAX's compilation cache directory from the argument, else the environment."""
     if directory is not None:
         source = "from the argument compilation_cache"
     else:
@@ -59,8 +40,7 @@ def enable(
         return None
     path = writable(directory, called=called, source=source)
     jax.config.update("jax_compilation_cache_dir", path)
-    # JAX writes only programs that took this long to compile: at JAX's default, keep the small
-    # programs of a CPU run too (a value the program set stays).
+    # At JAX's default minimum compile time, cache small programs too.
     if jax.config.values.get(_MIN_TIME) == _JAX_DEFAULT_MIN_TIME:
         jax.config.update(_MIN_TIME, 0.0)
     return path

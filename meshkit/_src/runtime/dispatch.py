@@ -1,13 +1,7 @@
 """The one choke point every SPMD entry of meshkit passes before it runs.
 
-`spmd`, `pmap_compat`, `global_array_from_local` and `make_mesh` create one `CallSite` each and
-call `enter` on every call. With no observer installed that is a counter increment and one
-truthiness test per watcher (observers, debug mode), nothing measurable next to a JAX dispatch.
-While debug mode is on (`meshkit._src.debug`), its check sees the site and the call's arguments
-before anything runs, as do observers (tests, tools); what they raise reaches the caller
-unchanged, and the call does not run. The first call of the process also checks that a rank of
-``meshkit launch`` has joined and decides debug mode from ``MESHKIT_DEBUG`` when `meshkit.init`
-has not; nothing here is registered at import.
+`enter` counts the call and shows it to observers and debug mode's check, if any; without them
+it costs a counter increment. The first call checks that a launched rank has joined.
 """
 
 from __future__ import annotations
@@ -29,27 +23,14 @@ from ..debug import state as _debug
 from . import init as _runtime
 
 __all__ = [
-    "CallSite",
-    "Observer",
-    "add_observer",
-    "enter",
-    "observing",
-    "origin",
-    "param_names",
-    "remove_observer",
-]
+    "CallSite", "Observer", "add_observer", "enter", "observing", "origin", "param_names",
+    "quiet", "remove_observer",
+]  # fmt: skip
 
 
 @dataclass(eq=False)
 class CallSite:
-    """One SPMD entry point a program created (for example one `meshkit.spmd` function).
-
-    Attributes:
-        kind: which meshkit entry created it (``"spmd"``, ...).
-        name: the user's function name (``module.qualname``), for messages.
-        calls: how many times it has been entered in this process.
-        info: entry-specific facts observers may use (mesh, specs, ...).
-    """
+    """One SPMD entry point a program created (for example one `meshkit.spmd` function)."""
 
     kind: str
     name: str
@@ -71,14 +52,7 @@ _origins: dict[str, int] = {}
 
 
 def origin(fn: Callable[..., Any]) -> str:
-    """Where ``fn`` was defined (``file.py:line``), numbered when one definition makes several.
-
-    The k-th (k >= 2) call site made from the same definition in this process gets ``#k``
-    (lambdas made in a loop share one definition). Processes that make their functions in the
-    same order give them the same origins, so `meshkit.debug` can tell two calls of different
-    functions with the same name apart. The file's base name only: checkouts may live in
-    different directories on different hosts.
-    """
+    """Where ``fn`` was defined (``file.py:line``), numbered when one definition makes several."""
     target = fn
     while isinstance(target, functools.partial):
         target = target.func
@@ -94,12 +68,7 @@ Observer = Callable[[CallSite, tuple[Any, ...]], None]
 
 
 def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
-    """At this process's first SPMD call: a rank of `meshkit launch` must have joined.
-
-    The dispatch point's own step, not an observer anyone registers: it removes itself first,
-    so later calls pay nothing. ``MESHKIT_DEBUG=1`` turns debug mode on here when `meshkit.init`
-    has not (this call is then the first one checked).
-    """
+    """At this process's first SPMD call: a rank of `meshkit launch` must have joined."""
     remove_observer(_first_call_step)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
@@ -121,6 +90,15 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
             observer(site, args)
     if _debug.state.settings is not None:
         _debug_check.check(site, args)
+
+
+def quiet() -> bool:
+    """Whether `enter` would only count the call: no observer, no kept failure, debug off.
+
+    Entries with a steady fast path (`meshkit.spmd` on placed inputs) test this and count
+    the call themselves.
+    """
+    return not _observers and not _agree.failures and _debug.state.settings is None
 
 
 def add_observer(observer: Observer) -> None:

@@ -1,10 +1,7 @@
 """``jax.distributed.initialize``'s timeouts, as `meshkit.init` passes them.
 
-The initialization, heartbeat and shutdown timeouts each come from `meshkit.init`'s argument,
-else its environment variable (which ``meshkit launch`` sets from its flag), else JAX's default
-stays. ``initialization_timeout``, ``heartbeat_timeout_seconds`` and
-``shutdown_timeout_seconds`` are parameters of ``jax.distributed.initialize`` in JAX 0.10.2 and
-0.12; a JAX without one is an error naming the option, raised before anything is joined.
+Each comes from the argument, else its environment variable, else JAX's default; a JAX without
+the parameter is an error raised before joining.
 """
 
 from __future__ import annotations
@@ -32,11 +29,11 @@ meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{ori
 JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
 Consider {name}=SECONDS, e.g. {name}=120."""
 
-_UNSUPPORTED = """\
-meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
-jax.distributed.initialize, so it cannot be passed{origin}.
-{checked} have it.
-Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+_UNSUPPORTED = f"""\
+meshkit.init({{name}}=...): the running JAX {{version}} has no {{parameter}} parameter in
+jax.distributed.initialize, so it cannot be passed{{origin}}.
+{JAX_CHECKED} have it.
+Consider installing one of those JAX versions, or leaving {{name}} unset (JAX then keeps its own
 default)."""
 
 
@@ -45,18 +42,7 @@ def _origin(variable: str | None) -> str:
 
 
 def chosen(**given: Any) -> dict[str, Any]:
-    """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment.
-
-    Args:
-        **given: `OPTIONS`' names with the values passed to `meshkit.init` (None: not passed).
-
-    Raises:
-        MeshkitError: a value, given or from its variable, that is not a whole number >= 1.
-
-    Example:
-        >>> chosen(heartbeat_timeout=60, shutdown_timeout=None)  # with no variables set
-        {'heartbeat_timeout_seconds': 60}
-    """
+    """The options to pass, as ``{jax parameter: seconds}``, from arguments else environment."""
     options = {}
     for name, (parameter, variable) in OPTIONS.items():
         value, origin = given.get(name), None
@@ -65,11 +51,8 @@ def chosen(**given: Any) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise MeshkitError(
-                _BAD_VALUE.format(
-                    name=name, value=value, origin=_origin(origin), parameter=parameter
-                )
-            )
+            what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
+            raise MeshkitError(_BAD_VALUE.format(**what))
         options[parameter] = value
     return options
 
@@ -88,13 +71,7 @@ def _parameters(initialize: Callable[..., Any]) -> set[str]:
 def check_supported(
     options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
 ) -> None:
-    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``.
-
-    Args:
-        options: `chosen`'s answer (the initialization timeout is always passed, and checked).
-        initialize: the function to read (default: ``jax.distributed.initialize``).
-        version: the JAX version for the message (default: ``jax.__version__``).
-    """
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
     if initialize is None:
         import jax
 
@@ -106,8 +83,5 @@ def check_supported(
             continue
         name, variable = by_parameter.get(parameter, ("timeout", None))
         origin = _origin(variable) if _env.raw(variable or "") is not None else ""
-        raise MeshkitError(
-            _UNSUPPORTED.format(
-                name=name, version=version, parameter=parameter, origin=origin, checked=JAX_CHECKED
-            )
-        )
+        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
+        raise MeshkitError(text)

@@ -1,20 +1,13 @@
 """Which host each process runs on, learned in one exchange when the processes join.
 
-A *host* is one machine: the processes on it share memory and a fast interconnect between their
-devices (NVLink, a host's PCIe), while hosts talk over the network. `make_mesh` keeps inner mesh
-axes inside a host, whatever the ranks of its processes, so it needs to know which processes
-share one. Each process names its host by its hostname and the machine's boot id (two machines
-that share a hostname, as containers may, stay apart; two network namespaces of one machine with
-their own hostnames, as the test suite's simulated hosts, are apart too); ``MESHKIT_HOST``
-overrides the name (one value per machine, any text).
-
-The exchange is one `meshkit._src.coord.combine`: process 0 collects every name and publishes a
-run-length table (hosts ordered by their lowest process), so each process reads O(hosts) text,
-not O(processes) records.
+A host is named by its hostname and boot id (``MESHKIT_HOST`` overrides); process 0 gathers
+every name and publishes a run-length table. `make_mesh` keeps inner axes inside a host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import socket
@@ -39,10 +32,9 @@ class Hosts:
     """The hosts of a program: which processes run on which machine.
 
     Attributes:
-        names: each host's name (its hostname, or ``MESHKIT_HOST``), hosts ordered by their
-            lowest process index; two machines that share a hostname get ``#2``, ``#3``... after
-            it.
-        of_process: for each process index, the index of its host in ``names``.
+        names: each host's name (hostname or ``MESHKIT_HOST``; ``#2``... for a repeated name),
+            ordered by their lowest process.
+        of_process: for each process, the index of its host in ``names``.
 
     Examples:
         >>> hosts = Hosts(names=("node-a", "node-b"), of_process=(0, 1, 0, 1))
@@ -70,9 +62,7 @@ class Hosts:
         return tuple(p for p, h in enumerate(self.of_process) if h == host)
 
     def __str__(self) -> str:
-        members: list[list[int]] = [[] for _ in self.names]
-        for p, h in enumerate(self.of_process):
-            members[h].append(p)
+        members = [self.processes(h) for h in range(len(self.names))]
         return "; ".join(
             f"{name}: process{'es' if len(ps) > 1 else ''} {ranges(ps, sep=',')}"
             for name, ps in zip(self.names, members, strict=True)
@@ -80,12 +70,7 @@ class Hosts:
 
     def to_json(self) -> str:
         """Run-length text: ``[[name, ...], [[host, count], ...]]`` (small when node-major)."""
-        runs: list[list[int]] = []
-        for h in self.of_process:
-            if runs and runs[-1][0] == h:
-                runs[-1][1] += 1
-            else:
-                runs.append([h, 1])
+        runs = [[h, len(list(run))] for h, run in itertools.groupby(self.of_process)]
         return json.dumps([list(self.names), runs], separators=(",", ":"))
 
     @classmethod
@@ -112,18 +97,13 @@ class Hosts:
 
 
 def here() -> str:
-    """This process's host identity: its name, a NUL character, and the machine's boot id.
-
-    The name is ``MESHKIT_HOST`` when set (then it alone names the host), else the hostname.
-    """
+    """This process's host identity: its name, a NUL character, and the machine's boot id."""
     name = os.environ.get(ENV_HOST, "").strip()
     if name:
         return f"{name}\0"
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    boot = ""
+    with contextlib.suppress(OSError), open(_BOOT_ID) as f:
+        boot = f.read().strip()
     return f"{socket.gethostname()}\0{boot}"
 
 
@@ -132,13 +112,7 @@ def _combine(values: Mapping[int, str]) -> str:
 
 
 def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> Hosts:
-    """Learn every process's host: one `gather` through the coordination service.
-
-    Every process of a joined program calls it once, at the same point (`meshkit.init`).
-
-    Raises:
-        MeshkitError: some processes did not take part within ``timeout`` seconds.
-    """
+    """Learn every process's host: one `gather` through the coordination service."""
     node = _agree.node()
     if n == 1 or node is None:
         return Hosts.of([here()])
@@ -162,11 +136,7 @@ def known() -> Hosts | None:
 
 
 def table(timeout: float, what: str) -> Hosts:
-    """The hosts of the program, exchanged at the first call if `meshkit.init` did not.
-
-    A program that joined through ``jax.distributed.initialize`` alone learns them here: every
-    process must then make the call, as every process makes `make_mesh`.
-    """
+    """The hosts of the program, exchanged at the first call if `meshkit.init` did not."""
     global _TABLE
     found = known()
     if found is None:

@@ -1,11 +1,4 @@
-"""What `meshkit.init` wires the lifecycle to: fail-fast and preemption, over coordination.
-
-The lifecycle layer (`meshkit._src.lifecycle`) sits below coordination; `init` hands it the
-functions that talk to the other processes: fail-fast's failure posts and watch
-(`meshkit._src.coord.failures`), preemption's telling of a notice and its agreement on the sync
-step (`meshkit._src.coord.save_step`). Three moments: before joining (a notice is this
-process's own, told once joined), alone, and joined.
-"""
+"""What `meshkit.init` wires the lifecycle to: fail-fast and preemption over coordination."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """The preflight: at `meshkit.init`, processes agree on their software and settings.
 
-Processes of one program must run the same JAX, jaxlib, meshkit and Python, on the same
-platform and kind of device with as many local devices each, with the same `jax.config`
-settings that reach a compiled program (`settings`: those JAX itself marks so, and a few
-exceptions, each with its reason). A difference otherwise shows late and far from its
-cause: a C++ abort inside gloo ("Received data size doesn't match expected size") for
-``jax_enable_x64`` set on one host, a hang in NCCL, or numbers that differ.
-
-`check` makes one exchange of `Facts` at ``init`` (one round trip of the coordination service
-when every process agrees) and raises a `DivergenceError` naming the processes, the field and
-each value when they differ. The main program file differs legitimately (a launcher may start
-another script on purpose) and so does ``XLA_FLAGS`` (dump directories): those two are a
-warning. ``MESHKIT_PREFLIGHT=0`` turns the preflight off.
+One exchange of `Facts` (versions, platform, devices, the `jax.config` settings that reach
+compiled programs); a difference raises `DivergenceError` on every process. The main file and
+``XLA_FLAGS`` only warn. ``MESHKIT_PREFLIGHT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -36,26 +27,15 @@ from ..core.errors import DivergenceError
 from ..core.version import __version__
 
 __all__ = [
-    "ALSO_COMPARED",
-    "ENV_PREFLIGHT",
-    "NOT_COMPARED",
-    "WARN_ONLY",
-    "Facts",
-    "check",
-    "describe",
-    "differences",
-    "facts",
-    "settings",
-]
+    "ALSO_COMPARED", "ENV_PREFLIGHT", "NOT_COMPARED", "WARN_ONLY", "Facts", "check", "describe",
+    "differences", "facts", "settings",
+]  # fmt: skip
 
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _TAG = "preflight"
 
-# The `jax.config` settings compared are those JAX itself marks as part of every traced or
-# compiled program (`compat.compiled_settings`), with these exceptions, each compared where the
-# running JAX has it (the JAX versions are compared too, so every process has the same ones).
-# Unmarked settings that still change what a process compiles or runs, or that every process
-# must share to talk to the others:
+# Settings JAX does not mark as compiled (`compat.compiled_settings`) that still change what a
+# process compiles or runs, or that every process must share, with the reason:
 ALSO_COMPARED: dict[str, str] = {
     "jax_exec_time_optimization_effort": "an XLA build option (JAX 0.10; jax_optimization_level "
     "in JAX 0.12)",
@@ -91,20 +71,7 @@ WARN_ONLY = ("program", "XLA_FLAGS")
 
 @dataclasses.dataclass(frozen=True)
 class Facts:
-    """What one process runs, as the processes compare it at `meshkit.init`.
-
-    Attributes:
-        python: the Python version.
-        jax: the JAX version.
-        jaxlib: the jaxlib version.
-        meshkit: the meshkit version.
-        platform: JAX's default backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
-        device_kind: the kind of this process's first local device (``"cpu"``, ``"H100"``).
-        local_devices: how many devices this process has.
-        settings: the `settings` of the running JAX, by name, each value as text.
-        XLA_FLAGS: the environment variable (a warning only when it differs).
-        program: the SHA-256 of the main program file, "" when there is none (a warning only).
-    """
+    """What one process runs, as the processes compare it at `meshkit.init`."""
 
     python: str
     jax: str
@@ -132,15 +99,7 @@ class Facts:
 
 
 def settings() -> tuple[str, ...]:
-    """The `jax.config` settings the preflight compares on the running JAX, sorted by name.
-
-    Those JAX marks as part of every traced or compiled program, less `NOT_COMPARED`, and
-    those of `ALSO_COMPARED` this JAX has.
-
-    Example:
-        >>> "jax_enable_x64" in settings() and "jax_default_device" not in settings()
-        True
-    """
+    """The `jax.config` settings the preflight compares on the running JAX, sorted by name."""
     marked = _compat.compiled_settings() - NOT_COMPARED.keys()
     also = ALSO_COMPARED.keys() & _compat.settings_of_jax()
     return tuple(sorted(marked | also))
@@ -185,46 +144,28 @@ def facts() -> Facts:
 def describe(mine: Facts) -> str:
     """What the preflight compares, as ``meshkit info`` shows it: versions, devices, settings."""
     settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
-    return "\n".join(
-        [
-            "compared by the processes at meshkit.init (the preflight):",
-            f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}",
-            f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process",
-            f"  {len(mine.settings)} jax.config settings:",
-            textwrap.fill(
-                settings,
-                width=100,
-                initial_indent="    ",
-                subsequent_indent="    ",
-                break_on_hyphens=False,
-            ),
-        ]
+    indent = {"initial_indent": "    ", "subsequent_indent": "    ", "break_on_hyphens": False}
+    return (
+        "compared by the processes at meshkit.init (the preflight):\n"
+        f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}\n"
+        f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process\n"
+        f"  {len(mine.settings)} jax.config settings:\n" + textwrap.fill(settings, 100, **indent)
     )
 
 
 def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int]]]]:
     """The fields whose values differ, in `Facts` order: each value with its processes."""
     fields = {p: f.fields() for p, f in sorted(records.items())}
-    names: list[str] = []
-    for flat in fields.values():
-        names.extend(k for k in flat if k not in names)
-    found = []
-    for name in names:
-        values = _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()})
-        if len(values) > 1:
-            found.append((name, values))
-    return found
+    names = dict.fromkeys(k for flat in fields.values() for k in flat)  # in order, once each
+    found = [
+        (name, _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()}))
+        for name in names
+    ]
+    return [(name, values) for name, values in found if len(values) > 1]
 
 
 def check(me: int, n: int, timeout: float) -> None:
-    """Compare this process's `Facts` with the others' (one exchange), once joined.
-
-    Raises:
-        DivergenceError: the processes differ in a field other than `WARN_ONLY`, or some did
-            not arrive within ``timeout`` seconds; every process raises it, naming the
-            processes, the field and each value.
-        MeshkitError: ``MESHKIT_PREFLIGHT`` is not a yes/no value.
-    """
+    """Compare this process's `Facts` with the others' (one exchange), once joined."""
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
         return
     mine = facts().to_json()
@@ -247,13 +188,10 @@ def check(me: int, n: int, timeout: float) -> None:
         if name in WARN_ONLY:
             warnings.warn(_warning(name, values), stacklevel=3)
     if errors:
-        suspects = sorted(
-            {p for _, values in errors for p in _missing.outside_majority(values.values())}
-        )
+        suspects = sorted({p for _, v in errors for p in _missing.outside_majority(v.values())})
         compared = {name for record in records.values() for name in record.settings}
-        raise DivergenceError(
-            _message(errors, suspects, compared), processes=suspects, field=errors[0][0]
-        )
+        message = _message(errors, suspects, compared)
+        raise DivergenceError(message, processes=suspects, field=errors[0][0])
 
 
 def _warning(name: str, values: dict[str, list[int]]) -> str:

@@ -1,30 +1,9 @@
 """Programs compared when they are compiled: every process must run the same computation.
 
-In a multi-process program, every computation JAX compiles for devices of several processes
-(`jax.jit`, `jax.shard_map` inside it, `jax.pmap`, and `meshkit.spmd` and
-`meshkit.pmap_compat`, which build on them) is fingerprinted in each process and agreed on
-before it first runs: the StableHLO module without source locations, hashed. The processes
-agree on it through the coordination service (`meshkit._src.coord.agreement`: a few
-round trips per compilation, a record of about 200 bytes each); a computation already compiled
-runs as before, with nothing added per call. Only after a difference do the processes exchange
-their arguments (name, type, sharding of each), to name the first that differs. A process that
-ends its program leaves the comparison (an exit handler), so that one waiting there for a
-computation it never compiled learns it at once.
-
-Programs that differ are the classic multi-host bug that runs without an error: each process
-pads its batch to its own longest sequence, so process 1 compiles ``float32[8,24]`` where
-process 0 compiles ``float32[8,16]``, and every step computes wrong numbers (on GPUs, hangs in
-NCCL). Here every process raises a `DivergenceError` naming, for each process, what it
-compiled (the function, its definition when it is the user's, ``step at train.py:12``) and the
-line of the user's code that ran it (``train.py:95 in <module>``), then the first argument
-whose shape, dtype or sharding differs, before anything runs. No process is named as the one
-at fault unless a majority holds the other program.
-
-The n-th compilation of one process meets the n-th of every other, counted per thread channel
-(`meshkit.channel`) like meshkit's own calls. A compilation in a thread that is neither the
-main thread nor inside a channel is not compared: its place in the order differs between
-processes. ``MESHKIT_PROGRAM_CHECK=0`` turns the comparison off; it fixes nothing: processes
-whose programs differ then wait in the computation, or compute wrong numbers, without a word.
+Every computation compiled for devices of several processes is hashed (StableHLO without
+locations) and agreed on before it first runs; a difference raises `DivergenceError` naming
+each process's program and the first differing argument. ``MESHKIT_PROGRAM_CHECK=0`` turns it
+off.
 """
 
 from __future__ import annotations
@@ -62,12 +41,7 @@ _remove: Callable[[], None] | None = None
 
 @dataclasses.dataclass
 class Stats:
-    """What the comparison cost this process so far.
-
-    Attributes:
-        compared: compilations compared with the other processes.
-        seconds: wall time spent comparing them (the fingerprint and the agreement).
-    """
+    """What the comparison cost this process so far."""
 
     compared: int = 0
     seconds: float = 0.0
@@ -83,12 +57,7 @@ def stats() -> Stats:
 
 
 def install(num_processes: int) -> bool:
-    """Compare the processes' programs at every compilation from now on (at `meshkit.init`).
-
-    Nothing is installed for one process, with ``MESHKIT_PROGRAM_CHECK=0``, or where the
-    running JAX has no compilation step to hook (`meshkit._src.core.compat.on_compile`).
-    Returns whether the comparison is on.
-    """
+    """Compare the processes' programs at every compilation from now on (at `meshkit.init`)."""
     global _remove
     if num_processes < 2 or not _env.flag(ENV_PROGRAM_CHECK, where="meshkit.init()", blank=True):
         return False
@@ -139,8 +108,7 @@ def _compare(compiling: _compat.Compiling) -> None:
 
 def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
-    # A small record: the arguments (one entry each, thousands in a large model) are exchanged
-    # only to explain a difference (`_explain`). ``line``: for messages only, never compared.
+    # Arguments are exchanged only to explain a difference; ``line`` is never compared.
     mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
     line = _frames.user_place(sys._getframe())
     if line is not None:
@@ -164,8 +132,7 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
             gone = _missing.did_not(late, timeout=timeout, arrive="compile a computation with it")
         else:
             gone = f"{_missing.stopped_waiting(late)} for it"
-        # Named as the ones at fault only where those that compiled it are more: with as
-        # many on each side, this process may be the one running a computation alone.
+        # Blame the late ones only where they are the minority.
         came = len(compiling.processes()) - len(late)
         raise DivergenceError(
             _ALONE.format(what=_WHAT, mine=_ran(mine), number=_missing.ordinal(number), gone=gone),
@@ -175,7 +142,6 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     raise _difference(records, number, _explain(compiling, tag, timeout))
 
 
-# A computation this process compiled and another did not: it waits for them in it for ever.
 _ALONE = (
     "{what}: this process compiled {mine} as its {number} computation across processes, "
     "and {gone}.\n"
@@ -191,11 +157,7 @@ _ALONE = (
 def _explain(
     compiling: _compat.Compiling, tag: str, timeout: float
 ) -> dict[int, list[list[str]]] | None:
-    """Every process's arguments, after a difference every process saw (None: all equal).
-
-    One more exchange, made by every process: they all hold the same records, all of them
-    present, so all come here.
-    """
+    """Every process's arguments, after a difference every process saw (None: all equal)."""
     args = compiling.args()
     listed = json.dumps(args)
     summary = hashlib.sha256(listed.encode()).hexdigest()
@@ -226,10 +188,7 @@ def _difference(
 
 
 def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
-    """``  process 0: jit(step) (step at train.py:12), run at train.py:95 in <module>``.
-
-    The processes of one program; each line of the user's code that ran it, where they differ.
-    """
+    """``  process 0: jit(step) (step at train.py:12), run at train.py:95 in <module>``."""
     ran = _missing.by_value({p: _ran(records[p]) for p in ps})
     if len(ran) == 1:
         return f"  {_missing.processes(ps)}: {next(iter(ran))}"
@@ -271,10 +230,7 @@ _ARGUMENT = (
 def _first_difference(
     records: dict[int, dict[str, Any]], args: dict[int, list[list[str]]] | None
 ) -> tuple[str, str]:
-    """The first argument whose type or sharding differs, as (field, sentences with the fix).
-
-    ``args``: every process's arguments (name, type, sharding), None when they are all equal.
-    """
+    """The first argument whose type or sharding differs, as (field, sentences with the fix)."""
     names = {p: r["name"] for p, r in records.items()}
     if len(set(names.values())) > 1:
         return "function", _OTHER_FUNCTIONS
@@ -307,10 +263,7 @@ def _function(record: dict[str, Any]) -> str:
 
 
 def _ran(record: dict[str, Any]) -> str:
-    """``jit(step) (step at train.py:12), run at train.py:95 in <module>``.
-
-    Where no line of the user's code ran it: ``jit(stack), run in thread meshkit-batches``.
-    """
+    """``jit(step) (step at train.py:12), run at train.py:95 in <module>``."""
     line, thread = record.get("line"), record.get("thread")
     where = f", run at {line}" if line else f", run in thread {thread}" if thread else ""
     return _function(record) + where

@@ -1,11 +1,4 @@
-"""Where every leaf of one call's arguments lives on a mesh, and which blocks each process holds.
-
-An `ArgumentPlan` is pure and frozen: the mesh, one `NamedSharding` per leaf (in flattening
-order) and each leaf's name in messages. `spmd` and `pmap_compat` make one per call structure
-and use it twice: to tell a call whose leaves are all placed already (the steady state, one
-list comparison) and to say, per leaf, which blocks of the global array each process holds
-(`meshkit._src.sharding.layout.plan`, which the assembly of host data follows).
-"""
+"""`ArgumentPlan`: where every leaf of one call structure lives on a mesh (spmd, pmap_compat)."""
 
 from __future__ import annotations
 
@@ -24,14 +17,7 @@ __all__ = ["ArgumentPlan", "argument_plan"]
 
 @dataclass(frozen=True, eq=False)
 class ArgumentPlan:
-    """The shardings of one call structure's leaves on ``mesh``.
-
-    Attributes:
-        mesh: the mesh the call runs on.
-        targets: each leaf's sharding, in flattening order; leaves with equal specs share one
-            object, so arrays fed back from outputs compare by identity first.
-        paths: each leaf's name in messages (``args[0]['w']``).
-    """
+    """Each leaf's target sharding (equal specs share one object) and name in messages."""
 
     mesh: Mesh
     targets: tuple[NamedSharding, ...]
@@ -48,16 +34,13 @@ class ArgumentPlan:
 
     @property
     def multiprocess(self) -> bool:
-        """Whether the mesh spans processes (a process then holds only some blocks)."""
+        """Whether the mesh spans processes."""
         return self.mesh.is_multi_process
 
     def placed(self, leaves: Sequence[Any]) -> bool:
-        """Whether every leaf is an array laid out as its target already (no host data).
+        """Whether every leaf is an array laid out as its target already: one list comparison.
 
-        One list comparison (identity first, then equality, per element); tracers and host
-        data have no ``sharding`` here and fail it. The sharding objects of a call that
-        passes are kept in place of equal ones, so that a loop feeding the same objects
-        back is decided by identity.
+        The shardings of a call that passes replace equal ones, so the next compares by identity.
         """
         now = [getattr(leaf, "sharding", None) for leaf in leaves]
         if now != self._compare:
@@ -73,11 +56,7 @@ class ArgumentPlan:
         return NamedSharding(self.mesh, spec)
 
     def blocks(self, index: int, shape: Sequence[int], process: int | None = None) -> Any:
-        """The blocks of leaf ``index`` (of global ``shape``) that ``process`` holds.
-
-        As a `meshkit._src.sharding.layout.Plan` (their global and local indices); ``process``
-        defaults to this one.
-        """
+        """The `layout.Plan` of leaf ``index`` (of global ``shape``) for ``process`` (this one)."""
         me = jax.process_index() if process is None else process
         return _layout.plan(self.targets[index], tuple(int(s) for s in shape), me)
 

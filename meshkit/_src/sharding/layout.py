@@ -1,16 +1,8 @@
-"""Which part of a global array each process provides: the layout planner.
+"""Which blocks of a global array each process provides, and where they sit in its local array.
 
-A sharding puts one block of the global array on each device. A process *provides* the blocks
-of its own devices; meshkit's convention for the process's local array is the one every loader
-can follow: along each dimension, the distinct index ranges its devices hold, in increasing
-order, concatenated. In the common case (a data axis across processes) that is one contiguous
-range of rows; for non-contiguous layouts (a process holding rows 0-3 and 8-11) it is the rows
-in global order; dimensions split only inside a process, or not at all, are provided whole.
-Processes whose devices hold the same blocks form a *replica group* and provide the same data.
-
-This is the one place that answers the question: `global_array_from_local`,
-`local_from_global`, `gather` and `process_slice` all ask it. Plans are cached per
-(sharding, shape, process).
+A process's local array is, along each dimension, the distinct ranges its devices hold, in
+increasing order, concatenated (docs/data-pipelines.md). `global_array_from_local`,
+`local_from_global`, `gather` and `process_slice` all follow the cached `plan`.
 """
 
 from __future__ import annotations
@@ -49,7 +41,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Plan:
-    """The layout of one (sharding, global shape) for one process. See the module docstring."""
+    """The layout of one (sharding, global shape) for one process."""
 
     process: int
     global_shape: tuple[int, ...]
@@ -60,16 +52,11 @@ class Plan:
     blocks: dict[Any, Block]  # every device of the sharding -> its block
     owners: dict[Any, int]  # every device of the sharding -> its process
 
-    def blocks_of(self, process: int) -> list[Block]:
-        """The distinct blocks ``process`` holds, in a fixed order (sorted)."""
-        return sorted({b for d, b in self.blocks.items() if self.owners[d] == process})
-
 
 def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
-    """Each device's block under NamedSharding(mesh, partition), computed from the mesh grid.
+    """Each device's block under NamedSharding(mesh, partition), from the mesh grid alone.
 
-    Works on meshes of real devices and of test doubles alike (only ``mesh.devices`` and the
-    axis names are read); agrees with ``NamedSharding.devices_indices_map`` (a test checks it).
+    Reads only ``mesh.devices`` and the axis names, so test doubles of devices work too.
     """
     names = list(mesh.axis_names)
     grid = np.asarray(mesh.devices, dtype=object)
@@ -90,17 +77,6 @@ def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) ->
     return out
 
 
-def _sharding_blocks(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Block]:
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        return _named_blocks(sharding.mesh, sharding.spec, shape)
-    out: dict[Any, Block] = {}
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        out[device] = tuple(
-            (s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)
-        )
-    return out
-
-
 def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     """How many blocks each of ``ndim`` dimensions is split into."""
     sizes = dict(sharding.mesh.shape)
@@ -110,43 +86,33 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
 def plan_from_blocks(
     blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
 ) -> Plan:
-    """Lay out ``process``'s blocks into its local array (see the module docstring)."""
+    """Lay out ``process``'s blocks into its local array."""
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
-    ndim = len(shape)
-    intervals = tuple(sorted({b[i] for _, b in mine}) for i in range(ndim))
-    offsets: list[dict[Interval, int]] = []
-    for dim_intervals in intervals:
-        at, pos = {}, 0
-        for iv in dim_intervals:
-            at[iv] = pos
-            pos += iv[1] - iv[0]
-        offsets.append(at)
-    local_shape = tuple(sum(b - a for a, b in ivs) for ivs in intervals)
-    distinct = {b for _, b in mine}
-    rectangular = len(distinct) == math.prod(len(ivs) for ivs in intervals)
+    mine.sort(key=lambda db: getattr(db[0], "id", 0))
+    intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
+    # Per dimension, where each interval starts in the local array.
+    starts = [
+        dict(zip(ivs, itertools.accumulate((b - a for a, b in ivs), initial=0), strict=False))
+        for ivs in intervals
+    ]
     seen: set[Block] = set()
     placements = []
-    for device, block in sorted(mine, key=lambda db: getattr(db[0], "id", 0)):
+    for device, block in mine:
+        local = tuple(
+            slice(starts[i][iv], starts[i][iv] + iv[1] - iv[0]) for i, iv in enumerate(block)
+        )
         placements.append(
-            Placement(
-                device,
-                tuple(slice(a, b) for a, b in block),
-                tuple(
-                    slice(offsets[i][iv], offsets[i][iv] + iv[1] - iv[0])
-                    for i, iv in enumerate(block)
-                ),
-                block not in seen,
-            )
+            Placement(device, tuple(slice(*iv) for iv in block), local, block not in seen)
         )
         seen.add(block)
     return Plan(
         process,
         shape,
-        local_shape,
-        tuple(tuple(ivs) for ivs in intervals),
+        tuple(sum(b - a for a, b in ivs) for ivs in intervals),
+        intervals,
         tuple(placements),
-        rectangular,
+        len(seen) == math.prod(map(len, intervals)),  # rectangular
         blocks,
         owners,
     )
@@ -155,7 +121,16 @@ def plan_from_blocks(
 @_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
     """The cached layout of ``sharding`` over ``shape`` for ``process``."""
-    blocks = _sharding_blocks(sharding, shape)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
+    else:
+        blocks = {
+            d: tuple(
+                (i.start or 0, n if i.stop is None else i.stop)
+                for i, n in zip(at, shape, strict=True)
+            )
+            for d, at in sharding.devices_indices_map(tuple(shape)).items()
+        }
     owners = {d: int(d.process_index) for d in blocks}
     return plan_from_blocks(blocks, owners, shape, process)
 
@@ -178,17 +153,13 @@ class ProcessSlice:
     Attributes:
         process: the process this describes.
         global_shape: the global array's shape.
-        local_shape: the shape of the local array the process passes to
-            `meshkit.global_array_from_local`.
-        ranges: per dimension, the ``(start, stop)`` ranges of global indices the process
-            provides, in increasing order; the local array is their concatenation. One range
-            per dimension in the common case; several in non-contiguous layouts.
-        shard_index: for a data loader that splits the dataset's rows (the leading dimension)
-            into ``shard_count`` shards: the shard this process loads. Processes in the same
-            replica group (along the leading dimension) get the same index.
+        local_shape: the shape of its local array for `meshkit.global_array_from_local`.
+        ranges: per dimension, the ``(start, stop)`` ranges of global indices it provides, in
+            increasing order; the local array is their concatenation.
+        shard_index: the shard of the dataset's rows this process loads, out of
+            ``shard_count``; processes of one replica group share it.
         shard_count: the number of distinct row sets processes provide.
-        replicas: the processes that provide exactly the same data as this one, itself
-            included (one process unless some mesh axis across processes is not in the spec).
+        replicas: the processes that provide exactly the same data as this one, itself included.
     """
 
     process: int
@@ -235,35 +206,6 @@ class ProcessSlice:
         return value[np.ix_(*index)] if index else value.copy()
 
 
-def _shape_tuple(global_shape: Any) -> tuple[int, ...]:
-    try:
-        if isinstance(global_shape, str | bytes):
-            raise TypeError
-        shape = tuple(operator.index(s) for s in global_shape)
-    except TypeError:
-        raise MeshkitError(
-            f"meshkit.process_slice: global_shape must be a tuple of ints; got {global_shape!r}."
-        ) from None
-    if any(s < 0 for s in shape):
-        raise MeshkitError(f"meshkit.process_slice: global_shape {shape} has a negative size.")
-    return shape
-
-
-def check_divisible(
-    sharding: NamedSharding, shape: tuple[int, ...], what: str, dims: Sequence[str] | None = None
-) -> None:
-    """Raise a `MeshkitError` naming the dimension that ``sharding`` cannot split evenly."""
-    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
-        if size % n:
-            axes = dim_axes(sharding.spec, len(shape))[d]
-            name = f" ({dims[d]!r})" if dims and d < len(dims) else ""
-            raise MeshkitError(
-                f"{what}: dimension {d}{name} of the global shape {shape} has size {size}, which "
-                f"the mesh axes {axes} (together {n} ways) cannot split evenly.\n"
-                f"Consider a size divisible by {n}, or a spec that does not split dimension {d}."
-            )
-
-
 @public
 def process_slice(
     mesh: Mesh,
@@ -297,7 +239,16 @@ def process_slice(
         ((((0, 64),), ((0, 10),)), 0, 1)
     """
     what = "meshkit.process_slice"
-    shape = _shape_tuple(global_shape)
+    try:
+        if isinstance(global_shape, str | bytes):
+            raise TypeError
+        shape = tuple(operator.index(s) for s in global_shape)
+    except TypeError:
+        raise MeshkitError(
+            f"{what}: global_shape must be a tuple of ints; got {global_shape!r}."
+        ) from None
+    if any(s < 0 for s in shape):
+        raise MeshkitError(f"{what}: global_shape {shape} has a negative size.")
     partition = check_spec_for_mesh(spec, mesh, f"{what}: spec")
     if len(partition) > len(shape):
         raise MeshkitError(
@@ -305,7 +256,14 @@ def process_slice(
             f"{shape} has {len(shape)} dimensions.\nConsider one entry per dimension at most."
         )
     sharding = NamedSharding(mesh, partition)
-    check_divisible(sharding, shape, what)
+    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
+        if size % n:
+            raise MeshkitError(
+                f"{what}: dimension {d} of the global shape {shape} has size {size}, which the "
+                f"mesh axes {dim_axes(partition, len(shape))[d]} (together {n} ways) cannot "
+                f"split evenly.\nConsider a size divisible by {n}, or a spec that does not split "
+                f"dimension {d}."
+            )
     processes = sorted({int(d.process_index) for d in mesh.devices.flat})
     me = jax.process_index() if process is None else process
     if me not in processes:
@@ -318,7 +276,7 @@ def process_slice(
 def describe_plan(p: Plan) -> ProcessSlice:
     """The public `ProcessSlice` of an internal plan."""
     processes = sorted(set(p.owners.values()))
-    held = {q: p.blocks_of(q) for q in processes}
+    held = {q: sorted({b for d, b in p.blocks.items() if p.owners[d] == q}) for q in processes}
     rows = {q: tuple(sorted({b[0] for b in held[q]})) if p.global_shape else () for q in processes}
     row_sets = sorted(set(rows.values()))
     mine = held[p.process]
@@ -331,8 +289,3 @@ def describe_plan(p: Plan) -> ProcessSlice:
         shard_count=len(row_sets),
         replicas=tuple(q for q in processes if held[q] == mine),
     )
-
-
-def product_blocks(p: Plan) -> list[Block]:
-    """All blocks of the grid spanned by ``p``'s intervals (for the rectangularity message)."""
-    return list(itertools.product(*p.intervals))

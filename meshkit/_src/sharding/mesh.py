@@ -1,26 +1,14 @@
-"""Meshes over every device of every process, with inner axes kept inside a host.
+"""Meshes over every device of every process, inner axes kept inside a host (`order_devices`).
 
-Device order. Devices are grouped three ways: by host (hosts ordered by their lowest process
-index), by process inside a host (ascending), by device inside a process (in the order given).
-Each axis size ``s_i`` is split as ``s_i = h_i * q_i * l_i``: ``h_i`` across hosts, ``q_i``
-across the processes of a host, ``l_i`` inside a process, with ``prod(h_i)`` the host count,
-``prod(q_i)`` the processes per host and ``prod(l_i)`` the devices per process. Each level's
-factors are taken greedily from the outermost axis inwards (hosts first), so inner axes stay
-inside one host, and inside one process, whenever the sizes allow, whatever the ranks of the
-processes of a host; an axis that must straddle hosts or processes does so in whole blocks.
-``across_hosts`` names the axes that take the host factors (the slow axes of a multi-host mesh).
-
-Hosts come from `meshkit._src.runtime.hosts` (learned at `meshkit.init`). Where they are not
-known, or hold unequal numbers of processes, each process counts as a host of its own: the order
-is then by process, as with one process per host. In the common case (``{"data": -1, "model":
-4}`` with 4 devices per process, ranks numbered host by host) this is exactly the row-major
-reshape of the device list sorted by process.
+The device order (hosts, then processes, then devices; each axis size split greedily into host,
+process and device factors, outermost axis first) is documented in docs/meshes.md.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -107,13 +95,10 @@ def parse_axes(axes: Any) -> list[tuple[str, int]]:
                 "each mesh axis needs its own name."
             )
         seen.add(name)
-        if isinstance(size, bool):
+        try:
+            size_int = None if isinstance(size, bool) else operator.index(size)
+        except TypeError:
             size_int = None
-        else:
-            try:
-                size_int = operator.index(size)
-            except TypeError:
-                size_int = None
         if size_int is None:
             raise MeshkitError(
                 f"meshkit.make_mesh: the size of axis {name!r} must be an int (or -1 to fill); "
@@ -169,11 +154,9 @@ def resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tup
 def _factors(
     sizes: Sequence[int], count: int, among: Collection[int] | None = None
 ) -> tuple[int, ...] | None:
-    """Split ``count`` over the axes (those in ``among``), outermost first; None if they can't.
+    """Split ``count`` over the axes (those in ``among``), outermost first, by gcd; None if not.
 
-    Each axis takes the greatest common divisor of its size and what is left of ``count``.
-    Over all axes this always succeeds when ``count`` divides the product of the sizes (each
-    prime of ``count`` is met as often as it divides the product).
+    Over all axes this succeeds whenever ``count`` divides the product of the sizes.
     """
     remaining = count
     factors = []
@@ -187,10 +170,7 @@ def _factors(
 def _groups(
     procs: Sequence[int], host_of: Sequence[int] | Mapping[int, Any] | None
 ) -> list[list[int]]:
-    """The processes grouped by host, hosts ordered by their lowest process.
-
-    A group per process when hosts are not known or hold unequal numbers of processes.
-    """
+    """The processes grouped by host (in order); one per process if hosts are unknown or unequal."""
     if host_of is None:
         return [[p] for p in procs]
     hosts: dict[Any, list[int]] = {}
@@ -203,11 +183,9 @@ def _groups(
 
 
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
-    """The fast domain of each process of ``devices``: its TPU slice, else its host.
+    """The fast domain of each process: its TPU slice on a multi-slice TPU, else its host.
 
-    On a multi-slice TPU (devices whose ``slice_index`` takes several values) the slow network
-    runs between slices, and the hosts of a slice share its fast interconnect: the slice is the
-    unit `order_devices` keeps inner axes inside. Elsewhere it is the host (None: not known).
+    None when neither is known. `order_devices` keeps inner axes inside one domain.
 
     Examples:
         >>> from types import SimpleNamespace as D
@@ -232,31 +210,21 @@ def order_devices(
 ) -> np.ndarray:
     """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a host.
 
-    Devices are grouped by host (hosts ordered by their lowest ``process_index``), then by
-    process (ascending), then in the order given; each axis size is split into a host, a process
-    and a device factor, taken greedily from the outermost axis inwards (the module docstring).
-    Works on any objects with ``process_index`` (real devices, or test doubles).
+    The order is docs/meshes.md's; any objects with ``process_index`` work (test doubles too).
 
     Args:
-        devices: the flat device list; every process must hold the same number of them.
-        sizes: the resolved mesh shape; its product must equal ``len(devices)``.
-        host_of: the host of each process (any hashable, by process index); None: each
-            process is a host of its own.
-        across: the axes (by position) that take the host factors; None: any axis, outermost
-            first.
-
-    Returns:
-        An object array of shape ``sizes``.
+        devices: the flat device list, the same number from every process.
+        sizes: the resolved mesh shape, of product ``len(devices)``.
+        host_of: the host of each process (by process index); None: one host per process.
+        across: the positions of the axes that take the host factors; None: any, outermost first.
 
     Raises:
-        MeshkitError: processes hold unequal numbers of the devices; the ``across`` axes
-            cannot span the hosts.
+        MeshkitError: processes hold unequal numbers of devices, or the ``across`` axes cannot
+            span the hosts.
 
     Examples:
         >>> from types import SimpleNamespace as D
         >>> devs = [D(id=i, process_index=i // 2) for i in range(8)]
-        >>> [[d.id for d in row] for row in order_devices(devs, (2, 4))]
-        [[0, 1, 2, 3], [4, 5, 6, 7]]
         >>> # processes 0 and 2 on one host, 1 and 3 on another (ranks interleaved)
         >>> grid = order_devices(devs, (2, 4), host_of=["a", "b", "a", "b"])
         >>> [[d.id for d in row] for row in grid]
@@ -354,18 +322,11 @@ def across_positions(across_hosts: Any, names: Sequence[str]) -> frozenset[int] 
 
 @public
 def describe(mesh: Mesh) -> str:
-    """A readable text picture of ``mesh``: its axes, which process owns which part, devices.
+    """A readable text picture of any ``mesh``: its axes, which process owns which part, devices.
 
-    Rows are the coordinates of all axes but the last, columns those of the last. Each cell is
-    ``p<process>/d<device id>``. When the mesh spans several hosts (as `meshkit.init` learned
-    them), the header counts them, a line per host says what it holds, and each process line
-    names its host.
-
-    Args:
-        mesh: any ``jax.sharding.Mesh`` (not only meshkit's).
-
-    Returns:
-        Several lines of text, ready to print.
+    Rows are the coordinates of all axes but the last, columns those of the last; each cell is
+    ``p<process>/d<device id>``. Across several hosts (as `meshkit.init` learned them), a line
+    per host says what it holds.
 
     Examples:
         >>> import meshkit
@@ -378,20 +339,18 @@ def describe(mesh: Mesh) -> str:
     names = list(mesh.axis_names)
     shape = devs.shape
     processes = sorted({int(d.process_index) for d in devs.flat})
-    kinds: dict[str, int] = {}
-    for d in devs.flat:
-        kind = str(getattr(d, "device_kind", d.platform))
-        kind = d.platform if kind.lower() == d.platform else f"{d.platform} ({kind})"
-        kinds[kind] = kinds.get(kind, 0) + 1
+    kinds = Counter(
+        d.platform if kind.lower() == d.platform else f"{d.platform} ({kind})"
+        for d in devs.flat
+        for kind in [str(getattr(d, "device_kind", d.platform))]
+    )
     axis_desc = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape, strict=True))
     n_proc = len(processes)
     table = _hosts.known()
     host_of = None
     if table is not None and len({table.of_process[p] for p in processes}) > 1:
         host_of = {p: table.host_of(p) for p in processes}
-    on_hosts = ""
-    if host_of is not None:
-        on_hosts = f" on {len(set(host_of.values()))} hosts"
+    on_hosts = "" if host_of is None else f" on {len(set(host_of.values()))} hosts"
     lines = [
         f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
         f"process{'es' if n_proc > 1 else ''}{on_hosts}"
@@ -404,17 +363,14 @@ def describe(mesh: Mesh) -> str:
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
     cols = shape[-1]
-    row_shape = shape[:-1]
-    col_labels = [f"{names[-1]}={j}" for j in range(cols)]
-    rows = []
-    for idx in np.ndindex(*row_shape) if row_shape else [()]:
+    rows = [("", [f"{names[-1]}={j}" for j in range(cols)])]  # the column labels first
+    for idx in np.ndindex(*shape[:-1]):
         label = " ".join(f"{n}={i}" for n, i in zip(names[:-1], idx, strict=True))
-        cells = [f"p{devs[(*idx, j)].process_index}/d{devs[(*idx, j)].id}" for j in range(cols)]
-        rows.append((label, cells))
-    label_w = max([len(r[0]) for r in rows] + [0])
-    cell_w = max(len(c) for c in col_labels + [c for _, cs in rows for c in cs])
-    pad = " " * label_w + "  " if label_w else ""
-    lines.append(pad + "  ".join(c.ljust(cell_w) for c in col_labels).rstrip())
+        rows.append(
+            (label, [f"p{devs[*idx, j].process_index}/d{devs[*idx, j].id}" for j in range(cols)])
+        )
+    label_w = max(len(label) for label, _ in rows)
+    cell_w = max(len(c) for _, cells in rows for c in cells)
     for label, cells in rows:
         prefix = label.ljust(label_w) + "  " if label_w else ""
         lines.append(prefix + "  ".join(c.ljust(cell_w) for c in cells).rstrip())

@@ -1,22 +1,9 @@
-"""Spec trees against the trees they describe: mappings matched by keys, flax's specs as they come.
+"""Spec trees matched to the trees they describe: mappings by keys, flax's specs as they come.
 
-A spec tree (``in_specs``, ``out_specs``, the ``spec`` of `meshkit.global_array_from_local`) is a
-pytree prefix of the value it describes, with a spec at each of its leaves: a `PartitionSpec`,
-a spec string or None. JAX compares prefixes node type by node type, so a dict of specs would
-not describe a flax ``nnx.State`` or ``FrozenDict`` with the same keys. meshkit matches
-mapping nodes by their keys instead: a `collections.abc.Mapping` in a spec tree matches any
-node of the value whose children JAX keys as dict entries (dict, ``nnx.State``,
-``FrozenDict``, ``OrderedDict``...) and that has the same keys, recursively. Other nodes
-(tuples, lists, named tuples, custom nodes) must be of the same type, as in JAX.
-
-flax's own partition specs are accepted as they come: an ``nnx.Variable`` holding a spec (the
-tree ``nnx.get_partition_spec(state)`` returns wraps each spec in a ``Param`` and the like)
-stands for that spec, and a linen ``Partitioned`` box (the abstract variables of
-``jax.eval_shape(model.init, ...)``) for the spec of its names.
-
-flax is never imported here: its types are recognised by the module and name of a class in
-their MRO, which costs nothing for types that are not flax's. A mismatch is one line naming
-the place, the two containers and the keys that differ; it is found before JAX is called.
+A mapping in a spec tree matches any node of the value that JAX keys by dict entries (dict,
+``nnx.State``, ``FrozenDict``...) with the same keys; other nodes must have the same type. flax's
+boxes (nnx Variables of specs, linen ``Partitioned``) stand for their specs, recognised by class
+name, so flax is never imported. See docs/flax-optax.md.
 """
 
 from __future__ import annotations
@@ -58,7 +45,7 @@ _BOXES = frozenset({"Partitioned"})  # linen (LogicallyPartitioned derives from 
 
 
 def _is_flax_spec(x: Any) -> bool:
-    return _flax_class(x, _VARIABLES) or _flax_class(x, _BOXES)
+    return _flax_class(x, _VARIABLES | _BOXES)
 
 
 def _flax_spec(x: Any) -> Any:
@@ -75,12 +62,7 @@ def _flax_spec(x: Any) -> Any:
 
 
 def plain_specs(specs: Any) -> Any:
-    """``specs`` with flax's boxes (nnx Variables of specs, linen ``Partitioned``) unwrapped.
-
-    Example:
-        >>> plain_specs({"w": "model", "b": None})
-        {'b': None, 'w': 'model'}
-    """
+    """``specs`` with flax's boxes (nnx Variables of specs, linen ``Partitioned``) unwrapped."""
     if is_spec_leaf(specs):
         return specs
     return jax.tree_util.tree_map(
@@ -142,50 +124,26 @@ def describe_node(x: Any, keys: list[Any] | None = None) -> str:
     return f"{head} with {len(children)} children"
 
 
-def _dict_keys(children: list[tuple[Any, Any]]) -> list[Any] | None:
-    """The keys of a node whose children JAX keys as dict entries; None for other nodes."""
-    keys = [k.key for k, _ in children if isinstance(k, DictKey)]
-    return keys if len(keys) == len(children) else None
-
-
 def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
-    """``specs`` rebuilt in ``tree``'s node types: a JAX pytree prefix of ``tree``.
+    """``specs`` rebuilt in ``tree``'s node types, so JAX takes it as a prefix of ``tree``.
 
-    ``specs`` holds plain spec leaves (see `plain_specs`); a mapping in it matches a node of
-    ``tree`` keyed by dict entries with the same keys, whatever its type. ``where`` names
-    ``specs`` in messages (``"meshkit.spmd(step): in_specs[0]"``) and ``noun`` the tree.
-
-    Raises:
-        SpecTreeError: one line: the path, the two nodes, and the keys missing or extra.
-
-    Example:
-        >>> from collections import OrderedDict
-        >>> aligned = align_specs({"b": "_", "w": "x"}, OrderedDict(w=1.0, b=2.0), where="s")
-        >>> type(aligned).__name__, list(aligned.items())
-        ('OrderedDict', [('w', 'x'), ('b', '_')])
-        >>> align_specs({"w": "x"}, {"kernel": 1.0}, where="in_specs[0]")
-        Traceback (most recent call last):
-        ...
-        meshkit._src.sharding.spec_trees.SpecTreeError: in_specs[0]: the spec is a dict with keys
-        {'w'} but the argument is a dict with keys {'kernel'}: missing 'kernel'; extra 'w'
-
+    ``where`` names ``specs`` and ``noun`` the tree in a `SpecTreeError`'s one line.
     """
     if is_spec_leaf(specs):
         return specs
     spec_children, spec_def = one_level(specs)
-    if not isinstance(specs, Mapping) and _is_leaf(spec_def):
+    keyed = isinstance(specs, Mapping)
+    if not keyed and _is_leaf(spec_def):
         return specs  # not a spec: the checks of spec leaves name it
     children, treedef = one_level(tree)
     is_node = tree is not None and not _is_leaf(treedef)
-    if isinstance(specs, Mapping):
-        keys = _dict_keys(children) if is_node else None
-        if keys is None:
-            raise SpecTreeError(
-                f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
-            )
-        have = set(keys)
-        missing = [k for k in keys if k not in specs]
-        extra = [k for k in specs if k not in have]
+    keys = [k.key for k, _ in children if isinstance(k, DictKey)]  # of a dict-like node
+    if not is_node or (len(keys) != len(children) if keyed else spec_def != treedef):
+        raise SpecTreeError(
+            f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
+        )
+    if keyed:
+        missing, extra = set(keys) - set(specs), set(specs) - set(keys)
         if missing or extra:
             parts = [f"missing {', '.join(sorted(map(repr, missing)))}"] if missing else []
             parts += [f"extra {', '.join(sorted(map(repr, extra)))}"] if extra else []
@@ -193,15 +151,7 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
                 f"{where}: the spec is {describe_node(specs)} but {noun} is "
                 f"{describe_node(tree, keys)}: {'; '.join(parts)}"
             )
-        aligned = [
-            align_specs(specs[k], child, where=f"{where}[{k!r}]", noun=noun)
-            for k, (_, child) in zip(keys, children, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, aligned)
-    if not is_node or spec_def != treedef:
-        raise SpecTreeError(
-            f"{where}: the spec is {describe_node(specs)} but {noun} is {describe_node(tree)}"
-        )
+        spec_children = [(key, specs[key.key]) for key, _ in children]
     aligned = [
         align_specs(s, child, where=f"{where}{jax.tree_util.keystr((key,))}", noun=noun)
         for (key, s), (_, child) in zip(spec_children, children, strict=True)
@@ -210,11 +160,7 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
 
 
 def to_spec_types(specs: Any, tree: Any) -> Any:
-    """``tree`` rebuilt in ``specs``' node types down to its spec leaves.
-
-    The inverse of `align_specs`, which must have accepted the pair: ``specs`` is then a JAX
-    prefix of the result.
-    """
+    """``tree`` rebuilt in ``specs``' node types down to its spec leaves (undoes `align_specs`)."""
     if is_spec_leaf(specs):
         return tree
     spec_children, spec_def = one_level(specs)
@@ -232,10 +178,7 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
 
 
 def map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
-    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it.
-
-    ``specs`` is a spec tree for ``tree`` (as in ``in_specs``), matched as `align_specs` does.
-    """
+    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it."""
     aligned = align_specs(plain_specs(specs), tree, where="specs")
 
     def under(s: Any, subtree: Any) -> Any:

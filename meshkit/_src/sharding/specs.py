@@ -1,17 +1,7 @@
-"""Partition specs, and a readable string form of them.
+"""Partition specs, and their readable string form ``"batch seq -> data _"``.
 
-Wherever meshkit takes a `jax.sharding.PartitionSpec` it also takes a string:
-
-* ``"data _ model"``: one entry per array dimension, outermost first. An entry is a mesh axis
-  name, ``_`` for a dimension that is not split, or ``(a b)`` for a dimension split over several
-  mesh axes (``a`` major). As with ``PartitionSpec``, dimensions past the last entry are not
-  split, and ``""`` means fully replicated.
-* ``"batch seq embed -> data _ model"``: the same, with the array's dimensions named on the left.
-  The names document the code, fix the rank (an argument of another rank is an error), and are
-  used in error messages.
-
-Strings are parsed once (cached). The grammar is einops' (its parser does the work: identifiers,
-one level of parentheses, ``_``); errors underline the bad token.
+The grammar is in docs/per-device.md. Strings are parsed once (cached), with einops' grammar;
+errors underline the bad token.
 """
 
 from __future__ import annotations
@@ -22,9 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import einops
 import jax
-from einops.parsing import ParsedExpression
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..core import caches as _caches
@@ -52,15 +40,7 @@ dimensions' names and '->', e.g. "batch seq embed -> data _ model"."""
 
 @dataclass(frozen=True)
 class SpecString:
-    """A parsed spec string: the `PartitionSpec` it means, and what the user wrote.
-
-    Attributes:
-        text: the string as given.
-        dims: the names of the array's dimensions (left of ``->``), or None when not named.
-        partition: the equivalent `jax.sharding.PartitionSpec`.
-        spans: for each mesh axis named on the right, the ``(start, end)`` of its token in
-            ``text``, so later errors (an axis the mesh lacks) can underline it.
-    """
+    """A parsed spec string: its `PartitionSpec`, the dimension names, each axis's token span."""
 
     text: str
     dims: tuple[str, ...] | None
@@ -82,11 +62,12 @@ def _tokens(text: str, offset: int) -> list[tuple[str, int, int]]:
     return [(m.group(), m.start() + offset, m.end() + offset) for m in _TOKEN.finditer(text)]
 
 
-def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
-    """Point at the first token of one side of the string that einops' grammar rejects."""
-    depth = 0
-    opened = 0
+def _side(text: str, side: str, offset: int, *, names_dims: bool) -> list[Any]:
+    """One side of a spec string: a name per entry, a tuple for a group; errors point at tokens."""
+    depth = opened = 0
+    empty: tuple[int, int] | None = None  # the first "()", reported after the other errors
     seen: dict[str, int] = {}
+    out: list[Any] = []
     for tok, start, end in _tokens(side, offset):
         if tok == "(":
             if names_dims:
@@ -94,10 +75,13 @@ def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
             if depth:
                 raise _error(text, start, end, "parentheses cannot be nested")
             depth, opened = 1, start
+            out.append([])
         elif tok == ")":
             if not depth:
                 raise _error(text, start, end, "')' without a matching '('")
             depth = 0
+            if not out[-1] and empty is None:
+                empty = (opened, end)
         elif tok in ("...", "…"):
             raise _error(text, start, end, "'...' is not supported; write one entry per dimension")
         elif tok == "->":
@@ -112,66 +96,45 @@ def _check_side(text: str, side: str, offset: int, *, names_dims: bool) -> None:
                     text, start, end, f"{tok!r}: names cannot start or end with '_' (a lone "
                     "'_' marks a dimension that is not split)"
                 )  # fmt: skip
-            valid, reason = ParsedExpression.check_axis_name_return_reason(
-                tok, allow_underscore=True
-            )
-            if not valid:  # pragma: no cover - the checks above cover einops' rules today
-                raise _error(text, start, end, f"{tok!r} is not a valid name ({reason})")
             if tok == "_" and depth and not names_dims:
                 raise _error(text, start, end, "'_' cannot appear inside parentheses")
             if tok != "_" and tok in seen:
                 what = "dimension" if names_dims else "mesh axis"
                 raise _error(text, start, end, f"the {what} {tok!r} appears twice")
             seen[tok] = start
+            (out[-1] if depth else out).append(tok)
     if depth:
         raise _error(text, opened, opened + 1, "'(' is never closed")
+    if empty is not None:
+        raise _error(text, *empty, "empty parentheses; write '_' instead")
+    return out
 
 
 @_caches.cached(maxsize=1024)
 def parse_spec(text: str) -> SpecString:
-    """Parse a spec string (cached). See the module docstring for the grammar.
-
-    Raises:
-        MeshkitError: with the bad token underlined.
-    """
+    """Parse a spec string (cached); a `MeshkitError` underlines the bad token."""
+    dims: tuple[str, ...] | None = None
+    right, right_at = text, 0
     if "->" in text:
         arrow = text.index("->")
-        left, right, right_at = text[:arrow], text[arrow + 2 :], arrow + 2
-        _check_side(text, left, 0, names_dims=True)
-    else:
-        left, right, right_at = None, text, 0
-    _check_side(text, right, right_at, names_dims=False)
-    try:
-        composition = ParsedExpression(right, allow_underscore=True).composition
-        dims = None if left is None else ParsedExpression(left, allow_underscore=True).composition
-    except einops.EinopsError as e:  # pragma: no cover - _check_side finds these first
-        raise _error(text, 0, len(text), str(e)) from None
-    entries: list[str | tuple[str, ...] | None] = []
-    for group in composition:
-        assert isinstance(group, list)
-        names = [n for n in group if n != "_"]
-        if not names:
-            if group == []:  # "()": einops' empty group
-                start = text.index("()", right_at)
-                raise _error(text, start, start + 2, "empty parentheses; write '_' instead")
-            entries.append(None)
-        else:
-            entries.append(names[0] if len(names) == 1 and group == names else tuple(names))
-    dim_names: tuple[str, ...] | None = None
-    if dims is not None:
-        dim_names = tuple(g[0] for g in dims if isinstance(g, list))
-        if len(dim_names) != len(entries):
-            start = right_at + len(right) - len(right.lstrip())
-            raise _error(
-                text,
-                start,
-                len(text.rstrip()),
-                f"{len(dim_names)} dimensions are named on the left of '->' but the right gives "
-                f"{len(entries)} entries",
-                "Consider one entry per named dimension, '_' for those that are not split.",
-            )
+        dims = tuple(_side(text, text[:arrow], 0, names_dims=True))
+        right, right_at = text[arrow + 2 :], arrow + 2
+    entries = [
+        None if g == "_" else g if isinstance(g, str) else g[0] if len(g) == 1 else tuple(g)
+        for g in _side(text, right, right_at, names_dims=False)
+    ]
+    if dims is not None and len(dims) != len(entries):
+        start = right_at + len(right) - len(right.lstrip())
+        raise _error(
+            text,
+            start,
+            len(text.rstrip()),
+            f"{len(dims)} dimensions are named on the left of '->' but the right gives "
+            f"{len(entries)} entries",
+            "Consider one entry per named dimension, '_' for those that are not split.",
+        )
     spans = {tok: (s, e) for tok, s, e in _tokens(right, right_at) if tok not in "()_"}
-    return SpecString(text, dim_names, PartitionSpec(*entries), spans)
+    return SpecString(text, dims, PartitionSpec(*entries), spans)
 
 
 @public
@@ -215,11 +178,7 @@ def as_partition_spec(value: Any, what: str) -> PartitionSpec:
 
 
 def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does.
-
-    One tuple of names per dimension, so specs that mean the same layout compare equal
-    (``P("x")``, ``P(("x",), None)``).
-    """
+    """The mesh axes splitting each of ``ndim`` dimensions, ``()`` where none does (comparable)."""
     out = []
     for i in range(ndim):
         entry = partition[i] if i < len(partition) else None
@@ -232,12 +191,7 @@ def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]
 
 def spec_axes(partition: PartitionSpec) -> list[str]:
     """The mesh axis names a PartitionSpec uses, in order."""
-    out: list[str] = []
-    for entry in partition:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        out.extend(entry if isinstance(entry, tuple) else (entry,))
-    return out
+    return [a for axes in dim_axes(partition, len(partition)) for a in axes]
 
 
 def check_spec_for_mesh(value: SpecLike, mesh: Mesh | AbstractMesh, what: str) -> PartitionSpec:

@@ -1,4 +1,4 @@
-"""The implementation of `meshkit.collectives`: named-axis collectives over one axis or a group."""
+"""`meshkit.collectives`: named-axis collectives over one mesh axis or a group of them."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ class Interceptor(Protocol):
         ...
 
 
-# Set by meshkit.testing while it runs per-device code against the numpy references.
 interceptor: contextvars.ContextVar[Interceptor | None] = contextvars.ContextVar(
     "meshkit_collectives_interceptor", default=None
 )
@@ -61,7 +60,7 @@ def _describe_bound(bound: Mapping[Any, int]) -> str:
 
 
 def _names(fn: str, axis_name: Any) -> tuple[tuple[str, ...], int, Interceptor | None]:
-    """Check ``axis_name`` is bound; return the names as a tuple, the group size, interceptor."""
+    """``axis_name`` checked as bound: the names as a tuple, the group size, the interceptor."""
     names = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
     if not names:
         raise MeshkitError(
@@ -91,12 +90,7 @@ def _axis_arg(names: tuple[str, ...]) -> AxisName:
 
 
 def _varying(x: Any, names: tuple[str, ...]) -> Any:
-    """``x`` typed as varying over all of ``names``.
-
-    Under shard_map's replication typing (check_vma), JAX refuses a collective over a group of
-    axes when the value is varying over some of them and invariant over others. Mathematically
-    the invariant ones just hold equal copies, so meshkit casts them to varying (no data moves).
-    """
+    """``x`` typed varying over all ``names`` (check_vma refuses a partly invariant operand)."""
 
     def cast(leaf: Any) -> Any:
         vma = _compat.varying_axes(leaf)
@@ -108,10 +102,6 @@ def _varying(x: Any, names: tuple[str, ...]) -> Any:
     return jax.tree_util.tree_map(cast, x)
 
 
-def _leaves(x: Any) -> list[Any]:
-    return jax.tree_util.tree_leaves(x)
-
-
 def _dim(fn: str, arg: str, value: int, ndim: int, operand_ndim: int | None = None) -> int:
     """``value`` as a dimension in ``[0, ndim)``; the message shows the operand's own rank."""
     if not -ndim <= value < ndim:
@@ -121,6 +111,22 @@ def _dim(fn: str, arg: str, value: int, ndim: int, operand_ndim: int | None = No
             f"{rank} (valid: {-ndim} to {ndim - 1})."
         )
     return value % ndim
+
+
+def _check_split(fn: str, arg: str, x: Any, dim: int, group: Any, tiled: bool) -> None:
+    """Every leaf's dimension ``dim`` splits over the group (``tiled``) or equals its size."""
+    names, size = group
+    for leaf in jax.tree_util.tree_leaves(x):
+        shape = tuple(jax.numpy.shape(leaf))
+        d = _dim(fn, arg, dim, len(shape))
+        if (shape[d] % size != 0) if tiled else (shape[d] != size):
+            rule = "divisible by" if tiled else "equal to (tiled=False)"
+            raise MeshkitError(
+                f"meshkit.collectives.{fn}: {arg} {d} of an operand of shape {shape} has size "
+                f"{shape[d]}, which is not {rule} the size {size} of the axis group {names!r}.\n"
+                f"Consider padding that dimension to a multiple of {size}"
+                + ("." if tiled else ", or tiled=True.")
+            )
 
 
 def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
@@ -167,16 +173,9 @@ def pmin(x: Any, axis_name: AxisName) -> Any:
 def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
     """Every device's ``x`` from the group of ``axis_name``, on every device.
 
-    Args:
-        x: this device's block (an array or pytree of arrays).
-        axis_name: a mesh axis name or a tuple of them.
-        axis: where the gathered blocks go: a new dimension at ``axis`` (``tiled=False``, the
-            result has one more dimension, of the group size) or concatenated along the existing
-            dimension ``axis`` (``tiled=True``).
-        tiled: concatenate instead of stacking.
-
-    The result is the same on every device of the group, and typed so (JAX's
-    ``to="invarying"``): an ``out_specs`` may leave those axes out.
+    Stacked along a new dimension ``axis``, or concatenated along dimension ``axis`` with
+    ``tiled=True``. The result is typed invariant over the group, so ``out_specs`` may leave
+    those axes out.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -188,7 +187,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
         [0, 1, 2, 3]
     """
     names, _, ctx = _names("all_gather", axis_name)
-    for leaf in _leaves(x):
+    for leaf in jax.tree_util.tree_leaves(x):
         nd = jax.numpy.ndim(leaf)
         _dim("all_gather", "axis", axis, nd + (0 if tiled else 1), nd)
         if tiled and nd == 0:
@@ -214,19 +213,7 @@ def psum_scatter(
     group size and is removed. Device ``i`` of the group keeps block ``i``.
     """
     names, size, ctx = _names("psum_scatter", axis_name)
-    for leaf in _leaves(x):
-        shape = jax.numpy.shape(leaf)
-        d = _dim("psum_scatter", "scatter_dimension", scatter_dimension, len(shape))
-        n = shape[d]
-        bad = (n % size != 0) if tiled else (n != size)
-        if bad:
-            rule = "divisible by" if tiled else "equal to (tiled=False)"
-            raise MeshkitError(
-                f"meshkit.collectives.psum_scatter: scatter_dimension {d} of an operand of shape "
-                f"{tuple(shape)} has size {n}, which is not {rule} the size {size} of the axis "
-                f"group {names!r}.\nConsider padding that dimension to a multiple of {size}"
-                + ("." if tiled else ", or tiled=True.")
-            )
+    _check_split("psum_scatter", "scatter_dimension", x, scatter_dimension, (names, size), tiled)
     if ctx is not None:
         return ctx.run("psum_scatter", x, names, scatter_dimension=scatter_dimension, tiled=tiled)
     x = _varying(x, names)
@@ -244,18 +231,9 @@ def all_to_all(
     along ``concat_axis`` after that dimension is removed, as in `jax.lax.all_to_all`.
     """
     names, size, ctx = _names("all_to_all", axis_name)
-    for leaf in _leaves(x):
-        shape = jax.numpy.shape(leaf)
-        s = _dim("all_to_all", "split_axis", split_axis, len(shape))
-        _dim("all_to_all", "concat_axis", concat_axis, len(shape))
-        n = shape[s]
-        if (n % size != 0) if tiled else (n != size):
-            rule = "divisible by" if tiled else "equal to (tiled=False)"
-            raise MeshkitError(
-                f"meshkit.collectives.all_to_all: split_axis {s} of an operand of shape "
-                f"{tuple(shape)} has size {n}, which is not {rule} the size {size} of the axis "
-                f"group {names!r}."
-            )
+    _check_split("all_to_all", "split_axis", x, split_axis, (names, size), tiled)
+    for leaf in jax.tree_util.tree_leaves(x):
+        _dim("all_to_all", "concat_axis", concat_axis, jax.numpy.ndim(leaf))
     if ctx is not None:
         return ctx.run(
             "all_to_all", x, names, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled
@@ -306,9 +284,6 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 @public
 def shift(x: Any, axis_name: AxisName, offset: int = 1) -> Any:
     """Ring shift: device ``i`` of the group sends ``x`` to device ``(i + offset) % size``.
-
-    So device ``j`` receives the value of device ``j - offset`` (wrapping around); negative
-    offsets shift the other way.
 
     Examples:
         >>> import numpy as np, meshkit

@@ -1,16 +1,14 @@
-"""An `spmd` function bound to one mesh: its specs checked, one signature per argument structure.
+"""`MeshPlan`: an `spmd` function bound to one mesh, with one `Layout` per argument structure.
 
-`MeshPlan` is `spmd`'s front-end on the shared placement (`meshkit._src.spmd.placement`): it aligns
-``in_specs`` to each structure of the dynamic arguments (a `Layout`), checks every argument's
-rank and divisibility against its spec with meshkit's own messages, moves arrays laid out
-differently (a `ReshardWarning` through its owner, once per argument), reshards values typed
-by another sharding on Explicit meshes inside the jitted body, and in a multi-process run
-assembles the process-local leaves of a call in one assembly before placing them.
+It checks arguments against their specs with meshkit's messages, then places them on the shared
+`placement` before one jit call.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -54,33 +52,15 @@ class Owner(Protocol):
     ) -> None: ...
 
 
+@dataclass(eq=False)
 class Layout:
-    """One structure of the dynamic arguments: their specs aligned to it, its jit, its plan.
+    """One structure of the dynamic arguments: its jit, aligned specs, leaves and plan."""
 
-    Attributes:
-        jitted: ``jax.jit`` over the body (None over an `AbstractMesh`, met while tracing:
-            the body is traced in place).
-        specs: one spec tree per argument, rebuilt in the argument's node types
-            (`meshkit._src.sharding.spec_trees.align_specs`) so that JAX takes it as a prefix.
-        leaves: per leaf, in flattening order: its spec, its spec as the user wrote it
-            (strings name dimensions) and its name in messages.
-        plan: where each leaf goes (None over an `AbstractMesh`).
-        steady: the plan once a call has placed the leaves: later calls whose leaves are all
-            placed go straight to ``jitted``.
-    """
-
-    def __init__(
-        self,
-        jitted: Any,
-        specs: tuple[Any, ...],
-        leaves: list[tuple[PartitionSpec, Any, str]],
-        plan: ArgumentPlan | None,
-    ) -> None:
-        self.jitted = jitted
-        self.specs = specs
-        self.leaves = leaves
-        self.plan = plan
-        self.steady: ArgumentPlan | None = None
+    jitted: Any  # None over an AbstractMesh (met while tracing): the body is traced in place
+    specs: tuple[Any, ...]  # one spec tree per argument, in the argument's node types
+    leaves: list[tuple[PartitionSpec, Any, str]]  # per leaf: spec, spec as written, name
+    plan: ArgumentPlan | None  # None over an AbstractMesh
+    steady: ArgumentPlan | None = None  # set once a call placed the leaves: later ones skip
 
 
 class MeshPlan:
@@ -89,16 +69,13 @@ class MeshPlan:
     def __init__(self, owner: Owner, mesh: Mesh | AbstractMesh) -> None:
         self.owner = owner
         self.mesh = mesh
-        name = owner.name
-        self.what = f"meshkit.spmd({name})"
-        self.in_specs = map_specs(
-            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.in_specs,
-            f"meshkit.spmd({name}): in_specs",
-        )  # fmt: skip
-        self.out_specs = map_specs(
-            lambda s, w: check_spec_for_mesh(s, mesh, w), owner.out_specs,
-            f"meshkit.spmd({name}): out_specs",
-        )  # fmt: skip
+        self.what = f"meshkit.spmd({owner.name})"
+
+        def check(spec: Any, where: str) -> PartitionSpec:
+            return check_spec_for_mesh(spec, mesh, where)
+
+        self.in_specs = map_specs(check, owner.in_specs, f"{self.what}: in_specs")
+        self.out_specs = map_specs(check, owner.out_specs, f"{self.what}: out_specs")
         # out_specs with mappings are matched to the outputs by keys (see `body`).
         self.keyed_out = has_mapping(owner.out_specs)
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
@@ -106,36 +83,27 @@ class MeshPlan:
         # Per structure of the dynamic arguments (a treedef).
         self.layouts: dict[Any, Layout] = {}
 
-    def layout(self, dyn: tuple[Any, ...], treedef: Any = None) -> Layout:
+    def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
         """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
-        if treedef is None:
-            treedef = jax.tree_util.tree_structure(dyn)
-        found = self.layouts.get(treedef)
-        if found is not None:
-            return found
-        owner = self.owner
-        raw = owner.in_specs
+        if treedef in self.layouts:
+            return self.layouts[treedef]
+        owner, raw = self.owner, self.owner.in_specs
         if is_spec_leaf(raw):
             specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
             raws: tuple[Any, ...] = (raw,) * len(dyn)
         else:
             if len(raw) != len(dyn):
                 raise MeshkitError(
-                    f"meshkit.spmd({owner.name}): in_specs has {len(raw)} entries but the "
+                    f"{self.what}: in_specs has {len(raw)} entries but the "
                     f"function was called with {len(dyn)} (non-static) positional arguments.\n"
                     "Consider one spec (or pytree of specs) per argument; static_argnums take "
                     "none."
                 )
             raws = tuple(
-                align_specs(r, a, where=f"meshkit.spmd({owner.name}): in_specs[{i}]")
+                align_specs(r, a, where=f"{self.what}: in_specs[{i}]")
                 for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
             )
-            specs = tuple(
-                jax.tree_util.tree_map(
-                    lambda s: as_partition_spec(s, "in_specs"), r, is_leaf=is_spec_leaf
-                )
-                for r in raws
-            )
+            specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
         leaves = _leaf_specs(dyn, specs, raws)
         jitted = plan = None
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
@@ -146,21 +114,15 @@ class MeshPlan:
                 self.in_specs if is_spec_leaf(raw) else specs,
                 is_leaf=is_spec_leaf,
             )
-
-            def body(*args: Any) -> Any:
-                return self.body(*args)
-
             jitted = jit_over_shard_map(
-                body,
+                lambda *args: self.body(*args),
                 owner.name,
                 in_shardings=shardings,
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
-        layout = self.layouts[treedef] = Layout(jitted, specs, leaves, plan)
+        self.layouts[treedef] = layout = Layout(jitted, specs, leaves, plan)
         return layout
-
-    # ---- trace time -------------------------------------------------------------------------
 
     def body(self, *args: Any) -> Any:
         owner = self.owner
@@ -174,7 +136,7 @@ class MeshPlan:
         # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
         # ``back`` holds what turns them back: the output's treedef and its leaves' order.
         back: list[Any] = []
-        where = f"meshkit.spmd({owner.name}): out_specs"
+        where = f"{self.what}: out_specs"
 
         def per_device(*local: Any) -> Any:
             it = iter(local)
@@ -206,29 +168,28 @@ class MeshPlan:
 
     def check_args(self, flat: list[Any], layout: Layout) -> None:
         """Rank and divisibility of every leaf against its spec, with dims named."""
-        name = self.owner.name
         sizes = self.mesh.shape
         for leaf, (s, raw, where) in zip(flat, layout.leaves, strict=True):
             shape = np.shape(leaf)
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
             if dims is not None and len(dims) != len(shape):
                 raise MeshkitError(
-                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
                     f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
                 )
             if len(s) > len(shape):
                 raise MeshkitError(
-                    f"meshkit.spmd({name}): {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
                     f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
                     f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
                     "argument every device gets whole."
                 )
             for d, axes in enumerate(dim_axes(s, len(shape))):
-                n = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+                n = math.prod(sizes[a] for a in axes)
                 if axes and shape[d] % n:
                     label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
                     raise MeshkitError(
-                        f"meshkit.spmd({name}): {where} has shape {tuple(shape)}; its {label} "
+                        f"{self.what}: {where} has shape {tuple(shape)}; its {label} "
                         f"of size {shape[d]} is split over the mesh axes {axes} of total size "
                         f"{n}, which does not divide it (spec {raw!r}, mesh "
                         f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
@@ -249,25 +210,29 @@ class MeshPlan:
         return out
 
     def check_outputs(self, out: Any, raws: Any) -> None:
-        """Each output's rank against the dimensions its spec string names.
-
-        ``raws`` is out_specs as written, aligned to ``out`` (`align_specs`).
-        """
-        name = self.owner.name
+        """Each output's rank against the dimensions its spec string (in ``raws``) names."""
 
         def check(raw: Any, sub: Any) -> None:
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
                 if dims is not None and len(dims) != np.ndim(leaf):
                     raise MeshkitError(
-                        f"meshkit.spmd({name}): output out{jax.tree_util.keystr(path)} has rank "
+                        f"{self.what}: output out{jax.tree_util.keystr(path)} has rank "
                         f"{np.ndim(leaf)} but its spec {raw!r} names "
                         f"{_count(len(dims), 'dimension')}."
                     )
 
         jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
 
-    # ---- call time: classify, then call ------------------------------------------------------
+    def steady(self, args: tuple[Any, ...]) -> Any:
+        """The jitted function when every leaf of ``args`` is placed as a past call put it."""
+        if self.owner.static_argnums:
+            return None
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            return layout.jitted
+        return None
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
@@ -280,14 +245,30 @@ class MeshPlan:
             # the call changes nothing here: jit takes placed arrays as they are.
             return (layout.jitted.lower if lower else layout.jitted)(*args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
+            # Traced inside another jit: host values are program constants, the same in every
+            # process. Across processes they are put here (jit refuses host data with a sharding).
             layout = self.layout(dyn, treedef)
-            flat = self.traced(leaves, layout)
+            flat = leaves
+            if self.multiprocess and layout.plan is not None:
+                targets = layout.plan.targets
+                flat = [
+                    from_host(x, t) if _placement.is_host(x) else x
+                    for x, t in zip(leaves, targets, strict=True)
+                ]
         elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
-            # This process's parts, as global arrays (the layout is made inside, so that a
-            # spec error there reaches the other processes too).
-            with failures_published(_TAG):  # the others are waiting for this process's record
+            # This process's parts, assembled into global arrays. The layout is made inside
+            # failures_published so that a spec error reaches the waiting processes too.
+            with failures_published(_TAG):
                 layout = self.layout(dyn, treedef)
-            flat = self.place(self.assemble_local(leaves, treedef, layout), layout)
+            assert layout.plan is not None  # a multi-process mesh is made of devices
+            local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
+            raws = [layout.leaves[i][1] for i in local]
+            assembled = _placement.assemble(
+                layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
+            )
+            for i, value in zip(local, assembled, strict=True):
+                leaves[i] = value
+            flat = self.place(leaves, layout)
         else:
             layout = self.layout(dyn, treedef)
             flat = self.place(leaves, layout)
@@ -295,28 +276,8 @@ class MeshPlan:
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
 
-    def traced(self, flat: list[Any], layout: Layout) -> list[Any]:
-        """Leaves of a call traced inside another jit: host values are program constants.
-
-        Constants are the same in every process (the global value), as jit itself treats them;
-        jit places them in one process, and they are put here across processes (jit refuses
-        host data with a sharding there).
-        """
-        if not self.multiprocess or layout.plan is None:
-            return flat
-        targets = layout.plan.targets
-        return [
-            from_host(leaf, target) if _placement.is_host(leaf) else leaf
-            for leaf, target in zip(flat, targets, strict=True)
-        ]
-
     def place(self, flat: list[Any], layout: Layout) -> list[Any]:
-        """Every leaf where its spec puts it: meshkit's checks, then moves and puts.
-
-        Arrays in another layout are moved (a `ReshardWarning` the first time, unless they sat
-        on one device); host data is put in one batched call (`placement.put_host`). The
-        layout keeps its plan for the steady-state test of the next call.
-        """
+        """Every leaf checked, then moved or put where its spec says; the layout turns steady."""
         self.check_args(flat, layout)
         plan = layout.plan
         assert plan is not None  # placing needs a mesh of devices
@@ -329,7 +290,7 @@ class MeshPlan:
         return placed
 
     def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
-        """``leaf`` laid out as ``target`` (host data as it is: it is put in one batch)."""
+        """``leaf`` laid out as ``target``; host data as it is (put later, in one batch)."""
         if _placement.is_host(leaf):
             return leaf
         if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
@@ -337,26 +298,6 @@ class MeshPlan:
         if len(leaf.sharding.device_set) > 1:
             self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
         return jax.device_put(leaf, target)
-
-    def assemble_local(self, flat: list[Any], treedef: Any, layout: Layout) -> list[Any]:
-        """The call's process-local leaves assembled into global arrays, in one assembly.
-
-        In a multi-process run, host data and addressable arrays are this process's part of
-        the argument, as `meshkit.global_array_from_local` defines it; the processes compare
-        structure, shapes and dtypes once per call (and, in debug mode, the data of blocks
-        that several processes provide) through the coordination service.
-        """
-        plan = layout.plan
-        assert plan is not None  # a multi-process mesh is made of devices
-        local = [i for i, leaf in enumerate(flat) if _placement.is_local(leaf)]
-        raws = [layout.leaves[i][1] for i in local]
-        assembled = _placement.assemble(
-            plan, flat, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
-        )
-        out = list(flat)
-        for i, value in zip(local, assembled, strict=True):
-            out[i] = value
-        return out
 
 
 def _leaf_specs(

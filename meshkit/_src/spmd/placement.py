@@ -1,20 +1,9 @@
 """Classify, then call: how `spmd` and `pmap_compat` put a call's arguments where jit takes them.
 
-Both compile one `jax.jit` over a body that runs `jax.shard_map`, per structure of the
-arguments, with an `ArgumentPlan` (`meshkit._src.sharding.argument_plan`) saying where every
-leaf must live. A call is decided before anything runs, never tried and retried:
-
-* **placed**: every leaf is an array laid out as its target (earlier outputs fed back): jit is
-  called at once, after one comparison per leaf (`ArgumentPlan.placed`);
-* **host data** (numpy, Python scalars): in one process, put in one batched
-  `jax.device_put` (jit would place it too, but it traces a numpy argument and a placed
-  array separately); in a multi-process run it is *this process's part*, assembled with the
-  other processes' parts as `meshkit.global_array_from_local` does, with its check that the
-  parts fit together (`assemble`);
-* **process-local device arrays** in a multi-process run: the same as host data;
-* **another layout**: moved (the front-end decides whether that deserves a warning).
-
-Tracers (the call is traced by an enclosing transformation) are never placed.
+A call is decided before anything runs, never retried: leaves placed as their `ArgumentPlan`
+targets go straight to jit; host data is put in one batched `jax.device_put` (in a multi-process
+run it is this process's part, assembled as `meshkit.global_array_from_local` does); arrays laid
+out differently are moved; tracers are never placed.
 """
 
 from __future__ import annotations
@@ -53,19 +42,10 @@ __all__ = [
 def argnums(
     value: int | Sequence[int], what: str, caller: str, *, from_end: bool = False
 ) -> tuple[int, ...]:
-    """Positions of arguments (``static_argnums``, ``donate_argnums``...) as a tuple of ints.
+    """Positions of arguments (``static_argnums``...) as a tuple of ints; ``caller`` names the call.
 
-    Args:
-        value: one position or a sequence of them, as the user gave it.
-        what: the parameter's name in messages.
-        caller: the call that messages name (``meshkit.spmd(step)``).
-        from_end: negative positions count from the end of each call's arguments; they are
-            kept as given, in their order. Otherwise they must be non-negative and come back
-            sorted, without repeats.
-
-    Raises:
-        MeshkitError: a position that is not an int (bools are not positions), or a negative
-            one where they do not count from the end.
+    With ``from_end``, negative positions count from the end and are kept as given; otherwise
+    they must be non-negative and come back sorted, without repeats.
     """
     items = (value,) if isinstance(value, int) else tuple(value)
     for i in items:
@@ -91,10 +71,7 @@ def from_host(value: Any, target: NamedSharding) -> jax.Array:
 def jit_over_shard_map(
     body: Callable[..., Any], name: str, **jit_options: Any
 ) -> Callable[..., Any]:
-    """``jax.jit(body, **jit_options)``, ``body`` (which runs `jax.shard_map`) named ``name``.
-
-    Named after the user's function, so that HLO dumps and profiles tell the programs apart.
-    """
+    """``jax.jit(body, **jit_options)`` with ``body`` named ``name`` (for HLO dumps, profiles)."""
     body.__name__ = body.__qualname__ = name
     return jax.jit(body, **jit_options)
 
@@ -111,20 +88,13 @@ def is_abstract(leaf: Any) -> bool:
 
 def is_local(leaf: Any) -> bool:
     """Process-local: host data or an array on this process's devices only (not a tracer)."""
-    return not isinstance(leaf, jax.Array) or (
-        not isinstance(leaf, Tracer) and leaf.is_fully_addressable
-    )
+    return is_host(leaf) or (not isinstance(leaf, Tracer) and leaf.is_fully_addressable)
 
 
 def put_host(
     plan: ArgumentPlan, leaves: list[Any], *, what: str, tag: str, treedef: Any = None
 ) -> list[Any]:
-    """``leaves`` with their host data placed at the plan's targets (other leaves as they are).
-
-    In one process, one batched `jax.device_put`; across processes the host data is this
-    process's parts, assembled with the others' (`assemble`). ``treedef``: the structure of
-    ``leaves``, which messages show.
-    """
+    """``leaves`` with their host data placed at the plan's targets (assembled across processes)."""
     host = [i for i, leaf in enumerate(leaves) if is_host(leaf) and not is_abstract(leaf)]
     if not host:
         return leaves
@@ -150,13 +120,7 @@ def assemble(
 ) -> list[jax.Array]:
     """The ``chosen`` leaves, this process's parts of a multi-process call, as global arrays.
 
-    One assembly for all of them, as `meshkit.global_array_from_local` defines the parts: along
-    a dimension split across processes, the blocks `ArgumentPlan.blocks` gives this process;
-    other dimensions whole. The processes compare structure, shapes and dtypes once per call
-    through the coordination service (and, in debug mode, the data of blocks that several
-    processes provide); a mismatch is a `MeshkitError` naming the processes on every one of
-    them. ``specs``: each chosen leaf's spec as messages show it (default: the plan's);
-    ``treedef``: the structure of ``leaves``, which messages show (default: a flat list).
+    One assembly, checked across processes; ``specs`` and ``treedef`` are what messages show.
     """
     if not chosen:
         return []
@@ -193,11 +157,7 @@ def assemble(
 
 @contextlib.contextmanager
 def failures_published(tag: str) -> Iterator[None]:
-    """Inside: an error is also published to the processes waiting in an assembly under ``tag``.
-
-    For the preparation of a multi-process call's assembly: the other processes are waiting
-    for this process's record, and stop at once with its error instead of timing out.
-    """
+    """Publish an error raised inside to the processes waiting in an assembly under ``tag``."""
     try:
         yield
     except Exception as e:

@@ -1,13 +1,6 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-A call is one `jax.jit` dispatch whose ``in_shardings`` are the ``in_specs``, after the dispatch
-point (`meshkit._src.runtime.dispatch.enter`). The arguments are classified before it, never
-retried (`meshkit._src.spmd.bound`, on the shared `meshkit._src.spmd.placement`): leaves already
-laid out as their specs say go straight to jit; otherwise meshkit checks the shapes against the
-specs (its own messages), places host data (in a multi-process run: this process's part,
-assembled as `meshkit.global_array_from_local` does), moves arrays laid out differently
-(warning once per argument), and then calls. On meshes with Explicit axes, values typed by
-another sharding are resharded inside the jitted function.
+Arguments are classified before the one jit call, never retried (`bound`, on `placement`).
 """
 
 from __future__ import annotations
@@ -69,51 +62,40 @@ class SpmdFunction:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = _canonical.function_name(fn)
+        what = f"meshkit.spmd({self.name})"
         if mesh is not None and not isinstance(mesh, Mesh):
             raise MeshkitError(
-                f"meshkit.spmd({self.name}): mesh must be a jax.sharding.Mesh (e.g. from "
+                f"{what}: mesh must be a jax.sharding.Mesh (e.g. from "
                 f"meshkit.make_mesh) or None for the mesh of jax.set_mesh; got {mesh!r}."
             )
-        what = f"meshkit.spmd({self.name})"
         self.static_argnums = argnums(static_argnums, "static_argnums", what)
         self.donate_argnums = argnums(donate_argnums, "donate_argnums", what)
         if isinstance(in_specs, Mapping):
             raise MeshkitError(
-                f"meshkit.spmd({self.name}): in_specs must be one spec for every argument, or a "
+                f"{what}: in_specs must be one spec for every argument, or a "
                 f"tuple with one entry per positional argument; got {describe_node(in_specs)}.\n"
                 "Consider in_specs=(specs,) if it describes the first argument."
             )
-        # flax's partition specs (nnx Variables of specs, linen boxes) stand for their specs.
-        self.in_specs = self._drop_static(plain_specs(in_specs))
-        self.out_specs = plain_specs(out_specs)
-        for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
-            map_specs(lambda s, w: _check_leaf(s, w), tree, f"spmd({self.name}): {what}")
-        self.check_vma = bool(check_vma)
-        self.mesh = mesh
-        self._site = _dispatch.CallSite(
-            "spmd",
-            self.name,
-            info={
-                "mesh": mesh,
-                "params": _dispatch.param_names(fn),
-                "origin": _dispatch.origin(fn),
-                "static_argnums": self.static_argnums,
-            },
-        )
-        self._warned: set[str] = set()
-        self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
-        self._plan = MeshPlan(self, mesh) if mesh is not None else None
-
-    def _drop_static(self, in_specs: Any) -> Any:
-        """Accept in_specs with None at the static positions too (one entry per parameter)."""
+        in_specs = plain_specs(in_specs)  # flax's boxes of specs stand for their specs
         static = self.static_argnums
-        if (
+        if (  # in_specs may hold None at the static positions (one entry per parameter)
             static
             and isinstance(in_specs, tuple | list)
             and all(i < len(in_specs) and in_specs[i] is None for i in static)
         ):
-            return tuple(s for i, s in enumerate(in_specs) if i not in static)
-        return tuple(in_specs) if isinstance(in_specs, list) else in_specs
+            in_specs = tuple(s for i, s in enumerate(in_specs) if i not in static)
+        self.in_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
+        self.out_specs = plain_specs(out_specs)
+        for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
+            map_specs(_check_leaf, tree, f"spmd({self.name}): {what}")
+        self.check_vma = bool(check_vma)
+        self.mesh = mesh
+        info = {"mesh": mesh, "params": _dispatch.param_names(fn), "origin": _dispatch.origin(fn)}
+        info["static_argnums"] = self.static_argnums
+        self._site = _dispatch.CallSite("spmd", self.name, info=info)
+        self._warned: set[str] = set()
+        self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
+        self._plan = MeshPlan(self, mesh) if mesh is not None else None
 
     def warn_reshard(
         self, where: str, have: str, want: PartitionSpec, mesh: Mesh | AbstractMesh
@@ -131,7 +113,7 @@ class SpmdFunction:
         )
 
     def _plan_for_call(self) -> MeshPlan | None:
-        """The plan for this call's mesh; None when called while tracing without a mesh."""
+        """The plan for this call's mesh; None while tracing without one."""
         if self._plan is not None:
             return self._plan
         if not _compat.trace_state_clean():
@@ -145,20 +127,28 @@ class SpmdFunction:
                 f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and {when} "
                 "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
             )
-        plan = self._plans.get(mesh)
-        if plan is None:
-            plan = self._plans[mesh] = MeshPlan(self, mesh)
-        return plan
+        if mesh not in self._plans:
+            self._plans[mesh] = MeshPlan(self, mesh)
+        return self._plans[mesh]
 
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self._plan
+        if plan is not None and not kwargs and _dispatch.quiet():
+            jitted = plan.steady(args)
+            if jitted is not None:  # every leaf already placed: straight to jit
+                self._site.calls += 1
+                return jitted(*args)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
                 f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
                 f"positional); got keywords {sorted(kwargs)}."
             )
         _dispatch.enter(self._site, args)
-        plan = self._plan if self._plan is not None else self._plan_for_call()
+        plan = self._plan_for_call()
         if plan is None:  # traced inside jax.jit: shard_map over the abstract mesh
             return self._context_plan(jax.sharding.get_abstract_mesh(), "traced").body(*args)
         return plan.call(args)
@@ -230,47 +220,33 @@ def spmd(
     """Run ``f`` once per device of ``mesh`` on its block of each argument, compiled by jit.
 
     The same as ``jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...))``, and as
-    fast on arguments already laid out per ``in_specs``, but it also takes:
-
-    * host data (numpy arrays, Python scalars) and single-device arrays: placed per
-      ``in_specs``. In a multi-process run, host data and process-local (fully addressable)
-      arrays are **this process's part** of the global argument, as for
-      `meshkit.global_array_from_local`: along a dimension split across processes, the rows
-      its devices hold (`meshkit.process_slice` says which); dimensions not split across
-      processes whole; parts that several processes hold (``P()``, say) must be equal. The
-      processes compare structure, shapes and dtypes once per call through the coordination
-      service (with `meshkit.debug` on, also the data of those shared parts);
-    * arrays laid out differently: moved with one reshard per call, and a `ReshardWarning`
-      the first time;
-    * meshes with Explicit axis types (``jax.make_mesh``'s default) as well as Auto ones, and
-      calls inside ``jax.set_mesh`` or inside another `jax.jit`.
+    fast on arguments already laid out per ``in_specs``, but it also places host data and
+    single-device arrays per ``in_specs`` (in a multi-process run, this process's part, as for
+    `meshkit.global_array_from_local`), reshards arrays laid out differently (a
+    `ReshardWarning` the first time), and works on Auto and Explicit meshes, inside
+    ``jax.set_mesh`` and inside another `jax.jit`.
 
     Args:
-        f: the per-device function. Inside it, each argument is this device's block and
-            `meshkit.collectives` work over the mesh axes. Omit it to use ``spmd`` as a
-            decorator.
+        f: the per-device function; `meshkit.collectives` work inside it over the mesh axes.
+            Omit it to use ``spmd`` as a decorator.
         mesh: the mesh to run on; None takes the mesh of the enclosing ``jax.set_mesh``.
         in_specs: one spec per positional argument (a `PartitionSpec`, a spec string such as
-            ``"batch seq -> data _"``, or a pytree of them matching the argument), or a single
-            spec for all arguments. Static arguments take no spec (or None in their position).
+            ``"batch seq -> data _"``, or a pytree of them matching the argument), or one spec
+            for all arguments. Static arguments take none (or None in their position).
         out_specs: the spec (or pytree of specs) of the outputs; an axis that a spec leaves out
             means the output is the same on every device along it.
-        check_vma: let JAX check that outputs claimed replicated really are (see
-            `jax.shard_map`).
+        check_vma: let JAX check that outputs claimed replicated are (see `jax.shard_map`).
         donate_argnums: positional arguments whose buffers may be reused for outputs.
-        static_argnums: positional arguments passed as Python values (hashable), as in
-            `jax.jit`.
+        static_argnums: positional arguments passed as hashable Python values, as in `jax.jit`.
 
     Returns:
         An `SpmdFunction`: call it with positional arguments; ``.lower(*args)`` lowers it.
 
     Raises:
-        MeshkitError: for specs that name axes the mesh lacks, arguments whose shape does not
-            split per their spec (naming the argument, its shape, the dimension and the sizes),
-            or a mismatch between ``in_specs`` and the arguments. In a multi-process run, also
-            when processes pass host arguments that do not fit together (a different structure,
-            dtype or shape; naming the processes, the argument and the field), or when one of
-            them fails or does not arrive within ``MESHKIT_CHECK_TIMEOUT`` seconds.
+        MeshkitError: a spec names an axis the mesh lacks, an argument's shape does not split
+            per its spec, or ``in_specs`` does not match the arguments; in a multi-process run,
+            also when processes pass host arguments that do not fit together, or one fails or
+            does not arrive within ``MESHKIT_CHECK_TIMEOUT`` seconds.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -281,11 +257,6 @@ def spmd(
         ...     return C.psum(block.sum(axis=1, keepdims=True), "model")
         >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
         [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
-
-        In a multi-process run each process passes its own rows: with 2 processes of 4
-        devices and ``in_specs="data"`` over the mesh ``{"data": 8}``, process ``p`` passes
-        its batch of 4 rows, rows ``4p`` to ``4p + 3`` of the global batch of 8, and
-        ``C.psum(block.sum(), "data")`` inside ``f`` sums all 8 rows.
     """
 
     def wrap(fn: Callable[..., Any]) -> SpmdFunction:

@@ -1,23 +1,9 @@
 """Which values of a per-device jaxpr can differ between the devices of one mapped axis.
 
-`pmap_compat` promises, for an output with ``out_axes=None``, that it is the same on every
-device. JAX's replication typing (``shard_map(check_vma=True)``) could check that, but it also
-changes what programs trace: a ``lax.scan`` whose carry starts equal on every device and becomes
-device-dependent (``lax.axis_index`` in the body) is a type error there, and collectives with
-``axis_index_groups`` are refused. `jax.pmap` traces with the typing off. `pmap_compat` does the
-same and checks ``out_axes=None`` outputs here instead, on the jaxpr it has already traced: a
-forward pass over the equations that marks each value
-
-* ``INVARIANT``: the same on every device of the axis (constants, unmapped inputs, the result of
-  a reduction over the axis such as ``psum`` or ``all_gather``);
-* ``VARYING``: may differ (mapped inputs, ``axis_index``, ``ppermute``, anything computed from
-  a varying value); or
-* unknown, with the reason: a value that the analysis cannot follow (a collective with
-  ``axis_index_groups``, an ``io_callback``'s result, a primitive over the axis it has no rule
-  for). The caller warns instead of raising for those.
-
-The analysis is conservative towards ``VARYING`` for control flow: a loop whose trip count or a
-``cond`` whose branch depends on a varying value makes its results varying.
+`pmap_compat` checks its ``out_axes=None`` outputs here rather than with shard_map's
+``check_vma``, which would refuse programs `jax.pmap` traces (a scan carry made device-dependent,
+``axis_index_groups``). A forward pass marks each value INVARIANT, VARYING, or unknown with a
+reason (the caller warns); control flow on a varying value makes its results varying.
 """
 
 from __future__ import annotations
@@ -51,11 +37,7 @@ def _unknown(reason: str) -> Variance:
 
 def join(values: Sequence[Variance]) -> Variance:
     """The least upper bound: varying wins, then the first unknown (its reason kept)."""
-    best = INVARIANT
-    for v in values:
-        if v.level > best.level:
-            best = v
-    return best
+    return max(values, key=lambda v: v.level, default=INVARIANT)
 
 
 # Collectives whose result is the same on every device of the axes they reduce over.
@@ -67,7 +49,6 @@ _IMPURE = {"io_callback"}
 
 
 def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
-    """The named axes a collective's parameters name (``axes`` or ``axis_name``)."""
     for key in ("axes", "axis_name"):
         if key in params:
             value = params[key]
@@ -76,8 +57,7 @@ def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
 
 
 def _open(jaxpr: Any) -> Any:
-    """The `Jaxpr` of a Jaxpr or ClosedJaxpr (a closed one's constants are invariant)."""
-    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr  # a ClosedJaxpr has consts
+    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr  # a ClosedJaxpr's Jaxpr
 
 
 class _Analysis:
@@ -87,16 +67,10 @@ class _Analysis:
     def run(self, jaxpr: Any, inputs: Sequence[Variance]) -> list[Variance]:
         """The variance of ``jaxpr``'s outputs given its inputs' (constvars invariant)."""
         inner = _open(jaxpr)
-        env: dict[Any, Variance] = {}
-        for var in inner.constvars:
-            env[var] = INVARIANT
-        for var, v in zip(inner.invars, inputs, strict=True):
-            env[var] = v
+        env: dict[Any, Variance] = dict(zip(inner.invars, inputs, strict=True))
 
         def read(atom: Any) -> Variance:
-            if isinstance(atom, jex.Literal):
-                return INVARIANT
-            return env.get(atom, INVARIANT)
+            return INVARIANT if isinstance(atom, jex.Literal) else env.get(atom, INVARIANT)
 
         for eqn in inner.eqns:
             ins = [read(a) for a in eqn.invars]
@@ -121,12 +95,9 @@ class _Analysis:
             return [join([*ins, _unknown(f"meshkit has no rule for {name}")])] * n_out
         if name in _IMPURE:
             return [join([*ins, _unknown(f"it comes from jax.experimental.{name}")])] * n_out
-        if name == "scan":
-            return self.scan(eqn, ins)
-        if name == "while":
-            return self.while_loop(eqn, ins)
-        if name == "cond":
-            return self.cond(eqn, ins)
+        loop = {"scan": self.scan, "while": self.while_loop, "cond": self.cond}.get(name)
+        if loop is not None:
+            return loop(eqn, ins)
         subs = list(jex.jaxprs_in_params(params))
         if not subs:
             return [join(ins)] * n_out
@@ -137,38 +108,33 @@ class _Analysis:
         # Another higher-order primitive: every output may depend on every input and on
         # whatever its bodies compute from them.
         worst = join(ins)
-        found = [worst]
-        for sub in subs:
-            inner = _open(sub)
-            found += self.run(sub, [worst] * len(inner.invars))
-        return [join(found)] * n_out
+        found = [v for sub in subs for v in self.run(sub, [worst] * len(_open(sub).invars))]
+        return [join([worst, *found])] * n_out
+
+    def _fixpoint(self, carry: list[Variance], step: Any) -> tuple[list[Variance], list[Variance]]:
+        """Join ``step(carry)``'s leading outputs into ``carry`` until it stops changing."""
+        while True:
+            outs = step(carry)
+            new = [join([a, b]) for a, b in zip(carry, outs[: len(carry)], strict=True)]
+            if new == carry:
+                return carry, outs
+            carry = new
 
     def scan(self, eqn: Any, ins: list[Variance]) -> list[Variance]:
-        params = eqn.params
-        body = params["jaxpr"]
-        n_consts, n_carry = _compat.scan_counts(params)
-        consts, rest = ins[:n_consts], ins[n_consts:]
-        carry, xs = rest[:n_carry], rest[n_carry:]
-        while True:
-            outs = self.run(body, [*consts, *carry, *xs])
-            new = [join([a, b]) for a, b in zip(carry, outs[:n_carry], strict=True)]
-            if new == carry:
-                return [*new, *outs[n_carry:]]
-            carry = new
+        body = eqn.params["jaxpr"]
+        nc, n_carry = _compat.scan_counts(eqn.params)
+        consts, carry, xs = ins[:nc], ins[nc : nc + n_carry], ins[nc + n_carry :]
+        carry, outs = self._fixpoint(carry, lambda c: self.run(body, [*consts, *c, *xs]))
+        return [*carry, *outs[n_carry:]]
 
     def while_loop(self, eqn: Any, ins: list[Variance]) -> list[Variance]:
         params = eqn.params
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
         cond_consts, body_consts, carry = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
-        while True:
-            outs = self.run(params["body_jaxpr"], [*body_consts, *carry])
-            new = [join([a, b]) for a, b in zip(carry, outs, strict=True)]
-            if new == carry:
-                break
-            carry = new
+        body = params["body_jaxpr"]
+        carry, _ = self._fixpoint(carry, lambda c: self.run(body, [*body_consts, *c]))
         (pred,) = self.run(params["cond_jaxpr"], [*cond_consts, *carry])
-        if pred.level:
-            # Devices may run different numbers of iterations.
+        if pred.level:  # devices may run different numbers of iterations
             return [join([c, pred]) for c in carry]
         return carry
 
@@ -182,10 +148,9 @@ class _Analysis:
 def shard_map_outputs(
     jaxpr: Any, axis: Hashable, mapped_inputs: Sequence[bool]
 ) -> list[Variance] | None:
-    """The variance over ``axis`` of the outputs of the first shard_map in a traced function.
+    """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None).
 
-    ``jaxpr``: the function's jaxpr (a `Jaxpr` or `ClosedJaxpr`); ``mapped_inputs``: which of
-    the shard_map's inputs are split over ``axis``. None when the jaxpr holds no shard_map.
+    ``mapped_inputs`` says which of the shard_map's inputs are split over ``axis``.
     """
     inner = _open(jaxpr)
     for eqn in inner.eqns:

@@ -1,0 +1,346 @@
+"""How a `meshkit.global_batches` loop ends, and its messages: where the data ends, and closes.
+
+Every process decides the end of data from the same step records (`uneven_end`, `short_batch`).
+A process that leaves its loop says once how (`leave`); one that closed waits for every
+process's word (`confirm`) and compares (`left_error`); one that goes on hears of the close
+from a `Watch` that reads the posts about once a second, nothing per step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ..coord import missing as _missing
+from ..coord.node import Node
+from ..core import env as _env
+from ..core.errors import DivergenceError, MeshkitError
+from ..lifecycle import failfast as _failfast
+from .records import PartRecord
+
+__all__ = [
+    "CLOSED",
+    "Watch",
+    "confirm",
+    "differs",
+    "leave",
+    "left_error",
+    "posted",
+    "rows_outliers",
+    "short",
+    "short_batch",
+    "uneven_end",
+    "went_on",
+]
+
+_WHAT = "meshkit.global_batches"
+
+# Where the data ends.
+
+
+def short(records: dict[int, PartRecord]) -> list[int]:
+    """The processes whose batch at this step has fewer rows than another's (none: one size)."""
+    rows = _leading_rows(records)
+    if rows is None:
+        return []
+    most = max(rows.values())
+    return sorted(p for p, n in rows.items() if n < most)
+
+
+def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str | None:
+    """The error for a batch at ``step`` shorter than another process's, or None if allowed.
+
+    Only a loader's last batch (`PartRecord.last`) may be short; with ``pad=True`` it is padded.
+    """
+    rows = _leading_rows(records)
+    if rows is None or len(set(rows.values())) == 1:
+        return None
+    most = max(rows.values())
+    fewer = sorted(p for p, n in rows.items() if n < most)
+    full = sorted(p for p, n in rows.items() if n == most)
+    midstream = [p for p in fewer if records[p].last is False]
+    if pad and not midstream:
+        return None  # short last batches: padded
+    if not midstream:  # pad=False, the short batches their loaders' last (or not known)
+        head = f"{_WHAT}: at step {step}, {_rows_text(fewer, rows)} where {_rows_text(full, rows)}"
+        said = (
+            f"; {'each is its loader' if len(fewer) > 1 else 'it is the loader'}'s last batch"
+            if all(records[p].last for p in fewer)
+            else ""
+        )
+        return (
+            f"{head}{said}.\nWith pad=False every step needs batches of one size from every "
+            "process.\nConsider pad=True (the last step is padded; the mask marks the real "
+            "rows), or dropping the short last batch on every process (drop_remainder)."
+        )
+    return _MIDSTREAM.format(
+        what=_WHAT,
+        step=step,
+        each="; ".join(_rows_text(ps, rows) for ps in _missing.by_value(_as_text(rows)).values()),
+        more=_loaders(midstream),
+        which=_which(rows),
+    )
+
+
+# Padding (pad=True, pad="ragged") would hide rows a loader lost or added, so it is not offered.
+_MIDSTREAM = (
+    "{what}: at step {step}, the processes' batches differ in rows before the end of their "
+    "data: {each}; {more} more batches after it.\n"
+    "Every process's loader must give batches of one size at every step but its last (a "
+    "batch may be short only where its data ends: pad=True pads it there).\n"
+    "A batch of another size before the end of the data comes from a loader that lost rows "
+    "(a filter, an uneven shard, a skipped file) or added some (padding of its own, another "
+    "batch size); {which}.\n"
+    "Consider checking that the loaders make batches of one size on every process "
+    "(meshkit.process_slice(mesh, axis, global_shape).local_shape[0] rows each) and pad none "
+    "of their own."
+)
+
+
+def _as_text(rows: dict[int, int]) -> dict[int, str]:
+    return {p: str(n) for p, n in rows.items()}
+
+
+def _which(rows: dict[int, int]) -> str:
+    """Who differs, where most processes agree on the rows; else that the records cannot tell."""
+    odd = _outside_majority(rows)
+    if len(odd) == len(rows):
+        return "the batches alone do not tell which process's loader is wrong"
+    return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
+
+
+def _processes(ps: list[int]) -> str:
+    return f"process{'es' if len(ps) > 1 else ''} {_and([str(p) for p in ps])}"
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
+
+
+def _loaders(ps: list[int]) -> str:
+    """``the loader of process 1 has`` / ``the loaders of processes 0 and 1 have``."""
+    if len(ps) == 1:
+        return f"the loader of {_processes(ps)} has"
+    return f"the loaders of {_processes(ps)} have"
+
+
+def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
+    """``process 1's batch has 56 rows`` / ``processes 0 and 2 have 64 rows``."""
+    counts = [rows[p] for p in ps]
+    if len(ps) == 1:
+        return f"{_processes(ps)}'s batch has {counts[0]} rows"
+    if len(set(counts)) == 1:
+        return f"{_processes(ps)} have {counts[0]} rows"
+    return f"the batches of {_processes(ps)} have {_and([str(n) for n in counts])} rows"
+
+
+def rows_outliers(records: dict[int, PartRecord]) -> list[int]:
+    """The processes whose batch rows differ from a majority's; every one without a majority."""
+    rows = _leading_rows(records)
+    return _outside_majority(rows) if rows else sorted(records)
+
+
+def _outside_majority(rows: dict[int, int]) -> list[int]:
+    return _missing.outside_majority(_missing.by_value(_as_text(rows)).values())
+
+
+def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:
+    """Rows of each process with data at this step; None if under two, or one is unsaid."""
+    rows = {}
+    for p, r in records.items():
+        if r.status != "data":
+            continue  # ended: padding only
+        if r.rows is None:
+            return None
+        rows[p] = r.rows
+    return rows if len(rows) > 1 else None
+
+
+def uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
+    """The message for loaders that yielded different numbers of batches."""
+    had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
+    more = f"a {_missing.ordinal(step)}" if step > 1 else "one"
+    ended_text = (
+        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
+    )
+    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
+    head = (
+        f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
+        f"ended {had}, while {going_text} yielded {more}.\n"
+    )
+    if pad:
+        return head + (
+            "With pad=True a process whose loader has ended contributes padding, shaped like "
+            "its earlier batches; a loader that yielded no batch has none to copy.\n"
+            "Consider giving every process at least one row, or a loader that yields a batch "
+            "of 0 rows (same keys and dtypes) when its shard is empty."
+        )
+    return head + (
+        "With pad=False every step needs a batch from every process, and the batches the "
+        "longer loaders still hold would be dropped unseen.\n"
+        "Consider pad=True (the processes whose loaders ended contribute padding, which the "
+        "mask marks, until every loader has ended), or loaders that yield the same number of "
+        "batches (drop the last, short batch everywhere, or stop after a fixed number of steps "
+        "with itertools.islice)."
+    )
+
+
+# Loops left early: how a process left (`leave`), with the steps its caller took then.
+CLOSED = "closed"  # it closed its iterator
+ENDED = "ended"  # its data ended (for every process: the end is agreed)
+TOOK = "took"  # it took a step past a process that closed
+ASKS = "asks"  # it asked for a step past a process that closed
+FAILED = "failed"  # its loop failed (a loader's error, a check)
+
+
+def _key(tag: str) -> str:
+    return f"meshkit/closes/{tag}/"
+
+
+def _read(node: Node, tag: str) -> dict[int, tuple[str, int]]:
+    """How each process that said so left its loop: (how, steps its caller took)."""
+    out = {}
+    for k, v in node.service.dir_get(_key(tag)):
+        how, _, steps = v.partition(" ")
+        out[int(k.rsplit("/", 1)[1])] = (how, int(steps))
+    return out
+
+
+def posted(node: Node, tag: str) -> dict[int, int]:
+    """The step counts posted so far by processes that closed ``tag``'s iterator early."""
+    return {p: k for p, (how, k) in _read(node, tag).items() if how == CLOSED}
+
+
+def leave(node: Node, tag: str, how: str, steps: int) -> None:
+    """Say once how this process left ``tag``'s loop; the last to say it marks all as said."""
+    node.service.set(_key(tag) + str(node.me), f"{how} {steps}", overwrite=True)
+    if node.service.increment(f"meshkit/closes-count/{tag}", 1) == node.n:
+        node.service.set(f"meshkit/closes-all/{tag}", "1", overwrite=True)
+
+
+def confirm(node: Node, tag: str, timeout: float) -> dict[int, tuple[str, int]]:
+    """What each process said (`leave`) once all have, or when ``timeout`` runs out."""
+    node.read(f"meshkit/closes-all/{tag}", time.monotonic() + timeout)
+    return _read(node, tag)
+
+
+def _did(how: str, steps: int) -> str:
+    return {
+        CLOSED: f"closed its iterator after step {steps}",
+        ENDED: f"reached the end of its data after step {steps}",
+        TOOK: f"took step {steps}",
+        ASKS: f"asks for step {steps + 1}",
+    }.get(how, f"failed at step {steps + 1}")
+
+
+def left_error(
+    said: dict[int, tuple[str, int]], n: int, me: int, timeout: float
+) -> MeshkitError | None:
+    """The error of ``me``, which closed, from what the processes said; None if all agree."""
+    mine = said[me][1]
+    ahead = {p: hk for p, hk in said.items() if hk[0] not in (CLOSED, ENDED)}
+    if ahead:
+        groups = _missing.by_value({p: _did(*hk) for p, hk in ahead.items()})
+        others = ", ".join(f"{_missing.processes(ps)} {did}" for did, ps in groups.items())
+        return DivergenceError(
+            f"{_WHAT}: the processes left their loops at different steps: this process "
+            f"(process {me}) closed its iterator after step {mine}, but {others}.\n{_ADVICE}",
+            processes=sorted(ahead),
+            field="steps",
+        )
+    error = differs({p: k for p, (_, k) in said.items()}, me)
+    missing = sorted(set(range(n)) - set(said))
+    if error is not None or not missing:
+        return error
+    return MeshkitError(
+        f"{_WHAT}: this process (process {me}) closed its iterator after step {mine}, and "
+        f"{_missing.processes(missing)} did not leave the loop within {timeout:g} s (no "
+        "close, no end of data, no further step asked for).\n"
+        "Every process must leave its loop after the same step.\nConsider looking at those "
+        f"processes' output; {_env.ENV_CHECK_TIMEOUT} sets the wait."
+    )
+
+
+def _after(closers: dict[int, int]) -> str:
+    """``"process 0 after step 2"``, ``"processes 0,2 after step 2, process 3 after step 4"``."""
+    groups = _missing.by_value({p: str(k) for p, k in closers.items()})
+    return ", ".join(f"{_missing.processes(ps)} after step {k}" for k, ps in groups.items())
+
+
+_ADVICE = (
+    "Every process must take the same number of batches from its global_batches: a loop that "
+    "stops early (break, close(), the end of a with block) must stop after the same step on "
+    "every process.\nConsider deciding when to stop from a value every process has (the step "
+    "number, a value computed on global arrays), not from one process's own data or clock."
+)
+
+
+def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> DivergenceError:
+    """The error of ``me``, which took ``steps`` steps and goes on past ``closers``' close.
+
+    ``took``: it took a step past the closers' already (else it asks for step ``steps + 1``).
+    """
+    early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)} or closers
+    named = _after(early)
+    who = _missing.processes(sorted(early))
+    if took:
+        doing = (
+            f"took step {steps} already: its computations at that step wait for "
+            f"{who}, which will not join them"
+        )
+    else:
+        doing = f"asks for step {steps + 1}, which {who} will not take"
+    return DivergenceError(
+        f"{_WHAT}: the processes left their loops at different steps: {named} closed "
+        f"{'its iterator' if len(early) == 1 else 'their iterators'}, but this process "
+        f"(process {me}) {doing}.\n{_ADVICE}",
+        processes=sorted(early),
+        field="steps",
+    )
+
+
+def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
+    """The error of ``me``, which closed, when ``closers`` closed after other steps."""
+    mine = closers[me]
+    others = {p: k for p, k in closers.items() if k != mine}
+    if not others:
+        return None
+    return DivergenceError(
+        f"{_WHAT}: the processes left their loops at different steps: {_after(others)}, this "
+        f"process (process {me}) after step {mine}.\n{_ADVICE}",
+        processes=sorted(others),
+        field="steps",
+    )
+
+
+class Watch(threading.Thread):
+    """Reads ``tag``'s posts each poll period until a close is heard or ``stop`` is set.
+
+    Each period ``tick()`` runs first (True ends the watch); ``heard(closers)`` runs at the first
+    close. A failed read (the service is gone) ends it.
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        tag: str,
+        heard: Callable[[dict[int, int]], None],
+        stop: threading.Event,
+        tick: Callable[[], bool] = lambda: False,
+    ) -> None:
+        super().__init__(name="meshkit-global-batches-watch", daemon=True)
+        self.node, self.tag, self.heard, self.stop, self.tick = node, tag, heard, stop, tick
+
+    def run(self) -> None:
+        wait = _failfast.poll_period(self.node.n)
+        while not self.stop.wait(wait):
+            try:
+                if self.tick():
+                    return
+                closers = posted(self.node, self.tag)
+            except Exception:  # the service is gone: the failure watch says so
+                return
+            if closers and not self.stop.is_set():
+                self.heard(closers)
+                return
