@@ -71,6 +71,8 @@ def test_partition_spec_round_trips_through_its_string(data):
         ("data data", "the mesh axis 'data' appears twice", "     ^^^^"),
         ("a -> x -> y", "'->' may appear only once", "       ^^"),
         ("() data", "empty parentheses; write '_' instead", "^^"),
+        ("( )", "empty parentheses; write '_' instead", "^^^"),
+        ("data ( ) ()", "empty parentheses; write '_' instead", "     ^^^"),
         ("x 1", "'1' is a number", "  ^"),
         ("_x", "'_x': names cannot start or end with '_'", "^^"),
         ("(batch) seq -> data _", "dimension names cannot be grouped", "^"),
