@@ -1,7 +1,7 @@
 """Partition specs, and their readable string form ``"batch seq -> data _"``.
 
-The grammar is in docs/per-device.md. Strings are parsed once (cached), with einops' grammar;
-errors underline the bad token.
+The grammar (einops' notation) is in docs/per-device.md. Strings are parsed once (cached) by
+meshkit's own tokenizer; errors underline the bad token.
 """
 
 from __future__ import annotations
