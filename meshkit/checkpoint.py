@@ -5,7 +5,7 @@ verdict before orbax is called, so a mistake is a `meshkit.MeshkitError` on ever
 For orbax's ``CheckpointManager``, use `check_savable` and `targets` directly. See
 docs/checkpoints.md.
 
-Example:
+Examples:
     ```python
     meshkit.checkpoint.save("/ckpt/step_100", {"w": w, "step": 100})
     state = meshkit.checkpoint.restore("/ckpt/step_100", mesh, {"w": "_ model"})

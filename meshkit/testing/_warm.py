@@ -104,7 +104,7 @@ class WarmCluster:
         preload: when forking, modules to import once before the processes are forked (see
             `launch_in_processes`).
 
-    Example:
+    Examples:
         ```python
         import pytest
         from meshkit.testing import WarmCluster

@@ -379,7 +379,7 @@ class GlobalBatches(Iterator[Any]):
         Returns:
             A `meshkit.DataPosition`; callable from any thread.
 
-        Example:
+        Examples:
             >>> import numpy as np, meshkit
             >>> mesh = meshkit.make_mesh({"data": -1})
             >>> loader = ({"x": np.full((8, 2), i, np.float32)} for i in range(3))

@@ -128,7 +128,7 @@ def check_savable(tree: Any) -> None:
         MeshkitError: a process-local array, a leaf that is not an array or a number, or
             processes that differ (naming the first leaf that differs).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> meshkit.checkpoint.check_savable({"w": meshkit.replicate(np.ones(3)), "step": 1})
     """
@@ -158,7 +158,7 @@ def save(
             on every process, before anything is written.
         SystemExit: status 143, after the save at a preemption sync point (`should_save`).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/step_1"
         >>> meshkit.checkpoint.save(path, {"w": meshkit.replicate(np.ones(3)), "step": 1})
@@ -348,7 +348,7 @@ def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
         MeshkitError: an array that cannot be laid out on ``mesh``, a mesh that leaves out a
             process, ``specs`` that do not fit, no complete checkpoint.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/c"
         >>> meshkit.checkpoint.save(path, {"w": meshkit.replicate(np.ones(3, np.float32))})
@@ -400,7 +400,7 @@ def restore(
     Raises:
         MeshkitError: as `targets`; an unfinished save; a ``like`` that does not match.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/c"
         >>> mesh = meshkit.make_mesh({"data": 2, "model": 4})
@@ -438,7 +438,7 @@ def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> 
     Raises:
         MeshkitError: no complete checkpoint at ``path``; none saved (unless ``missing_ok``).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit, tempfile
         >>> path = tempfile.mkdtemp() + "/c"
         >>> meshkit.checkpoint.save(path, {"step": 1}, data=meshkit.DataPosition(step=1))

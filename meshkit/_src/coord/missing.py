@@ -61,7 +61,7 @@ def by_value(values: Mapping[int, str]) -> dict[str, list[int]]:
 def lines(groups: Mapping[str, list[int]]) -> str:
     """One indented line per value, naming its processes (``by_value``'s groups).
 
-    Example:
+    Examples:
         >>> print(lines(by_value({2: "b", 0: "a", 1: "a"})))
           processes 0,1: a
           process 2: b
@@ -72,7 +72,7 @@ def lines(groups: Mapping[str, list[int]]) -> str:
 def listed(groups: Mapping[str, list[int]]) -> str:
     """``"processes 0,1: float32[8]; process 2: float32[4]"``: who holds which value.
 
-    Example:
+    Examples:
         >>> listed(by_value({2: "b", 0: "a", 1: "a"}))
         'processes 0,1: a; process 2: b'
     """
@@ -82,7 +82,7 @@ def listed(groups: Mapping[str, list[int]]) -> str:
 def ordinal(n: int) -> str:
     """``"3rd"``: the n-th call of a sequence every process makes, as messages name it.
 
-    Example:
+    Examples:
         >>> [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 112)]
         ['1st', '2nd', '3rd', '4th', '11th', '12th', '13th', '21st', '112th']
     """
@@ -95,7 +95,7 @@ def left_program(what: str, how: Mapping[int, str | None]) -> str:
 
     ``how``: per process, its failure (``"ValueError: ..."``) or None when it ended normally.
 
-    Example:
+    Examples:
         >>> left_program("meshkit.make_mesh", {1: None}).splitlines()[0]
         'meshkit.make_mesh: process 1 left the program without making this call (process 1 ended).'
     """

@@ -6,7 +6,7 @@ the highest sent (or, if none was, the first step each asks about). No program t
 needed: each writes its step and counts itself in; the last to count reads every step once
 and writes the answer, which the others wait for in slices of `SLICE_S`.
 
-Example:
+Examples:
     >>> import threading
     >>> from meshkit._src.coord.fake import FakeCluster
     >>> sync_step(FakeCluster(1).service(0), 0, 1, answered=7, timeout=1.0,

@@ -78,7 +78,7 @@ class DataPosition:
         states: a stateful source's ``get_state()`` (JSON text) by process id, else None.
         version: the format's version.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> p = meshkit.DataPosition(step=3)
         >>> meshkit.DataPosition.from_json(p.to_json()) == p

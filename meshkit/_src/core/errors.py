@@ -13,7 +13,7 @@ __all__ = [
 class MeshkitError(ValueError):
     """Raised when meshkit is called wrongly or processes of a program disagree.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> issubclass(meshkit.MeshkitError, ValueError)
         True
@@ -35,7 +35,7 @@ class DivergenceError(MeshkitError):
         field: what differs (``"function"``, ``"program"``, an argument, a preflight field,
             ``"arrival"``...).
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> meshkit.DivergenceError("differ", processes=[1], field="jax").processes
         [1]

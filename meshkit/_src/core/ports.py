@@ -53,7 +53,7 @@ def free_ports(count: int = 2, *, tries: int = 1000) -> int:
         ValueError: ``count`` is not positive.
         OSError: no run of ``count`` free ports was found in ``tries`` draws.
 
-    Example:
+    Examples:
         >>> port = free_ports(2)
         >>> port_in_use(port), port_in_use(port + 1)
         (False, False)

@@ -65,7 +65,7 @@ def parse_address(text: str) -> tuple[str, int]:
     Raises:
         LaunchError: not of that form, or the port is outside 1..65534 (``PORT+1`` is used too).
 
-    Example:
+    Examples:
         >>> parse_address("node0.cluster:29500")
         ('node0.cluster', 29500)
     """

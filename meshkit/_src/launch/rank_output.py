@@ -46,7 +46,7 @@ _GLOO_CONNECTED = re.compile(
 def is_chatter(line: str) -> bool:
     """Whether ``line`` is gloo's note that a rank's connections are all up (nothing to read).
 
-    Example:
+    Examples:
         >>> is_chatter("[Gloo] Rank 2 is connected to 3 peer ranks. "
         ...            "Expected number of connected peer ranks is : 3")
         True

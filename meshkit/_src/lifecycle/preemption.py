@@ -50,7 +50,7 @@ class PreemptionNotice:
             ``MESHKIT_PREEMPT_GRACE``).
         own: whether this process received it itself (else another process told it).
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> meshkit.PreemptionNotice(3, 0.0, 25.0, own=False).source
         'process 3'
@@ -158,7 +158,7 @@ def notice() -> PreemptionNotice | None:
     meshkit tells every other process, and each ends ``MESHKIT_PREEMPT_GRACE`` seconds later
     unless its program ended first (save at `meshkit.checkpoint.should_save`'s step).
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> meshkit.preemption_notice() is None
         True

@@ -52,7 +52,7 @@ def fix_source(
     Raises:
         SyntaxError: libcst cannot parse the source.
 
-    Example:
+    Examples:
         >>> from meshkit._src.migrate.scan import scan_source
         >>> src = "import jax\n\nstep = jax.pmap(f)  # per device\n"
         >>> edits = [f.edit for f in scan_source(src) if f.edit]
@@ -409,7 +409,7 @@ def add_init(source: str, first_party: Collection[str] = ()) -> tuple[str, int |
     Returns:
         The new text, and the line of the call added (None when nothing was added).
 
-    Example:
+    Examples:
         >>> src = "import jax\n\nif __name__ == '__main__':\n    print(jax.device_count())\n"
         >>> new, line = add_init(src)
         >>> print(new.splitlines()[line - 1].strip())

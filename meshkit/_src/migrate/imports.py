@@ -47,7 +47,7 @@ def import_group(module: str, *, relative: bool = False, first_party: Collection
     Returns:
         One of ``"__future__"``, ``"stdlib"``, ``"third-party"``, ``"first-party"``.
 
-    Example:
+    Examples:
         >>> [import_group(m, first_party={"mylib"}) for m in ("os.path", "jax", "mylib.io")]
         ['stdlib', 'third-party', 'first-party']
     """

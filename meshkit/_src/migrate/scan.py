@@ -56,7 +56,7 @@ def scan_source(
     Raises:
         SyntaxError: the source does not parse (also for null bytes).
 
-    Example:
+    Examples:
         >>> src = "import jax\nstep = jax.pmap(lambda x: x, out_axes=-1)\n"
         >>> [(f.line, f.code, f.fixable) for f in scan_source(src)]
         [(2, 'MK001', False), (2, 'MK003', False)]

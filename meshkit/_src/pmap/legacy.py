@@ -118,7 +118,7 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
         tree: a pytree of numpy arrays, scalars or single-device / replicated ``jax.Array`` s.
         devices: the devices of the device axis; default: every device of every process.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> r = meshkit.replicate({"w": np.ones((3, 2), np.float32), "step": 0})
         >>> r["w"].shape, r["step"].shape, len(r["w"].sharding.device_set)
@@ -134,7 +134,7 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
 
     `meshkit.replicate` with required ``devices``; they are ordered by process, then id.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, meshkit
         >>> y = meshkit.device_put_replicated(np.arange(3.0), jax.local_devices()[:4])
         >>> y.shape, sorted(d.id for d in y.sharding.device_set)
@@ -151,7 +151,7 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
     ``result[i] == shards[i]``, on the ``i``-th of ``devices`` ordered by process then id;
     never stacked anywhere. Each process puts only the shards of its own devices.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, meshkit
         >>> shards = [{"x": np.full((2,), i, np.int32)} for i in range(8)]
         >>> y = meshkit.device_put_sharded(shards, jax.local_devices())
@@ -265,7 +265,7 @@ def unreplicate(tree: Any) -> Any:
     device in one dispatch whatever the device count. With several processes each process
     gets its own first entry. Numpy leaves give ``x[0]``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> state = meshkit.replicate({"w": np.arange(4.0, dtype=np.float32)})
         >>> meshkit.unreplicate(state)["w"].tolist()
@@ -286,7 +286,7 @@ def shard_prng_key(prng_key: Any) -> jax.Array:
     ``jax.random.split(prng_key, jax.local_device_count())``, placed as a device-axis array.
     With several processes the result is global, each process's entries its own split.
 
-    Example:
+    Examples:
         >>> import jax, meshkit
         >>> meshkit.shard_prng_key(jax.random.PRNGKey(0)).shape
         (8, 2)

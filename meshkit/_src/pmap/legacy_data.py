@@ -52,7 +52,7 @@ def shard(xs: Any) -> Any:
 
     A reshape only: numpy stays numpy (a view); `pmap_compat` places the entries later.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> meshkit.shard({"label": np.arange(32)})["label"].shape
         (8, 4)
@@ -88,7 +88,7 @@ def prefetch_to_device(
     device-axis array. An error of ``iterator`` is raised after the elements before it.
     ``size=0`` places each element when it is asked for.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> batches = (meshkit.shard({"x": np.full((16, 2), i, np.float32)}) for i in range(3))
         >>> [b["x"].shape for b in meshkit.prefetch_to_device(batches, size=2)]
@@ -165,7 +165,7 @@ def pad_shard_unpad(
     output is brought to the host, reshaped and cut to ``b`` rows (unless
     ``static_return``). With several processes all pad to the largest per-device batch.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> out = meshkit.pad_shard_unpad(lambda w, x: x * w)(2.0, np.arange(10, dtype=np.float32))
         >>> out.shape, out.tolist()[-3:]
@@ -261,7 +261,7 @@ def get_metrics(device_metrics: Sequence[Any]) -> Any:
     Each step's metrics are unreplicated, all come to the host in one transfer, and each leaf
     of shape ``s`` becomes ``(len(device_metrics), *s)``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> steps = [meshkit.replicate({"loss": np.float32(l)}) for l in (0.5, 0.25)]
         >>> meshkit.get_metrics(steps)

@@ -297,7 +297,7 @@ def pmap_compat(
     vectorized on each outer device, and ``global_outputs=True`` returns global arrays over
     every process's devices. Other parameters are `jax.pmap`'s.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, meshkit
         >>> n = jax.local_device_count()
         >>> @meshkit.pmap_compat(axis_name="batch")

@@ -126,7 +126,7 @@ Consider calling meshkit.init() first thing in your program, before any other JA
 def runtime_info() -> RuntimeInfo | None:
     """What `meshkit.init` decided, or None if it has not run in this process.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> meshkit.runtime_info() is None or meshkit.runtime_info().num_processes >= 1
         True
