@@ -19,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
-from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import env as _env
@@ -40,7 +39,7 @@ from .blocks import (
 )
 from .dtypes import warn_notes
 from .entry_point import WHAT
-from .records import PartRecord, compare, raise_failures, summary
+from .records import PartRecord, compare, raise_absent, raise_failures, summary
 
 __all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
 
@@ -107,22 +106,7 @@ def _read(records: dict[int, dict[str, Any]]) -> dict[int, PartRecord]:
 
 
 def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
-    gone = outcome.missing or outcome.gave_up
-    if gone:
-        late = not outcome.missing
-        raise MeshkitError(
-            f"{what}: "
-            + (
-                f"{_missing.stopped_waiting(gone)} for this process (their {timeout:g} s ran out "
-                "before it arrived)"
-                if late
-                else f"{_missing.did_not(gone, timeout=timeout)}; the others did"
-            )
-            + ".\nEvery process must make the same calls in the same order (a process that "
-            "stopped, crashed, or took another branch never arrives).\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
+    raise_absent(outcome, what, timeout)
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
