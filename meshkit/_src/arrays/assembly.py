@@ -64,13 +64,14 @@ def exchange_records(
     *,
     replicas: dict[str, tuple[int, str]] | None = None,
     channel: str | None = None,
+    said: str | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Agree on ``record`` (see `summary`): this process's alone if all are equal, else all."""
+    """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
     timeout = _env.check_timeout()
     record = {**record, "replicas": replicas} if replicas else record
     outcome = _agree.agree(
-        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what,
-        channel=channel,
+        tag, summary(record) if said is None else said, json.dumps(record), timeout=timeout,
+        groups=replicas, what=what, channel=channel,
     )  # fmt: skip
     return _records(outcome, timeout, what)
 
@@ -266,27 +267,17 @@ class Assembly:
             return PartRecord(status=status)
         return dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
 
-    def agree_window(
-        self, said: str, record: dict[str, Any], *, what: str
-    ) -> dict[int, dict[str, Any]]:
-        """One agreement for several steps, ``said`` standing for their records."""
-        timeout = _env.check_timeout()
-        outcome = _agree.agree(self.tag, said, json.dumps(record), timeout=timeout, what=what)
-        return _records(outcome, timeout, what)
-
     def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
         if not self.pad:
             plan_leaves(prepared)
             return
-        first = prepared.leaves[0]
-        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
-        if not self.sizes_known:
-            rows = block_rows(prepared)
-            if records is not None:
-                rows = max(
-                    [rows, *(r.block_rows for r in records.values() if r.block_rows is not None)]
-                )
+        if self.sizes_known:  # the leaves' plans are over one element per block still
+            first = prepared.leaves[0]
+            rows = first.global_shape[0] // first.plan.global_shape[0]
+        else:
+            held = [r.block_rows for r in (records or {}).values() if r.block_rows is not None]
+            rows = max([block_rows(prepared), *held])
         finish_padding(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
