@@ -19,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
-from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import env as _env
@@ -40,7 +39,7 @@ from .blocks import (
 )
 from .dtypes import warn_notes
 from .entry_point import WHAT
-from .records import PartRecord, compare, raise_failures, summary
+from .records import PartRecord, compare, raise_absent, raise_failures, summary
 
 __all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
 
@@ -65,13 +64,14 @@ def exchange_records(
     *,
     replicas: dict[str, tuple[int, str]] | None = None,
     channel: str | None = None,
+    said: str | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Agree on ``record`` (see `summary`): this process's alone if all are equal, else all."""
+    """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
     timeout = _env.check_timeout()
     record = {**record, "replicas": replicas} if replicas else record
     outcome = _agree.agree(
-        tag, summary(record), json.dumps(record), timeout=timeout, groups=replicas, what=what,
-        channel=channel,
+        tag, summary(record) if said is None else said, json.dumps(record), timeout=timeout,
+        groups=replicas, what=what, channel=channel,
     )  # fmt: skip
     return _records(outcome, timeout, what)
 
@@ -107,22 +107,7 @@ def _read(records: dict[int, dict[str, Any]]) -> dict[int, PartRecord]:
 
 
 def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, dict[str, Any]]:
-    gone = outcome.missing or outcome.gave_up
-    if gone:
-        late = not outcome.missing
-        raise MeshkitError(
-            f"{what}: "
-            + (
-                f"{_missing.stopped_waiting(gone)} for this process (their {timeout:g} s ran out "
-                "before it arrived)"
-                if late
-                else f"{_missing.did_not(gone, timeout=timeout)}; the others did"
-            )
-            + ".\nEvery process must make the same calls in the same order (a process that "
-            "stopped, crashed, or took another branch never arrives).\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
+    raise_absent(outcome, what, timeout)
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
@@ -282,27 +267,17 @@ class Assembly:
             return PartRecord(status=status)
         return dataclasses.replace(describe(prepared, pad=self.pad), status=status, rows=rows)
 
-    def agree_window(
-        self, said: str, record: dict[str, Any], *, what: str
-    ) -> dict[int, dict[str, Any]]:
-        """One agreement for several steps, ``said`` standing for their records."""
-        timeout = _env.check_timeout()
-        outcome = _agree.agree(self.tag, said, json.dumps(record), timeout=timeout, what=what)
-        return _records(outcome, timeout, what)
-
     def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
         if not self.pad:
             plan_leaves(prepared)
             return
-        first = prepared.leaves[0]
-        rows = first.global_shape[0] // _layout.block_counts(first.sharding, first.value.ndim)[0]
-        if not self.sizes_known:
-            rows = block_rows(prepared)
-            if records is not None:
-                rows = max(
-                    [rows, *(r.block_rows for r in records.values() if r.block_rows is not None)]
-                )
+        if self.sizes_known:  # the leaves' plans are over one element per block still
+            first = prepared.leaves[0]
+            rows = first.global_shape[0] // first.plan.global_shape[0]
+        else:
+            held = [r.block_rows for r in (records or {}).values() if r.block_rows is not None]
+            rows = max([block_rows(prepared), *held])
         finish_padding(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:

@@ -58,11 +58,7 @@ def _close_all() -> None:
         batches._close(at_exit=True)
 
 
-class _Closed:
-    """Put in the queue by `GlobalBatches.close`: wakes a `__next__` waiting for a batch."""
-
-
-_CLOSED = _Closed()
+_CLOSED = object()  # put in the queue by `GlobalBatches.close`: wakes a waiting `__next__`
 
 
 class GlobalBatches(Iterator[Any]):
@@ -88,46 +84,33 @@ class GlobalBatches(Iterator[Any]):
         stop_together: bool = True,
         start: DataPosition | None = None,
     ) -> None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise MeshkitError(
-                f"{_WHAT}: prefetch must be a positive int (batches assembled ahead); got "
-                f"{prefetch!r}."
-            )
-        if not isinstance(stop_together, bool):
-            raise MeshkitError(
-                f"{_WHAT}: stop_together must be True or False; got {stop_together!r}."
-            )
-        if not (isinstance(check, bool) or (isinstance(check, str) and check == "data")):
-            raise MeshkitError(
-                f"{_WHAT}: check must be True, False or 'data' (each step is verified before "
-                f"it is yielded; there is no deferred mode); got {check!r}."
-            )
-        if not (isinstance(pad, bool) or (isinstance(pad, str) and pad == "ragged")):
-            raise MeshkitError(
-                f"{_WHAT}: pad must be True (pad where each loader's data ends), 'ragged' (pad "
-                f"short batches at every step) or False; got {pad!r}."
-            )
-        if progress is not None and not progress > 0:
-            raise MeshkitError(
-                f"{_WHAT}: progress must be None or a positive number of seconds between "
-                f"reports; got {progress!r}."
-            )
+        for name, value, ok, rule in (
+            ("prefetch", prefetch, isinstance(prefetch, int) and not isinstance(prefetch, bool)
+             and prefetch >= 1, "a positive int (batches assembled ahead)"),
+            ("stop_together", stop_together, isinstance(stop_together, bool), "True or False"),
+            ("check", check, isinstance(check, bool) or (
+                isinstance(check, str) and check == "data"),
+             "True, False or 'data' (each step is verified before it is yielded; there is no "
+             "deferred mode)"),
+            ("pad", pad, isinstance(pad, bool) or (isinstance(pad, str) and pad == "ragged"),
+             "True (pad where each loader's data ends), 'ragged' (pad short batches at every "
+             "step) or False"),
+            ("progress", progress, progress is None or (
+                isinstance(progress, int | float) and progress > 0),
+             "None or a positive number of seconds between reports"),
+        ):  # fmt: skip
+            if not ok:
+                raise MeshkitError(f"{_WHAT}: {name} must be {rule}; got {value!r}.")
         # at the first iterator, not at import; again is a no-op
         _exit.on_exit("global_batches: stop the helper threads", _close_all, order=_exit.STOP)
-        self._pad = bool(pad)
-        self._ragged = pad == "ragged"  # short batches allowed at every step, not only the last
         self._progress = progress
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
-        self._multi = _compat.distributed_state()[2] > 1
-        # every process leaves the loop after the same step, or the others are told (`closes`)
+        _, self._me, n = _compat.distributed_state()
+        self._multi = n > 1
+        # every process leaves the loop after the same step, or the others are told (`ends`)
         self._together = stop_together and self._multi
         self._node = _agree.node() if self._multi else None
-        self._me = _compat.distributed_state()[1]
-        self._assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=self._pad, check=check, stepwise=True,
-            check_channel=self._tag + "/replicas",
-        )  # fmt: skip
         self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -142,23 +125,18 @@ class GlobalBatches(Iterator[Any]):
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        n = _compat.distributed_state()[2]
         self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
+        assembly = _assembly.Assembly(
+            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True,
+            check_channel=self._tag + "/replicas",
+        )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
-            self._source,
-            self._assembly,
-            (mesh_or_sharding, spec),
-            ragged=self._ragged,
-            dtype=dtype,
-            told=self._together,
-            handoff=self._handoff,
-            stop=self._stop,
-            release=self._release_helpers,
-            hear=self._hear,
-            assembled=self.steps,
-        )
+            self._source, assembly, (mesh_or_sharding, spec), ragged=pad == "ragged",
+            dtype=dtype, told=self._together, handoff=self._handoff, stop=self._stop,
+            release=self._release_helpers, hear=self._hear, assembled=self.steps,
+        )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
         )
@@ -214,7 +192,7 @@ class GlobalBatches(Iterator[Any]):
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
-        if isinstance(item, _Closed):
+        if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:
             self._done = self._ended = True  # every process ends at this step
@@ -491,14 +469,6 @@ def global_batches(
         [0.0, 16.0, 32.0]
     """
     return GlobalBatches(
-        iterable,
-        mesh_or_sharding,
-        spec,
-        prefetch=prefetch,
-        pad=pad,
-        check=check,
-        dtype=dtype,
-        progress=progress,
-        stop_together=stop_together,
-        start=start,
-    )
+        iterable, mesh_or_sharding, spec, prefetch=prefetch, pad=pad, check=check, dtype=dtype,
+        progress=progress, stop_together=stop_together, start=start,
+    )  # fmt: skip

@@ -102,7 +102,19 @@ def prepare(
 ) -> Prepared:
     """Check and plan this process's part ``local``; a layout seen before reuses its template."""
     flat, treedef = jax.tree_util.tree_flatten(local)
-    key = _layout_key(flat, treedef, mesh_or_sharding, spec, global_shape, dtype, pad)
+    key = None  # a template's: numpy leaves, a plain spec, hashable shape and dtype, no pad
+    if (
+        not pad
+        and all(type(x) is np.ndarray for x in flat)
+        and isinstance(mesh_or_sharding, Mesh | NamedSharding)
+        and (spec is None or isinstance(spec, str | PartitionSpec))
+        and (global_shape is None or isinstance(global_shape, tuple))
+        and all(type(s) is int for s in global_shape or ())
+        and (dtype is None or isinstance(dtype, str | np.dtype | type))
+    ):
+        shapes = tuple((x.shape, x.dtype) for x in flat)
+        x64 = bool(jax.config.jax_enable_x64)  # decides the dtypes leaves are cast to
+        key = (treedef, shapes, mesh_or_sharding, spec, global_shape, dtype, x64)
     template = _templates.get(key) if key is not None else None
     if template is not None:
         notes: list[Note] = []
@@ -129,28 +141,6 @@ def prepare(
         )
         _templates.put(key, prepared.template)
     return prepared
-
-
-def _layout_key(
-    flat: list[Any], treedef: Any, mesh_or_sharding: Any, spec: Any, global_shape: Any,
-    dtype: Any, pad: bool,
-) -> Any:  # fmt: skip
-    """A call's template key: numpy leaves, a plain spec, hashable shape and dtype, no pad."""
-    if pad or not all(type(x) is np.ndarray for x in flat):
-        return None
-    if not isinstance(mesh_or_sharding, Mesh | NamedSharding):
-        return None
-    if not (spec is None or isinstance(spec, str | PartitionSpec)):
-        return None
-    if global_shape is not None and not (
-        isinstance(global_shape, tuple) and all(type(s) is int for s in global_shape)
-    ):
-        return None
-    if not (dtype is None or isinstance(dtype, str | np.dtype | type)):
-        return None
-    shapes = tuple((x.shape, x.dtype) for x in flat)
-    x64 = bool(jax.config.jax_enable_x64)  # decides the dtypes leaves are cast to
-    return (treedef, shapes, mesh_or_sharding, spec, global_shape, dtype, x64)
 
 
 def tree_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -186,8 +176,6 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
             "Consider spec='' (a spec with no entries) for data every process holds whole."
         )
     mesh = mesh_or_sharding
-    if is_spec_leaf(spec):
-        return [(mesh, spec)] * n_leaves
     spec = plain_specs(spec)  # flax's partition specs stand for their specs
     if is_spec_leaf(spec):
         return [(mesh, spec)] * n_leaves
@@ -199,19 +187,6 @@ def _resolve(mesh_or_sharding: Any, spec: Any, local: Any, n_leaves: int) -> lis
 @_caches.cached(maxsize=64)
 def _processes_of(mesh: Mesh) -> frozenset[int]:
     return frozenset(int(d.process_index) for d in mesh.devices.flat)
-
-
-def _check_global_mesh(mesh: Mesh) -> None:
-    processes = _processes_of(mesh)
-    count = jax.process_count()
-    if processes != set(range(count)):
-        raise MeshkitError(
-            f"{who()}: the mesh {dict(mesh.shape)} holds devices of processes "
-            f"{sorted(processes)}, but the program has {count} processes; a global array needs "
-            "a mesh over every process's devices.\n"
-            "Consider meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
-            "jax.local_devices()."
-        )
 
 
 def _as_numpy(path: str, leaf: Any) -> np.ndarray:
@@ -290,8 +265,16 @@ def prepare_leaves(
     notes: list[Note] = []
     for (path, leaf), (mesh, spec_like), given in zip(named, pairs, shapes, strict=True):
         if id(mesh) not in checked_meshes:
-            _check_global_mesh(mesh)
             checked_meshes.add(id(mesh))
+            processes, count = _processes_of(mesh), jax.process_count()
+            if processes != set(range(count)):
+                raise MeshkitError(
+                    f"{who()}: the mesh {dict(mesh.shape)} holds devices of processes "
+                    f"{sorted(processes)}, but the program has {count} processes; a global "
+                    "array needs a mesh over every process's devices.\nConsider "
+                    "meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
+                    "jax.local_devices()."
+                )
         partition = check_spec_for_mesh(
             spec_like if spec_like is not None else PartitionSpec(), mesh, f"{who()}: spec"
         )
@@ -366,15 +349,9 @@ def _pad_fix(k: int) -> str:
 
 
 def _check_given(
-    path: str,
-    value: np.ndarray,
-    given: tuple[int, ...],
-    inferred: tuple[int, ...],
-    held: tuple[int, ...],
-    counts: tuple[int, ...],
-    pad: bool,
-    me: int,
-) -> None:
+    path: str, value: np.ndarray, given: tuple[int, ...], inferred: tuple[int, ...],
+    held: tuple[int, ...], counts: tuple[int, ...], pad: bool, me: int,
+) -> None:  # fmt: skip
     if len(given) != value.ndim:
         raise MeshkitError(
             f"{who()}: global_shape {given} for {path} has {len(given)} dimensions, but the local "
@@ -425,18 +402,16 @@ def finish_padding(prepared: Prepared, block_rows: int) -> None:
     """Pad every leaf's leading dimension to ``block_rows`` per block held; plan the mask."""
     me = jax.process_index()
     for leaf in prepared.leaves:
-        k = leaf.plan.local_shape[0]
-        n = _layout.block_counts(leaf.sharding, leaf.value.ndim)[0]
+        k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
         rows = block_rows * k
         if rows != leaf.rows:
             padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
             padded[: leaf.rows] = leaf.value
             leaf.value = padded
         leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
+        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
     first = prepared.leaves[0]
     prepared.mask_rows = (first.rows, first.value.shape[0])
-    for leaf in prepared.leaves:
-        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
     assert prepared.mask_sharding is not None
     prepared.mask_plan = _layout.plan(prepared.mask_sharding, first.global_shape[:1], me)
 
@@ -470,9 +445,7 @@ def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
             LeafRecord(leaf.path, str(leaf.value.dtype), axes, shape, list(leaf.value.shape))
         )
     return PartRecord(
-        tree=_canonical.structure(prepared.treedef),
-        leaves=tuple(leaves),
-        block_rows=rows,
+        tree=_canonical.structure(prepared.treedef), leaves=tuple(leaves), block_rows=rows
     )
 
 
@@ -486,7 +459,7 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     groups: dict[str, tuple[int, str]] = {}
     for i, local_index, name, reference in slots:
         view = prepared.leaves[i].value[local_index]
-        groups[name] = (reference, _digest(view) if full else _sampled_digest(view))
+        groups[name] = (reference, _digest(view, full))
     return groups
 
 
@@ -510,17 +483,11 @@ def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:
 _SAMPLE = 1024  # elements a sampled replica digest reads, spread evenly over the block
 
 
-def _sampled_digest(block: np.ndarray) -> str:
-    """CRC-32 of about `_SAMPLE` elements at evenly spaced positions, plus the shape."""
-    size = block.size
-    if size <= _SAMPLE:
+def _digest(block: np.ndarray, full: bool) -> str:
+    """CRC-32 (fast; for loaders gone astray, not attacks) of the block or a sample, and shape."""
+    if full or block.size <= _SAMPLE:
         sample = np.ascontiguousarray(block)
     else:
-        positions = np.linspace(0, size - 1, _SAMPLE, dtype=np.int64)
+        positions = np.linspace(0, block.size - 1, _SAMPLE, dtype=np.int64)
         sample = np.ascontiguousarray(block[np.unravel_index(positions, block.shape)])
     return f"{zlib.crc32(sample.reshape(-1).view(np.uint8)):08x}:{block.shape}"
-
-
-def _digest(block: np.ndarray) -> str:
-    # CRC-32: fast (zlib releases the GIL); the check looks for loaders gone astray, not attacks.
-    return f"{zlib.crc32(np.ascontiguousarray(block).reshape(-1).view(np.uint8)):08x}"

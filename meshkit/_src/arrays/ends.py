@@ -53,12 +53,10 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str 
 
     Only a loader's last batch (`PartRecord.last`) may be short; with ``pad=True`` it is padded.
     """
-    rows = _leading_rows(records)
-    if rows is None or len(set(rows.values())) == 1:
+    rows, fewer = _leading_rows(records) or {}, short(records)
+    if not fewer:
         return None
-    most = max(rows.values())
-    fewer = sorted(p for p, n in rows.items() if n < most)
-    full = sorted(p for p, n in rows.items() if n == most)
+    full = sorted(set(rows) - set(fewer))
     midstream = [p for p in fewer if records[p].last is False]
     if pad and not midstream:
         return None  # short last batches: padded
@@ -243,11 +241,9 @@ def left_error(
     if ahead:
         groups = _missing.by_value({p: _did(*hk) for p, hk in ahead.items()})
         others = ", ".join(f"{_missing.processes(ps)} {did}" for did, ps in groups.items())
-        return DivergenceError(
-            f"{_WHAT}: the processes left their loops at different steps: this process "
-            f"(process {me}) closed its iterator after step {mine}, but {others}.\n{_ADVICE}",
-            processes=sorted(ahead),
-            field="steps",
+        return _steps_differ(
+            f"this process (process {me}) closed its iterator after step {mine}, but {others}",
+            sorted(ahead),
         )
     error = differs({p: k for p, (_, k) in said.items()}, me)
     missing = sorted(set(range(n)) - set(said))
@@ -268,12 +264,16 @@ def _after(closers: dict[int, int]) -> str:
     return ", ".join(f"{_missing.processes(ps)} after step {k}" for k, ps in groups.items())
 
 
-_ADVICE = (
-    "Every process must take the same number of batches from its global_batches: a loop that "
-    "stops early (break, close(), the end of a with block) must stop after the same step on "
-    "every process.\nConsider deciding when to stop from a value every process has (the step "
-    "number, a value computed on global arrays), not from one process's own data or clock."
-)
+def _steps_differ(said: str, processes: list[int]) -> DivergenceError:
+    return DivergenceError(
+        f"{_WHAT}: the processes left their loops at different steps: {said}.\nEvery process "
+        "must take the same number of batches from its global_batches: a loop that stops early "
+        "(break, close(), the end of a with block) must stop after the same step on every "
+        "process.\nConsider deciding when to stop from a value every process has (the step "
+        "number, a value computed on global arrays), not from one process's own data or clock.",
+        processes=processes,
+        field="steps",
+    )
 
 
 def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> DivergenceError:
@@ -282,7 +282,6 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
     ``took``: it took a step past the closers' already (else it asks for step ``steps + 1``).
     """
     early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)} or closers
-    named = _after(early)
     who = _missing.processes(sorted(early))
     if took:
         doing = (
@@ -291,12 +290,10 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
         )
     else:
         doing = f"asks for step {steps + 1}, which {who} will not take"
-    return DivergenceError(
-        f"{_WHAT}: the processes left their loops at different steps: {named} closed "
-        f"{'its iterator' if len(early) == 1 else 'their iterators'}, but this process "
-        f"(process {me}) {doing}.\n{_ADVICE}",
-        processes=sorted(early),
-        field="steps",
+    return _steps_differ(
+        f"{_after(early)} closed {'its iterator' if len(early) == 1 else 'their iterators'}, "
+        f"but this process (process {me}) {doing}",
+        sorted(early),
     )
 
 
@@ -306,11 +303,8 @@ def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
     others = {p: k for p, k in closers.items() if k != mine}
     if not others:
         return None
-    return DivergenceError(
-        f"{_WHAT}: the processes left their loops at different steps: {_after(others)}, this "
-        f"process (process {me}) after step {mine}.\n{_ADVICE}",
-        processes=sorted(others),
-        field="steps",
+    return _steps_differ(
+        f"{_after(others)}, this process (process {me}) after step {mine}", sorted(others)
     )
 
 

@@ -9,7 +9,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..coord import missing as _missing
 from ..core import compat as _compat
@@ -20,43 +19,9 @@ from ..runtime import dispatch as _dispatch
 from ..runtime import hosts as _hosts
 from ..sharding import mesh as _mesh
 from ..sharding.mesh import AxisTypeLike
+from .records import agree_on
 
 __all__ = ["make_mesh"]
-
-
-def _check_processes_agree(names: Sequence[str], sizes: Sequence[int], grid: np.ndarray) -> None:
-    if _compat.distributed_state()[2] == 1:
-        return
-    ids = ",".join(str(d.id) for d in grid.flat)
-    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
-    mine = f"{{{shape}}} devices [{ids}]"
-    outcome = _agree.check(
-        _channel.scoped("make_mesh", "meshkit.make_mesh"),
-        mine,
-        mine,
-        timeout=_env.check_timeout(),
-        what="meshkit.make_mesh",
-    )
-    if outcome.agreed:
-        return
-    values, missing = outcome.records, list(outcome.missing)
-    if missing:
-        absent = _missing.did_not(missing, timeout=_env.check_timeout(), arrive="reach make_mesh")
-        raise MeshkitError(
-            f"meshkit.make_mesh: {absent} (the others did, with {mine}).\n"
-            "Every process must call make_mesh, the same number of times and in the same order.\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
-    groups = _missing.by_value(values)
-    if len(groups) > 1:
-        lines = _missing.lines(groups)
-        raise MeshkitError(
-            f"meshkit.make_mesh: processes disagree on the mesh:\n{lines}\n"
-            "Every process must build the same mesh (same axes, sizes and devices).\n"
-            "Consider computing axes from values every process shares (jax.process_count(), "
-            "jax.device_count(), a config file), not from per-process state."
-        )
 
 
 _SITE = _dispatch.CallSite(
@@ -141,5 +106,22 @@ def make_mesh(
     grid = _mesh.order_devices(
         device_list, sizes, host_of=_mesh.domains(device_list, hosts), across=across
     )
-    _check_processes_agree(names, sizes, grid)
+    if n > 1:  # every process built the same mesh
+        ids = ",".join(str(d.id) for d in grid.flat)
+        shape = ", ".join(f"{a!r}: {s}" for a, s in zip(names, sizes, strict=True))
+        mine = f"{{{shape}}} devices [{ids}]"
+        values = agree_on(
+            _channel.scoped("make_mesh", "meshkit.make_mesh"), mine, "meshkit.make_mesh",
+            arrive="reach make_mesh", did=f" (the others did, with {mine})",
+            rule="Every process must call make_mesh, the same number of times and in the same "
+            "order.",
+        )  # fmt: skip
+        if values is not None:
+            raise MeshkitError(
+                "meshkit.make_mesh: processes disagree on the mesh:\n"
+                f"{_missing.lines(_missing.by_value(values))}\n"
+                "Every process must build the same mesh (same axes, sizes and devices).\n"
+                "Consider computing axes from values every process shares (jax.process_count(), "
+                "jax.device_count(), a config file), not from per-process state."
+            )
     return Mesh(grid, names, axis_types=types)

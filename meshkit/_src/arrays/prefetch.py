@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -88,55 +89,26 @@ def width_cap(processes: int, batch_bytes: int) -> int:
 
 
 class Handoff:
-    """The assembled steps waiting for the caller, at most ``prefetch``.
-
-    A deque's ends are thread-safe: the condition is only taken when one side waits.
-    """
+    """The assembled steps waiting for the caller, at most ``prefetch`` (`take` a slot first)."""
 
     def __init__(self, prefetch: int) -> None:
-        self.items: deque[Any] = deque()
-        self.prefetch = prefetch
-        self.cond = threading.Condition()
-        self.taker_waits = False
-        self.putter_waits = False
-
-    def put(self, item: Any) -> None:
-        """Hand ``item`` to the caller."""
-        self.items.append(item)
-        if self.taker_waits:
-            with self.cond:
-                self.cond.notify_all()
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.slots = threading.Semaphore(prefetch)
+        self.put = self.items.put
 
     def get(self) -> Any:
         """The next item, waiting for it if none is there yet."""
-        try:
-            item = self.items.popleft()
-        except IndexError:
-            with self.cond:
-                self.taker_waits = True
-                while not self.items:
-                    self.cond.wait()
-                self.taker_waits = False
-                item = self.items.popleft()
-        if self.putter_waits:
-            with self.cond:
-                self.cond.notify_all()
+        item = self.items.get()
+        self.slots.release()
         return item
 
-    def free(self) -> bool:
-        """Whether the helper may assemble one more item now."""
-        return len(self.items) < self.prefetch
-
-    def wait_free(self, stop: threading.Event) -> bool:
-        """Wait until the helper may assemble one more item; False once ``stop`` is set."""
+    def take(self, stop: threading.Event | None = None) -> bool:
+        """Take a slot: now or not (no ``stop``), else waiting for one until ``stop`` is set."""
+        if stop is None:
+            return self.slots.acquire(blocking=False)
         while not stop.is_set():
-            if len(self.items) < self.prefetch:
+            if self.slots.acquire(timeout=0.1):
                 return True
-            with self.cond:
-                self.putter_waits = True
-                if len(self.items) >= self.prefetch:
-                    self.cond.wait(0.1)
-                self.putter_waits = False
         return False
 
 
@@ -190,18 +162,17 @@ class Ahead:
     _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
     _template: Any = None
     _cap: int | None = None
-    _said: dict[tuple[int, int | None], tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
         set_caller(_WHAT)
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
-        agreed: deque[_Read | _End] = deque()
+        agreed: deque[_Read | _End | Failure] = deque()
         window = _Window()
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
             while True:
-                if agreed and self.handoff.free():
+                if agreed and self.handoff.take():
                     if not self._place(agreed.popleft()):
                         return
                     continue
@@ -211,18 +182,15 @@ class Ahead:
                         return
                     if not window.read(self, width):
                         continue  # one more batch read into the window
-                    outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
+                    try:
+                        outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
+                    except Exception as e:
+                        outcome = Failure(e)
                     window = _Window()
-                    if isinstance(outcome, Failure | _End):
-                        # The steps agreed before the window are the callers' still.
-                        while agreed and self._take_slot():
-                            self._place(agreed.popleft())
-                        if agreed:  # closed meanwhile
-                            self.release()
-                        else:
-                            self.put(outcome)
-                        return
-                    if outcome:
+                    if isinstance(outcome, Failure | _End):  # after the steps agreed before
+                        agreed.append(outcome)
+                        ending = True
+                    elif outcome:
                         agreed.extend(outcome)
                         ending = outcome[-1] is END
                         self.windows += 1
@@ -230,7 +198,7 @@ class Ahead:
                     else:  # the window's steps are agreed one by one, as they always were
                         alone, width = width, 1
                     continue
-                if not self._take_slot():
+                if not self.handoff.take(self.stop):
                     self.release()
                     return
                 if agreed:
@@ -244,35 +212,16 @@ class Ahead:
                 grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap()) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
-            self.put(Failure(e))
+            self.handoff.put(Failure(e))
 
-    def _take_slot(self) -> bool:
-        return self.handoff.wait_free(self.stop)
-
-    def put(self, item: Any) -> None:
-        self.handoff.put(item)
-
-    def _place(self, step: _Read | _End) -> bool:
-        """Hand an agreed step to the caller; False: it was the end of data (the loop ends)."""
-        if isinstance(step, _End):
-            self.put(END)
+    def _place(self, step: _Read | _End | Failure) -> bool:
+        """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
+        if isinstance(step, _End | Failure):
+            self.handoff.put(step)
             return False
         prepared, record, state = step
-        self.put(self._finish(prepared, {self.opened.me: record}, state))
+        self.handoff.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
-
-    def _summary(self, prepared: Prepared, record: PartRecord) -> str:
-        """``summary(record.wire())``, made once per layout and rows (a template's record)."""
-        template = prepared.template
-        if template is None:
-            return summary(record.wire())
-        key = (id(template), record.rows)
-        known = self._said.get(key)
-        if known is None or known[0] is not template:
-            if len(self._said) >= 16:
-                self._said.clear()
-            known = self._said[key] = (template, summary(record.wire()))
-        return known[1]
 
     def _width_cap(self) -> int:
         if self._cap is None:
@@ -293,14 +242,8 @@ class Ahead:
 
     def _prepare(self, local: Any) -> Prepared:
         mesh_or_sharding, spec = self.args
-        return prepare(
-            local,
-            mesh_or_sharding,
-            spec,
-            global_shape=None,
-            dtype=self.dtype,
-            pad=self.assembly.pad,
-        )
+        pad = self.assembly.pad
+        return prepare(local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=pad)
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
@@ -316,7 +259,7 @@ class Ahead:
         if pulled.error is not None:
             if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, pulled.error)
-            self.put(Failure(pulled.error))
+            self.handoff.put(Failure(pulled.error))
             return None
         if pulled.status == "data":
             self._template = pulled.local
@@ -324,7 +267,7 @@ class Ahead:
                 self.release()  # closed while the loader ran
                 return None
         item, steady = self._step(pulled.status, pulled.local, pulled.state)
-        self.put(item)
+        self.handoff.put(item)
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
@@ -368,21 +311,19 @@ class Ahead:
 
     # A window of steps.
 
-    def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | Failure | _End:
+    def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         """Agree at once on a window read from step ``step``.
 
         Returns its steps (then `END` if every loader ended right after) when all processes'
-        records are equal; [] to agree them one by one; `END` or a `Failure` to end the loop.
+        records are equal; [] to agree them one by one; `END` to end the loop.
         """
-        try:
-            return self._agree_window(window, width, step)
-        except Exception as e:
-            return Failure(e)
-
-    def _agree_window(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         runs: list[list[Any]] = []
         for prepared, record, _ in window.steps:
-            said = self._summary(prepared, record)
+            template = prepared.template
+            if template is not None and record.tree is not None:  # spares a JSON text per step
+                said = f"{template.summary} {record.rows}"
+            else:
+                said = summary(record.wire())
             if runs and runs[-1][0] == said:
                 runs[-1][1] += 1
             else:
@@ -391,10 +332,11 @@ class Ahead:
         # Every loader ending right after the window's batches is agreed too: the common end.
         ended = window.pulled[-1].status == "end" and len(window.steps) == len(window.pulled) - 1
         first = "data" if window.steps else window.pulled[0].status
-        records = self.assembly.agree_window(
-            json.dumps({"runs": runs, "whole": whole, "end": ended}),
+        records = _assembly.exchange_records(
+            self.assembly.tag,
             {"status": "window", "first": first},
-            what=f"{_WHAT} (steps {step} to {step + width - 1})",
+            f"{_WHAT} (steps {step} to {step + width - 1})",
+            said=json.dumps({"runs": runs, "whole": whole, "end": ended}),
         )
         if len(records) == 1 and (whole or ended):
             return [*window.steps, END] if ended else list(window.steps)

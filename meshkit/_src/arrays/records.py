@@ -11,17 +11,57 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from ..coord import agree as _agree
 from ..coord import missing as _missing
+from ..coord.node import Outcome
+from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
 from .entry_point import WHAT, pads
 
 __all__ = [
     "LeafRecord",
     "PartRecord",
+    "agree_on",
     "compare",
+    "raise_absent",
     "raise_failures",
     "summary",
 ]
+
+_SAME_CALLS = (
+    "Every process must make the same calls in the same order (a process that stopped, "
+    "crashed, or took another branch never arrives)."
+)
+
+
+def raise_absent(
+    outcome: Outcome, what: str, timeout: float, *, arrive: str = "arrive",
+    did: str = "; the others did", rule: str = _SAME_CALLS,
+) -> None:  # fmt: skip
+    """Raise naming the processes that did not come, or that stopped waiting for this one."""
+    if outcome.missing:
+        gone = _missing.did_not(outcome.missing, timeout=timeout, arrive=arrive) + did
+    elif outcome.gave_up:
+        gone = (
+            f"{_missing.stopped_waiting(outcome.gave_up)} for this process (their {timeout:g} s "
+            "ran out before it arrived)"
+        )
+    else:
+        return
+    raise MeshkitError(
+        f"{what}: {gone}.\n{rule}\nConsider looking at those processes' output; "
+        f"{_env.ENV_CHECK_TIMEOUT} sets the wait."
+    )
+
+
+def agree_on(tag: str, mine: str, what: str, **absent: str) -> dict[int, str] | None:
+    """Agree on ``mine``: None if every process holds it, else each one's (`raise_absent` first)."""
+    timeout = _env.check_timeout()
+    outcome = _agree.check(tag, mine, mine, timeout=timeout, what=what)
+    if outcome.agreed:
+        return None
+    raise_absent(outcome, what, timeout, **absent)
+    return outcome.records
 
 
 class LeafRecord(NamedTuple):
@@ -119,13 +159,14 @@ def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
     first = min(records)
     for i, leaf in enumerate(records[first].leaves or ()):
         rows = {p: (r.leaves or ())[i] for p, r in records.items()}
-        for field_name, shown_name in _COMPARED:
+        for field_name in ("dtype", "split", "global_shape"):
             seen = {p: getattr(x, field_name) for p, x in rows.items()}
             held = _missing.by_value({p: json.dumps(v) for p, v in seen.items()})
             if len(held) > 1:
                 shown = _missing.by_value({p: _shown(x) for p, x in rows.items()})
                 raise DivergenceError(
-                    f"{what}: processes disagree on the {shown_name} of {leaf.path}:\n"
+                    f"{what}: processes disagree on the {field_name.replace('_', ' ')} of "
+                    f"{leaf.path}:\n"
                     f"{_missing.lines(shown)}\n"
                     "Processes must pass local arrays that fit together into one global array "
                     "(local shape = global shape / processes along each split dimension).\n"
@@ -135,10 +176,6 @@ def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
                 )
     if any(r.replicas is not None for r in records.values()):
         _compare_replicas(records, what)
-
-
-# The fields of a leaf compared, and their names in messages.
-_COMPARED = (("dtype", "dtype"), ("split", "split"), ("global_shape", "global shape"))
 
 
 def _shown(leaf: LeafRecord) -> str:
@@ -187,11 +224,9 @@ def _compare_replicas(records: dict[int, PartRecord], what: str) -> None:
         for name, (_, block_digest) in (r.replicas or {}).items():
             owners.setdefault(name, {})[p] = block_digest
     for name, digests in sorted(owners.items()):
-        if len(set(digests.values())) > 1:
-            by: dict[str, list[int]] = {}
-            for p, dg in digests.items():
-                by.setdefault(dg, []).append(p)
-            groups = " vs ".join(str(ps) for ps in by.values())
+        held = _missing.by_value(digests)
+        if len(held) > 1:
+            groups = " vs ".join(str(ps) for ps in held.values())
             path, _, start = name.rpartition("@")
             raise MeshkitError(
                 f"{what}: processes {groups} hold the same block of {path} (starting at "

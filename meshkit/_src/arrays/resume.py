@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..coord import agree as _agree
 from ..coord import missing as _missing
-from ..core import env as _env
 from ..core.data_position import (
     DataPosition,
     GlobalIterator,
@@ -24,6 +22,7 @@ from ..core.data_position import (
     encode_state,
 )
 from ..core.errors import MeshkitError
+from .records import agree_on
 
 __all__ = ["Opened", "open_source"]
 
@@ -67,21 +66,6 @@ def _state(source: Any) -> str:
         return json.dumps({"unsavable": type(state).__name__})
 
 
-def _stateful(source: Any) -> bool:
-    return callable(getattr(source, "get_state", None)) and callable(
-        getattr(source, "set_state", None)
-    )
-
-
-def _iter(iterable: Iterable[Any]) -> Iterator[Any]:
-    try:
-        return iter(iterable)
-    except TypeError:
-        raise MeshkitError(
-            f"{_WHAT}: expected an iterable of per-process batches; got {type(iterable).__name__}."
-        ) from None
-
-
 def open_source(
     iterable: Iterable[Any], start: DataPosition | None, me: int, processes: int, tag: str
 ) -> Opened:
@@ -93,31 +77,37 @@ def open_source(
             "the position() of the iterator to resume."
         )
     loader = iterable.source if isinstance(iterable, GlobalIterator) else iterable
+    step = 0 if start is None else start.step
     opened: Opened | None = None
-    problem: str | None = None
     if isinstance(loader, GlobalSource):
         problem = None if start is None else _loader_problem(start, loader)
         if problem is None:
-            step = None if start is None else start.loader_step
-            if step is None and isinstance(iterable, GlobalIterator):
+            at = None if start is None else start.loader_step
+            if at is None and isinstance(iterable, GlobalIterator):
                 it = iterable
             else:
-                it = loader.iterate(step or 0)
+                it = loader.iterate(at or 0)
             opened = Opened(
-                it, lambda: it.step, it.step, loader.identity, False,
-                0 if start is None else start.step, me, processes,
-            )  # fmt: skip
+                it, lambda: it.step, it.step, loader.identity, False, step, me, processes
+            )
     else:
-        source = _iter(iterable)
-        stateful = _stateful(source)
+        try:
+            source = iter(iterable)
+        except TypeError:
+            raise MeshkitError(
+                f"{_WHAT}: expected an iterable of per-process batches; got "
+                f"{type(iterable).__name__}."
+            ) from None
+        stateful = callable(getattr(source, "get_state", None)) and callable(
+            getattr(source, "set_state", None)
+        )
+        problem = None
         if start is not None:
             problem = _states_problem(start, source, stateful, me, processes)
         if problem is None:
             capture = (lambda: _state(source)) if stateful else None
-            opened = Opened(
-                source, capture, None if capture is None else capture(), None, stateful,
-                0 if start is None else start.step, me, processes,
-            )  # fmt: skip
+            first = None if capture is None else capture()
+            opened = Opened(source, capture, first, None, stateful, step, me, processes)
     if start is not None and processes > 1:
         _agree_on_start(start, problem, tag)
     if problem is not None:
@@ -164,20 +154,16 @@ def _kind_problem(start: DataPosition, given: str) -> str:
         )
         fix = "Consider passing the same kind of source as the saved run did."
     else:
-        return _steps_only(start)
+        return (
+            f"{_WHAT}: start= holds only a step count (step {start.step}): its batches came from "
+            "an iterable without a position to save (no meshkit loader, no get_state()), so "
+            "nothing says where to resume it.\nConsider " + _GLOBAL + "; or a source with "
+            "get_state()/set_state(), such as a grain DataLoader's iterator; or start=None to "
+            "start the data from its beginning."
+        )
     return (
         f"{_WHAT}: start= holds {held}, and the iterable given is {given}: a position resumes "
         f"the kind of source it was taken from.\n{fix}"
-    )
-
-
-def _steps_only(start: DataPosition) -> str:
-    return (
-        f"{_WHAT}: start= holds only a step count (step {start.step}): its batches came from "
-        "an iterable without a position to save (no meshkit loader, no get_state()), so "
-        "nothing says where to resume it.\nConsider " + _GLOBAL + "; or a source with "
-        "get_state()/set_state(), such as a grain DataLoader's iterator; or start=None to "
-        "start the data from its beginning."
     )
 
 
@@ -230,24 +216,15 @@ def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
     """Raise on every process if one refused ``start``, they differ, or one did not come."""
     what = f"{_WHAT} (start=)"
     mine = json.dumps({"position": start.describe(), "problem": problem})
-    timeout = _env.check_timeout()
-    outcome = _agree.check(tag + "/start", mine, mine, timeout=timeout, what=what)
-    if outcome.agreed:
+    said = agree_on(
+        tag + "/start", mine, what, arrive="reach this call", did="",
+        rule="Every process must resume its iterator at the same position.",
+    )  # fmt: skip
+    if said is None:
         return
-    if outcome.missing or outcome.gave_up:
-        gone = (
-            _missing.did_not(outcome.missing, timeout=timeout, arrive="reach this call")
-            if outcome.missing
-            else _missing.stopped_waiting(outcome.gave_up)
-        )
-        raise MeshkitError(
-            f"{what}: {gone}.\nEvery process must resume its iterator at the same position."
-            f"\nConsider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets "
-            "the wait."
-        )
-    records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
     if problem is not None:
         raise MeshkitError(problem)
+    records = {p: json.loads(v) for p, v in sorted(said.items())}
     for p, record in records.items():
         if record["problem"] is not None:
             raise MeshkitError(f"{what}: process {p} refused the position:\n{record['problem']}")

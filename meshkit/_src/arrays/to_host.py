@@ -7,22 +7,23 @@ one-device-per-process mesh: no resharding to a replicated array.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..coord import agree as _agree
 from ..coord import channel as _channel
 from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import canonical as _canonical
-from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
+from .blocks import tree_paths
+from .records import agree_on
 
 __all__ = ["gather", "local_from_global"]
 
@@ -35,31 +36,16 @@ _SITE = _dispatch.CallSite(
 
 def _leaves(x: Any, what: str, *, numpy_ok: bool = False) -> tuple[list[tuple[str, Any]], Any]:
     """``x``'s leaves with their paths: jax.Arrays, and numpy (as numpy) where ``numpy_ok``."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(x)
-    out: list[tuple[str, Any]] = []
-    for path, leaf in flat:
-        where = jax.tree_util.keystr(path) or "(the array)"
+    named, treedef = tree_paths(x)
+    for i, (where, leaf) in enumerate(named):
         if numpy_ok and isinstance(leaf, np.ndarray | np.generic):
-            out.append((where, np.asarray(leaf)))
-            continue
-        if not isinstance(leaf, jax.Array):
+            named[i] = (where, np.asarray(leaf))
+        elif not isinstance(leaf, jax.Array):
             raise MeshkitError(
                 f"{what}: the leaf at {where} is of type {type(leaf).__name__}, not a jax.Array.\n"
                 "Consider passing the global arrays themselves (numpy data is already local)."
             )
-        out.append((where, leaf))
-    return out, treedef
-
-
-def _local_plan(x: jax.Array, where: str, what: str) -> _layout.Plan:
-    p = _layout.plan(x.sharding, tuple(x.shape), jax.process_index())
-    if not p.rectangular:
-        raise MeshkitError(
-            f"{what}: this process's shards of {where} (shape {x.shape}, sharding {x.sharding}) "
-            "do not form a grid, so no single local array can hold them.\n"
-            "Consider meshkit.gather(x) for the whole value."
-        )
-    return p
+    return named, treedef
 
 
 @public
@@ -96,7 +82,13 @@ def local_from_global(x: Any) -> Any:
         if isinstance(leaf, np.ndarray):
             outs.append(leaf)  # host data is this process's already
             continue
-        p = _local_plan(leaf, where, what)
+        p = _layout.plan(leaf.sharding, tuple(leaf.shape), jax.process_index())
+        if not p.rectangular:
+            raise MeshkitError(
+                f"{what}: this process's shards of {where} (shape {leaf.shape}, sharding "
+                f"{leaf.sharding}) do not form a grid, so no single local array can hold them."
+                "\nConsider meshkit.gather(x) for the whole value."
+            )
         shards = {s.device: s.data for s in leaf.addressable_shards}
         for pl in p.placements:
             if pl.first:
@@ -106,13 +98,6 @@ def local_from_global(x: Any) -> Any:
     for (i, index), block in zip(into, jax.device_get(fetch), strict=True):
         outs[i][index] = block
     return jax.tree_util.tree_unflatten(treedef, outs)
-
-
-def _process_mesh(devices: list[Any]) -> Mesh:
-    by_process: dict[int, Any] = {}
-    for d in sorted(devices, key=lambda d: d.id):
-        by_process.setdefault(int(d.process_index), d)
-    return Mesh(np.array([by_process[p] for p in sorted(by_process)], dtype=object), (_AXIS,))
 
 
 @_caches.cached(maxsize=64)
@@ -180,24 +165,19 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     plans = [_layout.plan(leaf.sharding, tuple(leaf.shape), me) for _, leaf in leaves]
     # Each block is sent by the lowest process holding it; plans are global, so every process
     # knows what every other sends.
-    owned: list[list[list[tuple[Any, ...]]]] = []  # [process][leaf] -> blocks, in order
-    for p in range(count):
-        per_leaf = []
-        for plan in plans:
-            first_owner: dict[Any, int] = {}
-            for d, b in plan.blocks.items():
-                first_owner[b] = min(first_owner.get(b, count), plan.owners[d])
-            per_leaf.append(sorted(b for b, o in first_owner.items() if o == p))
-        owned.append(per_leaf)
+    owned: list[list[list[Any]]] = [[[] for _ in leaves] for _ in range(count)]
+    for i, plan in enumerate(plans):
+        sender: dict[Any, int] = {}
+        for d, b in plan.blocks.items():
+            sender[b] = min(sender.get(b, count), plan.owners[d])
+        for b in sorted(sender):
+            owned[sender[b]][i].append(b)
     itemsizes = [np.dtype(leaf.dtype).itemsize for _, leaf in leaves]
 
-    def nbytes(blocks: list[tuple[Any, ...]], itemsize: int) -> int:
-        return sum(int(np.prod([b - a for a, b in block])) * itemsize for block in blocks)
+    def nbytes(i: int, block: Any) -> int:
+        return math.prod(b - a for a, b in block) * itemsizes[i]
 
-    sizes = [
-        sum(nbytes(owned[p][i], itemsizes[i]) for i in range(len(leaves))) for p in range(count)
-    ]
-    width = max(1, max(sizes))
+    width = max(1, *(sum(nbytes(i, b) for i, bs in enumerate(per) for b in bs) for per in owned))
     payload = np.zeros(width, np.uint8)
     at = 0
     for i, (_, leaf) in enumerate(leaves):
@@ -206,8 +186,11 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
             raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
             payload[at : at + raw.size] = raw
             at += raw.size
-    mesh = _process_mesh([d for _, leaf in leaves for d in leaf.sharding.device_set])
-    mine = next(d for d in mesh.devices.flat if d.process_index == me)
+    one: dict[int, Any] = {}  # each process's device of lowest id
+    for d in sorted((d for _, x in leaves for d in x.sharding.device_set), key=lambda d: d.id):
+        one.setdefault(int(d.process_index), d)
+    mesh = Mesh(np.array([one[p] for p in sorted(one)], dtype=object), (_AXIS,))
+    mine = one[me]
     global_payload = jax.make_array_from_single_device_arrays(
         (count, width),
         NamedSharding(mesh, PartitionSpec(_AXIS)),
@@ -227,10 +210,9 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         value = np.empty(leaf.shape, leaf.dtype)
         for p in range(count):
             for block in owned[p][i]:
+                raw = rows[p, offsets[p] : offsets[p] + nbytes(i, block)]
+                offsets[p] += raw.size
                 shape = tuple(b - a for a, b in block)
-                size = int(np.prod(shape)) * itemsizes[i]
-                raw = rows[p, offsets[p] : offsets[p] + size]
-                offsets[p] += size
                 value[tuple(slice(a, b) for a, b in block)] = raw.view(leaf.dtype).reshape(shape)
         values.append(value)
     return jax.tree_util.tree_unflatten(treedef, values)
@@ -242,30 +224,22 @@ def _agree_on_call(
     """Raise on every process unless all gather the same arrays to the same place (else: hang)."""
     shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
     mine = json.dumps({"to": to, "structure": _canonical.structure(treedef), "leaves": shapes})
-    timeout = _env.check_timeout()
-    outcome = _agree.check(_channel.scoped("gather", what), mine, mine, timeout=timeout, what=what)
-    if outcome.agreed:
+    records = agree_on(
+        _channel.scoped("gather", what), mine, what, arrive="call gather",
+        did=f"; this process (process {jax.process_index()}) did",
+        rule="Every process must call gather, the same number of times and in the same order "
+        "(it is a collective).",
+    )  # fmt: skip
+    if records is None:
         return
-    if outcome.missing:
-        missing = _missing.did_not(outcome.missing, timeout=timeout, arrive="call gather")
-        raise MeshkitError(
-            f"{what}: {missing}; this process (process {jax.process_index()}) "
-            "did.\nEvery process must call gather, the same number of times and in the same "
-            "order (it is a collective).\nConsider looking at those processes' output; "
-            f"{_env.ENV_CHECK_TIMEOUT} sets the wait."
-        )
-    calls = {p: json.loads(r) for p, r in sorted(outcome.records.items())}
-    lines = []
+    calls = [(p, json.loads(r)) for p, r in records.items()]
+    groups: dict[str, list[int]] = {}
     for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
-        groups = _missing.by_value({p: json.dumps(call[key]) for p, call in calls.items()})
+        groups = _missing.by_value({p: shown + _shown(call[key]) for p, call in calls})
         if len(groups) > 1:
-            lines = [
-                f"  {_missing.processes(ps)}: {shown}{_shown(json.loads(v))}"
-                for v, ps in groups.items()
-            ]
             break
     raise MeshkitError(
-        f"{what}: the processes called gather differently:\n" + "\n".join(lines) + "\n"
+        f"{what}: the processes called gather differently:\n{_missing.lines(groups)}\n"
         "Every process must pass the same arrays and the same to= (it is a collective: a "
         "process gathering to another place would wait for ever).\nConsider computing to= "
         "from values every process shares (to=0, not to=jax.process_index())."
