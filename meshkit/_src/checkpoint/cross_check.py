@@ -1,6 +1,6 @@
 """The checkpoint calls' cross-process verdict, reached before orbax is called.
 
-Each call describes what its process was given as entries (``[where, kind, ...]``) and a
+Each call describes what its process was given as entries (``[where, kind, in words]``) and a
 problem found locally, if any; `agree_on` compares them in one barrier and raises the same
 `MeshkitError` everywhere when they differ, so no process is left waiting inside orbax.
 """
@@ -18,42 +18,38 @@ from ..core import env as _env
 from ..core.errors import MeshkitError
 from . import data as _data
 
-__all__ = ["agree_on", "difference", "entry"]
+__all__ = ["agree_on", "difference"]
 
 
 def agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
     """Agree on ``entries`` and ``problem`` across processes; raise the verdict on every one."""
-    if _compat.distributed_state()[2] == 1:
-        if problem is not None:
-            raise MeshkitError(problem)
-        return
-    mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
-    timeout = _env.check_timeout()
-    outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
-    if outcome.agreed:
-        if problem is not None:
-            raise MeshkitError(problem)
-        return
-    if outcome.missing or outcome.gave_up:
-        gone = (
-            f"{_missing.stopped_waiting(outcome.gave_up)} for this process (their wait ran out "
-            "before it arrived)"
-            if not outcome.missing
-            else f"{_missing.did_not(outcome.missing, timeout=timeout, arrive='reach this call')}"
-            " (the others did)"
-        )
-        raise MeshkitError(
-            f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
-            f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
-            "wait."
-        )
-    records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
-    for p, record in records.items():
-        if record["problem"] is not None:
-            if problem is not None:
-                raise MeshkitError(problem)
-            raise MeshkitError(f"{what}: process {p} refused the call:\n{record['problem']}")
-    raise MeshkitError(difference(what, records, doing))
+    if _compat.distributed_state()[2] > 1:
+        mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
+        timeout = _env.check_timeout()
+        outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
+        if not outcome.agreed and (outcome.missing or outcome.gave_up):
+            gone = (
+                f"{_missing.stopped_waiting(outcome.gave_up)} for this process (their wait ran "
+                "out before it arrived)"
+                if not outcome.missing
+                else _missing.did_not(outcome.missing, timeout=timeout, arrive="reach this call")
+                + " (the others did)"
+            )
+            raise MeshkitError(
+                f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
+                f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+                "wait."
+            )
+        if not outcome.agreed and problem is None:  # a process with a problem raises its own
+            records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
+            for p, record in records.items():
+                if record["problem"] is not None:
+                    raise MeshkitError(
+                        f"{what}: process {p} refused the call:\n{record['problem']}"
+                    )
+            raise MeshkitError(difference(what, records, doing))
+    if problem is not None:
+        raise MeshkitError(problem)
 
 
 _SHARED_VALUES = (
@@ -73,11 +69,10 @@ def difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str
         a, b = ref["entries"], record["entries"]
         for x, y in zip(a, b, strict=False):
             if x != y:
-                fix = _SHARED_PATH if x[1] == "path" else _SHARED_VALUES
-                fix = _data.DATA_FIX if x[1] == "data" else fix
+                fix = {"path": _SHARED_PATH, "data": _data.DATA_FIX}.get(x[1], _SHARED_VALUES)
                 return (
-                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {entry(x)} on "
-                    f"process {ref_p}, {entry(y)} on process {p}.\nEvery process must {doing}."
+                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {x[-1]} on "
+                    f"process {ref_p}, {y[-1]} on process {p}.\nEvery process must {doing}."
                     f"\n{fix}"
                 )
         if len(a) != len(b):
@@ -87,21 +82,3 @@ def difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str
                 f"\nEvery process must {doing}."
             )
     return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
-
-
-def entry(entry: list[Any]) -> str:
-    """An entry in words."""
-    kind = entry[1] if len(entry) > 1 else ""
-    if kind in ("array", "host") and len(entry) >= 4:
-        text = f"{'a global array' if kind == 'array' else 'a host value'} of shape "
-        text += f"{tuple(entry[2])}, {entry[3]}"
-        if kind == "host" and len(entry) == 5:
-            text += f", contents digest {entry[4]}"
-        if kind == "array" and len(entry) == 5 and entry[4] != "None":
-            text += f", spec {entry[4]}"
-        return text
-    if kind == "target":
-        return f"shape {tuple(entry[2])}, {entry[3]}, restored with {entry[4]}"
-    if kind in ("path", "data"):
-        return str(entry[2])
-    return str(entry[1:])

@@ -66,52 +66,50 @@ def _digest(value: Any) -> str:
     return h.hexdigest()
 
 
-def _leaf_problem(where: str, leaf: Any, what: str, n: int) -> tuple[str | None, list[Any]]:
-    """A leaf's problem for saving (None: fine) and its entry in the processes' agreement."""
-    if isinstance(leaf, jax.Array):
-        spec = leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else None
-        entry = [where, "array", list(leaf.shape), str(leaf.dtype), str(spec)]
-        if n > 1 and leaf.is_fully_addressable:
-            count = len(leaf.sharding.device_set)
-            text = _PROCESS_LOCAL.format(
-                what=what, where=where, shape=leaf.shape, count=count,
-                s="s" if count != 1 else "", n=n,
-            )  # fmt: skip
-            return text, entry
-        return None, entry
-    if isinstance(leaf, np.ndarray | np.generic | numbers.Number) or hasattr(leaf, "__array__"):
-        host = np.asarray(leaf)
-        if not (jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_):
-            return (
-                f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds numbers "
-                "(bool, int, float, complex).\nConsider saving it elsewhere (a JSON file beside "
-                "the checkpoint).",
-                [where, "host", list(host.shape), str(host.dtype)],
-            )
-        return None, [where, "host", list(host.shape), str(host.dtype), _digest(host)]
-    return (
-        f"{what}: {where} is a {type(leaf).__name__}; a checkpoint holds jax.Array s, numpy "
-        "arrays and numbers.\nConsider saving it elsewhere (a JSON file beside the checkpoint), "
-        "or converting it to an array.",
-        [where, type(leaf).__name__],
-    )
-
-
 def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
-    n = _compat.distributed_state()[2]
+    """The first leaf's problem for saving (None: none), and the tree's entries in the agreement."""
     if isinstance(tree, jax.Array | np.ndarray | numbers.Number):
         return (
             f"{what}: expected a pytree of arrays (a dict, list, dataclass ...); got a single "
             f"{type(tree).__name__}.\nConsider saving {{'x': x}}.",
             [],
         )
+    n = _compat.distributed_state()[2]
     entries: list[Any] = []
-    first: str | None = None
+    problems: list[str] = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        problem, entry = _leaf_problem(f"the leaf {jax.tree_util.keystr(path)}", leaf, what, n)
-        entries.append(entry)
-        first = first or problem
-    return first, entries
+        where = f"the leaf {jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.Array):
+            text = f"a global array of shape {leaf.shape}, {leaf.dtype}"
+            if isinstance(leaf.sharding, NamedSharding):
+                text += f", spec {leaf.sharding.spec}"
+            entries.append([where, "array", text])
+            if n > 1 and leaf.is_fully_addressable:
+                count = len(leaf.sharding.device_set)
+                problems.append(_PROCESS_LOCAL.format(
+                    what=what, where=where, shape=leaf.shape, count=count,
+                    s="s" if count != 1 else "", n=n,
+                ))  # fmt: skip
+        elif isinstance(leaf, numbers.Number) or hasattr(leaf, "__array__"):
+            host = np.asarray(leaf)
+            text = f"a host value of shape {host.shape}, {host.dtype}"
+            if jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_:
+                text += f", contents digest {_digest(host)}"
+            else:
+                problems.append(
+                    f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds "
+                    "numbers (bool, int, float, complex).\nConsider saving it elsewhere (a JSON "
+                    "file beside the checkpoint)."
+                )
+            entries.append([where, "host", text])
+        else:
+            entries.append([where, "leaf", f"a {type(leaf).__name__}"])
+            problems.append(
+                f"{what}: {where} is a {type(leaf).__name__}; a checkpoint holds jax.Array s, "
+                "numpy arrays and numbers.\nConsider saving it elsewhere (a JSON file beside the "
+                "checkpoint), or converting it to an array."
+            )
+    return (problems[0] if problems else None), entries
 
 
 @public
@@ -177,10 +175,9 @@ def save(
     if problem is None and keep is not None:
         problem = _steps.keep_problem(where, keep, what)
     problem, shared = _data.share(data, where, problem, what)
-    head = ["the directory", "path", str(where)]
-    kept = ["keep=", "keep", str(keep)]
+    head = [["the directory", "path", str(where)], ["keep=", "keep", str(keep)]]
     entries.append(shared.entry)  # the data position's common part, compared with the rest
-    _agree_on(what, "checkpoint/save", [head, kept, *entries], problem, "save the same tree")
+    _agree_on(what, "checkpoint/save", [*head, *entries], problem, "save the same tree")
     with _preemption.saving(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(where, tree, **shared.metadata())  # a preemption deadline waits
         checkpointer.wait_until_finished()
@@ -191,18 +188,10 @@ def save(
     _preemption.saved(step)  # after a preemption sync point: SystemExit(143)
 
 
-def _metadata_tree(source: Any) -> Any:
-    """The plain tree that orbax's metadata (`StepMetadata`, `TreeMetadata`) describes."""
-    source = getattr(source, "item_metadata", source)
-    if hasattr(source, "tree") and hasattr(source, "custom_metadata"):  # orbax's TreeMetadata
-        source = source.tree
-    return source
-
-
-def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
-    """The checkpoint's metadata tree at ``where``, or None and the reason it cannot be read."""
+def _unreadable(where: Path, what: str) -> str | None:
+    """Why ``where`` holds no complete checkpoint of orbax's StandardCheckpointer; None: it does."""
     if _TMP_MARK in where.name:
-        return None, (
+        return (
             f"{what}: {where} is a checkpoint that was never completed (orbax's temporary "
             "directory: a save whose process failed, or one still being written).\n"
             f"Consider the last complete checkpoint beside it (a directory without "
@@ -214,7 +203,7 @@ def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
             missing = missing.parent  # the first part of the path that is not there
         tmp = sorted(p.name for p in missing.parent.glob(missing.name + _TMP_MARK + "*"))
         why = f"; only {tmp[0]!r} is there, a save of it that never completed" if tmp else ""
-        return None, (
+        return (
             f"{what}: there is no checkpoint at {where}{why}.\n"
             "Consider the path given to save (orbax's CheckpointManager: "
             "manager.directory / str(step) / 'default', or targets(manager.item_metadata(step)))."
@@ -226,55 +215,11 @@ def _read_metadata(ocp: Any, where: Path, what: str) -> tuple[Any, str | None]:
             if items
             else "Consider the directory given to meshkit.checkpoint.save or to orbax's save."
         )
-        return None, (
+        return (
             f"{what}: {where} is not a checkpoint of orbax's StandardCheckpointer (it has no "
             f"_METADATA file).\n{hint}"
         )
-    with ocp.StandardCheckpointer() as checkpointer:
-        return _metadata_tree(checkpointer.metadata(where)), None
-
-
-def _describe_leaf(path: str, leaf: Any) -> SavedArray | None:
-    """A leaf of a metadata tree (or of an abstract tree) as a `SavedArray`; None: no array."""
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        return None
-    kind = type(leaf).__name__
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        spec: PartitionSpec | None = sharding.spec
-    else:
-        spec = saved_spec(getattr(sharding, "partition_spec", None))
-    if isinstance(leaf, np.ndarray | np.generic):
-        on_device = False
-    elif isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-        on_device = True
-    else:  # orbax's ArrayMetadata: a jax.Array was saved with sharding metadata, numpy without
-        on_device = sharding is not None
-    return SavedArray(
-        path=path,
-        shape=tuple(int(n) for n in shape),
-        dtype=str(np.dtype(dtype)),
-        spec=spec,
-        on_device=on_device,
-        scalar=kind == "ScalarMetadata",
-    )
-
-
-def _mesh_problem(mesh: Mesh, what: str) -> str | None:
-    processes = {d.process_index for d in mesh.devices.flat}
-    left_out = sorted(set(range(jax.process_count())) - processes)
-    if not left_out:
-        return None
-    which = ", ".join(map(str, left_out))
-    return (
-        f"{what}: the mesh {describe_mesh(dict(mesh.shape))} has no device of process"
-        f"{'es' if len(left_out) > 1 else ''} {which}, in a program of {jax.process_count()} "
-        "processes. Each process restores the blocks its devices hold, so a process outside "
-        "the mesh has nowhere to put its part (orbax fails there alone).\n"
-        "Consider a mesh over every process's devices (meshkit.make_mesh)."
-    )
+    return None
 
 
 def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, str | None, list]:
@@ -283,41 +228,55 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
         problem = f"{what}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.\n"
         return None, problem + "Consider meshkit.make_mesh({...}).", []
     flat, treedef = jax.tree_util.tree_flatten_with_path(source)
-    saved: list[SavedArray] = []
+    saved: list[SavedArray] = []  # each leaf of a metadata tree (or an abstract tree)
     for path, leaf in flat:
-        described = _describe_leaf(jax.tree_util.keystr(path), leaf)
-        if described is None:
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
             problem = (
                 f"{what}: the checkpoint's leaf {jax.tree_util.keystr(path)} is a "
                 f"{type(leaf).__name__}, not an array; meshkit restores arrays and numbers.\n"
                 "Consider orbax's own restore for this checkpoint."
             )
             return None, problem, []
-        saved.append(described)
-    if specs is None:
-        chosen: list[Any] = [None] * len(saved)
-    else:
-        found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
-        if found is not None:
-            at, has, full = found
-            problem = (
-                f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
-                f"specs has {has}, the checkpoint {full}.\n"
-                "Consider one spec for every array, or a pytree of specs with the checkpoint's "
-                "keys (None for an array that keeps the spec it was saved with)."
-            )
-            return None, problem, []
-        chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            spec: PartitionSpec | None = sharding.spec
+        else:
+            spec = saved_spec(getattr(sharding, "partition_spec", None))
+        # orbax's ArrayMetadata has sharding metadata for a saved jax.Array, none for numpy's.
+        on_device = isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is not None
+        scalar = type(leaf).__name__ == "ScalarMetadata"
+        shape, dtype = tuple(int(n) for n in shape), str(np.dtype(dtype))
+        saved.append(SavedArray(jax.tree_util.keystr(path), shape, dtype, spec, on_device, scalar))
+    found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
+    if found is not None:
+        at, has, full = found
+        problem = (
+            f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
+            f"specs has {has}, the checkpoint {full}.\n"
+            "Consider one spec for every array, or a pytree of specs with the checkpoint's "
+            "keys (None for an array that keeps the spec it was saved with)."
+        )
+        return None, problem, []
+    chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
     entries = [
-        [f"the array {s.path}", "target", list(s.shape), s.dtype, str(c)]
+        [f"the array {s.path}", "target", f"shape {s.shape}, {s.dtype}, restored with {c}"]
         for s, c in zip(saved, chosen, strict=True)
     ]
     try:
         partitions = plan(saved, chosen, dict(mesh.shape), what)
     except MeshkitError as e:  # classified: raised on every process after they agree
         return None, str(e), entries
-    problem = _mesh_problem(mesh, what) if any(p is not None for p in partitions) else None
-    if problem is not None:
+    processes = {d.process_index for d in mesh.devices.flat}
+    left_out = [str(p) for p in range(jax.process_count()) if p not in processes]
+    if left_out and any(p is not None for p in partitions):
+        problem = (
+            f"{what}: the mesh {describe_mesh(dict(mesh.shape))} has no device of process"
+            f"{'es' if len(left_out) > 1 else ''} {', '.join(left_out)}, in a program of "
+            f"{jax.process_count()} processes. Each process restores the blocks its devices hold, "
+            "so a process outside the mesh has nowhere to put its part (orbax fails there "
+            "alone).\nConsider a mesh over every process's devices (meshkit.make_mesh)."
+        )
         return None, problem, entries
     out = []
     for s, p in zip(saved, partitions, strict=True):
@@ -366,9 +325,13 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str, like: Any = None) ->
     if isinstance(source, str | os.PathLike):
         ocp = _import_orbax(what)
         where = _steps.abs_path(source, what)
-        source, problem = _read_metadata(ocp, where, what)
-    else:
-        source = _metadata_tree(source)
+        problem = _unreadable(where, what)
+        if problem is None:
+            with ocp.StandardCheckpointer() as checkpointer:
+                source = checkpointer.metadata(where)
+    source = getattr(source, "item_metadata", source)  # orbax's StepMetadata holds a tree
+    if hasattr(source, "tree") and hasattr(source, "custom_metadata"):  # orbax's TreeMetadata
+        source = source.tree
     if problem is None:
         tree, problem, entries = _plan_targets(source, mesh, specs, what)
     if problem is None and like is not None:
@@ -450,9 +413,9 @@ def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> 
     where = _steps.abs_path(path, what)
     if not isinstance(missing_ok, bool):
         raise MeshkitError(f"{what}: missing_ok must be True or False; got {missing_ok!r}.")
-    if _TMP_MARK in where.name or not (where / "_METADATA").is_file():
-        _, problem = _read_metadata(ocp, where, what)  # restore's messages
-        raise MeshkitError(problem or f"{what}: {where} is no complete checkpoint.")
+    problem = _unreadable(where, what)
+    if problem is not None:
+        raise MeshkitError(problem)
     value = None
     if (where / _STEP_METADATA).is_file():
         value = _data.from_metadata(ocp.metadata.get_step_metadata(where).custom_metadata)

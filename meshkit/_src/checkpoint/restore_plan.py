@@ -42,11 +42,10 @@ def saved_spec(entries: Any) -> PartitionSpec | None:
         return None
     out: list[Any] = []
     for e in entries:
-        if isinstance(e, list | tuple):
-            names = tuple(str(n) for n in e)
-            out.append(names if len(names) > 1 else names[0] if names else None)
-        else:
-            out.append(None if e is None else str(e))
+        names = (
+            tuple(map(str, e)) if isinstance(e, list | tuple) else () if e is None else (str(e),)
+        )
+        out.append(names if len(names) > 1 else names[0] if names else None)
     return PartitionSpec(*out)
 
 
@@ -54,12 +53,6 @@ def describe_mesh(axes: Mapping[str, int]) -> str:
     """``{'data': 2, 'model': 4} (8 devices)``."""
     inner = ", ".join(f"{n!r}: {s}" for n, s in axes.items())
     return f"{{{inner}}} ({math.prod(axes.values())} devices)"
-
-
-def _divisors(n: int) -> str:
-    """``"1, 2, 3 or 6"``: the divisors of ``n``, in words."""
-    shown = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
 def layout_problem(
@@ -96,6 +89,8 @@ def layout_problem(
     ):
         ways = math.prod(axes[a] for a in split_by)
         if size % ways:
+            ds = [str(d) for d in range(1, size + 1) if size % d == 0]
+            fits = ", ".join(ds[:-1]) + (" or " if len(ds) > 1 else "") + ds[-1]
             over = (
                 f"the mesh axis {split_by[0]!r} (size {ways})"
                 if len(split_by) == 1
@@ -106,14 +101,10 @@ def layout_problem(
                 f"dimension {dim} (size {size}) is split over {over}, and {size} is not a "
                 f"multiple of {ways}: every device must hold an equal block",
                 f"Consider a mesh whose axes splitting dimension {dim} have sizes multiplying to "
-                f"{_divisors(size)}, or a spec that leaves dimension {dim} whole ('_' in "
+                f"{fits}, or a spec that leaves dimension {dim} whole ('_' in "
                 "a spec string, None in a PartitionSpec).",
             )
     return None
-
-
-def _shown(partition: PartitionSpec | None) -> str:
-    return "P()" if partition is None or len(partition) == 0 else repr(partition)
 
 
 def plan(
@@ -149,7 +140,7 @@ def plan(
             )
         raise MeshkitError(
             f"{what}: the checkpoint's array {leaf.path} (saved shape {leaf.shape}, "
-            f"{leaf.dtype}) cannot be restored with {_shown(partition)} ({source}) on the mesh "
-            f"{describe_mesh(axes)}: {rule}.\n{fix}"
+            f"{leaf.dtype}) cannot be restored with {partition if partition else 'P()'} "
+            f"({source}) on the mesh {describe_mesh(axes)}: {rule}.\n{fix}"
         )
     return out

@@ -23,16 +23,13 @@ def _show(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f"[{p!r}]" for p in path) or "the top"
 
 
-def _child(node: Any, step: str | int) -> tuple[bool, Any, str | int]:
-    """The child of ``node`` at ``step``: found, it, and its key (a tuple's item may be ``"0"``)."""
+def _key(node: Any, step: str | int) -> str | int | None:
+    """The key of ``node``'s child at ``step`` (a tuple's item may be ``"0"``); None: no child."""
     if isinstance(node, dict):
-        for key in (step, str(step)):
-            if key in node:
-                return True, node[key], key
-        return False, None, step
+        return next((key for key in (step, str(step)) if key in node), None)
     if isinstance(node, list | tuple) and isinstance(step, int) and 0 <= step < len(node):
-        return True, node[step], step
-    return False, None, step
+        return step
+    return None
 
 
 def _has(node: Any) -> str:
@@ -53,16 +50,16 @@ def into(targets: Any, like: Any, what: str) -> tuple[Any, str | None]:
         node: Any = targets
         reached: list[str | int] = []  # the path in the checkpoint's own keys
         for depth, step in enumerate(path):
-            found, node_next, key = _child(node, step)
-            reached.append(key)
-            if not found:
+            key = _key(node, step)
+            if key is None:
                 return None, (
                     f"{what}: like= has {_show(path)}, which the checkpoint lacks: at "
                     f"{_show(path[:depth])} the checkpoint has {_has(node)}.\n"
                     "Consider as like= the state as the run that saved it built it (same "
                     "model, same optimizer)."
                 )
-            node = node_next
+            reached.append(key)
+            node = node[key]
         saved_shape = tuple(np.shape(node))
         if hasattr(leaf, "shape") and tuple(leaf.shape) != saved_shape:
             return None, (

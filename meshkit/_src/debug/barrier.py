@@ -41,44 +41,35 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     """
     if not isinstance(name, str) or not name:
         raise MeshkitError(f"meshkit.barrier: name must be a non-empty string; got {name!r}.")
-    if timeout is None:
-        timeout = _env.check_timeout()
-    _mode.positive(timeout, "timeout", f"meshkit.barrier({name!r})")
+    what = f"meshkit.barrier({name!r})"
+    timeout = _mode.positive(_env.check_timeout() if timeout is None else timeout, "timeout", what)
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
-    outcome = _agree.check(
-        "barrier/" + _agree.tag_part(name),
-        "",
-        json.dumps({"waited": float(timeout)}),
-        timeout=float(timeout),
-        what=f"meshkit.barrier({name!r})",
-    )
+    mine = json.dumps({"waited": timeout})
+    outcome = _agree.check("barrier/" + _agree.tag_part(name), "", mine, timeout=timeout, what=what)
     use = outcome.seq + 1
-    if _st.state.settings is not None:
+    on = _st.state.settings is not None
+    if on:
         _watchdog.note_progress()
     if outcome.agreed:
         return
     if outcome.gave_up and not outcome.missing:
         # Arrived last, but after another process stopped waiting: fail with it.
-        waited = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
+        theirs = json.loads(outcome.records[outcome.gave_up[0]])["waited"]
         raise MeshkitError(
-            f"meshkit.barrier({name!r}): this process (process {me}) arrived after "
-            f"{_missing.stopped_waiting(outcome.gave_up)} (after {waited:g} s) at use #{use} of "
-            "this barrier.\n"
-            "Consider a longer timeout, or what delayed this process."
+            f"{what}: this process (process {me}) arrived after "
+            f"{_missing.stopped_waiting(outcome.gave_up)} (after {theirs:g} s) at use #{use} of "
+            "this barrier.\nConsider a longer timeout, or what delayed this process."
         )
-    missing = list(outcome.missing)
     tag = "debug" if _channel.current() is None else _channel.scoped("debug", "")
-    on = _st.state.settings is not None
     detail = "; ".join(
         f"process {p} ({_divergence.last_text(tag, p) if on else 'no debug record'})"
-        for p in missing
+        for p in outcome.missing
     )
     raise MeshkitError(
-        f"meshkit.barrier({name!r}): {_missing.did_not(missing, timeout=timeout)} "
-        f"(use #{use} of this barrier); "
-        f"this process (process {me}) did.\nMissing: {detail}.\n"
+        f"{what}: {_missing.did_not(list(outcome.missing), timeout=timeout)} (use #{use} of this "
+        f"barrier); this process (process {me}) did.\nMissing: {detail}.\n"
         "Consider those processes' output (a crash, a stall, a different branch); "
         f"MESHKIT_DEBUG=1 names their last meshkit call."
     )

@@ -39,11 +39,11 @@ def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     if client is None or n == 1:
         return
     tag = _channel.scoped("debug", site.name)
-    _st.state.tags.add(tag)
     _st.state.channels.add(_channel.current())
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
-    before = _st.state.previous.get(tag)
+    # ``{}``: no earlier call of this thread (the missing processes made none either).
+    last = _st.state.previous.get(tag) or {}
     _st.state.previous[tag] = record
     timeout = settings.timeout
     outcome = _agree.agree(
@@ -52,8 +52,6 @@ def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     if not outcome.agreed:
         records = {p: json.loads(v) for p, v in outcome.records.items()}
         records.setdefault(me, record)
-        # ``{}``: no earlier call of this thread (the missing processes made none either).
-        last = before if before is not None else {}
         compare(records, list(outcome.missing), me, label, timeout, tag, count, last=last)
     _watchdog.note_progress()
 

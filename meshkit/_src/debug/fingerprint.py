@@ -39,56 +39,41 @@ _LEAF_TEXTS: _caches.Cache[tuple[Any, ...], str] = _caches.Cache(maxsize=4096)
 
 def _describe_leaf(x: Any, ragged: bool) -> str:
     """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is None or dtype is None or isinstance(x, Tracer):
-        return _describe_new_leaf(x, shape, dtype, ragged)
-    key = (type(x), tuple(shape), dtype, getattr(x, "sharding", None), ragged)
-    text = _LEAF_TEXTS.get(key)
-    if text is None:
-        text = _describe_new_leaf(x, shape, dtype, ragged)
-        _LEAF_TEXTS.put(key, text)
-    return text
-
-
-def _describe_new_leaf(x: Any, shape: Any, dtype: Any, ragged: bool) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None:
-        if isinstance(x, bool | int | float | complex):
-            return type(x).__name__
-        if x is None:
-            return "None"
-        text = _canonical.value(x)
-        return text if len(text) <= MAX_DESC else text[:MAX_DESC]
+        if x is None or isinstance(x, bool | int | float | complex):
+            return "None" if x is None else type(x).__name__
+        return _canonical.value(x)[:MAX_DESC]
+    tracer = isinstance(x, Tracer)
+    sharding = getattr(x, "sharding", None)
+    key = (type(x), tuple(shape), dtype, sharding, ragged)
+    text = None if tracer else _LEAF_TEXTS.get(key)
+    if text is not None:
+        return text
     dims = [str(int(d)) for d in shape]
     if ragged and dims:
         dims[0] = "*"
     text = f"{np.dtype(dtype).name}[{','.join(dims)}]"
-    sharding = getattr(x, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         text += f" sharded {tuple(sharding.spec)} over {dict(sharding.mesh.shape)}"
-    elif isinstance(x, jax.Array) and not isinstance(x, Tracer) and sharding is not None:
+    elif isinstance(x, jax.Array) and not tracer and sharding is not None:
         count = len(sharding.device_set)
-        if count > 1:
-            text += f" on {count} devices"
+        text += f" on {count} devices" if count > 1 else ""
+    if not tracer:
+        _LEAF_TEXTS.put(key, text)
     return text
-
-
-def _caller() -> str:
-    """``file:line in function`` of the first frame outside meshkit, jax and the stdlib."""
-    return place(user_frame(sys._getframe(2)))
 
 
 def fingerprint(site: Site, args: tuple[Any, ...], count: int) -> dict[str, Any]:
     ragged = bool(site.info.get("ragged"))
     flat, treedef = jax.tree_util.tree_flatten(args)
     layout = _layout_of(site, args, treedef)
-    # Each leaf as sent to the other processes: its name in messages and what it is.
-    leaves = [
+    leaves = [  # each leaf as sent to the other processes: its name in messages, what it is
         {
             "name": where,
-            "text": "static " + _static_repr(leaf) if static else _describe_leaf(leaf, ragged),
+            "text": "static " + _static_repr(x) if static else _describe_leaf(x, ragged),
         }
-        for (where, static), leaf in zip(layout.names, flat, strict=True)
+        for (where, static), x in zip(layout.names, flat, strict=True)
     ]
     return {
         "status": "call",
@@ -97,7 +82,8 @@ def fingerprint(site: Site, args: tuple[Any, ...], count: int) -> dict[str, Any]
         "n": site.calls,
         "structure": layout.structure,
         "leaves": leaves,
-        "where": _caller(),
+        # ``file:line in function`` of the first frame outside meshkit, jax and the stdlib.
+        "where": place(user_frame(sys._getframe(1))),
         "time": time.time(),
     }
 
@@ -123,17 +109,18 @@ def _layout_of(site: Site, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
     if layout is not None:
         return layout
     static = site.info.get("static_argnums") or ()
-    pairs, _ = jax.tree_util.tree_flatten_with_path(args)
-    names = tuple(
-        (
-            _arg_name(site, path),
-            bool(path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx in static),
-        )
-        for path, _ in pairs
-    )
+    params = site.info.get("params") or ()
+    names = []  # ``batch['image']``: the parameter's name when known, then the rest of the path
+    for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]:
+        idx = path[0].idx if path and isinstance(path[0], jax.tree_util.SequenceKey) else None
+        if idx is None:
+            names.append((jax.tree_util.keystr(path) if path else "the argument", False))
+        else:
+            base = str(params[idx]) if idx < len(params) else f"argument {idx}"
+            names.append((base + jax.tree_util.keystr(path[1:]), idx in static))
     origin = site.info.get("origin")
     entry = f"{site.kind} {site.name}" + (f" [{origin}]" if origin else "")
-    layout = _ArgLayout(entry, _canonical.structure(treedef), names)
+    layout = _ArgLayout(entry, _canonical.structure(treedef), tuple(names))
     layouts.put(treedef, layout)
     return layout
 
@@ -141,17 +128,3 @@ def _layout_of(site: Site, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
 def _static_repr(x: Any) -> str:
     text = _canonical.value(x)
     return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
-
-
-def _arg_name(site: Site, path: tuple[Any, ...]) -> str:
-    """``batch['image']``: the parameter's name when known, then the rest of the key path."""
-    names = site.info.get("params")
-    if not path:
-        return "the argument"
-    head, rest = path[0], path[1:]
-    if isinstance(head, jax.tree_util.SequenceKey):
-        idx = head.idx
-        base = names[idx] if names and idx < len(names) else f"argument {idx}"
-    else:
-        base = jax.tree_util.keystr((head,))
-    return base + jax.tree_util.keystr(tuple(rest))

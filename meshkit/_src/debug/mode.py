@@ -8,6 +8,7 @@ import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_env
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -70,30 +71,26 @@ def enable(
     """
     if timeout is None:
         timeout = _env.seconds(ENV_DEBUG_TIMEOUT) or _env.check_timeout()
-    positive(timeout, "timeout")
+    timeout = positive(timeout, "timeout")
     if watchdog == "auto":
         env = _env.seconds(ENV_WATCHDOG, zero="off")
         watchdog = timeout / 2 if env is None else env
-    if watchdog == 0:
-        watchdog = None
-    if watchdog is not None:
-        positive(watchdog, "watchdog")
-    assert watchdog is None or isinstance(watchdog, int | float)
+    watchdog = None if watchdog is None or watchdog == 0 else positive(watchdog, "watchdog")
     with _st.lock:
         _stop_watchdog()
-        now = _st.state.settings = Settings(float(timeout), watchdog, bool(exit_on_stall))
+        now = _st.state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
         if not _st.state.exit_hooks:
             # Before the other leaves (`meshkit._src.runtime.programs`): the first record a
             # process waiting at this one's next agreement reads then names its last call.
-            _exit.on_exit("debug mode: publish leaving", _leave_at_exit, order=_exit.LEAVE - 1)
+            _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
             _exit.on_exception(
                 "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
             )
             _st.state.exit_hooks = True
         if watchdog is not None:
             _st.state.watchdog = _watchdog.Watchdog(
-                float(watchdog), float(timeout), exit_on_stall, lambda: _st.state.last
+                watchdog, timeout, exit_on_stall, lambda: _st.state.last
             )
             _st.state.watchdog.start()
         if now != _st.state.announced:  # said once per process and settings
@@ -130,10 +127,7 @@ def debugging(**kwargs: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        if was is None:
-            disable()
-        else:
-            enable(timeout=was.timeout, watchdog=was.watchdog, exit_on_stall=was.exit_on_stall)
+        disable() if was is None else enable(**dataclasses.asdict(was))
 
 
 @public
@@ -144,47 +138,33 @@ def enable_from_environment() -> None:
         MeshkitError: ``MESHKIT_DEBUG`` (or the timeout or watchdog variable) holds a value
             that is not accepted.
     """
-    if _env.flag(ENV_DEBUG, on="debug mode on", blank=False) and not enabled():
+    if not enabled() and _env.flag(ENV_DEBUG, on="debug mode on", blank=False):
         enable()
 
 
-def from_environment() -> None:
-    """`enable_from_environment` unless on already (at `meshkit.init` and the first SPMD call)."""
-    if not enabled():
-        enable_from_environment()
+from_environment = enable_from_environment  # at `meshkit.init` and the first SPMD call
 
 
-def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> None:
-    """Raise a `MeshkitError` unless ``value`` is a finite positive number of seconds."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (value > 0 and math.isfinite(value))
-    ):
+def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> float:
+    """``value`` as a float; a `MeshkitError` unless it is a finite positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise MeshkitError(
             f"{where}: {what} must be a finite positive number of seconds; got {value!r}."
         )
+    return float(value)
 
 
-def _publish_leaving(status: str, message: str = "") -> None:
+def _publish_leaving(status: str = "exit", message: str = "") -> None:
     """Tell the other processes, at each channel's next agreement, that this one will not come."""
     client, _, n = _compat.distributed_state()
     if client is None or n == 1 or _st.state.settings is None or _st.state.left:
         return
     _st.state.left = True  # an uncaught error is told once, not again by the exit that follows
-    record = {
-        "left": True,
-        "status": status,
-        "last": _st.state.last or "no meshkit call",
-        "message": message,
-    }
+    last = _st.state.last or "no meshkit call"
+    record = {"left": True, "status": status, "last": last, "message": message}
     for channel in sorted(_st.state.channels | {None}, key=str):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
             _agree.leave("debug", json.dumps(record), channel=channel)
-
-
-def _leave_at_exit() -> None:
-    _publish_leaving("exit")
 
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:

@@ -8,6 +8,8 @@ calls (not the main thread, no `meshkit.channel`) runs unchecked.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +46,8 @@ def _check(name: str, params: tuple[str, ...], values: tuple[Any, ...], static: 
 _PREFIX = "jax.experimental.multihost_utils."
 
 
-def _jax() -> Any:
-    from jax.experimental import multihost_utils  # imported at the first call, not at import
-
-    return multihost_utils
+# JAX's module, imported at the first call, not at import.
+_jax = functools.partial(importlib.import_module, "jax.experimental.multihost_utils")
 
 
 @public

@@ -38,7 +38,6 @@ class State:
         self.settings: Settings | None = None
         self.count = 0  # SPMD entries checked in this process, all threads
         self.last = ""  # the last checked call, for messages
-        self.tags: set[str] = set()
         self.channels: set[str | None] = set()  # the channels of checked calls (None: main)
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`

@@ -20,11 +20,6 @@ from .rows import _map_dataset, _Rows, _rows, _seed, _whole
 
 __all__ = ["Batches", "grain_batches", "hf_batches"]
 
-# grain's default ReadOptions read 500 elements ahead with 16 threads; an element here is a
-# whole batch, and `meshkit.global_batches` reads ahead of the caller too.
-_READ_THREADS = 2
-_READ_AHEAD = 4
-
 
 class Batches(GlobalSource):
     """A meshkit loader: this process's part of each global batch, in a global order.
@@ -48,15 +43,6 @@ class Batches(GlobalSource):
     def __repr__(self) -> str:
         return f"meshkit.loaders.{self._identity.describe()}"
 
-    def _positions(self, step: int) -> np.ndarray:
-        """This process's rows of global batch ``step`` (over all epochs), in its epoch's order."""
-        rows = self._rows
-        t = step % self._steps
-        if t < rows.full_batches:
-            return t * rows.global_batch + np.asarray(rows.offsets, np.int64)
-        start = rows.full_batches * rows.global_batch + rows.tail_start
-        return np.arange(start, start + rows.tail_size, dtype=np.int64)
-
     def iterate(self, step: int) -> GlobalIterator:
         """This process's part of each global batch from global step ``step`` (all epochs) on."""
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= len(self):
@@ -68,7 +54,7 @@ class Batches(GlobalSource):
     def _keys(self, step: int) -> np.ndarray:
         """The rows of this process's part of global batch ``step``, in the dataset."""
         n, seed = self._identity.num_rows, self._identity.seed
-        positions = self._positions(step)
+        positions = self._rows.batch(step % self._steps)
         return positions if seed is None else permute(positions, n, seed, step // self._steps)
 
     def _read_from(self, step: int) -> Iterator[Any]:
@@ -109,11 +95,10 @@ class _GrainBatches(Batches):
                 f"MapDataset), at global step {step}.\nConsider filtering before, into a "
                 "dataset of its own (a list, an ArrayRecord file), so that every index has a row."
             )
-        if not elements:  # no rows: an empty batch shaped like the dataset's elements
-            return jax.tree_util.tree_map(
-                lambda x: np.zeros((0, *np.shape(x)), np.asarray(x).dtype), self._dataset[0]
-            )
-        return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
+        # No rows: an empty batch shaped like the dataset's elements.
+        rows = elements or [self._dataset[0]]
+        batch = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *rows)
+        return batch if elements else jax.tree_util.tree_map(lambda x: x[:0], batch)
 
     def _read_from(self, step: int) -> Iterator[Any]:
         import grain
@@ -166,9 +151,9 @@ def grain_batches(
     )  # fmt: skip
     identity, rows = _identity("grain", part, len(dataset), seed, epochs, drop_remainder, what)
     if read_options is None:
-        read_options = grain.ReadOptions(
-            num_threads=_READ_THREADS, prefetch_buffer_size=_READ_AHEAD
-        )
+        # grain's default reads 500 elements ahead with 16 threads; an element here is a whole
+        # batch, and `meshkit.global_batches` reads ahead of the caller too.
+        read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
     elif not isinstance(read_options, grain.ReadOptions):
         raise MeshkitError(
             f"{what}: read_options must be a grain.ReadOptions; got {type(read_options).__name__}."

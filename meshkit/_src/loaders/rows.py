@@ -40,12 +40,17 @@ class _Rows:
             return k * self.global_batch + self.offsets[o]
         return self.full_batches * self.global_batch + self.tail_start + o
 
+    def batch(self, t: int) -> np.ndarray:
+        """The positions of this process's rows of global batch ``t`` of an epoch."""
+        if t < self.full_batches:
+            return t * self.global_batch + np.asarray(self.offsets, np.int64)
+        start = self.full_batches * self.global_batch + self.tail_start
+        return np.arange(start, start + self.tail_size, dtype=np.int64)
+
     def positions(self) -> np.ndarray:
-        full = self.full_batches
-        starts = np.arange(full, dtype=np.int64)[:, None] * self.global_batch
+        starts = np.arange(self.full_batches, dtype=np.int64)[:, None] * self.global_batch
         body = (starts + np.asarray(self.offsets, np.int64)[None, :]).reshape(-1)
-        tail = full * self.global_batch + self.tail_start + np.arange(self.tail_size)
-        return np.concatenate([body, tail.astype(np.int64)])
+        return np.concatenate([body, self.batch(self.full_batches)])
 
 
 def _whole(value: Any, name: str, least: int, what: str) -> int:
@@ -298,11 +303,7 @@ def grain_shard_options(part: ProcessSlice, *, drop_remainder: bool = False) -> 
         >>> meshkit.loaders.grain_shard_options(part)
         ShardOptions(shard_index=0, shard_count=1, drop_remainder=False)
     """
-    if not isinstance(part, ProcessSlice):
-        raise MeshkitError(
-            "meshkit.loaders.grain_shard_options: part must be a meshkit.ProcessSlice; got "
-            f"{type(part).__name__}.\nConsider meshkit.process_slice(mesh, spec, global_shape)."
-        )
+    _rows(part, 0, "meshkit.loaders.grain_shard_options")
     import grain
 
     return grain.sharding.ShardOptions(
