@@ -24,7 +24,6 @@ from ..core.errors import DivergenceError
 from ..core.log import logger, say
 from . import exit as _exit
 from . import preemption as _preemption
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -105,7 +104,7 @@ def install(
         lambda kind, value, tb: _on_exception(grace, kind, value, tb),
         order=_exit.REPORT,
     )
-    _service_thread.watch(_watch.look, nudge)
+    _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
@@ -355,11 +354,9 @@ class _Watch:
 
 def _at_exit(me: int) -> None:
     """Stop the watch; say, a while later, that this process still waits for the others."""
-    _service_thread.watch(None)
+    _exit.watch(None)
     if not _exit.ending():
-        _service_thread.at(
-            "fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False
-        )
+        _exit.at("fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False)
 
 
 def _end_note(me: int) -> None:

@@ -22,7 +22,6 @@ from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -145,11 +144,11 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     wakeup = _exit.on_sigterm(_on_sigterm)
     if first:
-        _service_thread.on_signal(wakeup, _on_sigterm)
-        _service_thread.on_wake("preemption: tell, agree, arm the deadline", _tend)
-        _service_thread.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
+        _exit.on_signal(wakeup, _on_sigterm)
+        _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
-    _service_thread.wake()  # a notice received before ``tell`` was given is told now
+    _exit.wake()  # a notice received before ``tell`` was given is told now
 
 
 def notice() -> PreemptionNotice | None:
@@ -176,7 +175,7 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _service_thread.wake(nudge=False)  # a pipe's byte: safe in a signal handler
+    _exit.wake(nudge=False)  # a pipe's byte: safe in a signal handler
     return told
 
 
@@ -308,9 +307,7 @@ def _tend() -> None:
             return
         _state.deadline_armed = True
     left = max(0.0, notice_.deadline - time.time())
-    _service_thread.at(
-        "preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False
-    )
+    _exit.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
 
 def _agree(notice_: PreemptionNotice) -> None:

@@ -29,7 +29,6 @@ from ..core.frames import in_meshkit, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -216,12 +215,12 @@ class Watchdog:
 
     def start(self) -> None:
         """Take the first sample one period from now."""
-        _service_thread.at("watchdog: sample", self.period, self._sample)
+        _exit.at("watchdog: sample", self.period, self._sample)
 
     def _sample(self) -> None:
         if self.stop.is_set():
             return
-        _service_thread.at("watchdog: sample", self.period, self._sample, nudge=False)
+        _exit.at("watchdog: sample", self.period, self._sample, nudge=False)
         if _compat.distributed_state()[2] == 1:
             return  # one process: nobody to wait for, and no run to end
         now = time.monotonic()

@@ -19,6 +19,9 @@ from typing import Any
 
 import jax
 
+from ..coord import agree as _agree
+from ..coord import failures as _failures
+from ..coord import save_step as _save_step
 from ..core import compat as _compat
 from ..core import engines as _engines
 from ..core import env as _env
@@ -44,7 +47,6 @@ from ..lifecycle import preemption as _preemption
 from . import compile_cache as _compile_cache
 from . import distributed_options as _options
 from . import hosts as _hosts
-from . import install_guards as _install_guards
 from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
@@ -357,7 +359,9 @@ def init(
 
     _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
     _compile_cache.enable(compilation_cache)  # before anything compiles
-    _install_guards.before_joining(*guards)  # a notice while joining is one too
+    if guards[0] is not None and _compat.distributed_state()[0] is None:
+        # A notice while joining is one too (not if the program joined itself).
+        _preemption.install(None, seconds=guards[1], tell=None, sync=None)
     info = _join(plan, cpu_devices, float(timeout), options, guards)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
@@ -457,10 +461,20 @@ def _join(
 
 
 def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
-    if info.num_processes > 1:
-        _install_guards.joined(*guards, info.process_id, info.num_processes)
+    """Wire fail-fast and preemption to coordination (alone: SIGTERM a notice, no peers)."""
+    (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
+    if n > 1:
+        _failfast.install(
+            fail_fast, me, n, post=_failures.poster(me), poll=_failures.watcher(me),
+            wait=_failures.waiter(me), nudge=_failures.nudger(me), kept=_agree.take_unraised,
+            read=_failures.reader(),
+        )  # fmt: skip
+    if fail_fast is None:
+        return
+    if n > 1:  # the failure watch relays the others' notices
+        _preemption.install(me, seconds=grace, tell=_failures.teller(), sync=_save_step.syncer(me))
     else:
-        _install_guards.alone(*guards, info.process_id)
+        _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
 
 
 def _attempt() -> int:
