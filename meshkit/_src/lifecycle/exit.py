@@ -35,7 +35,7 @@ _LOG = logger("guards")
 
 __all__ = [
     "DRAIN", "FLUSH", "LEAVE", "REPORT", "STOP", "at", "end", "ending", "now", "on_activity",
-    "on_exception", "on_exit", "on_signal", "on_sigterm", "on_wake", "run_exit_handlers", "start",
+    "on_exception", "on_exit", "on_signal", "on_sigterm", "on_wake", "run_exit_handlers",
     "wake", "watch",
 ]  # fmt: skip
 
@@ -277,11 +277,9 @@ class _Service(threading.Thread):
             self.outside.clear()
             look = self.look
             if look is not None:
-                try:
+                with contextlib.suppress(Exception):  # the watch says its own failures
                     if look(min(timeout, self._slice())) is False:
                         self.look = None  # not joined anymore: nothing to watch
-                except Exception:  # the watch says its own failures
-                    pass
                 timeout = 0.0
             self.outside.set()
             ready = [fd for fd in (self.wake_r, self.signals) if fd >= 0]
@@ -290,12 +288,10 @@ class _Service(threading.Thread):
             except (OSError, ValueError):  # a pipe closed under it: wait on the others
                 readable = []
             for fd in readable:
-                try:
+                with contextlib.suppress(OSError):
                     data = os.read(fd, 256)
-                except OSError:
-                    continue
-                if fd == self.signals and signal.SIGTERM in data and self.on_sigterm:
-                    self.on_sigterm()
+                    if fd == self.signals and signal.SIGTERM in data and self.on_sigterm:
+                        self.on_sigterm()
             for call in list(self.tending.values()):
                 with contextlib.suppress(Exception):  # one tending call must not stop the rest
                     call()
@@ -320,18 +316,15 @@ _service: _Service | None = None
 _start_lock = threading.Lock()
 
 
-def start() -> bool:
-    """Start the service thread once; False where no thread may start (the interpreter ends)."""
+def _running() -> _Service:
+    """The service thread, started at the first call (RuntimeError where no thread may start)."""
     global _service
     with _start_lock:
         if _service is None:
             service = _Service()
-            try:
-                service.start()
-            except RuntimeError:  # Python runs its exit handlers: threads cannot start now
-                return False
+            service.start()
             _service = service
-    return True
+        return _service
 
 
 def wake(*, nudge: bool = True) -> None:
@@ -353,19 +346,14 @@ def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool 
             with _service.lock:
                 _service.tasks.pop(name, None)
         return True
-    if not start():
+    try:
+        service = _running()
+    except RuntimeError:  # Python runs its exit handlers: threads cannot start now
         return False
-    service = _running()
     with service.lock:
         service.tasks[name] = (time.monotonic() + delay, call)
     wake(nudge=nudge)
     return True
-
-
-def _running() -> _Service:
-    start()
-    assert _service is not None
-    return _service
 
 
 def on_wake(name: str, call: Callable[[], None]) -> None:
