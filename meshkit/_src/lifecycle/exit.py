@@ -178,15 +178,8 @@ def ending() -> bool:
     return _ending.locked()
 
 
-def end(
-    status: int,
-    *,
-    grace: float,
-    announce: str = "",
-    late: str = "",
-    final: Callable[[], None] | None = None,
-    level: int = logging.ERROR,
-) -> None:
+def end(status: int, *, grace: float, announce: str = "", late: str = "",
+        final: Callable[[], None] | None = None, level: int = logging.ERROR) -> None:  # fmt: skip
     """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit."""
     if not _ending.acquire(blocking=False):
         return

@@ -82,17 +82,9 @@ _grace: float | None = None  # the exit handlers' seconds; None: fail-fast is of
 
 
 def install(
-    grace: float | None,
-    me: int,
-    n: int,
-    *,
-    post: Post,
-    poll: Poll,
-    wait: Wait,
-    nudge: Callable[[], None],
-    kept: Kept | None = None,
-    read: Read | None = None,
-) -> None:
+    grace: float | None, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
+    nudge: Callable[[], None], kept: Kept | None = None, read: Read | None = None,
+) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
     global _post_failure, _kept, _watch, _read, _grace
     _post_failure, _kept, _read, _grace = post, kept, read, grace

@@ -54,6 +54,7 @@ from .hosts import Hosts
 __all__ = ["RuntimeInfo", "init", "runtime_info"]
 
 _WHERE = "meshkit.init()"
+Guards = tuple[float | None, float]  # fail-fast's grace (None: off), preemption's grace
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 
 
@@ -158,15 +159,10 @@ def _launched() -> tuple[int | None, int | None]:
 
 
 def _plan(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    local_device_ids: tuple[int, ...] | None,
+    address: str | None, n: int | None, pid: int | None, ids: tuple[int, ...] | None
 ) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
-    return dataclasses.replace(
-        _source(coordinator_address, num_processes, process_id), local_device_ids=local_device_ids
-    )
+    return dataclasses.replace(_source(address, n, pid), local_device_ids=ids)
 
 
 def _source(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
@@ -380,7 +376,7 @@ def _join(
     cpu_devices: int | None,
     timeout: float,
     options: dict[str, Any],
-    guards: tuple[float | None, float],
+    guards: Guards,
 ) -> RuntimeInfo:
     """Join as ``plan`` says (or adopt a join made before), and install the guards."""
     global _INFO
@@ -460,7 +456,7 @@ def _join(
     return _INFO
 
 
-def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
+def _guard(info: RuntimeInfo, guards: Guards) -> None:
     """Wire fail-fast and preemption to coordination (alone: SIGTERM a notice, no peers)."""
     (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
     if n > 1:
