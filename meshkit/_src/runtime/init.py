@@ -92,6 +92,7 @@ class RuntimeInfo:
 
     def __str__(self) -> str:
         ids = self.local_device_ids
+        ids_text = "JAX default (all visible)" if ids is None else ",".join(map(str, ids))
         rows = [
             ("source", self.source),
             ("reason", self.reason),
@@ -99,10 +100,7 @@ class RuntimeInfo:
             ("coordinator", self.coordinator_address or "-"),
             ("cluster", self.cluster or "-"),
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
-            (
-                "local devices",
-                "JAX default (all visible)" if ids is None else ",".join(map(str, ids)),
-            ),
+            ("local devices", ids_text),
             ("cpu collectives", self.cpu_collectives or "-"),
             ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
             ("attempt", str(self.attempt)),
@@ -320,12 +318,9 @@ def init(
         cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
     if timeout is None:
         timeout = _env.number(ENV_INIT_TIMEOUT, where=_WHERE)
-    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not (math.isfinite(timeout) and timeout > 0)
-    ):
+        timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
+    number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if not (number and math.isfinite(timeout) and timeout > 0):
         raise MeshkitError(
             f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
             f" (from the argument, else {ENV_INIT_TIMEOUT})."
