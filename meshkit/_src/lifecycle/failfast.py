@@ -9,6 +9,7 @@ held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it of
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -91,11 +92,8 @@ def install(
     if grace is None:
         return
     _watch = _Watch(me, n, poll, wait)
-    _exit.on_exception(
-        "fail-fast: end the process",
-        lambda kind, value, tb: _on_exception(grace, kind, value, tb),
-        order=_exit.REPORT,
-    )
+    on_exception = functools.partial(_on_exception, grace)
+    _exit.on_exception("fail-fast: end the process", on_exception, order=_exit.REPORT)
     _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
@@ -198,19 +196,15 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
 
 def _end(failure: str, why: str, grace: float, *, status: int) -> None:
     """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
-    _exit.end(
-        status,
-        grace=grace,
-        announce=(
-            f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
-            f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
-        ),
-        late=(
-            f"meshkit: exit handlers still running after {grace:g} s; exiting now "
-            f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
-        ),
-        final=lambda: _post(failure),
+    announce = (
+        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+        f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
     )
+    late = (
+        f"meshkit: exit handlers still running after {grace:g} s; exiting now "
+        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
+    )
+    _exit.end(status, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
 
 
 def _post(failure: str) -> None:
