@@ -261,17 +261,12 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
     step = "" if _state.step is None else f" at step {_state.step}"
-    _exit.end(
-        PREEMPTED,
-        grace=0.0,
-        announce=(
-            f"meshkit: preempted ({notice_.source} "
-            f"{max(0.0, time.time() - notice_.received):.1f} s ago){step}: the program did not "
-            f"save and stop within {ENV_PREEMPT_GRACE}={_state.grace:g} s; exiting with status "
-            f"{PREEMPTED}.\n"
-        ),
-        level=logging.WARNING,
+    announce = (
+        f"meshkit: preempted ({notice_.source} {max(0.0, time.time() - notice_.received):.1f} s "
+        f"ago){step}: the program did not save and stop within {ENV_PREEMPT_GRACE}="
+        f"{_state.grace:g} s; exiting with status {PREEMPTED}.\n"
     )
+    _exit.end(PREEMPTED, grace=0.0, announce=announce, level=logging.WARNING)
 
 
 def _on_sigterm() -> None:
@@ -288,11 +283,8 @@ def past_deadline() -> PreemptionNotice | None:
 def end_preempted(notice_: PreemptionNotice, why: str) -> None:
     """End this process as preempted now (status 143): ``why`` says what ended the others."""
     _event("deadline", notice_)
-    _exit.now(
-        PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n",
-        level=logging.WARNING,
-    )
+    text = f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n"
+    _exit.now(PREEMPTED, text, level=logging.WARNING)
 
 
 def _tend() -> None:
