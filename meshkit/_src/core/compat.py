@@ -291,11 +291,12 @@ class Compiling:
         avals = list(getattr(info, "in_avals", None) or ())
         names = list(getattr(getattr(info, "debug_info", None), "arg_names", None) or ())
         shardings = list(self.computation.compile_args.get("in_shardings") or ())
-        return [
-            (str(names[i] if i < len(names) and names[i] else f"argument {i}"), str(aval),
-             _sharding_text(shardings[i] if i < len(shardings) else None))
-            for i, aval in enumerate(avals)
-        ]  # fmt: skip
+        out = []
+        for i, aval in enumerate(avals):
+            name = names[i] if i < len(names) and names[i] else f"argument {i}"
+            sharding = shardings[i] if i < len(shardings) else None
+            out.append((str(name), str(aval), _sharding_text(sharding)))
+        return out
 
 
 def _sharding_text(sharding: Any) -> str:

@@ -277,9 +277,7 @@ def check_step(environ: Mapping[str, str]) -> None:
     if not found:
         return
     listed = ", ".join(f"{name}={environ[name]}" for name in found)
-    n, pid, local = (
-        _int(environ.get(v)) for v in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-    )
+    n, pid, local = (_int(environ.get(v)) for v in STEP_VARS[2:])  # tasks, task id, on node
     if "SLURM_NTASKS" in environ and (n is None or n < 1):
         what = f"SLURM_NTASKS={environ['SLURM_NTASKS']!r} is not a task count >= 1"
         raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))

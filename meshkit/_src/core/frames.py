@@ -23,7 +23,7 @@ __all__ = [
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
-# Frames in these directories are not the user's: jax and the standard library (and meshkit).
+# Frames in these directories are not the user's: JAX's and the standard library's.
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f or "")) + os.sep
                       for f in (jax.__file__, contextlib.__file__))  # fmt: skip
 # Installed packages: frames there are a library's, for `user_place`.
