@@ -34,8 +34,7 @@ __all__ = [
 _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
-# At a normal end, how long the service thread gets to leave the coordination client.
-_LEAVE_S = 2.0
+_LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
 
 
 @dataclass(frozen=True)
