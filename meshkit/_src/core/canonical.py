@@ -92,29 +92,25 @@ def value(x: Any, _depth: int = 0) -> str:
         return function(x, _depth)
     if _depth >= _MAX_DEPTH:
         return _type_name(type(x))
+    d = _depth + 1
     if isinstance(x, tuple | list | set | frozenset):
         items = sorted(x, key=repr) if isinstance(x, set | frozenset) else list(x)
-        inner = ", ".join(value(i, _depth + 1) for i in items[:_MAX_ITEMS])
+        inner = ", ".join(value(i, d) for i in items[:_MAX_ITEMS])
         if len(items) > _MAX_ITEMS:
-            rest = "".join(value(i, _depth + 1) for i in items[_MAX_ITEMS:])
+            rest = "".join(value(i, d) for i in items[_MAX_ITEMS:])
             inner += f", ... {len(items) - _MAX_ITEMS} more #{_digest(rest.encode())}"
         name = type(x).__name__ if type(x) in (tuple, list, set, frozenset) else _type_name(type(x))
         return f"{name}({inner})"
     if isinstance(x, dict):
         keys = sorted(x, key=repr)
-        inner = ", ".join(
-            f"{value(k, _depth + 1)}: {value(x[k], _depth + 1)}" for k in keys[:_MAX_ITEMS]
-        )
+        inner = ", ".join(f"{value(k, d)}: {value(x[k], d)}" for k in keys[:_MAX_ITEMS])
         if len(keys) > _MAX_ITEMS:
             inner += f", ... {len(keys) - _MAX_ITEMS} more"
         name = "dict" if type(x) is dict else _type_name(type(x))
         return f"{name}{{{inner}}}"
     if dataclasses.is_dataclass(x):
-        inner = ", ".join(
-            f"{f.name}={value(getattr(x, f.name, None), _depth + 1)}"
-            for f in dataclasses.fields(x)
-            if f.repr
-        )
+        shown = [f.name for f in dataclasses.fields(x) if f.repr]
+        inner = ", ".join(f"{name}={value(getattr(x, name, None), d)}" for name in shown)
         return f"{_type_name(type(x))}({inner})"
     if type(x).__repr__ is object.__repr__:
         return _type_name(type(x))

@@ -47,6 +47,7 @@ def backends_are_initialized() -> bool:
     return bool(xla_bridge.backends_are_initialized())
 
 
+@functools.cache
 def compiled_settings() -> frozenset[str]:
     """The `jax.config` options JAX marks as part of every traced or compiled program.
 
@@ -54,12 +55,6 @@ def compiled_settings() -> frozenset[str]:
     read from the literal ``True`` marks in ``jax/_src/config.py`` (JAX 0.10.2 and 0.12), plus
     ``trace_context_names()``; read once per process (about 20 ms).
     """
-    return _compiled_settings()
-
-
-@functools.cache
-def _compiled_settings() -> frozenset[str]:
-    import ast
     import os
 
     from jax._src import config
@@ -68,8 +63,7 @@ def _compiled_settings() -> frozenset[str]:
     path = config.__file__ or ""
     if path.endswith(".py") and os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-        marked.update(_marked_declarations(tree))
+            marked.update(_marked_declarations(f.read(), path))
     return frozenset(marked & set(config.config_states))
 
 
@@ -104,12 +98,12 @@ def trace_context_settings() -> frozenset[str] | None:
 _MARKS = ("include_in_jit_key", "include_in_trace_context")
 
 
-def _marked_declarations(tree: Any) -> set[str]:
-    """Names of the calls in ``tree`` that pass a mark of `_MARKS` as a literal ``True``."""
+def _marked_declarations(source: str, path: str) -> set[str]:
+    """Names of the calls in ``source`` that pass a mark of `_MARKS` as a literal ``True``."""
     import ast
 
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source, path)):
         if not isinstance(node, ast.Call):
             continue
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
@@ -177,16 +171,13 @@ _PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
 def tell_jax_preemption(client: Any, received: float) -> bool:
-    """Tell JAX's preemption sync managers of a notice, as JAX's SIGTERM handler would.
-
-    Returns False when another process told it first.
-    """
+    """Tell JAX's preemption sync managers of a notice, as JAX's SIGTERM handler would."""
     import datetime
 
     when = datetime.datetime.fromtimestamp(received, tz=datetime.UTC).isoformat()
     try:
         client.key_value_set(_PREEMPTION_NOTICE_KEY, when)
-    except Exception as e:  # JaxRuntimeError: the key is there already (another process told)
+    except Exception as e:  # JaxRuntimeError: the key is there already: another process told it
         if service_error_code(e) == _ALREADY_EXISTS:
             return False
         raise
@@ -283,10 +274,7 @@ class Compiling:
 
     def processes(self) -> frozenset[int]:
         """The processes whose devices run it (one: a computation of this process alone)."""
-        devices = self.computation._device_list
-        if devices is None:
-            return frozenset()
-        return frozenset(int(d.process_index) for d in devices)
+        return frozenset(int(d.process_index) for d in self.computation._device_list or ())
 
     def where(self) -> str | None:
         """The traced function and its definition, ``step at train.py:12``, when JAX knows it."""

@@ -183,14 +183,9 @@ def _int_or_none(x: Any) -> int | None:
 
 
 def _identity(value: Any) -> LoaderIdentity:
-    return LoaderIdentity(
-        kind=str(value["kind"]),
-        num_rows=_int(value["num_rows"]),
-        global_batch=_int(value["global_batch"]),
-        seed=_int_or_none(value["seed"]),
-        epochs=_int(value["epochs"]),
-        drop_remainder=bool(value.get("drop_remainder", False)),
-    )
+    kind, rows, batch = str(value["kind"]), _int(value["num_rows"]), _int(value["global_batch"])
+    seed, epochs = _int_or_none(value["seed"]), _int(value["epochs"])
+    return LoaderIdentity(kind, rows, batch, seed, epochs, bool(value.get("drop_remainder", False)))
 
 
 def _short(value: Any) -> str:

@@ -66,15 +66,12 @@ def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
 
 def explain(diagnosis: Diagnosis, who: str = "this process") -> str:
     """What usually causes ``diagnosis``, and what to run next (several lines, no newline)."""
-    if diagnosis.kind == "timeout":
-        what = (
-            f"a timeout of {diagnosis.system}: {who} waited for another process that never joined"
-        )
-    else:
-        what = (
-            f"reported by {diagnosis.system}: another process of the program (or the "
-            "coordination service, which process 0 hosts) is gone"
-        )
+    what = (
+        f"a timeout of {diagnosis.system}: {who} waited for another process that never joined"
+        if diagnosis.kind == "timeout"
+        else f"reported by {diagnosis.system}: another process of the program (or the "
+        "coordination service, which process 0 hosts) is gone"
+    )
     return (
         f"meshkit: this error is {what}.\n"
         "Usual causes: a computation or collective run by only some processes (a branch on "

@@ -30,6 +30,9 @@ ENV_K8S_COORDINATOR_HOST = "MESHKIT_K8S_COORDINATOR_HOST"
 # What JAX's SlurmCluster.is_env_present requires (JAX 0.10 and 0.12); srun sets them.
 STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
+_INDEXED_VARS = ("JOB_COMPLETION_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX",
+                 ENV_NUM_PROCESSES, ENV_K8S_SUBDOMAIN, ENV_K8S_COORDINATOR_HOST)  # fmt: skip
+
 JAX_ENGINE = "JAX_* variables"
 SKYPILOT = "SkyPilot"
 JOBSET = "JobSet"
@@ -90,100 +93,69 @@ def _count_and_id(
     """The process count (>= 1) in the variable ``count`` and the id below it in ``index``."""
     n, pid = _int(environ[count]), _int(environ[index])
     if n is None or n < 1:
-        raise _bad(
-            engine,
-            found,
-            f"{count}={environ[count]!r} is not a process count >= 1",
-            f"{count} is the number of processes in the program.",
-            f"a whole number >= 1 in {count}.",
-        )
+        what = f"{count}={environ[count]!r} is not a process count >= 1"
+        rule = f"{count} is the number of processes in the program."
+        raise _bad(engine, found, what, rule, f"a whole number >= 1 in {count}.")
     if pid is None or pid >= n:
-        raise _bad(
-            engine,
-            found,
-            f"{index}={environ[index]!r} is not a process id below {count}={n}",
-            f"Process ids run from 0 to {n - 1}, one per process.",
-            f"giving each process its own id from 0 to {n - 1}, and {count} the "
-            "number of processes.",
-        )
+        what = f"{index}={environ[index]!r} is not a process id below {count}={n}"
+        rule = f"Process ids run from 0 to {n - 1}, one per process."
+        fix = f"giving each process its own id from 0 to {n - 1}, and {count} the number of "
+        raise _bad(engine, found, what, rule, fix + "processes.")
     return n, pid
-
-
-def _address(engine: str, found: str, name: str, address: str) -> str:
-    host, sep, port = address.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise _bad(
-            engine,
-            found,
-            f"{name}={address!r} is not of the form 'host:port'",
-            "It is process 0's host and the port its coordination service serves.",
-            f"{name}=HOST:PORT, the same in every process.",
-        )
-    return address.strip()
 
 
 def _port(environ: Mapping[str, str], engine: str, found: str) -> int:
     raw = environ.get(ENV_PORT, "").strip()
-    if not raw:
-        return DEFAULT_PORT
-    port = _int(raw)
+    port = _int(raw) if raw else DEFAULT_PORT
     if port is None or not 0 < port < 65536:
-        raise _bad(
-            engine,
-            f"{found}, {ENV_PORT}={raw!r}",
-            f"{ENV_PORT}={raw!r} is not a port",
-            "The coordinator's port is a number from 1 to 65535.",
-            f"{ENV_PORT}=PORT, the same in every process, or unset for {DEFAULT_PORT}.",
-        )
+        what = f"{ENV_PORT}={raw!r} is not a port"
+        rule = "The coordinator's port is a number from 1 to 65535."
+        fix = f"{ENV_PORT}=PORT, the same in every process, or unset for {DEFAULT_PORT}."
+        raise _bad(engine, f"{found}, {ENV_PORT}={raw!r}", what, rule, fix)
     return port
 
 
-def _all_of(
-    environ: Mapping[str, str], present: list[str], names: tuple[str, ...], engine: str
-) -> str:
-    """``present``, all of ``names``, as `_found` lists them; some but not all is an error."""
+def _all_of(environ: Mapping[str, str], names: tuple[str, ...], engine: str, blank: bool) -> str:
+    """Those of ``names`` set (``blank``: even if blank), as `_found` lists them; not all: raise."""
+    present = [n for n in names if (n in environ if blank else environ.get(n, "").strip())]
     found = _found(environ, tuple(present))
-    if len(present) < len(names):
-        raise MeshkitError(
-            _PARTIAL.format(
-                found=found,
-                missing=" and ".join(n for n in names if n not in present),
-                engine=engine,
-                all=", ".join(names),
-                found_names=", ".join(present),
-            )
-        )
+    if present and len(present) < len(names):
+        missing = " and ".join(n for n in names if n not in present)
+        all_, found_names = ", ".join(names), ", ".join(present)
+        fill = dict(found=found, missing=missing, engine=engine, all=all_, found_names=found_names)
+        raise MeshkitError(_PARTIAL.format(**fill))
     return found
 
 
 def _jax_vars(environ: Mapping[str, str], jax_detects: str | None) -> EngineJoin | None:
-    present = [n for n in JAX_VARS if environ.get(n, "").strip()]
-    if not present or (present == ["JAX_COORDINATOR_ADDRESS"] and jax_detects is not None):
-        return None  # nothing set, or JAX's own override of a cluster it detects
-    found = _all_of(environ, present, JAX_VARS, "Kubeflow Trainer's JAX runtime")
+    address = environ.get("JAX_COORDINATOR_ADDRESS", "").strip()
+    only_address = not any(environ.get(n, "").strip() for n in JAX_VARS[1:])
+    if jax_detects is not None and address and only_address:
+        return None  # JAX's own override of a cluster it detects
+    found = _all_of(environ, JAX_VARS, "Kubeflow Trainer's JAX runtime", blank=False)
+    if not found:
+        return None
     n, pid = _count_and_id(JAX_ENGINE, found, environ, "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-    address = _address(
-        JAX_ENGINE, found, "JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"]
-    )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        what = f"{_found(environ, JAX_VARS[:1])} is not of the form 'host:port'"
+        rule = "It is process 0's host and the port its coordination service serves."
+        fix = "JAX_COORDINATOR_ADDRESS=HOST:PORT, the same in every process."
+        raise _bad(JAX_ENGINE, found, what, rule, fix)
     return EngineJoin(JAX_ENGINE, n, pid, address if n > 1 else None, found)
 
 
 def _skypilot(environ: Mapping[str, str]) -> EngineJoin | None:
-    present = [n for n in SKYPILOT_VARS if n in environ]
-    if not present:
+    found = _all_of(environ, SKYPILOT_VARS, "SkyPilot", blank=True)
+    if not found:
         return None
-    found = _all_of(environ, present, SKYPILOT_VARS, "SkyPilot")
     n, pid = _count_and_id(SKYPILOT, found, environ, "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK")
     ips = [line.strip() for line in environ["SKYPILOT_NODE_IPS"].splitlines() if line.strip()]
     if len(ips) != n:
-        raise _bad(
-            SKYPILOT,
-            found,
-            f"SKYPILOT_NODE_IPS lists {len(ips)} IPs for SKYPILOT_NUM_NODES={n} nodes",
-            "SkyPilot lists one IP a line, one per node, the head node first.",
-            "running the program from the task's run commands, "
-            "where SkyPilot sets these variables.",
-        )
+        what = f"SKYPILOT_NODE_IPS lists {len(ips)} IPs for SKYPILOT_NUM_NODES={n} nodes"
+        rule = "SkyPilot lists one IP a line, one per node, the head node first."
+        fix = "running the program from the task's run commands, where SkyPilot sets these "
+        raise _bad(SKYPILOT, found, what, rule, fix + "variables.")
     if n == 1:
         return EngineJoin(SKYPILOT, 1, 0, None, found)
     host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
@@ -195,36 +167,21 @@ def _indexed_job(environ: Mapping[str, str], jax_detects: str | None) -> EngineJ
         return None
     jobset = environ.get("JOBSET_NAME", "").strip()
     engine = JOBSET if jobset else INDEXED_JOB
-    names = (
-        "JOB_COMPLETION_INDEX",
-        "JOBSET_NAME",
-        "REPLICATED_JOB_NAME",
-        "JOB_INDEX",
-        ENV_NUM_PROCESSES,
-        ENV_K8S_SUBDOMAIN,
-        ENV_K8S_COORDINATOR_HOST,
-    )
-    found = _found(environ, names)
+    found = _found(environ, _INDEXED_VARS)
     if not environ.get(ENV_NUM_PROCESSES, "").strip():
         if jax_detects == "K8sCluster" or not jobset:
             return None  # JAX asks Kubernetes' API; a plain Indexed Job may run independent tasks
         index = environ["JOB_COMPLETION_INDEX"]
-        raise MeshkitError(
-            _NO_COUNT.format(index=index, engine=engine, found=found, count=ENV_NUM_PROCESSES)
-        )
+        fill = dict(index=index, engine=engine, found=found, count=ENV_NUM_PROCESSES)
+        raise MeshkitError(_NO_COUNT.format(**fill))
     n, pid = _count_and_id(engine, found, environ, ENV_NUM_PROCESSES, "JOB_COMPLETION_INDEX")
     if (_int(environ.get("JOB_INDEX")) or 0) > 0:
-        raise _bad(
-            engine,
-            found,
-            f"JOB_INDEX={environ['JOB_INDEX']!r}: this pod belongs to "
-            "a JobSet's second or later Job",
-            "meshkit joins the pods of one Job: process ids come from JOB_COMPLETION_INDEX alone.",
-            "one replicated Job "
-            "(replicas: 1) with completions and parallelism = the process count, or "
-            "passing coordinator_address=, num_processes= and process_id= to "
-            "meshkit.init().",
-        )
+        what = f"JOB_INDEX={environ['JOB_INDEX']!r}: this pod belongs to a JobSet's second or "
+        rule = "meshkit joins the pods of one Job: process ids come from JOB_COMPLETION_INDEX "
+        fix = ("one replicated Job (replicas: 1) with completions and parallelism = the process "
+               "count, or passing coordinator_address=, num_processes= and process_id= to "
+               "meshkit.init().")  # fmt: skip
+        raise _bad(engine, found, what + "later Job", rule + "alone.", fix)
     if n == 1:
         return EngineJoin(engine, 1, 0, None, found)
     host = environ.get(ENV_K8S_COORDINATOR_HOST, "").strip() or _index0_host(environ, found)
@@ -237,28 +194,20 @@ def _index0_host(environ: Mapping[str, str], found: str) -> str:
     if jobset:
         rjob = environ.get("REPLICATED_JOB_NAME", "").strip()
         if not rjob:
-            raise _bad(
-                JOBSET,
-                found,
-                "JOBSET_NAME is set but REPLICATED_JOB_NAME is not",
-                "Index 0's host is <JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>.",
-                "REPLICATED_JOB_NAME from the pod's annotation "
-                "jobset.sigs.k8s.io/replicatedjob-name (the downward API).",
-            )
+            rule = "Index 0's host is <JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<subdomain>."
+            fix = "REPLICATED_JOB_NAME from the pod's annotation jobset.sigs.k8s.io/replicatedjob-"
+            fix += "name (the downward API)."
+            what = "JOBSET_NAME is set but REPLICATED_JOB_NAME is not"
+            raise _bad(JOBSET, found, what, rule, fix)
         return f"{jobset}-{rjob}-0-0.{subdomain or jobset}"
     index, hostname = environ["JOB_COMPLETION_INDEX"].strip(), environ.get("HOSTNAME", "")
     job = hostname.removesuffix(f"-{index}") if hostname.endswith(f"-{index}") else ""
     if not job or not subdomain:
-        raise _bad(
-            INDEXED_JOB,
-            f"{found}, HOSTNAME={hostname!r}",
-            "index 0's host is unknown: "
-            f"{ENV_K8S_SUBDOMAIN} is not set or HOSTNAME is not <job>-<index>",
-            "Index 0's host is <job>-0.<subdomain>, the subdomain being the Job's "
-            "headless service.",
-            f"{ENV_K8S_SUBDOMAIN}=<the service's name>, or "
-            f"{ENV_K8S_COORDINATOR_HOST}=<index 0's host>.",
-        )
+        what = f"index 0's host is unknown: {ENV_K8S_SUBDOMAIN} is not set or HOSTNAME is not "
+        rule = "Index 0's host is <job>-0.<subdomain>, the subdomain being the Job's headless "
+        fix = f"{ENV_K8S_SUBDOMAIN}=<the service's name>, or {ENV_K8S_COORDINATOR_HOST}=<index 0's "
+        found = f"{found}, HOSTNAME={hostname!r}"
+        raise _bad(INDEXED_JOB, found, what + "<job>-<index>", rule + "service.", fix + "host>.")
     return f"{job}-0.{subdomain}"
 
 
@@ -328,9 +277,7 @@ def check_step(environ: Mapping[str, str]) -> None:
     if not found:
         return
     listed = ", ".join(f"{name}={environ[name]}" for name in found)
-    n, pid, local = (
-        _int(environ.get(v)) for v in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-    )
+    n, pid, local = (_int(environ.get(v)) for v in STEP_VARS[2:])  # tasks, task id, on node
     if "SLURM_NTASKS" in environ and (n is None or n < 1):
         what = f"SLURM_NTASKS={environ['SLURM_NTASKS']!r} is not a task count >= 1"
         raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))

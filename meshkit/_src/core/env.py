@@ -80,10 +80,8 @@ def flag(
     value = raw(name)
     if value is None:
         return blank
-    if value.lower() in TRUE:
-        return True
-    if value.lower() in FALSE:
-        return False
+    if value.lower() in TRUE + FALSE:
+        return value.lower() in TRUE
     empty = "empty, " if blank is False else ""
     rule = f"is not one of {', '.join(TRUE)} ({on}) or {empty}{', '.join(FALSE)} ({off})"
     raise _bad(where, name, value, rule)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 __all__ = [
@@ -62,27 +63,14 @@ class MeshkitNameError(MeshkitError, NameError):
 
 
 # Public classes print (and pickle) under the name users import them by.
-for _public in (
-    MeshkitError,
-    LaunchError,
-    DivergenceError,
-    MeshkitTypeError,
-    MeshkitIndexError,
-    MeshkitNameError,
-):
+for _public in (MeshkitError, LaunchError, DivergenceError, MeshkitTypeError, MeshkitIndexError,
+                MeshkitNameError):  # fmt: skip
     _public.__module__ = "meshkit"
 del _public
 
 
 def ranges(values: Iterable[int], sep: str = ", ") -> str:
     """Integers folded into runs for a message: ``0-2, 5`` for 5, 0, 2, 1 (each named once)."""
-    out: list[str] = []
-    ordered = sorted(set(values))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return sep.join(out)
+    runs = itertools.groupby(enumerate(sorted(set(values))), lambda iv: iv[1] - iv[0])
+    firsts_lasts = [(run[0][1], run[-1][1]) for run in (list(r) for _, r in runs)]
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in firsts_lasts)

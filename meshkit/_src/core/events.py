@@ -38,6 +38,7 @@ RESTORED = "restored"  # step, seconds
 PREEMPTED = "preempted"
 COMPILED = "compiled"  # totals so far: seconds, programs, hits (persistent cache)
 KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED, COMPILED)
+Directory = str | os.PathLike[str]
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,13 @@ class Event:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-def path(directory: str | os.PathLike[str], rank: int) -> Path:
+def path(directory: Directory, rank: int) -> Path:
     """The events file of ``rank`` in a run's status directory."""
     return Path(directory) / f"events-{rank}.jsonl"
 
 
 def emit(
-    kind: str,
-    *,
-    rank: int | None = None,
-    directory: str | os.PathLike[str] | None = None,
-    **fields: Any,
+    kind: str, *, rank: int | None = None, directory: Directory | None = None, **fields: Any
 ) -> None:
     """Append one event for the launcher (nothing outside a ``meshkit launch`` run)."""
     if kind not in KINDS:
@@ -99,7 +96,7 @@ def _records(file: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def read(directory: str | os.PathLike[str], ranks: int | Iterable[int]) -> list[Event]:
+def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
     """The events of ``ranks`` (a count: ranks 0..n-1), in the order written (time, then rank)."""
     out = []
     for rank in range(ranks) if isinstance(ranks, int) else ranks:

@@ -23,17 +23,12 @@ __all__ = [
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
-# Frames in these directories are not the user's: meshkit, jax and the standard library.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep
-    for f in (jax.__file__ or "", contextlib.__file__ or "")
-)
-
-
+# Frames in these directories are not the user's: JAX's and the standard library's.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f or "")) + os.sep
+                      for f in (jax.__file__, contextlib.__file__))  # fmt: skip
 # Installed packages: frames there are a library's, for `user_place`.
-_INSTALLED_DIRS = tuple(
-    {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")}
-)
+_INSTALLED_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                         for k in ("purelib", "platlib")})  # fmt: skip
 
 
 def meshkit_file(name: str) -> bool:
@@ -46,14 +41,11 @@ def library_file(name: str) -> bool:
     return meshkit_file(name) or name.startswith(_LIBRARY_DIRS) or name.startswith("<")
 
 
-def in_meshkit(frame: FrameType) -> bool:
+def in_meshkit(frame: FrameType | None) -> bool:
     """Whether a frame of meshkit's own modules is on the stack from ``frame`` outward."""
-    seen: FrameType | None = frame
-    while seen is not None:
-        if meshkit_file(seen.f_code.co_filename):
-            return True
-        seen = seen.f_back
-    return False
+    while frame is not None and not meshkit_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:

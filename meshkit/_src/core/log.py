@@ -77,13 +77,9 @@ def say(log: logging.Logger, level: int, text: str, *, stacklevel: int = 1) -> N
 
 def flush() -> None:
     """Flush the handlers of meshkit's loggers and the root logger (before ``os._exit``)."""
-    loggers = [logging.getLogger(), logging.getLogger(ROOT)]
-    loggers += [
-        v
-        for k, v in list(logging.Logger.manager.loggerDict.items())  # others may add loggers
-        if k.startswith(ROOT + ".") and isinstance(v, logging.Logger)
-    ]
-    for each in loggers:
+    ours = list(logging.Logger.manager.loggerDict.items())  # a copy: others may add loggers
+    ours = [v for k, v in ours if k.startswith(ROOT + ".") and isinstance(v, logging.Logger)]
+    for each in [logging.getLogger(), logging.getLogger(ROOT), *ours]:
         for handler in list(each.handlers):
             with contextlib.suppress(Exception):
                 handler.flush()

@@ -60,8 +60,7 @@ def free_ports(count: int = 2, *, tries: int = 1000) -> int:
     """
     if count < 1:
         raise ValueError(f"free_ports: count must be at least 1, got {count}")
-    low = _LOWEST
-    high = ephemeral_range()[0] - count  # the last first port whose run ends below the range
+    low, high = _LOWEST, ephemeral_range()[0] - count  # high: the last run ends below the range
     if high < low:  # an ephemeral range that starts low: draw from below 65536 instead
         low, high = 1024, 65535 - count + 1
     draw = random.Random()

@@ -68,9 +68,8 @@ class Board:
     ) -> None:
         self.directory = directory
         self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
-        self.after = after
-        self.every = every
-        self.first_join: float | None = None
+        self.after, self.every = after, every
+        self.first_join: float | None = None  # seconds into the run when a rank left `starting`
         self.said_at: float | None = None
         self.said = ""
         self.done = False

@@ -55,12 +55,5 @@ def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 def filtering() -> bool:
     """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default)."""
-    return bool(
-        _env.flag(
-            ENV_TRACEBACK_FILTERING,
-            where="meshkit",
-            on="hide meshkit's frames, the default",
-            off="show every frame",
-            blank=True,
-        )
-    )
+    on, off = "hide meshkit's frames, the default", "show every frame"
+    return bool(_env.flag(ENV_TRACEBACK_FILTERING, where="meshkit", on=on, off=off, blank=True))

@@ -9,6 +9,7 @@ held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it of
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +25,6 @@ from ..core.errors import DivergenceError
 from ..core.log import logger, say
 from . import exit as _exit
 from . import preemption as _preemption
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -83,29 +83,18 @@ _grace: float | None = None  # the exit handlers' seconds; None: fail-fast is of
 
 
 def install(
-    grace: float | None,
-    me: int,
-    n: int,
-    *,
-    post: Post,
-    poll: Poll,
-    wait: Wait,
-    nudge: Callable[[], None],
-    kept: Kept | None = None,
-    read: Read | None = None,
-) -> None:
+    grace: float | None, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
+    nudge: Callable[[], None], kept: Kept | None = None, read: Read | None = None,
+) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
     global _post_failure, _kept, _watch, _read, _grace
     _post_failure, _kept, _read, _grace = post, kept, read, grace
     if grace is None:
         return
     _watch = _Watch(me, n, poll, wait)
-    _exit.on_exception(
-        "fail-fast: end the process",
-        lambda kind, value, tb: _on_exception(grace, kind, value, tb),
-        order=_exit.REPORT,
-    )
-    _service_thread.watch(_watch.look, nudge)
+    on_exception = functools.partial(_on_exception, grace)
+    _exit.on_exception("fail-fast: end the process", on_exception, order=_exit.REPORT)
+    _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
@@ -207,19 +196,15 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
 
 def _end(failure: str, why: str, grace: float, *, status: int) -> None:
     """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
-    _exit.end(
-        status,
-        grace=grace,
-        announce=(
-            f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
-            f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
-        ),
-        late=(
-            f"meshkit: exit handlers still running after {grace:g} s; exiting now "
-            f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
-        ),
-        final=lambda: _post(failure),
+    announce = (
+        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+        f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
     )
+    late = (
+        f"meshkit: exit handlers still running after {grace:g} s; exiting now "
+        f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
+    )
+    _exit.end(status, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
 
 
 def _post(failure: str) -> None:
@@ -355,11 +340,9 @@ class _Watch:
 
 def _at_exit(me: int) -> None:
     """Stop the watch; say, a while later, that this process still waits for the others."""
-    _service_thread.watch(None)
+    _exit.watch(None)
     if not _exit.ending():
-        _service_thread.at(
-            "fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False
-        )
+        _exit.at("fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False)
 
 
 def _end_note(me: int) -> None:

@@ -22,7 +22,6 @@ from ..core import events as _events
 from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -35,8 +34,7 @@ __all__ = [
 _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
-# At a normal end, how long the service thread gets to leave the coordination client.
-_LEAVE_S = 2.0
+_LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
 
 
 @dataclass(frozen=True)
@@ -145,11 +143,11 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     wakeup = _exit.on_sigterm(_on_sigterm)
     if first:
-        _service_thread.on_signal(wakeup, _on_sigterm)
-        _service_thread.on_wake("preemption: tell, agree, arm the deadline", _tend)
-        _service_thread.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
+        _exit.on_signal(wakeup, _on_sigterm)
+        _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
-    _service_thread.wake()  # a notice received before ``tell`` was given is told now
+    _exit.wake()  # a notice received before ``tell`` was given is told now
 
 
 def notice() -> PreemptionNotice | None:
@@ -176,7 +174,7 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _service_thread.wake(nudge=False)  # a pipe's byte: safe in a signal handler
+    _exit.wake(nudge=False)  # a pipe's byte: safe in a signal handler
     return told
 
 
@@ -262,17 +260,12 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
     step = "" if _state.step is None else f" at step {_state.step}"
-    _exit.end(
-        PREEMPTED,
-        grace=0.0,
-        announce=(
-            f"meshkit: preempted ({notice_.source} "
-            f"{max(0.0, time.time() - notice_.received):.1f} s ago){step}: the program did not "
-            f"save and stop within {ENV_PREEMPT_GRACE}={_state.grace:g} s; exiting with status "
-            f"{PREEMPTED}.\n"
-        ),
-        level=logging.WARNING,
+    announce = (
+        f"meshkit: preempted ({notice_.source} {max(0.0, time.time() - notice_.received):.1f} s "
+        f"ago){step}: the program did not save and stop within {ENV_PREEMPT_GRACE}="
+        f"{_state.grace:g} s; exiting with status {PREEMPTED}.\n"
     )
+    _exit.end(PREEMPTED, grace=0.0, announce=announce, level=logging.WARNING)
 
 
 def _on_sigterm() -> None:
@@ -289,11 +282,8 @@ def past_deadline() -> PreemptionNotice | None:
 def end_preempted(notice_: PreemptionNotice, why: str) -> None:
     """End this process as preempted now (status 143): ``why`` says what ended the others."""
     _event("deadline", notice_)
-    _exit.now(
-        PREEMPTED,
-        f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n",
-        level=logging.WARNING,
-    )
+    text = f"meshkit: preempted ({notice_.source}): {why}; exiting with status {PREEMPTED}.\n"
+    _exit.now(PREEMPTED, text, level=logging.WARNING)
 
 
 def _tend() -> None:
@@ -308,9 +298,7 @@ def _tend() -> None:
             return
         _state.deadline_armed = True
     left = max(0.0, notice_.deadline - time.time())
-    _service_thread.at(
-        "preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False
-    )
+    _exit.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
 
 def _agree(notice_: PreemptionNotice) -> None:

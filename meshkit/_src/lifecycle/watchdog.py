@@ -29,7 +29,6 @@ from ..core.frames import in_meshkit, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
-from . import service_thread as _service_thread
 
 _LOG = logger("guards")
 
@@ -187,12 +186,9 @@ def _starved(
 
 def _cpu_clock(ident: int) -> int | None:
     """The CPU-time clock of thread ``ident`` (POSIX), or None where there is none."""
-    getter = getattr(time, "pthread_getcpuclockid", None)
-    if getter is None:
-        return None
     try:
-        return getter(ident)
-    except (OSError, OverflowError):
+        return time.pthread_getcpuclockid(ident)
+    except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
         return None
 
 
@@ -202,9 +198,7 @@ class Watchdog:
     def __init__(
         self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
     ) -> None:
-        self.after = after
-        self.timeout = timeout
-        self.exit_on_stall = exit_on_stall
+        self.after, self.timeout, self.exit_on_stall = after, timeout, exit_on_stall
         self.last_call = last_call
         self.stop = threading.Event()
         self.main = _program_thread.program_thread().ident or 0
@@ -216,12 +210,12 @@ class Watchdog:
 
     def start(self) -> None:
         """Take the first sample one period from now."""
-        _service_thread.at("watchdog: sample", self.period, self._sample)
+        _exit.at("watchdog: sample", self.period, self._sample)
 
     def _sample(self) -> None:
         if self.stop.is_set():
             return
-        _service_thread.at("watchdog: sample", self.period, self._sample, nudge=False)
+        _exit.at("watchdog: sample", self.period, self._sample, nudge=False)
         if _compat.distributed_state()[2] == 1:
             return  # one process: nobody to wait for, and no run to end
         now = time.monotonic()
@@ -273,10 +267,10 @@ class Watchdog:
 
 def frame_text(frame: FrameType) -> str:
     """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
-    inner = frame
-    text = f"in {inner.f_code.co_name} ({short_path(inner.f_code.co_filename)}:{inner.f_lineno})"
     user = user_frame(frame)
-    if user is not None and user is not inner:
-        text += f", called from {user.f_code.co_name} ({short_path(user.f_code.co_filename)}:"
-        text += f"{user.f_lineno})"
-    return text
+    called = f", called from {_named(user)}" if user is not None and user is not frame else ""
+    return f"in {_named(frame)}{called}"
+
+
+def _named(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({short_path(frame.f_code.co_filename)}:{frame.f_lineno})"

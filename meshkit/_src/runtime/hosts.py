@@ -84,9 +84,7 @@ class Hosts:
 
         An identity is a name, a NUL character and a machine id; equal ones are one host.
         """
-        first: dict[str, int] = {}
-        for ident in identities:
-            first.setdefault(ident, len(first))
+        first = {ident: i for i, ident in enumerate(dict.fromkeys(identities))}
         shown: list[str] = []
         seen: dict[str, int] = {}
         for ident in first:

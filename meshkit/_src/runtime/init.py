@@ -19,6 +19,9 @@ from typing import Any
 
 import jax
 
+from ..coord import agree as _agree
+from ..coord import failures as _failures
+from ..coord import save_step as _save_step
 from ..core import compat as _compat
 from ..core import engines as _engines
 from ..core import env as _env
@@ -44,7 +47,6 @@ from ..lifecycle import preemption as _preemption
 from . import compile_cache as _compile_cache
 from . import distributed_options as _options
 from . import hosts as _hosts
-from . import install_guards as _install_guards
 from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
@@ -52,6 +54,7 @@ from .hosts import Hosts
 __all__ = ["RuntimeInfo", "init", "runtime_info"]
 
 _WHERE = "meshkit.init()"
+Guards = tuple[float | None, float]  # fail-fast's grace (None: off), preemption's grace
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 
 
@@ -89,6 +92,7 @@ class RuntimeInfo:
 
     def __str__(self) -> str:
         ids = self.local_device_ids
+        ids_text = "JAX default (all visible)" if ids is None else ",".join(map(str, ids))
         rows = [
             ("source", self.source),
             ("reason", self.reason),
@@ -96,10 +100,7 @@ class RuntimeInfo:
             ("coordinator", self.coordinator_address or "-"),
             ("cluster", self.cluster or "-"),
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
-            (
-                "local devices",
-                "JAX default (all visible)" if ids is None else ",".join(map(str, ids)),
-            ),
+            ("local devices", ids_text),
             ("cpu collectives", self.cpu_collectives or "-"),
             ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
             ("attempt", str(self.attempt)),
@@ -156,15 +157,10 @@ def _launched() -> tuple[int | None, int | None]:
 
 
 def _plan(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    local_device_ids: tuple[int, ...] | None,
+    address: str | None, n: int | None, pid: int | None, ids: tuple[int, ...] | None
 ) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
-    return dataclasses.replace(
-        _source(coordinator_address, num_processes, process_id), local_device_ids=local_device_ids
-    )
+    return dataclasses.replace(_source(address, n, pid), local_device_ids=ids)
 
 
 def _source(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
@@ -322,12 +318,9 @@ def init(
         cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
     if timeout is None:
         timeout = _env.number(ENV_INIT_TIMEOUT, where=_WHERE)
-    timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not (math.isfinite(timeout) and timeout > 0)
-    ):
+        timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
+    number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if not (number and math.isfinite(timeout) and timeout > 0):
         raise MeshkitError(
             f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
             f" (from the argument, else {ENV_INIT_TIMEOUT})."
@@ -357,7 +350,9 @@ def init(
 
     _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
     _compile_cache.enable(compilation_cache)  # before anything compiles
-    _install_guards.before_joining(*guards)  # a notice while joining is one too
+    if guards[0] is not None and _compat.distributed_state()[0] is None:
+        # A notice while joining is one too (not if the program joined itself).
+        _preemption.install(None, seconds=guards[1], tell=None, sync=None)
     info = _join(plan, cpu_devices, float(timeout), options, guards)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
@@ -376,7 +371,7 @@ def _join(
     cpu_devices: int | None,
     timeout: float,
     options: dict[str, Any],
-    guards: tuple[float | None, float],
+    guards: Guards,
 ) -> RuntimeInfo:
     """Join as ``plan`` says (or adopt a join made before), and install the guards."""
     global _INFO
@@ -456,11 +451,21 @@ def _join(
     return _INFO
 
 
-def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
-    if info.num_processes > 1:
-        _install_guards.joined(*guards, info.process_id, info.num_processes)
+def _guard(info: RuntimeInfo, guards: Guards) -> None:
+    """Wire fail-fast and preemption to coordination (alone: SIGTERM a notice, no peers)."""
+    (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
+    if n > 1:
+        _failfast.install(
+            fail_fast, me, n, post=_failures.poster(me), poll=_failures.watcher(me),
+            wait=_failures.waiter(me), nudge=_failures.nudger(me), kept=_agree.take_unraised,
+            read=_failures.reader(),
+        )  # fmt: skip
+    if fail_fast is None:
+        return
+    if n > 1:  # the failure watch relays the others' notices
+        _preemption.install(me, seconds=grace, tell=_failures.teller(), sync=_save_step.syncer(me))
     else:
-        _install_guards.alone(*guards, info.process_id)
+        _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
 
 
 def _attempt() -> int:

@@ -142,16 +142,18 @@ def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     raise _difference(records, number, _explain(compiling, tag, timeout))
 
 
+_EVERYWHERE = (
+    "Consider running that computation on every process (and using or printing its result on "
+    "one), or computing a value one process needs from host data with numpy "
+    "(meshkit.local_from_global(x) gives this process's part of a global array as numpy)."
+)
 _ALONE = (
     "{what}: this process compiled {mine} as its {number} computation across processes, "
     "and {gone}.\n"
     "Every process must run the same computations on global arrays, in the same order: a "
     "computation that some processes run and others skip (under `if jax.process_index() == 0:`, "
     "or on a condition of one process's own data) waits for the others for ever.\n"
-    "Consider running that computation on every process (and using or printing its result on "
-    "one), or computing a value one process needs from host data with numpy "
-    "(meshkit.local_from_global(x) gives this process's part of a global array as numpy)."
-)
+) + _EVERYWHERE
 
 
 def _explain(
@@ -205,10 +207,7 @@ _OTHER_FUNCTIONS = (
     "They are different functions: the processes ran different computations at this point "
     "(a computation that some processes run and others skip, under "
     "`if jax.process_index() == 0:` or a condition of one process's own data, meets another "
-    "computation of the others).\n"
-    "Consider running that computation on every process (and using or printing its result on "
-    "one), or computing a value one process needs from host data with numpy "
-    "(meshkit.local_from_global(x) gives this process's part of a global array as numpy).\n"
+    "computation of the others).\n" + _EVERYWHERE + "\n"
 )
 _INSIDE = (
     "Their arguments are the same: the computations differ inside (a constant, a shape or a "
