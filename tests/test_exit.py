@@ -161,6 +161,12 @@ def test_importing_meshkit_installs_nothing():
 # ---- events -------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _fresh_end(monkeypatch):
+    """Each test ends its "process" afresh: a path that claims the end here keeps no lock."""
+    monkeypatch.setattr(_exit, "_ending", threading.Lock())
+
+
 @pytest.fixture
 def status(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHKIT_LAUNCH_STATUS", str(tmp_path))
@@ -174,6 +180,7 @@ def _events_of(directory):
 
 def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
+    monkeypatch.setattr(_exit, "claim", lambda: True)  # each call may end this process
     _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)
     text = "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out"
     _failfast._on_exception(1.0, RuntimeError, RuntimeError(text), None)
@@ -198,6 +205,7 @@ def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch)
 
 def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
+    monkeypatch.setattr(_exit, "claim", lambda: True)
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
     watch = _failfast._Watch(3, 4, poll=list, wait=None)
     watch.failed(1, "RuntimeError: planted")
@@ -208,14 +216,31 @@ def test_a_peers_failure_and_a_lost_service_write_failed(status, monkeypatch):
     ]
 
 
+def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status, monkeypatch):
+    # The failure watch ends this process for a peer's failure while the main thread, whose
+    # collective lost that peer, raises: the watch claimed the end first, so its record (the
+    # peer's failure) is the one the launcher reads, not the main thread's own.
+    monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
+    monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
+    watch = _failfast._Watch(3, 4, poll=list, wait=None)
+    watch.failed(1, "RuntimeError: planted")
+    gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
+    _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)
+    _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)
+    assert _events_of(status) == [
+        ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
+    ]
+
+
 def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch, caplog):
     # JAX's words at a collective whose peer is gone ("connection closed") follow a failure
     # found first: the check kept for this process's next call, else another process's post.
     from meshkit import DivergenceError
 
     ended = []
-    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace, status: ended.append(
+    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace, status, **k: ended.append(
         (failure, why, status)))  # fmt: skip
+    monkeypatch.setattr(_exit, "claim", lambda: True)
     monkeypatch.setattr(_exit, "now", lambda status, text="", **k: ended.append((text, status)))
     posts = _failfast.PeerPosts(failures=[(2, "RuntimeError: planted"), (1, "ValueError: x")],
                                 notices=[])  # fmt: skip

@@ -178,10 +178,20 @@ def ending() -> bool:
     return _ending.locked()
 
 
+def claim() -> bool:
+    """Take the one right to end this process (then `end` or `now` with ``claimed=True``).
+
+    For a path that records why it ends before it ends: whoever claims first is the one whose
+    record stands. False: another path ends this process already.
+    """
+    return _ending.acquire(blocking=False)
+
+
 def end(status: int, *, grace: float, announce: str = "", late: str = "",
-        final: Callable[[], None] | None = None, level: int = logging.ERROR) -> None:  # fmt: skip
+        final: Callable[[], None] | None = None, level: int = logging.ERROR,
+        claimed: bool = False) -> None:  # fmt: skip
     """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit."""
-    if not _ending.acquire(blocking=False):
+    if not claimed and not _ending.acquire(blocking=False):
         return
     if announce:
         say(_LOG, level, announce)
@@ -203,9 +213,11 @@ def _late(late: str, level: int, status: int, final: Callable[[], None] | None) 
     _exit(status, final)
 
 
-def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
+def now(
+    status: int, message: str = "", *, level: int = logging.ERROR, claimed: bool = False
+) -> None:
     """Say ``message`` and exit with ``status`` at once, running no exit handler."""
-    if not _ending.acquire(blocking=False):
+    if not claimed and not _ending.acquire(blocking=False):
         return
     if message:
         say(_LOG, level, message)

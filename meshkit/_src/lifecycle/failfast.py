@@ -112,10 +112,13 @@ def _on_exception(
     diagnosis = _diagnose.diagnose(text)
     if diagnosis is not None and _end_with_known_cause(grace):
         return
+    if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
+        return
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace, status=1)
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace, status=1,
+         claimed=True)  # fmt: skip
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -134,6 +137,8 @@ def end_for(error: BaseException, why: str) -> bool:
 
 def _end_saying(error: BaseException, header: str, why: str, grace: float) -> None:
     """Say ``header`` and ``error``, leave its `failed` event, end as `_end` does (status 1)."""
+    if not _exit.claim():
+        return
     say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
     _events.emit(_events.FAILED, **_failure_fields(error, None))
     first = (str(error).splitlines() or [""])[0][:300]
@@ -194,7 +199,7 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float, *, status: int) -> None:
+def _end(failure: str, why: str, grace: float, *, status: int, claimed: bool = False) -> None:
     """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
     announce = (
         f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
@@ -204,7 +209,8 @@ def _end(failure: str, why: str, grace: float, *, status: int) -> None:
         f"meshkit: exit handlers still running after {grace:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
-    _exit.end(status, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
+    _exit.end(status, grace=grace, announce=announce, late=late, final=lambda: _post(failure),
+              claimed=claimed)  # fmt: skip
 
 
 def _post(failure: str) -> None:
@@ -334,8 +340,10 @@ class _Watch:
     def _exit(self, fields: dict[str, Any], text: str) -> None:
         if _exit.ending():
             return
+        if not _exit.claim():  # claimed first, so that this record is the one that stands
+            return
         _events.emit(_events.FAILED, cause="peer", **fields)
-        _exit.now(1, text)
+        _exit.now(1, text, claimed=True)
 
 
 def _at_exit(me: int) -> None:
