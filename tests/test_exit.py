@@ -222,6 +222,8 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     # peer's failure) is the one the launcher reads, not the main thread's own.
     monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
+    waited = []
+    monkeypatch.setattr(_exit, "await_end", lambda: waited.append(True))
     watch = _failfast._Watch(3, 4, poll=list, wait=None)
     watch.failed(1, "RuntimeError: planted")
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
@@ -230,6 +232,7 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     assert _events_of(status) == [
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
     ]
+    assert waited == [True, True]  # the main thread waits for the watch's exit, twice
 
 
 def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch, caplog):

@@ -187,6 +187,16 @@ def claim() -> bool:
     return _ending.acquire(blocking=False)
 
 
+def await_end(limit: float = 30.0) -> None:
+    """In a thread that lost `claim`: wait (at most ``limit`` s) for the claiming path to exit.
+
+    So that an uncaught exception in the main thread does not start the interpreter's own exit
+    while another path (a peer's failure read by the watch) is ending the process.
+    """
+    if _ending.locked():
+        time.sleep(limit)
+
+
 def end(status: int, *, grace: float, announce: str = "", late: str = "",
         final: Callable[[], None] | None = None, level: int = logging.ERROR,
         claimed: bool = False) -> None:  # fmt: skip

@@ -113,6 +113,7 @@ def _on_exception(
     if diagnosis is not None and _end_with_known_cause(grace):
         return
     if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
+        _exit.await_end()
         return
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
@@ -300,17 +301,23 @@ class _Watch:
 
     def failed(self, p: int, failure: str) -> None:
         """End this process (status 1, no exit handler) for process ``p``'s ``failure``."""
-        if _read is not None and not _exit.ending():
+        if not _exit.claim():  # another path ends this process already
+            return
+        # The record first: process 0 outlives the peer below, and this cause must stand.
+        _events.emit(_events.FAILED, cause="peer", process=p, system="meshkit",
+                     error=failure.split(":")[0])  # fmt: skip
+        if _read is not None:
             with contextlib.suppress(Exception):  # the service is gone: nobody waits for it
                 _read(1)
-        if self.me == 0 and not _exit.ending():
+        if self.me == 0:
             self._outlive(p)
-        self._exit(
-            {"process": p, "system": "meshkit", "error": failure.split(":")[0]},
+        _exit.now(
+            1,
             f"meshkit: process {p} failed: {failure}\n"
             f"Process {self.me} stops too (status 1): the program cannot go on without "
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
             "holds the cause.\n",
+            claimed=True,
         )
 
     def _outlive(self, p: int) -> None:
