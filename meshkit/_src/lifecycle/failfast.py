@@ -345,8 +345,6 @@ class _Watch:
         )
 
     def _exit(self, fields: dict[str, Any], text: str) -> None:
-        if _exit.ending():
-            return
         if not _exit.claim():  # claimed first, so that this record is the one that stands
             return
         _events.emit(_events.FAILED, cause="peer", **fields)
