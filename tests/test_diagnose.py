@@ -222,6 +222,31 @@ def test_the_rank_a_divergence_names_is_the_root_cause_not_the_first_to_exit():
     )
 
 
+def test_a_rank_that_failed_first_and_told_the_others_is_the_cause_even_when_it_exits_first():
+    # Rank 0 raised; its failure watch told rank 1, which stopped too. Either may exit first:
+    # the verdict is the same, and rank 1 did not fail on its own.
+    results = [
+        _rank(0, 1, "RuntimeError: planted"),
+        _rank(1, 1, "meshkit: process 0 failed: RuntimeError: planted"),
+    ]
+    told = Told.of(
+        [
+            _event(0, "failed", cause="exception", error="RuntimeError", where="prog.py:9"),
+            _event(1, "failed", cause="peer", process=0, system="meshkit", error="RuntimeError"),
+        ]
+    )
+    for bad in results:
+        report = _report.root_cause(bad, results, 3.0, told)
+        assert "The evidence points to rank 0: it failed first, and told the others" in report
+        assert "--- root cause: rank 0 ---" in report, report
+        assert "Also failed on their own" not in report, report
+    # Its own error, and nobody told of it: the first to fail, as before.
+    alone = Told.of([told.failed[0]])
+    report = _report.root_cause(results[0], results, 3.0, alone)
+    assert "evidence" not in report, report
+    assert "Also failed on their own: 1 (exit code 1)." in report, report
+
+
 def test_the_root_cause_is_not_listed_again_as_failed_on_its_own():
     # Rank 1 failed first, because of rank 0 (gloo timed out): rank 0 is the root cause, named
     # once with its output, not again under "also failed on their own"; rank 2 is.

@@ -165,6 +165,7 @@ def test_importing_meshkit_installs_nothing():
 def _fresh_end(monkeypatch):
     """Each test ends its "process" afresh: a path that claims the end here keeps no lock."""
     monkeypatch.setattr(_exit, "_ending", threading.Lock())
+    monkeypatch.setattr(_exit, "_claimant", None)
 
 
 @pytest.fixture
@@ -225,14 +226,30 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     waited = []
     monkeypatch.setattr(_exit, "await_end", lambda: waited.append(True))
     watch = _failfast._Watch(3, 4, poll=list, wait=None)
-    watch.failed(1, "RuntimeError: planted")
+    service = threading.Thread(target=watch.failed, args=(1, "RuntimeError: planted"))
+    service.start()
+    service.join()
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
+    _failfast._claim_end(RuntimeError, RuntimeError(gone), None)  # before the traceback
     _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)
     _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)
     assert _events_of(status) == [
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
     ]
-    assert waited == [True, True]  # the main thread waits for the watch's exit, twice
+    assert waited == [True, True, True]  # the main thread waits for the watch's exit
+
+
+def test_the_thread_that_claimed_the_end_may_claim_it_again_no_other_may():
+    # The main thread claims before its traceback is printed; the steps that follow (a peer's
+    # post read, `end`) claim again and go on. The watch, in its own thread, cannot.
+    assert _exit.claim()
+    assert _exit.claim()
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_exit.claim()))
+    thread.start()
+    thread.join()
+    assert other == [False]
+    assert _exit.ending()
 
 
 def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch, caplog):

@@ -187,10 +187,10 @@ class ForkServer:
         with self._changed:
             self._changed.wait_for(lambda: self._ready or self._gone, timeout=_READY_S)
         if not self._ready:
+            said = self._output()  # before `close`, which closes the pipe it reads
             self.close()
             raise LaunchError(
-                "meshkit.testing: the fork server that starts ranks did not start:\n"
-                + self._output()
+                "meshkit.testing: the fork server that starts ranks did not start:\n" + said
             )
 
     @property
@@ -295,6 +295,9 @@ class ForkServer:
             self.proc.wait()
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+        with self._changed:  # gone now, not when the reader thread next runs
+            self._gone = True
+            self._changed.notify_all()
 
 
 class Forks:

@@ -322,10 +322,14 @@ def root_cause(
         where = "; ".join(f"rank {r} ran on {machines.get(r, '?')}" for r in named)
         lines.append(f"R{where[1:]}.")
     # The rank the evidence points to is named above, with its output below: not again here.
+    # A rank whose record names the cause (it was told of its failure) failed because of it.
     also = [
         f"{r.rank} ({describe_exit(r.returncode)})"
         for r in others
-        if not r.stopped_by_launcher and r.returncode not in (0, None) and r is not cause
+        if not r.stopped_by_launcher
+        and r.returncode not in (0, None)
+        and r is not cause
+        and not _ended_by(r, cause, told)
     ]
     if stopped:
         lines.append(f"Stopped the other ranks: {', '.join(stopped)}.")
@@ -350,6 +354,13 @@ def root_cause(
     if cause is not bad:
         blocks += tail_block("first to fail:", bad.rank, _error_text(bad))
     return "\n".join(lines) + "\n" + blocks
+
+
+def _ended_by(result: RankResult, cause: RankResult, told: Told) -> bool:
+    """Whether ``result``'s rank recorded that ``cause``'s failure ended it."""
+    event = told.failed.get(result.rank)
+    found = None if event is None else _diagnose.from_event(event.fields)
+    return found is not None and found.kind == "lost" and found.process == cause.rank
 
 
 def _error_text(result: RankResult) -> str:
@@ -388,19 +399,22 @@ def _suspect(
     if same:
         return None, [same]
     found = {r.rank: _diagnosis(r, told) for r in results}
+    naming = [d for r in results if (d := found[r.rank]) is not None and d.process is not None]
     if found[bad.rank] is None:
-        return _stalled_elsewhere(bad, results, told)
+        # An error of its own: the cause when the others' records name it (it exited before
+        # the ranks its failure ended), else unless its watchdog found it waiting inside.
+        naming = [d for d in naming if d.process == bad.rank]
+        if not naming:
+            return _stalled_elsewhere(bad, results, told)
     failed = [r for r in results if r.returncode not in (0, None) and not r.stopped_by_launcher]
     own = [r for r in failed if found[r.rank] is None]
     waited = [r for r in failed if (d := found[r.rank]) is not None and d.kind == "timeout"]
     ended = [r.rank for r in results if r.rank in told.ended or r.returncode == 0]
-    naming = [d for r in results if (d := found[r.rank]) is not None and d.process is not None]
     named = [r for r in results if naming and r.rank == naming[0].process]
     cause = named[0] if named else own[0] if own else waited[0] if waited else bad
     lines: list[str] = []
     first = found[bad.rank]
-    assert first is not None
-    if cause is not bad:
+    if cause is not bad and first is not None:
         lines.append(f"Its error is {_kind_text(first)}; it failed because of another rank.")
     diagnosis = found[cause.rank]
     if named and naming[0].kind == "lost":

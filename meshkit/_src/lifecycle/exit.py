@@ -75,6 +75,7 @@ _registry = _Registry()
 _lock = threading.RLock()
 _seq = itertools.count()
 _ending = threading.Lock()  # held by whichever path ends this process first
+_claimant: int | None = None  # the thread that holds `_ending`
 _final = threading.Lock()  # held by the path that makes the final exit
 
 
@@ -182,9 +183,17 @@ def claim() -> bool:
     """Take the one right to end this process (then `end` or `now` with ``claimed=True``).
 
     For a path that records why it ends before it ends: whoever claims first is the one whose
-    record stands. False: another path ends this process already.
+    record stands. False: another thread's path ends this process already (the thread that
+    holds the claim may claim again: its later steps end the process it claimed).
     """
-    return _ending.acquire(blocking=False)
+    global _claimant
+    me = threading.get_ident()
+    if _claimant == me:
+        return True
+    if not _ending.acquire(blocking=False):
+        return False
+    _claimant = me
+    return True
 
 
 def await_end(limit: float = 30.0) -> None:
@@ -201,7 +210,7 @@ def end(status: int, *, grace: float, announce: str = "", late: str = "",
         final: Callable[[], None] | None = None, level: int = logging.ERROR,
         claimed: bool = False) -> None:  # fmt: skip
     """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit."""
-    if not claimed and not _ending.acquire(blocking=False):
+    if not claimed and not claim():
         return
     if announce:
         say(_LOG, level, announce)
@@ -227,7 +236,7 @@ def now(
     status: int, message: str = "", *, level: int = logging.ERROR, claimed: bool = False
 ) -> None:
     """Say ``message`` and exit with ``status`` at once, running no exit handler."""
-    if not claimed and not _ending.acquire(blocking=False):
+    if not claimed and not claim():
         return
     if message:
         say(_LOG, level, message)

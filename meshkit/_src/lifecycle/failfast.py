@@ -93,11 +93,23 @@ def install(
         return
     _watch = _Watch(me, n, poll, wait)
     on_exception = functools.partial(_on_exception, grace)
+    _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
     _exit.on_exception("fail-fast: end the process", on_exception, order=_exit.REPORT)
     _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
+
+
+def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Before the traceback is printed: claim the end, or leave it to the path that has it.
+
+    A peer's failure read by the watch a moment earlier ends this process with its own notice
+    (the error that follows it here is its echo, or the same check's verdict): one record per
+    process, so the traceback is not printed after it.
+    """
+    if not _exit.claim():
+        _exit.await_end()
 
 
 def _on_exception(
@@ -166,7 +178,7 @@ def _end_with_known_cause(grace: float) -> bool:
 def _peer_failures() -> PeerPosts | None:
     """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`."""
     for look in range(2):
-        if _watch is None or _exit.ending():
+        if _watch is None or not _exit.claim():  # the main thread claimed the end before this
             return None
         posted = _watch.poll()
         if isinstance(posted, PeerPosts) and posted.failures:
