@@ -41,8 +41,6 @@ from .dtypes import warn_notes
 from .entry_point import WHAT
 from .records import PartRecord, compare, raise_absent, raise_failures, summary
 
-__all__ = ["Assembly", "Check", "Verify", "global_array_from_local"]
-
 Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
 # When the check at the transfer is verified: before the call returns, or by a later call.
 Verify = Literal["now", "later"]

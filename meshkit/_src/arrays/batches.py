@@ -41,8 +41,6 @@ from . import resume as _resume
 from .dtypes import warn_notes
 from .records import PartRecord
 
-__all__ = ["GlobalBatches", "global_batches"]
-
 _LOG = logger("arrays")
 _WHAT = "meshkit.global_batches"
 BatchCheck = bool | Literal["data"]  # global_batches' check=

@@ -28,20 +28,6 @@ from .entry_point import pads as _pads
 from .entry_point import who
 from .records import LeafRecord, PartRecord, summary
 
-__all__ = [
-    "Leaf",
-    "Prepared",
-    "Template",
-    "block_rows",
-    "describe",
-    "finish_padding",
-    "plan_leaves",
-    "prepare",
-    "prepare_leaves",
-    "replica_digests",
-    "tree_paths",
-]
-
 _NOT_DIVISIBLE = """\
 {what}: the local array at {path} has shape {shape}; its dimension {dim}{name} has size {size},
 which does not split over this process's {k} block{s} of that dimension (the mesh axes {axes}

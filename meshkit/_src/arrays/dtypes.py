@@ -14,8 +14,6 @@ import numpy as np
 
 from .entry_point import who
 
-__all__ = ["DtypeWarning", "Note", "cast", "warn_notes"]
-
 
 class DtypeWarning(UserWarning):
     """64-bit data was narrowed to 32 bits because JAX's ``jax_enable_x64`` is off.

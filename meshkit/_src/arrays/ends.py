@@ -19,21 +19,6 @@ from ..core.errors import DivergenceError, MeshkitError
 from ..lifecycle import failfast as _failfast
 from .records import PartRecord
 
-__all__ = [
-    "CLOSED",
-    "Watch",
-    "confirm",
-    "differs",
-    "leave",
-    "left_error",
-    "posted",
-    "rows_outliers",
-    "short",
-    "short_batch",
-    "uneven_end",
-    "went_on",
-]
-
 _WHAT = "meshkit.global_batches"
 
 # Where the data ends.

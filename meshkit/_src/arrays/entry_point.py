@@ -6,8 +6,6 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-__all__ = ["WHAT", "calling", "pads", "set_caller", "who"]
-
 WHAT = "meshkit.global_array_from_local"  # the default
 # (the public function messages name, whether it takes pad=): set by global_batches' helper
 # thread, and around spmd's assembly of host arguments.

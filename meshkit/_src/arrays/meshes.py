@@ -21,9 +21,6 @@ from ..sharding import mesh as _mesh
 from ..sharding.mesh import AxisTypeLike
 from .records import agree_on
 
-__all__ = ["make_mesh"]
-
-
 _SITE = _dispatch.CallSite(
     "make_mesh",
     "meshkit.make_mesh",

@@ -28,8 +28,6 @@ from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
 from .resume import Opened
 
-__all__ = ["AHEAD_BYTES", "END", "Ahead", "Failure", "width_cap"]
-
 _WHAT = "meshkit.global_batches"
 # Batches read ahead for a window are held on the host: at most this many bytes of them.
 AHEAD_BYTES = 64 << 20

@@ -18,16 +18,6 @@ from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
 from .entry_point import WHAT, pads
 
-__all__ = [
-    "LeafRecord",
-    "PartRecord",
-    "agree_on",
-    "compare",
-    "raise_absent",
-    "raise_failures",
-    "summary",
-]
-
 _SAME_CALLS = (
     "Every process must make the same calls in the same order (a process that stopped, "
     "crashed, or took another branch never arrives)."

@@ -24,8 +24,6 @@ from ..core.data_position import (
 from ..core.errors import MeshkitError
 from .records import agree_on
 
-__all__ = ["Opened", "open_source"]
-
 _WHAT = "meshkit.global_batches"
 _GLOBAL = (
     "meshkit.loaders.grain_batches or hf_batches, whose position is global and resumes on any "

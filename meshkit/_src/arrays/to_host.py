@@ -25,8 +25,6 @@ from ..sharding import layout as _layout
 from .blocks import tree_paths
 from .records import agree_on
 
-__all__ = ["gather", "local_from_global"]
-
 _AXIS = "processes"
 # Debug mode compares ``to`` by value (a static argument) and the leaves' shapes.
 _SITE = _dispatch.CallSite(

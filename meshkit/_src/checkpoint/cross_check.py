@@ -18,8 +18,6 @@ from ..core import env as _env
 from ..core.errors import MeshkitError
 from . import data as _data
 
-__all__ = ["agree_on", "difference"]
-
 
 def agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
     """Agree on ``entries`` and ``problem`` across processes; raise the verdict on every one."""

@@ -19,8 +19,6 @@ from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core.data_position import DataPosition
 
-__all__ = ["DATA_FIX", "KEY", "Shared", "from_metadata", "position_of", "share"]
-
 KEY = "meshkit"  # custom metadata: {"meshkit": {"data_position": DataPosition.to_dict()}}
 _POSITION = "data_position"
 DATA_FIX = (

@@ -27,8 +27,6 @@ from . import template as _template
 from .cross_check import agree_on as _agree_on
 from .restore_plan import SavedArray, describe_mesh, plan, saved_spec
 
-__all__ = ["check_savable", "data_position", "restore", "save", "targets"]
-
 # orbax's name for a checkpoint directory being written (renamed away when the save commits).
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # orbax's step metadata file, which holds the checkpoint's custom metadata.

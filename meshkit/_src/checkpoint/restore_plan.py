@@ -12,8 +12,6 @@ from jax.sharding import PartitionSpec
 from ..core.errors import MeshkitError
 from ..sharding.specs import SpecLike, as_partition_spec, dim_axes, spec_axes
 
-__all__ = ["SavedArray", "describe_mesh", "layout_problem", "plan", "saved_spec"]
-
 
 @dataclass(frozen=True)
 class SavedArray:

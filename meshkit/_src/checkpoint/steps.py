@@ -12,11 +12,6 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..lifecycle import preemption as _preemption
 
-__all__ = [
-    "Latest", "abs_path", "keep_problem", "latest", "prune", "should_save", "step_of",
-    "step_path",
-]  # fmt: skip
-
 _STEP = re.compile(r"step_(\d+)")
 _TMP = re.compile(r"step_(\d+)\.orbax-checkpoint-tmp.*")  # a save not complete (yet)
 

@@ -7,8 +7,6 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["into"]
-
 
 def _step(key: Any) -> str | int:
     """One step of a key path, as the checkpoint's dicts and lists name it."""

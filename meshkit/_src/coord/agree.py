@@ -23,27 +23,8 @@ from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
 from . import missing as _missing
 from . import window as _window
-from .node import BLOCK, Group, Node, Outcome, RecordText
+from .node import Group, Node, Outcome, RecordText
 from .service import JaxService, Stats
-
-__all__ = [
-    "BLOCK",
-    "LINGER_S",
-    "MAX_PENDING",
-    "WINDOW",
-    "Outcome",
-    "agree",
-    "agree_later",
-    "check",
-    "drain",
-    "in_step",
-    "leave",
-    "leave_record",
-    "settle",
-    "stats",
-    "tag_part",
-    "take_unraised",
-]
 
 WINDOW = _window.WINDOW
 MAX_PENDING = _window.MAX_PENDING

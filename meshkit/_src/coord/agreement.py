@@ -26,8 +26,6 @@ from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 from .service import Barrier
 
-__all__ = ["LEFT", "Entry", "agree", "leave", "predict", "restart"]
-
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 ARRIVALS = (1 << SHIFT) - 1
 FLAG = 1 << SHIFT

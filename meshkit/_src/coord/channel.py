@@ -17,8 +17,6 @@ from ..core import compat as _compat
 from ..core import program_thread as _program_thread
 from ..core.errors import MeshkitError
 
-__all__ = ["channel", "current", "numbered", "paired", "scoped"]
-
 # A context variable, not a thread-local: a helper that agrees for the caller (the check made
 # beside a copy, in `contextvars.copy_context().run`) agrees on the caller's channel.
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar(

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from .service import Barrier, Service
 
-__all__ = ["Gathered", "gather"]
-
 
 @dataclass(frozen=True)
 class Gathered:

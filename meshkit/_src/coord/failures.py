@@ -19,25 +19,6 @@ from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
 from .service import JaxService, Service
 
-__all__ = [
-    "ALARM",
-    "FAILED",
-    "NOTICE",
-    "PREFIX",
-    "FailurePost",
-    "alarm",
-    "answer",
-    "nudger",
-    "poll",
-    "post",
-    "post_notice",
-    "poster",
-    "reader",
-    "teller",
-    "waiter",
-    "watcher",
-]
-
 PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
 NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice

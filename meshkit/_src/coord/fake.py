@@ -27,8 +27,6 @@ from typing import Any
 from .node import Node
 from .service import UNAVAILABLE, Barrier
 
-__all__ = ["FakeCluster", "FakeService", "ServiceGone"]
-
 
 class ServiceGone(ConnectionError):
     """A process that left (`FakeCluster.leave`) called the service.

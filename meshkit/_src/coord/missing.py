@@ -9,17 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = [
-    "by_value",
-    "did_not",
-    "left_program",
-    "listed",
-    "ordinal",
-    "outside_majority",
-    "processes",
-    "stopped_waiting",
-]
-
 
 def processes(ids: Iterable[int]) -> str:
     """``"process 3"`` or ``"processes 2,5"``, in the order given (callers give them sorted)."""

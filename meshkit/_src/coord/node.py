@@ -31,8 +31,6 @@ def _say(text: str) -> None:  # an error no call can raise: a helper thread's, o
     say(_LOG, logging.ERROR, text, stacklevel=2)
 
 
-__all__ = ["Group", "Node", "Outcome", "PostedRecord", "RecordText", "Tag", "key", "text"]
-
 BLOCK = 64  # agreements per key block (one delete per block)
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit

@@ -19,8 +19,6 @@ from ..core.frames import place
 from . import missing as _missing
 from .node import Node
 
-__all__ = ["NOTICE", "PREFIX", "Moving", "Place", "Waiting", "count", "cycle", "forget", "told"]
-
 PREFIX = "meshkit/at/"  # + process id: where that process waits
 NOTICE = PREFIX + "told-"  # + process id: the cycle another process found it in
 FIRST_S = 1.0  # a wait posts its place after this long (then 2x, 4x, ... up to LAST_S)

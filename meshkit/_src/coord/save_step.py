@@ -25,8 +25,6 @@ from ..core import compat as _compat
 from ..lifecycle.preemption import Synced, alone
 from .service import JaxService, Service
 
-__all__ = ["SLICE_S", "combine", "sync_step", "syncer"]
-
 SLICE_S = 0.5  # the longest wait in one request: the thread stops within it at exit
 _PREFIX = "meshkit/preemption/"
 

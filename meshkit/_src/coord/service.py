@@ -21,8 +21,6 @@ from typing import Any, Protocol
 
 from ..core import compat as _compat
 
-__all__ = ["GONE", "Barrier", "Counted", "JaxService", "Service", "Stats"]
-
 # gRPC status codes the coordination service answers with (grpc/status.h).
 CANCELLED = 1
 UNKNOWN = 2

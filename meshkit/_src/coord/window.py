@@ -33,16 +33,6 @@ from .node import (
     text,
 )
 
-__all__ = [
-    "LINGER_S",
-    "MAX_PENDING",
-    "VERDICT_EXTRA_S",
-    "WINDOW",
-    "agree_later",
-    "leave_later",
-    "sync_point",
-]
-
 WINDOW = 512  # calls one window of agree_later holds at most
 MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
 # A window stays open this long after its first call for more calls to join it (unless it is

@@ -11,8 +11,6 @@ import tempfile
 
 from .errors import MeshkitError
 
-__all__ = ["writable"]
-
 _NOT_WRITABLE = """\
 {called}: the compilation cache directory {directory!r} ({source}) cannot be used: {reason}.
 JAX's persistent compilation cache writes one file per compiled program into it (process 0 of

@@ -15,8 +15,6 @@ from typing import Any, Generic, TypeVar
 
 from .errors import MeshkitError
 
-__all__ = ["Cache", "cached", "clear_caches"]
-
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")

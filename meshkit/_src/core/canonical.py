@@ -21,8 +21,6 @@ import numpy as np
 
 from .caches import cached
 
-__all__ = ["function", "function_name", "structure", "value"]
-
 # A memory address as Python prints it in default reprs: "<Foo object at 0x7f2c...>".
 _ADDRESS = re.compile(r"\s+at\s+0x[0-9a-fA-F]+|0x[0-9a-fA-F]{8,}")
 _MAX_DEPTH = 8  # nesting followed inside static values; deeper parts are named by type

@@ -31,14 +31,6 @@ from typing import Any
 
 from . import caches as _caches
 
-__all__ = [
-    "Compiling", "backends_are_initialized", "bound_axis_sizes", "cluster_envs", "cluster_params",
-    "compiled_settings", "distributed_state", "hide_from_jax_tracebacks", "idle", "on_compile",
-    "put_blocks", "scan_counts", "service_error_code", "setting", "settings_of_jax",
-    "skip_jax_exit_barrier", "tell_jax_preemption", "trace_context_settings", "trace_state_clean",
-    "varying_axes",
-]  # fmt: skip
-
 
 def backends_are_initialized() -> bool:
     """True once JAX has created its backends (after which device settings are frozen)."""

@@ -16,11 +16,6 @@ from typing import Any
 
 from .errors import MeshkitError
 
-__all__ = [
-    "VERSION", "DataPosition", "GlobalIterator", "GlobalSource", "LoaderIdentity", "decode_state",
-    "encode_state",
-]  # fmt: skip
-
 VERSION = 1  # of `DataPosition.to_json`'s format; a reader refuses newer ones
 _WHAT = "meshkit.DataPosition.from_json"
 _IDENTITY = ("kind", "num_rows", "global_batch", "seed", "drop_remainder")  # what must match

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENDED_MARK", "Diagnosis", "diagnose", "explain", "from_event"]
-
 # Words of fail-fast's end note (for people; the launcher reads the ``ended`` event).
 ENDED_MARK = "reached the end of its program"
 

@@ -14,12 +14,6 @@ from .contract import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .env import visible_devices
 from .errors import MeshkitError
 
-__all__ = [
-    "DEFAULT_PORT", "ENV_K8S_COORDINATOR_HOST", "ENV_K8S_SUBDOMAIN", "ENV_PORT", "JAX_VARS",
-    "SKYPILOT_VARS", "STEP_VARS", "Binding", "EngineJoin", "bound_device_ids", "check_agreement",
-    "check_step", "read_engine",
-]  # fmt: skip
-
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 SKYPILOT_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
 # The coordinator's port where an engine gives only a host; else JAX's K8s detector's port.

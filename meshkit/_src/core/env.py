@@ -13,11 +13,6 @@ from typing import TypeVar
 
 from .errors import MeshkitError
 
-__all__ = [
-    "ENV_CHECK_TIMEOUT", "FALSE", "TRUE", "VISIBLE_VARS", "check_timeout", "flag", "ids",
-    "integer", "number", "raw", "seconds", "visible_devices",
-]  # fmt: skip
-
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
 T = TypeVar("T")

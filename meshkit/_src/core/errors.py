@@ -5,11 +5,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-__all__ = [
-    "DivergenceError", "LaunchError", "MeshkitError", "MeshkitIndexError", "MeshkitNameError",
-    "MeshkitTypeError", "ranges",
-]  # fmt: skip
-
 
 class MeshkitError(ValueError):
     """Raised when meshkit is called wrongly or processes of a program disagree.

@@ -18,11 +18,6 @@ from typing import Any
 
 from .contract import ENV_PROCESS_ID, ENV_STATUS
 
-__all__ = [
-    "COMPILED", "ENDED", "FAILED", "JOINED", "KINDS", "PREEMPTED", "RESTORED", "SAVED", "STALLED",
-    "Event", "emit", "own_rank", "path", "read",
-]  # fmt: skip
-
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned
 # cause ("exception", "signal", "peer", "timeout", "divergence"), error (type or signal name),

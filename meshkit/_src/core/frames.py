@@ -16,11 +16,6 @@ import jax
 
 from . import caches as _caches
 
-__all__ = [
-    "in_meshkit", "library_file", "meshkit_file", "place", "short_path", "user_frame",
-    "user_place", "user_stacklevel",
-]  # fmt: skip
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
 # Frames in these directories are not the user's: JAX's and the standard library's.

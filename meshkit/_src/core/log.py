@@ -13,8 +13,6 @@ import sys
 import threading
 from typing import TextIO
 
-__all__ = ["ROOT", "logger", "say"]
-
 ROOT = "meshkit"
 
 _lock = threading.Lock()

@@ -12,11 +12,6 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = [
-    "coordinator_port_taken", "ephemeral_range", "free_port", "free_ports", "port_in_use",
-    "reserve_port",
-]  # fmt: skip
-
 # Where `free_ports` draws from when the kernel's ephemeral range cannot be read: Linux's default.
 _EPHEMERAL_DEFAULT = (32768, 60999)
 _LOWEST = 10000  # below: well-known and registered services' ports, often configured by hand

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["adopt", "is_program_thread", "program_thread"]
-
 _thread: threading.Thread | None = None
 
 

@@ -15,8 +15,6 @@ from .contract import ENV_STATUS
 from .errors import ranges
 from .events import own_rank
 
-__all__ = ["ENV_STATUS", "STAGES", "Board", "joined", "mark", "ranges"]
-
 # In the order a rank goes through them; a summary lists them in this order.
 STAGES = ("starting", "joining", "joined", "running", "exited")
 _WAITING = ("starting", "joining")

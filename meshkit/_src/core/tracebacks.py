@@ -15,8 +15,6 @@ from . import env as _env
 from .errors import MeshkitError
 from .frames import meshkit_file
 
-__all__ = ["ENV_TRACEBACK_FILTERING", "filtered", "filtering", "public"]
-
 ENV_TRACEBACK_FILTERING = "MESHKIT_TRACEBACK_FILTERING"
 
 P = ParamSpec("P")

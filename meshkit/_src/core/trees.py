@@ -10,8 +10,6 @@ from typing import Any
 
 import jax
 
-__all__ = ["broadcast_prefix", "one_level", "prefix_mismatch"]
-
 
 def one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
     """``x``'s immediate children with their keys, and its one-level treedef."""

@@ -16,8 +16,6 @@ from . import divergence as _divergence
 from . import mode as _mode
 from . import state as _st
 
-__all__ = ["barrier"]
-
 
 @public
 def barrier(name: str, *, timeout: float | None = None) -> None:

@@ -20,8 +20,6 @@ from . import fingerprint as _fingerprint
 from . import state as _st
 from .state import enabled as enabled  # read here by meshkit._src.spmd.placement
 
-__all__ = ["check", "compare", "enabled", "last_text"]
-
 
 def check(site: _fingerprint.Site, args: tuple[Any, ...]) -> None:
     """Agree on this call's fingerprint with the other processes (debug mode on); raise if not."""

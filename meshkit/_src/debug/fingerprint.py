@@ -19,8 +19,6 @@ from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core.frames import place, user_frame
 
-__all__ = ["MAX_DESC", "Site", "fingerprint"]
-
 MAX_DESC = 200  # characters of a value's repr in a fingerprint or a message
 
 

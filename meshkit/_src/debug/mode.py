@@ -30,11 +30,6 @@ from .state import enabled as enabled
 
 _LOG = logger("debug")
 
-__all__ = [
-    "ENV_DEBUG", "ENV_DEBUG_TIMEOUT", "ENV_WATCHDOG", "debugging", "disable", "enable",
-    "enable_from_environment", "enabled", "from_environment", "positive", "settings",
-]  # fmt: skip
-
 ENV_DEBUG = "MESHKIT_DEBUG"
 ENV_DEBUG_TIMEOUT = "MESHKIT_DEBUG_TIMEOUT"
 ENV_WATCHDOG = "MESHKIT_WATCHDOG"

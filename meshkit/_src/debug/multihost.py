@@ -18,8 +18,6 @@ from ..core.tracebacks import public
 from . import divergence as _divergence
 from . import state as _st
 
-__all__ = ["assert_equal", "broadcast_one_to_all", "process_allgather", "sync_global_devices"]
-
 
 @dataclass(eq=False)
 class _Site:

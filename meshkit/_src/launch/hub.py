@@ -34,8 +34,6 @@ from .report import (
     unjoined_report,
 )
 
-__all__ = ["Hub"]
-
 _SAY_EVERY_S = 5.0  # how often the hub says who has not joined yet
 
 

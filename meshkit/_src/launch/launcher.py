@@ -59,8 +59,6 @@ from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start
 from .stop import stop
 from .supervise import Outcome, Supervisor, signals_recorded
 
-__all__ = ["LaunchResult", "Platform", "RankResult", "launch"]
-
 
 def launch(
     command: Sequence[str],

@@ -20,8 +20,6 @@ from ..core.errors import LaunchError, ranges
 from .nodes import BEAT_S, LOST_S, Go, Hello, Stop, Wire, event_record, result_record
 from .report import LaunchAttempt, RankResult
 
-__all__ = ["Link", "Over", "reach"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Over:

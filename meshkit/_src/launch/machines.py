@@ -25,8 +25,6 @@ from .report import LaunchAttempt, LaunchResult, signal_name
 from .restarts import restarting, should_restart
 from .spawn import Platform, count_gpus, rank_environments
 
-__all__ = ["Placement", "placement", "run_on_machines"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:

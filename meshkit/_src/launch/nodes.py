@@ -37,23 +37,6 @@ from ..core import events as _events
 from ..core.errors import LaunchError
 from .report import RankResult
 
-__all__ = [
-    "BEAT_S",
-    "LOST_S",
-    "SAME",
-    "Go",
-    "Hello",
-    "Stop",
-    "Wire",
-    "event_record",
-    "hostname",
-    "local_host_check",
-    "parse_address",
-    "program_digest",
-    "result_record",
-    "serve",
-]
-
 BEAT_S = 1.0  # how often each side says it is alive
 LOST_S = 10.0  # silence after which the other side is lost (a link down sends no FIN)
 _LINE_LIMIT = 64 << 20  # no message is longer (a machine's report of its ranks)

@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Pump", "Sink", "is_chatter", "join_pumps"]
-
 # How long a pump still waits for more output once the launcher is done with the ranks.
 DRAIN_S = 0.5
 # How long joining the pumps waits while no line is written at all (a terminal nobody reads).

@@ -38,8 +38,6 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["ENV_RUN", "Guardian", "Reaper", "new_token", "set_subreaper", "supported", "tagged"]
-
 ENV_RUN = "MESHKIT_LAUNCH_RUN"
 _ENV_RUN_BYTES = ENV_RUN.encode() + b"="
 _PR_SET_CHILD_SUBREAPER = 36

@@ -19,21 +19,6 @@ from ..core import events as _events
 from ..core.contract import INSIDE, OUTSIDE
 from ..core.errors import ranges
 
-__all__ = [
-    "TAIL_LINES",
-    "LaunchAttempt",
-    "LaunchResult",
-    "RankResult",
-    "Told",
-    "describe_exit",
-    "preempted_report",
-    "root_cause",
-    "signal_name",
-    "stall_summary",
-    "tail_block",
-    "unjoined_report",
-]
-
 TAIL_LINES = 40
 
 

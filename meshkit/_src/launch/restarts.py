@@ -22,16 +22,6 @@ from collections.abc import Callable, Iterable, Sequence
 from ..core import events as _events
 from .report import LaunchAttempt, LaunchResult, Told
 
-__all__ = [
-    "ENV_MAX_RESTARTS",
-    "attempt_of",
-    "repeated",
-    "restarting",
-    "run_attempts",
-    "should_restart",
-    "summary",
-]
-
 ENV_MAX_RESTARTS = "MESHKIT_MAX_RESTARTS"
 
 

@@ -29,17 +29,6 @@ from ..core.errors import LaunchError
 from .rank_output import Pump, Sink, is_chatter
 from .report import TAIL_LINES, RankResult
 
-__all__ = [
-    "Platform",
-    "Process",
-    "Rank",
-    "Starter",
-    "count_gpus",
-    "rank_argv",
-    "rank_environments",
-    "start_fresh",
-]
-
 Platform = Literal["auto", "cpu", "gpu"]
 
 

@@ -15,8 +15,6 @@ from collections.abc import Callable, Sequence
 from .reaper import Reaper
 from .spawn import Rank
 
-__all__ = ["POLL_S", "stop"]
-
 POLL_S = 0.02  # how often the launcher polls its own children
 _SCAN_S = 0.05  # a look through /proc costs more than a poll of our own children
 

@@ -22,8 +22,6 @@ from .reaper import Guardian, Reaper
 from .spawn import Rank
 from .stop import POLL_S
 
-__all__ = ["STATUS_S", "STOP_SIGNALS", "Outcome", "Preemption", "Supervisor", "signals_recorded"]
-
 STATUS_S = 0.25  # how often the ranks' stages are read while the cluster forms
 # What ends a launcher from outside: Ctrl-C, a CI job cancelled or a scheduler, a terminal closed.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -33,12 +33,6 @@ from ..core.log import logger, say
 
 _LOG = logger("guards")
 
-__all__ = [
-    "DRAIN", "FLUSH", "LEAVE", "REPORT", "STOP", "at", "end", "ending", "now", "on_activity",
-    "on_exception", "on_exit", "on_signal", "on_sigterm", "on_wake", "run_exit_handlers",
-    "wake", "watch",
-]  # fmt: skip
-
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
 LEAVE = 20

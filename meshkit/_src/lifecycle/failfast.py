@@ -28,11 +28,6 @@ from . import preemption as _preemption
 
 _LOG = logger("guards")
 
-__all__ = [
-    "ENV_FAIL_FAST", "ENV_FAIL_FAST_GRACE", "end_for", "install", "peer_failed", "poll_period",
-    "settings",
-]  # fmt: skip
-
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _DEFAULT_GRACE_S = 10.0

@@ -25,12 +25,6 @@ from . import exit as _exit
 
 _LOG = logger("guards")
 
-__all__ = [
-    "ENV_PREEMPT_GRACE", "PREEMPTED", "PreemptionNotice", "Sync", "Synced", "alone",
-    "end_preempted", "grace", "install", "installed", "note_step", "notice", "past_deadline",
-    "reached_sync_point", "receive", "saved", "saving",
-]  # fmt: skip
-
 _DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others

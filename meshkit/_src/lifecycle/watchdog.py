@@ -32,10 +32,6 @@ from . import exit as _exit
 
 _LOG = logger("guards")
 
-__all__ = [
-    "DEMAND_SHARE", "INSIDE", "OUTSIDE", "RUN_SHARE", "Watchdog", "frame_text", "note_progress",
-]  # fmt: skip
-
 # A thread that ran (or waited runnable) this share of an interval is running, not waiting
 # (measured: a blocked wait 0.02-0.04%, a computation in one C call ~100%).
 RUN_SHARE = 0.1

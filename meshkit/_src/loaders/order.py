@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["permute"]
-
 _ROUNDS = 6
 _MASK = (1 << 64) - 1
 

@@ -18,8 +18,6 @@ from ..sharding.layout import ProcessSlice
 from .order import permute
 from .rows import _map_dataset, _Rows, _rows, _seed, _whole
 
-__all__ = ["Batches", "grain_batches", "hf_batches"]
-
 
 class Batches(GlobalSource):
     """A meshkit loader: this process's part of each global batch, in a global order.

@@ -12,8 +12,6 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..sharding.layout import ProcessSlice
 
-__all__ = ["grain_dataset", "grain_sampler", "grain_shard_options", "hf_dataset", "process_rows"]
-
 
 @dataclass(frozen=True)
 class _Rows:

@@ -22,8 +22,6 @@ from typing import Protocol
 
 from .facts import LIST, ScannedFile, element
 
-__all__ = ["Binding", "Bindings", "BoundKinds", "dotted_name", "end", "has_param", "position"]
-
 Pos = tuple[int, int]
 _Where = tuple[ast.AST, tuple[ast.AST, ...], tuple[ast.AST, ...]]  # function, comps, loops
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)

@@ -36,8 +36,6 @@ from .rules import (
     REMOVED_MODULES,
 )
 
-__all__ = ["Checks"]
-
 MERGE_FLAG = "pmap_shmap_merge"
 HELPERS: dict[str, tuple[str, str, frozenset[str]]] = {
     **{q: ("MK005", name, kw) for q, (name, kw) in FLAX_JAX_UTILS.items()},

@@ -37,8 +37,6 @@ from .notebook import CodeModule, NotebookError, load_notebook
 from .rules import RULES
 from .scan import project_facts, scan_source
 
-__all__ = ["EPILOG", "add_arguments", "run"]
-
 EXIT_CLEAN = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2

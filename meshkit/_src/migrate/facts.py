@@ -18,18 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = [
-    "LIST",
-    "STACKED",
-    "TUPLE",
-    "Facts",
-    "ScannedFile",
-    "element",
-    "is_tuple",
-    "join",
-    "tuple_of",
-]
-
 
 class ScannedFile(Protocol):
     """What the flow analysis reads of a file the scanner has parsed and resolved."""

@@ -20,8 +20,6 @@ import tokenize
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["FirstParty", "decode", "discover", "write_atomic"]
-
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", ".ipynb_checkpoints"})
 _SUFFIXES = (".py", ".ipynb")
 

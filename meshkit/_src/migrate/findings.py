@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 from .rules import RULES, Rule
 
-__all__ = ["Edit", "Finding"]
-
 
 @dataclass(frozen=True)
 class Edit:

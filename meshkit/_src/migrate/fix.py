@@ -25,8 +25,6 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 from .findings import Edit
 from .imports import add_imports
 
-__all__ = ["add_init", "fix_source"]
-
 
 def fix_source(
     source: str,

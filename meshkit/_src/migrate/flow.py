@@ -50,8 +50,6 @@ from .facts import (
 )
 from .reads import HOST_METHODS, TREE_MAPS, HostReads, Read, int_index
 
-__all__ = ["Flow", "analyze"]
-
 # Calls that make stacked values.
 SOURCES = frozenset(
     {

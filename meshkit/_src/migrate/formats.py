@@ -18,8 +18,6 @@ from typing import Any
 from .findings import Finding
 from .rules import RULES
 
-__all__ = ["REPORTS", "FileResult"]
-
 _WIDTH = 100
 
 

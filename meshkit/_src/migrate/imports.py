@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-__all__ = ["add_imports", "import_group"]
-
 FUTURE = "__future__"
 STDLIB = "stdlib"
 THIRD_PARTY = "third-party"

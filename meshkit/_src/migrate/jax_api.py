@@ -24,8 +24,6 @@ from .bindings import dotted_name
 from .findings import Edit
 from .resolve import PARTIAL, ResolvedFile
 
-__all__ = ["OLD_SHARD_MAP", "JaxApiChecks"]
-
 OLD_SHARD_MAP = "jax.experimental.shard_map.shard_map"
 NEW_SHARD_MAP = "jax.shard_map"
 USE_MESH = "jax.sharding.use_mesh"

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CodeModule", "Notebook", "NotebookError", "load_notebook"]
-
 _BOUNDARY = "# <<meshkit migrate: code cell {}>>"
 _BOUNDARY_RE = re.compile(r"^[ \t]*# <<meshkit migrate: code cell (\d+)>>[ \t]*$")
 _MAGIC = "{}  # meshkit migrate: IPython line {}"  # pass (a barrier for imports) or ...

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 from .facts import STACKED, is_tuple
 
-__all__ = ["HOST_METHODS", "TO_PYTHON", "TREE_MAPS", "HostReads", "Read", "int_index"]
-
 _LOCAL = "meshkit.local_from_global"
 
 TREE_MAPS = frozenset({"jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map"})

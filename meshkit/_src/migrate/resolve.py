@@ -24,8 +24,6 @@ from collections.abc import Iterator
 
 from .bindings import dotted_name as _dotted
 
-__all__ = ["PARTIAL", "PMAP", "PMAP_COMPAT", "ResolvedFile", "keyword"]
-
 PMAP = "jax.pmap"
 PMAP_COMPAT = "meshkit.pmap_compat"
 PARTIAL = "functools.partial"

@@ -9,17 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = [
-    "COMMON_UTILS",
-    "DEVICE_PUT",
-    "FLAX_JAX_UTILS",
-    "PMAP_KEYWORDS",
-    "REMOVED",
-    "REMOVED_MODULES",
-    "RULES",
-    "Rule",
-]
-
 
 @dataclass(frozen=True)
 class Rule:

@@ -22,8 +22,6 @@ from .findings import Finding
 from .flow import analyze
 from .resolve import ResolvedFile
 
-__all__ = ["project_facts", "scan_source"]
-
 # Every rule needs one of these in the text (an import, an attribute or the flag's name), so a
 # file without any is parsed (to report syntax errors) but not analysed.
 # (MK012's names resolve through an import that names jax.)

@@ -15,18 +15,6 @@ from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitTypeError
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from .device_axis import mapped_spec
 
-__all__ = [
-    "Axis",
-    "Layout",
-    "axes_per_output",
-    "call_key",
-    "check_axes_tree",
-    "in_axes_for",
-    "layout",
-    "out_spec",
-    "resolve",
-]
-
 Axis = int | None
 
 _KEYWORDS_MAPPED = (

@@ -17,18 +17,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
 
-__all__ = [
-    "check_devices",
-    "device_mesh",
-    "from_local",
-    "from_local_array",
-    "from_rows",
-    "local_devices",
-    "local_view",
-    "mapped_spec",
-    "sharding",
-]
-
 
 def _shown(value: Any) -> str:
     text = repr(value)

@@ -26,15 +26,6 @@ from ..spmd import variance as _variance
 from . import axes
 from . import device_axis as _device_axis
 
-__all__ = [
-    "TRACING",
-    "Entry",
-    "UncheckedOutputWarning",
-    "build",
-    "mesh_context",
-    "process_local",
-]
-
 
 class UncheckedOutputWarning(UserWarning):
     """An ``out_axes=None`` output of a `pmap_compat` function could not be checked.

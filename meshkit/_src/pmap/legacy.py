@@ -21,17 +21,6 @@ from ..core.tracebacks import public
 from . import device_axis as _device_axis
 from .device_axis import check_devices
 
-__all__ = [
-    "device_axis_mesh",
-    "device_put_replicated",
-    "device_put_sharded",
-    "first_entries",
-    "host_array",
-    "replicate",
-    "shard_prng_key",
-    "unreplicate",
-]
-
 _NOT_ARRAY = """\
 {what}: the leaf at {path} is of type {kind} ({shown}), not an array.
 {what} puts numbers on devices: numpy arrays, scalars or jax.Arrays at every leaf.

@@ -22,8 +22,6 @@ from ..spmd.placement import argnums
 from . import device_axis as _device_axis
 from .legacy import device_axis_mesh, first_entries, host_array
 
-__all__ = ["get_metrics", "pad_shard_unpad", "prefetch_to_device", "shard"]
-
 _SHARD_SIZE = """\
 meshkit.shard: the leaf at {path} has shape {shape}; its leading (batch) dimension of size \
 {size} does not split over this process's {local} local devices (shard reshapes it to \

@@ -28,8 +28,6 @@ from . import axes
 from . import device_axis as _device_axis
 from .entry import TRACING, Entry, build, mesh_context
 
-__all__ = ["Compiled", "Lowered", "PmapFunction", "pmap_compat"]
-
 
 class PmapFunction:
     """A function mapped over devices like `jax.pmap`; made by `meshkit.pmap_compat`."""

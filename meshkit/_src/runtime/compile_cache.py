@@ -16,8 +16,6 @@ from ..core import events as _events
 from ..core.cache_directory import writable
 from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
 
-__all__ = ["enable", "totals", "watch"]
-
 # jax.monitoring's event names (JAX 0.10.2 and 0.12).
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"

@@ -22,11 +22,6 @@ from ..debug import mode as _debug_mode
 from ..debug import state as _debug
 from . import init as _runtime
 
-__all__ = [
-    "CallSite", "Observer", "add_observer", "enter", "observing", "origin", "param_names",
-    "quiet", "remove_observer",
-]  # fmt: skip
-
 
 @dataclass(eq=False)
 class CallSite:

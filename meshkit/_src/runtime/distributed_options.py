@@ -14,8 +14,6 @@ from ..core import env as _env
 from ..core.contract import ENV_HEARTBEAT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT
 from ..core.errors import MeshkitError
 
-__all__ = ["JAX_CHECKED", "OPTIONS", "check_supported", "chosen"]
-
 # meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
 OPTIONS = {
     "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),

@@ -20,8 +20,6 @@ from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, ranges
 
-__all__ = ["ENV_HOST", "Hosts", "exchange", "here", "known", "remember", "table"]
-
 ENV_HOST = "MESHKIT_HOST"
 _TAG = "hosts"
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"

@@ -51,8 +51,6 @@ from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
 
-__all__ = ["RuntimeInfo", "init", "runtime_info"]
-
 _WHERE = "meshkit.init()"
 Guards = tuple[float | None, float]  # fail-fast's grace (None: off), preemption's grace
 _DEFAULT_INIT_TIMEOUT_S = 300.0

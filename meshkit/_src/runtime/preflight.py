@@ -26,11 +26,6 @@ from ..core import env as _env
 from ..core.errors import DivergenceError
 from ..core.version import __version__
 
-__all__ = [
-    "ALSO_COMPARED", "ENV_PREFLIGHT", "NOT_COMPARED", "WARN_ONLY", "Facts", "check", "describe",
-    "differences", "facts", "settings",
-]  # fmt: skip
-
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _TAG = "preflight"
 

@@ -30,8 +30,6 @@ from ..core import tracebacks as _tracebacks
 from ..core.errors import DivergenceError
 from ..lifecycle import exit as _exit
 
-__all__ = ["ENV_PROGRAM_CHECK", "Stats", "install", "installed", "stats", "uninstall"]
-
 ENV_PROGRAM_CHECK = "MESHKIT_PROGRAM_CHECK"
 _TAG = "programs"
 _WHAT = "meshkit (programs compared at compilation)"

@@ -12,8 +12,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..core import caches as _caches
 from . import layout as _layout
 
-__all__ = ["ArgumentPlan", "argument_plan"]
-
 
 @dataclass(frozen=True, eq=False)
 class ArgumentPlan:

@@ -23,8 +23,6 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from .specs import SpecLike, check_spec_for_mesh, dim_axes
 
-__all__ = ["ProcessSlice", "block_counts", "plan", "process_slice"]
-
 Interval = tuple[int, int]
 Block = tuple[Interval, ...]
 

@@ -20,17 +20,6 @@ from ..core.errors import MeshkitError, ranges
 from ..core.tracebacks import public
 from ..runtime import hosts as _hosts
 
-__all__ = [
-    "AxisTypeLike",
-    "across_positions",
-    "axis_types_of",
-    "describe",
-    "domains",
-    "order_devices",
-    "parse_axes",
-    "resolve_sizes",
-]
-
 AxisTypeLike = AxisType | str
 
 _HOW_TO_FIX_SIZE = """\

@@ -18,16 +18,6 @@ from ..core.errors import MeshkitError
 from ..core.trees import one_level
 from .specs import is_spec_leaf
 
-__all__ = [
-    "SpecTreeError",
-    "align_specs",
-    "describe_node",
-    "has_mapping",
-    "map_under_specs",
-    "plain_specs",
-    "to_spec_types",
-]
-
 
 class SpecTreeError(MeshkitError):
     """A spec tree does not fit the tree it describes (one line: where, what, which keys)."""

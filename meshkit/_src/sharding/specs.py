@@ -19,15 +19,6 @@ from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 
-__all__ = [
-    "SpecString",
-    "as_partition_spec",
-    "check_spec_for_mesh",
-    "dim_axes",
-    "parse_spec",
-    "spec",
-]
-
 SpecLike = PartitionSpec | str
 
 _TOKEN = re.compile(r"->|\(|\)|\.\.\.|…|[^\s()]+")

@@ -15,20 +15,6 @@ from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "pmax",
-    "pmean",
-    "pmin",
-    "ppermute",
-    "psum",
-    "psum_scatter",
-    "shift",
-]
-
 AxisName = str | tuple[str, ...]
 
 _UNBOUND_FIX = """\

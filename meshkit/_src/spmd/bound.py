@@ -31,8 +31,6 @@ from ..sharding.specs import (
 from . import placement as _placement
 from .placement import dynamic, failures_published, from_host, jit_over_shard_map
 
-__all__ = ["Layout", "MeshPlan", "Owner"]
-
 _TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
 
 

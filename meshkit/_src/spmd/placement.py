@@ -25,19 +25,6 @@ from ..core.errors import MeshkitError
 from ..debug import divergence as debug
 from ..sharding.argument_plan import ArgumentPlan
 
-__all__ = [
-    "argnums",
-    "assemble",
-    "dynamic",
-    "failures_published",
-    "from_host",
-    "is_abstract",
-    "is_host",
-    "is_local",
-    "jit_over_shard_map",
-    "put_host",
-]
-
 
 def argnums(
     value: int | Sequence[int], what: str, caller: str, *, from_end: bool = False

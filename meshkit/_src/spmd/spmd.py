@@ -24,8 +24,6 @@ from ..sharding.specs import as_partition_spec, map_specs
 from .bound import MeshPlan
 from .placement import argnums
 
-__all__ = ["ReshardWarning", "SpmdFunction", "spmd"]
-
 
 class ReshardWarning(UserWarning):
     """An argument of an spmd function arrived laid out differently from its ``in_specs``.

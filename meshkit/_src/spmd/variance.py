@@ -16,8 +16,6 @@ from jax.extend import core as jex
 
 from ..core import compat as _compat
 
-__all__ = ["INVARIANT", "VARYING", "Variance", "join", "shard_map_outputs"]
-
 
 @dataclass(frozen=True)
 class Variance:
