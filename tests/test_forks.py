@@ -47,6 +47,8 @@ PROBE = textwrap.dedent(
     print("to stderr", file=sys.stderr)
     what = sys.argv[1] if len(sys.argv) > 1 else "0"
     if what == "raise":
+        import atexit  # exit handlers read the error as the interpreter left it
+        atexit.register(lambda: print("last:", repr(sys.last_value), file=sys.stderr))
         inner()
     if what == "interrupt":
         raise KeyboardInterrupt
@@ -147,7 +149,13 @@ def test_exit_codes_and_tracebacks_match_a_fresh_process(forks, probe, tmp_path,
             "Traceback (most recent call last):",
             f'  File "{probe / "probe.py"}", line {_line("    inner()")}, in <module>',
         ]
-        assert forked[2].rstrip().endswith("ValueError: raised in the program")
+        assert (
+            forked[2]
+            .rstrip()
+            .endswith(
+                "ValueError: raised in the program\nlast: ValueError('raised in the program')"
+            )
+        ), forked[2]
     if what == "a message":
         assert forked[2].endswith("a message\n")
 

@@ -160,6 +160,10 @@ def _run(request: dict[str, Any]) -> None:
         raise
     except BaseException as e:  # the interpreter's top level: print it, exit 1
         tb = _program_traceback(e.__traceback__, skip)
+        # As the interpreter does before its excepthook (exit handlers read them).
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = e
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         if isinstance(e, KeyboardInterrupt):
             # As python does: finish, then die of the signal (the exit status says SIGINT).
