@@ -125,6 +125,28 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     assert time.monotonic() - start < 1.5 * poll_period(2)
 
 
+def test_a_notice_posted_before_a_close_is_read_after_it():
+    # A process finds a cycle, tells this one (a notice), raises, and its iterator closes: a
+    # watch that read the others' places just before the notice and the close just after it
+    # must look once more, so that the notice, not the close, is the cause it acts on.
+    nodes = FakeCluster(2).nodes()
+    heard: list[dict[int, int]] = []
+    looks: list[int] = []
+
+    def tick() -> bool:
+        looks.append(len(looks))
+        if len(looks) == 1:
+            ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)  # the close right after this look
+            return False
+        return True  # the notice, read now
+
+    watch = ends.Watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
+    watch.start()
+    watch.join(5)
+    assert not watch.is_alive()
+    assert (looks, heard) == ([0, 1], [])
+
+
 def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
     cluster = FakeCluster(2)
     nodes = cluster.nodes()

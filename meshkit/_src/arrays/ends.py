@@ -8,6 +8,7 @@ from a `Watch` that reads the posts about once a second, nothing per step.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -321,5 +322,10 @@ class Watch(threading.Thread):
             except Exception:  # the service is gone: the failure watch says so
                 return
             if closers and not self.stop.is_set():
+                # What a closer found before it closed (a cycle's notice) was posted before its
+                # close: a look after the close reads it, and it is the cause.
+                with contextlib.suppress(Exception):
+                    if self.tick():
+                        return
                 self.heard(closers)
                 return

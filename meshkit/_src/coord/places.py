@@ -196,5 +196,8 @@ class Moving:
             self.waiting = Waiting(
                 self.node, Place(self.sequence, self.counter, steps - 1, what, at, moving=True)
             )
-            self.waiting.look()  # posts it (a moving place decides nothing)
+            try:
+                self.waiting.look()  # posts it (a moving place decides nothing)
+            except DivergenceError as error:  # a notice found with the others' places
+                return error
         return told(self.node)
