@@ -31,7 +31,7 @@ from meshkit._src.core.data_position import (
     decode_state,
     encode_state,
 )
-from meshkit._src.loaders.order import permute
+from meshkit._src.loaders.resumable import permute
 
 pytestmark = pytest.mark.filterwarnings("ignore::meshkit.DtypeWarning")  # int64 ids -> int32
 

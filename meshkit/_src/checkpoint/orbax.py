@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import numbers
 import os
 import time
@@ -13,7 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..coord import agree as _agree
+from ..coord import channel as _channel
+from ..coord import missing as _missing
 from ..core import compat as _compat
+from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import MeshkitError
@@ -23,9 +28,7 @@ from ..lifecycle import preemption as _preemption
 from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
-from . import template as _template
-from .cross_check import agree_on as _agree_on
-from .restore_plan import SavedArray, describe_mesh, plan, saved_spec
+from .restore_plan import SavedArray, arrange_like, describe_mesh, plan, saved_spec
 
 # orbax's name for a checkpoint directory being written (renamed away when the save commits).
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -108,6 +111,72 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
                 "checkpoint), or converting it to an array."
             )
     return (problems[0] if problems else None), entries
+
+
+def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
+    """Agree on ``entries`` (``[where, kind, words]``) and ``problem``; raise it on every process.
+
+    One barrier, before orbax is called, so that no process is left waiting inside orbax.
+    """
+    if _compat.distributed_state()[2] > 1:
+        mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
+        timeout = _env.check_timeout()
+        outcome = _agree.check(_channel.scoped(tag, what), mine, mine, timeout=timeout, what=what)
+        if not outcome.agreed and (outcome.missing or outcome.gave_up):
+            gone = (
+                f"{_missing.stopped_waiting(outcome.gave_up)} for this process (their wait ran "
+                "out before it arrived)"
+                if not outcome.missing
+                else _missing.did_not(outcome.missing, timeout=timeout, arrive="reach this call")
+                + " (the others did)"
+            )
+            raise MeshkitError(
+                f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
+                f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
+                "wait."
+            )
+        if not outcome.agreed and problem is None:  # a process with a problem raises its own
+            records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
+            for p, record in records.items():
+                if record["problem"] is not None:
+                    raise MeshkitError(
+                        f"{what}: process {p} refused the call:\n{record['problem']}"
+                    )
+            raise MeshkitError(_difference(what, records, doing))
+    if problem is not None:
+        raise MeshkitError(problem)
+
+
+_SHARED_VALUES = (
+    "Consider computing what differs from values every process shares (host values are written "
+    "by process 0 alone: any other process's would be lost)."
+)
+_SHARED_PATH = (
+    "Consider a path every process computes the same way, on a filesystem they all see (not "
+    "tempfile.mkdtemp() in each process)."
+)
+
+
+def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
+    """The message naming the first entry where the processes' records differ."""
+    ref_p, ref = next(iter(records.items()))
+    for p, record in records.items():
+        a, b = ref["entries"], record["entries"]
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                fix = {"path": _SHARED_PATH, "data": _data.DATA_FIX}.get(x[1], _SHARED_VALUES)
+                return (
+                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {x[-1]} on "
+                    f"process {ref_p}, {y[-1]} on process {p}.\nEvery process must {doing}."
+                    f"\n{fix}"
+                )
+        if len(a) != len(b):
+            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
+            return (
+                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
+                f"\nEvery process must {doing}."
+            )
+    return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
 
 
 @public
@@ -333,7 +402,7 @@ def _targets(source: Any, mesh: Any, specs: Any, what: str, like: Any = None) ->
     if problem is None:
         tree, problem, entries = _plan_targets(source, mesh, specs, what)
     if problem is None and like is not None:
-        tree, problem = _template.into(tree, like, what)
+        tree, problem = arrange_like(tree, like, what)
         entries.append(["like=", "structure", str(jax.tree_util.tree_structure(like))])
     head = [["the directory", "path", str(where)]] if where is not None else []
     _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")

@@ -103,7 +103,7 @@ def keep_problem(where: Path, keep: object, what: str) -> str | None:
     return None
 
 
-def prune(root: Path, keep: int) -> list[Path]:
+def prune(root: Path, keep: int) -> None:
     """Delete all but the ``keep`` latest steps, and unfinished saves older than them."""
     complete = _complete(root)
     gone = [e for _, e in complete[:-keep]]
@@ -114,7 +114,6 @@ def prune(root: Path, keep: int) -> list[Path]:
             gone.append(e)
     for e in gone:
         shutil.rmtree(e, ignore_errors=True)
-    return gone
 
 
 @public
