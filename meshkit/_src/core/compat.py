@@ -301,45 +301,28 @@ def _sharding_text(sharding: Any) -> str:
     return str(sharding)
 
 
-_compile_hooks: list[Callable[[Compiling], None]] = []
-_original_compile: Callable[..., Any] | None = None
-
-
 def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
     """Call ``hook`` before JAX compiles a computation (wraps ``MeshComputation.compile``).
 
-    What ``hook`` raises reaches the caller. Returns the hook's remover, or None where this
-    JAX has no such step.
+    What ``hook`` raises reaches the caller. Returns the hook's remover (hooks are removed in
+    the reverse order of their installation), or None where this JAX has no such step.
     """
-    global _original_compile
     cls = getattr(_pxla(), "MeshComputation", None)
     original = getattr(cls, "compile", None)
     if original is None:
         return None
-    if _original_compile is None:
-        _original_compile = original
 
-        @functools.wraps(original)
-        def compile(
-            self: Any, compiler_options: Any = None, *, device_assignment: Any = None
-        ) -> Any:
-            cached = getattr(self, "_executable", None) is not None
-            if not (cached and compiler_options is None and device_assignment is None):
-                for each in tuple(_compile_hooks):
-                    each(Compiling(self))
-            return original(self, compiler_options, device_assignment=device_assignment)
-
-        cls.compile = compile  # type: ignore[union-attr]
-    _compile_hooks.append(hook)
+    @functools.wraps(original)
+    def compile(self: Any, compiler_options: Any = None, *, device_assignment: Any = None) -> Any:
+        cached = getattr(self, "_executable", None) is not None
+        if not (cached and compiler_options is None and device_assignment is None):
+            hook(Compiling(self))
+        return original(self, compiler_options, device_assignment=device_assignment)
 
     def remove() -> None:
-        global _original_compile
-        if hook in _compile_hooks:
-            _compile_hooks.remove(hook)
-        if not _compile_hooks and _original_compile is not None:
-            cls.compile = _original_compile  # type: ignore[union-attr]
-            _original_compile = None
+        cls.compile = original  # type: ignore[union-attr]
 
+    cls.compile = compile  # type: ignore[union-attr]
     return remove
 
 

@@ -1,7 +1,6 @@
 """JAX's persistent compilation cache, as `meshkit.init` turns it on, and its compile times.
 
-The directory comes from ``compilation_cache=``, else ``MESHKIT_COMPILATION_CACHE``; it is set
-before anything compiles. Under ``meshkit launch`` each compilation emits a ``compiled`` event.
+Under ``meshkit launch`` each compilation emits a ``compiled`` event.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _JAX_DEFAULT_MIN_TIME = 1.0
 
 
-def enable(
-    directory: str | os.PathLike[str] | None, *, called: str = "meshkit.init()"
-) -> str | None:
+def enable(directory: str | os.PathLike[str] | None) -> str | None:
     """Set JAX's compilation cache directory from the argument, else the environment."""
     if directory is not None:
         source = "from the argument compilation_cache"
@@ -36,7 +33,7 @@ def enable(
             source += ", set by meshkit launch --compilation-cache"
     if directory is None:
         return None
-    path = writable(directory, called=called, source=source)
+    path = writable(directory, called="meshkit.init()", source=source)
     jax.config.update("jax_compilation_cache_dir", path)
     # At JAX's default minimum compile time, cache small programs too.
     if jax.config.values.get(_MIN_TIME) == _JAX_DEFAULT_MIN_TIME:

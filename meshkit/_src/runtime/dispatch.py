@@ -88,18 +88,8 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
 
 
 def quiet() -> bool:
-    """Whether `enter` would only count the call: no observer, no kept failure, debug off.
-
-    Entries with a steady fast path (`meshkit.spmd` on placed inputs) test this and count
-    the call themselves.
-    """
+    """Whether `enter` would only count the call (fast paths then count it themselves)."""
     return not _observers and not _agree.failures and _debug.state.settings is None
-
-
-def add_observer(observer: Observer) -> None:
-    """Show every SPMD call entered from now on to ``observer`` (after those already there)."""
-    with _lock:
-        _observers.append(observer)
 
 
 def remove_observer(observer: Observer) -> None:
@@ -112,7 +102,8 @@ def remove_observer(observer: Observer) -> None:
 @contextmanager
 def observing(observer: Observer) -> Iterator[None]:
     """Install ``observer`` for every SPMD call entered inside the ``with`` block."""
-    add_observer(observer)
+    with _lock:
+        _observers.append(observer)
     try:
         yield
     finally:

@@ -128,29 +128,15 @@ _TABLE: Hosts | None = None
 
 def known() -> Hosts | None:
     """The hosts this process learned (at `meshkit.init`, or at the first `make_mesh`)."""
-    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == _processes() else None
+    n = _compat.distributed_state()[2]
+    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == n else None
 
 
 def table(timeout: float, what: str) -> Hosts:
-    """The hosts of the program, exchanged at the first call if `meshkit.init` did not."""
+    """The hosts of the program, exchanged at the first call (`meshkit.init` makes it)."""
     global _TABLE
     found = known()
     if found is None:
         _, me, n = _compat.distributed_state()
         found = _TABLE = exchange(me, n, timeout, what)
     return found
-
-
-def remember(hosts: Hosts) -> None:
-    """Keep ``hosts`` as the program's table (`meshkit.init` calls it after its exchange)."""
-    global _TABLE
-    if len(hosts.of_process) != _processes():
-        raise MeshkitError(
-            f"meshkit: a host table of {len(hosts.of_process)} processes in a program of "
-            f"{_processes()}."
-        )
-    _TABLE = hosts
-
-
-def _processes() -> int:
-    return _compat.distributed_state()[2]

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
-import socket
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,10 +32,12 @@ from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
+    ENV_HEARTBEAT_TIMEOUT,
     ENV_INIT_TIMEOUT,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_SHUTDOWN_TIMEOUT,
     ENV_STATUS,
 )
 from ..core.errors import MeshkitError
@@ -45,7 +46,6 @@ from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from . import compile_cache as _compile_cache
-from . import distributed_options as _options
 from . import hosts as _hosts
 from . import preflight as _preflight
 from . import programs as _programs
@@ -180,7 +180,7 @@ def _source(address: str | None, num_processes: int | None, process_id: int | No
                     f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
                     "(the address of process 0)."
                 )
-            split_address(address)
+            _ports.split_address(address)
         reason = "coordinator/processes passed to meshkit.init()"
         return RuntimeInfo("arguments", reason, n, pid, address if n > 1 else None)
     _engines.check_agreement(os.environ)
@@ -192,7 +192,7 @@ def _source(address: str | None, num_processes: int | None, process_id: int | No
                 f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
                 f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
             )
-        split_address(address)
+        _ports.split_address(address)
         return RuntimeInfo("meshkit launch", f"{ENV_COORDINATOR}={address} is set", n, pid, address)
     cluster = _detect_cluster()
     name = cluster and cluster.__name__
@@ -323,10 +323,10 @@ def init(
             f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
             f" (from the argument, else {ENV_INIT_TIMEOUT})."
         )
-    options = _options.chosen(
+    options = distributed_options(
         heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
     )
-    _options.check_supported(options)
+    check_supported(options)
     num_processes = _positive("num_processes", num_processes)
     if process_id is not None and (
         isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
@@ -356,8 +356,7 @@ def init(
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
     _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
-    hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
-    _hosts.remember(hosts)
+    hosts = _hosts.table(_env.check_timeout(), _WHERE)
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
     _programs.install(info.num_processes)
     _debug_mode.from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
@@ -424,7 +423,7 @@ def _join(
                 ids = detected = list(binding.ids)
                 reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
         if address is not None and n is not None and pid is not None:
-            check_coordinator(address, pid, n, timeout, source=plan.reason)
+            _ports.check_coordinator(address, pid, n, timeout, source=plan.reason)
         # JAX detects again inside initialize (keeping its TPU and slice handling its own).
         jax.distributed.initialize(
             local_device_ids=ids, initialization_timeout=init_timeout, **options
@@ -436,7 +435,7 @@ def _join(
         )  # fmt: skip
     else:
         assert plan.coordinator_address is not None
-        check_coordinator(
+        _ports.check_coordinator(
             plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
         )
         jax.distributed.initialize(
@@ -475,48 +474,71 @@ def _attempt() -> int:
     return 0
 
 
-_UNREACHABLE = f"""\
-meshkit.init(): process {{pid}} of {{n}} could not reach the coordinator at {{address}}
-within {{timeout:g}} s (source: {{source}}).
-The coordinator is process 0; it must be running and its address reachable from this host.
-Consider checking that process 0 started and printed no error, that host and port are right, and
-that no firewall blocks the port; raise the wait with timeout= or {ENV_INIT_TIMEOUT}=SECONDS."""
+# meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
+DISTRIBUTED_OPTIONS = {
+    "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
+    "shutdown_timeout": ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT),
+}
+INITIALIZATION = "initialization_timeout"
+_BAD_VALUE = """\
+meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{origin}.
+JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
+Consider {name}=SECONDS, e.g. {name}=120."""
 
-_PORT_IN_USE = """\
-meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
-use on this host (source: {source}).
-Consider choosing another port, or ending the program that holds it (an earlier run that did not
-exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise MeshkitError(
-            f"meshkit.init(): coordinator address {address!r} is not of the form 'host:port'."
-        )
-    return host.strip("[]"), int(port)
+_UNSUPPORTED = """\
+meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
+jax.distributed.initialize, so it cannot be passed{origin}.
+JAX 0.10.2 and 0.12 have it.
+Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+default)."""
 
 
-def check_coordinator(address: str, process_id: int, n: int, timeout: float, source: str) -> None:
-    """Fail with a named address instead of letting JAX abort the process."""
-    host, port = split_address(address)
-    if process_id == 0:
-        # `meshkit launch`'s reservation is fine; anything else would share the port.
-        if _ports.coordinator_port_taken(port):
-            raise MeshkitError(_PORT_IN_USE.format(address=address, port=port, source=source))
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                what = dict(pid=process_id, n=n, address=address, timeout=timeout, source=source)
-                raise MeshkitError(_UNREACHABLE.format(**what)) from None
-            time.sleep(0.1)
+def _origin(variable: str | None) -> str:
+    return f" (from the environment variable {variable})" if variable else ""
+
+
+def distributed_options(**given: Any) -> dict[str, Any]:
+    """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``."""
+    options = {}
+    for name, (parameter, variable) in DISTRIBUTED_OPTIONS.items():
+        value, origin = given.get(name), None
+        if value is None:
+            value, origin = _env.integer(variable, where=_WHERE), variable
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
+            raise MeshkitError(_BAD_VALUE.format(**what))
+        options[parameter] = value
+    return options
+
+
+def _parameters(initialize: Callable[..., Any]) -> set[str]:
+    everything = {p for p, _ in DISTRIBUTED_OPTIONS.values()} | {INITIALIZATION}
+    try:
+        parameters = inspect.signature(initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return everything
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return everything  # a wrapper (a test's spy, a framework's) that passes keywords on
+    return set(parameters)
+
+
+def check_supported(
+    options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
+) -> None:
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
+    if initialize is None:
+        initialize, version = jax.distributed.initialize, jax.__version__
+    accepted = _parameters(initialize)
+    by_parameter = {p: (name, variable) for name, (p, variable) in DISTRIBUTED_OPTIONS.items()}
+    for parameter in [INITIALIZATION, *options]:
+        if parameter in accepted:
+            continue
+        name, variable = by_parameter.get(parameter, ("timeout", None))
+        origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
+        raise MeshkitError(text)
 
 
 def _local_cpu_count() -> int | None:
