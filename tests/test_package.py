@@ -88,7 +88,7 @@ def test_meshkit_info_shows_the_versions_the_preflight_compares():
 
     import jax
 
-    from meshkit._src.runtime import preflight
+    from meshkit._src.runtime import programs
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
@@ -103,8 +103,8 @@ def test_meshkit_info_shows_the_versions_the_preflight_compares():
         f"jaxlib {importlib.metadata.version('jaxlib')}, meshkit {meshkit.__version__}"
     )
     assert versions in text.splitlines(), text
-    assert f"  {len(preflight.settings())} jax.config settings:" in text, text
-    for name in preflight.settings():
+    assert f"  {len(programs.settings())} jax.config settings:" in text, text
+    for name in programs.settings():
         assert f"{name}=" in text, (name, text)
     assert "  a warning only where they differ: XLA_FLAGS=" in text, text
 

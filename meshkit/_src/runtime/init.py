@@ -47,7 +47,6 @@ from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from . import compile_cache as _compile_cache
 from . import hosts as _hosts
-from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
 
@@ -355,7 +354,7 @@ def init(
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
-    _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
+    _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
     hosts = _hosts.table(_env.check_timeout(), _WHERE)
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
     _programs.install(info.num_processes)
