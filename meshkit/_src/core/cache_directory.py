@@ -1,7 +1,6 @@
-"""Whether a compilation cache directory can be used, decided before anything compiles.
+"""Whether a compilation cache directory can be used (`meshkit.init`, ``meshkit launch``).
 
-Shared by `meshkit.init` and ``meshkit launch --compilation-cache``. JAX only warns when it
-cannot write a cache entry, so an unwritable directory would silently recompile every restart.
+JAX only warns when it cannot write a cache entry: an unwritable one would recompile silently.
 """
 
 from __future__ import annotations

@@ -132,9 +132,12 @@ def runtime_info() -> RuntimeInfo | None:
     return _INFO
 
 
-def _positive(name: str, value: int | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise MeshkitError(f"meshkit.init(): {name} must be a positive int; got {value!r}.")
+def _whole(name: str, value: int | None, least: int = 1) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
+        rule = "a positive int" if least else "an int >= 0"
+        raise MeshkitError(f"meshkit.init(): {name} must be {rule}; got {value!r}.")
     return value
 
 
@@ -153,14 +156,8 @@ def _launched() -> tuple[int | None, int | None]:
     return _env.integer(ENV_NUM_PROCESSES, where=_WHERE), _env.integer(ENV_PROCESS_ID, where=_WHERE)
 
 
-def _plan(
-    address: str | None, n: int | None, pid: int | None, ids: tuple[int, ...] | None
-) -> RuntimeInfo:
+def _plan(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
-    return dataclasses.replace(_source(address, n, pid), local_device_ids=ids)
-
-
-def _source(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     if address is not None or num_processes is not None or process_id is not None:
         n = 1 if num_processes is None else num_processes
         pid = 0 if process_id is None else process_id
@@ -310,9 +307,9 @@ def init(
     """
     global _INFO
     guards = (_failfast.settings(), _preemption.grace())  # bad settings raise before joining
-    cpu_devices = _positive("cpu_devices", cpu_devices)
+    cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
-        cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
+        cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
     if timeout is None:
         timeout = _env.number(ENV_INIT_TIMEOUT, where=_WHERE)
         timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
@@ -326,11 +323,8 @@ def init(
         heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
     )
     check_supported(options)
-    num_processes = _positive("num_processes", num_processes)
-    if process_id is not None and (
-        isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
-    ):
-        raise MeshkitError(f"meshkit.init(): process_id must be an int >= 0; got {process_id!r}.")
+    num_processes = _whole("num_processes", num_processes)
+    process_id = _whole("process_id", process_id, least=0)
     if process_id is not None and process_id >= (num_processes or 1):
         raise MeshkitError(
             f"meshkit.init(): process_id={process_id} is not one of the "
@@ -340,7 +334,8 @@ def init(
     ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
     if ids is None:
         ids = _env.ids(ENV_LOCAL_DEVICE_IDS, where=_WHERE)
-    plan = _plan(coordinator_address, num_processes, process_id, ids)
+    plan = _plan(coordinator_address, num_processes, process_id)
+    plan = dataclasses.replace(plan, local_device_ids=ids)
     if _INFO is not None:
         _check_again(_INFO, plan, cpu_devices)
         return _INFO
@@ -350,7 +345,8 @@ def init(
     if guards[0] is not None and _compat.distributed_state()[0] is None:
         # A notice while joining is one too (not if the program joined itself).
         _preemption.install(None, seconds=guards[1], tell=None, sync=None)
-    info = _join(plan, cpu_devices, float(timeout), options, guards)
+    info = _INFO = _join(plan, cpu_devices, float(timeout), options)
+    _guard(info, guards)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
@@ -363,19 +359,14 @@ def init(
 
 
 def _join(
-    plan: RuntimeInfo,
-    cpu_devices: int | None,
-    timeout: float,
-    options: dict[str, Any],
-    guards: Guards,
+    plan: RuntimeInfo, cpu_devices: int | None, timeout: float, options: dict[str, Any]
 ) -> RuntimeInfo:
-    """Join as ``plan`` says (or adopt a join made before), and install the guards."""
-    global _INFO
+    """Join as ``plan`` says, or adopt a join made before."""
     client, joined_pid, joined_n = _compat.distributed_state()
     if client is not None:  # joined elsewhere (the program, Ray, an engine): adopt the join
         if joined_n > 1 and not _compat.backends_are_initialized():
             _select_gloo()
-        _INFO = dataclasses.replace(
+        info = dataclasses.replace(
             plan,
             source="jax.distributed",
             reason="jax.distributed.initialize() was called before meshkit.init()",
@@ -391,8 +382,7 @@ def _join(
                 "jax.distributed.initialize() call.",
                 stacklevel=4,
             )
-        _guard(_INFO, guards)
-        return _INFO
+        return info
 
     started = _compat.backends_are_initialized()
     joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
@@ -404,9 +394,7 @@ def _join(
     if cpu_devices is not None and not started:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if not joins:
-        _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
-        _guard(_INFO, guards)
-        return _INFO
+        return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
     collectives = _select_gloo()
     _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
@@ -441,10 +429,8 @@ def _join(
             plan.coordinator_address, plan.num_processes, plan.process_id,
             local_device_ids=ids, initialization_timeout=init_timeout, **options,
         )  # fmt: skip
-    _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
-    _progress.mark("joined", _INFO.process_id)
-    _guard(_INFO, guards)
-    return _INFO
+    _progress.mark("joined", plan.process_id)
+    return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
 def _guard(info: RuntimeInfo, guards: Guards) -> None:
