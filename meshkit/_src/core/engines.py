@@ -213,33 +213,22 @@ def read_engine(environ: Mapping[str, str], *, jax_detects: str | None = None) -
     )
 
 
-def _claims(environ: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
-    """(count variable, value, id variable, value) of each source that sets a process count."""
-    sources = [
-        ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
-        (ENV_NUM_PROCESSES, ENV_PROCESS_ID),
-        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
-    ]
-    if all(environ.get(n) for n in STEP_VARS):  # a task of a SLURM job step
-        sources.append(("SLURM_NTASKS", "SLURM_PROCID"))
-    return [
-        (c, environ[c].strip(), i, environ.get(i, "").strip())
-        for c, i in sources
-        if environ.get(c, "").strip()
-    ]
-
-
 def check_agreement(environ: Mapping[str, str]) -> None:
-    """Raise if two variables give different process counts, or ids, for this process."""
-    claims = _claims(environ)
-    if not claims or claims[0][0] != "JAX_NUM_PROCESSES":
+    """Raise if ``JAX_*`` and another variable give different process counts, or ids."""
+    n, pid = environ.get("JAX_NUM_PROCESSES", "").strip(), environ.get("JAX_PROCESS_ID", "").strip()
+    if not n:
         return
-    count, n, ident, pid = claims[0]
-    for other_count, other_n, other_ident, other_pid in claims[1:]:
+    others = [(ENV_NUM_PROCESSES, ENV_PROCESS_ID), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")]
+    if all(environ.get(name) for name in STEP_VARS):  # a task of a SLURM job step
+        others.append(("SLURM_NTASKS", "SLURM_PROCID"))
+    for count, ident in others:
+        other_n, other_pid = environ.get(count, "").strip(), environ.get(ident, "").strip()
+        if not other_n:
+            continue
         if _int(n) != _int(other_n):
-            first, second, what = f"{count}={n}", f"{other_count}={other_n}", "process counts"
+            first, second, what = f"JAX_NUM_PROCESSES={n}", f"{count}={other_n}", "process counts"
         elif pid and other_pid and _int(pid) != _int(other_pid):
-            first, second, what = f"{ident}={pid}", f"{other_ident}={other_pid}", "process ids"
+            first, second, what = f"JAX_PROCESS_ID={pid}", f"{ident}={other_pid}", "process ids"
         else:
             continue
         raise MeshkitError(_DISAGREE.format(what=what, first=first, second=second))

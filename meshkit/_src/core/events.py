@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,25 +77,20 @@ def own_rank() -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def _records(file: Path) -> Iterator[dict[str, Any]]:
-    try:
-        text = file.read_text()
-    except OSError:
-        return
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # cut short by a crash
-            continue
-        if isinstance(record, dict) and record.get("kind") in KINDS:
-            yield record
-
-
 def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
     """The events of ``ranks`` (a count: ranks 0..n-1), in the order written (time, then rank)."""
     out = []
     for rank in range(ranks) if isinstance(ranks, int) else ranks:
-        for record in _records(path(directory, rank)):
-            fields = {k: v for k, v in record.items() if k not in ("rank", "kind", "time")}
-            out.append(Event(int(record["rank"]), record["kind"], float(record["time"]), fields))
+        try:
+            lines = path(directory, rank).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # cut short by a crash
+                continue
+            if isinstance(record, dict) and record.get("kind") in KINDS:
+                writer, kind = int(record.pop("rank")), record.pop("kind")
+                out.append(Event(writer, kind, float(record.pop("time")), fields=record))
     return sorted(out, key=lambda e: (e.time, e.rank))
