@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshkit
-from meshkit._src.core.engines import DEFAULT_PORT, EngineJoin, check_agreement, read_engine
+from meshkit._src.core.env import DEFAULT_PORT, EngineJoin, check_agreement, read_engine
 from meshkit._src.runtime import init as _init_module
 
 JAX3 = {"JAX_COORDINATOR_ADDRESS": "trainer-node-0-0.trainer:6666", "JAX_NUM_PROCESSES": "2",

@@ -14,7 +14,7 @@ import pytest
 from test_runtime import run_py
 
 from meshkit import MeshkitError
-from meshkit._src.core.engines import STEP_VARS, check_step
+from meshkit._src.core.env import STEP_VARS, check_step
 from meshkit._src.runtime import init as runtime
 
 SRUN_TASK = {

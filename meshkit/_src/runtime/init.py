@@ -1,7 +1,7 @@
 """Joining the cluster: ``meshkit.init()`` and what it found.
 
 Sources in order: arguments; ``meshkit launch``'s environment; another engine's
-(`meshkit._src.core.engines`); JAX's cluster detection; else one process. The coordinator is
+(`meshkit._src.core.env`); JAX's cluster detection; else one process. The coordinator is
 checked before JAX is asked, since JAX aborts the process when it cannot reach it.
 """
 
@@ -22,7 +22,6 @@ from ..coord import agree as _agree
 from ..coord import failures as _failures
 from ..coord import save_step as _save_step
 from ..core import compat as _compat
-from ..core import engines as _engines
 from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
@@ -179,7 +178,7 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
             _ports.split_address(address)
         reason = "coordinator/processes passed to meshkit.init()"
         return RuntimeInfo("arguments", reason, n, pid, address if n > 1 else None)
-    _engines.check_agreement(os.environ)
+    _env.check_agreement(os.environ)
     address = os.environ.get(ENV_COORDINATOR)
     if address:
         n, pid = _launched()
@@ -192,13 +191,13 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
         return RuntimeInfo("meshkit launch", f"{ENV_COORDINATOR}={address} is set", n, pid, address)
     cluster = _detect_cluster()
     name = cluster and cluster.__name__
-    engine = _engines.read_engine(os.environ, jax_detects=name)
+    engine = _env.read_engine(os.environ, jax_detects=name)
     if engine is not None:
         reason = f"{engine.engine} found: {engine.found}"
         n, pid, address = engine.num_processes, engine.process_id, engine.coordinator_address
         return RuntimeInfo(engine.engine, reason, n, pid, address)
     if name is None or name == "SlurmCluster":
-        _engines.check_step(os.environ)  # a batch script without srun looks like no cluster to JAX
+        _env.check_step(os.environ)  # a batch script without srun looks like no cluster to JAX
     if name is not None:
         return RuntimeInfo("cluster", f"JAX's {name} detector found its environment", cluster=name)
     _warn_if_launcher_unrecognised()
@@ -405,7 +404,7 @@ def _join(
         reason = plan.reason
         if ids is None and detected is not None and len(detected) == 1:
             # JAX would take the local rank as the one device id; not if GPUs were bound.
-            binding = _engines.bound_device_ids(os.environ, int(detected[0]))
+            binding = _env.bound_device_ids(os.environ, int(detected[0]))
             if binding is not None:
                 ids = detected = list(binding.ids)
                 reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
