@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
-from ..core import rank_stages as _progress
+from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
 from ..debug import state as _debug
@@ -67,7 +67,7 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     remove_observer(_first_call_step)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
-    _progress.mark("running")  # under `meshkit launch`: this rank got past joining
+    _events.mark("running")  # under `meshkit launch`: this rank got past joining
     _debug_mode.from_environment()
 
 

@@ -26,7 +26,6 @@ from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
 from ..core import program_thread as _program_thread
-from ..core import rank_stages as _progress
 from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
@@ -396,7 +395,7 @@ def _join(
         return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
     collectives = _select_gloo()
-    _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
+    _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
@@ -428,7 +427,7 @@ def _join(
             plan.coordinator_address, plan.num_processes, plan.process_id,
             local_device_ids=ids, initialization_timeout=init_timeout, **options,
         )  # fmt: skip
-    _progress.mark("joined", plan.process_id)
+    _events.mark("joined", plan.process_id)
     return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
