@@ -87,11 +87,8 @@ def trace_context_settings() -> frozenset[str] | None:
     return frozenset(set(names()) & set(config.config_states))
 
 
-_MARKS = ("include_in_jit_key", "include_in_trace_context")
-
-
 def _marked_declarations(source: str, path: str) -> set[str]:
-    """Names of the calls in ``source`` that pass a mark of `_MARKS` as a literal ``True``."""
+    """Names of the calls in ``source`` that pass one of the two marks as a literal ``True``."""
     import ast
 
     found = set()
@@ -99,7 +96,7 @@ def _marked_declarations(source: str, path: str) -> set[str]:
         if not isinstance(node, ast.Call):
             continue
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
-        marks = [keywords.get(m) for m in _MARKS]
+        marks = [keywords.get(m) for m in ("include_in_jit_key", "include_in_trace_context")]
         if not any(isinstance(v, ast.Constant) and v.value is True for v in marks):
             continue
         name = keywords.get("name", node.args[0] if node.args else None)

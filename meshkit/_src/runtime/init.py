@@ -349,7 +349,7 @@ def init(
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
-    hosts = _hosts.table(_env.check_timeout(), _WHERE)
+    hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
     _programs.install(info.num_processes)
     _debug_mode.from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
