@@ -242,13 +242,13 @@ def _join_options(args: argparse.Namespace) -> dict[str, str]:
 
     As the ranks read them; the cache directory is checked here, before any rank starts.
     """
-    from .._src.core.cache_directory import writable
     from .._src.core.contract import (
         ENV_COMPILATION_CACHE,
         ENV_HEARTBEAT_TIMEOUT,
         ENV_INIT_TIMEOUT,
         ENV_SHUTDOWN_TIMEOUT,
     )
+    from .._src.runtime.compile_cache import writable
 
     given = {
         ENV_INIT_TIMEOUT: args.init_timeout,

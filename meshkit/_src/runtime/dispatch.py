@@ -93,7 +93,7 @@ def quiet() -> bool:
 
 
 def remove_observer(observer: Observer) -> None:
-    """Undo `add_observer`; an observer not installed is ignored."""
+    """Stop showing SPMD calls to ``observer``; one not installed is ignored."""
     with _lock:
         if observer in _observers:
             _observers.remove(observer)
