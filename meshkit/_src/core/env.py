@@ -46,7 +46,6 @@ def _parse(name: str, where: str, convert: Callable[[str], T], rule: str) -> T |
 
 
 def integer(name: str, *, where: str = "") -> int | None:
-    """An integer setting (None when unset)."""
     return _parse(name, where, int, "is not an integer")
 
 

@@ -74,7 +74,6 @@ def free_ports(count: int = 2, *, tries: int = 1000) -> int:
 
 
 def port_in_use(port: int) -> bool:
-    """Whether anything on this machine holds TCP ``port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("", port))

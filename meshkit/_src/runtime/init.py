@@ -49,7 +49,6 @@ from . import programs as _programs
 from .hosts import Hosts
 
 _WHERE = "meshkit.init()"
-Guards = tuple[float | None, float]  # fail-fast's grace (None: off), preemption's grace
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 
 
@@ -431,8 +430,8 @@ def _join(
     return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
-def _guard(info: RuntimeInfo, guards: Guards) -> None:
-    """Wire fail-fast and preemption to coordination (alone: SIGTERM a notice, no peers)."""
+def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
+    """Wire fail-fast (its grace; None: off) and preemption (its grace) to coordination."""
     (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
     if n > 1:
         _failfast.install(

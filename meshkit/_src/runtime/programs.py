@@ -277,7 +277,6 @@ def install(num_processes: int) -> bool:
 
 
 def installed() -> bool:
-    """Whether programs are compared at compilation in this process."""
     return _remove is not None
 
 
