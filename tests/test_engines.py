@@ -19,8 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshkit
-from meshkit._src.core.engines import DEFAULT_PORT, EngineJoin, check_agreement, read_engine
-from meshkit._src.runtime import distributed_options as options
+from meshkit._src.core.env import DEFAULT_PORT, EngineJoin, check_agreement, read_engine
 from meshkit._src.runtime import init as _init_module
 
 JAX3 = {"JAX_COORDINATOR_ADDRESS": "trainer-node-0-0.trainer:6666", "JAX_NUM_PROCESSES": "2",
@@ -305,20 +304,20 @@ def test_init_refuses_bad_options(monkeypatch, kwargs, expected):
 def test_options_come_from_arguments_else_environment(monkeypatch):
     monkeypatch.setenv("MESHKIT_HEARTBEAT_TIMEOUT", "40")
     monkeypatch.setenv("MESHKIT_SHUTDOWN_TIMEOUT", "50")
-    assert options.chosen(heartbeat_timeout=30) == {
+    assert _init_module.distributed_options(heartbeat_timeout=30) == {
         "heartbeat_timeout_seconds": 30, "shutdown_timeout_seconds": 50,
     }  # fmt: skip
     monkeypatch.delenv("MESHKIT_HEARTBEAT_TIMEOUT")
     monkeypatch.delenv("MESHKIT_SHUTDOWN_TIMEOUT")
-    assert options.chosen() == {}
+    assert _init_module.distributed_options() == {}
 
 
 def test_the_installed_jax_takes_every_option():
     params = inspect.signature(jax.distributed.initialize).parameters
-    for parameter, _ in options.OPTIONS.values():
+    for parameter, _ in _init_module.DISTRIBUTED_OPTIONS.values():
         assert parameter in params
-    assert options.INITIALIZATION in params
-    options.check_supported({"heartbeat_timeout_seconds": 5, "shutdown_timeout_seconds": 5})
+    assert _init_module.INITIALIZATION in params
+    _init_module.check_supported({"heartbeat_timeout_seconds": 5, "shutdown_timeout_seconds": 5})
 
 
 def test_a_jax_without_the_option_is_named_with_the_versions_that_have_it(monkeypatch):
@@ -333,7 +332,7 @@ def test_a_jax_without_the_option_is_named_with_the_versions_that_have_it(monkey
 
     monkeypatch.setenv("MESHKIT_SHUTDOWN_TIMEOUT", "9")
     with pytest.raises(meshkit.MeshkitError) as refusal:
-        options.check_supported({"shutdown_timeout_seconds": 9}, old_initialize, "0.4.1")
+        _init_module.check_supported({"shutdown_timeout_seconds": 9}, old_initialize, "0.4.1")
     text = str(refusal.value)
     assert text.startswith(
         "meshkit.init(shutdown_timeout=...): the running JAX 0.4.1 has no "
@@ -367,4 +366,4 @@ def test_a_wrapper_that_passes_keywords_on_is_accepted():
     def wrapper(*args, **kwargs):
         raise AssertionError("never called")
 
-    options.check_supported({"heartbeat_timeout_seconds": 5}, wrapper, "any")
+    _init_module.check_supported({"heartbeat_timeout_seconds": 5}, wrapper, "any")

@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.core.engines import bound_device_ids
-from meshkit._src.core.env import visible_devices
+from meshkit._src.core.env import bound_device_ids, visible_devices
 from meshkit._src.launch.spawn import count_gpus, rank_environments
 
 

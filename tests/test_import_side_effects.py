@@ -50,13 +50,11 @@ after = snapshot()
 changed = {k: [before[k], after[k]] for k in before if before[k] != after[k]}
 
 # meshkit's own hook lists hold only what they are born with.
-from meshkit._src.core import compat
 from meshkit._src.debug import state as debug_state
 from meshkit._src.lifecycle import exit as exit_, preemption, failfast
 from meshkit._src.runtime import dispatch, programs, init
 own = {
     "dispatch observers": [o.__name__ for o in dispatch._observers],
-    "compile hooks": len(compat._compile_hooks),
     "exit handlers": sorted(exit_._registry.exit),
     "exception handlers": sorted(exit_._registry.exception),
     "atexit installed": exit_._registry.atexit_installed,
@@ -71,7 +69,6 @@ print(json.dumps({"changed": changed, "own": own}))
 
 _BORN = {
     "dispatch observers": ["_first_call_step"],
-    "compile hooks": 0,
     "exit handlers": [],
     "exception handlers": [],
     "atexit installed": False,

@@ -88,7 +88,7 @@ def test_meshkit_info_shows_the_versions_the_preflight_compares():
 
     import jax
 
-    from meshkit._src.runtime import preflight
+    from meshkit._src.runtime import programs
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
@@ -103,8 +103,8 @@ def test_meshkit_info_shows_the_versions_the_preflight_compares():
         f"jaxlib {importlib.metadata.version('jaxlib')}, meshkit {meshkit.__version__}"
     )
     assert versions in text.splitlines(), text
-    assert f"  {len(preflight.settings())} jax.config settings:" in text, text
-    for name in preflight.settings():
+    assert f"  {len(programs.settings())} jax.config settings:" in text, text
+    for name in programs.settings():
         assert f"{name}=" in text, (name, text)
     assert "  a warning only where they differ: XLA_FLAGS=" in text, text
 
@@ -140,7 +140,7 @@ def test_the_launcher_and_the_command_import_no_jax(tmp_path):
         "from meshkit._src.launch import launcher, rank_output, reaper, report, spawn, stop\n"
         "from meshkit._src.launch import supervise\n"
         "from meshkit._src.core import contract, events\n"
-        "from meshkit._src.core import diagnosis, rank_stages\n"
+        "from meshkit._src.core import diagnosis\n"
         "meshkit.launch, meshkit.LaunchResult, meshkit.RankResult, meshkit.MeshkitError\n"
         f"{_NO_JAX}\n"
         "for argv in (['launch', '--help'], ['migrate', '--help']):\n"

@@ -1,6 +1,6 @@
 """The preflight at `meshkit.init`: processes agree on their software and settings first.
 
-The unit tests hand `preflight.check` the other processes' records through a stand-in for the
+The unit tests hand `programs.preflight` the other processes' records through a stand-in for the
 agreement; the multi-process tests start real processes whose settings differ.
 
 What the launched processes run is in `ranks/preflight.py`.
@@ -23,10 +23,10 @@ from ranks import preflight as ranks
 import meshkit
 from meshkit._src.coord.node import Outcome
 from meshkit._src.core import compat
-from meshkit._src.runtime import preflight
+from meshkit._src.runtime import programs
 from meshkit.testing import launch_in_processes
 
-BASE = preflight.Facts(
+BASE = programs.Facts(
     python="3.11.9",
     jax="0.10.2",
     jaxlib="0.10.2",
@@ -40,8 +40,8 @@ BASE = preflight.Facts(
 )
 
 
-def _exchange(monkeypatch, records: dict[int, preflight.Facts], missing=()):
-    """Make `preflight.check` see ``records`` (by process) as the exchange's outcome."""
+def _exchange(monkeypatch, records: dict[int, programs.Facts], missing=()):
+    """Make `programs.preflight` see ``records`` (by process) as the exchange's outcome."""
     asked: list[str] = []
 
     def check(tag, summary, record, *, timeout, what=""):
@@ -49,18 +49,18 @@ def _exchange(monkeypatch, records: dict[int, preflight.Facts], missing=()):
         agreed = len({r.to_json() for r in records.values()}) == 1 and not missing
         return Outcome(agreed, {p: r.to_json() for p, r in records.items()}, tuple(missing))
 
-    monkeypatch.setattr(preflight._agree, "check", check)
-    monkeypatch.setattr(preflight, "facts", lambda: records[0])
+    monkeypatch.setattr(programs._agree, "check", check)
+    monkeypatch.setattr(programs, "facts", lambda: records[0])
     return asked
 
 
-def _with(facts: preflight.Facts, **changes: Any) -> preflight.Facts:
+def _with(facts: programs.Facts, **changes: Any) -> programs.Facts:
     settings = {k: changes.pop(k) for k in list(changes) if k.startswith("jax_")}
     return dataclasses.replace(facts, **changes, settings={**facts.settings, **settings})
 
 
 def test_facts_are_this_processs_software_and_devices():
-    mine = preflight.facts()
+    mine = programs.facts()
     assert (mine.jax, mine.jaxlib, mine.meshkit) == (
         jax.__version__,
         importlib.metadata.version("jaxlib"),
@@ -68,20 +68,20 @@ def test_facts_are_this_processs_software_and_devices():
     )
     assert (mine.platform, mine.local_devices) == ("cpu", jax.local_device_count())
     assert mine.settings["jax_enable_x64"] == str(jax.config.jax_enable_x64)
-    assert tuple(mine.settings) == preflight.settings()
-    assert preflight.Facts.from_json(mine.to_json()) == mine
+    assert tuple(mine.settings) == programs.settings()
+    assert programs.Facts.from_json(mine.to_json()) == mine
 
 
 def test_equal_processes_pass_in_one_exchange(monkeypatch):
     asked = _exchange(monkeypatch, {0: BASE, 1: BASE, 2: BASE})
-    preflight.check(0, 3, 5.0)
+    programs.preflight(0, 3, 5.0)
     assert asked == ["preflight"]
 
 
 def test_a_setting_on_one_host_names_that_process_the_flag_and_both_values(monkeypatch):
     _exchange(monkeypatch, {0: BASE, 1: BASE, 2: _with(BASE, jax_enable_x64="True")})
     with pytest.raises(meshkit.DivergenceError) as caught:
-        preflight.check(0, 3, 5.0)
+        programs.preflight(0, 3, 5.0)
     assert str(caught.value).startswith(
         "meshkit.init(): the processes differ in their software or settings:\n"
         "  jax_enable_x64: processes 0,1: False; process 2: True\n"
@@ -95,7 +95,7 @@ def test_two_processes_that_differ_are_both_named(monkeypatch):
     other = _with(BASE, jax="0.10.1", local_devices=2)
     _exchange(monkeypatch, {0: BASE, 1: other})
     with pytest.raises(meshkit.DivergenceError) as caught:
-        preflight.check(0, 2, 5.0)
+        programs.preflight(0, 2, 5.0)
     text = str(caught.value)
     assert "  jax: process 0: 0.10.2; process 1: 0.10.1\n" in text
     assert "  local_devices: process 0: 4; process 1: 2\n" in text
@@ -107,7 +107,7 @@ def test_a_different_program_or_xla_flags_is_a_warning(monkeypatch):
     other = _with(BASE, program="cd34", XLA_FLAGS="--xla_dump_to=/tmp/a")
     _exchange(monkeypatch, {0: BASE, 1: BASE, 2: other})
     with pytest.warns(UserWarning, match="the processes run different") as seen:
-        preflight.check(0, 3, 5.0)
+        programs.preflight(0, 3, 5.0)
     texts = [str(w.message) for w in seen]
     assert texts == [
         "meshkit.init(): the processes run different XLA_FLAGSs (processes 0,1: ; process 2: "
@@ -122,18 +122,18 @@ def test_a_different_program_or_xla_flags_is_a_warning(monkeypatch):
 def test_a_process_that_does_not_come_is_named(monkeypatch):
     _exchange(monkeypatch, {0: BASE, 1: BASE}, missing=(2,))
     with pytest.raises(meshkit.DivergenceError, match="process 2 did not arrive within 5 s"):
-        preflight.check(0, 3, 5.0)
+        programs.preflight(0, 3, 5.0)
 
 
 def test_the_preflight_can_be_turned_off_and_its_setting_is_checked(monkeypatch):
     asked = _exchange(monkeypatch, {0: BASE, 1: _with(BASE, jax_enable_x64="True")})
     monkeypatch.setenv("MESHKIT_PREFLIGHT", "0")
-    preflight.check(0, 2, 5.0)
+    programs.preflight(0, 2, 5.0)
     assert asked == []
     monkeypatch.setenv("MESHKIT_PREFLIGHT", "sometimes")
     with pytest.raises(meshkit.MeshkitError, match="MESHKIT_PREFLIGHT='sometimes'"):
-        preflight.check(0, 2, 5.0)
-    preflight.check(0, 1, 5.0)  # one process: nothing to compare, nothing read
+        programs.preflight(0, 2, 5.0)
+    programs.preflight(0, 1, 5.0)  # one process: nothing to compare, nothing read
 
 
 _FIELDS = ["python", "jax", "device_kind", "local_devices", "jax_enable_x64", "program"]
@@ -148,7 +148,7 @@ _FIELDS = ["python", "jax", "device_kind", "local_devices", "jax_enable_x64", "p
 )
 def test_differences_group_every_process_by_its_value(changes):
     records = {p: _with(BASE, **c) for p, c in enumerate(changes)}
-    found = dict(preflight.differences(records))
+    found = dict(programs.differences(records))
     for name in {*BASE.fields(), *(k for c in changes for k in c)}:
         values = {p: r.fields()[name] for p, r in records.items()}
         if len(set(values.values())) == 1:
@@ -170,10 +170,10 @@ JAX {version} compares other settings than {snapshot} says for JAX {line}.
 New here: {new}
 Gone here: {gone}
 A new name is an option JAX marks as part of every compiled program (include_in_jit_key or
-include_in_trace_context in jax/_src/config.py), or one of preflight.ALSO_COMPARED. Keep it
+include_in_trace_context in jax/_src/config.py), or one of programs.ALSO_COMPARED. Keep it
 compared unless processes set it differently by design (a device, a directory, a log level of
-their own); then add it to preflight.NOT_COMPARED with the reason. A name gone is an option
-JAX removed or renamed: where preflight.ALSO_COMPARED or NOT_COMPARED names it, add the new
+their own); then add it to programs.NOT_COMPARED with the reason. A name gone is an option
+JAX removed or renamed: where programs.ALSO_COMPARED or NOT_COMPARED names it, add the new
 name with its reason (keep the old one while a supported JAX line has it). Then write the
 entry of JAX {line} in {snapshot}:
   "{line}": {names}"""
@@ -181,7 +181,7 @@ entry of JAX {line} in {snapshot}:
 
 def test_the_compared_settings_are_this_jax_lines_snapshot():
     snapshot = json.loads(SNAPSHOT.read_text())
-    names = list(preflight.settings())
+    names = list(programs.settings())
     where = SNAPSHOT.relative_to(Path(__file__).parent.parent)
     assert JAX_LINE in snapshot, (
         f"{where} has no entry for JAX {JAX_LINE} (it has {', '.join(snapshot)}). Review the "
@@ -203,7 +203,7 @@ def test_what_jax_puts_in_the_trace_context_is_compared_or_excluded_by_name():
     if traced is None:
         pytest.skip(f"jaxlib {importlib.metadata.version('jaxlib')} cannot name them")
     assert traced, "jaxlib named no option of the trace context: has trace_context_names moved?"
-    left = traced - set(preflight.settings()) - preflight.NOT_COMPARED.keys()
+    left = traced - set(programs.settings()) - programs.NOT_COMPARED.keys()
     assert not left, (
         f"compat.compiled_settings() misses {sorted(left)}: has jax/_src/config.py moved?"
     )
@@ -211,15 +211,15 @@ def test_what_jax_puts_in_the_trace_context_is_compared_or_excluded_by_name():
 
 def test_every_exception_has_its_reason_and_is_still_needed():
     marked = compat.compiled_settings()
-    for name, reason in {**preflight.ALSO_COMPARED, **preflight.NOT_COMPARED}.items():
+    for name, reason in {**programs.ALSO_COMPARED, **programs.NOT_COMPARED}.items():
         assert reason.strip(), f"{name} needs its reason"
-    redundant = marked & preflight.ALSO_COMPARED.keys()
+    redundant = marked & programs.ALSO_COMPARED.keys()
     assert not redundant, f"JAX marks {sorted(redundant)} itself: drop them from ALSO_COMPARED"
-    stale = preflight.NOT_COMPARED.keys() - marked
+    stale = programs.NOT_COMPARED.keys() - marked
     assert not stale, f"JAX no longer marks {sorted(stale)}: drop them from NOT_COMPARED"
     snapshot = json.loads(SNAPSHOT.read_text())
     everywhere = {name for names in snapshot.values() for name in names}
-    unknown = preflight.ALSO_COMPARED.keys() - everywhere
+    unknown = programs.ALSO_COMPARED.keys() - everywhere
     assert not unknown, f"no supported JAX has {sorted(unknown)}: drop them from ALSO_COMPARED"
 
 
@@ -232,19 +232,19 @@ def test_the_compile_effort_settings_of_the_running_jax_are_compared():
     ]
     present = [name for name in effort if name in compat.settings_of_jax()]
     assert len(present) >= 2, present
-    assert set(present) <= set(preflight.settings())
-    assert "jax_default_device" not in preflight.settings()  # each process names its own
+    assert set(present) <= set(programs.settings())
+    assert "jax_default_device" not in programs.settings()  # each process names its own
 
 
 def test_setting_values_are_the_same_text_in_every_process():
-    assert preflight._text(frozenset({"x", "model", "data"})) == "frozenset(['data', 'model', 'x'])"
-    assert preflight._text(object()) == "builtins.object"  # never an address
-    assert preflight._text("O1") == "O1"
-    assert preflight._text(None) == "None"
+    assert programs._text(frozenset({"x", "model", "data"})) == "frozenset(['data', 'model', 'x'])"
+    assert programs._text(object()) == "builtins.object"  # never an address
+    assert programs._text("O1") == "O1"
+    assert programs._text(None) == "None"
 
 
 def test_meshkit_info_shows_what_the_preflight_compares():
-    text = preflight.describe(BASE)
+    text = programs.describe(BASE)
     assert text.splitlines()[:4] == [
         "compared by the processes at meshkit.init (the preflight):",
         "  python 3.11.9, jax 0.10.2, jaxlib 0.10.2, meshkit 0.9.0",
@@ -259,7 +259,7 @@ def test_a_setting_without_the_jax_prefix_gets_the_settings_advice(monkeypatch):
     mine = dataclasses.replace(BASE, settings={**BASE.settings, "check_vma": "True"})
     _exchange(monkeypatch, {0: mine, 1: mine, 2: other})
     with pytest.raises(meshkit.DivergenceError, match="consider how process 2 sets check_vma"):
-        preflight.check(0, 3, 5.0)
+        programs.preflight(0, 3, 5.0)
 
 
 # ---- real processes --------------------------------------------------------------------------

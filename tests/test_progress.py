@@ -1,4 +1,4 @@
-"""meshkit launch says which rank is where while the cluster forms (meshkit/_progress.py)."""
+"""meshkit launch says which rank is where while the cluster forms (core/events.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.core import rank_stages as _progress
-from meshkit._src.core.rank_stages import Board, mark, ranges, summary
+from meshkit._src.core import events
+from meshkit._src.core.events import Board, mark, ranges, summary
 
 
 def test_ranges_folds_consecutive_ranks():
@@ -43,7 +43,7 @@ def test_summary_groups_by_stage_in_order():
 
 
 def test_stages_read_the_status_files(tmp_path, monkeypatch):
-    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    monkeypatch.setenv(events.ENV_STATUS, str(tmp_path))
     mark("joining", 0)
     monkeypatch.setenv("MESHKIT_PROCESS_ID", "2")
     mark("running")
@@ -56,10 +56,10 @@ def test_stages_read_the_status_files(tmp_path, monkeypatch):
 
 
 def test_mark_outside_a_launch_run_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv(_progress.ENV_STATUS, raising=False)
+    monkeypatch.delenv(events.ENV_STATUS, raising=False)
     monkeypatch.chdir(tmp_path)
     mark("joining", 0)
-    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path / "gone"))
+    monkeypatch.setenv(events.ENV_STATUS, str(tmp_path / "gone"))
     mark("joining", 0)  # a directory that went away: quieter, never an error
     assert list(tmp_path.iterdir()) == []
 
@@ -202,7 +202,7 @@ def test_ranks_that_join_and_end_between_two_looks_still_formed_a_cluster(tmp_pa
     # and the launcher stopped watching before the board said that the cluster formed.
     from meshkit._src.launch.supervise import Supervisor
 
-    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    monkeypatch.setenv(events.ENV_STATUS, str(tmp_path))
     ranks = [_FakeRank(0), _FakeRank(1)]
     said: list[str] = []
     now = [0.0]
@@ -236,7 +236,7 @@ def test_ranks_that_join_and_end_between_two_looks_still_formed_a_cluster(tmp_pa
 def test_a_rank_that_fails_before_joining_ends_the_board_too(tmp_path, monkeypatch):
     from meshkit._src.launch.supervise import Supervisor
 
-    monkeypatch.setenv(_progress.ENV_STATUS, str(tmp_path))
+    monkeypatch.setenv(events.ENV_STATUS, str(tmp_path))
     ranks = [_FakeRank(0), _FakeRank(1)]
     said: list[str] = []
     now = [0.0]

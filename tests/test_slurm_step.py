@@ -14,7 +14,7 @@ import pytest
 from test_runtime import run_py
 
 from meshkit import MeshkitError
-from meshkit._src.core.engines import STEP_VARS, check_step
+from meshkit._src.core.env import STEP_VARS, check_step
 from meshkit._src.runtime import init as runtime
 
 SRUN_TASK = {
@@ -107,16 +107,16 @@ def test_init_plan_raises_in_a_batch_script(monkeypatch):
     for name, value in BATCH_SCRIPT.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(MeshkitError, match="Missing: SLURM_STEP_NODELIST"):
-        runtime._plan(None, None, None, None)
+        runtime._plan(None, None, None)
     # mpirun inside the batch script: JAX's Open MPI detector joins the processes.
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1234.0;tcp://127.0.0.1:5000")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
-    assert runtime._plan(None, None, None, None).cluster == "OmpiCluster"
+    assert runtime._plan(None, None, None).cluster == "OmpiCluster"
     # Explicit arguments win: one process on purpose.
     monkeypatch.delenv("OMPI_MCA_orte_hnp_uri")
-    assert runtime._plan(None, 1, None, None).num_processes == 1
+    assert runtime._plan(None, 1, None).num_processes == 1
 
 
 def test_init_raises_at_once_in_a_batch_script(tmp_path):

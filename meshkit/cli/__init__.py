@@ -242,13 +242,13 @@ def _join_options(args: argparse.Namespace) -> dict[str, str]:
 
     As the ranks read them; the cache directory is checked here, before any rank starts.
     """
-    from .._src.core.cache_directory import writable
     from .._src.core.contract import (
         ENV_COMPILATION_CACHE,
         ENV_HEARTBEAT_TIMEOUT,
         ENV_INIT_TIMEOUT,
         ENV_SHUTDOWN_TIMEOUT,
     )
+    from .._src.runtime.compile_cache import writable
 
     given = {
         ENV_INIT_TIMEOUT: args.init_timeout,
@@ -300,7 +300,7 @@ def _machines(args: argparse.Namespace) -> dict[str, Any]:
 def _info() -> int:
     import jax
 
-    from .._src.runtime import preflight
+    from .._src.runtime import programs
     from .._src.runtime.init import init
 
     info = init()
@@ -318,8 +318,8 @@ def _info() -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print()
-    mine = preflight.facts()
-    print(preflight.describe(mine))
+    mine = programs.facts()
+    print(programs.describe(mine))
     program = f"sha256 {mine.program[:16]}..." if mine.program else "none"
     print(
         f"  a warning only where they differ: XLA_FLAGS={mine.XLA_FLAGS or '(unset)'}, "

@@ -1,8 +1,4 @@
-"""Bounded caches, and one call (`clear_caches`) to forget all of them.
-
-`cached` memoizes a pure function (`functools.lru_cache`); `Cache` keeps values made elsewhere
-under a computed key. Both drop an entry not used lately when full.
-"""
+"""Bounded caches (`cached`, `Cache`), and `clear_caches` to forget all of them."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ class Cache(Generic[K, V]):
                 self._evict_one()
             self._data[key] = [value, False]
 
-    def _evict_one(self) -> None:
-        """Drop the oldest entry not used since the last pass (under the lock, the cache full)."""
+    def _evict_one(self) -> None:  # under the lock, the cache full
         while True:
             oldest, entry = next(iter(self._data.items()))
             if not entry[1]:
@@ -80,8 +75,7 @@ class Cache(Generic[K, V]):
         with self._lock:
             self._data.clear()
 
-    def keys(self) -> list[K]:
-        """The keys, oldest first (as the next eviction pass will see them)."""
+    def keys(self) -> list[K]:  # oldest first, as the next eviction pass sees them
         with self._lock:
             return list(self._data)
 

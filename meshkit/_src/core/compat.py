@@ -87,11 +87,8 @@ def trace_context_settings() -> frozenset[str] | None:
     return frozenset(set(names()) & set(config.config_states))
 
 
-_MARKS = ("include_in_jit_key", "include_in_trace_context")
-
-
 def _marked_declarations(source: str, path: str) -> set[str]:
-    """Names of the calls in ``source`` that pass a mark of `_MARKS` as a literal ``True``."""
+    """Names of the calls in ``source`` that pass one of the two marks as a literal ``True``."""
     import ast
 
     found = set()
@@ -99,7 +96,7 @@ def _marked_declarations(source: str, path: str) -> set[str]:
         if not isinstance(node, ast.Call):
             continue
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
-        marks = [keywords.get(m) for m in _MARKS]
+        marks = [keywords.get(m) for m in ("include_in_jit_key", "include_in_trace_context")]
         if not any(isinstance(v, ast.Constant) and v.value is True for v in marks):
             continue
         name = keywords.get("name", node.args[0] if node.args else None)
@@ -301,45 +298,28 @@ def _sharding_text(sharding: Any) -> str:
     return str(sharding)
 
 
-_compile_hooks: list[Callable[[Compiling], None]] = []
-_original_compile: Callable[..., Any] | None = None
-
-
 def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
     """Call ``hook`` before JAX compiles a computation (wraps ``MeshComputation.compile``).
 
-    What ``hook`` raises reaches the caller. Returns the hook's remover, or None where this
-    JAX has no such step.
+    What ``hook`` raises reaches the caller. Returns the hook's remover (hooks are removed in
+    the reverse order of their installation), or None where this JAX has no such step.
     """
-    global _original_compile
     cls = getattr(_pxla(), "MeshComputation", None)
     original = getattr(cls, "compile", None)
     if original is None:
         return None
-    if _original_compile is None:
-        _original_compile = original
 
-        @functools.wraps(original)
-        def compile(
-            self: Any, compiler_options: Any = None, *, device_assignment: Any = None
-        ) -> Any:
-            cached = getattr(self, "_executable", None) is not None
-            if not (cached and compiler_options is None and device_assignment is None):
-                for each in tuple(_compile_hooks):
-                    each(Compiling(self))
-            return original(self, compiler_options, device_assignment=device_assignment)
-
-        cls.compile = compile  # type: ignore[union-attr]
-    _compile_hooks.append(hook)
+    @functools.wraps(original)
+    def compile(self: Any, compiler_options: Any = None, *, device_assignment: Any = None) -> Any:
+        cached = getattr(self, "_executable", None) is not None
+        if not (cached and compiler_options is None and device_assignment is None):
+            hook(Compiling(self))
+        return original(self, compiler_options, device_assignment=device_assignment)
 
     def remove() -> None:
-        global _original_compile
-        if hook in _compile_hooks:
-            _compile_hooks.remove(hook)
-        if not _compile_hooks and _original_compile is not None:
-            cls.compile = _original_compile  # type: ignore[union-attr]
-            _original_compile = None
+        cls.compile = original  # type: ignore[union-attr]
 
+    cls.compile = compile  # type: ignore[union-attr]
     return remove
 
 

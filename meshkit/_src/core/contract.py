@@ -1,7 +1,4 @@
-"""The contract between ``meshkit launch`` and the ranks it starts: environment variables.
-
-Both sides import the names from here; the launcher imports no JAX.
-"""
+"""The environment variables ``meshkit launch`` sets for its ranks (both sides, no JAX)."""
 
 from __future__ import annotations
 

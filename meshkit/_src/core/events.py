@@ -1,8 +1,10 @@
-"""Events: what a rank tells ``meshkit launch``, as records, never as sentences.
+"""What a rank tells ``meshkit launch`` through the run's status directory: events and stages.
 
-A rank appends one JSON object per line to ``events-<rank>.jsonl`` in the run's status
-directory (one ``write`` each, so records never interleave). Outside a launch `emit` does
-nothing.
+Events are records, never sentences: a rank appends one JSON object per line to
+``events-<rank>.jsonl`` (one ``write`` each, so records never interleave). While the cluster
+forms, a rank's stage (``joining``, ``joined``, ``running``) is a file of its own; the launcher
+reads them and, once a rank waited a while, says who is where (`Board`). Outside a launch a
+rank writes nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .contract import ENV_PROCESS_ID, ENV_STATUS
+from .errors import ranges
 
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned
@@ -77,25 +80,122 @@ def own_rank() -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def _records(file: Path) -> Iterator[dict[str, Any]]:
-    try:
-        text = file.read_text()
-    except OSError:
-        return
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # cut short by a crash
-            continue
-        if isinstance(record, dict) and record.get("kind") in KINDS:
-            yield record
-
-
 def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
     """The events of ``ranks`` (a count: ranks 0..n-1), in the order written (time, then rank)."""
     out = []
     for rank in range(ranks) if isinstance(ranks, int) else ranks:
-        for record in _records(path(directory, rank)):
-            fields = {k: v for k, v in record.items() if k not in ("rank", "kind", "time")}
-            out.append(Event(int(record["rank"]), record["kind"], float(record["time"]), fields))
+        try:
+            lines = path(directory, rank).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # cut short by a crash
+                continue
+            if isinstance(record, dict) and record.get("kind") in KINDS:
+                writer, kind = int(record.pop("rank")), record.pop("kind")
+                out.append(Event(writer, kind, float(record.pop("time")), fields=record))
     return sorted(out, key=lambda e: (e.time, e.rank))
+
+
+# A rank's stages while the cluster forms, in the order it goes through them.
+STAGES = ("starting", "joining", "joined", "running", "exited")
+_WAITING = ("starting", "joining")
+_ARRIVED = ("joined", "running")
+
+
+def mark(stage: str, process_id: int | None = None) -> None:
+    """Record this rank's stage for the launcher (nothing outside a `meshkit launch` run)."""
+    where = os.environ.get(ENV_STATUS)
+    process_id = own_rank() if process_id is None else process_id
+    if not where or process_id is None:
+        return
+    file = Path(where) / f"rank{process_id}"
+    part = file.with_name(f".rank{process_id}.{os.getpid()}")
+    with contextlib.suppress(OSError):  # written whole then renamed: never read in half
+        part.write_text(stage)
+        os.replace(part, file)
+
+
+def joined(directory: Path, ranks: Iterable[int]) -> set[int]:
+    """The ranks whose status file says they joined the cluster (``joined`` or ``running``)."""
+    return {r for r in ranks if _written(directory, r) in _ARRIVED}
+
+
+def _written(directory: Path, rank: int) -> str:
+    """What ``rank``'s status file says ("" before it wrote one)."""
+    try:
+        return (directory / f"rank{rank}").read_text().strip()
+    except OSError:  # not written yet
+        return ""
+
+
+def summary(stages: Mapping[int, str]) -> str:
+    """``ranks 0-2 joining; rank 3 starting``: every rank once, grouped by stage."""
+    parts = []
+    for stage in ("joined", "running", "joining", "starting", "exited"):
+        ranks = [r for r, s in stages.items() if s == stage]
+        if ranks:
+            word = "rank" if len(ranks) == 1 else "ranks"
+            parts.append(f"{word} {ranges(ranks)} {stage}")
+    return "; ".join(parts)
+
+
+class Board:
+    """The launcher's view of the ranks' stages, and when to say it."""
+
+    def __init__(
+        self, directory: Path, ranks: int | Iterable[int], *, after: float = 2.0, every: float = 5.0
+    ) -> None:
+        self.directory = directory
+        self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
+        self.after, self.every = after, every
+        self.first_join: float | None = None  # seconds into the run when a rank left `starting`
+        self.said_at: float | None = None
+        self.said = ""
+        self.done = False
+
+    def stages(self, exits: Mapping[int, int | None]) -> dict[int, str]:
+        """Each rank's stage, from its status file (``starting`` before it wrote one)."""
+        out = {}
+        for r in self.ranks:
+            text = _written(self.directory, r)
+            stage = text if text in STAGES else "starting"
+            if exits.get(r) is not None and stage not in _ARRIVED:
+                stage = "exited"
+            out[r] = stage
+        return out
+
+    def line(
+        self, stages: Mapping[int, str], elapsed: float, others: Mapping[str, str] | None = None
+    ) -> str | None:
+        """What to print now, given the stages ``elapsed`` seconds into the run, or None."""
+        if self.done:
+            return None
+        if self.first_join is None and any(s != "starting" for s in stages.values()):
+            self.first_join = elapsed
+        waiting = any(s in _WAITING for s in stages.values())
+        arrived = sum(1 for s in stages.values() if s in _ARRIVED)
+        if not waiting and (arrived or self.said_at is not None):
+            self.done = True
+            if self.said_at is None:
+                return None
+            if not arrived:
+                return (
+                    f"meshkit launch: every rank exited before the cluster formed ({elapsed:.1f} s)"
+                )
+            ended = [r for r, s in stages.items() if s == "exited"]
+            line = f"meshkit launch: the cluster formed after {elapsed:.1f} s: {arrived} "
+            line += "rank joined" if arrived == 1 else "ranks joined"
+            if ended:
+                line += f"; {'rank' if len(ended) == 1 else 'ranks'} {ranges(ended)} exited"
+            return line
+        if self.first_join is None or elapsed - self.first_join < self.after:
+            return None
+        said = summary(stages) + "".join(f"; {m}: {what}" for m, what in (others or {}).items())
+        due = self.said_at is None or elapsed - self.said_at >= self.every
+        if said == self.said and not due:
+            return None
+        self.said, self.said_at = said, elapsed
+        return f"meshkit launch: waiting for the cluster to form ({elapsed:.1f} s): {said}"

@@ -1,8 +1,4 @@
-"""Whose code a stack frame runs: meshkit's own, a library's, or the user's.
-
-meshkit's files are the package less ``meshkit/testing``. The user's frame is the first that is
-none of meshkit's, JAX's or the standard library's (`library_file`).
-"""
+"""Whose code a stack frame runs: meshkit's own, a library's, or the user's."""
 
 from __future__ import annotations
 

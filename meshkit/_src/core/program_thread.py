@@ -25,5 +25,4 @@ def program_thread() -> threading.Thread:
 
 
 def is_program_thread() -> bool:
-    """Whether the calling thread is the program's thread."""
     return threading.current_thread() is program_thread()

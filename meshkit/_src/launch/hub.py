@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
-from ..core import rank_stages as _progress
 from ..core.errors import LaunchError, ranges
 from ..core.version import __version__
 from . import restarts as _restarts
@@ -285,7 +284,7 @@ class Hub:
                 range(node * p, node * p + p), "starting"
             )
             if any(st in ("starting", "joining") for st in stages.values()):
-                rows.append([node, peer.hello.machine(), _progress.summary(stages)])
+                rows.append([node, peer.hello.machine(), _events.summary(stages)])
         if rows != self._forming:
             self._forming, self._forming_at = rows, now
             self._all("forming", machines=rows)

@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
-from ..core import rank_stages as _progress
 from ..core.contract import (
     DEFAULT_PREEMPT_GRACE_S,
     ENV_ATTEMPT,
@@ -35,8 +34,8 @@ from ..core.contract import (
     ENV_STATUS,
 )
 from ..core.errors import LaunchError
+from ..core.events import Board
 from ..core.ports import port_in_use, reserve_port
-from ..core.rank_stages import Board
 from . import reaper as _reaper
 from . import restarts as _restarts
 from .link import Link, Over
@@ -385,7 +384,7 @@ def _run(
         # Read once every rank has ended: nothing can still write, and the directory goes next.
         records = _events.read(status.name, ids)
         told = Told.of(records)
-        alone = sorted(set(ids) - _progress.joined(Path(status.name), ids))
+        alone = sorted(set(ids) - _events.joined(Path(status.name), ids))
         status.cleanup()
     outcome = supervisor.outcome if supervisor is not None else Outcome()
     if keyboard:

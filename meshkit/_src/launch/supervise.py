@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 
-from ..core.rank_stages import Board
+from ..core.events import Board
 from .reaper import Guardian, Reaper
 from .spawn import Rank
 from .stop import POLL_S

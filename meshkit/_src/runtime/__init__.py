@@ -1,4 +1,1 @@
-"""Joining the cluster, and the dispatch point every SPMD entry passes.
-
-`meshkit.init` decides how this process joins (launcher, JAX's cluster detection, SLURM).
-"""
+"""Joining the cluster (`meshkit.init`), and the dispatch point every SPMD entry passes."""

@@ -1,20 +1,21 @@
-"""JAX's persistent compilation cache, as `meshkit.init` turns it on, and its compile times.
+"""JAX's persistent compilation cache: its directory checked, turned on, its compile times.
 
-The directory comes from ``compilation_cache=``, else ``MESHKIT_COMPILATION_CACHE``; it is set
-before anything compiles. Under ``meshkit launch`` each compilation emits a ``compiled`` event.
+The directory is checked by `meshkit.init` and ``meshkit launch --compilation-cache`` before
+anything compiles: JAX only warns when it cannot write a cache entry, so an unwritable one would
+recompile silently. Under ``meshkit launch`` each compilation emits a ``compiled`` event. The
+launcher imports this module: JAX is imported where it is used.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Any
 
-import jax
-
 from ..core import events as _events
-from ..core.cache_directory import writable
 from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
+from ..core.errors import MeshkitError
 
 # jax.monitoring's event names (JAX 0.10.2 and 0.12).
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -22,10 +23,39 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _JAX_DEFAULT_MIN_TIME = 1.0
 
+_NOT_WRITABLE = """\
+{called}: the compilation cache directory {directory!r} ({source}) cannot be used: {reason}.
+JAX's persistent compilation cache writes one file per compiled program into it (process 0 of
+each run writes; every process reads), so it must be a directory this process can create and
+write.
+Consider a directory writable by this user on every host (on several hosts: a shared file
+system mounted at the same path), or leave the compilation cache unset to compile without it."""
 
-def enable(
-    directory: str | os.PathLike[str] | None, *, called: str = "meshkit.init()"
-) -> str | None:
+
+def writable(directory: str | os.PathLike[str], *, called: str, source: str) -> str:
+    """The directory as an absolute path, created if missing; raise if it cannot be written."""
+    path = os.path.abspath(os.fspath(directory))
+
+    def refuse(reason: str) -> MeshkitError:
+        return MeshkitError(
+            _NOT_WRITABLE.format(called=called, directory=path, source=source, reason=reason)
+        )
+
+    if not os.fspath(directory):
+        raise refuse("the path is empty")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise refuse(f"it cannot be created ({error.strerror or error})") from None
+    try:  # os.access does not see read-only mounts or ACLs; one real write does
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".meshkit-write-check-"):
+            pass
+    except OSError as error:
+        raise refuse(f"a file cannot be written in it ({error.strerror or error})") from None
+    return path
+
+
+def enable(directory: str | os.PathLike[str] | None) -> str | None:
     """Set JAX's compilation cache directory from the argument, else the environment."""
     if directory is not None:
         source = "from the argument compilation_cache"
@@ -36,7 +66,9 @@ def enable(
             source += ", set by meshkit launch --compilation-cache"
     if directory is None:
         return None
-    path = writable(directory, called=called, source=source)
+    import jax
+
+    path = writable(directory, called="meshkit.init()", source=source)
     jax.config.update("jax_compilation_cache_dir", path)
     # At JAX's default minimum compile time, cache small programs too.
     if jax.config.values.get(_MIN_TIME) == _JAX_DEFAULT_MIN_TIME:
@@ -75,5 +107,7 @@ def watch() -> None:
     if _watching:
         return
     _watching = True
+    import jax
+
     jax.monitoring.register_event_listener(_on_event)
     jax.monitoring.register_event_duration_secs_listener(_on_duration)

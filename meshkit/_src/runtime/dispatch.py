@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
-from ..core import rank_stages as _progress
+from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
 from ..debug import state as _debug
@@ -67,7 +67,7 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     remove_observer(_first_call_step)
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
-    _progress.mark("running")  # under `meshkit launch`: this rank got past joining
+    _events.mark("running")  # under `meshkit launch`: this rank got past joining
     _debug_mode.from_environment()
 
 
@@ -88,22 +88,12 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
 
 
 def quiet() -> bool:
-    """Whether `enter` would only count the call: no observer, no kept failure, debug off.
-
-    Entries with a steady fast path (`meshkit.spmd` on placed inputs) test this and count
-    the call themselves.
-    """
+    """Whether `enter` would only count the call (fast paths then count it themselves)."""
     return not _observers and not _agree.failures and _debug.state.settings is None
 
 
-def add_observer(observer: Observer) -> None:
-    """Show every SPMD call entered from now on to ``observer`` (after those already there)."""
-    with _lock:
-        _observers.append(observer)
-
-
 def remove_observer(observer: Observer) -> None:
-    """Undo `add_observer`; an observer not installed is ignored."""
+    """Stop showing SPMD calls to ``observer``; one not installed is ignored."""
     with _lock:
         if observer in _observers:
             _observers.remove(observer)
@@ -112,7 +102,8 @@ def remove_observer(observer: Observer) -> None:
 @contextmanager
 def observing(observer: Observer) -> Iterator[None]:
     """Install ``observer`` for every SPMD call entered inside the ``with`` block."""
-    add_observer(observer)
+    with _lock:
+        _observers.append(observer)
     try:
         yield
     finally:

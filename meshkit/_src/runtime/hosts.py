@@ -107,11 +107,16 @@ def _combine(values: Mapping[int, str]) -> str:
     return Hosts.of([values[p] for p in sorted(values)]).to_json()
 
 
+_TABLE: Hosts | None = None
+
+
 def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> Hosts:
-    """Learn every process's host: one `gather` through the coordination service."""
+    """Learn every process's host (one `gather` through the coordination service), and keep it."""
+    global _TABLE
     node = _agree.node()
     if n == 1 or node is None:
-        return Hosts.of([here()])
+        _TABLE = Hosts.of([here()])
+        return _TABLE
     got = _coord_combine.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
     if got.answer is None:
         raise MeshkitError(
@@ -120,37 +125,20 @@ def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> H
             f"{_missing.processes(got.missing)} (a crash or a stall), and that every process makes "
             "the same calls."
         )
-    return Hosts.from_json(got.answer)
-
-
-_TABLE: Hosts | None = None
+    _TABLE = Hosts.from_json(got.answer)
+    return _TABLE
 
 
 def known() -> Hosts | None:
     """The hosts this process learned (at `meshkit.init`, or at the first `make_mesh`)."""
-    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == _processes() else None
+    n = _compat.distributed_state()[2]
+    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == n else None
 
 
 def table(timeout: float, what: str) -> Hosts:
     """The hosts of the program, exchanged at the first call if `meshkit.init` did not."""
-    global _TABLE
     found = known()
     if found is None:
         _, me, n = _compat.distributed_state()
-        found = _TABLE = exchange(me, n, timeout, what)
+        found = exchange(me, n, timeout, what)
     return found
-
-
-def remember(hosts: Hosts) -> None:
-    """Keep ``hosts`` as the program's table (`meshkit.init` calls it after its exchange)."""
-    global _TABLE
-    if len(hosts.of_process) != _processes():
-        raise MeshkitError(
-            f"meshkit: a host table of {len(hosts.of_process)} processes in a program of "
-            f"{_processes()}."
-        )
-    _TABLE = hosts
-
-
-def _processes() -> int:
-    return _compat.distributed_state()[2]

@@ -1,7 +1,7 @@
 """Joining the cluster: ``meshkit.init()`` and what it found.
 
 Sources in order: arguments; ``meshkit launch``'s environment; another engine's
-(`meshkit._src.core.engines`); JAX's cluster detection; else one process. The coordinator is
+(`meshkit._src.core.env`); JAX's cluster detection; else one process. The coordinator is
 checked before JAX is asked, since JAX aborts the process when it cannot reach it.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
-import socket
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,20 +22,20 @@ from ..coord import agree as _agree
 from ..coord import failures as _failures
 from ..coord import save_step as _save_step
 from ..core import compat as _compat
-from ..core import engines as _engines
 from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
 from ..core import program_thread as _program_thread
-from ..core import rank_stages as _progress
 from ..core.contract import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
+    ENV_HEARTBEAT_TIMEOUT,
     ENV_INIT_TIMEOUT,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_SHUTDOWN_TIMEOUT,
     ENV_STATUS,
 )
 from ..core.errors import MeshkitError
@@ -45,14 +44,11 @@ from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from . import compile_cache as _compile_cache
-from . import distributed_options as _options
 from . import hosts as _hosts
-from . import preflight as _preflight
 from . import programs as _programs
 from .hosts import Hosts
 
 _WHERE = "meshkit.init()"
-Guards = tuple[float | None, float]  # fail-fast's grace (None: off), preemption's grace
 _DEFAULT_INIT_TIMEOUT_S = 300.0
 
 
@@ -133,9 +129,12 @@ def runtime_info() -> RuntimeInfo | None:
     return _INFO
 
 
-def _positive(name: str, value: int | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise MeshkitError(f"meshkit.init(): {name} must be a positive int; got {value!r}.")
+def _whole(name: str, value: int | None, least: int = 1) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
+        rule = "a positive int" if least else "an int >= 0"
+        raise MeshkitError(f"meshkit.init(): {name} must be {rule}; got {value!r}.")
     return value
 
 
@@ -154,14 +153,8 @@ def _launched() -> tuple[int | None, int | None]:
     return _env.integer(ENV_NUM_PROCESSES, where=_WHERE), _env.integer(ENV_PROCESS_ID, where=_WHERE)
 
 
-def _plan(
-    address: str | None, n: int | None, pid: int | None, ids: tuple[int, ...] | None
-) -> RuntimeInfo:
+def _plan(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
-    return dataclasses.replace(_source(address, n, pid), local_device_ids=ids)
-
-
-def _source(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     if address is not None or num_processes is not None or process_id is not None:
         n = 1 if num_processes is None else num_processes
         pid = 0 if process_id is None else process_id
@@ -180,10 +173,10 @@ def _source(address: str | None, num_processes: int | None, process_id: int | No
                     f"meshkit.init(num_processes={n}) needs coordinator_address='host:port' "
                     "(the address of process 0)."
                 )
-            split_address(address)
+            _ports.split_address(address)
         reason = "coordinator/processes passed to meshkit.init()"
         return RuntimeInfo("arguments", reason, n, pid, address if n > 1 else None)
-    _engines.check_agreement(os.environ)
+    _env.check_agreement(os.environ)
     address = os.environ.get(ENV_COORDINATOR)
     if address:
         n, pid = _launched()
@@ -192,17 +185,17 @@ def _source(address: str | None, num_processes: int | None, process_id: int | No
                 f"meshkit.init(): {ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} or "
                 f"{ENV_PROCESS_ID} is not; these three are set together by `meshkit launch`."
             )
-        split_address(address)
+        _ports.split_address(address)
         return RuntimeInfo("meshkit launch", f"{ENV_COORDINATOR}={address} is set", n, pid, address)
     cluster = _detect_cluster()
     name = cluster and cluster.__name__
-    engine = _engines.read_engine(os.environ, jax_detects=name)
+    engine = _env.read_engine(os.environ, jax_detects=name)
     if engine is not None:
         reason = f"{engine.engine} found: {engine.found}"
         n, pid, address = engine.num_processes, engine.process_id, engine.coordinator_address
         return RuntimeInfo(engine.engine, reason, n, pid, address)
     if name is None or name == "SlurmCluster":
-        _engines.check_step(os.environ)  # a batch script without srun looks like no cluster to JAX
+        _env.check_step(os.environ)  # a batch script without srun looks like no cluster to JAX
     if name is not None:
         return RuntimeInfo("cluster", f"JAX's {name} detector found its environment", cluster=name)
     _warn_if_launcher_unrecognised()
@@ -311,9 +304,9 @@ def init(
     """
     global _INFO
     guards = (_failfast.settings(), _preemption.grace())  # bad settings raise before joining
-    cpu_devices = _positive("cpu_devices", cpu_devices)
+    cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
-        cpu_devices = _positive(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
+        cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
     if timeout is None:
         timeout = _env.number(ENV_INIT_TIMEOUT, where=_WHERE)
         timeout = _DEFAULT_INIT_TIMEOUT_S if timeout is None else timeout
@@ -323,15 +316,12 @@ def init(
             f"meshkit.init(): timeout must be a finite number > 0 seconds; got {timeout!r}"
             f" (from the argument, else {ENV_INIT_TIMEOUT})."
         )
-    options = _options.chosen(
+    options = distributed_options(
         heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
     )
-    _options.check_supported(options)
-    num_processes = _positive("num_processes", num_processes)
-    if process_id is not None and (
-        isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0
-    ):
-        raise MeshkitError(f"meshkit.init(): process_id must be an int >= 0; got {process_id!r}.")
+    check_supported(options)
+    num_processes = _whole("num_processes", num_processes)
+    process_id = _whole("process_id", process_id, least=0)
     if process_id is not None and process_id >= (num_processes or 1):
         raise MeshkitError(
             f"meshkit.init(): process_id={process_id} is not one of the "
@@ -341,7 +331,8 @@ def init(
     ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
     if ids is None:
         ids = _env.ids(ENV_LOCAL_DEVICE_IDS, where=_WHERE)
-    plan = _plan(coordinator_address, num_processes, process_id, ids)
+    plan = _plan(coordinator_address, num_processes, process_id)
+    plan = dataclasses.replace(plan, local_device_ids=ids)
     if _INFO is not None:
         _check_again(_INFO, plan, cpu_devices)
         return _INFO
@@ -351,13 +342,13 @@ def init(
     if guards[0] is not None and _compat.distributed_state()[0] is None:
         # A notice while joining is one too (not if the program joined itself).
         _preemption.install(None, seconds=guards[1], tell=None, sync=None)
-    info = _join(plan, cpu_devices, float(timeout), options, guards)
+    info = _INFO = _join(plan, cpu_devices, float(timeout), options)
+    _guard(info, guards)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
-    _preflight.check(info.process_id, info.num_processes, _env.check_timeout())
+    _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
-    _hosts.remember(hosts)
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
     _programs.install(info.num_processes)
     _debug_mode.from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
@@ -365,19 +356,14 @@ def init(
 
 
 def _join(
-    plan: RuntimeInfo,
-    cpu_devices: int | None,
-    timeout: float,
-    options: dict[str, Any],
-    guards: Guards,
+    plan: RuntimeInfo, cpu_devices: int | None, timeout: float, options: dict[str, Any]
 ) -> RuntimeInfo:
-    """Join as ``plan`` says (or adopt a join made before), and install the guards."""
-    global _INFO
+    """Join as ``plan`` says, or adopt a join made before."""
     client, joined_pid, joined_n = _compat.distributed_state()
     if client is not None:  # joined elsewhere (the program, Ray, an engine): adopt the join
         if joined_n > 1 and not _compat.backends_are_initialized():
             _select_gloo()
-        _INFO = dataclasses.replace(
+        info = dataclasses.replace(
             plan,
             source="jax.distributed",
             reason="jax.distributed.initialize() was called before meshkit.init()",
@@ -393,8 +379,7 @@ def _join(
                 "jax.distributed.initialize() call.",
                 stacklevel=4,
             )
-        _guard(_INFO, guards)
-        return _INFO
+        return info
 
     started = _compat.backends_are_initialized()
     joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
@@ -406,12 +391,10 @@ def _join(
     if cpu_devices is not None and not started:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if not joins:
-        _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices)
-        _guard(_INFO, guards)
-        return _INFO
+        return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
     collectives = _select_gloo()
-    _progress.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
+    _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
@@ -419,12 +402,12 @@ def _join(
         reason = plan.reason
         if ids is None and detected is not None and len(detected) == 1:
             # JAX would take the local rank as the one device id; not if GPUs were bound.
-            binding = _engines.bound_device_ids(os.environ, int(detected[0]))
+            binding = _env.bound_device_ids(os.environ, int(detected[0]))
             if binding is not None:
                 ids = detected = list(binding.ids)
                 reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
         if address is not None and n is not None and pid is not None:
-            check_coordinator(address, pid, n, timeout, source=plan.reason)
+            _ports.check_coordinator(address, pid, n, timeout, source=plan.reason)
         # JAX detects again inside initialize (keeping its TPU and slice handling its own).
         jax.distributed.initialize(
             local_device_ids=ids, initialization_timeout=init_timeout, **options
@@ -436,21 +419,19 @@ def _join(
         )  # fmt: skip
     else:
         assert plan.coordinator_address is not None
-        check_coordinator(
+        _ports.check_coordinator(
             plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
         )
         jax.distributed.initialize(
             plan.coordinator_address, plan.num_processes, plan.process_id,
             local_device_ids=ids, initialization_timeout=init_timeout, **options,
         )  # fmt: skip
-    _INFO = dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
-    _progress.mark("joined", _INFO.process_id)
-    _guard(_INFO, guards)
-    return _INFO
+    _events.mark("joined", plan.process_id)
+    return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
-def _guard(info: RuntimeInfo, guards: Guards) -> None:
-    """Wire fail-fast and preemption to coordination (alone: SIGTERM a notice, no peers)."""
+def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
+    """Wire fail-fast (its grace; None: off) and preemption (its grace) to coordination."""
     (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
     if n > 1:
         _failfast.install(
@@ -475,48 +456,71 @@ def _attempt() -> int:
     return 0
 
 
-_UNREACHABLE = f"""\
-meshkit.init(): process {{pid}} of {{n}} could not reach the coordinator at {{address}}
-within {{timeout:g}} s (source: {{source}}).
-The coordinator is process 0; it must be running and its address reachable from this host.
-Consider checking that process 0 started and printed no error, that host and port are right, and
-that no firewall blocks the port; raise the wait with timeout= or {ENV_INIT_TIMEOUT}=SECONDS."""
+# meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
+DISTRIBUTED_OPTIONS = {
+    "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
+    "shutdown_timeout": ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT),
+}
+INITIALIZATION = "initialization_timeout"
+_BAD_VALUE = """\
+meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{origin}.
+JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
+Consider {name}=SECONDS, e.g. {name}=120."""
 
-_PORT_IN_USE = """\
-meshkit.init(): process 0 must serve the coordinator at {address}, but port {port} is already in
-use on this host (source: {source}).
-Consider choosing another port, or ending the program that holds it (an earlier run that did not
-exit, for example: `ss -ltnp 'sport = :{port}'` shows which)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise MeshkitError(
-            f"meshkit.init(): coordinator address {address!r} is not of the form 'host:port'."
-        )
-    return host.strip("[]"), int(port)
+_UNSUPPORTED = """\
+meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
+jax.distributed.initialize, so it cannot be passed{origin}.
+JAX 0.10.2 and 0.12 have it.
+Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+default)."""
 
 
-def check_coordinator(address: str, process_id: int, n: int, timeout: float, source: str) -> None:
-    """Fail with a named address instead of letting JAX abort the process."""
-    host, port = split_address(address)
-    if process_id == 0:
-        # `meshkit launch`'s reservation is fine; anything else would share the port.
-        if _ports.coordinator_port_taken(port):
-            raise MeshkitError(_PORT_IN_USE.format(address=address, port=port, source=source))
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                what = dict(pid=process_id, n=n, address=address, timeout=timeout, source=source)
-                raise MeshkitError(_UNREACHABLE.format(**what)) from None
-            time.sleep(0.1)
+def _origin(variable: str | None) -> str:
+    return f" (from the environment variable {variable})" if variable else ""
+
+
+def distributed_options(**given: Any) -> dict[str, Any]:
+    """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``."""
+    options = {}
+    for name, (parameter, variable) in DISTRIBUTED_OPTIONS.items():
+        value, origin = given.get(name), None
+        if value is None:
+            value, origin = _env.integer(variable, where=_WHERE), variable
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
+            raise MeshkitError(_BAD_VALUE.format(**what))
+        options[parameter] = value
+    return options
+
+
+def _parameters(initialize: Callable[..., Any]) -> set[str]:
+    everything = {p for p, _ in DISTRIBUTED_OPTIONS.values()} | {INITIALIZATION}
+    try:
+        parameters = inspect.signature(initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return everything
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return everything  # a wrapper (a test's spy, a framework's) that passes keywords on
+    return set(parameters)
+
+
+def check_supported(
+    options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
+) -> None:
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
+    if initialize is None:
+        initialize, version = jax.distributed.initialize, jax.__version__
+    accepted = _parameters(initialize)
+    by_parameter = {p: (name, variable) for name, (p, variable) in DISTRIBUTED_OPTIONS.items()}
+    for parameter in [INITIALIZATION, *options]:
+        if parameter in accepted:
+            continue
+        name, variable = by_parameter.get(parameter, ("timeout", None))
+        origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
+        raise MeshkitError(text)
 
 
 def _local_cpu_count() -> int | None:
