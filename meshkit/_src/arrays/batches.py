@@ -1,9 +1,4 @@
-"""`global_batches`: per-process batches in, global batches out, assembled ahead of time.
-
-A helper thread (`meshkit._src.arrays.prefetch`) reads, agrees and assembles up to ``prefetch``
-steps ahead of the caller. The end of data is decided together; a loop left early must end
-after the same step everywhere (`meshkit._src.arrays.ends`), or a `DivergenceError` says so.
-"""
+"""`global_batches`: the caller's side; a helper thread (`prefetch`) assembles steps ahead."""
 
 from __future__ import annotations
 

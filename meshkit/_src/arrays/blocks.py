@@ -1,8 +1,6 @@
 """A process's part of a global array, prepared: checked, cast and planned, before any transfer.
 
-`prepare` checks every leaf against its (mesh, spec) and global shape, casts it to the dtype
-JAX will use and plans which view goes to which local device; a layout seen before is taken
-from its `Template`. Nothing here communicates or touches a device.
+A layout seen before is taken from its `Template`. Nothing here communicates or touches a device.
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
 from ..sharding.spec_trees import align_specs, plain_specs
 from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
-from .dtypes import Note, cast
-from .entry_point import pads as _pads
-from .entry_point import who
+from .dtypes import Note, cast, pads, who
 from .records import LeafRecord, PartRecord, summary
 
 _NOT_DIVISIBLE = """\
@@ -323,7 +319,7 @@ def prepare_leaves(
 
 def _pad_fix(k: int) -> str:
     """The fix for a local batch that does not split over this process's ``k`` blocks."""
-    if _pads():
+    if pads():
         return (
             "Consider pad=True to pad the last, smaller batch (a mask marks the padding), or a "
             f"local batch divisible by {k}."

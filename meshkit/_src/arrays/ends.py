@@ -1,9 +1,7 @@
 """How a `meshkit.global_batches` loop ends, and its messages: where the data ends, and closes.
 
-Every process decides the end of data from the same step records (`uneven_end`, `short_batch`).
 A process that leaves its loop says once how (`leave`); one that closed waits for every
-process's word (`confirm`) and compares (`left_error`); one that goes on hears of the close
-from a `Watch` that reads the posts about once a second, nothing per step.
+process's word (`confirm`); one that goes on hears of the close from a `Watch`.
 """
 
 from __future__ import annotations

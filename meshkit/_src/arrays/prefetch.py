@@ -1,9 +1,7 @@
 """The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
 
-The processes agree on one record per process and step; to spare the coordinator, the helper
-reads a window of up to `width_cap` steps ahead and agrees on all their records at once. Any
-window that is not all data of equal records falls back to per-step agreements, so messages
-name their step. The source's position is captured with each read and travels with its step.
+To spare the coordinator, steady steps are agreed in windows of up to `width_cap` steps; a
+window that is not all data of equal records falls back to per-step agreements.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared, prepare
-from .entry_point import set_caller
+from .dtypes import set_caller
 from .records import PartRecord, raise_failures, summary
 from .resume import Opened
 

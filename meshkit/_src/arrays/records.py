@@ -1,9 +1,4 @@
-"""The records processes exchange to agree on an assembly, and their comparison.
-
-A `PartRecord` is one process's part: its status, pytree structure, one `LeafRecord` per array
-and what batches add. On the wire it is a JSON object without its unset fields; `summary` is
-what must be equal everywhere, and `compare` names who differs and where.
-"""
+"""The records processes exchange to agree on an assembly (`PartRecord`), and their comparison."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from ..coord import missing as _missing
 from ..coord.node import Outcome
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
-from .entry_point import WHAT, pads
+from .dtypes import WHAT, pads
 
 _SAME_CALLS = (
     "Every process must make the same calls in the same order (a process that stopped, "

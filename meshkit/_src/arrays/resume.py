@@ -1,9 +1,4 @@
-"""Where a `meshkit.global_batches` source stands: kept with every step, resumed at ``start=``.
-
-A meshkit loader's position is global (any process count); an iterator with ``get_state()`` /
-``set_state()`` has per-process states (as many processes); anything else only counts steps.
-``start=`` is checked against the source and agreed by every process before anything is read.
-"""
+"""Where a `meshkit.global_batches` source stands: kept with every step, resumed at ``start=``."""
 
 from __future__ import annotations
 
