@@ -100,21 +100,20 @@ class GlobalBatches(Iterator[Any]):
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
         _, self._me, n = _compat.distributed_state()
-        self._multi = n > 1
         # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and self._multi
-        self._node = _agree.node() if self._multi else None
+        self._together = stop_together and n > 1
+        self._node = _agree.node() if n > 1 else None
         self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._done = False  # closed, ended or failed: __next__ raises StopIteration
+        # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
+        self._done = threading.Event()
         self._ended = False  # the data ended, or the iterator failed: a close tells nobody
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
         self._left = False  # this process said how it left the loop (`closes.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
-        self._unwatch = threading.Event()  # ended, failed or closed: no close to watch for
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
@@ -142,7 +141,7 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _ends.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _ends.Watch(self._node, self._tag, self._hear, self._done, self._look).start()
         _live.add(self)
 
     # The caller's side.
@@ -152,7 +151,7 @@ class GlobalBatches(Iterator[Any]):
 
     @public
     def __next__(self) -> Any:
-        if self._done:
+        if self._done.is_set():
             raise StopIteration
         moving = self._moving
         if moving is None:
@@ -180,29 +179,26 @@ class GlobalBatches(Iterator[Any]):
     def _next(self) -> Any:
         item = self._handoff.get()
         if isinstance(item, _prefetch.Failure):
-            self._done = self._ended = True
-            self._unwatch.set()
+            self._end()
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
         if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:
-            self._done = self._ended = True  # every process ends at this step
-            self._unwatch.set()
+            self._end()  # every process ends at this step
             self._leave(_ends.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
-            if self._done:  # closed by another thread meanwhile
+            if self._done.is_set():  # closed by another thread meanwhile
                 raise StopIteration
             error = self._went_on_error(took=False)
             if error is None:
                 self.steps += 1
                 self._state = item[3]  # the source's position right after this step's read
             else:
-                self._done = self._ended = True
-                self._unwatch.set()
+                self._end()
         if error is not None:
             self._leave(_ends.ASKS)
             raise error
@@ -214,6 +210,10 @@ class GlobalBatches(Iterator[Any]):
         self.rows += rows
         self._report()
         return batch
+
+    def _end(self) -> None:
+        self._ended = True
+        self._done.set()
 
     def _went_on_error(self, *, took: bool) -> DivergenceError | None:
         """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
@@ -229,7 +229,7 @@ class GlobalBatches(Iterator[Any]):
         with self._lock:
             for p, k in closers.items():
                 self._closers.setdefault(p, k)
-            if self._done or self._gone is not None:
+            if self._done.is_set() or self._gone is not None:
                 return
             error = self._went_on_error(took=True)
             self._gone = error
@@ -271,7 +271,7 @@ class GlobalBatches(Iterator[Any]):
     def _release_helpers(self) -> None:
         """Tell the others' helpers, at their next agreement, that this one stops (once)."""
         with self._lock:
-            if self._released or not self._multi:
+            if self._released or self._node is None:
                 return
             self._released = True
             steps = self._closed_after
@@ -302,9 +302,8 @@ class GlobalBatches(Iterator[Any]):
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
-            self._done = True
+            self._done.set()
             self._stop.set()
-            self._unwatch.set()
             post = self._together and not self._ended and self._node is not None
             if post:
                 self._closed_after = self.steps

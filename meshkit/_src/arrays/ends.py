@@ -58,7 +58,7 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str 
     return _MIDSTREAM.format(
         what=_WHAT,
         step=step,
-        each="; ".join(_rows_text(ps, rows) for ps in _missing.by_value(_as_text(rows)).values()),
+        each="; ".join(_rows_text(ps, rows) for ps in _by_rows(rows).values()),
         more=_loaders(midstream),
         which=_which(rows),
     )
@@ -79,13 +79,13 @@ _MIDSTREAM = (
 )
 
 
-def _as_text(rows: dict[int, int]) -> dict[int, str]:
-    return {p: str(n) for p, n in rows.items()}
+def _by_rows(rows: dict[int, int]) -> dict[str, list[int]]:
+    return _missing.by_value({p: str(n) for p, n in rows.items()})
 
 
 def _which(rows: dict[int, int]) -> str:
     """Who differs, where most processes agree on the rows; else that the records cannot tell."""
-    odd = _outside_majority(rows)
+    odd = _missing.outside_majority(_by_rows(rows).values())
     if len(odd) == len(rows):
         return "the batches alone do not tell which process's loader is wrong"
     return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
@@ -119,11 +119,7 @@ def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
 def rows_outliers(records: dict[int, PartRecord]) -> list[int]:
     """The processes whose batch rows differ from a majority's; every one without a majority."""
     rows = _leading_rows(records)
-    return _outside_majority(rows) if rows else sorted(records)
-
-
-def _outside_majority(rows: dict[int, int]) -> list[int]:
-    return _missing.outside_majority(_missing.by_value(_as_text(rows)).values())
+    return _missing.outside_majority(_by_rows(rows).values()) if rows else sorted(records)
 
 
 def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:

@@ -55,7 +55,7 @@ class _Pulled:
     state: Any = None  # the source's position right after this read (``capture``)
 
 
-def _pull(source: Iterator[Any], capture: Callable[[], Any] | None = None) -> _Pulled:
+def _pull(source: Iterator[Any], capture: Callable[[], Any] | None) -> _Pulled:
     try:
         pulled = _Pulled("data", next(source))
     except StopIteration:
@@ -68,20 +68,6 @@ def _pull(source: Iterator[Any], capture: Callable[[], Any] | None = None) -> _P
         except BaseException as e:  # the source's get_state failed: at this step, as its own
             return _Pulled("error", error=e)
     return pulled
-
-
-def _nbytes(leaf: Any) -> int:
-    """A leaf's bytes, without copying a ``jax.Array`` to the host."""
-    nbytes = getattr(leaf, "nbytes", None)
-    return int(nbytes) if nbytes is not None else np.asarray(leaf).nbytes
-
-
-def width_cap(processes: int, batch_bytes: int) -> int:
-    """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
-
-    Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
-    """
-    return max(1, min(max(32, processes), AHEAD_BYTES // (2 * max(1, batch_bytes))))
 
 
 class Handoff:
@@ -220,9 +206,17 @@ class Ahead:
         return True
 
     def _width_cap(self) -> int:
+        """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
+
+        Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
+        """
         if self._cap is None:
             leaves = jax.tree_util.tree_leaves(self._template)
-            self._cap = width_cap(self.opened.processes, sum(_nbytes(x) for x in leaves))
+            # a jax.Array's nbytes, not a copy to the host
+            batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
+            self._cap = max(
+                1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch))
+            )
         return self._cap
 
     def _next(self) -> _Pulled:

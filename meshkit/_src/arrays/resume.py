@@ -94,9 +94,7 @@ def open_source(
         stateful = callable(getattr(source, "get_state", None)) and callable(
             getattr(source, "set_state", None)
         )
-        problem = None
-        if start is not None:
-            problem = _states_problem(start, source, stateful, me, processes)
+        problem = None if start is None else _states_problem(start, source, stateful, me, processes)
         if problem is None:
             capture = (lambda: _state(source)) if stateful else None
             first = None if capture is None else capture()
