@@ -32,7 +32,6 @@ from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from . import ends as _ends
 from . import prefetch as _prefetch
-from . import resume as _resume
 from .dtypes import warn_notes
 from .records import PartRecord
 
@@ -117,7 +116,7 @@ class GlobalBatches(Iterator[Any]):
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
+        self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
         assembly = _assembly.Assembly(
@@ -141,7 +140,7 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _ends.Watch(self._node, self._tag, self._hear, self._done, self._look).start()
+            _ends.watch(self._node, self._tag, self._hear, self._done, self._look)
         _live.add(self)
 
     # The caller's side.

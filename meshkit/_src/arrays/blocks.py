@@ -289,12 +289,22 @@ def prepare_leaves(
         inferred = []
         for d, (size, k, n) in enumerate(zip(value.shape, held, counts, strict=True)):
             if size % k and not (pad and d == 0):
-                fix = (
-                    _pad_fix(k)
-                    if d == 0
-                    else f"Consider a size divisible by {k}, or a spec that does not split "
-                    f"dimension {d}."
-                )
+                if d:
+                    fix = (
+                        f"Consider a size divisible by {k}, or a spec that does not split "
+                        f"dimension {d}."
+                    )
+                elif pads():
+                    fix = (
+                        "Consider pad=True to pad the last, smaller batch (a mask marks the "
+                        f"padding), or a local batch divisible by {k}."
+                    )
+                else:
+                    fix = (
+                        f"Consider a local batch divisible by {k}, or padding the last, smaller "
+                        "batch first: meshkit.global_array_from_local(..., pad=True) returns it "
+                        "padded with a mask."
+                    )
                 raise MeshkitError(
                     _NOT_DIVISIBLE.format(
                         what=who(), path=path, shape=value.shape, dim=d,
@@ -315,19 +325,6 @@ def prepare_leaves(
     if pad:
         _prepare_mask(prepared)
     return prepared
-
-
-def _pad_fix(k: int) -> str:
-    """The fix for a local batch that does not split over this process's ``k`` blocks."""
-    if pads():
-        return (
-            "Consider pad=True to pad the last, smaller batch (a mask marks the padding), or a "
-            f"local batch divisible by {k}."
-        )
-    return (
-        f"Consider a local batch divisible by {k}, or padding the last, smaller batch first: "
-        "meshkit.global_array_from_local(..., pad=True) returns it padded with a mask."
-    )
 
 
 def _check_given(

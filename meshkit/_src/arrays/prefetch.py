@@ -24,7 +24,6 @@ from . import ends as _ends
 from .blocks import Prepared, prepare
 from .dtypes import set_caller
 from .records import PartRecord, raise_failures, summary
-from .resume import Opened
 
 _WHAT = "meshkit.global_batches"
 # Batches read ahead for a window are held on the host: at most this many bytes of them.
@@ -129,7 +128,7 @@ class _Window:
 class Ahead:
     """The helper's side of one `meshkit.global_batches` iterator (run by its thread)."""
 
-    opened: Opened  # this process's loader
+    opened: _ends.Opened  # this process's loader
     assembly: _assembly.Assembly
     args: tuple[Any, Any]  # (mesh_or_sharding, spec)
     ragged: bool

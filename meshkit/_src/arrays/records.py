@@ -61,31 +61,19 @@ class LeafRecord(NamedTuple):
 
 @dataclass(frozen=True)
 class PartRecord:
-    """What one process tells the others about its part of an assembly.
+    """What one process tells the others about its part of an assembly."""
 
-    Attributes:
-        status: ``"data"``; ``"end"`` (its loader ended); ``"closed"`` (its iterator closed
-            early); ``"error"`` (it failed: ``message``); ``"exit"`` (it left the program).
-        tree: the pytree structure of its part.
-        leaves: one `LeafRecord` per array, in flattening order.
-        block_rows: with ``pad=True``, the rows per block it needs (the largest is used).
-        message: with status ``"error"``, the failure, for the others' messages.
-        replicas: digests of the blocks other processes hold too (name -> (holder, digest)).
-        rows: in `meshkit.global_batches`, the rows of its batch (not with ``pad="ragged"``).
-        last: at a step whose batches differ in rows, whether a shorter batch is its loader's
-            last (None from the others).
-        steps: with status ``"closed"``, the steps its caller took before it closed.
-    """
-
-    status: str = "data"
-    tree: str | None = None
-    leaves: tuple[LeafRecord, ...] | None = None
-    block_rows: int | None = None
-    message: str | None = None
-    replicas: dict[str, tuple[int, str]] | None = None
-    rows: int | None = None
-    last: bool | None = None
-    steps: int | None = None
+    status: str = "data"  # or "end" (its loader ended), "closed" (early), "error", "exit"
+    tree: str | None = None  # the pytree structure of its part
+    leaves: tuple[LeafRecord, ...] | None = None  # one per array, in flattening order
+    block_rows: int | None = None  # with pad=True, the rows per block it needs (largest wins)
+    message: str | None = None  # with status "error", the failure, for the others' messages
+    replicas: dict[str, tuple[int, str]] | None = (
+        None  # blocks others hold: name -> (holder, digest)
+    )
+    rows: int | None = None  # global_batches: the rows of its batch (not with pad="ragged")
+    last: bool | None = None  # at a step of uneven rows: whether a shorter batch is its last
+    steps: int | None = None  # with status "closed", the steps its caller took before it closed
 
     def wire(self) -> dict[str, Any]:
         """The JSON object sent: the fields that are set, in declaration order."""
