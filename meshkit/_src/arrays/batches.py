@@ -32,7 +32,7 @@ from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from . import ends as _ends
 from . import prefetch as _prefetch
-from .dtypes import warn_notes
+from .dtypes import calling, warn_notes
 from .records import PartRecord
 
 _LOG = logger("arrays")
@@ -143,8 +143,6 @@ class GlobalBatches(Iterator[Any]):
             _ends.watch(self._node, self._tag, self._hear, self._done, self._look)
         _live.add(self)
 
-    # The caller's side.
-
     def __iter__(self) -> GlobalBatches:
         return self
 
@@ -241,8 +239,6 @@ class GlobalBatches(Iterator[Any]):
 
         A caller inside its step may wait in a collective the others will not join: fail-fast.
         """
-        if self._node is None:
-            return
         inside = self._moving is not None and not self._moving.asking
         if inside and _failfast.end_for(
             error, f"process {self._me} stops inside step {self.steps} of {_WHAT}: the other "
@@ -381,10 +377,8 @@ class GlobalBatches(Iterator[Any]):
             f"{self.rows_per_second:,.0f} rows/s\n",
         )
 
-    # The helper thread's side.
-
     def _work(self) -> None:
-        with _channel.channel(self._tag):
+        with _channel.channel(self._tag), calling(_WHAT, pads=True):
             self._prefetch.run()
 
 

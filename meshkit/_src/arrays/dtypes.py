@@ -32,11 +32,6 @@ def pads() -> bool:
     return _caller.get()[1]
 
 
-def set_caller(name: str) -> None:
-    """Name ``name`` in this thread's messages."""
-    _caller.set((name, True))
-
-
 @contextlib.contextmanager
 def calling(name: str, *, pads: bool) -> Iterator[None]:
     """Name ``name`` in the messages of assemblies inside the block."""

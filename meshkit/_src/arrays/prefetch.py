@@ -22,7 +22,6 @@ from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared, prepare
-from .dtypes import set_caller
 from .records import PartRecord, raise_failures, summary
 
 _WHAT = "meshkit.global_batches"
@@ -102,22 +101,22 @@ class _Window:
 
     pulled: list[_Pulled] = dataclasses.field(default_factory=list)
     steps: list[_Read] = dataclasses.field(default_factory=list)
-    done: bool = False  # a read without data, or a batch that does not prepare, ends it
 
     def read(self, ahead: Ahead, width: int) -> bool:
-        """Read one more batch (or none when full); whether the window is read."""
-        if self.done or len(self.pulled) >= width:
+        """Read one more batch (or none when full); whether the window is read.
+
+        A read without data, or a batch that does not prepare (no step for it), ends the window.
+        """
+        if len(self.steps) < len(self.pulled) or len(self.pulled) >= width:
             return True
         one = ahead._next()
         self.pulled.append(one)
         if one.status != "data":
-            self.done = True
             return True
         ahead._template = one.local
         try:
             prepared = ahead._prepare(one.local)
         except Exception:  # raised again by its own step, which agrees on it alone
-            self.done = True
             return True
         record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
         self.steps.append((prepared, record, one.state))
@@ -146,7 +145,6 @@ class Ahead:
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
-        set_caller(_WHAT)
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
         agreed: deque[_Read | _End | Failure] = deque()
         window = _Window()
@@ -240,8 +238,6 @@ class Ahead:
             return int(prepared.leaves[0].value.shape[0])
         return None
 
-    # One step at a time.
-
     def _one(self) -> bool | None:
         """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
         pulled = self._next()
@@ -298,8 +294,6 @@ class Ahead:
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
-    # A window of steps.
-
     def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         """Agree at once on a window read from step ``step``.
 
@@ -341,8 +335,6 @@ class Ahead:
             return END
         self._ahead.extendleft(reversed(window.pulled))
         return []
-
-    # What the records say.
 
     def _check_rows(self, records: dict[int, PartRecord], step: int, what: str) -> None:
         """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).
