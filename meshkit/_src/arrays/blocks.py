@@ -45,7 +45,6 @@ class Leaf:
     path: str
     value: np.ndarray
     sharding: NamedSharding
-    dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
     global_shape: tuple[int, ...]
     plan: _layout.Plan  # first over one element per block, then over the global shape
     rows: int  # the local leading size before padding
@@ -68,7 +67,6 @@ class Prepared:
 class Template:
     """One layout's planned leaves (without values), record and replica slots, kept for reuse."""
 
-    treedef: Any
     leaves: tuple[Leaf, ...]
     record: PartRecord  # `describe(..., pad=False)`
     summary: str  # `summary` of the record
@@ -115,7 +113,6 @@ def prepare(
         plan_leaves(prepared)
         record = describe(prepared, pad=False)
         prepared.template = Template(
-            treedef,
             tuple(dataclasses.replace(leaf, value=_NO_VALUE) for leaf in prepared.leaves),
             record,
             summary(record.wire()),
@@ -318,9 +315,7 @@ def prepare_leaves(
         if given is not None:
             _check_given(path, value, given, shape, held, counts, pad, me)
             shape = tuple(given)
-        leaves.append(
-            Leaf(path, value, sharding, dims, shape, unit, value.shape[0] if value.ndim else 0)
-        )
+        leaves.append(Leaf(path, value, sharding, shape, unit, value.shape[0] if value.ndim else 0))
     prepared = Prepared(treedef, leaves, notes=notes)
     if pad:
         _prepare_mask(prepared)
