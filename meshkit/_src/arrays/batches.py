@@ -328,11 +328,6 @@ class GlobalBatches(Iterator[Any]):
         else:  # the exception is the error to show; close's own would hide it
             self._close(wait=False)
 
-    def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)  # absent when __init__ raised
-        if stop is not None:
-            stop.set()
-
     def position(self) -> DataPosition:
         """Where the data stands after the global batches the caller took (not those read ahead).
 

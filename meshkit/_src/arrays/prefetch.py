@@ -77,7 +77,6 @@ class Handoff:
         self.put = self.items.put
 
     def get(self) -> Any:
-        """The next item, waiting for it if none is there yet."""
         item = self.items.get()
         self.slots.release()
         return item
