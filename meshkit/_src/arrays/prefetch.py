@@ -7,6 +7,7 @@ window that is not all data of equal records falls back to per-step agreements.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import queue
 import threading
@@ -299,17 +300,14 @@ class Ahead:
         Returns its steps (then `END` if every loader ended right after) when all processes'
         records are equal; [] to agree them one by one; `END` to end the loop.
         """
-        runs: list[list[Any]] = []
+        said = []
         for prepared, record, _ in window.steps:
             template = prepared.template
             if template is not None and record.tree is not None:  # spares a JSON text per step
-                said = f"{template.summary} {record.rows}"
+                said.append(f"{template.summary} {record.rows}")
             else:
-                said = summary(record.wire())
-            if runs and runs[-1][0] == said:
-                runs[-1][1] += 1
-            else:
-                runs.append([said, 1])
+                said.append(summary(record.wire()))
+        runs = [[text, len(list(same))] for text, same in itertools.groupby(said)]
         whole = len(window.steps) == width
         # Every loader ending right after the window's batches is agreed too: the common end.
         ended = window.pulled[-1].status == "end" and len(window.steps) == len(window.pulled) - 1
