@@ -122,6 +122,11 @@ def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -
     return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
 
 
+def _all_from_host(prepared: Prepared) -> bool:
+    """Whether every block goes from the host (on CPU), replicas included."""
+    return all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1])
+
+
 def transfer(prepared: Prepared) -> list[jax.Array]:
     """The global array of every leaf, then the mask if any.
 
@@ -136,7 +141,7 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
         mask = np.zeros(rows, bool)
         mask[:real] = True
         jobs.append((mask, prepared.mask_plan, prepared.mask_sharding))
-    if all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1]):
+    if _all_from_host(prepared):
         return [_from_host(value, plan, sharding) for value, plan, sharding in jobs]
     first = [(i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements if pl.first]
     rest = [
