@@ -114,8 +114,7 @@ def test_the_watch_hears_a_close_and_stops_by_itself():
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = ends.Watch(nodes[1], "gb/0", heard.append, stop)
-    watch.start()
+    watch = ends.watch(nodes[1], "gb/0", heard.append, stop)
     time.sleep(0.2)
     start = time.monotonic()
     ends.leave(nodes[0], "gb/0", ends.CLOSED, 7)
@@ -140,8 +139,7 @@ def test_a_notice_posted_before_a_close_is_read_after_it():
             return False
         return True  # the notice, read now
 
-    watch = ends.Watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
-    watch.start()
+    watch = ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
     watch.join(5)
     assert not watch.is_alive()
     assert (looks, heard) == ([0, 1], [])
@@ -152,14 +150,12 @@ def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
     nodes = cluster.nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = ends.Watch(nodes[1], "gb/0", heard.append, stop)
-    watch.start()
+    watch = ends.watch(nodes[1], "gb/0", heard.append, stop)
     stop.set()
     watch.join(2)
     assert not watch.is_alive()
-    gone = ends.Watch(nodes[1], "gb/1", heard.append, threading.Event())
-    cluster.leave(1)  # its calls fail, as when the service is gone
-    gone.start()
+    gone = ends.watch(nodes[1], "gb/1", heard.append, threading.Event())
+    cluster.leave(1)  # its calls fail, as when the service is gone (read after a poll period)
     gone.join(3)
     assert not gone.is_alive()
     assert heard == []

@@ -1,8 +1,6 @@
 """The assembly protocol (prepare -> agree -> transfer -> assemble) and `global_array_from_local`.
 
-`Assembly` serves `global_array_from_local`, the host arguments of `meshkit.spmd` /
-`meshkit.pmap_compat` and each step of `meshkit.global_batches`; the transfer puts each
-process's prepared blocks on its devices and builds the global arrays.
+`Assembly` also serves `meshkit.spmd`'s host arguments and each step of `global_batches`.
 """
 
 from __future__ import annotations
@@ -37,14 +35,10 @@ from .blocks import (
     prepare,
     replica_digests,
 )
-from .dtypes import warn_notes
-from .entry_point import WHAT
+from .dtypes import WHAT, warn_notes
 from .records import PartRecord, compare, raise_absent, raise_failures, summary
 
 Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
-# When the check at the transfer is verified: before the call returns, or by a later call.
-Verify = Literal["now", "later"]
-_CHECKS: dict[Any, Verify] = {True: "now", "deferred": "later", "data": "now", False: "now"}
 
 # Processes may hold different numbers of rows (pad=True): the debug fingerprint leaves the
 # leading dimension out.
@@ -75,29 +69,6 @@ def exchange_records(
 
 
 _later_calls: dict[str, int] = {}  # calls checked after they returned, per tag (for messages)
-
-
-def _exchange_later(
-    tag: str, record: PartRecord, what: str, replicas: dict[str, tuple[int, str]], said: str | None
-) -> None:
-    """`exchange_records` verified after the call returns; a later call raises a difference."""
-    timeout = _env.check_timeout()
-    wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
-    number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
-    caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
-
-    def on_outcome(outcome: _agree.Outcome) -> None:
-        named = f"{what} (call #{number}, checked after it returned)"
-        caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
-
-    _agree.agree_later(
-        tag,
-        summary(wire) if said is None else said,
-        lambda: json.dumps(wire),
-        timeout=timeout,
-        groups=replicas,
-        on_outcome=on_outcome,
-    )
 
 
 def _read(records: dict[int, dict[str, Any]]) -> dict[int, PartRecord]:
@@ -196,11 +167,9 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
 class Assembly:
     """One caller's assembly protocol: prepare -> agree -> transfer -> assemble.
 
-    Uneven batches (``pad`` without known sizes) agree on sizes before placing; the structure,
-    dtypes, shapes and replica digests are agreed while the blocks copy, before the call
-    returns (``verify="now"``) or, for ``check="deferred"``, by a later call. ``stepwise``:
-    agree at every call whatever ``check`` (`global_batches`). ``check_channel``: the channel
-    of the checks at the transfer (default the caller's).
+    Uneven batches (``pad`` without known sizes) agree on sizes before placing; the rest is
+    agreed while the blocks copy (with ``check="deferred"``, by a later call). ``stepwise``:
+    agree at every call whatever ``check`` (`global_batches`).
     """
 
     def __init__(
@@ -211,7 +180,6 @@ class Assembly:
         pad: bool,
         check: Check,
         sizes_known: bool = False,
-        verify: Verify = "now",
         stepwise: bool = False,
         check_channel: str | None = None,
     ) -> None:
@@ -219,7 +187,7 @@ class Assembly:
         self.pad, self.check, self.sizes_known = pad, check, sizes_known
         self.stepwise, self.check_channel = stepwise, check_channel
         self.multi = _compat.distributed_state()[2] > 1
-        self.later = verify != "now"
+        self.later = check == "deferred"  # the check is verified by a later call
         self.check_tag = check_tag(tag, later=self.later)  # a sequence apart from agree_sizes'
         # whether the processes agree on sizes before placing anything (an uneven batch)
         self.exchanges_sizes = self.multi and pad and not sizes_known
@@ -299,15 +267,30 @@ class Assembly:
         if agreed and not replicas:
             return  # agreed before placing, and no replicas to compare
         record = PartRecord() if agreed else describe(prepared, pad=self.pad)
-        if self.later:
-            template = prepared.template
-            said = template.summary if template is not None and record is template.record else None
-            _exchange_later(self.check_tag, record, self.what, replicas, said)
+        template = prepared.template
+        said = template.summary if template is not None and record is template.record else None
+        if not self.later:
+            records = exchange_records(
+                self.check_tag, record.wire(), self.what, replicas=replicas,
+                channel=self.check_channel, said=said,
+            )  # fmt: skip
+            compare(_read(records), self.what)
             return
-        records = exchange_records(
-            self.check_tag, record.wire(), self.what, replicas=replicas, channel=self.check_channel
-        )
-        compare(_read(records), self.what)
+        # Verified after the call returns: a later call raises a difference.
+        tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
+        wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
+        number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
+        caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
+
+        def on_outcome(outcome: _agree.Outcome) -> None:
+            named = f"{what} (call #{number}, checked after it returned)"
+            caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
+
+        said = summary(wire) if said is None else said
+        _agree.agree_later(
+            tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas,
+            on_outcome=on_outcome,
+        )  # fmt: skip
 
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""
@@ -378,7 +361,7 @@ def global_array_from_local(
         >>> x.shape, int(mask.sum())
         ((16, 3), 13)
     """
-    if not isinstance(check, bool | str) or check not in _CHECKS:
+    if not isinstance(check, bool | str) or check not in (True, False, "data", "deferred"):
         raise MeshkitError(
             f"meshkit.global_array_from_local: check must be True, False, 'data' or 'deferred'; "
             f"got {check!r}."
@@ -391,7 +374,6 @@ def global_array_from_local(
         pad=pad,
         check=check,
         sizes_known=global_shape is not None,
-        verify=_CHECKS[check],
     )
     tree, mask = assembly.run(
         lambda: prepare(

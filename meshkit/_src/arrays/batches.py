@@ -1,9 +1,4 @@
-"""`global_batches`: per-process batches in, global batches out, assembled ahead of time.
-
-A helper thread (`meshkit._src.arrays.prefetch`) reads, agrees and assembles up to ``prefetch``
-steps ahead of the caller. The end of data is decided together; a loop left early must end
-after the same step everywhere (`meshkit._src.arrays.ends`), or a `DivergenceError` says so.
-"""
+"""`global_batches`: the caller's side; a helper thread (`prefetch`) assembles steps ahead."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
 from . import ends as _ends
 from . import prefetch as _prefetch
-from . import resume as _resume
-from .dtypes import warn_notes
+from .dtypes import calling, warn_notes
 from .records import PartRecord
 
 _LOG = logger("arrays")
@@ -105,25 +99,24 @@ class GlobalBatches(Iterator[Any]):
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
         _, self._me, n = _compat.distributed_state()
-        self._multi = n > 1
         # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and self._multi
-        self._node = _agree.node() if self._multi else None
+        self._together = stop_together and n > 1
+        self._node = _agree.node() if n > 1 else None
         self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._done = False  # closed, ended or failed: __next__ raises StopIteration
+        # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
+        self._done = threading.Event()
         self._ended = False  # the data ended, or the iterator failed: a close tells nobody
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
         self._left = False  # this process said how it left the loop (`closes.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
-        self._unwatch = threading.Event()  # ended, failed or closed: no close to watch for
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        self._source = _resume.open_source(iterable, start, self._me, n, self._tag)
+        self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
         assembly = _assembly.Assembly(
@@ -147,17 +140,15 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _ends.Watch(self._node, self._tag, self._hear, self._unwatch, self._look).start()
+            _ends.watch(self._node, self._tag, self._hear, self._done, self._look)
         _live.add(self)
-
-    # The caller's side.
 
     def __iter__(self) -> GlobalBatches:
         return self
 
     @public
     def __next__(self) -> Any:
-        if self._done:
+        if self._done.is_set():
             raise StopIteration
         moving = self._moving
         if moving is None:
@@ -185,29 +176,26 @@ class GlobalBatches(Iterator[Any]):
     def _next(self) -> Any:
         item = self._handoff.get()
         if isinstance(item, _prefetch.Failure):
-            self._done = self._ended = True
-            self._unwatch.set()
+            self._end()
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
         if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:
-            self._done = self._ended = True  # every process ends at this step
-            self._unwatch.set()
+            self._end()  # every process ends at this step
             self._leave(_ends.ENDED)
             self._report(final=True)
             raise StopIteration
         with self._lock:
-            if self._done:  # closed by another thread meanwhile
+            if self._done.is_set():  # closed by another thread meanwhile
                 raise StopIteration
             error = self._went_on_error(took=False)
             if error is None:
                 self.steps += 1
                 self._state = item[3]  # the source's position right after this step's read
             else:
-                self._done = self._ended = True
-                self._unwatch.set()
+                self._end()
         if error is not None:
             self._leave(_ends.ASKS)
             raise error
@@ -219,6 +207,10 @@ class GlobalBatches(Iterator[Any]):
         self.rows += rows
         self._report()
         return batch
+
+    def _end(self) -> None:
+        self._ended = True
+        self._done.set()
 
     def _went_on_error(self, *, took: bool) -> DivergenceError | None:
         """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
@@ -234,7 +226,7 @@ class GlobalBatches(Iterator[Any]):
         with self._lock:
             for p, k in closers.items():
                 self._closers.setdefault(p, k)
-            if self._done or self._gone is not None:
+            if self._done.is_set() or self._gone is not None:
                 return
             error = self._went_on_error(took=True)
             self._gone = error
@@ -247,8 +239,6 @@ class GlobalBatches(Iterator[Any]):
 
         A caller inside its step may wait in a collective the others will not join: fail-fast.
         """
-        if self._node is None:
-            return
         inside = self._moving is not None and not self._moving.asking
         if inside and _failfast.end_for(
             error, f"process {self._me} stops inside step {self.steps} of {_WHAT}: the other "
@@ -276,7 +266,7 @@ class GlobalBatches(Iterator[Any]):
     def _release_helpers(self) -> None:
         """Tell the others' helpers, at their next agreement, that this one stops (once)."""
         with self._lock:
-            if self._released or not self._multi:
+            if self._released or self._node is None:
                 return
             self._released = True
             steps = self._closed_after
@@ -307,9 +297,8 @@ class GlobalBatches(Iterator[Any]):
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
-            self._done = True
+            self._done.set()
             self._stop.set()
-            self._unwatch.set()
             post = self._together and not self._ended and self._node is not None
             if post:
                 self._closed_after = self.steps
@@ -338,11 +327,6 @@ class GlobalBatches(Iterator[Any]):
             self.close()
         else:  # the exception is the error to show; close's own would hide it
             self._close(wait=False)
-
-    def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)  # absent when __init__ raised
-        if stop is not None:
-            stop.set()
 
     def position(self) -> DataPosition:
         """Where the data stands after the global batches the caller took (not those read ahead).
@@ -388,10 +372,8 @@ class GlobalBatches(Iterator[Any]):
             f"{self.rows_per_second:,.0f} rows/s\n",
         )
 
-    # The helper thread's side.
-
     def _work(self) -> None:
-        with _channel.channel(self._tag):
+        with _channel.channel(self._tag), calling(_WHAT, pads=True):
             self._prefetch.run()
 
 

@@ -1,8 +1,6 @@
 """A process's part of a global array, prepared: checked, cast and planned, before any transfer.
 
-`prepare` checks every leaf against its (mesh, spec) and global shape, casts it to the dtype
-JAX will use and plans which view goes to which local device; a layout seen before is taken
-from its `Template`. Nothing here communicates or touches a device.
+A layout seen before is taken from its `Template`. Nothing here communicates or touches a device.
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
 from ..sharding.spec_trees import align_specs, plain_specs
 from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
-from .dtypes import Note, cast
-from .entry_point import pads as _pads
-from .entry_point import who
+from .dtypes import Note, cast, pads, who
 from .records import LeafRecord, PartRecord, summary
 
 _NOT_DIVISIBLE = """\
@@ -49,7 +45,6 @@ class Leaf:
     path: str
     value: np.ndarray
     sharding: NamedSharding
-    dims: tuple[str, ...] | None  # dimension names from a spec string, for messages
     global_shape: tuple[int, ...]
     plan: _layout.Plan  # first over one element per block, then over the global shape
     rows: int  # the local leading size before padding
@@ -72,7 +67,6 @@ class Prepared:
 class Template:
     """One layout's planned leaves (without values), record and replica slots, kept for reuse."""
 
-    treedef: Any
     leaves: tuple[Leaf, ...]
     record: PartRecord  # `describe(..., pad=False)`
     summary: str  # `summary` of the record
@@ -119,7 +113,6 @@ def prepare(
         plan_leaves(prepared)
         record = describe(prepared, pad=False)
         prepared.template = Template(
-            treedef,
             tuple(dataclasses.replace(leaf, value=_NO_VALUE) for leaf in prepared.leaves),
             record,
             summary(record.wire()),
@@ -293,12 +286,22 @@ def prepare_leaves(
         inferred = []
         for d, (size, k, n) in enumerate(zip(value.shape, held, counts, strict=True)):
             if size % k and not (pad and d == 0):
-                fix = (
-                    _pad_fix(k)
-                    if d == 0
-                    else f"Consider a size divisible by {k}, or a spec that does not split "
-                    f"dimension {d}."
-                )
+                if d:
+                    fix = (
+                        f"Consider a size divisible by {k}, or a spec that does not split "
+                        f"dimension {d}."
+                    )
+                elif pads():
+                    fix = (
+                        "Consider pad=True to pad the last, smaller batch (a mask marks the "
+                        f"padding), or a local batch divisible by {k}."
+                    )
+                else:
+                    fix = (
+                        f"Consider a local batch divisible by {k}, or padding the last, smaller "
+                        "batch first: meshkit.global_array_from_local(..., pad=True) returns it "
+                        "padded with a mask."
+                    )
                 raise MeshkitError(
                     _NOT_DIVISIBLE.format(
                         what=who(), path=path, shape=value.shape, dim=d,
@@ -312,26 +315,11 @@ def prepare_leaves(
         if given is not None:
             _check_given(path, value, given, shape, held, counts, pad, me)
             shape = tuple(given)
-        leaves.append(
-            Leaf(path, value, sharding, dims, shape, unit, value.shape[0] if value.ndim else 0)
-        )
+        leaves.append(Leaf(path, value, sharding, shape, unit, value.shape[0] if value.ndim else 0))
     prepared = Prepared(treedef, leaves, notes=notes)
     if pad:
         _prepare_mask(prepared)
     return prepared
-
-
-def _pad_fix(k: int) -> str:
-    """The fix for a local batch that does not split over this process's ``k`` blocks."""
-    if _pads():
-        return (
-            "Consider pad=True to pad the last, smaller batch (a mask marks the padding), or a "
-            f"local batch divisible by {k}."
-        )
-    return (
-        f"Consider a local batch divisible by {k}, or padding the last, smaller batch first: "
-        "meshkit.global_array_from_local(..., pad=True) returns it padded with a mask."
-    )
 
 
 def _check_given(

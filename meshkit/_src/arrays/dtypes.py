@@ -1,18 +1,45 @@
-"""64-bit data in a 32-bit JAX: the cast, and the `DtypeWarning` shown once per dtype.
+"""Which public function an assembly's messages name; 64-bit data in a 32-bit JAX (`DtypeWarning`).
 
-A narrowing is noted while a part is prepared and warned by the caller at the user's line once
-the call succeeds (`warn_notes`): a call that fails leaves the warning to the next one.
+A narrowing is noted while a part is prepared and warned at the user's line once the call succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from .entry_point import who
+WHAT = "meshkit.global_array_from_local"  # the default
+# (the public function messages name, whether it takes pad=): set by global_batches' helper
+# thread, and around spmd's assembly of host arguments.
+_caller: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "meshkit_caller", default=(WHAT, True)
+)
+
+
+def who() -> str:
+    """The public meshkit function the current assembly runs for, for messages."""
+    return _caller.get()[0]
+
+
+def pads() -> bool:
+    """Whether that function takes ``pad=`` (the fixes for an uneven batch suggest it)."""
+    return _caller.get()[1]
+
+
+@contextlib.contextmanager
+def calling(name: str, *, pads: bool) -> Iterator[None]:
+    """Name ``name`` in the messages of assemblies inside the block."""
+    token = _caller.set((name, pads))
+    try:
+        yield
+    finally:
+        _caller.reset(token)
 
 
 class DtypeWarning(UserWarning):

@@ -1,14 +1,13 @@
 """The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
 
-The processes agree on one record per process and step; to spare the coordinator, the helper
-reads a window of up to `width_cap` steps ahead and agrees on all their records at once. Any
-window that is not all data of equal records falls back to per-step agreements, so messages
-name their step. The source's position is captured with each read and travels with its step.
+To spare the coordinator, steady steps are agreed in windows of up to `width_cap` steps; a
+window that is not all data of equal records falls back to per-step agreements.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import queue
 import threading
@@ -24,9 +23,7 @@ from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared, prepare
-from .entry_point import set_caller
 from .records import PartRecord, raise_failures, summary
-from .resume import Opened
 
 _WHAT = "meshkit.global_batches"
 # Batches read ahead for a window are held on the host: at most this many bytes of them.
@@ -57,7 +54,7 @@ class _Pulled:
     state: Any = None  # the source's position right after this read (``capture``)
 
 
-def _pull(source: Iterator[Any], capture: Callable[[], Any] | None = None) -> _Pulled:
+def _pull(source: Iterator[Any], capture: Callable[[], Any] | None) -> _Pulled:
     try:
         pulled = _Pulled("data", next(source))
     except StopIteration:
@@ -72,20 +69,6 @@ def _pull(source: Iterator[Any], capture: Callable[[], Any] | None = None) -> _P
     return pulled
 
 
-def _nbytes(leaf: Any) -> int:
-    """A leaf's bytes, without copying a ``jax.Array`` to the host."""
-    nbytes = getattr(leaf, "nbytes", None)
-    return int(nbytes) if nbytes is not None else np.asarray(leaf).nbytes
-
-
-def width_cap(processes: int, batch_bytes: int) -> int:
-    """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
-
-    Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
-    """
-    return max(1, min(max(32, processes), AHEAD_BYTES // (2 * max(1, batch_bytes))))
-
-
 class Handoff:
     """The assembled steps waiting for the caller, at most ``prefetch`` (`take` a slot first)."""
 
@@ -95,7 +78,6 @@ class Handoff:
         self.put = self.items.put
 
     def get(self) -> Any:
-        """The next item, waiting for it if none is there yet."""
         item = self.items.get()
         self.slots.release()
         return item
@@ -119,22 +101,22 @@ class _Window:
 
     pulled: list[_Pulled] = dataclasses.field(default_factory=list)
     steps: list[_Read] = dataclasses.field(default_factory=list)
-    done: bool = False  # a read without data, or a batch that does not prepare, ends it
 
     def read(self, ahead: Ahead, width: int) -> bool:
-        """Read one more batch (or none when full); whether the window is read."""
-        if self.done or len(self.pulled) >= width:
+        """Read one more batch (or none when full); whether the window is read.
+
+        A read without data, or a batch that does not prepare (no step for it), ends the window.
+        """
+        if len(self.steps) < len(self.pulled) or len(self.pulled) >= width:
             return True
         one = ahead._next()
         self.pulled.append(one)
         if one.status != "data":
-            self.done = True
             return True
         ahead._template = one.local
         try:
             prepared = ahead._prepare(one.local)
         except Exception:  # raised again by its own step, which agrees on it alone
-            self.done = True
             return True
         record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
         self.steps.append((prepared, record, one.state))
@@ -145,7 +127,7 @@ class _Window:
 class Ahead:
     """The helper's side of one `meshkit.global_batches` iterator (run by its thread)."""
 
-    opened: Opened  # this process's loader
+    opened: _ends.Opened  # this process's loader
     assembly: _assembly.Assembly
     args: tuple[Any, Any]  # (mesh_or_sharding, spec)
     ragged: bool
@@ -163,7 +145,6 @@ class Ahead:
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
-        set_caller(_WHAT)
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
         agreed: deque[_Read | _End | Failure] = deque()
         window = _Window()
@@ -222,9 +203,17 @@ class Ahead:
         return True
 
     def _width_cap(self) -> int:
+        """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
+
+        Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
+        """
         if self._cap is None:
             leaves = jax.tree_util.tree_leaves(self._template)
-            self._cap = width_cap(self.opened.processes, sum(_nbytes(x) for x in leaves))
+            # a jax.Array's nbytes, not a copy to the host
+            batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
+            self._cap = max(
+                1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch))
+            )
         return self._cap
 
     def _next(self) -> _Pulled:
@@ -248,8 +237,6 @@ class Ahead:
         if status == "data" and not self.ragged and prepared.leaves[0].global_shape:
             return int(prepared.leaves[0].value.shape[0])
         return None
-
-    # One step at a time.
 
     def _one(self) -> bool | None:
         """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
@@ -307,25 +294,20 @@ class Ahead:
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
-    # A window of steps.
-
     def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
         """Agree at once on a window read from step ``step``.
 
         Returns its steps (then `END` if every loader ended right after) when all processes'
         records are equal; [] to agree them one by one; `END` to end the loop.
         """
-        runs: list[list[Any]] = []
+        said = []
         for prepared, record, _ in window.steps:
             template = prepared.template
             if template is not None and record.tree is not None:  # spares a JSON text per step
-                said = f"{template.summary} {record.rows}"
+                said.append(f"{template.summary} {record.rows}")
             else:
-                said = summary(record.wire())
-            if runs and runs[-1][0] == said:
-                runs[-1][1] += 1
-            else:
-                runs.append([said, 1])
+                said.append(summary(record.wire()))
+        runs = [[text, len(list(same))] for text, same in itertools.groupby(said)]
         whole = len(window.steps) == width
         # Every loader ending right after the window's batches is agreed too: the common end.
         ended = window.pulled[-1].status == "end" and len(window.steps) == len(window.pulled) - 1
@@ -350,8 +332,6 @@ class Ahead:
             return END
         self._ahead.extendleft(reversed(window.pulled))
         return []
-
-    # What the records say.
 
     def _check_rows(self, records: dict[int, PartRecord], step: int, what: str) -> None:
         """Raise if a batch at ``step`` is short while its loader has more (`ends.short_batch`).

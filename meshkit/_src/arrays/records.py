@@ -1,9 +1,4 @@
-"""The records processes exchange to agree on an assembly, and their comparison.
-
-A `PartRecord` is one process's part: its status, pytree structure, one `LeafRecord` per array
-and what batches add. On the wire it is a JSON object without its unset fields; `summary` is
-what must be equal everywhere, and `compare` names who differs and where.
-"""
+"""The records processes exchange to agree on an assembly (`PartRecord`), and their comparison."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from ..coord import missing as _missing
 from ..coord.node import Outcome
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
-from .entry_point import WHAT, pads
+from .dtypes import WHAT, pads
 
 _SAME_CALLS = (
     "Every process must make the same calls in the same order (a process that stopped, "
@@ -63,38 +58,22 @@ class LeafRecord(NamedTuple):
     global_shape: list[Any]  # with pad=True, "?" for the leading size (agreed separately)
     local_shape: list[int]  # this process's part: not compared (processes may differ)
 
-    def compared(self) -> tuple[str, str, list[list[str]], list[Any]]:
-        """What must be equal in every process: all but the local shape."""
-        return self.path, self.dtype, self.split, self.global_shape
-
 
 @dataclass(frozen=True)
 class PartRecord:
-    """What one process tells the others about its part of an assembly.
+    """What one process tells the others about its part of an assembly."""
 
-    Attributes:
-        status: ``"data"``; ``"end"`` (its loader ended); ``"closed"`` (its iterator closed
-            early); ``"error"`` (it failed: ``message``); ``"exit"`` (it left the program).
-        tree: the pytree structure of its part.
-        leaves: one `LeafRecord` per array, in flattening order.
-        block_rows: with ``pad=True``, the rows per block it needs (the largest is used).
-        message: with status ``"error"``, the failure, for the others' messages.
-        replicas: digests of the blocks other processes hold too (name -> (holder, digest)).
-        rows: in `meshkit.global_batches`, the rows of its batch (not with ``pad="ragged"``).
-        last: at a step whose batches differ in rows, whether a shorter batch is its loader's
-            last (None from the others).
-        steps: with status ``"closed"``, the steps its caller took before it closed.
-    """
-
-    status: str = "data"
-    tree: str | None = None
-    leaves: tuple[LeafRecord, ...] | None = None
-    block_rows: int | None = None
-    message: str | None = None
-    replicas: dict[str, tuple[int, str]] | None = None
-    rows: int | None = None
-    last: bool | None = None
-    steps: int | None = None
+    status: str = "data"  # or "end" (its loader ended), "closed" (early), "error", "exit"
+    tree: str | None = None  # the pytree structure of its part
+    leaves: tuple[LeafRecord, ...] | None = None  # one per array, in flattening order
+    block_rows: int | None = None  # with pad=True, the rows per block it needs (largest wins)
+    message: str | None = None  # with status "error", the failure, for the others' messages
+    replicas: dict[str, tuple[int, str]] | None = (
+        None  # blocks others hold: name -> (holder, digest)
+    )
+    rows: int | None = None  # global_batches: the rows of its batch (not with pad="ragged")
+    last: bool | None = None  # at a step of uneven rows: whether a shorter batch is its last
+    steps: int | None = None  # with status "closed", the steps its caller took before it closed
 
     def wire(self) -> dict[str, Any]:
         """The JSON object sent: the fields that are set, in declaration order."""
@@ -114,7 +93,7 @@ def summary(wire: dict[str, Any]) -> str:
     """What must be equal in every process: a record's JSON without local shapes and replicas."""
     compared = {k: v for k, v in wire.items() if k != "replicas"}
     if "leaves" in compared:
-        compared["leaves"] = [LeafRecord(*leaf).compared() for leaf in compared["leaves"]]
+        compared["leaves"] = [leaf[:-1] for leaf in compared["leaves"]]  # not the local shape
     return json.dumps(compared, sort_keys=True)
 
 

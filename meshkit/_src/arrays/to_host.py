@@ -1,8 +1,4 @@
-"""Back from global arrays to numpy: `local_from_global` (this process's part) and `gather`.
-
-`gather` sends each block once, from the lowest process holding it, as bytes over a
-one-device-per-process mesh: no resharding to a replicated array.
-"""
+"""Back from global arrays to numpy: `local_from_global` (this process's part) and `gather`."""
 
 from __future__ import annotations
 
