@@ -175,12 +175,6 @@ def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any
     """The fast domain of each process: its TPU slice on a multi-slice TPU, else its host.
 
     None when neither is known. `order_devices` keeps inner axes inside one domain.
-
-    Examples:
-        >>> from types import SimpleNamespace as D
-        >>> devs = [D(id=i, process_index=i, slice_index=i // 2) for i in range(4)]
-        >>> domains(devs, None)
-        {0: ('slice', 0), 1: ('slice', 0), 2: ('slice', 1), 3: ('slice', 1)}
     """
     slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
     if None not in slices.values() and len(set(slices.values())) > 1:
@@ -207,10 +201,6 @@ def order_devices(
         host_of: the host of each process (by process index); None: one host per process.
         across: the positions of the axes that take the host factors; None: any, outermost first.
 
-    Raises:
-        MeshkitError: processes hold unequal numbers of devices, or the ``across`` axes cannot
-            span the hosts.
-
     Examples:
         >>> from types import SimpleNamespace as D
         >>> devs = [D(id=i, process_index=i // 2) for i in range(8)]
@@ -232,11 +222,6 @@ def order_devices(
         )
     groups = _groups(sorted(by_process), host_of)
     n_hosts, per_host, per_process = len(groups), len(groups[0]), len(by_process[groups[0][0]])
-    if math.prod(sizes) != n_hosts * per_host * per_process:
-        raise MeshkitError(
-            f"meshkit.make_mesh: mesh shape {tuple(sizes)} does not hold "
-            f"{n_hosts * per_host * per_process} devices."
-        )
     h = _factors(sizes, n_hosts, across)
     if h is None:
         assert across is not None
