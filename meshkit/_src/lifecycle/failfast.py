@@ -267,12 +267,10 @@ class _Watch:
 
     def look(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s for a post, then act on the posts; False: watch no more."""
-        woken = True
-        if self.wait is not None:
-            try:
-                woken = self.wait(timeout)
-            except Exception:  # the read tells whether the service is gone
-                woken = True
+        try:
+            woken = self.wait is None or self.wait(timeout)
+        except Exception:  # the read tells whether the service is gone
+            woken = True
         if not woken:
             return True
         going_on = self.check()

@@ -160,15 +160,13 @@ def _groups(
     procs: Sequence[int], host_of: Sequence[int] | Mapping[int, Any] | None
 ) -> list[list[int]]:
     """The processes grouped by host (in order); one per process if hosts are unknown or unequal."""
-    if host_of is None:
-        return [[p] for p in procs]
-    hosts: dict[Any, list[int]] = {}
-    for p in procs:
-        hosts.setdefault(host_of[p], []).append(p)
-    groups = list(hosts.values())
-    if len({len(g) for g in groups}) > 1:
-        return [[p] for p in procs]
-    return groups
+    if host_of is not None:
+        hosts: dict[Any, list[int]] = {}
+        for p in procs:
+            hosts.setdefault(host_of[p], []).append(p)
+        if len({len(g) for g in hosts.values()}) == 1:
+            return list(hosts.values())
+    return [[p] for p in procs]
 
 
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
