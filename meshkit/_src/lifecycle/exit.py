@@ -202,19 +202,17 @@ def end(status: int, *, grace: float, announce: str = "", late: str = "",
         return
     if announce:
         say(_LOG, level, announce)
+
+    def too_late() -> None:
+        if late:
+            say(_LOG, level, late)
+        _exit(status, final)
+
     # Reached from an exit handler, the handlers run already and no thread may start now.
-    bounded = not _registry.interpreter_exiting and at(
-        "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
-    )
+    bounded = not _registry.interpreter_exiting and at("exit: bound the handlers", grace, too_late)
     if bounded and threading.current_thread() is threading.main_thread():
         _compat.skip_jax_exit_barrier()
         atexit._run_exitfuncs()
-    _exit(status, final)
-
-
-def _late(late: str, level: int, status: int, final: Callable[[], None] | None) -> None:
-    if late:
-        say(_LOG, level, late)
     _exit(status, final)
 
 
