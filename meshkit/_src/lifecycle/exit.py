@@ -188,8 +188,7 @@ def claim() -> bool:
 def await_end(limit: float = 30.0) -> None:
     """In a thread that lost `claim`: wait (at most ``limit`` s) for the claiming path to exit.
 
-    So that an uncaught exception in the main thread does not start the interpreter's own exit
-    while another path (a peer's failure read by the watch) is ending the process.
+    The interpreter's own exit must not start while another path ends the process.
     """
     if _ending.locked():
         time.sleep(limit)

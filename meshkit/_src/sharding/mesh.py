@@ -192,12 +192,8 @@ def order_devices(
     """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a host.
 
     The order is docs/meshes.md's; any objects with ``process_index`` work (test doubles too).
-
-    Args:
-        devices: the flat device list, the same number from every process.
-        sizes: the resolved mesh shape, of product ``len(devices)``.
-        host_of: the host of each process (by process index); None: one host per process.
-        across: the positions of the axes that take the host factors; None: any, outermost first.
+    ``host_of`` gives each process's host (None: one host per process); ``across``, the positions
+    of the axes that take the host factors (None: any, outermost first).
 
     Examples:
         >>> from types import SimpleNamespace as D
