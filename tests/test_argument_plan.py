@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
+from meshkit._src.sharding import layout
 from meshkit._src.sharding.argument_plan import argument_plan
 
 
@@ -23,7 +24,7 @@ def test_plan_is_cached_and_shares_one_sharding_per_spec(mesh: jax.sharding.Mesh
     assert argument_plan(mesh, specs, ("args[0]", "args[1]", "args[2]")) is plan
     assert plan.targets[0] is plan.targets[2]
     assert plan.targets[0] == NamedSharding(mesh, P("data"))
-    assert plan.specs == specs
+    assert tuple(t.spec for t in plan.targets) == specs
     assert plan.sharding(P("data")) is plan.targets[0]
     assert plan.sharding(P("model")) == NamedSharding(mesh, P("model"))
     assert not plan.multiprocess
@@ -44,7 +45,7 @@ def test_placed_only_when_every_leaf_has_its_target(mesh: jax.sharding.Mesh) -> 
 def test_blocks_are_jax_indices(mesh: jax.sharding.Mesh, spec: P) -> None:
     shape = (8, 12)
     plan = argument_plan(mesh, (spec,), ("args[0]",))
-    blocks = plan.blocks(0, shape)
+    blocks = layout.plan(plan.targets[0], shape, jax.process_index())
     expected = NamedSharding(mesh, spec).devices_indices_map(shape)
     want = {
         d: tuple(

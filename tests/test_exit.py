@@ -258,8 +258,7 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     from meshkit import DivergenceError
 
     ended = []
-    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace, status, **k: ended.append(
-        (failure, why, status)))  # fmt: skip
+    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace: ended.append((failure, why)))
     monkeypatch.setattr(_exit, "claim", lambda: True)
     monkeypatch.setattr(_exit, "now", lambda status, text="", **k: ended.append((text, status)))
     posts = _failfast.PeerPosts(failures=[(2, "RuntimeError: planted"), (1, "ValueError: x")],
@@ -278,15 +277,13 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
             "DivergenceError: meshkit: processes differ.") in said  # fmt: skip
     assert "meshkit: the error above follows another process's failure." in said
     assert "another process of the program" not in said  # gloo's explanation gave way
-    assert ended[0] == ("DivergenceError: meshkit: processes differ.", "a failed cross-process "
-                        "check", 1)  # fmt: skip
+    assert ended[0] == (
+        "DivergenceError: meshkit: processes differ.",
+        "a failed cross-process check",
+    )
     assert ended[1][0].startswith("meshkit: process 1 failed: ValueError: x\nProcess 3 stops too")
     assert ended[1][1] == 1
-    assert ended[2] == (
-        "ValueError: bad batch",
-        "uncaught exception in a multi-process run",
-        1,
-    )
+    assert ended[2] == ("ValueError: bad batch", "uncaught exception in a multi-process run")
     assert [fields.get("cause") for _, fields in _events_of(status)] == [
         "divergence", "peer", "exception"]  # fmt: skip
 

@@ -59,7 +59,7 @@ own = {
     "exception handlers": sorted(exit_._registry.exception),
     "atexit installed": exit_._registry.atexit_installed,
     "sigterm taken": exit_._registry.sigterm_wakeup is not None,
-    "preemption installed": preemption.installed(),
+    "preemption installed": preemption._state.installed,
     "programs compared": programs.installed(),
     "debug mode": debug_state.enabled(),
     "joined": init.runtime_info() is not None,

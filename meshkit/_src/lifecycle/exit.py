@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import select
@@ -47,7 +46,6 @@ ExceptionHandler = Callable[[type[BaseException], BaseException, TracebackType |
 class _Handler:
     name: str
     order: int
-    seq: int
     call: Callable[..., None]
 
 
@@ -67,41 +65,36 @@ class _Registry:
 
 _registry = _Registry()
 _lock = threading.RLock()
-_seq = itertools.count()
 _ending = threading.Lock()  # held by whichever path ends this process first
 _claimant: int | None = None  # the thread that holds `_ending`
 _final = threading.Lock()  # held by the path that makes the final exit
 
 
-def _add(table: dict[str, _Handler], name: str, call: Callable[..., None], order: int) -> None:
-    old = table.get(name)
-    table[name] = _Handler(name, order, old.seq if old else next(_seq), call)
-
-
 def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
     """Run ``handler`` when this process ends, at ``order`` (`STOP`, `LEAVE`, `DRAIN`, `FLUSH`)."""
     with _lock:
-        _add(_registry.exit, name, handler, order)
+        _registry.exit[name] = _Handler(name, order, handler)
         if not _registry.atexit_installed:
             _registry.atexit_installed = True
-            _add(_registry.exit, "flush stdout and stderr", _flush, FLUSH)
+            flush = _Handler("flush stdout and stderr", FLUSH, _flush)
+            _registry.exit[flush.name] = flush
             atexit.register(run_exit_handlers)
 
 
 def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
     """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread."""
     with _lock:
-        _add(_registry.exception, name, handler, order)
+        _registry.exception[name] = _Handler(name, order, handler)
         if _registry.previous_hook is None:
             _registry.previous_hook = sys.excepthook
             sys.excepthook = _excepthook
 
 
-def on_sigterm(handler: Callable[[], None]) -> int:
-    """Call ``handler`` in the main thread on SIGTERM, even while that thread waits in C."""
+def on_sigterm(handler: Callable[[], None]) -> None:
+    """Call ``handler`` on SIGTERM (from the service thread while the main thread waits in C)."""
     with _lock:
         if threading.current_thread() is not threading.main_thread():
-            return -1
+            return
         before = signal.getsignal(signal.SIGTERM)
         if callable(before) and not getattr(before, "_meshkit", False):
             _registry.previous_sigterm = before
@@ -114,23 +107,25 @@ def on_sigterm(handler: Callable[[], None]) -> int:
 
         take._meshkit = True  # type: ignore[attr-defined]
         signal.signal(signal.SIGTERM, take)
-        if _registry.sigterm_wakeup is not None:
-            return _registry.sigterm_wakeup
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        if previous != -1:
-            signal.set_wakeup_fd(previous)
-            os.close(read)
-            os.close(write)
-            read = -1
-        _registry.sigterm_wakeup = read
-        return read
+        if _registry.sigterm_wakeup is None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            if previous != -1:  # the program reads the wake-up fd: leave it its own
+                signal.set_wakeup_fd(previous)
+                os.close(read)
+                os.close(write)
+                read = -1
+            _registry.sigterm_wakeup = read
+    service = _running()
+    service.signals, service.on_sigterm = _registry.sigterm_wakeup, handler
+    wake(nudge=False)
 
 
 def _ordered(table: dict[str, _Handler]) -> list[_Handler]:
+    """By order, then first registration (a dict keeps a replaced entry's place)."""
     with _lock:
-        return sorted(table.values(), key=lambda h: (h.order, h.seq))
+        return sorted(table.values(), key=lambda h: h.order)
 
 
 def _call(handler: _Handler, *args: object) -> None:
@@ -174,11 +169,11 @@ def ending() -> bool:
 
 
 def claim() -> bool:
-    """Take the one right to end this process (then `end` or `now` with ``claimed=True``).
+    """Take the one right to end this process (`end` and `now` take it too).
 
     For a path that records why it ends before it ends: whoever claims first is the one whose
     record stands. False: another thread's path ends this process already (the thread that
-    holds the claim may claim again: its later steps end the process it claimed).
+    holds the claim may claim again: its later steps, `end` or `now`, end the process it claimed).
     """
     global _claimant
     me = threading.get_ident()
@@ -193,44 +188,36 @@ def claim() -> bool:
 def await_end(limit: float = 30.0) -> None:
     """In a thread that lost `claim`: wait (at most ``limit`` s) for the claiming path to exit.
 
-    So that an uncaught exception in the main thread does not start the interpreter's own exit
-    while another path (a peer's failure read by the watch) is ending the process.
+    The interpreter's own exit must not start while another path ends the process.
     """
     if _ending.locked():
         time.sleep(limit)
 
 
 def end(status: int, *, grace: float, announce: str = "", late: str = "",
-        final: Callable[[], None] | None = None, level: int = logging.ERROR,
-        claimed: bool = False) -> None:  # fmt: skip
+        final: Callable[[], None] | None = None, level: int = logging.ERROR) -> None:  # fmt: skip
     """End this failing process: exit handlers for at most ``grace`` s, ``final``, then exit."""
-    if not claimed and not claim():
+    if not claim():
         return
     if announce:
         say(_LOG, level, announce)
-    if _registry.interpreter_exiting or not at(
-        "exit: bound the exit handlers", grace, lambda: _late(late, level, status, final)
-    ):
-        # Reached from an exit handler: they run already, and no thread may start now.
+
+    def too_late() -> None:
+        if late:
+            say(_LOG, level, late)
         _exit(status, final)
-        return
-    if threading.current_thread() is threading.main_thread():
+
+    # Reached from an exit handler, the handlers run already and no thread may start now.
+    bounded = not _registry.interpreter_exiting and at("exit: bound the handlers", grace, too_late)
+    if bounded and threading.current_thread() is threading.main_thread():
         _compat.skip_jax_exit_barrier()
         atexit._run_exitfuncs()
     _exit(status, final)
 
 
-def _late(late: str, level: int, status: int, final: Callable[[], None] | None) -> None:
-    if late:
-        say(_LOG, level, late)
-    _exit(status, final)
-
-
-def now(
-    status: int, message: str = "", *, level: int = logging.ERROR, claimed: bool = False
-) -> None:
+def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
     """Say ``message`` and exit with ``status`` at once, running no exit handler."""
-    if not claimed and not claim():
+    if not claim():
         return
     if message:
         say(_LOG, level, message)
@@ -357,13 +344,8 @@ def wake(*, nudge: bool = True) -> None:
             service.nudge()
 
 
-def at(name: str, delay: float | None, call: Callable[[], None], *, nudge: bool = True) -> bool:
-    """Run ``call`` in the service thread ``delay`` seconds from now (None: cancel ``name``)."""
-    if delay is None:
-        if _service is not None:
-            with _service.lock:
-                _service.tasks.pop(name, None)
-        return True
+def at(name: str, delay: float, call: Callable[[], None], *, nudge: bool = True) -> bool:
+    """Run ``call`` in the service thread ``delay`` seconds from now; False if it cannot start."""
     try:
         service = _running()
     except RuntimeError:  # Python runs its exit handlers: threads cannot start now
@@ -383,13 +365,6 @@ def on_wake(name: str, call: Callable[[], None]) -> None:
 def on_activity(probe: Callable[[], object]) -> None:
     """Count a change of ``probe()`` (read once per wait) as the program stepping."""
     _running().probes.append(probe)
-
-
-def on_signal(fd: int, handler: Callable[[], None]) -> None:
-    """Call ``handler`` when SIGTERM's wake-up byte arrives on pipe ``fd`` (-1: none)."""
-    service = _running()
-    service.signals, service.on_sigterm = fd, handler
-    wake(nudge=False)
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:

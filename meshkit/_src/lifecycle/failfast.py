@@ -99,9 +99,8 @@ def install(
 def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     """Before the traceback is printed: claim the end, or leave it to the path that has it.
 
-    A peer's failure read by the watch a moment earlier ends this process with its own notice
-    (the error that follows it here is its echo, or the same check's verdict): one record per
-    process, so the traceback is not printed after it.
+    A peer's failure read by the watch a moment earlier ends this process with its own record;
+    the error here is its echo, so its traceback must not follow.
     """
     if not _exit.claim():
         _exit.await_end()
@@ -125,8 +124,7 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace, status=1,
-         claimed=True)  # fmt: skip
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -150,7 +148,7 @@ def _end_saying(error: BaseException, header: str, why: str, grace: float) -> No
     say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
     _events.emit(_events.FAILED, **_failure_fields(error, None))
     first = (str(error).splitlines() or [""])[0][:300]
-    _end(f"{type(error).__name__}: {first}", why, grace, status=1)
+    _end(f"{type(error).__name__}: {first}", why, grace)
 
 
 def _end_with_known_cause(grace: float) -> bool:
@@ -186,14 +184,6 @@ def _peer_failures() -> PeerPosts | None:
     return None
 
 
-def _raised_at(value: BaseException) -> str:
-    """``file:line`` where ``value`` was raised (its traceback's innermost frame), or ""."""
-    tb = value.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return "" if tb is None else f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-
-
 def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
     """The `failed` event's fields for an exception: its type, else what its text says."""
     error = type(value).__name__
@@ -201,14 +191,18 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
         return {"cause": "divergence", "error": error, "processes": value.processes,
                 "field": value.field}  # fmt: skip
     if diagnosis is None:
-        return {"cause": "exception", "error": error, "where": _raised_at(value)}
+        tb = value.__traceback__
+        while tb is not None and tb.tb_next is not None:  # the innermost frame: where it was raised
+            tb = tb.tb_next
+        where = "" if tb is None else f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        return {"cause": "exception", "error": error, "where": where}
     cause = "timeout" if diagnosis.kind == "timeout" else "peer"
     return {"cause": cause, "error": error, "system": diagnosis.system,
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float, *, status: int, claimed: bool = False) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with ``status``."""
+def _end(failure: str, why: str, grace: float) -> None:
+    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with status 1."""
     announce = (
         f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
         f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
@@ -217,8 +211,7 @@ def _end(failure: str, why: str, grace: float, *, status: int, claimed: bool = F
         f"meshkit: exit handlers still running after {grace:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
-    _exit.end(status, grace=grace, announce=announce, late=late, final=lambda: _post(failure),
-              claimed=claimed)  # fmt: skip
+    _exit.end(1, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
 
 
 def _post(failure: str) -> None:
@@ -274,12 +267,10 @@ class _Watch:
 
     def look(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s for a post, then act on the posts; False: watch no more."""
-        woken = True
-        if self.wait is not None:
-            try:
-                woken = self.wait(timeout)
-            except Exception:  # the read tells whether the service is gone
-                woken = True
+        try:
+            woken = self.wait is None or self.wait(timeout)
+        except Exception:  # the read tells whether the service is gone
+            woken = True
         if not woken:
             return True
         going_on = self.check()
@@ -324,7 +315,6 @@ class _Watch:
             f"Process {self.me} stops too (status 1): the program cannot go on without "
             f"process {p} (a collective would wait for it for ever). Process {p}'s output "
             "holds the cause.\n",
-            claimed=True,
         )
 
     def _outlive(self, p: int) -> None:
@@ -344,18 +334,15 @@ class _Watch:
                 notice, "process 0, which hosts the coordination service, has ended"
             )
             return
-        self._exit(
-            {"process": 0, "system": "the coordination service"},
+        if not _exit.claim():  # claimed first, so that this record is the one that stands
+            return
+        _events.emit(_events.FAILED, cause="peer", process=0, system="the coordination service")
+        _exit.now(
+            1,
             f"meshkit: lost the coordination service, which process 0 hosts ({error.strip()}).\n"
             f"Process 0 has exited or failed; process {self.me} stops too (status 1). Process "
             "0's output holds the cause.\n",
         )
-
-    def _exit(self, fields: dict[str, Any], text: str) -> None:
-        if not _exit.claim():  # claimed first, so that this record is the one that stands
-            return
-        _events.emit(_events.FAILED, cause="peer", **fields)
-        _exit.now(1, text, claimed=True)
 
 
 def _at_exit(me: int) -> None:

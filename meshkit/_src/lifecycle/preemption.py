@@ -25,7 +25,6 @@ from . import exit as _exit
 
 _LOG = logger("guards")
 
-_DEFAULT_GRACE_S = DEFAULT_PREEMPT_GRACE_S
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
 _LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
@@ -86,7 +85,7 @@ class _State:
         self.lock = threading.RLock()
         self.installed = False
         self.me = -1
-        self.grace = _DEFAULT_GRACE_S
+        self.grace = DEFAULT_PREEMPT_GRACE_S
         self.tell: Tell | None = None
         self.sync: Sync | None = None
         self.notice: PreemptionNotice | None = None
@@ -95,13 +94,12 @@ class _State:
         self.asked: int | None = None  # the last step `reached_sync_point` answered
         self.frozen = False  # step sent: questions wait for the agreement
         self.synced: Synced | None = None
-        self.decided = threading.Condition(self.lock)
+        self.changed = threading.Condition(self.lock)  # `synced` set, or a save finished
         self.sync_step: int | None = None
         self.reached = False  # the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
         self.talking = threading.Lock()  # held while the service thread talks to the others
         self.saves = 0  # checkpoint saves in progress
-        self.saves_done = threading.Condition(self.lock)
         self.reported = False  # the `preempted` event is written
         self.deadline_armed = False
 
@@ -116,12 +114,7 @@ def _warn(text: str) -> None:
 def grace() -> float:
     """``MESHKIT_PREEMPT_GRACE``: seconds from a notice to the end of every process (default 25)."""
     value = _env.seconds(ENV_PREEMPT_GRACE, where="meshkit.init()", positive=False)
-    return _DEFAULT_GRACE_S if value is None else value
-
-
-def installed() -> bool:
-    """Whether this process takes SIGTERM as a preemption notice (`install` ran)."""
-    return _state.installed
+    return DEFAULT_PREEMPT_GRACE_S if value is None else value
 
 
 def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | None) -> None:
@@ -135,9 +128,8 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
                 _state.notice = dataclasses.replace(own, process=me)
         first = not _state.installed
         _state.installed = True
-    wakeup = _exit.on_sigterm(_on_sigterm)
+    _exit.on_sigterm(_on_sigterm)
     if first:
-        _exit.on_signal(wakeup, _on_sigterm)
         _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
         _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
@@ -185,7 +177,7 @@ def reached_sync_point(step: int) -> bool:
             left = notice_.deadline - time.time()
             if left <= 0:
                 break
-            _state.decided.wait(left)
+            _state.changed.wait(left)
         _state.asked = _state.step = step
         synced = _state.synced
         if synced is None or not synced.agreed or _state.reached:
@@ -208,7 +200,7 @@ def saving() -> Iterator[None]:
     finally:
         with _state.lock:
             _state.saves -= 1
-            _state.saves_done.notify_all()
+            _state.changed.notify_all()
 
 
 def saved(step: int | None) -> None:
@@ -247,7 +239,7 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
     """The grace ran out: wait for a save in progress, then end this process (status 143)."""
     with _state.lock:
         while _state.saves:
-            _state.saves_done.wait()
+            _state.changed.wait()
     if _exit.ending():
         return
     if _state.me == 0:
@@ -319,7 +311,7 @@ def _agree(notice_: PreemptionNotice) -> None:
         )
     with _state.lock:
         _state.synced = synced
-        _state.decided.notify_all()
+        _state.changed.notify_all()
 
 
 def _tell(notice_: PreemptionNotice) -> None:

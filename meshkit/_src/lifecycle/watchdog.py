@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -90,7 +91,10 @@ class _Sampler:
 
     def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
-        self.clock = _cpu_clock(main)
+        try:  # the thread's CPU-time clock (POSIX)
+            self.clock: int | None = time.pthread_getcpuclockid(main)
+        except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
+            self.clock = None
         path = f"/proc/self/task/{native_id}/schedstat"
         self.schedstat = path if native_id is not None and os.path.exists(path) else None
         self.mark = _marks
@@ -125,14 +129,10 @@ class _Sampler:
         return "device work" if before is not None and arrays.changed_since(before) else None
 
     def _stack(self) -> Stack | None:
-        frame: FrameType | None = sys._current_frames().get(self.main)
+        frame = sys._current_frames().get(self.main)
         if frame is None:
             return None
-        stack = []
-        while frame is not None:
-            stack.append((frame.f_code, frame.f_lasti))
-            frame = frame.f_back
-        return tuple(stack)
+        return tuple((f.f_code, f.f_lasti) for f, _ in traceback.walk_stack(frame))
 
     def _cpu(self) -> float | None:
         """Seconds the thread ran or waited, runnable, for a CPU; None once it has ended."""
@@ -178,14 +178,6 @@ def _starved(
             if demand and more_waited >= RUN_SHARE * interval * 1e9:
                 return True
     return False
-
-
-def _cpu_clock(ident: int) -> int | None:
-    """The CPU-time clock of thread ``ident`` (POSIX), or None where there is none."""
-    try:
-        return time.pthread_getcpuclockid(ident)
-    except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
-        return None
 
 
 class Watchdog:

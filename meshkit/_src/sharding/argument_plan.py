@@ -6,11 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import caches as _caches
-from . import layout as _layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,11 +22,6 @@ class ArgumentPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compare", list(self.targets))
-
-    @property
-    def specs(self) -> tuple[PartitionSpec, ...]:
-        """Each leaf's spec on the mesh."""
-        return tuple(t.spec for t in self.targets)
 
     @property
     def multiprocess(self) -> bool:
@@ -52,11 +45,6 @@ class ArgumentPlan:
             if target.spec == spec:
                 return target
         return NamedSharding(self.mesh, spec)
-
-    def blocks(self, index: int, shape: Sequence[int], process: int | None = None) -> Any:
-        """The `layout.Plan` of leaf ``index`` (of global ``shape``) for ``process`` (this one)."""
-        me = jax.process_index() if process is None else process
-        return _layout.plan(self.targets[index], tuple(int(s) for s in shape), me)
 
 
 @_caches.cached(maxsize=256)

@@ -160,27 +160,19 @@ def _groups(
     procs: Sequence[int], host_of: Sequence[int] | Mapping[int, Any] | None
 ) -> list[list[int]]:
     """The processes grouped by host (in order); one per process if hosts are unknown or unequal."""
-    if host_of is None:
-        return [[p] for p in procs]
-    hosts: dict[Any, list[int]] = {}
-    for p in procs:
-        hosts.setdefault(host_of[p], []).append(p)
-    groups = list(hosts.values())
-    if len({len(g) for g in groups}) > 1:
-        return [[p] for p in procs]
-    return groups
+    if host_of is not None:
+        hosts: dict[Any, list[int]] = {}
+        for p in procs:
+            hosts.setdefault(host_of[p], []).append(p)
+        if len({len(g) for g in hosts.values()}) == 1:
+            return list(hosts.values())
+    return [[p] for p in procs]
 
 
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
     """The fast domain of each process: its TPU slice on a multi-slice TPU, else its host.
 
     None when neither is known. `order_devices` keeps inner axes inside one domain.
-
-    Examples:
-        >>> from types import SimpleNamespace as D
-        >>> devs = [D(id=i, process_index=i, slice_index=i // 2) for i in range(4)]
-        >>> domains(devs, None)
-        {0: ('slice', 0), 1: ('slice', 0), 2: ('slice', 1), 3: ('slice', 1)}
     """
     slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
     if None not in slices.values() and len(set(slices.values())) > 1:
@@ -200,16 +192,8 @@ def order_devices(
     """Arrange ``devices`` into an array of shape ``sizes``, inner axes inside a host.
 
     The order is docs/meshes.md's; any objects with ``process_index`` work (test doubles too).
-
-    Args:
-        devices: the flat device list, the same number from every process.
-        sizes: the resolved mesh shape, of product ``len(devices)``.
-        host_of: the host of each process (by process index); None: one host per process.
-        across: the positions of the axes that take the host factors; None: any, outermost first.
-
-    Raises:
-        MeshkitError: processes hold unequal numbers of devices, or the ``across`` axes cannot
-            span the hosts.
+    ``host_of`` gives each process's host (None: one host per process); ``across``, the positions
+    of the axes that take the host factors (None: any, outermost first).
 
     Examples:
         >>> from types import SimpleNamespace as D
@@ -232,11 +216,6 @@ def order_devices(
         )
     groups = _groups(sorted(by_process), host_of)
     n_hosts, per_host, per_process = len(groups), len(groups[0]), len(by_process[groups[0][0]])
-    if math.prod(sizes) != n_hosts * per_host * per_process:
-        raise MeshkitError(
-            f"meshkit.make_mesh: mesh shape {tuple(sizes)} does not hold "
-            f"{n_hosts * per_host * per_process} devices."
-        )
     h = _factors(sizes, n_hosts, across)
     if h is None:
         assert across is not None

@@ -30,12 +30,9 @@ def _flax_class(x: Any, names: frozenset[str]) -> bool:
     return any(c.__module__.startswith("flax") and c.__name__ in names for c in type(x).__mro__)
 
 
-_VARIABLES = frozenset({"Variable", "VariableState"})  # nnx (VariableState before flax 0.12)
 _BOXES = frozenset({"Partitioned"})  # linen (LogicallyPartitioned derives from it)
-
-
-def _is_flax_spec(x: Any) -> bool:
-    return _flax_class(x, _VARIABLES | _BOXES)
+# And nnx's Variables (VariableState before flax 0.12):
+_FLAX_SPECS = _BOXES | {"Variable", "VariableState"}
 
 
 def _flax_spec(x: Any) -> Any:
@@ -56,9 +53,9 @@ def plain_specs(specs: Any) -> Any:
     if is_spec_leaf(specs):
         return specs
     return jax.tree_util.tree_map(
-        lambda x: _flax_spec(x) if _is_flax_spec(x) else x,
+        lambda x: _flax_spec(x) if _flax_class(x, _FLAX_SPECS) else x,
         specs,
-        is_leaf=lambda x: is_spec_leaf(x) or _is_flax_spec(x),
+        is_leaf=lambda x: is_spec_leaf(x) or _flax_class(x, _FLAX_SPECS),
     )
 
 
@@ -82,17 +79,9 @@ def _type_name(x: Any) -> str:
         return f"nnx.{name}"
     if isinstance(x, jax.Array):
         return "jax.Array"
-    if type(x).__module__ == "numpy" and name == "ndarray":
+    if module == "numpy" and name == "ndarray":
         return "numpy array"
     return name
-
-
-def _article(name: str) -> str:
-    return "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
-
-
-def _keys(keys: Any) -> str:
-    return "{" + ", ".join(sorted(map(repr, keys))) + "}"
 
 
 def describe_node(x: Any, keys: list[Any] | None = None) -> str:
@@ -100,13 +89,14 @@ def describe_node(x: Any, keys: list[Any] | None = None) -> str:
     if x is None:
         return "None"
     name = _type_name(x)
-    head = f"{_article(name)} {name}"
+    article = "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
+    head = f"{article} {name}"
+    if keys is None and isinstance(x, Mapping):
+        keys = list(x)
     if keys is not None:
-        return f"{head} with keys {_keys(keys)}"
+        return f"{head} with keys {{{', '.join(sorted(map(repr, keys)))}}}"
     if isinstance(x, tuple | list):
         return f"{head} of length {len(x)}"
-    if isinstance(x, Mapping):
-        return f"{head} with keys {_keys(list(x))}"
     children, treedef = one_level(x)
     if _is_leaf(treedef):
         shape = getattr(x, "shape", None)

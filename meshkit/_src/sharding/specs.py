@@ -33,7 +33,6 @@ dimensions' names and '->', e.g. "batch seq embed -> data _ model"."""
 class SpecString:
     """A parsed spec string: its `PartitionSpec`, the dimension names, each axis's token span."""
 
-    text: str
     dims: tuple[str, ...] | None
     partition: PartitionSpec
     spans: dict[str, tuple[int, int]]
@@ -125,7 +124,7 @@ def parse_spec(text: str) -> SpecString:
             "Consider one entry per named dimension, '_' for those that are not split.",
         )
     spans = {tok: (s, e) for tok, s, e in _tokens(right, right_at) if tok not in "()_"}
-    return SpecString(text, dims, PartitionSpec(*entries), spans)
+    return SpecString(dims, PartitionSpec(*entries), spans)
 
 
 @public
