@@ -24,9 +24,8 @@ from ..core.errors import MeshkitError, MeshkitTypeError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
-from . import axes
 from . import device_axis as _device_axis
-from .entry import TRACING, Entry, build, mesh_context
+from . import entry as _entry
 
 
 class PmapFunction:
@@ -64,8 +63,8 @@ class PmapFunction:
         self.axis_name = axis_name
         self.mesh_axis = axis_name if axis_name is not None else "_pmap_compat"
         in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
-        axes.check_axes_tree(in_axes, "in_axes", name)
-        axes.check_axes_tree(out_axes, "out_axes", name)
+        _entry.check_axes_tree(in_axes, "in_axes", name)
+        _entry.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
         self.static = argnums(static_broadcasted_argnums, "static_broadcasted_argnums", what)
@@ -97,11 +96,11 @@ class PmapFunction:
         self.out_axes_fixed = all(a is None or a >= 0 for a in out_leaves)
         self.checks_outputs = any(a is None for a in out_leaves)
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
-        self._layouts: dict[Any, axes.Layout] = {}
-        self._entries: dict[Any, Entry] = {}
+        self._layouts: dict[Any, _entry.Layout] = {}
+        self._entries: dict[Any, _entry.Entry] = {}
         # Per structure of positional-only calls: the entry the last call used, for the
         # steady-state test of the next.
-        self._steady: dict[Any, Entry] = {}
+        self._steady: dict[Any, _entry.Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
             name,
@@ -122,13 +121,13 @@ class PmapFunction:
             entry = self._steady.get(treedef)
             if entry is not None and entry.plan.placed(leaves) and _compat.idle():
                 return entry.finish(entry.jitted(*leaves))
-        outer = TRACING.get()
+        outer = _entry.TRACING.get()
         if outer is not None and outer is not self:
             return self._nested(args, kwargs)
         _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        with mesh_context(entry.plan.mesh):
+        with _entry.mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             return entry.finish(entry.jitted(*placed))
 
@@ -140,7 +139,7 @@ class PmapFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
-        with mesh_context(entry.plan.mesh):
+        with _entry.mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
         return Lowered(
@@ -157,15 +156,17 @@ class PmapFunction:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
-        key = axes.call_key(args, kwargs, self.static, self.what, self.name)
+        key = _entry.call_key(args, kwargs, self.static, self.what, self.name)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         layout = self._layouts.get((key, treedef))
         if layout is None:
             dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-            layout = axes.layout(self.in_axes, self.static, self.donate, key[0], dyn, kw, self.what)
+            layout = _entry.call_layout(
+                self.in_axes, self.static, self.donate, key[0], dyn, kw, self.what
+            )
             self._layouts[(key, treedef)] = layout
         resolved = tuple(
-            axes.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
+            _entry.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
             for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
         )
         tracing = not _compat.trace_state_clean()
@@ -201,7 +202,7 @@ class PmapFunction:
         entry_key = (key, treedef, resolved, mesh, tracing)
         entry = self._entries.get(entry_key)
         if entry is None:
-            entry = build(self, key, treedef, layout, resolved, mesh, tracing)
+            entry = _entry.build(self, key, treedef, layout, resolved, mesh, tracing)
             self._entries[entry_key] = entry
         placed = leaves if tracing else entry.place(leaves, treedef)
         return key, treedef, leaves, entry, placed
@@ -247,14 +248,14 @@ class PmapFunction:
 
     def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called while an enclosing pmap_compat traces: vmap on each of its devices."""
-        if TRACING.get().mesh_axis == self.mesh_axis:
+        if _entry.TRACING.get().mesh_axis == self.mesh_axis:
             raise MeshkitError(
                 f"{self.what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        n_args = axes.call_key(args, kwargs, self.static, self.what, self.name)[0]
+        n_args = _entry.call_key(args, kwargs, self.static, self.what, self.name)[0]
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = axes.in_axes_for(self.in_axes, n_args, kwargs, self.what)
+        in_axes = _entry.in_axes_for(self.in_axes, n_args, kwargs, self.what)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             full = list(args)
@@ -349,7 +350,7 @@ class Stage:
     key: Any
     treedef: Any
     given: list[tuple[tuple[int, ...], str]]
-    entry: Entry
+    entry: _entry.Entry
 
 
 class Lowered:
