@@ -52,13 +52,13 @@ def check_axes_tree(value: Any, what: str, name: str) -> None:
             )
 
 
-def resolve(axis: Axis, ndim: int, where: str, what: str, name: str) -> Axis:
+def resolve(axis: Axis, ndim: int, where: str, name: str) -> Axis:
     """A mapped axis counted like `jax.vmap` (negative from the end), checked against ``ndim``."""
     if axis is None:
         return None
     if not -ndim <= axis < ndim:
         raise MeshkitIndexError(
-            f"meshkit.pmap_compat({name}): {what}={axis} for {where}, which has rank {ndim} "
+            f"meshkit.pmap_compat({name}): in_axes={axis} for {where}, which has rank {ndim} "
             f"(valid: {-ndim} to {ndim - 1}, or None for an argument every device gets whole)."
         )
     return axis % ndim
@@ -73,10 +73,9 @@ class Layout:
     donated: tuple[int, ...]
 
 
-def call_key(
-    args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[int, ...], what: str, name: str
-) -> tuple[Any, ...]:
+def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """(positional count, static values, keyword names): checked, hashable."""
+    what, static = fn.what, fn.static
     n = len(args)
     if static and max(static) >= n:
         given = sorted(set(kwargs))
@@ -95,7 +94,7 @@ def call_key(
             raise MeshkitError(
                 f"{what}: Non-hashable static arguments are not supported, as this "
                 f"can lead to unexpected cache-misses. Static argument (index {i}) of "
-                f"type {type(v)} for function {name} is non-hashable.\nThe "
+                f"type {type(v)} for function {fn.name} is non-hashable.\nThe "
                 "static_broadcasted_argnums values key the compilation cache; consider a "
                 "tuple instead of a list, a frozen dataclass, or passing it as an array "
                 "argument."
@@ -103,18 +102,11 @@ def call_key(
     return (n, static_vals, tuple(sorted(kwargs)) if kwargs else ())
 
 
-def call_layout(
-    in_axes: Any,
-    static: tuple[int, ...],
-    donate: tuple[int, ...],
-    n_args: int,
-    dyn: tuple[Any, ...],
-    kwargs: Any,
-    what: str,
-) -> Layout:
+def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layout:
     """The per-leaf in_axes, names and donations of a call structure."""
-    positions = [i for i in range(n_args) if i not in static]
-    per_arg = in_axes_for(in_axes, n_args, kwargs, what)
+    what = fn.what
+    positions = [i for i in range(n_args) if i not in fn.static]
+    per_arg = in_axes_for(fn, n_args, kwargs)
     dyn_axes = tuple(per_arg[i] for i in positions)
     mismatch = prefix_mismatch(
         dyn_axes, tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
@@ -133,7 +125,7 @@ def call_layout(
     first = 0
     for pos, arg in zip(positions, dyn, strict=True):
         count = len(jax.tree_util.tree_leaves(arg))
-        if pos in donate:
+        if pos in fn.donate:
             donated += range(first, first + count)
         first += count
     axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
@@ -147,8 +139,9 @@ def call_layout(
     return Layout(tuple(axes), tuple(paths), tuple(donated))
 
 
-def in_axes_for(in_axes: Any, n_args: int, kwargs: Any, what: str) -> list[Any]:
+def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
     """One in_axes entry per positional argument (statics included)."""
+    in_axes, what = fn.in_axes, fn.what
     if _axis_leaf(in_axes):
         return [in_axes] * n_args
     if not isinstance(in_axes, tuple):
@@ -202,17 +195,14 @@ TRACING: contextvars.ContextVar[Any] = contextvars.ContextVar("meshkit_pmap_trac
 
 @dataclass(eq=False)
 class Entry:
-    """One `jax.jit` over a call's flat leaves, on one mesh, for one set of mapped axes.
+    """One `jax.jit` over a call's flat leaves, on one mesh, for one set of mapped axes."""
 
-    ``fn`` is the `PmapFunction`; ``out_leaves`` (name, out axis) are filled while tracing.
-    """
-
-    fn: Any
+    fn: Any  # the PmapFunction
     plan: ArgumentPlan
     jitted: Any
     resolved: tuple[Axis, ...]
     local_out: bool
-    out_leaves: list[tuple[str, Axis]] = field(default_factory=list)
+    out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # (name, axis), traced
     checked: bool = False
 
     def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
@@ -221,19 +211,19 @@ class Entry:
             self._put(leaf, r, target)
             for leaf, r, target in zip(leaves, self.resolved, self.plan.targets, strict=True)
         ]
-        if jax.process_count() > 1:
-            placed = [
-                _host_value(x) if _placement.is_host(x) and not _placement.is_abstract(x) else x
-                for x in placed
-            ]
         return _placement.put_host(
             self.plan, placed, what=self.fn.what, tag="pmap_compat", treedef=treedef
         )
 
     def _put(self, leaf: Any, r: Axis, target: NamedSharding) -> Any:
         """One array leaf on this entry's mesh, without a copy where its blocks are there."""
-        if not isinstance(leaf, jax.Array) or _placement.is_abstract(leaf):
-            return leaf  # host data is placed by `place`; shapes only are never placed
+        if _placement.is_abstract(leaf):
+            return leaf  # shapes only are never placed
+        if not isinstance(leaf, jax.Array):  # put by `place`, in one batch
+            if jax.process_count() == 1:
+                return leaf
+            value = np.asarray(leaf)  # float0 has no device type: bool zeros, as jax.pmap
+            return np.zeros(value.shape, bool) if value.dtype == jax.dtypes.float0 else value
         mesh = self.plan.mesh
         if leaf.sharding == target:
             return leaf
@@ -255,7 +245,7 @@ class Entry:
 
     def finish(self, out: Any) -> Any:
         """The jit's outputs as the pmapped function returns them."""
-        return jax.tree_util.tree_map(process_local, out) if self.local_out else out
+        return jax.tree_util.tree_map(_device_axis.local_view, out) if self.local_out else out
 
     def check_outputs(self, placed: list[Any]) -> None:
         """Once per entry: every ``out_axes=None`` output is the same on every device."""
@@ -303,10 +293,7 @@ def build(
     mesh: Mesh,
     tracing: bool,
 ) -> Entry:
-    """The entry of ``fn`` for one call structure on ``mesh``.
-
-    ``tracing``: traced by an enclosing transformation, which places (no shardings here).
-    """
+    """The entry of ``fn`` for one call structure on ``mesh``; ``tracing``: no shardings."""
     name = fn.mesh_axis
     specs = tuple(out_spec(r, name) for r in resolved)
     plan = argument_plan(mesh, specs, layout.paths)
@@ -419,12 +406,6 @@ def mesh_context(mesh: Mesh | AbstractMesh) -> contextlib.AbstractContextManager
     return jax.set_mesh(mesh)
 
 
-def _host_value(leaf: Any) -> Any:
-    """Host data as placed across processes: float0 (no device type) as bool zeros, as jax.pmap."""
-    value = np.asarray(leaf)
-    return np.zeros(value.shape, bool) if value.dtype == jax.dtypes.float0 else value
-
-
 def _explicitly_typed(x: Any) -> bool:
     """Whether ``x``'s type carries a sharding over Explicit mesh axes (shard_map rejects it)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -432,12 +413,3 @@ def _explicitly_typed(x: Any) -> bool:
     if sharding is None or mesh is None or not spec_axes(sharding.spec):
         return False
     return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def process_local(x: Any) -> Any:
-    """``jax.pmap``'s multi-process output: this process's entries only (no copy)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-    mapped = [d for d, e in enumerate(spec) if e is not None]
-    return _device_axis.local_view(x, mapped[0] if mapped else None)

@@ -1,9 +1,7 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-A call's structure selects a cached layout and entry (`meshkit._src.pmap.entry`); arguments
-already placed as that entry expects go straight to its jit, others are placed first. Inside
-an enclosing trace it maps over this process's devices, as `jax.pmap` does. ``.lower()`` gives
-`Lowered` / `Compiled`, called with the function's own arguments in any process count.
+A call's structure selects a cached layout and `entry`; arguments placed as it expects go
+straight to its jit.
 """
 
 from __future__ import annotations
@@ -156,17 +154,15 @@ class PmapFunction:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
-        key = _entry.call_key(args, kwargs, self.static, self.what, self.name)
+        key = _entry.call_key(self, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         layout = self._layouts.get((key, treedef))
         if layout is None:
             dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-            layout = _entry.call_layout(
-                self.in_axes, self.static, self.donate, key[0], dyn, kw, self.what
-            )
+            layout = _entry.call_layout(self, key[0], dyn, kw)
             self._layouts[(key, treedef)] = layout
         resolved = tuple(
-            _entry.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
+            _entry.resolve(a, np.ndim(leaf), where, self.name)
             for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
         )
         tracing = not _compat.trace_state_clean()
@@ -253,9 +249,9 @@ class PmapFunction:
                 f"{self.what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        n_args = _entry.call_key(args, kwargs, self.static, self.what, self.name)[0]
+        n_args = _entry.call_key(self, args, kwargs)[0]
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = _entry.in_axes_for(self.in_axes, n_args, kwargs, self.what)
+        in_axes = _entry.in_axes_for(self, n_args, kwargs)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             full = list(args)

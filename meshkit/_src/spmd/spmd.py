@@ -1,8 +1,6 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-A `MeshPlan` binds the function to one mesh, with one `Layout` per argument structure: it checks
-arguments against their specs with meshkit's messages, then places them (`placement`) before one
-jit call, never retried.
+A `MeshPlan` binds the function to one mesh, with one `Layout` per argument structure.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Which values of a per-device jaxpr can differ between the devices of one mapped axis.
 
-`pmap_compat` checks its ``out_axes=None`` outputs here rather than with shard_map's
-``check_vma``, which would refuse programs `jax.pmap` traces (a scan carry made device-dependent,
-``axis_index_groups``). A forward pass marks each value INVARIANT, VARYING, or unknown with a
-reason (the caller warns); control flow on a varying value makes its results varying.
+`pmap_compat` checks ``out_axes=None`` outputs here: shard_map's ``check_vma`` would refuse
+programs `jax.pmap` traces (a scan carry made device-dependent, ``axis_index_groups``).
 """
 
 from __future__ import annotations
@@ -146,10 +144,7 @@ class _Analysis:
 def shard_map_outputs(
     jaxpr: Any, axis: Hashable, mapped_inputs: Sequence[bool]
 ) -> list[Variance] | None:
-    """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None).
-
-    ``mapped_inputs`` says which of the shard_map's inputs are split over ``axis``.
-    """
+    """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None)."""
     inner = _open(jaxpr)
     for eqn in inner.eqns:
         if eqn.primitive.name == "shard_map":
