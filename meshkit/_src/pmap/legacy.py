@@ -91,9 +91,7 @@ def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
     for path, leaf in named:
         whole = _single_device_value(what, path, leaf) if isinstance(leaf, jax.Array) else None
         if whole is None:  # host data, or split over this process's devices: read once
-            whole = host_array(
-                what, path, np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf
-            )
+            whole = host_array(what, path, leaf)
         block = whole[None]
         out.append(_device_axis.from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
     return jax.tree_util.tree_unflatten(treedef, out)

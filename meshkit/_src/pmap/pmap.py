@@ -7,6 +7,7 @@ straight to its jit.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,9 +141,7 @@ class PmapFunction:
         with _entry.mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
-        return Lowered(
-            Stage(self.what, self.static, key, treedef, signature(leaves), entry), lowered
-        )
+        return Lowered(Stage(self, key, treedef, signature(leaves), entry), lowered)
 
     @property
     def calls(self) -> int:
@@ -225,12 +224,9 @@ class PmapFunction:
         have = sum(d.process_index == me for d in pool)
         if per_process > have:
             raise MeshkitError(self._size_error(per_process, have, "on this process"))
-        taken: dict[int, int] = {}
-        chosen = []
-        for d in sorted(pool, key=lambda d: (d.process_index, d.id)):
-            taken[d.process_index] = taken.get(d.process_index, 0) + 1
-            if taken[d.process_index] <= per_process:
-                chosen.append(d)
+        ordered = sorted(pool, key=lambda d: (d.process_index, d.id))
+        per_host = itertools.groupby(ordered, key=lambda d: d.process_index)
+        chosen = [d for _, devices in per_host for d in list(devices)[:per_process]]
         return _device_axis.device_mesh(chosen, name)
 
     def _size_error(self, n: int, have: int, where: str) -> str:
@@ -323,13 +319,8 @@ def pmap_compat(
 def _local_size(leaf: Any, axis: int, processes: int) -> int:
     """The mapped size this process contributes: global arrays count every process's entries."""
     n = int(np.shape(leaf)[axis])
-    if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and not leaf.is_fully_addressable
-    ):
-        return n // processes
-    return n
+    concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer)
+    return n // processes if concrete and not leaf.is_fully_addressable else n
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
@@ -339,10 +330,9 @@ def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
 
 @dataclass(frozen=True)
 class Stage:
-    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
+    """What a lowering fixed: the function, call key and structure, leaves' signature, entry."""
 
-    what: str
-    static: tuple[int, ...]
+    fn: PmapFunction
     key: Any
     treedef: Any
     given: list[tuple[tuple[int, ...], str]]
@@ -375,19 +365,20 @@ class Compiled:
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
+        what, static = stage.fn.what, stage.fn.static
         n_args, static_vals, _ = stage.key
-        if stage.static and len(args) == n_args:  # static arguments given again: they must match
-            given = tuple(args[i] for i in stage.static)
+        if static and len(args) == n_args:  # static arguments given again: they must match
+            given = tuple(args[i] for i in static)
             if given != static_vals:
                 raise MeshkitTypeError(
-                    f"{stage.what}: compiled for static arguments {static_vals}, called with "
+                    f"{what}: compiled for static arguments {static_vals}, called with "
                     f"{given}.\nConsider lowering again for these values."
                 )
-            args = dynamic(args, stage.static)
+            args = dynamic(args, static)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if treedef != stage.treedef:
             raise MeshkitTypeError(
-                f"{stage.what}: Function compiled with input pytree does not match the input "
+                f"{what}: Function compiled with input pytree does not match the input "
                 f"pytree it was called with.\ncompiled for: {stage.treedef}\ncalled with:  "
                 f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
                 "for, or lowering again."
@@ -401,7 +392,7 @@ class Compiled:
                 if want != got
             ]
             raise MeshkitTypeError(
-                f"{stage.what}: Argument types differ from the types for which this computation "
+                f"{what}: Argument types differ from the types for which this computation "
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )

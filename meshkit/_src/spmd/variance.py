@@ -40,8 +40,6 @@ def join(values: Sequence[Variance]) -> Variance:
 _REDUCING = {"psum", "pmax", "pmin", "all_gather", "psum_invariant", "all_gather_invariant"}
 # Collectives (and axis_index) whose result differs between devices.
 _SPREADING = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"}
-# Callbacks whose results JAX does not tie to their inputs.
-_IMPURE = {"io_callback"}
 
 
 def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
@@ -89,7 +87,7 @@ class _Analysis:
             return [VARYING] * n_out
         if ours:
             return [join([*ins, _unknown(f"meshkit has no rule for {name}")])] * n_out
-        if name in _IMPURE:
+        if name == "io_callback":  # JAX does not tie its results to its inputs
             return [join([*ins, _unknown(f"it comes from jax.experimental.{name}")])] * n_out
         loop = {"scan": self.scan, "while": self.while_loop, "cond": self.cond}.get(name)
         if loop is not None:
