@@ -306,8 +306,7 @@ class MeshPlan:
         self.keyed_out = has_mapping(owner.out_specs)
         self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
         self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
-        # Per structure of the dynamic arguments (a treedef).
-        self.layouts: dict[Any, Layout] = {}
+        self.layouts: dict[Any, Layout] = {}  # by treedef of the dynamic arguments
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
         """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
@@ -335,11 +334,8 @@ class MeshPlan:
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
             plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
-            shardings = jax.tree_util.tree_map(
-                lambda s: NamedSharding(mesh, s),
-                self.in_specs if is_spec_leaf(raw) else specs,
-                is_leaf=is_spec_leaf,
-            )
+            to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
+            shardings = jax.tree_util.tree_map(to_sharding, specs, is_leaf=is_spec_leaf)
             jitted = jit_over_shard_map(
                 lambda *args: self.body(*args),
                 owner.name,
