@@ -110,9 +110,24 @@ class SpmdFunction:
         info = {"mesh": mesh, "params": _dispatch.param_names(fn), "origin": _dispatch.origin(fn)}
         info["static_argnums"] = self.static_argnums
         self._site = _dispatch.CallSite("spmd", self.name, info=info)
-        self.warned: set[str] = set()  # arguments warned about (ReshardWarning)
+        self._warned: set[str] = set()
         self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
         self._plan = MeshPlan(self, mesh) if mesh is not None else None
+
+    def warn_reshard(
+        self, where: str, have: str, want: PartitionSpec, mesh: Mesh | AbstractMesh
+    ) -> None:
+        if where in self._warned:
+            return
+        self._warned.add(where)
+        target = f"NamedSharding(mesh, {want})"
+        warnings.warn(
+            f"meshkit.spmd({self.name}): {where} arrived with {have}, but in_specs asks for "
+            f"{want} on the mesh {dict(mesh.shape)}; it is resharded on every call (this "
+            f"warning is shown once).\n{_RESHARD_FIX.format(target=target)}",
+            ReshardWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _plan_for_call(self) -> MeshPlan | None:
         """The plan for this call's mesh; None while tracing without one."""
@@ -426,7 +441,7 @@ class MeshPlan:
             have_spec = have.spec if have is not None else PartitionSpec()
             if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
                 if spec_axes(have_spec):
-                    self.warn_reshard(where, f"a value typed {have_spec}", s)
+                    self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
                 leaf = jax.reshard(leaf, NamedSharding(self.mesh, s))
             out.append(leaf)
         return out
@@ -511,19 +526,6 @@ class MeshPlan:
         layout.steady = plan
         return placed
 
-    def warn_reshard(self, where: str, have: str, want: PartitionSpec) -> None:
-        if where in self.owner.warned:
-            return
-        self.owner.warned.add(where)
-        target = f"NamedSharding(mesh, {want})"
-        warnings.warn(
-            f"{self.what}: {where} arrived with {have}, but in_specs asks for {want} on the "
-            f"mesh {dict(self.mesh.shape)}; it is resharded on every call (this warning is "
-            f"shown once).\n{_RESHARD_FIX.format(target=target)}",
-            ReshardWarning,
-            stacklevel=user_stacklevel(),
-        )
-
     def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
         """``leaf`` laid out as ``target``; host data as it is (put later, in one batch)."""
         if _placement.is_host(leaf):
@@ -531,7 +533,7 @@ class MeshPlan:
         if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
             return leaf
         if len(leaf.sharding.device_set) > 1:
-            self.warn_reshard(where, f"sharding {leaf.sharding}", target.spec)
+            self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
         return jax.device_put(leaf, target)
 
 
