@@ -44,13 +44,13 @@ if _typing.TYPE_CHECKING:
     from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
     from ._src.pmap.legacy import device_put_replicated as device_put_replicated
     from ._src.pmap.legacy import device_put_sharded as device_put_sharded
+    from ._src.pmap.legacy import get_metrics as get_metrics
+    from ._src.pmap.legacy import pad_shard_unpad as pad_shard_unpad
+    from ._src.pmap.legacy import prefetch_to_device as prefetch_to_device
     from ._src.pmap.legacy import replicate as replicate
+    from ._src.pmap.legacy import shard as shard
     from ._src.pmap.legacy import shard_prng_key as shard_prng_key
     from ._src.pmap.legacy import unreplicate as unreplicate
-    from ._src.pmap.legacy_data import get_metrics as get_metrics
-    from ._src.pmap.legacy_data import pad_shard_unpad as pad_shard_unpad
-    from ._src.pmap.legacy_data import prefetch_to_device as prefetch_to_device
-    from ._src.pmap.legacy_data import shard as shard
     from ._src.pmap.pmap import Compiled as Compiled
     from ._src.pmap.pmap import Lowered as Lowered
     from ._src.pmap.pmap import PmapFunction as PmapFunction
@@ -94,9 +94,8 @@ _LAZY_FROM = {
     "._src.launch.report": "LaunchAttempt",
     "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",
     "._src.pmap.entry": "UncheckedOutputWarning",
-    "._src.pmap.legacy": "device_put_replicated device_put_sharded replicate shard_prng_key "
-    "unreplicate",
-    "._src.pmap.legacy_data": "get_metrics pad_shard_unpad prefetch_to_device shard",
+    "._src.pmap.legacy": "device_put_replicated device_put_sharded get_metrics pad_shard_unpad "
+    "prefetch_to_device replicate shard shard_prng_key unreplicate",
     "._src.pmap.pmap": "Compiled Lowered PmapFunction pmap_compat",
     "._src.runtime.hosts": "Hosts",
     "._src.runtime.init": "RuntimeInfo init runtime_info",

@@ -32,15 +32,13 @@ def _helpers():
     from meshkit._src.pmap.legacy import (
         device_put_replicated,
         device_put_sharded,
-        replicate,
-        shard_prng_key,
-        unreplicate,
-    )
-    from meshkit._src.pmap.legacy_data import (
         get_metrics,
         pad_shard_unpad,
         prefetch_to_device,
+        replicate,
         shard,
+        shard_prng_key,
+        unreplicate,
     )
 
     me = jax.process_index()

@@ -1,8 +1,6 @@
 """Arrays with a device axis (the pmap convention) as global arrays over a 1-D device mesh.
 
-The mesh holds every device of every process, ordered by process then id, so each process's
-entries are contiguous. In one process such an array is exactly what `jax.pmap` takes and
-returns; `pmap_compat` and the flax-era helpers share these conversions.
+The mesh is ordered by process then id, so each process's entries are contiguous.
 """
 
 from __future__ import annotations
@@ -71,10 +69,7 @@ def _mesh(devices: tuple[Any, ...], axis_name: str) -> Mesh:
 def device_mesh(
     devices: Sequence[Any] | None = None, axis_name: str = "devices", *, keep_order: bool = False
 ) -> Mesh:
-    """The cached 1-D mesh over ``devices`` (default: all), ordered by process then id.
-
-    ``keep_order``: the order given, in a single-process run (`jax.pmap`'s ``devices=``).
-    """
+    """The cached 1-D mesh over ``devices`` (default: all); ``keep_order``: as given (1 process)."""
     chosen = tuple(jax.devices() if devices is None else devices)
     if not (keep_order and jax.process_count() == 1):
         chosen = tuple(sorted(chosen, key=lambda d: (d.process_index, d.id)))
@@ -82,13 +77,11 @@ def device_mesh(
 
 
 def local_devices(mesh: Mesh) -> list[Any]:
-    """This process's devices of a device-axis mesh, in mesh order."""
     me = jax.process_index()
     return [d for d in mesh.devices.flat if d.process_index == me]
 
 
 def mapped_spec(dim: int, axis_name: str) -> PartitionSpec:
-    """The spec that splits dimension ``dim`` over the device axis."""
     return PartitionSpec(*([None] * dim), axis_name)
 
 
@@ -105,10 +98,7 @@ def _with_size(shape: Sequence[int], dim: int | None, n: int) -> tuple[int, ...]
 def from_rows(
     mesh: Mesh, shape: Sequence[int], row: Callable[[int], Any], dim: int = 0
 ) -> jax.Array:
-    """A device-axis array whose entry ``i`` along ``dim`` is ``row(i)`` (size 1 at ``dim``).
-
-    One batched put of this process's entries; on CPU aligned numpy memory is used in place.
-    """
+    """A device-axis array whose entry ``i`` along ``dim`` is ``row(i)`` (size 1 at ``dim``)."""
     place = lambda index: row(index[dim].start or 0)  # type: ignore[index]  # noqa: E731
     return jax.make_array_from_callback(tuple(shape), sharding(mesh, dim), place)
 
@@ -119,10 +109,7 @@ def _blocks(x: jax.Array, devices: Sequence[Any]) -> list[Any]:
 
 
 def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
-    """A global array from this process's part, whose dimension ``dim`` has its local entries.
-
-    The processes' parts are not compared here (`meshkit.global_array_from_local` does that).
-    """
+    """A global array from this process's part (its local entries along ``dim``), unchecked."""
     if isinstance(value, jax.Array) and len(value.devices()) > 1:
         value = np.asarray(value)  # a multi-device local array: read it once
     offset = list(mesh.devices.flat).index(local_devices(mesh)[0])
@@ -132,7 +119,7 @@ def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
 
 
 def from_local_array(x: jax.Array, mesh: Mesh, dim: int | None) -> jax.Array | None:
-    """A process-local array (entry per local device at ``dim``) as the global one; else None.
+    """A process-local array (entry per local device at ``dim``) as the global one, or None.
 
     The inverse of `local_view`: ``x``'s buffers become this process's blocks, no copy.
     """
@@ -146,15 +133,14 @@ def from_local_array(x: jax.Array, mesh: Mesh, dim: int | None) -> jax.Array | N
     return jax.make_array_from_single_device_arrays(shape, sharding(mesh, dim), _blocks(x, mine))
 
 
-def local_view(x: jax.Array, dim: int | None = 0) -> jax.Array:
-    """This process's entries of a device-axis array, over its local devices only (no copy).
-
-    What `jax.pmap` returns in a multi-process run; ``dim`` None: every device holds it whole.
-    """
-    if x.is_fully_addressable:
+def local_view(x: Any) -> Any:
+    """This process's entries of a device-axis array (what `jax.pmap` returns), no copy."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return x
+    spec = x.sharding.spec  # type: ignore[attr-defined]
     mesh = x.sharding.mesh  # type: ignore[attr-defined]
+    mapped = [d for d, e in enumerate(spec) if e is not None]
     mine = local_devices(mesh)
-    target = NamedSharding(_mesh(tuple(mine), mesh.axis_names[0]), x.sharding.spec)  # type: ignore[attr-defined]
-    shape = _with_size(x.shape, dim, len(mine))
+    target = NamedSharding(_mesh(tuple(mine), mesh.axis_names[0]), spec)
+    shape = _with_size(x.shape, mapped[0] if mapped else None, len(mine))
     return jax.make_array_from_single_device_arrays(shape, target, _blocks(x, mine))

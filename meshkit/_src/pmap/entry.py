@@ -1,8 +1,9 @@
 """One compiled signature of a `pmap_compat` function: ``jax.jit(jax.shard_map(...))``.
 
-Each mapped leaf's mapped dimension is split over a 1-D device mesh; inside `jax.shard_map`
-each device's block loses it, so the function sees what `jax.pmap` showed it, and outputs get
-it back at ``out_axes``. Where leaves go is an `ArgumentPlan`, as for `spmd`.
+``in_axes`` / ``out_axes`` are checked and matched to a call's leaves (messages keep
+`jax.pmap`'s exception classes and key phrases). Each mapped dimension is split over a 1-D
+device mesh; inside `jax.shard_map` each block loses it, so the function sees what `jax.pmap`
+showed it, and outputs get it back at ``out_axes``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,166 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError
+from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
+from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..sharding.argument_plan import ArgumentPlan, argument_plan
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance
-from . import axes
 from . import device_axis as _device_axis
+from .device_axis import mapped_spec
+
+Axis = int | None
+
+_KEYWORDS_MAPPED = (
+    "Arguments passed by keyword are not compared with in_axes: each argument passed by "
+    "keyword is mapped over its leading axis, as with jax.pmap."
+)
+
+
+def _axis_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, int)
+
+
+def check_axes_tree(value: Any, what: str, name: str) -> None:
+    """``in_axes`` / ``out_axes`` hold only ints and None (`jax.pmap`'s `TypeError` otherwise)."""
+    for leaf in jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None):
+        if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int)):
+            raise MeshkitTypeError(
+                f"meshkit.pmap_compat({name}): pmap {what} must be an int, None, or (nested) "
+                f"container with those types as leaves, but got {value!r}.\nConsider ints (the "
+                "mapped dimension) or None (an argument every device gets whole), in a tuple "
+                "with one entry per positional argument."
+            )
+
+
+def resolve(axis: Axis, ndim: int, where: str, name: str) -> Axis:
+    """A mapped axis counted like `jax.vmap` (negative from the end), checked against ``ndim``."""
+    if axis is None:
+        return None
+    if not -ndim <= axis < ndim:
+        raise MeshkitIndexError(
+            f"meshkit.pmap_compat({name}): in_axes={axis} for {where}, which has rank {ndim} "
+            f"(valid: {-ndim} to {ndim - 1}, or None for an argument every device gets whole)."
+        )
+    return axis % ndim
+
+
+@dataclass
+class Layout:
+    """What a call's structure fixes: each leaf's in_axes entry and name, the donated leaves."""
+
+    axes: tuple[Axis, ...]
+    paths: tuple[str, ...]
+    donated: tuple[int, ...]
+
+
+def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """(positional count, static values, keyword names): checked, hashable."""
+    what, static = fn.what, fn.static
+    n = len(args)
+    if static and max(static) >= n:
+        given = sorted(set(kwargs))
+        raise MeshkitError(
+            f"{what}: pmapped function has static_broadcasted_argnums={static} but "
+            f"was called with only {n} positional argument{'s' if n != 1 else ''}"
+            + (f" (and keywords {given})" if given else "")
+            + ". All static broadcasted arguments must be passed positionally, as with "
+            "jax.pmap."
+        )
+    static_vals = tuple(args[i] for i in static)
+    for i, v in zip(static, static_vals, strict=True):
+        try:
+            hash(v)
+        except TypeError:
+            raise MeshkitError(
+                f"{what}: Non-hashable static arguments are not supported, as this "
+                f"can lead to unexpected cache-misses. Static argument (index {i}) of "
+                f"type {type(v)} for function {fn.name} is non-hashable.\nThe "
+                "static_broadcasted_argnums values key the compilation cache; consider a "
+                "tuple instead of a list, a frozen dataclass, or passing it as an array "
+                "argument."
+            ) from None
+    return (n, static_vals, tuple(sorted(kwargs)) if kwargs else ())
+
+
+def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layout:
+    """The per-leaf in_axes, names and donations of a call structure."""
+    what = fn.what
+    positions = [i for i in range(n_args) if i not in fn.static]
+    per_arg = in_axes_for(fn, n_args, kwargs)
+    dyn_axes = tuple(per_arg[i] for i in positions)
+    mismatch = prefix_mismatch(
+        dyn_axes, tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
+    )
+    if mismatch is not None:
+        where, have, want = mismatch
+        raise MeshkitError(
+            f"{what}: in_axes is not a pytree prefix of the positional arguments: at "
+            f"pmap in_axes{where}, in_axes has {have} where the arguments have {want}."
+            + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
+            + "\nConsider one in_axes entry per positional argument: an int, None, or a "
+            "pytree prefix of that argument holding them."
+        )
+    axes = broadcast_prefix(dyn_axes, tuple(dyn), is_leaf=_axis_leaf)
+    donated: list[int] = []
+    first = 0
+    for pos, arg in zip(positions, dyn, strict=True):
+        count = len(jax.tree_util.tree_leaves(arg))
+        if pos in fn.donate:
+            donated += range(first, first + count)
+        first += count
+    axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path((dyn, kwargs))[0]:
+        if path[0].idx == 0:  # type: ignore[attr-defined]
+            rest = jax.tree_util.keystr(path[2:])
+            paths.append(f"args[{positions[path[1].idx]}]{rest}")  # type: ignore[attr-defined]
+        else:
+            paths.append(f"kwargs{jax.tree_util.keystr(path[1:])}")
+    return Layout(tuple(axes), tuple(paths), tuple(donated))
+
+
+def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
+    """One in_axes entry per positional argument (statics included)."""
+    in_axes, what = fn.in_axes, fn.what
+    if _axis_leaf(in_axes):
+        return [in_axes] * n_args
+    if not isinstance(in_axes, tuple):
+        raise MeshkitError(
+            f"{what}: in_axes must be an int, None, or a tuple with one entry per "
+            f"positional argument; got {type(in_axes).__name__} {in_axes!r}."
+        )
+    if len(in_axes) != n_args:
+        raise MeshkitError(
+            f"{what}: in_axes is not a pytree prefix of the positional arguments: at "
+            f"pmap in_axes[0], in_axes has a tuple of length {len(in_axes)} where the "
+            f"arguments have a tuple of length {n_args}."
+            + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
+            + "\nConsider one in_axes entry per positional argument (None for an argument "
+            "every device gets whole)."
+        )
+    return list(in_axes)
+
+
+def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
+    """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
+    mismatch = prefix_mismatch(axes, out, is_leaf=_axis_leaf)
+    if mismatch is not None:
+        where, have, want = mismatch
+        raise MeshkitError(
+            f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
+            f"outputs ({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has "
+            f"{have} where the outputs have {want}.\n"
+            "Consider one entry per output (an int, None, or a pytree matching it)."
+        )
+    return broadcast_prefix(axes, out, is_leaf=_axis_leaf)
+
+
+def out_spec(axis: Axis, name: str) -> PartitionSpec:
+    """The spec of an output with out axis ``axis`` (negative ones are moved after shard_map)."""
+    return PartitionSpec() if axis is None else mapped_spec(max(axis, 0), name)
 
 
 class UncheckedOutputWarning(UserWarning):
@@ -42,17 +195,14 @@ TRACING: contextvars.ContextVar[Any] = contextvars.ContextVar("meshkit_pmap_trac
 
 @dataclass(eq=False)
 class Entry:
-    """One `jax.jit` over a call's flat leaves, on one mesh, for one set of mapped axes.
+    """One `jax.jit` over a call's flat leaves, on one mesh, for one set of mapped axes."""
 
-    ``fn`` is the `PmapFunction`; ``out_leaves`` (name, out axis) are filled while tracing.
-    """
-
-    fn: Any
+    fn: Any  # the PmapFunction
     plan: ArgumentPlan
     jitted: Any
-    resolved: tuple[axes.Axis, ...]
+    resolved: tuple[Axis, ...]
     local_out: bool
-    out_leaves: list[tuple[str, axes.Axis]] = field(default_factory=list)
+    out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # (name, axis), traced
     checked: bool = False
 
     def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
@@ -61,19 +211,19 @@ class Entry:
             self._put(leaf, r, target)
             for leaf, r, target in zip(leaves, self.resolved, self.plan.targets, strict=True)
         ]
-        if jax.process_count() > 1:
-            placed = [
-                _host_value(x) if _placement.is_host(x) and not _placement.is_abstract(x) else x
-                for x in placed
-            ]
         return _placement.put_host(
             self.plan, placed, what=self.fn.what, tag="pmap_compat", treedef=treedef
         )
 
-    def _put(self, leaf: Any, r: axes.Axis, target: NamedSharding) -> Any:
+    def _put(self, leaf: Any, r: Axis, target: NamedSharding) -> Any:
         """One array leaf on this entry's mesh, without a copy where its blocks are there."""
-        if not isinstance(leaf, jax.Array) or _placement.is_abstract(leaf):
-            return leaf  # host data is placed by `place`; shapes only are never placed
+        if _placement.is_abstract(leaf):
+            return leaf  # shapes only are never placed
+        if not isinstance(leaf, jax.Array):  # put by `place`, in one batch
+            if jax.process_count() == 1:
+                return leaf
+            value = np.asarray(leaf)  # float0 has no device type: bool zeros, as jax.pmap
+            return np.zeros(value.shape, bool) if value.dtype == jax.dtypes.float0 else value
         mesh = self.plan.mesh
         if leaf.sharding == target:
             return leaf
@@ -95,7 +245,7 @@ class Entry:
 
     def finish(self, out: Any) -> Any:
         """The jit's outputs as the pmapped function returns them."""
-        return jax.tree_util.tree_map(process_local, out) if self.local_out else out
+        return jax.tree_util.tree_map(_device_axis.local_view, out) if self.local_out else out
 
     def check_outputs(self, placed: list[Any]) -> None:
         """Once per entry: every ``out_axes=None`` output is the same on every device."""
@@ -138,17 +288,14 @@ def build(
     fn: Any,
     key: tuple[Any, ...],
     treedef: Any,
-    layout: axes.Layout,
-    resolved: tuple[axes.Axis, ...],
+    layout: Layout,
+    resolved: tuple[Axis, ...],
     mesh: Mesh,
     tracing: bool,
 ) -> Entry:
-    """The entry of ``fn`` for one call structure on ``mesh``.
-
-    ``tracing``: traced by an enclosing transformation, which places (no shardings here).
-    """
+    """The entry of ``fn`` for one call structure on ``mesh``; ``tracing``: no shardings."""
     name = fn.mesh_axis
-    specs = tuple(axes.out_spec(r, name) for r in resolved)
+    specs = tuple(out_spec(r, name) for r in resolved)
     plan = argument_plan(mesh, specs, layout.paths)
     statics = dict(zip(fn.static, key[1], strict=True))
     n_args = key[0]
@@ -164,7 +311,7 @@ def build(
         return _outputs_per_device(entry, fn.fun(*full, **kw))
 
     out_specs = jax.tree_util.tree_map(
-        lambda a: axes.out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None
+        lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None
     )
 
     def body(*flat: Any) -> Any:
@@ -218,7 +365,7 @@ def _outputs_per_device(entry: Entry, out: Any) -> Any:
     with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
     result = []
     for (path, leaf), axis in zip(
-        with_path, axes.axes_per_output(fn.out_axes, out, fn.name), strict=True
+        with_path, axes_per_output(fn.out_axes, out, fn.name), strict=True
     ):
         where = f"output{jax.tree_util.keystr(path)}"
         leaf = jax.numpy.asarray(leaf)
@@ -259,12 +406,6 @@ def mesh_context(mesh: Mesh | AbstractMesh) -> contextlib.AbstractContextManager
     return jax.set_mesh(mesh)
 
 
-def _host_value(leaf: Any) -> Any:
-    """Host data as placed across processes: float0 (no device type) as bool zeros, as jax.pmap."""
-    value = np.asarray(leaf)
-    return np.zeros(value.shape, bool) if value.dtype == jax.dtypes.float0 else value
-
-
 def _explicitly_typed(x: Any) -> bool:
     """Whether ``x``'s type carries a sharding over Explicit mesh axes (shard_map rejects it)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -272,12 +413,3 @@ def _explicitly_typed(x: Any) -> bool:
     if sharding is None or mesh is None or not spec_axes(sharding.spec):
         return False
     return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def process_local(x: Any) -> Any:
-    """``jax.pmap``'s multi-process output: this process's entries only (no copy)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-    mapped = [d for d, e in enumerate(spec) if e is not None]
-    return _device_axis.local_view(x, mapped[0] if mapped else None)

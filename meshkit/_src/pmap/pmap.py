@@ -1,14 +1,13 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-A call's structure selects a cached layout and entry (`meshkit._src.pmap.entry`); arguments
-already placed as that entry expects go straight to its jit, others are placed first. Inside
-an enclosing trace it maps over this process's devices, as `jax.pmap` does. ``.lower()`` gives
-`Lowered` / `Compiled`, called with the function's own arguments in any process count.
+A call's structure selects a cached layout and `entry`; arguments placed as it expects go
+straight to its jit.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +23,8 @@ from ..core.errors import MeshkitError, MeshkitTypeError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
-from . import axes
 from . import device_axis as _device_axis
-from .entry import TRACING, Entry, build, mesh_context
+from . import entry as _entry
 
 
 class PmapFunction:
@@ -64,8 +62,8 @@ class PmapFunction:
         self.axis_name = axis_name
         self.mesh_axis = axis_name if axis_name is not None else "_pmap_compat"
         in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
-        axes.check_axes_tree(in_axes, "in_axes", name)
-        axes.check_axes_tree(out_axes, "out_axes", name)
+        _entry.check_axes_tree(in_axes, "in_axes", name)
+        _entry.check_axes_tree(out_axes, "out_axes", name)
         self.in_axes = in_axes
         self.out_axes = out_axes
         self.static = argnums(static_broadcasted_argnums, "static_broadcasted_argnums", what)
@@ -97,11 +95,11 @@ class PmapFunction:
         self.out_axes_fixed = all(a is None or a >= 0 for a in out_leaves)
         self.checks_outputs = any(a is None for a in out_leaves)
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
-        self._layouts: dict[Any, axes.Layout] = {}
-        self._entries: dict[Any, Entry] = {}
+        self._layouts: dict[Any, _entry.Layout] = {}
+        self._entries: dict[Any, _entry.Entry] = {}
         # Per structure of positional-only calls: the entry the last call used, for the
         # steady-state test of the next.
-        self._steady: dict[Any, Entry] = {}
+        self._steady: dict[Any, _entry.Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
             name,
@@ -122,13 +120,13 @@ class PmapFunction:
             entry = self._steady.get(treedef)
             if entry is not None and entry.plan.placed(leaves) and _compat.idle():
                 return entry.finish(entry.jitted(*leaves))
-        outer = TRACING.get()
+        outer = _entry.TRACING.get()
         if outer is not None and outer is not self:
             return self._nested(args, kwargs)
         _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        with mesh_context(entry.plan.mesh):
+        with _entry.mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             return entry.finish(entry.jitted(*placed))
 
@@ -140,12 +138,10 @@ class PmapFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
-        with mesh_context(entry.plan.mesh):
+        with _entry.mesh_context(entry.plan.mesh):
             entry.check_outputs(placed)
             lowered = entry.jitted.lower(*placed)
-        return Lowered(
-            Stage(self.what, self.static, key, treedef, signature(leaves), entry), lowered
-        )
+        return Lowered(Stage(self, key, treedef, signature(leaves), entry), lowered)
 
     @property
     def calls(self) -> int:
@@ -157,15 +153,15 @@ class PmapFunction:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
-        key = axes.call_key(args, kwargs, self.static, self.what, self.name)
+        key = _entry.call_key(self, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         layout = self._layouts.get((key, treedef))
         if layout is None:
             dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-            layout = axes.layout(self.in_axes, self.static, self.donate, key[0], dyn, kw, self.what)
+            layout = _entry.call_layout(self, key[0], dyn, kw)
             self._layouts[(key, treedef)] = layout
         resolved = tuple(
-            axes.resolve(a, np.ndim(leaf), where, "in_axes", self.name)
+            _entry.resolve(a, np.ndim(leaf), where, self.name)
             for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
         )
         tracing = not _compat.trace_state_clean()
@@ -201,7 +197,7 @@ class PmapFunction:
         entry_key = (key, treedef, resolved, mesh, tracing)
         entry = self._entries.get(entry_key)
         if entry is None:
-            entry = build(self, key, treedef, layout, resolved, mesh, tracing)
+            entry = _entry.build(self, key, treedef, layout, resolved, mesh, tracing)
             self._entries[entry_key] = entry
         placed = leaves if tracing else entry.place(leaves, treedef)
         return key, treedef, leaves, entry, placed
@@ -228,12 +224,9 @@ class PmapFunction:
         have = sum(d.process_index == me for d in pool)
         if per_process > have:
             raise MeshkitError(self._size_error(per_process, have, "on this process"))
-        taken: dict[int, int] = {}
-        chosen = []
-        for d in sorted(pool, key=lambda d: (d.process_index, d.id)):
-            taken[d.process_index] = taken.get(d.process_index, 0) + 1
-            if taken[d.process_index] <= per_process:
-                chosen.append(d)
+        ordered = sorted(pool, key=lambda d: (d.process_index, d.id))
+        per_host = itertools.groupby(ordered, key=lambda d: d.process_index)
+        chosen = [d for _, devices in per_host for d in list(devices)[:per_process]]
         return _device_axis.device_mesh(chosen, name)
 
     def _size_error(self, n: int, have: int, where: str) -> str:
@@ -247,14 +240,14 @@ class PmapFunction:
 
     def _nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called while an enclosing pmap_compat traces: vmap on each of its devices."""
-        if TRACING.get().mesh_axis == self.mesh_axis:
+        if _entry.TRACING.get().mesh_axis == self.mesh_axis:
             raise MeshkitError(
                 f"{self.what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        n_args = axes.call_key(args, kwargs, self.static, self.what, self.name)[0]
+        n_args = _entry.call_key(self, args, kwargs)[0]
         positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = axes.in_axes_for(self.in_axes, n_args, kwargs, self.what)
+        in_axes = _entry.in_axes_for(self, n_args, kwargs)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             full = list(args)
@@ -326,13 +319,8 @@ def pmap_compat(
 def _local_size(leaf: Any, axis: int, processes: int) -> int:
     """The mapped size this process contributes: global arrays count every process's entries."""
     n = int(np.shape(leaf)[axis])
-    if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and not leaf.is_fully_addressable
-    ):
-        return n // processes
-    return n
+    concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer)
+    return n // processes if concrete and not leaf.is_fully_addressable else n
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
@@ -342,14 +330,13 @@ def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
 
 @dataclass(frozen=True)
 class Stage:
-    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
+    """What a lowering fixed: the function, call key and structure, leaves' signature, entry."""
 
-    what: str
-    static: tuple[int, ...]
+    fn: PmapFunction
     key: Any
     treedef: Any
     given: list[tuple[tuple[int, ...], str]]
-    entry: Entry
+    entry: _entry.Entry
 
 
 class Lowered:
@@ -378,19 +365,20 @@ class Compiled:
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
+        what, static = stage.fn.what, stage.fn.static
         n_args, static_vals, _ = stage.key
-        if stage.static and len(args) == n_args:  # static arguments given again: they must match
-            given = tuple(args[i] for i in stage.static)
+        if static and len(args) == n_args:  # static arguments given again: they must match
+            given = tuple(args[i] for i in static)
             if given != static_vals:
                 raise MeshkitTypeError(
-                    f"{stage.what}: compiled for static arguments {static_vals}, called with "
+                    f"{what}: compiled for static arguments {static_vals}, called with "
                     f"{given}.\nConsider lowering again for these values."
                 )
-            args = dynamic(args, stage.static)
+            args = dynamic(args, static)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if treedef != stage.treedef:
             raise MeshkitTypeError(
-                f"{stage.what}: Function compiled with input pytree does not match the input "
+                f"{what}: Function compiled with input pytree does not match the input "
                 f"pytree it was called with.\ncompiled for: {stage.treedef}\ncalled with:  "
                 f"{treedef}\nConsider calling it with the (non-static) arguments it was lowered "
                 "for, or lowering again."
@@ -404,7 +392,7 @@ class Compiled:
                 if want != got
             ]
             raise MeshkitTypeError(
-                f"{stage.what}: Argument types differ from the types for which this computation "
+                f"{what}: Argument types differ from the types for which this computation "
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )

@@ -115,11 +115,16 @@ def _check_split(fn: str, arg: str, x: Any, dim: int, group: Any, tiled: bool) -
             )
 
 
+def _apply(op: str, x: Any, names: tuple[str, ...], ctx: Interceptor | None, **params: Any) -> Any:
+    """``jax.lax``'s ``op`` over the group of ``names``, or the interceptor's stand-in."""
+    if ctx is not None:
+        return ctx.run(op, x, names, **params)
+    return getattr(lax, op)(_varying(x, names), _axis_arg(names), **params)
+
+
 def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
     names, _, ctx = _names(op, axis_name)
-    if ctx is not None:
-        return ctx.run(op, x, names)
-    return getattr(lax, op)(_varying(x, names), _axis_arg(names))
+    return _apply(op, x, names, ctx)
 
 
 @public
@@ -200,10 +205,7 @@ def psum_scatter(
     """
     names, size, ctx = _names("psum_scatter", axis_name)
     _check_split("psum_scatter", "scatter_dimension", x, scatter_dimension, (names, size), tiled)
-    if ctx is not None:
-        return ctx.run("psum_scatter", x, names, scatter_dimension=scatter_dimension, tiled=tiled)
-    x = _varying(x, names)
-    return lax.psum_scatter(x, _axis_arg(names), scatter_dimension=scatter_dimension, tiled=tiled)
+    return _apply("psum_scatter", x, names, ctx, scatter_dimension=scatter_dimension, tiled=tiled)
 
 
 @public
@@ -220,13 +222,8 @@ def all_to_all(
     _check_split("all_to_all", "split_axis", x, split_axis, (names, size), tiled)
     for leaf in jax.tree_util.tree_leaves(x):
         _dim("all_to_all", "concat_axis", concat_axis, jax.numpy.ndim(leaf))
-    if ctx is not None:
-        return ctx.run(
-            "all_to_all", x, names, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled
-        )
-    return lax.all_to_all(
-        _varying(x, names), _axis_arg(names), split_axis, concat_axis, tiled=tiled
-    )
+    params = {"split_axis": split_axis, "concat_axis": concat_axis, "tiled": tiled}
+    return _apply("all_to_all", x, names, ctx, **params)
 
 
 @public

@@ -1,9 +1,6 @@
-"""Classify, then call: how `spmd` and `pmap_compat` put a call's arguments where jit takes them.
+"""How `spmd` and `pmap_compat` put a call's arguments where jit takes them, decided up front.
 
-A call is decided before anything runs, never retried: leaves placed as their `ArgumentPlan`
-targets go straight to jit; host data is put in one batched `jax.device_put` (in a multi-process
-run it is this process's part, assembled as `meshkit.global_array_from_local` does); arrays laid
-out differently are moved; tracers are never placed.
+Host data is put in one batch (across processes: this process's part, assembled and checked).
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ from ..sharding.argument_plan import ArgumentPlan
 def argnums(
     value: int | Sequence[int], what: str, caller: str, *, from_end: bool = False
 ) -> tuple[int, ...]:
-    """Positions of arguments (``static_argnums``...) as a tuple of ints; ``caller`` names the call.
-
-    With ``from_end``, negative positions count from the end and are kept as given; otherwise
-    they must be non-negative and come back sorted, without repeats.
-    """
+    """Argument positions as ints: sorted and unique, or (``from_end``) negative ones allowed."""
     items = (value,) if isinstance(value, int) else tuple(value)
     for i in items:
         if isinstance(i, bool) or not isinstance(i, int) or (i < 0 and not from_end):
@@ -43,7 +36,6 @@ def argnums(
 
 
 def dynamic(args: tuple[Any, ...], static: tuple[int, ...]) -> tuple[Any, ...]:
-    """The arguments that are not static (at the positions ``static``), in their order."""
     if not static:
         return args
     return tuple(a for i, a in enumerate(args) if i not in static)
@@ -105,12 +97,7 @@ def assemble(
     specs: Sequence[Any] | None = None,
     treedef: Any = None,
 ) -> list[jax.Array]:
-    """The ``chosen`` leaves, this process's parts of a multi-process call, as global arrays.
-
-    One assembly, checked across processes; ``specs`` and ``treedef`` are what messages show.
-    """
-    if not chosen:
-        return []
+    """The ``chosen`` leaves, this process's parts, as global arrays (one checked assembly)."""
     keep = set(chosen)
     structure = (
         [0] * len(chosen)

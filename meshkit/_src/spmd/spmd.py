@@ -1,17 +1,21 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-Arguments are classified before the one jit call, never retried (`bound`, on `placement`).
+A `MeshPlan` binds the function to one mesh, with one `Layout` per argument structure.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import canonical as _canonical
 from ..core import compat as _compat
@@ -19,10 +23,25 @@ from ..core.errors import MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
-from ..sharding.spec_trees import describe_node, plain_specs
-from ..sharding.specs import as_partition_spec, map_specs
-from .bound import MeshPlan
-from .placement import argnums
+from ..sharding.argument_plan import ArgumentPlan, argument_plan
+from ..sharding.spec_trees import (
+    align_specs,
+    describe_node,
+    has_mapping,
+    plain_specs,
+    to_spec_types,
+)
+from ..sharding.specs import (
+    as_partition_spec,
+    check_spec_for_mesh,
+    dim_axes,
+    is_spec_leaf,
+    map_specs,
+    parse_spec,
+    spec_axes,
+)
+from . import placement as _placement
+from .placement import argnums, dynamic, failures_published, from_host, jit_over_shard_map
 
 
 class ReshardWarning(UserWarning):
@@ -269,3 +288,270 @@ def spmd(
         )
 
     return wrap if f is None else wrap(f)
+
+
+_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
+
+
+@dataclass(eq=False)
+class Layout:
+    """One structure of the dynamic arguments: its jit, aligned specs, leaves and plan."""
+
+    jitted: Any  # None over an AbstractMesh (met while tracing): the body is traced in place
+    specs: tuple[Any, ...]  # one spec tree per argument, in the argument's node types
+    leaves: list[tuple[PartitionSpec, Any, str]]  # per leaf: spec, spec as written, name
+    plan: ArgumentPlan | None  # None over an AbstractMesh
+    steady: ArgumentPlan | None = None  # set once a call placed the leaves: later ones skip
+
+
+class MeshPlan:
+    """Everything fixed once the mesh is known: specs, shardings, the jitted functions."""
+
+    def __init__(self, owner: SpmdFunction, mesh: Mesh | AbstractMesh) -> None:
+        self.owner = owner
+        self.mesh = mesh
+        self.what = f"meshkit.spmd({owner.name})"
+
+        def check(spec: Any, where: str) -> PartitionSpec:
+            return check_spec_for_mesh(spec, mesh, where)
+
+        self.in_specs = map_specs(check, owner.in_specs, f"{self.what}: in_specs")
+        self.out_specs = map_specs(check, owner.out_specs, f"{self.what}: out_specs")
+        # out_specs with mappings are matched to the outputs by keys (see `body`).
+        self.keyed_out = has_mapping(owner.out_specs)
+        self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
+        self.layouts: dict[Any, Layout] = {}  # by treedef of the dynamic arguments
+
+    def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
+        """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
+        if treedef in self.layouts:
+            return self.layouts[treedef]
+        owner, raw = self.owner, self.owner.in_specs
+        if is_spec_leaf(raw):
+            specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
+            raws: tuple[Any, ...] = (raw,) * len(dyn)
+        else:
+            if len(raw) != len(dyn):
+                raise MeshkitError(
+                    f"{self.what}: in_specs has {len(raw)} entries but the "
+                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
+                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
+                    "none."
+                )
+            raws = tuple(
+                align_specs(r, a, where=f"{self.what}: in_specs[{i}]")
+                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
+            )
+            specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
+        leaves = _leaf_specs(dyn, specs, raws)
+        jitted = plan = None
+        if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
+            mesh = self.mesh
+            plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
+            to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
+            shardings = jax.tree_util.tree_map(to_sharding, specs, is_leaf=is_spec_leaf)
+            jitted = jit_over_shard_map(
+                lambda *args: self.body(*args),
+                owner.name,
+                in_shardings=shardings,
+                static_argnums=owner.static_argnums,
+                donate_argnums=owner.donate_argnums,
+            )
+        self.layouts[treedef] = layout = Layout(jitted, specs, leaves, plan)
+        return layout
+
+    def body(self, *args: Any) -> Any:
+        owner = self.owner
+        static = owner.static_argnums
+        dyn = dynamic(args, static)
+        flat, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self.layout(dyn, treedef)
+        self.check_args(flat, layout)
+        if self.explicit:
+            dyn = jax.tree_util.tree_unflatten(treedef, self.reshard_typed(flat, layout))
+        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
+        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
+        back: list[Any] = []
+        where = f"{self.what}: out_specs"
+
+        def per_device(*local: Any) -> Any:
+            it = iter(local)
+            full = [args[i] if i in static else next(it) for i in range(len(args))]
+            out = owner.fn(*full)
+            raws = align_specs(owner.out_specs, out, where=where, noun="the output")
+            self.check_outputs(out, raws)  # a block has the rank of the global output
+            if not self.keyed_out:
+                return out
+            treedef = jax.tree_util.tree_structure(out)
+            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(owner.out_specs, order))]
+            return to_spec_types(owner.out_specs, out)
+
+        result = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=layout.specs,
+            out_specs=self.out_specs,
+            check_vma=owner.check_vma,
+        )(*dyn)
+        if not self.keyed_out:
+            return result
+        treedef, order = back
+        leaves: list[Any] = [None] * len(order)
+        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
+            leaves[i] = leaf
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def check_args(self, flat: list[Any], layout: Layout) -> None:
+        """Rank and divisibility of every leaf against its spec, with dims named."""
+        sizes = self.mesh.shape
+        for leaf, (s, raw, where) in zip(flat, layout.leaves, strict=True):
+            shape = np.shape(leaf)
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != len(shape):
+                raise MeshkitError(
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
+            if len(s) > len(shape):
+                raise MeshkitError(
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
+                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
+                    "argument every device gets whole."
+                )
+            for d, axes in enumerate(dim_axes(s, len(shape))):
+                n = math.prod(sizes[a] for a in axes)
+                if axes and shape[d] % n:
+                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
+                    raise MeshkitError(
+                        f"{self.what}: {where} has shape {tuple(shape)}; its {label} "
+                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
+                        f"{n}, which does not divide it (spec {raw!r}, mesh "
+                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
+                    )
+
+    def reshard_typed(self, flat: list[Any], layout: Layout) -> list[Any]:
+        """On Explicit meshes, give every value the sharding type its spec asks for."""
+        out = []
+        for leaf, (s, _, where) in zip(flat, layout.leaves, strict=True):
+            ndim = np.ndim(leaf)
+            have = getattr(jax.typeof(leaf), "sharding", None)
+            have_spec = have.spec if have is not None else PartitionSpec()
+            if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
+                if spec_axes(have_spec):
+                    self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
+                leaf = jax.reshard(leaf, NamedSharding(self.mesh, s))
+            out.append(leaf)
+        return out
+
+    def check_outputs(self, out: Any, raws: Any) -> None:
+        """Each output's rank against the dimensions its spec string (in ``raws``) names."""
+
+        def check(raw: Any, sub: Any) -> None:
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                if dims is not None and len(dims) != np.ndim(leaf):
+                    raise MeshkitError(
+                        f"{self.what}: output out{jax.tree_util.keystr(path)} has rank "
+                        f"{np.ndim(leaf)} but its spec {raw!r} names "
+                        f"{_count(len(dims), 'dimension')}."
+                    )
+
+        jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
+
+    def steady(self, args: tuple[Any, ...]) -> Any:
+        """The jitted function when every leaf of ``args`` is placed as a past call put it."""
+        if self.owner.static_argnums:
+            return None
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            return layout.jitted
+        return None
+
+    def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
+        """Classify the arguments (`placement`), place what needs it, call jit once."""
+        static = self.owner.static_argnums
+        dyn = dynamic(args, static) if static else args
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self.layouts.get(treedef)
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            # The steady state: every leaf already where in_specs puts it. A trace around
+            # the call changes nothing here: jit takes placed arrays as they are.
+            return (layout.jitted.lower if lower else layout.jitted)(*args)
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
+            # Traced inside another jit: host values are program constants, the same in every
+            # process. Across processes they are put here (jit refuses host data with a sharding).
+            layout = self.layout(dyn, treedef)
+            flat = leaves
+            if self.multiprocess and layout.plan is not None:
+                targets = layout.plan.targets
+                flat = [
+                    from_host(x, t) if _placement.is_host(x) else x
+                    for x, t in zip(leaves, targets, strict=True)
+                ]
+        elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
+            # This process's parts, assembled into global arrays. The layout is made inside
+            # failures_published so that a spec error reaches the waiting processes too.
+            with failures_published(_TAG):
+                layout = self.layout(dyn, treedef)
+            assert layout.plan is not None  # a multi-process mesh is made of devices
+            local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
+            raws = [layout.leaves[i][1] for i in local]
+            assembled = _placement.assemble(
+                layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
+            )
+            for i, value in zip(local, assembled, strict=True):
+                leaves[i] = value
+            flat = self.place(leaves, layout)
+        else:
+            layout = self.layout(dyn, treedef)
+            flat = self.place(leaves, layout)
+        it = iter(jax.tree_util.tree_unflatten(treedef, flat))
+        args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
+        return (layout.jitted.lower if lower else layout.jitted)(*args)
+
+    def place(self, flat: list[Any], layout: Layout) -> list[Any]:
+        """Every leaf checked, then moved or put where its spec says; the layout turns steady."""
+        self.check_args(flat, layout)
+        plan = layout.plan
+        assert plan is not None  # placing needs a mesh of devices
+        moved = [
+            self.move(leaf, target, where)
+            for leaf, target, where in zip(flat, plan.targets, plan.paths, strict=True)
+        ]
+        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG)
+        layout.steady = plan
+        return placed
+
+    def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
+        """``leaf`` laid out as ``target``; host data as it is (put later, in one batch)."""
+        if _placement.is_host(leaf):
+            return leaf
+        if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            return leaf
+        if len(leaf.sharding.device_set) > 1:
+            self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
+        return jax.device_put(leaf, target)
+
+
+def _leaf_specs(
+    dyn: tuple[Any, ...], specs: tuple[Any, ...], raws: tuple[Any, ...]
+) -> list[tuple[PartitionSpec, Any, str]]:
+    """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
+    keystr = jax.tree_util.keystr
+    out: list[tuple[PartitionSpec, Any, str]] = []
+    for i, arg in enumerate(dyn):
+
+        def visit(at: Any, s: PartitionSpec, r: Any, sub: Any, i: int = i) -> None:
+            for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                out.append((s, r, f"args[{i}]{keystr(at)}{keystr(p)}"))
+
+        jax.tree_util.tree_map_with_path(visit, specs[i], raws[i], arg, is_leaf=is_spec_leaf)
+    return out
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"

@@ -1,9 +1,7 @@
 """Which values of a per-device jaxpr can differ between the devices of one mapped axis.
 
-`pmap_compat` checks its ``out_axes=None`` outputs here rather than with shard_map's
-``check_vma``, which would refuse programs `jax.pmap` traces (a scan carry made device-dependent,
-``axis_index_groups``). A forward pass marks each value INVARIANT, VARYING, or unknown with a
-reason (the caller warns); control flow on a varying value makes its results varying.
+`pmap_compat` checks ``out_axes=None`` outputs here: shard_map's ``check_vma`` would refuse
+programs `jax.pmap` traces (a scan carry made device-dependent, ``axis_index_groups``).
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ def join(values: Sequence[Variance]) -> Variance:
 _REDUCING = {"psum", "pmax", "pmin", "all_gather", "psum_invariant", "all_gather_invariant"}
 # Collectives (and axis_index) whose result differs between devices.
 _SPREADING = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"}
-# Callbacks whose results JAX does not tie to their inputs.
-_IMPURE = {"io_callback"}
 
 
 def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
@@ -91,7 +87,7 @@ class _Analysis:
             return [VARYING] * n_out
         if ours:
             return [join([*ins, _unknown(f"meshkit has no rule for {name}")])] * n_out
-        if name in _IMPURE:
+        if name == "io_callback":  # JAX does not tie its results to its inputs
             return [join([*ins, _unknown(f"it comes from jax.experimental.{name}")])] * n_out
         loop = {"scan": self.scan, "while": self.while_loop, "cond": self.cond}.get(name)
         if loop is not None:
@@ -146,10 +142,7 @@ class _Analysis:
 def shard_map_outputs(
     jaxpr: Any, axis: Hashable, mapped_inputs: Sequence[bool]
 ) -> list[Variance] | None:
-    """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None).
-
-    ``mapped_inputs`` says which of the shard_map's inputs are split over ``axis``.
-    """
+    """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None)."""
     inner = _open(jaxpr)
     for eqn in inner.eqns:
         if eqn.primitive.name == "shard_map":
