@@ -321,12 +321,16 @@ def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, ste
 # ---- window: agree_later -------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _short_linger(monkeypatch):
+    monkeypatch.setattr(window, "LINGER_S", 0.01)  # windows close soon after their first call
+
+
 def _later(node: Node, summaries: list[str], seen: list[Outcome], timeout: float = 5.0) -> bool:
     for i, summary in enumerate(summaries):
         window.agree_later(
-            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append,
-            linger=0.01,
-        )  # fmt: skip
+            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append
+        )
     return node.drain(timeout + 5.0)
 
 
@@ -394,9 +398,7 @@ def test_a_window_thread_failure_is_raised_by_the_next_settle():
         raise ValueError(f"they differ: {sorted(outcome.records)}")
 
     def body(node: Node) -> BaseException | None:
-        window.agree_later(
-            node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse, linger=0.01
-        )
+        window.agree_later(node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse)
         node.drain(10.0)
         try:
             node.settle()

@@ -13,7 +13,7 @@ import json
 import sys
 import urllib.parse
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from ..core import compat as _compat
 from ..core import env as _env
@@ -23,12 +23,8 @@ from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
 from . import missing as _missing
 from . import window as _window
-from .node import Group, Node, Outcome, RecordText
+from .node import Group, Node, Outcome, RecordText, text
 from .service import JaxService, Stats
-
-WINDOW = _window.WINDOW
-MAX_PENDING = _window.MAX_PENDING
-LINGER_S = _window.LINGER_S
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
 # disagreements found after their call returned (check="deferred"), for `settle`
@@ -113,7 +109,7 @@ def agree(
         _window.sync_point(here, timeout)
     settle()
     if here is None:
-        return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
+        return Outcome(True, {_compat.distributed_state()[1]: text(record)})
     outcome = _agreement.agree(
         here,
         _agreement.channel_sequence(here, channel),
@@ -165,18 +161,14 @@ def leave_record(**fields: object) -> str:
 def _left(outcome: Outcome) -> dict[int, dict[str, object]]:
     """The records of processes that left the program (`leave_record`), by process."""
     left = {}
-    for p, text in outcome.records.items():
+    for p, value in outcome.records.items():
         try:
-            record = json.loads(text)
+            record = json.loads(value)
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("left") is True:
             left[p] = record
     return left
-
-
-def _text(record: RecordText) -> str:
-    return record if isinstance(record, str) else record()
 
 
 def agree_later(
@@ -187,7 +179,6 @@ def agree_later(
     timeout: float,
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
-    linger: float = LINGER_S,
 ) -> None:
     """`window.agree_later` for this process (see there): returns at once.
 
@@ -199,9 +190,8 @@ def agree_later(
     if here is None:
         return
     _window.agree_later(
-        here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
-        linger=linger,
-    )  # fmt: skip
+        here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups
+    )
     settle()
 
 
@@ -228,11 +218,6 @@ def leave(
         _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
     else:
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
-
-
-def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:
-    """Wait until every `agree_later` call of this process is verified (or ``timeout``)."""
-    return True if _node is None else _node.drain(timeout, tags)
 
 
 def _drain_at_exit() -> None:

@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.frames import place, user_frame
@@ -36,7 +36,7 @@ HISTORY = 2 * MAX_PERIOD
 FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
 
 
-@dataclass(frozen=True)
+@dataclass
 class Entry:
     """One process's record at one agreement, as it posts it.
 
@@ -45,23 +45,33 @@ class Entry:
         what: the agreement in words, for a message naming processes at different sites.
         where: the user's line the call came from (``train.py:28 in main``), "?" if none.
         summary: what must be equal in every process.
-        record: what to show when summaries differ; not compared ("" until shown: ``full``).
+        record: what to show when summaries differ, or the function that makes it (called
+            only when shown); not compared.
         groups: replica group name -> (its reference process, this process's summary for it);
             processes sharing a group name must give equal group summaries.
         gave_up: this process stopped waiting before every process arrived.
+        full: posted with its record (False: to be compared only, the record made if shown).
+        posted: this process posted it (a later post overwrites); not sent.
     """
 
     site: str
     what: str
     where: str
     summary: str
-    record: str
+    record: RecordText
     groups: Mapping[str, Group] = field(default_factory=dict)
     gave_up: bool = False
-    full: bool = True  # False: posted to be compared only, without its record (made if shown)
+    full: bool = True
+    posted: bool = False
+
+    def text(self) -> str:
+        if not isinstance(self.record, str):
+            self.record = self.record()
+        return self.record
 
     def to_json(self) -> str:
-        named = asdict(self)
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "posted"}
+        named["record"] = self.text() if self.full else ""
         named["groups"] = {k: list(v) for k, v in self.groups.items()}
         return json.dumps(named)
 
@@ -175,7 +185,7 @@ def agree(
             state.history.append(mine)
         return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
     where = _where() if flagged else ""
-    entry = _Lazy(site, what or site, where, summary, record, groups)
+    entry = Entry(site, what or site, where, summary, record, groups, full=False)
     _collect_garbage(node, state, base, k)
     if flagged:
         _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
@@ -218,7 +228,7 @@ def agree(
     gave_up = tuple(sorted(p for p, e in entries.items() if e.gave_up and p != node.me))
     if verdict is None:
         gave_up = ()
-    return Outcome(False, {p: e.record for p, e in entries.items()}, missing, gave_up, use)
+    return Outcome(False, {p: e.text() for p, e in entries.items()}, missing, gave_up, use)
 
 
 def leave(node: Node, sequence: str, site: str, record: str) -> None:
@@ -235,7 +245,7 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
         state.history.clear()
     if predicted is not None:
         _fast(node, base, 0.0, unflagged=False)
-    entry = _Lazy(site, site, _where(), LEFT, record, {})
+    entry = Entry(site, site, _where(), LEFT, record)
     _collect_garbage(node, state, base, k)
     _post(node, base, k, entry)
     total = node.service.increment(_key(base, k, "c"), 1 + FLAG)
@@ -258,7 +268,7 @@ def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
 
 
 def _wait(
-    node: Node, sequence: str, base: str, k: int, deadline: float, entry: _Lazy
+    node: Node, sequence: str, base: str, k: int, deadline: float, entry: Entry
 ) -> str | None:
     """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
 
@@ -285,34 +295,12 @@ def _wait(
             waiting.end()
 
 
-class _Lazy:
-    """This process's `Entry`, its record made only when posted."""
-
-    def __init__(
-        self, site: str, what: str, where: str, summary: str, record: RecordText, groups: dict
-    ) -> None:
-        self.site, self.what, self.where, self.summary = site, what, where, summary
-        self.record, self.groups, self.posted, self.full = record, groups, False, False
-        self._text: str | None = None
-
-    def text(self) -> str:
-        if self._text is None:
-            self._text = text(self.record)
-        return self._text
-
-    def entry(self, gave_up: bool = False, full: bool = True) -> Entry:
-        record = self.text() if full else ""
-        return Entry(
-            self.site, self.what, self.where, self.summary, record, self.groups, gave_up, full
-        )
-
-
 def _post(
-    node: Node, sequence: str, k: int, entry: _Lazy, gave_up: bool = False, full: bool = True
+    node: Node, sequence: str, k: int, entry: Entry, gave_up: bool = False, full: bool = True
 ) -> None:
-    value = entry.entry(gave_up, full).to_json()
-    node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", value, overwrite=entry.posted)
-    entry.posted, entry.full = True, full
+    overwrite = entry.posted
+    entry.gave_up, entry.full, entry.posted = gave_up, full, True
+    node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", entry.to_json(), overwrite=overwrite)
 
 
 def _conclude(node: Node, sequence: str, k: int, total: int) -> str:

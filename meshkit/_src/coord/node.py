@@ -7,13 +7,12 @@ The protocols keep their state in a `Node`, never in module globals, so that sev
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import env as _env
@@ -64,88 +63,36 @@ class Outcome:
     seq: int = 0
 
 
-@dataclass(frozen=True)
-class PostedRecord:
-    """A record as a process posts it for one agreement (and as a window lists its calls).
-
-    Serialized by field name (`to_json`); ``groups`` maps a replica group's name to its
-    reference process and this process's summary for it.
-    """
-
-    summary: str
-    record: str
-    groups: Mapping[str, Group] = field(default_factory=dict)
-    gave_up: bool = False
-
-    def fields(self) -> dict[str, Any]:
-        """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
-        named = asdict(self)
-        named["groups"] = {
-            name: {"ref": ref, "summary": summary} for name, (ref, summary) in self.groups.items()
-        }
-        return named
-
-    def to_json(self) -> str:
-        return json.dumps(self.fields())
-
-    @classmethod
-    def from_fields(cls, named: dict[str, Any]) -> PostedRecord:
-        groups = {name: (g["ref"], g["summary"]) for name, g in named["groups"].items()}
-        return cls(**{**named, "groups": groups})
-
-    @classmethod
-    def from_json(cls, value: str) -> PostedRecord:
-        return cls.from_fields(json.loads(value))
-
-
 @dataclass
 class Call:
-    """One call of `agree_later`, or one window of them, as this process makes it."""
+    """One call of `agree_later` waiting for its window, or one window of them."""
 
-    seq: int
-    flag: bool  # the summary differs from this process's previous one (or must be compared)
     summary: str
     groups: dict[str, Group]
     record: RecordText
-    arrived: float = 0.0  # monotonic time of the increment
-    timeout: float = 0.0
-
-
-@dataclass
-class Queued:
-    """One call of `agree_later`, waiting for its window."""
-
-    call: Call
-    on_outcome: Callable[[Outcome], None] | None
+    arrived: float  # monotonic time of the call
+    timeout: float
+    on_outcome: Callable[[Outcome], None] | None = None
 
 
 @dataclass
 class WindowState:
     """`agree_later`'s state of one tag in one process (guarded by ``cond``)."""
 
-    cond: threading.Condition
+    name: str
     channel: str | None  # a sync point drains only its own channel's tags
-    queue: deque[Queued] = field(default_factory=deque)  # calls not yet in a window
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    seq: int = 0  # the next window's number
+    queue: deque[Call] = field(default_factory=deque)  # calls not yet in a window
     inflight: int = 0  # calls in the window being agreed
     draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
     # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
     # only then, so a steady loop wakes no thread per call.
     wanted: int = 0
-    linger: float = 0.0  # how long a window stays open after its first call
     left: str | None = None  # this process left the tag (`leave_later`): its record
     left_posted: threading.Event = field(default_factory=threading.Event)
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     thread: threading.Thread | None = None
-
-
-@dataclass
-class Tag:
-    """One sequence of agreements (a tag), in one process."""
-
-    name: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
-    window: WindowState | None = None  # set once: the tag is agreed after the call returns
 
 
 def key(tag: str, seq: int, part: str) -> str:
@@ -198,21 +145,13 @@ class Node:
         self.channel = channel
         self.is_main = is_main or _program_thread.is_program_thread
         self.on_unraised = on_unraised or _exit_1
-        self.tags: dict[str, Tag] = {}
+        self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns
         self.tags_lock = threading.Lock()
-        self.live: set[str] = set()  # tags agreed after the call returns (each has a thread)
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
         # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
         self.counts: dict[str, int] = {}
         # meshkit's threads serving this process, each with the condition that wakes it
         self.threads: list[tuple[threading.Thread, threading.Condition]] = []
-
-    def tag(self, name: str) -> Tag:
-        with self.tags_lock:
-            state = self.tags.get(name)
-            if state is None:
-                state = self.tags[name] = Tag(name)
-            return state
 
     def read(self, key: str, deadline: float) -> str | None:
         """The value of ``key`` once written; None if it is not written before ``deadline``.
@@ -277,9 +216,8 @@ class Node:
         ``tags``: only the calls of those tags.
         """
         deadline = time.monotonic() + timeout
-        for name in list(self.live) if tags is None else [t for t in tags if t in self.live]:
-            window = self.tags[name].window
-            assert window is not None
+        for name in list(self.tags) if tags is None else [t for t in tags if t in self.tags]:
+            window = self.tags[name]
             with window.cond:
                 if not (window.queue or window.inflight):
                     continue  # nothing to wait for (and no thread to wake)
@@ -304,7 +242,7 @@ class Node:
         with status 1 (``on_unraised``): a program whose processes disagreed did not succeed.
         """
         self.exiting.set()
-        if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
+        if self.tags and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
         unraised = self.unraised()
