@@ -23,7 +23,7 @@ from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
-from . import fingerprint as _fingerprint
+from . import divergence as _divergence
 from . import state as _st
 from .state import Settings
 from .state import enabled as enabled
@@ -164,7 +164,7 @@ def _publish_leaving(status: str = "exit", message: str = "") -> None:
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
     if _st.state.settings is not None and not isinstance(value, DivergenceError):
-        text = f"{kind.__name__}: {value}".splitlines()[0][: _fingerprint.MAX_DESC]
+        text = f"{kind.__name__}: {value}".splitlines()[0][: _divergence.MAX_DESC]
         _publish_leaving("error", text)
 
 
