@@ -202,7 +202,6 @@ def agree(
         with state.lock:
             state.history.append(mine)
         return Outcome(True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use)
-    node.stats.slow += 1
     if not entry.where:
         entry.where = _where()
     arrived = node.n if verdict is not None else total & ARRIVALS

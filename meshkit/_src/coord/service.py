@@ -141,10 +141,9 @@ class Stats:
 
     rpcs: int = 0
     agreements: int = 0
-    slow: int = 0  # agreements that needed more than their fast path
 
     def reset(self) -> None:
-        self.rpcs = self.agreements = self.slow = 0
+        self.rpcs = self.agreements = 0
 
 
 class Counted:
