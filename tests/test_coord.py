@@ -362,7 +362,7 @@ def test_a_window_thread_leaves_when_idle_and_the_next_call_starts_one(monkeypat
         return drained
 
     def alive(node: Node) -> list[str]:
-        return [t.name for t, _ in node.threads if t.is_alive()]
+        return [w.thread.name for w in node.tags.values() if w.thread and w.thread.is_alive()]
 
     # Equal calls agree; then, idle past IDLE_S, no process has a window thread left.
     assert both([["a"] * 5, ["a"] * 5]) == [True, True]

@@ -96,13 +96,11 @@ class Sequence:
 
 
 def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
-    """The digest the next agreement repeats, and the period it was read with.
+    """The digest the next agreement repeats (None: no period), and the period it was read with.
 
-    The smallest ``p`` (``period`` first, when given and still true) such that each of the last
-    ``max(p, SPAN)`` digests equals the one ``p`` before it. A function of the agreed history
-    alone, so every process predicts the same; exact for a history that repeats a pattern of
-    up to `SPAN` agreements (two periods that both hold over `SPAN` entries have their greatest
-    common divisor as a period too). None: no period found (the next call is flagged).
+    The smallest ``p`` (``period`` first, when still true) such that each of the last
+    ``max(p, SPAN)`` digests equals the one ``p`` before it: a function of the agreed history
+    alone, so every process predicts the same.
     """
     h = list(history)
     candidates = ([period] if period else []) + list(range(1, MAX_PERIOD + 1))
@@ -149,24 +147,9 @@ def agree(
 ) -> Outcome:
     """Agree with every process on ``summary`` at this process's next agreement of ``sequence``.
 
-    Args:
-        node: this process at the coordination service.
-        sequence: the sequence of agreements (a channel's); its k-th agreement meets the k-th
-            of every other process.
-        site: which agreement this is; processes at different sites raise at once.
-        summary: what must be equal in every process.
-        record: what to show when summaries differ (or the function that makes it, made only
-            when shown).
-        timeout: seconds to wait for the other processes.
-        groups: replica groups this process belongs to (see `Entry.groups`).
-        what: the agreement in words (default ``site``).
-
-    Returns:
-        An `Outcome`: agreed, or every arrived process's record, who did not arrive in time
-        (``missing``) and who stopped waiting before this process came (``gave_up``).
-
-    Raises:
-        DivergenceError: the processes are at different sites (``field == "order"``).
+    ``site``, ``record``, ``groups`` and ``what`` are as in `Entry` (``what`` defaults to
+    ``site``). Raises a `DivergenceError` (``field == "order"``) when the processes are at
+    different sites.
     """
     groups = dict(groups or {})
     state = _state(node, sequence)
@@ -180,10 +163,14 @@ def agree(
     flagged = mine != predicted
     node.stats.agreements += 1
     deadline = time.monotonic() + timeout
-    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+
+    def agreed() -> Outcome:
         with state.lock:
             state.history.append(mine)
         return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
+
+    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+        return agreed()
     where = _where() if flagged else ""
     entry = Entry(site, what or site, where, summary, record, groups, full=False)
     _collect_garbage(node, state, base, k)
@@ -199,9 +186,7 @@ def agree(
         if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
             verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
     if verdict == OK:
-        with state.lock:
-            state.history.append(mine)
-        return Outcome(True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use)
+        return agreed()
     if not entry.where:
         entry.where = _where()
     arrived = node.n if verdict is not None else total & ARRIVALS
@@ -211,11 +196,7 @@ def agree(
             _post(node, base, k, entry, full=False)
         entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
         if len(entries) == node.n and _same(entries):
-            with state.lock:
-                state.history.append(mine)
-            return Outcome(
-                True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use
-            )
+            return agreed()
     if not entry.full or verdict is None:
         _post(node, base, k, entry, gave_up=verdict is None)
     entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
@@ -233,8 +214,7 @@ def agree(
 def leave(node: Node, sequence: str, site: str, record: str) -> None:
     """Tell the processes at ``sequence``'s next agreement that this one will not come, and why.
 
-    Posts ``record`` (as the summary `LEFT`) and arrives, flagged, so the others find it
-    (`Outcome.records`) instead of waiting; never waits.
+    Posts ``record`` (summary `LEFT`) and arrives flagged, so the others find it; never waits.
     """
     state = _state(node, sequence)
     with state.lock:
@@ -255,9 +235,8 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
 def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
     """The barrier of sequence ``base``: whether every process arrived there unflagged.
 
-    An unflagged process waits (at most `FAST_S`); a flagged one breaks it for every process
-    with a list naming itself twice (the service refuses lists that differ, at once and
-    without logging), so the others leave it as soon as they arrive.
+    A flagged process breaks it for everyone with a list naming itself twice (the service
+    refuses lists that differ at once, without logging).
     """
     name = f"meshkit/b/{base}"
     if unflagged:
@@ -269,12 +248,10 @@ def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
 def _wait(
     node: Node, sequence: str, base: str, k: int, deadline: float, entry: Entry
 ) -> str | None:
-    """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
+    """The verdict of agreement ``k``, read until ``deadline``.
 
-    After `places.FIRST_S` (then at doubling intervals) this wait posts its place and reads the
-    others' (`places.Waiting`): a process waiting in this channel's order outside any agreement
-    (inside a step of `meshkit.global_batches`, at a window's verdict) that this process has not
-    reached is a cycle, raised here.
+    A long wait posts its place and reads the others' (`places.Waiting`), to raise a cycle with
+    a process waiting in this channel's order outside any agreement.
     """
     key = _key(base, k, "v")
     waiting: _places.Waiting | None = None
@@ -328,7 +305,7 @@ def _collect(
 ) -> dict[int, Entry]:
     """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them.
 
-    ``full``: only entries with their records count (the others are read again).
+    ``full``: only entries posted with their records count.
     """
     while True:
         entries = _read(node, sequence, k)
@@ -370,11 +347,7 @@ def channel_sequence(node: Node, name: str | None = None) -> str:
 
 
 def restart(node: Node) -> None:
-    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`).
-
-    For a harness that knows every process finished what it ran (a process that skipped an
-    agreement would otherwise stay one agreement behind the others for good).
-    """
+    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`)."""
     with node.tags_lock:
         for name, state in list(node.sequences.items()):
             if not name.startswith("w:"):  # a window thread's sequence goes on
@@ -384,8 +357,7 @@ def restart(node: Node) -> None:
 def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None:
     """Process 0 deletes the key blocks two or more blocks behind, which every process has left.
 
-    Only agreements that took the counted path wrote keys; process 0 takes that path at every
-    such agreement too, so it knows every block that holds keys (``state.blocks``).
+    Process 0 takes the counted path at every agreement that wrote keys: it knows their blocks.
     """
     if node.me != 0:
         return

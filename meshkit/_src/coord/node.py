@@ -1,7 +1,6 @@
-"""One process's end of coordination: its service, its place, and the protocols' state.
+"""One process's end of coordination: its service and the protocols' state (a `Node`).
 
-The protocols keep their state in a `Node`, never in module globals, so that several
-"processes" run in one Python process over `meshkit._src.coord.fake` (as the unit tests do).
+No module globals: several "processes" run in one Python process over `meshkit._src.coord.fake`.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ class Outcome:
 
     Attributes:
         agreed: every process arrived and every summary (and group summary) is equal.
-        records: this process's record alone when ``agreed``; otherwise the record of every
-            process that arrived (for the caller to name who differs and how).
+        records: this process's record alone when ``agreed``; else every arrived process's.
         missing: processes that did not arrive within the timeout, sorted.
-        gave_up: processes that stopped waiting for this call before every process arrived
-            (this process arrived late, after their timeout), sorted.
+        gave_up: processes that stopped waiting before this one arrived, sorted.
         seq: the call's number under its tag (the same in every process).
     """
 
@@ -106,17 +103,9 @@ def _exit_1() -> None:
 class Node:
     """One process of ``n`` (``me``) at the coordination service, with its protocols' state.
 
-    Args:
-        service: the coordination service as this process sees it.
-        me: this process's id.
-        n: the number of processes.
-        stats: where round trips are counted (a fresh `Stats` by default).
-        failures: where deferred failures wait for `settle` (a fresh deque by default).
-        channel: the current thread's channel (`meshkit._src.coord.channel.current`).
-        is_main: whether the current thread is the process's main thread (a fake cluster's
-            processes are threads, each its own "main thread").
-        on_unraised: ends the process when a deferred failure is not raised within the check
-            timeout (default: `meshkit._src.lifecycle.exit.now`; a fake cluster records it).
+    ``failures`` keeps deferred failures for `settle`; ``on_unraised`` ends the process when one
+    is not raised within the check timeout; ``channel`` and ``is_main`` tell the current
+    thread's channel and whether it is the main thread (a fake cluster's threads each are).
     """
 
     def __init__(
@@ -148,16 +137,13 @@ class Node:
         self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns
         self.tags_lock = threading.Lock()
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
-        # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
-        self.counts: dict[str, int] = {}
-        # meshkit's threads serving this process, each with the condition that wakes it
-        self.threads: list[tuple[threading.Thread, threading.Condition]] = []
+        self.counts: dict[str, int] = {}  # steps taken per iterator (`places.Moving`)
 
     def read(self, key: str, deadline: float) -> str | None:
         """The value of ``key`` once written; None if it is not written before ``deadline``.
 
-        Outside the program's thread, waits in slices of `SLICE_S`, and gives up (None) once
-        the process exits (``stopping``): a thread must not be inside a blocking call then.
+        Outside the program's thread, waits in slices of `SLICE_S` and gives up once the process
+        exits: no thread may be inside a blocking call then.
         """
         if self.is_main():
             return self.service.get(key, max(deadline - time.monotonic(), 0.001))
@@ -177,11 +163,8 @@ class Node:
     def fail(self, error: BaseException, grace: float | None, *, quiet: bool = False) -> None:
         """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.
 
-        Only for ``check="deferred"``, whose checks are found after the call returned, and for
-        a failure found at exit. A process whose main thread does not come back to meshkit within
-        the check timeout is likely blocked in a computation on the inputs that disagree (a
-        collective that will not complete); it exits with status 1 so that the launcher ends the
-        run instead of a hang.
+        A main thread that does not come back to meshkit within the check timeout is likely
+        blocked in a collective on the inputs that disagree: exiting ends the run, not a hang.
         """
         self.failures.append(error)
         self.failed.set()
@@ -210,10 +193,9 @@ class Node:
         timer.start()
 
     def drain(self, timeout: float, tags: Sequence[str] | None = None) -> bool:
-        """Wait until every `agree_later` call of this process is verified (or ``timeout``).
+        """Wait until every `agree_later` call (of ``tags``) is verified, or ``timeout``.
 
         While it waits, the windows of this process do not wait for calls it has not made.
-        ``tags``: only the calls of those tags.
         """
         deadline = time.monotonic() + timeout
         for name in list(self.tags) if tags is None else [t for t in tags if t in self.tags]:
@@ -236,22 +218,21 @@ class Node:
     def stop(self) -> None:
         """At exit: verify what is pending (a few seconds), then let this node's threads leave.
 
-        A thread still inside a blocking call of the coordination service when the interpreter
-        ends aborts the process, so each one is told to stop and given a slice to return. A
-        failed check that no meshkit call raised (found at exit, or before it) ends the process
-        with status 1 (``on_unraised``): a program whose processes disagreed did not succeed.
+        A thread still inside a blocking call when the interpreter ends aborts the process. A
+        failed check that no call raised ends the process with status 1 (``on_unraised``).
         """
         self.exiting.set()
         if self.tags and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
         unraised = self.unraised()
-        for _, cond in list(self.threads):
-            with cond:
-                cond.notify_all()
+        windows = list(self.tags.values())
+        for window in windows:
+            with window.cond:
+                window.cond.notify_all()
         end = time.monotonic() + SLICE_S + 0.5
-        for thread, _ in list(self.threads):
-            if thread.is_alive():
+        for thread in [w.thread for w in windows]:
+            if thread is not None:
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
             left = next(iter(self.failures), None)

@@ -9,7 +9,6 @@ the next meshkit call (`Node.settle`); a caller that needs the verdict drains it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -83,7 +82,6 @@ def _ensure_thread(node: Node, window: WindowState) -> None:
         window.thread = threading.Thread(
             target=_run, args=(node, window), name=f"meshkit-agree:{window.name}", daemon=True
         )
-        node.threads.append((window.thread, window.cond))
         window.thread.start()
 
 
@@ -116,8 +114,6 @@ def _run(node: Node, window: WindowState) -> None:
                     # an idle process keeps no thread per tag.
                     window.wanted = 0
                     window.thread = None
-                    with contextlib.suppress(ValueError):
-                        node.threads.remove((threading.current_thread(), cond))
                     return
             if me == 0:
                 _linger(node, window)
