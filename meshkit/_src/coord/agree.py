@@ -1,17 +1,13 @@
-"""This process's agreements: the one primitive (`agreement`) over JAX's coordination service.
+"""This process's agreements: the one primitive (`agreement`) on the caller's channel.
 
-`agree` and `check` answer, in the caller's thread, whether every process arrived with the same
-summary at the next agreement of the caller's channel; `agree_later` (`window`) is the deferred
-form, verified after the call returns. A process that will not come calls `leave`; one that
-leaves the program posts a `leave_record`, which fail-fast reads as a failure when it ended by
-an uncaught exception.
+`agree_later` (`window`) is the deferred form. A process that will not come calls `leave`; one
+that leaves the program posts a `leave_record` (fail-fast reads an uncaught error in it).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -21,6 +17,7 @@ from ..core.errors import MeshkitError
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
+from . import channel as _channel
 from . import missing as _missing
 from . import window as _window
 from .node import Group, Node, Outcome, RecordText, text
@@ -31,6 +28,7 @@ stats = Stats()  # this process's round trips (tests and benchmarks read them)
 failures: deque[BaseException] = deque()
 _node: Node | None = None
 _client: object = None  # the client `_node` talks through
+tag_part = _channel.tag_part
 
 
 def node() -> Node | None:
@@ -48,11 +46,6 @@ def node() -> Node | None:
             )
         _node, _client = Node(JaxService(client), me, n, stats=stats, failures=failures), client
     return _node
-
-
-def tag_part(name: str) -> str:
-    """``name`` made safe as one component of a tag: distinct names stay distinct."""
-    return urllib.parse.quote(name, safe="")
 
 
 def settle() -> None:

@@ -15,13 +15,13 @@ import json
 import sys
 import threading
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.frames import place, user_frame
+from . import channel as _channel
 from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 from .service import Barrier
@@ -343,7 +343,7 @@ MAIN = _places.MAIN  # the main thread's sequence
 def channel_sequence(node: Node, name: str | None = None) -> str:
     """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
     name = node.channel() if name is None else name
-    return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
+    return MAIN if name is None else "c:" + _channel.tag_part(name)
 
 
 def restart(node: Node) -> None:

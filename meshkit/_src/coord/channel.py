@@ -109,7 +109,7 @@ def scoped(tag: str, what: str) -> str:
     """
     name = current()
     if name is not None:
-        return f"{tag}@{_quote(name)}"
+        return f"{tag}@{tag_part(name)}"
     thread = threading.current_thread()
     if not _program_thread.is_program_thread() and _compat.distributed_state()[2] > 1:
         raise MeshkitError(_UNNAMED.format(what=what, thread=thread.name))
@@ -125,8 +125,9 @@ def numbered(tag: str, what: str) -> str:
     return f"{base}/{k}"
 
 
-def _quote(name: str) -> str:
-    return urllib.parse.quote(name, safe="")  # distinct names stay distinct in a tag
+def tag_part(name: str) -> str:
+    """``name`` made safe as one component of a tag: distinct names stay distinct."""
+    return urllib.parse.quote(name, safe="")
 
 
 def _alive(ident: int) -> bool:

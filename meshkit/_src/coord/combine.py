@@ -1,9 +1,7 @@
 """`gather`: every process's value to process 0, and one combined answer back to every process.
 
 Each process writes its value and waits at one barrier; process 0 reads all values in one
-directory read, combines them, writes the answer and deletes the values; the others read the
-answer. Three round trips per process, O(n) work in all. A process that does not arrive in time
-is named by every process that did.
+directory read and writes the answer the others read: three round trips per process.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Posts: what a process tells all the others at once, its failure or a preemption notice.
 
-A failure goes under ``meshkit/posts/failed/<id>``, a notice under ``meshkit/posts/notice/<id>``;
-the poster writes every other process's alarm key (``meshkit/alarm/<id>``), which wakes its
-service thread (`waiter`), whose failure watch reads both kinds in one listing. A watch stopped
-by a failure counts itself under ``meshkit/posts-read`` (`reader`), so that process 0, which
-hosts the service, stays up until every other process has read the post.
+The poster writes every other process's alarm key, which wakes its failure watch (`waiter`)
+to read both kinds in one listing. A watch stopped by a failure counts itself (`reader`), so
+that process 0, which hosts the service, stays up until every other process has read the post.
 """
 
 from __future__ import annotations

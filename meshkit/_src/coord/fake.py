@@ -1,18 +1,8 @@
 """An in-process fake of the coordination service: several "processes" in one Python process.
 
-`FakeCluster` holds one key-value store and one set of barriers; `FakeCluster.service` gives
-each process its own view (a `Service`), and `FakeCluster.nodes` a `Node` per process, so the
-protocols of `meshkit._src.coord` run in threads of one process, as in
-``tests/test_coord.py``. It follows the real service where the protocols depend on it:
-
-- a blocking read waits until the key is written or its timeout passes;
-- a process's n-th wait at a barrier name meets the n-th wait of the others there; arrivals with
-  different participant lists refuse the barrier to everyone waiting there; when a waiter's
-  timeout passes the barrier times out for all, and a later arrival hears so at once.
-
-What it adds, to make a failure happen on purpose: a process that leaves (`leave`: its calls
-fail, the others wait for it in vain). Nothing is random: the same calls in the same order give
-the same answers.
+It follows the real service where the protocols depend on it: a process's n-th wait at a
+barrier name meets the n-th wait of the others there; different participant lists refuse it to
+everyone; a waiter's timeout times it out for all, and a later arrival hears so at once.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Where a thread waits outside its channel's agreements, to find waits that form a cycle.
 
-A caller inside a step of `meshkit.global_batches` is in its channel's order without being at
-an agreement. A wait longer than `FIRST_S` posts its `Place` and reads the others' (again at
-doubling intervals); a place of another process on the same channel that this process has not
-passed is a cycle, raised as a `DivergenceError` (``field == "order"``) by the waiting side. A
+A wait longer than `FIRST_S` posts its `Place` and reads the others'; a place of another process
+on the same channel that this process has not passed is a cycle, raised by the waiting side. A
 caller inside a step (*moving*) never decides; it learns of the cycle from a notice.
 """
 

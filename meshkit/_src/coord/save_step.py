@@ -1,10 +1,8 @@
 """The step at which every process saves after a preemption notice, agreed once per run.
 
-Each process's preemption thread freezes its program's answers and sends the last step its
-program answered (`meshkit.checkpoint.should_save`), or none. The sync step is the one after
-the highest sent (or, if none was, the first step each asks about). No program thread is
-needed: each writes its step and counts itself in; the last to count reads every step once
-and writes the answer, which the others wait for in slices of `SLICE_S`.
+The sync step is the one after the highest step any program answered (or, if none did, the
+first step each asks about). Each preemption thread writes its step and counts itself in; the
+last to count writes the answer, which the others wait for in slices of `SLICE_S`.
 
 Examples:
     >>> import threading

@@ -1,10 +1,7 @@
 """`agree_later`: agreement after the call returns, on windows of calls (a thread per tag in use).
 
-Only ``global_array_from_local(check="deferred")`` uses it. Process 0's thread lets a window
-fill (up to `WINDOW` calls, or `LINGER_S` after its first), writes its size, and the window is
-one agreement (the `agreement` primitive, on the thread's own sequence) on its calls' summaries.
-At most `MAX_PENDING` calls are unverified; a disagreement is printed when found and raised by
-the next meshkit call (`Node.settle`); a caller that needs the verdict drains its tag.
+For ``global_array_from_local(check="deferred")``; the protocol: docs/coordination.md, "The
+deferred form: windows".
 """
 
 from __future__ import annotations
@@ -12,25 +9,22 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 
 from . import agreement as _agreement
+from . import channel as _channel
 from .node import LEFT, Call, Group, Node, Outcome, RecordText, WindowState, key, text
 
 WINDOW = 512  # calls one window of agree_later holds at most
 MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
-# A window stays open this long after its first call for more calls to join it (unless it is
-# full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
-# milliseconds) then shares one agreement among several calls instead of paying one per call.
+# A window stays open this long after its first call: a loop of slow calls then shares one
+# agreement among several calls instead of paying one per call.
 LINGER_S = 0.1
 # A caller draining its deferred checks waits their timeout and this much more: the agreement's
 # last phase, which names the processes that did not arrive.
 VERDICT_EXTRA_S = 35.0
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
-# A tag's thread leaves after this long without a call (its next call starts one again): a
-# process idle between calls runs no thread per tag; a loop of calls keeps its thread.
-IDLE_S = 1.0
+IDLE_S = 1.0  # a tag's thread leaves after this long without a call
 
 
 def agree_later(
@@ -135,7 +129,7 @@ def _run(node: Node, window: WindowState) -> None:
             agreement = _window(taken, left, decided, head)
             outcome = _agreement.agree(
                 node,
-                "w:" + _agree_tag(tag),
+                "w:" + _channel.tag_part(tag),
                 tag,
                 agreement.summary,
                 agreement.record,
@@ -294,7 +288,3 @@ def sync_point(node: Node, timeout: float) -> None:
         if mine:
             node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
     node.settle()
-
-
-def _agree_tag(tag: str) -> str:
-    return urllib.parse.quote(tag, safe="")
