@@ -50,19 +50,12 @@ def node() -> Node | None:
 
 def settle() -> None:
     """Raise the first disagreement `agree_later` found since the last call, if any."""
-    if failures:
-        if _node is not None:
-            _node.settle()
-        else:
-            raise failures.popleft()
+    if failures and _node is not None:
+        _node.settle()
 
 
 def take_unraised() -> BaseException | None:
-    """Take the first failure kept for this process's next meshkit call; None if none waits.
-
-    For an uncaught exception that follows it (`meshkit._src.lifecycle.failfast`): that failure
-    is its cause, said there, and no call is left to raise it.
-    """
+    """Take the failure kept for the next meshkit call, for an uncaught exception it caused."""
     if _node is None or not _node.unraised():
         return None
     try:
@@ -72,10 +65,7 @@ def take_unraised() -> BaseException | None:
 
 
 def in_step() -> None:
-    """Every process finished its work: restart the sequences (`agreement.restart`).
-
-    A process that skipped an agreement is in step with the others again.
-    """
+    """Every process finished its work: restart the sequences (`agreement.restart`)."""
     if _node is not None:
         _agreement.restart(_node)
 
@@ -90,12 +80,10 @@ def agree(
     what: str = "",
     channel: str | None = None,
 ) -> Outcome:
-    """`agreement.agree` at the caller's channel's next agreement; first raises what is pending.
+    """`agreement.agree` at the caller's channel's next agreement (or ``channel``'s).
 
-    ``tag`` names the agreement's site; ``record`` (or the function that makes it) is made only
-    when shown. The windows of the caller's channel (`agree_later`) are verified first.
-    ``channel``: agree on that channel's sequence instead (a sequence a thread keeps beside its
-    own, for agreements whose order against its own ones may differ between processes).
+    The windows of the caller's channel (`agree_later`) are verified, and what they found
+    raised, first.
     """
     here = node()
     if here is not None:
@@ -121,11 +109,7 @@ def agree(
 
 
 def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: str = "") -> Outcome:
-    """`agree`, and a process that left the program instead of coming is an error.
-
-    Raises:
-        MeshkitError: a process left the program (its `leave_record`) instead of coming.
-    """
+    """`agree`; a `MeshkitError` when a process left the program instead of coming."""
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
@@ -173,10 +157,9 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
 ) -> None:
-    """`window.agree_later` for this process (see there): returns at once.
+    """`window.agree_later` for this process: returns at once.
 
     A tag is either agreed in the call (`agree`) or after it returns (`agree_later`), never both.
-    ``record`` (or the function that makes it) is only made when shown.
     """
     settle()
     here = node()
@@ -193,22 +176,18 @@ def leave(
     record: str,
     *,
     later: bool = False,
-    wait: float | None = None,
     channel: str | None = None,
 ) -> None:
-    """Tell the processes at this channel's next agreement that this one will not come, and why.
+    """Tell the processes at the next agreement (of ``channel``) that this one will not come.
 
-    ``later``: the tag is agreed after the call returns (`agree_later`); its thread arrives for the
-    first call this process will not make, and this call waits until it has (at most ``wait``
-    seconds, default the check timeout; a record not posted by then leaves the others to their
-    timeout). ``channel``: the channel whose next agreement it is (default the caller's), for a
-    thread that leaves for another (a close for an iterator's helper thread).
+    ``later``: the tag is agreed after the call returns (`agree_later`); this call waits (at most
+    the check timeout) until its thread has posted ``record``.
     """
     here = node()
     if here is None:
         return
     if later:
-        _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
+        _window.leave_later(here, tag, record, _env.check_timeout())
     else:
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 

@@ -68,9 +68,10 @@ def channel(name: str) -> Iterator[None]:
     me = threading.get_ident()
     with _lock:
         owner = _owners.get(name)
-        if owner is not None and owner != me and _alive(owner):
+        user = next((t for t in threading.enumerate() if t.ident == owner), None)
+        if user is not None and owner != me:
             raise MeshkitError(
-                f"meshkit.channel({name!r}): thread {_thread_name(owner)!r} of this process is "
+                f"meshkit.channel({name!r}): thread {user.name!r} of this process is "
                 f"using this channel; thread {threading.current_thread().name!r} cannot use it "
                 "at the same time (their calls would interleave differently in each process).\n"
                 "Consider one channel name per thread."
@@ -128,11 +129,3 @@ def numbered(tag: str, what: str) -> str:
 def tag_part(name: str) -> str:
     """``name`` made safe as one component of a tag: distinct names stay distinct."""
     return urllib.parse.quote(name, safe="")
-
-
-def _alive(ident: int) -> bool:
-    return any(t.ident == ident for t in threading.enumerate())
-
-
-def _thread_name(ident: int) -> str:
-    return next((t.name for t in threading.enumerate() if t.ident == ident), "?")

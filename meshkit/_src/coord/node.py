@@ -248,9 +248,8 @@ class Node:
 
     def settle(self) -> None:
         """Raise the first disagreement a deferred check found since the last call, if any."""
-        for error in list(self.failures):
-            try:
-                self.failures.remove(error)
-            except ValueError:  # another thread raised it meanwhile
-                continue
-            raise error
+        try:
+            error = self.failures.popleft()
+        except IndexError:  # none, or another thread raised it meanwhile
+            return
+        raise error

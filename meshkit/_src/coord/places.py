@@ -25,24 +25,14 @@ LAST_S = 5.0
 
 @dataclass(frozen=True)
 class Place:
-    """One wait in a channel's order.
+    """One wait in a channel's order: the agreement or step (from 0) a thread waits at."""
 
-    Attributes:
-        sequence: the channel's sequence of agreements (`agreement.channel_sequence`).
-        counter: what ``number`` counts: "" the sequence's agreements, ``steps:<tag>`` an
-            iterator's steps.
-        number: the agreement or step (from 0) the thread waits at.
-        what: the wait in words (``step 3 of meshkit.global_batches``).
-        where: the user's line (``train.py:28 in main``).
-        moving: inside a step: it may end without the others, so it never decides a cycle.
-    """
-
-    sequence: str
-    counter: str
+    sequence: str  # the channel's sequence of agreements (`agreement.channel_sequence`)
+    counter: str  # what ``number`` counts: "" the sequence's agreements, "steps:<tag>" steps
     number: int
-    what: str
-    where: str
-    moving: bool = False
+    what: str  # the wait in words (``step 3 of meshkit.global_batches``)
+    where: str  # the user's line (``train.py:28 in main``)
+    moving: bool = False  # inside a step: it may end without the others, so it never decides
 
 
 def count(node: Node, sequence: str, counter: str) -> int:
@@ -141,12 +131,8 @@ class Waiting:
     def end(self) -> None:
         """The wait ended: its place is no longer true."""
         if self.posted:
-            forget(self.node)
-
-
-def forget(node: Node) -> None:
-    with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
-        node.service.delete(PREFIX + str(node.me))
+            with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
+                self.node.service.delete(PREFIX + str(self.node.me))
 
 
 def told(node: Node) -> DivergenceError | None:
