@@ -15,12 +15,7 @@ from .service import Barrier, Service
 
 @dataclass(frozen=True)
 class Gathered:
-    """How one `gather` ended for the calling process.
-
-    Attributes:
-        answer: the combined answer, or None when some process did not arrive.
-        missing: the processes that did not arrive (empty when ``answer`` is given).
-    """
+    """How one `gather` ended: the combined answer, or (None and) who did not arrive."""
 
     answer: str | None
     missing: tuple[int, ...] = ()

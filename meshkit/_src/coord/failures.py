@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from ..core import compat as _compat
 from ..lifecycle.failfast import PeerPosts, Unanswered
@@ -24,17 +24,9 @@ ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits o
 READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
 
 
-@dataclass(frozen=True)
-class FailurePost:
-    """What one process posted of its failure."""
-
-    process: int
-    failure: str  # the first line of the error, for the other processes' messages
-
-
 def post(service: Service, me: int, failure: str, n: int = 0) -> None:
-    """Post process ``me``'s ``failure`` (once), then wake the others of ``n`` (`alarm`)."""
-    service.set(FAILED + str(me), json.dumps(asdict(FailurePost(me, failure))))
+    """Post process ``me``'s ``failure`` (its error's first line; once), then wake the others."""
+    service.set(FAILED + str(me), json.dumps({"process": me, "failure": failure}))
     alarm(service, me, n)
 
 
@@ -53,20 +45,19 @@ def alarm(service: Service, me: int, n: int) -> None:
 
 def poll(service: Service, me: int) -> PeerPosts:
     """What processes other than ``me`` posted so far: failures by process, notices by time."""
-    failures: list[FailurePost] = []
+    failures: list[tuple[int, str]] = []
     notices: list[PreemptionNotice] = []
     for key, value in service.dir_get(PREFIX):
+        fields = json.loads(value)
+        if fields["process"] == me:
+            continue
         if key.startswith(FAILED):
-            failures.append(FailurePost(**json.loads(value)))
+            failures.append((fields["process"], fields["failure"]))
         elif key.startswith(NOTICE):
-            fields = json.loads(value)
             notices.append(PreemptionNotice(**{**fields, "own": False}))
     return PeerPosts(
-        failures=[(f.process, f.failure) for f in sorted(failures, key=lambda f: f.process)
-                  if f.process != me],
-        notices=sorted((n for n in notices if n.process != me),
-                       key=lambda n: (n.received, n.process)),
-    )  # fmt: skip
+        failures=sorted(failures), notices=sorted(notices, key=lambda n: (n.received, n.process))
+    )
 
 
 def answer(service: Service, me: int) -> PeerPosts | Unanswered:

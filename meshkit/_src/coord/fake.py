@@ -7,9 +7,10 @@ everyone; a waiter's timeout times it out for all, and a later arrival hears so 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +64,11 @@ class FakeCluster:
                 p,
                 self.n,
                 channel=lambda: None,
-                on_unraised=self._unraised(p),
+                on_unraised=functools.partial(self.unraised.append, p),
                 is_main=lambda: True,
             )
             for p in range(self.n)
         ]
-
-    def _unraised(self, process: int) -> Callable[[], None]:
-        return lambda: self.unraised.append(process)
 
     def leave(self, process: int) -> None:
         """``process`` has left: its calls raise `ServiceGone`; the others wait for it in vain."""

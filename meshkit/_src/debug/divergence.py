@@ -1,9 +1,7 @@
 """The divergence check: each checked call's fingerprint, agreed on across processes first.
 
-A fingerprint holds the entry and function, the call's number, the arguments' pytree structure,
-and per leaf its name, shape, dtype and sharding (or a static value). `check` runs at the
-dispatch point and in `.multihost`'s collectives; `compare` turns different fingerprints, or
-missing or departed processes, into a `DivergenceError` naming them.
+A fingerprint holds the function, the call's number, the arguments' structure and per leaf its
+name, shape, dtype and sharding (or a static value); `compare` names who differs.
 """
 
 from __future__ import annotations
