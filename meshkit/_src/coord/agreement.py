@@ -1,10 +1,8 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
-The k-th agreement of a sequence (a channel's, or a window thread's) meets the k-th of every
-other process, whatever its site, so processes at different agreements are named at once. A
-digest the agreed history predicts waits at the sequence's service barrier (one round trip);
-any other takes the counted path: post, increment, the last arrival's verdict. The protocol,
-its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
+A digest the agreed history predicts waits at the sequence's service barrier (one round trip);
+any other takes the counted path. The protocol, its round trips and why ``ok`` is exact:
+docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
@@ -38,31 +36,18 @@ FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted p
 
 @dataclass
 class Entry:
-    """One process's record at one agreement, as it posts it.
+    """One process's record at one agreement, as it posts it."""
 
-    Attributes:
-        site: which agreement this is (its tag: ``make_mesh``, ``programs``, ...).
-        what: the agreement in words, for a message naming processes at different sites.
-        where: the user's line the call came from (``train.py:28 in main``), "?" if none.
-        summary: what must be equal in every process.
-        record: what to show when summaries differ, or the function that makes it (called
-            only when shown); not compared.
-        groups: replica group name -> (its reference process, this process's summary for it);
-            processes sharing a group name must give equal group summaries.
-        gave_up: this process stopped waiting before every process arrived.
-        full: posted with its record (False: to be compared only, the record made if shown).
-        posted: this process posted it (a later post overwrites); not sent.
-    """
-
-    site: str
-    what: str
-    where: str
-    summary: str
-    record: RecordText
+    site: str  # which agreement this is (its tag: ``make_mesh``, ``programs``, ...)
+    what: str  # the agreement in words, for a message naming processes at different sites
+    where: str  # the user's line the call came from (``train.py:28 in main``)
+    summary: str  # what must be equal in every process
+    record: RecordText  # shown when summaries differ (a function: made only then)
+    # replica group name -> (its reference process, this process's summary for it)
     groups: Mapping[str, Group] = field(default_factory=dict)
-    gave_up: bool = False
-    full: bool = True
-    posted: bool = False
+    gave_up: bool = False  # stopped waiting before every process arrived
+    full: bool = True  # posted with its record (else to be compared only)
+    posted: bool = False  # a later post overwrites; not sent
 
     def text(self) -> str:
         if not isinstance(self.record, str):

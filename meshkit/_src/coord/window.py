@@ -37,11 +37,10 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
 ) -> None:
-    """`agree`, verified after the call returns: returns at once (see the module's docstring).
+    """`agree`, verified after the call returns: returns at once.
 
-    ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
-    processes did not agree; what it raises is printed at once and raised by this process's next
-    meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
+    ``on_outcome`` runs in the tag's thread for the first call of a window that differs; what it
+    raises is kept for this process's next meshkit call.
     """
     window = windowed(node, tag)
     groups = dict(groups or {})
@@ -68,10 +67,7 @@ def windowed(node: Node, tag: str) -> WindowState:
 
 
 def _ensure_thread(node: Node, window: WindowState) -> None:
-    """After a call or a leave is queued (``window.cond`` held): a thread must take it.
-
-    The tag's thread leaves after `IDLE_S` without a call; the next call starts one again.
-    """
+    """After a call or a leave is queued (``window.cond`` held): a thread must take it."""
     if window.thread is None and not node.stopping.is_set():
         window.thread = threading.Thread(
             target=_run, args=(node, window), name=f"meshkit-agree:{window.name}", daemon=True
@@ -80,10 +76,7 @@ def _ensure_thread(node: Node, window: WindowState) -> None:
 
 
 def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
-    """`leave` for a deferred tag; waits (at most ``wait`` s) until its record is posted.
-
-    The tag's thread arrives for the first call this process will not make.
-    """
+    """`leave` for a deferred tag; waits (at most ``wait`` s) until its thread posted it."""
     window = windowed(node, tag)
     with window.cond:
         window.left_posted.clear()
@@ -153,11 +146,7 @@ def _run(node: Node, window: WindowState) -> None:
 
 
 def _linger(node: Node, window: WindowState) -> None:
-    """Process 0, before it decides a window: let it fill (``window.cond`` held).
-
-    Until it holds `WINDOW` calls, or `LINGER_S` has passed since its first call; at once
-    when a caller drains, the process leaves the tag or exits.
-    """
+    """Process 0, before it decides a window: let it fill for `LINGER_S` (``window.cond`` held)."""
     window.wanted = WINDOW
     while (
         window.queue
@@ -173,10 +162,7 @@ def _linger(node: Node, window: WindowState) -> None:
 
 
 def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> str | None:
-    """How many calls window ``seq`` holds: process 0 says, the others read it.
-
-    ``"left"``: process 0 left the tag. None: process 0 did not say within the timeout.
-    """
+    """How many calls window ``seq`` holds (process 0 says), `_LEFT_WINDOW`, or None (no word)."""
     if node.me == 0:
         decided = str(offer) if offer else _LEFT_WINDOW
         node.service.set(key(tag, seq, "w"), decided)
@@ -210,11 +196,7 @@ def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Ca
 
 
 def _window(taken: list[Call], left: str | None, decided: str | None, head: Call | None) -> Call:
-    """One agreement for a window: the list of its calls' summaries, groups and records.
-
-    The summary lists the calls' summaries run by run (``[summary, count]``); the record, every
-    call's, is made only when shown.
-    """
+    """One agreement for a window: its calls' summaries run by run, groups, and records."""
 
     def record() -> str:
         entries = [
@@ -279,8 +261,7 @@ def _report(window: WindowState, taken: list[Call], outcome: Outcome, me: int) -
 def sync_point(node: Node, timeout: float) -> None:
     """Before an agreement the caller waits for: its channel's deferred checks are raised first.
 
-    Only the tags of the caller's channel: a window that waits for no more calls while another
-    thread still makes them would be short in this process alone.
+    Only its own channel's: another thread's window, drained, would be short in this process.
     """
     if node.tags:
         here = node.channel()

@@ -242,12 +242,9 @@ def compare(
         )
 
 
-def _group(values: dict[int, Any]) -> list[tuple[Any, list[int]]]:
+def _group(values: dict[int, str]) -> list[tuple[str, list[int]]]:
     """The distinct values and the processes of each, the smallest group first."""
-    groups: dict[str, tuple[Any, list[int]]] = {}
-    for p, value in sorted(values.items()):
-        groups.setdefault(json.dumps(value), (value, []))[1].append(p)
-    return sorted(groups.values(), key=lambda vp: (len(vp[1]), vp[1]))
+    return sorted(_missing.by_value(values).items(), key=lambda vp: (len(vp[1]), vp[1]))
 
 
 def _shown(field: str, value: Any) -> str:
