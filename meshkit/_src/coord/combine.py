@@ -33,20 +33,8 @@ def gather(
 ) -> Gathered:
     """Gather every process's ``value`` at process 0, and give each the answer of ``combine``.
 
-    Every one of the ``n`` processes calls it once per ``tag`` (a tag is used once per
-    coordination session). ``combine`` runs in process 0 only, on the values by process.
-
-    Args:
-        service: the coordination service as process ``me`` sees it.
-        me: this process's id.
-        n: the number of processes.
-        tag: the exchange's name, unique in the session.
-        value: this process's value.
-        combine: values by process -> the answer (text).
-        timeout: seconds to wait for every process, and then for the answer.
-
-    Returns:
-        The answer, or the processes that did not arrive within ``timeout``.
+    Each of the ``n`` processes calls it once per ``tag`` (unique in the session); ``combine``
+    runs in process 0 only, on the values by process.
 
     Examples:
         >>> from meshkit._src.coord.fake import FakeCluster

@@ -108,11 +108,7 @@ def teller() -> Callable[[PreemptionNotice], None]:
 
 
 def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
-    """`poll` for process ``me`` over the real service.
-
-    The function returns None once this process is no longer joined (the watch then ends), and
-    an `Unanswered` when the service did not answer, told by its status code whether it is gone.
-    """
+    """`answer` for process ``me`` over the real service; None once it is no longer joined."""
 
     def poll_posts() -> PeerPosts | Unanswered | None:
         service = _joined()
@@ -122,10 +118,7 @@ def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
 
 
 def waiter(me: int) -> Callable[[float], bool]:
-    """Waits at most that long for process ``me``'s alarm key: True once written, and taken.
-
-    True also once this process is no longer joined (the watch's next read then ends it).
-    """
+    """Waits at most that long for process ``me``'s alarm key: True once taken, or not joined."""
 
     def wait(timeout: float) -> bool:
         service = _joined()

@@ -70,10 +70,7 @@ MAIN = "main"  # the main thread's sequence of agreements (other channels: "c:<n
 def different_agreements(
     sequence: str, where: Mapping[int, str], processes: list[int]
 ) -> DivergenceError:
-    """The error of processes that wait at different agreements of ``sequence``.
-
-    ``where``: each process's place and call in words; ``processes``: whom the error names.
-    """
+    """The error of ``processes`` waiting at different agreements of ``sequence`` (``where``)."""
     groups = _missing.by_value(where)
     at = "; ".join(f"{_missing.processes(ps)} at {spot}" for spot, ps in groups.items())
     channel = sequence.removeprefix("c:")
@@ -95,18 +92,15 @@ class Waiting:
     """One thread's wait at ``place``: `look` posts it and raises the cycle it is in, if any."""
 
     def __init__(self, node: Node, place: Place) -> None:
-        self.node, self.place, self.posted = node, place, False
-        self.period = FIRST_S
+        self.node, self.place, self.period = node, place, FIRST_S
 
     def look(self) -> None:
         """Post this place, read the others'; raise a cycle found here or told by another.
 
-        The process that finds a cycle first tells the others in it (a key each), so that each
-        raises the same error, a moving place through its watch.
+        The process that finds a cycle first tells the others in it, so that each raises it.
         """
         node = self.node
         node.service.set(PREFIX + str(node.me), json.dumps(asdict(self.place)), overwrite=True)
-        self.posted = True
         theirs, notice = {}, None
         for key, value in node.service.dir_get(PREFIX):
             name = key.rsplit("/", 1)[1]
@@ -130,9 +124,8 @@ class Waiting:
 
     def end(self) -> None:
         """The wait ended: its place is no longer true."""
-        if self.posted:
-            with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
-                self.node.service.delete(PREFIX + str(self.node.me))
+        with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
+            self.node.service.delete(PREFIX + str(self.node.me))
 
 
 def told(node: Node) -> DivergenceError | None:
@@ -147,11 +140,10 @@ def _read_notice(said: str) -> DivergenceError:
 
 
 class Moving:
-    """A caller that moves through a sequence of steps (an iterator's), seen from a watch thread.
+    """A caller that moves through an iterator's steps, seen from a watch thread.
 
-    The caller says where it is at each step (`took`: a dictionary store, nothing sent); the
-    watch, once a period, posts the caller as `Place.moving` when it stayed inside one step for
-    a whole period outside the next one, and returns the cycle a waiting process told it of.
+    The watch posts the caller as `Place.moving` when it stayed inside one step for a whole
+    period, and returns the cycle a waiting process told it of.
     """
 
     def __init__(self, node: Node, sequence: str, counter: str, what: str) -> None:
