@@ -124,8 +124,7 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
 def leave_record(**fields: object) -> str:
     """The record of a process that leaves the program: ``"left": true``, how, and ``fields``.
 
-    ``"status"``: ``"error"`` when an uncaught exception ends it (``"message"``: its first
-    line), else ``"exit"``.
+    ``"status"``: ``"error"`` (its first line in ``"message"``) after an uncaught exception.
     """
     error = getattr(sys, "last_value", None)
     how: dict[str, object] = {"left": True, "status": "exit"}

@@ -94,19 +94,14 @@ def current() -> str | None:
 
 
 def paired() -> bool:
-    """Whether this thread's calls pair up with the other processes' (main thread, or a channel).
-
-    Any other thread's calls come in an order that differs by process.
-    """
+    """Whether this thread's calls pair up with the other processes' (main thread, or a channel)."""
     return current() is not None or _program_thread.is_program_thread()
 
 
 def scoped(tag: str, what: str) -> str:
     """``tag`` on this thread's channel: unchanged on the main thread's, ``tag@name`` on another.
 
-    Raises:
-        MeshkitError: a thread other than the main thread, outside any `channel`, in a
-            multi-process program (``what`` names the call).
+    A `MeshkitError` (naming the call ``what``) from another thread outside any `channel`.
     """
     name = current()
     if name is not None:

@@ -19,10 +19,7 @@ from .service import UNAVAILABLE, Barrier
 
 
 class ServiceGone(ConnectionError):
-    """A process that left (`FakeCluster.leave`) called the service.
-
-    It carries the status code the real service's client reports when the service is gone.
-    """
+    """A process that left (`FakeCluster.leave`) called the service: the code of a lost one."""
 
     error_code = UNAVAILABLE
 
@@ -37,11 +34,7 @@ class _Use:
 
 
 class FakeCluster:
-    """The coordination service of ``n`` processes, in memory.
-
-    Args:
-        n: the number of processes.
-    """
+    """The coordination service of ``n`` processes, in memory."""
 
     def __init__(self, n: int) -> None:
         self.n = n

@@ -63,10 +63,9 @@ class Service(Protocol):
     def barrier(
         self, name: str, timeout: float, participants: Sequence[int] | None = None
     ) -> Barrier:
-        """Wait at this process's next use of barrier ``name`` until the participants arrive.
+        """Wait at this process's next use of barrier ``name`` until ``participants`` arrive.
 
-        ``participants``: the processes that must arrive (default: all). Processes that arrive
-        at one use of a barrier with different participant lists are all refused.
+        Processes that arrive at one use with different participant lists are all refused.
         """
         ...
 

@@ -1,8 +1,7 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-On: the stall watchdog runs, this process tells the others when it leaves (exit hooks,
-registered once), and the settings are logged once under ``meshkit.debug``. Nothing happens at
-import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
+On: the stall watchdog runs and this process tells the others when it leaves. Nothing happens
+at import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ from typing import Any
 from ..coord import agreement as _agreement
 from ..lifecycle import watchdog as _watchdog
 
-# Agreements that repeat a pattern (of up to 16 calls) for PERIOD calls in a row arrive unflagged:
-# one coordination round trip fewer per call (`meshkit._src.coord.agreement.predict`).
+# Agreements that repeat a pattern for PERIOD calls in a row take one round trip (`predict`).
 PERIOD = _agreement.SPAN
 
 
