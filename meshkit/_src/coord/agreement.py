@@ -180,7 +180,7 @@ def agree(
         if not entry.posted:
             _post(node, base, k, entry, full=False)
         entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
-        if len(entries) == node.n and _same(entries):
+        if len(entries) == node.n and same(entries):
             return agreed()
     if not entry.full or verdict is None:
         _post(node, base, k, entry, gave_up=verdict is None)
@@ -275,7 +275,7 @@ def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
         elif len(entries) < node.n:
             verdict = POST  # unflagged processes posted nothing: everyone posts and compares
         else:
-            verdict = OK if _same(entries) else DIFFER
+            verdict = OK if same(entries) else DIFFER
     node.service.set(_key(sequence, k, "v"), verdict)
     return verdict
 
@@ -300,7 +300,7 @@ def _collect(
         time.sleep(0.02)
 
 
-def _same(entries: Mapping[int, Entry]) -> bool:
+def same(entries: Mapping[int, Entry]) -> bool:
     """Whether every entry has the same site and summary, and every replica group one summary."""
     if len({(e.site, e.summary) for e in entries.values()}) > 1:
         return False

@@ -97,9 +97,7 @@ def _run(node: Node, window: WindowState) -> None:
                 if not cond.wait(max(idle_until - time.monotonic(), 0.0)):
                     if window.queue or window.left is not None:
                         break
-                    # No call for IDLE_S: leave; the tag's next call starts a thread again, so
-                    # an idle process keeps no thread per tag.
-                    window.wanted = 0
+                    window.wanted = 0  # idle: the tag's next call starts a thread again
                     window.thread = None
                     return
             if me == 0:
@@ -236,16 +234,10 @@ def _report(window: WindowState, taken: list[Call], outcome: Outcome, me: int) -
 
     def differs(i: int) -> bool:
         here, absent = at(i)
-        by_group: dict[str, set[str]] = {}
-        for e in here.values():
-            for name, (_, summary) in e["groups"].items():
-                by_group.setdefault(name, set()).add(summary)
-        return bool(
-            absent
-            or len({e["summary"] for e in here.values()}) > 1
-            or any(len(s) > 1 for s in by_group.values())
-            or any(e["summary"] == LEFT for e in here.values())
-        )
+        calls = {
+            p: _agreement.Entry("", "", "", e["summary"], "", e["groups"]) for p, e in here.items()
+        }
+        return bool(absent) or not _agreement.same(calls)
 
     first = next((i for i in range(width) if differs(i)), width - 1)
     here, absent = at(first)
