@@ -190,9 +190,7 @@ def agree(
     _raise_if_elsewhere(node.me, entries, sequence)
     missing = tuple(p for p in range(node.n) if p not in entries)
     # Who stopped waiting before this process came; none when this process gave up itself.
-    gave_up = tuple(sorted(p for p, e in entries.items() if e.gave_up and p != node.me))
-    if verdict is None:
-        gave_up = ()
+    gave_up = () if verdict is None else tuple(sorted(p for p, e in entries.items() if e.gave_up))
     return Outcome(False, {p: e.text() for p, e in entries.items()}, missing, gave_up, use)
 
 
@@ -322,13 +320,10 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
     raise _places.different_agreements(sequence, where, sorted(here))
 
 
-MAIN = _places.MAIN  # the main thread's sequence
-
-
 def channel_sequence(node: Node, name: str | None = None) -> str:
     """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
     name = node.channel() if name is None else name
-    return MAIN if name is None else "c:" + _channel.tag_part(name)
+    return _places.MAIN if name is None else "c:" + _channel.tag_part(name)
 
 
 def restart(node: Node) -> None:
