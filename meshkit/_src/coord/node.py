@@ -43,21 +43,13 @@ def text(record: RecordText) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one agreement found.
+    """What one agreement found."""
 
-    Attributes:
-        agreed: every process arrived and every summary (and group summary) is equal.
-        records: this process's record alone when ``agreed``; else every arrived process's.
-        missing: processes that did not arrive within the timeout, sorted.
-        gave_up: processes that stopped waiting before this one arrived, sorted.
-        seq: the call's number under its tag (the same in every process).
-    """
-
-    agreed: bool
-    records: dict[int, str]
-    missing: tuple[int, ...] = ()
-    gave_up: tuple[int, ...] = ()
-    seq: int = 0
+    agreed: bool  # every process arrived and every summary (and group summary) is equal
+    records: dict[int, str]  # this process's record alone when agreed; else every arrived one's
+    missing: tuple[int, ...] = ()  # processes that did not arrive within the timeout, sorted
+    gave_up: tuple[int, ...] = ()  # processes that stopped waiting before this one arrived
+    seq: int = 0  # the call's number under its tag (the same in every process)
 
 
 @dataclass
@@ -83,9 +75,7 @@ class WindowState:
     queue: deque[Call] = field(default_factory=deque)  # calls not yet in a window
     inflight: int = 0  # calls in the window being agreed
     draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
-    # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
-    # only then, so a steady loop wakes no thread per call.
-    wanted: int = 0
+    wanted: int = 0  # the queue length the thread waits for: a steady loop wakes it no more
     left: str | None = None  # this process left the tag (`leave_later`): its record
     left_posted: threading.Event = field(default_factory=threading.Event)
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's

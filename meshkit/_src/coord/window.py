@@ -20,9 +20,7 @@ MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before t
 # A window stays open this long after its first call: a loop of slow calls then shares one
 # agreement among several calls instead of paying one per call.
 LINGER_S = 0.1
-# A caller draining its deferred checks waits their timeout and this much more: the agreement's
-# last phase, which names the processes that did not arrive.
-VERDICT_EXTRA_S = 35.0
+VERDICT_EXTRA_S = 35.0  # a drain waits the timeout and this: the phase naming who is missing
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
 IDLE_S = 1.0  # a tag's thread leaves after this long without a call
 
