@@ -123,7 +123,6 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
     registered = []
     monkeypatch.setattr(_exit, "_registry", _exit._Registry())
     monkeypatch.setattr(_exit.atexit, "register", lambda f, *a, **k: registered.append(f))
-    monkeypatch.setattr(_state.state, "exit_hooks", False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     hooks = []
     for _ in range(3):

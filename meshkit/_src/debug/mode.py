@@ -74,14 +74,13 @@ def enable(
         _stop_watchdog()
         now = _st.state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
-        if not _st.state.exit_hooks:
-            # Before the other leaves (`meshkit._src.runtime.programs`): the first record a
-            # process waiting at this one's next agreement reads then names its last call.
-            _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
-            _exit.on_exception(
-                "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
-            )
-            _st.state.exit_hooks = True
+        # Registered by name, so once however often; before the other leaves
+        # (`meshkit._src.runtime.programs`): the first record a process waiting at this one's
+        # next agreement reads then names its last call.
+        _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
+        _exit.on_exception(
+            "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
+        )
         if watchdog is not None:
             _st.state.watchdog = _watchdog.Watchdog(
                 watchdog, timeout, exit_on_stall, lambda: _st.state.last

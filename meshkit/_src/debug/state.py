@@ -39,7 +39,6 @@ class State:
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
         self.watchdog: _watchdog.Watchdog | None = None
-        self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
         self.announced: Settings | None = None  # the settings last announced
 
