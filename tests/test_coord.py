@@ -321,12 +321,16 @@ def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, ste
 # ---- window: agree_later -------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _short_linger(monkeypatch):
+    monkeypatch.setattr(window, "LINGER_S", 0.01)  # windows close soon after their first call
+
+
 def _later(node: Node, summaries: list[str], seen: list[Outcome], timeout: float = 5.0) -> bool:
     for i, summary in enumerate(summaries):
         window.agree_later(
-            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append,
-            linger=0.01,
-        )  # fmt: skip
+            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append
+        )
     return node.drain(timeout + 5.0)
 
 
@@ -358,7 +362,7 @@ def test_a_window_thread_leaves_when_idle_and_the_next_call_starts_one(monkeypat
         return drained
 
     def alive(node: Node) -> list[str]:
-        return [t.name for t, _ in node.threads if t.is_alive()]
+        return [w.thread.name for w in node.tags.values() if w.thread and w.thread.is_alive()]
 
     # Equal calls agree; then, idle past IDLE_S, no process has a window thread left.
     assert both([["a"] * 5, ["a"] * 5]) == [True, True]
@@ -394,9 +398,7 @@ def test_a_window_thread_failure_is_raised_by_the_next_settle():
         raise ValueError(f"they differ: {sorted(outcome.records)}")
 
     def body(node: Node) -> BaseException | None:
-        window.agree_later(
-            node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse, linger=0.01
-        )
+        window.agree_later(node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse)
         node.drain(10.0)
         try:
             node.settle()

@@ -24,7 +24,6 @@ from ranks import debug as ranks
 import meshkit
 from meshkit import debug
 from meshkit._src.debug import divergence as _divergence
-from meshkit._src.debug import fingerprint as _fingerprint
 from meshkit._src.debug import state as _state
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.runtime import dispatch as _dispatch
@@ -124,7 +123,6 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
     registered = []
     monkeypatch.setattr(_exit, "_registry", _exit._Registry())
     monkeypatch.setattr(_exit.atexit, "register", lambda f, *a, **k: registered.append(f))
-    monkeypatch.setattr(_state.state, "exit_hooks", False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     hooks = []
     for _ in range(3):
@@ -243,7 +241,7 @@ def test_calls_are_checked_only_while_debug_mode_is_on():
 
 
 def _record(site, args, count=1):
-    return json.loads(json.dumps(_fingerprint.fingerprint(site, args, count)))
+    return json.loads(json.dumps(_divergence.fingerprint(site, args, count)))
 
 
 def _site(name="train_step", **info):

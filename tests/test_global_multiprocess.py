@@ -149,7 +149,7 @@ def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
         # The default, agreed in the call: a steady call is one wait at the service's barrier.
         assert 0.9 <= in_call <= 1.1, results
         # Deferred, in windows of calls: a tight loop shares one agreement (two round trips)
-        # among many calls; a slow loop among the calls of `_agree.LINGER_S` (a window per call
+        # among many calls; a slow loop among the calls of `window.LINGER_S` (a window per call
         # would be two round trips per call).
         assert per_call < 0.1, results
         assert slow_per_call < 1.0, results

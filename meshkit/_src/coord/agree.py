@@ -1,17 +1,13 @@
-"""This process's agreements: the one primitive (`agreement`) over JAX's coordination service.
+"""This process's agreements: the one primitive (`agreement`) on the caller's channel.
 
-`agree` and `check` answer, in the caller's thread, whether every process arrived with the same
-summary at the next agreement of the caller's channel; `agree_later` (`window`) is the deferred
-form, verified after the call returns. A process that will not come calls `leave`; one that
-leaves the program posts a `leave_record`, which fail-fast reads as a failure when it ended by
-an uncaught exception.
+`agree_later` (`window`) is the deferred form. A process that will not come calls `leave`; one
+that leaves the program posts a `leave_record` (fail-fast reads an uncaught error in it).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,20 +17,18 @@ from ..core.errors import MeshkitError
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
+from . import channel as _channel
 from . import missing as _missing
 from . import window as _window
-from .node import Group, Node, Outcome, RecordText
+from .node import Group, Node, Outcome, RecordText, text
 from .service import JaxService, Stats
-
-WINDOW = _window.WINDOW
-MAX_PENDING = _window.MAX_PENDING
-LINGER_S = _window.LINGER_S
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
 # disagreements found after their call returned (check="deferred"), for `settle`
 failures: deque[BaseException] = deque()
 _node: Node | None = None
 _client: object = None  # the client `_node` talks through
+tag_part = _channel.tag_part
 
 
 def node() -> Node | None:
@@ -54,39 +48,22 @@ def node() -> Node | None:
     return _node
 
 
-def tag_part(name: str) -> str:
-    """``name`` made safe as one component of a tag: distinct names stay distinct."""
-    return urllib.parse.quote(name, safe="")
-
-
 def settle() -> None:
     """Raise the first disagreement `agree_later` found since the last call, if any."""
-    if failures:
-        if _node is not None:
-            _node.settle()
-        else:
-            raise failures.popleft()
+    if failures and _node is not None:
+        _node.settle()
 
 
 def take_unraised() -> BaseException | None:
-    """Take the first failure kept for this process's next meshkit call; None if none waits.
-
-    For an uncaught exception that follows it (`meshkit._src.lifecycle.failfast`): that failure
-    is its cause, said there, and no call is left to raise it.
-    """
-    if _node is None or not _node.unraised():
-        return None
+    """Take the failure kept for the next meshkit call, for an uncaught exception it caused."""
     try:
         return failures.popleft()
-    except IndexError:  # another thread raised it meanwhile
+    except IndexError:  # none (only a node keeps failures), or another thread raised it
         return None
 
 
 def in_step() -> None:
-    """Every process finished its work: restart the sequences (`agreement.restart`).
-
-    A process that skipped an agreement is in step with the others again.
-    """
+    """Every process finished its work: restart the sequences (`agreement.restart`)."""
     if _node is not None:
         _agreement.restart(_node)
 
@@ -101,19 +78,17 @@ def agree(
     what: str = "",
     channel: str | None = None,
 ) -> Outcome:
-    """`agreement.agree` at the caller's channel's next agreement; first raises what is pending.
+    """`agreement.agree` at the caller's channel's next agreement (or ``channel``'s).
 
-    ``tag`` names the agreement's site; ``record`` (or the function that makes it) is made only
-    when shown. The windows of the caller's channel (`agree_later`) are verified first.
-    ``channel``: agree on that channel's sequence instead (a sequence a thread keeps beside its
-    own, for agreements whose order against its own ones may differ between processes).
+    The windows of the caller's channel (`agree_later`) are verified, and what they found
+    raised, first.
     """
     here = node()
     if here is not None:
         _window.sync_point(here, timeout)
     settle()
     if here is None:
-        return Outcome(True, {_compat.distributed_state()[1]: _text(record)})
+        return Outcome(True, {_compat.distributed_state()[1]: text(record)})
     outcome = _agreement.agree(
         here,
         _agreement.channel_sequence(here, channel),
@@ -132,11 +107,7 @@ def agree(
 
 
 def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: str = "") -> Outcome:
-    """`agree`, and a process that left the program instead of coming is an error.
-
-    Raises:
-        MeshkitError: a process left the program (its `leave_record`) instead of coming.
-    """
+    """`agree`; a `MeshkitError` when a process left the program instead of coming."""
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
@@ -151,8 +122,7 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
 def leave_record(**fields: object) -> str:
     """The record of a process that leaves the program: ``"left": true``, how, and ``fields``.
 
-    ``"status"``: ``"error"`` when an uncaught exception ends it (``"message"``: its first
-    line), else ``"exit"``.
+    ``"status"``: ``"error"`` (its first line in ``"message"``) after an uncaught exception.
     """
     error = getattr(sys, "last_value", None)
     how: dict[str, object] = {"left": True, "status": "exit"}
@@ -165,18 +135,14 @@ def leave_record(**fields: object) -> str:
 def _left(outcome: Outcome) -> dict[int, dict[str, object]]:
     """The records of processes that left the program (`leave_record`), by process."""
     left = {}
-    for p, text in outcome.records.items():
+    for p, value in outcome.records.items():
         try:
-            record = json.loads(text)
+            record = json.loads(value)
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("left") is True:
             left[p] = record
     return left
-
-
-def _text(record: RecordText) -> str:
-    return record if isinstance(record, str) else record()
 
 
 def agree_later(
@@ -187,21 +153,18 @@ def agree_later(
     timeout: float,
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
-    linger: float = LINGER_S,
 ) -> None:
-    """`window.agree_later` for this process (see there): returns at once.
+    """`window.agree_later` for this process: returns at once.
 
     A tag is either agreed in the call (`agree`) or after it returns (`agree_later`), never both.
-    ``record`` (or the function that makes it) is only made when shown.
     """
     settle()
     here = node()
     if here is None:
         return
     _window.agree_later(
-        here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups,
-        linger=linger,
-    )  # fmt: skip
+        here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups
+    )
     settle()
 
 
@@ -210,22 +173,18 @@ def leave(
     record: str,
     *,
     later: bool = False,
-    wait: float | None = None,
     channel: str | None = None,
 ) -> None:
-    """Tell the processes at this channel's next agreement that this one will not come, and why.
+    """Tell the processes at the next agreement (of ``channel``) that this one will not come.
 
-    ``later``: the tag is agreed after the call returns (`agree_later`); its thread arrives for the
-    first call this process will not make, and this call waits until it has (at most ``wait``
-    seconds, default the check timeout; a record not posted by then leaves the others to their
-    timeout). ``channel``: the channel whose next agreement it is (default the caller's), for a
-    thread that leaves for another (a close for an iterator's helper thread).
+    ``later``: the tag is agreed after the call returns (`agree_later`); this call waits (at most
+    the check timeout) until its thread has posted ``record``.
     """
     here = node()
     if here is None:
         return
     if later:
-        _window.leave_later(here, tag, record, _env.check_timeout() if wait is None else wait)
+        _window.leave_later(here, tag, record, _env.check_timeout())
     else:
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 

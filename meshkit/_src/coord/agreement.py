@@ -1,10 +1,8 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
-The k-th agreement of a sequence (a channel's, or a window thread's) meets the k-th of every
-other process, whatever its site, so processes at different agreements are named at once. A
-digest the agreed history predicts waits at the sequence's service barrier (one round trip);
-any other takes the counted path: post, increment, the last arrival's verdict. The protocol,
-its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
+A digest the agreed history predicts waits at the sequence's service barrier (one round trip);
+any other takes the counted path. The protocol, its round trips and why ``ok`` is exact:
+docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
@@ -15,13 +13,13 @@ import json
 import sys
 import threading
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.frames import place, user_frame
+from . import channel as _channel
 from . import places as _places
 from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 from .service import Barrier
@@ -36,32 +34,29 @@ HISTORY = 2 * MAX_PERIOD
 FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
 
 
-@dataclass(frozen=True)
+@dataclass
 class Entry:
-    """One process's record at one agreement, as it posts it.
+    """One process's record at one agreement, as it posts it."""
 
-    Attributes:
-        site: which agreement this is (its tag: ``make_mesh``, ``programs``, ...).
-        what: the agreement in words, for a message naming processes at different sites.
-        where: the user's line the call came from (``train.py:28 in main``), "?" if none.
-        summary: what must be equal in every process.
-        record: what to show when summaries differ; not compared ("" until shown: ``full``).
-        groups: replica group name -> (its reference process, this process's summary for it);
-            processes sharing a group name must give equal group summaries.
-        gave_up: this process stopped waiting before every process arrived.
-    """
-
-    site: str
-    what: str
-    where: str
-    summary: str
-    record: str
+    site: str  # which agreement this is (its tag: ``make_mesh``, ``programs``, ...)
+    what: str  # the agreement in words, for a message naming processes at different sites
+    where: str  # the user's line the call came from (``train.py:28 in main``)
+    summary: str  # what must be equal in every process
+    record: RecordText  # shown when summaries differ (a function: made only then)
+    # replica group name -> (its reference process, this process's summary for it)
     groups: Mapping[str, Group] = field(default_factory=dict)
-    gave_up: bool = False
-    full: bool = True  # False: posted to be compared only, without its record (made if shown)
+    gave_up: bool = False  # stopped waiting before every process arrived
+    full: bool = True  # posted with its record (else to be compared only)
+    posted: bool = False  # a later post overwrites; not sent
+
+    def text(self) -> str:
+        if not isinstance(self.record, str):
+            self.record = self.record()
+        return self.record
 
     def to_json(self) -> str:
-        named = asdict(self)
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "posted"}
+        named["record"] = self.text() if self.full else ""
         named["groups"] = {k: list(v) for k, v in self.groups.items()}
         return json.dumps(named)
 
@@ -86,13 +81,11 @@ class Sequence:
 
 
 def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
-    """The digest the next agreement repeats, and the period it was read with.
+    """The digest the next agreement repeats (None: no period), and the period it was read with.
 
-    The smallest ``p`` (``period`` first, when given and still true) such that each of the last
-    ``max(p, SPAN)`` digests equals the one ``p`` before it. A function of the agreed history
-    alone, so every process predicts the same; exact for a history that repeats a pattern of
-    up to `SPAN` agreements (two periods that both hold over `SPAN` entries have their greatest
-    common divisor as a period too). None: no period found (the next call is flagged).
+    The smallest ``p`` (``period`` first, when still true) such that each of the last
+    ``max(p, SPAN)`` digests equals the one ``p`` before it: a function of the agreed history
+    alone, so every process predicts the same.
     """
     h = list(history)
     candidates = ([period] if period else []) + list(range(1, MAX_PERIOD + 1))
@@ -139,24 +132,9 @@ def agree(
 ) -> Outcome:
     """Agree with every process on ``summary`` at this process's next agreement of ``sequence``.
 
-    Args:
-        node: this process at the coordination service.
-        sequence: the sequence of agreements (a channel's); its k-th agreement meets the k-th
-            of every other process.
-        site: which agreement this is; processes at different sites raise at once.
-        summary: what must be equal in every process.
-        record: what to show when summaries differ (or the function that makes it, made only
-            when shown).
-        timeout: seconds to wait for the other processes.
-        groups: replica groups this process belongs to (see `Entry.groups`).
-        what: the agreement in words (default ``site``).
-
-    Returns:
-        An `Outcome`: agreed, or every arrived process's record, who did not arrive in time
-        (``missing``) and who stopped waiting before this process came (``gave_up``).
-
-    Raises:
-        DivergenceError: the processes are at different sites (``field == "order"``).
+    ``site``, ``record``, ``groups`` and ``what`` are as in `Entry` (``what`` defaults to
+    ``site``). Raises a `DivergenceError` (``field == "order"``) when the processes are at
+    different sites.
     """
     groups = dict(groups or {})
     state = _state(node, sequence)
@@ -170,12 +148,16 @@ def agree(
     flagged = mine != predicted
     node.stats.agreements += 1
     deadline = time.monotonic() + timeout
-    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+
+    def agreed() -> Outcome:
         with state.lock:
             state.history.append(mine)
         return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
+
+    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+        return agreed()
     where = _where() if flagged else ""
-    entry = _Lazy(site, what or site, where, summary, record, groups)
+    entry = Entry(site, what or site, where, summary, record, groups, full=False)
     _collect_garbage(node, state, base, k)
     if flagged:
         _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
@@ -189,10 +171,7 @@ def agree(
         if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
             verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
     if verdict == OK:
-        with state.lock:
-            state.history.append(mine)
-        return Outcome(True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use)
-    node.stats.slow += 1
+        return agreed()
     if not entry.where:
         entry.where = _where()
     arrived = node.n if verdict is not None else total & ARRIVALS
@@ -201,12 +180,8 @@ def agree(
         if not entry.posted:
             _post(node, base, k, entry, full=False)
         entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
-        if len(entries) == node.n and _same(entries):
-            with state.lock:
-                state.history.append(mine)
-            return Outcome(
-                True, {node.me: entry.text()} if isinstance(record, str) else {}, seq=use
-            )
+        if len(entries) == node.n and same(entries):
+            return agreed()
     if not entry.full or verdict is None:
         _post(node, base, k, entry, gave_up=verdict is None)
     entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
@@ -215,17 +190,14 @@ def agree(
     _raise_if_elsewhere(node.me, entries, sequence)
     missing = tuple(p for p in range(node.n) if p not in entries)
     # Who stopped waiting before this process came; none when this process gave up itself.
-    gave_up = tuple(sorted(p for p, e in entries.items() if e.gave_up and p != node.me))
-    if verdict is None:
-        gave_up = ()
-    return Outcome(False, {p: e.record for p, e in entries.items()}, missing, gave_up, use)
+    gave_up = () if verdict is None else tuple(sorted(p for p, e in entries.items() if e.gave_up))
+    return Outcome(False, {p: e.text() for p, e in entries.items()}, missing, gave_up, use)
 
 
 def leave(node: Node, sequence: str, site: str, record: str) -> None:
     """Tell the processes at ``sequence``'s next agreement that this one will not come, and why.
 
-    Posts ``record`` (as the summary `LEFT`) and arrives, flagged, so the others find it
-    (`Outcome.records`) instead of waiting; never waits.
+    Posts ``record`` (summary `LEFT`) and arrives flagged, so the others find it; never waits.
     """
     state = _state(node, sequence)
     with state.lock:
@@ -235,7 +207,7 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
         state.history.clear()
     if predicted is not None:
         _fast(node, base, 0.0, unflagged=False)
-    entry = _Lazy(site, site, _where(), LEFT, record, {})
+    entry = Entry(site, site, _where(), LEFT, record)
     _collect_garbage(node, state, base, k)
     _post(node, base, k, entry)
     total = node.service.increment(_key(base, k, "c"), 1 + FLAG)
@@ -246,9 +218,8 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
 def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
     """The barrier of sequence ``base``: whether every process arrived there unflagged.
 
-    An unflagged process waits (at most `FAST_S`); a flagged one breaks it for every process
-    with a list naming itself twice (the service refuses lists that differ, at once and
-    without logging), so the others leave it as soon as they arrive.
+    A flagged process breaks it for everyone with a list naming itself twice (the service
+    refuses lists that differ at once, without logging).
     """
     name = f"meshkit/b/{base}"
     if unflagged:
@@ -258,14 +229,12 @@ def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
 
 
 def _wait(
-    node: Node, sequence: str, base: str, k: int, deadline: float, entry: _Lazy
+    node: Node, sequence: str, base: str, k: int, deadline: float, entry: Entry
 ) -> str | None:
-    """The verdict of agreement ``k``, read until ``deadline``; a long wait looks at places.
+    """The verdict of agreement ``k``, read until ``deadline``.
 
-    After `places.FIRST_S` (then at doubling intervals) this wait posts its place and reads the
-    others' (`places.Waiting`): a process waiting in this channel's order outside any agreement
-    (inside a step of `meshkit.global_batches`, at a window's verdict) that this process has not
-    reached is a cycle, raised here.
+    A long wait posts its place and reads the others' (`places.Waiting`), to raise a cycle with
+    a process waiting in this channel's order outside any agreement.
     """
     key = _key(base, k, "v")
     waiting: _places.Waiting | None = None
@@ -285,34 +254,12 @@ def _wait(
             waiting.end()
 
 
-class _Lazy:
-    """This process's `Entry`, its record made only when posted."""
-
-    def __init__(
-        self, site: str, what: str, where: str, summary: str, record: RecordText, groups: dict
-    ) -> None:
-        self.site, self.what, self.where, self.summary = site, what, where, summary
-        self.record, self.groups, self.posted, self.full = record, groups, False, False
-        self._text: str | None = None
-
-    def text(self) -> str:
-        if self._text is None:
-            self._text = text(self.record)
-        return self._text
-
-    def entry(self, gave_up: bool = False, full: bool = True) -> Entry:
-        record = self.text() if full else ""
-        return Entry(
-            self.site, self.what, self.where, self.summary, record, self.groups, gave_up, full
-        )
-
-
 def _post(
-    node: Node, sequence: str, k: int, entry: _Lazy, gave_up: bool = False, full: bool = True
+    node: Node, sequence: str, k: int, entry: Entry, gave_up: bool = False, full: bool = True
 ) -> None:
-    value = entry.entry(gave_up, full).to_json()
-    node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", value, overwrite=entry.posted)
-    entry.posted, entry.full = True, full
+    overwrite = entry.posted
+    entry.gave_up, entry.full, entry.posted = gave_up, full, True
+    node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", entry.to_json(), overwrite=overwrite)
 
 
 def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
@@ -326,7 +273,7 @@ def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
         elif len(entries) < node.n:
             verdict = POST  # unflagged processes posted nothing: everyone posts and compares
         else:
-            verdict = OK if _same(entries) else DIFFER
+            verdict = OK if same(entries) else DIFFER
     node.service.set(_key(sequence, k, "v"), verdict)
     return verdict
 
@@ -341,7 +288,7 @@ def _collect(
 ) -> dict[int, Entry]:
     """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them.
 
-    ``full``: only entries with their records count (the others are read again).
+    ``full``: only entries posted with their records count.
     """
     while True:
         entries = _read(node, sequence, k)
@@ -351,7 +298,7 @@ def _collect(
         time.sleep(0.02)
 
 
-def _same(entries: Mapping[int, Entry]) -> bool:
+def same(entries: Mapping[int, Entry]) -> bool:
     """Whether every entry has the same site and summary, and every replica group one summary."""
     if len({(e.site, e.summary) for e in entries.values()}) > 1:
         return False
@@ -373,21 +320,14 @@ def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) ->
     raise _places.different_agreements(sequence, where, sorted(here))
 
 
-MAIN = _places.MAIN  # the main thread's sequence
-
-
 def channel_sequence(node: Node, name: str | None = None) -> str:
     """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
     name = node.channel() if name is None else name
-    return MAIN if name is None else "c:" + urllib.parse.quote(name, safe="")
+    return _places.MAIN if name is None else "c:" + _channel.tag_part(name)
 
 
 def restart(node: Node) -> None:
-    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`).
-
-    For a harness that knows every process finished what it ran (a process that skipped an
-    agreement would otherwise stay one agreement behind the others for good).
-    """
+    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`)."""
     with node.tags_lock:
         for name, state in list(node.sequences.items()):
             if not name.startswith("w:"):  # a window thread's sequence goes on
@@ -397,8 +337,7 @@ def restart(node: Node) -> None:
 def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None:
     """Process 0 deletes the key blocks two or more blocks behind, which every process has left.
 
-    Only agreements that took the counted path wrote keys; process 0 takes that path at every
-    such agreement too, so it knows every block that holds keys (``state.blocks``).
+    Process 0 takes the counted path at every agreement that wrote keys: it knows their blocks.
     """
     if node.me != 0:
         return

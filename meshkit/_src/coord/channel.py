@@ -68,9 +68,10 @@ def channel(name: str) -> Iterator[None]:
     me = threading.get_ident()
     with _lock:
         owner = _owners.get(name)
-        if owner is not None and owner != me and _alive(owner):
+        user = next((t for t in threading.enumerate() if t.ident == owner), None)
+        if user is not None and owner != me:
             raise MeshkitError(
-                f"meshkit.channel({name!r}): thread {_thread_name(owner)!r} of this process is "
+                f"meshkit.channel({name!r}): thread {user.name!r} of this process is "
                 f"using this channel; thread {threading.current_thread().name!r} cannot use it "
                 "at the same time (their calls would interleave differently in each process).\n"
                 "Consider one channel name per thread."
@@ -93,23 +94,18 @@ def current() -> str | None:
 
 
 def paired() -> bool:
-    """Whether this thread's calls pair up with the other processes' (main thread, or a channel).
-
-    Any other thread's calls come in an order that differs by process.
-    """
+    """Whether this thread's calls pair up with the other processes' (main thread, or a channel)."""
     return current() is not None or _program_thread.is_program_thread()
 
 
 def scoped(tag: str, what: str) -> str:
     """``tag`` on this thread's channel: unchanged on the main thread's, ``tag@name`` on another.
 
-    Raises:
-        MeshkitError: a thread other than the main thread, outside any `channel`, in a
-            multi-process program (``what`` names the call).
+    A `MeshkitError` (naming the call ``what``) from another thread outside any `channel`.
     """
     name = current()
     if name is not None:
-        return f"{tag}@{_quote(name)}"
+        return f"{tag}@{tag_part(name)}"
     thread = threading.current_thread()
     if not _program_thread.is_program_thread() and _compat.distributed_state()[2] > 1:
         raise MeshkitError(_UNNAMED.format(what=what, thread=thread.name))
@@ -125,13 +121,6 @@ def numbered(tag: str, what: str) -> str:
     return f"{base}/{k}"
 
 
-def _quote(name: str) -> str:
-    return urllib.parse.quote(name, safe="")  # distinct names stay distinct in a tag
-
-
-def _alive(ident: int) -> bool:
-    return any(t.ident == ident for t in threading.enumerate())
-
-
-def _thread_name(ident: int) -> str:
-    return next((t.name for t in threading.enumerate() if t.ident == ident), "?")
+def tag_part(name: str) -> str:
+    """``name`` made safe as one component of a tag: distinct names stay distinct."""
+    return urllib.parse.quote(name, safe="")

@@ -1,9 +1,7 @@
 """`gather`: every process's value to process 0, and one combined answer back to every process.
 
 Each process writes its value and waits at one barrier; process 0 reads all values in one
-directory read, combines them, writes the answer and deletes the values; the others read the
-answer. Three round trips per process, O(n) work in all. A process that does not arrive in time
-is named by every process that did.
+directory read and writes the answer the others read: three round trips per process.
 """
 
 from __future__ import annotations
@@ -17,12 +15,7 @@ from .service import Barrier, Service
 
 @dataclass(frozen=True)
 class Gathered:
-    """How one `gather` ended for the calling process.
-
-    Attributes:
-        answer: the combined answer, or None when some process did not arrive.
-        missing: the processes that did not arrive (empty when ``answer`` is given).
-    """
+    """How one `gather` ended: the combined answer, or (None and) who did not arrive."""
 
     answer: str | None
     missing: tuple[int, ...] = ()
@@ -40,20 +33,8 @@ def gather(
 ) -> Gathered:
     """Gather every process's ``value`` at process 0, and give each the answer of ``combine``.
 
-    Every one of the ``n`` processes calls it once per ``tag`` (a tag is used once per
-    coordination session). ``combine`` runs in process 0 only, on the values by process.
-
-    Args:
-        service: the coordination service as process ``me`` sees it.
-        me: this process's id.
-        n: the number of processes.
-        tag: the exchange's name, unique in the session.
-        value: this process's value.
-        combine: values by process -> the answer (text).
-        timeout: seconds to wait for every process, and then for the answer.
-
-    Returns:
-        The answer, or the processes that did not arrive within ``timeout``.
+    Each of the ``n`` processes calls it once per ``tag`` (unique in the session); ``combine``
+    runs in process 0 only, on the values by process.
 
     Examples:
         >>> from meshkit._src.coord.fake import FakeCluster

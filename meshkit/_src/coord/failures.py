@@ -1,10 +1,8 @@
 """Posts: what a process tells all the others at once, its failure or a preemption notice.
 
-A failure goes under ``meshkit/posts/failed/<id>``, a notice under ``meshkit/posts/notice/<id>``;
-the poster writes every other process's alarm key (``meshkit/alarm/<id>``), which wakes its
-service thread (`waiter`), whose failure watch reads both kinds in one listing. A watch stopped
-by a failure counts itself under ``meshkit/posts-read`` (`reader`), so that process 0, which
-hosts the service, stays up until every other process has read the post.
+The poster writes every other process's alarm key, which wakes its failure watch (`waiter`)
+to read both kinds in one listing. A watch stopped by a failure counts itself (`reader`), so
+that process 0, which hosts the service, stays up until every other process has read the post.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from ..core import compat as _compat
 from ..lifecycle.failfast import PeerPosts, Unanswered
@@ -26,17 +24,9 @@ ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits o
 READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
 
 
-@dataclass(frozen=True)
-class FailurePost:
-    """What one process posted of its failure."""
-
-    process: int
-    failure: str  # the first line of the error, for the other processes' messages
-
-
 def post(service: Service, me: int, failure: str, n: int = 0) -> None:
-    """Post process ``me``'s ``failure`` (once), then wake the others of ``n`` (`alarm`)."""
-    service.set(FAILED + str(me), json.dumps(asdict(FailurePost(me, failure))))
+    """Post process ``me``'s ``failure`` (its error's first line; once), then wake the others."""
+    service.set(FAILED + str(me), json.dumps({"process": me, "failure": failure}))
     alarm(service, me, n)
 
 
@@ -55,20 +45,19 @@ def alarm(service: Service, me: int, n: int) -> None:
 
 def poll(service: Service, me: int) -> PeerPosts:
     """What processes other than ``me`` posted so far: failures by process, notices by time."""
-    failures: list[FailurePost] = []
+    failures: list[tuple[int, str]] = []
     notices: list[PreemptionNotice] = []
     for key, value in service.dir_get(PREFIX):
+        fields = json.loads(value)
+        if fields["process"] == me:
+            continue
         if key.startswith(FAILED):
-            failures.append(FailurePost(**json.loads(value)))
+            failures.append((fields["process"], fields["failure"]))
         elif key.startswith(NOTICE):
-            fields = json.loads(value)
             notices.append(PreemptionNotice(**{**fields, "own": False}))
     return PeerPosts(
-        failures=[(f.process, f.failure) for f in sorted(failures, key=lambda f: f.process)
-                  if f.process != me],
-        notices=sorted((n for n in notices if n.process != me),
-                       key=lambda n: (n.received, n.process)),
-    )  # fmt: skip
+        failures=sorted(failures), notices=sorted(notices, key=lambda n: (n.received, n.process))
+    )
 
 
 def answer(service: Service, me: int) -> PeerPosts | Unanswered:
@@ -119,11 +108,7 @@ def teller() -> Callable[[PreemptionNotice], None]:
 
 
 def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
-    """`poll` for process ``me`` over the real service.
-
-    The function returns None once this process is no longer joined (the watch then ends), and
-    an `Unanswered` when the service did not answer, told by its status code whether it is gone.
-    """
+    """`answer` for process ``me`` over the real service; None once it is no longer joined."""
 
     def poll_posts() -> PeerPosts | Unanswered | None:
         service = _joined()
@@ -133,10 +118,7 @@ def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
 
 
 def waiter(me: int) -> Callable[[float], bool]:
-    """Waits at most that long for process ``me``'s alarm key: True once written, and taken.
-
-    True also once this process is no longer joined (the watch's next read then ends it).
-    """
+    """Waits at most that long for process ``me``'s alarm key: True once taken, or not joined."""
 
     def wait(timeout: float) -> bool:
         service = _joined()

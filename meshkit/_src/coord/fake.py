@@ -1,26 +1,16 @@
 """An in-process fake of the coordination service: several "processes" in one Python process.
 
-`FakeCluster` holds one key-value store and one set of barriers; `FakeCluster.service` gives
-each process its own view (a `Service`), and `FakeCluster.nodes` a `Node` per process, so the
-protocols of `meshkit._src.coord` run in threads of one process, as in
-``tests/test_coord.py``. It follows the real service where the protocols depend on it:
-
-- a blocking read waits until the key is written or its timeout passes;
-- a process's n-th wait at a barrier name meets the n-th wait of the others there; arrivals with
-  different participant lists refuse the barrier to everyone waiting there; when a waiter's
-  timeout passes the barrier times out for all, and a later arrival hears so at once.
-
-What it adds, to make failures happen on purpose: a delay before each call of a process
-(`delay`), a process that leaves (`leave`: its calls fail, the others wait for it in vain) and
-a refusal of every barrier whose name starts with a prefix (`refuse`). Nothing is random: the
-same calls in the same order give the same answers.
+It follows the real service where the protocols depend on it: a process's n-th wait at a
+barrier name meets the n-th wait of the others there; different participant lists refuse it to
+everyone; a waiter's timeout times it out for all, and a later arrival hears so at once.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +19,7 @@ from .service import UNAVAILABLE, Barrier
 
 
 class ServiceGone(ConnectionError):
-    """A process that left (`FakeCluster.leave`) called the service.
-
-    It carries the status code the real service's client reports when the service is gone.
-    """
+    """A process that left (`FakeCluster.leave`) called the service: the code of a lost one."""
 
     error_code = UNAVAILABLE
 
@@ -47,11 +34,7 @@ class _Use:
 
 
 class FakeCluster:
-    """The coordination service of ``n`` processes, in memory.
-
-    Args:
-        n: the number of processes.
-    """
+    """The coordination service of ``n`` processes, in memory."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -59,9 +42,7 @@ class FakeCluster:
         self.store: dict[str, str] = {}
         self._uses: dict[tuple[str, int], int] = {}  # (barrier, process) -> its next use
         self._barriers: dict[tuple[str, int], _Use] = {}
-        self._delays: dict[int, float] = {}
         self._gone: set[int] = set()
-        self._refused: list[str] = []
         self.unraised: list[int] = []  # processes whose deferred failure went unraised
 
     def service(self, process: int) -> FakeService:
@@ -76,18 +57,11 @@ class FakeCluster:
                 p,
                 self.n,
                 channel=lambda: None,
-                on_unraised=self._unraised(p),
+                on_unraised=functools.partial(self.unraised.append, p),
                 is_main=lambda: True,
             )
             for p in range(self.n)
         ]
-
-    def _unraised(self, process: int) -> Callable[[], None]:
-        return lambda: self.unraised.append(process)
-
-    def delay(self, process: int, seconds: float) -> None:
-        """Every later call of ``process`` starts ``seconds`` late."""
-        self._delays[process] = seconds
 
     def leave(self, process: int) -> None:
         """``process`` has left: its calls raise `ServiceGone`; the others wait for it in vain."""
@@ -95,22 +69,9 @@ class FakeCluster:
             self._gone.add(process)
             self.cond.notify_all()
 
-    def waiting(self, process: int) -> bool:
-        """Whether ``process`` waits at a barrier now (for tests that order arrivals)."""
-        with self.cond:
-            return any(process in u.arrived and u.ended is None for u in self._barriers.values())
-
-    def refuse(self, prefix: str) -> None:
-        """The service refuses every barrier whose name starts with ``prefix``."""
-        with self.cond:
-            self._refused.append(prefix)
-            self.cond.notify_all()
-
     def enter(self, process: int) -> None:
         if process in self._gone:
             raise ServiceGone(f"process {process} has left the fake coordination service")
-        if self._delays.get(process):
-            time.sleep(self._delays[process])
 
     def barrier(
         self, process: int, name: str, timeout: float, participants: Sequence[int] | None
@@ -126,11 +87,8 @@ class FakeCluster:
             if at.participants is None:
                 at.participants = wanted
             listed = None if participants is None else len(participants)
-            if (
-                at.participants != wanted
-                or listed not in (None, len(wanted))  # a process named twice, as the service
-                or any(name.startswith(p) for p in self._refused)
-            ):
+            # A participant list of another process, or one naming a process twice: refused.
+            if at.participants != wanted or listed not in (None, len(wanted)):
                 at.ended = Barrier.REFUSED
             at.arrived.add(process)
             if at.ended is None and at.arrived >= at.participants:

@@ -1,9 +1,4 @@
-"""The one wording of "process N did not arrive": who did not come, or who stopped waiting.
-
-Every cross-process check that names processes missing from an agreement words it here, with
-one plural rule, so that messages name them the same way everywhere. These are words for
-people; what the launcher reads is the ``failed`` event (`meshkit._src.core.events`).
-"""
+"""The one wording of "process N did not arrive", and of who holds which value, for every check."""
 
 from __future__ import annotations
 

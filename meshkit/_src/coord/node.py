@@ -1,19 +1,17 @@
-"""One process's end of coordination: its service, its place, and the protocols' state.
+"""One process's end of coordination: its service and the protocols' state (a `Node`).
 
-The protocols keep their state in a `Node`, never in module globals, so that several
-"processes" run in one Python process over `meshkit._src.coord.fake` (as the unit tests do).
+No module globals: several "processes" run in one Python process over `meshkit._src.coord.fake`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import env as _env
@@ -45,107 +43,43 @@ def text(record: RecordText) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one agreement found.
+    """What one agreement found."""
 
-    Attributes:
-        agreed: every process arrived and every summary (and group summary) is equal.
-        records: this process's record alone when ``agreed``; otherwise the record of every
-            process that arrived (for the caller to name who differs and how).
-        missing: processes that did not arrive within the timeout, sorted.
-        gave_up: processes that stopped waiting for this call before every process arrived
-            (this process arrived late, after their timeout), sorted.
-        seq: the call's number under its tag (the same in every process).
-    """
-
-    agreed: bool
-    records: dict[int, str]
-    missing: tuple[int, ...] = ()
-    gave_up: tuple[int, ...] = ()
-    seq: int = 0
-
-
-@dataclass(frozen=True)
-class PostedRecord:
-    """A record as a process posts it for one agreement (and as a window lists its calls).
-
-    Serialized by field name (`to_json`); ``groups`` maps a replica group's name to its
-    reference process and this process's summary for it.
-    """
-
-    summary: str
-    record: str
-    groups: Mapping[str, Group] = field(default_factory=dict)
-    gave_up: bool = False
-
-    def fields(self) -> dict[str, Any]:
-        """The record by field name (groups as ``{name: {"ref": ..., "summary": ...}}``)."""
-        named = asdict(self)
-        named["groups"] = {
-            name: {"ref": ref, "summary": summary} for name, (ref, summary) in self.groups.items()
-        }
-        return named
-
-    def to_json(self) -> str:
-        return json.dumps(self.fields())
-
-    @classmethod
-    def from_fields(cls, named: dict[str, Any]) -> PostedRecord:
-        groups = {name: (g["ref"], g["summary"]) for name, g in named["groups"].items()}
-        return cls(**{**named, "groups": groups})
-
-    @classmethod
-    def from_json(cls, value: str) -> PostedRecord:
-        return cls.from_fields(json.loads(value))
+    agreed: bool  # every process arrived and every summary (and group summary) is equal
+    records: dict[int, str]  # this process's record alone when agreed; else every arrived one's
+    missing: tuple[int, ...] = ()  # processes that did not arrive within the timeout, sorted
+    gave_up: tuple[int, ...] = ()  # processes that stopped waiting before this one arrived
+    seq: int = 0  # the call's number under its tag (the same in every process)
 
 
 @dataclass
 class Call:
-    """One call of `agree_later`, or one window of them, as this process makes it."""
+    """One call of `agree_later` waiting for its window, or one window of them."""
 
-    seq: int
-    flag: bool  # the summary differs from this process's previous one (or must be compared)
     summary: str
     groups: dict[str, Group]
     record: RecordText
-    arrived: float = 0.0  # monotonic time of the increment
-    timeout: float = 0.0
-
-
-@dataclass
-class Queued:
-    """One call of `agree_later`, waiting for its window."""
-
-    call: Call
-    on_outcome: Callable[[Outcome], None] | None
+    arrived: float  # monotonic time of the call
+    timeout: float
+    on_outcome: Callable[[Outcome], None] | None = None
 
 
 @dataclass
 class WindowState:
     """`agree_later`'s state of one tag in one process (guarded by ``cond``)."""
 
-    cond: threading.Condition
+    name: str
     channel: str | None  # a sync point drains only its own channel's tags
-    queue: deque[Queued] = field(default_factory=deque)  # calls not yet in a window
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    seq: int = 0  # the next window's number
+    queue: deque[Call] = field(default_factory=deque)  # calls not yet in a window
     inflight: int = 0  # calls in the window being agreed
     draining: int = 0  # callers waiting in `drain`: the thread must not wait for more calls
-    # The queue length the thread waits for (0: it does not wait for calls): a caller wakes it
-    # only then, so a steady loop wakes no thread per call.
-    wanted: int = 0
-    linger: float = 0.0  # how long a window stays open after its first call
+    wanted: int = 0  # the queue length the thread waits for: a steady loop wakes it no more
     left: str | None = None  # this process left the tag (`leave_later`): its record
     left_posted: threading.Event = field(default_factory=threading.Event)
     on_outcome: Callable[[Outcome], None] | None = None  # the latest call's
     thread: threading.Thread | None = None
-
-
-@dataclass
-class Tag:
-    """One sequence of agreements (a tag), in one process."""
-
-    name: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = 0  # the next agreement's number (a call of `agree`, a window of `agree_later`)
-    window: WindowState | None = None  # set once: the tag is agreed after the call returns
 
 
 def key(tag: str, seq: int, part: str) -> str:
@@ -159,17 +93,9 @@ def _exit_1() -> None:
 class Node:
     """One process of ``n`` (``me``) at the coordination service, with its protocols' state.
 
-    Args:
-        service: the coordination service as this process sees it.
-        me: this process's id.
-        n: the number of processes.
-        stats: where round trips are counted (a fresh `Stats` by default).
-        failures: where deferred failures wait for `settle` (a fresh deque by default).
-        channel: the current thread's channel (`meshkit._src.coord.channel.current`).
-        is_main: whether the current thread is the process's main thread (a fake cluster's
-            processes are threads, each its own "main thread").
-        on_unraised: ends the process when a deferred failure is not raised within the check
-            timeout (default: `meshkit._src.lifecycle.exit.now`; a fake cluster records it).
+    ``failures`` keeps deferred failures for `settle`; ``on_unraised`` ends the process when one
+    is not raised within the check timeout; ``channel`` and ``is_main`` tell the current
+    thread's channel and whether it is the main thread (a fake cluster's threads each are).
     """
 
     def __init__(
@@ -198,27 +124,16 @@ class Node:
         self.channel = channel
         self.is_main = is_main or _program_thread.is_program_thread
         self.on_unraised = on_unraised or _exit_1
-        self.tags: dict[str, Tag] = {}
+        self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns
         self.tags_lock = threading.Lock()
-        self.live: set[str] = set()  # tags agreed after the call returns (each has a thread)
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
-        # steps taken per iterator, calls made per windowed tag (`meshkit._src.coord.places`)
-        self.counts: dict[str, int] = {}
-        # meshkit's threads serving this process, each with the condition that wakes it
-        self.threads: list[tuple[threading.Thread, threading.Condition]] = []
-
-    def tag(self, name: str) -> Tag:
-        with self.tags_lock:
-            state = self.tags.get(name)
-            if state is None:
-                state = self.tags[name] = Tag(name)
-            return state
+        self.counts: dict[str, int] = {}  # steps taken per iterator (`places.Moving`)
 
     def read(self, key: str, deadline: float) -> str | None:
         """The value of ``key`` once written; None if it is not written before ``deadline``.
 
-        Outside the program's thread, waits in slices of `SLICE_S`, and gives up (None) once
-        the process exits (``stopping``): a thread must not be inside a blocking call then.
+        Outside the program's thread, waits in slices of `SLICE_S` and gives up once the process
+        exits: no thread may be inside a blocking call then.
         """
         if self.is_main():
             return self.service.get(key, max(deadline - time.monotonic(), 0.001))
@@ -238,11 +153,8 @@ class Node:
     def fail(self, error: BaseException, grace: float | None, *, quiet: bool = False) -> None:
         """Keep ``error`` for `settle`, say so (unless ``quiet``), end the process if never raised.
 
-        Only for ``check="deferred"``, whose checks are found after the call returned, and for
-        a failure found at exit. A process whose main thread does not come back to meshkit within
-        the check timeout is likely blocked in a computation on the inputs that disagree (a
-        collective that will not complete); it exits with status 1 so that the launcher ends the
-        run instead of a hang.
+        A main thread that does not come back to meshkit within the check timeout is likely
+        blocked in a collective on the inputs that disagree: exiting ends the run, not a hang.
         """
         self.failures.append(error)
         self.failed.set()
@@ -271,15 +183,13 @@ class Node:
         timer.start()
 
     def drain(self, timeout: float, tags: Sequence[str] | None = None) -> bool:
-        """Wait until every `agree_later` call of this process is verified (or ``timeout``).
+        """Wait until every `agree_later` call (of ``tags``) is verified, or ``timeout``.
 
         While it waits, the windows of this process do not wait for calls it has not made.
-        ``tags``: only the calls of those tags.
         """
         deadline = time.monotonic() + timeout
-        for name in list(self.live) if tags is None else [t for t in tags if t in self.live]:
-            window = self.tags[name].window
-            assert window is not None
+        for name in list(self.tags) if tags is None else [t for t in tags if t in self.tags]:
+            window = self.tags[name]
             with window.cond:
                 if not (window.queue or window.inflight):
                     continue  # nothing to wait for (and no thread to wake)
@@ -298,22 +208,21 @@ class Node:
     def stop(self) -> None:
         """At exit: verify what is pending (a few seconds), then let this node's threads leave.
 
-        A thread still inside a blocking call of the coordination service when the interpreter
-        ends aborts the process, so each one is told to stop and given a slice to return. A
-        failed check that no meshkit call raised (found at exit, or before it) ends the process
-        with status 1 (``on_unraised``): a program whose processes disagreed did not succeed.
+        A thread still inside a blocking call when the interpreter ends aborts the process. A
+        failed check that no call raised ends the process with status 1 (``on_unraised``).
         """
         self.exiting.set()
-        if self.live and not self.failed.is_set():  # after a failed check, it is not worth it
+        if self.tags and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
         unraised = self.unraised()
-        for _, cond in list(self.threads):
-            with cond:
-                cond.notify_all()
+        windows = list(self.tags.values())
+        for window in windows:
+            with window.cond:
+                window.cond.notify_all()
         end = time.monotonic() + SLICE_S + 0.5
-        for thread, _ in list(self.threads):
-            if thread.is_alive():
+        for thread in [w.thread for w in windows]:
+            if thread is not None:
                 thread.join(max(0.0, end - time.monotonic()))
         if unraised:  # the program ended before a meshkit call could raise it: not a success
             left = next(iter(self.failures), None)
@@ -329,9 +238,8 @@ class Node:
 
     def settle(self) -> None:
         """Raise the first disagreement a deferred check found since the last call, if any."""
-        for error in list(self.failures):
-            try:
-                self.failures.remove(error)
-            except ValueError:  # another thread raised it meanwhile
-                continue
-            raise error
+        try:
+            error = self.failures.popleft()
+        except IndexError:  # none, or another thread raised it meanwhile
+            return
+        raise error

@@ -1,9 +1,7 @@
 """Where a thread waits outside its channel's agreements, to find waits that form a cycle.
 
-A caller inside a step of `meshkit.global_batches` is in its channel's order without being at
-an agreement. A wait longer than `FIRST_S` posts its `Place` and reads the others' (again at
-doubling intervals); a place of another process on the same channel that this process has not
-passed is a cycle, raised as a `DivergenceError` (``field == "order"``) by the waiting side. A
+A wait longer than `FIRST_S` posts its `Place` and reads the others'; a place of another process
+on the same channel that this process has not passed is a cycle, raised by the waiting side. A
 caller inside a step (*moving*) never decides; it learns of the cycle from a notice.
 """
 
@@ -27,24 +25,14 @@ LAST_S = 5.0
 
 @dataclass(frozen=True)
 class Place:
-    """One wait in a channel's order.
+    """One wait in a channel's order: the agreement or step (from 0) a thread waits at."""
 
-    Attributes:
-        sequence: the channel's sequence of agreements (`agreement.channel_sequence`).
-        counter: what ``number`` counts: "" the sequence's agreements, ``steps:<tag>`` an
-            iterator's steps.
-        number: the agreement or step (from 0) the thread waits at.
-        what: the wait in words (``step 3 of meshkit.global_batches``).
-        where: the user's line (``train.py:28 in main``).
-        moving: inside a step: it may end without the others, so it never decides a cycle.
-    """
-
-    sequence: str
-    counter: str
+    sequence: str  # the channel's sequence of agreements (`agreement.channel_sequence`)
+    counter: str  # what ``number`` counts: "" the sequence's agreements, "steps:<tag>" steps
     number: int
-    what: str
-    where: str
-    moving: bool = False
+    what: str  # the wait in words (``step 3 of meshkit.global_batches``)
+    where: str  # the user's line (``train.py:28 in main``)
+    moving: bool = False  # inside a step: it may end without the others, so it never decides
 
 
 def count(node: Node, sequence: str, counter: str) -> int:
@@ -82,10 +70,7 @@ MAIN = "main"  # the main thread's sequence of agreements (other channels: "c:<n
 def different_agreements(
     sequence: str, where: Mapping[int, str], processes: list[int]
 ) -> DivergenceError:
-    """The error of processes that wait at different agreements of ``sequence``.
-
-    ``where``: each process's place and call in words; ``processes``: whom the error names.
-    """
+    """The error of ``processes`` waiting at different agreements of ``sequence`` (``where``)."""
     groups = _missing.by_value(where)
     at = "; ".join(f"{_missing.processes(ps)} at {spot}" for spot, ps in groups.items())
     channel = sequence.removeprefix("c:")
@@ -107,18 +92,15 @@ class Waiting:
     """One thread's wait at ``place``: `look` posts it and raises the cycle it is in, if any."""
 
     def __init__(self, node: Node, place: Place) -> None:
-        self.node, self.place, self.posted = node, place, False
-        self.period = FIRST_S
+        self.node, self.place, self.period = node, place, FIRST_S
 
     def look(self) -> None:
         """Post this place, read the others'; raise a cycle found here or told by another.
 
-        The process that finds a cycle first tells the others in it (a key each), so that each
-        raises the same error, a moving place through its watch.
+        The process that finds a cycle first tells the others in it, so that each raises it.
         """
         node = self.node
         node.service.set(PREFIX + str(node.me), json.dumps(asdict(self.place)), overwrite=True)
-        self.posted = True
         theirs, notice = {}, None
         for key, value in node.service.dir_get(PREFIX):
             name = key.rsplit("/", 1)[1]
@@ -142,13 +124,8 @@ class Waiting:
 
     def end(self) -> None:
         """The wait ended: its place is no longer true."""
-        if self.posted:
-            forget(self.node)
-
-
-def forget(node: Node) -> None:
-    with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
-        node.service.delete(PREFIX + str(node.me))
+        with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
+            self.node.service.delete(PREFIX + str(self.node.me))
 
 
 def told(node: Node) -> DivergenceError | None:
@@ -163,11 +140,10 @@ def _read_notice(said: str) -> DivergenceError:
 
 
 class Moving:
-    """A caller that moves through a sequence of steps (an iterator's), seen from a watch thread.
+    """A caller that moves through an iterator's steps, seen from a watch thread.
 
-    The caller says where it is at each step (`took`: a dictionary store, nothing sent); the
-    watch, once a period, posts the caller as `Place.moving` when it stayed inside one step for
-    a whole period outside the next one, and returns the cycle a waiting process told it of.
+    The watch posts the caller as `Place.moving` when it stayed inside one step for a whole
+    period, and returns the cycle a waiting process told it of.
     """
 
     def __init__(self, node: Node, sequence: str, counter: str, what: str) -> None:

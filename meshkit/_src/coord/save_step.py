@@ -1,10 +1,8 @@
 """The step at which every process saves after a preemption notice, agreed once per run.
 
-Each process's preemption thread freezes its program's answers and sends the last step its
-program answered (`meshkit.checkpoint.should_save`), or none. The sync step is the one after
-the highest sent (or, if none was, the first step each asks about). No program thread is
-needed: each writes its step and counts itself in; the last to count reads every step once
-and writes the answer, which the others wait for in slices of `SLICE_S`.
+The sync step is the one after the highest step any program answered (or, if none did, the
+first step each asks about). Each preemption thread writes its step and counts itself in; the
+last to count writes the answer, which the others wait for in slices of `SLICE_S`.
 
 Examples:
     >>> import threading
@@ -19,7 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ..core import compat as _compat
 from ..lifecycle.preemption import Synced, alone
@@ -27,12 +25,6 @@ from .service import JaxService, Service
 
 SLICE_S = 0.5  # the longest wait in one request: the thread stops within it at exit
 _PREFIX = "meshkit/preemption/"
-
-
-def combine(values: Mapping[int, str]) -> str:
-    """The sync step from every process's last step answered (JSON ints or nulls): max + 1."""
-    answered = [v for v in (json.loads(x) for x in values.values()) if v is not None]
-    return json.dumps(max(answered) + 1 if answered else None)
 
 
 def sync_step(
@@ -46,13 +38,8 @@ def sync_step(
 ) -> Synced:
     """Agree with the other ``n - 1`` processes on the sync step (see the module).
 
-    Args:
-        service: the coordination service as process ``me`` sees it.
-        me: this process's id.
-        n: the number of processes.
-        answered: the last step this process's program answered; None if none yet.
-        timeout: seconds to wait for the others (the time left before the deadline).
-        stop: set when this process ends: the wait stops within `SLICE_S`.
+    ``answered``: the last step this process's program answered (None: none yet); ``stop``: set
+    when this process ends, the wait stops within `SLICE_S`.
     """
     if n == 1:
         return alone(answered, timeout, stop)
@@ -60,9 +47,11 @@ def sync_step(
     steps, answer = _PREFIX + "answered/", _PREFIX + "step"
     service.set(f"{steps}{me}", json.dumps(answered))
     if service.increment(_PREFIX + "count", 1) == n:  # the last to come: every step is there
-        combined = combine({int(k.rsplit("/", 1)[1]): v for k, v in service.dir_get(steps)})
-        service.set(answer, combined)
-        return Synced(json.loads(combined))
+        sent = [json.loads(v) for _, v in service.dir_get(steps)]
+        highest = max((s for s in sent if s is not None), default=None)
+        step = None if highest is None else highest + 1
+        service.set(answer, json.dumps(step))
+        return Synced(step)
     while not stop.is_set():
         left = deadline - time.monotonic()
         if left <= 0:

@@ -1,15 +1,8 @@
-"""One typed interface to the coordination service of ``jax.distributed``.
-
-meshkit's processes agree through the coordination service's key-value store and barriers,
-never through a device collective. `Service` names exactly the operations the protocols of
-`meshkit._src.coord` use; `JaxService` is that interface over JAX's distributed client (reached
-through `meshkit._src.core.compat`, the one place that touches JAX internals), and
-`meshkit._src.coord.fake` holds an in-process fake of it for unit tests.
+"""One typed interface to the coordination service of ``jax.distributed`` (`Service`).
 
 Expected outcomes are values, not exceptions: a blocking read that times out returns None, a
-barrier returns a `Barrier`. They are decided in one place, `JaxService._code`, from the gRPC
-status code the client reports (``JaxRuntimeError.error_code``), never from message text. Any
-other failure (the service is gone, say) propagates as JAX raised it.
+barrier returns a `Barrier`, told apart by the gRPC status code the client reports, never by
+message text. Any other failure (the service is gone, say) propagates as JAX raised it.
 """
 
 from __future__ import annotations
@@ -25,12 +18,11 @@ from ..core import compat as _compat
 CANCELLED = 1
 UNKNOWN = 2
 DEADLINE_EXCEEDED = 4
-NOT_FOUND = 5
 ABORTED = 10
 INTERNAL = 13
 UNAVAILABLE = 14
 # The codes of a service that is gone (its host exited, or the connection to it broke), as
-# opposed to one that is slow (DEADLINE_EXCEEDED) or refuses a request (NOT_FOUND, ...).
+# opposed to one that is slow (DEADLINE_EXCEEDED) or refuses a request.
 GONE = frozenset({CANCELLED, UNKNOWN, ABORTED, INTERNAL, UNAVAILABLE})
 
 
@@ -71,10 +63,9 @@ class Service(Protocol):
     def barrier(
         self, name: str, timeout: float, participants: Sequence[int] | None = None
     ) -> Barrier:
-        """Wait at this process's next use of barrier ``name`` until the participants arrive.
+        """Wait at this process's next use of barrier ``name`` until ``participants`` arrive.
 
-        ``participants``: the processes that must arrive (default: all). Processes that arrive
-        at one use of a barrier with different participant lists are all refused.
+        Processes that arrive at one use with different participant lists are all refused.
         """
         ...
 
@@ -90,14 +81,9 @@ class JaxService:
         self._client = client
 
     @staticmethod
-    def _code(error: BaseException) -> int | None:
-        """The service's status code for ``error``: the one place outcomes are told apart."""
-        return _compat.service_error_code(error)
-
-    @classmethod
-    def gone(cls, error: BaseException) -> bool:
+    def gone(error: BaseException) -> bool:
         """Whether ``error``'s status code says the service itself is gone (`GONE`)."""
-        return cls._code(error) in GONE
+        return _compat.service_error_code(error) in GONE
 
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
         self._client.key_value_set(key, value, allow_overwrite=overwrite)
@@ -106,7 +92,7 @@ class JaxService:
         try:
             return str(self._client.blocking_key_value_get(key, _ms(timeout)))
         except Exception as e:  # JaxRuntimeError; only a deadline is an expected outcome
-            if self._code(e) != DEADLINE_EXCEEDED:
+            if _compat.service_error_code(e) != DEADLINE_EXCEEDED:
                 raise
         return None
 
@@ -131,7 +117,8 @@ class JaxService:
             # Every status other than a deadline means the service will not let it pass (a
             # participant list of another process, a barrier spoiled earlier, a lost service):
             # the waiter stops and reads the records to say why.
-            return Barrier.TIMED_OUT if self._code(e) == DEADLINE_EXCEEDED else Barrier.REFUSED
+            timed_out = _compat.service_error_code(e) == DEADLINE_EXCEEDED
+            return Barrier.TIMED_OUT if timed_out else Barrier.REFUSED
         return Barrier.PASSED
 
 
@@ -141,10 +128,9 @@ class Stats:
 
     rpcs: int = 0
     agreements: int = 0
-    slow: int = 0  # agreements that needed more than their fast path
 
     def reset(self) -> None:
-        self.rpcs = self.agreements = self.slow = 0
+        self.rpcs = self.agreements = 0
 
 
 class Counted:

@@ -1,51 +1,28 @@
 """`agree_later`: agreement after the call returns, on windows of calls (a thread per tag in use).
 
-Only ``global_array_from_local(check="deferred")`` uses it. Process 0's thread lets a window
-fill (up to `WINDOW` calls, or `LINGER_S` after its first), writes its size, and the window is
-one agreement (the `agreement` primitive, on the thread's own sequence) on its calls' summaries.
-At most `MAX_PENDING` calls are unverified; a disagreement is printed when found and raised by
-the next meshkit call (`Node.settle`); a caller that needs the verdict drains its tag.
+For ``global_array_from_local(check="deferred")``; the protocol: docs/coordination.md, "The
+deferred form: windows".
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from . import agreement as _agreement
-from .node import (
-    LEFT,
-    Call,
-    Group,
-    Node,
-    Outcome,
-    PostedRecord,
-    Queued,
-    RecordText,
-    Tag,
-    WindowState,
-    key,
-    text,
-)
+from . import channel as _channel
+from .node import LEFT, Call, Group, Node, Outcome, RecordText, WindowState, key, text
 
 WINDOW = 512  # calls one window of agree_later holds at most
 MAX_PENDING = 2 * WINDOW  # unverified calls agree_later allows per tag before the caller waits
-# A window stays open this long after its first call for more calls to join it (unless it is
-# full, or a waiting agreement drains it): a loop of slow calls (a 64 MiB batch takes
-# milliseconds) then shares one agreement among several calls instead of paying one per call.
+# A window stays open this long after its first call: a loop of slow calls then shares one
+# agreement among several calls instead of paying one per call.
 LINGER_S = 0.1
-# A caller draining its deferred checks waits their timeout and this much more: the agreement's
-# last phase, which names the processes that did not arrive.
-VERDICT_EXTRA_S = 35.0
+VERDICT_EXTRA_S = 35.0  # a drain waits the timeout and this: the phase naming who is missing
 _LEFT_WINDOW = "left"  # what process 0 writes for a window when it left the tag
-# A tag's thread leaves after this long without a call (its next call starts one again): a
-# process idle between calls runs no thread per tag; a loop of calls keeps its thread.
-IDLE_S = 1.0
+IDLE_S = 1.0  # a tag's thread leaves after this long without a call
 
 
 def agree_later(
@@ -57,80 +34,59 @@ def agree_later(
     timeout: float,
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
-    linger: float = LINGER_S,
 ) -> None:
-    """`agree`, verified after the call returns: returns at once (see the module's docstring).
+    """`agree`, verified after the call returns: returns at once.
 
-    ``on_outcome`` runs in meshkit's thread for the first call of a window on which the
-    processes did not agree; what it raises is printed at once and raised by this process's next
-    meshkit call. At most `MAX_PENDING` calls per tag are unverified; a further call waits.
+    ``on_outcome`` runs in the tag's thread for the first call of a window that differs; what it
+    raises is kept for this process's next meshkit call.
     """
-    state, window = windowed(node, tag)
+    window = windowed(node, tag)
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
         while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
             window.cond.wait(0.1)
-        call = Call(-1, False, summary, groups, record, time.monotonic(), timeout)
-        window.queue.append(Queued(call, on_outcome))
+        window.queue.append(Call(summary, groups, record, time.monotonic(), timeout, on_outcome))
         window.on_outcome = on_outcome
-        window.linger = linger
-        _ensure_thread(node, state, window)
+        _ensure_thread(node, window)
         if 0 < window.wanted <= len(window.queue):
             window.cond.notify_all()
 
 
-def windowed(node: Node, tag: str) -> tuple[Tag, WindowState]:
-    """The state of a tag agreed after the call returns; its first use starts its thread."""
-    state = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
-    if state is not None and state.window is not None:
-        return state, state.window
-    state = node.tag(tag)
-    with state.lock:
-        if state.window is None:
-            state.window = WindowState(threading.Condition(state.lock), node.channel())
-            node.live.add(tag)
-            _start(node, state, state.window)
-        return state, state.window
+def windowed(node: Node, tag: str) -> WindowState:
+    """The state of a tag agreed after the call returns."""
+    window = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
+    if window is not None:
+        return window
+    with node.tags_lock:
+        if tag not in node.tags:
+            node.tags[tag] = WindowState(tag, node.channel())
+        return node.tags[tag]
 
 
-def _start(node: Node, state: Tag, window: WindowState) -> None:
-    """Start the tag's thread (``window.cond`` held).
-
-    At the tag's first call, and at its first call after the thread left for want of calls
-    (`IDLE_S`).
-    """
-    thread = threading.Thread(
-        target=_run, args=(node, state, window), name=f"meshkit-agree:{state.name}", daemon=True
-    )
-    window.thread = thread
-    node.threads.append((thread, window.cond))
-    thread.start()
-
-
-def _ensure_thread(node: Node, state: Tag, window: WindowState) -> None:
+def _ensure_thread(node: Node, window: WindowState) -> None:
     """After a call or a leave is queued (``window.cond`` held): a thread must take it."""
     if window.thread is None and not node.stopping.is_set():
-        _start(node, state, window)
+        window.thread = threading.Thread(
+            target=_run, args=(node, window), name=f"meshkit-agree:{window.name}", daemon=True
+        )
+        window.thread.start()
 
 
 def leave_later(node: Node, tag: str, record: str, wait: float) -> None:
-    """`leave` for a deferred tag; waits (at most ``wait`` s) until its record is posted.
-
-    The tag's thread arrives for the first call this process will not make.
-    """
-    state, window = windowed(node, tag)
+    """`leave` for a deferred tag; waits (at most ``wait`` s) until its thread posted it."""
+    window = windowed(node, tag)
     with window.cond:
         window.left_posted.clear()
         window.left = record
-        _ensure_thread(node, state, window)
+        _ensure_thread(node, window)
         window.cond.notify_all()
     window.left_posted.wait(wait)
 
 
-def _run(node: Node, state: Tag, window: WindowState) -> None:
+def _run(node: Node, window: WindowState) -> None:
     """Agree on each window of queued calls, in order, for as long as the process runs."""
-    cond, tag, me, stopping = window.cond, state.name, node.me, node.stopping
+    cond, tag, me, stopping = window.cond, window.name, node.me, node.stopping
     while True:
         with cond:
             window.wanted = 1
@@ -139,23 +95,19 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
                 if not cond.wait(max(idle_until - time.monotonic(), 0.0)):
                     if window.queue or window.left is not None:
                         break
-                    # No call for IDLE_S: leave; the tag's next call starts a thread again, so
-                    # an idle process keeps no thread per tag.
-                    window.wanted = 0
+                    window.wanted = 0  # idle: the tag's next call starts a thread again
                     window.thread = None
-                    with contextlib.suppress(ValueError):
-                        node.threads.remove((threading.current_thread(), cond))
                     return
             if me == 0:
                 _linger(node, window)
             window.wanted = 0
             if stopping.is_set():
                 return
-            seq = state.seq
-            state.seq += 1
-            head = window.queue[0].call if window.queue else None
+            seq = window.seq
+            window.seq += 1
+            head = window.queue[0] if window.queue else None
             offer = min(len(window.queue), WINDOW)
-        taken: list[Queued] = []
+        taken: list[Call] = []
         left = None
         try:
             node.collect_garbage(tag, seq)
@@ -163,10 +115,10 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
             if stopping.is_set():
                 return  # the process exits
             taken, left = _take(node, window, decided)
-            agreement = _window(seq, taken, left, decided, head)
+            agreement = _window(taken, left, decided, head)
             outcome = _agreement.agree(
                 node,
-                "w:" + _agree_tag(tag),
+                "w:" + _channel.tag_part(tag),
                 tag,
                 agreement.summary,
                 agreement.record,
@@ -190,11 +142,7 @@ def _run(node: Node, state: Tag, window: WindowState) -> None:
 
 
 def _linger(node: Node, window: WindowState) -> None:
-    """Process 0, before it decides a window: let it fill (``window.cond`` held).
-
-    Until it holds `WINDOW` calls, or the tag's linger has passed since its first call; at once
-    when a caller drains, the process leaves the tag or exits.
-    """
+    """Process 0, before it decides a window: let it fill for `LINGER_S` (``window.cond`` held)."""
     window.wanted = WINDOW
     while (
         window.queue
@@ -203,17 +151,14 @@ def _linger(node: Node, window: WindowState) -> None:
         and not window.draining
         and not node.stopping.is_set()
     ):
-        remaining = window.queue[0].call.arrived + window.linger - time.monotonic()
+        remaining = window.queue[0].arrived + LINGER_S - time.monotonic()
         if remaining <= 0:
             break
         window.cond.wait(remaining)
 
 
 def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> str | None:
-    """How many calls window ``seq`` holds: process 0 says, the others read it.
-
-    ``"left"``: process 0 left the tag. None: process 0 did not say within the timeout.
-    """
+    """How many calls window ``seq`` holds (process 0 says), `_LEFT_WINDOW`, or None (no word)."""
     if node.me == 0:
         decided = str(offer) if offer else _LEFT_WINDOW
         node.service.set(key(tag, seq, "w"), decided)
@@ -222,7 +167,7 @@ def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> st
     return node.read(key(tag, seq, "w"), deadline)
 
 
-def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Queued], str | None]:
+def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Call], str | None]:
     """This process's calls of the window (fewer when it must not wait), and its left record."""
     with window.cond:
         if decided is None or decided == _LEFT_WINDOW:
@@ -246,88 +191,59 @@ def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Qu
         return taken, left
 
 
-@dataclass(frozen=True)
-class Run:
-    """Consecutive calls of a window with one summary (a steady loop's window is one run)."""
-
-    summary: str
-    count: int
-
-
-def _window(
-    seq: int,
-    taken: list[Queued],
-    left: str | None,
-    decided: str | None,
-    head: Call | None,
-) -> Call:
-    """One agreement for a window: the list of its calls' summaries, groups and records.
-
-    The summary lists the calls' summaries run by run (`Run`); the record, every call's
-    `PostedRecord`, is made only when shown.
-    """
-    calls = [q.call for q in taken]
+def _window(taken: list[Call], left: str | None, decided: str | None, head: Call | None) -> Call:
+    """One agreement for a window: its calls' summaries run by run, groups, and records."""
 
     def record() -> str:
         entries = [
-            PostedRecord(q.call.summary, text(q.call.record), q.call.groups).fields() for q in taken
+            {"summary": c.summary, "record": text(c.record), "groups": c.groups} for c in taken
         ]
         if left is not None:
-            entries.append(PostedRecord(LEFT, left).fields())
+            entries.append({"summary": LEFT, "record": left, "groups": {}})
         return json.dumps(entries)
 
-    runs: list[Run] = []
-    for c in calls:
-        if runs and (runs[-1].summary is c.summary or runs[-1].summary == c.summary):
-            runs[-1] = Run(c.summary, runs[-1].count + 1)
+    runs: list[list] = []  # [summary, count]
+    for c in taken:
+        if runs and (runs[-1][0] is c.summary or runs[-1][0] == c.summary):
+            runs[-1][1] += 1
         else:
-            runs.append(Run(c.summary, 1))
+            runs.append([c.summary, 1])
     if left is not None:
-        runs.append(Run(LEFT, 1))
-    wanted = len(calls) if decided in (None, _LEFT_WINDOW) else int(decided)
-    flag = any(c.flag for c in calls) or left is not None or len(calls) < wanted
-    flag = flag or decided == _LEFT_WINDOW
-    groups = {f"{i}/{name}": group for i, c in enumerate(calls) for name, group in c.groups.items()}
-    if len(runs) == 1 and runs[0].count == wanted:  # one run of the window's size: the same
-        summary = json.dumps([{"summary": runs[0].summary, "count": "all"}])  # every window
+        runs.append([LEFT, 1])
+    wanted = len(taken) if decided in (None, _LEFT_WINDOW) else int(decided)
+    groups = {f"{i}/{name}": group for i, c in enumerate(taken) for name, group in c.groups.items()}
+    if len(runs) == 1 and runs[0][1] == wanted:  # one run of the window's size: the same
+        summary = json.dumps([{"summary": runs[0][0], "count": "all"}])  # every window
     else:
-        summary = json.dumps([{"summary": r.summary, "count": r.count} for r in runs])
+        summary = json.dumps([{"summary": s, "count": count} for s, count in runs])
     started = head.arrived if head is not None else time.monotonic()
-    timeout = head.timeout if head is not None else (calls[0].timeout if calls else 60.0)
-    return Call(seq, flag, summary, groups, record, started, timeout)
+    timeout = head.timeout if head is not None else (taken[0].timeout if taken else 60.0)
+    return Call(summary, groups, record, started, timeout)
 
 
-def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int) -> None:
+def _report(window: WindowState, taken: list[Call], outcome: Outcome, me: int) -> None:
     """Name the window's first call on which the processes differ (``on_outcome`` raises)."""
-    entries = {
-        p: [PostedRecord.from_fields(e) for e in json.loads(r)] for p, r in outcome.records.items()
-    }
+    entries = {p: json.loads(r) for p, r in outcome.records.items()}
     width = max((len(v) for v in entries.values()), default=1)
 
-    def at(i: int) -> tuple[dict[int, PostedRecord], set[int]]:
+    def at(i: int) -> tuple[dict[int, dict], set[int]]:
         here = {p: v[i] for p, v in entries.items() if i < len(v)}
         return here, set(outcome.missing) | {p for p, v in entries.items() if i >= len(v)}
 
     def differs(i: int) -> bool:
         here, absent = at(i)
-        by_group: dict[str, set[str]] = {}
-        for e in here.values():
-            for name, (_, summary) in e.groups.items():
-                by_group.setdefault(name, set()).add(summary)
-        return bool(
-            absent
-            or len({e.summary for e in here.values()}) > 1
-            or any(len(s) > 1 for s in by_group.values())
-            or any(e.summary == LEFT for e in here.values())
-        )
+        calls = {
+            p: _agreement.Entry("", "", "", e["summary"], "", e["groups"]) for p, e in here.items()
+        }
+        return bool(absent) or not _agreement.same(calls)
 
     first = next((i for i in range(width) if differs(i)), width - 1)
     here, absent = at(first)
-    if me in here and here[me].summary == LEFT:
+    if me in here and here[me]["summary"] == LEFT:
         return  # this process left the tag: it raised its own error
     on_outcome = taken[first].on_outcome if first < len(taken) else window.on_outcome
     assert on_outcome is not None
-    records = {p: e.record for p, e in here.items()}
+    records = {p: e["record"] for p, e in here.items()}
     missing = tuple(sorted(absent))
     on_outcome(Outcome(False, records, missing, outcome.gave_up, outcome.seq))
 
@@ -335,16 +251,11 @@ def _report(window: WindowState, taken: list[Queued], outcome: Outcome, me: int)
 def sync_point(node: Node, timeout: float) -> None:
     """Before an agreement the caller waits for: its channel's deferred checks are raised first.
 
-    Only the tags of the caller's channel: a window that waits for no more calls while another
-    thread still makes them would be short in this process alone.
+    Only its own channel's: another thread's window, drained, would be short in this process.
     """
-    if node.live:
+    if node.tags:
         here = node.channel()
-        mine = [t for t in list(node.live) if (w := node.tags[t].window) and w.channel == here]
+        mine = [t for t, w in list(node.tags.items()) if w.channel == here]
         if mine:
             node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
     node.settle()
-
-
-def _agree_tag(tag: str) -> str:
-    return urllib.parse.quote(tag, safe="")

@@ -1,8 +1,7 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-On: the stall watchdog runs, this process tells the others when it leaves (exit hooks,
-registered once), and the settings are logged once under ``meshkit.debug``. Nothing happens at
-import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
+On: the stall watchdog runs and this process tells the others when it leaves. Nothing happens
+at import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
-from . import fingerprint as _fingerprint
+from . import divergence as _divergence
 from . import state as _st
 from .state import Settings
 from .state import enabled as enabled
@@ -75,14 +74,13 @@ def enable(
         _stop_watchdog()
         now = _st.state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
-        if not _st.state.exit_hooks:
-            # Before the other leaves (`meshkit._src.runtime.programs`): the first record a
-            # process waiting at this one's next agreement reads then names its last call.
-            _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
-            _exit.on_exception(
-                "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
-            )
-            _st.state.exit_hooks = True
+        # Registered by name, so once however often; before the other leaves
+        # (`meshkit._src.runtime.programs`): the first record a process waiting at this one's
+        # next agreement reads then names its last call.
+        _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
+        _exit.on_exception(
+            "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
+        )
         if watchdog is not None:
             _st.state.watchdog = _watchdog.Watchdog(
                 watchdog, timeout, exit_on_stall, lambda: _st.state.last
@@ -164,7 +162,7 @@ def _publish_leaving(status: str = "exit", message: str = "") -> None:
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
     if _st.state.settings is not None and not isinstance(value, DivergenceError):
-        text = f"{kind.__name__}: {value}".splitlines()[0][: _fingerprint.MAX_DESC]
+        text = f"{kind.__name__}: {value}".splitlines()[0][: _divergence.MAX_DESC]
         _publish_leaving("error", text)
 
 

@@ -1,9 +1,7 @@
 """JAX's ``multihost_utils`` collectives, checked in debug mode before they run.
 
-Each is an SPMD entry of its own (kind ``multihost_utils``) with JAX's arguments and answers;
-off, it is JAX's function behind one test. ``is_source`` and ``fail_message`` may differ by
-process and are not compared. A call from a thread outside the program's sequence of checked
-calls (not the main thread, no `meshkit.channel`) runs unchecked.
+Each is an SPMD entry of its own (kind ``multihost_utils``); ``is_source`` and ``fail_message``
+may differ by process and are not compared. A call from an unpaired thread runs unchecked.
 """
 
 from __future__ import annotations

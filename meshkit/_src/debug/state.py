@@ -9,8 +9,7 @@ from typing import Any
 from ..coord import agreement as _agreement
 from ..lifecycle import watchdog as _watchdog
 
-# Agreements that repeat a pattern (of up to 16 calls) for PERIOD calls in a row arrive unflagged:
-# one coordination round trip fewer per call (`meshkit._src.coord.agreement.predict`).
+# Agreements that repeat a pattern for PERIOD calls in a row take one round trip (`predict`).
 PERIOD = _agreement.SPAN
 
 
@@ -40,7 +39,6 @@ class State:
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
         self.watchdog: _watchdog.Watchdog | None = None
-        self.exit_hooks = False  # registered with the owner of exit (once per process)
         self.left = False  # this process told the others it leaves
         self.announced: Settings | None = None  # the settings last announced
 
