@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 
 PROBE = "--probe" in sys.argv[2:]
 CALLS = 128  # calls per round of a series whose checks wait (debug, make_mesh, barrier)
-# global_array_from_local's checks are agreed on windows of calls (up to _agree.WINDOW, open up
-# to _agree.LINGER_S): a round of twice a window closes windows inside the timed span instead of
+# global_array_from_local's checks are agreed on windows of calls (up to window.WINDOW, open up
+# to window.LINGER_S): a round of twice a window closes windows inside the timed span instead of
 # leaving them to the untimed drain between rounds.
 GLOBAL_CALLS = 1024
 # The paced series: each call followed by a PACE_S wait, as a training step whose device work
