@@ -72,9 +72,10 @@ for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
             )
         )  # fmt: skip
 # 64 KiB per process (issue 13's small size), data mesh only. A call takes tens of
-# microseconds, so a round is SMALL_CALLS calls, twice meshkit._src.coord.window.WINDOW: the deferred
-# checks' windows fill and are agreed inside the timed span (a round shorter than a window would
-# leave them to the untimed drain between rounds), and the barrier's noise is spread over them.
+# microseconds, so a round is SMALL_CALLS calls, twice meshkit._src.coord.window.WINDOW: the
+# deferred checks' windows fill and are agreed inside the timed span (a round shorter than a
+# window would leave them to the untimed drain between rounds), and the barrier's noise is
+# spread over them.
 SMALL_CALLS = 1024
 SMALL_ROUNDS = 41
 for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
