@@ -1,8 +1,8 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
 A digest the agreed history predicts waits at the sequence's service barrier (one round trip);
-any other at the barrier the digest names, then, not passed, takes the counted path. The
-protocol, its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
+any other takes the counted path. The protocol, its round trips and why ``ok`` is exact:
+docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ class Sequence:
     period: int = 0  # the history's period while calls repeat it (0: to be found)
     uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
     epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
-    differed: int = 0  # agreements that did not agree (each renames the digest barriers)
     blocks: set[int] = field(default_factory=set)  # key blocks written (process 0 deletes them)
 
 
@@ -146,7 +145,6 @@ def agree(
         use = state.uses.get(site, 0)
         state.uses[site] = use + 1
         predicted, state.period = predict(state.history, state.period)
-        differed = state.differed
     flagged = mine != predicted
     node.stats.agreements += 1
     deadline = time.monotonic() + timeout
@@ -157,8 +155,6 @@ def agree(
         return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
 
     if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
-        return agreed()
-    if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
         return agreed()
     where = _where() if flagged else ""
     entry = Entry(site, what or site, where, summary, record, groups, full=False)
@@ -191,7 +187,6 @@ def agree(
     entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
     with state.lock:
         state.history.clear()  # every process compares again
-        state.differed += 1
     _raise_if_elsewhere(node.me, entries, sequence)
     missing = tuple(p for p in range(node.n) if p not in entries)
     # Who stopped waiting before this process came; none when this process gave up itself.
@@ -210,7 +205,6 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
         state.next += 1
         predicted, _ = predict(state.history, state.period)
         state.history.clear()
-        state.differed += 1  # the others do not agree here either
     if predicted is not None:
         _fast(node, base, 0.0, unflagged=False)
     entry = Entry(site, site, _where(), LEFT, record)
@@ -232,18 +226,6 @@ def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
         return node.service.barrier(name, min(timeout, FAST_S)) is Barrier.PASSED
     node.service.barrier(name, 1.0, [*range(node.n), node.me])
     return False
-
-
-def _same_digest(node: Node, base: str, differed: int, mine: str, timeout: float) -> bool:
-    """Whether every process arrived at the barrier named by ``mine`` (at most `FAST_S`).
-
-    A digest no history predicts (a new layout, a sequence that does not repeat): processes
-    with equal digests meet in one round trip. Each process uses a name exactly when the
-    others do while they agree; an agreement that did not agree renames them all
-    (``differed``), so a name one process used alone is not used again.
-    """
-    name = f"meshkit/b/{base}/d{differed}/{mine}"
-    return node.service.barrier(name, min(timeout, FAST_S)) is Barrier.PASSED
 
 
 def _wait(
