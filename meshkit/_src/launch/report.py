@@ -343,8 +343,7 @@ def root_cause(
 
 def _ended_by(result: RankResult, cause: RankResult, told: Told) -> bool:
     """Whether ``result``'s rank recorded that ``cause``'s failure ended it."""
-    event = told.failed.get(result.rank)
-    found = None if event is None else _diagnose.from_event(event.fields)
+    found = _diagnosis(result, told)
     return found is not None and found.kind == "lost" and found.process == cause.rank
 
 
