@@ -214,7 +214,6 @@ def _end(failure: str, why: str, grace: float) -> None:
 
 
 def _post(failure: str) -> None:
-    """Post ``failure`` for the others' failure watch."""
     _, me, n = _compat.distributed_state()
     if _post_failure is not None and n > 1:
         try:

@@ -337,8 +337,7 @@ def _explain(
     compiling: _compat.Compiling, tag: str, timeout: float
 ) -> dict[int, list[list[str]]] | None:
     """Every process's arguments, after a difference every process saw (None: all equal)."""
-    args = compiling.args()
-    listed = json.dumps(args)
+    listed = json.dumps(compiling.args())
     summary = hashlib.sha256(listed.encode()).hexdigest()
     outcome = _agree.check(tag + "/arguments", summary, lambda: listed, timeout=timeout)
     if outcome.agreed or outcome.missing or outcome.gave_up:
