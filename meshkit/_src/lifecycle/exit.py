@@ -90,7 +90,7 @@ def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
             sys.excepthook = _excepthook
 
 
-def on_sigterm(handler: Callable[[], None]) -> None:
+def on_sigterm(handler: Callable[[], object]) -> None:
     """Call ``handler`` on SIGTERM (from the service thread while the main thread waits in C)."""
     with _lock:
         if threading.current_thread() is not threading.main_thread():
@@ -264,7 +264,7 @@ class _Service(threading.Thread):
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.signals = -1  # SIGTERM's wake-up pipe
-        self.on_sigterm: Callable[[], None] | None = None
+        self.on_sigterm: Callable[[], object] | None = None
         self.probes: list[Callable[[], object]] = []
         self.seen: tuple[object, ...] = ()
         self.active_at = -_ACTIVE_S

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -191,10 +192,8 @@ def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None)
         return {"cause": "divergence", "error": error, "processes": value.processes,
                 "field": value.field}  # fmt: skip
     if diagnosis is None:
-        tb = value.__traceback__
-        while tb is not None and tb.tb_next is not None:  # the innermost frame: where it was raised
-            tb = tb.tb_next
-        where = "" if tb is None else f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        raised = traceback.extract_tb(value.__traceback__, limit=-1)  # the innermost frame
+        where = f"{raised[0].filename}:{raised[0].lineno}" if raised else ""
         return {"cause": "exception", "error": error, "where": where}
     cause = "timeout" if diagnosis.kind == "timeout" else "peer"
     return {"cause": cause, "error": error, "system": diagnosis.system,
@@ -215,7 +214,6 @@ def _end(failure: str, why: str, grace: float) -> None:
 
 
 def _post(failure: str) -> None:
-    """Post ``failure`` for the others' failure watch."""
     _, me, n = _compat.distributed_state()
     if _post_failure is not None and n > 1:
         try:

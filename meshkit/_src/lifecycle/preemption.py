@@ -128,7 +128,7 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
                 _state.notice = dataclasses.replace(own, process=me)
         first = not _state.installed
         _state.installed = True
-    _exit.on_sigterm(_on_sigterm)
+    _exit.on_sigterm(lambda: receive(None))  # the handler takes the notice, nothing that waits
     if first:
         _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
         _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
@@ -252,11 +252,6 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         f"{_state.grace:g} s; exiting with status {PREEMPTED}.\n"
     )
     _exit.end(PREEMPTED, grace=0.0, announce=announce, level=logging.WARNING)
-
-
-def _on_sigterm() -> None:
-    """The SIGTERM handler (the main thread): the notice, nothing that waits."""
-    receive(None)
 
 
 def past_deadline() -> PreemptionNotice | None:

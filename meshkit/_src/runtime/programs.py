@@ -18,7 +18,6 @@ import platform
 import sys
 import textwrap
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -237,21 +236,7 @@ _WHAT = "meshkit (programs compared at compilation)"
 _remove: Callable[[], None] | None = None
 
 
-@dataclasses.dataclass
-class Stats:
-    """What the comparison cost this process so far."""
-
-    compared: int = 0
-    seconds: float = 0.0
-
-
-_stats = Stats()
 _tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
-
-
-def stats() -> Stats:
-    """This process's `Stats` (a copy)."""
-    return dataclasses.replace(_stats)
 
 
 def install(num_processes: int) -> bool:
@@ -295,12 +280,7 @@ def _compare(compiling: _compat.Compiling) -> None:
         return  # no order shared with the other processes: not compared (see the docstring)
     tag = _channel.scoped(_TAG, _WHAT)
     _tags.add(tag)
-    start = time.perf_counter()
-    try:
-        _agree_on(compiling, tag)
-    finally:
-        _stats.compared += 1
-        _stats.seconds += time.perf_counter() - start
+    _agree_on(compiling, tag)
 
 
 def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
@@ -357,8 +337,7 @@ def _explain(
     compiling: _compat.Compiling, tag: str, timeout: float
 ) -> dict[int, list[list[str]]] | None:
     """Every process's arguments, after a difference every process saw (None: all equal)."""
-    args = compiling.args()
-    listed = json.dumps(args)
+    listed = json.dumps(compiling.args())
     summary = hashlib.sha256(listed.encode()).hexdigest()
     outcome = _agree.check(tag + "/arguments", summary, lambda: listed, timeout=timeout)
     if outcome.agreed or outcome.missing or outcome.gave_up:
