@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError
 from ..sharding.specs import SpecLike, as_partition_spec, dim_axes, spec_axes
@@ -27,8 +27,11 @@ class SavedArray:
     scalar: bool = False  # a Python scalar (orbax's ScalarMetadata)
 
 
-def saved_spec(entries: Any) -> PartitionSpec | None:
-    """The PartitionSpec of orbax's saved ``partition_spec`` (names, None or tuples of names)."""
+def saved_spec(sharding: Any) -> PartitionSpec | None:
+    """The spec of a leaf's ``NamedSharding``, or of orbax's metadata of one; None: neither."""
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    entries = getattr(sharding, "partition_spec", None)  # names, None or tuples of names
     if entries is None:
         return None
     out: list[Any] = []
