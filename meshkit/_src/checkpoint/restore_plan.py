@@ -52,10 +52,7 @@ def describe_mesh(axes: Mapping[str, int]) -> str:
 def layout_problem(
     shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
 ) -> tuple[str, str] | None:
-    """Why ``partition`` cannot lay out ``shape`` on ``axes`` (JAX's NamedSharding rules).
-
-    Returns ``(the rule broken, a "Consider ..." line)``, or None if it can.
-    """
+    """Why ``partition`` cannot lay out ``shape`` on ``axes``: (rule, "Consider ..."), or None."""
     shape = tuple(int(n) for n in shape)
     if len(partition) > len(shape):
         return (
@@ -107,10 +104,7 @@ def plan(
     axes: Mapping[str, int],
     what: str,
 ) -> list[PartitionSpec | None]:
-    """The spec each leaf is restored with (``chosen``'s, else as saved); None: a host value.
-
-    Raises a `MeshkitError` naming the leaf, spec, mesh and rule when one cannot be laid out.
-    """
+    """The spec each leaf is restored with (``chosen``'s, else as saved); None: a host value."""
     out: list[PartitionSpec | None] = []
     for leaf, given in zip(saved, chosen, strict=True):
         if given is None and not leaf.on_device:
