@@ -344,20 +344,17 @@ def hf_dataset(dataset: Any, part: ProcessSlice) -> Any:
     if isinstance(dataset, datasets.IterableDataset):
         _rows(part, 0, what)
         return split_dataset_by_node(dataset, rank=part.shard_index, world_size=part.shard_count)
-    fix = (
-        "datasets.Dataset.from_dict(...) or load_dataset(...)[split]; for other loaders, "
-        "meshkit.loaders.process_rows(part, num_rows)"
-    )
-    raise not_a_dataset(dataset, what, "a datasets.Dataset or datasets.IterableDataset", fix)
-
-
-def not_a_dataset(dataset: Any, what: str, expected: str, fix: str) -> MeshkitError:
-    """The error for a ``dataset`` that ``what`` does not take; of a dict, one split may fit."""
-    import datasets
-
     given = type(dataset).__name__
     if isinstance(dataset, datasets.DatasetDict | datasets.IterableDatasetDict):
         splits = sorted(dataset)
         given += f", which holds the splits {splits}"
         fix = f"one split, such as dataset[{(splits or ['train'])[0]!r}]"
-    return MeshkitError(f"{what}: expected {expected}; got {given}.\nConsider {fix}.")
+    else:
+        fix = (
+            "datasets.Dataset.from_dict(...) or load_dataset(...)[split]; for other loaders, "
+            "meshkit.loaders.process_rows(part, num_rows)"
+        )
+    raise MeshkitError(
+        f"{what}: expected a datasets.Dataset or datasets.IterableDataset; got {given}.\n"
+        f"Consider {fix}."
+    )
