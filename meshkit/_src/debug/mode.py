@@ -22,8 +22,7 @@ from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
-from . import divergence as _divergence
-from .divergence import Settings, enabled, lock, state
+from .divergence import MAX_DESC, Settings, enabled, lock, state
 
 _LOG = logger("debug")
 
@@ -160,7 +159,7 @@ def _publish_leaving(status: str = "exit", message: str = "") -> None:
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
     if state.settings is not None and not isinstance(value, DivergenceError):
-        text = f"{kind.__name__}: {value}".splitlines()[0][: _divergence.MAX_DESC]
+        text = f"{kind.__name__}: {value}".splitlines()[0][:MAX_DESC]
         _publish_leaving("error", text)
 
 

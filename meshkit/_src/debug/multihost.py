@@ -24,13 +24,16 @@ from ..lifecycle import watchdog as _watchdog
 from . import divergence as _divergence
 from . import mode as _mode
 
+_MODULE = "jax.experimental.multihost_utils"  # imported at the first call, not at import
+_jax = functools.partial(importlib.import_module, _MODULE)
+
 
 @dataclass(eq=False)
 class _Site:
-    """A function of multihost_utils as an SPMD entry (what `.fingerprint.Site` reads)."""
+    """A function of multihost_utils as an SPMD entry (what `.divergence.Site` reads)."""
 
-    kind: str
     name: str
+    kind: str = "multihost_utils"
     calls: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -42,16 +45,9 @@ def _check(name: str, params: tuple[str, ...], values: tuple[Any, ...], static: 
     site = _divergence.state.sites.get(name)
     if site is None:  # numbered from the call debug mode was turned on
         info = {"params": params, "static_argnums": () if static < 0 else (static,)}
-        site = _divergence.state.sites[name] = _Site("multihost_utils", _PREFIX + name, info=info)
+        site = _divergence.state.sites[name] = _Site(f"{_MODULE}.{name}", info=info)
     site.calls += 1
     _divergence.check(site, values)
-
-
-_PREFIX = "jax.experimental.multihost_utils."
-
-
-# JAX's module, imported at the first call, not at import.
-_jax = functools.partial(importlib.import_module, "jax.experimental.multihost_utils")
 
 
 @public
