@@ -62,7 +62,7 @@ def _import_orbax(what: str) -> Any:
 def _digest(value: Any) -> str:
     data = np.ascontiguousarray(value)
     h = hashlib.blake2b(f"{data.dtype.str}{data.shape}".encode(), digest_size=8)
-    h.update(data)
+    h.update(memoryview(data).cast("B"))
     return h.hexdigest()
 
 
