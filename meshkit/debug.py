@@ -8,7 +8,9 @@ See docs/hangs.md.
 """
 
 from ._src.core.errors import DivergenceError as DivergenceError
-from ._src.debug.barrier import barrier as barrier
+from ._src.debug.divergence import PERIOD as PERIOD
+from ._src.debug.divergence import Settings as Settings
+from ._src.debug.divergence import enabled as enabled
 from ._src.debug.mode import ENV_DEBUG as ENV_DEBUG
 from ._src.debug.mode import ENV_DEBUG_TIMEOUT as ENV_DEBUG_TIMEOUT
 from ._src.debug.mode import ENV_WATCHDOG as ENV_WATCHDOG
@@ -16,14 +18,12 @@ from ._src.debug.mode import debugging as debugging
 from ._src.debug.mode import disable as disable
 from ._src.debug.mode import enable as enable
 from ._src.debug.mode import enable_from_environment as enable_from_environment
-from ._src.debug.mode import enabled as enabled
 from ._src.debug.mode import settings as settings
 from ._src.debug.multihost import assert_equal as assert_equal
+from ._src.debug.multihost import barrier as barrier
 from ._src.debug.multihost import broadcast_one_to_all as broadcast_one_to_all
 from ._src.debug.multihost import process_allgather as process_allgather
 from ._src.debug.multihost import sync_global_devices as sync_global_devices
-from ._src.debug.state import PERIOD as PERIOD
-from ._src.debug.state import Settings as Settings
 
 __all__ = [
     "ENV_DEBUG", "ENV_DEBUG_TIMEOUT", "ENV_WATCHDOG", "PERIOD", "DivergenceError", "Settings",

@@ -24,7 +24,6 @@ from ranks import debug as ranks
 import meshkit
 from meshkit import debug
 from meshkit._src.debug import divergence as _divergence
-from meshkit._src.debug import state as _state
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import launch_in_processes, run_in_processes
@@ -140,7 +139,7 @@ def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatc
 
 def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="meshkit")
-    monkeypatch.setattr(_state.state, "announced", None)
+    monkeypatch.setattr(_divergence.state, "announced", None)
     debug.enable(timeout=30, watchdog=None)
     debug.disable()
     debug.enable(timeout=30, watchdog=None)  # the same settings again: said already
@@ -162,7 +161,7 @@ try:
     {call}
 except meshkit.MeshkitError as e:
     print("raised:", e)
-print(meshkit.debug.enabled(), meshkit._src.debug.state.state.count)
+print(meshkit.debug.enabled(), meshkit._src.debug.divergence.state.count)
 """
 _FIRST = 'meshkit.make_mesh({"data": -1})'
 _INIT = "meshkit.init()"
@@ -226,15 +225,15 @@ def test_single_process_calls_run_and_are_counted():
 def test_calls_are_checked_only_while_debug_mode_is_on():
     site = _dispatch.CallSite("spmd", "f")
     observers = list(_dispatch._observers)
-    before = _state.state.count
+    before = _divergence.state.count
     _dispatch.enter(site, (1,))
-    assert _state.state.count == before
+    assert _divergence.state.count == before
     with debug.debugging(timeout=5, watchdog=None):
         _dispatch.enter(site, (1,))
-        assert _state.state.count == before + 1
+        assert _divergence.state.count == before + 1
         assert _dispatch._observers == observers  # debug mode registers no observer
     _dispatch.enter(site, (1,))
-    assert _state.state.count == before + 1
+    assert _divergence.state.count == before + 1
 
 
 # ---- fingerprints and the comparison, without processes -----------------------------------
@@ -310,11 +309,11 @@ def test_a_missing_process_is_named_with_the_last_call_this_thread_made():
     text = _divergence.last_text("t", 1, last)
     assert text.startswith("its last call was #57 of train_step at "), text
     # A thread's first call: there is no earlier call, whatever the state holds by then.
-    _state.state.previous["t"] = last
+    _divergence.state.previous["t"] = last
     try:
         assert _divergence.last_text("t", 1, {}) == "it made no meshkit call checked in debug mode"
     finally:
-        del _state.state.previous["t"]
+        del _divergence.state.previous["t"]
 
 
 _shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
@@ -378,19 +377,19 @@ def test_multihost_utils_are_checked_only_while_debug_mode_is_on():
 
     jax_own = {name: getattr(mu, name) for name in _MULTIHOST}
     with debug.debugging(timeout=5, watchdog=None):
-        before = _state.state.count
+        before = _divergence.state.count
         debug.sync_global_devices("saved")  # JAX's calls assert_equal, then process_allgather
         line = sys._getframe().f_lineno - 1
-        assert _state.state.count == before + 1  # the call made, not those inside it
-        assert _state.state.last == (
+        assert _divergence.state.count == before + 1  # the call made, not those inside it
+        assert _divergence.state.last == (
             "call #1 of jax.experimental.multihost_utils.sync_global_devices (multihost_utils) "
             f"at tests/test_debug.py:{line} in "
             "test_multihost_utils_are_checked_only_while_debug_mode_is_on"
-        ), _state.state.last
+        ), _divergence.state.last
         assert {name: getattr(mu, name) for name in _MULTIHOST} == jax_own  # JAX's, unchanged
-    before = _state.state.count
+    before = _divergence.state.count
     debug.sync_global_devices("unchecked")
-    assert _state.state.count == before
+    assert _divergence.state.count == before
 
 
 def test_multihost_utils_from_an_unnamed_thread_run_unchecked():
@@ -398,14 +397,14 @@ def test_multihost_utils_from_an_unnamed_thread_run_unchecked():
 
     out = []
     with debug.debugging(timeout=5, watchdog=None):
-        before = _state.state.count
+        before = _divergence.state.count
         worker = threading.Thread(target=lambda: out.append(debug.process_allgather(np.ones(3))))
         worker.start()
         worker.join()
-        assert _state.state.count == before
+        assert _divergence.state.count == before
         with meshkit.channel("metrics"):  # a named channel pairs up: checked
             debug.process_allgather(np.ones(3))
-        assert _state.state.count == before + 1
+        assert _divergence.state.count == before + 1
     np.testing.assert_array_equal(out[0], np.ones((1, 3)))
 
 

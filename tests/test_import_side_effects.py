@@ -50,7 +50,7 @@ after = snapshot()
 changed = {k: [before[k], after[k]] for k in before if before[k] != after[k]}
 
 # meshkit's own hook lists hold only what they are born with.
-from meshkit._src.debug import state as debug_state
+from meshkit._src.debug import divergence as debug_state
 from meshkit._src.lifecycle import exit as exit_, preemption, failfast
 from meshkit._src.runtime import dispatch, programs, init
 own = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
@@ -60,9 +60,8 @@ def _import_orbax(what: str) -> Any:
 
 
 def _digest(value: Any) -> str:
-    data = np.ascontiguousarray(np.asarray(value))
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{data.dtype.str}{data.shape}".encode())
+    data = np.ascontiguousarray(value)
+    h = hashlib.blake2b(f"{data.dtype.str}{data.shape}".encode(), digest_size=8)
     h.update(memoryview(data).cast("B"))
     return h.hexdigest()
 
@@ -306,14 +305,11 @@ def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, s
             )
             return None, problem, []
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            spec: PartitionSpec | None = sharding.spec
-        else:
-            spec = saved_spec(getattr(sharding, "partition_spec", None))
         # orbax's ArrayMetadata has sharding metadata for a saved jax.Array, none for numpy's.
         on_device = isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is not None
         scalar = type(leaf).__name__ == "ScalarMetadata"
         shape, dtype = tuple(int(n) for n in shape), str(np.dtype(dtype))
+        spec = saved_spec(sharding)
         saved.append(SavedArray(jax.tree_util.keystr(path), shape, dtype, spec, on_device, scalar))
     found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
     if found is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError
 from ..sharding.specs import SpecLike, as_partition_spec, dim_axes, spec_axes
@@ -27,8 +27,11 @@ class SavedArray:
     scalar: bool = False  # a Python scalar (orbax's ScalarMetadata)
 
 
-def saved_spec(entries: Any) -> PartitionSpec | None:
-    """The PartitionSpec of orbax's saved ``partition_spec`` (names, None or tuples of names)."""
+def saved_spec(sharding: Any) -> PartitionSpec | None:
+    """The spec of a leaf's ``NamedSharding``, or of orbax's metadata of one; None: neither."""
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    entries = getattr(sharding, "partition_spec", None)  # names, None or tuples of names
     if entries is None:
         return None
     out: list[Any] = []
@@ -49,10 +52,7 @@ def describe_mesh(axes: Mapping[str, int]) -> str:
 def layout_problem(
     shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
 ) -> tuple[str, str] | None:
-    """Why ``partition`` cannot lay out ``shape`` on ``axes`` (JAX's NamedSharding rules).
-
-    Returns ``(the rule broken, a "Consider ..." line)``, or None if it can.
-    """
+    """Why ``partition`` cannot lay out ``shape`` on ``axes``: (rule, "Consider ..."), or None."""
     shape = tuple(int(n) for n in shape)
     if len(partition) > len(shape):
         return (
@@ -104,10 +104,7 @@ def plan(
     axes: Mapping[str, int],
     what: str,
 ) -> list[PartitionSpec | None]:
-    """The spec each leaf is restored with (``chosen``'s, else as saved); None: a host value.
-
-    Raises a `MeshkitError` naming the leaf, spec, mesh and rule when one cannot be laid out.
-    """
+    """The spec each leaf is restored with (``chosen``'s, else as saved); None: a host value."""
     out: list[PartitionSpec | None] = []
     for leaf, given in zip(saved, chosen, strict=True):
         if given is None and not leaf.on_device:

@@ -1,13 +1,16 @@
 """The divergence check: each checked call's fingerprint, agreed on across processes first.
 
 A fingerprint holds the function, the call's number, the arguments' structure and per leaf its
-name, shape, dtype and sharding (or a static value); `compare` names who differs.
+name, shape, dtype and sharding (or a static value); `compare` names who differs. Debug mode's
+state in this process (`state`, guarded by `lock`) is here too: its settings and what the checks
+remember.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,6 +20,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ..coord import agree as _agree
+from ..coord import agreement as _agreement
 from ..coord import channel as _channel
 from ..coord import missing as _missing
 from ..core import caches as _caches
@@ -25,10 +29,49 @@ from ..core import compat as _compat
 from ..core.errors import DivergenceError
 from ..core.frames import place, user_frame
 from ..lifecycle import watchdog as _watchdog
-from . import state as _st
-from .state import enabled as enabled  # read here by meshkit._src.spmd.placement
 
+# Agreements that repeat a pattern for PERIOD calls in a row take one round trip (`predict`).
+PERIOD = _agreement.SPAN
 MAX_DESC = 200  # characters of a value's repr in a fingerprint or a message
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What debug mode is doing now.
+
+    Attributes:
+        timeout: seconds a call waits for the other processes' fingerprints.
+        watchdog: seconds without progress before the stacks are dumped; None: no watchdog.
+        exit_on_stall: whether a process still stalled ``timeout`` seconds after the dump exits.
+    """
+
+    timeout: float
+    watchdog: float | None
+    exit_on_stall: bool
+
+
+class State:
+    """Debug mode's state in this process (one instance, guarded by `lock`)."""
+
+    def __init__(self) -> None:
+        self.settings: Settings | None = None
+        self.count = 0  # SPMD entries checked in this process, all threads
+        self.last = ""  # the last checked call, for messages
+        self.channels: set[str | None] = set()  # the channels of checked calls (None: main)
+        self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
+        self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
+        self.watchdog: _watchdog.Watchdog | None = None
+        self.left = False  # this process told the others it leaves
+        self.announced: Settings | None = None  # the settings last announced
+
+
+state = State()
+lock = threading.RLock()
+
+
+def enabled() -> bool:
+    """Whether debug mode is on in this process."""
+    return state.settings is not None
 
 
 class Site(Protocol):
@@ -139,26 +182,26 @@ def _static_repr(x: Any) -> str:
 
 def check(site: Site, args: tuple[Any, ...]) -> None:
     """Agree on this call's fingerprint with the other processes (debug mode on); raise if not."""
-    settings = _st.state.settings
+    settings = state.settings
     if settings is None:
         return
-    with _st.lock:
-        _st.state.count += 1
-        count = _st.state.count
+    with lock:
+        state.count += 1
+        count = state.count
     record = fingerprint(site, args, count)
     label = f"call #{record['n']} of {site.name}"
-    _st.state.last = f"{label} ({site.kind}) at {record['where']}"
+    state.last = f"{label} ({site.kind}) at {record['where']}"
     _watchdog.note_progress()
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
     tag = _channel.scoped("debug", site.name)
-    _st.state.channels.add(_channel.current())
+    state.channels.add(_channel.current())
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
     # ``{}``: no earlier call of this thread (the missing processes made none either).
-    last = _st.state.previous.get(tag) or {}
-    _st.state.previous[tag] = record
+    last = state.previous.get(tag) or {}
+    state.previous[tag] = record
     timeout = settings.timeout
     outcome = _agree.agree(
         tag, summary, lambda: json.dumps(record), timeout=timeout, what=f"{label}, debug mode"
@@ -273,7 +316,7 @@ def _left_text(record: dict[str, Any]) -> str:
 
 def last_text(tag: str, process: int, last: dict[str, Any] | None = None) -> str:
     """What ``process`` last did: the previous call of ``tag`` (``last``), made by all."""
-    record = last if last is not None else _st.state.previous.get(tag)
+    record = last if last is not None else state.previous.get(tag)
     if not record:
         return "it made no meshkit call checked in debug mode"
     ago = time.time() - float(record.get("time", time.time()))

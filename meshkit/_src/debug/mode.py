@@ -22,10 +22,7 @@ from ..core.log import logger, say
 from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
-from . import divergence as _divergence
-from . import state as _st
-from .state import Settings
-from .state import enabled as enabled
+from .divergence import MAX_DESC, Settings, enabled, lock, state
 
 _LOG = logger("debug")
 
@@ -70,9 +67,9 @@ def enable(
         env = _env.seconds(ENV_WATCHDOG, zero="off")
         watchdog = timeout / 2 if env is None else env
     watchdog = None if watchdog is None or watchdog == 0 else positive(watchdog, "watchdog")
-    with _st.lock:
+    with lock:
         _stop_watchdog()
-        now = _st.state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
+        now = state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
         # Registered by name, so once however often; before the other leaves
         # (`meshkit._src.runtime.programs`): the first record a process waiting at this one's
@@ -82,12 +79,12 @@ def enable(
             "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
         )
         if watchdog is not None:
-            _st.state.watchdog = _watchdog.Watchdog(
-                watchdog, timeout, exit_on_stall, lambda: _st.state.last
+            state.watchdog = _watchdog.Watchdog(
+                watchdog, timeout, exit_on_stall, lambda: state.last
             )
-            _st.state.watchdog.start()
-        if now != _st.state.announced:  # said once per process and settings
-            _st.state.announced = now
+            state.watchdog.start()
+        if now != state.announced:  # said once per process and settings
+            state.announced = now
             _, me, n = _compat.distributed_state()
             shown = "off" if now.watchdog is None else f"{now.watchdog:g} s"
             who = f"process {me} of {n}" if n > 1 else "this process"
@@ -101,21 +98,21 @@ def enable(
 @public
 def disable() -> None:
     """Turn debug mode off in this process (the watchdog stops too)."""
-    with _st.lock:
+    with lock:
         _stop_watchdog()
-        _st.state.settings = None
-        _st.state.sites.clear()
+        state.settings = None
+        state.sites.clear()
 
 
 def settings() -> Settings | None:
     """The current `Settings`, or None when debug mode is off."""
-    return _st.state.settings
+    return state.settings
 
 
 @contextlib.contextmanager
 def debugging(**kwargs: Any) -> Iterator[None]:
     """Debug mode inside a ``with`` block (arguments as for `enable`); off again after it."""
-    was = _st.state.settings
+    was = state.settings
     enable(**kwargs)
     try:
         yield
@@ -150,23 +147,23 @@ def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> floa
 def _publish_leaving(status: str = "exit", message: str = "") -> None:
     """Tell the other processes, at each channel's next agreement, that this one will not come."""
     client, _, n = _compat.distributed_state()
-    if client is None or n == 1 or _st.state.settings is None or _st.state.left:
+    if client is None or n == 1 or state.settings is None or state.left:
         return
-    _st.state.left = True  # an uncaught error is told once, not again by the exit that follows
-    last = _st.state.last or "no meshkit call"
+    state.left = True  # an uncaught error is told once, not again by the exit that follows
+    last = state.last or "no meshkit call"
     record = {"left": True, "status": status, "last": last, "message": message}
-    for channel in sorted(_st.state.channels | {None}, key=str):
+    for channel in sorted(state.channels | {None}, key=str):
         with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
             _agree.leave("debug", json.dumps(record), channel=channel)
 
 
 def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    if _st.state.settings is not None and not isinstance(value, DivergenceError):
-        text = f"{kind.__name__}: {value}".splitlines()[0][: _divergence.MAX_DESC]
+    if state.settings is not None and not isinstance(value, DivergenceError):
+        text = f"{kind.__name__}: {value}".splitlines()[0][:MAX_DESC]
         _publish_leaving("error", text)
 
 
 def _stop_watchdog() -> None:
-    if _st.state.watchdog is not None:
-        _st.state.watchdog.stop.set()
-        _st.state.watchdog = None
+    if state.watchdog is not None:
+        state.watchdog.stop.set()
+        state.watchdog = None

@@ -19,7 +19,6 @@ from ..coord import agree as _agree
 from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
-from ..debug import state as _debug
 from . import init as _runtime
 
 
@@ -83,13 +82,13 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)
-    if _debug.state.settings is not None:
+    if _debug_check.state.settings is not None:
         _debug_check.check(site, args)
 
 
 def quiet() -> bool:
     """Whether `enter` would only count the call (fast paths then count it themselves)."""
-    return not _observers and not _agree.failures and _debug.state.settings is None
+    return not _observers and not _agree.failures and _debug_check.state.settings is None
 
 
 def remove_observer(observer: Observer) -> None:
