@@ -6,6 +6,7 @@ No module globals: several "processes" run in one Python process over `meshkit._
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -86,10 +87,6 @@ def key(tag: str, seq: int, part: str) -> str:
     return f"meshkit/{tag}/{seq // BLOCK}/{part}/{seq}"
 
 
-def _exit_1() -> None:
-    _exit.now(1)  # the failure was said already; nothing may wait for a process that hangs
-
-
 class Node:
     """One process of ``n`` (``me``) at the coordination service, with its protocols' state.
 
@@ -123,7 +120,8 @@ class Node:
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
         self.is_main = is_main or _program_thread.is_program_thread
-        self.on_unraised = on_unraised or _exit_1
+        # The failure was said already; nothing may wait for a process that hangs.
+        self.on_unraised = on_unraised or functools.partial(_exit.now, 1)
         self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns
         self.tags_lock = threading.Lock()
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name

@@ -6,6 +6,7 @@ deferred form: windows".
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -98,8 +99,8 @@ def _run(node: Node, window: WindowState) -> None:
                     window.wanted = 0  # idle: the tag's next call starts a thread again
                     window.thread = None
                     return
-            if me == 0:
-                _linger(node, window)
+            if me == 0 and window.queue:  # let the window fill for `LINGER_S`
+                _await_calls(node, window, WINDOW, window.queue[0].arrived + LINGER_S)
             window.wanted = 0
             if stopping.is_set():
                 return
@@ -141,20 +142,23 @@ def _run(node: Node, window: WindowState) -> None:
             cond.notify_all()
 
 
-def _linger(node: Node, window: WindowState) -> None:
-    """Process 0, before it decides a window: let it fill for `LINGER_S` (``window.cond`` held)."""
-    window.wanted = WINDOW
+def _await_calls(node: Node, window: WindowState, want: int, until: float | None = None) -> None:
+    """Wait (``window.cond`` held) until the caller made ``want`` calls, or ``until`` passed.
+
+    A caller that waits for us (a waiting agreement drains) or left the tag makes no more.
+    """
+    window.wanted = want
     while (
-        window.queue
-        and len(window.queue) < WINDOW
+        len(window.queue) < want
         and window.left is None
         and not window.draining
         and not node.stopping.is_set()
     ):
-        remaining = window.queue[0].arrived + LINGER_S - time.monotonic()
+        remaining = 0.1 if until is None else until - time.monotonic()
         if remaining <= 0:
             break
         window.cond.wait(remaining)
+    window.wanted = 0
 
 
 def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> str | None:
@@ -174,17 +178,7 @@ def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Ca
             want = len(window.queue) if decided is None else min(1, len(window.queue))
         else:
             want = int(decided)
-            # Wait for the caller to make the window's calls, unless it waits for us (a waiting
-            # agreement drains) or left the tag: then the window is short, and flagged.
-            window.wanted = want
-            while (
-                len(window.queue) < want
-                and window.left is None
-                and not window.draining
-                and not node.stopping.is_set()
-            ):
-                window.cond.wait(0.1)
-            window.wanted = 0
+            _await_calls(node, window, want)  # if it stops short, the window is short, flagged
         taken = [window.queue.popleft() for _ in range(min(want, len(window.queue)))]
         window.inflight += len(taken)
         left = window.left if len(taken) < max(want, 1) or not taken else None
@@ -202,14 +196,9 @@ def _window(taken: list[Call], left: str | None, decided: str | None, head: Call
             entries.append({"summary": LEFT, "record": left, "groups": {}})
         return json.dumps(entries)
 
-    runs: list[list] = []  # [summary, count]
-    for c in taken:
-        if runs and (runs[-1][0] is c.summary or runs[-1][0] == c.summary):
-            runs[-1][1] += 1
-        else:
-            runs.append([c.summary, 1])
+    runs = [(s, len(list(run))) for s, run in itertools.groupby(c.summary for c in taken)]
     if left is not None:
-        runs.append([LEFT, 1])
+        runs.append((LEFT, 1))
     wanted = len(taken) if decided in (None, _LEFT_WINDOW) else int(decided)
     groups = {f"{i}/{name}": group for i, c in enumerate(taken) for name, group in c.groups.items()}
     if len(runs) == 1 and runs[0][1] == wanted:  # one run of the window's size: the same
