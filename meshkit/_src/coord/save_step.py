@@ -41,8 +41,6 @@ def sync_step(
     ``answered``: the last step this process's program answered (None: none yet); ``stop``: set
     when this process ends, the wait stops within `SLICE_S`.
     """
-    if n == 1:
-        return alone(answered, timeout, stop)
     deadline = time.monotonic() + timeout
     steps, answer = _PREFIX + "answered/", _PREFIX + "step"
     service.set(f"{steps}{me}", json.dumps(answered))
