@@ -78,10 +78,9 @@ def agree(
     what: str = "",
     channel: str | None = None,
 ) -> Outcome:
-    """`agreement.agree` at the caller's channel's next agreement (or ``channel``'s).
+    """`agreement.agree` on the caller's channel (or ``channel``'s).
 
-    The windows of the caller's channel (`agree_later`) are verified, and what they found
-    raised, first.
+    First the channel's windows (`agree_later`) are verified, and what they found is raised.
     """
     here = node()
     if here is not None:

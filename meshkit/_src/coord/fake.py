@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,13 +87,9 @@ class FakeService:
             self.cluster.cond.notify_all()
 
     def get(self, key: str, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
         with self._enter():
-            while key not in self.cluster.store:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self.cluster.cond.wait(remaining)
+            if not self.cluster.cond.wait_for(lambda: key in self.cluster.store, timeout):
+                return None
             return self.cluster.store[key]
 
     def dir_get(self, prefix: str) -> list[tuple[str, str]]:
@@ -118,7 +113,6 @@ class FakeService:
     def barrier(
         self, name: str, timeout: float, participants: Sequence[int] | None = None
     ) -> Barrier:
-        deadline = time.monotonic() + timeout
         wanted = frozenset(range(self.cluster.n) if participants is None else participants)
         cluster = self.cluster
         with self._enter():
@@ -137,11 +131,8 @@ class FakeService:
             if at.ended is None and at.arrived >= at.participants:
                 at.ended = Barrier.PASSED
             cluster.cond.notify_all()
-            while at.ended is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    at.ended = Barrier.TIMED_OUT
-                    cluster.cond.notify_all()
-                    break
-                cluster.cond.wait(remaining)
-            return at.ended
+            ended = cluster.cond.wait_for(lambda: at.ended, timeout)
+            if ended is None:
+                at.ended = ended = Barrier.TIMED_OUT
+                cluster.cond.notify_all()
+            return ended

@@ -56,13 +56,10 @@ def agree_later(
 
 def windowed(node: Node, tag: str) -> WindowState:
     """The state of a tag agreed after the call returns."""
-    window = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
-    if window is not None:
-        return window
-    with node.tags_lock:
-        if tag not in node.tags:
-            node.tags[tag] = WindowState(tag, node.channel())
-        return node.tags[tag]
+    window = node.tags.get(tag)
+    if window is None:  # the tag's first call (setdefault is atomic: two first calls share one)
+        window = node.tags.setdefault(tag, WindowState(tag, node.channel()))
+    return window
 
 
 def _ensure_thread(node: Node, window: WindowState) -> None:
@@ -91,14 +88,12 @@ def _run(node: Node, window: WindowState) -> None:
     while True:
         with cond:
             window.wanted = 1
-            idle_until = time.monotonic() + IDLE_S
-            while not window.queue and window.left is None and not stopping.is_set():
-                if not cond.wait(max(idle_until - time.monotonic(), 0.0)):
-                    if window.queue or window.left is not None:
-                        break
-                    window.wanted = 0  # idle: the tag's next call starts a thread again
-                    window.thread = None
-                    return
+            if not cond.wait_for(
+                lambda: window.queue or window.left is not None or stopping.is_set(), IDLE_S
+            ):
+                window.wanted = 0  # idle: the tag's next call starts a thread again
+                window.thread = None
+                return
             if me == 0 and window.queue:  # let the window fill for `LINGER_S`
                 _await_calls(node, window, WINDOW, window.queue[0].arrived + LINGER_S)
             window.wanted = 0
