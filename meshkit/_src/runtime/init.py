@@ -21,7 +21,7 @@ import jax
 
 from ..coord import agree as _agree
 from ..coord import failures as _failures
-from ..coord import save_step as _save_step
+from ..coord import gather as _gather
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
@@ -444,7 +444,7 @@ def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
     if fail_fast is None:
         return
     if n > 1:  # the failure watch relays the others' notices
-        _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_save_step.syncer(me))
+        _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
     else:
         _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
 
