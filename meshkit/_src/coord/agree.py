@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from ..core import compat as _compat
 from ..core import env as _env
@@ -188,9 +188,9 @@ def leave(
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 
 
-def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:
+def drain(timeout: float) -> bool:
     """Wait until every `agree_later` call of this process is verified (or ``timeout``)."""
-    return True if _node is None else _node.drain(timeout, tags)
+    return True if _node is None else _node.drain(timeout)
 
 
 def _drain_at_exit() -> None:

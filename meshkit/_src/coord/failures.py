@@ -14,7 +14,7 @@ from dataclasses import asdict
 from ..core import compat as _compat
 from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
-from .service import JaxService, Service
+from .service import GONE, JaxService, Service
 
 PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
@@ -64,7 +64,7 @@ def answer(service: Service, me: int) -> PeerPosts | Unanswered:
     try:
         return poll(service, me)
     except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
-        return Unanswered(lost=JaxService.gone(e), error=str(e))
+        return Unanswered(lost=_compat.service_error_code(e) in GONE, error=str(e))
 
 
 def _joined() -> JaxService | None:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,21 +180,20 @@ class Node:
         timer.daemon = True
         timer.start()
 
-    def drain(self, timeout: float, tags: Sequence[str] | None = None) -> bool:
-        """Wait until every `agree_later` call (of ``tags``) is verified, or ``timeout``.
+    def drain(self, timeout: float, windows: Iterable[WindowState] | None = None) -> bool:
+        """Wait until every `agree_later` call (of ``windows``) is verified, or ``timeout``.
 
         While it waits, the windows of this process do not wait for calls it has not made.
         """
         deadline = time.monotonic() + timeout
-        for name in list(self.tags) if tags is None else [t for t in tags if t in self.tags]:
-            window = self.tags[name]
+        for window in list(self.tags.values()) if windows is None else windows:
             with window.cond:
                 if not (window.queue or window.inflight):
                     continue  # nothing to wait for (and no thread to wake)
                 window.draining += 1
                 window.cond.notify_all()
                 try:
-                    while (window.queue or window.inflight) and not self.unraised():
+                    while (window.queue or window.inflight) and not self.failures:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             return False
@@ -213,7 +212,7 @@ class Node:
         if self.tags and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
-        unraised = self.unraised()
+        unraised = bool(self.failures)
         windows = list(self.tags.values())
         for window in windows:
             with window.cond:
@@ -229,10 +228,6 @@ class Node:
                 f"last meshkit call, so nothing raised it:\n{type(left).__name__}: {left}\n"
             )
             self.on_unraised()
-
-    def unraised(self) -> bool:
-        """Whether a failure found after its call returned waits for a call to raise it."""
-        return bool(self.failures)
 
     def settle(self) -> None:
         """Raise the first disagreement a deferred check found since the last call, if any."""

@@ -77,11 +77,6 @@ class JaxService:
     def __init__(self, client: Any) -> None:
         self._client = client
 
-    @staticmethod
-    def gone(error: BaseException) -> bool:
-        """Whether ``error``'s status code says the service itself is gone (`GONE`)."""
-        return _compat.service_error_code(error) in GONE
-
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
         self._client.key_value_set(key, value, allow_overwrite=overwrite)
 

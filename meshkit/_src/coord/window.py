@@ -45,7 +45,7 @@ def agree_later(
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
-        while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
+        while len(window.queue) + window.inflight >= MAX_PENDING and not node.failures:
             window.cond.wait(0.1)
         window.queue.append(Call(summary, groups, record, time.monotonic(), timeout, on_outcome))
         window.on_outcome = on_outcome
@@ -239,7 +239,6 @@ def sync_point(node: Node, timeout: float) -> None:
     """
     if node.tags:
         here = node.channel()
-        mine = [t for t, w in list(node.tags.items()) if w.channel == here]
-        if mine:
-            node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
+        mine = [w for w in list(node.tags.values()) if w.channel == here]
+        node.drain(timeout + VERDICT_EXTRA_S, mine)
     node.settle()
