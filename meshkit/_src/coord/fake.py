@@ -88,9 +88,8 @@ class FakeService:
 
     def get(self, key: str, timeout: float) -> str | None:
         with self._enter():
-            if not self.cluster.cond.wait_for(lambda: key in self.cluster.store, timeout):
-                return None
-            return self.cluster.store[key]
+            found = self.cluster.cond.wait_for(lambda: key in self.cluster.store, timeout)
+            return self.cluster.store[key] if found else None
 
     def dir_get(self, prefix: str) -> list[tuple[str, str]]:
         with self._enter():
