@@ -99,9 +99,9 @@ def agree(
         what=what,
     )
     if not outcome.agreed:
-        for p, left in sorted(_left(outcome).items()):
-            if left.get("status") == "error":  # it ended by an uncaught exception
-                _failfast.peer_failed(p, str(left.get("message") or "(no message)"))
+        for p, error in sorted(_left(outcome).items()):
+            if error is not None:  # it ended by an uncaught exception
+                _failfast.peer_failed(p, error)
     return outcome
 
 
@@ -110,11 +110,7 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
-        how = {
-            p: str(r.get("message")) if r.get("status") == "error" else None
-            for p, r in left.items()
-        }
-        raise MeshkitError(_missing.left_program(what or tag, how))
+        raise MeshkitError(_missing.left_program(what or tag, left))
     return outcome
 
 
@@ -131,16 +127,17 @@ def leave_record(**fields: object) -> str:
     return json.dumps({**how, **fields})
 
 
-def _left(outcome: Outcome) -> dict[int, dict[str, object]]:
-    """The records of processes that left the program (`leave_record`), by process."""
-    left = {}
+def _left(outcome: Outcome) -> dict[int, str | None]:
+    """The processes that left the program (`leave_record`): each one's error, or None."""
+    left: dict[int, str | None] = {}
     for p, value in outcome.records.items():
         try:
             record = json.loads(value)
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("left") is True:
-            left[p] = record
+            failed = record.get("status") == "error"
+            left[p] = str(record.get("message") or "(no message)") if failed else None
     return left
 
 
