@@ -2,7 +2,7 @@
 
 Usage: ``meshkit launch -n N -d 1 hosts_exchange_worker.py BENCHMARKS_DIR``. Process 0 prints one
 ``BENCH {json}`` line: the seconds ``meshkit.init()`` took in each process, and the exchange
-alone (`meshkit._src.coord.combine` through the real coordination service, as init makes it),
+alone (`meshkit._src.coord.gather` through the real coordination service, as init makes it),
 timed over ``ROUNDS`` rounds with a barrier before each (outside the timed span): process 0's
 median seconds, and the round trips each process made per exchange; the exchange's share of
 init (its first call, timed inside init); a coordination-service barrier alone, timed the same
@@ -19,7 +19,7 @@ import jax  # noqa: F401  (imported before the timed span, as any program has)
 
 import meshkit
 from meshkit._src.coord import agree
-from meshkit._src.coord.combine import gather
+from meshkit._src.coord.gather import gather
 from meshkit._src.runtime import hosts
 
 in_init: list[float] = []

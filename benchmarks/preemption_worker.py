@@ -25,7 +25,7 @@ import meshkit  # noqa: E402
 
 meshkit.init()
 
-from meshkit._src.coord import save_step as _sync  # noqa: E402
+from meshkit._src.coord import gather as _sync  # noqa: E402
 from meshkit._src.coord import service as _service  # noqa: E402
 from meshkit._src.lifecycle import preemption as _preemption  # noqa: E402
 

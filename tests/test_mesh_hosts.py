@@ -2,7 +2,7 @@
 
 The order is checked against a reference written from the documented rule (`docs/meshes.md`),
 on fake devices of any host, process and device count, with ranks node-major, interleaved or
-shuffled; the exchange (`coord.combine`) runs on the in-process fake coordination service.
+shuffled; the exchange (`coord.gather`) runs on the in-process fake coordination service.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from test_mesh_order import factorizations, fake_devices
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.coord.combine import gather
 from meshkit._src.coord.fake import FakeCluster
+from meshkit._src.coord.gather import gather
 from meshkit._src.runtime.hosts import Hosts
 from meshkit._src.sharding.mesh import domains, order_devices
 

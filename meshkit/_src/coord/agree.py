@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from ..core import compat as _compat
 from ..core import env as _env
@@ -78,10 +78,9 @@ def agree(
     what: str = "",
     channel: str | None = None,
 ) -> Outcome:
-    """`agreement.agree` at the caller's channel's next agreement (or ``channel``'s).
+    """`agreement.agree` on the caller's channel (or ``channel``'s).
 
-    The windows of the caller's channel (`agree_later`) are verified, and what they found
-    raised, first.
+    First the channel's windows (`agree_later`) are verified, and what they found is raised.
     """
     here = node()
     if here is not None:
@@ -100,9 +99,9 @@ def agree(
         what=what,
     )
     if not outcome.agreed:
-        for p, left in sorted(_left(outcome).items()):
-            if left.get("status") == "error":  # it ended by an uncaught exception
-                _failfast.peer_failed(p, str(left.get("message") or "(no message)"))
+        for p, error in sorted(_left(outcome).items()):
+            if error is not None:  # it ended by an uncaught exception
+                _failfast.peer_failed(p, error)
     return outcome
 
 
@@ -111,11 +110,7 @@ def check(tag: str, summary: str, record: RecordText, *, timeout: float, what: s
     outcome = agree(tag, summary, record, timeout=timeout, what=what)
     left = _left(outcome) if not outcome.agreed else {}
     if left:
-        how = {
-            p: str(r.get("message")) if r.get("status") == "error" else None
-            for p, r in left.items()
-        }
-        raise MeshkitError(_missing.left_program(what or tag, how))
+        raise MeshkitError(_missing.left_program(what or tag, left))
     return outcome
 
 
@@ -132,16 +127,17 @@ def leave_record(**fields: object) -> str:
     return json.dumps({**how, **fields})
 
 
-def _left(outcome: Outcome) -> dict[int, dict[str, object]]:
-    """The records of processes that left the program (`leave_record`), by process."""
-    left = {}
+def _left(outcome: Outcome) -> dict[int, str | None]:
+    """The processes that left the program (`leave_record`): each one's error, or None."""
+    left: dict[int, str | None] = {}
     for p, value in outcome.records.items():
         try:
             record = json.loads(value)
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("left") is True:
-            left[p] = record
+            failed = record.get("status") == "error"
+            left[p] = str(record.get("message") or "(no message)") if failed else None
     return left
 
 
@@ -189,9 +185,9 @@ def leave(
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 
 
-def drain(timeout: float, tags: Sequence[str] | None = None) -> bool:
+def drain(timeout: float) -> bool:
     """Wait until every `agree_later` call of this process is verified (or ``timeout``)."""
-    return True if _node is None else _node.drain(timeout, tags)
+    return True if _node is None else _node.drain(timeout)
 
 
 def _drain_at_exit() -> None:

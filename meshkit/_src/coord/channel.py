@@ -106,9 +106,8 @@ def scoped(tag: str, what: str) -> str:
     name = current()
     if name is not None:
         return f"{tag}@{tag_part(name)}"
-    thread = threading.current_thread()
     if not _program_thread.is_program_thread() and _compat.distributed_state()[2] > 1:
-        raise MeshkitError(_UNNAMED.format(what=what, thread=thread.name))
+        raise MeshkitError(_UNNAMED.format(what=what, thread=threading.current_thread().name))
     return tag
 
 

@@ -1,7 +1,7 @@
 """Posts: what a process tells all the others at once, its failure or a preemption notice.
 
-The poster writes every other process's alarm key, which wakes its failure watch (`waiter`)
-to read both kinds in one listing. A watch stopped by a failure counts itself (`reader`), so
+`post` writes every other process's alarm key, which wakes its failure watch (`wait_alarm`)
+to read both kinds in one listing. A watch stopped by a failure counts itself (`count_read`), so
 that process 0, which hosts the service, stays up until every other process has read the post.
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import asdict
 
 from ..core import compat as _compat
 from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
-from .service import JaxService, Service
+from .service import GONE, JaxService, Service
 
 PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
@@ -65,7 +64,7 @@ def answer(service: Service, me: int) -> PeerPosts | Unanswered:
     try:
         return poll(service, me)
     except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
-        return Unanswered(lost=JaxService.gone(e), error=str(e))
+        return Unanswered(lost=_compat.service_error_code(e) in GONE, error=str(e))
 
 
 def _joined() -> JaxService | None:
@@ -73,71 +72,47 @@ def _joined() -> JaxService | None:
     return None if client is None or n == 1 else JaxService(client)
 
 
-def poster(me: int) -> Callable[[str], None]:
+def post_failure(me: int, failure: str) -> None:
     """`post` for process ``me`` over the real service (nothing when not joined)."""
-
-    def post_failure(failure: str) -> None:
-        service = _joined()
-        if service is not None:
-            post(service, me, failure, _compat.distributed_state()[2])
-
-    return post_failure
+    service = _joined()
+    if service is not None:
+        post(service, me, failure, _compat.distributed_state()[2])
 
 
-def reader() -> Callable[[int], int]:
+def count_read(amount: int) -> int:
     """Adds to the count of processes that read a failure post; the count (0 if not joined)."""
-
-    def read(amount: int) -> int:
-        service = _joined()
-        return 0 if service is None else service.increment(READ, amount)
-
-    return read
+    service = _joined()
+    return 0 if service is None else service.increment(READ, amount)
 
 
-def teller() -> Callable[[PreemptionNotice], None]:
+def tell(notice: PreemptionNotice) -> None:
     """Tells the others of this process's notice: meshkit's post, then JAX's sync managers."""
-
-    def tell(notice: PreemptionNotice) -> None:
-        client, _, n = _compat.distributed_state()
-        if client is None or n == 1:
-            return
-        post_notice(JaxService(client), dataclasses.replace(notice, own=False), n)
-        _compat.tell_jax_preemption(client, notice.received)
-
-    return tell
+    client, _, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return
+    post_notice(JaxService(client), dataclasses.replace(notice, own=False), n)
+    _compat.tell_jax_preemption(client, notice.received)
 
 
-def watcher(me: int) -> Callable[[], PeerPosts | Unanswered | None]:
+def poll_posts(me: int) -> PeerPosts | Unanswered | None:
     """`answer` for process ``me`` over the real service; None once it is no longer joined."""
-
-    def poll_posts() -> PeerPosts | Unanswered | None:
-        service = _joined()
-        return None if service is None else answer(service, me)
-
-    return poll_posts
+    service = _joined()
+    return None if service is None else answer(service, me)
 
 
-def waiter(me: int) -> Callable[[float], bool]:
-    """Waits at most that long for process ``me``'s alarm key: True once taken, or not joined."""
-
-    def wait(timeout: float) -> bool:
-        service = _joined()
-        if service is None:
-            return True
-        if service.get(ALARM + str(me), timeout) is None:
-            return False
-        service.delete(ALARM + str(me))  # a post after this writes it again
+def wait_alarm(me: int, timeout: float) -> bool:
+    """Waits at most ``timeout`` for process ``me``'s alarm key: True once taken, or not joined."""
+    service = _joined()
+    if service is None:
         return True
+    if service.get(ALARM + str(me), timeout) is None:
+        return False
+    service.delete(ALARM + str(me))  # a post after this writes it again
+    return True
 
-    return wait
 
-
-def nudger(me: int) -> Callable[[], None]:
+def nudge(me: int) -> None:
     """Writes process ``me``'s own alarm key: its wait ends now (this process needs its thread)."""
-
-    def nudge() -> None:
-        service = _joined()
-        if service is not None:
-            service.set(ALARM + str(me), "1", overwrite=True)
-
-    return nudge
+    service = _joined()
+    if service is not None:
+        service.set(ALARM + str(me), "1", overwrite=True)

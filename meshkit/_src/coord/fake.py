@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .node import Node
 from .service import UNAVAILABLE, Barrier
@@ -40,9 +38,9 @@ class FakeCluster:
         self.n = n
         self.cond = threading.Condition()
         self.store: dict[str, str] = {}
-        self._uses: dict[tuple[str, int], int] = {}  # (barrier, process) -> its next use
-        self._barriers: dict[tuple[str, int], _Use] = {}
-        self._gone: set[int] = set()
+        self.uses: dict[tuple[str, int], int] = {}  # (barrier, process) -> its next use
+        self.barriers: dict[tuple[str, int], _Use] = {}
+        self.gone: set[int] = set()
         self.unraised: list[int] = []  # processes whose deferred failure went unraised
 
     def service(self, process: int) -> FakeService:
@@ -66,42 +64,8 @@ class FakeCluster:
     def leave(self, process: int) -> None:
         """``process`` has left: its calls raise `ServiceGone`; the others wait for it in vain."""
         with self.cond:
-            self._gone.add(process)
+            self.gone.add(process)
             self.cond.notify_all()
-
-    def enter(self, process: int) -> None:
-        if process in self._gone:
-            raise ServiceGone(f"process {process} has left the fake coordination service")
-
-    def barrier(
-        self, process: int, name: str, timeout: float, participants: Sequence[int] | None
-    ) -> Barrier:
-        deadline = time.monotonic() + timeout
-        wanted = frozenset(range(self.n) if participants is None else participants)
-        with self.cond:
-            use = self._uses.get((name, process), 0)
-            self._uses[(name, process)] = use + 1
-            at = self._barriers.setdefault((name, use), _Use())
-            if at.ended is not None:
-                return at.ended  # a late arrival: the barrier is over
-            if at.participants is None:
-                at.participants = wanted
-            listed = None if participants is None else len(participants)
-            # A participant list of another process, or one naming a process twice: refused.
-            if at.participants != wanted or listed not in (None, len(wanted)):
-                at.ended = Barrier.REFUSED
-            at.arrived.add(process)
-            if at.ended is None and at.arrived >= at.participants:
-                at.ended = Barrier.PASSED
-            self.cond.notify_all()
-            while at.ended is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    at.ended = Barrier.TIMED_OUT
-                    self.cond.notify_all()
-                    break
-                self.cond.wait(remaining)
-            return at.ended
 
 
 class FakeService:
@@ -110,8 +74,9 @@ class FakeService:
     def __init__(self, cluster: FakeCluster, process: int) -> None:
         self.cluster, self.process = cluster, process
 
-    def _enter(self) -> Any:
-        self.cluster.enter(self.process)
+    def _enter(self) -> threading.Condition:
+        if self.process in self.cluster.gone:
+            raise ServiceGone(f"process {self.process} has left the fake coordination service")
         return self.cluster.cond
 
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
@@ -122,14 +87,9 @@ class FakeService:
             self.cluster.cond.notify_all()
 
     def get(self, key: str, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
         with self._enter():
-            while key not in self.cluster.store:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self.cluster.cond.wait(remaining)
-            return self.cluster.store[key]
+            found = self.cluster.cond.wait_for(lambda: key in self.cluster.store, timeout)
+            return self.cluster.store[key] if found else None
 
     def dir_get(self, prefix: str) -> list[tuple[str, str]]:
         with self._enter():
@@ -152,5 +112,26 @@ class FakeService:
     def barrier(
         self, name: str, timeout: float, participants: Sequence[int] | None = None
     ) -> Barrier:
-        self.cluster.enter(self.process)
-        return self.cluster.barrier(self.process, name, timeout, participants)
+        wanted = frozenset(range(self.cluster.n) if participants is None else participants)
+        cluster = self.cluster
+        with self._enter():
+            use = cluster.uses.get((name, self.process), 0)
+            cluster.uses[(name, self.process)] = use + 1
+            at = cluster.barriers.setdefault((name, use), _Use())
+            if at.ended is not None:
+                return at.ended  # a late arrival: the barrier is over
+            if at.participants is None:
+                at.participants = wanted
+            listed = None if participants is None else len(participants)
+            # A participant list of another process, or one naming a process twice: refused.
+            if at.participants != wanted or listed not in (None, len(wanted)):
+                at.ended = Barrier.REFUSED
+            at.arrived.add(self.process)
+            if at.ended is None and at.arrived >= at.participants:
+                at.ended = Barrier.PASSED
+            cluster.cond.notify_all()
+            ended = cluster.cond.wait_for(lambda: at.ended, timeout)
+            if ended is None:
+                at.ended = ended = Barrier.TIMED_OUT
+                cluster.cond.notify_all()
+            return ended

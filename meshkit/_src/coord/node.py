@@ -6,11 +6,12 @@ No module globals: several "processes" run in one Python process over `meshkit._
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,10 +87,6 @@ def key(tag: str, seq: int, part: str) -> str:
     return f"meshkit/{tag}/{seq // BLOCK}/{part}/{seq}"
 
 
-def _exit_1() -> None:
-    _exit.now(1)  # the failure was said already; nothing may wait for a process that hangs
-
-
 class Node:
     """One process of ``n`` (``me``) at the coordination service, with its protocols' state.
 
@@ -123,7 +120,8 @@ class Node:
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
         self.is_main = is_main or _program_thread.is_program_thread
-        self.on_unraised = on_unraised or _exit_1
+        # The failure was said already; nothing may wait for a process that hangs.
+        self.on_unraised = on_unraised or functools.partial(_exit.now, 1)
         self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns
         self.tags_lock = threading.Lock()
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
@@ -182,21 +180,20 @@ class Node:
         timer.daemon = True
         timer.start()
 
-    def drain(self, timeout: float, tags: Sequence[str] | None = None) -> bool:
-        """Wait until every `agree_later` call (of ``tags``) is verified, or ``timeout``.
+    def drain(self, timeout: float, windows: Iterable[WindowState] | None = None) -> bool:
+        """Wait until every `agree_later` call (of ``windows``) is verified, or ``timeout``.
 
         While it waits, the windows of this process do not wait for calls it has not made.
         """
         deadline = time.monotonic() + timeout
-        for name in list(self.tags) if tags is None else [t for t in tags if t in self.tags]:
-            window = self.tags[name]
+        for window in list(self.tags.values()) if windows is None else windows:
             with window.cond:
                 if not (window.queue or window.inflight):
                     continue  # nothing to wait for (and no thread to wake)
                 window.draining += 1
                 window.cond.notify_all()
                 try:
-                    while (window.queue or window.inflight) and not self.unraised():
+                    while (window.queue or window.inflight) and not self.failures:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             return False
@@ -215,7 +212,7 @@ class Node:
         if self.tags and not self.failed.is_set():  # after a failed check, it is not worth it
             self.drain(5.0)
         self.stopping.set()
-        unraised = self.unraised()
+        unraised = bool(self.failures)
         windows = list(self.tags.values())
         for window in windows:
             with window.cond:
@@ -231,10 +228,6 @@ class Node:
                 f"last meshkit call, so nothing raised it:\n{type(left).__name__}: {left}\n"
             )
             self.on_unraised()
-
-    def unraised(self) -> bool:
-        """Whether a failure found after its call returned waits for a call to raise it."""
-        return bool(self.failures)
 
     def settle(self) -> None:
         """Raise the first disagreement a deferred check found since the last call, if any."""

@@ -15,15 +15,12 @@ from typing import Any, Protocol
 from ..core import compat as _compat
 
 # gRPC status codes the coordination service answers with (grpc/status.h).
-CANCELLED = 1
-UNKNOWN = 2
 DEADLINE_EXCEEDED = 4
-ABORTED = 10
-INTERNAL = 13
 UNAVAILABLE = 14
 # The codes of a service that is gone (its host exited, or the connection to it broke), as
-# opposed to one that is slow (DEADLINE_EXCEEDED) or refuses a request.
-GONE = frozenset({CANCELLED, UNKNOWN, ABORTED, INTERNAL, UNAVAILABLE})
+# opposed to one that is slow (DEADLINE_EXCEEDED) or refuses a request: CANCELLED, UNKNOWN,
+# ABORTED, INTERNAL and UNAVAILABLE.
+GONE = frozenset({1, 2, 10, 13, UNAVAILABLE})
 
 
 class Barrier(enum.Enum):
@@ -80,11 +77,6 @@ class JaxService:
     def __init__(self, client: Any) -> None:
         self._client = client
 
-    @staticmethod
-    def gone(error: BaseException) -> bool:
-        """Whether ``error``'s status code says the service itself is gone (`GONE`)."""
-        return _compat.service_error_code(error) in GONE
-
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
         self._client.key_value_set(key, value, allow_overwrite=overwrite)
 
@@ -108,11 +100,9 @@ class JaxService:
     def barrier(
         self, name: str, timeout: float, participants: Sequence[int] | None = None
     ) -> Barrier:
+        ids = None if participants is None else list(participants)
         try:
-            if participants is None:
-                self._client.wait_at_barrier(name, _ms(timeout))
-            else:
-                self._client.wait_at_barrier(name, _ms(timeout), list(participants))
+            self._client.wait_at_barrier(name, _ms(timeout), ids)
         except Exception as e:  # JaxRuntimeError: the barrier did not pass
             # Every status other than a deadline means the service will not let it pass (a
             # participant list of another process, a barrier spoiled earlier, a lost service):

@@ -6,6 +6,7 @@ deferred form: windows".
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -44,7 +45,7 @@ def agree_later(
     groups = dict(groups or {})
     node.stats.agreements += 1
     with window.cond:
-        while len(window.queue) + window.inflight >= MAX_PENDING and not node.unraised():
+        while len(window.queue) + window.inflight >= MAX_PENDING and not node.failures:
             window.cond.wait(0.1)
         window.queue.append(Call(summary, groups, record, time.monotonic(), timeout, on_outcome))
         window.on_outcome = on_outcome
@@ -55,13 +56,10 @@ def agree_later(
 
 def windowed(node: Node, tag: str) -> WindowState:
     """The state of a tag agreed after the call returns."""
-    window = node.tags.get(tag)  # a plain read first: after the first call, no lock is needed
-    if window is not None:
-        return window
-    with node.tags_lock:
-        if tag not in node.tags:
-            node.tags[tag] = WindowState(tag, node.channel())
-        return node.tags[tag]
+    window = node.tags.get(tag)
+    if window is None:  # the tag's first call (setdefault is atomic: two first calls share one)
+        window = node.tags.setdefault(tag, WindowState(tag, node.channel()))
+    return window
 
 
 def _ensure_thread(node: Node, window: WindowState) -> None:
@@ -90,16 +88,14 @@ def _run(node: Node, window: WindowState) -> None:
     while True:
         with cond:
             window.wanted = 1
-            idle_until = time.monotonic() + IDLE_S
-            while not window.queue and window.left is None and not stopping.is_set():
-                if not cond.wait(max(idle_until - time.monotonic(), 0.0)):
-                    if window.queue or window.left is not None:
-                        break
-                    window.wanted = 0  # idle: the tag's next call starts a thread again
-                    window.thread = None
-                    return
-            if me == 0:
-                _linger(node, window)
+            if not cond.wait_for(
+                lambda: window.queue or window.left is not None or stopping.is_set(), IDLE_S
+            ):
+                window.wanted = 0  # idle: the tag's next call starts a thread again
+                window.thread = None
+                return
+            if me == 0 and window.queue:  # let the window fill for `LINGER_S`
+                _await_calls(node, window, WINDOW, window.queue[0].arrived + LINGER_S)
             window.wanted = 0
             if stopping.is_set():
                 return
@@ -141,20 +137,23 @@ def _run(node: Node, window: WindowState) -> None:
             cond.notify_all()
 
 
-def _linger(node: Node, window: WindowState) -> None:
-    """Process 0, before it decides a window: let it fill for `LINGER_S` (``window.cond`` held)."""
-    window.wanted = WINDOW
+def _await_calls(node: Node, window: WindowState, want: int, until: float | None = None) -> None:
+    """Wait (``window.cond`` held) until the caller made ``want`` calls, or ``until`` passed.
+
+    A caller that waits for us (a waiting agreement drains) or left the tag makes no more.
+    """
+    window.wanted = want
     while (
-        window.queue
-        and len(window.queue) < WINDOW
+        len(window.queue) < want
         and window.left is None
         and not window.draining
         and not node.stopping.is_set()
     ):
-        remaining = window.queue[0].arrived + LINGER_S - time.monotonic()
+        remaining = 0.1 if until is None else until - time.monotonic()
         if remaining <= 0:
             break
         window.cond.wait(remaining)
+    window.wanted = 0
 
 
 def _decide(node: Node, tag: str, seq: int, offer: int, head: Call | None) -> str | None:
@@ -174,17 +173,7 @@ def _take(node: Node, window: WindowState, decided: str | None) -> tuple[list[Ca
             want = len(window.queue) if decided is None else min(1, len(window.queue))
         else:
             want = int(decided)
-            # Wait for the caller to make the window's calls, unless it waits for us (a waiting
-            # agreement drains) or left the tag: then the window is short, and flagged.
-            window.wanted = want
-            while (
-                len(window.queue) < want
-                and window.left is None
-                and not window.draining
-                and not node.stopping.is_set()
-            ):
-                window.cond.wait(0.1)
-            window.wanted = 0
+            _await_calls(node, window, want)  # if it stops short, the window is short, flagged
         taken = [window.queue.popleft() for _ in range(min(want, len(window.queue)))]
         window.inflight += len(taken)
         left = window.left if len(taken) < max(want, 1) or not taken else None
@@ -202,14 +191,9 @@ def _window(taken: list[Call], left: str | None, decided: str | None, head: Call
             entries.append({"summary": LEFT, "record": left, "groups": {}})
         return json.dumps(entries)
 
-    runs: list[list] = []  # [summary, count]
-    for c in taken:
-        if runs and (runs[-1][0] is c.summary or runs[-1][0] == c.summary):
-            runs[-1][1] += 1
-        else:
-            runs.append([c.summary, 1])
+    runs = [(s, len(list(run))) for s, run in itertools.groupby(c.summary for c in taken)]
     if left is not None:
-        runs.append([LEFT, 1])
+        runs.append((LEFT, 1))
     wanted = len(taken) if decided in (None, _LEFT_WINDOW) else int(decided)
     groups = {f"{i}/{name}": group for i, c in enumerate(taken) for name, group in c.groups.items()}
     if len(runs) == 1 and runs[0][1] == wanted:  # one run of the window's size: the same
@@ -255,7 +239,6 @@ def sync_point(node: Node, timeout: float) -> None:
     """
     if node.tags:
         here = node.channel()
-        mine = [t for t, w in list(node.tags.items()) if w.channel == here]
-        if mine:
-            node.drain(timeout + VERDICT_EXTRA_S, tags=mine)
+        mine = [w for w in list(node.tags.values()) if w.channel == here]
+        node.drain(timeout + VERDICT_EXTRA_S, mine)
     node.settle()

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..coord import agree as _agree
-from ..coord import combine as _coord_combine
+from ..coord import gather as _gather
 from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, ranges
@@ -117,7 +117,7 @@ def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> H
     if n == 1 or node is None:
         _TABLE = Hosts.of([here()])
         return _TABLE
-    got = _coord_combine.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
+    got = _gather.gather(node.service, me, n, _TAG, here(), _combine, timeout=timeout)
     if got.answer is None:
         raise MeshkitError(
             f"{what}: {_missing.did_not(got.missing, timeout=timeout)} to say which host it runs "

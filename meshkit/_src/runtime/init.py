@@ -14,13 +14,14 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
 
 from ..coord import agree as _agree
 from ..coord import failures as _failures
-from ..coord import save_step as _save_step
+from ..coord import gather as _gather
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
@@ -435,14 +436,15 @@ def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
     (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
     if n > 1:
         _failfast.install(
-            fail_fast, me, n, post=_failures.poster(me), poll=_failures.watcher(me),
-            wait=_failures.waiter(me), nudge=_failures.nudger(me), kept=_agree.take_unraised,
-            read=_failures.reader(),
+            fail_fast, me, n, post=partial(_failures.post_failure, me),
+            poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
+            nudge=partial(_failures.nudge, me), kept=_agree.take_unraised,
+            read=_failures.count_read,
         )  # fmt: skip
     if fail_fast is None:
         return
     if n > 1:  # the failure watch relays the others' notices
-        _preemption.install(me, seconds=grace, tell=_failures.teller(), sync=_save_step.syncer(me))
+        _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
     else:
         _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
 
