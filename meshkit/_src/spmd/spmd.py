@@ -24,21 +24,19 @@ from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..sharding.argument_plan import ArgumentPlan, argument_plan
-from ..sharding.spec_trees import (
-    align_specs,
-    describe_node,
-    has_mapping,
-    plain_specs,
-    to_spec_types,
-)
 from ..sharding.specs import (
+    align_specs,
     as_partition_spec,
     check_spec_for_mesh,
+    describe_node,
     dim_axes,
+    has_mapping,
     is_spec_leaf,
     map_specs,
     parse_spec,
+    plain_specs,
     spec_axes,
+    to_spec_types,
 )
 from . import placement as _placement
 from .placement import argnums, dynamic, failures_published, from_host, jit_over_shard_map
