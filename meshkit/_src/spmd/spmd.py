@@ -23,7 +23,7 @@ from ..core.errors import MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
-from ..sharding.argument_plan import ArgumentPlan, argument_plan
+from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
     align_specs,
     as_partition_spec,
