@@ -30,11 +30,10 @@ devices= with the {product} devices you mean to use."""
 def _axis_type(value: Any, where: str) -> AxisType:
     if isinstance(value, AxisType):
         return value
-    if isinstance(value, str):
-        for t in AxisType:
-            if t.name.lower() == value.lower():
-                return t
-    names = ", ".join(repr(t.name.lower()) for t in AxisType)
+    by_name = {t.name.lower(): t for t in AxisType}
+    if isinstance(value, str) and value.lower() in by_name:
+        return by_name[value.lower()]
+    names = ", ".join(map(repr, by_name))
     raise MeshkitError(
         f"meshkit.make_mesh: axis_types{where} must be a jax.sharding.AxisType or one of "
         f"{names}; got {value!r}."

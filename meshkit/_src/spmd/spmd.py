@@ -310,9 +310,7 @@ class MeshPlan:
         self.mesh = mesh
         self.what = f"meshkit.spmd({owner.name})"
 
-        def check(spec: Any, where: str) -> PartitionSpec:
-            return check_spec_for_mesh(spec, mesh, where)
-
+        check = lambda spec, where: check_spec_for_mesh(spec, mesh, where)  # noqa: E731
         self.in_specs = map_specs(check, owner.in_specs, f"{self.what}: in_specs")
         self.out_specs = map_specs(check, owner.out_specs, f"{self.what}: out_specs")
         # out_specs with mappings are matched to the outputs by keys (see `body`).
@@ -460,10 +458,9 @@ class MeshPlan:
         jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
 
     def steady(self, args: tuple[Any, ...]) -> Any:
-        """The jitted function when every leaf of ``args`` is placed as a past call put it."""
-        if self.owner.static_argnums:
-            return None
-        leaves, treedef = jax.tree_util.tree_flatten(args)
+        """The jitted function when every dynamic leaf is placed as a past call put it."""
+        static = self.owner.static_argnums
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
         layout = self.layouts.get(treedef)
         if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
             return layout.jitted
@@ -471,14 +468,12 @@ class MeshPlan:
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
+        jitted = self.steady(args)
+        if jitted is not None:
+            return (jitted.lower if lower else jitted)(*args)
         static = self.owner.static_argnums
-        dyn = dynamic(args, static) if static else args
+        dyn = dynamic(args, static)
         leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layouts.get(treedef)
-        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
-            # The steady state: every leaf already where in_specs puts it. A trace around
-            # the call changes nothing here: jit takes placed arrays as they are.
-            return (layout.jitted.lower if lower else layout.jitted)(*args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             # Traced inside another jit: host values are program constants, the same in every
             # process. Across processes they are put here (jit refuses host data with a sharding).
