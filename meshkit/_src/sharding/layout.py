@@ -124,10 +124,7 @@ def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) 
         blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
     else:
         blocks = {
-            d: tuple(
-                (i.start or 0, n if i.stop is None else i.stop)
-                for i, n in zip(at, shape, strict=True)
-            )
+            d: tuple(i.indices(n)[:2] for i, n in zip(at, shape, strict=True))
             for d, at in sharding.devices_indices_map(tuple(shape)).items()
         }
     owners = {d: int(d.process_index) for d in blocks}

@@ -329,13 +329,10 @@ def describe(mesh: Mesh) -> str:
         )
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
-    cols = shape[-1]
-    rows = [("", [f"{names[-1]}={j}" for j in range(cols)])]  # the column labels first
-    for idx in np.ndindex(*shape[:-1]):
+    rows = [("", [f"{names[-1]}={j}" for j in range(shape[-1])])]  # the column labels first
+    for idx, row in zip(np.ndindex(*shape[:-1]), devs.reshape(-1, shape[-1]), strict=True):
         label = " ".join(f"{n}={i}" for n, i in zip(names[:-1], idx, strict=True))
-        rows.append(
-            (label, [f"p{devs[*idx, j].process_index}/d{devs[*idx, j].id}" for j in range(cols)])
-        )
+        rows.append((label, [f"p{d.process_index}/d{d.id}" for d in row]))
     label_w = max(len(label) for label, _ in rows)
     cell_w = max(len(c) for _, cells in rows for c in cells)
     for label, cells in rows:

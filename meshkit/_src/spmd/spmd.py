@@ -394,10 +394,8 @@ class MeshPlan:
         if not self.keyed_out:
             return result
         treedef, order = back
-        leaves: list[Any] = [None] * len(order)
-        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
-            leaves[i] = leaf
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        by_index = dict(zip(order, jax.tree_util.tree_leaves(result), strict=True))
+        return jax.tree_util.tree_unflatten(treedef, [by_index[i] for i in range(len(order))])
 
     def check_args(self, flat: list[Any], layout: Layout) -> None:
         """Rank and divisibility of every leaf against its spec, with dims named."""
@@ -536,13 +534,12 @@ def _leaf_specs(
     """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
     keystr = jax.tree_util.keystr
     out: list[tuple[PartitionSpec, Any, str]] = []
-    for i, arg in enumerate(dyn):
 
-        def visit(at: Any, s: PartitionSpec, r: Any, sub: Any, i: int = i) -> None:
-            for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                out.append((s, r, f"args[{i}]{keystr(at)}{keystr(p)}"))
+    def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> None:
+        for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
+            out.append((s, r, f"args{keystr(at)}{keystr(p)}"))  # args[i] and the path in it
 
-        jax.tree_util.tree_map_with_path(visit, specs[i], raws[i], arg, is_leaf=is_spec_leaf)
+    jax.tree_util.tree_map_with_path(visit, specs, raws, dyn, is_leaf=is_spec_leaf)
     return out
 
 
