@@ -273,18 +273,15 @@ def spmd(
         >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
         [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
     """
-
-    def wrap(fn: Callable[..., Any]) -> SpmdFunction:
-        return SpmdFunction(
-            fn,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            check_vma=check_vma,
-            donate_argnums=donate_argnums,
-            static_argnums=static_argnums,
-        )
-
+    wrap = functools.partial(
+        SpmdFunction,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=check_vma,
+        donate_argnums=donate_argnums,
+        static_argnums=static_argnums,
+    )
     return wrap if f is None else wrap(f)
 
 
@@ -478,10 +475,9 @@ class MeshPlan:
             layout = self.layout(dyn, treedef)
             flat = leaves
             if self.multiprocess and layout.plan is not None:
-                targets = layout.plan.targets
                 flat = [
                     from_host(x, t) if _placement.is_host(x) else x
-                    for x, t in zip(leaves, targets, strict=True)
+                    for x, t in zip(leaves, layout.plan.targets, strict=True)
                 ]
         elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
             # This process's parts, assembled into global arrays. The layout is made inside
