@@ -1,4 +1,4 @@
-"""meshkit._src.sharding.argument_plan: the plan spmd and pmap_compat share, checked against JAX."""
+"""meshkit._src.sharding.layout.argument_plan: the plan spmd and pmap_compat share, checked against JAX."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit._src.sharding import layout
-from meshkit._src.sharding.argument_plan import argument_plan
+from meshkit._src.sharding.layout import argument_plan
 
 
 @pytest.fixture
@@ -27,7 +27,6 @@ def test_plan_is_cached_and_shares_one_sharding_per_spec(mesh: jax.sharding.Mesh
     assert tuple(t.spec for t in plan.targets) == specs
     assert plan.sharding(P("data")) is plan.targets[0]
     assert plan.sharding(P("model")) == NamedSharding(mesh, P("model"))
-    assert not plan.multiprocess
 
 
 def test_placed_only_when_every_leaf_has_its_target(mesh: jax.sharding.Mesh) -> None:

@@ -20,8 +20,7 @@ from jax.sharding import PartitionSpec as P
 import meshkit
 from meshkit import collectives as C
 from meshkit._src.core.trees import broadcast_prefix
-from meshkit._src.sharding.spec_trees import SpecTreeError, align_specs, plain_specs
-from meshkit._src.sharding.specs import is_spec_leaf
+from meshkit._src.sharding.specs import SpecTreeError, align_specs, is_spec_leaf, plain_specs
 from meshkit.testing import reference_spmd
 
 

@@ -26,8 +26,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._src.core.errors import MeshkitError
 from .._src.sharding.layout import process_slice
-from .._src.sharding.spec_trees import align_specs, map_under_specs, plain_specs
-from .._src.sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, map_specs
+from .._src.sharding.specs import (
+    align_specs,
+    check_spec_for_mesh,
+    dim_axes,
+    is_spec_leaf,
+    map_specs,
+    map_under_specs,
+    plain_specs,
+)
 from .._src.spmd import axis_collectives as _axis_collectives
 
 __all__ = ["assert_spmd_matches_reference", "reference_spmd"]

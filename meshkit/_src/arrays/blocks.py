@@ -19,8 +19,14 @@ from ..core import canonical as _canonical
 from ..core.errors import MeshkitError
 from ..core.trees import broadcast_prefix
 from ..sharding import layout as _layout
-from ..sharding.spec_trees import align_specs, plain_specs
-from ..sharding.specs import check_spec_for_mesh, dim_axes, is_spec_leaf, parse_spec
+from ..sharding.specs import (
+    align_specs,
+    check_spec_for_mesh,
+    dim_axes,
+    is_spec_leaf,
+    parse_spec,
+    plain_specs,
+)
 from .dtypes import Note, cast, pads, who
 from .records import LeafRecord, PartRecord, summary
 

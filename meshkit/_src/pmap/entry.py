@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
 from ..core.trees import broadcast_prefix, prefix_mismatch
-from ..sharding.argument_plan import ArgumentPlan, argument_plan
+from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance

@@ -2,7 +2,8 @@
 
 A process's local array is, along each dimension, the distinct ranges its devices hold, in
 increasing order, concatenated (docs/data-pipelines.md). `global_array_from_local`,
-`local_from_global`, `gather` and `process_slice` all follow the cached `plan`.
+`local_from_global`, `gather` and `process_slice` all follow the cached `plan`. `spmd` and
+`pmap_compat` place a call's leaves by an `ArgumentPlan`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import itertools
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -123,14 +124,52 @@ def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) 
         blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
     else:
         blocks = {
-            d: tuple(
-                (i.start or 0, n if i.stop is None else i.stop)
-                for i, n in zip(at, shape, strict=True)
-            )
+            d: tuple(i.indices(n)[:2] for i, n in zip(at, shape, strict=True))
             for d, at in sharding.devices_indices_map(tuple(shape)).items()
         }
     owners = {d: int(d.process_index) for d in blocks}
     return plan_from_blocks(blocks, owners, shape, process)
+
+
+@dataclass(frozen=True, eq=False)
+class ArgumentPlan:
+    """Each leaf of one call structure: its target sharding (equal specs share one object), name."""
+
+    mesh: Mesh
+    targets: tuple[NamedSharding, ...]
+    paths: tuple[str, ...]
+    _compare: list[Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_compare", list(self.targets))
+
+    def placed(self, leaves: Sequence[Any]) -> bool:
+        """Whether every leaf is an array laid out as its target already: one list comparison.
+
+        The shardings of a call that passes replace equal ones, so the next compares by identity.
+        """
+        now = [getattr(leaf, "sharding", None) for leaf in leaves]
+        if now != self._compare:
+            return False
+        self._compare[:] = now
+        return True
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """The target object of ``spec`` where a leaf has it (outputs share it), else a new one."""
+        for target in self.targets:
+            if target.spec == spec:
+                return target
+        return NamedSharding(self.mesh, spec)
+
+
+@_caches.cached(maxsize=256)
+def argument_plan(
+    mesh: Mesh, specs: tuple[PartitionSpec, ...], paths: tuple[str, ...]
+) -> ArgumentPlan:
+    """The cached plan of leaves with ``specs`` (one per leaf) on ``mesh``."""
+    by_spec: dict[PartitionSpec, NamedSharding] = {}
+    targets = tuple(by_spec.setdefault(s, NamedSharding(mesh, s)) for s in specs)
+    return ArgumentPlan(mesh, targets, paths)
 
 
 def merged(intervals: Sequence[Interval]) -> tuple[Interval, ...]:

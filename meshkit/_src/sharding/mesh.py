@@ -30,11 +30,10 @@ devices= with the {product} devices you mean to use."""
 def _axis_type(value: Any, where: str) -> AxisType:
     if isinstance(value, AxisType):
         return value
-    if isinstance(value, str):
-        for t in AxisType:
-            if t.name.lower() == value.lower():
-                return t
-    names = ", ".join(repr(t.name.lower()) for t in AxisType)
+    by_name = {t.name.lower(): t for t in AxisType}
+    if isinstance(value, str) and value.lower() in by_name:
+        return by_name[value.lower()]
+    names = ", ".join(map(repr, by_name))
     raise MeshkitError(
         f"meshkit.make_mesh: axis_types{where} must be a jax.sharding.AxisType or one of "
         f"{names}; got {value!r}."
@@ -330,13 +329,10 @@ def describe(mesh: Mesh) -> str:
         )
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
-    cols = shape[-1]
-    rows = [("", [f"{names[-1]}={j}" for j in range(cols)])]  # the column labels first
-    for idx in np.ndindex(*shape[:-1]):
+    rows = [("", [f"{names[-1]}={j}" for j in range(shape[-1])])]  # the column labels first
+    for idx, row in zip(np.ndindex(*shape[:-1]), devs.reshape(-1, shape[-1]), strict=True):
         label = " ".join(f"{n}={i}" for n, i in zip(names[:-1], idx, strict=True))
-        rows.append(
-            (label, [f"p{devs[*idx, j].process_index}/d{devs[*idx, j].id}" for j in range(cols)])
-        )
+        rows.append((label, [f"p{d.process_index}/d{d.id}" for d in row]))
     label_w = max(len(label) for label, _ in rows)
     cell_w = max(len(c) for _, cells in rows for c in cells)
     for label, cells in rows:

@@ -20,7 +20,7 @@ from ..arrays.dtypes import calling
 from ..coord import channel as _channel
 from ..core.errors import MeshkitError
 from ..debug import divergence as debug
-from ..sharding.argument_plan import ArgumentPlan
+from ..sharding.layout import ArgumentPlan
 
 
 def argnums(
@@ -77,7 +77,7 @@ def put_host(
     host = [i for i, leaf in enumerate(leaves) if is_host(leaf) and not is_abstract(leaf)]
     if not host:
         return leaves
-    if plan.multiprocess:
+    if plan.mesh.is_multi_process:
         placed = assemble(plan, leaves, host, what=what, tag=tag, treedef=treedef)
     else:
         placed = jax.device_put([leaves[i] for i in host], [plan.targets[i] for i in host])

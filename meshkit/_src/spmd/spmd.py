@@ -23,22 +23,20 @@ from ..core.errors import MeshkitError
 from ..core.frames import user_stacklevel
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
-from ..sharding.argument_plan import ArgumentPlan, argument_plan
-from ..sharding.spec_trees import (
-    align_specs,
-    describe_node,
-    has_mapping,
-    plain_specs,
-    to_spec_types,
-)
+from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
+    align_specs,
     as_partition_spec,
     check_spec_for_mesh,
+    describe_node,
     dim_axes,
+    has_mapping,
     is_spec_leaf,
     map_specs,
     parse_spec,
+    plain_specs,
     spec_axes,
+    to_spec_types,
 )
 from . import placement as _placement
 from .placement import argnums, dynamic, failures_published, from_host, jit_over_shard_map
@@ -275,18 +273,15 @@ def spmd(
         >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
         [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
     """
-
-    def wrap(fn: Callable[..., Any]) -> SpmdFunction:
-        return SpmdFunction(
-            fn,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            check_vma=check_vma,
-            donate_argnums=donate_argnums,
-            static_argnums=static_argnums,
-        )
-
+    wrap = functools.partial(
+        SpmdFunction,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=check_vma,
+        donate_argnums=donate_argnums,
+        static_argnums=static_argnums,
+    )
     return wrap if f is None else wrap(f)
 
 
@@ -312,9 +307,7 @@ class MeshPlan:
         self.mesh = mesh
         self.what = f"meshkit.spmd({owner.name})"
 
-        def check(spec: Any, where: str) -> PartitionSpec:
-            return check_spec_for_mesh(spec, mesh, where)
-
+        check = lambda spec, where: check_spec_for_mesh(spec, mesh, where)  # noqa: E731
         self.in_specs = map_specs(check, owner.in_specs, f"{self.what}: in_specs")
         self.out_specs = map_specs(check, owner.out_specs, f"{self.what}: out_specs")
         # out_specs with mappings are matched to the outputs by keys (see `body`).
@@ -398,10 +391,8 @@ class MeshPlan:
         if not self.keyed_out:
             return result
         treedef, order = back
-        leaves: list[Any] = [None] * len(order)
-        for i, leaf in zip(order, jax.tree_util.tree_leaves(result), strict=True):
-            leaves[i] = leaf
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        by_index = dict(zip(order, jax.tree_util.tree_leaves(result), strict=True))
+        return jax.tree_util.tree_unflatten(treedef, [by_index[i] for i in range(len(order))])
 
     def check_args(self, flat: list[Any], layout: Layout) -> None:
         """Rank and divisibility of every leaf against its spec, with dims named."""
@@ -462,10 +453,9 @@ class MeshPlan:
         jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
 
     def steady(self, args: tuple[Any, ...]) -> Any:
-        """The jitted function when every leaf of ``args`` is placed as a past call put it."""
-        if self.owner.static_argnums:
-            return None
-        leaves, treedef = jax.tree_util.tree_flatten(args)
+        """The jitted function when every dynamic leaf is placed as a past call put it."""
+        static = self.owner.static_argnums
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
         layout = self.layouts.get(treedef)
         if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
             return layout.jitted
@@ -473,24 +463,21 @@ class MeshPlan:
 
     def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
+        jitted = self.steady(args)
+        if jitted is not None:
+            return (jitted.lower if lower else jitted)(*args)
         static = self.owner.static_argnums
-        dyn = dynamic(args, static) if static else args
+        dyn = dynamic(args, static)
         leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layouts.get(treedef)
-        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
-            # The steady state: every leaf already where in_specs puts it. A trace around
-            # the call changes nothing here: jit takes placed arrays as they are.
-            return (layout.jitted.lower if lower else layout.jitted)(*args)
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             # Traced inside another jit: host values are program constants, the same in every
             # process. Across processes they are put here (jit refuses host data with a sharding).
             layout = self.layout(dyn, treedef)
             flat = leaves
             if self.multiprocess and layout.plan is not None:
-                targets = layout.plan.targets
                 flat = [
                     from_host(x, t) if _placement.is_host(x) else x
-                    for x, t in zip(leaves, targets, strict=True)
+                    for x, t in zip(leaves, layout.plan.targets, strict=True)
                 ]
         elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
             # This process's parts, assembled into global arrays. The layout is made inside
@@ -543,13 +530,12 @@ def _leaf_specs(
     """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
     keystr = jax.tree_util.keystr
     out: list[tuple[PartitionSpec, Any, str]] = []
-    for i, arg in enumerate(dyn):
 
-        def visit(at: Any, s: PartitionSpec, r: Any, sub: Any, i: int = i) -> None:
-            for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                out.append((s, r, f"args[{i}]{keystr(at)}{keystr(p)}"))
+    def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> None:
+        for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
+            out.append((s, r, f"args{keystr(at)}{keystr(p)}"))  # args[i] and the path in it
 
-        jax.tree_util.tree_map_with_path(visit, specs[i], raws[i], arg, is_leaf=is_spec_leaf)
+    jax.tree_util.tree_map_with_path(visit, specs, raws, dyn, is_leaf=is_spec_leaf)
     return out
 
 

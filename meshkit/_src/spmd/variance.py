@@ -43,11 +43,8 @@ _SPREADING = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_sc
 
 
 def _axes_of(params: dict[str, Any]) -> tuple[Hashable, ...]:
-    for key in ("axes", "axis_name"):
-        if key in params:
-            value = params[key]
-            return tuple(value) if isinstance(value, tuple | list) else (value,)
-    return ()
+    value = params.get("axes", params.get("axis_name", ()))
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
 
 
 def _open(jaxpr: Any) -> Any:
@@ -143,10 +140,8 @@ def shard_map_outputs(
     jaxpr: Any, axis: Hashable, mapped_inputs: Sequence[bool]
 ) -> list[Variance] | None:
     """The variance over ``axis`` of the outputs of the first shard_map in ``jaxpr`` (or None)."""
-    inner = _open(jaxpr)
-    for eqn in inner.eqns:
+    for eqn in _open(jaxpr).eqns:
         if eqn.primitive.name == "shard_map":
-            body = eqn.params["jaxpr"]
             inputs = [VARYING if m else INVARIANT for m in mapped_inputs]
-            return _Analysis(axis).run(body, inputs)
+            return _Analysis(axis).run(eqn.params["jaxpr"], inputs)
     return None
