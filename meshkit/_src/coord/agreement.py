@@ -1,8 +1,8 @@
 """The one agreement primitive: a record per process, one decision, keyed by a sequence.
 
 A digest the agreed history predicts waits at the sequence's service barrier (one round trip);
-any other takes the counted path. The protocol, its round trips and why ``ok`` is exact:
-docs/coordination.md, "The agreement primitive".
+any other at the barrier the digest names, then, not passed, takes the counted path. The
+protocol, its round trips and why ``ok`` is exact: docs/coordination.md, "The agreement primitive".
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class Sequence:
     period: int = 0  # the history's period while calls repeat it (0: to be found)
     uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
     epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
+    differed: int = 0  # agreements that did not agree (each renames the digest barriers)
+    inside: int = 0  # agreements under way (while any is, the caller's moving place is not true)
     blocks: set[int] = field(default_factory=set)  # key blocks written (process 0 deletes them)
 
 
@@ -136,8 +138,27 @@ def agree(
     ``site``). Raises a `DivergenceError` (``field == "order"``) when the processes are at
     different sites.
     """
-    groups = dict(groups or {})
     state = _state(node, sequence)
+    state.inside += 1
+    try:
+        return _agree(
+            node, state, sequence, site, summary, record, timeout, dict(groups or {}), what
+        )
+    finally:
+        state.inside -= 1
+
+
+def _agree(
+    node: Node,
+    state: Sequence,
+    sequence: str,
+    site: str,
+    summary: str,
+    record: RecordText,
+    timeout: float,
+    groups: Mapping[str, Group],
+    what: str,
+) -> Outcome:
     mine = digest(site, summary, groups)
     with state.lock:
         k, base = state.next, f"{sequence}/e{state.epoch}"
@@ -145,6 +166,7 @@ def agree(
         use = state.uses.get(site, 0)
         state.uses[site] = use + 1
         predicted, state.period = predict(state.history, state.period)
+        differed = state.differed
     flagged = mine != predicted
     node.stats.agreements += 1
     deadline = time.monotonic() + timeout
@@ -156,7 +178,9 @@ def agree(
 
     if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
         return agreed()
-    where = _where() if flagged else ""
+    if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
+        return agreed()
+    where = _where(3) if flagged else ""
     entry = Entry(site, what or site, where, summary, record, groups, full=False)
     _collect_garbage(node, state, base, k)
     if flagged:
@@ -173,7 +197,7 @@ def agree(
     if verdict == OK:
         return agreed()
     if not entry.where:
-        entry.where = _where()
+        entry.where = _where(3)
     arrived = node.n if verdict is not None else total & ARRIVALS
     grace = min(timeout, 30.0)
     if verdict == POST:  # compared by every process on the summaries alone
@@ -187,6 +211,7 @@ def agree(
     entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
     with state.lock:
         state.history.clear()  # every process compares again
+        state.differed += 1
     _raise_if_elsewhere(node.me, entries, sequence)
     missing = tuple(p for p in range(node.n) if p not in entries)
     # Who stopped waiting before this process came; none when this process gave up itself.
@@ -205,6 +230,7 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
         state.next += 1
         predicted, _ = predict(state.history, state.period)
         state.history.clear()
+        state.differed += 1  # the others do not agree here either
     if predicted is not None:
         _fast(node, base, 0.0, unflagged=False)
     entry = Entry(site, site, _where(), LEFT, record)
@@ -228,6 +254,18 @@ def _fast(node: Node, base: str, timeout: float, *, unflagged: bool) -> bool:
     return False
 
 
+def _same_digest(node: Node, base: str, differed: int, mine: str, timeout: float) -> bool:
+    """Whether every process arrived at the barrier named by ``mine`` (at most `FAST_S`).
+
+    A digest no history predicts (a new layout, a sequence that does not repeat): processes
+    with equal digests meet in one round trip. Each process uses a name exactly when the
+    others do while they agree; an agreement that did not agree renames them all
+    (``differed``), so a name one process used alone is not used again.
+    """
+    name = f"meshkit/b/{base}/d{differed}/{mine}"
+    return node.service.barrier(name, min(timeout, FAST_S)) is Barrier.PASSED
+
+
 def _wait(
     node: Node, sequence: str, base: str, k: int, deadline: float, entry: Entry
 ) -> str | None:
@@ -245,7 +283,7 @@ def _wait(
             if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
                 return verdict
             if waiting is None:
-                entry.where = entry.where or _where(3)
+                entry.where = entry.where or _where(4)
                 place = _places.Place(sequence, "", k, entry.what, entry.where)
                 waiting = _places.Waiting(node, place)
             waiting.look()

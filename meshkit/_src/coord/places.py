@@ -160,7 +160,9 @@ class Moving:
     def look(self) -> DivergenceError | None:
         """In the watch's thread: post the caller's place if it stays in a step; a notice found."""
         steps = self.steps
-        if steps == 0 or self.asking or steps != self.seen or self.frame is None:
+        state = self.node.sequences.get(self.sequence)
+        agreeing = state is not None and state.inside  # its place is the agreement's
+        if steps == 0 or self.asking or agreeing or steps != self.seen or self.frame is None:
             self.seen = steps
             if self.waiting is not None:
                 self.waiting.end()
