@@ -172,14 +172,13 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         return math.prod(b - a for a, b in block) * itemsizes[i]
 
     width = max(1, *(sum(nbytes(i, b) for i, bs in enumerate(per) for b in bs) for per in owned))
-    payload = np.zeros(width, np.uint8)
-    at = 0
+    sent = []
     for i, (_, leaf) in enumerate(leaves):
         shards = {plans[i].blocks[s.device]: s.data for s in leaf.addressable_shards}
-        for data in jax.device_get([shards[b] for b in owned[me][i]]):
-            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-            payload[at : at + raw.size] = raw
-            at += raw.size
+        sent += [shards[b] for b in owned[me][i]]
+    raw = [np.ascontiguousarray(data).view(np.uint8).reshape(-1) for data in jax.device_get(sent)]
+    payload = np.zeros(width, np.uint8)
+    payload[: sum(r.size for r in raw)] = np.concatenate([np.empty(0, np.uint8), *raw])
     one: dict[int, Any] = {}  # each process's device of lowest id
     for d in sorted((d for _, x in leaves for d in x.sharding.device_set), key=lambda d: d.id):
         one.setdefault(int(d.process_index), d)
