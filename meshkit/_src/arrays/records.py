@@ -68,9 +68,7 @@ class PartRecord:
     leaves: tuple[LeafRecord, ...] | None = None  # one per array, in flattening order
     block_rows: int | None = None  # with pad=True, the rows per block it needs (largest wins)
     message: str | None = None  # with status "error", the failure, for the others' messages
-    replicas: dict[str, tuple[int, str]] | None = (
-        None  # blocks others hold: name -> (holder, digest)
-    )
+    replicas: dict[str, tuple[int, str]] | None = None  # shared: name -> (holder, digest)
     rows: int | None = None  # global_batches: the rows of its batch (not with pad="ragged")
     last: bool | None = None  # at a step of uneven rows: whether a shorter batch is its last
     steps: int | None = None  # with status "closed", the steps its caller took before it closed

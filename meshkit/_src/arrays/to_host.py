@@ -215,20 +215,24 @@ def _agree_on_call(
     to: int | str, leaves: list[tuple[str, jax.Array]], treedef: Any, what: str
 ) -> None:
     """Raise on every process unless all gather the same arrays to the same place (else: hang)."""
-    shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
-    mine = json.dumps({"to": to, "structure": _canonical.structure(treedef), "leaves": shapes})
+    shapes = ", ".join(f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves)
+    said = {  # each as the message shows it
+        "to": f"to={to!r}",
+        "structure": f"a pytree {_canonical.structure(treedef)}",
+        "leaves": f"leaves [{shapes}]",
+    }
     records = agree_on(
-        _channel.scoped("gather", what), mine, what, arrive="call gather",
+        _channel.scoped("gather", what), json.dumps(said), what, arrive="call gather",
         did=f"; this process (process {jax.process_index()}) did",
         rule="Every process must call gather, the same number of times and in the same order "
         "(it is a collective).",
     )  # fmt: skip
     if records is None:
         return
-    calls = [(p, json.loads(r)) for p, r in records.items()]
+    calls = {p: json.loads(r) for p, r in records.items()}
     groups: dict[str, list[int]] = {}
-    for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
-        groups = _missing.by_value({p: shown + _shown(call[key]) for p, call in calls})
+    for key in said:  # the first that differs
+        groups = _missing.by_value({p: call[key] for p, call in calls.items()})
         if len(groups) > 1:
             break
     raise MeshkitError(
@@ -237,9 +241,3 @@ def _agree_on_call(
         "process gathering to another place would wait for ever).\nConsider computing to= "
         "from values every process shares (to=0, not to=jax.process_index())."
     )
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(map(str, value)) + "]"
-    return repr(value) if isinstance(value, str) and value == "all" else str(value)
