@@ -206,14 +206,12 @@ def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | No
     def is_shape(x: Any) -> bool:
         return isinstance(x, tuple | list) and all(isinstance(s, int) for s in x)
 
-    if is_shape(global_shape):
-        if len(paths) != 1:
-            raise MeshkitError(
-                f"{who()}: global_shape={tuple(global_shape)} is one shape, but local holds "
-                f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
-                "\nConsider a pytree of shapes with local's structure."
-            )
-        return [tuple(global_shape)]
+    if is_shape(global_shape) and len(paths) != 1:
+        raise MeshkitError(
+            f"{who()}: global_shape={tuple(global_shape)} is one shape, but local holds "
+            f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
+            "\nConsider a pytree of shapes with local's structure."
+        )
     shapes = jax.tree_util.tree_leaves(global_shape, is_leaf=is_shape)
     if len(shapes) != len(paths) or not all(is_shape(s) for s in shapes):
         raise MeshkitError(

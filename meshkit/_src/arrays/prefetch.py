@@ -223,9 +223,9 @@ class Ahead:
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
-        mesh_or_sharding, spec = self.args
-        pad = self.assembly.pad
-        return prepare(local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=pad)
+        return prepare(
+            local, *self.args, global_shape=None, dtype=self.dtype, pad=self.assembly.pad
+        )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
