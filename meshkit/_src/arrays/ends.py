@@ -526,10 +526,8 @@ def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
         tag + "/start", mine, what, arrive="reach this call", did="",
         rule="Every process must resume its iterator at the same position.",
     )  # fmt: skip
-    if said is None:
-        return
-    if problem is not None:
-        raise MeshkitError(problem)
+    if said is None or problem is not None:
+        return  # agreed, or this process's own problem is raised (by open_source)
     records = {p: json.loads(v) for p, v in sorted(said.items())}
     for p, record in records.items():
         if record["problem"] is not None:
