@@ -13,7 +13,7 @@ import json
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,19 +53,6 @@ class _Pulled:
     local: Any = None
     error: BaseException | None = None
     state: Any = None  # the source's position right after this read (``capture``)
-
-
-def _pull(source: Iterator[Any], capture: Callable[[], Any] | None) -> _Pulled:
-    try:
-        try:
-            pulled = _Pulled("data", next(source))
-        except StopIteration:
-            pulled = _Pulled("end")
-        if capture is not None:
-            pulled.state = capture()
-    except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
-        return _Pulled("error", error=e)
-    return pulled
 
 
 class Handoff:
@@ -211,15 +198,25 @@ class Ahead:
         batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
         return max(1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch)))
 
+    def _pull(self) -> _Pulled:
+        try:
+            try:
+                pulled = _Pulled("data", next(self.opened.source))
+            except StopIteration:
+                pulled = _Pulled("end")
+            if self.opened.capture is not None:
+                pulled.state = self.opened.capture()
+        except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
+            return _Pulled("error", error=e)
+        return pulled
+
     def _next(self) -> _Pulled:
-        return (
-            self._ahead.popleft() if self._ahead else _pull(self.opened.source, self.opened.capture)
-        )
+        return self._ahead.popleft() if self._ahead else self._pull()
 
     def _peek(self) -> bool | None:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
-            self._ahead.append(_pull(self.opened.source, self.opened.capture))
+            self._ahead.append(self._pull())
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
