@@ -161,9 +161,8 @@ def _fix(field_name: str, values: list[Any]) -> str:
     if field_name == "split":
         return "Consider the same spec for this array on every process."
     # With pad on, the leading size is "?" (agreed separately): what differs is beyond it.
-    leading_only = len({json.dumps(v[1:]) for v in values}) == 1 and all(
-        v and v[0] != "?" for v in values
-    )
+    beyond = {json.dumps(v[1:]) for v in values}
+    leading_only = len(beyond) == 1 and all(v and v[0] != "?" for v in values)
     if not leading_only:
         return (
             "Only the leading (batch) dimension may differ between processes, and only with "
