@@ -134,19 +134,13 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
     copied); elsewhere distinct blocks go in one batched put and replicas device to device.
     """
     jobs = [(leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves]
-    if prepared.mask_plan is not None:
-        assert prepared.mask_rows is not None
-        assert prepared.mask_sharding is not None
-        real, rows = prepared.mask_rows
-        mask = np.zeros(rows, bool)
-        mask[:real] = True
-        jobs.append((mask, prepared.mask_plan, prepared.mask_sharding))
+    if prepared.mask is not None:
+        jobs.append(prepared.mask)
     if _all_from_host(prepared):
         return [_from_host(value, plan, sharding) for value, plan, sharding in jobs]
-    first = [(i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements if pl.first]
-    rest = [
-        (i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements if not pl.first
-    ]
+    placements = [(i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements]
+    first = [(i, pl) for i, pl in placements if pl.first]
+    rest = [(i, pl) for i, pl in placements if not pl.first]
     placed = jax.device_put(
         [jobs[i][0][pl.local_index] for i, pl in first], [pl.device for _, pl in first]
     )

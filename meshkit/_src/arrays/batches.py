@@ -107,7 +107,6 @@ class GlobalBatches(Iterator[Any]):
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
         self._done = threading.Event()
-        self._ended = False  # the data ended, or the iterator failed: a close tells nobody
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
         self._left = False  # this process said how it left the loop (`closes.leave`)
@@ -176,14 +175,14 @@ class GlobalBatches(Iterator[Any]):
     def _next(self) -> Any:
         item = self._handoff.get()
         if isinstance(item, _prefetch.Failure):
-            self._end()
+            self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item.error
         if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:
-            self._end()  # every process ends at this step
+            self._done.set()  # every process ends at this step
             self._leave(_ends.ENDED)
             self._report(final=True)
             raise StopIteration
@@ -195,7 +194,7 @@ class GlobalBatches(Iterator[Any]):
                 self.steps += 1
                 self._state = item[3]  # the source's position right after this step's read
             else:
-                self._end()
+                self._done.set()
         if error is not None:
             self._leave(_ends.ASKS)
             raise error
@@ -207,10 +206,6 @@ class GlobalBatches(Iterator[Any]):
         self.rows += rows
         self._report()
         return batch
-
-    def _end(self) -> None:
-        self._ended = True
-        self._done.set()
 
     def _went_on_error(self, *, took: bool) -> DivergenceError | None:
         """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
@@ -297,9 +292,10 @@ class GlobalBatches(Iterator[Any]):
         with self._lock:
             if self._stop.is_set():
                 return None  # closed before (the helper has been waited for then)
+            ended = self._done.is_set()  # the data ended, or the iterator failed: tell nobody
             self._done.set()
             self._stop.set()
-            post = self._together and not self._ended and self._node is not None
+            post = self._together and not ended and self._node is not None
             if post:
                 self._closed_after = self.steps
         self._handoff.put(_CLOSED)
@@ -365,12 +361,8 @@ class GlobalBatches(Iterator[Any]):
             return
         self._reported = now
         state = "done" if final else "running"
-        say(
-            _LOG,
-            logging.INFO,
-            f"{_WHAT}: {state}, step {self.steps}, {self.rows} rows, "
-            f"{self.rows_per_second:,.0f} rows/s\n",
-        )
+        rate = f"{self.rows_per_second:,.0f} rows/s"
+        say(_LOG, logging.INFO, f"{_WHAT}: {state}, step {self.steps}, {self.rows} rows, {rate}\n")
 
     def _work(self) -> None:
         with _channel.channel(self._tag), calling(_WHAT, pads=True):

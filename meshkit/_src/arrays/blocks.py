@@ -63,8 +63,7 @@ class Prepared:
     treedef: Any
     leaves: list[Leaf]
     mask_sharding: NamedSharding | None = None
-    mask_rows: tuple[int, int] | None = None  # (real rows, padded rows) of the local mask
-    mask_plan: _layout.Plan | None = None
+    mask: tuple[np.ndarray, _layout.Plan, NamedSharding] | None = None  # with pad, once padded
     notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
     template: Template | None = None  # the layout was seen before: leaves planned already
 
@@ -213,14 +212,12 @@ def _shape_for(global_shape: Any, paths: list[str]) -> list[tuple[int, ...] | No
     def is_shape(x: Any) -> bool:
         return isinstance(x, tuple | list) and all(isinstance(s, int) for s in x)
 
-    if is_shape(global_shape):
-        if len(paths) != 1:
-            raise MeshkitError(
-                f"{who()}: global_shape={tuple(global_shape)} is one shape, but local holds "
-                f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
-                "\nConsider a pytree of shapes with local's structure."
-            )
-        return [tuple(global_shape)]
+    if is_shape(global_shape) and len(paths) != 1:
+        raise MeshkitError(
+            f"{who()}: global_shape={tuple(global_shape)} is one shape, but local holds "
+            f"{len(paths)} arrays ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})."
+            "\nConsider a pytree of shapes with local's structure."
+        )
     shapes = jax.tree_util.tree_leaves(global_shape, is_leaf=is_shape)
     if len(shapes) != len(paths) or not all(is_shape(s) for s in shapes):
         raise MeshkitError(
@@ -244,22 +241,19 @@ def prepare_leaves(
 
     `meshkit.spmd` enters here with its host arguments, named as its messages name them.
     """
-    me = jax.process_index()
-    checked_meshes: set[int] = set()
+    me, count = jax.process_index(), jax.process_count()
     leaves = []
     notes: list[Note] = []
     for (path, leaf), (mesh, spec_like), given in zip(named, pairs, shapes, strict=True):
-        if id(mesh) not in checked_meshes:
-            checked_meshes.add(id(mesh))
-            processes, count = _processes_of(mesh), jax.process_count()
-            if processes != set(range(count)):
-                raise MeshkitError(
-                    f"{who()}: the mesh {dict(mesh.shape)} holds devices of processes "
-                    f"{sorted(processes)}, but the program has {count} processes; a global "
-                    "array needs a mesh over every process's devices.\nConsider "
-                    "meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
-                    "jax.local_devices()."
-                )
+        processes = _processes_of(mesh)
+        if len(processes) != count:
+            raise MeshkitError(
+                f"{who()}: the mesh {dict(mesh.shape)} holds devices of processes "
+                f"{sorted(processes)}, but the program has {count} processes; a global "
+                "array needs a mesh over every process's devices.\nConsider "
+                "meshkit.make_mesh(...) (all devices of all processes), not a mesh of "
+                "jax.local_devices()."
+            )
         partition = check_spec_for_mesh(
             spec_like if spec_like is not None else PartitionSpec(), mesh, f"{who()}: spec"
         )
@@ -390,10 +384,10 @@ def finish_padding(prepared: Prepared, block_rows: int) -> None:
             leaf.value = padded
         leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
-    first = prepared.leaves[0]
-    prepared.mask_rows = (first.rows, first.value.shape[0])
-    assert prepared.mask_sharding is not None
-    prepared.mask_plan = _layout.plan(prepared.mask_sharding, first.global_shape[:1], me)
+    first, sharding = prepared.leaves[0], prepared.mask_sharding
+    assert sharding is not None
+    real = np.arange(first.value.shape[0]) < first.rows
+    prepared.mask = (real, _layout.plan(sharding, first.global_shape[:1], me), sharding)
 
 
 def block_rows(prepared: Prepared) -> int:

@@ -388,41 +388,38 @@ def open_source(
             "the position() of the iterator to resume."
         )
     loader = iterable.source if isinstance(iterable, GlobalIterator) else iterable
-    step = 0 if start is None else start.step
-    opened: Opened | None = None
+    stateful = False
     if isinstance(loader, GlobalSource):
         problem = None if start is None else _loader_problem(start, loader)
-        if problem is None:
-            at = None if start is None else start.loader_step
-            if at is None and isinstance(iterable, GlobalIterator):
-                it = iterable
-            else:
-                it = loader.iterate(at or 0)
-            opened = Opened(
-                it, lambda: it.step, it.step, loader.identity, False, step, me, processes
-            )
     else:
         try:
-            source = iter(iterable)
+            loader = iter(iterable)
         except TypeError:
             raise MeshkitError(
                 f"{_WHAT}: expected an iterable of per-process batches; got "
                 f"{type(iterable).__name__}."
             ) from None
-        stateful = callable(getattr(source, "get_state", None)) and callable(
-            getattr(source, "set_state", None)
+        stateful = callable(getattr(loader, "get_state", None)) and callable(
+            getattr(loader, "set_state", None)
         )
-        problem = None if start is None else _states_problem(start, source, stateful, me, processes)
-        if problem is None:
-            capture = (lambda: _state(source)) if stateful else None
-            first = None if capture is None else capture()
-            opened = Opened(source, capture, first, None, stateful, step, me, processes)
+        problem = None if start is None else _states_problem(start, loader, stateful, me, processes)
     if start is not None and processes > 1:
         _agree_on_start(start, problem, tag)
     if problem is not None:
         raise MeshkitError(problem)
-    assert opened is not None
-    return opened
+    step = 0 if start is None else start.step
+    if isinstance(loader, GlobalSource):
+        at = None if start is None else start.loader_step
+        it = (
+            iterable
+            if at is None and isinstance(iterable, GlobalIterator)
+            else loader.iterate(at or 0)
+        )
+        return Opened(it, lambda: it.step, it.step, loader.identity, False, step, me, processes)
+    source = loader
+    capture = (lambda: _state(source)) if stateful else None
+    first = None if capture is None else capture()
+    return Opened(source, capture, first, None, stateful, step, me, processes)
 
 
 def _loader_problem(start: DataPosition, loader: GlobalSource) -> str | None:
@@ -529,10 +526,8 @@ def _agree_on_start(start: DataPosition, problem: str | None, tag: str) -> None:
         tag + "/start", mine, what, arrive="reach this call", did="",
         rule="Every process must resume its iterator at the same position.",
     )  # fmt: skip
-    if said is None:
-        return
-    if problem is not None:
-        raise MeshkitError(problem)
+    if said is None or problem is not None:
+        return  # agreed, or this process's own problem is raised (by open_source)
     records = {p: json.loads(v) for p, v in sorted(said.items())}
     for p, record in records.items():
         if record["problem"] is not None:

@@ -7,12 +7,13 @@ window that is not all data of equal records falls back to per-step agreements.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,21 +53,6 @@ class _Pulled:
     local: Any = None
     error: BaseException | None = None
     state: Any = None  # the source's position right after this read (``capture``)
-
-
-def _pull(source: Iterator[Any], capture: Callable[[], Any] | None) -> _Pulled:
-    try:
-        pulled = _Pulled("data", next(source))
-    except StopIteration:
-        pulled = _Pulled("end")
-    except BaseException as e:  # the loader's own error: the caller gets it at its step
-        return _Pulled("error", error=e)
-    if capture is not None:
-        try:
-            pulled.state = capture()
-        except BaseException as e:  # the source's get_state failed: at this step, as its own
-            return _Pulled("error", error=e)
-    return pulled
 
 
 class Handoff:
@@ -141,7 +127,6 @@ class Ahead:
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
     _template: Any = None
-    _cap: int | None = None
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
@@ -173,7 +158,7 @@ class Ahead:
                         agreed.extend(outcome)
                         ending = outcome[-1] is END
                         self.windows += 1
-                        width = min(2 * width, self._width_cap())
+                        width = min(2 * width, self._width_cap)
                     else:  # the window's steps are agreed one by one, as they always were
                         alone, width = width, 1
                     continue
@@ -189,7 +174,7 @@ class Ahead:
                     return
                 alone = max(0, alone - 1)
                 grow = steady and self.assembly.multi and not alone
-                width = min(2, self._width_cap()) if grow else 1
+                width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
             self.handoff.put(Failure(e))
 
@@ -202,35 +187,42 @@ class Ahead:
         self.handoff.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
+    @functools.cached_property
     def _width_cap(self) -> int:
         """The most steps one window holds: the process count (at least 32), within `AHEAD_BYTES`.
 
         Two windows may be on the host at once; a step costs 2N / W requests at the coordinator.
         """
-        if self._cap is None:
-            leaves = jax.tree_util.tree_leaves(self._template)
-            # a jax.Array's nbytes, not a copy to the host
-            batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
-            self._cap = max(
-                1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch))
-            )
-        return self._cap
+        leaves = jax.tree_util.tree_leaves(self._template)
+        # a jax.Array's nbytes, not a copy to the host
+        batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
+        return max(1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch)))
+
+    def _pull(self) -> _Pulled:
+        try:
+            try:
+                pulled = _Pulled("data", next(self.opened.source))
+            except StopIteration:
+                pulled = _Pulled("end")
+            if self.opened.capture is not None:
+                pulled.state = self.opened.capture()
+        except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
+            return _Pulled("error", error=e)
+        return pulled
 
     def _next(self) -> _Pulled:
-        return (
-            self._ahead.popleft() if self._ahead else _pull(self.opened.source, self.opened.capture)
-        )
+        return self._ahead.popleft() if self._ahead else self._pull()
 
     def _peek(self) -> bool | None:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
-            self._ahead.append(_pull(self.opened.source, self.opened.capture))
+            self._ahead.append(self._pull())
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
     def _prepare(self, local: Any) -> Prepared:
-        mesh_or_sharding, spec = self.args
-        pad = self.assembly.pad
-        return prepare(local, mesh_or_sharding, spec, global_shape=None, dtype=self.dtype, pad=pad)
+        return prepare(
+            local, *self.args, global_shape=None, dtype=self.dtype, pad=self.assembly.pad
+        )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""

@@ -68,9 +68,7 @@ class PartRecord:
     leaves: tuple[LeafRecord, ...] | None = None  # one per array, in flattening order
     block_rows: int | None = None  # with pad=True, the rows per block it needs (largest wins)
     message: str | None = None  # with status "error", the failure, for the others' messages
-    replicas: dict[str, tuple[int, str]] | None = (
-        None  # blocks others hold: name -> (holder, digest)
-    )
+    replicas: dict[str, tuple[int, str]] | None = None  # shared: name -> (holder, digest)
     rows: int | None = None  # global_batches: the rows of its batch (not with pad="ragged")
     last: bool | None = None  # at a step of uneven rows: whether a shorter batch is its last
     steps: int | None = None  # with status "closed", the steps its caller took before it closed
@@ -163,11 +161,8 @@ def _fix(field_name: str, values: list[Any]) -> str:
     if field_name == "split":
         return "Consider the same spec for this array on every process."
     # With pad on, the leading size is "?" (agreed separately): what differs is beyond it.
-    leading_only = (
-        len({len(v) for v in values}) == 1
-        and len({json.dumps(v[1:]) for v in values}) == 1
-        and all(v and v[0] != "?" for v in values)
-    )
+    beyond = {json.dumps(v[1:]) for v in values}
+    leading_only = len(beyond) == 1 and all(v and v[0] != "?" for v in values)
     if not leading_only:
         return (
             "Only the leading (batch) dimension may differ between processes, and only with "

@@ -172,14 +172,13 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
         return math.prod(b - a for a, b in block) * itemsizes[i]
 
     width = max(1, *(sum(nbytes(i, b) for i, bs in enumerate(per) for b in bs) for per in owned))
-    payload = np.zeros(width, np.uint8)
-    at = 0
+    sent = []
     for i, (_, leaf) in enumerate(leaves):
         shards = {plans[i].blocks[s.device]: s.data for s in leaf.addressable_shards}
-        for data in jax.device_get([shards[b] for b in owned[me][i]]):
-            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-            payload[at : at + raw.size] = raw
-            at += raw.size
+        sent += [shards[b] for b in owned[me][i]]
+    raw = [np.ascontiguousarray(data).view(np.uint8).reshape(-1) for data in jax.device_get(sent)]
+    payload = np.zeros(width, np.uint8)
+    payload[: sum(r.size for r in raw)] = np.concatenate([np.empty(0, np.uint8), *raw])
     one: dict[int, Any] = {}  # each process's device of lowest id
     for d in sorted((d for _, x in leaves for d in x.sharding.device_set), key=lambda d: d.id):
         one.setdefault(int(d.process_index), d)
@@ -216,20 +215,24 @@ def _agree_on_call(
     to: int | str, leaves: list[tuple[str, jax.Array]], treedef: Any, what: str
 ) -> None:
     """Raise on every process unless all gather the same arrays to the same place (else: hang)."""
-    shapes = [f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves]
-    mine = json.dumps({"to": to, "structure": _canonical.structure(treedef), "leaves": shapes})
+    shapes = ", ".join(f"{w}: {leaf.dtype}{list(leaf.shape)}" for w, leaf in leaves)
+    said = {  # each as the message shows it
+        "to": f"to={to!r}",
+        "structure": f"a pytree {_canonical.structure(treedef)}",
+        "leaves": f"leaves [{shapes}]",
+    }
     records = agree_on(
-        _channel.scoped("gather", what), mine, what, arrive="call gather",
+        _channel.scoped("gather", what), json.dumps(said), what, arrive="call gather",
         did=f"; this process (process {jax.process_index()}) did",
         rule="Every process must call gather, the same number of times and in the same order "
         "(it is a collective).",
     )  # fmt: skip
     if records is None:
         return
-    calls = [(p, json.loads(r)) for p, r in records.items()]
+    calls = {p: json.loads(r) for p, r in records.items()}
     groups: dict[str, list[int]] = {}
-    for key, shown in (("to", "to="), ("structure", "a pytree "), ("leaves", "leaves ")):
-        groups = _missing.by_value({p: shown + _shown(call[key]) for p, call in calls})
+    for key in said:  # the first that differs
+        groups = _missing.by_value({p: call[key] for p, call in calls.items()})
         if len(groups) > 1:
             break
     raise MeshkitError(
@@ -238,9 +241,3 @@ def _agree_on_call(
         "process gathering to another place would wait for ever).\nConsider computing to= "
         "from values every process shares (to=0, not to=jax.process_index())."
     )
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(map(str, value)) + "]"
-    return repr(value) if isinstance(value, str) and value == "all" else str(value)
