@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core import caches as _caches
@@ -76,9 +77,7 @@ def device_mesh(
     return _mesh(chosen, axis_name)
 
 
-def local_devices(mesh: Mesh) -> list[Any]:
-    me = jax.process_index()
-    return [d for d in mesh.devices.flat if d.process_index == me]
+SPEC = PartitionSpec("devices")  # one entry per device of a `device_mesh` with the default axis
 
 
 def mapped_spec(dim: int, axis_name: str) -> PartitionSpec:
@@ -91,56 +90,13 @@ def sharding(mesh: Mesh, dim: int | None = 0) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def _with_size(shape: Sequence[int], dim: int | None, n: int) -> tuple[int, ...]:
-    return tuple(shape) if dim is None else (*shape[:dim], n, *shape[dim + 1 :])
+def from_rows(mesh: Mesh, shape: Sequence[int], row: Callable[[int], Any]) -> jax.Array:
+    """A device-axis array whose entry ``i`` is ``row(i)`` (size 1 along axis 0)."""
+    place = lambda index: row(index[0].start or 0)  # noqa: E731
+    return jax.make_array_from_callback(tuple(shape), sharding(mesh), place)
 
 
-def from_rows(
-    mesh: Mesh, shape: Sequence[int], row: Callable[[int], Any], dim: int = 0
-) -> jax.Array:
-    """A device-axis array whose entry ``i`` along ``dim`` is ``row(i)`` (size 1 at ``dim``)."""
-    place = lambda index: row(index[dim].start or 0)  # type: ignore[index]  # noqa: E731
-    return jax.make_array_from_callback(tuple(shape), sharding(mesh, dim), place)
-
-
-def _blocks(x: jax.Array, devices: Sequence[Any]) -> list[Any]:
-    by_device = {s.device: s.data for s in x.addressable_shards}
-    return [by_device[d] for d in devices]
-
-
-def from_local(value: Any, mesh: Mesh, dim: int) -> jax.Array:
-    """A global array from this process's part (its local entries along ``dim``), unchecked."""
-    if isinstance(value, jax.Array) and len(value.devices()) > 1:
-        value = np.asarray(value)  # a multi-device local array: read it once
-    offset = list(mesh.devices.flat).index(local_devices(mesh)[0])
-    head = (slice(None),) * dim
-    shape = _with_size(np.shape(value), dim, mesh.size)
-    return from_rows(mesh, shape, lambda i: value[(*head, slice(i - offset, i - offset + 1))], dim)
-
-
-def from_local_array(x: jax.Array, mesh: Mesh, dim: int | None) -> jax.Array | None:
-    """A process-local array (entry per local device at ``dim``) as the global one, or None.
-
-    The inverse of `local_view`: ``x``'s buffers become this process's blocks, no copy.
-    """
-    mine = local_devices(mesh)
-    if dim is not None and (x.ndim <= dim or x.shape[dim] != len(mine)):
-        return None
-    local = sharding(_mesh(tuple(mine), mesh.axis_names[0]), dim)
-    if not x.sharding.is_equivalent_to(local, x.ndim):
-        return None
-    shape = _with_size(x.shape, dim, mesh.size)
-    return jax.make_array_from_single_device_arrays(shape, sharding(mesh, dim), _blocks(x, mine))
-
-
-def local_view(x: Any) -> Any:
+def local_view(x: jax.Array) -> jax.Array:
     """This process's entries of a device-axis array (what `jax.pmap` returns), no copy."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
-    spec = x.sharding.spec  # type: ignore[attr-defined]
-    mesh = x.sharding.mesh  # type: ignore[attr-defined]
-    mapped = [d for d, e in enumerate(spec) if e is not None]
-    mine = local_devices(mesh)
-    target = NamedSharding(_mesh(tuple(mine), mesh.axis_names[0]), spec)
-    shape = _with_size(x.shape, mapped[0] if mapped else None, len(mine))
-    return jax.make_array_from_single_device_arrays(shape, target, _blocks(x, mine))
+    named: Any = x.sharding  # a NamedSharding over a concrete mesh
+    return multihost_utils.global_array_to_host_local_array(x, named.mesh, named.spec)

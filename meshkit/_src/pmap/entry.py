@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
@@ -207,15 +208,12 @@ class Entry:
 
     def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
         """Every leaf placed for this entry; host data in one batch (assembled across processes)."""
-        placed = [
-            self._put(leaf, r, target)
-            for leaf, r, target in zip(leaves, self.resolved, self.plan.targets, strict=True)
-        ]
+        placed = [self._put(x, target) for x, target in zip(leaves, self.plan.targets, strict=True)]
         return _placement.put_host(
             self.plan, placed, what=self.fn.what, tag="pmap_compat", treedef=treedef
         )
 
-    def _put(self, leaf: Any, r: Axis, target: NamedSharding) -> Any:
+    def _put(self, leaf: Any, target: NamedSharding) -> Any:
         """One array leaf on this entry's mesh, without a copy where its blocks are there."""
         if _placement.is_abstract(leaf):
             return leaf  # shapes only are never placed
@@ -235,12 +233,7 @@ class Entry:
             return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
         if mesh.is_multi_process and leaf.is_fully_addressable:
             # A process-local array: jax.pmap's output, or this function's own.
-            again = _device_axis.from_local_array(leaf, mesh, r)
-            if again is not None:
-                return again
-            if r is None:
-                return _placement.from_host(np.asarray(leaf), target)
-            return _device_axis.from_local(leaf, mesh, r)
+            return multihost_utils.host_local_array_to_global_array(leaf, mesh, target.spec)
         return jax.device_put(leaf, target)
 
     def finish(self, out: Any) -> Any:

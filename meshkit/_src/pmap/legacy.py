@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from ..arrays.assembly import exchange_records
@@ -300,14 +301,9 @@ def shard_prng_key(prng_key: Any) -> jax.Array:
             "shape (2,)).\nConsider jax.random.key(seed), or prng_key[0] for a batch of raw keys."
         )
     mesh = _device_axis.device_mesh()
-    mine = _device_axis.local_devices(mesh)
-    local_mesh = _device_axis.device_mesh(mine)
-    keys = _split_onto(local_mesh, len(mine))(key)
-    if local_mesh is mesh:
-        return keys
-    again = _device_axis.from_local_array(keys, mesh, 0)
-    assert again is not None  # keys lie one per local device, in mesh order
-    return again
+    local_mesh = _device_axis.device_mesh(mesh.local_devices)
+    keys = _split_onto(local_mesh, local_mesh.size)(key)
+    return multihost_utils.host_local_array_to_global_array(keys, mesh, _device_axis.SPEC)
 
 
 _SHARD_SIZE = """\
@@ -390,7 +386,7 @@ def prefetch_to_device(
 
 
 def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
-    mine = _device_axis.local_devices(mesh)
+    mine = mesh.local_devices
     queue: collections.deque[Any] = collections.deque()
     failure: BaseException | None = None
     count = 0
@@ -409,7 +405,8 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
                 )  # fmt: skip
             if not isinstance(leaf, jax.Array):
                 leaf = host_array("meshkit.prefetch_to_device", path, leaf)
-            out.append(_device_axis.from_local(leaf, mesh, 0))
+            out.append(leaf)
+        out = multihost_utils.host_local_array_to_global_array(out, mesh, _device_axis.SPEC)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fill(until: int) -> None:

@@ -207,7 +207,7 @@ class PmapFunction:
         if self.devices is not None:
             pool = _device_axis.check_devices(self.devices, self.what)
         else:
-            pool = list(jax.devices(self.backend) if self.backend else jax.devices())
+            pool = jax.devices(self.backend)
         name = self.mesh_axis
         if local_only and per_process == len(pool):  # a global array traced by an enclosing jit
             return _device_axis.device_mesh(pool, name)
@@ -215,7 +215,7 @@ class PmapFunction:
         if self.devices is not None and not local_only:
             # jax.pmap maps entry i to devices[i] (in one process).
             mesh = _device_axis.device_mesh(pool, name, keep_order=True)
-            local = len(_device_axis.local_devices(mesh))
+            local = len(mesh.local_devices)
             if per_process != local:
                 raise MeshkitError(self._size_error(per_process, local, "given in devices="))
             return mesh
