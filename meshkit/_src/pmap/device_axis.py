@@ -17,7 +17,7 @@ from ..core import caches as _caches
 from ..core.errors import MeshkitError
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -34,7 +34,7 @@ def check_devices(devices: Any, what: str) -> list[Any]:
     except TypeError:
         raise MeshkitError(
             f"{what}: devices must be a sequence of devices; got {type(devices).__name__} "
-            f"({_shown(devices)}).\nConsider devices=jax.local_devices()."
+            f"({shown(devices)}).\nConsider devices=jax.local_devices()."
         ) from None
     if not chosen:
         raise MeshkitError(
@@ -44,7 +44,7 @@ def check_devices(devices: Any, what: str) -> list[Any]:
     bad = [d for d in chosen if not isinstance(d, jax.Device)]
     if bad:
         raise MeshkitError(
-            f"{what}: devices holds {type(bad[0]).__name__} ({_shown(bad[0])}), not a device.\n"
+            f"{what}: devices holds {type(bad[0]).__name__} ({shown(bad[0])}), not a device.\n"
             "Consider devices from jax.devices() or jax.local_devices()."
         )
     if len(set(chosen)) != len(chosen):

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
@@ -122,21 +122,16 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layo
             "pytree prefix of that argument holding them."
         )
     axes = broadcast_prefix(dyn_axes, tuple(dyn), is_leaf=_axis_leaf)
-    donated: list[int] = []
-    first = 0
-    for pos, arg in zip(positions, dyn, strict=True):
-        count = len(jax.tree_util.tree_leaves(arg))
-        if pos in fn.donate:
-            donated += range(first, first + count)
-        first += count
     axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
-    paths = []
-    for path, _ in jax.tree_util.tree_flatten_with_path((dyn, kwargs))[0]:
-        if path[0].idx == 0:  # type: ignore[attr-defined]
-            rest = jax.tree_util.keystr(path[2:])
-            paths.append(f"args[{positions[path[1].idx]}]{rest}")  # type: ignore[attr-defined]
-        else:
+    paths, donated = [], []
+    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path((dyn, kwargs))[0]):
+        if path[0].idx == 1:  # type: ignore[attr-defined]
             paths.append(f"kwargs{jax.tree_util.keystr(path[1:])}")
+            continue
+        pos = positions[path[1].idx]  # type: ignore[attr-defined]
+        paths.append(f"args[{pos}]{jax.tree_util.keystr(path[2:])}")
+        if pos in fn.donate:
+            donated.append(k)
     return Layout(tuple(axes), tuple(paths), tuple(donated))
 
 
@@ -291,7 +286,6 @@ def build(
     specs = tuple(out_spec(r, name) for r in resolved)
     plan = argument_plan(mesh, specs, layout.paths)
     statics = dict(zip(fn.static, key[1], strict=True))
-    n_args = key[0]
 
     def per_device(*blocks: Any) -> Any:
         local = [
@@ -300,7 +294,7 @@ def build(
         ]
         d_args, kw = jax.tree_util.tree_unflatten(treedef, local)
         it = iter(d_args)
-        full = [statics[i] if i in statics else next(it) for i in range(n_args)]
+        full = [statics[i] if i in statics else next(it) for i in range(key[0])]
         return _outputs_per_device(entry, fn.fun(*full, **kw))
 
     out_specs = jax.tree_util.tree_map(
@@ -390,9 +384,8 @@ def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> An
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def mesh_context(mesh: Mesh | AbstractMesh) -> contextlib.AbstractContextManager[Any]:
+def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
     """``jax.set_mesh(mesh)`` when another mesh is the context (shard_map runs on it)."""
-    assert isinstance(mesh, Mesh)
     context = jax.sharding.get_abstract_mesh()
     if context.empty or context == mesh.abstract_mesh:
         return contextlib.nullcontext()

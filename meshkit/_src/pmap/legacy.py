@@ -24,7 +24,7 @@ from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..spmd.placement import argnums
 from . import device_axis as _device_axis
-from .device_axis import check_devices
+from .device_axis import check_devices, shown
 
 _NOT_ARRAY = """\
 {what}: the leaf at {path} is of type {kind} ({shown}), not an array.
@@ -52,14 +52,13 @@ Consider padding or casting the shards to one shape and dtype first."""
 
 def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
     """A numeric host leaf as numpy in the dtype JAX will use (as `jax.device_put` does)."""
-    is_array = isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex)
-    value = np.asarray(leaf) if is_array or hasattr(leaf, "__array__") else None
+    is_array = isinstance(leaf, bool | int | float | complex) or hasattr(leaf, "__array__")
+    value = np.asarray(leaf) if is_array else None
     if value is None or not (
         value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)
     ):
         kind = type(leaf).__name__ if value is None else f"array of dtype {value.dtype}"
-        shown = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
-        raise MeshkitError(_NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shown))
+        raise MeshkitError(_NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shown(leaf)))
     target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
     return value if value.dtype == target else value.astype(target)
 
@@ -191,8 +190,8 @@ def _same_kind(values: Sequence[Any], path: str) -> None:
     for i, v in enumerate(values[1:], start=1):
         got = (tuple(v.shape), v.dtype)
         if got != want:
-            shown = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
-            raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **shown))
+            sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
+            raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
 
 
 def _path_at(tree: Any, k: int) -> str:
@@ -396,11 +395,11 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
         out = []
         for path, leaf in named:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != len(mine):
-                shown = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
+                listed = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
                 raise MeshkitError(
                     _PREFETCH_SIZE.format(
                         path=path, index=count, shape=tuple(np.shape(leaf)), local=len(mine),
-                        devices=shown,
+                        devices=listed,
                     )
                 )  # fmt: skip
             if not isinstance(leaf, jax.Array):

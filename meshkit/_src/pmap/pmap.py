@@ -97,8 +97,7 @@ class PmapFunction:
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
         self._layouts: dict[Any, _entry.Layout] = {}
         self._entries: dict[Any, _entry.Entry] = {}
-        # Per structure of positional-only calls: the entry the last call used, for the
-        # steady-state test of the next.
+        # Per structure of positional-only calls: the last call's entry (the steady state).
         self._steady: dict[Any, _entry.Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
