@@ -29,8 +29,8 @@ def _helpers():
     from jax.experimental import multihost_utils
 
     import meshkit
-    from meshkit._src.pmap import device_axis as _device_axis
     from meshkit._src.pmap.legacy import (
+        SPEC,
         device_put_replicated,
         device_put_sharded,
         get_metrics,
@@ -41,6 +41,7 @@ def _helpers():
         shard_prng_key,
         unreplicate,
     )
+    from meshkit._src.pmap.pmap import device_mesh
 
     me = jax.process_index()
     mine = jax.local_devices()
@@ -55,8 +56,8 @@ def _helpers():
     # unreplicate: each process's first entry (entry 4 * me); for replicated values the value.
     per_process = multihost_utils.host_local_array_to_global_array(
         np.arange(4, dtype=np.float32)[:, None] + 10 * me,
-        _device_axis.device_mesh(),
-        _device_axis.SPEC,
+        device_mesh(),
+        SPEC,
     )
     first = unreplicate(per_process)
     out["unreplicate"] = (np.asarray(first).tolist(), first.devices() == {mine[0]})
@@ -67,9 +68,7 @@ def _helpers():
     # shard, then made global: each process shards its own batch, entries assemble globally.
     batch = np.arange(8, dtype=np.int32) + 100 * me
     sharded = shard({"x": batch})["x"]
-    g = multihost_utils.host_local_array_to_global_array(
-        sharded, _device_axis.device_mesh(), _device_axis.SPEC
-    )
+    g = multihost_utils.host_local_array_to_global_array(sharded, device_mesh(), SPEC)
     out["shard"] = (list(sharded.shape), meshkit.gather(g).tolist())
 
     # device_put_sharded / device_put_replicated over local devices: process-local arrays.

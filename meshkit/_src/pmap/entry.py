@@ -26,8 +26,6 @@ from ..sharding.argument_plan import ArgumentPlan, argument_plan
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance
-from . import device_axis as _device_axis
-from .device_axis import mapped_spec
 
 Axis = int | None
 
@@ -173,7 +171,7 @@ def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
 
 def out_spec(axis: Axis, name: str) -> PartitionSpec:
     """The spec of an output with out axis ``axis`` (negative ones are moved after shard_map)."""
-    return PartitionSpec() if axis is None else mapped_spec(max(axis, 0), name)
+    return PartitionSpec() if axis is None else PartitionSpec(*([None] * max(axis, 0)), name)
 
 
 class UncheckedOutputWarning(UserWarning):
@@ -233,7 +231,7 @@ class Entry:
 
     def finish(self, out: Any) -> Any:
         """The jit's outputs as the pmapped function returns them."""
-        return jax.tree_util.tree_map(_device_axis.local_view, out) if self.local_out else out
+        return jax.tree_util.tree_map(_local_view, out) if self.local_out else out
 
     def check_outputs(self, placed: list[Any]) -> None:
         """Once per entry: every ``out_axes=None`` output is the same on every device."""
@@ -297,9 +295,7 @@ def build(
         full = [statics[i] if i in statics else next(it) for i in range(key[0])]
         return _outputs_per_device(entry, fn.fun(*full, **kw))
 
-    out_specs = jax.tree_util.tree_map(
-        lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None
-    )
+    out_specs = jax.tree.map(lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None)
 
     def body(*flat: Any) -> Any:
         entry.out_leaves.clear()
@@ -379,7 +375,8 @@ def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> An
             leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
         if constrain:
             dim = None if axis is None else axis % leaf.ndim
-            leaf = jax.lax.with_sharding_constraint(leaf, _device_axis.sharding(mesh, dim))
+            spec = out_spec(dim, entry.fn.mesh_axis)
+            leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
         placed.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
@@ -399,3 +396,9 @@ def _explicitly_typed(x: Any) -> bool:
     if sharding is None or mesh is None or not spec_axes(sharding.spec):
         return False
     return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _local_view(x: jax.Array) -> jax.Array:
+    """This process's entries of a device-axis array (what `jax.pmap` returns), no copy."""
+    named: Any = x.sharding  # a NamedSharding over a concrete mesh
+    return multihost_utils.global_array_to_host_local_array(x, named.mesh, named.spec)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
@@ -23,8 +23,7 @@ from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..spmd.placement import argnums
-from . import device_axis as _device_axis
-from .device_axis import check_devices, shown
+from .pmap import check_devices, device_mesh, shown
 
 _NOT_ARRAY = """\
 {what}: the leaf at {path} is of type {kind} ({shown}), not an array.
@@ -50,6 +49,15 @@ shards are stacked into one array per leaf, so every shard must have the same sh
 Consider padding or casting the shards to one shape and dtype first."""
 
 
+SPEC = PartitionSpec("devices")  # one entry per device of a `device_mesh` (its default axis)
+
+
+def from_rows(mesh: Mesh, shape: Sequence[int], row: Callable[[int], Any]) -> jax.Array:
+    """A device-axis array whose entry ``i`` is ``row(i)`` (size 1 along axis 0)."""
+    place = lambda index: row(index[0].start or 0)  # noqa: E731
+    return jax.make_array_from_callback(tuple(shape), NamedSharding(mesh, SPEC), place)
+
+
 def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
     """A numeric host leaf as numpy in the dtype JAX will use (as `jax.device_put` does)."""
     is_array = isinstance(leaf, bool | int | float | complex) or hasattr(leaf, "__array__")
@@ -65,7 +73,7 @@ def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
 
 def device_axis_mesh(devices: Any, what: str) -> Mesh:
     """The 1-D device-axis mesh over ``devices`` (None: every device of every process)."""
-    return _device_axis.device_mesh(None if devices is None else check_devices(devices, what))
+    return device_mesh(None if devices is None else check_devices(devices, what))
 
 
 # One dispatch reads the first entries of every array on one device.
@@ -93,7 +101,7 @@ def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
         if whole is None:  # host data, or split over this process's devices: read once
             whole = host_array(what, path, leaf)
         block = whole[None]
-        out.append(_device_axis.from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
+        out.append(from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -132,7 +140,7 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
         ((4, 3), [0, 1, 2, 3])
     """
     what = "meshkit.device_put_replicated"
-    return _replicate(x, _device_axis.device_mesh(check_devices(devices, what)), what)
+    return _replicate(x, device_mesh(check_devices(devices, what)), what)
 
 
 @public
@@ -158,7 +166,7 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             "goes to the i-th device, so there must be one shard per device.\nConsider "
             f"device_put_sharded(shards, devices[:{len(shards)}]) or passing {len(chosen)} shards."
         )
-    mesh = _device_axis.device_mesh(chosen)
+    mesh = device_mesh(chosen)
     named, treedef = tree_paths(shards[0])
     flats = [named]
     for i, s in enumerate(shards[1:], start=1):
@@ -181,7 +189,7 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             values = [host_array(what, path, np.asarray(v)) for v in values]
         _same_kind(values, path)
         shape = (mesh.size, *values[0].shape)
-        out.append(_device_axis.from_rows(mesh, shape, lambda i, v=values: v[i][None]))
+        out.append(from_rows(mesh, shape, lambda i, v=values: v[i][None]))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -264,7 +272,7 @@ def unreplicate(tree: Any) -> Any:
 
 @_caches.cached(maxsize=32)
 def _split_onto(mesh: Mesh, count: int) -> Any:
-    return jax.jit(lambda k: jax.random.split(k, count), out_shardings=_device_axis.sharding(mesh))
+    return jax.jit(lambda k: jax.random.split(k, count), out_shardings=NamedSharding(mesh, SPEC))
 
 
 @public
@@ -299,10 +307,10 @@ def shard_prng_key(prng_key: Any) -> jax.Array:
             "(jax.random.key(seed), shape ()) or a raw uint32 key (jax.random.PRNGKey(seed), "
             "shape (2,)).\nConsider jax.random.key(seed), or prng_key[0] for a batch of raw keys."
         )
-    mesh = _device_axis.device_mesh()
-    local_mesh = _device_axis.device_mesh(mesh.local_devices)
+    mesh = device_mesh()
+    local_mesh = device_mesh(mesh.local_devices)
     keys = _split_onto(local_mesh, local_mesh.size)(key)
-    return multihost_utils.host_local_array_to_global_array(keys, mesh, _device_axis.SPEC)
+    return multihost_utils.host_local_array_to_global_array(keys, mesh, SPEC)
 
 
 _SHARD_SIZE = """\
@@ -405,7 +413,7 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
             if not isinstance(leaf, jax.Array):
                 leaf = host_array("meshkit.prefetch_to_device", path, leaf)
             out.append(leaf)
-        out = multihost_utils.host_local_array_to_global_array(out, mesh, _device_axis.SPEC)
+        out = multihost_utils.host_local_array_to_global_array(out, mesh, SPEC)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fill(until: int) -> None:
