@@ -52,12 +52,6 @@ Consider padding or casting the shards to one shape and dtype first."""
 SPEC = PartitionSpec("devices")  # one entry per device of a `device_mesh` (its default axis)
 
 
-def from_rows(mesh: Mesh, shape: Sequence[int], row: Callable[[int], Any]) -> jax.Array:
-    """A device-axis array whose entry ``i`` is ``row(i)`` (size 1 along axis 0)."""
-    place = lambda index: row(index[0].start or 0)  # noqa: E731
-    return jax.make_array_from_callback(tuple(shape), NamedSharding(mesh, SPEC), place)
-
-
 def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
     """A numeric host leaf as numpy in the dtype JAX will use (as `jax.device_put` does)."""
     is_array = isinstance(leaf, bool | int | float | complex) or hasattr(leaf, "__array__")
@@ -95,13 +89,15 @@ def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | N
 
 def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
     named, treedef = tree_paths(tree)
+    target = NamedSharding(mesh, SPEC)
     out = []
     for path, leaf in named:
         whole = _single_device_value(what, path, leaf) if isinstance(leaf, jax.Array) else None
         if whole is None:  # host data, or split over this process's devices: read once
             whole = host_array(what, path, leaf)
-        block = whole[None]
-        out.append(from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
+        block = whole[None]  # every device's entry
+        shape = (mesh.size, *whole.shape)
+        out.append(jax.make_array_from_callback(shape, target, lambda _, b=block: b))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -189,7 +185,8 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             values = [host_array(what, path, np.asarray(v)) for v in values]
         _same_kind(values, path)
         shape = (mesh.size, *values[0].shape)
-        out.append(from_rows(mesh, shape, lambda i, v=values: v[i][None]))
+        row = lambda index, v=values: v[index[0].start or 0][None]  # noqa: E731
+        out.append(jax.make_array_from_callback(shape, NamedSharding(mesh, SPEC), row))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -389,16 +386,15 @@ def prefetch_to_device(
             f"{what}: size={size!r}; size is how many elements are placed ahead of the one in "
             "use, an int >= 0.\nConsider size=2."
         )
-    return _prefetch(iter(iterator), int(size), device_axis_mesh(devices, what))
+    return _prefetch(enumerate(iterator), int(size), device_axis_mesh(devices, what))
 
 
-def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
+def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Iterator[Any]:
     mine = mesh.local_devices
     queue: collections.deque[Any] = collections.deque()
     failure: BaseException | None = None
-    count = 0
 
-    def place(element: Any) -> Any:
+    def place(index: int, element: Any) -> Any:
         named, treedef = tree_paths(element)
         out = []
         for path, leaf in named:
@@ -406,7 +402,7 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
                 listed = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
                 raise MeshkitError(
                     _PREFETCH_SIZE.format(
-                        path=path, index=count, shape=tuple(np.shape(leaf)), local=len(mine),
+                        path=path, index=index, shape=tuple(np.shape(leaf)), local=len(mine),
                         devices=listed,
                     )
                 )  # fmt: skip
@@ -417,17 +413,16 @@ def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fill(until: int) -> None:
-        nonlocal failure, count
+        nonlocal failure
         while failure is None and len(queue) < until:
             try:
-                element = next(source)
+                index, element = next(source)
             except StopIteration:
                 return
             except Exception as e:  # delivered after the elements already placed
                 failure = e
                 return
-            queue.append(place(element))
-            count += 1
+            queue.append(place(index, element))
 
     while True:
         fill(max(size, 1))
