@@ -101,14 +101,14 @@ def _measure(method: str, aligned: bool) -> dict[str, float]:
     jax.config.update("jax_num_cpu_devices", DEVICES)
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from meshkit._src.pmap import device_axis as _device_axis
+    from meshkit._src.pmap.pmap import device_mesh
 
     count = REPLICATE_MIB * MIB // 4
     raw = np.empty(count + 64, np.float32)
     skip = (-raw.ctypes.data % 64) // 4 if aligned else (-raw.ctypes.data % 64) // 4 + 1
     x = raw[skip : skip + count]
     x[:] = 1.0
-    mesh = _device_axis.device_mesh()
+    mesh = device_mesh()
     sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
     warm = _legacy.replicate(np.ones(4, np.float32))  # backends, jit caches, thread pools
     jax.device_put(np.stack([np.ones(4, np.float32)] * DEVICES), sharding).block_until_ready()

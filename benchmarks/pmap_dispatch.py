@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit._src.pmap import device_axis as _device_axis
+from meshkit._src.pmap.pmap import device_mesh
 
 AXIS = "batch"
 PER_DEVICE = (128,)  # 128 float32 per device: small, so the call overhead dominates
@@ -31,7 +31,7 @@ def per_device(xs: Any) -> Any:
 
 def _cases() -> list[tuple[str, list[Any], list[Any]]]:
     """(case, [jit(shard_map), pmap_compat, jax.pmap], [their inputs]) for 1 and 50 leaves."""
-    mesh = _device_axis.device_mesh(axis_name=AXIS)
+    mesh = device_mesh(axis_name=AXIS)
     spec = P(AXIS)
     cases = []
     for leaves in (1, 50):

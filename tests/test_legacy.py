@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.pmap import device_axis as _device_axis
 from meshkit._src.pmap import legacy as _legacy
 from meshkit._src.pmap.legacy import (
     device_put_replicated,
@@ -34,6 +33,7 @@ from meshkit._src.pmap.legacy import (
     shard_prng_key,
     unreplicate,
 )
+from meshkit._src.pmap.pmap import device_mesh
 from meshkit.testing import strategies as mks
 
 N = 8
@@ -56,7 +56,7 @@ def assert_device_axis(y, value_per_entry, devices=None):
     """``y`` is a device-axis array over ``devices``, entry i (on device i) equal to the reference."""
     devices = list(jax.devices()) if devices is None else devices
     assert y.shape[0] == len(devices)
-    mesh = _device_axis.device_mesh(devices)
+    mesh = device_mesh(devices)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(mesh.axis_names[0])), y.ndim)
     for s in y.addressable_shards:
         i = s.index[0].start or 0
@@ -402,7 +402,7 @@ def test_shard_prng_key_splits_like_flax_and_places_one_key_per_device(make):
     want = jax.random.split(key, N)
     assert keys.dtype == want.dtype
     assert keys.shape == want.shape
-    mesh = _device_axis.device_mesh()
+    mesh = device_mesh()
     assert keys.sharding.is_equivalent_to(NamedSharding(mesh, P(mesh.axis_names[0])), keys.ndim)
     raw = (
         jax.random.key_data

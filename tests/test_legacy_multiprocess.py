@@ -26,10 +26,11 @@ def _entries(x):
 def _helpers():
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
 
     import meshkit
-    from meshkit._src.pmap import device_axis as _device_axis
     from meshkit._src.pmap.legacy import (
+        SPEC,
         device_put_replicated,
         device_put_sharded,
         get_metrics,
@@ -40,6 +41,7 @@ def _helpers():
         shard_prng_key,
         unreplicate,
     )
+    from meshkit._src.pmap.pmap import device_mesh
 
     me = jax.process_index()
     mine = jax.local_devices()
@@ -52,8 +54,10 @@ def _helpers():
     out["replicate_sum"] = meshkit.gather(total).tolist()
 
     # unreplicate: each process's first entry (entry 4 * me); for replicated values the value.
-    per_process = _device_axis.from_local(
-        np.arange(4, dtype=np.float32)[:, None] + 10 * me, _device_axis.device_mesh(), 0
+    per_process = multihost_utils.host_local_array_to_global_array(
+        np.arange(4, dtype=np.float32)[:, None] + 10 * me,
+        device_mesh(),
+        SPEC,
     )
     first = unreplicate(per_process)
     out["unreplicate"] = (np.asarray(first).tolist(), first.devices() == {mine[0]})
@@ -61,10 +65,10 @@ def _helpers():
     pmapped = jax.pmap(lambda a: a * 2)(np.full((4, 2), me + 1, np.float32))
     out["unreplicate_pmap"] = np.asarray(unreplicate(pmapped)).tolist()
 
-    # shard then from_local: each process shards its own batch, entries assemble globally.
+    # shard, then made global: each process shards its own batch, entries assemble globally.
     batch = np.arange(8, dtype=np.int32) + 100 * me
     sharded = shard({"x": batch})["x"]
-    g = _device_axis.from_local(sharded, _device_axis.device_mesh(), 0)
+    g = multihost_utils.host_local_array_to_global_array(sharded, device_mesh(), SPEC)
     out["shard"] = (list(sharded.shape), meshkit.gather(g).tolist())
 
     # device_put_sharded / device_put_replicated over local devices: process-local arrays.

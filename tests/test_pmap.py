@@ -22,8 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.pmap import device_axis as _device_axis
-from meshkit._src.pmap.pmap import pmap_compat
+from meshkit._src.pmap.pmap import device_mesh, pmap_compat
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit.testing import strategies as mks
 
@@ -121,7 +120,7 @@ def test_outputs_are_pmap_shaped_global_arrays_and_feed_back_without_copies():
     y = f(x)
     assert y.shape == (N, 2)
     assert y.sharding.spec == P("batch")
-    assert [s.device for s in y.addressable_shards] == list(_device_axis.device_mesh().devices)
+    assert [s.device for s in y.addressable_shards] == list(device_mesh().devices)
     np.testing.assert_array_equal(np.asarray(y[3]), x[3] * 2)
     z = f(y)
     for a, b in zip(y.addressable_shards, z.addressable_shards, strict=True):

@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
@@ -25,8 +26,6 @@ from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import spec_axes
 from ..spmd import placement as _placement
 from ..spmd import variance as _variance
-from . import device_axis as _device_axis
-from .device_axis import mapped_spec
 
 Axis = int | None
 
@@ -121,21 +120,16 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layo
             "pytree prefix of that argument holding them."
         )
     axes = broadcast_prefix(dyn_axes, tuple(dyn), is_leaf=_axis_leaf)
-    donated: list[int] = []
-    first = 0
-    for pos, arg in zip(positions, dyn, strict=True):
-        count = len(jax.tree_util.tree_leaves(arg))
-        if pos in fn.donate:
-            donated += range(first, first + count)
-        first += count
     axes += [0] * len(jax.tree_util.tree_leaves(kwargs))
-    paths = []
-    for path, _ in jax.tree_util.tree_flatten_with_path((dyn, kwargs))[0]:
-        if path[0].idx == 0:  # type: ignore[attr-defined]
-            rest = jax.tree_util.keystr(path[2:])
-            paths.append(f"args[{positions[path[1].idx]}]{rest}")  # type: ignore[attr-defined]
-        else:
+    paths, donated = [], []
+    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path((dyn, kwargs))[0]):
+        if path[0].idx == 1:  # type: ignore[attr-defined]
             paths.append(f"kwargs{jax.tree_util.keystr(path[1:])}")
+            continue
+        pos = positions[path[1].idx]  # type: ignore[attr-defined]
+        paths.append(f"args[{pos}]{jax.tree_util.keystr(path[2:])}")
+        if pos in fn.donate:
+            donated.append(k)
     return Layout(tuple(axes), tuple(paths), tuple(donated))
 
 
@@ -177,7 +171,7 @@ def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
 
 def out_spec(axis: Axis, name: str) -> PartitionSpec:
     """The spec of an output with out axis ``axis`` (negative ones are moved after shard_map)."""
-    return PartitionSpec() if axis is None else mapped_spec(max(axis, 0), name)
+    return PartitionSpec() if axis is None else PartitionSpec(*([None] * max(axis, 0)), name)
 
 
 class UncheckedOutputWarning(UserWarning):
@@ -207,15 +201,12 @@ class Entry:
 
     def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
         """Every leaf placed for this entry; host data in one batch (assembled across processes)."""
-        placed = [
-            self._put(leaf, r, target)
-            for leaf, r, target in zip(leaves, self.resolved, self.plan.targets, strict=True)
-        ]
+        placed = [self._put(x, target) for x, target in zip(leaves, self.plan.targets, strict=True)]
         return _placement.put_host(
             self.plan, placed, what=self.fn.what, tag="pmap_compat", treedef=treedef
         )
 
-    def _put(self, leaf: Any, r: Axis, target: NamedSharding) -> Any:
+    def _put(self, leaf: Any, target: NamedSharding) -> Any:
         """One array leaf on this entry's mesh, without a copy where its blocks are there."""
         if _placement.is_abstract(leaf):
             return leaf  # shapes only are never placed
@@ -235,17 +226,12 @@ class Entry:
             return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
         if mesh.is_multi_process and leaf.is_fully_addressable:
             # A process-local array: jax.pmap's output, or this function's own.
-            again = _device_axis.from_local_array(leaf, mesh, r)
-            if again is not None:
-                return again
-            if r is None:
-                return _placement.from_host(np.asarray(leaf), target)
-            return _device_axis.from_local(leaf, mesh, r)
+            return multihost_utils.host_local_array_to_global_array(leaf, mesh, target.spec)
         return jax.device_put(leaf, target)
 
     def finish(self, out: Any) -> Any:
         """The jit's outputs as the pmapped function returns them."""
-        return jax.tree_util.tree_map(_device_axis.local_view, out) if self.local_out else out
+        return jax.tree_util.tree_map(_local_view, out) if self.local_out else out
 
     def check_outputs(self, placed: list[Any]) -> None:
         """Once per entry: every ``out_axes=None`` output is the same on every device."""
@@ -298,7 +284,6 @@ def build(
     specs = tuple(out_spec(r, name) for r in resolved)
     plan = argument_plan(mesh, specs, layout.paths)
     statics = dict(zip(fn.static, key[1], strict=True))
-    n_args = key[0]
 
     def per_device(*blocks: Any) -> Any:
         local = [
@@ -307,12 +292,10 @@ def build(
         ]
         d_args, kw = jax.tree_util.tree_unflatten(treedef, local)
         it = iter(d_args)
-        full = [statics[i] if i in statics else next(it) for i in range(n_args)]
+        full = [statics[i] if i in statics else next(it) for i in range(key[0])]
         return _outputs_per_device(entry, fn.fun(*full, **kw))
 
-    out_specs = jax.tree_util.tree_map(
-        lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None
-    )
+    out_specs = jax.tree.map(lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None)
 
     def body(*flat: Any) -> Any:
         entry.out_leaves.clear()
@@ -392,14 +375,14 @@ def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> An
             leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
         if constrain:
             dim = None if axis is None else axis % leaf.ndim
-            leaf = jax.lax.with_sharding_constraint(leaf, _device_axis.sharding(mesh, dim))
+            spec = out_spec(dim, entry.fn.mesh_axis)
+            leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
         placed.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def mesh_context(mesh: Mesh | AbstractMesh) -> contextlib.AbstractContextManager[Any]:
+def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
     """``jax.set_mesh(mesh)`` when another mesh is the context (shard_map runs on it)."""
-    assert isinstance(mesh, Mesh)
     context = jax.sharding.get_abstract_mesh()
     if context.empty or context == mesh.abstract_mesh:
         return contextlib.nullcontext()
@@ -413,3 +396,9 @@ def _explicitly_typed(x: Any) -> bool:
     if sharding is None or mesh is None or not spec_axes(sharding.spec):
         return False
     return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _local_view(x: jax.Array) -> jax.Array:
+    """This process's entries of a device-axis array (what `jax.pmap` returns), no copy."""
+    named: Any = x.sharding  # a NamedSharding over a concrete mesh
+    return multihost_utils.global_array_to_host_local_array(x, named.mesh, named.spec)

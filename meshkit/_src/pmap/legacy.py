@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
@@ -22,8 +23,7 @@ from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.tracebacks import public
 from ..spmd.placement import argnums
-from . import device_axis as _device_axis
-from .device_axis import check_devices
+from .pmap import check_devices, device_mesh, shown
 
 _NOT_ARRAY = """\
 {what}: the leaf at {path} is of type {kind} ({shown}), not an array.
@@ -49,23 +49,25 @@ shards are stacked into one array per leaf, so every shard must have the same sh
 Consider padding or casting the shards to one shape and dtype first."""
 
 
+SPEC = PartitionSpec("devices")  # one entry per device of a `device_mesh` (its default axis)
+
+
 def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
     """A numeric host leaf as numpy in the dtype JAX will use (as `jax.device_put` does)."""
-    is_array = isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex)
-    value = np.asarray(leaf) if is_array or hasattr(leaf, "__array__") else None
+    is_array = isinstance(leaf, bool | int | float | complex) or hasattr(leaf, "__array__")
+    value = np.asarray(leaf) if is_array else None
     if value is None or not (
         value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)
     ):
         kind = type(leaf).__name__ if value is None else f"array of dtype {value.dtype}"
-        shown = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
-        raise MeshkitError(_NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shown))
+        raise MeshkitError(_NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shown(leaf)))
     target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
     return value if value.dtype == target else value.astype(target)
 
 
 def device_axis_mesh(devices: Any, what: str) -> Mesh:
     """The 1-D device-axis mesh over ``devices`` (None: every device of every process)."""
-    return _device_axis.device_mesh(None if devices is None else check_devices(devices, what))
+    return device_mesh(None if devices is None else check_devices(devices, what))
 
 
 # One dispatch reads the first entries of every array on one device.
@@ -87,13 +89,15 @@ def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | N
 
 def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
     named, treedef = tree_paths(tree)
+    target = NamedSharding(mesh, SPEC)
     out = []
     for path, leaf in named:
         whole = _single_device_value(what, path, leaf) if isinstance(leaf, jax.Array) else None
         if whole is None:  # host data, or split over this process's devices: read once
             whole = host_array(what, path, leaf)
-        block = whole[None]
-        out.append(_device_axis.from_rows(mesh, (mesh.size, *whole.shape), lambda _, b=block: b))
+        block = whole[None]  # every device's entry
+        shape = (mesh.size, *whole.shape)
+        out.append(jax.make_array_from_callback(shape, target, lambda _, b=block: b))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -132,7 +136,7 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
         ((4, 3), [0, 1, 2, 3])
     """
     what = "meshkit.device_put_replicated"
-    return _replicate(x, _device_axis.device_mesh(check_devices(devices, what)), what)
+    return _replicate(x, device_mesh(check_devices(devices, what)), what)
 
 
 @public
@@ -158,7 +162,7 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             "goes to the i-th device, so there must be one shard per device.\nConsider "
             f"device_put_sharded(shards, devices[:{len(shards)}]) or passing {len(chosen)} shards."
         )
-    mesh = _device_axis.device_mesh(chosen)
+    mesh = device_mesh(chosen)
     named, treedef = tree_paths(shards[0])
     flats = [named]
     for i, s in enumerate(shards[1:], start=1):
@@ -181,7 +185,8 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             values = [host_array(what, path, np.asarray(v)) for v in values]
         _same_kind(values, path)
         shape = (mesh.size, *values[0].shape)
-        out.append(_device_axis.from_rows(mesh, shape, lambda i, v=values: v[i][None]))
+        row = lambda index, v=values: v[index[0].start or 0][None]  # noqa: E731
+        out.append(jax.make_array_from_callback(shape, NamedSharding(mesh, SPEC), row))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -190,8 +195,8 @@ def _same_kind(values: Sequence[Any], path: str) -> None:
     for i, v in enumerate(values[1:], start=1):
         got = (tuple(v.shape), v.dtype)
         if got != want:
-            shown = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
-            raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **shown))
+            sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
+            raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
 
 
 def _path_at(tree: Any, k: int) -> str:
@@ -264,7 +269,7 @@ def unreplicate(tree: Any) -> Any:
 
 @_caches.cached(maxsize=32)
 def _split_onto(mesh: Mesh, count: int) -> Any:
-    return jax.jit(lambda k: jax.random.split(k, count), out_shardings=_device_axis.sharding(mesh))
+    return jax.jit(lambda k: jax.random.split(k, count), out_shardings=NamedSharding(mesh, SPEC))
 
 
 @public
@@ -299,15 +304,10 @@ def shard_prng_key(prng_key: Any) -> jax.Array:
             "(jax.random.key(seed), shape ()) or a raw uint32 key (jax.random.PRNGKey(seed), "
             "shape (2,)).\nConsider jax.random.key(seed), or prng_key[0] for a batch of raw keys."
         )
-    mesh = _device_axis.device_mesh()
-    mine = _device_axis.local_devices(mesh)
-    local_mesh = _device_axis.device_mesh(mine)
-    keys = _split_onto(local_mesh, len(mine))(key)
-    if local_mesh is mesh:
-        return keys
-    again = _device_axis.from_local_array(keys, mesh, 0)
-    assert again is not None  # keys lie one per local device, in mesh order
-    return again
+    mesh = device_mesh()
+    local_mesh = device_mesh(mesh.local_devices)
+    keys = _split_onto(local_mesh, local_mesh.size)(key)
+    return multihost_utils.host_local_array_to_global_array(keys, mesh, SPEC)
 
 
 _SHARD_SIZE = """\
@@ -386,44 +386,43 @@ def prefetch_to_device(
             f"{what}: size={size!r}; size is how many elements are placed ahead of the one in "
             "use, an int >= 0.\nConsider size=2."
         )
-    return _prefetch(iter(iterator), int(size), device_axis_mesh(devices, what))
+    return _prefetch(enumerate(iterator), int(size), device_axis_mesh(devices, what))
 
 
-def _prefetch(source: Iterator[Any], size: int, mesh: Any) -> Iterator[Any]:
-    mine = _device_axis.local_devices(mesh)
+def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Iterator[Any]:
+    mine = mesh.local_devices
     queue: collections.deque[Any] = collections.deque()
     failure: BaseException | None = None
-    count = 0
 
-    def place(element: Any) -> Any:
+    def place(index: int, element: Any) -> Any:
         named, treedef = tree_paths(element)
         out = []
         for path, leaf in named:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != len(mine):
-                shown = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
+                listed = ", ".join(str(d) for d in mine[:4]) + (", ..." if len(mine) > 4 else "")
                 raise MeshkitError(
                     _PREFETCH_SIZE.format(
-                        path=path, index=count, shape=tuple(np.shape(leaf)), local=len(mine),
-                        devices=shown,
+                        path=path, index=index, shape=tuple(np.shape(leaf)), local=len(mine),
+                        devices=listed,
                     )
                 )  # fmt: skip
             if not isinstance(leaf, jax.Array):
                 leaf = host_array("meshkit.prefetch_to_device", path, leaf)
-            out.append(_device_axis.from_local(leaf, mesh, 0))
+            out.append(leaf)
+        out = multihost_utils.host_local_array_to_global_array(out, mesh, SPEC)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fill(until: int) -> None:
-        nonlocal failure, count
+        nonlocal failure
         while failure is None and len(queue) < until:
             try:
-                element = next(source)
+                index, element = next(source)
             except StopIteration:
                 return
             except Exception as e:  # delivered after the elements already placed
                 failure = e
                 return
-            queue.append(place(element))
-            count += 1
+            queue.append(place(index, element))
 
     while True:
         fill(max(size, 1))

@@ -1,7 +1,7 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
 A call's structure selects a cached layout and `entry`; arguments placed as it expects go
-straight to its jit.
+straight to its jit. Its 1-D device meshes (`device_mesh`) serve the flax-era helpers too.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
+from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError
 from ..core.tracebacks import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
-from . import device_axis as _device_axis
 from . import entry as _entry
 
 
@@ -97,8 +97,7 @@ class PmapFunction:
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
         self._layouts: dict[Any, _entry.Layout] = {}
         self._entries: dict[Any, _entry.Entry] = {}
-        # Per structure of positional-only calls: the entry the last call used, for the
-        # steady-state test of the next.
+        # Per structure of positional-only calls: the last call's entry (the steady state).
         self._steady: dict[Any, _entry.Entry] = {}
         self._site = _dispatch.CallSite(
             "pmap_compat",
@@ -205,17 +204,17 @@ class PmapFunction:
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
         """The first ``per_process`` devices of each process (``local_only``: of this one)."""
         if self.devices is not None:
-            pool = _device_axis.check_devices(self.devices, self.what)
+            pool = check_devices(self.devices, self.what)
         else:
-            pool = list(jax.devices(self.backend) if self.backend else jax.devices())
+            pool = jax.devices(self.backend)
         name = self.mesh_axis
         if local_only and per_process == len(pool):  # a global array traced by an enclosing jit
-            return _device_axis.device_mesh(pool, name)
+            return device_mesh(pool, name)
         me = jax.process_index()
         if self.devices is not None and not local_only:
             # jax.pmap maps entry i to devices[i] (in one process).
-            mesh = _device_axis.device_mesh(pool, name, keep_order=True)
-            local = len(_device_axis.local_devices(mesh))
+            mesh = device_mesh(pool, name, keep_order=True)
+            local = len(mesh.local_devices)
             if per_process != local:
                 raise MeshkitError(self._size_error(per_process, local, "given in devices="))
             return mesh
@@ -227,7 +226,7 @@ class PmapFunction:
         ordered = sorted(pool, key=lambda d: (d.process_index, d.id))
         per_host = itertools.groupby(ordered, key=lambda d: d.process_index)
         chosen = [d for _, devices in per_host for d in list(devices)[:per_process]]
-        return _device_axis.device_mesh(chosen, name)
+        return device_mesh(chosen, name)
 
     def _size_error(self, n: int, have: int, where: str) -> str:
         return (
@@ -314,6 +313,66 @@ def pmap_compat(
         )
 
     return wrap if fun is None else wrap(fun)
+
+
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_devices(devices: Any, what: str) -> list[Any]:
+    """``devices`` as a list: a non-empty sequence of distinct devices, some of this process."""
+    if isinstance(devices, jax.Device):
+        raise MeshkitError(
+            f"{what}: devices must be a sequence of devices; got a single device ({devices}).\n"
+            f"Consider devices=[{devices}] or devices=jax.local_devices()."
+        )
+    try:
+        chosen = list(devices)
+    except TypeError:
+        raise MeshkitError(
+            f"{what}: devices must be a sequence of devices; got {type(devices).__name__} "
+            f"({shown(devices)}).\nConsider devices=jax.local_devices()."
+        ) from None
+    if not chosen:
+        raise MeshkitError(
+            f"{what}: devices is empty; the result has one entry per device, so at least one "
+            "device is needed.\nConsider devices=jax.local_devices()."
+        )
+    bad = [d for d in chosen if not isinstance(d, jax.Device)]
+    if bad:
+        raise MeshkitError(
+            f"{what}: devices holds {type(bad[0]).__name__} ({shown(bad[0])}), not a device.\n"
+            "Consider devices from jax.devices() or jax.local_devices()."
+        )
+    if len(set(chosen)) != len(chosen):
+        twice = sorted({str(d) for d in chosen if chosen.count(d) > 1})
+        raise MeshkitError(
+            f"{what}: devices lists {', '.join(twice)} more than once; each device holds one "
+            "entry of the device axis.\nConsider removing the repeats."
+        )
+    me = jax.process_index()
+    if not any(d.process_index == me for d in chosen):
+        raise MeshkitError(
+            f"{what}: devices holds no device of this process ({me}); every process puts its "
+            "entries on its own devices.\nConsider including jax.local_devices()."
+        )
+    return chosen
+
+
+@_caches.cached(maxsize=64)
+def _cached_mesh(devices: tuple[Any, ...], axis_name: str) -> Mesh:
+    return Mesh(np.array(devices, dtype=object), (axis_name,), axis_types=(AxisType.Auto,))
+
+
+def device_mesh(
+    devices: Sequence[Any] | None = None, axis_name: str = "devices", *, keep_order: bool = False
+) -> Mesh:
+    """The cached 1-D mesh over ``devices`` (default: all); ``keep_order``: as given (1 process)."""
+    chosen = tuple(jax.devices() if devices is None else devices)
+    if not (keep_order and jax.process_count() == 1):  # each process's entries contiguous
+        chosen = tuple(sorted(chosen, key=lambda d: (d.process_index, d.id)))
+    return _cached_mesh(chosen, axis_name)
 
 
 def _local_size(leaf: Any, axis: int, processes: int) -> int:
