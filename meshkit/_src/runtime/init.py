@@ -40,7 +40,7 @@ from ..core.contract import (
     ENV_STATUS,
 )
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
