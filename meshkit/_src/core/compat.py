@@ -44,8 +44,7 @@ def compiled_settings() -> frozenset[str]:
     """The `jax.config` options JAX marks as part of every traced or compiled program.
 
     jaxlib keeps the ``include_in_jit_key`` mark in C++ without an accessor, so the names are
-    read from the literal ``True`` marks in ``jax/_src/config.py`` (JAX 0.10.2 and 0.12), plus
-    ``trace_context_names()``; read once per process (about 20 ms).
+    read from the literal ``True`` marks in ``jax/_src/config.py``, once per process (20 ms).
     """
     import os
 
@@ -76,8 +75,7 @@ def setting(name: str) -> Any:
 def trace_context_settings() -> frozenset[str] | None:
     """The `jax.config` options in JAX's trace context; None where jaxlib cannot tell.
 
-    ``trace_context_names()`` exists from jaxlib extension 455 (optional on 0.10.2, always on
-    0.12); it also names context managers, left out here.
+    ``trace_context_names()`` exists from jaxlib extension 455 (optional on 0.10.2).
     """
     from jax._src import config
 
@@ -108,11 +106,7 @@ def _marked_declarations(source: str, path: str) -> set[str]:
 def put_blocks(
     shape: tuple[int, ...], dtype: Any, sharding: Any, blocks: Sequence[Any], devices: Sequence[Any]
 ) -> Any:
-    """A global `jax.Array` from this process's blocks, one per local device, in one call.
-
-    `jax.make_array_from_callback`'s last step without its checks: ``blocks[i]`` must be
-    ``devices[i]``'s block, ``devices`` in ``addressable_devices_indices_map`` order.
-    """
+    """`jax.make_array_from_callback`'s last step, unchecked: ``blocks[i]`` on ``devices[i]``."""
     return _pxla().batched_device_put(
         _sharded_aval(shape, dtype, sharding), sharding, blocks, devices
     )
@@ -225,10 +219,7 @@ def _jax_sharding() -> Any:
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """``(constants, carries)`` among a ``scan`` equation's inputs.
-
-    JAX 0.10 has ``num_consts`` and ``num_carry``; 0.12 a FlatTree ``ft_in`` of the three groups.
-    """
+    """``(constants, carries)`` among a ``scan``'s inputs (0.10: ``num_*``; 0.12: ``ft_in``)."""
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
@@ -237,9 +228,7 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
 
 def bound_axis_sizes() -> dict[Any, int]:
     """The named axes bound here (inside shard_map, pmap, vmap) with their sizes."""
-    from jax._src import core
-
-    return dict(core.get_axis_env().axis_sizes)
+    return dict(_jax_core().get_axis_env().axis_sizes)
 
 
 def varying_axes(x: Any) -> frozenset[Any]:
@@ -301,8 +290,8 @@ def _sharding_text(sharding: Any) -> str:
 def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
     """Call ``hook`` before JAX compiles a computation (wraps ``MeshComputation.compile``).
 
-    What ``hook`` raises reaches the caller. Returns the hook's remover (hooks are removed in
-    the reverse order of their installation), or None where this JAX has no such step.
+    What ``hook`` raises reaches the caller. Returns the hook's remover (removed in the reverse
+    order of installation), or None where this JAX has no such step.
     """
     cls = getattr(_pxla(), "MeshComputation", None)
     original = getattr(cls, "compile", None)

@@ -1,4 +1,8 @@
-"""Whose code a stack frame runs: meshkit's own, a library's, or the user's.
+"""Whose code a stack frame runs (meshkit's own, a library's, or the user's), and on which thread.
+
+The program's thread is the one that called `meshkit.init` (the main thread before that): calls
+pair up across processes in its order (Ray Train runs the program in a worker thread), and only
+the main thread may take signals.
 
 `public` marks an entry point: a `MeshkitError` leaving it loses meshkit's frames, as JAX
 hides its own (``MESHKIT_TRACEBACK_FILTERING=off`` keeps them). Other exceptions keep theirs.
@@ -11,6 +15,7 @@ import functools
 import os
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -61,14 +66,10 @@ def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
 
 def user_place(frame: types.FrameType | None) -> str | None:
     """Where the user's own code is, from ``frame`` outward: ``train.py:95 in <module>``."""
-    first = user_frame(frame)
-    seen = first
-    while seen is not None:
-        name = seen.f_code.co_filename
-        if not name.startswith(_INSTALLED_DIRS) and not library_file(name):
-            return place(seen)
-        seen = seen.f_back
-    return None if first is None else place(first)
+    first = seen = user_frame(frame)
+    while seen is not None and seen.f_code.co_filename.startswith(_INSTALLED_DIRS):
+        seen = user_frame(seen.f_back)
+    return None if first is None else place(seen or first)
 
 
 def user_stacklevel() -> int:
@@ -136,3 +137,23 @@ def filtering() -> bool:
     """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default)."""
     on, off = "hide meshkit's frames, the default", "show every frame"
     return bool(_env.flag(ENV_TRACEBACK_FILTERING, where="meshkit", on=on, off=off, blank=True))
+
+
+_thread: threading.Thread | None = None
+
+
+def adopt_program_thread() -> None:
+    """Make the calling thread the program's thread (at `meshkit.init`; the first call wins)."""
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.current_thread()
+
+
+def program_thread() -> threading.Thread:
+    """The thread whose calls pair up with the other processes' without a channel."""
+    thread = _thread
+    return thread if thread is not None and thread.is_alive() else threading.main_thread()
+
+
+def is_program_thread() -> bool:
+    return threading.current_thread() is program_thread()
