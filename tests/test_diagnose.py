@@ -278,12 +278,17 @@ def test_the_stall_summary_is_built_from_the_events():
     assert _report.stall_summary([0, 1], Told()) == ""
 
 
-def test_events_read_back_into_verdicts(tmp_path):
+def test_events_read_back_into_verdicts(tmp_path, monkeypatch):
     from meshkit._src.core import events
 
-    events.emit("failed", rank=0, directory=tmp_path, cause="peer", process=1, system="meshkit")
-    events.emit("ended", rank=2, directory=tmp_path)
-    events.emit("failed", rank=0, directory=tmp_path, cause="signal", error="SIGTERM")
+    monkeypatch.setenv("MESHKIT_LAUNCH_STATUS", str(tmp_path))
+    for rank, kind, fields in [
+        (0, "failed", dict(cause="peer", process=1, system="meshkit")),
+        (2, "ended", {}),
+        (0, "failed", dict(cause="signal", error="SIGTERM")),
+    ]:
+        monkeypatch.setenv("MESHKIT_PROCESS_ID", str(rank))
+        events.emit(kind, **fields)
     (tmp_path / "events-1.jsonl").write_text('{"rank": 1, "kind": "stalled", "ti')  # cut short
     told = Told.of(events.read(tmp_path, 3))
     assert told.failed[0].fields["cause"] == "peer"  # the first word of a rank is its verdict

@@ -82,10 +82,8 @@ def value(x: Any, _depth: int = 0) -> str:
         return f"jax.Array {x.dtype.name}{list(x.shape)}"  # never read back: it may be remote
     if isinstance(x, np.dtype):
         return f"dtype({x.name})"
-    if callable(x) and (
-        isinstance(x, functools.partial | types.MethodType)
-        or isinstance(getattr(x, "__code__", None), types.CodeType)
-        or isinstance(x, types.BuiltinFunctionType)
+    if isinstance(x, functools.partial | types.MethodType | types.BuiltinFunctionType) or (
+        callable(x) and isinstance(getattr(x, "__code__", None), types.CodeType)
     ):
         return function(x, _depth)
     if _depth >= _MAX_DEPTH:

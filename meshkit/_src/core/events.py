@@ -59,14 +59,11 @@ def path(directory: Directory, rank: int) -> Path:
     return Path(directory) / f"events-{rank}.jsonl"
 
 
-def emit(
-    kind: str, *, rank: int | None = None, directory: Directory | None = None, **fields: Any
-) -> None:
+def emit(kind: str, **fields: Any) -> None:
     """Append one event for the launcher (nothing outside a ``meshkit launch`` run)."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
-    directory = directory if directory is not None else os.environ.get(ENV_STATUS)
-    rank = own_rank() if rank is None else rank
+    directory, rank = os.environ.get(ENV_STATUS), own_rank()
     if not directory or rank is None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
