@@ -147,12 +147,11 @@ def summary(stages: Mapping[int, str]) -> str:
 class Board:
     """The launcher's view of the ranks' stages, and when to say it."""
 
-    def __init__(
-        self, directory: Path, ranks: int | Iterable[int], *, after: float = 2.0, every: float = 5.0
-    ) -> None:
+    after, every = 2.0, 5.0  # seconds after the first join, then between repeats of one line
+
+    def __init__(self, directory: Path, ranks: int | Iterable[int]) -> None:
         self.directory = directory
         self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
-        self.after, self.every = after, every
         self.first_join: float | None = None  # seconds into the run when a rank left `starting`
         self.said_at: float | None = None
         self.said = ""
