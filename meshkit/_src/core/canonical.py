@@ -122,16 +122,12 @@ def value(x: Any, _depth: int = 0) -> str:
 def structure(treedef: Any) -> str:
     """A pytree structure's canonical text, equal in every process that builds it the same way."""
     try:
-        return _cached(treedef)
-    except TypeError:  # unhashable static data: JAX allows it outside jit
         return _structure(treedef)
+    except TypeError:  # unhashable static data (JAX allows it outside jit): not cached
+        return _structure.__wrapped__(treedef)
 
 
 @cached(maxsize=512)
-def _cached(treedef: Any) -> str:
-    return _structure(treedef)
-
-
 def _structure(treedef: Any) -> str:
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return "*"

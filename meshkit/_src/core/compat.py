@@ -75,10 +75,7 @@ def setting(name: str) -> Any:
 
 
 def trace_context_settings() -> frozenset[str] | None:
-    """The `jax.config` options in JAX's trace context; None where jaxlib cannot tell.
-
-    ``trace_context_names()`` exists from jaxlib extension 455 (optional on 0.10.2).
-    """
+    """The `jax.config` options in JAX's trace context; None without ``trace_context_names``."""
     config = _module("jax._src.config")
     names = getattr(config.config_ext, "trace_context_names", None)
     if names is None:
