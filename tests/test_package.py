@@ -139,7 +139,7 @@ def test_the_launcher_and_the_command_import_no_jax(tmp_path):
         "import meshkit, meshkit.cli\n"
         "from meshkit._src.launch import launcher, rank_output, reaper, report, spawn, stop\n"
         "from meshkit._src.launch import supervise\n"
-        "from meshkit._src.core import contract, events\n"
+        "from meshkit._src.core import events\n"
         "meshkit.launch, meshkit.LaunchResult, meshkit.RankResult, meshkit.MeshkitError\n"
         f"{_NO_JAX}\n"
         "for argv in (['launch', '--help'], ['migrate', '--help']):\n"

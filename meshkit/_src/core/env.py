@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .contract import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .errors import MeshkitError
+from .events import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 _DEFAULT_CHECK_TIMEOUT_S = 120.0

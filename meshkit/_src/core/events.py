@@ -1,10 +1,10 @@
-"""What a rank tells ``meshkit launch`` through the run's status directory: events and stages.
+"""The launcher <-> rank contract: the variables ``meshkit launch`` sets, the events ranks write.
 
-Events are records, never sentences: a rank appends one JSON object per line to
-``events-<rank>.jsonl`` (one ``write`` each, so records never interleave). While the cluster
-forms, a rank's stage (``joining``, ``joined``, ``running``) is a file of its own; the launcher
-reads them and, once a rank waited a while, says who is where (`Board`). Outside a launch a
-rank writes nothing.
+Both sides import it without JAX. Events are records, never sentences: a rank appends one JSON
+object per line to ``events-<rank>.jsonl`` (one ``write`` each, so records never interleave).
+While the cluster forms, a rank's stage (``joining``, ``joined``, ``running``) is a file of its
+own; the launcher reads them and, once a rank waited a while, says who is where (`Board`).
+Outside a launch a rank writes nothing.
 
 A failure that JAX's cross-process machinery ended is classified by its text (`diagnose`:
 gloo's, NCCL's and the coordination service's timeouts and lost peers, which name no process)
@@ -23,8 +23,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .contract import ENV_PROCESS_ID, ENV_STATUS
 from .errors import ranges
+
+ENV_COORDINATOR = "MESHKIT_COORDINATOR"
+ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
+ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+# jax.distributed.initialize's heartbeat and shutdown timeouts, in whole seconds.
+ENV_HEARTBEAT_TIMEOUT = "MESHKIT_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "MESHKIT_SHUTDOWN_TIMEOUT"
+# JAX's persistent compilation cache directory (``meshkit launch --compilation-cache``).
+ENV_COMPILATION_CACHE = "MESHKIT_COMPILATION_CACHE"
+# Which start of the whole group this is: 0, then 1 after the first restart.
+ENV_ATTEMPT = "MESHKIT_ATTEMPT"
+# The run's status directory (stages, events).
+ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
+# Seconds from a preemption notice to the end of every rank.
+ENV_PREEMPT_GRACE = "MESHKIT_PREEMPT_GRACE"
+DEFAULT_PREEMPT_GRACE_S = 25.0
+
+# The first words of the stall watchdog's report (for people; the launcher reads events).
+WATCHDOG_MARK = "meshkit watchdog:"
+INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
 
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned

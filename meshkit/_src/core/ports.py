@@ -13,8 +13,8 @@ import socket
 import time
 from pathlib import Path
 
-from .contract import ENV_INIT_TIMEOUT
 from .errors import MeshkitError
+from .events import ENV_INIT_TIMEOUT
 
 # Where `free_ports` draws from when the kernel's ephemeral range cannot be read: Linux's default.
 _EPHEMERAL_DEFAULT = (32768, 60999)

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..core import events as _events
-from ..core.contract import INSIDE, OUTSIDE
 from ..core.errors import ranges
+from ..core.events import INSIDE, OUTSIDE
 
 TAIL_LINES = 40
 

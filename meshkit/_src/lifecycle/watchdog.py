@@ -24,7 +24,7 @@ import jax
 
 from ..core import compat as _compat
 from ..core import events as _events
-from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
+from ..core.events import INSIDE, OUTSIDE, WATCHDOG_MARK
 from ..core.frames import in_meshkit, is_program_thread, program_thread, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say

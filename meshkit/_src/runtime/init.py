@@ -26,7 +26,8 @@ from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
-from ..core.contract import (
+from ..core.errors import MeshkitError
+from ..core.events import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -38,7 +39,6 @@ from ..core.contract import (
     ENV_SHUTDOWN_TIMEOUT,
     ENV_STATUS,
 )
-from ..core.errors import MeshkitError
 from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
