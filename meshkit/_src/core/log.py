@@ -44,8 +44,6 @@ def _configured(besides: logging.Handler | None = None) -> bool:
 
 def _first_message() -> None:
     """At the first message: the level INFO where unset, the stderr handler where none is."""
-    if _said.is_set():
-        return
     with _lock:
         if _said.is_set():
             return
