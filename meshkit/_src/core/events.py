@@ -90,12 +90,9 @@ def emit(kind: str, **fields: Any) -> None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
     line = (json.dumps(record, default=str) + "\n").encode()
-    with contextlib.suppress(OSError):  # a lost event only makes a less precise report
-        fd = os.open(path(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+    # Unbuffered append: one write per record. A lost event only makes a less precise report.
+    with contextlib.suppress(OSError), open(path(directory, rank), "ab", buffering=0) as f:
+        f.write(line)
 
 
 def own_rank() -> int | None:
