@@ -4,7 +4,7 @@ The verdicts come from what the ranks recorded (`meshkit._src.core.events`: whic
 and why, which stalled where, which reached the end of its program), never from the sentences
 meshkit prints for people, so rewording a message cannot change them. The one text still read
 is what JAX's own cross-process machinery wrote (gloo, NCCL, the coordination service) when a
-rank died without recording anything: `meshkit._src.core.diagnosis` classifies it.
+rank died without recording anything: `meshkit._src.core.events.diagnose` classifies it.
 """
 
 from __future__ import annotations
