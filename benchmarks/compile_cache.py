@@ -22,7 +22,7 @@ EXAMPLE = HERE.parent / "examples" / "restart_on_failure.py"
 
 def _attempts(cache: str | None) -> tuple[float, float]:
     import meshkit
-    from meshkit._src.core.contract import ENV_COMPILATION_CACHE
+    from meshkit._src.core.events import ENV_COMPILATION_CACHE
 
     with tempfile.TemporaryDirectory() as root:
         result = meshkit.launch(

@@ -19,7 +19,7 @@ from conftest import REPO, run_python, said
 import meshkit
 from meshkit import MeshkitError
 from meshkit._src.core import events as _events
-from meshkit._src.core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
+from meshkit._src.core.events import ENV_COMPILATION_CACHE, ENV_STATUS
 from meshkit._src.launch.report import LaunchResult
 from meshkit._src.launch.restarts import attempt_of, summary
 from meshkit._src.runtime import compile_cache

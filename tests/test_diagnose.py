@@ -11,7 +11,7 @@ import time
 import pytest
 
 import meshkit
-from meshkit._src.core import diagnosis as _diagnose
+from meshkit._src.core import events as _events
 from meshkit._src.core.events import Event
 from meshkit._src.launch import report as _report
 from meshkit._src.launch.report import RankResult, Told
@@ -42,14 +42,14 @@ STREAM = "JaxRuntimeError: UNAVAILABLE: Stream removed (Socket closed)"
     ],
 )
 def test_known_failures_are_recognised(text, kind, system):
-    found = _diagnose.diagnose("Traceback (most recent call last):\n  ...\n" + text)
+    found = _events.diagnose("Traceback (most recent call last):\n  ...\n" + text)
     assert found is not None
     assert (found.kind, found.system, found.line) == (kind, system, text)
 
 
 def test_meshkits_own_notice_names_the_process():
     # What meshkit's failure watch knows is a `failed` event, not its sentence.
-    found = _diagnose.from_event(
+    found = _events.from_event(
         {"cause": "peer", "process": 3, "system": "meshkit", "error": "KeyError"}
     )
     assert found is not None
@@ -68,10 +68,10 @@ def test_meshkits_own_notice_names_the_process():
 )  # fmt: skip
 def test_meshkits_own_checks_name_the_process_they_waited_for(text, process):
     # The rank records whom it waited for; its message is for people and is not read.
-    found = _diagnose.from_event({"cause": "timeout", "system": "meshkit", "process": process})
+    found = _events.from_event({"cause": "timeout", "system": "meshkit", "process": process})
     assert found is not None
     assert (found.kind, found.system, found.process) == ("timeout", "meshkit", process)
-    assert _diagnose.diagnose(text) is None
+    assert _events.diagnose(text) is None
 
 
 @pytest.mark.parametrize(
@@ -83,23 +83,23 @@ def test_meshkits_own_checks_name_the_process_they_waited_for(text, process):
 )
 def test_meshkits_own_sentences_are_not_read(text):
     # Only JAX's, gloo's and NCCL's words are: meshkit's own findings come as events.
-    assert _diagnose.diagnose(text) is None
+    assert _events.diagnose(text) is None
 
 
 def test_an_event_of_an_error_of_its_own_is_no_diagnosis():
-    assert _diagnose.from_event({"cause": "exception", "error": "ValueError"}) is None
-    assert _diagnose.from_event({"cause": "signal", "error": "SIGTERM"}) is None
-    gloo = _diagnose.from_event({"cause": "timeout", "system": "gloo", "error": "JaxRuntimeError"})
+    assert _events.from_event({"cause": "exception", "error": "ValueError"}) is None
+    assert _events.from_event({"cause": "signal", "error": "SIGTERM"}) is None
+    gloo = _events.from_event({"cause": "timeout", "system": "gloo", "error": "JaxRuntimeError"})
     assert gloo is not None
     assert (gloo.kind, gloo.system, gloo.process) == ("timeout", "gloo", None)
 
 
 def test_other_errors_are_not():
-    assert _diagnose.diagnose("ValueError: shapes (3,) and (4,) do not match") is None
+    assert _events.diagnose("ValueError: shapes (3,) and (4,) do not match") is None
 
 
 def test_the_explanation_names_the_usual_causes_and_the_next_step():
-    text = _diagnose.explain(_diagnose.diagnose(GLOO))
+    text = _events.explain(_events.diagnose(GLOO))
     assert text.startswith(
         "meshkit: this error is a timeout of gloo: this process waited for another process "
         "that never joined.\nUsual causes: a computation or collective run by only some "
@@ -278,12 +278,17 @@ def test_the_stall_summary_is_built_from_the_events():
     assert _report.stall_summary([0, 1], Told()) == ""
 
 
-def test_events_read_back_into_verdicts(tmp_path):
+def test_events_read_back_into_verdicts(tmp_path, monkeypatch):
     from meshkit._src.core import events
 
-    events.emit("failed", rank=0, directory=tmp_path, cause="peer", process=1, system="meshkit")
-    events.emit("ended", rank=2, directory=tmp_path)
-    events.emit("failed", rank=0, directory=tmp_path, cause="signal", error="SIGTERM")
+    monkeypatch.setenv("MESHKIT_LAUNCH_STATUS", str(tmp_path))
+    for rank, kind, fields in [
+        (0, "failed", dict(cause="peer", process=1, system="meshkit")),
+        (2, "ended", {}),
+        (0, "failed", dict(cause="signal", error="SIGTERM")),
+    ]:
+        monkeypatch.setenv("MESHKIT_PROCESS_ID", str(rank))
+        events.emit(kind, **fields)
     (tmp_path / "events-1.jsonl").write_text('{"rank": 1, "kind": "stalled", "ti')  # cut short
     told = Told.of(events.read(tmp_path, 3))
     assert told.failed[0].fields["cause"] == "peer"  # the first word of a rank is its verdict
@@ -319,7 +324,7 @@ def test_a_computation_run_by_one_process_is_explained(tmp_path):
     result = meshkit.launch(
         [str(script)], num_processes=2, devices_per_process=4, platform="cpu", timeout=150,
         stream=False, env={"MESHKIT_INIT_TIMEOUT": "60"},
-        starter=starter(None, "tests/test_diagnose.py"),
+        starter=starter(None, "tests/test_events.py"),
     )  # fmt: skip
     assert time.monotonic() - start < 120
     assert result.returncode != 0, result.report

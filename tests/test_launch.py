@@ -726,14 +726,13 @@ def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):
 # meshkit's message constants, which REWORD=1 replaces first; NO_EVENTS=1 records nothing.
 _TOLD = """
 import os, pathlib, sys, time
-from meshkit._src.core import contract, events
-from meshkit._src.core import diagnosis as diagnose
+from meshkit._src.core import events
 
 if os.environ.get("REWORD") == "1":
-    contract.WATCHDOG_MARK = "stall guard says"
-    contract.INSIDE, contract.OUTSIDE = "waiting on the library", "busy in user code"
-    diagnose.ENDED_MARK = "is finished"
-W, INSIDE, OUTSIDE = contract.WATCHDOG_MARK, contract.INSIDE, contract.OUTSIDE
+    events.WATCHDOG_MARK = "stall guard says"
+    events.INSIDE, events.OUTSIDE = "waiting on the library", "busy in user code"
+    events.ENDED_MARK = "is finished"
+W, INSIDE, OUTSIDE = events.WATCHDOG_MARK, events.INSIDE, events.OUTSIDE
 recorded = os.environ.get("NO_EVENTS") != "1"
 emit = events.emit if recorded else lambda *a, **k: None
 rank = int(os.environ["MESHKIT_PROCESS_ID"])
@@ -760,7 +759,7 @@ if rank == 1:
     print("KeyError: 'shard-17'", file=sys.stderr, flush=True)
 else:
     emit("ended")
-    print(f"meshkit: process 2 {diagnose.ENDED_MARK} 5 s ago", file=sys.stderr, flush=True)
+    print(f"meshkit: process 2 {events.ENDED_MARK} 5 s ago", file=sys.stderr, flush=True)
 (here / f"told{rank}").touch()
 time.sleep(60)
 """

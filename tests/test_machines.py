@@ -18,7 +18,7 @@ import time
 import pytest
 
 from meshkit import LaunchError
-from meshkit._src.core.ports import ephemeral_range, free_port, free_ports, port_in_use
+from meshkit._src.core.ports import ephemeral_range, free_ports, port_in_use
 from meshkit._src.launch.hub import Hub
 from meshkit._src.launch.link import Link, Over, reach
 from meshkit._src.launch.machines import placement
@@ -366,12 +366,12 @@ def test_the_program_digest_reads_the_script(tmp_path):
 
 def test_a_coordinator_that_is_not_this_machine_is_named():
     with pytest.raises(LaunchError) as info:
-        serve("198.18.0.77", free_port())
+        serve("198.18.0.77", free_ports(1))
     assert "the coordinator '198.18.0.77' is not an address of machine 0" in str(info.value)
 
 
 def test_reaching_a_hub_that_is_not_up_gives_up_after_the_join_timeout_or_a_signal():
-    port = free_port()  # nothing listens there
+    port = free_ports(1)  # nothing listens there
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         reach("127.0.0.1", port, 1, 0.5, lambda: False)
@@ -393,7 +393,7 @@ def test_a_connection_to_itself_is_not_taken_for_the_hub(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen()
         hub_port = server.getsockname()[1]
-        lonely = free_port()
+        lonely = free_ports(1)
         made = []
         real = socket.create_connection
 

@@ -74,7 +74,7 @@ def test_board_is_quiet_when_the_cluster_forms_quickly(tmp_path):
 
 
 def test_board_says_who_waits_then_when_it_formed(tmp_path):
-    board = Board(tmp_path, 4, after=2.0, every=5.0)
+    board = Board(tmp_path, 4)  # says after 2 s, repeats a line every 5 s
     waiting = {0: "joining", 1: "joining", 2: "joining", 3: "starting"}
     assert board.line(waiting, 1.0) is None  # first join; nothing yet
     assert board.line(waiting, 3.0) == (

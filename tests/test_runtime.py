@@ -21,7 +21,7 @@ import pytest
 from conftest import run_python
 
 import meshkit
-from meshkit._src.core.ports import free_port, reserve_port
+from meshkit._src.core.ports import free_ports, reserve_port
 from meshkit._src.runtime import init as _init_module
 from meshkit.testing._forks import starter
 
@@ -127,7 +127,7 @@ def test_after_backends_started_is_an_error(tmp_path):
 
 
 def test_after_backends_started_cannot_join(tmp_path):
-    port = free_port()
+    port = free_ports(1)
     env = {"MESHKIT_COORDINATOR": f"127.0.0.1:{port}", "MESHKIT_NUM_PROCESSES": "2",
            "MESHKIT_PROCESS_ID": "1"}  # fmt: skip
     out = run_py(
@@ -150,7 +150,7 @@ def test_after_backends_started_cannot_join(tmp_path):
 
 
 def test_unreachable_coordinator_is_named_in_bounded_time(tmp_path):
-    port = free_port()  # nothing listens there
+    port = free_ports(1)  # nothing listens there
     out = run_py(
         f"""
         import time
@@ -178,7 +178,7 @@ def test_unreachable_coordinator_is_named_in_bounded_time(tmp_path):
 
 
 def test_unreachable_coordinator_timeout_from_environment(tmp_path):
-    port = free_port()
+    port = free_ports(1)
     env = {"MESHKIT_COORDINATOR": f"127.0.0.1:{port}", "MESHKIT_NUM_PROCESSES": "2",
            "MESHKIT_PROCESS_ID": "1", "MESHKIT_INIT_TIMEOUT": "1.5"}  # fmt: skip
     out = run_py(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit._src.core import tracebacks
+from meshkit._src.core.frames import filtered
 
 SRC = os.path.join(os.path.dirname(meshkit.__file__), "_src") + os.sep
 
@@ -92,10 +92,10 @@ def test_filtered_keeps_the_other_frames_in_their_order():
 
     with pytest.raises(ValueError, match="x") as caught:
         outer()
-    names = [f.name for f in traceback.extract_tb(tracebacks.filtered(caught.value.__traceback__))]
+    names = [f.name for f in traceback.extract_tb(filtered(caught.value.__traceback__))]
     assert names[-2:] == ["outer", "inner"]
     assert names[0] == "test_filtered_keeps_the_other_frames_in_their_order"
-    assert tracebacks.filtered(None) is None
+    assert filtered(None) is None
 
 
 @pytest.mark.parametrize(

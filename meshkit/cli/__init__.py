@@ -242,7 +242,7 @@ def _join_options(args: argparse.Namespace) -> dict[str, str]:
 
     As the ranks read them; the cache directory is checked here, before any rank starts.
     """
-    from .._src.core.contract import (
+    from .._src.core.events import (
         ENV_COMPILATION_CACHE,
         ENV_HEARTBEAT_TIMEOUT,
         ENV_INIT_TIMEOUT,

@@ -21,7 +21,7 @@ import threading
 import traceback
 from types import ModuleType
 
-from .._src.core.contract import ENV_PROCESS_ID
+from .._src.core.events import ENV_PROCESS_ID
 from ._wire import Call, Hello, Reply, receive, send
 from ._worker import attribute, load_module
 

@@ -21,8 +21,7 @@ from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
-from ..core.frames import user_stacklevel
-from ..core.tracebacks import public
+from ..core.frames import public, user_stacklevel
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike

@@ -22,9 +22,8 @@ from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import DivergenceError, MeshkitError
-from ..core.frames import user_frame, user_stacklevel
+from ..core.frames import public, user_frame, user_stacklevel
 from ..core.log import logger, say
-from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption

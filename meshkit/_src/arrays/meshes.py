@@ -14,7 +14,7 @@ from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..runtime import dispatch as _dispatch
 from ..runtime import hosts as _hosts
 from ..sharding import mesh as _mesh

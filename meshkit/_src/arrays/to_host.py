@@ -15,7 +15,7 @@ from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..runtime import dispatch as _dispatch
 from ..sharding import layout as _layout
 from .blocks import tree_paths

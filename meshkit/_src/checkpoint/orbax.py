@@ -22,7 +22,7 @@ from ..core import env as _env
 from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
 from ..sharding.specs import is_spec_leaf

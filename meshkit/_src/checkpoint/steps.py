@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..lifecycle import preemption as _preemption
 
 _STEP = re.compile(r"step_(\d+)")

@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Iterator
 
 from ..core import compat as _compat
-from ..core import program_thread as _program_thread
+from ..core import frames as _frames
 from ..core.errors import MeshkitError
 
 # A context variable, not a thread-local: a helper that agrees for the caller (the check made
@@ -95,7 +95,7 @@ def current() -> str | None:
 
 def paired() -> bool:
     """Whether this thread's calls pair up with the other processes' (main thread, or a channel)."""
-    return current() is not None or _program_thread.is_program_thread()
+    return current() is not None or _frames.is_program_thread()
 
 
 def scoped(tag: str, what: str) -> str:
@@ -106,7 +106,7 @@ def scoped(tag: str, what: str) -> str:
     name = current()
     if name is not None:
         return f"{tag}@{tag_part(name)}"
-    if not _program_thread.is_program_thread() and _compat.distributed_state()[2] > 1:
+    if not _frames.is_program_thread() and _compat.distributed_state()[2] > 1:
         raise MeshkitError(_UNNAMED.format(what=what, thread=threading.current_thread().name))
     return tag
 

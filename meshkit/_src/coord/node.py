@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import env as _env
-from ..core import program_thread as _program_thread
+from ..core import frames as _frames
 from ..core.errors import MeshkitError
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
@@ -119,7 +119,7 @@ class Node:
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.exiting = threading.Event()  # set when the exit drain begins: no timer is started
         self.channel = channel
-        self.is_main = is_main or _program_thread.is_program_thread
+        self.is_main = is_main or _frames.is_program_thread
         # The failure was said already; nothing may wait for a process that hangs.
         self.on_unraised = on_unraised or functools.partial(_exit.now, 1)
         self.tags: dict[str, WindowState] = {}  # tags agreed after the call returns

@@ -75,10 +75,6 @@ class Cache(Generic[K, V]):
         with self._lock:
             self._data.clear()
 
-    def keys(self) -> list[K]:  # oldest first, as the next eviction pass sees them
-        with self._lock:
-            return list(self._data)
-
     def __len__(self) -> int:
         return len(self._data)
 

@@ -82,10 +82,8 @@ def value(x: Any, _depth: int = 0) -> str:
         return f"jax.Array {x.dtype.name}{list(x.shape)}"  # never read back: it may be remote
     if isinstance(x, np.dtype):
         return f"dtype({x.name})"
-    if callable(x) and (
-        isinstance(x, functools.partial | types.MethodType)
-        or isinstance(getattr(x, "__code__", None), types.CodeType)
-        or isinstance(x, types.BuiltinFunctionType)
+    if isinstance(x, functools.partial | types.MethodType | types.BuiltinFunctionType) or (
+        callable(x) and isinstance(getattr(x, "__code__", None), types.CodeType)
     ):
         return function(x, _depth)
     if _depth >= _MAX_DEPTH:
@@ -124,16 +122,12 @@ def value(x: Any, _depth: int = 0) -> str:
 def structure(treedef: Any) -> str:
     """A pytree structure's canonical text, equal in every process that builds it the same way."""
     try:
-        return _cached(treedef)
-    except TypeError:  # unhashable static data: JAX allows it outside jit
         return _structure(treedef)
+    except TypeError:  # unhashable static data (JAX allows it outside jit): not cached
+        return _structure.__wrapped__(treedef)
 
 
 @cached(maxsize=512)
-def _cached(treedef: Any) -> str:
-    return _structure(treedef)
-
-
 def _structure(treedef: Any) -> str:
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return "*"

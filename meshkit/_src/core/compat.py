@@ -24,8 +24,13 @@
 
 from __future__ import annotations
 
+import ast
+import atexit
 import dataclasses
+import datetime
 import functools
+import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,9 +39,13 @@ from . import caches as _caches
 
 def backends_are_initialized() -> bool:
     """True once JAX has created its backends (after which device settings are frozen)."""
-    from jax._src import xla_bridge
+    return bool(_module("jax._src.xla_bridge").backends_are_initialized())
 
-    return bool(xla_bridge.backends_are_initialized())
+
+@functools.cache
+def _module(name: str) -> Any:
+    """JAX's module ``name``, imported at first use (importing meshkit imports none of them)."""
+    return importlib.import_module(name)
 
 
 @functools.cache
@@ -44,13 +53,9 @@ def compiled_settings() -> frozenset[str]:
     """The `jax.config` options JAX marks as part of every traced or compiled program.
 
     jaxlib keeps the ``include_in_jit_key`` mark in C++ without an accessor, so the names are
-    read from the literal ``True`` marks in ``jax/_src/config.py`` (JAX 0.10.2 and 0.12), plus
-    ``trace_context_names()``; read once per process (about 20 ms).
+    read from the literal ``True`` marks in ``jax/_src/config.py``, once per process (20 ms).
     """
-    import os
-
-    from jax._src import config
-
+    config = _module("jax._src.config")
     marked = set(trace_context_settings() or ())
     path = config.__file__ or ""
     if path.endswith(".py") and os.path.isfile(path):
@@ -61,26 +66,17 @@ def compiled_settings() -> frozenset[str]:
 
 def settings_of_jax() -> frozenset[str]:
     """The names of every option registered with `jax.config` (``config_states``)."""
-    from jax._src import config
-
-    return frozenset(config.config_states)
+    return frozenset(_module("jax._src.config").config_states)
 
 
 def setting(name: str) -> Any:
     """The value of `jax.config` option ``name`` (``jax_no_collectives`` is no attribute)."""
-    from jax._src import config
-
-    return config.config_states[name].value
+    return _module("jax._src.config").config_states[name].value
 
 
 def trace_context_settings() -> frozenset[str] | None:
-    """The `jax.config` options in JAX's trace context; None where jaxlib cannot tell.
-
-    ``trace_context_names()`` exists from jaxlib extension 455 (optional on 0.10.2, always on
-    0.12); it also names context managers, left out here.
-    """
-    from jax._src import config
-
+    """The `jax.config` options in JAX's trace context; None without ``trace_context_names``."""
+    config = _module("jax._src.config")
     names = getattr(config.config_ext, "trace_context_names", None)
     if names is None:
         return None
@@ -89,8 +85,6 @@ def trace_context_settings() -> frozenset[str] | None:
 
 def _marked_declarations(source: str, path: str) -> set[str]:
     """Names of the calls in ``source`` that pass one of the two marks as a literal ``True``."""
-    import ast
-
     found = set()
     for node in ast.walk(ast.parse(source, path)):
         if not isinstance(node, ast.Call):
@@ -108,36 +102,21 @@ def _marked_declarations(source: str, path: str) -> set[str]:
 def put_blocks(
     shape: tuple[int, ...], dtype: Any, sharding: Any, blocks: Sequence[Any], devices: Sequence[Any]
 ) -> Any:
-    """A global `jax.Array` from this process's blocks, one per local device, in one call.
-
-    `jax.make_array_from_callback`'s last step without its checks: ``blocks[i]`` must be
-    ``devices[i]``'s block, ``devices`` in ``addressable_devices_indices_map`` order.
-    """
-    return _pxla().batched_device_put(
+    """`jax.make_array_from_callback`'s last step, unchecked: ``blocks[i]`` on ``devices[i]``."""
+    return _module("jax._src.interpreters.pxla").batched_device_put(
         _sharded_aval(shape, dtype, sharding), sharding, blocks, devices
     )
 
 
 @_caches.cached(maxsize=512)
 def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
-    core = _jax_core()
+    core = _module("jax._src.core")
     return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
-
-
-@functools.cache
-def _pxla() -> Any:
-    from jax._src.interpreters import pxla
-
-    return pxla
 
 
 def skip_jax_exit_barrier() -> bool:
     """Take JAX's exit handler (``api.clean_up``, a barrier for all) off ``atexit``; False: none."""
-    import atexit
-
-    from jax._src import api
-
-    handler = getattr(api, "clean_up", None)
+    handler = getattr(_module("jax._src.api"), "clean_up", None)
     if handler is None:
         return False
     atexit.unregister(handler)
@@ -146,9 +125,7 @@ def skip_jax_exit_barrier() -> bool:
 
 def distributed_state() -> tuple[Any | None, int, int]:
     """``(client, process_id, num_processes)``, client None when not joined; starts no backend."""
-    from jax._src import distributed
-
-    state = distributed.global_state
+    state = _module("jax._src.distributed").global_state
     if state.client is None:
         return None, 0, 1
     return state.client, int(state.process_id), int(state.num_processes)
@@ -161,8 +138,6 @@ _PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 def tell_jax_preemption(client: Any, received: float) -> bool:
     """Tell JAX's preemption sync managers of a notice, as JAX's SIGTERM handler would."""
-    import datetime
-
     when = datetime.datetime.fromtimestamp(received, tz=datetime.UTC).isoformat()
     try:
         client.key_value_set(_PREEMPTION_NOTICE_KEY, when)
@@ -186,49 +161,29 @@ def cluster_params(
     local_device_ids: Sequence[int] | None, timeout_s: int
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
     """``(address, num_processes, process_id, local_device_ids)`` JAX's detection will use."""
-    from jax._src.clusters import ClusterEnv
-
-    return ClusterEnv.auto_detect_unset_distributed_params(
+    return _module("jax._src.clusters").ClusterEnv.auto_detect_unset_distributed_params(
         None, None, None, local_device_ids, None, timeout_s
     )
 
 
 def cluster_envs() -> list[Any]:
     """JAX's cluster detectors (Open MPI, SLURM, TPU, Kubernetes ...), in JAX's own order."""
-    from jax._src.clusters import ClusterEnv
-
-    return list(ClusterEnv._cluster_types)  # pyright: ignore[reportPrivateUsage]
+    return list(_module("jax._src.clusters").ClusterEnv._cluster_types)
 
 
 def trace_state_clean() -> bool:
     """True outside every JAX transformation (as `jax.pmap` asks)."""
-    return bool(_jax_core().trace_state_clean())
+    return bool(_module("jax._src.core").trace_state_clean())
 
 
 def idle() -> bool:
     """Nothing traces here and no ``jax.set_mesh`` is active (per call: lookups cached)."""
-    return _jax_core().trace_state_clean() and _jax_sharding().get_abstract_mesh().empty
-
-
-@functools.cache
-def _jax_core() -> Any:
-    from jax._src import core
-
-    return core
-
-
-@functools.cache
-def _jax_sharding() -> Any:
-    import jax.sharding
-
-    return jax.sharding
+    clean = _module("jax._src.core").trace_state_clean()
+    return clean and _module("jax.sharding").get_abstract_mesh().empty
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """``(constants, carries)`` among a ``scan`` equation's inputs.
-
-    JAX 0.10 has ``num_consts`` and ``num_carry``; 0.12 a FlatTree ``ft_in`` of the three groups.
-    """
+    """``(constants, carries)`` among a ``scan``'s inputs (0.10: ``num_*``; 0.12: ``ft_in``)."""
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
@@ -237,16 +192,12 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
 
 def bound_axis_sizes() -> dict[Any, int]:
     """The named axes bound here (inside shard_map, pmap, vmap) with their sizes."""
-    from jax._src import core
-
-    return dict(core.get_axis_env().axis_sizes)
+    return dict(_module("jax._src.core").get_axis_env().axis_sizes)
 
 
 def varying_axes(x: Any) -> frozenset[Any]:
     """The manual mesh axes a traced value is typed as varying over (check_vma's aval)."""
-    import jax
-
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    manual = getattr(_module("jax").typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()) or ())
 
 
@@ -301,10 +252,10 @@ def _sharding_text(sharding: Any) -> str:
 def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
     """Call ``hook`` before JAX compiles a computation (wraps ``MeshComputation.compile``).
 
-    What ``hook`` raises reaches the caller. Returns the hook's remover (hooks are removed in
-    the reverse order of their installation), or None where this JAX has no such step.
+    What ``hook`` raises reaches the caller. Returns the hook's remover (removed in the reverse
+    order of installation), or None where this JAX has no such step.
     """
-    cls = getattr(_pxla(), "MeshComputation", None)
+    cls = getattr(_module("jax._src.interpreters.pxla"), "MeshComputation", None)
     original = getattr(cls, "compile", None)
     if original is None:
         return None
@@ -325,7 +276,6 @@ def on_compile(hook: Callable[[Compiling], None]) -> Callable[[], None] | None:
 
 def hide_from_jax_tracebacks(path: str) -> None:
     """Leave file ``path``'s frames out of the tracebacks JAX filters, as it does its own."""
-    from jax._src import traceback_util
-
+    traceback_util = _module("jax._src.traceback_util")
     if path not in traceback_util._exclude_paths:
         traceback_util.register_exclusion(path)

@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .contract import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .errors import MeshkitError
+from .events import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -93,8 +93,7 @@ def ids(name: str, *, where: str = "") -> tuple[int, ...] | None:
 
 def check_timeout() -> float:
     """Seconds an agreement between processes waits for the others (``MESHKIT_CHECK_TIMEOUT``)."""
-    value = seconds(ENV_CHECK_TIMEOUT, where="meshkit")
-    return _DEFAULT_CHECK_TIMEOUT_S if value is None else value
+    return seconds(ENV_CHECK_TIMEOUT, where="meshkit") or _DEFAULT_CHECK_TIMEOUT_S  # never 0
 
 
 # The variables that list a process's visible accelerators, in the order read.
@@ -106,9 +105,7 @@ def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
     for name in VISIBLE_VARS:
         if name in environ:
             entries = [e.strip() for e in environ[name].split(",") if e.strip()]
-            if entries[:1] == ["-1"]:
-                entries = []
-            return name, len(entries)
+            return name, 0 if entries[:1] == ["-1"] else len(entries)  # "-1": none
     return None
 
 

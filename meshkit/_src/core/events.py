@@ -1,10 +1,14 @@
-"""What a rank tells ``meshkit launch`` through the run's status directory: events and stages.
+"""The launcher <-> rank contract: the variables ``meshkit launch`` sets, the events ranks write.
 
-Events are records, never sentences: a rank appends one JSON object per line to
-``events-<rank>.jsonl`` (one ``write`` each, so records never interleave). While the cluster
-forms, a rank's stage (``joining``, ``joined``, ``running``) is a file of its own; the launcher
-reads them and, once a rank waited a while, says who is where (`Board`). Outside a launch a
-rank writes nothing.
+Both sides import it without JAX. Events are records, never sentences: a rank appends one JSON
+object per line to ``events-<rank>.jsonl`` (one ``write`` each, so records never interleave).
+While the cluster forms, a rank's stage (``joining``, ``joined``, ``running``) is a file of its
+own; the launcher reads them and, once a rank waited a while, says who is where (`Board`).
+Outside a launch a rank writes nothing.
+
+A failure that JAX's cross-process machinery ended is classified by its text (`diagnose`:
+gloo's, NCCL's and the coordination service's timeouts and lost peers, which name no process)
+or from a rank's ``failed`` event (`from_event`).
 """
 
 from __future__ import annotations
@@ -12,14 +16,37 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .contract import ENV_PROCESS_ID, ENV_STATUS
 from .errors import ranges
+
+ENV_COORDINATOR = "MESHKIT_COORDINATOR"
+ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_CPU_DEVICES = "MESHKIT_CPU_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "MESHKIT_LOCAL_DEVICE_IDS"
+ENV_INIT_TIMEOUT = "MESHKIT_INIT_TIMEOUT"
+# jax.distributed.initialize's heartbeat and shutdown timeouts, in whole seconds.
+ENV_HEARTBEAT_TIMEOUT = "MESHKIT_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "MESHKIT_SHUTDOWN_TIMEOUT"
+# JAX's persistent compilation cache directory (``meshkit launch --compilation-cache``).
+ENV_COMPILATION_CACHE = "MESHKIT_COMPILATION_CACHE"
+# Which start of the whole group this is: 0, then 1 after the first restart.
+ENV_ATTEMPT = "MESHKIT_ATTEMPT"
+# The run's status directory (stages, events).
+ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
+# Seconds from a preemption notice to the end of every rank.
+ENV_PREEMPT_GRACE = "MESHKIT_PREEMPT_GRACE"
+DEFAULT_PREEMPT_GRACE_S = 25.0
+
+# The first words of the stall watchdog's report (for people; the launcher reads events).
+WATCHDOG_MARK = "meshkit watchdog:"
+INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
 
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned
@@ -54,24 +81,18 @@ def path(directory: Directory, rank: int) -> Path:
     return Path(directory) / f"events-{rank}.jsonl"
 
 
-def emit(
-    kind: str, *, rank: int | None = None, directory: Directory | None = None, **fields: Any
-) -> None:
+def emit(kind: str, **fields: Any) -> None:
     """Append one event for the launcher (nothing outside a ``meshkit launch`` run)."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
-    directory = directory if directory is not None else os.environ.get(ENV_STATUS)
-    rank = own_rank() if rank is None else rank
+    directory, rank = os.environ.get(ENV_STATUS), own_rank()
     if not directory or rank is None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
     line = (json.dumps(record, default=str) + "\n").encode()
-    with contextlib.suppress(OSError):  # a lost event only makes a less precise report
-        fd = os.open(path(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+    # Unbuffered append: one write per record. A lost event only makes a less precise report.
+    with contextlib.suppress(OSError), open(path(directory, rank), "ab", buffering=0) as f:
+        f.write(line)
 
 
 def own_rank() -> int | None:
@@ -145,12 +166,11 @@ def summary(stages: Mapping[int, str]) -> str:
 class Board:
     """The launcher's view of the ranks' stages, and when to say it."""
 
-    def __init__(
-        self, directory: Path, ranks: int | Iterable[int], *, after: float = 2.0, every: float = 5.0
-    ) -> None:
+    after, every = 2.0, 5.0  # seconds after the first join, then between repeats of one line
+
+    def __init__(self, directory: Path, ranks: int | Iterable[int]) -> None:
         self.directory = directory
         self.ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
-        self.after, self.every = after, every
         self.first_join: float | None = None  # seconds into the run when a rank left `starting`
         self.said_at: float | None = None
         self.said = ""
@@ -199,3 +219,72 @@ class Board:
             return None
         self.said, self.said_at = said, elapsed
         return f"meshkit launch: waiting for the cluster to form ({elapsed:.1f} s): {said}"
+
+
+# Words of fail-fast's end note (for people; the launcher reads the ``ended`` event).
+ENDED_MARK = "reached the end of its program"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A failure that JAX's cross-process machinery reported."""
+
+    kind: str
+    system: str
+    line: str
+    process: int | None = None
+
+
+_RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
+    (kind, system, re.compile(pattern, re.IGNORECASE))
+    for kind, system, pattern in (
+        ("timeout", "gloo", r"gloo.*(timed? ?out|deadline_exceeded)"),
+        ("timeout", "NCCL", r"nccl.*(timed? ?out|timeout|watchdog)"),
+        ("lost", "NCCL", r"nccl.*(remote process exited|connection closed|failed)"),
+        ("timeout", "the coordination service", r"(GetKeyValue|barrier).*timed out"),
+        ("timeout", "the coordination service", r"DEADLINE_EXCEEDED"),
+        ("lost", "the coordination service", r"another task died"),
+        ("lost", "the coordination service", r"leader task was preempted|Stream removed"),
+        ("lost", "the coordination service", r"UNAVAILABLE|Socket closed|Connection reset"),
+        ("lost", "gloo", r"gloo.*(connection closed|connection reset|Read error|EOF)"),
+    )
+)
+
+
+def diagnose(text: str) -> Diagnosis | None:
+    """The first line of ``text`` that a known cross-process failure wrote, classified."""
+    for line in text.splitlines():
+        for kind, system, pattern in _RULES:
+            if pattern.search(line):  # JAX's, gloo's and NCCL's words name no process
+                return Diagnosis(kind, system, line.strip())
+    return None
+
+
+def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
+    """The diagnosis a rank recorded in its ``failed`` event, or None for an error of its own."""
+    cause = fields.get("cause")
+    if cause not in ("peer", "timeout"):
+        return None
+    raw = fields.get("process")
+    process = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    system = str(fields.get("system") or ("meshkit" if process is not None else "JAX"))
+    kind = "lost" if cause == "peer" else "timeout"
+    return Diagnosis(kind, system, str(fields.get("error") or ""), process)
+
+
+def explain(diagnosis: Diagnosis, who: str = "this process") -> str:
+    """What usually causes ``diagnosis``, and what to run next (several lines, no newline)."""
+    what = (
+        f"a timeout of {diagnosis.system}: {who} waited for another process that never joined"
+        if diagnosis.kind == "timeout"
+        else f"reported by {diagnosis.system}: another process of the program (or the "
+        "coordination service, which process 0 hosts) is gone"
+    )
+    return (
+        f"meshkit: this error is {what}.\n"
+        "Usual causes: a computation or collective run by only some processes (a branch on "
+        "jax.process_index(), a value read on one process only), or a process that exited, "
+        "crashed or stalled first; its own output holds the cause.\n"
+        "Consider running again with MESHKIT_DEBUG=1: debug mode names the first meshkit call "
+        "where processes differ, and its stall watchdog prints where each process waits."
+    )

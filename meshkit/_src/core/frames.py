@@ -1,16 +1,34 @@
-"""Whose code a stack frame runs: meshkit's own, a library's, or the user's."""
+"""Whose code a stack frame runs (meshkit's own, a library's, or the user's), and on which thread.
+
+The program's thread is the one that called `meshkit.init` (the main thread before that): calls
+pair up across processes in its order (Ray Train runs the program in a worker thread), and only
+the main thread may take signals.
+
+`public` marks an entry point: a `MeshkitError` leaving it loses meshkit's frames, as JAX
+hides its own (``MESHKIT_TRACEBACK_FILTERING=off`` keeps them). Other exceptions keep theirs.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import sysconfig
-from types import FrameType
+import threading
+import types
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import jax
 
 from . import caches as _caches
+from . import env as _env
+from .errors import MeshkitError
+
+ENV_TRACEBACK_FILTERING = "MESHKIT_TRACEBACK_FILTERING"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
@@ -32,35 +50,31 @@ def library_file(name: str) -> bool:
     return meshkit_file(name) or name.startswith(_LIBRARY_DIRS) or name.startswith("<")
 
 
-def in_meshkit(frame: FrameType | None) -> bool:
+def in_meshkit(frame: types.FrameType | None) -> bool:
     """Whether a frame of meshkit's own modules is on the stack from ``frame`` outward."""
     while frame is not None and not meshkit_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame is not None
 
 
-def user_frame(frame: FrameType | None) -> FrameType | None:
+def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
     """The first frame from ``frame`` outward that runs the user's code; None if there is none."""
     while frame is not None and library_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
 
-def user_place(frame: FrameType | None) -> str | None:
+def user_place(frame: types.FrameType | None) -> str | None:
     """Where the user's own code is, from ``frame`` outward: ``train.py:95 in <module>``."""
-    first = user_frame(frame)
-    seen = first
-    while seen is not None:
-        name = seen.f_code.co_filename
-        if not name.startswith(_INSTALLED_DIRS) and not library_file(name):
-            return place(seen)
-        seen = seen.f_back
-    return None if first is None else place(first)
+    first = seen = user_frame(frame)
+    while seen is not None and seen.f_code.co_filename.startswith(_INSTALLED_DIRS):
+        seen = user_frame(seen.f_back)
+    return None if first is None else place(seen or first)
 
 
 def user_stacklevel() -> int:
     """The `warnings.warn` ``stacklevel`` that points at the user's line from the caller's."""
-    frame: FrameType = sys._getframe(1)
+    frame: types.FrameType = sys._getframe(1)
     level = 1
     while frame.f_back is not None and library_file(frame.f_code.co_filename):
         frame = frame.f_back
@@ -82,8 +96,64 @@ def _short_in(path: str, cwd: str) -> str:
     return path
 
 
-def place(frame: FrameType | None) -> str:
+def place(frame: types.FrameType | None) -> str:
     """``train.py:28 in main``: where a frame is, as messages name a place; "?" for None."""
     if frame is None:
         return "?"
     return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def public(fn: Callable[P, R]) -> Callable[P, R]:
+    """Mark ``fn`` as a public entry point: its `MeshkitError` s show the user's frames."""
+
+    @functools.wraps(fn)
+    def entry_point(*args: P.args, **kwargs: P.kwargs) -> R:
+        __tracebackhide__ = True  # pytest: this frame is never the interesting one
+        try:
+            return fn(*args, **kwargs)
+        except MeshkitError as e:
+            if filtering():
+                # Replaced in place, then re-raised bare: a bare raise adds no frame of its own.
+                e.with_traceback(filtered(e.__traceback__))
+            raise
+
+    return entry_point
+
+
+def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of meshkit's own modules (the others, in their order)."""
+    kept = []
+    while tb is not None:
+        if not meshkit_file(tb.tb_frame.f_code.co_filename):
+            kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for entry in reversed(kept):
+        out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return out
+
+
+def filtering() -> bool:
+    """Whether meshkit's frames are hidden (``MESHKIT_TRACEBACK_FILTERING``, on by default)."""
+    on, off = "hide meshkit's frames, the default", "show every frame"
+    return bool(_env.flag(ENV_TRACEBACK_FILTERING, where="meshkit", on=on, off=off, blank=True))
+
+
+_thread: threading.Thread | None = None
+
+
+def adopt_program_thread() -> None:
+    """Make the calling thread the program's thread (at `meshkit.init`; the first call wins)."""
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.current_thread()
+
+
+def program_thread() -> threading.Thread:
+    """The thread whose calls pair up with the other processes' without a channel."""
+    thread = _thread
+    return thread if thread is not None and thread.is_alive() else threading.main_thread()
+
+
+def is_program_thread() -> bool:
+    return threading.current_thread() is program_thread()

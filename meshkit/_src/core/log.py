@@ -23,16 +23,12 @@ class _Stderr(logging.StreamHandler):
     """The default handler: the message alone, to the ``sys.stderr`` of the moment of the call."""
 
     def __init__(self) -> None:
-        super().__init__(sys.stderr)
+        logging.Handler.__init__(self)  # no stream of its own, as logging's last-resort handler
         self.setFormatter(logging.Formatter("%(message)s"))
 
     @property
     def stream(self) -> TextIO:
         return sys.stderr
-
-    @stream.setter
-    def stream(self, value: object) -> None:
-        del value  # always the stderr of the moment
 
     def handle(self, record: logging.LogRecord) -> bool:
         if _configured(besides=self):
@@ -48,8 +44,6 @@ def _configured(besides: logging.Handler | None = None) -> bool:
 
 def _first_message() -> None:
     """At the first message: the level INFO where unset, the stderr handler where none is."""
-    if _said.is_set():
-        return
     with _lock:
         if _said.is_set():
             return

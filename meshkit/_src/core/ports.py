@@ -13,19 +13,12 @@ import socket
 import time
 from pathlib import Path
 
-from .contract import ENV_INIT_TIMEOUT
 from .errors import MeshkitError
+from .events import ENV_INIT_TIMEOUT
 
 # Where `free_ports` draws from when the kernel's ephemeral range cannot be read: Linux's default.
 _EPHEMERAL_DEFAULT = (32768, 60999)
 _LOWEST = 10000  # below: well-known and registered services' ports, often configured by hand
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it); `reserve_port` holds one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -41,12 +34,9 @@ def free_ports(count: int = 2, *, tries: int = 1000) -> int:
     """The first of ``count`` consecutive TCP ports that are all free now: ``--coordinator``'s PORT.
 
     Machine 0 of ``meshkit launch --nnodes N --coordinator HOST:PORT`` serves PORT and PORT+1.
-    `free_port` alone does not do for PORT: the OS picks it from its ephemeral range, where
-    every outgoing connection also takes ports without binding them, so PORT+1 may be taken by
-    a connection (or by its TIME_WAIT after a run, which keeps the port from any bind for a
-    minute). The ports here are drawn, at random, from below the ephemeral range
-    (``/proc/sys/net/ipv4/ip_local_port_range``, from 10000 up), which connections never take
-    on their own, and each is checked with a plain bind on all addresses.
+    They are drawn at random from 10000 up to the kernel's ephemeral range, and each checked
+    with a plain bind: a port the OS picks comes from that range, where outgoing connections
+    (and their TIME_WAIT, a minute after a run) may hold PORT+1 without binding it.
 
     Raises:
         ValueError: ``count`` is not positive.

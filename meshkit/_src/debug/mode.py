@@ -18,8 +18,8 @@ from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
+from ..core.frames import public
 from ..core.log import logger, say
-from ..core.tracebacks import public
 from ..lifecycle import exit as _exit
 from ..lifecycle import watchdog as _watchdog
 from .divergence import MAX_DESC, Settings, enabled, lock, state

@@ -19,7 +19,7 @@ from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..lifecycle import watchdog as _watchdog
 from . import divergence as _divergence
 from . import mode as _mode

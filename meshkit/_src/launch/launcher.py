@@ -26,15 +26,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..core import events as _events
-from ..core.contract import (
+from ..core.errors import LaunchError
+from ..core.events import (
     DEFAULT_PREEMPT_GRACE_S,
     ENV_ATTEMPT,
     ENV_PREEMPT_GRACE,
     ENV_PROCESS_ID,
     ENV_STATUS,
+    Board,
 )
-from ..core.errors import LaunchError
-from ..core.events import Board
 from ..core.ports import port_in_use, reserve_port
 from . import reaper as _reaper
 from . import restarts as _restarts

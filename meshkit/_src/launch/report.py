@@ -4,7 +4,7 @@ The verdicts come from what the ranks recorded (`meshkit._src.core.events`: whic
 and why, which stalled where, which reached the end of its program), never from the sentences
 meshkit prints for people, so rewording a message cannot change them. The one text still read
 is what JAX's own cross-process machinery wrote (gloo, NCCL, the coordination service) when a
-rank died without recording anything: `meshkit._src.core.diagnosis` classifies it.
+rank died without recording anything: `meshkit._src.core.events.diagnose` classifies it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import signal
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..core import diagnosis as _diagnose
 from ..core import events as _events
-from ..core.contract import INSIDE, OUTSIDE
 from ..core.errors import ranges
+from ..core.events import INSIDE, OUTSIDE
 
 TAIL_LINES = 40
 
@@ -352,12 +351,12 @@ def _error_text(result: RankResult) -> str:
     return result.stderr.strip() or result.stdout
 
 
-def _diagnosis(result: RankResult, told: Told) -> _diagnose.Diagnosis | None:
+def _diagnosis(result: RankResult, told: Told) -> _events.Diagnosis | None:
     """Why ``result``'s rank failed as it recorded it, else as JAX's own text says, else None."""
     event = told.failed.get(result.rank)
     if event is not None:
-        return _diagnose.from_event(event.fields)
-    return _diagnose.diagnose(_error_text(result))
+        return _events.from_event(event.fields)
+    return _events.diagnose(_error_text(result))
 
 
 def _suspect(
@@ -525,7 +524,7 @@ def _stalled_elsewhere(
     ]
 
 
-def _kind_text(diagnosis: _diagnose.Diagnosis) -> str:
+def _kind_text(diagnosis: _events.Diagnosis) -> str:
     if diagnosis.process is not None and diagnosis.kind == "lost":
         return f"meshkit's notice that rank {diagnosis.process} failed"
     if diagnosis.process is not None:

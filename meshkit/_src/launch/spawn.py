@@ -17,15 +17,15 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import IO, Literal, Protocol
 
-from ..core.contract import (
+from ..core.env import visible_devices
+from ..core.errors import LaunchError
+from ..core.events import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from ..core.env import visible_devices
-from ..core.errors import LaunchError
 from .rank_output import Pump, Sink, is_chatter
 from .report import TAIL_LINES, RankResult
 

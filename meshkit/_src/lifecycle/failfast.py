@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import Any
 
 from ..core import compat as _compat
-from ..core import diagnosis as _diagnose
 from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import DivergenceError
@@ -116,14 +115,14 @@ def _on_exception(
         why = f"the other processes ended at the deadline ({text.splitlines()[0][:200]})"
         _preemption.end_preempted(notice, why)
         return
-    diagnosis = _diagnose.diagnose(text)
+    diagnosis = _events.diagnose(text)
     if diagnosis is not None and _end_with_known_cause(grace):
         return
     if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
         _exit.await_end()
         return
     if diagnosis is not None:
-        say(_LOG, logging.ERROR, _diagnose.explain(diagnosis) + "\n")
+        say(_LOG, logging.ERROR, _events.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
     _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
 
@@ -185,7 +184,7 @@ def _peer_failures() -> PeerPosts | None:
     return None
 
 
-def _failure_fields(value: BaseException, diagnosis: _diagnose.Diagnosis | None) -> dict[str, Any]:
+def _failure_fields(value: BaseException, diagnosis: _events.Diagnosis | None) -> dict[str, Any]:
     """The `failed` event's fields for an exception: its type, else what its text says."""
     error = type(value).__name__
     if isinstance(value, DivergenceError):  # every process raises it: it names who differs
@@ -354,7 +353,7 @@ def _end_note(me: int) -> None:
     say(
         _LOG,
         logging.WARNING,
-        f"meshkit: process {me} {_diagnose.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
+        f"meshkit: process {me} {_events.ENDED_MARK} {_ENDED_AFTER_S:g} s ago and "
         "waits at JAX's shutdown barrier for the other processes (one still running, or "
         "stuck in a computation this one never joined).\n",
     )

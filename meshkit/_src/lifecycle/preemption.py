@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..core import env as _env
 from ..core import events as _events
-from ..core.contract import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
+from ..core.events import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
 

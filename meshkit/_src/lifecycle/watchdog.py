@@ -24,9 +24,8 @@ import jax
 
 from ..core import compat as _compat
 from ..core import events as _events
-from ..core import program_thread as _program_thread
-from ..core.contract import INSIDE, OUTSIDE, WATCHDOG_MARK
-from ..core.frames import in_meshkit, short_path, user_frame
+from ..core.events import INSIDE, OUTSIDE, WATCHDOG_MARK
+from ..core.frames import in_meshkit, is_program_thread, program_thread, short_path, user_frame
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
@@ -79,11 +78,11 @@ def _pending(array: Any) -> bool:
 
 
 def _main_native_id() -> int | None:
-    """The kernel's id of the program's thread (`meshkit._src.core.program_thread`)."""
+    """The kernel's id of the program's thread (`meshkit._src.core.frames.program_thread`)."""
     # Asked from the thread itself: ``main_thread().native_id`` is stale after ``os.fork``.
-    if _program_thread.is_program_thread():
+    if is_program_thread():
         return threading.get_native_id()
-    return _program_thread.program_thread().native_id
+    return program_thread().native_id
 
 
 class _Sampler:
@@ -189,7 +188,7 @@ class Watchdog:
         self.after, self.timeout, self.exit_on_stall = after, timeout, exit_on_stall
         self.last_call = last_call
         self.stop = threading.Event()
-        self.main = _program_thread.program_thread().ident or 0
+        self.main = program_thread().ident or 0
         self.main_native_id = _main_native_id()
         self.period = min(1.0, after / 4)
         self.sampler: _Sampler | None = None

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.data_position import GlobalIterator, GlobalSource, LoaderIdentity
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..sharding.layout import ProcessSlice
 from .rows import _map_dataset, _Rows, _rows, _seed, _whole
 

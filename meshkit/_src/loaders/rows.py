@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..sharding.layout import ProcessSlice
 
 

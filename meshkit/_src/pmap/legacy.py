@@ -21,7 +21,7 @@ from ..arrays.blocks import tree_paths
 from ..arrays.to_host import local_from_global
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..spmd.placement import argnums
 from .pmap import check_devices, device_mesh, shown
 

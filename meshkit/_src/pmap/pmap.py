@@ -21,7 +21,7 @@ from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
 from . import entry as _entry

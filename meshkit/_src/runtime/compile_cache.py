@@ -14,8 +14,8 @@ import threading
 from typing import Any
 
 from ..core import events as _events
-from ..core.contract import ENV_COMPILATION_CACHE, ENV_STATUS
 from ..core.errors import MeshkitError
+from ..core.events import ENV_COMPILATION_CACHE, ENV_STATUS
 
 # jax.monitoring's event names (JAX 0.10.2 and 0.12).
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

@@ -26,8 +26,8 @@ from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core import ports as _ports
-from ..core import program_thread as _program_thread
-from ..core.contract import (
+from ..core.errors import MeshkitError
+from ..core.events import (
     ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -39,8 +39,7 @@ from ..core.contract import (
     ENV_SHUTDOWN_TIMEOUT,
     ENV_STATUS,
 )
-from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
@@ -338,7 +337,7 @@ def init(
         _check_again(_INFO, plan, cpu_devices)
         return _INFO
 
-    _program_thread.adopt()  # the program's thread, wherever it runs (Ray Train: a worker's)
+    adopt_program_thread()  # the program's thread, wherever it runs (Ray Train: a worker's)
     _compile_cache.enable(compilation_cache)  # before anything compiles
     if guards[0] is not None and _compat.distributed_state()[0] is None:
         # A notice while joining is one too (not if the program joined itself).

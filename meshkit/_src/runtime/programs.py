@@ -30,7 +30,6 @@ from ..coord import missing as _missing
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core import frames as _frames
-from ..core import tracebacks as _tracebacks
 from ..core.errors import DivergenceError
 from ..core.version import __version__
 from ..lifecycle import exit as _exit
@@ -247,7 +246,7 @@ def install(num_processes: int) -> bool:
     if _remove is None:
         _remove = _compat.on_compile(_compare)
         _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
-        if _tracebacks.filtering():
+        if _frames.filtering():
             for path in (_compat.__file__, __file__):  # the hook's frames, inside JAX's call
                 _compat.hide_from_jax_tracebacks(path)
         if _remove is None:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from .specs import SpecLike, check_spec_for_mesh, dim_axes
 
 Interval = tuple[int, int]

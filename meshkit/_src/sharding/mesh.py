@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from ..coord import missing as _missing
 from ..core.errors import MeshkitError, ranges
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..runtime import hosts as _hosts
 
 AxisTypeLike = AxisType | str

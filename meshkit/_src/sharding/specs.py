@@ -23,7 +23,7 @@ from jax.tree_util import DictKey
 
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 from ..core.trees import one_level
 
 SpecLike = PartitionSpec | str

@@ -13,7 +13,7 @@ from jax import lax
 
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
-from ..core.tracebacks import public
+from ..core.frames import public
 
 AxisName = str | tuple[str, ...]
 

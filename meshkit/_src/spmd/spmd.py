@@ -20,8 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
-from ..core.frames import user_stacklevel
-from ..core.tracebacks import public
+from ..core.frames import public, user_stacklevel
 from ..runtime import dispatch as _dispatch
 from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
