@@ -68,7 +68,7 @@ def settle():
     """Before each round, untimed: the deferred checks verified, then every process at once."""
     from meshkit._src.coord import agree
 
-    agree.drain(60.0)
+    agree.drain()
     multihost_utils.sync_global_devices("meshkit-bench")
 
 

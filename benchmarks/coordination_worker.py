@@ -78,7 +78,7 @@ try:
 except ImportError:
     _agree = None
 STATS = getattr(_agree, "stats", None)
-DRAIN: Callable[[float], object] | None = getattr(_agree, "drain", None)
+DRAIN: Callable[[], object] | None = getattr(_agree, "drain", None)
 
 
 def counters() -> tuple[int, int]:
@@ -122,7 +122,7 @@ def series(
                 time.sleep(pace)
         end = time.perf_counter()
         if DRAIN is not None:
-            DRAIN(60.0)
+            DRAIN()
         drained = time.perf_counter()
         cpu1 = cpu_seconds()
         rpcs1, agreements1 = counters()
