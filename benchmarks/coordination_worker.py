@@ -21,8 +21,8 @@ waited with `jax.block_until_ready`.
 Per variant and process: seconds per call (process 0's clock), CPU seconds per call of the
 whole process (``resource.getrusage``, every thread), and coordination-service round trips per
 call and per agreement from ``meshkit._src.coord.agree.stats`` (None where meshkit has no such
-counter). Checks verified beside the caller (``meshkit._src.coord.agree.drain``, where it exists)
-are drained at the end of each round, outside the timed span but inside the CPU and round-trip
+counter). Deferred checks (verified by ``meshkit._src.coord.agree.drain``, where it exists) are
+drained at the end of each round, outside the timed span but inside the CPU and round-trip
 counts; the drain time is reported apart, and ``verified`` times each round to the end of its
 drain. Every process's counts are gathered through the coordination service.
 
