@@ -136,18 +136,12 @@ def end_for(error: BaseException, why: str) -> bool:
     """End this process for ``error``, found beside a caller that cannot return; False if off."""
     if _grace is None or _exit.ending():
         return False
-    _end_saying(error, f"meshkit: {why}.\n", "this process cannot go on", _grace)
+    if _exit.claim():  # else another path ends this process
+        say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
+        _events.emit(_events.FAILED, **_failure_fields(error, None))
+        first = (str(error).splitlines() or [""])[0][:300]
+        _end(f"{type(error).__name__}: {first}", "this process cannot go on", _grace)
     return True
-
-
-def _end_saying(error: BaseException, header: str, why: str, grace: float) -> None:
-    """Say ``header`` and ``error``, leave its `failed` event, end as `_end` does (status 1)."""
-    if not _exit.claim():
-        return
-    say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
-    _events.emit(_events.FAILED, **_failure_fields(error, None))
-    first = (str(error).splitlines() or [""])[0][:300]
-    _end(f"{type(error).__name__}: {first}", why, grace)
 
 
 def _end_with_known_cause(grace: float) -> bool:
