@@ -843,6 +843,33 @@ def test_deferred_check_returns_first_and_raises_later(warm_cluster):
         assert "global_array_from_local (call #2, checked after it returned)" in error, error
 
 
+def _deferred_call_that_fails():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    good = np.ones((8, 3), np.float32)
+    with meshkit.channel("deferred-fails"):
+        meshkit.global_array_from_local(good, mesh, "data", check="deferred")
+        local = [object()] if jax.process_index() == 1 else good  # process 1: a bad leaf
+        try:
+            meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+            meshkit.barrier("after the failed call")  # verifies the pending calls first
+        except Exception as e:  # what each process raised, to the test
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_deferred_call_that_fails_is_named_by_the_others_next_verification(warm_cluster):
+    first, second = warm_cluster.run(_deferred_call_that_fails, timeout=120, env=_FAST_CHECK)
+    assert "failed before the processes compared their data" in first, first
+    assert "process 1: " in first, first
+    assert "(call #2, checked after it returned)" in first, first
+    assert second != "no error"  # process 1 raised its own error in the call
+
+
 def _short_batches():
     import jax
     import numpy as np
