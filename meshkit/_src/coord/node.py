@@ -67,7 +67,7 @@ class Node:
         self.channel = channel
         self.is_main = is_main or _program_thread.is_program_thread
         self.deferred: dict[str, Any] = {}  # `deferred.Pending` by tag
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `sequences`
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
         self.counts: dict[str, int] = {}  # steps taken per iterator (`places.Moving`)
 
