@@ -7,8 +7,9 @@ Each call cycles through 17 layouts of 64 KiB per process (17 widths of one floa
 no agreement repeats a pattern the primitive predicts (periods up to 16): under ``check=True``
 every call posts its record before the agreement, the most a changed layout costs. Timed beside
 one layout under ``check=True`` (a steady loop, on its own channel), ``check="deferred"``
-(never waits) and ``jax.make_array_from_process_local_data``, in alternating rounds; a round
-is 34 calls, then a device barrier (untimed). The coordination service's round trip is timed
+(agrees at every 64th call; a round's calls are verified by the untimed drain before the next)
+and ``jax.make_array_from_process_local_data``, in alternating rounds; a round is 34 calls,
+then a device barrier (untimed). The coordination service's round trip is timed
 alone: one wait at the service's own barrier by every process (``wait_at_barrier``, one
 request each).
 """
@@ -68,7 +69,7 @@ def settle():
     """Before each round, untimed: the deferred checks verified, then every process at once."""
     from meshkit._src.coord import agree
 
-    agree.drain(60.0)
+    agree.drain()
     multihost_utils.sync_global_devices("meshkit-bench")
 
 

@@ -150,15 +150,15 @@ def scaling_table(data: dict[int, dict[str, Any]]) -> str:
     lines += [
         _note(
             f"Medians over {d0['rounds']} paired rounds of {d0['calls'] // d0['rounds']} calls "
-            f"per variant ({_global_calls(d0)} for global_array_from_local, whose checks are "
-            "agreed on windows of calls): a meshkit.barrier before each round (outside the timed "
-            "span), the variants taking turns (A B, B A, ...), every call waited with "
+            f"per variant ({_global_calls(d0)} for global_array_from_local): a meshkit.barrier "
+            "before each round (outside the timed span), the variants taking turns (A B, B A, "
+            "...), every call waited with "
             "block_until_ready. Overhead: "
             "the median of the per-round differences, +- its 95% notch (1.57 IQR / "
             "sqrt(rounds)). +verify: the same with each round timed until "
             "meshkit._src.coord.agree.drain() returns, i.e. until every check the round issued is "
-            "verified (checks verified "
-            "beside the caller return before their verdict). Debug overhead: an spmd step "
+            "verified (deferred checks "
+            "return before their verdict). Debug overhead: an spmd step "
             "(x * 2 on a global array) with meshkit.debug.enable(timeout=60, watchdog=None) "
             "minus the same with debug off. Times: process 0's clock."
         ),

@@ -21,8 +21,8 @@ waited with `jax.block_until_ready`.
 Per variant and process: seconds per call (process 0's clock), CPU seconds per call of the
 whole process (``resource.getrusage``, every thread), and coordination-service round trips per
 call and per agreement from ``meshkit._src.coord.agree.stats`` (None where meshkit has no such
-counter). Checks verified beside the caller (``meshkit._src.coord.agree.drain``, where it exists)
-are drained at the end of each round, outside the timed span but inside the CPU and round-trip
+counter). Deferred checks (verified by ``meshkit._src.coord.agree.drain``, where it exists) are
+drained at the end of each round, outside the timed span but inside the CPU and round-trip
 counts; the drain time is reported apart, and ``verified`` times each round to the end of its
 drain. Every process's counts are gathered through the coordination service.
 
@@ -78,7 +78,7 @@ try:
 except ImportError:
     _agree = None
 STATS = getattr(_agree, "stats", None)
-DRAIN: Callable[[float], object] | None = getattr(_agree, "drain", None)
+DRAIN: Callable[[], object] | None = getattr(_agree, "drain", None)
 
 
 def counters() -> tuple[int, int]:
@@ -122,7 +122,7 @@ def series(
                 time.sleep(pace)
         end = time.perf_counter()
         if DRAIN is not None:
-            DRAIN(60.0)
+            DRAIN()
         drained = time.perf_counter()
         cpu1 = cpu_seconds()
         rpcs1, agreements1 = counters()

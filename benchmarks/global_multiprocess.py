@@ -49,12 +49,8 @@ replicated_label = (
 # cross-process checks of make_mesh and global_array_from_local require.
 cases = []
 # Rounds and calls per round per (data alignment, mesh): enough for medians within a few percent
-# on a noisy 2-core machine. meshkit's deferred checks agree on windows of calls that stay open
-# up to meshkit._src.coord.window.LINGER_S (0.1 s) or until they hold
-# meshkit._src.coord.window.WINDOW (512) calls, so a round must close several windows inside its
-# timed span (a short round would leave its checks to the untimed drain between rounds): copied 64
-# MiB calls take milliseconds (48 calls span several lingers), zero-copy ones tens of microseconds
-# (1024 calls fill two windows).
+# on a noisy 2-core machine: copied 64 MiB calls take milliseconds, zero-copy ones tens of
+# microseconds.
 rounds = {
     (False, data): (11, 48),
     (False, replicated): (11, 48),
@@ -72,10 +68,7 @@ for aligned, kind in ((False, COPY), (True, ZERO_COPY)):
             )
         )  # fmt: skip
 # 64 KiB per process (issue 13's small size), data mesh only. A call takes tens of
-# microseconds, so a round is SMALL_CALLS calls, twice meshkit._src.coord.window.WINDOW: the
-# deferred checks' windows fill and are agreed inside the timed span (a round shorter than a
-# window would leave them to the untimed drain between rounds), and the barrier's noise is
-# spread over them.
+# microseconds, so a round is SMALL_CALLS calls: the barrier's noise is spread over them.
 SMALL_CALLS = 1024
 SMALL_ROUNDS = 41
 for aligned, kind in ((False, COPY), (True, ZERO_COPY)):

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit._src.coord import agreement, failures, missing, places, window
+from meshkit._src.coord import agreement, deferred, failures, missing, places
 from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
@@ -44,7 +44,7 @@ def _together(nodes: list[Node], body: Callable[[Node], Any], timeout: float = 3
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), "a process is still waiting"
     for node in nodes:
-        node.stop()
+        node.stopping.set()
     return results
 
 
@@ -347,122 +347,131 @@ def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, ste
         assert all(o.records == dict(enumerate(summaries)) for o in outcomes)
 
 
-# ---- window: agree_later -------------------------------------------------------------------
+# ---- deferred: agree_later ----------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _short_linger(monkeypatch):
-    monkeypatch.setattr(window, "LINGER_S", 0.01)  # windows close soon after their first call
+class _Differ(Exception):
+    """What a pending call's ``on_outcome`` raises: its number, the outcome at it, and where."""
+
+    def __init__(self, number: int, outcome: Outcome) -> None:
+        super().__init__(number, outcome)
+        self.number, self.outcome = number, outcome
+        self.thread = threading.current_thread()
+        self.at = -1  # the call that raised it (-1: a verification outside any call)
 
 
-def _later(node: Node, summaries: list[str], seen: list[Outcome], timeout: float = 5.0) -> bool:
+def _calls(node: Node, summaries: list[str], timeout: float = 5.0) -> _Differ | None:
+    """Defer one call per summary, in this thread; what the call that raised, if any, raised."""
     for i, summary in enumerate(summaries):
-        window.agree_later(
-            node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=seen.append
-        )
-    return node.drain(timeout + 5.0)
 
+        def on_outcome(outcome: Outcome, i: int = i) -> None:
+            raise _Differ(i, outcome)
 
-def test_windows_of_equal_calls_agree_and_report_nothing():
-    cluster = FakeCluster(2)
-    seen: list[list[Outcome]] = [[], []]
-    drained = _together(cluster.nodes(), lambda node: _later(node, ["a"] * 50, seen[node.me]))
-    assert drained == [True, True]
-    assert seen == [[], []]
-    assert cluster.unraised == []
-
-
-def test_a_window_thread_leaves_when_idle_and_the_next_call_starts_one(monkeypatch):
-    monkeypatch.setattr(window, "IDLE_S", 0.2)
-    nodes = FakeCluster(2).nodes()
-    seen: list[list[Outcome]] = [[], []]
-
-    def both(summaries: list[list[str]]) -> list[bool]:  # `_together`, without the exit
-        drained = [False, False]
-
-        def run(node: Node) -> None:
-            drained[node.me] = _later(node, summaries[node.me], seen[node.me])
-
-        threads = [threading.Thread(target=run, args=(node,)) for node in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30.0)
-        return drained
-
-    def alive(node: Node) -> list[str]:
-        return [w.thread.name for w in node.tags.values() if w.thread and w.thread.is_alive()]
-
-    # Equal calls agree; then, idle past IDLE_S, no process has a window thread left.
-    assert both([["a"] * 5, ["a"] * 5]) == [True, True]
-    deadline = time.monotonic() + 5.0
-    while any(alive(node) for node in nodes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [alive(node) for node in nodes] == [[], []]
-    # The next calls start a thread again and are agreed in order; a difference is still found.
-    assert both([["a", "a"], ["a", "b"]]) == [True, True]
-    assert [alive(node) for node in nodes] == [["meshkit-agree:w"], ["meshkit-agree:w"]]
-    assert [len(s) for s in seen] == [1, 1]
-    assert seen[0][0].records == {0: "0:1", 1: "1:1"}  # the second call, the first that differs
-    for node in nodes:
-        node.stop()
-
-
-def test_a_window_names_the_first_call_that_differs():
-    cluster = FakeCluster(2)
-    nodes = cluster.nodes()
-    seen: list[list[Outcome]] = [[], []]
-    summaries = [["a", "a", "a"], ["a", "b", "c"]]
-    _together(nodes, lambda node: _later(node, summaries[node.me], seen[node.me]))
-    for p in (0, 1):
-        assert len(seen[p]) == 1
-        assert seen[p][0].records == {0: "0:1", 1: "1:1"}  # call #1, the first that differs
-
-
-def test_a_window_thread_failure_is_raised_by_the_next_settle():
-    cluster = FakeCluster(2)
-    nodes = cluster.nodes()
-
-    def refuse(outcome: Outcome) -> None:
-        raise ValueError(f"they differ: {sorted(outcome.records)}")
-
-    def body(node: Node) -> BaseException | None:
-        window.agree_later(node, "w", str(node.me), "r", timeout=5.0, on_outcome=refuse)
-        node.drain(10.0)
         try:
-            node.settle()
-        except ValueError as e:
+            deferred.add(
+                node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=on_outcome
+            )
+        except _Differ as e:
+            e.at = i
             return e
-        return None
-
-    errors = _together(nodes, body)
-    assert all(isinstance(e, ValueError) and "[0, 1]" in str(e) for e in errors)
-    assert cluster.unraised == []  # raised in time: nobody exits
+    return None
 
 
-def test_a_window_names_the_process_that_did_not_come():
-    cluster = FakeCluster(2)
-    nodes = cluster.nodes()
-    seen: list[Outcome] = []
-    _together(nodes[:1], lambda node: _later(node, ["a"], seen, timeout=0.3))
-    assert len(seen) == 1
-    assert seen[0].missing == (1,)
+def _verified(node: Node) -> _Differ | None:
+    try:
+        deferred.verify_all(node)
+    except _Differ as e:
+        return e
+    return None
 
 
-def test_a_window_finds_the_record_of_a_process_that_left():
-    cluster = FakeCluster(2)
-    nodes = cluster.nodes()
-    seen: list[Outcome] = []
+def test_equal_deferred_calls_agree_once_per_w_calls_and_at_the_drain():
+    nodes = FakeCluster(2).nodes()
 
-    def body(node: Node) -> None:
+    def body(node: Node) -> tuple[Any, Any, int]:
+        return _calls(node, ["a"] * (2 * deferred.W + 5)), _verified(node), node.stats.agreements
+
+    assert _together(nodes, body) == [(None, None, 3)] * 2  # at calls W and 2 W, then the drain
+    assert [node.deferred for node in nodes] == [{}, {}]
+
+
+def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_differs():
+    nodes = FakeCluster(2).nodes()
+    before = set(threading.enumerate())
+    started: list[str] = []
+
+    def body(node: Node) -> _Differ | None:
+        summaries = ["a"] * deferred.W
         if node.me == 1:
-            window.leave_later(node, "w", json.dumps({"status": "closed"}), wait=10.0)
-        else:
-            _later(node, ["a"], seen)
+            summaries[5:7] = ["b", "c"]
+        raised = _calls(node, summaries)
+        started.extend(t.name for t in set(threading.enumerate()) - before)
+        return raised
 
-    _together(nodes, body)
-    assert len(seen) == 1
-    assert json.loads(seen[0].records[1]) == {"status": "closed"}
+    for e in _together(nodes, body):
+        assert isinstance(e, _Differ), e
+        assert e.at == deferred.W - 1  # every call returned but the W-th, which verified
+        assert e.number == 5  # the first call that differs
+        assert e.outcome.records == {0: "0:5", 1: "1:5"}
+        assert e.thread.name.startswith("Thread-")  # the caller's (`_together`'s) own thread
+    assert all(name.startswith("Thread-") for name in started), started  # no thread of ours
+
+
+def test_a_sync_point_verifies_the_pending_calls_first():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> tuple[Any, Any]:
+        returned = _calls(node, ["a", "b" if node.me else "a", "a"])
+        try:
+            deferred.sync_point(node)
+        except _Differ as e:
+            return returned, e.number
+        return returned, None
+
+    assert _together(nodes, body) == [(None, 1)] * 2  # every call returned; call #1 named
+
+
+def test_a_deferred_check_names_the_process_that_did_not_come():
+    nodes = FakeCluster(2).nodes()
+    [(returned, e)] = _together(
+        nodes[:1], lambda node: (_calls(node, ["a"], timeout=0.3), _verified(node))
+    )
+    assert returned is None
+    assert isinstance(e, _Differ)
+    assert e.outcome.missing == (1,)
+
+
+def test_a_deferred_check_finds_the_record_of_a_process_that_left():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> _Differ | None:
+        if node.me == 1:  # it made the first call, then failed instead of the second
+            _calls(node, ["a"])
+            deferred.leave(node, "w", json.dumps({"status": "closed"}))
+            assert node.deferred == {}
+            return None
+        return _calls(node, ["a", "a"]) or _verified(node)
+
+    e = _together(nodes, body)[0]
+    assert isinstance(e, _Differ)
+    assert e.number == 1
+    assert json.loads(e.outcome.records[1]) == {"status": "closed"}
+
+
+def test_a_deferred_check_names_a_process_that_left_the_program():
+    nodes = FakeCluster(2).nodes()
+    ended = json.dumps({"left": True, "status": "exit"})
+
+    def body(node: Node) -> _Differ | None:
+        if node.me == 1:
+            agreement.leave(node, "main", "exit", ended)
+            return None
+        return _calls(node, ["a"]) or _verified(node)
+
+    e = _together(nodes, body)[0]
+    assert isinstance(e, _Differ)
+    assert e.number == 0
+    assert e.outcome.records == {0: "0:0", 1: ended}
 
 
 # ---- processes at different agreements of one sequence ------------------------------------
@@ -687,7 +696,7 @@ def test_a_caller_inside_a_step_the_others_took_is_no_cycle():
     assert places.cycle(node, mine, moving) is not None
     assert places.cycle(node, moving[1], {1: mine}) is None  # a moving place never decides
     for n in nodes:
-        n.stop()
+        n.stopping.set()
 
 
 def test_a_caller_that_came_to_the_agreement_from_inside_a_step_is_no_cycle():

@@ -47,7 +47,7 @@ def test_exit_handlers_run_by_order_then_registration_each_once(registry):
     assert registry.installed == [_exit.run_exit_handlers]  # one atexit entry, whoever asks
     _exit.run_exit_handlers()
     _exit.run_exit_handlers()  # `end` runs them, then Python's atexit may again: once each
-    assert ran == ["stop a again", "stop b", "leave", "drain", "flush"]
+    assert ran == ["stop a again", "stop b", "drain", "leave", "flush"]
 
 
 def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
@@ -254,9 +254,7 @@ def test_the_thread_that_claimed_the_end_may_claim_it_again_no_other_may():
 
 def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch, caplog):
     # JAX's words at a collective whose peer is gone ("connection closed") follow a failure
-    # found first: the check kept for this process's next call, else another process's post.
-    from meshkit import DivergenceError
-
+    # found first: another process's post.
     ended = []
     monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace: ended.append((failure, why)))
     monkeypatch.setattr(_exit, "claim", lambda: True)
@@ -264,28 +262,18 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     posts = _failfast.PeerPosts(failures=[(2, "RuntimeError: planted"), (1, "ValueError: x")],
                                 notices=[])  # fmt: skip
     watch = _failfast._Watch(3, 4, poll=lambda: posts, wait=None)
-    kept = [DivergenceError("meshkit: processes differ.", processes=[0, 3], field="order")]
     monkeypatch.setattr(_failfast, "_watch", watch)
-    monkeypatch.setattr(_failfast, "_kept", lambda: kept.pop() if kept else None)
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
     with caplog.at_level(logging.ERROR, logger="meshkit"):
-        _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)  # the kept one
         _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)  # process 1's post
         _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)  # its own
     said = caplog.text
-    assert ("meshkit: the error above follows a cross-process check that failed first:\n"
-            "DivergenceError: meshkit: processes differ.") in said  # fmt: skip
     assert "meshkit: the error above follows another process's failure." in said
     assert "another process of the program" not in said  # gloo's explanation gave way
-    assert ended[0] == (
-        "DivergenceError: meshkit: processes differ.",
-        "a failed cross-process check",
-    )
-    assert ended[1][0].startswith("meshkit: process 1 failed: ValueError: x\nProcess 3 stops too")
-    assert ended[1][1] == 1
-    assert ended[2] == ("ValueError: bad batch", "uncaught exception in a multi-process run")
-    assert [fields.get("cause") for _, fields in _events_of(status)] == [
-        "divergence", "peer", "exception"]  # fmt: skip
+    assert ended[0][0].startswith("meshkit: process 1 failed: ValueError: x\nProcess 3 stops too")
+    assert ended[0][1] == 1
+    assert ended[1] == ("ValueError: bad batch", "uncaught exception in a multi-process run")
+    assert [fields.get("cause") for _, fields in _events_of(status)] == ["peer", "exception"]
 
 
 def test_process_0_stays_up_until_the_others_read_its_failure_post(monkeypatch):

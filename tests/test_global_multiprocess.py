@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from ranks import global_multiprocess as ranks
 
+from meshkit._src.coord.deferred import W
 from meshkit.testing import launch_in_processes, run_in_processes
 
 pytestmark = pytest.mark.multiprocess
@@ -142,19 +143,19 @@ def test_mismatched_shapes_raise_on_every_process_naming_path_and_shapes(warm_cl
         assert "pad=True" in message
 
 
-def test_checks_beside_the_caller_share_round_trips_and_name_the_call():
+def test_deferred_checks_share_round_trips_and_the_w_th_call_raises_naming_the_call():
     # Fresh processes: the message names the call by its number in the process's life.
-    results = run_in_processes(ranks.windowed_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
-    for in_call, per_call, slow_per_call, raised_at, message in results:
+    results = run_in_processes(ranks.deferred_checks, num_processes=2, timeout=180, env=_FAST_CHECK)
+    for in_call, per_call, slow_per_call, raised_at, message, threads in results:
         # The default, agreed in the call: a steady call is one wait at the service's barrier.
         assert 0.9 <= in_call <= 1.1, results
-        # Deferred, in windows of calls: a tight loop shares one agreement (two round trips)
-        # among many calls; a slow loop among the calls of `window.LINGER_S` (a window per call
-        # would be two round trips per call).
+        # Deferred: one agreement per `W` calls, fast or slow, made by the caller's thread.
         assert per_call < 0.1, results
-        assert slow_per_call < 1.0, results
-        assert raised_at is not None, results
-        assert raised_at > 250, results  # raised by a later meshkit call
+        assert slow_per_call < 0.1, results
+        assert threads == ["meshkit-service"], threads  # no thread for the deferred checks
+        # Calls 201 to 264 are pending (the barrier at call 200 verified the earlier ones): the
+        # W-th of them verifies and raises, in every process.
+        assert raised_at == 200 + W, results
         assert "global_array_from_local (call #250, checked after it returned)" in message
         assert "processes disagree on the dtype of (the array)" in message, message
 
@@ -840,6 +841,33 @@ def test_deferred_check_returns_first_and_raises_later(warm_cluster):
         )
         assert 2 in returned  # the mismatched call returned in both processes
         assert "global_array_from_local (call #2, checked after it returned)" in error, error
+
+
+def _deferred_call_that_fails():
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh = meshkit.make_mesh({"data": -1})
+    good = np.ones((8, 3), np.float32)
+    with meshkit.channel("deferred-fails"):
+        meshkit.global_array_from_local(good, mesh, "data", check="deferred")
+        local = [object()] if jax.process_index() == 1 else good  # process 1: a bad leaf
+        try:
+            meshkit.global_array_from_local(local, mesh, "data", check="deferred")
+            meshkit.barrier("after the failed call")  # verifies the pending calls first
+        except Exception as e:  # what each process raised, to the test
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_deferred_call_that_fails_is_named_by_the_others_next_verification(warm_cluster):
+    first, second = warm_cluster.run(_deferred_call_that_fails, timeout=120, env=_FAST_CHECK)
+    assert "failed before the processes compared their data" in first, first
+    assert "process 1: " in first, first
+    assert "(call #2, checked after it returned)" in first, first
+    assert second != "no error"  # process 1 raised its own error in the call
 
 
 def _short_batches():

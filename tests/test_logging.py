@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from meshkit._src.arrays import batches as _batches
-from meshkit._src.coord import node as _node
+from meshkit._src.coord import agree as _agree
 from meshkit._src.core import log as _log
 from meshkit._src.debug import mode as _mode
 from meshkit._src.lifecycle import exit as _exit
@@ -128,7 +128,7 @@ def test_a_handler_on_the_meshkit_logger_receives_them(caplog):
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        (_node, "meshkit.coord"),
+        (_agree, "meshkit.coord"),
         (_mode, "meshkit.debug"),
         (_batches, "meshkit.arrays"),
         (_exit, "meshkit.guards"),

@@ -122,10 +122,9 @@ def test_close_from_another_thread_in_one_process():
     gate.set()
 
 
-# Threads of a loop that live only while it runs: the window thread of a tag in use (it leaves
-# after `window.IDLE_S` without a call) and global_batches' close watch. Counted apart, by name,
-# while the loop runs; an idle process has neither.
-_LOOP_ONLY = ("meshkit-agree:", "meshkit-global-batches-watch")
+# A thread of a loop that lives only while it runs: global_batches' close watch. Counted apart,
+# by name, while the loop runs; an idle process has none.
+_LOOP_ONLY = "meshkit-global-batches-watch"
 
 
 @pytest.mark.multiprocess

@@ -102,7 +102,7 @@ for check in (True, "data"):
         meshkit.global_array_from_local(params, mesh, P(), check=check)
         times.append(time.perf_counter() - start)
     replica_us[str(check)] = statistics.median(times[20:]) * 1e6
-meshkit.barrier("settled")  # every deferred verdict in
+meshkit.barrier("settled")
 threads_calls = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
 
 trips = []

@@ -7,7 +7,8 @@ numpy, not pytest.
 from __future__ import annotations
 
 
-def windowed_checks():
+def deferred_checks():
+    import threading
     import time
 
     import jax
@@ -30,9 +31,10 @@ def windowed_checks():
     in_call = (_agree.stats.rpcs - rpcs) / 128
     meshkit.barrier("in call")
     rpcs = _agree.stats.rpcs
-    for _ in range(100):  # a slow loop: a call every 3 ms, windows stay open for more
+    for _ in range(100):  # a slow loop: a call every 3 ms
         jax.block_until_ready(meshkit.global_array_from_local(good, mesh, "data", **deferred))
         time.sleep(0.003)
+    ours = sorted(t.name for t in threading.enumerate() if t.name.startswith("meshkit"))
     meshkit.barrier("slow")  # every check so far verified, none raised
     slow_per_call = (_agree.stats.rpcs - rpcs - 1) / 100  # less the barrier's one
     rpcs = _agree.stats.rpcs
@@ -47,12 +49,12 @@ def windowed_checks():
             try:  # deferred: even the call that changes returns before it is verified
                 meshkit.global_array_from_local(local, mesh, "data", **deferred)
             except meshkit.MeshkitError as e:  # raised by a later call, once verified
-                return in_call, per_call, slow_per_call, i, str(e)
+                return in_call, per_call, slow_per_call, i, str(e), ours
     try:
         meshkit.barrier("end")
     except meshkit.MeshkitError as e:
-        return in_call, per_call, slow_per_call, 301, str(e)
-    return in_call, per_call, slow_per_call, None, "no error"
+        return in_call, per_call, slow_per_call, 301, str(e), ours
+    return in_call, per_call, slow_per_call, None, "no error", ours
 
 
 def one_process_never_calls():
@@ -100,7 +102,7 @@ def mismatch_then_end():
     rows = 8 if jax.process_index() == 1 else 4
     local = np.ones((rows, 3), np.float32)
     x = meshkit.global_array_from_local(local, mesh, "data", check="deferred")
-    print("returned", x.shape, flush=True)  # verified beside the caller
+    print("returned", x.shape, flush=True)  # verified at exit
 
 
 def gather_to_different_places():

@@ -39,7 +39,7 @@ def two_threads():
                     if i % 7 == me:
                         time.sleep(0.01)  # interleave differently in each process
                 sums[channel] = out
-                meshkit.barrier(f"done {channel}")  # settles the deferred checks
+                meshkit.barrier(f"done {channel}")
         except BaseException as e:  # reported to the test
             errors.append(e)
 

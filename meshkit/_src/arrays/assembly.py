@@ -329,8 +329,9 @@ def global_array_from_local(
         check: ``True``: the processes agree on structure, dtypes, shapes and sampled digests
             of replicated blocks before the call returns; a mismatch raises in this call on
             every process. ``"data"``: replicated blocks hashed whole (costly). ``"deferred"``:
-            returns at once; a mismatch is raised by a later meshkit call, so computations
-            on the arrays may run first. ``False``: no comparison.
+            returns at once; a mismatch is raised by a later call (every 64th call of the site,
+            or the next meshkit call that waits for the others, verifies the calls before it),
+            so computations on the arrays may run first. ``False``: no comparison.
 
     Returns:
         The global arrays, in ``local``'s pytree structure; with ``pad=True``, the pair

@@ -311,7 +311,7 @@ class GlobalBatches(Iterator[Any]):
             left = _ends.confirm(self._node, self._tag, timeout)
             error = error or _ends.left_error(left, self._node.n, self._me, timeout)
         if error is not None and self._node is not None and at_exit and error is not self._gone:
-            self._node.fail(error, None)  # at exit, no call will raise it: the process exits 1
+            _agree.fail_at_exit(error)  # no call will raise it: the process exits 1
         return error
 
     def __enter__(self) -> GlobalBatches:

@@ -1,34 +1,35 @@
 """This process's agreements: the one primitive (`agreement`) on the caller's channel.
 
-`agree_later` (`window`) is the deferred form. A process that will not come calls `leave`; one
+`agree_later` (`deferred`) is the deferred form. A process that will not come calls `leave`; one
 that leaves the program posts a `leave_record` (fail-fast reads an uncaught error in it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping
 
 from ..core import compat as _compat
-from ..core import env as _env
 from ..core.errors import MeshkitError
+from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from . import agreement as _agreement
 from . import channel as _channel
+from . import deferred as _deferred
 from . import missing as _missing
-from . import window as _window
 from .node import Group, Node, Outcome, RecordText, text
 from .service import JaxService, Stats
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
-# disagreements found after their call returned (check="deferred"), for `settle`
-failures: deque[BaseException] = deque()
 _node: Node | None = None
 _client: object = None  # the client `_node` talks through
 tag_part = _channel.tag_part
+_LOG = logger("coord")
+_unraised: list[BaseException] = []  # checks that failed at exit, where no call can raise them
 
 
 def node() -> Node | None:
@@ -39,27 +40,10 @@ def node() -> Node | None:
         return None
     if _node is None or _client is not client:
         if _node is None:  # at first use, never at import
-            _exit.on_exit(
-                "agreements: verify what is pending, stop their threads",
-                _drain_at_exit,
-                order=_exit.DRAIN,
-            )
-        _node, _client = Node(JaxService(client), me, n, stats=stats, failures=failures), client
+            _exit.on_exit("agreements: verify the deferred checks", _at_exit, order=_exit.DRAIN)
+            _exit.on_exit("agreements: end after a failed check", _end, order=_exit.FLUSH - 1)
+        _node, _client = Node(JaxService(client), me, n, stats=stats), client
     return _node
-
-
-def settle() -> None:
-    """Raise the first disagreement `agree_later` found since the last call, if any."""
-    if failures and _node is not None:
-        _node.settle()
-
-
-def take_unraised() -> BaseException | None:
-    """Take the failure kept for the next meshkit call, for an uncaught exception it caused."""
-    try:
-        return failures.popleft()
-    except IndexError:  # none (only a node keeps failures), or another thread raised it
-        return None
 
 
 def in_step() -> None:
@@ -80,12 +64,11 @@ def agree(
 ) -> Outcome:
     """`agreement.agree` on the caller's channel (or ``channel``'s).
 
-    First the channel's windows (`agree_later`) are verified, and what they found is raised.
+    First the channel's deferred checks (`agree_later`) are verified: a difference raises.
     """
     here = node()
     if here is not None:
-        _window.sync_point(here, timeout)
-    settle()
+        _deferred.sync_point(here)
     if here is None:
         return Outcome(True, {_compat.distributed_state()[1]: text(record)})
     outcome = _agreement.agree(
@@ -150,18 +133,15 @@ def agree_later(
     on_outcome: Callable[[Outcome], None],
     groups: Mapping[str, Group] | None = None,
 ) -> None:
-    """`window.agree_later` for this process: returns at once.
+    """`deferred.add` for this process: the call is verified by a later one (which may raise).
 
     A tag is either agreed in the call (`agree`) or after it returns (`agree_later`), never both.
     """
-    settle()
     here = node()
-    if here is None:
-        return
-    _window.agree_later(
-        here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups
-    )
-    settle()
+    if here is not None:
+        _deferred.add(
+            here, tag, summary, record, timeout=timeout, on_outcome=on_outcome, groups=groups
+        )
 
 
 def leave(
@@ -173,24 +153,52 @@ def leave(
 ) -> None:
     """Tell the processes at the next agreement (of ``channel``) that this one will not come.
 
-    ``later``: the tag is agreed after the call returns (`agree_later`); this call waits (at most
-    the check timeout) until its thread has posted ``record``.
+    ``later``: the tag is agreed after the call returns (`agree_later`): its pending calls are
+    posted with ``record``.
     """
     here = node()
     if here is None:
         return
     if later:
-        _window.leave_later(here, tag, record, _env.check_timeout())
+        _deferred.leave(here, tag, record)
     else:
         _agreement.leave(here, _agreement.channel_sequence(here, channel), tag, record)
 
 
-def drain(timeout: float) -> bool:
-    """Wait until every `agree_later` call of this process is verified (or ``timeout``)."""
-    return True if _node is None else _node.drain(timeout)
-
-
-def _drain_at_exit() -> None:
-    """Verify what is pending (a few seconds at most), then let meshkit's threads leave."""
+def drain() -> None:
+    """Verify every `agree_later` call of this process now (a difference raises)."""
     if _node is not None:
-        _node.stop()
+        _deferred.verify_all(_node)
+
+
+def fail_at_exit(error: BaseException) -> None:
+    """A check failed at exit, where no call can raise ``error``: the process ends with status 1."""
+    _unraised.append(error)
+
+
+def _at_exit() -> None:
+    """Verify what is pending (post it, when failing), then let meshkit's waits stop."""
+    if _node is None:
+        return
+    try:
+        if not _exit.ending():
+            _deferred.verify_all(_node)
+        for tag in list(_node.deferred):  # left by a failing process: the others name it
+            with contextlib.suppress(Exception):  # it ends anyway
+                _deferred.leave(_node, tag, leave_record())
+    except Exception as e:
+        fail_at_exit(e)
+    finally:
+        _node.stopping.set()
+
+
+def _end() -> None:
+    """After the leaves are posted: a check that failed at exit ends the process with status 1."""
+    if _unraised and not _exit.ending():
+        error = _unraised[0]
+        say(
+            _LOG, logging.ERROR,
+            "meshkit: exiting with status 1: a cross-process check failed after this process's "
+            f"last meshkit call, so nothing raised it:\n{type(error).__name__}: {error}\n",
+        )  # fmt: skip
+        _exit.now(1)

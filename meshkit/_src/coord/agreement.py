@@ -110,7 +110,7 @@ def _key(sequence: str, k: int, part: str) -> str:
 
 
 def _state(node: Node, sequence: str) -> Sequence:
-    with node.tags_lock:
+    with node.lock:
         state = node.sequences.get(sequence)
         if state is None:
             state = node.sequences[sequence] = Sequence()
@@ -367,10 +367,9 @@ def channel_sequence(node: Node, name: str | None = None) -> str:
 
 def restart(node: Node) -> None:
     """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`)."""
-    with node.tags_lock:
+    with node.lock:
         for name, state in list(node.sequences.items()):
-            if not name.startswith("w:"):  # a window thread's sequence goes on
-                node.sequences[name] = Sequence(epoch=state.epoch + 1)
+            node.sequences[name] = Sequence(epoch=state.epoch + 1)
 
 
 def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None:

@@ -7,7 +7,6 @@ everyone; a waiter's timeout times it out for all, and a later arrival hears so 
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,23 +40,15 @@ class FakeCluster:
         self.uses: dict[tuple[str, int], int] = {}  # (barrier, process) -> its next use
         self.barriers: dict[tuple[str, int], _Use] = {}
         self.gone: set[int] = set()
-        self.unraised: list[int] = []  # processes whose deferred failure went unraised
 
     def service(self, process: int) -> FakeService:
         """Process ``process``'s view of the service."""
         return FakeService(self, process)
 
     def nodes(self) -> list[Node]:
-        """A `Node` per process: each thread is its main thread; an unraised failure is noted."""
+        """A `Node` per process: each thread is its main thread."""
         return [
-            Node(
-                self.service(p),
-                p,
-                self.n,
-                channel=lambda: None,
-                on_unraised=functools.partial(self.unraised.append, p),
-                is_main=lambda: True,
-            )
+            Node(self.service(p), p, self.n, channel=lambda: None, is_main=lambda: True)
             for p in range(self.n)
         ]
 

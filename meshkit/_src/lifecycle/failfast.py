@@ -68,22 +68,20 @@ class PeerPosts:
 
 Poll = Callable[[], PeerPosts | Unanswered | None]
 Wait = Callable[[float], bool]
-Kept = Callable[[], BaseException | None]
 Read = Callable[[int], int]
 _post_failure: Post | None = None
 _read: Read | None = None
-_kept: Kept | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
 _grace: float | None = None  # the exit handlers' seconds; None: fail-fast is off
 
 
 def install(
     grace: float | None, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
-    nudge: Callable[[], None], kept: Kept | None = None, read: Read | None = None,
+    nudge: Callable[[], None], read: Read | None = None,
 ) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
-    global _post_failure, _kept, _watch, _read, _grace
-    _post_failure, _kept, _read, _grace = post, kept, read, grace
+    global _post_failure, _watch, _read, _grace
+    _post_failure, _read, _grace = post, read, grace
     if grace is None:
         return
     _watch = _Watch(me, n, poll, wait)
@@ -137,27 +135,16 @@ def end_for(error: BaseException, why: str) -> bool:
     """End this process for ``error``, found beside a caller that cannot return; False if off."""
     if _grace is None or _exit.ending():
         return False
-    _end_saying(error, f"meshkit: {why}.\n", "this process cannot go on", _grace)
+    if _exit.claim():  # else another path ends this process
+        say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
+        _events.emit(_events.FAILED, **_failure_fields(error, None))
+        first = (str(error).splitlines() or [""])[0][:300]
+        _end(f"{type(error).__name__}: {first}", "this process cannot go on", _grace)
     return True
 
 
-def _end_saying(error: BaseException, header: str, why: str, grace: float) -> None:
-    """Say ``header`` and ``error``, leave its `failed` event, end as `_end` does (status 1)."""
-    if not _exit.claim():
-        return
-    say(_LOG, logging.ERROR, f"{header}{type(error).__name__}: {error}\n")
-    _events.emit(_events.FAILED, **_failure_fields(error, None))
-    first = (str(error).splitlines() or [""])[0][:300]
-    _end(f"{type(error).__name__}: {first}", why, grace)
-
-
 def _end_with_known_cause(grace: float) -> bool:
-    """End this process with the failure that caused JAX's error, if it knows it: True if so."""
-    kept = None if _kept is None else _kept()
-    if kept is not None:
-        header = "meshkit: the error above follows a cross-process check that failed first:\n"
-        _end_saying(kept, header, "a failed cross-process check", grace)
-        return True
+    """End this process with another's failure that caused JAX's error, if posted: True if so."""
     posted = _peer_failures()
     if posted is None:
         return False

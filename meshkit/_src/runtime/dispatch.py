@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..coord import agree as _agree
 from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
@@ -77,8 +76,6 @@ _lock = threading.Lock()
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
     site.calls += 1
-    if _agree.failures:
-        _agree.settle()
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)
@@ -88,7 +85,7 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
 
 def quiet() -> bool:
     """Whether `enter` would only count the call (fast paths then count it themselves)."""
-    return not _observers and not _agree.failures and _debug_check.state.settings is None
+    return not _observers and _debug_check.state.settings is None
 
 
 def remove_observer(observer: Observer) -> None:

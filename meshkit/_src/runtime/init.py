@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 
-from ..coord import agree as _agree
 from ..coord import failures as _failures
 from ..coord import gather as _gather
 from ..core import compat as _compat
@@ -437,8 +436,7 @@ def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
         _failfast.install(
             fail_fast, me, n, post=partial(_failures.post_failure, me),
             poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
-            nudge=partial(_failures.nudge, me), kept=_agree.take_unraised,
-            read=_failures.count_read,
+            nudge=partial(_failures.nudge, me), read=_failures.count_read,
         )  # fmt: skip
     if fail_fast is None:
         return
