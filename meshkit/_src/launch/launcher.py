@@ -34,11 +34,11 @@ from ..core.events import (
     ENV_PROCESS_ID,
     ENV_STATUS,
 )
-from ..core.ports import port_in_use, reserve_port
 from . import reaper as _reaper
 from . import restarts as _restarts
 from .link import Link, Over
 from .machines import placement, run_on_machines
+from .ports import port_in_use, reserve_port
 from .rank_output import Sink, join_pumps
 from .reaper import Guardian, Reaper
 from .report import (
