@@ -91,7 +91,8 @@ def tests(session: nox.Session) -> None:
         # CPU less per rank than a fresh interpreter).
         "MESHKIT_TESTING_FORK": "1",
     }
-    session.run("pytest", *PLUGINS, *PARALLEL, *session.posargs, env=env)
+    # The slowest tests close the log: the suite has a budget of 6 minutes per Python line.
+    session.run("pytest", *PLUGINS, *PARALLEL, "--durations=20", *session.posargs, env=env)
 
 
 @nox.session(python="3.12")

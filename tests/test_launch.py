@@ -20,8 +20,8 @@ from conftest import EXAMPLES, processes_with_marker
 
 import meshkit
 from meshkit import LaunchError
-from meshkit._src.core.ports import port_in_use, reserve_port
 from meshkit._src.launch import reaper as _reaper
+from meshkit._src.launch.ports import port_in_use, reserve_port
 from meshkit._src.launch.rank_output import Pump, Sink
 from meshkit._src.launch.report import unjoined_report
 from meshkit._src.launch.spawn import rank_environments
@@ -615,7 +615,8 @@ def test_the_coordinator_port_is_held_from_start_to_end(tmp_path):
         tmp_path,
         """
         import os
-        from meshkit._src.core.ports import coordinator_port_taken, port_in_use
+        from meshkit._src.core.ports import coordinator_port_taken
+        from meshkit._src.launch.ports import port_in_use
         port = int(os.environ["MESHKIT_COORDINATOR"].rpartition(":")[2])
         print(f"port {port}: held {port_in_use(port)}, taken {coordinator_port_taken(port)}")
         """,

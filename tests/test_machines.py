@@ -18,11 +18,11 @@ import time
 import pytest
 
 from meshkit import LaunchError
-from meshkit._src.core.ports import ephemeral_range, free_ports, port_in_use
 from meshkit._src.launch.hub import Hub
 from meshkit._src.launch.link import Link, Over, reach
 from meshkit._src.launch.machines import placement
 from meshkit._src.launch.nodes import Hello, Stop, parse_address, program_digest, serve
+from meshkit._src.launch.ports import ephemeral_range, free_ports, port_in_use
 from meshkit._src.launch.report import LaunchAttempt, RankResult
 
 

@@ -8,12 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._src.core.ports import (
-    coordinator_port_taken,
-    free_ports,
-    port_in_use,
-    reserve_port,
-)
+from meshkit._src.core.ports import coordinator_port_taken
+from meshkit._src.launch.ports import free_ports, port_in_use, reserve_port
 
 
 def _listener(*, reuseport: bool, listen: bool = True) -> socket.socket:
@@ -87,7 +83,7 @@ def test_free_ports_are_consecutive_free_and_below_theephemeral_range():
 def test_free_ports_skip_a_run_with_one_port_held(monkeypatch):
     # The draws land on the same first port five times while its second port is held, then on
     # another free run: the run with a held port is never returned.
-    import meshkit._src.core.ports as ports
+    import meshkit._src.launch.ports as ports
 
     first, other = free_ports(2), free_ports(2)
     with reserve_port(first + 1):
@@ -98,7 +94,7 @@ def test_free_ports_skip_a_run_with_one_port_held(monkeypatch):
 
 
 def test_free_ports_end_after_a_bounded_number_of_draws(monkeypatch):
-    import meshkit._src.core.ports as ports
+    import meshkit._src.launch.ports as ports
 
     monkeypatch.setattr(ports, "port_in_use", lambda p: True)
     with pytest.raises(OSError, match=r"no 2 consecutive free TCP ports in 7 draws from 10000-"):
@@ -108,7 +104,7 @@ def test_free_ports_end_after_a_bounded_number_of_draws(monkeypatch):
 
 
 def test_free_ports_draw_from_everywhere_when_theephemeral_range_starts_low(monkeypatch):
-    import meshkit._src.core.ports as ports
+    import meshkit._src.launch.ports as ports
 
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (5000, 60999))
     seen = {ports.free_ports(2) for _ in range(50)}

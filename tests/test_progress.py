@@ -15,7 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshkit._src.core import events
-from meshkit._src.core.events import Board, mark, ranges, summary
+from meshkit._src.core.errors import ranges
+from meshkit._src.core.events import mark
+from meshkit._src.launch.supervise import Board, summary
 
 
 def test_ranges_folds_consecutive_ranks():

@@ -21,7 +21,7 @@ import pytest
 from conftest import run_python
 
 import meshkit
-from meshkit._src.core.ports import free_ports, reserve_port
+from meshkit._src.launch.ports import free_ports, reserve_port
 from meshkit._src.runtime import init as _init_module
 from meshkit.testing._forks import starter
 

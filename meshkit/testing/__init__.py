@@ -17,7 +17,7 @@
   --coordinator HOST:PORT`` themselves (machine 0 serves PORT and PORT+1).
 """
 
-from meshkit._src.core.ports import free_ports
+from meshkit._src.launch.ports import free_ports
 
 from ._multiprocess import launch_in_processes, run_in_processes
 from ._reference import assert_spmd_matches_reference, reference_spmd

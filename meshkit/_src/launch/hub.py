@@ -32,6 +32,7 @@ from .report import (
     root_cause,
     unjoined_report,
 )
+from .supervise import summary as stage_summary
 
 _SAY_EVERY_S = 5.0  # how often the hub says who has not joined yet
 
@@ -284,7 +285,7 @@ class Hub:
                 range(node * p, node * p + p), "starting"
             )
             if any(st in ("starting", "joining") for st in stages.values()):
-                rows.append([node, peer.hello.machine(), _events.summary(stages)])
+                rows.append([node, peer.hello.machine(), stage_summary(stages)])
         if rows != self._forming:
             self._forming, self._forming_at = rows, now
             self._all("forming", machines=rows)

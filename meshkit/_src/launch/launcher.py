@@ -33,13 +33,12 @@ from ..core.events import (
     ENV_PREEMPT_GRACE,
     ENV_PROCESS_ID,
     ENV_STATUS,
-    Board,
 )
-from ..core.ports import port_in_use, reserve_port
 from . import reaper as _reaper
 from . import restarts as _restarts
 from .link import Link, Over
 from .machines import placement, run_on_machines
+from .ports import port_in_use, reserve_port
 from .rank_output import Sink, join_pumps
 from .reaper import Guardian, Reaper
 from .report import (
@@ -56,7 +55,7 @@ from .report import (
 )
 from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start_fresh
 from .stop import stop
-from .supervise import Outcome, Supervisor, signals_recorded
+from .supervise import Board, Outcome, Supervisor, joined, signals_recorded
 
 
 def launch(
@@ -384,7 +383,7 @@ def _run(
         # Read once every rank has ended: nothing can still write, and the directory goes next.
         records = _events.read(status.name, ids)
         told = Told.of(records)
-        alone = sorted(set(ids) - _events.joined(Path(status.name), ids))
+        alone = sorted(set(ids) - joined(Path(status.name), ids))
         status.cleanup()
     outcome = supervisor.outcome if supervisor is not None else Outcome()
     if keyboard:

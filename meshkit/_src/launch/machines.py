@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from ..core.errors import LaunchError
-from ..core.ports import ephemeral_range, reserve_port
 from ..core.version import __version__
 from .hub import Hub
 from .link import Link, reach
 from .nodes import Go, Hello, hostname, parse_address, program_digest, serve
+from .ports import ephemeral_range, reserve_port
 from .report import LaunchAttempt, LaunchResult, signal_name
 from .restarts import restarting, should_restart
 from .spawn import Platform, count_gpus, rank_environments
