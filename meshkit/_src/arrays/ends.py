@@ -28,6 +28,7 @@ from ..core.data_position import (
     encode_state,
 )
 from ..core.errors import DivergenceError, MeshkitError
+from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from .records import PartRecord, agree_on
 
@@ -307,34 +308,34 @@ def watch(
     heard: Callable[[dict[int, int]], None],
     stop: threading.Event,
     tick: Callable[[], bool] = lambda: False,
-) -> threading.Thread:
-    """Start a thread that reads ``tag``'s posts each poll period until a close or ``stop``.
+) -> None:
+    """Read ``tag``'s posts in the service thread each poll period until a close or ``stop``.
 
     Each period ``tick()`` runs first (True ends the watch); ``heard(closers)`` runs at the first
     close. A failed read (the service is gone) ends it.
     """
+    name, period = "global_batches: watch for closes: " + tag, _failfast.poll_period(node.n)
 
-    def run() -> None:
-        wait = _failfast.poll_period(node.n)
-        while not stop.wait(wait):
-            try:
+    def look() -> None:
+        if stop.is_set():
+            return
+        try:
+            if tick():
+                return
+            closers = posted(node, tag)
+        except Exception:  # the service is gone: the failure watch says so
+            return
+        if not closers:
+            _exit.at(name, period, look, nudge=False)
+        elif not stop.is_set():
+            # What a closer found before it closed (a cycle's notice) was posted before its
+            # close: a look after the close reads it, and it is the cause.
+            with contextlib.suppress(Exception):
                 if tick():
                     return
-                closers = posted(node, tag)
-            except Exception:  # the service is gone: the failure watch says so
-                return
-            if closers and not stop.is_set():
-                # What a closer found before it closed (a cycle's notice) was posted before its
-                # close: a look after the close reads it, and it is the cause.
-                with contextlib.suppress(Exception):
-                    if tick():
-                        return
-                heard(closers)
-                return
+            heard(closers)
 
-    thread = threading.Thread(target=run, name="meshkit-global-batches-watch", daemon=True)
-    thread.start()
-    return thread
+    _exit.at(name, period, look, nudge=False)
 
 
 # Where the source starts (start=).

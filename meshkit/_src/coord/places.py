@@ -140,7 +140,7 @@ def _read_notice(said: str) -> DivergenceError:
 
 
 class Moving:
-    """A caller that moves through an iterator's steps, seen from a watch thread.
+    """A caller that moves through an iterator's steps, seen from a watch in the service thread.
 
     The watch posts the caller as `Place.moving` when it stayed inside one step for a whole
     period, and returns the cycle a waiting process told it of.
