@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, layout_problem, plan
+from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, plan
+from meshkit._src.sharding.specs import layout_problem
 from meshkit.testing import strategies as mks
 
 
