@@ -12,23 +12,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
+from ..debug.divergence import CallSite as CallSite
 from . import init as _runtime
-
-
-@dataclass(eq=False)
-class CallSite:
-    """One SPMD entry point a program created (for example one `meshkit.spmd` function)."""
-
-    kind: str
-    name: str
-    calls: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def param_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
