@@ -22,10 +22,6 @@ from ..runtime import hosts as _hosts
 
 AxisTypeLike = AxisType | str
 
-_HOW_TO_FIX_SIZE = """\
-Consider using -1 for one axis to fill the remaining devices (e.g. {{{suggest}}}), or pass
-devices= with the {product} devices you mean to use."""
-
 
 def _axis_type(value: Any, where: str) -> AxisType:
     if isinstance(value, AxisType):
@@ -125,16 +121,16 @@ def resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tup
     if known != count:
         first = parsed[0][0]
         suggest = ", ".join(f"{n!r}: {-1 if n == first else s}" for n, s in parsed)
-        if known < count:
-            fix = _HOW_TO_FIX_SIZE.format(suggest=suggest, product=known)
-        else:
-            fix = (
-                f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})."
-            )
+        fix = (
+            f"Consider using -1 for one axis to fill the remaining devices (e.g. {{{suggest}}}), "
+            f"or pass devices= with the {known} devices you mean to use"
+            if known < count
+            else f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})"
+        )
         raise MeshkitError(
             f"meshkit.make_mesh: axes={_show(parsed)} multiply to {known}, but {where} {count} "
             f"device{'s' if count != 1 else ''}; a mesh must use exactly the devices it is given "
-            f"(no silent subset).\n{fix}"
+            f"(no silent subset).\n{fix}."
         )
     return tuple(s for _, s in parsed)
 
