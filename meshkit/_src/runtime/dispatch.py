@@ -56,7 +56,7 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
     _events.mark("running")  # under `meshkit launch`: this rank got past joining
-    _debug_mode.from_environment()
+    _debug_mode.enable_from_environment()
 
 
 _observers: list[Observer] = [_first_call_step]

@@ -318,11 +318,8 @@ def describe(mesh: Mesh) -> str:
         f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
         f"process{'es' if n_proc > 1 else ''}{on_hosts}"
     ]
-    types = getattr(mesh, "axis_types", None)
-    if types is not None:
-        lines.append(
-            "axis types: " + ", ".join(f"{n}={t.name}" for n, t in zip(names, types, strict=True))
-        )
+    types = zip(names, mesh.axis_types, strict=True)
+    lines.append("axis types: " + ", ".join(f"{n}={t.name}" for n, t in types))
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
     rows = [("", [f"{names[-1]}={j}" for j in range(shape[-1])])]  # the column labels first
