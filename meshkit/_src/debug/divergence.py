@@ -223,10 +223,7 @@ def compare(
     timeout: float,
     last: dict[str, Any],
 ) -> None:
-    """Raise a `DivergenceError` if ``records`` differ, or some are missing or left.
-
-    ``last``: this process's previous fingerprint on this channel (``{}``: none).
-    """
+    """Raise a `DivergenceError` if ``records`` differ, or some are missing or left."""
     mine = records[me]
     left = {p: r for p, r in records.items() if r.get("status") != "call"}
     problems = [f"process {p} {_left_text(r)}" for p, r in sorted(left.items())]

@@ -53,10 +53,7 @@ class Plan:
 
 
 def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
-    """Each device's block under NamedSharding(mesh, partition), from the mesh grid alone.
-
-    Reads only ``mesh.devices`` and the axis names, so test doubles of devices work too.
-    """
+    """Each device's block under NamedSharding(mesh, partition), from the grid (doubles work)."""
     names = list(mesh.axis_names)
     grid = np.asarray(mesh.devices, dtype=object)
     sizes = dict(zip(names, grid.shape, strict=True))

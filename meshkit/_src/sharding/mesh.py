@@ -165,10 +165,7 @@ def _groups(
 
 
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
-    """The fast domain of each process: its TPU slice on a multi-slice TPU, else its host.
-
-    None when neither is known. `order_devices` keeps inner axes inside one domain.
-    """
+    """Each process's fast domain, its TPU slice (multi-slice) or its host; None: neither known."""
     slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
     if None not in slices.values() and len(set(slices.values())) > 1:
         return {p: ("slice", s) for p, s in slices.items()}

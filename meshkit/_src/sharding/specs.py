@@ -25,7 +25,7 @@ from jax.tree_util import DictKey
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.frames import public
-from ..core.trees import one_level
+from ..core.trees import describe_node, is_leaf_def, one_level
 
 SpecLike = PartitionSpec | str
 
@@ -326,43 +326,6 @@ def has_mapping(specs: Any) -> bool:
     return any(isinstance(x, Mapping) for x in nodes)
 
 
-def _is_leaf(treedef: Any) -> bool:
-    """Whether a one-level treedef (see `one_level`) is a leaf's (None and {} are nodes)."""
-    return treedef.num_nodes == 1 and treedef.num_leaves == 1
-
-
-def _type_name(x: Any) -> str:
-    module = type(x).__module__
-    name = type(x).__qualname__
-    if module.startswith("flax.nnx"):
-        return f"nnx.{name}"
-    if isinstance(x, jax.Array):
-        return "jax.Array"
-    if module == "numpy" and name == "ndarray":
-        return "numpy array"
-    return name
-
-
-def describe_node(x: Any, keys: list[Any] | None = None) -> str:
-    """``x`` in a few words: its type, and its keys or length where it has them."""
-    if x is None:
-        return "None"
-    name = _type_name(x)
-    article = "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
-    head = f"{article} {name}"
-    if keys is None and isinstance(x, Mapping):
-        keys = list(x)
-    if keys is not None:
-        return f"{head} with keys {{{', '.join(sorted(map(repr, keys)))}}}"
-    if isinstance(x, tuple | list):
-        return f"{head} of length {len(x)}"
-    children, treedef = one_level(x)
-    if _is_leaf(treedef):
-        shape = getattr(x, "shape", None)
-        return f"{head} of shape {tuple(shape)}" if shape is not None else f"{head} (a leaf)"
-    return f"{head} with {len(children)} children"
-
-
 def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
     """``specs`` rebuilt in ``tree``'s node types, so JAX takes it as a prefix of ``tree``.
 
@@ -372,10 +335,10 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
         return specs
     spec_children, spec_def = one_level(specs)
     keyed = isinstance(specs, Mapping)
-    if not keyed and _is_leaf(spec_def):
+    if not keyed and is_leaf_def(spec_def):
         return specs  # not a spec: the checks of spec leaves name it
     children, treedef = one_level(tree)
-    is_node = tree is not None and not _is_leaf(treedef)
+    is_node = tree is not None and not is_leaf_def(treedef)
     keys = [k.key for k, _ in children if isinstance(k, DictKey)]  # of a dict-like node
     if not is_node or (len(keys) != len(children) if keyed else spec_def != treedef):
         raise SpecTreeError(
@@ -403,7 +366,7 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
     if is_spec_leaf(specs):
         return tree
     spec_children, spec_def = one_level(specs)
-    if _is_leaf(spec_def):
+    if is_leaf_def(spec_def):
         return tree
     children, _ = one_level(tree)
     if isinstance(specs, Mapping):
