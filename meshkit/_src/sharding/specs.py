@@ -309,8 +309,6 @@ def _flax_spec(x: Any) -> Any:
 
 def plain_specs(specs: Any) -> Any:
     """``specs`` with flax's boxes (nnx Variables of specs, linen ``Partitioned``) unwrapped."""
-    if is_spec_leaf(specs):
-        return specs
     return jax.tree_util.tree_map(
         lambda x: _flax_spec(x) if _flax_class(x, _FLAX_SPECS) else x,
         specs,
