@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, layout_problem, plan
+from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, plan
+from meshkit._src.sharding.specs import layout_problem
 from meshkit.testing import strategies as mks
 
 
@@ -221,8 +222,8 @@ def test_saved_axes_the_mesh_lacks_and_specs_that_do_not_fit(tmp_path):
         meshkit.checkpoint.restore(path, mesh, {"w": "x"})
     assert str(info.value).startswith(
         "meshkit.checkpoint.restore: specs is not a prefix of the checkpoint's tree: at the top "
-        "specs has a dict with keys ['w'], the checkpoint a dict with keys ['b', 'host', 'step', "
-        "'w'].\nConsider one spec for every array"
+        "specs has a dict with keys {'w'}, the checkpoint a dict with keys {'b', 'host', 'step', "
+        "'w'}.\nConsider one spec for every array"
     ), str(info.value)
     with pytest.raises(MeshkitError, match=r"mesh must be a jax.sharding.Mesh; got dict"):
         meshkit.checkpoint.restore(path, {"x": 8})

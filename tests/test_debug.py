@@ -268,7 +268,7 @@ def test_issue_example_message():
     bad = _record(site, (1, {"image": np.zeros((30, 224, 224, 3), np.float32)}))
     records = {0: good, 1: bad, 2: good, 3: good}
     with pytest.raises(meshkit.DivergenceError) as info:
-        _divergence.compare(records, [], 0, "call #57 of train_step", 5.0, "debug/MainThread", 1)
+        _divergence.compare(records, [], 0, "call #57 of train_step", 5.0, {})
     assert (
         "call #57 of train_step: process 1 passed batch['image'] float32[30,224,224,3]; "
         "processes 0,2,3 passed float32[32,224,224,3]." in str(info.value)
@@ -282,11 +282,11 @@ def test_static_arguments_and_ragged_leading_axis():
     with pytest.raises(meshkit.DivergenceError, match=r"process 1 passed params static 'adam'"):
         _divergence.compare(
             {0: _record(site, ("sgd", 1)), 1: _record(site, ("adam", 1)), 2: _record(site, ("sgd", 1))},
-            [], 0, "call #57 of train_step", 5.0, "t", 1,
+            [], 0, "call #57 of train_step", 5.0, {},
         )  # fmt: skip
     ragged = _site(ragged=True)
     a, b = _record(ragged, (np.zeros((30, 3)),)), _record(ragged, (np.zeros((32, 3)),))
-    _divergence.compare({0: a, 1: b}, [], 0, "x", 5.0, "t", 1)  # padded loaders may differ
+    _divergence.compare({0: a, 1: b}, [], 0, "x", 5.0, {})  # padded loaders may differ
 
 
 def test_processes_that_left_are_named():
@@ -295,25 +295,21 @@ def test_processes_that_left_are_named():
     gone = {"status": "exit", "last": "call #56 of train_step (spmd) at train.py:40"}
     with pytest.raises(meshkit.DivergenceError, match=r"process 1 ended its program \(normal exit\) "
                        r"after call #56 of train_step \(spmd\) at train.py:40") as info:  # fmt: skip
-        _divergence.compare({0: here, 1: gone}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+        _divergence.compare({0: here, 1: gone}, [], 0, "call #57 of train_step", 5.0, {})
     assert info.value.processes == [1]
     failed = {"status": "error", "last": "call #3 of f", "message": "ValueError: bad batch"}
     with pytest.raises(meshkit.DivergenceError, match="process 1 failed after call #3 of f: "
                        "ValueError: bad batch"):  # fmt: skip
-        _divergence.compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, "t", 1)
+        _divergence.compare({0: here, 1: failed}, [], 0, "call #57 of train_step", 5.0, {})
 
 
 def test_a_missing_process_is_named_with_the_last_call_this_thread_made():
     site = _site()
     last = _record(site, (1,))
-    text = _divergence.last_text("t", 1, last)
+    text = _divergence.last_text(last)
     assert text.startswith("its last call was #57 of train_step at "), text
-    # A thread's first call: there is no earlier call, whatever the state holds by then.
-    _divergence.state.previous["t"] = last
-    try:
-        assert _divergence.last_text("t", 1, {}) == "it made no meshkit call checked in debug mode"
-    finally:
-        del _divergence.state.previous["t"]
+    # A thread's first call: there is no earlier call.
+    assert _divergence.last_text({}) == "it made no meshkit call checked in debug mode"
 
 
 _shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
@@ -346,10 +342,10 @@ def test_comparison_against_a_direct_reference(base, changes):
         None,
     )  # fmt: skip
     if first is None:
-        _divergence.compare(records, [], 0, "call", 1.0, "t", 1)
+        _divergence.compare(records, [], 0, "call", 1.0, {})
         return
     with pytest.raises(meshkit.DivergenceError) as info:
-        _divergence.compare(records, [], 0, "call", 1.0, "t", 1)
+        _divergence.compare(records, [], 0, "call", 1.0, {})
     groups: dict[tuple, list[int]] = {}
     for p, lv in enumerate(per_process):
         groups.setdefault((tuple(lv[first][0]), np.dtype(lv[first][1])), []).append(p)

@@ -177,12 +177,14 @@ def test_process_slice_on_a_real_mesh():
         (
             ("data _ _", (8, 2)),
             {},
-            r"spec P\('data', None, None\) has 3 entries but the global shape \(8, 2\) has 2",
+            r"spec P\('data', None, None\), global shape \(8, 2\): the spec has 3 entries but the "
+            r"array has 2 dimensions",
         ),
         (
             ("data", (6,)),
             {},
-            r"dimension 0 of the global shape \(6,\) has size 6, which the mesh axes \('data',\) \(together 4 ways\) cannot split evenly",
+            r"global shape \(6,\): dimension 0 \(size 6\) is split over the mesh axis 'data' "
+            r"\(size 4\), and 6 is not a multiple of 4",
         ),
         (
             ("data", (8,)),

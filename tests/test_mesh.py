@@ -98,7 +98,7 @@ def test_product_not_device_count():
     assert "axes={'data': 3} multiply to 3, but the program has 8 devices" in msg
     assert "a mesh must use exactly the devices it is given (no silent subset)" in msg
     assert "Consider using -1 for one axis to fill the remaining devices (e.g. {'data': -1})" in msg
-    assert "or pass\ndevices= with the 3 devices you mean to use" in msg
+    assert "or pass devices= with the 3 devices you mean to use" in msg
 
 
 def test_product_larger_than_device_count():

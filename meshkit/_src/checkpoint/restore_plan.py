@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError
-from ..sharding.specs import SpecLike, as_partition_spec, dim_axes, spec_axes
+from ..sharding.specs import SpecLike, as_partition_spec, layout_problem
 
 
 @dataclass(frozen=True)
@@ -47,55 +47,6 @@ def describe_mesh(axes: Mapping[str, int]) -> str:
     """``{'data': 2, 'model': 4} (8 devices)``."""
     inner = ", ".join(f"{n!r}: {s}" for n, s in axes.items())
     return f"{{{inner}}} ({math.prod(axes.values())} devices)"
-
-
-def layout_problem(
-    shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
-) -> tuple[str, str] | None:
-    """Why ``partition`` cannot lay out ``shape`` on ``axes``: (rule, "Consider ..."), or None."""
-    shape = tuple(int(n) for n in shape)
-    if len(partition) > len(shape):
-        return (
-            f"the spec has {len(partition)} entries but the array has {len(shape)} "
-            f"dimension{'s' if len(shape) != 1 else ''}",
-            "Consider a spec with at most one entry per dimension ('' or P() for a scalar).",
-        )
-    names = spec_axes(partition)
-    for i, name in enumerate(names):
-        if name not in axes:
-            have = ", ".join(repr(a) for a in axes)
-            return (
-                f"the spec names the mesh axis {name!r}, which the mesh does not have (its axes: "
-                f"{have})",
-                f"Consider a spec over the mesh's axes, or a mesh with an axis {name!r}.",
-            )
-        if name in names[:i]:
-            return (
-                f"the spec uses the mesh axis {name!r} twice; a mesh axis splits at most one "
-                "dimension",
-                "Consider naming each mesh axis once.",
-            )
-    for dim, (size, split_by) in enumerate(
-        zip(shape, dim_axes(partition, len(shape)), strict=True)
-    ):
-        ways = math.prod(axes[a] for a in split_by)
-        if size % ways:
-            ds = [str(d) for d in range(1, size + 1) if size % d == 0]
-            fits = ", ".join(ds[:-1]) + (" or " if len(ds) > 1 else "") + ds[-1]
-            over = (
-                f"the mesh axis {split_by[0]!r} (size {ways})"
-                if len(split_by) == 1
-                else f"the mesh axes {split_by} ({' x '.join(str(axes[a]) for a in split_by)} "
-                f"= {ways})"
-            )
-            return (
-                f"dimension {dim} (size {size}) is split over {over}, and {size} is not a "
-                f"multiple of {ways}: every device must hold an equal block",
-                f"Consider a mesh whose axes splitting dimension {dim} have sizes multiplying to "
-                f"{fits}, or a spec that leaves dimension {dim} whole ('_' in "
-                "a spec string, None in a PartitionSpec).",
-            )
-    return None
 
 
 def plan(

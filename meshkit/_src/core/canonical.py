@@ -89,21 +89,18 @@ def value(x: Any, _depth: int = 0) -> str:
     if _depth >= _MAX_DEPTH:
         return _type_name(type(x))
     d = _depth + 1
-    if isinstance(x, tuple | list | set | frozenset):
-        items = sorted(x, key=repr) if isinstance(x, set | frozenset) else list(x)
-        inner = ", ".join(value(i, d) for i in items[:_MAX_ITEMS])
-        if len(items) > _MAX_ITEMS:
-            rest = "".join(value(i, d) for i in items[_MAX_ITEMS:])
-            inner += f", ... {len(items) - _MAX_ITEMS} more #{_digest(rest.encode())}"
-        name = type(x).__name__ if type(x) in (tuple, list, set, frozenset) else _type_name(type(x))
-        return f"{name}({inner})"
-    if isinstance(x, dict):
-        keys = sorted(x, key=repr)
-        inner = ", ".join(f"{value(k, d)}: {value(x[k], d)}" for k in keys[:_MAX_ITEMS])
-        if len(keys) > _MAX_ITEMS:
-            inner += f", ... {len(keys) - _MAX_ITEMS} more"
-        name = "dict" if type(x) is dict else _type_name(type(x))
-        return f"{name}{{{inner}}}"
+    if isinstance(x, tuple | list | set | frozenset | dict):
+        if isinstance(x, dict):
+            texts = [f"{value(k, d)}: {value(x[k], d)}" for k in sorted(x, key=repr)]
+        else:
+            items = sorted(x, key=repr) if isinstance(x, set | frozenset) else x
+            texts = [value(i, d) for i in items]
+        inner = ", ".join(texts[:_MAX_ITEMS])
+        if len(texts) > _MAX_ITEMS:
+            rest = _digest("".join(texts[_MAX_ITEMS:]).encode())
+            inner += f", ... {len(texts) - _MAX_ITEMS} more #{rest}"
+        name = _type_name(type(x))
+        return f"{name}{{{inner}}}" if isinstance(x, dict) else f"{name}({inner})"
     if dataclasses.is_dataclass(x):
         shown = [f.name for f in dataclasses.fields(x) if f.repr]
         inner = ", ".join(f"{name}={value(getattr(x, name, None), d)}" for name in shown)

@@ -186,10 +186,11 @@ def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
     return Diagnosis(kind, system, str(fields.get("error") or ""), process)
 
 
-def explain(diagnosis: Diagnosis, who: str = "this process") -> str:
+def explain(diagnosis: Diagnosis) -> str:
     """What usually causes ``diagnosis``, and what to run next (several lines, no newline)."""
     what = (
-        f"a timeout of {diagnosis.system}: {who} waited for another process that never joined"
+        f"a timeout of {diagnosis.system}: this process waited for another process that never "
+        "joined"
         if diagnosis.kind == "timeout"
         else f"reported by {diagnosis.system}: another process of the program (or the "
         "coordination service, which process 0 hosts) is gone"

@@ -60,11 +60,11 @@ def logger(concept: str) -> logging.Logger:
     return logging.getLogger(f"{ROOT}.{concept}")
 
 
-def say(log: logging.Logger, level: int, text: str, *, stacklevel: int = 1) -> None:
+def say(log: logging.Logger, level: int, text: str) -> None:
     """Log ``text`` (one trailing newline dropped: the handler adds it); never raises."""
     with contextlib.suppress(Exception):
         _first_message()
-        log.log(level, text.removesuffix("\n"), stacklevel=stacklevel + 1)
+        log.log(level, text.removesuffix("\n"), stacklevel=2)  # the record names our caller
 
 
 def flush() -> None:

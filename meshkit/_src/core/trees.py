@@ -1,4 +1,4 @@
-"""Pytree prefixes: where one stops being a prefix of another, and its entry per leaf.
+"""Pytree prefixes: where one stops being a prefix of another, its entry per leaf, nodes in words.
 
 Asked before `jax.tree_util` would raise, so that messages name the place in meshkit's words.
 """
@@ -17,12 +17,41 @@ def one_level(x: Any) -> tuple[list[tuple[Any, Any]], Any]:
     return [(path[0] if path else None, child) for path, child in with_path], treedef
 
 
-def _describe(x: Any) -> str:
+def is_leaf_def(treedef: Any) -> bool:
+    """Whether a one-level treedef (see `one_level`) is a leaf's (None and {} are nodes)."""
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _type_name(x: Any) -> str:
+    module = type(x).__module__
+    name = type(x).__qualname__
+    if module.startswith("flax.nnx"):
+        return f"nnx.{name}"
+    if isinstance(x, jax.Array):
+        return "jax.Array"
+    if module == "numpy" and name == "ndarray":
+        return "numpy array"
+    return name
+
+
+def describe_node(x: Any, keys: list[Any] | None = None) -> str:
+    """``x`` in a few words: its type, and its keys or length where it has them."""
+    if x is None:
+        return "None"
+    name = _type_name(x)
+    article = "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
+    head = f"{article} {name}"
+    if keys is None and isinstance(x, Mapping):
+        keys = list(x)
+    if keys is not None:
+        return f"{head} with keys {{{', '.join(sorted(map(repr, keys)))}}}"
     if isinstance(x, tuple | list):
-        return f"a {type(x).__name__} of length {len(x)}"
-    if isinstance(x, Mapping):
-        return f"a {type(x).__name__} with keys {sorted(map(str, x))}"
-    return f"a {type(x).__name__}"
+        return f"{head} of length {len(x)}"
+    children, treedef = one_level(x)
+    if is_leaf_def(treedef):
+        shape = getattr(x, "shape", None)
+        return f"{head} of shape {tuple(shape)}" if shape is not None else f"{head} (a leaf)"
+    return f"{head} with {len(children)} children"
 
 
 def prefix_mismatch(
@@ -34,7 +63,7 @@ def prefix_mismatch(
     children, treedef = one_level(prefix)
     full_children, full_def = one_level(full)
     if treedef != full_def:
-        return jax.tree_util.keystr(path), _describe(prefix), _describe(full)
+        return jax.tree_util.keystr(path), describe_node(prefix), describe_node(full)
     for (key, child), (_, full_child) in zip(children, full_children, strict=True):
         found = prefix_mismatch(child, full_child, is_leaf=is_leaf, path=(*path, key))
         if found is not None:

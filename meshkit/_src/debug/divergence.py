@@ -8,12 +8,13 @@ remember.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -74,13 +75,14 @@ def enabled() -> bool:
     return state.settings is not None
 
 
-class Site(Protocol):
-    """An SPMD entry as the check reads it (`meshkit._src.runtime.dispatch.CallSite`)."""
+@dataclass(eq=False)
+class CallSite:
+    """One SPMD entry point a program created (a `meshkit.spmd` function, a multihost_utils one)."""
 
     kind: str
     name: str
-    calls: int
-    info: dict[str, Any]
+    calls: int = 0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # Array leaves described before (a steady loop describes the same ones every call).
@@ -114,7 +116,7 @@ def _describe_leaf(x: Any, ragged: bool) -> str:
     return text
 
 
-def fingerprint(site: Site, args: tuple[Any, ...], count: int) -> dict[str, Any]:
+def fingerprint(site: CallSite, args: tuple[Any, ...], count: int) -> dict[str, Any]:
     ragged = bool(site.info.get("ragged"))
     flat, treedef = jax.tree_util.tree_flatten(args)
     layout = _layout_of(site, args, treedef)
@@ -151,7 +153,7 @@ _LAYOUTS_KEY = "debug layouts"  # in CallSite.info: treedef -> _ArgLayout
 _MAX_LAYOUTS = 64  # per call site
 
 
-def _layout_of(site: Site, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
+def _layout_of(site: CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayout:
     layouts: _caches.Cache[Any, _ArgLayout] | None = site.info.get(_LAYOUTS_KEY)
     if layouts is None:  # the site's first call in debug mode
         layouts = site.info[_LAYOUTS_KEY] = _caches.Cache(maxsize=_MAX_LAYOUTS)
@@ -180,7 +182,7 @@ def _static_repr(x: Any) -> str:
     return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
 
 
-def check(site: Site, args: tuple[Any, ...]) -> None:
+def check(site: CallSite, args: tuple[Any, ...]) -> None:
     """Agree on this call's fingerprint with the other processes (debug mode on); raise if not."""
     settings = state.settings
     if settings is None:
@@ -209,7 +211,7 @@ def check(site: Site, args: tuple[Any, ...]) -> None:
     if not outcome.agreed:
         records = {p: json.loads(v) for p, v in outcome.records.items()}
         records.setdefault(me, record)
-        compare(records, list(outcome.missing), me, label, timeout, tag, count, last=last)
+        compare(records, list(outcome.missing), me, label, timeout, last)
     _watchdog.note_progress()
 
 
@@ -219,25 +221,20 @@ def compare(
     me: int,
     label: str,
     timeout: float,
-    tag: str,
-    count: int,
-    last: dict[str, Any] | None = None,
+    last: dict[str, Any],
 ) -> None:
-    """Raise a `DivergenceError` if ``records`` (per process) differ, or some are missing or left.
-
-    ``last``: this process's previous fingerprint under ``tag`` (default: the last one made).
-    """
+    """Raise a `DivergenceError` if ``records`` differ, or some are missing or left."""
     mine = records[me]
     left = {p: r for p, r in records.items() if r.get("status") != "call"}
     problems = [f"process {p} {_left_text(r)}" for p, r in sorted(left.items())]
     for p in missing:
-        problems.append(f"{_missing.did_not([p], timeout=timeout)} ({last_text(tag, p, last)})")
+        problems.append(f"{_missing.did_not([p], timeout=timeout)} ({last_text(last)})")
     if problems:
         here = _missing.processes(sorted(p for p in records if p not in left)).capitalize()
         raise DivergenceError(
             f"meshkit debug: {label} ({mine['entry'].split()[0]} at {mine['where']}): "
             f"{'; '.join(problems)}.\n{here} made this call (SPMD call "
-            f"#{mine.get('count', count)} of the process in all).\n"
+            f"#{mine['count']} of the process in all).\n"
             "Every process must make the same meshkit calls in the same order; consider the "
             "missing processes' output (a crash, an early exit, a different branch or a stall).",
             processes=sorted(set(missing) | set(left)),
@@ -314,9 +311,8 @@ def _left_text(record: dict[str, Any]) -> str:
     return f"left ({status}) after {last}"
 
 
-def last_text(tag: str, process: int, last: dict[str, Any] | None = None) -> str:
-    """What ``process`` last did: the previous call of ``tag`` (``last``), made by all."""
-    record = last if last is not None else state.previous.get(tag)
+def last_text(record: dict[str, Any] | None) -> str:
+    """What a missing process last did: ``record``, the previous call that all processes made."""
     if not record:
         return "it made no meshkit call checked in debug mode"
     ago = time.time() - float(record.get("time", time.time()))

@@ -1,7 +1,7 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
 On: the stall watchdog runs and this process tells the others when it leaves. Nothing happens
-at import: `meshkit.init` and the first SPMD call read ``MESHKIT_DEBUG`` (`from_environment`).
+at import: `meshkit.init` and the first SPMD call run `enable_from_environment`.
 """
 
 from __future__ import annotations
@@ -130,9 +130,6 @@ def enable_from_environment() -> None:
     """
     if not enabled() and _env.flag(ENV_DEBUG, on="debug mode on", blank=False):
         enable()
-
-
-from_environment = enable_from_environment  # at `meshkit.init` and the first SPMD call
 
 
 def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> float:

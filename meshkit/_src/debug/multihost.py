@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..coord import agree as _agree
@@ -28,16 +27,6 @@ _MODULE = "jax.experimental.multihost_utils"  # imported at the first call, not 
 _jax = functools.partial(importlib.import_module, _MODULE)
 
 
-@dataclass(eq=False)
-class _Site:
-    """A function of multihost_utils as an SPMD entry (what `.divergence.Site` reads)."""
-
-    name: str
-    kind: str = "multihost_utils"
-    calls: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-
-
 def _check(name: str, params: tuple[str, ...], values: tuple[Any, ...], static: int = -1) -> None:
     """Check this call of ``name`` against the other processes' while debug mode is on."""
     if _divergence.state.settings is None or not _channel.paired():
@@ -45,7 +34,8 @@ def _check(name: str, params: tuple[str, ...], values: tuple[Any, ...], static: 
     site = _divergence.state.sites.get(name)
     if site is None:  # numbered from the call debug mode was turned on
         info = {"params": params, "static_argnums": () if static < 0 else (static,)}
-        site = _divergence.state.sites[name] = _Site(f"{_MODULE}.{name}", info=info)
+        site = _divergence.CallSite("multihost_utils", f"{_MODULE}.{name}", info=info)
+        _divergence.state.sites[name] = site
     site.calls += 1
     _divergence.check(site, values)
 
@@ -122,10 +112,8 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
             "this barrier.\nConsider a longer timeout, or what delayed this process."
         )
     tag = "debug" if _channel.current() is None else _channel.scoped("debug", "")
-    detail = "; ".join(
-        f"process {p} ({_divergence.last_text(tag, p) if on else 'no debug record'})"
-        for p in outcome.missing
-    )
+    last = _divergence.last_text(_divergence.state.previous.get(tag)) if on else "no debug record"
+    detail = "; ".join(f"process {p} ({last})" for p in outcome.missing)
     raise MeshkitError(
         f"{what}: {_missing.did_not(list(outcome.missing), timeout=timeout)} (use #{use} of this "
         f"barrier); this process (process {me}) did.\nMissing: {detail}.\n"

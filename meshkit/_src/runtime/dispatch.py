@@ -12,23 +12,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import events as _events
 from ..debug import divergence as _debug_check
 from ..debug import mode as _debug_mode
+from ..debug.divergence import CallSite as CallSite
 from . import init as _runtime
-
-
-@dataclass(eq=False)
-class CallSite:
-    """One SPMD entry point a program created (for example one `meshkit.spmd` function)."""
-
-    kind: str
-    name: str
-    calls: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def param_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
@@ -66,7 +56,7 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     named = site.name.startswith("meshkit.")
     _runtime.check_joined(site.name if named else f"meshkit.{site.kind}({site.name})")
     _events.mark("running")  # under `meshkit launch`: this rank got past joining
-    _debug_mode.from_environment()
+    _debug_mode.enable_from_environment()
 
 
 _observers: list[Observer] = [_first_call_step]

@@ -350,7 +350,7 @@ def init(
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
     _programs.install(info.num_processes)
-    _debug_mode.from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
+    _debug_mode.enable_from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
     return info
 
 

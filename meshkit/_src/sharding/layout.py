@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.frames import public
-from .specs import SpecLike, check_spec_for_mesh, dim_axes
+from .specs import SpecLike, check_spec_for_mesh, dim_axes, layout_problem
 
 Interval = tuple[int, int]
 Block = tuple[Interval, ...]
@@ -53,10 +53,7 @@ class Plan:
 
 
 def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
-    """Each device's block under NamedSharding(mesh, partition), from the mesh grid alone.
-
-    Reads only ``mesh.devices`` and the axis names, so test doubles of devices work too.
-    """
+    """Each device's block under NamedSharding(mesh, partition), from the grid (doubles work)."""
     names = list(mesh.axis_names)
     grid = np.asarray(mesh.devices, dtype=object)
     sizes = dict(zip(names, grid.shape, strict=True))
@@ -287,27 +284,17 @@ def process_slice(
     if any(s < 0 for s in shape):
         raise MeshkitError(f"{what}: global_shape {shape} has a negative size.")
     partition = check_spec_for_mesh(spec, mesh, f"{what}: spec")
-    if len(partition) > len(shape):
-        raise MeshkitError(
-            f"{what}: the spec {partition} has {len(partition)} entries but the global shape "
-            f"{shape} has {len(shape)} dimensions.\nConsider one entry per dimension at most."
-        )
-    sharding = NamedSharding(mesh, partition)
-    for d, (size, n) in enumerate(zip(shape, block_counts(sharding, len(shape)), strict=True)):
-        if size % n:
-            raise MeshkitError(
-                f"{what}: dimension {d} of the global shape {shape} has size {size}, which the "
-                f"mesh axes {dim_axes(partition, len(shape))[d]} (together {n} ways) cannot "
-                f"split evenly.\nConsider a size divisible by {n}, or a spec that does not split "
-                f"dimension {d}."
-            )
+    found = layout_problem(shape, partition, dict(mesh.shape))
+    if found is not None:
+        rule, fix = found
+        raise MeshkitError(f"{what}: spec {partition}, global shape {shape}: {rule}.\n{fix}")
     processes = sorted({int(d.process_index) for d in mesh.devices.flat})
     me = jax.process_index() if process is None else process
     if me not in processes:
         raise MeshkitError(
             f"{what}: process={me} holds no device of the mesh; its processes are {processes}."
         )
-    return describe_plan(plan(sharding, shape, me))
+    return describe_plan(plan(NamedSharding(mesh, partition), shape, me))
 
 
 def describe_plan(p: Plan) -> ProcessSlice:

@@ -22,10 +22,6 @@ from ..runtime import hosts as _hosts
 
 AxisTypeLike = AxisType | str
 
-_HOW_TO_FIX_SIZE = """\
-Consider using -1 for one axis to fill the remaining devices (e.g. {{{suggest}}}), or pass
-devices= with the {product} devices you mean to use."""
-
 
 def _axis_type(value: Any, where: str) -> AxisType:
     if isinstance(value, AxisType):
@@ -125,16 +121,16 @@ def resolve_sizes(parsed: list[tuple[str, int]], count: int, given: bool) -> tup
     if known != count:
         first = parsed[0][0]
         suggest = ", ".join(f"{n!r}: {-1 if n == first else s}" for n, s in parsed)
-        if known < count:
-            fix = _HOW_TO_FIX_SIZE.format(suggest=suggest, product=known)
-        else:
-            fix = (
-                f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})."
-            )
+        fix = (
+            f"Consider using -1 for one axis to fill the remaining devices (e.g. {{{suggest}}}), "
+            f"or pass devices= with the {known} devices you mean to use"
+            if known < count
+            else f"Consider sizes whose product is {count}, or -1 for one axis (e.g. {{{suggest}}})"
+        )
         raise MeshkitError(
             f"meshkit.make_mesh: axes={_show(parsed)} multiply to {known}, but {where} {count} "
             f"device{'s' if count != 1 else ''}; a mesh must use exactly the devices it is given "
-            f"(no silent subset).\n{fix}"
+            f"(no silent subset).\n{fix}."
         )
     return tuple(s for _, s in parsed)
 
@@ -169,10 +165,7 @@ def _groups(
 
 
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
-    """The fast domain of each process: its TPU slice on a multi-slice TPU, else its host.
-
-    None when neither is known. `order_devices` keeps inner axes inside one domain.
-    """
+    """Each process's fast domain, its TPU slice (multi-slice) or its host; None: neither known."""
     slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
     if None not in slices.values() and len(set(slices.values())) > 1:
         return {p: ("slice", s) for p, s in slices.items()}
@@ -322,11 +315,8 @@ def describe(mesh: Mesh) -> str:
         f"Mesh {{{axis_desc}}}: {devs.size} device{'s' if devs.size != 1 else ''} on {n_proc} "
         f"process{'es' if n_proc > 1 else ''}{on_hosts}"
     ]
-    types = getattr(mesh, "axis_types", None)
-    if types is not None:
-        lines.append(
-            "axis types: " + ", ".join(f"{n}={t.name}" for n, t in zip(names, types, strict=True))
-        )
+    types = zip(names, mesh.axis_types, strict=True)
+    lines.append("axis types: " + ", ".join(f"{n}={t.name}" for n, t in types))
     lines.append("devices: " + ", ".join(f"{c} x {k}" for k, c in kinds.items()))
     lines.append("")
     rows = [("", [f"{names[-1]}={j}" for j in range(shape[-1])])]  # the column labels first

@@ -12,8 +12,9 @@ name, so flax is never imported. See docs/flax-optax.md.
 from __future__ import annotations
 
 import keyword
+import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from jax.tree_util import DictKey
 from ..core import caches as _caches
 from ..core.errors import MeshkitError
 from ..core.frames import public
-from ..core.trees import one_level
+from ..core.trees import describe_node, is_leaf_def, one_level
 
 SpecLike = PartitionSpec | str
 
@@ -216,6 +217,55 @@ def check_spec_for_mesh(value: SpecLike, mesh: Mesh | AbstractMesh, what: str) -
     return partition
 
 
+def layout_problem(
+    shape: Sequence[int], partition: PartitionSpec, axes: Mapping[str, int]
+) -> tuple[str, str] | None:
+    """Why ``partition`` cannot lay out ``shape`` on ``axes``: (rule, "Consider ..."), or None."""
+    shape = tuple(int(n) for n in shape)
+    if len(partition) > len(shape):
+        return (
+            f"the spec has {len(partition)} entries but the array has {len(shape)} "
+            f"dimension{'s' if len(shape) != 1 else ''}",
+            "Consider a spec with at most one entry per dimension ('' or P() for a scalar).",
+        )
+    names = spec_axes(partition)
+    for i, name in enumerate(names):
+        if name not in axes:
+            have = ", ".join(repr(a) for a in axes)
+            return (
+                f"the spec names the mesh axis {name!r}, which the mesh does not have (its axes: "
+                f"{have})",
+                f"Consider a spec over the mesh's axes, or a mesh with an axis {name!r}.",
+            )
+        if name in names[:i]:
+            return (
+                f"the spec uses the mesh axis {name!r} twice; a mesh axis splits at most one "
+                "dimension",
+                "Consider naming each mesh axis once.",
+            )
+    for dim, (size, split_by) in enumerate(
+        zip(shape, dim_axes(partition, len(shape)), strict=True)
+    ):
+        ways = math.prod(axes[a] for a in split_by)
+        if size % ways:
+            ds = [str(d) for d in range(1, size + 1) if size % d == 0]
+            fits = ", ".join(ds[:-1]) + (" or " if len(ds) > 1 else "") + ds[-1]
+            over = (
+                f"the mesh axis {split_by[0]!r} (size {ways})"
+                if len(split_by) == 1
+                else f"the mesh axes {split_by} ({' x '.join(str(axes[a]) for a in split_by)} "
+                f"= {ways})"
+            )
+            return (
+                f"dimension {dim} (size {size}) is split over {over}, and {size} is not a "
+                f"multiple of {ways}: every device must hold an equal block",
+                f"Consider a mesh whose axes splitting dimension {dim} have sizes multiplying to "
+                f"{fits}, or a spec that leaves dimension {dim} whole ('_' in "
+                "a spec string, None in a PartitionSpec).",
+            )
+    return None
+
+
 def is_spec_leaf(x: Any) -> bool:
     """Leaves of a pytree of specs: PartitionSpecs, strings and None."""
     return x is None or isinstance(x, PartitionSpec | str)
@@ -259,8 +309,6 @@ def _flax_spec(x: Any) -> Any:
 
 def plain_specs(specs: Any) -> Any:
     """``specs`` with flax's boxes (nnx Variables of specs, linen ``Partitioned``) unwrapped."""
-    if is_spec_leaf(specs):
-        return specs
     return jax.tree_util.tree_map(
         lambda x: _flax_spec(x) if _flax_class(x, _FLAX_SPECS) else x,
         specs,
@@ -276,43 +324,6 @@ def has_mapping(specs: Any) -> bool:
     return any(isinstance(x, Mapping) for x in nodes)
 
 
-def _is_leaf(treedef: Any) -> bool:
-    """Whether a one-level treedef (see `one_level`) is a leaf's (None and {} are nodes)."""
-    return treedef.num_nodes == 1 and treedef.num_leaves == 1
-
-
-def _type_name(x: Any) -> str:
-    module = type(x).__module__
-    name = type(x).__qualname__
-    if module.startswith("flax.nnx"):
-        return f"nnx.{name}"
-    if isinstance(x, jax.Array):
-        return "jax.Array"
-    if module == "numpy" and name == "ndarray":
-        return "numpy array"
-    return name
-
-
-def describe_node(x: Any, keys: list[Any] | None = None) -> str:
-    """``x`` in a few words: its type, and its keys or length where it has them."""
-    if x is None:
-        return "None"
-    name = _type_name(x)
-    article = "an" if name[0].lower() in "aeiou" or name.startswith("nnx.") else "a"
-    head = f"{article} {name}"
-    if keys is None and isinstance(x, Mapping):
-        keys = list(x)
-    if keys is not None:
-        return f"{head} with keys {{{', '.join(sorted(map(repr, keys)))}}}"
-    if isinstance(x, tuple | list):
-        return f"{head} of length {len(x)}"
-    children, treedef = one_level(x)
-    if _is_leaf(treedef):
-        shape = getattr(x, "shape", None)
-        return f"{head} of shape {tuple(shape)}" if shape is not None else f"{head} (a leaf)"
-    return f"{head} with {len(children)} children"
-
-
 def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
     """``specs`` rebuilt in ``tree``'s node types, so JAX takes it as a prefix of ``tree``.
 
@@ -322,10 +333,10 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
         return specs
     spec_children, spec_def = one_level(specs)
     keyed = isinstance(specs, Mapping)
-    if not keyed and _is_leaf(spec_def):
+    if not keyed and is_leaf_def(spec_def):
         return specs  # not a spec: the checks of spec leaves name it
     children, treedef = one_level(tree)
-    is_node = tree is not None and not _is_leaf(treedef)
+    is_node = tree is not None and not is_leaf_def(treedef)
     keys = [k.key for k, _ in children if isinstance(k, DictKey)]  # of a dict-like node
     if not is_node or (len(keys) != len(children) if keyed else spec_def != treedef):
         raise SpecTreeError(
@@ -353,7 +364,7 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
     if is_spec_leaf(specs):
         return tree
     spec_children, spec_def = one_level(specs)
-    if _is_leaf(spec_def):
+    if is_leaf_def(spec_def):
         return tree
     children, _ = one_level(tree)
     if isinstance(specs, Mapping):
