@@ -13,7 +13,7 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -494,32 +494,21 @@ def distributed_options(**given: Any) -> dict[str, Any]:
     return options
 
 
-def _parameters(initialize: Callable[..., Any]) -> set[str]:
-    everything = {p for p, _ in DISTRIBUTED_OPTIONS.values()} | {INITIALIZATION}
-    try:
-        parameters = inspect.signature(initialize).parameters
-    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
-        return everything
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return everything  # a wrapper (a test's spy, a framework's) that passes keywords on
-    return set(parameters)
-
-
-def check_supported(
-    options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
-) -> None:
+def check_supported(options: dict[str, int]) -> None:
     """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
-    if initialize is None:
-        initialize, version = jax.distributed.initialize, jax.__version__
-    accepted = _parameters(initialize)
+    try:
+        accepted = inspect.signature(jax.distributed.initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return  # a wrapper (a test's spy, a framework's) that passes keywords on
     by_parameter = {p: (name, variable) for name, (p, variable) in DISTRIBUTED_OPTIONS.items()}
     for parameter in [INITIALIZATION, *options]:
-        if parameter in accepted:
-            continue
-        name, variable = by_parameter.get(parameter, ("timeout", None))
-        origin = _origin(variable) if _env.raw(variable or "") is not None else ""
-        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
-        raise MeshkitError(text)
+        if parameter not in accepted:
+            name, variable = by_parameter.get(parameter, ("timeout", None))
+            origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+            what = {"name": name, "parameter": parameter, "origin": origin}
+            raise MeshkitError(_UNSUPPORTED.format(version=jax.__version__, **what))
 
 
 def _local_cpu_count() -> int | None:
