@@ -76,14 +76,12 @@ _grace: float | None = None  # the exit handlers' seconds; None: fail-fast is of
 
 
 def install(
-    grace: float | None, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
+    grace: float, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
     nudge: Callable[[], None], read: Read | None = None,
 ) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
     global _post_failure, _watch, _read, _grace
     _post_failure, _read, _grace = post, read, grace
-    if grace is None:
-        return
     _watch = _Watch(me, n, poll, wait)
     on_exception = functools.partial(_on_exception, grace)
     _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
@@ -114,7 +112,7 @@ def _on_exception(
         _preemption.end_preempted(notice, why)
         return
     diagnosis = _events.diagnose(text)
-    if diagnosis is not None and _end_with_known_cause(grace):
+    if diagnosis is not None and _end_with_known_cause():
         return
     if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
         _exit.await_end()
@@ -143,32 +141,23 @@ def end_for(error: BaseException, why: str) -> bool:
     return True
 
 
-def _end_with_known_cause(grace: float) -> bool:
-    """End this process with another's failure that caused JAX's error, if posted: True if so."""
-    posted = _peer_failures()
-    if posted is None:
-        return False
-    p, failure = min(posted.failures)
-    assert _watch is not None
-    say(_LOG, logging.ERROR, "meshkit: the error above follows another process's failure.\n")
-    _watch.failed(p, failure)
-    return True
-
-
-def _peer_failures() -> PeerPosts | None:
-    """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`."""
+def _end_with_known_cause() -> bool:
+    """End this process for a posted failure that caused JAX's error (waits for one): True if so."""
     for look in range(2):
         if _watch is None or not _exit.claim():  # the main thread claimed the end before this
-            return None
+            return False
         posted = _watch.poll()
         if isinstance(posted, PeerPosts) and posted.failures:
-            return posted
+            said = "meshkit: the error above follows another process's failure.\n"
+            say(_LOG, logging.ERROR, said)
+            _watch.failed(*min(posted.failures))
+            return True
         try:
             if look == 0 and (_watch.wait is None or not _watch.wait(_POST_WAIT_S)):
-                return None
+                return False
         except Exception:  # the service is gone: no post will come
-            return None
-    return None
+            return False
+    return False
 
 
 def _failure_fields(value: BaseException, diagnosis: _events.Diagnosis | None) -> dict[str, Any]:

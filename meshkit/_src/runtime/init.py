@@ -84,8 +84,11 @@ class RuntimeInfo:
     attempt: int = 0
 
     def __str__(self) -> str:
-        ids = self.local_device_ids
+        ids, hosts = self.local_device_ids, self.hosts
         ids_text = "JAX default (all visible)" if ids is None else ",".join(map(str, ids))
+        hosts_text = "-" if hosts is None else f"{len(hosts)} ({hosts})"
+        if hosts is not None and len(hosts) > 4:
+            hosts_text = f"{len(hosts)} (this process on {hosts.host_of(self.process_id)})"
         rows = [
             ("source", self.source),
             ("reason", self.reason),
@@ -95,17 +98,11 @@ class RuntimeInfo:
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
             ("local devices", ids_text),
             ("cpu collectives", self.cpu_collectives or "-"),
-            ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
+            ("hosts", hosts_text),
             ("attempt", str(self.attempt)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _shown_hosts(hosts: Hosts) -> str:
-    if len(hosts) <= 4:
-        return f"{len(hosts)} ({hosts})"
-    return f"{len(hosts)} (this process on {hosts.host_of(_compat.distributed_state()[1])})"
 
 
 _INFO: RuntimeInfo | None = None
@@ -203,12 +200,10 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
 
 def check_joined(what: str) -> None:
     """Raise if `meshkit launch` started this process as one of several, and it never joined."""
-    if not os.environ.get(ENV_COORDINATOR) or _INFO is not None:
+    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
+    if not os.environ.get(ENV_COORDINATOR) or n == "1" or _INFO is not None:
         return
     if _compat.distributed_state()[0] is not None:  # joined through jax.distributed itself
-        return
-    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
-    if n == "1":
         return
     raise MeshkitError(
         f"{what}: this process was started by meshkit launch as process {pid} of {n} "
@@ -302,7 +297,7 @@ def init(
         1
     """
     global _INFO
-    guards = (_failfast.settings(), _preemption.grace())  # bad settings raise before joining
+    fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -338,11 +333,11 @@ def init(
 
     adopt_program_thread()  # the program's thread, wherever it runs (Ray Train: a worker's)
     _compile_cache.enable(compilation_cache)  # before anything compiles
-    if guards[0] is not None and _compat.distributed_state()[0] is None:
+    if fail_fast is not None and _compat.distributed_state()[0] is None:
         # A notice while joining is one too (not if the program joined itself).
-        _preemption.install(None, seconds=guards[1], tell=None, sync=None)
+        _preemption.install(None, seconds=grace, tell=None, sync=None)
     info = _INFO = _join(plan, cpu_devices, float(timeout), options)
-    _guard(info, guards)
+    _guard(info, fail_fast, grace)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
@@ -429,21 +424,21 @@ def _join(
     return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
-def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
+def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
     """Wire fail-fast (its grace; None: off) and preemption (its grace) to coordination."""
-    (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
-    if n > 1:
-        _failfast.install(
-            fail_fast, me, n, post=partial(_failures.post_failure, me),
-            poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
-            nudge=partial(_failures.nudge, me), read=_failures.count_read,
-        )  # fmt: skip
+    me, n = info.process_id, info.num_processes
     if fail_fast is None:
         return
-    if n > 1:  # the failure watch relays the others' notices
-        _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
-    else:
+    if n == 1:
         _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
+        return
+    _failfast.install(
+        fail_fast, me, n, post=partial(_failures.post_failure, me),
+        poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
+        nudge=partial(_failures.nudge, me), read=_failures.count_read,
+    )  # fmt: skip
+    # The failure watch relays the others' notices.
+    _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
 
 
 def _attempt() -> int:

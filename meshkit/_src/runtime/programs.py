@@ -233,8 +233,6 @@ _TAG = "programs"
 _WHAT = "meshkit (programs compared at compilation)"
 
 _remove: Callable[[], None] | None = None
-
-
 _tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
 
 
@@ -273,10 +271,9 @@ def uninstall() -> None:
 
 
 def _compare(compiling: _compat.Compiling) -> None:
-    if len(compiling.processes()) < 2:
-        return  # this process's devices alone: nothing to pair
-    if not _channel.paired():
-        return  # no order shared with the other processes: not compared (see the docstring)
+    # This process's devices alone: nothing to pair; no order shared with the others: not compared.
+    if len(compiling.processes()) < 2 or not _channel.paired():
+        return
     tag = _channel.scoped(_TAG, _WHAT)
     _tags.add(tag)
     _agree_on(compiling, tag)
