@@ -164,11 +164,9 @@ def ending() -> bool:
 
 
 def claim() -> bool:
-    """Take the one right to end this process (`end` and `now` take it too).
+    """Take the one right to end this process; False: another thread's path ends it already.
 
-    For a path that records why it ends before it ends: whoever claims first is the one whose
-    record stands. False: another thread's path ends this process already (the thread that
-    holds the claim may claim again: its later steps, `end` or `now`, end the process it claimed).
+    Whoever claims first has its record of why it ends stand; that thread may claim again.
     """
     global _claimant
     me = threading.get_ident()
@@ -180,13 +178,10 @@ def claim() -> bool:
     return True
 
 
-def await_end(limit: float = 30.0) -> None:
-    """In a thread that lost `claim`: wait (at most ``limit`` s) for the claiming path to exit.
-
-    The interpreter's own exit must not start while another path ends the process.
-    """
+def await_end() -> None:
+    """Wait (30 s at most) for the path that holds `claim` to exit: Python's exit must not start."""
     if _ending.locked():
-        time.sleep(limit)
+        time.sleep(30.0)
 
 
 def end(status: int, *, grace: float, announce: str = "", late: str = "",

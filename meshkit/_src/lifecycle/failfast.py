@@ -95,8 +95,7 @@ def install(
 def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     """Before the traceback is printed: claim the end, or leave it to the path that has it.
 
-    A peer's failure read by the watch a moment earlier ends this process with its own record;
-    the error here is its echo, so its traceback must not follow.
+    A peer's failure, read a moment earlier, ends this process: this error is its echo.
     """
     if not _exit.claim():
         _exit.await_end()
@@ -190,14 +189,14 @@ def _end(failure: str, why: str, grace: float) -> None:
 
 def _post(failure: str) -> None:
     _, me, n = _compat.distributed_state()
-    if _post_failure is not None and n > 1:
-        try:
-            _post_failure(failure)
-        except Exception:  # the service may be gone already: nothing to tell
-            pass
-        else:
-            if me == 0:  # it hosts the coordination service: let the others read it
-                _wait_until_read(n)
+    if _post_failure is None or n == 1:
+        return
+    try:
+        _post_failure(failure)
+    except Exception:  # the service may be gone already: nothing to tell
+        return
+    if me == 0:  # it hosts the coordination service: let the others read it
+        _wait_until_read(n)
 
 
 def _wait_until_read(n: int) -> None:
@@ -246,13 +245,6 @@ class _Watch:
             woken = True
         if not woken:
             return True
-        going_on = self.check()
-        if self.lost:
-            time.sleep(poll_period(self.n))  # two reads, a period apart, before it counts
-        return going_on
-
-    def check(self) -> bool:
-        """Read the posts once and act on them; False once this process is no longer joined."""
         if _exit.ending():
             return False
         posted = self.poll()
@@ -260,6 +252,8 @@ class _Watch:
             self.lost = self.lost + 1 if posted.lost else 0
             if self.lost >= _LOST_AFTER:
                 self._lost(posted.error)
+            elif self.lost:
+                time.sleep(poll_period(self.n))  # two reads, a period apart, before it counts
             return True
         self.lost = 0
         if posted is None:
