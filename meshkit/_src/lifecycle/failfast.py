@@ -211,18 +211,16 @@ def _wait_until_read(n: int) -> None:
     _until(all_read, _READ_S)
 
 
-def _until(done: Callable[[], bool | None], seconds: float) -> bool | None:
-    """Ask ``done`` every 50 ms for at most ``seconds``: True once it says so, False at the end."""
+def _until(done: Callable[[], bool], seconds: float) -> None:
+    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            answer = done()
+            if done():
+                return
         except Exception:  # the service failed: nobody answers any more
-            return None
-        if answer is None or answer:
-            return answer
+            return
         time.sleep(0.05)
-    return False
 
 
 def poll_period(n: int) -> float:
@@ -287,12 +285,12 @@ class _Watch:
     def _outlive(self, p: int) -> None:
         """Until process ``p`` posted its failure (its last step before it exits), then a margin."""
 
-        def posted() -> bool | None:
+        def posted() -> bool:  # or the posts cannot be read
             posts = self.poll()
-            return any(q == p for q, _ in posts.failures) if isinstance(posts, PeerPosts) else None
+            return not isinstance(posts, PeerPosts) or any(q == p for q, _ in posts.failures)
 
-        if _until(posted, _READ_S) is not None:
-            time.sleep(_EXIT_MARGIN_S)
+        _until(posted, _READ_S)
+        time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()

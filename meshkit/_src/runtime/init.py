@@ -134,13 +134,14 @@ def _whole(name: str, value: int | None, least: int = 1) -> int | None:
     return value
 
 
-def _detect_cluster() -> type | None:
+def _detected_cluster() -> str | None:
+    """The name of JAX's cluster detector that finds its environment, if any."""
     for env in _compat.cluster_envs():
         if getattr(env, "opt_in_only_method", False):
             continue
         with contextlib.suppress(Exception):  # a detector that cannot run has not detected
             if env.is_env_present():
-                return env
+                return env.__name__
     return None
 
 
@@ -152,8 +153,7 @@ def _launched() -> tuple[int | None, int | None]:
 def _plan(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
     if address is not None or num_processes is not None or process_id is not None:
-        n = 1 if num_processes is None else num_processes
-        pid = 0 if process_id is None else process_id
+        n, pid = num_processes or 1, process_id or 0  # both checked: None or in range
         started, rank = _launched() if os.environ.get(ENV_COORDINATOR) else (None, None)
         if started is not None and (n, pid) != (started, rank):
             raise MeshkitError(
@@ -183,8 +183,7 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
             )
         _ports.split_address(address)
         return RuntimeInfo("meshkit launch", f"{ENV_COORDINATOR}={address} is set", n, pid, address)
-    cluster = _detect_cluster()
-    name = cluster and cluster.__name__
+    name = _detected_cluster()
     engine = _env.read_engine(os.environ, jax_detects=name)
     if engine is not None:
         reason = f"{engine.engine} found: {engine.found}"
