@@ -356,7 +356,14 @@ def _join(
     if client is not None:  # joined elsewhere (the program, Ray, an engine): adopt the join
         if joined_n > 1 and not _compat.backends_are_initialized():
             _select_gloo()
-        info = dataclasses.replace(
+        if options:
+            warnings.warn(
+                f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
+                "before meshkit.init(), and JAX takes it only when joining; pass it to that "
+                "jax.distributed.initialize() call.",
+                stacklevel=4,
+            )
+        return dataclasses.replace(
             plan,
             source="jax.distributed",
             reason="jax.distributed.initialize() was called before meshkit.init()",
@@ -365,14 +372,6 @@ def _join(
             cpu_devices=cpu_devices,
             cpu_collectives=_collectives() if joined_n > 1 else None,
         )
-        if options:
-            warnings.warn(
-                f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
-                "before meshkit.init(), and JAX takes it only when joining; pass it to that "
-                "jax.distributed.initialize() call.",
-                stacklevel=4,
-            )
-        return info
 
     started = _compat.backends_are_initialized()
     joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
@@ -449,10 +448,10 @@ def _attempt() -> int:
     return 0
 
 
-# meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
+# jax.distributed.initialize's parameter -> (meshkit's name, environment variable).
 DISTRIBUTED_OPTIONS = {
-    "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
-    "shutdown_timeout": ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT),
+    "heartbeat_timeout_seconds": ("heartbeat_timeout", ENV_HEARTBEAT_TIMEOUT),
+    "shutdown_timeout_seconds": ("shutdown_timeout", ENV_SHUTDOWN_TIMEOUT),
 }
 INITIALIZATION = "initialization_timeout"
 _BAD_VALUE = """\
@@ -475,7 +474,7 @@ def _origin(variable: str | None) -> str:
 def distributed_options(**given: Any) -> dict[str, Any]:
     """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``."""
     options = {}
-    for name, (parameter, variable) in DISTRIBUTED_OPTIONS.items():
+    for parameter, (name, variable) in DISTRIBUTED_OPTIONS.items():
         value, origin = given.get(name), None
         if value is None:
             value, origin = _env.integer(variable, where=_WHERE), variable
@@ -496,10 +495,9 @@ def check_supported(options: dict[str, int]) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         return  # a wrapper (a test's spy, a framework's) that passes keywords on
-    by_parameter = {p: (name, variable) for name, (p, variable) in DISTRIBUTED_OPTIONS.items()}
     for parameter in [INITIALIZATION, *options]:
         if parameter not in accepted:
-            name, variable = by_parameter.get(parameter, ("timeout", None))
+            name, variable = DISTRIBUTED_OPTIONS.get(parameter, ("timeout", None))
             origin = _origin(variable) if _env.raw(variable or "") is not None else ""
             what = {"name": name, "parameter": parameter, "origin": origin}
             raise MeshkitError(_UNSUPPORTED.format(version=jax.__version__, **what))

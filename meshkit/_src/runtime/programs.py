@@ -236,11 +236,11 @@ _remove: Callable[[], None] | None = None
 _tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
 
 
-def install(num_processes: int) -> bool:
+def install(num_processes: int) -> None:
     """Compare the processes' programs at every compilation from now on (at `meshkit.init`)."""
     global _remove
     if num_processes < 2 or not _env.flag(ENV_PROGRAM_CHECK, where="meshkit.init()", blank=True):
-        return False
+        return
     if _remove is None:
         _remove = _compat.on_compile(_compare)
         _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
@@ -255,7 +255,6 @@ def install(num_processes: int) -> bool:
                 "calls.",
                 stacklevel=3,
             )
-    return _remove is not None
 
 
 def installed() -> bool:
