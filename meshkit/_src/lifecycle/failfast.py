@@ -9,7 +9,6 @@ held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it of
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 import traceback
@@ -72,7 +71,7 @@ Read = Callable[[int], int]
 _post_failure: Post | None = None
 _read: Read | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
-_grace: float | None = None  # the exit handlers' seconds; None: fail-fast is off
+_grace = _DEFAULT_GRACE_S  # the exit handlers' seconds when a failure ends this process
 
 
 def install(
@@ -83,9 +82,8 @@ def install(
     global _post_failure, _watch, _read, _grace
     _post_failure, _read, _grace = post, read, grace
     _watch = _Watch(me, n, poll, wait)
-    on_exception = functools.partial(_on_exception, grace)
     _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
-    _exit.on_exception("fail-fast: end the process", on_exception, order=_exit.REPORT)
+    _exit.on_exception("fail-fast: end the process", _on_exception, order=_exit.REPORT)
     _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
@@ -102,7 +100,7 @@ def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackTyp
 
 
 def _on_exception(
-    grace: float, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
 ) -> None:
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
@@ -119,7 +117,7 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _events.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run")
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -130,13 +128,13 @@ def peer_failed(p: int, failure: str) -> None:
 
 def end_for(error: BaseException, why: str) -> bool:
     """End this process for ``error``, found beside a caller that cannot return; False if off."""
-    if _grace is None or _exit.ending():
+    if _watch is None or _exit.ending():  # fail-fast is off, or the process ends already
         return False
     if _exit.claim():  # else another path ends this process
         say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
         _events.emit(_events.FAILED, **_failure_fields(error, None))
         first = (str(error).splitlines() or [""])[0][:300]
-        _end(f"{type(error).__name__}: {first}", "this process cannot go on", _grace)
+        _end(f"{type(error).__name__}: {first}", "this process cannot go on")
     return True
 
 
@@ -174,17 +172,17 @@ def _failure_fields(value: BaseException, diagnosis: _events.Diagnosis | None) -
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with status 1."""
+def _end(failure: str, why: str) -> None:
+    """Run the exit handlers for at most `_grace` s, post ``failure``, exit with status 1."""
     announce = (
-        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+        f"meshkit: {why}; running exit handlers (at most {_grace:g} s), then exiting without "
         f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
     )
     late = (
-        f"meshkit: exit handlers still running after {grace:g} s; exiting now "
+        f"meshkit: exit handlers still running after {_grace:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
-    _exit.end(1, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
+    _exit.end(1, grace=_grace, announce=announce, late=late, final=lambda: _post(failure))
 
 
 def _post(failure: str) -> None:
