@@ -182,10 +182,10 @@ def _events_of(directory):
 def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch):
     monkeypatch.setattr(_failfast, "_end", lambda *a, **k: None)
     monkeypatch.setattr(_exit, "claim", lambda: True)  # each call may end this process
-    _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)
+    _failfast._on_exception(ValueError, ValueError("bad batch"), None)
     text = "Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out"
-    _failfast._on_exception(1.0, RuntimeError, RuntimeError(text), None)
-    _failfast._on_exception(1.0, RuntimeError, RuntimeError("UNAVAILABLE: Socket closed"), None)
+    _failfast._on_exception(RuntimeError, RuntimeError(text), None)
+    _failfast._on_exception(RuntimeError, RuntimeError("UNAVAILABLE: Socket closed"), None)
     assert _events_of(status) == [
         ("failed", {"cause": "exception", "error": "ValueError", "where": ""}),  # never raised
         (
@@ -231,8 +231,8 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     service.join()
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
     _failfast._claim_end(RuntimeError, RuntimeError(gone), None)  # before the traceback
-    _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)
-    _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)
+    _failfast._on_exception(RuntimeError, RuntimeError(gone), None)
+    _failfast._on_exception(ValueError, ValueError("bad batch"), None)
     assert _events_of(status) == [
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "RuntimeError"}),
     ]
@@ -256,7 +256,7 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     # JAX's words at a collective whose peer is gone ("connection closed") follow a failure
     # found first: another process's post.
     ended = []
-    monkeypatch.setattr(_failfast, "_end", lambda failure, why, grace: ended.append((failure, why)))
+    monkeypatch.setattr(_failfast, "_end", lambda failure, why: ended.append((failure, why)))
     monkeypatch.setattr(_exit, "claim", lambda: True)
     monkeypatch.setattr(_exit, "now", lambda status, text="", **k: ended.append((text, status)))
     posts = _failfast.PeerPosts(failures=[(2, "RuntimeError: planted"), (1, "ValueError: x")],
@@ -265,8 +265,8 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     monkeypatch.setattr(_failfast, "_watch", watch)
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
     with caplog.at_level(logging.ERROR, logger="meshkit"):
-        _failfast._on_exception(1.0, RuntimeError, RuntimeError(gone), None)  # process 1's post
-        _failfast._on_exception(1.0, ValueError, ValueError("bad batch"), None)  # its own
+        _failfast._on_exception(RuntimeError, RuntimeError(gone), None)  # process 1's post
+        _failfast._on_exception(ValueError, ValueError("bad batch"), None)  # its own
     said = caplog.text
     assert "meshkit: the error above follows another process's failure." in said
     assert "another process of the program" not in said  # gloo's explanation gave way

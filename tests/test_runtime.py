@@ -81,6 +81,15 @@ def test_single_process_is_a_noop_and_idempotent(tmp_path):
     assert "cpu devices      4" in table
 
 
+def test_the_table_names_few_hosts_and_this_processs_host_among_many():
+    few = meshkit.Hosts(names=("a", "b"), of_process=(0, 1))
+    many = meshkit.Hosts(names=tuple("abcde"), of_process=(0, 1, 2, 3, 4, 4))
+    info = _init_module.RuntimeInfo("arguments", "test", 6, 5, "h:1", hosts=few)
+    assert "hosts            2 (a: process 0; b: process 1)" in str(info).splitlines()
+    info = _init_module.RuntimeInfo("arguments", "test", 6, 5, "h:1", hosts=many)
+    assert "hosts            5 (this process on e)" in str(info).splitlines()
+
+
 def test_cpu_devices_from_environment(tmp_path):
     out = run_py(
         "import meshkit; meshkit.init(); import jax; print(jax.local_device_count())",

@@ -59,7 +59,7 @@ class _Registry:
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
     previous_sigterm: Callable[[int, Any], Any] | None = None  # the program's, chained
-    sigterm_wakeup: int | None = None  # None: SIGTERM not taken yet
+    sigterm_wakeup: int | None = None  # the wake-up fd found (-1: none); None: SIGTERM not taken
     interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
 
 
@@ -92,9 +92,10 @@ def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
 
 def on_sigterm(handler: Callable[[], object]) -> None:
     """Call ``handler`` on SIGTERM (from the service thread while the main thread waits in C)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    service = _running()
     with _lock:
-        if threading.current_thread() is not threading.main_thread():
-            return
         before = signal.getsignal(signal.SIGTERM)
         if callable(before) and not getattr(before, "_meshkit", False):
             _registry.previous_sigterm = before
@@ -107,18 +108,12 @@ def on_sigterm(handler: Callable[[], object]) -> None:
 
         take._meshkit = True  # type: ignore[attr-defined]
         signal.signal(signal.SIGTERM, take)
-        if _registry.sigterm_wakeup is None:
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if _registry.sigterm_wakeup is None:  # Python's C handler writes the signal's number
+            previous = signal.set_wakeup_fd(service.wake_w, warn_on_full_buffer=False)
             if previous != -1:  # the program reads the wake-up fd: leave it its own
                 signal.set_wakeup_fd(previous)
-                os.close(read)
-                os.close(write)
-                read = -1
-            _registry.sigterm_wakeup = read
-    service = _running()
-    service.signals, service.on_sigterm = _registry.sigterm_wakeup, handler
+            _registry.sigterm_wakeup = previous
+    service.on_sigterm = handler
     wake(nudge=False)
 
 
@@ -169,11 +164,9 @@ def ending() -> bool:
 
 
 def claim() -> bool:
-    """Take the one right to end this process (`end` and `now` take it too).
+    """Take the one right to end this process; False: another thread's path ends it already.
 
-    For a path that records why it ends before it ends: whoever claims first is the one whose
-    record stands. False: another thread's path ends this process already (the thread that
-    holds the claim may claim again: its later steps, `end` or `now`, end the process it claimed).
+    Whoever claims first has its record of why it ends stand; that thread may claim again.
     """
     global _claimant
     me = threading.get_ident()
@@ -185,13 +178,10 @@ def claim() -> bool:
     return True
 
 
-def await_end(limit: float = 30.0) -> None:
-    """In a thread that lost `claim`: wait (at most ``limit`` s) for the claiming path to exit.
-
-    The interpreter's own exit must not start while another path ends the process.
-    """
+def await_end() -> None:
+    """Wait (30 s at most) for the path that holds `claim` to exit: Python's exit must not start."""
     if _ending.locked():
-        time.sleep(limit)
+        time.sleep(30.0)
 
 
 def end(status: int, *, grace: float, announce: str = "", late: str = "",
@@ -263,7 +253,6 @@ class _Service(threading.Thread):
         self.outside.set()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
-        self.signals = -1  # SIGTERM's wake-up pipe
         self.on_sigterm: Callable[[], object] | None = None
         self.probes: list[Callable[[], object]] = []
         self.seen: tuple[object, ...] = ()
@@ -287,16 +276,10 @@ class _Service(threading.Thread):
                         self.look = None  # not joined anymore: nothing to watch
                 timeout = 0.0
             self.outside.set()
-            ready = [fd for fd in (self.wake_r, self.signals) if fd >= 0]
-            try:
-                readable, _, _ = select.select(ready, [], [], timeout)
-            except (OSError, ValueError):  # a pipe closed under it: wait on the others
-                readable = []
-            for fd in readable:
-                with contextlib.suppress(OSError):
-                    data = os.read(fd, 256)
-                    if fd == self.signals and signal.SIGTERM in data and self.on_sigterm:
-                        self.on_sigterm()
+            with contextlib.suppress(OSError):  # wake-ups, and signals' numbers (`on_sigterm`)
+                woken = select.select([self.wake_r], [], [], timeout)[0]
+                if woken and signal.SIGTERM in os.read(self.wake_r, 256) and self.on_sigterm:
+                    self.on_sigterm()
             for call in list(self.tending.values()):
                 with contextlib.suppress(Exception):  # one tending call must not stop the rest
                     call()

@@ -9,7 +9,6 @@ held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it of
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 import traceback
@@ -72,22 +71,19 @@ Read = Callable[[int], int]
 _post_failure: Post | None = None
 _read: Read | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
-_grace: float | None = None  # the exit handlers' seconds; None: fail-fast is off
+_grace = _DEFAULT_GRACE_S  # the exit handlers' seconds when a failure ends this process
 
 
 def install(
-    grace: float | None, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
+    grace: float, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
     nudge: Callable[[], None], read: Read | None = None,
 ) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
     global _post_failure, _watch, _read, _grace
     _post_failure, _read, _grace = post, read, grace
-    if grace is None:
-        return
     _watch = _Watch(me, n, poll, wait)
-    on_exception = functools.partial(_on_exception, grace)
     _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
-    _exit.on_exception("fail-fast: end the process", on_exception, order=_exit.REPORT)
+    _exit.on_exception("fail-fast: end the process", _on_exception, order=_exit.REPORT)
     _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
@@ -97,15 +93,14 @@ def install(
 def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     """Before the traceback is printed: claim the end, or leave it to the path that has it.
 
-    A peer's failure read by the watch a moment earlier ends this process with its own record;
-    the error here is its echo, so its traceback must not follow.
+    A peer's failure, read a moment earlier, ends this process: this error is its echo.
     """
     if not _exit.claim():
         _exit.await_end()
 
 
 def _on_exception(
-    grace: float, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
 ) -> None:
     text = f"{kind.__name__}: {value}"
     notice = _preemption.past_deadline()
@@ -114,7 +109,7 @@ def _on_exception(
         _preemption.end_preempted(notice, why)
         return
     diagnosis = _events.diagnose(text)
-    if diagnosis is not None and _end_with_known_cause(grace):
+    if diagnosis is not None and _end_with_known_cause():
         return
     if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
         _exit.await_end()
@@ -122,7 +117,7 @@ def _on_exception(
     if diagnosis is not None:
         say(_LOG, logging.ERROR, _events.explain(diagnosis) + "\n")
     _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run", grace)
+    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run")
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -133,42 +128,33 @@ def peer_failed(p: int, failure: str) -> None:
 
 def end_for(error: BaseException, why: str) -> bool:
     """End this process for ``error``, found beside a caller that cannot return; False if off."""
-    if _grace is None or _exit.ending():
+    if _watch is None or _exit.ending():  # fail-fast is off, or the process ends already
         return False
     if _exit.claim():  # else another path ends this process
         say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
         _events.emit(_events.FAILED, **_failure_fields(error, None))
         first = (str(error).splitlines() or [""])[0][:300]
-        _end(f"{type(error).__name__}: {first}", "this process cannot go on", _grace)
+        _end(f"{type(error).__name__}: {first}", "this process cannot go on")
     return True
 
 
-def _end_with_known_cause(grace: float) -> bool:
-    """End this process with another's failure that caused JAX's error, if posted: True if so."""
-    posted = _peer_failures()
-    if posted is None:
-        return False
-    p, failure = min(posted.failures)
-    assert _watch is not None
-    say(_LOG, logging.ERROR, "meshkit: the error above follows another process's failure.\n")
-    _watch.failed(p, failure)
-    return True
-
-
-def _peer_failures() -> PeerPosts | None:
-    """The others' posts once one names a failure; None if none does within `_POST_WAIT_S`."""
+def _end_with_known_cause() -> bool:
+    """End this process for a posted failure that caused JAX's error (waits for one): True if so."""
     for look in range(2):
         if _watch is None or not _exit.claim():  # the main thread claimed the end before this
-            return None
+            return False
         posted = _watch.poll()
         if isinstance(posted, PeerPosts) and posted.failures:
-            return posted
+            said = "meshkit: the error above follows another process's failure.\n"
+            say(_LOG, logging.ERROR, said)
+            _watch.failed(*min(posted.failures))
+            return True
         try:
             if look == 0 and (_watch.wait is None or not _watch.wait(_POST_WAIT_S)):
-                return None
+                return False
         except Exception:  # the service is gone: no post will come
-            return None
-    return None
+            return False
+    return False
 
 
 def _failure_fields(value: BaseException, diagnosis: _events.Diagnosis | None) -> dict[str, Any]:
@@ -186,29 +172,29 @@ def _failure_fields(value: BaseException, diagnosis: _events.Diagnosis | None) -
             "process": diagnosis.process}  # fmt: skip
 
 
-def _end(failure: str, why: str, grace: float) -> None:
-    """Run the exit handlers for at most ``grace`` s, post ``failure``, exit with status 1."""
+def _end(failure: str, why: str) -> None:
+    """Run the exit handlers for at most `_grace` s, post ``failure``, exit with status 1."""
     announce = (
-        f"meshkit: {why}; running exit handlers (at most {grace:g} s), then exiting without "
+        f"meshkit: {why}; running exit handlers (at most {_grace:g} s), then exiting without "
         f"waiting for the other processes ({ENV_FAIL_FAST}=0 waits).\n"
     )
     late = (
-        f"meshkit: exit handlers still running after {grace:g} s; exiting now "
+        f"meshkit: exit handlers still running after {_grace:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
-    _exit.end(1, grace=grace, announce=announce, late=late, final=lambda: _post(failure))
+    _exit.end(1, grace=_grace, announce=announce, late=late, final=lambda: _post(failure))
 
 
 def _post(failure: str) -> None:
     _, me, n = _compat.distributed_state()
-    if _post_failure is not None and n > 1:
-        try:
-            _post_failure(failure)
-        except Exception:  # the service may be gone already: nothing to tell
-            pass
-        else:
-            if me == 0:  # it hosts the coordination service: let the others read it
-                _wait_until_read(n)
+    if _post_failure is None or n == 1:
+        return
+    try:
+        _post_failure(failure)
+    except Exception:  # the service may be gone already: nothing to tell
+        return
+    if me == 0:  # it hosts the coordination service: let the others read it
+        _wait_until_read(n)
 
 
 def _wait_until_read(n: int) -> None:
@@ -223,18 +209,16 @@ def _wait_until_read(n: int) -> None:
     _until(all_read, _READ_S)
 
 
-def _until(done: Callable[[], bool | None], seconds: float) -> bool | None:
-    """Ask ``done`` every 50 ms for at most ``seconds``: True once it says so, False at the end."""
+def _until(done: Callable[[], bool], seconds: float) -> None:
+    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            answer = done()
+            if done():
+                return
         except Exception:  # the service failed: nobody answers any more
-            return None
-        if answer is None or answer:
-            return answer
+            return
         time.sleep(0.05)
-    return False
 
 
 def poll_period(n: int) -> float:
@@ -257,13 +241,6 @@ class _Watch:
             woken = True
         if not woken:
             return True
-        going_on = self.check()
-        if self.lost:
-            time.sleep(poll_period(self.n))  # two reads, a period apart, before it counts
-        return going_on
-
-    def check(self) -> bool:
-        """Read the posts once and act on them; False once this process is no longer joined."""
         if _exit.ending():
             return False
         posted = self.poll()
@@ -271,6 +248,8 @@ class _Watch:
             self.lost = self.lost + 1 if posted.lost else 0
             if self.lost >= _LOST_AFTER:
                 self._lost(posted.error)
+            elif self.lost:
+                time.sleep(poll_period(self.n))  # two reads, a period apart, before it counts
             return True
         self.lost = 0
         if posted is None:
@@ -304,12 +283,12 @@ class _Watch:
     def _outlive(self, p: int) -> None:
         """Until process ``p`` posted its failure (its last step before it exits), then a margin."""
 
-        def posted() -> bool | None:
+        def posted() -> bool:  # or the posts cannot be read
             posts = self.poll()
-            return any(q == p for q, _ in posts.failures) if isinstance(posts, PeerPosts) else None
+            return not isinstance(posts, PeerPosts) or any(q == p for q, _ in posts.failures)
 
-        if _until(posted, _READ_S) is not None:
-            time.sleep(_EXIT_MARGIN_S)
+        _until(posted, _READ_S)
+        time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:
         notice = _preemption.notice()

@@ -173,11 +173,9 @@ def reached_sync_point(step: int) -> bool:
     """Whether ``step`` is the step at which every process saves after a notice."""
     with _state.lock:
         notice_ = _state.notice
-        while _state.frozen and _state.synced is None and notice_ is not None:
+        if notice_ is not None:  # a step sent: wait for the agreement (until the deadline)
             left = notice_.deadline - time.time()
-            if left <= 0:
-                break
-            _state.changed.wait(left)
+            _state.changed.wait_for(lambda: not _state.frozen or _state.synced is not None, left)
         _state.asked = _state.step = step
         synced = _state.synced
         if synced is None or not synced.agreed or _state.reached:
@@ -238,8 +236,7 @@ def _at_exit() -> None:
 def _end_at_deadline(notice_: PreemptionNotice) -> None:
     """The grace ran out: wait for a save in progress, then end this process (status 143)."""
     with _state.lock:
-        while _state.saves:
-            _state.changed.wait()
+        _state.changed.wait_for(lambda: not _state.saves)
     if _exit.ending():
         return
     if _state.me == 0:

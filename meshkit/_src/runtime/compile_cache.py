@@ -8,6 +8,7 @@ launcher imports this module: JAX is imported where it is used.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import threading
@@ -78,7 +79,6 @@ def enable(directory: str | os.PathLike[str] | None) -> str | None:
 
 _lock = threading.Lock()
 _totals = {"seconds": 0.0, "programs": 0, "hits": 0}  # this process's compilations so far
-_watching = False
 
 
 def totals() -> dict[str, Any]:
@@ -101,12 +101,9 @@ def _on_event(event: str, **_: Any) -> None:
             _totals["hits"] += 1
 
 
+@functools.cache
 def watch() -> None:
     """Count compile time and cache hits from JAX's monitoring events (once per process)."""
-    global _watching
-    if _watching:
-        return
-    _watching = True
     import jax
 
     jax.monitoring.register_event_listener(_on_event)

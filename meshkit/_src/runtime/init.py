@@ -13,7 +13,7 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -84,8 +84,11 @@ class RuntimeInfo:
     attempt: int = 0
 
     def __str__(self) -> str:
-        ids = self.local_device_ids
+        ids, hosts = self.local_device_ids, self.hosts
         ids_text = "JAX default (all visible)" if ids is None else ",".join(map(str, ids))
+        hosts_text = "-" if hosts is None else f"{len(hosts)} ({hosts})"
+        if hosts is not None and len(hosts) > 4:
+            hosts_text = f"{len(hosts)} (this process on {hosts.host_of(self.process_id)})"
         rows = [
             ("source", self.source),
             ("reason", self.reason),
@@ -95,17 +98,11 @@ class RuntimeInfo:
             ("cpu devices", "JAX default" if self.cpu_devices is None else str(self.cpu_devices)),
             ("local devices", ids_text),
             ("cpu collectives", self.cpu_collectives or "-"),
-            ("hosts", "-" if self.hosts is None else _shown_hosts(self.hosts)),
+            ("hosts", hosts_text),
             ("attempt", str(self.attempt)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _shown_hosts(hosts: Hosts) -> str:
-    if len(hosts) <= 4:
-        return f"{len(hosts)} ({hosts})"
-    return f"{len(hosts)} (this process on {hosts.host_of(_compat.distributed_state()[1])})"
 
 
 _INFO: RuntimeInfo | None = None
@@ -137,13 +134,14 @@ def _whole(name: str, value: int | None, least: int = 1) -> int | None:
     return value
 
 
-def _detect_cluster() -> type | None:
+def _detected_cluster() -> str | None:
+    """The name of JAX's cluster detector that finds its environment, if any."""
     for env in _compat.cluster_envs():
         if getattr(env, "opt_in_only_method", False):
             continue
         with contextlib.suppress(Exception):  # a detector that cannot run has not detected
             if env.is_env_present():
-                return env
+                return env.__name__
     return None
 
 
@@ -155,8 +153,7 @@ def _launched() -> tuple[int | None, int | None]:
 def _plan(address: str | None, num_processes: int | None, process_id: int | None) -> RuntimeInfo:
     """Decide how to join, without changing any state."""
     if address is not None or num_processes is not None or process_id is not None:
-        n = 1 if num_processes is None else num_processes
-        pid = 0 if process_id is None else process_id
+        n, pid = num_processes or 1, process_id or 0  # both checked: None or in range
         started, rank = _launched() if os.environ.get(ENV_COORDINATOR) else (None, None)
         if started is not None and (n, pid) != (started, rank):
             raise MeshkitError(
@@ -186,8 +183,7 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
             )
         _ports.split_address(address)
         return RuntimeInfo("meshkit launch", f"{ENV_COORDINATOR}={address} is set", n, pid, address)
-    cluster = _detect_cluster()
-    name = cluster and cluster.__name__
+    name = _detected_cluster()
     engine = _env.read_engine(os.environ, jax_detects=name)
     if engine is not None:
         reason = f"{engine.engine} found: {engine.found}"
@@ -203,12 +199,10 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
 
 def check_joined(what: str) -> None:
     """Raise if `meshkit launch` started this process as one of several, and it never joined."""
-    if not os.environ.get(ENV_COORDINATOR) or _INFO is not None:
+    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
+    if not os.environ.get(ENV_COORDINATOR) or n == "1" or _INFO is not None:
         return
     if _compat.distributed_state()[0] is not None:  # joined through jax.distributed itself
-        return
-    n, pid = os.environ.get(ENV_NUM_PROCESSES, "?"), os.environ.get(ENV_PROCESS_ID, "?")
-    if n == "1":
         return
     raise MeshkitError(
         f"{what}: this process was started by meshkit launch as process {pid} of {n} "
@@ -302,7 +296,7 @@ def init(
         1
     """
     global _INFO
-    guards = (_failfast.settings(), _preemption.grace())  # bad settings raise before joining
+    fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -338,11 +332,11 @@ def init(
 
     adopt_program_thread()  # the program's thread, wherever it runs (Ray Train: a worker's)
     _compile_cache.enable(compilation_cache)  # before anything compiles
-    if guards[0] is not None and _compat.distributed_state()[0] is None:
+    if fail_fast is not None and _compat.distributed_state()[0] is None:
         # A notice while joining is one too (not if the program joined itself).
-        _preemption.install(None, seconds=guards[1], tell=None, sync=None)
+        _preemption.install(None, seconds=grace, tell=None, sync=None)
     info = _INFO = _join(plan, cpu_devices, float(timeout), options)
-    _guard(info, guards)
+    _guard(info, fail_fast, grace)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
@@ -362,7 +356,14 @@ def _join(
     if client is not None:  # joined elsewhere (the program, Ray, an engine): adopt the join
         if joined_n > 1 and not _compat.backends_are_initialized():
             _select_gloo()
-        info = dataclasses.replace(
+        if options:
+            warnings.warn(
+                f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
+                "before meshkit.init(), and JAX takes it only when joining; pass it to that "
+                "jax.distributed.initialize() call.",
+                stacklevel=4,
+            )
+        return dataclasses.replace(
             plan,
             source="jax.distributed",
             reason="jax.distributed.initialize() was called before meshkit.init()",
@@ -371,14 +372,6 @@ def _join(
             cpu_devices=cpu_devices,
             cpu_collectives=_collectives() if joined_n > 1 else None,
         )
-        if options:
-            warnings.warn(
-                f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
-                "before meshkit.init(), and JAX takes it only when joining; pass it to that "
-                "jax.distributed.initialize() call.",
-                stacklevel=4,
-            )
-        return info
 
     started = _compat.backends_are_initialized()
     joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
@@ -429,21 +422,21 @@ def _join(
     return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
-def _guard(info: RuntimeInfo, guards: tuple[float | None, float]) -> None:
+def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
     """Wire fail-fast (its grace; None: off) and preemption (its grace) to coordination."""
-    (fail_fast, grace), me, n = guards, info.process_id, info.num_processes
-    if n > 1:
-        _failfast.install(
-            fail_fast, me, n, post=partial(_failures.post_failure, me),
-            poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
-            nudge=partial(_failures.nudge, me), read=_failures.count_read,
-        )  # fmt: skip
+    me, n = info.process_id, info.num_processes
     if fail_fast is None:
         return
-    if n > 1:  # the failure watch relays the others' notices
-        _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
-    else:
+    if n == 1:
         _preemption.install(me, seconds=grace, tell=None, sync=_preemption.alone)
+        return
+    _failfast.install(
+        fail_fast, me, n, post=partial(_failures.post_failure, me),
+        poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
+        nudge=partial(_failures.nudge, me), read=_failures.count_read,
+    )  # fmt: skip
+    # The failure watch relays the others' notices.
+    _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
 
 
 def _attempt() -> int:
@@ -455,10 +448,10 @@ def _attempt() -> int:
     return 0
 
 
-# meshkit's name -> (jax.distributed.initialize's parameter, environment variable).
+# jax.distributed.initialize's parameter -> (meshkit's name, environment variable).
 DISTRIBUTED_OPTIONS = {
-    "heartbeat_timeout": ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
-    "shutdown_timeout": ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT),
+    "heartbeat_timeout_seconds": ("heartbeat_timeout", ENV_HEARTBEAT_TIMEOUT),
+    "shutdown_timeout_seconds": ("shutdown_timeout", ENV_SHUTDOWN_TIMEOUT),
 }
 INITIALIZATION = "initialization_timeout"
 _BAD_VALUE = """\
@@ -481,7 +474,7 @@ def _origin(variable: str | None) -> str:
 def distributed_options(**given: Any) -> dict[str, Any]:
     """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``."""
     options = {}
-    for name, (parameter, variable) in DISTRIBUTED_OPTIONS.items():
+    for parameter, (name, variable) in DISTRIBUTED_OPTIONS.items():
         value, origin = given.get(name), None
         if value is None:
             value, origin = _env.integer(variable, where=_WHERE), variable
@@ -494,32 +487,20 @@ def distributed_options(**given: Any) -> dict[str, Any]:
     return options
 
 
-def _parameters(initialize: Callable[..., Any]) -> set[str]:
-    everything = {p for p, _ in DISTRIBUTED_OPTIONS.values()} | {INITIALIZATION}
-    try:
-        parameters = inspect.signature(initialize).parameters
-    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
-        return everything
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return everything  # a wrapper (a test's spy, a framework's) that passes keywords on
-    return set(parameters)
-
-
-def check_supported(
-    options: dict[str, int], initialize: Callable[..., Any] | None = None, version: str = ""
-) -> None:
+def check_supported(options: dict[str, int]) -> None:
     """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
-    if initialize is None:
-        initialize, version = jax.distributed.initialize, jax.__version__
-    accepted = _parameters(initialize)
-    by_parameter = {p: (name, variable) for name, (p, variable) in DISTRIBUTED_OPTIONS.items()}
+    try:
+        accepted = inspect.signature(jax.distributed.initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return  # a wrapper (a test's spy, a framework's) that passes keywords on
     for parameter in [INITIALIZATION, *options]:
-        if parameter in accepted:
-            continue
-        name, variable = by_parameter.get(parameter, ("timeout", None))
-        origin = _origin(variable) if _env.raw(variable or "") is not None else ""
-        text = _UNSUPPORTED.format(name=name, version=version, parameter=parameter, origin=origin)
-        raise MeshkitError(text)
+        if parameter not in accepted:
+            name, variable = DISTRIBUTED_OPTIONS.get(parameter, ("timeout", None))
+            origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+            what = {"name": name, "parameter": parameter, "origin": origin}
+            raise MeshkitError(_UNSUPPORTED.format(version=jax.__version__, **what))
 
 
 def _local_cpu_count() -> int | None:

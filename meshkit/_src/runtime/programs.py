@@ -233,16 +233,14 @@ _TAG = "programs"
 _WHAT = "meshkit (programs compared at compilation)"
 
 _remove: Callable[[], None] | None = None
-
-
 _tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
 
 
-def install(num_processes: int) -> bool:
+def install(num_processes: int) -> None:
     """Compare the processes' programs at every compilation from now on (at `meshkit.init`)."""
     global _remove
     if num_processes < 2 or not _env.flag(ENV_PROGRAM_CHECK, where="meshkit.init()", blank=True):
-        return False
+        return
     if _remove is None:
         _remove = _compat.on_compile(_compare)
         _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
@@ -257,7 +255,6 @@ def install(num_processes: int) -> bool:
                 "calls.",
                 stacklevel=3,
             )
-    return _remove is not None
 
 
 def installed() -> bool:
@@ -273,10 +270,9 @@ def uninstall() -> None:
 
 
 def _compare(compiling: _compat.Compiling) -> None:
-    if len(compiling.processes()) < 2:
-        return  # this process's devices alone: nothing to pair
-    if not _channel.paired():
-        return  # no order shared with the other processes: not compared (see the docstring)
+    # This process's devices alone: nothing to pair; no order shared with the others: not compared.
+    if len(compiling.processes()) < 2 or not _channel.paired():
+        return
     tag = _channel.scoped(_TAG, _WHAT)
     _tags.add(tag)
     _agree_on(compiling, tag)
