@@ -101,28 +101,23 @@ def check_tag(tag: str, *, later: bool = False) -> str:
     return tag + ("/later" if later else "/check")
 
 
-# (sharding, global shape) -> the local devices in JAX's order and each one's block's index.
-_orders: _caches.Cache[tuple[NamedSharding, tuple[int, ...]], tuple[list[Any], list[Any]]] = (
-    _caches.Cache(maxsize=512)
-)
+@_caches.cached(maxsize=512)
+def _device_order(sharding: NamedSharding, shape: tuple[int, ...], me: int) -> tuple[list, list]:
+    """The local devices in JAX's order, and the index of each one's block in the host view."""
+    by_device = {pl.device: pl.local_index for pl in _layout.plan(sharding, shape, me).placements}
+    devices = list(sharding.addressable_devices_indices_map(shape))
+    return devices, [by_device[d] for d in devices]
 
 
 def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
     """One global array, every local device's block put from the host view in one call."""
-    key = (sharding, plan.global_shape)
-    order = _orders.get(key)
-    if order is None:
-        by_device = {pl.device: pl.local_index for pl in plan.placements}
-        devices = list(sharding.addressable_devices_indices_map(plan.global_shape))
-        order = (devices, [by_device[d] for d in devices])
-        _orders.put(key, order)
-    devices, indices = order
+    devices, indices = _device_order(sharding, plan.global_shape, plan.process)
     blocks = [value[index] for index in indices]
     return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
 
 
 def _all_from_host(prepared: Prepared) -> bool:
-    """Whether every block goes from the host (on CPU), replicas included."""
+    """Whether every block goes from the host (on CPU), replicas included (tests force both)."""
     return all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1])
 
 
@@ -174,11 +169,11 @@ class Assembly:
         check: Check,
         sizes_known: bool = False,
         stepwise: bool = False,
-        check_channel: str | None = None,
     ) -> None:
         self.tag, self.what = tag, what
         self.pad, self.check, self.sizes_known = pad, check, sizes_known
-        self.stepwise, self.check_channel = stepwise, check_channel
+        # a step's check has a channel of its own, apart from the size agreements of later steps
+        self.stepwise, self.check_channel = stepwise, tag + "/replicas" if stepwise else None
         self.multi = _compat.distributed_state()[2] > 1
         self.later = check == "deferred"  # the check is verified by a later call
         self.check_tag = check_tag(tag, later=self.later)  # a sequence apart from agree_sizes'
@@ -361,14 +356,8 @@ def global_array_from_local(
             f"got {check!r}."
         )
     _dispatch.enter(_SITE, (local,))
-    what = WHAT
-    assembly = Assembly(
-        _channel.scoped("global_array_from_local", what),
-        what,
-        pad=pad,
-        check=check,
-        sizes_known=global_shape is not None,
-    )
+    tag = _channel.scoped("global_array_from_local", WHAT)
+    assembly = Assembly(tag, WHAT, pad=pad, check=check, sizes_known=global_shape is not None)
     tree, mask = assembly.run(
         lambda: prepare(
             local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad

@@ -118,8 +118,7 @@ class GlobalBatches(Iterator[Any]):
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
         assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True,
-            check_channel=self._tag + "/replicas",
+            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
             self._source, assembly, (mesh_or_sharding, spec), ragged=pad == "ragged",
@@ -173,11 +172,11 @@ class GlobalBatches(Iterator[Any]):
 
     def _next(self) -> Any:
         item = self._handoff.get()
-        if isinstance(item, _prefetch.Failure):
+        if isinstance(item, BaseException):
             self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
-            raise item.error
+            raise item
         if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:

@@ -62,7 +62,6 @@ class Prepared:
 
     treedef: Any
     leaves: list[Leaf]
-    mask_sharding: NamedSharding | None = None
     mask: tuple[np.ndarray, _layout.Plan, NamedSharding] | None = None  # with pad, once padded
     notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
     template: Template | None = None  # the layout was seen before: leaves planned already
@@ -199,9 +198,8 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     raise MeshkitError(
         f"{who()}: the leaf at {path} is of type {type(leaf).__name__} ({shown}), not an "
-        "array; "
-        "global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, and "
-        "keeping strings and other objects out of the pytree."
+        "array; global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, "
+        "and keeping strings and other objects out of the pytree."
     )
 
 
@@ -318,7 +316,7 @@ def prepare_leaves(
         leaves.append(Leaf(path, value, sharding, shape, unit, value.shape[0] if value.ndim else 0))
     prepared = Prepared(treedef, leaves, notes=notes)
     if pad:
-        _prepare_mask(prepared)
+        _check_one_batch_layout(prepared)
     return prepared
 
 
@@ -352,7 +350,7 @@ def _check_given(
             )
 
 
-def _prepare_mask(prepared: Prepared) -> None:
+def _check_one_batch_layout(prepared: Prepared) -> None:
     first = prepared.leaves[0]
     lead = dim_axes(first.sharding.spec, max(1, first.value.ndim))[0]
     for leaf in prepared.leaves:
@@ -369,7 +367,6 @@ def _prepare_mask(prepared: Prepared) -> None:
                 f"{first.rows} rows split over {lead}, {leaf.path} has {leaf.rows} rows split "
                 f"over {axes}.\nConsider separate calls for arrays with different batch layouts."
             )
-    prepared.mask_sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
 
 
 def finish_padding(prepared: Prepared, block_rows: int) -> None:
@@ -384,8 +381,9 @@ def finish_padding(prepared: Prepared, block_rows: int) -> None:
             leaf.value = padded
         leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
-    first, sharding = prepared.leaves[0], prepared.mask_sharding
-    assert sharding is not None
+    first = prepared.leaves[0]
+    lead = dim_axes(first.sharding.spec, first.value.ndim)[0]
+    sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
     real = np.arange(first.value.shape[0]) < first.rows
     prepared.mask = (real, _layout.plan(sharding, first.global_shape[:1], me), sharding)
 

@@ -31,18 +31,12 @@ _WHAT = "meshkit.global_batches"
 AHEAD_BYTES = 64 << 20
 
 
-@dataclass
-class Failure:
-    """Put in the caller's queue: raised by its next `next()`."""
-
-    error: BaseException
-
-
 class _End:
     pass
 
 
 END = _End()  # put in the caller's queue: the data ended for every process at this step
+# An exception put in the caller's queue is raised by its next `next()`.
 
 
 @dataclass
@@ -131,7 +125,7 @@ class Ahead:
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
-        agreed: deque[_Read | _End | Failure] = deque()
+        agreed: deque[_Read | _End | BaseException] = deque()
         window = _Window()
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
@@ -149,9 +143,9 @@ class Ahead:
                     try:
                         outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
                     except Exception as e:
-                        outcome = Failure(e)
+                        outcome = e
                     window = _Window()
-                    if isinstance(outcome, Failure | _End):  # after the steps agreed before
+                    if isinstance(outcome, BaseException | _End):  # after the steps agreed before
                         agreed.append(outcome)
                         ending = True
                     elif outcome:
@@ -176,11 +170,11 @@ class Ahead:
                 grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
-            self.handoff.put(Failure(e))
+            self.handoff.put(e)
 
-    def _place(self, step: _Read | _End | Failure) -> bool:
+    def _place(self, step: _Read | _End | BaseException) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
-        if isinstance(step, _End | Failure):
+        if isinstance(step, _End | BaseException):
             self.handoff.put(step)
             return False
         prepared, record, state = step
@@ -236,7 +230,7 @@ class Ahead:
         if pulled.error is not None:
             if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, pulled.error)
-            self.handoff.put(Failure(pulled.error))
+            self.handoff.put(pulled.error)
             return None
         if pulled.status == "data":
             self._template = pulled.local
