@@ -29,7 +29,6 @@ from .blocks import (
     Prepared,
     block_rows,
     describe,
-    finish_padding,
     plan_leaves,
     prepare,
     replica_digests,
@@ -53,16 +52,15 @@ def exchange_records(
     record: dict[str, Any],
     what: str = WHAT,
     *,
-    replicas: dict[str, tuple[int, str]] | None = None,
+    groups: dict[str, tuple[int, str]] | None = None,
     channel: str | None = None,
     said: str | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
     timeout = _env.check_timeout()
-    record = {**record, "replicas": replicas} if replicas else record
     outcome = _agree.agree(
         tag, summary(record) if said is None else said, json.dumps(record), timeout=timeout,
-        groups=replicas, what=what, channel=channel,
+        groups=groups, what=what, channel=channel,
     )  # fmt: skip
     return _records(outcome, timeout, what)
 
@@ -223,16 +221,14 @@ class Assembly:
 
     def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
-        if not self.pad:
-            plan_leaves(prepared)
-            return
-        if self.sizes_known:  # the leaves' plans are over one element per block still
+        rows = None
+        if self.pad and self.sizes_known:  # the leaves' plans are over one element per block
             first = prepared.leaves[0]
             rows = first.global_shape[0] // first.plan.global_shape[0]
-        else:
+        elif self.pad:
             held = [r.block_rows for r in (records or {}).values() if r.block_rows is not None]
             rows = max([block_rows(prepared), *held])
-        finish_padding(prepared, rows)
+        plan_leaves(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
         """Start the copy, agree while it runs (unless ``agreed``), then ``(tree, mask)``."""
@@ -255,18 +251,18 @@ class Assembly:
         if agreed and not replicas:
             return  # agreed before placing, and no replicas to compare
         record = PartRecord() if agreed else describe(prepared, pad=self.pad)
-        template = prepared.template
-        said = template.summary if template is not None and record is template.record else None
+        wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
+        template = prepared.template  # its summary spares a JSON text per call
+        said = template.summary if template and record is template.record else summary(wire)
         if not self.later:
             records = exchange_records(
-                self.check_tag, record.wire(), self.what, replicas=replicas,
-                channel=self.check_channel, said=said,
+                self.check_tag, wire, self.what, groups=replicas, channel=self.check_channel,
+                said=said,
             )  # fmt: skip
             compare(_read(records), self.what)
             return
         # Verified after the call returns: a later call raises a difference.
         tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
-        wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
         number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
         caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 
@@ -274,7 +270,6 @@ class Assembly:
             named = f"{what} (call #{number}, checked after it returned)"
             caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
-        said = summary(wire) if said is None else said
         _agree.agree_later(
             tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas,
             on_outcome=on_outcome,

@@ -369,19 +369,24 @@ def _check_one_batch_layout(prepared: Prepared) -> None:
             )
 
 
-def finish_padding(prepared: Prepared, block_rows: int) -> None:
-    """Pad every leaf's leading dimension to ``block_rows`` per block held; plan the mask."""
+def plan_leaves(prepared: Prepared, rows_per_block: int | None = None) -> None:
+    """Plan the leaves for their global shapes; with ``rows_per_block``, padded to it first."""
+    if prepared.template is not None:
+        return  # planned when the template was made
     me = jax.process_index()
     for leaf in prepared.leaves:
-        k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
-        rows = block_rows * k
-        if rows != leaf.rows:
-            padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
-            padded[: leaf.rows] = leaf.value
-            leaf.value = padded
-        leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
+        if rows_per_block is not None:
+            k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
+            rows = rows_per_block * k
+            if rows != leaf.rows:
+                padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
+                padded[: leaf.rows] = leaf.value
+                leaf.value = padded
+            leaf.global_shape = (rows_per_block * n, *leaf.global_shape[1:])
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
-    first = prepared.leaves[0]
+    if rows_per_block is None:
+        return
+    first = prepared.leaves[0]  # the mask
     lead = dim_axes(first.sharding.spec, first.value.ndim)[0]
     sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
     real = np.arange(first.value.shape[0]) < first.rows
@@ -391,15 +396,6 @@ def finish_padding(prepared: Prepared, block_rows: int) -> None:
 def block_rows(prepared: Prepared) -> int:
     first = prepared.leaves[0]
     return -(-first.rows // first.plan.local_shape[0])
-
-
-def plan_leaves(prepared: Prepared) -> None:
-    """Replace the unit plans by the plans for the global shapes (no padding)."""
-    if prepared.template is not None:
-        return  # planned when the template was made
-    me = jax.process_index()
-    for leaf in prepared.leaves:
-        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
 def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
