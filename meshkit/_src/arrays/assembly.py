@@ -150,6 +150,7 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
     ]
 
 
+@dataclasses.dataclass
 class Assembly:
     """One caller's assembly protocol: prepare -> agree -> transfer -> assemble.
 
@@ -158,25 +159,22 @@ class Assembly:
     agree at every call whatever ``check`` (`global_batches`).
     """
 
-    def __init__(
-        self,
-        tag: str,
-        what: str,
-        *,
-        pad: bool,
-        check: Check,
-        sizes_known: bool = False,
-        stepwise: bool = False,
-    ) -> None:
-        self.tag, self.what = tag, what
-        self.pad, self.check, self.sizes_known = pad, check, sizes_known
+    tag: str
+    what: str
+    _: dataclasses.KW_ONLY
+    pad: bool
+    check: Check
+    sizes_known: bool = False
+    stepwise: bool = False
+
+    def __post_init__(self) -> None:
         # a step's check has a channel of its own, apart from the size agreements of later steps
-        self.stepwise, self.check_channel = stepwise, tag + "/replicas" if stepwise else None
+        self.check_channel = self.tag + "/replicas" if self.stepwise else None
         self.multi = _compat.distributed_state()[2] > 1
-        self.later = check == "deferred"  # the check is verified by a later call
-        self.check_tag = check_tag(tag, later=self.later)  # a sequence apart from agree_sizes'
+        self.later = self.check == "deferred"  # the check is verified by a later call
+        self.check_tag = check_tag(self.tag, later=self.later)  # apart from agree_sizes'
         # whether the processes agree on sizes before placing anything (an uneven batch)
-        self.exchanges_sizes = self.multi and pad and not sizes_known
+        self.exchanges_sizes = self.multi and self.pad and not self.sizes_known
 
     def prepare(self, make: Callable[[], Prepared]) -> Prepared:
         """``make()``; its failure is published to the processes that will wait for this one."""

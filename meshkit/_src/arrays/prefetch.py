@@ -194,15 +194,11 @@ class Ahead:
 
     def _pull(self) -> _Pulled:
         try:
-            try:
-                pulled = _Pulled("data", next(self.opened.source))
-            except StopIteration:
-                pulled = _Pulled("end")
-            if self.opened.capture is not None:
-                pulled.state = self.opened.capture()
+            local = next(self.opened.source, END)  # END: no loader yields it
+            state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return _Pulled("error", error=e)
-        return pulled
+        return _Pulled("end", state=state) if local is END else _Pulled("data", local, state=state)
 
     def _next(self) -> _Pulled:
         return self._ahead.popleft() if self._ahead else self._pull()
