@@ -72,7 +72,6 @@ def make_mesh(
         {'data': 4, 'model': 2}
     """
     parsed = _mesh.parse_axes(axes)
-    given = devices is not None
     _dispatch.enter(
         _SITE,
         (
@@ -95,7 +94,7 @@ def make_mesh(
                 "can hold one mesh position."
             )
     names = tuple(n for n, _ in parsed)
-    sizes = _mesh.resolve_sizes(parsed, len(device_list), given)
+    sizes = _mesh.resolve_sizes(parsed, len(device_list), devices is not None)
     types = _mesh.axis_types_of(axis_types, names)
     across = _mesh.across_positions(across_hosts, names)
     n = _compat.distributed_state()[2]
