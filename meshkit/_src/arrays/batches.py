@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -29,6 +30,7 @@ from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
+from . import blocks as _blocks
 from . import ends as _ends
 from . import prefetch as _prefetch
 from .dtypes import calling, warn_notes
@@ -117,13 +119,15 @@ class GlobalBatches(Iterator[Any]):
         self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
-        assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True
+        assembly = _assembly.Assembly(self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True)
+        prepare = functools.partial(
+            _blocks.prepare, mesh_or_sharding=mesh_or_sharding, spec=spec, global_shape=None,
+            dtype=dtype, pad=bool(pad),
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
-            self._source, assembly, (mesh_or_sharding, spec), ragged=pad == "ragged",
-            dtype=dtype, told=self._together, handoff=self._handoff, stop=self._stop,
-            release=self._release_helpers, hear=self._hear, assembled=self.steps,
+            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
+            handoff=self._handoff, stop=self._stop, release=self._release_helpers, hear=self._hear,
+            assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True

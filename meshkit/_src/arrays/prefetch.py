@@ -23,7 +23,7 @@ import numpy as np
 from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import ends as _ends
-from .blocks import Prepared, prepare
+from .blocks import Prepared
 from .records import PartRecord, raise_failures, summary
 
 _WHAT = "meshkit.global_batches"
@@ -95,7 +95,7 @@ class _Window:
             return True
         ahead._template = one.local
         try:
-            prepared = ahead._prepare(one.local)
+            prepared = ahead.prepare(one.local)
         except Exception:  # raised again by its own step, which agrees on it alone
             return True
         record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
@@ -109,9 +109,8 @@ class Ahead:
 
     opened: _ends.Opened  # this process's loader
     assembly: _assembly.Assembly
-    args: tuple[Any, Any]  # (mesh_or_sharding, spec)
+    prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
-    dtype: Any
     told: bool  # closes are told apart from the end of data (stop_together)
     handoff: Handoff
     stop: threading.Event  # set when the iterator is closed
@@ -209,11 +208,6 @@ class Ahead:
             self._ahead.append(self._pull())
         return {"end": True, "data": False}.get(self._ahead[0].status)
 
-    def _prepare(self, local: Any) -> Prepared:
-        return prepare(
-            local, *self.args, global_shape=None, dtype=self.dtype, pad=self.assembly.pad
-        )
-
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
         if status == "data" and not self.ragged and prepared.leaves[0].global_shape:
@@ -250,7 +244,7 @@ class Ahead:
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), self._template
             )
-        prepared = assembly.prepare(lambda: self._prepare(local))
+        prepared = assembly.prepare(lambda: self.prepare(local))
         if not multi:
             return self._finish(prepared, None, state), False
         # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
