@@ -424,11 +424,10 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     """
     template = prepared.template
     slots = template.replicas if template is not None else _replica_slots(prepared.leaves)
-    groups: dict[str, tuple[int, str]] = {}
-    for i, local_index, name, reference in slots:
-        view = prepared.leaves[i].value[local_index]
-        groups[name] = (reference, _digest(view, full))
-    return groups
+    return {
+        name: (holder, _digest(prepared.leaves[i].value[index], full))
+        for i, index, name, holder in slots
+    }
 
 
 def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:

@@ -226,11 +226,8 @@ def _agree_on_call(
     if records is None:
         return
     calls = {p: json.loads(r) for p, r in records.items()}
-    groups: dict[str, list[int]] = {}
-    for key in said:  # the first that differs
-        groups = _missing.by_value({p: call[key] for p, call in calls.items()})
-        if len(groups) > 1:
-            break
+    each = (_missing.by_value({p: call[key] for p, call in calls.items()}) for key in said)
+    groups = next(g for g in each if len(g) > 1)  # the first that differs
     raise MeshkitError(
         f"{what}: the processes called gather differently:\n{_missing.lines(groups)}\n"
         "Every process must pass the same arrays and the same to= (it is a collective: a "
