@@ -11,7 +11,6 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
@@ -356,7 +355,7 @@ class GlobalBatches(Iterator[Any]):
         return self.rows / max(1e-9, time.monotonic() - self._started)
 
     def _report(self, final: bool = False) -> None:
-        if self._progress is None or jax.process_index() != 0:
+        if self._progress is None or self._me != 0:
             return
         now = time.monotonic()
         if not final and now - self._reported < self._progress:

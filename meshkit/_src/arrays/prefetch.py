@@ -334,10 +334,9 @@ class Ahead:
         others have data is their error (`ends.went_on`).
         """
         statuses = {p: r.status for p, r in records.items()}
-        closed = {p: r.steps for p, r in records.items() if r.status == "closed"}
-        if closed:
+        if "closed" in statuses.values():
             going = set(statuses.values()) - {"end", "closed"}
-            closers = {p: k for p, k in closed.items() if k is not None}
+            closers = {p: r.steps for p, r in records.items() if r.steps is not None}
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)
