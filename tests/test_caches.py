@@ -115,7 +115,7 @@ def test_clear_caches_reaches_meshkits_own_caches():
     meshkit.global_array_from_local(np.ones((8, 2), np.float32), mesh, "data")
     sizes = [
         len(blocks._templates),
-        len(assembly._orders),
+        assembly._device_order.cache_info().currsize,
         layout.plan.cache_info().currsize,
         specs.parse_spec.cache_info().currsize,
     ]
@@ -123,7 +123,7 @@ def test_clear_caches_reaches_meshkits_own_caches():
     caches.clear_caches()
     sizes = [
         len(blocks._templates),
-        len(assembly._orders),
+        assembly._device_order.cache_info().currsize,
         layout.plan.cache_info().currsize,
         specs.parse_spec.cache_info().currsize,
     ]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -110,24 +112,39 @@ def test_the_processes_named_are_those_past_whose_last_step_this_one_goes(closer
     assert mine is None or mine.processes == others
 
 
-def test_the_watch_hears_a_close_and_stops_by_itself():
+class _Service:
+    """Stands in for the service thread: runs the looks the watch schedules, one at a time."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.due: list[tuple[float, Callable[[], None]]] = []
+        monkeypatch.setattr(
+            ends._exit, "at", lambda _, delay, call, **__: self.due.append((delay, call))
+        )
+
+    def look(self) -> None:
+        delay, call = self.due.pop(0)
+        assert delay == poll_period(2)  # one look per poll period
+        call()
+
+
+def test_the_watch_hears_a_close_and_stops_by_itself(monkeypatch):
+    service = _Service(monkeypatch)
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
-    stop = threading.Event()
-    watch = ends.watch(nodes[1], "gb/0", heard.append, stop)
-    time.sleep(0.2)
-    start = time.monotonic()
+    ends.watch(nodes[1], "gb/0", heard.append, threading.Event())
+    service.look()
+    assert heard == []
     ends.leave(nodes[0], "gb/0", ends.CLOSED, 7)
-    watch.join(5)
-    assert not watch.is_alive()
+    service.look()  # the first look after the close hears it
     assert heard == [{0: 7}]
-    assert time.monotonic() - start < 1.5 * poll_period(2)
+    assert service.due == []  # and the watch ends
 
 
-def test_a_notice_posted_before_a_close_is_read_after_it():
+def test_a_notice_posted_before_a_close_is_read_after_it(monkeypatch):
     # A process finds a cycle, tells this one (a notice), raises, and its iterator closes: a
     # watch that read the others' places just before the notice and the close just after it
     # must look once more, so that the notice, not the close, is the cause it acts on.
+    service = _Service(monkeypatch)
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
     looks: list[int] = []
@@ -139,23 +156,23 @@ def test_a_notice_posted_before_a_close_is_read_after_it():
             return False
         return True  # the notice, read now
 
-    watch = ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
-    watch.join(5)
-    assert not watch.is_alive()
-    assert (looks, heard) == ([0, 1], [])
+    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
+    service.look()
+    assert (looks, heard, service.due) == ([0, 1], [], [])
 
 
-def test_the_watch_ends_when_stopped_or_when_the_service_is_gone():
+def test_the_watch_ends_when_stopped_or_when_the_service_is_gone(monkeypatch):
+    service = _Service(monkeypatch)
     cluster = FakeCluster(2)
     nodes = cluster.nodes()
     heard: list[dict[int, int]] = []
     stop = threading.Event()
-    watch = ends.watch(nodes[1], "gb/0", heard.append, stop)
+    ends.watch(nodes[1], "gb/0", heard.append, stop)
     stop.set()
-    watch.join(2)
-    assert not watch.is_alive()
-    gone = ends.watch(nodes[1], "gb/1", heard.append, threading.Event())
-    cluster.leave(1)  # its calls fail, as when the service is gone (read after a poll period)
-    gone.join(3)
-    assert not gone.is_alive()
+    service.look()
+    assert service.due == []
+    ends.watch(nodes[1], "gb/1", heard.append, threading.Event())
+    cluster.leave(1)  # its calls fail, as when the service is gone
+    service.look()
+    assert service.due == []
     assert heard == []

@@ -29,7 +29,6 @@ from .blocks import (
     Prepared,
     block_rows,
     describe,
-    finish_padding,
     plan_leaves,
     prepare,
     replica_digests,
@@ -53,16 +52,15 @@ def exchange_records(
     record: dict[str, Any],
     what: str = WHAT,
     *,
-    replicas: dict[str, tuple[int, str]] | None = None,
+    groups: dict[str, tuple[int, str]] | None = None,
     channel: str | None = None,
     said: str | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
     timeout = _env.check_timeout()
-    record = {**record, "replicas": replicas} if replicas else record
     outcome = _agree.agree(
         tag, summary(record) if said is None else said, json.dumps(record), timeout=timeout,
-        groups=replicas, what=what, channel=channel,
+        groups=groups, what=what, channel=channel,
     )  # fmt: skip
     return _records(outcome, timeout, what)
 
@@ -101,28 +99,23 @@ def check_tag(tag: str, *, later: bool = False) -> str:
     return tag + ("/later" if later else "/check")
 
 
-# (sharding, global shape) -> the local devices in JAX's order and each one's block's index.
-_orders: _caches.Cache[tuple[NamedSharding, tuple[int, ...]], tuple[list[Any], list[Any]]] = (
-    _caches.Cache(maxsize=512)
-)
+@_caches.cached(maxsize=512)
+def _device_order(sharding: NamedSharding, shape: tuple[int, ...], me: int) -> tuple[list, list]:
+    """The local devices in JAX's order, and the index of each one's block in the host view."""
+    by_device = {pl.device: pl.local_index for pl in _layout.plan(sharding, shape, me).placements}
+    devices = list(sharding.addressable_devices_indices_map(shape))
+    return devices, [by_device[d] for d in devices]
 
 
 def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
     """One global array, every local device's block put from the host view in one call."""
-    key = (sharding, plan.global_shape)
-    order = _orders.get(key)
-    if order is None:
-        by_device = {pl.device: pl.local_index for pl in plan.placements}
-        devices = list(sharding.addressable_devices_indices_map(plan.global_shape))
-        order = (devices, [by_device[d] for d in devices])
-        _orders.put(key, order)
-    devices, indices = order
+    devices, indices = _device_order(sharding, plan.global_shape, plan.process)
     blocks = [value[index] for index in indices]
     return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
 
 
 def _all_from_host(prepared: Prepared) -> bool:
-    """Whether every block goes from the host (on CPU), replicas included."""
+    """Whether every block goes from the host (on CPU), replicas included (tests force both)."""
     return all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1])
 
 
@@ -157,6 +150,7 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
     ]
 
 
+@dataclasses.dataclass
 class Assembly:
     """One caller's assembly protocol: prepare -> agree -> transfer -> assemble.
 
@@ -165,25 +159,22 @@ class Assembly:
     agree at every call whatever ``check`` (`global_batches`).
     """
 
-    def __init__(
-        self,
-        tag: str,
-        what: str,
-        *,
-        pad: bool,
-        check: Check,
-        sizes_known: bool = False,
-        stepwise: bool = False,
-        check_channel: str | None = None,
-    ) -> None:
-        self.tag, self.what = tag, what
-        self.pad, self.check, self.sizes_known = pad, check, sizes_known
-        self.stepwise, self.check_channel = stepwise, check_channel
+    tag: str
+    what: str
+    _: dataclasses.KW_ONLY
+    pad: bool
+    check: Check
+    sizes_known: bool = False
+    stepwise: bool = False
+
+    def __post_init__(self) -> None:
+        # a step's check has a channel of its own, apart from the size agreements of later steps
+        self.check_channel = self.tag + "/replicas" if self.stepwise else None
         self.multi = _compat.distributed_state()[2] > 1
-        self.later = check == "deferred"  # the check is verified by a later call
-        self.check_tag = check_tag(tag, later=self.later)  # a sequence apart from agree_sizes'
+        self.later = self.check == "deferred"  # the check is verified by a later call
+        self.check_tag = check_tag(self.tag, later=self.later)  # apart from agree_sizes'
         # whether the processes agree on sizes before placing anything (an uneven batch)
-        self.exchanges_sizes = self.multi and pad and not sizes_known
+        self.exchanges_sizes = self.multi and self.pad and not self.sizes_known
 
     def prepare(self, make: Callable[[], Prepared]) -> Prepared:
         """``make()``; its failure is published to the processes that will wait for this one."""
@@ -228,16 +219,14 @@ class Assembly:
 
     def place(self, prepared: Prepared, records: dict[int, PartRecord] | None) -> None:
         """Final plans: padded to the largest process's batch (``records`` from `agree_sizes`)."""
-        if not self.pad:
-            plan_leaves(prepared)
-            return
-        if self.sizes_known:  # the leaves' plans are over one element per block still
+        rows = None
+        if self.pad and self.sizes_known:  # the leaves' plans are over one element per block
             first = prepared.leaves[0]
             rows = first.global_shape[0] // first.plan.global_shape[0]
-        else:
+        elif self.pad:
             held = [r.block_rows for r in (records or {}).values() if r.block_rows is not None]
             rows = max([block_rows(prepared), *held])
-        finish_padding(prepared, rows)
+        plan_leaves(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
         """Start the copy, agree while it runs (unless ``agreed``), then ``(tree, mask)``."""
@@ -260,18 +249,18 @@ class Assembly:
         if agreed and not replicas:
             return  # agreed before placing, and no replicas to compare
         record = PartRecord() if agreed else describe(prepared, pad=self.pad)
-        template = prepared.template
-        said = template.summary if template is not None and record is template.record else None
+        wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
+        template = prepared.template  # its summary spares a JSON text per call
+        said = template.summary if template and record is template.record else summary(wire)
         if not self.later:
             records = exchange_records(
-                self.check_tag, record.wire(), self.what, replicas=replicas,
-                channel=self.check_channel, said=said,
+                self.check_tag, wire, self.what, groups=replicas, channel=self.check_channel,
+                said=said,
             )  # fmt: skip
             compare(_read(records), self.what)
             return
         # Verified after the call returns: a later call raises a difference.
         tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
-        wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
         number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
         caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 
@@ -279,7 +268,6 @@ class Assembly:
             named = f"{what} (call #{number}, checked after it returned)"
             caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
-        said = summary(wire) if said is None else said
         _agree.agree_later(
             tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas,
             on_outcome=on_outcome,
@@ -361,14 +349,8 @@ def global_array_from_local(
             f"got {check!r}."
         )
     _dispatch.enter(_SITE, (local,))
-    what = WHAT
-    assembly = Assembly(
-        _channel.scoped("global_array_from_local", what),
-        what,
-        pad=pad,
-        check=check,
-        sizes_known=global_shape is not None,
-    )
+    tag = _channel.scoped("global_array_from_local", WHAT)
+    assembly = Assembly(tag, WHAT, pad=pad, check=check, sizes_known=global_shape is not None)
     tree, mask = assembly.run(
         lambda: prepare(
             local, mesh_or_sharding, spec, global_shape=global_shape, dtype=dtype, pad=pad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -10,7 +11,6 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
@@ -29,6 +29,7 @@ from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import watchdog as _watchdog
 from . import assembly as _assembly
+from . import blocks as _blocks
 from . import ends as _ends
 from . import prefetch as _prefetch
 from .dtypes import calling, warn_notes
@@ -117,14 +118,15 @@ class GlobalBatches(Iterator[Any]):
         self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
         self._state = self._source.first  # the source's position after the steps taken
-        assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True,
-            check_channel=self._tag + "/replicas",
+        assembly = _assembly.Assembly(self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True)
+        prepare = functools.partial(
+            _blocks.prepare, mesh_or_sharding=mesh_or_sharding, spec=spec, global_shape=None,
+            dtype=dtype, pad=bool(pad),
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
-            self._source, assembly, (mesh_or_sharding, spec), ragged=pad == "ragged",
-            dtype=dtype, told=self._together, handoff=self._handoff, stop=self._stop,
-            release=self._release_helpers, hear=self._hear, assembled=self.steps,
+            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
+            handoff=self._handoff, stop=self._stop, release=self._release_helpers, hear=self._hear,
+            assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
@@ -173,11 +175,11 @@ class GlobalBatches(Iterator[Any]):
 
     def _next(self) -> Any:
         item = self._handoff.get()
-        if isinstance(item, _prefetch.Failure):
+        if isinstance(item, BaseException):
             self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
-            raise item.error
+            raise item
         if item is _CLOSED:
             raise StopIteration
         if item is _prefetch.END:
@@ -353,7 +355,7 @@ class GlobalBatches(Iterator[Any]):
         return self.rows / max(1e-9, time.monotonic() - self._started)
 
     def _report(self, final: bool = False) -> None:
-        if self._progress is None or jax.process_index() != 0:
+        if self._progress is None or self._me != 0:
             return
         now = time.monotonic()
         if not final and now - self._reported < self._progress:

@@ -62,7 +62,6 @@ class Prepared:
 
     treedef: Any
     leaves: list[Leaf]
-    mask_sharding: NamedSharding | None = None
     mask: tuple[np.ndarray, _layout.Plan, NamedSharding] | None = None  # with pad, once padded
     notes: list[Note] = field(default_factory=list)  # DtypeWarnings, for the caller's line
     template: Template | None = None  # the layout was seen before: leaves planned already
@@ -199,9 +198,8 @@ def _as_numpy(path: str, leaf: Any) -> np.ndarray:
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     raise MeshkitError(
         f"{who()}: the leaf at {path} is of type {type(leaf).__name__} ({shown}), not an "
-        "array; "
-        "global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, and "
-        "keeping strings and other objects out of the pytree."
+        "array; global arrays hold numbers.\nConsider numpy arrays (or scalars) at every leaf, "
+        "and keeping strings and other objects out of the pytree."
     )
 
 
@@ -318,7 +316,7 @@ def prepare_leaves(
         leaves.append(Leaf(path, value, sharding, shape, unit, value.shape[0] if value.ndim else 0))
     prepared = Prepared(treedef, leaves, notes=notes)
     if pad:
-        _prepare_mask(prepared)
+        _check_one_batch_layout(prepared)
     return prepared
 
 
@@ -352,7 +350,7 @@ def _check_given(
             )
 
 
-def _prepare_mask(prepared: Prepared) -> None:
+def _check_one_batch_layout(prepared: Prepared) -> None:
     first = prepared.leaves[0]
     lead = dim_axes(first.sharding.spec, max(1, first.value.ndim))[0]
     for leaf in prepared.leaves:
@@ -369,23 +367,28 @@ def _prepare_mask(prepared: Prepared) -> None:
                 f"{first.rows} rows split over {lead}, {leaf.path} has {leaf.rows} rows split "
                 f"over {axes}.\nConsider separate calls for arrays with different batch layouts."
             )
-    prepared.mask_sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
 
 
-def finish_padding(prepared: Prepared, block_rows: int) -> None:
-    """Pad every leaf's leading dimension to ``block_rows`` per block held; plan the mask."""
+def plan_leaves(prepared: Prepared, rows_per_block: int | None = None) -> None:
+    """Plan the leaves for their global shapes; with ``rows_per_block``, padded to it first."""
+    if prepared.template is not None:
+        return  # planned when the template was made
     me = jax.process_index()
     for leaf in prepared.leaves:
-        k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
-        rows = block_rows * k
-        if rows != leaf.rows:
-            padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
-            padded[: leaf.rows] = leaf.value
-            leaf.value = padded
-        leaf.global_shape = (block_rows * n, *leaf.global_shape[1:])
+        if rows_per_block is not None:
+            k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
+            rows = rows_per_block * k
+            if rows != leaf.rows:
+                padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
+                padded[: leaf.rows] = leaf.value
+                leaf.value = padded
+            leaf.global_shape = (rows_per_block * n, *leaf.global_shape[1:])
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
-    first, sharding = prepared.leaves[0], prepared.mask_sharding
-    assert sharding is not None
+    if rows_per_block is None:
+        return
+    first = prepared.leaves[0]  # the mask
+    lead = dim_axes(first.sharding.spec, first.value.ndim)[0]
+    sharding = NamedSharding(first.sharding.mesh, PartitionSpec(lead or None))
     real = np.arange(first.value.shape[0]) < first.rows
     prepared.mask = (real, _layout.plan(sharding, first.global_shape[:1], me), sharding)
 
@@ -393,15 +396,6 @@ def finish_padding(prepared: Prepared, block_rows: int) -> None:
 def block_rows(prepared: Prepared) -> int:
     first = prepared.leaves[0]
     return -(-first.rows // first.plan.local_shape[0])
-
-
-def plan_leaves(prepared: Prepared) -> None:
-    """Replace the unit plans by the plans for the global shapes (no padding)."""
-    if prepared.template is not None:
-        return  # planned when the template was made
-    me = jax.process_index()
-    for leaf in prepared.leaves:
-        leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
 
 
 def describe(prepared: Prepared, *, pad: bool) -> PartRecord:
@@ -430,11 +424,10 @@ def replica_digests(prepared: Prepared, *, full: bool) -> dict[str, tuple[int, s
     """
     template = prepared.template
     slots = template.replicas if template is not None else _replica_slots(prepared.leaves)
-    groups: dict[str, tuple[int, str]] = {}
-    for i, local_index, name, reference in slots:
-        view = prepared.leaves[i].value[local_index]
-        groups[name] = (reference, _digest(view, full))
-    return groups
+    return {
+        name: (holder, _digest(prepared.leaves[i].value[index], full))
+        for i, index, name, holder in slots
+    }
 
 
 def _replica_slots(leaves: list[Leaf]) -> tuple[tuple[int, Any, str, int], ...]:

@@ -61,9 +61,7 @@ def cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> 
     wanted = value.dtype if dtype is None else np.dtype(dtype)
     target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
     key = (str(wanted), str(target))
-    new = notes is not None and key not in _warned_dtypes and all(k != key for k, _ in notes)
-    if target != wanted and new:
-        assert notes is not None
+    if target != wanted and notes is not None and key not in {*_warned_dtypes, *dict(notes)}:
         source = "dtype=" if dtype is not None else f"the data at {path}"
         notes.append(
             (

@@ -353,7 +353,6 @@ class Opened:
     capture: Callable[[], Any] | None  # the source's position right after a read (None: not kept)
     first: Any  # the position before the first read
     identity: LoaderIdentity | None  # a meshkit loader's
-    stateful: bool  # the source has get_state() / set_state()
     step: int  # the steps taken before this iterator (start.step)
     me: int
     processes: int
@@ -364,7 +363,7 @@ class Opened:
             per = self.identity.steps_per_epoch
             epoch, step = divmod(state, per) if per else (0, 0)
             return DataPosition(steps, self.identity, epoch, step, self.processes)
-        if self.stateful:
+        if self.capture is not None:  # the source has get_state() / set_state()
             return DataPosition(steps, processes=self.processes, states={self.me: state})
         return DataPosition(steps, processes=self.processes)
 
@@ -416,11 +415,12 @@ def open_source(
             if at is None and isinstance(iterable, GlobalIterator)
             else loader.iterate(at or 0)
         )
-        return Opened(it, lambda: it.step, it.step, loader.identity, False, step, me, processes)
+        return Opened(it, lambda: it.step, it.step, loader.identity, step, me, processes)
     source = loader
     capture = (lambda: _state(source)) if stateful else None
-    first = None if capture is None else capture()
-    return Opened(source, capture, first, None, stateful, step, me, processes)
+    return Opened(
+        source, capture, None if capture is None else capture(), None, step, me, processes
+    )
 
 
 def _loader_problem(start: DataPosition, loader: GlobalSource) -> str | None:

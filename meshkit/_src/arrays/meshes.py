@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,7 +72,6 @@ def make_mesh(
         {'data': 4, 'model': 2}
     """
     parsed = _mesh.parse_axes(axes)
-    given = devices is not None
     _dispatch.enter(
         _SITE,
         (
@@ -87,15 +87,14 @@ def make_mesh(
         device_list = list(np.asarray(devices, dtype=object).flat)
         if not device_list:
             raise MeshkitError("meshkit.make_mesh: devices= is empty.")
-        seen_ids = [d.id for d in device_list]
-        if len(set(seen_ids)) != len(seen_ids):
-            dup = sorted({i for i in seen_ids if seen_ids.count(i) > 1})
+        dup = sorted(i for i, k in collections.Counter(d.id for d in device_list).items() if k > 1)
+        if dup:
             raise MeshkitError(
                 f"meshkit.make_mesh: devices= lists devices {dup} more than once; each device "
                 "can hold one mesh position."
             )
     names = tuple(n for n, _ in parsed)
-    sizes = _mesh.resolve_sizes(parsed, len(device_list), given)
+    sizes = _mesh.resolve_sizes(parsed, len(device_list), devices is not None)
     types = _mesh.axis_types_of(axis_types, names)
     across = _mesh.across_positions(across_hosts, names)
     n = _compat.distributed_state()[2]

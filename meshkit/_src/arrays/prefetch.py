@@ -23,7 +23,7 @@ import numpy as np
 from ..core.errors import DivergenceError, MeshkitError
 from . import assembly as _assembly
 from . import ends as _ends
-from .blocks import Prepared, prepare
+from .blocks import Prepared
 from .records import PartRecord, raise_failures, summary
 
 _WHAT = "meshkit.global_batches"
@@ -31,18 +31,12 @@ _WHAT = "meshkit.global_batches"
 AHEAD_BYTES = 64 << 20
 
 
-@dataclass
-class Failure:
-    """Put in the caller's queue: raised by its next `next()`."""
-
-    error: BaseException
-
-
 class _End:
     pass
 
 
 END = _End()  # put in the caller's queue: the data ended for every process at this step
+# An exception put in the caller's queue is raised by its next `next()`.
 
 
 @dataclass
@@ -101,7 +95,7 @@ class _Window:
             return True
         ahead._template = one.local
         try:
-            prepared = ahead._prepare(one.local)
+            prepared = ahead.prepare(one.local)
         except Exception:  # raised again by its own step, which agrees on it alone
             return True
         record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
@@ -115,9 +109,8 @@ class Ahead:
 
     opened: _ends.Opened  # this process's loader
     assembly: _assembly.Assembly
-    args: tuple[Any, Any]  # (mesh_or_sharding, spec)
+    prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
-    dtype: Any
     told: bool  # closes are told apart from the end of data (stop_together)
     handoff: Handoff
     stop: threading.Event  # set when the iterator is closed
@@ -131,7 +124,7 @@ class Ahead:
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
-        agreed: deque[_Read | _End | Failure] = deque()
+        agreed: deque[_Read | _End | BaseException] = deque()
         window = _Window()
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
@@ -149,9 +142,9 @@ class Ahead:
                     try:
                         outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
                     except Exception as e:
-                        outcome = Failure(e)
+                        outcome = e
                     window = _Window()
-                    if isinstance(outcome, Failure | _End):  # after the steps agreed before
+                    if isinstance(outcome, BaseException | _End):  # after the steps agreed before
                         agreed.append(outcome)
                         ending = True
                     elif outcome:
@@ -176,11 +169,11 @@ class Ahead:
                 grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
-            self.handoff.put(Failure(e))
+            self.handoff.put(e)
 
-    def _place(self, step: _Read | _End | Failure) -> bool:
+    def _place(self, step: _Read | _End | BaseException) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
-        if isinstance(step, _End | Failure):
+        if isinstance(step, _End | BaseException):
             self.handoff.put(step)
             return False
         prepared, record, state = step
@@ -200,15 +193,11 @@ class Ahead:
 
     def _pull(self) -> _Pulled:
         try:
-            try:
-                pulled = _Pulled("data", next(self.opened.source))
-            except StopIteration:
-                pulled = _Pulled("end")
-            if self.opened.capture is not None:
-                pulled.state = self.opened.capture()
+            local = next(self.opened.source, END)  # END: no loader yields it
+            state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return _Pulled("error", error=e)
-        return pulled
+        return _Pulled("end", state=state) if local is END else _Pulled("data", local, state=state)
 
     def _next(self) -> _Pulled:
         return self._ahead.popleft() if self._ahead else self._pull()
@@ -218,11 +207,6 @@ class Ahead:
         if not self._ahead:
             self._ahead.append(self._pull())
         return {"end": True, "data": False}.get(self._ahead[0].status)
-
-    def _prepare(self, local: Any) -> Prepared:
-        return prepare(
-            local, *self.args, global_shape=None, dtype=self.dtype, pad=self.assembly.pad
-        )
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
@@ -236,7 +220,7 @@ class Ahead:
         if pulled.error is not None:
             if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, pulled.error)
-            self.handoff.put(Failure(pulled.error))
+            self.handoff.put(pulled.error)
             return None
         if pulled.status == "data":
             self._template = pulled.local
@@ -260,7 +244,7 @@ class Ahead:
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), self._template
             )
-        prepared = assembly.prepare(lambda: self._prepare(local))
+        prepared = assembly.prepare(lambda: self.prepare(local))
         if not multi:
             return self._finish(prepared, None, state), False
         # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
@@ -350,10 +334,9 @@ class Ahead:
         others have data is their error (`ends.went_on`).
         """
         statuses = {p: r.status for p, r in records.items()}
-        closed = {p: r.steps for p, r in records.items() if r.status == "closed"}
-        if closed:
+        if "closed" in statuses.values():
             going = set(statuses.values()) - {"end", "closed"}
-            closers = {p: k for p, k in closed.items() if k is not None}
+            closers = {p: r.steps for p, r in records.items() if r.steps is not None}
             if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
             self.hear(closers)

@@ -158,36 +158,35 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
     _agree_on_call(to, leaves, treedef, what)
     plans = [_layout.plan(leaf.sharding, tuple(leaf.shape), me) for _, leaf in leaves]
     # Each block is sent by the lowest process holding it; plans are global, so every process
-    # knows what every other sends.
-    owned: list[list[list[Any]]] = [[[] for _ in leaves] for _ in range(count)]
+    # knows what every other sends: per process, (leaf index, block) in order.
+    sends: list[list[tuple[int, Any]]] = [[] for _ in range(count)]
     for i, plan in enumerate(plans):
         sender: dict[Any, int] = {}
         for d, b in plan.blocks.items():
             sender[b] = min(sender.get(b, count), plan.owners[d])
         for b in sorted(sender):
-            owned[sender[b]][i].append(b)
-    itemsizes = [np.dtype(leaf.dtype).itemsize for _, leaf in leaves]
+            sends[sender[b]].append((i, b))
 
     def nbytes(i: int, block: Any) -> int:
-        return math.prod(b - a for a, b in block) * itemsizes[i]
+        return math.prod(b - a for a, b in block) * leaves[i][1].dtype.itemsize
 
-    width = max(1, *(sum(nbytes(i, b) for i, bs in enumerate(per) for b in bs) for per in owned))
-    sent = []
-    for i, (_, leaf) in enumerate(leaves):
-        shards = {plans[i].blocks[s.device]: s.data for s in leaf.addressable_shards}
-        sent += [shards[b] for b in owned[me][i]]
-    raw = [np.ascontiguousarray(data).view(np.uint8).reshape(-1) for data in jax.device_get(sent)]
+    width = max(1, *(sum(nbytes(i, b) for i, b in blocks) for blocks in sends))
+    shards = [
+        {plan.blocks[s.device]: s.data for s in x.addressable_shards}
+        for plan, (_, x) in zip(plans, leaves, strict=True)
+    ]
+    sent = jax.device_get([shards[i][b] for i, b in sends[me]])
+    raw = [np.ascontiguousarray(data).view(np.uint8).reshape(-1) for data in sent]
     payload = np.zeros(width, np.uint8)
     payload[: sum(r.size for r in raw)] = np.concatenate([np.empty(0, np.uint8), *raw])
     one: dict[int, Any] = {}  # each process's device of lowest id
     for d in sorted((d for _, x in leaves for d in x.sharding.device_set), key=lambda d: d.id):
         one.setdefault(int(d.process_index), d)
     mesh = Mesh(np.array([one[p] for p in sorted(one)], dtype=object), (_AXIS,))
-    mine = one[me]
     global_payload = jax.make_array_from_single_device_arrays(
         (count, width),
         NamedSharding(mesh, PartitionSpec(_AXIS)),
-        [jax.device_put(payload.reshape(1, width), mine)],
+        [jax.device_put(payload.reshape(1, width), one[me])],
     )
     if to == "all":
         rows = np.asarray(_all_gather(mesh)(global_payload).addressable_shards[0].data)
@@ -197,17 +196,14 @@ def gather(x: Any, *, to: int | Literal["all"] = "all") -> Any:
             out.block_until_ready()
             return None
         rows = np.asarray(out.addressable_shards[0].data).reshape(count, width)
-    values = []
-    offsets = [0] * count
-    for i, (_, leaf) in enumerate(leaves):
-        value = np.empty(leaf.shape, leaf.dtype)
-        for p in range(count):
-            for block in owned[p][i]:
-                raw = rows[p, offsets[p] : offsets[p] + nbytes(i, block)]
-                offsets[p] += raw.size
-                shape = tuple(b - a for a, b in block)
-                value[tuple(slice(a, b) for a, b in block)] = raw.view(leaf.dtype).reshape(shape)
-        values.append(value)
+    values = [np.empty(leaf.shape, leaf.dtype) for _, leaf in leaves]
+    for p, blocks in enumerate(sends):
+        offset = 0
+        for i, block in blocks:
+            size, shape = nbytes(i, block), [b - a for a, b in block]
+            data = rows[p, offset : offset + size].view(values[i].dtype).reshape(shape)
+            values[i][tuple(slice(a, b) for a, b in block)] = data
+            offset += size
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
@@ -230,11 +226,8 @@ def _agree_on_call(
     if records is None:
         return
     calls = {p: json.loads(r) for p, r in records.items()}
-    groups: dict[str, list[int]] = {}
-    for key in said:  # the first that differs
-        groups = _missing.by_value({p: call[key] for p, call in calls.items()})
-        if len(groups) > 1:
-            break
+    each = (_missing.by_value({p: call[key] for p, call in calls.items()}) for key in said)
+    groups = next(g for g in each if len(g) > 1)  # the first that differs
     raise MeshkitError(
         f"{what}: the processes called gather differently:\n{_missing.lines(groups)}\n"
         "Every process must pass the same arrays and the same to= (it is a collective: a "
