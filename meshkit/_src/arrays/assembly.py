@@ -252,15 +252,16 @@ class Assembly:
         wire = {**record.wire(), "replicas": replicas} if replicas else record.wire()
         template = prepared.template  # its summary spares a JSON text per call
         said = template.summary if template and record is template.record else summary(wire)
-        if not self.later:
-            records = exchange_records(
-                self.check_tag, wire, self.what, groups=replicas, channel=self.check_channel,
-                said=said,
+        tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
+        if not self.later:  # the record's text is made only where a difference shows it
+            outcome = _agree.agree(
+                tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas, what=what,
+                channel=self.check_channel,
             )  # fmt: skip
-            compare(_read(records), self.what)
+            if not outcome.agreed:
+                compare(_read(_records(outcome, timeout, what)), what)
             return
         # Verified after the call returns: a later call raises a difference.
-        tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
         number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
         caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
 

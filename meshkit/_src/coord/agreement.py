@@ -93,7 +93,7 @@ def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | Non
     candidates = ([period] if period else []) + list(range(1, MAX_PERIOD + 1))
     for p in candidates:
         span = max(p, SPAN)
-        if len(h) >= span + p and all(h[-i] == h[-i - p] for i in range(1, span + 1)):
+        if len(h) >= span + p and h[-span:] == h[-span - p : -p]:
             return h[-p], p
     return None, 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -120,6 +121,7 @@ def numbered(tag: str, what: str) -> str:
     return f"{base}/{k}"
 
 
+@functools.lru_cache(maxsize=1024)
 def tag_part(name: str) -> str:
     """``name`` made safe as one component of a tag: distinct names stay distinct."""
     return urllib.parse.quote(name, safe="")
