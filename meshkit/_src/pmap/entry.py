@@ -8,7 +8,6 @@ showed it, and outputs get it back at ``out_axes``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
@@ -219,7 +218,7 @@ class Entry:
         if leaf.sharding == target:
             return leaf
         if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-            if not _explicitly_typed(leaf):
+            if not spec_axes(jax.typeof(leaf).sharding.spec):  # no Explicit mesh axis in its type
                 return leaf
             # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
             shards = [s.data for s in leaf.addressable_shards]
@@ -300,17 +299,18 @@ def build(
     def body(*flat: Any) -> Any:
         entry.out_leaves.clear()
         token = TRACING.set(fn)
-        try:
-            out = jax.shard_map(
-                per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
-            )(*flat)
+        try:  # shard_map runs on the context mesh: this one, whatever the caller's is
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                out = jax.shard_map(
+                    per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
+                )(*flat)
+                return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
         except NameError as e:
             if not str(e).startswith("Found an unbound axis name"):
                 raise  # the user's own NameError
             raise MeshkitNameError(f"{e}\n{_unbound_axis_help(fn, str(e))}") from None
         finally:
             TRACING.reset(token)
-        return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
 
     # Outputs split over the devices as jax.pmap returns them, even when every device computed
     # the same value: jit's out_shardings where the out_axes fix them (cheaper per call), else
@@ -379,23 +379,6 @@ def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> An
             leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
         placed.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, placed)
-
-
-def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-    """``jax.set_mesh(mesh)`` when another mesh is the context (shard_map runs on it)."""
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty or context == mesh.abstract_mesh:
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
-
-
-def _explicitly_typed(x: Any) -> bool:
-    """Whether ``x``'s type carries a sharding over Explicit mesh axes (shard_map rejects it)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or not spec_axes(sharding.spec):
-        return False
-    return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def _local_view(x: jax.Array) -> jax.Array:

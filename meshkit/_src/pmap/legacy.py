@@ -391,8 +391,6 @@ def prefetch_to_device(
 
 def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Iterator[Any]:
     mine = mesh.local_devices
-    queue: collections.deque[Any] = collections.deque()
-    failure: BaseException | None = None
 
     def place(index: int, element: Any) -> Any:
         named, treedef = tree_paths(element)
@@ -412,25 +410,21 @@ def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Itera
         out = multihost_utils.host_local_array_to_global_array(out, mesh, SPEC)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def fill(until: int) -> None:
-        nonlocal failure
-        while failure is None and len(queue) < until:
-            try:
-                index, element = next(source)
-            except StopIteration:
-                return
-            except Exception as e:  # delivered after the elements already placed
-                failure = e
-                return
-            queue.append(place(index, element))
-
+    queue: collections.deque[Any] = collections.deque()
+    failure: Exception | None = None
     while True:
-        fill(max(size, 1))
-        if not queue:
+        try:
+            index, element = next(source)
+        except StopIteration:
             break
-        element = queue.popleft()
-        fill(size)  # the next ones travel while the caller works on this one
-        yield element
+        except Exception as e:  # delivered after the elements already placed
+            failure = e
+            break
+        queue.append(place(index, element))
+        if len(queue) > size:  # the next ones travel while the caller works on this one
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()
     if failure is not None:
         raise failure
 

@@ -125,9 +125,8 @@ class PmapFunction:
         _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        with _entry.mesh_context(entry.plan.mesh):
-            entry.check_outputs(placed)
-            return entry.finish(entry.jitted(*placed))
+        entry.check_outputs(placed)
+        return entry.finish(entry.jitted(*placed))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a method decorator: ``self`` becomes the first argument, as with `jax.pmap`."""
@@ -137,9 +136,8 @@ class PmapFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
-        with _entry.mesh_context(entry.plan.mesh):
-            entry.check_outputs(placed)
-            lowered = entry.jitted.lower(*placed)
+        entry.check_outputs(placed)
+        lowered = entry.jitted.lower(*placed)
         return Lowered(Stage(self, key, treedef, signature(leaves), entry), lowered)
 
     @property
