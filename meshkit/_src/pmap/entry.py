@@ -103,9 +103,7 @@ def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
 def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layout:
     """The per-leaf in_axes, names and donations of a call structure."""
     what = fn.what
-    positions = [i for i in range(n_args) if i not in fn.static]
-    per_arg = in_axes_for(fn, n_args, kwargs)
-    dyn_axes = tuple(per_arg[i] for i in positions)
+    positions, dyn_axes = in_axes_for(fn, n_args, kwargs)
     mismatch = prefix_mismatch(
         dyn_axes, tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
     )
@@ -132,11 +130,12 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layo
     return Layout(tuple(axes), tuple(paths), tuple(donated))
 
 
-def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
-    """One in_axes entry per positional argument (statics included)."""
+def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> tuple[list[int], tuple[Any, ...]]:
+    """The positions of the non-static positional arguments, and their in_axes entries."""
     in_axes, what = fn.in_axes, fn.what
+    positions = [i for i in range(n_args) if i not in fn.static]
     if _axis_leaf(in_axes):
-        return [in_axes] * n_args
+        return positions, (in_axes,) * len(positions)
     if not isinstance(in_axes, tuple):
         raise MeshkitError(
             f"{what}: in_axes must be an int, None, or a tuple with one entry per "
@@ -151,7 +150,7 @@ def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
             + "\nConsider one in_axes entry per positional argument (None for an argument "
             "every device gets whole)."
         )
-    return list(in_axes)
+    return positions, tuple(in_axes[i] for i in positions)
 
 
 def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:

@@ -243,8 +243,7 @@ class PmapFunction:
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
         n_args = _entry.call_key(self, args, kwargs)[0]
-        positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = _entry.in_axes_for(self, n_args, kwargs)
+        positions, in_axes = _entry.in_axes_for(self, n_args, kwargs)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             full = list(args)
@@ -254,7 +253,7 @@ class PmapFunction:
 
         mapped = jax.vmap(
             dyn_fun,
-            in_axes=tuple(in_axes[i] for i in positions),
+            in_axes=in_axes,
             out_axes=self.out_axes,
             axis_name=self.mesh_axis,
             axis_size=self.axis_size,

@@ -153,9 +153,6 @@ class SpmdFunction:
             if jitted is not None:  # every leaf already placed: straight to jit
                 self._site.calls += 1
                 return jitted(*args)
-        return self._call(*args, **kwargs)
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
                 f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
@@ -341,12 +338,10 @@ class MeshPlan:
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
             plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
-            to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
-            shardings = jax.tree_util.tree_map(to_sharding, specs, is_leaf=is_spec_leaf)
             jitted = jit_over_shard_map(
                 lambda *args: self.body(*args),
                 owner.name,
-                in_shardings=shardings,
+                in_shardings=jax.tree_util.tree_unflatten(treedef, plan.targets),
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
