@@ -16,11 +16,13 @@ import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import keystr
 
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
+from ..core.trees import broadcast_prefix
 from ..runtime import dispatch as _dispatch
 from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
@@ -333,7 +335,10 @@ class MeshPlan:
                 for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
             )
             specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
-        leaves = _leaf_specs(dyn, specs, raws)
+        # Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name.
+        paths = [f"args{keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
+        per_leaf = [broadcast_prefix(tree, dyn, is_leaf=is_spec_leaf) for tree in (specs, raws)]
+        leaves = list(zip(*per_leaf, paths, strict=True))
         jitted = plan = None
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
@@ -439,7 +444,7 @@ class MeshPlan:
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
                 if dims is not None and len(dims) != np.ndim(leaf):
                     raise MeshkitError(
-                        f"{self.what}: output out{jax.tree_util.keystr(path)} has rank "
+                        f"{self.what}: output out{keystr(path)} has rank "
                         f"{np.ndim(leaf)} but its spec {raw!r} names "
                         f"{_count(len(dims), 'dimension')}."
                     )
@@ -516,21 +521,6 @@ class MeshPlan:
         if len(leaf.sharding.device_set) > 1:
             self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
         return jax.device_put(leaf, target)
-
-
-def _leaf_specs(
-    dyn: tuple[Any, ...], specs: tuple[Any, ...], raws: tuple[Any, ...]
-) -> list[tuple[PartitionSpec, Any, str]]:
-    """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
-    keystr = jax.tree_util.keystr
-    out: list[tuple[PartitionSpec, Any, str]] = []
-
-    def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> None:
-        for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
-            out.append((s, r, f"args{keystr(at)}{keystr(p)}"))  # args[i] and the path in it
-
-    jax.tree_util.tree_map_with_path(visit, specs, raws, dyn, is_leaf=is_spec_leaf)
-    return out
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
