@@ -153,20 +153,6 @@ def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> tuple[list[int], tuple[Any
     return positions, tuple(in_axes[i] for i in positions)
 
 
-def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
-    """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
-    mismatch = prefix_mismatch(axes, out, is_leaf=_axis_leaf)
-    if mismatch is not None:
-        where, have, want = mismatch
-        raise MeshkitError(
-            f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
-            f"outputs ({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has "
-            f"{have} where the outputs have {want}.\n"
-            "Consider one entry per output (an int, None, or a pytree matching it)."
-        )
-    return broadcast_prefix(axes, out, is_leaf=_axis_leaf)
-
-
 def out_spec(axis: Axis, name: str) -> PartitionSpec:
     """The spec of an output with out axis ``axis`` (negative ones are moved after shard_map)."""
     return PartitionSpec() if axis is None else PartitionSpec(*([None] * max(axis, 0)), name)
@@ -344,11 +330,19 @@ def _unbound_axis_help(fn: Any, message: str) -> str:
 def _outputs_per_device(entry: Entry, out: Any) -> Any:
     """Each output gets its mapped dimension back (size 1); names recorded for checks."""
     fn = entry.fn
+    mismatch = prefix_mismatch(fn.out_axes, out, is_leaf=_axis_leaf)
+    if mismatch is not None:
+        where, have, want = mismatch
+        raise MeshkitError(
+            f"{fn.what}: out_axes = {fn.out_axes!r} is not a pytree prefix of the outputs "
+            f"({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has {have} "
+            f"where the outputs have {want}.\n"
+            "Consider one entry per output (an int, None, or a pytree matching it)."
+        )
+    axes = broadcast_prefix(fn.out_axes, out, is_leaf=_axis_leaf)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
     result = []
-    for (path, leaf), axis in zip(
-        with_path, axes_per_output(fn.out_axes, out, fn.name), strict=True
-    ):
+    for (path, leaf), axis in zip(with_path, axes, strict=True):
         where = f"output{jax.tree_util.keystr(path)}"
         leaf = jax.numpy.asarray(leaf)
         entry.out_leaves.append((f"{where} (shape {leaf.shape})", axis))

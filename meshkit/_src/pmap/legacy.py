@@ -478,8 +478,7 @@ def pad_shard_unpad(
 
         def pad(x: Any) -> np.ndarray:
             value = np.asarray(x)
-            extra = np.zeros((local * per_device - b, *value.shape[1:]), value.dtype)
-            value = np.concatenate([value, extra]) if len(extra) else value
+            value = np.pad(value, [(0, local * per_device - b)] + [(0, 0)] * (value.ndim - 1))
             return value.reshape(local, per_device, *value.shape[1:])
 
         new_args = [a if i in fixed else jax.tree.map(pad, a) for i, a in enumerate(args)]

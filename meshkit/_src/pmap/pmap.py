@@ -138,7 +138,7 @@ class PmapFunction:
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
         entry.check_outputs(placed)
         lowered = entry.jitted.lower(*placed)
-        return Lowered(Stage(self, key, treedef, signature(leaves), entry), lowered)
+        return Lowered(Stage(key, treedef, signature(leaves), entry), lowered)
 
     @property
     def calls(self) -> int:
@@ -386,9 +386,8 @@ def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
 
 @dataclass(frozen=True)
 class Stage:
-    """What a lowering fixed: the function, call key and structure, leaves' signature, entry."""
+    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
 
-    fn: PmapFunction
     key: Any
     treedef: Any
     given: list[tuple[tuple[int, ...], str]]
@@ -421,7 +420,7 @@ class Compiled:
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
-        what, static = stage.fn.what, stage.fn.static
+        what, static = stage.entry.fn.what, stage.entry.fn.static
         n_args, static_vals, _ = stage.key
         if static and len(args) == n_args:  # static arguments given again: they must match
             given = tuple(args[i] for i in static)
