@@ -183,7 +183,7 @@ class Entry:
     out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # (name, axis), traced
     checked: bool = False
 
-    def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
+    def place(self, leaves: list[Any], treedef: Any) -> list[Any]:
         """Every leaf placed for this entry; host data in one batch (assembled across processes)."""
         placed = [self._put(x, target) for x, target in zip(leaves, self.plan.targets, strict=True)]
         return _placement.put_host(

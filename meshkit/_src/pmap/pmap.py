@@ -451,7 +451,7 @@ class Compiled:
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )
-        return stage.entry.finish(self.compiled(*stage.entry.place(leaves)))
+        return stage.entry.finish(self.compiled(*stage.entry.place(leaves, treedef)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)  # as_text, cost_analysis, ...

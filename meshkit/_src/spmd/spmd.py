@@ -491,15 +491,15 @@ class MeshPlan:
             )
             for i, value in zip(local, assembled, strict=True):
                 leaves[i] = value
-            flat = self.place(leaves, layout)
+            flat = self.place(leaves, layout, treedef)
         else:
             layout = self.layout(dyn, treedef)
-            flat = self.place(leaves, layout)
+            flat = self.place(leaves, layout, treedef)
         it = iter(jax.tree_util.tree_unflatten(treedef, flat))
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
 
-    def place(self, flat: list[Any], layout: Layout) -> list[Any]:
+    def place(self, flat: list[Any], layout: Layout, treedef: Any) -> list[Any]:
         """Every leaf checked, then moved or put where its spec says; the layout turns steady."""
         self.check_args(flat, layout)
         plan = layout.plan
@@ -508,7 +508,7 @@ class MeshPlan:
             self.move(leaf, target, where)
             for leaf, target, where in zip(flat, plan.targets, plan.paths, strict=True)
         ]
-        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG)
+        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG, treedef=treedef)
         layout.steady = plan
         return placed
 
