@@ -438,18 +438,15 @@ class MeshPlan:
 
     def check_outputs(self, out: Any, raws: Any) -> None:
         """Each output's rank against the dimensions its spec string (in ``raws``) names."""
-
-        def check(raw: Any, sub: Any) -> None:
+        with_path = jax.tree_util.tree_flatten_with_path(out)[0]
+        per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
+        for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                if dims is not None and len(dims) != np.ndim(leaf):
-                    raise MeshkitError(
-                        f"{self.what}: output out{keystr(path)} has rank "
-                        f"{np.ndim(leaf)} but its spec {raw!r} names "
-                        f"{_count(len(dims), 'dimension')}."
-                    )
-
-        jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
+            if dims is not None and len(dims) != np.ndim(leaf):
+                raise MeshkitError(
+                    f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
+                    f"spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
 
     def steady(self, args: tuple[Any, ...]) -> Any:
         """The jitted function when every dynamic leaf is placed as a past call put it."""
