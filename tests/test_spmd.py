@@ -266,6 +266,18 @@ def test_spec_longer_than_the_argument_rank(mesh):
         f(np.ones(8))
 
 
+def test_output_rank_error_names_the_output_by_its_full_path():
+    mesh = _mesh("auto")
+    out_specs = {"p": "b -> data", "q": ["b -> _"]}
+    f = meshkit.spmd(
+        lambda a: {"p": a, "q": [a.sum()]}, mesh=mesh, in_specs="data", out_specs=out_specs
+    )
+    with pytest.raises(
+        MeshkitError, match=r"output out\['q'\]\[0\] has rank 0 but its spec 'b -> _' names 1"
+    ):
+        f(np.ones(8))
+
+
 # ---- properties --------------------------------------------------------------------------------
 
 

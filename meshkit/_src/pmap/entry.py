@@ -8,7 +8,6 @@ showed it, and outputs get it back at ``out_axes``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
@@ -104,9 +103,7 @@ def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
 def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layout:
     """The per-leaf in_axes, names and donations of a call structure."""
     what = fn.what
-    positions = [i for i in range(n_args) if i not in fn.static]
-    per_arg = in_axes_for(fn, n_args, kwargs)
-    dyn_axes = tuple(per_arg[i] for i in positions)
+    positions, dyn_axes = in_axes_for(fn, n_args, kwargs)
     mismatch = prefix_mismatch(
         dyn_axes, tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
     )
@@ -133,11 +130,12 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layo
     return Layout(tuple(axes), tuple(paths), tuple(donated))
 
 
-def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
-    """One in_axes entry per positional argument (statics included)."""
+def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> tuple[list[int], tuple[Any, ...]]:
+    """The positions of the non-static positional arguments, and their in_axes entries."""
     in_axes, what = fn.in_axes, fn.what
+    positions = [i for i in range(n_args) if i not in fn.static]
     if _axis_leaf(in_axes):
-        return [in_axes] * n_args
+        return positions, (in_axes,) * len(positions)
     if not isinstance(in_axes, tuple):
         raise MeshkitError(
             f"{what}: in_axes must be an int, None, or a tuple with one entry per "
@@ -152,21 +150,7 @@ def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> list[Any]:
             + "\nConsider one in_axes entry per positional argument (None for an argument "
             "every device gets whole)."
         )
-    return list(in_axes)
-
-
-def axes_per_output(axes: Any, out: Any, name: str) -> list[Axis]:
-    """One out axis (or None) per output leaf, from the pytree prefix ``out_axes``."""
-    mismatch = prefix_mismatch(axes, out, is_leaf=_axis_leaf)
-    if mismatch is not None:
-        where, have, want = mismatch
-        raise MeshkitError(
-            f"meshkit.pmap_compat({name}): out_axes = {axes!r} is not a pytree prefix of the "
-            f"outputs ({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has "
-            f"{have} where the outputs have {want}.\n"
-            "Consider one entry per output (an int, None, or a pytree matching it)."
-        )
-    return broadcast_prefix(axes, out, is_leaf=_axis_leaf)
+    return positions, tuple(in_axes[i] for i in positions)
 
 
 def out_spec(axis: Axis, name: str) -> PartitionSpec:
@@ -199,7 +183,7 @@ class Entry:
     out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # (name, axis), traced
     checked: bool = False
 
-    def place(self, leaves: list[Any], treedef: Any = None) -> list[Any]:
+    def place(self, leaves: list[Any], treedef: Any) -> list[Any]:
         """Every leaf placed for this entry; host data in one batch (assembled across processes)."""
         placed = [self._put(x, target) for x, target in zip(leaves, self.plan.targets, strict=True)]
         return _placement.put_host(
@@ -219,7 +203,7 @@ class Entry:
         if leaf.sharding == target:
             return leaf
         if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-            if not _explicitly_typed(leaf):
+            if not spec_axes(jax.typeof(leaf).sharding.spec):  # no Explicit mesh axis in its type
                 return leaf
             # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
             shards = [s.data for s in leaf.addressable_shards]
@@ -300,17 +284,18 @@ def build(
     def body(*flat: Any) -> Any:
         entry.out_leaves.clear()
         token = TRACING.set(fn)
-        try:
-            out = jax.shard_map(
-                per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
-            )(*flat)
+        try:  # shard_map runs on the context mesh: this one, whatever the caller's is
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                out = jax.shard_map(
+                    per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
+                )(*flat)
+                return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
         except NameError as e:
             if not str(e).startswith("Found an unbound axis name"):
                 raise  # the user's own NameError
             raise MeshkitNameError(f"{e}\n{_unbound_axis_help(fn, str(e))}") from None
         finally:
             TRACING.reset(token)
-        return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
 
     # Outputs split over the devices as jax.pmap returns them, even when every device computed
     # the same value: jit's out_shardings where the out_axes fix them (cheaper per call), else
@@ -345,11 +330,19 @@ def _unbound_axis_help(fn: Any, message: str) -> str:
 def _outputs_per_device(entry: Entry, out: Any) -> Any:
     """Each output gets its mapped dimension back (size 1); names recorded for checks."""
     fn = entry.fn
+    mismatch = prefix_mismatch(fn.out_axes, out, is_leaf=_axis_leaf)
+    if mismatch is not None:
+        where, have, want = mismatch
+        raise MeshkitError(
+            f"{fn.what}: out_axes = {fn.out_axes!r} is not a pytree prefix of the outputs "
+            f"({jax.tree_util.tree_structure(out)}): at out_axes{where}, out_axes has {have} "
+            f"where the outputs have {want}.\n"
+            "Consider one entry per output (an int, None, or a pytree matching it)."
+        )
+    axes = broadcast_prefix(fn.out_axes, out, is_leaf=_axis_leaf)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
     result = []
-    for (path, leaf), axis in zip(
-        with_path, axes_per_output(fn.out_axes, out, fn.name), strict=True
-    ):
+    for (path, leaf), axis in zip(with_path, axes, strict=True):
         where = f"output{jax.tree_util.keystr(path)}"
         leaf = jax.numpy.asarray(leaf)
         entry.out_leaves.append((f"{where} (shape {leaf.shape})", axis))
@@ -379,23 +372,6 @@ def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> An
             leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
         placed.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, placed)
-
-
-def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-    """``jax.set_mesh(mesh)`` when another mesh is the context (shard_map runs on it)."""
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty or context == mesh.abstract_mesh:
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
-
-
-def _explicitly_typed(x: Any) -> bool:
-    """Whether ``x``'s type carries a sharding over Explicit mesh axes (shard_map rejects it)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or not spec_axes(sharding.spec):
-        return False
-    return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def _local_view(x: jax.Array) -> jax.Array:

@@ -164,39 +164,34 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
         )
     mesh = device_mesh(chosen)
     named, treedef = tree_paths(shards[0])
-    flats = [named]
     for i, s in enumerate(shards[1:], start=1):
-        other, other_def = tree_paths(s)
+        other_def = jax.tree_util.tree_structure(s)
         if other_def != treedef:
             raise MeshkitError(
                 f"{what}: shards[{i}] has the pytree structure {other_def}, but shards[0] has "
                 f"{treedef}; every shard must have the same structure.\nConsider building every "
                 "shard with the same keys and nesting."
             )
-        flats.append(other)
+    columns = zip(*[jax.tree_util.tree_leaves(s) for s in shards], strict=True)  # one per leaf
     out = []
-    for k, (path, _) in enumerate(named):
-        values: list[Any] = [f[k][1] for f in flats]
+    for (path, _), column in zip(named, columns, strict=True):
+        values: list[Any] = list(column)
         arrays = all(isinstance(v, jax.Array) for v in values)
         held = [_single_device_value(what, path, v) for v in values] if arrays else [None]
         if all(h is not None for h in held):  # device to device
             values = held
         else:
             values = [host_array(what, path, np.asarray(v)) for v in values]
-        _same_kind(values, path)
+        want = (tuple(values[0].shape), values[0].dtype)
+        for i, v in enumerate(values[1:], start=1):
+            got = (tuple(v.shape), v.dtype)
+            if got != want:
+                sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
+                raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
         shape = (mesh.size, *values[0].shape)
         row = lambda index, v=values: v[index[0].start or 0][None]  # noqa: E731
         out.append(jax.make_array_from_callback(shape, NamedSharding(mesh, SPEC), row))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _same_kind(values: Sequence[Any], path: str) -> None:
-    want = (tuple(values[0].shape), values[0].dtype)
-    for i, v in enumerate(values[1:], start=1):
-        got = (tuple(v.shape), v.dtype)
-        if got != want:
-            sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
-            raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
 
 
 def _path_at(tree: Any, k: int) -> str:
@@ -391,8 +386,6 @@ def prefetch_to_device(
 
 def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Iterator[Any]:
     mine = mesh.local_devices
-    queue: collections.deque[Any] = collections.deque()
-    failure: BaseException | None = None
 
     def place(index: int, element: Any) -> Any:
         named, treedef = tree_paths(element)
@@ -412,25 +405,21 @@ def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Itera
         out = multihost_utils.host_local_array_to_global_array(out, mesh, SPEC)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def fill(until: int) -> None:
-        nonlocal failure
-        while failure is None and len(queue) < until:
-            try:
-                index, element = next(source)
-            except StopIteration:
-                return
-            except Exception as e:  # delivered after the elements already placed
-                failure = e
-                return
-            queue.append(place(index, element))
-
+    queue: collections.deque[Any] = collections.deque()
+    failure: Exception | None = None
     while True:
-        fill(max(size, 1))
-        if not queue:
+        try:
+            index, element = next(source)
+        except StopIteration:
             break
-        element = queue.popleft()
-        fill(size)  # the next ones travel while the caller works on this one
-        yield element
+        except Exception as e:  # delivered after the elements already placed
+            failure = e
+            break
+        queue.append(place(index, element))
+        if len(queue) > size:  # the next ones travel while the caller works on this one
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()
     if failure is not None:
         raise failure
 
@@ -489,8 +478,7 @@ def pad_shard_unpad(
 
         def pad(x: Any) -> np.ndarray:
             value = np.asarray(x)
-            extra = np.zeros((local * per_device - b, *value.shape[1:]), value.dtype)
-            value = np.concatenate([value, extra]) if len(extra) else value
+            value = np.pad(value, [(0, local * per_device - b)] + [(0, 0)] * (value.ndim - 1))
             return value.reshape(local, per_device, *value.shape[1:])
 
         new_args = [a if i in fixed else jax.tree.map(pad, a) for i, a in enumerate(args)]

@@ -125,9 +125,8 @@ class PmapFunction:
         _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        with _entry.mesh_context(entry.plan.mesh):
-            entry.check_outputs(placed)
-            return entry.finish(entry.jitted(*placed))
+        entry.check_outputs(placed)
+        return entry.finish(entry.jitted(*placed))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a method decorator: ``self`` becomes the first argument, as with `jax.pmap`."""
@@ -137,10 +136,9 @@ class PmapFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
-        with _entry.mesh_context(entry.plan.mesh):
-            entry.check_outputs(placed)
-            lowered = entry.jitted.lower(*placed)
-        return Lowered(Stage(self, key, treedef, signature(leaves), entry), lowered)
+        entry.check_outputs(placed)
+        lowered = entry.jitted.lower(*placed)
+        return Lowered(Stage(key, treedef, signature(leaves), entry), lowered)
 
     @property
     def calls(self) -> int:
@@ -245,8 +243,7 @@ class PmapFunction:
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
         n_args = _entry.call_key(self, args, kwargs)[0]
-        positions = [i for i in range(n_args) if i not in self.static]
-        in_axes = _entry.in_axes_for(self, n_args, kwargs)
+        positions, in_axes = _entry.in_axes_for(self, n_args, kwargs)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
             full = list(args)
@@ -256,7 +253,7 @@ class PmapFunction:
 
         mapped = jax.vmap(
             dyn_fun,
-            in_axes=tuple(in_axes[i] for i in positions),
+            in_axes=in_axes,
             out_axes=self.out_axes,
             axis_name=self.mesh_axis,
             axis_size=self.axis_size,
@@ -389,9 +386,8 @@ def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
 
 @dataclass(frozen=True)
 class Stage:
-    """What a lowering fixed: the function, call key and structure, leaves' signature, entry."""
+    """What a lowering fixed: the call key and structure, the leaves' signature, the entry."""
 
-    fn: PmapFunction
     key: Any
     treedef: Any
     given: list[tuple[tuple[int, ...], str]]
@@ -424,7 +420,7 @@ class Compiled:
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
-        what, static = stage.fn.what, stage.fn.static
+        what, static = stage.entry.fn.what, stage.entry.fn.static
         n_args, static_vals, _ = stage.key
         if static and len(args) == n_args:  # static arguments given again: they must match
             given = tuple(args[i] for i in static)
@@ -455,7 +451,7 @@ class Compiled:
                 "was compiled.\n" + "\n".join(rows) + "\nConsider lowering again for these "
                 "arguments, or calling the pmapped function itself (it compiles per signature)."
             )
-        return stage.entry.finish(self.compiled(*stage.entry.place(leaves)))
+        return stage.entry.finish(self.compiled(*stage.entry.place(leaves, treedef)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)  # as_text, cost_analysis, ...

@@ -71,7 +71,7 @@ def is_local(leaf: Any) -> bool:
 
 
 def put_host(
-    plan: ArgumentPlan, leaves: list[Any], *, what: str, tag: str, treedef: Any = None
+    plan: ArgumentPlan, leaves: list[Any], *, what: str, tag: str, treedef: Any
 ) -> list[Any]:
     """``leaves`` with their host data placed at the plan's targets (assembled across processes)."""
     host = [i for i, leaf in enumerate(leaves) if is_host(leaf) and not is_abstract(leaf)]
@@ -94,18 +94,12 @@ def assemble(
     *,
     what: str,
     tag: str,
+    treedef: Any,
     specs: Sequence[Any] | None = None,
-    treedef: Any = None,
 ) -> list[jax.Array]:
     """The ``chosen`` leaves, this process's parts, as global arrays (one checked assembly)."""
     keep = set(chosen)
-    structure = (
-        [0] * len(chosen)
-        if treedef is None
-        else jax.tree_util.tree_unflatten(
-            treedef, [leaf if i in keep else None for i, leaf in enumerate(leaves)]
-        )
-    )
+    structure = treedef.unflatten([leaf if i in keep else None for i, leaf in enumerate(leaves)])
     shown = list(specs) if specs is not None else [plan.targets[i].spec for i in chosen]
     with calling(what, pads=False):
         assembly = _assembly.Assembly(

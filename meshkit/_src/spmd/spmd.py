@@ -16,11 +16,13 @@ import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import keystr
 
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
+from ..core.trees import broadcast_prefix
 from ..runtime import dispatch as _dispatch
 from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
@@ -153,9 +155,6 @@ class SpmdFunction:
             if jitted is not None:  # every leaf already placed: straight to jit
                 self._site.calls += 1
                 return jitted(*args)
-        return self._call(*args, **kwargs)
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise MeshkitError(
                 f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
@@ -336,17 +335,18 @@ class MeshPlan:
                 for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
             )
             specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
-        leaves = _leaf_specs(dyn, specs, raws)
+        # Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name.
+        paths = [f"args{keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
+        per_leaf = [broadcast_prefix(tree, dyn, is_leaf=is_spec_leaf) for tree in (specs, raws)]
+        leaves = list(zip(*per_leaf, paths, strict=True))
         jitted = plan = None
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
             plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
-            to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
-            shardings = jax.tree_util.tree_map(to_sharding, specs, is_leaf=is_spec_leaf)
             jitted = jit_over_shard_map(
                 lambda *args: self.body(*args),
                 owner.name,
-                in_shardings=shardings,
+                in_shardings=jax.tree_util.tree_unflatten(treedef, plan.targets),
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
@@ -438,18 +438,15 @@ class MeshPlan:
 
     def check_outputs(self, out: Any, raws: Any) -> None:
         """Each output's rank against the dimensions its spec string (in ``raws``) names."""
-
-        def check(raw: Any, sub: Any) -> None:
+        with_path = jax.tree_util.tree_flatten_with_path(out)[0]
+        per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
+        for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
             dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                if dims is not None and len(dims) != np.ndim(leaf):
-                    raise MeshkitError(
-                        f"{self.what}: output out{jax.tree_util.keystr(path)} has rank "
-                        f"{np.ndim(leaf)} but its spec {raw!r} names "
-                        f"{_count(len(dims), 'dimension')}."
-                    )
-
-        jax.tree_util.tree_map(check, raws, out, is_leaf=is_spec_leaf)
+            if dims is not None and len(dims) != np.ndim(leaf):
+                raise MeshkitError(
+                    f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
+                    f"spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
 
     def steady(self, args: tuple[Any, ...]) -> Any:
         """The jitted function when every dynamic leaf is placed as a past call put it."""
@@ -491,15 +488,15 @@ class MeshPlan:
             )
             for i, value in zip(local, assembled, strict=True):
                 leaves[i] = value
-            flat = self.place(leaves, layout)
+            flat = self.place(leaves, layout, treedef)
         else:
             layout = self.layout(dyn, treedef)
-            flat = self.place(leaves, layout)
+            flat = self.place(leaves, layout, treedef)
         it = iter(jax.tree_util.tree_unflatten(treedef, flat))
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
 
-    def place(self, flat: list[Any], layout: Layout) -> list[Any]:
+    def place(self, flat: list[Any], layout: Layout, treedef: Any) -> list[Any]:
         """Every leaf checked, then moved or put where its spec says; the layout turns steady."""
         self.check_args(flat, layout)
         plan = layout.plan
@@ -508,7 +505,7 @@ class MeshPlan:
             self.move(leaf, target, where)
             for leaf, target, where in zip(flat, plan.targets, plan.paths, strict=True)
         ]
-        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG)
+        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG, treedef=treedef)
         layout.steady = plan
         return placed
 
@@ -521,21 +518,6 @@ class MeshPlan:
         if len(leaf.sharding.device_set) > 1:
             self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
         return jax.device_put(leaf, target)
-
-
-def _leaf_specs(
-    dyn: tuple[Any, ...], specs: tuple[Any, ...], raws: tuple[Any, ...]
-) -> list[tuple[PartitionSpec, Any, str]]:
-    """Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name."""
-    keystr = jax.tree_util.keystr
-    out: list[tuple[PartitionSpec, Any, str]] = []
-
-    def visit(at: Any, s: PartitionSpec, r: Any, sub: Any) -> None:
-        for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]:
-            out.append((s, r, f"args{keystr(at)}{keystr(p)}"))  # args[i] and the path in it
-
-    jax.tree_util.tree_map_with_path(visit, specs, raws, dyn, is_leaf=is_spec_leaf)
-    return out
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -51,9 +51,9 @@ def _open(jaxpr: Any) -> Any:
     return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr  # a ClosedJaxpr's Jaxpr
 
 
+@dataclass(frozen=True)
 class _Analysis:
-    def __init__(self, axis: Hashable) -> None:
-        self.axis = axis
+    axis: Hashable
 
     def run(self, jaxpr: Any, inputs: Sequence[Variance]) -> list[Variance]:
         """The variance of ``jaxpr``'s outputs given its inputs' (constvars invariant)."""
