@@ -11,6 +11,7 @@ import math
 import threading
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
@@ -276,7 +277,8 @@ def test_describe_on_several_hosts_names_them(monkeypatch):
 
     devs = [SimpleNamespace(id=i, process_index=i // 2, platform="cpu") for i in range(8)]
     grid = order_devices(devs, (2, 4), host_of=[0, 1, 0, 1])
-    mesh = SimpleNamespace(devices=grid, axis_names=("data", "model"), axis_types=None)
+    auto = jax.sharding.AxisType.Auto
+    mesh = SimpleNamespace(devices=grid, axis_names=("data", "model"), axis_types=(auto, auto))
     monkeypatch.setattr(_hosts, "known", lambda: Hosts(("a", "b"), (0, 1, 0, 1)))
     lines = meshkit.describe(mesh).splitlines()  # type: ignore[arg-type]
     assert lines[0] == "Mesh {'data': 2, 'model': 4}: 8 devices on 4 processes on 2 hosts"

@@ -335,7 +335,8 @@ def watch(
                     return
             heard(closers)
 
-    _exit.at(name, period, look, nudge=False)
+    # Nudged: a service thread waiting out an idle slice (5 s) looks within the period.
+    _exit.at(name, period, look)
 
 
 # Where the source starts (start=).
