@@ -36,8 +36,11 @@ from jax.experimental import multihost_utils
 from meshkit.cli import main
 
 ids = multihost_utils.process_allgather(np.array([info.process_id]))
-print("JOINED", info.source, info.process_id, info.num_processes, jax.device_count(),
-      sorted(int(i) for i in np.ravel(ids)), flush=True)
+# One write: gloo's thread prints on the same stdout, between the writes of a print of several
+# arguments when it is unbuffered.
+joined = (info.source, info.process_id, info.num_processes, jax.device_count(),
+          sorted(int(i) for i in np.ravel(ids)))
+print("JOINED " + " ".join(map(str, joined)), flush=True)
 main(["info"])
 """
 
