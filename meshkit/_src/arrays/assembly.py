@@ -48,20 +48,12 @@ _SITE = _dispatch.CallSite(
 
 
 def exchange_records(
-    tag: str,
-    record: dict[str, Any],
-    what: str = WHAT,
-    *,
-    groups: dict[str, tuple[int, str]] | None = None,
-    channel: str | None = None,
-    said: str | None = None,
+    tag: str, record: dict[str, Any], what: str = WHAT, *, said: str | None = None
 ) -> dict[int, dict[str, Any]]:
     """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
     timeout = _env.check_timeout()
-    outcome = _agree.agree(
-        tag, summary(record) if said is None else said, json.dumps(record), timeout=timeout,
-        groups=groups, what=what, channel=channel,
-    )  # fmt: skip
+    said = summary(record) if said is None else said
+    outcome = _agree.agree(tag, said, json.dumps(record), timeout=timeout, what=what)
     return _records(outcome, timeout, what)
 
 
