@@ -264,18 +264,34 @@ def test_the_root_cause_is_not_listed_again_as_failed_on_its_own():
 def test_the_stall_summary_is_built_from_the_events():
     told = Told.of(
         [
-            _event(0, "stalled", inside=True, idle=3.2, frame="in wait (threading.py:331)",
-                   last="call #3 of step (spmd)"),
-            _event(0, "stalled", inside=True, idle=9.0, frame="in later (x.py:1)", last=None),
+            _event(0, "stalled", inside=True, idle=3.2, frame="in wait (threading.py:331)"),
+            _event(0, "stalled", inside=False, state="device", idle=9.0, frame="x.py:1 in f"),
+            _event(2, "stalled", inside=False, idle=9.0, frame="y.py:7 in g"),  # no state
         ]
     )  # fmt: skip
-    assert _report.stall_summary([0, 1], told) == (
-        "Stall watchdog, where each rank was:\n"
-        "  rank 0: meshkit watchdog: process 0 made no progress for 9 s; main thread now in "
-        "later (x.py:1), inside a meshkit call; last meshkit call: none\n"
-        "  (no watchdog report from rank 1)\n"
-    )
+    summary = _report.stall_summary([0, 1, 2], told)
+    head, rank0, rank2, quiet = summary.splitlines()
+    assert head == "Where each rank was when the run stalled:"
+    assert rank0.startswith("  rank 0: no progress for 9 s;"), rank0  # the last event counts
+    assert "at x.py:1 in f" in rank0, rank0
+    assert rank0.endswith("waiting for device results"), rank0
+    assert rank2.endswith("y.py:7 in g, outside meshkit"), rank2
+    assert quiet == "  (no stall report from rank 1)"
     assert _report.stall_summary([0, 1], Told()) == ""
+
+
+def test_the_report_of_a_stalled_run_names_the_rank_the_verdict_names():
+    results = [_rank(0, 1, "meshkit: no progress"), _rank(1, 1, "Process 1's main thread")]
+    held = Told.of([_event(r, "failed", cause="stall", processes=[1]) for r in (0, 1)])
+    report = _report.root_cause(results[0], results, 310.0, held)
+    assert "rank 0 failed first (exit code 1)" in report, report
+    assert "The evidence points to rank 1: the run stalled" in report, report
+    assert "--- root cause: rank 1 ---\n  | Process 1's main thread" in report, report
+    nobody = Told.of([_event(r, "failed", cause="stall", processes=[]) for r in (0, 1)])
+    report = _report.root_cause(results[0], results, 310.0, nobody)
+    assert "The run stalled, and no rank held it" in report, report
+    assert "root cause" not in report, report
+    assert "--- first to fail: rank 0 ---" in report, report
 
 
 def test_events_read_back_into_verdicts(tmp_path, monkeypatch):

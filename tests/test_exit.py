@@ -315,22 +315,22 @@ def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):
     assert _events_of(status) == [("ended", {})]
 
 
-def test_the_watchdog_writes_stalled_with_where_it_waits(status):
-    from meshkit._src.lifecycle import watchdog as _watchdog
+def test_a_stall_report_writes_stalled_with_where_it_waits(status, monkeypatch):
+    from meshkit._src.lifecycle import stall as _stall
 
-    dog = _watchdog.Watchdog(1.0, 1.0, False, lambda: "call #3 of step (spmd)")
-    # From another thread, as the watchdog runs: the main thread waits in join, not in meshkit.
-    thread = threading.Thread(target=dog._dump, args=(12.34,))
+    posted: dict[str, str] = {}
+    board = _stall.Board(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
+    detector = _stall.Detector(0, 1, board, str, _stall.Settings(1.0, None))
+    monkeypatch.setattr(_stall, "say", lambda *a: None)
+    # From another thread, as the service thread runs it: the main thread waits in join.
+    thread = threading.Thread(target=detector._compare, args=(12.34, ""))
     thread.start()
     thread.join()
     ((kind, fields),) = _events_of(status)
     assert kind == "stalled"
-    assert fields["inside"] is False
-    assert fields["idle"] == 12.3
-    assert re.fullmatch(r"in \w+ \(.+:\d+\)(, called from \w+ \(.+:\d+\))?", fields["frame"]), (
-        fields
-    )
-    assert fields["last"] == "call #3 of step (spmd)"
+    assert (fields["inside"], fields["state"], fields["idle"]) == (False, "python", 12.3)
+    assert re.fullmatch(r"(tests/)?test_exit\.py:\d+ in test_\w+", fields["frame"]), fields
+    assert fields["holding"] == []  # the one process is stuck in its own code: nobody to blame
 
 
 def test_init_writes_joined(status):

@@ -9,7 +9,7 @@ Where a guarantee stops (a case no check sees), docs/guarantees.md says so.
 Classes whose processes stay in step (replicas, programs) run in the module's warm cluster;
 those that end the run (a failure raised uncaught, a kill, a notice, a stall) in fresh ones,
 all launched at once when the module starts (most of their time is waiting: for a timeout, a
-watchdog, a notice), each test then reading its own run.
+stall's deadline, a notice), each test then reading its own run.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshkit.testing import launch_in_processes
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.waits,  # for timeouts, a watchdog, a notice
+    pytest.mark.waits,  # for timeouts, a stall's deadline, a notice
     pytest.mark.warm_cluster(num_processes=2, devices_per_process=4, timeout=120),
 ]
 
@@ -76,9 +76,8 @@ def _launch(program, env: dict[str, str], limit: float = 90):
     return result, text
 
 
-# Debug mode's stall watchdog: after 3 s without progress a process prints where it is, and
-# ends 6 s later. Under the defaults nothing detects a stuck process (see the last test).
-WATCHDOG = {"MESHKIT_DEBUG": "1", "MESHKIT_DEBUG_TIMEOUT": "6", "MESHKIT_WATCHDOG": "3"}
+# Stall detection under the defaults, with a 6 s deadline (the report after 1.2 s).
+STALL = {"MESHKIT_STALL_TIMEOUT": "6"}
 
 # The runs in fresh processes: a name for each, its program and its settings.
 FRESH = {
@@ -94,7 +93,7 @@ FRESH = {
     "loop": (failures.loop_left_early, FAST),
     "dies": (failures.process_dies, FAST),
     "preempted": (failures.preempted, FAST),
-    "stuck": (failures.stuck, WATCHDOG),
+    "stuck": (failures.stuck, STALL),
 }
 
 
@@ -335,30 +334,23 @@ def test_a_preemption_notice_saves_at_one_step_on_every_process_and_ends_143(fre
 
 # ---- a stuck process ----------------------------------------------------------------------
 
-# Under the defaults a stuck process is detected by nothing: the run waits for ever (issue 44
-# makes a stall deadline the default). Debug mode's watchdog shows where each process is.
+# Under the defaults, every process says which one holds the run, and the run ends.
 
 
-def test_a_stuck_process_is_shown_where_it_waits_and_the_run_ends_with_the_watchdog(fresh_runs):
+def test_a_stuck_process_is_named_by_every_process_and_the_run_ends(fresh_runs):
     result, text = _run(fresh_runs, "stuck")
-    assert result.returncode != 0, text
+    assert result.returncode == 1, text
     for rank in result.ranks:
         assert _printed(rank.stdout, "STEP") == [(k, STEP) for k in (1, 2, 3, 4)], text
-    # The first watchdog to end its process ends the run (the launcher stops the other).
-    assert any(
-        "exiting with status 1 so that the whole run ends instead of hanging" in rank.stderr
-        for rank in result.ranks
-    ), text
-    summary = result.report.split("Stall watchdog, where each rank was:", 1)[1]
-    # Process 1 in its own code, at the line that blocks; process 0 in step 5's psum.
-    assert re.search(
-        rf"rank 1: meshkit watchdog: process 1 made no progress for \d+ s; main thread now in "
-        rf"wait \(.*threading\.py:\d+\), called from stuck \({re.escape(str(PROGRAM))}:{_line('stuck')}\), "
-        r"outside meshkit",
-        summary,
-    ), summary
-    assert re.search(
-        rf"rank 0: meshkit watchdog: process 0 made no progress for \d+ s; main thread now in "
-        rf".*, called from stuck \({re.escape(str(PROGRAM))}:{_line('waits')}\), outside meshkit",
-        summary,
-    ), summary
+        said = rank.stderr
+        assert "Process 1 holds the run: the others wait for a collective" in said, text
+        # Process 1 in its own code, at the line that blocks; process 0 in step 5's psum.
+        stuck = f"{PROGRAM}:{_line('stuck')} in stuck, in wait (threading.py:"
+        assert f"  process 1 is in Python at {stuck}" in said, text
+        waits = f"{PROGRAM}:{_line('waits')} in stuck, in "
+        assert f"  process 0 waits for device results at {waits}" in said, text
+        assert "Process 1's main thread (most recent call last):" in said, text
+    assert "The evidence points to rank 1: the run stalled" in result.report, text
+    summary = result.report.split("Where each rank was when the run stalled:", 1)[1]
+    assert re.search(r"rank 0: no progress for \d+ s; .*, waiting for device results", summary)
+    assert re.search(r"rank 1: no progress for \d+ s; .*, in Python", summary), summary

@@ -729,11 +729,12 @@ _TOLD = """
 import os, pathlib, sys, time
 from meshkit._src.core import events
 
+W = "meshkit stall report:"
 if os.environ.get("REWORD") == "1":
-    events.WATCHDOG_MARK = "stall guard says"
+    W = "stall guard says"
     events.INSIDE, events.OUTSIDE = "waiting on the library", "busy in user code"
     events.ENDED_MARK = "is finished"
-W, INSIDE, OUTSIDE = events.WATCHDOG_MARK, events.INSIDE, events.OUTSIDE
+INSIDE, OUTSIDE = events.INSIDE, events.OUTSIDE
 recorded = os.environ.get("NO_EVENTS") != "1"
 emit = events.emit if recorded else lambda *a, **k: None
 rank = int(os.environ["MESHKIT_PROCESS_ID"])
@@ -741,21 +742,21 @@ here = pathlib.Path(".")
 
 
 def stalled(inside, frame):
-    emit("stalled", inside=inside, frame=frame, idle=3.0, last="call #2 of step (spmd)")
+    emit("stalled", inside=inside, state="meshkit" if inside else "python", frame=frame, idle=3.0)
     where = INSIDE if inside else OUTSIDE
-    print(f"{W} process {rank} made no progress for 3 s; main thread now {frame}, {where}; "
-          "last meshkit call: call #2 of step (spmd)", file=sys.stderr, flush=True)
+    print(f"{W} process {rank} made no progress for 3 s; main thread now {frame}, {where}",
+          file=sys.stderr, flush=True)
 
 
 if rank == 0:
-    stalled(True, "in wait (threading.py:331)")
+    stalled(True, "threading.py:331 in wait")
     while not all((here / f"told{r}").exists() for r in (1, 2)):
         time.sleep(0.01)
     emit("failed", cause="peer", process=1, system="meshkit", error="KeyError")
     print("meshkit: process 1 failed: KeyError: 'shard-17'", file=sys.stderr, flush=True)
     sys.exit(1)
 if rank == 1:
-    stalled(False, "in load (data.py:31)")
+    stalled(False, "data.py:31 in load")
     emit("failed", cause="exception", error="KeyError")
     print("KeyError: 'shard-17'", file=sys.stderr, flush=True)
 else:
@@ -791,12 +792,11 @@ def test_the_report_reads_the_ranks_events(tmp_path, marker):
         "Stopped the other ranks: 1, 2.",
         "--- root cause: rank 1 ---",
         "--- first to fail: rank 0 ---",
-        "Stall watchdog, where each rank was:",
-        "  rank 0: meshkit watchdog: process 0 made no progress for 3 s; main thread now in wait "
-        "(threading.py:331), inside a meshkit call; last meshkit call: call #2 of step (spmd)",
-        "  rank 1: meshkit watchdog: process 1 made no progress for 3 s; main thread now in load "
-        "(data.py:31), outside meshkit; last meshkit call: call #2 of step (spmd)",
-        "  (no watchdog report from rank 2)",
+        "Where each rank was when the run stalled:",
+        "  rank 0: no progress for 3 s; main thread at threading.py:331 in wait, inside a "
+        "meshkit call",
+        "  rank 1: no progress for 3 s; main thread at data.py:31 in load, in Python",
+        "  (no stall report from rank 2)",
     ], res.report
     assert [r.reached_end for r in res.ranks] == [False, False, True]
 
@@ -813,9 +813,9 @@ def test_rewording_every_message_changes_no_verdict(tmp_path, marker):
 def test_meshkits_sentences_alone_make_no_verdict(tmp_path, marker):
     # The same sentences without the events: the launcher no longer reads them.
     res, verdicts = _told_run(tmp_path, marker, NO_EVENTS="1")
-    assert "meshkit watchdog: process 1 made no progress" in res.ranks[1].stderr
+    assert "meshkit stall report: process 1 made no progress" in res.ranks[1].stderr
     assert verdicts == ["Stopped the other ranks: 1, 2.", "--- root cause: rank 0 ---"], res.report
-    assert "Stall watchdog" not in res.report, res.report
+    assert "when the run stalled" not in res.report, res.report
     assert "reached the end" not in res.report, res.report
     assert not any(r.reached_end for r in res.ranks)
 

@@ -20,7 +20,7 @@ from meshkit._src.debug import mode as _mode
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.lifecycle import failfast as _failfast
 from meshkit._src.lifecycle import preemption as _preemption
-from meshkit._src.lifecycle import watchdog as _watchdog
+from meshkit._src.lifecycle import stall as _stall
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -134,7 +134,7 @@ def test_a_handler_on_the_meshkit_logger_receives_them(caplog):
         (_exit, "meshkit.guards"),
         (_failfast, "meshkit.guards"),
         (_preemption, "meshkit.guards"),
-        (_watchdog, "meshkit.guards"),
+        (_stall, "meshkit.guards"),
     ],
 )
 def test_each_concept_logs_under_its_own_child(module, name):

@@ -525,9 +525,15 @@ print("hooks", ours, term, watch)
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("value", "expected"), [("1", "True True True"), ("0", "False False False")]
+    ("env", "expected"),
+    [
+        ({"MESHKIT_FAIL_FAST": "1"}, "True True True"),
+        ({"MESHKIT_FAIL_FAST": "0"}, "False False True"),  # the stall samples still run
+        ({"MESHKIT_FAIL_FAST": "0", "MESHKIT_STALL_TIMEOUT": "0"}, "False False False"),
+    ],
+    ids=["on", "fail-fast off", "both off"],
 )
-def test_fail_fast_can_be_turned_off(tmp_path, value, expected):
-    result = _launch_script(tmp_path, _HOOKS, [], extra_env={"MESHKIT_FAIL_FAST": value})
+def test_fail_fast_can_be_turned_off(tmp_path, env, expected):
+    result = _launch_script(tmp_path, _HOOKS, [], extra_env=env)
     assert result.returncode == 0, result.report
     assert [r.stdout.strip().splitlines()[-1] for r in result.ranks] == [f"hooks {expected}"] * 2

@@ -46,6 +46,11 @@ def node() -> Node | None:
     return _node
 
 
+def counts() -> dict[str, int]:
+    """The steps taken per iterator (`places.Moving`) in this process; {} before any."""
+    return {} if _node is None else dict(_node.counts)  # one copy, under the GIL
+
+
 def in_step() -> None:
     """Every process finished its work: restart the sequences (`agreement.restart`)."""
     if _node is not None:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from ..core import compat as _compat
 from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
+from ..lifecycle.stall import Board
 from .service import GONE, JaxService, Service
 
 PREFIX = "meshkit/posts/"
@@ -21,6 +22,7 @@ FAILED = PREFIX + "failed/"  # + the failing process's id
 NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
 ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits on it
 READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
+STALL = "meshkit/stall/"  # + a stalled process's id, "verdict", "ended-" + a process's id
 
 
 def post(service: Service, me: int, failure: str, n: int = 0) -> None:
@@ -116,3 +118,15 @@ def nudge(me: int) -> None:
     service = _joined()
     if service is not None:
         service.set(ALARM + str(me), "1", overwrite=True)
+
+
+def stall_board() -> Board | None:
+    """The stall records over the real service (None when not joined)."""
+    service = _joined()
+    if service is None:
+        return None
+    return Board(
+        post=lambda name, text: service.set(STALL + name, text, overwrite=True),
+        read=lambda: {k.removeprefix(STALL): v for k, v in service.dir_get(STALL)},
+        drop=lambda name: service.delete(STALL + name),
+    )

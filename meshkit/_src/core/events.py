@@ -42,8 +42,7 @@ ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
 ENV_PREEMPT_GRACE = "MESHKIT_PREEMPT_GRACE"
 DEFAULT_PREEMPT_GRACE_S = 25.0
 
-# The first words of the stall watchdog's report (for people; the launcher reads events).
-WATCHDOG_MARK = "meshkit watchdog:"
+# Where a stalled rank's main thread was (for people; the launcher reads events).
 INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
 
 # The kinds, and their fields:
@@ -52,7 +51,9 @@ JOINED = "joined"  # `meshkit.init` returned
 # where (exception: file:line), process (peer), system (timeout, peer), processes, field
 # (divergence)
 FAILED = "failed"
-STALLED = "stalled"  # inside (in a meshkit call), frame, idle (s), last (the last meshkit call)
+# idle (s), state ("device", "meshkit", "python"), frame, inside (in a meshkit call), holding
+# (the processes that hold the run, by the verdict)
+STALLED = "stalled"
 ENDED = "ended"  # reached the end of its program while others still ran
 SAVED = "saved"  # step (None without a step_<n> directory)
 RESTORED = "restored"  # step, seconds
@@ -201,5 +202,5 @@ def explain(diagnosis: Diagnosis) -> str:
         "jax.process_index(), a value read on one process only), or a process that exited, "
         "crashed or stalled first; its own output holds the cause.\n"
         "Consider running again with MESHKIT_DEBUG=1: debug mode names the first meshkit call "
-        "where processes differ, and its stall watchdog prints where each process waits."
+        "where processes differ."
     )

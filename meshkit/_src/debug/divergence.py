@@ -42,8 +42,9 @@ class Settings:
 
     Attributes:
         timeout: seconds a call waits for the other processes' fingerprints.
-        watchdog: seconds without progress before the stacks are dumped; None: no watchdog.
-        exit_on_stall: whether a process still stalled ``timeout`` seconds after the dump exits.
+        watchdog: seconds without progress before a stall is reported; None: as
+            ``MESHKIT_STALL_TIMEOUT`` sets it.
+        exit_on_stall: whether a run still stalled ``timeout`` seconds after the report ends.
     """
 
     timeout: float
@@ -61,7 +62,6 @@ class State:
         self.channels: set[str | None] = set()  # the channels of checked calls (None: main)
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
-        self.watchdog: _watchdog.Watchdog | None = None
         self.left = False  # this process told the others it leaves
         self.announced: Settings | None = None  # the settings last announced
 

@@ -1,6 +1,7 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-On: the stall watchdog runs and this process tells the others when it leaves. Nothing happens
+On: stalls are reported sooner (`stall.configure`) and this process tells the others when it
+leaves. Nothing happens
 at import: `meshkit.init` and the first SPMD call run `enable_from_environment`.
 """
 
@@ -21,6 +22,7 @@ from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import public
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
+from ..lifecycle import stall as _stall
 from ..lifecycle import watchdog as _watchdog
 from .divergence import MAX_DESC, Settings, enabled, lock, state
 
@@ -44,11 +46,12 @@ def enable(
         timeout: seconds each call waits for the other processes before naming the missing
             ones (default ``MESHKIT_DEBUG_TIMEOUT``, else ``MESHKIT_CHECK_TIMEOUT``, else 120);
             longer than any gap between two SPMD calls.
-        watchdog: seconds without progress before this process logs where it is and its
-            stacks; ``"auto"``: ``MESHKIT_WATCHDOG``, else half the timeout; None or 0: off.
+        watchdog: seconds without progress on every process before each says where every
+            process waits and which holds the run; ``"auto"``: ``MESHKIT_WATCHDOG``, else half
+            the timeout; None or 0: as without debug mode (``MESHKIT_STALL_TIMEOUT``).
             Multi-process programs only.
-        exit_on_stall: exit with status 1 if still no progress ``timeout`` seconds after the
-            watchdog's report.
+        exit_on_stall: end the run (status 1) if still no progress ``timeout`` seconds after
+            the watchdog's report.
 
     Raises:
         MeshkitError: a timeout or watchdog that is not a positive number.
@@ -68,7 +71,6 @@ def enable(
         watchdog = timeout / 2 if env is None else env
     watchdog = None if watchdog is None or watchdog == 0 else positive(watchdog, "watchdog")
     with lock:
-        _stop_watchdog()
         now = state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _watchdog.note_progress()
         # Registered by name, so once however often; before the other leaves
@@ -78,11 +80,12 @@ def enable(
         _exit.on_exception(
             "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
         )
-        if watchdog is not None:
-            state.watchdog = _watchdog.Watchdog(
-                watchdog, timeout, exit_on_stall, lambda: state.last
-            )
-            state.watchdog.start()
+        if watchdog is None:
+            _stall.configure(None)
+        else:
+            deadline = watchdog + timeout if exit_on_stall else None
+            source = f"debug mode: watchdog {watchdog:g} s + timeout {timeout:g} s"
+            _stall.configure(_stall.Settings(watchdog, deadline, source))
         if now != state.announced:  # said once per process and settings
             state.announced = now
             _, me, n = _compat.distributed_state()
@@ -97,9 +100,9 @@ def enable(
 
 @public
 def disable() -> None:
-    """Turn debug mode off in this process (the watchdog stops too)."""
+    """Turn debug mode off in this process (stalls are reported as without it)."""
     with lock:
-        _stop_watchdog()
+        _stall.configure(None)
         state.settings = None
         state.sites.clear()
 
@@ -158,9 +161,3 @@ def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) ->
     if state.settings is not None and not isinstance(value, DivergenceError):
         text = f"{kind.__name__}: {value}".splitlines()[0][:MAX_DESC]
         _publish_leaving("error", text)
-
-
-def _stop_watchdog() -> None:
-    if state.watchdog is not None:
-        state.watchdog.stop.set()
-        state.watchdog = None

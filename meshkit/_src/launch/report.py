@@ -190,27 +190,25 @@ def tail_block(title: str, rank: int, text: str) -> str:
 
 
 def stall_summary(ranks: Iterable[int], told: Told) -> str:
-    """Where each rank was when its stall watchdog fired (``meshkit.debug``), or ""."""
+    """Where each rank was when the run stalled (its ``stalled`` event), or ""."""
     ranks = list(ranks)
     if not any(r in told.stalled for r in ranks):
         return ""
     lines = [f"  rank {r}: {_stall_text(told.stalled[r])}" for r in ranks if r in told.stalled]
     quiet = [str(r) for r in ranks if r not in told.stalled]
     if quiet:
-        lines.append(f"  (no watchdog report from rank {', '.join(quiet)})")
-    return "Stall watchdog, where each rank was:\n" + "\n".join(lines) + "\n"
+        lines.append(f"  (no stall report from rank {', '.join(quiet)})")
+    return "Where each rank was when the run stalled:\n" + "\n".join(lines) + "\n"
+
+
+_STATES = {"device": "waiting for device results", "meshkit": INSIDE, "python": "in Python"}
 
 
 def _stall_text(event: _events.Event) -> str:
     fields = event.fields
-    text = (
-        f"meshkit watchdog: process {event.rank} made no progress for "
-        f"{_seconds(fields.get('idle'))} s; main thread now {fields.get('frame') or '?'}, "
-        f"{INSIDE if fields.get('inside') else OUTSIDE}"
-    )
-    if "last" in fields:
-        text += f"; last meshkit call: {fields['last'] or 'none'}"
-    return text
+    doing = _STATES.get(str(fields.get("state"))) or (INSIDE if fields.get("inside") else OUTSIDE)
+    idle = _seconds(fields.get("idle"))
+    return f"no progress for {idle} s; main thread at {fields.get('frame') or '?'}, {doing}"
 
 
 def _seconds(value: object) -> str:
@@ -375,6 +373,9 @@ def _suspect(
     with an error of its own; a rank that timed out waiting (it was in a computation the others
     never joined); and, as context, the ranks that reached the end of their program meanwhile.
     """
+    stalled = _stalled_run(results, told)
+    if stalled is not None:
+        return stalled
     differ = _divergence(told)
     if differ is not None:
         return _differing(bad, results, *differ)
@@ -431,10 +432,32 @@ def _suspect(
     lines.append(
         "Usual causes: a computation or collective run by only some ranks (a branch on "
         "jax.process_index()), or a rank that exited, crashed or stalled first. Consider running "
-        "again with MESHKIT_DEBUG=1: it names the first meshkit call where ranks differ, and "
-        "where each rank waits."
+        "again with MESHKIT_DEBUG=1: it names the first meshkit call where ranks differ."
     )
     return cause, lines
+
+
+def _stalled_run(
+    results: list[RankResult], told: Told
+) -> tuple[RankResult | None, list[str]] | None:
+    """The rank the ranks' stall verdict says held the run, when a stall ended it; else None."""
+    verdicts = [e.fields for e in told.failed.values() if e.fields.get("cause") == "stall"]
+    if not verdicts:
+        return None
+    raw = verdicts[0].get("processes")
+    holding = [p for p in raw if isinstance(p, int)] if isinstance(raw, list) else []
+    named = [r for r in results if len(holding) == 1 and r.rank == holding[0]]
+    if named:
+        return named[0], [
+            f"The evidence points to rank {named[0].rank}: the run stalled, and the ranks' "
+            "stall verdict says it held the run (the others waited for it)."
+        ]
+    who = (
+        f"ranks {ranges(holding)} held it"
+        if holding
+        else "no rank held it (each waited for the others, or each was stuck in its own code)"
+    )
+    return None, [f"The run stalled, and {who}; each rank's output says where it was."]
 
 
 def _divergence(told: Told) -> tuple[list[int], str] | None:

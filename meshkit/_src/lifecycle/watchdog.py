@@ -1,42 +1,29 @@
-"""The stall watchdog (debug mode): what counts as progress, and what a stall does.
+"""What counts as a process's progress, sampled from the service thread (`Sampler`).
 
-Progress: the main thread's stack changes or it runs, device work completes, a thread is
-starved of CPU, or meshkit sees a call. A stall prints every thread's stack and a ``stalled``
-event; with ``exit_on_stall`` the process exits 1 later (``docs/hangs.md``).
+Progress: meshkit sees a call, the main thread's stack changes or it runs, a thread runs or
+waits for a CPU, device work completes. `stall` acts on a process that shows none.
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-import logging
 import os
 import sys
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Any
 
 import jax
 
-from ..core import compat as _compat
-from ..core import events as _events
-from ..core.events import INSIDE, OUTSIDE, WATCHDOG_MARK
-from ..core.frames import in_meshkit, is_program_thread, program_thread, short_path, user_frame
-from ..core.log import flush as flush_logs
-from ..core.log import logger, say
-from . import exit as _exit
+from ..core.frames import is_program_thread, program_thread
 
-_LOG = logger("guards")
-
+# A thread that wanted a CPU this share of an interval, and waited RUN_SHARE of it, was starved.
+DEMAND_SHARE = 0.5
 # A thread that ran (or waited runnable) this share of an interval is running, not waiting
 # (measured: a blocked wait 0.02-0.04%, a computation in one C call ~100%).
 RUN_SHARE = 0.1
-# A thread that wanted a CPU this share of an interval, and waited RUN_SHARE of it, was starved.
-DEMAND_SHARE = 0.5
 _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest)
 _MAX_PENDING = 256  # pending arrays watched for completing
 
@@ -59,16 +46,17 @@ class _Arrays:
         arrays = jax.live_arrays()
         self.count = len(arrays)
         self.refs = [weakref.ref(a) for a in arrays[:_MAX_REFS]]
-        self.pending = [weakref.ref(a) for a in arrays if _pending(a)][:_MAX_PENDING]
+        self.pending = [weakref.ref(a) for a in arrays if pending(a)][:_MAX_PENDING]
 
     def changed_since(self, before: _Arrays) -> bool:
         """Whether an array was made or freed, or one pending before has completed."""
         if self.count != before.count or any(r() is None for r in before.refs):
             return True
-        return any(not _pending(r()) for r in before.pending)
+        return any(not pending(r()) for r in before.pending)
 
 
-def _pending(array: Any) -> bool:
+def pending(array: Any) -> bool:
+    """Whether ``array`` is live and its value not computed yet."""
     if array is None:
         return False
     try:
@@ -77,7 +65,7 @@ def _pending(array: Any) -> bool:
         return False
 
 
-def _main_native_id() -> int | None:
+def main_native_id() -> int | None:
     """The kernel's id of the program's thread (`meshkit._src.core.frames.program_thread`)."""
     # Asked from the thread itself: ``main_thread().native_id`` is stale after ``os.fork``.
     if is_program_thread():
@@ -85,7 +73,7 @@ def _main_native_id() -> int | None:
     return program_thread().native_id
 
 
-class _Sampler:
+class Sampler:
     """Tells, sample after sample, whether this process moved since the previous sample."""
 
     def __init__(self, main: int, native_id: int | None = None) -> None:
@@ -120,9 +108,9 @@ class _Sampler:
             return reason
         threads = _threads(self.me) if self.schedstat is not None else None
         before, self.threads = self.threads, threads
-        if threads is not None and before is not None and _starved(before, threads, interval):
+        if threads is not None and before is not None and _busy(before, threads, interval):
             self.arrays = None
-            return "a thread was starved"
+            return "a thread ran"
         arrays = _Arrays()
         before, self.arrays = self.arrays, arrays
         return "device work" if before is not None and arrays.changed_since(before) else None
@@ -166,98 +154,16 @@ def _read_schedstat(path: str) -> tuple[int, int] | None:
         return None
 
 
-def _starved(
+def _busy(
     before: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]], interval: float
 ) -> bool:
-    """Whether a thread wanted a CPU `DEMAND_SHARE` of ``interval`` and waited `RUN_SHARE`."""
+    """Whether a thread ran `RUN_SHARE` of ``interval``, or was starved: it wanted a CPU
+    `DEMAND_SHARE` of it and waited for one `RUN_SHARE` of it."""
     for task, (ran, waited) in now.items():
         if task in before:
             more_ran, more_waited = ran - before[task][0], waited - before[task][1]
-            demand = more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
-            if demand and more_waited >= RUN_SHARE * interval * 1e9:
+            share = RUN_SHARE * interval * 1e9
+            starved = more_ran + more_waited >= DEMAND_SHARE * interval * 1e9
+            if more_ran >= share or (starved and more_waited >= share):
                 return True
     return False
-
-
-class Watchdog:
-    """Dumps this process's stacks after ``after`` seconds without progress, then may exit."""
-
-    def __init__(
-        self, after: float, timeout: float, exit_on_stall: bool, last_call: Callable[[], str]
-    ) -> None:
-        self.after, self.timeout, self.exit_on_stall = after, timeout, exit_on_stall
-        self.last_call = last_call
-        self.stop = threading.Event()
-        self.main = program_thread().ident or 0
-        self.main_native_id = _main_native_id()
-        self.period = min(1.0, after / 4)
-        self.sampler: _Sampler | None = None
-        self.then = self.progress = time.monotonic()
-        self.dumped = False
-
-    def start(self) -> None:
-        """Take the first sample one period from now."""
-        _exit.at("watchdog: sample", self.period, self._sample)
-
-    def _sample(self) -> None:
-        if self.stop.is_set():
-            return
-        _exit.at("watchdog: sample", self.period, self._sample, nudge=False)
-        if _compat.distributed_state()[2] == 1:
-            return  # one process: nobody to wait for, and no run to end
-        now = time.monotonic()
-        if self.sampler is None:
-            self.sampler = _Sampler(self.main, self.main_native_id)
-            moved: str | None = "started"
-        else:
-            moved = self.sampler.moved(now - self.then)
-        self.then = now
-        if moved is not None:
-            self.progress, self.dumped = now, False  # re-armed
-            return
-        idle = now - self.progress
-        if not self.dumped and idle >= self.after:
-            self.dumped = True
-            self._dump(idle)
-        elif self.dumped and self.exit_on_stall and idle >= self.after + self.timeout:
-            _, me, _ = _compat.distributed_state()
-            _exit.now(
-                1,
-                f"{WATCHDOG_MARK} process {me} still made no progress after "
-                f"{idle:.0f} s; exiting with status 1 so that the whole run ends instead of "
-                "hanging (meshkit.debug.enable(exit_on_stall=False) keeps waiting).\n",
-            )
-
-    def _dump(self, idle: float) -> None:
-        _, me, _ = _compat.distributed_state()
-        frame = sys._current_frames().get(self.main)
-        here = frame_text(frame) if frame is not None else "?"
-        inside = frame is not None and in_meshkit(frame)
-        where = INSIDE if inside else OUTSIDE
-        last = self.last_call()
-        _events.emit(_events.STALLED, inside=inside, frame=here, idle=round(idle, 1), last=last)
-        say(
-            _LOG,
-            logging.WARNING,
-            f"{WATCHDOG_MARK} process {me} made no progress for {idle:.0f} s (its "
-            f"main thread waited in one place, no device work completed, no meshkit call); "
-            f"main thread now {here}, {where}; last meshkit call: "
-            f"{last or 'none'}. Stacks follow.\n",
-        )
-        # faulthandler writes from C, taking no lock a stuck thread may hold (logging could).
-        flush_logs()
-        with contextlib.suppress(Exception):
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-
-
-def frame_text(frame: FrameType) -> str:
-    """``in f (file:line), called from g (user.py:12)``: innermost frame, innermost user frame."""
-    user = user_frame(frame)
-    called = f", called from {_named(user)}" if user is not None and user is not frame else ""
-    return f"in {_named(frame)}{called}"
-
-
-def _named(frame: FrameType) -> str:
-    return f"{frame.f_code.co_name} ({short_path(frame.f_code.co_filename)}:{frame.f_lineno})"

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from ..coord import agree as _agree
 from ..coord import failures as _failures
 from ..coord import gather as _gather
 from ..core import compat as _compat
@@ -42,6 +43,7 @@ from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import stall as _stall
 from . import compile_cache as _compile_cache
 from . import hosts as _hosts
 from . import programs as _programs
@@ -297,6 +299,7 @@ def init(
     """
     global _INFO
     fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
+    stalls = _stall.settings()
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -337,6 +340,10 @@ def init(
         _preemption.install(None, seconds=grace, tell=None, sync=None)
     info = _INFO = _join(plan, cpu_devices, float(timeout), options)
     _guard(info, fail_fast, grace)
+    if stalls is not None and info.num_processes > 1:
+        board = _failures.stall_board()
+        if board is not None:
+            _stall.install(info.process_id, info.num_processes, board, _steps, stalls)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
@@ -437,6 +444,11 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
     )  # fmt: skip
     # The failure watch relays the others' notices.
     _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
+
+
+def _steps() -> str:
+    """The steps meshkit counted in this process (``step 5 of global_batches``), for stalls."""
+    return "; ".join(f"step {k} of global_batches" for k in _agree.counts().values())
 
 
 def _attempt() -> int:

@@ -1,0 +1,122 @@
+"""Stall detection across processes, under `meshkit.init()`'s defaults with a short deadline.
+
+Each case runs 2 processes x 4 CPU devices of a program in `ranks/stalls.py`, with
+``MESHKIT_STALL_TIMEOUT`` at `DEADLINE_S`: a run that stalls must end with every process naming
+the same culprit (or nobody, when nobody holds it), and a healthy run whose first compilation or
+one process's lone evaluation outlasts the deadline must never end. The rank stuck in its own
+Python code while the other waits for a collective is `test_guarantees.py`'s stuck case. All
+runs start at once when the module starts: their time is mostly waiting.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+from pathlib import Path
+
+import pytest
+from ranks import stalls as ranks
+from ranks.stalls import DEADLINE_S, SOLO_S
+
+from meshkit.testing import launch_in_processes
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
+
+ENV = {"MESHKIT_STALL_TIMEOUT": f"{DEADLINE_S:g}", "MESHKIT_CHECK_TIMEOUT": "60"}
+PROGRAM = Path(ranks.__file__)
+CASES = ("all_stuck", "dead_peer", "loader_stuck", "healthy")
+VERDICT = "meshkit: no process has made progress for"
+
+
+def _line(mark: str) -> int:
+    lines = PROGRAM.read_text().splitlines()
+    (found,) = [i for i, text in enumerate(lines, 1) if text.endswith(f"# user line: {mark}")]
+    return found
+
+
+def _launch(name: str):
+    began = time.monotonic()
+    result = launch_in_processes(getattr(ranks, name), timeout=150, env=ENV)
+    return result, time.monotonic() - began
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with concurrent.futures.ThreadPoolExecutor(len(CASES)) as pool:
+        yield {name: pool.submit(_launch, name) for name in CASES}
+
+
+def _run(runs, name):
+    result, took = runs[name].result()
+    text = result.report + "".join(f"--- rank {r.rank}\n{r.stdout}{r.stderr}" for r in result.ranks)
+    assert not result.timed_out, text
+    return result, took, text
+
+
+def _ended_for_the_stall(result, text: str) -> None:
+    """The first rank to decide ended itself with status 1, saying so; the launcher stopped
+    the other if it had not ended yet (under srun or mpirun each ends itself)."""
+    first = result.ranks[result.first_failure]
+    assert first.returncode == 1, text
+    ends = f"Process {first.rank} ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns"
+    assert ends in first.stderr, text
+    for rank in result.ranks:
+        assert rank.returncode == 1 or rank.stopped_by_launcher, text
+
+
+def _steps(stdout: str) -> list[int]:
+    return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("STEP ")]
+
+
+def test_every_process_stuck_in_its_own_code_is_said_and_the_run_ends(runs):
+    result, took, text = _run(runs, "all_stuck")
+    _ended_for_the_stall(result, text)
+    for rank in result.ranks:
+        assert _steps(rank.stdout) == [1, 2, 3], text
+        said = rank.stderr
+        assert "Every process is stuck in its own code; none waits for another" in said, text
+        where = f"{PROGRAM.name}:{_line('all stuck')} in all_stuck, in wait (threading.py:"
+        assert re.search(rf"  processes 0, 1 are in Python at \S*{re.escape(where)}", said), text
+        assert said.count(VERDICT) == 1, text  # the report; the end refers to it
+    assert "The run stalled, and no rank held it" in result.report, text
+    assert took < 60, text
+
+
+def test_a_peer_killed_in_a_collective_is_fail_fasts_case_not_a_stall(runs):
+    result, _, text = _run(runs, "dead_peer")
+    assert result.ranks[1].returncode == -9, text
+    assert _steps(result.ranks[0].stdout) == [1, 2, 3], text
+    assert VERDICT not in text, text  # process 1 never posted: no verdict names anyone
+    assert "rank 1 failed first (killed by SIGKILL)" in result.report, text
+
+
+def test_a_loader_stuck_inside_global_batches_holds_the_run(runs):
+    result, took, text = _run(runs, "loader_stuck")
+    _ended_for_the_stall(result, text)
+    loader = f"{PROGRAM.name}:{_line('loader')} in loader"
+    for rank in result.ranks:
+        said = rank.stderr
+        assert "Process 1 holds the run: the others wait for a collective or an agreement" in (
+            said
+        ), text
+        assert re.search(rf"  process 1 is in Python at \S*{re.escape(loader)}, in wait ", said), (
+            text
+        )
+        assert "in meshkit-global-batches" in said, text  # the loader's thread
+        assert "  process 0 wait" in said, text
+        assert "Process 1's main thread (most recent call last):" in said, text
+    assert "The evidence points to rank 1: the run stalled" in result.report, text
+    assert "Where each rank was when the run stalled:" in result.report, text
+    assert took < 90, text
+
+
+def test_a_long_first_compile_and_a_lone_evaluation_do_not_end_a_healthy_run(runs):
+    result, _, text = _run(runs, "healthy")
+    assert result.returncode == 0, text
+    assert VERDICT not in text, text
+    (compiling0, solo), (compiling1, _) = result.values
+    assert min(compiling0, compiling1) > DEADLINE_S, result.values  # longer than the deadline
+    assert solo >= SOLO_S, result.values
+    for rank in result.ranks:
+        assert _steps(rank.stdout) == [1, 2], text
