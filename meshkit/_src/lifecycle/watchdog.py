@@ -157,8 +157,10 @@ def _read_schedstat(path: str) -> tuple[int, int] | None:
 def _busy(
     before: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]], interval: float
 ) -> bool:
-    """Whether a thread ran `RUN_SHARE` of ``interval``, or was starved: it wanted a CPU
-    `DEMAND_SHARE` of it and waited for one `RUN_SHARE` of it."""
+    """Whether a thread ran `RUN_SHARE` of ``interval``, or was starved of a CPU.
+
+    Starved: it wanted a CPU `DEMAND_SHARE` of ``interval`` and waited for one `RUN_SHARE` of it.
+    """
     for task, (ran, waited) in now.items():
         if task in before:
             more_ran, more_waited = ran - before[task][0], waited - before[task][1]
