@@ -27,7 +27,7 @@ from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
-from ..lifecycle import watchdog as _watchdog
+from ..lifecycle import progress as _progress
 from . import assembly as _assembly
 from . import blocks as _blocks
 from . import ends as _ends
@@ -202,7 +202,7 @@ class GlobalBatches(Iterator[Any]):
         batch, rows, notes, _ = item
         if notes:
             warn_notes(notes, user_stacklevel())
-        _watchdog.note_progress()
+        _progress.note_progress()
         _preemption.note_step(self.steps)  # where a preemption's report says the run stopped
         self.rows += rows
         self._report()

@@ -29,7 +29,7 @@ from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import DivergenceError
 from ..core.frames import place, user_frame
-from ..lifecycle import watchdog as _watchdog
+from ..lifecycle import progress as _progress
 
 # Agreements that repeat a pattern for PERIOD calls in a row take one round trip (`predict`).
 PERIOD = _agreement.SPAN
@@ -193,7 +193,7 @@ def check(site: CallSite, args: tuple[Any, ...]) -> None:
     record = fingerprint(site, args, count)
     label = f"call #{record['n']} of {site.name}"
     state.last = f"{label} ({site.kind}) at {record['where']}"
-    _watchdog.note_progress()
+    _progress.note_progress()
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
@@ -212,7 +212,7 @@ def check(site: CallSite, args: tuple[Any, ...]) -> None:
         records = {p: json.loads(v) for p, v in outcome.records.items()}
         records.setdefault(me, record)
         compare(records, list(outcome.missing), me, label, timeout, last)
-    _watchdog.note_progress()
+    _progress.note_progress()
 
 
 def compare(

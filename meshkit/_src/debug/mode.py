@@ -22,8 +22,8 @@ from ..core.errors import DivergenceError, MeshkitError
 from ..core.frames import public
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
+from ..lifecycle import progress as _progress
 from ..lifecycle import stall as _stall
-from ..lifecycle import watchdog as _watchdog
 from .divergence import MAX_DESC, Settings, enabled, lock, state
 
 _LOG = logger("debug")
@@ -72,7 +72,7 @@ def enable(
     watchdog = None if watchdog is None or watchdog == 0 else positive(watchdog, "watchdog")
     with lock:
         now = state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
-        _watchdog.note_progress()
+        _progress.note_progress()
         # Registered by name, so once however often; before the other leaves
         # (`meshkit._src.runtime.programs`): the first record a process waiting at this one's
         # next agreement reads then names its last call.

@@ -19,7 +19,7 @@ from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..core.frames import public
-from ..lifecycle import watchdog as _watchdog
+from ..lifecycle import progress as _progress
 from . import divergence as _divergence
 from . import mode as _mode
 
@@ -100,7 +100,7 @@ def barrier(name: str, *, timeout: float | None = None) -> None:
     use = outcome.seq + 1
     on = _divergence.state.settings is not None
     if on:
-        _watchdog.note_progress()
+        _progress.note_progress()
     if outcome.agreed:
         return
     if outcome.gave_up and not outcome.missing:

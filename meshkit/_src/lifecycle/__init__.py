@@ -1,4 +1,4 @@
-"""A process's life and end: the exit path, fail-fast, preemption, the stall watchdog.
+"""A process's life and end: the exit path, fail-fast, preemption, stalls.
 
 Their background work runs in one thread per process, ``meshkit-service`` (in `exit`).
 """

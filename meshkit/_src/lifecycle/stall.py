@@ -1,6 +1,6 @@
 """Stalls: a run in which no process makes progress is explained, then ended.
 
-Each process samples its own progress in the service thread (`watchdog.Sampler`: meshkit's
+Each process samples its own progress in the service thread (`progress.Sampler`: meshkit's
 steps, the main thread's stack or CPU, a busy thread, device work completing). A process without
 progress for `Settings.report_after` seconds posts its `StallRecord` and reads the others'; once
 every process has posted one, each says the same `verdict`: which processes hold the run, and
@@ -32,7 +32,7 @@ from ..core.frames import in_meshkit, place, program_thread, short_path, user_fr
 from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
-from . import watchdog as _watchdog
+from . import progress as _progress
 
 _LOG = logger("guards")
 
@@ -113,7 +113,7 @@ def record(me: int, idle: float, main: int, step: str) -> StallRecord:
         return StallRecord(me, idle, PYTHON, "?", "", step, "")
     if in_meshkit(frame):
         state = MESHKIT
-    elif _in_jax(frame) or any(_watchdog.pending(a) for a in jax.live_arrays()):
+    elif _in_jax(frame) or any(_progress.pending(a) for a in jax.live_arrays()):
         state = DEVICE  # a result that stays pending waits for a collective others have not run
     else:
         state = PYTHON
@@ -249,8 +249,8 @@ class Detector:
         self.settings = settings
         self.stopped = False
         self.main = program_thread().ident or 0
-        self.main_native_id = _watchdog.main_native_id()  # asked here: stale after a fork
-        self.sampler: _watchdog.Sampler | None = None
+        self.main_native_id = _progress.main_native_id()  # asked here: stale after a fork
+        self.sampler: _progress.Sampler | None = None
         self.seen = ""
         self.then = self.progress = time.monotonic()
         self.posted = self.reported = False
@@ -271,7 +271,7 @@ class Detector:
         now = time.monotonic()
         steps = self.steps()
         if self.sampler is None:
-            self.sampler = _watchdog.Sampler(self.main, self.main_native_id)
+            self.sampler = _progress.Sampler(self.main, self.main_native_id)
             moved: str | None = "started"
         else:
             moved = self.sampler.moved(now - self.then)

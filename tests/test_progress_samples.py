@@ -1,4 +1,4 @@
-"""The stall watchdog's notion of progress (`meshkit._src.lifecycle.watchdog`), one signal at a time.
+"""What counts as progress for stall detection (`meshkit._src.lifecycle.progress`), one signal at a time.
 
 A helper thread samples the main thread (pytest's) while it does one thing: the sampler must
 tell a wait from every kind of progress. The multi-process behaviour (healthy loops never
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshkit._src.lifecycle import watchdog as _watchdog
+from meshkit._src.lifecycle import progress as _progress
 
 FIRST_S, GAP_S = 0.15, 0.6
 
@@ -30,7 +30,7 @@ def _verdict(activity, during=None):
     before the last sample.
     """
     main = threading.main_thread()
-    sampler = _watchdog.Sampler(main.ident, main.native_id)  # as the watchdog makes it
+    sampler = _progress.Sampler(main.ident, main.native_id)  # as the stall detector makes it
     verdicts = []
 
     def sample():
@@ -68,7 +68,7 @@ def test_a_wait_in_one_place_is_no_progress():
 _WAIT_IN_A_FRESH_PROCESS = f"""
 import threading, time
 import jax
-from meshkit._src.lifecycle import watchdog
+from meshkit._src.lifecycle import progress
 
 # The backend starts before the sampling (the sampler's first look at the arrays would start
 # it, and its threads' start-up, starved beside a second copy of the suite, is progress).
@@ -77,14 +77,14 @@ main = threading.main_thread()
 verdicts = []
 
 def sample():
-    # Made in the sampling thread, as the watchdog makes it: the sampler leaves its own thread
+    # Made in the sampling thread, as the stall detector makes it: the sampler leaves its own thread
     # out (woken from each sleep, it waits for a CPU itself beside a second copy of the suite).
-    sampler = watchdog.Sampler(main.ident, main.native_id)
+    sampler = progress.Sampler(main.ident, main.native_id)
     then = time.monotonic()
     for delay in ({FIRST_S}, {FIRST_S}, {GAP_S}, {GAP_S}):
         time.sleep(delay)
         now = time.monotonic()
-        verdicts.append(sampler.moved(now - then))  # the interval measured, as the watchdog
+        verdicts.append(sampler.moved(now - then))  # the interval measured, as the stall detector
         then = now
 
 thread = threading.Thread(target=sample)
@@ -122,7 +122,7 @@ def _verdicts_in_this_thread(*actions):
     so only the arrays and meshkit's own count can speak.
     """
     main = threading.main_thread()
-    sampler = _watchdog.Sampler(main.ident, main.native_id)  # as the watchdog makes it
+    sampler = _progress.Sampler(main.ident, main.native_id)  # as the stall detector makes it
     verdicts = []
     for action in (None, None, *actions):
         if action is not None:
@@ -150,8 +150,8 @@ def test_a_pending_array_that_completes_is_progress():
 
 
 def test_meshkit_progress_counts():
-    assert _verdict(_wait, during=_watchdog.note_progress) == "meshkit call"
-    assert _verdicts_in_this_thread(_watchdog.note_progress) == ["meshkit call"]
+    assert _verdict(_wait, during=_progress.note_progress) == "meshkit call"
+    assert _verdicts_in_this_thread(_progress.note_progress) == ["meshkit call"]
 
 
 def _pinned(body: str) -> str:
@@ -175,7 +175,7 @@ def _pinned(body: str) -> str:
 
 _PINNED_PRELUDE = """
 import os, threading, time, zlib
-from meshkit._src.lifecycle import watchdog
+from meshkit._src.lifecycle import progress
 
 os.sched_setaffinity(0, {0})
 hogs = []
@@ -203,8 +203,8 @@ _STARVED = """
     shares, ran, waiting, ended = [], threading.Event(), threading.Event(), threading.Event()
 
     def window():
-        sampler = watchdog.Sampler(main.ident, main.native_id)
-        clock = watchdog.Sampler(main.ident, None)  # the CPU clock alone
+        sampler = progress.Sampler(main.ident, main.native_id)
+        clock = progress.Sampler(main.ident, None)  # the CPU clock alone
         used, cpu, start = sampler._cpu(), clock._cpu(), time.monotonic()
         time.sleep(0.6)
         wall = time.monotonic() - start
@@ -236,7 +236,7 @@ def test_a_thread_starved_of_cpu_counts_as_running_and_a_blocked_one_does_not():
     # Runnable nearly all the time while it computes, though it got a few percent of a CPU
     # (running_cpu: the CPU clock alone, below RUN_SHARE here: it would have looked idle).
     assert running > 0.5, out
-    assert blocked < _watchdog.RUN_SHARE, out
+    assert blocked < _progress.RUN_SHARE, out
     print(
         f"starved: ran or runnable {running:.0%} (CPU alone {running_cpu:.0%}); blocked {blocked:.0%}"
     )
@@ -257,7 +257,7 @@ _STARVED_WORKER = """
         verdicts = []
 
         def sample():
-            sampler = watchdog.Sampler(main.ident, main.native_id)
+            sampler = progress.Sampler(main.ident, main.native_id)
             for _ in range(3):
                 time.sleep(0.4)
                 verdicts.append(sampler.moved(0.4))
@@ -287,15 +287,15 @@ def test_a_process_whose_threads_wait_for_a_cpu_is_not_stalled():
 
 def test_the_main_thread_is_found_in_a_forked_process():
     """After ``os.fork``, ``threading.main_thread().native_id`` is still the parent's: the
-    watchdog asks the main thread itself, so it reads the right scheduler statistics (without
+    sampler asks the main thread itself, so it reads the right scheduler statistics (without
     them, a main thread busy but starved of CPU on a loaded machine looked stalled)."""
     code = (
         "import os, threading\n"
-        "from meshkit._src.lifecycle import watchdog\n"
+        "from meshkit._src.lifecycle import progress\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if watchdog.main_native_id() == os.getpid() else 3)\n"
-        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), watchdog.main_native_id() == os.getpid())\n"
+        "    os._exit(0 if progress.main_native_id() == os.getpid() else 3)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), progress.main_native_id() == os.getpid())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["0", "True"], out.stderr
