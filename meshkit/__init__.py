@@ -41,6 +41,8 @@ if _typing.TYPE_CHECKING:
     from ._src.launch.report import LaunchAttempt as LaunchAttempt
     from ._src.lifecycle.preemption import PreemptionNotice as PreemptionNotice
     from ._src.lifecycle.preemption import notice as preemption_notice
+    from ._src.lifecycle.stragglers import StepRow as StepRow
+    from ._src.lifecycle.stragglers import step_times as step_times
     from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
     from ._src.pmap.legacy import device_put_replicated as device_put_replicated
     from ._src.pmap.legacy import device_put_sharded as device_put_sharded
@@ -73,12 +75,12 @@ __all__ = [
     "LaunchAttempt", "LaunchError", "LaunchResult", "Lowered", "MeshkitError",
     "MeshkitIndexError", "MeshkitNameError", "MeshkitTypeError", "PmapFunction",
     "PreemptionNotice", "ProcessSlice", "RankResult", "ReshardWarning", "RuntimeInfo",
-    "SpmdFunction", "UncheckedOutputWarning", "barrier", "channel", "checkpoint",
+    "SpmdFunction", "StepRow", "UncheckedOutputWarning", "barrier", "channel", "checkpoint",
     "collectives", "debug", "describe", "device_put_replicated", "device_put_sharded",
     "gather", "get_metrics", "global_array_from_local", "global_batches", "init", "launch",
     "loaders", "local_from_global", "make_mesh", "pad_shard_unpad", "pmap_compat",
     "preemption_notice", "prefetch_to_device", "process_slice", "replicate", "runtime_info",
-    "shard", "shard_prng_key", "spec", "spmd", "unreplicate",
+    "shard", "shard_prng_key", "spec", "spmd", "step_times", "unreplicate",
 ]  # fmt: skip
 
 # Module -> the public names it holds ("public=attribute" where they differ).
@@ -93,6 +95,7 @@ _LAZY_FROM = {
     "._src.launch.launcher": "LaunchResult RankResult launch",
     "._src.launch.report": "LaunchAttempt",
     "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",
+    "._src.lifecycle.stragglers": "StepRow step_times",
     "._src.pmap.entry": "UncheckedOutputWarning",
     "._src.pmap.legacy": "device_put_replicated device_put_sharded get_metrics pad_shard_unpad "
     "prefetch_to_device replicate shard shard_prng_key unreplicate",

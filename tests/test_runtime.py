@@ -529,9 +529,12 @@ print("hooks", ours, term, watch)
     [
         ({"MESHKIT_FAIL_FAST": "1"}, "True True True"),
         ({"MESHKIT_FAIL_FAST": "0"}, "False False True"),  # the stall samples still run
-        ({"MESHKIT_FAIL_FAST": "0", "MESHKIT_STALL_TIMEOUT": "0"}, "False False False"),
+        (
+            {"MESHKIT_FAIL_FAST": "0", "MESHKIT_STALL_TIMEOUT": "0", "MESHKIT_STEP_WINDOW": "0"},
+            "False False False",
+        ),
     ],
-    ids=["on", "fail-fast off", "both off"],
+    ids=["on", "fail-fast off", "all off"],
 )
 def test_fail_fast_can_be_turned_off(tmp_path, env, expected):
     result = _launch_script(tmp_path, _HOOKS, [], extra_env=env)

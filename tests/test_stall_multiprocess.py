@@ -4,8 +4,10 @@ Each case runs 2 processes x 4 CPU devices of a program in `ranks/stalls.py`, wi
 ``MESHKIT_STALL_TIMEOUT`` at `DEADLINE_S`: a run that stalls must end with every process naming
 the same culprit (or nobody, when nobody holds it), and a healthy run whose first compilation or
 one process's lone evaluation outlasts the deadline must never end. The rank stuck in its own
-Python code while the other waits for a collective is `test_guarantees.py`'s stuck case. All
-runs start at once when the module starts: their time is mostly waiting.
+Python code while the other waits for a collective is `test_guarantees.py`'s stuck case. Two
+more runs time steps in windows of 1 s: a loader 60 ms slower in process 1 is named by process 0
+while the run goes on, and even loaders name nobody. All runs start at once when the module
+starts: their time is mostly waiting.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from ranks import stalls as ranks
-from ranks.stalls import DEADLINE_S, SOLO_S
+from ranks.stalls import DEADLINE_S, SLOW_MS, SLOW_STEPS, SOLO_S
 
 from meshkit.testing import launch_in_processes
 
@@ -25,7 +27,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 ENV = {"MESHKIT_STALL_TIMEOUT": f"{DEADLINE_S:g}", "MESHKIT_CHECK_TIMEOUT": "60"}
 PROGRAM = Path(ranks.__file__)
-CASES = ("all_stuck", "dead_peer", "loader_stuck", "healthy")
+DEFAULT = {"MESHKIT_STALL_TIMEOUT": "300"}  # the step-time runs wait at their end
+# Each run: its program, and its environment beyond ENV.
+CASES = {
+    "all_stuck": (ranks.all_stuck, {}),
+    "dead_peer": (ranks.dead_peer, {}),
+    "loader_stuck": (ranks.loader_stuck, {}),
+    "healthy": (ranks.healthy, {}),
+    "slow loader": (ranks.slow_loader, {"SLOW": "1", "MESHKIT_STEP_WINDOW": "1", **DEFAULT}),
+    "even loaders": (ranks.slow_loader, {"SLOW": "0", "MESHKIT_STEP_WINDOW": "1", **DEFAULT}),
+}
 VERDICT = "meshkit: no process has made progress for"
 
 
@@ -36,8 +47,9 @@ def _line(mark: str) -> int:
 
 
 def _launch(name: str):
+    program, env = CASES[name]
     began = time.monotonic()
-    result = launch_in_processes(getattr(ranks, name), timeout=150, env=ENV)
+    result = launch_in_processes(program, timeout=150, env={**ENV, **env})
     return result, time.monotonic() - began
 
 
@@ -120,3 +132,36 @@ def test_a_long_first_compile_and_a_lone_evaluation_do_not_end_a_healthy_run(run
     assert solo >= SOLO_S, result.values
     for rank in result.ranks:
         assert _steps(rank.stdout) == [1, 2], text
+
+
+def test_a_slower_loader_is_named_while_the_run_goes_on_and_ranked(runs):
+    result, _, text = _run(runs, "slow loader")
+    assert result.returncode == 0, text
+    said = result.ranks[0].stderr
+    assert "meshkit: slower than the other processes, two windows in a row: process 1: " in said
+    assert re.search(
+        r"process 1: \d+\.\dx the median step's own work, \+\d+ ms in its data loader", said
+    )
+    assert "slower than the other" not in result.ranks[1].stderr, text  # process 0 says it
+    # The run's rows, slowest own work first, in the launcher's result and its report.
+    first, second = result.steps
+    assert (first.process, first.steps, second.process, second.steps) == (
+        1,
+        SLOW_STEPS,
+        0,
+        SLOW_STEPS,
+    )
+    assert first.loader_ms - second.loader_ms > 0.7 * SLOW_MS, result.steps
+    assert "Slower than the others, as process 0 said during the run: rank 1: " in result.report
+    assert f"  rank 1: {SLOW_STEPS} steps, " in result.report, result.report
+    # The program's own view: every process's latest window, process 1 first, on both.
+    for table in result.values:
+        assert [process for process, *_ in table] == [1, 0], result.values
+
+
+def test_even_loaders_name_nobody(runs):
+    result, _, text = _run(runs, "even loaders")
+    assert result.returncode == 0, text
+    assert "slower than the other" not in text, text
+    assert result.report == "", text
+    assert sorted(r.process for r in result.steps) == [0, 1], result.steps

@@ -111,3 +111,29 @@ def healthy():
     print(f"STEP 2 {float(total(_batch(mesh)))}", flush=True)
     float(compiled(jnp.ones((8, 8)))[0, 0])
     return compiling, solo
+
+
+SLOW_MS = 100  # process 1's loader: this much longer per batch
+SLOW_STEPS = 50
+
+
+def slow_loader():
+    """`global_batches` over a loader that is `SLOW_MS` slower per batch in process 1 than in
+    process 0 (``SLOW=0``: the same in both); returns `meshkit.step_times()` at the end."""
+    import jax
+    import numpy as np
+
+    import meshkit
+
+    mesh, total = _step()
+    slow = os.environ.get("SLOW", "1") == "1" and jax.process_index() == 1
+
+    def loader():
+        for _ in range(SLOW_STEPS):
+            time.sleep((SLOW_MS if slow else 5) / 1000)  # user line: loader sleeps
+            yield np.ones((4,), np.float32)
+
+    for batch in meshkit.global_batches(loader(), mesh, "data"):
+        float(total(batch))
+    time.sleep(1.5)  # one more window: every process has posted its last one
+    return [(r.process, r.steps, r.loader_ms, r.own_ms) for r in meshkit.step_times()]

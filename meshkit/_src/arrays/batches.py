@@ -28,6 +28,7 @@ from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import progress as _progress
+from ..lifecycle import stragglers as _stragglers
 from . import assembly as _assembly
 from . import blocks as _blocks
 from . import ends as _ends
@@ -150,15 +151,18 @@ class GlobalBatches(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done.is_set():
             raise StopIteration
+        asked = time.perf_counter()
         moving = self._moving
         if moving is None:
-            return self._next()
-        moving.asking = True
-        try:
             batch = self._next()
-        finally:
-            moving.asking = False
-        moving.took(self.steps, user_frame(sys._getframe(1)))
+        else:
+            moving.asking = True
+            try:
+                batch = self._next()
+            finally:
+                moving.asking = False
+            moving.took(self.steps, user_frame(sys._getframe(1)))
+        _stragglers.took(asked, time.perf_counter())  # the step's times, for stragglers
         return batch
 
     def _look(self) -> bool:

@@ -12,6 +12,7 @@ import itertools
 import json
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from ..core.errors import DivergenceError, MeshkitError
+from ..lifecycle import stragglers as _stragglers
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared
@@ -193,7 +195,9 @@ class Ahead:
 
     def _pull(self) -> _Pulled:
         try:
+            began = time.perf_counter()
             local = next(self.opened.source, END)  # END: no loader yields it
+            _stragglers.loaded(time.perf_counter() - began)
             state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return _Pulled("error", error=e)

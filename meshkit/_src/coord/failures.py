@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict
 
 from ..core import compat as _compat
+from ..lifecycle import stragglers as _stragglers
 from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
 from ..lifecycle.stall import Board
@@ -23,6 +24,7 @@ NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
 ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits on it
 READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
 STALL = "meshkit/stall/"  # + a stalled process's id, "verdict", "ended-" + a process's id
+STEPS = "meshkit/steps/"  # + a process's id: its latest window of step times
 
 
 def post(service: Service, me: int, failure: str, n: int = 0) -> None:
@@ -129,4 +131,15 @@ def stall_board() -> Board | None:
         post=lambda name, text: service.set(STALL + name, text, overwrite=True),
         read=lambda: {k.removeprefix(STALL): v for k, v in service.dir_get(STALL)},
         drop=lambda name: service.delete(STALL + name),
+    )
+
+
+def step_board() -> _stragglers.Board | None:
+    """The processes' windows of step times over the real service (None when not joined)."""
+    service = _joined()
+    if service is None:
+        return None
+    return _stragglers.Board(
+        post=lambda name, text: service.set(STEPS + name, text, overwrite=True),
+        read=lambda: {k.removeprefix(STEPS): v for k, v in service.dir_get(STEPS)},
     )

@@ -14,11 +14,12 @@ or from a rank's ``failed`` event (`from_event`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,10 @@ RESTORED = "restored"  # step, seconds
 # step, saved
 PREEMPTED = "preempted"
 COMPILED = "compiled"  # totals so far: seconds, programs, hits (persistent cache)
-KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED, COMPILED)
+# the run's steps so far (`StepRow`'s fields: per step, over the whole run)
+STEPS = "steps"
+STRAGGLER = "straggler"  # process 0 named processes slower than the others: processes, said
+KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED, COMPILED, STEPS, STRAGGLER)
 Directory = str | os.PathLike[str]
 
 
@@ -203,4 +207,52 @@ def explain(diagnosis: Diagnosis) -> str:
         "crashed or stalled first; its own output holds the cause.\n"
         "Consider running again with MESHKIT_DEBUG=1: debug mode names the first meshkit call "
         "where processes differ."
+    )
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One process's steps in its latest window (milliseconds per step) and in all.
+
+    Attributes:
+        process: the process id.
+        steps: steps of `meshkit.global_batches` this process has taken in all.
+        step_ms: wall time per step (from one batch's arrival to the next's).
+        data_ms: time per step the main thread waited for the next batch.
+        loader_ms: time per batch the program's loader took (in meshkit's loader thread,
+            ahead of the steps).
+        host_ms: time per step the main thread computed (Python, dispatch).
+        wait_ms: the rest of the step: waiting for the devices, or for the other processes.
+    """
+
+    process: int
+    steps: int
+    step_ms: float
+    data_ms: float
+    loader_ms: float
+    host_ms: float
+    wait_ms: float
+
+    @property
+    def own_ms(self) -> float:
+        """The process's own work per step: its loader's time and its host work."""
+        return self.loader_ms + self.host_ms
+
+
+def step_rows(records: Iterable[Event]) -> list[StepRow]:
+    """Each rank's last ``steps`` event as a `StepRow`, the slowest own work first."""
+    last = {e.rank: e for e in records if e.kind == STEPS}
+    fields = [f.name for f in dataclasses.fields(StepRow)]
+    rows = [StepRow(**{k: e.fields.get(k, 0) for k in fields}) for e in last.values()]
+    return sorted(rows, key=lambda r: (-r.own_ms, r.process))
+
+
+def table_text(table: Sequence[StepRow], ranks: Mapping[int, str] | None = None) -> str:
+    """One line per process: its row in milliseconds per step (``ranks``: how to name each)."""
+    name = ranks or {}
+    return "".join(
+        f"  {name.get(r.process, f'process {r.process}')}: {r.steps} steps, {r.step_ms:.1f} ms "
+        f"per step: {r.loader_ms:.1f} in the loader, {r.host_ms:.1f} host work, "
+        f"{r.data_ms:.1f} waiting for the batch, {r.wait_ms:.1f} for the devices or the others\n"
+        for r in table
     )

@@ -50,6 +50,7 @@ from .report import (
     root_cause,
     signal_name,
     stall_summary,
+    straggler_summary,
     tail_block,
     unjoined_report,
 )
@@ -414,6 +415,7 @@ def _run(
         if outcome.interrupted is not None
         else None,
         preempted=preempted,
+        steps=told.steps,
     )
     if over is not None and over.attempts:  # machine 0 counted the starts, over all machines
         result.attempts = over.attempts
@@ -539,6 +541,7 @@ def _report(
         )
     if report:
         report += stall_summary((r.rank for r in results), told)
+    report += straggler_summary(told)
     if left:
         report += (
             f"meshkit launch: could not end {len(left)} process(es) the ranks started "

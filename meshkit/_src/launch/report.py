@@ -110,6 +110,8 @@ class LaunchResult:
             ``max_restarts``).
         preempted: the ranks ended for a preemption notice (SIGTERM to the launcher, which
             forwarded it, or to a rank): ``returncode`` 143, no restart.
+        steps: each rank's step times in its last window (`meshkit.StepRow`), the slowest own
+            work first; empty when no rank took a step of `meshkit.global_batches`.
     """
 
     returncode: int
@@ -123,6 +125,7 @@ class LaunchResult:
     interrupted_by: signal.Signals | None = None
     attempts: list[LaunchAttempt] = dataclasses.field(default_factory=list)
     preempted: bool = False
+    steps: list[_events.StepRow] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,8 @@ class Told:
         ended: the ranks that reached the end of their program while others still ran.
         preempted: each rank's ``preempted`` event (it ended for a preemption notice).
         saved: the last step each rank saved completely (``saved`` events with a step).
+        steps: each rank's last window of step times, the slowest own work first.
+        stragglers: what process 0 said of the processes slower than the others.
     """
 
     failed: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
@@ -142,6 +147,8 @@ class Told:
     ended: frozenset[int] = frozenset()
     preempted: Mapping[int, _events.Event] = dataclasses.field(default_factory=dict)
     saved: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    steps: list[_events.StepRow] = dataclasses.field(default_factory=list)
+    stragglers: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, records: Iterable[_events.Event]) -> Told:
@@ -151,6 +158,8 @@ class Told:
         ended: set[int] = set()
         preempted: dict[int, _events.Event] = {}
         saved: dict[int, int] = {}
+        records = list(records)
+        stragglers: list[str] = []
         for event in records:
             if event.kind == _events.FAILED:
                 failed.setdefault(event.rank, event)  # the first: later ones are its echoes
@@ -162,7 +171,10 @@ class Told:
                 preempted.setdefault(event.rank, event)
             elif event.kind == _events.SAVED and isinstance(event.fields.get("step"), int):
                 saved[event.rank] = event.fields["step"]
-        return cls(failed, stalled, frozenset(ended), preempted, saved)
+            elif event.kind == _events.STRAGGLER:
+                stragglers += [str(said) for said in event.fields.get("said") or ()]
+        steps = _events.step_rows(records)
+        return cls(failed, stalled, frozenset(ended), preempted, saved, steps, stragglers)
 
 
 def signal_name(signum: int) -> str:
@@ -187,6 +199,19 @@ def tail_block(title: str, rank: int, text: str) -> str:
     lines = (text.strip() or "(no output)").splitlines()[-TAIL_LINES:]
     body = "\n".join(f"  | {line}" for line in lines)
     return f"--- {title} rank {rank} ---\n{body}\n"
+
+
+def straggler_summary(told: Told, most: int = 8) -> str:
+    """The processes named slower than the others, and the ranks' step times; "" if none."""
+    if not told.stragglers:
+        return ""
+    names = {r.process: f"rank {r.process}" for r in told.steps}
+    return (
+        "Slower than the others, as process 0 said during the run: "
+        + "; ".join(dict.fromkeys(told.stragglers)).replace("process ", "rank ")
+        + ".\nStep times per rank over the run, the slowest own work first:\n"
+        + _events.table_text(told.steps[:most], names)
+    )
 
 
 def stall_summary(ranks: Iterable[int], told: Told) -> str:

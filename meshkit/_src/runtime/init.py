@@ -44,6 +44,7 @@ from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import stall as _stall
+from ..lifecycle import stragglers as _stragglers
 from . import compile_cache as _compile_cache
 from . import hosts as _hosts
 from . import programs as _programs
@@ -299,7 +300,7 @@ def init(
     """
     global _INFO
     fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
-    stalls = _stall.settings()
+    stalls, window = _stall.settings(), _stragglers.window_s()
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -344,6 +345,8 @@ def init(
         board = _failures.stall_board()
         if board is not None:
             _stall.install(info.process_id, info.num_processes, board, _steps, stalls)
+    if window is not None:
+        _stragglers.install(info.process_id, _failures.step_board(), window)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report

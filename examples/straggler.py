@@ -1,0 +1,46 @@
+"""A straggler, named while the run goes on: process 1's loader is 40 ms slower per batch.
+
+Every process waits for the slowest at each step's collective, so the whole run goes at its
+pace. Process 0 names it from the step times every process posts (windows of 1 s here, 30 s by
+default), and every process reads the table with `meshkit.step_times()`.
+
+    meshkit launch -n 2 --devices-per-process 2 examples/straggler.py
+"""
+
+# `nox -s examples` runs this file under `meshkit launch` with these arguments:
+# meshkit-launch: -n 2 -d 2
+
+import os
+import time
+
+os.environ.setdefault("MESHKIT_STEP_WINDOW", "1")  # a window a second, for a short demo
+
+import meshkit
+
+info = meshkit.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+STEPS, EXTRA_MS = 60, 40 if info.process_id == 1 and info.num_processes > 1 else 0
+
+mesh = meshkit.make_mesh({"data": -1})
+
+
+def loader():
+    """This process's rows of each global batch; process 1's take longer to load."""
+    for step in range(STEPS):
+        time.sleep((5 + EXTRA_MS) / 1000)
+        yield np.full((8, 4), step, np.float32)
+
+
+step = jax.jit(lambda batch: batch.sum())  # a sum over every process's rows: a collective
+with meshkit.global_batches(loader(), mesh, "data") as batches:
+    for batch in batches:
+        total = float(step(batch))
+        if batches.steps == STEPS - 5 and info.process_id == 0:
+            for row in meshkit.step_times():  # every process's latest window, slowest first
+                print(
+                    f"process {row.process}: {row.step_ms:.0f} ms per step, "
+                    f"{row.loader_ms:.0f} ms in its loader, {row.host_ms:.1f} ms host work"
+                )
