@@ -21,7 +21,7 @@ from typing import Any
 from ..core.frames import place, user_frame
 from . import channel as _channel
 from . import places as _places
-from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText
+from .node import BLOCK, LEFT, Group, Node, Outcome, RecordText, text
 from .service import Barrier
 
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
@@ -50,8 +50,7 @@ class Entry:
     posted: bool = False  # a later post overwrites; not sent
 
     def text(self) -> str:
-        if not isinstance(self.record, str):
-            self.record = self.record()
+        self.record = text(self.record)
         return self.record
 
     def to_json(self) -> str:
@@ -111,10 +110,7 @@ def _key(sequence: str, k: int, part: str) -> str:
 
 def _state(node: Node, sequence: str) -> Sequence:
     with node.lock:
-        state = node.sequences.get(sequence)
-        if state is None:
-            state = node.sequences[sequence] = Sequence()
-        return state
+        return node.sequences.setdefault(sequence, Sequence())
 
 
 def _where(depth: int = 2) -> str:
