@@ -194,10 +194,9 @@ def agree(
         _raise_if_elsewhere(entries, sequence)
         missing = tuple(p for p in range(node.n) if p not in entries)
         # Who stopped waiting before this process came; none when this process gave up itself.
-        gave_up = (
-            () if verdict is None else tuple(sorted(p for p, e in entries.items() if e.gave_up))
-        )
-        return Outcome(False, {p: e.text() for p, e in entries.items()}, missing, gave_up, use)
+        gave_up = [] if verdict is None else [p for p, e in entries.items() if e.gave_up]
+        records = {p: e.text() for p, e in entries.items()}
+        return Outcome(False, records, missing, tuple(sorted(gave_up)), use)
     finally:
         state.inside -= 1
 

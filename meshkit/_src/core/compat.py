@@ -174,8 +174,7 @@ def trace_state_clean() -> bool:
 
 def idle() -> bool:
     """Nothing traces here and no ``jax.set_mesh`` is active (per call: lookups cached)."""
-    clean = _module("jax._src.core").trace_state_clean()
-    return clean and _module("jax.sharding").get_abstract_mesh().empty
+    return trace_state_clean() and _module("jax.sharding").get_abstract_mesh().empty
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
