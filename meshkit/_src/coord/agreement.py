@@ -56,7 +56,6 @@ class Entry:
     def to_json(self) -> str:
         named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "posted"}
         named["record"] = self.text() if self.full else ""
-        named["groups"] = {k: list(v) for k, v in self.groups.items()}
         return json.dumps(named)
 
     @classmethod
