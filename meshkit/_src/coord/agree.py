@@ -72,10 +72,9 @@ def agree(
     First the channel's deferred checks (`agree_later`) are verified: a difference raises.
     """
     here = node()
-    if here is not None:
-        _deferred.sync_point(here)
     if here is None:
         return Outcome(True, {_compat.distributed_state()[1]: text(record)})
+    _deferred.sync_point(here)
     outcome = _agreement.agree(
         here,
         _agreement.channel_sequence(here, channel),

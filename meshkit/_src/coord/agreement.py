@@ -50,14 +50,12 @@ class Entry:
     posted: bool = False  # a later post overwrites; not sent
 
     def text(self) -> str:
-        if not isinstance(self.record, str):
-            self.record = self.record()
+        self.record = text(self.record)
         return self.record
 
     def to_json(self) -> str:
         named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "posted"}
         named["record"] = self.text() if self.full else ""
-        named["groups"] = {k: list(v) for k, v in self.groups.items()}
         return json.dumps(named)
 
     @classmethod
@@ -111,10 +109,7 @@ def _key(sequence: str, k: int, part: str) -> str:
 
 def _state(node: Node, sequence: str) -> Sequence:
     with node.lock:
-        state = node.sequences.get(sequence)
-        if state is None:
-            state = node.sequences[sequence] = Sequence()
-        return state
+        return node.sequences.setdefault(sequence, Sequence())
 
 
 def _where(depth: int = 2) -> str:
@@ -138,85 +133,71 @@ def agree(
     ``site``). Raises a `DivergenceError` (``field == "order"``) when the processes are at
     different sites.
     """
+    groups = dict(groups or {})
     state = _state(node, sequence)
     state.inside += 1
     try:
-        return _agree(
-            node, state, sequence, site, summary, record, timeout, dict(groups or {}), what
-        )
+        mine = digest(site, summary, groups)
+        with state.lock:
+            k, base = state.next, f"{sequence}/e{state.epoch}"
+            state.next += 1
+            use = state.uses.get(site, 0)
+            state.uses[site] = use + 1
+            predicted, state.period = predict(state.history, state.period)
+            differed = state.differed
+        flagged = mine != predicted
+        node.stats.agreements += 1
+        deadline = time.monotonic() + timeout
+
+        def agreed() -> Outcome:
+            with state.lock:
+                state.history.append(mine)
+            return Outcome(True, {node.me: record} if isinstance(record, str) else {}, seq=use)
+
+        if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
+            return agreed()
+        if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
+            return agreed()
+        where = _where() if flagged else ""
+        entry = Entry(site, what or site, where, summary, record, groups, full=False)
+        _collect_garbage(node, state, base, k)
+        if flagged:
+            _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
+        total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
+        if total & ARRIVALS == node.n:
+            verdict = _conclude(node, base, k, total)
+        else:
+            verdict = _wait(node, sequence, base, k, deadline, entry)
+        if verdict is None:  # not every process arrived in time: mark the counter, then look again
+            total = node.service.increment(_key(base, k, "c"), FLAG)
+            if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
+                verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
+        if verdict == OK:
+            return agreed()
+        if not entry.where:
+            entry.where = _where()
+        arrived = node.n if verdict is not None else total & ARRIVALS
+        grace = min(timeout, 30.0)
+        if verdict == POST:  # compared by every process on the summaries alone
+            if not entry.posted:
+                _post(node, base, k, entry, full=False)
+            entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
+            if len(entries) == node.n and same(entries):
+                return agreed()
+        if not entry.full or verdict is None:
+            _post(node, base, k, entry, gave_up=verdict is None)
+        entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
+        with state.lock:
+            state.history.clear()  # every process compares again
+            state.differed += 1
+        _raise_if_elsewhere(entries, sequence)
+        missing = tuple(p for p in range(node.n) if p not in entries)
+        # Who stopped waiting before this process came; none when this process gave up itself.
+        gave_up = [] if verdict is None else [p for p, e in entries.items() if e.gave_up]
+        records = {p: e.text() for p, e in entries.items()}
+        return Outcome(False, records, missing, tuple(sorted(gave_up)), use)
     finally:
         state.inside -= 1
-
-
-def _agree(
-    node: Node,
-    state: Sequence,
-    sequence: str,
-    site: str,
-    summary: str,
-    record: RecordText,
-    timeout: float,
-    groups: Mapping[str, Group],
-    what: str,
-) -> Outcome:
-    mine = digest(site, summary, groups)
-    with state.lock:
-        k, base = state.next, f"{sequence}/e{state.epoch}"
-        state.next += 1
-        use = state.uses.get(site, 0)
-        state.uses[site] = use + 1
-        predicted, state.period = predict(state.history, state.period)
-        differed = state.differed
-    flagged = mine != predicted
-    node.stats.agreements += 1
-    deadline = time.monotonic() + timeout
-
-    def agreed() -> Outcome:
-        with state.lock:
-            state.history.append(mine)
-        return Outcome(True, {node.me: text(record)} if isinstance(record, str) else {}, seq=use)
-
-    if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
-        return agreed()
-    if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
-        return agreed()
-    where = _where(3) if flagged else ""
-    entry = Entry(site, what or site, where, summary, record, groups, full=False)
-    _collect_garbage(node, state, base, k)
-    if flagged:
-        _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
-    total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
-    if total & ARRIVALS == node.n:
-        verdict = _conclude(node, base, k, total)
-    else:
-        verdict = _wait(node, sequence, base, k, deadline, entry)
-    if verdict is None:  # not every process arrived in time: mark the counter, then look again
-        total = node.service.increment(_key(base, k, "c"), FLAG)
-        if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
-            verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
-    if verdict == OK:
-        return agreed()
-    if not entry.where:
-        entry.where = _where(3)
-    arrived = node.n if verdict is not None else total & ARRIVALS
-    grace = min(timeout, 30.0)
-    if verdict == POST:  # compared by every process on the summaries alone
-        if not entry.posted:
-            _post(node, base, k, entry, full=False)
-        entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
-        if len(entries) == node.n and same(entries):
-            return agreed()
-    if not entry.full or verdict is None:
-        _post(node, base, k, entry, gave_up=verdict is None)
-    entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
-    with state.lock:
-        state.history.clear()  # every process compares again
-        state.differed += 1
-    _raise_if_elsewhere(node.me, entries, sequence)
-    missing = tuple(p for p in range(node.n) if p not in entries)
-    # Who stopped waiting before this process came; none when this process gave up itself.
-    gave_up = () if verdict is None else tuple(sorted(p for p, e in entries.items() if e.gave_up))
-    return Outcome(False, {p: e.text() for p, e in entries.items()}, missing, gave_up, use)
 
 
 def leave(node: Node, sequence: str, site: str, record: str) -> None:
@@ -284,7 +265,7 @@ def _wait(
             if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
                 return verdict
             if waiting is None:
-                entry.where = entry.where or _where(4)
+                entry.where = entry.where or _where(3)
                 place = _places.Place(sequence, "", k, entry.what, entry.where)
                 waiting = _places.Waiting(node, place)
             waiting.look()
@@ -350,7 +331,7 @@ def same(entries: Mapping[int, Entry]) -> bool:
     return all(len(s) == 1 for s in by_group.values())
 
 
-def _raise_if_elsewhere(me: int, entries: Mapping[int, Entry], sequence: str) -> None:
+def _raise_if_elsewhere(entries: Mapping[int, Entry], sequence: str) -> None:
     """Raise when the processes that came are at different sites of the sequence."""
     here = {p: e for p, e in entries.items() if e.summary != LEFT}
     if len({e.site for e in here.values()}) < 2:

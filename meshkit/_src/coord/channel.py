@@ -1,9 +1,4 @@
-"""Channels: how calls made from several threads pair up across processes.
-
-The n-th agreeing call of a thread is compared with the n-th call of the same channel in every
-other process. The program's thread needs no name; any other thread that agrees names its
-channel (`channel`), the same in every process; a call from an unnamed thread is an error.
-"""
+"""Channels: how calls made from several threads pair up across processes (`channel`)."""
 
 from __future__ import annotations
 

@@ -106,24 +106,19 @@ def _entries(calls: list[Call]) -> list[dict]:
 
 def _report(calls: list[Call], outcome: Outcome) -> None:
     """Name the first pending call on which the processes differ (its ``on_outcome`` raises)."""
-    entries = {p: _listed(r) for p, r in outcome.records.items()}
-    width = max((len(v) for v in entries.values()), default=1)
-
-    def at(i: int) -> tuple[dict[int, dict], set[int]]:
-        here = {p: v[i] for p, v in entries.items() if i < len(v)}
-        return here, set(outcome.missing) | {p for p, v in entries.items() if i >= len(v)}
-
-    def differs(i: int) -> bool:
-        here, absent = at(i)
-        calls = {
+    posted = {p: _listed(r) for p, r in outcome.records.items()}
+    width = max((len(v) for v in posted.values()), default=1)
+    i, here, absent = 0, {}, set(outcome.missing)
+    for i in range(width):  # stops at the first call that differs, else at the last one
+        here = {p: v[i] for p, v in posted.items() if i < len(v)}
+        absent = set(outcome.missing) | (posted.keys() - here.keys())
+        compared = {
             p: _agreement.Entry("", "", "", e["summary"], "", e["groups"]) for p, e in here.items()
         }
-        return bool(absent) or not _agreement.same(calls)
-
-    first = next((i for i in range(width) if differs(i)), width - 1)
-    here, absent = at(first)
+        if absent or not _agreement.same(compared):
+            break
     records = {p: e["record"] for p, e in here.items()}
-    call = calls[min(first, len(calls) - 1)]
+    call = calls[min(i, len(calls) - 1)]
     call.on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))
 
 

@@ -25,7 +25,7 @@ class ServiceGone(ConnectionError):
 class _Use:
     """One use of a barrier name: who arrived, with which participant list, and how it ended."""
 
-    participants: frozenset[int] | None = None
+    participants: frozenset[int]  # the first arrival's
     arrived: set[int] = field(default_factory=set)
     ended: Barrier | None = None
 
@@ -108,11 +108,9 @@ class FakeService:
         with self._enter():
             use = cluster.uses.get((name, self.process), 0)
             cluster.uses[(name, self.process)] = use + 1
-            at = cluster.barriers.setdefault((name, use), _Use())
+            at = cluster.barriers.setdefault((name, use), _Use(wanted))
             if at.ended is not None:
                 return at.ended  # a late arrival: the barrier is over
-            if at.participants is None:
-                at.participants = wanted
             listed = None if participants is None else len(participants)
             # A participant list of another process, or one naming a process twice: refused.
             if at.participants != wanted or listed not in (None, len(wanted)):

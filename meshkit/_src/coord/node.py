@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..core import frames as _frames
 from ..core.errors import MeshkitError
@@ -61,7 +61,7 @@ class Node:
                 f"meshkit: {n} processes exceed the {(1 << 16) - 1} the agreement counters hold."
             )
         self.stats = Stats() if stats is None else stats
-        self.service = Counted(service, self.stats)
+        self.service = cast(Service, Counted(service, self.stats))
         self.me, self.n = me, n
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.channel = channel

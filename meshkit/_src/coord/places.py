@@ -47,21 +47,17 @@ def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError 
     """The error of the cycle ``mine`` waits in with the others' places, if any."""
     if mine.moving:
         return None
+    places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
     blocking = [
         q
-        for q, v in theirs.items()
-        if v.sequence == mine.sequence
-        and (v.counter, v.number) != (mine.counter, mine.number)
+        for q, v in places.items()
+        if (v.counter, v.number) != (mine.counter, mine.number)
         and count(node, v.sequence, v.counter) <= v.number
     ]
     if not blocking:
         return None
-    places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
-    return different_agreements(
-        mine.sequence,
-        {p: f"{v.where} ({v.what})" for p, v in places.items()},
-        sorted({node.me, *blocking}),
-    )
+    where = {p: f"{v.where} ({v.what})" for p, v in places.items()}
+    return different_agreements(mine.sequence, where, sorted({node.me, *blocking}))
 
 
 MAIN = "main"  # the main thread's sequence of agreements (other channels: "c:<name>")

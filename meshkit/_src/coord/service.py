@@ -124,33 +124,16 @@ class Stats:
 
 
 class Counted:
-    """A `Service` that counts its round trips in ``stats.rpcs``."""
+    """A `Service` that counts its round trips in ``stats.rpcs``: each method call is one."""
 
     def __init__(self, inner: Service, stats: Stats) -> None:
         self.inner, self.stats = inner, stats
 
-    def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
-        self.stats.rpcs += 1
-        self.inner.set(key, value, overwrite=overwrite)
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.inner, name)
 
-    def get(self, key: str, timeout: float) -> str | None:
-        self.stats.rpcs += 1
-        return self.inner.get(key, timeout)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.stats.rpcs += 1
+            return call(*args, **kwargs)
 
-    def dir_get(self, prefix: str) -> list[tuple[str, str]]:
-        self.stats.rpcs += 1
-        return self.inner.dir_get(prefix)
-
-    def delete(self, key: str) -> None:
-        self.stats.rpcs += 1
-        self.inner.delete(key)
-
-    def increment(self, key: str, amount: int) -> int:
-        self.stats.rpcs += 1
-        return self.inner.increment(key, amount)
-
-    def barrier(
-        self, name: str, timeout: float, participants: Sequence[int] | None = None
-    ) -> Barrier:
-        self.stats.rpcs += 1
-        return self.inner.barrier(name, timeout, participants)
+        return counted

@@ -114,13 +114,11 @@ def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
     return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
 
 
-def skip_jax_exit_barrier() -> bool:
-    """Take JAX's exit handler (``api.clean_up``, a barrier for all) off ``atexit``; False: none."""
+def skip_jax_exit_barrier() -> None:
+    """Take JAX's exit handler (``api.clean_up``, a barrier for all) off ``atexit``, if any."""
     handler = getattr(_module("jax._src.api"), "clean_up", None)
-    if handler is None:
-        return False
-    atexit.unregister(handler)
-    return True
+    if handler is not None:
+        atexit.unregister(handler)
 
 
 def distributed_state() -> tuple[Any | None, int, int]:
@@ -136,16 +134,14 @@ def distributed_state() -> tuple[Any | None, int, int]:
 _PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
-def tell_jax_preemption(client: Any, received: float) -> bool:
+def tell_jax_preemption(client: Any, received: float) -> None:
     """Tell JAX's preemption sync managers of a notice, as JAX's SIGTERM handler would."""
     when = datetime.datetime.fromtimestamp(received, tz=datetime.UTC).isoformat()
     try:
         client.key_value_set(_PREEMPTION_NOTICE_KEY, when)
-    except Exception as e:  # JaxRuntimeError: the key is there already: another process told it
-        if service_error_code(e) == _ALREADY_EXISTS:
-            return False
-        raise
-    return True
+    except Exception as e:  # JaxRuntimeError; the key there already: another process told it
+        if service_error_code(e) != _ALREADY_EXISTS:
+            raise
 
 
 _ALREADY_EXISTS = 6  # gRPC's status code
@@ -178,8 +174,7 @@ def trace_state_clean() -> bool:
 
 def idle() -> bool:
     """Nothing traces here and no ``jax.set_mesh`` is active (per call: lookups cached)."""
-    clean = _module("jax._src.core").trace_state_clean()
-    return clean and _module("jax.sharding").get_abstract_mesh().empty
+    return trace_state_clean() and _module("jax.sharding").get_abstract_mesh().empty
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
