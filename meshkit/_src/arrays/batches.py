@@ -32,8 +32,8 @@ from . import assembly as _assembly
 from . import blocks as _blocks
 from . import ends as _ends
 from . import prefetch as _prefetch
-from .dtypes import calling, warn_notes
-from .records import PartRecord
+from .blocks import warn_notes
+from .records import PartRecord, calling
 
 _LOG = logger("arrays")
 _WHAT = "meshkit.global_batches"
