@@ -1,8 +1,6 @@
 """A process's part of a global array, prepared: checked, cast and planned, before any transfer.
 
 A layout seen before is taken from its `Template`. Nothing here communicates or touches a device.
-64-bit data in a 32-bit JAX is noted while a part is prepared and warned (`DtypeWarning`) at the
-user's line once the call succeeds.
 """
 
 from __future__ import annotations

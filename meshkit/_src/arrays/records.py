@@ -1,7 +1,4 @@
-"""The records processes exchange to agree on an assembly (`PartRecord`), and their comparison.
-
-Their messages name the public function the assembly runs for (`who`, set by `calling`).
-"""
+"""The records processes exchange to agree on an assembly (`PartRecord`), and their comparison."""
 
 from __future__ import annotations
 
