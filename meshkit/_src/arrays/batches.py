@@ -109,7 +109,7 @@ class GlobalBatches(Iterator[Any]):
         self._done = threading.Event()
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
-        self._left = False  # this process said how it left the loop (`closes.leave`)
+        self._left = False  # this process said how it left the loop (`ends.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
         self.rows = 0

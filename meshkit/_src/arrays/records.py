@@ -171,8 +171,7 @@ def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
                     processes=_missing.outside_majority(held.values()),
                     field=leaf.path,
                 )
-    if any(r.replicas is not None for r in records.values()):
-        _compare_replicas(records, what)
+    _compare_replicas(records, what)
 
 
 def _shown(leaf: LeafRecord) -> str:
