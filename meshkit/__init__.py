@@ -29,7 +29,7 @@ if _typing.TYPE_CHECKING:
     from ._src.arrays.assembly import global_array_from_local as global_array_from_local
     from ._src.arrays.batches import GlobalBatches as GlobalBatches
     from ._src.arrays.batches import global_batches as global_batches
-    from ._src.arrays.dtypes import DtypeWarning as DtypeWarning
+    from ._src.arrays.blocks import DtypeWarning as DtypeWarning
     from ._src.arrays.meshes import make_mesh as make_mesh
     from ._src.arrays.to_host import gather as gather
     from ._src.arrays.to_host import local_from_global as local_from_global
@@ -87,7 +87,7 @@ __all__ = [
 _LAZY_FROM = {
     "._src.arrays.assembly": "global_array_from_local",
     "._src.arrays.batches": "GlobalBatches global_batches",
-    "._src.arrays.dtypes": "DtypeWarning",
+    "._src.arrays.blocks": "DtypeWarning",
     "._src.arrays.meshes": "make_mesh",
     "._src.arrays.to_host": "gather local_from_global",
     "._src.coord.channel": "channel",

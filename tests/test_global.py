@@ -28,7 +28,6 @@ import meshkit
 from meshkit import MeshkitError
 from meshkit._src.arrays import assembly as _assembly_mod
 from meshkit._src.arrays import blocks as _blocks
-from meshkit._src.arrays import dtypes as _dtypes
 from meshkit._src.core import caches as _caches
 from meshkit._src.runtime import dispatch as _dispatch
 from meshkit._src.sharding.specs import dim_axes
@@ -267,7 +266,7 @@ def test_a_given_global_shape_that_fits_is_accepted():
 
 
 def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
-    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
+    monkeypatch.setattr(_blocks, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     x = np.arange(8, dtype=np.float64)
     with pytest.warns(
@@ -289,7 +288,7 @@ def test_64_bit_data_warns_once_and_dtype_casts_silently(monkeypatch):
 
 
 def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypatch):
-    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
+    monkeypatch.setattr(_blocks, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     x = np.arange(8, dtype=np.float64)
     bad = {"x": x, "y": np.ones(7, np.float32)}  # 7 rows do not split over 8 devices
@@ -303,7 +302,7 @@ def test_a_dtype_warning_of_a_call_that_fails_is_given_by_the_next_call(monkeypa
 
 def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one(monkeypatch):
     monkeypatch.setattr(_blocks, "_templates", _caches.Cache(maxsize=64))
-    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
+    monkeypatch.setattr(_blocks, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 4, "model": 2})
     rng = np.random.default_rng(0)
 
@@ -343,7 +342,7 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
     wide = rng.standard_normal(16)
     with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
         assert assemble(wide).dtype == np.float32
-    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())  # as if this process never warned
+    monkeypatch.setattr(_blocks, "_warned_dtypes", set())  # as if this process never warned
     with pytest.warns(meshkit.DtypeWarning, match="is float64, but JAX's 64-bit mode is off"):
         assert assemble(wide).dtype == np.float32  # from the template
     with warnings.catch_warnings():
@@ -457,7 +456,7 @@ def test_a_bad_batch_raises_in_the_caller_naming_global_batches():
 
 
 def test_a_dtype_warning_from_global_batches_points_at_the_loop(monkeypatch):
-    monkeypatch.setattr(_dtypes, "_warned_dtypes", set())
+    monkeypatch.setattr(_blocks, "_warned_dtypes", set())
     mesh = meshkit.make_mesh({"data": 8})
     dtypes = []
     # The warning must come from the `for` statement itself (the iterator's __next__).

@@ -32,9 +32,9 @@ from .blocks import (
     plan_leaves,
     prepare,
     replica_digests,
+    warn_notes,
 )
-from .dtypes import WHAT, warn_notes
-from .records import PartRecord, compare, raise_absent, raise_failures, summary
+from .records import WHAT, PartRecord, compare, raise_absent, raise_failures, summary
 
 Check = bool | Literal["data", "deferred"]  # global_array_from_local's check=
 

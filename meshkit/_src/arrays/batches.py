@@ -33,8 +33,8 @@ from . import assembly as _assembly
 from . import blocks as _blocks
 from . import ends as _ends
 from . import prefetch as _prefetch
-from .dtypes import calling, warn_notes
-from .records import PartRecord
+from .blocks import warn_notes
+from .records import PartRecord, calling
 
 _LOG = logger("arrays")
 _WHAT = "meshkit.global_batches"
@@ -110,7 +110,7 @@ class GlobalBatches(Iterator[Any]):
         self._done = threading.Event()
         self._released = False  # the others' helpers know this one stopped
         self._closed_after: int | None = None  # the steps taken when this process closed
-        self._left = False  # this process said how it left the loop (`closes.leave`)
+        self._left = False  # this process said how it left the loop (`ends.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
         self.rows = 0

@@ -6,6 +6,7 @@ A layout seen before is taken from its `Template`. Nothing here communicates or 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +28,49 @@ from ..sharding.specs import (
     parse_spec,
     plain_specs,
 )
-from .dtypes import Note, cast, pads, who
-from .records import LeafRecord, PartRecord, summary
+from .records import LeafRecord, PartRecord, pads, summary, who
+
+
+class DtypeWarning(UserWarning):
+    """64-bit data was narrowed to 32 bits because JAX's ``jax_enable_x64`` is off.
+
+    Issued once per process and dtype. Pass ``dtype=`` to choose the type explicitly (no
+    warning), or enable x64.
+    """
+
+
+DtypeWarning.__module__ = "meshkit"  # shown under the name users import it by
+
+_warned_dtypes: set[tuple[str, str]] = set()  # (from, to) narrowings warned of
+Note = tuple[tuple[str, str], str]  # a narrowing's key and its warning's text
+
+
+def cast(path: str, value: np.ndarray, dtype: Any, notes: list[Note] | None) -> np.ndarray:
+    """``value`` in the dtype JAX will use; a narrowing is noted (``notes`` None: silently)."""
+    wanted = value.dtype if dtype is None else np.dtype(dtype)
+    target = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
+    key = (str(wanted), str(target))
+    if target != wanted and notes is not None and key not in {*_warned_dtypes, *dict(notes)}:
+        source = "dtype=" if dtype is not None else f"the data at {path}"
+        notes.append(
+            (
+                key,
+                f"{who()}: {source} is {wanted}, but JAX's 64-bit mode is off, so the "
+                f"global array is {target}. (Shown once per dtype.)\nConsider "
+                f"dtype={target.name!r} to say so, or jax.config.update('jax_enable_x64', "
+                "True) to keep 64 bits.",
+            )
+        )
+    return value if value.dtype == target else value.astype(target)
+
+
+def warn_notes(notes: list[Note], stacklevel: int) -> None:
+    """Issue the dtype notes of an assembly as `DtypeWarning` s at the user's line, once each."""
+    for key, text in notes:
+        if key not in _warned_dtypes:
+            _warned_dtypes.add(key)
+            warnings.warn(text, DtypeWarning, stacklevel=stacklevel + 1)
+
 
 _NOT_DIVISIBLE = """\
 {what}: the local array at {path} has shape {shape}; its dimension {dim}{name} has size {size},

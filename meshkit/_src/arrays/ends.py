@@ -39,10 +39,8 @@ _WHAT = "meshkit.global_batches"
 
 def short(records: dict[int, PartRecord]) -> list[int]:
     """The processes whose batch at this step has fewer rows than another's (none: one size)."""
-    rows = _leading_rows(records)
-    if rows is None:
-        return []
-    most = max(rows.values())
+    rows = _leading_rows(records) or {}
+    most = max(rows.values(), default=0)
     return sorted(p for p, n in rows.items() if n < most)
 
 

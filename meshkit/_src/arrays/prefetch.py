@@ -64,10 +64,8 @@ class Handoff:
         self.slots.release()
         return item
 
-    def take(self, stop: threading.Event | None = None) -> bool:
-        """Take a slot: now or not (no ``stop``), else waiting for one until ``stop`` is set."""
-        if stop is None:
-            return self.slots.acquire(blocking=False)
+    def take(self, stop: threading.Event) -> bool:
+        """Take a slot, waiting for one until ``stop`` is set; whether one was taken."""
         while not stop.is_set():
             if self.slots.acquire(timeout=0.1):
                 return True
@@ -131,7 +129,7 @@ class Ahead:
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
             while True:
-                if agreed and self.handoff.take():
+                if agreed and self.handoff.slots.acquire(blocking=False):
                     if not self._place(agreed.popleft()):
                         return
                     continue

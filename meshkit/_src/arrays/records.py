@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -11,7 +14,34 @@ from ..coord import missing as _missing
 from ..coord.node import Outcome
 from ..core import env as _env
 from ..core.errors import DivergenceError, MeshkitError
-from .dtypes import WHAT, pads
+
+WHAT = "meshkit.global_array_from_local"  # the default
+# (the public function messages name, whether it takes pad=): set by global_batches' helper
+# thread, and around spmd's assembly of host arguments.
+_caller: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "meshkit_caller", default=(WHAT, True)
+)
+
+
+def who() -> str:
+    """The public meshkit function the current assembly runs for, for messages."""
+    return _caller.get()[0]
+
+
+def pads() -> bool:
+    """Whether that function takes ``pad=`` (the fixes for an uneven batch suggest it)."""
+    return _caller.get()[1]
+
+
+@contextlib.contextmanager
+def calling(name: str, *, pads: bool) -> Iterator[None]:
+    """Name ``name`` in the messages of assemblies inside the block."""
+    token = _caller.set((name, pads))
+    try:
+        yield
+    finally:
+        _caller.reset(token)
+
 
 _SAME_CALLS = (
     "Every process must make the same calls in the same order (a process that stopped, "
@@ -141,8 +171,7 @@ def compare(records: dict[int, PartRecord], what: str = WHAT) -> None:
                     processes=_missing.outside_majority(held.values()),
                     field=leaf.path,
                 )
-    if any(r.replicas is not None for r in records.values()):
-        _compare_replicas(records, what)
+    _compare_replicas(records, what)
 
 
 def _shown(leaf: LeafRecord) -> str:

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from ..arrays import assembly as _assembly
 from ..arrays import blocks as _blocks
-from ..arrays.dtypes import calling
+from ..arrays.records import calling
 from ..coord import channel as _channel
 from ..core.errors import MeshkitError
 from ..debug import divergence as debug
