@@ -142,23 +142,30 @@ def test_the_watch_hears_a_close_and_stops_by_itself(monkeypatch):
 
 def test_a_notice_posted_before_a_close_is_read_after_it(monkeypatch):
     # A process finds a cycle, tells this one (a notice), raises, and its iterator closes: a
-    # watch that read the others' places just before the notice and the close just after it
-    # must look once more, so that the notice, not the close, is the cause it acts on.
+    # watch that looked at the caller just before the notice and read the close just after it
+    # reads the notice then, whatever the caller waits in, so that the notice, not the close,
+    # is the cause it acts on.
     service = _Service(monkeypatch)
     nodes = FakeCluster(2).nodes()
     heard: list[dict[int, int]] = []
-    looks: list[int] = []
+    looks: list[str] = []
 
     def tick() -> bool:
-        looks.append(len(looks))
-        if len(looks) == 1:
-            ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)  # the close right after this look
-            return False
+        looks.append("tick")
+        ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)  # the close right after this look
+        return False
+
+    def told() -> bool:
+        looks.append("told")
         return True  # the notice, read now
 
-    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick)
+    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick, told)
     service.look()
-    assert (looks, heard, service.due) == ([0, 1], [], [])
+    assert (looks, heard, service.due) == (["tick", "told"], [], [])
+    # Without a notice the close is what the watch hears.
+    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), lambda: False, lambda: False)
+    service.look()
+    assert heard == [{0: 2}]
 
 
 def test_the_watch_ends_when_stopped_or_when_the_service_is_gone(monkeypatch):

@@ -141,7 +141,10 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _ends.watch(self._node, self._tag, self._hear, self._done, self._look)
+            _ends.watch(
+                self._node, self._tag, self._hear, self._done, self._look,
+                lambda: self._look(notice=True),
+            )  # fmt: skip
         _live.add(self)
 
     def __iter__(self) -> GlobalBatches:
@@ -165,10 +168,14 @@ class GlobalBatches(Iterator[Any]):
         _stragglers.took(asked, time.perf_counter())  # the step's times, for stragglers
         return batch
 
-    def _look(self) -> bool:
-        """The watch's look at the caller (`places.Moving.look`); True: it is in a cycle."""
+    def _look(self, notice: bool = False) -> bool:
+        """The watch's look at the caller (`places.Moving.look`); True: it is in a cycle.
+
+        ``notice``: only read the cycle another process told this one of.
+        """
         assert self._moving is not None
-        error = self._moving.look()
+        assert self._node is not None
+        error = _places.told(self._node) if notice else self._moving.look()
         if error is None:
             return False
         with self._lock:

@@ -306,11 +306,13 @@ def watch(
     heard: Callable[[dict[int, int]], None],
     stop: threading.Event,
     tick: Callable[[], bool] = lambda: False,
+    told: Callable[[], bool] = lambda: False,
 ) -> None:
     """Read ``tag``'s posts in the service thread each poll period until a close or ``stop``.
 
-    Each period ``tick()`` runs first (True ends the watch); ``heard(closers)`` runs at the first
-    close. A failed read (the service is gone) ends it.
+    Each period ``tick()`` runs first (True ends the watch); at the first close, ``told()`` (a
+    cycle's notice: True ends the watch), else ``heard(closers)``. A failed read (the service is
+    gone) ends it.
     """
     name, period = "global_batches: watch for closes: " + tag, _failfast.poll_period(node.n)
 
@@ -327,9 +329,9 @@ def watch(
             _exit.at(name, period, look, nudge=False)
         elif not stop.is_set():
             # What a closer found before it closed (a cycle's notice) was posted before its
-            # close: a look after the close reads it, and it is the cause.
+            # close: read after the close, it is the cause (whatever the caller waits in now).
             with contextlib.suppress(Exception):
-                if tick():
+                if told():
                     return
             heard(closers)
 
