@@ -32,6 +32,7 @@ from hosts_exchange import bench_hosts  # noqa: E402
 from legacy import bench_legacy  # noqa: E402
 from pmap_dispatch import bench_pmap_dispatch  # noqa: E402
 from preemption import bench_preemption  # noqa: E402
+from progress_records import bench_progress_records  # noqa: E402
 from spmd_dispatch import bench_spmd_dispatch  # noqa: E402
 from testing_starts import bench_testing_starts  # noqa: E402
 
@@ -93,5 +94,6 @@ if __name__ == "__main__":
     print(bench_hosts(), end="\n\n")
     print(bench_data_position(), end="\n\n")
     print(bench_preemption(), end="\n\n")
+    print(bench_progress_records(), end="\n\n")
     print(bench_compile_cache(), end="\n\n")
     print(bench_testing_starts())

@@ -305,3 +305,19 @@ def test_a_process_that_moves_again_takes_its_record_back(quiet, monkeypatch):
     detector._turn()
     assert "0" not in posted
     assert not detector.posted
+
+
+def test_a_stall_in_the_same_places_after_a_moment_of_progress_is_not_said_again(quiet):
+    said, _ = quiet
+    posted, board = _board()
+    detector = _stall.Detector(0, 2, board, str, _stall.Settings(10.0, None))
+    for idle in (12.0, 13.0):  # one line calls both: the main thread is at the same place
+        _other(posted)
+        _compare(detector, idle)
+        detector.posted = False  # a sample saw progress (a thread ran a moment): the record goes
+        posted.pop("0")
+    assert len(said) == 1, said
+    _other(posted, p=1)
+    posted["1"] = posted["1"].replace("train.py:39", "train.py:40")  # process 1 moved on
+    _compare(detector, 14.0)
+    assert len(said) == 2, said  # a stall elsewhere is new

@@ -16,7 +16,7 @@ DEADLINE_S = 3.0  # MESHKIT_STALL_TIMEOUT in these runs
 # The healthy run's first compilation, in jnp operations: 4-5 s on this machine's CPU alone,
 # longer under the suite's load; never under the deadline.
 COMPILE_OPS = 1600
-SOLO_S = 3 * DEADLINE_S  # how long process 0 evaluates alone while process 1 waits
+SOLO_S = 1.5 * DEADLINE_S  # how long process 0 evaluates alone while process 1 waits
 
 
 def _step():
@@ -81,8 +81,8 @@ def loader_stuck():
 
 
 def healthy():
-    """A first compilation longer than the deadline, then process 0 evaluating alone for three
-    deadlines while process 1 waits at a barrier (a device collective): never ended."""
+    """A first compilation longer than the deadline, then process 0 evaluating alone for one
+    and a half deadlines while process 1 waits at a barrier (a device collective): never ended."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
@@ -106,6 +106,7 @@ def healthy():
         while time.monotonic() - began < SOLO_S:
             x = local(x)
             float(x[0, 0])  # a host read per evaluation step
+            time.sleep(0.02)  # as a step waits for its accelerator
         solo = time.monotonic() - began
     multihost_utils.sync_global_devices("evaluated")
     print(f"STEP 2 {float(total(_batch(mesh)))}", flush=True)
@@ -119,7 +120,7 @@ SLOW_STEPS = 50
 
 def slow_loader():
     """`global_batches` over a loader that is `SLOW_MS` slower per batch in process 1 than in
-    process 0 (``SLOW=0``: the same in both); returns `meshkit.step_times()` at the end."""
+    process 0 (``SLOW=0``: the same in both); returns `meshkit.step_times()` late in the run."""
     import jax
     import numpy as np
 
@@ -133,7 +134,10 @@ def slow_loader():
             time.sleep((SLOW_MS if slow else 5) / 1000)  # user line: loader sleeps
             yield np.ones((4,), np.float32)
 
-    for batch in meshkit.global_batches(loader(), mesh, "data"):
-        float(total(batch))
-    time.sleep(1.5)  # one more window: every process has posted its last one
-    return [(r.process, r.steps, r.loader_ms, r.own_ms) for r in meshkit.step_times()]
+    seen = []
+    with meshkit.global_batches(loader(), mesh, "data") as batches:
+        for batch in batches:
+            float(total(batch))
+            if batches.steps == SLOW_STEPS - 5:  # the latest windows, late in the run
+                seen = [(r.process, r.steps, r.loader_ms, r.own_ms) for r in meshkit.step_times()]
+    return seen

@@ -253,8 +253,8 @@ class Detector:
         self.sampler: _progress.Sampler | None = None
         self.seen = ""
         self.then = self.progress = time.monotonic()
-        self.posted = self.reported = False
-        self.said = ""  # the places the report said
+        self.posted = False
+        self.said = ""  # the places the last report said (a stall there again is not new)
 
     def start(self) -> None:
         """Take the first sample one period from now."""
@@ -283,7 +283,7 @@ class Detector:
         if moved is not None:
             self.progress = now
             if self.posted:
-                self.posted = self.reported = False
+                self.posted = False
                 with contextlib.suppress(Exception):  # a stale record only delays a verdict
                     self.board.drop(str(self.me))
             return
@@ -310,8 +310,7 @@ class Detector:
             return
         found = verdict(records)
         deadline = self.settings.deadline
-        if not self.reported:
-            self.reported = True
+        if found.places != self.said:
             _events.emit(
                 _events.STALLED, idle=round(idle, 1), state=mine.state, frame=mine.where,
                 inside=mine.state == MESHKIT, holding=list(found.holding),
