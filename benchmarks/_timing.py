@@ -50,6 +50,25 @@ def keep_freed_memory() -> str:
     )
 
 
+def per_call(fn: Callable[..., object], *args: object, n: int = 1_000_000) -> tuple[float, float]:
+    """Seconds per call of ``fn(*args)`` (the best of 5 rounds of ``n``, less an empty loop's),
+    and the calling thread's CPU seconds per call."""
+    best, cpu = float("inf"), float("inf")
+    for _ in range(5):
+        start, used = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            fn(*args)
+        best = min(best, (time.perf_counter() - start) / n)
+        cpu = min(cpu, (time.thread_time() - used) / n)
+    empty = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            pass
+        empty = min(empty, (time.perf_counter() - start) / n)
+    return best - empty, cpu
+
+
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, number: int = 20) -> float:
     """Median over `repeats` runs of the mean time of `number` calls of fn (after one warm-up)."""
     fn()

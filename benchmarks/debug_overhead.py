@@ -9,10 +9,9 @@ timed in 2 processes x 4 CPU devices on a small spmd step, debug off and on in a
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from _timing import launched_result
+from _timing import launched_result, per_call
 
 from meshkit._src.runtime import dispatch as _dispatch
 
@@ -21,21 +20,7 @@ HERE = Path(__file__).parent
 
 def _enter_cost(n: int = 1_000_000) -> float:
     site = _dispatch.CallSite("spmd", "bench")
-    args = (1, 2)
-    enter = _dispatch.enter
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
-            enter(site, args)
-        best = min(best, (time.perf_counter() - start) / n)
-    empty = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
-            pass
-        empty = min(empty, (time.perf_counter() - start) / n)
-    return best - empty
+    return per_call(_dispatch.enter, site, (1, 2), n=n)[0]
 
 
 def bench_debug() -> str:

@@ -14,28 +14,12 @@ import threading
 import time
 from dataclasses import asdict
 
+from _timing import per_call
+
 from meshkit._src.core.events import StepRow
 from meshkit._src.lifecycle import progress as _progress
 from meshkit._src.lifecycle import stall as _stall
 from meshkit._src.lifecycle import stragglers as _stragglers
-
-
-def _per_call(fn, n: int) -> tuple[float, float]:
-    """Seconds per call of ``fn`` (best of 5, less an empty loop), and its thread CPU."""
-    best, cpu = float("inf"), float("inf")
-    for _ in range(5):
-        t, c = time.perf_counter(), time.thread_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n)
-        cpu = min(cpu, (time.thread_time() - c) / n)
-    empty = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            pass
-        empty = min(empty, (time.perf_counter() - t) / n)
-    return best - empty, cpu
 
 
 def _step() -> None:
@@ -63,7 +47,7 @@ def bench_progress_records() -> str:
     saved = _stragglers._totals
     _stragglers._totals = _stragglers._Totals()
     try:
-        step, step_cpu = _per_call(_step, 1_000_000)
+        step, step_cpu = per_call(_step)
     finally:
         _stragglers._totals = saved
     main = threading.main_thread()
