@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -27,15 +28,21 @@ pytestmark = pytest.mark.multiprocess
 PROGRAM = Path(__file__).parent / "ranks" / "training.py"
 
 
+SVG = "{http://www.w3.org/2000/svg}"
+
+
 @pytest.fixture(autouse=True)
 def _leave_no_process(marker, monkeypatch):
     monkeypatch.setenv("MESHKIT_TEST_MARKER", marker)
 
 
-def _train(root: Path, *args: str, max_restarts: int = 0) -> meshkit.LaunchResult:
+def _train(
+    root: Path, *args: str, max_restarts: int = 0, log_dir: Path | None = None
+) -> meshkit.LaunchResult:
     require("orbax.checkpoint", "orbax")
     return meshkit.launch(
         [str(PROGRAM), str(root), *args],
+        log_dir=log_dir,
         num_processes=2,
         devices_per_process=2,
         platform="cpu",
@@ -61,7 +68,7 @@ def uninterrupted(tmp_path_factory) -> list[str]:
 
 
 def test_a_crash_restarts_the_group_which_ends_as_an_uninterrupted_run(tmp_path, uninterrupted):
-    result = _train(tmp_path, "--kill-at", "7", max_restarts=2)
+    result = _train(tmp_path, "--kill-at", "7", max_restarts=2, log_dir=tmp_path / "logs")
     assert result.returncode == 0, result.report
     first, second = result.attempts
     assert first.cause.startswith("meshkit launch: rank 1 failed first (killed by SIGKILL) after ")
@@ -81,6 +88,13 @@ def test_a_crash_restarts_the_group_which_ends_as_an_uninterrupted_run(tmp_path,
     assert report[1].endswith(" later")
     assert "; restored step 6 in " in report[2]
     assert report[2].endswith("; saved up to step 12; finished")
+    # The picture of the run: a band per attempt, the saves of the first, the restores after.
+    svg = ET.parse(tmp_path / "logs" / "timeline.svg").getroot()
+    marks = [g.get("class") for g in svg.iter(f"{SVG}g")]
+    bands = [r for r in svg.iter(f"{SVG}rect") if r.get("class") == "attempt"]
+    assert [b.find(f"{SVG}title").text for b in bands] == ["attempt 0", "attempt 1"]
+    assert marks.count("restored") == 2, marks  # both ranks, in the second attempt
+    assert marks.count("saved") >= 2, marks
 
 
 def test_a_failure_that_repeats_is_not_restarted_again(tmp_path):

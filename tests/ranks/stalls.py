@@ -120,14 +120,14 @@ SLOW_STEPS = 50
 
 def slow_loader():
     """`global_batches` over a loader that is `SLOW_MS` slower per batch in process 1 than in
-    process 0 (``SLOW=0``: the same in both); returns `meshkit.step_times()` late in the run."""
+    process 0; returns `meshkit.step_times()` late in the run."""
     import jax
     import numpy as np
 
     import meshkit
 
     mesh, total = _step()
-    slow = os.environ.get("SLOW", "1") == "1" and jax.process_index() == 1
+    slow = jax.process_index() == 1
 
     def loader():
         for _ in range(SLOW_STEPS):

@@ -36,6 +36,7 @@ from ..core.events import (
 )
 from . import reaper as _reaper
 from . import restarts as _restarts
+from . import timeline as _timeline
 from .link import Link, Over
 from .machines import placement, run_on_machines
 from .ports import port_in_use, reserve_port
@@ -384,6 +385,8 @@ def _run(
         # Read once every rank has ended: nothing can still write, and the directory goes next.
         records = _events.read(status.name, ids)
         told = Told.of(records)
+        if sink.log_dir is not None:  # the picture of the run so far, every attempt's lanes
+            _timeline.record(sink.log_dir, attempt, records, ids)
         alone = sorted(set(ids) - joined(Path(status.name), ids))
         status.cleanup()
     outcome = supervisor.outcome if supervisor is not None else Outcome()

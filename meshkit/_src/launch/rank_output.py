@@ -69,7 +69,7 @@ class Sink:
     def __init__(
         self, stream: bool, log_dir: Path | None, ranks: int | Iterable[int], attempt: int = 0
     ) -> None:
-        self.stream = stream
+        self.stream, self.log_dir = stream, log_dir
         self.lock = threading.Lock()
         self.logs: dict[int, IO[str]] = {}
         self.lines = 0  # written so far: how `join_pumps` sees progress
