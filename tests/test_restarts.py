@@ -180,6 +180,10 @@ def test_an_attempt_is_read_from_the_ranks_records():
     missing = attempt_of(0, _result(0), records[:1], ranks=[0, 1], started_at=100.0,
                          stopped_s=None, restartable=False)  # fmt: skip
     assert (missing.joined_s, missing.failure, missing.cause) == (None, None, "")
+    # A machine whose run started no rank (machines that differ end it first): nobody joined.
+    empty = attempt_of(0, _result(1), [], ranks=[], started_at=100.0, stopped_s=None,
+                       restartable=True)  # fmt: skip
+    assert empty.joined_s is None
 
 
 def test_only_the_same_failure_at_the_same_step_repeats():

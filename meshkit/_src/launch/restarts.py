@@ -82,7 +82,7 @@ def attempt_of(
         cause="" if result.returncode == 0 else result.report.strip().split("\n", 1)[0],
         restartable=restartable and result.returncode != 0,
         elapsed=result.elapsed,
-        joined_s=max(joined.values()) - started_at if set(ranks) <= set(joined) else None,
+        joined_s=max(joined.values()) - started_at if ranks and set(ranks) <= set(joined) else None,
         stopped_s=stopped_s,
         restored_step=restored_step,
         restore_s=max(s for _, s in restored) if restored else None,
