@@ -84,7 +84,10 @@ def closed_from_another_thread():
                 gate.wait(60)  # a loader stuck on a slow file system
             yield np.full((4, 2), i, np.float32)
 
-    it = meshkit.global_batches(loader(), mesh, "data")
+    # Step 1 alone, steps 2-3 in a window of two, then a window from step 4, which blocks: with
+    # three slots, steps 1-3 reach the caller before the helper reads step 4's batch, however
+    # slowly the caller takes them (with two, step 3 could wait for the blocked read).
+    it = meshkit.global_batches(loader(), mesh, "data", prefetch=3)
     closed: list[str] = []
 
     sums: list[float] = []
