@@ -20,6 +20,7 @@ from meshkit._src.core.events import StepRow
 from meshkit._src.lifecycle import progress as _progress
 from meshkit._src.lifecycle import stall as _stall
 from meshkit._src.lifecycle import stragglers as _stragglers
+from meshkit._src.lifecycle.progress import ServiceBoard
 
 
 def _step() -> None:
@@ -66,8 +67,10 @@ def bench_progress_records() -> str:
         "1 per 30 s (0.033/s; goal <= 0.1/s)",
     ]
     for n in (16, 1024, 8192):
-        board = _stragglers.Board(
-            post=lambda k, v: None, read=lambda n=n: {str(p): row for p in range(n)}
+        board = ServiceBoard(
+            post=lambda k, v: None,
+            read=lambda n=n: {str(p): row for p in range(n)},
+            drop=lambda k: None,
         )
         t = time.perf_counter()
         table = _stragglers.rows(board)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from meshkit import MeshkitError
 from meshkit._src.lifecycle import stall as _stall
+from meshkit._src.lifecycle.progress import ServiceBoard
 from meshkit._src.lifecycle.stall import DEVICE, MESHKIT, PYTHON, StallRecord
 
 # ---- settings ---------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def quiet(monkeypatch):
 
 def _board():
     posted: dict[str, str] = {}
-    board = _stall.Board(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
+    board = ServiceBoard(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
     return posted, board
 
 

@@ -342,11 +342,11 @@ def init(
     info = _INFO = _join(plan, cpu_devices, float(timeout), options)
     _guard(info, fail_fast, grace)
     if stalls is not None and info.num_processes > 1:
-        board = _failures.stall_board()
+        board = _failures.board(_failures.STALL)
         if board is not None:
             _stall.install(info.process_id, info.num_processes, board, _steps, stalls)
     if window is not None:
-        _stragglers.install(info.process_id, _failures.step_board(), window)
+        _stragglers.install(info.process_id, _failures.board(_failures.STEPS), window)
     _events.emit(_events.JOINED)
     if os.environ.get(ENV_STATUS):
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
