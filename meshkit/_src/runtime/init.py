@@ -28,7 +28,6 @@ from ..core import events as _events
 from ..core import ports as _ports
 from ..core.errors import MeshkitError
 from ..core.events import (
-    ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_HEARTBEAT_TIMEOUT,
@@ -43,6 +42,7 @@ from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import profiles as _profiles
 from ..lifecycle import stall as _stall
 from ..lifecycle import stragglers as _stragglers
 from . import compile_cache as _compile_cache
@@ -301,6 +301,7 @@ def init(
     global _INFO
     fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
     stalls, window = _stall.settings(), _stragglers.window_s()
+    profile = _profiles.from_environment(where=_WHERE)
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -352,8 +353,9 @@ def init(
         _compile_cache.watch()  # each attempt's compile time, for the launcher's report
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
-    info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
+    info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
     _programs.install(info.num_processes)
+    _profiles.install(profile)
     _debug_mode.enable_from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
     return info
 
@@ -452,15 +454,6 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
 def _steps() -> str:
     """The steps meshkit counted in this process (``step 5 of global_batches``), for stalls."""
     return "; ".join(f"step {k} of global_batches" for k in _agree.counts().values())
-
-
-def _attempt() -> int:
-    """``MESHKIT_ATTEMPT``, else ``SLURM_RESTART_COUNT``, else 0."""
-    for name in (ENV_ATTEMPT, "SLURM_RESTART_COUNT"):
-        value = _env.integer(name, where=_WHERE)
-        if value is not None:
-            return max(0, value)
-    return 0
 
 
 # jax.distributed.initialize's parameter -> (meshkit's name, environment variable).
