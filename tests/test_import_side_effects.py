@@ -1,9 +1,10 @@
 """Importing meshkit, or any of its faces, changes nothing in the process.
 
-A fresh interpreter per face notes what a library could install (signal handlers, hooks,
-threads, ``atexit`` callbacks, logging handlers, JAX's settings and the functions meshkit
-touches), imports the face, and compares; then meshkit's own lists of hooks are checked to hold
-only what they hold before anything registers. Debug mode, fail-fast and the rest start at
+A fresh interpreter notes what a library could install (signal handlers, hooks, threads,
+``atexit`` callbacks, logging handlers, JAX's settings and the functions meshkit touches), then
+imports the faces one by one, comparing after each: whatever a module does at import shows
+after the first face that imports it. Then meshkit's own lists of hooks are checked to hold only
+what they hold before anything registers. Debug mode, fail-fast and the rest start at
 `meshkit.init`, `meshkit.debug.enable` or a first call (see ``docs/what-init-installs.md``).
 """
 
@@ -13,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-
-import pytest
 
 _PROBE = """
 import atexit, faulthandler, json, logging, signal, sys, threading
@@ -44,10 +43,13 @@ def snapshot():
         "MeshComputation.compile": id(pxla.MeshComputation.compile),
     }
 
+changed = {}
 before = snapshot()
-FACE
-after = snapshot()
-changed = {k: [before[k], after[k]] for k in before if before[k] != after[k]}
+for face, code in json.loads(sys.argv[1]).items():
+    exec(code, {})
+    after = snapshot()
+    changed[face] = {k: [before[k], after[k]] for k in before if before[k] != after[k]}
+    before = after
 
 # meshkit's own hook lists hold only what they are born with.
 from meshkit._src.debug import divergence as debug_state
@@ -92,37 +94,30 @@ FACES = {
 }
 
 
-@pytest.mark.parametrize("face", sorted(FACES))
-def test_importing_a_face_installs_nothing(face):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
-    env.update({"JAX_PLATFORMS": "cpu", "MESHKIT_DEBUG": "1"})  # read at init, not at import
+def _probe(faces: dict[str, str], env: dict[str, str]) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}, **env}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE.replace("FACE", FACES[face])],
-        env=env,
+        [sys.executable, "-c", _PROBE, json.dumps(faces)],
+        env={**env, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout.splitlines()[-1])
-    assert found["changed"] == {}, found["changed"]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_importing_a_face_installs_nothing():
+    found = _probe(FACES, {"MESHKIT_DEBUG": "1"})  # read at init, not at import
+    assert found["changed"] == {face: {} for face in FACES}, found["changed"]
     assert found["own"] == _BORN
 
 
 def test_the_probe_sees_what_init_installs():
     """The same probe after `meshkit.init` in debug mode: what it checks can fail."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
-    env.update({"JAX_PLATFORMS": "cpu", "MESHKIT_DEBUG": "1", "MESHKIT_WATCHDOG": "0"})
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE.replace("FACE", "import meshkit\nmeshkit.init()")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout.splitlines()[-1])
-    assert set(found["changed"]) >= {"signals", "sys.excepthook", "atexit callbacks"}, found
+    env = {"MESHKIT_DEBUG": "1", "MESHKIT_WATCHDOG": "0"}
+    found = _probe({"init": "import meshkit\nmeshkit.init()"}, env)
+    assert set(found["changed"]["init"]) >= {"signals", "sys.excepthook", "atexit callbacks"}, found
     assert found["own"]["debug mode"], found
     assert found["own"]["preemption installed"], found
     assert "debug mode: publish leaving" in found["own"]["exit handlers"], found
