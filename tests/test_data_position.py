@@ -334,7 +334,8 @@ def test_bad_hf_loaders():
     with pytest.raises(
         MeshkitError,
         match=r"^meshkit.loaders.hf_batches: expected a map-style datasets.Dataset; got "
-        r"DatasetDict.\nConsider one split, such as dataset\['train'\].$",
+        r"DatasetDict, which holds the splits \['train'\].\nConsider one split, such as "
+        r"dataset\['train'\].$",
     ):
         loaders.hf_batches(datasets.DatasetDict({"train": table}), part)
     with pytest.raises(

@@ -1,13 +1,5 @@
 """Every process's value in, one answer back to every process: `gather` and `sync_step`.
 
-`gather`: each process writes its value and waits at one barrier; process 0 reads all values in
-one directory read and writes the answer the others read: three round trips per process.
-
-`sync_step`, once per run: the step at which every process saves after a preemption notice, the
-one after the highest step any program answered (or, if none did, the first step each asks
-about). Each preemption thread writes its step and counts itself in; the last to count writes
-the answer, which the others wait for in slices of `SLICE_S` (a barrier could not stop at exit).
-
 Examples:
     >>> import threading
     >>> from meshkit._src.coord.fake import FakeCluster
@@ -57,8 +49,9 @@ def gather(
 ) -> Gathered:
     """Gather every process's ``value`` at process 0, and give each the answer of ``combine``.
 
-    Each of the ``n`` processes calls it once per ``tag`` (unique in the session); ``combine``
-    runs in process 0 only, on the values by process.
+    Each of the ``n`` processes calls it once per ``tag`` (unique in the session): it writes its
+    value and waits at one barrier; process 0 runs ``combine`` on the values by process (one
+    directory read) and writes the answer the others read. Three round trips per process.
 
     Examples:
         >>> from meshkit._src.coord.fake import FakeCluster
@@ -90,10 +83,13 @@ def sync_step(
     timeout: float,
     stop: threading.Event,
 ) -> Synced:
-    """Agree with the other ``n - 1`` processes on the sync step (see the module).
+    """The step at which every process saves after a preemption notice, once per run.
 
-    ``answered``: the last step this process's program answered (None: none yet); ``stop``: set
-    when this process ends, the wait stops within `SLICE_S`.
+    It is the one after the highest step any program ``answered`` (the last step this process's
+    program answered; None: none yet), or, if none did, the first step each asks about. Each
+    process writes its step and counts itself in; the last to count writes the answer, which the
+    others wait for in slices of `SLICE_S` (a barrier could not stop at exit) until ``stop``
+    (set when this process ends).
     """
     deadline = time.monotonic() + timeout
     steps, answer = _PREFIX + "answered/", _PREFIX + "step"

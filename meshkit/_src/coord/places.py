@@ -35,24 +35,19 @@ class Place:
     moving: bool = False  # inside a step: it may end without the others, so it never decides
 
 
-def count(node: Node, sequence: str, counter: str) -> int:
-    """How many of ``counter``'s agreements or steps this process has begun."""
-    if counter:
-        return node.counts.get(counter, 0)
-    state = node.sequences.get(sequence)
-    return 0 if state is None else state.next
-
-
 def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError | None:
     """The error of the cycle ``mine`` waits in with the others' places, if any."""
     if mine.moving:
         return None
     places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
+    state = node.sequences.get(mine.sequence)
+    # How many of each counter's agreements (""), or steps, this process has begun.
+    begun = {"": 0 if state is None else state.next, **node.counts}
     blocking = [
         q
         for q, v in places.items()
         if (v.counter, v.number) != (mine.counter, mine.number)
-        and count(node, v.sequence, v.counter) <= v.number
+        and begun.get(v.counter, 0) <= v.number
     ]
     if not blocking:
         return None

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import MeshkitError
+from .errors import MeshkitError, shorten
 
 VERSION = 1  # of `DataPosition.to_json`'s format; a reader refuses newer ones
 _WHAT = "meshkit.DataPosition.from_json"
@@ -184,8 +184,7 @@ def _identity(value: Any) -> LoaderIdentity:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value, default=repr)
-    return text if len(text) <= 120 else text[:117] + "..."
+    return shorten(json.dumps(value, default=repr), 120)
 
 
 def encode_state(state: Any) -> str:

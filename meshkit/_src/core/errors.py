@@ -64,6 +64,11 @@ for _public in (MeshkitError, LaunchError, DivergenceError, MeshkitTypeError, Me
 del _public
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in "..." where cut (a value in a message)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def ranges(values: Iterable[int], sep: str = ", ") -> str:
     """Integers folded into runs for a message: ``0-2, 5`` for 5, 0, 2, 1 (each named once)."""
     runs = itertools.groupby(enumerate(sorted(set(values))), lambda iv: iv[1] - iv[0])

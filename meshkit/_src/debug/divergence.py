@@ -27,7 +27,7 @@ from ..coord import missing as _missing
 from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import compat as _compat
-from ..core.errors import DivergenceError
+from ..core.errors import DivergenceError, shorten
 from ..core.frames import place, user_frame
 from ..lifecycle import progress as _progress
 
@@ -85,34 +85,32 @@ class CallSite:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# Array leaves described before (a steady loop describes the same ones every call).
-_LEAF_TEXTS: _caches.Cache[tuple[Any, ...], str] = _caches.Cache(maxsize=4096)
-
-
 def _describe_leaf(x: Any, ragged: bool) -> str:
     """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None:
         if x is None or isinstance(x, bool | int | float | complex):
             return "None" if x is None else type(x).__name__
-        return _canonical.value(x)[:MAX_DESC]
-    tracer = isinstance(x, Tracer)
+        return shorten(_canonical.value(x), MAX_DESC)
+    traced = isinstance(x, Tracer)  # its sharding may not hash: described afresh
+    describe = _array_text.__wrapped__ if traced else _array_text
     sharding = getattr(x, "sharding", None)
-    key = (type(x), tuple(shape), dtype, sharding, ragged)
-    text = None if tracer else _LEAF_TEXTS.get(key)
-    if text is not None:
-        return text
+    return describe(isinstance(x, jax.Array) and not traced, tuple(shape), dtype, sharding, ragged)
+
+
+@_caches.cached(maxsize=4096)  # a steady loop describes the same leaves every call
+def _array_text(
+    concrete: bool, shape: tuple[int, ...], dtype: Any, sharding: Any, ragged: bool
+) -> str:
     dims = [str(int(d)) for d in shape]
     if ragged and dims:
         dims[0] = "*"
     text = f"{np.dtype(dtype).name}[{','.join(dims)}]"
     if isinstance(sharding, jax.sharding.NamedSharding):
         text += f" sharded {tuple(sharding.spec)} over {dict(sharding.mesh.shape)}"
-    elif isinstance(x, jax.Array) and not tracer and sharding is not None:
+    elif concrete and sharding is not None:
         count = len(sharding.device_set)
         text += f" on {count} devices" if count > 1 else ""
-    if not tracer:
-        _LEAF_TEXTS.put(key, text)
     return text
 
 
@@ -123,7 +121,9 @@ def fingerprint(site: CallSite, args: tuple[Any, ...], count: int) -> dict[str, 
     leaves = [  # each leaf as sent to the other processes: its name in messages, what it is
         {
             "name": where,
-            "text": "static " + _static_repr(x) if static else _describe_leaf(x, ragged),
+            "text": "static " + shorten(_canonical.value(x), MAX_DESC)
+            if static
+            else _describe_leaf(x, ragged),
         }
         for (where, static), x in zip(layout.names, flat, strict=True)
     ]
@@ -175,11 +175,6 @@ def _layout_of(site: CallSite, args: tuple[Any, ...], treedef: Any) -> _ArgLayou
     layout = _ArgLayout(entry, _canonical.structure(treedef), tuple(names))
     layouts.put(treedef, layout)
     return layout
-
-
-def _static_repr(x: Any) -> str:
-    text = _canonical.value(x)
-    return text if len(text) <= MAX_DESC else text[:MAX_DESC] + "..."
 
 
 def check(site: CallSite, args: tuple[Any, ...]) -> None:

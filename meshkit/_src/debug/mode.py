@@ -1,8 +1,8 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
 On: stalls are reported sooner (`stall.configure`) and this process tells the others when it
-leaves. Nothing happens
-at import: `meshkit.init` and the first SPMD call run `enable_from_environment`.
+leaves. Nothing happens at import: `meshkit.init` and the first SPMD call run
+`enable_from_environment`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from ..core.data_position import GlobalIterator, GlobalSource, LoaderIdentity
 from ..core.errors import MeshkitError
 from ..core.frames import public
 from ..sharding.layout import ProcessSlice
-from .rows import _map_dataset, _Rows, _rows, _seed, _whole
+from .rows import _map_dataset, _not_hf, _Rows, _rows, _seed, _whole
 
 # The shuffled order: a keyed Feistel network over the smallest 4**k >= n, walked until it lands
 # in range(n): no table of n entries, vectorized, and the same on every machine and numpy version
@@ -255,19 +255,13 @@ def hf_batches(
     import datasets
 
     if not isinstance(dataset, datasets.Dataset):
-        given = type(dataset).__name__
-        if isinstance(dataset, datasets.DatasetDict):
-            fix = f"one split, such as dataset[{(sorted(dataset) or ['train'])[0]!r}]"
-        elif isinstance(dataset, datasets.IterableDataset | datasets.IterableDatasetDict):
-            fix = (
-                "meshkit.loaders.hf_dataset(dataset, part) for a stream (its position is not "
-                "saved), or a map-style datasets.Dataset (load_dataset without streaming=True)"
-            )
-        else:
-            fix = "datasets.Dataset.from_dict(...) or load_dataset(...)[split]"
-        raise MeshkitError(
-            f"{what}: expected a map-style datasets.Dataset; got {given}.\nConsider {fix}."
+        fix = (
+            "meshkit.loaders.hf_dataset(dataset, part) for a stream (its position is not saved), "
+            "or a map-style datasets.Dataset (load_dataset without streaming=True)"
+            if isinstance(dataset, datasets.IterableDataset)
+            else "datasets.Dataset.from_dict(...) or load_dataset(...)[split]"
         )
+        raise _not_hf(dataset, what, "a map-style datasets.Dataset", fix)
     identity, rows = _identity("datasets", part, len(dataset), seed, epochs, drop_remainder, what)
     if dataset.format["type"] is None:
         dataset = dataset.with_format("numpy")

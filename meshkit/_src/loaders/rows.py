@@ -344,17 +344,20 @@ def hf_dataset(dataset: Any, part: ProcessSlice) -> Any:
     if isinstance(dataset, datasets.IterableDataset):
         _rows(part, 0, what)
         return split_dataset_by_node(dataset, rank=part.shard_index, world_size=part.shard_count)
+    fix = (
+        "datasets.Dataset.from_dict(...) or load_dataset(...)[split]; for other loaders, "
+        "meshkit.loaders.process_rows(part, num_rows)"
+    )
+    raise _not_hf(dataset, what, "a datasets.Dataset or datasets.IterableDataset", fix)
+
+
+def _not_hf(dataset: Any, what: str, expected: str, fix: str) -> MeshkitError:
+    """The error for a ``dataset`` of the wrong kind; a dict of splits is told to pick one."""
+    import datasets
+
     given = type(dataset).__name__
     if isinstance(dataset, datasets.DatasetDict | datasets.IterableDatasetDict):
         splits = sorted(dataset)
         given += f", which holds the splits {splits}"
         fix = f"one split, such as dataset[{(splits or ['train'])[0]!r}]"
-    else:
-        fix = (
-            "datasets.Dataset.from_dict(...) or load_dataset(...)[split]; for other loaders, "
-            "meshkit.loaders.process_rows(part, num_rows)"
-        )
-    raise MeshkitError(
-        f"{what}: expected a datasets.Dataset or datasets.IterableDataset; got {given}.\n"
-        f"Consider {fix}."
-    )
+    return MeshkitError(f"{what}: expected {expected}; got {given}.\nConsider {fix}.")

@@ -293,7 +293,16 @@ def build(
         except NameError as e:
             if not str(e).startswith("Found an unbound axis name"):
                 raise  # the user's own NameError
-            raise MeshkitNameError(f"{e}\n{_unbound_axis_help(fn, str(e))}") from None
+            axis = str(e).removeprefix("Found an unbound axis name: ").split(".")[0]
+            fix = (
+                f"Consider axis_name={axis!r} in pmap_compat."
+                if fn.axis_name is None
+                else f"Consider naming {fn.axis_name!r} in the collective."
+            )
+            raise MeshkitNameError(
+                f"{e}\n{fn.what}: a collective names the axis {axis!r}, which is not bound "
+                f"here; the function maps the axis {fn.axis_name!r}.\n{fix}"
+            ) from None
         finally:
             TRACING.reset(token)
 
@@ -312,19 +321,6 @@ def build(
     local_out = mesh.is_multi_process and not fn.global_outputs and not tracing
     entry = Entry(fn, plan, jitted, resolved, local_out)
     return entry
-
-
-def _unbound_axis_help(fn: Any, message: str) -> str:
-    axis = message.removeprefix("Found an unbound axis name: ").split(".")[0]
-    fix = (
-        f"Consider axis_name={axis!r} in pmap_compat."
-        if fn.axis_name is None
-        else f"Consider naming {fn.axis_name!r} in the collective."
-    )
-    return (
-        f"{fn.what}: a collective names the axis {axis!r}, which is not bound here; the "
-        f"function maps the axis {fn.axis_name!r}.\n{fix}"
-    )
 
 
 def _outputs_per_device(entry: Entry, out: Any) -> Any:

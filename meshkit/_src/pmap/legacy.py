@@ -20,10 +20,10 @@ from ..arrays.assembly import exchange_records
 from ..arrays.blocks import tree_paths
 from ..arrays.to_host import local_from_global
 from ..core import caches as _caches
-from ..core.errors import MeshkitError
+from ..core.errors import MeshkitError, shorten
 from ..core.frames import public
 from ..spmd.placement import argnums
-from .pmap import check_devices, device_mesh, shown
+from .pmap import check_devices, device_mesh
 
 _NOT_ARRAY = """\
 {what}: the leaf at {path} is of type {kind} ({shown}), not an array.
@@ -60,7 +60,9 @@ def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
         value.dtype == np.bool_ or jax.numpy.issubdtype(value.dtype, np.number)
     ):
         kind = type(leaf).__name__ if value is None else f"array of dtype {value.dtype}"
-        raise MeshkitError(_NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shown(leaf)))
+        raise MeshkitError(
+            _NOT_ARRAY.format(what=what, path=path, kind=kind, shown=shorten(repr(leaf), 60))
+        )
     target = np.dtype(jax.dtypes.canonicalize_dtype(value.dtype))
     return value if value.dtype == target else value.astype(target)
 

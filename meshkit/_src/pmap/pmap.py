@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh
 from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import compat as _compat
-from ..core.errors import MeshkitError, MeshkitTypeError
+from ..core.errors import MeshkitError, MeshkitTypeError, shorten
 from ..core.frames import public
 from ..runtime import dispatch as _dispatch
 from ..spmd.placement import argnums, dynamic
@@ -87,7 +87,7 @@ class PmapFunction:
                 "devices=None (every device of every process) or a list such as "
                 "jax.local_devices()."
             )
-        self.devices = list(devices) if devices is not None else None
+        self.devices = None if devices is None else check_devices(devices, what)
         self.backend = backend
         self.global_outputs = bool(global_outputs)
         out_leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
@@ -201,10 +201,7 @@ class PmapFunction:
 
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
         """The first ``per_process`` devices of each process (``local_only``: of this one)."""
-        if self.devices is not None:
-            pool = check_devices(self.devices, self.what)
-        else:
-            pool = jax.devices(self.backend)
+        pool = self.devices if self.devices is not None else jax.devices(self.backend)
         name = self.mesh_axis
         if local_only and per_process == len(pool):  # a global array traced by an enclosing jit
             return device_mesh(pool, name)
@@ -246,10 +243,8 @@ class PmapFunction:
         positions, in_axes = _entry.in_axes_for(self, n_args, kwargs)
 
         def dyn_fun(*dyn: Any, **kw: Any) -> Any:
-            full = list(args)
-            for i, value in zip(positions, dyn, strict=True):
-                full[i] = value
-            return self.fun(*full, **kw)
+            full = dict(enumerate(args)) | dict(zip(positions, dyn, strict=True))
+            return self.fun(*full.values(), **kw)
 
         mapped = jax.vmap(
             dyn_fun,
@@ -312,11 +307,6 @@ def pmap_compat(
     return wrap if fun is None else wrap(fun)
 
 
-def shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def check_devices(devices: Any, what: str) -> list[Any]:
     """``devices`` as a list: a non-empty sequence of distinct devices, some of this process."""
     if isinstance(devices, jax.Device):
@@ -329,7 +319,7 @@ def check_devices(devices: Any, what: str) -> list[Any]:
     except TypeError:
         raise MeshkitError(
             f"{what}: devices must be a sequence of devices; got {type(devices).__name__} "
-            f"({shown(devices)}).\nConsider devices=jax.local_devices()."
+            f"({shorten(repr(devices), 60)}).\nConsider devices=jax.local_devices()."
         ) from None
     if not chosen:
         raise MeshkitError(
@@ -339,8 +329,8 @@ def check_devices(devices: Any, what: str) -> list[Any]:
     bad = [d for d in chosen if not isinstance(d, jax.Device)]
     if bad:
         raise MeshkitError(
-            f"{what}: devices holds {type(bad[0]).__name__} ({shown(bad[0])}), not a device.\n"
-            "Consider devices from jax.devices() or jax.local_devices()."
+            f"{what}: devices holds {type(bad[0]).__name__} ({shorten(repr(bad[0]), 60)}), not a "
+            "device.\nConsider devices from jax.devices() or jax.local_devices()."
         )
     if len(set(chosen)) != len(chosen):
         twice = sorted({str(d) for d in chosen if chosen.count(d) > 1})

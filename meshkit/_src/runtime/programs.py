@@ -275,10 +275,6 @@ def _compare(compiling: _compat.Compiling) -> None:
         return
     tag = _channel.scoped(_TAG, _WHAT)
     _tags.add(tag)
-    _agree_on(compiling, tag)
-
-
-def _agree_on(compiling: _compat.Compiling, tag: str) -> None:
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
     # Arguments are exchanged only to explain a difference; ``line`` is never compared.
     mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
