@@ -17,6 +17,11 @@ waited with `jax.block_until_ready`.
   step whose device work leaves the CPU idle), ``PACED_CALLS`` calls per round;
 * ``mesh``: ``meshkit.make_mesh({"data": -1})`` and ``jax.make_mesh``;
 * ``barrier``: ``meshkit.barrier`` alone.
+* ``progress``: the always-on progress records during a `meshkit.global_batches` loop of
+  ``PACE_S`` steps for ``PROGRESS_S`` seconds, with step windows of ``PROGRESS_WINDOW_S``
+  (shorter than the default 30 s, to see several): the coordination requests each process
+  made for its step windows and its stall records (counted on the boards they use), and process
+  0's time per window (its own row posted, every row read, the straggler rule).
 
 Per variant and process: seconds per call (process 0's clock), CPU seconds per call of the
 whole process (``resource.getrusage``, every thread), and coordination-service round trips per
@@ -321,6 +326,67 @@ if "stop_together" in inspect.signature(meshkit.global_batches).parameters:
         held[kind].close()
 
 
+PROGRESS_S = 6.0
+PROGRESS_WINDOW_S = 1.0
+
+
+def progress() -> dict[str, float] | None:
+    """The progress records' requests per process and process 0's time per window (above)."""
+    try:
+        from meshkit._src.coord import failures
+        from meshkit._src.lifecycle import stall, stragglers
+        from meshkit._src.lifecycle.progress import ServiceBoard
+    except ImportError:  # a meshkit without progress records
+        return None
+    asked = {"steps": 0, "stall": 0}
+
+    def counted(kind: str, board: ServiceBoard) -> ServiceBoard:
+        def count(call: Callable[..., Any]) -> Callable[..., Any]:
+            def counting(*args: Any) -> Any:
+                asked[kind] += 1
+                return call(*args)
+
+            return counting
+
+        return ServiceBoard(count(board.post), count(board.read), count(board.drop))
+
+    steps_board, stall_board = failures.board(failures.STEPS), failures.board(failures.STALL)
+    assert steps_board is not None
+    assert stall_board is not None
+    stragglers.install(ME, counted("steps", steps_board), PROGRESS_WINDOW_S)
+    detector = stall._detector
+    if detector is not None:
+        detector.board = counted("stall", stall_board)
+    windows = stragglers._windows
+    assert windows is not None
+    turn, turns = windows.turn, []
+
+    def timed_turn(*, last: bool = False) -> None:
+        began = time.perf_counter()
+        turn(last=last)
+        turns.append(time.perf_counter() - began)
+
+    windows.turn = timed_turn  # the task scheduled next calls the timed one
+    meshkit.barrier("progress")
+    began = time.monotonic()
+    loader = (local for _ in range(int(PROGRESS_S / PACE_S)))  # every process: as many steps
+    with meshkit.global_batches(loader, mesh, "data") as batches:
+        for batch in batches:
+            jax.block_until_ready(batch)
+            time.sleep(PACE_S)
+    took = time.monotonic() - began
+    meshkit.barrier("progress-end")
+    stragglers.install(ME, None, 3600.0)  # no more windows in the rest of the run
+    return {
+        "seconds": took,
+        "steps_requests_per_s": asked["steps"] / took,
+        "stall_requests": asked["stall"],
+        "window_s": PROGRESS_WINDOW_S,
+        "turn_ms": 1e3 * statistics.median(turns) if turns else float("nan"),
+        "windows": len(turns),
+    }
+
+
 def meshkit_mesh() -> None:
     meshkit.make_mesh({"data": -1})
 
@@ -329,15 +395,17 @@ def jax_mesh() -> None:
     jax.make_mesh((jax.device_count(),), ("data",))
 
 
+progressed = progress()
 results["mesh"] = series("mesh", {"meshkit": meshkit_mesh, "jax": jax_mesh})
 results["barrier"] = series("barrier", {"barrier": lambda: meshkit.barrier("x")})
 
 # Every process's own counts, gathered through the coordination service (no device collective).
 FIELDS = ("cpu", "rpcs", "agreements")
-mine = {
+mine: dict[str, Any] = {
     s: {k: {f: v[f] for f in FIELDS} for k, v in d.items() if k != "overhead"}
     for s, d in results.items()
 }
+mine["progress"] = progressed
 client.key_value_set(f"meshkit-bench/coordination/{ME}", json.dumps(mine))
 probed = probe() if PROBE and N >= 2 else None
 if ME == 0:
