@@ -25,6 +25,7 @@ from ..core.errors import MeshkitError
 from ..core.frames import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import stragglers as _stragglers
 from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
@@ -229,6 +230,7 @@ def save(
     """
     what = "meshkit.checkpoint.save"
     ocp = _import_orbax(what)
+    started = time.monotonic()
     where = _steps.abs_path(path, what)
     problem, entries = _tree_problems(tree, what)
     if problem is None and where.exists():
@@ -247,8 +249,9 @@ def save(
     with _preemption.saving(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(where, tree, **shared.metadata())  # a preemption deadline waits
         checkpointer.wait_until_finished()
-    step = _steps.step_of(where)
-    _events.emit(_events.SAVED, step=step)  # for meshkit launch's report
+    step, seconds = _steps.step_of(where), round(time.monotonic() - started, 4)
+    _stragglers.set_aside("saving", seconds)
+    _events.emit(_events.SAVED, step=step, seconds=seconds)  # for meshkit launch's report
     if keep is not None and _compat.distributed_state()[1] == 0:
         _steps.prune(where.parent, keep)
     _preemption.saved(step)  # after a preemption sync point: SystemExit(143)
@@ -444,6 +447,7 @@ def restore(
         restored = checkpointer.restore(where, tree)
     # For meshkit launch's report of a restart: which step, and what the restore cost.
     seconds = round(time.monotonic() - started, 4)
+    _stragglers.set_aside("restoring", seconds)
     _events.emit(_events.RESTORED, step=_steps.step_of(where), seconds=seconds)
     return restored
 

@@ -95,6 +95,8 @@ class _Totals:
     loads: int = 0  # batches the loader gave (ahead of the steps, as far as prefetching goes)
     loader: float = 0.0
     last: float = -1.0  # when the last batch arrived
+    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches (`set_aside`)
+    pending: float = 0.0  # ... since the last batch arrived
 
     def now(self) -> tuple[float, ...]:
         return self.steps, self.wall, self.data, self.loads, self.loader
@@ -108,6 +110,8 @@ def took(asked: float, got: float) -> None:
     t = _totals
     if t.last >= 0.0:
         t.wall += got - t.last
+        t.aside += t.pending
+    t.pending = 0.0  # before the first batch: not in the steps' wall
     t.data += got - asked
     t.last = got
     t.steps += 1
@@ -118,6 +122,25 @@ def loaded(seconds: float) -> None:
     t = _totals
     t.loader += seconds
     t.loads += 1
+
+
+_spent: dict[str, float] = {"compiling": 0.0, "saving": 0.0, "restoring": 0.0}
+
+
+def set_aside(part: str, seconds: float) -> None:
+    """``seconds`` of ``part`` (a key of `spent`): not step work, even between two batches."""
+    _spent[part] += seconds
+    _totals.pending += seconds
+
+
+def spent() -> dict[str, float]:
+    """This process's seconds compiling, saving and restoring so far (`RuntimeInfo.goodput`)."""
+    return dict(_spent)
+
+
+def steps_s() -> float:
+    """This process's steps so far: their wall time less the compiles and checkpoints between."""
+    return _totals.wall - _totals.aside
 
 
 @dataclass(frozen=True)
@@ -172,7 +195,7 @@ class _Windows:
         steps = int(now[0] - self.first[0])
         self.latest = row = _row(self.me, steps, before, now)
         run = asdict(_row(self.me, steps, self.first, now))  # the whole run, for the launcher
-        _events.emit(_events.STEPS, **run)
+        _events.emit(_events.STEPS, **run, aside=round(_totals.aside, 4))
         if self.board is None or last:
             return
         with contextlib.suppress(Exception):  # a lost window only delays a straggler's name
