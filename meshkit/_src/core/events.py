@@ -56,8 +56,9 @@ FAILED = "failed"
 # (the processes that hold the run, by the verdict)
 STALLED = "stalled"
 ENDED = "ended"  # reached the end of its program while others still ran
-SAVED = "saved"  # step (None without a step_<n> directory), seconds
-RESTORED = "restored"  # step, seconds
+# step (None without a step_<n> directory), seconds, compiling (the seconds of compiles in it)
+SAVED = "saved"
+RESTORED = "restored"  # step, seconds, compiling
 # how ("saved", "deadline", "ended"), source ("SIGTERM", "process P"), process, received,
 # step, saved
 PREEMPTED = "preempted"

@@ -38,7 +38,8 @@ def of_attempt(
         seconds = float(e.fields.get("seconds") or 0.0)
         if e.kind == _events.COMPILED:
             compiled[e.rank] = seconds  # the totals so far
-        elif e.kind in (_events.SAVED, _events.RESTORED):
+        elif e.kind in (_events.SAVED, _events.RESTORED):  # its compiles count as compiling
+            seconds -= float(e.fields.get("compiling") or 0.0)
             spent["saving" if e.kind == _events.SAVED else "restoring"][e.rank] += seconds
         elif e.kind == _events.STEPS:  # the run so far: steps, wall per step, compiles aside
             n, per = int(e.fields.get("steps") or 0), float(e.fields.get("step_ms") or 0.0)

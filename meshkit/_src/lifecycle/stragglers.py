@@ -133,6 +133,21 @@ def set_aside(part: str, seconds: float) -> None:
     _totals.pending += seconds
 
 
+def clock() -> tuple[float, float]:
+    """Now, and the seconds compiled so far: the start of a save or a restore (`checkpointed`)."""
+    return time.monotonic(), _spent["compiling"]
+
+
+def checkpointed(part: str, since: tuple[float, float]) -> dict[str, float]:
+    """The ``seconds`` of a save or restore begun at ``since`` (`clock`), and its ``compiling``.
+
+    The rest is set aside as ``part``; the compiles in it were, as compiling.
+    """
+    seconds, compiling = time.monotonic() - since[0], _spent["compiling"] - since[1]
+    set_aside(part, max(seconds - compiling, 0.0))
+    return {"seconds": round(seconds, 4), "compiling": round(compiling, 4)}
+
+
 def spent() -> dict[str, float]:
     """This process's seconds compiling, saving and restoring so far (`RuntimeInfo.goodput`)."""
     return dict(_spent)
