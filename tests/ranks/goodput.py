@@ -2,9 +2,9 @@
 
     python goodput.py ROOT
 
-12 steps of 50 ms (a sleep in each) on a ``{"data": -1}`` mesh, a checkpoint after every 3rd
-(``ROOT/step_<n>``). On the first attempt process 1 raises after step 7; the next attempt
-restores step 6 and takes steps 7 to 12. At the end process 0 prints ``GOODPUT`` and the
+8 steps of 50 ms (a sleep in each) on a ``{"data": -1}`` mesh, a checkpoint after every 4th
+(``ROOT/step_<n>``). On the first attempt process 1 raises after step 5; the next attempt
+restores step 4 and takes steps 5 to 8. At the end process 0 prints ``GOODPUT`` and the
 fields of `meshkit.RuntimeInfo.goodput` as JSON.
 """
 
@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-STEPS, EVERY, FAIL_AT = 12, 3, 7
+STEPS, EVERY, FAIL_AT = 8, 4, 5
 root = sys.argv[1]
 mesh = meshkit.make_mesh({"data": -1})
 found = meshkit.checkpoint.latest(root)

@@ -62,7 +62,8 @@ RESTORED = "restored"  # step, seconds, compiling
 # how ("saved", "deadline", "ended"), source ("SIGTERM", "process P"), process, received,
 # step, saved
 PREEMPTED = "preempted"
-COMPILED = "compiled"  # totals so far: seconds, programs, hits (persistent cache)
+# totals so far: seconds, programs, hits (persistent cache), tracing (seconds tracing and lowering)
+COMPILED = "compiled"
 # the run's steps so far (`StepRow`'s fields: per step, over the whole run), and aside: the
 # seconds of compiles and checkpoints between the steps' batches
 STEPS = "steps"
@@ -270,7 +271,8 @@ class Goodput:
     Attributes:
         wall: the whole time.
         joining: until every process had joined (`meshkit.init` returned).
-        compiling: compiling programs, or fetching them from JAX's persistent cache.
+        compiling: tracing, lowering and compiling programs (or fetching them from JAX's
+            persistent cache).
         steps: the steps of `meshkit.global_batches` kept: from the first batch's arrival to the
             last's, less the compiles and checkpoints between them, less ``redone``.
         saving: writing checkpoints (`meshkit.checkpoint.save`).

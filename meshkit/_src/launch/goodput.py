@@ -37,7 +37,7 @@ def of_attempt(
     for e in records:
         seconds = float(e.fields.get("seconds") or 0.0)
         if e.kind == _events.COMPILED:
-            compiled[e.rank] = seconds  # the totals so far
+            compiled[e.rank] = seconds + float(e.fields.get("tracing") or 0.0)  # so far
         elif e.kind in (_events.SAVED, _events.RESTORED):  # its compiles count as compiling
             seconds -= float(e.fields.get("compiling") or 0.0)
             spent["saving" if e.kind == _events.SAVED else "restoring"][e.rank] += seconds
