@@ -110,8 +110,9 @@ def took(asked: float, got: float) -> None:
     t = _totals
     if t.last >= 0.0:
         t.wall += got - t.last
-        t.aside += t.pending
-    t.pending = 0.0  # before the first batch: not in the steps' wall
+    if t.pending:  # compiles, checkpoints since the last batch (before the first: not in wall)
+        t.aside += t.pending if t.last >= 0.0 else 0.0
+        t.pending = 0.0
     t.data += got - asked
     t.last = got
     t.steps += 1
