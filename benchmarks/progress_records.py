@@ -1,6 +1,7 @@
 """What the always-on progress records cost: stalls and stragglers (`docs/hangs.md`).
 
-The program's thread pays only `stragglers.took` per step of `global_batches`; everything else
+The program's thread pays only `stragglers.took` per step of `global_batches` (and a test of
+`profiles.active`, off unless a profile of some steps was asked for); everything else
 runs in `meshkit-service`: a stall sample every 5 s, a window every 30 s, and on process 0 the
 reading of every process's window. Timed here in one process; the per-window work of process 0
 is timed on 16 to 8,192 posted rows (1,024 hosts x 8 processes), and the requests per process
@@ -17,14 +18,21 @@ from dataclasses import asdict
 from _timing import per_call
 
 from meshkit._src.core.events import StepRow
+from meshkit._src.lifecycle import profiles as _profiles
 from meshkit._src.lifecycle import progress as _progress
 from meshkit._src.lifecycle import stall as _stall
 from meshkit._src.lifecycle import stragglers as _stragglers
+from meshkit._src.lifecycle.progress import ServiceBoard
 
 
 def _step() -> None:
     asked = time.perf_counter()
     _stragglers.took(asked, time.perf_counter())
+
+
+def _profile_check() -> None:
+    if _profiles.active is not None:  # what global_batches tests per step (profiles off)
+        _profiles.active.step(0)
 
 
 def _from_service(fn, n: int) -> float:
@@ -50,6 +58,7 @@ def bench_progress_records() -> str:
         step, step_cpu = per_call(_step)
     finally:
         _stragglers._totals = saved
+    check, _ = per_call(_profile_check)
     main = threading.main_thread()
     sampler = _progress.Sampler(main.ident or 0, _progress.main_native_id())
     sample = _from_service(lambda: sampler.moved(5.0), 200)
@@ -59,6 +68,8 @@ def bench_progress_records() -> str:
         "Progress records: what stalls and stragglers cost",
         f"main thread per global_batches step (stragglers.took):  {step * 1e9:6.0f} ns wall, "
         f"{step_cpu * 1e9:.0f} ns CPU  (goal <= 1000 ns)",
+        f"main thread per step, the profile check when off:        {check * 1e9:6.0f} ns wall "
+        "(a call and one global's test)",
         f"service thread, one stall sample (every 5 s):            {sample * 1e6:6.1f} us "
         f"({sample / 5.0 * 100:.4f}% of a CPU)",
         f"service thread, one stall record (only while stalled):  {record * 1e6:6.1f} us",
@@ -66,8 +77,10 @@ def bench_progress_records() -> str:
         "1 per 30 s (0.033/s; goal <= 0.1/s)",
     ]
     for n in (16, 1024, 8192):
-        board = _stragglers.Board(
-            post=lambda k, v: None, read=lambda n=n: {str(p): row for p in range(n)}
+        board = ServiceBoard(
+            post=lambda k, v: None,
+            read=lambda n=n: {str(p): row for p in range(n)},
+            drop=lambda k: None,
         )
         t = time.perf_counter()
         table = _stragglers.rows(board)

@@ -42,6 +42,7 @@ if _typing.TYPE_CHECKING:
     from ._src.launch.report import LaunchAttempt as LaunchAttempt
     from ._src.lifecycle.preemption import PreemptionNotice as PreemptionNotice
     from ._src.lifecycle.preemption import notice as preemption_notice
+    from ._src.lifecycle.profiles import profile_steps as profile_steps
     from ._src.lifecycle.stragglers import StepRow as StepRow
     from ._src.lifecycle.stragglers import step_times as step_times
     from ._src.pmap.entry import UncheckedOutputWarning as UncheckedOutputWarning
@@ -80,8 +81,8 @@ __all__ = [
     "collectives", "debug", "describe", "device_put_replicated", "device_put_sharded",
     "gather", "get_metrics", "global_array_from_local", "global_batches", "init", "launch",
     "loaders", "local_from_global", "make_mesh", "pad_shard_unpad", "pmap_compat",
-    "preemption_notice", "prefetch_to_device", "process_slice", "replicate", "runtime_info",
-    "shard", "shard_prng_key", "spec", "spmd", "step_times", "unreplicate",
+    "preemption_notice", "prefetch_to_device", "process_slice", "profile_steps", "replicate",
+    "runtime_info", "shard", "shard_prng_key", "spec", "spmd", "step_times", "unreplicate",
 ]  # fmt: skip
 
 # Module -> the public names it holds ("public=attribute" where they differ).
@@ -97,6 +98,7 @@ _LAZY_FROM = {
     "._src.launch.launcher": "LaunchResult RankResult launch",
     "._src.launch.report": "LaunchAttempt",
     "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",
+    "._src.lifecycle.profiles": "profile_steps",
     "._src.lifecycle.stragglers": "StepRow step_times",
     "._src.pmap.entry": "UncheckedOutputWarning",
     "._src.pmap.legacy": "device_put_replicated device_put_sharded get_metrics pad_shard_unpad "

@@ -22,6 +22,7 @@ import pytest
 from meshkit._src.core import events as _events
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.lifecycle import failfast as _failfast
+from meshkit._src.lifecycle.progress import ServiceBoard
 
 
 @pytest.fixture
@@ -319,7 +320,7 @@ def test_a_stall_report_writes_stalled_with_where_it_waits(status, monkeypatch):
     from meshkit._src.lifecycle import stall as _stall
 
     posted: dict[str, str] = {}
-    board = _stall.Board(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
+    board = ServiceBoard(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
     detector = _stall.Detector(0, 1, board, str, _stall.Settings(1.0, None))
     monkeypatch.setattr(_stall, "say", lambda *a: None)
     # From another thread, as the service thread runs it: the main thread waits in join.

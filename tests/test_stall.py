@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from meshkit import MeshkitError
 from meshkit._src.lifecycle import stall as _stall
+from meshkit._src.lifecycle.progress import ServiceBoard
 from meshkit._src.lifecycle.stall import DEVICE, MESHKIT, PYTHON, StallRecord
 
 # ---- settings ---------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def quiet(monkeypatch):
 
 def _board():
     posted: dict[str, str] = {}
-    board = _stall.Board(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
+    board = ServiceBoard(post=posted.__setitem__, read=lambda: dict(posted), drop=posted.pop)
     return posted, board
 
 
@@ -280,10 +281,14 @@ def test_a_verdict_posted_by_another_process_ends_this_one_with_its_words(quiet)
     posted, board = _board()
     found = _stall.verdict({0: _rec(0, DEVICE, "a.py:1"), 1: _rec(1, PYTHON, "b.py:2")})
     posted["verdict"] = json.dumps(found.__dict__)
+    posted["ended-1"] = "1"  # process 1 posted the verdict and ended: process 0 need not wait
     detector = _stall.Detector(0, 2, board, str, _stall.Settings(10.0, 50.0))
+    began = time.monotonic()
     with pytest.raises(_Ended):
         _compare(detector, 11.0)
+    assert time.monotonic() - began < _stall._ENDED_WAIT_S / 2
     assert ended == [1]
+    assert posted["ended-0"] == "1"
     assert "Process 1 holds the run" in said[-1]
     assert "process 1 is in Python at b.py:2" in said[-1]
 

@@ -6,7 +6,8 @@ the same culprit (or nobody, when nobody holds it), and a healthy run whose firs
 one process's lone evaluation outlasts the deadline must never end. The rank stuck in its own
 Python code while the other waits for a collective is `test_guarantees.py`'s stuck case. One
 more run times steps in windows of 1 s: a loader 100 ms slower in process 1 is named by process 0
-while the run goes on (healthy loops name nobody: test_soak.py). All runs start at once when the
+while the run goes on (healthy loops name nobody: test_soak.py). A process whose checkpoint
+writes outlast the deadline is saving, not stalled. All runs start at once when the
 module starts: their time is mostly waiting.
 """
 
@@ -18,8 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import require
 from ranks import stalls as ranks
-from ranks.stalls import DEADLINE_S, SLOW_MS, SLOW_STEPS, SOLO_S
+from ranks.stalls import DEADLINE_S, SAVES, SLOW_MS, SLOW_SAVE_S, SLOW_STEPS, SOLO_S
 
 from meshkit.testing import launch_in_processes
 
@@ -34,6 +36,7 @@ CASES = {
     "dead_peer": (ranks.dead_peer, {}),
     "loader_stuck": (ranks.loader_stuck, {}),
     "healthy": (ranks.healthy, {}),
+    "slow save": (ranks.slow_save, {}),
     "slow loader": (ranks.slow_loader, {"MESHKIT_STEP_WINDOW": "1", **DEFAULT}),
 }
 VERDICT = "meshkit: no process has made progress for"
@@ -45,17 +48,19 @@ def _line(mark: str) -> int:
     return found
 
 
-def _launch(name: str):
+def _launch(name: str, saves: Path):
     program, env = CASES[name]
     began = time.monotonic()
-    result = launch_in_processes(program, timeout=150, env={**ENV, **env})
+    env = {**ENV, **env, "STALL_SAVE_DIR": str(saves)}
+    result = launch_in_processes(program, timeout=150, env=env)
     return result, time.monotonic() - began
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
+    saves = tmp_path_factory.mktemp("saves")
     with concurrent.futures.ThreadPoolExecutor(len(CASES)) as pool:
-        yield {name: pool.submit(_launch, name) for name in CASES}
+        yield {name: pool.submit(_launch, name, saves) for name in CASES}
 
 
 def _run(runs, name):
@@ -131,6 +136,18 @@ def test_a_long_first_compile_and_a_lone_evaluation_do_not_end_a_healthy_run(run
     assert solo >= SOLO_S, result.values
     for rank in result.ranks:
         assert _steps(rank.stdout) == [1, 2], text
+
+
+def test_a_process_slow_only_in_its_checkpoint_writes_does_not_end_the_run(runs):
+    require("orbax.checkpoint", "orbax")  # the slow save's checkpointer
+    result, _, text = _run(runs, "slow save")
+    assert result.returncode == 0, text
+    assert VERDICT not in text, text
+    _, slow = result.values
+    assert len(slow) == SAVES, result.values
+    assert min(slow) >= SLOW_SAVE_S > DEADLINE_S, result.values  # each save outlasts it
+    for rank in result.ranks:
+        assert _steps(rank.stdout) == list(range(1, SAVES + 1)), text
 
 
 def test_a_slower_loader_is_named_while_the_run_goes_on_and_ranked(runs):

@@ -17,6 +17,7 @@ from meshkit._src.core import events
 from meshkit._src.core.events import StepRow
 from meshkit._src.launch.report import Told, straggler_summary
 from meshkit._src.lifecycle import stragglers as _stragglers
+from meshkit._src.lifecycle.progress import ServiceBoard
 from meshkit._src.lifecycle.stragglers import FLOOR_MS, MARGIN
 
 
@@ -98,7 +99,7 @@ class _Board:
             self.reads += 1
             return dict(self.posted)
 
-        return _stragglers.Board(post=self.posted.__setitem__, read=read)
+        return ServiceBoard(post=self.posted.__setitem__, read=read, drop=self.posted.pop)
 
 
 def test_process_0_names_a_straggler_after_two_windows_once(monkeypatch):

@@ -23,6 +23,7 @@ examples:
   # on each of 2 machines (R = 0 on the machine whose address is given, 1 on the other):
   meshkit launch --nnodes 2 --node-rank R --coordinator node0:29500 -n 8 train.py
   meshkit launch -n 8 --max-restarts 3 train.py   # restart the group after a failure
+  meshkit launch -n 8 --profile-steps 10:12 train.py   # a trace of steps 10-12 on every rank
 
 Each rank gets MESHKIT_COORDINATOR, MESHKIT_NUM_PROCESSES, MESHKIT_PROCESS_ID and
 MESHKIT_CPU_DEVICES (or MESHKIT_LOCAL_DEVICE_IDS on GPUs); meshkit.init() reads them.
@@ -151,6 +152,21 @@ def _parser() -> argparse.ArgumentParser:
         help="also write each rank's output to DIR/rank<r>.log",
     )
     launch.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="take a jax.profiler trace of steps A to B of meshkit.global_batches on every rank, "
+        "into one run directory that TensorBoard's profile plugin and xprof show together (sets "
+        "MESHKIT_PROFILE_STEPS)",
+    )
+    launch.add_argument(
+        "--profile-dir",
+        default=None,
+        metavar="DIR",
+        help="where --profile-steps writes (default DIR/profile under --log-dir, else "
+        "./meshkit-profile; sets MESHKIT_PROFILE_DIR)",
+    )
+    launch.add_argument(
         "--grace",
         type=float,
         default=3.0,
@@ -208,7 +224,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = ["-m", args.module, *args.program] if args.module else list(args.program)
     try:  # settings from the environment are arguments too: a bad one is a usage error (2)
         machines, max_restarts = _machines(args), _max_restarts(args)
-        join_options = _join_options(args)
+        join_options = {**_join_options(args), **_profile_options(args)}
     except MeshkitError as e:
         raise LaunchError(str(e)) from None
     # handle_signals: SIGTERM (a scheduler's notice) goes to the ranks, which save and end; a
@@ -262,6 +278,36 @@ def _join_options(args: argparse.Namespace) -> dict[str, str]:
             source="from the flag --compilation-cache",
         )
     return {name: str(value) for name, value in given.items() if value is not None}
+
+
+def _profile_options(args: argparse.Namespace) -> dict[str, str]:
+    """--profile-steps and --profile-dir, checked before any rank starts, as the ranks read them."""
+    import os
+
+    from .._src.core import env
+    from .._src.core.events import DEFAULT_PROFILE_DIR, ENV_PROFILE_DIR, ENV_PROFILE_STEPS
+
+    if args.profile_steps is None:
+        if args.profile_dir is not None:
+            raise LaunchError(
+                f"meshkit launch: --profile-dir {args.profile_dir!r} was given without "
+                "--profile-steps, which says which steps to trace.\nConsider adding "
+                "--profile-steps A:B, e.g. --profile-steps 10:12."
+            )
+        return {}
+    found = env.step_range(args.profile_steps)
+    if found is None:
+        raise LaunchError(
+            f"meshkit launch: --profile-steps {args.profile_steps!r} {env.STEPS_RULE}.\n"
+            "Consider e.g. --profile-steps 10:12: a few steps after the first, which compiles."
+        )
+    directory = args.profile_dir
+    if directory is None:
+        directory = os.path.join(args.log_dir, "profile") if args.log_dir else DEFAULT_PROFILE_DIR
+    return {
+        ENV_PROFILE_STEPS: f"{found[0]}:{found[1]}",
+        ENV_PROFILE_DIR: os.path.abspath(directory),
+    }
 
 
 def _max_restarts(args: argparse.Namespace) -> int:

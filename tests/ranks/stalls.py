@@ -141,3 +141,36 @@ def slow_loader():
             if batches.steps == SLOW_STEPS - 5:  # the latest windows, late in the run
                 seen = [(r.process, r.steps, r.loader_ms, r.own_ms) for r in meshkit.step_times()]
     return seen
+
+
+SLOW_SAVE_S = 1.5 * DEADLINE_S  # process 1's checkpoint writes: this much longer each
+SAVES = 3
+
+
+def slow_save():
+    """Process 1 writes each checkpoint `SLOW_SAVE_S` slower (a slow disk); process 0 waits for
+    it inside the save, longer than the deadline: progress, never ended. Returns process 1's
+    seconds per save (0s on process 0)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import meshkit
+
+    mesh, total = _step()
+    if jax.process_index() == 1:
+        write = ocp.StandardCheckpointer.save
+
+        def slow_write(self, *args, **kwargs):
+            time.sleep(SLOW_SAVE_S)  # user line: a slow disk
+            return write(self, *args, **kwargs)
+
+        ocp.StandardCheckpointer.save = slow_write
+    w = meshkit.replicate(np.ones((4,), np.float32))
+    took = []
+    for k in range(1, SAVES + 1):
+        print(f"STEP {k} {float(total(_batch(mesh)))}", flush=True)
+        began = time.monotonic()
+        meshkit.checkpoint.save(f"{os.environ['STALL_SAVE_DIR']}/step_{k}", {"w": w, "step": k})
+        took.append(time.monotonic() - began if jax.process_index() == 1 else 0.0)
+    return took

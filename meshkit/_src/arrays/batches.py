@@ -27,6 +27,7 @@ from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import profiles as _profiles
 from ..lifecycle import progress as _progress
 from ..lifecycle import stragglers as _stragglers
 from . import assembly as _assembly
@@ -196,6 +197,8 @@ class GlobalBatches(Iterator[Any]):
         if item is _prefetch.END:
             self._done.set()  # every process ends at this step
             self._leave(_ends.ENDED)
+            if _profiles.active is not None:  # a trace running to the data's end stops here
+                _profiles.active.finish(exiting=False)
             self._report(final=True)
             raise StopIteration
         with self._lock:
@@ -215,6 +218,8 @@ class GlobalBatches(Iterator[Any]):
             warn_notes(notes, user_stacklevel())
         _progress.note_progress()
         _preemption.note_step(self.steps)  # where a preemption's report says the run stopped
+        if _profiles.active is not None:  # a trace of some steps was asked for
+            _profiles.active.step(self.steps)
         self.rows += rows
         self._report()
         return batch

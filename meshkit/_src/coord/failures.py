@@ -12,10 +12,9 @@ import json
 from dataclasses import asdict
 
 from ..core import compat as _compat
-from ..lifecycle import stragglers as _stragglers
 from ..lifecycle.failfast import PeerPosts, Unanswered
 from ..lifecycle.preemption import PreemptionNotice
-from ..lifecycle.stall import Board
+from ..lifecycle.progress import ServiceBoard
 from .service import GONE, JaxService, Service
 
 PREFIX = "meshkit/posts/"
@@ -122,24 +121,13 @@ def nudge(me: int) -> None:
         service.set(ALARM + str(me), "1", overwrite=True)
 
 
-def stall_board() -> Board | None:
-    """The stall records over the real service (None when not joined)."""
+def board(prefix: str) -> ServiceBoard | None:
+    """The texts posted under ``prefix`` (`STALL`, `STEPS`) at the service; None: not joined."""
     service = _joined()
     if service is None:
         return None
-    return Board(
-        post=lambda name, text: service.set(STALL + name, text, overwrite=True),
-        read=lambda: {k.removeprefix(STALL): v for k, v in service.dir_get(STALL)},
-        drop=lambda name: service.delete(STALL + name),
-    )
-
-
-def step_board() -> _stragglers.Board | None:
-    """The processes' windows of step times over the real service (None when not joined)."""
-    service = _joined()
-    if service is None:
-        return None
-    return _stragglers.Board(
-        post=lambda name, text: service.set(STEPS + name, text, overwrite=True),
-        read=lambda: {k.removeprefix(STEPS): v for k, v in service.dir_get(STEPS)},
+    return ServiceBoard(
+        post=lambda name, text: service.set(prefix + name, text, overwrite=True),
+        read=lambda: {k.removeprefix(prefix): v for k, v in service.dir_get(prefix)},
+        drop=lambda name: service.delete(prefix + name),
     )

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from .errors import MeshkitError
-from .events import ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from .events import ENV_ATTEMPT, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
 _DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -89,6 +90,41 @@ def ids(name: str, *, where: str = "") -> tuple[int, ...] | None:
     """A comma-separated list of integers (device ids), None when unset."""
     rule = "is not a comma-separated list of device ids, e.g. '0,1'"
     return _parse(name, where, lambda v: tuple(int(x) for x in v.split(",")), rule)
+
+
+STEPS_RULE = (
+    "is not a range of steps A:B: the first and last step of meshkit.global_batches to profile, "
+    "whole numbers with 1 <= A <= B (e.g. 10:12)"
+)
+
+
+def step_range(text: str) -> tuple[int, int] | None:
+    """``"A:B"`` as ``(A, B)`` with ``1 <= A <= B``; None when it is not one (`STEPS_RULE`)."""
+    found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text, re.ASCII)
+    if found is None:
+        return None
+    first, last = int(found[1]), int(found[2])
+    return (first, last) if 1 <= first <= last else None
+
+
+def steps(name: str, *, where: str = "") -> tuple[int, int] | None:
+    """A range of steps ``A:B`` (None when unset), refused when not one."""
+    value = raw(name)
+    if value is None:
+        return None
+    found = step_range(value)
+    if found is None:
+        raise _bad(where, name, value, STEPS_RULE)
+    return found
+
+
+def attempt(*, where: str = "") -> int:
+    """Which start of the group this is: ``MESHKIT_ATTEMPT``, else ``SLURM_RESTART_COUNT``, or 0."""
+    for name in (ENV_ATTEMPT, "SLURM_RESTART_COUNT"):
+        value = integer(name, where=where)
+        if value is not None:
+            return max(0, value)
+    return 0
 
 
 def check_timeout() -> float:

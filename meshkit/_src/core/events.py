@@ -42,6 +42,10 @@ ENV_STATUS = "MESHKIT_LAUNCH_STATUS"
 # Seconds from a preemption notice to the end of every rank.
 ENV_PREEMPT_GRACE = "MESHKIT_PREEMPT_GRACE"
 DEFAULT_PREEMPT_GRACE_S = 25.0
+# ``meshkit launch --profile-steps A:B --profile-dir D``: a trace of steps A to B on every rank.
+ENV_PROFILE_STEPS = "MESHKIT_PROFILE_STEPS"
+ENV_PROFILE_DIR = "MESHKIT_PROFILE_DIR"
+DEFAULT_PROFILE_DIR = "meshkit-profile"  # without --profile-dir or --log-dir
 
 # Where a stalled rank's main thread was (for people; the launcher reads events).
 INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"

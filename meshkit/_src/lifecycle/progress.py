@@ -12,6 +12,8 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
@@ -28,6 +30,20 @@ _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest
 _MAX_PENDING = 256  # pending arrays watched for completing
 
 _marks = 0
+
+
+@dataclass(frozen=True)
+class ServiceBoard:
+    """Texts the processes post under one prefix of the coordination service.
+
+    The stall records and the windows of step times, as the coordination layer hands them in:
+    ``post(name, text)`` writes ``name``, ``read()`` returns every name and text posted,
+    ``drop(name)`` deletes one.
+    """
+
+    post: Callable[[str, str], None]
+    read: Callable[[], dict[str, str]]
+    drop: Callable[[str], None]
 
 
 def note_progress() -> None:

@@ -33,6 +33,7 @@ from ..core.log import flush as flush_logs
 from ..core.log import logger, say
 from . import exit as _exit
 from . import progress as _progress
+from .progress import ServiceBoard
 
 _LOG = logger("guards")
 
@@ -223,19 +224,6 @@ def verdict(records: Mapping[int, StallRecord]) -> Verdict:
     return Verdict(holding, why, "".join(lines), stacks, idle)
 
 
-@dataclass(frozen=True)
-class Board:
-    """The stall records at the coordination service, as the coordination layer hands it in.
-
-    ``post(name, text)`` writes ``name`` (a process id, ``verdict``, ``ended-<p>``), ``read()``
-    returns every name and text posted, ``drop(name)`` deletes one.
-    """
-
-    post: Callable[[str, str], None]
-    read: Callable[[], dict[str, str]]
-    drop: Callable[[str], None]
-
-
 _TASK = "stall: sample"
 
 
@@ -243,7 +231,7 @@ class Detector:
     """One process's stall detection, run by the service thread every `Settings.period` s."""
 
     def __init__(
-        self, me: int, n: int, board: Board, steps: Callable[[], str], settings: Settings
+        self, me: int, n: int, board: ServiceBoard, steps: Callable[[], str], settings: Settings
     ) -> None:
         self.me, self.n, self.board, self.steps = me, n, board, steps
         self.settings = settings
@@ -357,7 +345,7 @@ _detector: Detector | None = None
 _installed: Settings | None = None  # what `install` was given (`configure(None)` returns to it)
 
 
-def install(me: int, n: int, board: Board, steps: Callable[[], str], at: Settings) -> None:
+def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
     global _detector, _installed
     _installed = at

@@ -19,7 +19,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..core import env as _env
@@ -28,6 +28,7 @@ from ..core.events import StepRow as StepRow
 from ..core.frames import program_thread, public
 from ..core.log import logger, say
 from . import exit as _exit
+from .progress import ServiceBoard
 
 _LOG = logger("guards")
 
@@ -159,14 +160,6 @@ def steps_s() -> float:
     return _totals.wall - _totals.aside
 
 
-@dataclass(frozen=True)
-class Board:
-    """The processes' latest windows at the coordination service (`stall.Board`'s shape)."""
-
-    post: Callable[[str, str], None]
-    read: Callable[[], dict[str, str]]
-
-
 def _row(me: int, steps: int, before: tuple[float, ...], now: tuple[float, ...]) -> StepRow:
     """The means per step between two readings ``(steps, wall, data, loads, loader, cpu)``.
 
@@ -182,7 +175,7 @@ def _row(me: int, steps: int, before: tuple[float, ...], now: tuple[float, ...])
 class _Windows:
     """The service thread's task: one window every ``window`` s."""
 
-    def __init__(self, me: int, board: Board | None, window: float) -> None:
+    def __init__(self, me: int, board: ServiceBoard | None, window: float) -> None:
         self.me, self.board, self.window = me, board, window
         try:
             self.clock: int | None = time.pthread_getcpuclockid(program_thread().ident or 0)
@@ -241,7 +234,7 @@ class _Windows:
             )  # fmt: skip
 
 
-def rows(board: Board) -> list[StepRow]:
+def rows(board: ServiceBoard) -> list[StepRow]:
     """Every process's latest window posted on ``board``."""
     return [StepRow(**json.loads(v)) for k, v in board.read().items() if k.isdigit()]
 
@@ -256,7 +249,7 @@ def window_s() -> float | None:
     return DEFAULT_WINDOW_S if seconds is None else (seconds or None)
 
 
-def install(me: int, board: Board | None, window: float) -> None:
+def install(me: int, board: ServiceBoard | None, window: float) -> None:
     """Sum steps into windows every ``window`` s for process ``me`` (``board``: several)."""
     global _windows
     windows = _windows = _Windows(me, board, window)

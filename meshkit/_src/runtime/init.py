@@ -29,7 +29,6 @@ from ..core import events as _events
 from ..core import ports as _ports
 from ..core.errors import MeshkitError
 from ..core.events import (
-    ENV_ATTEMPT,
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_HEARTBEAT_TIMEOUT,
@@ -44,6 +43,7 @@ from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import profiles as _profiles
 from ..lifecycle import stall as _stall
 from ..lifecycle import stragglers as _stragglers
 from . import compile_cache as _compile_cache
@@ -324,6 +324,7 @@ def init(
     called = time.perf_counter()
     fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
     stalls, window = _stall.settings(), _stragglers.window_s()
+    profile = _profiles.from_environment(where=_WHERE)
     cpu_devices = _whole("cpu_devices", cpu_devices)
     if cpu_devices is None:
         cpu_devices = _whole(ENV_CPU_DEVICES, _env.integer(ENV_CPU_DEVICES, where=_WHERE))
@@ -365,18 +366,19 @@ def init(
     info = _INFO = _join(plan, cpu_devices, float(timeout), options)
     _guard(info, fail_fast, grace)
     if stalls is not None and info.num_processes > 1:
-        board = _failures.stall_board()
+        board = _failures.board(_failures.STALL)
         if board is not None:
             _stall.install(info.process_id, info.num_processes, board, _steps, stalls)
     if window is not None:
-        _stragglers.install(info.process_id, _failures.step_board(), window)
+        _stragglers.install(info.process_id, _failures.board(_failures.STEPS), window)
     _JOINED = (called, time.perf_counter())
     _events.emit(_events.JOINED)
     _compile_cache.watch()  # compile times, for goodput (and the launcher's report)
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
-    info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_attempt())
+    info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
     _programs.install(info.num_processes)
+    _profiles.install(profile)
     _debug_mode.enable_from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
     return info
 
@@ -475,15 +477,6 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
 def _steps() -> str:
     """The steps meshkit counted in this process (``step 5 of global_batches``), for stalls."""
     return "; ".join(f"step {k} of global_batches" for k in _agree.counts().values())
-
-
-def _attempt() -> int:
-    """``MESHKIT_ATTEMPT``, else ``SLURM_RESTART_COUNT``, else 0."""
-    for name in (ENV_ATTEMPT, "SLURM_RESTART_COUNT"):
-        value = _env.integer(name, where=_WHERE)
-        if value is not None:
-            return max(0, value)
-    return 0
 
 
 # jax.distributed.initialize's parameter -> (meshkit's name, environment variable).
