@@ -35,6 +35,7 @@ if _typing.TYPE_CHECKING:
     from ._src.arrays.to_host import local_from_global as local_from_global
     from ._src.coord.channel import channel as channel
     from ._src.core.data_position import DataPosition as DataPosition
+    from ._src.core.events import Goodput as Goodput
     from ._src.launch.launcher import LaunchResult as LaunchResult
     from ._src.launch.launcher import RankResult as RankResult
     from ._src.launch.launcher import launch as launch
@@ -72,8 +73,8 @@ if _typing.TYPE_CHECKING:
     from .debug import barrier as barrier
 
 __all__ = [
-    "Compiled", "DataPosition", "DivergenceError", "DtypeWarning", "GlobalBatches", "Hosts",
-    "LaunchAttempt", "LaunchError", "LaunchResult", "Lowered", "MeshkitError",
+    "Compiled", "DataPosition", "DivergenceError", "DtypeWarning", "GlobalBatches", "Goodput",
+    "Hosts", "LaunchAttempt", "LaunchError", "LaunchResult", "Lowered", "MeshkitError",
     "MeshkitIndexError", "MeshkitNameError", "MeshkitTypeError", "PmapFunction",
     "PreemptionNotice", "ProcessSlice", "RankResult", "ReshardWarning", "RuntimeInfo",
     "SpmdFunction", "StepRow", "UncheckedOutputWarning", "barrier", "channel", "checkpoint",
@@ -93,6 +94,7 @@ _LAZY_FROM = {
     "._src.arrays.to_host": "gather local_from_global",
     "._src.coord.channel": "channel",
     "._src.core.data_position": "DataPosition",
+    "._src.core.events": "Goodput",
     "._src.launch.launcher": "LaunchResult RankResult launch",
     "._src.launch.report": "LaunchAttempt",
     "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",

@@ -23,8 +23,8 @@ from meshkit import LaunchError
 from meshkit._src.launch import reaper as _reaper
 from meshkit._src.launch.ports import port_in_use, reserve_port
 from meshkit._src.launch.rank_output import Pump, Sink
-from meshkit._src.launch.report import unjoined_report
 from meshkit._src.launch.spawn import rank_environments
+from meshkit._src.launch.supervise import unjoined_report
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 

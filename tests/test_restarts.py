@@ -170,7 +170,7 @@ def test_an_attempt_is_read_from_the_ranks_records():
     assert a == LaunchAttempt(
         number=2, returncode=1, cause="meshkit launch: rank 1 failed first", restartable=True,
         elapsed=1.0, joined_s=2.5, stopped_s=0.5, restored_step=4, restore_s=0.5,
-        saved_step=6, failure=(1, "ValueError", "t.py:3", 6),
+        saved_step=6, failure=(1, "ValueError", "t.py:3", 6), started_at=100.0, goodput=a.goodput,
     )  # fmt: skip
     # The rank that raised is the cause, whichever rank the launcher saw exit first.
     peer = _event(0, _events.FAILED, 0.5, cause="peer", process=1, error="ValueError")

@@ -6,7 +6,6 @@ import hashlib
 import json
 import numbers
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..core.errors import MeshkitError
 from ..core.frames import public
 from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
+from ..lifecycle import stragglers as _stragglers
 from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
@@ -229,6 +229,7 @@ def save(
     """
     what = "meshkit.checkpoint.save"
     ocp = _import_orbax(what)
+    since = _stragglers.clock()
     where = _steps.abs_path(path, what)
     problem, entries = _tree_problems(tree, what)
     if problem is None and where.exists():
@@ -247,8 +248,8 @@ def save(
     with _preemption.saving(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(where, tree, **shared.metadata())  # a preemption deadline waits
         checkpointer.wait_until_finished()
-    step = _steps.step_of(where)
-    _events.emit(_events.SAVED, step=step)  # for meshkit launch's report
+    step, spent = _steps.step_of(where), _stragglers.checkpointed("saving", since)
+    _events.emit(_events.SAVED, step=step, **spent)  # for meshkit launch's report
     if keep is not None and _compat.distributed_state()[1] == 0:
         _steps.prune(where.parent, keep)
     _preemption.saved(step)  # after a preemption sync point: SystemExit(143)
@@ -437,14 +438,14 @@ def restore(
     """
     what = "meshkit.checkpoint.restore"
     ocp = _import_orbax(what)
-    started = time.monotonic()
+    since = _stragglers.clock()
     where = _steps.abs_path(path, what)
     tree = _targets(where, mesh, specs, what, like)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(where, tree)
     # For meshkit launch's report of a restart: which step, and what the restore cost.
-    seconds = round(time.monotonic() - started, 4)
-    _events.emit(_events.RESTORED, step=_steps.step_of(where), seconds=seconds)
+    spent = _stragglers.checkpointed("restoring", since)
+    _events.emit(_events.RESTORED, step=_steps.step_of(where), **spent)
     return restored
 
 

@@ -60,13 +60,16 @@ FAILED = "failed"
 # (the processes that hold the run, by the verdict)
 STALLED = "stalled"
 ENDED = "ended"  # reached the end of its program while others still ran
-SAVED = "saved"  # step (None without a step_<n> directory)
-RESTORED = "restored"  # step, seconds
+# step (None without a step_<n> directory), seconds, compiling (the seconds of compiles in it)
+SAVED = "saved"
+RESTORED = "restored"  # step, seconds, compiling
 # how ("saved", "deadline", "ended"), source ("SIGTERM", "process P"), process, received,
 # step, saved
 PREEMPTED = "preempted"
-COMPILED = "compiled"  # totals so far: seconds, programs, hits (persistent cache)
-# the run's steps so far (`StepRow`'s fields: per step, over the whole run)
+# totals so far: seconds, programs, hits (persistent cache), tracing (seconds tracing and lowering)
+COMPILED = "compiled"
+# the run's steps so far (`StepRow`'s fields: per step, over the whole run), and aside: the
+# seconds of compiles and checkpoints between the steps' batches
 STEPS = "steps"
 STRAGGLER = "straggler"  # process 0 named processes slower than the others: processes, said
 KINDS = (JOINED, FAILED, STALLED, ENDED, SAVED, RESTORED, PREEMPTED, COMPILED, STEPS, STRAGGLER)
@@ -260,3 +263,80 @@ def table_text(table: Sequence[StepRow], ranks: Mapping[int, str] | None = None)
         f"{r.data_ms:.1f} waiting for the batch, {r.wait_ms:.1f} for the devices or the others\n"
         for r in table
     )
+
+
+_PARTS = ("joining", "compiling", "steps", "saving", "restoring", "restarts", "redone")
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Where the wall time of a run, or of one attempt of it, went, in seconds.
+
+    Attributes:
+        wall: the whole time.
+        joining: until every process had joined (`meshkit.init` returned).
+        compiling: tracing, lowering and compiling programs (or fetching them from JAX's
+            persistent cache).
+        steps: the steps of `meshkit.global_batches` kept: from the first batch's arrival to the
+            last's, less the compiles and checkpoints between them, less ``redone``.
+        saving: writing checkpoints (`meshkit.checkpoint.save`).
+        restoring: reading them (`meshkit.checkpoint.restore`).
+        restarts: stopping every process after a failure, and starting them again.
+        redone: steps lost to a restart: those past the checkpoint that the next attempt
+            restored, at their attempt's mean step time.
+
+    Examples:
+        >>> import meshkit
+        >>> g = meshkit.Goodput.of(10.0, joining=1.0, compiling=2.0, steps=6.0)
+        >>> round(g.other, 1), f"{g.ratio:.0%}"
+        (1.0, '60%')
+    """
+
+    wall: float
+    joining: float = 0.0
+    compiling: float = 0.0
+    steps: float = 0.0
+    saving: float = 0.0
+    restoring: float = 0.0
+    restarts: float = 0.0
+    redone: float = 0.0
+
+    @classmethod
+    def of(cls, wall: float, **parts: float) -> Goodput:
+        """The measured ``parts`` (negative ones as 0) fitted into ``wall``.
+
+        Parts measured apart may overlap (each is the slowest process's); where they add up to
+        more than ``wall``, the steps give way first, then the last parts above.
+        """
+        raw, left, kept = cls(wall, **parts), max(wall, 0.0), {}
+        for name in sorted(_PARTS, key=lambda p: p == "steps"):
+            kept[name] = min(max(getattr(raw, name), 0.0), left)
+            left -= kept[name]
+        return cls(max(wall, 0.0), **kept)
+
+    @property
+    def other(self) -> float:
+        """The wall time no part names: the program's own work outside the steps, its exit."""
+        return max(self.wall - sum(getattr(self, p) for p in _PARTS), 0.0)
+
+    @property
+    def ratio(self) -> float:
+        """The goodput: the share of the wall time spent in steps kept (0 without wall time)."""
+        return self.steps / self.wall if self.wall > 0 else 0.0
+
+    def __add__(self, other: Goodput) -> Goodput:
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return Goodput(*(a + b for a, b in pairs))
+
+    def __str__(self) -> str:
+        return goodput_table([("seconds", self)])
+
+
+def goodput_table(columns: Sequence[tuple[str, Goodput]]) -> str:
+    """A column per named `Goodput`: a row per part, then other, wall, and the goodput."""
+    rows = [("", *(name for name, _ in columns))]
+    for part in (*_PARTS, "other", "wall"):
+        rows.append((part, *(f"{v:.1f}" if (v := getattr(g, part)) else "-" for _, g in columns)))
+    rows.append(("goodput", *(f"{g.ratio:.0%}" for _, g in columns)))
+    width = max(len(cell) for row in rows for cell in row[1:]) + 2
+    return "".join(f"  {r[0]:<9}" + "".join(f"{c:>{width}}" for c in r[1:]) + "\n" for r in rows)

@@ -30,9 +30,9 @@ from .report import (
     Told,
     preempted_report,
     root_cause,
-    unjoined_report,
 )
 from .supervise import summary as stage_summary
+from .supervise import unjoined_report
 
 _SAY_EVERY_S = 5.0  # how often the hub says who has not joined yet
 
@@ -338,12 +338,8 @@ class Hub:
                            and (s := p.ended.get("stopped_s")) is not None), default=None),
             restartable=cause is not None and cause.why in ("failed", "lost"),
         )  # fmt: skip
-        attempts = [*self.history, this]
-        if len(attempts) > 1 or (self.max_restarts and returncode != 0):
-            report = "\n".join(
-                x for x in (report.rstrip("\n"), _restarts.summary(attempts, self.max_restarts))
-                if x
-            )  # fmt: skip
+        attempts = _restarts.extended(self.history, [this])
+        report = _restarts.closing(report, attempts, self.max_restarts)
         # No new connection may reach this hub once the verdict is out: a launcher that joins
         # the next start finds the port closed, or the next hub, never this one.
         with contextlib.suppress(KeyError, ValueError, OSError):

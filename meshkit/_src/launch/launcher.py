@@ -53,11 +53,10 @@ from .report import (
     stall_summary,
     straggler_summary,
     tail_block,
-    unjoined_report,
 )
 from .spawn import Platform, Rank, Starter, count_gpus, rank_environments, start_fresh
 from .stop import stop
-from .supervise import Board, Outcome, Supervisor, joined, signals_recorded
+from .supervise import Board, Outcome, Supervisor, joined, signals_recorded, unjoined_report
 
 
 def launch(
@@ -257,8 +256,6 @@ def launch(
             return run(envs, received, None, attempt)
 
     with signals_recorded(handle_signals) as received:
-        if not max_restarts:
-            return one(0, received)
         return _restarts.run_attempts(
             lambda attempt: one(attempt, received), max_restarts, Sink(stream, None, []).note
         )

@@ -38,12 +38,12 @@ class Over:
 
 
 def _attempt(record: dict[str, Any]) -> LaunchAttempt:
-    """A `LaunchAttempt` from its JSON record (its failure and compile times come back as lists)."""
+    """A `LaunchAttempt` from its JSON record (its tuples are lists there, its goodput a dict)."""
     failure = record.get("failure")
     compiled = tuple(tuple(c) for c in record.get("compiled", ()))  # JSON gives lists
-    return LaunchAttempt(
-        **{**record, "failure": None if failure is None else tuple(failure), "compiled": compiled}
-    )
+    goodput = _events.Goodput(**record.get("goodput", {"wall": 0.0}))
+    return LaunchAttempt(**{**record, "failure": None if failure is None else tuple(failure),
+                            "compiled": compiled, "goodput": goodput})  # fmt: skip
 
 
 def reach(

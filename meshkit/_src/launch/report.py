@@ -72,6 +72,9 @@ class LaunchAttempt:
             ``(rank, seconds, programs, hits)``: seconds spent compiling or fetching programs
             from JAX's persistent compilation cache, how many programs, how many of them came
             from that cache.
+        started_at: when it started (seconds since the epoch).
+        steps: the most steps of `meshkit.global_batches` a rank took.
+        goodput: where its time went (`meshkit.Goodput`), until the next attempt started.
     """
 
     number: int
@@ -86,6 +89,9 @@ class LaunchAttempt:
     saved_step: int | None = None
     failure: tuple[Any, ...] | None = None
     compiled: tuple[tuple[int, float, int, int], ...] = ()
+    started_at: float = 0.0
+    steps: int = 0
+    goodput: _events.Goodput = _events.Goodput(0.0)  # noqa: RUF009 (frozen: one is shared)
 
 
 @dataclasses.dataclass
@@ -126,6 +132,11 @@ class LaunchResult:
     attempts: list[LaunchAttempt] = dataclasses.field(default_factory=list)
     preempted: bool = False
     steps: list[_events.StepRow] = dataclasses.field(default_factory=list)
+
+    @property
+    def goodput(self) -> _events.Goodput:
+        """Where the run's wall time went, over every attempt (`meshkit.Goodput`)."""
+        return sum((a.goodput for a in self.attempts), _events.Goodput(0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,20 +591,3 @@ def _kind_text(diagnosis: _events.Diagnosis) -> str:
     if diagnosis.kind == "timeout":
         return f"a timeout of {diagnosis.system} (it waited for another rank)"
     return f"a lost connection reported by {diagnosis.system} (another rank is gone)"
-
-
-def unjoined_report(alone: Sequence[int], n: int) -> str:
-    """Why a run whose ranks all exited 0 failed: some never joined the program."""
-    if len(alone) == n:
-        who, they = "none joined the program (none called meshkit.init())", "each"
-    else:
-        word = "ranks" if len(alone) > 1 else "rank"
-        who = f"{word} {ranges(alone)} never joined the program (no meshkit.init() call)"
-        they = "each of those"
-    return (
-        f"meshkit launch: every rank exited 0, but {who}: {they} ran alone, as a program of one "
-        "process on its own devices, and what it printed is what one process computes, not "
-        f"the answer of one {n}-process program.\n"
-        "Consider calling meshkit.init() first in the program, or --allow-unjoined "
-        "(launch(allow_unjoined=True)) to run independent processes on purpose.\n"
-    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from ..core import events as _events
+from . import goodput as _goodput
 from .report import LaunchAttempt, LaunchResult, Told
 
 ENV_MAX_RESTARTS = "MESHKIT_MAX_RESTARTS"
@@ -76,19 +77,24 @@ def attempt_of(
         first = min(raised, key=lambda e: (e.time, e.rank))
         last_step = saved_step if saved_step is not None else restored_step
         failure = (first.rank, first.fields.get("error"), first.fields.get("where"), last_step)
+    joined_s = max(joined.values()) - started_at if ranks and set(ranks) <= set(joined) else None
+    goodput, steps = _goodput.of_attempt(records, result.elapsed, joined_s, stopped_s)
     return LaunchAttempt(
         number=number,
         returncode=result.returncode,
         cause="" if result.returncode == 0 else result.report.strip().split("\n", 1)[0],
         restartable=restartable and result.returncode != 0,
         elapsed=result.elapsed,
-        joined_s=max(joined.values()) - started_at if ranks and set(ranks) <= set(joined) else None,
+        joined_s=joined_s,
         stopped_s=stopped_s,
         restored_step=restored_step,
         restore_s=max(s for _, s in restored) if restored else None,
         saved_step=saved_step,
         compiled=tuple((rank, *compiled[rank]) for rank in sorted(compiled)),
         failure=failure,
+        started_at=started_at,
+        steps=steps,
+        goodput=goodput,
     )
 
 
@@ -129,15 +135,36 @@ def run_attempts(
     attempts: list[LaunchAttempt] = []
     while True:
         result = one(len(attempts))
-        attempts.extend(result.attempts[-1:])
+        attempts = extended(attempts, result.attempts[-1:])
         if not should_restart(attempts, max_restarts):
             break
         note(restarting(attempts, max_restarts))
     result.attempts = attempts
-    if len(attempts) > 1 or (max_restarts and result.returncode != 0):
-        result.report = "\n".join(x for x in (result.report.rstrip("\n"), summary(
-            attempts, max_restarts)) if x)  # fmt: skip
+    result.report = closing(result.report, attempts, max_restarts)
     return result
+
+
+def extended(
+    attempts: Sequence[LaunchAttempt], new: Sequence[LaunchAttempt]
+) -> list[LaunchAttempt]:
+    """``attempts`` and the ``new`` ones, the one before each new one settled (`goodput.settle`)."""
+    out = list(attempts)
+    for attempt in new:
+        if out:
+            out[-1] = _goodput.settle(out[-1], attempt)
+        out.append(attempt)
+    return out
+
+
+def closing(report: str, attempts: Sequence[LaunchAttempt], max_restarts: int) -> str:
+    """``report``, then the attempts and where the time went.
+
+    The attempts after a restart, or a failure with restarts on; the time when a rank took steps.
+    """
+    listed = len(attempts) > 1 or bool(max_restarts and attempts[-1:] and attempts[-1].returncode)
+    parts = [report.rstrip("\n"), summary(attempts, max_restarts) if listed else ""]
+    parts.append(_goodput.table(attempts))
+    return "\n".join(x for x in parts if x) if any(parts[1:]) else report
 
 
 def restarting(attempts: Sequence[LaunchAttempt], max_restarts: int) -> str:

@@ -33,6 +33,23 @@ def joined(directory: Path, ranks: Iterable[int]) -> set[int]:
     return {r for r in ranks if _written(directory, r) in _ARRIVED}
 
 
+def unjoined_report(alone: Sequence[int], n: int) -> str:
+    """Why a run whose ranks all exited 0 failed: some never joined the program."""
+    if len(alone) == n:
+        who, they = "none joined the program (none called meshkit.init())", "each"
+    else:
+        word = "ranks" if len(alone) > 1 else "rank"
+        who = f"{word} {ranges(alone)} never joined the program (no meshkit.init() call)"
+        they = "each of those"
+    return (
+        f"meshkit launch: every rank exited 0, but {who}: {they} ran alone, as a program of one "
+        "process on its own devices, and what it printed is what one process computes, not "
+        f"the answer of one {n}-process program.\n"
+        "Consider calling meshkit.init() first in the program, or --allow-unjoined "
+        "(launch(allow_unjoined=True)) to run independent processes on purpose.\n"
+    )
+
+
 def _written(directory: Path, rank: int) -> str:
     """What ``rank``'s status file says ("" before it wrote one)."""
     try:

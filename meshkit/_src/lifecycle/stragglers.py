@@ -96,6 +96,8 @@ class _Totals:
     loads: int = 0  # batches the loader gave (ahead of the steps, as far as prefetching goes)
     loader: float = 0.0
     last: float = -1.0  # when the last batch arrived
+    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches (`set_aside`)
+    pending: float = 0.0  # ... since the last batch arrived
 
     def now(self) -> tuple[float, ...]:
         return self.steps, self.wall, self.data, self.loads, self.loader
@@ -109,6 +111,9 @@ def took(asked: float, got: float) -> None:
     t = _totals
     if t.last >= 0.0:
         t.wall += got - t.last
+    if t.pending:  # compiles, checkpoints since the last batch (before the first: not in wall)
+        t.aside += t.pending if t.last >= 0.0 else 0.0
+        t.pending = 0.0
     t.data += got - asked
     t.last = got
     t.steps += 1
@@ -119,6 +124,40 @@ def loaded(seconds: float) -> None:
     t = _totals
     t.loader += seconds
     t.loads += 1
+
+
+_spent: dict[str, float] = {"compiling": 0.0, "saving": 0.0, "restoring": 0.0}
+
+
+def set_aside(part: str, seconds: float) -> None:
+    """``seconds`` of ``part`` (a key of `spent`): not step work, even between two batches."""
+    _spent[part] += seconds
+    _totals.pending += seconds
+
+
+def clock() -> tuple[float, float]:
+    """Now, and the seconds compiled so far: the start of a save or a restore (`checkpointed`)."""
+    return time.monotonic(), _spent["compiling"]
+
+
+def checkpointed(part: str, since: tuple[float, float]) -> dict[str, float]:
+    """The ``seconds`` of a save or restore begun at ``since`` (`clock`), and its ``compiling``.
+
+    The rest is set aside as ``part``; the compiles in it were, as compiling.
+    """
+    seconds, compiling = time.monotonic() - since[0], _spent["compiling"] - since[1]
+    set_aside(part, max(seconds - compiling, 0.0))
+    return {"seconds": round(seconds, 4), "compiling": round(compiling, 4)}
+
+
+def spent() -> dict[str, float]:
+    """This process's seconds compiling, saving and restoring so far (`RuntimeInfo.goodput`)."""
+    return dict(_spent)
+
+
+def steps_s() -> float:
+    """This process's steps so far: their wall time less the compiles and checkpoints between."""
+    return _totals.wall - _totals.aside
 
 
 def _row(me: int, steps: int, before: tuple[float, ...], now: tuple[float, ...]) -> StepRow:
@@ -165,7 +204,7 @@ class _Windows:
         steps = int(now[0] - self.first[0])
         self.latest = row = _row(self.me, steps, before, now)
         run = asdict(_row(self.me, steps, self.first, now))  # the whole run, for the launcher
-        _events.emit(_events.STEPS, **run)
+        _events.emit(_events.STEPS, **run, aside=round(_totals.aside, 4))
         if self.board is None or last:
             return
         with contextlib.suppress(Exception):  # a lost window only delays a straggler's name

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import math
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from functools import partial
@@ -36,7 +37,7 @@ from ..core.events import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_SHUTDOWN_TIMEOUT,
-    ENV_STATUS,
+    Goodput,
 )
 from ..core.frames import adopt_program_thread, public
 from ..debug import mode as _debug_mode
@@ -107,8 +108,29 @@ class RuntimeInfo:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
+    def goodput(self) -> Goodput:
+        """Where this process's time went since `meshkit.init` was called (this attempt).
+
+        A method, as the process's attempt is what this record describes. From this process's
+        own figures: joining (until `meshkit.init` joined), compiling (as JAX reports its
+        compiles), the steps of `meshkit.global_batches` (from the first batch's arrival to
+        the last's, less the compiles and checkpoints between), `meshkit.checkpoint` saves
+        and restores. ``restarts`` and ``redone`` stay 0: they are known only across attempts,
+        to the launcher (`meshkit.LaunchResult.goodput`).
+
+        Examples:
+            >>> import meshkit
+            >>> g = meshkit.init().goodput()
+            >>> g.wall >= g.joining and g.redone == 0
+            True
+        """
+        called, joined = _JOINED or (time.perf_counter(),) * 2
+        wall, steps = time.perf_counter() - called, _stragglers.steps_s()
+        return Goodput.of(wall, joining=joined - called, steps=steps, **_stragglers.spent())
+
 
 _INFO: RuntimeInfo | None = None
+_JOINED: tuple[float, float] | None = None  # when init was called and when it joined
 _BACKENDS_STARTED = """\
 meshkit.init() was called after JAX had already started its backends, so it can no longer {what}.
 JAX fixes the device count and the cluster membership when it first touches a device (any
@@ -298,7 +320,8 @@ def init(
         >>> info.num_processes
         1
     """
-    global _INFO
+    global _INFO, _JOINED
+    called = time.perf_counter()
     fail_fast, grace = _failfast.settings(), _preemption.grace()  # bad ones raise before joining
     stalls, window = _stall.settings(), _stragglers.window_s()
     profile = _profiles.from_environment(where=_WHERE)
@@ -348,9 +371,9 @@ def init(
             _stall.install(info.process_id, info.num_processes, board, _steps, stalls)
     if window is not None:
         _stragglers.install(info.process_id, _failures.board(_failures.STEPS), window)
+    _JOINED = (called, time.perf_counter())
     _events.emit(_events.JOINED)
-    if os.environ.get(ENV_STATUS):
-        _compile_cache.watch()  # each attempt's compile time, for the launcher's report
+    _compile_cache.watch()  # compile times, for goodput (and the launcher's report)
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
