@@ -60,15 +60,21 @@ EXAMPLES = REPO / "examples"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run first the modules that hold a test marked ``waits``; keep the order otherwise.
+    """Run first the modules marked ``long``, then those marked ``waits``; keep the order
+    otherwise.
 
     ``nox -s tests`` runs the suite in 6 workers, a module to a worker (``--dist loadfile``),
-    handed out in this order. The modules that spend tens of seconds waiting (soaks, timeouts,
-    watchdogs) start at once, so that their waiting overlaps the rest of the suite instead of
-    running alone at its end.
+    handed out in this order. A module that keeps its worker busy for minutes of computing
+    starts at once, so that it never runs alone at the suite's end; so do the modules that spend
+    tens of seconds waiting (soaks, timeouts, watchdogs): their waiting overlaps the rest.
     """
-    waits = {item.path for item in items if item.get_closest_marker("waits")}
-    items.sort(key=lambda item: item.path not in waits)
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("long"):
+            return 0
+        return 1 if item.get_closest_marker("waits") else 2
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from meshkit.testing import run_in_processes
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.long,
     pytest.mark.filterwarnings("ignore::meshkit.DtypeWarning"),
     pytest.mark.warm_cluster(preload=ECOSYSTEM),
 ]

@@ -30,7 +30,7 @@ from conftest import require, run_python
 import meshkit
 from meshkit.testing._forks import starter
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 LEGACY = Path(__file__).resolve().parent / "legacy"
 PROGRAMS = ("classifier_pmap.py", "translate_pmap.py")

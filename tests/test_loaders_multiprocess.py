@@ -15,7 +15,11 @@ from __future__ import annotations
 import pytest
 from ranks.preloads import ECOSYSTEM
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.warm_cluster(preload=ECOSYSTEM)]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.long,
+    pytest.mark.warm_cluster(preload=ECOSYSTEM),
+]
 
 GLOBAL_BATCH = 16
 EPOCHS = 2
