@@ -44,8 +44,19 @@ def _batch(mesh):
 
 
 def all_stuck():
-    """After step 3 every process blocks in its own code: nobody waits for another."""
-    mesh, total = _step()
+    """After step 3 every process blocks in its own code: nobody waits for another. Each step is
+    a `meshkit.spmd` sum, whose calls the verdict counts."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import meshkit
+
+    mesh, _ = _step()
+
+    def total(b):
+        return jax.lax.psum(b.sum(), "data")
+
+    total = meshkit.spmd(total, mesh=mesh, in_specs=P("data"), out_specs=P())
     for k in range(1, 4):
         print(f"STEP {k} {float(total(_batch(mesh)))}", flush=True)
     threading.Event().wait()  # user line: all stuck

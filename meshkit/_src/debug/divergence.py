@@ -84,6 +84,20 @@ class CallSite:
     calls: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def __str__(self) -> str:
+        return (
+            self.name if self.name.startswith("meshkit.") else f"meshkit.{self.kind}({self.name})"
+        )
+
+
+latest: CallSite | None = None  # the entry this process called last (a stall names its count)
+
+
+def latest_call() -> str:
+    """``its 6th call of meshkit.spmd(step)``: the latest entry's count ("" before any)."""
+    site = latest
+    return "" if site is None else f"its {_missing.ordinal(site.calls)} call of {site}"
+
 
 def _describe_leaf(x: Any, ragged: bool) -> str:
     """``float32[32,224,224,3]`` plus the sharding, or the type of a non-array leaf."""

@@ -66,6 +66,7 @@ _lock = threading.Lock()
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
     site.calls += 1
+    _debug_check.latest = site
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)

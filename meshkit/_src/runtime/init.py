@@ -40,6 +40,7 @@ from ..core.events import (
     Goodput,
 )
 from ..core.frames import adopt_program_thread, public
+from ..debug import divergence as _divergence
 from ..debug import mode as _debug_mode
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
@@ -475,8 +476,12 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
 
 
 def _steps() -> str:
-    """The steps meshkit counted in this process (``step 5 of global_batches``), for stalls."""
-    return "; ".join(f"step {k} of global_batches" for k in _agree.counts().values())
+    """What meshkit counted in this process, for stalls: a change is progress, a stall names it.
+
+    ``step 5 of global_batches; its 6th call of meshkit.spmd(step)``.
+    """
+    counted = [f"step {k} of global_batches" for k in _agree.counts().values()]
+    return "; ".join([*counted, _divergence.latest_call()] if _divergence.latest else counted)
 
 
 # jax.distributed.initialize's parameter -> (meshkit's name, environment variable).

@@ -23,6 +23,7 @@ from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
 from ..core.trees import broadcast_prefix
+from ..debug import divergence as _divergence
 from ..runtime import dispatch as _dispatch
 from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
@@ -154,6 +155,7 @@ class SpmdFunction:
             jitted = plan.steady(args)
             if jitted is not None:  # every leaf already placed: straight to jit
                 self._site.calls += 1
+                _divergence.latest = self._site
                 return jitted(*args)
         if kwargs:
             raise MeshkitError(
