@@ -349,6 +349,7 @@ def test_a_stuck_process_is_named_by_every_process_and_the_run_ends(fresh_runs):
         assert f"  process 1 is in Python at {stuck}" in said, text
         waits = f"{PROGRAM}:{_line('waits')} in stuck, in "
         assert f"  process 0 waits for device results at {waits}" in said, text
+        assert said.count("), step 5 of should_save\n") == 2, text  # the step each asked
         assert "Process 1's main thread (most recent call last):" in said, text
     assert "The evidence points to rank 1: the run stalled" in result.report, text
     summary = result.report.split("Where each rank was when the run stalled:", 1)[1]

@@ -174,7 +174,8 @@ def preempted():
 
 def stuck():
     """From step 5 process 1 blocks in Python (a loader thread deadlocked), alive; process 0
-    waits in step 5's psum, a raw `jax.jit` collective compiled already."""
+    waits in step 5's psum, a raw `jax.jit` collective compiled already. Each step asks
+    `should_save`, as a loop that checkpoints does."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -185,6 +186,7 @@ def stuck():
     mesh = meshkit.make_mesh({"data": -1})
     total = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
     for k in range(1, 100):
+        meshkit.checkpoint.should_save(k)
         batch = jax.make_array_from_process_local_data(
             NamedSharding(mesh, P("data")), np.ones((4,), np.float32)
         )

@@ -90,11 +90,11 @@ class CallSite:
         )
 
 
-latest: CallSite | None = None  # the entry this process called last (a stall names its count)
+latest: CallSite | None = None  # the computation this process ran last (a stall names its count)
 
 
 def latest_call() -> str:
-    """``its 6th call of meshkit.spmd(step)``: the latest entry's count ("" before any)."""
+    """``its 6th call of meshkit.spmd(step)``: the latest computation's count ("" before any)."""
     site = latest
     return "" if site is None else f"its {_missing.ordinal(site.calls)} call of {site}"
 

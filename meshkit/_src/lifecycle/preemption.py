@@ -169,6 +169,11 @@ def note_step(step: int) -> None:
     _state.step = step
 
 
+def asked_step() -> int | None:
+    """The step `meshkit.checkpoint.should_save` was last asked about (None: never)."""
+    return _state.asked
+
+
 def reached_sync_point(step: int) -> bool:
     """Whether ``step`` is the step at which every process saves after a notice."""
     with _state.lock:

@@ -60,13 +60,15 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
 
 
 _observers: list[Observer] = [_first_call_step]
+_COMPUTATIONS = ("spmd", "pmap_compat")  # the entries that run a program on every process
 _lock = threading.Lock()
 
 
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
     site.calls += 1
-    _debug_check.latest = site
+    if site.kind in _COMPUTATIONS:  # a stall names how many times it ran
+        _debug_check.latest = site
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)

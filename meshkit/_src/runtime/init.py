@@ -478,9 +478,12 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
 def _steps() -> str:
     """What meshkit counted in this process, for stalls: a change is progress, a stall names it.
 
-    ``step 5 of global_batches; its 6th call of meshkit.spmd(step)``.
+    ``step 5 of global_batches; step 5 of should_save; its 6th call of meshkit.spmd(step)``.
     """
     counted = [f"step {k} of global_batches" for k in _agree.counts().values()]
+    asked = _preemption.asked_step()
+    if asked is not None:
+        counted.append(f"step {asked} of should_save")
     return "; ".join([*counted, _divergence.latest_call()] if _divergence.latest else counted)
 
 
