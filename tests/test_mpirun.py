@@ -1,4 +1,5 @@
-"""The demo under Open MPI's mpirun: meshkit.init() relies on JAX's cluster detection."""
+"""The demo under Open MPI's mpirun: meshkit.init() relies on JAX's cluster detection; a
+stuck process is named by every process there too, with no launcher to say it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from conftest import EXAMPLES
 pytestmark = pytest.mark.multiprocess
 
 
-def _mpirun(script, tmp_path):
-    """Run ``script`` as 2 processes x 4 CPU devices under mpirun; (returncode, stdout, stderr)."""
+def _mpirun(script, tmp_path, marker, *extra: str):
+    """Run ``script`` as 2 processes x 4 CPU devices under mpirun, with ``extra`` variables
+    (``NAME=value``) set in both; (returncode, stdout, stderr).
+
+    Open MPI starts its processes outside mpirun's process group: ``marker`` (the fixture) finds
+    any left behind.
+    """
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         if os.environ.get("MESHKIT_REQUIRE_MPIRUN") == "1":
@@ -26,6 +32,8 @@ def _mpirun(script, tmp_path):
     command = [
         mpirun, *root, "--oversubscribe", "-np", "2",
         "-x", "MESHKIT_CPU_DEVICES=4", "-x", "JAX_PLATFORMS=cpu",
+        "-x", f"MESHKIT_TEST_MARKER={marker}",
+        *(x for pair in extra for x in ("-x", pair)),
         sys.executable, str(script),
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -46,8 +54,8 @@ def _mpirun(script, tmp_path):
     return proc.returncode, out, err
 
 
-def test_demo_under_mpirun(tmp_path):
-    code, out, err = _mpirun(EXAMPLES / "hello_mesh.py", tmp_path)
+def test_demo_under_mpirun(tmp_path, marker):
+    code, out, err = _mpirun(EXAMPLES / "hello_mesh.py", tmp_path, marker)
     assert code == 0, err
     for r in (0, 1):
         assert (
@@ -58,9 +66,9 @@ def test_demo_under_mpirun(tmp_path):
     assert "Mesh {'data': 2, 'model': 4}: 8 devices on 2 processes" in out
 
 
-def test_debug_mode_under_mpirun(tmp_path):
+def test_debug_mode_under_mpirun(tmp_path, marker):
     """Divergence detection needs only JAX's coordination service: mpirun's processes use it."""
-    code, out, err = _mpirun(EXAMPLES / "debug_mode.py", tmp_path)
+    code, out, err = _mpirun(EXAMPLES / "debug_mode.py", tmp_path, marker)
     assert code == 0, err
     assert (
         "step 3: DivergenceError (processes [0, 1], field 'batch'):\n"
@@ -68,3 +76,42 @@ def test_debug_mode_under_mpirun(tmp_path):
         "process 1 passed float32[8,4]." in out
     ), out
     assert "all processes reached the end" in out, out
+
+
+_STUCK = """
+import threading
+
+import meshkit
+
+meshkit.init()
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = meshkit.make_mesh({"data": -1})
+total = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
+for k in range(1, 100):
+    meshkit.checkpoint.should_save(k)
+    batch = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), np.ones((4,), np.float32)
+    )
+    if k == 5 and jax.process_index() == 1:
+        threading.Event().wait()  # a loader thread deadlocked
+    print(f"STEP {k} {float(total(batch))}", flush=True)
+"""
+
+
+def test_a_stuck_process_is_named_by_every_process_under_mpirun(tmp_path, marker):
+    """No launcher collects a report: each process prints the verdict, and the run ends."""
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK)
+    code, out, err = _mpirun(script, tmp_path, marker, "MESHKIT_STALL_TIMEOUT=3")
+    assert code != 0, out + err
+    assert "STEP 4 8.0" in out, out
+    assert "STEP 5" not in out, out
+    # The report at a fifth of the deadline, from each process (then the end, from the first).
+    assert err.count("Process 1 holds the run: the others wait for a collective") >= 2, err
+    assert err.count("  process 1 is in Python at stuck.py:20 in <module>, in wait (") >= 2, err
+    assert err.count("step 5 of should_save") >= 4, err  # both places, in both reports
+    assert "ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns the end off)" in err, err
