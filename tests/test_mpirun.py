@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES
@@ -78,27 +79,18 @@ def test_debug_mode_under_mpirun(tmp_path, marker):
     assert "all processes reached the end" in out, out
 
 
-_STUCK = """
-import threading
+FAILURES = Path(__file__).resolve().parent / "guarantee_programs" / "failures.py"
+# The guarantee's stuck program (`test_guarantees.py`), as a script: mpirun starts scripts.
+_STUCK = f"""
+import sys
 
 import meshkit
 
 meshkit.init()
+sys.path.insert(0, {str(FAILURES.parent)!r})
+import failures
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-mesh = meshkit.make_mesh({"data": -1})
-total = jax.jit(lambda b: b.sum(), out_shardings=NamedSharding(mesh, P()))
-for k in range(1, 100):
-    meshkit.checkpoint.should_save(k)
-    batch = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), np.ones((4,), np.float32)
-    )
-    if k == 5 and jax.process_index() == 1:
-        threading.Event().wait()  # a loader thread deadlocked
-    print(f"STEP {k} {float(total(batch))}", flush=True)
+failures.stuck()
 """
 
 
@@ -112,6 +104,9 @@ def test_a_stuck_process_is_named_by_every_process_under_mpirun(tmp_path, marker
     assert "STEP 5" not in out, out
     # The report at a fifth of the deadline, from each process (then the end, from the first).
     assert err.count("Process 1 holds the run: the others wait for a collective") >= 2, err
-    assert err.count("  process 1 is in Python at stuck.py:20 in <module>, in wait (") >= 2, err
+    lines = FAILURES.read_text().splitlines()
+    (line,) = [i for i, text in enumerate(lines, 1) if text.endswith("# user line: stuck")]
+    place = f"failures.py:{line} in stuck, in wait ("
+    assert err.count(f"  process 1 is in Python at {FAILURES.parent}/{place}") >= 2, err
     assert err.count("step 5 of should_save") >= 4, err  # both places, in both reports
     assert "ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns the end off)" in err, err
