@@ -80,24 +80,11 @@ def test_debug_mode_under_mpirun(tmp_path, marker):
 
 
 FAILURES = Path(__file__).resolve().parent / "guarantee_programs" / "failures.py"
-# The guarantee's stuck program (`test_guarantees.py`), as a script: mpirun starts scripts.
-_STUCK = f"""
-import sys
-
-import meshkit
-
-meshkit.init()
-sys.path.insert(0, {str(FAILURES.parent)!r})
-import failures
-
-failures.stuck()
-"""
 
 
 def test_a_stuck_process_is_named_by_every_process_under_mpirun(tmp_path, marker):
     """No launcher collects a report: each process prints the verdict, and the run ends."""
-    script = tmp_path / "stuck.py"
-    script.write_text(_STUCK)
+    script = FAILURES.with_name("stuck.py")  # the guarantee's stuck program, as a script
     code, out, err = _mpirun(script, tmp_path, marker, "MESHKIT_STALL_TIMEOUT=3")
     assert code != 0, out + err
     assert "STEP 4 8.0" in out, out

@@ -139,6 +139,26 @@ def test_a_failing_task_ends_the_step_with_meshkits_report(slurm):
     assert ended - float(failed_at.group(1)) < 30, (ended, out, err)
 
 
+def test_a_stuck_task_is_named_by_every_task_and_the_step_ends(slurm):
+    """Task 1 blocks in its own code before step 5 (the guarantee's stuck program): with no
+    launcher to report it, every task prints the stall verdict, and the step ends with status 1
+    (for SLURM's requeue to act)."""
+    srun = slurm.client("srun")
+    stuck = REPO / "tests" / "guarantee_programs" / "stuck.py"
+    result = slurm.run(
+        [srun, "-n", "2", "-t", "5", sys.executable, str(stuck)],
+        timeout=_RUN_TIMEOUT_S,
+        env={**_task_env(slurm), "MESHKIT_STALL_TIMEOUT": "3"},
+    )
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 1, out + err
+    assert "STEP 4 8.0" in out, out
+    assert "STEP 5" not in out, out
+    assert err.count("Process 1 holds the run: the others wait for a collective") >= 2, err
+    assert err.count("step 5 of should_save") >= 4, err  # both places, in both tasks' reports
+    assert "ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns the end off)" in err, err
+
+
 def test_batch_script_without_srun_is_an_error(slurm):
     """The batch script's own command is one process: SLURM_NTASKS=2 but no job step."""
     script = slurm.root / "jobs" / "no_srun.sh"
