@@ -28,7 +28,12 @@ JOB = Path(__file__).resolve().parent / "ray_programs" / "ray_job.py"
 
 
 def _job(
-    tmp_path: Path, marker: str, mode: str, *extra: str, heartbeat: int | None = None
+    tmp_path: Path,
+    marker: str,
+    mode: str,
+    *extra: str,
+    heartbeat: int | None = None,
+    stall: int | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list]:
     require("ray", "the Ray tests start a local Ray cluster")
     require("ray.train.v2.jax", "Ray Train's JaxTrainer")
@@ -39,8 +44,11 @@ def _job(
     env["MESHKIT_TEST_MARKER"] = marker  # Ray's processes inherit it: none may outlive the job
     if heartbeat is not None:
         env["RAY_JOB_HEARTBEAT"] = str(heartbeat)
+    if stall is not None:
+        env["RAY_JOB_STALL_TIMEOUT"] = str(stall)
+    first = free_ports(2)  # a coordinator port for each of a job's (at most two) runs
     done = subprocess.run(
-        [sys.executable, str(JOB), mode, str(free_ports(1)), *extra],
+        [sys.executable, str(JOB), mode, f"{first},{first + 1}", *extra],
         capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path,
         start_new_session=True,
     )  # fmt: skip
@@ -93,17 +101,27 @@ def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker)
     assert not _ray_processes_left(marker)
 
 
-def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_worker(tmp_path, marker):
-    done, totals = _job(tmp_path, marker, "trainer", "1")
+def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_or_stuck_worker(
+    tmp_path, marker
+):
+    # Two runs in one Ray cluster: rank 1 raises at step 1; then rank 1 blocks at step 1 in the
+    # training function's thread (alive, stuck), and the stall verdict of both workers ends it.
+    done, totals = _job(tmp_path, marker, "trainer", "1,stuck:1", stall=3)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    failed, stuck = done.stdout.split("RUN 1 stuck:1", 1)
+    stuck += done.stderr  # Ray forwards the workers' output; the first run says no stall
     ranks = {t["rank"]: t for t in totals}
     assert sorted(ranks) == [0, 1], done.stdout[-3000:]
     for t in ranks.values():
         # The training function's thread is not the main thread, and is the program's thread.
         assert t["thread"] is False
         assert (t["processes"], t["devices"], t["total"]) == (2, 8, 24.0)
-    assert "FAILED WorkerGroupError" in done.stdout
-    assert "RuntimeError: rank 1 fails at step 1" in done.stdout
+    assert "FAILED WorkerGroupError" in failed
+    assert "RuntimeError: rank 1 fails at step 1" in failed
+    # The stuck run: each worker (Ray forwards their output) prints the verdict; the run ends.
+    assert stuck.count("Process 1 holds the run: the others wait for a collective") >= 2, stuck
+    assert "ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns the end off)" in stuck, stuck
+    assert "FAILED WorkerGroupError" in stuck, stuck
     assert not _ray_processes_left(marker)
 
 

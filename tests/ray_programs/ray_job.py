@@ -58,6 +58,8 @@ def work(rank: int, world: int, coordinator: str, failing: str | None) -> dict:
             raise RuntimeError(f"rank {rank} fails at step {step}")
         if step == 1 and failing == f"die:{rank}":
             os._exit(3)  # the worker's process dies, as a crash or the OOM killer ends it
+        if step == 1 and failing == f"stuck:{rank}":
+            threading.Event().wait()  # alive but stuck: the stall verdict ends the run
         result["step_total"] = float(total(x))
     return result
 
@@ -107,7 +109,7 @@ def trainer(coordinator: str, failing: str | None, out: str) -> None:
         train_fn,
         train_loop_config={"coordinator": coordinator, "failing": failing, "out": out},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=out, name="meshkit"),
+        run_config=RunConfig(storage_path=out, name="meshkit-" + coordinator.rsplit(":", 1)[1]),
     )
     try:
         job.fit()
@@ -118,12 +120,15 @@ def trainer(coordinator: str, failing: str | None, out: str) -> None:
         if os.path.exists(path):
             with open(path) as f:
                 print("RESULT " + f.read(), flush=True)
+                os.remove(path)
 
 
 def main() -> None:
-    mode, port = sys.argv[1], int(sys.argv[2])
-    failing = sys.argv[3] if len(sys.argv) > 3 else None  # "1": rank 1 raises; "die:1": dies
-    coordinator = f"127.0.0.1:{port}"
+    mode, ports = sys.argv[1], [int(p) for p in sys.argv[2].split(",")]
+    # "1": rank 1 raises; "die:1": dies; "stuck:1": blocks; "1,stuck:1": a run of each, in turn
+    failing = sys.argv[3] if len(sys.argv) > 3 else None
+    coordinator = f"127.0.0.1:{ports[0]}"
+    stall = os.environ.get("RAY_JOB_STALL_TIMEOUT")  # MESHKIT_STALL_TIMEOUT for the workers
     ray.init(
         num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
         object_store_memory=80 * 1024 * 1024,
@@ -133,6 +138,7 @@ def main() -> None:
             "env_vars": {
                 "JAX_PLATFORMS": "cpu",
                 "RAY_JOB_HEARTBEAT": os.environ.get("RAY_JOB_HEARTBEAT", ""),
+                **({"MESHKIT_STALL_TIMEOUT": stall} if stall else {}),
             }
         },
     )
@@ -141,7 +147,9 @@ def main() -> None:
         if mode == "actors":
             actors(coordinator, failing)
         else:
-            trainer(coordinator, failing, os.environ["RAY_JOB_OUT"])
+            for i, spec in enumerate((failing or "").split(",")):  # one fit each, in turn
+                print(f"RUN {i} {spec}", flush=True)
+                trainer(f"127.0.0.1:{ports[i]}", spec or None, os.environ["RAY_JOB_OUT"])
     finally:
         print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
         ray.shutdown()
