@@ -94,9 +94,8 @@ def test_every_process_stuck_in_its_own_code_is_said_and_the_run_ends(runs):
         assert "Every process is stuck in its own code; none waits for another" in said, text
         where = f"{PROGRAM.name}:{_line('all stuck')} in all_stuck, in wait (threading.py:"
         assert re.search(rf"  processes 0, 1 are in Python at \S*{re.escape(where)}", said), text
-        assert "), its 3rd call of meshkit.spmd(total)" in said, (
-            text
-        )  # the steps counted (a rank the launcher stops may not end its line)
+        # The steps counted (the launcher may stop a rank before it ends its line).
+        assert "), its 3rd call of meshkit.spmd(total)" in said, text
         assert said.count(VERDICT) == 1, text  # the report; the end refers to it
     assert "The run stalled, and no rank held it" in result.report, text
     assert took < 60, text
