@@ -54,9 +54,9 @@ def test_rank_killed_mid_step_is_named_by_the_launcher():
 
 
 def test_rank_stalled_in_python_is_named_with_its_last_call_and_stack():
-    # A 5 s watchdog: the stall is reported at 5 s and would end the run at 13 s, well after
-    # the others name the sleeping process at their 8 s timeout.
-    result, text = _failed(ranks.stalled_in_python, env={**DEBUG, "MESHKIT_WATCHDOG": "5"})
+    # A 3 s watchdog: the stall is reported at 3 s (a sample later under load) and would end
+    # the run at 11 s, after the others name the sleeping process at their 8 s timeout.
+    result, text = _failed(ranks.stalled_in_python, env={**DEBUG, "MESHKIT_WATCHDOG": "3"})
     assert "call #3 of" in text, text
     assert "process 1 did not arrive within 8 s" in text, text
     assert "its last call was #2 of" in text, text
