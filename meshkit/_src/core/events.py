@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,25 @@ def emit(kind: str, **fields: Any) -> None:
     # Unbuffered append: one write per record. A lost event only makes a less precise report.
     with contextlib.suppress(OSError), open(path(directory, rank), "ab", buffering=0) as f:
         f.write(line)
+
+
+# This process's time outside its steps so far, counted where it is spent (`count`): compiles
+# (the ``compiled`` event's fields: seconds compiling, programs, hits of JAX's persistent cache,
+# seconds tracing and lowering) and checkpoints (seconds saving and restoring). ``aside`` sums
+# the seconds, which the steps set aside (the ``steps`` event, `meshkit.RuntimeInfo.goodput`).
+totals: dict[str, float] = {"seconds": 0.0, "programs": 0, "hits": 0, "tracing": 0.0,
+                            "saving": 0.0, "restoring": 0.0, "aside": 0.0}  # fmt: skip
+_counting = threading.Lock()
+
+
+def count(**amounts: float) -> dict[str, float]:
+    """Add ``amounts`` to `totals` (the seconds to ``aside`` too); a copy of `totals` after."""
+    with _counting:
+        for name, amount in amounts.items():
+            totals[name] += amount
+            if name not in ("programs", "hits"):
+                totals["aside"] += amount
+        return dict(totals)
 
 
 def own_rank() -> int | None:

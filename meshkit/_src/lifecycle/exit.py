@@ -233,6 +233,18 @@ def _flush() -> None:
     flush_logs()  # a message said just before `os._exit` must leave this process first
 
 
+def until(done: Callable[[], bool], seconds: float) -> None:
+    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except Exception:  # the service failed: nobody answers any more
+            return
+        time.sleep(0.05)
+
+
 _SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
 _ACTIVE_SLICE_S = 1.0  # ... while the program steps (`on_activity` changed within `_ACTIVE_S`)
 _ACTIVE_S = 10.0

@@ -206,19 +206,7 @@ def _wait_until_read(n: int) -> None:
         others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
         return _read is None or read + others >= n - 1
 
-    _until(all_read, _READ_S)
-
-
-def _until(done: Callable[[], bool], seconds: float) -> None:
-    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except Exception:  # the service failed: nobody answers any more
-            return
-        time.sleep(0.05)
+    _exit.until(all_read, _READ_S)
 
 
 def poll_period(n: int) -> float:
@@ -287,7 +275,7 @@ class _Watch:
             posts = self.poll()
             return not isinstance(posts, PeerPosts) or any(q == p for q, _ in posts.failures)
 
-        _until(posted, _READ_S)
+        _exit.until(posted, _READ_S)
         time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:

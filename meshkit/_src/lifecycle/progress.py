@@ -6,6 +6,7 @@ waits for a CPU, device work completes. `stall` acts on a process that shows non
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -13,9 +14,9 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import CodeType
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -30,6 +31,7 @@ _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest
 _MAX_PENDING = 256  # pending arrays watched for completing
 
 _marks = 0
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,15 @@ class ServiceBoard:
     post: Callable[[str, str], None]
     read: Callable[[], dict[str, str]]
     drop: Callable[[str], None]
+
+    def put(self, me: int, record: Any) -> None:
+        """Post process ``me``'s ``record`` (a dataclass) under its id."""
+        self.post(str(me), json.dumps(asdict(record)))
+
+    def records(self, kind: Callable[..., R], posted: dict[str, str] | None = None) -> dict[int, R]:
+        """Every process's record (of ``kind``) in ``posted`` (None: posted now)."""
+        posted = self.read() if posted is None else posted
+        return {int(k): kind(**json.loads(v)) for k, v in posted.items() if k.isdigit()}
 
 
 def note_progress() -> None:

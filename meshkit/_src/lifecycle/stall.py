@@ -114,7 +114,9 @@ def record(me: int, idle: float, main: int, step: str) -> StallRecord:
         return StallRecord(me, idle, PYTHON, "?", "", step, "")
     if in_meshkit(frame):
         state = MESHKIT
-    elif _in_jax(frame) or any(_progress.pending(a) for a in jax.live_arrays()):
+    elif frame.f_code.co_filename.startswith(_JAX_DIR) or any(
+        _progress.pending(a) for a in jax.live_arrays()
+    ):
         state = DEVICE  # a result that stays pending waits for a collective others have not run
     else:
         state = PYTHON
@@ -131,10 +133,6 @@ def record(me: int, idle: float, main: int, step: str) -> StallRecord:
     inner = "" if where.startswith(f"{short_path(code.co_filename)}:{frame.f_lineno} ") else inner
     stack = "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
     return StallRecord(me, round(idle, 1), state, where, inner, step, stack)
-
-
-def _in_jax(frame: FrameType) -> bool:
-    return frame.f_code.co_filename.startswith(_JAX_DIR)
 
 
 def in_checkpoint(frame: FrameType | None) -> bool:
@@ -281,7 +279,7 @@ class Detector:
 
     def _compare(self, idle: float, steps: str) -> None:
         mine = record(self.me, idle, self.main, steps)
-        self.board.post(str(self.me), json.dumps(asdict(mine)))
+        self.board.put(self.me, mine)
         self.posted = True
         posted = self.board.read()
         decided = posted.get("verdict")
@@ -289,11 +287,7 @@ class Detector:
             fields = json.loads(decided)
             self._end(Verdict(**{**fields, "holding": tuple(fields["holding"])}))
             return
-        records = {
-            int(name): StallRecord(**json.loads(text))
-            for name, text in posted.items()
-            if name.isdigit()
-        }
+        records = self.board.records(StallRecord, posted)
         if len(records) < self.n:  # another process makes progress: no stall of the run
             return
         found = verdict(records)
@@ -332,12 +326,10 @@ class Detector:
         with contextlib.suppress(Exception):
             self.board.post(f"ended-{self.me}", "1")
             if self.me == 0:  # it hosts the service: the others read the verdict there first
-                deadline = time.monotonic() + _ENDED_WAIT_S
-                while time.monotonic() < deadline:
-                    ended = [k for k in self.board.read() if k.startswith("ended-")]
-                    if len(ended) >= self.n:
-                        break
-                    time.sleep(0.1)
+                _exit.until(
+                    lambda: sum(k.startswith("ended-") for k in self.board.read()) >= self.n,
+                    _ENDED_WAIT_S,
+                )
         _exit.now(1)
 
 
@@ -347,17 +339,9 @@ _installed: Settings | None = None  # what `install` was given (`configure(None)
 
 def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
-    global _detector, _installed
+    global _installed
     _installed = at
     _start(Detector(me, n, board, steps, at))
-
-
-def _start(detector: Detector) -> None:
-    global _detector
-    if _detector is not None:
-        _detector.stop()
-    _detector = detector
-    detector.start()
 
 
 def configure(at: Settings | None) -> None:
@@ -367,3 +351,11 @@ def configure(at: Settings | None) -> None:
         detector = Detector(now.me, now.n, now.board, now.steps, chosen)
         detector.main_native_id = now.main_native_id  # asked in the program's thread
         _start(detector)
+
+
+def _start(detector: Detector) -> None:
+    global _detector
+    if _detector is not None:
+        _detector.stop()
+    _detector = detector
+    detector.start()
