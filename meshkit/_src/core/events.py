@@ -96,7 +96,7 @@ def emit(kind: str, **fields: Any) -> None:
     """Append one event for the launcher (nothing outside a ``meshkit launch`` run)."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
-    directory, rank = os.environ.get(ENV_STATUS), own_rank()
+    directory, rank = os.environ.get(ENV_STATUS), _own_rank()
     if not directory or rank is None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
@@ -104,6 +104,11 @@ def emit(kind: str, **fields: Any) -> None:
     # Unbuffered append: one write per record. A lost event only makes a less precise report.
     with contextlib.suppress(OSError), open(path(directory, rank), "ab", buffering=0) as f:
         f.write(line)
+
+
+def _own_rank() -> int | None:
+    raw = os.environ.get(ENV_PROCESS_ID, "")
+    return int(raw) if raw.isdigit() else None
 
 
 # This process's time outside its steps so far, counted where it is spent (`count`): compiles
@@ -123,12 +128,6 @@ def count(**amounts: float) -> dict[str, float]:
             if name not in ("programs", "hits"):
                 totals["aside"] += amount
         return dict(totals)
-
-
-def own_rank() -> int | None:
-    """This rank under ``meshkit launch`` (``MESHKIT_PROCESS_ID``), else None."""
-    raw = os.environ.get(ENV_PROCESS_ID, "")
-    return int(raw) if raw.isdigit() else None
 
 
 def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
@@ -157,7 +156,7 @@ STAGES = ("starting", "joining", "joined", "running", "exited")
 def mark(stage: str, process_id: int | None = None) -> None:
     """Record this rank's stage for the launcher (nothing outside a `meshkit launch` run)."""
     where = os.environ.get(ENV_STATUS)
-    process_id = own_rank() if process_id is None else process_id
+    process_id = _own_rank() if process_id is None else process_id
     if not where or process_id is None:
         return
     file = Path(where) / f"rank{process_id}"

@@ -105,10 +105,7 @@ class Sampler:
 
     def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
-        try:  # the thread's CPU-time clock (POSIX)
-            self.clock: int | None = time.pthread_getcpuclockid(main)
-        except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
-            self.clock = None
+        self.clock = cpu_clock(main)
         path = f"/proc/self/task/{native_id}/schedstat"
         self.schedstat = path if native_id is not None and os.path.exists(path) else None
         self.mark = _marks
@@ -153,12 +150,23 @@ class Sampler:
         if self.schedstat is not None:
             ns = _read_schedstat(self.schedstat)
             return None if ns is None else sum(ns) / 1e9
-        if self.clock is None:
-            return None
+        return self.clock()
+
+
+def cpu_clock(thread: int) -> Callable[[], float | None]:
+    """A reader of thread ``thread``'s CPU seconds (POSIX): None once it ended, or without one."""
+    try:
+        clock = time.pthread_getcpuclockid(thread)
+    except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
+        return lambda: None
+
+    def read() -> float | None:
         try:
-            return time.clock_gettime(self.clock)
+            return time.clock_gettime(clock)
         except OSError:  # the thread has ended
             return None
+
+    return read
 
 
 def _threads(besides: str) -> dict[str, tuple[int, int]] | None:

@@ -38,7 +38,6 @@ from .progress import ServiceBoard
 _LOG = logger("guards")
 
 ENV_STALL_TIMEOUT = "MESHKIT_STALL_TIMEOUT"
-DEFAULT_DEADLINE_S = 300.0
 REPORT_PARTS = 5  # the report comes after a fifth of the deadline
 _LAST_PERIOD_S = 5.0  # samples are at most this far apart
 _ENDED_WAIT_S = 10.0  # process 0, which hosts the service, waits this long for the others' ends
@@ -82,11 +81,8 @@ class Settings:
 
 def settings() -> Settings | None:
     """``MESHKIT_STALL_TIMEOUT`` (default 300 s; 0: off) as `Settings`; None when off."""
-    deadline = _env.seconds(ENV_STALL_TIMEOUT, where="meshkit.init()", zero="off")
-    if deadline == 0:
-        return None
-    deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
-    return Settings(deadline / REPORT_PARTS, deadline)
+    deadline = _env.seconds(ENV_STALL_TIMEOUT, where="meshkit.init()", zero="off", default=300.0)
+    return Settings(deadline / REPORT_PARTS, deadline) if deadline else None
 
 
 @dataclass(frozen=True)
@@ -339,23 +335,16 @@ _installed: Settings | None = None  # what `install` was given (`configure(None)
 
 def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
-    global _installed
-    _installed = at
-    _start(Detector(me, n, board, steps, at))
+    global _detector, _installed
+    if _detector is not None:
+        _detector.stop()
+    _detector, _installed = Detector(me, n, board, steps, at), at
+    _detector.start()
 
 
 def configure(at: Settings | None) -> None:
     """Detect with ``at`` from now on (debug mode's watchdog); None: as installed."""
-    now, chosen = _detector, at or _installed
-    if now is not None and chosen is not None and chosen != now.settings:
-        detector = Detector(now.me, now.n, now.board, now.steps, chosen)
-        detector.main_native_id = now.main_native_id  # asked in the program's thread
-        _start(detector)
-
-
-def _start(detector: Detector) -> None:
-    global _detector
-    if _detector is not None:
-        _detector.stop()
-    _detector = detector
-    detector.start()
+    detector, chosen = _detector, at or _installed
+    if detector is not None and chosen is not None and chosen != detector.settings:
+        detector.settings = chosen
+        detector.start()  # replaces the turn due: the next one period of ``chosen`` from now

@@ -27,12 +27,11 @@ from ..core.events import StepRow as StepRow
 from ..core.frames import program_thread, public
 from ..core.log import logger, say
 from . import exit as _exit
-from .progress import ServiceBoard
+from .progress import ServiceBoard, cpu_clock
 
 _LOG = logger("guards")
 
 ENV_STEP_WINDOW = "MESHKIT_STEP_WINDOW"
-DEFAULT_WINDOW_S = 30.0
 MARGIN = 1.25  # a straggler's own work per step is this many times the median, or more
 FLOOR_MS = 2.0  # ... and this many milliseconds more than the median
 
@@ -171,22 +170,14 @@ class _Windows:
 
     def __init__(self, me: int, board: ServiceBoard | None, window: float) -> None:
         self.me, self.board, self.window = me, board, window
-        try:
-            self.clock: int | None = time.pthread_getcpuclockid(program_thread().ident or 0)
-        except (AttributeError, OSError, OverflowError):  # no such call here
-            self.clock = None
+        self.clock = cpu_clock(program_thread().ident or 0)
         self.first = self.then = (*_totals.now(), self._cpu())
         self.latest: StepRow | None = None
         self.named: frozenset[int] = frozenset()  # said already
         self.suspects: frozenset[int] = frozenset()  # stragglers in the last window
 
     def _cpu(self) -> float:
-        if self.clock is None:
-            return 0.0
-        try:
-            return time.clock_gettime(self.clock)
-        except OSError:  # the program's thread ended
-            return 0.0
+        return self.clock() or 0.0
 
     def turn(self, *, last: bool = False) -> None:
         if not last:
@@ -234,8 +225,7 @@ _windows: _Windows | None = None
 
 def window_s() -> float | None:
     """``MESHKIT_STEP_WINDOW`` (default 30 s; 0: off), refused early when not seconds."""
-    seconds = _env.seconds(ENV_STEP_WINDOW, where="meshkit.init()", zero="off")
-    return DEFAULT_WINDOW_S if seconds is None else (seconds or None)
+    return _env.seconds(ENV_STEP_WINDOW, where="meshkit.init()", zero="off", default=30.0) or None
 
 
 def install(me: int, board: ServiceBoard | None, window: float) -> None:
