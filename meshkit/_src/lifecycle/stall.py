@@ -69,10 +69,6 @@ class Settings:
     deadline: float | None
     source: str = ""
 
-    def named(self) -> str:
-        """The deadline and where it is set: ``MESHKIT_STALL_TIMEOUT=300``."""
-        return self.source or f"{ENV_STALL_TIMEOUT}={self.deadline:g}; 0 turns the end off"
-
     @property
     def period(self) -> float:
         """Seconds between two samples."""
@@ -308,7 +304,9 @@ class Detector:
         """Say ``found``, post this process's end, exit with status 1."""
         if not _exit.claim():
             return
-        ends = f" Process {self.me} ends with status 1 ({self.settings.named()})."
+        at = self.settings
+        named = at.source or f"{ENV_STALL_TIMEOUT}={at.deadline:g}; 0 turns the end off"
+        ends = f" Process {self.me} ends with status 1 ({named})."
         if found.places == self.said:  # said in full at the report: once is enough
             say(_LOG, logging.ERROR, f"meshkit: still no progress after {found.idle:.0f} s "
                 f"(the places above).{ends}\n")  # fmt: skip
