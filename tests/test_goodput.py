@@ -164,16 +164,22 @@ def test_the_report_ends_with_the_table_only_when_ranks_took_steps():
 
 def test_a_process_counts_compiles_and_checkpoints_between_its_batches_aside(monkeypatch):
     monkeypatch.setattr(stragglers, "_totals", stragglers._Totals())
-    monkeypatch.setattr(stragglers, "_spent", dict.fromkeys(stragglers._spent, 0.0))
-    stragglers.set_aside("compiling", 5.0)  # before the first batch: not in the steps' wall
+    monkeypatch.setattr(_events, "totals", dict.fromkeys(_events.totals, 0.0))
+    _events.count(seconds=4.0, programs=1)  # before the first batch: not in the steps' wall
+    _events.count(tracing=1.0)
     stragglers.took(0.0, 1.0)
-    stragglers.set_aside("compiling", 0.25)
-    stragglers.set_aside("saving", 0.5)
+    _events.count(seconds=0.25, programs=1)
+    since = stragglers.clock()
+    _events.count(saving=0.5)
     stragglers.took(2.0, 3.0)
     stragglers.took(3.0, 4.0)
-    stragglers.set_aside("saving", 0.5)  # after the last batch: outside the steps' wall
+    _events.count(saving=0.5)  # after the last batch: outside the steps' wall
     assert stragglers.steps_s() == 3.0 - 0.75
     assert stragglers.spent() == {"compiling": 5.25, "saving": 1.0, "restoring": 0.0}
+    _events.count(tracing=0.5)  # a compile inside a restore counts as compiling
+    assert stragglers.checkpointed("restoring", since)["compiling"] == 0.5
+    assert stragglers.spent()["compiling"] == 5.75
+    assert 0.0 <= stragglers.spent()["restoring"] < 1.0
 
 
 # ---- a real run -------------------------------------------------------------------------------

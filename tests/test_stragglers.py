@@ -110,7 +110,7 @@ def test_process_0_names_a_straggler_after_two_windows_once(monkeypatch):
     monkeypatch.setattr(_stragglers, "_totals", totals)
     fake = _Board()
     windows = _stragglers._Windows(0, fake.board(), 30.0)
-    windows.clock = None  # no CPU clock: host work 0
+    windows.clock = lambda: None  # no CPU clock: host work 0
     slow = json.dumps(_row(1, 70.0, 0.0, step=75.0, data=30.0).__dict__)
     for k in range(4):
         fake.posted["1"] = slow

@@ -19,7 +19,6 @@ from .errors import MeshkitError
 from .events import ENV_ATTEMPT, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 ENV_CHECK_TIMEOUT = "MESHKIT_CHECK_TIMEOUT"
-_DEFAULT_CHECK_TIMEOUT_S = 120.0
 T = TypeVar("T")
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -56,12 +55,17 @@ def number(name: str, *, where: str = "") -> float | None:
 
 
 def seconds(
-    name: str, *, where: str = "", zero: str | None = None, positive: bool = True
+    name: str,
+    *,
+    where: str = "",
+    zero: str | None = None,
+    positive: bool = True,
+    default: float | None = None,
 ) -> float | None:
-    """A duration in seconds (None when unset): finite, and > 0 unless told otherwise."""
+    """A duration in seconds (``default`` when unset): finite, and > 0 unless told otherwise."""
     value = number(name, where=where)
     if value is None:
-        return None
+        return default
     if not positive:
         rule, ok = "must be a finite number of seconds >= 0", value >= 0
     else:
@@ -129,7 +133,7 @@ def attempt(*, where: str = "") -> int:
 
 def check_timeout() -> float:
     """Seconds an agreement between processes waits for the others (``MESHKIT_CHECK_TIMEOUT``)."""
-    return seconds(ENV_CHECK_TIMEOUT, where="meshkit") or _DEFAULT_CHECK_TIMEOUT_S  # never 0
+    return seconds(ENV_CHECK_TIMEOUT, where="meshkit", default=120.0) or 120.0  # never 0
 
 
 # The variables that list a process's visible accelerators, in the order read.

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ def emit(kind: str, **fields: Any) -> None:
     """Append one event for the launcher (nothing outside a ``meshkit launch`` run)."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
-    directory, rank = os.environ.get(ENV_STATUS), own_rank()
+    directory, rank = os.environ.get(ENV_STATUS), _own_rank()
     if not directory or rank is None:
         return
     record = {"rank": rank, "kind": kind, "time": time.time(), **fields}
@@ -105,10 +106,28 @@ def emit(kind: str, **fields: Any) -> None:
         f.write(line)
 
 
-def own_rank() -> int | None:
-    """This rank under ``meshkit launch`` (``MESHKIT_PROCESS_ID``), else None."""
+def _own_rank() -> int | None:
     raw = os.environ.get(ENV_PROCESS_ID, "")
     return int(raw) if raw.isdigit() else None
+
+
+# This process's time outside its steps so far, counted where it is spent (`count`): compiles
+# (the ``compiled`` event's fields: seconds compiling, programs, hits of JAX's persistent cache,
+# seconds tracing and lowering) and checkpoints (seconds saving and restoring). ``aside`` sums
+# the seconds, which the steps set aside (the ``steps`` event, `meshkit.RuntimeInfo.goodput`).
+totals: dict[str, float] = {"seconds": 0.0, "programs": 0, "hits": 0, "tracing": 0.0,
+                            "saving": 0.0, "restoring": 0.0, "aside": 0.0}  # fmt: skip
+_counting = threading.Lock()
+
+
+def count(**amounts: float) -> dict[str, float]:
+    """Add ``amounts`` to `totals` (the seconds to ``aside`` too); a copy of `totals` after."""
+    with _counting:
+        for name, amount in amounts.items():
+            totals[name] += amount
+            if name not in ("programs", "hits"):
+                totals["aside"] += amount
+        return dict(totals)
 
 
 def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
@@ -137,7 +156,7 @@ STAGES = ("starting", "joining", "joined", "running", "exited")
 def mark(stage: str, process_id: int | None = None) -> None:
     """Record this rank's stage for the launcher (nothing outside a `meshkit launch` run)."""
     where = os.environ.get(ENV_STATUS)
-    process_id = own_rank() if process_id is None else process_id
+    process_id = _own_rank() if process_id is None else process_id
     if not where or process_id is None:
         return
     file = Path(where) / f"rank{process_id}"

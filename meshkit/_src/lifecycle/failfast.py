@@ -29,7 +29,6 @@ _LOG = logger("guards")
 
 ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
-_DEFAULT_GRACE_S = 10.0
 _ENDED_AFTER_S = 3.0
 _POST_WAIT_S = 2.0  # how long JAX's error at a lost peer waits for that peer's failure post
 _EXIT_MARGIN_S = 0.5  # process 0, ending for a peer's failure, outlives the peer's exit by this
@@ -41,8 +40,7 @@ def settings() -> float | None:
     """The seconds exit handlers get when a failure ends a process; None: fail-fast is off."""
     if not _env.flag(ENV_FAIL_FAST, where="meshkit.init()", on="on, the default", blank=True):
         return None
-    grace = _env.seconds(ENV_FAIL_FAST_GRACE, where="meshkit.init()", positive=False)
-    return _DEFAULT_GRACE_S if grace is None else grace
+    return _env.seconds(ENV_FAIL_FAST_GRACE, where="meshkit.init()", positive=False, default=10.0)
 
 
 # What the coordination layer hands in at `install`:
@@ -71,7 +69,7 @@ Read = Callable[[int], int]
 _post_failure: Post | None = None
 _read: Read | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
-_grace = _DEFAULT_GRACE_S  # the exit handlers' seconds when a failure ends this process
+_grace = 10.0  # the exit handlers' seconds when a failure ends this process
 
 
 def install(
@@ -111,13 +109,9 @@ def _on_exception(
     diagnosis = _events.diagnose(text)
     if diagnosis is not None and _end_with_known_cause():
         return
-    if not _exit.claim():  # another path ends this process (a peer's failure): its record stands
-        _exit.await_end()
-        return
-    if diagnosis is not None:
-        say(_LOG, logging.ERROR, _events.explain(diagnosis) + "\n")
-    _events.emit(_events.FAILED, **_failure_fields(value, diagnosis))
-    _end(text.splitlines()[0][:300], "uncaught exception in a multi-process run")
+    said = "" if diagnosis is None else _events.explain(diagnosis) + "\n"
+    if not _fail(value, diagnosis, said, "uncaught exception in a multi-process run"):
+        _exit.await_end()  # another path ends this process (a peer's failure): its record stands
 
 
 def peer_failed(p: int, failure: str) -> None:
@@ -130,11 +124,19 @@ def end_for(error: BaseException, why: str) -> bool:
     """End this process for ``error``, found beside a caller that cannot return; False if off."""
     if _watch is None or _exit.ending():  # fail-fast is off, or the process ends already
         return False
-    if _exit.claim():  # else another path ends this process
-        say(_LOG, logging.ERROR, f"meshkit: {why}.\n{type(error).__name__}: {error}\n")
-        _events.emit(_events.FAILED, **_failure_fields(error, None))
-        first = (str(error).splitlines() or [""])[0][:300]
-        _end(f"{type(error).__name__}: {first}", "this process cannot go on")
+    said = f"meshkit: {why}.\n{type(error).__name__}: {error}\n"
+    _fail(error, None, said, "this process cannot go on")  # False: another path ends it
+    return True
+
+
+def _fail(error: BaseException, diagnosis: _events.Diagnosis | None, said: str, why: str) -> bool:
+    """Claim the end, say ``said``, record the failure, end; False: another path ends it."""
+    if not _exit.claim():
+        return False
+    if said:
+        say(_LOG, logging.ERROR, said)
+    _events.emit(_events.FAILED, **_failure_fields(error, diagnosis))
+    _end(f"{type(error).__name__}: {error}".splitlines()[0][:300], why)
     return True
 
 
@@ -206,19 +208,7 @@ def _wait_until_read(n: int) -> None:
         others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
         return _read is None or read + others >= n - 1
 
-    _until(all_read, _READ_S)
-
-
-def _until(done: Callable[[], bool], seconds: float) -> None:
-    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except Exception:  # the service failed: nobody answers any more
-            return
-        time.sleep(0.05)
+    _exit.until(all_read, _READ_S)
 
 
 def poll_period(n: int) -> float:
@@ -287,7 +277,7 @@ class _Watch:
             posts = self.poll()
             return not isinstance(posts, PeerPosts) or any(q == p for q, _ in posts.failures)
 
-        _until(posted, _READ_S)
+        _exit.until(posted, _READ_S)
         time.sleep(_EXIT_MARGIN_S)
 
     def _lost(self, error: str) -> None:

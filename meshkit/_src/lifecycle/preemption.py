@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..core import env as _env
 from ..core import events as _events
@@ -25,6 +26,7 @@ from . import exit as _exit
 
 _LOG = logger("guards")
 
+T = TypeVar("T")
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
 _COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
 _LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
@@ -131,7 +133,6 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
     _exit.on_sigterm(lambda: receive(None))  # the handler takes the notice, nothing that waits
     if first:
         _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
-        _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
     _exit.wake()  # a notice received before ``tell`` was given is told now
 
@@ -167,6 +168,8 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
 def note_step(step: int) -> None:
     """The program's current step (`meshkit.checkpoint.should_save`, `meshkit.global_batches`)."""
     _state.step = step
+    if _state.untold and _state.tell is not None:  # the handler cannot end the service's wait
+        _exit.wake()
 
 
 def asked_step() -> int | None:
@@ -176,6 +179,7 @@ def asked_step() -> int | None:
 
 def reached_sync_point(step: int) -> bool:
     """Whether ``step`` is the step at which every process saves after a notice."""
+    note_step(step)
     with _state.lock:
         notice_ = _state.notice
         if notice_ is not None:  # a step sent: wait for the agreement (until the deadline)
@@ -284,6 +288,16 @@ def _tend() -> None:
     _exit.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
 
+def _talk(call: Callable[[], T], failed: str) -> T | None:
+    """``call`` to the others (None once this process ends); a failure is said as ``failed``."""
+    try:
+        with _state.talking:
+            return None if _state.stop.is_set() else call()  # no request may start at the end
+    except Exception as e:  # the service is gone
+        _warn(f"{failed}: {e}")
+        return None
+
+
 def _agree(notice_: PreemptionNotice) -> None:
     """Send the last step answered, and agree with the others on the sync step (once)."""
     with _state.lock:
@@ -291,14 +305,10 @@ def _agree(notice_: PreemptionNotice) -> None:
             return  # agreed already; or joining: agreed once this process has joined
         _state.frozen = True
         answered, sync = _state.asked, _state.sync
-    try:
-        with _state.talking:
-            if _state.stop.is_set():  # the process ends: no request may start now
-                return
-            synced = sync(answered, max(0.0, notice_.deadline - time.time()), _state.stop)
-    except Exception as e:  # the service is gone: no sync step, the deadline ends the run
-        _warn(f"could not agree on a step to save at after the notice: {e}")
-        synced = Synced(None, agreed=False)
+    left = max(0.0, notice_.deadline - time.time())
+    failed = "could not agree on a step to save at after the notice"
+    # No answer: no sync step, the deadline ends the run.
+    synced = _talk(lambda: sync(answered, left, _state.stop), failed) or Synced(None, agreed=False)
     if not synced.agreed and not _state.stop.is_set():
         who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
             "some process")  # fmt: skip
@@ -317,9 +327,5 @@ def _tell(notice_: PreemptionNotice) -> None:
             return
         _state.untold = False
         tell = _state.tell
-    try:
-        with _state.talking:
-            if not _state.stop.is_set():  # the process ends: no request may start now
-                tell(notice_)
-    except Exception as e:  # the others then learn it from JAX's protocol, or not at all
-        _warn(f"could not tell the other processes of the preemption notice: {e}")
+    # On failure, the others learn it from JAX's protocol, or not at all.
+    _talk(lambda: tell(notice_), "could not tell the other processes of the preemption notice")

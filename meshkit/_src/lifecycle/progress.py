@@ -6,6 +6,7 @@ waits for a CPU, device work completes. `stall` acts on a process that shows non
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -13,9 +14,9 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import CodeType
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -30,6 +31,7 @@ _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest
 _MAX_PENDING = 256  # pending arrays watched for completing
 
 _marks = 0
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,15 @@ class ServiceBoard:
     post: Callable[[str, str], None]
     read: Callable[[], dict[str, str]]
     drop: Callable[[str], None]
+
+    def put(self, me: int, record: Any) -> None:
+        """Post process ``me``'s ``record`` (a dataclass) under its id."""
+        self.post(str(me), json.dumps(asdict(record)))
+
+    def records(self, kind: Callable[..., R], posted: dict[str, str] | None = None) -> dict[int, R]:
+        """Every process's record (of ``kind``) in ``posted`` (None: posted now)."""
+        posted = self.read() if posted is None else posted
+        return {int(k): kind(**json.loads(v)) for k, v in posted.items() if k.isdigit()}
 
 
 def note_progress() -> None:
@@ -94,10 +105,7 @@ class Sampler:
 
     def __init__(self, main: int, native_id: int | None = None) -> None:
         self.main = main
-        try:  # the thread's CPU-time clock (POSIX)
-            self.clock: int | None = time.pthread_getcpuclockid(main)
-        except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
-            self.clock = None
+        self.clock = cpu_clock(main)
         path = f"/proc/self/task/{native_id}/schedstat"
         self.schedstat = path if native_id is not None and os.path.exists(path) else None
         self.mark = _marks
@@ -142,12 +150,23 @@ class Sampler:
         if self.schedstat is not None:
             ns = _read_schedstat(self.schedstat)
             return None if ns is None else sum(ns) / 1e9
-        if self.clock is None:
-            return None
+        return self.clock()
+
+
+def cpu_clock(thread: int) -> Callable[[], float | None]:
+    """A reader of thread ``thread``'s CPU seconds (POSIX): None once it ended, or without one."""
+    try:
+        clock = time.pthread_getcpuclockid(thread)
+    except (AttributeError, OSError, OverflowError):  # no such call here, or no such thread
+        return lambda: None
+
+    def read() -> float | None:
         try:
-            return time.clock_gettime(self.clock)
+            return time.clock_gettime(clock)
         except OSError:  # the thread has ended
             return None
+
+    return read
 
 
 def _threads(besides: str) -> dict[str, tuple[int, int]] | None:

@@ -38,7 +38,6 @@ from .progress import ServiceBoard
 _LOG = logger("guards")
 
 ENV_STALL_TIMEOUT = "MESHKIT_STALL_TIMEOUT"
-DEFAULT_DEADLINE_S = 300.0
 REPORT_PARTS = 5  # the report comes after a fifth of the deadline
 _LAST_PERIOD_S = 5.0  # samples are at most this far apart
 _ENDED_WAIT_S = 10.0  # process 0, which hosts the service, waits this long for the others' ends
@@ -70,10 +69,6 @@ class Settings:
     deadline: float | None
     source: str = ""
 
-    def named(self) -> str:
-        """The deadline and where it is set: ``MESHKIT_STALL_TIMEOUT=300``."""
-        return self.source or f"{ENV_STALL_TIMEOUT}={self.deadline:g}; 0 turns the end off"
-
     @property
     def period(self) -> float:
         """Seconds between two samples."""
@@ -82,11 +77,8 @@ class Settings:
 
 def settings() -> Settings | None:
     """``MESHKIT_STALL_TIMEOUT`` (default 300 s; 0: off) as `Settings`; None when off."""
-    deadline = _env.seconds(ENV_STALL_TIMEOUT, where="meshkit.init()", zero="off")
-    if deadline == 0:
-        return None
-    deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
-    return Settings(deadline / REPORT_PARTS, deadline)
+    deadline = _env.seconds(ENV_STALL_TIMEOUT, where="meshkit.init()", zero="off", default=300.0)
+    return Settings(deadline / REPORT_PARTS, deadline) if deadline else None
 
 
 @dataclass(frozen=True)
@@ -114,7 +106,9 @@ def record(me: int, idle: float, main: int, step: str) -> StallRecord:
         return StallRecord(me, idle, PYTHON, "?", "", step, "")
     if in_meshkit(frame):
         state = MESHKIT
-    elif _in_jax(frame) or any(_progress.pending(a) for a in jax.live_arrays()):
+    elif frame.f_code.co_filename.startswith(_JAX_DIR) or any(
+        _progress.pending(a) for a in jax.live_arrays()
+    ):
         state = DEVICE  # a result that stays pending waits for a collective others have not run
     else:
         state = PYTHON
@@ -131,10 +125,6 @@ def record(me: int, idle: float, main: int, step: str) -> StallRecord:
     inner = "" if where.startswith(f"{short_path(code.co_filename)}:{frame.f_lineno} ") else inner
     stack = "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
     return StallRecord(me, round(idle, 1), state, where, inner, step, stack)
-
-
-def _in_jax(frame: FrameType) -> bool:
-    return frame.f_code.co_filename.startswith(_JAX_DIR)
 
 
 def in_checkpoint(frame: FrameType | None) -> bool:
@@ -281,7 +271,7 @@ class Detector:
 
     def _compare(self, idle: float, steps: str) -> None:
         mine = record(self.me, idle, self.main, steps)
-        self.board.post(str(self.me), json.dumps(asdict(mine)))
+        self.board.put(self.me, mine)
         self.posted = True
         posted = self.board.read()
         decided = posted.get("verdict")
@@ -289,11 +279,7 @@ class Detector:
             fields = json.loads(decided)
             self._end(Verdict(**{**fields, "holding": tuple(fields["holding"])}))
             return
-        records = {
-            int(name): StallRecord(**json.loads(text))
-            for name, text in posted.items()
-            if name.isdigit()
-        }
+        records = self.board.records(StallRecord, posted)
         if len(records) < self.n:  # another process makes progress: no stall of the run
             return
         found = verdict(records)
@@ -318,7 +304,9 @@ class Detector:
         """Say ``found``, post this process's end, exit with status 1."""
         if not _exit.claim():
             return
-        ends = f" Process {self.me} ends with status 1 ({self.settings.named()})."
+        at = self.settings
+        named = at.source or f"{ENV_STALL_TIMEOUT}={at.deadline:g}; 0 turns the end off"
+        ends = f" Process {self.me} ends with status 1 ({named})."
         if found.places == self.said:  # said in full at the report: once is enough
             say(_LOG, logging.ERROR, f"meshkit: still no progress after {found.idle:.0f} s "
                 f"(the places above).{ends}\n")  # fmt: skip
@@ -332,12 +320,10 @@ class Detector:
         with contextlib.suppress(Exception):
             self.board.post(f"ended-{self.me}", "1")
             if self.me == 0:  # it hosts the service: the others read the verdict there first
-                deadline = time.monotonic() + _ENDED_WAIT_S
-                while time.monotonic() < deadline:
-                    ended = [k for k in self.board.read() if k.startswith("ended-")]
-                    if len(ended) >= self.n:
-                        break
-                    time.sleep(0.1)
+                _exit.until(
+                    lambda: sum(k.startswith("ended-") for k in self.board.read()) >= self.n,
+                    _ENDED_WAIT_S,
+                )
         _exit.now(1)
 
 
@@ -348,22 +334,15 @@ _installed: Settings | None = None  # what `install` was given (`configure(None)
 def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
     global _detector, _installed
-    _installed = at
-    _start(Detector(me, n, board, steps, at))
-
-
-def _start(detector: Detector) -> None:
-    global _detector
     if _detector is not None:
         _detector.stop()
-    _detector = detector
-    detector.start()
+    _detector, _installed = Detector(me, n, board, steps, at), at
+    _detector.start()
 
 
 def configure(at: Settings | None) -> None:
     """Detect with ``at`` from now on (debug mode's watchdog); None: as installed."""
-    now, chosen = _detector, at or _installed
-    if now is not None and chosen is not None and chosen != now.settings:
-        detector = Detector(now.me, now.n, now.board, now.steps, chosen)
-        detector.main_native_id = now.main_native_id  # asked in the program's thread
-        _start(detector)
+    detector, chosen = _detector, at or _installed
+    if detector is not None and chosen is not None and chosen != detector.settings:
+        detector.settings = chosen
+        detector.start()  # replaces the turn due: the next one period of ``chosen`` from now

@@ -15,7 +15,6 @@ nothing.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import statistics
 import time
@@ -28,12 +27,11 @@ from ..core.events import StepRow as StepRow
 from ..core.frames import program_thread, public
 from ..core.log import logger, say
 from . import exit as _exit
-from .progress import ServiceBoard
+from .progress import ServiceBoard, cpu_clock
 
 _LOG = logger("guards")
 
 ENV_STEP_WINDOW = "MESHKIT_STEP_WINDOW"
-DEFAULT_WINDOW_S = 30.0
 MARGIN = 1.25  # a straggler's own work per step is this many times the median, or more
 FLOOR_MS = 2.0  # ... and this many milliseconds more than the median
 
@@ -96,8 +94,8 @@ class _Totals:
     loads: int = 0  # batches the loader gave (ahead of the steps, as far as prefetching goes)
     loader: float = 0.0
     last: float = -1.0  # when the last batch arrived
-    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches (`set_aside`)
-    pending: float = 0.0  # ... since the last batch arrived
+    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches
+    seen: float = 0.0  # `events.totals`' ``aside`` when the last batch arrived
 
     def now(self) -> tuple[float, ...]:
         return self.steps, self.wall, self.data, self.loads, self.loader
@@ -108,12 +106,11 @@ _totals = _Totals()
 
 def took(asked: float, got: float) -> None:
     """In the program's thread: a batch asked for at ``asked`` arrived at ``got`` (perf_counter)."""
-    t = _totals
-    if t.last >= 0.0:
+    t, aside = _totals, _events.totals["aside"]
+    if t.last >= 0.0:  # the compiles and checkpoints before the first batch are not in wall
         t.wall += got - t.last
-    if t.pending:  # compiles, checkpoints since the last batch (before the first: not in wall)
-        t.aside += t.pending if t.last >= 0.0 else 0.0
-        t.pending = 0.0
+        t.aside += aside - t.seen
+    t.seen = aside
     t.data += got - asked
     t.last = got
     t.steps += 1
@@ -126,33 +123,29 @@ def loaded(seconds: float) -> None:
     t.loads += 1
 
 
-_spent: dict[str, float] = {"compiling": 0.0, "saving": 0.0, "restoring": 0.0}
-
-
-def set_aside(part: str, seconds: float) -> None:
-    """``seconds`` of ``part`` (a key of `spent`): not step work, even between two batches."""
-    _spent[part] += seconds
-    _totals.pending += seconds
+def _compiling() -> float:
+    return _events.totals["seconds"] + _events.totals["tracing"]
 
 
 def clock() -> tuple[float, float]:
     """Now, and the seconds compiled so far: the start of a save or a restore (`checkpointed`)."""
-    return time.monotonic(), _spent["compiling"]
+    return time.monotonic(), _compiling()
 
 
 def checkpointed(part: str, since: tuple[float, float]) -> dict[str, float]:
     """The ``seconds`` of a save or restore begun at ``since`` (`clock`), and its ``compiling``.
 
-    The rest is set aside as ``part``; the compiles in it were, as compiling.
+    The rest is counted as ``part`` ("saving", "restoring"); the compiles in it were, as compiling.
     """
-    seconds, compiling = time.monotonic() - since[0], _spent["compiling"] - since[1]
-    set_aside(part, max(seconds - compiling, 0.0))
+    seconds, compiling = time.monotonic() - since[0], _compiling() - since[1]
+    _events.count(**{part: max(seconds - compiling, 0.0)})
     return {"seconds": round(seconds, 4), "compiling": round(compiling, 4)}
 
 
 def spent() -> dict[str, float]:
     """This process's seconds compiling, saving and restoring so far (`RuntimeInfo.goodput`)."""
-    return dict(_spent)
+    return {"compiling": _compiling(), "saving": _events.totals["saving"],
+            "restoring": _events.totals["restoring"]}  # fmt: skip
 
 
 def steps_s() -> float:
@@ -177,22 +170,14 @@ class _Windows:
 
     def __init__(self, me: int, board: ServiceBoard | None, window: float) -> None:
         self.me, self.board, self.window = me, board, window
-        try:
-            self.clock: int | None = time.pthread_getcpuclockid(program_thread().ident or 0)
-        except (AttributeError, OSError, OverflowError):  # no such call here
-            self.clock = None
+        self.clock = cpu_clock(program_thread().ident or 0)
         self.first = self.then = (*_totals.now(), self._cpu())
         self.latest: StepRow | None = None
         self.named: frozenset[int] = frozenset()  # said already
         self.suspects: frozenset[int] = frozenset()  # stragglers in the last window
 
     def _cpu(self) -> float:
-        if self.clock is None:
-            return 0.0
-        try:
-            return time.clock_gettime(self.clock)
-        except OSError:  # the program's thread ended
-            return 0.0
+        return self.clock() or 0.0
 
     def turn(self, *, last: bool = False) -> None:
         if not last:
@@ -208,9 +193,9 @@ class _Windows:
         if self.board is None or last:
             return
         with contextlib.suppress(Exception):  # a lost window only delays a straggler's name
-            self.board.post(str(self.me), json.dumps(asdict(row)))
+            self.board.put(self.me, row)
             if self.me == 0:
-                self._name(rows(self.board))
+                self._name(list(self.board.records(StepRow).values()))
 
     def _name(self, table: list[StepRow]) -> None:
         found = {s.process: s for s in stragglers(table)}
@@ -234,19 +219,13 @@ class _Windows:
             )  # fmt: skip
 
 
-def rows(board: ServiceBoard) -> list[StepRow]:
-    """Every process's latest window posted on ``board``."""
-    return [StepRow(**json.loads(v)) for k, v in board.read().items() if k.isdigit()]
-
-
 _TASK = "stragglers: a window"
 _windows: _Windows | None = None
 
 
 def window_s() -> float | None:
     """``MESHKIT_STEP_WINDOW`` (default 30 s; 0: off), refused early when not seconds."""
-    seconds = _env.seconds(ENV_STEP_WINDOW, where="meshkit.init()", zero="off")
-    return DEFAULT_WINDOW_S if seconds is None else (seconds or None)
+    return _env.seconds(ENV_STEP_WINDOW, where="meshkit.init()", zero="off", default=30.0) or None
 
 
 def install(me: int, board: ServiceBoard | None, window: float) -> None:
@@ -276,7 +255,7 @@ def step_times() -> list[StepRow]:
     windows = _windows
     if windows is None:
         return []
-    table = rows(windows.board) if windows.board is not None else []
+    table = list(windows.board.records(StepRow).values()) if windows.board is not None else []
     if not table and windows.latest is not None:
         table = [windows.latest]
     return sorted(table, key=lambda r: (-r.own_ms, r.process))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-import threading
 from typing import Any
 
 from ..core import events as _events
@@ -78,9 +77,6 @@ def enable(directory: str | os.PathLike[str] | None) -> str | None:
     return path
 
 
-_lock = threading.Lock()
-# this process's compilations so far; tracing: the seconds tracing and lowering programs
-_totals = {"seconds": 0.0, "programs": 0, "hits": 0, "tracing": 0.0}
 # jax.monitoring's events of tracing and lowering a program (JAX 0.10.2 and 0.12)
 _TRACING = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -90,30 +86,22 @@ _TRACING = (
 
 def totals() -> dict[str, Any]:
     """``{"seconds", "programs", "hits", "tracing"}`` counted since `watch` (zeros before)."""
-    with _lock:
-        return {**_totals, "seconds": round(_totals["seconds"], 4),
-                "tracing": round(_totals["tracing"], 4)}  # fmt: skip
+    now = _events.count()
+    return {"seconds": round(now["seconds"], 4), "programs": now["programs"], "hits": now["hits"],
+            "tracing": round(now["tracing"], 4)}  # fmt: skip
 
 
 def _on_duration(event: str, duration_secs: float, **_: Any) -> None:
-    if event != _BACKEND_COMPILE and event not in _TRACING:
-        return
-    from ..lifecycle import stragglers  # here: `meshkit launch` imports this module, not JAX
-
-    stragglers.set_aside("compiling", duration_secs)  # the program waits for all three
-    with _lock:
-        if event in _TRACING:
-            _totals["tracing"] += duration_secs
-            return
-        _totals["seconds"] += duration_secs
-        _totals["programs"] += 1
-    _events.emit(_events.COMPILED, **totals())
+    if event in _TRACING:
+        _events.count(tracing=duration_secs)
+    elif event == _BACKEND_COMPILE:
+        _events.count(seconds=duration_secs, programs=1)
+        _events.emit(_events.COMPILED, **totals())
 
 
 def _on_event(event: str, **_: Any) -> None:
     if event == _CACHE_HIT:
-        with _lock:
-            _totals["hits"] += 1
+        _events.count(hits=1)
 
 
 @functools.cache
