@@ -580,8 +580,10 @@ def test_positions_of_other_kinds_of_source_are_refused():
     with pytest.raises(
         MeshkitError,
         match=r"^meshkit.global_batches: start= holds the states of a source with "
-        r"get_state\(\)/set_state\(\); the iterable given is a list_iterator, which has no "
-        r"set_state\(\).\nConsider passing the same kind of source as the saved run did.$",
+        r"get_state\(\)/set_state\(\) \(a grain DataLoader or IterDataset iterator\), and the "
+        r"iterable given is a list_iterator, which has no set_state\(\): a position resumes the "
+        r"kind of source it was taken from.\nConsider passing the same kind of source as the "
+        r"saved run did.$",
     ):
         meshkit.global_batches(plain, _mesh(), "data", start=of_states)
     steps = (

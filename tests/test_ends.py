@@ -23,6 +23,11 @@ def _record(rows: int | None, last: bool | None, status: str = "data") -> PartRe
     )
 
 
+def _message(records: dict[int, PartRecord], step: int, *, pad: bool) -> str | None:
+    error = ends.short_batch(records, step, pad=pad)
+    return None if error is None else str(error)
+
+
 @given(
     rows=st.lists(st.sampled_from([0, 4, 7, 8]), min_size=2, max_size=6),
     last=st.lists(st.booleans(), min_size=6, max_size=6),
@@ -31,7 +36,7 @@ def _record(rows: int | None, last: bool | None, status: str = "data") -> PartRe
 )
 def test_only_a_last_batch_may_be_short(rows, last, pad, step):
     records = {p: _record(n, last[p]) for p, n in enumerate(rows)}
-    message = ends.short_batch(records, step, pad=pad)
+    message = _message(records, step, pad=pad)
     short = [p for p, n in enumerate(rows) if n < max(rows)]
     assert ends.short(records) == short
     midstream = [p for p in short if not last[p]]
@@ -58,14 +63,14 @@ def test_only_a_last_batch_may_be_short(rows, last, pad, step):
 
 def test_processes_that_ended_are_not_short():
     records = {0: _record(8, False), 1: _record(0, True, status="end"), 2: _record(8, False)}
-    assert ends.short_batch(records, 5, pad=True) is None
+    assert _message(records, 5, pad=True) is None
 
 
 def test_a_process_that_could_not_read_ahead_is_not_named():
     # Its loader failed when read ahead: that failure is raised at the next step instead.
     records = {0: _record(8, None), 1: _record(4, None)}
-    assert ends.short_batch(records, 2, pad=True) is None
-    message = ends.short_batch(records, 2, pad=False)
+    assert _message(records, 2, pad=True) is None
+    message = _message(records, 2, pad=False)
     assert message is not None
     assert "its loader's last batch" not in message, message
     assert "the loader's last batch" not in message, message
@@ -77,12 +82,12 @@ def test_records_without_rows_name_no_short_process():
     # pad="ragged" sends no rows: nothing is short.
     records = {0: _record(None, None), 1: _record(None, None)}
     assert ends.short(records) == []
-    assert ends.short_batch(records, 1, pad=True) is None
+    assert _message(records, 1, pad=True) is None
 
 
 def test_several_short_processes_are_each_named_with_their_rows():
     records = {0: _record(8, False), 1: _record(4, False), 2: _record(6, True)}
-    message = ends.short_batch(records, 3, pad=True)
+    message = _message(records, 3, pad=True)
     assert message is not None
     assert message.startswith(
         "meshkit.global_batches: at step 3, the processes' batches differ in rows before the "

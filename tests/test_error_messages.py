@@ -132,8 +132,10 @@ def test_rows_that_differ_name_the_outlier_only_where_a_majority_agrees():
         1: PartRecord(rows=32, last=False),
         2: PartRecord(rows=40),
     }
-    message = ends.short_batch(three, 3, pad=True)
-    assert message is not None
+    error = ends.short_batch(three, 3, pad=True)
+    assert error is not None
+    assert (error.processes, error.field) == ([2], "rows")
+    message = str(error)
     assert "processes 0 and 1 have 32 rows; process 2's batch has 40 rows" in message, message
     assert "process 2 differs from the others" in message, message
     assert "ragged" not in message
@@ -203,7 +205,7 @@ def _messages() -> list[str]:
     )
     midstream = ends.short_batch(_records(p0=32, p1=40), 1, pad=True)
     assert midstream is not None
-    out.append(midstream)
+    out.append(str(midstream))
     for shapes in (
         ((["?", 8], [32, 8]), (["?", 9], [32, 9])),
         (([64, 8], [32, 8]), ([64, 9], [32, 9])),

@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.arrays import assembly as _assembly_mod
 from meshkit._src.arrays import blocks as _blocks
 from meshkit._src.core import caches as _caches
 from meshkit._src.runtime import dispatch as _dispatch
@@ -47,19 +46,11 @@ def trees(draw, mesh):
     return tree, specs
 
 
-# On CPU every block is put from the host; accelerators copy replicas device to device. The
-# second path is forced here so that it is tested on CPU too.
-TRANSFER_PATHS = pytest.mark.parametrize("from_host", [True, False], ids=["host", "device-copies"])
-
-
-@TRANSFER_PATHS
 @given(data=st.data())
-def test_global_value_round_trip_and_gather_match_numpy(from_host, data):
+def test_global_value_round_trip_and_gather_match_numpy(data):
     mesh = data.draw(mks.meshes())
     tree, specs = data.draw(trees(mesh))
-    with mock.patch.object(_assembly_mod, "_all_from_host", return_value=from_host) as path:
-        g = meshkit.global_array_from_local(tree, mesh, specs)
-    path.assert_called_once()
+    g = meshkit.global_array_from_local(tree, mesh, specs)
     back = meshkit.local_from_global(g)
     gathered = meshkit.gather(g)
     at0 = meshkit.gather(g, to=0)
@@ -75,9 +66,8 @@ def test_global_value_round_trip_and_gather_match_numpy(from_host, data):
         np.testing.assert_array_equal(at0[key], x)
 
 
-@TRANSFER_PATHS
 @given(data=st.data())
-def test_pad_rounds_up_and_the_mask_marks_real_rows(from_host, data):
+def test_pad_rounds_up_and_the_mask_marks_real_rows(data):
     mesh = data.draw(mks.meshes(axis_types=("auto",)))
     lead = data.draw(mks.axis_groups(mesh))
     spec = P(lead)
@@ -85,9 +75,7 @@ def test_pad_rounds_up_and_the_mask_marks_real_rows(from_host, data):
     n = int(np.prod([mesh.shape[a] for a in dim_axes(spec, 1)[0]]))
     rows = data.draw(st.integers(0, 3 * n))
     x = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1
-    with mock.patch.object(_assembly_mod, "_all_from_host", return_value=from_host) as path:
-        (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
-    path.assert_called_once()
+    (g, mask) = meshkit.global_array_from_local({"x": x}, mesh, spec, pad=True)
     padded = -(-rows // n) * n
     assert g["x"].shape == (padded, 2)
     assert mask.shape == (padded,)

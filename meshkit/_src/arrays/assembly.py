@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
@@ -99,47 +98,21 @@ def _device_order(sharding: NamedSharding, shape: tuple[int, ...], me: int) -> t
     return devices, [by_device[d] for d in devices]
 
 
-def _from_host(value: np.ndarray, plan: _layout.Plan, sharding: NamedSharding) -> jax.Array:
-    """One global array, every local device's block put from the host view in one call."""
-    devices, indices = _device_order(sharding, plan.global_shape, plan.process)
-    blocks = [value[index] for index in indices]
-    return _compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices)
-
-
-def _all_from_host(prepared: Prepared) -> bool:
-    """Whether every block goes from the host (on CPU), replicas included (tests force both)."""
-    return all(pl.device.platform == "cpu" for x in prepared.leaves for pl in x.plan.placements[:1])
-
-
 def transfer(prepared: Prepared) -> list[jax.Array]:
     """The global array of every leaf, then the mask if any.
 
-    On CPU every block goes from the host in one put per array (aligned numpy is aliased, not
-    copied); elsewhere distinct blocks go in one batched put and replicas device to device.
+    Every local device's block goes from the host, in one put per array, as in
+    `jax.make_array_from_process_local_data` (on CPU aligned numpy is aliased, not copied).
     """
     jobs = [(leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves]
     if prepared.mask is not None:
         jobs.append(prepared.mask)
-    if _all_from_host(prepared):
-        return [_from_host(value, plan, sharding) for value, plan, sharding in jobs]
-    placements = [(i, pl) for i, (_, plan, _) in enumerate(jobs) for pl in plan.placements]
-    first = [(i, pl) for i, pl in placements if pl.first]
-    rest = [(i, pl) for i, pl in placements if not pl.first]
-    placed = jax.device_put(
-        [jobs[i][0][pl.local_index] for i, pl in first], [pl.device for _, pl in first]
-    )
-    out = {(i, pl.device): a for (i, pl), a in zip(first, placed, strict=True)}
-    if rest:
-        block = {(i, jobs[i][1].blocks[pl.device]): out[i, pl.device] for i, pl in first}
-        sources = [block[i, jobs[i][1].blocks[pl.device]] for i, pl in rest]
-        copies = jax.device_put(sources, [pl.device for _, pl in rest])
-        out.update({(i, pl.device): a for (i, pl), a in zip(rest, copies, strict=True)})
-    return [
-        jax.make_array_from_single_device_arrays(
-            plan.global_shape, sharding, [out[i, pl.device] for pl in plan.placements]
-        )
-        for i, (_, plan, sharding) in enumerate(jobs)
-    ]
+    arrays = []
+    for value, plan, sharding in jobs:
+        devices, indices = _device_order(sharding, plan.global_shape, plan.process)
+        blocks = [value[index] for index in indices]
+        arrays.append(_compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices))
+    return arrays
 
 
 @dataclasses.dataclass

@@ -44,10 +44,11 @@ def short(records: dict[int, PartRecord]) -> list[int]:
     return sorted(p for p, n in rows.items() if n < most)
 
 
-def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str | None:
+def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> DivergenceError | None:
     """The error for a batch at ``step`` shorter than another process's, or None if allowed.
 
     Only a loader's last batch (`PartRecord.last`) may be short; with ``pad=True`` it is padded.
+    The processes it names: those outside a majority of equal rows (all, without one).
     """
     rows, fewer = _leading_rows(records) or {}, short(records)
     if not fewer:
@@ -56,6 +57,7 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str 
     midstream = [p for p in fewer if records[p].last is False]
     if pad and not midstream:
         return None  # short last batches: padded
+    odd = _missing.outside_majority(_by_rows(rows).values())
     if not midstream:  # pad=False, the short batches their loaders' last (or not known)
         head = f"{_WHAT}: at step {step}, {_rows_text(fewer, rows)} where {_rows_text(full, rows)}"
         said = (
@@ -63,18 +65,22 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> str 
             if all(records[p].last for p in fewer)
             else ""
         )
-        return (
+        message = (
             f"{head}{said}.\nWith pad=False every step needs batches of one size from every "
             "process.\nConsider pad=True (the last step is padded; the mask marks the real "
             "rows), or dropping the short last batch on every process (drop_remainder)."
         )
-    return _MIDSTREAM.format(
-        what=_WHAT,
-        step=step,
-        each="; ".join(_rows_text(ps, rows) for ps in _by_rows(rows).values()),
-        more=_loaders(midstream),
-        which=_which(rows),
-    )
+    else:
+        message = _MIDSTREAM.format(
+            what=_WHAT,
+            step=step,
+            each="; ".join(_rows_text(ps, rows) for ps in _by_rows(rows).values()),
+            more=_loaders(midstream),
+            which="the batches alone do not tell which process's loader is wrong"
+            if len(odd) == len(rows)
+            else f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
+        )
+    return DivergenceError(message, processes=odd, field="rows")
 
 
 # Padding (pad=True, pad="ragged") would hide rows a loader lost or added, so it is not offered.
@@ -94,14 +100,6 @@ _MIDSTREAM = (
 
 def _by_rows(rows: dict[int, int]) -> dict[str, list[int]]:
     return _missing.by_value({p: str(n) for p, n in rows.items()})
-
-
-def _which(rows: dict[int, int]) -> str:
-    """Who differs, where most processes agree on the rows; else that the records cannot tell."""
-    odd = _missing.outside_majority(_by_rows(rows).values())
-    if len(odd) == len(rows):
-        return "the batches alone do not tell which process's loader is wrong"
-    return f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others"
 
 
 def _processes(ps: list[int]) -> str:
@@ -127,12 +125,6 @@ def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
     if len(set(counts)) == 1:
         return f"{_processes(ps)} have {counts[0]} rows"
     return f"the batches of {_processes(ps)} have {_and([str(n) for n in counts])} rows"
-
-
-def rows_outliers(records: dict[int, PartRecord]) -> list[int]:
-    """The processes whose batch rows differ from a majority's; every one without a majority."""
-    rows = _leading_rows(records)
-    return _missing.outside_majority(_by_rows(rows).values()) if rows else sorted(records)
 
 
 def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:
@@ -479,14 +471,9 @@ def _states_problem(
     start: DataPosition, source: Any, stateful: bool, me: int, processes: int
 ) -> str | None:
     """Apply ``start``'s state of this process to ``source``; the problem if it does not fit."""
-    if start.kind != "states":
-        return _kind_problem(start, f"a {type(source).__name__}")
-    if not stateful:
-        return (
-            f"{_WHAT}: start= holds the states of a source with get_state()/set_state(); the "
-            f"iterable given is a {type(source).__name__}, which has no set_state().\n"
-            "Consider passing the same kind of source as the saved run did."
-        )
+    if start.kind != "states" or not stateful:
+        has = "" if stateful or start.kind != "states" else ", which has no set_state()"
+        return _kind_problem(start, f"a {type(source).__name__}{has}")
     assert start.states is not None
     if start.processes != processes:
         return (

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.errors import DivergenceError, MeshkitError
+from ..core.errors import MeshkitError
 from ..lifecycle import stragglers as _stragglers
 from . import assembly as _assembly
 from . import ends as _ends
@@ -325,9 +325,9 @@ class Ahead:
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
-        message = _ends.short_batch(told, step, pad=self.assembly.pad)
-        if message is not None:
-            raise DivergenceError(message, processes=_ends.rows_outliers(told), field="rows")
+        error = _ends.short_batch(told, step, pad=self.assembly.pad)
+        if error is not None:
+            raise error
 
     def _check_end(self, records: dict[int, PartRecord], step: int) -> bool:
         """Whether the data ended for every process at ``step``; raises if loaders end unevenly.
