@@ -1,8 +1,7 @@
 """Every process's value in, one answer back to every process: `gather` (and the sync step).
 
 Examples:
-    >>> sync = syncer(0)  # not joined: alone
-    >>> sync(7, 1.0, threading.Event())
+    >>> sync_step(0, 7, 1.0, threading.Event())  # not joined: alone
     Synced(step=8, agreed=True, missing=())
 """
 
@@ -83,22 +82,18 @@ def _next_step(values: Mapping[int, str]) -> str:
     return json.dumps(None if highest is None else highest + 1)
 
 
-def syncer(me: int) -> Callable[[int | None, float, threading.Event], Synced]:
+def sync_step(me: int, answered: int | None, timeout: float, stop: threading.Event) -> Synced:
     """The step at which every process saves after a preemption notice (one `gather` per run).
 
-    It is the one after the highest step any program answered (the last step this process's
-    program answered; None: none yet), or, if none did, the first step each asks about.
-    `alone` when not joined.
+    It is the one after the highest step any program answered (``answered``: the last step this
+    process's program answered; None: none yet), or, if none did, the first step each asks
+    about. `alone` when not joined.
     """
-
-    def sync(answered: int | None, timeout: float, stop: threading.Event) -> Synced:
-        client, _, n = _compat.distributed_state()
-        if client is None or n == 1:
-            return alone(answered, timeout, stop)
-        service, value = JaxService(client), json.dumps(answered)
-        got = gather(service, me, n, "preemption", value, _next_step, timeout=timeout, stop=stop)
-        if got.answer is None:
-            return Synced(None, agreed=False, missing=got.missing)
-        return Synced(json.loads(got.answer))
-
-    return sync
+    client, _, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return alone(answered, timeout, stop)
+    service, value = JaxService(client), json.dumps(answered)
+    got = gather(service, me, n, "preemption", value, _next_step, timeout=timeout, stop=stop)
+    if got.answer is None:
+        return Synced(None, agreed=False, missing=got.missing)
+    return Synced(json.loads(got.answer))
