@@ -605,13 +605,13 @@ def test_preemption_notices_travel_with_the_failures_in_one_listing():
 def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_service_is_gone():
     cluster = FakeCluster(2)
     failures.post(cluster.service(1), 1, "ValueError: boom")
-    assert failures.answer(cluster.service(0), 0) == PeerPosts([(1, "ValueError: boom")], [])
+    assert failures.poll(cluster.service(0), 0) == PeerPosts([(1, "ValueError: boom")], [])
     cluster.leave(0)  # as the real client when its service is gone: UNAVAILABLE
-    assert failures.answer(cluster.service(0), 0) == Unanswered(
+    assert failures.poll(cluster.service(0), 0) == Unanswered(
         lost=True, error="process 0 has left the fake coordination service"
     )
     for code, lost in [(14, True), (10, True), (4, False), (5, False), (3, False)]:
-        answered = failures.answer(JaxService(_Refusing(code)), 0)
+        answered = failures.poll(JaxService(_Refusing(code)), 0)
         assert answered == Unanswered(lost=lost, error="the text does not matter"), code
 
 
