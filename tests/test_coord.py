@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshkit._src.coord import agreement, deferred, failures, missing, places
+from meshkit._src.coord import agree, agreement, failures, missing, places
 from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
@@ -347,7 +347,7 @@ def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, ste
         assert all(o.records == dict(enumerate(summaries)) for o in outcomes)
 
 
-# ---- deferred: agree_later ----------------------------------------------------------------
+# ---- the deferred form: agree_later -------------------------------------------------------
 
 
 class _Differ(Exception):
@@ -368,7 +368,7 @@ def _calls(node: Node, summaries: list[str], timeout: float = 5.0) -> _Differ | 
             raise _Differ(i, outcome)
 
         try:
-            deferred.add(
+            agree.defer(
                 node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=on_outcome
             )
         except _Differ as e:
@@ -379,7 +379,7 @@ def _calls(node: Node, summaries: list[str], timeout: float = 5.0) -> _Differ | 
 
 def _verified(node: Node) -> _Differ | None:
     try:
-        deferred.verify_all(node)
+        agree.verify_all(node)
     except _Differ as e:
         return e
     return None
@@ -389,7 +389,7 @@ def test_equal_deferred_calls_agree_once_per_w_calls_and_at_the_drain():
     nodes = FakeCluster(2).nodes()
 
     def body(node: Node) -> tuple[Any, Any, int]:
-        return _calls(node, ["a"] * (2 * deferred.W + 5)), _verified(node), node.stats.agreements
+        return _calls(node, ["a"] * (2 * agree.W + 5)), _verified(node), node.stats.agreements
 
     assert _together(nodes, body) == [(None, None, 3)] * 2  # at calls W and 2 W, then the drain
     assert [node.deferred for node in nodes] == [{}, {}]
@@ -401,7 +401,7 @@ def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_d
     started: list[str] = []
 
     def body(node: Node) -> _Differ | None:
-        summaries = ["a"] * deferred.W
+        summaries = ["a"] * agree.W
         if node.me == 1:
             summaries[5:7] = ["b", "c"]
         raised = _calls(node, summaries)
@@ -410,7 +410,7 @@ def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_d
 
     for e in _together(nodes, body):
         assert isinstance(e, _Differ), e
-        assert e.at == deferred.W - 1  # every call returned but the W-th, which verified
+        assert e.at == agree.W - 1  # every call returned but the W-th, which verified
         assert e.number == 5  # the first call that differs
         assert e.outcome.records == {0: "0:5", 1: "1:5"}
         assert e.thread.name.startswith("Thread-")  # the caller's (`_together`'s) own thread
@@ -423,7 +423,7 @@ def test_a_sync_point_verifies_the_pending_calls_first():
     def body(node: Node) -> tuple[Any, Any]:
         returned = _calls(node, ["a", "b" if node.me else "a", "a"])
         try:
-            deferred.sync_point(node)
+            agree.sync_point(node)
         except _Differ as e:
             return returned, e.number
         return returned, None
@@ -447,7 +447,7 @@ def test_a_deferred_check_finds_the_record_of_a_process_that_left():
     def body(node: Node) -> _Differ | None:
         if node.me == 1:  # it made the first call, then failed instead of the second
             _calls(node, ["a"])
-            deferred.leave(node, "w", json.dumps({"status": "closed"}))
+            agree.leave_deferred(node, "w", json.dumps({"status": "closed"}))
             assert node.deferred == {}
             return None
         return _calls(node, ["a", "a"]) or _verified(node)
@@ -605,13 +605,13 @@ def test_preemption_notices_travel_with_the_failures_in_one_listing():
 def test_a_failure_poll_left_unanswered_says_by_the_status_code_whether_the_service_is_gone():
     cluster = FakeCluster(2)
     failures.post(cluster.service(1), 1, "ValueError: boom")
-    assert failures.answer(cluster.service(0), 0) == PeerPosts([(1, "ValueError: boom")], [])
+    assert failures.poll(cluster.service(0), 0) == PeerPosts([(1, "ValueError: boom")], [])
     cluster.leave(0)  # as the real client when its service is gone: UNAVAILABLE
-    assert failures.answer(cluster.service(0), 0) == Unanswered(
+    assert failures.poll(cluster.service(0), 0) == Unanswered(
         lost=True, error="process 0 has left the fake coordination service"
     )
     for code, lost in [(14, True), (10, True), (4, False), (5, False), (3, False)]:
-        answered = failures.answer(JaxService(_Refusing(code)), 0)
+        answered = failures.poll(JaxService(_Refusing(code)), 0)
         assert answered == Unanswered(lost=lost, error="the text does not matter"), code
 
 
@@ -741,7 +741,6 @@ def test_a_caller_that_came_to_the_agreement_from_inside_a_step_is_no_cycle():
 
 
 def test_a_leave_record_says_how_the_process_ends(monkeypatch):
-    from meshkit._src.coord import agree
 
     monkeypatch.delattr("sys.last_value", raising=False)
     assert json.loads(agree.leave_record(last="call #3")) == {
@@ -753,7 +752,6 @@ def test_a_leave_record_says_how_the_process_ends(monkeypatch):
 
 def _left_at(monkeypatch, records: dict[int, str]) -> list[tuple[int, str]]:
     """`agree.agree` over a fake node whose agreement found ``records``; peers ended for."""
-    from meshkit._src.coord import agree
     from meshkit._src.lifecycle import failfast
 
     ended: list[tuple[int, str]] = []
@@ -766,7 +764,6 @@ def _left_at(monkeypatch, records: dict[int, str]) -> list[tuple[int, str]]:
 def test_a_process_that_failed_instead_of_coming_ends_this_one_as_its_failure_watch_would(
     monkeypatch,
 ):
-    from meshkit._src.coord import agree
 
     failed = json.dumps({"left": True, "status": "error", "message": "RuntimeError: planted"})
     ended = _left_at(monkeypatch, {0: '{"mesh": 1}', 1: failed})
@@ -777,7 +774,6 @@ def test_a_process_that_failed_instead_of_coming_ends_this_one_as_its_failure_wa
 
 def test_check_names_a_process_that_left_instead_of_coming(monkeypatch):
     from meshkit import MeshkitError
-    from meshkit._src.coord import agree
 
     ended = _left_at(
         monkeypatch, {0: '{"mesh": 1}', 1: json.dumps({"left": True, "status": "exit"})}

@@ -30,7 +30,6 @@ FLAG = 1 << SHIFT
 OK, DIFFER, POST = "ok", "differ", "post"
 MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
 SPAN = 12  # a period holds over this many agreements before it predicts (`meshkit.debug.PERIOD`)
-HISTORY = 2 * MAX_PERIOD
 FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
 
 
@@ -71,7 +70,7 @@ class Sequence:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     next: int = 0  # the next agreement's number
-    history: deque[str] = field(default_factory=lambda: deque(maxlen=HISTORY))  # agreed digests
+    history: deque[str] = field(default_factory=lambda: deque(maxlen=2 * MAX_PERIOD))  # agreed
     period: int = 0  # the history's period while calls repeat it (0: to be found)
     uses: dict[str, int] = field(default_factory=dict)  # agreements begun per site
     epoch: int = 0  # keys move to a new epoch when every process starts the sequence again
@@ -344,13 +343,6 @@ def channel_sequence(node: Node, name: str | None = None) -> str:
     """The sequence of channel ``name``; by default the calling thread's (`channel.current`)."""
     name = node.channel() if name is None else name
     return _places.MAIN if name is None else "c:" + _channel.tag_part(name)
-
-
-def restart(node: Node) -> None:
-    """Start every channel's sequence again, under new keys (`meshkit._src.coord.agree.in_step`)."""
-    with node.lock:
-        for name, state in list(node.sequences.items()):
-            node.sequences[name] = Sequence(epoch=state.epoch + 1)
 
 
 def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None:

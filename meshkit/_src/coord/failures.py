@@ -45,11 +45,18 @@ def alarm(service: Service, me: int, n: int) -> None:
             service.set(ALARM + str(p), "1", overwrite=True)
 
 
-def poll(service: Service, me: int) -> PeerPosts:
-    """What processes other than ``me`` posted so far: failures by process, notices by time."""
+def poll(service: Service, me: int) -> PeerPosts | Unanswered:
+    """What processes other than ``me`` posted so far: failures by process, notices by time.
+
+    An `Unanswered` when the service did not answer (the failure watch tells a lost one by it).
+    """
+    try:
+        posted = service.dir_get(PREFIX)
+    except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
+        return Unanswered(lost=_compat.service_error_code(e) in GONE, error=str(e))
     failures: list[tuple[int, str]] = []
     notices: list[PreemptionNotice] = []
-    for key, value in service.dir_get(PREFIX):
+    for key, value in posted:
         fields = json.loads(value)
         if fields["process"] == me:
             continue
@@ -60,14 +67,6 @@ def poll(service: Service, me: int) -> PeerPosts:
     return PeerPosts(
         failures=sorted(failures), notices=sorted(notices, key=lambda n: (n.received, n.process))
     )
-
-
-def answer(service: Service, me: int) -> PeerPosts | Unanswered:
-    """`poll` as the failure watch sees it, or an `Unanswered` when the service did not answer."""
-    try:
-        return poll(service, me)
-    except Exception as e:  # JaxRuntimeError: the service did not answer; its code says why
-        return Unanswered(lost=_compat.service_error_code(e) in GONE, error=str(e))
 
 
 def _joined() -> JaxService | None:
@@ -98,9 +97,9 @@ def tell(notice: PreemptionNotice) -> None:
 
 
 def poll_posts(me: int) -> PeerPosts | Unanswered | None:
-    """`answer` for process ``me`` over the real service; None once it is no longer joined."""
+    """`poll` for process ``me`` over the real service; None once it is no longer joined."""
     service = _joined()
-    return None if service is None else answer(service, me)
+    return None if service is None else poll(service, me)
 
 
 def wait_alarm(me: int, timeout: float) -> bool:

@@ -1,10 +1,7 @@
-"""Every process's value in, one answer back to every process: `gather` and `sync_step`.
+"""Every process's value in, one answer back to every process: `gather` (and the sync step).
 
 Examples:
-    >>> import threading
-    >>> from meshkit._src.coord.fake import FakeCluster
-    >>> sync_step(FakeCluster(1).service(0), 0, 1, answered=7, timeout=1.0,
-    ...           stop=threading.Event())
+    >>> sync_step(0, 7, 1.0, threading.Event())  # not joined: alone
     Synced(step=8, agreed=True, missing=())
 """
 
@@ -18,10 +15,9 @@ from dataclasses import dataclass
 
 from ..core import compat as _compat
 from ..lifecycle.preemption import Synced, alone
-from .service import Barrier, JaxService, Service
+from .service import JaxService, Service
 
-SLICE_S = 0.5  # `sync_step`'s longest wait in one request: the thread stops within it at exit
-_PREFIX = "meshkit/preemption/"
+SLICE_S = 0.5  # a stoppable `gather`'s longest wait in one request: it stops within it at exit
 
 
 @dataclass(frozen=True)
@@ -46,12 +42,15 @@ def gather(
     combine: Callable[[Mapping[int, str]], str],
     *,
     timeout: float,
+    stop: threading.Event | None = None,
 ) -> Gathered:
-    """Gather every process's ``value`` at process 0, and give each the answer of ``combine``.
+    """Gather every process's ``value``, and give each the answer of ``combine``.
 
     Each of the ``n`` processes calls it once per ``tag`` (unique in the session): it writes its
-    value and waits at one barrier; process 0 runs ``combine`` on the values by process (one
-    directory read) and writes the answer the others read. Three round trips per process.
+    value and counts itself in; the last to count runs ``combine`` on the values by process (one
+    directory read) and writes the answer the others read. Three round trips per process. With
+    ``stop`` (set when this process ends), the others read in slices of `SLICE_S` (a blocking
+    read could not stop at exit) and give up, naming nobody, once it is set.
 
     Examples:
         >>> from meshkit._src.coord.fake import FakeCluster
@@ -62,61 +61,42 @@ def gather(
     deadline = time.monotonic() + timeout
     values, answer = f"meshkit/{tag}/v/", f"meshkit/{tag}/answer"
     service.set(f"{values}{me}", value)
-    if service.barrier(f"meshkit/{tag}/b", timeout) is not Barrier.PASSED:
-        arrived = _values(service, values)
-        return Gathered(None, tuple(p for p in range(n) if p not in arrived))
-    if me == 0:
+    if service.increment(f"meshkit/{tag}/count", 1) == n:  # the last to come: every value is there
         combined = combine(dict(sorted(_values(service, values).items())))
         service.set(answer, combined)
         service.delete(values)
         return Gathered(combined)
-    got = service.get(answer, max(deadline - time.monotonic(), 0.001))
-    return Gathered(got) if got is not None else Gathered(None, (0,))
-
-
-def sync_step(
-    service: Service,
-    me: int,
-    n: int,
-    *,
-    answered: int | None,
-    timeout: float,
-    stop: threading.Event,
-) -> Synced:
-    """The step at which every process saves after a preemption notice, once per run.
-
-    It is the one after the highest step any program ``answered`` (the last step this process's
-    program answered; None: none yet), or, if none did, the first step each asks about. Each
-    process writes its step and counts itself in; the last to count writes the answer, which the
-    others wait for in slices of `SLICE_S` (a barrier could not stop at exit) until ``stop``
-    (set when this process ends).
-    """
-    deadline = time.monotonic() + timeout
-    steps, answer = _PREFIX + "answered/", _PREFIX + "step"
-    service.set(f"{steps}{me}", json.dumps(answered))
-    if service.increment(_PREFIX + "count", 1) == n:  # the last to come: every step is there
-        sent = [json.loads(v) for v in _values(service, steps).values()]
-        highest = max((s for s in sent if s is not None), default=None)
-        step = None if highest is None else highest + 1
-        service.set(answer, json.dumps(step))
-        return Synced(step)
-    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
-        got = service.get(answer, min(SLICE_S, left))
+    while (left := deadline - time.monotonic()) > 0 and not (stop and stop.is_set()):
+        got = service.get(answer, left if stop is None else min(SLICE_S, left))
         if got is not None:
-            return Synced(json.loads(got))
-    if stop.is_set():
-        return Synced(None, agreed=False)
-    came = _values(service, steps)
-    return Synced(None, agreed=False, missing=tuple(p for p in range(n) if p not in came))
+            return Gathered(got)
+    if stop is not None and stop.is_set():
+        return Gathered(None)
+    came = _values(service, values)
+    late = service.get(answer, 0.001)  # read after the values: the last to come deletes them
+    if late is not None:
+        return Gathered(late)
+    return Gathered(None, tuple(p for p in range(n) if p not in came))
 
 
-def syncer(me: int) -> Callable[[int | None, float, threading.Event], Synced]:
-    """`sync_step` for process ``me`` over the real service (`alone` when not joined)."""
+def _next_step(values: Mapping[int, str]) -> str:
+    """The step after the highest any process answered; null when none did."""
+    highest = max((s for v in values.values() if (s := json.loads(v)) is not None), default=None)
+    return json.dumps(None if highest is None else highest + 1)
 
-    def sync(answered: int | None, timeout: float, stop: threading.Event) -> Synced:
-        client, _, n = _compat.distributed_state()
-        if client is None or n == 1:
-            return alone(answered, timeout, stop)
-        return sync_step(JaxService(client), me, n, answered=answered, timeout=timeout, stop=stop)
 
-    return sync
+def sync_step(me: int, answered: int | None, timeout: float, stop: threading.Event) -> Synced:
+    """The step at which every process saves after a preemption notice (one `gather` per run).
+
+    It is the one after the highest step any program answered (``answered``: the last step this
+    process's program answered; None: none yet), or, if none did, the first step each asks
+    about. `alone` when not joined.
+    """
+    client, _, n = _compat.distributed_state()
+    if client is None or n == 1:
+        return alone(answered, timeout, stop)
+    service, value = JaxService(client), json.dumps(answered)
+    got = gather(service, me, n, "preemption", value, _next_step, timeout=timeout, stop=stop)
+    if got.answer is None:
+        return Synced(None, agreed=False, missing=got.missing)
+    return Synced(json.loads(got.answer))

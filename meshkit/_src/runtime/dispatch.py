@@ -64,11 +64,16 @@ _COMPUTATIONS = ("spmd", "pmap_compat")  # the entries that run a program on eve
 _lock = threading.Lock()
 
 
+def count(site: CallSite) -> None:
+    """Count a call of ``site``; a computation becomes the latest (a stall names its count)."""
+    site.calls += 1
+    if site.kind in _COMPUTATIONS:
+        _debug_check.latest = site
+
+
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
-    site.calls += 1
-    if site.kind in _COMPUTATIONS:  # a stall names how many times it ran
-        _debug_check.latest = site
+    count(site)
     if _observers:
         for observer in tuple(_observers):
             observer(site, args)
@@ -77,7 +82,7 @@ def enter(site: CallSite, args: tuple[Any, ...]) -> None:
 
 
 def quiet() -> bool:
-    """Whether `enter` would only count the call (fast paths then count it themselves)."""
+    """Whether `enter` would only `count` the call (fast paths then count it themselves)."""
     return not _observers and _debug_check.state.settings is None
 
 

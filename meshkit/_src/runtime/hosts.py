@@ -1,6 +1,6 @@
 """Which host each process runs on, learned in one exchange when the processes join.
 
-A host is named by its hostname and boot id (``MESHKIT_HOST`` overrides); process 0 gathers
+A host is named by its hostname and boot id (``MESHKIT_HOST`` overrides); one `gather` collects
 every name and publishes a run-length table. `make_mesh` keeps inner axes inside a host.
 """
 

@@ -472,7 +472,7 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
         nudge=partial(_failures.nudge, me), read=_failures.count_read,
     )  # fmt: skip
     # The failure watch relays the others' notices.
-    _preemption.install(me, seconds=grace, tell=_failures.tell, sync=_gather.syncer(me))
+    _preemption.install(me, seconds=grace, tell=_failures.tell, sync=partial(_gather.sync_step, me))
 
 
 def _steps() -> str:

@@ -23,7 +23,6 @@ from ..core import compat as _compat
 from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
 from ..core.trees import broadcast_prefix
-from ..debug import divergence as _divergence
 from ..runtime import dispatch as _dispatch
 from ..sharding.layout import ArgumentPlan, argument_plan
 from ..sharding.specs import (
@@ -154,8 +153,7 @@ class SpmdFunction:
         if plan is not None and not kwargs and _dispatch.quiet():
             jitted = plan.steady(args)
             if jitted is not None:  # every leaf already placed: straight to jit
-                self._site.calls += 1
-                _divergence.latest = self._site
+                _dispatch.count(self._site)
                 return jitted(*args)
         if kwargs:
             raise MeshkitError(
