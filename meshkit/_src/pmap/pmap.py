@@ -290,20 +290,18 @@ def pmap_compat(
         (True, 1.0)
     """
 
-    def wrap(f: Callable[..., Any]) -> PmapFunction:
-        return PmapFunction(
-            f,
-            axis_name,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            static_broadcasted_argnums=static_broadcasted_argnums,
-            devices=devices,
-            backend=backend,
-            axis_size=axis_size,
-            donate_argnums=donate_argnums,
-            global_outputs=global_outputs,
-        )
-
+    wrap = functools.partial(
+        PmapFunction,
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        static_broadcasted_argnums=static_broadcasted_argnums,
+        devices=devices,
+        backend=backend,
+        axis_size=axis_size,
+        donate_argnums=donate_argnums,
+        global_outputs=global_outputs,
+    )
     return wrap if fun is None else wrap(fun)
 
 

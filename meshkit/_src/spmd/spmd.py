@@ -485,11 +485,9 @@ class MeshPlan:
             assert layout.plan is not None  # a multi-process mesh is made of devices
             local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
             raws = [layout.leaves[i][1] for i in local]
-            assembled = _placement.assemble(
+            leaves = _placement.assemble(
                 layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
             )
-            for i, value in zip(local, assembled, strict=True):
-                leaves[i] = value
             flat = self.place(leaves, layout, treedef)
         else:
             layout = self.layout(dyn, treedef)
