@@ -375,13 +375,3 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
             to_spec_types(s, c) for (_, s), (_, c) in zip(spec_children, children, strict=True)
         ]
     return jax.tree_util.tree_unflatten(spec_def, rebuilt)
-
-
-def map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
-    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it."""
-    aligned = align_specs(plain_specs(specs), tree, where="specs")
-
-    def under(s: Any, subtree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda leaf: fn(s, leaf), subtree)
-
-    return jax.tree_util.tree_map(under, aligned, tree, is_leaf=is_spec_leaf)
