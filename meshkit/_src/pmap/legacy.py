@@ -68,7 +68,6 @@ def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
 
 
 def device_axis_mesh(devices: Any, what: str) -> Mesh:
-    """The 1-D device-axis mesh over ``devices`` (None: every device of every process)."""
     return device_mesh(None if devices is None else check_devices(devices, what))
 
 
@@ -554,7 +553,9 @@ def get_metrics(device_metrics: Sequence[Any]) -> Any:
             f"{what}: device_metrics is empty; it stacks one pytree per step.\nConsider "
             "calling it once some steps' metrics are collected."
         )
-    why = "the steps are stacked leaf by leaf.\nConsider returning the same metrics from every step."
+    why = (
+        "the steps are stacked leaf by leaf.\nConsider returning the same metrics from every step."
+    )
     _same_structures(steps, what, "device_metrics", why)
     host = jax.device_get([first_entries(step, what) for step in steps])  # one transfer
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *host)

@@ -289,7 +289,6 @@ def pmap_compat(
         >>> out.shape == (n, 2), float(out.sum())
         (True, 1.0)
     """
-
     wrap = functools.partial(
         PmapFunction,
         axis_name=axis_name,

@@ -317,7 +317,6 @@ class MeshPlan:
         self.layouts: dict[Any, Layout] = {}  # by treedef of the dynamic arguments
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
-        """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
         if treedef in self.layouts:
             return self.layouts[treedef]
         owner, raw = self.owner, self.owner.in_specs
