@@ -99,16 +99,9 @@ class PmapFunction:
         self._entries: dict[Any, _entry.Entry] = {}
         # Per structure of positional-only calls: the last call's entry (the steady state).
         self._steady: dict[Any, _entry.Entry] = {}
-        self._site = _dispatch.CallSite(
-            "pmap_compat",
-            name,
-            info={
-                "axis_name": axis_name,
-                "params": _dispatch.param_names(fun),
-                "origin": _dispatch.origin(fun),
-                "static_argnums": self.static,
-            },
-        )
+        info = {"axis_name": axis_name, "params": _dispatch.param_names(fun)}
+        info |= {"origin": _dispatch.origin(fun), "static_argnums": self.static}
+        self._site = _dispatch.CallSite("pmap_compat", name, info=info)
 
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
