@@ -81,7 +81,7 @@ class PmapFunction:
         self.axis_size = axis_size
         if devices is not None and backend is not None:
             raise MeshkitError(f"{what}: give devices= or backend=, not both (as jax.pmap).")
-        if devices is not None and not list(devices):
+        if isinstance(devices, Sequence) and not devices:  # jax.pmap's words; others below
             raise MeshkitError(
                 f"{what}: 'devices' argument to pmap must be non-empty, or None.\nConsider "
                 "devices=None (every device of every process) or a list such as "
