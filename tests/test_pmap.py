@@ -362,6 +362,14 @@ def test_devices_keep_the_order_given():
     np.testing.assert_array_equal(np.asarray(out), np.arange(6))
 
 
+def test_devices_not_a_sequence_are_named():
+    one = jax.devices()[0]
+    with pytest.raises(MeshkitError, match=r"devices must be a sequence of devices; got a single"):
+        pmap_compat(lambda x: x, devices=one)
+    with pytest.raises(MeshkitError, match=r"devices must be a sequence of devices; got int"):
+        pmap_compat(lambda x: x, devices=3)
+
+
 def test_lower_and_compile():
     f = pmap_compat(lambda x: jax.lax.psum(x, "i"), "i")
     lowered = f.lower(np.ones((N, 2), np.float32))

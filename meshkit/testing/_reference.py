@@ -32,7 +32,6 @@ from .._src.sharding.specs import (
     dim_axes,
     is_spec_leaf,
     map_specs,
-    map_under_specs,
     plain_specs,
 )
 from .._src.spmd import axis_collectives as _axis_collectives
@@ -302,6 +301,16 @@ def _global_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
+    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it."""
+    aligned = align_specs(plain_specs(specs), tree, where="specs")
+
+    def under(s: Any, subtree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda leaf: fn(s, leaf), subtree)
+
+    return jax.tree_util.tree_map(under, aligned, tree, is_leaf=is_spec_leaf)
+
+
 def _local_part(mesh: Mesh, spec: PartitionSpec, leaf: Any) -> Any:
     """What this process passes to `meshkit.spmd` for the global value ``leaf``: its part."""
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -322,7 +331,7 @@ def _local_parts(mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> tuple[Any,
         return args
     specs = _specs_tuple(in_specs, mesh, len(args))
     return tuple(
-        map_under_specs(lambda spec, leaf: _local_part(mesh, spec, leaf), s, a)
+        _map_under_specs(lambda spec, leaf: _local_part(mesh, spec, leaf), s, a)
         for s, a in zip(specs, args, strict=True)
     )
 
@@ -368,7 +377,7 @@ def reference_spmd(
     values = [jax.tree_util.tree_map(_global_numpy, a) for a in args]
     blocks = [
         tuple(
-            map_under_specs(
+            _map_under_specs(
                 lambda spec, leaf, c=coord: jnp.asarray(_block(leaf, spec, c, sim.sizes)), s, v
             )
             for s, v in zip(specs, values, strict=True)
@@ -482,7 +491,7 @@ def assert_spmd_matches_reference(
         out_parts = map_specs(lambda s, w: check_spec_for_mesh(s, mesh, w), out_specs, "out_specs")
         run = jax.shard_map(f, mesh=mesh, in_specs=in_parts, out_specs=out_parts)
         placed = [
-            map_under_specs(lambda s, leaf: jax.device_put(leaf, NamedSharding(mesh, s)), s, a)
+            _map_under_specs(lambda s, leaf: jax.device_put(leaf, NamedSharding(mesh, s)), s, a)
             for s, a in zip(in_parts, args, strict=True)
         ]
         actual = run(*placed)

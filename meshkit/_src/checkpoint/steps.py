@@ -62,7 +62,6 @@ def step_of(path: str | os.PathLike[str]) -> int | None:
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:
-    """The complete ``step_<n>`` directories under ``root``, by step."""
     return sorted(
         (step, e) for e in root.iterdir() if e.is_dir() and (step := step_of(e)) is not None
     )

@@ -214,7 +214,6 @@ class Entry:
         return jax.device_put(leaf, target)
 
     def finish(self, out: Any) -> Any:
-        """The jit's outputs as the pmapped function returns them."""
         return jax.tree_util.tree_map(_local_view, out) if self.local_out else out
 
     def check_outputs(self, placed: list[Any]) -> None:

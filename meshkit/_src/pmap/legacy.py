@@ -68,7 +68,6 @@ def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
 
 
 def device_axis_mesh(devices: Any, what: str) -> Mesh:
-    """The 1-D device-axis mesh over ``devices`` (None: every device of every process)."""
     return device_mesh(None if devices is None else check_devices(devices, what))
 
 
@@ -166,14 +165,8 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
         )
     mesh = device_mesh(chosen)
     named, treedef = tree_paths(shards[0])
-    for i, s in enumerate(shards[1:], start=1):
-        other_def = jax.tree_util.tree_structure(s)
-        if other_def != treedef:
-            raise MeshkitError(
-                f"{what}: shards[{i}] has the pytree structure {other_def}, but shards[0] has "
-                f"{treedef}; every shard must have the same structure.\nConsider building every "
-                "shard with the same keys and nesting."
-            )
+    why = "every shard must have the same structure.\nConsider building every shard with the same"
+    _same_structures(shards, what, "shards", why + " keys and nesting.")
     columns = zip(*[jax.tree_util.tree_leaves(s) for s in shards], strict=True)  # one per leaf
     out = []
     for (path, _), column in zip(named, columns, strict=True):
@@ -194,6 +187,17 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
         row = lambda index, v=values: v[index[0].start or 0][None]  # noqa: E731
         out.append(jax.make_array_from_callback(shape, NamedSharding(mesh, SPEC), row))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _same_structures(trees: list[Any], what: str, name: str, why: str) -> None:
+    first = jax.tree_util.tree_structure(trees[0])
+    for i, tree in enumerate(trees[1:], start=1):
+        treedef = jax.tree_util.tree_structure(tree)
+        if treedef != first:
+            raise MeshkitError(
+                f"{what}: {name}[{i}] has the pytree structure {treedef}, but {name}[0] has "
+                f"{first}; {why}"
+            )
 
 
 def _path_at(tree: Any, k: int) -> str:
@@ -549,14 +553,9 @@ def get_metrics(device_metrics: Sequence[Any]) -> Any:
             f"{what}: device_metrics is empty; it stacks one pytree per step.\nConsider "
             "calling it once some steps' metrics are collected."
         )
-    treedef0 = jax.tree_util.tree_structure(steps[0])
-    for i, step in enumerate(steps):
-        treedef = jax.tree_util.tree_structure(step)
-        if treedef != treedef0:
-            raise MeshkitError(
-                f"{what}: device_metrics[{i}] has the pytree structure {treedef}, but "
-                f"device_metrics[0] has {treedef0}; the steps are stacked leaf by leaf.\n"
-                "Consider returning the same metrics from every step."
-            )
+    why = (
+        "the steps are stacked leaf by leaf.\nConsider returning the same metrics from every step."
+    )
+    _same_structures(steps, what, "device_metrics", why)
     host = jax.device_get([first_entries(step, what) for step in steps])  # one transfer
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *host)

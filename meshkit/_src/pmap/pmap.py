@@ -81,7 +81,7 @@ class PmapFunction:
         self.axis_size = axis_size
         if devices is not None and backend is not None:
             raise MeshkitError(f"{what}: give devices= or backend=, not both (as jax.pmap).")
-        if devices is not None and not list(devices):
+        if isinstance(devices, Sequence) and not devices:  # jax.pmap's words; others below
             raise MeshkitError(
                 f"{what}: 'devices' argument to pmap must be non-empty, or None.\nConsider "
                 "devices=None (every device of every process) or a list such as "
@@ -99,16 +99,9 @@ class PmapFunction:
         self._entries: dict[Any, _entry.Entry] = {}
         # Per structure of positional-only calls: the last call's entry (the steady state).
         self._steady: dict[Any, _entry.Entry] = {}
-        self._site = _dispatch.CallSite(
-            "pmap_compat",
-            name,
-            info={
-                "axis_name": axis_name,
-                "params": _dispatch.param_names(fun),
-                "origin": _dispatch.origin(fun),
-                "static_argnums": self.static,
-            },
-        )
+        info = {"axis_name": axis_name, "params": _dispatch.param_names(fun)}
+        info |= {"origin": _dispatch.origin(fun), "static_argnums": self.static}
+        self._site = _dispatch.CallSite("pmap_compat", name, info=info)
 
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -289,21 +282,18 @@ def pmap_compat(
         >>> out.shape == (n, 2), float(out.sum())
         (True, 1.0)
     """
-
-    def wrap(f: Callable[..., Any]) -> PmapFunction:
-        return PmapFunction(
-            f,
-            axis_name,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            static_broadcasted_argnums=static_broadcasted_argnums,
-            devices=devices,
-            backend=backend,
-            axis_size=axis_size,
-            donate_argnums=donate_argnums,
-            global_outputs=global_outputs,
-        )
-
+    wrap = functools.partial(
+        PmapFunction,
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        static_broadcasted_argnums=static_broadcasted_argnums,
+        devices=devices,
+        backend=backend,
+        axis_size=axis_size,
+        donate_argnums=donate_argnums,
+        global_outputs=global_outputs,
+    )
     return wrap if fun is None else wrap(fun)
 
 

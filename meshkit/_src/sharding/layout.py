@@ -74,7 +74,6 @@ def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) ->
 
 
 def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
-    """How many blocks each of ``ndim`` dimensions is split into."""
     sizes = dict(sharding.mesh.shape)
     return tuple(math.prod(sizes[a] for a in axes) for axes in dim_axes(sharding.spec, ndim))
 
@@ -116,7 +115,6 @@ def plan_from_blocks(
 
 @_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
-    """The cached layout of ``sharding`` over ``shape`` for ``process``."""
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
         blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
     else:
@@ -163,7 +161,6 @@ class ArgumentPlan:
 def argument_plan(
     mesh: Mesh, specs: tuple[PartitionSpec, ...], paths: tuple[str, ...]
 ) -> ArgumentPlan:
-    """The cached plan of leaves with ``specs`` (one per leaf) on ``mesh``."""
     by_spec: dict[PartitionSpec, NamedSharding] = {}
     targets = tuple(by_spec.setdefault(s, NamedSharding(mesh, s)) for s in specs)
     return ArgumentPlan(mesh, targets, paths)
@@ -298,7 +295,6 @@ def process_slice(
 
 
 def describe_plan(p: Plan) -> ProcessSlice:
-    """The public `ProcessSlice` of an internal plan."""
     processes = sorted(set(p.owners.values()))
     held = {q: sorted({b for d, b in p.blocks.items() if p.owners[d] == q}) for q in processes}
     rows = {q: tuple(sorted({b[0] for b in held[q]})) if p.global_shape else () for q in processes}

@@ -188,7 +188,6 @@ def dim_axes(partition: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]
 
 
 def spec_axes(partition: PartitionSpec) -> list[str]:
-    """The mesh axis names a PartitionSpec uses, in order."""
     return [a for axes in dim_axes(partition, len(partition)) for a in axes]
 
 
@@ -272,7 +271,6 @@ def is_spec_leaf(x: Any) -> bool:
 
 
 def map_specs(fn: Callable[[Any, str], Any], specs: Any, what: str) -> Any:
-    """Apply ``fn(leaf, where)`` to every spec leaf of a pytree of specs."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
     out = [fn(leaf, f"{what}{jax.tree_util.keystr(path)}") for path, leaf in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -375,13 +373,3 @@ def to_spec_types(specs: Any, tree: Any) -> Any:
             to_spec_types(s, c) for (_, s), (_, c) in zip(spec_children, children, strict=True)
         ]
     return jax.tree_util.tree_unflatten(spec_def, rebuilt)
-
-
-def map_under_specs(fn: Callable[[Any, Any], Any], specs: Any, tree: Any) -> Any:
-    """Apply ``fn(spec, leaf)`` to each leaf of ``tree`` with the spec whose subtree holds it."""
-    aligned = align_specs(plain_specs(specs), tree, where="specs")
-
-    def under(s: Any, subtree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda leaf: fn(s, leaf), subtree)
-
-    return jax.tree_util.tree_map(under, aligned, tree, is_leaf=is_spec_leaf)

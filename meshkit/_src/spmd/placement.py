@@ -78,13 +78,10 @@ def put_host(
     if not host:
         return leaves
     if plan.mesh.is_multi_process:
-        placed = assemble(plan, leaves, host, what=what, tag=tag, treedef=treedef)
-    else:
-        placed = jax.device_put([leaves[i] for i in host], [plan.targets[i] for i in host])
-    out = list(leaves)
-    for i, value in zip(host, placed, strict=True):
-        out[i] = value
-    return out
+        return assemble(plan, leaves, host, what=what, tag=tag, treedef=treedef)
+    put = jax.device_put([leaves[i] for i in host], [plan.targets[i] for i in host])
+    placed = dict(zip(host, put, strict=True))
+    return [placed.get(i, leaf) for i, leaf in enumerate(leaves)]
 
 
 def assemble(
@@ -96,8 +93,8 @@ def assemble(
     tag: str,
     treedef: Any,
     specs: Sequence[Any] | None = None,
-) -> list[jax.Array]:
-    """The ``chosen`` leaves, this process's parts, as global arrays (one checked assembly)."""
+) -> list[Any]:
+    """``leaves`` with the ``chosen`` ones, this process's parts, assembled into global arrays."""
     keep = set(chosen)
     structure = treedef.unflatten([leaf if i in keep else None for i, leaf in enumerate(leaves)])
     shown = list(specs) if specs is not None else [plan.targets[i].spec for i in chosen]
@@ -120,7 +117,8 @@ def assemble(
                 warn_dtypes=False,  # jit narrows host data silently; so do spmd and pmap_compat
             )
         )
-    return list(jax.tree_util.tree_leaves(tree))
+    placed = dict(zip(chosen, jax.tree_util.tree_leaves(tree), strict=True))
+    return [placed.get(i, leaf) for i, leaf in enumerate(leaves)]
 
 
 @contextlib.contextmanager

@@ -315,7 +315,6 @@ class MeshPlan:
         self.layouts: dict[Any, Layout] = {}  # by treedef of the dynamic arguments
 
     def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
-        """The `Layout` of this structure of the dynamic arguments (made on first sight)."""
         if treedef in self.layouts:
             return self.layouts[treedef]
         owner, raw = self.owner, self.owner.in_specs
@@ -483,11 +482,9 @@ class MeshPlan:
             assert layout.plan is not None  # a multi-process mesh is made of devices
             local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
             raws = [layout.leaves[i][1] for i in local]
-            assembled = _placement.assemble(
+            leaves = _placement.assemble(
                 layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
             )
-            for i, value in zip(local, assembled, strict=True):
-                leaves[i] = value
             flat = self.place(leaves, layout, treedef)
         else:
             layout = self.layout(dyn, treedef)
