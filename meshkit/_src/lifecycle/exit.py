@@ -245,7 +245,9 @@ def until(done: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.05)
 
 
-_SLICE_S = 5.0  # the longest wait in the coordination service
+_SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
+_ACTIVE_SLICE_S = 1.0  # ... while the program steps (`on_activity` changed within `_ACTIVE_S`)
+_ACTIVE_S = 10.0
 _LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
 
 Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
@@ -264,6 +266,16 @@ class _Service(threading.Thread):
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.on_sigterm: Callable[[], object] | None = None
+        self.probes: list[Callable[[], object]] = []
+        self.seen: tuple[object, ...] = ()
+        self.active_at = -_ACTIVE_S
+
+    def _slice(self) -> float:
+        """How long a wait in the coordination service may last now."""
+        now, seen = time.monotonic(), tuple(probe() for probe in self.probes)
+        if seen != self.seen:
+            self.seen, self.active_at = seen, now
+        return _ACTIVE_SLICE_S if now - self.active_at < _ACTIVE_S else _SLICE_S
 
     def run(self) -> None:
         while True:
@@ -272,7 +284,7 @@ class _Service(threading.Thread):
             look = self.look
             if look is not None:
                 with contextlib.suppress(Exception):  # the watch says its own failures
-                    if look(min(timeout, _SLICE_S)) is False:
+                    if look(min(timeout, self._slice())) is False:
                         self.look = None  # not joined anymore: nothing to watch
                 timeout = 0.0
             self.outside.set()
@@ -343,6 +355,11 @@ def on_wake(name: str, call: Callable[[], None]) -> None:
     """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
     _running().tending[name] = call
     wake(nudge=False)
+
+
+def on_activity(probe: Callable[[], object]) -> None:
+    """Count a change of ``probe()`` (read once per wait) as the program stepping."""
+    _running().probes.append(probe)
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:

@@ -133,6 +133,7 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
     _exit.on_sigterm(lambda: receive(None))  # the handler takes the notice, nothing that waits
     if first:
         _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
+        _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
     _exit.wake()  # a notice received before ``tell`` was given is told now
 
@@ -168,8 +169,6 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
 def note_step(step: int) -> None:
     """The program's current step (`meshkit.checkpoint.should_save`, `meshkit.global_batches`)."""
     _state.step = step
-    if _state.untold and _state.tell is not None:  # the handler cannot end the service's wait
-        _exit.wake()
 
 
 def asked_step() -> int | None:
@@ -179,7 +178,6 @@ def asked_step() -> int | None:
 
 def reached_sync_point(step: int) -> bool:
     """Whether ``step`` is the step at which every process saves after a notice."""
-    note_step(step)
     with _state.lock:
         notice_ = _state.notice
         if notice_ is not None:  # a step sent: wait for the agreement (until the deadline)
