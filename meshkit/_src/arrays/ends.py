@@ -472,7 +472,7 @@ def _states_problem(
 ) -> str | None:
     """Apply ``start``'s state of this process to ``source``; the problem if it does not fit."""
     if start.kind != "states" or not stateful:
-        has = "" if stateful or start.kind != "states" else ", which has no set_state()"
+        has = ", which has no set_state()" if start.kind == "states" else ""  # not stateful
         return _kind_problem(start, f"a {type(source).__name__}{has}")
     assert start.states is not None
     if start.processes != processes:
