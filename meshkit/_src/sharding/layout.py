@@ -81,10 +81,13 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
 def plan_from_blocks(
     blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
 ) -> Plan:
-    """Lay out ``process``'s blocks into its local array."""
+    """Lay out ``process``'s blocks into its local array.
+
+    Placements follow ``blocks``' order: from `plan`, JAX's device order (the sharding's device
+    assignment), in which `jax.Array` s are put together from their blocks.
+    """
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
-    mine.sort(key=lambda db: getattr(db[0], "id", 0))
     intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
     # Per dimension, where each interval starts in the local array.
     starts = [
