@@ -81,11 +81,7 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
 def plan_from_blocks(
     blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
 ) -> Plan:
-    """Lay out ``process``'s blocks into its local array.
-
-    Placements follow ``blocks``' order: from `plan`, JAX's device order (the sharding's device
-    assignment), in which `jax.Array` s are put together from their blocks.
-    """
+    """Lay out ``process``'s blocks into its local array, in ``blocks``' (JAX's) device order."""
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
     intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
