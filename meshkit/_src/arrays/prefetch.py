@@ -39,27 +39,6 @@ END = object()  # put in the caller's queue: the data ended for every process at
 _Pulled = tuple[str, Any, Any]
 
 
-class Handoff:
-    """The assembled steps waiting for the caller, at most ``prefetch`` (`take` a slot first)."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.slots = threading.Semaphore(prefetch)
-        self.put = self.items.put
-
-    def get(self) -> Any:
-        item = self.items.get()
-        self.slots.release()
-        return item
-
-    def take(self, stop: threading.Event) -> bool:
-        """Take a slot, waiting for one until ``stop`` is set; whether one was taken."""
-        while not stop.is_set():
-            if self.slots.acquire(timeout=0.1):
-                return True
-        return False
-
-
 _Read = tuple[Prepared, PartRecord, Any]  # a step read ahead: prepared, its record, its position
 
 
@@ -72,7 +51,7 @@ class Ahead:
     prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
     told: bool  # closes are told apart from the end of data (stop_together)
-    handoff: Handoff
+    prefetch: int  # assembled steps waiting for the caller, at most (a slot is taken first)
     stop: threading.Event  # set when the iterator is closed
     release: Callable[[], None]  # tells the others' helpers that this one stops
     hear: Callable[[dict[int, int]], None]  # takes processes that closed early
@@ -80,6 +59,17 @@ class Ahead:
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = field(default_factory=deque)
     _template: Any = None
+
+    def __post_init__(self) -> None:
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()  # steps, END, exceptions
+        self._slots = threading.Semaphore(self.prefetch)
+        self.put = self._items.put
+
+    def get(self) -> Any:
+        """The caller's next item, its slot freed."""
+        item = self._items.get()
+        self._slots.release()
+        return item
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
@@ -90,7 +80,7 @@ class Ahead:
         ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
             while True:
-                if agreed and self.handoff.slots.acquire(blocking=False):
+                if agreed and self._slots.acquire(blocking=False):
                     if not self._place(agreed.popleft()):
                         return
                     continue
@@ -117,7 +107,10 @@ class Ahead:
                     else:  # the window's steps are agreed one by one, as they always were
                         alone, width = width, 1
                     continue
-                if not self.handoff.take(self.stop):
+                taken = False  # a slot, waited for until the iterator is closed
+                while not (taken or self.stop.is_set()):
+                    taken = self._slots.acquire(timeout=0.1)
+                if not taken:
                     self.release()
                     return
                 if agreed:
@@ -131,7 +124,7 @@ class Ahead:
                 grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
-            self.handoff.put(e)
+            self.put(e)
 
     def _read(self, pulled: list[_Pulled], steps: list[_Read], width: int) -> bool:
         """Read one more batch into a window (none when full); whether the window is read.
@@ -156,10 +149,10 @@ class Ahead:
     def _place(self, step: Any) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
         if step is END or isinstance(step, BaseException):
-            self.handoff.put(step)
+            self.put(step)
             return False
         prepared, record, state = step
-        self.handoff.put(self._finish(prepared, {self.opened.me: record}, state))
+        self.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
     @functools.cached_property
@@ -204,7 +197,7 @@ class Ahead:
         if status == "error":
             if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, local)
-            self.handoff.put(local)
+            self.put(local)
             return None
         if status == "data":
             self._template = local
@@ -212,7 +205,7 @@ class Ahead:
                 self.release()  # closed while the loader ran
                 return None
         item, steady = self._step(status, local, state)
-        self.handoff.put(item)
+        self.put(item)
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
