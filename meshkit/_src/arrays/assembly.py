@@ -66,13 +66,6 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_record(
-    tag: str, record: PartRecord, *, later: bool = False, channel: str | None = None
-) -> None:
-    """Post this process's record of ``tag``'s next agreement without waiting (it leaves)."""
-    _agree.leave(tag, json.dumps(record.wire()), later=later, channel=channel)
-
-
 def publish_failure(
     tag: str, error: BaseException, *, later: bool = False, channel: str | None = None
 ) -> None:
@@ -80,7 +73,8 @@ def publish_failure(
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, PartRecord(status="error", message=message), later=later, channel=channel)
+    record = json.dumps(PartRecord(status="error", message=message).wire())
+    _agree.leave(tag, record, later=later, channel=channel)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 import threading
@@ -282,9 +283,8 @@ class GlobalBatches(Iterator[Any]):
             self._released = True
             steps = self._closed_after
         # on the helper's channel: its next agreement is the one the others' helpers wait at
-        _assembly.publish_record(
-            self._tag, PartRecord(status="closed", steps=steps), channel=self._tag
-        )
+        record = PartRecord(status="closed", steps=steps).wire()
+        _agree.leave(self._tag, json.dumps(record), channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
