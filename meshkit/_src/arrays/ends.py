@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..coord import missing as _missing
-from ..coord.missing import processes as _processes
 from ..coord.node import Node
 from ..core import env as _env
 from ..core.data_position import (
@@ -78,10 +77,11 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> Dive
             what=_WHAT,
             step=step,
             each="; ".join(_rows_text(ps, rows) for ps in groups.values()),
-            more=f"the loader{'s' * many} of {_processes(midstream)} ha{'ve' if many else 's'}",
+            more=f"the loader{'s' * many} of {_missing.processes(midstream)} "
+            + ("have" if many else "has"),
             which="the batches alone do not tell which process's loader is wrong"
             if len(odd) == len(rows)
-            else f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
+            else f"{_missing.processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
         )
     return DivergenceError(message, processes=odd, field="rows")
 
@@ -103,7 +103,7 @@ _MIDSTREAM = (
 
 def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
     """``process 1's batch has 56 rows`` / ``processes 0,2 have 64 rows``."""
-    names, counts = _processes(ps), [rows[p] for p in ps]
+    names, counts = _missing.processes(ps), [rows[p] for p in ps]
     if len(ps) == 1:
         return f"{names}'s batch has {counts[0]} rows"
     if len(set(counts)) == 1:
@@ -129,9 +129,15 @@ def uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
     had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
     more = f"a {_missing.ordinal(step)}" if step > 1 else "one"
     ended_text = (
-        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
+        f"the loaders of {_missing.processes(ended)}"
+        if len(ended) > 1
+        else f"{_missing.processes(ended)}'s loader"
     )
-    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
+    going_text = (
+        f"those of {_missing.processes(going)}"
+        if len(going) > 1
+        else f"{_missing.processes(going)}'s"
+    )
     head = (
         f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
         f"ended {had}, while {going_text} yielded {more}.\n"
@@ -209,7 +215,7 @@ def left_error(
     ahead = {p: hk for p, hk in said.items() if hk[0] not in (CLOSED, ENDED)}
     if ahead:
         groups = _missing.by_value({p: _did(*hk) for p, hk in ahead.items()})
-        others = ", ".join(f"{_processes(ps)} {did}" for did, ps in groups.items())
+        others = ", ".join(f"{_missing.processes(ps)} {did}" for did, ps in groups.items())
         return _steps_differ(
             f"this process (process {me}) closed its iterator after step {mine}, but {others}",
             sorted(ahead),
@@ -224,7 +230,7 @@ def left_error(
         return None
     return MeshkitError(
         f"{_WHAT}: this process (process {me}) closed its iterator after step {mine}, and "
-        f"{_processes(missing)} did not leave the loop within {timeout:g} s (no "
+        f"{_missing.processes(missing)} did not leave the loop within {timeout:g} s (no "
         "close, no end of data, no further step asked for).\n"
         "Every process must leave its loop after the same step.\nConsider looking at those "
         f"processes' output; {_env.ENV_CHECK_TIMEOUT} sets the wait."
@@ -234,7 +240,7 @@ def left_error(
 def _after(closers: dict[int, int]) -> str:
     """``"process 0 after step 2"``, ``"processes 0,2 after step 2, process 3 after step 4"``."""
     groups = _missing.by_value({p: str(k) for p, k in closers.items()})
-    return ", ".join(f"{_processes(ps)} after step {k}" for k, ps in groups.items())
+    return ", ".join(f"{_missing.processes(ps)} after step {k}" for k, ps in groups.items())
 
 
 def _steps_differ(said: str, processes: list[int]) -> DivergenceError:
@@ -255,7 +261,7 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
     ``took``: it took a step past the closers' already (else it asks for step ``steps + 1``).
     """
     early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)} or closers
-    who = _processes(sorted(early))
+    who = _missing.processes(sorted(early))
     if took:
         doing = (
             f"took step {steps} already: its computations at that step wait for "
