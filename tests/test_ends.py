@@ -50,16 +50,16 @@ def test_only_a_last_batch_may_be_short(rows, last, pad, step):
             for n in set(rows):
                 ps = [p for p, m in held.items() if m == n]
                 assert ends._rows_text(ps, held) in message, message
-            loaders = f"the loaders of {ends._missing.processes(midstream)} have"
+            loaders = f"the loaders of {ends._processes(midstream)} have"
             if len(midstream) == 1:
-                loaders = f"the loader of {ends._missing.processes(midstream)} has"
+                loaders = f"the loader of {ends._processes(midstream)} has"
             assert f"{loaders} more batches after it" in message, message
             assert "ragged" not in message, message
             assert "pad=True" not in message.split("\nConsider", 1)[1], message
         else:  # pad=False, the short batches are the last ones
             # The short processes, all of them and only them, are named before "where".
             named = message.split(" where ", 1)[0]
-            assert ends._missing.processes(short) in named, message
+            assert ends._processes(short) in named, message
             assert "last batch" in message
             assert "Consider pad=True" in message
 

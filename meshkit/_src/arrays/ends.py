@@ -77,11 +77,10 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> Dive
             what=_WHAT,
             step=step,
             each="; ".join(_rows_text(ps, rows) for ps in groups.values()),
-            more=f"the loader{'s' * many} of {_missing.processes(midstream)} "
-            + ("have" if many else "has"),
+            more=f"the loader{'s' * many} of {_processes(midstream)} ha{'ve' if many else 's'}",
             which="the batches alone do not tell which process's loader is wrong"
             if len(odd) == len(rows)
-            else f"{_missing.processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
+            else f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
         )
     return DivergenceError(message, processes=odd, field="rows")
 
@@ -101,15 +100,22 @@ _MIDSTREAM = (
 )
 
 
+def _processes(ps: list[int]) -> str:
+    return f"process{'es' if len(ps) > 1 else ''} {_and([str(p) for p in ps])}"
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
+
+
 def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
-    """``process 1's batch has 56 rows`` / ``processes 0,2 have 64 rows``."""
-    names, counts = _missing.processes(ps), [rows[p] for p in ps]
+    """``process 1's batch has 56 rows`` / ``processes 0 and 2 have 64 rows``."""
+    counts = [rows[p] for p in ps]
     if len(ps) == 1:
-        return f"{names}'s batch has {counts[0]} rows"
+        return f"{_processes(ps)}'s batch has {counts[0]} rows"
     if len(set(counts)) == 1:
-        return f"{names} have {counts[0]} rows"
-    *most, final = map(str, counts)
-    return f"the batches of {names} have {', '.join(most)} and {final} rows"
+        return f"{_processes(ps)} have {counts[0]} rows"
+    return f"the batches of {_processes(ps)} have {_and([str(n) for n in counts])} rows"
 
 
 def _leading_rows(records: dict[int, PartRecord]) -> dict[int, int] | None:
@@ -129,15 +135,9 @@ def uneven_end(ended: list[int], going: list[int], step: int, pad: bool) -> str:
     had = f"after {step - 1} batch{'es' if step != 2 else ''}" if step > 1 else "without a batch"
     more = f"a {_missing.ordinal(step)}" if step > 1 else "one"
     ended_text = (
-        f"the loaders of {_missing.processes(ended)}"
-        if len(ended) > 1
-        else f"{_missing.processes(ended)}'s loader"
+        f"the loaders of {_processes(ended)}" if len(ended) > 1 else f"{_processes(ended)}'s loader"
     )
-    going_text = (
-        f"those of {_missing.processes(going)}"
-        if len(going) > 1
-        else f"{_missing.processes(going)}'s"
-    )
+    going_text = f"those of {_processes(going)}" if len(going) > 1 else f"{_processes(going)}'s"
     head = (
         f"{_WHAT}: the processes' loaders yielded different numbers of batches: {ended_text} "
         f"ended {had}, while {going_text} yielded {more}.\n"
