@@ -30,7 +30,7 @@ def test_posts_are_read_by_every_process_and_name_the_steps():
     ends.leave(nodes[2], "gb/0", ends.TOOK, 5)  # not a close: the watch does not hear it
     assert ends.posted(nodes[2], "gb/0") == {0: 4, 1: 4}
     assert ends.posted(nodes[2], "gb/1") == {}  # another iterator
-    assert ends.differs({0: 4, 1: 4}, 0) is None
+    assert ends.left_error({0: (ends.CLOSED, 4), 1: (ends.CLOSED, 4)}, 2, 0, 10) is None
 
 
 def test_a_close_waits_until_every_process_says_how_it_left():
@@ -69,7 +69,7 @@ def test_a_close_names_the_processes_that_went_on_or_did_not_say():
 
 
 def test_closing_after_different_steps_names_the_others():
-    error = ends.differs({0: 2, 1: 3, 2: 2}, 0)
+    error = ends.left_error({p: (ends.CLOSED, k) for p, k in {0: 2, 1: 3, 2: 2}.items()}, 3, 0, 10)
     assert error is not None
     assert str(error).splitlines()[0] == (
         "meshkit.global_batches: the processes left their loops at different steps: process 1 "
@@ -106,7 +106,8 @@ def test_the_processes_named_are_those_past_whose_last_step_this_one_goes(closer
     beyond = sorted(p for p, k in closers.items() if (steps if took else steps + 1) > k)
     error = ends.went_on(closers, 99, steps, took=took)
     assert error.processes == (beyond or sorted(closers))
-    mine = ends.differs({**closers, 99: steps}, 99)
+    said = {p: (ends.CLOSED, k) for p, k in {**closers, 99: steps}.items()}
+    mine = ends.left_error(said, 0, 99, 10)  # n=0: no process is missing
     others = sorted(p for p, k in closers.items() if k != steps)
     assert (mine is None) == (not others)
     assert mine is None or mine.processes == others

@@ -50,7 +50,10 @@ def test_only_a_last_batch_may_be_short(rows, last, pad, step):
             for n in set(rows):
                 ps = [p for p, m in held.items() if m == n]
                 assert ends._rows_text(ps, held) in message, message
-            assert f"{ends._loaders(midstream)} more batches after it" in message, message
+            loaders = f"the loaders of {ends._processes(midstream)} have"
+            if len(midstream) == 1:
+                loaders = f"the loader of {ends._processes(midstream)} has"
+            assert f"{loaders} more batches after it" in message, message
             assert "ragged" not in message, message
             assert "pad=True" not in message.split("\nConsider", 1)[1], message
         else:  # pad=False, the short batches are the last ones

@@ -94,6 +94,17 @@ def test_a_jit_output_reads_back_in_the_planned_layout():
     np.testing.assert_array_equal(meshkit.gather({"y": out})["y"], x.T * 2)
 
 
+@pytest.mark.parametrize("spec", ["data model", "model data", "_ data", ""])
+def test_a_mesh_whose_devices_are_not_in_id_order_round_trips(spec):
+    # The plan's placements are in JAX's device order (the mesh's), not by device id.
+    devices = np.array(jax.devices())[[3, 1, 7, 0, 5, 2, 6, 4]].reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    g = meshkit.global_array_from_local(x, mesh, spec)
+    np.testing.assert_array_equal(np.asarray(g), x)
+    np.testing.assert_array_equal(meshkit.local_from_global(g), x)
+
+
 class Batch(NamedTuple):
     image: np.ndarray
     label: np.ndarray

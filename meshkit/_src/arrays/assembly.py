@@ -16,13 +16,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..coord import agree as _agree
 from ..coord import channel as _channel
-from ..core import caches as _caches
 from ..core import compat as _compat
 from ..core import env as _env
 from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
 from ..runtime import dispatch as _dispatch
-from ..sharding import layout as _layout
 from ..sharding.specs import SpecLike
 from .blocks import (
     Prepared,
@@ -68,13 +66,6 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_record(
-    tag: str, record: PartRecord, *, later: bool = False, channel: str | None = None
-) -> None:
-    """Post this process's record of ``tag``'s next agreement without waiting (it leaves)."""
-    _agree.leave(tag, json.dumps(record.wire()), later=later, channel=channel)
-
-
 def publish_failure(
     tag: str, error: BaseException, *, later: bool = False, channel: str | None = None
 ) -> None:
@@ -82,20 +73,13 @@ def publish_failure(
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
-    publish_record(tag, PartRecord(status="error", message=message), later=later, channel=channel)
+    record = json.dumps(PartRecord(status="error", message=message).wire())
+    _agree.leave(tag, record, later=later, channel=channel)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:
     """The tag of an `Assembly`'s checks at the transfer (``tag`` names its `agree_sizes`)."""
     return tag + ("/later" if later else "/check")
-
-
-@_caches.cached(maxsize=512)
-def _device_order(sharding: NamedSharding, shape: tuple[int, ...], me: int) -> tuple[list, list]:
-    """The local devices in JAX's order, and the index of each one's block in the host view."""
-    by_device = {pl.device: pl.local_index for pl in _layout.plan(sharding, shape, me).placements}
-    devices = list(sharding.addressable_devices_indices_map(shape))
-    return devices, [by_device[d] for d in devices]
 
 
 def transfer(prepared: Prepared) -> list[jax.Array]:
@@ -109,8 +93,8 @@ def transfer(prepared: Prepared) -> list[jax.Array]:
         jobs.append(prepared.mask)
     arrays = []
     for value, plan, sharding in jobs:
-        devices, indices = _device_order(sharding, plan.global_shape, plan.process)
-        blocks = [value[index] for index in indices]
+        blocks = [value[pl.local_index] for pl in plan.placements]  # in JAX's device order
+        devices = [pl.device for pl in plan.placements]
         arrays.append(_compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices))
     return arrays
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 import threading
@@ -104,7 +105,6 @@ class GlobalBatches(Iterator[Any]):
         # every process leaves the loop after the same step, or the others are told (`ends`)
         self._together = stop_together and n > 1
         self._node = _agree.node() if n > 1 else None
-        self._handoff = _prefetch.Handoff(prefetch)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
@@ -127,7 +127,7 @@ class GlobalBatches(Iterator[Any]):
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
             self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
-            handoff=self._handoff, stop=self._stop, release=self._release_helpers, hear=self._hear,
+            prefetch=prefetch, stop=self._stop, release=self._release_helpers, hear=self._hear,
             assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
@@ -186,7 +186,7 @@ class GlobalBatches(Iterator[Any]):
         return True
 
     def _next(self) -> Any:
-        item = self._handoff.get()
+        item = self._prefetch.get()
         if isinstance(item, BaseException):
             self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
@@ -283,9 +283,8 @@ class GlobalBatches(Iterator[Any]):
             self._released = True
             steps = self._closed_after
         # on the helper's channel: its next agreement is the one the others' helpers wait at
-        _assembly.publish_record(
-            self._tag, PartRecord(status="closed", steps=steps), channel=self._tag
-        )
+        record = PartRecord(status="closed", steps=steps).wire()
+        _agree.leave(self._tag, json.dumps(record), channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -315,7 +314,7 @@ class GlobalBatches(Iterator[Any]):
             post = self._together and not ended and self._node is not None
             if post:
                 self._closed_after = self.steps
-        self._handoff.put(_CLOSED)
+        self._prefetch.put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():

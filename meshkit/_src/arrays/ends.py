@@ -57,7 +57,9 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> Dive
     midstream = [p for p in fewer if records[p].last is False]
     if pad and not midstream:
         return None  # short last batches: padded
-    odd = _missing.outside_majority(_by_rows(rows).values())
+    groups = _missing.by_value({p: str(n) for p, n in rows.items()})  # processes by rows
+    odd = _missing.outside_majority(groups.values())
+    many = len(midstream) > 1
     if not midstream:  # pad=False, the short batches their loaders' last (or not known)
         head = f"{_WHAT}: at step {step}, {_rows_text(fewer, rows)} where {_rows_text(full, rows)}"
         said = (
@@ -74,8 +76,8 @@ def short_batch(records: dict[int, PartRecord], step: int, *, pad: bool) -> Dive
         message = _MIDSTREAM.format(
             what=_WHAT,
             step=step,
-            each="; ".join(_rows_text(ps, rows) for ps in _by_rows(rows).values()),
-            more=_loaders(midstream),
+            each="; ".join(_rows_text(ps, rows) for ps in groups.values()),
+            more=f"the loader{'s' * many} of {_processes(midstream)} ha{'ve' if many else 's'}",
             which="the batches alone do not tell which process's loader is wrong"
             if len(odd) == len(rows)
             else f"{_processes(odd)} differ{'s' if len(odd) == 1 else ''} from the others",
@@ -98,23 +100,12 @@ _MIDSTREAM = (
 )
 
 
-def _by_rows(rows: dict[int, int]) -> dict[str, list[int]]:
-    return _missing.by_value({p: str(n) for p, n in rows.items()})
-
-
 def _processes(ps: list[int]) -> str:
     return f"process{'es' if len(ps) > 1 else ''} {_and([str(p) for p in ps])}"
 
 
 def _and(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
-
-
-def _loaders(ps: list[int]) -> str:
-    """``the loader of process 1 has`` / ``the loaders of processes 0 and 1 have``."""
-    if len(ps) == 1:
-        return f"the loader of {_processes(ps)} has"
-    return f"the loaders of {_processes(ps)} have"
 
 
 def _rows_text(ps: list[int], rows: dict[int, int]) -> str:
@@ -229,10 +220,14 @@ def left_error(
             f"this process (process {me}) closed its iterator after step {mine}, but {others}",
             sorted(ahead),
         )
-    error = differs({p: k for p, (_, k) in said.items()}, me)
+    others = {p: k for p, (_, k) in said.items() if k != mine}  # closed or ended after other steps
+    if others:
+        return _steps_differ(
+            f"{_after(others)}, this process (process {me}) after step {mine}", sorted(others)
+        )
     missing = sorted(set(range(n)) - set(said))
-    if error is not None or not missing:
-        return error
+    if not missing:
+        return None
     return MeshkitError(
         f"{_WHAT}: this process (process {me}) closed its iterator after step {mine}, and "
         f"{_missing.processes(missing)} did not leave the loop within {timeout:g} s (no "
@@ -278,17 +273,6 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
         f"{_after(early)} closed {'its iterator' if len(early) == 1 else 'their iterators'}, "
         f"but this process (process {me}) {doing}",
         sorted(early),
-    )
-
-
-def differs(closers: dict[int, int], me: int) -> DivergenceError | None:
-    """The error of ``me``, which closed, when ``closers`` closed after other steps."""
-    mine = closers[me]
-    others = {p: k for p, k in closers.items() if k != mine}
-    if not others:
-        return None
-    return _steps_differ(
-        f"{_after(others)}, this process (process {me}) after step {mine}", sorted(others)
     )
 
 

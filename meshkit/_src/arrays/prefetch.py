@@ -6,7 +6,6 @@ window that is not all data of equal records falls back to per-step agreements.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import json
@@ -15,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -33,74 +32,14 @@ _WHAT = "meshkit.global_batches"
 AHEAD_BYTES = 64 << 20
 
 
-class _End:
-    pass
-
-
-END = _End()  # put in the caller's queue: the data ended for every process at this step
+END = object()  # put in the caller's queue: the data ended for every process at this step
 # An exception put in the caller's queue is raised by its next `next()`.
-
-
-@dataclass
-class _Pulled:
-    """One read of a loader: a batch (``"data"``), its end (``"end"``), or what it raised."""
-
-    status: str
-    local: Any = None
-    error: BaseException | None = None
-    state: Any = None  # the source's position right after this read (``capture``)
-
-
-class Handoff:
-    """The assembled steps waiting for the caller, at most ``prefetch`` (`take` a slot first)."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.slots = threading.Semaphore(prefetch)
-        self.put = self.items.put
-
-    def get(self) -> Any:
-        item = self.items.get()
-        self.slots.release()
-        return item
-
-    def take(self, stop: threading.Event) -> bool:
-        """Take a slot, waiting for one until ``stop`` is set; whether one was taken."""
-        while not stop.is_set():
-            if self.slots.acquire(timeout=0.1):
-                return True
-        return False
+# One read of a loader: ("data", batch, state), ("end", None, state) or ("error", what it
+# raised, None); state: the source's position right after the read (`Opened.capture`).
+_Pulled = tuple[str, Any, Any]
 
 
 _Read = tuple[Prepared, PartRecord, Any]  # a step read ahead: prepared, its record, its position
-
-
-@dataclass
-class _Window:
-    """A window being read: its batches as read, and the steps prepared with their records."""
-
-    pulled: list[_Pulled] = dataclasses.field(default_factory=list)
-    steps: list[_Read] = dataclasses.field(default_factory=list)
-
-    def read(self, ahead: Ahead, width: int) -> bool:
-        """Read one more batch (or none when full); whether the window is read.
-
-        A read without data, or a batch that does not prepare (no step for it), ends the window.
-        """
-        if len(self.steps) < len(self.pulled) or len(self.pulled) >= width:
-            return True
-        one = ahead._next()
-        self.pulled.append(one)
-        if one.status != "data":
-            return True
-        ahead._template = one.local
-        try:
-            prepared = ahead.prepare(one.local)
-        except Exception:  # raised again by its own step, which agrees on it alone
-            return True
-        record = ahead.assembly.record(prepared, "data", ahead._rows(prepared, "data"))
-        self.steps.append((prepared, record, one.state))
-        return len(self.pulled) >= width
 
 
 @dataclass
@@ -112,50 +51,64 @@ class Ahead:
     prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
     told: bool  # closes are told apart from the end of data (stop_together)
-    handoff: Handoff
+    prefetch: int  # assembled steps waiting for the caller, at most (a slot is taken first)
     stop: threading.Event  # set when the iterator is closed
     release: Callable[[], None]  # tells the others' helpers that this one stops
     hear: Callable[[dict[int, int]], None]  # takes processes that closed early
     assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
     windows: int = 0  # windows agreed whole (tests and benchmarks read it)
-    _ahead: deque[_Pulled] = dataclasses.field(default_factory=deque)
+    _ahead: deque[_Pulled] = field(default_factory=deque)
     _template: Any = None
+
+    def __post_init__(self) -> None:
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()  # steps, END, exceptions
+        self._slots = threading.Semaphore(self.prefetch)
+        self.put = self._items.put
+
+    def get(self) -> Any:
+        """The caller's next item, its slot freed."""
+        item = self._items.get()
+        self._slots.release()
+        return item
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
-        width, alone = 1, 0  # the next window's size; steps still to agree one by one
-        agreed: deque[_Read | _End | BaseException] = deque()
-        window = _Window()
-        ending = False  # the end of data is agreed (the last item in ``agreed``)
+        width = 1  # the next window's size (1: the next step is agreed alone; 0: the end agreed)
+        agreed: deque[Any] = deque()  # steps (`_Read`), then END or an exception
+        pulled: list[_Pulled] = []  # the window being read: its reads, and the steps prepared
+        steps: list[_Read] = []
         try:
             while True:
-                if agreed and self.handoff.slots.acquire(blocking=False):
+                if agreed and self._slots.acquire(blocking=False):
                     if not self._place(agreed.popleft()):
                         return
                     continue
-                if width > 1 and not alone and not ending and len(agreed) < width:
+                if width > 1 and len(agreed) < width:
                     if self.stop.is_set():
                         self.release()  # the others' helpers wait for this one's next agreement
                         return
-                    if not window.read(self, width):
+                    if not self._read(pulled, steps, width):
                         continue  # one more batch read into the window
+                    at = self.assembled + len(agreed) + 1  # the window's first step
                     try:
-                        outcome = self._agree(window, width, self.assembled + len(agreed) + 1)
+                        outcome = self._agree(pulled, steps, width, at)
                     except Exception as e:
                         outcome = e
-                    window = _Window()
-                    if isinstance(outcome, BaseException | _End):  # after the steps agreed before
+                    pulled, steps = [], []
+                    if outcome is END or isinstance(outcome, BaseException):  # after those before
                         agreed.append(outcome)
-                        ending = True
+                        width = 0
                     elif outcome:
                         agreed.extend(outcome)
-                        ending = outcome[-1] is END
                         self.windows += 1
-                        width = min(2 * width, self._width_cap)
-                    else:  # the window's steps are agreed one by one, as they always were
-                        alone, width = width, 1
+                        width = 0 if outcome[-1] is END else min(2 * width, self._width_cap)
+                    else:  # its first step is agreed alone: a difference is named at its step
+                        width = 1
                     continue
-                if not self.handoff.take(self.stop):
+                taken = False  # a slot, waited for until the iterator is closed
+                while not (taken or self.stop.is_set()):
+                    taken = self._slots.acquire(timeout=0.1)
+                if not taken:
                     self.release()
                     return
                 if agreed:
@@ -165,19 +118,37 @@ class Ahead:
                 steady = self._one()
                 if steady is None:
                     return
-                alone = max(0, alone - 1)
-                grow = steady and self.assembly.multi and not alone
-                width = min(2, self._width_cap) if grow else 1
+                width = min(2, self._width_cap) if steady and self.assembly.multi else 1
         except BaseException as e:  # the caller raises it at its next step
-            self.handoff.put(e)
+            self.put(e)
 
-    def _place(self, step: _Read | _End | BaseException) -> bool:
+    def _read(self, pulled: list[_Pulled], steps: list[_Read], width: int) -> bool:
+        """Read one more batch into a window (none when full); whether the window is read.
+
+        A read without data, or a batch that does not prepare (no step for it), ends the window.
+        """
+        if len(steps) < len(pulled) or len(pulled) >= width:
+            return True
+        status, local, state = one = self._next()
+        pulled.append(one)
+        if status != "data":
+            return True
+        self._template = local
+        try:
+            prepared = self.prepare(local)
+        except Exception:  # raised again by its own step, which agrees on it alone
+            return True
+        record = self.assembly.record(prepared, "data", self._rows(prepared, "data"))
+        steps.append((prepared, record, state))
+        return len(pulled) >= width
+
+    def _place(self, step: Any) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
-        if isinstance(step, _End | BaseException):
-            self.handoff.put(step)
+        if step is END or isinstance(step, BaseException):
+            self.put(step)
             return False
         prepared, record, state = step
-        self.handoff.put(self._finish(prepared, {self.opened.me: record}, state))
+        self.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
     @functools.cached_property
@@ -198,8 +169,8 @@ class Ahead:
             _stragglers.loaded(time.perf_counter() - began)
             state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
-            return _Pulled("error", error=e)
-        return _Pulled("end", state=state) if local is END else _Pulled("data", local, state=state)
+            return "error", e, None
+        return ("end", None, state) if local is END else ("data", local, state)
 
     def _next(self) -> _Pulled:
         return self._ahead.popleft() if self._ahead else self._pull()
@@ -208,7 +179,7 @@ class Ahead:
         """Whether the loader has ended after this batch (None: it failed, raised later)."""
         if not self._ahead:
             self._ahead.append(self._pull())
-        return {"end": True, "data": False}.get(self._ahead[0].status)
+        return {"end": True, "data": False}.get(self._ahead[0][0])
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
@@ -218,19 +189,19 @@ class Ahead:
 
     def _one(self) -> bool | None:
         """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
-        pulled = self._next()
-        if pulled.error is not None:
+        status, local, state = self._next()
+        if status == "error":
             if self.assembly.multi:
-                _assembly.publish_failure(self.assembly.tag, pulled.error)
-            self.handoff.put(pulled.error)
+                _assembly.publish_failure(self.assembly.tag, local)
+            self.put(local)
             return None
-        if pulled.status == "data":
-            self._template = pulled.local
+        if status == "data":
+            self._template = local
             if self.stop.is_set():
                 self.release()  # closed while the loader ran
                 return None
-        item, steady = self._step(pulled.status, pulled.local, pulled.state)
-        self.handoff.put(item)
+        item, steady = self._step(status, local, state)
+        self.put(item)
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
@@ -272,24 +243,24 @@ class Ahead:
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
-    def _agree(self, window: _Window, width: int, step: int) -> list[_Read | _End] | _End:
+    def _agree(self, pulled: list[_Pulled], steps: list[_Read], width: int, step: int) -> Any:
         """Agree at once on a window read from step ``step``.
 
         Returns its steps (then `END` if every loader ended right after) when all processes'
         records are equal; [] to agree them one by one; `END` to end the loop.
         """
         said = []
-        for prepared, record, _ in window.steps:
+        for prepared, record, _ in steps:
             template = prepared.template
             if template is not None and record.tree is not None:  # spares a JSON text per step
                 said.append(f"{template.summary} {record.rows}")
             else:
                 said.append(summary(record.wire()))
         runs = [[text, len(list(same))] for text, same in itertools.groupby(said)]
-        whole = len(window.steps) == width
+        whole = len(steps) == width
         # Every loader ending right after the window's batches is agreed too: the common end.
-        ended = window.pulled[-1].status == "end" and len(window.steps) == len(window.pulled) - 1
-        first = "data" if window.steps else window.pulled[0].status
+        ended = pulled[-1][0] == "end" and len(steps) == len(pulled) - 1
+        first = "data" if steps else pulled[0][0]
         records = _assembly.exchange_records(
             self.assembly.tag,
             {"status": "window", "first": first},
@@ -297,7 +268,7 @@ class Ahead:
             said=json.dumps({"runs": runs, "whole": whole, "end": ended}),
         )
         if len(records) == 1 and (whole or ended):
-            return [*window.steps, END] if ended else list(window.steps)
+            return [*steps, END] if ended else steps
         left = {p: PartRecord.read(r) for p, r in records.items() if r["status"] != "window"}
         if left:  # a process closed or failed: it is the window's first step that tells
             at = {
@@ -308,7 +279,7 @@ class Ahead:
             raise_failures(at, what)
             self._check_end(at, step)
             return END
-        self._ahead.extendleft(reversed(window.pulled))
+        self._ahead.extendleft(reversed(pulled))
         return []
 
     def _check_rows(self, records: dict[int, PartRecord], step: int, what: str) -> None:
@@ -324,7 +295,7 @@ class Ahead:
         lasts = {p: PartRecord.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
-        told = {p: dataclasses.replace(r, last=lasts.get(p)) for p, r in records.items()}
+        told = {p: replace(r, last=lasts.get(p)) for p, r in records.items()}
         error = _ends.short_batch(told, step, pad=self.assembly.pad)
         if error is not None:
             raise error

@@ -81,10 +81,9 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
 def plan_from_blocks(
     blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
 ) -> Plan:
-    """Lay out ``process``'s blocks into its local array."""
+    """Lay out ``process``'s blocks into its local array, in ``blocks``' (JAX's) device order."""
     shape = tuple(int(s) for s in shape)
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
-    mine.sort(key=lambda db: getattr(db[0], "id", 0))
     intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
     # Per dimension, where each interval starts in the local array.
     starts = [
