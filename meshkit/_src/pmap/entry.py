@@ -14,17 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshkitError, MeshkitIndexError, MeshkitNameError, MeshkitTypeError
 from ..core.frames import user_stacklevel
 from ..core.trees import broadcast_prefix, prefix_mismatch
-from ..sharding.layout import ArgumentPlan, argument_plan
-from ..sharding.specs import spec_axes
-from ..spmd import placement as _placement
+from ..sharding.layout import argument_plan
 from ..spmd import variance as _variance
+from ..spmd.placement import Placed, jit_over_shard_map
 
 Axis = int | None
 
@@ -172,46 +170,14 @@ TRACING: contextvars.ContextVar[Any] = contextvars.ContextVar("meshkit_pmap_trac
 
 
 @dataclass(eq=False)
-class Entry:
+class Entry(Placed):
     """One `jax.jit` over a call's flat leaves, on one mesh, for one set of mapped axes."""
 
     fn: Any  # the PmapFunction
-    plan: ArgumentPlan
-    jitted: Any
     resolved: tuple[Axis, ...]
     local_out: bool
     out_leaves: list[tuple[str, Axis]] = field(default_factory=list)  # (name, axis), traced
     checked: bool = False
-
-    def place(self, leaves: list[Any], treedef: Any) -> list[Any]:
-        """Every leaf placed for this entry; host data in one batch (assembled across processes)."""
-        placed = [self._put(x, target) for x, target in zip(leaves, self.plan.targets, strict=True)]
-        return _placement.put_host(
-            self.plan, placed, what=self.fn.what, tag="pmap_compat", treedef=treedef
-        )
-
-    def _put(self, leaf: Any, target: NamedSharding) -> Any:
-        """One array leaf on this entry's mesh, without a copy where its blocks are there."""
-        if _placement.is_abstract(leaf):
-            return leaf  # shapes only are never placed
-        if not isinstance(leaf, jax.Array):  # put by `place`, in one batch
-            if jax.process_count() == 1:
-                return leaf
-            value = np.asarray(leaf)  # float0 has no device type: bool zeros, as jax.pmap
-            return np.zeros(value.shape, bool) if value.dtype == jax.dtypes.float0 else value
-        mesh = self.plan.mesh
-        if leaf.sharding == target:
-            return leaf
-        if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-            if not spec_axes(jax.typeof(leaf).sharding.spec):  # no Explicit mesh axis in its type
-                return leaf
-            # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
-            shards = [s.data for s in leaf.addressable_shards]
-            return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
-        if mesh.is_multi_process and leaf.is_fully_addressable:
-            # A process-local array: jax.pmap's output, or this function's own.
-            return multihost_utils.host_local_array_to_global_array(leaf, mesh, target.spec)
-        return jax.device_put(leaf, target)
 
     def finish(self, out: Any) -> Any:
         return jax.tree_util.tree_map(_local_view, out) if self.local_out else out
@@ -316,9 +282,9 @@ def build(
             is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
             out_shardings = jax.tree_util.tree_map(plan.sharding, out_specs, is_leaf=is_spec)
             options["out_shardings"] = out_shardings
-    jitted = _placement.jit_over_shard_map(body, fn.name, **options)
+    jitted = jit_over_shard_map(body, fn.name, **options)
     local_out = mesh.is_multi_process and not fn.global_outputs and not tracing
-    entry = Entry(fn, plan, jitted, resolved, local_out)
+    entry = Entry(jitted, plan, fn.what, "pmap_compat", None, fn, resolved, local_out)
     return entry
 
 

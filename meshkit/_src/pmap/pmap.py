@@ -110,7 +110,7 @@ class PmapFunction:
             # The steady state of a loop: every leaf placed as the last entry expects.
             leaves, treedef = jax.tree_util.tree_flatten(args)
             entry = self._steady.get(treedef)
-            if entry is not None and entry.plan.placed(leaves) and _compat.idle():
+            if entry and entry.plan and entry.plan.placed(leaves) and _compat.idle():
                 return entry.finish(entry.jitted(*leaves))
         outer = _entry.TRACING.get()
         if outer is not None and outer is not self:
@@ -420,6 +420,7 @@ class Compiled:
             )
         now = signature(leaves)
         if now != stage.given:
+            assert stage.entry.plan is not None  # lowered on a mesh of devices
             rows = [
                 f"  {where}: compiled for {want[1]}{list(want[0])}, called with "
                 f"{got[1]}{list(got[0])}"

@@ -1,18 +1,23 @@
 """How `spmd` and `pmap_compat` put a call's arguments where jit takes them, decided up front.
 
-Host data is put in one batch (across processes: this process's part, assembled and checked).
+Both keep a `Placed` per call structure: its jit and `ArgumentPlan`. A call moves each leaf to
+its target (no copy where its blocks are there already) and puts host data in one batch (across
+processes: this process's part, assembled and checked); once a call did, a later call whose
+leaves all match the plan (one list comparison) goes straight to the jit.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import ShapedArray, Tracer
-from jax.sharding import NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 from ..arrays import assembly as _assembly
 from ..arrays import blocks as _blocks
@@ -21,6 +26,7 @@ from ..coord import channel as _channel
 from ..core.errors import MeshkitError
 from ..debug import divergence as debug
 from ..sharding.layout import ArgumentPlan
+from ..sharding.specs import spec_axes
 
 
 def argnums(
@@ -60,28 +66,61 @@ def is_host(leaf: Any) -> bool:
     return not isinstance(leaf, jax.Array)
 
 
-def is_abstract(leaf: Any) -> bool:
-    """A shape and dtype without data (what ``.lower`` may be given): never placed."""
-    return isinstance(leaf, jax.ShapeDtypeStruct | ShapedArray)
-
-
 def is_local(leaf: Any) -> bool:
     """Process-local: host data or an array on this process's devices only (not a tracer)."""
     return is_host(leaf) or (not isinstance(leaf, Tracer) and leaf.is_fully_addressable)
 
 
-def put_host(
-    plan: ArgumentPlan, leaves: list[Any], *, what: str, tag: str, treedef: Any
-) -> list[Any]:
-    """``leaves`` with their host data placed at the plan's targets (assembled across processes)."""
-    host = [i for i, leaf in enumerate(leaves) if is_host(leaf) and not is_abstract(leaf)]
-    if not host:
-        return leaves
-    if plan.mesh.is_multi_process:
-        return assemble(plan, leaves, host, what=what, tag=tag, treedef=treedef)
-    put = jax.device_put([leaves[i] for i in host], [plan.targets[i] for i in host])
-    placed = dict(zip(host, put, strict=True))
-    return [placed.get(i, leaf) for i, leaf in enumerate(leaves)]
+@dataclass(eq=False)
+class Placed:
+    """The jit of one call structure and where its leaves go; ``steady`` once a call put them."""
+
+    jitted: Any  # spmd over an AbstractMesh (met while tracing): None, the body runs in place
+    plan: ArgumentPlan | None
+    what: str
+    tag: str  # of the assembly exchanges of this function's host arguments
+    # Called as warn(where, had, spec, mesh) before resharding an array over several devices.
+    warn: Callable[[str, str, Any, Mesh], None] | None
+    steady: ArgumentPlan | None = field(default=None, init=False)  # the plan, once placed
+
+    def place(self, leaves: list[Any], treedef: Any) -> list[Any]:
+        """Every leaf at its target, host data put in one batch; the structure turns steady."""
+        plan = self.plan
+        assert plan is not None  # placing needs a mesh of devices
+        placed = [
+            self.move(leaf, target, where, plan.mesh)
+            for leaf, target, where in zip(leaves, plan.targets, plan.paths, strict=True)
+        ]
+        abstract = jax.ShapeDtypeStruct | ShapedArray  # what ``.lower`` may be given: not placed
+        host = [i for i, x in enumerate(placed) if is_host(x) and not isinstance(x, abstract)]
+        if host and plan.mesh.is_multi_process:
+            placed = assemble(plan, placed, host, what=self.what, tag=self.tag, treedef=treedef)
+        elif host:
+            put = jax.device_put([placed[i] for i in host], [plan.targets[i] for i in host])
+            for i, x in zip(host, put, strict=True):
+                placed[i] = x
+        self.steady = plan
+        return placed
+
+    def move(self, leaf: Any, target: NamedSharding, where: str, mesh: Mesh) -> Any:
+        """``leaf`` laid out as ``target``, no copy where its blocks are there; host data kept."""
+        if is_host(leaf):  # put by `place`, in one batch; float0 as bool zeros, as jax.pmap
+            float0 = getattr(leaf, "dtype", None) == jax.dtypes.float0
+            return np.zeros(np.shape(leaf), bool) if float0 else leaf
+        if leaf.sharding == target:
+            return leaf
+        if leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            if not spec_axes(jax.typeof(leaf).sharding.spec):  # no Explicit mesh axis in its type
+                return leaf
+            # The same blocks, typed by an Explicit mesh (shard_map refuses that type).
+            shards = [s.data for s in leaf.addressable_shards]
+            return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
+        if mesh.is_multi_process and leaf.is_fully_addressable:
+            # A process-local array (pmap_compat's output; spmd assembles these before).
+            return multihost_utils.host_local_array_to_global_array(leaf, mesh, target.spec)
+        if self.warn is not None and len(leaf.sharding.device_set) > 1:
+            self.warn(where, f"sharding {leaf.sharding}", target.spec, mesh)
+        return jax.device_put(leaf, target)
 
 
 def assemble(

@@ -24,7 +24,7 @@ from ..core.errors import MeshkitError
 from ..core.frames import public, user_stacklevel
 from ..core.trees import broadcast_prefix
 from ..runtime import dispatch as _dispatch
-from ..sharding.layout import ArgumentPlan, argument_plan
+from ..sharding.layout import argument_plan
 from ..sharding.specs import (
     align_specs,
     as_partition_spec,
@@ -40,7 +40,7 @@ from ..sharding.specs import (
     to_spec_types,
 )
 from . import placement as _placement
-from .placement import argnums, dynamic, failures_published, from_host, jit_over_shard_map
+from .placement import Placed, argnums, dynamic, failures_published, from_host
 
 
 class ReshardWarning(UserWarning):
@@ -287,14 +287,11 @@ _TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
 
 
 @dataclass(eq=False)
-class Layout:
-    """One structure of the dynamic arguments: its jit, aligned specs, leaves and plan."""
+class Layout(Placed):
+    """One structure of the dynamic arguments: its jit and plan, aligned specs and leaves."""
 
-    jitted: Any  # None over an AbstractMesh (met while tracing): the body is traced in place
     specs: tuple[Any, ...]  # one spec tree per argument, in the argument's node types
     leaves: list[tuple[PartitionSpec, Any, str]]  # per leaf: spec, spec as written, name
-    plan: ArgumentPlan | None  # None over an AbstractMesh
-    steady: ArgumentPlan | None = None  # set once a call placed the leaves: later ones skip
 
 
 class MeshPlan:
@@ -342,14 +339,15 @@ class MeshPlan:
         if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
             mesh = self.mesh
             plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
-            jitted = jit_over_shard_map(
+            jitted = _placement.jit_over_shard_map(
                 lambda *args: self.body(*args),
                 owner.name,
                 in_shardings=jax.tree_util.tree_unflatten(treedef, plan.targets),
                 static_argnums=owner.static_argnums,
                 donate_argnums=owner.donate_argnums,
             )
-        self.layouts[treedef] = layout = Layout(jitted, specs, leaves, plan)
+        layout = Layout(jitted, plan, self.what, _TAG, owner.warn_reshard, specs, leaves)
+        self.layouts[treedef] = layout
         return layout
 
     def body(self, *args: Any) -> Any:
@@ -485,36 +483,15 @@ class MeshPlan:
             leaves = _placement.assemble(
                 layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
             )
-            flat = self.place(leaves, layout, treedef)
+            self.check_args(leaves, layout)
+            flat = layout.place(leaves, treedef)
         else:
             layout = self.layout(dyn, treedef)
-            flat = self.place(leaves, layout, treedef)
+            self.check_args(leaves, layout)
+            flat = layout.place(leaves, treedef)
         it = iter(jax.tree_util.tree_unflatten(treedef, flat))
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
-
-    def place(self, flat: list[Any], layout: Layout, treedef: Any) -> list[Any]:
-        """Every leaf checked, then moved or put where its spec says; the layout turns steady."""
-        self.check_args(flat, layout)
-        plan = layout.plan
-        assert plan is not None  # placing needs a mesh of devices
-        moved = [
-            self.move(leaf, target, where)
-            for leaf, target, where in zip(flat, plan.targets, plan.paths, strict=True)
-        ]
-        placed = _placement.put_host(plan, moved, what=self.what, tag=_TAG, treedef=treedef)
-        layout.steady = plan
-        return placed
-
-    def move(self, leaf: Any, target: NamedSharding, where: str) -> Any:
-        """``leaf`` laid out as ``target``; host data as it is (put later, in one batch)."""
-        if _placement.is_host(leaf):
-            return leaf
-        if leaf.sharding == target or leaf.sharding.is_equivalent_to(target, leaf.ndim):
-            return leaf
-        if len(leaf.sharding.device_set) > 1:
-            self.owner.warn_reshard(where, f"sharding {leaf.sharding}", target.spec, self.mesh)
-        return jax.device_put(leaf, target)
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
