@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from ..core.errors import MeshkitError
-from ..lifecycle import stragglers as _stragglers
+from ..lifecycle import progress as _progress
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared
@@ -195,7 +195,7 @@ class Ahead:
         try:
             began = time.perf_counter()
             local = next(self.opened.source, END)  # END: no loader yields it
-            _stragglers.loaded(time.perf_counter() - began)
+            _progress.loaded(time.perf_counter() - began)
             state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return _Pulled("error", error=e)
