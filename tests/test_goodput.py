@@ -23,7 +23,7 @@ from meshkit._src.core import events as _events
 from meshkit._src.launch import goodput as _goodput
 from meshkit._src.launch.report import LaunchResult
 from meshkit._src.launch.restarts import attempt_of, closing, extended
-from meshkit._src.lifecycle import stragglers
+from meshkit._src.lifecycle import progress, stragglers
 from meshkit.testing._forks import starter
 
 PROGRAM = Path(__file__).parent / "ranks" / "goodput.py"
@@ -163,16 +163,16 @@ def test_the_report_ends_with_the_table_only_when_ranks_took_steps():
 
 
 def test_a_process_counts_compiles_and_checkpoints_between_its_batches_aside(monkeypatch):
-    monkeypatch.setattr(stragglers, "_totals", stragglers._Totals())
+    monkeypatch.setattr(progress, "steps", progress.Steps())
     monkeypatch.setattr(_events, "totals", dict.fromkeys(_events.totals, 0.0))
     _events.count(seconds=4.0, programs=1)  # before the first batch: not in the steps' wall
     _events.count(tracing=1.0)
-    stragglers.took(0.0, 1.0)
+    progress.step(1, 0.0, 1.0)
     _events.count(seconds=0.25, programs=1)
     since = stragglers.clock()
     _events.count(saving=0.5)
-    stragglers.took(2.0, 3.0)
-    stragglers.took(3.0, 4.0)
+    progress.step(2, 2.0, 3.0)
+    progress.step(3, 3.0, 4.0)
     _events.count(saving=0.5)  # after the last batch: outside the steps' wall
     assert stragglers.steps_s() == 3.0 - 0.75
     assert stragglers.spent() == {"compiling": 5.25, "saving": 1.0, "restoring": 0.0}

@@ -16,6 +16,7 @@ import meshkit
 from meshkit._src.core import events
 from meshkit._src.core.events import StepRow
 from meshkit._src.launch.report import Told, straggler_summary
+from meshkit._src.lifecycle import progress as _progress
 from meshkit._src.lifecycle import stragglers as _stragglers
 from meshkit._src.lifecycle.progress import ServiceBoard
 from meshkit._src.lifecycle.stragglers import FLOOR_MS, MARGIN
@@ -81,12 +82,13 @@ def test_a_window_is_the_per_step_means_of_what_changed():
 
 
 def test_steps_and_loads_add_up(monkeypatch):
-    totals = _stragglers._Totals()
-    monkeypatch.setattr(_stragglers, "_totals", totals)
-    _stragglers.took(1.0, 1.5)  # the first batch: no step before it to time
-    _stragglers.loaded(0.25)
-    _stragglers.took(2.0, 2.25)
+    totals = _progress.Steps()
+    monkeypatch.setattr(_progress, "steps", totals)
+    _progress.step(1, 1.0, 1.5)  # the first batch: no step before it to time
+    _progress.loaded(0.25)
+    _progress.step(2, 2.0, 2.25)
     assert totals.now() == (2, 0.75, 0.75, 1, 0.25)
+    assert (totals.number, totals.marks) == (2, 2)  # the step every guard reads
 
 
 class _Board:
@@ -106,15 +108,15 @@ def test_process_0_names_a_straggler_after_two_windows_once(monkeypatch):
     said = []
     monkeypatch.setattr(_stragglers, "say", lambda log, level, text: said.append(text))
     monkeypatch.setattr(_stragglers._exit, "at", lambda *a, **k: True)
-    totals = _stragglers._Totals()
-    monkeypatch.setattr(_stragglers, "_totals", totals)
+    totals = _progress.Steps()
+    monkeypatch.setattr(_progress, "steps", totals)
     fake = _Board()
     windows = _stragglers._Windows(0, fake.board(), 30.0)
     windows.clock = lambda: None  # no CPU clock: host work 0
     slow = json.dumps(_row(1, 70.0, 0.0, step=75.0, data=30.0).__dict__)
     for k in range(4):
         fake.posted["1"] = slow
-        totals.steps, totals.wall = 10 * (k + 1), 0.75 * (k + 1)
+        totals.taken, totals.wall = 10 * (k + 1), 0.75 * (k + 1)
         totals.data, totals.loads, totals.loader = 0.3 * (k + 1), 10 * (k + 1), 0.05 * (k + 1)
         windows.turn()
     assert len(said) == 1, said  # named at the second window, not again
@@ -127,7 +129,7 @@ def test_process_0_names_a_straggler_after_two_windows_once(monkeypatch):
 
 def test_a_window_without_steps_posts_nothing(monkeypatch):
     monkeypatch.setattr(_stragglers._exit, "at", lambda *a, **k: True)
-    monkeypatch.setattr(_stragglers, "_totals", _stragglers._Totals())
+    monkeypatch.setattr(_progress, "steps", _progress.Steps())
     fake = _Board()
     windows = _stragglers._Windows(3, fake.board(), 30.0)
     windows.turn()

@@ -27,10 +27,8 @@ from ..core.frames import public, user_frame, user_stacklevel
 from ..core.log import logger, say
 from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
-from ..lifecycle import preemption as _preemption
 from ..lifecycle import profiles as _profiles
 from ..lifecycle import progress as _progress
-from ..lifecycle import stragglers as _stragglers
 from . import assembly as _assembly
 from . import blocks as _blocks
 from . import ends as _ends
@@ -166,7 +164,7 @@ class GlobalBatches(Iterator[Any]):
             finally:
                 moving.asking = False
             moving.took(self.steps, user_frame(sys._getframe(1)))
-        _stragglers.took(asked, time.perf_counter())  # the step's times, for stragglers
+        _progress.step(self.steps, asked, time.perf_counter())  # one record, for every guard
         return batch
 
     def _look(self, notice: bool = False) -> bool:
@@ -216,10 +214,6 @@ class GlobalBatches(Iterator[Any]):
         batch, rows, notes, _ = item
         if notes:
             warn_notes(notes, user_stacklevel())
-        _progress.note_progress()
-        _preemption.note_step(self.steps)  # where a preemption's report says the run stopped
-        if _profiles.active is not None:  # a trace of some steps was asked for
-            _profiles.active.step(self.steps)
         self.rows += rows
         self._report()
         return batch

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ..core.errors import MeshkitError
-from ..lifecycle import stragglers as _stragglers
+from ..lifecycle import progress as _progress
 from . import assembly as _assembly
 from . import ends as _ends
 from .blocks import Prepared
@@ -166,7 +166,7 @@ class Ahead:
         try:
             began = time.perf_counter()
             local = next(self.opened.source, END)  # END: no loader yields it
-            _stragglers.loaded(time.perf_counter() - began)
+            _progress.loaded(time.perf_counter() - began)
             state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return "error", e, None

@@ -7,7 +7,7 @@ by ``grace``, JAX's barrier skipped); `now` exits at once. This module holds the
 
 Also the process's one meshkit thread, ``meshkit-service``, started by the first guard needing
 it. Each turn it waits (in the coordination service through fail-fast's `watch`, else on its
-pipes), reads SIGTERM's wake-up byte, runs the tasks due (`at`), then the `on_wake` calls.
+pipes), reads SIGTERM's wake-up byte, runs the tasks due (`at`), then the `tend` call.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def until(done: Callable[[], bool], seconds: float) -> None:
 
 
 _SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
-_ACTIVE_SLICE_S = 1.0  # ... while the program steps (`on_activity` changed within `_ACTIVE_S`)
+_ACTIVE_SLICE_S = 1.0  # ... while the program steps (`tend`'s step changed within `_ACTIVE_S`)
 _ACTIVE_S = 10.0
 _LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
 
@@ -258,7 +258,7 @@ class _Service(threading.Thread):
         super().__init__(name="meshkit-service", daemon=True)
         self.lock = threading.Lock()
         self.tasks: dict[str, tuple[float, Callable[[], None]]] = {}
-        self.tending: dict[str, Callable[[], None]] = {}
+        self.tend: Callable[[], None] | None = None
         self.look: Look | None = None
         self.nudge: Callable[[], None] | None = None
         self.outside = threading.Event()  # not inside the coordination service now
@@ -266,13 +266,13 @@ class _Service(threading.Thread):
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.on_sigterm: Callable[[], object] | None = None
-        self.probes: list[Callable[[], object]] = []
-        self.seen: tuple[object, ...] = ()
+        self.step: Callable[[], object] = lambda: None
+        self.seen = object()  # the first read differs: a program that has just begun steps
         self.active_at = -_ACTIVE_S
 
     def _slice(self) -> float:
         """How long a wait in the coordination service may last now."""
-        now, seen = time.monotonic(), tuple(probe() for probe in self.probes)
+        now, seen = time.monotonic(), self.step()
         if seen != self.seen:
             self.seen, self.active_at = seen, now
         return _ACTIVE_SLICE_S if now - self.active_at < _ACTIVE_S else _SLICE_S
@@ -292,9 +292,9 @@ class _Service(threading.Thread):
                 woken = select.select([self.wake_r], [], [], timeout)[0]
                 if woken and signal.SIGTERM in os.read(self.wake_r, 256) and self.on_sigterm:
                     self.on_sigterm()
-            for call in list(self.tending.values()):
-                with contextlib.suppress(Exception):  # one tending call must not stop the rest
-                    call()
+            if self.tend is not None:
+                with contextlib.suppress(Exception):  # it says its own failures
+                    self.tend()
 
     def _run_due(self) -> float:
         """Run the tasks that are due; the seconds until the next one (an hour: none)."""
@@ -351,15 +351,14 @@ def at(name: str, delay: float, call: Callable[[], None], *, nudge: bool = True)
     return True
 
 
-def on_wake(name: str, call: Callable[[], None]) -> None:
-    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays)."""
-    _running().tending[name] = call
+def tend(call: Callable[[], None], step: Callable[[], object]) -> None:
+    """Call ``call`` in the service thread after each of its wake-ups (quick, or it delays).
+
+    A change of ``step()`` (read once per wait) is the program stepping: its waits are shorter.
+    """
+    service = _running()
+    service.tend, service.step = call, step
     wake(nudge=False)
-
-
-def on_activity(probe: Callable[[], object]) -> None:
-    """Count a change of ``probe()`` (read once per wait) as the program stepping."""
-    _running().probes.append(probe)
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:

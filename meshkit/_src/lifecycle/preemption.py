@@ -23,6 +23,7 @@ from ..core import events as _events
 from ..core.events import DEFAULT_PREEMPT_GRACE_S, ENV_PREEMPT_GRACE
 from ..core.log import logger, say
 from . import exit as _exit
+from . import progress as _progress
 
 _LOG = logger("guards")
 
@@ -92,7 +93,6 @@ class _State:
         self.sync: Sync | None = None
         self.notice: PreemptionNotice | None = None
         self.untold = False  # an own notice the others have not heard yet
-        self.step: int | None = None  # the last step the program reported
         self.asked: int | None = None  # the last step `reached_sync_point` answered
         self.frozen = False  # step sent: questions wait for the agreement
         self.synced: Synced | None = None
@@ -132,8 +132,8 @@ def install(me: int | None, *, seconds: float, tell: Tell | None, sync: Sync | N
         _state.installed = True
     _exit.on_sigterm(lambda: receive(None))  # the handler takes the notice, nothing that waits
     if first:
-        _exit.on_wake("preemption: tell, agree, arm the deadline", _tend)
-        _exit.on_activity(lambda: _state.step)  # stepping: a notice must be told soon
+        # Told, agreed and armed after each wake-up; while the program steps, told soon.
+        _exit.tend(_tend, lambda: _progress.steps.number)
         _exit.on_exit("preemption: record how this process ended", _at_exit, order=_exit.STOP)
     _exit.wake()  # a notice received before ``tell`` was given is told now
 
@@ -166,11 +166,6 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
     return told
 
 
-def note_step(step: int) -> None:
-    """The program's current step (`meshkit.checkpoint.should_save`, `meshkit.global_batches`)."""
-    _state.step = step
-
-
 def asked_step() -> int | None:
     """The step `meshkit.checkpoint.should_save` was last asked about (None: never)."""
     return _state.asked
@@ -183,7 +178,7 @@ def reached_sync_point(step: int) -> bool:
         if notice_ is not None:  # a step sent: wait for the agreement (until the deadline)
             left = notice_.deadline - time.time()
             _state.changed.wait_for(lambda: not _state.frozen or _state.synced is not None, left)
-        _state.asked = _state.step = step
+        _state.asked = _progress.steps.number = step
         synced = _state.synced
         if synced is None or not synced.agreed or _state.reached:
             return False  # not agreed (yet); or saved for it already
@@ -227,7 +222,7 @@ def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> Non
             return
         _state.reported = True
     fields = {"source": notice_.source, "process": notice_.process, "received": notice_.received}
-    _events.emit(_events.PREEMPTED, how=how, **fields, step=_state.step, saved=saved)
+    _events.emit(_events.PREEMPTED, how=how, **fields, step=_progress.steps.number, saved=saved)
 
 
 def _at_exit() -> None:
@@ -249,7 +244,8 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
     if _state.me == 0:
         time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
-    step = "" if _state.step is None else f" at step {_state.step}"
+    number = _progress.steps.number
+    step = "" if number is None else f" at step {number}"
     announce = (
         f"meshkit: preempted ({notice_.source} {max(0.0, time.time() - notice_.received):.1f} s "
         f"ago){step}: the program did not save and stop within {ENV_PREEMPT_GRACE}="

@@ -157,7 +157,8 @@ class _Profile:
 active: _Profile | None = None  # the steps to trace, until the trace is taken
 
 
-def _take(first: int, last: int, directory: str | os.PathLike[str]) -> str:
+def take(first: int, last: int, directory: str | os.PathLike[str]) -> str:
+    """Trace steps ``first`` to ``last`` into ``directory`` (checked); the run directory."""
     global active
     if active is not None and active.state == "tracing":
         raise MeshkitError(
@@ -175,12 +176,6 @@ def from_environment(*, where: str) -> tuple[int, int, str] | None:
     if found is None:
         return None
     return (*found, _env.raw(ENV_PROFILE_DIR) or DEFAULT_PROFILE_DIR)
-
-
-def install(setting: tuple[int, int, str] | None) -> None:
-    """Trace the steps `from_environment` read (None: nothing)."""
-    if setting is not None:
-        _take(*setting)
 
 
 @public
@@ -232,4 +227,4 @@ def profile_steps(
             f"{_WHAT}: directory is empty.\nConsider a directory for the traces, such as "
             f"{DEFAULT_PROFILE_DIR!r} (the default)."
         )
-    return _take(start, stop, directory)
+    return take(start, stop, directory)

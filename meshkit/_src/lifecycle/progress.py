@@ -1,7 +1,10 @@
-"""What counts as a process's progress, sampled from the service thread (`Sampler`).
+"""What counts as a process's progress: the one record of its steps, and `Sampler`.
 
-Progress: meshkit sees a call, the main thread's stack changes or it runs, a thread runs or
-waits for a CPU, device work completes. `stall` acts on a process that shows none.
+The program's thread hands each step of `meshkit.global_batches` to `step`, once: it feeds
+`steps`, the record every guard reads (preemption's step, stragglers' times, the service
+thread's activity), and a profile of those steps. The service thread samples progress: meshkit
+sees a call or a step, the main thread's stack changes or it runs, a thread runs or waits for a
+CPU, device work completes. `stall` acts on a process that shows none.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any, TypeVar
 
 import jax
 
+from ..core import events as _events
 from ..core.frames import is_program_thread, program_thread
+from . import profiles as _profiles
 
 # A thread that wanted a CPU this share of an interval, and waited RUN_SHARE of it, was starved.
 DEMAND_SHARE = 0.5
@@ -30,7 +35,6 @@ RUN_SHARE = 0.1
 _MAX_REFS = 8192  # live arrays watched for being freed (a count covers the rest)
 _MAX_PENDING = 256  # pending arrays watched for completing
 
-_marks = 0
 R = TypeVar("R")
 
 
@@ -57,10 +61,56 @@ class ServiceBoard:
         return {int(k): kind(**json.loads(v)) for k, v in posted.items() if k.isdigit()}
 
 
+@dataclass
+class Steps:
+    """This process's steps: the program's thread writes, the loader's and the service's read.
+
+    Unlocked: a reader that sees a field late only hears of a step a sample later.
+    """
+
+    number: int | None = None  # the program's step: global_batches' last, or should_save's
+    marks: int = 0  # meshkit calls, barriers and steps (`note_progress`)
+    taken: int = 0  # steps of `meshkit.global_batches`, over every loop
+    wall: float = 0.0  # from the first step's batch to the last's
+    data: float = 0.0  # waiting for the batches
+    loads: int = 0  # batches the loader gave (ahead of the steps, as far as prefetching goes)
+    loader: float = 0.0  # the loader's seconds for them
+    last: float = -1.0  # when the last batch arrived (perf_counter)
+    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches
+    seen: float = 0.0  # `events.totals`' ``aside`` when the last batch arrived
+
+    def now(self) -> tuple[float, ...]:
+        """What a window of step times sums (`stragglers`)."""
+        return self.taken, self.wall, self.data, self.loads, self.loader
+
+
+steps = Steps()
+
+
+def step(n: int, asked: float, got: float) -> None:
+    """In the program's thread: step ``n``, its batch asked for at ``asked``, got at ``got``."""
+    s, aside = steps, _events.totals["aside"]
+    if s.last >= 0.0:  # the compiles and checkpoints before the first batch are not in wall
+        s.wall += got - s.last
+        s.aside += aside - s.seen
+    s.seen, s.last = aside, got
+    s.data += got - asked
+    s.taken += 1
+    s.marks += 1
+    s.number = n
+    if _profiles.active is not None:  # a trace of some steps was asked for
+        _profiles.active.step(n)
+
+
+def loaded(seconds: float) -> None:
+    """In the loader's thread: the program's loader took ``seconds`` for one batch."""
+    steps.loader += seconds
+    steps.loads += 1
+
+
 def note_progress() -> None:
-    """Count progress seen by meshkit itself (a call, a barrier, a delivered batch)."""
-    global _marks
-    _marks += 1
+    """Count progress seen by meshkit itself (a call, a barrier)."""
+    steps.marks += 1
 
 
 Stack = tuple[tuple[CodeType, int], ...]
@@ -108,7 +158,7 @@ class Sampler:
         self.clock = cpu_clock(main)
         path = f"/proc/self/task/{native_id}/schedstat"
         self.schedstat = path if native_id is not None and os.path.exists(path) else None
-        self.mark = _marks
+        self.mark = steps.marks
         self.stack: Stack | None = self._stack()
         self.cpu = self._cpu()
         self.arrays: _Arrays | None = None
@@ -118,7 +168,7 @@ class Sampler:
     def moved(self, interval: float) -> str | None:
         """What moved since the last sample (for messages), or None: nothing did."""
         reason = None
-        mark, stack, cpu = _marks, self._stack(), self._cpu()
+        mark, stack, cpu = steps.marks, self._stack(), self._cpu()
         if mark != self.mark:
             reason = "meshkit call"
         elif stack != self.stack:

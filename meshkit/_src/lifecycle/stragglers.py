@@ -1,15 +1,14 @@
 """Step times per process, and the processes slower than the others (stragglers).
 
-The program's thread records each step of `meshkit.global_batches` (`took`: two clock reads, about
-0.3 µs), its loader thread the time the program's loader took (`loaded`). Every `window` seconds
-the service thread sums the steps since the last window, with the main thread's CPU time (read
-from its CPU clock, not by the main thread): a step splits into waiting for the next batch, host
-work (the main thread computing) and the rest (waiting for the devices or the other processes).
-It posts the window for the others and writes the run's sums as a ``steps`` event; process 0
-reads every process's window and names the processes whose own work per step (host work, and the
-loader's time when it kept the step waiting) holds the others back (`stragglers`) in two windows
-in a row. A window without steps posts
-nothing.
+The program's thread records each step of `meshkit.global_batches` in `progress.steps` (two clock
+reads, about 0.3 µs), its loader thread the time the program's loader took. Every `window`
+seconds the service thread sums the steps since the last window, with the main thread's CPU time
+(read from its CPU clock, not by the main thread): a step splits into waiting for the next batch,
+host work (the main thread computing) and the rest (waiting for the devices or the other
+processes). It posts the window for the others and writes the run's sums as a ``steps`` event;
+process 0 reads every process's window and names the processes whose own work per step (host
+work, and the loader's time when it kept the step waiting) holds the others back (`stragglers`)
+in two windows in a row. A window without steps posts nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..core.events import StepRow as StepRow
 from ..core.frames import program_thread, public
 from ..core.log import logger, say
 from . import exit as _exit
+from . import progress as _progress
 from .progress import ServiceBoard, cpu_clock
 
 _LOG = logger("guards")
@@ -84,45 +84,6 @@ def stragglers(rows: Sequence[StepRow]) -> list[Straggler]:
     return sorted(found, key=lambda s: -s.ratio)
 
 
-@dataclass
-class _Totals:
-    """What the steps add up to (the program's thread and the loader's write, unlocked)."""
-
-    steps: int = 0
-    wall: float = 0.0
-    data: float = 0.0
-    loads: int = 0  # batches the loader gave (ahead of the steps, as far as prefetching goes)
-    loader: float = 0.0
-    last: float = -1.0  # when the last batch arrived
-    aside: float = 0.0  # of ``wall``: compiles and checkpoints between two batches
-    seen: float = 0.0  # `events.totals`' ``aside`` when the last batch arrived
-
-    def now(self) -> tuple[float, ...]:
-        return self.steps, self.wall, self.data, self.loads, self.loader
-
-
-_totals = _Totals()
-
-
-def took(asked: float, got: float) -> None:
-    """In the program's thread: a batch asked for at ``asked`` arrived at ``got`` (perf_counter)."""
-    t, aside = _totals, _events.totals["aside"]
-    if t.last >= 0.0:  # the compiles and checkpoints before the first batch are not in wall
-        t.wall += got - t.last
-        t.aside += aside - t.seen
-    t.seen = aside
-    t.data += got - asked
-    t.last = got
-    t.steps += 1
-
-
-def loaded(seconds: float) -> None:
-    """In the loader's thread: the program's loader took ``seconds`` for one batch."""
-    t = _totals
-    t.loader += seconds
-    t.loads += 1
-
-
 def _compiling() -> float:
     return _events.totals["seconds"] + _events.totals["tracing"]
 
@@ -150,7 +111,7 @@ def spent() -> dict[str, float]:
 
 def steps_s() -> float:
     """This process's steps so far: their wall time less the compiles and checkpoints between."""
-    return _totals.wall - _totals.aside
+    return _progress.steps.wall - _progress.steps.aside
 
 
 def _row(me: int, steps: int, before: tuple[float, ...], now: tuple[float, ...]) -> StepRow:
@@ -171,7 +132,7 @@ class _Windows:
     def __init__(self, me: int, board: ServiceBoard | None, window: float) -> None:
         self.me, self.board, self.window = me, board, window
         self.clock = cpu_clock(program_thread().ident or 0)
-        self.first = self.then = (*_totals.now(), self._cpu())
+        self.first = self.then = (*_progress.steps.now(), self._cpu())
         self.latest: StepRow | None = None
         self.named: frozenset[int] = frozenset()  # said already
         self.suspects: frozenset[int] = frozenset()  # stragglers in the last window
@@ -182,14 +143,14 @@ class _Windows:
     def turn(self, *, last: bool = False) -> None:
         if not last:
             _exit.at(_TASK, self.window, self.turn, nudge=False)
-        now = (*_totals.now(), self._cpu())
+        now = (*_progress.steps.now(), self._cpu())
         before, self.then = self.then, now
         if now[0] <= before[0]:  # no step in this window: nothing to say
             return
         steps = int(now[0] - self.first[0])
         self.latest = row = _row(self.me, steps, before, now)
         run = asdict(_row(self.me, steps, self.first, now))  # the whole run, for the launcher
-        _events.emit(_events.STEPS, **run, aside=round(_totals.aside, 4))
+        _events.emit(_events.STEPS, **run, aside=round(_progress.steps.aside, 4))
         if self.board is None or last:
             return
         with contextlib.suppress(Exception):  # a lost window only delays a straggler's name

@@ -379,7 +379,8 @@ def init(
     hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
     _programs.install(info.num_processes)
-    _profiles.install(profile)
+    if profile is not None:  # MESHKIT_PROFILE_STEPS, read before joining
+        _profiles.take(*profile)
     _debug_mode.enable_from_environment()  # MESHKIT_DEBUG=1: debug mode from here on
     return info
 
