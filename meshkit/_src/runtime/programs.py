@@ -32,7 +32,6 @@ from ..core import env as _env
 from ..core import frames as _frames
 from ..core.errors import DivergenceError
 from ..core.version import __version__
-from ..lifecycle import exit as _exit
 
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _PREFLIGHT_TAG = "preflight"
@@ -222,7 +221,6 @@ _TAG = "programs"
 _WHAT = "meshkit (programs compared at compilation)"
 
 _remove: Callable[[], None] | None = None
-_tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
 
 
 def install(num_processes: int) -> None:
@@ -232,7 +230,6 @@ def install(num_processes: int) -> None:
         return
     if _remove is None:
         _remove = _compat.on_compile(_compare)
-        _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
         if _frames.filtering():
             for path in (_compat.__file__, __file__):  # the hook's frames, inside JAX's call
                 _compat.hide_from_jax_tracebacks(path)
@@ -263,7 +260,6 @@ def _compare(compiling: _compat.Compiling) -> None:
     if len(compiling.processes()) < 2 or not _channel.paired():
         return
     tag = _channel.scoped(_TAG, _WHAT)
-    _tags.add(tag)
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
     # Shown only where the programs differ (the arguments, to say which one); never compared.
     mine: dict[str, Any] = {"name": compiling.name, "where": compiling.where(), "digest": digest}
@@ -311,12 +307,6 @@ _ALONE = (
     "computation that some processes run and others skip (under `if jax.process_index() == 0:`, "
     "or on a condition of one process's own data) waits for the others for ever.\n"
 ) + _EVERYWHERE
-
-
-def _leave() -> None:
-    """At exit: leave every tag compared on, so that a process waiting there learns it at once."""
-    for tag in sorted(_tags):
-        _agree.leave(tag, _agree.leave_record())
 
 
 def _difference(records: dict[int, dict[str, Any]], number: int) -> DivergenceError:
