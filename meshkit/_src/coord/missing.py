@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 Groups = dict[str, list[int]]  # each value, with the processes that hold it (sorted)
+ABSENT = "(absent)"  # the value of a name a process lacks (`differences`)
 
 
 def processes(ids: Iterable[int]) -> str:
@@ -48,8 +49,8 @@ def by_value(values: Mapping[int, str]) -> Groups:
 def differences(rows: Mapping[int, Iterable[tuple[Any, str]]]) -> list[tuple[Any, Groups]]:
     """Each name whose values differ between the processes, in order, with `by_value`'s groups.
 
-    ``rows``: per process, its ``(name, value)`` pairs; a name a process lacks holds
-    ``"(absent)"``. The one comparison behind every "the first X that differs" of a message.
+    ``rows``: per process, its ``(name, value)`` pairs; a name a process lacks holds `ABSENT`.
+    The one comparison behind every "the first X that differs" of a message.
 
     Examples:
         >>> differences({0: [("a", "1"), ("b", "2")], 1: [("a", "1"), ("b", "3")]})
@@ -57,7 +58,7 @@ def differences(rows: Mapping[int, Iterable[tuple[Any, str]]]) -> list[tuple[Any
     """
     tables = {p: dict(row) for p, row in sorted(rows.items())}
     names = dict.fromkeys(k for table in tables.values() for k in table)  # in order, once each
-    found = [(k, by_value({p: t.get(k, "(absent)") for p, t in tables.items()})) for k in names]
+    found = [(k, by_value({p: t.get(k, ABSENT) for p, t in tables.items()})) for k in names]
     return [(name, groups) for name, groups in found if len(groups) > 1]
 
 
