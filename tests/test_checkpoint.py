@@ -334,3 +334,23 @@ def test_round_trip_between_random_meshes_and_specs(tmp_path_factory, data):
     out = meshkit.checkpoint.restore(path, target, {"x": new_spec})["x"]
     assert out.sharding == NamedSharding(target, new_spec)
     _assert_shards(out, x)
+
+
+def test_the_first_entry_that_differs_is_named_with_a_process_on_each_side():
+    from meshkit._src.checkpoint.orbax import _difference
+
+    a, b = ["the leaf ['w']", "array", "shape (8,)"], ["the leaf ['w']", "array", "shape (4,)"]
+    path = ["the directory", "path", "/c"]
+    records = {p: {"entries": [path, a]} for p in (0, 1)} | {2: {"entries": [path, b]}}
+    said = _difference("meshkit.checkpoint.save", records, "save the same tree")
+    assert said.startswith(
+        "meshkit.checkpoint.save: processes 0 and 2 differ at the leaf ['w']: shape (8,) on "
+        "process 0, shape (4,) on process 2.\nEvery process must save the same tree.\n"
+        "Consider computing what differs"
+    ), said
+    records[2] = {"entries": [path, a, b]}  # one more leaf
+    said = _difference("meshkit.checkpoint.save", records, "save the same tree")
+    assert said == (
+        "meshkit.checkpoint.save: process 0 has 1 leaves, process 2 has 2.\n"
+        "Every process must save the same tree."
+    )

@@ -784,3 +784,21 @@ def test_check_names_a_process_that_left_instead_of_coming(monkeypatch):
         "meshkit.make_mesh: process 1 left the program without making this call (process 1 ended)."
     )
     assert ended == []  # a normal end is no failure to end this process for
+
+
+def test_a_process_that_ends_leaves_every_channel_it_agreed_on(monkeypatch):
+    nodes = FakeCluster(2).nodes()
+    sequences = ["main", agreement.channel_sequence(nodes[0], "loader")]
+    agreed = _together(  # one call on each channel before process 1 ends
+        nodes,
+        lambda node: [agreement.agree(node, s, "t", "a", "a", timeout=5.0) for s in sequences],
+    )
+    assert all(o.agreed for outcomes in agreed for o in outcomes)
+    monkeypatch.delattr("sys.last_value", raising=False)
+    monkeypatch.setattr(agree, "_node", nodes[1])
+    monkeypatch.setattr(agree, "leaving", {"last": "call #1 of f"})
+    agree._at_exit()
+    for sequence in sequences:  # process 0 reads why at once, on either channel
+        outcome = agreement.agree(nodes[0], sequence, "t", "a", "a", timeout=30.0)
+        assert json.loads(outcome.records[1]) == {
+            "left": True, "status": "exit", "last": "call #1 of f"}  # fmt: skip

@@ -118,23 +118,16 @@ def test_bad_environment_values_name_the_variable_and_the_accepted_values(
     assert not debug.enabled()
 
 
-def test_hooks_are_installed_once_however_often_debug_mode_is_enabled(monkeypatch):
-    registered = []
+def test_debug_mode_installs_no_hook(monkeypatch):
+    # The record a process leaves at exit is coordination's (it names debug mode's last call).
     monkeypatch.setattr(_exit, "_registry", _exit._Registry())
-    monkeypatch.setattr(_exit.atexit, "register", lambda f, *a, **k: registered.append(f))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    hooks = []
-    for _ in range(3):
-        debug.enable(timeout=5, watchdog=None)
-        hooks.append(sys.excepthook)
-        debug.disable()
-    assert len(registered) == 1
-    assert hooks[0] is hooks[1] is hooks[2] is not sys.__excepthook__
-    assert sorted(_exit._registry.exit) == [
-        "debug mode: publish leaving",
-        "flush stdout and stderr",
-    ]
-    assert list(_exit._registry.exception) == ["debug mode: publish leaving with the error"]
+    hook = sys.excepthook
+    debug.enable(timeout=5, watchdog=None)
+    debug.disable()
+    assert sys.excepthook is hook
+    assert not _exit._registry.exit
+    assert not _exit._registry.exception
 
 
 def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, caplog):

@@ -193,11 +193,11 @@ def _messages() -> list[str]:
     out = []
     names = {0: {"name": "jit(f)", "digest": "a", "line": "t.py:9 in main"},
              1: {"name": "jit(g)", "digest": "b", "line": "t.py:7 in main"}}  # fmt: skip
-    out.append(str(programs._difference(names, 2, None)))
+    out.append(str(programs._difference(names, 2)))
     inside = {p: {**r, "name": "jit(f)"} for p, r in names.items()}
-    out.append(str(programs._difference(inside, 2, None)))
+    out.append(str(programs._difference(inside, 2)))
     args = {0: [["x", "float32[8,16]", "?"]], 1: [["x", "float32[8,24]", "?"]]}
-    out.append(str(programs._difference(inside, 2, args)))
+    out.append(str(programs._difference({p: {**r, "args": args[p]} for p, r in inside.items()}, 2)))
     out.append(
         programs._ALONE.format(
             what="w", mine=programs._ran(names[0]), number="2nd", gone="process 1 left"
@@ -237,7 +237,7 @@ def test_each_process_is_shown_with_the_line_or_the_thread_that_ran_its_program(
         1: {"name": "jit(f)", "digest": "a", "line": "t.py:7 in main"},
         2: {"name": "jit(stack)", "digest": "b", "thread": "meshkit-batches"},
     }
-    text = str(programs._difference(records, 2, None))
+    text = str(programs._difference(records, 2))
     assert (
         "  processes 0,1: jit(f), run by process 0 at t.py:9 in main; process 1 at t.py:7 in "
         "main\n  process 2: jit(stack), run in thread meshkit-batches\n" in text

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from ranks import preflight as ranks
 
 import meshkit
+from meshkit._src.coord import missing
 from meshkit._src.coord.node import Outcome
 from meshkit._src.core import compat
 from meshkit._src.runtime import programs
@@ -148,7 +149,7 @@ _FIELDS = ["python", "jax", "device_kind", "local_devices", "jax_enable_x64", "p
 )
 def test_differences_group_every_process_by_its_value(changes):
     records = {p: _with(BASE, **c) for p, c in enumerate(changes)}
-    found = dict(programs.differences(records))
+    found = dict(missing.differences({p: r.fields().items() for p, r in records.items()}))
     for name in {*BASE.fields(), *(k for c in changes for k in c)}:
         values = {p: r.fields()[name] for p, r in records.items()}
         if len(set(values.values())) == 1:

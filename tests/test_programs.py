@@ -112,7 +112,10 @@ def _records(draw):
             i, part = draw(st.integers(0, n_args - 1)), draw(st.sampled_from([1, 2]))
             args[i][part] = draw(_TYPES if part == 1 else _SHARDINGS)
         digest = json.dumps(args)  # equal arguments, equal programs (plus the inside case)
-        out[p] = ({"name": "jit(step)", "where": "step at t.py:3", "digest": digest}, args)
+        out[p] = (
+            {"name": "jit(step)", "where": "step at t.py:3", "digest": digest, "args": args},
+            args,
+        )
     return out
 
 
@@ -129,7 +132,7 @@ def test_the_first_differing_argument_is_named(drawn):
                 want = (args[0][i][0], label, values)
     if want is None:
         return  # every process has the same program: no error is built
-    error = programs._difference(records, 3, args)
+    error = programs._difference(records, 3)
     name, label, values = want
     assert error.field == name
     text = str(error)
@@ -151,7 +154,7 @@ def test_programs_that_differ_inside_are_named_as_such():
         0: {"name": "jit(f)", "where": "f at t.py:1", "digest": "a"},
         1: {"name": "jit(f)", "where": "f at t.py:1", "digest": "b"},
     }
-    error = programs._difference(records, 1, None)  # None: the arguments agreed
+    error = programs._difference(records, 1)  # no arguments that differ
     assert error.field == "program"
     assert "Their arguments are the same: the computations differ inside" in str(error)
     assert "as their 1st computation" in str(error)
@@ -160,9 +163,14 @@ def test_programs_that_differ_inside_are_named_as_such():
 def test_different_functions_are_named_as_such():
     records = {
         0: {"name": "jit(f)", "where": "f at t.py:1", "digest": "a"},
-        1: {"name": "jit(g)", "where": "g at t.py:5", "digest": "b"},
+        1: {
+            "name": "jit(g)",
+            "where": "g at t.py:5",
+            "digest": "b",
+            "args": [["x", "int32[]", "?"]],
+        },
     }
-    error = programs._difference(records, 2, {0: [], 1: [["x", "int32[]", "?"]]})
+    error = programs._difference(records, 2)
     assert error.field == "function"
     assert "  process 0: jit(f) (f at t.py:1)\n  process 1: jit(g) (g at t.py:5)" in str(error)
 

@@ -158,24 +158,21 @@ _SHARED_PATH = (
 
 def _difference(what: str, records: dict[int, dict[str, Any]], doing: str) -> str:
     """The message naming the first entry where the processes' records differ."""
-    ref_p, ref = next(iter(records.items()))
-    for p, record in records.items():
-        a, b = ref["entries"], record["entries"]
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                fix = {"path": _SHARED_PATH, "data": _data.DATA_FIX}.get(x[1], _SHARED_VALUES)
-                return (
-                    f"{what}: processes {ref_p} and {p} differ at {x[0]}: {x[-1]} on "
-                    f"process {ref_p}, {y[-1]} on process {p}.\nEvery process must {doing}."
-                    f"\n{fix}"
-                )
-        if len(a) != len(b):
-            count = [sum(1 for e in entries if e[1] != "path") for entries in (a, b)]
-            return (
-                f"{what}: process {ref_p} has {count[0]} leaves, process {p} has {count[1]}."
-                f"\nEvery process must {doing}."
-            )
-    return f"{what}: the processes' calls differ.\nEvery process must {doing}."  # pragma: no cover
+    rows = {p: [(i, json.dumps(e)) for i, e in enumerate(r["entries"])] for p, r in records.items()}
+    _, held = _missing.differences(rows)[0]
+    (mine, (p, *_)), (theirs, (q, *_)) = list(held.items())[:2]
+    if _missing.ABSENT in (mine, theirs):
+        count = {p: sum(e[1] != "path" for e in r["entries"]) for p, r in records.items()}
+        return (
+            f"{what}: process {p} has {count[p]} leaves, process {q} has {count[q]}.\n"
+            f"Every process must {doing}."
+        )
+    x, y = json.loads(mine), json.loads(theirs)
+    fix = {"path": _SHARED_PATH, "data": _data.DATA_FIX}.get(x[1], _SHARED_VALUES)
+    return (
+        f"{what}: processes {p} and {q} differ at {x[0]}: {x[-1]} on process {p}, {y[-1]} on "
+        f"process {q}.\nEvery process must {doing}.\n{fix}"
+    )
 
 
 @public

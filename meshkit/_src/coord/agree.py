@@ -1,12 +1,12 @@
 """This process's agreements: the one primitive (`agreement`) on the caller's channel.
 
-A process that will not come calls `leave`; one that leaves the program posts a `leave_record`
-(fail-fast reads an uncaught error in it). `agree_later` is the deferred form
-(``global_array_from_local(check="deferred")``): a call appends its summary to its tag's pending
-list and returns; the caller verifies the list, in its own thread, with one agreement of its
-channel's sequence: at the tag's `W`-th pending call (the same call in every process), at the
-channel's next waiting agreement (`sync_point`), at `verify_all` (the explicit drain, and exit).
-docs/coordination.md, "The deferred form".
+A process that will not come calls `leave`; at exit, a process posts its `leave_record` at the
+next agreement of every channel it agreed on (fail-fast reads an uncaught error in it).
+`agree_later` is the deferred form (``global_array_from_local(check="deferred")``): a call
+appends its summary to its tag's pending list and returns; the caller verifies the list, in its
+own thread, with one agreement of its channel's sequence: at the tag's `W`-th pending call (the
+same call in every process), at the channel's next waiting agreement (`sync_point`), at
+`verify_all` (the explicit drain, and exit). docs/coordination.md, "The deferred form".
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from . import agreement as _agreement
 from . import channel as _channel
 from . import missing as _missing
 from .node import LEFT, Group, Node, Outcome, RecordText, text
+from .places import MAIN
 from .service import JaxService, Stats
 
 stats = Stats()  # this process's round trips (tests and benchmarks read them)
@@ -36,6 +37,7 @@ _client: object = None  # the client `_node` talks through
 tag_part = _channel.tag_part
 _LOG = logger("coord")
 _unraised: list[BaseException] = []  # checks that failed at exit, where no call can raise them
+leaving: dict[str, str] = {}  # more fields of this process's leave record (debug mode: "last")
 
 
 def node() -> Node | None:
@@ -46,7 +48,7 @@ def node() -> Node | None:
         return None
     if _node is None or _client is not client:
         if _node is None:  # at first use, never at import
-            _exit.on_exit("agreements: verify the deferred checks", _at_exit, order=_exit.DRAIN)
+            _exit.on_exit("agreements: verify, then leave", _at_exit, order=_exit.DRAIN)
             _exit.on_exit("agreements: end after a failed check", _end, order=_exit.FLUSH - 1)
         _node, _client = Node(JaxService(client), me, n, stats=stats), client
     return _node
@@ -187,7 +189,10 @@ def fail_at_exit(error: BaseException) -> None:
 
 
 def _at_exit() -> None:
-    """Verify what is pending (post it, when failing), then let meshkit's waits stop."""
+    """Verify what is pending (post it, when failing), let meshkit's waits stop, then leave.
+
+    A process waiting for this one at any channel's next agreement reads why it did not come.
+    """
     if _node is None:
         return
     try:
@@ -200,6 +205,10 @@ def _at_exit() -> None:
         fail_at_exit(e)
     finally:
         _node.stopping.set()
+    record = leave_record(**leaving)
+    for sequence in sorted({MAIN, *_node.sequences}):
+        with contextlib.suppress(Exception):  # leaving anyway: a service that is gone is no news
+            _agreement.leave(_node, sequence, "exit", record)
 
 
 def _end() -> None:

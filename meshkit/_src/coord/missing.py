@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
+
+Groups = dict[str, list[int]]  # each value, with the processes that hold it (sorted)
+ABSENT = "(absent)"  # the value of a name a process lacks (`differences`)
 
 
 def processes(ids: Iterable[int]) -> str:
@@ -34,12 +38,28 @@ def outside_majority(groups: Iterable[list[int]]) -> list[int]:
     return sorted(p for ps in ordered for p in ps if len(largest) > 1 or ps is not largest[0])
 
 
-def by_value(values: Mapping[int, str]) -> dict[str, list[int]]:
+def by_value(values: Mapping[int, str]) -> Groups:
     """Each value the processes hold, with its processes (sorted), in the order first held."""
     groups: dict[str, list[int]] = {}
     for p, value in sorted(values.items()):
         groups.setdefault(value, []).append(p)
     return groups
+
+
+def differences(rows: Mapping[int, Iterable[tuple[Any, str]]]) -> list[tuple[Any, Groups]]:
+    """Each name whose values differ between the processes, in order, with `by_value`'s groups.
+
+    ``rows``: per process, its ``(name, value)`` pairs; a name a process lacks holds `ABSENT`.
+    The one comparison behind every "the first X that differs" of a message.
+
+    Examples:
+        >>> differences({0: [("a", "1"), ("b", "2")], 1: [("a", "1"), ("b", "3")]})
+        [('b', {'2': [0], '3': [1]})]
+    """
+    tables = {p: dict(row) for p, row in sorted(rows.items())}
+    names = dict.fromkeys(k for table in tables.values() for k in table)  # in order, once each
+    found = [(k, by_value({p: t.get(k, ABSENT) for p, t in tables.items()})) for k in names]
+    return [(name, groups) for name, groups in found if len(groups) > 1]
 
 
 def lines(groups: Mapping[str, list[int]]) -> str:

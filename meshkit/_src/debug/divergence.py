@@ -58,11 +58,9 @@ class State:
     def __init__(self) -> None:
         self.settings: Settings | None = None
         self.count = 0  # SPMD entries checked in this process, all threads
-        self.last = ""  # the last checked call, for messages
-        self.channels: set[str | None] = set()  # the channels of checked calls (None: main)
+        self.last = ""  # the last checked call, for messages and this process's leave record
         self.previous: dict[str, dict[str, Any]] = {}  # per tag, the last call's fingerprint
         self.sites: dict[str, Any] = {}  # `.multihost`'s functions checked since `enable`
-        self.left = False  # this process told the others it leaves
         self.announced: Settings | None = None  # the settings last announced
 
 
@@ -201,13 +199,12 @@ def check(site: CallSite, args: tuple[Any, ...]) -> None:
         count = state.count
     record = fingerprint(site, args, count)
     label = f"call #{record['n']} of {site.name}"
-    state.last = f"{label} ({site.kind}) at {record['where']}"
+    state.last = _agree.leaving["last"] = f"{label} ({site.kind}) at {record['where']}"
     _progress.note_progress()
     client, me, n = _compat.distributed_state()
     if client is None or n == 1:
         return
     tag = _channel.scoped("debug", site.name)
-    state.channels.add(_channel.current())
     # Compared: which function, the arguments' structure and leaves; shown: all of the record.
     summary = json.dumps([record["entry"], record["structure"], record["leaves"]])
     # ``{}``: no earlier call of this thread (the missing processes made none either).

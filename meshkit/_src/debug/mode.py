@@ -1,7 +1,7 @@
 """Debug mode's switch: `enable`, `disable`, its settings, and what it starts while on.
 
-On: stalls are reported sooner (`stall.configure`) and this process tells the others when it
-leaves. Nothing happens at import: `meshkit.init` and the first SPMD call run
+On: stalls are reported sooner (`stall.configure`), and the record this process leaves at exit
+names its last checked call. Nothing happens at import: `meshkit.init` and the first SPMD call run
 `enable_from_environment`.
 """
 
@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core import env as _env
-from ..core.errors import DivergenceError, MeshkitError
+from ..core.errors import MeshkitError
 from ..core.frames import public
 from ..core.log import logger, say
-from ..lifecycle import exit as _exit
 from ..lifecycle import progress as _progress
 from ..lifecycle import stall as _stall
-from .divergence import MAX_DESC, Settings, enabled, lock, state
+from .divergence import Settings, enabled, lock, state
 
 _LOG = logger("debug")
 
@@ -73,13 +70,6 @@ def enable(
     with lock:
         now = state.settings = Settings(timeout, watchdog, bool(exit_on_stall))
         _progress.note_progress()
-        # Registered by name, so once however often; before the other leaves
-        # (`meshkit._src.runtime.programs`): the first record a process waiting at this one's
-        # next agreement reads then names its last call.
-        _exit.on_exit("debug mode: publish leaving", _publish_leaving, order=_exit.LEAVE - 1)
-        _exit.on_exception(
-            "debug mode: publish leaving with the error", _leave_on_error, order=_exit.LEAVE
-        )
         if watchdog is None:
             _stall.configure(None)
         else:
@@ -142,22 +132,3 @@ def positive(value: Any, what: str, where: str = "meshkit.debug.enable") -> floa
             f"{where}: {what} must be a finite positive number of seconds; got {value!r}."
         )
     return float(value)
-
-
-def _publish_leaving(status: str = "exit", message: str = "") -> None:
-    """Tell the other processes, at each channel's next agreement, that this one will not come."""
-    client, _, n = _compat.distributed_state()
-    if client is None or n == 1 or state.settings is None or state.left:
-        return
-    state.left = True  # an uncaught error is told once, not again by the exit that follows
-    last = state.last or "no meshkit call"
-    record = {"left": True, "status": status, "last": last, "message": message}
-    for channel in sorted(state.channels | {None}, key=str):
-        with contextlib.suppress(Exception):  # leaving anyway: a store that is gone is no news
-            _agree.leave("debug", json.dumps(record), channel=channel)
-
-
-def _leave_on_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    if state.settings is not None and not isinstance(value, DivergenceError):
-        text = f"{kind.__name__}: {value}".splitlines()[0][:MAX_DESC]
-        _publish_leaving("error", text)

@@ -32,7 +32,6 @@ from ..core import env as _env
 from ..core import frames as _frames
 from ..core.errors import DivergenceError
 from ..core.version import __version__
-from ..lifecycle import exit as _exit
 
 ENV_PREFLIGHT = "MESHKIT_PREFLIGHT"
 _PREFLIGHT_TAG = "preflight"
@@ -156,17 +155,6 @@ def describe(mine: Facts) -> str:
     )
 
 
-def differences(records: dict[int, Facts]) -> list[tuple[str, dict[str, list[int]]]]:
-    """The fields whose values differ, in `Facts` order: each value with its processes."""
-    fields = {p: f.fields() for p, f in sorted(records.items())}
-    names = dict.fromkeys(k for flat in fields.values() for k in flat)  # in order, once each
-    found = [
-        (name, _missing.by_value({p: flat.get(name, "(absent)") for p, flat in fields.items()}))
-        for name in names
-    ]
-    return [(name, values) for name, values in found if len(values) > 1]
-
-
 def preflight(me: int, n: int, timeout: float) -> None:
     """Compare this process's `Facts` with the others' (one exchange), once joined."""
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
@@ -187,7 +175,7 @@ def preflight(me: int, n: int, timeout: float) -> None:
             field="arrival",
         )
     records = {p: Facts.from_json(r) for p, r in outcome.records.items()}
-    found = differences(records)
+    found = _missing.differences({p: f.fields().items() for p, f in records.items()})
     errors = [(name, values) for name, values in found if name not in WARN_ONLY]
     for name, values in found:
         if name in WARN_ONLY:
@@ -199,7 +187,7 @@ def preflight(me: int, n: int, timeout: float) -> None:
         raise DivergenceError(message, processes=suspects, field=errors[0][0])
 
 
-def _warning(name: str, values: dict[str, list[int]]) -> str:
+def _warning(name: str, values: _missing.Groups) -> str:
     what = "main program file" if name == "program" else "XLA_FLAGS"
     return (
         f"meshkit.init(): the processes run different {what}s ({_missing.listed(values)}"
@@ -209,7 +197,7 @@ def _warning(name: str, values: dict[str, list[int]]) -> str:
 
 
 def _message(
-    errors: list[tuple[str, dict[str, list[int]]]], suspects: list[int], compared: set[str]
+    errors: list[tuple[str, _missing.Groups]], suspects: list[int], compared: set[str]
 ) -> str:
     rows = "\n".join(f"  {name}: {_missing.listed(values)}" for name, values in errors)
     named = [name for name, _ in errors if name in compared]
@@ -233,7 +221,6 @@ _TAG = "programs"
 _WHAT = "meshkit (programs compared at compilation)"
 
 _remove: Callable[[], None] | None = None
-_tags: set[str] = {_TAG}  # the tags compared on, the main thread's from the start (left at exit)
 
 
 def install(num_processes: int) -> None:
@@ -243,7 +230,6 @@ def install(num_processes: int) -> None:
         return
     if _remove is None:
         _remove = _compat.on_compile(_compare)
-        _exit.on_exit("programs: leave the comparison", _leave, order=_exit.LEAVE)
         if _frames.filtering():
             for path in (_compat.__file__, __file__):  # the hook's frames, inside JAX's call
                 _compat.hide_from_jax_tracebacks(path)
@@ -274,18 +260,17 @@ def _compare(compiling: _compat.Compiling) -> None:
     if len(compiling.processes()) < 2 or not _channel.paired():
         return
     tag = _channel.scoped(_TAG, _WHAT)
-    _tags.add(tag)
     digest = hashlib.sha256(compiling.module_text().encode()).hexdigest()[:32]
-    # Arguments are exchanged only to explain a difference; ``line`` is never compared.
-    mine = {"name": compiling.name, "where": compiling.where(), "digest": digest}
+    # Shown only where the programs differ (the arguments, to say which one); never compared.
+    mine: dict[str, Any] = {"name": compiling.name, "where": compiling.where(), "digest": digest}
     line = _frames.user_place(sys._getframe())
     if line is not None:
         mine["line"] = line
     else:  # no frame of the user's code: a thread of meshkit's or a library's
         mine["thread"] = threading.current_thread().name
-    record = json.dumps(mine)
     timeout = _env.check_timeout()
     what = f"the first compilation of {_function(mine)}"
+    record = lambda: json.dumps({**mine, "args": compiling.args()})  # noqa: E731
     outcome = _agree.agree(tag, f"{compiling.name} {digest}", record, timeout=timeout, what=what)
     if outcome.agreed:
         return
@@ -307,7 +292,7 @@ def _compare(compiling: _compat.Compiling) -> None:
             processes=late if came > len(late) else sorted(compiling.processes()),
             field="arrival",
         )
-    raise _difference(records, number, _explain(compiling, tag, timeout))
+    raise _difference(records, number)
 
 
 _EVERYWHERE = (
@@ -324,27 +309,7 @@ _ALONE = (
 ) + _EVERYWHERE
 
 
-def _explain(
-    compiling: _compat.Compiling, tag: str, timeout: float
-) -> dict[int, list[list[str]]] | None:
-    """Every process's arguments, after a difference every process saw (None: all equal)."""
-    listed = json.dumps(compiling.args())
-    summary = hashlib.sha256(listed.encode()).hexdigest()
-    outcome = _agree.check(tag + "/arguments", summary, lambda: listed, timeout=timeout)
-    if outcome.agreed or outcome.missing or outcome.gave_up:
-        return None
-    return {p: json.loads(r) for p, r in outcome.records.items()}
-
-
-def _leave() -> None:
-    """At exit: leave every tag compared on, so that a process waiting there learns it at once."""
-    for tag in sorted(_tags):
-        _agree.leave(tag, _agree.leave_record())
-
-
-def _difference(
-    records: dict[int, dict[str, Any]], number: int, args: dict[int, list[list[str]]] | None
-) -> DivergenceError:
+def _difference(records: dict[int, dict[str, Any]], number: int) -> DivergenceError:
     by_digest = _missing.by_value({p: r["digest"] for p, r in records.items()})
     suspects = _missing.outside_majority(by_digest.values())
     lines = "\n".join(_group_line(records, ps) for ps in by_digest.values())
@@ -352,7 +317,7 @@ def _difference(
         f"{_WHAT}: the processes compiled different programs as their {_missing.ordinal(number)} "
         f"computation across processes:\n{lines}\n"
     )
-    field, detail = _first_difference(records, args)
+    field, detail = _first_difference(records)
     return DivergenceError((head + detail).rstrip("\n"), processes=suspects, field=field)
 
 
@@ -369,6 +334,7 @@ def _group_line(records: dict[int, dict[str, Any]], ps: list[int]) -> str:
     return f"  {_missing.processes(ps)}: {function}, run by {each}"
 
 
+_PARTS = ("type", "sharding")  # what `Compiling.args` gives per argument, after its name
 # What differs, and the fix that fits it: the field, what to say.
 _OTHER_FUNCTIONS = (
     "They are different functions: the processes ran different computations at this point "
@@ -393,16 +359,11 @@ _ARGUMENT = (
 )
 
 
-def _first_difference(
-    records: dict[int, dict[str, Any]], args: dict[int, list[list[str]]] | None
-) -> tuple[str, str]:
+def _first_difference(records: dict[int, dict[str, Any]]) -> tuple[str, str]:
     """The first argument whose type or sharding differs, as (field, sentences with the fix)."""
-    names = {p: r["name"] for p, r in records.items()}
-    if len(set(names.values())) > 1:
+    if len({r["name"] for r in records.values()}) > 1:
         return "function", _OTHER_FUNCTIONS
-    inside = ("program", _INSIDE)
-    if args is None:
-        return inside
+    args = {p: r.get("args", []) for p, r in records.items()}
     if len({len(a) for a in args.values()}) > 1:
         counts = _missing.listed(_missing.by_value({p: str(len(a)) for p, a in args.items()}))
         return "structure", (
@@ -410,14 +371,19 @@ def _first_difference(
             "Consider passing the same pytree (same keys, same number of arrays) on every "
             "process.\n"
         )
-    first = args[min(args)]
-    for i, (name, _, _) in enumerate(first):
-        for part, label in ((1, "type"), (2, "sharding")):
-            values = {p: a[i][part] for p, a in args.items()}
-            if len(set(values.values())) > 1:
-                listed = _missing.listed(_missing.by_value(values))
-                return name, _ARGUMENT.format(name=name, label=label, values=listed)
-    return inside
+    rows = {
+        p: [
+            ((i, n, label), x)
+            for i, (n, *xs) in enumerate(a)
+            for label, x in zip(_PARTS, xs, strict=True)
+        ]
+        for p, a in args.items()
+    }
+    found = _missing.differences(rows)
+    if not found:
+        return "program", _INSIDE
+    (_, name, label), groups = found[0]
+    return name, _ARGUMENT.format(name=name, label=label, values=_missing.listed(groups))
 
 
 def _function(record: dict[str, Any]) -> str:
