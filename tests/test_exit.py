@@ -40,7 +40,7 @@ def registry(monkeypatch):
 def test_exit_handlers_run_by_order_then_registration_each_once(registry):
     ran = []
     _exit.on_exit("flushed late", lambda: ran.append("flush"), order=_exit.FLUSH + 1)
-    _exit.on_exit("leave", lambda: ran.append("leave"), order=_exit.LEAVE)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
     _exit.on_exit("stop a", lambda: ran.append("stop a"), order=_exit.STOP)
     _exit.on_exit("stop b", lambda: ran.append("stop b"), order=_exit.STOP)
     _exit.on_exit("drain", lambda: ran.append("drain"), order=_exit.DRAIN)
@@ -48,7 +48,7 @@ def test_exit_handlers_run_by_order_then_registration_each_once(registry):
     assert registry.installed == [_exit.run_exit_handlers]  # one atexit entry, whoever asks
     _exit.run_exit_handlers()
     _exit.run_exit_handlers()  # `end` runs them, then Python's atexit may again: once each
-    assert ran == ["stop a again", "stop b", "drain", "leave", "flush"]
+    assert ran == ["stop a again", "stop b", "drain", "report", "flush"]
 
 
 def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
@@ -58,9 +58,9 @@ def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
         raise RuntimeError("disk gone")
 
     _exit.on_exit("write the log", broken, order=_exit.STOP)
-    _exit.on_exit("leave", lambda: ran.append("leave"), order=_exit.LEAVE)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
     _exit.run_exit_handlers()
-    assert ran == ["leave"]
+    assert ran == ["report"]
     [record] = [r for r in caplog.records if r.name == "meshkit.guards"]
     assert record.levelno == logging.ERROR
     assert "meshkit: the exit handler 'write the log' failed: RuntimeError: disk gone" in (
@@ -76,7 +76,7 @@ def test_the_exception_hook_is_installed_once_and_runs_around_the_traceback(regi
                        order=_exit.REPORT)  # fmt: skip
     hook = sys.excepthook
     _exit.on_exception("before", lambda k, v, tb: seen.append(("before", str(v))),
-                       order=_exit.LEAVE)  # fmt: skip
+                       order=_exit.DRAIN)  # fmt: skip
     assert sys.excepthook is hook is _exit._excepthook
     sys.excepthook(ValueError, ValueError("bad"), None)
     assert seen == [("before", "bad"), ("traceback", "bad"), ("after", "bad")]
@@ -98,7 +98,7 @@ def test_end_runs_the_handlers_then_its_final_step_and_exits_with_the_status():
     out = _run("""
         import atexit, sys
         from meshkit._src.lifecycle import exit as _exit
-        _exit.on_exit("ours", lambda: print("ours", flush=True), order=_exit.LEAVE)
+        _exit.on_exit("ours", lambda: print("ours", flush=True), order=_exit.DRAIN)
         # registered after meshkit's (as after meshkit.init): Python runs it first
         atexit.register(lambda: print("user handler", flush=True))
         _exit.end(7, grace=30, announce="ending\\n", final=lambda: print("final", flush=True))

@@ -1,7 +1,7 @@
 """The one owner of process exit: the exception hook, exit handlers, SIGTERM, the final exit.
 
 Installed on first use. At a normal end the exit handlers run by order (`STOP`, `DRAIN`,
-`LEAVE`, `FLUSH`) before JAX's shutdown barrier. `end` ends a failing process (handlers bounded
+`FLUSH`) before JAX's shutdown barrier. `end` ends a failing process (handlers bounded
 by ``grace``, JAX's barrier skipped); `now` exits at once. This module holds the only
 ``os._exit``.
 
@@ -34,8 +34,7 @@ _LOG = logger("guards")
 
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
-DRAIN = 15  # before any leave is posted: the others verify the deferred checks first
-LEAVE = 20
+DRAIN = 15  # the deferred checks verified, then this process's leave posted
 REPORT = 40  # exception handlers: below it before the traceback is printed, from it after
 FLUSH = 50
 
@@ -71,7 +70,7 @@ _final = threading.Lock()  # held by the path that makes the final exit
 
 
 def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
-    """Run ``handler`` when this process ends, at ``order`` (`STOP`, `DRAIN`, `LEAVE`, `FLUSH`)."""
+    """Run ``handler`` when this process ends, at ``order`` (`STOP`, `DRAIN`, `FLUSH`)."""
     with _lock:
         _registry.exit[name] = _Handler(name, order, handler)
         if not _registry.atexit_installed:
