@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshkit._src.arrays import ends
-from meshkit._src.coord.fake import FakeCluster
 from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import poll_period
+from meshkit.testing._fake_service import FakeCluster
 
 
 def test_posts_are_read_by_every_process_and_name_the_steps():

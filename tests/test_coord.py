@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshkit._src.coord import agree, agreement, failures, missing, places
-from meshkit._src.coord.fake import FakeCluster, ServiceGone
 from meshkit._src.coord.node import Node, Outcome
 from meshkit._src.coord.service import Barrier, Counted, JaxService, Stats
 from meshkit._src.core.errors import DivergenceError
 from meshkit._src.lifecycle.failfast import PeerPosts, Unanswered
 from meshkit._src.lifecycle.preemption import PreemptionNotice
+from meshkit.testing._fake_service import FakeCluster, ServiceGone
 
 
 def _together(nodes: list[Node], body: Callable[[Node], Any], timeout: float = 30.0) -> list[Any]:

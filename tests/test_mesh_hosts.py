@@ -20,10 +20,10 @@ from test_mesh_order import factorizations, fake_devices
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.coord.fake import FakeCluster
 from meshkit._src.coord.gather import gather
 from meshkit._src.runtime.hosts import Hosts
 from meshkit._src.sharding.mesh import domains, order_devices
+from meshkit.testing._fake_service import FakeCluster
 
 
 @st.composite

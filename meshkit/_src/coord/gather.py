@@ -53,7 +53,7 @@ def gather(
     read could not stop at exit) and give up, naming nobody, once it is set.
 
     Examples:
-        >>> from meshkit._src.coord.fake import FakeCluster
+        >>> from meshkit.testing._fake_service import FakeCluster
         >>> gather(FakeCluster(1).service(0), 0, 1, "t", "a", lambda v: ",".join(v.values()),
         ...        timeout=1.0)
         Gathered(answer='a', missing=())

@@ -1,6 +1,7 @@
 """One process's end of coordination: its service and the protocols' state (a `Node`).
 
-No module globals: several "processes" run in one Python process over `meshkit._src.coord.fake`.
+No module globals: several "processes" run in one Python process over the fake service of
+`meshkit.testing._fake_service`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .node import Node
-from .service import UNAVAILABLE, Barrier
+from meshkit._src.coord.node import Node
+from meshkit._src.coord.service import UNAVAILABLE, Barrier
 
 
 class ServiceGone(ConnectionError):
