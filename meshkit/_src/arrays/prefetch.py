@@ -73,17 +73,18 @@ class Ahead:
 
     def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
-        width = 1  # the next window's size (1: the next step is agreed alone; 0: the end agreed)
+        width, alone = 1, 0  # the next window's size; steps still to agree one by one
         agreed: deque[Any] = deque()  # steps (`_Read`), then END or an exception
         pulled: list[_Pulled] = []  # the window being read: its reads, and the steps prepared
         steps: list[_Read] = []
+        ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
             while True:
                 if agreed and self._slots.acquire(blocking=False):
                     if not self._place(agreed.popleft()):
                         return
                     continue
-                if width > 1 and len(agreed) < width:
+                if width > 1 and not alone and not ending and len(agreed) < width:
                     if self.stop.is_set():
                         self.release()  # the others' helpers wait for this one's next agreement
                         return
@@ -97,13 +98,14 @@ class Ahead:
                     pulled, steps = [], []
                     if outcome is END or isinstance(outcome, BaseException):  # after those before
                         agreed.append(outcome)
-                        width = 0
+                        ending = True
                     elif outcome:
                         agreed.extend(outcome)
+                        ending = outcome[-1] is END
                         self.windows += 1
-                        width = 0 if outcome[-1] is END else min(2 * width, self._width_cap)
-                    else:  # its first step is agreed alone: a difference is named at its step
-                        width = 1
+                        width = min(2 * width, self._width_cap)
+                    else:  # the window's steps are agreed one by one, as they always were
+                        alone, width = width, 1
                     continue
                 taken = False  # a slot, waited for until the iterator is closed
                 while not (taken or self.stop.is_set()):
@@ -118,7 +120,9 @@ class Ahead:
                 steady = self._one()
                 if steady is None:
                     return
-                width = min(2, self._width_cap) if steady and self.assembly.multi else 1
+                alone = max(0, alone - 1)
+                grow = steady and self.assembly.multi and not alone
+                width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
             self.put(e)
 
