@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 
 import jax
 import pytest
@@ -312,10 +313,37 @@ def test_options_come_from_arguments_else_environment(monkeypatch):
 
 
 def test_the_installed_jax_takes_every_option():
-    # JAX >= 0.10.2 (meshkit's floor) has them all: meshkit passes them without asking.
     params = inspect.signature(jax.distributed.initialize).parameters
-    for parameter in [*_init_module.DISTRIBUTED_OPTIONS, "initialization_timeout"]:
+    for parameter in _init_module.DISTRIBUTED_OPTIONS:
         assert parameter in params
+    assert _init_module.INITIALIZATION in params
+    _init_module.check_supported({"heartbeat_timeout_seconds": 5, "shutdown_timeout_seconds": 5})
+
+
+def test_a_jax_without_the_option_is_named_with_the_versions_that_have_it(monkeypatch):
+    def old_initialize(
+        coordinator_address=None,
+        num_processes=None,
+        process_id=None,
+        local_device_ids=None,
+        initialization_timeout=300,
+    ):
+        raise AssertionError("never called")  # fmt: skip
+
+    monkeypatch.setenv("MESHKIT_SHUTDOWN_TIMEOUT", "9")
+    monkeypatch.setattr(jax.distributed, "initialize", old_initialize)
+    monkeypatch.setattr(jax, "__version__", "0.4.1")
+    with pytest.raises(meshkit.MeshkitError) as refusal:
+        _init_module.check_supported({"shutdown_timeout_seconds": 9})
+    text = str(refusal.value)
+    assert text.startswith(
+        "meshkit.init(shutdown_timeout=...): the running JAX 0.4.1 has no "
+        "shutdown_timeout_seconds parameter in\njax.distributed.initialize, so it cannot be "
+        "passed (from the environment variable MESHKIT_SHUTDOWN_TIMEOUT).\n"
+        "JAX 0.10.2 and 0.12 have it."
+    ), text
+    assert re.search(r"Consider installing one of those JAX versions, or leaving "
+                     r"shutdown_timeout unset", text.replace("\n", " "))  # fmt: skip
 
 
 # ---- meshkit launch's flags -----------------------------------------------------------------
@@ -334,3 +362,11 @@ def test_launch_flags_set_the_ranks_variables():
         "MESHKIT_SHUTDOWN_TIMEOUT": "60",
     }
     assert _join_options(_parser().parse_args(["launch", "prog.py"])) == {}
+
+
+def test_a_wrapper_that_passes_keywords_on_is_accepted(monkeypatch):
+    def wrapper(*args, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(jax.distributed, "initialize", wrapper)
+    _init_module.check_supported({"heartbeat_timeout_seconds": 5})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import time
@@ -340,6 +341,7 @@ def init(
     options = distributed_options(
         heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
     )
+    check_supported(options)
     num_processes = _whole("num_processes", num_processes)
     process_id = _whole("process_id", process_id, least=0)
     if process_id is not None and process_id >= (num_processes or 1):
@@ -491,10 +493,22 @@ DISTRIBUTED_OPTIONS = {
     "heartbeat_timeout_seconds": ("heartbeat_timeout", ENV_HEARTBEAT_TIMEOUT),
     "shutdown_timeout_seconds": ("shutdown_timeout", ENV_SHUTDOWN_TIMEOUT),
 }
+INITIALIZATION = "initialization_timeout"
 _BAD_VALUE = """\
 meshkit.init(): {name} must be a whole number of seconds >= 1; got {value!r}{origin}.
 JAX's jax.distributed.initialize takes it as {parameter}, in whole seconds.
 Consider {name}=SECONDS, e.g. {name}=120."""
+
+_UNSUPPORTED = """\
+meshkit.init({name}=...): the running JAX {version} has no {parameter} parameter in
+jax.distributed.initialize, so it cannot be passed{origin}.
+JAX 0.10.2 and 0.12 have it.
+Consider installing one of those JAX versions, or leaving {name} unset (JAX then keeps its own
+default)."""
+
+
+def _origin(variable: str | None) -> str:
+    return f" (from the environment variable {variable})" if variable else ""
 
 
 def distributed_options(**given: Any) -> dict[str, Any]:
@@ -507,11 +521,26 @@ def distributed_options(**given: Any) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            origin = f" (from the environment variable {origin})" if origin else ""
-            what = {"name": name, "value": value, "origin": origin, "parameter": parameter}
+            what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
             raise MeshkitError(_BAD_VALUE.format(**what))
         options[parameter] = value
     return options
+
+
+def check_supported(options: dict[str, int]) -> None:
+    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
+    try:
+        accepted = inspect.signature(jax.distributed.initialize).parameters
+    except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return  # a wrapper (a test's spy, a framework's) that passes keywords on
+    for parameter in [INITIALIZATION, *options]:
+        if parameter not in accepted:
+            name, variable = DISTRIBUTED_OPTIONS.get(parameter, ("timeout", None))
+            origin = _origin(variable) if _env.raw(variable or "") is not None else ""
+            what = {"name": name, "parameter": parameter, "origin": origin}
+            raise MeshkitError(_UNSUPPORTED.format(version=jax.__version__, **what))
 
 
 def _local_cpu_count() -> int | None:
