@@ -60,15 +60,6 @@ def resolve(axis: Axis, ndim: int, where: str, name: str) -> Axis:
     return axis % ndim
 
 
-@dataclass
-class Layout:
-    """What a call's structure fixes: each leaf's in_axes entry and name, the donated leaves."""
-
-    axes: tuple[Axis, ...]
-    paths: tuple[str, ...]
-    donated: tuple[int, ...]
-
-
 def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """(positional count, static values, keyword names): checked, hashable."""
     what, static = fn.what, fn.static
@@ -98,8 +89,8 @@ def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
     return (n, static_vals, tuple(sorted(kwargs)) if kwargs else ())
 
 
-def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layout:
-    """The per-leaf in_axes, names and donations of a call structure."""
+def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> tuple[Any, ...]:
+    """A call structure's per-leaf in_axes and names, and the donated leaves' indices."""
     what = fn.what
     positions, dyn_axes = in_axes_for(fn, n_args, kwargs)
     mismatch = prefix_mismatch(
@@ -125,7 +116,7 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> Layo
         paths.append(f"args[{pos}]{jax.tree_util.keystr(path[2:])}")
         if pos in fn.donate:
             donated.append(k)
-    return Layout(tuple(axes), tuple(paths), tuple(donated))
+    return axes, tuple(paths), tuple(donated)
 
 
 def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> tuple[list[int], tuple[Any, ...]]:
@@ -223,7 +214,8 @@ def build(
     fn: Any,
     key: tuple[Any, ...],
     treedef: Any,
-    layout: Layout,
+    paths: tuple[str, ...],
+    donated: tuple[int, ...],
     resolved: tuple[Axis, ...],
     mesh: Mesh,
     tracing: bool,
@@ -231,7 +223,7 @@ def build(
     """The entry of ``fn`` for one call structure on ``mesh``; ``tracing``: no shardings."""
     name = fn.mesh_axis
     specs = tuple(out_spec(r, name) for r in resolved)
-    plan = argument_plan(mesh, specs, layout.paths)
+    plan = argument_plan(mesh, specs, paths)
     statics = dict(zip(fn.static, key[1], strict=True))
 
     def per_device(*blocks: Any) -> Any:
@@ -275,7 +267,7 @@ def build(
     # the same value: jit's out_shardings where the out_axes fix them (cheaper per call), else
     # a constraint. They are the plan's objects, so outputs fed back pass `ArgumentPlan.placed`.
     out_shardings = None
-    options: dict[str, Any] = {"donate_argnums": layout.donated}
+    options: dict[str, Any] = {"donate_argnums": donated}
     if not tracing:
         options["in_shardings"] = plan.targets
         if fn.out_axes_fixed:

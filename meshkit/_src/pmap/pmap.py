@@ -1,6 +1,6 @@
 """`pmap_compat`: `jax.pmap`'s interface and results, run as ``jax.jit(jax.shard_map(...))``.
 
-A call's structure selects a cached layout and `entry`; arguments placed as it expects go
+A call's structure and shapes select a cached `entry`; arguments placed as it expects go
 straight to its jit. Its 1-D device meshes (`device_mesh`) serve the flax-era helpers too.
 """
 
@@ -95,7 +95,6 @@ class PmapFunction:
         self.out_axes_fixed = all(a is None or a >= 0 for a in out_leaves)
         self.checks_outputs = any(a is None for a in out_leaves)
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
-        self._layouts: dict[Any, _entry.Layout] = {}
         self._entries: dict[Any, _entry.Entry] = {}
         # Per structure of positional-only calls: the last call's entry (the steady state).
         self._steady: dict[Any, _entry.Entry] = {}
@@ -145,28 +144,38 @@ class PmapFunction:
         """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
         key = _entry.call_key(self, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
-        layout = self._layouts.get((key, treedef))
-        if layout is None:
-            dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-            layout = _entry.call_layout(self, key[0], dyn, kw)
-            self._layouts[(key, treedef)] = layout
-        resolved = tuple(
-            _entry.resolve(a, np.ndim(leaf), where, self.name)
-            for leaf, a, where in zip(leaves, layout.axes, layout.paths, strict=True)
-        )
         tracing = not _compat.trace_state_clean()
+        # The leaves' shapes fix the mapped axes and the mesh; global arrays count every
+        # process's entries.
+        shapes = tuple((np.shape(leaf), _is_global(leaf)) for leaf in leaves)
+        entry = self._entries.get((key, treedef, shapes, tracing))
+        if entry is None:
+            entry = self._new_entry(key, treedef, leaves, shapes, tracing)
+            self._entries[(key, treedef, shapes, tracing)] = entry
+        placed = leaves if tracing else entry.place(leaves, treedef)
+        return key, treedef, leaves, entry, placed
+
+    def _new_entry(
+        self, key: Any, treedef: Any, leaves: list[Any], shapes: Any, tracing: bool
+    ) -> _entry.Entry:
+        """The entry of a call structure and its leaves' shapes: axes resolved, mesh chosen."""
+        dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
+        axes, paths, donated = _entry.call_layout(self, key[0], dyn, kw)
+        resolved = tuple(
+            _entry.resolve(a, len(shape), where, self.name)
+            for (shape, _), a, where in zip(shapes, axes, paths, strict=True)
+        )
         processes = jax.process_count()
         mapped = [
-            (leaf, r, where)
-            for leaf, r, where in zip(leaves, resolved, layout.paths, strict=True)
+            (shape, r, where, shape[r] // processes if is_global else shape[r])
+            for (shape, is_global), r, where in zip(shapes, resolved, paths, strict=True)
             if r is not None
         ]
-        sizes = {_local_size(leaf, r, processes) for leaf, r, _ in mapped}
+        sizes = {n for *_, n in mapped}
         if len(sizes) > 1:
             rows = [
-                f"  {where}: shape {tuple(np.shape(leaf))}, mapped axis {r} of size "
-                f"{np.shape(leaf)[r]}"
-                for leaf, r, where in mapped
+                f"  {where}: shape {shape}, mapped axis {r} of size {shape[r]}"
+                for shape, r, where, _ in mapped
             ]
             raise MeshkitError(
                 f"{self.what}: the mapped arguments have different sizes along their mapped "
@@ -184,13 +193,7 @@ class PmapFunction:
                 "device, or axis_size= to map a function of no mapped argument."
             )
         mesh = self._mesh(size, tracing and processes > 1)
-        entry_key = (key, treedef, resolved, mesh, tracing)
-        entry = self._entries.get(entry_key)
-        if entry is None:
-            entry = _entry.build(self, key, treedef, layout, resolved, mesh, tracing)
-            self._entries[entry_key] = entry
-        placed = leaves if tracing else entry.place(leaves, treedef)
-        return key, treedef, leaves, entry, placed
+        return _entry.build(self, key, treedef, paths, donated, resolved, mesh, tracing)
 
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
         """The first ``per_process`` devices of each process (``local_only``: of this one)."""
@@ -352,11 +355,12 @@ def device_mesh(
     return _cached_mesh(chosen, axis_name)
 
 
-def _local_size(leaf: Any, axis: int, processes: int) -> int:
-    """The mapped size this process contributes: global arrays count every process's entries."""
-    n = int(np.shape(leaf)[axis])
-    concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer)
-    return n // processes if concrete and not leaf.is_fully_addressable else n
+def _is_global(leaf: Any) -> bool:
+    return (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, Tracer)
+        and not leaf.is_fully_addressable
+    )
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:

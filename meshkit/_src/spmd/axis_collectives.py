@@ -186,11 +186,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
                 "meshkit.collectives.all_gather: tiled=True needs operands of rank "
                 ">= 1; got a scalar. Consider tiled=False, which stacks."
             )
-    if ctx is not None:
-        return ctx.run("all_gather", x, names, axis=axis, tiled=tiled)
-    return lax.all_gather(
-        _varying(x, names), _axis_arg(names), axis=axis, tiled=tiled, to="invarying"
-    )
+    return _apply("all_gather", x, names, ctx, axis=axis, tiled=tiled, to="invarying")
 
 
 @public

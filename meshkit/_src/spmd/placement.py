@@ -8,8 +8,7 @@ leaves all match the plan (one list comparison) goes straight to the jit.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,14 +157,3 @@ def assemble(
         )
     placed = dict(zip(chosen, jax.tree_util.tree_leaves(tree), strict=True))
     return [placed.get(i, leaf) for i, leaf in enumerate(leaves)]
-
-
-@contextlib.contextmanager
-def failures_published(tag: str) -> Iterator[None]:
-    """Publish an error raised inside to the processes waiting in an assembly under ``tag``."""
-    try:
-        yield
-    except Exception as e:
-        tagged = _assembly.check_tag(_channel.scoped(tag, "meshkit.spmd"))
-        _assembly.publish_failure(tagged, e)
-        raise

@@ -18,6 +18,8 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
+from ..arrays import assembly as _assembly
+from ..coord import channel as _channel
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import MeshkitError
@@ -40,7 +42,7 @@ from ..sharding.specs import (
     to_spec_types,
 )
 from . import placement as _placement
-from .placement import Placed, argnums, dynamic, failures_published, from_host
+from .placement import Placed, argnums, dynamic
 
 
 class ReshardWarning(UserWarning):
@@ -469,14 +471,18 @@ class MeshPlan:
             flat = leaves
             if self.multiprocess and layout.plan is not None:
                 flat = [
-                    from_host(x, t) if _placement.is_host(x) else x
+                    _placement.from_host(x, t) if _placement.is_host(x) else x
                     for x, t in zip(leaves, layout.plan.targets, strict=True)
                 ]
         elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
-            # This process's parts, assembled into global arrays. The layout is made inside
-            # failures_published so that a spec error reaches the waiting processes too.
-            with failures_published(_TAG):
+            # This process's parts, assembled into global arrays; a spec error is published so
+            # that it reaches the processes waiting in the assembly too.
+            try:
                 layout = self.layout(dyn, treedef)
+            except Exception as e:
+                tagged = _assembly.check_tag(_channel.scoped(_TAG, "meshkit.spmd"))
+                _assembly.publish_failure(tagged, e)
+                raise
             assert layout.plan is not None  # a multi-process mesh is made of devices
             local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
             raws = [layout.leaves[i][1] for i in local]
