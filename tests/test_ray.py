@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,36 @@ def _ray_processes_left(marker: str, wait: float = 30.0) -> list[str]:
     return cluster
 
 
-def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker):
-    done, _ = _job(tmp_path, marker, "actors")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def actors_job(tmp_path_factory) -> dict[str, object]:
+    """Both runs of plain actors, in turn in one Ray cluster (Ray starts once for the two
+    tests): a healthy run, then one whose rank 1 dies. JAX's heartbeat timeout is 10 s in both
+    (a healthy run never misses a heartbeat). Each run's part of the output starts at its
+    ``RUN`` line, on stdout and on stderr.
+
+    Its own marker, since the job serves two tests: no process of it may outlive the module.
+    """
+    marker = uuid.uuid4().hex
+    try:
+        done, _ = _job(tmp_path_factory.mktemp("ray"), marker, "actors", ",die:1", heartbeat=10)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        healthy, died = done.stdout.split("RUN 1 die:1", 1)
+        died_err = done.stderr.split("RUN 1 die:1", 1)[1]
+        yield {"healthy": healthy, "died": died, "died output": died + died_err,
+               "cluster left": _ray_processes_left(marker)}  # fmt: skip
+    finally:
+        left = processes_with_marker(marker)
+        for pid in left:
+            os.kill(pid, 9)
+        assert not left, f"processes left behind: {left}"
+
+
+def test_two_ray_actors_run_a_meshkit_program_over_all_devices(actors_job):
     results = sorted(
-        (json.loads(ln[ln.index("RESULT ") + 7 :]) for ln in _lines(done.stdout, "RESULT ")),
+        (
+            json.loads(ln[ln.index("RESULT ") + 7 :])
+            for ln in _lines(actors_job["healthy"], "RESULT ")
+        ),
         key=lambda r: r["rank"],
     )
     assert [(r["process"], r["processes"], r["devices"]) for r in results] == [(0, 2, 8), (1, 2, 8)]
@@ -98,7 +124,7 @@ def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker)
     assert {r["total"] for r in results} == {24.0}
     assert {r["step_total"] for r in results} == {24.0}
     assert {r["source"] for r in results} == {"jax.distributed"}
-    assert not _ray_processes_left(marker)
+    assert not actors_job["cluster left"]
 
 
 def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_or_stuck_worker(
@@ -125,21 +151,19 @@ def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_or_stu
     assert not _ray_processes_left(marker)
 
 
-def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(tmp_path, marker):
+def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(actors_job):
     # Rank 1's process dies (os._exit) while rank 0 waits in a collective: no exception to
     # report, nothing told. Ray names the dead actor at once; rank 0 ends when JAX's
     # coordination service misses rank 1's heartbeats (10 s here, 100 s by JAX's default),
     # naming task 1. Never a hang.
-    done, _ = _job(tmp_path, marker, "actors", "die:1", heartbeat=10)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    died = actors_job["died"]
     errors = {
         int(m.group(1)): (float(m.group(2)), line)
-        for line in _lines(done.stdout, "ERROR ")
+        for line in _lines(died, "ERROR ")
         if (m := re.search(r"ERROR (\d+) ([\d.]+) ", line))
     }
-    assert sorted(errors) == [0, 1], done.stdout[-3000:]
+    assert sorted(errors) == [0, 1], died[-3000:]
     assert "ActorDiedError" in errors[1][1]
     assert errors[0][0] - errors[1][0] < 60  # JAX's heartbeat ended rank 0, not a timeout
-    output = done.stdout + done.stderr
-    assert "stopped sending heartbeats" in output
-    assert not _ray_processes_left(marker)
+    assert "stopped sending heartbeats" in actors_job["died output"]
+    assert not actors_job["cluster left"]

@@ -1,7 +1,7 @@
 """A meshkit program run by Ray: as 2 plain actors, or through Ray Train's `JaxTrainer`.
 
 Run as a script (Ray pickles the functions of ``__main__`` by value, so the workers need no
-path to this file): ``python ray_job.py {actors|trainer} PORT [FAILING_RANK]``. It starts a
+path to this file): ``python ray_job.py {actors|trainer} PORTS [FAILING]``. It starts a
 local Ray cluster in this process (2 CPUs, a small object store, no dashboard), runs 2 workers
 of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or ``FAILED <text>``), and
 shuts Ray down. Each worker joins JAX by hand with `jax.distributed.initialize`, as Ray Train
@@ -126,8 +126,8 @@ def trainer(coordinator: str, failing: str | None, out: str) -> None:
 def main() -> None:
     mode, ports = sys.argv[1], [int(p) for p in sys.argv[2].split(",")]
     # "1": rank 1 raises; "die:1": dies; "stuck:1": blocks; "1,stuck:1": a run of each, in turn
+    # (",die:1": a healthy run, then one where rank 1 dies), all in one Ray cluster
     failing = sys.argv[3] if len(sys.argv) > 3 else None
-    coordinator = f"127.0.0.1:{ports[0]}"
     stall = os.environ.get("RAY_JOB_STALL_TIMEOUT")  # MESHKIT_STALL_TIMEOUT for the workers
     ray.init(
         num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
@@ -144,11 +144,14 @@ def main() -> None:
     )
     start = time.monotonic()
     try:
-        if mode == "actors":
-            actors(coordinator, failing)
-        else:
-            for i, spec in enumerate((failing or "").split(",")):  # one fit each, in turn
-                print(f"RUN {i} {spec}", flush=True)
+        for i, spec in enumerate((failing or "").split(",")):  # a run each, in turn
+            # On both streams: Ray forwards the workers' output to each, and a test reads a
+            # run's part of either.
+            print(f"RUN {i} {spec}", flush=True)
+            print(f"RUN {i} {spec}", file=sys.stderr, flush=True)
+            if mode == "actors":
+                actors(f"127.0.0.1:{ports[i]}", spec or None)
+            else:
                 trainer(f"127.0.0.1:{ports[i]}", spec or None, os.environ["RAY_JOB_OUT"])
     finally:
         print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
