@@ -5,6 +5,9 @@ plain actors or through Ray Train's `JaxTrainer` (whose training function runs i
 thread, not the main thread). Each worker joins JAX by hand, as Ray Train does on GPUs and
 TPUs, then calls `meshkit.init()`, which adopts the join. Required in CI (which installs ray);
 skipped elsewhere with the reason printed.
+
+Ray starts once for the module: one job makes every run in turn in one cluster (`ray_job`),
+and each test reads its runs' part of the output.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,19 +26,17 @@ from conftest import processes_with_marker, require
 
 from meshkit.testing import free_ports
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
+# The first test waits for the whole job (every run): 4 runs of up to 280 s would exceed 300 s.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits, pytest.mark.timeout(600)]
 
 JOB = Path(__file__).resolve().parent / "ray_programs" / "ray_job.py"
+_RUNS = ("actors", "actors:die:1", "trainer:1", "trainer:stuck:1")
+_JOB_LIMIT_S = 540  # the four runs; one took up to 280 s on a busy machine
 
 
 def _job(
-    tmp_path: Path,
-    marker: str,
-    mode: str,
-    *extra: str,
-    heartbeat: int | None = None,
-    stall: int | None = None,
-) -> tuple[subprocess.CompletedProcess[str], list]:
+    tmp_path: Path, marker: str, runs: str, heartbeat: int, stall: int
+) -> subprocess.CompletedProcess[str]:
     require("ray", "the Ray tests start a local Ray cluster")
     require("ray.train.v2.jax", "Ray Train's JaxTrainer")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHKIT_", "JAX_"))}
@@ -42,22 +44,16 @@ def _job(
         {"RAY_JOB_OUT": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
     )
     env["MESHKIT_TEST_MARKER"] = marker  # Ray's processes inherit it: none may outlive the job
-    if heartbeat is not None:
-        env["RAY_JOB_HEARTBEAT"] = str(heartbeat)
-    if stall is not None:
-        env["RAY_JOB_STALL_TIMEOUT"] = str(stall)
-    first = free_ports(2)  # a coordinator port for each of a job's (at most two) runs
-    done = subprocess.run(
-        [sys.executable, str(JOB), mode, f"{first},{first + 1}", *extra],
-        capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path,
+    env["RAY_JOB_HEARTBEAT"] = str(heartbeat)  # the actors' runs
+    env["RAY_JOB_STALL_TIMEOUT"] = str(stall)  # the trainer's workers
+    count = runs.count(",") + 1
+    first = free_ports(count)  # a coordinator port for each run
+    ports = ",".join(str(first + i) for i in range(count))
+    return subprocess.run(
+        [sys.executable, str(JOB), runs, ports],
+        capture_output=True, text=True, timeout=_JOB_LIMIT_S, env=env, cwd=tmp_path,
         start_new_session=True,
     )  # fmt: skip
-    totals = [
-        json.loads(line[line.index("TOTAL ") + 6 :])
-        for line in done.stdout.splitlines()
-        if "TOTAL " in line
-    ]
-    return done, totals
 
 
 def _lines(stdout: str, word: str) -> list[str]:
@@ -86,11 +82,48 @@ def _ray_processes_left(marker: str, wait: float = 30.0) -> list[str]:
     return cluster
 
 
-def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker):
-    done, _ = _job(tmp_path, marker, "actors")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def ray_job(tmp_path_factory) -> dict[str, object]:
+    """Every run of the module, in turn in one Ray cluster (Ray starts once): plain actors, a
+    healthy run and one whose rank 1 dies (JAX's heartbeat timeout 10 s in both: a healthy run
+    misses no heartbeat); then `JaxTrainer` (``MESHKIT_STALL_TIMEOUT=3`` for its workers), a
+    run whose rank 1 raises and one whose rank 1 is stuck.
+
+    Returns the job and, by run, its output from the run's ``RUN`` line: ``stdout`` to the next
+    run's (the driver prints its lines in order), and ``output``, stdout and stderr to the end
+    (Ray forwards the workers' lines a moment later, maybe after the next ``RUN`` line). Its own
+    marker, since the job serves every test: no process of it may outlive the module.
+    """
+    marker = uuid.uuid4().hex
+    try:
+        done = _job(tmp_path_factory.mktemp("ray"), marker, ",".join(_RUNS), heartbeat=10, stall=3)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        heads = [f"RUN {i} {spec}" for i, spec in enumerate(_RUNS)]
+        runs = []
+        for i, head in enumerate(heads):
+            out = done.stdout.split(head, 1)[1]
+            runs.append({
+                "stdout": out.split(heads[i + 1], 1)[0] if i + 1 < len(heads) else out,
+                "output": out + done.stderr.split(head, 1)[1],
+            })  # fmt: skip
+        totals = [
+            json.loads(line[line.index("TOTAL ") + 6 :])
+            for line in done.stdout.splitlines()
+            if "TOTAL " in line
+        ]
+        yield {"done": done, "runs": runs, "totals": totals,
+               "cluster left": _ray_processes_left(marker)}  # fmt: skip
+    finally:
+        left = processes_with_marker(marker)
+        for pid in left:
+            os.kill(pid, 9)
+        assert not left, f"processes left behind: {left}"
+
+
+def test_two_ray_actors_run_a_meshkit_program_over_all_devices(ray_job):
+    healthy = ray_job["runs"][0]["stdout"]
     results = sorted(
-        (json.loads(ln[ln.index("RESULT ") + 7 :]) for ln in _lines(done.stdout, "RESULT ")),
+        (json.loads(ln[ln.index("RESULT ") + 7 :]) for ln in _lines(healthy, "RESULT ")),
         key=lambda r: r["rank"],
     )
     assert [(r["process"], r["processes"], r["devices"]) for r in results] == [(0, 2, 8), (1, 2, 8)]
@@ -98,20 +131,18 @@ def test_two_ray_actors_run_a_meshkit_program_over_all_devices(tmp_path, marker)
     assert {r["total"] for r in results} == {24.0}
     assert {r["step_total"] for r in results} == {24.0}
     assert {r["source"] for r in results} == {"jax.distributed"}
-    assert not _ray_processes_left(marker)
+    assert not ray_job["cluster left"]
 
 
 def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_or_stuck_worker(
-    tmp_path, marker
+    ray_job,
 ):
-    # Two runs in one Ray cluster: rank 1 raises at step 1; then rank 1 blocks at step 1 in the
-    # training function's thread (alive, stuck), and the stall verdict of both workers ends it.
-    done, totals = _job(tmp_path, marker, "trainer", "1,stuck:1", stall=3)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    failed, stuck = done.stdout.split("RUN 1 stuck:1", 1)
-    stuck += done.stderr  # Ray forwards the workers' output; the first run says no stall
-    ranks = {t["rank"]: t for t in totals}
-    assert sorted(ranks) == [0, 1], done.stdout[-3000:]
+    # Two runs: rank 1 raises at step 1; then rank 1 blocks at step 1 in the training
+    # function's thread (alive, stuck), and the stall verdict of both workers ends it.
+    failed = ray_job["runs"][2]["stdout"]
+    stuck = ray_job["runs"][3]["output"]  # Ray forwards the workers' output
+    ranks = {t["rank"]: t for t in ray_job["totals"] if t["run"] in (2, 3)}
+    assert sorted(ranks) == [0, 1], ray_job["done"].stdout[-3000:]
     for t in ranks.values():
         # The training function's thread is not the main thread, and is the program's thread.
         assert t["thread"] is False
@@ -122,24 +153,22 @@ def test_jaxtrainer_runs_meshkit_in_its_worker_thread_and_names_a_failing_or_stu
     assert stuck.count("Process 1 holds the run: the others wait for a collective") >= 2, stuck
     assert "ends with status 1 (MESHKIT_STALL_TIMEOUT=3; 0 turns the end off)" in stuck, stuck
     assert "FAILED WorkerGroupError" in stuck, stuck
-    assert not _ray_processes_left(marker)
+    assert not ray_job["cluster left"]
 
 
-def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(tmp_path, marker):
+def test_a_worker_that_dies_is_named_by_ray_and_the_other_ends_at_jaxs_heartbeat(ray_job):
     # Rank 1's process dies (os._exit) while rank 0 waits in a collective: no exception to
     # report, nothing told. Ray names the dead actor at once; rank 0 ends when JAX's
     # coordination service misses rank 1's heartbeats (10 s here, 100 s by JAX's default),
     # naming task 1. Never a hang.
-    done, _ = _job(tmp_path, marker, "actors", "die:1", heartbeat=10)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    died = ray_job["runs"][1]
     errors = {
         int(m.group(1)): (float(m.group(2)), line)
-        for line in _lines(done.stdout, "ERROR ")
+        for line in _lines(died["stdout"], "ERROR ")
         if (m := re.search(r"ERROR (\d+) ([\d.]+) ", line))
     }
-    assert sorted(errors) == [0, 1], done.stdout[-3000:]
+    assert sorted(errors) == [0, 1], died["stdout"][-3000:]
     assert "ActorDiedError" in errors[1][1]
     assert errors[0][0] - errors[1][0] < 60  # JAX's heartbeat ended rank 0, not a timeout
-    output = done.stdout + done.stderr
-    assert "stopped sending heartbeats" in output
-    assert not _ray_processes_left(marker)
+    assert "stopped sending heartbeats" in died["output"]
+    assert not ray_job["cluster left"]

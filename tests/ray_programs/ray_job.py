@@ -1,13 +1,19 @@
 """A meshkit program run by Ray: as 2 plain actors, or through Ray Train's `JaxTrainer`.
 
 Run as a script (Ray pickles the functions of ``__main__`` by value, so the workers need no
-path to this file): ``python ray_job.py {actors|trainer} PORT [FAILING_RANK]``. It starts a
-local Ray cluster in this process (2 CPUs, a small object store, no dashboard), runs 2 workers
-of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or ``FAILED <text>``), and
-shuts Ray down. Each worker joins JAX by hand with `jax.distributed.initialize`, as Ray Train
-does on GPUs and TPUs, then calls `meshkit.init()`: meshkit adopts that join and installs its
-guards. Under `JaxTrainer` the training function runs in a worker thread, which becomes the
-program's thread.
+path to this file): ``python ray_job.py RUNS PORTS``. RUNS is a comma-separated list of runs
+made in turn in one Ray cluster, each ``actors`` or ``trainer``, with ``:FAILING`` for a rank
+that goes wrong at step 1 (``1``: rank 1 raises; ``die:1``: dies; ``stuck:1``: blocks); PORTS
+a coordinator port for each run. It starts a local Ray cluster in this process (2 CPUs, a
+small object store, no dashboard), prints ``RUN i spec`` (on stdout and stderr) before each
+run, runs 2 workers of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or
+``FAILED <text>``), and shuts Ray down. Each worker joins JAX by hand with
+`jax.distributed.initialize`, as Ray Train does on GPUs and TPUs, then calls `meshkit.init()`:
+meshkit adopts that join and installs its guards. Under `JaxTrainer` the training function runs
+in a worker thread, which becomes the program's thread.
+
+``RAY_JOB_HEARTBEAT``: JAX's heartbeat timeout of the actors' runs; ``RAY_JOB_STALL_TIMEOUT``:
+``MESHKIT_STALL_TIMEOUT`` of the trainer's workers (given through ``worker_runtime_env``).
 """
 
 import json
@@ -22,13 +28,15 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
 
 
-def work(rank: int, world: int, coordinator: str, failing: str | None) -> dict:
+def work(
+    run: int, rank: int, world: int, coordinator: str, failing: str | None, heartbeat_s: str = ""
+) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 4)
     heartbeat = {}
-    if os.environ.get("RAY_JOB_HEARTBEAT"):  # how soon JAX finds a process that is gone
-        heartbeat["heartbeat_timeout_seconds"] = int(os.environ["RAY_JOB_HEARTBEAT"])
+    if heartbeat_s:  # how soon JAX finds a process that is gone
+        heartbeat["heartbeat_timeout_seconds"] = int(heartbeat_s)
     jax.distributed.initialize(coordinator, world, rank, initialization_timeout=60, **heartbeat)
     import numpy as np
 
@@ -44,6 +52,7 @@ def work(rank: int, world: int, coordinator: str, failing: str | None) -> dict:
         return jax.lax.psum(block.sum(), "data")
 
     result = {
+        "run": run,
         "rank": rank,
         "process": info.process_id,
         "processes": info.num_processes,
@@ -66,14 +75,15 @@ def work(rank: int, world: int, coordinator: str, failing: str | None) -> dict:
 
 @ray.remote(num_cpus=1)
 class Worker:
-    def run(self, rank, world, coordinator, failing):
-        return work(rank, world, coordinator, failing)
+    def run(self, run, rank, world, coordinator, failing, heartbeat):
+        return work(run, rank, world, coordinator, failing, heartbeat)
 
 
-def actors(coordinator: str, failing: str | None) -> None:
+def actors(run: int, coordinator: str, failing: str | None) -> None:
     """Each worker's result or error as it comes (``ERROR rank seconds type text``)."""
+    heartbeat = os.environ.get("RAY_JOB_HEARTBEAT", "")
     workers = [Worker.remote() for _ in range(2)]
-    refs = [w.run.remote(r, 2, coordinator, failing) for r, w in enumerate(workers)]
+    refs = [w.run.remote(run, r, 2, coordinator, failing, heartbeat) for r, w in enumerate(workers)]
     start, pending = time.monotonic(), list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=240)
@@ -88,15 +98,18 @@ def actors(coordinator: str, failing: str | None) -> None:
             print(f"ERROR {rank} {time.monotonic() - start:.1f} {error!r}", flush=True)
 
 
-def trainer(coordinator: str, failing: str | None, out: str) -> None:
+def trainer(run: int, coordinator: str, failing: str | None, out: str) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.jax import JaxTrainer
+
+    stall = os.environ.get("RAY_JOB_STALL_TIMEOUT")  # MESHKIT_STALL_TIMEOUT for the workers
+    stall = {"MESHKIT_STALL_TIMEOUT": stall} if stall else {}
 
     def train_fn(config):
         ctx = ray.train.get_context()
         rank = ctx.get_world_rank()
         try:
-            value = work(rank, ctx.get_world_size(), config["coordinator"], config["failing"])
+            value = work(run, rank, ctx.get_world_size(), config["coordinator"], config["failing"])
         except BaseException as e:
             value = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
             with open(os.path.join(config["out"], f"{rank}.json"), "w") as f:
@@ -109,7 +122,11 @@ def trainer(coordinator: str, failing: str | None, out: str) -> None:
         train_fn,
         train_loop_config={"coordinator": coordinator, "failing": failing, "out": out},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=out, name="meshkit-" + coordinator.rsplit(":", 1)[1]),
+        run_config=RunConfig(
+            storage_path=out,
+            name="meshkit-" + coordinator.rsplit(":", 1)[1],
+            worker_runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **stall}},
+        ),
     )
     try:
         job.fit()
@@ -124,32 +141,27 @@ def trainer(coordinator: str, failing: str | None, out: str) -> None:
 
 
 def main() -> None:
-    mode, ports = sys.argv[1], [int(p) for p in sys.argv[2].split(",")]
-    # "1": rank 1 raises; "die:1": dies; "stuck:1": blocks; "1,stuck:1": a run of each, in turn
-    failing = sys.argv[3] if len(sys.argv) > 3 else None
-    coordinator = f"127.0.0.1:{ports[0]}"
-    stall = os.environ.get("RAY_JOB_STALL_TIMEOUT")  # MESHKIT_STALL_TIMEOUT for the workers
+    runs, ports = sys.argv[1].split(","), [int(p) for p in sys.argv[2].split(",")]
     ray.init(
         num_cpus=4,  # logical: 2 workers, and room for Ray Train's controller
         object_store_memory=80 * 1024 * 1024,
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={
-            "env_vars": {
-                "JAX_PLATFORMS": "cpu",
-                "RAY_JOB_HEARTBEAT": os.environ.get("RAY_JOB_HEARTBEAT", ""),
-                **({"MESHKIT_STALL_TIMEOUT": stall} if stall else {}),
-            }
-        },
+        runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
     )
     start = time.monotonic()
     try:
-        if mode == "actors":
-            actors(coordinator, failing)
-        else:
-            for i, spec in enumerate((failing or "").split(",")):  # one fit each, in turn
-                print(f"RUN {i} {spec}", flush=True)
-                trainer(f"127.0.0.1:{ports[i]}", spec or None, os.environ["RAY_JOB_OUT"])
+        for i, spec in enumerate(runs):  # in turn
+            mode, _, failing = spec.partition(":")
+            # On both streams: Ray forwards the workers' output to each, and a test reads a
+            # run's part of either.
+            print(f"RUN {i} {spec}", flush=True)
+            print(f"RUN {i} {spec}", file=sys.stderr, flush=True)
+            coordinator = f"127.0.0.1:{ports[i]}"
+            if mode == "actors":
+                actors(i, coordinator, failing or None)
+            else:
+                trainer(i, coordinator, failing or None, os.environ["RAY_JOB_OUT"])
     finally:
         print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
         ray.shutdown()
