@@ -246,7 +246,7 @@ def build(
                 out = jax.shard_map(
                     per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
                 )(*flat)
-                return _place_outputs(entry, out, mesh, constrain=out_shardings is None)
+                return _place_outputs(entry, out, mesh)
         except NameError as e:
             if not str(e).startswith("Found an unbound axis name"):
                 raise  # the user's own NameError
@@ -263,18 +263,8 @@ def build(
         finally:
             TRACING.reset(token)
 
-    # Outputs split over the devices as jax.pmap returns them, even when every device computed
-    # the same value: jit's out_shardings where the out_axes fix them (cheaper per call), else
-    # a constraint. They are the plan's objects, so outputs fed back pass `ArgumentPlan.placed`.
-    out_shardings = None
-    options: dict[str, Any] = {"donate_argnums": donated}
-    if not tracing:
-        options["in_shardings"] = plan.targets
-        if fn.out_axes_fixed:
-            is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-            out_shardings = jax.tree_util.tree_map(plan.sharding, out_specs, is_leaf=is_spec)
-            options["out_shardings"] = out_shardings
-    jitted = jit_over_shard_map(body, fn.name, **options)
+    options = {} if tracing else {"in_shardings": plan.targets}
+    jitted = jit_over_shard_map(body, fn.name, donate_argnums=donated, **options)
     local_out = mesh.is_multi_process and not fn.global_outputs and not tracing
     entry = Entry(jitted, plan, fn.what, "pmap_compat", None, fn, resolved, local_out)
     return entry
@@ -312,18 +302,20 @@ def _outputs_per_device(entry: Entry, out: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, result)
 
 
-def _place_outputs(entry: Entry, out: Any, mesh: Mesh, *, constrain: bool) -> Any:
-    """Negative out_axes moved into place; ``constrain``: each laid out as promised."""
+def _place_outputs(entry: Entry, out: Any, mesh: Mesh) -> Any:
+    """Negative out_axes moved into place; every output split as `jax.pmap` returns it.
+
+    A constraint, also where every device computed the same value; outputs fed back then pass
+    `ArgumentPlan.placed` (their shardings equal the plan's targets).
+    """
     leaves, treedef = jax.tree_util.tree_flatten(out)
     placed = []
     for leaf, (_, axis) in zip(leaves, entry.out_leaves, strict=True):
         if axis is not None and axis < 0:
             leaf = jax.numpy.moveaxis(leaf, 0, axis % leaf.ndim)
-        if constrain:
-            dim = None if axis is None else axis % leaf.ndim
-            spec = out_spec(dim, entry.fn.mesh_axis)
-            leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
-        placed.append(leaf)
+        dim = None if axis is None else axis % leaf.ndim
+        spec = out_spec(dim, entry.fn.mesh_axis)
+        placed.append(jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec)))
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 

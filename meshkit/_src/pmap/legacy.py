@@ -88,18 +88,28 @@ def _single_device_value(what: str, path: str, leaf: jax.Array) -> jax.Array | N
     return None
 
 
-def _replicate(tree: Any, mesh: Mesh, what: str) -> Any:
-    named, treedef = tree_paths(tree)
-    target = NamedSharding(mesh, SPEC)
-    out = []
-    for path, leaf in named:
-        whole = _single_device_value(what, path, leaf) if isinstance(leaf, jax.Array) else None
-        if whole is None:  # host data, or split over this process's devices: read once
-            whole = host_array(what, path, leaf)
-        block = whole[None]  # every device's entry
-        shape = (mesh.size, *whole.shape)
-        out.append(jax.make_array_from_callback(shape, target, lambda _, b=block: b))
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _stack(shards: list[Any], mesh: Mesh, what: str) -> Any:
+    """Entry ``i`` of each device-axis leaf is ``shards[i]``'s; one shard: it, on every device."""
+
+    def stack(keys: Any, *column: Any) -> jax.Array:
+        path = jax.tree_util.keystr(keys) or "(the array)"
+        values: list[Any] = [
+            _single_device_value(what, path, v) if isinstance(v, jax.Array) else None
+            for v in column
+        ]
+        if any(v is None for v in values):  # host data, or split over devices: read once
+            values = [host_array(what, path, v) for v in column]
+        want = (tuple(values[0].shape), values[0].dtype)
+        for i, v in enumerate(values[1:], start=1):
+            got = (tuple(v.shape), v.dtype)
+            if got != want:
+                sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
+                raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
+        rows = [v[None] for v in values]  # each device's (1, ...) block, never stacked
+        at = lambda index: rows[(index[0].start or 0) % len(rows)]  # noqa: E731
+        return jax.make_array_from_callback((mesh.size, *want[0]), NamedSharding(mesh, SPEC), at)
+
+    return jax.tree_util.tree_map_with_path(stack, *shards)
 
 
 @public
@@ -121,7 +131,7 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
         ((8, 3, 2), (8,), 8)
     """
     what = "meshkit.replicate"
-    return _replicate(tree, device_axis_mesh(devices, what), what)
+    return _stack([tree], device_axis_mesh(devices, what), what)
 
 
 @public
@@ -137,7 +147,7 @@ def device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
         ((4, 3), [0, 1, 2, 3])
     """
     what = "meshkit.device_put_replicated"
-    return _replicate(x, device_mesh(check_devices(devices, what)), what)
+    return _stack([x], device_mesh(check_devices(devices, what)), what)
 
 
 @public
@@ -163,30 +173,9 @@ def device_put_sharded(shards: Sequence[Any], devices: Sequence[Any]) -> Any:
             "goes to the i-th device, so there must be one shard per device.\nConsider "
             f"device_put_sharded(shards, devices[:{len(shards)}]) or passing {len(chosen)} shards."
         )
-    mesh = device_mesh(chosen)
-    named, treedef = tree_paths(shards[0])
     why = "every shard must have the same structure.\nConsider building every shard with the same"
     _same_structures(shards, what, "shards", why + " keys and nesting.")
-    columns = zip(*[jax.tree_util.tree_leaves(s) for s in shards], strict=True)  # one per leaf
-    out = []
-    for (path, _), column in zip(named, columns, strict=True):
-        values: list[Any] = list(column)
-        arrays = all(isinstance(v, jax.Array) for v in values)
-        held = [_single_device_value(what, path, v) for v in values] if arrays else [None]
-        if all(h is not None for h in held):  # device to device
-            values = held
-        else:
-            values = [host_array(what, path, np.asarray(v)) for v in values]
-        want = (tuple(values[0].shape), values[0].dtype)
-        for i, v in enumerate(values[1:], start=1):
-            got = (tuple(v.shape), v.dtype)
-            if got != want:
-                sides = {"got": f"{got[1]}{list(got[0])}", "want": f"{want[1]}{list(want[0])}"}
-                raise MeshkitError(_SHARDS_MISMATCH.format(i=i, path=path, **sides))
-        shape = (mesh.size, *values[0].shape)
-        row = lambda index, v=values: v[index[0].start or 0][None]  # noqa: E731
-        out.append(jax.make_array_from_callback(shape, NamedSharding(mesh, SPEC), row))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return _stack(shards, device_mesh(chosen), what)
 
 
 def _same_structures(trees: list[Any], what: str, name: str, why: str) -> None:

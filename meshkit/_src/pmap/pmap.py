@@ -91,8 +91,6 @@ class PmapFunction:
         self.backend = backend
         self.global_outputs = bool(global_outputs)
         out_leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)
-        # Non-negative out_axes fix each output's sharding before tracing.
-        self.out_axes_fixed = all(a is None or a >= 0 for a in out_leaves)
         self.checks_outputs = any(a is None for a in out_leaves)
         self.warned: set[str] = set()  # outputs warned about (UncheckedOutputWarning)
         self._entries: dict[Any, _entry.Entry] = {}

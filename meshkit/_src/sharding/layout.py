@@ -148,13 +148,6 @@ class ArgumentPlan:
         self._compare[:] = now
         return True
 
-    def sharding(self, spec: PartitionSpec) -> NamedSharding:
-        """The target object of ``spec`` where a leaf has it (outputs share it), else a new one."""
-        for target in self.targets:
-            if target.spec == spec:
-                return target
-        return NamedSharding(self.mesh, spec)
-
 
 @_caches.cached(maxsize=256)
 def argument_plan(

@@ -1,6 +1,6 @@
 """`spmd`: per-device code over a mesh, as ``jax.jit(jax.shard_map(f, ...))`` with input placement.
 
-A `MeshPlan` binds the function to one mesh, with one `Layout` per argument structure.
+An `SpmdFunction` keeps one `Layout` per mesh and argument structure.
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ Consider producing it with that sharding (for example as the out_specs of the st
 it), or moving it once outside the loop: jax.device_put(x, {target})."""
 
 
+@dataclass(eq=False)
+class Layout(Placed):
+    """One mesh and structure of the dynamic arguments: its jit and plan, specs and leaves."""
+
+    mesh: Mesh | AbstractMesh
+    specs: tuple[Any, ...]  # one spec tree per argument, in the argument's node types
+    leaves: list[tuple[PartitionSpec, Any, str]]  # per leaf: spec, spec as written, name
+    out_specs: Any  # checked against the mesh
+
+
+_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
+
+
 class SpmdFunction:
     """A per-device function bound to a mesh and specs; made by `meshkit.spmd`.
 
@@ -80,7 +93,7 @@ class SpmdFunction:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = _canonical.function_name(fn)
-        what = f"meshkit.spmd({self.name})"
+        self.what = what = f"meshkit.spmd({self.name})"
         if mesh is not None and not isinstance(mesh, Mesh):
             raise MeshkitError(
                 f"{what}: mesh must be a jax.sharding.Mesh (e.g. from "
@@ -104,16 +117,19 @@ class SpmdFunction:
             in_specs = tuple(s for i, s in enumerate(in_specs) if i not in static)
         self.in_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
         self.out_specs = plain_specs(out_specs)
-        for tree, what in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
-            map_specs(_check_leaf, tree, f"spmd({self.name}): {what}")
+        for tree, name in ((self.in_specs, "in_specs"), (out_specs, "out_specs")):
+            map_specs(_check_leaf, tree, f"spmd({self.name}): {name}")
+        # out_specs with mappings are matched to the outputs by keys (see `_body`).
+        self.keyed_out = has_mapping(self.out_specs)
         self.check_vma = bool(check_vma)
         self.mesh = mesh
         info = {"mesh": mesh, "params": _dispatch.param_names(fn), "origin": _dispatch.origin(fn)}
         info["static_argnums"] = self.static_argnums
         self._site = _dispatch.CallSite("spmd", self.name, info=info)
         self._warned: set[str] = set()
-        self._plans: dict[Mesh | AbstractMesh, MeshPlan] = {}
-        self._plan = MeshPlan(self, mesh) if mesh is not None else None
+        self._layouts: dict[Any, Layout] = {}  # by mesh and treedef of the dynamic arguments
+        if mesh is not None:
+            self._mesh_specs(mesh)  # checked at once
 
     def warn_reshard(
         self, where: str, have: str, want: PartitionSpec, mesh: Mesh | AbstractMesh
@@ -130,51 +146,31 @@ class SpmdFunction:
             stacklevel=user_stacklevel(),
         )
 
-    def _plan_for_call(self) -> MeshPlan | None:
-        """The plan for this call's mesh; None while tracing without one."""
-        if self._plan is not None:
-            return self._plan
-        if not _compat.trace_state_clean():
-            return None  # traced (inside jax.jit): only the abstract mesh is known
-        return self._context_plan(jax.sharding.get_mesh(), "called")
-
-    def _context_plan(self, mesh: Mesh | AbstractMesh, when: str) -> MeshPlan:
-        """The plan for the mesh of the enclosing ``jax.set_mesh`` (made on first use)."""
-        if mesh.empty:
-            raise MeshkitError(
-                f"meshkit.spmd({self.name}) has no mesh: it was made with mesh=None and {when} "
-                "outside `with jax.set_mesh(mesh):`.\nConsider passing mesh= to meshkit.spmd."
-            )
-        if mesh not in self._plans:
-            self._plans[mesh] = MeshPlan(self, mesh)
-        return self._plans[mesh]
-
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        plan = self._plan
-        if plan is not None and not kwargs and _dispatch.quiet():
-            jitted = plan.steady(args)
+        if self.mesh is not None and not kwargs and _dispatch.quiet():
+            jitted = self._steady(self.mesh, args)
             if jitted is not None:  # every leaf already placed: straight to jit
                 _dispatch.count(self._site)
                 return jitted(*args)
         if kwargs:
             raise MeshkitError(
-                f"meshkit.spmd({self.name}) takes positional arguments only (in_specs are "
-                f"positional); got keywords {sorted(kwargs)}."
+                f"{self.what} takes positional arguments only (in_specs are positional); got "
+                f"keywords {sorted(kwargs)}."
             )
         _dispatch.enter(self._site, args)
-        plan = self._plan_for_call()
-        if plan is None:  # traced inside jax.jit: shard_map over the abstract mesh
-            return self._context_plan(jax.sharding.get_abstract_mesh(), "traced").body(*args)
-        return plan.call(args)
+        mesh = self._call_mesh()
+        if not isinstance(mesh, Mesh):  # traced inside jax.jit: shard_map over the abstract mesh
+            return self._body(mesh, *args)
+        return self._call(mesh, args)
 
     @public
     def lower(self, *args: Any) -> Any:
         """Lower for these arguments, like `jax.jit(...).lower` (to inspect HLO or compile)."""
-        plan = self._plan_for_call()
-        if plan is None:
-            raise MeshkitError(f"meshkit.spmd({self.name}).lower needs a concrete mesh.")
-        return plan.call(args, lower=True)
+        mesh = self._call_mesh()
+        if not isinstance(mesh, Mesh):
+            raise MeshkitError(f"{self.what}.lower needs a concrete mesh.")
+        return self._call(mesh, args, lower=True)
 
     @property
     def calls(self) -> int:
@@ -184,6 +180,217 @@ class SpmdFunction:
     def __repr__(self) -> str:
         mesh = dict(self.mesh.shape) if self.mesh is not None else "from jax.set_mesh"
         return f"<meshkit.spmd {self.name} mesh={mesh}>"
+
+    def _call_mesh(self) -> Mesh | AbstractMesh:
+        """The bound mesh, or the enclosing ``jax.set_mesh``'s (abstract while tracing)."""
+        if self.mesh is not None:
+            return self.mesh
+        traced = not _compat.trace_state_clean()
+        mesh = jax.sharding.get_abstract_mesh() if traced else jax.sharding.get_mesh()
+        if mesh.empty:
+            raise MeshkitError(
+                f"{self.what} has no mesh: it was made with mesh=None and "
+                f"{'traced' if traced else 'called'} outside `with jax.set_mesh(mesh):`.\n"
+                "Consider passing mesh= to meshkit.spmd."
+            )
+        return mesh
+
+    def _mesh_specs(self, mesh: Mesh | AbstractMesh) -> tuple[Any, Any]:
+        """``in_specs`` and ``out_specs`` checked against ``mesh``."""
+        check = lambda spec, where: check_spec_for_mesh(spec, mesh, where)  # noqa: E731
+        in_specs = map_specs(check, self.in_specs, f"{self.what}: in_specs")
+        return in_specs, map_specs(check, self.out_specs, f"{self.what}: out_specs")
+
+    def _layout(self, mesh: Mesh | AbstractMesh, dyn: tuple[Any, ...], treedef: Any) -> Layout:
+        layout = self._layouts.get((mesh, treedef))
+        if layout is not None:
+            return layout
+        in_specs, out_specs = self._mesh_specs(mesh)
+        raw = self.in_specs
+        if is_spec_leaf(raw):
+            specs: tuple[Any, ...] = (in_specs,) * len(dyn)
+            raws: tuple[Any, ...] = (raw,) * len(dyn)
+        else:
+            if len(raw) != len(dyn):
+                raise MeshkitError(
+                    f"{self.what}: in_specs has {len(raw)} entries but the "
+                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
+                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
+                    "none."
+                )
+            raws = tuple(
+                align_specs(r, a, where=f"{self.what}: in_specs[{i}]")
+                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
+            )
+            specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
+        # Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name.
+        paths = [f"args{keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
+        per_leaf = [broadcast_prefix(tree, dyn, is_leaf=is_spec_leaf) for tree in (specs, raws)]
+        leaves = list(zip(*per_leaf, paths, strict=True))
+        jitted = plan = None
+        if isinstance(mesh, Mesh):  # an AbstractMesh (met while tracing): body only
+            plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
+            jitted = _placement.jit_over_shard_map(
+                lambda *args: self._body(mesh, *args),
+                self.name,
+                in_shardings=jax.tree_util.tree_unflatten(treedef, plan.targets),
+                static_argnums=self.static_argnums,
+                donate_argnums=self.donate_argnums,
+            )
+        warn = self.warn_reshard
+        layout = Layout(jitted, plan, self.what, _TAG, warn, mesh, specs, leaves, out_specs)
+        self._layouts[(mesh, treedef)] = layout
+        return layout
+
+    def _body(self, mesh: Mesh | AbstractMesh, *args: Any) -> Any:
+        static = self.static_argnums
+        dyn = dynamic(args, static)
+        flat, treedef = jax.tree_util.tree_flatten(dyn)
+        layout = self._layout(mesh, dyn, treedef)
+        self._check_args(flat, layout)
+        if any(t == AxisType.Explicit for t in mesh.axis_types):
+            dyn = jax.tree_util.tree_unflatten(treedef, self._reshard_typed(flat, layout))
+        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
+        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
+        back: list[Any] = []
+        where = f"{self.what}: out_specs"
+
+        def per_device(*local: Any) -> Any:
+            it = iter(local)
+            full = [args[i] if i in static else next(it) for i in range(len(args))]
+            out = self.fn(*full)
+            raws = align_specs(self.out_specs, out, where=where, noun="the output")
+            self._check_outputs(out, raws)  # a block has the rank of the global output
+            if not self.keyed_out:
+                return out
+            treedef = jax.tree_util.tree_structure(out)
+            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(self.out_specs, order))]
+            return to_spec_types(self.out_specs, out)
+
+        result = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=layout.specs,
+            out_specs=layout.out_specs,
+            check_vma=self.check_vma,
+        )(*dyn)
+        if not self.keyed_out:
+            return result
+        treedef, order = back
+        by_index = dict(zip(order, jax.tree_util.tree_leaves(result), strict=True))
+        return jax.tree_util.tree_unflatten(treedef, [by_index[i] for i in range(len(order))])
+
+    def _check_args(self, flat: list[Any], layout: Layout) -> None:
+        """Rank and divisibility of every leaf against its spec, with dims named."""
+        sizes = layout.mesh.shape
+        for leaf, (s, raw, where) in zip(flat, layout.leaves, strict=True):
+            shape = np.shape(leaf)
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != len(shape):
+                raise MeshkitError(
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
+            if len(s) > len(shape):
+                raise MeshkitError(
+                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
+                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
+                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
+                    "argument every device gets whole."
+                )
+            for d, axes in enumerate(dim_axes(s, len(shape))):
+                n = math.prod(sizes[a] for a in axes)
+                if axes and shape[d] % n:
+                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
+                    raise MeshkitError(
+                        f"{self.what}: {where} has shape {tuple(shape)}; its {label} "
+                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
+                        f"{n}, which does not divide it (spec {raw!r}, mesh "
+                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
+                    )
+
+    def _reshard_typed(self, flat: list[Any], layout: Layout) -> list[Any]:
+        """On Explicit meshes, give every value the sharding type its spec asks for."""
+        out = []
+        for leaf, (s, _, where) in zip(flat, layout.leaves, strict=True):
+            ndim = np.ndim(leaf)
+            have = getattr(jax.typeof(leaf), "sharding", None)
+            have_spec = have.spec if have is not None else PartitionSpec()
+            if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
+                if spec_axes(have_spec):
+                    self.warn_reshard(where, f"a value typed {have_spec}", s, layout.mesh)
+                leaf = jax.reshard(leaf, NamedSharding(layout.mesh, s))
+            out.append(leaf)
+        return out
+
+    def _check_outputs(self, out: Any, raws: Any) -> None:
+        """Each output's rank against the dimensions its spec string (in ``raws``) names."""
+        with_path = jax.tree_util.tree_flatten_with_path(out)[0]
+        per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
+        for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
+            dims = parse_spec(raw).dims if isinstance(raw, str) else None
+            if dims is not None and len(dims) != np.ndim(leaf):
+                raise MeshkitError(
+                    f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
+                    f"spec {raw!r} names {_count(len(dims), 'dimension')}."
+                )
+
+    def _steady(self, mesh: Mesh, args: tuple[Any, ...]) -> Any:
+        """The jitted function when every dynamic leaf is placed as a past call put it."""
+        static = self.static_argnums
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
+        layout = self._layouts.get((mesh, treedef))
+        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
+            return layout.jitted
+        return None
+
+    def _call(self, mesh: Mesh, args: tuple[Any, ...], lower: bool = False) -> Any:
+        """Classify the arguments (`placement`), place what needs it, call jit once."""
+        jitted = self._steady(mesh, args)
+        if jitted is not None:
+            return (jitted.lower if lower else jitted)(*args)
+        static = self.static_argnums
+        dyn = dynamic(args, static)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
+        traced = any(isinstance(leaf, Tracer) for leaf in leaves)
+        local = []
+        if mesh.is_multi_process and not traced:
+            local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
+        try:
+            layout = self._layout(mesh, dyn, treedef)
+        except Exception as e:
+            if local:  # published, so that it reaches the processes waiting in the assembly too
+                tagged = _assembly.check_tag(_channel.scoped(_TAG, "meshkit.spmd"))
+                _assembly.publish_failure(tagged, e)
+            raise
+        assert layout.plan is not None  # a concrete mesh is made of devices
+        if traced:
+            # Traced inside another jit: host values are program constants, the same in every
+            # process. Across processes they are put here (jit refuses host data with a sharding).
+            flat = leaves
+            if mesh.is_multi_process:
+                flat = [
+                    _placement.from_host(x, t) if _placement.is_host(x) else x
+                    for x, t in zip(leaves, layout.plan.targets, strict=True)
+                ]
+        else:
+            if local:  # this process's parts, assembled into global arrays
+                raws = [layout.leaves[i][1] for i in local]
+                leaves = _placement.assemble(
+                    layout.plan,
+                    leaves,
+                    local,
+                    what=self.what,
+                    tag=_TAG,
+                    specs=raws,
+                    treedef=treedef,
+                )
+            self._check_args(leaves, layout)
+            flat = layout.place(leaves, treedef)
+        it = iter(jax.tree_util.tree_unflatten(treedef, flat))
+        args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
+        return (layout.jitted.lower if lower else layout.jitted)(*args)
 
 
 def _check_leaf(s: Any, where: str) -> PartitionSpec:
@@ -283,221 +490,6 @@ def spmd(
         static_argnums=static_argnums,
     )
     return wrap if f is None else wrap(f)
-
-
-_TAG = "spmd"  # the coordination-service exchanges of spmd's host arguments
-
-
-@dataclass(eq=False)
-class Layout(Placed):
-    """One structure of the dynamic arguments: its jit and plan, aligned specs and leaves."""
-
-    specs: tuple[Any, ...]  # one spec tree per argument, in the argument's node types
-    leaves: list[tuple[PartitionSpec, Any, str]]  # per leaf: spec, spec as written, name
-
-
-class MeshPlan:
-    """Everything fixed once the mesh is known: specs, shardings, the jitted functions."""
-
-    def __init__(self, owner: SpmdFunction, mesh: Mesh | AbstractMesh) -> None:
-        self.owner = owner
-        self.mesh = mesh
-        self.what = f"meshkit.spmd({owner.name})"
-
-        check = lambda spec, where: check_spec_for_mesh(spec, mesh, where)  # noqa: E731
-        self.in_specs = map_specs(check, owner.in_specs, f"{self.what}: in_specs")
-        self.out_specs = map_specs(check, owner.out_specs, f"{self.what}: out_specs")
-        # out_specs with mappings are matched to the outputs by keys (see `body`).
-        self.keyed_out = has_mapping(owner.out_specs)
-        self.explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-        self.multiprocess = isinstance(mesh, Mesh) and mesh.is_multi_process
-        self.layouts: dict[Any, Layout] = {}  # by treedef of the dynamic arguments
-
-    def layout(self, dyn: tuple[Any, ...], treedef: Any) -> Layout:
-        if treedef in self.layouts:
-            return self.layouts[treedef]
-        owner, raw = self.owner, self.owner.in_specs
-        if is_spec_leaf(raw):
-            specs: tuple[Any, ...] = (self.in_specs,) * len(dyn)
-            raws: tuple[Any, ...] = (raw,) * len(dyn)
-        else:
-            if len(raw) != len(dyn):
-                raise MeshkitError(
-                    f"{self.what}: in_specs has {len(raw)} entries but the "
-                    f"function was called with {len(dyn)} (non-static) positional arguments.\n"
-                    "Consider one spec (or pytree of specs) per argument; static_argnums take "
-                    "none."
-                )
-            raws = tuple(
-                align_specs(r, a, where=f"{self.what}: in_specs[{i}]")
-                for i, (r, a) in enumerate(zip(raw, dyn, strict=True))
-            )
-            specs = tuple(map_specs(as_partition_spec, r, "in_specs") for r in raws)
-        # Per leaf of ``dyn`` in flattening order: its spec, its spec as written, its name.
-        paths = [f"args{keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
-        per_leaf = [broadcast_prefix(tree, dyn, is_leaf=is_spec_leaf) for tree in (specs, raws)]
-        leaves = list(zip(*per_leaf, paths, strict=True))
-        jitted = plan = None
-        if isinstance(self.mesh, Mesh):  # an AbstractMesh (met while tracing): body only
-            mesh = self.mesh
-            plan = argument_plan(mesh, tuple(s for s, _, _ in leaves), tuple(w for *_, w in leaves))
-            jitted = _placement.jit_over_shard_map(
-                lambda *args: self.body(*args),
-                owner.name,
-                in_shardings=jax.tree_util.tree_unflatten(treedef, plan.targets),
-                static_argnums=owner.static_argnums,
-                donate_argnums=owner.donate_argnums,
-            )
-        layout = Layout(jitted, plan, self.what, _TAG, owner.warn_reshard, specs, leaves)
-        self.layouts[treedef] = layout
-        return layout
-
-    def body(self, *args: Any) -> Any:
-        owner = self.owner
-        static = owner.static_argnums
-        dyn = dynamic(args, static)
-        flat, treedef = jax.tree_util.tree_flatten(dyn)
-        layout = self.layout(dyn, treedef)
-        self.check_args(flat, layout)
-        if self.explicit:
-            dyn = jax.tree_util.tree_unflatten(treedef, self.reshard_typed(flat, layout))
-        # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
-        # ``back`` holds what turns them back: the output's treedef and its leaves' order.
-        back: list[Any] = []
-        where = f"{self.what}: out_specs"
-
-        def per_device(*local: Any) -> Any:
-            it = iter(local)
-            full = [args[i] if i in static else next(it) for i in range(len(args))]
-            out = owner.fn(*full)
-            raws = align_specs(owner.out_specs, out, where=where, noun="the output")
-            self.check_outputs(out, raws)  # a block has the rank of the global output
-            if not self.keyed_out:
-                return out
-            treedef = jax.tree_util.tree_structure(out)
-            order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(owner.out_specs, order))]
-            return to_spec_types(owner.out_specs, out)
-
-        result = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=layout.specs,
-            out_specs=self.out_specs,
-            check_vma=owner.check_vma,
-        )(*dyn)
-        if not self.keyed_out:
-            return result
-        treedef, order = back
-        by_index = dict(zip(order, jax.tree_util.tree_leaves(result), strict=True))
-        return jax.tree_util.tree_unflatten(treedef, [by_index[i] for i in range(len(order))])
-
-    def check_args(self, flat: list[Any], layout: Layout) -> None:
-        """Rank and divisibility of every leaf against its spec, with dims named."""
-        sizes = self.mesh.shape
-        for leaf, (s, raw, where) in zip(flat, layout.leaves, strict=True):
-            shape = np.shape(leaf)
-            dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != len(shape):
-                raise MeshkitError(
-                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {raw!r} names {_count(len(dims), 'dimension')}."
-                )
-            if len(s) > len(shape):
-                raise MeshkitError(
-                    f"{self.what}: {where} has shape {tuple(shape)} (rank {len(shape)}) "
-                    f"but its spec {s} has {_count(len(s), 'entry', 'entries')}.\nConsider a "
-                    f"spec with at most {_count(len(shape), 'entry', 'entries')}, or P() for an "
-                    "argument every device gets whole."
-                )
-            for d, axes in enumerate(dim_axes(s, len(shape))):
-                n = math.prod(sizes[a] for a in axes)
-                if axes and shape[d] % n:
-                    label = f"dimension {d} ({dims[d]!r})" if dims else f"dimension {d}"
-                    raise MeshkitError(
-                        f"{self.what}: {where} has shape {tuple(shape)}; its {label} "
-                        f"of size {shape[d]} is split over the mesh axes {axes} of total size "
-                        f"{n}, which does not divide it (spec {raw!r}, mesh "
-                        f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
-                    )
-
-    def reshard_typed(self, flat: list[Any], layout: Layout) -> list[Any]:
-        """On Explicit meshes, give every value the sharding type its spec asks for."""
-        out = []
-        for leaf, (s, _, where) in zip(flat, layout.leaves, strict=True):
-            ndim = np.ndim(leaf)
-            have = getattr(jax.typeof(leaf), "sharding", None)
-            have_spec = have.spec if have is not None else PartitionSpec()
-            if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
-                if spec_axes(have_spec):
-                    self.owner.warn_reshard(where, f"a value typed {have_spec}", s, self.mesh)
-                leaf = jax.reshard(leaf, NamedSharding(self.mesh, s))
-            out.append(leaf)
-        return out
-
-    def check_outputs(self, out: Any, raws: Any) -> None:
-        """Each output's rank against the dimensions its spec string (in ``raws``) names."""
-        with_path = jax.tree_util.tree_flatten_with_path(out)[0]
-        per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
-        for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
-            dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != np.ndim(leaf):
-                raise MeshkitError(
-                    f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
-                    f"spec {raw!r} names {_count(len(dims), 'dimension')}."
-                )
-
-    def steady(self, args: tuple[Any, ...]) -> Any:
-        """The jitted function when every dynamic leaf is placed as a past call put it."""
-        static = self.owner.static_argnums
-        leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
-        layout = self.layouts.get(treedef)
-        if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
-            return layout.jitted
-        return None
-
-    def call(self, args: tuple[Any, ...], lower: bool = False) -> Any:
-        """Classify the arguments (`placement`), place what needs it, call jit once."""
-        jitted = self.steady(args)
-        if jitted is not None:
-            return (jitted.lower if lower else jitted)(*args)
-        static = self.owner.static_argnums
-        dyn = dynamic(args, static)
-        leaves, treedef = jax.tree_util.tree_flatten(dyn)
-        if any(isinstance(leaf, Tracer) for leaf in leaves):
-            # Traced inside another jit: host values are program constants, the same in every
-            # process. Across processes they are put here (jit refuses host data with a sharding).
-            layout = self.layout(dyn, treedef)
-            flat = leaves
-            if self.multiprocess and layout.plan is not None:
-                flat = [
-                    _placement.from_host(x, t) if _placement.is_host(x) else x
-                    for x, t in zip(leaves, layout.plan.targets, strict=True)
-                ]
-        elif self.multiprocess and any(_placement.is_local(leaf) for leaf in leaves):
-            # This process's parts, assembled into global arrays; a spec error is published so
-            # that it reaches the processes waiting in the assembly too.
-            try:
-                layout = self.layout(dyn, treedef)
-            except Exception as e:
-                tagged = _assembly.check_tag(_channel.scoped(_TAG, "meshkit.spmd"))
-                _assembly.publish_failure(tagged, e)
-                raise
-            assert layout.plan is not None  # a multi-process mesh is made of devices
-            local = [i for i, leaf in enumerate(leaves) if _placement.is_local(leaf)]
-            raws = [layout.leaves[i][1] for i in local]
-            leaves = _placement.assemble(
-                layout.plan, leaves, local, what=self.what, tag=_TAG, specs=raws, treedef=treedef
-            )
-            self.check_args(leaves, layout)
-            flat = layout.place(leaves, treedef)
-        else:
-            layout = self.layout(dyn, treedef)
-            self.check_args(leaves, layout)
-            flat = layout.place(leaves, treedef)
-        it = iter(jax.tree_util.tree_unflatten(treedef, flat))
-        args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
-        return (layout.jitted.lower if lower else layout.jitted)(*args)
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
