@@ -423,7 +423,7 @@ def _join(
         return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
     collectives = _select_gloo()
-    _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
+    _events.mark("joining")  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     if plan.source == "cluster":
@@ -455,7 +455,7 @@ def _join(
             plan.coordinator_address, plan.num_processes, plan.process_id,
             local_device_ids=ids, initialization_timeout=init_timeout, **options,
         )  # fmt: skip
-    _events.mark("joined", plan.process_id)
+    _events.mark("joined")
     return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
 
 
