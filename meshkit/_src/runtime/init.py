@@ -376,7 +376,7 @@ def init(
     _events.emit(_events.JOINED)
     _compile_cache.watch()  # compile times, for goodput (and the launcher's report)
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
-    hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
+    hosts = _hosts.table(_env.check_timeout(), _WHERE)
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
     _programs.install(info.num_processes)
     if profile is not None:  # MESHKIT_PROFILE_STEPS, read before joining
