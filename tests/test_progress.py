@@ -46,8 +46,7 @@ def test_summary_groups_by_stage_in_order():
 
 def test_stages_read_the_status_files(tmp_path, monkeypatch):
     monkeypatch.setenv(events.ENV_STATUS, str(tmp_path))
-    monkeypatch.setenv("MESHKIT_PROCESS_ID", "0")
-    mark("joining")
+    mark("joining", 0)
     monkeypatch.setenv("MESHKIT_PROCESS_ID", "2")
     mark("running")
     (tmp_path / "rank3").write_text("garbage")
@@ -61,10 +60,9 @@ def test_stages_read_the_status_files(tmp_path, monkeypatch):
 def test_mark_outside_a_launch_run_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv(events.ENV_STATUS, raising=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MESHKIT_PROCESS_ID", "0")
-    mark("joining")
+    mark("joining", 0)
     monkeypatch.setenv(events.ENV_STATUS, str(tmp_path / "gone"))
-    mark("joining")  # a directory that went away: quieter, never an error
+    mark("joining", 0)  # a directory that went away: quieter, never an error
     assert list(tmp_path.iterdir()) == []
 
 

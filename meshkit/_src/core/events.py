@@ -133,9 +133,10 @@ def count(**amounts: float) -> dict[str, float]:
 STAGES = ("starting", "joining", "joined", "running", "exited")
 
 
-def mark(stage: str) -> None:
+def mark(stage: str, process_id: int | None = None) -> None:
     """Record this rank's stage for the launcher (nothing outside a `meshkit launch` run)."""
-    where, process_id = os.environ.get(ENV_STATUS), _own_rank()
+    where = os.environ.get(ENV_STATUS)
+    process_id = _own_rank() if process_id is None else process_id
     if not where or process_id is None:
         return
     file = Path(where) / f"rank{process_id}"

@@ -422,7 +422,7 @@ def _join(
         return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
     collectives = _select_gloo()
-    _events.mark("joining")  # for `meshkit launch`, which shows who waits
+    _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
     address, n, pid, shown = plan.coordinator_address, plan.num_processes, plan.process_id, ids
@@ -444,7 +444,7 @@ def _join(
     )
     if cluster:
         _, pid, n = _compat.distributed_state()
-    _events.mark("joined")
+    _events.mark("joined", pid)
     return dataclasses.replace(
         plan, reason=reason, num_processes=n, process_id=pid, coordinator_address=address,
         local_device_ids=None if shown is None else tuple(shown), cpu_devices=cpu_devices,
