@@ -13,6 +13,7 @@ import pytest
 import meshkit
 from meshkit._src.core import events as _events
 from meshkit._src.core.events import Event
+from meshkit._src.launch import rank_events
 from meshkit._src.launch import report as _report
 from meshkit._src.launch.report import RankResult, Told
 from meshkit.testing._forks import starter
@@ -49,7 +50,7 @@ def test_known_failures_are_recognised(text, kind, system):
 
 def test_meshkits_own_notice_names_the_process():
     # What meshkit's failure watch knows is a `failed` event, not its sentence.
-    found = _events.from_event(
+    found = rank_events.from_event(
         {"cause": "peer", "process": 3, "system": "meshkit", "error": "KeyError"}
     )
     assert found is not None
@@ -68,7 +69,7 @@ def test_meshkits_own_notice_names_the_process():
 )  # fmt: skip
 def test_meshkits_own_checks_name_the_process_they_waited_for(text, process):
     # The rank records whom it waited for; its message is for people and is not read.
-    found = _events.from_event({"cause": "timeout", "system": "meshkit", "process": process})
+    found = rank_events.from_event({"cause": "timeout", "system": "meshkit", "process": process})
     assert found is not None
     assert (found.kind, found.system, found.process) == ("timeout", "meshkit", process)
     assert _events.diagnose(text) is None
@@ -87,9 +88,11 @@ def test_meshkits_own_sentences_are_not_read(text):
 
 
 def test_an_event_of_an_error_of_its_own_is_no_diagnosis():
-    assert _events.from_event({"cause": "exception", "error": "ValueError"}) is None
-    assert _events.from_event({"cause": "signal", "error": "SIGTERM"}) is None
-    gloo = _events.from_event({"cause": "timeout", "system": "gloo", "error": "JaxRuntimeError"})
+    assert rank_events.from_event({"cause": "exception", "error": "ValueError"}) is None
+    assert rank_events.from_event({"cause": "signal", "error": "SIGTERM"}) is None
+    gloo = rank_events.from_event(
+        {"cause": "timeout", "system": "gloo", "error": "JaxRuntimeError"}
+    )
     assert gloo is not None
     assert (gloo.kind, gloo.system, gloo.process) == ("timeout", "gloo", None)
 
@@ -306,7 +309,7 @@ def test_events_read_back_into_verdicts(tmp_path, monkeypatch):
         monkeypatch.setenv("MESHKIT_PROCESS_ID", str(rank))
         events.emit(kind, **fields)
     (tmp_path / "events-1.jsonl").write_text('{"rank": 1, "kind": "stalled", "ti')  # cut short
-    told = Told.of(events.read(tmp_path, 3))
+    told = Told.of(rank_events.read(tmp_path, 3))
     assert told.failed[0].fields["cause"] == "peer"  # the first word of a rank is its verdict
     assert told.ended == {2}
     assert not told.stalled

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._src.core import events as _events
+from meshkit._src.launch import rank_events
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.lifecycle import failfast as _failfast
 from meshkit._src.lifecycle.progress import ServiceBoard
@@ -177,7 +177,7 @@ def status(tmp_path, monkeypatch):
 
 
 def _events_of(directory):
-    return [(e.kind, e.fields) for e in _events.read(directory, 4)]
+    return [(e.kind, e.fields) for e in rank_events.read(directory, 4)]
 
 
 def test_an_uncaught_exception_writes_failed_with_its_cause(status, monkeypatch):
@@ -365,7 +365,7 @@ def test_a_failing_two_process_run_leaves_its_events(tmp_path):
                                  timeout=90, args=[str(tmp_path)])  # fmt: skip
     assert result.ranks[1].returncode == 1, result.report
     assert result.ranks[0].returncode != 0, result.report
-    events = {r: [(e.kind, e.fields) for e in _events.read(tmp_path, 2) if e.rank == r]
+    events = {r: [(e.kind, e.fields) for e in rank_events.read(tmp_path, 2) if e.rank == r]
               for r in (0, 1)}  # fmt: skip
     line = _FAILING_RUN.splitlines().index('    raise ValueError("planted")') + 1
     raised_at = f"{script}:{line}"

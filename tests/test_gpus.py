@@ -35,16 +35,14 @@ def test_visible_devices(env, expected):
 
 def test_bound_devices_and_why():
     one = bound_device_ids({"CUDA_VISIBLE_DEVICES": "5"}, 1)
-    assert one is not None
-    assert one.ids == (0,)
-    assert one.reason == (
-        "local rank 1 with CUDA_VISIBLE_DEVICES=5: the scheduler bound these to the task"
+    assert one == (
+        (0,),
+        "local rank 1 with CUDA_VISIBLE_DEVICES=5: the scheduler bound these to the task",
     )
     two = bound_device_ids({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_PER_TASK": "a100:2"}, 0)
-    assert two is not None
-    assert two.ids == (0, 1)
-    assert two.reason == (
-        "SLURM_GPUS_PER_TASK=a100:2 and CUDA_VISIBLE_DEVICES=2,3: the task's own GPUs"
+    assert two == (
+        (0, 1),
+        "SLURM_GPUS_PER_TASK=a100:2 and CUDA_VISIBLE_DEVICES=2,3: the task's own GPUs",
     )
     # Nothing to correct: every GPU visible, none visible, or JAX chooses nothing.
     assert bound_device_ids({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 3) is None
@@ -79,7 +77,7 @@ def test_property_each_task_uses_its_own_gpus(node, data):
                 env["SLURM_GPUS_PER_TASK"] = str(per_task)
             expected = list(range(per_task))  # its own, renumbered from 0
         binding = bound_device_ids(env, rank)
-        used = list(binding.ids) if binding is not None else [rank]  # else JAX's choice
+        used = list(binding[0]) if binding is not None else [rank]  # else JAX's choice
         assert used == expected, (mode, rank, env, binding)
         visible = visible_devices(env)
         assert visible is not None

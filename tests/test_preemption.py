@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshkit import MeshkitError
-from meshkit._src.core import events as _events
+from meshkit._src.launch import rank_events
 from meshkit._src.lifecycle import exit as _exit
 from meshkit._src.lifecycle import preemption
 
@@ -195,7 +195,7 @@ def test_the_save_after_the_sync_point_ends_the_program_with_143(fresh, tmp_path
     with pytest.raises(SystemExit) as raised:
         preemption.saved(6)
     assert raised.value.code == 143
-    (event,) = _events.read(tmp_path, 2)
+    (event,) = rank_events.read(tmp_path, 2)
     assert event.kind == "preempted"
     assert (event.fields["how"], event.fields["saved"]) == ("saved", 6)
     assert (event.fields["source"], event.fields["step"]) == ("SIGTERM", 6)
@@ -232,7 +232,7 @@ def test_the_deadline_says_the_step_global_batches_reached(fresh, tmp_path, monk
     notice = preemption.receive(None)
     assert notice is not None
     preemption._end_at_deadline(notice)
-    (event,) = _events.read(tmp_path, 2)
+    (event,) = rank_events.read(tmp_path, 2)
     assert (event.kind, event.fields["how"], event.fields["step"]) == ("preempted", "deadline", 3)
 
 

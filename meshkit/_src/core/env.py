@@ -343,8 +343,7 @@ def _index0_host(environ: Mapping[str, str], found: str) -> str:
 
 
 def read_engine(environ: Mapping[str, str], *, jax_detects: str | None = None) -> EngineJoin | None:
-    """How this process joins according to an engine's variables; None where none set them."""
-    check_agreement(environ)
+    """How an engine's variables say this process joins (None: none); after `check_agreement`."""
     return (
         _jax_vars(environ, jax_detects) or _skypilot(environ) or _indexed_job(environ, jax_detects)
     )
@@ -414,25 +413,20 @@ def check_step(environ: Mapping[str, str]) -> None:
         raise MeshkitError(_BAD_VALUE.format(what=what, found=listed))
 
 
-@dataclasses.dataclass(frozen=True)
-class Binding:
-    """The accelerators a task owns, and why meshkit thinks so."""
-
-    ids: tuple[int, ...]
-    reason: str
-
-
-def bound_device_ids(environ: Mapping[str, str], local_rank: int | None) -> Binding | None:
-    """The devices a scheduler bound to this task, or None when JAX's choice is right."""
+def bound_device_ids(
+    environ: Mapping[str, str], local_rank: int | None
+) -> tuple[tuple[int, ...], str] | None:
+    """The devices a scheduler bound to this task and why; None when JAX's choice is right."""
     name, count = visible_devices(environ) or ("", 0)
     if count == 0 or local_rank is None:
         return None
     listed = f"{name}={environ[name]}"
     per_task = _int(environ.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1])  # [type:]count
     if per_task == count:
-        why = f"SLURM_GPUS_PER_TASK={environ['SLURM_GPUS_PER_TASK']} and {listed}"
-        return Binding(tuple(range(count)), f"{why}: the task's own GPUs")
-    if local_rank >= count:
-        why = f"local rank {local_rank} with {listed}"
-        return Binding(tuple(range(count)), f"{why}: the scheduler bound these to the task")
-    return None
+        given = environ["SLURM_GPUS_PER_TASK"]
+        why = f"SLURM_GPUS_PER_TASK={given} and {listed}: the task's own GPUs"
+    elif local_rank >= count:
+        why = f"local rank {local_rank} with {listed}: the scheduler bound these to the task"
+    else:
+        return None
+    return tuple(range(count)), why

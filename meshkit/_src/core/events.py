@@ -7,8 +7,7 @@ own; the launcher reads them and, once a rank waited a while, says who is where 
 Outside a launch a rank writes nothing.
 
 A failure that JAX's cross-process machinery ended is classified by its text (`diagnose`:
-gloo's, NCCL's and the coordination service's timeouts and lost peers, which name no process)
-or from a rank's ``failed`` event (`from_event`).
+gloo's, NCCL's and the coordination service's timeouts and lost peers, which name no process).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,25 +129,6 @@ def count(**amounts: float) -> dict[str, float]:
         return dict(totals)
 
 
-def read(directory: Directory, ranks: int | Iterable[int]) -> list[Event]:
-    """The events of ``ranks`` (a count: ranks 0..n-1), in the order written (time, then rank)."""
-    out = []
-    for rank in range(ranks) if isinstance(ranks, int) else ranks:
-        try:
-            lines = path(directory, rank).read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:  # cut short by a crash
-                continue
-            if isinstance(record, dict) and record.get("kind") in KINDS:
-                writer, kind = int(record.pop("rank")), record.pop("kind")
-                out.append(Event(writer, kind, float(record.pop("time")), fields=record))
-    return sorted(out, key=lambda e: (e.time, e.rank))
-
-
 # A rank's stages while the cluster forms, in the order it goes through them.
 STAGES = ("starting", "joining", "joined", "running", "exited")
 
@@ -205,18 +185,6 @@ def diagnose(text: str) -> Diagnosis | None:
     return None
 
 
-def from_event(fields: Mapping[str, Any]) -> Diagnosis | None:
-    """The diagnosis a rank recorded in its ``failed`` event, or None for an error of its own."""
-    cause = fields.get("cause")
-    if cause not in ("peer", "timeout"):
-        return None
-    raw = fields.get("process")
-    process = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
-    system = str(fields.get("system") or ("meshkit" if process is not None else "JAX"))
-    kind = "lost" if cause == "peer" else "timeout"
-    return Diagnosis(kind, system, str(fields.get("error") or ""), process)
-
-
 def explain(diagnosis: Diagnosis) -> str:
     """What usually causes ``diagnosis``, and what to run next (several lines, no newline)."""
     what = (
@@ -263,25 +231,6 @@ class StepRow:
     def own_ms(self) -> float:
         """The process's own work per step: its loader's time and its host work."""
         return self.loader_ms + self.host_ms
-
-
-def step_rows(records: Iterable[Event]) -> list[StepRow]:
-    """Each rank's last ``steps`` event as a `StepRow`, the slowest own work first."""
-    last = {e.rank: e for e in records if e.kind == STEPS}
-    fields = [f.name for f in dataclasses.fields(StepRow)]
-    rows = [StepRow(**{k: e.fields.get(k, 0) for k in fields}) for e in last.values()]
-    return sorted(rows, key=lambda r: (-r.own_ms, r.process))
-
-
-def table_text(table: Sequence[StepRow], ranks: Mapping[int, str] | None = None) -> str:
-    """One line per process: its row in milliseconds per step (``ranks``: how to name each)."""
-    name = ranks or {}
-    return "".join(
-        f"  {name.get(r.process, f'process {r.process}')}: {r.steps} steps, {r.step_ms:.1f} ms "
-        f"per step: {r.loader_ms:.1f} in the loader, {r.host_ms:.1f} host work, "
-        f"{r.data_ms:.1f} waiting for the batch, {r.wait_ms:.1f} for the devices or the others\n"
-        for r in table
-    )
 
 
 _PARTS = ("joining", "compiling", "steps", "saving", "restoring", "restarts", "redone")

@@ -40,6 +40,7 @@ from . import timeline as _timeline
 from .link import Link, Over
 from .machines import placement, run_on_machines
 from .ports import port_in_use, reserve_port
+from .rank_events import read
 from .rank_output import Sink, join_pumps
 from .reaper import Guardian, Reaper
 from .report import (
@@ -345,9 +346,7 @@ def _run(
             start=start,
             remote=link.stop_requested if link is not None else None,
             share=link.share_stages if link is not None else None,
-            preempted=lambda r: any(
-                e.kind == _events.PREEMPTED for e in _events.read(status.name, [r])
-            ),
+            preempted=lambda r: any(e.kind == _events.PREEMPTED for e in read(status.name, [r])),
             notice_wait=_notice_wait({**os.environ, **extra_env}) + grace,
         )
         for r, rank_env in zip(ids, envs, strict=True):
@@ -380,7 +379,7 @@ def _run(
         if was_subreaper is False:
             _reaper.set_subreaper(False)
         # Read once every rank has ended: nothing can still write, and the directory goes next.
-        records = _events.read(status.name, ids)
+        records = read(status.name, ids)
         told = Told.of(records)
         if sink.log_dir is not None:  # the picture of the run so far, every attempt's lanes
             _timeline.record(sink.log_dir, attempt, records, ids)

@@ -17,6 +17,7 @@ from typing import Any
 from ..core import events as _events
 from ..core.errors import ranges
 from ..core.events import INSIDE, OUTSIDE
+from .rank_events import from_event, step_rows, table_text
 
 TAIL_LINES = 40
 
@@ -163,7 +164,7 @@ class Told:
 
     @classmethod
     def of(cls, records: Iterable[_events.Event]) -> Told:
-        """Sorts ``records`` (oldest first, as `events.read` gives them) by what they say."""
+        """Sorts ``records`` (oldest first, as `rank_events.read` gives them) by what they say."""
         failed: dict[int, _events.Event] = {}
         stalled: dict[int, _events.Event] = {}
         ended: set[int] = set()
@@ -184,7 +185,7 @@ class Told:
                 saved[event.rank] = event.fields["step"]
             elif event.kind == _events.STRAGGLER:
                 stragglers += [str(said) for said in event.fields.get("said") or ()]
-        steps = _events.step_rows(records)
+        steps = step_rows(records)
         return cls(failed, stalled, frozenset(ended), preempted, saved, steps, stragglers)
 
 
@@ -221,7 +222,7 @@ def straggler_summary(told: Told, most: int = 8) -> str:
         "Slower than the others, as process 0 said during the run: "
         + "; ".join(dict.fromkeys(told.stragglers)).replace("process ", "rank ")
         + ".\nStep times per rank over the run, the slowest own work first:\n"
-        + _events.table_text(told.steps[:most], names)
+        + table_text(told.steps[:most], names)
     )
 
 
@@ -389,7 +390,7 @@ def _diagnosis(result: RankResult, told: Told) -> _events.Diagnosis | None:
     """Why ``result``'s rank failed as it recorded it, else as JAX's own text says, else None."""
     event = told.failed.get(result.rank)
     if event is not None:
-        return _events.from_event(event.fields)
+        return from_event(event.fields)
     return _events.diagnose(_error_text(result))
 
 

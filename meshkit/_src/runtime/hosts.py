@@ -110,9 +110,19 @@ def _combine(values: Mapping[int, str]) -> str:
 _TABLE: Hosts | None = None
 
 
-def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> Hosts:
-    """Learn every process's host (one `gather` through the coordination service), and keep it."""
+def known() -> Hosts | None:
+    """The hosts this process learned (at `meshkit.init`, or at the first `make_mesh`)."""
+    n = _compat.distributed_state()[2]
+    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == n else None
+
+
+def table(timeout: float, what: str) -> Hosts:
+    """The hosts of the program, learned at the first call (one `gather`) and kept."""
     global _TABLE
+    found = known()
+    if found is not None:
+        return found
+    _, me, n = _compat.distributed_state()
     node = _agree.node()
     if n == 1 or node is None:
         _TABLE = Hosts.of([here()])
@@ -127,18 +137,3 @@ def exchange(me: int, n: int, timeout: float, what: str = "meshkit.init()") -> H
         )
     _TABLE = Hosts.from_json(got.answer)
     return _TABLE
-
-
-def known() -> Hosts | None:
-    """The hosts this process learned (at `meshkit.init`, or at the first `make_mesh`)."""
-    n = _compat.distributed_state()[2]
-    return _TABLE if _TABLE is not None and len(_TABLE.of_process) == n else None
-
-
-def table(timeout: float, what: str) -> Hosts:
-    """The hosts of the program, exchanged at the first call if `meshkit.init` did not."""
-    found = known()
-    if found is None:
-        _, me, n = _compat.distributed_state()
-        found = exchange(me, n, timeout, what)
-    return found

@@ -341,7 +341,6 @@ def init(
     options = distributed_options(
         heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout
     )
-    check_supported(options)
     num_processes = _whole("num_processes", num_processes)
     process_id = _whole("process_id", process_id, least=0)
     if process_id is not None and process_id >= (num_processes or 1):
@@ -376,7 +375,7 @@ def init(
     _events.emit(_events.JOINED)
     _compile_cache.watch()  # compile times, for goodput (and the launcher's report)
     _programs.preflight(info.process_id, info.num_processes, _env.check_timeout())
-    hosts = _hosts.exchange(info.process_id, info.num_processes, _env.check_timeout())
+    hosts = _hosts.table(_env.check_timeout(), _WHERE)
     info = _INFO = dataclasses.replace(info, hosts=hosts, attempt=_env.attempt(where=_WHERE))
     _programs.install(info.num_processes)
     if profile is not None:  # MESHKIT_PROFILE_STEPS, read before joining
@@ -426,37 +425,31 @@ def _join(
     _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
-    if plan.source == "cluster":
-        address, n, pid, detected = _compat.cluster_params(ids, init_timeout)
-        reason = plan.reason
-        if ids is None and detected is not None and len(detected) == 1:
+    address, n, pid, shown = plan.coordinator_address, plan.num_processes, plan.process_id, ids
+    cluster, reason = plan.source == "cluster", plan.reason
+    if cluster:
+        address, n, pid, shown = _compat.cluster_params(ids, init_timeout)
+        if ids is None and shown is not None and len(shown) == 1:
             # JAX would take the local rank as the one device id; not if GPUs were bound.
-            binding = _env.bound_device_ids(os.environ, int(detected[0]))
-            if binding is not None:
-                ids = detected = list(binding.ids)
-                reason = f"{reason}; devices {','.join(map(str, binding.ids))}: {binding.reason}"
-        if address is not None and n is not None and pid is not None:
-            _ports.check_coordinator(address, pid, n, timeout, source=plan.reason)
-        # JAX detects again inside initialize (keeping its TPU and slice handling its own).
-        jax.distributed.initialize(
-            local_device_ids=ids, initialization_timeout=init_timeout, **options
-        )
+            bound = _env.bound_device_ids(os.environ, int(shown[0]))
+            if bound is not None:
+                ids = shown = list(bound[0])
+                reason = f"{reason}; devices {','.join(map(str, ids))}: {bound[1]}"
+    if address is not None and n is not None and pid is not None:
+        _ports.check_coordinator(address, pid, n, timeout, plan.reason if cluster else plan.source)
+    # JAX detects a cluster again inside initialize (keeping its TPU and slice handling its own).
+    given = (None, None, None) if cluster else (address, n, pid)
+    jax.distributed.initialize(
+        *given, local_device_ids=ids, initialization_timeout=init_timeout, **options
+    )
+    if cluster:
         _, pid, n = _compat.distributed_state()
-        plan = dataclasses.replace(
-            plan, reason=reason, num_processes=n, process_id=pid, coordinator_address=address,
-            local_device_ids=None if detected is None else tuple(detected),
-        )  # fmt: skip
-    else:
-        assert plan.coordinator_address is not None
-        _ports.check_coordinator(
-            plan.coordinator_address, plan.process_id, plan.num_processes, timeout, plan.source
-        )
-        jax.distributed.initialize(
-            plan.coordinator_address, plan.num_processes, plan.process_id,
-            local_device_ids=ids, initialization_timeout=init_timeout, **options,
-        )  # fmt: skip
-    _events.mark("joined", plan.process_id)
-    return dataclasses.replace(plan, cpu_devices=cpu_devices, cpu_collectives=collectives)
+    _events.mark("joined", pid)
+    return dataclasses.replace(
+        plan, reason=reason, num_processes=n, process_id=pid, coordinator_address=address,
+        local_device_ids=None if shown is None else tuple(shown), cpu_devices=cpu_devices,
+        cpu_collectives=collectives,
+    )  # fmt: skip
 
 
 def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
@@ -512,8 +505,11 @@ def _origin(variable: str | None) -> str:
 
 
 def distributed_options(**given: Any) -> dict[str, Any]:
-    """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``."""
-    options = {}
+    """``jax.distributed.initialize``'s timeouts to pass, ``{parameter: seconds}``.
+
+    Refused where the running JAX's ``jax.distributed.initialize`` lacks one of them.
+    """
+    options, origins = {}, {}
     for parameter, (name, variable) in DISTRIBUTED_OPTIONS.items():
         value, origin = given.get(name), None
         if value is None:
@@ -523,24 +519,19 @@ def distributed_options(**given: Any) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             what = {"name": name, "value": value, "origin": _origin(origin), "parameter": parameter}
             raise MeshkitError(_BAD_VALUE.format(**what))
-        options[parameter] = value
-    return options
-
-
-def check_supported(options: dict[str, int]) -> None:
-    """Raise if the running JAX's ``jax.distributed.initialize`` lacks one of ``options``."""
+        options[parameter], origins[parameter] = value, origin
     try:
         accepted = inspect.signature(jax.distributed.initialize).parameters
     except (TypeError, ValueError):  # no signature to read: let JAX itself judge the call
-        return
+        return options
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return  # a wrapper (a test's spy, a framework's) that passes keywords on
+        return options  # a wrapper (a test's spy, a framework's) that passes keywords on
     for parameter in [INITIALIZATION, *options]:
         if parameter not in accepted:
-            name, variable = DISTRIBUTED_OPTIONS.get(parameter, ("timeout", None))
-            origin = _origin(variable) if _env.raw(variable or "") is not None else ""
-            what = {"name": name, "parameter": parameter, "origin": origin}
+            name = DISTRIBUTED_OPTIONS.get(parameter, ("timeout",))[0]
+            what = {"name": name, "parameter": parameter, "origin": _origin(origins.get(parameter))}
             raise MeshkitError(_UNSUPPORTED.format(version=jax.__version__, **what))
+    return options
 
 
 def _local_cpu_count() -> int | None:
