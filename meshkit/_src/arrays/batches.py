@@ -54,7 +54,7 @@ def _close_all() -> None:
 _CLOSED = object()  # put in the queue by `GlobalBatches.close`: wakes a waiting `__next__`
 
 
-class GlobalBatches(Iterator[Any]):
+class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
     Attributes:
@@ -99,10 +99,10 @@ class GlobalBatches(Iterator[Any]):
         self._progress = progress
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
-        _, self._me, n = _compat.distributed_state()
+        _, self._me, self._n = _compat.distributed_state()
         # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and n > 1
-        self._node = _agree.node() if n > 1 else None
+        self._together = stop_together and self._n > 1
+        self._node = _agree.node() if self._n > 1 else None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
@@ -115,23 +115,20 @@ class GlobalBatches(Iterator[Any]):
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
-        self.steps = self._source.step
-        self._state = self._source.first  # the source's position after the steps taken
-        assembly = _assembly.Assembly(self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True)
-        prepare = functools.partial(
+        self._source, self._capture, self._identity, self.steps = _ends.open_source(
+            iterable, start, self._me, self._n, self._tag
+        )
+        # the source's position after the steps taken (`_ends.Opened`)
+        self._state: Any = None if self._capture is None else self._capture()
+        self._assembly = _assembly.Assembly(
+            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True
+        )
+        self._prepare = functools.partial(
             _blocks.prepare, mesh_or_sharding=mesh_or_sharding, spec=spec, global_shape=None,
             dtype=dtype, pad=bool(pad),
         )  # fmt: skip
-        self._prefetch = _prefetch.Ahead(
-            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
-            prefetch=prefetch, stop=self._stop, release=self._release_helpers, hear=self._hear,
-            assembled=self.steps,
-        )  # fmt: skip
-        self._thread = threading.Thread(
-            target=self._work, name="meshkit-global-batches", daemon=True
-        )
-        self._thread.start()
+        self._ragged, self._assembled = pad == "ragged", self.steps
+        self._start_prefetch(prefetch)
         self._moving: _places.Moving | None = None
         if self._together and self._node is not None:
             self._moving = _places.Moving(
@@ -144,6 +141,10 @@ class GlobalBatches(Iterator[Any]):
                 self._node, self._tag, self._hear, self._done, self._look,
                 lambda: self._look(notice=True),
             )  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._work, name="meshkit-global-batches", daemon=True
+        )
+        self._thread.start()
         _live.add(self)
 
     def __iter__(self) -> GlobalBatches:
@@ -184,7 +185,7 @@ class GlobalBatches(Iterator[Any]):
         return True
 
     def _next(self) -> Any:
-        item = self._prefetch.get()
+        item = self._get()
         if isinstance(item, BaseException):
             self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
@@ -308,7 +309,7 @@ class GlobalBatches(Iterator[Any]):
             post = self._together and not ended and self._node is not None
             if post:
                 self._closed_after = self.steps
-        self._prefetch.put(_CLOSED)
+        self._put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -356,7 +357,13 @@ class GlobalBatches(Iterator[Any]):
         """
         with self._lock:
             steps, state = self.steps, self._state
-        return self._source.position(steps, state)
+        if self._identity is not None:
+            per = self._identity.steps_per_epoch
+            epoch, step = divmod(state, per) if per else (0, 0)
+            return DataPosition(steps, self._identity, epoch, step, self._n)
+        if self._capture is not None:  # the source has get_state() / set_state()
+            return DataPosition(steps, processes=self._n, states={self._me: state})
+        return DataPosition(steps, processes=self._n)
 
     @property
     def rows_per_second(self) -> float:
@@ -376,7 +383,7 @@ class GlobalBatches(Iterator[Any]):
 
     def _work(self) -> None:
         with _channel.channel(self._tag), calling(_WHAT, pads=True):
-            self._prefetch.run()
+            self._run()
 
 
 @public
