@@ -419,7 +419,7 @@ def test_the_position_is_the_one_after_the_callers_step_not_the_batches_read_ahe
         for step in range(1, 9):
             next(batches)
             next(it)
-            assert batches._assembled >= step
+            assert batches._prefetch.assembled >= step
             position = batches.position()
             assert position.step == step
             assert position.states == {0: encode_state(it.get_state())}, (prefetch, step)

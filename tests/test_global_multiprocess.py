@@ -766,7 +766,7 @@ def _windows_agree_and_fall_back():
     sums = [float(b.sum()) for b in it]
     steady = {
         "sums_right": sums == [160.0 * i + 8.0 for i in range(steps)],
-        "windows": it._windows,
+        "windows": it._prefetch.windows,
         "rpcs_per_step": agree.stats.rpcs / steps,
     }
     # A difference inside a window is named at its own step, as the per-step agreement names

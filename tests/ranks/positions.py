@@ -91,9 +91,9 @@ def _read_ahead(batches, at_least, within=30.0):
     The trap this guards: a loader's own state at that moment is ahead of the caller's step.
     """
     deadline = time.monotonic() + within
-    while batches._assembled < batches.steps + at_least and time.monotonic() < deadline:
+    while batches._prefetch.assembled < batches.steps + at_least and time.monotonic() < deadline:
         time.sleep(0.005)
-    return batches._assembled - batches.steps
+    return batches._prefetch.assembled - batches.steps
 
 
 def save_mid_run(root):

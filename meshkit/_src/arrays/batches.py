@@ -56,7 +56,7 @@ def _close_all() -> None:
 _CLOSED = object()  # put in the queue by `GlobalBatches.close`: wakes a waiting `__next__`
 
 
-class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
+class GlobalBatches(Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
     Attributes:
@@ -101,10 +101,10 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
         self._progress = progress
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
-        _, self._me, self._n = _compat.distributed_state()
+        _, self._me, n = _compat.distributed_state()
         # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and self._n > 1
-        self._node = _agree.node() if self._n > 1 else None
+        self._together = stop_together and n > 1
+        self._node = _agree.node() if n > 1 else None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
@@ -117,20 +117,24 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
         self.rows = 0
         self._started = time.monotonic()
         self._reported = self._started
-        self._source, self._capture, self._identity, self.steps = _ends.open_source(
-            iterable, start, self._me, self._n, self._tag
-        )
-        # the source's position after the steps taken (`_ends.Opened`)
-        self._state: Any = None if self._capture is None else self._capture()
-        self._assembly = _assembly.Assembly(
-            self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True
-        )
-        self._prepare = functools.partial(
+        self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
+        self.steps = self._source.step
+        capture = self._source.capture  # the source's position after the steps taken
+        self._state = None if capture is None else capture()
+        assembly = _assembly.Assembly(self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True)
+        prepare = functools.partial(
             _blocks.prepare, mesh_or_sharding=mesh_or_sharding, spec=spec, global_shape=None,
             dtype=dtype, pad=bool(pad),
         )  # fmt: skip
-        self._ragged, self._assembled = pad == "ragged", self.steps
-        self._start_prefetch(prefetch)
+        self._prefetch = _prefetch.Ahead(
+            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
+            prefetch=prefetch, stop=self._stop, release=self._release_helpers, hear=self._hear,
+            assembled=self.steps,
+        )  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._work, name="meshkit-global-batches", daemon=True
+        )
+        self._thread.start()
         self._moving: _places.Moving | None = None
         if self._together and self._node is not None:
             self._moving = _places.Moving(
@@ -140,11 +144,7 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
                 "step {step} of " + _WHAT,
             )
             # Nudged: a service thread waiting out an idle slice (5 s) looks within the period.
-            _exit.at(_WATCH + self._tag, _failfast.poll_period(self._n), self._watch)
-        self._thread = threading.Thread(
-            target=self._work, name="meshkit-global-batches", daemon=True
-        )
-        self._thread.start()
+            _exit.at(_WATCH + self._tag, _failfast.poll_period(n), self._watch)
         _live.add(self)
 
     def __iter__(self) -> GlobalBatches:
@@ -193,13 +193,13 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
                 self._gone = self._gone or error
             self._fail(error)
         elif not closers:
-            period = _failfast.poll_period(self._n)
+            period = _failfast.poll_period(node.n)
             _exit.at(_WATCH + self._tag, period, self._watch, nudge=False)
         elif not self._done.is_set():
             self._hear(closers)
 
     def _next(self) -> Any:
-        item = self._get()
+        item = self._prefetch.get()
         if isinstance(item, BaseException):
             self._done.set()
             # a close the helpers' agreement told of: this process asks for the next step
@@ -323,7 +323,7 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
             post = self._together and not ended and self._node is not None
             if post:
                 self._closed_after = self.steps
-        self._put(_CLOSED)
+        self._prefetch.put(_CLOSED)
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -371,13 +371,7 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
         """
         with self._lock:
             steps, state = self.steps, self._state
-        if self._identity is not None:
-            per = self._identity.steps_per_epoch
-            epoch, step = divmod(state, per) if per else (0, 0)
-            return DataPosition(steps, self._identity, epoch, step, self._n)
-        if self._capture is not None:  # the source has get_state() / set_state()
-            return DataPosition(steps, processes=self._n, states={self._me: state})
-        return DataPosition(steps, processes=self._n)
+        return self._source.position(steps, state)
 
     @property
     def rows_per_second(self) -> float:
@@ -397,7 +391,7 @@ class GlobalBatches(_prefetch.Prefetcher, Iterator[Any]):
 
     def _work(self) -> None:
         with _channel.channel(self._tag), calling(_WHAT, pads=True):
-            self._run()
+            self._prefetch.run()
 
 
 @public

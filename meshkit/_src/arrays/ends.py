@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..coord import missing as _missing
@@ -28,7 +29,6 @@ from ..core.errors import DivergenceError, MeshkitError
 from .records import PartRecord, agree_on
 
 _WHAT = "meshkit.global_batches"
-Opened = tuple[Iterator[Any], Callable[[], Any] | None, LoaderIdentity | None, int]
 
 # Where the data ends.
 
@@ -279,6 +279,28 @@ _GLOBAL = (
 )
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A source opened at its start, and how its position is kept."""
+
+    source: Iterator[Any]  # what the helper thread reads
+    capture: Callable[[], Any] | None  # the source's position right after a read (None: not kept)
+    identity: LoaderIdentity | None  # a meshkit loader's
+    step: int  # the steps taken before this iterator (start.step)
+    me: int
+    processes: int
+
+    def position(self, steps: int, state: Any) -> DataPosition:
+        """The position after the caller's ``steps`` steps; ``state``: the source's then."""
+        if self.identity is not None:
+            per = self.identity.steps_per_epoch
+            epoch, step = divmod(state, per) if per else (0, 0)
+            return DataPosition(steps, self.identity, epoch, step, self.processes)
+        if self.capture is not None:  # the source has get_state() / set_state()
+            return DataPosition(steps, processes=self.processes, states={self.me: state})
+        return DataPosition(steps, processes=self.processes)
+
+
 def _state(source: Any) -> str:
     """``source.get_state()`` as JSON text; a state that cannot be saved says so (see save)."""
     state = source.get_state()
@@ -291,11 +313,7 @@ def _state(source: Any) -> str:
 def open_source(
     iterable: Iterable[Any], start: DataPosition | None, me: int, processes: int, tag: str
 ) -> Opened:
-    """Open ``iterable`` at ``start`` (None: where it stands); a bad start fails everywhere.
-
-    Returns what the helper thread reads; how to read the source's position right after a read
-    (None: it is not kept); a meshkit loader's identity; the steps taken before (start.step).
-    """
+    """Open ``iterable`` at ``start`` (None: where it stands); a bad start fails everywhere."""
     if start is not None and not isinstance(start, DataPosition):
         raise MeshkitError(
             f"{_WHAT}: start must be a meshkit.DataPosition or None; got "
@@ -330,9 +348,9 @@ def open_source(
             if at is None and isinstance(iterable, GlobalIterator)
             else loader.iterate(at or 0)
         )
-        return it, lambda: it.step, loader.identity, step
+        return Opened(it, lambda: it.step, loader.identity, step, me, processes)
     source = loader
-    return source, (lambda: _state(source)) if stateful else None, None, step
+    return Opened(source, (lambda: _state(source)) if stateful else None, None, step, me, processes)
 
 
 def _loader_problem(start: DataPosition, loader: GlobalSource) -> str | None:

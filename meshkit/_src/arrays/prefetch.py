@@ -1,4 +1,4 @@
-"""`Prefetcher`, the helper thread's half of `GlobalBatches`: steps read, agreed, assembled ahead.
+"""The helper thread of `meshkit.global_batches`: each step read, agreed and assembled ahead.
 
 To spare the coordinator, steady steps are agreed in windows of up to `width_cap` steps; a
 window that is not all data of equal records falls back to per-step agreements.
@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -35,45 +35,43 @@ AHEAD_BYTES = 64 << 20
 END = object()  # put in the caller's queue: the data ended for every process at this step
 # An exception put in the caller's queue is raised by its next `next()`.
 # One read of a loader: ("data", batch, state), ("end", None, state) or ("error", what it
-# raised, None); state: the source's position right after the read (`Prefetcher._capture`).
+# raised, None); state: the source's position right after the read (`Opened.capture`).
 _Pulled = tuple[str, Any, Any]
 
 
 _Read = tuple[Prepared, PartRecord, Any]  # a step read ahead: prepared, its record, its position
 
 
-class Prefetcher:
-    """The helper thread's half of a `GlobalBatches` iterator, which sets these in its __init__."""
+@dataclass
+class Ahead:
+    """The helper's side of one `meshkit.global_batches` iterator (run by its thread)."""
 
-    _source: Iterator[Any]  # this process's loader, opened (`ends.open_source`)
-    _capture: Callable[[], Any] | None  # the source's position right after a read (or None)
-    _me: int  # this process, of ``_n``
-    _n: int
-    _assembly: _assembly.Assembly
-    _prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
-    _ragged: bool
-    _together: bool  # closes are told apart from the end of data (stop_together)
-    _stop: threading.Event  # set when the iterator is closed
-    _assembled: int  # steps assembled (a resumed iterator starts at its position's)
-    _release_helpers: Callable[[], None]  # tells the others' helpers that this one stops
-    _hear: Callable[[dict[int, int]], None]  # takes processes that closed early
+    opened: _ends.Opened  # this process's loader
+    assembly: _assembly.Assembly
+    prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
+    ragged: bool
+    told: bool  # closes are told apart from the end of data (stop_together)
+    prefetch: int  # assembled steps waiting for the caller, at most (a slot is taken first)
+    stop: threading.Event  # set when the iterator is closed
+    release: Callable[[], None]  # tells the others' helpers that this one stops
+    hear: Callable[[dict[int, int]], None]  # takes processes that closed early
+    assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
+    windows: int = 0  # windows agreed whole (tests and benchmarks read it)
+    _ahead: deque[_Pulled] = field(default_factory=deque)
+    _template: Any = None
 
-    def _start_prefetch(self, prefetch: int) -> None:
-        """``prefetch``: assembled steps waiting for the caller, at most (a slot is taken first)."""
+    def __post_init__(self) -> None:
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()  # steps, END, exceptions
-        self._slots = threading.Semaphore(prefetch)
-        self._put = self._items.put
-        self._ahead: deque[_Pulled] = deque()
-        self._template: Any = None
-        self._windows = 0  # windows agreed whole (tests and benchmarks read it)
+        self._slots = threading.Semaphore(self.prefetch)
+        self.put = self._items.put
 
-    def _get(self) -> Any:
+    def get(self) -> Any:
         """The caller's next item, its slot freed."""
         item = self._items.get()
         self._slots.release()
         return item
 
-    def _run(self) -> None:
+    def run(self) -> None:
         """Read, agree and assemble until the data ends, the iterator closes or a step fails."""
         width, alone = 1, 0  # the next window's size; steps still to agree one by one
         agreed: deque[Any] = deque()  # steps (`_Read`), then END or an exception
@@ -87,12 +85,12 @@ class Prefetcher:
                         return
                     continue
                 if width > 1 and not alone and not ending and len(agreed) < width:
-                    if self._stop.is_set():  # the others' helpers wait for its next agreement
-                        self._release_helpers()
+                    if self.stop.is_set():
+                        self.release()  # the others' helpers wait for this one's next agreement
                         return
                     if not self._read(pulled, steps, width):
                         continue  # one more batch read into the window
-                    at = self._assembled + len(agreed) + 1  # the window's first step
+                    at = self.assembled + len(agreed) + 1  # the window's first step
                     try:
                         outcome = self._agree(pulled, steps, width, at)
                     except Exception as e:
@@ -104,16 +102,16 @@ class Prefetcher:
                     elif outcome:
                         agreed.extend(outcome)
                         ending = outcome[-1] is END
-                        self._windows += 1
+                        self.windows += 1
                         width = min(2 * width, self._width_cap)
                     else:  # the window's steps are agreed one by one, as they always were
                         alone, width = width, 1
                     continue
                 taken = False  # a slot, waited for until the iterator is closed
-                while not (taken or self._stop.is_set()):
+                while not (taken or self.stop.is_set()):
                     taken = self._slots.acquire(timeout=0.1)
                 if not taken:
-                    self._release_helpers()
+                    self.release()
                     return
                 if agreed:
                     if not self._place(agreed.popleft()):
@@ -123,10 +121,10 @@ class Prefetcher:
                 if steady is None:
                     return
                 alone = max(0, alone - 1)
-                grow = steady and self._assembly.multi and not alone
+                grow = steady and self.assembly.multi and not alone
                 width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
-            self._put(e)
+            self.put(e)
 
     def _read(self, pulled: list[_Pulled], steps: list[_Read], width: int) -> bool:
         """Read one more batch into a window (none when full); whether the window is read.
@@ -135,26 +133,26 @@ class Prefetcher:
         """
         if len(steps) < len(pulled) or len(pulled) >= width:
             return True
-        status, local, state = one = self._pull_next()
+        status, local, state = one = self._next()
         pulled.append(one)
         if status != "data":
             return True
         self._template = local
         try:
-            prepared = self._prepare(local)
+            prepared = self.prepare(local)
         except Exception:  # raised again by its own step, which agrees on it alone
             return True
-        record = self._assembly.record(prepared, "data", self._rows(prepared, "data"))
+        record = self.assembly.record(prepared, "data", self._rows(prepared, "data"))
         steps.append((prepared, record, state))
         return len(pulled) >= width
 
     def _place(self, step: Any) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
         if step is END or isinstance(step, BaseException):
-            self._put(step)
+            self.put(step)
             return False
         prepared, record, state = step
-        self._put(self._finish(prepared, {self._me: record}, state))
+        self.put(self._finish(prepared, {self.opened.me: record}, state))
         return True
 
     @functools.cached_property
@@ -166,19 +164,19 @@ class Prefetcher:
         leaves = jax.tree_util.tree_leaves(self._template)
         # a jax.Array's nbytes, not a copy to the host
         batch = sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves)
-        return max(1, min(max(32, self._n), AHEAD_BYTES // max(1, 2 * batch)))
+        return max(1, min(max(32, self.opened.processes), AHEAD_BYTES // max(1, 2 * batch)))
 
     def _pull(self) -> _Pulled:
         try:
             began = time.perf_counter()
-            local = next(self._source, END)  # END: no loader yields it
+            local = next(self.opened.source, END)  # END: no loader yields it
             _progress.loaded(time.perf_counter() - began)
-            state = None if self._capture is None else self._capture()
+            state = None if self.opened.capture is None else self.opened.capture()
         except BaseException as e:  # the loader's (or its get_state's) error: raised at its step
             return "error", e, None
         return ("end", None, state) if local is END else ("data", local, state)
 
-    def _pull_next(self) -> _Pulled:
+    def _next(self) -> _Pulled:
         return self._ahead.popleft() if self._ahead else self._pull()
 
     def _peek(self) -> bool | None:
@@ -189,31 +187,31 @@ class Prefetcher:
 
     def _rows(self, prepared: Prepared, status: str) -> int | None:
         """The rows the step's record compares (`PartRecord.rows`): not with ``pad="ragged"``."""
-        if status == "data" and not self._ragged and prepared.leaves[0].global_shape:
+        if status == "data" and not self.ragged and prepared.leaves[0].global_shape:
             return int(prepared.leaves[0].value.shape[0])
         return None
 
     def _one(self) -> bool | None:
         """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
-        status, local, state = self._pull_next()
+        status, local, state = self._next()
         if status == "error":
-            if self._assembly.multi:
-                _assembly.publish_failure(self._assembly.tag, local)
-            self._put(local)
+            if self.assembly.multi:
+                _assembly.publish_failure(self.assembly.tag, local)
+            self.put(local)
             return None
         if status == "data":
             self._template = local
-            if self._stop.is_set():
-                self._release_helpers()  # closed while the loader ran
+            if self.stop.is_set():
+                self.release()  # closed while the loader ran
                 return None
         item, steady = self._step(status, local, state)
-        self._put(item)
+        self.put(item)
         return None if item is END else steady
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
-        assembly = self._assembly
+        assembly = self.assembly
         pad, multi = assembly.pad, assembly.multi
-        step = self._assembled + 1
+        step = self.assembled + 1
         what = f"{_WHAT} (step {step})"
         if status == "end":
             if not (multi and pad and self._template is not None):
@@ -223,11 +221,11 @@ class Prefetcher:
             local = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), self._template
             )
-        prepared = assembly.prepare(lambda: self._prepare(local))
+        prepared = assembly.prepare(lambda: self.prepare(local))
         if not multi:
             return self._finish(prepared, None, state), False
         # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
-        check_rows = None if self._ragged else (lambda agreed: self._check_rows(agreed, step, what))
+        check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
         records = assembly.agree_sizes(
             prepared,
             status,
@@ -243,11 +241,11 @@ class Prefetcher:
 
     def _finish(self, prepared: Prepared, records: dict[int, PartRecord] | None, state: Any) -> Any:
         """Place and transfer an agreed step: the caller's item (with the source's position)."""
-        self._assembly.place(prepared, records)
-        tree, mask = self._assembly.transfer(prepared, agreed=records is not None)
-        self._assembled += 1
+        self.assembly.place(prepared, records)
+        tree, mask = self.assembly.transfer(prepared, agreed=records is not None)
+        self.assembled += 1
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
-        return ((tree, mask) if self._assembly.pad else tree), rows, prepared.notes, state
+        return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
     def _agree(self, pulled: list[_Pulled], steps: list[_Read], width: int, step: int) -> Any:
         """Agree at once on a window read from step ``step``.
@@ -268,7 +266,7 @@ class Prefetcher:
         ended = pulled[-1][0] == "end" and len(steps) == len(pulled) - 1
         first = "data" if steps else pulled[0][0]
         records = _assembly.exchange_records(
-            self._assembly.tag,
+            self.assembly.tag,
             {"status": "window", "first": first},
             f"{_WHAT} (steps {step} to {step + width - 1})",
             said=json.dumps({"runs": runs, "whole": whole, "end": ended}),
@@ -296,13 +294,13 @@ class Prefetcher:
         fewer = _ends.short(records)
         if not fewer:
             return
-        last = self._peek() if self._me in fewer else None
-        said = _assembly.exchange_records(self._assembly.tag, PartRecord(last=last).wire(), what)
+        last = self._peek() if self.opened.me in fewer else None
+        said = _assembly.exchange_records(self.assembly.tag, PartRecord(last=last).wire(), what)
         lasts = {p: PartRecord.read(w).last for p, w in said.items()}
         if len(lasts) == 1:  # every process sent the same
             lasts = dict.fromkeys(records, last)
         told = {p: replace(r, last=lasts.get(p)) for p, r in records.items()}
-        error = _ends.short_batch(told, step, pad=self._assembly.pad)
+        error = _ends.short_batch(told, step, pad=self.assembly.pad)
         if error is not None:
             raise error
 
@@ -316,17 +314,17 @@ class Prefetcher:
         if "closed" in statuses.values():
             going = set(statuses.values()) - {"end", "closed"}
             closers = {p: r.steps for p, r in records.items() if r.steps is not None}
-            if not (going and self._together and closers):
+            if not (going and self.told and closers):
                 return True  # the others' data ended too (or nobody is told: stop_together)
-            self._hear(closers)
-            raise _ends.went_on(closers, self._me, step - 1, took=False)
+            self.hear(closers)
+            raise _ends.went_on(closers, self.opened.me, step - 1, took=False)
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
         if not ended or (
-            self._assembly.pad and all(records[p].block_rows is not None for p in ended)
+            self.assembly.pad and all(records[p].block_rows is not None for p in ended)
         ):
             return False
         raise MeshkitError(
-            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self._assembly.pad)
+            _ends.uneven_end(ended, sorted(set(statuses) - set(ended)), step, self.assembly.pad)
         )
