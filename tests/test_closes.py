@@ -2,20 +2,24 @@
 
 Processes are `Node`s over the in-process fake of the coordination service; the real runs (a
 process that goes on past another's close, closes after different steps) are in
-test_global_multiprocess.py and test_threads.py.
+test_global_multiprocess.py and test_threads.py. The watch, a task of the service thread, is
+`GlobalBatches._watch`, run here on a stand-in for the iterator.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit._src.arrays import ends
+from meshkit._src.arrays import batches, ends
+from meshkit._src.coord import places
 from meshkit._src.core.errors import DivergenceError, MeshkitError
 from meshkit._src.lifecycle.failfast import poll_period
 from meshkit.testing._fake_service import FakeCluster
@@ -119,7 +123,7 @@ class _Service:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.due: list[tuple[float, Callable[[], None]]] = []
         monkeypatch.setattr(
-            ends._exit, "at", lambda _, delay, call, **__: self.due.append((delay, call))
+            batches._exit, "at", lambda _, delay, call, **__: self.due.append((delay, call))
         )
 
     def look(self) -> None:
@@ -128,16 +132,32 @@ class _Service:
         call()
 
 
+class _Loop:
+    """The parts of a `GlobalBatches` its watch (`GlobalBatches._watch`) reads, on a fake node.
+
+    ``look``: the look at the caller (`places.Moving.look`), which returns a cycle it is in.
+    """
+
+    def __init__(self, node, look=lambda: None) -> None:
+        self._moving = types.SimpleNamespace(node=node, look=look)
+        self._tag, self._n, self._gone = "gb/0", 2, None
+        self._done, self._lock = threading.Event(), threading.Lock()
+        self.heard: list[dict[int, int]] = []
+        self.failed: list[DivergenceError] = []
+        self._hear, self._fail = self.heard.append, self.failed.append
+        self._watch = lambda: batches.GlobalBatches._watch(self)  # type: ignore[arg-type]
+
+
 def test_the_watch_hears_a_close_and_stops_by_itself(monkeypatch):
     service = _Service(monkeypatch)
     nodes = FakeCluster(2).nodes()
-    heard: list[dict[int, int]] = []
-    ends.watch(nodes[1], "gb/0", heard.append, threading.Event())
+    loop = _Loop(nodes[1])
+    loop._watch()
     service.look()
-    assert heard == []
+    assert loop.heard == []
     ends.leave(nodes[0], "gb/0", ends.CLOSED, 7)
     service.look()  # the first look after the close hears it
-    assert heard == [{0: 7}]
+    assert loop.heard == [{0: 7}]
     assert service.due == []  # and the watch ends
 
 
@@ -148,39 +168,40 @@ def test_a_notice_posted_before_a_close_is_read_after_it(monkeypatch):
     # is the cause it acts on.
     service = _Service(monkeypatch)
     nodes = FakeCluster(2).nodes()
-    heard: list[dict[int, int]] = []
-    looks: list[str] = []
+    notice = json.dumps({"message": "meshkit: a cycle", "processes": [0, 1]})
 
-    def tick() -> bool:
-        looks.append("tick")
-        ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)  # the close right after this look
-        return False
+    def look() -> None:  # the notice and the close right after this look
+        nodes[0].service.set(places.NOTICE + "1", notice)
+        ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)
 
-    def told() -> bool:
-        looks.append("told")
-        return True  # the notice, read now
-
-    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), tick, told)
-    service.look()
-    assert (looks, heard, service.due) == (["tick", "told"], [], [])
+    loop = _Loop(nodes[1], look)
+    loop._watch()
+    assert [str(e) for e in loop.failed] == ["meshkit: a cycle"]
+    assert (loop.heard, loop._gone, service.due) == ([], loop.failed[0], [])
     # Without a notice the close is what the watch hears.
-    ends.watch(nodes[1], "gb/0", heard.append, threading.Event(), lambda: False, lambda: False)
-    service.look()
-    assert heard == [{0: 2}]
+    nodes = FakeCluster(2).nodes()
+    ends.leave(nodes[0], "gb/0", ends.CLOSED, 2)
+    loop = _Loop(nodes[1])
+    loop._watch()
+    assert (loop.heard, loop.failed) == ([{0: 2}], [])
 
 
-def test_the_watch_ends_when_stopped_or_when_the_service_is_gone(monkeypatch):
+def test_the_watch_ends_at_a_cycle_at_the_loops_end_or_when_the_service_is_gone(monkeypatch):
     service = _Service(monkeypatch)
     cluster = FakeCluster(2)
     nodes = cluster.nodes()
-    heard: list[dict[int, int]] = []
-    stop = threading.Event()
-    ends.watch(nodes[1], "gb/0", heard.append, stop)
-    stop.set()
+    cycle = DivergenceError("meshkit: a cycle", processes=[0, 1], field="order")
+    loop = _Loop(nodes[1], lambda: cycle)  # the caller's place is in a cycle
+    loop._watch()
+    assert (loop.failed, loop._gone, service.due) == ([cycle], cycle, [])
+    loop = _Loop(nodes[1])
+    loop._watch()
+    loop._done.set()
     service.look()
     assert service.due == []
-    ends.watch(nodes[1], "gb/1", heard.append, threading.Event())
+    loop = _Loop(nodes[1])
+    loop._tag = "gb/1"
+    loop._watch()
     cluster.leave(1)  # its calls fail, as when the service is gone
     service.look()
-    assert service.due == []
-    assert heard == []
+    assert (service.due, loop.heard, loop.failed) == ([], [], [])

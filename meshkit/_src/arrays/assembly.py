@@ -82,23 +82,6 @@ def check_tag(tag: str, *, later: bool = False) -> str:
     return tag + ("/later" if later else "/check")
 
 
-def transfer(prepared: Prepared) -> list[jax.Array]:
-    """The global array of every leaf, then the mask if any.
-
-    Every local device's block goes from the host, in one put per array, as in
-    `jax.make_array_from_process_local_data` (on CPU aligned numpy is aliased, not copied).
-    """
-    jobs = [(leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves]
-    if prepared.mask is not None:
-        jobs.append(prepared.mask)
-    arrays = []
-    for value, plan, sharding in jobs:
-        blocks = [value[pl.local_index] for pl in plan.placements]  # in JAX's device order
-        devices = [pl.device for pl in plan.placements]
-        arrays.append(_compat.put_blocks(plan.global_shape, value.dtype, sharding, blocks, devices))
-    return arrays
-
-
 @dataclasses.dataclass
 class Assembly:
     """One caller's assembly protocol: prepare -> agree -> transfer -> assemble.
@@ -178,9 +161,22 @@ class Assembly:
         plan_leaves(prepared, rows)
 
     def transfer(self, prepared: Prepared, *, agreed: bool) -> tuple[Any, jax.Array | None]:
-        """Start the copy, agree while it runs (unless ``agreed``), then ``(tree, mask)``."""
+        """Start the copy, agree while it runs (unless ``agreed``), then ``(tree, mask)``.
+
+        Every local device's block goes from the host, in one put per array (the leaves', then
+        the mask's), as in `jax.make_array_from_process_local_data` (on CPU aligned numpy is
+        aliased, not copied).
+        """
+        jobs = [(leaf.value, leaf.plan, leaf.sharding) for leaf in prepared.leaves]
+        if prepared.mask is not None:
+            jobs.append(prepared.mask)
+        arrays = []
         try:
-            arrays = transfer(prepared)
+            for value, plan, sharding in jobs:
+                blocks = [value[pl.local_index] for pl in plan.placements]  # JAX's device order
+                devices = [pl.device for pl in plan.placements]
+                shape = plan.global_shape
+                arrays.append(_compat.put_blocks(shape, value.dtype, sharding, blocks, devices))
         except Exception as e:  # the others wait for this process at the check: tell them
             if self.multi and self.check and not agreed:
                 publish_failure(self.check_tag, e, later=self.later, channel=self.check_channel)

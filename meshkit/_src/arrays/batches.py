@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -41,6 +42,7 @@ _WHAT = "meshkit.global_batches"
 BatchCheck = bool | Literal["data"]  # global_batches' check=
 BatchPad = bool | Literal["ragged"]  # global_batches' pad=
 _JOIN_TIMEOUT_S = 30.0
+_WATCH = "global_batches: watch for closes: "  # + the iterator's tag: its service-thread task
 _HELPER_STOPS_S = 0.5  # a helper between steps notices a close within 0.1 s
 _live: weakref.WeakSet[GlobalBatches] = weakref.WeakSet()
 
@@ -117,7 +119,8 @@ class GlobalBatches(Iterator[Any]):
         self._reported = self._started
         self._source = _ends.open_source(iterable, start, self._me, n, self._tag)
         self.steps = self._source.step
-        self._state = self._source.first  # the source's position after the steps taken
+        capture = self._source.capture  # the source's position after the steps taken
+        self._state = None if capture is None else capture()
         assembly = _assembly.Assembly(self._tag, _WHAT, pad=bool(pad), check=check, stepwise=True)
         prepare = functools.partial(
             _blocks.prepare, mesh_or_sharding=mesh_or_sharding, spec=spec, global_shape=None,
@@ -140,10 +143,8 @@ class GlobalBatches(Iterator[Any]):
                 "steps:" + self._tag,
                 "step {step} of " + _WHAT,
             )
-            _ends.watch(
-                self._node, self._tag, self._hear, self._done, self._look,
-                lambda: self._look(notice=True),
-            )  # fmt: skip
+            # Nudged: a service thread waiting out an idle slice (5 s) looks within the period.
+            _exit.at(_WATCH + self._tag, _failfast.poll_period(n), self._watch)
         _live.add(self)
 
     def __iter__(self) -> GlobalBatches:
@@ -167,21 +168,35 @@ class GlobalBatches(Iterator[Any]):
         _progress.step(self.steps, asked, time.perf_counter())  # one record, for every guard
         return batch
 
-    def _look(self, notice: bool = False) -> bool:
-        """The watch's look at the caller (`places.Moving.look`); True: it is in a cycle.
+    def _watch(self) -> None:
+        """A look at the caller and for closes, in the service thread each poll period.
 
-        ``notice``: only read the cycle another process told this one of.
+        The caller's place is posted if it stays inside a step (`places.Moving.look`: a cycle it
+        is in fails it). At the first close, a cycle's notice posted before the close is read
+        after it: it is the cause, whatever the caller waits in now; else the close is heard.
+        The watch ends then, at the end of the loop, or when the service is gone.
         """
+        if self._done.is_set():
+            return
         assert self._moving is not None
-        assert self._node is not None
-        error = _places.told(self._node) if notice else self._moving.look()
-        if error is None:
-            return False
-        with self._lock:
-            if self._gone is None:
-                self._gone = error
-        self._fail(error)
-        return True
+        node = self._moving.node
+        try:
+            error = self._moving.look()
+            closers = {} if error else _ends.posted(node, self._tag)
+        except Exception:  # the service is gone: the failure watch says so
+            return
+        if closers and not self._done.is_set():
+            with contextlib.suppress(Exception):
+                error = _places.told(node)
+        if error is not None:
+            with self._lock:
+                self._gone = self._gone or error
+            self._fail(error)
+        elif not closers:
+            period = _failfast.poll_period(node.n)
+            _exit.at(_WATCH + self._tag, period, self._watch, nudge=False)
+        elif not self._done.is_set():
+            self._hear(closers)
 
     def _next(self) -> Any:
         item = self._prefetch.get()
@@ -228,7 +243,7 @@ class GlobalBatches(Iterator[Any]):
         return _ends.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
-        """Processes that closed early (the watch, or the helpers' records); fail if went past."""
+        """Processes that closed early (`_watch`, or the helpers' records); fail if went past."""
         with self._lock:
             for p, k in closers.items():
                 self._closers.setdefault(p, k)

@@ -3,14 +3,12 @@
 ``start=`` opens the source at a `DataPosition` (`open_source`), checked and agreed before any
 read. Where the data ends is decided from the step records. A process that leaves its loop says
 once how (`leave`); one that closed waits for every process's word (`confirm`); one that goes on
-hears of the close from a `watch`.
+hears of the close from its iterator's watch (`GlobalBatches._watch`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -28,8 +26,6 @@ from ..core.data_position import (
     encode_state,
 )
 from ..core.errors import DivergenceError, MeshkitError
-from ..lifecycle import exit as _exit
-from ..lifecycle import failfast as _failfast
 from .records import PartRecord, agree_on
 
 _WHAT = "meshkit.global_batches"
@@ -276,45 +272,6 @@ def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> Dive
     )
 
 
-def watch(
-    node: Node,
-    tag: str,
-    heard: Callable[[dict[int, int]], None],
-    stop: threading.Event,
-    tick: Callable[[], bool] = lambda: False,
-    told: Callable[[], bool] = lambda: False,
-) -> None:
-    """Read ``tag``'s posts in the service thread each poll period until a close or ``stop``.
-
-    Each period ``tick()`` runs first (True ends the watch); at the first close, ``told()`` (a
-    cycle's notice: True ends the watch), else ``heard(closers)``. A failed read (the service is
-    gone) ends it.
-    """
-    name, period = "global_batches: watch for closes: " + tag, _failfast.poll_period(node.n)
-
-    def look() -> None:
-        if stop.is_set():
-            return
-        try:
-            if tick():
-                return
-            closers = posted(node, tag)
-        except Exception:  # the service is gone: the failure watch says so
-            return
-        if not closers:
-            _exit.at(name, period, look, nudge=False)
-        elif not stop.is_set():
-            # What a closer found before it closed (a cycle's notice) was posted before its
-            # close: read after the close, it is the cause (whatever the caller waits in now).
-            with contextlib.suppress(Exception):
-                if told():
-                    return
-            heard(closers)
-
-    # Nudged: a service thread waiting out an idle slice (5 s) looks within the period.
-    _exit.at(name, period, look)
-
-
 # Where the source starts (start=).
 _GLOBAL = (
     "meshkit.loaders.grain_batches or hf_batches, whose position is global and resumes on any "
@@ -328,7 +285,6 @@ class Opened:
 
     source: Iterator[Any]  # what the helper thread reads
     capture: Callable[[], Any] | None  # the source's position right after a read (None: not kept)
-    first: Any  # the position before the first read
     identity: LoaderIdentity | None  # a meshkit loader's
     step: int  # the steps taken before this iterator (start.step)
     me: int
@@ -392,12 +348,9 @@ def open_source(
             if at is None and isinstance(iterable, GlobalIterator)
             else loader.iterate(at or 0)
         )
-        return Opened(it, lambda: it.step, it.step, loader.identity, step, me, processes)
+        return Opened(it, lambda: it.step, loader.identity, step, me, processes)
     source = loader
-    capture = (lambda: _state(source)) if stateful else None
-    return Opened(
-        source, capture, None if capture is None else capture(), None, step, me, processes
-    )
+    return Opened(source, (lambda: _state(source)) if stateful else None, None, step, me, processes)
 
 
 def _loader_problem(start: DataPosition, loader: GlobalSource) -> str | None:

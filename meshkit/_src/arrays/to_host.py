@@ -225,9 +225,7 @@ def _agree_on_call(
     )  # fmt: skip
     if records is None:
         return
-    calls = {p: json.loads(r) for p, r in records.items()}
-    each = (_missing.by_value({p: call[key] for p, call in calls.items()}) for key in said)
-    groups = next(g for g in each if len(g) > 1)  # the first that differs
+    _, groups = _missing.differences({p: json.loads(r).items() for p, r in records.items()})[0]
     raise MeshkitError(
         f"{what}: the processes called gather differently:\n{_missing.lines(groups)}\n"
         "Every process must pass the same arrays and the same to= (it is a collective: a "
