@@ -284,25 +284,23 @@ def _wait(
 ) -> str | None:
     """The verdict of agreement ``k``, read until ``deadline``.
 
-    A long wait posts its place and reads the others' (`places.Waiting`), to raise a cycle with
+    A long wait posts its place and reads the others' (`places.look`), to raise a cycle with
     a process waiting in this channel's order outside any agreement.
     """
-    key = _key(base, k, "v")
-    waiting: _places.Waiting | None = None
+    key, period, place = _key(base, k, "v"), _places.FIRST_S, None
     try:
         while True:
-            period = _places.FIRST_S if waiting is None else waiting.period
             verdict = node.read(key, min(deadline, time.monotonic() + period))
             if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
                 return verdict
-            if waiting is None:
+            if place is None:
                 entry.where = entry.where or _where(3)
                 place = _places.Place(sequence, "", k, entry.what, entry.where)
-                waiting = _places.Waiting(node, place)
-            waiting.look()
+            _places.look(node, place)
+            period = min(period * 2, _places.LAST_S)
     finally:
-        if waiting is not None:
-            waiting.end()
+        if place is not None:
+            _places.end(node)
 
 
 def _post(
