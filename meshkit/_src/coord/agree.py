@@ -56,16 +56,6 @@ def counts() -> dict[str, int]:
     return {} if _node is None else dict(_node.counts)  # one copy, under the GIL
 
 
-def in_step() -> None:
-    """Every process finished its work: start every channel's sequence again, under new keys."""
-    if _node is not None:
-        with _node.lock:
-            for name, state in list(_node.sequences.items()):
-                _node.sequences[name] = _agreement.Sequence(
-                    epoch=state.epoch + 1, later=state.later
-                )
-
-
 def agree(
     tag: str,
     summary: str,
