@@ -347,7 +347,7 @@ def test_random_arrival_orders_give_the_sequential_verdict(summaries, order, ste
         assert all(o.records == dict(enumerate(summaries)) for o in outcomes)
 
 
-# ---- the deferred form: agree_later -------------------------------------------------------
+# ---- the deferred form: agreements held back -----------------------------------------------
 
 
 class _Differ(Exception):
@@ -368,9 +368,7 @@ def _calls(node: Node, summaries: list[str], timeout: float = 5.0) -> _Differ | 
             raise _Differ(i, outcome)
 
         try:
-            agree.defer(
-                node, "w", summary, f"{node.me}:{i}", timeout=timeout, on_outcome=on_outcome
-            )
+            _at(node, "w", summary, f"{node.me}:{i}", timeout, later=on_outcome)
         except _Differ as e:
             e.at = i
             return e
@@ -379,7 +377,7 @@ def _calls(node: Node, summaries: list[str], timeout: float = 5.0) -> _Differ | 
 
 def _verified(node: Node) -> _Differ | None:
     try:
-        agree.verify_all(node)
+        agreement.verify(node, "main")
     except _Differ as e:
         return e
     return None
@@ -389,10 +387,10 @@ def test_equal_deferred_calls_agree_once_per_w_calls_and_at_the_drain():
     nodes = FakeCluster(2).nodes()
 
     def body(node: Node) -> tuple[Any, Any, int]:
-        return _calls(node, ["a"] * (2 * agree.W + 5)), _verified(node), node.stats.agreements
+        return _calls(node, ["a"] * (2 * agreement.W + 5)), _verified(node), node.stats.agreements
 
     assert _together(nodes, body) == [(None, None, 3)] * 2  # at calls W and 2 W, then the drain
-    assert [node.deferred for node in nodes] == [{}, {}]
+    assert [node.sequences["main"].later for node in nodes] == [[], []]
 
 
 def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_differs():
@@ -401,7 +399,7 @@ def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_d
     started: list[str] = []
 
     def body(node: Node) -> _Differ | None:
-        summaries = ["a"] * agree.W
+        summaries = ["a"] * agreement.W
         if node.me == 1:
             summaries[5:7] = ["b", "c"]
         raised = _calls(node, summaries)
@@ -410,20 +408,20 @@ def test_the_w_th_call_raises_in_the_callers_thread_naming_the_first_call_that_d
 
     for e in _together(nodes, body):
         assert isinstance(e, _Differ), e
-        assert e.at == agree.W - 1  # every call returned but the W-th, which verified
+        assert e.at == agreement.W - 1  # every call returned but the W-th, which verified
         assert e.number == 5  # the first call that differs
         assert e.outcome.records == {0: "0:5", 1: "1:5"}
         assert e.thread.name.startswith("Thread-")  # the caller's (`_together`'s) own thread
     assert all(name.startswith("Thread-") for name in started), started  # no thread of ours
 
 
-def test_a_sync_point_verifies_the_pending_calls_first():
+def test_the_next_agreement_of_the_sequence_verifies_the_held_calls_first():
     nodes = FakeCluster(2).nodes()
 
     def body(node: Node) -> tuple[Any, Any]:
         returned = _calls(node, ["a", "b" if node.me else "a", "a"])
         try:
-            agree.sync_point(node)
+            _at(node, "make_mesh", "s", "r")
         except _Differ as e:
             return returned, e.number
         return returned, None
@@ -447,8 +445,8 @@ def test_a_deferred_check_finds_the_record_of_a_process_that_left():
     def body(node: Node) -> _Differ | None:
         if node.me == 1:  # it made the first call, then failed instead of the second
             _calls(node, ["a"])
-            agree.leave_deferred(node, "w", json.dumps({"status": "closed"}))
-            assert node.deferred == {}
+            agreement.leave(node, "main", "w", json.dumps({"status": "closed"}))
+            assert node.sequences["main"].later == []
             return None
         return _calls(node, ["a", "a"]) or _verified(node)
 
@@ -456,6 +454,22 @@ def test_a_deferred_check_finds_the_record_of_a_process_that_left():
     assert isinstance(e, _Differ)
     assert e.number == 1
     assert json.loads(e.outcome.records[1]) == {"status": "closed"}
+
+
+def test_a_process_that_leaves_after_the_calls_held_here_is_named_not_this_one():
+    nodes = FakeCluster(2).nodes()
+
+    def body(node: Node) -> _Differ | None:
+        _calls(node, ["a"])
+        if node.me == 1:  # it made the call too, then failed before another agreement
+            agreement.leave(node, "main", "check", json.dumps({"status": "error"}))
+            return None
+        return _verified(node)
+
+    e = _together(nodes, body)[0]
+    assert isinstance(e, _Differ)
+    assert (e.number, e.outcome.missing) == (0, ())
+    assert json.loads(e.outcome.records[1]) == {"status": "error"}
 
 
 def test_a_deferred_check_names_a_process_that_left_the_program():
@@ -688,13 +702,12 @@ def test_a_caller_inside_a_step_the_others_took_is_no_cycle():
     mine = places.Place("main", "", 0, "an agreement", "here")
     node = nodes[0]
     node.counts["steps:it"] = 3
-    moving = {1: places.Place("main", "steps:it", 2, "step 3", "there", moving=True)}
+    moving = {1: places.Place("main", "steps:it", 2, "step 3", "there")}
     assert places.cycle(node, mine, moving) is None
-    other_channel = {1: places.Place("c:loader", "steps:it", 5, "step 6", "there", moving=True)}
+    other_channel = {1: places.Place("c:loader", "steps:it", 5, "step 6", "there")}
     assert places.cycle(node, mine, other_channel) is None
     node.counts["steps:it"] = 2
     assert places.cycle(node, mine, moving) is not None
-    assert places.cycle(node, moving[1], {1: mine}) is None  # a moving place never decides
     for n in nodes:
         n.stopping.set()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from ranks import global_multiprocess as ranks
 
-from meshkit._src.coord.agree import W
+from meshkit._src.coord.agreement import W
 from meshkit.testing import launch_in_processes, run_in_processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long]

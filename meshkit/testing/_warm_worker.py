@@ -44,12 +44,16 @@ def _listen(
 
 
 def _run(call: Call, modules: dict[str, ModuleType]) -> Reply:
-    from .._src.coord import agree  # imported by meshkit.init before the first call
+    from .._src.coord import agree, agreement  # imported by meshkit.init before the first call
 
-    # Every rank returned from the body before (the test process waits for all of them): its
-    # sequences restart (`meshkit._src.coord.agree.in_step`). Device work it
-    # dispatched may still be pending; `WarmCluster`'s docstring says which bodies to avoid.
-    agree.in_step()
+    # Every rank returned from the body before (the test process waits for all of them): every
+    # channel's sequence starts again, under new keys. Device work it dispatched may still be
+    # pending; `WarmCluster`'s docstring says which bodies to avoid.
+    node = agree._node
+    if node is not None:
+        with node.lock:
+            for name, state in list(node.sequences.items()):
+                node.sequences[name] = agreement.Sequence(epoch=state.epoch + 1, later=state.later)
     saved = {name: os.environ.get(name) for name in call.env}
     os.environ.update(call.env)
     out = io.StringIO()

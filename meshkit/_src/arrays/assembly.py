@@ -66,15 +66,13 @@ def _records(outcome: _agree.Outcome, timeout: float, what: str) -> dict[int, di
     return {p: json.loads(v) for p, v in outcome.records.items()}
 
 
-def publish_failure(
-    tag: str, error: BaseException, *, later: bool = False, channel: str | None = None
-) -> None:
+def publish_failure(tag: str, error: BaseException, *, channel: str | None = None) -> None:
     """Tell the processes waiting under ``tag`` that this one failed, so they stop now."""
     text = str(error) or "(no message)"
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     message = f"{type(error).__name__}: " + text.replace("\n", "\n    ")
     record = json.dumps(PartRecord(status="error", message=message).wire())
-    _agree.leave(tag, record, later=later, channel=channel)
+    _agree.leave(tag, record, channel=channel)
 
 
 def check_tag(tag: str, *, later: bool = False) -> str:
@@ -116,7 +114,7 @@ class Assembly:
             if self.exchanges_sizes or (self.multi and self.stepwise):
                 publish_failure(self.tag, e)
             elif self.multi and self.check:
-                publish_failure(self.check_tag, e, later=self.later)
+                publish_failure(self.check_tag, e)
             raise
 
     def agree_sizes(
@@ -179,7 +177,7 @@ class Assembly:
                 arrays.append(_compat.put_blocks(shape, value.dtype, sharding, blocks, devices))
         except Exception as e:  # the others wait for this process at the check: tell them
             if self.multi and self.check and not agreed:
-                publish_failure(self.check_tag, e, later=self.later, channel=self.check_channel)
+                publish_failure(self.check_tag, e, channel=self.check_channel)
             raise
         self._check(prepared, agreed=agreed)
         n = len(prepared.leaves)
@@ -198,26 +196,22 @@ class Assembly:
         template = prepared.template  # its summary spares a JSON text per call
         said = template.summary if template and record is template.record else summary(wire)
         tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
-        if not self.later:  # the record's text is made only where a difference shows it
-            outcome = _agree.agree(
-                tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas, what=what,
-                channel=self.check_channel,
-            )  # fmt: skip
-            if not outcome.agreed:
-                compare(_read(_records(outcome, timeout, what)), what)
-            return
-        # Verified after the call returns: a later call raises a difference.
-        number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
-        caller = contextvars.copy_context()  # what the call's messages advise depends on its caller
-
-        def on_outcome(outcome: _agree.Outcome) -> None:
+        later: Callable[[_agree.Outcome], None] | None = None
+        if self.later:  # verified after the call returns: a later call raises a difference
+            number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
             named = f"{what} (call #{number}, checked after it returned)"
-            caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
+            caller = contextvars.copy_context()  # what the messages advise depends on the caller
 
-        _agree.agree_later(
-            tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas,
-            on_outcome=on_outcome,
+            def report(outcome: _agree.Outcome) -> None:
+                caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
+
+            later = report
+        outcome = _agree.agree(  # the record's text is made only where a difference shows it
+            tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas, what=what,
+            channel=self.check_channel, later=later,
         )  # fmt: skip
+        if not outcome.agreed:
+            compare(_read(_records(outcome, timeout, what)), what)
 
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""

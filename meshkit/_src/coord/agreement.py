@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -31,6 +32,7 @@ OK, DIFFER, POST = "ok", "differ", "post"
 MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
 SPAN = 12  # a period holds over this many agreements before it predicts (`meshkit.debug.PERIOD`)
 FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
+W = 64  # held-back agreements per sequence: the W-th verifies them all in one
 
 
 @dataclass
@@ -64,6 +66,18 @@ class Entry:
         return cls(**named)
 
 
+@dataclass(frozen=True)
+class Later:
+    """An agreement held back (``check="deferred"``): what it compares, and how it raises."""
+
+    site: str
+    summary: str
+    record: RecordText
+    groups: dict[str, Group]
+    timeout: float
+    on_outcome: Callable[[Outcome], None]  # raises the call's error from the outcome at it
+
+
 @dataclass
 class Sequence:
     """One process's state of one sequence of agreements."""
@@ -77,6 +91,7 @@ class Sequence:
     differed: int = 0  # agreements that did not agree (each renames the digest barriers)
     inside: int = 0  # agreements under way (while any is, the caller's moving place is not true)
     blocks: set[int] = field(default_factory=set)  # key blocks written (process 0 deletes them)
+    later: list[Later] = field(default_factory=list)  # agreements held back (``later``)
 
 
 def predict(history: deque[str] | list[str], period: int = 0) -> tuple[str | None, int]:
@@ -125,15 +140,27 @@ def agree(
     timeout: float,
     groups: Mapping[str, Group] | None = None,
     what: str = "",
+    later: Callable[[Outcome], None] | None = None,
 ) -> Outcome:
     """Agree with every process on ``summary`` at this process's next agreement of ``sequence``.
 
     ``site``, ``record``, ``groups`` and ``what`` are as in `Entry` (``what`` defaults to
     ``site``). Raises a `DivergenceError` (``field == "order"``) when the processes are at
-    different sites.
+    different sites. The agreements held back in the sequence are verified first (`verify`).
+
+    ``later`` (``check="deferred"``): the agreement is held back and the call returns an agreed
+    outcome at once; the sequence's next agreement, or its `W`-th held one, verifies it with
+    the others held, and ``later`` raises from the outcome at it if the processes differ.
     """
     groups = dict(groups or {})
     state = _state(node, sequence)
+    if later is not None:
+        state.later.append(Later(site, summary, record, groups, timeout, later))
+        if len(state.later) >= W:
+            verify(node, sequence)
+        return Outcome(True, {})
+    if state.later:
+        verify(node, sequence)
     state.inside += 1
     try:
         mine = digest(site, summary, groups)
@@ -203,6 +230,8 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
     """Tell the processes at ``sequence``'s next agreement that this one will not come, and why.
 
     Posts ``record`` (summary `LEFT`) and arrives flagged, so the others find it; never waits.
+    The agreements held back in the sequence are posted before it: the others' verification
+    names the first one this process did not make.
     """
     state = _state(node, sequence)
     with state.lock:
@@ -211,6 +240,9 @@ def leave(node: Node, sequence: str, site: str, record: str) -> None:
         predicted, _ = predict(state.history, state.period)
         state.history.clear()
         state.differed += 1  # the others do not agree here either
+        calls, state.later = state.later, []
+    if calls:
+        record = json.dumps([*_entries(calls), {"summary": LEFT, "record": record, "groups": {}}])
     if predicted is not None:
         _fast(node, base, 0.0, unflagged=False)
     entry = Entry(site, site, _where(), LEFT, record)
@@ -252,25 +284,23 @@ def _wait(
 ) -> str | None:
     """The verdict of agreement ``k``, read until ``deadline``.
 
-    A long wait posts its place and reads the others' (`places.Waiting`), to raise a cycle with
+    A long wait posts its place and reads the others' (`places.look`), to raise a cycle with
     a process waiting in this channel's order outside any agreement.
     """
-    key = _key(base, k, "v")
-    waiting: _places.Waiting | None = None
+    key, period, place = _key(base, k, "v"), _places.FIRST_S, None
     try:
         while True:
-            period = _places.FIRST_S if waiting is None else waiting.period
             verdict = node.read(key, min(deadline, time.monotonic() + period))
             if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
                 return verdict
-            if waiting is None:
+            if place is None:
                 entry.where = entry.where or _where(3)
                 place = _places.Place(sequence, "", k, entry.what, entry.where)
-                waiting = _places.Waiting(node, place)
-            waiting.look()
+            _places.look(node, place)
+            period = min(period * 2, _places.LAST_S)
     finally:
-        if waiting is not None:
-            waiting.end()
+        if place is not None:
+            _places.end(node)
 
 
 def _post(
@@ -360,3 +390,54 @@ def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None
     for b in done:
         with contextlib.suppress(Exception):  # a failed delete only leaves keys behind
             node.service.delete(f"meshkit/q/{sequence}/{b}/")
+
+
+def verify(node: Node, sequence: str) -> None:
+    """One agreement on the sequence's held calls, run by run; a difference raises (`_report`)."""
+    state = _state(node, sequence)
+    calls, state.later = state.later, []
+    if not calls:
+        return
+    runs = [[s, len(list(run))] for s, run in itertools.groupby(c.summary for c in calls)]
+    groups = {f"{i}/{name}": g for i, c in enumerate(calls) for name, g in c.groups.items()}
+    outcome = agree(
+        node,
+        sequence,
+        calls[0].site,
+        json.dumps(runs),
+        lambda: json.dumps(_entries(calls)),
+        timeout=calls[0].timeout,
+        groups=groups,
+    )
+    if not outcome.agreed:
+        _report(calls, outcome)
+
+
+def _entries(calls: list[Later]) -> list[dict]:
+    return [{"summary": c.summary, "record": text(c.record), "groups": c.groups} for c in calls]
+
+
+def _listed(record: str) -> list[dict]:
+    """A process's posted calls; a process that left the program posted its leave record alone."""
+    value = json.loads(record)
+    return value if isinstance(value, list) else [{"summary": LEFT, "record": record, "groups": {}}]
+
+
+def _report(calls: list[Later], outcome: Outcome) -> None:
+    """Name the first held call on which the processes differ (its ``on_outcome`` raises).
+
+    A process whose list ends where another left after it is not absent: the other left.
+    """
+    posted = {p: _listed(r) for p, r in outcome.records.items()}
+    width = max((len(v) for v in posted.values()), default=1)
+    i, here, absent = 0, {}, set(outcome.missing)
+    for i in range(width):  # stops at the first call that differs, else at the last one
+        here = {p: v[i] for p, v in posted.items() if i < len(v)}
+        left = all(e["summary"] == LEFT for e in here.values())
+        absent = set(outcome.missing) | (set() if left else posted.keys() - here.keys())
+        compared = {p: Entry("", "", "", e["summary"], "", e["groups"]) for p, e in here.items()}
+        if absent or not same(compared):
+            break
+    records = {p: e["record"] for p, e in here.items()}
+    call = calls[min(i, len(calls) - 1)]
+    call.on_outcome(Outcome(False, records, tuple(sorted(absent)), outcome.gave_up, outcome.seq))

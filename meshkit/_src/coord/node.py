@@ -67,7 +67,6 @@ class Node:
         self.stopping = threading.Event()  # set at exit: meshkit's threads leave their waits
         self.channel = channel
         self.is_main = is_main or _frames.is_program_thread
-        self.deferred: dict[str, Any] = {}  # `agree.Pending` by tag
         self.lock = threading.Lock()  # guards `sequences`
         self.sequences: dict[str, Any] = {}  # `agreement.Sequence` by name
         self.counts: dict[str, int] = {}  # steps taken per iterator (`places.Moving`)

@@ -2,7 +2,8 @@
 
 A wait longer than `FIRST_S` posts its `Place` and reads the others'; a place of another process
 on the same channel that this process has not passed is a cycle, raised by the waiting side. A
-caller inside a step (*moving*) never decides; it learns of the cycle from a notice.
+caller inside a step (`Moving`) only posts its place: it may end without the others, so it
+never decides; it learns of the cycle from a notice.
 """
 
 from __future__ import annotations
@@ -32,13 +33,10 @@ class Place:
     number: int
     what: str  # the wait in words (``step 3 of meshkit.global_batches``)
     where: str  # the user's line (``train.py:28 in main``)
-    moving: bool = False  # inside a step: it may end without the others, so it never decides
 
 
 def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError | None:
     """The error of the cycle ``mine`` waits in with the others' places, if any."""
-    if mine.moving:
-        return None
     places = {node.me: mine, **{q: v for q, v in theirs.items() if v.sequence == mine.sequence}}
     state = node.sequences.get(mine.sequence)
     # How many of each counter's agreements (""), or steps, this process has begun.
@@ -79,44 +77,37 @@ def different_agreements(
     )
 
 
-class Waiting:
-    """One thread's wait at ``place``: `look` posts it and raises the cycle it is in, if any."""
+def look(node: Node, place: Place) -> None:
+    """Post ``place``, read the others'; raise a cycle found here or told by another.
 
-    def __init__(self, node: Node, place: Place) -> None:
-        self.node, self.place, self.period = node, place, FIRST_S
+    The process that finds a cycle first tells the others in it, so that each raises it.
+    """
+    node.service.set(PREFIX + str(node.me), json.dumps(asdict(place)), overwrite=True)
+    theirs, notice = {}, None
+    for key, value in node.service.dir_get(PREFIX):
+        name = key.rsplit("/", 1)[1]
+        if name == f"told-{node.me}":
+            notice = value
+        elif not name.startswith("told-") and int(name) != node.me:
+            theirs[int(name)] = Place(**json.loads(value))
+    if notice is not None:
+        with contextlib.suppress(Exception):
+            node.service.delete(NOTICE + str(node.me))
+        raise _read_notice(notice)
+    error = cycle(node, place, theirs)
+    if error is None:
+        return
+    said = json.dumps({"message": str(error), "processes": error.processes})
+    for q in error.processes:
+        if q != node.me:
+            node.service.set(NOTICE + str(q), said, overwrite=True)
+    raise error
 
-    def look(self) -> None:
-        """Post this place, read the others'; raise a cycle found here or told by another.
 
-        The process that finds a cycle first tells the others in it, so that each raises it.
-        """
-        node = self.node
-        node.service.set(PREFIX + str(node.me), json.dumps(asdict(self.place)), overwrite=True)
-        theirs, notice = {}, None
-        for key, value in node.service.dir_get(PREFIX):
-            name = key.rsplit("/", 1)[1]
-            if name == f"told-{node.me}":
-                notice = value
-            elif not name.startswith("told-") and int(name) != node.me:
-                theirs[int(name)] = Place(**json.loads(value))
-        self.period = min(self.period * 2, LAST_S)
-        if notice is not None:
-            with contextlib.suppress(Exception):
-                node.service.delete(NOTICE + str(node.me))
-            raise _read_notice(notice)
-        error = cycle(node, self.place, theirs)
-        if error is None:
-            return
-        said = json.dumps({"message": str(error), "processes": error.processes})
-        for q in error.processes:
-            if q != node.me:
-                node.service.set(NOTICE + str(q), said, overwrite=True)
-        raise error
-
-    def end(self) -> None:
-        """The wait ended: its place is no longer true."""
-        with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
-            self.node.service.delete(PREFIX + str(self.node.me))
+def end(node: Node) -> None:
+    """This process's wait ended: its place is no longer true."""
+    with contextlib.suppress(Exception):  # a failed delete leaves a place that has ended
+        node.service.delete(PREFIX + str(node.me))
 
 
 def told(node: Node) -> DivergenceError | None:
@@ -141,7 +132,7 @@ class Moving:
         self.node, self.sequence, self.counter, self.what = node, sequence, counter, what
         self.steps, self.seen, self.frame = 0, -1, None
         self.asking = False  # the caller is inside the iterator's next()
-        self.waiting: Waiting | None = None
+        self.posted = False  # its place is posted
 
     def took(self, steps: int, frame: object) -> None:
         """In the caller's thread: it has taken ``steps`` steps; ``frame`` is its user frame."""
@@ -155,18 +146,15 @@ class Moving:
         agreeing = state is not None and state.inside  # its place is the agreement's
         if steps == 0 or self.asking or agreeing or steps != self.seen or self.frame is None:
             self.seen = steps
-            if self.waiting is not None:
-                self.waiting.end()
-                self.waiting = None
+            if self.posted:
+                end(self.node)
+                self.posted = False
             return None
-        if self.waiting is None:
-            what = self.what.format(step=steps)
+        if not self.posted:
             at = place(self.frame)  # type: ignore[arg-type]
-            self.waiting = Waiting(
-                self.node, Place(self.sequence, self.counter, steps - 1, what, at, moving=True)
-            )
-            try:
-                self.waiting.look()  # posts it (a moving place decides nothing)
-            except DivergenceError as error:  # a notice found with the others' places
-                return error
+            what = self.what.format(step=steps)
+            mine = Place(self.sequence, self.counter, steps - 1, what, at)
+            key, posted = PREFIX + str(self.node.me), json.dumps(asdict(mine))
+            self.node.service.set(key, posted, overwrite=True)
+            self.posted = True
         return told(self.node)
