@@ -277,34 +277,38 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     assert [fields.get("cause") for _, fields in _events_of(status)] == ["peer", "exception"]
 
 
-def test_process_0_stays_up_until_the_others_read_its_failure_post(monkeypatch):
-    # 4 processes: process 3 posted a failure of its own, so two reads complete the count.
-    counts = iter([0, 0, 1, 2, 3])
-    asked = []
+def test_process_0_ends_after_every_other_process_has_counted_its_end(registry, monkeypatch):
+    # 4 processes: process 0, ended by meshkit, waits until the 3 others counted their ends.
+    counts, asked = iter([0, 1, 2, 3]), []
 
-    def read(amount):
+    def count(amount):
         asked.append(amount)
         return next(counts)
 
-    posts = _failfast.PeerPosts(failures=[(3, "RuntimeError: its own")], notices=[])
-    monkeypatch.setattr(_failfast, "_read", read)
-    monkeypatch.setattr(_failfast, "_watch", _failfast._Watch(0, 4, poll=lambda: posts))
-    _failfast._wait_until_read(4)
-    assert asked == [0, 0, 0, 0]  # it asked until 2 read (with process 3's post: 3 of 3)
-    # Nobody reads: it gives up after _READ_S.
-    monkeypatch.setattr(_failfast, "_READ_S", 0.3)
-    monkeypatch.setattr(_failfast, "_read", lambda amount: 0)
+    monkeypatch.setattr(_exit, "_MARGIN_S", 0.0)
+    _exit.count_ends(count, 0, 4)
+    _exit.run_exit_handlers()  # a normal end: JAX's shutdown barrier waits, not meshkit
+    assert asked == []
+    _exit._count_end(last=True)
+    assert asked == [0, 0, 0, 0]
+    # Nobody counts: it gives up after _OUTLIVE_S.
+    monkeypatch.setattr(_exit, "_OUTLIVE_S", 0.3)
+    _exit.count_ends(lambda amount: 0, 0, 4)
     start = time.monotonic()
-    _failfast._wait_until_read(4)
+    _exit._count_end(last=True)
     assert 0.3 <= time.monotonic() - start < 2.0
 
 
-def test_a_watch_stopped_by_a_failure_counts_itself_as_a_reader(status, monkeypatch):
-    read = []
-    monkeypatch.setattr(_failfast, "_read", read.append)
-    monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
-    _failfast._Watch(3, 4, poll=list, wait=None).failed(1, "RuntimeError: planted")
-    assert read == [1]
+def test_every_other_process_counts_its_end_once(registry):
+    counted = []
+    _exit.count_ends(lambda amount: counted.append(amount) or 0, 3, 4)
+    _exit.run_exit_handlers()  # a normal end counts it, last of the handlers
+    _exit._count_end(last=True)  # then `now` from a later path: counted already
+    assert counted == [1]
+    _exit.count_ends(lambda amount: counted.append(amount) or 0, 3, 4)
+    _exit.count_ends(None)  # the failure watch lost the service: nothing to count
+    _exit._count_end(last=True)
+    assert counted == [1]
 
 
 def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):

@@ -60,6 +60,9 @@ class _Registry:
     previous_sigterm: Callable[[int, Any], Any] | None = None  # the program's, chained
     sigterm_wakeup: int | None = None  # the wake-up fd found (-1: none); None: SIGTERM not taken
     interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
+    count: Callable[[int], int] | None = None  # counts this process's end (`count_ends`)
+    me: int = 0
+    n: int = 1
 
 
 _registry = _Registry()
@@ -214,7 +217,7 @@ def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
 
 
 def _exit(status: int, final: Callable[[], None] | None) -> None:
-    """The process's final exit: ``final`` once, flushed output, ``os._exit``."""
+    """The process's final exit: ``final`` once, flushed output, its end counted, ``os._exit``."""
     if not _final.acquire(blocking=False):
         time.sleep(3600)  # the other path is in its final step, and exits this process
         return
@@ -222,6 +225,7 @@ def _exit(status: int, final: Callable[[], None] | None) -> None:
         with contextlib.suppress(Exception):  # exiting anyway: its failure changes nothing
             final()
     _flush()
+    _count_end(last=True)
     os._exit(status)
 
 
@@ -232,16 +236,41 @@ def _flush() -> None:
     flush_logs()  # a message said just before `os._exit` must leave this process first
 
 
-def until(done: Callable[[], bool], seconds: float) -> None:
-    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except Exception:  # the service failed: nobody answers any more
+# Process 0 hosts the coordination service; a process that loses it while it still posts or reads
+# there (its failure, a stall verdict, a notice) ends with gRPC's words or JAX's abort, not
+# meshkit's. So every other process counts its end there as its last step (at `os._exit`, or
+# last of the exit handlers at a normal end), and process 0, ended by meshkit, first waits until
+# all have counted (at most `_OUTLIVE_S`), then `_MARGIN_S` for their exits.
+_OUTLIVE_S = 10.0
+_MARGIN_S = 0.5
+
+
+def count_ends(count: Callable[[int], int] | None, me: int = 0, n: int = 1) -> None:
+    """Count the end of process ``me`` of ``n`` with ``count`` (None: the service is gone).
+
+    ``count(k)`` adds ``k`` to the count of ended processes at the service and returns it.
+    """
+    with _lock:
+        _registry.count, _registry.me, _registry.n = count, me, n
+    if count is not None:
+        on_exit("count this process's end", _count_end, order=FLUSH)
+
+
+def _count_end(*, last: bool = False) -> None:
+    """Count this process's end (once); process 0's ``last`` step waits for the others' first."""
+    with _lock:
+        count, me, n = _registry.count, _registry.me, _registry.n
+        if count is None or (me == 0 and not last):  # process 0's normal end: JAX's barrier waits
             return
-        time.sleep(0.05)
+        _registry.count = None
+    with contextlib.suppress(Exception):  # the service is gone: nobody waits, nobody counts
+        if me != 0:
+            count(1)
+            return
+        deadline = time.monotonic() + _OUTLIVE_S
+        while count(0) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(_MARGIN_S)
 
 
 _SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle

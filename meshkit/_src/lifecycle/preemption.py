@@ -29,7 +29,6 @@ _LOG = logger("guards")
 
 T = TypeVar("T")
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
-_COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
 _LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
 
 
@@ -241,8 +240,6 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         _state.changed.wait_for(lambda: not _state.saves)
     if _exit.ending():
         return
-    if _state.me == 0:
-        time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
     number = _progress.steps.number
     step = "" if number is None else f" at step {number}"

@@ -40,7 +40,6 @@ _LOG = logger("guards")
 ENV_STALL_TIMEOUT = "MESHKIT_STALL_TIMEOUT"
 REPORT_PARTS = 5  # the report comes after a fifth of the deadline
 _LAST_PERIOD_S = 5.0  # samples are at most this far apart
-_ENDED_WAIT_S = 10.0  # process 0, which hosts the service, waits this long for the others' ends
 _STACK_FRAMES = 12  # of the main thread, in a record
 
 # What a stalled process's main thread waits on:
@@ -301,7 +300,7 @@ class Detector:
             self._end(found)
 
     def _end(self, found: Verdict) -> None:
-        """Say ``found``, post this process's end, exit with status 1."""
+        """Say ``found``, exit with status 1."""
         if not _exit.claim():
             return
         at = self.settings
@@ -317,13 +316,6 @@ class Detector:
             with contextlib.suppress(Exception):
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         _events.emit(_events.FAILED, cause="stall", processes=list(found.holding), error="stall")
-        with contextlib.suppress(Exception):
-            self.board.post(f"ended-{self.me}", "1")
-            if self.me == 0:  # it hosts the service: the others read the verdict there first
-                _exit.until(
-                    lambda: sum(k.startswith("ended-") for k in self.board.read()) >= self.n,
-                    _ENDED_WAIT_S,
-                )
         _exit.now(1)
 
 
