@@ -291,6 +291,7 @@ def test_a_verdict_posted_by_another_process_ends_this_one_with_its_words(quiet)
 def test_a_process_that_moves_again_takes_its_record_back(quiet, monkeypatch):
     posted, board = _board()
     detector = _stall.Detector(0, 2, board, str, _stall.Settings(0.4, None))
+    monkeypatch.setattr(_stall, "_detector", detector)  # installed
     monkeypatch.setattr(_stall._exit, "at", lambda *a, **k: True)  # turns run by hand here
 
     class Still:

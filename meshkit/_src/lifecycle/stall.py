@@ -224,7 +224,6 @@ class Detector:
     ) -> None:
         self.me, self.n, self.board, self.steps = me, n, board, steps
         self.settings = settings
-        self.stopped = False
         self.main = program_thread().ident or 0
         self.main_native_id = _progress.main_native_id()  # asked here: stale after a fork
         self.sampler: _progress.Sampler | None = None
@@ -237,12 +236,8 @@ class Detector:
         """Take the first sample one period from now."""
         _exit.at(_TASK, self.settings.period, self._turn)
 
-    def stop(self) -> None:
-        """Sample no more (the next turn does nothing)."""
-        self.stopped = True
-
     def _turn(self) -> None:
-        if self.stopped or _exit.ending():
+        if self is not _detector or _exit.ending():  # replaced by `install`, or ending
             return
         _exit.at(_TASK, self.settings.period, self._turn, nudge=False)
         now = time.monotonic()
@@ -326,8 +321,6 @@ _installed: Settings | None = None  # what `install` was given (`configure(None)
 def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
     global _detector, _installed
-    if _detector is not None:
-        _detector.stop()
     _detector, _installed = Detector(me, n, board, steps, at), at
     _detector.start()
 
