@@ -40,7 +40,7 @@ def registry(monkeypatch):
 def test_exit_handlers_run_by_order_then_registration_each_once(registry):
     ran = []
     _exit.on_exit("flushed late", lambda: ran.append("flush"), order=_exit.FLUSH + 1)
-    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.FLUSH - 1)
     _exit.on_exit("stop a", lambda: ran.append("stop a"), order=_exit.STOP)
     _exit.on_exit("stop b", lambda: ran.append("stop b"), order=_exit.STOP)
     _exit.on_exit("drain", lambda: ran.append("drain"), order=_exit.DRAIN)
@@ -58,7 +58,7 @@ def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
         raise RuntimeError("disk gone")
 
     _exit.on_exit("write the log", broken, order=_exit.STOP)
-    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.DRAIN)
     _exit.run_exit_handlers()
     assert ran == ["report"]
     [record] = [r for r in caplog.records if r.name == "meshkit.guards"]
@@ -68,18 +68,18 @@ def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
     )
 
 
-def test_the_exception_hook_is_installed_once_and_runs_around_the_traceback(registry):
+def test_the_exception_hook_is_installed_once_claims_the_end_then_runs_after_the_traceback(
+    registry,
+):
     seen = []
     previous = sys.excepthook
-    sys.excepthook = lambda kind, value, tb: seen.append(("traceback", str(value)))
-    _exit.on_exception("after", lambda k, v, tb: seen.append(("after", str(v))),
-                       order=_exit.REPORT)  # fmt: skip
+    sys.excepthook = lambda kind, value, tb: seen.append(("traceback", _exit.ending()))
+    _exit.on_exception("first", lambda k, v, tb: seen.append(("first", str(v))))
     hook = sys.excepthook
-    _exit.on_exception("before", lambda k, v, tb: seen.append(("before", str(v))),
-                       order=_exit.DRAIN)  # fmt: skip
+    _exit.on_exception("after", lambda k, v, tb: seen.append(("after", str(v))))  # replaces
     assert sys.excepthook is hook is _exit._excepthook
     sys.excepthook(ValueError, ValueError("bad"), None)
-    assert seen == [("before", "bad"), ("traceback", "bad"), ("after", "bad")]
+    assert seen == [("traceback", True), ("after", "bad")]  # the end claimed before it
     sys.excepthook = previous
 
 
@@ -231,7 +231,9 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     service.start()
     service.join()
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
-    _failfast._claim_end(RuntimeError, RuntimeError(gone), None)  # before the traceback
+    monkeypatch.setattr(_exit._registry, "previous_hook", lambda *a: None)  # no traceback
+    monkeypatch.setattr(_exit._registry, "exception", None)
+    _exit._excepthook(RuntimeError, RuntimeError(gone), None)  # claims before the traceback
     _failfast._on_exception(RuntimeError, RuntimeError(gone), None)
     _failfast._on_exception(ValueError, ValueError("bad batch"), None)
     assert _events_of(status) == [

@@ -35,7 +35,6 @@ _LOG = logger("guards")
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
 DRAIN = 15  # the deferred checks verified, then this process's leave posted
-REPORT = 40  # exception handlers: below it before the traceback is printed, from it after
 FLUSH = 50
 
 ExceptionHandler = Callable[[type[BaseException], BaseException, TracebackType | None], None]
@@ -53,7 +52,7 @@ class _Registry:
     """What this process does when it ends (one instance; tests make their own)."""
 
     exit: dict[str, _Handler] = field(default_factory=dict)
-    exception: dict[str, _Handler] = field(default_factory=dict)
+    exception: _Handler | None = None  # called after an uncaught exception's traceback
     ran: set[str] = field(default_factory=set)  # exit handlers already run
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
@@ -83,10 +82,15 @@ def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
             atexit.register(run_exit_handlers)
 
 
-def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
-    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread."""
+def on_exception(name: str, handler: ExceptionHandler) -> None:
+    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread.
+
+    The exception claims the end of the process before its traceback is printed (a path that
+    holds it already ends the process: a peer's failure, read a moment earlier, whose echo this
+    error is); ``handler`` runs after the traceback.
+    """
     with _lock:
-        _registry.exception[name] = _Handler(name, order, handler)
+        _registry.exception = _Handler(name, FLUSH, handler)
         if _registry.previous_hook is None:
             _registry.previous_hook = sys.excepthook
             sys.excepthook = _excepthook
@@ -149,15 +153,11 @@ def run_exit_handlers() -> None:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    handlers = _ordered(_registry.exception)
-    for handler in handlers:
-        if handler.order < REPORT:
-            _call(handler, kind, value, tb)
-    previous = _registry.previous_hook or sys.__excepthook__
-    previous(kind, value, tb)
-    for handler in handlers:
-        if handler.order >= REPORT:
-            _call(handler, kind, value, tb)
+    if not claim():
+        await_end()
+    (_registry.previous_hook or sys.__excepthook__)(kind, value, tb)
+    if _registry.exception is not None:
+        _call(_registry.exception, kind, value, tb)
 
 
 def ending() -> bool:
@@ -321,8 +321,10 @@ class _Service(threading.Thread):
                 if woken and signal.SIGTERM in os.read(self.wake_r, 256) and self.on_sigterm:
                     self.on_sigterm()
             if self.tend is not None:
+                self.outside.clear()  # it may talk to the others (`watch(None)` waits for it)
                 with contextlib.suppress(Exception):  # it says its own failures
                     self.tend()
+                self.outside.set()
 
     def _run_due(self) -> float:
         """Run the tasks that are due; the seconds until the next one (an hour: none)."""
@@ -390,7 +392,7 @@ def tend(call: Callable[[], None], step: Callable[[], object]) -> None:
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
-    """Wait in the coordination service with ``look`` (None: stop, and leave it)."""
+    """Wait in the coordination service with ``look`` (None: stop; the thread leaves it)."""
     if _service is None and look is None:
         return
     service = _running()

@@ -76,21 +76,11 @@ def install(
     global _post_failure, _watch, _grace
     _post_failure, _grace = post, grace
     _watch = _Watch(me, n, poll, wait)
-    _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
-    _exit.on_exception("fail-fast: end the process", _on_exception, order=_exit.REPORT)
+    _exit.on_exception("fail-fast: end the process", _on_exception)
     _exit.watch(_watch.look, nudge)
     _exit.on_exit(
         "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
     )
-
-
-def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    """Before the traceback is printed: claim the end, or leave it to the path that has it.
-
-    A peer's failure, read a moment earlier, ends this process: this error is its echo.
-    """
-    if not _exit.claim():
-        _exit.await_end()
 
 
 def _on_exception(
