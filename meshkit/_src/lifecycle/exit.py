@@ -123,12 +123,6 @@ def on_sigterm(handler: Callable[[], object]) -> None:
     wake(nudge=False)
 
 
-def _ordered(table: dict[str, _Handler]) -> list[_Handler]:
-    """By order, then first registration (a dict keeps a replaced entry's place)."""
-    with _lock:
-        return sorted(table.values(), key=lambda h: h.order)
-
-
 def _call(handler: _Handler, *args: object) -> None:
     try:
         handler.call(*args)
@@ -144,7 +138,9 @@ def run_exit_handlers() -> None:
     """Run meshkit's exit handlers not run yet, in order (Python's ``atexit`` calls this)."""
     if not _ending.locked():  # not `end` running them: the program ended, Python is exiting
         _registry.interpreter_exiting = True
-    for handler in _ordered(_registry.exit):
+    with _lock:  # by order, then first registration (a dict keeps a replaced entry's place)
+        handlers = sorted(_registry.exit.values(), key=lambda h: h.order)
+    for handler in handlers:
         with _lock:
             if handler.name in _registry.ran:
                 continue

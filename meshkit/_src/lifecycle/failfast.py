@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import DivergenceError
@@ -174,7 +173,7 @@ def _end(failure: str, why: str) -> None:
 
 
 def _post(failure: str) -> None:
-    if _post_failure is not None and _compat.distributed_state()[2] > 1:
+    if _post_failure is not None:  # it posts nothing once this process has left the service
         with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
             _post_failure(failure)
 
