@@ -21,6 +21,7 @@ import meshkit
 from meshkit import MeshkitError
 from meshkit._src.sharding import layout as _layout
 from meshkit._src.sharding.mesh import order_devices
+from meshkit._src.sharding.specs import dim_axes
 from meshkit.testing import strategies as mks
 
 
@@ -30,13 +31,38 @@ class FakeDevice:
     process_index: int
 
 
+def named_blocks(mesh, partition, shape):
+    """Each device's block under NamedSharding(mesh, partition), from the device grid.
+
+    JAX's ``devices_indices_map`` for meshes of test doubles (devices carrying a
+    ``process_index``), which JAX cannot build a sharding over; checked against JAX's below.
+    """
+    names = list(mesh.axis_names)
+    grid = np.asarray(mesh.devices, dtype=object)
+    sizes = dict(zip(names, grid.shape, strict=True))
+    per_dim = dim_axes(partition, len(shape))
+    counts = [math.prod(sizes[a] for a in axes) for axes in per_dim]
+    out = {}
+    for coord in np.ndindex(*grid.shape):
+        at = dict(zip(names, coord, strict=True))
+        block = []
+        for d, axes in enumerate(per_dim):
+            k = 0
+            for a in axes:
+                k = k * sizes[a] + at[a]
+            size = shape[d] // counts[d]
+            block.append((k * size, (k + 1) * size))
+        out[grid[coord]] = tuple(block)
+    return out
+
+
 @given(data=st.data())
-def test_named_blocks_agree_with_jax(data):
+def test_the_test_doubles_blocks_agree_with_jax(data):
     mesh = data.draw(mks.meshes())
     ndim = data.draw(st.integers(0, 3))
     spec = data.draw(mks.specs(mesh, ndim))
     shape = data.draw(mks.shapes_for(mesh, spec, ndim))
-    ours = _layout._named_blocks(mesh, spec, shape)
+    ours = named_blocks(mesh, spec, shape)
     theirs = NamedSharding(mesh, spec).devices_indices_map(shape)
     for device, index in theirs.items():
         expected = tuple(
@@ -77,7 +103,7 @@ def fake_layouts(draw):
 def test_every_process_provides_its_blocks_in_global_order(layout):
     mesh, spec, shape, processes, ordered = layout
     reference = np.arange(math.prod(shape)).reshape(shape)
-    blocks = _layout._named_blocks(mesh, spec, shape)
+    blocks = named_blocks(mesh, spec, shape)
     owners = {d: d.process_index for d in blocks}
     covered = np.zeros(shape, bool)
     slices = {}
@@ -121,7 +147,7 @@ def _fake_mesh(order, sizes, names):
 
 def test_interleaved_processes_provide_non_contiguous_rows():
     mesh = _fake_mesh([(i, i % 2) for i in range(8)], (8,), ("data",))
-    blocks = _layout._named_blocks(mesh, P("data"), (16, 3))
+    blocks = named_blocks(mesh, P("data"), (16, 3))
     owners = {d: d.process_index for d in blocks}
     part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (16, 3), 1))
     assert part.ranges == (((2, 4), (6, 8), (10, 12), (14, 16)), ((0, 3),))
@@ -138,7 +164,7 @@ def test_interleaved_processes_provide_non_contiguous_rows():
 def test_a_layout_that_is_not_a_grid_is_reported():
     # Process 0 owns the diagonal of a 2 x 2 mesh: blocks (0, 0) and (1, 1), not a grid.
     mesh = _fake_mesh([(0, 0), (1, 1), (2, 1), (3, 0)], (2, 2), ("a", "b"))
-    blocks = _layout._named_blocks(mesh, P("a", "b"), (4, 4))
+    blocks = named_blocks(mesh, P("a", "b"), (4, 4))
     owners = {d: d.process_index for d in blocks}
     assert not _layout.plan_from_blocks(blocks, owners, (4, 4), 0).rectangular
 
@@ -146,7 +172,7 @@ def test_a_layout_that_is_not_a_grid_is_reported():
 def test_replicas_across_processes_share_a_shard():
     # 'model' spans the two processes; a spec without it makes them one replica group.
     mesh = _fake_mesh([(i, i // 4) for i in range(8)], (2, 4), ("model", "data"))
-    blocks = _layout._named_blocks(mesh, P("data"), (8, 2))
+    blocks = named_blocks(mesh, P("data"), (8, 2))
     owners = {d: d.process_index for d in blocks}
     for p in (0, 1):
         part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (8, 2), p))

@@ -19,7 +19,7 @@ from conftest import require
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
-from test_layout import FakeDevice, fake_meshes
+from test_layout import FakeDevice, fake_meshes, named_blocks
 
 import meshkit
 from meshkit import MeshkitError, loaders
@@ -35,7 +35,7 @@ def batch_layouts(draw):
     mesh, processes, _ = draw(fake_meshes())
     spec = draw(mks.specs(mesh, 1))
     (global_batch,) = draw(mks.shapes_for(mesh, spec, 1, max_block=4))
-    blocks = _layout._named_blocks(mesh, spec, (global_batch,))
+    blocks = named_blocks(mesh, spec, (global_batch,))
     owners = {d: d.process_index for d in blocks}
     plans = [_layout.plan_from_blocks(blocks, owners, (global_batch,), p) for p in range(processes)]
     return [_layout.describe_plan(p) for p in plans], plans
@@ -106,7 +106,7 @@ def _two_process_parts(global_batch=8, replicas=False):
         axis_names=names,
         shape=dict(zip(names, sizes, strict=True)),
     )
-    blocks = _layout._named_blocks(mesh, P("data"), (global_batch,))
+    blocks = named_blocks(mesh, P("data"), (global_batch,))
     owners = {d: d.process_index for d in blocks}
     return [
         _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (global_batch,), p))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -365,13 +366,25 @@ def _info() -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print()
     mine = programs.facts()
-    print(programs.describe(mine))
+    print(_compared(mine))
     program = f"sha256 {mine.program[:16]}..." if mine.program else "none"
     print(
         f"  a warning only where they differ: XLA_FLAGS={mine.XLA_FLAGS or '(unset)'}, "
         f"the main program file ({program})"
     )
     return 0
+
+
+def _compared(mine: Any) -> str:
+    """What the preflight compares (a `Facts`), as ``meshkit info`` shows it."""
+    settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
+    indent = {"initial_indent": "    ", "subsequent_indent": "    ", "break_on_hyphens": False}
+    return (
+        "compared by the processes at meshkit.init (the preflight):\n"
+        f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}\n"
+        f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process\n"
+        f"  {len(mine.settings)} jax.config settings:\n" + textwrap.fill(settings, 100, **indent)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

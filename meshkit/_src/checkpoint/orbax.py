@@ -75,8 +75,7 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
             [],
         )
     n = _compat.distributed_state()[2]
-    entries: list[Any] = []
-    problems: list[str] = []
+    entries: list[Any] = []  # up to the first problem: a process with one raises its own
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"the leaf {jax.tree_util.keystr(path)}"
         if isinstance(leaf, jax.Array):
@@ -86,30 +85,27 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
             entries.append([where, "array", text])
             if n > 1 and leaf.is_fully_addressable:
                 count = len(leaf.sharding.device_set)
-                problems.append(_PROCESS_LOCAL.format(
+                return _PROCESS_LOCAL.format(
                     what=what, where=where, shape=leaf.shape, count=count,
                     s="s" if count != 1 else "", n=n,
-                ))  # fmt: skip
+                ), entries  # fmt: skip
         elif isinstance(leaf, numbers.Number) or hasattr(leaf, "__array__"):
             host = np.asarray(leaf)
             text = f"a host value of shape {host.shape}, {host.dtype}"
-            if jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_:
-                text += f", contents digest {_digest(host)}"
-            else:
-                problems.append(
+            if not (jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_):
+                return (
                     f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds "
                     "numbers (bool, int, float, complex).\nConsider saving it elsewhere (a JSON "
                     "file beside the checkpoint)."
-                )
-            entries.append([where, "host", text])
+                ), entries
+            entries.append([where, "host", f"{text}, contents digest {_digest(host)}"])
         else:
-            entries.append([where, "leaf", f"a {type(leaf).__name__}"])
-            problems.append(
+            return (
                 f"{what}: {where} is a {type(leaf).__name__}; a checkpoint holds jax.Array s, "
                 "numpy arrays and numbers.\nConsider saving it elsewhere (a JSON file beside the "
                 "checkpoint), or converting it to an array."
-            )
-    return (problems[0] if problems else None), entries
+            ), entries
+    return None, entries
 
 
 def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:

@@ -28,7 +28,7 @@ from ..core import caches as _caches
 from ..core import canonical as _canonical
 from ..core import compat as _compat
 from ..core.errors import DivergenceError, shorten
-from ..core.frames import place, user_frame
+from ..core.frames import user_place
 from ..lifecycle import progress as _progress
 
 # Agreements that repeat a pattern for PERIOD calls in a row take one round trip (`predict`).
@@ -146,8 +146,8 @@ def fingerprint(site: CallSite, args: tuple[Any, ...], count: int) -> dict[str, 
         "n": site.calls,
         "structure": layout.structure,
         "leaves": leaves,
-        # ``file:line in function`` of the first frame outside meshkit, jax and the stdlib.
-        "where": place(user_frame(sys._getframe(1))),
+        # ``file:line in function`` of the user's code, as the program comparison names it.
+        "where": user_place(sys._getframe(1)) or "?",
         "time": time.time(),
     }
 

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import textwrap
 import threading
 import warnings
 from collections.abc import Callable
@@ -140,18 +139,6 @@ def facts() -> Facts:
         settings={name: _text(_compat.setting(name)) for name in settings()},
         XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
         program=_program_digest(),
-    )
-
-
-def describe(mine: Facts) -> str:
-    """What the preflight compares, as ``meshkit info`` shows it: versions, devices, settings."""
-    settings = "  ".join(f"{name}={value}" for name, value in mine.settings.items())
-    indent = {"initial_indent": "    ", "subsequent_indent": "    ", "break_on_hyphens": False}
-    return (
-        "compared by the processes at meshkit.init (the preflight):\n"
-        f"  python {mine.python}, jax {mine.jax}, jaxlib {mine.jaxlib}, meshkit {mine.meshkit}\n"
-        f"  {mine.platform}: {mine.local_devices} x {mine.device_kind} per process\n"
-        f"  {len(mine.settings)} jax.config settings:\n" + textwrap.fill(settings, 100, **indent)
     )
 
 

@@ -52,27 +52,6 @@ class Plan:
     owners: dict[Any, int]  # every device of the sharding -> its process
 
 
-def _named_blocks(mesh: Mesh, partition: PartitionSpec, shape: Sequence[int]) -> dict[Any, Block]:
-    """Each device's block under NamedSharding(mesh, partition), from the grid (doubles work)."""
-    names = list(mesh.axis_names)
-    grid = np.asarray(mesh.devices, dtype=object)
-    sizes = dict(zip(names, grid.shape, strict=True))
-    per_dim = dim_axes(partition, len(shape))
-    counts = [math.prod(sizes[a] for a in axes) for axes in per_dim]
-    out: dict[Any, Block] = {}
-    for coord in np.ndindex(*grid.shape):
-        at = dict(zip(names, coord, strict=True))
-        block = []
-        for d, axes in enumerate(per_dim):
-            k = 0
-            for a in axes:
-                k = k * sizes[a] + at[a]
-            size = shape[d] // counts[d]
-            block.append((k * size, (k + 1) * size))
-        out[grid[coord]] = tuple(block)
-    return out
-
-
 def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     sizes = dict(sharding.mesh.shape)
     return tuple(math.prod(sizes[a] for a in axes) for axes in dim_axes(sharding.spec, ndim))
@@ -114,13 +93,10 @@ def plan_from_blocks(
 
 @_caches.cached(maxsize=512)
 def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) -> Plan:
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        blocks = _named_blocks(sharding.mesh, sharding.spec, shape)
-    else:
-        blocks = {
-            d: tuple(i.indices(n)[:2] for i, n in zip(at, shape, strict=True))
-            for d, at in sharding.devices_indices_map(tuple(shape)).items()
-        }
+    blocks = {
+        d: tuple(i.indices(n)[:2] for i, n in zip(at, shape, strict=True))
+        for d, at in sharding.devices_indices_map(tuple(shape)).items()
+    }
     owners = {d: int(d.process_index) for d in blocks}
     return plan_from_blocks(blocks, owners, shape, process)
 

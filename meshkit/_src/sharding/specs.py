@@ -191,29 +191,36 @@ def spec_axes(partition: PartitionSpec) -> list[str]:
     return [a for axes in dim_axes(partition, len(partition)) for a in axes]
 
 
+def _misnamed(partition: PartitionSpec, axes: Mapping[str, int]) -> tuple[str, bool] | None:
+    """The first axis ``partition`` names that ``axes`` lacks (False) or that it names twice."""
+    names = spec_axes(partition)
+    return next(
+        ((a, a in axes) for i, a in enumerate(names) if a not in axes or a in names[:i]), None
+    )
+
+
 def check_spec_for_mesh(value: SpecLike, mesh: Mesh | AbstractMesh, what: str) -> PartitionSpec:
     """Resolve ``value`` and check every axis it names is an axis of ``mesh``, used once."""
     partition = as_partition_spec(value, what)
-    names = spec_axes(partition)
-    available = ", ".join(f"{n!r} (size {s})" for n, s in mesh.shape.items())
-    for i, name in enumerate(names):
-        if name not in mesh.shape:
-            fix = f"The mesh has the axes {available}."
-            if isinstance(value, str):
-                start, end = parse_spec(value).spans[name]
-                raise MeshkitError(
-                    f"{what}: the mesh has no axis {name!r} (in the spec string {value!r})\n"
-                    f"{_pointed(value, start, end)}\n{fix}"
-                )
-            raise MeshkitError(
-                f"{what}: {partition} names the axis {name!r}, which the mesh does not have. {fix}"
-            )
-        if name in names[:i]:
-            raise MeshkitError(
-                f"{what}: {partition} uses the mesh axis {name!r} twice; a mesh axis can split "
-                "at most one dimension."
-            )
-    return partition
+    found = _misnamed(partition, mesh.shape)
+    if found is None:
+        return partition
+    name, twice = found
+    if twice:
+        raise MeshkitError(
+            f"{what}: {partition} uses the mesh axis {name!r} twice; a mesh axis can split at "
+            "most one dimension."
+        )
+    fix = "The mesh has the axes " + ", ".join(f"{n!r} (size {s})" for n, s in mesh.shape.items())
+    if isinstance(value, str):
+        start, end = parse_spec(value).spans[name]
+        raise MeshkitError(
+            f"{what}: the mesh has no axis {name!r} (in the spec string {value!r})\n"
+            f"{_pointed(value, start, end)}\n{fix}."
+        )
+    raise MeshkitError(
+        f"{what}: {partition} names the axis {name!r}, which the mesh does not have. {fix}."
+    )
 
 
 def layout_problem(
@@ -227,21 +234,19 @@ def layout_problem(
             f"dimension{'s' if len(shape) != 1 else ''}",
             "Consider a spec with at most one entry per dimension ('' or P() for a scalar).",
         )
-    names = spec_axes(partition)
-    for i, name in enumerate(names):
-        if name not in axes:
-            have = ", ".join(repr(a) for a in axes)
-            return (
-                f"the spec names the mesh axis {name!r}, which the mesh does not have (its axes: "
-                f"{have})",
-                f"Consider a spec over the mesh's axes, or a mesh with an axis {name!r}.",
-            )
-        if name in names[:i]:
-            return (
-                f"the spec uses the mesh axis {name!r} twice; a mesh axis splits at most one "
-                "dimension",
-                "Consider naming each mesh axis once.",
-            )
+    found = _misnamed(partition, axes)
+    if found is not None and found[1]:
+        return (
+            f"the spec uses the mesh axis {found[0]!r} twice; a mesh axis splits at most one "
+            "dimension",
+            "Consider naming each mesh axis once.",
+        )
+    if found is not None:
+        return (
+            f"the spec names the mesh axis {found[0]!r}, which the mesh does not have (its axes: "
+            f"{', '.join(map(repr, axes))})",
+            f"Consider a spec over the mesh's axes, or a mesh with an axis {found[0]!r}.",
+        )
     for dim, (size, split_by) in enumerate(
         zip(shape, dim_axes(partition, len(shape)), strict=True)
     ):
