@@ -162,7 +162,11 @@ def warm_cluster_env() -> dict[str, str]:
 
 
 def run_python(
-    argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float = 180
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | Path,
+    timeout: float = 180,
+    preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """``python ARGV`` (a script and its arguments) with exactly ``env``, its output captured.
 
@@ -170,11 +174,12 @@ def run_python(
     and started nothing under ``MESHKIT_TESTING_FORK=1`` (nox; about a second of CPU less
     each), else a fresh interpreter. A test of what a fresh interpreter imports must use
     ``subprocess`` itself. After ``timeout`` seconds the process's session is killed and
-    `subprocess.TimeoutExpired` raised.
+    `subprocess.TimeoutExpired` raised. ``preload``: modules the script imports, for the fork
+    server to import first (`meshkit.testing._forks.starter`'s).
     """
     from meshkit.testing._forks import starter
 
-    proc = starter(None, "tests/conftest.py run_python")(argv, env, str(cwd))
+    proc = starter(None, "tests/conftest.py run_python", preload)(argv, env, str(cwd))
     out: dict[str, bytes] = {}
     readers = [
         threading.Thread(target=lambda n=n, f=f: out.__setitem__(n, f.read()), daemon=True)
