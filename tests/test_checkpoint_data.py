@@ -216,23 +216,3 @@ def test_saving_the_position_costs_under_a_millisecond_and_a_kibibyte(tmp_path):
     size = len(json.dumps(shared.metadata()["custom_metadata"]))
     assert size < 1024, size
     batches.close()
-
-
-def test_an_orbax_without_custom_metadata_is_named(tmp_path, monkeypatch):
-    import orbax.checkpoint as ocp
-
-    from meshkit._src.checkpoint import data as _data
-
-    monkeypatch.delattr(ocp.metadata, "get_step_metadata")
-    _data._orbax_problem.cache_clear()
-    try:
-        with pytest.raises(
-            MeshkitError,
-            match=r"^meshkit.checkpoint.save: data= needs an orbax-checkpoint whose "
-            r"StandardCheckpointer.save takes custom_metadata; this one \(.*\) does not.\n"
-            r"Consider pip install -U orbax-checkpoint \(0.12.8 has it\).$",
-        ):
-            meshkit.checkpoint.save(tmp_path / "c", {"step": 1}, data=meshkit.DataPosition(1))
-        meshkit.checkpoint.save(tmp_path / "c", {"step": 1})  # without data=, as before
-    finally:
-        _data._orbax_problem.cache_clear()

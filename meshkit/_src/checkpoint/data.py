@@ -8,9 +8,7 @@ posted to the coordination service before that agreement, and process 0 reads th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -92,25 +90,10 @@ class Shared:
         return {"custom_metadata": {KEY: {_POSITION: position.to_dict()}}}
 
 
-@functools.cache
-def _orbax_problem(what: str) -> str | None:
-    """Why this orbax cannot keep a data position (it lacks custom metadata); None: it can."""
-    import orbax.checkpoint as ocp
-
-    save = inspect.signature(ocp.StandardCheckpointer.save).parameters
-    if "custom_metadata" in save and hasattr(ocp.metadata, "get_step_metadata"):
-        return None
-    return (
-        f"{what}: data= needs an orbax-checkpoint whose StandardCheckpointer.save takes "
-        f"custom_metadata; this one ({getattr(ocp, '__version__', '?')}) does not.\n"
-        "Consider pip install -U orbax-checkpoint (0.12.8 has it)."
-    )
-
-
 def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str | None, Shared]:
     """The save's problem, and ``data``'s position; other processes post their state for 0."""
     position, mine = position_of(data, what)
-    problem = problem or mine or (None if position is None else _orbax_problem(what))
+    problem = problem or mine
     node = _agree.node()
     if problem is not None or position is None or position.states is None or node is None:
         return problem, Shared(position)
