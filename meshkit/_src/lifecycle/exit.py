@@ -35,6 +35,7 @@ _LOG = logger("guards")
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
 DRAIN = 15  # the deferred checks verified, then this process's leave posted
+REPORT = 40  # exception handlers: below it before the traceback is printed, from it after
 FLUSH = 50
 
 ExceptionHandler = Callable[[type[BaseException], BaseException, TracebackType | None], None]
@@ -52,16 +53,13 @@ class _Registry:
     """What this process does when it ends (one instance; tests make their own)."""
 
     exit: dict[str, _Handler] = field(default_factory=dict)
-    exception: _Handler | None = None  # called after an uncaught exception's traceback
+    exception: dict[str, _Handler] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set)  # exit handlers already run
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
     previous_sigterm: Callable[[int, Any], Any] | None = None  # the program's, chained
     sigterm_wakeup: int | None = None  # the wake-up fd found (-1: none); None: SIGTERM not taken
     interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
-    count: Callable[[int], int] | None = None  # counts this process's end (`count_ends`)
-    me: int = 0
-    n: int = 1
 
 
 _registry = _Registry()
@@ -82,15 +80,10 @@ def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
             atexit.register(run_exit_handlers)
 
 
-def on_exception(name: str, handler: ExceptionHandler) -> None:
-    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread.
-
-    The exception claims the end of the process before its traceback is printed (a path that
-    holds it already ends the process: a peer's failure, read a moment earlier, whose echo this
-    error is); ``handler`` runs after the traceback.
-    """
+def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
+    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread."""
     with _lock:
-        _registry.exception = _Handler(name, FLUSH, handler)
+        _registry.exception[name] = _Handler(name, order, handler)
         if _registry.previous_hook is None:
             _registry.previous_hook = sys.excepthook
             sys.excepthook = _excepthook
@@ -123,6 +116,12 @@ def on_sigterm(handler: Callable[[], object]) -> None:
     wake(nudge=False)
 
 
+def _ordered(table: dict[str, _Handler]) -> list[_Handler]:
+    """By order, then first registration (a dict keeps a replaced entry's place)."""
+    with _lock:
+        return sorted(table.values(), key=lambda h: h.order)
+
+
 def _call(handler: _Handler, *args: object) -> None:
     try:
         handler.call(*args)
@@ -138,9 +137,7 @@ def run_exit_handlers() -> None:
     """Run meshkit's exit handlers not run yet, in order (Python's ``atexit`` calls this)."""
     if not _ending.locked():  # not `end` running them: the program ended, Python is exiting
         _registry.interpreter_exiting = True
-    with _lock:  # by order, then first registration (a dict keeps a replaced entry's place)
-        handlers = sorted(_registry.exit.values(), key=lambda h: h.order)
-    for handler in handlers:
+    for handler in _ordered(_registry.exit):
         with _lock:
             if handler.name in _registry.ran:
                 continue
@@ -149,11 +146,15 @@ def run_exit_handlers() -> None:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    if not claim():
-        await_end()
-    (_registry.previous_hook or sys.__excepthook__)(kind, value, tb)
-    if _registry.exception is not None:
-        _call(_registry.exception, kind, value, tb)
+    handlers = _ordered(_registry.exception)
+    for handler in handlers:
+        if handler.order < REPORT:
+            _call(handler, kind, value, tb)
+    previous = _registry.previous_hook or sys.__excepthook__
+    previous(kind, value, tb)
+    for handler in handlers:
+        if handler.order >= REPORT:
+            _call(handler, kind, value, tb)
 
 
 def ending() -> bool:
@@ -213,7 +214,7 @@ def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
 
 
 def _exit(status: int, final: Callable[[], None] | None) -> None:
-    """The process's final exit: ``final`` once, flushed output, its end counted, ``os._exit``."""
+    """The process's final exit: ``final`` once, flushed output, ``os._exit``."""
     if not _final.acquire(blocking=False):
         time.sleep(3600)  # the other path is in its final step, and exits this process
         return
@@ -221,7 +222,6 @@ def _exit(status: int, final: Callable[[], None] | None) -> None:
         with contextlib.suppress(Exception):  # exiting anyway: its failure changes nothing
             final()
     _flush()
-    _count_end(last=True)
     os._exit(status)
 
 
@@ -232,41 +232,16 @@ def _flush() -> None:
     flush_logs()  # a message said just before `os._exit` must leave this process first
 
 
-# Process 0 hosts the coordination service; a process that loses it while it still posts or reads
-# there (its failure, a stall verdict, a notice) ends with gRPC's words or JAX's abort, not
-# meshkit's. So every other process counts its end there as its last step (at `os._exit`, or
-# last of the exit handlers at a normal end), and process 0, ended by meshkit, first waits until
-# all have counted (at most `_OUTLIVE_S`), then `_MARGIN_S` for their exits.
-_OUTLIVE_S = 10.0
-_MARGIN_S = 0.5
-
-
-def count_ends(count: Callable[[int], int] | None, me: int = 0, n: int = 1) -> None:
-    """Count the end of process ``me`` of ``n`` with ``count`` (None: the service is gone).
-
-    ``count(k)`` adds ``k`` to the count of ended processes at the service and returns it.
-    """
-    with _lock:
-        _registry.count, _registry.me, _registry.n = count, me, n
-    if count is not None:
-        on_exit("count this process's end", _count_end, order=FLUSH)
-
-
-def _count_end(*, last: bool = False) -> None:
-    """Count this process's end (once); process 0's ``last`` step waits for the others' first."""
-    with _lock:
-        count, me, n = _registry.count, _registry.me, _registry.n
-        if count is None or (me == 0 and not last):  # process 0's normal end: JAX's barrier waits
+def until(done: Callable[[], bool], seconds: float) -> None:
+    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except Exception:  # the service failed: nobody answers any more
             return
-        _registry.count = None
-    with contextlib.suppress(Exception):  # the service is gone: nobody waits, nobody counts
-        if me != 0:
-            count(1)
-            return
-        deadline = time.monotonic() + _OUTLIVE_S
-        while count(0) < n - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(_MARGIN_S)
+        time.sleep(0.05)
 
 
 _SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
@@ -317,10 +292,8 @@ class _Service(threading.Thread):
                 if woken and signal.SIGTERM in os.read(self.wake_r, 256) and self.on_sigterm:
                     self.on_sigterm()
             if self.tend is not None:
-                self.outside.clear()  # it may talk to the others (`watch(None)` waits for it)
                 with contextlib.suppress(Exception):  # it says its own failures
                     self.tend()
-                self.outside.set()
 
     def _run_due(self) -> float:
         """Run the tasks that are due; the seconds until the next one (an hour: none)."""
@@ -388,7 +361,7 @@ def tend(call: Callable[[], None], step: Callable[[], object]) -> None:
 
 
 def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
-    """Wait in the coordination service with ``look`` (None: stop; the thread leaves it)."""
+    """Wait in the coordination service with ``look`` (None: stop, and leave it)."""
     if _service is None and look is None:
         return
     service = _running()

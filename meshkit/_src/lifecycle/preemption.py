@@ -29,6 +29,8 @@ _LOG = logger("guards")
 
 T = TypeVar("T")
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
+_COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
+_LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class _State:
         self.sync_step: int | None = None
         self.reached = False  # the next save is the last
         self.stop = threading.Event()  # this process ends: the agreement stops waiting
+        self.talking = threading.Lock()  # held while the service thread talks to the others
         self.saves = 0  # checkpoint saves in progress
         self.reported = False  # the `preempted` event is written
         self.deadline_armed = False
@@ -225,7 +228,8 @@ def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> Non
 def _at_exit() -> None:
     """At a normal end after a notice: a ``preempted`` event (the status is the program's)."""
     _state.stop.set()
-    _exit.watch(None)  # the service thread leaves the coordination client (its wait: a slice)
+    if _state.talking.acquire(timeout=_LEAVE_S):  # its wait ends within a slice of it
+        _state.talking.release()
     notice_ = _state.notice
     if notice_ is not None and not _exit.ending():
         _event("ended", notice_)
@@ -237,6 +241,8 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         _state.changed.wait_for(lambda: not _state.saves)
     if _exit.ending():
         return
+    if _state.me == 0:
+        time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
     number = _progress.steps.number
     step = "" if number is None else f" at step {number}"
@@ -279,7 +285,8 @@ def _tend() -> None:
 def _talk(call: Callable[[], T], failed: str) -> T | None:
     """``call`` to the others (None once this process ends); a failure is said as ``failed``."""
     try:
-        return None if _state.stop.is_set() else call()  # no request may start at the end
+        with _state.talking:
+            return None if _state.stop.is_set() else call()  # no request may start at the end
     except Exception as e:  # the service is gone
         _warn(f"{failed}: {e}")
         return None
