@@ -155,8 +155,10 @@ def agree(
     groups = dict(groups or {})
     state = _state(node, sequence)
     if later is not None:
-        state.later.append(Later(site, summary, record, groups, timeout, later))
-        if len(state.later) >= W:
+        with state.lock:  # `leave`, at exit, takes the held list under it
+            state.later.append(Later(site, summary, record, groups, timeout, later))
+            full = len(state.later) >= W
+        if full:
             verify(node, sequence)
         return Outcome(True, {})
     if state.later:
@@ -395,7 +397,8 @@ def _collect_garbage(node: Node, state: Sequence, sequence: str, k: int) -> None
 def verify(node: Node, sequence: str) -> None:
     """One agreement on the sequence's held calls, run by run; a difference raises (`_report`)."""
     state = _state(node, sequence)
-    calls, state.later = state.later, []
+    with state.lock:
+        calls, state.later = state.later, []
     if not calls:
         return
     runs = [[s, len(list(run))] for s, run in itertools.groupby(c.summary for c in calls)]
