@@ -6,10 +6,12 @@ code (`spmd`, `meshkit.collectives`), turn per-process batches into global array
 (`meshkit.debug`). See docs/index.md.
 """
 # Lazy (PEP 562): a name's module loads on first use, so that ``meshkit launch`` starts without
-# JAX. Type checkers read the TYPE_CHECKING imports; `_LAZY` is what runs.
+# JAX. The TYPE_CHECKING imports are the one list: type checkers read them, and so does `_lazy`
+# (as lazy_loader's ``attach_stub`` reads a stub), at the first public name asked for.
 
 from __future__ import annotations
 
+import functools as _functools
 import importlib as _importlib
 import typing as _typing
 
@@ -85,52 +87,32 @@ __all__ = [
     "runtime_info", "shard", "shard_prng_key", "spec", "spmd", "step_times", "unreplicate",
 ]  # fmt: skip
 
-# Module -> the public names it holds ("public=attribute" where they differ).
-_LAZY_FROM = {
-    "._src.arrays.assembly": "global_array_from_local",
-    "._src.arrays.batches": "GlobalBatches global_batches",
-    "._src.arrays.blocks": "DtypeWarning",
-    "._src.arrays.meshes": "make_mesh",
-    "._src.arrays.to_host": "gather local_from_global",
-    "._src.coord.channel": "channel",
-    "._src.core.data_position": "DataPosition",
-    "._src.core.events": "Goodput",
-    "._src.launch.launcher": "LaunchResult RankResult launch",
-    "._src.launch.report": "LaunchAttempt",
-    "._src.lifecycle.preemption": "PreemptionNotice preemption_notice=notice",
-    "._src.lifecycle.profiles": "profile_steps",
-    "._src.lifecycle.stragglers": "StepRow step_times",
-    "._src.pmap.entry": "UncheckedOutputWarning",
-    "._src.pmap.legacy": "device_put_replicated device_put_sharded get_metrics pad_shard_unpad "
-    "prefetch_to_device replicate shard shard_prng_key unreplicate",
-    "._src.pmap.pmap": "Compiled Lowered PmapFunction pmap_compat",
-    "._src.runtime.hosts": "Hosts",
-    "._src.runtime.init": "RuntimeInfo init runtime_info",
-    "._src.sharding.layout": "ProcessSlice process_slice",
-    "._src.sharding.mesh": "describe",
-    "._src.sharding.specs": "spec",
-    "._src.spmd.spmd": "ReshardWarning SpmdFunction spmd",
-    ".debug": "barrier",
-}
-# Public name -> (module, attribute in it); a module itself has no attribute.
-_LAZY: dict[str, tuple[str, str | None]] = {
-    **{name: (f".{name}", None) for name in ("checkpoint", "collectives", "debug", "loaders")},
-    **{
-        public: (module, attribute or public)
-        for module, names in _LAZY_FROM.items()
-        for public, _, attribute in (n.partition("=") for n in names.split())
-    },
-}
+
+@_functools.cache
+def _lazy() -> dict[str, tuple[str, str]]:
+    """Public name -> (module, name in it), read from the TYPE_CHECKING imports above."""
+    import ast  # here, not at import: ``import meshkit`` stays light
+
+    with open(__file__, encoding="utf-8") as f:
+        block = next(node for node in ast.parse(f.read()).body if isinstance(node, ast.If))
+    return {
+        alias.asname or alias.name: ("." * node.level + (node.module or ""), alias.name)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
 
 
 def __getattr__(name: str) -> _typing.Any:
     """Loads a public name's module on first use (PEP 562), then keeps the name here."""
-    where = _LAZY.get(name)
+    where = _lazy().get(name)
     if where is None:
         raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
     module_name, attribute = where
-    module = _importlib.import_module(module_name, __name__)
-    value = module if attribute is None else getattr(module, attribute)
+    if module_name == ".":  # ``from . import checkpoint``: a public module
+        value = _importlib.import_module(f".{attribute}", __name__)
+    else:
+        value = getattr(_importlib.import_module(module_name, __name__), attribute)
     globals()[name] = value
     return value
 

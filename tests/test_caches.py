@@ -31,18 +31,18 @@ def test_a_cached_function_computes_once_per_argument_and_keeps_at_most_maxsize(
     assert calls == [2, 3, 4, 2]
 
 
-def test_a_full_cache_drops_an_entry_not_used_lately_not_all_of_them():
+def test_a_full_cache_drops_the_least_recently_used_entry_not_all_of_them():
     cache: caches.Cache[str, int] = caches.Cache(maxsize=3)
     for i, key in enumerate("abc"):
         cache.put(key, i)
     assert cache.get("a") == 0  # "a" is now the most recently used
     cache.put("d", 3)
-    assert list(cache._data) == ["c", "a", "d"]  # oldest first, as eviction sees them
+    assert list(cache._data) == ["c", "a", "d"]  # least recently used first
     assert cache.get("b") is None
     assert len(cache) == 3
-    cache.put("c", 5)  # a new value for a key kept: no eviction, marked used, in its place
-    assert list(cache._data) == ["c", "a", "d"]
-    cache.put("e", 4)  # "c" (just used) gets a second chance; "a" (not used since) goes
+    cache.put("c", 5)  # a new value for a key kept: no eviction, now the most recently used
+    assert list(cache._data) == ["a", "d", "c"]
+    cache.put("e", 4)  # "a" (not used since) goes
     assert list(cache._data) == ["d", "c", "e"]
     assert [cache.get(k) for k in "dce"] == [3, 5, 4]
 

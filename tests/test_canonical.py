@@ -58,16 +58,16 @@ def test_a_partial_in_a_tree_is_named_by_its_function_not_its_address():
 
 def test_functions_differ_by_name_and_definition_site():
     texts = {
-        canonical.function(scale),
-        canonical.function(shift),
-        canonical.function(lambda x: x),
-        canonical.function(lambda x: x + 1),  # another lambda on another line
-        canonical.function(functools.partial(scale, k=2.0)),
-        canonical.function(functools.partial(scale, k=3.0)),
+        canonical.value(scale),
+        canonical.value(shift),
+        canonical.value(lambda x: x),
+        canonical.value(lambda x: x + 1),  # another lambda on another line
+        canonical.value(functools.partial(scale, k=2.0)),
+        canonical.value(functools.partial(scale, k=3.0)),
     }
     assert len(texts) == 6
     # The same function gives the same text every time.
-    assert canonical.function(functools.partial(scale, k=2.0)) == canonical.function(
+    assert canonical.value(functools.partial(scale, k=2.0)) == canonical.value(
         functools.partial(scale, k=2.0)
     )
 
@@ -149,8 +149,8 @@ _PROGRAM = textwrap.dedent(
     trees = [state, nnx_state, jax.tree_util.Partial(loss, k=2.0), (graph, 1)]
     for tree in trees:
         print(canonical.structure(jax.tree_util.tree_structure(tree)))
-    print(canonical.function(functools.partial(loss, k=2.0)))
-    print(canonical.function(model.apply))
+    print(canonical.value(functools.partial(loss, k=2.0)))
+    print(canonical.value(model.apply))
     print(str(jax.tree_util.tree_structure(state)))  # Python's own text, for contrast
     """
 )

@@ -317,11 +317,11 @@ def test_a_layout_seen_before_reuses_its_template_and_any_change_makes_a_new_one
     x = rng.standard_normal((16, 4)).astype(np.float32)
     assemble(x)
     assert len(_blocks._templates) == 1
-    (template,) = [value for value, _ in _blocks._templates._data.values()]
+    (template,) = _blocks._templates._data.values()
     with mock.patch.object(_blocks, "prepare_leaves", side_effect=AssertionError("planned")):
         g = assemble(x + 1)  # new values, same layout: the template, and this call's values
     assert g.sharding.spec == P("data")
-    assert [value for value, _ in _blocks._templates._data.values()] == [template]
+    assert list(_blocks._templates._data.values()) == [template]
     # Each input the plan depends on makes another template.
     assemble(x[:8])  # shape
     assemble(x.astype(np.int32))  # dtype

@@ -728,13 +728,14 @@ def test_launch_folds_the_ranks_gloo_chatter(tmp_path, marker):
 _TOLD = """
 import os, pathlib, sys, time
 from meshkit._src.core import events
+from meshkit._src.launch import report
 
 W = "meshkit stall report:"
 if os.environ.get("REWORD") == "1":
     W = "stall guard says"
-    events.INSIDE, events.OUTSIDE = "waiting on the library", "busy in user code"
+    report.INSIDE, report.OUTSIDE = "waiting on the library", "busy in user code"
     events.ENDED_MARK = "is finished"
-INSIDE, OUTSIDE = events.INSIDE, events.OUTSIDE
+INSIDE, OUTSIDE = report.INSIDE, report.OUTSIDE
 recorded = os.environ.get("NO_EVENTS") != "1"
 emit = events.emit if recorded else lambda *a, **k: None
 rank = int(os.environ["MESHKIT_PROCESS_ID"])

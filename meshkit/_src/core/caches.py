@@ -32,43 +32,30 @@ def cached(maxsize: int) -> Callable[[Callable[..., R]], functools._lru_cache_wr
 
 
 class Cache(Generic[K, V]):
-    """A mapping that keeps ``maxsize`` entries at most, dropping one not used lately when full."""
+    """A mapping that keeps ``maxsize`` entries at most, dropping the least recently used."""
 
     def __init__(self, maxsize: int) -> None:
         _check_size(maxsize)
         self.maxsize = maxsize
-        # key -> [value, used since the last eviction pass]: a look-up sets the flag in place.
-        self._data: OrderedDict[K, list[Any]] = OrderedDict()
+        self._data: OrderedDict[K, V] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         _registry.add(self)
 
     def get(self, key: K) -> V | None:
-        """The value under ``key`` (marked used), or None."""
-        entry = self._data.get(key)
-        if entry is None:
-            return None
-        entry[1] = True
-        return entry[0]
+        """The value under ``key`` (now the most recently used), or None."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
 
     def put(self, key: K, value: V) -> None:
-        """Keep ``value`` under ``key``; when full, drop the oldest entry not used lately."""
+        """Keep ``value`` under ``key``; when full, drop the least recently used entry."""
         with self._lock:
-            entry = self._data.get(key)
-            if entry is not None:
-                entry[0], entry[1] = value, True
-                return
-            if len(self._data) >= self.maxsize:
-                self._evict_one()
-            self._data[key] = [value, False]
-
-    def _evict_one(self) -> None:  # under the lock, the cache full
-        while True:
-            oldest, entry = next(iter(self._data.items()))
-            if not entry[1]:
-                del self._data[oldest]
-                return
-            entry[1] = False  # a second chance, at the end of the line
-            self._data.move_to_end(oldest)
+            self._data[key] = value
+            self._data.move_to_end(key)
+            if len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
 
     def cache_clear(self) -> None:
         """Forget every entry (the name `functools.lru_cache` gives it)."""

@@ -1,4 +1,4 @@
-"""Canonical text for what processes compare: pytree structures, functions, static values.
+"""Canonical text for what processes compare: pytree structures and static values.
 
 Python's own texts carry object identity (``<function f at 0x7f...>``); these hold only what is
 the same in every process running the same code: types by qualified name, functions by module,
@@ -38,25 +38,6 @@ def _digest(data: bytes) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
-def function(f: Any, _depth: int = 0) -> str:
-    """A callable's canonical text: what it runs, where it is defined, what it is bound to."""
-    if isinstance(f, functools.partial):
-        parts = [function(f.func, _depth + 1)]
-        parts += [value(a, _depth + 1) for a in f.args]
-        parts += [f"{k}={value(v, _depth + 1)}" for k, v in sorted(f.keywords.items())]
-        return f"functools.partial({', '.join(parts)})"
-    if isinstance(f, types.MethodType):
-        return f"{function(f.__func__, _depth + 1)} of {value(f.__self__, _depth + 1)}"
-    code = getattr(f, "__code__", None)
-    qualname = getattr(f, "__qualname__", None)
-    if isinstance(code, types.CodeType) and qualname:
-        return f"{getattr(f, '__module__', None) or '?'}.{qualname}:{code.co_firstlineno}"
-    if isinstance(f, types.BuiltinFunctionType) and qualname:  # also BuiltinMethodType
-        module = getattr(f, "__module__", None)
-        return f"{module}.{qualname}" if module else str(qualname)
-    return value(f, _depth)
-
-
 def function_name(f: Callable[..., Any]) -> str:
     """The short name messages and compiled programs give a user's function."""
     while isinstance(f, functools.partial):
@@ -82,13 +63,21 @@ def value(x: Any, _depth: int = 0) -> str:
         return f"jax.Array {x.dtype.name}{list(x.shape)}"  # never read back: it may be remote
     if isinstance(x, np.dtype):
         return f"dtype({x.name})"
-    if isinstance(x, functools.partial | types.MethodType | types.BuiltinFunctionType) or (
-        callable(x) and isinstance(getattr(x, "__code__", None), types.CodeType)
-    ):
-        return function(x, _depth)
+    d = _depth + 1
+    if isinstance(x, functools.partial):  # a function: what it runs, where, what it is bound to
+        parts = [value(x.func, d), *(value(a, d) for a in x.args)]
+        parts += [f"{k}={value(v, d)}" for k, v in sorted(x.keywords.items())]
+        return f"functools.partial({', '.join(parts)})"
+    if isinstance(x, types.MethodType):
+        return f"{value(x.__func__, d)} of {value(x.__self__, d)}"
+    qualname = getattr(x, "__qualname__", None) if callable(x) else None
+    if isinstance(getattr(x, "__code__", None), types.CodeType) and qualname:
+        return f"{getattr(x, '__module__', None) or '?'}.{qualname}:{x.__code__.co_firstlineno}"
+    if isinstance(x, types.BuiltinFunctionType) and qualname:  # also BuiltinMethodType
+        module = getattr(x, "__module__", None)
+        return f"{module}.{qualname}" if module else str(qualname)
     if _depth >= _MAX_DEPTH:
         return _type_name(type(x))
-    d = _depth + 1
     if isinstance(x, tuple | list | set | frozenset | dict):
         if isinstance(x, dict):
             texts = [f"{value(k, d)}: {value(x[k], d)}" for k in sorted(x, key=repr)]

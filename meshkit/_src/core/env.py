@@ -136,13 +136,9 @@ def check_timeout() -> float:
     return seconds(ENV_CHECK_TIMEOUT, where="meshkit", default=120.0) or 120.0  # never 0
 
 
-# The variables that list a process's visible accelerators, in the order read.
-VISIBLE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-
-
 def visible_devices(environ: Mapping[str, str]) -> tuple[str, int] | None:
     """The variable that lists this process's visible accelerators, and how many it lists."""
-    for name in VISIBLE_VARS:
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
         if name in environ:
             entries = [e.strip() for e in environ[name].split(",") if e.strip()]
             return name, 0 if entries[:1] == ["-1"] else len(entries)  # "-1": none

@@ -47,9 +47,6 @@ ENV_PROFILE_STEPS = "MESHKIT_PROFILE_STEPS"
 ENV_PROFILE_DIR = "MESHKIT_PROFILE_DIR"
 DEFAULT_PROFILE_DIR = "meshkit-profile"  # without --profile-dir or --log-dir
 
-# Where a stalled rank's main thread was (for people; the launcher reads events).
-INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
-
 # The kinds, and their fields:
 JOINED = "joined"  # `meshkit.init` returned
 # cause ("exception", "signal", "peer", "timeout", "divergence"), error (type or signal name),

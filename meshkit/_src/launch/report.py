@@ -16,7 +16,6 @@ from typing import Any
 
 from ..core import events as _events
 from ..core.errors import ranges
-from ..core.events import INSIDE, OUTSIDE
 from .rank_events import from_event, step_rows, table_text
 
 TAIL_LINES = 40
@@ -238,6 +237,8 @@ def stall_summary(ranks: Iterable[int], told: Told) -> str:
     return "Where each rank was when the run stalled:\n" + "\n".join(lines) + "\n"
 
 
+# Where a stalled rank's main thread was, in words (the ``stalled`` event's state, inside).
+INSIDE, OUTSIDE = "inside a meshkit call", "outside meshkit"
 _STATES = {"device": "waiting for device results", "meshkit": INSIDE, "python": "in Python"}
 
 
