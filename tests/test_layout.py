@@ -104,11 +104,10 @@ def test_every_process_provides_its_blocks_in_global_order(layout):
     mesh, spec, shape, processes, ordered = layout
     reference = np.arange(math.prod(shape)).reshape(shape)
     blocks = named_blocks(mesh, spec, shape)
-    owners = {d: d.process_index for d in blocks}
     covered = np.zeros(shape, bool)
     slices = {}
     for p in range(processes):
-        plan = _layout.plan_from_blocks(blocks, owners, shape, p)
+        plan = _layout.plan_from_blocks(blocks, shape, p)
         if ordered:
             # meshkit.make_mesh keeps each process's devices together: always a grid.
             assert plan.rectangular
@@ -148,8 +147,7 @@ def _fake_mesh(order, sizes, names):
 def test_interleaved_processes_provide_non_contiguous_rows():
     mesh = _fake_mesh([(i, i % 2) for i in range(8)], (8,), ("data",))
     blocks = named_blocks(mesh, P("data"), (16, 3))
-    owners = {d: d.process_index for d in blocks}
-    part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (16, 3), 1))
+    part = _layout.describe_plan(_layout.plan_from_blocks(blocks, (16, 3), 1))
     assert part.ranges == (((2, 4), (6, 8), (10, 12), (14, 16)), ((0, 3),))
     assert part.local_shape == (8, 3)
     assert (part.shard_index, part.shard_count) == (1, 2)
@@ -165,17 +163,15 @@ def test_a_layout_that_is_not_a_grid_is_reported():
     # Process 0 owns the diagonal of a 2 x 2 mesh: blocks (0, 0) and (1, 1), not a grid.
     mesh = _fake_mesh([(0, 0), (1, 1), (2, 1), (3, 0)], (2, 2), ("a", "b"))
     blocks = named_blocks(mesh, P("a", "b"), (4, 4))
-    owners = {d: d.process_index for d in blocks}
-    assert not _layout.plan_from_blocks(blocks, owners, (4, 4), 0).rectangular
+    assert not _layout.plan_from_blocks(blocks, (4, 4), 0).rectangular
 
 
 def test_replicas_across_processes_share_a_shard():
     # 'model' spans the two processes; a spec without it makes them one replica group.
     mesh = _fake_mesh([(i, i // 4) for i in range(8)], (2, 4), ("model", "data"))
     blocks = named_blocks(mesh, P("data"), (8, 2))
-    owners = {d: d.process_index for d in blocks}
     for p in (0, 1):
-        part = _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (8, 2), p))
+        part = _layout.describe_plan(_layout.plan_from_blocks(blocks, (8, 2), p))
         assert part.replicas == (0, 1)
         assert (part.shard_index, part.shard_count) == (0, 1)
         assert part.index == (slice(0, 8), slice(0, 2))

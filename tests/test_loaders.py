@@ -36,8 +36,7 @@ def batch_layouts(draw):
     spec = draw(mks.specs(mesh, 1))
     (global_batch,) = draw(mks.shapes_for(mesh, spec, 1, max_block=4))
     blocks = named_blocks(mesh, spec, (global_batch,))
-    owners = {d: d.process_index for d in blocks}
-    plans = [_layout.plan_from_blocks(blocks, owners, (global_batch,), p) for p in range(processes)]
+    plans = [_layout.plan_from_blocks(blocks, (global_batch,), p) for p in range(processes)]
     return [_layout.describe_plan(p) for p in plans], plans
 
 
@@ -107,10 +106,8 @@ def _two_process_parts(global_batch=8, replicas=False):
         shape=dict(zip(names, sizes, strict=True)),
     )
     blocks = named_blocks(mesh, P("data"), (global_batch,))
-    owners = {d: d.process_index for d in blocks}
     return [
-        _layout.describe_plan(_layout.plan_from_blocks(blocks, owners, (global_batch,), p))
-        for p in (0, 1)
+        _layout.describe_plan(_layout.plan_from_blocks(blocks, (global_batch,), p)) for p in (0, 1)
     ]
 
 

@@ -219,7 +219,20 @@ def _plan(address: str | None, num_processes: int | None, process_id: int | None
         _env.check_step(os.environ)  # a batch script without srun looks like no cluster to JAX
     if name is not None:
         return RuntimeInfo("cluster", f"JAX's {name} detector found its environment", cluster=name)
-    _warn_if_launcher_unrecognised()
+    for variable in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        raw = os.environ.get(variable, "")
+        if raw.isdigit() and int(raw) > 1:  # a launcher JAX does not detect
+            warnings.warn(
+                f"meshkit.init(): {variable}={raw} says this program runs as {raw} processes, but "
+                "no cluster JAX can join was detected, so this process runs alone (process 0 "
+                "of 1) and computes the whole program by itself.\n"
+                "Consider a launcher JAX detects (Open MPI's mpirun, SLURM's srun with "
+                "SLURM_JOB_ID and SLURM_STEP_NODELIST, meshkit launch), or pass "
+                "coordinator_address=, num_processes= and process_id= to meshkit.init().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            break
     return RuntimeInfo("single process", "no meshkit launch environment and no cluster detected")
 
 
@@ -237,23 +250,6 @@ def check_joined(what: str) -> None:
         "Consider calling meshkit.init() first in the program, before any other JAX or meshkit "
         "call."
     )
-
-
-def _warn_if_launcher_unrecognised() -> None:
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        raw = os.environ.get(name, "")
-        if raw.isdigit() and int(raw) > 1:
-            warnings.warn(
-                f"meshkit.init(): {name}={raw} says this program runs as {raw} processes, but "
-                "no cluster JAX can join was detected, so this process runs alone (process 0 "
-                "of 1) and computes the whole program by itself.\n"
-                "Consider a launcher JAX detects (Open MPI's mpirun, SLURM's srun with "
-                "SLURM_JOB_ID and SLURM_STEP_NODELIST, meshkit launch), or pass "
-                "coordinator_address=, num_processes= and process_id= to meshkit.init().",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return
 
 
 def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | None) -> None:
@@ -387,11 +383,9 @@ def init(
 def _join(
     plan: RuntimeInfo, cpu_devices: int | None, timeout: float, options: dict[str, Any]
 ) -> RuntimeInfo:
-    """Join as ``plan`` says, or adopt a join made before."""
-    client, joined_pid, joined_n = _compat.distributed_state()
-    if client is not None:  # joined elsewhere (the program, Ray, an engine): adopt the join
-        if joined_n > 1 and not _compat.backends_are_initialized():
-            _select_gloo()
+    """Join as ``plan`` says, or adopt a join made before; who joined is read back from JAX."""
+    started = _compat.backends_are_initialized()
+    if _compat.distributed_state()[0] is not None:  # joined elsewhere (the program, Ray, an engine)
         if options:
             warnings.warn(
                 f"meshkit.init(): {', '.join(sorted(options))} not applied: the processes joined "
@@ -399,29 +393,32 @@ def _join(
                 "jax.distributed.initialize() call.",
                 stacklevel=4,
             )
-        return dataclasses.replace(
-            plan,
-            source="jax.distributed",
-            reason="jax.distributed.initialize() was called before meshkit.init()",
-            num_processes=joined_n,
-            process_id=joined_pid,
-            cpu_devices=cpu_devices,
-            cpu_collectives=_collectives() if joined_n > 1 else None,
+        reason = "jax.distributed.initialize() was called before meshkit.init()"
+        plan = dataclasses.replace(plan, source="jax.distributed", reason=reason)
+    else:
+        joins = plan.source != "single process" and (
+            plan.num_processes > 1 or plan.source == "cluster"
         )
+        if started and joins:
+            what = f"join a multi-process program ({plan.reason})"
+            raise MeshkitError(_BACKENDS_STARTED.format(what=what))
+        if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
+            raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
+        if cpu_devices is not None and not started:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        if not joins:
+            return dataclasses.replace(plan, cpu_devices=cpu_devices)
+        plan = _initialize(plan, timeout, options)
+    _, pid, n = _compat.distributed_state()
+    collectives = (_collectives() if started else _select_gloo()) if n > 1 else None
+    return dataclasses.replace(
+        plan, num_processes=n, process_id=pid, cpu_devices=cpu_devices, cpu_collectives=collectives
+    )
 
-    started = _compat.backends_are_initialized()
-    joins = plan.source != "single process" and (plan.num_processes > 1 or plan.source == "cluster")
-    if started and joins:
-        what = f"join a multi-process program ({plan.reason})"
-        raise MeshkitError(_BACKENDS_STARTED.format(what=what))
-    if started and cpu_devices is not None and _local_cpu_count() != cpu_devices:
-        raise MeshkitError(_BACKENDS_STARTED.format(what=f"set {cpu_devices} CPU devices"))
-    if cpu_devices is not None and not started:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-    if not joins:
-        return dataclasses.replace(plan, cpu_devices=cpu_devices)
 
-    collectives = _select_gloo()
+def _initialize(plan: RuntimeInfo, timeout: float, options: dict[str, Any]) -> RuntimeInfo:
+    """``jax.distributed.initialize`` as ``plan`` says, its coordinator checked first."""
+    _select_gloo()
     _events.mark("joining", plan.process_id)  # for `meshkit launch`, which shows who waits
     init_timeout = max(1, math.ceil(timeout))
     ids = list(plan.local_device_ids) if plan.local_device_ids is not None else None
@@ -442,14 +439,11 @@ def _join(
     jax.distributed.initialize(
         *given, local_device_ids=ids, initialization_timeout=init_timeout, **options
     )
-    if cluster:
-        _, pid, n = _compat.distributed_state()
-    _events.mark("joined", pid)
+    _events.mark("joined", _compat.distributed_state()[1])
+    shown = None if shown is None else tuple(shown)
     return dataclasses.replace(
-        plan, reason=reason, num_processes=n, process_id=pid, coordinator_address=address,
-        local_device_ids=None if shown is None else tuple(shown), cpu_devices=cpu_devices,
-        cpu_collectives=collectives,
-    )  # fmt: skip
+        plan, reason=reason, coordinator_address=address, local_device_ids=shown
+    )
 
 
 def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:

@@ -85,15 +85,11 @@ class Facts:
     XLA_FLAGS: str
     program: str
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Facts:
-        return cls(**json.loads(text))
-
     def fields(self) -> dict[str, str]:
-        """Every compared value by its name in messages (a setting under its flag's name)."""
+        """Every compared value by its name in messages (a setting under its flag's name).
+
+        The record the processes exchange, as JSON.
+        """
         flat = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
         del flat["settings"]
         return {**flat, **self.settings}
@@ -146,7 +142,7 @@ def preflight(me: int, n: int, timeout: float) -> None:
     """Compare this process's `Facts` with the others' (one exchange), once joined."""
     if n == 1 or not _env.flag(ENV_PREFLIGHT, where="meshkit.init()", blank=True):
         return
-    mine = facts().to_json()
+    mine = json.dumps(facts().fields(), sort_keys=True)
     outcome = _agree.check(
         _PREFLIGHT_TAG, mine, mine, timeout=timeout, what="the preflight of meshkit.init"
     )
@@ -161,33 +157,27 @@ def preflight(me: int, n: int, timeout: float) -> None:
             processes=list(outcome.missing),
             field="arrival",
         )
-    records = {p: Facts.from_json(r) for p, r in outcome.records.items()}
-    found = _missing.differences({p: f.fields().items() for p, f in records.items()})
+    records = {p: json.loads(r) for p, r in outcome.records.items()}
+    found = _missing.differences({p: r.items() for p, r in records.items()})
     errors = [(name, values) for name, values in found if name not in WARN_ONLY]
     for name, values in found:
         if name in WARN_ONLY:
-            warnings.warn(_warning(name, values), stacklevel=3)
+            what = "main program file" if name == "program" else "XLA_FLAGS"
+            warnings.warn(
+                f"meshkit.init(): the processes run different {what}s ({_missing.listed(values)}"
+                f"{' by SHA-256' if name == 'program' else ''}). That may be on purpose; if not, "
+                "consider how each host got its copy of the program.",
+                stacklevel=3,
+            )
     if errors:
         suspects = sorted({p for _, v in errors for p in _missing.outside_majority(v.values())})
-        compared = {name for record in records.values() for name in record.settings}
-        message = _message(errors, suspects, compared)
-        raise DivergenceError(message, processes=suspects, field=errors[0][0])
+        raise DivergenceError(_message(errors, suspects), processes=suspects, field=errors[0][0])
 
 
-def _warning(name: str, values: _missing.Groups) -> str:
-    what = "main program file" if name == "program" else "XLA_FLAGS"
-    return (
-        f"meshkit.init(): the processes run different {what}s ({_missing.listed(values)}"
-        f"{' by SHA-256' if name == 'program' else ''}). That may be on purpose; if not, "
-        "consider how each host got its copy of the program."
-    )
-
-
-def _message(
-    errors: list[tuple[str, _missing.Groups]], suspects: list[int], compared: set[str]
-) -> str:
+def _message(errors: list[tuple[str, _missing.Groups]], suspects: list[int]) -> str:
     rows = "\n".join(f"  {name}: {_missing.listed(values)}" for name, values in errors)
-    named = [name for name, _ in errors if name in compared]
+    own = {f.name for f in dataclasses.fields(Facts)}
+    named = [name for name, _ in errors if name not in own]  # settings, by their flags' names
     advice = (
         f"consider how {_missing.processes(suspects)} set{'s' if len(suspects) == 1 else ''} "
         f"{', '.join(named)} (a jax.config.update or JAX_* environment variable on one host)"

@@ -57,11 +57,10 @@ def block_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     return tuple(math.prod(sizes[a] for a in axes) for axes in dim_axes(sharding.spec, ndim))
 
 
-def plan_from_blocks(
-    blocks: dict[Any, Block], owners: dict[Any, int], shape: Sequence[int], process: int
-) -> Plan:
+def plan_from_blocks(blocks: dict[Any, Block], shape: Sequence[int], process: int) -> Plan:
     """Lay out ``process``'s blocks into its local array, in ``blocks``' (JAX's) device order."""
     shape = tuple(int(s) for s in shape)
+    owners = {d: int(d.process_index) for d in blocks}
     mine = [(d, b) for d, b in blocks.items() if owners[d] == process]
     intervals = tuple(tuple(sorted({b[i] for _, b in mine})) for i in range(len(shape)))
     # Per dimension, where each interval starts in the local array.
@@ -79,15 +78,10 @@ def plan_from_blocks(
             Placement(device, tuple(slice(*iv) for iv in block), local, block not in seen)
         )
         seen.add(block)
+    local_shape = tuple(sum(b - a for a, b in ivs) for ivs in intervals)
+    rectangular = len(seen) == math.prod(map(len, intervals))
     return Plan(
-        process,
-        shape,
-        tuple(sum(b - a for a, b in ivs) for ivs in intervals),
-        intervals,
-        tuple(placements),
-        len(seen) == math.prod(map(len, intervals)),  # rectangular
-        blocks,
-        owners,
+        process, shape, local_shape, intervals, tuple(placements), rectangular, blocks, owners
     )
 
 
@@ -97,8 +91,7 @@ def plan(sharding: jax.sharding.Sharding, shape: tuple[int, ...], process: int) 
         d: tuple(i.indices(n)[:2] for i, n in zip(at, shape, strict=True))
         for d, at in sharding.devices_indices_map(tuple(shape)).items()
     }
-    owners = {d: int(d.process_index) for d in blocks}
-    return plan_from_blocks(blocks, owners, shape, process)
+    return plan_from_blocks(blocks, shape, process)
 
 
 @dataclass(frozen=True, eq=False)

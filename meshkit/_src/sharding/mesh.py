@@ -38,21 +38,15 @@ def _axis_type(value: Any, where: str) -> AxisType:
 
 def parse_axes(axes: Any) -> list[tuple[str, int]]:
     """Validate ``axes`` (mapping or (name, size) pairs); sizes may still hold one -1."""
-    if isinstance(axes, Mapping):
-        items = list(axes.items())
-    elif isinstance(axes, Iterable) and not isinstance(axes, str | bytes):
-        items = list(axes)
-        for item in items:
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise MeshkitError(
-                    "meshkit.make_mesh: axes must be a mapping name -> size (outermost first), "
-                    f"e.g. {{'data': -1, 'model': 4}}, or a sequence of (name, size) pairs; "
-                    f"got the element {item!r}."
-                )
-    else:
+    mapping = isinstance(axes, Mapping)
+    pairs = not mapping and isinstance(axes, Iterable) and not isinstance(axes, str | bytes)
+    items: list[Any] = list(axes.items()) if mapping else list(axes) if pairs else []
+    odd = [x for x in items if not (isinstance(x, tuple | list) and len(x) == 2)]
+    if odd or not (mapping or pairs):
         raise MeshkitError(
             "meshkit.make_mesh: axes must be a mapping name -> size (outermost first), "
-            f"e.g. {{'data': -1, 'model': 4}}; got {type(axes).__name__} {axes!r}."
+            "e.g. {'data': -1, 'model': 4}, or a sequence of (name, size) pairs; got "
+            + (f"the element {odd[0]!r}." if odd else f"{type(axes).__name__} {axes!r}.")
         )
     if not items:
         raise MeshkitError(
@@ -151,19 +145,6 @@ def _factors(
     return tuple(factors) if remaining == 1 else None
 
 
-def _groups(
-    procs: Sequence[int], host_of: Sequence[int] | Mapping[int, Any] | None
-) -> list[list[int]]:
-    """The processes grouped by host (in order); one per process if hosts are unknown or unequal."""
-    if host_of is not None:
-        hosts: dict[Any, list[int]] = {}
-        for p in procs:
-            hosts.setdefault(host_of[p], []).append(p)
-        if len({len(g) for g in hosts.values()}) == 1:
-            return list(hosts.values())
-    return [[p] for p in procs]
-
-
 def domains(devices: Sequence[Any], hosts: _hosts.Hosts | None) -> dict[int, Any] | None:
     """Each process's fast domain, its TPU slice (multi-slice) or its host; None: neither known."""
     slices = {int(d.process_index): getattr(d, "slice_index", None) for d in devices}
@@ -206,7 +187,14 @@ def order_devices(
             "which needs the same number from each.\n"
             "Consider passing devices= with the same number of devices from every process."
         )
-    groups = _groups(sorted(by_process), host_of)
+    # The processes grouped by host, in order; one per process if hosts are unknown or unequal.
+    groups = [[p] for p in sorted(by_process)]
+    if host_of is not None:
+        hosts: dict[Any, list[int]] = {}
+        for p in sorted(by_process):
+            hosts.setdefault(host_of[p], []).append(p)
+        if len({len(g) for g in hosts.values()}) == 1:
+            groups = list(hosts.values())
     n_hosts, per_host, per_process = len(groups), len(groups[0]), len(by_process[groups[0][0]])
     h = _factors(sizes, n_hosts, across)
     if h is None:
@@ -223,9 +211,7 @@ def order_devices(
     assert q is not None  # prod(inner) == per_host * per_process
     local = tuple(s // f for s, f in zip(inner, q, strict=True))
     grid = np.empty((n_hosts, per_host, per_process), dtype=object)
-    for i, group in enumerate(groups):
-        for j, p in enumerate(group):
-            grid[i, j, :] = by_process[p]
+    grid[...] = [[by_process[p] for p in group] for group in groups]
     k = len(sizes)
     # (hosts, processes, devices) -> (h_0..h_k-1, q_0..q_k-1, l_0..l_k-1)
     # -> (h_0, q_0, l_0, h_1, q_1, l_1, ...) -> sizes
@@ -235,10 +221,8 @@ def order_devices(
 
 
 def axis_types_of(axis_types: Any, names: Sequence[str]) -> tuple[AxisType, ...]:
-    if axis_types is None:
-        return (AxisType.Auto,) * len(names)
-    if isinstance(axis_types, AxisType | str):
-        return (_axis_type(axis_types, ""),) * len(names)
+    if axis_types is None or isinstance(axis_types, AxisType | str):
+        return (_axis_type(AxisType.Auto if axis_types is None else axis_types, ""),) * len(names)
     if isinstance(axis_types, Mapping):
         unknown = set(axis_types) - set(names)
         if unknown:

@@ -327,17 +327,20 @@ def has_mapping(specs: Any) -> bool:
     return any(isinstance(x, Mapping) for x in nodes)
 
 
-def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument") -> Any:
+def align_specs(
+    specs: Any, tree: Any, *, where: str, noun: str = "the argument", back: bool = False
+) -> Any:
     """``specs`` rebuilt in ``tree``'s node types, so JAX takes it as a prefix of ``tree``.
 
-    ``where`` names ``specs`` and ``noun`` the tree in a `SpecTreeError`'s one line.
+    With ``back``, ``tree`` rebuilt in ``specs``' node types down to its spec leaves instead
+    (which undoes it). ``where`` names ``specs`` and ``noun`` the tree in a `SpecTreeError`.
     """
     if is_spec_leaf(specs):
-        return specs
+        return tree if back else specs
     spec_children, spec_def = one_level(specs)
     keyed = isinstance(specs, Mapping)
-    if not keyed and is_leaf_def(spec_def):
-        return specs  # not a spec: the checks of spec leaves name it
+    if is_leaf_def(spec_def) and (back or not keyed):
+        return tree if back else specs  # not a spec: the checks of spec leaves name it
     children, treedef = one_level(tree)
     is_node = tree is not None and not is_leaf_def(treedef)
     keys = [k.key for k, _ in children if isinstance(k, DictKey)]  # of a dict-like node
@@ -354,27 +357,16 @@ def align_specs(specs: Any, tree: Any, *, where: str, noun: str = "the argument"
                 f"{where}: the spec is {describe_node(specs)} but {noun} is "
                 f"{describe_node(tree, keys)}: {'; '.join(parts)}"
             )
-        spec_children = [(key, specs[key.key]) for key, _ in children]
-    aligned = [
-        align_specs(s, child, where=f"{where}{jax.tree_util.keystr((key,))}", noun=noun)
-        for (key, s), (_, child) in zip(spec_children, children, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, aligned)
-
-
-def to_spec_types(specs: Any, tree: Any) -> Any:
-    """``tree`` rebuilt in ``specs``' node types down to its spec leaves (undoes `align_specs`)."""
-    if is_spec_leaf(specs):
-        return tree
-    spec_children, spec_def = one_level(specs)
-    if is_leaf_def(spec_def):
-        return tree
-    children, _ = one_level(tree)
-    if isinstance(specs, Mapping):
-        by_key = {k.key: child for k, child in children}
-        rebuilt = [to_spec_types(s, by_key[k.key]) for k, s in spec_children]
+        by_key = {k.key: c for k, c in children}  # back: in the spec's order of keys
+        pairs = (
+            [(k, s, by_key[k.key]) for k, s in spec_children]
+            if back
+            else [(k, specs[k.key], c) for k, c in children]
+        )
     else:
-        rebuilt = [
-            to_spec_types(s, c) for (_, s), (_, c) in zip(spec_children, children, strict=True)
-        ]
-    return jax.tree_util.tree_unflatten(spec_def, rebuilt)
+        pairs = [(k, s, c) for (k, s), (_, c) in zip(spec_children, children, strict=True)]
+    aligned = [
+        align_specs(s, c, where=f"{where}{jax.tree_util.keystr((k,))}", noun=noun, back=back)
+        for k, s, c in pairs
+    ]
+    return jax.tree_util.tree_unflatten(spec_def if back else treedef, aligned)

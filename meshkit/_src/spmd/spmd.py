@@ -39,7 +39,6 @@ from ..sharding.specs import (
     parse_spec,
     plain_specs,
     spec_axes,
-    to_spec_types,
 )
 from . import placement as _placement
 from .placement import Placed, argnums, dynamic
@@ -265,8 +264,9 @@ class SpmdFunction:
                 return out
             treedef = jax.tree_util.tree_structure(out)
             order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-            back[:] = [treedef, jax.tree_util.tree_leaves(to_spec_types(self.out_specs, order))]
-            return to_spec_types(self.out_specs, out)
+            order = align_specs(self.out_specs, order, where=where, back=True)
+            back[:] = [treedef, jax.tree_util.tree_leaves(order)]
+            return align_specs(self.out_specs, out, where=where, back=True)
 
         result = jax.shard_map(
             per_device,
