@@ -9,6 +9,7 @@ arrays and a rank killed mid-save are in test_checkpoint_multiprocess.py.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import MeshkitError
-from meshkit._src.checkpoint.restore_plan import SavedArray, describe_mesh, plan
+from meshkit._src.checkpoint.restore_plan import describe_mesh, plan_targets
 from meshkit._src.sharding.specs import layout_problem
 from meshkit.testing import strategies as mks
 
@@ -303,14 +304,16 @@ def test_layout_rules_are_jaxs(data):
     spec = data.draw(any_specs(mesh, ndim))
     found = layout_problem(shape, spec, dict(mesh.shape))
     assert (found is None) == _jax_accepts(shape, mesh, spec), (shape, spec, mesh.shape, found)
-    leaf = SavedArray("['a']['b']", shape, "float32", spec, on_device=True)
+    # A leaf of orbax's metadata: its sharding's partition_spec (here one JAX would refuse).
+    saved = SimpleNamespace(partition_spec=tuple(spec))
+    tree = {"a": {"b": SimpleNamespace(shape=shape, dtype=np.float32, sharding=saved)}}
     if found is None:
-        assert plan([leaf], [None], dict(mesh.shape), "f") == [spec]
+        assert plan_targets(tree, mesh, None, "f")[0]["a"]["b"].sharding.spec == spec
         return
     rule, fix = found
     assert fix.startswith("Consider ")
     with pytest.raises(MeshkitError) as info:
-        plan([leaf], [None], dict(mesh.shape), "f")
+        plan_targets(tree, mesh, None, "f")
     text = str(info.value)
     assert f"array ['a']['b'] (saved shape {shape}, float32)" in text
     assert describe_mesh(dict(mesh.shape)) in text

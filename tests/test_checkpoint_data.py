@@ -209,7 +209,7 @@ def test_saving_the_position_costs_under_a_millisecond_and_a_kibibyte(tmp_path):
     calls = 200
     started = time.thread_time()
     for _ in range(calls):
-        _, shared = _data.share(batches, tmp_path, None, "save")
+        shared = _data.share(batches, tmp_path, "save")
         _ = shared.entry
         _ = shared.metadata()
     assert (time.thread_time() - started) / calls < 1e-3

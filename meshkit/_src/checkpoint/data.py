@@ -16,6 +16,7 @@ from typing import Any
 from ..coord import agree as _agree
 from ..core import compat as _compat
 from ..core.data_position import DataPosition
+from ..core.errors import MeshkitError
 
 KEY = "meshkit"  # custom metadata: {"meshkit": {"data_position": DataPosition.to_dict()}}
 _POSITION = "data_position"
@@ -23,40 +24,6 @@ DATA_FIX = (
     "Consider data= the iterator that fed the step being saved, saved after the same step on "
     "every process (each process's position then says the same)."
 )
-
-
-def position_of(data: Any, what: str) -> tuple[DataPosition | None, str | None]:
-    """``data``'s position (a `DataPosition`, or what ``data.position()`` gives), or the problem."""
-    if data is None:
-        return None, None
-    position = data
-    if not isinstance(data, DataPosition):
-        method = getattr(data, "position", None)
-        position = method() if callable(method) else None
-    if not isinstance(position, DataPosition):
-        return None, (
-            f"{what}: data must be a meshkit.GlobalBatches (its position() is saved) or a "
-            f"meshkit.DataPosition; got {type(data).__name__}.\n"
-            "Consider data=batches, the meshkit.global_batches iterator that fed this step."
-        )
-    me = _compat.distributed_state()[1]
-    if position.states is not None:
-        state = position.states.get(me)
-        if state is None:
-            return None, (
-                f"{what}: data= holds per-process states of processes {sorted(position.states)}"
-                f", none of this process ({me}).\nConsider data=batches, the iterator itself."
-            )
-        unsavable = json.loads(state).get("unsavable")
-        if unsavable is not None:
-            return None, (
-                f"{what}: data='s source keeps a state of type {unsavable} (its get_state()), "
-                "which is neither bytes nor JSON values: it cannot go into a checkpoint's "
-                "metadata.\nConsider a source whose get_state() gives bytes or JSON values (a "
-                "grain DataLoader or IterDataset iterator), or meshkit.loaders.grain_batches / "
-                "hf_batches."
-            )
-    return position, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +57,46 @@ class Shared:
         return {"custom_metadata": {KEY: {_POSITION: position.to_dict()}}}
 
 
-def share(data: Any, where: Path, problem: str | None, what: str) -> tuple[str | None, Shared]:
-    """The save's problem, and ``data``'s position; other processes post their state for 0."""
-    position, mine = position_of(data, what)
-    problem = problem or mine
+def share(data: Any, where: Path, what: str) -> Shared:
+    """``data``'s position (a `DataPosition` or ``data.position()``); others post their state."""
+    if data is None:
+        return Shared()
+    position = data
+    if not isinstance(data, DataPosition):
+        method = getattr(data, "position", None)
+        position = method() if callable(method) else None
+    if not isinstance(position, DataPosition):
+        raise MeshkitError(
+            f"{what}: data must be a meshkit.GlobalBatches (its position() is saved) or a "
+            f"meshkit.DataPosition; got {type(data).__name__}.\n"
+            "Consider data=batches, the meshkit.global_batches iterator that fed this step."
+        )
+    if position.states is None:
+        return Shared(position)
+    me = _compat.distributed_state()[1]
+    state = position.states.get(me)
+    if state is None:
+        raise MeshkitError(
+            f"{what}: data= holds per-process states of processes {sorted(position.states)}"
+            f", none of this process ({me}).\nConsider data=batches, the iterator itself."
+        )
+    unsavable = json.loads(state).get("unsavable")
+    if unsavable is not None:
+        raise MeshkitError(
+            f"{what}: data='s source keeps a state of type {unsavable} (its get_state()), "
+            "which is neither bytes nor JSON values: it cannot go into a checkpoint's "
+            "metadata.\nConsider a source whose get_state() gives bytes or JSON values (a "
+            "grain DataLoader or IterDataset iterator), or meshkit.loaders.grain_batches / "
+            "hf_batches."
+        )
     node = _agree.node()
-    if problem is not None or position is None or position.states is None or node is None:
-        return problem, Shared(position)
+    if node is None:
+        return Shared(position)
     digest = hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
     prefix = f"meshkit/checkpoint/data/{digest}/"
-    if node.me != 0:  # process 0 has its own
-        node.service.set(prefix + str(node.me), position.states[node.me], overwrite=True)
-    return None, Shared(position, prefix)
+    if me != 0:  # process 0 has its own
+        node.service.set(prefix + str(me), state, overwrite=True)
+    return Shared(position, prefix)
 
 
 def from_metadata(custom: Any) -> Any:

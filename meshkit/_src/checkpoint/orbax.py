@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import numbers
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,11 @@ from ..core import events as _events
 from ..core.data_position import DataPosition
 from ..core.errors import MeshkitError
 from ..core.frames import public
-from ..core.trees import broadcast_prefix, prefix_mismatch
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import stragglers as _stragglers
-from ..sharding.specs import is_spec_leaf
 from . import data as _data
 from . import steps as _steps
-from .restore_plan import SavedArray, arrange_like, describe_mesh, plan, saved_spec
+from .restore_plan import arrange_like, plan_targets
 
 # orbax's name for a checkpoint directory being written (renamed away when the save commits).
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -66,16 +66,15 @@ def _digest(value: Any) -> str:
     return h.hexdigest()
 
 
-def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
-    """The first leaf's problem for saving (None: none), and the tree's entries in the agreement."""
+def _tree_entries(tree: Any, what: str) -> list[Any]:
+    """The tree's entries in the agreement; a `MeshkitError` at the first leaf not savable."""
     if isinstance(tree, jax.Array | np.ndarray | numbers.Number):
-        return (
+        raise MeshkitError(
             f"{what}: expected a pytree of arrays (a dict, list, dataclass ...); got a single "
-            f"{type(tree).__name__}.\nConsider saving {{'x': x}}.",
-            [],
+            f"{type(tree).__name__}.\nConsider saving {{'x': x}}."
         )
     n = _compat.distributed_state()[2]
-    entries: list[Any] = []  # up to the first problem: a process with one raises its own
+    entries: list[Any] = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"the leaf {jax.tree_util.keystr(path)}"
         if isinstance(leaf, jax.Array):
@@ -85,34 +84,44 @@ def _tree_problems(tree: Any, what: str) -> tuple[str | None, list[Any]]:
             entries.append([where, "array", text])
             if n > 1 and leaf.is_fully_addressable:
                 count = len(leaf.sharding.device_set)
-                return _PROCESS_LOCAL.format(
-                    what=what, where=where, shape=leaf.shape, count=count,
-                    s="s" if count != 1 else "", n=n,
-                ), entries  # fmt: skip
+                s = "s" if count != 1 else ""
+                raise MeshkitError(
+                    _PROCESS_LOCAL.format(
+                        what=what, where=where, shape=leaf.shape, count=count, s=s, n=n
+                    )
+                )
         elif isinstance(leaf, numbers.Number) or hasattr(leaf, "__array__"):
             host = np.asarray(leaf)
             text = f"a host value of shape {host.shape}, {host.dtype}"
             if not (jax.numpy.issubdtype(host.dtype, jax.numpy.number) or host.dtype == np.bool_):
-                return (
+                raise MeshkitError(
                     f"{what}: {where} is an array of dtype {host.dtype}; a checkpoint holds "
                     "numbers (bool, int, float, complex).\nConsider saving it elsewhere (a JSON "
                     "file beside the checkpoint)."
-                ), entries
+                )
             entries.append([where, "host", f"{text}, contents digest {_digest(host)}"])
         else:
-            return (
+            raise MeshkitError(
                 f"{what}: {where} is a {type(leaf).__name__}; a checkpoint holds jax.Array s, "
                 "numpy arrays and numbers.\nConsider saving it elsewhere (a JSON file beside the "
                 "checkpoint), or converting it to an array."
-            ), entries
-    return None, entries
+            )
+    return entries
 
 
-def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doing: str) -> None:
-    """Agree on ``entries`` (``[where, kind, words]``) and ``problem``; raise it on every process.
+@contextlib.contextmanager
+def _agreement(what: str, tag: str, doing: str) -> Iterator[list[Any]]:
+    """Agree on the block's entries and `MeshkitError`; raise any process's on every process.
 
-    One barrier, before orbax is called, so that no process is left waiting inside orbax.
+    Entries are ``[where, kind, words]``. One barrier, before orbax is called, so that no process
+    is left waiting inside orbax.
     """
+    entries: list[Any] = []
+    problem = None
+    try:
+        yield entries
+    except MeshkitError as e:
+        problem = str(e)
     if _compat.distributed_state()[2] > 1:
         mine = json.dumps({"entries": entries, "problem": problem}, sort_keys=True)
         timeout = _env.check_timeout()
@@ -129,7 +138,7 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
                 f"{what}: {gone}.\nEvery process must {doing}, in the same order.\n"
                 f"Consider looking at those processes' output; {_env.ENV_CHECK_TIMEOUT} sets the "
                 "wait."
-            )
+            ) from None
         if not outcome.agreed and problem is None:  # a process with a problem raises its own
             records = {p: json.loads(v) for p, v in sorted(outcome.records.items())}
             for p, record in records.items():
@@ -138,8 +147,8 @@ def _agree_on(what: str, tag: str, entries: list[Any], problem: str | None, doin
                         f"{what}: process {p} refused the call:\n{record['problem']}"
                     )
             raise MeshkitError(_difference(what, records, doing))
-    if problem is not None:
-        raise MeshkitError(problem)
+    if problem is not None:  # raised afresh, as on the other processes
+        raise MeshkitError(problem) from None
 
 
 _SHARED_VALUES = (
@@ -190,8 +199,8 @@ def check_savable(tree: Any) -> None:
         >>> meshkit.checkpoint.check_savable({"w": meshkit.replicate(np.ones(3)), "step": 1})
     """
     what = "meshkit.checkpoint.check_savable"
-    problem, entries = _tree_problems(tree, what)
-    _agree_on(what, "checkpoint/check", entries, problem, "save the same tree")
+    with _agreement(what, "checkpoint/check", "save the same tree") as entries:
+        entries += _tree_entries(tree, what)
 
 
 @public
@@ -224,20 +233,20 @@ def save(
     ocp = _import_orbax(what)
     since = _stragglers.clock()
     where = _steps.abs_path(path, what)
-    problem, entries = _tree_problems(tree, what)
-    if problem is None and where.exists():
-        problem = (
-            f"{what}: {where} exists already; a checkpoint goes to a new directory, so that an "
-            "earlier one is never overwritten by a save that may not finish.\n"
-            "Consider one directory per step (f'{root}/step_{step}'), or orbax's "
-            "CheckpointManager, which numbers the steps and keeps the last few."
-        )
-    if problem is None and keep is not None:
-        problem = _steps.keep_problem(where, keep, what)
-    problem, shared = _data.share(data, where, problem, what)
-    head = [["the directory", "path", str(where)], ["keep=", "keep", str(keep)]]
-    entries.append(shared.entry)  # the data position's common part, compared with the rest
-    _agree_on(what, "checkpoint/save", [*head, *entries], problem, "save the same tree")
+    with _agreement(what, "checkpoint/save", "save the same tree") as entries:
+        entries += [["the directory", "path", str(where)], ["keep=", "keep", str(keep)]]
+        entries += _tree_entries(tree, what)
+        if where.exists():
+            raise MeshkitError(
+                f"{what}: {where} exists already; a checkpoint goes to a new directory, so that "
+                "an earlier one is never overwritten by a save that may not finish.\n"
+                "Consider one directory per step (f'{root}/step_{step}'), or orbax's "
+                "CheckpointManager, which numbers the steps and keeps the last few."
+            )
+        if keep is not None:
+            _steps.check_keep(where, keep, what)
+        shared = _data.share(data, where, what)
+        entries.append(shared.entry)  # the data position's common part, compared with the rest
     with _preemption.saving(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(where, tree, **shared.metadata())  # a preemption deadline waits
         checkpointer.wait_until_finished()
@@ -248,10 +257,10 @@ def save(
     _preemption.saved(step)  # after a preemption sync point: SystemExit(143)
 
 
-def _unreadable(where: Path, what: str) -> str | None:
-    """Why ``where`` holds no complete checkpoint of orbax's StandardCheckpointer; None: it does."""
+def _check_complete(where: Path, what: str) -> None:
+    """A `MeshkitError` unless ``where`` holds a complete StandardCheckpointer checkpoint."""
     if _TMP_MARK in where.name:
-        return (
+        raise MeshkitError(
             f"{what}: {where} is a checkpoint that was never completed (orbax's temporary "
             "directory: a save whose process failed, or one still being written).\n"
             f"Consider the last complete checkpoint beside it (a directory without "
@@ -263,7 +272,7 @@ def _unreadable(where: Path, what: str) -> str | None:
             missing = missing.parent  # the first part of the path that is not there
         tmp = sorted(p.name for p in missing.parent.glob(missing.name + _TMP_MARK + "*"))
         why = f"; only {tmp[0]!r} is there, a save of it that never completed" if tmp else ""
-        return (
+        raise MeshkitError(
             f"{what}: there is no checkpoint at {where}{why}.\n"
             "Consider the path given to save (orbax's CheckpointManager: "
             "manager.directory / str(step) / 'default', or targets(manager.item_metadata(step)))."
@@ -275,73 +284,10 @@ def _unreadable(where: Path, what: str) -> str | None:
             if items
             else "Consider the directory given to meshkit.checkpoint.save or to orbax's save."
         )
-        return (
+        raise MeshkitError(
             f"{what}: {where} is not a checkpoint of orbax's StandardCheckpointer (it has no "
             f"_METADATA file).\n{hint}"
         )
-    return None
-
-
-def _plan_targets(source: Any, mesh: Any, specs: Any, what: str) -> tuple[Any, str | None, list]:
-    """The restore targets for ``source`` (a metadata or abstract tree), or the problem."""
-    if not isinstance(mesh, Mesh):
-        problem = f"{what}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.\n"
-        return None, problem + "Consider meshkit.make_mesh({...}).", []
-    flat, treedef = jax.tree_util.tree_flatten_with_path(source)
-    saved: list[SavedArray] = []  # each leaf of a metadata tree (or an abstract tree)
-    for path, leaf in flat:
-        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            problem = (
-                f"{what}: the checkpoint's leaf {jax.tree_util.keystr(path)} is a "
-                f"{type(leaf).__name__}, not an array; meshkit restores arrays and numbers.\n"
-                "Consider orbax's own restore for this checkpoint."
-            )
-            return None, problem, []
-        sharding = getattr(leaf, "sharding", None)
-        # orbax's ArrayMetadata has sharding metadata for a saved jax.Array, none for numpy's.
-        on_device = isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is not None
-        scalar = type(leaf).__name__ == "ScalarMetadata"
-        shape, dtype = tuple(int(n) for n in shape), str(np.dtype(dtype))
-        spec = saved_spec(sharding)
-        saved.append(SavedArray(jax.tree_util.keystr(path), shape, dtype, spec, on_device, scalar))
-    found = prefix_mismatch(specs, source, is_leaf=is_spec_leaf)
-    if found is not None:
-        at, has, full = found
-        problem = (
-            f"{what}: specs is not a prefix of the checkpoint's tree: at {at or 'the top'} "
-            f"specs has {has}, the checkpoint {full}.\n"
-            "Consider one spec for every array, or a pytree of specs with the checkpoint's "
-            "keys (None for an array that keeps the spec it was saved with)."
-        )
-        return None, problem, []
-    chosen = broadcast_prefix(specs, source, is_leaf=is_spec_leaf)
-    entries = [
-        [f"the array {s.path}", "target", f"shape {s.shape}, {s.dtype}, restored with {c}"]
-        for s, c in zip(saved, chosen, strict=True)
-    ]
-    try:
-        partitions = plan(saved, chosen, dict(mesh.shape), what)
-    except MeshkitError as e:  # classified: raised on every process after they agree
-        return None, str(e), entries
-    processes = {d.process_index for d in mesh.devices.flat}
-    left_out = [str(p) for p in range(jax.process_count()) if p not in processes]
-    if left_out and any(p is not None for p in partitions):
-        problem = (
-            f"{what}: the mesh {describe_mesh(dict(mesh.shape))} has no device of process"
-            f"{'es' if len(left_out) > 1 else ''} {', '.join(left_out)}, in a program of "
-            f"{jax.process_count()} processes. Each process restores the blocks its devices hold, "
-            "so a process outside the mesh has nowhere to put its part (orbax fails there "
-            "alone).\nConsider a mesh over every process's devices (meshkit.make_mesh)."
-        )
-        return None, problem, entries
-    out = []
-    for s, p in zip(saved, partitions, strict=True):
-        if p is None:
-            out.append(np.dtype(s.dtype).type(0).item() if s.scalar else np.zeros(s.shape, s.dtype))
-        else:
-            out.append(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)))
-    return jax.tree_util.tree_unflatten(treedef, out), None, entries
 
 
 @public
@@ -375,27 +321,22 @@ def targets(source: Any, mesh: Mesh, specs: Any = None) -> Any:
 
 
 def _targets(source: Any, mesh: Any, specs: Any, what: str, like: Any = None) -> Any:
-    where: Path | None = None
-    problem: str | None = None
-    tree = None
-    entries: list[Any] = []
-    if isinstance(source, str | os.PathLike):
-        ocp = _import_orbax(what)
-        where = _steps.abs_path(source, what)
-        problem = _unreadable(where, what)
-        if problem is None:
+    with _agreement(what, "checkpoint/restore", "restore the same way") as entries:
+        if isinstance(source, str | os.PathLike):
+            where = _steps.abs_path(source, what)
+            entries.append(["the directory", "path", str(where)])
+            ocp = _import_orbax(what)
+            _check_complete(where, what)
             with ocp.StandardCheckpointer() as checkpointer:
                 source = checkpointer.metadata(where)
-    source = getattr(source, "item_metadata", source)  # orbax's StepMetadata holds a tree
-    if hasattr(source, "tree") and hasattr(source, "custom_metadata"):  # orbax's TreeMetadata
-        source = source.tree
-    if problem is None:
-        tree, problem, entries = _plan_targets(source, mesh, specs, what)
-    if problem is None and like is not None:
-        tree, problem = arrange_like(tree, like, what)
-        entries.append(["like=", "structure", str(jax.tree_util.tree_structure(like))])
-    head = [["the directory", "path", str(where)]] if where is not None else []
-    _agree_on(what, "checkpoint/restore", [*head, *entries], problem, "restore the same way")
+        source = getattr(source, "item_metadata", source)  # orbax's StepMetadata holds a tree
+        if hasattr(source, "tree") and hasattr(source, "custom_metadata"):  # orbax's TreeMetadata
+            source = source.tree
+        tree, found = plan_targets(source, mesh, specs, what)
+        entries += found
+        if like is not None:
+            tree = arrange_like(tree, like, what)
+            entries.append(["like=", "structure", str(jax.tree_util.tree_structure(like))])
     return tree
 
 
@@ -470,9 +411,7 @@ def data_position(path: str | os.PathLike[str], *, missing_ok: bool = False) -> 
     where = _steps.abs_path(path, what)
     if not isinstance(missing_ok, bool):
         raise MeshkitError(f"{what}: missing_ok must be True or False; got {missing_ok!r}.")
-    problem = _unreadable(where, what)
-    if problem is not None:
-        raise MeshkitError(problem)
+    _check_complete(where, what)
     value = None
     if (where / _STEP_METADATA).is_file():
         value = _data.from_metadata(ocp.metadata.get_step_metadata(where).custom_metadata)

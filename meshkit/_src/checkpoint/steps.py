@@ -90,16 +90,17 @@ def latest(root: str | os.PathLike[str]) -> Latest | None:
     return Latest(*found[-1]) if found else None
 
 
-def keep_problem(where: Path, keep: object, what: str) -> str | None:
-    """Why ``keep`` cannot apply to a save at ``where``, or None."""
+def check_keep(where: Path, keep: object, what: str) -> None:
+    """A `MeshkitError` unless ``keep`` can apply to a save at ``where``."""
     if _below(keep, 1):
-        return f"{what}: keep must be an int >= 1 (the latest steps to keep); got {keep!r}."
+        raise MeshkitError(
+            f"{what}: keep must be an int >= 1 (the latest steps to keep); got {keep!r}."
+        )
     if step_of(where) is None:
-        return (
+        raise MeshkitError(
             f"{what}: keep= needs a step directory, <root>/step_<n>; got {where.name!r}.\n"
             "Consider meshkit.checkpoint.step_path(root, step) as the path."
         )
-    return None
 
 
 def prune(root: Path, keep: int) -> None:
