@@ -90,9 +90,24 @@ def call_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
 
 
 def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> tuple[Any, ...]:
-    """A call structure's per-leaf in_axes and names, and the donated leaves' indices."""
-    what = fn.what
-    positions, dyn_axes = in_axes_for(fn, n_args, kwargs)
+    """A call structure's in_axes per leaf (keywords: 0) and names, the donated leaves' indices."""
+    in_axes, what = fn.in_axes, fn.what
+    positions = [i for i in range(n_args) if i not in fn.static]
+    if not (_axis_leaf(in_axes) or isinstance(in_axes, tuple)):
+        raise MeshkitError(
+            f"{what}: in_axes must be an int, None, or a tuple with one entry per "
+            f"positional argument; got {type(in_axes).__name__} {in_axes!r}."
+        )
+    if isinstance(in_axes, tuple) and len(in_axes) != n_args:
+        raise MeshkitError(
+            f"{what}: in_axes is not a pytree prefix of the positional arguments: at "
+            f"pmap in_axes[0], in_axes has a tuple of length {len(in_axes)} where the "
+            f"arguments have a tuple of length {n_args}."
+            + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
+            + "\nConsider one in_axes entry per positional argument (None for an argument "
+            "every device gets whole)."
+        )
+    dyn_axes = tuple(in_axes[i] if isinstance(in_axes, tuple) else in_axes for i in positions)
     mismatch = prefix_mismatch(
         dyn_axes, tuple(dyn), is_leaf=_axis_leaf, path=(jax.tree_util.SequenceKey(0),)
     )
@@ -119,27 +134,12 @@ def call_layout(fn: Any, n_args: int, dyn: tuple[Any, ...], kwargs: Any) -> tupl
     return axes, tuple(paths), tuple(donated)
 
 
-def in_axes_for(fn: Any, n_args: int, kwargs: Any) -> tuple[list[int], tuple[Any, ...]]:
-    """The positions of the non-static positional arguments, and their in_axes entries."""
-    in_axes, what = fn.in_axes, fn.what
-    positions = [i for i in range(n_args) if i not in fn.static]
-    if _axis_leaf(in_axes):
-        return positions, (in_axes,) * len(positions)
-    if not isinstance(in_axes, tuple):
-        raise MeshkitError(
-            f"{what}: in_axes must be an int, None, or a tuple with one entry per "
-            f"positional argument; got {type(in_axes).__name__} {in_axes!r}."
-        )
-    if len(in_axes) != n_args:
-        raise MeshkitError(
-            f"{what}: in_axes is not a pytree prefix of the positional arguments: at "
-            f"pmap in_axes[0], in_axes has a tuple of length {len(in_axes)} where the "
-            f"arguments have a tuple of length {n_args}."
-            + (f"\n{_KEYWORDS_MAPPED}" if kwargs else "")
-            + "\nConsider one in_axes entry per positional argument (None for an argument "
-            "every device gets whole)."
-        )
-    return positions, tuple(in_axes[i] for i in positions)
+def call(fn: Any, key: tuple[Any, ...], treedef: Any, leaves: Any) -> Any:
+    """``fn``'s function on a call's flat leaves, its static arguments put back in place."""
+    d_args, kw = jax.tree_util.tree_unflatten(treedef, list(leaves))
+    it = iter(d_args)
+    statics = dict(zip(fn.static, key[1], strict=True))
+    return fn.fun(*[statics[i] if i in statics else next(it) for i in range(key[0])], **kw)
 
 
 def out_spec(axis: Axis, name: str) -> PartitionSpec:
@@ -211,30 +211,53 @@ class Entry(Placed):
 
 
 def build(
-    fn: Any,
-    key: tuple[Any, ...],
-    treedef: Any,
-    paths: tuple[str, ...],
-    donated: tuple[int, ...],
-    resolved: tuple[Axis, ...],
-    mesh: Mesh,
-    tracing: bool,
+    fn: Any, key: tuple[Any, ...], treedef: Any, leaves: list[Any], shapes: Any, tracing: bool
 ) -> Entry:
-    """The entry of ``fn`` for one call structure on ``mesh``; ``tracing``: no shardings."""
+    """The entry of a call structure and its leaves' shapes: axes resolved, mesh chosen, jit made.
+
+    ``shapes``: each leaf's shape and whether it is a global array (its mapped axis then counts
+    every process's entries); ``tracing``: under an enclosing trace, so no input shardings.
+    """
+    dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
+    axes, paths, donated = call_layout(fn, key[0], dyn, kw)
+    resolved = tuple(
+        resolve(a, len(shape), where, fn.name)
+        for (shape, _), a, where in zip(shapes, axes, paths, strict=True)
+    )
+    processes = jax.process_count()
+    mapped = [
+        (shape, r, where, shape[r] // processes if is_global else shape[r])
+        for (shape, is_global), r, where in zip(shapes, resolved, paths, strict=True)
+        if r is not None
+    ]
+    sizes = {n for *_, n in mapped}
+    if len(sizes) > 1:
+        rows = [
+            f"  {where}: shape {shape}, mapped axis {r} of size {shape[r]}"
+            for shape, r, where, _ in mapped
+        ]
+        raise MeshkitError(
+            f"{fn.what}: the mapped arguments have different sizes along their mapped "
+            "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
+            "device; consider in_axes=None for an argument every device gets whole."
+        )
+    if not sizes and fn.axis_size is None:
+        raise MeshkitError(
+            f"{fn.what}: pmap requires at least one argument with a mapped axis.\nEvery "
+            "in_axes entry is None; consider in_axes=0 for the argument with one entry per "
+            "device, or axis_size= to map a function of no mapped argument."
+        )
+    mesh = fn._mesh(sizes.pop() if sizes else fn.axis_size, tracing and processes > 1)
     name = fn.mesh_axis
     specs = tuple(out_spec(r, name) for r in resolved)
     plan = argument_plan(mesh, specs, paths)
-    statics = dict(zip(fn.static, key[1], strict=True))
 
     def per_device(*blocks: Any) -> Any:
         local = [
             jax.lax.squeeze(b, (r,)) if r is not None else b
             for b, r in zip(blocks, resolved, strict=True)
         ]
-        d_args, kw = jax.tree_util.tree_unflatten(treedef, local)
-        it = iter(d_args)
-        full = [statics[i] if i in statics else next(it) for i in range(key[0])]
-        return _outputs_per_device(entry, fn.fun(*full, **kw))
+        return _outputs_per_device(entry, call(fn, key, treedef, local))
 
     out_specs = jax.tree.map(lambda a: out_spec(a, name), fn.out_axes, is_leaf=lambda x: x is None)
 

@@ -67,10 +67,6 @@ def host_array(what: str, path: str, leaf: Any) -> np.ndarray:
     return value if value.dtype == target else value.astype(target)
 
 
-def device_axis_mesh(devices: Any, what: str) -> Mesh:
-    return device_mesh(None if devices is None else check_devices(devices, what))
-
-
 # One dispatch reads the first entries of every array on one device.
 _firsts = jax.jit(lambda xs: [a[0] for a in xs])
 
@@ -131,7 +127,8 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
         ((8, 3, 2), (8,), 8)
     """
     what = "meshkit.replicate"
-    return _stack([tree], device_axis_mesh(devices, what), what)
+    mesh = device_mesh(None if devices is None else check_devices(devices, what))
+    return _stack([tree], mesh, what)
 
 
 @public
@@ -376,7 +373,8 @@ def prefetch_to_device(
             f"{what}: size={size!r}; size is how many elements are placed ahead of the one in "
             "use, an int >= 0.\nConsider size=2."
         )
-    return _prefetch(enumerate(iterator), int(size), device_axis_mesh(devices, what))
+    mesh = device_mesh(None if devices is None else check_devices(devices, what))
+    return _prefetch(enumerate(iterator), int(size), mesh)
 
 
 def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Iterator[Any]:
@@ -401,22 +399,18 @@ def _prefetch(source: Iterator[tuple[int, Any]], size: int, mesh: Mesh) -> Itera
         return jax.tree_util.tree_unflatten(treedef, out)
 
     queue: collections.deque[Any] = collections.deque()
-    failure: Exception | None = None
     while True:
         try:
             index, element = next(source)
         except StopIteration:
             break
-        except Exception as e:  # delivered after the elements already placed
-            failure = e
-            break
+        except Exception:  # delivered after the elements already placed
+            yield from queue
+            raise
         queue.append(place(index, element))
         if len(queue) > size:  # the next ones travel while the caller works on this one
             yield queue.popleft()
-    while queue:
-        yield queue.popleft()
-    if failure is not None:
-        raise failure
+    yield from queue
 
 
 @public

@@ -23,7 +23,7 @@ from ..core import compat as _compat
 from ..core.errors import MeshkitError, MeshkitTypeError, shorten
 from ..core.frames import public
 from ..runtime import dispatch as _dispatch
-from ..spmd.placement import argnums, dynamic
+from ..spmd.placement import argnums, dynamic, is_local
 from . import entry as _entry
 
 
@@ -115,7 +115,6 @@ class PmapFunction:
         _, _, _, entry, placed = self._prepare(args, kwargs)
         if not (kwargs or self.static) and _compat.idle():
             self._steady[jax.tree_util.tree_structure(args)] = entry
-        entry.check_outputs(placed)
         return entry.finish(entry.jitted(*placed))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -126,7 +125,6 @@ class PmapFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower like ``jax.pmap(f).lower``; ``.compile()`` is called like this function."""
         key, treedef, leaves, entry, placed = self._prepare(args, kwargs)
-        entry.check_outputs(placed)
         lowered = entry.jitted.lower(*placed)
         return Lowered(Stage(key, treedef, signature(leaves), entry), lowered)
 
@@ -139,59 +137,20 @@ class PmapFunction:
         return f"<meshkit.pmap_compat {self.name} axis_name={self.axis_name!r}>"
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """``(key, treedef, leaves, entry, placed leaves)`` of a call (the slow path)."""
+        """``(key, treedef, leaves, entry, placed leaves)``: the slow path, outputs checked."""
         key = _entry.call_key(self, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dynamic(args, self.static), kwargs))
         tracing = not _compat.trace_state_clean()
-        # The leaves' shapes fix the mapped axes and the mesh; global arrays count every
-        # process's entries.
-        shapes = tuple((np.shape(leaf), _is_global(leaf)) for leaf in leaves)
+        # The leaves' shapes fix the mapped axes and the mesh; global arrays (not process-local,
+        # not traced) count every process's entries.
+        shapes = tuple((np.shape(x), not (is_local(x) or isinstance(x, Tracer))) for x in leaves)
         entry = self._entries.get((key, treedef, shapes, tracing))
         if entry is None:
-            entry = self._new_entry(key, treedef, leaves, shapes, tracing)
+            entry = _entry.build(self, key, treedef, leaves, shapes, tracing)
             self._entries[(key, treedef, shapes, tracing)] = entry
         placed = leaves if tracing else entry.place(leaves, treedef)
+        entry.check_outputs(placed)
         return key, treedef, leaves, entry, placed
-
-    def _new_entry(
-        self, key: Any, treedef: Any, leaves: list[Any], shapes: Any, tracing: bool
-    ) -> _entry.Entry:
-        """The entry of a call structure and its leaves' shapes: axes resolved, mesh chosen."""
-        dyn, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-        axes, paths, donated = _entry.call_layout(self, key[0], dyn, kw)
-        resolved = tuple(
-            _entry.resolve(a, len(shape), where, self.name)
-            for (shape, _), a, where in zip(shapes, axes, paths, strict=True)
-        )
-        processes = jax.process_count()
-        mapped = [
-            (shape, r, where, shape[r] // processes if is_global else shape[r])
-            for (shape, is_global), r, where in zip(shapes, resolved, paths, strict=True)
-            if r is not None
-        ]
-        sizes = {n for *_, n in mapped}
-        if len(sizes) > 1:
-            rows = [
-                f"  {where}: shape {shape}, mapped axis {r} of size {shape[r]}"
-                for shape, r, where, _ in mapped
-            ]
-            raise MeshkitError(
-                f"{self.what}: the mapped arguments have different sizes along their mapped "
-                "axes:\n" + "\n".join(rows) + "\nEvery mapped axis must have one entry per "
-                "device; consider in_axes=None for an argument every device gets whole."
-            )
-        if sizes:
-            size = sizes.pop()
-        elif self.axis_size is not None:
-            size = self.axis_size
-        else:
-            raise MeshkitError(
-                f"{self.what}: pmap requires at least one argument with a mapped axis.\nEvery "
-                "in_axes entry is None; consider in_axes=0 for the argument with one entry per "
-                "device, or axis_size= to map a function of no mapped argument."
-            )
-        mesh = self._mesh(size, tracing and processes > 1)
-        return _entry.build(self, key, treedef, paths, donated, resolved, mesh, tracing)
 
     def _mesh(self, per_process: int, local_only: bool) -> Mesh:
         """The first ``per_process`` devices of each process (``local_only``: of this one)."""
@@ -233,21 +192,17 @@ class PmapFunction:
                 f"{self.what}: called inside a pmap_compat over the same axis name "
                 f"{self.mesh_axis!r}; nested pmaps need different axis names."
             )
-        n_args = _entry.call_key(self, args, kwargs)[0]
-        positions, in_axes = _entry.in_axes_for(self, n_args, kwargs)
-
-        def dyn_fun(*dyn: Any, **kw: Any) -> Any:
-            full = dict(enumerate(args)) | dict(zip(positions, dyn, strict=True))
-            return self.fun(*full.values(), **kw)
-
+        key = _entry.call_key(self, args, kwargs)
+        dyn = dynamic(args, self.static)
+        leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
         mapped = jax.vmap(
-            dyn_fun,
-            in_axes=in_axes,
+            lambda *xs: _entry.call(self, key, treedef, xs),
+            in_axes=tuple(_entry.call_layout(self, key[0], dyn, kwargs)[0]),
             out_axes=self.out_axes,
             axis_name=self.mesh_axis,
             axis_size=self.axis_size,
         )
-        return mapped(*dynamic(args, self.static), **kwargs)
+        return mapped(*leaves)
 
 
 @public
@@ -351,14 +306,6 @@ def device_mesh(
     if not (keep_order and jax.process_count() == 1):  # each process's entries contiguous
         chosen = tuple(sorted(chosen, key=lambda d: (d.process_index, d.id)))
     return _cached_mesh(chosen, axis_name)
-
-
-def _is_global(leaf: Any) -> bool:
-    return (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and not leaf.is_fully_addressable
-    )
 
 
 def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:

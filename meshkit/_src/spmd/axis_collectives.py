@@ -243,11 +243,9 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
                 f"meshkit.collectives.ppermute: perm {pairs!r} repeats a {label}; each device "
                 f"may send once and receive once."
             )
-    if ctx is not None:
-        return ctx.run("ppermute", x, names, perm=tuple(pairs))
-    # JAX wants the names of a tuple in mesh order; renumber the pairs to match.
+    # JAX wants the names of a tuple in mesh order (an interceptor, as given); renumber to match.
     bound = _compat.bound_axis_sizes()
-    order = sorted(names, key=list(bound).index)
+    order = sorted(names, key=list(bound).index) if ctx is None else list(names)
     if order != list(names):
         sizes = [bound[n] for n in names]
 
@@ -257,7 +255,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 
         pairs = [(renumber(a), renumber(b)) for a, b in pairs]
         names = tuple(order)
-    return lax.ppermute(_varying(x, names), _axis_arg(names), perm=pairs)
+    return _apply("ppermute", x, names, ctx, perm=tuple(pairs))
 
 
 @public

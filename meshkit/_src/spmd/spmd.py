@@ -248,7 +248,15 @@ class SpmdFunction:
         layout = self._layout(mesh, dyn, treedef)
         self._check_args(flat, layout)
         if any(t == AxisType.Explicit for t in mesh.axis_types):
-            dyn = jax.tree_util.tree_unflatten(treedef, self._reshard_typed(flat, layout))
+            # Every value gets the sharding type its spec asks for.
+            for k, (leaf, (s, _, where)) in enumerate(zip(flat, layout.leaves, strict=True)):
+                have = getattr(jax.typeof(leaf), "sharding", None)
+                have_spec = have.spec if have is not None else PartitionSpec()
+                if dim_axes(have_spec, np.ndim(leaf)) != dim_axes(s, np.ndim(leaf)):
+                    if spec_axes(have_spec):
+                        self.warn_reshard(where, f"a value typed {have_spec}", s, mesh)
+                    flat[k] = jax.reshard(leaf, NamedSharding(mesh, s))
+            dyn = jax.tree_util.tree_unflatten(treedef, flat)
         # Outputs matched to out_specs by keys go through shard_map in out_specs' node types;
         # ``back`` holds what turns them back: the output's treedef and its leaves' order.
         back: list[Any] = []
@@ -259,10 +267,17 @@ class SpmdFunction:
             full = [args[i] if i in static else next(it) for i in range(len(args))]
             out = self.fn(*full)
             raws = align_specs(self.out_specs, out, where=where, noun="the output")
-            self._check_outputs(out, raws)  # a block has the rank of the global output
+            per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
+            with_path, treedef = jax.tree_util.tree_flatten_with_path(out)
+            for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
+                dims = parse_spec(raw).dims if isinstance(raw, str) else None
+                if dims is not None and len(dims) != np.ndim(leaf):  # a block has the output's rank
+                    raise MeshkitError(
+                        f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
+                        f"spec {raw!r} names {_count(len(dims), 'dimension')}."
+                    )
             if not self.keyed_out:
                 return out
-            treedef = jax.tree_util.tree_structure(out)
             order = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
             order = align_specs(self.out_specs, order, where=where, back=True)
             back[:] = [treedef, jax.tree_util.tree_leaves(order)]
@@ -309,32 +324,6 @@ class SpmdFunction:
                         f"{n}, which does not divide it (spec {raw!r}, mesh "
                         f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
                     )
-
-    def _reshard_typed(self, flat: list[Any], layout: Layout) -> list[Any]:
-        """On Explicit meshes, give every value the sharding type its spec asks for."""
-        out = []
-        for leaf, (s, _, where) in zip(flat, layout.leaves, strict=True):
-            ndim = np.ndim(leaf)
-            have = getattr(jax.typeof(leaf), "sharding", None)
-            have_spec = have.spec if have is not None else PartitionSpec()
-            if dim_axes(have_spec, ndim) != dim_axes(s, ndim):
-                if spec_axes(have_spec):
-                    self.warn_reshard(where, f"a value typed {have_spec}", s, layout.mesh)
-                leaf = jax.reshard(leaf, NamedSharding(layout.mesh, s))
-            out.append(leaf)
-        return out
-
-    def _check_outputs(self, out: Any, raws: Any) -> None:
-        """Each output's rank against the dimensions its spec string (in ``raws``) names."""
-        with_path = jax.tree_util.tree_flatten_with_path(out)[0]
-        per_leaf = broadcast_prefix(raws, out, is_leaf=is_spec_leaf)
-        for (path, leaf), raw in zip(with_path, per_leaf, strict=True):
-            dims = parse_spec(raw).dims if isinstance(raw, str) else None
-            if dims is not None and len(dims) != np.ndim(leaf):
-                raise MeshkitError(
-                    f"{self.what}: output out{keystr(path)} has rank {np.ndim(leaf)} but its "
-                    f"spec {raw!r} names {_count(len(dims), 'dimension')}."
-                )
 
     def _steady(self, mesh: Mesh, args: tuple[Any, ...]) -> Any:
         """The jitted function when every dynamic leaf is placed as a past call put it."""
