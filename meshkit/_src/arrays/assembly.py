@@ -206,7 +206,7 @@ class Assembly:
                 caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
             later = report
-        outcome = _agree.agree(  # the record's text is made only where a difference shows it
+        outcome = _agree.agree(  # the record's text is made only past the barriers
             tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas, what=what,
             channel=self.check_channel, later=later,
         )  # fmt: skip

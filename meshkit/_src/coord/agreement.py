@@ -28,7 +28,7 @@ from .service import Barrier
 SHIFT = 16  # counter layout: arrivals in the low 16 bits, flags above (the store holds int32)
 ARRIVALS = (1 << SHIFT) - 1
 FLAG = 1 << SHIFT
-OK, DIFFER, POST = "ok", "differ", "post"
+OK, DIFFER = "ok", "differ"
 MAX_PERIOD = 16  # the longest pattern of agreements a steady loop may repeat
 SPAN = 12  # a period holds over this many agreements before it predicts (`meshkit.debug.PERIOD`)
 FAST_S = _places.FIRST_S  # the longest wait at the barrier before the counted path
@@ -43,21 +43,19 @@ class Entry:
     what: str  # the agreement in words, for a message naming processes at different sites
     where: str  # the user's line the call came from (``train.py:28 in main``)
     summary: str  # what must be equal in every process
-    record: RecordText  # shown when summaries differ (a function: made only then)
+    record: RecordText  # shown when summaries differ (a function: made only past the barriers)
     # replica group name -> (its reference process, this process's summary for it)
     groups: Mapping[str, Group] = field(default_factory=dict)
     gave_up: bool = False  # stopped waiting before every process arrived
-    full: bool = True  # posted with its record (else to be compared only)
-    posted: bool = False  # a later post overwrites; not sent
 
     def text(self) -> str:
         self.record = text(self.record)
         return self.record
 
     def to_json(self) -> str:
-        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "posted"}
-        named["record"] = self.text() if self.full else ""
-        return json.dumps(named)
+        return json.dumps(
+            {f.name: getattr(self, f.name) for f in fields(self)} | {"record": self.text()}
+        )
 
     @classmethod
     def from_json(cls, value: str) -> Entry:
@@ -126,8 +124,8 @@ def _state(node: Node, sequence: str) -> Sequence:
         return node.sequences.setdefault(sequence, Sequence())
 
 
-def _where(depth: int = 2) -> str:
-    return place(user_frame(sys._getframe(depth)))
+def _where() -> str:
+    return place(user_frame(sys._getframe(2)))
 
 
 def agree(
@@ -186,44 +184,36 @@ def agree(
             return agreed()
         if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
             return agreed()
-        where = _where() if flagged else ""
-        entry = Entry(site, what or site, where, summary, record, groups, full=False)
+        entry = Entry(site, what or site, _where(), summary, record, groups)
         _collect_garbage(node, state, base, k)
-        if flagged:
-            _post(node, base, k, entry, full=False)  # compared by summary; shown only if needed
+        _post(node, base, k, entry)  # before it counts: whoever reads after the count finds it
         total = node.service.increment(_key(base, k, "c"), 1 + FLAG * flagged)
-        if total & ARRIVALS == node.n:
-            verdict = _conclude(node, base, k, total)
+        if total & ARRIVALS == node.n:  # the last arrival decides, from every arrival's entry
+            verdict = OK if total >> SHIFT == 0 or same(_read(node, base, k)) else DIFFER
+            node.service.set(_key(base, k, "v"), verdict)
         else:
             verdict = _wait(node, sequence, base, k, deadline, entry)
-        if verdict is None:  # not every process arrived in time: mark the counter, then look again
+        if verdict is None:  # too late: post that, mark the counter, then read the verdict again
+            entry.gave_up = True  # posted first: a last arrival that sees the mark sees it too
+            _post(node, base, k, entry, overwrite=True)
             total = node.service.increment(_key(base, k, "c"), FLAG)
             if total & ARRIVALS == node.n:  # the last arrived just now: its verdict is on the way
                 verdict = node.read(_key(base, k, "v"), time.monotonic() + timeout)
         if verdict == OK:
             return agreed()
-        if not entry.where:
-            entry.where = _where()
-        arrived = node.n if verdict is not None else total & ARRIVALS
-        grace = min(timeout, 30.0)
-        if verdict == POST:  # compared by every process on the summaries alone
-            if not entry.posted:
-                _post(node, base, k, entry, full=False)
-            entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=False)
-            if len(entries) == node.n and same(entries):
-                return agreed()
-        if not entry.full or verdict is None:
-            _post(node, base, k, entry, gave_up=verdict is None)
-        entries = _collect(node, base, k, arrived, time.monotonic() + grace, full=True)
+        entries = _read(node, base, k)  # every process counted posted its entry before
         with state.lock:
             state.history.clear()  # every process compares again
             state.differed += 1
-        _raise_if_elsewhere(entries, sequence)
+        here = {p: e for p, e in entries.items() if e.summary != LEFT}
+        if len({e.site for e in here.values()}) > 1:  # the processes are at different sites
+            raise _places.different_agreements(sequence, here, sorted(here))
         missing = tuple(p for p in range(node.n) if p not in entries)
         # Who stopped waiting before this process came; none when this process gave up itself.
-        gave_up = [] if verdict is None else [p for p, e in entries.items() if e.gave_up]
+        late = sorted(p for p, e in entries.items() if e.gave_up and p != node.me)
+        gave_up = () if verdict is None else tuple(late)
         records = {p: e.text() for p, e in entries.items()}
-        return Outcome(False, records, missing, tuple(sorted(gave_up)), use)
+        return Outcome(False, records, missing, gave_up, use)
     finally:
         state.inside -= 1
 
@@ -296,7 +286,6 @@ def _wait(
             if verdict is not None or time.monotonic() >= deadline or node.stopping.is_set():
                 return verdict
             if place is None:
-                entry.where = entry.where or _where(3)
                 place = _places.Place(sequence, "", k, entry.what, entry.where)
             _places.look(node, place)
             period = min(period * 2, _places.LAST_S)
@@ -305,48 +294,13 @@ def _wait(
             _places.end(node)
 
 
-def _post(
-    node: Node, sequence: str, k: int, entry: Entry, gave_up: bool = False, full: bool = True
-) -> None:
-    overwrite = entry.posted
-    entry.gave_up, entry.full, entry.posted = gave_up, full, True
+def _post(node: Node, sequence: str, k: int, entry: Entry, overwrite: bool = False) -> None:
     node.service.set(f"{_key(sequence, k, 'r')}/{node.me}", entry.to_json(), overwrite=overwrite)
-
-
-def _conclude(node: Node, sequence: str, k: int, total: int) -> str:
-    """As the last arrival: decide, and write the verdict for the others."""
-    if total >> SHIFT == 0:
-        verdict = OK
-    else:
-        entries = _read(node, sequence, k)
-        if any(e.gave_up or e.summary == LEFT for e in entries.values()):
-            verdict = DIFFER
-        elif len(entries) < node.n:
-            verdict = POST  # unflagged processes posted nothing: everyone posts and compares
-        else:
-            verdict = OK if same(entries) else DIFFER
-    node.service.set(_key(sequence, k, "v"), verdict)
-    return verdict
 
 
 def _read(node: Node, sequence: str, k: int) -> dict[int, Entry]:
     entries = node.service.dir_get(_key(sequence, k, "r") + "/")
     return {int(key.rsplit("/", 1)[1]): Entry.from_json(v) for key, v in entries}
-
-
-def _collect(
-    node: Node, sequence: str, k: int, arrived: int, deadline: float, *, full: bool
-) -> dict[int, Entry]:
-    """Every posted entry of agreement ``k``; waits (until ``deadline``) for ``arrived`` of them.
-
-    ``full``: only entries posted with their records count.
-    """
-    while True:
-        entries = _read(node, sequence, k)
-        ready = [e for e in entries.values() if e.full or not full or e.summary == LEFT]
-        if len(ready) >= arrived or time.monotonic() >= deadline or node.stopping.is_set():
-            return entries
-        time.sleep(0.02)
 
 
 def same(entries: Mapping[int, Entry]) -> bool:
@@ -360,15 +314,6 @@ def same(entries: Mapping[int, Entry]) -> bool:
         for name, (_, summary) in e.groups.items():
             by_group.setdefault(name, set()).add(summary)
     return all(len(s) == 1 for s in by_group.values())
-
-
-def _raise_if_elsewhere(entries: Mapping[int, Entry], sequence: str) -> None:
-    """Raise when the processes that came are at different sites of the sequence."""
-    here = {p: e for p, e in entries.items() if e.summary != LEFT}
-    if len({e.site for e in here.values()}) < 2:
-        return
-    where = {p: f"{e.where} ({e.what})" for p, e in here.items()}
-    raise _places.different_agreements(sequence, where, sorted(here))
 
 
 def channel_sequence(node: Node, name: str | None = None) -> str:

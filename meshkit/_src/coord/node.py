@@ -21,7 +21,7 @@ BLOCK = 64  # agreements per key block (one delete per block)
 LEFT = "\0left"  # the summary of a process that left a tag (it makes no call of its own)
 SLICE_S = 2.0  # meshkit's own threads wait in slices this long, to stop at exit
 
-RecordText = str | Callable[[], str]  # a record, or a function that makes it (only when shown)
+RecordText = str | Callable[[], str]  # a record, or a function that makes it (past the barriers)
 Group = tuple[int, str]  # a replica group: (its reference process, this process's summary)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..core.errors import DivergenceError
 from ..core.frames import place
@@ -49,18 +50,17 @@ def cycle(node: Node, mine: Place, theirs: dict[int, Place]) -> DivergenceError 
     ]
     if not blocking:
         return None
-    where = {p: f"{v.where} ({v.what})" for p, v in places.items()}
-    return different_agreements(mine.sequence, where, sorted({node.me, *blocking}))
+    return different_agreements(mine.sequence, places, sorted({node.me, *blocking}))
 
 
 MAIN = "main"  # the main thread's sequence of agreements (other channels: "c:<name>")
 
 
 def different_agreements(
-    sequence: str, where: Mapping[int, str], processes: list[int]
+    sequence: str, spots: Mapping[int, Any], processes: list[int]
 ) -> DivergenceError:
-    """The error of ``processes`` waiting at different agreements of ``sequence`` (``where``)."""
-    groups = _missing.by_value(where)
+    """The error of ``processes`` waiting at different ``spots`` (`Place`s or agreement entries)."""
+    groups = _missing.by_value({p: f"{s.where} ({s.what})" for p, s in spots.items()})
     at = "; ".join(f"{_missing.processes(ps)} at {spot}" for spot, ps in groups.items())
     channel = sequence.removeprefix("c:")
     thread = "main thread" if sequence == MAIN else f"channel {channel!r}"
