@@ -35,6 +35,7 @@ for w in caught:
     print("WARNED", w.message, flush=True)
 from meshkit._src.runtime import programs
 print("JOINED", info.source, info.process_id, info.num_processes, programs.installed(), flush=True)
+print("AGAIN", meshkit.init() is info, flush=True)  # init is idempotent on an adopted join too
 mesh = meshkit.make_mesh({"data": -1})
 x = meshkit.global_array_from_local(np.ones((2, 1), np.float32), mesh, "data")
 step = jax.jit(lambda a: a.sum())
@@ -56,6 +57,7 @@ def test_a_join_made_by_hand_is_adopted_and_guarded(tmp_path):
     for rank, run in enumerate(runs):
         assert run.returncode == 0, run.stderr[-3000:]
         assert f"JOINED jax.distributed {rank} 2 True" in run.stdout
+        assert "AGAIN True" in run.stdout
         assert "STEP 9 4.0" in run.stdout
         assert "DONE" in run.stdout
         # An option JAX takes only when joining cannot apply to a join made before: said once.

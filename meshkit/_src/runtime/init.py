@@ -254,7 +254,9 @@ def check_joined(what: str) -> None:
 
 def _check_again(previous: RuntimeInfo, plan: RuntimeInfo, cpu_devices: int | None) -> None:
     keys = ("source", "num_processes", "process_id", "coordinator_address")
-    same = plan.source == "cluster" or all(getattr(plan, k) == getattr(previous, k) for k in keys)
+    # A join adopted from JAX (or detected) is taken as it is, now as at the first call.
+    adopted = plan.source == "cluster" or previous.source == "jax.distributed"
+    same = adopted or all(getattr(plan, k) == getattr(previous, k) for k in keys)
     if not same or (cpu_devices is not None and cpu_devices != previous.cpu_devices):
         raise MeshkitError(
             "meshkit.init() was already called in this process and joined as:\n"
