@@ -127,9 +127,9 @@ class GlobalBatches(Iterator[Any]):
             dtype=dtype, pad=bool(pad),
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
-            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
-            prefetch=prefetch, stop=self._stop, release=self._release_helpers, hear=self._hear,
-            assembled=self.steps,
+            self._source, assembly, prepare, ragged=pad == "ragged", prefetch=prefetch,
+            stop=self._stop, release=self._release_helpers,
+            hear=self._hear if self._together else None, assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
@@ -202,45 +202,34 @@ class GlobalBatches(Iterator[Any]):
         item = self._prefetch.get()
         if isinstance(item, BaseException):
             self._done.set()
-            # a close the helpers' agreement told of: this process asks for the next step
+            # after a close was heard, this process asked for a step past it
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item
-        if item is _CLOSED:
-            raise StopIteration
-        if item is _prefetch.END:
-            self._done.set()  # every process ends at this step
+        with self._lock:
+            if self._done.is_set():  # closed meanwhile (then the item may be `_CLOSED`)
+                raise StopIteration
+            # asking for a step (or the end) past a close, or having taken one
+            error = self._gone or _ends.went_on(self._closers, self._me, self.steps, took=False)
+            if error is not None or item is _prefetch.END:
+                self._done.set()
+            else:
+                self.steps += 1
+                self._state = item[3]  # the source's position right after this step's read
+        if error is not None:
+            self._leave(_ends.ASKS)
+            raise error
+        if item is _prefetch.END:  # every process ends at this step
             self._leave(_ends.ENDED)
             if _profiles.active is not None:  # a trace running to the data's end stops here
                 _profiles.active.finish(exiting=False)
             self._report(final=True)
             raise StopIteration
-        with self._lock:
-            if self._done.is_set():  # closed by another thread meanwhile
-                raise StopIteration
-            error = self._went_on_error(took=False)
-            if error is None:
-                self.steps += 1
-                self._state = item[3]  # the source's position right after this step's read
-            else:
-                self._done.set()
-        if error is not None:
-            self._leave(_ends.ASKS)
-            raise error
         batch, rows, notes, _ = item
         if notes:
             warn_notes(notes, user_stacklevel())
         self.rows += rows
         self._report()
         return batch
-
-    def _went_on_error(self, *, took: bool) -> DivergenceError | None:
-        """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
-        if self._gone is not None:
-            return self._gone
-        past = self.steps - (1 if took else 0)
-        if not any(k <= past for k in self._closers.values()):
-            return None
-        return _ends.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
         """Processes that closed early (`_watch`, or the helpers' records); fail if went past."""
@@ -249,8 +238,7 @@ class GlobalBatches(Iterator[Any]):
                 self._closers.setdefault(p, k)
             if self._done.is_set() or self._gone is not None:
                 return
-            error = self._went_on_error(took=True)
-            self._gone = error
+            error = self._gone = _ends.went_on(self._closers, self._me, self.steps, took=True)
         if error is not None:
             self._leave(_ends.TOOK)  # the closers wait for it before they go on
             self._fail(error)

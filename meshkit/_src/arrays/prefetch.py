@@ -50,11 +50,10 @@ class Ahead:
     assembly: _assembly.Assembly
     prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
-    told: bool  # closes are told apart from the end of data (stop_together)
     prefetch: int  # assembled steps waiting for the caller, at most (a slot is taken first)
     stop: threading.Event  # set when the iterator is closed
     release: Callable[[], None]  # tells the others' helpers that this one stops
-    hear: Callable[[dict[int, int]], None]  # takes processes that closed early
+    hear: Callable[[dict[int, int]], None] | None  # takes early closers (None: stop_together off)
     assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
     _ahead: deque[_Pulled] = field(default_factory=deque)
     _template: Any = None
@@ -296,16 +295,13 @@ class Ahead:
         """Whether the data ended for every process at ``step``; raises if loaders end unevenly.
 
         Ended loaders may pad only with ``pad`` and an earlier batch; a process that closed while
-        others have data is their error (`ends.went_on`).
+        others have data ends the loop too, and the caller raises going on past it (`hear`).
         """
         statuses = {p: r.status for p, r in records.items()}
-        if "closed" in statuses.values():
-            going = set(statuses.values()) - {"end", "closed"}
-            closers = {p: r.steps for p, r in records.items() if r.steps is not None}
-            if not (going and self.told and closers):
-                return True  # the others' data ended too (or nobody is told: stop_together)
-            self.hear(closers)
-            raise _ends.went_on(closers, self.opened.me, step - 1, took=False)
+        if "closed" in statuses.values():  # told to the caller where others have data
+            if set(statuses.values()) - {"end", "closed"} and self.hear is not None:
+                self.hear({p: r.steps for p, r in records.items() if r.steps is not None})
+            return True
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")
