@@ -147,9 +147,6 @@ class GlobalBatches(Iterator[Any]):
             _exit.at(_WATCH + self._tag, _failfast.poll_period(n), self._watch)
         _live.add(self)
 
-    def __iter__(self) -> GlobalBatches:
-        return self
-
     @public
     def __next__(self) -> Any:
         if self._done.is_set():
