@@ -211,18 +211,17 @@ class Ahead:
         if not multi:
             return (prepared, None, state), False
         # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
-        check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
         records = assembly.agree_sizes(
             prepared,
             status,
             rows=self._rows(prepared, status),
             what=what,
-            explain=None if pad else check_rows,
+            explain=None if pad else (lambda agreed: self._check_rows(agreed, step, what)),
         )
         if self._check_end(records, step):
             return END, False
-        if pad and check_rows is not None:
-            check_rows(records)
+        if pad:
+            self._check_rows(records, step, what)  # nothing to check with pad="ragged": no rows
         return (prepared, records, state), len(records) == 1 and status == "data"
 
     def _finish(self, prepared: Prepared, records: dict[int, PartRecord] | None, state: Any) -> Any:
