@@ -53,9 +53,6 @@ def _close_all() -> None:
         batches._close(at_exit=True)
 
 
-_CLOSED = object()  # put in the queue by `GlobalBatches.close`: wakes a waiting `__next__`
-
-
 class GlobalBatches(Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
@@ -203,7 +200,7 @@ class GlobalBatches(Iterator[Any]):
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item
         with self._lock:
-            if self._done.is_set():  # closed meanwhile (then the item may be `_CLOSED`)
+            if self._done.is_set():  # closed meanwhile (then the item may be the close's None)
                 raise StopIteration
             # asking for a step (or the end) past a close, or having taken one
             error = self._gone or _ends.went_on(self._closers, self._me, self.steps, took=False)
@@ -308,7 +305,7 @@ class GlobalBatches(Iterator[Any]):
             post = self._together and not ended and self._node is not None
             if post:
                 self._closed_after = self.steps
-        self._prefetch.put(_CLOSED)
+        self._prefetch.put(None)  # wakes a __next__ waiting for the helper
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
