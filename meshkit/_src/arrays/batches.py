@@ -106,8 +106,7 @@ class GlobalBatches(Iterator[Any]):
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
         self._done = threading.Event()
-        self._released = False  # the others' helpers know this one stopped
-        self._closed_after: int | None = None  # the steps taken when this process closed
+        self._release: str | None = None  # made at the close, posted once (`_release_helpers`)
         self._left = False  # this process said how it left the loop (`ends.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
@@ -269,13 +268,9 @@ class GlobalBatches(Iterator[Any]):
     def _release_helpers(self) -> None:
         """Tell the others' helpers, at their next agreement, that this one stops (once)."""
         with self._lock:
-            if self._released or self._node is None:
-                return
-            self._released = True
-            steps = self._closed_after
-        # on the helper's channel: its next agreement is the one the others' helpers wait at
-        record = PartRecord(status="closed", steps=steps).wire()
-        _agree.leave(self._tag, json.dumps(record), channel=self._tag)
+            record, self._release = self._release, None
+        if record is not None:  # the others' helpers wait at the helper channel's next agreement
+            _agree.leave(self._tag, record, channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -303,8 +298,8 @@ class GlobalBatches(Iterator[Any]):
             self._done.set()
             self._stop.set()
             post = self._together and not ended and self._node is not None
-            if post:
-                self._closed_after = self.steps
+            steps = self.steps if post else None  # the others' helpers hear them (else: an end)
+            self._release = json.dumps(PartRecord(status="closed", steps=steps).wire())
         self._prefetch.put(None)  # wakes a __next__ waiting for the helper
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
