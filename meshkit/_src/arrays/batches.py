@@ -99,9 +99,8 @@ class GlobalBatches(Iterator[Any]):
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
         _, self._me, n = _compat.distributed_state()
-        # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and n > 1
-        self._node = _agree.node() if n > 1 else None
+        # the service, if the processes must leave the loop after the same step (`ends`)
+        self._node = _agree.node() if stop_together else None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
@@ -125,14 +124,14 @@ class GlobalBatches(Iterator[Any]):
         self._prefetch = _prefetch.Ahead(
             self._source, assembly, prepare, ragged=pad == "ragged", prefetch=prefetch,
             stop=self._stop, release=self._release_helpers,
-            hear=self._hear if self._together else None, assembled=self.steps,
+            hear=None if self._node is None else self._hear, assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
         self._moving: _places.Moving | None = None
-        if self._together and self._node is not None:
+        if self._node is not None:
             self._moving = _places.Moving(
                 self._node,
                 _agreement.channel_sequence(self._node),
@@ -255,7 +254,7 @@ class GlobalBatches(Iterator[Any]):
     def _leave(self, how: str) -> bool:
         """Say once how this process left the loop (`ends.leave`); whether it said it now."""
         with self._lock:
-            if self._left or not self._together or self._node is None:
+            if self._left or self._node is None:
                 return False
             self._left = True
             steps = self.steps
@@ -297,7 +296,7 @@ class GlobalBatches(Iterator[Any]):
             ended = self._done.is_set()  # the data ended, or the iterator failed: tell nobody
             self._done.set()
             self._stop.set()
-            post = self._together and not ended and self._node is not None
+            post = self._node is not None and not ended
             steps = self.steps if post else None  # the others' helpers hear them (else: an end)
             self._release = json.dumps(PartRecord(status="closed", steps=steps).wire())
         self._prefetch.put(None)  # wakes a __next__ waiting for the helper
@@ -313,7 +312,7 @@ class GlobalBatches(Iterator[Any]):
             timeout = _env.check_timeout()
             left = _ends.confirm(self._node, self._tag, timeout)
             error = error or _ends.left_error(left, self._node.n, self._me, timeout)
-        if error is not None and self._node is not None and at_exit and error is not self._gone:
+        if error is not None and at_exit and error is not self._gone:
             _agree.fail_at_exit(error)  # no call will raise it: the process exits 1
         return error
 
