@@ -420,10 +420,10 @@ def plan_leaves(prepared: Prepared, rows_per_block: int | None = None) -> None:
         if rows_per_block is not None:
             k, n = leaf.plan.local_shape[0], leaf.plan.global_shape[0]  # blocks: held, in all
             rows = rows_per_block * k
-            if rows != leaf.rows:  # zeros after the real rows
-                leaf.value = np.pad(
-                    leaf.value, [(0, rows - leaf.rows)] + [(0, 0)] * (leaf.value.ndim - 1)
-                )
+            if rows != leaf.rows:
+                padded = np.zeros((rows, *leaf.value.shape[1:]), leaf.value.dtype)
+                padded[: leaf.rows] = leaf.value
+                leaf.value = padded
             leaf.global_shape = (rows_per_block * n, *leaf.global_shape[1:])
         leaf.plan = _layout.plan(leaf.sharding, leaf.global_shape, me)
     if rows_per_block is None:
