@@ -196,22 +196,21 @@ class Assembly:
         template = prepared.template  # its summary spares a JSON text per call
         said = template.summary if template and record is template.record else summary(wire)
         tag, what, timeout = self.check_tag, self.what, _env.check_timeout()
-        later: Callable[[_agree.Outcome], None] | None = None
+        named = what
         if self.later:  # verified after the call returns: a later call raises a difference
             number = _later_calls[tag] = _later_calls.get(tag, 0) + 1
             named = f"{what} (call #{number}, checked after it returned)"
-            caller = contextvars.copy_context()  # what the messages advise depends on the caller
+        caller = contextvars.copy_context()  # what the messages advise depends on the caller
 
-            def report(outcome: _agree.Outcome) -> None:
-                caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
+        def report(outcome: _agree.Outcome) -> None:
+            caller.run(lambda: compare(_read(_records(outcome, timeout, named)), named))
 
-            later = report
         outcome = _agree.agree(  # the record's text is made only past the barriers
             tag, said, lambda: json.dumps(wire), timeout=timeout, groups=replicas, what=what,
-            channel=self.check_channel, later=later,
+            channel=self.check_channel, later=report if self.later else None,
         )  # fmt: skip
         if not outcome.agreed:
-            compare(_read(_records(outcome, timeout, what)), what)
+            report(outcome)
 
     def run(self, make: Callable[[], Prepared]) -> tuple[Any, jax.Array | None]:
         """The whole protocol for one assembly: ``(tree, mask)``."""

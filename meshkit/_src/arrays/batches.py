@@ -53,9 +53,6 @@ def _close_all() -> None:
         batches._close(at_exit=True)
 
 
-_CLOSED = object()  # put in the queue by `GlobalBatches.close`: wakes a waiting `__next__`
-
-
 class GlobalBatches(Iterator[Any]):
     """The iterator `meshkit.global_batches` returns; also a context manager that stops it.
 
@@ -102,15 +99,13 @@ class GlobalBatches(Iterator[Any]):
         # numbered on the creating thread's channel; the helper thread uses it as its own
         self._tag = _channel.numbered("global_batches", _WHAT)
         _, self._me, n = _compat.distributed_state()
-        # every process leaves the loop after the same step, or the others are told (`ends`)
-        self._together = stop_together and n > 1
-        self._node = _agree.node() if n > 1 else None
+        # the service, if the processes must leave the loop after the same step (`ends`)
+        self._node = _agree.node() if stop_together else None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # closed, ended or failed: __next__ raises StopIteration, and no close is watched for
         self._done = threading.Event()
-        self._released = False  # the others' helpers know this one stopped
-        self._closed_after: int | None = None  # the steps taken when this process closed
+        self._release: str | None = None  # made at the close, posted once (`_release_helpers`)
         self._left = False  # this process said how it left the loop (`ends.leave`)
         self._closers: dict[int, int] = {}  # processes that closed early: their steps
         self._gone: DivergenceError | None = None  # this caller took a step a closer did not
@@ -127,16 +122,16 @@ class GlobalBatches(Iterator[Any]):
             dtype=dtype, pad=bool(pad),
         )  # fmt: skip
         self._prefetch = _prefetch.Ahead(
-            self._source, assembly, prepare, ragged=pad == "ragged", told=self._together,
-            prefetch=prefetch, stop=self._stop, release=self._release_helpers, hear=self._hear,
-            assembled=self.steps,
+            self._source, assembly, prepare, ragged=pad == "ragged", prefetch=prefetch,
+            stop=self._stop, release=self._release_helpers,
+            hear=None if self._node is None else self._hear, assembled=self.steps,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self._work, name="meshkit-global-batches", daemon=True
         )
         self._thread.start()
         self._moving: _places.Moving | None = None
-        if self._together and self._node is not None:
+        if self._node is not None:
             self._moving = _places.Moving(
                 self._node,
                 _agreement.channel_sequence(self._node),
@@ -146,9 +141,6 @@ class GlobalBatches(Iterator[Any]):
             # Nudged: a service thread waiting out an idle slice (5 s) looks within the period.
             _exit.at(_WATCH + self._tag, _failfast.poll_period(n), self._watch)
         _live.add(self)
-
-    def __iter__(self) -> GlobalBatches:
-        return self
 
     @public
     def __next__(self) -> Any:
@@ -202,45 +194,34 @@ class GlobalBatches(Iterator[Any]):
         item = self._prefetch.get()
         if isinstance(item, BaseException):
             self._done.set()
-            # a close the helpers' agreement told of: this process asks for the next step
+            # after a close was heard, this process asked for a step past it
             self._leave(_ends.ASKS if self._closers else _ends.FAILED)
             raise item
-        if item is _CLOSED:
-            raise StopIteration
-        if item is _prefetch.END:
-            self._done.set()  # every process ends at this step
+        with self._lock:
+            if self._done.is_set():  # closed meanwhile (then the item may be the close's None)
+                raise StopIteration
+            # asking for a step (or the end) past a close, or having taken one
+            error = self._gone or _ends.went_on(self._closers, self._me, self.steps, took=False)
+            if error is not None or item is _prefetch.END:
+                self._done.set()
+            else:
+                self.steps += 1
+                self._state = item[3]  # the source's position right after this step's read
+        if error is not None:
+            self._leave(_ends.ASKS)
+            raise error
+        if item is _prefetch.END:  # every process ends at this step
             self._leave(_ends.ENDED)
             if _profiles.active is not None:  # a trace running to the data's end stops here
                 _profiles.active.finish(exiting=False)
             self._report(final=True)
             raise StopIteration
-        with self._lock:
-            if self._done.is_set():  # closed by another thread meanwhile
-                raise StopIteration
-            error = self._went_on_error(took=False)
-            if error is None:
-                self.steps += 1
-                self._state = item[3]  # the source's position right after this step's read
-            else:
-                self._done.set()
-        if error is not None:
-            self._leave(_ends.ASKS)
-            raise error
         batch, rows, notes, _ = item
         if notes:
             warn_notes(notes, user_stacklevel())
         self.rows += rows
         self._report()
         return batch
-
-    def _went_on_error(self, *, took: bool) -> DivergenceError | None:
-        """The error of going on past a closer (lock held); ``took``: a step taken, else asked."""
-        if self._gone is not None:
-            return self._gone
-        past = self.steps - (1 if took else 0)
-        if not any(k <= past for k in self._closers.values()):
-            return None
-        return _ends.went_on(self._closers, self._me, self.steps, took=took)
 
     def _hear(self, closers: dict[int, int]) -> None:
         """Processes that closed early (`_watch`, or the helpers' records); fail if went past."""
@@ -249,8 +230,7 @@ class GlobalBatches(Iterator[Any]):
                 self._closers.setdefault(p, k)
             if self._done.is_set() or self._gone is not None:
                 return
-            error = self._went_on_error(took=True)
-            self._gone = error
+            error = self._gone = _ends.went_on(self._closers, self._me, self.steps, took=True)
         if error is not None:
             self._leave(_ends.TOOK)  # the closers wait for it before they go on
             self._fail(error)
@@ -274,7 +254,7 @@ class GlobalBatches(Iterator[Any]):
     def _leave(self, how: str) -> bool:
         """Say once how this process left the loop (`ends.leave`); whether it said it now."""
         with self._lock:
-            if self._left or not self._together or self._node is None:
+            if self._left or self._node is None:
                 return False
             self._left = True
             steps = self.steps
@@ -287,13 +267,9 @@ class GlobalBatches(Iterator[Any]):
     def _release_helpers(self) -> None:
         """Tell the others' helpers, at their next agreement, that this one stops (once)."""
         with self._lock:
-            if self._released or self._node is None:
-                return
-            self._released = True
-            steps = self._closed_after
-        # on the helper's channel: its next agreement is the one the others' helpers wait at
-        record = PartRecord(status="closed", steps=steps).wire()
-        _agree.leave(self._tag, json.dumps(record), channel=self._tag)
+            record, self._release = self._release, None
+        if record is not None:  # the others' helpers wait at the helper channel's next agreement
+            _agree.leave(self._tag, record, channel=self._tag)
 
     def close(self) -> None:
         """Stop the helper thread and wait for it; batches not yet taken are dropped.
@@ -320,10 +296,10 @@ class GlobalBatches(Iterator[Any]):
             ended = self._done.is_set()  # the data ended, or the iterator failed: tell nobody
             self._done.set()
             self._stop.set()
-            post = self._together and not ended and self._node is not None
-            if post:
-                self._closed_after = self.steps
-        self._prefetch.put(_CLOSED)
+            post = self._node is not None and not ended
+            steps = self.steps if post else None  # the others' helpers hear them (else: an end)
+            self._release = json.dumps(PartRecord(status="closed", steps=steps).wire())
+        self._prefetch.put(None)  # wakes a __next__ waiting for the helper
         error: MeshkitError | None = self._gone  # this caller took a step a closer did not
         said = post and not (at_exit and _exit.ending()) and self._leave(_ends.CLOSED)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -336,7 +312,7 @@ class GlobalBatches(Iterator[Any]):
             timeout = _env.check_timeout()
             left = _ends.confirm(self._node, self._tag, timeout)
             error = error or _ends.left_error(left, self._node.n, self._me, timeout)
-        if error is not None and self._node is not None and at_exit and error is not self._gone:
+        if error is not None and at_exit and error is not self._gone:
             _agree.fail_at_exit(error)  # no call will raise it: the process exits 1
         return error
 

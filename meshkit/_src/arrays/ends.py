@@ -251,12 +251,14 @@ def _steps_differ(said: str, processes: list[int]) -> DivergenceError:
     )
 
 
-def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> DivergenceError:
-    """The error of ``me``, which took ``steps`` steps and goes on past ``closers``' close.
+def went_on(closers: dict[int, int], me: int, steps: int, *, took: bool) -> DivergenceError | None:
+    """The error of ``me``, which took ``steps`` steps, if it goes on past ``closers``' close.
 
-    ``took``: it took a step past the closers' already (else it asks for step ``steps + 1``).
+    ``took``: it took its last step already (else it asks for step ``steps + 1``).
     """
-    early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)} or closers
+    early = {p: k for p, k in closers.items() if k < steps + (0 if took else 1)}
+    if not early:
+        return None
     who = _missing.processes(sorted(early))
     if took:
         doing = (

@@ -39,7 +39,7 @@ END = object()  # put in the caller's queue: the data ended for every process at
 _Pulled = tuple[str, Any, Any]
 
 
-_Read = tuple[Prepared, PartRecord, Any]  # a step read ahead: prepared, its record, its position
+_Read = tuple[Prepared, dict[int, PartRecord], Any]  # a step read ahead: prepared, its records
 
 
 @dataclass
@@ -50,13 +50,11 @@ class Ahead:
     assembly: _assembly.Assembly
     prepare: Callable[[Any], Prepared]  # checks and plans a batch (`blocks.prepare`)
     ragged: bool
-    told: bool  # closes are told apart from the end of data (stop_together)
     prefetch: int  # assembled steps waiting for the caller, at most (a slot is taken first)
     stop: threading.Event  # set when the iterator is closed
     release: Callable[[], None]  # tells the others' helpers that this one stops
-    hear: Callable[[dict[int, int]], None]  # takes processes that closed early
+    hear: Callable[[dict[int, int]], None] | None  # takes early closers (None: stop_together off)
     assembled: int = 0  # steps assembled (a resumed iterator starts at its position's)
-    windows: int = 0  # windows agreed whole (tests and benchmarks read it)
     _ahead: deque[_Pulled] = field(default_factory=deque)
     _template: Any = None
 
@@ -77,13 +75,13 @@ class Ahead:
         agreed: deque[Any] = deque()  # steps (`_Read`), then END or an exception
         pulled: list[_Pulled] = []  # the window being read: its reads, and the steps prepared
         steps: list[_Read] = []
-        ending = False  # the end of data is agreed (the last item in ``agreed``)
         try:
             while True:
                 if agreed and self._slots.acquire(blocking=False):
                     if not self._place(agreed.popleft()):
                         return
                     continue
+                ending = agreed and not isinstance(agreed[-1], tuple)  # the loop's end is agreed
                 if width > 1 and not alone and not ending and len(agreed) < width:
                     if self.stop.is_set():
                         self.release()  # the others' helpers wait for this one's next agreement
@@ -94,15 +92,10 @@ class Ahead:
                     try:
                         outcome = self._agree(pulled, steps, width, at)
                     except Exception as e:
-                        outcome = e
+                        outcome = [e]
                     pulled, steps = [], []
-                    if outcome is END or isinstance(outcome, BaseException):  # after those before
-                        agreed.append(outcome)
-                        ending = True
-                    elif outcome:
-                        agreed.extend(outcome)
-                        ending = outcome[-1] is END
-                        self.windows += 1
+                    agreed.extend(outcome)  # after the steps agreed before
+                    if outcome:
                         width = min(2 * width, self._width_cap)
                     else:  # the window's steps are agreed one by one, as they always were
                         alone, width = width, 1
@@ -113,16 +106,16 @@ class Ahead:
                 if not taken:
                     self.release()
                     return
-                if agreed:
-                    if not self._place(agreed.popleft()):
-                        return
-                    continue
-                steady = self._one()
-                if steady is None:
+                if not agreed:
+                    step, steady = self._one()
+                    if step is None:
+                        return  # closed while the loader ran
+                    agreed.append(step)
+                    alone = max(0, alone - 1)
+                    grow = steady and self.assembly.multi and not alone
+                    width = min(2, self._width_cap) if grow else 1
+                if not self._place(agreed.popleft()):
                     return
-                alone = max(0, alone - 1)
-                grow = steady and self.assembly.multi and not alone
-                width = min(2, self._width_cap) if grow else 1
         except BaseException as e:  # the caller raises it at its next step
             self.put(e)
 
@@ -143,17 +136,13 @@ class Ahead:
         except Exception:  # raised again by its own step, which agrees on it alone
             return True
         record = self.assembly.record(prepared, "data", self._rows(prepared, "data"))
-        steps.append((prepared, record, state))
+        steps.append((prepared, {self.opened.me: record}, state))
         return len(pulled) >= width
 
     def _place(self, step: Any) -> bool:
         """Hand an agreed step to the caller; False: the loop ends (the end of data, a failure)."""
-        if step is END or isinstance(step, BaseException):
-            self.put(step)
-            return False
-        prepared, record, state = step
-        self.put(self._finish(prepared, {self.opened.me: record}, state))
-        return True
+        self.put(self._finish(*step) if isinstance(step, tuple) else step)
+        return isinstance(step, tuple)
 
     @functools.cached_property
     def _width_cap(self) -> int:
@@ -191,22 +180,19 @@ class Ahead:
             return int(prepared.leaves[0].value.shape[0])
         return None
 
-    def _one(self) -> bool | None:
-        """Agree on and assemble the next step alone; whether all had data; None: the loop ended."""
+    def _one(self) -> tuple[Any, bool]:
+        """The next step agreed alone (None: closed), and whether all had data."""
         status, local, state = self._next()
         if status == "error":
             if self.assembly.multi:
                 _assembly.publish_failure(self.assembly.tag, local)
-            self.put(local)
-            return None
+            return local, False
         if status == "data":
             self._template = local
             if self.stop.is_set():
-                self.release()  # closed while the loader ran
-                return None
-        item, steady = self._step(status, local, state)
-        self.put(item)
-        return None if item is END else steady
+                self.release()
+                return None, False
+        return self._step(status, local, state)
 
     def _step(self, status: str, local: Any, state: Any = None) -> tuple[Any, bool]:
         assembly = self.assembly
@@ -223,21 +209,20 @@ class Ahead:
             )
         prepared = assembly.prepare(lambda: self.prepare(local))
         if not multi:
-            return self._finish(prepared, None, state), False
+            return (prepared, None, state), False
         # Agreed before placing: the end of data, the padded size and (but ragged) the rows.
-        check_rows = None if self.ragged else (lambda agreed: self._check_rows(agreed, step, what))
         records = assembly.agree_sizes(
             prepared,
             status,
             rows=self._rows(prepared, status),
             what=what,
-            explain=None if pad else check_rows,
+            explain=None if pad else (lambda agreed: self._check_rows(agreed, step, what)),
         )
         if self._check_end(records, step):
             return END, False
-        if pad and check_rows is not None:
-            check_rows(records)
-        return self._finish(prepared, records, state), len(records) == 1 and status == "data"
+        if pad:
+            self._check_rows(records, step, what)  # nothing to check with pad="ragged": no rows
+        return (prepared, records, state), len(records) == 1 and status == "data"
 
     def _finish(self, prepared: Prepared, records: dict[int, PartRecord] | None, state: Any) -> Any:
         """Place and transfer an agreed step: the caller's item (with the source's position)."""
@@ -247,14 +232,15 @@ class Ahead:
         rows = prepared.leaves[0].global_shape[0] if prepared.leaves[0].global_shape else 1
         return ((tree, mask) if self.assembly.pad else tree), rows, prepared.notes, state
 
-    def _agree(self, pulled: list[_Pulled], steps: list[_Read], width: int, step: int) -> Any:
+    def _agree(self, pulled: list[_Pulled], steps: list[_Read], width: int, step: int) -> list[Any]:
         """Agree at once on a window read from step ``step``.
 
         Returns its steps (then `END` if every loader ended right after) when all processes'
-        records are equal; [] to agree them one by one; `END` to end the loop.
+        records are equal; [] to agree them one by one; [`END`] to end the loop.
         """
         said = []
-        for prepared, record, _ in steps:
+        for prepared, mine, _ in steps:
+            record = mine[self.opened.me]
             template = prepared.template
             if template is not None and record.tree is not None:  # spares a JSON text per step
                 said.append(f"{template.summary} {record.rows}")
@@ -282,7 +268,7 @@ class Ahead:
             what = f"{_WHAT} (step {step})"
             raise_failures(at, what)
             self._check_end(at, step)
-            return END
+            return [END]
         self._ahead.extendleft(reversed(pulled))
         return []
 
@@ -308,16 +294,13 @@ class Ahead:
         """Whether the data ended for every process at ``step``; raises if loaders end unevenly.
 
         Ended loaders may pad only with ``pad`` and an earlier batch; a process that closed while
-        others have data is their error (`ends.went_on`).
+        others have data ends the loop too, and the caller raises going on past it (`hear`).
         """
         statuses = {p: r.status for p, r in records.items()}
-        if "closed" in statuses.values():
-            going = set(statuses.values()) - {"end", "closed"}
-            closers = {p: r.steps for p, r in records.items() if r.steps is not None}
-            if not (going and self.told and closers):
-                return True  # the others' data ended too (or nobody is told: stop_together)
-            self.hear(closers)
-            raise _ends.went_on(closers, self.opened.me, step - 1, took=False)
+        if "closed" in statuses.values():  # told to the caller where others have data
+            if set(statuses.values()) - {"end", "closed"} and self.hear is not None:
+                self.hear({p: r.steps for p, r in records.items() if r.steps is not None})
+            return True
         if set(statuses.values()) == {"end"}:
             return True
         ended = sorted(p for p, s in statuses.items() if s == "end")

@@ -111,7 +111,6 @@ class PartRecord:
     def read(cls, wire: dict[str, Any]) -> PartRecord:
         """The record another process sent (its `wire` form, parsed from JSON)."""
         values: dict[str, Any] = {f.name: wire.get(f.name) for f in fields(cls)}
-        values["status"] = wire["status"]
         if values["leaves"] is not None:
             values["leaves"] = tuple(LeafRecord(*leaf) for leaf in values["leaves"])
         return cls(**values)
