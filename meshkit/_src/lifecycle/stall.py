@@ -138,21 +138,13 @@ def in_checkpoint(frame: FrameType | None) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What every process says of a stall.
+    """What every process says of a stall."""
 
-    Attributes:
-        holding: the processes that hold the run (none: nobody to blame).
-        why: one sentence: who holds the run, or why nobody does.
-        places: a line per place, naming the processes there.
-        stacks: the main-thread stacks of the processes that hold the run.
-        idle: seconds without progress on every process, as the records said.
-    """
-
-    holding: tuple[int, ...]
-    why: str
-    places: str
-    stacks: str
-    idle: float
+    holding: tuple[int, ...]  # the processes that hold the run (none: nobody to blame)
+    why: str  # one sentence: who holds the run, or why nobody does
+    places: str  # a line per place, naming the processes there
+    stacks: str  # the main-thread stacks of the processes that hold the run
+    idle: float  # seconds without progress on every process, as the records said
 
     def text(self, then: str = "") -> str:
         """The whole verdict, ``then`` after its first sentences."""
@@ -231,10 +223,6 @@ class Detector:
         self.then = self.progress = time.monotonic()
         self.posted = False
         self.said = ""  # the places the last report said (a stall there again is not new)
-
-    def start(self) -> None:
-        """Take the first sample one period from now."""
-        _exit.at(_TASK, self.settings.period, self._turn)
 
     def _turn(self) -> None:
         if self is not _detector or _exit.ending() or _exit.stopping.is_set():
@@ -322,12 +310,12 @@ def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: 
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
     global _detector, _installed
     _detector, _installed = Detector(me, n, board, steps, at), at
-    _detector.start()
+    _exit.at(_TASK, at.period, _detector._turn)  # the first sample one period from now
 
 
 def configure(at: Settings | None) -> None:
     """Detect with ``at`` from now on (debug mode's watchdog); None: as installed."""
     detector, chosen = _detector, at or _installed
     if detector is not None and chosen is not None and chosen != detector.settings:
-        detector.settings = chosen
-        detector.start()  # replaces the turn due: the next one period of ``chosen`` from now
+        detector.settings = chosen  # the turn due replaced: the next one period of it from now
+        _exit.at(_TASK, chosen.period, detector._turn)
