@@ -127,7 +127,7 @@ def test_debug_mode_installs_no_hook(monkeypatch):
     debug.disable()
     assert sys.excepthook is hook
     assert not _exit._registry.exit
-    assert not _exit._registry.exception
+    assert _exit._registry.exception is None
 
 
 def test_debug_mode_says_once_that_it_is_on_and_how(monkeypatch, caplog):

@@ -40,7 +40,7 @@ def registry(monkeypatch):
 def test_exit_handlers_run_by_order_then_registration_each_once(registry):
     ran = []
     _exit.on_exit("flushed late", lambda: ran.append("flush"), order=_exit.FLUSH + 1)
-    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.FLUSH - 1)
     _exit.on_exit("stop a", lambda: ran.append("stop a"), order=_exit.STOP)
     _exit.on_exit("stop b", lambda: ran.append("stop b"), order=_exit.STOP)
     _exit.on_exit("drain", lambda: ran.append("drain"), order=_exit.DRAIN)
@@ -58,7 +58,7 @@ def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
         raise RuntimeError("disk gone")
 
     _exit.on_exit("write the log", broken, order=_exit.STOP)
-    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.REPORT)
+    _exit.on_exit("report", lambda: ran.append("report"), order=_exit.DRAIN)
     _exit.run_exit_handlers()
     assert ran == ["report"]
     [record] = [r for r in caplog.records if r.name == "meshkit.guards"]
@@ -68,18 +68,18 @@ def test_a_handler_that_raises_is_reported_and_the_next_runs(registry, caplog):
     )
 
 
-def test_the_exception_hook_is_installed_once_and_runs_around_the_traceback(registry):
+def test_the_exception_hook_is_installed_once_claims_the_end_then_runs_after_the_traceback(
+    registry,
+):
     seen = []
     previous = sys.excepthook
-    sys.excepthook = lambda kind, value, tb: seen.append(("traceback", str(value)))
-    _exit.on_exception("after", lambda k, v, tb: seen.append(("after", str(v))),
-                       order=_exit.REPORT)  # fmt: skip
+    sys.excepthook = lambda kind, value, tb: seen.append(("traceback", _exit.ending()))
+    _exit.on_exception("first", lambda k, v, tb: seen.append(("first", str(v))))
     hook = sys.excepthook
-    _exit.on_exception("before", lambda k, v, tb: seen.append(("before", str(v))),
-                       order=_exit.DRAIN)  # fmt: skip
+    _exit.on_exception("after", lambda k, v, tb: seen.append(("after", str(v))))  # replaces
     assert sys.excepthook is hook is _exit._excepthook
     sys.excepthook(ValueError, ValueError("bad"), None)
-    assert seen == [("before", "bad"), ("traceback", "bad"), ("after", "bad")]
+    assert seen == [("traceback", True), ("after", "bad")]  # the end claimed before it
     sys.excepthook = previous
 
 
@@ -167,6 +167,7 @@ def _fresh_end(monkeypatch):
     """Each test ends its "process" afresh: a path that claims the end here keeps no lock."""
     monkeypatch.setattr(_exit, "_ending", threading.Lock())
     monkeypatch.setattr(_exit, "_claimant", None)
+    monkeypatch.setattr(_exit, "stopping", threading.Event())
 
 
 @pytest.fixture
@@ -231,7 +232,9 @@ def test_the_path_that_claims_the_end_first_leaves_the_only_failed_event(status,
     service.start()
     service.join()
     gone = "Gloo all-reduce failed: pair.cc:547] Connection closed by peer [127.0.0.1]:42626"
-    _failfast._claim_end(RuntimeError, RuntimeError(gone), None)  # before the traceback
+    monkeypatch.setattr(_exit._registry, "previous_hook", lambda *a: None)  # no traceback
+    monkeypatch.setattr(_exit._registry, "exception", None)
+    _exit._excepthook(RuntimeError, RuntimeError(gone), None)  # claims before the traceback
     _failfast._on_exception(RuntimeError, RuntimeError(gone), None)
     _failfast._on_exception(ValueError, ValueError("bad batch"), None)
     assert _events_of(status) == [
@@ -277,34 +280,73 @@ def test_jaxs_error_after_a_known_failure_names_that_failure(status, monkeypatch
     assert [fields.get("cause") for _, fields in _events_of(status)] == ["peer", "exception"]
 
 
-def test_process_0_stays_up_until_the_others_read_its_failure_post(monkeypatch):
-    # 4 processes: process 3 posted a failure of its own, so two reads complete the count.
-    counts = iter([0, 0, 1, 2, 3])
-    asked = []
+def test_process_0_ends_after_every_other_process_has_counted_its_end(registry, monkeypatch):
+    # 4 processes: process 0, ended by meshkit, waits until the 3 others counted their ends.
+    counts, asked = iter([0, 1, 2, 3]), []
 
-    def read(amount):
+    def count(amount):
         asked.append(amount)
         return next(counts)
 
-    posts = _failfast.PeerPosts(failures=[(3, "RuntimeError: its own")], notices=[])
-    monkeypatch.setattr(_failfast, "_read", read)
-    monkeypatch.setattr(_failfast, "_watch", _failfast._Watch(0, 4, poll=lambda: posts))
-    _failfast._wait_until_read(4)
-    assert asked == [0, 0, 0, 0]  # it asked until 2 read (with process 3's post: 3 of 3)
-    # Nobody reads: it gives up after _READ_S.
-    monkeypatch.setattr(_failfast, "_READ_S", 0.3)
-    monkeypatch.setattr(_failfast, "_read", lambda amount: 0)
+    monkeypatch.setattr(_exit, "_MARGIN_S", 0.0)
+    _exit.count_ends(count, 0, 4)
+    _exit.run_exit_handlers()  # a normal end: JAX's shutdown barrier waits, not meshkit
+    assert asked == []
+    _exit._count_end()
+    assert asked == [0, 0, 0, 0]
+    # Nobody counts: it gives up after _OUTLIVE_S.
+    monkeypatch.setattr(_exit, "_OUTLIVE_S", 0.3)
+    _exit.count_ends(lambda amount: 0, 0, 4)
     start = time.monotonic()
-    _failfast._wait_until_read(4)
+    _exit._count_end()
     assert 0.3 <= time.monotonic() - start < 2.0
 
 
-def test_a_watch_stopped_by_a_failure_counts_itself_as_a_reader(status, monkeypatch):
-    read = []
-    monkeypatch.setattr(_failfast, "_read", read.append)
-    monkeypatch.setattr(_exit, "now", lambda *a, **k: None)
-    _failfast._Watch(3, 4, poll=list, wait=None).failed(1, "RuntimeError: planted")
-    assert read == [1]
+def test_every_other_process_counts_its_end_once(registry):
+    counted = []
+    _exit.count_ends(lambda amount: counted.append(amount) or 0, 3, 4)
+    _exit.run_exit_handlers()  # a normal end counts it, last of the handlers
+    _exit._count_end()  # then `now` from a later path: counted already
+    assert counted == [1]
+    _exit.count_ends(lambda amount: counted.append(amount) or 0, 3, 4)
+    _exit.count_ends(None)  # the failure watch lost the service: nothing to count
+    _exit._count_end()
+    assert counted == [1]
+
+
+def test_stop_waits_for_the_turn_in_flight_and_no_turn_talks_to_the_others_after_it(
+    registry, monkeypatch
+):
+    # A normal end of process 1 of 2: the service thread is inside the coordination service
+    # (the failure watch) when the exit handlers run. `stop` ends that wait and returns only
+    # once the turn has left; no look, `tend` or talking task starts after it, and only then is
+    # the end counted (before JAX's shutdown, after which the service may be gone).
+    service = _exit._Service()
+    monkeypatch.setattr(_exit, "_service", service)
+    inside, nudged, said = threading.Event(), threading.Event(), []
+
+    def look(timeout):
+        said.append("look")
+        inside.set()
+        nudged.wait(10)
+        time.sleep(0.2)  # still talking a moment after the nudge
+        said.append("left")
+        return True
+
+    service.look, service.nudge = look, nudged.set
+    service.tend = lambda: said.append("tend")
+    service.start()
+    try:
+        assert inside.wait(10)
+        _exit.count_ends(lambda amount: said.append("counted") or 0, 1, 2)
+        _exit.run_exit_handlers()
+        assert said[-2:] == ["left", "counted"]
+        time.sleep(0.3)
+        _exit.wake()
+        time.sleep(0.3)
+        assert said[-2:] == ["left", "counted"]  # woken, and nothing talked
+    finally:
+        service.look = service.tend = None  # the thread idles once the test restores `stopping`
 
 
 def test_the_end_note_writes_ended_from_the_service_thread(status, monkeypatch):

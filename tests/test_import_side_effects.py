@@ -58,7 +58,7 @@ from meshkit._src.runtime import dispatch, programs, init
 own = {
     "dispatch observers": [o.__name__ for o in dispatch._observers],
     "exit handlers": sorted(exit_._registry.exit),
-    "exception handlers": sorted(exit_._registry.exception),
+    "exception handler": exit_._registry.exception is not None,
     "atexit installed": exit_._registry.atexit_installed,
     "sigterm taken": exit_._registry.sigterm_wakeup is not None,
     "preemption installed": preemption._state.installed,
@@ -72,7 +72,7 @@ print(json.dumps({"changed": changed, "own": own}))
 _BORN = {
     "dispatch observers": ["_first_call_step"],
     "exit handlers": [],
-    "exception handlers": [],
+    "exception handler": False,
     "atexit installed": False,
     "sigterm taken": False,
     "preemption installed": False,

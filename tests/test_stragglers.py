@@ -6,6 +6,7 @@ several processes (a slow loader named, a healthy loop not) are in test_stall_mu
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -125,6 +126,13 @@ def test_process_0_names_a_straggler_after_two_windows_once(monkeypatch):
     assert "process 1: 1.9x the median step's own work, +32 ms in its data loader" in said[0]
     assert json.loads(fake.posted["0"])["loader_ms"] == 5.0
     assert fake.reads == 4  # one listing per window, by process 0 only
+    # This process ends (`exit.stop`): no window is posted or due after it.
+    monkeypatch.setattr(_stragglers._exit, "stopping", threading.Event())
+    _stragglers._exit.stopping.set()
+    monkeypatch.setattr(_stragglers._exit, "at", lambda *a, **k: pytest.fail("a window after stop"))
+    totals.taken += 10
+    windows.turn()
+    assert fake.reads == 4
 
 
 def test_a_window_without_steps_posts_nothing(monkeypatch):

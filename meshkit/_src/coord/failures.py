@@ -1,8 +1,8 @@
 """Posts: what a process tells all the others at once, its failure or a preemption notice.
 
 `post` writes every other process's alarm key, which wakes its failure watch (`wait_alarm`)
-to read both kinds in one listing. A watch stopped by a failure counts itself (`count_read`), so
-that process 0, which hosts the service, stays up until every other process has read the post.
+to read both kinds in one listing. `count_ended` counts the processes that ended, so that
+process 0, which hosts the service, ends after the others (`meshkit._src.lifecycle.exit`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ PREFIX = "meshkit/posts/"
 FAILED = PREFIX + "failed/"  # + the failing process's id
 NOTICE = PREFIX + "notice/"  # + the id of the process that received the notice
 ALARM = "meshkit/alarm/"  # + the id of the process whose service thread waits on it
-READ = "meshkit/posts-read"  # how many processes read a failure post and stopped for it
-STALL = "meshkit/stall/"  # + a stalled process's id, "verdict", "ended-" + a process's id
+ENDED = "meshkit/ended"  # how many processes other than process 0 ended
+STALL = "meshkit/stall/"  # + a stalled process's id, or "verdict"
 STEPS = "meshkit/steps/"  # + a process's id: its latest window of step times
 
 
@@ -81,10 +81,10 @@ def post_failure(me: int, failure: str) -> None:
         post(service, me, failure, _compat.distributed_state()[2])
 
 
-def count_read(amount: int) -> int:
-    """Adds to the count of processes that read a failure post; the count (0 if not joined)."""
+def count_ended(amount: int) -> int:
+    """Adds to the count of processes that ended; the count (0 if not joined)."""
     service = _joined()
-    return 0 if service is None else service.increment(READ, amount)
+    return 0 if service is None else service.increment(ENDED, amount)
 
 
 def tell(notice: PreemptionNotice) -> None:

@@ -7,7 +7,8 @@ by ``grace``, JAX's barrier skipped); `now` exits at once. This module holds the
 
 Also the process's one meshkit thread, ``meshkit-service``, started by the first guard needing
 it. Each turn it waits (in the coordination service through fail-fast's `watch`, else on its
-pipes), reads SIGTERM's wake-up byte, runs the tasks due (`at`), then the `tend` call.
+pipes), reads SIGTERM's wake-up byte, runs the tasks due (`at`), then the `tend` call. At exit
+`stop` ends its talk with the other processes before JAX's shutdown.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ _LOG = logger("guards")
 # The orders of exit handlers (see the module's docstring); lower runs first.
 STOP = 10
 DRAIN = 15  # the deferred checks verified, then this process's leave posted
-REPORT = 40  # exception handlers: below it before the traceback is printed, from it after
 FLUSH = 50
 
 ExceptionHandler = Callable[[type[BaseException], BaseException, TracebackType | None], None]
@@ -53,13 +53,14 @@ class _Registry:
     """What this process does when it ends (one instance; tests make their own)."""
 
     exit: dict[str, _Handler] = field(default_factory=dict)
-    exception: dict[str, _Handler] = field(default_factory=dict)
+    exception: _Handler | None = None  # called after an uncaught exception's traceback
     ran: set[str] = field(default_factory=set)  # exit handlers already run
     atexit_installed: bool = False
     previous_hook: ExceptionHandler | None = None  # the excepthook meshkit's replaced
     previous_sigterm: Callable[[int, Any], Any] | None = None  # the program's, chained
     sigterm_wakeup: int | None = None  # the wake-up fd found (-1: none); None: SIGTERM not taken
     interpreter_exiting: bool = False  # Python runs its atexit list: no thread may start now
+    count: Callable[[], object] | None = None  # counts this process's end (`count_ends`)
 
 
 _registry = _Registry()
@@ -80,10 +81,15 @@ def on_exit(name: str, handler: Callable[[], None], *, order: int) -> None:
             atexit.register(run_exit_handlers)
 
 
-def on_exception(name: str, handler: ExceptionHandler, *, order: int) -> None:
-    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread."""
+def on_exception(name: str, handler: ExceptionHandler) -> None:
+    """Call ``handler(kind, value, traceback)`` on an uncaught exception in the main thread.
+
+    The exception claims the end of the process before its traceback is printed (a path that
+    holds it already ends the process: a peer's failure, read a moment earlier, whose echo this
+    error is); ``handler`` runs after the traceback.
+    """
     with _lock:
-        _registry.exception[name] = _Handler(name, order, handler)
+        _registry.exception = _Handler(name, FLUSH, handler)
         if _registry.previous_hook is None:
             _registry.previous_hook = sys.excepthook
             sys.excepthook = _excepthook
@@ -116,12 +122,6 @@ def on_sigterm(handler: Callable[[], object]) -> None:
     wake(nudge=False)
 
 
-def _ordered(table: dict[str, _Handler]) -> list[_Handler]:
-    """By order, then first registration (a dict keeps a replaced entry's place)."""
-    with _lock:
-        return sorted(table.values(), key=lambda h: h.order)
-
-
 def _call(handler: _Handler, *args: object) -> None:
     try:
         handler.call(*args)
@@ -137,7 +137,9 @@ def run_exit_handlers() -> None:
     """Run meshkit's exit handlers not run yet, in order (Python's ``atexit`` calls this)."""
     if not _ending.locked():  # not `end` running them: the program ended, Python is exiting
         _registry.interpreter_exiting = True
-    for handler in _ordered(_registry.exit):
+    with _lock:  # by order, then first registration (a dict keeps a replaced entry's place)
+        handlers = sorted(_registry.exit.values(), key=lambda h: h.order)
+    for handler in handlers:
         with _lock:
             if handler.name in _registry.ran:
                 continue
@@ -146,15 +148,11 @@ def run_exit_handlers() -> None:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    handlers = _ordered(_registry.exception)
-    for handler in handlers:
-        if handler.order < REPORT:
-            _call(handler, kind, value, tb)
-    previous = _registry.previous_hook or sys.__excepthook__
-    previous(kind, value, tb)
-    for handler in handlers:
-        if handler.order >= REPORT:
-            _call(handler, kind, value, tb)
+    if not claim():
+        await_end()
+    (_registry.previous_hook or sys.__excepthook__)(kind, value, tb)
+    if _registry.exception is not None:
+        _call(_registry.exception, kind, value, tb)
 
 
 def ending() -> bool:
@@ -214,7 +212,7 @@ def now(status: int, message: str = "", *, level: int = logging.ERROR) -> None:
 
 
 def _exit(status: int, final: Callable[[], None] | None) -> None:
-    """The process's final exit: ``final`` once, flushed output, ``os._exit``."""
+    """The process's final exit: ``final`` once, flushed output, its end counted, ``os._exit``."""
     if not _final.acquire(blocking=False):
         time.sleep(3600)  # the other path is in its final step, and exits this process
         return
@@ -222,6 +220,7 @@ def _exit(status: int, final: Callable[[], None] | None) -> None:
         with contextlib.suppress(Exception):  # exiting anyway: its failure changes nothing
             final()
     _flush()
+    _count_end()
     os._exit(status)
 
 
@@ -232,22 +231,51 @@ def _flush() -> None:
     flush_logs()  # a message said just before `os._exit` must leave this process first
 
 
-def until(done: Callable[[], bool], seconds: float) -> None:
-    """Ask ``done`` every 50 ms, for at most ``seconds``, until it says True (or raises)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except Exception:  # the service failed: nobody answers any more
-            return
-        time.sleep(0.05)
+# Process 0 hosts the coordination service; a process that loses it while it still posts or reads
+# there (its failure, a stall verdict, a notice) ends with gRPC's words or JAX's abort, not
+# meshkit's. So every other process counts its end there as its last step (at `os._exit`, or
+# last of the exit handlers at a normal end, its service thread stopped before: `stop`), and
+# process 0, ended by meshkit, first waits until all have counted (at most `_OUTLIVE_S`), then
+# `_MARGIN_S` for their exits; at a normal end JAX's shutdown barrier waits for them.
+_OUTLIVE_S = 10.0
+_MARGIN_S = 0.5
+
+
+def count_ends(count: Callable[[int], int] | None, me: int = 0, n: int = 1) -> None:
+    """Count the end of process ``me`` of ``n`` with ``count`` (None: the service is gone).
+
+    ``count(k)`` adds ``k`` to the count of ended processes at the service and returns it.
+    """
+    if count is None:
+        _registry.count = None
+        return
+
+    def wait() -> None:  # process 0's last step: until every other process counted its end
+        deadline = time.monotonic() + _OUTLIVE_S
+        while count(0) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(_MARGIN_S)
+
+    _registry.count = wait if me == 0 else lambda: count(1)
+    # After every STOP handler: they end the tasks that talk to the others.
+    on_exit("service thread: stop talking to the others", stop, order=STOP + 1)
+    if me != 0:  # process 0's normal end: JAX's shutdown barrier waits for the others
+        on_exit("count this process's end", _count_end, order=FLUSH)
+
+
+def _count_end() -> None:
+    """Count this process's end, once (process 0: wait for the others' counts)."""
+    with _lock:
+        count, _registry.count = _registry.count, None
+    with contextlib.suppress(Exception):  # the service is gone: nobody waits, nobody counts
+        if count is not None:
+            count()
 
 
 _SLICE_S = 5.0  # the longest wait in the coordination service while the program is idle
 _ACTIVE_SLICE_S = 1.0  # ... while the program steps (`tend`'s step changed within `_ACTIVE_S`)
 _ACTIVE_S = 10.0
-_LEAVE_S = 2.0  # at exit, how long `watch(None)` waits for the thread to leave the service
+_LEAVE_S = 2.0  # at exit, how long `stop` waits for the service thread's turn in flight
 
 Look = Callable[[float], bool]  # waits that long for posts, acts on them; False: stop
 
@@ -260,8 +288,7 @@ class _Service(threading.Thread):
         self.tend: Callable[[], None] | None = None
         self.look: Look | None = None
         self.nudge: Callable[[], None] | None = None
-        self.outside = threading.Event()  # not inside the coordination service now
-        self.outside.set()
+        self.busy = threading.Lock()  # held while a turn runs: `stop` waits for the one in flight
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.on_sigterm: Callable[[], object] | None = None
@@ -278,21 +305,20 @@ class _Service(threading.Thread):
 
     def run(self) -> None:
         while True:
-            timeout = self._run_due()
-            self.outside.clear()
-            look = self.look
-            if look is not None:
-                with contextlib.suppress(Exception):  # the watch says its own failures
-                    if look(min(timeout, self._slice())) is False:
-                        self.look = None  # not joined anymore: nothing to watch
-                timeout = 0.0
-            self.outside.set()
+            with self.busy:
+                timeout = self._run_due()
+                look = None if stopping.is_set() else self.look
+                if look is not None:
+                    with contextlib.suppress(Exception):  # the watch says its own failures
+                        if look(min(timeout, self._slice())) is False:
+                            self.look = None  # not joined anymore: nothing to watch
+                    timeout = 0.0
             with contextlib.suppress(OSError):  # wake-ups, and signals' numbers (`on_sigterm`)
                 woken = select.select([self.wake_r], [], [], timeout)[0]
                 if woken and signal.SIGTERM in os.read(self.wake_r, 256) and self.on_sigterm:
                     self.on_sigterm()
-            if self.tend is not None:
-                with contextlib.suppress(Exception):  # it says its own failures
+            with self.busy, contextlib.suppress(Exception):  # `tend` says its own failures
+                if self.tend is not None and not stopping.is_set():
                     self.tend()
 
     def _run_due(self) -> float:
@@ -333,7 +359,7 @@ def wake(*, nudge: bool = True) -> None:
         return
     with contextlib.suppress(OSError):  # full: a wake-up is pending already
         os.write(service.wake_w, b"w")
-    if nudge and service.nudge is not None and not service.outside.is_set():
+    if nudge and service.nudge is not None and service.busy.locked():
         with contextlib.suppress(Exception):  # the service is gone: its wait ends by itself
             service.nudge()
 
@@ -360,16 +386,28 @@ def tend(call: Callable[[], None], step: Callable[[], object]) -> None:
     wake(nudge=False)
 
 
-def watch(look: Look | None, nudge: Callable[[], None] | None = None) -> None:
-    """Wait in the coordination service with ``look`` (None: stop, and leave it)."""
-    if _service is None and look is None:
-        return
+def watch(look: Look, nudge: Callable[[], None]) -> None:
+    """Wait in the coordination service with ``look``; ``nudge`` ends such a wait at once."""
     service = _running()
-    if look is not None:
-        service.look, service.nudge = look, nudge
-        wake(nudge=False)
+    service.look, service.nudge = look, nudge
+    wake(nudge=False)
+
+
+# Set at this process's end (`stop`): the service thread's turns (`watch`, `tend`, and the tasks
+# that check it) talk to the other processes no more. A gather in flight stops waiting at it.
+stopping = threading.Event()
+
+
+def stop() -> None:
+    """Stop the service thread's talk with the others, and wait for its turn in flight.
+
+    Before this process counts its end, and before JAX's shutdown: a request still in flight
+    when process 0 shuts the coordination service down aborts this process.
+    """
+    stopping.set()
+    service = _service
+    if service is None or threading.current_thread() is service:
         return
-    service.look = None
-    wake()
-    service.outside.wait(_LEAVE_S)
-    service.nudge = None
+    wake()  # its wait in the coordination service ends now
+    if service.busy.acquire(timeout=_LEAVE_S):
+        service.busy.release()

@@ -8,7 +8,6 @@ held long at JAX's shutdown barrier says so. ``MESHKIT_FAIL_FAST=0`` turns it of
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import traceback
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ..core import compat as _compat
 from ..core import env as _env
 from ..core import events as _events
 from ..core.errors import DivergenceError
@@ -31,8 +29,6 @@ ENV_FAIL_FAST = "MESHKIT_FAIL_FAST"
 ENV_FAIL_FAST_GRACE = "MESHKIT_FAIL_FAST_GRACE"
 _ENDED_AFTER_S = 3.0
 _POST_WAIT_S = 2.0  # how long JAX's error at a lost peer waits for that peer's failure post
-_EXIT_MARGIN_S = 0.5  # process 0, ending for a peer's failure, outlives the peer's exit by this
-_READ_S = 5.0  # how long process 0 stays up, after its failure post, for the others to read it
 _LOST_AFTER = 2  # failed polls in a row before the coordination service counts as gone
 
 
@@ -65,36 +61,22 @@ class PeerPosts:
 
 Poll = Callable[[], PeerPosts | Unanswered | None]
 Wait = Callable[[float], bool]
-Read = Callable[[int], int]
 _post_failure: Post | None = None
-_read: Read | None = None
 _watch: _Watch | None = None  # the failure watch, read once more by an uncaught exception
 _grace = 10.0  # the exit handlers' seconds when a failure ends this process
 
 
 def install(
     grace: float, me: int, n: int, *, post: Post, poll: Poll, wait: Wait,
-    nudge: Callable[[], None], read: Read | None = None,
+    nudge: Callable[[], None],
 ) -> None:  # fmt: skip
     """Register what this module describes, for process ``me`` of ``n``."""
-    global _post_failure, _watch, _read, _grace
-    _post_failure, _read, _grace = post, read, grace
+    global _post_failure, _watch, _grace
+    _post_failure, _grace = post, grace
     _watch = _Watch(me, n, poll, wait)
-    _exit.on_exception("fail-fast: claim the end", _claim_end, order=_exit.REPORT - 1)
-    _exit.on_exception("fail-fast: end the process", _on_exception, order=_exit.REPORT)
+    _exit.on_exception("fail-fast: end the process", _on_exception)
     _exit.watch(_watch.look, nudge)
-    _exit.on_exit(
-        "fail-fast: stop the watch, arm the end note", lambda: _at_exit(me), order=_exit.STOP
-    )
-
-
-def _claim_end(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    """Before the traceback is printed: claim the end, or leave it to the path that has it.
-
-    A peer's failure, read a moment earlier, ends this process: this error is its echo.
-    """
-    if not _exit.claim():
-        _exit.await_end()
+    _exit.on_exit("fail-fast: arm the end note", lambda: _at_exit(me), order=_exit.STOP)
 
 
 def _on_exception(
@@ -184,31 +166,9 @@ def _end(failure: str, why: str) -> None:
         f"meshkit: exit handlers still running after {_grace:g} s; exiting now "
         f"({ENV_FAIL_FAST_GRACE} gives them longer).\n"
     )
-    _exit.end(1, grace=_grace, announce=announce, late=late, final=lambda: _post(failure))
-
-
-def _post(failure: str) -> None:
-    _, me, n = _compat.distributed_state()
-    if _post_failure is None or n == 1:
-        return
-    try:
-        _post_failure(failure)
-    except Exception:  # the service may be gone already: nothing to tell
-        return
-    if me == 0:  # it hosts the coordination service: let the others read it
-        _wait_until_read(n)
-
-
-def _wait_until_read(n: int) -> None:
-    """Until every other process read the failure post or posted its own (at most `_READ_S`)."""
-
-    def all_read() -> bool:
-        read = 0 if _read is None else _read(0)
-        posted = _watch.poll() if _watch is not None else None
-        others = len(posted.failures) if isinstance(posted, PeerPosts) else 0
-        return _read is None or read + others >= n - 1
-
-    _exit.until(all_read, _READ_S)
+    post = _post_failure  # the last step; a service gone already is no news (`exit` ignores it)
+    final = None if post is None else lambda: post(failure)
+    _exit.end(1, grace=_grace, announce=announce, late=late, final=final)
 
 
 def poll_period(n: int) -> float:
@@ -254,14 +214,8 @@ class _Watch:
         """End this process (status 1, no exit handler) for process ``p``'s ``failure``."""
         if not _exit.claim():  # another path ends this process already
             return
-        # The record first: process 0 outlives the peer below, and this cause must stand.
         _events.emit(_events.FAILED, cause="peer", process=p, system="meshkit",
                      error=failure.split(":")[0])  # fmt: skip
-        if _read is not None:
-            with contextlib.suppress(Exception):  # the service is gone: nobody waits for it
-                _read(1)
-        if self.me == 0:
-            self._outlive(p)
         _exit.now(
             1,
             f"meshkit: process {p} failed: {failure}\n"
@@ -270,17 +224,8 @@ class _Watch:
             "holds the cause.\n",
         )
 
-    def _outlive(self, p: int) -> None:
-        """Until process ``p`` posted its failure (its last step before it exits), then a margin."""
-
-        def posted() -> bool:  # or the posts cannot be read
-            posts = self.poll()
-            return not isinstance(posts, PeerPosts) or any(q == p for q, _ in posts.failures)
-
-        _exit.until(posted, _READ_S)
-        time.sleep(_EXIT_MARGIN_S)
-
     def _lost(self, error: str) -> None:
+        _exit.count_ends(None)  # nobody is left to count this process's end
         notice = _preemption.notice()
         if notice is not None:  # process 0 ended for the notice too, at the same deadline
             _preemption.end_preempted(
@@ -299,8 +244,7 @@ class _Watch:
 
 
 def _at_exit(me: int) -> None:
-    """Stop the watch; say, a while later, that this process still waits for the others."""
-    _exit.watch(None)
+    """Say, a while later, that this process still waits for the others."""
     if not _exit.ending():
         _exit.at("fail-fast: the end note", _ENDED_AFTER_S, lambda: _end_note(me), nudge=False)
 

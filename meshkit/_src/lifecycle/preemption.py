@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from ..core import env as _env
 from ..core import events as _events
@@ -27,10 +26,7 @@ from . import progress as _progress
 
 _LOG = logger("guards")
 
-T = TypeVar("T")
 PREEMPTED = 128 + signal.SIGTERM  # the exit status of a preempted process: 143
-_COORDINATOR_LAST_S = 1.5  # process 0 hosts the coordination service: it ends after the others
-_LEAVE_S = 2.0  # at a normal end: the service thread's time to leave the coordination client
 
 
 @dataclass(frozen=True)
@@ -99,8 +95,6 @@ class _State:
         self.changed = threading.Condition(self.lock)  # `synced` set, or a save finished
         self.sync_step: int | None = None
         self.reached = False  # the next save is the last
-        self.stop = threading.Event()  # this process ends: the agreement stops waiting
-        self.talking = threading.Lock()  # held while the service thread talks to the others
         self.saves = 0  # checkpoint saves in progress
         self.reported = False  # the `preempted` event is written
         self.deadline_armed = False
@@ -227,9 +221,6 @@ def _event(how: str, notice_: PreemptionNotice, saved: int | None = None) -> Non
 
 def _at_exit() -> None:
     """At a normal end after a notice: a ``preempted`` event (the status is the program's)."""
-    _state.stop.set()
-    if _state.talking.acquire(timeout=_LEAVE_S):  # its wait ends within a slice of it
-        _state.talking.release()
     notice_ = _state.notice
     if notice_ is not None and not _exit.ending():
         _event("ended", notice_)
@@ -241,8 +232,6 @@ def _end_at_deadline(notice_: PreemptionNotice) -> None:
         _state.changed.wait_for(lambda: not _state.saves)
     if _exit.ending():
         return
-    if _state.me == 0:
-        time.sleep(_COORDINATOR_LAST_S)  # the others read the coordination service until they end
     _event("deadline", notice_)
     number = _progress.steps.number
     step = "" if number is None else f" at step {number}"
@@ -282,16 +271,6 @@ def _tend() -> None:
     _exit.at("preemption: the deadline", left, lambda: _end_at_deadline(notice_), nudge=False)
 
 
-def _talk(call: Callable[[], T], failed: str) -> T | None:
-    """``call`` to the others (None once this process ends); a failure is said as ``failed``."""
-    try:
-        with _state.talking:
-            return None if _state.stop.is_set() else call()  # no request may start at the end
-    except Exception as e:  # the service is gone
-        _warn(f"{failed}: {e}")
-        return None
-
-
 def _agree(notice_: PreemptionNotice) -> None:
     """Send the last step answered, and agree with the others on the sync step (once)."""
     with _state.lock:
@@ -299,11 +278,12 @@ def _agree(notice_: PreemptionNotice) -> None:
             return  # agreed already; or joining: agreed once this process has joined
         _state.frozen = True
         answered, sync = _state.asked, _state.sync
-    left = max(0.0, notice_.deadline - time.time())
-    failed = "could not agree on a step to save at after the notice"
-    # No answer: no sync step, the deadline ends the run.
-    synced = _talk(lambda: sync(answered, left, _state.stop), failed) or Synced(None, agreed=False)
-    if not synced.agreed and not _state.stop.is_set():
+    try:
+        synced = sync(answered, max(0.0, notice_.deadline - time.time()), _exit.stopping)
+    except Exception as e:  # the service is gone: no sync step, the deadline ends the run
+        _warn(f"could not agree on a step to save at after the notice: {e}")
+        synced = Synced(None, agreed=False)
+    if not synced.agreed and not _exit.stopping.is_set():
         who = f"process(es) {', '.join(map(str, synced.missing))}" if synced.missing else (
             "some process")  # fmt: skip
         _warn(
@@ -321,5 +301,7 @@ def _tell(notice_: PreemptionNotice) -> None:
             return
         _state.untold = False
         tell = _state.tell
-    # On failure, the others learn it from JAX's protocol, or not at all.
-    _talk(lambda: tell(notice_), "could not tell the other processes of the preemption notice")
+    try:
+        tell(notice_)
+    except Exception as e:  # the others learn it from JAX's protocol, or not at all
+        _warn(f"could not tell the other processes of the preemption notice: {e}")

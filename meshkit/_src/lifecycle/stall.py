@@ -40,7 +40,6 @@ _LOG = logger("guards")
 ENV_STALL_TIMEOUT = "MESHKIT_STALL_TIMEOUT"
 REPORT_PARTS = 5  # the report comes after a fifth of the deadline
 _LAST_PERIOD_S = 5.0  # samples are at most this far apart
-_ENDED_WAIT_S = 10.0  # process 0, which hosts the service, waits this long for the others' ends
 _STACK_FRAMES = 12  # of the main thread, in a record
 
 # What a stalled process's main thread waits on:
@@ -139,21 +138,13 @@ def in_checkpoint(frame: FrameType | None) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What every process says of a stall.
+    """What every process says of a stall."""
 
-    Attributes:
-        holding: the processes that hold the run (none: nobody to blame).
-        why: one sentence: who holds the run, or why nobody does.
-        places: a line per place, naming the processes there.
-        stacks: the main-thread stacks of the processes that hold the run.
-        idle: seconds without progress on every process, as the records said.
-    """
-
-    holding: tuple[int, ...]
-    why: str
-    places: str
-    stacks: str
-    idle: float
+    holding: tuple[int, ...]  # the processes that hold the run (none: nobody to blame)
+    why: str  # one sentence: who holds the run, or why nobody does
+    places: str  # a line per place, naming the processes there
+    stacks: str  # the main-thread stacks of the processes that hold the run
+    idle: float  # seconds without progress on every process, as the records said
 
     def text(self, then: str = "") -> str:
         """The whole verdict, ``then`` after its first sentences."""
@@ -225,7 +216,6 @@ class Detector:
     ) -> None:
         self.me, self.n, self.board, self.steps = me, n, board, steps
         self.settings = settings
-        self.stopped = False
         self.main = program_thread().ident or 0
         self.main_native_id = _progress.main_native_id()  # asked here: stale after a fork
         self.sampler: _progress.Sampler | None = None
@@ -234,17 +224,9 @@ class Detector:
         self.posted = False
         self.said = ""  # the places the last report said (a stall there again is not new)
 
-    def start(self) -> None:
-        """Take the first sample one period from now."""
-        _exit.at(_TASK, self.settings.period, self._turn)
-
-    def stop(self) -> None:
-        """Sample no more (the next turn does nothing)."""
-        self.stopped = True
-
     def _turn(self) -> None:
-        if self.stopped or _exit.ending():
-            return
+        if self is not _detector or _exit.ending() or _exit.stopping.is_set():
+            return  # replaced by `install`, or this process ends
         _exit.at(_TASK, self.settings.period, self._turn, nudge=False)
         now = time.monotonic()
         steps = self.steps()
@@ -301,7 +283,7 @@ class Detector:
             self._end(found)
 
     def _end(self, found: Verdict) -> None:
-        """Say ``found``, post this process's end, exit with status 1."""
+        """Say ``found``, exit with status 1."""
         if not _exit.claim():
             return
         at = self.settings
@@ -317,13 +299,6 @@ class Detector:
             with contextlib.suppress(Exception):
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         _events.emit(_events.FAILED, cause="stall", processes=list(found.holding), error="stall")
-        with contextlib.suppress(Exception):
-            self.board.post(f"ended-{self.me}", "1")
-            if self.me == 0:  # it hosts the service: the others read the verdict there first
-                _exit.until(
-                    lambda: sum(k.startswith("ended-") for k in self.board.read()) >= self.n,
-                    _ENDED_WAIT_S,
-                )
         _exit.now(1)
 
 
@@ -334,15 +309,13 @@ _installed: Settings | None = None  # what `install` was given (`configure(None)
 def install(me: int, n: int, board: ServiceBoard, steps: Callable[[], str], at: Settings) -> None:
     """Start stall detection for process ``me`` of ``n`` (again: with ``at`` from now)."""
     global _detector, _installed
-    if _detector is not None:
-        _detector.stop()
     _detector, _installed = Detector(me, n, board, steps, at), at
-    _detector.start()
+    _exit.at(_TASK, at.period, _detector._turn)  # the first sample one period from now
 
 
 def configure(at: Settings | None) -> None:
     """Detect with ``at`` from now on (debug mode's watchdog); None: as installed."""
     detector, chosen = _detector, at or _installed
     if detector is not None and chosen is not None and chosen != detector.settings:
-        detector.settings = chosen
-        detector.start()  # replaces the turn due: the next one period of ``chosen`` from now
+        detector.settings = chosen  # the turn due replaced: the next one period of it from now
+        _exit.at(_TASK, chosen.period, detector._turn)

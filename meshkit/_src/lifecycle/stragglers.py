@@ -142,6 +142,8 @@ class _Windows:
 
     def turn(self, *, last: bool = False) -> None:
         if not last:
+            if _exit.stopping.is_set():  # this process ends: the last window was its last
+                return
             _exit.at(_TASK, self.window, self.turn, nudge=False)
         now = (*_progress.steps.now(), self._cpu())
         before, self.then = self.then, now

@@ -42,6 +42,7 @@ from ..core.events import (
 from ..core.frames import adopt_program_thread, public
 from ..debug import divergence as _divergence
 from ..debug import mode as _debug_mode
+from ..lifecycle import exit as _exit
 from ..lifecycle import failfast as _failfast
 from ..lifecycle import preemption as _preemption
 from ..lifecycle import profiles as _profiles
@@ -449,8 +450,10 @@ def _initialize(plan: RuntimeInfo, timeout: float, options: dict[str, Any]) -> R
 
 
 def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
-    """Wire fail-fast (its grace; None: off) and preemption (its grace) to coordination."""
+    """Wire the count of ends, fail-fast (its grace; None: off) and preemption to coordination."""
     me, n = info.process_id, info.num_processes
+    if n > 1:  # process 0, which hosts the coordination service, ends after the others
+        _exit.count_ends(_failures.count_ended, me, n)
     if fail_fast is None:
         return
     if n == 1:
@@ -459,7 +462,7 @@ def _guard(info: RuntimeInfo, fail_fast: float | None, grace: float) -> None:
     _failfast.install(
         fail_fast, me, n, post=partial(_failures.post_failure, me),
         poll=partial(_failures.poll_posts, me), wait=partial(_failures.wait_alarm, me),
-        nudge=partial(_failures.nudge, me), read=_failures.count_read,
+        nudge=partial(_failures.nudge, me),
     )  # fmt: skip
     # The failure watch relays the others' notices.
     _preemption.install(me, seconds=grace, tell=_failures.tell, sync=partial(_gather.sync_step, me))
