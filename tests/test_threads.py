@@ -131,3 +131,15 @@ def test_an_idle_joined_process_runs_one_meshkit_thread_and_a_loop_adds_its_pref
         assert idle == ["meshkit-service"], idle  # the one service thread, nothing else
         added = set(loop) - set(idle)
         assert added == {"meshkit-global-batches"}, loop  # the prefetcher, nothing else
+
+
+@pytest.mark.multiprocess
+def test_with_its_three_background_guards_off_an_idle_process_runs_no_meshkit_thread():
+    # Fail-fast's watch, stall samples and step-time windows are what keep meshkit-service in
+    # an idle process (docs/what-init-installs.md); a loop still watches the others' closes.
+    off = {"MESHKIT_FAIL_FAST": "0", "MESHKIT_STALL_TIMEOUT": "0", "MESHKIT_STEP_WINDOW": "0"}
+    result = launch_in_processes(ranks.meshkit_threads, timeout=180, env=off)
+    assert result.returncode == 0, result.report
+    for idle, loop in result.values:
+        assert idle == [], idle
+        assert set(loop) == {"meshkit-global-batches", "meshkit-service"}, loop
