@@ -1,17 +1,22 @@
 """Per-call cost of meshkit.spmd against hand-written jax.jit(jax.shard_map(...)), same function.
 
 Inputs are placed per in_specs before timing, so both sides take JAX's fast path; what remains
-is meshkit's own per-call work (its call-site counter, the plan lookup, the try around jit).
-Needs 8 devices in this process (run.py sets 8 CPU devices before any backend use).
+is meshkit's own per-call work: flattening the arguments and comparing their shardings with the
+last placed call's (so that host data never reaches jit as a global value), and its call counter.
+Three tables: the whole call, the dispatch alone (wall), and the dispatching thread's CPU per
+call, the steadiest of the three on a small shared machine. Needs 8 devices in this process
+(run.py sets 8 CPU devices before any backend use).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import time
+
 import jax
 import numpy as np
-from _timing import interleaved_medians, table
+from _timing import bench_rounds, interleaved_medians, table
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,20 +50,27 @@ def _cases() -> list[tuple[str, Any, Any, Any]]:
 
 
 def bench_spmd_dispatch() -> str:
-    full, dispatch = [], []
+    full, dispatch, cpu = [], [], []
+    rounds = bench_rounds(61)
     for case, base, ours, arg in _cases():
         np.testing.assert_array_equal(
             np.asarray(jax.tree.leaves(base(arg))[-1]), np.asarray(jax.tree.leaves(ours(arg))[-1])
         )
         calls = [lambda f=base, a=arg: f(a), lambda f=ours, a=arg: f(a)]
         wait = jax.block_until_ready
-        full.append((case, *interleaved_medians(calls, wait=wait)))
-        dispatch.append((case, *interleaved_medians(calls, wait=wait, dispatch_only=True)))
-    title = "spmd dispatch, 1 process x 8 CPU devices, inputs already placed"
+        full.append((case, *interleaved_medians(calls, wait=wait, rounds=rounds)))
+        only = interleaved_medians(calls, wait=wait, rounds=rounds, dispatch_only=True)
+        dispatch.append((case, *only))
+        used = interleaved_medians(
+            calls, wait=wait, rounds=rounds, dispatch_only=True, clock=time.thread_time
+        )
+        cpu.append((case, *used))
+    title = f"spmd dispatch, 1 process x 8 CPU devices, inputs already placed, {rounds} rounds"
     heads = ("jit(shard_map)", "meshkit.spmd")
     return "\n\n".join(
         [
             table(f"{title}: full call (50 calls, then wait)", full, *heads),
             table(f"{title}: dispatch only (until the calls return)", dispatch, *heads),
+            table(f"{title}: the calling thread's CPU per dispatch", cpu, *heads),
         ]
     )

@@ -112,12 +112,20 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except MeshkitError as e:
-            if filtering():
-                # Replaced in place, then re-raised bare: a bare raise adds no frame of its own.
-                e.with_traceback(filtered(e.__traceback__))
-            raise
+            hide_frames(e)
+            raise  # bare: a bare raise adds no frame of its own
 
     return entry_point
+
+
+def hide_frames(e: BaseException) -> None:
+    """Drop meshkit's frames from ``e``'s traceback in place (unless filtering is off).
+
+    For an entry point that cannot afford `public`'s wrapper frame: it catches `MeshkitError`
+    itself, calls this, and re-raises bare.
+    """
+    if filtering():
+        e.with_traceback(filtered(e.__traceback__))
 
 
 def filtered(tb: types.TracebackType | None) -> types.TracebackType | None:
