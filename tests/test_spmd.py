@@ -84,6 +84,31 @@ def test_arrays_laid_out_right_pass_without_a_copy(mesh, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out), _expected(x))
 
 
+def test_placed_calls_go_straight_to_jit_and_any_other_call_is_placed(mesh, monkeypatch):
+    f = meshkit.spmd(lambda a: a * 2, mesh=mesh, in_specs="data model", out_specs="data model")
+    host = np.arange(32, dtype=np.float32).reshape(8, 4)
+    placed = f(host)  # host data: placed, and the structure's shardings remembered
+    placing = []
+    slow = meshkit.SpmdFunction._enter
+    monkeypatch.setattr(
+        meshkit.SpmdFunction,
+        "_enter",
+        lambda self, a, k: placing.append(len(a)) or slow(self, a, k),
+    )
+    np.testing.assert_array_equal(np.asarray(f(placed)), host * 4)  # straight to jit
+    assert placing == []
+    np.testing.assert_array_equal(np.asarray(f(host)), host * 2)  # host data again: placed
+    single = jax.device_put(host, jax.devices()[0])
+    np.testing.assert_array_equal(np.asarray(f(single)), host * 2)  # one device: placed
+    g = meshkit.spmd(lambda a, b: a + b, mesh=mesh, in_specs="data model", out_specs="data model")
+    g(placed, placed)
+    for a, b, times in ((placed, host, 3), (host, placed, 3), (placed, placed, 4)):
+        np.testing.assert_array_equal(np.asarray(g(a, b)), host * times)  # a leaf changed: placed
+    assert placing == [1, 1, 2, 2, 2]  # the first call and the two with host data
+    assert f.calls == 4
+    assert g.calls == 4
+
+
 def test_donated_input_that_is_laid_out_right_is_the_buffer_reused(mesh):
     placed = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("data", "model")))
     f = meshkit.spmd(lambda a: a * 2, mesh=mesh, in_specs="data model", out_specs="data model",
