@@ -420,3 +420,22 @@ def test_a_failing_two_process_run_leaves_its_events(tmp_path):
     assert events[0][1] in (
         ("failed", {"cause": "peer", "process": 1, "system": "meshkit", "error": "ValueError"}),
     ), events
+
+
+def test_the_service_waits_long_until_the_program_steps_and_short_while_it_does(monkeypatch):
+    # A program that has just joined is idle: its failure watch renews its wait in the
+    # coordination service every `_SLICE_S`; a step (should_save, global_batches) makes that
+    # `_ACTIVE_SLICE_S` for `_ACTIVE_S`, so that a SIGTERM is told soon while it steps.
+    service = _exit._Service()
+    monkeypatch.setattr(_exit, "_running", lambda: service)
+    step = [None]
+    _exit.tend(lambda: None, lambda: step[0])
+    clock = [1000.0]
+    monkeypatch.setattr(_exit.time, "monotonic", lambda: clock[0])
+    assert service._slice() == _exit._SLICE_S
+    step[0] = 1
+    assert service._slice() == _exit._ACTIVE_SLICE_S
+    clock[0] += _exit._ACTIVE_S - 1
+    assert service._slice() == _exit._ACTIVE_SLICE_S
+    clock[0] += 2
+    assert service._slice() == _exit._SLICE_S

@@ -293,7 +293,7 @@ class _Service(threading.Thread):
         os.set_blocking(self.wake_w, False)
         self.on_sigterm: Callable[[], object] | None = None
         self.step: Callable[[], object] = lambda: None
-        self.seen = object()  # the first read differs: a program that has just begun steps
+        self.seen: object = None  # the step last read (`tend` reads the first)
         self.active_at = -_ACTIVE_S
 
     def _slice(self) -> float:
@@ -382,7 +382,7 @@ def tend(call: Callable[[], None], step: Callable[[], object]) -> None:
     A change of ``step()`` (read once per wait) is the program stepping: its waits are shorter.
     """
     service = _running()
-    service.tend, service.step = call, step
+    service.tend, service.step, service.seen = call, step, step()  # idle until a step changes
     wake(nudge=False)
 
 
