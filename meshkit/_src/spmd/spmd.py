@@ -156,13 +156,15 @@ class SpmdFunction:
         if last is not None and not kwargs and _dispatch.quiet():
             static = self.static_argnums
             leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
-            if treedef == last[0]:
-                now = [getattr(leaf, "sharding", None) for leaf in leaves]
-                if now == last[1]:
-                    last[1][:] = now  # equal shardings replaced: the next call compares by identity
-                    self._site.calls += 1  # `_dispatch.count`
-                    _debug_check.latest = self._site
-                    return last[2](*args)
+            try:  # host data and tracers have no sharding: they are placed
+                now = [leaf.sharding for leaf in leaves] if treedef == last[0] else None
+            except AttributeError:
+                now = None
+            if now is not None and now == last[1]:
+                last[1][:] = now  # equal shardings replaced: the next call compares by identity
+                self._site.calls += 1  # `_dispatch.count`
+                _debug_check.latest = self._site
+                return last[2](*args)
         try:
             return self._enter(args, kwargs)
         except MeshkitError as e:
