@@ -111,7 +111,10 @@ class ArgumentPlan:
 
         The shardings of a call that passes replace equal ones, so the next compares by identity.
         """
-        now = [getattr(leaf, "sharding", None) for leaf in leaves]
+        try:  # host data and tracers have no sharding
+            now = [leaf.sharding for leaf in leaves]
+        except AttributeError:
+            return False
         if now != self._compare:
             return False
         self._compare[:] = now
