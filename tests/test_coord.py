@@ -209,6 +209,28 @@ def test_a_change_every_process_makes_agrees_in_two_round_trips():
         assert (agreed, cost) == (True, 2)
 
 
+def test_an_exchange_whose_records_differ_decides_without_waiting_at_a_barrier():
+    # Uneven batches' rows (global_batches' last step with pad=True) are exchanged, not checked:
+    # a new digest goes straight to the counted path. A check meets first at the barrier its
+    # digest names, which the others (other digests) never reach: it waits that barrier out.
+    for meet in (False, True):
+        nodes = FakeCluster(3).nodes()
+
+        def body(node: Node, meet: bool = meet) -> tuple[Outcome, float, int]:
+            start, before = time.monotonic(), node.stats.rpcs
+            outcome = _at(node, "t", f"rows {node.me}", f"r{node.me}", 20.0, meet=meet)
+            return outcome, time.monotonic() - start, node.stats.rpcs - before
+
+        for outcome, waited, cost in _together(nodes, body):
+            assert not outcome.agreed
+            assert outcome.records == {0: "r0", 1: "r1", 2: "r2"}
+            if meet:
+                assert waited >= agreement.FAST_S, waited
+            else:
+                assert waited < agreement.FAST_S / 2, waited
+                assert cost <= 5, cost  # post, count, the records and the verdict, the records
+
+
 def test_after_processes_differ_a_digest_they_met_at_is_named_anew():
     # Processes 1 and 2 meet at the barrier of "b" while process 0 does not come: the counted
     # path finds the difference. The next time all three agree on "b" they meet at once, at a

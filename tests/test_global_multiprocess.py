@@ -874,6 +874,8 @@ def test_a_deferred_call_that_fails_is_named_by_the_others_next_verification(war
 
 
 def _short_batches():
+    import time
+
     import jax
     import numpy as np
 
@@ -899,6 +901,7 @@ def _short_batches():
     out = {}
     for name, (pad, mine, theirs) in cases.items():
         taken, real, error = 0, 0, None
+        began = time.monotonic()
         try:
             for item in meshkit.global_batches(
                 loader(mine if me == 0 else theirs), mesh, "data", pad=pad
@@ -909,12 +912,14 @@ def _short_batches():
         except meshkit.MeshkitError as e:
             error = str(e)
         out[name] = (taken, real, error)
+        out[name + " s"] = time.monotonic() - began
     meshkit.barrier("after the short batches")  # every process goes on, in step
     return out
 
 
 def test_only_a_loaders_last_batch_may_be_short(warm_cluster):
     results = warm_cluster.run(_short_batches, timeout=180, env=_FAST_CHECK)
+    took = [{k: r.pop(k) for k in list(r) if k.endswith(" s")} for r in results]
     assert results[0] == results[1]
     out = results[0]
     midstream = (
@@ -929,8 +934,10 @@ def test_only_a_loaders_last_batch_may_be_short(warm_cluster):
     assert "the batches alone do not tell which process's loader is wrong" in error, error
     assert "Consider checking that the loaders make batches of one size" in error, error
     assert "ragged" not in error, error
-    # The short last batch is padded: 8 + 8 + (8 + 4) real rows in 3 steps of 16.
+    # The short last batch is padded: 8 + 8 + (8 + 4) real rows in 3 steps of 16. Its rows are
+    # exchanged at once, not after barriers that only the service's timeout ends (2 + 4 s).
     assert out["pad, short last"] == (3, 44, None)
+    assert max(t["pad, short last s"] for t in took) < 3.0, took
     assert out["pad, one row short mid-stream"][:2] == (1, 16)
     assert out["pad, one row short mid-stream"][2].startswith(
         "meshkit.global_batches: at step 2, the processes' batches differ in rows before the end "

@@ -47,10 +47,13 @@ _SITE = _dispatch.CallSite(
 def exchange_records(
     tag: str, record: dict[str, Any], what: str = WHAT, *, said: str | None = None
 ) -> dict[int, dict[str, Any]]:
-    """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all."""
+    """Agree on ``record`` (by ``said`` or its `summary`): this process's if all equal, else all.
+
+    An exchange (``meet=False``): records that differ, as uneven batches' rows, are no error.
+    """
     timeout = _env.check_timeout()
     said = summary(record) if said is None else said
-    outcome = _agree.agree(tag, said, json.dumps(record), timeout=timeout, what=what)
+    outcome = _agree.agree(tag, said, json.dumps(record), timeout=timeout, what=what, meet=False)
     return _records(outcome, timeout, what)
 
 

@@ -66,6 +66,7 @@ def agree(
     what: str = "",
     channel: str | None = None,
     later: Callable[[Outcome], None] | None = None,
+    meet: bool = True,
 ) -> Outcome:
     """`agreement.agree` on the caller's channel (or ``channel``'s).
 
@@ -84,6 +85,7 @@ def agree(
         groups=groups,
         what=what,
         later=later,
+        meet=meet,
     )
     if not outcome.agreed:
         for p, error in sorted(_left(outcome).items()):

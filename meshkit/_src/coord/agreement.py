@@ -139,6 +139,7 @@ def agree(
     groups: Mapping[str, Group] | None = None,
     what: str = "",
     later: Callable[[Outcome], None] | None = None,
+    meet: bool = True,
 ) -> Outcome:
     """Agree with every process on ``summary`` at this process's next agreement of ``sequence``.
 
@@ -149,6 +150,9 @@ def agree(
     ``later`` (``check="deferred"``): the agreement is held back and the call returns an agreed
     outcome at once; the sequence's next agreement, or its `W`-th held one, verifies it with
     the others held, and ``later`` raises from the outcome at it if the processes differ.
+
+    ``meet=False`` (an exchange: records may differ without error): a new digest takes the
+    counted path at once, not first its own barrier (which others leave at its ~1 s timeout).
     """
     groups = dict(groups or {})
     state = _state(node, sequence)
@@ -182,7 +186,7 @@ def agree(
 
         if predicted is not None and _fast(node, base, timeout, unflagged=not flagged):
             return agreed()
-        if flagged and not groups and _same_digest(node, base, differed, mine, timeout):
+        if flagged and meet and not groups and _same_digest(node, base, differed, mine, timeout):
             return agreed()
         entry = Entry(site, what or site, _where(), summary, record, groups)
         _collect_garbage(node, state, base, k)
