@@ -10,9 +10,8 @@ call, the steadiest of the three on a small shared machine. Needs 8 devices in t
 
 from __future__ import annotations
 
-from typing import Any
-
 import time
+from typing import Any
 
 import jax
 import numpy as np
