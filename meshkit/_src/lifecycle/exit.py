@@ -353,7 +353,7 @@ def _running() -> _Service:
 
 
 def wake(*, nudge: bool = True) -> None:
-    """Wake the service thread now (from a thread; a signal handler only records its flag)."""
+    """Wake the service thread now; ``nudge``: also end its wait in the coordination service."""
     service = _service
     if service is None:
         return

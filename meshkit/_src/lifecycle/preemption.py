@@ -151,12 +151,13 @@ def receive(told: PreemptionNotice | None) -> PreemptionNotice | None:
     with _state.lock:
         if _state.notice is not None or not _state.installed:
             return _state.notice
-        if told is None:
+        own = told is None
+        if own:
             now = time.time()
             told = PreemptionNotice(_state.me, now, now + _state.grace, own=True)
             _state.untold = True
         _state.notice = told
-    _exit.wake(nudge=False)  # a pipe's byte: safe in a signal handler
+    _exit.wake(nudge=own)  # in the main thread, between bytecodes: a request is safe there
     return told
 
 
