@@ -445,10 +445,10 @@ def spmd(
 ) -> SpmdFunction | Callable[[Callable[..., Any]], SpmdFunction]:
     """Run ``f`` once per device of ``mesh`` on its block of each argument, compiled by jit.
 
-    The same as ``jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...))``, and as
-    fast on arguments already laid out per ``in_specs``, but it also places host data and
-    single-device arrays per ``in_specs`` (in a multi-process run, this process's part, as for
-    `meshkit.global_array_from_local`), reshards arrays laid out differently (a
+    The same as ``jax.jit(jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...))``, within a
+    microsecond or two per call on arguments laid out per ``in_specs``, but it also places host
+    data and single-device arrays per ``in_specs`` (in a multi-process run, this process's part,
+    as for `meshkit.global_array_from_local`), reshards arrays laid out differently (a
     `ReshardWarning` the first time), and works on Auto and Explicit meshes, inside
     ``jax.set_mesh`` and inside another `jax.jit`.
 
