@@ -101,10 +101,10 @@ class ArgumentPlan:
     mesh: Mesh
     targets: tuple[NamedSharding, ...]
     paths: tuple[str, ...]
-    _compare: list[Any] = field(init=False, repr=False)
+    shardings: list[Any] = field(init=False, repr=False)  # the last placed call's (`placed`)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_compare", list(self.targets))
+        object.__setattr__(self, "shardings", list(self.targets))
 
     def placed(self, leaves: Sequence[Any]) -> bool:
         """Whether every leaf is an array laid out as its target already: one list comparison.
@@ -115,9 +115,9 @@ class ArgumentPlan:
             now = [leaf.sharding for leaf in leaves]
         except AttributeError:
             return False
-        if now != self._compare:
+        if now != self.shardings:
             return False
-        self._compare[:] = now
+        self.shardings[:] = now
         return True
 
 

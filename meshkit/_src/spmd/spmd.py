@@ -128,7 +128,7 @@ class SpmdFunction:
         self._site = _dispatch.CallSite("spmd", self.name, info=info)
         self._warned: set[str] = set()
         self._layouts: dict[Any, Layout] = {}  # by mesh and treedef of the dynamic arguments
-        self._last: tuple[Any, list[Any], Any] | None = None  # treedef, shardings, jit
+        self._last: tuple[Any, list[Any], Any] | None = None  # treedef, plan.shardings, jit
         if mesh is not None:
             self._mesh_specs(mesh)  # checked at once
 
@@ -353,7 +353,7 @@ class SpmdFunction:
         layout = self._layouts.get((mesh, treedef))
         if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
             if mesh is self.mesh and not lower:  # placed as a past call put them
-                self._last = (treedef, list(layout.steady.targets), layout.jitted)
+                self._last = (treedef, layout.steady.shardings, layout.jitted)
             return (layout.jitted.lower if lower else layout.jitted)(*args)
         traced = any(isinstance(leaf, Tracer) for leaf in leaves)
         local = []
@@ -391,7 +391,7 @@ class SpmdFunction:
             self._check_args(leaves, layout)
             flat = layout.place(leaves, treedef)
             if mesh is self.mesh and not lower:
-                self._last = (treedef, list(layout.plan.targets), layout.jitted)
+                self._last = (treedef, layout.plan.shardings, layout.jitted)
         it = iter(jax.tree_util.tree_unflatten(treedef, flat))
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
