@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import re
 import shutil
@@ -75,6 +76,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if item.get_closest_marker("waits") else 2
 
     items.sort(key=rank)
+    # What collection imported (JAX, the test modules and theirs) lives as long as the worker:
+    # out of the collector's reach, each full collection walks only the tests' own objects.
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -325,6 +325,17 @@ def test_preloaded_modules_are_imported_before_the_ranks_are_forked():
     ]
 
 
+def test_a_forked_ranks_collector_leaves_the_preload_alone(forks, tmp_path):
+    # The server freezes what its imports made (gc.freeze): a rank's full collections walk
+    # only the rank's own objects, where a fresh interpreter's walk every module's too.
+    script = tmp_path / "collector.py"
+    script.write_text("import gc, json\nprint(json.dumps(gc.get_freeze_count()))\n")
+    forked, fresh = _both(forks, [str(script)], _env(), str(tmp_path))
+    assert forked[0] == fresh[0] == 0, (forked, fresh)
+    # JAX and numpy, imported once in the server (Python 3.12 freezes a few hundred at start).
+    assert json.loads(forked[1]) > json.loads(fresh[1]) + 10_000
+
+
 def test_the_starter_for_a_preload():
     from meshkit.testing._forks import FORKS, PRELOAD, starter
 

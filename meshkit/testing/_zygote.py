@@ -19,7 +19,8 @@ stdio on the given pipes, the given environment (``os.environ`` replaced, so tha
 in XLA reads it too), working directory, ``sys.argv`` and ``sys.path[0]``, and numpy's global
 random state seeded afresh. It runs the program as ``__main__`` and exits as the interpreter
 would: ``SystemExit``'s code, or 1 after ``sys.excepthook`` printed the traceback (from the
-program's first frame, as ``python`` prints it).
+program's first frame, as ``python`` prints it). One difference is wanted: the objects the
+imports made are frozen (`gc.freeze`), so the rank's garbage collections never walk them.
 
 What a fork cannot give is only what Python and the libraries read from the environment while
 they import: `forks.import_environment` names those variables, and the test process uses a
@@ -31,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import runpy
@@ -180,6 +182,9 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     for name in sys.argv[2:]:
         __import__(name)
+    # What the preload made lives as long as the rank: moved out of the collector's reach, a
+    # rank's full collections walk only its own objects.
+    gc.freeze()
     if not _send(sock, {"ready": True}):
         return
     request = _serve(sock)
