@@ -4,8 +4,10 @@ Run as a script (Ray pickles the functions of ``__main__`` by value, so the work
 path to this file): ``python ray_job.py RUNS PORTS``. RUNS is a comma-separated list of runs
 made in turn in one Ray cluster, each ``actors`` or ``trainer``, with ``:FAILING`` for a rank
 that goes wrong at step 1 (``1``: rank 1 raises; ``die:1``: dies; ``stuck:1``: blocks); PORTS
-a coordinator port for each run. It starts a local Ray cluster in this process (2 CPUs, a
-small object store, no dashboard), prints ``RUN i spec`` (on stdout and stderr) before each
+a coordinator port for each run; ``trainer:1+stuck:1`` is one `JaxTrainer` run that may start
+its workers twice (``max_failures=1``): rank 1 raises in the first attempt and blocks in the
+second. It starts a local Ray cluster in this process (2 CPUs, a small object store, no
+dashboard), prints ``RUN i spec`` (on stdout and stderr) before each
 run, runs 2 workers of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or
 ``FAILED <text>``), and shuts Ray down. Each worker joins JAX by hand with
 `jax.distributed.initialize`, as Ray Train does on GPUs and TPUs, then calls `meshkit.init()`:
@@ -99,18 +101,26 @@ def actors(run: int, coordinator: str, failing: str | None) -> None:
 
 
 def trainer(run: int, coordinator: str, failing: str | None, out: str) -> None:
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.jax import JaxTrainer
 
     stall = os.environ.get("RAY_JOB_STALL_TIMEOUT")  # MESHKIT_STALL_TIMEOUT for the workers
     stall = {"MESHKIT_STALL_TIMEOUT": stall} if stall else {}
 
+    attempts = (failing or "").split("+")  # a failing rank's part in each attempt
+
     def train_fn(config):
         ctx = ray.train.get_context()
         rank = ctx.get_world_rank()
+        # Which attempt: the first to fail leaves a mark for those after it.
+        tried = os.path.join(config["out"], f"run{run}.attempts")
+        attempt = len(os.listdir(tried)) if os.path.isdir(tried) else 0
+        failing = config["attempts"][min(attempt, len(config["attempts"]) - 1)] or None
         try:
-            value = work(run, rank, ctx.get_world_size(), config["coordinator"], config["failing"])
+            value = work(run, rank, ctx.get_world_size(), config["coordinator"], failing)
         except BaseException as e:
+            os.makedirs(tried, exist_ok=True)
+            open(os.path.join(tried, str(attempt)), "w").close()
             value = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
             with open(os.path.join(config["out"], f"{rank}.json"), "w") as f:
                 json.dump(value, f)
@@ -120,9 +130,10 @@ def trainer(run: int, coordinator: str, failing: str | None, out: str) -> None:
 
     job = JaxTrainer(
         train_fn,
-        train_loop_config={"coordinator": coordinator, "failing": failing, "out": out},
+        train_loop_config={"coordinator": coordinator, "attempts": attempts, "out": out},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
+            failure_config=FailureConfig(max_failures=len(attempts) - 1),
             storage_path=out,
             name="meshkit-" + coordinator.rsplit(":", 1)[1],
             worker_runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **stall}},
