@@ -62,10 +62,10 @@ first: each variant's first call on the layout, one call each in the order liste
   buffers fault in, plan caches fill, threads start); later ones can reuse memory the earlier
   ones freed. An indication, not a steady-state figure: no ratios are taken from it.
 GB/s: 1e9 bytes of local data (per process) per second; us/call: the steady median per call.
-+verify: meshkit's check=True call verifies its check beside the caller, after the call
-  returns; before every round the checks still pending are drained, untimed, and the +verify
-  variant times each round until meshkit._src.coord.agree.drain returns (every check of the round
-  verified)."""
++verify: the same check=True call, each round timed until meshkit._src.coord.agree.drain
+  returns (which verifies every check still pending: only check="deferred" leaves one). A
+  check=True call decides its check before it returns, so +verify equals the plain call but for
+  the drain's own cost."""
 CPU_NOTES = """\
 copy: the local data starts 16 B past a 64 B boundary, as numpy places large arrays under glibc
   (after an mmapped block's header): every variant copies it to the devices.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -107,6 +108,30 @@ def test_placed_calls_go_straight_to_jit_and_any_other_call_is_placed(mesh, monk
     assert placing == [1, 1, 2, 2, 2]  # the first call and the two with host data
     assert f.calls == 4
     assert g.calls == 4
+
+
+def test_placed_trees_and_static_arguments_go_straight_to_jit_too(mesh, monkeypatch):
+    f = meshkit.spmd(lambda d, k: d["a"] * k + d["b"], mesh=mesh, in_specs=("data model", None),
+                     out_specs="data model", static_argnums=1)  # fmt: skip
+    host = np.arange(32, dtype=np.float32).reshape(8, 4)
+    placed = f({"a": host, "b": host}, 1)  # placed: host data
+    placing = []
+    slow = meshkit.SpmdFunction._enter
+    monkeypatch.setattr(
+        meshkit.SpmdFunction,
+        "_enter",
+        lambda self, a, k: placing.append(len(a)) or slow(self, a, k),
+    )
+    tree = {"a": placed, "b": placed}
+    np.testing.assert_array_equal(np.asarray(f(tree, 3)), host * 8)  # straight to jit
+    assert placing == []
+    for other in ({"a": placed, "b": host}, {"a": placed}, [placed, placed]):
+        with contextlib.suppress(Exception):  # a structure spmd refuses, or placed
+            f(other, 3)
+    assert len(placing) == 3
+    f(tree, 2)  # the tree again after another structure: placed, then remembered
+    np.testing.assert_array_equal(np.asarray(f(tree, 2)), host * 6)  # straight to jit
+    assert len(placing) == 4
 
 
 def test_donated_input_that_is_laid_out_right_is_the_buffer_reused(mesh):

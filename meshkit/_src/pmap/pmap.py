@@ -239,17 +239,10 @@ def pmap_compat(
         (True, 1.0)
     """
     wrap = functools.partial(
-        PmapFunction,
-        axis_name=axis_name,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        static_broadcasted_argnums=static_broadcasted_argnums,
-        devices=devices,
-        backend=backend,
-        axis_size=axis_size,
-        donate_argnums=donate_argnums,
-        global_outputs=global_outputs,
-    )
+        PmapFunction, axis_name=axis_name, in_axes=in_axes, out_axes=out_axes,
+        static_broadcasted_argnums=static_broadcasted_argnums, devices=devices, backend=backend,
+        axis_size=axis_size, donate_argnums=donate_argnums, global_outputs=global_outputs,
+    )  # fmt: skip
     return wrap if fun is None else wrap(fun)
 
 

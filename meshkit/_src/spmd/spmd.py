@@ -128,7 +128,8 @@ class SpmdFunction:
         self._site = _dispatch.CallSite("spmd", self.name, info=info)
         self._warned: set[str] = set()
         self._layouts: dict[Any, Layout] = {}  # by mesh and treedef of the dynamic arguments
-        self._last: tuple[Any, list[Any], Any] | None = None  # treedef, plan.shardings, jit
+        # treedef, plan.shardings, jit, and the arrays' type when they are the arguments
+        self._last: tuple[Any, list[Any], Any, type | None] | None = None
         if mesh is not None:
             self._mesh_specs(mesh)  # checked at once
 
@@ -149,17 +150,19 @@ class SpmdFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # as `public`, without its frame (each call saved counts here)
-        # The steady state of a loop: the last placed call's structure on the bound mesh, every
-        # leaf laid out as that call put it (one list comparison, as `ArgumentPlan.placed`),
-        # nothing observing calls; then straight to jit.
+        # A loop's steady state: the last placed call's structure on the bound mesh, each leaf
+        # laid out as that call put it (as `ArgumentPlan.placed`), nothing observing: to jit.
         last = self._last
         if last is not None and not kwargs and _dispatch.quiet():
-            static = self.static_argnums
-            leaves, treedef = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
-            try:  # host data and tracers have no sharding: they are placed
-                now = [leaf.sharding for leaf in leaves] if treedef == last[0] else None
-            except AttributeError:
-                now = None
+            if (kind := last[3]) is not None:  # arrays only, all of one kind: the leaves
+                now = [a.sharding if type(a) is kind else None for a in args]
+            else:
+                static = self.static_argnums
+                leaves, tree = jax.tree_util.tree_flatten(dynamic(args, static) if static else args)
+                try:  # host data and tracers have no sharding: they are placed
+                    now = [leaf.sharding for leaf in leaves] if tree == last[0] else None
+                except AttributeError:
+                    now = None
             if now is not None and now == last[1]:
                 last[1][:] = now  # equal shardings replaced: the next call compares by identity
                 self._site.calls += 1  # `_dispatch.count`
@@ -345,6 +348,13 @@ class SpmdFunction:
                         f"{dict(sizes)}).\nConsider padding that dimension to a multiple of {n}."
                     )
 
+    def _remember(self, tree: Any, leaves: list[Any], shardings: list[Any], jitted: Any) -> None:
+        """Keep what `__call__` compares a call with (arrays of one type as the arguments: flat)."""
+        kind = type(leaves[0]) if leaves and not self.static_argnums else object
+        same = issubclass(kind, jax.Array) and all(type(x) is kind for x in leaves)
+        flat = same and tree == jax.tree_util.tree_structure((0,) * len(leaves))
+        self._last = (tree, shardings, jitted, kind if flat else None)
+
     def _call(self, mesh: Mesh, args: tuple[Any, ...], lower: bool = False) -> Any:
         """Classify the arguments (`placement`), place what needs it, call jit once."""
         static = self.static_argnums
@@ -353,7 +363,7 @@ class SpmdFunction:
         layout = self._layouts.get((mesh, treedef))
         if layout is not None and layout.steady is not None and layout.steady.placed(leaves):
             if mesh is self.mesh and not lower:  # placed as a past call put them
-                self._last = (treedef, layout.steady.shardings, layout.jitted)
+                self._remember(treedef, leaves, layout.steady.shardings, layout.jitted)
             return (layout.jitted.lower if lower else layout.jitted)(*args)
         traced = any(isinstance(leaf, Tracer) for leaf in leaves)
         local = []
@@ -391,7 +401,7 @@ class SpmdFunction:
             self._check_args(leaves, layout)
             flat = layout.place(leaves, treedef)
             if mesh is self.mesh and not lower:
-                self._last = (treedef, layout.plan.shardings, layout.jitted)
+                self._remember(treedef, flat, layout.plan.shardings, layout.jitted)
         it = iter(jax.tree_util.tree_unflatten(treedef, flat))
         args = tuple(args[i] if i in static else next(it) for i in range(len(args)))
         return (layout.jitted.lower if lower else layout.jitted)(*args)
@@ -484,15 +494,9 @@ def spmd(
         >>> row_sums(np.ones((8, 6), np.float32)).ravel().tolist()
         [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
     """
-    wrap = functools.partial(
-        SpmdFunction,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        check_vma=check_vma,
-        donate_argnums=donate_argnums,
-        static_argnums=static_argnums,
-    )
+    wrap = functools.partial(SpmdFunction, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=check_vma, donate_argnums=donate_argnums,
+                             static_argnums=static_argnums)  # fmt: skip
     return wrap if f is None else wrap(f)
 
 
