@@ -1,16 +1,21 @@
 """Per-call cost of meshkit.spmd against hand-written jax.jit(jax.shard_map(...)), same function.
 
 Inputs are placed per in_specs before timing, so both sides take JAX's fast path; what remains
-is meshkit's own per-call work: flattening the arguments and comparing their shardings with the
-last placed call's (so that host data never reaches jit as a global value), and its call counter.
+is meshkit's own per-call work: comparing the arguments' shardings with the last placed call's
+(a tree of arrays flattened first), so that host data never reaches jit as a global value, and
+its call counter.
 Three tables: the whole call, the dispatch alone (wall), and the dispatching thread's CPU per
-call, the steadiest of the three on a small shared machine. Needs 8 devices in this process
-(run.py sets 8 CPU devices before any backend use).
+call, the steadiest of the three on a small shared machine. A fourth adds meshkit's own work,
+timed alone (`own_work`), to JAX's dispatch CPU from the third: the ratio is the part of a call's
+CPU that is meshkit's, without the noise of the loop (which moves the other tables by several
+percent between runs). Needs 8 devices in this process (run.py sets 8 CPU devices before any
+backend use).
 """
 
 from __future__ import annotations
 
 import time
+import timeit
 from typing import Any
 
 import jax
@@ -48,8 +53,31 @@ def _cases() -> list[tuple[str, Any, Any, Any]]:
     return cases
 
 
+OWN_CALLS = 20_000  # per timing of `own_work`; the best of 7
+
+
+def own_work(ours: meshkit.SpmdFunction, arg: Any) -> float:
+    """Seconds per call meshkit spends on a placed call besides JAX's: ``ours(arg)`` with its
+    jitted function replaced by one that does nothing, less a direct call of that function."""
+    ours(arg)  # placed: the steady state
+    last = ours._last
+    assert last is not None, "a placed call leaves the steady state"
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    ours._last = (*last[:2], nothing, *last[3:])
+    try:
+        best = {}
+        for name, call in (("meshkit", lambda: ours(arg)), ("nothing", lambda: nothing(arg))):
+            best[name] = min(timeit.repeat(call, number=OWN_CALLS, repeat=7)) / OWN_CALLS
+    finally:
+        ours._last = last
+    return best["meshkit"] - best["nothing"]
+
+
 def bench_spmd_dispatch() -> str:
-    full, dispatch, cpu = [], [], []
+    full, dispatch, cpu, own = [], [], [], []
     rounds = bench_rounds(61)
     for case, base, ours, arg in _cases():
         np.testing.assert_array_equal(
@@ -64,6 +92,7 @@ def bench_spmd_dispatch() -> str:
             calls, wait=wait, rounds=rounds, dispatch_only=True, clock=time.thread_time
         )
         cpu.append((case, *used))
+        own.append((case, used[0], used[0] + own_work(ours, arg)))
     title = f"spmd dispatch, 1 process x 8 CPU devices, inputs already placed, {rounds} rounds"
     heads = ("jit(shard_map)", "meshkit.spmd")
     return "\n\n".join(
@@ -71,5 +100,12 @@ def bench_spmd_dispatch() -> str:
             table(f"{title}: full call (50 calls, then wait)", full, *heads),
             table(f"{title}: dispatch only (until the calls return)", dispatch, *heads),
             table(f"{title}: the calling thread's CPU per dispatch", cpu, *heads),
+            table(
+                "JAX's dispatch CPU (the table above), and it plus meshkit's own work per call "
+                f"(timed alone, best of 7 x {OWN_CALLS:,} calls)",
+                own,
+                "jit(shard_map)",
+                "+ meshkit's",
+            ),
         ]
     )
