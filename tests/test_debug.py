@@ -217,14 +217,14 @@ def test_single_process_calls_run_and_are_counted():
 
 def test_calls_are_checked_only_while_debug_mode_is_on():
     site = _dispatch.CallSite("spmd", "f")
-    observers = list(_dispatch._observers)
+    observers = list(_dispatch.observers)
     before = _divergence.state.count
     _dispatch.enter(site, (1,))
     assert _divergence.state.count == before
     with debug.debugging(timeout=5, watchdog=None):
         _dispatch.enter(site, (1,))
         assert _divergence.state.count == before + 1
-        assert _dispatch._observers == observers  # debug mode registers no observer
+        assert _dispatch.observers == observers  # debug mode registers no observer
     _dispatch.enter(site, (1,))
     assert _divergence.state.count == before + 1
 

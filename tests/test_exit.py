@@ -147,12 +147,12 @@ def test_importing_meshkit_installs_nothing():
         import atexit, signal, sys, threading
         from meshkit._src.runtime import dispatch
         before = (sys.excepthook, atexit._ncallbacks(), threading.enumerate(),
-                  list(dispatch._observers), signal.getsignal(signal.SIGTERM),
+                  list(dispatch.observers), signal.getsignal(signal.SIGTERM),
                   signal.set_wakeup_fd(-1))
         import meshkit, meshkit.debug, meshkit.checkpoint, meshkit.loaders
         from meshkit._src.coord import agree
         after = (sys.excepthook, atexit._ncallbacks(), threading.enumerate(),
-                 list(dispatch._observers), signal.getsignal(signal.SIGTERM),
+                 list(dispatch.observers), signal.getsignal(signal.SIGTERM),
                  signal.set_wakeup_fd(-1))
         print(before == after, before[1], after[1])
     """)

@@ -56,7 +56,7 @@ from meshkit._src.debug import divergence as debug_state
 from meshkit._src.lifecycle import exit as exit_, preemption, failfast
 from meshkit._src.runtime import dispatch, programs, init
 own = {
-    "dispatch observers": [o.__name__ for o in dispatch._observers],
+    "dispatch observers": [o.__name__ for o in dispatch.observers],
     "exit handlers": sorted(exit_._registry.exit),
     "exception handler": exit_._registry.exception is not None,
     "atexit installed": exit_._registry.atexit_installed,

@@ -59,7 +59,9 @@ def _first_call_step(site: CallSite, args: tuple[Any, ...]) -> None:
     _debug_mode.enable_from_environment()
 
 
-_observers: list[Observer] = [_first_call_step]
+# Shown every SPMD call; with none, and debug mode off, `enter` only counts (fast paths read
+# both and count the call themselves).
+observers: list[Observer] = [_first_call_step]
 _COMPUTATIONS = ("spmd", "pmap_compat")  # the entries that run a program on every process
 _lock = threading.Lock()
 
@@ -74,30 +76,25 @@ def count(site: CallSite) -> None:
 def enter(site: CallSite, args: tuple[Any, ...]) -> None:
     """Count a call of ``site`` and show it to the observers, if any, before it runs."""
     count(site)
-    if _observers:
-        for observer in tuple(_observers):
+    if observers:
+        for observer in tuple(observers):
             observer(site, args)
     if _debug_check.state.settings is not None:
         _debug_check.check(site, args)
 
 
-def quiet() -> bool:
-    """Whether `enter` would only `count` the call (fast paths then count it themselves)."""
-    return not _observers and _debug_check.state.settings is None
-
-
 def remove_observer(observer: Observer) -> None:
     """Stop showing SPMD calls to ``observer``; one not installed is ignored."""
     with _lock:
-        if observer in _observers:
-            _observers.remove(observer)
+        if observer in observers:
+            observers.remove(observer)
 
 
 @contextmanager
 def observing(observer: Observer) -> Iterator[None]:
     """Install ``observer`` for every SPMD call entered inside the ``with`` block."""
     with _lock:
-        _observers.append(observer)
+        observers.append(observer)
     try:
         yield
     finally:

@@ -153,7 +153,8 @@ class SpmdFunction:
         # A loop's steady state: the last placed call's structure on the bound mesh, each leaf
         # laid out as that call put it (as `ArgumentPlan.placed`), nothing observing: to jit.
         last = self._last
-        if last is not None and not kwargs and _dispatch.quiet():
+        quiet = not _dispatch.observers and _debug_check.state.settings is None  # as `enter` sees
+        if last is not None and not kwargs and quiet:
             if (kind := last[3]) is not None:  # arrays only, all of one kind: the leaves
                 now = [a.sharding if type(a) is kind else None for a in args]
             else:
