@@ -85,17 +85,23 @@ def test_arrays_laid_out_right_pass_without_a_copy(mesh, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out), _expected(x))
 
 
-def test_placed_calls_go_straight_to_jit_and_any_other_call_is_placed(mesh, monkeypatch):
-    f = meshkit.spmd(lambda a: a * 2, mesh=mesh, in_specs="data model", out_specs="data model")
-    host = np.arange(32, dtype=np.float32).reshape(8, 4)
-    placed = f(host)  # host data: placed, and the structure's shardings remembered
-    placing = []
+def _placements(monkeypatch) -> list[int]:
+    """The calls that go through placement from now on: their number of arguments, in order."""
+    placing: list[int] = []
     slow = meshkit.SpmdFunction._enter
     monkeypatch.setattr(
         meshkit.SpmdFunction,
         "_enter",
         lambda self, a, k: placing.append(len(a)) or slow(self, a, k),
     )
+    return placing
+
+
+def test_placed_calls_go_straight_to_jit_and_any_other_call_is_placed(mesh, monkeypatch):
+    f = meshkit.spmd(lambda a: a * 2, mesh=mesh, in_specs="data model", out_specs="data model")
+    host = np.arange(32, dtype=np.float32).reshape(8, 4)
+    placed = f(host)  # host data: placed, and the structure's shardings remembered
+    placing = _placements(monkeypatch)
     np.testing.assert_array_equal(np.asarray(f(placed)), host * 4)  # straight to jit
     assert placing == []
     np.testing.assert_array_equal(np.asarray(f(host)), host * 2)  # host data again: placed
@@ -115,13 +121,7 @@ def test_placed_trees_and_static_arguments_go_straight_to_jit_too(mesh, monkeypa
                      out_specs="data model", static_argnums=1)  # fmt: skip
     host = np.arange(32, dtype=np.float32).reshape(8, 4)
     placed = f({"a": host, "b": host}, 1)  # placed: host data
-    placing = []
-    slow = meshkit.SpmdFunction._enter
-    monkeypatch.setattr(
-        meshkit.SpmdFunction,
-        "_enter",
-        lambda self, a, k: placing.append(len(a)) or slow(self, a, k),
-    )
+    placing = _placements(monkeypatch)
     tree = {"a": placed, "b": placed}
     np.testing.assert_array_equal(np.asarray(f(tree, 3)), host * 8)  # straight to jit
     assert placing == []
