@@ -7,12 +7,12 @@ that goes wrong at step 1 (``1``: rank 1 raises; ``die:1``: dies; ``stuck:1``: b
 a coordinator port for each run; ``trainer:1+stuck:1`` is one `JaxTrainer` run that may start
 its workers twice (``max_failures=1``): rank 1 raises in the first attempt and blocks in the
 second. It starts a local Ray cluster in this process (2 CPUs, a small object store, no
-dashboard), prints ``RUN i spec`` (on stdout and stderr) before each
-run, runs 2 workers of 4 CPU devices each, prints one ``RESULT <json>`` line per worker (or
-``FAILED <text>``), and shuts Ray down. Each worker joins JAX by hand with
-`jax.distributed.initialize`, as Ray Train does on GPUs and TPUs, then calls `meshkit.init()`:
-meshkit adopts that join and installs its guards. Under `JaxTrainer` the training function runs
-in a worker thread, which becomes the program's thread.
+dashboard), prints ``RUN i spec`` (on stdout and stderr) before each run, runs 2 workers of 4
+CPU devices each, prints one ``RESULT <json>`` line per worker (or ``FAILED <text>``), and shuts
+Ray down. Each worker joins JAX by hand with `jax.distributed.initialize`, as Ray Train does on
+GPUs and TPUs, then calls `meshkit.init()`: meshkit adopts that join and installs its guards.
+Under `JaxTrainer` the training function runs in a worker thread, which becomes the program's
+thread.
 
 ``RAY_JOB_HEARTBEAT``: JAX's heartbeat timeout of the actors' runs; ``RAY_JOB_STALL_TIMEOUT``:
 ``MESHKIT_STALL_TIMEOUT`` of the trainer's workers (given through ``worker_runtime_env``).
